@@ -1,0 +1,69 @@
+# kvplug build. `make` builds build/libkvplug.so; `make test` runs every CPU
+# test; `make demo` builds and runs the synthetic serving trace.
+GO        ?= go
+PYTHON    ?= python3
+BUILD     := build
+LIB       := $(BUILD)/libkvplug.so
+VENV      := $(BUILD)/venv
+VPY       := $(VENV)/bin/python
+GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 2>/dev/null) capi/errors.c capi/glue.h include/kvplug.h go.mod go.sum
+
+-include kernels/kernels.mk
+
+.PHONY: all lib kernels test test-go test-cpp test-python check-header check-exports demo bench tools clean fmt vet
+
+all: lib
+
+lib: $(LIB)
+
+$(LIB): $(GO_SRC) $(KERNELS_FATBIN)
+	@mkdir -p $(BUILD)
+	$(GO) build -trimpath -buildmode=c-shared -o $@ ./capi
+	@rm -f $(BUILD)/libkvplug.h
+
+# A Python environment for the tests, the demo and the benchmarks.
+$(VENV)/.ok: bindings/python/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q numpy pytest
+	@touch $@
+
+fmt:
+	gofmt -l -w capi core kernels
+
+vet: $(KERNELS_FATBIN)
+	@test -z "$$(gofmt -l capi core kernels)" || { echo "gofmt needed:"; gofmt -l capi core kernels; exit 1; }
+	$(GO) vet ./...
+
+test-go: $(KERNELS_FATBIN)
+	$(GO) test -race -count=1 ./...
+
+check-header:
+	@mkdir -p $(BUILD)
+	printf '#include "kvplug.h"\nint main(void){return 0;}\n' > $(BUILD)/hdr.c
+	cc -std=c99 -Wall -Wextra -Werror -pedantic -Iinclude -c $(BUILD)/hdr.c -o $(BUILD)/hdr_c.o
+	cp $(BUILD)/hdr.c $(BUILD)/hdr.cpp
+	c++ -std=c++17 -Wall -Wextra -Werror -pedantic -Iinclude -c $(BUILD)/hdr.cpp -o $(BUILD)/hdr_cpp.o
+
+check-exports: $(LIB)
+	tests/check_exports.sh include/kvplug.h $(LIB)
+
+test-cpp: $(LIB)
+	cmake -S . -B $(BUILD)/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPLUG_LIBRARY=$(abspath $(LIB)) >/dev/null
+	cmake --build $(BUILD)/cmake
+	cd $(BUILD)/cmake && ctest --output-on-failure
+
+test-python: $(LIB) $(VENV)/.ok
+	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) -m pytest -q tests/python
+
+test: vet check-header check-exports test-go test-cpp test-python
+
+demo: $(LIB) $(VENV)/.ok
+	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/demo.py
+
+bench: $(LIB) $(VENV)/.ok
+	$(GO) test -run '^$$' -bench . -benchmem ./core/...
+	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/step_cost.py
+
+clean:
+	rm -rf $(BUILD) kernels/*.fatbin

@@ -1,0 +1,163 @@
+// Command capi is libkvplug's C ABI: the //export functions declared in
+// include/kvplug.h, built with go build -buildmode=c-shared. It only checks
+// arguments, maps handles to core objects, recovers panics and translates
+// between C and Go; the logic lives in core/.
+package main
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../include -DKVPLUG_NO_PROTOTYPES -std=gnu11 -fvisibility=default
+#include "kvplug.h"
+#include "glue.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/logx"
+	"go.uber.org/zap"
+)
+
+func main() {}
+
+// setError stores msg as the calling thread's kvp_last_error().
+func setError(msg string) {
+	if len(msg) == 0 {
+		C.kvp__set_error(nil, 0)
+		return
+	}
+	C.kvp__set_error((*C.char)(unsafe.Pointer(unsafe.StringData(msg))), C.size_t(len(msg)))
+}
+
+// fail records err for kvp_last_error and returns its status (KVP_OK for nil).
+func fail(err error) C.kvp_status {
+	if err == nil {
+		return C.KVP_OK
+	}
+	code := kverr.CodeOf(err)
+	setError(err.Error())
+	if code == kverr.Internal {
+		logx.L().Error("internal error", zap.Error(err))
+	}
+	return C.kvp_status(code)
+}
+
+// failf is fail of a new error with a code and a formatted message.
+func failf(code kverr.Code, format string, args ...any) C.kvp_status {
+	return fail(kverr.Errorf(code, format, args...))
+}
+
+// guard must be the first deferred call of every export that returns a
+// status: it turns a panic into KVP_ERR_INTERNAL with a message and a stack
+// in the log, so a bug never takes the host process down.
+func guard(st *C.kvp_status) {
+	if r := recover(); r != nil {
+		*st = panicStatus(r)
+	}
+}
+
+// guardVoid is guard for exports that return nothing (destroy functions).
+func guardVoid() {
+	if r := recover(); r != nil {
+		panicStatus(r)
+	}
+}
+
+func panicStatus(r any) C.kvp_status {
+	msg := fmt.Sprintf("internal error (please report): %v", r)
+	logx.L().Error(msg, zap.ByteString("stack", debug.Stack()))
+	setError(msg)
+	return C.KVP_ERR_INTERNAL
+}
+
+// Handles. A handle given to C is the address of a small C allocation that
+// is never freed or reused, so a stale or foreign handle can never alias a
+// live object; lookups are by address and never dereference it.
+var (
+	handles     sync.Map // uintptr -> any
+	handleCount atomic.Int64
+)
+
+// newHandle registers obj and returns its C handle.
+func newHandle(obj any) unsafe.Pointer {
+	p := C.malloc(1)
+	if p == nil {
+		panic("out of host memory for a handle")
+	}
+	handles.Store(uintptr(p), obj)
+	handleCount.Add(1)
+	return p
+}
+
+// lookup returns the object of handle h if it is live and of type T.
+func lookup[T any](h unsafe.Pointer, what string) (T, error) {
+	var zero T
+	if h == nil {
+		return zero, kverr.Errorf(kverr.InvalidHandle, "%s handle is NULL", what)
+	}
+	v, ok := handles.Load(uintptr(h))
+	if !ok {
+		return zero, kverr.Errorf(kverr.InvalidHandle, "%s handle %p is not live (destroyed, or never created)", what, h)
+	}
+	t, ok := v.(T)
+	if !ok {
+		return zero, kverr.Errorf(kverr.InvalidHandle, "handle %p is not a %s handle", h, what)
+	}
+	return t, nil
+}
+
+// dropHandle unregisters h and returns its object; false when h is not live.
+func dropHandle(h unsafe.Pointer) (any, bool) {
+	if h == nil {
+		return nil, false
+	}
+	v, ok := handles.LoadAndDelete(uintptr(h))
+	if ok {
+		handleCount.Add(-1)
+	}
+	return v, ok
+}
+
+// checkSize validates a struct's struct_size field: at least min (the size
+// of the struct's first version) and at most max (what this library knows);
+// a larger size from a newer header is refused, since its extra fields would
+// be silently ignored.
+func checkSize(got C.size_t, min, max uintptr, what string) error {
+	if uintptr(got) < min || uintptr(got) > max {
+		return kverr.Errorf(kverr.StructSize, "%s.struct_size is %d; this library accepts %d to %d (initialise it with the header's _INIT macro)", what, uint64(got), min, max)
+	}
+	return nil
+}
+
+// checkCount validates a batch length.
+func checkCount(n C.int32_t, what string) error {
+	if n < 1 || n > maxBatch {
+		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [1, %d]: got %d", what, maxBatch, int32(n))
+	}
+	return nil
+}
+
+// maxBatch bounds every batched call, so a wrong count is caught before a
+// huge slice is made over the caller's array.
+const maxBatch = 1 << 20
+
+// slice views a caller array of n elements without copying; nil for a NULL
+// pointer. The view must not outlive the call.
+func slice[T any](p unsafe.Pointer, n C.int32_t) []T {
+	if p == nil || n <= 0 {
+		return nil
+	}
+	return unsafe.Slice((*T)(p), int(n))
+}
+
+// copyOut writes min(callerSize, ours) bytes of an output struct, so callers
+// built against an older, shorter struct keep working.
+func copyOut(dst, src unsafe.Pointer, callerSize, ours uintptr) {
+	n := min(callerSize, ours)
+	copy(unsafe.Slice((*byte)(dst), n), unsafe.Slice((*byte)(src), n))
+}

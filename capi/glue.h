@@ -1,0 +1,11 @@
+// Internal declarations shared by the Go glue and errors.c; not installed.
+#ifndef KVPLUG_GLUE_H
+#define KVPLUG_GLUE_H
+#include <stddef.h>
+#include <stdint.h>
+
+__attribute__((visibility("hidden"))) void kvp__set_error(const char *msg, size_t n);
+__attribute__((visibility("hidden"))) void kvp__call_log(void (*fn)(void *, int, const char *),
+                                                         void *user, int level, const char *msg,
+                                                         size_t n);
+#endif

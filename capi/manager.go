@@ -1,0 +1,197 @@
+package main
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
+)
+
+const managerName = "kvp_manager"
+
+func managerOf(h *C.kvp_manager) (*kvmanager.Manager, error) {
+	return lookup[*kvmanager.Manager](unsafe.Pointer(h), managerName)
+}
+
+//export kvp_manager_create
+func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
+	defer guard(&st)
+	if cfg == nil || out == nil {
+		return failf(kverr.NullPointer, "kvp_manager_create: cfg and out must not be NULL")
+	}
+	if err := checkSize(cfg.struct_size, unsafe.Sizeof(C.kvp_manager_config{}), unsafe.Sizeof(C.kvp_manager_config{}), "kvp_manager_config"); err != nil {
+		return fail(err)
+	}
+	m, err := kvmanager.New(kvmanager.Config{NumBlocks: int(cfg.num_blocks), BlockSize: int(cfg.block_size)})
+	if err != nil {
+		return fail(err)
+	}
+	*out = (*C.kvp_manager)(newHandle(m))
+	return C.KVP_OK
+}
+
+//export kvp_manager_destroy
+func kvp_manager_destroy(h *C.kvp_manager) {
+	defer guardVoid()
+	dropHandle(unsafe.Pointer(h))
+}
+
+//export kvp_manager_add
+func kvp_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	return fail(m.Add(int64(id), int(promptLen)))
+}
+
+//export kvp_manager_grow
+func kvp_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if ids == nil || counts == nil {
+		return failf(kverr.NullPointer, "kvp_manager_grow: seq_ids and num_tokens must not be NULL")
+	}
+	if err := checkCount(n, "kvp_manager_grow: n"); err != nil {
+		return fail(err)
+	}
+	return fail(m.Grow(slice[int64](unsafe.Pointer(ids), n), slice[int32](unsafe.Pointer(counts), n)))
+}
+
+//export kvp_manager_fork
+func kvp_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n C.int32_t,
+	copies *C.kvp_block_copy, maxCopies C.int32_t, numCopies *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if children == nil || numCopies == nil {
+		return failf(kverr.NullPointer, "kvp_manager_fork: children and num_copies must not be NULL")
+	}
+	if err := checkCount(n, "kvp_manager_fork: n"); err != nil {
+		return fail(err)
+	}
+	if maxCopies < 0 || (maxCopies > 0 && copies == nil) {
+		return failf(kverr.NullPointer, "kvp_manager_fork: copies is NULL with max_copies %d", int32(maxCopies))
+	}
+	// kvp_block_copy and kvmanager.CopyPair are both two int32s.
+	pairs := slice[kvmanager.CopyPair](unsafe.Pointer(copies), maxCopies)
+	k, err := m.Fork(int64(parent), slice[int64](unsafe.Pointer(children), n), pairs)
+	if err != nil {
+		return fail(err)
+	}
+	*numCopies = C.int32_t(k)
+	return C.KVP_OK
+}
+
+//export kvp_manager_remove
+func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if ids == nil {
+		return failf(kverr.NullPointer, "kvp_manager_remove: seq_ids must not be NULL")
+	}
+	if err := checkCount(n, "kvp_manager_remove: n"); err != nil {
+		return fail(err)
+	}
+	return fail(m.Remove(slice[int64](unsafe.Pointer(ids), n)))
+}
+
+//export kvp_manager_describe
+func kvp_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
+	table *C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,
+	slots *C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if ids == nil || numSlots == nil {
+		return failf(kverr.NullPointer, "kvp_manager_describe: seq_ids and num_slots must not be NULL")
+	}
+	if err := checkCount(n, "kvp_manager_describe: n"); err != nil {
+		return fail(err)
+	}
+	if table != nil && (maxBlocks < 1 || int64(maxBlocks)*int64(n) > 1<<31-1) {
+		return failf(kverr.InvalidArgument, "kvp_manager_describe: max_blocks must be in [1, 2^31/n] with a block_table: got %d", int32(maxBlocks))
+	}
+	if slotCap < 0 {
+		return failf(kverr.InvalidArgument, "kvp_manager_describe: slot_capacity must be >= 0: got %d", int32(slotCap))
+	}
+	var tbl []int32
+	if table != nil {
+		tbl = unsafe.Slice((*int32)(unsafe.Pointer(table)), int(n)*int(maxBlocks))
+	}
+	var slotBuf []int32
+	if slots != nil {
+		// A zero-length, non-nil view tells the core that slots are wanted.
+		slotBuf = unsafe.Slice((*int32)(unsafe.Pointer(slots)), int(slotCap))
+	}
+	k, err := m.Describe(slice[int64](unsafe.Pointer(ids), n), int(maxBlocks), tbl,
+		slice[int32](unsafe.Pointer(seqLens), n), slotBuf)
+	if err != nil {
+		return fail(err)
+	}
+	*numSlots = C.int32_t(k)
+	return C.KVP_OK
+}
+
+//export kvp_manager_stats_get
+func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
+	}
+	full := unsafe.Sizeof(C.kvp_manager_stats{})
+	minSize := unsafe.Offsetof(C.kvp_manager_stats{}.num_blocks) + 4
+	if uintptr(out.struct_size) < minSize {
+		return failf(kverr.StructSize, "kvp_manager_stats.struct_size is %d; at least %d is needed", uint64(out.struct_size), minSize)
+	}
+	s := m.Stats()
+	var v C.kvp_manager_stats
+	v.struct_size = out.struct_size
+	v.num_blocks = C.int32_t(s.NumBlocks)
+	v.block_size = C.int32_t(s.BlockSize)
+	v.free_blocks = C.int32_t(s.FreeBlocks)
+	v.used_blocks = C.int32_t(s.UsedBlocks)
+	v.peak_used_blocks = C.int32_t(s.PeakUsedBlocks)
+	v.cached_blocks = C.int32_t(s.CachedBlocks)
+	v.shared_blocks = C.int32_t(s.SharedBlocks)
+	v.num_seqs = C.int32_t(s.NumSeqs)
+	v.num_tokens = C.int64_t(s.NumTokens)
+	v.allocated_slots = C.int64_t(s.AllocatedSlots)
+	v.internal_waste = C.int64_t(s.InternalWaste)
+	v.fragmentation = C.double(s.Fragmentation)
+	copyOut(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
+	return C.KVP_OK
+}
+
+//export kvp_manager_check
+func kvp_manager_check(h *C.kvp_manager) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if err := m.CheckInvariants(); err != nil {
+		return fail(kverr.Wrap(kverr.Internal, err, "kvp_manager_check"))
+	}
+	return C.KVP_OK
+}

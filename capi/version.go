@@ -1,0 +1,52 @@
+package main
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/logx"
+)
+
+var versionString = func() *C.char {
+	return C.CString(fmt.Sprintf("%d.%d.%d", C.KVP_VERSION_MAJOR, C.KVP_VERSION_MINOR, C.KVP_VERSION_PATCH))
+}()
+
+//export kvp_version
+func kvp_version() C.uint32_t { return C.KVP_VERSION_NUMBER }
+
+//export kvp_version_string
+func kvp_version_string() *C.char { return versionString }
+
+//export kvp_set_logger
+func kvp_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp_status) {
+	defer guard(&st)
+	if level < C.KVP_LOG_DEBUG || level > C.KVP_LOG_OFF {
+		return failf(kverr.InvalidArgument, "log level must be in [0, 4]: got %d", int(level))
+	}
+	if fn == nil {
+		logx.SetSink(nil, logx.Level(level))
+		return C.KVP_OK
+	}
+	// user is the host's opaque pointer: passed back, never dereferenced.
+	logx.SetSink(func(l logx.Level, msg string) {
+		C.kvp__call_log(fn, user, C.int(l),
+			(*C.char)(unsafe.Pointer(unsafe.StringData(msg))), C.size_t(len(msg)))
+	}, logx.Level(level))
+	return C.KVP_OK
+}
+
+//export kvp_set_log_level
+func kvp_set_log_level(level C.int) (st C.kvp_status) {
+	defer guard(&st)
+	if level < C.KVP_LOG_DEBUG || level > C.KVP_LOG_OFF {
+		return failf(kverr.InvalidArgument, "log level must be in [0, 4]: got %d", int(level))
+	}
+	logx.SetLevel(logx.Level(level))
+	return C.KVP_OK
+}

@@ -1,0 +1,296 @@
+/*
+ * kvplug.h - the C interface of libkvplug.
+ *
+ * kvplug manages an LLM serving engine's KV cache and runs the attention
+ * kernels that read it. This header is the library's only interface and its
+ * single source of truth: every function, type and rule a host needs is here.
+ *
+ * Conventions (they hold for every function unless its comment says
+ * otherwise):
+ *
+ *   Status.    Every function returns kvp_status. KVP_OK (0) is success; any
+ *              other value is an error and kvp_last_error() returns a message
+ *              for it. New codes may be added in minor versions: treat unknown
+ *              codes as errors.
+ *   Atomicity. A call that fails changes nothing: no state is modified and no
+ *              caller buffer is written, unless its comment says otherwise.
+ *   Memory.    Arrays are owned by the caller. The library reads input arrays
+ *              and writes output arrays only during the call and keeps no host
+ *              pointer after it returns. Device pointers passed to kernel
+ *              launches belong to the caller; the library never frees them.
+ *   Handles.   Opaque, typed (kvp_manager *, ...). Created by kvp_X_create and
+ *              released by kvp_X_destroy, which accepts NULL. A handle used
+ *              after destroy, or a pointer that is not a handle of that type,
+ *              gives KVP_ERR_INVALID_HANDLE (it is never dereferenced).
+ *   Threads.   All functions may be called from any thread. Each object
+ *              documents its own thread-safety; kvp_manager serialises
+ *              concurrent calls on one handle with an internal lock.
+ *   Structs.   Config structs begin with size_t struct_size and only ever grow
+ *              at the end. Initialise them with the KVP_..._INIT macro (which
+ *              sets struct_size and the defaults) and then set fields. Output
+ *              structs also begin with struct_size, set by the caller: the
+ *              library fills min(caller's size, its own size) bytes.
+ *   Integers.  Counts are int32_t, sequence ids int64_t (the engine's own ids),
+ *              block ids and token ids int32_t, device pointers and CUDA
+ *              streams uint64_t (a CUdeviceptr, a CUstream; stream 0 is the
+ *              legacy default stream).
+ *
+ * Go runtime facts a host must know: the library contains a Go runtime. Never
+ * dlclose() it (the runtime cannot be unloaded). Load it at most once per
+ * process. Do not fork() after loading it and use it in the child: engines
+ * that fork workers load it in each worker after the fork, or use spawn.
+ *
+ * The ABI is stable within a major version.
+ *
+ * Layout of this file: each part declares its types, then its functions.
+ * The functions of every part sit inside #ifndef KVPLUG_NO_PROTOTYPES, a
+ * macro that only the library's own Go glue defines (it declares the same
+ * functions with Go's types). Hosts never define it.
+ */
+#ifndef KVPLUG_H
+#define KVPLUG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Version                                                                  */
+/* ------------------------------------------------------------------------ */
+
+#define KVP_VERSION_MAJOR 0
+#define KVP_VERSION_MINOR 1
+#define KVP_VERSION_PATCH 0
+/* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
+#define KVP_VERSION_NUMBER \
+  (KVP_VERSION_MAJOR * 10000 + KVP_VERSION_MINOR * 100 + KVP_VERSION_PATCH)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
+ * built against this header should check that kvp_version() / 10000 equals
+ * KVP_VERSION_MAJOR. */
+uint32_t kvp_version(void);
+
+/* The loaded library's version as "MAJOR.MINOR.PATCH"; static storage. */
+const char *kvp_version_string(void);
+#endif
+
+
+/* ------------------------------------------------------------------------ */
+/* Status codes and errors                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvp_status {
+  KVP_OK = 0,
+  KVP_ERR_INVALID_ARGUMENT = 1,   /* a value out of range: zero, negative or huge count, bad enum */
+  KVP_ERR_NULL_POINTER = 2,       /* a required pointer or buffer is NULL */
+  KVP_ERR_STRUCT_SIZE = 3,        /* a struct's struct_size is not one this library accepts */
+  KVP_ERR_INVALID_HANDLE = 4,     /* NULL, destroyed, or not a handle of this type */
+  KVP_ERR_UNKNOWN_SEQUENCE = 5,   /* no live sequence has that id (never added, or removed) */
+  KVP_ERR_DUPLICATE_SEQUENCE = 6, /* the id is live already, or repeated within one batch */
+  KVP_ERR_OUT_OF_BLOCKS = 7,      /* too few free (or evictable) blocks; nothing changed */
+  KVP_ERR_BUFFER_TOO_SMALL = 8,   /* a caller buffer cannot hold the result; nothing written */
+  KVP_ERR_NO_DEVICE = 9,          /* no CUDA driver or no usable device on this machine */
+  KVP_ERR_CUDA = 10,              /* a CUDA driver call failed; the message names it */
+  KVP_ERR_UNSUPPORTED = 11,       /* a valid request this build or device does not support */
+  KVP_ERR_OUT_OF_MEMORY = 12,     /* a memory budget is exhausted; nothing changed */
+  KVP_ERR_NOT_FOUND = 13,         /* a key (prefix, slot, pin) that is not present */
+  KVP_ERR_INTERNAL = 14           /* a bug in kvplug (a recovered panic); please report it */
+} kvp_status;
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* The message of the last failed call made by the calling thread, in storage
+ * owned by that thread, valid until the thread's next failing kvplug call.
+ * Successful calls do not clear it. Never NULL (empty when no call failed). */
+const char *kvp_last_error(void);
+
+/* The enumerator's name ("KVP_ERR_OUT_OF_BLOCKS"); static storage; never NULL. */
+const char *kvp_status_string(kvp_status status);
+#endif
+
+
+/* ------------------------------------------------------------------------ */
+/* Logging                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvp_log_level {
+  KVP_LOG_DEBUG = 0,
+  KVP_LOG_INFO = 1,
+  KVP_LOG_WARN = 2,
+  KVP_LOG_ERROR = 3,
+  KVP_LOG_OFF = 4
+} kvp_log_level;
+
+/* Receives one formatted log line (no trailing newline). msg is valid only
+ * during the call. It may be called from any thread, concurrently; it must not
+ * call back into kvplug. */
+typedef void (*kvp_log_fn)(void *user, int level, const char *msg);
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Routes the library's logs to fn (NULL: silence them; the default) and sets
+ * the minimum level delivered. The library never writes to stdout or stderr.
+ * Errors: KVP_ERR_INVALID_ARGUMENT for a level outside [DEBUG, OFF]. */
+kvp_status kvp_set_logger(kvp_log_fn fn, void *user, int level);
+
+/* Changes the minimum level only. */
+kvp_status kvp_set_log_level(int level);
+#endif
+
+
+/* ------------------------------------------------------------------------ */
+/* Paged KV manager                                                         */
+/* ------------------------------------------------------------------------ */
+/*
+ * A kvp_manager owns a pool of num_blocks KV blocks of block_size tokens each
+ * and the block table of every live sequence. The engine's scheduler calls it
+ * once per stage of each step: add (admit), grow, describe, remove. It manages
+ * block ids only: the KV memory itself is the engine's, laid out
+ * [num_blocks, block_size, kv_heads, head_dim], and slot s means
+ * block s / block_size, row s % block_size.
+ *
+ * block_size 1 is token-granular mode (TokenAttention): every block is one
+ * token slot and a sequence's block table row is its req-to-token row. In
+ * every mode a sequence's new blocks extend its last block's run
+ * contiguously when the pool has such a run, so kernels read runs rather than
+ * scattered slots.
+ *
+ * Thread-safety: all functions on one kvp_manager are safe to call from
+ * several threads; they are serialised by the handle's lock. Distinct managers
+ * are independent.
+ */
+typedef struct kvp_manager kvp_manager;
+
+typedef struct kvp_manager_config {
+  size_t struct_size;  /* sizeof(kvp_manager_config) */
+  int32_t num_blocks;  /* blocks in the pool, in [1, 2^31 - 1]; no default (0) */
+  int32_t block_size;  /* tokens per block, in [1, 2^16]; default 16; 1 = token mode */
+} kvp_manager_config;
+
+#define KVP_MANAGER_CONFIG_INIT {sizeof(kvp_manager_config), 0, 16}
+
+/* A KV block copy the engine must perform: copy block src's rows to block dst
+ * (all layers, K and V) before the next kernel reads dst. */
+typedef struct kvp_block_copy {
+  int32_t src;
+  int32_t dst;
+} kvp_block_copy;
+
+/* Pool and fragmentation statistics at the time of the call. */
+typedef struct kvp_manager_stats {
+  size_t struct_size;          /* set by the caller: sizeof(kvp_manager_stats) */
+  int32_t num_blocks;          /* pool size */
+  int32_t block_size;          /* tokens per block */
+  int32_t free_blocks;         /* in the free queue */
+  int32_t used_blocks;         /* referenced by at least one sequence */
+  int32_t peak_used_blocks;    /* highest used_blocks since creation */
+  int32_t cached_blocks;       /* unreferenced blocks kept by the prefix cache */
+  int32_t shared_blocks;       /* referenced by more than one sequence */
+  int32_t num_seqs;            /* live sequences */
+  int64_t num_tokens;          /* tokens over all live sequences */
+  int64_t allocated_slots;     /* used_blocks * block_size */
+  int64_t internal_waste;      /* empty slots in partially filled last blocks */
+  double fragmentation;        /* internal_waste / allocated_slots (0 when none) */
+} kvp_manager_stats;
+
+#define KVP_MANAGER_STATS_INIT {sizeof(kvp_manager_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0}
+
+#ifndef KVPLUG_NO_PROTOTYPES
+
+/* Creates a manager. Errors: NULL_POINTER (cfg or out), STRUCT_SIZE,
+ * INVALID_ARGUMENT (num_blocks or block_size out of range). */
+kvp_status kvp_manager_create(const kvp_manager_config *cfg, kvp_manager **out);
+
+/* Destroys a manager and every sequence in it. NULL is a no-op. The caller
+ * must ensure no other thread is using the handle. */
+void kvp_manager_destroy(kvp_manager *m);
+
+/* Adds sequence seq_id with a prompt of prompt_len tokens and allocates its
+ * ceil(prompt_len / block_size) blocks. The prompt's tokens are this step's
+ * new tokens of the sequence (see kvp_manager_describe).
+ * Errors: INVALID_ARGUMENT (prompt_len < 1 or > 2^30), DUPLICATE_SEQUENCE,
+ * OUT_OF_BLOCKS. */
+kvp_status kvp_manager_add(kvp_manager *m, int64_t seq_id, int32_t prompt_len);
+
+/* Grows each sequence seq_ids[i] by num_tokens[i] tokens (>= 0), allocating
+ * blocks as needed. All or none: if the batch as a whole needs more blocks
+ * than are free, KVP_ERR_OUT_OF_BLOCKS is returned (the message says how many
+ * were needed and free) and no sequence grows; the scheduler then preempts
+ * and retries. The tokens added by this call become each sequence's new
+ * tokens (num_tokens[i] = 0 makes it none).
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n < 1 or > 2^20, a count < 0 or
+ * > 2^24), UNKNOWN_SEQUENCE, DUPLICATE_SEQUENCE (an id twice in the batch),
+ * OUT_OF_BLOCKS. */
+kvp_status kvp_manager_grow(kvp_manager *m, const int64_t *seq_ids,
+                            const int32_t *num_tokens, int32_t n);
+
+/* Forks parent into n children (parallel sampling, beam search). Each child
+ * shares the parent's full blocks. If the parent's last block is partially
+ * filled, each child gets a new block for it (copy-on-write done eagerly, as
+ * every child writes its next token there) and one kvp_block_copy per child is
+ * written to copies[]; *num_copies receives how many (0 or n). Children have
+ * the parent's length and no new tokens.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n < 1 or > 2^20), UNKNOWN_SEQUENCE
+ * (parent), DUPLICATE_SEQUENCE (a child live already or repeated),
+ * BUFFER_TOO_SMALL (max_copies < n while a copy is needed), OUT_OF_BLOCKS. */
+kvp_status kvp_manager_fork(kvp_manager *m, int64_t parent,
+                            const int64_t *children, int32_t n,
+                            kvp_block_copy *copies, int32_t max_copies,
+                            int32_t *num_copies);
+
+/* Removes n sequences and releases their blocks. All or none: an unknown id
+ * (including one removed before: a double remove) or an id repeated in the
+ * batch fails the call and removes nothing.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n < 1 or > 2^20), UNKNOWN_SEQUENCE,
+ * DUPLICATE_SEQUENCE. */
+kvp_status kvp_manager_remove(kvp_manager *m, const int64_t *seq_ids, int32_t n);
+
+/* Describes a batch of n sequences into caller buffers, in batch order. Any
+ * of the three outputs may be NULL to skip it.
+ *   block_table  [n][max_blocks] int32, row i = seq_ids[i]'s block ids in
+ *                order, padded with -1. Read only the first
+ *                ceil(seq_lens[i] / block_size) entries of a row.
+ *   seq_lens     [n] int32, each sequence's length in tokens.
+ *   slot_mapping the slot of every new token of each sequence (the tokens of
+ *                its latest add or grow), sequences in batch order, tokens in
+ *                position order; at most slot_capacity entries.
+ * *num_slots (required) receives the number of slot_mapping entries (it is
+ * computed even when slot_mapping is NULL, so a caller can size its buffer).
+ * Describe changes nothing: calling it twice gives the same answer.
+ * Errors: NULL_POINTER (seq_ids, num_slots), INVALID_ARGUMENT (n < 1 or
+ * > 2^20, max_blocks < 1 while block_table is given, slot_capacity < 0),
+ * UNKNOWN_SEQUENCE, BUFFER_TOO_SMALL (a sequence has more than max_blocks
+ * blocks, or more than slot_capacity new tokens in all; nothing written). */
+kvp_status kvp_manager_describe(kvp_manager *m, const int64_t *seq_ids, int32_t n,
+                                int32_t *block_table, int32_t max_blocks,
+                                int32_t *seq_lens, int32_t *slot_mapping,
+                                int32_t slot_capacity, int32_t *num_slots);
+
+/* Fills *out with the manager's statistics at the time of the call.
+ * Errors: NULL_POINTER, STRUCT_SIZE (out->struct_size smaller than
+ * sizeof(size_t) + 4, so that not even num_blocks fits). */
+kvp_status kvp_manager_stats_get(kvp_manager *m, kvp_manager_stats *out);
+
+/* Checks the manager's internal invariants (free list, reference counts,
+ * block tables); for tests and debugging. O(num_blocks + tokens).
+ * Errors: INTERNAL with a description of the first broken invariant. */
+kvp_status kvp_manager_check(kvp_manager *m);
+
+#endif /* KVPLUG_NO_PROTOTYPES */
+
+/* ==== section: prefix cache (begin) ==== */
+/* ==== section: prefix cache (end) ==== */
+
+/* ==== section: attention kernels (begin) ==== */
+/* ==== section: attention kernels (end) ==== */
+
+/* ==== section: virtual-contiguous KV cache (begin) ==== */
+/* ==== section: virtual-contiguous KV cache (end) ==== */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVPLUG_H */
