@@ -7,6 +7,7 @@ package main
 /*
 #include <stdlib.h>
 #include "kvplug.h"
+#include "glue.h"
 */
 import "C"
 

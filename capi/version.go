@@ -2,6 +2,7 @@ package main
 
 /*
 #include "kvplug.h"
+#include "glue.h"
 */
 import "C"
 
