@@ -2,6 +2,8 @@
 // names, and the trampoline that calls the host's log callback. Exported Go
 // functions run on the calling C thread, so a C thread-local buffer gives
 // each host thread its own kvp_last_error().
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvplug.h"
@@ -9,15 +11,39 @@
 
 #define KVP_ERR_CAP 2048
 
-static _Thread_local char last_error[KVP_ERR_CAP];
+/* The message buffer is allocated per thread and found through a pthread
+ * key: a _Thread_local array would sit in the library's static TLS block,
+ * which dlopen must carve from glibc's small surplus (a Go c-shared library
+ * is STATIC_TLS), and then fails in hosts like Python. */
+static pthread_key_t err_key;
+static pthread_once_t err_once = PTHREAD_ONCE_INIT;
+static void err_key_init(void) { (void)pthread_key_create(&err_key, free); }
 
-void kvp__set_error(const char *msg, size_t n) {
-  if (n >= KVP_ERR_CAP) n = KVP_ERR_CAP - 1;
-  if (n > 0) memcpy(last_error, msg, n);
-  last_error[n] = '\0';
+static char *err_buf(int create) {
+  (void)pthread_once(&err_once, err_key_init);
+  char *b = pthread_getspecific(err_key);
+  if (b == NULL && create) {
+    b = calloc(1, KVP_ERR_CAP);
+    if (b != NULL && pthread_setspecific(err_key, b) != 0) {
+      free(b);
+      b = NULL;
+    }
+  }
+  return b;
 }
 
-const char *kvp_last_error(void) { return last_error; }
+void kvp__set_error(const char *msg, size_t n) {
+  char *b = err_buf(1);
+  if (b == NULL) return;
+  if (n >= KVP_ERR_CAP) n = KVP_ERR_CAP - 1;
+  if (n > 0) memcpy(b, msg, n);
+  b[n] = '\0';
+}
+
+const char *kvp_last_error(void) {
+  const char *b = err_buf(0);
+  return b != NULL ? b : "";
+}
 
 const char *kvp_status_string(kvp_status status) {
   switch (status) {

@@ -1,0 +1,128 @@
+package kvmanager
+
+import (
+	"fmt"
+	"testing"
+)
+
+// BenchmarkStep is one decode step of the scheduler's loop for a batch of
+// 256 sequences of about 1000 tokens: Grow each by one token, then Describe
+// the batch's block table (max_blocks sized to fit), lengths and slots. The
+// batch-changes case gives Grow a different batch every step, so it misses
+// the manager's batch memo and looks each id up in the map.
+func BenchmarkStep(b *testing.B) {
+	for _, c := range []struct {
+		bs      int
+		reorder bool
+	}{{16, false}, {1, false}, {16, true}} {
+		bs := c.bs
+		name := fmt.Sprintf("seqs256/bs%d", bs)
+		if c.reorder {
+			name += "/batch-changes"
+		}
+		b.Run(name, func(b *testing.B) {
+			const (
+				numSeqs = 256
+				prompt  = 1000
+				// Sequences are re-admitted after this many steps, so the
+				// pool and the table width stay bounded for any b.N.
+				reset = 128
+			)
+			maxLen := prompt + reset
+			maxBlocks := (maxLen + bs - 1) / bs
+			m := newMgr(b, numSeqs*(maxBlocks+1), bs)
+			ids := make([]int64, numSeqs)
+			ones := make([]int32, numSeqs)
+			for i := range ids {
+				ids[i] = int64(i)*7919 + 3 // arbitrary ids, not an index
+				ones[i] = 1
+			}
+			admit := func() {
+				for _, id := range ids {
+					if err := m.Add(id, prompt); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			admit()
+			table := make([]int32, numSeqs*maxBlocks)
+			lens := make([]int32, numSeqs)
+			slots := make([]int32, numSeqs)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if i%reset == reset-1 {
+					b.StopTimer()
+					if err := m.Remove(ids); err != nil {
+						b.Fatal(err)
+					}
+					admit()
+					b.StartTimer()
+				}
+				if c.reorder {
+					// A new batch every step: Grow looks every id up.
+					ids[i%numSeqs], ids[(i+1)%numSeqs] = ids[(i+1)%numSeqs], ids[i%numSeqs]
+				}
+				if err := m.Grow(ids, ones); err != nil {
+					b.Fatal(err)
+				}
+				if n, err := m.Describe(ids, maxBlocks, table, lens, slots); err != nil || n != numSeqs {
+					b.Fatal(n, err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkGrow and BenchmarkDescribe split the step into its two calls.
+func BenchmarkGrow(b *testing.B) {
+	m, ids, ones, _ := benchBatch(b)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if i%1024 == 1023 {
+			b.StopTimer()
+			_ = m.Remove(ids)
+			for _, id := range ids {
+				_ = m.Add(id, 1000)
+			}
+			b.StartTimer()
+		}
+		if err := m.Grow(ids, ones); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkDescribe(b *testing.B) {
+	m, ids, ones, _ := benchBatch(b)
+	const maxBlocks = 63 // 1001 tokens in blocks of 16: sized to fit
+	if err := m.Grow(ids, ones); err != nil {
+		b.Fatal(err)
+	}
+	table := make([]int32, len(ids)*maxBlocks)
+	lens := make([]int32, len(ids))
+	slots := make([]int32, len(ids))
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		if _, err := m.Describe(ids, maxBlocks, table, lens, slots); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func benchBatch(b *testing.B) (*Manager, []int64, []int32, int) {
+	const bs, maxBlocks = 16, 128
+	m := newMgr(b, 256*maxBlocks, bs)
+	ids := make([]int64, 256)
+	ones := make([]int32, 256)
+	for i := range ids {
+		ids[i] = int64(i)*7919 + 3
+		ones[i] = 1
+		if err := m.Add(ids[i], 1000); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return m, ids, ones, maxBlocks
+}

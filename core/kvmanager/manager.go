@@ -1,0 +1,581 @@
+// Package kvmanager is the scheduler-facing KV cache manager: it keeps the
+// block table of every live sequence over a paged block pool and answers the
+// scheduler's per-step calls (add, grow, fork, remove, describe) in batches.
+//
+// A Manager is safe for concurrent use: one mutex serialises its calls.
+//
+// Terms used below:
+//   - a sequence's length is its number of tokens; it holds
+//     ceil(length / blockSize) blocks, its block table;
+//   - slot s of the pool is row s % blockSize of block s / blockSize;
+//   - a sequence's new tokens are the tokens of its most recent Add or Grow
+//     call (a Grow by 0 makes them none, a forked child has none): the
+//     tokens whose K/V the engine writes this step, whose slots Describe
+//     reports.
+//
+// Every call that fails changes nothing.
+package kvmanager
+
+import (
+	"math"
+	"slices"
+	"sync"
+
+	"github.com/kvplug/kvplug/core/blocks"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Limits of the batched calls' arguments.
+const (
+	MaxBatch      = 1 << 20 // sequences in one Grow, Remove, Describe or Fork
+	MaxGrowTokens = 1 << 24 // tokens added to one sequence by one Grow
+	MaxPromptLen  = 1 << 30 // tokens of one Add
+	// maxSlots bounds numBlocks * blockSize: slots are int32 in the C ABI.
+	maxSlots = 1<<31 - 1
+)
+
+// Config sizes a Manager's pool.
+type Config struct {
+	NumBlocks int // blocks in the pool, in [1, 2^31-1]
+	BlockSize int // tokens per block, in [1, 2^16]; 1 is token-granular mode
+}
+
+// CopyPair is a KV block copy the engine must perform before the next kernel
+// reads Dst: every row of block Src (all layers, K and V) into block Dst.
+// Its layout (two int32) is the C ABI's kvp_block_copy.
+type CopyPair struct{ Src, Dst int32 }
+
+// Stats are a Manager's pool and fragmentation figures.
+type Stats struct {
+	NumBlocks      int     // pool size
+	BlockSize      int     // tokens per block
+	FreeBlocks     int     // in the free queue
+	UsedBlocks     int     // referenced by at least one sequence
+	PeakUsedBlocks int     // highest UsedBlocks since New
+	CachedBlocks   int     // unreferenced blocks kept by the prefix cache
+	SharedBlocks   int     // referenced by more than one sequence
+	NumSeqs        int     // live sequences
+	NumTokens      int64   // sum of the live sequences' lengths
+	AllocatedSlots int64   // UsedBlocks * BlockSize (a shared block counts once)
+	InternalWaste  int64   // empty slots in partially filled last blocks, once per block
+	Fragmentation  float64 // InternalWaste / AllocatedSlots; 0 when nothing is allocated
+}
+
+// seq is one live sequence.
+type seq struct {
+	blocks []int32 // block table: ceil(length / bs) block ids in order
+	length int     // tokens
+	fresh  int     // new tokens: those of the latest Add or Grow
+	stamp  uint64  // last batch that visited it (repeat detection)
+}
+
+// Manager manages the block tables of live sequences over one block pool.
+type Manager struct {
+	mu   sync.Mutex
+	pool *blocks.Pool
+	bs   int
+	seqs seqIndex
+
+	// Running totals, so Stats is O(1).
+	numTokens int64
+	waste     int64
+
+	// The last batch resolved by Grow, Describe or Remove: its ids and
+	// their sequences (memo.seqs is also the scratch every resolution
+	// writes into). A scheduler calls Grow and Describe with the same batch
+	// every step and the batch changes only when requests join or leave, so
+	// comparing ids with the memo (a linear scan) replaces most index
+	// lookups (about 1 us of a 256-sequence step). Valid while
+	// len(memo.ids) > 0; Remove
+	// clears it, so it never refers to a removed sequence (Add and Fork
+	// leave the sequences it names live).
+	memo struct {
+		ids  []int64
+		seqs []*seq
+	}
+
+	// Scratch reused by every call (under mu), so the per-step calls do not
+	// allocate.
+	stamp  uint64
+	ids    []int64
+	cached []int32
+}
+
+// New returns a Manager with an empty pool. NumBlocks must be in
+// [1, 2^31-1], BlockSize in [1, 2^16], and NumBlocks*BlockSize below 2^31 so
+// that every slot fits in an int32.
+func New(cfg Config) (*Manager, error) {
+	p, err := blocks.New(cfg.NumBlocks, cfg.BlockSize)
+	if err != nil {
+		return nil, err
+	}
+	if int64(cfg.NumBlocks)*int64(cfg.BlockSize) > maxSlots {
+		return nil, kverr.Errorf(kverr.InvalidArgument,
+			"num_blocks * block_size must be below 2^31 so slots fit in int32: got %d * %d", cfg.NumBlocks, cfg.BlockSize)
+	}
+	return &Manager{pool: p, bs: cfg.BlockSize}, nil
+}
+
+// BlockSize returns the tokens per block.
+func (m *Manager) BlockSize() int { return m.bs }
+
+func (m *Manager) blocksFor(tokens int) int { return (tokens + m.bs - 1) / m.bs }
+
+// wasteOf is the number of empty slots in s's last block. A partially filled
+// last block is never shared (Fork copies it), so summing this over
+// sequences counts each such block once.
+func (m *Manager) wasteOf(s *seq) int64 { return int64(len(s.blocks)*m.bs - s.length) }
+
+// resolve returns the live sequences of ids, in order. A repeated id fails
+// with DuplicateSequence unless allowRepeat; an id that is not live fails
+// with UnknownSequence. The result is only valid until the next call that
+// resolves or removes: callers must not keep it.
+func (m *Manager) resolve(op string, ids []int64, allowRepeat bool) ([]*seq, error) {
+	if len(m.memo.ids) > 0 && slices.Equal(ids, m.memo.ids) {
+		return m.memo.seqs, nil // a memoised batch has no repeats
+	}
+	m.clearMemo()
+	if cap(m.memo.seqs) < len(ids) {
+		m.memo.seqs = make([]*seq, len(ids))
+	}
+	batch := m.memo.seqs[:len(ids)]
+	m.stamp++
+	repeated := false
+	for i, id := range ids {
+		s := m.seqs.get(id)
+		if s == nil {
+			clear(batch[:i])
+			return nil, kverr.Errorf(kverr.UnknownSequence, "%s: sequence %d is not live", op, id)
+		}
+		if s.stamp == m.stamp {
+			if !allowRepeat {
+				clear(batch[:i])
+				return nil, kverr.Errorf(kverr.DuplicateSequence, "%s: sequence %d appears twice in the batch", op, id)
+			}
+			repeated = true
+		}
+		s.stamp = m.stamp
+		batch[i] = s
+	}
+	m.memo.seqs = batch
+	if !repeated {
+		m.memo.ids = append(m.memo.ids[:0], ids...)
+	}
+	return batch, nil
+}
+
+// clearMemo forgets the memoised batch and drops its sequence pointers.
+func (m *Manager) clearMemo() {
+	m.memo.ids = m.memo.ids[:0]
+	clear(m.memo.seqs)
+}
+
+func checkBatch(op string, n int) error {
+	if n < 1 || n > MaxBatch {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: batch size must be in [1, %d]: got %d", op, MaxBatch, n)
+	}
+	return nil
+}
+
+// Add admits sequence id with a prompt of promptLen tokens, in
+// [1, MaxPromptLen], and allocates its ceil(promptLen / blockSize) blocks:
+// from the head of the pool's free queue, contiguously while the following
+// ids are free (one run in an unfragmented pool). The prompt's tokens are the
+// sequence's new tokens.
+// Errors: InvalidArgument (promptLen), DuplicateSequence (id is live),
+// OutOfBlocks.
+func (m *Manager) Add(id int64, promptLen int) error {
+	if promptLen < 1 || promptLen > MaxPromptLen {
+		return kverr.Errorf(kverr.InvalidArgument, "add: prompt length must be in [1, 2^30]: got %d", promptLen)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.seqs.get(id) != nil {
+		return kverr.Errorf(kverr.DuplicateSequence, "add: sequence %d is already live", id)
+	}
+	need := m.blocksFor(promptLen)
+	if free := m.pool.NumFree(); need > free {
+		return kverr.Errorf(kverr.OutOfBlocks, "add: sequence %d needs %d blocks for %d tokens, %d are free", id, need, promptLen, free)
+	}
+	s := &seq{length: promptLen, fresh: promptLen}
+	if err := m.allocatePrompt(s, need); err != nil {
+		return err
+	}
+	m.seqs.put(id, s)
+	m.numTokens += int64(promptLen)
+	m.waste += m.wasteOf(s)
+	return nil
+}
+
+// allocatePrompt gives a new sequence its need blocks. It is the prefix
+// cache's seam: with the prompt's tokens, a cache lookup will first take
+// references on the blocks holding the longest cached prefix (Incref, which
+// revives Cached blocks) and allocate only the rest, continuing the matched
+// run (hint = last matched block).
+func (m *Manager) allocatePrompt(s *seq, need int) error {
+	// Headroom for decoding: the first need/4 blocks of growth do not
+	// reallocate the table.
+	s.blocks = make([]int32, need, need+max(4, need/4))
+	if err := m.pool.Allocate(s.blocks, -1); err != nil {
+		return kverr.Wrap(kverr.Internal, err, "add: allocation failed after the free-block check")
+	}
+	return nil
+}
+
+// Grow adds counts[i] tokens, in [0, MaxGrowTokens], to each sequence ids[i]
+// and allocates the blocks they need, each sequence's new blocks continuing
+// its last block's run when those ids are free. The batch has
+// len(ids) == len(counts) in [1, MaxBatch] and no id twice. All or none: if
+// the batch needs more blocks in total than are free, Grow returns
+// OutOfBlocks (saying how many were needed and free) and no sequence grows.
+// On success the counts become the sequences' new tokens (a count of 0 makes
+// them none).
+// Errors, checked in this order: InvalidArgument (batch size, a count),
+// UnknownSequence, DuplicateSequence (an id twice), OutOfBlocks.
+func (m *Manager) Grow(ids []int64, counts []int32) error {
+	if err := checkBatch("grow", len(ids)); err != nil {
+		return err
+	}
+	if len(counts) != len(ids) {
+		return kverr.Errorf(kverr.InvalidArgument, "grow: %d counts for %d sequences", len(counts), len(ids))
+	}
+	for i, c := range counts {
+		if c < 0 || c > MaxGrowTokens {
+			return kverr.Errorf(kverr.InvalidArgument, "grow: token count for sequence %d must be in [0, 2^24]: got %d", ids[i], c)
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	batch, err := m.resolve("grow", ids, false)
+	if err != nil {
+		return err
+	}
+	var need int64
+	for i, s := range batch {
+		need += int64(m.newBlocks(s, int(counts[i])))
+	}
+	if free := m.pool.NumFree(); need > int64(free) {
+		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %d are free", need, free)
+	}
+	var added, wasteDelta int64
+	for i, s := range batch {
+		c := int(counts[i])
+		if add := m.newBlocks(s, c); add > 0 {
+			old := len(s.blocks)
+			s.blocks = slices.Grow(s.blocks, add)[:old+add]
+			// Cannot fail: the batch's total was checked against the free count.
+			_ = m.pool.Allocate(s.blocks[old:], s.blocks[old-1])
+			wasteDelta += int64(add * m.bs)
+		}
+		s.length += c
+		s.fresh = c
+		added += int64(c)
+		wasteDelta -= int64(c)
+	}
+	m.numTokens += added
+	m.waste += wasteDelta
+	return nil
+}
+
+// newBlocks returns how many blocks s needs to hold c more tokens. It
+// divides only when the tokens overflow the last block, so a decode step
+// (one token) mostly does not.
+func (m *Manager) newBlocks(s *seq, c int) int {
+	room := len(s.blocks)*m.bs - s.length
+	if c <= room {
+		return 0
+	}
+	return (c - room + m.bs - 1) / m.bs
+}
+
+// Fork creates the sequences children, copies of the live sequence parent
+// (parallel sampling, beam search). Each child references all of the parent's
+// full blocks. If the parent's last block is partially filled, each child
+// gets a newly allocated block in its place (copy-on-write done eagerly, as
+// every child writes its next token there), and CopyPair{Src: parent's last
+// block, Dst: the child's} is written to copies[i] for child i; Fork returns
+// the number of pairs written (0 or len(children)). Children have the
+// parent's length and no new tokens.
+// All or none. Errors: InvalidArgument (len(children) not in [1, MaxBatch]),
+// UnknownSequence (parent), DuplicateSequence (a child is live or repeated),
+// BufferTooSmall (len(copies) < len(children) while copies are needed),
+// OutOfBlocks.
+func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int, err error) {
+	if err := checkBatch("fork", len(children)); err != nil {
+		return 0, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	p := m.seqs.get(parent)
+	if p == nil {
+		return 0, kverr.Errorf(kverr.UnknownSequence, "fork: parent sequence %d is not live", parent)
+	}
+	for _, c := range children {
+		if m.seqs.get(c) != nil {
+			return 0, kverr.Errorf(kverr.DuplicateSequence, "fork: child sequence %d is already live", c)
+		}
+	}
+	sorted := append(m.ids[:0], children...)
+	m.ids = sorted
+	slices.Sort(sorted)
+	for i := 1; i < len(sorted); i++ {
+		if sorted[i] == sorted[i-1] {
+			return 0, kverr.Errorf(kverr.DuplicateSequence, "fork: child sequence %d appears twice", sorted[i])
+		}
+	}
+	partial := p.length%m.bs != 0
+	full := len(p.blocks)
+	if partial {
+		full--
+		if len(copies) < len(children) {
+			return 0, kverr.Errorf(kverr.BufferTooSmall,
+				"fork: the parent's last block is partial, so %d block copies are needed; copies holds %d", len(children), len(copies))
+		}
+		if free := m.pool.NumFree(); len(children) > free {
+			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %d are free", len(children), len(children), free)
+		}
+	}
+	// Each child adds one reference to each full block; refuse up front a
+	// count past int32 (unreachable in practice: 2^31 live sequences), so
+	// the Incref below cannot fail half way.
+	for _, b := range p.blocks[:full] {
+		if int64(m.pool.Ref(b))+int64(len(children)) > math.MaxInt32 {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "fork: block %d would pass 2^31-1 references", b)
+		}
+	}
+	for i, id := range children {
+		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length}
+		copy(c.blocks, p.blocks[:full])
+		_ = m.pool.Incref(c.blocks[:full]) // cannot fail: checked above
+		if partial {
+			last := p.blocks[full]
+			hint := int32(-1)
+			if full > 0 {
+				hint = p.blocks[full-1]
+			}
+			// Cannot fail: the free count was checked above.
+			_ = m.pool.Allocate(c.blocks[full:], hint)
+			copies[i] = CopyPair{Src: last, Dst: c.blocks[full]}
+			n++
+		}
+		m.seqs.put(id, c)
+		m.numTokens += int64(c.length)
+		m.waste += m.wasteOf(c)
+	}
+	return n, nil
+}
+
+// Remove retires the sequences ids and releases their block references;
+// blocks no other sequence references return to the pool. The batch has
+// len(ids) in [1, MaxBatch]. All or none: an unknown id (a double remove
+// included) or an id twice in the batch fails the call and removes nothing.
+// Errors: InvalidArgument, UnknownSequence, DuplicateSequence.
+func (m *Manager) Remove(ids []int64) error {
+	if err := checkBatch("remove", len(ids)); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	batch, err := m.resolve("remove", ids, false)
+	if err != nil {
+		return err
+	}
+	defer m.clearMemo()
+	for i, s := range batch {
+		m.release(s)
+		m.numTokens -= int64(s.length)
+		m.waste -= m.wasteOf(s)
+		m.seqs.del(ids[i])
+	}
+	return nil
+}
+
+// release drops a retired sequence's block references. It is the prefix
+// cache's second seam: the cache will first mark the sequence's full blocks
+// cached (Pool.MarkCached), so that those reaching ref 0 stay Cached instead
+// of returning to the free queue; the pool reports them in m.cached, which
+// the cache then makes evictable (LRU). Nothing marks blocks yet, so
+// m.cached stays empty.
+func (m *Manager) release(s *seq) {
+	// Cannot fail: a live sequence holds a reference on each of its blocks
+	// (CheckInvariants verifies it).
+	m.cached, _ = m.pool.Decref(s.blocks, m.cached[:0])
+}
+
+// Describe writes the state of the batch ids (len in [1, MaxBatch]; an id may
+// repeat) into caller buffers, in batch order:
+//   - table, if not nil: [len(ids)][maxBlocks] int32 row-major (len(table)
+//     >= len(ids)*maxBlocks, maxBlocks >= 1); row i is ids[i]'s block ids in
+//     order, padded with -1;
+//   - seqLens, if not nil (len >= len(ids)): each sequence's length;
+//   - slots, if not nil: the slot of each new token of each sequence,
+//     sequences in batch order, tokens in position order. A non-nil slice of
+//     length 0 asks for slots with no room for any.
+//
+// It returns the number of slots (computed even when slots is nil, so a
+// caller can size the buffer). Describe is read-only: calling it twice gives
+// the same answer.
+// Errors, with nothing written: InvalidArgument (batch size, maxBlocks < 1
+// with a table), UnknownSequence, BufferTooSmall (a sequence has more than
+// maxBlocks blocks, table or seqLens shorter than the batch needs, or more
+// new tokens in all than len(slots)).
+func (m *Manager) Describe(ids []int64, maxBlocks int, table, seqLens, slots []int32) (numSlots int, err error) {
+	n := len(ids)
+	if err := checkBatch("describe", n); err != nil {
+		return 0, err
+	}
+	if table != nil {
+		if maxBlocks < 1 {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "describe: max_blocks must be >= 1 with a block table: got %d", maxBlocks)
+		}
+		if int64(len(table)) < int64(n)*int64(maxBlocks) {
+			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: block table holds %d entries, %d x %d needed", len(table), n, maxBlocks)
+		}
+	}
+	if seqLens != nil && len(seqLens) < n {
+		return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: seq_lens holds %d entries for %d sequences", len(seqLens), n)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	batch, err := m.resolve("describe", ids, true)
+	if err != nil {
+		return 0, err
+	}
+	total := 0
+	for i, s := range batch {
+		if table != nil && len(s.blocks) > maxBlocks {
+			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: sequence %d has %d blocks, max_blocks is %d", ids[i], len(s.blocks), maxBlocks)
+		}
+		total += s.fresh
+	}
+	if slots != nil && total > len(slots) {
+		return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: the batch has %d new tokens, slot_mapping holds %d", total, len(slots))
+	}
+	// One pass over the batch, so each sequence is loaded once.
+	bs := int32(m.bs)
+	k := 0
+	for i, s := range batch {
+		if table != nil {
+			row := table[i*maxBlocks : (i+1)*maxBlocks]
+			for j := copy(row, s.blocks); j < len(row); j++ {
+				row[j] = -1
+			}
+		}
+		if seqLens != nil {
+			seqLens[i] = int32(s.length)
+		}
+		if slots != nil {
+			if s.fresh == 1 { // a decode step: the last token
+				last := len(s.blocks) - 1
+				slots[k] = s.blocks[last]*bs + int32(s.length-1-last*m.bs)
+				k++
+			} else {
+				k += m.writeSlots(s, slots[k:])
+			}
+		}
+	}
+	return total, nil
+}
+
+// writeSlots writes the slots of s's new tokens to dst and returns how many.
+// It walks block by block, so it divides once per sequence, not per token.
+func (m *Manager) writeSlots(s *seq, dst []int32) int {
+	if s.fresh == 0 {
+		return 0
+	}
+	bs := int32(m.bs)
+	// Start from the last block, which holds inLast tokens: a decode step's
+	// tokens are there, and then no division is needed.
+	bi := len(s.blocks) - 1
+	inLast := s.length - bi*m.bs
+	off := int32(inLast - s.fresh)
+	if s.fresh > inLast {
+		pos := s.length - s.fresh
+		bi, off = pos/m.bs, int32(pos%m.bs)
+	}
+	dst = dst[:s.fresh]
+	base := s.blocks[bi] * bs
+	for k := range dst {
+		dst[k] = base + off
+		if off++; off == bs {
+			off = 0
+			if bi++; bi < len(s.blocks) {
+				base = s.blocks[bi] * bs
+			}
+		}
+	}
+	return len(dst)
+}
+
+// Stats returns the manager's figures at the time of the call. O(1).
+func (m *Manager) Stats() Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ps := m.pool.Stats()
+	st := Stats{
+		NumBlocks:      ps.Total,
+		BlockSize:      m.bs,
+		FreeBlocks:     ps.Free,
+		UsedBlocks:     ps.InUse,
+		PeakUsedBlocks: ps.PeakInUse,
+		CachedBlocks:   ps.Cached,
+		SharedBlocks:   ps.Shared,
+		NumSeqs:        m.seqs.len(),
+		NumTokens:      m.numTokens,
+		AllocatedSlots: int64(ps.InUse) * int64(m.bs),
+		InternalWaste:  m.waste,
+	}
+	if st.AllocatedSlots > 0 {
+		st.Fragmentation = float64(st.InternalWaste) / float64(st.AllocatedSlots)
+	}
+	return st
+}
+
+// CheckInvariants verifies the pool's invariants and that the block tables
+// agree with it: every sequence holds ceil(length / blockSize) in-use blocks,
+// no block twice; each block's reference count equals the number of
+// sequences holding it; a partially filled last block is not shared; the
+// token and waste totals match. O(numBlocks + total blocks held). It returns
+// the first violation found, with code Internal.
+func (m *Manager) CheckInvariants() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.pool.CheckInvariants(); err != nil {
+		return err
+	}
+	bad := func(format string, args ...any) error {
+		return kverr.Errorf(kverr.Internal, "kv manager: "+format, args...)
+	}
+	refs := make([]int32, m.pool.NumBlocks())
+	var tokens, waste int64
+	for id, s := range m.seqs.all() {
+		if s.length < 1 || len(s.blocks) != m.blocksFor(s.length) {
+			return bad("sequence %d has length %d and %d blocks (block size %d)", id, s.length, len(s.blocks), m.bs)
+		}
+		if s.fresh < 0 || s.fresh > s.length {
+			return bad("sequence %d has %d new tokens of %d", id, s.fresh, s.length)
+		}
+		for _, b := range s.blocks {
+			if m.pool.State(b) != blocks.InUse {
+				return bad("sequence %d holds block %d in state %s", id, b, m.pool.State(b))
+			}
+			refs[b]++
+		}
+		if s.length%m.bs != 0 {
+			if last := s.blocks[len(s.blocks)-1]; m.pool.Ref(last) != 1 {
+				return bad("sequence %d's partial last block %d has ref %d", id, last, m.pool.Ref(last))
+			}
+		}
+		tokens += int64(s.length)
+		waste += m.wasteOf(s)
+	}
+	for b, r := range refs {
+		if got := m.pool.Ref(int32(b)); got != r {
+			return bad("block %d has ref %d, held by %d sequence references", b, got, r)
+		}
+	}
+	if tokens != m.numTokens || waste != m.waste {
+		return bad("totals say %d tokens and %d waste, sequences say %d and %d", m.numTokens, m.waste, tokens, waste)
+	}
+	return nil
+}
