@@ -165,8 +165,9 @@ typedef struct kvp_manager kvp_manager;
 
 typedef struct kvp_manager_config {
   size_t struct_size;  /* sizeof(kvp_manager_config) */
-  int32_t num_blocks;  /* blocks in the pool, in [1, 2^31 - 1]; no default (0) */
+  int32_t num_blocks;  /* blocks in the pool, in [1, 2^26]; no default (0) */
   int32_t block_size;  /* tokens per block, in [1, 2^16]; default 16; 1 = token mode */
+  /* num_blocks * block_size must be below 2^31: slots are int32. */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT {sizeof(kvp_manager_config), 0, 16}

@@ -24,10 +24,12 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
-// Limits of New's arguments. Block ids are int32, so the pool holds at most
-// 2^31 - 1 blocks.
+// Limits of New's arguments.
 const (
-	MaxBlocks    = math.MaxInt32
+	// MaxBlocks bounds the pool so its bookkeeping (about 13 bytes a block)
+	// stays under 1 GiB: a larger request is refused with an error instead
+	// of failing an allocation the Go runtime cannot recover from.
+	MaxBlocks    = 1 << 26
 	MaxBlockSize = 1 << 16
 )
 
