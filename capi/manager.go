@@ -81,7 +81,10 @@ func kvp_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n
 	if err := checkCount(n, "kvp_manager_fork: n"); err != nil {
 		return fail(err)
 	}
-	if maxCopies < 0 || (maxCopies > 0 && copies == nil) {
+	if maxCopies < 0 {
+		return failf(kverr.InvalidArgument, "kvp_manager_fork: max_copies must be >= 0: got %d", int32(maxCopies))
+	}
+	if maxCopies > 0 && copies == nil {
 		return failf(kverr.NullPointer, "kvp_manager_fork: copies is NULL with max_copies %d", int32(maxCopies))
 	}
 	// kvp_block_copy and kvmanager.CopyPair are both two int32s.

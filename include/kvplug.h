@@ -107,7 +107,8 @@ typedef enum kvp_status {
  * Successful calls do not clear it. Never NULL (empty when no call failed). */
 const char *kvp_last_error(void);
 
-/* The enumerator's name ("KVP_ERR_OUT_OF_BLOCKS"); static storage; never NULL. */
+/* The enumerator's name ("KVP_ERR_OUT_OF_BLOCKS"), or "KVP_ERR_UNKNOWN_STATUS" for a
+ * code this version does not define; static storage; never NULL. */
 const char *kvp_status_string(kvp_status status);
 #endif
 
@@ -288,6 +289,161 @@ kvp_status kvp_manager_check(kvp_manager *m);
 /* ==== section: attention kernels (end) ==== */
 
 /* ==== section: virtual-contiguous KV cache (begin) ==== */
+/*
+ * A kvp_vcache is a KV cache in contiguous virtual memory (vAttention). Each
+ * layer's K and each layer's V is one dense virtual tensor
+ *
+ *     [max_batch][max_context][num_kv_heads][head_dim]   (dtype_bytes elements)
+ *
+ * reserved at creation; physical pages are mapped into it only as request
+ * slots grow, so unmodified attention kernels (FlashAttention's plain
+ * kernels, torch SDPA) index it like any dense tensor, with no block table.
+ *
+ * Strides. The per-slot region is padded up to a whole number of pages, so
+ * that each slot maps independently: the slot (batch) stride is NOT
+ * max_context * num_kv_heads * head_dim in general. Get the real strides
+ * from kvp_vcache_strides() and pass them to kernels (torch.as_strided,
+ * DLPack strides, or a kernel's batch-stride argument).
+ *
+ * Use per engine step: kvp_vcache_alloc_slot() for each admitted request
+ * (it returns a slot in [0, max_batch), the request's row of every tensor),
+ * kvp_vcache_step() with every running slot's context length before the
+ * step's first kernel (the tokens it will hold after this step's writes),
+ * kvp_vcache_free_slot() when a request ends. step() guarantees that tokens
+ * [0, ctx_len) of each listed slot are backed in every layer's K and V;
+ * touching memory beyond that is a GPU fault, as with any unmapped address.
+ *
+ * Background mapping (on by default): after each step a library thread maps
+ * each slot's pages for ctx_len + lookahead_tokens while the GPU runs the
+ * step, so the next step usually maps nothing on the critical path.
+ * Deferred reclamation: a freed slot keeps its pages, and alloc_slot hands
+ * out the freed slot with the most pages first; freed slots' pages are
+ * reclaimed when the budget left falls under reclaim_below_bytes, or when a
+ * step needs them.
+ *
+ * Physical memory is counted in page groups: one page in each of the
+ * 2 * num_layers tensors. The CUDA backend uses the device's primary context
+ * (the CUDA runtime's and PyTorch's), so the pointers work in the engine's
+ * kernels on that device.
+ *
+ * Thread-safety: all functions on one kvp_vcache are safe to call from
+ * several threads (an internal lock serialises them), except destroy.
+ */
+typedef struct kvp_vcache kvp_vcache;
+
+typedef enum kvp_vmem_backend {
+  KVP_VMEM_CUDA = 0, /* CUDA virtual memory management on `device` */
+  KVP_VMEM_HOST = 1  /* host memory (PROT_NONE reservation, memfd pages; Linux): the
+                        same semantics on the CPU, for tests and tools */
+} kvp_vmem_backend;
+
+typedef struct kvp_vcache_config {
+  size_t struct_size;          /* sizeof(kvp_vcache_config) */
+  int32_t backend;             /* kvp_vmem_backend; default KVP_VMEM_CUDA */
+  int32_t device;              /* CUDA device ordinal; default 0 */
+  int32_t num_layers;          /* layers on this device, in [1, 4096]; no default */
+  int32_t num_kv_heads;        /* KV heads on this device, in [1, 4096]; no default */
+  int32_t head_dim;            /* in [1, 4096]; no default */
+  int32_t dtype_bytes;         /* bytes per element: 1, 2, 4 or 8; default 2 */
+  int32_t max_batch;           /* request slots, in [1, 65536]; no default */
+  int32_t max_context;         /* tokens per slot, in [1, 2^30]; no default */
+  int64_t page_size;           /* physical page bytes, a multiple of the backend's
+                                  granularity (2 MiB for CUDA, the OS page for host);
+                                  0 (default) = the granularity */
+  int64_t budget_bytes;        /* most physical memory the cache holds; at least one
+                                  page per tensor (2 * num_layers * page_size); no default */
+  int64_t reclaim_below_bytes; /* reclaim freed slots' pages when the budget left falls
+                                  under this; 0 = only when a step needs them;
+                                  -1 (default) = budget_bytes / 8 */
+  int32_t lookahead_tokens;    /* tokens mapped ahead of each slot's context by the
+                                  background thread; 0 = default (16) */
+  int32_t background;          /* 1 (default): map ahead in the background; 0: step maps
+                                  everything itself */
+} kvp_vcache_config;
+
+#define KVP_VCACHE_CONFIG_INIT \
+  {sizeof(kvp_vcache_config), KVP_VMEM_CUDA, 0, 0, 0, 0, 2, 0, 0, 0, 0, -1, 16, 1}
+
+/* A snapshot of a cache's state and counters. */
+typedef struct kvp_vcache_stats {
+  size_t struct_size;         /* set by the caller: sizeof(kvp_vcache_stats) */
+  int64_t page_size;          /* bytes of one physical page */
+  int64_t budget_bytes;       /* the budget, rounded down to whole page groups */
+  int64_t tensor_bytes;       /* virtual size of each K or V tensor */
+  int64_t mapped_bytes;       /* mapped into slots (active and freed) */
+  int64_t held_bytes;         /* physical memory held: mapped, idle or in flight */
+  int32_t active_slots;       /* allocated slots */
+  int32_t cached_slots;       /* freed slots still holding pages */
+  int64_t steps;              /* successful kvp_vcache_step calls */
+  int64_t map_calls;          /* pages mapped */
+  int64_t unmap_calls;        /* pages unmapped */
+  int64_t create_calls;       /* pages created */
+  int64_t release_calls;      /* pages released */
+  int64_t out_of_memory;      /* steps refused with KVP_ERR_OUT_OF_MEMORY */
+  int64_t step_map_ns;        /* time steps spent mapping (on the critical path) */
+  int64_t step_wait_ns;       /* time steps waited for the background on their slots */
+  int64_t background_map_ns;  /* time the background thread spent mapping and unmapping */
+  int64_t background_errors;  /* failed background jobs (step redoes them) */
+} kvp_vcache_stats;
+
+#define KVP_VCACHE_STATS_INIT \
+  {sizeof(kvp_vcache_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+#ifndef KVPLUG_NO_PROTOTYPES
+
+/* Creates a cache: reserves 2 * num_layers virtual tensors, maps nothing.
+ * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (a field out of range,
+ * a budget under one page group, more than 2^47 bytes per tensor),
+ * NO_DEVICE (no driver or no such device), UNSUPPORTED (the device lacks
+ * virtual memory management; the host backend off Linux), CUDA. */
+kvp_status kvp_vcache_create(const kvp_vcache_config *cfg, kvp_vcache **out);
+
+/* Unmaps and releases all memory and frees the reservations; every pointer
+ * from the cache becomes invalid. The GPU must be done with them. NULL is
+ * a no-op. No other thread may use the handle during or after the call. */
+void kvp_vcache_destroy(kvp_vcache *c);
+
+/* The base addresses of layer's K and V tensors (CUdeviceptr for the CUDA
+ * backend, host addresses for the host one). Constant for the cache's life.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (layer outside [0, num_layers)). */
+kvp_status kvp_vcache_layer_ptrs(kvp_vcache *c, int32_t layer, uint64_t *k_ptr, uint64_t *v_ptr);
+
+/* Writes the strides of every tensor's four dimensions, in elements:
+ * strides[0] between slots (the padded per-slot region), strides[1] =
+ * num_kv_heads * head_dim between tokens, strides[2] = head_dim, strides[3]
+ * = 1. Errors: NULL_POINTER. */
+kvp_status kvp_vcache_strides(kvp_vcache *c, int64_t strides[4]);
+
+/* Allocates a request slot, preferring the freed slot that holds the most
+ * pages. Errors: NULL_POINTER, OUT_OF_MEMORY (all max_batch slots in use). */
+kvp_status kvp_vcache_alloc_slot(kvp_vcache *c, int32_t *slot);
+
+/* Frees a slot; its pages stay mapped for reuse until reclaimed.
+ * Errors: INVALID_ARGUMENT (out of range), NOT_FOUND (not allocated). */
+kvp_status kvp_vcache_free_slot(kvp_vcache *c, int32_t slot);
+
+/* Ensures tokens [0, ctx_lens[i]) of slots[i] are mapped in every layer's K
+ * and V, for i < n, and starts background mapping ahead. Call it once per
+ * step before the step's first kernel. When nothing needs mapping it costs
+ * one comparison per slot. All or none: OUT_OF_MEMORY (the budget cannot
+ * cover the batch even after reclaiming freed slots) maps nothing; the
+ * engine preempts a request and retries. n = 0 is a no-op.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n outside [0, 2^20], a slot out of
+ * range or listed twice, a length outside [0, max_context]), NOT_FOUND (a
+ * slot not allocated), OUT_OF_MEMORY, CUDA (a driver call failed; slots
+ * grown before it keep their pages). */
+kvp_status kvp_vcache_step(kvp_vcache *c, const int32_t *slots, const int32_t *ctx_lens, int32_t n);
+
+/* Unmaps every freed slot's pages and releases all idle pages to the
+ * driver (to give memory back to the engine); waits for background work.
+ * Errors: CUDA. */
+kvp_status kvp_vcache_trim(kvp_vcache *c);
+
+/* Fills *out with the cache's statistics.
+ * Errors: NULL_POINTER, STRUCT_SIZE (out->struct_size < sizeof(size_t) + 8). */
+kvp_status kvp_vcache_stats_get(kvp_vcache *c, kvp_vcache_stats *out);
+
+#endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: virtual-contiguous KV cache (end) ==== */
 
 #ifdef __cplusplus

@@ -23,6 +23,8 @@ import (
 
 	"github.com/kvplug/kvplug/core/blocks"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/logx"
+	"go.uber.org/zap"
 )
 
 // Limits of the batched calls' arguments.
@@ -113,6 +115,7 @@ func New(cfg Config) (*Manager, error) {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
 			"num_blocks * block_size must be below 2^31 so slots fit in int32: got %d * %d", cfg.NumBlocks, cfg.BlockSize)
 	}
+	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize))
 	return &Manager{pool: p, bs: cfg.BlockSize}, nil
 }
 

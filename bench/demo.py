@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""A synthetic serving trace driven through kvplug's Python API.
+
+Requests arrive as a Poisson process with prompts of 50-2000 tokens and
+outputs of 20-500 tokens. Each step the scheduler admits waiting requests
+(prefill, within a token budget), grows every running request by its one
+decode token, describes the batch's block table, lengths and slots (what
+the attention kernels would read), and retires finished requests. When the
+pool runs out of blocks, it preempts the newest running request (removes
+it, requeues it first in line, to be recomputed) and retries: the manager's
+all-or-none grow makes that safe.
+
+    python bench/demo.py [--seed 0] [--steps 2000] [--quiet]
+
+The run is deterministic for a seed (all but the timings). Its summary: the
+requests served, the steps, blocks used and peak, fragmentation (the empty
+slots in partially filled last blocks), and the cost of a step's kvplug
+calls (grow + describe) in microseconds.
+
+Parts other features add to: `Workload` (what arrives), `Engine.admit`
+(how a request gets its blocks), and `SECTIONS` (the summary's sections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import time
+from typing import Callable, Deque, Dict, List, Optional
+
+import numpy as np
+
+import kvplug
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    steps: int = 4000  # the step budget
+    arrival_rate: float = 0.3  # mean requests arriving per step (Poisson)
+    prompt_len: tuple = (50, 2000)  # uniform, inclusive
+    output_len: tuple = (20, 500)  # uniform, inclusive
+    num_blocks: int = 6000
+    block_size: int = 16
+    max_running: int = 256  # the batch limit
+    prefill_budget: int = 8192  # prompt tokens admitted per step at most
+    progress_every: int = 500  # steps between progress lines (0: none)
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    arrival: int
+    prompt_len: int
+    output_len: int
+    generated: int = 0  # output tokens produced so far (kept across preemption)
+    preempted: int = 0
+
+    @property
+    def context_len(self) -> int:
+        """Tokens to (re)compute on admission: the prompt and any output so far."""
+        return self.prompt_len + self.generated
+
+
+class Workload:
+    """Poisson arrivals with uniform prompt and output lengths."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+        self.next_id = 0
+
+    def arrivals(self, step: int) -> List[Request]:
+        out = []
+        for _ in range(int(self.rng.poisson(self.cfg.arrival_rate))):
+            p = int(self.rng.integers(self.cfg.prompt_len[0], self.cfg.prompt_len[1] + 1))
+            o = int(self.rng.integers(self.cfg.output_len[0], self.cfg.output_len[1] + 1))
+            out.append(Request(self.next_id, step, p, o))
+            self.next_id += 1
+        return out
+
+
+@dataclasses.dataclass
+class Metrics:
+    arrived: int = 0
+    served: int = 0
+    preemptions: int = 0
+    admitted: int = 0
+    tokens_generated: int = 0
+    step_us: List[float] = dataclasses.field(default_factory=list)
+    used_blocks: List[int] = dataclasses.field(default_factory=list)
+    waste: List[int] = dataclasses.field(default_factory=list)
+    allocated_slots: List[int] = dataclasses.field(default_factory=list)
+    running: List[int] = dataclasses.field(default_factory=list)
+    latency_steps: List[int] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """The scheduler loop over one kvplug.Manager."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.m = kvplug.Manager(cfg.num_blocks, cfg.block_size)
+        self.waiting: Deque[Request] = collections.deque()
+        self.running: Dict[int, Request] = {}  # insertion order = admission order
+        self.metrics = Metrics()
+        # Buffers the step's describe writes into, allocated once, as an engine would.
+        max_len = cfg.prompt_len[1] + cfg.output_len[1]
+        self.max_blocks = -(-max_len // cfg.block_size)
+        self.table = np.empty((cfg.max_running, self.max_blocks), np.int32)
+        self.lens = np.empty(cfg.max_running, np.int32)
+        self.slots = np.empty(cfg.prefill_budget + cfg.output_len[1] + cfg.max_running, np.int32)
+
+    # -- the stages of a step -------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        """Gives req its blocks; False when the pool is too full (nothing changed)."""
+        try:
+            self.m.add(req.rid, req.context_len)
+        except kvplug.OutOfBlocksError:
+            return False
+        return True
+
+    def admit_waiting(self) -> List[int]:
+        budget = self.cfg.prefill_budget
+        new: List[int] = []
+        while self.waiting and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            if req.context_len > budget and new:
+                break
+            if not self.admit(req):
+                break
+            self.waiting.popleft()
+            self.running[req.rid] = req
+            budget -= req.context_len
+            new.append(req.rid)
+            self.metrics.admitted += 1
+        return new
+
+    def preempt_newest(self, decoding: List[int]) -> None:
+        rid = next(reversed(self.running))
+        req = self.running.pop(rid)
+        self.m.remove(rid)
+        req.preempted += 1
+        self.waiting.appendleft(req)
+        self.metrics.preemptions += 1
+        if rid in decoding:
+            decoding.remove(rid)
+
+    def step(self, step: int) -> None:
+        new = self.admit_waiting()
+        new_set = set(new)
+        decoding = [rid for rid in self.running if rid not in new_set]
+        # Timed: the step's kvplug calls, not the Python bookkeeping around them.
+        cost = 0.0
+        ids = np.array(decoding, np.int64)
+        while decoding:
+            t0 = time.perf_counter()
+            try:
+                self.m.grow(ids, 1)
+                cost += time.perf_counter() - t0
+                break
+            except kvplug.OutOfBlocksError:
+                cost += time.perf_counter() - t0
+                self.preempt_newest(decoding)
+                ids = np.array(decoding, np.int64)
+        batch = np.fromiter(self.running, np.int64, len(self.running))
+        if len(batch):
+            t0 = time.perf_counter()
+            self.m.describe_into(batch, self.table, self.lens, self.slots)
+            cost += time.perf_counter() - t0
+        self.metrics.step_us.append(cost * 1e6)
+
+        # The model would run here and sample a token for each decoding request.
+        finished = []
+        for rid in decoding:
+            req = self.running[rid]
+            req.generated += 1
+            self.metrics.tokens_generated += 1
+            if req.generated >= req.output_len:
+                finished.append(rid)
+        if finished:
+            self.m.remove(finished)
+            for rid in finished:
+                req = self.running.pop(rid)
+                self.metrics.served += 1
+                self.metrics.latency_steps.append(step - req.arrival)
+
+        s = self.m.stats()
+        mt = self.metrics
+        mt.used_blocks.append(s.used_blocks)
+        mt.waste.append(s.internal_waste)
+        mt.allocated_slots.append(s.allocated_slots)
+        mt.running.append(len(self.running))
+
+    def run(self, workload: Workload, log: Callable[[str], None]) -> None:
+        for step in range(self.cfg.steps):
+            arrivals = workload.arrivals(step)
+            self.metrics.arrived += len(arrivals)
+            self.waiting.extend(arrivals)
+            self.step(step)
+            every = self.cfg.progress_every
+            if every and (step + 1) % every == 0:
+                s = self.m.stats()
+                log(
+                    f"step {step + 1:5d}: running {len(self.running):3d}, waiting {len(self.waiting):4d}, "
+                    f"served {self.metrics.served:4d}, blocks {s.used_blocks:5d}/{s.num_blocks} "
+                    f"(peak {s.peak_used_blocks}), fragmentation {s.fragmentation:6.2%}, "
+                    f"preemptions {self.metrics.preemptions}"
+                )
+        self.m.check()
+
+    def close(self) -> None:
+        self.m.close()
+
+
+# -- the summary ------------------------------------------------------------------
+
+
+def section_trace(e: Engine) -> List[str]:
+    mt, cfg = e.metrics, e.cfg
+    lat = np.array(mt.latency_steps) if mt.latency_steps else np.zeros(1)
+    return [
+        f"requests: {mt.arrived} arrived, {mt.served} served, {len(e.running)} running and "
+        f"{len(e.waiting)} waiting at the end; {mt.preemptions} preemptions",
+        f"steps: {cfg.steps}; {mt.tokens_generated} tokens generated; mean batch {np.mean(mt.running):.1f}; "
+        f"request latency p50 {np.percentile(lat, 50):.0f} / p99 {np.percentile(lat, 99):.0f} steps",
+    ]
+
+
+def section_blocks(e: Engine) -> List[str]:
+    mt = e.metrics
+    s = e.m.stats()
+    used = np.array(mt.used_blocks)
+    waste = np.array(mt.waste, dtype=np.float64)
+    slots = np.array(mt.allocated_slots, dtype=np.float64)
+    frag = waste.sum() / slots.sum() if slots.sum() else 0.0
+    return [
+        f"blocks: {s.num_blocks} x {s.block_size} tokens; used mean {used.mean():.0f} "
+        f"({used.mean() / s.num_blocks:.1%}), peak {s.peak_used_blocks} ({s.peak_used_blocks / s.num_blocks:.1%})",
+        f"fragmentation (empty slots in partially filled last blocks): mean {frag:.2%} of allocated slots, "
+        f"{waste.mean():.0f} slots per step",
+    ]
+
+
+def section_step_cost(e: Engine) -> List[str]:
+    t = np.array(e.metrics.step_us)
+    return [
+        f"step cost (grow + describe through ctypes, mean batch {np.mean(e.metrics.running):.0f}): "
+        f"mean {t.mean():.1f} us, p50 {np.percentile(t, 50):.1f} us, p99 {np.percentile(t, 99):.1f} us"
+    ]
+
+
+# Each section turns a finished run into summary lines.
+SECTIONS: List[Callable[[Engine], List[str]]] = [section_trace, section_blocks, section_step_cost]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=Config.seed)
+    ap.add_argument("--steps", type=int, default=Config.steps)
+    ap.add_argument("--num-blocks", type=int, default=Config.num_blocks)
+    ap.add_argument("--block-size", type=int, default=Config.block_size)
+    ap.add_argument("--arrival-rate", type=float, default=Config.arrival_rate)
+    ap.add_argument("--quiet", action="store_true", help="summary only")
+    args = ap.parse_args(argv)
+    cfg = Config(
+        seed=args.seed,
+        steps=args.steps,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        arrival_rate=args.arrival_rate,
+        progress_every=0 if args.quiet else Config.progress_every,
+    )
+    print(
+        f"kvplug {kvplug.version_string()} demo: seed {cfg.seed}, {cfg.steps} steps, "
+        f"{cfg.arrival_rate} arrivals/step, prompts {cfg.prompt_len[0]}-{cfg.prompt_len[1]}, "
+        f"outputs {cfg.output_len[0]}-{cfg.output_len[1]} tokens"
+    )
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    try:
+        engine.run(Workload(cfg), print)
+        print(f"summary ({time.perf_counter() - t0:.1f} s):")
+        for section in SECTIONS:
+            for line in section(engine):
+                print("  " + line)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+// kvplug.hpp - header-only C++17 wrapper of libkvplug (include/kvplug.h).
+//
+// No link-time dependency: the library is loaded at run time with dlopen
+// (link with -ldl on glibc older than 2.34) and never closed, since it
+// contains a Go runtime that cannot be unloaded.
+//
+//   kvplug::load("/opt/kvplug/libkvplug.so");   // optional; else on first use
+//   kvplug::Manager m(/*num_blocks=*/1024, /*block_size=*/16);
+//   m.add(7, 100);
+//   std::vector<int64_t> ids{7};
+//   m.grow(ids, 1);
+//   auto d = m.describe(ids);                   // d.block_table, d.seq_lens, d.slot_mapping
+//
+// Errors are exceptions: every failed call throws kvplug::Error, a
+// std::runtime_error whose what() is the library's message and whose
+// status() is the kvp_status. A failed call changes nothing, so an
+// OUT_OF_BLOCKS from grow() can be caught, handled (preempt) and retried.
+// Exceptions were chosen over an expected<T> type because C++17 has none,
+// and the errors that a scheduler must handle (OUT_OF_BLOCKS) are rare
+// compared with the calls that succeed.
+//
+// Loading: kvplug::load(path) loads the library explicitly; otherwise the
+// first call loads $KVPLUG_LIBRARY, or "libkvplug.so" through the dynamic
+// linker's search path. Each part of the API resolves its functions the first
+// time it is used (see detail::table<T>()), so a library that lacks a newer
+// part still serves the others.
+//
+// Thread-safety: the same as the C API's. Loading is thread-safe.
+#ifndef KVPLUG_HPP
+#define KVPLUG_HPP
+
+#include <dlfcn.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvplug.h"
+
+namespace kvplug {
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+// A failed kvplug call. what() is the library's message (kvp_last_error()).
+class Error : public std::runtime_error {
+ public:
+  Error(kvp_status status, const std::string &message)
+      : std::runtime_error(message), status_(status) {}
+  kvp_status status() const noexcept { return status_; }
+
+ private:
+  kvp_status status_;
+};
+
+// ---------------------------------------------------------------------------
+// span: a pointer and a size, built from a vector, a std::array, a C array
+// or a (pointer, size) pair, so each method needs one overload.
+// ---------------------------------------------------------------------------
+template <class T>
+class span {
+ public:
+  constexpr span() noexcept = default;
+  constexpr span(T *data, std::size_t size) noexcept : data_(data), size_(size) {}
+  template <std::size_t N>
+  constexpr span(T (&a)[N]) noexcept : data_(a), size_(N) {}  // NOLINT(google-explicit-constructor)
+  template <class U, std::size_t N,
+            class = std::enable_if_t<std::is_convertible<U (*)[], T (*)[]>::value>>
+  constexpr span(std::array<U, N> &a) noexcept : data_(a.data()), size_(N) {}  // NOLINT
+  template <class U, std::size_t N,
+            class = std::enable_if_t<std::is_convertible<const U (*)[], T (*)[]>::value>>
+  constexpr span(const std::array<U, N> &a) noexcept : data_(a.data()), size_(N) {}  // NOLINT
+  template <class U, class A, class = std::enable_if_t<std::is_convertible<U (*)[], T (*)[]>::value>>
+  span(std::vector<U, A> &v) noexcept : data_(v.data()), size_(v.size()) {}  // NOLINT
+  template <class U, class A,
+            class = std::enable_if_t<std::is_convertible<const U (*)[], T (*)[]>::value>>
+  span(const std::vector<U, A> &v) noexcept : data_(v.data()), size_(v.size()) {}  // NOLINT
+
+  constexpr T *data() const noexcept { return data_; }
+  constexpr std::size_t size() const noexcept { return size_; }
+  constexpr bool empty() const noexcept { return size_ == 0; }
+  constexpr T &operator[](std::size_t i) const noexcept { return data_[i]; }
+  constexpr T *begin() const noexcept { return data_; }
+  constexpr T *end() const noexcept { return data_ + size_; }
+
+ private:
+  T *data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+namespace detail {
+
+// ---------------------------------------------------------------------------
+// Loader
+// ---------------------------------------------------------------------------
+
+// The loaded library. Never closed.
+class Library {
+ public:
+  explicit Library(void *handle, std::string path) : handle_(handle), path_(std::move(path)) {}
+
+  const std::string &path() const noexcept { return path_; }
+
+  // The symbol `name` as a pointer of type F (a function pointer type,
+  // normally decltype(&::kvp_x), so the C header fixes the signature).
+  // Throws Error(KVP_ERR_UNSUPPORTED) when the library lacks it.
+  template <class F>
+  F sym(const char *name) const {
+    static_assert(std::is_pointer<F>::value, "sym<F>: F must be a function pointer type");
+    dlerror();
+    void *p = dlsym(handle_, name);
+    if (p == nullptr) {
+      throw Error(KVP_ERR_UNSUPPORTED, std::string("kvplug: ") + path_ + " has no function " + name +
+                                           " (a library older than this header?)");
+    }
+    return reinterpret_cast<F>(p);
+  }
+
+ private:
+  void *handle_;
+  std::string path_;
+};
+
+struct LoaderState {
+  std::mutex mu;
+  const Library *lib = nullptr;  // leaked on purpose, like the library itself
+};
+
+inline LoaderState &loader_state() {
+  static LoaderState s;
+  return s;
+}
+
+inline const Library &open_library(LoaderState &s, const char *path) {
+  std::string p;
+  if (path != nullptr && *path != '\0') {
+    p = path;
+  } else if (const char *env = std::getenv("KVPLUG_LIBRARY"); env != nullptr && *env != '\0') {
+    p = env;
+  } else {
+    p = "libkvplug.so";
+  }
+  void *h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) {
+    const char *why = dlerror();
+    throw Error(KVP_ERR_UNSUPPORTED, "kvplug: cannot load " + p + ": " + (why ? why : "unknown dlopen error") +
+                                         " (set KVPLUG_LIBRARY or call kvplug::load(path))");
+  }
+  auto *lib = new Library(h, p);
+  auto version = lib->sym<decltype(&::kvp_version)>("kvp_version");
+  if (version() / 10000 != KVP_VERSION_MAJOR) {
+    std::string msg = "kvplug: " + p + " has ABI version " + std::to_string(version() / 10000) +
+                      ".x; this header is " + std::to_string(KVP_VERSION_MAJOR) + ".x";
+    delete lib;  // the handle stays open: dlclose of a Go runtime is never safe
+    throw Error(KVP_ERR_UNSUPPORTED, msg);
+  }
+  s.lib = lib;
+  return *lib;
+}
+
+// The library, loaded on first use.
+inline const Library &library() {
+  LoaderState &s = loader_state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.lib == nullptr) open_library(s, nullptr);
+  return *s.lib;
+}
+
+// table<T>() is the function table T of one part of the API, resolved on
+// first use. T has default-initialised function pointer members and a
+// `void load(const Library &)` that fills them with KVPLUG_LOAD.
+template <class T>
+const T &table() {
+  static const T t = [] {
+    T x{};
+    x.load(library());
+    return x;
+  }();
+  return t;
+}
+
+// Declares a member named after a C function, typed by the header.
+#define KVPLUG_FN(name) decltype(&::name) name = nullptr
+// Resolves that member from the library `lib`.
+#define KVPLUG_LOAD(lib, name) (name = (lib).template sym<decltype(&::name)>(#name))
+
+// The library's common functions: version, errors, logging.
+struct CommonApi {
+  KVPLUG_FN(kvp_version);
+  KVPLUG_FN(kvp_version_string);
+  KVPLUG_FN(kvp_last_error);
+  KVPLUG_FN(kvp_status_string);
+  KVPLUG_FN(kvp_set_logger);
+  KVPLUG_FN(kvp_set_log_level);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_version);
+    KVPLUG_LOAD(lib, kvp_version_string);
+    KVPLUG_LOAD(lib, kvp_last_error);
+    KVPLUG_LOAD(lib, kvp_status_string);
+    KVPLUG_LOAD(lib, kvp_set_logger);
+    KVPLUG_LOAD(lib, kvp_set_log_level);
+  }
+};
+
+inline const CommonApi &common() { return table<CommonApi>(); }
+
+// Throws Error for a non-OK status, with the calling thread's message.
+inline void check(kvp_status st) {
+  if (st != KVP_OK) throw Error(st, common().kvp_last_error());
+}
+
+// The data of an input array, never NULL: an empty container's data() may
+// be NULL, and the library should report its count (0), not a NULL pointer.
+template <class T>
+const T *in(span<const T> s) noexcept {
+  static const T none{};
+  return s.data() != nullptr ? s.data() : &none;
+}
+
+// n as an int32_t count; INVALID_ARGUMENT when it does not fit.
+inline int32_t count32(std::size_t n, const char *what) {
+  if (n > static_cast<std::size_t>(std::numeric_limits<int32_t>::max())) {
+    throw Error(KVP_ERR_INVALID_ARGUMENT, std::string("kvplug: ") + what + " has " + std::to_string(n) +
+                                              " elements; at most 2^31-1");
+  }
+  return static_cast<int32_t>(n);
+}
+
+}  // namespace detail
+
+// Loads the library from path (or $KVPLUG_LIBRARY, or "libkvplug.so" when
+// path is NULL) unless it is loaded already. Returns the path it was loaded
+// from. Loading a second, different path throws: one Go runtime per process.
+inline const std::string &load(const char *path = nullptr) {
+  detail::LoaderState &s = detail::loader_state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.lib != nullptr) {
+    if (path != nullptr && *path != '\0' && s.lib->path() != path) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: already loaded from " + s.lib->path() +
+                                                "; cannot load " + path + " too (one copy per process)");
+    }
+    return s.lib->path();
+  }
+  return detail::open_library(s, path).path();
+}
+
+// The loaded library's version: KVP_VERSION_NUMBER encoding, and "M.m.p".
+inline uint32_t version() { return detail::common().kvp_version(); }
+inline std::string version_string() { return detail::common().kvp_version_string(); }
+
+// The name of a status ("KVP_ERR_OUT_OF_BLOCKS").
+inline const char *status_string(kvp_status st) { return detail::common().kvp_status_string(st); }
+
+// Routes the library's log lines to fn (NULL silences them) at level and above.
+inline void set_logger(kvp_log_fn fn, void *user, int level = KVP_LOG_INFO) {
+  detail::check(detail::common().kvp_set_logger(fn, user, level));
+}
+inline void set_log_level(int level) { detail::check(detail::common().kvp_set_log_level(level)); }
+
+// ---------------------------------------------------------------------------
+// Paged KV manager
+// ---------------------------------------------------------------------------
+
+namespace detail {
+struct ManagerApi {
+  KVPLUG_FN(kvp_manager_create);
+  KVPLUG_FN(kvp_manager_destroy);
+  KVPLUG_FN(kvp_manager_add);
+  KVPLUG_FN(kvp_manager_grow);
+  KVPLUG_FN(kvp_manager_fork);
+  KVPLUG_FN(kvp_manager_remove);
+  KVPLUG_FN(kvp_manager_describe);
+  KVPLUG_FN(kvp_manager_stats_get);
+  KVPLUG_FN(kvp_manager_check);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_manager_create);
+    KVPLUG_LOAD(lib, kvp_manager_destroy);
+    KVPLUG_LOAD(lib, kvp_manager_add);
+    KVPLUG_LOAD(lib, kvp_manager_grow);
+    KVPLUG_LOAD(lib, kvp_manager_fork);
+    KVPLUG_LOAD(lib, kvp_manager_remove);
+    KVPLUG_LOAD(lib, kvp_manager_describe);
+    KVPLUG_LOAD(lib, kvp_manager_stats_get);
+    KVPLUG_LOAD(lib, kvp_manager_check);
+  }
+};
+inline const ManagerApi &manager_api() { return table<ManagerApi>(); }
+}  // namespace detail
+
+// A describe() result, in batch order.
+struct Description {
+  int32_t max_blocks = 0;              // row width of block_table
+  std::vector<int32_t> block_table;    // [n][max_blocks], rows padded with -1
+  std::vector<int32_t> seq_lens;       // [n]
+  std::vector<int32_t> slot_mapping;   // slots of the batch's new tokens
+};
+
+// A kvp_manager: a pool of KV blocks and the block tables of the live
+// sequences. Move-only; destroyed with the object. Safe to call from several
+// threads (the library serialises calls on one manager), except for
+// destruction and move-assignment.
+class Manager {
+ public:
+  explicit Manager(int32_t num_blocks, int32_t block_size = 16) {
+    kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+    cfg.num_blocks = num_blocks;
+    cfg.block_size = block_size;
+    create(cfg);
+  }
+  explicit Manager(const kvp_manager_config &cfg) { create(cfg); }
+
+  // Takes ownership of a handle from kvp_manager_create.
+  static Manager adopt(kvp_manager *h) noexcept { return Manager(h); }
+
+  Manager(const Manager &) = delete;
+  Manager &operator=(const Manager &) = delete;
+  Manager(Manager &&o) noexcept : h_(std::exchange(o.h_, nullptr)), block_size_(o.block_size_) {}
+  Manager &operator=(Manager &&o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+      block_size_ = o.block_size_;
+    }
+    return *this;
+  }
+  ~Manager() { reset(); }
+
+  kvp_manager *get() const noexcept { return h_; }
+  explicit operator bool() const noexcept { return h_ != nullptr; }
+  // Gives up ownership; the caller destroys the handle.
+  kvp_manager *release() noexcept { return std::exchange(h_, nullptr); }
+  // Destroys the manager now (later calls throw INVALID_HANDLE).
+  void reset() noexcept {
+    if (h_ != nullptr) detail::manager_api().kvp_manager_destroy(std::exchange(h_, nullptr));
+  }
+  int32_t block_size() const noexcept { return block_size_; }
+
+  // Admits seq_id with a prompt of prompt_len tokens.
+  void add(int64_t seq_id, int32_t prompt_len) {
+    detail::check(api().kvp_manager_add(h_, seq_id, prompt_len));
+  }
+
+  // Grows seq_ids[i] by num_tokens[i] tokens, all or none.
+  void grow(span<const int64_t> seq_ids, span<const int32_t> num_tokens) {
+    if (seq_ids.size() != num_tokens.size()) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: grow: " + std::to_string(num_tokens.size()) +
+                                                " token counts for " + std::to_string(seq_ids.size()) +
+                                                " sequences");
+    }
+    detail::check(api().kvp_manager_grow(h_, detail::in(seq_ids), detail::in(num_tokens),
+                                         detail::count32(seq_ids.size(), "grow: seq_ids")));
+  }
+  // Grows every sequence of the batch by the same number of tokens.
+  void grow(span<const int64_t> seq_ids, int32_t num_tokens) {
+    thread_local std::vector<int32_t> counts;
+    counts.assign(seq_ids.size(), num_tokens);
+    grow(seq_ids, span<const int32_t>(counts));
+  }
+
+  // Forks parent into children; returns the block copies the engine must
+  // perform (one per child when the parent's last block is partial).
+  std::vector<kvp_block_copy> fork(int64_t parent, span<const int64_t> children) {
+    std::vector<kvp_block_copy> copies(children.size());
+    copies.resize(fork(parent, children, span<kvp_block_copy>(copies)));
+    return copies;
+  }
+  // Into a caller buffer; returns the number of copies written.
+  int32_t fork(int64_t parent, span<const int64_t> children, span<kvp_block_copy> copies) {
+    int32_t n = 0;
+    detail::check(api().kvp_manager_fork(h_, parent, detail::in(children), detail::count32(children.size(), "fork: children"),
+                                         copies.data(), detail::count32(copies.size(), "fork: copies"), &n));
+    return n;
+  }
+
+  void remove(span<const int64_t> seq_ids) {
+    detail::check(api().kvp_manager_remove(h_, detail::in(seq_ids), detail::count32(seq_ids.size(), "remove: seq_ids")));
+  }
+  void remove(int64_t seq_id) { remove(span<const int64_t>(&seq_id, 1)); }
+
+  // Describes the batch into caller buffers (any may be empty to skip it;
+  // block_table holds seq_ids.size() rows of max_blocks). Returns the
+  // number of slots. Checks the buffers' sizes before the call.
+  int32_t describe_into(span<const int64_t> seq_ids, span<int32_t> block_table, int32_t max_blocks,
+                        span<int32_t> seq_lens, span<int32_t> slot_mapping) {
+    const std::size_t n = seq_ids.size();
+    int32_t *table = nullptr;
+    if (!block_table.empty()) {
+      if (max_blocks < 1 || block_table.size() / static_cast<std::size_t>(max_blocks) < n) {
+        throw Error(KVP_ERR_BUFFER_TOO_SMALL, "kvplug: describe: block_table holds " +
+                                                  std::to_string(block_table.size()) + " entries; " +
+                                                  std::to_string(n) + " x " + std::to_string(max_blocks) +
+                                                  " needed");
+      }
+      table = block_table.data();
+    }
+    int32_t *lens = nullptr;
+    if (!seq_lens.empty()) {
+      if (seq_lens.size() < n) {
+        throw Error(KVP_ERR_BUFFER_TOO_SMALL, "kvplug: describe: seq_lens holds " + std::to_string(seq_lens.size()) +
+                                                  " entries for " + std::to_string(n) + " sequences");
+      }
+      lens = seq_lens.data();
+    }
+    // An empty slot_mapping with a non-NULL data() asks for slots with no
+    // room for any (BUFFER_TOO_SMALL unless the batch has none).
+    int32_t num = 0;
+    detail::check(api().kvp_manager_describe(h_, detail::in(seq_ids), detail::count32(n, "describe: seq_ids"), table,
+                                             max_blocks, lens, slot_mapping.data(),
+                                             detail::count32(slot_mapping.size(), "describe: slot_mapping"), &num));
+    return num;
+  }
+
+  // Describes the batch into new vectors; max_blocks 0 sizes the table to
+  // the widest row the batch needs.
+  Description describe(span<const int64_t> seq_ids, int32_t max_blocks = 0) {
+    Description d;
+    const int32_t n = detail::count32(seq_ids.size(), "describe: seq_ids");
+    d.seq_lens.resize(seq_ids.size());
+    int32_t num = 0;
+    detail::check(api().kvp_manager_describe(h_, detail::in(seq_ids), n, nullptr, 0, d.seq_lens.data(), nullptr, 0, &num));
+    if (max_blocks == 0) {
+      int64_t longest = 0;
+      for (int32_t len : d.seq_lens) longest = len > longest ? len : longest;
+      max_blocks = static_cast<int32_t>((longest + block_size_ - 1) / block_size_);
+      if (max_blocks < 1) max_blocks = 1;
+    }
+    d.max_blocks = max_blocks;
+    d.block_table.resize(seq_ids.size() * static_cast<std::size_t>(max_blocks));
+    d.slot_mapping.resize(static_cast<std::size_t>(num));
+    int32_t dummy = 0;
+    int32_t *slots = d.slot_mapping.empty() ? &dummy : d.slot_mapping.data();
+    detail::check(api().kvp_manager_describe(h_, detail::in(seq_ids), n, d.block_table.data(), max_blocks,
+                                             d.seq_lens.data(), slots, num, &num));
+    d.slot_mapping.resize(static_cast<std::size_t>(num));
+    return d;
+  }
+
+  kvp_manager_stats stats() const {
+    kvp_manager_stats s = KVP_MANAGER_STATS_INIT;
+    detail::check(api().kvp_manager_stats_get(h_, &s));
+    return s;
+  }
+
+  // Verifies the library's invariants; throws KVP_ERR_INTERNAL naming the first broken one.
+  void check() const { detail::check(api().kvp_manager_check(h_)); }
+
+ private:
+  explicit Manager(kvp_manager *h) noexcept : h_(h) {
+    if (h_ != nullptr) {
+      kvp_manager_stats s = KVP_MANAGER_STATS_INIT;
+      if (api().kvp_manager_stats_get(h_, &s) == KVP_OK) block_size_ = s.block_size;
+    }
+  }
+  static const detail::ManagerApi &api() { return detail::manager_api(); }
+  void create(const kvp_manager_config &cfg) {
+    detail::check(api().kvp_manager_create(&cfg, &h_));
+    block_size_ = cfg.block_size;
+  }
+
+  kvp_manager *h_ = nullptr;
+  int32_t block_size_ = 16;
+};
+
+// Each section below belongs to one part of the library. A part declares
+// its function table (a struct with KVPLUG_FN members and a load() using
+// KVPLUG_LOAD, resolved lazily by detail::table<T>()) and its wrappers.
+
+// ==== section: prefix cache (begin) ====
+// ==== section: prefix cache (end) ====
+
+// ==== section: attention kernels (begin) ====
+// ==== section: attention kernels (end) ====
+
+// ==== section: virtual-contiguous KV cache (begin) ====
+// ==== section: virtual-contiguous KV cache (end) ====
+
+}  // namespace kvplug
+
+#endif  // KVPLUG_HPP

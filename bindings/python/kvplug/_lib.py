@@ -1,0 +1,518 @@
+"""Loading of libkvplug, status-to-exception mapping, buffer helpers and the
+log hook. Every module of the package reaches the C library through here:
+
+    _kvp_add = _lib.fn("kvp_manager_add", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32])
+    st = _kvp_add(handle, 7, 100)
+    if st:
+        _lib.raise_status(st)      # or _lib.check(st)
+
+The library is loaded on first use, from the KVPLUG_LIBRARY environment
+variable if set, else from libkvplug.so next to this file (where
+`pip install` puts it). It is never unloaded: it contains a Go runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+__all__ = [
+    "Status",
+    "KvplugError",
+    "InvalidArgumentError",
+    "NullPointerError",
+    "StructSizeError",
+    "InvalidHandleError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "OutOfBlocksError",
+    "BufferTooSmallError",
+    "NoDeviceError",
+    "CudaError",
+    "UnsupportedError",
+    "OutOfMemoryError",
+    "NotFoundError",
+    "InternalError",
+    "LibraryLoadError",
+    "library",
+    "library_path",
+    "fn",
+    "check",
+    "raise_status",
+    "error_for",
+    "as_ptr",
+    "version",
+    "version_string",
+    "set_logger",
+    "set_log_level",
+    "enable_logging",
+]
+
+_LIB_NAME = "libkvplug.so"
+_ENV_VAR = "KVPLUG_LIBRARY"
+
+
+# --------------------------------------------------------------------------
+# Status codes and exceptions
+# --------------------------------------------------------------------------
+
+
+class Status(enum.IntEnum):
+    """enum kvp_status of include/kvplug.h."""
+
+    OK = 0
+    INVALID_ARGUMENT = 1
+    NULL_POINTER = 2
+    STRUCT_SIZE = 3
+    INVALID_HANDLE = 4
+    UNKNOWN_SEQUENCE = 5
+    DUPLICATE_SEQUENCE = 6
+    OUT_OF_BLOCKS = 7
+    BUFFER_TOO_SMALL = 8
+    NO_DEVICE = 9
+    CUDA = 10
+    UNSUPPORTED = 11
+    OUT_OF_MEMORY = 12
+    NOT_FOUND = 13
+    INTERNAL = 14
+
+
+class KvplugError(Exception):
+    """A kvplug call failed. `status` is the kvp_status code (an int: codes
+    added by a newer library stay representable), `str(err)` the library's
+    message (kvp_last_error())."""
+
+    status: int = -1
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = int(status)
+        self.message = message
+
+    @property
+    def status_name(self) -> str:
+        try:
+            return "KVP_ERR_" + Status(self.status).name if self.status else "KVP_OK"
+        except ValueError:
+            return f"kvp_status({self.status})"
+
+    def __str__(self) -> str:
+        # KeyError (a base of UnknownSequenceError) would quote the message.
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, status={self.status_name})"
+
+    def __reduce__(self):  # picklable across processes despite the extra argument
+        return (type(self), (self.message, self.status))
+
+
+# The builtin bases let callers catch errors the Python way (ValueError for a
+# bad argument, KeyError for an unknown id) without knowing kvplug's classes.
+class InvalidArgumentError(KvplugError, ValueError):
+    status = Status.INVALID_ARGUMENT
+
+
+class NullPointerError(KvplugError, ValueError):
+    status = Status.NULL_POINTER
+
+
+class StructSizeError(KvplugError, ValueError):
+    status = Status.STRUCT_SIZE
+
+
+class InvalidHandleError(KvplugError, ValueError):
+    """A closed (or never opened) object was used."""
+
+    status = Status.INVALID_HANDLE
+
+
+class UnknownSequenceError(KvplugError, KeyError):
+    status = Status.UNKNOWN_SEQUENCE
+
+
+class DuplicateSequenceError(KvplugError, ValueError):
+    status = Status.DUPLICATE_SEQUENCE
+
+
+class OutOfBlocksError(KvplugError):
+    """Too few free blocks; nothing changed. An expected answer under load:
+    the scheduler preempts and retries."""
+
+    status = Status.OUT_OF_BLOCKS
+
+
+class BufferTooSmallError(KvplugError, ValueError):
+    status = Status.BUFFER_TOO_SMALL
+
+
+class NoDeviceError(KvplugError):
+    status = Status.NO_DEVICE
+
+
+class CudaError(KvplugError):
+    status = Status.CUDA
+
+
+class UnsupportedError(KvplugError):
+    status = Status.UNSUPPORTED
+
+
+class OutOfMemoryError(KvplugError):
+    status = Status.OUT_OF_MEMORY
+
+
+class NotFoundError(KvplugError, LookupError):
+    status = Status.NOT_FOUND
+
+
+class InternalError(KvplugError, RuntimeError):
+    """A bug in kvplug (a recovered panic or a broken invariant)."""
+
+    status = Status.INTERNAL
+
+
+_ERRORS: Dict[int, type] = {
+    int(cls.status): cls
+    for cls in (
+        InvalidArgumentError,
+        NullPointerError,
+        StructSizeError,
+        InvalidHandleError,
+        UnknownSequenceError,
+        DuplicateSequenceError,
+        OutOfBlocksError,
+        BufferTooSmallError,
+        NoDeviceError,
+        CudaError,
+        UnsupportedError,
+        OutOfMemoryError,
+        NotFoundError,
+        InternalError,
+    )
+}
+
+
+class LibraryLoadError(OSError):
+    """libkvplug.so could not be loaded, or lacks a function the bindings
+    need (a library older than the bindings)."""
+
+
+def error_for(status: int, message: str) -> KvplugError:
+    """The exception for a non-zero status (KvplugError for unknown codes)."""
+    cls = _ERRORS.get(int(status), KvplugError)
+    return cls(message, int(status))
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+_load_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[str] = None
+_fns: Dict[Tuple[Any, ...], Any] = {}
+_last_error: Any = None
+
+
+def _candidate() -> Tuple[str, str]:
+    env = os.environ.get(_ENV_VAR)
+    if env:
+        return env, f"{_ENV_VAR}={env}"
+    path = str(Path(__file__).resolve().parent / _LIB_NAME)
+    return path, f"the package directory ({path})"
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library, loading it on first use."""
+    lib = _lib
+    if lib is not None:
+        return lib
+    return _load()
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _lib_path, _last_error
+    with _load_lock:
+        if _lib is not None:
+            return _lib
+        path, where = _candidate()
+        if not os.path.exists(path):
+            raise LibraryLoadError(
+                f"kvplug: {_LIB_NAME} not found: looked in {where}. Build it with `make` in the "
+                f"kvplug repository and set {_ENV_VAR} to build/{_LIB_NAME}, or install the package "
+                "with `pip install ./bindings/python`, which builds it into the package."
+            )
+        try:
+            lib = ctypes.CDLL(path)  # never closed: a Go runtime cannot be unloaded
+        except OSError as e:
+            raise LibraryLoadError(f"kvplug: cannot load {path} (from {where}): {e}") from e
+        try:
+            last_error = lib["kvp_last_error"]
+            ver = lib["kvp_version"]
+        except AttributeError as e:
+            raise LibraryLoadError(f"kvplug: {path} is not libkvplug (no kvp_last_error/kvp_version)") from e
+        last_error.restype = ctypes.c_char_p
+        last_error.argtypes = []
+        ver.restype = ctypes.c_uint32
+        ver.argtypes = []
+        major = ver() // 10000
+        if major != _ABI_MAJOR:
+            raise LibraryLoadError(
+                f"kvplug: {path} has ABI version {major}.x; these bindings need {_ABI_MAJOR}.x"
+            )
+        _last_error = last_error
+        _lib_path = path
+        _lib = lib
+        return lib
+
+
+_ABI_MAJOR = 0  # KVP_VERSION_MAJOR of the header these bindings follow
+
+
+def library_path() -> str:
+    """The path the library was loaded from (loading it if needed)."""
+    library()
+    assert _lib_path is not None
+    return _lib_path
+
+
+def fn(name: str, restype: Any, argtypes: Sequence[Any]) -> Any:
+    """The library function `name` with the given signature, bound once and
+    cached. Raises LibraryLoadError if the library lacks it."""
+    key = (name, restype, tuple(argtypes))
+    f = _fns.get(key)
+    if f is not None:
+        return f
+    lib = library()
+    try:
+        f = lib[name]  # a fresh function object: signatures never clash between modules
+    except AttributeError as e:
+        raise LibraryLoadError(
+            f"kvplug: {_lib_path} has no function {name} (a library older than these bindings?)"
+        ) from e
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    _fns[key] = f
+    return f
+
+
+def last_error() -> str:
+    """The calling thread's kvp_last_error() message."""
+    library()
+    raw = _last_error()
+    return raw.decode("utf-8", "replace") if raw else ""
+
+
+def raise_status(status: int) -> None:
+    """Raises the exception for a non-zero status with the calling thread's
+    kvp_last_error() message. Call it on the thread that made the failing
+    call, right after it."""
+    raise error_for(status, last_error())
+
+
+def check(status: int) -> None:
+    """Raises for a non-zero kvp_status; returns None for KVP_OK."""
+    if status:
+        raise error_for(status, last_error())
+
+
+def version() -> Tuple[int, int, int]:
+    """The loaded library's version as (major, minor, patch)."""
+    v = fn("kvp_version", ctypes.c_uint32, [])()
+    return v // 10000, v // 100 % 100, v % 100
+
+
+def version_string() -> str:
+    return fn("kvp_version_string", ctypes.c_char_p, [])().decode()
+
+
+# --------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------
+
+# ctypes type -> (numpy dtype str, torch dtype name)
+_CTYPE_INFO: Dict[Any, Tuple[str, str]] = {
+    ctypes.c_int8: ("i1", "torch.int8"),
+    ctypes.c_uint8: ("u1", "torch.uint8"),
+    ctypes.c_int16: ("i2", "torch.int16"),
+    ctypes.c_uint16: ("u2", "torch.uint16"),
+    ctypes.c_int32: ("i4", "torch.int32"),
+    ctypes.c_uint32: ("u4", "torch.uint32"),
+    ctypes.c_int64: ("i8", "torch.int64"),
+    ctypes.c_uint64: ("u8", "torch.uint64"),
+    ctypes.c_float: ("f4", "torch.float32"),
+    ctypes.c_double: ("f8", "torch.float64"),
+}
+
+_np: Any = None
+
+
+def _numpy() -> Any:
+    global _np
+    if _np is None:
+        import numpy
+
+        _np = numpy
+    return _np
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    # Never imports torch: a torch tensor's class lives in a torch module.
+    mod = type(obj).__module__
+    return (mod == "torch" or mod.startswith("torch.")) and hasattr(obj, "data_ptr")
+
+
+def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0) -> Tuple[int, int]:
+    """The address and element count of obj's memory, without copying.
+
+    obj is a numpy array, a torch CPU (or pinned) tensor, or any object with
+    the buffer protocol (memoryview, array.array, bytearray, ...). It must be
+    C-contiguous, hold elements of ctype (ctypes.c_int32, ...; None accepts
+    any element type and counts bytes), be writable if `writable`, and hold at
+    least min_count elements. The address is valid while obj is alive and not
+    resized: keep obj referenced across the call that uses it.
+
+    Raises TypeError (unsupported object or element type) or ValueError (not
+    contiguous, read-only, too small, torch tensor not on the CPU)."""
+    np = _numpy()
+    if isinstance(obj, np.ndarray):
+        return _ndarray_ptr(obj, ctype, writable, min_count)
+    if _is_torch_tensor(obj):
+        return _torch_ptr(obj, ctype, min_count)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"kvplug: expected a numpy array, a torch CPU tensor or a buffer, got {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("kvplug: the buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError("kvplug: the buffer is read-only; an output buffer must be writable")
+    if ctype is not None:
+        want = np.dtype(_CTYPE_INFO[ctype][0]) if ctype in _CTYPE_INFO else None
+        try:
+            got = np.dtype(view.format.lstrip("@=<"))
+        except TypeError:
+            got = None
+        if want is None or got is None or got.kind != want.kind or view.itemsize != want.itemsize:
+            raise TypeError(
+                f"kvplug: buffer of format {view.format!r} (itemsize {view.itemsize}); "
+                f"expected {want.name if want is not None else getattr(ctype, '__name__', ctype)}"
+            )
+        count = view.nbytes // view.itemsize
+    else:
+        count = view.nbytes
+    if count < min_count:
+        raise ValueError(f"kvplug: buffer holds {count} elements, {min_count} needed")
+    if not view.nbytes:
+        return 0, 0
+    # numpy reads the address of read-only buffers too (ctypes.from_buffer
+    # accepts only writable ones). The view keeps obj's export only as long
+    # as it lives; the caller keeps obj itself alive.
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data, count
+
+
+def _ndarray_ptr(arr: Any, ctype: Any, writable: bool, min_count: int) -> Tuple[int, int]:
+    if ctype is not None:
+        code = _CTYPE_INFO.get(ctype)
+        if code is None or arr.dtype != _numpy().dtype(code[0]):
+            want = _numpy().dtype(code[0]).name if code else getattr(ctype, "__name__", ctype)
+            raise TypeError(f"kvplug: array of dtype {arr.dtype}; expected {want}")
+        count = arr.size
+    else:
+        count = arr.nbytes
+    if not arr.flags.c_contiguous:
+        raise ValueError("kvplug: the array must be C-contiguous (use numpy.ascontiguousarray)")
+    if writable and not arr.flags.writeable:
+        raise ValueError("kvplug: the array is read-only; an output array must be writable")
+    if count < min_count:
+        raise ValueError(f"kvplug: array holds {count} elements, {min_count} needed")
+    return arr.ctypes.data, count
+
+
+def _torch_ptr(t: Any, ctype: Any, min_count: int) -> Tuple[int, int]:
+    if t.device.type != "cpu":
+        raise ValueError(f"kvplug: a host buffer is needed; the tensor is on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("kvplug: the tensor must be contiguous (use .contiguous())")
+    if ctype is not None:
+        code = _CTYPE_INFO.get(ctype)
+        if code is None or str(t.dtype) != code[1]:
+            raise TypeError(f"kvplug: tensor of dtype {t.dtype}; expected {code[1] if code else ctype}")
+        count = t.numel()
+    else:
+        count = t.numel() * t.element_size()
+    if count < min_count:
+        raise ValueError(f"kvplug: tensor holds {count} elements, {min_count} needed")
+    return t.data_ptr(), count
+
+
+# --------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------
+
+LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_OFF = 0, 1, 2, 3, 4
+
+_LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+_TO_PY_LEVEL = {LOG_DEBUG: logging.DEBUG, LOG_INFO: logging.INFO, LOG_WARN: logging.WARNING, LOG_ERROR: logging.ERROR}
+_FROM_PY_LEVEL = ((logging.ERROR, LOG_ERROR), (logging.WARNING, LOG_WARN), (logging.INFO, LOG_INFO))
+
+# The installed callback: ctypes frees the C thunk with this object, so it
+# must stay referenced while the library may call it.
+_log_thunk: Any = None
+
+
+def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_INFO) -> None:
+    """Routes the library's log lines to callback(level, message) (level is
+    LOG_DEBUG..LOG_ERROR), for lines at `level` or above; None silences the
+    library (its default). The callback may run on any thread, including
+    the library's own, and must not call into kvplug."""
+    global _log_thunk
+    set_fn = fn("kvp_set_logger", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    if callback is None:
+        check(set_fn(None, None, int(level)))
+        _log_thunk = None
+        return
+
+    def thunk(_user: Any, lvl: int, msg: bytes) -> None:
+        try:
+            callback(lvl, msg.decode("utf-8", "replace") if msg else "")
+        except Exception:  # an exception cannot cross into the library
+            logging.getLogger("kvplug").exception("kvplug log callback failed")
+
+    new = _LOG_FN(thunk)
+    check(set_fn(ctypes.cast(new, ctypes.c_void_p), None, int(level)))
+    # Replaced only after the library switched over, so a concurrent line
+    # never reaches a freed thunk.
+    _log_thunk = new
+
+
+def set_log_level(level: int) -> None:
+    """Changes the minimum level delivered (LOG_DEBUG..LOG_OFF)."""
+    check(fn("kvp_set_log_level", ctypes.c_int, [ctypes.c_int])(int(level)))
+
+
+def enable_logging(logger: Optional[logging.Logger] = None, level: Optional[int] = None) -> None:
+    """Sends the library's log lines to a `logging` logger (default: the
+    "kvplug" logger) at the matching levels. `level` is a logging level; by
+    default the logger's effective level."""
+    log = logger or logging.getLogger("kvplug")
+    py_level = log.getEffectiveLevel() if level is None else level
+    kvp_level = LOG_DEBUG
+    for threshold, lvl in _FROM_PY_LEVEL:
+        if py_level >= threshold:
+            kvp_level = lvl
+            break
+
+    def to_logging(lvl: int, msg: str) -> None:
+        log.log(_TO_PY_LEVEL.get(lvl, logging.ERROR), "%s", msg)
+
+    set_logger(to_logging, kvp_level)

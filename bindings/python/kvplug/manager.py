@@ -1,0 +1,416 @@
+"""The paged KV manager (kvp_manager of include/kvplug.h).
+
+A scheduler step through the fast path, with arrays it allocates once:
+
+    ids = np.array([...], np.int64)              # the running batch
+    table = np.empty((len(ids), max_blocks), np.int32)
+    lens = np.empty(len(ids), np.int32)
+    slots = np.empty(len(ids), np.int32)
+    m.grow(ids, 1)                               # one decode token each
+    n = m.describe_into(ids, table, lens, slots) # slots[:n] are this step's
+
+Every method is one C call (describe without `out`, two); a failed call
+raises a kvplug.KvplugError subclass and changes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _lib
+
+__all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
+
+_c_int = ctypes.c_int
+_vp = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_INT32_MAX = 2**31 - 1
+
+_I64 = np.dtype(np.int64)
+_I32 = np.dtype(np.int32)
+_ndarray = np.ndarray
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+IntArray = Union[Sequence[int], np.ndarray, Any]  # Any: buffers and torch tensors
+
+
+class ManagerConfig(ctypes.Structure):
+    """struct kvp_manager_config (append-only, like the C struct)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_blocks", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+    ]
+
+
+class BlockCopy(ctypes.Structure):
+    """struct kvp_block_copy."""
+
+    _fields_ = [("src", ctypes.c_int32), ("dst", ctypes.c_int32)]
+
+
+class ManagerStatsStruct(ctypes.Structure):
+    """struct kvp_manager_stats."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_blocks", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("free_blocks", ctypes.c_int32),
+        ("used_blocks", ctypes.c_int32),
+        ("peak_used_blocks", ctypes.c_int32),
+        ("cached_blocks", ctypes.c_int32),
+        ("shared_blocks", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("allocated_slots", ctypes.c_int64),
+        ("internal_waste", ctypes.c_int64),
+        ("fragmentation", ctypes.c_double),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerStats:
+    """Pool and fragmentation figures at the time of Manager.stats()."""
+
+    num_blocks: int  # pool size
+    block_size: int  # tokens per block
+    free_blocks: int  # in the free queue
+    used_blocks: int  # referenced by at least one sequence
+    peak_used_blocks: int  # highest used_blocks since creation
+    cached_blocks: int  # unreferenced blocks kept by the prefix cache
+    shared_blocks: int  # referenced by more than one sequence
+    num_seqs: int  # live sequences
+    num_tokens: int  # tokens over all live sequences
+    allocated_slots: int  # used_blocks * block_size
+    internal_waste: int  # empty slots in partially filled last blocks
+    fragmentation: float  # internal_waste / allocated_slots (0 when none)
+
+
+class Description(NamedTuple):
+    """Manager.describe's result, in batch order."""
+
+    block_table: np.ndarray  # int32 [n, max_blocks], rows padded with -1
+    seq_lens: np.ndarray  # int32 [n]
+    slot_mapping: np.ndarray  # int32 [num_slots]: slots of the batch's new tokens
+
+
+def _sig() -> Any:
+    """The C functions, bound on first use (loading the library)."""
+    global _F
+    if _F is None:
+        f = _lib.fn
+        _F = (
+            f("kvp_manager_create", _c_int, [ctypes.POINTER(ManagerConfig), ctypes.POINTER(_vp)]),
+            f("kvp_manager_destroy", None, [_vp]),
+            f("kvp_manager_add", _c_int, [_vp, _i64, _i32]),
+            f("kvp_manager_grow", _c_int, [_vp, _vp, _vp, _i32]),
+            f("kvp_manager_fork", _c_int, [_vp, _i64, _vp, _i32, _vp, _i32, ctypes.POINTER(_i32)]),
+            f("kvp_manager_remove", _c_int, [_vp, _vp, _i32]),
+            f("kvp_manager_describe", _c_int, [_vp, _vp, _i32, _vp, _i32, _vp, _vp, _i32, ctypes.POINTER(_i32)]),
+            f("kvp_manager_stats_get", _c_int, [_vp, ctypes.POINTER(ManagerStatsStruct)]),
+            f("kvp_manager_check", _c_int, [_vp]),
+        )
+    return _F
+
+
+_F: Any = None
+
+
+def _bad(msg: str) -> _lib.InvalidArgumentError:
+    return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
+
+
+def _in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int, Any]:
+    """(address, count, keepalive) of an input array of dtype. numpy arrays
+    of the right dtype are used in place; other sequences are converted (a
+    copy); buffers and torch tensors are used in place or refused."""
+    if type(obj) is _ndarray and (obj.dtype is dtype or obj.dtype == dtype) and obj.ndim == 1:
+        try:
+            # c_char.from_buffer is three times cheaper than arr.ctypes.data,
+            # and numpy's buffer export refuses non-contiguous arrays for it.
+            return _addressof(_from_buffer(obj)), obj.size, obj
+        except (ValueError, TypeError, BufferError):
+            pass  # read-only, empty or strided: the general path below
+        if obj.flags.c_contiguous:
+            return obj.ctypes.data, obj.size, obj
+    if isinstance(obj, (int, np.integer)):
+        arr = np.array([obj], dtype)
+        return arr.ctypes.data, 1, arr
+    if isinstance(obj, (list, tuple, range, np.ndarray)):
+        src = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
+        if src.ndim != 1:
+            raise _bad(f"{what} must be one-dimensional: got shape {src.shape}")
+        if src.size:
+            if src.dtype.kind not in "iu":
+                raise _bad(f"{what} must hold integers: got {src.dtype} values")
+            if not np.can_cast(src.dtype, dtype):
+                lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+                if src.min() < lo or src.max() > hi:
+                    raise _bad(f"{what} must hold {dtype} values: got {src.min()}..{src.max()}")
+        arr = np.ascontiguousarray(src, dtype=dtype)
+        return arr.ctypes.data, arr.size, arr
+    ptr, n = _lib.as_ptr(obj, ctype)
+    return ptr, n, obj
+
+
+def _out_ptr(obj: Any, need: int, what: str) -> Tuple[int, int]:
+    """(address, capacity) of a writable int32 output buffer of at least
+    `need` elements; raises BufferTooSmallError when it is shorter."""
+    ptr = 0
+    if type(obj) is _ndarray and (obj.dtype is _I32 or obj.dtype == _I32):
+        n = obj.size
+        try:
+            ptr = _addressof(_from_buffer(obj))  # refuses read-only and strided arrays
+        except (ValueError, TypeError, BufferError):
+            ptr, n = _lib.as_ptr(obj, _i32, writable=True)  # raises with the reason
+    else:
+        ptr, n = _lib.as_ptr(obj, _i32, writable=True)
+    if n < need:
+        raise _lib.BufferTooSmallError(f"{what} holds {n} entries, {need} needed", _lib.Status.BUFFER_TOO_SMALL)
+    return ptr, n
+
+
+class Manager:
+    """A pool of num_blocks KV blocks of block_size tokens and the block
+    tables of the live sequences. Safe to call from several threads (the
+    library serialises calls on one manager), except close(), which no
+    other thread may race with."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        self._h: Optional[int] = None
+        F = _sig()
+        if not (-(2**31) <= num_blocks < 2**31 and -(2**31) <= block_size < 2**31):
+            raise _bad(f"num_blocks and block_size must fit in int32: got {num_blocks}, {block_size}")
+        cfg = ManagerConfig(ctypes.sizeof(ManagerConfig), num_blocks, block_size)
+        out = _vp()
+        st = F[0](ctypes.byref(cfg), ctypes.byref(out))
+        if st:
+            _lib.raise_status(st)
+        self._h = out.value
+        self._destroy = F[1]
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        # (value, array, address) of the counts array a grow by one number
+        # for all uses; replaced, never mutated, so concurrent grows are safe.
+        self._fill: Tuple[int, Any, int] = (0, None, 0)
+
+    # -- lifetime ----------------------------------------------------------
+
+    @property
+    def handle(self) -> Optional[int]:
+        """The kvp_manager * as an integer (None once closed), for other
+        kvplug modules' C calls."""
+        return self._h
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Destroys the manager and all its sequences; idempotent. Later
+        calls raise InvalidHandleError."""
+        h, self._h = self._h, None
+        if h is not None:
+            self._destroy(h)
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else f"handle=0x{self._h:x}"
+        return f"Manager(num_blocks={self.num_blocks}, block_size={self.block_size}, {state})"
+
+    # -- scheduler calls -----------------------------------------------------
+
+    def add(self, seq_id: int, prompt_len: int) -> None:
+        """Admits sequence seq_id with a prompt of prompt_len tokens (they
+        are its new tokens). Raises DuplicateSequenceError,
+        OutOfBlocksError, InvalidArgumentError."""
+        if not (-(2**63) <= seq_id < 2**63):
+            raise _bad(f"add: seq_id must fit in int64: got {seq_id}")
+        if not (-(2**31) <= prompt_len < 2**31):
+            raise _bad(f"add: prompt length must be in [1, 2^30]: got {prompt_len}")
+        st = _F[2](self._h, seq_id, prompt_len)
+        if st:
+            _lib.raise_status(st)
+
+    def grow(self, seq_ids: IntArray, num_tokens: Union[int, IntArray] = 1) -> None:
+        """Grows each sequence by num_tokens tokens (one int for all, or one
+        per sequence), all or none. Raises OutOfBlocksError (nothing grew:
+        preempt and retry), UnknownSequenceError, DuplicateSequenceError,
+        InvalidArgumentError."""
+        ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if n > _INT32_MAX:
+            raise _bad(f"grow: batch of {n} sequences")
+        if type(num_tokens) is int or isinstance(num_tokens, (int, np.integer)):
+            fill = self._fill
+            if fill[0] != num_tokens or fill[1] is None or fill[1].size < n:
+                fill = self._new_fill(int(num_tokens), n)
+            counts_ptr = fill[2]
+        else:
+            counts_ptr, k, keep_counts = _in_ptr(num_tokens, _I32, _i32, "num_tokens")
+            if k != n:
+                raise _bad(f"grow: {k} token counts for {n} sequences")
+        st = _F[3](self._h, ids_ptr, counts_ptr, n)
+        if st:
+            _lib.raise_status(st)
+
+    def _new_fill(self, value: int, n: int) -> Tuple[int, Any, int]:
+        # Out-of-range counts that fit in int32 are left to the library,
+        # whose message names the offending sequence.
+        if not (-(2**31) <= value <= _INT32_MAX):
+            raise _bad(f"grow: token count must be in [0, 2^24]: got {value}")
+        old = self._fill[1]
+        arr = np.full(max(n, 256, 0 if old is None else old.size), value, np.int32)
+        fill = (value, arr, arr.ctypes.data)
+        self._fill = fill
+        return fill
+
+    def fork(self, parent: int, children: IntArray) -> List[Tuple[int, int]]:
+        """Creates the sequences `children` as copies of `parent`, sharing
+        its full blocks. Returns the (src, dst) block copies the engine must
+        perform before the next kernel reads dst: one per child when the
+        parent's last block is partial, else none."""
+        ptr, n, keep = _in_ptr(children, _I64, _i64, "children")
+        if n > _INT32_MAX:
+            raise _bad(f"fork: {n} children")
+        copies = np.empty((max(n, 1), 2), np.int32)
+        num = _i32()
+        st = _F[4](self._h, parent, ptr, n, copies.ctypes.data, n, ctypes.byref(num))
+        if st:
+            _lib.raise_status(st)
+        return [tuple(p) for p in copies[: num.value].tolist()]
+
+    def remove(self, seq_ids: IntArray) -> None:
+        """Retires the sequences, all or none. Raises UnknownSequenceError
+        (also for a double remove), DuplicateSequenceError."""
+        ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if n > _INT32_MAX:
+            raise _bad(f"remove: batch of {n} sequences")
+        st = _F[5](self._h, ptr, n)
+        if st:
+            _lib.raise_status(st)
+
+    def describe_into(
+        self,
+        seq_ids: IntArray,
+        block_table: Any = None,
+        seq_lens: Any = None,
+        slot_mapping: Any = None,
+        *,
+        max_blocks: Optional[int] = None,
+    ) -> int:
+        """Writes the batch's block table (int32 [n, max_blocks], padded with
+        -1), sequence lengths (int32 [n]) and the slots of its new tokens
+        (int32, into the front of slot_mapping) into caller buffers, any of
+        which may be None. Returns the number of slots (counted even when
+        slot_mapping is None). block_table is 2-D (max_blocks = its number
+        of columns) or flat with max_blocks given; its rows beyond n, and
+        entries beyond the returned count, are left alone.
+
+        With int64 ids and C-contiguous int32 numpy outputs nothing is
+        allocated or converted. Raises BufferTooSmallError (nothing
+        written), UnknownSequenceError."""
+        ids_ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if n > _INT32_MAX:
+            raise _bad(f"describe: batch of {n} sequences")
+        if block_table is None:
+            table_ptr, mb = 0, 0
+        else:
+            if max_blocks is not None:
+                mb = max_blocks
+            else:
+                shape = getattr(block_table, "shape", None)
+                if shape is None or len(shape) != 2:
+                    raise _bad("describe: a flat block_table needs max_blocks")
+                mb = shape[1]
+            if not (1 <= mb <= _INT32_MAX):
+                raise _bad(f"describe: max_blocks must be in [1, 2^31): got {mb}")
+            table_ptr, _ = _out_ptr(block_table, n * mb, "describe: block_table")
+        lens_ptr = 0 if seq_lens is None else _out_ptr(seq_lens, n, "describe: seq_lens")[0]
+        if slot_mapping is None:
+            slots_ptr, cap = 0, 0
+        else:
+            slots_ptr, cap = _out_ptr(slot_mapping, 0, "describe: slot_mapping")
+            cap = min(cap, _INT32_MAX)
+            if cap == 0:
+                # A non-NULL pointer asks for slots even with no room for any.
+                slots_ptr = _addressof(_EMPTY_SLOT)
+        num = _i32()
+        st = _F[6](self._h, ids_ptr, n, table_ptr, mb, lens_ptr, slots_ptr, cap, ctypes.byref(num))
+        if st:
+            _lib.raise_status(st)
+        return num.value
+
+    def describe(
+        self,
+        seq_ids: IntArray,
+        max_blocks: Optional[int] = None,
+        *,
+        out: Optional[Tuple[Any, Any, Any]] = None,
+    ) -> Description:
+        """The batch's (block_table, seq_lens, slot_mapping) as int32 numpy
+        arrays. max_blocks defaults to the widest row the batch needs. With
+        out=(block_table, seq_lens, slot_mapping), preallocated int32 arrays
+        (2-D block table), they are filled and views of them returned
+        (block_table[:n], seq_lens[:n], slot_mapping[:num_slots])."""
+        ids = seq_ids
+        if not (type(ids) is _ndarray and ids.dtype == _I64):
+            ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")[2]
+        n = len(ids)
+        if out is not None:
+            table, lens, slots = out
+            k = self.describe_into(ids, table, lens, slots)
+            return Description(table[:n], lens[:n], slots[:k])
+        for _ in range(3):  # retried only if another thread grows the batch in between
+            lens = np.empty(max(n, 0), np.int32)
+            k = self.describe_into(ids, None, lens, None)
+            need = int(-(-int(lens.max()) // self.block_size)) if n else 1
+            mb = max(need, 1) if max_blocks is None else max_blocks
+            table = np.empty((n, mb), np.int32)
+            slots = np.empty(k, np.int32)
+            try:
+                k2 = self.describe_into(ids, table, lens, slots)
+            except _lib.BufferTooSmallError:
+                if max_blocks is not None:
+                    raise
+                continue
+            return Description(table, lens, slots[:k2])
+        raise _lib.BufferTooSmallError("describe: the batch kept growing while it was described", _lib.Status.BUFFER_TOO_SMALL)
+
+    # -- inspection ----------------------------------------------------------
+
+    def stats(self) -> ManagerStats:
+        s = ManagerStatsStruct()
+        s.struct_size = ctypes.sizeof(ManagerStatsStruct)
+        st = _F[7](self._h, ctypes.byref(s))
+        if st:
+            _lib.raise_status(st)
+        return ManagerStats(*(getattr(s, f[0]) for f in ManagerStatsStruct._fields_[1:]))
+
+    def check(self) -> None:
+        """Verifies the library's internal invariants; raises InternalError
+        describing the first broken one."""
+        st = _F[8](self._h)
+        if st:
+            _lib.raise_status(st)
+
+
+_EMPTY_SLOT = ctypes.c_int32()

@@ -1,0 +1,51 @@
+"""Shared fixtures of the Python tests. The library comes from KVPLUG_LIBRARY
+(`make test-python` sets it to build/libkvplug.so)."""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Tuple
+
+import numpy as np
+import pytest
+
+import kvplug
+
+
+@pytest.fixture
+def mgr() -> Iterator[kvplug.Manager]:
+    """16 blocks of 4 tokens; sequences 1 (10 tokens), 2 (4), 3 (1): 11 blocks free."""
+    with kvplug.Manager(16, 4) as m:
+        m.add(1, 10)
+        m.add(2, 4)
+        m.add(3, 1)
+        yield m
+
+
+def snapshot(m: kvplug.Manager, live: List[int]) -> Tuple:
+    """Everything a caller can observe of m, for before/after comparisons."""
+    m.check()
+    d = m.describe(live, max_blocks=16)
+    return (m.stats(), d.block_table.tolist(), d.seq_lens.tolist(), d.slot_mapping.tolist())
+
+
+class Unchanged:
+    """with Unchanged(m, live): ... asserts that the block changed nothing."""
+
+    def __init__(self, m: kvplug.Manager, live: List[int]) -> None:
+        self.m, self.live = m, live
+
+    def __enter__(self) -> "Unchanged":
+        self.before = snapshot(self.m, self.live)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert snapshot(self.m, self.live) == self.before, "a failed call changed the manager"
+
+
+@pytest.fixture
+def unchanged(mgr):
+    return lambda live=(1, 2, 3): Unchanged(mgr, list(live))
+
+
+def ids(*v: int) -> np.ndarray:
+    return np.array(v, np.int64)
