@@ -481,6 +481,118 @@ class Manager {
 // ==== section: attention kernels (end) ====
 
 // ==== section: virtual-contiguous KV cache (begin) ====
+
+namespace detail {
+struct VCacheApi {
+  KVPLUG_FN(kvp_vcache_create);
+  KVPLUG_FN(kvp_vcache_destroy);
+  KVPLUG_FN(kvp_vcache_layer_ptrs);
+  KVPLUG_FN(kvp_vcache_strides);
+  KVPLUG_FN(kvp_vcache_alloc_slot);
+  KVPLUG_FN(kvp_vcache_free_slot);
+  KVPLUG_FN(kvp_vcache_step);
+  KVPLUG_FN(kvp_vcache_trim);
+  KVPLUG_FN(kvp_vcache_stats_get);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_vcache_create);
+    KVPLUG_LOAD(lib, kvp_vcache_destroy);
+    KVPLUG_LOAD(lib, kvp_vcache_layer_ptrs);
+    KVPLUG_LOAD(lib, kvp_vcache_strides);
+    KVPLUG_LOAD(lib, kvp_vcache_alloc_slot);
+    KVPLUG_LOAD(lib, kvp_vcache_free_slot);
+    KVPLUG_LOAD(lib, kvp_vcache_step);
+    KVPLUG_LOAD(lib, kvp_vcache_trim);
+    KVPLUG_LOAD(lib, kvp_vcache_stats_get);
+  }
+};
+inline const VCacheApi &vcache_api() { return table<VCacheApi>(); }
+}  // namespace detail
+
+// A kvp_vcache (vAttention): each layer's K and V is one dense virtual
+// tensor [max_batch][max_context][num_kv_heads][head_dim] whose pages are
+// mapped as slots grow, so unmodified kernels index it directly. The slot
+// stride is padded to whole pages: use strides()[0], not
+// max_context * num_kv_heads * head_dim.
+//
+//   kvp_vcache_config cfg = KVP_VCACHE_CONFIG_INIT;
+//   cfg.num_layers = 32; cfg.num_kv_heads = 8; cfg.head_dim = 128;
+//   cfg.max_batch = 64; cfg.max_context = 32768; cfg.budget_bytes = 40ll << 30;
+//   kvplug::VCache vc(cfg);
+//   int32_t s = vc.alloc_slot();
+//   vc.step(slots, ctx_lens);               // before each step's kernels
+//   auto [k0, v0] = vc.layer_ptrs(0);       // CUdeviceptr of layer 0's K and V
+//
+// Move-only; thread-safe like the C object, except destruction.
+class VCache {
+ public:
+  explicit VCache(const kvp_vcache_config &cfg) { detail::check(api().kvp_vcache_create(&cfg, &h_)); }
+
+  VCache(const VCache &) = delete;
+  VCache &operator=(const VCache &) = delete;
+  VCache(VCache &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  VCache &operator=(VCache &&o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+    }
+    return *this;
+  }
+  ~VCache() { reset(); }
+
+  kvp_vcache *get() const noexcept { return h_; }
+  explicit operator bool() const noexcept { return h_ != nullptr; }
+  // Unmaps and frees everything now; every pointer from the cache dies.
+  void reset() noexcept {
+    if (h_ != nullptr) detail::vcache_api().kvp_vcache_destroy(std::exchange(h_, nullptr));
+  }
+
+  // A free slot, preferring the freed slot that holds the most pages.
+  int32_t alloc_slot() {
+    int32_t s = -1;
+    detail::check(api().kvp_vcache_alloc_slot(h_, &s));
+    return s;
+  }
+  void free_slot(int32_t slot) { detail::check(api().kvp_vcache_free_slot(h_, slot)); }
+
+  // Maps tokens [0, ctx_lens[i]) of slots[i] in every layer; throws
+  // KVP_ERR_OUT_OF_MEMORY (nothing changed) when the budget cannot cover it.
+  void step(span<const int32_t> slots, span<const int32_t> ctx_lens) {
+    if (slots.size() != ctx_lens.size()) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: step: " + std::to_string(ctx_lens.size()) +
+                                                " context lengths for " + std::to_string(slots.size()) + " slots");
+    }
+    detail::check(api().kvp_vcache_step(h_, detail::in(slots), detail::in(ctx_lens),
+                                        detail::count32(slots.size(), "step: slots")));
+  }
+
+  // Base addresses (CUdeviceptr for the CUDA backend) of layer's K and V.
+  std::pair<uint64_t, uint64_t> layer_ptrs(int32_t layer) const {
+    uint64_t k = 0, v = 0;
+    detail::check(api().kvp_vcache_layer_ptrs(h_, layer, &k, &v));
+    return {k, v};
+  }
+
+  // Strides of [slot, token, head, dim] in elements.
+  std::array<int64_t, 4> strides() const {
+    std::array<int64_t, 4> s{};
+    detail::check(api().kvp_vcache_strides(h_, s.data()));
+    return s;
+  }
+
+  // Gives freed slots' pages and idle pages back to the driver.
+  void trim() { detail::check(api().kvp_vcache_trim(h_)); }
+
+  kvp_vcache_stats stats() const {
+    kvp_vcache_stats s = KVP_VCACHE_STATS_INIT;
+    detail::check(api().kvp_vcache_stats_get(h_, &s));
+    return s;
+  }
+
+ private:
+  static const detail::VCacheApi &api() { return detail::vcache_api(); }
+  kvp_vcache *h_ = nullptr;
+};
+
 // ==== section: virtual-contiguous KV cache (end) ====
 
 }  // namespace kvplug

@@ -45,10 +45,12 @@ from ._lib import (
     version_string,
 )
 from .manager import Description, Manager, ManagerStats
+from .vmem import VirtualKVCache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "VirtualKVCache",
     "Manager",
     "ManagerStats",
     "Description",

@@ -1,0 +1,219 @@
+package main
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/vmem"
+)
+
+const vcacheName = "kvp_vcache"
+
+// vcache owns a cache and the driver it was created with.
+type vcache struct {
+	c   *vmem.Cache
+	drv vmem.Driver
+}
+
+func vcacheOf(h *C.kvp_vcache) (*vcache, error) {
+	return lookup[*vcache](unsafe.Pointer(h), vcacheName)
+}
+
+//export kvp_vcache_create
+func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_status) {
+	defer guard(&st)
+	if cfg == nil || out == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_create: cfg and out must not be NULL")
+	}
+	size := unsafe.Sizeof(C.kvp_vcache_config{})
+	if err := checkSize(cfg.struct_size, size, size, "kvp_vcache_config"); err != nil {
+		return fail(err)
+	}
+	if cfg.background != 0 && cfg.background != 1 {
+		return failf(kverr.InvalidArgument, "kvp_vcache_create: background must be 0 or 1: got %d", int32(cfg.background))
+	}
+	if cfg.reclaim_below_bytes < -1 {
+		return failf(kverr.InvalidArgument, "kvp_vcache_create: reclaim_below_bytes must be -1 (default), 0 or positive: got %d", int64(cfg.reclaim_below_bytes))
+	}
+	if cfg.page_size < 0 || cfg.page_size > 1<<30 {
+		return failf(kverr.InvalidArgument, "kvp_vcache_create: page_size must be in [0, 1 GiB]: got %d", int64(cfg.page_size))
+	}
+	var drv vmem.Driver
+	switch cfg.backend {
+	case C.KVP_VMEM_CUDA:
+		d, err := vmem.NewCUDA(int(cfg.device))
+		if err != nil {
+			return fail(err)
+		}
+		drv = d
+	case C.KVP_VMEM_HOST:
+		d, err := vmem.NewHost(0)
+		if err != nil {
+			return fail(err)
+		}
+		drv = d
+	default:
+		return failf(kverr.InvalidArgument, "kvp_vcache_create: backend must be KVP_VMEM_CUDA (0) or KVP_VMEM_HOST (1): got %d", int32(cfg.backend))
+	}
+	c, err := vmem.New(vmem.Config{
+		Layers: int(cfg.num_layers), KVHeads: int(cfg.num_kv_heads), HeadDim: int(cfg.head_dim),
+		DTypeBytes: int(cfg.dtype_bytes), MaxBatch: int(cfg.max_batch), MaxContext: int(cfg.max_context),
+		PageSize: int(cfg.page_size), BudgetBytes: int64(cfg.budget_bytes),
+		LookaheadTokens: int(cfg.lookahead_tokens), NoBackground: cfg.background == 0,
+		ReclaimBelowBytes: int64(cfg.reclaim_below_bytes),
+	}, drv)
+	if err != nil {
+		_ = drv.Close()
+		return fail(err)
+	}
+	*out = (*C.kvp_vcache)(newHandle(&vcache{c: c, drv: drv}))
+	return C.KVP_OK
+}
+
+//export kvp_vcache_destroy
+func kvp_vcache_destroy(h *C.kvp_vcache) {
+	defer guardVoid()
+	// Only a live kvp_vcache is dropped: another object's handle stays.
+	if _, err := vcacheOf(h); err != nil {
+		return
+	}
+	if v, ok := dropHandle(unsafe.Pointer(h)); ok {
+		vc := v.(*vcache)
+		_ = vc.c.Close()
+		_ = vc.drv.Close()
+	}
+}
+
+//export kvp_vcache_layer_ptrs
+func kvp_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if k == nil || v == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_layer_ptrs: k_ptr and v_ptr must not be NULL")
+	}
+	kp, vp, err := vc.c.LayerPtrs(int(layer))
+	if err != nil {
+		return fail(err)
+	}
+	*k, *v = C.uint64_t(kp), C.uint64_t(vp)
+	return C.KVP_OK
+}
+
+//export kvp_vcache_strides
+func kvp_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if strides == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_strides: strides must not be NULL")
+	}
+	s := vc.c.Layout().ElementStrides()
+	out := unsafe.Slice((*int64)(unsafe.Pointer(strides)), 4)
+	copy(out, s[:])
+	return C.KVP_OK
+}
+
+//export kvp_vcache_alloc_slot
+func kvp_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if slot == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_alloc_slot: slot must not be NULL")
+	}
+	s, err := vc.c.Alloc()
+	if err != nil {
+		return fail(err)
+	}
+	*slot = C.int32_t(s)
+	return C.KVP_OK
+}
+
+//export kvp_vcache_free_slot
+func kvp_vcache_free_slot(h *C.kvp_vcache, slot C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	return fail(vc.c.Free(int(slot)))
+}
+
+//export kvp_vcache_step
+func kvp_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if n == 0 {
+		return C.KVP_OK
+	}
+	if err := checkCount(n, "kvp_vcache_step: n"); err != nil {
+		return fail(err)
+	}
+	if slots == nil || ctxLens == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_step: slots and ctx_lens must not be NULL")
+	}
+	return fail(vc.c.Step(slice[int32](unsafe.Pointer(slots), n), slice[int32](unsafe.Pointer(ctxLens), n)))
+}
+
+//export kvp_vcache_trim
+func kvp_vcache_trim(h *C.kvp_vcache) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	return fail(vc.c.Trim())
+}
+
+//export kvp_vcache_stats_get
+func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_status) {
+	defer guard(&st)
+	vc, err := vcacheOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
+	}
+	if minSize := unsafe.Offsetof(C.kvp_vcache_stats{}.page_size) + 8; uintptr(out.struct_size) < minSize {
+		return failf(kverr.StructSize, "kvp_vcache_stats.struct_size is %d; at least %d is needed (initialise it with KVP_VCACHE_STATS_INIT)", uint64(out.struct_size), minSize)
+	}
+	s := vc.c.Stats()
+	full := C.kvp_vcache_stats{
+		struct_size:       out.struct_size,
+		page_size:         C.int64_t(s.PageSize),
+		budget_bytes:      C.int64_t(s.BudgetBytes),
+		tensor_bytes:      C.int64_t(vc.c.Layout().BufferBytes),
+		mapped_bytes:      C.int64_t(s.MappedBytes),
+		held_bytes:        C.int64_t(s.HeldBytes),
+		active_slots:      C.int32_t(s.ActiveSlots),
+		cached_slots:      C.int32_t(s.CachedSlots),
+		steps:             C.int64_t(s.Steps),
+		map_calls:         C.int64_t(s.MapCalls),
+		unmap_calls:       C.int64_t(s.UnmapCalls),
+		create_calls:      C.int64_t(s.CreateCalls),
+		release_calls:     C.int64_t(s.ReleaseCalls),
+		out_of_memory:     C.int64_t(s.OutOfMemory),
+		step_map_ns:       C.int64_t(s.StepMapNs),
+		step_wait_ns:      C.int64_t(s.StepWaitNs),
+		background_map_ns: C.int64_t(s.BackgroundMapNs),
+		background_errors: C.int64_t(s.BackgroundErrors),
+	}
+	copyOut(unsafe.Pointer(out), unsafe.Pointer(&full), uintptr(out.struct_size), unsafe.Sizeof(full))
+	return C.KVP_OK
+}
