@@ -286,6 +286,194 @@ kvp_status kvp_manager_check(kvp_manager *m);
 /* ==== section: prefix cache (end) ==== */
 
 /* ==== section: attention kernels (begin) ==== */
+/*
+ * CUDA kernels over the engine's own device memory: write this step's K and
+ * V into the paged cache, paged decode attention (split-KV for long contexts
+ * and small batches), and the merge of attention states.
+ *
+ * Launches. Each call checks its arguments, enqueues its kernel(s) on
+ * `stream` (a CUstream as an integer; 0 = the legacy default stream) and
+ * returns: no host synchronisation, no allocation, no host-device copy, so
+ * the calls can be captured in CUDA graphs. Kernel faults surface later, on
+ * the stream, like any kernel's. Launches use the calling thread's current
+ * CUDA context (the engine's; PyTorch keeps its device's primary context
+ * current); a thread with no current context gets device 0's primary context
+ * made current. The kernels are loaded into a context on its first launch:
+ * call kvp_attn_prepare() before capturing a graph. All functions are safe
+ * to call from any thread.
+ *
+ * Errors: NULL_POINTER (args NULL, or a required device pointer 0),
+ * STRUCT_SIZE, INVALID_ARGUMENT (bad enum, shape, stride, alignment or
+ * count; the message names it), UNSUPPORTED (head_dim not 64/128/256, or a
+ * device without the shared memory the kernel needs), BUFFER_TOO_SMALL (the
+ * workspace), NO_DEVICE (no CUDA driver or device), CUDA (a driver call
+ * failed; the message has the driver's error).
+ *
+ * Layouts. Strides count ELEMENTS of the tensor's dtype (float32 elements
+ * for lse arrays); head_dim is contiguous. The paged cache is
+ * [num_blocks, block_size, num_kv_heads, head_dim] with K and V as two
+ * pointers sharing strides (a combined [num_blocks, 2, block_size, H, D]
+ * tensor is passed as two pointers). block_size is any value >= 1 (1 is
+ * token mode). GQA: query head i reads kv head i / (num_q_heads /
+ * num_kv_heads). Tensors of the dtype and the workspace must be 16-byte
+ * aligned with strides that are multiples of 16 bytes (8 elements of
+ * f16/bf16, 4 of f32); int32 and float32 arrays need 4-byte alignment.
+ * Written tensors must not overlap themselves.
+ */
+typedef enum kvp_dtype {
+  KVP_DTYPE_F16 = 1,  /* IEEE half */
+  KVP_DTYPE_BF16 = 2, /* bfloat16 */
+  KVP_DTYPE_F32 = 3   /* float, for tests: slower kernels */
+} kvp_dtype;
+
+/* Scatter of this step's K and V ([num_tokens, num_kv_heads, head_dim]) into
+ * the caches: token t goes to slot slot_mapping[t] = block * block_size +
+ * offset. Slots < 0 (padding) and slots >= num_blocks * block_size are
+ * skipped. num_tokens == 0 launches nothing. */
+typedef struct kvp_kv_write_args {
+  size_t struct_size; /* sizeof(kvp_kv_write_args) */
+  int32_t dtype;      /* kvp_dtype */
+  int32_t head_dim;   /* 64, 128 or 256 */
+  int32_t num_tokens; /* >= 0 */
+  int32_t num_kv_heads;
+  int32_t num_blocks;
+  int32_t block_size;
+  uint64_t key;       /* [num_tokens, num_kv_heads, head_dim] */
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  uint64_t value;     /* [num_tokens, num_kv_heads, head_dim] */
+  int64_t value_token_stride;
+  int64_t value_head_stride;
+  uint64_t k_cache;   /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  uint64_t v_cache;   /* same strides as k_cache */
+  int64_t cache_block_stride;
+  int64_t cache_token_stride;
+  int64_t cache_head_stride;
+  uint64_t slot_mapping; /* int32 [num_tokens] */
+} kvp_kv_write_args;
+
+#define KVP_KV_WRITE_ARGS_INIT {sizeof(kvp_kv_write_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* Decode attention, one query token per sequence: for sequence b and query
+ * head i, out = softmax(scale * q K^T) V over tokens [0, seq_lens[b]), token
+ * t read from block block_table[b * block_table_stride + t / block_size] at
+ * offset t % block_size. Table columns >= max_blocks_per_seq and block ids
+ * outside [0, num_blocks) are ignored. An empty sequence (seq_len <= 0)
+ * gives out = 0 and lse = -inf. lse (optional) is the natural-log
+ * log-sum-exp of the scaled scores, the input kvp_merge_states needs.
+ *
+ * Split-KV: with num_splits > 1 each sequence is cut into num_splits chunks
+ * (multiples of 64 tokens) attended by separate blocks and merged by a
+ * second kernel, through the workspace; num_splits = 0 lets the library
+ * choose from batch, heads, max_seq_len and the device (kvp_attn_num_splits
+ * tells the choice), using no more splits than the workspace holds (none
+ * without a workspace). batch == 0 launches nothing. */
+typedef struct kvp_paged_decode_args {
+  size_t struct_size; /* sizeof(kvp_paged_decode_args) */
+  int32_t dtype;      /* kvp_dtype of q, the caches and out */
+  int32_t head_dim;   /* 64, 128 or 256 */
+  int32_t batch;      /* sequences, in [0, 65535] */
+  int32_t num_q_heads;
+  int32_t num_kv_heads; /* divides num_q_heads */
+  int32_t num_blocks;
+  int32_t block_size;
+  int32_t max_blocks_per_seq; /* block table columns read */
+  uint64_t q;                 /* [batch, num_q_heads, head_dim] */
+  int64_t q_batch_stride;
+  int64_t q_head_stride;
+  uint64_t k_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  uint64_t v_cache; /* same strides as k_cache */
+  int64_t cache_block_stride;
+  int64_t cache_token_stride;
+  int64_t cache_head_stride;
+  uint64_t block_table;       /* int32 [batch, block_table_stride] */
+  int64_t block_table_stride; /* >= max_blocks_per_seq */
+  uint64_t seq_lens;          /* int32 [batch] */
+  uint64_t out;               /* [batch, num_q_heads, head_dim] */
+  int64_t out_batch_stride;
+  int64_t out_head_stride;
+  uint64_t lse;             /* float32 [batch, num_q_heads] contiguous; 0 = not wanted */
+  uint64_t workspace;       /* device memory of kvp_attn_workspace_size bytes; 0 = none */
+  uint64_t workspace_bytes; /* its size */
+  float scale;              /* softmax scale; 0 = 1/sqrt(head_dim) */
+  int32_t num_splits;       /* 0 = library's choice; 1..256 = forced */
+  int32_t max_seq_len;      /* bound on seq_lens for the choice of splits; 0 = max_blocks_per_seq * block_size */
+  int32_t reserved;         /* must be 0 */
+} kvp_paged_decode_args;
+
+#define KVP_PAGED_DECODE_ARGS_INIT {sizeof(kvp_paged_decode_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0, 0, 0}
+
+/* Merge of attention states over the same queries (e.g. a shared prefix's
+ * and each sequence's own tokens): v[i] [num_tokens, num_heads, head_dim]
+ * (dtype) with lse s[i] [num_tokens, num_heads] (float32, natural log; -inf =
+ * empty state) for i < num_states. out = sum_i exp(s_i - lse) v_i and
+ * out_lse = lse = log(sum_i exp(s_i)); all states empty gives out = 0 and
+ * out_lse = -inf. out may alias v[0] when their strides are equal, out_lse
+ * s[0] likewise. num_tokens == 0 launches nothing. */
+#define KVP_MERGE_MAX_STATES 8
+
+typedef struct kvp_merge_states_args {
+  size_t struct_size; /* sizeof(kvp_merge_states_args) */
+  int32_t dtype;      /* kvp_dtype of v and out */
+  int32_t head_dim;   /* 64, 128 or 256 */
+  int32_t num_states; /* 1..KVP_MERGE_MAX_STATES */
+  int32_t num_tokens;
+  int32_t num_heads;
+  int32_t reserved;                  /* must be 0 */
+  uint64_t v[KVP_MERGE_MAX_STATES];  /* entries >= num_states ignored */
+  uint64_t s[KVP_MERGE_MAX_STATES];  /* float32 */
+  int64_t v_token_stride;            /* shared by every v[i] */
+  int64_t v_head_stride;
+  int64_t s_token_stride;            /* float32 elements, shared by every s[i] */
+  int64_t s_head_stride;
+  uint64_t out;                      /* [num_tokens, num_heads, head_dim] */
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  uint64_t out_lse;                  /* float32; 0 = not wanted */
+  int64_t out_lse_token_stride;
+  int64_t out_lse_head_stride;
+} kvp_merge_states_args;
+
+#define KVP_MERGE_STATES_ARGS_INIT {sizeof(kvp_merge_states_args), 0, 0, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* *out = 1 when the CUDA driver loads and at least one device exists, else
+ * 0. Errors: NULL_POINTER. */
+kvp_status kvp_cuda_available(int32_t *out);
+
+/* Loads the kernels into the calling thread's current context (device 0's
+ * primary context when none is current) if not loaded yet. Launches do it on
+ * first use; call this before capturing a CUDA graph.
+ * Errors: NO_DEVICE, UNSUPPORTED (a build without kernels, or a GPU older
+ * than sm_80), CUDA. */
+kvp_status kvp_attn_prepare(void);
+
+/* *out_bytes = the decode workspace for batches of up to max_batch
+ * sequences with up to max_splits splits (0 = the library's default
+ * ceiling, 32). Allocate it once (device memory, 16-byte aligned) and pass
+ * it with every kvp_paged_decode. 0 when max_splits is 1. Needs no GPU.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
+kvp_status kvp_attn_workspace_size(int32_t max_batch, int32_t num_q_heads, int32_t head_dim,
+                                   int32_t max_splits, uint64_t *out_bytes);
+
+/* *out = the split count kvp_paged_decode chooses (num_splits = 0) for this
+ * batch shape on the current context's device, before capping it to the
+ * workspace: compute it once per step and pass it as num_splits to every
+ * layer, or leave num_splits 0. Errors: NULL_POINTER, INVALID_ARGUMENT,
+ * NO_DEVICE, CUDA. */
+kvp_status kvp_attn_num_splits(int32_t dtype, int32_t head_dim, int32_t batch, int32_t num_q_heads,
+                               int32_t num_kv_heads, int32_t max_seq_len, int32_t *out);
+
+/* Enqueues the KV write on stream. */
+kvp_status kvp_kv_write(const kvp_kv_write_args *args, uint64_t stream);
+
+/* Enqueues paged decode attention on stream (one kernel, or two with
+ * split-KV). */
+kvp_status kvp_paged_decode(const kvp_paged_decode_args *args, uint64_t stream);
+
+/* Enqueues the merge of attention states on stream. */
+kvp_status kvp_merge_states(const kvp_merge_states_args *args, uint64_t stream);
+#endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: attention kernels (end) ==== */
 
 /* ==== section: virtual-contiguous KV cache (begin) ==== */

@@ -478,6 +478,81 @@ class Manager {
 // ==== section: prefix cache (end) ====
 
 // ==== section: attention kernels (begin) ====
+
+namespace detail {
+struct AttnApi {
+  KVPLUG_FN(kvp_cuda_available);
+  KVPLUG_FN(kvp_attn_prepare);
+  KVPLUG_FN(kvp_attn_workspace_size);
+  KVPLUG_FN(kvp_attn_num_splits);
+  KVPLUG_FN(kvp_kv_write);
+  KVPLUG_FN(kvp_paged_decode);
+  KVPLUG_FN(kvp_merge_states);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_cuda_available);
+    KVPLUG_LOAD(lib, kvp_attn_prepare);
+    KVPLUG_LOAD(lib, kvp_attn_workspace_size);
+    KVPLUG_LOAD(lib, kvp_attn_num_splits);
+    KVPLUG_LOAD(lib, kvp_kv_write);
+    KVPLUG_LOAD(lib, kvp_paged_decode);
+    KVPLUG_LOAD(lib, kvp_merge_states);
+  }
+};
+inline const AttnApi &attn_api() { return table<AttnApi>(); }
+}  // namespace detail
+
+// Attention kernels on the engine's device pointers (raw CUdeviceptr values
+// as uint64_t) and CUstream (as uint64_t; 0 = legacy default stream). The
+// args structs are the C header's: initialise with their _INIT macro, set
+// the fields, and launch. Launches neither synchronise nor allocate.
+//
+//   kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
+//   a.dtype = KVP_DTYPE_BF16; a.head_dim = 128; a.batch = B; ...
+//   kvplug::attn::paged_decode(a, reinterpret_cast<uint64_t>(stream));
+namespace attn {
+
+// True when a CUDA driver and a device are present.
+inline bool cuda_available() {
+  int32_t v = 0;
+  detail::check(detail::attn_api().kvp_cuda_available(&v));
+  return v != 0;
+}
+
+// Loads the kernels into the current context now (before graph capture).
+inline void prepare() { detail::check(detail::attn_api().kvp_attn_prepare()); }
+
+// Bytes of decode workspace for batches up to max_batch with up to
+// max_splits splits (0 = the library's default ceiling).
+inline uint64_t workspace_size(int32_t max_batch, int32_t num_q_heads, int32_t head_dim,
+                               int32_t max_splits = 0) {
+  uint64_t n = 0;
+  detail::check(detail::attn_api().kvp_attn_workspace_size(max_batch, num_q_heads, head_dim, max_splits, &n));
+  return n;
+}
+
+// The split count paged_decode chooses for this shape on the current device.
+inline int32_t num_splits(kvp_dtype dtype, int32_t head_dim, int32_t batch, int32_t num_q_heads,
+                          int32_t num_kv_heads, int32_t max_seq_len) {
+  int32_t n = 0;
+  detail::check(detail::attn_api().kvp_attn_num_splits(dtype, head_dim, batch, num_q_heads, num_kv_heads,
+                                                       max_seq_len, &n));
+  return n;
+}
+
+inline void kv_write(const kvp_kv_write_args &a, uint64_t stream = 0) {
+  detail::check(detail::attn_api().kvp_kv_write(&a, stream));
+}
+
+inline void paged_decode(const kvp_paged_decode_args &a, uint64_t stream = 0) {
+  detail::check(detail::attn_api().kvp_paged_decode(&a, stream));
+}
+
+inline void merge_states(const kvp_merge_states_args &a, uint64_t stream = 0) {
+  detail::check(detail::attn_api().kvp_merge_states(&a, stream));
+}
+
+}  // namespace attn
+
 // ==== section: attention kernels (end) ====
 
 // ==== section: virtual-contiguous KV cache (begin) ====

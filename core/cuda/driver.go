@@ -44,6 +44,7 @@ var libraryNames = []string{"libcuda.so.1", "libcuda.so"}
 
 type binding struct {
 	fptr     any
+	raw      *uintptr // set instead of fptr: the bare address, for purego.SyscallN
 	name     string
 	optional bool
 }
@@ -58,12 +59,12 @@ var (
 
 // symbol registers a driver function to bind at Load. fptr is a pointer to a
 // func variable whose signature matches the C prototype.
-func symbol(fptr any, name string) { bindings = append(bindings, binding{fptr, name, false}) }
+func symbol(fptr any, name string) { bindings = append(bindings, binding{fptr: fptr, name: name}) }
 
 // optionalSymbol registers a function that older drivers may lack; Load leaves
 // the variable nil when the symbol is missing.
 func optionalSymbol(fptr any, name string) {
-	bindings = append(bindings, binding{fptr, name, true})
+	bindings = append(bindings, binding{fptr: fptr, name: name, optional: true})
 }
 
 var (
@@ -79,6 +80,12 @@ func init() {
 	symbol(&cuGetErrorString, "cuGetErrorString")
 	symbol(&cuDriverGetVersion, "cuDriverGetVersion")
 }
+
+// rawSymbol registers a driver function whose address Load stores in *p, for
+// calls on the launch path: purego.SyscallN on a bare address costs about a
+// tenth of a RegisterLibFunc call (which goes through reflection and
+// allocates) and, given heap-resident arguments, allocates nothing.
+func rawSymbol(p *uintptr, name string) { bindings = append(bindings, binding{raw: p, name: name}) }
 
 // Load opens the driver and calls cuInit(0) once per process. It is safe to
 // call from any goroutine; every call after the first returns the first
@@ -100,11 +107,16 @@ func load() error {
 		return fmt.Errorf("%w: cannot load the CUDA driver (libcuda.so.1): %v", ErrNoDevice, err)
 	}
 	for _, b := range bindings {
-		if _, err := purego.Dlsym(handle, b.name); err != nil {
+		addr, err := purego.Dlsym(handle, b.name)
+		if err != nil {
 			if b.optional {
 				continue
 			}
 			return fmt.Errorf("%w: the CUDA driver lacks %s; it is too old", ErrNoDevice, b.name)
+		}
+		if b.raw != nil {
+			*b.raw = addr
+			continue
 		}
 		purego.RegisterLibFunc(b.fptr, handle, b.name)
 	}

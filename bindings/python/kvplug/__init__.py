@@ -46,10 +46,12 @@ from ._lib import (
 )
 from .manager import Description, Manager, ManagerStats
 from .vmem import VirtualKVCache
+from . import attn
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "attn",
     "VirtualKVCache",
     "Manager",
     "ManagerStats",

@@ -1,0 +1,416 @@
+"""Attention kernels on torch CUDA tensors (kvp_kv_write, kvp_paged_decode,
+kvp_merge_states of include/kvplug.h).
+
+    from kvplug import attn
+    ws = torch.empty(attn.workspace_size(max_batch, 32, 128), dtype=torch.uint8, device="cuda")
+    attn.kv_write(k, v, k_cache, v_cache, slot_mapping)          # this step's K, V
+    out, lse = attn.paged_decode(q, k_cache, v_cache, block_table, seq_lens,
+                                 workspace=ws, return_lse=True)
+
+Tensors stay where they are: the calls pass their data_ptr and strides (in
+elements) to the library, which launches on the current torch stream of the
+tensors' device (or `stream`, a torch.cuda.Stream or a raw CUstream int)
+without synchronising, so the calls can be captured in CUDA graphs (call
+prepare() once first). The last dimension (head_dim) must be contiguous;
+K and V caches share strides; index arrays are int32. Misuse raises a
+KvplugError subclass (InvalidArgumentError, UnsupportedError, ...), never a
+crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+from . import _lib
+
+__all__ = [
+    "DTYPE_F16",
+    "DTYPE_BF16",
+    "DTYPE_F32",
+    "MERGE_MAX_STATES",
+    "cuda_available",
+    "prepare",
+    "workspace_size",
+    "num_splits",
+    "kv_write",
+    "paged_decode",
+    "merge_states",
+]
+
+DTYPE_F16, DTYPE_BF16, DTYPE_F32 = 1, 2, 3  # enum kvp_dtype
+MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
+
+_i32, _i64, _u64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
+
+
+class _KVWriteArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dtype", _i32),
+        ("head_dim", _i32),
+        ("num_tokens", _i32),
+        ("num_kv_heads", _i32),
+        ("num_blocks", _i32),
+        ("block_size", _i32),
+        ("key", _u64),
+        ("key_token_stride", _i64),
+        ("key_head_stride", _i64),
+        ("value", _u64),
+        ("value_token_stride", _i64),
+        ("value_head_stride", _i64),
+        ("k_cache", _u64),
+        ("v_cache", _u64),
+        ("cache_block_stride", _i64),
+        ("cache_token_stride", _i64),
+        ("cache_head_stride", _i64),
+        ("slot_mapping", _u64),
+    ]
+
+
+class _PagedDecodeArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dtype", _i32),
+        ("head_dim", _i32),
+        ("batch", _i32),
+        ("num_q_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("num_blocks", _i32),
+        ("block_size", _i32),
+        ("max_blocks_per_seq", _i32),
+        ("q", _u64),
+        ("q_batch_stride", _i64),
+        ("q_head_stride", _i64),
+        ("k_cache", _u64),
+        ("v_cache", _u64),
+        ("cache_block_stride", _i64),
+        ("cache_token_stride", _i64),
+        ("cache_head_stride", _i64),
+        ("block_table", _u64),
+        ("block_table_stride", _i64),
+        ("seq_lens", _u64),
+        ("out", _u64),
+        ("out_batch_stride", _i64),
+        ("out_head_stride", _i64),
+        ("lse", _u64),
+        ("workspace", _u64),
+        ("workspace_bytes", _u64),
+        ("scale", _f32),
+        ("num_splits", _i32),
+        ("max_seq_len", _i32),
+        ("reserved", _i32),
+    ]
+
+
+class _MergeStatesArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dtype", _i32),
+        ("head_dim", _i32),
+        ("num_states", _i32),
+        ("num_tokens", _i32),
+        ("num_heads", _i32),
+        ("reserved", _i32),
+        ("v", _u64 * MERGE_MAX_STATES),
+        ("s", _u64 * MERGE_MAX_STATES),
+        ("v_token_stride", _i64),
+        ("v_head_stride", _i64),
+        ("s_token_stride", _i64),
+        ("s_head_stride", _i64),
+        ("out", _u64),
+        ("out_token_stride", _i64),
+        ("out_head_stride", _i64),
+        ("out_lse", _u64),
+        ("out_lse_token_stride", _i64),
+        ("out_lse_head_stride", _i64),
+    ]
+
+
+def _fn(name: str, argtypes: Sequence[Any]) -> Any:
+    return _lib.fn(name, ctypes.c_int, argtypes)
+
+
+def _bad(msg: str) -> _lib.KvplugError:
+    return _lib.error_for(_lib.Status.INVALID_ARGUMENT, "kvplug.attn: " + msg)
+
+
+def _torch() -> Any:
+    import torch  # imported on use: the rest of the package works without torch
+
+    return torch
+
+
+def _dtype_code(t: Any, what: str) -> int:
+    torch = _torch()
+    codes = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}
+    code = codes.get(t.dtype)
+    if code is None:
+        raise _bad(f"{what} has dtype {t.dtype}; float16, bfloat16 or float32 expected")
+    return code
+
+
+def _cuda_tensor(t: Any, what: str, ndim: int, device: Any = None) -> None:
+    if not _lib._is_torch_tensor(t):
+        raise _bad(f"{what} must be a torch tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise _bad(f"{what} must be on a CUDA device, not {t.device}")
+    if device is not None and t.device != device:
+        raise _bad(f"{what} is on {t.device}; the other tensors are on {device}")
+    if t.dim() != ndim:
+        raise _bad(f"{what} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _same_dtype(t: Any, dtype: Any, what: str) -> None:
+    if t.dtype != dtype:
+        raise _bad(f"{what} has dtype {t.dtype}; {dtype} expected")
+
+
+def _rows(t: Any, what: str) -> None:
+    # head_dim contiguous (a size-1 dimension has any stride).
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise _bad(f"{what}: the last dimension must be contiguous, strides are {t.stride()}")
+
+
+def _index(t: Any, what: str, ndim: int, device: Any, dtype: Any) -> None:
+    _cuda_tensor(t, what, ndim, device)
+    if t.dtype != dtype:
+        raise _bad(f"{what} must be {dtype}, got {t.dtype} (convert once with .to({dtype}))")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise _bad(f"{what}: the last dimension must be contiguous, strides are {t.stride()}")
+
+
+def _stream(stream: Any, device: Any) -> int:
+    if stream is None:
+        return _torch().cuda.current_stream(device).cuda_stream
+    if isinstance(stream, int):
+        return stream
+    return int(stream.cuda_stream)
+
+
+def _check(st: int) -> None:
+    if st:
+        _lib.raise_status(st)
+
+
+def cuda_available() -> bool:
+    """True when the library finds a CUDA driver and a device."""
+    v = ctypes.c_int32(0)
+    _check(_fn("kvp_cuda_available", [ctypes.POINTER(ctypes.c_int32)])(ctypes.byref(v)))
+    return bool(v.value)
+
+
+def prepare(device: Any = None) -> None:
+    """Loads the kernels on `device` (default: torch's current device) now,
+    so that no launch loads them, as graph capture requires."""
+    torch = _torch()
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        torch.cuda.init()
+        torch.empty(0, device="cuda")  # makes torch's context current on this thread
+        _check(_fn("kvp_attn_prepare", [])())
+
+
+def workspace_size(max_batch: int, num_q_heads: int, head_dim: int, max_splits: int = 0) -> int:
+    """Bytes of decode workspace for batches up to max_batch with up to
+    max_splits splits (0: the library's default ceiling)."""
+    out = ctypes.c_uint64(0)
+    f = _fn("kvp_attn_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_uint64)])
+    _check(f(max_batch, num_q_heads, head_dim, max_splits, ctypes.byref(out)))
+    return int(out.value)
+
+
+def num_splits(dtype: Any, head_dim: int, batch: int, num_q_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """The split count paged_decode chooses for this shape on torch's current
+    device (before capping it to the workspace). dtype: a torch dtype or a
+    DTYPE_* code."""
+    torch = _torch()
+    if not isinstance(dtype, int):
+        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    out = ctypes.c_int32(0)
+    f = _fn("kvp_attn_num_splits", [_i32, _i32, _i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_int32)])
+    with torch.cuda.device(torch.cuda.current_device()):
+        _check(f(dtype, head_dim, batch, num_q_heads, num_kv_heads, max_seq_len, ctypes.byref(out)))
+    return int(out.value)
+
+
+def _cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
+    _cuda_tensor(k_cache, "k_cache", 4)
+    _cuda_tensor(v_cache, "v_cache", 4, k_cache.device)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise _bad(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    _same_dtype(v_cache, k_cache.dtype, "v_cache")
+    if v_cache.stride() != k_cache.stride():
+        raise _bad(f"k_cache and v_cache must share strides: {k_cache.stride()} vs {v_cache.stride()}")
+    _rows(k_cache, "k_cache")
+    s = k_cache.stride()
+    return s[0], s[1], s[2]
+
+
+def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None) -> None:
+    """Writes key and value ([num_tokens, num_kv_heads, head_dim]) into the
+    caches ([num_blocks, block_size, num_kv_heads, head_dim]) at
+    slot_mapping (int32 [num_tokens]; slot = block * block_size + offset,
+    negative = padding, skipped)."""
+    cb, ct, ch = _cache_strides(k_cache, v_cache)
+    dev = k_cache.device
+    _cuda_tensor(key, "key", 3, dev)
+    _cuda_tensor(value, "value", 3, dev)
+    _same_dtype(key, k_cache.dtype, "key")
+    _same_dtype(value, k_cache.dtype, "value")
+    nb, bs, kvh, d = k_cache.shape
+    for t, name in ((key, "key"), (value, "value")):
+        if tuple(t.shape[1:]) != (kvh, d):
+            raise _bad(f"{name} has shape {tuple(t.shape)}; [num_tokens, {kvh}, {d}] expected")
+        _rows(t, name)
+    if value.shape[0] != key.shape[0]:
+        raise _bad(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    _index(slot_mapping, "slot_mapping", 1, dev, _torch().int32)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise _bad(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    a = _KVWriteArgs(
+        ctypes.sizeof(_KVWriteArgs), _dtype_code(key, "key"), d, key.shape[0], kvh, nb, bs,
+        key.data_ptr(), key.stride(0), key.stride(1),
+        value.data_ptr(), value.stride(0), value.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch, slot_mapping.data_ptr(),
+    )
+    f = _fn("kvp_kv_write", [ctypes.POINTER(_KVWriteArgs), ctypes.c_uint64])
+    with _torch().cuda.device(dev):
+        _check(f(ctypes.byref(a), _stream(stream, dev)))
+
+
+def paged_decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    out: Any = None,
+    lse: Any = None,
+    scale: Optional[float] = None,
+    workspace: Any = None,
+    num_splits: int = 0,
+    max_seq_len: int = 0,
+    return_lse: bool = False,
+    stream: Any = None,
+) -> Any:
+    """Decode attention of q ([batch, num_q_heads, head_dim], one token per
+    sequence) over the paged caches through block_table (int32 [batch,
+    max_blocks]) and seq_lens (int32 [batch]). Returns out (allocated when
+    None), or (out, lse) with return_lse (lse float32 [batch, num_q_heads],
+    natural log; allocated when None). workspace: a CUDA tensor of at least
+    workspace_size(...) bytes enabling split-KV; num_splits 0 lets the
+    library choose from max_seq_len (0: max_blocks * block_size)."""
+    torch = _torch()
+    cb, ct, ch = _cache_strides(k_cache, v_cache)
+    dev = k_cache.device
+    _cuda_tensor(q, "q", 3, dev)
+    _same_dtype(q, k_cache.dtype, "q")
+    nb, bs, kvh, d = k_cache.shape
+    batch, qh = q.shape[0], q.shape[1]
+    if q.shape[2] != d:
+        raise _bad(f"q has head_dim {q.shape[2]}, the caches {d}")
+    _rows(q, "q")
+    _index(block_table, "block_table", 2, dev, torch.int32)
+    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
+    if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise _bad(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries for batch {batch}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _cuda_tensor(out, "out", 3, dev)
+        _same_dtype(out, q.dtype, "out")
+        if tuple(out.shape) != tuple(q.shape):
+            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
+        _rows(out, "out")
+    lse_ptr = 0
+    if lse is None and return_lse:
+        lse = torch.empty((batch, qh), dtype=torch.float32, device=dev)
+    if lse is not None:
+        _cuda_tensor(lse, "lse", 2, dev)
+        _same_dtype(lse, torch.float32, "lse")
+        if tuple(lse.shape) != (batch, qh) or not lse.is_contiguous():
+            raise _bad(f"lse must be a contiguous float32 [{batch}, {qh}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
+        lse_ptr = lse.data_ptr()
+    ws_ptr, ws_bytes = 0, 0
+    if workspace is not None:
+        _cuda_tensor(workspace, "workspace", workspace.dim(), dev)
+        if not workspace.is_contiguous():
+            raise _bad("workspace must be contiguous")
+        ws_ptr, ws_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    tstride = block_table.stride(0) if batch > 1 else block_table.shape[1]
+    a = _PagedDecodeArgs(
+        ctypes.sizeof(_PagedDecodeArgs), _dtype_code(q, "q"), d, batch, qh, kvh, nb, bs, block_table.shape[1],
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
+        block_table.data_ptr(), tstride, seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        lse_ptr, ws_ptr, ws_bytes, scale, num_splits, max_seq_len, 0,
+    )
+    f = _fn("kvp_paged_decode", [ctypes.POINTER(_PagedDecodeArgs), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(a), _stream(stream, dev)))
+    return (out, lse) if return_lse else out
+
+
+def merge_states(
+    values: Sequence[Any],
+    lses: Sequence[Any],
+    out: Any = None,
+    out_lse: Any = None,
+    return_lse: bool = True,
+    stream: Any = None,
+) -> Any:
+    """Merges attention states: values[i] ([num_tokens, num_heads, head_dim],
+    all with the same strides) with lses[i] (float32 [num_tokens, num_heads],
+    natural log, -inf = empty, all with the same strides). Returns (out,
+    out_lse), or out alone when return_lse is False and out_lse is None."""
+    torch = _torch()
+    n = len(values)
+    if n < 1 or n > MERGE_MAX_STATES or len(lses) != n:
+        raise _bad(f"1..{MERGE_MAX_STATES} states with one lse each expected, got {len(values)} values and {len(lses)} lses")
+    v0, s0 = values[0], lses[0]
+    _cuda_tensor(v0, "values[0]", 3, None)
+    dev = v0.device
+    tokens, heads, d = v0.shape
+    for i in range(n):
+        v, s = values[i], lses[i]
+        _cuda_tensor(v, f"values[{i}]", 3, dev)
+        _cuda_tensor(s, f"lses[{i}]", 2, dev)
+        _same_dtype(v, v0.dtype, f"values[{i}]")
+        _same_dtype(s, torch.float32, f"lses[{i}]")
+        if tuple(v.shape) != tuple(v0.shape) or v.stride() != v0.stride():
+            raise _bad(f"values[{i}] has shape {tuple(v.shape)} strides {v.stride()}; values[0] {tuple(v0.shape)} {v0.stride()}")
+        if tuple(s.shape) != (tokens, heads) or s.stride() != s0.stride():
+            raise _bad(f"lses[{i}] has shape {tuple(s.shape)} strides {s.stride()}; [{tokens}, {heads}] with lses[0]'s strides expected")
+        _rows(v, f"values[{i}]")
+    if out is None:
+        out = torch.empty((tokens, heads, d), dtype=v0.dtype, device=dev)
+    else:
+        _cuda_tensor(out, "out", 3, dev)
+        _same_dtype(out, v0.dtype, "out")
+        if tuple(out.shape) != tuple(v0.shape):
+            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(v0.shape)} expected")
+        _rows(out, "out")
+    if out_lse is None and return_lse:
+        out_lse = torch.empty((tokens, heads), dtype=torch.float32, device=dev)
+    lse_ptr, lse_strides = 0, (0, 0)
+    if out_lse is not None:
+        _cuda_tensor(out_lse, "out_lse", 2, dev)
+        _same_dtype(out_lse, torch.float32, "out_lse")
+        if tuple(out_lse.shape) != (tokens, heads):
+            raise _bad(f"out_lse has shape {tuple(out_lse.shape)}; [{tokens}, {heads}] expected")
+        lse_ptr, lse_strides = out_lse.data_ptr(), out_lse.stride()
+    vs = (_u64 * MERGE_MAX_STATES)(*[v.data_ptr() for v in values])
+    ss = (_u64 * MERGE_MAX_STATES)(*[s.data_ptr() for s in lses])
+    a = _MergeStatesArgs(
+        ctypes.sizeof(_MergeStatesArgs), _dtype_code(v0, "values"), d, n, tokens, heads, 0, vs, ss,
+        v0.stride(0), v0.stride(1), s0.stride(0), s0.stride(1),
+        out.data_ptr(), out.stride(0), out.stride(1), lse_ptr, lse_strides[0], lse_strides[1],
+    )
+    f = _fn("kvp_merge_states", [ctypes.POINTER(_MergeStatesArgs), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(a), _stream(stream, dev)))
+    return (out, out_lse) if (return_lse or out_lse is not None) else out

@@ -1,0 +1,164 @@
+package main
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"math"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// The launch exports translate the args struct into core/attn's on the
+// stack and call it: no allocation on success, and the caller's C thread
+// (pinned for the call) is the one whose current CUDA context is used.
+
+//export kvp_cuda_available
+func kvp_cuda_available(out *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_cuda_available: out must not be NULL")
+	}
+	*out = 0
+	if cuda.Available() {
+		*out = 1
+	}
+	return C.KVP_OK
+}
+
+//export kvp_attn_prepare
+func kvp_attn_prepare() (st C.kvp_status) {
+	defer guard(&st)
+	return fail(attn.Prepare())
+}
+
+//export kvp_attn_workspace_size
+func kvp_attn_workspace_size(maxBatch, qHeads, headDim, maxSplits C.int32_t, out *C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_attn_workspace_size: out_bytes must not be NULL")
+	}
+	n, err := attn.WorkspaceSize(int(maxBatch), int(qHeads), int(headDim), int(maxSplits))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uint64_t(n)
+	return C.KVP_OK
+}
+
+//export kvp_attn_num_splits
+func kvp_attn_num_splits(dtype, headDim, batch, qHeads, kvHeads, maxSeqLen C.int32_t, out *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_attn_num_splits: out must not be NULL")
+	}
+	n, err := attn.NumSplits(attn.DType(dtype), int(headDim), int(batch), int(qHeads), int(kvHeads), int(maxSeqLen))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.int32_t(n)
+	return C.KVP_OK
+}
+
+//export kvp_kv_write
+func kvp_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if a == nil {
+		return failf(kverr.NullPointer, "kvp_kv_write: args must not be NULL")
+	}
+	size := unsafe.Sizeof(*a)
+	if err := checkSize(a.struct_size, size, size, "kvp_kv_write_args"); err != nil {
+		return fail(err)
+	}
+	w := attn.KVWriteArgs{
+		KVWriteLayout: attn.KVWriteLayout{
+			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim),
+			NumTokens: int(a.num_tokens), NumKVHeads: int(a.num_kv_heads),
+			KeyTokenStride: int64(a.key_token_stride), KeyHeadStride: int64(a.key_head_stride),
+			ValueTokenStride: int64(a.value_token_stride), ValueHeadStride: int64(a.value_head_stride),
+			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
+			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
+			CacheHeadStride: int64(a.cache_head_stride),
+		},
+		Key: cuda.DevicePtr(a.key), Value: cuda.DevicePtr(a.value),
+		KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
+		SlotMapping: cuda.DevicePtr(a.slot_mapping),
+	}
+	return fail(attn.KVWrite(&w, cuda.Stream(stream)))
+}
+
+//export kvp_paged_decode
+func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if a == nil {
+		return failf(kverr.NullPointer, "kvp_paged_decode: args must not be NULL")
+	}
+	size := unsafe.Sizeof(*a)
+	if err := checkSize(a.struct_size, size, size, "kvp_paged_decode_args"); err != nil {
+		return fail(err)
+	}
+	if a.reserved != 0 {
+		return failf(kverr.InvalidArgument, "kvp_paged_decode: reserved must be 0: got %d", int32(a.reserved))
+	}
+	if a.workspace_bytes > math.MaxInt64 {
+		return failf(kverr.InvalidArgument, "kvp_paged_decode: workspace_bytes %d is too large", uint64(a.workspace_bytes))
+	}
+	scale := float32(a.scale)
+	if scale == 0 && a.head_dim > 0 {
+		scale = float32(1 / math.Sqrt(float64(a.head_dim)))
+	}
+	d := attn.PagedDecodeArgs{
+		DecodeLayout: attn.DecodeLayout{
+			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim), Batch: int(a.batch),
+			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads),
+			QBatchStride: int64(a.q_batch_stride), QHeadStride: int64(a.q_head_stride),
+			OutBatchStride: int64(a.out_batch_stride), OutHeadStride: int64(a.out_head_stride),
+			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
+			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
+			CacheHeadStride: int64(a.cache_head_stride),
+			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
+			Scale: scale,
+		},
+		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
+		BlockTable: cuda.DevicePtr(a.block_table), SeqLens: cuda.DevicePtr(a.seq_lens),
+		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(a.workspace_bytes),
+		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len),
+	}
+	return fail(attn.PagedDecode(&d, cuda.Stream(stream)))
+}
+
+//export kvp_merge_states
+func kvp_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if a == nil {
+		return failf(kverr.NullPointer, "kvp_merge_states: args must not be NULL")
+	}
+	size := unsafe.Sizeof(*a)
+	if err := checkSize(a.struct_size, size, size, "kvp_merge_states_args"); err != nil {
+		return fail(err)
+	}
+	if a.reserved != 0 {
+		return failf(kverr.InvalidArgument, "kvp_merge_states: reserved must be 0: got %d", int32(a.reserved))
+	}
+	m := attn.MergeArgs{
+		MergeLayout: attn.MergeLayout{
+			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim), NumStates: int(a.num_states),
+			NumTokens: int(a.num_tokens), NumHeads: int(a.num_heads),
+			VTokenStride: int64(a.v_token_stride), VHeadStride: int64(a.v_head_stride),
+			STokenStride: int64(a.s_token_stride), SHeadStride: int64(a.s_head_stride),
+			OutTokenStride: int64(a.out_token_stride), OutHeadStride: int64(a.out_head_stride),
+			OutLSETokenStride: int64(a.out_lse_token_stride), OutLSEHeadStride: int64(a.out_lse_head_stride),
+		},
+		Out: cuda.DevicePtr(a.out), OutLSE: cuda.DevicePtr(a.out_lse),
+	}
+	for i := 0; i < attn.MaxMergeStates; i++ {
+		m.V[i], m.S[i] = cuda.DevicePtr(a.v[i]), cuda.DevicePtr(a.s[i])
+	}
+	return fail(attn.MergeStates(&m, cuda.Stream(stream)))
+}

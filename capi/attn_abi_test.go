@@ -1,0 +1,71 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+func TestAttnABIArgumentChecks(t *testing.T) {
+	good := decodeHookArgs{structSize: sizeofPagedDecodeArgs(), dtype: 2, headDim: 128, batch: 2, qHeads: 8, kvHeads: 2,
+		numBlocks: 8, blockSize: 16, maxBlocks: 4, q: 0x1000, k: 0x2000, v: 0x3000, table: 0x4000, lens: 0x5000, out: 0x6000}
+	expect(t, "null args", hookPagedDecode(&good, true), kverr.NullPointer)
+	a := good
+	a.structSize--
+	expect(t, "struct_size", hookPagedDecode(&a, false), kverr.StructSize)
+	a = good
+	a.dtype = 9
+	expect(t, "dtype 9", hookPagedDecode(&a, false), kverr.InvalidArgument)
+	a = good
+	a.headDim = 80
+	expect(t, "head_dim 80", hookPagedDecode(&a, false), kverr.Unsupported)
+	a = good
+	a.kvHeads = 3
+	expect(t, "gqa 8/3", hookPagedDecode(&a, false), kverr.InvalidArgument)
+	a = good
+	a.out = 0
+	expect(t, "out 0", hookPagedDecode(&a, false), kverr.NullPointer)
+	a = good
+	a.reserved = 1
+	expect(t, "reserved", hookPagedDecode(&a, false), kverr.InvalidArgument)
+	a = good
+	a.numSplits, a.workspace, a.workspaceBytes = 4, 0x8000, 100
+	expect(t, "workspace small", hookPagedDecode(&a, false), kverr.BufferTooSmall)
+	a = good
+	a.workspaceBytes = 1 << 63
+	expect(t, "workspace_bytes huge", hookPagedDecode(&a, false), kverr.InvalidArgument)
+
+	expect(t, "kv_write struct_size", hookKVWrite(8, 1, 64), kverr.StructSize)
+	expect(t, "kv_write dtype", hookKVWrite(sizeofKVWriteArgs(), 0, 64), kverr.InvalidArgument)
+	expect(t, "merge 9 states", hookMergeStates(9, 0), kverr.InvalidArgument)
+	expect(t, "merge reserved", hookMergeStates(2, 5), kverr.InvalidArgument)
+
+	if cuda.Load() != nil {
+		// Valid arguments on a machine without a driver.
+		expect(t, "decode without driver", hookPagedDecode(&good, false), kverr.NoDevice)
+		expect(t, "kv_write without driver", hookKVWrite(sizeofKVWriteArgs(), 1, 64), kverr.NoDevice)
+		expect(t, "merge without driver", hookMergeStates(2, 0), kverr.NoDevice)
+		_, st := hookNumSplits(1, 128, 4, 32, 8, 4096)
+		expect(t, "num_splits without driver", st, kverr.NoDevice)
+		v, st := hookCudaAvailable()
+		if st != 0 || v != 0 {
+			t.Fatalf("kvp_cuda_available without driver: %d, %s", v, statusName(st))
+		}
+	}
+	_, st := hookNumSplits(1, 128, 4, 32, 7, 4096)
+	expect(t, "num_splits gqa", st, kverr.InvalidArgument)
+}
+
+func TestAttnABIWorkspaceSize(t *testing.T) {
+	n, st := hookWorkspaceSize(8, 32, 128, 4, false)
+	if st != 0 || n != 4*4*8*32*129 {
+		t.Fatalf("workspace size %d, %s %s", n, statusName(st), lastError())
+	}
+	_, st = hookWorkspaceSize(8, 32, 128, 4, true)
+	expect(t, "null out", st, kverr.NullPointer)
+	_, st = hookWorkspaceSize(0, 32, 128, 4, false)
+	expect(t, "batch 0", st, kverr.InvalidArgument)
+	_, st = hookWorkspaceSize(8, 32, 128, 1000, false)
+	expect(t, "1000 splits", st, kverr.InvalidArgument)
+}

@@ -1,0 +1,90 @@
+package main
+
+// Go-typed entry points over the attention exports, for capi's tests (test
+// files cannot use cgo).
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import "unsafe"
+
+// decodeHookArgs mirrors the kvp_paged_decode_args fields the tests set.
+type decodeHookArgs struct {
+	structSize                             uintptr
+	dtype, headDim, batch, qHeads, kvHeads int32
+	numBlocks, blockSize, maxBlocks        int32
+	q, k, v, table, lens, out, lse         uint64
+	workspace, workspaceBytes              uint64
+	numSplits, reserved                    int32
+}
+
+func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
+	if null {
+		return abiStatus(kvp_paged_decode(nil, 0))
+	}
+	a := C.kvp_paged_decode_args{
+		struct_size: C.size_t(h.structSize), dtype: C.int32_t(h.dtype), head_dim: C.int32_t(h.headDim),
+		batch: C.int32_t(h.batch), num_q_heads: C.int32_t(h.qHeads), num_kv_heads: C.int32_t(h.kvHeads),
+		num_blocks: C.int32_t(h.numBlocks), block_size: C.int32_t(h.blockSize), max_blocks_per_seq: C.int32_t(h.maxBlocks),
+		q: C.uint64_t(h.q), k_cache: C.uint64_t(h.k), v_cache: C.uint64_t(h.v),
+		block_table: C.uint64_t(h.table), seq_lens: C.uint64_t(h.lens), out: C.uint64_t(h.out), lse: C.uint64_t(h.lse),
+		workspace: C.uint64_t(h.workspace), workspace_bytes: C.uint64_t(h.workspaceBytes),
+		num_splits: C.int32_t(h.numSplits), reserved: C.int32_t(h.reserved),
+	}
+	// Contiguous layouts.
+	D, qh, kvh, bs := int64(h.headDim), int64(h.qHeads), int64(h.kvHeads), int64(h.blockSize)
+	a.q_batch_stride, a.q_head_stride = C.int64_t(qh*D), C.int64_t(D)
+	a.out_batch_stride, a.out_head_stride = C.int64_t(qh*D), C.int64_t(D)
+	a.cache_block_stride, a.cache_token_stride, a.cache_head_stride = C.int64_t(bs*kvh*D), C.int64_t(kvh*D), C.int64_t(D)
+	a.block_table_stride = C.int64_t(h.maxBlocks)
+	return abiStatus(kvp_paged_decode(&a, 0))
+}
+
+func sizeofPagedDecodeArgs() uintptr { return unsafe.Sizeof(C.kvp_paged_decode_args{}) }
+
+func hookKVWrite(structSize uintptr, dtype, headDim int32) abiStatus {
+	a := C.kvp_kv_write_args{struct_size: C.size_t(structSize), dtype: C.int32_t(dtype), head_dim: C.int32_t(headDim),
+		num_tokens: 1, num_kv_heads: 1, num_blocks: 1, block_size: 1,
+		key: 0x1000, value: 0x2000, k_cache: 0x3000, v_cache: 0x4000, slot_mapping: 0x5000,
+		key_token_stride: C.int64_t(headDim), key_head_stride: C.int64_t(headDim),
+		value_token_stride: C.int64_t(headDim), value_head_stride: C.int64_t(headDim),
+		cache_block_stride: C.int64_t(headDim), cache_token_stride: C.int64_t(headDim), cache_head_stride: C.int64_t(headDim)}
+	return abiStatus(kvp_kv_write(&a, 0))
+}
+
+func sizeofKVWriteArgs() uintptr { return unsafe.Sizeof(C.kvp_kv_write_args{}) }
+
+func hookMergeStates(numStates int32, reserved int32) abiStatus {
+	a := C.kvp_merge_states_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_merge_states_args{})),
+		dtype: C.KVP_DTYPE_F32, head_dim: 64, num_states: C.int32_t(numStates), num_tokens: 1, num_heads: 1,
+		reserved: C.int32_t(reserved), v_token_stride: 64, v_head_stride: 64, s_token_stride: 1, s_head_stride: 1,
+		out: 0x9000, out_token_stride: 64, out_head_stride: 64}
+	for i := 0; i < int(C.KVP_MERGE_MAX_STATES); i++ {
+		a.v[i], a.s[i] = C.uint64_t(0x1000*(i+1)), C.uint64_t(0x100000+0x1000*i)
+	}
+	return abiStatus(kvp_merge_states(&a, 0))
+}
+
+func hookWorkspaceSize(maxBatch, qHeads, headDim, maxSplits int32, null bool) (uint64, abiStatus) {
+	var n C.uint64_t
+	p := &n
+	if null {
+		p = nil
+	}
+	st := kvp_attn_workspace_size(C.int32_t(maxBatch), C.int32_t(qHeads), C.int32_t(headDim), C.int32_t(maxSplits), p)
+	return uint64(n), abiStatus(st)
+}
+
+func hookCudaAvailable() (int32, abiStatus) {
+	var v C.int32_t = 7
+	st := kvp_cuda_available(&v)
+	return int32(v), abiStatus(st)
+}
+
+func hookNumSplits(dtype, headDim, batch, qHeads, kvHeads, maxLen int32) (int32, abiStatus) {
+	var v C.int32_t
+	st := kvp_attn_num_splits(C.int32_t(dtype), C.int32_t(headDim), C.int32_t(batch), C.int32_t(qHeads), C.int32_t(kvHeads), C.int32_t(maxLen), &v)
+	return int32(v), abiStatus(st)
+}

@@ -1,0 +1,345 @@
+// Package attn launches the library's attention kernels (KV write, paged
+// decode with split-KV, merge of attention states) on the engine's device
+// pointers and stream, and holds a CPU reference backend in Go with the same
+// semantics, computed in float64, that tests use as the oracle.
+//
+// Layouts follow kernels/kvplug_kernels.h: strides count elements of the
+// tensor's dtype (float32 elements for log-sum-exp arrays), head_dim is
+// contiguous, and the paged cache is [num_blocks, block_size, num_kv_heads,
+// head_dim] with K and V sharing strides. Launches check every argument
+// first and report misuse as a status, never as a fault; they allocate
+// nothing and never synchronise, so they can be captured in CUDA graphs.
+package attn
+
+import (
+	"math/bits"
+	"slices"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Limits of the arguments (beyond these the kernels' grids or the int32
+// fields of their parameters overflow).
+const (
+	MaxHeads     = 1 << 12
+	MaxSplits    = 256
+	maxBatch     = maxGridYZ // decode grid.y
+	maxElemIndex = 1 << 50   // largest element offset any stride may reach
+)
+
+// SupportedHeadDim reports whether the kernels are built for head_dim d.
+func SupportedHeadDim(d int) bool { return d == 64 || d == 128 || d == 256 }
+
+// KVWriteLayout is the shape of a KV write: K and V of this step
+// ([num_tokens, num_kv_heads, head_dim]) scattered into the paged caches
+// through a slot mapping (slot = block*block_size + offset; negative =
+// padding, skipped).
+type KVWriteLayout struct {
+	DType      DType
+	HeadDim    int
+	NumTokens  int // 0: nothing to do
+	NumKVHeads int
+
+	KeyTokenStride, KeyHeadStride     int64
+	ValueTokenStride, ValueHeadStride int64
+
+	NumBlocks, BlockSize int
+	// Shared by the K and V caches.
+	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
+}
+
+// DecodeLayout is the shape of paged decode attention: one query token per
+// sequence, q and out [batch, num_q_heads, head_dim], the block table int32
+// [batch, block_table_stride] of which columns < max_blocks_per_seq are read,
+// sequence lengths int32 [batch], and an optional float32 log-sum-exp
+// [batch, num_q_heads], contiguous.
+type DecodeLayout struct {
+	DType      DType
+	HeadDim    int
+	Batch      int // 0: nothing to do
+	NumQHeads  int
+	NumKVHeads int
+
+	QBatchStride, QHeadStride     int64
+	OutBatchStride, OutHeadStride int64
+
+	NumBlocks, BlockSize                                int
+	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
+
+	MaxBlocksPerSeq  int
+	BlockTableStride int64
+
+	Scale float32 // softmax scale, usually 1/sqrt(head_dim)
+}
+
+// MergeLayout is the shape of a merge of NumStates attention states, each a
+// value [num_tokens, num_heads, head_dim] (dtype) and a float32 natural-log
+// log-sum-exp [num_tokens, num_heads] (-inf: empty state), all values with
+// the same strides and all lse arrays with the same strides.
+type MergeLayout struct {
+	DType     DType
+	HeadDim   int
+	NumStates int // 1..8
+	NumTokens int // 0: nothing to do
+	NumHeads  int
+
+	VTokenStride, VHeadStride           int64
+	STokenStride, SHeadStride           int64 // float32 elements
+	OutTokenStride, OutHeadStride       int64
+	OutLSETokenStride, OutLSEHeadStride int64 // float32 elements; used when out_lse is given
+}
+
+// dim is one dimension of a strided view: extent and stride in elements.
+type dim struct {
+	n      int
+	stride int64
+}
+
+// span returns one past the largest element offset of a view whose innermost
+// inner elements are contiguous, or an error when a stride is negative or
+// the offsets overflow.
+func span(what string, inner int, dims ...dim) (int64, error) {
+	end := int64(inner)
+	for _, d := range dims {
+		if d.stride < 0 {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: strides must not be negative: got %d", what, d.stride)
+		}
+		if d.n <= 1 {
+			continue
+		}
+		hi, lo := bits.Mul64(uint64(d.stride), uint64(d.n-1))
+		if hi != 0 || lo > maxElemIndex {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: stride %d over %d elements reaches past 2^50 elements", what, d.stride, d.n)
+		}
+		end += int64(lo)
+		if end > maxElemIndex {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: strides reach past 2^50 elements", what)
+		}
+	}
+	return end, nil
+}
+
+// disjoint reports an error unless the rows of a written view (inner
+// contiguous elements each) never overlap: sorted by stride, each stride must
+// step over everything the smaller ones span.
+func disjoint(what string, inner int, dims ...dim) error {
+	ds := make([]dim, 0, 4)
+	for _, d := range dims {
+		if d.n > 1 {
+			ds = append(ds, d)
+		}
+	}
+	slices.SortFunc(ds, func(a, b dim) int {
+		switch {
+		case a.stride < b.stride:
+			return -1
+		case a.stride > b.stride:
+			return 1
+		}
+		return 0
+	})
+	reach := int64(inner)
+	for _, d := range ds {
+		if d.stride < reach {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: written rows overlap: a stride of %d elements is less than the %d elements the inner dimensions span", what, d.stride, reach)
+		}
+		reach += d.stride * int64(d.n-1)
+	}
+	return nil
+}
+
+// vecMultiple checks the kernels' 16-byte vector rule: every stride of a
+// dtype tensor is a multiple of 16 / sizeof(dtype) elements.
+func vecMultiple(what string, d DType, strides ...int64) error {
+	v := int64(16 / d.Size())
+	for _, s := range strides {
+		if s%v != 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: strides of a %v tensor must be multiples of %d elements (16 bytes): got %d", what, d, v, s)
+		}
+	}
+	return nil
+}
+
+func inRange(what string, v, lo, hi int) error {
+	if v < lo || v > hi {
+		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [%d, %d]: got %d", what, lo, hi, v)
+	}
+	return nil
+}
+
+func checkHead(what string, d DType, headDim int) error {
+	if err := d.check(what); err != nil {
+		return err
+	}
+	if !SupportedHeadDim(headDim) {
+		return kverr.Errorf(kverr.Unsupported, "%s: head_dim must be 64, 128 or 256: got %d", what, headDim)
+	}
+	return nil
+}
+
+// extents of a layout's tensors in elements, for the CPU reference's bounds
+// checks.
+type kvWriteExtents struct{ key, value, cache int64 }
+
+func (l *KVWriteLayout) validate() (kvWriteExtents, error) {
+	const what = "kv_write"
+	var e kvWriteExtents
+	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_tokens", l.NumTokens, 0, 1<<30); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": block_size", l.BlockSize, 1, 1<<20); err != nil {
+		return e, err
+	}
+	if int64(l.NumBlocks)*int64(l.BlockSize) > 1<<31-1 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: num_blocks*block_size must fit an int32 slot: %d*%d", what, l.NumBlocks, l.BlockSize)
+	}
+	if err := vecMultiple(what, l.DType, l.KeyTokenStride, l.KeyHeadStride, l.ValueTokenStride, l.ValueHeadStride,
+		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+		return e, err
+	}
+	var err error
+	if e.key, err = span(what+": key", l.HeadDim, dim{l.NumTokens, l.KeyTokenStride}, dim{l.NumKVHeads, l.KeyHeadStride}); err != nil {
+		return e, err
+	}
+	if e.value, err = span(what+": value", l.HeadDim, dim{l.NumTokens, l.ValueTokenStride}, dim{l.NumKVHeads, l.ValueHeadStride}); err != nil {
+		return e, err
+	}
+	cache := []dim{{l.NumBlocks, l.CacheBlockStride}, {l.BlockSize, l.CacheTokenStride}, {l.NumKVHeads, l.CacheHeadStride}}
+	if e.cache, err = span(what+": cache", l.HeadDim, cache...); err != nil {
+		return e, err
+	}
+	if err := disjoint(what+": cache", l.HeadDim, cache...); err != nil {
+		return e, err
+	}
+	if l.NumTokens == 0 {
+		e.key, e.value = 0, 0
+	}
+	return e, nil
+}
+
+type decodeExtents struct{ q, cache, out, table int64 }
+
+func (l *DecodeLayout) validate() (decodeExtents, error) {
+	const what = "paged_decode"
+	var e decodeExtents
+	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": batch", l.Batch, 0, maxBatch); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_q_heads", l.NumQHeads, 1, MaxHeads); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads); err != nil {
+		return e, err
+	}
+	if l.NumQHeads%l.NumKVHeads != 0 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: num_q_heads (%d) must be a multiple of num_kv_heads (%d)", what, l.NumQHeads, l.NumKVHeads)
+	}
+	if err := inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": block_size", l.BlockSize, 1, 1<<20); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30); err != nil {
+		return e, err
+	}
+	if int64(l.MaxBlocksPerSeq)*int64(l.BlockSize) > 1<<31-1 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: max_blocks_per_seq*block_size must fit an int32 length: %d*%d", what, l.MaxBlocksPerSeq, l.BlockSize)
+	}
+	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
+	}
+	if !(l.Scale == l.Scale) || l.Scale > 3.4e38 || l.Scale < -3.4e38 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: scale must be finite: got %g", what, l.Scale)
+	}
+	if err := vecMultiple(what, l.DType, l.QBatchStride, l.QHeadStride, l.OutBatchStride, l.OutHeadStride,
+		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+		return e, err
+	}
+	var err error
+	if e.q, err = span(what+": q", l.HeadDim, dim{l.Batch, l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
+		return e, err
+	}
+	out := []dim{{l.Batch, l.OutBatchStride}, {l.NumQHeads, l.OutHeadStride}}
+	if e.out, err = span(what+": out", l.HeadDim, out...); err != nil {
+		return e, err
+	}
+	if err := disjoint(what+": out", l.HeadDim, out...); err != nil {
+		return e, err
+	}
+	if e.cache, err = span(what+": cache", l.HeadDim, dim{l.NumBlocks, l.CacheBlockStride}, dim{l.BlockSize, l.CacheTokenStride}, dim{l.NumKVHeads, l.CacheHeadStride}); err != nil {
+		return e, err
+	}
+	e.table = int64(l.MaxBlocksPerSeq)
+	if l.Batch > 1 {
+		e.table += int64(l.Batch-1) * l.BlockTableStride
+	}
+	if l.Batch == 0 {
+		e.q, e.out, e.table = 0, 0, 0
+	}
+	return e, nil
+}
+
+type mergeExtents struct{ v, s, out, outLSE int64 }
+
+func (l *MergeLayout) validate(withLSE bool) (mergeExtents, error) {
+	const what = "merge_states"
+	var e mergeExtents
+	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_states", l.NumStates, 1, maxMergeStates); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_tokens", l.NumTokens, 0, 1<<30); err != nil {
+		return e, err
+	}
+	if err := inRange(what+": num_heads", l.NumHeads, 1, MaxHeads); err != nil {
+		return e, err
+	}
+	if int64(l.NumTokens)*int64(l.NumHeads) > 1<<31-1 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: num_tokens*num_heads must be below 2^31: %d*%d", what, l.NumTokens, l.NumHeads)
+	}
+	if err := vecMultiple(what, l.DType, l.VTokenStride, l.VHeadStride, l.OutTokenStride, l.OutHeadStride); err != nil {
+		return e, err
+	}
+	var err error
+	if e.v, err = span(what+": v", l.HeadDim, dim{l.NumTokens, l.VTokenStride}, dim{l.NumHeads, l.VHeadStride}); err != nil {
+		return e, err
+	}
+	if e.s, err = span(what+": s", 1, dim{l.NumTokens, l.STokenStride}, dim{l.NumHeads, l.SHeadStride}); err != nil {
+		return e, err
+	}
+	out := []dim{{l.NumTokens, l.OutTokenStride}, {l.NumHeads, l.OutHeadStride}}
+	if e.out, err = span(what+": out", l.HeadDim, out...); err != nil {
+		return e, err
+	}
+	if err := disjoint(what+": out", l.HeadDim, out...); err != nil {
+		return e, err
+	}
+	if withLSE {
+		lse := []dim{{l.NumTokens, l.OutLSETokenStride}, {l.NumHeads, l.OutLSEHeadStride}}
+		if e.outLSE, err = span(what+": out_lse", 1, lse...); err != nil {
+			return e, err
+		}
+		if err := disjoint(what+": out_lse", 1, lse...); err != nil {
+			return e, err
+		}
+	}
+	if l.NumTokens == 0 {
+		e = mergeExtents{}
+	}
+	return e, nil
+}

@@ -1,0 +1,502 @@
+package attn
+
+// GPU tests: the kernels against the float64 CPU reference on fresh random
+// inputs, outputs poisoned with NaN first. They skip on machines without a
+// CUDA driver and device; run them on a GPU machine with
+//   go test -c -o .device/attn.test ./core/attn && .device/attn.test -test.run GPU -test.v
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/cuda"
+)
+
+func needGPU(t testing.TB) {
+	t.Helper()
+	if err := cuda.Load(); err != nil {
+		t.Skipf("no CUDA driver: %v", err)
+	}
+	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
+		t.Skipf("no CUDA device (%v)", err)
+	}
+	if err := Prepare(); err != nil {
+		t.Fatalf("loading the kernels: %v", err)
+	}
+}
+
+// devMem is device memory freed at the end of the test.
+func devMem(t testing.TB, bytes int) cuda.DevicePtr {
+	t.Helper()
+	p, err := cuda.MemAlloc(max(bytes, 16))
+	if err != nil {
+		t.Fatalf("alloc %d bytes: %v", bytes, err)
+	}
+	t.Cleanup(func() { cuda.MemFree(p) })
+	return p
+}
+
+func upload(t testing.TB, b []byte) cuda.DevicePtr {
+	t.Helper()
+	p := devMem(t, len(b))
+	if err := cuda.CopyToDevice(p, b); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func i32bytes(v []int32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+func f32bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+// poisoned allocates bytes of device memory filled with the dtype's NaN.
+func poisoned(t testing.TB, d DType, bytes int) cuda.DevicePtr {
+	t.Helper()
+	p := devMem(t, bytes)
+	var err error
+	if d.Size() == 2 {
+		err = cuda.Memset16(p, uint16(d.NaNBits()), max(bytes, 16)/2)
+	} else {
+		err = cuda.Memset32(p, d.NaNBits(), max(bytes, 16)/4)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func download(t testing.TB, p cuda.DevicePtr, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	if err := cuda.CopyFromDevice(b, p); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// tolerance of ||gpu - ref|| / ||ref|| per dtype: the kernels accumulate in
+// float32; 16-bit types round the probabilities for the tensor cores.
+func tolerance(d DType) float64 {
+	switch d {
+	case F16:
+		return 2e-3
+	case BF16:
+		return 1e-2
+	}
+	return 1e-5
+}
+
+// compareRows checks the rows (b, h) of two [rows, heads, D] strided
+// outputs: no NaN in got, relative L2 error within tol.
+func compareOut(t testing.TB, what string, d DType, D int, rows, heads int, rowStride, headStride int64, got, want []byte) {
+	t.Helper()
+	var num, den float64
+	for b := 0; b < rows; b++ {
+		for h := 0; h < heads; h++ {
+			o := int64(b)*rowStride + int64(h)*headStride
+			for e := int64(0); e < int64(D); e++ {
+				g, w := d.Load(got, o+e), d.Load(want, o+e)
+				if math.IsNaN(g) || math.IsInf(g, 0) {
+					t.Fatalf("%s: row %d head %d d %d is %g (unwritten or overflow); want %g", what, b, h, e, g, w)
+				}
+				num += (g - w) * (g - w)
+				den += w * w
+			}
+		}
+	}
+	if den == 0 {
+		if num != 0 {
+			t.Fatalf("%s: reference is zero, gpu is not (err^2 %g)", what, num)
+		}
+		return
+	}
+	if rel := math.Sqrt(num / den); rel > tolerance(d) {
+		t.Fatalf("%s: relative error %.3g exceeds %.1g", what, rel, tolerance(d))
+	}
+}
+
+func compareLSE(t testing.TB, what string, got, want []float32) {
+	t.Helper()
+	for i := range want {
+		g, w := float64(got[i]), float64(want[i])
+		if math.IsInf(w, -1) {
+			if !math.IsInf(g, -1) {
+				t.Fatalf("%s: lse[%d] = %g, want -inf (empty)", what, i, g)
+			}
+			continue
+		}
+		if math.IsNaN(g) || math.Abs(g-w) > 1e-3*math.Max(1, math.Abs(w)) {
+			t.Fatalf("%s: lse[%d] = %g, want %g", what, i, g, w)
+		}
+	}
+}
+
+type gpuDecode struct {
+	args     PagedDecodeArgs
+	outBytes int
+}
+
+// uploadDecode places a problem on the device with poisoned outputs.
+func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpuDecode {
+	g := &gpuDecode{outBytes: p.outBytes()}
+	g.args = PagedDecodeArgs{
+		DecodeLayout: p.l,
+		Q:            upload(t, p.q),
+		KCache:       upload(t, p.kc),
+		VCache:       upload(t, p.vc),
+		BlockTable:   upload(t, i32bytes(p.table)),
+		SeqLens:      upload(t, i32bytes(p.lens)),
+		Out:          poisoned(t, p.l.DType, g.outBytes),
+		NumSplits:    splits,
+	}
+	if withLSE {
+		g.args.LSE = poisoned(t, F32, 4*p.l.Batch*p.l.NumQHeads)
+	}
+	ws := workspaceBytes(p.l.Batch, p.l.NumQHeads, p.l.HeadDim, MaxSplits)
+	g.args.Workspace = poisoned(t, F32, int(ws))
+	g.args.WorkspaceBytes = ws
+	return g
+}
+
+func checkDecode(t testing.TB, p *decodeProblem, g *gpuDecode, splits int, what string) {
+	t.Helper()
+	out := download(t, g.args.Out, g.outBytes)
+	want := make([]byte, g.outBytes)
+	wantLSE := make([]float32, p.l.Batch*p.l.NumQHeads)
+	if err := RefPagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, want, wantLSE, max(splits, 1)); err != nil {
+		t.Fatal(err)
+	}
+	compareOut(t, what, p.l.DType, p.l.HeadDim, p.l.Batch, p.l.NumQHeads, p.l.OutBatchStride, p.l.OutHeadStride, out, want)
+	if g.args.LSE != 0 {
+		raw := download(t, g.args.LSE, 4*len(wantLSE))
+		got := make([]float32, len(wantLSE))
+		for i := range got {
+			got[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+		}
+		compareLSE(t, what, got, wantLSE)
+	}
+}
+
+func TestGPUPagedDecode(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	type tc struct {
+		d                    DType
+		D, qh, kvh, bs       int
+		maxLen, batch, split int
+		padded               bool
+	}
+	var cases []tc
+	for _, d := range []DType{F16, BF16, F32} {
+		for _, D := range []int{64, 128, 256} {
+			for _, bs := range []int{1, 16, 64, 256} {
+				for _, g := range []int{1, 4, 8} {
+					split := []int{1, 0, 3}[(bs+g)%3]
+					cases = append(cases, tc{d, D, 2 * g, 2, bs, 700, 5, split, bs == 64})
+				}
+			}
+		}
+	}
+	// Long sequences, few of them: the split heuristic's case.
+	cases = append(cases,
+		tc{BF16, 128, 32, 8, 16, 5000, 2, 0, false},
+		tc{F16, 128, 32, 8, 64, 3000, 3, 7, true},
+		tc{F16, 64, 16, 1, 1, 2500, 2, 0, false},
+		tc{BF16, 256, 16, 16, 16, 1200, 9, 0, false}, // group 1, many heads
+		tc{F16, 128, 40, 5, 16, 600, 4, 2, false},    // group 8 over 5 kv heads
+		tc{BF16, 128, 64, 2, 16, 400, 3, 1, false},   // group 32: two head tiles
+	)
+	for _, c := range cases {
+		name := fmt.Sprintf("%v_D%d_q%d_kv%d_bs%d_split%d", c.d, c.D, c.qh, c.kvh, c.bs, c.split)
+		r := rand.New(rand.NewPCG(r.Uint64(), 1))
+		t.Run(name, func(t *testing.T) {
+			t.Parallel() // the float64 reference dominates; launches are per-thread safe
+			p := newDecodeProblem(t, r, problemShape{c.d, c.D, c.qh, c.kvh, c.bs, raggedLens(r, c.batch, c.bs, c.maxLen), c.padded})
+			g := uploadDecode(t, p, c.split, true)
+			maxLen := 0
+			for _, L := range p.lens {
+				maxLen = max(maxLen, int(L))
+			}
+			g.args.MaxSeqLen = maxLen
+			if err := PagedDecode(&g.args, 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := cuda.Synchronize(); err != nil {
+				t.Fatal(err)
+			}
+			splits := c.split
+			if splits == 0 {
+				dev, _ := cuda.DeviceInfo(0)
+				splits = Plan(dev.SMs, c.d, c.D, p.l.Batch, c.qh, c.kvh, maxLen)
+			}
+			checkDecode(t, p, g, splits, name)
+		})
+	}
+}
+
+// KV write on the GPU is bit-exact with the reference, and decode over the
+// cache it wrote matches too.
+func TestGPUKVWriteThenDecode(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	for _, d := range []DType{F16, BF16, F32} {
+		for _, bs := range []int{1, 16, 256} {
+			name := fmt.Sprintf("%v_bs%d", d, bs)
+			t.Run(name, func(t *testing.T) {
+				p := newDecodeProblem(t, r, problemShape{d, 128, 8, 2, bs, raggedLens(r, 4, bs, 600), true})
+				// Padding tokens and an out-of-range slot, which must be skipped.
+				if len(p.slots) > 2 {
+					p.slots[1] = -1
+					p.slots[len(p.slots)-1] = int32(p.w.NumBlocks * p.w.BlockSize)
+				}
+				// Recompute the reference cache from a poisoned one with these slots.
+				es := d.Size()
+				cacheBytes := len(p.kc)
+				for i := int64(0); i < int64(cacheBytes/es); i++ {
+					d.Store(p.kc, i, math.NaN())
+					d.Store(p.vc, i, math.NaN())
+				}
+				if err := RefKVWrite(&p.w, p.key, p.value, p.slots, p.kc, p.vc); err != nil {
+					t.Fatal(err)
+				}
+				a := KVWriteArgs{KVWriteLayout: p.w,
+					Key: upload(t, p.key), Value: upload(t, p.value), SlotMapping: upload(t, i32bytes(p.slots)),
+					KCache: poisoned(t, d, cacheBytes), VCache: poisoned(t, d, cacheBytes)}
+				if err := KVWrite(&a, 0); err != nil {
+					t.Fatal(err)
+				}
+				gotK := download(t, a.KCache, cacheBytes)
+				gotV := download(t, a.VCache, cacheBytes)
+				for i := range gotK {
+					if gotK[i] != p.kc[i] || gotV[i] != p.vc[i] {
+						t.Fatalf("cache byte %d: gpu K %#x V %#x, reference K %#x V %#x", i, gotK[i], gotV[i], p.kc[i], p.vc[i])
+					}
+				}
+				// Decode over the GPU-written cache (the reference uses p.kc,
+				// which is bit-identical). Sequences whose tokens were skipped
+				// read NaN keys, so give the test only clean sequences.
+				g := uploadDecode(t, p, 0, true)
+				g.args.KCache, g.args.VCache = a.KCache, a.VCache
+				clean := p.cleanPrefix()
+				g.args.Batch, p.l.Batch = clean, clean
+				if clean == 0 {
+					return
+				}
+				if err := PagedDecode(&g.args, 0); err != nil {
+					t.Fatal(err)
+				}
+				checkDecode(t, p, g, 1, name)
+			})
+		}
+	}
+}
+
+// cleanPrefix is the number of leading sequences none of whose tokens had
+// their slot replaced (so every token they attend to was written).
+func (p *decodeProblem) cleanPrefix() int {
+	tok := 0
+	for b, L := range p.lens {
+		for i := 0; i < int(L); i++ {
+			if tok == 1 || tok == len(p.slots)-1 {
+				return b
+			}
+			tok++
+		}
+	}
+	return len(p.lens)
+}
+
+func TestGPUMergeStates(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	for _, d := range []DType{F16, BF16, F32} {
+		for _, D := range []int{64, 128, 256} {
+			for _, n := range []int{1, 2, 5, 8} {
+				name := fmt.Sprintf("%v_D%d_n%d", d, D, n)
+				t.Run(name, func(t *testing.T) {
+					tokens, heads := 37, 6
+					vec := int64(16 / d.Size())
+					l := MergeLayout{DType: d, HeadDim: D, NumStates: n, NumTokens: tokens, NumHeads: heads,
+						VTokenStride: int64(heads*D) + vec, VHeadStride: int64(D),
+						STokenStride: 1, SHeadStride: int64(tokens), // lse [heads, tokens]
+						OutTokenStride: int64(heads * D), OutHeadStride: int64(D),
+						OutLSETokenStride: int64(heads), OutLSEHeadStride: 1}
+					es := d.Size()
+					vBytes := int(int64(tokens)*l.VTokenStride) * es
+					vs := make([][]byte, n)
+					ss := make([][]float32, n)
+					a := MergeArgs{MergeLayout: l}
+					for i := 0; i < n; i++ {
+						vs[i] = make([]byte, vBytes)
+						for k := int64(0); k < int64(vBytes/es); k++ {
+							d.Store(vs[i], k, randVal(r, d))
+						}
+						ss[i] = make([]float32, tokens*heads)
+						for k := range ss[i] {
+							ss[i][k] = float32(r.NormFloat64() * 5)
+							if r.IntN(5) == 0 {
+								ss[i][k] = float32(math.Inf(-1))
+							}
+						}
+						a.V[i], a.S[i] = upload(t, vs[i]), upload(t, f32bytes(ss[i]))
+					}
+					// Token 0: every state empty.
+					for i := 0; i < n; i++ {
+						for h := 0; h < heads; h++ {
+							ss[i][h*tokens] = float32(math.Inf(-1))
+						}
+						a.S[i] = upload(t, f32bytes(ss[i]))
+					}
+					outBytes := tokens * heads * D * es
+					a.Out = poisoned(t, d, outBytes)
+					a.OutLSE = poisoned(t, F32, 4*tokens*heads)
+					if err := MergeStates(&a, 0); err != nil {
+						t.Fatal(err)
+					}
+					want := make([]byte, outBytes)
+					wantLSE := make([]float32, tokens*heads)
+					if err := RefMergeStates(&l, vs, ss, want, wantLSE); err != nil {
+						t.Fatal(err)
+					}
+					got := download(t, a.Out, outBytes)
+					compareOut(t, name, d, D, tokens, heads, l.OutTokenStride, l.OutHeadStride, got, want)
+					raw := download(t, a.OutLSE, 4*tokens*heads)
+					gotLSE := make([]float32, tokens*heads)
+					for i := range gotLSE {
+						gotLSE[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+					}
+					compareLSE(t, name, gotLSE, wantLSE)
+				})
+			}
+		}
+	}
+}
+
+// PagedDecode captured into a CUDA graph replays correctly on new inputs.
+func TestGPUPagedDecodeGraph(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	s, err := cuda.StreamCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cuda.StreamDestroy(s)
+	for _, split := range []int{1, 0} {
+		p := newDecodeProblem(t, r, problemShape{BF16, 128, 32, 8, 16, []int{3000, 17, 0, 900}, false})
+		g := uploadDecode(t, p, split, true)
+		g.args.MaxSeqLen = 3000
+		graph, err := cuda.Capture(s, func() error { return PagedDecode(&g.args, s) })
+		if err != nil {
+			t.Fatalf("capture: %v", err)
+		}
+		for round := 0; round < 2; round++ {
+			// New queries and a poisoned output before each replay.
+			es := int64(p.l.DType.Size())
+			for i := int64(0); i < int64(len(p.q))/es; i++ {
+				p.l.DType.Store(p.q, i, randVal(r, p.l.DType))
+			}
+			if err := cuda.CopyToDevice(g.args.Q, p.q); err != nil {
+				t.Fatal(err)
+			}
+			if err := cuda.Memset16(g.args.Out, uint16(p.l.DType.NaNBits()), g.outBytes/2); err != nil {
+				t.Fatal(err)
+			}
+			if err := graph.Launch(s); err != nil {
+				t.Fatal(err)
+			}
+			if err := cuda.StreamSynchronize(s); err != nil {
+				t.Fatal(err)
+			}
+			dev, _ := cuda.DeviceInfo(0)
+			splits := split
+			if split == 0 {
+				splits = Plan(dev.SMs, BF16, 128, 4, 32, 8, 3000)
+			}
+			checkDecode(t, p, g, splits, fmt.Sprintf("graph split %d round %d", split, round))
+		}
+		if err := graph.Destroy(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Kernel parameter sizes as the driver reports them equal the Go mirrors.
+func TestGPUParamSizes(t *testing.T) {
+	needGPU(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for di := range kernelTable {
+		for hi := range kernelTable[di] {
+			ks := &kernelTable[di][hi]
+			for _, k := range []struct {
+				k    *cuda.Kernel
+				size uintptr
+			}{{ks.write, unsafe.Sizeof(kvWriteParams{})}, {ks.decode, unsafe.Sizeof(decodeParams{})},
+				{ks.combine, unsafe.Sizeof(decodeParams{})}, {ks.merge, unsafe.Sizeof(mergeParams{})}} {
+				n, err := m.ParamSize(k.k)
+				if err != nil {
+					t.Fatalf("%s: %v", k.k.Name(), err)
+				}
+				if n != 0 && uintptr(n) != k.size {
+					t.Fatalf("%s takes %d bytes; Go passes %d", k.k.Name(), n, k.size)
+				}
+			}
+		}
+	}
+}
+
+var benchSink error
+
+// BenchmarkPagedDecodeLaunch measures the host cost of one PagedDecode call
+// (checks, context and module lookup, cuLaunchKernel) on a tiny problem.
+func BenchmarkPagedDecodeLaunch(b *testing.B) {
+	needGPU(b)
+	r := rand.New(rand.NewPCG(1, 2))
+	p := newDecodeProblem(b, r, problemShape{F16, 128, 8, 2, 16, []int{32}, false})
+	g := uploadDecode(b, p, 1, false)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	s, err := cuda.StreamCreate()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cuda.StreamDestroy(s)
+	if err := PagedDecode(&g.args, s); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		benchSink = PagedDecode(&g.args, s)
+		if i%256 == 255 {
+			b.StopTimer()
+			cuda.StreamSynchronize(s)
+			b.StartTimer()
+		}
+	}
+	b.StopTimer()
+	if err := cuda.StreamSynchronize(s); err != nil || benchSink != nil {
+		b.Fatal(err, benchSink)
+	}
+}

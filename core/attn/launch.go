@@ -1,0 +1,329 @@
+package attn
+
+import (
+	"runtime"
+	"strconv"
+
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/kernels"
+)
+
+var image = cuda.NewImage("kvplug", kernels.Fatbin)
+
+// kernelSet is the kernels of one (dtype, head_dim) instantiation.
+type kernelSet struct {
+	write, decode, combine, merge *cuda.Kernel
+}
+
+var headDims = [...]int{64, 128, 256}
+
+// kernelTable[dtype-1][head_dim index]
+var kernelTable = func() (t [3][len(headDims)]kernelSet) {
+	for di, d := range []DType{F16, BF16, F32} {
+		for hi, h := range headDims {
+			suffix := "_" + d.String() + "_h" + strconv.Itoa(h)
+			t[di][hi] = kernelSet{
+				write:   image.Kernel("kvp_kv_write" + suffix),
+				decode:  image.Kernel("kvp_paged_decode" + suffix),
+				combine: image.Kernel("kvp_paged_decode_combine" + suffix),
+				merge:   image.Kernel("kvp_merge_states" + suffix),
+			}
+		}
+	}
+	return t
+}()
+
+func kernelsFor(d DType, headDim int) *kernelSet {
+	hi := 0
+	for i, h := range headDims {
+		if h == headDim {
+			hi = i
+		}
+	}
+	return &kernelTable[d-1][hi]
+}
+
+// KVWriteArgs is a KV write on device memory: key and value (dtype) per
+// KVWriteLayout, the caches, and slot_mapping (int32 [num_tokens]).
+type KVWriteArgs struct {
+	KVWriteLayout
+	Key, Value, KCache, VCache, SlotMapping cuda.DevicePtr
+}
+
+// PagedDecodeArgs is a paged decode launch on device memory.
+type PagedDecodeArgs struct {
+	DecodeLayout
+	Q, KCache, VCache cuda.DevicePtr
+	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
+	SeqLens           cuda.DevicePtr // int32 [batch]
+	Out               cuda.DevicePtr
+	LSE               cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+
+	// Workspace for split-KV partial results: float32, 16-byte aligned,
+	// WorkspaceSize(batch, num_q_heads, head_dim, splits) bytes. 0 allowed
+	// when only one split runs.
+	Workspace      cuda.DevicePtr
+	WorkspaceBytes int64
+
+	// NumSplits: 0 lets Plan choose (within what the workspace holds); n >= 1
+	// forces n chunks per sequence.
+	NumSplits int
+	// MaxSeqLen bounds seq_lens for the split heuristic (the host cannot read
+	// the device's seq_lens without a sync); 0 means max_blocks_per_seq *
+	// block_size.
+	MaxSeqLen int
+}
+
+// MergeArgs merges NumStates states on device memory: V[i] (dtype) and S[i]
+// (float32 lse) for i < NumStates, into Out and, when non-zero, OutLSE.
+type MergeArgs struct {
+	MergeLayout
+	V, S        [maxMergeStates]cuda.DevicePtr
+	Out, OutLSE cuda.DevicePtr
+}
+
+// MaxMergeStates is the most states one MergeStates call merges.
+const MaxMergeStates = maxMergeStates
+
+func nonNull(what string, ptrs ...cuda.DevicePtr) error {
+	for _, p := range ptrs {
+		if p == 0 {
+			return kverr.Errorf(kverr.NullPointer, "%s must not be 0", what)
+		}
+	}
+	return nil
+}
+
+func aligned(what string, align uint64, p cuda.DevicePtr) error {
+	if uint64(p)%align != 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "%s must be %d-byte aligned: got %#x", what, align, uint64(p))
+	}
+	return nil
+}
+
+// checkTensor: non-null and 16-byte aligned (the kernels' vector rule).
+func checkTensor(what string, p cuda.DevicePtr) error {
+	if err := nonNull(what, p); err != nil {
+		return err
+	}
+	return aligned(what, 16, p)
+}
+
+// checkIndex: non-null and 4-byte aligned (int32 and float32 arrays).
+func checkIndex(what string, p cuda.DevicePtr) error {
+	if err := nonNull(what, p); err != nil {
+		return err
+	}
+	return aligned(what, 4, p)
+}
+
+// module returns the kernels' module in the calling thread's context. The
+// caller has locked its OS thread.
+func module() (*cuda.Module, error) { return image.Module() }
+
+// KVWrite scatters this step's K and V into the paged caches on stream.
+func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
+	if _, err := a.validate(); err != nil {
+		return err
+	}
+	if a.NumTokens > 0 {
+		if err := firstErr(
+			checkTensor("kv_write: key", a.Key),
+			checkTensor("kv_write: value", a.Value),
+			checkTensor("kv_write: k_cache", a.KCache),
+			checkTensor("kv_write: v_cache", a.VCache),
+			checkIndex("kv_write: slot_mapping", a.SlotMapping),
+		); err != nil {
+			return err
+		}
+	}
+	vec := int64(16 / a.DType.Size())
+	blocks := ceilDiv64(int64(a.NumTokens)*int64(a.NumKVHeads)*int64(a.HeadDim)/vec, kvWriteThreads)
+	if blocks > 1<<31-1 {
+		return kverr.Errorf(kverr.InvalidArgument, "kv_write: %d tokens of %d heads need more than 2^31 blocks; write them in parts", a.NumTokens, a.NumKVHeads)
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil || a.NumTokens == 0 {
+		return err
+	}
+	p := kvWriteParams{
+		Key: uint64(a.Key), Value: uint64(a.Value), KCache: uint64(a.KCache), VCache: uint64(a.VCache),
+		SlotMapping:    uint64(a.SlotMapping),
+		KeyTokenStride: a.KeyTokenStride, KeyHeadStride: a.KeyHeadStride,
+		ValueTokenStride: a.ValueTokenStride, ValueHeadStride: a.ValueHeadStride,
+		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
+		NumTokens: int32(a.NumTokens), NumKVHeads: int32(a.NumKVHeads),
+		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks),
+	}
+	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, Block: cuda.Dim3{X: kvWriteThreads, Y: 1, Z: 1}}
+	return cuda.Launch(m, kernelsFor(a.DType, a.HeadDim).write, cfg, stream, &p)
+}
+
+// PagedDecode runs decode attention over the paged caches on stream: one
+// launch, or with split-KV a partial launch and a combine launch.
+func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
+	if _, err := a.validate(); err != nil {
+		return err
+	}
+	if err := inRange("paged_decode: num_splits", a.NumSplits, 0, MaxSplits); err != nil {
+		return err
+	}
+	if a.MaxSeqLen < 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: max_seq_len must not be negative: got %d", a.MaxSeqLen)
+	}
+	if a.WorkspaceBytes < 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: workspace_bytes must not be negative: got %d", a.WorkspaceBytes)
+	}
+	if a.Batch > 0 {
+		if err := firstErr(
+			checkTensor("paged_decode: q", a.Q),
+			checkTensor("paged_decode: k_cache", a.KCache),
+			checkTensor("paged_decode: v_cache", a.VCache),
+			checkIndex("paged_decode: block_table", a.BlockTable),
+			checkIndex("paged_decode: seq_lens", a.SeqLens),
+			checkTensor("paged_decode: out", a.Out),
+			aligned("paged_decode: lse", 4, a.LSE),
+			aligned("paged_decode: workspace", 16, a.Workspace),
+		); err != nil {
+			return err
+		}
+	}
+	if a.NumSplits > 1 {
+		if err := a.checkWorkspace(a.NumSplits); err != nil {
+			return err
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil || a.Batch == 0 {
+		return err
+	}
+	splits := a.NumSplits
+	if splits == 0 {
+		maxLen := a.MaxSeqLen
+		if maxLen == 0 {
+			maxLen = a.MaxBlocksPerSeq * a.BlockSize
+		}
+		splits = Plan(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen)
+		// Never more splits than the workspace holds (none without one).
+		if splits > 1 {
+			fit := int64(0)
+			if a.Workspace != 0 {
+				fit = a.WorkspaceBytes / workspaceBytes(a.Batch, a.NumQHeads, a.HeadDim, 1)
+			}
+			splits = int(max(1, min(int64(splits), fit)))
+		}
+	}
+	group := a.NumQHeads / a.NumKVHeads
+	p := decodeParams{
+		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache),
+		BlockTable: uint64(a.BlockTable), SeqLens: uint64(a.SeqLens),
+		Out: uint64(a.Out), LSE: uint64(a.LSE), Workspace: uint64(a.Workspace),
+		QBatchStride: a.QBatchStride, QHeadStride: a.QHeadStride,
+		OutBatchStride: a.OutBatchStride, OutHeadStride: a.OutHeadStride,
+		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
+		BlockTableStride: a.BlockTableStride,
+		Batch:            int32(a.Batch), NumQHeads: int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
+		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
+		NumSplits: int32(splits), Scale: a.Scale,
+	}
+	ks := kernelsFor(a.DType, a.HeadDim)
+	cfg := cuda.LaunchConfig{
+		Grid:   cuda.Dim3{X: uint32(a.NumKVHeads * ceilDiv(group, decodeHeadsPerBlock)), Y: uint32(a.Batch), Z: uint32(splits)},
+		Block:  cuda.Dim3{X: decodeThreads, Y: 1, Z: 1},
+		Shared: decodeSharedBytes(a.DType, a.HeadDim),
+	}
+	if err := cuda.Launch(m, ks.decode, cfg, stream, &p); err != nil || splits == 1 {
+		return err
+	}
+	cfg = cuda.LaunchConfig{
+		Grid:  cuda.Dim3{X: uint32(ceilDiv(a.Batch*a.NumQHeads, combineThreads/32)), Y: 1, Z: 1},
+		Block: cuda.Dim3{X: combineThreads, Y: 1, Z: 1},
+	}
+	return cuda.Launch(m, ks.combine, cfg, stream, &p)
+}
+
+func (a *PagedDecodeArgs) checkWorkspace(splits int) error {
+	need := workspaceBytes(a.Batch, a.NumQHeads, a.HeadDim, splits)
+	if a.Workspace == 0 {
+		return kverr.Errorf(kverr.NullPointer, "paged_decode: %d splits need a workspace of %d bytes; workspace is 0", splits, need)
+	}
+	if a.WorkspaceBytes < need {
+		return kverr.Errorf(kverr.BufferTooSmall, "paged_decode: %d splits of batch %d need a workspace of %d bytes; workspace_bytes is %d", splits, a.Batch, need, a.WorkspaceBytes)
+	}
+	return nil
+}
+
+// MergeStates merges attention states on stream.
+func MergeStates(a *MergeArgs, stream cuda.Stream) error {
+	if _, err := a.validate(a.OutLSE != 0); err != nil {
+		return err
+	}
+	if a.NumTokens > 0 {
+		for i := 0; i < a.NumStates; i++ {
+			if err := firstErr(checkTensor("merge_states: v[i]", a.V[i]), checkIndex("merge_states: s[i]", a.S[i])); err != nil {
+				return err
+			}
+		}
+		if err := firstErr(checkTensor("merge_states: out", a.Out), aligned("merge_states: out_lse", 4, a.OutLSE)); err != nil {
+			return err
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil || a.NumTokens == 0 {
+		return err
+	}
+	p := mergeParams{
+		Out: uint64(a.Out), OutLSE: uint64(a.OutLSE),
+		VTokenStride: a.VTokenStride, VHeadStride: a.VHeadStride,
+		STokenStride: a.STokenStride, SHeadStride: a.SHeadStride,
+		OutTokenStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
+		OutLSETokenStride: a.OutLSETokenStride, OutLSEHeadStride: a.OutLSEHeadStride,
+		NumStates: int32(a.NumStates), NumTokens: int32(a.NumTokens), NumHeads: int32(a.NumHeads),
+	}
+	for i := 0; i < a.NumStates; i++ {
+		p.V[i], p.S[i] = uint64(a.V[i]), uint64(a.S[i])
+	}
+	cfg := cuda.LaunchConfig{
+		Grid:  cuda.Dim3{X: uint32(ceilDiv(a.NumTokens*a.NumHeads, mergeThreads/32)), Y: 1, Z: 1},
+		Block: cuda.Dim3{X: mergeThreads, Y: 1, Z: 1},
+	}
+	return cuda.Launch(m, kernelsFor(a.DType, a.HeadDim).merge, cfg, stream, &p)
+}
+
+// Prepare loads the kernels into the calling thread's current context (or
+// device 0's primary context), resolves every kernel and raises the decode
+// kernels' shared-memory limits now, so that launches make no driver call
+// but cuLaunchKernel: call it before capturing a CUDA graph. Kernels the
+// device cannot run (too little shared memory) are left to report
+// UNSUPPORTED when launched.
+func Prepare() error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil {
+		return err
+	}
+	for di, d := range []DType{F16, BF16, F32} {
+		for hi, h := range headDims {
+			ks := &kernelTable[di][hi]
+			for _, k := range []*cuda.Kernel{ks.write, ks.combine, ks.merge} {
+				if err := m.Prepare(k, 0); err != nil {
+					return err
+				}
+			}
+			if err := m.Prepare(ks.decode, decodeSharedBytes(d, h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func ceilDiv64(a, b int64) int64 { return (a + b - 1) / b }

@@ -1,0 +1,124 @@
+package attn
+
+// Go mirrors of the kernels' parameter structs in kernels/kvplug_kernels.h,
+// field for field: every field fixed-width and naturally aligned, no
+// implicit padding. Each kernel takes one of them by value. The `c` tags name
+// the C fields; TestParamsLayout compiles the header with the system C
+// compiler and compares every size and offset, and on a GPU the launcher
+// checks each struct's size against the kernel's parameter size as the
+// driver reports it.
+
+// maxMergeStates is KVP_MERGE_MAX_STATES.
+const maxMergeStates = 8
+
+// Launch constants of kvplug_kernels.h.
+const (
+	kvWriteThreads      = 256 // KVP_KV_WRITE_THREADS
+	decodeThreads       = 128 // KVP_DECODE_THREADS
+	combineThreads      = 128 // KVP_COMBINE_THREADS: one (row, head) per warp
+	mergeThreads        = 128 // KVP_MERGE_THREADS: one (token, head) per warp
+	decodeTile          = 64  // KVP_DECODE_TILE: split chunks are multiples
+	decodeHeadsPerBlock = 16  // KVP_DECODE_HEADS_PER_CTA
+	maxGridYZ           = 65535
+)
+
+// kvp_kv_write_params
+type kvWriteParams struct {
+	Key              uint64 `c:"key"`
+	Value            uint64 `c:"value"`
+	KCache           uint64 `c:"k_cache"`
+	VCache           uint64 `c:"v_cache"`
+	SlotMapping      uint64 `c:"slot_mapping"`
+	KeyTokenStride   int64  `c:"key_token_stride"`
+	KeyHeadStride    int64  `c:"key_head_stride"`
+	ValueTokenStride int64  `c:"value_token_stride"`
+	ValueHeadStride  int64  `c:"value_head_stride"`
+	CacheBlockStride int64  `c:"cache_block_stride"`
+	CacheTokenStride int64  `c:"cache_token_stride"`
+	CacheHeadStride  int64  `c:"cache_head_stride"`
+	NumTokens        int32  `c:"num_tokens"`
+	NumKVHeads       int32  `c:"num_kv_heads"`
+	BlockSize        int32  `c:"block_size"`
+	NumBlocks        int32  `c:"num_blocks"`
+}
+
+// kvp_decode_params
+type decodeParams struct {
+	Q                uint64  `c:"q"`
+	KCache           uint64  `c:"k_cache"`
+	VCache           uint64  `c:"v_cache"`
+	BlockTable       uint64  `c:"block_table"`
+	SeqLens          uint64  `c:"seq_lens"`
+	Out              uint64  `c:"out"`
+	LSE              uint64  `c:"lse"`
+	Workspace        uint64  `c:"workspace"`
+	QBatchStride     int64   `c:"q_batch_stride"`
+	QHeadStride      int64   `c:"q_head_stride"`
+	OutBatchStride   int64   `c:"out_batch_stride"`
+	OutHeadStride    int64   `c:"out_head_stride"`
+	CacheBlockStride int64   `c:"cache_block_stride"`
+	CacheTokenStride int64   `c:"cache_token_stride"`
+	CacheHeadStride  int64   `c:"cache_head_stride"`
+	BlockTableStride int64   `c:"block_table_stride"`
+	Batch            int32   `c:"batch"`
+	NumQHeads        int32   `c:"num_q_heads"`
+	NumKVHeads       int32   `c:"num_kv_heads"`
+	BlockSize        int32   `c:"block_size"`
+	NumBlocks        int32   `c:"num_blocks"`
+	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
+	NumSplits        int32   `c:"num_splits"`
+	Scale            float32 `c:"scale"`
+}
+
+// kvp_merge_params
+type mergeParams struct {
+	V                 [maxMergeStates]uint64 `c:"v"`
+	S                 [maxMergeStates]uint64 `c:"s"`
+	Out               uint64                 `c:"out"`
+	OutLSE            uint64                 `c:"out_lse"`
+	VTokenStride      int64                  `c:"v_token_stride"`
+	VHeadStride       int64                  `c:"v_head_stride"`
+	STokenStride      int64                  `c:"s_token_stride"`
+	SHeadStride       int64                  `c:"s_head_stride"`
+	OutTokenStride    int64                  `c:"out_token_stride"`
+	OutHeadStride     int64                  `c:"out_head_stride"`
+	OutLSETokenStride int64                  `c:"out_lse_token_stride"`
+	OutLSEHeadStride  int64                  `c:"out_lse_head_stride"`
+	NumStates         int32                  `c:"num_states"`
+	NumTokens         int32                  `c:"num_tokens"`
+	NumHeads          int32                  `c:"num_heads"`
+	Reserved          int32                  `c:"reserved"`
+}
+
+// decodeSharedBytes is kvp_decode_smem_bytes: the decode kernel's dynamic
+// shared memory (K and V tile stages, the query tile, a ring of row
+// offsets one tile deeper than the stages).
+func decodeSharedBytes(d DType, headDim int) uint32 {
+	if d.Size() == 4 {
+		return 0
+	}
+	stages := uint32(2)
+	switch {
+	case headDim <= 64:
+		stages = 4
+	case headDim <= 128:
+		stages = 3
+	}
+	D := uint32(headDim)
+	return stages*64*D*4 + 16*D*2 + (stages+1)*64*8
+}
+
+// decodeBlocksPerSM is the resident decode blocks per SM on sm_90 that the
+// header gives for the split heuristic.
+func decodeBlocksPerSM(d DType, headDim int) int {
+	if d.Size() == 4 {
+		return 4
+	}
+	switch {
+	case headDim <= 64:
+		return 3
+	case headDim <= 128:
+		return 2
+	}
+	return 1
+}

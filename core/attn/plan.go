@@ -1,0 +1,101 @@
+package attn
+
+import (
+	"runtime"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// DefaultMaxSplits is the split count WorkspaceSize provisions for when the
+// caller passes 0: what Plan picks for one Llama-shaped sequence (8 KV heads)
+// of 2048+ tokens on an H100.
+const DefaultMaxSplits = 32
+
+// Plan returns the split-KV count for a decode launch, by the heuristic of
+// kernels/README.md: when the batch's (sequence, kv head, 16-head tile)
+// blocks are fewer than the device holds at once (sms times the resident
+// blocks per SM), each sequence is cut into up to that many splits of whole
+// 64-token tiles of the longest sequence, and splits that would be empty are
+// dropped. The result is also capped at MaxSplits. sms is the device's
+// multiprocessor count; maxSeqLen bounds the batch's lengths. Plan depends
+// only on the batch's shape, so an engine computes it once per step and
+// passes it to every layer.
+func Plan(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) int {
+	if sms <= 0 || batch <= 0 || kvHeads <= 0 || qHeads < kvHeads || maxSeqLen <= 0 {
+		return 1
+	}
+	ctas := batch * kvHeads * ceilDiv(qHeads/kvHeads, decodeHeadsPerBlock)
+	slots := sms * decodeBlocksPerSM(d, headDim)
+	tiles := ceilDiv(maxSeqLen, decodeTile)
+	if ctas >= slots || tiles <= 1 {
+		return 1
+	}
+	s := min(slots/ctas, tiles, MaxSplits)
+	if s <= 1 {
+		return 1
+	}
+	per := ceilDiv(tiles, s)
+	return ceilDiv(tiles, per)
+}
+
+// workspaceBytes is the decode workspace of kvplug_kernels.h: float32
+// partial outputs [splits][batch][heads][head_dim] and partial lse
+// [splits][batch][heads].
+func workspaceBytes(batch, qHeads, headDim, splits int) int64 {
+	return 4 * int64(splits) * int64(batch) * int64(qHeads) * int64(headDim+1)
+}
+
+// WorkspaceSize returns the bytes of decode workspace an engine allocates
+// once (device memory, 16-byte aligned) to run batches of up to batchLimit
+// sequences with up to maxSplits splits (0: DefaultMaxSplits). A launch whose
+// library-chosen split count needs more than the workspace holds runs fewer
+// splits.
+func WorkspaceSize(batchLimit, qHeads, headDim, maxSplits int) (int64, error) {
+	const what = "attn workspace size"
+	if maxSplits == 0 {
+		maxSplits = DefaultMaxSplits
+	}
+	if err := firstErr(
+		inRange(what+": max_batch", batchLimit, 1, maxBatch),
+		inRange(what+": num_q_heads", qHeads, 1, MaxHeads),
+		inRange(what+": max_splits", maxSplits, 1, MaxSplits),
+	); err != nil {
+		return 0, err
+	}
+	if !SupportedHeadDim(headDim) {
+		return 0, kverr.Errorf(kverr.Unsupported, "%s: head_dim must be 64, 128 or 256: got %d", what, headDim)
+	}
+	if maxSplits == 1 {
+		return 0, nil
+	}
+	return workspaceBytes(batchLimit, qHeads, headDim, maxSplits), nil
+}
+
+// NumSplits is Plan on the device of the calling thread's current context
+// (device 0's primary context when none is current), after checking the
+// shape: what PagedDecode chooses for NumSplits 0 before capping it to the
+// workspace.
+func NumSplits(d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) (int, error) {
+	const what = "attn num_splits"
+	if err := checkHead(what, d, headDim); err != nil {
+		return 0, err
+	}
+	if err := firstErr(
+		inRange(what+": batch", batch, 0, maxBatch),
+		inRange(what+": num_q_heads", qHeads, 1, MaxHeads),
+		inRange(what+": num_kv_heads", kvHeads, 1, MaxHeads),
+		inRange(what+": max_seq_len", maxSeqLen, 0, 1<<31-1),
+	); err != nil {
+		return 0, err
+	}
+	if qHeads%kvHeads != 0 {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "%s: num_q_heads (%d) must be a multiple of num_kv_heads (%d)", what, qHeads, kvHeads)
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module()
+	if err != nil {
+		return 0, err
+	}
+	return Plan(m.Device().SMs, d, headDim, batch, qHeads, kvHeads, maxSeqLen), nil
+}

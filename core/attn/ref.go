@@ -1,0 +1,275 @@
+package attn
+
+// The CPU reference backend: the kernels' semantics on host memory, computed
+// in float64 and rounded once into the output dtype. Tensors are []byte in
+// the layouts of the launches (little-endian elements); index arrays are
+// []int32 and log-sum-exp arrays []float32. Every buffer is bounds-checked
+// against its layout before anything is written.
+
+import (
+	"math"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+func needBytes(what string, buf []byte, elems int64, d DType) error {
+	if int64(len(buf)) < elems*int64(d.Size()) {
+		return kverr.Errorf(kverr.BufferTooSmall, "%s holds %d bytes; its layout reaches %d elements of %v (%d bytes)", what, len(buf), elems, d, elems*int64(d.Size()))
+	}
+	return nil
+}
+
+func needLen[T any](what string, s []T, n int64) error {
+	if int64(len(s)) < n {
+		return kverr.Errorf(kverr.BufferTooSmall, "%s holds %d elements; the layout needs %d", what, len(s), n)
+	}
+	return nil
+}
+
+// RefKVWrite is the CPU reference of KVWrite: for each token t with a slot in
+// [0, num_blocks*block_size), copies key[t] and value[t] (all heads) into
+// the caches at that slot; other slots are skipped.
+func RefKVWrite(l *KVWriteLayout, key, value []byte, slots []int32, kCache, vCache []byte) error {
+	e, err := l.validate()
+	if err != nil {
+		return err
+	}
+	if err := firstErr(
+		needBytes("kv_write: key", key, e.key, l.DType),
+		needBytes("kv_write: value", value, e.value, l.DType),
+		needLen("kv_write: slot_mapping", slots, int64(l.NumTokens)),
+		needBytes("kv_write: k_cache", kCache, e.cache, l.DType),
+		needBytes("kv_write: v_cache", vCache, e.cache, l.DType),
+	); err != nil {
+		return err
+	}
+	es := int64(l.DType.Size())
+	row := int64(l.HeadDim) * es
+	capacity := int64(l.NumBlocks) * int64(l.BlockSize)
+	for t := 0; t < l.NumTokens; t++ {
+		slot := int64(slots[t])
+		if slot < 0 || slot >= capacity {
+			continue
+		}
+		blk, off := slot/int64(l.BlockSize), slot%int64(l.BlockSize)
+		for h := int64(0); h < int64(l.NumKVHeads); h++ {
+			dst := (blk*l.CacheBlockStride + off*l.CacheTokenStride + h*l.CacheHeadStride) * es
+			k := (int64(t)*l.KeyTokenStride + h*l.KeyHeadStride) * es
+			v := (int64(t)*l.ValueTokenStride + h*l.ValueHeadStride) * es
+			copy(kCache[dst:dst+row], key[k:k+row])
+			copy(vCache[dst:dst+row], value[v:v+row])
+		}
+	}
+	return nil
+}
+
+// RefPagedDecode is the CPU reference of PagedDecode. For sequence b and
+// query head i (kv head g = i / (num_q_heads/num_kv_heads)) it attends over
+// tokens [0, seq_lens[b]): token t lives in block block_table[b][t /
+// block_size] at offset t % block_size; tokens whose table column is >=
+// max_blocks_per_seq or whose block id is outside [0, num_blocks) are
+// ignored. out = softmax(scale * q.K) V; lse (when non-nil, [batch,
+// num_q_heads] contiguous) = log(sum exp(scale * q.k)). An empty sequence
+// gives out = 0 and lse = -inf.
+//
+// numSplits (>= 1) partitions each sequence as the GPU does (chunks of
+// ceil(ceil(L/numSplits)/64)*64 tokens), computes each chunk's state and
+// merges them, so tests can compare a split launch with the same partition;
+// the result equals the unsplit attention up to float64 rounding.
+func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
+	e, err := l.validate()
+	if err != nil {
+		return err
+	}
+	if err := inRange("paged_decode: num_splits", numSplits, 1, MaxSplits); err != nil {
+		return err
+	}
+	if err := firstErr(
+		needBytes("paged_decode: q", q, e.q, l.DType),
+		needBytes("paged_decode: k_cache", kCache, e.cache, l.DType),
+		needBytes("paged_decode: v_cache", vCache, e.cache, l.DType),
+		needLen("paged_decode: block_table", table, e.table),
+		needLen("paged_decode: seq_lens", seqLens, int64(l.Batch)),
+		needBytes("paged_decode: out", out, e.out, l.DType),
+	); err != nil {
+		return err
+	}
+	if lse != nil {
+		if err := needLen("paged_decode: lse", lse, int64(l.Batch)*int64(l.NumQHeads)); err != nil {
+			return err
+		}
+	}
+	D := l.HeadDim
+	group := l.NumQHeads / l.NumKVHeads
+	qv := make([]float64, D)
+	acc := make([]float64, D)
+	parts := make([]float64, numSplits*D)
+	partLSE := make([]float64, numSplits)
+	var scores []float64
+	for b := 0; b < l.Batch; b++ {
+		L := int(seqLens[b])
+		if L < 0 {
+			L = 0
+		}
+		tableRow := table[int64(b)*l.BlockTableStride:]
+		chunk := 0
+		if L > 0 {
+			chunk = ceilDiv(ceilDiv(L, numSplits), decodeTile) * decodeTile
+		}
+		for i := 0; i < l.NumQHeads; i++ {
+			g := int64(i / group)
+			qo := int64(b)*l.QBatchStride + int64(i)*l.QHeadStride
+			for d := 0; d < D; d++ {
+				qv[d] = l.DType.Load(q, qo+int64(d))
+			}
+			for s := 0; s < numSplits; s++ {
+				lo, hi := s*chunk, min(L, (s+1)*chunk)
+				scores = scores[:0]
+				var rows []int64
+				for t := lo; t < hi; t++ {
+					col := t / l.BlockSize
+					if col >= l.MaxBlocksPerSeq {
+						break
+					}
+					blk := int64(tableRow[col])
+					if blk < 0 || blk >= int64(l.NumBlocks) {
+						continue
+					}
+					ko := blk*l.CacheBlockStride + int64(t%l.BlockSize)*l.CacheTokenStride + g*l.CacheHeadStride
+					dot := 0.0
+					for d := 0; d < D; d++ {
+						dot += qv[d] * l.DType.Load(kCache, ko+int64(d))
+					}
+					scores = append(scores, float64(l.Scale)*dot)
+					rows = append(rows, ko)
+				}
+				part := parts[s*D : (s+1)*D]
+				partLSE[s] = attendRows(l.DType, vCache, rows, scores, part)
+			}
+			st := mergeInto(acc, parts, partLSE, numSplits, D)
+			oo := int64(b)*l.OutBatchStride + int64(i)*l.OutHeadStride
+			for d := 0; d < D; d++ {
+				l.DType.Store(out, oo+int64(d), acc[d])
+			}
+			if lse != nil {
+				lse[b*l.NumQHeads+i] = float32(st)
+			}
+		}
+	}
+	return nil
+}
+
+// attendRows writes softmax(scores) . V[rows] into o and returns the
+// log-sum-exp of scores (-inf and o = 0 when there are none).
+func attendRows(d DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
+	clear(o)
+	if len(scores) == 0 {
+		return math.Inf(-1)
+	}
+	m := math.Inf(-1)
+	for _, s := range scores {
+		m = math.Max(m, s)
+	}
+	sum := 0.0
+	for j, s := range scores {
+		w := math.Exp(s - m)
+		sum += w
+		for k := range o {
+			o[k] += w * d.Load(v, rows[j]+int64(k))
+		}
+	}
+	for k := range o {
+		o[k] /= sum
+	}
+	return m + math.Log(sum)
+}
+
+// mergeInto merges n states (values parts[i*D:(i+1)*D], log-sum-exps lses[i],
+// -inf = empty) into out and returns the merged log-sum-exp.
+func mergeInto(out []float64, parts []float64, lses []float64, n, D int) float64 {
+	clear(out)
+	m := math.Inf(-1)
+	for i := 0; i < n; i++ {
+		m = math.Max(m, lses[i])
+	}
+	if math.IsInf(m, -1) {
+		return m
+	}
+	sum := 0.0
+	for i := 0; i < n; i++ {
+		if math.IsInf(lses[i], -1) {
+			continue
+		}
+		w := math.Exp(lses[i] - m)
+		sum += w
+		for k := 0; k < D; k++ {
+			out[k] += w * parts[i*D+k]
+		}
+	}
+	for k := 0; k < D; k++ {
+		out[k] /= sum
+	}
+	return m + math.Log(sum)
+}
+
+// RefMergeStates is the CPU reference of MergeStates: out = sum_i w_i v_i
+// with w_i = exp(s_i - lse) and lse = log(sum_i exp(s_i)), over the states
+// whose s_i is not -inf; when every state is empty, out = 0 and lse = -inf.
+// outLSE may be nil. out may alias v[0] (equal strides), outLSE s[0].
+func RefMergeStates(l *MergeLayout, v [][]byte, s [][]float32, out []byte, outLSE []float32) error {
+	e, err := l.validate(outLSE != nil)
+	if err != nil {
+		return err
+	}
+	if len(v) != l.NumStates || len(s) != l.NumStates {
+		return kverr.Errorf(kverr.InvalidArgument, "merge_states: %d values and %d lse arrays given for num_states %d", len(v), len(s), l.NumStates)
+	}
+	for i := range v {
+		if err := firstErr(needBytes("merge_states: v", v[i], e.v, l.DType), needLen("merge_states: s", s[i], e.s)); err != nil {
+			return err
+		}
+	}
+	if err := needBytes("merge_states: out", out, e.out, l.DType); err != nil {
+		return err
+	}
+	if outLSE != nil {
+		if err := needLen("merge_states: out_lse", outLSE, e.outLSE); err != nil {
+			return err
+		}
+	}
+	D, n := l.HeadDim, l.NumStates
+	parts := make([]float64, n*D)
+	lses := make([]float64, n)
+	acc := make([]float64, D)
+	for t := int64(0); t < int64(l.NumTokens); t++ {
+		for h := int64(0); h < int64(l.NumHeads); h++ {
+			vo := t*l.VTokenStride + h*l.VHeadStride
+			for i := 0; i < n; i++ {
+				lses[i] = float64(s[i][t*l.STokenStride+h*l.SHeadStride])
+				for k := 0; k < D; k++ {
+					parts[i*D+k] = l.DType.Load(v[i], vo+int64(k))
+				}
+			}
+			st := mergeInto(acc, parts, lses, n, D)
+			oo := t*l.OutTokenStride + h*l.OutHeadStride
+			for k := 0; k < D; k++ {
+				l.DType.Store(out, oo+int64(k), acc[k])
+			}
+			if outLSE != nil {
+				outLSE[t*l.OutLSETokenStride+h*l.OutLSEHeadStride] = float32(st)
+			}
+		}
+	}
+	return nil
+}
+
+func ceilDiv(a, b int) int { return (a + b - 1) / b }
+
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}

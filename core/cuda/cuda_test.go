@@ -1,0 +1,95 @@
+package cuda
+
+import (
+	"bytes"
+	"errors"
+	"runtime"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Without a driver every entry point answers NO_DEVICE with the loader's
+// message; with one, the basic calls work.
+func TestNoDeviceOrBasics(t *testing.T) {
+	if err := Load(); err != nil {
+		if !errors.Is(err, ErrNoDevice) {
+			t.Fatalf("Load: %v does not wrap ErrNoDevice", err)
+		}
+		if Available() {
+			t.Fatal("Available without a driver")
+		}
+		for name, err := range map[string]error{
+			"DeviceCount": second(DeviceCount()),
+			"DeviceInfo":  second(DeviceInfo(0)),
+			"MemAlloc":    second(MemAlloc(16)),
+			"Bind":        second(Bind()),
+			"Synchronize": Synchronize(),
+		} {
+			if !kverr.Is(err, kverr.NoDevice) || !errors.Is(err, ErrNoDevice) {
+				t.Errorf("%s: %v, want NO_DEVICE wrapping ErrNoDevice", name, err)
+			}
+		}
+		im := NewImage("test", func() []byte { return []byte{1} })
+		if _, err := im.Module(); !kverr.Is(err, kverr.NoDevice) {
+			t.Errorf("Image.Module: %v", err)
+		}
+		return
+	}
+	n, err := DeviceCount()
+	if err != nil || n < 1 {
+		t.Skipf("driver but no device: %d, %v", n, err)
+	}
+	d, err := DeviceInfo(0)
+	if err != nil || d.SMs < 1 || d.Major < 1 || d.SharedPerBlockOptin < d.SharedPerBlock {
+		t.Fatalf("DeviceInfo(0) = %+v, %v", d, err)
+	}
+	if _, err := DeviceInfo(n); !kverr.Is(err, kverr.NoDevice) {
+		t.Fatalf("DeviceInfo(%d): %v", n, err)
+	}
+	if _, err := MemAlloc(0); !kverr.Is(err, kverr.InvalidArgument) {
+		t.Fatalf("MemAlloc(0): %v", err)
+	}
+	p, err := MemAlloc(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer MemFree(p)
+	src := bytes.Repeat([]byte{1, 2, 3, 4, 5}, 1000)
+	if err := CopyToDevice(p, src); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(src))
+	if err := CopyFromDevice(got, p); err != nil || !bytes.Equal(got, src) {
+		t.Fatalf("round trip: %v", err)
+	}
+	if err := Memset16(p, 0xabcd, 4); err != nil {
+		t.Fatal(err)
+	}
+	CopyFromDevice(got[:10], p)
+	if !bytes.Equal(got[:10], []byte{0xcd, 0xab, 0xcd, 0xab, 0xcd, 0xab, 0xcd, 0xab, 4, 5}) {
+		t.Fatalf("memset16: % x", got[:10])
+	}
+	// An image that is not a fatbin fails to load with a CUDA error, kept
+	// for later calls in the same context.
+	im := NewImage("garbage", func() []byte { return []byte("not a fatbin") })
+	k := im.Kernel("nothing")
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	_, err1 := im.Module()
+	m, err2 := im.Module()
+	if !kverr.Is(err1, kverr.CUDA) || err2 == nil || m == nil {
+		t.Fatalf("garbage image: %v / %v", err1, err2)
+	}
+	var params struct{ a, b uint64 }
+	if err := Launch(m, k, LaunchConfig{Grid: Dim3{1, 1, 1}, Block: Dim3{1, 1, 1}}, 0, &params); err == nil {
+		t.Fatal("launch from a module that failed to load succeeded")
+	}
+	// An empty image: a build without kernels.
+	empty := NewImage("empty", func() []byte { return nil })
+	if _, err := empty.Module(); !kverr.Is(err, kverr.Unsupported) {
+		t.Fatalf("empty image: %v", err)
+	}
+}
+
+func second[T any](_ T, err error) error { return err }

@@ -1,0 +1,313 @@
+// Shared device helpers: vector loads/stores with conversion, PTX wrappers
+// (cp.async, ldmatrix, mma.sync), and the small kernels (KV write, split
+// combine, merge of states).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvplug_kernels.h"
+
+namespace kvp {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ---- 16-bit storage types -------------------------------------------------
+// Plain bit containers converted with PTX, so the build needs no cuda_fp16.h /
+// cuda_bf16.h (whose CCCL dependency the PyPI nvcc wheels lack).
+struct f16 {
+    uint16_t bits;
+};
+struct bf16 {
+    uint16_t bits;
+};
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_f(bf16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ f16 from_f<f16>(float x) {
+    f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
+    bf16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+
+// N elements of T moved as one (or two) aligned vector accesses.
+template <typename T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
+    T x[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T* src, float (&v)[N]) {
+    Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(src);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = to_f(pk.x[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_f(T* dst, const float (&v)[N]) {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.x[i] = from_f<T>(v[i]);
+    *reinterpret_cast<Pack<T, N>*>(dst) = pk;
+}
+
+// ---- PTX wrappers ----------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global->shared; src_bytes == 0 writes zeros, reads nothing.
+// `policy` is an L2 cache policy (l2_evict_first): K/V are streamed once per
+// launch and should not push the block tables, sequence lengths and queries,
+// which every layer's launch reads again, out of L2.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(src), "r"(src_bytes), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// D(16x8,f32) += A(16x16) * B(16x8), A row-major, B column-major.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+// Two floats -> one register of two 16-bit values, `lo` in the low half.
+template <> __device__ __forceinline__ uint32_t pack2<bf16>(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ uint32_t pack2<f16>(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Programmatic dependent launch (sm_90): with the launch attribute
+// PROGRAMMATIC_STREAM_SERIALIZATION a kernel may start while the previous one
+// in the stream finishes; griddep_wait() blocks until that one's memory is
+// visible. Without the attribute (plain cuLaunchKernel) both are no-ops.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ---- 1. KV write -----------------------------------------------------------
+template <typename T, int D>
+__device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int CPR = D / VEC;  // 16-byte chunks per row
+    griddep_wait();
+    griddep_launch_dependents();
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t rows = (int64_t)p.num_tokens * p.num_kv_heads;
+    if (idx >= rows * CPR) return;
+    const int c = (int)(idx % CPR);
+    const int64_t row = idx / CPR;
+    const int h = (int)(row % p.num_kv_heads);
+    const int64_t t = row / p.num_kv_heads;
+    const int slot = __ldg(reinterpret_cast<const int32_t*>(p.slot_mapping) + t);
+    if (slot < 0) return;
+    const int blk = slot / p.block_size;
+    const int off = slot - blk * p.block_size;
+    if (blk >= p.num_blocks) return;
+    const int64_t dst = (int64_t)blk * p.cache_block_stride + (int64_t)off * p.cache_token_stride +
+                        (int64_t)h * p.cache_head_stride + c * VEC;
+    const T* k = reinterpret_cast<const T*>(p.key) + t * p.key_token_stride + h * p.key_head_stride + c * VEC;
+    const T* v = reinterpret_cast<const T*>(p.value) + t * p.value_token_stride + h * p.value_head_stride + c * VEC;
+    const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k));
+    const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v));
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.k_cache) + dst) = kv;
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.v_cache) + dst) = vv;
+}
+
+// ---- split combine (decode workspace -> out, lse) --------------------------
+// One warp per (sequence, q head). Workspace lse is in the log2 domain; empty
+// splits hold lse = -inf and zeros. Partial rows are loaded unconditionally,
+// U at a time, the first batch before the lse math, so a row costs about two
+// L2 round trips (a serial, branch-dependent loop over 32 splits cost 64).
+template <typename T, int D>
+__device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
+    constexpr int E = D / 32;          // floats per lane of one partial row
+    constexpr int U = 256 / (E * 4);   // partial rows in flight: 256 bytes per lane
+    griddep_wait();
+    griddep_launch_dependents();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+    const int64_t row = (int64_t)blockIdx.x * (KVP_COMBINE_THREADS / 32) + warp;
+    if (row >= rows) return;
+    const int b = (int)(row / p.num_q_heads);
+    const int qh = (int)(row - (int64_t)b * p.num_q_heads);
+    const float* part_o = reinterpret_cast<const float*>(p.workspace) + row * D + lane * E;
+    const float* part_lse = reinterpret_cast<const float*>(p.workspace) + (int64_t)p.num_splits * rows * D + row;
+    const int S = p.num_splits;
+    const int64_t split_stride = rows * D;
+
+    float acc[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] = 0.f;
+    float l = 0.f, m_run = neg_inf();
+    for (int s0 = 0; s0 < S; s0 += 32) {  // 32 splits per round, online rescale across rounds
+        const int n = min(32, S - s0);
+        const float ls = lane < n ? part_lse[(int64_t)(s0 + lane) * rows] : neg_inf();
+        for (int u0 = 0; u0 < n; u0 += U) {
+            float v[U][E];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int s = s0 + min(u0 + u, n - 1);  // clamped: stays inside the workspace
+                load_f<float, E>(part_o + s * split_stride, v[u]);
+            }
+            if (u0 == 0) {
+                const float mn = fmaxf(m_run, warp_max(ls));
+                const float mu = mn == neg_inf() ? 0.f : mn;
+                const float alpha = exp2f(m_run - mu);
+#pragma unroll
+                for (int i = 0; i < E; ++i) acc[i] *= alpha;
+                l *= alpha;
+                m_run = mn;
+            }
+            const float wl = exp2f(ls - (m_run == neg_inf() ? 0.f : m_run));
+            if (u0 == 0) l += warp_sum(wl);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float w = __shfl_sync(0xffffffffu, wl, (u0 + u) & 31);
+                if (u0 + u >= n) w = 0.f;
+#pragma unroll
+                for (int i = 0; i < E; ++i) acc[i] += w * v[u][i];
+            }
+        }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] *= inv;
+    T* out = reinterpret_cast<T*>(p.out) + b * p.out_batch_stride + qh * p.out_head_stride + lane * E;
+    store_f<T, E>(out, acc);
+    if (p.lse != 0 && lane == 0)
+        reinterpret_cast<float*>(p.lse)[row] = l > 0.f ? (m_run + log2f(l)) * kLn2 : neg_inf();
+}
+
+// ---- 3. merge of attention states ------------------------------------------
+template <typename T, int D>
+__device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
+    constexpr int E = D / 32;
+    griddep_wait();
+    griddep_launch_dependents();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t rows = (int64_t)p.num_tokens * p.num_heads;
+    const int64_t row = (int64_t)blockIdx.x * (KVP_MERGE_THREADS / 32) + warp;
+    if (row >= rows) return;
+    const int64_t t = row / p.num_heads;
+    const int h = (int)(row - t * p.num_heads);
+    const int n = p.num_states;
+
+    // Constant indices only: a run-time index into the params would copy
+    // them to local memory.
+    float s[KVP_MERGE_MAX_STATES];
+    float m = neg_inf();
+#pragma unroll
+    for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
+        s[i] = neg_inf();
+        if (i < n) s[i] = reinterpret_cast<const float*>(p.s[i])[t * p.s_token_stride + h * p.s_head_stride];
+        m = fmaxf(m, s[i]);
+    }
+    float acc[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] = 0.f;
+    float l = 0.f;
+    if (m != neg_inf()) {
+#pragma unroll
+        for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
+            if (i >= n) break;
+            const float w = exp2f((s[i] - m) * kLog2e);
+            if (w == 0.f) continue;
+            float v[E];
+            load_f<T, E>(reinterpret_cast<const T*>(p.v[i]) + t * p.v_token_stride + h * p.v_head_stride + lane * E,
+                         v);
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[e] += w * v[e];
+            l += w;
+        }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= inv;
+    // out/out_lse may alias v[0]/s[0]: every lane has finished reading
+    // before any lane writes.
+    __syncwarp();
+    store_f<T, E>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E, acc);
+    if (p.out_lse != 0 && lane == 0)
+        reinterpret_cast<float*>(p.out_lse)[t * p.out_lse_token_stride + h * p.out_lse_head_stride] =
+            l > 0.f ? m + logf(l) : neg_inf();
+}
+
+}  // namespace kvp

@@ -1,0 +1,440 @@
+// Paged decode attention.
+//
+// One block per (kv head, group tile of <= 16 q heads, sequence, split), so
+// the K/V rows of a kv head are read once for all the q heads that share them.
+// 16-bit types: K/V tiles of 64 tokens stream into shared memory through a
+// cp.async pipeline (STAGES deep); Q.K^T and P.V run on the tensor cores
+// (mma.sync m16n8k16, q heads as the 16 rows, FlashAttention-2 register
+// layout so P never leaves registers); each of the 4 warps owns 16 tokens of
+// a tile and keeps its own online-softmax state, merged once at the end.
+// The physical row offset of every token of a tile is resolved once per tile
+// (one block-table read per token, by 64 threads) one tile ahead of its copy,
+// so token mode (block size 1) costs the same as large blocks.
+// f32: a plain CUDA-core kernel, for tests.
+#pragma once
+
+#include "kvp_common.cuh"
+
+namespace kvp {
+
+template <int D>
+struct DecodeCfg {
+    static constexpr int TILE = KVP_DECODE_TILE;  // tokens per pipeline stage
+    static constexpr int STAGES = D <= 64 ? 4 : (D <= 128 ? 3 : 2);
+    static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
+    static constexpr int CPR = D / 8;        // 16-byte chunks per 16-bit row
+    static constexpr int KV_TILE_BYTES = TILE * D * 2;
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;
+    static constexpr int Q_BYTES = 16 * D * 2;
+    static constexpr int OFF_BYTES = RING * TILE * 8;
+    static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + OFF_BYTES;
+    static constexpr int RED_STRIDE = D + 8;  // padded fp32 row of the final merge
+    static_assert(4 * 16 * RED_STRIDE * 4 + 2 * 64 * 4 <= STAGES * STAGE_BYTES, "merge scratch fits");
+};
+
+// Split s of a sequence takes the 64-token tiles s, s + S, s + 2S, ... (S =
+// num_splits): interleaved rather than contiguous chunks, so where a block's
+// tiles start does not depend on the sequence length and its first block-table
+// reads can be in flight together with the read of seq_lens.
+struct DecodeWork {
+    int kvh, qh0, nh, b, split, S, L, n_tiles;
+    // First token of the block's k-th tile.
+    __device__ __forceinline__ int tile_start(int k) const { return (split + k * S) * KVP_DECODE_TILE; }
+};
+
+__device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params& p) {
+    DecodeWork w;
+    const int group = p.num_q_heads / p.num_kv_heads;
+    const int head_tiles = (group + KVP_DECODE_HEADS_PER_CTA - 1) / KVP_DECODE_HEADS_PER_CTA;
+    w.kvh = blockIdx.x / head_tiles;
+    const int ht = blockIdx.x - w.kvh * head_tiles;
+    w.qh0 = w.kvh * group + ht * KVP_DECODE_HEADS_PER_CTA;
+    w.nh = min(KVP_DECODE_HEADS_PER_CTA, group - ht * KVP_DECODE_HEADS_PER_CTA);
+    w.b = blockIdx.y;
+    w.split = blockIdx.z;
+    w.S = p.num_splits;
+    w.L = 0;
+    w.n_tiles = 0;
+    return w;
+}
+
+__device__ __forceinline__ void decode_work_len(DecodeWork& w, int seq_len) {
+    w.L = max(0, seq_len);
+    const int tiles = (w.L + KVP_DECODE_TILE - 1) / KVP_DECODE_TILE;
+    w.n_tiles = tiles > w.split ? (tiles - w.split + w.S - 1) / w.S : 0;
+}
+
+// Element offset of a token of sequence b in the caches (kv head included),
+// or -1 when the token must be ignored.
+struct RowResolver {
+    const int32_t* table;  // this sequence's row
+    int block_size, shift, max_blocks, num_blocks;
+    int64_t block_stride, token_stride, head_off;
+
+    __device__ __forceinline__ void init(const kvp_decode_params& p, int b, int kvh) {
+        table = reinterpret_cast<const int32_t*>(p.block_table) + (int64_t)b * p.block_table_stride;
+        block_size = p.block_size;
+        shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+        max_blocks = p.max_blocks_per_seq;
+        num_blocks = p.num_blocks;
+        block_stride = p.cache_block_stride;
+        token_stride = p.cache_token_stride;
+        head_off = (int64_t)kvh * p.cache_head_stride;
+    }
+    // Split in two (issue the table load, use it later) so the load latency
+    // hides behind other work.
+    // Reads only columns < max_blocks_per_seq, so it may run before the
+    // sequence length is known; -1 for a column past the table.
+    __device__ __forceinline__ int load_block(int tok, int& off) const {
+        const int col = shift >= 0 ? tok >> shift : tok / block_size;
+        off = tok - col * block_size;
+        if (col >= max_blocks) return -1;
+        return __ldg(table + col);
+    }
+    __device__ __forceinline__ int64_t offset(int blk, int off) const {
+        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
+        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
+    }
+};
+
+// Writes N consecutive dims [d0, d0+N) of q head qh: the normalised output
+// (or the split's partial) and, from the slice at d0 == 0, the lse.
+// m2: running max (log2 domain of scale*q.k); l: softmax denominator.
+template <typename T, int N>
+__device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int qh, int d0,
+                                             float (&o)[N], float m2, float l, int D) {
+    const bool empty = !(l > 0.f);
+    const float inv = empty ? 0.f : 1.f / l;
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] *= inv;
+    const float lse2 = empty ? neg_inf() : m2 + log2f(l);
+    const int64_t row = (int64_t)w.b * p.num_q_heads + qh;
+    if (p.num_splits == 1) {
+        T* out = reinterpret_cast<T*>(p.out) + (int64_t)w.b * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
+        store_f<T, N>(out, o);
+        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[row] = empty ? neg_inf() : lse2 * kLn2;
+    } else {
+        const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+        const int64_t r = (int64_t)w.split * rows + row;
+        float* part_o = reinterpret_cast<float*>(p.workspace);
+        store_f<float, N>(part_o + r * D + d0, o);
+        if (d0 == 0) part_o[(int64_t)p.num_splits * rows * D + r] = lse2;
+    }
+}
+
+// ---- f32: plain kernel (tests) ----------------------------------------------
+template <int D>
+__device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
+    constexpr int E = D / 32;
+    griddep_wait();
+    DecodeWork w = decode_work_heads(p);
+    decode_work_len(w, reinterpret_cast<const int32_t*>(p.seq_lens)[w.b]);
+    RowResolver rr;
+    rr.init(p, w.b, w.kvh);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* kc = reinterpret_cast<const float*>(p.k_cache);
+    const float* vc = reinterpret_cast<const float*>(p.v_cache);
+    const float sl = p.scale * kLog2e;
+    for (int hi = warp; hi < w.nh; hi += KVP_DECODE_THREADS / 32) {
+        const int qh = w.qh0 + hi;
+        float q[E];
+        load_f<float, E>(reinterpret_cast<const float*>(p.q) + (int64_t)w.b * p.q_batch_stride +
+                             (int64_t)qh * p.q_head_stride + lane * E,
+                         q);
+        float m = neg_inf(), l = 0.f, o[E];
+#pragma unroll
+        for (int i = 0; i < E; ++i) o[i] = 0.f;
+        for (int k = 0; k < w.n_tiles; ++k) {
+            const int t0 = w.tile_start(k);
+            const int t1 = min(w.L, t0 + KVP_DECODE_TILE);
+            for (int tok = t0; tok < t1; ++tok) {
+                int off;
+                const int blk = rr.load_block(tok, off);
+                const int64_t base = rr.offset(blk, off);
+                if (base < 0) continue;
+                float kv[E], vv[E];
+                load_f<float, E>(kc + base + lane * E, kv);
+                load_f<float, E>(vc + base + lane * E, vv);
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < E; ++i) s += q[i] * kv[i];
+                s = warp_sum(s) * sl;
+                const float mn = fmaxf(m, s);
+                const float alpha = exp2f(m - mn);
+                const float pe = exp2f(s - mn);
+                l = l * alpha + pe;
+#pragma unroll
+                for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
+                m = mn;
+            }
+        }
+        decode_store<float, E>(p, w, qh, lane * E, o, m, l, D);
+    }
+}
+
+// ---- f16 / bf16: tensor-core kernel ------------------------------------------
+template <typename T, int D>
+__device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
+    using C = DecodeCfg<D>;
+    constexpr int TILE = C::TILE, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
+    constexpr int NT = KVP_DECODE_THREADS;
+    constexpr int CHUNKS_PER_THREAD = TILE * CPR / NT;  // per tensor (K or V) per stage
+    static_assert(TILE * CPR % NT == 0, "tile chunks divide evenly");
+    static_assert(NT / CPR * CHUNKS_PER_THREAD == TILE, "row mapping");
+
+    extern __shared__ __align__(128) uint8_t smem[];
+    uint8_t* s_kv = smem;                                       // [STAGES][K tile, V tile]
+    uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;              // [16][D] swizzled
+    int64_t* s_off = reinterpret_cast<int64_t*>(s_q + C::Q_BYTES);  // [RING][TILE]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    griddep_wait();  // inputs may come from the previous kernel (PDL launch)
+    DecodeWork w = decode_work_heads(p);
+    RowResolver rr;
+    rr.init(p, w.b, w.kvh);
+    const T* kc = reinterpret_cast<const T*>(p.k_cache);
+    const T* vc = reinterpret_cast<const T*>(p.v_cache);
+
+    // Everything that depends on no other load is issued at once: the query
+    // rows, seq_lens[b] and the block-table entries of the first STAGES + 1
+    // tiles (tile positions do not depend on the length; see DecodeWork).
+    constexpr int Q_CHUNKS = (16 * CPR + NT - 1) / NT;
+    uint4 qv[Q_CHUNKS];
+    {
+        const T* qb = reinterpret_cast<const T*>(p.q) + (int64_t)w.b * p.q_batch_stride;
+#pragma unroll
+        for (int k = 0; k < Q_CHUNKS; ++k) {
+            const int i = tid + k * NT;
+            const int r = i / CPR, c = i % CPR;
+            qv[k] = make_uint4(0, 0, 0, 0);
+            if (i < 16 * CPR && r < w.nh)
+                qv[k] = *reinterpret_cast<const uint4*>(qb + (int64_t)(w.qh0 + r) * p.q_head_stride + c * 8);
+        }
+    }
+    const int seq_len = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
+    int pblk[STAGES + 1], poff[STAGES + 1];
+#pragma unroll
+    for (int j = 0; j <= STAGES; ++j) {
+        pblk[j] = -1;
+        poff[j] = 0;
+        if (tid < TILE) pblk[j] = rr.load_block(w.tile_start(j) + tid, poff[j]);
+    }
+    decode_work_len(w, seq_len);
+    if (tid < TILE) {
+#pragma unroll
+        for (int j = 0; j < STAGES; ++j)
+            s_off[j * TILE + tid] =
+                (j < w.n_tiles && w.tile_start(j) + tid < w.L) ? rr.offset(pblk[j], poff[j]) : -1;
+    }
+    // Table entry of tile STAGES, stored at the end of iteration 0.
+    int cblk = pblk[STAGES], coff = poff[STAGES];
+    // Query tile: rows >= nh are zero so padded heads stay finite.
+#pragma unroll
+    for (int k = 0; k < Q_CHUNKS; ++k) {
+        const int i = tid + k * NT;
+        const int r = i / CPR, c = i % CPR;
+        if (i < 16 * CPR) *reinterpret_cast<uint4*>(s_q + (r * CPR + (c ^ (r & 7))) * 16) = qv[k];
+    }
+    __syncthreads();
+
+    const uint32_t s_kv_u32 = smem_u32(s_kv);
+    const uint64_t policy = l2_evict_first();
+    auto issue = [&](int j) {
+        const int64_t* offs = s_off + (j % RING) * TILE;
+        const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
+        const uint32_t sv = sk + C::KV_TILE_BYTES;
+#pragma unroll
+        for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
+            const int c = tid + i * NT;
+            const int r = c / CPR, col = c % CPR;
+            const int64_t o = offs[r];
+            const uint32_t dst = (r * CPR + (col ^ (r & 7))) * 16;
+            const int bytes = o >= 0 ? 16 : 0;
+            const int64_t src = o >= 0 ? o + col * 8 : 0;
+            cp_async16(sk + dst, kc + src, bytes, policy);
+            cp_async16(sv + dst, vc + src, bytes, policy);
+        }
+    };
+
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < w.n_tiles) issue(j);
+        cp_async_commit();
+    }
+
+    const float sl = p.scale * kLog2e;
+    float m_run[2] = {neg_inf(), neg_inf()};  // rows g and g+8 (log2 domain)
+    float l_run[2] = {0.f, 0.f};              // this thread's partial sums
+    float o_acc[CPR][4];
+#pragma unroll
+    for (int c = 0; c < CPR; ++c) o_acc[c][0] = o_acc[c][1] = o_acc[c][2] = o_acc[c][3] = 0.f;
+
+    const uint32_t s_q_u32 = smem_u32(s_q);
+    // ldmatrix lane addressing (row, chunk-in-pair) for the A (Q), B (K), B^T (V) fragments.
+    const int qa_row = (lane & 7) + ((lane >> 3) & 1) * 8, qa_chk = lane >> 4;
+    const int kb_row = warp * 16 + (lane & 7) + ((lane >> 4) << 3), kb_chk = (lane >> 3) & 1;
+    const int vb_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, vb_chk = lane >> 4;
+    const int g = lane >> 2, qd = (lane & 3) * 2;
+
+    for (int j = 0; j < w.n_tiles; ++j) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (j + STAGES - 1 < w.n_tiles) issue(j + STAGES - 1);
+        cp_async_commit();
+
+        // Table entries of tile j+STAGES+1: loaded now, stored one iteration
+        // later, so a slow table read never stalls the block at a barrier.
+        int nblk = -1, noff = 0;
+        if (tid < TILE && j + STAGES + 1 < w.n_tiles) nblk = rr.load_block(w.tile_start(j + STAGES + 1) + tid, noff);
+
+        const int st = j % STAGES;
+        const uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
+        const uint32_t sv = sk + C::KV_TILE_BYTES;
+
+        // S = Q K^T: 16 heads x 16 tokens (two n-tiles of 8 tokens).
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4], bk[4];
+            const int qc = kk * 2 + qa_chk;
+            ldmatrix_x4(a, s_q_u32 + (qa_row * CPR + (qc ^ (qa_row & 7))) * 16);
+            const int kc2 = kk * 2 + kb_chk;
+            ldmatrix_x4(bk, sk + (kb_row * CPR + (kc2 ^ (kb_row & 7))) * 16);
+            mma16816<T>(s[0], a, bk[0], bk[1]);
+            mma16816<T>(s[1], a, bk[2], bk[3]);
+        }
+
+        // Mask tokens past the end or with an ignored block; scale into log2 domain.
+        const int64_t* offs = s_off + (j % RING) * TILE;
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tcol = warp * 16 + nt * 8 + qd + e;
+                const bool ok = offs[tcol] >= 0;
+                s[nt][e] = ok ? s[nt][e] * sl : neg_inf();
+                s[nt][e + 2] = ok ? s[nt][e + 2] * sl : neg_inf();
+                mx[0] = fmaxf(mx[0], s[nt][e]);
+                mx[1] = fmaxf(mx[1], s[nt][e + 2]);
+            }
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float mn = fmaxf(m_run[r], mx[r]);
+            m_use[r] = mn == neg_inf() ? 0.f : mn;  // whole row masked so far: keep exp2 finite
+            alpha[r] = exp2f(m_run[r] - m_use[r]);
+            m_run[r] = mn;
+        }
+        float ps[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - m_use[0]);
+            s[nt][1] = exp2f(s[nt][1] - m_use[0]);
+            s[nt][2] = exp2f(s[nt][2] - m_use[1]);
+            s[nt][3] = exp2f(s[nt][3] - m_use[1]);
+            ps[0] += s[nt][0] + s[nt][1];
+            ps[1] += s[nt][2] + s[nt][3];
+        }
+        l_run[0] = l_run[0] * alpha[0] + ps[0];
+        l_run[1] = l_run[1] * alpha[1] + ps[1];
+#pragma unroll
+        for (int c = 0; c < CPR; ++c) {
+            o_acc[c][0] *= alpha[0];
+            o_acc[c][1] *= alpha[0];
+            o_acc[c][2] *= alpha[1];
+            o_acc[c][3] *= alpha[1];
+        }
+        // P as the A operand (FA2 layout: C fragments of S are A fragments of P).
+        uint32_t pa[4];
+        pa[0] = pack2<T>(s[0][0], s[0][1]);
+        pa[1] = pack2<T>(s[0][2], s[0][3]);
+        pa[2] = pack2<T>(s[1][0], s[1][1]);
+        pa[3] = pack2<T>(s[1][2], s[1][3]);
+        // O += P V: 16 heads x D.
+#pragma unroll
+        for (int c = 0; c < CPR; c += 2) {
+            uint32_t bv[4];
+            const int vc2 = c + vb_chk;
+            ldmatrix_x4_trans(bv, sv + (vb_row * CPR + (vc2 ^ (vb_row & 7))) * 16);
+            mma16816<T>(o_acc[c], pa, bv[0], bv[1]);
+            mma16816<T>(o_acc[c + 1], pa, bv[2], bv[3]);
+        }
+
+        const int jt = j + STAGES;
+        if (tid < TILE && jt < w.n_tiles)
+            s_off[(jt % RING) * TILE + tid] = w.tile_start(jt) + tid < w.L ? rr.offset(cblk, coff) : -1;
+        cblk = nblk;
+        coff = noff;
+    }
+    griddep_launch_dependents();  // the combine (PDL launch) may start its blocks
+
+    // Merge the 4 warps' states through shared memory (the pipeline is drained).
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    float* red_o = reinterpret_cast<float*>(smem);  // [4][16][RED_STRIDE]
+    float* red_m = red_o + 4 * 16 * C::RED_STRIDE;  // [4][16]
+    float* red_l = red_m + 64;                      // [4][16]
+    {
+        float* base = red_o + warp * 16 * C::RED_STRIDE;
+        // Only the rows of real heads (< nh) are merged.
+        if (g < w.nh) {
+#pragma unroll
+            for (int c = 0; c < CPR; ++c)
+                *reinterpret_cast<float2*>(base + g * C::RED_STRIDE + c * 8 + qd) =
+                    make_float2(o_acc[c][0], o_acc[c][1]);
+        }
+        if (g + 8 < w.nh) {
+#pragma unroll
+            for (int c = 0; c < CPR; ++c)
+                *reinterpret_cast<float2*>(base + (g + 8) * C::RED_STRIDE + c * 8 + qd) =
+                    make_float2(o_acc[c][2], o_acc[c][3]);
+        }
+        if ((lane & 3) == 0) {
+            red_m[warp * 16 + g] = m_run[0];
+            red_m[warp * 16 + g + 8] = m_run[1];
+            red_l[warp * 16 + g] = l_run[0];
+            red_l[warp * 16 + g + 8] = l_run[1];
+        }
+    }
+    __syncthreads();
+    for (int it = tid; it < w.nh * CPR; it += NT) {
+        const int r = it / CPR, d0 = (it % CPR) * 8;
+        float M = neg_inf();
+#pragma unroll
+        for (int ww = 0; ww < 4; ++ww) M = fmaxf(M, red_m[ww * 16 + r]);
+        float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, L = 0.f;
+        if (M != neg_inf()) {
+#pragma unroll
+            for (int ww = 0; ww < 4; ++ww) {
+                const float sc = exp2f(red_m[ww * 16 + r] - M);
+                L += red_l[ww * 16 + r] * sc;
+                const float* src = red_o + (ww * 16 + r) * C::RED_STRIDE + d0;
+                const float4 x0 = *reinterpret_cast<const float4*>(src);
+                const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+                o[0] += sc * x0.x; o[1] += sc * x0.y; o[2] += sc * x0.z; o[3] += sc * x0.w;
+                o[4] += sc * x1.x; o[5] += sc * x1.y; o[6] += sc * x1.z; o[7] += sc * x1.w;
+            }
+        }
+        decode_store<T, 8>(p, w, w.qh0 + r, d0, o, M, L, D);
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void paged_decode(const kvp_decode_params& p) {
+    if constexpr (sizeof(T) == 4) {
+        paged_decode_f32<D>(p);
+    } else {
+        paged_decode_tc<T, D>(p);
+    }
+}
+
+}  // namespace kvp

@@ -1,0 +1,69 @@
+// kvplug CUDA kernels: KV write, paged decode attention (split-KV + combine),
+// merge of attention states. One translation unit, compiled into
+// kvplug.fatbin; the launch contract (params structs, names, grids, shared
+// memory, workspace) is kernels/kvplug_kernels.h.
+#include <stdint.h>
+
+#include "kvplug_kernels.h"
+#include "kvp_common.cuh"
+#include "kvp_decode.cuh"
+
+// ---------------------------------------------------------------------------
+// The host side mirrors these layouts field for field: freeze them.
+#define KVP_OFF(T, f, o) static_assert(offsetof(T, f) == (o), #T "." #f " offset")
+static_assert(sizeof(kvp_kv_write_params) == 112, "kvp_kv_write_params size");
+KVP_OFF(kvp_kv_write_params, slot_mapping, 32);
+KVP_OFF(kvp_kv_write_params, key_token_stride, 40);
+KVP_OFF(kvp_kv_write_params, cache_head_stride, 88);
+KVP_OFF(kvp_kv_write_params, num_tokens, 96);
+KVP_OFF(kvp_kv_write_params, num_blocks, 108);
+static_assert(sizeof(kvp_decode_params) == 160, "kvp_decode_params size");
+KVP_OFF(kvp_decode_params, workspace, 56);
+KVP_OFF(kvp_decode_params, q_batch_stride, 64);
+KVP_OFF(kvp_decode_params, block_table_stride, 120);
+KVP_OFF(kvp_decode_params, batch, 128);
+KVP_OFF(kvp_decode_params, num_blocks, 144);
+KVP_OFF(kvp_decode_params, num_splits, 152);
+KVP_OFF(kvp_decode_params, scale, 156);
+static_assert(sizeof(kvp_merge_params) == 224, "kvp_merge_params size");
+KVP_OFF(kvp_merge_params, s, 64);
+KVP_OFF(kvp_merge_params, out, 128);
+KVP_OFF(kvp_merge_params, out_lse, 136);
+KVP_OFF(kvp_merge_params, v_token_stride, 144);
+KVP_OFF(kvp_merge_params, out_lse_head_stride, 200);
+KVP_OFF(kvp_merge_params, num_states, 208);
+KVP_OFF(kvp_merge_params, reserved, 220);
+
+static_assert(kvp::DecodeCfg<64>::SMEM == 70144, "smem h64 (header formula)");
+static_assert(kvp::DecodeCfg<128>::SMEM == 104448, "smem h128 (header formula)");
+static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)");
+
+// ---------------------------------------------------------------------------
+// Instantiations: every kernel for every (dtype, head_dim).
+#define KVP_INSTANTIATE(DT, T, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(KVP_KV_WRITE_THREADS)                         \
+        kvp_kv_write_##DT##_h##D(const kvp_kv_write_params p) {                                \
+        kvp::kv_write<T, D>(p);                                                                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KVP_DECODE_THREADS)                           \
+        kvp_paged_decode_##DT##_h##D(const kvp_decode_params p) {                              \
+        kvp::paged_decode<T, D>(p);                                                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KVP_COMBINE_THREADS)                          \
+        kvp_paged_decode_combine_##DT##_h##D(const kvp_decode_params p) {                      \
+        kvp::decode_combine<T, D>(p);                                                          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KVP_MERGE_THREADS)                            \
+        kvp_merge_states_##DT##_h##D(const kvp_merge_params p) {                               \
+        kvp::merge_states<T, D>(p);                                                            \
+    }
+
+KVP_INSTANTIATE(f32, float, 64)
+KVP_INSTANTIATE(f32, float, 128)
+KVP_INSTANTIATE(f32, float, 256)
+KVP_INSTANTIATE(f16, kvp::f16, 64)
+KVP_INSTANTIATE(f16, kvp::f16, 128)
+KVP_INSTANTIATE(f16, kvp::f16, 256)
+KVP_INSTANTIATE(bf16, kvp::bf16, 64)
+KVP_INSTANTIATE(bf16, kvp::bf16, 128)
+KVP_INSTANTIATE(bf16, kvp::bf16, 256)

@@ -1,0 +1,215 @@
+/*
+ * kvplug_kernels.h -- the launch contract of the kernels in kvplug.fatbin.
+ *
+ * Every kernel takes exactly ONE parameter: its params struct, by value.
+ * The structs hold fixed-width fields only (device pointers as uint64_t,
+ * shapes as int32_t, strides as int64_t counted in ELEMENTS of the kernel's
+ * dtype, softmax scale as float) and have no implicit padding, so a host
+ * language can mirror them field for field. kvplug_kernels.cu static_asserts
+ * every size and offset listed here.
+ *
+ * Kernel names (extern "C", no mangling):
+ *     kvp_kv_write_<dt>_h<D>
+ *     kvp_paged_decode_<dt>_h<D>
+ *     kvp_paged_decode_combine_<dt>_h<D>
+ *     kvp_merge_states_<dt>_h<D>
+ * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}.
+ *
+ * Alignment (all kernels): every tensor pointer of the kernel's dtype and the
+ * workspace are 16-byte aligned, and every stride of such a tensor is a
+ * multiple of KVP_VEC(dt) = 16 / sizeof(dt) elements (8 for f16/bf16, 4 for
+ * f32). int32/float32 index and lse arrays need 4-byte alignment only.
+ * The launcher must check this; the kernels use 16-byte vector accesses.
+ *
+ * Layouts
+ *   KV cache (K and V separate pointers, SAME strides):
+ *       [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous.
+ *       element (blk, off, h, d) = cache[blk*cache_block_stride
+ *                                        + off*cache_token_stride
+ *                                        + h*cache_head_stride + d]
+ *       A combined tensor (e.g. [num_blocks, 2, block_size, H, D]) is passed
+ *       as two pointers with the same strides.
+ *   slot = block * block_size + offset; slot < 0 = padding token, skipped.
+ *   block_size is any value >= 1 (1 = token mode: table entries are slots).
+ *   GQA: q head i reads kv head i / (num_q_heads / num_kv_heads);
+ *   num_q_heads must be a multiple of num_kv_heads.
+ *   lse outputs and inputs are float32, NATURAL log of sum(exp(scale*q.k)).
+ */
+#ifndef KVPLUG_KERNELS_H
+#define KVPLUG_KERNELS_H
+
+#include <stdint.h>
+
+#define KVP_KERNELS_ABI_VERSION 1
+
+/* Threads per block for every kernel below. */
+#define KVP_KV_WRITE_THREADS 256
+#define KVP_DECODE_THREADS 128
+#define KVP_COMBINE_THREADS 128 /* 4 warps, one (row, head) per warp */
+#define KVP_MERGE_THREADS 128   /* 4 warps, one (token, head) per warp */
+
+/* Tokens per pipeline tile of the decode kernel; split chunks are multiples. */
+#define KVP_DECODE_TILE 64
+/* Query heads handled by one decode block (one kv head's group is split into
+ * ceil(group / KVP_DECODE_HEADS_PER_CTA) blocks when larger). */
+#define KVP_DECODE_HEADS_PER_CTA 16
+
+/* ------------------------------------------------------------------------
+ * 1. KV write: scatter this step's K and V into the paged caches.
+ *    key/value: [num_tokens, num_kv_heads, head_dim] with the strides below.
+ *    Launch: block (KVP_KV_WRITE_THREADS,1,1),
+ *            grid  (ceil_div(num_tokens*num_kv_heads*head_dim/KVP_VEC, 256),1,1)
+ *            dynamic shared memory 0.
+ *    num_tokens == 0: launch nothing.
+ * offsets: 0 key, 8 value, 16 k_cache, 24 v_cache, 32 slot_mapping,
+ *          40 key_token_stride, 48 key_head_stride, 56 value_token_stride,
+ *          64 value_head_stride, 72 cache_block_stride, 80 cache_token_stride,
+ *          88 cache_head_stride, 96 num_tokens, 100 num_kv_heads,
+ *          104 block_size, 108 num_blocks; size 112.
+ * Slots >= num_blocks*block_size are skipped like negative ones (memory
+ * safety; the launcher should reject them where it can see them).
+ * ---------------------------------------------------------------------- */
+typedef struct kvp_kv_write_params {
+    uint64_t key;
+    uint64_t value;
+    uint64_t k_cache;
+    uint64_t v_cache;
+    uint64_t slot_mapping; /* int32 [num_tokens] */
+    int64_t key_token_stride;
+    int64_t key_head_stride;
+    int64_t value_token_stride;
+    int64_t value_head_stride;
+    int64_t cache_block_stride;
+    int64_t cache_token_stride;
+    int64_t cache_head_stride;
+    int32_t num_tokens;
+    int32_t num_kv_heads;
+    int32_t block_size;
+    int32_t num_blocks;
+} kvp_kv_write_params;
+
+/* ------------------------------------------------------------------------
+ * 2. Paged decode attention (one query token per sequence).
+ *    q   [batch, num_q_heads, head_dim]  (q_batch_stride, q_head_stride)
+ *    out [batch, num_q_heads, head_dim]  (out_batch_stride, out_head_stride)
+ *    lse float32 [batch, num_q_heads] contiguous, or 0 = not requested
+ *    block_table int32 [batch, block_table_stride]; row b holds the blocks of
+ *        sequence b; only columns < max_blocks_per_seq are ever read
+ *    seq_lens int32 [batch]; 0 gives out = 0 and lse = -inf
+ *    Tokens whose table column is >= max_blocks_per_seq or whose block id is
+ *    outside [0, num_blocks) are ignored (memory safety, not a feature).
+ *
+ *  num_splits == 1: one launch of kvp_paged_decode_<dt>_h<D>, writes out/lse.
+ *  num_splits  > 1: kvp_paged_decode_<dt>_h<D> writes partial results into
+ *      workspace, then kvp_paged_decode_combine_<dt>_h<D> (same params struct,
+ *      same stream) writes out/lse.
+ *
+ *  Split s of sequence b (length L) covers tokens [s*C, min(L, (s+1)*C)) with
+ *      C = ceil_div(ceil_div(L, num_splits), KVP_DECODE_TILE) * KVP_DECODE_TILE
+ *  (splits past the end are empty and contribute nothing).
+ *
+ *  Workspace (float32, 16-byte aligned, needed only when num_splits > 1):
+ *      part_out [num_splits][batch][num_q_heads][head_dim]  at float offset 0
+ *      part_lse [num_splits][batch][num_q_heads]            at float offset
+ *               num_splits*batch*num_q_heads*head_dim  (log2 domain, internal)
+ *      bytes = 4 * num_splits * batch * num_q_heads * (head_dim + 1)
+ *
+ *  Launch of kvp_paged_decode_<dt>_h<D>:
+ *      block (KVP_DECODE_THREADS,1,1)
+ *      grid  (num_kv_heads * ceil_div(num_q_heads/num_kv_heads, 16), batch, num_splits)
+ *      dynamic shared memory: kvp_decode_smem_bytes(dt, D) below; values above
+ *      48 KiB need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
+ *      batch <= 65535, num_splits <= 65535.
+ *  Launch of kvp_paged_decode_combine_<dt>_h<D>:
+ *      block (KVP_COMBINE_THREADS,1,1), grid (ceil_div(batch*num_q_heads, 4),1,1), smem 0
+ *  batch == 0: launch nothing.
+ * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
+ *          48 lse, 56 workspace, 64 q_batch_stride, 72 q_head_stride,
+ *          80 out_batch_stride, 88 out_head_stride, 96 cache_block_stride,
+ *          104 cache_token_stride, 112 cache_head_stride,
+ *          120 block_table_stride, 128 batch, 132 num_q_heads,
+ *          136 num_kv_heads, 140 block_size, 144 num_blocks,
+ *          148 max_blocks_per_seq, 152 num_splits, 156 scale; size 160.
+ * ---------------------------------------------------------------------- */
+typedef struct kvp_decode_params {
+    uint64_t q;
+    uint64_t k_cache;
+    uint64_t v_cache;
+    uint64_t block_table; /* int32 */
+    uint64_t seq_lens;    /* int32 */
+    uint64_t out;
+    uint64_t lse;       /* float32 or 0 */
+    uint64_t workspace; /* float32; 0 allowed when num_splits == 1 */
+    int64_t q_batch_stride;
+    int64_t q_head_stride;
+    int64_t out_batch_stride;
+    int64_t out_head_stride;
+    int64_t cache_block_stride;
+    int64_t cache_token_stride;
+    int64_t cache_head_stride;
+    int64_t block_table_stride;
+    int32_t batch;
+    int32_t num_q_heads;
+    int32_t num_kv_heads;
+    int32_t block_size;
+    int32_t num_blocks;
+    int32_t max_blocks_per_seq;
+    int32_t num_splits;
+    float scale; /* softmax scale, usually 1/sqrt(head_dim) */
+} kvp_decode_params;
+
+/* Dynamic shared memory of kvp_paged_decode_<dt>_h<D>, in bytes.
+ * dtype_bytes: 4 for f32, 2 for f16/bf16.
+ *   16-bit: stages(D) * 64 * D * 4      (K and V tiles)
+ *         + 16 * D * 2                  (query tile)
+ *         + (stages(D) + 1) * 64 * 8    (row offsets)
+ *     with stages(64) = 4, stages(128) = 3, stages(256) = 2:
+ *     h64: 70144, h128: 104448, h256: 140800
+ *   f32 (reference-speed kernel): 0
+ * Resident blocks per SM on sm_90 (for the split heuristic, see README):
+ *     16-bit h64: 3, h128: 2, h256: 1; f32: 4. */
+static inline uint32_t kvp_decode_smem_bytes(int dtype_bytes, int head_dim) {
+    if (dtype_bytes == 4) return 0;
+    uint32_t stages = head_dim <= 64 ? 4u : (head_dim <= 128 ? 3u : 2u);
+    return stages * 64u * (uint32_t)head_dim * 4u + 16u * (uint32_t)head_dim * 2u + (stages + 1u) * 64u * 8u;
+}
+
+/* ------------------------------------------------------------------------
+ * 3. Merge of attention states: out = sum_i w_i v_i, w_i = exp(s_i - lse),
+ *    lse = log(sum_i exp(s_i)), over num_states (1..KVP_MERGE_MAX_STATES)
+ *    partial states given as separate pointers with shared strides.
+ *    v[i] [num_tokens, num_heads, head_dim] dtype; s[i] float32 natural-log
+ *    lse [num_tokens, num_heads] (-inf = empty state, weight 0).
+ *    All states empty: out = 0, out_lse = -inf. out may alias v[0] when
+ *    their strides are equal; out_lse may alias s[0] likewise.
+ *    Launch: block (KVP_MERGE_THREADS,1,1),
+ *            grid (ceil_div(num_tokens*num_heads, 4),1,1), smem 0.
+ * offsets: 0 v[8], 64 s[8], 128 out, 136 out_lse, 144 v_token_stride,
+ *          152 v_head_stride, 160 s_token_stride, 168 s_head_stride,
+ *          176 out_token_stride, 184 out_head_stride,
+ *          192 out_lse_token_stride, 200 out_lse_head_stride,
+ *          208 num_states, 212 num_tokens, 216 num_heads, 220 reserved;
+ *          size 224.
+ * ---------------------------------------------------------------------- */
+#define KVP_MERGE_MAX_STATES 8
+
+typedef struct kvp_merge_params {
+    uint64_t v[KVP_MERGE_MAX_STATES];
+    uint64_t s[KVP_MERGE_MAX_STATES]; /* float32 */
+    uint64_t out;
+    uint64_t out_lse; /* float32 or 0 */
+    int64_t v_token_stride;
+    int64_t v_head_stride;
+    int64_t s_token_stride; /* in float32 elements */
+    int64_t s_head_stride;
+    int64_t out_token_stride;
+    int64_t out_head_stride;
+    int64_t out_lse_token_stride; /* in float32 elements */
+    int64_t out_lse_head_stride;
+    int32_t num_states;
+    int32_t num_tokens;
+    int32_t num_heads;
+    int32_t reserved; /* must be 0 */
+} kvp_merge_params;
+
+#endif /* KVPLUG_KERNELS_H */

@@ -1,0 +1,208 @@
+"""GPU tests of kvplug.attn on torch CUDA tensors, through libkvplug's C ABI.
+
+Each test draws fresh random inputs, poisons outputs with NaN, and compares
+with a float64 torch reference (attention over each sequence's contiguous
+K and V). Run on a GPU machine with the library built:
+
+    KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \
+        python3 -m pytest -q tests/gpu/test_attn_torch.py
+
+Skips when torch or a CUDA device is absent.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import kvplug  # noqa: E402
+from kvplug import attn  # noqa: E402
+
+DEV = torch.device("cuda")
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def rel_err(got, want):
+    assert not torch.isnan(got).any(), "output has NaN (unwritten elements)"
+    got, want = got.double(), want.double()
+    den = want.norm()
+    return (got - want).norm().item() / max(den.item(), 1e-30)
+
+
+class Paged:
+    """A random batch: logical K/V per sequence, a paged cache filled by
+    attn.kv_write through a shuffled block allocation, and its block table."""
+
+    def __init__(self, gen, dtype, D, qh, kvh, bs, lens):
+        self.dtype, self.D, self.qh, self.kvh, self.bs, self.lens = dtype, D, qh, kvh, bs, lens
+        nblk = [math.ceil(L / bs) for L in lens]
+        self.num_blocks = sum(nblk) + 2
+        self.max_blocks = max(max(nblk), 1)
+        perm = torch.randperm(self.num_blocks, generator=gen).tolist()
+        table = torch.full((len(lens), self.max_blocks + 1), -7, dtype=torch.int32)
+        slots, nxt = [], 0
+        for b, L in enumerate(lens):
+            for c in range(nblk[b]):
+                table[b, c] = perm[nxt]
+                nxt += 1
+            slots += [int(table[b, t // bs]) * bs + t % bs for t in range(L)]
+        self.table = table.to(DEV)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        total = sum(lens)
+        self.k = (torch.rand((total, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+        self.v = (torch.rand((total, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+        shape = (self.num_blocks, bs, kvh, D)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        self.slots = torch.tensor(slots, dtype=torch.int32, device=DEV)
+        attn.kv_write(self.k, self.v, self.k_cache, self.v_cache, self.slots)
+        self.q = (torch.rand((len(lens), qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+
+    def reference(self, scale):
+        out = torch.zeros((len(self.lens), self.qh, self.D), dtype=torch.float64, device=DEV)
+        lse = torch.full((len(self.lens), self.qh), float("-inf"), dtype=torch.float64, device=DEV)
+        g = self.qh // self.kvh
+        start = 0
+        for b, L in enumerate(self.lens):
+            if L:
+                k = self.k[start:start + L].double().repeat_interleave(g, dim=1)  # [L, qh, D]
+                v = self.v[start:start + L].double().repeat_interleave(g, dim=1)
+                s = torch.einsum("hd,lhd->hl", self.q[b].double(), k) * scale
+                lse[b] = torch.logsumexp(s, dim=1)
+                out[b] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v)
+            start += L
+        return out, lse
+
+
+def ragged(gen, batch, bs, max_len):
+    lens = [0, 1, bs, min(bs + 1, max_len), max_len][:batch]
+    lens += torch.randint(0, max_len + 1, (batch - len(lens),), generator=gen).tolist()
+    return lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bs", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_decode(dtype, D, bs, group):
+    gen = torch.Generator().manual_seed(torch.seed())
+    p = Paged(gen, dtype, D, 2 * group, 2, bs, ragged(gen, 6, bs, 700))
+    ws = torch.empty(attn.workspace_size(6, 2 * group, D), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(p.q, float("nan"))
+    lse = torch.full((6, 2 * group), float("nan"), dtype=torch.float32, device=DEV)
+    scale = 1 / math.sqrt(D)
+    attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, lse=lse,
+                      workspace=ws, max_seq_len=max(p.lens))
+    torch.cuda.synchronize()
+    want, want_lse = p.reference(scale)
+    assert rel_err(out, want) < TOL[dtype]
+    empty = want_lse.isinf()
+    assert torch.isneginf(lse[empty]).all()
+    assert torch.allclose(lse[~empty].double(), want_lse[~empty], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 0])
+def test_paged_decode_splits_long(splits):
+    gen = torch.Generator().manual_seed(torch.seed())
+    p = Paged(gen, torch.bfloat16, 128, 32, 8, 16, [4000, 3, 0, 2100])
+    ws = torch.empty(attn.workspace_size(4, 32, 128, 8), dtype=torch.uint8, device=DEV)
+    out, lse = attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, workspace=ws,
+                                 num_splits=splits, return_lse=True)
+    want, want_lse = p.reference(1 / math.sqrt(128))
+    assert rel_err(out, want) < TOL[torch.bfloat16]
+    finite = ~want_lse.isinf()
+    assert torch.allclose(lse[finite].double(), want_lse[finite], rtol=1e-3, atol=1e-3)
+
+
+def test_merge_states_equals_whole():
+    gen = torch.Generator().manual_seed(torch.seed())
+    whole = Paged(gen, torch.float32, 128, 8, 2, 16, [300])
+    # Cut the sequence in three parts that share the query.
+    cuts = [0, 90, 90, 300]  # the middle part is empty
+    outs, lses = [], []
+    for i in range(3):
+        lo, hi = cuts[i], cuts[i + 1]
+        k_cache = torch.zeros((max(math.ceil((hi - lo) / 16), 1), 16, 2, 128), device=DEV)
+        v_cache = torch.zeros_like(k_cache)
+        n = hi - lo
+        slots = torch.arange(n, dtype=torch.int32, device=DEV)
+        attn.kv_write(whole.k[lo:hi], whole.v[lo:hi], k_cache, v_cache, slots)
+        table = torch.arange(k_cache.shape[0], dtype=torch.int32, device=DEV)[None]
+        lens = torch.tensor([n], dtype=torch.int32, device=DEV)
+        o, s = attn.paged_decode(whole.q, k_cache, v_cache, table, lens, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    merged, merged_lse = attn.merge_states(outs, lses)
+    want, want_lse = whole.reference(1 / math.sqrt(128))
+    assert rel_err(merged, want) < 1e-5
+    assert torch.allclose(merged_lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_states_in_place(dtype):
+    T, H, D = 33, 4, 64
+    vs = [torch.rand((T, H, D), device=DEV).to(dtype) for _ in range(3)]
+    ss = [torch.randn((T, H), device=DEV) * 3 for _ in range(3)]
+    ss[1][0] = float("-inf")
+    w = torch.softmax(torch.stack(ss).double(), dim=0)  # [3, T, H]
+    want = (w[..., None] * torch.stack([v.double() for v in vs])).sum(0)
+    want_lse = torch.logsumexp(torch.stack(ss).double(), dim=0)
+    v0, s0 = vs[0].clone(), ss[0].clone()
+    out, out_lse = attn.merge_states([v0] + vs[1:], [s0] + ss[1:], out=v0, out_lse=s0)
+    assert out.data_ptr() == v0.data_ptr()
+    assert rel_err(v0, want) < TOL[dtype]
+    assert torch.allclose(s0.double(), want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_graph_capture():
+    gen = torch.Generator().manual_seed(torch.seed())
+    p = Paged(gen, torch.float16, 128, 32, 8, 16, [2000, 5, 700])
+    ws = torch.empty(attn.workspace_size(3, 32, 128), dtype=torch.uint8, device=DEV)
+    out = torch.empty_like(p.q)
+    attn.prepare()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
+                          max_seq_len=2000)
+    for _ in range(2):
+        p.q.copy_((torch.rand(p.q.shape, generator=gen) * 4 - 2).to(p.q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        want, _ = p.reference(1 / math.sqrt(128))
+        assert rel_err(out, want) < TOL[torch.float16]
+
+
+def test_argument_errors():
+    gen = torch.Generator().manual_seed(1)
+    p = Paged(gen, torch.float16, 64, 4, 2, 16, [20, 5])
+    with pytest.raises(kvplug.InvalidArgumentError):
+        attn.paged_decode(p.q.float(), p.k_cache, p.v_cache, p.table, p.seq_lens)  # dtype mismatch
+    with pytest.raises(kvplug.InvalidArgumentError):
+        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table.long(), p.seq_lens)  # int64 table
+    with pytest.raises(kvplug.InvalidArgumentError):
+        attn.paged_decode(p.q.cpu(), p.k_cache, p.v_cache, p.table, p.seq_lens)  # host tensor
+    with pytest.raises(kvplug.InvalidArgumentError):
+        attn.paged_decode(p.q.transpose(1, 2).contiguous().transpose(1, 2), p.k_cache, p.v_cache, p.table, p.seq_lens)
+    q3 = torch.zeros((2, 3, 64), dtype=torch.float16, device=DEV)
+    with pytest.raises(kvplug.InvalidArgumentError):  # 3 q heads over 2 kv heads
+        attn.paged_decode(q3, p.k_cache, p.v_cache, p.table, p.seq_lens)
+    with pytest.raises(kvplug.BufferTooSmallError):
+        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, num_splits=4,
+                          workspace=torch.empty(16, dtype=torch.uint8, device=DEV))
+    k80 = torch.zeros((4, 16, 2, 80), dtype=torch.float16, device=DEV)
+    with pytest.raises(kvplug.UnsupportedError):
+        attn.paged_decode(torch.zeros((2, 4, 80), dtype=torch.float16, device=DEV), k80, k80.clone(),
+                          p.table, p.seq_lens)
+    # A failed call wrote nothing.
+    out = torch.full_like(p.q, 5.0)
+    with pytest.raises(kvplug.InvalidArgumentError):
+        attn.paged_decode(p.q, p.k_cache, p.v_cache[:, :8], p.table, p.seq_lens, out=out)
+    assert (out == 5.0).all()
+    assert attn.cuda_available()
+    assert attn.num_splits(torch.bfloat16, 128, 1, 32, 8, 4096) >= 1
