@@ -1,0 +1,180 @@
+package prefix
+
+import (
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Evict removes up to n blocks from the tree, in the order of the package
+// comment (priority, last access, deepest first, lowest id), appends their
+// ids to dst and returns it: the caller returns them to its pool. Only
+// leaves that no lock or pin holds go; a parent whose last child goes
+// becomes a candidate at once, in the same call. Fewer than n come back
+// when nothing else is evictable. One BlockRemoved event lists the call's
+// blocks.
+func (x *Index) Evict(dst []int32, n int) []int32 {
+	start := len(dst)
+	x.removedHashes = x.removedHashes[:0]
+	for len(dst)-start < n && len(x.heap) > 0 {
+		i := x.heap[0]
+		x.heapRemove(i)
+		dst = append(dst, x.nodes[i].block)
+		if x.events.on {
+			x.removedHashes = append(x.removedHashes, x.nodes[i].hash)
+		}
+		x.unlink(i)
+	}
+	x.counters.Evictions += int64(len(dst) - start)
+	if len(x.removedHashes) > 0 {
+		x.events.removed(x, x.removedHashes)
+	}
+	return dst
+}
+
+// unlink removes leaf i from the tree and frees its slot.
+func (x *Index) unlink(i int32) {
+	n := &x.nodes[i]
+	p := n.parent
+	if n.prev != nilNode {
+		x.nodes[n.prev].next = n.next
+	} else {
+		x.nodes[p].child = n.next
+	}
+	if n.next != nilNode {
+		x.nodes[n.next].prev = n.prev
+	}
+	x.nodes[p].children--
+	delete(x.byHash, n.hash)
+	x.byBlock[n.block] = nilNode
+	*n = node{parent: nilNode, child: nilNode, prev: nilNode, next: x.free, block: nilNode, heapPos: -1}
+	x.free = i
+	x.settle(p)
+}
+
+// Clear empties the index for a model or adapter reload, when no cached KV
+// stays valid: it appends every cached block's id to dst (in no
+// particular order) and returns it, drops every pin (their
+// PinIDs become unknown to Unpin) and records one AllCleared event. It
+// refuses, changing nothing, while any block is locked: running sequences
+// still read those blocks, so the caller must retire them first. (Evict
+// with a large n is the way to drop every unheld block and keep the rest.)
+// Counters are kept; Evictions does not count cleared blocks.
+func (x *Index) Clear(dst []int32) ([]int32, error) {
+	if x.nLocked > 0 {
+		return dst, kverr.Errorf(kverr.InvalidArgument, "clear: %d cached blocks are locked by running sequences; unlock them first", x.nLocked)
+	}
+	for i := 1; i < len(x.nodes); i++ {
+		if b := x.nodes[i].block; b >= 0 {
+			dst = append(dst, b)
+			x.byBlock[b] = nilNode
+		}
+	}
+	clear(x.byHash)
+	clear(x.nodes[1:]) // drop the mm slices
+	x.resetRoot()
+	x.heap = x.heap[:0]
+	clear(x.pins)
+	x.nPinned = 0
+	x.nHeld = 0
+	x.events.cleared(x)
+	return dst, nil
+}
+
+// settle puts node i in the eviction heap, takes it out, or restores its
+// heap position, after a change to its locks, pins, children, priority or
+// last access.
+func (x *Index) settle(i int32) {
+	if i == rootNode {
+		return
+	}
+	n := &x.nodes[i]
+	evictable := n.lock == 0 && n.pin == 0 && n.children == 0
+	switch {
+	case evictable && n.heapPos < 0:
+		x.heapPush(i)
+	case !evictable && n.heapPos >= 0:
+		x.heapRemove(i)
+	case evictable:
+		x.heapFix(i)
+	}
+}
+
+// evictsBefore is the eviction order: lower priority, then older last
+// access, then deeper, then lower block id.
+func (x *Index) evictsBefore(a, b int32) bool {
+	na, nb := &x.nodes[a], &x.nodes[b]
+	if na.prio != nb.prio {
+		return na.prio < nb.prio
+	}
+	if na.last != nb.last {
+		return na.last < nb.last
+	}
+	if na.depth != nb.depth {
+		return na.depth > nb.depth
+	}
+	return na.block < nb.block
+}
+
+func (x *Index) heapPush(i int32) {
+	x.nodes[i].heapPos = int32(len(x.heap))
+	x.heap = append(x.heap, i)
+	x.heapUp(len(x.heap) - 1)
+}
+
+func (x *Index) heapRemove(i int32) {
+	pos := int(x.nodes[i].heapPos)
+	last := len(x.heap) - 1
+	if pos != last {
+		x.heapSwap(pos, last)
+	}
+	x.heap = x.heap[:last]
+	x.nodes[i].heapPos = -1
+	if pos != last && !x.heapDown(pos) {
+		x.heapUp(pos)
+	}
+}
+
+func (x *Index) heapFix(i int32) {
+	pos := int(x.nodes[i].heapPos)
+	if !x.heapDown(pos) {
+		x.heapUp(pos)
+	}
+}
+
+func (x *Index) heapSwap(a, b int) {
+	h := x.heap
+	h[a], h[b] = h[b], h[a]
+	x.nodes[h[a]].heapPos = int32(a)
+	x.nodes[h[b]].heapPos = int32(b)
+}
+
+func (x *Index) heapUp(j int) {
+	for j > 0 {
+		p := (j - 1) / 2
+		if !x.evictsBefore(x.heap[j], x.heap[p]) {
+			break
+		}
+		x.heapSwap(j, p)
+		j = p
+	}
+}
+
+// heapDown sifts position j down and reports whether it moved.
+func (x *Index) heapDown(j int) bool {
+	start := j
+	n := len(x.heap)
+	for {
+		c := 2*j + 1
+		if c >= n {
+			break
+		}
+		if r := c + 1; r < n && x.evictsBefore(x.heap[r], x.heap[c]) {
+			c = r
+		}
+		if !x.evictsBefore(x.heap[c], x.heap[j]) {
+			break
+		}
+		x.heapSwap(j, c)
+		j = c
+	}
+	return j > start
+}

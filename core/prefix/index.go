@@ -1,0 +1,621 @@
+// Package prefix is the prefix cache's index: a prefix tree whose nodes are
+// full KV blocks (ChunkAttention's chunks), each identified by a chained
+// 128-bit hash of its parent's hash, its tokens and the prompt's extra keys
+// (vLLM's automatic prefix caching; HASH.md has the exact layout).
+//
+// The index keeps identities, not KV: block ids are the caller's pool's,
+// and the caller allocates, frees and copies blocks. The tree answers four
+// questions for an engine's scheduler:
+//
+//   - Match: which cached blocks hold a prompt's longest prefix;
+//   - Insert: a block just filled; is an identical one cached already;
+//   - Lock/Unlock: which blocks running sequences hold, so they stay;
+//   - Evict: which unheld blocks to give back under memory pressure.
+//
+// # Structure
+//
+// Each node is one full block. Its children are found through one hash map
+// keyed by chained hash (a child's hash already names its parent, so the
+// map is the union of every node's children map), and each node threads
+// its children on an intrusive sibling list for the walks that need them
+// all (the partial match, the event snapshot). A map per node would cost
+// an allocation per block and a second map probe per step down the tree.
+// A hash hit is then verified against the node's stored parent, tokens and
+// keys, so a hash collision can cost a miss but never a wrong match.
+//
+// # Eviction order
+//
+// A node is evictable when no sequence locks it, no pin covers it and it
+// has no children: only leaves go, and a parent becomes a leaf when its
+// last child goes. Evictable nodes sit in a binary heap ordered by
+//
+//	(priority ascending, last access ascending, depth descending, block id ascending)
+//
+// so the lowest priority goes first, then the least recently used, ties to
+// the deepest node (the end of the longest prefix), then the lowest block id
+// so the order is fully determined. Last access is a logical clock that
+// ticks once per Match, Insert and Unlock call; every block a call touches
+// gets that call's tick (Match: the blocks it returns; Insert: the block;
+// Unlock: every block named). Each eviction costs O(log n).
+//
+// # Concurrency
+//
+// An Index is not safe for concurrent use: its owner (the KV manager)
+// serialises every call. Every call that fails changes nothing.
+package prefix
+
+import (
+	"math"
+	"slices"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Limits of Config.
+const (
+	MaxBlockSize = 1 << 16
+	MaxBlocks    = 1 << 26
+	// DefaultMaxPendingEvents is the event queue's bound when the config
+	// gives none.
+	DefaultMaxPendingEvents = 1 << 16
+)
+
+// Config sizes an Index.
+type Config struct {
+	BlockSize int // tokens per block, in [1, MaxBlockSize]
+	NumBlocks int // block ids are in [0, NumBlocks); NumBlocks in [1, MaxBlocks]
+
+	// EnableEvents records KV events for DrainEvents. Off by default: an
+	// engine without a router should not pay for them.
+	EnableEvents bool
+	// MaxPendingEvents bounds the undrained events (0: the default). It is
+	// raised to NumBlocks+1 so a resync snapshot always fits (see
+	// DrainEvents).
+	MaxPendingEvents int
+}
+
+const (
+	nilNode  = -1
+	rootNode = 0
+)
+
+// node is one cached block, or a free slot when block < 0. Nodes live in
+// one slice and refer to each other by index, so the tree holds no Go
+// pointers for the collector to trace (except mm, set only for blocks with
+// multimodal entries).
+type node struct {
+	hash     Hash
+	parent   int32
+	child    int32 // first child
+	prev     int32 // siblings
+	next     int32 // siblings; the free list's link for free slots
+	children int32
+	block    int32
+	depth    int32 // blocks from the root: a first block has depth 1
+	lock     int32
+	pin      int32
+	prio     int32
+	heapPos  int32 // position in the eviction heap; -1 when not there
+	holds    int32 // (lock > 0) + (pin > 0) + held children; held when > 0
+	last     uint64
+	adapter  uint64
+	mm       []BlockMM
+	salt     string // first blocks only
+}
+
+// PinID names one Pin call's pins, for Unpin.
+type PinID uint64
+
+// Index is the prefix cache's tree. See the package comment.
+type Index struct {
+	bs            int
+	nodes         []node  // nodes[0] is the root
+	tokens        []int32 // node i's tokens are tokens[i*bs : (i+1)*bs]
+	free          int32   // free node slots, linked through next
+	byHash        map[Hash]int32
+	byBlock       []int32 // block id -> node, or nilNode
+	heap          []int32
+	clock         uint64
+	nLocked       int
+	nPinned       int
+	nHeld         int             // nodes held by a lock or pin, their own or a descendant's
+	pins          map[PinID]int32 // -> the deepest pinned node
+	nextPin       PinID
+	hasher        Hasher
+	path          []int32   // scratch: nodes of the last walk
+	zeroed        []int32   // scratch: nodes Unlock took to lock 0
+	mm            []BlockMM // scratch
+	removedHashes []Hash    // scratch for Evict's event
+	counters      Stats
+	events        eventQueue
+}
+
+// New returns an empty index.
+func New(cfg Config) (*Index, error) {
+	if cfg.BlockSize < 1 || cfg.BlockSize > MaxBlockSize {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "block_size must be in [1, %d]: got %d", MaxBlockSize, cfg.BlockSize)
+	}
+	if cfg.NumBlocks < 1 || cfg.NumBlocks > MaxBlocks {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "num_blocks must be in [1, %d]: got %d", MaxBlocks, cfg.NumBlocks)
+	}
+	if cfg.MaxPendingEvents < 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "max_pending_events must be >= 0: got %d", cfg.MaxPendingEvents)
+	}
+	x := &Index{
+		bs:      cfg.BlockSize,
+		free:    nilNode,
+		byHash:  make(map[Hash]int32),
+		byBlock: make([]int32, cfg.NumBlocks),
+		pins:    make(map[PinID]int32),
+		nextPin: 1,
+	}
+	for i := range x.byBlock {
+		x.byBlock[i] = nilNode
+	}
+	x.resetRoot()
+	x.events.on = cfg.EnableEvents
+	x.events.limit = cfg.MaxPendingEvents
+	if x.events.limit == 0 {
+		x.events.limit = DefaultMaxPendingEvents
+	}
+	x.events.limit = max(x.events.limit, cfg.NumBlocks+1)
+	return x, nil
+}
+
+func (x *Index) resetRoot() {
+	x.nodes = append(x.nodes[:0], node{parent: nilNode, child: nilNode, prev: nilNode, next: nilNode, block: nilNode, heapPos: -1})
+	if cap(x.tokens) < x.bs {
+		x.tokens = make([]int32, x.bs)
+	}
+	x.tokens = x.tokens[:x.bs]
+	x.free = nilNode
+}
+
+// BlockSize returns the tokens per block.
+func (x *Index) BlockSize() int { return x.bs }
+
+// Len returns the number of cached blocks.
+func (x *Index) Len() int { return len(x.byHash) }
+
+// Evictable returns the number of blocks Evict could remove now, counting
+// parents that become leaves as their children go: the cached blocks that
+// no lock or pin holds, directly or through a descendant. An allocator
+// checks it before evicting, so that a request it cannot satisfy fails
+// with nothing evicted. O(1).
+func (x *Index) Evictable() int { return len(x.byHash) - x.nHeld }
+
+// hold changes node i's hold count by d (+1 or -1) and carries a change of
+// its held state up the tree: a held node holds its parent. O(1) when a
+// whole path is locked or unlocked together (the next node up is held
+// already, or still), O(depth) at worst.
+func (x *Index) hold(i int32, d int32) {
+	for i != rootNode {
+		n := &x.nodes[i]
+		was := n.holds > 0
+		n.holds += d
+		if (n.holds > 0) == was {
+			return
+		}
+		x.nHeld += int(d)
+		i = n.parent
+	}
+}
+
+// Lookup returns the block cached under hash.
+func (x *Index) Lookup(h Hash) (block int32, ok bool) {
+	i, ok := x.byHash[h]
+	if !ok {
+		return -1, false
+	}
+	return x.nodes[i].block, true
+}
+
+// BlockHash returns the hash of a cached block.
+func (x *Index) BlockHash(block int32) (Hash, bool) {
+	if block < 0 || int(block) >= len(x.byBlock) || x.byBlock[block] == nilNode {
+		return Hash{}, false
+	}
+	return x.nodes[x.byBlock[block]].hash, true
+}
+
+// CachedHashes appends the hashes of every cached block to dst, in no
+// particular order.
+func (x *Index) CachedHashes(dst []Hash) []Hash {
+	for h := range x.byHash {
+		dst = append(dst, h)
+	}
+	return dst
+}
+
+func (x *Index) tokensOf(i int32) []int32 {
+	return x.tokens[int(i)*x.bs : (int(i)+1)*x.bs : (int(i)+1)*x.bs]
+}
+
+func (x *Index) newNode() int32 {
+	if x.free != nilNode {
+		i := x.free
+		x.free = x.nodes[i].next
+		return i
+	}
+	x.nodes = append(x.nodes, node{})
+	n := len(x.tokens)
+	x.tokens = slices.Grow(x.tokens, x.bs)[:n+x.bs]
+	return int32(len(x.nodes) - 1)
+}
+
+// same reports whether node i is the block with these parent, tokens and
+// keys: the check behind every hash hit.
+func (x *Index) same(i, parent int32, tokens []int32, adapter uint64, mm []BlockMM, salt []byte) bool {
+	n := &x.nodes[i]
+	return n.parent == parent && n.adapter == adapter && n.salt == string(salt) &&
+		slices.Equal(n.mm, mm) && equalTokens(x.tokensOf(i), tokens)
+}
+
+// walk follows the cached chain of a prompt's first maxBlocks full blocks
+// and leaves its nodes in x.path. It returns the last node (the root when
+// none matched) and its hash. keys is valid.
+func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
+	x.path = x.path[:0]
+	cur := int32(rootNode)
+	var h Hash
+	bs := x.bs
+	for i := range maxBlocks {
+		blk := tokens[i*bs : (i+1)*bs]
+		x.mm = appendBlockMM(x.mm[:0], keys.MM, i*bs, bs)
+		var salt []byte
+		if i == 0 {
+			salt = keys.Salt
+		}
+		x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
+		next := Sum(x.hasher.buf)
+		j, ok := x.byHash[next]
+		if !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
+			break
+		}
+		x.path = append(x.path, j)
+		cur, h = j, next
+	}
+	return cur, h
+}
+
+// MatchResult is what Match found.
+type MatchResult struct {
+	// Blocks is Match's dst with the matched blocks' ids appended, first
+	// block first: the prompt's first Tokens tokens are cached in them.
+	Blocks []int32
+	// Tokens is the number of matched tokens: BlockSize times the number of
+	// blocks appended. Always less than the prompt's length.
+	Tokens int
+	// Last is the hash of the last matched block, the parent for Insert of
+	// the prompt's next block; the zero (root) hash when none matched.
+	Last Hash
+	// PartialBlock is a cached child of the last matched block (or a cached
+	// first block, when none matched) whose first PartialTokens tokens hold
+	// the same KV as the prompt's next PartialTokens tokens: the caller may
+	// copy those rows instead of computing them. -1 when Match was not
+	// asked for it or no child shares a token. The index does not keep it
+	// for the caller: Lock it until the copy is done.
+	PartialBlock  int32
+	PartialTokens int
+}
+
+// Match finds the longest cached prefix of a prompt in full blocks and
+// appends its blocks to dst; with dst of enough capacity it allocates
+// nothing. keys may be nil.
+//
+// A match never covers the prompt's last token, since the model must compute
+// at least one position to produce logits: if every full block of the
+// prompt is cached and the prompt ends at a block boundary, the last block
+// is left out.
+//
+// With partial, Match also looks for the cached child that shares the
+// longest token prefix with the next, unmatched, chunk of the prompt (its
+// next BlockSize tokens, or fewer at the end, still never the last token).
+// A child counts only with the prompt's adapter (and salt, for a first
+// block); its shared tokens end where the two differ in a token or where a
+// multimodal entry present in one but not the other begins. Ties go to the
+// most recently used child, then to the lowest block id.
+//
+// Match touches the blocks it returns (not the partial one): they become the
+// most recently used. It takes no locks: Lock the blocks before anything
+// can evict them.
+func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (MatchResult, error) {
+	res := MatchResult{Blocks: dst, PartialBlock: -1}
+	if keys == nil {
+		keys = &noKeys
+	}
+	if err := keys.validate("match", len(tokens)); err != nil {
+		return res, err
+	}
+	bs := x.bs
+	x.clock++
+	// Blocks that may match: every full block that does not hold the last
+	// token.
+	limit := (len(tokens) - 1) / bs
+	if len(tokens) == 0 {
+		limit = 0
+	}
+	cur, last := x.walk(tokens, keys, limit)
+	for _, i := range x.path {
+		x.nodes[i].last = x.clock
+		if x.nodes[i].heapPos >= 0 {
+			x.heapFix(i)
+		}
+		res.Blocks = append(res.Blocks, x.nodes[i].block)
+	}
+	res.Tokens = len(x.path) * bs
+	res.Last = last
+	x.counters.Queries++
+	x.counters.QueryTokens += int64(len(tokens))
+	x.counters.HitTokens += int64(res.Tokens)
+	if partial {
+		res.PartialBlock, res.PartialTokens = x.partial(cur, tokens, keys, res.Tokens)
+		x.counters.PartialTokens += int64(res.PartialTokens)
+	}
+	return res, nil
+}
+
+// partial finds Match's partial block below node cur for the chunk of
+// tokens starting at start.
+func (x *Index) partial(cur int32, tokens []int32, keys *Keys, start int) (int32, int) {
+	avail := min(x.bs, len(tokens)-1-start)
+	if avail <= 0 {
+		return -1, 0
+	}
+	chunk := tokens[start : start+avail]
+	x.mm = appendBlockMM(x.mm[:0], keys.MM, start, x.bs)
+	var salt []byte
+	if cur == rootNode {
+		salt = keys.Salt
+	}
+	best, bestK := int32(nilNode), 0
+	for c := x.nodes[cur].child; c != nilNode; c = x.nodes[c].next {
+		n := &x.nodes[c]
+		if n.adapter != keys.Adapter || n.salt != string(salt) {
+			continue
+		}
+		ct := x.tokensOf(c)
+		k := 0
+		for k < len(chunk) && ct[k] == chunk[k] {
+			k++
+		}
+		k = min(k, mmCut(n.mm, x.mm), mmCut(x.mm, n.mm))
+		if k == 0 {
+			continue
+		}
+		if best == nilNode || k > bestK || (k == bestK && x.recentFirst(c, best)) {
+			best, bestK = c, k
+		}
+	}
+	if best == nilNode {
+		return -1, 0
+	}
+	return x.nodes[best].block, bestK
+}
+
+func (x *Index) recentFirst(a, b int32) bool {
+	na, nb := &x.nodes[a], &x.nodes[b]
+	if na.last != nb.last {
+		return na.last > nb.last
+	}
+	return na.block < nb.block
+}
+
+// mmCut returns the first block position at which an entry of a that b
+// lacks begins to cover tokens: KV past it may differ even where tokens
+// agree. math.MaxInt when b has every entry of a.
+func mmCut(a, b []BlockMM) int {
+	cut := math.MaxInt
+	for _, e := range a {
+		if !slices.Contains(b, e) {
+			cut = min(cut, int(max(e.Offset, 0)))
+		}
+	}
+	return cut
+}
+
+// InsertResult is what Insert did.
+type InsertResult struct {
+	// Hash is the block's chained hash: the parent for the prompt's next
+	// block.
+	Hash Hash
+	// Block is the cached block: the inserted one, or with Dup the one
+	// already cached under Hash.
+	Block int32
+	// Dup reports that an identical block was cached already. The caller
+	// holds the same KV twice: it should free its own block (unless it is
+	// Block itself) and use Block from now on.
+	Dup bool
+}
+
+// Insert caches a block that just filled: blockID holds the KV of the
+// prompt block whose tokens are block (BlockSize of them), whose parent is
+// the cached block with hash parent (the zero hash for a prompt's first
+// block), under the prompt's keys (nil: none; multimodal offsets are
+// prompt positions, as in Match). The block's place in the prompt follows
+// from its parent: it starts at the parent's depth times BlockSize.
+//
+// Insert takes one lock on the cached block on the caller's behalf, as the
+// running sequence that filled it holds it: Unlock it when the sequence
+// lets go. If an identical block (same hash) is cached already, that block
+// gets the lock and Insert reports it with Dup; nothing else changes.
+//
+// Errors: a block of the wrong length, a block id outside the pool or
+// cached already under another hash, a parent that is not cached
+// (NotFound), bad keys, and the astronomically unlikely hash collision with
+// a different cached block (the caller just keeps its block private).
+func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (InsertResult, error) {
+	if keys == nil {
+		keys = &noKeys
+	}
+	if len(block) != x.bs {
+		return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block holds %d tokens, block size is %d", len(block), x.bs)
+	}
+	if blockID < 0 || int(blockID) >= len(x.byBlock) {
+		return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is outside the pool of %d", blockID, len(x.byBlock))
+	}
+	if err := keys.validate("insert", -1); err != nil {
+		return InsertResult{}, err
+	}
+	p := int32(rootNode)
+	if !parent.IsZero() {
+		var ok bool
+		if p, ok = x.byHash[parent]; !ok {
+			return InsertResult{}, kverr.Errorf(kverr.NotFound, "insert: parent block %s is not cached", parent)
+		}
+	}
+	depth := int(x.nodes[p].depth)
+	x.mm = appendBlockMM(x.mm[:0], keys.MM, depth*x.bs, x.bs)
+	var salt []byte
+	if depth == 0 {
+		salt = keys.Salt
+	}
+	x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], parent, block, keys.Adapter, x.mm, salt)
+	h := Sum(x.hasher.buf)
+
+	if i, ok := x.byHash[h]; ok {
+		if !x.same(i, p, block, keys.Adapter, x.mm, salt) {
+			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: hash %s of block %d collides with cached block %d of different content", h, blockID, x.nodes[i].block)
+		}
+		if b := x.byBlock[blockID]; b != nilNode && b != i {
+			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
+		}
+		if x.nodes[i].lock == math.MaxInt32 {
+			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d holds 2^31-1 locks", x.nodes[i].block)
+		}
+		x.clock++
+		x.addLock(i)
+		x.nodes[i].last = x.clock
+		x.counters.Dedups++
+		return InsertResult{Hash: h, Block: x.nodes[i].block, Dup: true}, nil
+	}
+	if b := x.byBlock[blockID]; b != nilNode {
+		return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
+	}
+
+	x.clock++
+	i := x.newNode()
+	pn := &x.nodes[p]
+	x.nodes[i] = node{
+		hash:    h,
+		parent:  p,
+		child:   nilNode,
+		prev:    nilNode,
+		next:    pn.child,
+		block:   blockID,
+		depth:   pn.depth + 1,
+		lock:    1,
+		heapPos: -1,
+		last:    x.clock,
+		adapter: keys.Adapter,
+		salt:    string(salt),
+	}
+	if len(x.mm) > 0 {
+		x.nodes[i].mm = slices.Clone(x.mm)
+	}
+	if pn.child != nilNode {
+		x.nodes[pn.child].prev = i
+	}
+	pn.child = i
+	pn.children++
+	copy(x.tokensOf(i), block)
+	x.byHash[h] = i
+	x.byBlock[blockID] = i
+	x.nLocked++
+	x.hold(i, +1)
+	x.settle(p)
+	x.counters.Inserts++
+	x.events.stored(x, i)
+	return InsertResult{Hash: h, Block: blockID}, nil
+}
+
+func (x *Index) addLock(i int32) {
+	n := &x.nodes[i]
+	n.lock++
+	if n.lock == 1 {
+		x.nLocked++
+		x.hold(i, +1)
+		x.settle(i)
+	}
+}
+
+// resolve maps block ids to their nodes in x.path, or fails naming the
+// first id that is not a cached block.
+func (x *Index) resolve(op string, ids []int32) error {
+	x.path = x.path[:0]
+	for _, id := range ids {
+		if id < 0 || int(id) >= len(x.byBlock) {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: block %d is outside the pool of %d", op, id, len(x.byBlock))
+		}
+		i := x.byBlock[id]
+		if i == nilNode {
+			return kverr.Errorf(kverr.NotFound, "%s: block %d is not cached", op, id)
+		}
+		x.path = append(x.path, i)
+	}
+	return nil
+}
+
+// Lock takes one lock on each block of ids (a repeated id takes one per
+// occurrence): locked blocks are never evicted. Every id must be a cached
+// block (NotFound otherwise). Lock is not an access: Match, which finds
+// the blocks, already touched them.
+func (x *Index) Lock(ids []int32) error {
+	if err := x.resolve("lock", ids); err != nil {
+		return err
+	}
+	for k, i := range x.path {
+		if x.nodes[i].lock == math.MaxInt32 {
+			for _, j := range x.path[:k] {
+				x.dropLock(j)
+			}
+			return kverr.Errorf(kverr.InvalidArgument, "lock: block %d holds 2^31-1 locks", ids[k])
+		}
+		x.addLock(i)
+	}
+	return nil
+}
+
+func (x *Index) dropLock(i int32) {
+	n := &x.nodes[i]
+	n.lock--
+	if n.lock == 0 {
+		x.nLocked--
+		x.hold(i, -1)
+		x.settle(i)
+	}
+}
+
+// Unlock drops one lock from each block of ids (a repeated id drops one per
+// occurrence) and touches them all. A block that loses its last lock stays
+// cached, evictable once no pin or child holds it. All or none: an id that
+// is not cached, or has fewer locks than it occurs, changes nothing.
+func (x *Index) Unlock(ids []int32) error {
+	if err := x.resolve("unlock", ids); err != nil {
+		return err
+	}
+	// Decrement tentatively, so repeats count exactly; undo on the first
+	// block with no lock left.
+	x.zeroed = x.zeroed[:0]
+	for k, i := range x.path {
+		if x.nodes[i].lock < 1 {
+			for _, j := range x.path[:k] {
+				x.nodes[j].lock++
+			}
+			return kverr.Errorf(kverr.InvalidArgument, "unlock: block %d has no lock left", ids[k])
+		}
+		if x.nodes[i].lock--; x.nodes[i].lock == 0 {
+			x.zeroed = append(x.zeroed, i)
+		}
+	}
+	for _, i := range x.zeroed {
+		x.nLocked--
+		x.hold(i, -1)
+	}
+	x.clock++
+	for _, i := range x.path {
+		x.nodes[i].last = x.clock
+		x.settle(i)
+	}
+	return nil
+}
