@@ -22,10 +22,10 @@ $(LIB): $(GO_SRC) $(KERNELS_FATBIN)
 	@rm -f $(BUILD)/libkvplug.h
 
 # A Python environment for the tests, the demo and the benchmarks.
-$(VENV)/.ok: bindings/python/pyproject.toml
+$(VENV)/.ok: bindings/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q numpy pytest
+	$(VPY) -m pip install -q numpy pytest xxhash
 	@touch $@
 
 fmt:
