@@ -30,7 +30,7 @@ inc="$(cd "$(dirname "$nvcc")/.." && pwd)/include"
 
 tmp="$out.tmp.$$"
 trap 'rm -f "$tmp"' EXIT
-"$nvcc" -fatbin -std=c++17 -O3 -lineinfo \
+"$nvcc" -fatbin -std=c++17 -O3 -lineinfo --threads 0 \
     -gencode=arch=compute_80,code=sm_80 \
     -gencode=arch=compute_86,code=sm_86 \
     -gencode=arch=compute_89,code=sm_89 \

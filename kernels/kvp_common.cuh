@@ -192,22 +192,38 @@ __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
 }
 
 // ---- split combine (decode workspace -> out, lse) --------------------------
-// One warp per (sequence, q head). Workspace lse is in the log2 domain; empty
-// splits hold lse = -inf and zeros. Partial rows are loaded unconditionally,
-// U at a time, the first batch before the lse math, so a row costs about two
-// L2 round trips (a serial, branch-dependent loop over 32 splits cost 64).
-template <typename T, int D>
-__device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
-    constexpr int E = D / 32;          // floats per lane of one partial row
-    constexpr int U = 256 / (E * 4);   // partial rows in flight: 256 bytes per lane
-    griddep_wait();
-    griddep_launch_dependents();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// Workspace lse is in the log2 domain; empty splits hold lse = -inf and zeros.
+// Partial rows are loaded unconditionally, U at a time, the first batch before
+// the lse math, so a row costs about one L2 round trip per 32 splits (a serial,
+// branch-dependent loop over 32 splits cost 64). Loads bypass L1 (ld.cg):
+// the partials were written by other blocks.
+__device__ __forceinline__ float2 ldcg2(const float* p) { return __ldcg(reinterpret_cast<const float2*>(p)); }
+__device__ __forceinline__ float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+
+template <int E>
+__device__ __forceinline__ void load_cg(const float* src, float (&v)[E]) {
+    if constexpr (E == 2) {
+        const float2 a = ldcg2(src);
+        v[0] = a.x, v[1] = a.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < E; i += 4) {
+            const float4 a = ldcg4(src + i);
+            v[i] = a.x, v[i + 1] = a.y, v[i + 2] = a.z, v[i + 3] = a.w;
+        }
+    }
+}
+
+// Merges the num_splits partial states of one (sequence b, q head) row into
+// out/lse. Called by one whole warp. U = partial rows loaded per batch; the
+// batch is clamped to the last split, so U is picked to fit S (loads of a
+// duplicate row cost a full L2 access each: S = 4 with U = 16 wastes 12;
+// predicating the loads instead made the compiler serialise them).
+template <typename T, int D, int U>
+__device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b, int qh, int lane) {
+    constexpr int E = D / 32;  // floats per lane of one partial row
     const int64_t rows = (int64_t)p.batch * p.num_q_heads;
-    const int64_t row = (int64_t)blockIdx.x * (KVP_COMBINE_THREADS / 32) + warp;
-    if (row >= rows) return;
-    const int b = (int)(row / p.num_q_heads);
-    const int qh = (int)(row - (int64_t)b * p.num_q_heads);
+    const int64_t row = (int64_t)b * p.num_q_heads + qh;
     const float* part_o = reinterpret_cast<const float*>(p.workspace) + row * D + lane * E;
     const float* part_lse = reinterpret_cast<const float*>(p.workspace) + (int64_t)p.num_splits * rows * D + row;
     const int S = p.num_splits;
@@ -219,13 +235,13 @@ __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
     float l = 0.f, m_run = neg_inf();
     for (int s0 = 0; s0 < S; s0 += 32) {  // 32 splits per round, online rescale across rounds
         const int n = min(32, S - s0);
-        const float ls = lane < n ? part_lse[(int64_t)(s0 + lane) * rows] : neg_inf();
+        const float ls = lane < n ? __ldcg(part_lse + (int64_t)(s0 + lane) * rows) : neg_inf();
         for (int u0 = 0; u0 < n; u0 += U) {
             float v[U][E];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int s = s0 + min(u0 + u, n - 1);  // clamped: stays inside the workspace
-                load_f<float, E>(part_o + s * split_stride, v[u]);
+                load_cg<E>(part_o + s * split_stride, v[u]);
             }
             if (u0 == 0) {
                 const float mn = fmaxf(m_run, warp_max(ls));
@@ -241,7 +257,7 @@ __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 float w = __shfl_sync(0xffffffffu, wl, (u0 + u) & 31);
-                if (u0 + u >= n) w = 0.f;
+                if (u0 + u >= n) w = 0.f;  // a clamped duplicate
 #pragma unroll
                 for (int i = 0; i < E; ++i) acc[i] += w * v[u][i];
             }
@@ -254,6 +270,30 @@ __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
     store_f<T, E>(out, acc);
     if (p.lse != 0 && lane == 0)
         reinterpret_cast<float*>(p.lse)[row] = l > 0.f ? (m_run + log2f(l)) * kLn2 : neg_inf();
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void combine_row(const kvp_decode_params& p, int b, int qh, int lane) {
+    constexpr int UMAX = 256 / (D / 32 * 4) < 16 ? 256 / (D / 32 * 4) : 16;  // 256 bytes per lane
+    if (p.num_splits <= 4)
+        combine_row_u<T, D, 4>(p, b, qh, lane);
+    else if (p.num_splits <= 8)
+        combine_row_u<T, D, 8>(p, b, qh, lane);
+    else
+        combine_row_u<T, D, UMAX>(p, b, qh, lane);
+}
+
+// One warp per (sequence, q head).
+template <typename T, int D>
+__device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
+    griddep_wait();
+    griddep_launch_dependents();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+    const int64_t row = (int64_t)blockIdx.x * (KVP_COMBINE_THREADS / 32) + warp;
+    if (row >= rows) return;
+    const int b = (int)(row / p.num_q_heads);
+    combine_row<T, D>(p, b, (int)(row - (int64_t)b * p.num_q_heads), lane);
 }
 
 // ---- 3. merge of attention states ------------------------------------------

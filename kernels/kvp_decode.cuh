@@ -170,6 +170,7 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
         }
         decode_store<float, E>(p, w, qh, lane * E, o, m, l, D);
     }
+    griddep_launch_dependents();
 }
 
 // ---- f16 / bf16: tensor-core kernel ------------------------------------------

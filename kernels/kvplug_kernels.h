@@ -104,9 +104,10 @@ typedef struct kvp_kv_write_params {
  *      workspace, then kvp_paged_decode_combine_<dt>_h<D> (same params struct,
  *      same stream) writes out/lse.
  *
- *  Split s of sequence b (length L) covers tokens [s*C, min(L, (s+1)*C)) with
- *      C = ceil_div(ceil_div(L, num_splits), KVP_DECODE_TILE) * KVP_DECODE_TILE
- *  (splits past the end are empty and contribute nothing).
+ *  Split s of sequence b (length L) takes the KVP_DECODE_TILE-token tiles
+ *  s, s + num_splits, s + 2*num_splits, ... that start below L (a split with
+ *  none is empty and contributes nothing). Results do not depend on the
+ *  partition beyond rounding.
  *
  *  Workspace (float32, 16-byte aligned, needed only when num_splits > 1):
  *      part_out [num_splits][batch][num_q_heads][head_dim]  at float offset 0
@@ -123,6 +124,10 @@ typedef struct kvp_kv_write_params {
  *  Launch of kvp_paged_decode_combine_<dt>_h<D>:
  *      block (KVP_COMBINE_THREADS,1,1), grid (ceil_div(batch*num_q_heads, 4),1,1), smem 0
  *  batch == 0: launch nothing.
+ *  PDL: every kernel begins with griddepcontrol.wait, so any of them may be
+ *  launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+ *  (cuLaunchKernelEx) to overlap its launch with the previous kernel's tail;
+ *  with plain cuLaunchKernel this is a no-op.
  * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
  *          48 lse, 56 workspace, 64 q_batch_stride, 72 q_head_stride,
  *          80 out_batch_stride, 88 out_head_stride, 96 cache_block_stride,
