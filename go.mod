@@ -3,10 +3,13 @@ module github.com/kvplug/kvplug
 go 1.25.0
 
 require (
-	github.com/ebitengine/purego v0.11.3 // indirect
+	github.com/ebitengine/purego v0.11.3
+	github.com/zeebo/xxh3 v1.1.0
+	go.uber.org/zap v1.28.0
+	golang.org/x/sys v0.30.0
+)
+
+require (
 	github.com/klauspost/cpuid/v2 v2.2.10 // indirect
-	github.com/zeebo/xxh3 v1.1.0 // indirect
 	go.uber.org/multierr v1.10.0 // indirect
-	go.uber.org/zap v1.28.0 // indirect
-	golang.org/x/sys v0.30.0 // indirect
 )
