@@ -52,13 +52,8 @@ type memAccessDesc struct {
 }
 
 var (
-	vmmDeviceGetCount              func(n *int32) Result
-	vmmDeviceGet                   func(dev *int32, ordinal int32) Result
-	vmmDeviceGetAttribute          func(v *int32, attr int32, dev int32) Result
-	vmmDevicePrimaryCtxRetain      func(ctx *uintptr, dev int32) Result
 	vmmDevicePrimaryCtxRelease     func(dev int32) Result
 	vmmCtxGetCurrent               func(ctx *uintptr) Result
-	vmmCtxSetCurrent               func(ctx uintptr) Result
 	vmmMemGetAllocationGranularity func(g *uintptr, prop *memAllocationProp, option int32) Result
 	vmmMemAddressReserve           func(ptr *uint64, size, alignment uintptr, addr uint64, flags uint64) Result
 	vmmMemAddressFree              func(ptr uint64, size uintptr) Result
@@ -72,14 +67,9 @@ var (
 )
 
 func init() {
-	symbol(&vmmDeviceGetCount, "cuDeviceGetCount")
-	symbol(&vmmDeviceGet, "cuDeviceGet")
-	symbol(&vmmDeviceGetAttribute, "cuDeviceGetAttribute")
-	symbol(&vmmDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")
 	// cuda.h maps cuDevicePrimaryCtxRelease to its _v2 symbol.
 	symbol(&vmmDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")
 	symbol(&vmmCtxGetCurrent, "cuCtxGetCurrent")
-	symbol(&vmmCtxSetCurrent, "cuCtxSetCurrent")
 	symbol(&vmmMemGetAllocationGranularity, "cuMemGetAllocationGranularity")
 	symbol(&vmmMemAddressReserve, "cuMemAddressReserve")
 	symbol(&vmmMemAddressFree, "cuMemAddressFree")
@@ -111,24 +101,24 @@ func OpenVMM(ordinal int) (*VMM, error) {
 		return nil, err
 	}
 	var n int32
-	if err := check("cuDeviceGetCount", vmmDeviceGetCount(&n)); err != nil {
+	if err := check("cuDeviceGetCount", cuDeviceGetCount(&n)); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrNoDevice, err)
 	}
 	if ordinal < 0 || ordinal >= int(n) {
 		return nil, fmt.Errorf("%w: device ordinal %d is out of range: this machine has %d CUDA devices", ErrNoDevice, ordinal, n)
 	}
 	v := &VMM{ordinal: ordinal}
-	if err := check("cuDeviceGet", vmmDeviceGet(&v.dev, int32(ordinal))); err != nil {
+	if err := check("cuDeviceGet", cuDeviceGet(&v.dev, int32(ordinal))); err != nil {
 		return nil, err
 	}
 	var supported int32
-	if err := check("cuDeviceGetAttribute", vmmDeviceGetAttribute(&supported, attrVirtualMemorySupported, v.dev)); err != nil {
+	if err := check("cuDeviceGetAttribute", cuDeviceGetAttribute(&supported, attrVirtualMemorySupported, v.dev)); err != nil {
 		return nil, err
 	}
 	if supported == 0 {
 		return nil, ErrVMMUnsupported
 	}
-	if err := check("cuDevicePrimaryCtxRetain", vmmDevicePrimaryCtxRetain(&v.ctx, v.dev)); err != nil {
+	if err := check("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&v.ctx, v.dev)); err != nil {
 		return nil, err
 	}
 	return v, nil
@@ -160,7 +150,7 @@ func (v *VMM) bind() error {
 	if cur != 0 {
 		return nil
 	}
-	return check("cuCtxSetCurrent", vmmCtxSetCurrent(v.ctx))
+	return check("cuCtxSetCurrent", cuCtxSetCurrent(v.ctx))
 }
 
 // call runs f on a thread with a current context.
