@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "kernels"))
+from kernel_abi import DECODE, KV_WRITE, cdiv, decode_smem  # noqa: E402  (the header's mirror)
 HQ, HK, D = 32, 8, 128
 TILE = 64
 L2_ROTATE_BYTES = 256 << 20  # rotated input sets together exceed this (H100 L2: 50 MB)
@@ -102,38 +104,6 @@ class Kernels:
         cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
                             ctypes.pointer(attr), 1)
         _check(_cuda.cuLaunchKernelEx(ctypes.byref(cfg), f, args, None), name)
-
-
-def _struct(fields, size):
-    names, formats, offsets, off = [], [], [], 0
-    for n, f in fields:
-        names.append(n)
-        formats.append(f)
-        offsets.append(off)
-        off += np.dtype(f).itemsize
-    assert off == size
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size})
-
-
-DECODE = _struct([(n, "<u8") for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "out", "lse",
-                                       "workspace")]
-                 + [(n, "<i8") for n in ("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride",
-                                         "cache_block_stride", "cache_token_stride", "cache_head_stride",
-                                         "block_table_stride")]
-                 + [(n, "<i4") for n in ("batch", "num_q_heads", "num_kv_heads", "block_size", "num_blocks",
-                                         "max_blocks_per_seq", "num_splits")]
-                 + [("scale", "<f4")], 160)
-
-
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def decode_smem(dtype_bytes, d):
-    if dtype_bytes == 4:
-        return 0
-    stages = 4 if d <= 64 else (3 if d <= 128 else 2)
-    return stages * 64 * d * 4 + 16 * d * 2 + (stages + 1) * 64 * 8
 
 
 def decode_splits(batch, num_kv_heads, num_q_heads, max_seq_len, head_dim, num_sms, dtype_bytes=2):
@@ -213,16 +183,15 @@ def main():
     if args.explore:
         Bs, Ls = (1, 8, 32), (64, 512, 4096)
         # Launch floor: a KV write of one token (one tiny block) per call.
-        kw = _struct([(n, "<u8") for n in ("key", "value", "k_cache", "v_cache", "slot_mapping")]
-                     + [(n, "<i8") for n in ("kts", "khs", "vts", "vhs", "cbs", "cts", "chs")]
-                     + [(n, "<i4") for n in ("num_tokens", "num_kv_heads", "block_size", "num_blocks")], 112)
         src = torch.randn(HK, D, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty(4, HK, D, dtype=torch.bfloat16, device="cuda")
         slot = torch.zeros(1, dtype=torch.int32, device="cuda")
-        pw = np.zeros((), dtype=kw)
+        pw = np.zeros((), dtype=KV_WRITE)
         for k, v in dict(key=src.data_ptr(), value=src.data_ptr(), k_cache=dst.data_ptr(), v_cache=dst.data_ptr(),
-                         slot_mapping=slot.data_ptr(), kts=HK * D, khs=D, vts=HK * D, vhs=D, cbs=HK * D, cts=HK * D,
-                         chs=D, num_tokens=1, num_kv_heads=HK, block_size=1, num_blocks=4).items():
+                         slot_mapping=slot.data_ptr(), key_token_stride=HK * D, key_head_stride=D,
+                         value_token_stride=HK * D, value_head_stride=D, cache_block_stride=HK * D,
+                         cache_token_stride=HK * D, cache_head_stride=D, num_tokens=1, num_kv_heads=HK, block_size=1,
+                         num_blocks=4).items():
             pw[k] = v
         floor = time_graph([lambda: kern.launch(f"kvp_kv_write_bf16_h{D}", (1, 1, 1), (256, 1, 1), pw)], 50)
         print(f"launch floor (tiny kernel in a graph): {floor:.2f} us per launch", flush=True)

@@ -15,6 +15,7 @@ import ctypes
 import math
 import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "kernels"))
+from kernel_abi import DECODE, KV_WRITE, MERGE, cdiv, decode_smem  # noqa: E402  (the header's mirror)
 
 
 def _fatbin_path():
@@ -100,56 +103,11 @@ def launch(name, grid, block, params, smem=0):
     cp.cuda.get_current_stream().synchronize()  # raises on a kernel fault
 
 
-def _struct(fields, size):
-    names, formats, offsets = [], [], []
-    off = 0
-    for n, f in fields:
-        names.append(n)
-        formats.append(f)
-        offsets.append(off)
-        off += np.dtype(f).itemsize
-    assert off == size, (off, size)
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size})
-
-
-KV_WRITE = _struct([(n, "<u8") for n in ("key", "value", "k_cache", "v_cache", "slot_mapping")]
-                   + [(n, "<i8") for n in ("key_token_stride", "key_head_stride", "value_token_stride",
-                                           "value_head_stride", "cache_block_stride", "cache_token_stride",
-                                           "cache_head_stride")]
-                   + [(n, "<i4") for n in ("num_tokens", "num_kv_heads", "block_size", "num_blocks")], 112)
-DECODE = _struct([(n, "<u8") for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "out", "lse",
-                                       "workspace")]
-                 + [(n, "<i8") for n in ("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride",
-                                         "cache_block_stride", "cache_token_stride", "cache_head_stride",
-                                         "block_table_stride")]
-                 + [(n, "<i4") for n in ("batch", "num_q_heads", "num_kv_heads", "block_size", "num_blocks",
-                                         "max_blocks_per_seq", "num_splits")]
-                 + [("scale", "<f4")], 160)
-MERGE = _struct([(f"v{i}", "<u8") for i in range(8)] + [(f"s{i}", "<u8") for i in range(8)]
-                + [(n, "<u8") for n in ("out", "out_lse")]
-                + [(n, "<i8") for n in ("v_token_stride", "v_head_stride", "s_token_stride", "s_head_stride",
-                                        "out_token_stride", "out_head_stride", "out_lse_token_stride",
-                                        "out_lse_head_stride")]
-                + [(n, "<i4") for n in ("num_states", "num_tokens", "num_heads", "reserved")], 224)
-
-
 def pack(dtype, **kw):
     p = np.zeros((), dtype=dtype)
     for k, v in kw.items():
         p[k] = v
     return p
-
-
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def decode_smem(dt, d):
-    """kvp_decode_smem_bytes() of kvplug_kernels.h."""
-    if dt == "f32":
-        return 0
-    stages = 4 if d <= 64 else (3 if d <= 128 else 2)
-    return stages * 64 * d * 4 + 16 * d * 2 + (stages + 1) * 64 * 8
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +303,7 @@ class DecodeCase:
                  block_table_stride=self.table.shape[1], batch=self.b, num_q_heads=self.hq,
                  num_kv_heads=self.hk, block_size=self.bs, num_blocks=self.num_blocks,
                  max_blocks_per_seq=self.max_blocks, num_splits=splits, scale=self.scale)
-        launch(f"kvp_paged_decode_{dt}_h{d}", grid, (128, 1, 1), p, decode_smem(dt, d))
+        launch(f"kvp_paged_decode_{dt}_h{d}", grid, (128, 1, 1), p, decode_smem(4 if dt == "f32" else 2, d))
         if splits > 1:
             launch(f"kvp_paged_decode_combine_{dt}_h{d}", (cdiv(self.b * self.hq, 4), 1, 1), (128, 1, 1), p)
         del keep
