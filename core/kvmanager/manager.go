@@ -17,6 +17,7 @@
 package kvmanager
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"sync"
@@ -24,6 +25,7 @@ import (
 	"github.com/kvplug/kvplug/core/blocks"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/logx"
+	"github.com/kvplug/kvplug/core/prefix"
 	"go.uber.org/zap"
 )
 
@@ -38,8 +40,20 @@ const (
 
 // Config sizes a Manager's pool.
 type Config struct {
-	NumBlocks int // blocks in the pool, in [1, 2^31-1]
+	NumBlocks int // blocks in the pool, in [1, 2^26]
 	BlockSize int // tokens per block, in [1, 2^16]; 1 is token-granular mode
+
+	// EnablePrefixCache keeps the full blocks of sequences admitted with
+	// their tokens (Admit, GrowTokens) in a prefix cache, shared by later
+	// prompts with the same prefix and kept after their sequences finish,
+	// until the pool needs them (prefix.go).
+	EnablePrefixCache bool
+	// EnableKVEvents records the prefix cache's KV events for DrainEvents
+	// (needs EnablePrefixCache).
+	EnableKVEvents bool
+	// MaxPendingEvents bounds the undrained KV events (0: the default of
+	// package prefix).
+	MaxPendingEvents int
 }
 
 // CopyPair is a KV block copy the engine must perform before the next kernel
@@ -69,6 +83,7 @@ type seq struct {
 	length int     // tokens
 	fresh  int     // new tokens: those of the latest Add or Grow
 	stamp  uint64  // last batch that visited it (repeat detection)
+	pc     *seqPrefix
 }
 
 // Manager manages the block tables of live sequences over one block pool.
@@ -96,11 +111,20 @@ type Manager struct {
 		seqs []*seq
 	}
 
+	// The prefix cache's index; nil when the cache is off.
+	cache *prefix.Index
+	// KV events drained from the index that the caller's buffers could not
+	// hold yet (DrainEventsInto).
+	carry []prefix.Event
+
 	// Scratch reused by every call (under mu), so the per-step calls do not
 	// allocate.
-	stamp  uint64
-	ids    []int64
-	cached []int32
+	stamp   uint64
+	ids     []int64
+	cached  []int32
+	evicted []int32
+	locks   []int32
+	one     [1]int32
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in
@@ -115,8 +139,24 @@ func New(cfg Config) (*Manager, error) {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
 			"num_blocks * block_size must be below 2^31 so slots fit in int32: got %d * %d", cfg.NumBlocks, cfg.BlockSize)
 	}
-	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize))
-	return &Manager{pool: p, bs: cfg.BlockSize}, nil
+	if cfg.EnableKVEvents && !cfg.EnablePrefixCache {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "KV events need the prefix cache: set enable_prefix_cache too")
+	}
+	m := &Manager{pool: p, bs: cfg.BlockSize}
+	if cfg.EnablePrefixCache {
+		m.cache, err = prefix.New(prefix.Config{
+			BlockSize:        cfg.BlockSize,
+			NumBlocks:        cfg.NumBlocks,
+			EnableEvents:     cfg.EnableKVEvents,
+			MaxPendingEvents: cfg.MaxPendingEvents,
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize),
+		zap.Bool("prefix_cache", cfg.EnablePrefixCache), zap.Bool("kv_events", cfg.EnableKVEvents))
+	return m, nil
 }
 
 // BlockSize returns the tokens per block.
@@ -197,32 +237,61 @@ func (m *Manager) Add(id int64, promptLen int) error {
 		return kverr.Errorf(kverr.DuplicateSequence, "add: sequence %d is already live", id)
 	}
 	need := m.blocksFor(promptLen)
-	if free := m.pool.NumFree(); need > free {
-		return kverr.Errorf(kverr.OutOfBlocks, "add: sequence %d needs %d blocks for %d tokens, %d are free", id, need, promptLen, free)
+	if avail := m.available(); int64(need) > avail {
+		return kverr.Errorf(kverr.OutOfBlocks, "add: sequence %d needs %d blocks for %d tokens, %s", id, need, promptLen, m.availableText())
 	}
-	s := &seq{length: promptLen, fresh: promptLen}
-	if err := m.allocatePrompt(s, need); err != nil {
-		return err
-	}
+	m.makeFree(need)
+	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(need, nil)}
+	// Cannot fail: need blocks are free.
+	_ = m.pool.Allocate(s.blocks, -1)
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
 	return nil
 }
 
-// allocatePrompt gives a new sequence its need blocks. It is the prefix
-// cache's seam: with the prompt's tokens, a cache lookup will first take
-// references on the blocks holding the longest cached prefix (Incref, which
-// revives Cached blocks) and allocate only the rest, continuing the matched
-// run (hint = last matched block).
-func (m *Manager) allocatePrompt(s *seq, need int) error {
-	// Headroom for decoding: the first need/4 blocks of growth do not
-	// reallocate the table.
-	s.blocks = make([]int32, need, need+max(4, need/4))
-	if err := m.pool.Allocate(s.blocks, -1); err != nil {
-		return kverr.Wrap(kverr.Internal, err, "add: allocation failed after the free-block check")
+// newTable returns a block table of n blocks with headroom for decoding,
+// so that the first n/4 blocks of growth do not reallocate it, holding
+// first before the rest.
+func newTable(n int, first []int32) []int32 {
+	t := make([]int32, n, n+max(4, n/4))
+	copy(t, first)
+	return t
+}
+
+// available returns how many blocks an allocation can have now: the free
+// ones and, with the prefix cache, the cached ones it can evict.
+func (m *Manager) available() int64 {
+	a := int64(m.pool.NumFree())
+	if m.cache != nil {
+		a += int64(m.cache.Evictable())
 	}
-	return nil
+	return a
+}
+
+// availableText says what available counts, for OutOfBlocks messages.
+func (m *Manager) availableText() string {
+	if m.cache == nil {
+		return fmt.Sprintf("%d are free", m.pool.NumFree())
+	}
+	return fmt.Sprintf("%d are free and %d cached blocks evictable", m.pool.NumFree(), m.cache.Evictable())
+}
+
+// makeFree evicts cached blocks until need blocks are free. The caller has
+// checked need <= available(), so that a call that cannot be satisfied
+// fails before anything is evicted.
+func (m *Manager) makeFree(need int) {
+	short := need - m.pool.NumFree()
+	if short <= 0 || m.cache == nil {
+		return
+	}
+	m.evicted = m.cache.Evict(m.evicted[:0], short)
+	// Cannot fail: an evictable block has no lock, hence no reference
+	// (CheckInvariants: locks equal references), and is marked, so it is
+	// Cached.
+	if err := m.pool.Evict(m.evicted); err != nil {
+		panic("kvmanager: evicted blocks not Cached in the pool: " + err.Error())
+	}
 }
 
 // Grow adds counts[i] tokens, in [0, MaxGrowTokens], to each sequence ids[i]
@@ -236,20 +305,31 @@ func (m *Manager) allocatePrompt(s *seq, need int) error {
 // Errors, checked in this order: InvalidArgument (batch size, a count),
 // UnknownSequence, DuplicateSequence (an id twice), OutOfBlocks.
 func (m *Manager) Grow(ids []int64, counts []int32) error {
-	if err := checkBatch("grow", len(ids)); err != nil {
+	return m.grow("grow", ids, counts, nil)
+}
+
+// grow is Grow, and GrowTokens when tokens is not nil (the sequences' new
+// tokens in batch order, sum(counts) of them).
+func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) error {
+	if err := checkBatch(op, len(ids)); err != nil {
 		return err
 	}
 	if len(counts) != len(ids) {
-		return kverr.Errorf(kverr.InvalidArgument, "grow: %d counts for %d sequences", len(counts), len(ids))
+		return kverr.Errorf(kverr.InvalidArgument, "%s: %d counts for %d sequences", op, len(counts), len(ids))
 	}
+	var total int64
 	for i, c := range counts {
 		if c < 0 || c > MaxGrowTokens {
-			return kverr.Errorf(kverr.InvalidArgument, "grow: token count for sequence %d must be in [0, 2^24]: got %d", ids[i], c)
+			return kverr.Errorf(kverr.InvalidArgument, "%s: token count for sequence %d must be in [0, 2^24]: got %d", op, ids[i], c)
 		}
+		total += int64(c)
+	}
+	if tokens != nil && int64(len(tokens)) != total {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: %d tokens given, the counts add up to %d", op, len(tokens), total)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	batch, err := m.resolve("grow", ids, false)
+	batch, err := m.resolve(op, ids, false)
 	if err != nil {
 		return err
 	}
@@ -257,18 +337,25 @@ func (m *Manager) Grow(ids []int64, counts []int32) error {
 	for i, s := range batch {
 		need += int64(m.newBlocks(s, int(counts[i])))
 	}
-	if free := m.pool.NumFree(); need > int64(free) {
-		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %d are free", need, free)
+	if avail := m.available(); need > avail {
+		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %s", need, m.availableText())
 	}
+	m.makeFree(int(need))
 	var added, wasteDelta int64
 	for i, s := range batch {
 		c := int(counts[i])
 		if add := m.newBlocks(s, c); add > 0 {
 			old := len(s.blocks)
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
-			// Cannot fail: the batch's total was checked against the free count.
+			// Cannot fail: the batch's total was made free above.
 			_ = m.pool.Allocate(s.blocks[old:], s.blocks[old-1])
 			wasteDelta += int64(add * m.bs)
+		}
+		if tokens != nil {
+			m.extendPrefix(s, tokens[:c])
+			tokens = tokens[c:]
+		} else if c > 0 {
+			s.pc = nil // tokens unknown: the blocks from here on are private
 		}
 		s.length += c
 		s.fresh = c
@@ -334,8 +421,8 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			return 0, kverr.Errorf(kverr.BufferTooSmall,
 				"fork: the parent's last block is partial, so %d block copies are needed; copies holds %d", len(children), len(copies))
 		}
-		if free := m.pool.NumFree(); len(children) > free {
-			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %d are free", len(children), len(children), free)
+		if avail := m.available(); int64(len(children)) > avail {
+			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %s", len(children), len(children), m.availableText())
 		}
 	}
 	// Each child adds one reference to each full block; refuse up front a
@@ -346,10 +433,20 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			return 0, kverr.Errorf(kverr.InvalidArgument, "fork: block %d would pass 2^31-1 references", b)
 		}
 	}
+	if partial {
+		m.makeFree(len(children))
+	}
+	// The parent's cached blocks get one lock per child, as they get one
+	// reference (locks equal references for cached blocks, and a cached
+	// block's lock count is bounded like its reference count above).
+	m.locks = m.cachedOf(p.blocks[:full], m.locks[:0])
 	for i, id := range children {
-		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length}
+		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone()}
 		copy(c.blocks, p.blocks[:full])
 		_ = m.pool.Incref(c.blocks[:full]) // cannot fail: checked above
+		if len(m.locks) > 0 {
+			_ = m.cache.Lock(m.locks) // cannot fail: cached, and bounded above
+		}
 		if partial {
 			last := p.blocks[full]
 			hint := int32(-1)
@@ -393,16 +490,36 @@ func (m *Manager) Remove(ids []int64) error {
 	return nil
 }
 
-// release drops a retired sequence's block references. It is the prefix
-// cache's second seam: the cache will first mark the sequence's full blocks
-// cached (Pool.MarkCached), so that those reaching ref 0 stay Cached instead
-// of returning to the free queue; the pool reports them in m.cached, which
-// the cache then makes evictable (LRU). Nothing marks blocks yet, so
-// m.cached stays empty.
+// release drops a retired sequence's block references, and its locks on
+// the cached ones: cached blocks that lose their last reference stay
+// Cached in the pool, evictable by the prefix cache, instead of returning
+// to the free queue.
 func (m *Manager) release(s *seq) {
+	if m.cache != nil {
+		m.locks = m.cachedOf(s.blocks, m.locks[:0])
+		if len(m.locks) > 0 {
+			// Cannot fail: locks equal references for cached blocks.
+			if err := m.cache.Unlock(m.locks); err != nil {
+				panic("kvmanager: a sequence's cached blocks are not locked: " + err.Error())
+			}
+		}
+	}
 	// Cannot fail: a live sequence holds a reference on each of its blocks
 	// (CheckInvariants verifies it).
 	m.cached, _ = m.pool.Decref(s.blocks, m.cached[:0])
+}
+
+// cachedOf appends to dst the blocks of ids that the prefix cache holds.
+func (m *Manager) cachedOf(ids []int32, dst []int32) []int32 {
+	if m.cache == nil {
+		return dst
+	}
+	for _, b := range ids {
+		if m.pool.IsCached(b) {
+			dst = append(dst, b)
+		}
+	}
+	return dst
 }
 
 // Describe writes the state of the batch ids (len in [1, MaxBatch]; an id may
@@ -538,7 +655,8 @@ func (m *Manager) Stats() Stats {
 // agree with it: every sequence holds ceil(length / blockSize) in-use blocks,
 // no block twice; each block's reference count equals the number of
 // sequences holding it; a partially filled last block is not shared; the
-// token and waste totals match. O(numBlocks + total blocks held). It returns
+// token and waste totals match; with the prefix cache, the cache's own
+// invariants and those of prefix.go. O(numBlocks + total blocks held). It returns
 // the first violation found, with code Internal.
 func (m *Manager) CheckInvariants() error {
 	m.mu.Lock()
@@ -569,12 +687,41 @@ func (m *Manager) CheckInvariants() error {
 				return bad("sequence %d's partial last block %d has ref %d", id, last, m.pool.Ref(last))
 			}
 		}
+		if pc := s.pc; pc != nil {
+			if len(pc.tail) != s.length%m.bs {
+				return bad("sequence %d of length %d keeps %d tail tokens (block size %d)", id, s.length, len(pc.tail), m.bs)
+			}
+			full := s.length / m.bs
+			if full == 0 && !pc.last.IsZero() {
+				return bad("sequence %d has no full block but chain hash %s", id, pc.last)
+			}
+			if full > 0 {
+				if h, ok := m.cache.BlockHash(s.blocks[full-1]); ok && h != pc.last {
+					return bad("sequence %d's last full block %d is cached as %s, the sequence's chain says %s", id, s.blocks[full-1], h, pc.last)
+				}
+			}
+		}
 		tokens += int64(s.length)
 		waste += m.wasteOf(s)
 	}
 	for b, r := range refs {
 		if got := m.pool.Ref(int32(b)); got != r {
 			return bad("block %d has ref %d, held by %d sequence references", b, got, r)
+		}
+	}
+	if m.cache != nil {
+		if err := m.cache.CheckInvariants(); err != nil {
+			return err
+		}
+		for b := range refs {
+			id := int32(b)
+			_, indexed := m.cache.BlockHash(id)
+			if indexed != m.pool.IsCached(id) {
+				return bad("block %d: in the prefix cache %v, marked cached in the pool %v", b, indexed, m.pool.IsCached(id))
+			}
+			if indexed && m.cache.LockCount(id) != m.pool.Ref(id) {
+				return bad("cached block %d has %d locks and %d references", b, m.cache.LockCount(id), m.pool.Ref(id))
+			}
 		}
 	}
 	if tokens != m.numTokens || waste != m.waste {

@@ -111,13 +111,13 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		name string
 		cfg  Config
 	}{
-		{"zero blocks", Config{0, 16}},
-		{"negative blocks", Config{-3, 16}},
-		{"huge blocks", Config{1 << 31, 1}},
-		{"zero block size", Config{8, 0}},
-		{"negative block size", Config{8, -1}},
-		{"huge block size", Config{8, 1<<16 + 1}},
-		{"slots overflow int32", Config{1 << 20, 1 << 12}},
+		{"zero blocks", Config{NumBlocks: 0, BlockSize: 16}},
+		{"negative blocks", Config{NumBlocks: -3, BlockSize: 16}},
+		{"huge blocks", Config{NumBlocks: 1 << 31, BlockSize: 1}},
+		{"zero block size", Config{NumBlocks: 8, BlockSize: 0}},
+		{"negative block size", Config{NumBlocks: 8, BlockSize: -1}},
+		{"huge block size", Config{NumBlocks: 8, BlockSize: 1<<16 + 1}},
+		{"slots overflow int32", Config{NumBlocks: 1 << 20, BlockSize: 1 << 12}},
 	} {
 		m, err := New(c.cfg)
 		wantCode(t, c.name, err, kverr.InvalidArgument)

@@ -253,6 +253,10 @@ func (x *Index) DrainEvents(max int) []Event {
 	return out
 }
 
+// EventsEnabled reports whether the index records KV events
+// (Config.EnableEvents).
+func (x *Index) EventsEnabled() bool { return x.events.on }
+
 // EventIndex is the view of a cache that a consumer builds from its events
 // alone: the set of cached block hashes and their parents. It checks the
 // stream as it goes (a block is stored once, under a present parent, and

@@ -3,6 +3,7 @@ package prefix
 import (
 	"encoding/binary"
 	"encoding/hex"
+	"slices"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -77,6 +78,26 @@ type BlockMM struct {
 }
 
 var noKeys Keys
+
+// Validate checks keys for a prompt of promptLen tokens, as every call
+// that takes keys does; op names the call in the error.
+func (k *Keys) Validate(op string, promptLen int) error { return k.validate(op, promptLen) }
+
+// Clone returns a copy of k that shares no memory with it (nil for nil),
+// for a caller that keeps keys past the call that gave them.
+func (k *Keys) Clone() *Keys {
+	if k == nil {
+		return nil
+	}
+	c := &Keys{Adapter: k.Adapter}
+	if len(k.MM) > 0 {
+		c.MM = slices.Clone(k.MM)
+	}
+	if len(k.Salt) > 0 {
+		c.Salt = slices.Clone(k.Salt)
+	}
+	return c
+}
 
 // validate checks keys for a prompt of promptLen tokens; promptLen < 0
 // means the prompt's length is not known (Insert sees one block at a time).

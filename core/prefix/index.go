@@ -327,15 +327,28 @@ func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (Ma
 	if err := keys.validate("match", len(tokens)); err != nil {
 		return res, err
 	}
-	bs := x.bs
 	x.clock++
-	// Blocks that may match: every full block that does not hold the last
-	// token.
-	limit := (len(tokens) - 1) / bs
-	if len(tokens) == 0 {
-		limit = 0
+	cur, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	x.take(&res, len(tokens), last)
+	if partial {
+		res.PartialBlock, res.PartialTokens = x.partial(cur, tokens, keys, res.Tokens)
+		x.counters.PartialTokens += int64(res.PartialTokens)
 	}
-	cur, last := x.walk(tokens, keys, limit)
+	return res, nil
+}
+
+// matchLimit is the number of a prompt's full blocks a match may cover:
+// those that do not hold its last token.
+func (x *Index) matchLimit(promptLen int) int {
+	if promptLen == 0 {
+		return 0
+	}
+	return (promptLen - 1) / x.bs
+}
+
+// take makes the blocks of the last walk (x.path) a match's result: it
+// touches them, appends their ids and counts the query.
+func (x *Index) take(res *MatchResult, promptLen int, last Hash) {
 	for _, i := range x.path {
 		x.nodes[i].last = x.clock
 		if x.nodes[i].heapPos >= 0 {
@@ -343,16 +356,59 @@ func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (Ma
 		}
 		res.Blocks = append(res.Blocks, x.nodes[i].block)
 	}
-	res.Tokens = len(x.path) * bs
+	res.Tokens = len(x.path) * x.bs
 	res.Last = last
 	x.counters.Queries++
-	x.counters.QueryTokens += int64(len(tokens))
+	x.counters.QueryTokens += int64(promptLen)
 	x.counters.HitTokens += int64(res.Tokens)
-	if partial {
-		res.PartialBlock, res.PartialTokens = x.partial(cur, tokens, keys, res.Tokens)
-		x.counters.PartialTokens += int64(res.PartialTokens)
+}
+
+// Acquire is Match for an allocator that goes on to hold the matched
+// blocks: it also takes one lock on each, provided the rest of the prompt
+// fits. need is the number of blocks the whole prompt takes and free the
+// number the caller's pool has free; the rest fits when
+//
+//	need - matched <= free + Evictable()
+//
+// counted after the lock (a matched block that was evictable is no longer).
+// When it does not fit, Acquire returns ok == false and changes nothing:
+// no lock, no access, no counter. It never looks for a partial block.
+func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int) (res MatchResult, ok bool, err error) {
+	res = MatchResult{Blocks: dst, PartialBlock: -1}
+	if keys == nil {
+		keys = &noKeys
 	}
-	return res, nil
+	if err := keys.validate("acquire", len(tokens)); err != nil {
+		return res, false, err
+	}
+	_, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	nowHeld := 0 // matched blocks the lock takes out of Evictable
+	for _, i := range x.path {
+		if x.nodes[i].holds == 0 {
+			nowHeld++
+		}
+		if x.nodes[i].lock == math.MaxInt32 {
+			return res, false, kverr.Errorf(kverr.InvalidArgument, "acquire: block %d holds 2^31-1 locks", x.nodes[i].block)
+		}
+	}
+	if need-len(x.path) > free+x.Evictable()-nowHeld {
+		return res, false, nil
+	}
+	x.clock++
+	x.take(&res, len(tokens), last)
+	for _, i := range x.path {
+		x.addLock(i)
+	}
+	return res, true, nil
+}
+
+// LockCount returns a cached block's number of locks; -1 when the block is
+// not cached.
+func (x *Index) LockCount(block int32) int32 {
+	if block < 0 || int(block) >= len(x.byBlock) || x.byBlock[block] == nilNode {
+		return -1
+	}
+	return x.nodes[x.byBlock[block]].lock
 }
 
 // partial finds Match's partial block below node cur for the chunk of

@@ -1,0 +1,497 @@
+package kvmanager
+
+import (
+	"fmt"
+	"math"
+	"slices"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/logx"
+	"github.com/kvplug/kvplug/core/prefix"
+	"go.uber.org/zap"
+)
+
+// The prefix cache in the manager.
+//
+// A sequence admitted with its tokens (Admit) starts on the blocks of its
+// longest cached prefix and inserts each of its other blocks into the cache
+// as soon as the block is full, whether by Admit or by GrowTokens. Its
+// blocks are then shared by every later prompt with the same prefix, and
+// they stay cached after the sequence is removed, until an allocation
+// needs them: Add, Admit, Grow and Fork evict cached blocks nobody
+// references (package prefix decides which) when the free queue runs
+// short, and fail with nothing evicted when free and evictable blocks
+// together are not enough.
+//
+// Two invariants tie the pool and the cache (CheckInvariants verifies them):
+// a block is marked Cached in the pool exactly when the cache holds it, and
+// a cached block's lock count in the cache equals its reference count in
+// the pool (every reference is a sequence's, and each takes a lock). So a
+// cached block becomes evictable exactly when no live sequence holds it.
+//
+// A block is cached as soon as the call that fills it returns, before the
+// engine computes its KV. A sequence admitted later, even within the same
+// step, may thus start on it: correct for an engine that writes every new
+// token's K and V of a layer before that layer's attention reads the cache,
+// as paged engines do, for the whole step at once. An engine that runs a
+// step's sequences in separate forward passes must run them in admission
+// order.
+
+// seqPrefix is what a sequence needs to insert its blocks as they fill:
+// while its tokens are known (from Admit and GrowTokens) it has one; a
+// Grow without tokens drops it, and the sequence's later blocks stay
+// private.
+type seqPrefix struct {
+	keys *prefix.Keys // the prompt's extra keys, the sequence's own copy; nil: none
+	last prefix.Hash  // chain hash of the last full block; zero when none
+	tail []int32      // tokens of the partially filled last block
+}
+
+// clone returns a forked child's copy; nil for nil.
+func (p *seqPrefix) clone() *seqPrefix {
+	if p == nil {
+		return nil
+	}
+	return &seqPrefix{keys: p.keys, last: p.last, tail: append(make([]int32, 0, cap(p.tail)), p.tail...)}
+}
+
+// Prompts is a batch of prompts in the flat form of the C ABI: prompt i's
+// tokens are Tokens[Offsets[i]:Offsets[i+1]] and its extra keys Keys[i]
+// (Keys nil: none for every prompt). len(Offsets) is the batch size plus
+// one.
+type Prompts struct {
+	Tokens  []int32
+	Offsets []int64
+	Keys    []prefix.Keys
+}
+
+// Len returns the number of prompts.
+func (p *Prompts) Len() int { return max(len(p.Offsets)-1, 0) }
+
+// prompt returns prompt i's tokens and keys (nil: none).
+func (p *Prompts) prompt(i int) ([]int32, *prefix.Keys) {
+	t := p.Tokens[p.Offsets[i]:p.Offsets[i+1]]
+	if p.Keys == nil {
+		return t, nil
+	}
+	return t, &p.Keys[i]
+}
+
+// validate checks the batch's shape, every prompt's length (in [minLen,
+// MaxPromptLen]) and keys.
+func (p *Prompts) validate(op string, minLen int) error {
+	n := p.Len()
+	if err := checkBatch(op, n); err != nil {
+		return err
+	}
+	if p.Keys != nil && len(p.Keys) != n {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: %d keys for %d prompts", op, len(p.Keys), n)
+	}
+	if p.Offsets[0] < 0 || p.Offsets[n] > int64(len(p.Tokens)) {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: token offsets span [%d, %d), the tokens array holds %d", op, p.Offsets[0], p.Offsets[n], len(p.Tokens))
+	}
+	for i := range n {
+		l := p.Offsets[i+1] - p.Offsets[i]
+		if l < int64(minLen) || l > MaxPromptLen {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: prompt %d has %d tokens (offsets %d to %d); need %d to 2^30", op, i, l, p.Offsets[i], p.Offsets[i+1], minLen)
+		}
+		if p.Keys != nil {
+			if err := p.Keys[i].Validate(op, int(l)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// MatchInfo is what Match found for one prompt. Its layout (three int32) is
+// the C ABI's kvp_prefix_match.
+type MatchInfo struct {
+	// Tokens is the length of the longest cached prefix in full blocks:
+	// the tokens Admit would not compute. Never the whole prompt.
+	Tokens int32
+	// PartialBlock is a cached block whose first PartialTokens rows hold
+	// the KV of the prompt's next PartialTokens tokens (package prefix's
+	// partial match); -1 and 0 when none or not asked for.
+	PartialBlock  int32
+	PartialTokens int32
+}
+
+// Admit adds sequences by their prompts, in batch order: sequence ids[i]
+// gets prompt i, starts on the cached blocks of its longest cached prefix
+// in full blocks (never its last token), and has the rest of the prompt as
+// its new tokens; matched[i] (if matched is not nil) is set to the number
+// of matched tokens. Its other blocks are allocated (evicting cached ones
+// if the free queue runs short) and each full one is inserted into the
+// cache, so later prompts, in this batch too, share it. Without the prefix
+// cache nothing matches and the tokens are not kept.
+//
+// Admission stops at the first prompt that does not fit (free plus
+// evictable blocks, after its match, are fewer than the rest of it needs):
+// Admit returns how many were admitted, that prefix of the batch, and
+// changes nothing for the others. It is not an error: a scheduler retries
+// them when sequences finish.
+//
+// Errors, checked before anything changes: InvalidArgument (batch size,
+// len(ids) != prompts.Len(), a prompt's length in [1, MaxPromptLen],
+// offsets, keys, matched shorter than the batch), DuplicateSequence (an id
+// live or repeated).
+func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, error) {
+	if err := prompts.validate("admit", 1); err != nil {
+		return 0, err
+	}
+	n := prompts.Len()
+	if len(ids) != n {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "admit: %d ids for %d prompts", len(ids), n)
+	}
+	if matched != nil && len(matched) < n {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "admit: matched_tokens holds %d entries for %d prompts", len(matched), n)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.checkNewIDs("admit", ids); err != nil {
+		return 0, err
+	}
+	for i, id := range ids {
+		tokens, keys := prompts.prompt(i)
+		k, ok, err := m.admitOne(id, tokens, keys)
+		if err != nil || !ok {
+			if err == nil && logx.L().Core().Enabled(zap.DebugLevel) {
+				logx.L().Debug("admit: pool full", zap.Int("admitted", i), zap.Int("batch", n))
+			}
+			return i, err
+		}
+		if matched != nil {
+			matched[i] = int32(k)
+		}
+	}
+	return n, nil
+}
+
+// checkNewIDs fails with DuplicateSequence if an id of a batch of new
+// sequences is live or repeated.
+func (m *Manager) checkNewIDs(op string, ids []int64) error {
+	for _, id := range ids {
+		if m.seqs.get(id) != nil {
+			return kverr.Errorf(kverr.DuplicateSequence, "%s: sequence %d is already live", op, id)
+		}
+	}
+	if len(ids) > 1 {
+		sorted := append(m.ids[:0], ids...)
+		m.ids = sorted
+		slices.Sort(sorted)
+		for i := 1; i < len(sorted); i++ {
+			if sorted[i] == sorted[i-1] {
+				return kverr.Errorf(kverr.DuplicateSequence, "%s: sequence %d appears twice in the batch", op, sorted[i])
+			}
+		}
+	}
+	return nil
+}
+
+// admitOne admits one validated prompt and returns its matched tokens; ok
+// is false, with nothing changed, when it does not fit.
+func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched int, ok bool, err error) {
+	need := m.blocksFor(len(tokens))
+	var res prefix.MatchResult
+	if m.cache != nil {
+		res, ok, err = m.cache.Acquire(m.locks[:0], tokens, keys, need, m.pool.NumFree())
+		m.locks = res.Blocks[:0]
+		if err != nil || !ok {
+			return 0, false, err
+		}
+	} else if need > m.pool.NumFree() {
+		return 0, false, nil
+	}
+	k := len(res.Blocks)
+	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens}
+	// Cannot fail: the matched blocks are cached, so their references equal
+	// their locks, which Acquire bounded below 2^31-1.
+	_ = m.pool.Incref(s.blocks[:k])
+	m.makeFree(need - k)
+	hint := int32(-1)
+	if k > 0 {
+		hint = s.blocks[k-1]
+	}
+	_ = m.pool.Allocate(s.blocks[k:], hint) // cannot fail: made free above
+	if m.cache != nil {
+		s.pc = &seqPrefix{keys: keys.Clone(), last: res.Last, tail: make([]int32, 0, m.bs)}
+		m.extendPrefix(s, tokens[res.Tokens:])
+	}
+	s.length = len(tokens)
+	s.fresh = len(tokens) - res.Tokens
+	m.seqs.put(id, s)
+	m.numTokens += int64(s.length)
+	m.waste += m.wasteOf(s)
+	return res.Tokens, true, nil
+}
+
+// GrowTokens is Grow with the new tokens themselves: tokens holds each
+// sequence's counts[i] new tokens, in batch order (len(tokens) ==
+// sum(counts)). With the prefix cache, a sequence admitted by its tokens
+// inserts each block these tokens fill into the cache; a sequence whose
+// tokens are not known (Add, or a Grow without tokens since) just grows.
+// Errors: those of Grow, and InvalidArgument when len(tokens) is not the
+// counts' sum.
+func (m *Manager) GrowTokens(ids []int64, counts []int32, tokens []int32) error {
+	if tokens == nil {
+		tokens = []int32{}
+	}
+	return m.grow("grow tokens", ids, counts, tokens)
+}
+
+// extendPrefix hashes and inserts the blocks that s's new tokens toks fill,
+// and keeps the rest in s's tail. s.length is the length before toks, and
+// s's table already holds the blocks they go to.
+func (m *Manager) extendPrefix(s *seq, toks []int32) {
+	pc := s.pc
+	if pc == nil || len(toks) == 0 {
+		return
+	}
+	bi := s.length / m.bs // the block toks[0] goes to
+	if len(pc.tail) > 0 {
+		k := min(m.bs-len(pc.tail), len(toks))
+		pc.tail = append(pc.tail, toks[:k]...)
+		toks = toks[k:]
+		if len(pc.tail) < m.bs {
+			return
+		}
+		if !m.insertBlock(s, bi, pc.tail) {
+			return
+		}
+		pc.tail = pc.tail[:0]
+		bi++
+	}
+	for len(toks) >= m.bs {
+		if !m.insertBlock(s, bi, toks[:m.bs]) {
+			return
+		}
+		toks = toks[m.bs:]
+		bi++
+	}
+	pc.tail = append(pc.tail, toks...)
+}
+
+// insertBlock inserts s's full block bi, whose tokens are blk. If the cache
+// holds an identical block already, s keeps its own as a private copy (the
+// engine is writing its KV there this step) and the chain goes on from the
+// cached twin's hash. It returns false, with s's later blocks left private,
+// when the cache refuses the block: the twin's parent chain was evicted
+// meanwhile (a private block is not locked, so its cached twin may go), or
+// a hash collided.
+func (m *Manager) insertBlock(s *seq, bi int, blk []int32) bool {
+	res, err := m.cache.Insert(s.pc.last, blk, s.pc.keys, s.blocks[bi])
+	if err != nil {
+		logx.L().Debug("prefix cache: block not inserted; the sequence's later blocks stay private", zap.Error(err))
+		s.pc = nil
+		return false
+	}
+	if res.Dup {
+		// Insert locked the twin for s, which does not reference it.
+		m.one[0] = res.Block
+		if err := m.cache.Unlock(m.one[:]); err != nil {
+			panic("kvmanager: unlock of a just-locked block failed: " + err.Error())
+		}
+	} else if err := m.pool.MarkCached(s.blocks[bi]); err != nil {
+		panic("kvmanager: a sequence's block is free: " + err.Error())
+	}
+	s.pc.last = res.Hash
+	return true
+}
+
+// errNoCache is the error of the calls that need the prefix cache.
+func errNoCache(op string) error {
+	return kverr.Errorf(kverr.InvalidArgument, "%s: the prefix cache is off (enable_prefix_cache in the manager's config)", op)
+}
+
+// Match finds each prompt's longest cached prefix in full blocks (never
+// the whole prompt) without admitting anything, and writes what it found
+// to out[i]; with partial, also the partial block (MatchInfo). The matched
+// blocks count as used now for eviction, and the queries are counted in
+// PrefixStats. Without the prefix cache nothing matches.
+// Errors: InvalidArgument (batch, a prompt's length in [0, MaxPromptLen],
+// keys, out shorter than the batch).
+func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
+	if err := prompts.validate("match", 0); err != nil {
+		return err
+	}
+	n := prompts.Len()
+	if len(out) < n {
+		return kverr.Errorf(kverr.InvalidArgument, "match: out holds %d entries for %d prompts", len(out), n)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i := range n {
+		out[i] = MatchInfo{PartialBlock: -1}
+		if m.cache == nil {
+			continue
+		}
+		tokens, keys := prompts.prompt(i)
+		res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
+		m.locks = res.Blocks[:0]
+		if err != nil {
+			return kverr.Wrap(kverr.Internal, err, "match: validated prompt refused")
+		}
+		out[i] = MatchInfo{Tokens: int32(res.Tokens), PartialBlock: res.PartialBlock, PartialTokens: int32(res.PartialTokens)}
+	}
+	return nil
+}
+
+// Pin keeps the cached full blocks of a prefix (all of them, unlike a
+// match) from eviction until Unpin with the returned id, and returns how
+// many blocks it pinned. Blocks of the prefix cached later are not
+// covered. Errors: InvalidArgument (prefix cache off, keys, a prompt
+// longer than MaxPromptLen), NotFound (no block of the prefix is cached).
+func (m *Manager) Pin(tokens []int32, keys *prefix.Keys) (uint64, int, error) {
+	if len(tokens) > MaxPromptLen {
+		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "pin: %d tokens, at most 2^30", len(tokens))
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil {
+		return 0, 0, errNoCache("pin")
+	}
+	id, n, err := m.cache.Pin(tokens, keys)
+	return uint64(id), n, err
+}
+
+// Unpin releases one Pin's pins. Errors: InvalidArgument (prefix cache
+// off), NotFound (id unknown, unpinned already or dropped by
+// ClearPrefixCache).
+func (m *Manager) Unpin(id uint64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil {
+		return errNoCache("unpin")
+	}
+	return m.cache.Unpin(prefix.PinID(id))
+}
+
+// SetPriority sets the eviction priority of the cached full blocks of a
+// prefix (lower goes first; blocks start at 0) and returns how many it
+// set. Errors: as Pin.
+func (m *Manager) SetPriority(tokens []int32, keys *prefix.Keys, priority int32) (int, error) {
+	if len(tokens) > MaxPromptLen {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "set priority: %d tokens, at most 2^30", len(tokens))
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil {
+		return 0, errNoCache("set priority")
+	}
+	return m.cache.SetPriority(tokens, keys, priority)
+}
+
+// PrefixStats returns the prefix cache's counters and sizes; zero when the
+// cache is off.
+func (m *Manager) PrefixStats() prefix.Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil {
+		return prefix.Stats{}
+	}
+	st := m.cache.Stats()
+	st.PendingEvents += len(m.carry)
+	return st
+}
+
+// ResetPrefixStats zeroes the prefix cache's counters (not its sizes).
+func (m *Manager) ResetPrefixStats() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache != nil {
+		m.cache.ResetStats()
+	}
+}
+
+// ClearPrefixCache drops every cached block that no sequence holds back to
+// the free queue and every pin, for a model or adapter reload, and records
+// an AllCleared event. It refuses, changing nothing, while live sequences
+// hold cached blocks (InvalidArgument): remove them first. A no-op when
+// the cache is off. It returns the number of blocks freed.
+func (m *Manager) ClearPrefixCache() (int, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil {
+		return 0, nil
+	}
+	var err error
+	m.evicted, err = m.cache.Clear(m.evicted[:0])
+	if err != nil {
+		return 0, err
+	}
+	if err := m.pool.Evict(m.evicted); err != nil {
+		panic("kvmanager: cleared blocks not Cached in the pool: " + err.Error())
+	}
+	return len(m.evicted), nil
+}
+
+// EventLimits bound what one DrainEvents returns, so that the events fit
+// a caller's fixed buffers: events, tokens of BlockStored events,
+// multimodal entries of BlockStored events, hashes of BlockRemoved events.
+type EventLimits struct {
+	Events, Tokens, MM, Hashes int
+}
+
+// NoEventLimits drains every pending event.
+var NoEventLimits = EventLimits{math.MaxInt, math.MaxInt, math.MaxInt, math.MaxInt}
+
+// DrainEvents returns the oldest pending KV events, in order, as many
+// whole events as fit lim; a BlockRemoved event with more hashes than fit
+// is split (its first hashes now, the rest next time), which a consumer
+// applying events in order cannot tell apart. The events are the caller's
+// (package prefix, Index.DrainEvents, has their meaning and what happens
+// when too many wait). Errors: InvalidArgument (KV events off), and
+// BufferTooSmall, draining nothing, when lim cannot hold even the oldest
+// event (a BlockStored needs BlockSize tokens and its multimodal entries,
+// a BlockRemoved one hash).
+func (m *Manager) DrainEvents(lim EventLimits) ([]prefix.Event, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil || !m.cache.EventsEnabled() {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "drain events: KV events are off (enable_kv_events in the manager's config)")
+	}
+	if len(m.carry) == 0 {
+		m.carry = m.cache.DrainEvents(0)
+	}
+	var out []prefix.Event
+	tok, mm, hashes := 0, 0, 0
+	for len(m.carry) > 0 && len(out) < lim.Events {
+		ev := &m.carry[0]
+		switch ev.Kind {
+		case prefix.BlockStored:
+			if tok+len(ev.Tokens) > lim.Tokens || mm+len(ev.MM) > lim.MM {
+				return drained(out, fmt.Sprintf("a stored block needs %d tokens and %d multimodal entries", len(ev.Tokens), len(ev.MM)))
+			}
+			tok += len(ev.Tokens)
+			mm += len(ev.MM)
+		case prefix.BlockRemoved:
+			room := lim.Hashes - hashes
+			if room <= 0 {
+				return drained(out, "a removed-blocks event needs room for at least one hash")
+			}
+			if len(ev.Hashes) > room {
+				head := *ev
+				head.Hashes = ev.Hashes[:room:room]
+				ev.Hashes = ev.Hashes[room:]
+				return append(out, head), nil
+			}
+			hashes += len(ev.Hashes)
+		}
+		out = append(out, *ev)
+		m.carry = m.carry[1:]
+	}
+	if len(m.carry) == 0 {
+		m.carry = nil
+	}
+	return out, nil
+}
+
+// drained ends DrainEvents when the next event does not fit: with the
+// events taken so far, or BufferTooSmall when there are none.
+func drained(out []prefix.Event, need string) ([]prefix.Event, error) {
+	if len(out) > 0 {
+		return out, nil
+	}
+	return nil, kverr.Errorf(kverr.BufferTooSmall, "drain events: the buffers cannot hold the oldest event: %s", need)
+}
