@@ -478,3 +478,55 @@ func TestStats(t *testing.T) {
 		t.Fatalf("after reset %+v, want %+v", s, want)
 	}
 }
+
+func TestAcquireLocksOnlyWhatFits(t *testing.T) {
+	x := newIndex(t, 2, 16, false)
+	a := []int32{1, 2, 3, 4, 5, 6}
+	b := []int32{7, 8, 9, 10}
+	must(t, x.Unlock(cache(t, x, a, nil, 0, 1, 2)))
+	must(t, x.Unlock(cache(t, x, b, nil, 3, 4)))
+	if x.Evictable() != 5 {
+		t.Fatalf("evictable %d, want 5", x.Evictable())
+	}
+	prompt := []int32{1, 2, 3, 4, 0, 0, 0} // matches a's first two blocks
+	st := x.Stats()
+	clock := x.clock
+	// 4 blocks needed, 2 matched: with 0 free, the 3 other evictable
+	// blocks (a's third, b's two) are enough for the 2 left.
+	if _, ok, err := x.Acquire(nil, prompt, nil, 4, 0); err != nil || !ok {
+		t.Fatalf("acquire with enough evictable blocks: %v %v", ok, err)
+	}
+	check(t, x)
+	if x.LockCount(0) != 1 || x.LockCount(1) != 1 || x.LockCount(2) != 0 {
+		t.Fatalf("locks %d %d %d, want 1 1 0", x.LockCount(0), x.LockCount(1), x.LockCount(2))
+	}
+	// Now 3 evictable: a prompt needing 6 with 2 matched and 0 free does
+	// not fit, and changes nothing.
+	st, clock = x.Stats(), x.clock
+	res, ok, err := x.Acquire(nil, prompt, nil, 6, 0)
+	if err != nil || ok || len(res.Blocks) != 0 {
+		t.Fatalf("acquire past the pool: %v %v %v", res.Blocks, ok, err)
+	}
+	if x.Stats() != st || x.clock != clock || x.LockCount(0) != 1 {
+		t.Fatalf("a refused acquire changed the index")
+	}
+	// Matched blocks do not count as evictable for the rest: with a's first
+	// two unlocked again, 5 evictable, but 2 of them are the match.
+	must(t, x.Unlock([]int32{0, 1}))
+	if _, ok, _ := x.Acquire(nil, prompt, nil, 6, 0); ok {
+		t.Fatalf("acquire counted its own matched blocks as evictable")
+	}
+	if _, ok, _ := x.Acquire(nil, prompt, nil, 5, 0); !ok {
+		t.Fatalf("acquire refused a prompt that fits exactly")
+	}
+	if x.LockCount(7) != -1 {
+		t.Fatalf("LockCount of an uncached block: %d", x.LockCount(7))
+	}
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
