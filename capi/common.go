@@ -155,9 +155,11 @@ func slice[T any](p unsafe.Pointer, n C.int32_t) []T {
 	return unsafe.Slice((*T)(p), int(n))
 }
 
-// copyOut writes min(callerSize, ours) bytes of an output struct, so callers
-// built against an older, shorter struct keep working.
-func copyOut(dst, src unsafe.Pointer, callerSize, ours uintptr) {
+// copyStruct copies min(callerSize, ours) bytes of a versioned struct, so
+// callers built against an older, shorter struct keep working: an output
+// struct gets the fields it has room for, an input struct read into a
+// zeroed value leaves the fields it lacks at 0, their defaults.
+func copyStruct(dst, src unsafe.Pointer, callerSize, ours uintptr) {
 	n := min(callerSize, ours)
 	copy(unsafe.Slice((*byte)(dst), n), unsafe.Slice((*byte)(src), n))
 }

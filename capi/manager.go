@@ -24,10 +24,21 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_create: cfg and out must not be NULL")
 	}
-	if err := checkSize(cfg.struct_size, unsafe.Sizeof(C.kvp_manager_config{}), unsafe.Sizeof(C.kvp_manager_config{}), "kvp_manager_config"); err != nil {
+	full := unsafe.Sizeof(C.kvp_manager_config{})
+	// The first version of the struct ended at block_size.
+	first := unsafe.Offsetof(C.kvp_manager_config{}.block_size) + 4
+	if err := checkSize(cfg.struct_size, first, full, "kvp_manager_config"); err != nil {
 		return fail(err)
 	}
-	m, err := kvmanager.New(kvmanager.Config{NumBlocks: int(cfg.num_blocks), BlockSize: int(cfg.block_size)})
+	var c C.kvp_manager_config // fields past the caller's struct_size stay 0: their defaults
+	copyStruct(unsafe.Pointer(&c), unsafe.Pointer(cfg), uintptr(cfg.struct_size), full)
+	m, err := kvmanager.New(kvmanager.Config{
+		NumBlocks:         int(c.num_blocks),
+		BlockSize:         int(c.block_size),
+		EnablePrefixCache: c.enable_prefix_cache != 0,
+		EnableKVEvents:    c.enable_kv_events != 0,
+		MaxPendingEvents:  int(c.max_pending_events),
+	})
 	if err != nil {
 		return fail(err)
 	}
@@ -182,7 +193,7 @@ func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp
 	v.allocated_slots = C.int64_t(s.AllocatedSlots)
 	v.internal_waste = C.int64_t(s.InternalWaste)
 	v.fragmentation = C.double(s.Fragmentation)
-	copyOut(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
+	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
 	return C.KVP_OK
 }
 

@@ -214,6 +214,6 @@ func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_st
 		background_map_ns: C.int64_t(s.BackgroundMapNs),
 		background_errors: C.int64_t(s.BackgroundErrors),
 	}
-	copyOut(unsafe.Pointer(out), unsafe.Pointer(&full), uintptr(out.struct_size), unsafe.Sizeof(full))
+	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&full), uintptr(out.struct_size), unsafe.Sizeof(full))
 	return C.KVP_OK
 }

@@ -169,9 +169,20 @@ typedef struct kvp_manager_config {
   int32_t num_blocks;  /* blocks in the pool, in [1, 2^26]; no default (0) */
   int32_t block_size;  /* tokens per block, in [1, 2^16]; default 16; 1 = token mode */
   /* num_blocks * block_size must be below 2^31: slots are int32. */
+
+  /* A caller whose struct_size ends before a field below gets its default
+   * (struct_size must reach at least past block_size). */
+  int32_t enable_prefix_cache; /* nonzero: cache full blocks of sequences
+                                  admitted by their tokens (see "Prefix
+                                  cache" below); default 0 */
+  int32_t enable_kv_events;    /* nonzero: record KV events for
+                                  kvp_manager_drain_events; needs
+                                  enable_prefix_cache; default 0 */
+  int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
+                                  raised to num_blocks + 1 */
 } kvp_manager_config;
 
-#define KVP_MANAGER_CONFIG_INIT {sizeof(kvp_manager_config), 0, 16}
+#define KVP_MANAGER_CONFIG_INIT {sizeof(kvp_manager_config), 0, 16, 0, 0, 0}
 
 /* A KV block copy the engine must perform: copy block src's rows to block dst
  * (all layers, K and V) before the next kernel reads dst. */
@@ -283,6 +294,246 @@ kvp_status kvp_manager_check(kvp_manager *m);
 #endif /* KVPLUG_NO_PROTOTYPES */
 
 /* ==== section: prefix cache (begin) ==== */
+/*
+ * Prefix cache (a manager created with enable_prefix_cache). The full
+ * blocks of sequences admitted by their tokens are cached under a chained
+ * 128-bit hash of (parent block's hash, the block's tokens, the prompt's
+ * extra keys) and arranged in a prefix tree (core/prefix/HASH.md has the
+ * exact algorithm and byte layout; core/prefix/testdata/hash_vectors.json
+ * has test vectors). A later prompt with the same prefix starts on those
+ * blocks instead of computing them, and they stay cached after their
+ * sequences finish, until an allocation needs them.
+ *
+ * Flow per step:
+ *   kvp_manager_admit        new requests: matches their longest cached
+ *                            prefix, allocates the rest, reports the
+ *                            matched tokens; only the rest are new tokens
+ *                            (their slots come from kvp_manager_describe).
+ *   kvp_manager_grow_tokens  running requests, with the tokens themselves,
+ *                            so that blocks they fill are cached.
+ *   kvp_manager_remove       finished requests: their cached blocks stay,
+ *                            evictable.
+ * kvp_manager_add and kvp_manager_grow keep working; their tokens are not
+ * known, so the blocks they fill stay private to the sequence.
+ *
+ * A block is cached as soon as the call that fills it returns, before the
+ * engine computes its KV. A sequence admitted later, even in the same step,
+ * may start on it: correct for an engine that writes every new token's K
+ * and V of a layer before that layer's attention reads the cache (paged
+ * engines do, for the whole step at once). An engine that runs a step's
+ * sequences in separate forward passes must run them in admission order.
+ * Chunked prefill: kvp_manager_match the whole prompt (m tokens cached),
+ * admit its first m + chunk tokens, then grow_tokens one chunk per step.
+ *
+ * Eviction: every allocation (add, admit, grow, grow_tokens, fork) that
+ * finds too few free blocks evicts cached blocks no sequence holds: lowest
+ * priority first, then least recently used, ties to the deepest block
+ * (the end of the longest prefix); only leaves of the tree go, so a prefix
+ * is never cut in the middle. O(log n) per block. When free plus evictable
+ * blocks are too few, the call fails (OUT_OF_BLOCKS) with nothing evicted.
+ * Pins keep a prefix cached whatever the pressure.
+ *
+ * Identity: the same tokens under a different adapter, multimodal content
+ * or salt are a different prefix. A tenant salt enters the first block's
+ * hash, so prompts with different salts never share a block.
+ */
+
+/* A multimodal input of a prompt (an image, an audio clip): its
+ * placeholder tokens occupy prompt positions [offset, offset + length), and
+ * hash is the caller's 16-byte digest of its content (e.g. of the image
+ * bytes and processor settings). */
+typedef struct kvp_mm_item {
+  int32_t offset;
+  int32_t length;
+  uint8_t hash[16];
+} kvp_mm_item;
+
+/* A prompt's extra keys. Passed in arrays, one per prompt, so it has no
+ * struct_size: it will not grow (new keys would come with new functions). */
+typedef struct kvp_prefix_keys {
+  uint64_t adapter;        /* LoRA adapter id; 0 = none */
+  const kvp_mm_item *mm;   /* num_mm items, offsets strictly increasing,
+                              each inside the prompt; NULL when num_mm 0 */
+  int32_t num_mm;          /* in [0, 2^20] */
+  int32_t salt_len;        /* bytes of salt, in [0, 1024]; 0 = no salt */
+  const uint8_t *salt;     /* tenant salt; NULL when salt_len 0 */
+} kvp_prefix_keys;
+
+#define KVP_PREFIX_KEYS_INIT {0, NULL, 0, 0, NULL}
+
+/* What kvp_manager_match found for one prompt. */
+typedef struct kvp_prefix_match {
+  int32_t matched_tokens;  /* longest cached prefix in full blocks; never
+                              the whole prompt (its last token is always
+                              computed) */
+  int32_t partial_block;   /* with want_partial: a cached block whose first
+                              partial_tokens rows hold the KV of the
+                              prompt's next partial_tokens tokens, for a
+                              caller that copies rows; -1 when none */
+  int32_t partial_tokens;
+} kvp_prefix_match;
+
+/* Prefix cache counters (since creation or the last reset) and sizes. */
+typedef struct kvp_prefix_stats {
+  size_t struct_size;      /* set by the caller: sizeof(kvp_prefix_stats) */
+  int64_t queries;         /* prompts matched (admit and match) */
+  int64_t query_tokens;    /* their tokens */
+  int64_t hit_tokens;      /* of those, matched in cached full blocks */
+  int64_t partial_tokens;  /* tokens of partial matches (match) */
+  int64_t inserts;         /* blocks cached */
+  int64_t dedups;          /* filled blocks found cached already (kept private) */
+  int64_t evictions;       /* blocks evicted */
+  int64_t events_dropped;  /* KV events lost to a full queue (a resync follows) */
+  int32_t cached_blocks;   /* blocks in the cache, held or not */
+  int32_t locked_blocks;   /* held by a live sequence */
+  int32_t pinned_blocks;   /* covered by a pin */
+  int32_t evictable_blocks;/* that an allocation could evict now */
+  int32_t pending_events;  /* undrained KV events */
+} kvp_prefix_stats;
+
+#define KVP_PREFIX_STATS_INIT {sizeof(kvp_prefix_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* KV event kinds: the fields of vLLM's KV events, for a router that tracks
+ * which engine caches which prefix. */
+enum {
+  KVP_KV_EVENT_BLOCK_STORED = 1,   /* a block entered the cache */
+  KVP_KV_EVENT_BLOCKS_REMOVED = 2, /* blocks left it (children before parents) */
+  KVP_KV_EVENT_ALL_CLEARED = 3     /* forget every block: the cache was
+                                      cleared, or a snapshot of BLOCK_STORED
+                                      events follows (after a full queue) */
+};
+
+/* A multimodal entry of a stored block: offset is the item's first
+ * position relative to the block's first (negative when the item began in
+ * an earlier block). */
+typedef struct kvp_block_mm {
+  int32_t offset;
+  uint8_t hash[16];
+} kvp_block_mm;
+
+/* One KV event. Its variable parts live in the caller's arrays passed to
+ * kvp_manager_drain_events, at the offsets given here. The salt is not
+ * reported (it may be a secret): a router sees a first block's salted hash. */
+typedef struct kvp_kv_event {
+  int32_t kind;            /* KVP_KV_EVENT_... */
+  int32_t block_size;      /* BLOCK_STORED: the block's tokens */
+  uint64_t adapter;        /* BLOCK_STORED */
+  uint8_t hash[16];        /* BLOCK_STORED: the block's hash */
+  uint8_t parent[16];      /* BLOCK_STORED: its parent's; zero for a first block */
+  int32_t tokens_offset;   /* BLOCK_STORED: tokens[tokens_offset ..+ block_size] */
+  int32_t mm_offset;       /* BLOCK_STORED: mm[mm_offset ..+ num_mm] */
+  int32_t num_mm;
+  int32_t hashes_offset;   /* BLOCKS_REMOVED: hashes[hashes_offset ..+ num_hashes] */
+  int32_t num_hashes;
+  int32_t reserved;        /* 0 */
+} kvp_kv_event;
+
+#ifndef KVPLUG_NO_PROTOTYPES
+
+/* Admits n new sequences by their prompts, in batch order. Prompt i's
+ * tokens are tokens[token_offsets[i] .. token_offsets[i+1]) (token_offsets
+ * has n + 1 entries, non-decreasing), its extra keys keys[i] (keys may be
+ * NULL: none for all). Sequence seq_ids[i] starts on the cached blocks of
+ * the prompt's longest cached prefix in full blocks (never its last token)
+ * and matched_tokens[i] (if not NULL) receives their count; the rest of the
+ * prompt is its new tokens. Its full blocks are cached at once, so later
+ * prompts of the same batch share them. Without the prefix cache nothing
+ * matches: admit is then add with the tokens ignored.
+ *
+ * Admission stops at the first prompt that does not fit (free plus
+ * evictable blocks, after its match, are fewer than it needs): *num_admitted
+ * receives how many were admitted, always a prefix of the batch, and the
+ * call returns KVP_OK. Running out of blocks is not an error here; prompts
+ * [*num_admitted, n) are untouched, for the scheduler to retry later.
+ * Errors, detected before anything changes: NULL_POINTER (seq_ids, tokens
+ * with a non-empty batch, token_offsets, num_admitted), INVALID_ARGUMENT
+ * (n < 1 or > 2^20, a prompt of 0 or more than 2^30 tokens, offsets, keys),
+ * DUPLICATE_SEQUENCE (an id live or repeated). */
+kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n,
+                             const int32_t *tokens, const int64_t *token_offsets,
+                             const kvp_prefix_keys *keys, int32_t *matched_tokens,
+                             int32_t *num_admitted);
+
+/* kvp_manager_grow with the new tokens themselves: tokens holds
+ * num_tokens[0] tokens of seq_ids[0], then num_tokens[1] of seq_ids[1], and
+ * so on. Blocks these tokens fill are cached (for sequences admitted by
+ * their tokens; a sequence added or grown without tokens since just grows).
+ * All or none, with the errors of kvp_manager_grow; tokens may be NULL only
+ * when every count is 0. */
+kvp_status kvp_manager_grow_tokens(kvp_manager *m, const int64_t *seq_ids,
+                                   const int32_t *num_tokens, int32_t n,
+                                   const int32_t *tokens);
+
+/* Finds each of n prompts' longest cached prefix (as admit would) without
+ * admitting anything, and fills out[i]; with want_partial nonzero also the
+ * partial block. A router's or scheduler's query. The matched blocks count
+ * as used now for eviction; the queries are counted in the stats. Without
+ * the prefix cache every prompt matches 0. Prompts are given as in admit;
+ * an empty prompt is allowed here and matches 0.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n, offsets, keys). */
+kvp_status kvp_manager_match(kvp_manager *m, int32_t n, const int32_t *tokens,
+                             const int64_t *token_offsets,
+                             const kvp_prefix_keys *keys, int32_t want_partial,
+                             kvp_prefix_match *out);
+
+/* Pins the cached full blocks of a prefix (all of them, the last included)
+ * so they are never evicted, until kvp_manager_unpin(*pin_id). Blocks of the
+ * prefix cached later are not covered: pin again. *num_blocks (may be NULL)
+ * receives the number pinned. keys may be NULL.
+ * Errors: NULL_POINTER (tokens with num_tokens > 0, pin_id),
+ * INVALID_ARGUMENT (prefix cache off, num_tokens < 0 or > 2^30, keys),
+ * NOT_FOUND (no block of the prefix is cached). */
+kvp_status kvp_manager_pin(kvp_manager *m, const int32_t *tokens, int32_t num_tokens,
+                           const kvp_prefix_keys *keys, uint64_t *pin_id,
+                           int32_t *num_blocks);
+
+/* Releases one pin. Its blocks stay cached, evictable once nothing holds
+ * them. Errors: INVALID_ARGUMENT (prefix cache off), NOT_FOUND (unknown
+ * id, unpinned already, or dropped by kvp_manager_clear_prefix_cache). */
+kvp_status kvp_manager_unpin(kvp_manager *m, uint64_t pin_id);
+
+/* Sets the eviction priority of the cached full blocks of a prefix: lower
+ * priorities are evicted first; blocks start at 0 (blocks cached later
+ * under the prefix start at 0 too). *num_blocks (may be NULL) receives how
+ * many were set. Errors: as kvp_manager_pin. */
+kvp_status kvp_manager_set_priority(kvp_manager *m, const int32_t *tokens,
+                                    int32_t num_tokens, const kvp_prefix_keys *keys,
+                                    int32_t priority, int32_t *num_blocks);
+
+/* Fills *out with the prefix cache's statistics (all zero when the cache
+ * is off). Errors: NULL_POINTER, STRUCT_SIZE (out->struct_size below
+ * sizeof(size_t) + 8). */
+kvp_status kvp_manager_prefix_stats(kvp_manager *m, kvp_prefix_stats *out);
+
+/* Zeroes the prefix cache's counters (not its sizes). */
+kvp_status kvp_manager_prefix_stats_reset(kvp_manager *m);
+
+/* Evicts every cached block no sequence holds and drops every pin, for a
+ * model or adapter reload, and records an ALL_CLEARED event. *num_freed (may
+ * be NULL) receives the number of blocks freed. Refused with
+ * INVALID_ARGUMENT, changing nothing, while live sequences hold cached
+ * blocks: remove them first. A no-op without the prefix cache. */
+kvp_status kvp_manager_clear_prefix_cache(kvp_manager *m, int32_t *num_freed);
+
+/* Drains the oldest pending KV events, in order: as many whole events as
+ * fit events[max_events], tokens[max_tokens] (a stored block's tokens),
+ * mm[max_mm] (a stored block's multimodal entries) and hashes[max_hashes]
+ * (16 bytes each; removed blocks' hashes); a BLOCKS_REMOVED event with more
+ * hashes than fit is split across calls. *num_events receives the count;
+ * 0 means none pending. Call until it returns 0 to drain everything. If
+ * more than max_pending_events pile up undrained, they are replaced by
+ * ALL_CLEARED and a snapshot of the cache (stats.events_dropped counts
+ * them), so a consumer that applies the events in order always ends with
+ * the cache's set of blocks. mm and hashes may be NULL with max 0.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (KV events off, a max < 0),
+ * BUFFER_TOO_SMALL (not even the oldest event fits; nothing drained). */
+kvp_status kvp_manager_drain_events(kvp_manager *m, kvp_kv_event *events,
+                                    int32_t max_events, int32_t *tokens,
+                                    int32_t max_tokens, kvp_block_mm *mm,
+                                    int32_t max_mm, uint8_t *hashes,
+                                    int32_t max_hashes, int32_t *num_events);
+
+#endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: prefix cache (end) ==== */
 
 /* ==== section: attention kernels (begin) ==== */

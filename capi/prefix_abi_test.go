@@ -1,0 +1,266 @@
+package main
+
+import (
+	"slices"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+func newCachedManager(t testing.TB, blocks, bs int32, events bool) unsafe.Pointer {
+	t.Helper()
+	h, st := hookManagerCreateCached(blocks, bs, events, 0)
+	if st != 0 || h == nil {
+		t.Fatalf("create: %s %s", statusName(st), lastError())
+	}
+	return h
+}
+
+func seq(from, n int32) []int32 {
+	t := make([]int32, n)
+	for i := range t {
+		t[i] = from + int32(i)
+	}
+	return t
+}
+
+func TestPrefixCacheThroughABI(t *testing.T) {
+	const bs = 4
+	h := newCachedManager(t, 32, bs, true)
+	defer hookManagerDestroy(h)
+	sys := seq(100, 8) // two full blocks
+	a := append(slices.Clone(sys), 1, 2)
+	b := append(slices.Clone(sys), 3, 4, 5)
+	salt := []hookKeys{{salt: []byte("tenant-1")}, {salt: []byte("tenant-1")}}
+
+	// One batch: b starts on the blocks a caches in the same call.
+	matched, n, st := hookAdmit(h, []int64{1, 2}, [][]int32{a, b}, salt)
+	expect(t, "admit", st, kverr.OK)
+	if n != 2 || !slices.Equal(matched, []int32{0, 8}) {
+		t.Fatalf("admitted %d, matched %v; want 2, [0 8]", n, matched)
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
+
+	// Another tenant shares nothing; the right one matches, with the
+	// partial block of a's third block (tokens 1, 2).
+	got, st := hookMatch(h, [][]int32{append(slices.Clone(sys), 9), append(slices.Clone(sys), 1, 2, 7)},
+		[]hookKeys{{salt: []byte("tenant-2")}, {salt: []byte("tenant-1")}}, true)
+	expect(t, "match", st, kverr.OK)
+	if got[0] != [3]int32{0, -1, 0} || got[1][0] != 8 {
+		t.Fatalf("match: %v", got)
+	}
+
+	// Decode a to fill its third block: it is cached.
+	expect(t, "grow tokens", hookGrowTokens(h, []int64{1}, []int32{2}, []int32{6, 7}, false), kverr.OK)
+	stats, st := hookPrefixStats(h, 0)
+	expect(t, "stats", st, kverr.OK)
+	if stats[2] != 3 || stats[0] != 4 || stats[1] != 16 {
+		t.Fatalf("stats (queries, hits, cached, evictable, evictions) %v; want 4 queries, 16 hit tokens, 3 cached", stats)
+	}
+
+	id, nb, st := hookPin(h, sys, salt[:1])
+	expect(t, "pin", st, kverr.OK)
+	if nb != 2 {
+		t.Fatalf("pinned %d blocks", nb)
+	}
+	nb, st = hookSetPriority(h, sys, 3)
+	expect(t, "set priority of an unsalted prefix", st, kverr.NotFound)
+	if _, st = hookClearPrefixCache(h); st != int(kverr.InvalidArgument) {
+		t.Fatalf("clear with live sequences: %s", statusName(st))
+	}
+	expect(t, "remove", hookManagerRemove(h, cInt64sTmp(t, 1, 2), 2), kverr.OK)
+	stats, _ = hookPrefixStats(h, 0)
+	if stats[2] != 3 || stats[3] != 1 { // a's third block evictable, the pinned two not
+		t.Fatalf("after remove: %v; want 3 cached, 1 evictable", stats)
+	}
+	expect(t, "unpin", hookUnpin(h, id), kverr.OK)
+	expect(t, "unpin twice", hookUnpin(h, id), kverr.NotFound)
+
+	// The events: three blocks stored; the first's hash is the chain's.
+	evs, st := hookDrain(h, 64, 1024, 16, 64)
+	expect(t, "drain", st, kverr.OK)
+	if len(evs) != 3 {
+		t.Fatalf("%d events, want 3", len(evs))
+	}
+	var hs prefix.Hasher
+	chain, err := hs.Chain(nil, append(slices.Clone(a), 6, 7), bs, &prefix.Keys{Salt: []byte("tenant-1")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, ev := range evs {
+		if ev.kind != 1 || ev.hash != chain[i] || (i > 0 && ev.parent != chain[i-1]) {
+			t.Fatalf("event %d: kind %d hash %x parent %x; chain says %s", i, ev.kind, ev.hash, ev.parent, chain[i])
+		}
+	}
+	if !slices.Equal(evs[2].tokens, []int32{1, 2, 6, 7}) {
+		t.Fatalf("third block's tokens %v", evs[2].tokens)
+	}
+	if evs, _ := hookDrain(h, 64, 1024, 16, 64); len(evs) != 0 {
+		t.Fatalf("a second drain returned %d events", len(evs))
+	}
+
+	freed, st := hookClearPrefixCache(h)
+	expect(t, "clear", st, kverr.OK)
+	if freed != 3 {
+		t.Fatalf("clear freed %d", freed)
+	}
+	evs, _ = hookDrain(h, 4, 0, 0, 0)
+	if len(evs) != 1 || evs[0].kind != 3 {
+		t.Fatalf("after clear: %+v", evs)
+	}
+	expect(t, "stats reset", hookPrefixStatsReset(h), kverr.OK)
+	if stats, _ = hookPrefixStats(h, 0); stats[0] != 0 || stats[1] != 0 {
+		t.Fatalf("after reset: %v", stats)
+	}
+}
+
+// cInt64sTmp is cInt64s freed at the end of the test.
+func cInt64sTmp(t *testing.T, v ...int64) cbuf {
+	b := cInt64s(v)
+	t.Cleanup(b.free)
+	return b
+}
+
+func TestPrefixABIBadInput(t *testing.T) {
+	const bs = 4
+	h := newCachedManager(t, 8, bs, true)
+	defer hookManagerDestroy(h)
+	_, _, st := hookAdmit(h, []int64{1}, [][]int32{seq(0, 9)}, nil)
+	expect(t, "admit", st, kverr.OK)
+	before, _ := hookManagerStats(h, sizeofManagerStats())
+	pstats, _ := hookPrefixStats(h, 0)
+
+	ids := cInt64sTmp(t, 5)
+	toks := cInt32s(seq(0, 4))
+	defer toks.free()
+	offs := cInt64s([]int64{0, 4})
+	defer offs.free()
+	bad := cInt64s([]int64{3, 2})
+	defer bad.free()
+	huge := cInt64s([]int64{0, 1 << 40})
+	defer huge.free()
+	null := cbuf{}
+	expect(t, "admit NULL ids", hookAdmitRaw(h, null, 1, toks, offs, true), kverr.NullPointer)
+	expect(t, "admit NULL num_admitted", hookAdmitRaw(h, ids, 1, toks, offs, false), kverr.NullPointer)
+	expect(t, "admit NULL offsets", hookAdmitRaw(h, ids, 1, toks, null, true), kverr.NullPointer)
+	expect(t, "admit NULL tokens", hookAdmitRaw(h, ids, 1, null, offs, true), kverr.NullPointer)
+	expect(t, "admit n 0", hookAdmitRaw(h, ids, 0, toks, offs, true), kverr.InvalidArgument)
+	expect(t, "admit offsets decrease", hookAdmitRaw(h, ids, 1, toks, bad, true), kverr.InvalidArgument)
+	expect(t, "admit offsets past 2^30 a prompt", hookAdmitRaw(h, ids, 1, toks, huge, true), kverr.InvalidArgument)
+	_, _, st = hookAdmit(h, []int64{1}, [][]int32{seq(0, 3)}, nil)
+	expect(t, "admit a live id", st, kverr.DuplicateSequence)
+	_, _, st = hookAdmit(h, []int64{6}, [][]int32{seq(0, 3)}, []hookKeys{{salt: make([]byte, 1025)}})
+	expect(t, "admit salt too long", st, kverr.InvalidArgument)
+	_, _, st = hookAdmit(h, []int64{6}, [][]int32{seq(0, 3)}, []hookKeys{{mm: [][3]int32{{0, 1, 7}}, nullMM: true}})
+	expect(t, "admit NULL mm", st, kverr.NullPointer)
+	_, _, st = hookAdmit(h, []int64{6}, [][]int32{seq(0, 3)}, []hookKeys{{mm: [][3]int32{{1, 1, 7}, {0, 1, 8}}}})
+	expect(t, "admit mm out of order", st, kverr.InvalidArgument)
+	_, _, st = hookAdmit(h, []int64{6}, [][]int32{seq(0, 3)}, []hookKeys{{mm: [][3]int32{{0, 1, 7}}, numMM: -1}})
+	expect(t, "admit negative num_mm", st, kverr.InvalidArgument)
+	expect(t, "grow tokens NULL tokens", hookGrowTokens(h, []int64{1}, []int32{2}, []int32{1, 2}, true), kverr.NullPointer)
+	expect(t, "grow tokens unknown id", hookGrowTokens(h, []int64{9}, []int32{2}, []int32{1, 2}, false), kverr.UnknownSequence)
+	expect(t, "grow tokens past the pool", hookGrowTokens(h, []int64{1}, []int32{40}, seq(0, 40), false), kverr.OutOfBlocks)
+	_, _, st = hookPin(h, seq(50, 8), nil)
+	expect(t, "pin an uncached prefix", st, kverr.NotFound)
+	expect(t, "unpin unknown", hookUnpin(h, 12345), kverr.NotFound)
+	_, st = hookPrefixStats(h, 8)
+	expect(t, "prefix stats struct_size too small", st, kverr.StructSize)
+	_, st = hookDrain(h, 0, 16, 0, 0)
+	expect(t, "drain max_events 0", st, kverr.InvalidArgument)
+	_, st = hookDrain(h, 4, bs-1, 0, 0)
+	expect(t, "drain tokens too small", st, kverr.BufferTooSmall)
+	// Nothing changed, and the events are all still there.
+	after, _ := hookManagerStats(h, sizeofManagerStats())
+	pafter, _ := hookPrefixStats(h, 0)
+	if after != before || pafter != pstats {
+		t.Fatalf("bad input changed the manager: %v -> %v, %v -> %v", before, after, pstats, pafter)
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
+	if evs, _ := hookDrain(h, 8, 64, 0, 0); len(evs) != 2 {
+		t.Fatalf("%d events after failed calls, want 2", len(evs))
+	}
+}
+
+func TestManagerConfigOfTheFirstVersion(t *testing.T) {
+	// A host built when the config ended at block_size gets no cache.
+	first := unsafe.Sizeof(uintptr(0)) + 8
+	h, st := hookManagerCreateCached(8, 4, false, first)
+	expect(t, "create with the first config's size", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	matched, n, st := hookAdmit(h, []int64{1, 2}, [][]int32{seq(0, 9), seq(0, 9)}, nil)
+	expect(t, "admit without cache", st, kverr.OK)
+	if n != 2 || matched[1] != 0 {
+		t.Fatalf("admitted %d, matched %v: a cache is on", n, matched)
+	}
+	_, _, st = hookPin(h, seq(0, 8), nil)
+	expect(t, "pin without cache", st, kverr.InvalidArgument)
+	_, st = hookDrain(h, 4, 16, 0, 0)
+	expect(t, "drain without events", st, kverr.InvalidArgument)
+}
+
+// FuzzPrefixABI drives admit, match, grow_tokens, pin and remove with
+// arbitrary prompts, offsets and keys: every call returns a known status
+// with a message on failure, and the invariants hold after each.
+func FuzzPrefixABI(f *testing.F) {
+	f.Add([]byte{0, 3, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 3, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 1})
+	f.Add([]byte{0, 1, 200, 1, 1, 1, 1, 1, 3, 0, 2, 4, 4, 1, 1})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		r := byteReader(data)
+		bs := int32(r.u8()%5) + 1
+		h := newCachedManager(t, 24, bs, r.u8()%2 == 0)
+		defer hookManagerDestroy(h)
+		prompt := func() []int32 {
+			p := make([]int32, r.u8()%20)
+			for i := range p {
+				p[i] = int32(r.u8() % 4)
+			}
+			return p
+		}
+		keys := func() []hookKeys {
+			switch r.u8() % 4 {
+			case 0:
+				return nil
+			case 1:
+				return []hookKeys{{salt: []byte{r.u8()}}}
+			case 2:
+				return []hookKeys{{adapter: uint64(r.u8() % 2)}}
+			}
+			return []hookKeys{{mm: [][3]int32{{int32(r.u8() % 8), int32(r.u8()%4) - 1, 1}}}}
+		}
+		for !r.done() {
+			op := r.u8() % 6
+			var st abiStatus
+			switch op {
+			case 0:
+				_, _, st = hookAdmit(h, []int64{int64(r.u8() % 6)}, [][]int32{prompt()}, keys())
+			case 1:
+				_, st = hookMatch(h, [][]int32{prompt()}, keys(), r.u8()%2 == 0)
+			case 2:
+				c := int32(r.u8()%9) - 1
+				st = hookGrowTokens(h, []int64{int64(r.u8() % 6)}, []int32{c}, seq(0, max(c, 0)), false)
+			case 3:
+				st = hookManagerRemove(h, cInt64sTmp(t, int64(r.u8()%6)), 1)
+			case 4:
+				var id uint64
+				id, _, st = hookPin(h, prompt(), keys())
+				if st == 0 && r.u8()%2 == 0 {
+					st = hookUnpin(h, id)
+				}
+			case 5:
+				_, st = hookDrain(h, int32(r.u8()%4), int32(r.u8()%12), 2, int32(r.u8()%3))
+			}
+			if st == int(kverr.Internal) || st < 0 || st > int(kverr.Internal) {
+				t.Fatalf("op %d returned %s: %s", op, statusName(st), lastError())
+			}
+			if st != 0 && lastError() == "" {
+				t.Fatalf("op %d failed with %s and no message", op, statusName(st))
+			}
+			if st := hookManagerCheck(h); st != 0 {
+				t.Fatalf("invariants broken after op %d: %s", op, lastError())
+			}
+		}
+	})
+}
+
