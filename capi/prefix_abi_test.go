@@ -263,4 +263,3 @@ func FuzzPrefixABI(f *testing.F) {
 		}
 	})
 }
-
