@@ -45,6 +45,7 @@ from ._lib import (
     version_string,
 )
 from .manager import Description, Manager, ManagerStats
+from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
 from .vmem import VirtualKVCache
 from . import attn
 
@@ -56,6 +57,11 @@ __all__ = [
     "Manager",
     "ManagerStats",
     "Description",
+    "Keys",
+    "MMItem",
+    "Match",
+    "PrefixStats",
+    "KVEvent",
     "Status",
     "KvplugError",
     "InvalidArgumentError",

@@ -22,6 +22,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _lib
+from .prefix import PrefixCacheMethods
 
 __all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
 
@@ -47,6 +48,9 @@ class ManagerConfig(ctypes.Structure):
         ("struct_size", ctypes.c_size_t),
         ("num_blocks", ctypes.c_int32),
         ("block_size", ctypes.c_int32),
+        ("enable_prefix_cache", ctypes.c_int32),
+        ("enable_kv_events", ctypes.c_int32),
+        ("max_pending_events", ctypes.c_int32),
     ]
 
 
@@ -178,18 +182,33 @@ def _out_ptr(obj: Any, need: int, what: str) -> Tuple[int, int]:
     return ptr, n
 
 
-class Manager:
+class Manager(PrefixCacheMethods):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
     library serialises calls on one manager), except close(), which no
-    other thread may race with."""
+    other thread may race with.
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    prefix_cache=True keeps the full blocks of sequences admitted by their
+    tokens (admit, grow_tokens) for later prompts with the same prefix;
+    kv_events=True records KV events for drain_events (kvplug.prefix)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        prefix_cache: bool = False,
+        kv_events: bool = False,
+        max_pending_events: int = 0,
+    ) -> None:
         self._h: Optional[int] = None
         F = _sig()
-        if not (-(2**31) <= num_blocks < 2**31 and -(2**31) <= block_size < 2**31):
-            raise _bad(f"num_blocks and block_size must fit in int32: got {num_blocks}, {block_size}")
-        cfg = ManagerConfig(ctypes.sizeof(ManagerConfig), num_blocks, block_size)
+        for v in (num_blocks, block_size, max_pending_events):
+            if not (-(2**31) <= v < 2**31):
+                raise _bad(f"num_blocks, block_size and max_pending_events must fit in int32: got {v}")
+        cfg = ManagerConfig(
+            ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events
+        )
         out = _vp()
         st = F[0](ctypes.byref(cfg), ctypes.byref(out))
         if st:

@@ -1,0 +1,423 @@
+"""The prefix cache of a Manager (the "Prefix cache" part of include/kvplug.h).
+
+    m = kvplug.Manager(4096, 16, prefix_cache=True)
+    matched = m.admit([1, 2], [prompt_a, prompt_b])   # tokens each starts on
+    m.grow_tokens([1, 2], [[tok_a], [tok_b]])         # decode, tokens known
+    m.remove([1, 2])                                  # blocks stay cached
+
+A prompt's identity besides its tokens is a Keys: a LoRA adapter id,
+multimodal items (offset, length, 16-byte content hash) and a tenant salt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _lib
+
+__all__ = ["Keys", "MMItem", "Match", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
+
+_vp = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_u64 = ctypes.c_uint64
+_INT32_MAX = 2**31 - 1
+
+BLOCK_STORED = 1
+BLOCKS_REMOVED = 2
+ALL_CLEARED = 3
+
+
+class MMItemStruct(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_int32), ("length", ctypes.c_int32), ("hash", ctypes.c_uint8 * 16)]
+
+
+class PrefixKeysStruct(ctypes.Structure):
+    _fields_ = [
+        ("adapter", ctypes.c_uint64),
+        ("mm", ctypes.POINTER(MMItemStruct)),
+        ("num_mm", ctypes.c_int32),
+        ("salt_len", ctypes.c_int32),
+        ("salt", ctypes.POINTER(ctypes.c_uint8)),
+    ]
+
+
+class PrefixMatchStruct(ctypes.Structure):
+    _fields_ = [("matched_tokens", ctypes.c_int32), ("partial_block", ctypes.c_int32), ("partial_tokens", ctypes.c_int32)]
+
+
+class PrefixStatsStruct(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("queries", ctypes.c_int64),
+        ("query_tokens", ctypes.c_int64),
+        ("hit_tokens", ctypes.c_int64),
+        ("partial_tokens", ctypes.c_int64),
+        ("inserts", ctypes.c_int64),
+        ("dedups", ctypes.c_int64),
+        ("evictions", ctypes.c_int64),
+        ("events_dropped", ctypes.c_int64),
+        ("cached_blocks", ctypes.c_int32),
+        ("locked_blocks", ctypes.c_int32),
+        ("pinned_blocks", ctypes.c_int32),
+        ("evictable_blocks", ctypes.c_int32),
+        ("pending_events", ctypes.c_int32),
+    ]
+
+
+class BlockMMStruct(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_int32), ("hash", ctypes.c_uint8 * 16)]
+
+
+class KVEventStruct(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("adapter", ctypes.c_uint64),
+        ("hash", ctypes.c_uint8 * 16),
+        ("parent", ctypes.c_uint8 * 16),
+        ("tokens_offset", ctypes.c_int32),
+        ("mm_offset", ctypes.c_int32),
+        ("num_mm", ctypes.c_int32),
+        ("hashes_offset", ctypes.c_int32),
+        ("num_hashes", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class MMItem(NamedTuple):
+    """A multimodal input: placeholder tokens at prompt positions
+    [offset, offset + length), and a 16-byte digest of its content."""
+
+    offset: int
+    length: int
+    hash: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """A prompt's extra keys. Different adapters, multimodal content or
+    salts never share a block."""
+
+    adapter: int = 0  # LoRA adapter id; 0 = none
+    mm: Sequence[MMItem] = ()  # offsets strictly increasing, inside the prompt
+    salt: bytes = b""  # tenant salt, at most 1024 bytes
+
+
+class Match(NamedTuple):
+    """Manager.match's answer for one prompt."""
+
+    matched_tokens: int  # cached prefix in full blocks; never the whole prompt
+    partial_block: int  # with partial=True: a block whose first rows match; -1 if none
+    partial_tokens: int  # how many of its rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixStats:
+    queries: int  # prompts matched (admit and match)
+    query_tokens: int  # their tokens
+    hit_tokens: int  # of those, matched in cached full blocks
+    partial_tokens: int  # tokens of partial matches
+    inserts: int  # blocks cached
+    dedups: int  # filled blocks found cached already
+    evictions: int  # blocks evicted
+    events_dropped: int  # KV events lost to a full queue (a resync follows)
+    cached_blocks: int  # blocks in the cache
+    locked_blocks: int  # held by live sequences
+    pinned_blocks: int  # covered by a pin
+    evictable_blocks: int  # an allocation could evict now
+    pending_events: int  # undrained KV events
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / query_tokens (0 before any query)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEvent:
+    """A change of the set of cached blocks (vLLM's KV event fields).
+    kind: "stored" (hash, parent, tokens, adapter, mm as (offset, hash)
+    pairs relative to the block), "removed" (hashes, children first) or
+    "cleared" (forget every block)."""
+
+    kind: str
+    hash: bytes = b""
+    parent: bytes = b""
+    tokens: Tuple[int, ...] = ()
+    adapter: int = 0
+    mm: Tuple[Tuple[int, bytes], ...] = ()
+    hashes: Tuple[bytes, ...] = ()
+
+
+def _bad(msg: str) -> _lib.InvalidArgumentError:
+    return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
+
+
+_F: Any = None
+
+
+def _sig() -> Any:
+    global _F
+    if _F is None:
+        f = _lib.fn
+        P = ctypes.POINTER
+        _F = dict(
+            admit=f("kvp_manager_admit", ctypes.c_int, [_vp, _vp, _i32, _vp, _vp, _vp, _vp, P(_i32)]),
+            grow_tokens=f("kvp_manager_grow_tokens", ctypes.c_int, [_vp, _vp, _vp, _i32, _vp]),
+            match=f("kvp_manager_match", ctypes.c_int, [_vp, _i32, _vp, _vp, _vp, _i32, _vp]),
+            pin=f("kvp_manager_pin", ctypes.c_int, [_vp, _vp, _i32, _vp, P(_u64), P(_i32)]),
+            unpin=f("kvp_manager_unpin", ctypes.c_int, [_vp, _u64]),
+            set_priority=f("kvp_manager_set_priority", ctypes.c_int, [_vp, _vp, _i32, _vp, _i32, P(_i32)]),
+            stats=f("kvp_manager_prefix_stats", ctypes.c_int, [_vp, P(PrefixStatsStruct)]),
+            reset=f("kvp_manager_prefix_stats_reset", ctypes.c_int, [_vp]),
+            clear=f("kvp_manager_clear_prefix_cache", ctypes.c_int, [_vp, P(_i32)]),
+            drain=f(
+                "kvp_manager_drain_events",
+                ctypes.c_int,
+                [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, P(_i32)],
+            ),
+        )
+    return _F
+
+
+def _tokens(t: Any, what: str) -> np.ndarray:
+    arr = np.asarray(t)
+    if arr.ndim != 1:
+        raise _bad(f"{what} must be one-dimensional: got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise _bad(f"{what} must hold integers: got {arr.dtype}")
+    if arr.size and (arr.min() < -(2**31) or arr.max() > _INT32_MAX):
+        raise _bad(f"{what} must hold int32 token ids")
+    return np.ascontiguousarray(arr, np.int32)
+
+
+def _flatten(prompts: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray]:
+    """(tokens, offsets[n+1]) of a list of prompts."""
+    arrs = [_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    offsets = np.zeros(len(arrs) + 1, np.int64)
+    np.cumsum([a.size for a in arrs], out=offsets[1:])
+    tokens = np.concatenate(arrs) if arrs else np.empty(0, np.int32)
+    if tokens.size == 0:
+        tokens = np.zeros(1, np.int32)  # a valid address for an all-empty batch
+    return tokens, offsets
+
+
+def _keys_struct(k: Optional[Keys], keep: list) -> PrefixKeysStruct:
+    s = PrefixKeysStruct()
+    if k is None:
+        return s
+    if not isinstance(k, Keys):
+        raise _bad(f"keys must be kvplug.Keys or None: got {type(k).__name__}")
+    if not (0 <= k.adapter < 2**64):
+        raise _bad(f"adapter must be in [0, 2^64): got {k.adapter}")
+    s.adapter = k.adapter
+    if k.mm:
+        items = (MMItemStruct * len(k.mm))()
+        for i, it in enumerate(k.mm):
+            off, length, h = it
+            if len(h) != 16:
+                raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {len(h)}")
+            if not (-(2**31) <= off <= _INT32_MAX and -(2**31) <= length <= _INT32_MAX):
+                raise _bad(f"multimodal item {i}: offset and length must fit in int32")
+            items[i].offset, items[i].length = off, length
+            ctypes.memmove(items[i].hash, bytes(h), 16)
+        keep.append(items)
+        s.mm = ctypes.cast(items, ctypes.POINTER(MMItemStruct))
+        s.num_mm = len(k.mm)
+    if k.salt:
+        salt = bytes(k.salt)
+        buf = (ctypes.c_uint8 * len(salt)).from_buffer_copy(salt)
+        keep.append(buf)
+        s.salt = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
+        s.salt_len = len(salt)
+    return s
+
+
+def _keys_array(keys: Any, n: int, keep: list) -> Any:
+    """A kvp_prefix_keys[n] (or None) from None, one Keys for all, or a list."""
+    if keys is None:
+        return None
+    if isinstance(keys, Keys):
+        keys = [keys] * n
+    keys = list(keys)
+    if len(keys) != n:
+        raise _bad(f"{len(keys)} keys for {n} prompts")
+    arr = (PrefixKeysStruct * n)(*[_keys_struct(k, keep) for k in keys])
+    keep.append(arr)
+    return ctypes.addressof(arr)
+
+
+def _one_key(keys: Optional[Keys], keep: list) -> Any:
+    if keys is None:
+        return None
+    s = _keys_struct(keys, keep)
+    keep.append(s)
+    return ctypes.addressof(s)
+
+
+def _check(st: int) -> None:
+    if st:
+        _lib.raise_status(st)
+
+
+class PrefixCacheMethods:
+    """The Manager methods of the prefix cache (mixed into Manager)."""
+
+    _h: Optional[int]
+
+    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Any], keys: Any = None) -> np.ndarray:
+        """Admits new sequences by their prompts (token id sequences), in
+        order; keys is None, one Keys for all, or one per prompt. Each
+        sequence starts on its prompt's longest cached prefix and only the
+        rest are its new tokens. Returns the matched token counts of the
+        admitted sequences: fewer than len(prompts) when the pool ran out,
+        admission stopping at the first prompt that did not fit (those
+        after it are untouched; retry them later). Raises
+        DuplicateSequenceError, InvalidArgumentError (nothing admitted)."""
+        F = _sig()
+        ids = np.ascontiguousarray(np.asarray(seq_ids, np.int64).reshape(-1))
+        n = ids.size
+        if n != len(prompts):
+            raise _bad(f"admit: {n} ids for {len(prompts)} prompts")
+        tokens, offsets = _flatten(prompts)
+        keep: list = []
+        karr = _keys_array(keys, n, keep)
+        matched = np.zeros(max(n, 1), np.int32)
+        admitted = _i32()
+        _check(
+            F["admit"](
+                self._h,
+                ids.ctypes.data,
+                n,
+                tokens.ctypes.data,
+                offsets.ctypes.data,
+                karr,
+                matched.ctypes.data,
+                ctypes.byref(admitted),
+            )
+        )
+        return matched[: admitted.value]
+
+    def grow_tokens(self, seq_ids: Sequence[int], tokens: Sequence[Any]) -> None:
+        """Grows each sequence by its new tokens (tokens[i], a sequence of
+        token ids, possibly empty), all or none; blocks they fill are cached.
+        Raises OutOfBlocksError (nothing grew), UnknownSequenceError,
+        DuplicateSequenceError, InvalidArgumentError."""
+        F = _sig()
+        ids = np.ascontiguousarray(np.asarray(seq_ids, np.int64).reshape(-1))
+        if ids.size != len(tokens):
+            raise _bad(f"grow_tokens: {ids.size} ids for {len(tokens)} token lists")
+        flat, offsets = _flatten(tokens)
+        counts = np.diff(offsets).astype(np.int32)
+        _check(F["grow_tokens"](self._h, ids.ctypes.data, counts.ctypes.data, ids.size, flat.ctypes.data))
+
+    def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
+        """The longest cached prefix of each prompt, without admitting it
+        (a router's or scheduler's query)."""
+        F = _sig()
+        n = len(prompts)
+        tokens, offsets = _flatten(prompts)
+        keep: list = []
+        karr = _keys_array(keys, n, keep)
+        out = (PrefixMatchStruct * max(n, 1))()
+        _check(F["match"](self._h, n, tokens.ctypes.data, offsets.ctypes.data, karr, int(partial), out))
+        return [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out[:n]]
+
+    def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
+        """Pins the cached full blocks of a prefix against eviction. Returns
+        (pin_id, blocks pinned). Raises NotFoundError if none is cached."""
+        F = _sig()
+        t = _tokens(tokens, "tokens")
+        keep: list = []
+        pid, nb = _u64(), _i32()
+        _check(F["pin"](self._h, t.ctypes.data, t.size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
+        return pid.value, nb.value
+
+    def unpin(self, pin_id: int) -> None:
+        """Releases one pin. Raises NotFoundError for an unknown id."""
+        if not (0 <= pin_id < 2**64):
+            raise _bad(f"unpin: pin id must be in [0, 2^64): got {pin_id}")
+        _check(_sig()["unpin"](self._h, pin_id))
+
+    def set_priority(self, tokens: Any, priority: int, keys: Optional[Keys] = None) -> int:
+        """Sets the eviction priority of a prefix's cached full blocks
+        (lower goes first; default 0). Returns how many blocks were set."""
+        F = _sig()
+        if not (-(2**31) <= priority <= _INT32_MAX):
+            raise _bad(f"set_priority: priority must fit in int32: got {priority}")
+        t = _tokens(tokens, "tokens")
+        keep: list = []
+        nb = _i32()
+        _check(F["set_priority"](self._h, t.ctypes.data, t.size, _one_key(keys, keep), priority, ctypes.byref(nb)))
+        return nb.value
+
+    def prefix_stats(self) -> PrefixStats:
+        s = PrefixStatsStruct()
+        s.struct_size = ctypes.sizeof(PrefixStatsStruct)
+        _check(_sig()["stats"](self._h, ctypes.byref(s)))
+        return PrefixStats(*(getattr(s, f[0]) for f in PrefixStatsStruct._fields_[1:]))
+
+    def reset_prefix_stats(self) -> None:
+        _check(_sig()["reset"](self._h))
+
+    def clear_prefix_cache(self) -> int:
+        """Drops every unheld cached block and every pin; returns the blocks
+        freed. Raises InvalidArgumentError while live sequences hold cached
+        blocks."""
+        n = _i32()
+        _check(_sig()["clear"](self._h, ctypes.byref(n)))
+        return n.value
+
+    def drain_events(self, max_events: int = 4096) -> List[KVEvent]:
+        """Drains up to max_events pending KV events, oldest first (call
+        until it returns [] to drain all). Needs kv_events=True."""
+        F = _sig()
+        if not (1 <= max_events <= 1 << 20):
+            raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
+        evs = (KVEventStruct * max_events)()
+        max_tokens = max_events * 64
+        toks = np.empty(max_tokens, np.int32)
+        mm = (BlockMMStruct * 1024)()
+        hashes = np.empty(16 * max_events * 4, np.uint8)
+        num = _i32()
+        st = F["drain"](
+            self._h, evs, max_events, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
+        )
+        if st == _lib.Status.BUFFER_TOO_SMALL:
+            # A block larger than the token buffer: retry with room for it.
+            max_tokens = 1 << 20
+            toks = np.empty(max_tokens, np.int32)
+            st = F["drain"](
+                self._h, evs, 1, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
+            )
+        _check(st)
+        out = []
+        hb = hashes.tobytes()
+        for e in evs[: num.value]:
+            if e.kind == BLOCK_STORED:
+                mms = tuple((mm[e.mm_offset + j].offset, bytes(mm[e.mm_offset + j].hash)) for j in range(e.num_mm))
+                out.append(
+                    KVEvent(
+                        "stored",
+                        hash=bytes(e.hash),
+                        parent=bytes(e.parent),
+                        tokens=tuple(toks[e.tokens_offset : e.tokens_offset + e.block_size].tolist()),
+                        adapter=e.adapter,
+                        mm=mms,
+                    )
+                )
+            elif e.kind == BLOCKS_REMOVED:
+                out.append(
+                    KVEvent(
+                        "removed",
+                        hashes=tuple(hb[16 * (e.hashes_offset + j) : 16 * (e.hashes_offset + j + 1)] for j in range(e.num_hashes)),
+                    )
+                )
+            else:
+                out.append(KVEvent("cleared"))
+        return out

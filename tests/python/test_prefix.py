@@ -1,0 +1,192 @@
+"""The prefix cache through the Python API: admit, grow_tokens, match, pin,
+priorities, stats, events and clear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvplug
+from kvplug import Keys, MMItem
+
+BS = 4
+
+
+@pytest.fixture
+def cm():
+    with kvplug.Manager(32, BS, prefix_cache=True, kv_events=True) as m:
+        yield m
+
+
+def rand_tokens(rng, n):
+    return rng.integers(0, 50_000, n, dtype=np.int32)
+
+
+def test_admit_shares_a_cached_prefix(cm):
+    rng = np.random.default_rng(1)
+    system = rand_tokens(rng, 2 * BS)
+    a = np.concatenate([system, rand_tokens(rng, 3)])
+    b = np.concatenate([system, rand_tokens(rng, 5)])
+    matched = cm.admit([1, 2], [a, b])
+    assert matched.tolist() == [0, 2 * BS]  # b shares what a cached in the same call
+    t = cm.describe([1, 2]).block_table
+    assert t[0, :2].tolist() == t[1, :2].tolist() and t[0, 2] != t[1, 2]
+    # Only b's unmatched tokens are new: their slots.
+    assert len(cm.describe([2]).slot_mapping) == len(b) - 2 * BS
+    assert cm.stats().shared_blocks == 2
+    cm.check()
+
+
+def test_tenants_and_adapters_are_isolated(cm):
+    rng = np.random.default_rng(2)
+    p = rand_tokens(rng, 3 * BS + 1)
+    cm.admit([1], [p], Keys(salt=b"alice"))
+    assert cm.match([p, p, p, p], [Keys(salt=b"alice"), Keys(salt=b"bob"), None, Keys(salt=b"alice", adapter=7)]) == [
+        kvplug.Match(3 * BS, -1, 0),
+        kvplug.Match(0, -1, 0),
+        kvplug.Match(0, -1, 0),
+        kvplug.Match(0, -1, 0),
+    ]
+    # Multimodal content is part of the identity.
+    img = MMItem(0, 2, bytes(range(16)))
+    other = MMItem(0, 2, bytes(16))
+    cm.admit([2], [p], Keys(mm=[img]))
+    assert cm.match([p], Keys(mm=[img]))[0].matched_tokens == 3 * BS
+    assert cm.match([p], Keys(mm=[other]))[0].matched_tokens == 0
+
+
+def test_removed_sequences_stay_cached_until_evicted():
+    rng = np.random.default_rng(3)
+    with kvplug.Manager(8, BS, prefix_cache=True) as m:
+        p = rand_tokens(rng, 6 * BS + 1)
+        m.admit([1], [p])
+        m.remove([1])
+        st = m.stats()
+        assert (st.cached_blocks, st.free_blocks) == (6, 2)
+        # 5 blocks: the 2 free and 3 evicted, the deepest first.
+        assert m.admit([2], [rand_tokens(rng, 5 * BS)]).tolist() == [0]
+        assert m.prefix_stats().evictions == 3
+        assert m.match([p])[0].matched_tokens == 3 * BS
+        # Nothing left to evict: the next prompt is not admitted.
+        assert m.admit([3, 4], [rand_tokens(rng, 4 * BS), [1]]).size == 0
+        m.check()
+
+
+def test_decode_caches_blocks_as_they_fill(cm):
+    rng = np.random.default_rng(4)
+    prompt = rand_tokens(rng, 6)
+    cm.admit([1], [prompt])
+    out = list(prompt)
+    for _ in range(10):
+        tok = int(rng.integers(0, 50_000))
+        cm.grow_tokens([1], [[tok]])
+        out.append(tok)
+    assert cm.prefix_stats().cached_blocks == len(out) // BS
+    follow_up = out + [1, 2, 3]
+    assert cm.admit([2], [follow_up]).tolist() == [len(out) // BS * BS]
+    cm.check()
+
+
+def test_pins_priorities_and_clear(cm):
+    rng = np.random.default_rng(5)
+    system = rand_tokens(rng, 2 * BS)
+    cm.admit([1], [np.concatenate([system, [1]])])
+    pin, n = cm.pin(system)
+    assert n == 2
+    assert cm.set_priority(system, 10) == 2
+    with pytest.raises(kvplug.NotFoundError):
+        cm.pin(rand_tokens(rng, BS))
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.clear_prefix_cache()  # sequence 1 holds the blocks
+    cm.remove([1])
+    assert cm.prefix_stats().pinned_blocks == 2
+    cm.unpin(pin)
+    with pytest.raises(kvplug.NotFoundError):
+        cm.unpin(pin)
+    assert cm.clear_prefix_cache() == 2
+    assert cm.stats().free_blocks == 32
+    st = cm.prefix_stats()
+    assert st.queries == 1 and st.cached_blocks == 0
+    cm.reset_prefix_stats()
+    assert cm.prefix_stats().queries == 0
+
+
+def test_events_replay_to_the_cached_set(cm):
+    rng = np.random.default_rng(6)
+    cached = set()
+
+    def replay():
+        for ev in cm.drain_events(max_events=3):  # small batches: several calls
+            if ev.kind == "stored":
+                assert ev.parent == bytes(16) or ev.parent in cached
+                assert len(ev.tokens) == BS
+                cached.add(ev.hash)
+            elif ev.kind == "removed":
+                for h in ev.hashes:
+                    cached.remove(h)
+            else:
+                cached.clear()
+
+    live = []
+    for i in range(40):
+        sid = 100 + i
+        n = cm.admit([sid], [np.concatenate([np.arange(8, dtype=np.int32), rand_tokens(rng, int(rng.integers(1, 12)))])])
+        if n.size:
+            live.append(sid)
+        if len(live) > 3 or not n.size:
+            cm.remove([live.pop(0)])
+        while True:
+            before = len(cached), cm.prefix_stats().pending_events
+            replay()
+            if cm.prefix_stats().pending_events == 0:
+                break
+            assert (len(cached), cm.prefix_stats().pending_events) != before
+    assert len(cached) == cm.prefix_stats().cached_blocks
+    assert cm.prefix_stats().evictions > 0
+    cm.check()
+
+
+def test_stored_event_hashes_follow_hash_md(cm):
+    xxhash = pytest.importorskip("xxhash")
+    from test_hash_vectors import block_inputs
+
+    assert xxhash
+    tokens = list(range(1000, 1000 + 3 * BS + 1))
+    cm.admit([1], [tokens], Keys(salt=b"s", adapter=5))
+    want = [h for _, h in block_inputs(tokens, BS, adapter=5, salt=b"s")]
+    got = [ev.hash for ev in cm.drain_events()]
+    assert got == want
+
+
+def test_bad_input_changes_nothing(cm):
+    cm.admit([1], [[1, 2, 3, 4, 5]])
+    before = (cm.stats(), cm.prefix_stats())
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.admit([2], [[]])
+    with pytest.raises(kvplug.DuplicateSequenceError):
+        cm.admit([1], [[1, 2]])
+    with pytest.raises(kvplug.DuplicateSequenceError):
+        cm.admit([3, 3], [[1], [2]])
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.admit([2], [[1, 2]], Keys(salt=b"x" * 2000))
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.admit([2], [[1, 2]], Keys(mm=[MMItem(1, 9, bytes(16))]))
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.admit([2], [[1, 2]], [None, None])
+    with pytest.raises(kvplug.UnknownSequenceError):
+        cm.grow_tokens([9], [[1]])
+    with pytest.raises(kvplug.OutOfBlocksError):
+        cm.grow_tokens([1], [list(range(200))])
+    assert (cm.stats(), cm.prefix_stats()) == before
+    cm.check()
+
+
+def test_without_the_cache_admit_is_add():
+    with kvplug.Manager(16, BS) as m:
+        assert m.admit([1, 2], [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]).tolist() == [0, 0]
+        assert m.match([[1, 2, 3, 4, 5]]) == [kvplug.Match(0, -1, 0)]
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.pin([1, 2, 3, 4])
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.drain_events()
+        assert m.prefix_stats().cached_blocks == 0
