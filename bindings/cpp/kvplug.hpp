@@ -31,10 +31,12 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
@@ -475,6 +477,193 @@ class Manager {
 // KVPLUG_LOAD, resolved lazily by detail::table<T>()) and its wrappers.
 
 // ==== section: prefix cache (begin) ====
+
+namespace detail {
+struct PrefixApi {
+  KVPLUG_FN(kvp_manager_admit);
+  KVPLUG_FN(kvp_manager_grow_tokens);
+  KVPLUG_FN(kvp_manager_match);
+  KVPLUG_FN(kvp_manager_pin);
+  KVPLUG_FN(kvp_manager_unpin);
+  KVPLUG_FN(kvp_manager_set_priority);
+  KVPLUG_FN(kvp_manager_prefix_stats);
+  KVPLUG_FN(kvp_manager_prefix_stats_reset);
+  KVPLUG_FN(kvp_manager_clear_prefix_cache);
+  KVPLUG_FN(kvp_manager_drain_events);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_manager_admit);
+    KVPLUG_LOAD(lib, kvp_manager_grow_tokens);
+    KVPLUG_LOAD(lib, kvp_manager_match);
+    KVPLUG_LOAD(lib, kvp_manager_pin);
+    KVPLUG_LOAD(lib, kvp_manager_unpin);
+    KVPLUG_LOAD(lib, kvp_manager_set_priority);
+    KVPLUG_LOAD(lib, kvp_manager_prefix_stats);
+    KVPLUG_LOAD(lib, kvp_manager_prefix_stats_reset);
+    KVPLUG_LOAD(lib, kvp_manager_clear_prefix_cache);
+    KVPLUG_LOAD(lib, kvp_manager_drain_events);
+  }
+};
+inline const PrefixApi &prefix_api() { return table<PrefixApi>(); }
+}  // namespace detail
+
+// A batch of prompts in the C API's flat form. Keys are views: the salt
+// and multimodal arrays they point to must outlive the calls that use them.
+struct Prompts {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> offsets{0};
+  std::vector<kvp_prefix_keys> keys;  // empty, or one per prompt
+
+  // Appends a prompt, with its keys (nullptr: none).
+  Prompts &add(span<const int32_t> prompt, const kvp_prefix_keys *k = nullptr) {
+    if (k != nullptr && keys.size() < size()) keys.resize(size(), kvp_prefix_keys KVP_PREFIX_KEYS_INIT);
+    tokens.insert(tokens.end(), prompt.begin(), prompt.end());
+    offsets.push_back(static_cast<int64_t>(tokens.size()));
+    if (k != nullptr || !keys.empty()) keys.push_back(k != nullptr ? *k : kvp_prefix_keys KVP_PREFIX_KEYS_INIT);
+    return *this;
+  }
+  std::size_t size() const noexcept { return offsets.size() - 1; }
+  void clear() noexcept {
+    tokens.clear();
+    offsets.assign(1, 0);
+    keys.clear();
+  }
+};
+
+using BlockHash = std::array<uint8_t, 16>;
+
+// A drained KV event with its variable parts.
+struct KVEvent {
+  int32_t kind = 0;  // KVP_KV_EVENT_...
+  BlockHash hash{}, parent{};
+  uint64_t adapter = 0;
+  std::vector<int32_t> tokens;    // BLOCK_STORED
+  std::vector<kvp_block_mm> mm;   // BLOCK_STORED
+  std::vector<BlockHash> hashes;  // BLOCKS_REMOVED
+};
+
+// The prefix cache of a Manager created with enable_prefix_cache: a view
+// that does not own the manager, which must outlive it.
+class PrefixCache {
+ public:
+  explicit PrefixCache(Manager &m) noexcept : m_(&m) {}
+
+  // Admits seq_ids[i] with prompts' prompt i, in order, stopping at the
+  // first that does not fit. Returns the matched tokens of those admitted
+  // (fewer than the batch when the pool ran out: retry the rest later).
+  std::vector<int32_t> admit(span<const int64_t> seq_ids, const Prompts &p) {
+    check_batch("admit", seq_ids.size(), p);
+    std::vector<int32_t> matched(seq_ids.size());
+    int32_t n = 0;
+    detail::check(api().kvp_manager_admit(m_->get(), detail::in(seq_ids), detail::count32(seq_ids.size(), "admit: seq_ids"),
+                                          p.tokens.data(), p.offsets.data(), p.keys.empty() ? nullptr : p.keys.data(),
+                                          matched.data(), &n));
+    matched.resize(static_cast<std::size_t>(n));
+    return matched;
+  }
+
+  // Grows seq_ids[i] by num_tokens[i] tokens, given in order in tokens.
+  void grow_tokens(span<const int64_t> seq_ids, span<const int32_t> num_tokens, span<const int32_t> tokens) {
+    if (seq_ids.size() != num_tokens.size()) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: grow_tokens: " + std::to_string(num_tokens.size()) +
+                                                " token counts for " + std::to_string(seq_ids.size()) + " sequences");
+    }
+    int64_t total = 0;
+    for (int32_t c : num_tokens) total += c > 0 ? c : 0;
+    if (static_cast<int64_t>(tokens.size()) != total) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: grow_tokens: " + std::to_string(tokens.size()) +
+                                                " tokens, the counts add up to " + std::to_string(total));
+    }
+    detail::check(api().kvp_manager_grow_tokens(m_->get(), detail::in(seq_ids), detail::in(num_tokens),
+                                                detail::count32(seq_ids.size(), "grow_tokens: seq_ids"), tokens.data()));
+  }
+
+  // The longest cached prefix of each prompt, without admitting it.
+  std::vector<kvp_prefix_match> match(const Prompts &p, bool want_partial = false) {
+    check_batch("match", p.size(), p);
+    std::vector<kvp_prefix_match> out(p.size());
+    detail::check(api().kvp_manager_match(m_->get(), detail::count32(p.size(), "match: prompts"), p.tokens.data(),
+                                          p.offsets.data(), p.keys.empty() ? nullptr : p.keys.data(),
+                                          want_partial ? 1 : 0, out.data()));
+    return out;
+  }
+
+  // Pins a prefix's cached full blocks; returns the pin id (blocks pinned
+  // into *num_blocks when given).
+  uint64_t pin(span<const int32_t> tokens, const kvp_prefix_keys *keys = nullptr, int32_t *num_blocks = nullptr) {
+    uint64_t id = 0;
+    detail::check(api().kvp_manager_pin(m_->get(), tokens.data(), detail::count32(tokens.size(), "pin: tokens"), keys,
+                                        &id, num_blocks));
+    return id;
+  }
+  void unpin(uint64_t pin_id) { detail::check(api().kvp_manager_unpin(m_->get(), pin_id)); }
+
+  // Sets a prefix's eviction priority; returns the blocks set.
+  int32_t set_priority(span<const int32_t> tokens, int32_t priority, const kvp_prefix_keys *keys = nullptr) {
+    int32_t n = 0;
+    detail::check(api().kvp_manager_set_priority(m_->get(), tokens.data(),
+                                                 detail::count32(tokens.size(), "set_priority: tokens"), keys,
+                                                 priority, &n));
+    return n;
+  }
+
+  kvp_prefix_stats stats() const {
+    kvp_prefix_stats s = KVP_PREFIX_STATS_INIT;
+    detail::check(api().kvp_manager_prefix_stats(m_->get(), &s));
+    return s;
+  }
+  void reset_stats() { detail::check(api().kvp_manager_prefix_stats_reset(m_->get())); }
+
+  // Drops every unheld cached block and every pin; returns the blocks freed.
+  int32_t clear() {
+    int32_t n = 0;
+    detail::check(api().kvp_manager_clear_prefix_cache(m_->get(), &n));
+    return n;
+  }
+
+  // Drains up to max_events pending KV events, oldest first; empty when
+  // none is pending.
+  std::vector<KVEvent> drain_events(int32_t max_events = 1024) {
+    const int32_t bs = m_->block_size();
+    std::vector<kvp_kv_event> evs(static_cast<std::size_t>(max_events));
+    // Room for up to 256 stored blocks a call: the caller loops anyway.
+    std::vector<int32_t> toks(static_cast<std::size_t>(std::min(max_events, 256)) * static_cast<std::size_t>(bs));
+    std::vector<kvp_block_mm> mm(256);
+    std::vector<BlockHash> hashes(static_cast<std::size_t>(max_events) * 4);
+    int32_t n = 0;
+    detail::check(api().kvp_manager_drain_events(m_->get(), evs.data(), max_events, toks.data(),
+                                                 detail::count32(toks.size(), "drain_events: tokens"), mm.data(),
+                                                 static_cast<int32_t>(mm.size()), hashes.data()->data(),
+                                                 detail::count32(hashes.size(), "drain_events: hashes"), &n));
+    std::vector<KVEvent> out(static_cast<std::size_t>(n));
+    for (int32_t i = 0; i < n; ++i) {
+      const kvp_kv_event &e = evs[static_cast<std::size_t>(i)];
+      KVEvent &o = out[static_cast<std::size_t>(i)];
+      o.kind = e.kind;
+      std::copy(std::begin(e.hash), std::end(e.hash), o.hash.begin());
+      std::copy(std::begin(e.parent), std::end(e.parent), o.parent.begin());
+      o.adapter = e.adapter;
+      if (e.kind == KVP_KV_EVENT_BLOCK_STORED) {
+        o.tokens.assign(toks.begin() + e.tokens_offset, toks.begin() + e.tokens_offset + e.block_size);
+        o.mm.assign(mm.begin() + e.mm_offset, mm.begin() + e.mm_offset + e.num_mm);
+      } else if (e.kind == KVP_KV_EVENT_BLOCKS_REMOVED) {
+        o.hashes.assign(hashes.begin() + e.hashes_offset, hashes.begin() + e.hashes_offset + e.num_hashes);
+      }
+    }
+    return out;
+  }
+
+ private:
+  static const detail::PrefixApi &api() { return detail::prefix_api(); }
+  static void check_batch(const char *op, std::size_t n, const Prompts &p) {
+    if (p.size() != n || (!p.keys.empty() && p.keys.size() != p.size())) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, std::string("kvplug: ") + op + ": " + std::to_string(p.size()) +
+                                                " prompts, " + std::to_string(p.keys.size()) + " keys for a batch of " +
+                                                std::to_string(n));
+    }
+  }
+  Manager *m_;
+};
+
 // ==== section: prefix cache (end) ====
 
 // ==== section: attention kernels (begin) ====

@@ -4,6 +4,8 @@
 // stats, the block tables, lengths and slots, and the caller's buffers).
 #include <gtest/gtest.h>
 
+#include <cstddef>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -139,8 +141,21 @@ TEST(Create, StructSizeZero) {
 }
 TEST(Create, StructSizeSmaller) {
   kvp_manager_config cfg = config(8, 16);
-  cfg.struct_size = sizeof cfg - 4;
+  cfg.struct_size = offsetof(kvp_manager_config, block_size);  // short of block_size
   expect_create_fails(&cfg, false, KVP_ERR_STRUCT_SIZE, "struct_size");
+}
+TEST(Create, StructSizeOfTheFirstVersion) {
+  // A host built when the struct ended at block_size: the later fields
+  // take their defaults (no prefix cache), whatever lies past its end.
+  kvp_manager_config cfg = config(8, 4);
+  cfg.struct_size = offsetof(kvp_manager_config, block_size) + sizeof cfg.block_size;
+  cfg.enable_prefix_cache = 1;
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&cfg, &m), KVP_OK) << kvp_last_error();
+  uint64_t pin = 0;
+  const int32_t toks[4] = {1, 2, 3, 4};
+  EXPECT_EQ(kvp_manager_pin(m, toks, 4, nullptr, &pin, nullptr), KVP_ERR_INVALID_ARGUMENT);
+  kvp_manager_destroy(m);
 }
 TEST(Create, StructSizeLarger) {
   kvp_manager_config cfg = config(8, 16);

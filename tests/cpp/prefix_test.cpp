@@ -1,0 +1,173 @@
+// The prefix cache through the C++ wrapper (kvplug.hpp): admit, grow_tokens,
+// match, pins, priorities, stats, events and clear.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "kvplug.hpp"
+
+namespace {
+
+constexpr int32_t kBlock = 4;
+
+kvplug::Manager cached_manager(int32_t blocks, bool events) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = blocks;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.enable_kv_events = events ? 1 : 0;
+  return kvplug::Manager(cfg);
+}
+
+std::vector<int32_t> iota(int32_t from, int32_t n) {
+  std::vector<int32_t> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+
+std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t> &b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+TEST(PrefixCache, AdmitSharesAndDecodeCaches) {
+  kvplug::Manager m = cached_manager(32, true);
+  kvplug::PrefixCache pc(m);
+  const auto system = iota(100, 2 * kBlock);
+  kvplug::Prompts p;
+  p.add(cat(system, {1, 2})).add(cat(system, {3, 4, 5}));
+  const std::vector<int64_t> ids{1, 2};
+  EXPECT_EQ(pc.admit(ids, p), (std::vector<int32_t>{0, 2 * kBlock}));
+  const auto d = m.describe(ids);
+  EXPECT_EQ(d.block_table[0], d.block_table[static_cast<std::size_t>(d.max_blocks)]);
+  EXPECT_EQ(m.stats().shared_blocks, 2);
+
+  // Decode two tokens into sequence 1: its third block fills and is cached.
+  pc.grow_tokens(std::vector<int64_t>{1}, std::vector<int32_t>{2}, std::vector<int32_t>{6, 7});
+  EXPECT_EQ(pc.stats().cached_blocks, 3);
+  kvplug::Prompts q;
+  q.add(cat(system, {1, 2, 6, 7, 9}));
+  const auto got = pc.match(q, true);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].matched_tokens, 3 * kBlock);
+
+  const auto evs = pc.drain_events();
+  ASSERT_EQ(evs.size(), 3u);
+  for (std::size_t i = 0; i < evs.size(); ++i) {
+    EXPECT_EQ(evs[i].kind, KVP_KV_EVENT_BLOCK_STORED);
+    if (i > 0) {
+      EXPECT_EQ(evs[i].parent, evs[i - 1].hash);
+    }
+  }
+  EXPECT_EQ(evs[2].tokens, (std::vector<int32_t>{1, 2, 6, 7}));
+  EXPECT_TRUE(pc.drain_events().empty());
+  m.check();
+}
+
+TEST(PrefixCache, SaltsIsolateTenants) {
+  kvplug::Manager m = cached_manager(32, false);
+  kvplug::PrefixCache pc(m);
+  const auto prompt = iota(7, 3 * kBlock + 1);
+  const uint8_t alice[] = {'a'}, bob[] = {'b'};
+  kvp_prefix_keys ka = KVP_PREFIX_KEYS_INIT, kb = KVP_PREFIX_KEYS_INIT;
+  ka.salt = alice;
+  ka.salt_len = 1;
+  kb.salt = bob;
+  kb.salt_len = 1;
+  kvplug::Prompts p;
+  p.add(prompt, &ka);
+  pc.admit(std::vector<int64_t>{1}, p);
+  kvplug::Prompts q;
+  q.add(prompt, &ka).add(prompt, &kb).add(prompt);
+  const auto got = pc.match(q);
+  EXPECT_EQ(got[0].matched_tokens, 3 * kBlock);
+  EXPECT_EQ(got[1].matched_tokens, 0);
+  EXPECT_EQ(got[2].matched_tokens, 0);
+}
+
+TEST(PrefixCache, EvictionPinsAndClear) {
+  kvplug::Manager m = cached_manager(8, true);
+  kvplug::PrefixCache pc(m);
+  const auto system = iota(50, 2 * kBlock);
+  kvplug::Prompts p;
+  p.add(cat(system, iota(0, 2 * kBlock + 1)));  // 5 blocks, 4 full
+  pc.admit(std::vector<int64_t>{1}, p);
+  int32_t pinned = 0;
+  const uint64_t pin = pc.pin(system, nullptr, &pinned);
+  EXPECT_EQ(pinned, 2);
+  EXPECT_EQ(pc.set_priority(system, 4), 2);
+  try {
+    pc.clear();
+    FAIL() << "clear succeeded while sequence 1 holds cached blocks";
+  } catch (const kvplug::Error &e) {
+    EXPECT_EQ(e.status(), KVP_ERR_INVALID_ARGUMENT);
+  }
+  m.remove(1);
+  // 4 free (the partial last block went back) + 2 evictable (the pinned two
+  // are not): a 7-block prompt waits, and the batch stops there; a 6-block
+  // one evicts 2.
+  kvplug::Prompts big;
+  big.add(iota(900, 7 * kBlock)).add(iota(900, 1));
+  EXPECT_TRUE(pc.admit(std::vector<int64_t>{2, 3}, big).empty());
+  kvplug::Prompts fits;
+  fits.add(iota(900, 6 * kBlock));
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{3}, fits).size(), 1u);
+  EXPECT_EQ(pc.stats().evictions, 2);
+  pc.unpin(pin);
+  m.remove(3);
+  EXPECT_GT(pc.clear(), 0);
+  EXPECT_EQ(m.stats().free_blocks, 8);
+
+  // Replay: stored minus removed, then cleared, leaves nothing.
+  std::set<kvplug::BlockHash> replay;
+  for (auto evs = pc.drain_events(2); !evs.empty(); evs = pc.drain_events(2)) {
+    for (const auto &e : evs) {
+      if (e.kind == KVP_KV_EVENT_BLOCK_STORED) replay.insert(e.hash);
+      if (e.kind == KVP_KV_EVENT_BLOCKS_REMOVED) {
+        for (const auto &h : e.hashes) {
+          EXPECT_EQ(replay.erase(h), 1u);
+        }
+      }
+      if (e.kind == KVP_KV_EVENT_ALL_CLEARED) replay.clear();
+    }
+  }
+  EXPECT_TRUE(replay.empty());
+  pc.reset_stats();
+  EXPECT_EQ(pc.stats().queries, 0);
+  m.check();
+}
+
+TEST(PrefixCache, BadInputThrowsAndChangesNothing) {
+  kvplug::Manager m = cached_manager(8, false);
+  kvplug::PrefixCache pc(m);
+  kvplug::Prompts p;
+  p.add(iota(0, 5));
+  pc.admit(std::vector<int64_t>{1}, p);
+  const auto before = m.stats();
+  auto expect_status = [](kvp_status want, auto &&fn) {
+    try {
+      fn();
+      ADD_FAILURE() << "no exception";
+    } catch (const kvplug::Error &e) {
+      EXPECT_EQ(e.status(), want) << e.what();
+    }
+  };
+  expect_status(KVP_ERR_DUPLICATE_SEQUENCE, [&] { pc.admit(std::vector<int64_t>{1}, p); });
+  kvplug::Prompts empty;
+  empty.add(std::vector<int32_t>{});
+  expect_status(KVP_ERR_INVALID_ARGUMENT, [&] { pc.admit(std::vector<int64_t>{2}, empty); });
+  expect_status(KVP_ERR_INVALID_ARGUMENT, [&] { pc.admit(std::vector<int64_t>{2, 3}, p); });
+  expect_status(KVP_ERR_NOT_FOUND, [&] { pc.pin(iota(70, 8)); });
+  expect_status(KVP_ERR_INVALID_ARGUMENT, [&] { pc.drain_events(); });  // events off
+  expect_status(KVP_ERR_OUT_OF_BLOCKS,
+                [&] { pc.grow_tokens(std::vector<int64_t>{1}, std::vector<int32_t>{40}, iota(0, 40)); });
+  const auto after = m.stats();
+  EXPECT_EQ(after.free_blocks, before.free_blocks);
+  EXPECT_EQ(after.num_tokens, before.num_tokens);
+  m.check();
+}
