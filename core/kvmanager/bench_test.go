@@ -2,6 +2,7 @@ package kvmanager
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"testing"
 )
 
@@ -125,4 +126,85 @@ func benchBatch(b *testing.B) (*Manager, []int64, []int32, int) {
 		}
 	}
 	return m, ids, ones, maxBlocks
+}
+
+// BenchmarkAdmit admits one 4096-token prompt (block size 16) whose first
+// 2048 tokens are a cached system prompt: hash the prompt's blocks, match,
+// lock and reference the 128 cached blocks, allocate 128 more and cache the
+// new full ones. Every prompt's user part is new (its first token is the
+// iteration number, which changes every later block's chained hash).
+// Sequences are removed in rounds of 128 with the timer stopped.
+//   - fresh-pool: the round's blocks are evicted with the timer stopped, so
+//     admit finds free blocks;
+//   - full-pool: the pool is full of cached blocks, so every admit also
+//     evicts the 128 blocks it needs;
+//   - no-cache/add: Add(4096) on a manager without the cache, the baseline
+//     of the same allocation.
+func BenchmarkAdmit(b *testing.B) {
+	const (
+		bs, promptLen, cached, round = 16, 4096, 2048, 128
+		need                         = promptLen / bs
+	)
+	r := rand.New(rand.NewPCG(1, 1))
+	prompt := make([]int32, promptLen)
+	for i := range prompt {
+		prompt[i] = r.Int32N(100000)
+	}
+	one := func(p []int32) Prompts { return Prompts{Tokens: p, Offsets: []int64{0, int64(len(p))}} }
+	for _, mode := range []string{"fresh-pool", "full-pool", "no-cache/add"} {
+		b.Run(mode, func(b *testing.B) {
+			numBlocks := (round + 2) * need
+			m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: mode != "no-cache/add"})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if m.cache != nil {
+				if _, err := m.Admit([]int64{-1}, one(prompt[:cached+1]), nil); err != nil {
+					b.Fatal(err)
+				}
+				must(b, m.Remove([]int64{-1}))
+				if _, _, err := m.Pin(prompt[:cached], nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+			ids := make([]int64, 0, round)
+			matched := []int32{0}
+			hits := 0
+			endRound := func() {
+				b.StopTimer()
+				must(b, m.Remove(ids))
+				ids = ids[:0]
+				if mode == "fresh-pool" {
+					m.mu.Lock()
+					m.makeFree(numBlocks)
+					m.mu.Unlock()
+				}
+				b.StartTimer()
+			}
+			i := 0
+			for b.Loop() {
+				id := int64(i)
+				prompt[cached] = int32(i)
+				i++
+				if m.cache == nil {
+					must(b, m.Add(id, promptLen))
+				} else if n, err := m.Admit([]int64{id}, one(prompt), matched); err != nil || n != 1 {
+					b.Fatalf("admit: %d, %v", n, err)
+				}
+				hits += int(matched[0])
+				ids = append(ids, id)
+				if len(ids) == round {
+					endRound()
+				}
+			}
+			if m.cache != nil {
+				if hits != cached*i {
+					b.Fatalf("matched %d tokens over %d admits, want %d each", hits, i, cached)
+				}
+				if mode == "full-pool" {
+					b.ReportMetric(float64(m.PrefixStats().Evictions)/float64(i), "evictions/op")
+				}
+			}
+		})
+	}
 }
