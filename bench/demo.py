@@ -101,7 +101,7 @@ class Engine:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.m = kvplug.Manager(cfg.num_blocks, cfg.block_size)
+        self.m = self.new_manager()
         self.waiting: Deque[Request] = collections.deque()
         self.running: Dict[int, Request] = {}  # insertion order = admission order
         self.metrics = Metrics()
@@ -112,7 +112,14 @@ class Engine:
         self.lens = np.empty(cfg.max_running, np.int32)
         self.slots = np.empty(cfg.prefill_budget + cfg.output_len[1] + cfg.max_running, np.int32)
 
+    def new_manager(self) -> kvplug.Manager:
+        return kvplug.Manager(self.cfg.num_blocks, self.cfg.block_size)
+
     # -- the stages of a step -------------------------------------------------
+
+    def grow_decoding(self, ids: np.ndarray) -> None:
+        """Grows the decoding requests by their one new token each."""
+        self.m.grow(ids, 1)
 
     def admit(self, req: Request) -> bool:
         """Gives req its blocks; False when the pool is too full (nothing changed)."""
@@ -158,7 +165,7 @@ class Engine:
         while decoding:
             t0 = time.perf_counter()
             try:
-                self.m.grow(ids, 1)
+                self.grow_decoding(ids)
                 cost += time.perf_counter() - t0
                 break
             except kvplug.OutOfBlocksError:
@@ -215,6 +222,97 @@ class Engine:
         self.m.close()
 
 
+# -- the prefix cache ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PrefixRequest(Request):
+    tokens: List[int] = dataclasses.field(default_factory=list)  # prompt, then outputs so far
+
+
+class PrefixWorkload(Workload):
+    """Multi-tenant chat: each request is one of 100 system prompts of
+    1000-4000 tokens (Zipf popularity) followed by a user turn of 50-500
+    tokens."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.systems = [
+            self.rng.integers(0, 32000, int(self.rng.integers(1000, 4001)), dtype=np.int32).tolist() for _ in range(100)
+        ]
+
+    def arrivals(self, step: int) -> List[Request]:
+        out: List[Request] = []
+        for _ in range(int(self.rng.poisson(self.cfg.arrival_rate))):
+            z = int(self.rng.zipf(1.1))
+            system = self.systems[(z - 1) % len(self.systems)]
+            turn = self.rng.integers(0, 32000, int(self.rng.integers(50, 501)), dtype=np.int32).tolist()
+            o = int(self.rng.integers(self.cfg.output_len[0], self.cfg.output_len[1] + 1))
+            out.append(PrefixRequest(self.next_id, step, len(system) + len(turn), o, tokens=system + turn))
+            self.next_id += 1
+        return out
+
+
+class PrefixEngine(Engine):
+    """The scheduler loop with token-aware calls: admit by prompt tokens,
+    decode with grow_tokens; the prefix cache is on or off."""
+
+    def __init__(self, cfg: Config, cache: bool) -> None:
+        self.cache = cache
+        self.prefill_computed = 0  # prompt tokens the model had to compute
+        self.rng = np.random.default_rng(cfg.seed + 1)
+        super().__init__(cfg)
+
+    def new_manager(self) -> kvplug.Manager:
+        return kvplug.Manager(self.cfg.num_blocks, self.cfg.block_size, prefix_cache=self.cache)
+
+    def admit(self, req: Request) -> bool:
+        assert isinstance(req, PrefixRequest)
+        matched = self.m.admit([req.rid], [req.tokens])
+        if not matched.size:
+            return False
+        self.prefill_computed += len(req.tokens) - int(matched[0])
+        return True
+
+    def grow_decoding(self, ids: np.ndarray) -> None:
+        toks = self.rng.integers(0, 32000, len(ids)).tolist()
+        self.m.grow_tokens(ids, [[t] for t in toks])
+        for rid, t in zip(ids.tolist(), toks):
+            self.running[rid].tokens.append(t)
+
+
+def prefix_cache_demo(cfg: Config, log: Callable[[str], None]) -> None:
+    """The same multi-tenant trace with the prefix cache off and on."""
+    pcfg = dataclasses.replace(cfg, steps=min(cfg.steps, 1500), num_blocks=max(cfg.num_blocks, 8000),
+                               arrival_rate=0.25, output_len=(20, 200), prompt_len=(1050, 4500), progress_every=0)
+    log(
+        f"prefix cache: 100 system prompts of 1000-4000 tokens (Zipf 1.1) + user turns of 50-500 tokens, "
+        f"{pcfg.steps} steps, {pcfg.num_blocks} blocks of {pcfg.block_size}"
+    )
+    runs = {}
+    for cache in (False, True):
+        e = PrefixEngine(pcfg, cache)
+        try:
+            e.run(PrefixWorkload(pcfg), log)
+            mt = e.metrics
+            runs[cache] = (e, np.mean(mt.used_blocks), mt.served, e.prefill_computed, e.m.prefix_stats(), e.m.stats())
+        finally:
+            e.close()
+    for cache, (e, used, served, computed, ps, st) in runs.items():
+        name = "on " if cache else "off"
+        hit = f"hit rate {ps.hit_rate:.1%} of prompt tokens, " if cache else ""
+        log(
+            f"  cache {name}: {served} requests served, {e.metrics.preemptions} preemptions; {hit}"
+            f"prefill computed {computed} tokens; KV blocks referenced mean {used:.0f} "
+            f"({used / pcfg.num_blocks:.1%} of the pool)" + (f", {st.cached_blocks} cached idle blocks at the end" if cache else "")
+        )
+    off, on = runs[False], runs[True]
+    log(
+        f"  sharing: {on[1] / off[1]:.2f}x the KV memory per step, {on[3] / max(off[3], 1):.2f}x the prefill compute, "
+        f"{on[2] / max(off[2], 1):.2f}x the requests served"
+    )
+
+
 # -- the summary ------------------------------------------------------------------
 
 
@@ -264,6 +362,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--block-size", type=int, default=Config.block_size)
     ap.add_argument("--arrival-rate", type=float, default=Config.arrival_rate)
     ap.add_argument("--quiet", action="store_true", help="summary only")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache comparison")
     args = ap.parse_args(argv)
     cfg = Config(
         seed=args.seed,
@@ -288,6 +387,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                 print("  " + line)
     finally:
         engine.close()
+    if not args.no_prefix:
+        t0 = time.perf_counter()
+        prefix_cache_demo(cfg, print)
+        print(f"  ({time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":
