@@ -128,10 +128,10 @@ func benchBatch(b *testing.B) (*Manager, []int64, []int32, int) {
 	return m, ids, ones, maxBlocks
 }
 
-// BenchmarkAdmit admits one 4096-token prompt (block size 16) whose first
-// 2048 tokens are a cached system prompt: hash the prompt's blocks, match,
-// lock and reference the 128 cached blocks, allocate 128 more and cache the
-// new full ones. Every prompt's user part is new (its first token is the
+// BenchmarkAdmit admits one 4096-token prompt (block size 16 or 64) whose
+// first 2048 tokens are a cached system prompt: hash the prompt's blocks,
+// match, lock and reference the cached half, allocate the other half and
+// cache its full blocks. Every prompt's user part is new (its first token is the
 // iteration number, which changes every later block's chained hash).
 // Sequences are removed in rounds of 128 with the timer stopped.
 //   - fresh-pool: the round's blocks are evicted with the timer stopped, so
@@ -141,18 +141,25 @@ func benchBatch(b *testing.B) (*Manager, []int64, []int32, int) {
 //   - no-cache/add: Add(4096) on a manager without the cache, the baseline
 //     of the same allocation.
 func BenchmarkAdmit(b *testing.B) {
-	const (
-		bs, promptLen, cached, round = 16, 4096, 2048, 128
-		need                         = promptLen / bs
-	)
+	const promptLen, cached, round = 4096, 2048, 128
 	r := rand.New(rand.NewPCG(1, 1))
 	prompt := make([]int32, promptLen)
 	for i := range prompt {
 		prompt[i] = r.Int32N(100000)
 	}
 	one := func(p []int32) Prompts { return Prompts{Tokens: p, Offsets: []int64{0, int64(len(p))}} }
-	for _, mode := range []string{"fresh-pool", "full-pool", "no-cache/add"} {
-		b.Run(mode, func(b *testing.B) {
+	for _, bs := range []int{16, 64} {
+		for _, mode := range []string{"fresh-pool", "full-pool", "no-cache/add"} {
+			benchAdmit(b, bs, mode, prompt, cached, round, one)
+		}
+	}
+}
+
+func benchAdmit(b *testing.B, bs int, mode string, prompt []int32, cached, round int, one func([]int32) Prompts) {
+	promptLen := len(prompt)
+	need := promptLen / bs
+	{
+		b.Run(fmt.Sprintf("bs%d/%s", bs, mode), func(b *testing.B) {
 			numBlocks := (round + 2) * need
 			m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: mode != "no-cache/add"})
 			if err != nil {
