@@ -159,7 +159,7 @@ func (x *Index) snapshot() {
 	e.resync = false
 	e.reset()
 	e.q = append(e.q, pendingEvent{kind: AllCleared})
-	level := make([]int32, 0, len(x.byHash))
+	level := make([]int32, 0, x.byHash.len())
 	for c := x.nodes[rootNode].child; c != nilNode; c = x.nodes[c].next {
 		level = append(level, c)
 	}

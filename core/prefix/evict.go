@@ -43,7 +43,7 @@ func (x *Index) unlink(i int32) {
 		x.nodes[n.next].prev = n.prev
 	}
 	x.nodes[p].children--
-	delete(x.byHash, n.hash)
+	x.byHash.del(n.hash)
 	x.byBlock[n.block] = nilNode
 	*n = node{parent: nilNode, child: nilNode, prev: nilNode, next: x.free, block: nilNode, heapPos: -1}
 	x.free = i
@@ -68,7 +68,7 @@ func (x *Index) Clear(dst []int32) ([]int32, error) {
 			x.byBlock[b] = nilNode
 		}
 	}
-	clear(x.byHash)
+	x.byHash.reset()
 	clear(x.nodes[1:]) // drop the mm slices
 	x.resetRoot()
 	x.heap = x.heap[:0]

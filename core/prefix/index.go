@@ -112,7 +112,7 @@ type Index struct {
 	nodes         []node  // nodes[0] is the root
 	tokens        []int32 // node i's tokens are tokens[i*bs : (i+1)*bs]
 	free          int32   // free node slots, linked through next
-	byHash        map[Hash]int32
+	byHash        nodeTable
 	byBlock       []int32 // block id -> node, or nilNode
 	heap          []int32
 	clock         uint64
@@ -144,7 +144,7 @@ func New(cfg Config) (*Index, error) {
 	x := &Index{
 		bs:      cfg.BlockSize,
 		free:    nilNode,
-		byHash:  make(map[Hash]int32),
+		byHash:  newNodeTable(),
 		byBlock: make([]int32, cfg.NumBlocks),
 		pins:    make(map[PinID]int32),
 		nextPin: 1,
@@ -175,14 +175,14 @@ func (x *Index) resetRoot() {
 func (x *Index) BlockSize() int { return x.bs }
 
 // Len returns the number of cached blocks.
-func (x *Index) Len() int { return len(x.byHash) }
+func (x *Index) Len() int { return x.byHash.len() }
 
 // Evictable returns the number of blocks Evict could remove now, counting
 // parents that become leaves as their children go: the cached blocks that
 // no lock or pin holds, directly or through a descendant. An allocator
 // checks it before evicting, so that a request it cannot satisfy fails
 // with nothing evicted. O(1).
-func (x *Index) Evictable() int { return len(x.byHash) - x.nHeld }
+func (x *Index) Evictable() int { return x.byHash.len() - x.nHeld }
 
 // hold changes node i's hold count by d (+1 or -1) and carries a change of
 // its held state up the tree: a held node holds its parent. O(1) when a
@@ -203,7 +203,7 @@ func (x *Index) hold(i int32, d int32) {
 
 // Lookup returns the block cached under hash.
 func (x *Index) Lookup(h Hash) (block int32, ok bool) {
-	i, ok := x.byHash[h]
+	i, ok := x.byHash.get(h)
 	if !ok {
 		return -1, false
 	}
@@ -221,9 +221,7 @@ func (x *Index) BlockHash(block int32) (Hash, bool) {
 // CachedHashes appends the hashes of every cached block to dst, in no
 // particular order.
 func (x *Index) CachedHashes(dst []Hash) []Hash {
-	for h := range x.byHash {
-		dst = append(dst, h)
-	}
+	x.byHash.each(func(h Hash, _ int32) { dst = append(dst, h) })
 	return dst
 }
 
@@ -268,7 +266,7 @@ func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 		}
 		x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
 		next := Sum(x.hasher.buf)
-		j, ok := x.byHash[next]
+		j, ok := x.byHash.get(next)
 		if !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
 			break
 		}
@@ -516,7 +514,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	p := int32(rootNode)
 	if !parent.IsZero() {
 		var ok bool
-		if p, ok = x.byHash[parent]; !ok {
+		if p, ok = x.byHash.get(parent); !ok {
 			return InsertResult{}, kverr.Errorf(kverr.NotFound, "insert: parent block %s is not cached", parent)
 		}
 	}
@@ -529,7 +527,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], parent, block, keys.Adapter, x.mm, salt)
 	h := Sum(x.hasher.buf)
 
-	if i, ok := x.byHash[h]; ok {
+	if i, ok := x.byHash.get(h); ok {
 		if !x.same(i, p, block, keys.Adapter, x.mm, salt) {
 			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: hash %s of block %d collides with cached block %d of different content", h, blockID, x.nodes[i].block)
 		}
@@ -575,7 +573,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	pn.child = i
 	pn.children++
 	copy(x.tokensOf(i), block)
-	x.byHash[h] = i
+	x.byHash.put(h, i)
 	x.byBlock[blockID] = i
 	x.nLocked++
 	x.hold(i, +1)

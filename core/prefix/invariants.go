@@ -87,7 +87,7 @@ func (x *Index) CheckInvariants() error {
 		if int(n.block) >= len(x.byBlock) || x.byBlock[n.block] != int32(i) {
 			return bad("block %d of node %d is not indexed to it", n.block, i)
 		}
-		if j, ok := x.byHash[n.hash]; !ok || j != int32(i) {
+		if j, ok := x.byHash.get(n.hash); !ok || j != int32(i) {
 			return bad("block %d's hash %s is not indexed to it", n.block, n.hash)
 		}
 		// The stored hash is the hash of the stored content.
@@ -141,8 +141,8 @@ func (x *Index) CheckInvariants() error {
 			}
 		}
 	}
-	if live != len(x.byHash) {
-		return bad("%d cached nodes, %d hashes indexed", live, len(x.byHash))
+	if live != x.byHash.len() {
+		return bad("%d cached nodes, %d hashes indexed", live, x.byHash.len())
 	}
 	indexed := 0
 	for _, j := range x.byBlock {

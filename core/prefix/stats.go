@@ -23,11 +23,11 @@ type Stats struct {
 func (x *Index) Stats() Stats {
 	s := x.counters
 	s.EventsDropped = x.events.dropped
-	s.CachedBlocks = len(x.byHash)
+	s.CachedBlocks = x.byHash.len()
 	s.LockedBlocks = x.nLocked
 	s.PinnedBlocks = x.nPinned
 	s.EvictableBlocks = x.Evictable()
-	s.PendingEvents = x.events.pending(len(x.byHash))
+	s.PendingEvents = x.events.pending(x.byHash.len())
 	return s
 }
 

@@ -91,7 +91,7 @@ def test_create_null_out():
     assert "NULL" in _lib.last_error()
 
 
-@pytest.mark.parametrize("size", [0, ctypes.sizeof(ManagerConfig) - 4, ctypes.sizeof(ManagerConfig) + 8])
+@pytest.mark.parametrize("size", [0, ManagerConfig.block_size.offset, ctypes.sizeof(ManagerConfig) + 8])
 def test_create_wrong_struct_size(size):
     cfg = ManagerConfig(size, 8, 16)
     out = vp()
