@@ -251,15 +251,7 @@ func FuzzPrefixABI(f *testing.F) {
 			case 5:
 				_, st = hookDrain(h, int32(r.u8()%4), int32(r.u8()%12), 2, int32(r.u8()%3))
 			}
-			if st == int(kverr.Internal) || st < 0 || st > int(kverr.Internal) {
-				t.Fatalf("op %d returned %s: %s", op, statusName(st), lastError())
-			}
-			if st != 0 && lastError() == "" {
-				t.Fatalf("op %d failed with %s and no message", op, statusName(st))
-			}
-			if st := hookManagerCheck(h); st != 0 {
-				t.Fatalf("invariants broken after op %d: %s", op, lastError())
-			}
+			fuzzCheck(t, h, op, st)
 		}
 	})
 }
