@@ -122,6 +122,7 @@ type Index struct {
 	pins          map[PinID]int32 // -> the deepest pinned node
 	nextPin       PinID
 	hasher        Hasher
+	recent        int32     // the node a walk or Insert ended on: the likely parent of the next Insert
 	path          []int32   // scratch: nodes of the last walk
 	zeroed        []int32   // scratch: nodes Unlock took to lock 0
 	mm            []BlockMM // scratch
@@ -273,6 +274,7 @@ func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 		x.path = append(x.path, j)
 		cur, h = j, next
 	}
+	x.recent = cur
 	return cur, h
 }
 
@@ -514,7 +516,11 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	p := int32(rootNode)
 	if !parent.IsZero() {
 		var ok bool
-		if p, ok = x.byHash.get(parent); !ok {
+		// A sequence inserts its blocks in order, each under the one
+		// inserted or matched just before: check that node before the table.
+		if r := x.recent; r > rootNode && int(r) < len(x.nodes) && x.nodes[r].block >= 0 && x.nodes[r].hash == parent {
+			p = r
+		} else if p, ok = x.byHash.get(parent); !ok {
 			return InsertResult{}, kverr.Errorf(kverr.NotFound, "insert: parent block %s is not cached", parent)
 		}
 	}
@@ -527,7 +533,8 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], parent, block, keys.Adapter, x.mm, salt)
 	h := Sum(x.hasher.buf)
 
-	if i, ok := x.byHash.get(h); ok {
+	i, slot, ok := x.byHash.lookup(h)
+	if ok {
 		if !x.same(i, p, block, keys.Adapter, x.mm, salt) {
 			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: hash %s of block %d collides with cached block %d of different content", h, blockID, x.nodes[i].block)
 		}
@@ -541,6 +548,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 		x.addLock(i)
 		x.nodes[i].last = x.clock
 		x.counters.Dedups++
+		x.recent = i
 		return InsertResult{Hash: h, Block: x.nodes[i].block, Dup: true}, nil
 	}
 	if b := x.byBlock[blockID]; b != nilNode {
@@ -548,7 +556,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	}
 
 	x.clock++
-	i := x.newNode()
+	i = x.newNode()
 	pn := &x.nodes[p]
 	x.nodes[i] = node{
 		hash:    h,
@@ -573,12 +581,13 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	pn.child = i
 	pn.children++
 	copy(x.tokensOf(i), block)
-	x.byHash.put(h, i)
+	x.byHash.putAt(slot, h, i)
 	x.byBlock[blockID] = i
 	x.nLocked++
 	x.hold(i, +1)
 	x.settle(p)
 	x.counters.Inserts++
+	x.recent = i
 	x.events.stored(x, i)
 	return InsertResult{Hash: h, Block: blockID}, nil
 }

@@ -63,6 +63,32 @@ func (t *nodeTable) get(h Hash) (int32, bool) {
 	}
 }
 
+// lookup is get for a caller that inserts on a miss: it also returns the
+// slot where putAt places h, so the insert needs no second probe. The table
+// grows first if an insert would need it.
+func (t *nodeTable) lookup(h Hash) (node int32, slot int, ok bool) {
+	if 2*(t.n+1) > len(t.slots) {
+		t.grow()
+	}
+	mask := len(t.slots) - 1
+	for i := t.home(&h); ; i = (i + 1) & mask {
+		s := &t.slots[i]
+		if s.node == 0 {
+			return nilNode, i, false
+		}
+		if s.key == h {
+			return s.node - 1, i, true
+		}
+	}
+}
+
+// putAt adds h -> node at the slot a missed lookup of h returned, with no
+// change to the table in between.
+func (t *nodeTable) putAt(slot int, h Hash, node int32) {
+	t.slots[slot] = tableSlot{key: h, node: node + 1}
+	t.n++
+}
+
 // put adds h -> node; h must not be held.
 func (t *nodeTable) put(h Hash, node int32) {
 	if 2*(t.n+1) > len(t.slots) {

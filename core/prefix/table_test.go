@@ -29,7 +29,13 @@ func TestNodeTableAgainstMap(t *testing.T) {
 			if _, ok := ref[h]; ok {
 				continue
 			}
-			tab.put(h, int32(step))
+			if step%2 == 0 {
+				tab.put(h, int32(step))
+			} else if _, slot, ok := tab.lookup(h); ok {
+				t.Fatalf("step %d: lookup found %x before it was put", step, h)
+			} else {
+				tab.putAt(slot, h, int32(step))
+			}
 			ref[h] = int32(step)
 			keys = append(keys, h)
 		default:

@@ -373,7 +373,7 @@ class PrefixCacheMethods:
         _check(_sig()["clear"](self._h, ctypes.byref(n)))
         return n.value
 
-    def drain_events(self, max_events: int = 4096) -> List[KVEvent]:
+    def drain_events(self, max_events: int = 1024) -> List[KVEvent]:
         """Drains up to max_events pending KV events, oldest first (call
         until it returns [] to drain all). Needs kv_events=True."""
         F = _sig()
