@@ -13,14 +13,16 @@ import (
 // linear probing, at most half full, deletion by backward shift (no
 // tombstones, so probe sequences stay short under churn).
 //
-// The slot of a hash mixes its first 8 bytes with a per-table random seed
+// The slot of a hash mixes both of its halves with per-table random seeds
 // before taking the top bits, so a client that crafts prompts whose block
-// hashes share low bits cannot pile them into one probe sequence.
+// hashes share bits (XXH3 is not collision resistant) cannot pile them into
+// one probe sequence without knowing the seeds.
 type nodeTable struct {
 	slots []tableSlot
 	shift uint8 // 64 - log2(len(slots))
 	n     int
 	seed  uint64
+	seed2 uint64
 }
 
 // tableSlot holds node+1, so the zero slot is empty.
@@ -32,7 +34,7 @@ type tableSlot struct {
 const minTableSlots = 64
 
 func newNodeTable() nodeTable {
-	t := nodeTable{seed: rand.Uint64() | 1}
+	t := nodeTable{seed: rand.Uint64(), seed2: rand.Uint64()}
 	t.alloc(minTableSlots)
 	return t
 }
@@ -43,7 +45,9 @@ func (t *nodeTable) alloc(size int) {
 }
 
 func (t *nodeTable) home(h *Hash) int {
-	return int(((binary.LittleEndian.Uint64(h[:8]) ^ t.seed) * 0x9E3779B97F4A7C15) >> t.shift)
+	lo := (binary.LittleEndian.Uint64(h[:8]) ^ t.seed) * 0x9E3779B97F4A7C15
+	hi := (binary.LittleEndian.Uint64(h[8:]) ^ t.seed2) * 0xC2B2AE3D27D4EB4F
+	return int((lo ^ hi) >> t.shift)
 }
 
 // len returns the number of hashes held.
