@@ -525,8 +525,9 @@ kvp_status kvp_manager_clear_prefix_cache(kvp_manager *m, int32_t *num_freed);
  * ALL_CLEARED and a snapshot of the cache (stats.events_dropped counts
  * them), so a consumer that applies the events in order always ends with
  * the cache's set of blocks. mm and hashes may be NULL with max 0.
- * Errors: NULL_POINTER, INVALID_ARGUMENT (KV events off, a max < 0),
- * BUFFER_TOO_SMALL (not even the oldest event fits; nothing drained). */
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (KV events off, max_events < 1,
+ * another max < 0), BUFFER_TOO_SMALL (not even the oldest event fits;
+ * nothing drained). */
 kvp_status kvp_manager_drain_events(kvp_manager *m, kvp_kv_event *events,
                                     int32_t max_events, int32_t *tokens,
                                     int32_t max_tokens, kvp_block_mm *mm,
