@@ -114,7 +114,7 @@ type Manager struct {
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
 	// KV events drained from the index that the caller's buffers could not
-	// hold yet (DrainEventsInto).
+	// hold yet (DrainEvents).
 	carry []prefix.Event
 
 	// Scratch reused by every call (under mu), so the per-step calls do not
@@ -400,18 +400,8 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	if p == nil {
 		return 0, kverr.Errorf(kverr.UnknownSequence, "fork: parent sequence %d is not live", parent)
 	}
-	for _, c := range children {
-		if m.seqs.get(c) != nil {
-			return 0, kverr.Errorf(kverr.DuplicateSequence, "fork: child sequence %d is already live", c)
-		}
-	}
-	sorted := append(m.ids[:0], children...)
-	m.ids = sorted
-	slices.Sort(sorted)
-	for i := 1; i < len(sorted); i++ {
-		if sorted[i] == sorted[i-1] {
-			return 0, kverr.Errorf(kverr.DuplicateSequence, "fork: child sequence %d appears twice", sorted[i])
-		}
+	if err := m.checkNewIDs("fork", "child sequence", children); err != nil {
+		return 0, err
 	}
 	partial := p.length%m.bs != 0
 	full := len(p.blocks)
@@ -463,6 +453,27 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 		m.waste += m.wasteOf(c)
 	}
 	return n, nil
+}
+
+// checkNewIDs fails with DuplicateSequence if an id of a batch of new
+// sequences (what names them in the message) is live or repeated.
+func (m *Manager) checkNewIDs(op, what string, ids []int64) error {
+	for _, id := range ids {
+		if m.seqs.get(id) != nil {
+			return kverr.Errorf(kverr.DuplicateSequence, "%s: %s %d is already live", op, what, id)
+		}
+	}
+	if len(ids) > 1 {
+		sorted := append(m.ids[:0], ids...)
+		m.ids = sorted
+		slices.Sort(sorted)
+		for i := 1; i < len(sorted); i++ {
+			if sorted[i] == sorted[i-1] {
+				return kverr.Errorf(kverr.DuplicateSequence, "%s: %s %d appears twice", op, what, sorted[i])
+			}
+		}
+	}
+	return nil
 }
 
 // Remove retires the sequences ids and releases their block references;

@@ -3,7 +3,6 @@ package kvmanager
 import (
 	"fmt"
 	"math"
-	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/logx"
@@ -149,7 +148,7 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if err := m.checkNewIDs("admit", ids); err != nil {
+	if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
 		return 0, err
 	}
 	for i, id := range ids {
@@ -168,26 +167,7 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	return n, nil
 }
 
-// checkNewIDs fails with DuplicateSequence if an id of a batch of new
-// sequences is live or repeated.
-func (m *Manager) checkNewIDs(op string, ids []int64) error {
-	for _, id := range ids {
-		if m.seqs.get(id) != nil {
-			return kverr.Errorf(kverr.DuplicateSequence, "%s: sequence %d is already live", op, id)
-		}
-	}
-	if len(ids) > 1 {
-		sorted := append(m.ids[:0], ids...)
-		m.ids = sorted
-		slices.Sort(sorted)
-		for i := 1; i < len(sorted); i++ {
-			if sorted[i] == sorted[i-1] {
-				return kverr.Errorf(kverr.DuplicateSequence, "%s: sequence %d appears twice in the batch", op, sorted[i])
-			}
-		}
-	}
-	return nil
-}
+
 
 // admitOne admits one validated prompt and returns its matched tokens; ok
 // is false, with nothing changed, when it does not fit.
