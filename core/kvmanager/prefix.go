@@ -167,8 +167,6 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	return n, nil
 }
 
-
-
 // admitOne admits one validated prompt and returns its matched tokens; ok
 // is false, with nothing changed, when it does not fit.
 func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched int, ok bool, err error) {
