@@ -213,7 +213,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 // counts' sum.
 func (m *Manager) GrowTokens(ids []int64, counts []int32, tokens []int32) error {
 	if tokens == nil {
-		tokens = []int32{}
+		tokens = []int32{} // grow tells the two calls apart by a nil tokens
 	}
 	return m.grow("grow tokens", ids, counts, tokens)
 }

@@ -380,21 +380,18 @@ class PrefixCacheMethods:
         if not (1 <= max_events <= 1 << 20):
             raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
         evs = (KVEventStruct * max_events)()
-        max_tokens = max_events * 64
-        toks = np.empty(max_tokens, np.int32)
         mm = (BlockMMStruct * 1024)()
         hashes = np.empty(16 * max_events * 4, np.uint8)
         num = _i32()
-        st = F["drain"](
-            self._h, evs, max_events, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
-        )
-        if st == _lib.Status.BUFFER_TOO_SMALL:
-            # A block larger than the token buffer: retry with room for it.
-            max_tokens = 1 << 20
+        # Room for 64 tokens an event first; a larger block than that fits
+        # gets a second try with room for any block.
+        for max_tokens, n_events in ((max_events * 64, max_events), (1 << 20, 1)):
             toks = np.empty(max_tokens, np.int32)
             st = F["drain"](
-                self._h, evs, 1, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
+                self._h, evs, n_events, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
             )
+            if st != _lib.Status.BUFFER_TOO_SMALL:
+                break
         _check(st)
         out = []
         hb = hashes.tobytes()
