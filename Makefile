@@ -1,5 +1,6 @@
 # kvplug build. `make` builds build/libkvplug.so; `make test` runs every CPU
 # test; `make demo` builds and runs the synthetic serving trace.
+# `make KERNELS=off ...` builds without the CUDA kernels (kernels/kernels.mk).
 GO        ?= go
 PYTHON    ?= python3
 BUILD     := build
@@ -10,15 +11,20 @@ GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 
 
 -include kernels/kernels.mk
 
-.PHONY: all lib kernels test test-go test-cpp test-python check-header check-exports demo bench tools clean fmt vet
+.PHONY: all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet FORCE
 
 all: lib
 
 lib: $(LIB)
 
-$(LIB): $(GO_SRC) $(KERNELS_FATBIN)
+# Rebuild the library when KERNELS changes between runs.
+$(BUILD)/kernels.setting: FORCE
 	@mkdir -p $(BUILD)
-	$(GO) build -trimpath -buildmode=c-shared -o $@ ./capi
+	@echo $(KERNELS) | cmp -s - $@ || echo $(KERNELS) > $@
+
+$(LIB): $(GO_SRC) $(KERNELS_DEP) $(BUILD)/kernels.setting
+	@mkdir -p $(BUILD)
+	$(GO) build -trimpath $(GO_TAGS) -buildmode=c-shared -o $@ ./capi
 	@rm -f $(BUILD)/libkvplug.h
 
 # A Python environment for the tests, the demo and the benchmarks.
@@ -29,14 +35,14 @@ $(VENV)/.ok: bindings/python/pyproject.toml Makefile
 	@touch $@
 
 fmt:
-	gofmt -l -w capi core kernels
+	gofmt -l -w capi core kernels bench
 
-vet: $(KERNELS_FATBIN)
-	@test -z "$$(gofmt -l capi core kernels)" || { echo "gofmt needed:"; gofmt -l capi core kernels; exit 1; }
-	$(GO) vet ./...
+vet: $(KERNELS_DEP)
+	@test -z "$$(gofmt -l capi core kernels bench)" || { echo "gofmt needed:"; gofmt -l capi core kernels bench; exit 1; }
+	$(GO) vet $(GO_TAGS) ./...
 
-test-go: $(KERNELS_FATBIN)
-	$(GO) test -race -count=1 ./...
+test-go: $(KERNELS_DEP)
+	$(GO) test $(GO_TAGS) -race -count=1 ./...
 
 check-header:
 	@mkdir -p $(BUILD)
@@ -56,14 +62,19 @@ test-cpp: $(LIB)
 test-python: $(LIB) $(VENV)/.ok
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) -m pytest -q tests/python
 
-test: vet check-header check-exports test-go test-cpp test-python
+# A fresh clone of the working tree, with nvcc and .tools/ out of reach,
+# must build, vet and load (tests/fresh_clone.sh).
+test-fresh-clone:
+	tests/fresh_clone.sh
+
+test: vet check-header check-exports test-go test-cpp test-python test-fresh-clone
 
 demo: $(LIB) $(VENV)/.ok
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/demo.py
 
 bench: $(LIB) $(VENV)/.ok
-	$(GO) test -run '^$$' -bench . -benchmem ./core/...
+	$(GO) test $(GO_TAGS) -run '^$$' -bench . -benchmem ./core/...
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/step_cost.py
 
 clean:
-	rm -rf $(BUILD) kernels/*.fatbin
+	rm -rf $(BUILD) $(KERNELS_FATBIN)

@@ -155,7 +155,7 @@ def main():
                     help="launch one configuration a few times without graphs or baselines (for ncu)")
     args = ap.parse_args()
     fatbin = args.fatbin
-    for p in (fatbin, os.environ.get("KVPLUG_FATBIN"), ROOT / "kernels" / "kvplug.fatbin",
+    for p in (fatbin, os.environ.get("KVPLUG_FATBIN"), ROOT / "kernels" / "fatbin" / "kvplug.fatbin",
               ROOT / ".device" / "kern" / "kvplug.fatbin"):
         if p and pathlib.Path(p).is_file():
             fatbin = str(p)

@@ -442,7 +442,7 @@ func TestGPUParamSizes(t *testing.T) {
 	needGPU(t)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module("test")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -118,9 +118,31 @@ func checkIndex(what string, p cuda.DevicePtr) error {
 	return aligned(what, 4, p)
 }
 
+// errNoKernels is the answer of every launch in a build without the fatbin.
+// It is checked before the device, so a machine with neither a GPU nor the
+// kernels is told what its build lacks.
+func errNoKernels(what string) error {
+	return kverr.Errorf(kverr.Unsupported,
+		"%s: this kvplug library was built without its CUDA kernels (no kernels/%s at build time, or KERNELS=off); "+
+			"rebuild it with `make` in a kvplug checkout, which compiles them with nvcc "+
+			"(fetched from PyPI into .tools/cuda when the machine has none)", what, kernels.FatbinPath)
+}
+
+// kernelsBuilt reports whether this build carries the CUDA kernels; a
+// variable so that tests can take the kernels away.
+var kernelsBuilt = kernels.Built
+
+// KernelsBuilt reports whether this build carries the CUDA kernels.
+func KernelsBuilt() bool { return kernelsBuilt() }
+
 // module returns the kernels' module in the calling thread's context. The
 // caller has locked its OS thread.
-func module() (*cuda.Module, error) { return image.Module() }
+func module(what string) (*cuda.Module, error) {
+	if !kernelsBuilt() {
+		return nil, errNoKernels(what)
+	}
+	return image.Module()
+}
 
 // KVWrite scatters this step's K and V into the paged caches on stream.
 func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
@@ -145,7 +167,7 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module("kv_write")
 	if err != nil || a.NumTokens == 0 {
 		return err
 	}
@@ -198,7 +220,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module("paged_decode")
 	if err != nil || a.Batch == 0 {
 		return err
 	}
@@ -275,7 +297,7 @@ func MergeStates(a *MergeArgs, stream cuda.Stream) error {
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module("merge_states")
 	if err != nil || a.NumTokens == 0 {
 		return err
 	}
@@ -306,7 +328,7 @@ func MergeStates(a *MergeArgs, stream cuda.Stream) error {
 func Prepare() error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module("attn_prepare")
 	if err != nil {
 		return err
 	}

@@ -93,7 +93,7 @@ func NumSplits(d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) (int, er
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	m, err := module()
+	m, err := module(what)
 	if err != nil {
 		return 0, err
 	}

@@ -1,4 +1,4 @@
-"""GPU tests of the kernels in kernels/kvplug.fatbin, launched directly.
+"""GPU tests of the kernels in kernels/fatbin/kvplug.fatbin, launched directly.
 
 Every kernel is launched the way the library launches it: its params struct
 packed byte for byte (kernels/kvplug_kernels.h) and passed by value through
@@ -7,7 +7,7 @@ random inputs; outputs (and the padding around them) are poisoned with NaN
 first and checked fully written and not overrun.
 
 Run on a GPU machine:  python3 -m pytest -q tests/gpu/test_kernels_cupy.py
-The fatbin is found at $KVPLUG_FATBIN, kernels/kvplug.fatbin or
+The fatbin is found at $KVPLUG_FATBIN, kernels/fatbin/kvplug.fatbin or
 .device/kern/kvplug.fatbin. Skips when CuPy, a GPU or the fatbin is absent.
 """
 
@@ -28,7 +28,7 @@ from kernel_abi import DECODE, KV_WRITE, MERGE, cdiv, decode_smem  # noqa: E402 
 
 
 def _fatbin_path():
-    for p in (os.environ.get("KVPLUG_FATBIN"), ROOT / "kernels" / "kvplug.fatbin",
+    for p in (os.environ.get("KVPLUG_FATBIN"), ROOT / "kernels" / "fatbin" / "kvplug.fatbin",
               ROOT / ".device" / "kern" / "kvplug.fatbin"):
         if p and pathlib.Path(p).is_file():
             return str(p)
