@@ -57,7 +57,9 @@ func (p *seqPrefix) clone() *seqPrefix {
 // Prompts is a batch of prompts in the flat form of the C ABI: prompt i's
 // tokens are Tokens[Offsets[i]:Offsets[i+1]] and its extra keys Keys[i]
 // (Keys nil: none for every prompt). len(Offsets) is the batch size plus
-// one.
+// one. The tokens may be a prefix of a longer prompt (a chunk of a
+// chunked prefill) whose keys Keys[i] are: multimodal items may extend
+// past the tokens given (prefix.Keys).
 type Prompts struct {
 	Tokens  []int32
 	Offsets []int64
@@ -95,7 +97,7 @@ func (p *Prompts) validate(op string, minLen int) error {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: prompt %d has %d tokens (offsets %d to %d); need %d to 2^30", op, i, l, p.Offsets[i], p.Offsets[i+1], minLen)
 		}
 		if p.Keys != nil {
-			if err := p.Keys[i].Validate(op, int(l)); err != nil {
+			if err := p.Keys[i].Validate(op); err != nil {
 				return err
 			}
 		}
@@ -124,6 +126,13 @@ type MatchInfo struct {
 // if the free queue runs short) and each full one is inserted into the
 // cache, so later prompts, in this batch too, share it. Without the prefix
 // cache nothing matches and the tokens are not kept.
+//
+// The keys belong to the sequence, not to this call: under chunked
+// prefill (admit the prompt's first chunk, GrowTokens the rest) they are
+// the whole prompt's, multimodal items past the chunk included, and the
+// sequence keeps them, so every block it fills later is hashed with the
+// items that overlap it, wherever the chunks end. Items not known at
+// admission can follow with AddMMItems.
 //
 // Admission stops at the first prompt that does not fit (free plus
 // evictable blocks, after its match, are fewer than the rest of it needs):
@@ -275,6 +284,53 @@ func (m *Manager) insertBlock(s *seq, bi int, blk []int32) bool {
 	}
 	s.pc.last = res.Hash
 	return true
+}
+
+// AddMMItems appends multimodal items to live sequence id's keys: items
+// of tokens still to come that its admission did not name (a later turn
+// with an image, a chunk whose items were not known yet). Every block the
+// sequence fills from then on is hashed with the items that overlap it.
+// The items must be valid as in prefix.Keys, in increasing offset order
+// after the sequence's last item, and must not overlap a block the
+// sequence has filled already: an offset below the start of its partial
+// last block (or below its length, when that is a block boundary) is
+// refused, since those blocks are cached without the item. Sequences
+// forked from id before the call keep the keys they had. Without the
+// prefix cache, or for a sequence whose tokens are not known (added, or
+// grown without tokens), the items are checked and then dropped: such a
+// sequence's blocks are not cached. An empty mm is a no-op.
+// Errors, with nothing changed: InvalidArgument, UnknownSequence.
+func (m *Manager) AddMMItems(id int64, mm []prefix.MMItem) error {
+	const op = "add multimodal items"
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.seqs.get(id)
+	if s == nil {
+		return kverr.Errorf(kverr.UnknownSequence, "%s: sequence %d is not live", op, id)
+	}
+	var keys *prefix.Keys
+	if s.pc != nil {
+		keys = s.pc.keys
+	}
+	if err := prefix.ValidateMoreMM(op, keys, mm); err != nil {
+		return err
+	}
+	if len(mm) == 0 {
+		return nil
+	}
+	if filled := s.length / m.bs * m.bs; int64(mm[0].Offset) < int64(filled) {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: item 0 starts at %d, inside the %d tokens of sequence %d's full blocks, which are hashed without it; items must start at %d or later",
+			op, mm[0].Offset, filled, id, filled)
+	}
+	if keys != nil && len(keys.MM)+len(mm) > prefix.MaxMMItems {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: sequence %d would have %d multimodal items, at most %d allowed", op, id, len(keys.MM)+len(mm), prefix.MaxMMItems)
+	}
+	if s.pc != nil {
+		// A new Keys, never an in-place append: forked children share the
+		// old one.
+		s.pc.keys = keys.WithMoreMM(mm)
+	}
+	return nil
 }
 
 // errNoCache is the error of the calls that need the prefix cache.

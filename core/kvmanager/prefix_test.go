@@ -350,7 +350,8 @@ func TestAdmitRejectsBadBatches(t *testing.T) {
 		{"ids and prompts differ", []int64{2, 3}, one([]int32{1}, nil), kverr.InvalidArgument},
 		{"live id", []int64{1}, one([]int32{1}, nil), kverr.DuplicateSequence},
 		{"repeated id", []int64{4, 4}, Prompts{Tokens: []int32{1, 2}, Offsets: []int64{0, 1, 2}}, kverr.DuplicateSequence},
-		{"multimodal item past the prompt", []int64{2}, one([]int32{1, 2}, &prefix.Keys{MM: []prefix.MMItem{{Offset: 1, Length: 5}}}), kverr.InvalidArgument},
+		{"multimodal item of length 0", []int64{2}, one([]int32{1, 2}, &prefix.Keys{MM: []prefix.MMItem{{Offset: 1, Length: 0}}}), kverr.InvalidArgument},
+		{"multimodal items out of order", []int64{2}, one([]int32{1, 2}, &prefix.Keys{MM: []prefix.MMItem{{Offset: 9, Length: 1}, {Offset: 1, Length: 1}}}), kverr.InvalidArgument},
 		{"no batch", nil, Prompts{Offsets: []int64{0}}, kverr.InvalidArgument},
 	}
 	for _, c := range cases {

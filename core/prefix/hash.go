@@ -19,6 +19,10 @@ const HashVersion = 1
 // digest of both); it is not a place for payloads.
 const MaxSaltLen = 1024
 
+// MaxMMItems bounds the multimodal items of one prompt or sequence, so a
+// wrong count from a caller is caught before it is used.
+const MaxMMItems = 1 << 20
+
 // Hash is a block's 128-bit identity: XXH3-128 with seed 0 of the block's
 // hash input (HASH.md), in canonical byte order (high 64 bits first, each
 // half big-endian): the bytes of Python's xxhash.xxh3_128_digest and of C's
@@ -61,7 +65,11 @@ type Keys struct {
 	// every block's hash.
 	Adapter uint64
 	// MM are the prompt's multimodal items, in strictly increasing Offset
-	// order, each inside the prompt.
+	// order. They describe the whole prompt, so a call given only a prefix
+	// of its tokens (a chunk of a chunked prefill) takes the same items:
+	// one may extend past the tokens given, or lie wholly beyond them. A
+	// full block's hash depends only on the items that overlap it, so
+	// every block of the prefix hashes as it does in the whole prompt.
 	MM []MMItem
 	// Salt isolates a tenant: it enters the first block's hash only, and
 	// through the chain every later one, so prompts with different salts
@@ -79,9 +87,9 @@ type BlockMM struct {
 
 var noKeys Keys
 
-// Validate checks keys for a prompt of promptLen tokens, as every call
-// that takes keys does; op names the call in the error.
-func (k *Keys) Validate(op string, promptLen int) error { return k.validate(op, promptLen) }
+// Validate checks keys as every call that takes keys does; op names the
+// call in the error.
+func (k *Keys) Validate(op string) error { return k.validate(op) }
 
 // Clone returns a copy of k that shares no memory with it (nil for nil),
 // for a caller that keeps keys past the call that gave them.
@@ -99,14 +107,24 @@ func (k *Keys) Clone() *Keys {
 	return c
 }
 
-// validate checks keys for a prompt of promptLen tokens; promptLen < 0
-// means the prompt's length is not known (Insert sees one block at a time).
-func (k *Keys) validate(op string, promptLen int) error {
+// validate checks keys: a salt of at most MaxSaltLen bytes, and items of
+// positive length at offsets >= 0, strictly increasing, each ending by
+// 2^31-1. Items are not checked against a prompt's length: keys describe
+// a whole prompt, of which a call may see only a prefix (Keys.MM).
+func (k *Keys) validate(op string) error {
 	if len(k.Salt) > MaxSaltLen {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: salt is %d bytes, at most %d allowed", op, len(k.Salt), MaxSaltLen)
 	}
-	prev := int64(-1)
-	for i, it := range k.MM {
+	if len(k.MM) > MaxMMItems {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: %d multimodal items, at most %d allowed", op, len(k.MM), MaxMMItems)
+	}
+	return validateMM(op, k.MM, -1)
+}
+
+// validateMM checks multimodal items as validate does, and that the first
+// starts after prev (an offset; -1 when there is no earlier item).
+func validateMM(op string, mm []MMItem, prev int64) error {
+	for i, it := range mm {
 		if it.Offset < 0 || it.Length < 1 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: multimodal item %d has offset %d and length %d: need offset >= 0 and length >= 1", op, i, it.Offset, it.Length)
 		}
@@ -114,15 +132,37 @@ func (k *Keys) validate(op string, promptLen int) error {
 		if end > 1<<31-1 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: multimodal item %d ends at %d, past 2^31-1", op, i, end)
 		}
-		if promptLen >= 0 && end > int64(promptLen) {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: multimodal item %d spans [%d, %d), past the prompt's %d tokens", op, i, it.Offset, end, promptLen)
-		}
 		if int64(it.Offset) <= prev {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: multimodal item %d starts at %d, not after item %d at %d: offsets must increase", op, i, it.Offset, i-1, prev)
+			return kverr.Errorf(kverr.InvalidArgument, "%s: multimodal item %d starts at %d, not after the previous item's offset %d: offsets must increase", op, i, it.Offset, prev)
 		}
 		prev = int64(it.Offset)
 	}
 	return nil
+}
+
+// ValidateMoreMM checks items that are to follow keys' own (a sequence's
+// items given after its admission): valid as in Validate, and each starts
+// after the last of keys.MM (keys may be nil).
+func ValidateMoreMM(op string, keys *Keys, mm []MMItem) error {
+	prev := int64(-1)
+	if keys != nil && len(keys.MM) > 0 {
+		prev = int64(keys.MM[len(keys.MM)-1].Offset)
+	}
+	return validateMM(op, mm, prev)
+}
+
+// WithMoreMM returns a copy of keys (nil: none) with mm appended to its
+// items; keys itself is not changed, so holders of it (forked sequences)
+// keep what they had. mm is checked by ValidateMoreMM.
+func (k *Keys) WithMoreMM(mm []MMItem) *Keys {
+	c := &Keys{}
+	if k != nil {
+		c.Adapter, c.Salt = k.Adapter, k.Salt
+		c.MM = make([]MMItem, 0, len(k.MM)+len(mm))
+		c.MM = append(c.MM, k.MM...)
+	}
+	c.MM = append(c.MM, mm...)
+	return c
 }
 
 // appendBlockMM appends to dst the items of mm that overlap the block of
@@ -196,7 +236,8 @@ func (h *Hasher) block(parent Hash, index int, block []int32, keys *Keys) Hash {
 // Chain appends to dst the chained hashes of every full block of a prompt
 // (len(tokens)/blockSize of them; a partial tail has no hash) and returns
 // the extended slice. keys may be nil (no adapter, no multimodal items, no
-// salt).
+// salt). tokens may be a prefix of the prompt that keys describe: its
+// hashes are then the first ones of the whole prompt's.
 func (h *Hasher) Chain(dst []Hash, tokens []int32, blockSize int, keys *Keys) ([]Hash, error) {
 	if blockSize < 1 || blockSize > MaxBlockSize {
 		return dst, kverr.Errorf(kverr.InvalidArgument, "chain: block_size must be in [1, %d]: got %d", MaxBlockSize, blockSize)
@@ -204,7 +245,7 @@ func (h *Hasher) Chain(dst []Hash, tokens []int32, blockSize int, keys *Keys) ([
 	if keys == nil {
 		keys = &noKeys
 	}
-	if err := keys.validate("chain", len(tokens)); err != nil {
+	if err := keys.validate("chain"); err != nil {
 		return dst, err
 	}
 	var parent Hash

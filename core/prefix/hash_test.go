@@ -256,9 +256,9 @@ func TestChainErrors(t *testing.T) {
 		{"block size 0", 0, 8, nil},
 		{"block size too big", MaxBlockSize + 1, 8, nil},
 		{"salt too long", 4, 8, &Keys{Salt: make([]byte, MaxSaltLen+1)}},
+		{"too many items", 4, 8, &Keys{MM: make([]MMItem, MaxMMItems+1)}},
 		{"negative offset", 4, 8, &Keys{MM: []MMItem{{Offset: -1, Length: 2}}}},
 		{"zero length", 4, 8, &Keys{MM: []MMItem{{Offset: 1, Length: 0}}}},
-		{"past the prompt", 4, 8, &Keys{MM: []MMItem{{Offset: 6, Length: 3}}}},
 		{"unordered", 4, 8, &Keys{MM: []MMItem{{Offset: 3, Length: 1}, {Offset: 3, Length: 1}}}},
 		{"overflow", 4, 8, &Keys{MM: []MMItem{{Offset: math.MaxInt32, Length: 2}}}},
 	} {
@@ -352,6 +352,30 @@ func TestMultimodalOverlap(t *testing.T) {
 	b := chainOf(t, toks, 16, &Keys{MM: []MMItem{{Offset: 20, Length: 4, Hash: Sum([]byte("other"))}}})
 	if a[0] != b[0] || a[1] == b[1] {
 		t.Error("content hash: block 0 must agree and block 1 differ")
+	}
+}
+
+// A prefix of a prompt hashed with the whole prompt's items, some past the
+// prefix, has the whole prompt's first hashes: what lets a chunked prefill
+// pass its items before their tokens.
+func TestChainOfAPrefixWithTheWholePromptsItems(t *testing.T) {
+	toks := seq(0, 80)
+	keys := &Keys{Adapter: 3, Salt: []byte("s"), MM: []MMItem{
+		{Offset: 10, Length: 30, Hash: Sum([]byte("a"))}, // blocks 0 to 2 of 16
+		{Offset: 50, Length: 4, Hash: Sum([]byte("b"))},  // block 3
+		{Offset: 90, Length: 4, Hash: Sum([]byte("c"))},  // past the whole prompt
+	}}
+	whole := chainOf(t, toks, 16, keys)
+	for n := range len(toks) + 1 {
+		got := chainOf(t, toks[:n], 16, keys)
+		if !slices.Equal(got, whole[:n/16]) {
+			t.Fatalf("prefix of %d tokens: hashes differ from the whole prompt's", n)
+		}
+	}
+	// Without the item that reaches past a 32-token prefix, its second
+	// block hashes differently: the item is part of its identity.
+	if short := chainOf(t, toks[:32], 16, &Keys{Adapter: 3, Salt: []byte("s")}); short[1] == whole[1] {
+		t.Fatal("a block overlapping an item hashed as without it")
 	}
 }
 

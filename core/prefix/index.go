@@ -324,7 +324,7 @@ func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (Ma
 	if keys == nil {
 		keys = &noKeys
 	}
-	if err := keys.validate("match", len(tokens)); err != nil {
+	if err := keys.validate("match"); err != nil {
 		return res, err
 	}
 	x.clock++
@@ -378,7 +378,7 @@ func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int)
 	if keys == nil {
 		keys = &noKeys
 	}
-	if err := keys.validate("acquire", len(tokens)); err != nil {
+	if err := keys.validate("acquire"); err != nil {
 		return res, false, err
 	}
 	_, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
@@ -510,7 +510,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	if blockID < 0 || int(blockID) >= len(x.byBlock) {
 		return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is outside the pool of %d", blockID, len(x.byBlock))
 	}
-	if err := keys.validate("insert", -1); err != nil {
+	if err := keys.validate("insert"); err != nil {
 		return InsertResult{}, err
 	}
 	p := int32(rootNode)

@@ -19,7 +19,7 @@ func (x *Index) Pin(tokens []int32, keys *Keys) (PinID, int, error) {
 	if keys == nil {
 		keys = &noKeys
 	}
-	if err := keys.validate("pin", len(tokens)); err != nil {
+	if err := keys.validate("pin"); err != nil {
 		return 0, 0, err
 	}
 	x.walk(tokens, keys, len(tokens)/x.bs)
@@ -76,7 +76,7 @@ func (x *Index) SetPriority(tokens []int32, keys *Keys, priority int32) (int, er
 	if keys == nil {
 		keys = &noKeys
 	}
-	if err := keys.validate("set priority", len(tokens)); err != nil {
+	if err := keys.validate("set priority"); err != nil {
 		return 0, err
 	}
 	x.walk(tokens, keys, len(tokens)/x.bs)
