@@ -8,6 +8,10 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
+// maxPages bounds the pages one cache holds (budget_bytes is capped to it):
+// 256 GiB of 4 KiB host pages, 128 TiB of 2 MiB CUDA pages.
+const maxPages = 1 << 26
+
 // DefaultLookahead is how many tokens beyond a slot's context the background
 // mapper keeps mapped when Config.LookaheadTokens is 0: decode adds one token
 // a step, speculative decoding a few, so a small margin suffices.
@@ -165,7 +169,10 @@ func New(cfg Config, drv Driver) (*Cache, error) {
 	if budgetUnits < 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "vmem: budget of %d bytes is less than one page in each of the %d K/V tensors (%d bytes)", cfg.BudgetBytes, nbuf, unitBytes)
 	}
-	budgetUnits = min(budgetUnits, 1<<40)
+	// The cache keeps a handle for every page it holds: capping the pages
+	// bounds that bookkeeping (8 bytes a page, 512 MiB at most), which the
+	// Go runtime could not survive failing to allocate.
+	budgetUnits = min(budgetUnits, maxPages/int64(nbuf))
 	reclaimBelow := cfg.ReclaimBelowBytes
 	if reclaimBelow < 0 {
 		reclaimBelow = cfg.BudgetBytes / 8
@@ -353,10 +360,15 @@ func (c *Cache) Free(slot int) error {
 //
 // All or nothing: when the budget cannot cover the batch, even after
 // reclaiming freed slots' pages, it fails with OutOfMemory and changes
-// nothing; the engine then preempts and retries. Errors: InvalidArgument
-// (length mismatch, slot out of range or repeated, context outside
-// [0, MaxContext]), NotFound (slot not allocated), OutOfMemory, or the
-// driver's error (CUDA), after which the slots already grown stay mapped.
+// nothing; the engine then preempts and retries. A driver call that fails
+// (the device out of memory, the host driver's mapping budget, any CUDA
+// error) fails the Step too, with the slots it grew shrunk back, so it
+// changes nothing either (freed slots' pages it reclaimed stay reclaimed);
+// only when that undoing fails as well do the slots grown before keep
+// their pages. Errors: InvalidArgument (length mismatch, slot out of range
+// or repeated, context outside [0, MaxContext]), NotFound (slot not
+// allocated), OutOfMemory (budget, device memory, mapping budget), or the
+// driver's error (CUDA).
 func (c *Cache) Step(slots, ctxLens []int32) error {
 	if len(slots) != len(ctxLens) {
 		return kverr.Errorf(kverr.InvalidArgument, "vmem: step: %d slots but %d context lengths", len(slots), len(ctxLens))
@@ -463,10 +475,24 @@ func (c *Cache) reclaimableLocked() int {
 	return n
 }
 
-// growLocked maps, on the caller's thread, what a validated Step needs.
-func (c *Cache) growLocked(slots, ctxLens []int32) error {
+// growLocked maps, on the caller's thread, what a validated Step needs. All
+// or nothing: when a driver call fails (a device out of memory, the host
+// driver's mapping budget), the slots grown before it are shrunk back, so
+// the Step changes nothing the caller sees.
+func (c *Cache) growLocked(slots, ctxLens []int32) (err error) {
 	start := time.Now()
 	defer func() { c.stepMapNs.Add(int64(time.Since(start))) }()
+	type grown struct{ slot, from int }
+	var done []grown
+	defer func() {
+		if err != nil {
+			for i := len(done) - 1; i >= 0; i-- {
+				if !c.shrinkLocked(done[i].slot, done[i].from) {
+					break // the slots before it keep their pages, as documented
+				}
+			}
+		}
+	}()
 	for i, s := range slots {
 		st := &c.slots[s]
 		if ctxLens[i] <= st.tokens {
@@ -493,9 +519,30 @@ func (c *Cache) growLocked(slots, ctxLens []int32) error {
 			c.pool = append(c.pool, handles...)
 			return err
 		}
+		done = append(done, grown{int(s), st.units})
 		c.commitMapLocked(st, handles)
 	}
 	return nil
+}
+
+// shrinkLocked unmaps a slot's units from `from` up into the idle pool,
+// undoing a growth. It reports whether every unit came back; on a driver
+// failure the unit that failed is lost to the budget, as in a reclaim.
+func (c *Cache) shrinkLocked(s, from int) bool {
+	st := &c.slots[s]
+	pages := st.pages[from*c.nbuf : st.units*c.nbuf]
+	k := len(pages) / c.nbuf
+	n, err := c.unmapUnits(s, from, pages)
+	c.pool = append(c.pool, pages[(k-n)*c.nbuf:]...)
+	gone := n
+	if err != nil {
+		gone++
+	}
+	c.mapped -= gone
+	st.units -= gone
+	st.pages = st.pages[:st.units*c.nbuf]
+	st.tokens = c.tokensFor(st.units)
+	return err == nil
 }
 
 // takeLocked takes k units for mapping: idle pages first (copied out of the
@@ -545,29 +592,51 @@ func (c *Cache) createUnits(n int) ([]Page, error) {
 
 // mapUnits maps len(handles)/nbuf units of slot starting at unit from in
 // every tensor and grants access: one SetAccess per tensor covers the new
-// range. On failure it unmaps what it mapped, so nothing changes.
+// range, and a driver that maps ranges maps each tensor's pages in one call.
+// On failure it unmaps what it mapped, so nothing changes.
 func (c *Cache) mapUnits(slot, from int, handles []Page) error {
 	k := len(handles) / c.nbuf
 	if k == 0 {
 		return nil
 	}
-	var mapped []uintptr
+	type span struct {
+		addr  uintptr
+		pages int
+	}
+	var mapped []span
 	fail := func(err error) error {
-		for _, a := range mapped {
-			if c.drv.Unmap(a, c.pageSize) == nil {
-				c.nUnmap.Add(1)
+		for _, m := range mapped {
+			if c.drv.Unmap(m.addr, m.pages*c.pageSize) == nil {
+				c.nUnmap.Add(int64(m.pages))
 			}
 		}
 		return err
 	}
+	rm, ranges := c.drv.(RangeMapper)
+	var run []Page
+	if ranges {
+		run = make([]Page, k)
+	}
 	for b := 0; b < c.nbuf; b++ {
-		for i := 0; i < k; i++ {
-			a := c.addr(b, slot, from+i)
-			if err := c.drv.Map(a, c.pageSize, handles[i*c.nbuf+b]); err != nil {
-				return fail(driverError(kverr.Internal, err, "vmem: mapping page %d of slot %d in tensor %d", from+i, slot, b))
+		if ranges {
+			for i := range run {
+				run[i] = handles[i*c.nbuf+b]
 			}
-			c.nMap.Add(1)
-			mapped = append(mapped, a)
+			a := c.addr(b, slot, from)
+			if err := rm.MapRange(a, c.pageSize, run); err != nil {
+				return fail(driverError(kverr.Internal, err, "vmem: mapping pages %d..%d of slot %d in tensor %d", from, from+k-1, slot, b))
+			}
+			c.nMap.Add(int64(k))
+			mapped = append(mapped, span{a, k})
+		} else {
+			for i := 0; i < k; i++ {
+				a := c.addr(b, slot, from+i)
+				if err := c.drv.Map(a, c.pageSize, handles[i*c.nbuf+b]); err != nil {
+					return fail(driverError(kverr.Internal, err, "vmem: mapping page %d of slot %d in tensor %d", from+i, slot, b))
+				}
+				c.nMap.Add(1)
+				mapped = append(mapped, span{a, 1})
+			}
 		}
 		if err := c.drv.SetAccess(c.addr(b, slot, from), k*c.pageSize); err != nil {
 			return fail(driverError(kverr.Internal, err, "vmem: granting access to pages %d..%d of slot %d in tensor %d", from, from+k-1, slot, b))

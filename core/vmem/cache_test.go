@@ -599,3 +599,30 @@ func BenchmarkStepSteady(b *testing.B) {
 		})
 	}
 }
+
+// A driver failure on a later slot of a batch undoes the earlier slots'
+// growth: the Step changes nothing.
+func TestDriverFailureUndoesTheWholeBatch(t *testing.T) {
+	h := newHost(t)
+	f := &faultyDriver{Driver: h}
+	c := newCache(t, testConfig(), f)
+	tpp := tokensPerPage(c)
+	a, b := mustAlloc(t, c), mustAlloc(t, c)
+	step(t, c, a, tpp)
+	before := c.Stats()
+	f.mu.Lock()
+	f.failMapAt = f.maps + 2*c.nbuf + 1 // slot a's two new units map, then b's first page fails
+	f.mu.Unlock()
+	err := c.Step([]int32{int32(a), int32(b)}, []int32{int32(3 * tpp), int32(tpp)})
+	if !errors.Is(err, errInjected) {
+		t.Fatalf("want the injected failure, got %v", err)
+	}
+	after := c.Stats()
+	if c.MappedTokens(a) != tpp || c.MappedTokens(b) != 0 || after.MappedBytes != before.MappedBytes || after.Steps != before.Steps {
+		t.Fatalf("failed batch left slot a with %d tokens, b with %d, %d bytes mapped (was %d)",
+			c.MappedTokens(a), c.MappedTokens(b), after.MappedBytes, before.MappedBytes)
+	}
+	step(t, c, a, 3*tpp, b, tpp)
+	writeTokens(c, a, 0, 3*tpp)
+	checkTokens(t, c, a, 0, 3*tpp)
+}

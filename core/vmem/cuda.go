@@ -31,12 +31,22 @@ func NewCUDA(ordinal int) (*CUDA, error) {
 	return &CUDA{vmm: v, gran: g}, nil
 }
 
+// cudaErrorOutOfMemory is CUDA_ERROR_OUT_OF_MEMORY.
+const cudaErrorOutOfMemory = 2
+
 func cudaError(err error, format string, args ...any) error {
 	switch {
 	case errors.Is(err, cuda.ErrNoDevice):
 		return kverr.Wrap(kverr.NoDevice, err, format, args...)
 	case errors.Is(err, cuda.ErrVMMUnsupported):
 		return kverr.Wrap(kverr.Unsupported, err, format, args...)
+	}
+	// The device's memory and address space are limits a caller can meet
+	// in normal use: OutOfMemory tells it to preempt or shrink, as for the
+	// cache's own budget (the Step or create that hit it changed nothing).
+	var ce *cuda.Error
+	if errors.As(err, &ce) && ce.Code == cudaErrorOutOfMemory {
+		return kverr.Wrap(kverr.OutOfMemory, err, format, args...)
 	}
 	return kverr.Wrap(kverr.CUDA, err, format, args...)
 }

@@ -47,6 +47,14 @@ type Driver interface {
 	Close() error
 }
 
+// RangeMapper is implemented by drivers that map a run of pages in one call
+// (the host driver: one kernel mapping per run instead of one per page).
+// MapRange maps pages[i] at addr + i*pageSize, without access rights, all
+// or nothing. The cache uses it when the driver has it, else Map per page.
+type RangeMapper interface {
+	MapRange(addr uintptr, pageSize int, pages []Page) error
+}
+
 // driverError gives an error from a driver a status code (its own, when it
 // carries one) and the operation that failed.
 func driverError(code kverr.Code, err error, format string, args ...any) error {

@@ -18,7 +18,11 @@ func (h *Host) FreeReservation(base uintptr, size int) error { return errHostUns
 func (h *Host) CreatePage(size int) (Page, error)            { return 0, errHostUnsupported }
 func (h *Host) ReleasePage(p Page) error                     { return errHostUnsupported }
 func (h *Host) Map(addr uintptr, size int, p Page) error     { return errHostUnsupported }
-func (h *Host) SetAccess(addr uintptr, size int) error       { return errHostUnsupported }
-func (h *Host) Unmap(addr uintptr, size int) error           { return errHostUnsupported }
-func (h *Host) Close() error                                 { return nil }
-func (h *Host) LivePages() int                               { return 0 }
+func (h *Host) MapRange(addr uintptr, pageSize int, pages []Page) error {
+	return errHostUnsupported
+}
+func (h *Host) SetAccess(addr uintptr, size int) error { return errHostUnsupported }
+func (h *Host) Unmap(addr uintptr, size int) error     { return errHostUnsupported }
+func (h *Host) Close() error                           { return nil }
+func (h *Host) LivePages() int                         { return 0 }
+func (h *Host) Mappings() int                          { return 0 }
