@@ -24,9 +24,10 @@ var (
 	_ [unsafe.Sizeof(kvmanager.MatchInfo{}) - unsafe.Sizeof(C.kvp_prefix_match{})]struct{}
 )
 
-// maxMMItems bounds kvp_prefix_keys.num_mm, so that a wrong count is caught
-// before a slice is made over the caller's array.
-const maxMMItems = 1 << 20
+// maxMMItems bounds kvp_prefix_keys.num_mm (and num_items of
+// kvp_manager_add_mm_items), so that a wrong count is caught before a
+// slice is made over the caller's array.
+const maxMMItems = prefix.MaxMMItems
 
 // keysOf views one kvp_prefix_keys as prefix.Keys, without copying: the
 // result must not outlive the call (the core copies what it keeps).
@@ -147,6 +148,22 @@ func kvp_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t
 		t = unsafe.Slice((*int32)(unsafe.Pointer(tokens)), total)
 	}
 	return fail(m.GrowTokens(slice[int64](unsafe.Pointer(ids), n), c, t))
+}
+
+//export kvp_manager_add_mm_items
+func kvp_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm_item, numItems C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if numItems < 0 || numItems > maxMMItems {
+		return failf(kverr.InvalidArgument, "kvp_manager_add_mm_items: num_items must be in [0, 2^20]: got %d", int32(numItems))
+	}
+	if numItems > 0 && items == nil {
+		return failf(kverr.NullPointer, "kvp_manager_add_mm_items: items is NULL with num_items %d", int32(numItems))
+	}
+	return fail(m.AddMMItems(int64(seqID), slice[prefix.MMItem](unsafe.Pointer(items), numItems)))
 }
 
 //export kvp_manager_match
@@ -338,5 +355,27 @@ func kvp_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvent
 		outEv[i] = e
 	}
 	*numEvents = C.int32_t(len(evs))
+	return C.KVP_OK
+}
+
+//export kvp_manager_next_event_size
+func kvp_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) (st C.kvp_status) {
+	defer guard(&st)
+	m, err := managerOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	size, _, err := m.NextEventSize()
+	if err != nil {
+		return fail(err)
+	}
+	for _, o := range []struct {
+		p *C.int32_t
+		v int
+	}{{tokens, size.Tokens}, {mm, size.MM}, {hashes, size.Hashes}} {
+		if o.p != nil {
+			*o.p = C.int32_t(o.v)
+		}
+	}
 	return C.KVP_OK
 }

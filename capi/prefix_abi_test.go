@@ -2,6 +2,7 @@ package main
 
 import (
 	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -183,6 +184,86 @@ func TestPrefixABIBadInput(t *testing.T) {
 	}
 }
 
+// The header's chunked-prefill flow through the ABI: the first chunk ends
+// inside an image whose item admit takes whole; the image's blocks are
+// cached with it.
+func TestPrefixABIChunkedPrefillThroughAnImage(t *testing.T) {
+	const bs = 16
+	h := newCachedManager(t, 64, bs, false)
+	defer hookManagerDestroy(h)
+	p := append(seq(0, 48), make([]int32, 32)...) // placeholders at [48, 80)
+	for i := 48; i < 80; i++ {
+		p[i] = -1
+	}
+	p = append(p, seq(100, 10)...)
+	img := []hookKeys{{mm: [][3]int32{{48, 32, 0x11}}}}
+	_, n, st := hookAdmit(h, []int64{1}, [][]int32{p[:40]}, img)
+	expect(t, "admit a chunk that ends inside an image", st, kverr.OK)
+	if n != 1 {
+		t.Fatalf("admitted %d", n)
+	}
+	expect(t, "grow tokens", hookGrowTokens(h, []int64{1}, []int32{50}, p[40:], false), kverr.OK)
+	got, st := hookMatch(h, [][]int32{p, p, p}, []hookKeys{{}, img[0], {mm: [][3]int32{{48, 32, 0x22}}}}, false)
+	expect(t, "match", st, kverr.OK)
+	if got[0][0] != 48 || got[1][0] != 80 || got[2][0] != 48 {
+		t.Fatalf("matched text-only %d, the image %d, another image %d; want 48, 80, 48", got[0][0], got[1][0], got[2][0])
+	}
+
+	// Items for tokens to come; refusals change nothing.
+	_, _, st = hookAdmit(h, []int64{2}, [][]int32{seq(500, 20)}, nil)
+	expect(t, "admit", st, kverr.OK)
+	expect(t, "add items NULL", hookAddMMItems(h, 2, [][3]int32{{20, 4, 1}}, true, 0), kverr.NullPointer)
+	expect(t, "add items count -1", hookAddMMItems(h, 2, [][3]int32{{20, 4, 1}}, false, -1), kverr.InvalidArgument)
+	expect(t, "add items count past 2^20", hookAddMMItems(h, 2, [][3]int32{{20, 4, 1}}, false, 1<<20+1), kverr.InvalidArgument)
+	expect(t, "add items unknown sequence", hookAddMMItems(h, 9, [][3]int32{{20, 4, 1}}, false, 0), kverr.UnknownSequence)
+	expect(t, "add items inside a full block", hookAddMMItems(h, 2, [][3]int32{{15, 4, 1}}, false, 0), kverr.InvalidArgument)
+	expect(t, "add no items", hookAddMMItems(h, 2, nil, false, 0), kverr.OK)
+	expect(t, "add items", hookAddMMItems(h, 2, [][3]int32{{16, 20, 1}}, false, 0), kverr.OK)
+	expect(t, "grow tokens", hookGrowTokens(h, []int64{2}, []int32{20}, seq(520, 20), false), kverr.OK)
+	whole := append(seq(500, 20), seq(520, 20)...)
+	got, _ = hookMatch(h, [][]int32{whole, whole}, []hookKeys{{}, {mm: [][3]int32{{16, 20, 1}}}}, false)
+	if got[0][0] != 16 || got[1][0] != 32 {
+		t.Fatalf("after add items: text-only matched %d, with the item %d; want 16, 32", got[0][0], got[1][0])
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
+}
+
+// A stored block with more multimodal entries than a drain's buffers hold
+// is reported whole once they are grown to next_event_size's answer.
+func TestPrefixABIDrainsBlocksOfAnySize(t *testing.T) {
+	const bs = 2048
+	h := newCachedManager(t, 4, bs, true)
+	defer hookManagerDestroy(h)
+	keys := hookKeys{}
+	for i := range int32(1100) {
+		keys.mm = append(keys.mm, [3]int32{i, 1, 7})
+	}
+	_, _, st := hookAdmit(h, []int64{1}, [][]int32{seq(0, bs+1)}, []hookKeys{keys})
+	expect(t, "admit", st, kverr.OK)
+	_, st = hookDrain(h, 16, 4*bs, 1024, 16)
+	expect(t, "drain into 1024 entries", st, kverr.BufferTooSmall)
+	if msg := lastError(); !strings.Contains(msg, "1100 multimodal entries (the mm buffer holds 1024)") {
+		t.Fatalf("the message does not say which buffer: %q", msg)
+	}
+	size, st := hookNextEventSize(h)
+	expect(t, "next event size", st, kverr.OK)
+	if size != [3]int32{bs, 1100, 0} {
+		t.Fatalf("next event size %v, want [%d 1100 0]", size, bs)
+	}
+	evs, st := hookDrain(h, 16, size[0], size[1], 16)
+	expect(t, "drain", st, kverr.OK)
+	if len(evs) != 1 || evs[0].mm != 1100 || len(evs[0].tokens) != bs {
+		t.Fatalf("drained %d events, the first with %d entries", len(evs), evs[0].mm)
+	}
+	if size, _ = hookNextEventSize(h); size != [3]int32{} {
+		t.Fatalf("nothing pending, yet next event size %v", size)
+	}
+	off := newCachedManager(t, 4, 4, false)
+	defer hookManagerDestroy(off)
+	_, st = hookNextEventSize(off)
+	expect(t, "next event size without events", st, kverr.InvalidArgument)
+}
+
 func TestManagerConfigOfTheFirstVersion(t *testing.T) {
 	// A host built when the config ended at block_size gets no cache.
 	first := unsafe.Sizeof(uintptr(0)) + 8
@@ -230,7 +311,7 @@ func FuzzPrefixABI(f *testing.F) {
 			return []hookKeys{{mm: [][3]int32{{int32(r.u8() % 8), int32(r.u8()%4) - 1, 1}}}}
 		}
 		for !r.done() {
-			op := r.u8() % 6
+			op := r.u8() % 8
 			var st abiStatus
 			switch op {
 			case 0:
@@ -250,6 +331,10 @@ func FuzzPrefixABI(f *testing.F) {
 				}
 			case 5:
 				_, st = hookDrain(h, int32(r.u8()%4), int32(r.u8()%12), 2, int32(r.u8()%3))
+			case 6:
+				st = hookAddMMItems(h, int64(r.u8()%6), [][3]int32{{int32(r.u8() % 24), int32(r.u8()%4) - 1, 2}}, r.u8()%8 == 0, 0)
+			case 7:
+				_, st = hookNextEventSize(h)
 			}
 			fuzzCheck(t, h, op, st)
 		}

@@ -251,3 +251,34 @@ func hookDrain(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes int32) (
 }
 
 func sizeofPrefixStats() uintptr { return unsafe.Sizeof(C.kvp_prefix_stats{}) }
+
+// hookAddMMItems passes items (offset, length, hash seed) for seqID; with
+// nullItems the pointer is NULL, and numItems overrides len(items) when
+// nonzero.
+func hookAddMMItems(h unsafe.Pointer, seqID int64, items [][3]int32, nullItems bool, numItems int32) abiStatus {
+	var p *C.kvp_mm_item
+	if len(items) > 0 && !nullItems {
+		p = (*C.kvp_mm_item)(C.calloc(C.size_t(len(items)), C.size_t(unsafe.Sizeof(C.kvp_mm_item{}))))
+		defer C.free(unsafe.Pointer(p))
+		view := unsafe.Slice(p, len(items))
+		for j, m := range items {
+			view[j].offset, view[j].length = C.int32_t(m[0]), C.int32_t(m[1])
+			for b := range view[j].hash {
+				view[j].hash[b] = C.uint8_t(m[2])
+			}
+		}
+	}
+	n := C.int32_t(len(items))
+	if numItems != 0 {
+		n = C.int32_t(numItems)
+	}
+	return abiStatus(kvp_manager_add_mm_items((*C.kvp_manager)(h), C.int64_t(seqID), p, n))
+}
+
+// hookNextEventSize returns the room (tokens, mm, hashes) the oldest
+// pending event needs.
+func hookNextEventSize(h unsafe.Pointer) ([3]int32, abiStatus) {
+	var tok, mm, hs C.int32_t = -1, -1, -1
+	st := kvp_manager_next_event_size((*C.kvp_manager)(h), &tok, &mm, &hs)
+	return [3]int32{int32(tok), int32(mm), int32(hs)}, abiStatus(st)
+}

@@ -324,6 +324,11 @@ kvp_status kvp_manager_check(kvp_manager *m);
  * sequences in separate forward passes must run them in admission order.
  * Chunked prefill: kvp_manager_match the whole prompt (m tokens cached),
  * admit its first m + chunk tokens, then grow_tokens one chunk per step.
+ * Pass the whole prompt's keys to admit, multimodal items past the first
+ * chunk included: the keys belong to the sequence, and every block it
+ * fills is hashed with the items that overlap it, wherever the chunks end
+ * (items not known at admission can follow with kvp_manager_add_mm_items
+ * before their tokens).
  *
  * Eviction: every allocation (add, admit, grow, grow_tokens, fork) that
  * finds too few free blocks evicts cached blocks no sequence holds: lowest
@@ -349,11 +354,17 @@ typedef struct kvp_mm_item {
 } kvp_mm_item;
 
 /* A prompt's extra keys. Passed in arrays, one per prompt, so it has no
- * struct_size: it will not grow (new keys would come with new functions). */
+ * struct_size: it will not grow (new keys would come with new functions).
+ * They describe the whole prompt: a call given a prefix of its tokens (a
+ * chunk) takes the same keys, and an item may extend past the tokens
+ * given or lie wholly beyond them (a full block's hash depends only on
+ * the items that overlap it, so the prefix's blocks hash as the whole
+ * prompt's do). */
 typedef struct kvp_prefix_keys {
   uint64_t adapter;        /* LoRA adapter id; 0 = none */
-  const kvp_mm_item *mm;   /* num_mm items, offsets strictly increasing,
-                              each inside the prompt; NULL when num_mm 0 */
+  const kvp_mm_item *mm;   /* num_mm items, offsets >= 0 and strictly
+                              increasing, lengths >= 1, each ending by
+                              2^31-1; NULL when num_mm 0 */
   int32_t num_mm;          /* in [0, 2^20] */
   int32_t salt_len;        /* bytes of salt, in [0, 1024]; 0 = no salt */
   const uint8_t *salt;     /* tenant salt; NULL when salt_len 0 */
@@ -440,6 +451,11 @@ typedef struct kvp_kv_event {
  * prompts of the same batch share them. Without the prefix cache nothing
  * matches: admit is then add with the tokens ignored.
  *
+ * The keys are the sequence's for its whole life: the blocks that later
+ * grow_tokens calls fill are hashed with them. Under chunked prefill the
+ * tokens are the first chunk and keys[i] the whole prompt's (items may
+ * extend past the chunk).
+ *
  * Admission stops at the first prompt that does not fit (free plus
  * evictable blocks, after its match, are fewer than it needs): *num_admitted
  * receives how many were admitted, always a prefix of the batch, and the
@@ -463,6 +479,24 @@ kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n,
 kvp_status kvp_manager_grow_tokens(kvp_manager *m, const int64_t *seq_ids,
                                    const int32_t *num_tokens, int32_t n,
                                    const int32_t *tokens);
+
+/* Appends num_items multimodal items to live sequence seq_id's keys, for
+ * tokens still to come that its admission did not name (a later turn with
+ * an image, a chunk whose items were not known yet). Every block the
+ * sequence fills afterwards is hashed with the items that overlap it.
+ * Items follow the rules of kvp_prefix_keys, start after the sequence's
+ * last item, and must not overlap a block the sequence has filled: the
+ * first item's offset must be at least the start of its partial last
+ * block (its length, when that is a block boundary), since the full blocks
+ * are cached without it. Sequences forked from seq_id earlier keep their
+ * keys. For a sequence whose tokens are not known (kvp_manager_add, or a
+ * kvp_manager_grow since), or without the prefix cache, the items are
+ * checked and dropped. num_items 0 is a no-op.
+ * Errors, with nothing changed: NULL_POINTER (items with num_items > 0),
+ * INVALID_ARGUMENT (num_items < 0 or > 2^20, an item, its order or place),
+ * UNKNOWN_SEQUENCE. */
+kvp_status kvp_manager_add_mm_items(kvp_manager *m, int64_t seq_id,
+                                    const kvp_mm_item *items, int32_t num_items);
 
 /* Finds each of n prompts' longest cached prefix (as admit would) without
  * admitting anything, and fills out[i]; with want_partial nonzero also the
@@ -525,14 +559,26 @@ kvp_status kvp_manager_clear_prefix_cache(kvp_manager *m, int32_t *num_freed);
  * ALL_CLEARED and a snapshot of the cache (stats.events_dropped counts
  * them), so a consumer that applies the events in order always ends with
  * the cache's set of blocks. mm and hashes may be NULL with max 0.
+ * A stored block's multimodal entries are as many as the items that
+ * overlap it, without a fixed bound: a caller with fixed buffers handles
+ * BUFFER_TOO_SMALL by asking kvp_manager_next_event_size and growing.
  * Errors: NULL_POINTER, INVALID_ARGUMENT (KV events off, max_events < 1,
  * another max < 0), BUFFER_TOO_SMALL (not even the oldest event fits;
- * nothing drained). */
+ * nothing drained; the message names the buffer and the room needed). */
 kvp_status kvp_manager_drain_events(kvp_manager *m, kvp_kv_event *events,
                                     int32_t max_events, int32_t *tokens,
                                     int32_t max_tokens, kvp_block_mm *mm,
                                     int32_t max_mm, uint8_t *hashes,
                                     int32_t max_hashes, int32_t *num_events);
+
+/* The room the oldest pending KV event needs in kvp_manager_drain_events'
+ * buffers: *tokens and *mm for a BLOCK_STORED (its block's tokens and
+ * multimodal entries), *hashes 1 for a BLOCKS_REMOVED (a longer one is
+ * split across calls); all 0 for ALL_CLEARED or when none is pending.
+ * Buffers at least this large always drain one event. Outputs may be NULL.
+ * Errors: INVALID_ARGUMENT (KV events off). */
+kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t *mm,
+                                       int32_t *hashes);
 
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: prefix cache (end) ==== */

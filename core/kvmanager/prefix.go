@@ -495,14 +495,15 @@ func (m *Manager) DrainEvents(lim EventLimits) ([]prefix.Event, error) {
 		switch ev.Kind {
 		case prefix.BlockStored:
 			if tok+len(ev.Tokens) > lim.Tokens || mm+len(ev.MM) > lim.MM {
-				return drained(out, fmt.Sprintf("a stored block needs %d tokens and %d multimodal entries", len(ev.Tokens), len(ev.MM)))
+				return drained(out, fmt.Sprintf("a stored block needs room for %d tokens (the tokens buffer holds %d) and %d multimodal entries (the mm buffer holds %d)",
+					len(ev.Tokens), lim.Tokens, len(ev.MM), lim.MM))
 			}
 			tok += len(ev.Tokens)
 			mm += len(ev.MM)
 		case prefix.BlockRemoved:
 			room := lim.Hashes - hashes
 			if room <= 0 {
-				return drained(out, "a removed-blocks event needs room for at least one hash")
+				return drained(out, fmt.Sprintf("a removed-blocks event needs room for at least one hash (the hashes buffer holds %d)", lim.Hashes))
 			}
 			if len(ev.Hashes) > room {
 				head := *ev
@@ -519,6 +520,40 @@ func (m *Manager) DrainEvents(lim EventLimits) ([]prefix.Event, error) {
 		m.carry = nil
 	}
 	return out, nil
+}
+
+// EventSize is the room one event needs in DrainEvents' limits: Tokens
+// and MM for a BlockStored (its block's tokens and multimodal entries),
+// Hashes 1 for a BlockRemoved (a longer one is split across drains), all
+// 0 for AllCleared.
+type EventSize struct {
+	Tokens, MM, Hashes int
+}
+
+// NextEventSize returns the room the oldest pending event needs, so that
+// a caller whose buffers were too small (DrainEvents' BufferTooSmall) can
+// grow them to fit; ok is false when no event is pending. Errors:
+// InvalidArgument (KV events off).
+func (m *Manager) NextEventSize() (size EventSize, ok bool, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cache == nil || !m.cache.EventsEnabled() {
+		return size, false, kverr.Errorf(kverr.InvalidArgument, "next event size: KV events are off (enable_kv_events in the manager's config)")
+	}
+	if len(m.carry) == 0 {
+		m.carry = m.cache.DrainEvents(0)
+		if len(m.carry) == 0 {
+			m.carry = nil
+			return size, false, nil
+		}
+	}
+	switch ev := &m.carry[0]; ev.Kind {
+	case prefix.BlockStored:
+		size.Tokens, size.MM = len(ev.Tokens), len(ev.MM)
+	case prefix.BlockRemoved:
+		size.Hashes = 1
+	}
+	return size, true, nil
 }
 
 // drained ends DrainEvents when the next event does not fit: with the
