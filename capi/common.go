@@ -83,6 +83,19 @@ var (
 	handleCount atomic.Int64
 )
 
+//export kvp_live_handles
+func kvp_live_handles(out *C.int64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if logx.InCallback() {
+		return fail(errFromLogCallback("kvp_live_handles"))
+	}
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_live_handles: out must not be NULL")
+	}
+	*out = C.int64_t(handleCount.Load())
+	return C.KVP_OK
+}
+
 // newHandle registers obj and returns its C handle.
 func newHandle(obj any) unsafe.Pointer {
 	p := C.malloc(1)
@@ -94,9 +107,21 @@ func newHandle(obj any) unsafe.Pointer {
 	return p
 }
 
-// lookup returns the object of handle h if it is live and of type T.
+// errFromLogCallback refuses a call made by the host's log callback: the
+// code that logged may hold the lock the call needs, so going on could
+// deadlock (the header forbids such calls; this makes them fail).
+func errFromLogCallback(op string) error {
+	return kverr.Errorf(kverr.Unsupported, "%s called from inside the log callback; the callback must not call into kvplug", op)
+}
+
+// lookup returns the object of handle h if it is live and of type T. Every
+// call on a handle starts here, so this is also where a call from inside
+// the log callback is refused.
 func lookup[T any](h unsafe.Pointer, what string) (T, error) {
 	var zero T
+	if logx.InCallback() {
+		return zero, errFromLogCallback("a " + what + " function")
+	}
 	if h == nil {
 		return zero, kverr.Errorf(kverr.InvalidHandle, "%s handle is NULL", what)
 	}
@@ -111,16 +136,27 @@ func lookup[T any](h unsafe.Pointer, what string) (T, error) {
 	return t, nil
 }
 
-// dropHandle unregisters h and returns its object; false when h is not live.
-func dropHandle(h unsafe.Pointer) (any, bool) {
-	if h == nil {
-		return nil, false
+// dropHandle unregisters h and returns its object if h is a live handle of
+// type T; any other pointer (NULL, destroyed, never a handle, or a handle
+// of another type) is left alone and false returned, so a destroy function
+// never acts on an object it does not own. Nor does a destroy called from
+// the log callback.
+func dropHandle[T any](h unsafe.Pointer) (T, bool) {
+	var zero T
+	if h == nil || logx.InCallback() {
+		return zero, false
 	}
-	v, ok := handles.LoadAndDelete(uintptr(h))
-	if ok {
-		handleCount.Add(-1)
+	v, ok := handles.Load(uintptr(h))
+	if !ok {
+		return zero, false
 	}
-	return v, ok
+	t, ok := v.(T)
+	// CompareAndDelete: of two racing destroys of one handle, one wins.
+	if !ok || !handles.CompareAndDelete(uintptr(h), v) {
+		return zero, false
+	}
+	handleCount.Add(-1)
+	return t, true
 }
 
 // checkSize validates a struct's struct_size field: at least min (the size

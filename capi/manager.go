@@ -49,7 +49,9 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 //export kvp_manager_destroy
 func kvp_manager_destroy(h *C.kvp_manager) {
 	defer guardVoid()
-	dropHandle(unsafe.Pointer(h))
+	// Only a live kvp_manager is dropped: another object's handle (a
+	// kvp_vcache, say) stays registered and alive.
+	dropHandle[*kvmanager.Manager](unsafe.Pointer(h))
 }
 
 //export kvp_manager_add

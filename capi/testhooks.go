@@ -6,8 +6,46 @@ package main
 
 /*
 #include <stdlib.h>
+#include <string.h>
 #include "kvplug.h"
 #include "glue.h"
+
+// The exports this file's C calls (kvplug.h leaves them out here).
+extern kvp_status kvp_manager_check(kvp_manager *m);
+extern kvp_status kvp_live_handles(int64_t *out);
+extern kvp_status kvp_set_logger(kvp_log_fn fn, void *user, int level);
+
+// A log callback that breaks the header's rule and calls back into kvplug:
+// on the handle given as user, and a call with no handle. It records what
+// those calls returned, and whether a line ended in a line ending.
+static int reentry_lines, reentry_check, reentry_live, reentry_newline;
+static char reentry_msg[256];
+
+static void reentry_log(void *user, int level, const char *msg) {
+  (void)level;
+  reentry_lines++;
+  size_t n = strlen(msg);
+  if (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) reentry_newline = 1;
+  reentry_check = kvp_manager_check((kvp_manager *)user);
+  strncpy(reentry_msg, kvp_last_error(), sizeof reentry_msg - 1);
+  int64_t live = 0;
+  reentry_live = kvp_live_handles(&live);
+}
+
+static int set_reentry_logger(void *user) {
+  reentry_lines = reentry_newline = 0;
+  reentry_check = reentry_live = -1;
+  reentry_msg[0] = 0;
+  return kvp_set_logger(reentry_log, user, KVP_LOG_DEBUG);
+}
+
+static const char *reentry_result(int out[4]) {
+  out[0] = reentry_lines;
+  out[1] = reentry_check;
+  out[2] = reentry_live;
+  out[3] = reentry_newline;
+  return reentry_msg;
+}
 */
 import "C"
 
@@ -103,3 +141,74 @@ func hookManagerCheck(h unsafe.Pointer) abiStatus {
 
 func sizeofManagerConfig() uintptr { return unsafe.Sizeof(C.kvp_manager_config{}) }
 func sizeofManagerStats() uintptr  { return unsafe.Sizeof(C.kvp_manager_stats{}) }
+
+// hookSetReentryLogger installs the callback that calls into kvplug, with
+// user = h (NULL: the default, silent logger again).
+func hookSetReentryLogger(h unsafe.Pointer) abiStatus {
+	if h == nil {
+		return abiStatus(kvp_set_logger(nil, nil, C.KVP_LOG_OFF))
+	}
+	return abiStatus(C.set_reentry_logger(h))
+}
+
+// reentryResult is what the re-entering callback saw.
+type reentryResult struct {
+	lines, check, live int
+	newline            bool
+	msg                string
+}
+
+func hookReentryResult() reentryResult {
+	var out [4]C.int
+	msg := C.GoString(C.reentry_result(&out[0]))
+	return reentryResult{lines: int(out[0]), check: int(out[1]), live: int(out[2]), newline: out[3] != 0, msg: msg}
+}
+
+func hookLiveHandles(null bool) (int64, abiStatus) {
+	var n C.int64_t = -1
+	p := &n
+	if null {
+		p = nil
+	}
+	st := kvp_live_handles(p)
+	return int64(n), abiStatus(st)
+}
+
+// hookVcacheCreate creates a host-backend cache without background mapping.
+func hookVcacheCreate(layers, kvHeads, headDim, maxBatch, maxContext int32, budget int64) (unsafe.Pointer, abiStatus) {
+	cfg := (*C.kvp_vcache_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_vcache_config{}))))
+	defer C.free(unsafe.Pointer(cfg))
+	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_vcache_config{}))
+	cfg.backend = C.KVP_VMEM_HOST
+	cfg.num_layers, cfg.num_kv_heads, cfg.head_dim = C.int32_t(layers), C.int32_t(kvHeads), C.int32_t(headDim)
+	cfg.dtype_bytes = 2
+	cfg.max_batch, cfg.max_context = C.int32_t(maxBatch), C.int32_t(maxContext)
+	cfg.budget_bytes = C.int64_t(budget)
+	cfg.reclaim_below_bytes = -1
+	var out *C.kvp_vcache
+	st := kvp_vcache_create(cfg, &out)
+	return unsafe.Pointer(out), abiStatus(st)
+}
+
+func hookVcacheDestroy(h unsafe.Pointer) { kvp_vcache_destroy((*C.kvp_vcache)(h)) }
+
+func hookVcacheAlloc(h unsafe.Pointer) (int32, abiStatus) {
+	var s C.int32_t = -1
+	st := kvp_vcache_alloc_slot((*C.kvp_vcache)(h), &s)
+	return int32(s), abiStatus(st)
+}
+
+func hookVcacheStep(h unsafe.Pointer, slots, ctxLens []int32) abiStatus {
+	cs, cc := cInt32s(slots), cInt32s(ctxLens)
+	defer cs.free()
+	defer cc.free()
+	return abiStatus(kvp_vcache_step((*C.kvp_vcache)(h), (*C.int32_t)(cs.p), (*C.int32_t)(cc.p), C.int32_t(len(slots))))
+}
+
+// hookVcacheMapped returns mapped_bytes and active_slots from the stats.
+func hookVcacheMapped(h unsafe.Pointer) (int64, int32, abiStatus) {
+	var s C.kvp_vcache_stats
+	s.struct_size = C.size_t(unsafe.Sizeof(s))
+	st := kvp_vcache_stats_get((*C.kvp_vcache)(h), &s)
+	return int64(s.mapped_bytes), int32(s.active_slots), abiStatus(st)
+}

@@ -9,6 +9,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/vmem"
 )
 
@@ -27,6 +28,9 @@ func vcacheOf(h *C.kvp_vcache) (*vcache, error) {
 //export kvp_vcache_create
 func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_status) {
 	defer guard(&st)
+	if logx.InCallback() {
+		return fail(errFromLogCallback("kvp_vcache_create"))
+	}
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "kvp_vcache_create: cfg and out must not be NULL")
 	}
@@ -79,11 +83,7 @@ func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_s
 func kvp_vcache_destroy(h *C.kvp_vcache) {
 	defer guardVoid()
 	// Only a live kvp_vcache is dropped: another object's handle stays.
-	if _, err := vcacheOf(h); err != nil {
-		return
-	}
-	if v, ok := dropHandle(unsafe.Pointer(h)); ok {
-		vc := v.(*vcache)
+	if vc, ok := dropHandle[*vcache](unsafe.Pointer(h)); ok {
 		_ = vc.c.Close()
 		_ = vc.drv.Close()
 	}

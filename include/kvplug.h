@@ -21,7 +21,9 @@
  *   Handles.   Opaque, typed (kvp_manager *, ...). Created by kvp_X_create and
  *              released by kvp_X_destroy, which accepts NULL. A handle used
  *              after destroy, or a pointer that is not a handle of that type,
- *              gives KVP_ERR_INVALID_HANDLE (it is never dereferenced).
+ *              gives KVP_ERR_INVALID_HANDLE (it is never dereferenced); a
+ *              destroy given one does nothing (kvp_manager_destroy leaves a
+ *              kvp_vcache alone). kvp_live_handles counts the live ones.
  *   Threads.   All functions may be called from any thread. Each object
  *              documents its own thread-safety; kvp_manager serialises
  *              concurrent calls on one handle with an internal lock.
@@ -127,7 +129,11 @@ typedef enum kvp_log_level {
 
 /* Receives one formatted log line (no trailing newline). msg is valid only
  * during the call. It may be called from any thread, concurrently; it must not
- * call back into kvplug. */
+ * call back into kvplug: the code that logged may hold a lock the call would
+ * need. A call on a handle (any kvp_manager_* or kvp_vcache_* function, a
+ * destroy included), kvp_vcache_create or kvp_live_handles made from inside
+ * the callback fails with KVP_ERR_UNSUPPORTED and changes nothing (a destroy
+ * does nothing). */
 typedef void (*kvp_log_fn)(void *user, int level, const char *msg);
 
 #ifndef KVPLUG_NO_PROTOTYPES
@@ -138,6 +144,10 @@ kvp_status kvp_set_logger(kvp_log_fn fn, void *user, int level);
 
 /* Changes the minimum level only. */
 kvp_status kvp_set_log_level(int level);
+
+/* *out = the number of live handles of every type (created and not yet
+ * destroyed), for a host's leak checks. Errors: NULL_POINTER. */
+kvp_status kvp_live_handles(int64_t *out);
 #endif
 
 
@@ -820,7 +830,11 @@ typedef struct kvp_vcache kvp_vcache;
 typedef enum kvp_vmem_backend {
   KVP_VMEM_CUDA = 0, /* CUDA virtual memory management on `device` */
   KVP_VMEM_HOST = 1  /* host memory (PROT_NONE reservation, memfd pages; Linux): the
-                        same semantics on the CPU, for tests and tools */
+                        same semantics on the CPU, for tests and tools. Pages
+                        mapped side by side share one kernel mapping; the
+                        backend uses at most half of the mappings
+                        vm.max_map_count leaves free and answers
+                        OUT_OF_MEMORY past that */
 } kvp_vmem_backend;
 
 typedef struct kvp_vcache_config {
@@ -837,7 +851,9 @@ typedef struct kvp_vcache_config {
                                   granularity (2 MiB for CUDA, the OS page for host);
                                   0 (default) = the granularity */
   int64_t budget_bytes;        /* most physical memory the cache holds; at least one
-                                  page per tensor (2 * num_layers * page_size); no default */
+                                  page per tensor (2 * num_layers * page_size); capped
+                                  at 2^26 pages in all (stats report the budget in
+                                  force); no default */
   int64_t reclaim_below_bytes; /* reclaim freed slots' pages when the budget left falls
                                   under this; 0 = only when a step needs them;
                                   -1 (default) = budget_bytes / 8 */
@@ -881,7 +897,8 @@ typedef struct kvp_vcache_stats {
  * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (a field out of range,
  * a budget under one page group, more than 2^47 bytes per tensor),
  * NO_DEVICE (no driver or no such device), UNSUPPORTED (the device lacks
- * virtual memory management; the host backend off Linux), CUDA. */
+ * virtual memory management; the host backend off Linux), OUT_OF_MEMORY
+ * (the address space cannot hold the reservations), CUDA. */
 kvp_status kvp_vcache_create(const kvp_vcache_config *cfg, kvp_vcache **out);
 
 /* Unmaps and releases all memory and frees the reservations; every pointer
@@ -912,12 +929,15 @@ kvp_status kvp_vcache_free_slot(kvp_vcache *c, int32_t slot);
  * and V, for i < n, and starts background mapping ahead. Call it once per
  * step before the step's first kernel. When nothing needs mapping it costs
  * one comparison per slot. All or none: OUT_OF_MEMORY (the budget cannot
- * cover the batch even after reclaiming freed slots) maps nothing; the
- * engine preempts a request and retries. n = 0 is a no-op.
+ * cover the batch even after reclaiming freed slots, the device is out of
+ * memory, or the host backend's share of vm.max_map_count is used up) maps
+ * nothing; the engine preempts a request and retries. A failed driver call
+ * (CUDA) also unmaps what the call mapped (freed slots' pages it reclaimed
+ * stay reclaimed); only if that unmapping fails too do slots grown before it
+ * keep their pages. n = 0 is a no-op.
  * Errors: NULL_POINTER, INVALID_ARGUMENT (n outside [0, 2^20], a slot out of
  * range or listed twice, a length outside [0, max_context]), NOT_FOUND (a
- * slot not allocated), OUT_OF_MEMORY, CUDA (a driver call failed; slots
- * grown before it keep their pages). */
+ * slot not allocated), OUT_OF_MEMORY, CUDA. */
 kvp_status kvp_vcache_step(kvp_vcache *c, const int32_t *slots, const int32_t *ctx_lens, int32_t n);
 
 /* Unmaps every freed slot's pages and releases all idle pages to the

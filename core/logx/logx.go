@@ -5,6 +5,10 @@
 package logx
 
 import (
+	"bytes"
+	"runtime"
+	"strconv"
+	"sync"
 	"sync/atomic"
 
 	"go.uber.org/zap"
@@ -22,7 +26,10 @@ const (
 	Off   Level = 4
 )
 
-// Sink receives one formatted entry. It may be called concurrently.
+// Sink receives one formatted entry, with no line ending. It may be called
+// concurrently. It must not call back into the library: InCallback lets the
+// C ABI refuse such calls instead of deadlocking on a lock the logging code
+// holds.
 type Sink func(level Level, msg string)
 
 type state struct {
@@ -108,10 +115,63 @@ func (c *sinkCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
 	if err != nil {
 		return err
 	}
-	msg := buf.String()
+	// zap ends every entry with a newline even when LineEnding is empty
+	// (empty means its default); the host gets the line without it.
+	msg := string(bytes.TrimRight(buf.Bytes(), "\r\n"))
 	buf.Free()
-	s.sink(toLevel(e.Level), msg)
+	deliver(s.sink, toLevel(e.Level), msg)
 	return nil
+}
+
+// Calls from inside the sink. The host's callback runs on the goroutine
+// that logged (a C callback into Go resumes the goroutine that made the C
+// call), so that goroutine is marked while the sink runs. delivering counts
+// the sinks running, so that while none is, InCallback is one atomic load.
+var (
+	delivering atomic.Int64
+	inSink     sync.Map // goroutine id -> sinks it runs (a sink may log again)
+)
+
+func deliver(sink Sink, l Level, msg string) {
+	id := goid()
+	depth := 0
+	if v, ok := inSink.Load(id); ok { // only this goroutine writes its entry
+		depth = v.(int)
+	}
+	inSink.Store(id, depth+1)
+	delivering.Add(1)
+	defer func() {
+		delivering.Add(-1)
+		if depth == 0 {
+			inSink.Delete(id)
+		} else {
+			inSink.Store(id, depth)
+		}
+	}()
+	sink(l, msg)
+}
+
+// InCallback reports whether the caller runs inside the sink: a library
+// call made by the host's log callback.
+func InCallback() bool {
+	if delivering.Load() == 0 {
+		return false
+	}
+	_, ok := inSink.Load(goid())
+	return ok
+}
+
+// goid is the calling goroutine's id, read from its stack header
+// ("goroutine 123 [running]:"); only needed while a sink runs.
+func goid() uint64 {
+	var buf [64]byte
+	b := buf[:runtime.Stack(buf[:], false)]
+	b = bytes.TrimPrefix(b, []byte("goroutine "))
+	if i := bytes.IndexByte(b, ' '); i > 0 {
+		b = b[:i]
+	}
+	id, _ := strconv.ParseUint(string(b), 10, 64)
+	return id
 }
 
 func (c *sinkCore) Sync() error { return nil }
