@@ -7,6 +7,7 @@
 #include "kvplug_kernels.h"
 #include "kvp_common.cuh"
 #include "kvp_decode.cuh"
+#include "kvp_prefill.cuh"
 
 // ---------------------------------------------------------------------------
 // The host side mirrors these layouts field for field: freeze them.
@@ -34,6 +35,21 @@ KVP_OFF(kvp_merge_params, out_lse_head_stride, 200);
 KVP_OFF(kvp_merge_params, num_states, 208);
 KVP_OFF(kvp_merge_params, reserved, 220);
 
+static_assert(sizeof(kvp_prefill_plan_params) == 40, "kvp_prefill_plan_params size");
+KVP_OFF(kvp_prefill_plan_params, work, 16);
+KVP_OFF(kvp_prefill_plan_params, batch, 24);
+KVP_OFF(kvp_prefill_plan_params, max_items, 36);
+static_assert(sizeof(kvp_prefill_params) == 152, "kvp_prefill_params size");
+KVP_OFF(kvp_prefill_params, work, 48);
+KVP_OFF(kvp_prefill_params, q_token_stride, 56);
+KVP_OFF(kvp_prefill_params, block_table_stride, 112);
+KVP_OFF(kvp_prefill_params, num_q_heads, 120);
+KVP_OFF(kvp_prefill_params, window_left, 140);
+KVP_OFF(kvp_prefill_params, scale, 144);
+KVP_OFF(kvp_prefill_params, reserved, 148);
+static_assert(kvp::PrefillCfg<64>::SMEM == 59392, "prefill smem h64 (header formula)");
+static_assert(kvp::PrefillCfg<128>::SMEM == 83456, "prefill smem h128 (header formula)");
+static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header formula)");
 static_assert(kvp::DecodeCfg<64>::SMEM == 70144, "smem h64 (header formula)");
 static_assert(kvp::DecodeCfg<128>::SMEM == 104448, "smem h128 (header formula)");
 static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)");
@@ -56,6 +72,10 @@ static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)")
     extern "C" __global__ void __launch_bounds__(KVP_MERGE_THREADS)                            \
         kvp_merge_states_##DT##_h##D(const kvp_merge_params p) {                               \
         kvp::merge_states<T, D>(p);                                                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_THREADS)                          \
+        kvp_paged_prefill_##DT##_h##D(const kvp_prefill_params p) {                            \
+        kvp::paged_prefill<T, D>(p);                                                           \
     }
 
 KVP_INSTANTIATE(f32, float, 64)
@@ -67,3 +87,8 @@ KVP_INSTANTIATE(f16, kvp::f16, 256)
 KVP_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_INSTANTIATE(bf16, kvp::bf16, 256)
+
+// The plan kernel depends on neither dtype nor head_dim.
+extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
+    kvp::prefill_plan(p);
+}

@@ -13,6 +13,8 @@
  *     kvp_paged_decode_<dt>_h<D>
  *     kvp_paged_decode_combine_<dt>_h<D>
  *     kvp_merge_states_<dt>_h<D>
+ *     kvp_paged_prefill_<dt>_h<D>
+ *     kvp_prefill_plan (one kernel for every dtype and head_dim)
  * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}.
  *
  * Alignment (all kernels): every tensor pointer of the kernel's dtype and the
@@ -216,5 +218,98 @@ typedef struct kvp_merge_params {
     int32_t num_heads;
     int32_t reserved; /* must be 0 */
 } kvp_merge_params;
+
+/* ------------------------------------------------------------------------
+ * 4. Paged prefill / extend attention over a varlen batch (plan + run).
+ *    Sequence b has q_len_b = qo_indptr[b+1] - qo_indptr[b] new tokens, rows
+ *    [qo_indptr[b], qo_indptr[b+1]) of q/out, at positions
+ *    [kv_len_b - q_len_b, kv_len_b); row i attends to tokens
+ *    [max(0, pos_i - window_left), pos_i] (window_left < 0: [0, pos_i]) of
+ *    the sequence's paged cache (layout and table rules as decode).
+ *    q   [total_q, num_q_heads, head_dim] (q_token_stride, q_head_stride)
+ *    out [total_q, num_q_heads, head_dim] (out_token_stride, out_head_stride)
+ *    lse float32 [total_q, num_q_heads] contiguous, or 0 = not requested
+ *
+ *  Work list (int32, in the workspace `work`, 16-byte aligned):
+ *      work[0]                      number of items
+ *      work[8 + 8*i .. 8 + 8*i + 7] item i: b, q_start, q_len, kv_len,
+ *                                   row tile, 0, 0, 0
+ *      bytes = 4 * (KVP_PREFILL_HEADER_INTS + KVP_PREFILL_ITEM_INTS * max_items)
+ *  An item is one sequence's row tile: its rows packed as (token, q head of
+ *  one kv head's group), packed row r -> token r / group, head r % group,
+ *  KVP_PREFILL_TILE_Q packed rows per tile: ceil(q_len * group / TILE_Q)
+ *  items per sequence.
+ *
+ *  Plan: kvp_prefill_plan, block
+ *  (KVP_PREFILL_PLAN_THREADS,1,1), grid (1,1,1), smem 0 (static only).
+ *  It clamps rows to [0, total_q) and writes at most max_items items.
+ *  Run: kvp_paged_prefill_<dt>_h<D>, block (KVP_PREFILL_THREADS,1,1), any
+ *  grid (x only; blocks stride over item * num_kv_heads + kv head, so a
+ *  launch captured in a graph serves any later plan into the same work
+ *  list); dynamic smem kvp_prefill_smem_bytes(dt, D); values above 48 KiB
+ *  need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
+ * plan offsets: 0 qo_indptr, 8 kv_lens, 16 work, 24 batch, 28 group,
+ *          32 total_q, 36 max_items; size 40.
+ * run offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 out, 40 lse,
+ *          48 work, 56 q_token_stride, 64 q_head_stride, 72 out_token_stride,
+ *          80 out_head_stride, 88 cache_block_stride, 96 cache_token_stride,
+ *          104 cache_head_stride, 112 block_table_stride, 120 num_q_heads,
+ *          124 num_kv_heads, 128 block_size, 132 num_blocks,
+ *          136 max_blocks_per_seq, 140 window_left, 144 scale,
+ *          148 reserved; size 152.
+ * ---------------------------------------------------------------------- */
+#define KVP_PREFILL_THREADS 128
+#define KVP_PREFILL_PLAN_THREADS 1024
+#define KVP_PREFILL_TILE_Q 64  /* packed rows per item (4 warps x 16) */
+#define KVP_PREFILL_TILE_KV 64 /* tokens per K/V pipeline tile */
+#define KVP_PREFILL_HEADER_INTS 8
+#define KVP_PREFILL_ITEM_INTS 8
+
+typedef struct kvp_prefill_plan_params {
+    uint64_t qo_indptr; /* int32 [batch + 1] */
+    uint64_t kv_lens;   /* int32 [batch] */
+    uint64_t work;      /* int32 work list (above) */
+    int32_t batch;
+    int32_t group; /* num_q_heads / num_kv_heads */
+    int32_t total_q;
+    int32_t max_items;
+} kvp_prefill_plan_params;
+
+typedef struct kvp_prefill_params {
+    uint64_t q;
+    uint64_t k_cache;
+    uint64_t v_cache;
+    uint64_t block_table; /* int32 [batch, block_table_stride] */
+    uint64_t out;
+    uint64_t lse;  /* float32 or 0 */
+    uint64_t work; /* the plan's work list */
+    int64_t q_token_stride;
+    int64_t q_head_stride;
+    int64_t out_token_stride;
+    int64_t out_head_stride;
+    int64_t cache_block_stride;
+    int64_t cache_token_stride;
+    int64_t cache_head_stride;
+    int64_t block_table_stride;
+    int32_t num_q_heads;
+    int32_t num_kv_heads;
+    int32_t block_size;
+    int32_t num_blocks;
+    int32_t max_blocks_per_seq;
+    int32_t window_left; /* < 0: no window */
+    float scale;
+    int32_t reserved; /* 0 */
+} kvp_prefill_params;
+
+/* Dynamic shared memory of kvp_paged_prefill_<dt>_h<D>, in bytes.
+ *   16-bit: 64 * D * 2 (query tile) + stages(D) * 64 * D * 4 (K and V tiles)
+ *         + (stages(D) + 1) * 64 * 8 (row offsets), stages(64) = 3, else 2:
+ *     h64: 59392, h128: 83456, h256: 165376
+ *   f32: 0 */
+static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
+    if (dtype_bytes == 4) return 0;
+    uint32_t stages = head_dim <= 64 ? 3u : 2u;
+    return 64u * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
+}
 
 #endif /* KVPLUG_KERNELS_H */
