@@ -170,7 +170,13 @@ def test_bad_input_changes_nothing(cm):
     with pytest.raises(kvplug.InvalidArgumentError):
         cm.admit([2], [[1, 2]], Keys(salt=b"x" * 2000))
     with pytest.raises(kvplug.InvalidArgumentError):
-        cm.admit([2], [[1, 2]], Keys(mm=[MMItem(1, 9, bytes(16))]))
+        cm.admit([2], [[1, 2]], Keys(mm=[MMItem(1, 0, bytes(16))]))
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.admit([2], [[1, 2]], Keys(mm=[MMItem(3, 1, bytes(16)), MMItem(1, 1, bytes(16))]))
+    with pytest.raises(kvplug.InvalidArgumentError):
+        cm.add_mm_items(1, [MMItem(0, 2, bytes(16))])  # inside a filled block
+    with pytest.raises(kvplug.UnknownSequenceError):
+        cm.add_mm_items(9, [MMItem(8, 2, bytes(16))])
     with pytest.raises(kvplug.InvalidArgumentError):
         cm.admit([2], [[1, 2]], [None, None])
     with pytest.raises(kvplug.UnknownSequenceError):
@@ -190,3 +196,56 @@ def test_without_the_cache_admit_is_add():
         with pytest.raises(kvplug.InvalidArgumentError):
             m.drain_events()
         assert m.prefix_stats().cached_blocks == 0
+
+
+def test_chunked_prefill_through_an_image():
+    # The header's flow: match the whole prompt, admit a first chunk that
+    # ends inside the image, grow_tokens the rest.
+    P = list(range(48)) + [-1] * 32 + list(range(100, 110))  # image placeholders at [48, 80)
+    img = Keys(mm=[MMItem(48, 32, b"\x11" * 16)])
+    other = Keys(mm=[MMItem(48, 32, b"\x22" * 16)])
+    with kvplug.Manager(64, 16, prefix_cache=True) as m:
+        assert m.match([P], img)[0].matched_tokens == 0
+        m.admit([1], [P[:40]], img)
+        m.grow_tokens([1], [P[40:]])
+        assert m.match([P])[0].matched_tokens == 48  # text only: never the image's blocks
+        assert m.match([P], img)[0].matched_tokens == 80
+        assert m.match([P], other)[0].matched_tokens == 48
+        # Another image, chunked the same way, caches its own image blocks.
+        before = m.prefix_stats()
+        m.admit([2], [P[:40]], other)
+        m.grow_tokens([2], [P[40:]])
+        after = m.prefix_stats()
+        # Block 2 ([32, 48), text) is an honest duplicate: the 40-token chunk
+        # could match only two blocks. Blocks 3 and 4 hold the other image.
+        assert (after.inserts - before.inserts, after.dedups - before.dedups) == (2, 1)
+        assert m.match([P], other)[0].matched_tokens == 80
+        m.check()
+
+
+def test_items_added_after_admission():
+    P = list(range(20)) + [-1] * 8 + list(range(30, 36))  # image at [20, 28)
+    img = MMItem(20, 8, b"\x33" * 16)
+    with kvplug.Manager(32, BS, prefix_cache=True) as m:
+        m.admit([1], [P[:18]])  # the image is not known yet
+        m.add_mm_items(1, [img])
+        m.grow_tokens([1], [P[18:]])
+        assert m.match([P], Keys(mm=[img]))[0].matched_tokens == 32
+        assert m.match([P])[0].matched_tokens == 20
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.add_mm_items(1, [MMItem(30, 1, b"\x44" * 16)])  # inside a filled block now
+        m.check()
+
+
+def test_drain_makes_progress_whatever_a_block_holds():
+    # One block of 2048 tokens with 1100 one-token images: far more entries
+    # than the drain's first buffers hold.
+    items = [MMItem(i, 1, i.to_bytes(16, "little")) for i in range(1100)]
+    with kvplug.Manager(4, 2048, prefix_cache=True, kv_events=True) as m:
+        m.admit([1], [list(range(2049))], Keys(mm=items))
+        evs = m.drain_events()
+        assert len(evs) == 1 and evs[0].kind == "stored"
+        assert len(evs[0].tokens) == 2048 and evs[0].tokens[-1] == 2047
+        assert evs[0].mm == tuple((i, i.to_bytes(16, "little")) for i in range(1100))
+        assert m.drain_events() == []
+        assert m.prefix_stats().pending_events == 0

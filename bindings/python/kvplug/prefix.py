@@ -7,6 +7,10 @@
 
 A prompt's identity besides its tokens is a Keys: a LoRA adapter id,
 multimodal items (offset, length, 16-byte content hash) and a tenant salt.
+Keys belong to the sequence: under chunked prefill, admit the first chunk
+with the whole prompt's Keys (items may reach past the chunk) and
+grow_tokens the rest; items not known at admission can follow with
+add_mm_items before their tokens.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ class Keys:
     salts never share a block."""
 
     adapter: int = 0  # LoRA adapter id; 0 = none
-    mm: Sequence[MMItem] = ()  # offsets strictly increasing, inside the prompt
+    mm: Sequence[MMItem] = ()  # the whole prompt's, offsets strictly increasing; may reach past the tokens given
     salt: bytes = b""  # tenant salt, at most 1024 bytes
 
 
@@ -181,6 +185,8 @@ def _sig() -> Any:
                 ctypes.c_int,
                 [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, P(_i32)],
             ),
+            next_event_size=f("kvp_manager_next_event_size", ctypes.c_int, [_vp, P(_i32), P(_i32), P(_i32)]),
+            add_mm_items=f("kvp_manager_add_mm_items", ctypes.c_int, [_vp, _i64, _vp, _i32]),
         )
     return _F
 
@@ -207,6 +213,20 @@ def _flatten(prompts: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray]:
     return tokens, offsets
 
 
+def _mm_items(mm: Sequence[Any]) -> Any:
+    """A kvp_mm_item array of (offset, length, 16-byte hash) items."""
+    items = (MMItemStruct * len(mm))()
+    for i, it in enumerate(mm):
+        off, length, h = it
+        if len(h) != 16:
+            raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {len(h)}")
+        if not (-(2**31) <= off <= _INT32_MAX and -(2**31) <= length <= _INT32_MAX):
+            raise _bad(f"multimodal item {i}: offset and length must fit in int32")
+        items[i].offset, items[i].length = off, length
+        ctypes.memmove(items[i].hash, bytes(h), 16)
+    return items
+
+
 def _keys_struct(k: Optional[Keys], keep: list) -> PrefixKeysStruct:
     s = PrefixKeysStruct()
     if k is None:
@@ -217,15 +237,7 @@ def _keys_struct(k: Optional[Keys], keep: list) -> PrefixKeysStruct:
         raise _bad(f"adapter must be in [0, 2^64): got {k.adapter}")
     s.adapter = k.adapter
     if k.mm:
-        items = (MMItemStruct * len(k.mm))()
-        for i, it in enumerate(k.mm):
-            off, length, h = it
-            if len(h) != 16:
-                raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {len(h)}")
-            if not (-(2**31) <= off <= _INT32_MAX and -(2**31) <= length <= _INT32_MAX):
-                raise _bad(f"multimodal item {i}: offset and length must fit in int32")
-            items[i].offset, items[i].length = off, length
-            ctypes.memmove(items[i].hash, bytes(h), 16)
+        items = _mm_items(k.mm)
         keep.append(items)
         s.mm = ctypes.cast(items, ctypes.POINTER(MMItemStruct))
         s.num_mm = len(k.mm)
@@ -269,6 +281,7 @@ class PrefixCacheMethods:
     """The Manager methods of the prefix cache (mixed into Manager)."""
 
     _h: Optional[int]
+    block_size: int
 
     def admit(self, seq_ids: Sequence[int], prompts: Sequence[Any], keys: Any = None) -> np.ndarray:
         """Admits new sequences by their prompts (token id sequences), in
@@ -315,6 +328,19 @@ class PrefixCacheMethods:
         flat, offsets = _flatten(tokens)
         counts = np.diff(offsets).astype(np.int32)
         _check(F["grow_tokens"](self._h, ids.ctypes.data, counts.ctypes.data, ids.size, flat.ctypes.data))
+
+    def add_mm_items(self, seq_id: int, items: Sequence[MMItem]) -> None:
+        """Appends multimodal items to a live sequence's keys, for tokens
+        still to come that its admission did not name: every block it fills
+        afterwards is hashed with the items that overlap it. Items start
+        after the sequence's last item and not inside a block it has filled
+        already. Raises InvalidArgumentError, UnknownSequenceError (nothing
+        changes)."""
+        if not (-(2**63) <= seq_id < 2**63):
+            raise _bad(f"add_mm_items: seq_id must fit in int64: got {seq_id}")
+        items = list(items)
+        arr = _mm_items(items) if items else None
+        _check(_sig()["add_mm_items"](self._h, seq_id, arr, len(items)))
 
     def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
         """The longest cached prefix of each prompt, without admitting it
@@ -375,23 +401,38 @@ class PrefixCacheMethods:
 
     def drain_events(self, max_events: int = 1024) -> List[KVEvent]:
         """Drains up to max_events pending KV events, oldest first (call
-        until it returns [] to drain all). Needs kv_events=True."""
+        until it returns [] to drain all). Needs kv_events=True. Makes
+        progress whatever a block holds: buffers too small for the oldest
+        event grow to the size the library reports, and the call is
+        retried."""
         F = _sig()
         if not (1 <= max_events <= 1 << 20):
             raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
+        bs = self.block_size
         evs = (KVEventStruct * max_events)()
-        mm = (BlockMMStruct * 1024)()
-        hashes = np.empty(16 * max_events * 4, np.uint8)
+        # Room for every event of a call with up to 64 tokens a block
+        # (larger blocks: one block at least), 1024 multimodal entries and
+        # 4 removed hashes an event; the retry below grows what is short.
+        cap_tok = max(bs, max_events * min(bs, 64))
+        cap_mm, cap_hash = 1024, 4 * max_events
         num = _i32()
-        # Room for 64 tokens an event first; a larger block than that fits
-        # gets a second try with room for any block.
-        for max_tokens, n_events in ((max_events * 64, max_events), (1 << 20, 1)):
-            toks = np.empty(max_tokens, np.int32)
+        need_tok, need_mm, need_hash = _i32(), _i32(), _i32()
+        # Each retry is sized by the library's answer for the oldest event,
+        # so the second call succeeds unless another thread drained or
+        # stored events in between; the bound only stops a pathological race.
+        for _ in range(8):
+            toks = np.empty(cap_tok, np.int32)
+            mm = (BlockMMStruct * max(cap_mm, 1))()
+            hashes = np.empty(16 * max(cap_hash, 1), np.uint8)
             st = F["drain"](
-                self._h, evs, n_events, toks.ctypes.data, max_tokens, mm, 1024, hashes.ctypes.data, hashes.size // 16, ctypes.byref(num)
+                self._h, evs, max_events, toks.ctypes.data, cap_tok, mm, cap_mm, hashes.ctypes.data, cap_hash, ctypes.byref(num)
             )
             if st != _lib.Status.BUFFER_TOO_SMALL:
                 break
+            _check(F["next_event_size"](self._h, ctypes.byref(need_tok), ctypes.byref(need_mm), ctypes.byref(need_hash)))
+            cap_tok = max(cap_tok, need_tok.value)
+            cap_mm = max(cap_mm, need_mm.value)
+            cap_hash = max(cap_hash, need_hash.value)
         _check(st)
         out = []
         hb = hashes.tobytes()
