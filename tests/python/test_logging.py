@@ -57,3 +57,53 @@ def test_callback_exceptions_do_not_escape(caplog):
     with kvplug.Manager(8, 4):  # the library keeps working
         pass
     kvplug.set_logger(None)
+
+
+def test_set_logger_rejects_non_callables_at_once():
+    lines = []
+    kvplug.set_logger(lambda level, msg: lines.append(msg), kvplug.LOG_DEBUG)
+    for bad in (42, "print", b"x"):
+        with pytest.raises(TypeError, match="callable"):
+            kvplug.set_logger(bad)
+    with kvplug.Manager(8, 4):  # the logger installed before is still the one
+        pass
+    assert lines
+
+
+def test_lines_have_no_line_ending():
+    lines = []
+    kvplug.set_logger(lambda level, msg: lines.append(msg), kvplug.LOG_DEBUG)
+    with kvplug.Manager(8, 4, prefix_cache=True) as m:
+        m.admit([1], [list(range(100))])  # does not fit: a debug line
+    kvplug.set_logger(None)
+    assert lines
+    assert not [m for m in lines if m.endswith(("\n", "\r"))]
+
+
+def test_calls_from_the_callback_fail_instead_of_deadlocking():
+    import threading
+
+    seen = []
+    with kvplug.Manager(4, 4, prefix_cache=True) as m:
+
+        def reenter(level, msg):
+            for call in (m.stats, m.check, lambda: kvplug.set_logger(None)):
+                try:
+                    call()
+                    seen.append("ok")
+                except (kvplug.UnsupportedError, RuntimeError) as e:
+                    seen.append(type(e).__name__ + ": " + str(e))
+
+        kvplug.set_logger(reenter, kvplug.LOG_DEBUG)
+        result = []
+        # admit logs "pool full" while it holds the manager's lock.
+        t = threading.Thread(target=lambda: result.append(m.admit([1], [list(range(100))])), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "admit deadlocked in its log callback"
+        kvplug.set_logger(None)
+        assert result and len(result[0]) == 0
+        assert seen and "ok" not in seen
+        assert any(s.startswith("UnsupportedError") and "log callback" in s for s in seen)
+        assert any(s.startswith("RuntimeError") and "log callback" in s for s in seen)
+        m.check()  # outside the callback, calls work

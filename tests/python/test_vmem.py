@@ -10,6 +10,7 @@ float64 reference; skipped without torch or a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -218,3 +219,118 @@ def test_cuda_slot_reuse_and_trim():
         vc.trim()
         st = vc.stats()
         assert st["held_bytes"] == 0 and st["mapped_bytes"] == 0
+
+
+# ---------------------------------------------------------------------------
+# long contexts, and caches dropped without close()
+# ---------------------------------------------------------------------------
+
+import gc  # noqa: E402
+import os  # noqa: E402
+import warnings  # noqa: E402
+
+from kvplug import _lib  # noqa: E402
+
+
+def _kernel_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _page_files() -> int:
+    """Open host-backend page files (one per live host cache)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "kvplug-vmem" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def test_host_long_context_maps_in_ranges():
+    # 40000 tokens of 4 KiB: 40000 pages in each of K and V, more than the
+    # kernel's default cap on a process's mappings if each were its own.
+    before = _kernel_mappings()
+    with VirtualKVCache(1, 8, 256, "float16", 1, 40000, 1 << 30, backend="host") as vc:
+        s = vc.alloc()
+        vc.step([s], [40000])
+        assert vc.stats()["mapped_bytes"] == 2 * 40000 * 8 * 256 * 2
+        assert _kernel_mappings() - before < 16
+        k = vc.k(0)
+        k[s, 39999] = 1.5
+        k[s, 0] = -2.0
+        assert k[s, 39999, 7, 255] == 1.5 and k[s, 0, 0, 0] == -2.0
+        del k
+
+
+def _dropped_cache(step: bool) -> None:
+    vc = VirtualKVCache(1, 8, 256, "float16", 1, 40000, 1 << 30, backend="host")
+    s = vc.alloc()
+    if step:
+        vc.step([s], [40000])
+
+
+def test_dropped_caches_are_closed_and_say_so():
+    gc.collect()
+    handles, files = _lib.live_handles(), _page_files()
+    with pytest.warns(ResourceWarning, match="1 slot still allocated") as record:
+        for _ in range(10):
+            _dropped_cache(step=True)
+    gc.collect()
+    assert len([w for w in record if issubclass(w.category, ResourceWarning)]) == 10
+    assert _lib.live_handles() == handles
+    assert _page_files() == files
+
+
+def test_dropped_cache_logs_on_the_kvplug_logger(caplog):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        with caplog.at_level("WARNING", logger="kvplug"):
+            _dropped_cache(step=False)
+            gc.collect()
+    assert any("collected with 1 slot still" in r.getMessage() for r in caplog.records if r.name == "kvplug")
+
+
+def test_close_is_explicit_and_silent():
+    handles = _lib.live_handles()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        vc = host_cache()
+        vc.alloc()
+        assert _lib.live_handles() == handles + 1
+        vc.close()
+        vc.close()
+        del vc
+        gc.collect()
+    assert _lib.live_handles() == handles
+
+
+def test_a_view_keeps_its_cache_open():
+    gc.collect()
+    handles = _lib.live_handles()
+    vc = host_cache()
+    s = vc.alloc()
+    vc.step([s], [100])
+    k = vc.k(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        del vc
+        gc.collect()
+        assert _lib.live_handles() == handles + 1  # the array's memory stays mapped
+        k[s, :100] = 3.0
+        assert float(k[s, :100].sum()) == 3.0 * 100 * 2 * 8
+        del k
+        gc.collect()
+    assert _lib.live_handles() == handles
+
+
+def test_manager_destroy_leaves_a_cache_alone():
+    # kvp_manager_destroy given a kvp_vcache * must not touch it.
+    with host_cache() as vc:
+        handles = _lib.live_handles()
+        _lib.fn("kvp_manager_destroy", None, [ctypes.c_void_p])(vc.handle)
+        assert _lib.live_handles() == handles
+        s = vc.alloc()
+        vc.step([s], [10])
+        vc.k(0)[s, :10] = 1.0

@@ -48,6 +48,7 @@ __all__ = [
     "as_ptr",
     "version",
     "version_string",
+    "live_handles",
     "set_logger",
     "set_log_level",
     "enable_logging",
@@ -333,6 +334,14 @@ def version_string() -> str:
     return fn("kvp_version_string", ctypes.c_char_p, [])().decode()
 
 
+def live_handles() -> int:
+    """The library's count of live handles of every type (managers, caches):
+    for leak checks."""
+    n = ctypes.c_int64()
+    check(fn("kvp_live_handles", ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)])(ctypes.byref(n)))
+    return n.value
+
+
 # --------------------------------------------------------------------------
 # Buffers
 # --------------------------------------------------------------------------
@@ -468,14 +477,24 @@ _FROM_PY_LEVEL = ((logging.ERROR, LOG_ERROR), (logging.WARNING, LOG_WARN), (logg
 # The installed callback: ctypes frees the C thunk with this object, so it
 # must stay referenced while the library may call it.
 _log_thunk: Any = None
+# Marks a thread that runs the callback: set_logger from there would free
+# the thunk that is running.
+_in_callback = threading.local()
 
 
 def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_INFO) -> None:
     """Routes the library's log lines to callback(level, message) (level is
     LOG_DEBUG..LOG_ERROR), for lines at `level` or above; None silences the
     library (its default). The callback may run on any thread, including
-    the library's own, and must not call into kvplug."""
+    the library's own, and must not call into kvplug (calls on kvplug
+    objects from it raise UnsupportedError; set_logger raises RuntimeError).
+
+    Raises TypeError at once for a callback that is not callable."""
     global _log_thunk
+    if callback is not None and not callable(callback):
+        raise TypeError(f"kvplug: set_logger: callback must be callable(level, message) or None: got {type(callback).__name__}")
+    if getattr(_in_callback, "depth", 0):
+        raise RuntimeError("kvplug: set_logger called from inside the log callback; the callback must not call into kvplug")
     set_fn = fn("kvp_set_logger", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
     if callback is None:
         check(set_fn(None, None, int(level)))
@@ -483,10 +502,13 @@ def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_
         return
 
     def thunk(_user: Any, lvl: int, msg: bytes) -> None:
+        _in_callback.depth = getattr(_in_callback, "depth", 0) + 1
         try:
             callback(lvl, msg.decode("utf-8", "replace") if msg else "")
         except Exception:  # an exception cannot cross into the library
             logging.getLogger("kvplug").exception("kvplug log callback failed")
+        finally:
+            _in_callback.depth -= 1
 
     new = _LOG_FN(thunk)
     check(set_fn(ctypes.cast(new, ctypes.c_void_p), None, int(level)))

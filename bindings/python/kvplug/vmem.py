@@ -25,12 +25,20 @@ torch asks the driver which device an address belongs to). The host backend
 exposes numpy arrays over the mapped memory. Touching tokens that step() has
 not mapped faults (a GPU error, or SIGSEGV on the host backend). Every
 tensor becomes invalid when the cache is closed.
+
+close() (or a with block) releases a cache when the engine says so. A cache
+dropped without it is closed when it is collected, once no tensor from
+k()/v() is alive (each keeps its cache), with a ResourceWarning and a
+warning on the "kvplug" logger if slots were still allocated.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
@@ -200,9 +208,27 @@ def _dlpack_capsule(owner: Any, ptr: int, shape: Sequence[int], strides: Sequenc
 IntArray = Union[Sequence[int], Any]  # lists, numpy int32 arrays, buffers
 
 
+def _release(handle: int, backend: int) -> None:
+    """Destroys a cache that was collected without close(). Holds no
+    reference to the VirtualKVCache (a finalizer must not)."""
+    s = VCacheStats()
+    s.struct_size = ctypes.sizeof(VCacheStats)
+    stats = _lib.fn("kvp_vcache_stats_get", _c_int, [_vp, ctypes.POINTER(VCacheStats)])
+    live = s.active_slots if stats(handle, ctypes.byref(s)) == 0 else 0
+    _lib.fn("kvp_vcache_destroy", None, [_vp])(handle)
+    if live:
+        kind = "CUDA" if backend == BACKEND_CUDA else "host"
+        slots = f"{live} slot" if live == 1 else f"{live} slots"
+        msg = (f"kvplug: a VirtualKVCache ({kind} backend) was collected with {slots} still "
+               "allocated and has been closed; call close() or use it in a with block")
+        warnings.warn(msg, ResourceWarning, stacklevel=2)
+        logging.getLogger("kvplug").warning("%s", msg)
+
+
 class VirtualKVCache:
     """A kvp_vcache. Methods are thread-safe (the library locks); close() must
-    not race other calls. Use it as a context manager or call close()."""
+    not race other calls. Use it as a context manager or call close(); a
+    cache collected without it is closed then (see the module's notes)."""
 
     def __init__(
         self,
@@ -240,6 +266,11 @@ class VirtualKVCache:
         _lib.check(_lib.fn("kvp_vcache_create", _c_int, [ctypes.POINTER(VCacheConfig), ctypes.POINTER(_vp)])(
             ctypes.byref(cfg), ctypes.byref(h)))
         self._h = h.value
+        # Closes the handle if the object is collected without close(); the
+        # finalizer sees only the handle, never self. Not at interpreter exit:
+        # the process is ending and modules may be half torn down.
+        self._finalizer = weakref.finalize(self, _release, self._h, self.backend)
+        self._finalizer.atexit = False
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_batch, self.max_context = max_batch, max_context
         self.dtype_bytes = nbytes
@@ -247,7 +278,10 @@ class VirtualKVCache:
         st = (_i64 * 4)()
         _lib.check(_lib.fn("kvp_vcache_strides", _c_int, [_vp, ctypes.POINTER(_i64)])(self._h, st))
         self.strides: Tuple[int, int, int, int] = tuple(st)  # type: ignore[assignment]
-        self._views: Dict[Tuple[int, int], Any] = {}
+        # Weak: every view keeps the cache alive (its memory must stay
+        # mapped), so strong references back would keep a dropped cache
+        # alive for ever.
+        self._views: "weakref.WeakValueDictionary[Tuple[int, int], Any]" = weakref.WeakValueDictionary()
 
     # -- lifetime -----------------------------------------------------------
 
@@ -257,6 +291,7 @@ class VirtualKVCache:
         h, self._h = self._h, None
         self._views.clear()
         if h is not None:
+            self._finalizer.detach()
             _lib.fn("kvp_vcache_destroy", None, [_vp])(h)
 
     def __enter__(self) -> "VirtualKVCache":
@@ -347,6 +382,7 @@ class VirtualKVCache:
         isz = self.dtype_bytes
         nbytes = self.strides[0] * self.max_batch * isz
         buf = (ctypes.c_char * nbytes).from_address(ptr)
+        buf._kvplug_cache = self  # the array's base keeps the cache, and its memory, alive
         return np.ndarray(self.shape, dtype=np.dtype(self._np_dtype), buffer=buf,
                           strides=tuple(s * isz for s in self.strides))
 
