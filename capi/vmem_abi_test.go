@@ -130,3 +130,11 @@ func TestLogCallbackReentryFailsInsteadOfDeadlocking(t *testing.T) {
 	expect(t, "check outside the callback", hookManagerCheck(m), kverr.OK)
 	liveHandles(t)
 }
+
+func TestManagerNumBlocksMessageNamesTheLimit(t *testing.T) {
+	_, st := hookManagerCreate(sizeofManagerConfig(), 1<<26+1, 1, false, false)
+	expect(t, "create 2^26+1 blocks", st, kverr.InvalidArgument)
+	if !strings.Contains(lastError(), "[1, 2^26]") {
+		t.Fatalf("message %q does not name the limit [1, 2^26]", lastError())
+	}
+}

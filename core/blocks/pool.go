@@ -90,10 +90,10 @@ type Stats struct {
 }
 
 // New returns a pool of numBlocks free blocks of blockSize token slots.
-// numBlocks must be in [1, 2^31-1] and blockSize in [1, 2^16].
+// numBlocks must be in [1, MaxBlocks = 2^26] and blockSize in [1, 2^16].
 func New(numBlocks, blockSize int) (*Pool, error) {
 	if numBlocks < 1 || numBlocks > MaxBlocks {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "num_blocks must be in [1, 2^31): got %d", numBlocks)
+		return nil, kverr.Errorf(kverr.InvalidArgument, "num_blocks must be in [1, 2^26]: got %d", numBlocks)
 	}
 	if blockSize < 1 || blockSize > MaxBlockSize {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "block_size must be in [1, 2^16]: got %d", blockSize)

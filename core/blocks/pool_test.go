@@ -3,6 +3,7 @@ package blocks
 import (
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -81,6 +82,10 @@ func TestNewRejectsBadSizes(t *testing.T) {
 		if p != nil {
 			t.Fatalf("%s: got a pool", c.name)
 		}
+	}
+	// The message states the real limit.
+	if _, err := New(MaxBlocks+1, 16); err == nil || !strings.Contains(err.Error(), "[1, 2^26]") {
+		t.Fatalf("num_blocks past the limit: %v, want a message naming [1, 2^26]", err)
 	}
 	p := newPool(t, 1, MaxBlockSize)
 	if s := p.Stats(); s != (Stats{Total: 1, Free: 1}) {

@@ -128,7 +128,7 @@ type Manager struct {
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in
-// [1, 2^31-1], BlockSize in [1, 2^16], and NumBlocks*BlockSize below 2^31 so
+// [1, 2^26], BlockSize in [1, 2^16], and NumBlocks*BlockSize below 2^31 so
 // that every slot fits in an int32.
 func New(cfg Config) (*Manager, error) {
 	p, err := blocks.New(cfg.NumBlocks, cfg.BlockSize)
