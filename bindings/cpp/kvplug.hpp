@@ -490,6 +490,8 @@ struct PrefixApi {
   KVPLUG_FN(kvp_manager_prefix_stats_reset);
   KVPLUG_FN(kvp_manager_clear_prefix_cache);
   KVPLUG_FN(kvp_manager_drain_events);
+  KVPLUG_FN(kvp_manager_next_event_size);
+  KVPLUG_FN(kvp_manager_add_mm_items);
   void load(const Library &lib) {
     KVPLUG_LOAD(lib, kvp_manager_admit);
     KVPLUG_LOAD(lib, kvp_manager_grow_tokens);
@@ -501,6 +503,8 @@ struct PrefixApi {
     KVPLUG_LOAD(lib, kvp_manager_prefix_stats_reset);
     KVPLUG_LOAD(lib, kvp_manager_clear_prefix_cache);
     KVPLUG_LOAD(lib, kvp_manager_drain_events);
+    KVPLUG_LOAD(lib, kvp_manager_next_event_size);
+    KVPLUG_LOAD(lib, kvp_manager_add_mm_items);
   }
 };
 inline const PrefixApi &prefix_api() { return table<PrefixApi>(); }
@@ -577,6 +581,13 @@ class PrefixCache {
                                                 detail::count32(seq_ids.size(), "grow_tokens: seq_ids"), tokens.data()));
   }
 
+  // Appends multimodal items to a live sequence's keys, for tokens still to
+  // come that its admission did not name (kvp_manager_add_mm_items).
+  void add_mm_items(int64_t seq_id, span<const kvp_mm_item> items) {
+    detail::check(api().kvp_manager_add_mm_items(m_->get(), seq_id, items.data(),
+                                                 detail::count32(items.size(), "add_mm_items: items")));
+  }
+
   // The longest cached prefix of each prompt, without admitting it.
   std::vector<kvp_prefix_match> match(const Prompts &p, bool want_partial = false) {
     check_batch("match", p.size(), p);
@@ -621,19 +632,32 @@ class PrefixCache {
   }
 
   // Drains up to max_events pending KV events, oldest first; empty when
-  // none is pending.
+  // none is pending. Buffers too small for the oldest event (a block with
+  // many multimodal entries) grow to the size the library reports.
   std::vector<KVEvent> drain_events(int32_t max_events = 1024) {
     const int32_t bs = m_->block_size();
-    std::vector<kvp_kv_event> evs(static_cast<std::size_t>(max_events));
+    std::vector<kvp_kv_event> evs(static_cast<std::size_t>(max_events > 0 ? max_events : 1));
     // Room for up to 256 stored blocks a call: the caller loops anyway.
     std::vector<int32_t> toks(static_cast<std::size_t>(std::min(max_events, 256)) * static_cast<std::size_t>(bs));
     std::vector<kvp_block_mm> mm(256);
-    std::vector<BlockHash> hashes(static_cast<std::size_t>(max_events) * 4);
+    std::vector<BlockHash> hashes(static_cast<std::size_t>(max_events > 0 ? max_events : 1) * 4);
     int32_t n = 0;
-    detail::check(api().kvp_manager_drain_events(m_->get(), evs.data(), max_events, toks.data(),
-                                                 detail::count32(toks.size(), "drain_events: tokens"), mm.data(),
-                                                 static_cast<int32_t>(mm.size()), hashes.data()->data(),
-                                                 detail::count32(hashes.size(), "drain_events: hashes"), &n));
+    kvp_status st = KVP_OK;
+    // A retry is sized by the library's answer for the oldest event, so it
+    // succeeds unless another thread changes the queue in between.
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      st = api().kvp_manager_drain_events(m_->get(), evs.data(), max_events, toks.data(),
+                                          detail::count32(toks.size(), "drain_events: tokens"), mm.data(),
+                                          detail::count32(mm.size(), "drain_events: mm"), hashes.data()->data(),
+                                          detail::count32(hashes.size(), "drain_events: hashes"), &n);
+      if (st != KVP_ERR_BUFFER_TOO_SMALL) break;
+      int32_t need_tok = 0, need_mm = 0, need_hash = 0;
+      detail::check(api().kvp_manager_next_event_size(m_->get(), &need_tok, &need_mm, &need_hash));
+      toks.resize(std::max(toks.size(), static_cast<std::size_t>(need_tok)));
+      mm.resize(std::max(mm.size(), static_cast<std::size_t>(need_mm)));
+      hashes.resize(std::max(hashes.size(), static_cast<std::size_t>(need_hash)));
+    }
+    detail::check(st);
     std::vector<KVEvent> out(static_cast<std::size_t>(n));
     for (int32_t i = 0; i < n; ++i) {
       const kvp_kv_event &e = evs[static_cast<std::size_t>(i)];

@@ -171,3 +171,78 @@ TEST(PrefixCache, BadInputThrowsAndChangesNothing) {
   EXPECT_EQ(after.num_tokens, before.num_tokens);
   m.check();
 }
+
+TEST(PrefixCache, ChunkedPrefillThroughAnImageAndLargeEvents) {
+  // Block size 16; image placeholders at [48, 80); the first chunk (40
+  // tokens) ends inside the image, whose item admit takes whole.
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 64;
+  cfg.enable_prefix_cache = 1;
+  cfg.enable_kv_events = 1;
+  kvplug::Manager m(cfg);
+  kvplug::PrefixCache pc(m);
+  std::vector<int32_t> p = iota(0, 48);
+  p.insert(p.end(), 32, -1);
+  p = cat(p, iota(100, 10));
+  kvp_mm_item img{48, 32, {}};
+  std::fill(std::begin(img.hash), std::end(img.hash), uint8_t{0x11});
+  kvp_prefix_keys keys = KVP_PREFIX_KEYS_INIT;
+  keys.mm = &img;
+  keys.num_mm = 1;
+  kvplug::Prompts first;
+  first.add(std::vector<int32_t>(p.begin(), p.begin() + 40), &keys);
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{1}, first), (std::vector<int32_t>{0}));
+  pc.grow_tokens(std::vector<int64_t>{1}, std::vector<int32_t>{50}, std::vector<int32_t>(p.begin() + 40, p.end()));
+  kvplug::Prompts q;
+  q.add(p).add(p, &keys);
+  const auto got = pc.match(q);
+  EXPECT_EQ(got[0].matched_tokens, 48);  // text only: never the image's blocks
+  EXPECT_EQ(got[1].matched_tokens, 80);
+
+  // Items for tokens to come; one inside a filled block is refused.
+  kvp_mm_item later{90, 2, {}};
+  pc.add_mm_items(1, kvplug::span<const kvp_mm_item>(&later, 1));
+  kvp_mm_item early{91, 1, {}};
+  pc.grow_tokens(std::vector<int64_t>{1}, std::vector<int32_t>{8}, iota(200, 8));
+  try {
+    pc.add_mm_items(1, kvplug::span<const kvp_mm_item>(&early, 1));
+    FAIL() << "an item inside a filled block was accepted";
+  } catch (const kvplug::Error &e) {
+    EXPECT_EQ(e.status(), KVP_ERR_INVALID_ARGUMENT);
+  }
+
+  // Five full blocks stored, the image's two with one entry each.
+  const auto evs = pc.drain_events();
+  ASSERT_EQ(evs.size(), 6u);
+  EXPECT_EQ(evs[3].mm.size(), 1u);
+  EXPECT_EQ(evs[4].mm.size(), 1u);
+  EXPECT_EQ(evs[5].mm.size(), 1u);  // [80, 96): the item added later
+}
+
+TEST(PrefixCache, DrainsABlockWithMoreEntriesThanTheDefaultBuffers) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 4;
+  cfg.block_size = 2048;
+  cfg.enable_prefix_cache = 1;
+  cfg.enable_kv_events = 1;
+  kvplug::Manager m(cfg);
+  kvplug::PrefixCache pc(m);
+  std::vector<kvp_mm_item> items(1100);
+  for (int32_t i = 0; i < 1100; ++i) {
+    items[static_cast<std::size_t>(i)].offset = i;
+    items[static_cast<std::size_t>(i)].length = 1;
+    items[static_cast<std::size_t>(i)].hash[0] = static_cast<uint8_t>(i);
+  }
+  kvp_prefix_keys keys = KVP_PREFIX_KEYS_INIT;
+  keys.mm = items.data();
+  keys.num_mm = 1100;
+  kvplug::Prompts p;
+  p.add(iota(0, 2049), &keys);
+  pc.admit(std::vector<int64_t>{1}, p);
+  const auto evs = pc.drain_events();
+  ASSERT_EQ(evs.size(), 1u);
+  EXPECT_EQ(evs[0].tokens.size(), 2048u);
+  ASSERT_EQ(evs[0].mm.size(), 1100u);
+  EXPECT_EQ(evs[0].mm[1099].offset, 1099);
+  EXPECT_TRUE(pc.drain_events().empty());
+}
