@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import sys
 import time
 from typing import Callable, Deque, Dict, List, Optional
 
@@ -323,7 +324,9 @@ def section_trace(e: Engine) -> List[str]:
         f"requests: {mt.arrived} arrived, {mt.served} served, {len(e.running)} running and "
         f"{len(e.waiting)} waiting at the end; {mt.preemptions} preemptions",
         f"steps: {cfg.steps}; {mt.tokens_generated} tokens generated; mean batch {np.mean(mt.running):.1f}; "
-        f"request latency p50 {np.percentile(lat, 50):.0f} / p99 {np.percentile(lat, 99):.0f} steps",
+        + (f"request latency p50 {np.percentile(lat, 50):.0f} / p99 {np.percentile(lat, 99):.0f} steps"
+           if mt.latency_steps else
+           f"no request finished (outputs are {cfg.output_len[0]}-{cfg.output_len[1]} tokens): run more steps"),
     ]
 
 
@@ -364,6 +367,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--quiet", action="store_true", help="summary only")
     ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache comparison")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1: got {args.steps}")
+    if args.arrival_rate < 0:
+        ap.error(f"--arrival-rate must be >= 0: got {args.arrival_rate}")
+    if args.block_size >= 1:
+        # Requests are admitted in arrival order: one the whole pool cannot
+        # hold would wait at the head of the queue for ever, and nothing
+        # behind it would be served.
+        longest = Config.prompt_len[1] + Config.output_len[1]
+        need = -(-longest // args.block_size)
+        if args.num_blocks < need:
+            ap.error(
+                f"--num-blocks {args.num_blocks} cannot serve this workload: its longest requests reach {longest} "
+                f"tokens, {need} blocks of {args.block_size}, and the pool holds {max(args.num_blocks, 0) * args.block_size} "
+                f"tokens; use --num-blocks {need} or more"
+            )
     cfg = Config(
         seed=args.seed,
         steps=args.steps,
@@ -378,7 +397,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         f"outputs {cfg.output_len[0]}-{cfg.output_len[1]} tokens"
     )
     t0 = time.perf_counter()
-    engine = Engine(cfg)
+    try:
+        engine = Engine(cfg)
+    except kvplug.KvplugError as e:  # a configuration kvplug refuses, said plainly
+        print(f"demo: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         engine.run(Workload(cfg), print)
         print(f"summary ({time.perf_counter() - t0:.1f} s):")
