@@ -13,8 +13,12 @@ var image = cuda.NewImage("kvplug", kernels.Fatbin)
 
 // kernelSet is the kernels of one (dtype, head_dim) instantiation.
 type kernelSet struct {
-	write, decode, combine, merge *cuda.Kernel
+	write, decode, combine, merge, prefill *cuda.Kernel
 }
+
+// prefillPlanKernel writes a prefill plan's work list (one kernel for every
+// dtype and head_dim).
+var prefillPlanKernel = image.Kernel("kvp_prefill_plan")
 
 var headDims = [...]int{64, 128, 256}
 
@@ -28,6 +32,7 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 				decode:  image.Kernel("kvp_paged_decode" + suffix),
 				combine: image.Kernel("kvp_paged_decode_combine" + suffix),
 				merge:   image.Kernel("kvp_merge_states" + suffix),
+				prefill: image.Kernel("kvp_paged_prefill" + suffix),
 			}
 		}
 	}
@@ -343,9 +348,12 @@ func Prepare() error {
 			if err := m.Prepare(ks.decode, decodeSharedBytes(d, h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
 				return err
 			}
+			if err := m.Prepare(ks.prefill, prefillSharedBytes(d, h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
+				return err
+			}
 		}
 	}
-	return nil
+	return m.Prepare(prefillPlanKernel, 0)
 }
 
 func ceilDiv64(a, b int64) int64 { return (a + b - 1) / b }

@@ -20,6 +20,8 @@ var layoutCases = []layoutCase{
 	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 112},
 	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 160},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 224},
+	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 40},
+	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 152},
 }
 
 // TestParamsLayout compiles a program against kernels/kvplug_kernels.h that
@@ -58,6 +60,9 @@ func TestParamsLayout(t *testing.T) {
 			key := fmt.Sprintf("smem.%d.%d", dt.Size(), d)
 			fmt.Fprintf(&src, "  printf(\"%s %%u\\n\", kvp_decode_smem_bytes(%d, %d));\n", key, dt.Size(), d)
 			want[key] = uintptr(decodeSharedBytes(dt, d))
+			key = fmt.Sprintf("prefill_smem.%d.%d", dt.Size(), d)
+			fmt.Fprintf(&src, "  printf(\"%s %%u\\n\", kvp_prefill_smem_bytes(%d, %d));\n", key, dt.Size(), d)
+			want[key] = uintptr(prefillSharedBytes(dt, d))
 		}
 	}
 	src.WriteString("  return 0;\n}\n")

@@ -1,0 +1,491 @@
+package attn
+
+// Paged prefill / extend attention: plan once per batch composition, run per
+// layer. The plan checks the batch's host-side lengths, decides the route
+// (the decode kernel for a batch of one-token queries, the prefill kernel
+// otherwise) and, for the prefill route, launches the plan kernel that writes
+// the work list into the engine's workspace. The run checks the layer's
+// tensors against the plan and launches: no host work beyond that, no
+// allocation, no synchronisation.
+
+import (
+	"math"
+	"runtime"
+
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Plan kinds (kvp_attn_plan.kind) and routes (kvp_attn_plan.route).
+const (
+	KindPrefill  = 1 // KVP_ATTN_PLAN_PREFILL
+	RoutePrefill = 1 // KVP_ATTN_ROUTE_PREFILL: the prefill kernel over the work list
+	RouteDecode  = 2 // KVP_ATTN_ROUTE_DECODE: every q_len is 1; the decode kernel
+)
+
+// PrefillNoDecodeRoute (kvp_prefill_plan_args.flags) keeps a batch of
+// one-token queries on the prefill kernel, so that one captured graph serves
+// any batch composition.
+const PrefillNoDecodeRoute = 1
+
+// Launch constants of kvplug_kernels.h, section 4.
+const (
+	prefillThreads     = 128  // KVP_PREFILL_THREADS
+	prefillPlanThreads = 1024 // KVP_PREFILL_PLAN_THREADS
+	prefillTileQ       = 64   // KVP_PREFILL_TILE_Q
+	prefillHeaderInts  = 8    // KVP_PREFILL_HEADER_INTS
+	prefillItemInts    = 8    // KVP_PREFILL_ITEM_INTS
+	maxPrefillTokens   = 1<<31 - 1
+)
+
+// kvp_prefill_plan_params
+type prefillPlanParams struct {
+	QOIndptr uint64 `c:"qo_indptr"`
+	KVLens   uint64 `c:"kv_lens"`
+	Work     uint64 `c:"work"`
+	Batch    int32  `c:"batch"`
+	Group    int32  `c:"group"`
+	TotalQ   int32  `c:"total_q"`
+	MaxItems int32  `c:"max_items"`
+}
+
+// kvp_prefill_params
+type prefillParams struct {
+	Q                uint64  `c:"q"`
+	KCache           uint64  `c:"k_cache"`
+	VCache           uint64  `c:"v_cache"`
+	BlockTable       uint64  `c:"block_table"`
+	Out              uint64  `c:"out"`
+	LSE              uint64  `c:"lse"`
+	Work             uint64  `c:"work"`
+	QTokenStride     int64   `c:"q_token_stride"`
+	QHeadStride      int64   `c:"q_head_stride"`
+	OutTokenStride   int64   `c:"out_token_stride"`
+	OutHeadStride    int64   `c:"out_head_stride"`
+	CacheBlockStride int64   `c:"cache_block_stride"`
+	CacheTokenStride int64   `c:"cache_token_stride"`
+	CacheHeadStride  int64   `c:"cache_head_stride"`
+	BlockTableStride int64   `c:"block_table_stride"`
+	NumQHeads        int32   `c:"num_q_heads"`
+	NumKVHeads       int32   `c:"num_kv_heads"`
+	BlockSize        int32   `c:"block_size"`
+	NumBlocks        int32   `c:"num_blocks"`
+	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
+	WindowLeft       int32   `c:"window_left"`
+	Scale            float32 `c:"scale"`
+	Reserved         int32   `c:"reserved"`
+}
+
+// prefillSharedBytes is kvp_prefill_smem_bytes.
+func prefillSharedBytes(d DType, headDim int) uint32 {
+	if d.Size() == 4 {
+		return 0
+	}
+	stages := uint32(2)
+	if headDim <= 64 {
+		stages = 3
+	}
+	D := uint32(headDim)
+	return 64*D*2 + stages*64*D*4 + (stages+1)*64*8
+}
+
+// prefillBlocksPerSM is how many prefill blocks an SM holds at once (shared
+// memory and registers on sm_80/sm_90); the run's grid is that many per SM.
+func prefillBlocksPerSM(d DType, headDim int) int {
+	if d.Size() == 4 {
+		return 4
+	}
+	switch {
+	case headDim <= 64:
+		return 3
+	case headDim <= 128:
+		return 2
+	}
+	return 1
+}
+
+// PrefillShape is what a plan fixes besides the batch: the types, heads and
+// the attention window.
+type PrefillShape struct {
+	DType      DType
+	HeadDim    int
+	NumQHeads  int
+	NumKVHeads int
+	// WindowLeft >= 0 limits row i (at position pos_i) to tokens
+	// [pos_i - WindowLeft, pos_i]; -1: no window.
+	WindowLeft int
+}
+
+func (s *PrefillShape) validate(what string) error {
+	if err := checkHead(what, s.DType, s.HeadDim); err != nil {
+		return err
+	}
+	if err := firstErr(
+		inRange(what+": num_q_heads", s.NumQHeads, 1, MaxHeads),
+		inRange(what+": num_kv_heads", s.NumKVHeads, 1, MaxHeads),
+		inRange(what+": window_left", s.WindowLeft, -1, maxPrefillTokens),
+	); err != nil {
+		return err
+	}
+	if s.NumQHeads%s.NumKVHeads != 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: num_q_heads (%d) must be a multiple of num_kv_heads (%d)", what, s.NumQHeads, s.NumKVHeads)
+	}
+	return nil
+}
+
+// batchStats are the host-side facts of a batch composition.
+type batchStats struct {
+	totalQ, maxQLen, maxKVLen int
+	items                     int64
+}
+
+// checkBatch validates the host copies of qo_indptr ([batch+1], from 0,
+// non-decreasing) and kv_lens ([batch], kv_len_b >= q_len_b) and counts the
+// prefill kernel's work items.
+func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchStats, error) {
+	var st batchStats
+	batch := len(kvLens)
+	if err := inRange(what+": batch", batch, 0, maxBatch); err != nil {
+		return st, err
+	}
+	if len(qoIndptr) != batch+1 {
+		return st, kverr.Errorf(kverr.InvalidArgument, "%s: qo_indptr must hold batch + 1 = %d offsets: got %d", what, batch+1, len(qoIndptr))
+	}
+	if qoIndptr[0] != 0 {
+		return st, kverr.Errorf(kverr.InvalidArgument, "%s: qo_indptr[0] must be 0: got %d", what, qoIndptr[0])
+	}
+	group := int64(s.NumQHeads / s.NumKVHeads)
+	for b := 0; b < batch; b++ {
+		qLen := int64(qoIndptr[b+1]) - int64(qoIndptr[b])
+		if qLen < 0 {
+			return st, kverr.Errorf(kverr.InvalidArgument, "%s: qo_indptr must not decrease: qo_indptr[%d] = %d > qo_indptr[%d] = %d", what, b, qoIndptr[b], b+1, qoIndptr[b+1])
+		}
+		kv := int64(kvLens[b])
+		if kv < qLen {
+			return st, kverr.Errorf(kverr.InvalidArgument, "%s: sequence %d has %d new tokens but kv_len %d (kv_len counts them: it must be >= q_len)", what, b, qLen, kv)
+		}
+		st.maxQLen = max(st.maxQLen, int(qLen))
+		st.maxKVLen = max(st.maxKVLen, int(kv))
+		st.items += (qLen*group + prefillTileQ - 1) / prefillTileQ
+	}
+	st.totalQ = int(qoIndptr[batch])
+	if int64(st.totalQ)*int64(s.NumQHeads) > math.MaxInt32 {
+		return st, kverr.Errorf(kverr.InvalidArgument, "%s: total_q * num_q_heads must be below 2^31: %d * %d", what, st.totalQ, s.NumQHeads)
+	}
+	return st, nil
+}
+
+// PrefillWorkspaceSize returns the bytes of workspace (device memory,
+// 16-byte aligned) that plans of batches of up to maxBatch sequences and
+// maxTokens query tokens in all need, on either route.
+func PrefillWorkspaceSize(batchLimit, maxTokens, qHeads, kvHeads, headDim int) (int64, error) {
+	const what = "prefill workspace size"
+	if err := firstErr(
+		inRange(what+": max_batch", batchLimit, 1, maxBatch),
+		inRange(what+": max_tokens", maxTokens, 1, maxPrefillTokens),
+		inRange(what+": num_q_heads", qHeads, 1, MaxHeads),
+		inRange(what+": num_kv_heads", kvHeads, 1, MaxHeads),
+	); err != nil {
+		return 0, err
+	}
+	if qHeads%kvHeads != 0 {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "%s: num_q_heads (%d) must be a multiple of num_kv_heads (%d)", what, qHeads, kvHeads)
+	}
+	if !SupportedHeadDim(headDim) {
+		return 0, kverr.Errorf(kverr.Unsupported, "%s: head_dim must be 64, 128 or 256: got %d", what, headDim)
+	}
+	// Each sequence adds at most one partly filled tile.
+	items := (int64(maxTokens)*int64(qHeads/kvHeads)+prefillTileQ-1)/prefillTileQ + int64(batchLimit)
+	return max(workBytes(items), workspaceBytes(batchLimit, qHeads, headDim, DefaultMaxSplits)), nil
+}
+
+func workBytes(items int64) int64 { return 4 * (prefillHeaderInts + prefillItemInts*items) }
+
+// PrefillPlanArgs is the input of PlanPrefill.
+type PrefillPlanArgs struct {
+	PrefillShape
+	// Host copies of the batch: qo_indptr [batch+1] (query rows of sequence
+	// b are [qo_indptr[b], qo_indptr[b+1])) and kv_lens [batch] (tokens in
+	// the cache after this step's append, the new ones included).
+	QOIndptr, KVLens []int32
+	// The same arrays on the device, read by the kernels; keeping them equal
+	// to the host copies is the caller's obligation (the kernels clamp what
+	// they read so that a mismatch cannot make them write outside out).
+	QOIndptrDev, KVLensDev cuda.DevicePtr
+	Workspace              cuda.DevicePtr
+	WorkspaceBytes         int64
+	Flags                  int
+}
+
+// PrefillPlan is a planned batch composition (kvp_attn_plan's fields). It
+// holds no host memory the run needs beyond itself, so engines copy it
+// freely; the work list lives in the workspace.
+type PrefillPlan struct {
+	Kind, Route int
+	PrefillShape
+	Batch, TotalQ, MaxQLen, MaxKVLen int
+	NumItems, Grid, NumSplits        int
+	Workspace                        cuda.DevicePtr
+	WorkspaceBytes                   int64
+	KVLens                           cuda.DevicePtr
+}
+
+// PlanPrefill plans a batch on stream: checks, route, and for the prefill
+// route the plan kernel writing the work list. The workspace must not be
+// in use by a run of an earlier plan that has not been enqueued before it on
+// stream.
+func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
+	const what = "prefill_plan"
+	var p PrefillPlan
+	if err := a.PrefillShape.validate(what); err != nil {
+		return p, err
+	}
+	if a.Flags&^PrefillNoDecodeRoute != 0 {
+		return p, kverr.Errorf(kverr.InvalidArgument, "%s: unknown flags %#x", what, a.Flags)
+	}
+	if a.WorkspaceBytes < 0 {
+		return p, kverr.Errorf(kverr.InvalidArgument, "%s: workspace_bytes must not be negative: got %d", what, a.WorkspaceBytes)
+	}
+	st, err := checkBatch(what, &a.PrefillShape, a.QOIndptr, a.KVLens)
+	if err != nil {
+		return p, err
+	}
+	batch := len(a.KVLens)
+	p = PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, PrefillShape: a.PrefillShape,
+		Batch: batch, TotalQ: st.totalQ, MaxQLen: st.maxQLen, MaxKVLen: st.maxKVLen,
+		NumItems: int(st.items), NumSplits: 1,
+		Workspace: a.Workspace, WorkspaceBytes: a.WorkspaceBytes, KVLens: a.KVLensDev}
+	decode := batch > 0 && st.maxQLen == 1 && st.totalQ == batch && a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
+	if decode {
+		p.Route, p.NumItems = RouteDecode, 0
+	}
+	if batch > 0 {
+		if err := firstErr(checkIndex(what+": kv_lens", a.KVLensDev), aligned(what+": workspace", 16, a.Workspace)); err != nil {
+			return PrefillPlan{}, err
+		}
+		if !decode {
+			if err := checkIndex(what+": qo_indptr", a.QOIndptrDev); err != nil {
+				return PrefillPlan{}, err
+			}
+			need := workBytes(st.items)
+			if a.Workspace == 0 {
+				return PrefillPlan{}, kverr.Errorf(kverr.NullPointer, "%s: the work list of %d items needs a workspace of %d bytes; workspace is 0", what, st.items, need)
+			}
+			if a.WorkspaceBytes < need {
+				return PrefillPlan{}, kverr.Errorf(kverr.BufferTooSmall, "%s: the work list of %d items needs %d bytes of workspace; workspace_bytes is %d (kvp_prefill_workspace_size sizes it)", what, st.items, need, a.WorkspaceBytes)
+			}
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module(what)
+	if err != nil {
+		return PrefillPlan{}, err
+	}
+	sms := m.Device().SMs
+	if decode {
+		s := Plan(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen)
+		fit := int64(0)
+		if a.Workspace != 0 {
+			fit = a.WorkspaceBytes / workspaceBytes(batch, a.NumQHeads, a.HeadDim, 1)
+		}
+		p.NumSplits = int(max(1, min(int64(s), fit)))
+		return p, nil
+	}
+	p.Grid = sms * prefillBlocksPerSM(a.DType, a.HeadDim)
+	if batch == 0 {
+		return p, nil
+	}
+	pp := prefillPlanParams{
+		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
+		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
+		MaxItems: int32(st.items),
+	}
+	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
+	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
+		return PrefillPlan{}, err
+	}
+	return p, nil
+}
+
+// PrefillLayout is the per-layer shape of a run: strides of q and out
+// ([total_q, num_q_heads, head_dim]), the paged cache and the block table.
+type PrefillLayout struct {
+	QTokenStride, QHeadStride     int64
+	OutTokenStride, OutHeadStride int64
+
+	NumBlocks, BlockSize                                int
+	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
+
+	MaxBlocksPerSeq  int
+	BlockTableStride int64
+
+	Scale float32
+}
+
+type prefillExtents struct{ q, cache, out, table int64 }
+
+// validate checks the layout against the plan p.
+func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, error) {
+	var e prefillExtents
+	if p.Kind != KindPrefill {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: the plan's kind is %d; plan it with kvp_prefill_plan first", what, p.Kind)
+	}
+	if p.Route != RoutePrefill && p.Route != RouteDecode {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: the plan's route is %d (a plan is written by kvp_prefill_plan only)", what, p.Route)
+	}
+	if err := p.PrefillShape.validate(what); err != nil {
+		return e, err
+	}
+	if err := firstErr(
+		inRange(what+": plan batch", p.Batch, 0, maxBatch),
+		inRange(what+": plan total_q", p.TotalQ, 0, maxPrefillTokens),
+		inRange(what+": plan max_kv_len", p.MaxKVLen, 0, maxPrefillTokens),
+		inRange(what+": plan num_items", p.NumItems, 0, maxPrefillTokens),
+		inRange(what+": plan grid", p.Grid, 0, 1<<20),
+		inRange(what+": plan num_splits", p.NumSplits, 1, MaxSplits),
+		inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1),
+		inRange(what+": block_size", l.BlockSize, 1, 1<<20),
+		inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30),
+	); err != nil {
+		return e, err
+	}
+	if int64(p.TotalQ)*int64(p.NumQHeads) > math.MaxInt32 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: plan total_q * num_q_heads must be below 2^31", what)
+	}
+	if int64(l.MaxBlocksPerSeq)*int64(l.BlockSize) < int64(p.MaxKVLen) {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: the plan's longest sequence has %d tokens; the block table holds %d blocks of %d tokens", what, p.MaxKVLen, l.MaxBlocksPerSeq, l.BlockSize)
+	}
+	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
+	}
+	if !(l.Scale == l.Scale) || l.Scale > math.MaxFloat32 || l.Scale < -math.MaxFloat32 {
+		return e, kverr.Errorf(kverr.InvalidArgument, "%s: scale must be finite: got %g", what, l.Scale)
+	}
+	if err := vecMultiple(what, p.DType, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride,
+		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+		return e, err
+	}
+	var err error
+	if e.q, err = span(what+": q", p.HeadDim, dim{p.TotalQ, l.QTokenStride}, dim{p.NumQHeads, l.QHeadStride}); err != nil {
+		return e, err
+	}
+	out := []dim{{p.TotalQ, l.OutTokenStride}, {p.NumQHeads, l.OutHeadStride}}
+	if e.out, err = span(what+": out", p.HeadDim, out...); err != nil {
+		return e, err
+	}
+	if err := disjoint(what+": out", p.HeadDim, out...); err != nil {
+		return e, err
+	}
+	cache := []dim{{l.NumBlocks, l.CacheBlockStride}, {l.BlockSize, l.CacheTokenStride}, {p.NumKVHeads, l.CacheHeadStride}}
+	if e.cache, err = span(what+": cache", p.HeadDim, cache...); err != nil {
+		return e, err
+	}
+	e.table = int64(l.MaxBlocksPerSeq)
+	if p.Batch > 1 {
+		e.table += int64(p.Batch-1) * l.BlockTableStride
+	}
+	if p.TotalQ == 0 {
+		e.q, e.out = 0, 0
+	}
+	if p.Batch == 0 {
+		e.table = 0
+	}
+	return e, nil
+}
+
+// PagedPrefillArgs is one layer's run of a plan on device memory.
+type PagedPrefillArgs struct {
+	PrefillLayout
+	Q, KCache, VCache cuda.DevicePtr
+	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
+	Out               cuda.DevicePtr
+	LSE               cuda.DevicePtr // float32 [total_q, num_q_heads] contiguous; 0: not wanted
+}
+
+// PagedPrefill runs attention of plan p over one layer's tensors on stream.
+func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error {
+	const what = "paged_prefill"
+	if p == nil {
+		return kverr.Errorf(kverr.NullPointer, "%s: plan must not be NULL", what)
+	}
+	if _, err := a.validate(what, p); err != nil {
+		return err
+	}
+	if p.Batch > 0 {
+		if err := firstErr(
+			checkTensor(what+": k_cache", a.KCache),
+			checkTensor(what+": v_cache", a.VCache),
+			checkIndex(what+": block_table", a.BlockTable),
+			checkIndex(what+": plan kv_lens", p.KVLens),
+			aligned(what+": lse", 4, a.LSE),
+			aligned(what+": plan workspace", 16, p.Workspace),
+		); err != nil {
+			return err
+		}
+	}
+	if p.TotalQ > 0 {
+		if err := firstErr(checkTensor(what+": q", a.Q), checkTensor(what+": out", a.Out)); err != nil {
+			return err
+		}
+	}
+	if p.Route == RouteDecode {
+		return p.runDecode(a, stream)
+	}
+	if p.NumItems > 0 {
+		if p.Workspace == 0 {
+			return kverr.Errorf(kverr.NullPointer, "%s: the plan has no workspace", what)
+		}
+		if p.WorkspaceBytes < workBytes(int64(p.NumItems)) {
+			return kverr.Errorf(kverr.BufferTooSmall, "%s: the plan's %d items need %d bytes of workspace; it has %d", what, p.NumItems, workBytes(int64(p.NumItems)), p.WorkspaceBytes)
+		}
+		if p.Grid < 1 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's grid is %d", what, p.Grid)
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module(what)
+	if err != nil || p.NumItems == 0 {
+		return err
+	}
+	pp := prefillParams{
+		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache), BlockTable: uint64(a.BlockTable),
+		Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(p.Workspace),
+		QTokenStride: a.QTokenStride, QHeadStride: a.QHeadStride,
+		OutTokenStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
+		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
+		BlockTableStride: a.BlockTableStride,
+		NumQHeads:        int32(p.NumQHeads), NumKVHeads: int32(p.NumKVHeads),
+		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
+		WindowLeft: int32(p.WindowLeft), Scale: a.Scale,
+	}
+	cfg := cuda.LaunchConfig{
+		Grid:   cuda.Dim3{X: uint32(p.Grid), Y: 1, Z: 1},
+		Block:  cuda.Dim3{X: prefillThreads, Y: 1, Z: 1},
+		Shared: prefillSharedBytes(p.DType, p.HeadDim),
+	}
+	return cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).prefill, cfg, stream, &pp)
+}
+
+// runDecode runs a plan of one-token queries through the decode kernel: row
+// b of q is sequence b's query.
+func (p *PrefillPlan) runDecode(a *PagedPrefillArgs, stream cuda.Stream) error {
+	d := PagedDecodeArgs{
+		DecodeLayout: DecodeLayout{
+			DType: p.DType, HeadDim: p.HeadDim, Batch: p.Batch, NumQHeads: p.NumQHeads, NumKVHeads: p.NumKVHeads,
+			QBatchStride: a.QTokenStride, QHeadStride: a.QHeadStride,
+			OutBatchStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
+			NumBlocks: a.NumBlocks, BlockSize: a.BlockSize,
+			CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
+			MaxBlocksPerSeq: a.MaxBlocksPerSeq, BlockTableStride: a.BlockTableStride, Scale: a.Scale,
+		},
+		Q: a.Q, KCache: a.KCache, VCache: a.VCache, BlockTable: a.BlockTable, SeqLens: p.KVLens,
+		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
+		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen,
+	}
+	if d.Batch == 0 {
+		return nil
+	}
+	return PagedDecode(&d, stream)
+}

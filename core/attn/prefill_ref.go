@@ -1,0 +1,123 @@
+package attn
+
+import "github.com/kvplug/kvplug/core/kverr"
+
+// RefPagedPrefill is the CPU reference of PlanPrefill + PagedPrefill, in
+// float64. Sequence b's query rows [qoIndptr[b], qoIndptr[b+1]) sit at
+// positions [kvLens[b] - q_len_b, kvLens[b]); row i at position pos_i and
+// query head h (kv head h / (num_q_heads/num_kv_heads)) attends to tokens
+// [max(0, pos_i - window_left), pos_i] (window_left < 0: [0, pos_i]) of the
+// sequence, token t read from block table[b][t / block_size] at offset
+// t % block_size; tokens whose table column is >= max_blocks_per_seq or whose
+// block id is outside [0, num_blocks) are ignored. out = softmax(scale q.K) V;
+// lse (when non-nil, [total_q, num_q_heads] contiguous) = log(sum exp(scale
+// q.k)). A row that sees no token gives out = 0, lse = -inf.
+func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32, q, kCache, vCache []byte, table []int32, out []byte, lse []float32) error {
+	const what = "paged_prefill"
+	if err := s.validate(what); err != nil {
+		return err
+	}
+	st, err := checkBatch(what, s, qoIndptr, kvLens)
+	if err != nil {
+		return err
+	}
+	p := PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, PrefillShape: *s, Batch: len(kvLens),
+		TotalQ: st.totalQ, MaxQLen: st.maxQLen, MaxKVLen: st.maxKVLen, NumItems: int(st.items), NumSplits: 1}
+	e, err := l.validate(what, &p)
+	if err != nil {
+		return err
+	}
+	if err := firstErr(
+		needBytes(what+": q", q, e.q, s.DType),
+		needBytes(what+": k_cache", kCache, e.cache, s.DType),
+		needBytes(what+": v_cache", vCache, e.cache, s.DType),
+		needLen(what+": block_table", table, e.table),
+		needBytes(what+": out", out, e.out, s.DType),
+	); err != nil {
+		return err
+	}
+	if lse != nil {
+		if err := needLen(what+": lse", lse, int64(st.totalQ)*int64(s.NumQHeads)); err != nil {
+			return err
+		}
+	}
+	D := s.HeadDim
+	group := s.NumQHeads / s.NumKVHeads
+	qv := make([]float64, D)
+	o := make([]float64, D)
+	var scores []float64
+	var rows []int64
+	for b := range kvLens {
+		qStart, qLen, kvLen := int(qoIndptr[b]), int(qoIndptr[b+1]-qoIndptr[b]), int(kvLens[b])
+		tableRow := table[int64(b)*l.BlockTableStride:]
+		for i := 0; i < qLen; i++ {
+			pos := kvLen - qLen + i
+			lo := 0
+			if s.WindowLeft >= 0 {
+				lo = max(0, pos-s.WindowLeft)
+			}
+			row := int64(qStart + i)
+			for h := 0; h < s.NumQHeads; h++ {
+				g := int64(h / group)
+				qo := row*l.QTokenStride + int64(h)*l.QHeadStride
+				for d := 0; d < D; d++ {
+					qv[d] = s.DType.Load(q, qo+int64(d))
+				}
+				scores, rows = scores[:0], rows[:0]
+				for t := lo; t <= pos; t++ {
+					col := t / l.BlockSize
+					if col >= l.MaxBlocksPerSeq {
+						break
+					}
+					blk := int64(tableRow[col])
+					if blk < 0 || blk >= int64(l.NumBlocks) {
+						continue
+					}
+					ko := blk*l.CacheBlockStride + int64(t%l.BlockSize)*l.CacheTokenStride + g*l.CacheHeadStride
+					dot := 0.0
+					for d := 0; d < D; d++ {
+						dot += qv[d] * s.DType.Load(kCache, ko+int64(d))
+					}
+					scores = append(scores, float64(l.Scale)*dot)
+					rows = append(rows, ko)
+				}
+				st := attendRows(s.DType, vCache, rows, scores, o)
+				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
+				for d := 0; d < D; d++ {
+					s.DType.Store(out, oo+int64(d), o[d])
+				}
+				if lse != nil {
+					lse[row*int64(s.NumQHeads)+int64(h)] = float32(st)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// PrefillItems returns the work items the plan kernel writes for a batch
+// (host copies), in its order: for each sequence, its row tiles from the
+// last to the first, as (b, q_start, q_len, kv_len, tile). For tests and
+// tools; the launch path never builds it.
+func PrefillItems(s *PrefillShape, qoIndptr, kvLens []int32) ([][5]int32, error) {
+	if err := s.validate("prefill_items"); err != nil {
+		return nil, err
+	}
+	st, err := checkBatch("prefill_items", s, qoIndptr, kvLens)
+	if err != nil {
+		return nil, err
+	}
+	if st.items > 1<<24 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "prefill_items: %d items is more than a test needs", st.items)
+	}
+	group := int64(s.NumQHeads / s.NumKVHeads)
+	items := make([][5]int32, 0, st.items)
+	for b := range kvLens {
+		qLen := int64(qoIndptr[b+1] - qoIndptr[b])
+		tiles := (qLen*group + prefillTileQ - 1) / prefillTileQ
+		for t := tiles - 1; t >= 0; t-- {
+			items = append(items, [5]int32{int32(b), qoIndptr[b], int32(qLen), kvLens[b], int32(t)})
+		}
+	}
+	return items, nil
+}
