@@ -162,3 +162,120 @@ func kvp_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_s
 	}
 	return fail(attn.MergeStates(&m, cuda.Stream(stream)))
 }
+
+//export kvp_prefill_workspace_size
+func kvp_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.int32_t, out *C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_prefill_workspace_size: out_bytes must not be NULL")
+	}
+	n, err := attn.PrefillWorkspaceSize(int(maxBatch), int(maxTokens), int(qHeads), int(kvHeads), int(headDim))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.uint64_t(n)
+	return C.KVP_OK
+}
+
+//export kvp_prefill_plan
+func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if a == nil || plan == nil {
+		return failf(kverr.NullPointer, "kvp_prefill_plan: args and plan must not be NULL")
+	}
+	size := unsafe.Sizeof(*a)
+	if err := checkSize(a.struct_size, size, size, "kvp_prefill_plan_args"); err != nil {
+		return fail(err)
+	}
+	psize := unsafe.Sizeof(*plan)
+	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+		return fail(err)
+	}
+	if a.reserved != 0 {
+		return failf(kverr.InvalidArgument, "kvp_prefill_plan: reserved must be 0: got %d", int32(a.reserved))
+	}
+	if a.batch < 0 || a.batch > 65535 {
+		return failf(kverr.InvalidArgument, "kvp_prefill_plan: batch must be in [0, 65535]: got %d", int32(a.batch))
+	}
+	if a.workspace_bytes > math.MaxInt64 {
+		return failf(kverr.InvalidArgument, "kvp_prefill_plan: workspace_bytes %d is too large", uint64(a.workspace_bytes))
+	}
+	if a.qo_indptr_host == nil || (a.batch > 0 && a.kv_lens_host == nil) {
+		return failf(kverr.NullPointer, "kvp_prefill_plan: qo_indptr_host and kv_lens_host must not be NULL")
+	}
+	qo := unsafe.Slice((*int32)(unsafe.Pointer(a.qo_indptr_host)), int(a.batch)+1)
+	var kv []int32
+	if a.batch > 0 {
+		kv = unsafe.Slice((*int32)(unsafe.Pointer(a.kv_lens_host)), int(a.batch))
+	} else {
+		kv = []int32{}
+	}
+	p, err := attn.PlanPrefill(&attn.PrefillPlanArgs{
+		PrefillShape: attn.PrefillShape{DType: attn.DType(a.dtype), HeadDim: int(a.head_dim),
+			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads), WindowLeft: int(a.window_left)},
+		QOIndptr: qo, KVLens: kv,
+		QOIndptrDev: cuda.DevicePtr(a.qo_indptr), KVLensDev: cuda.DevicePtr(a.kv_lens),
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(a.workspace_bytes),
+		Flags: int(a.flags),
+	}, cuda.Stream(stream))
+	if err != nil {
+		return fail(err)
+	}
+	*plan = C.kvp_attn_plan{
+		struct_size: C.size_t(psize), kind: C.int32_t(p.Kind), route: C.int32_t(p.Route),
+		dtype: C.int32_t(p.DType), head_dim: C.int32_t(p.HeadDim),
+		num_q_heads: C.int32_t(p.NumQHeads), num_kv_heads: C.int32_t(p.NumKVHeads), window_left: C.int32_t(p.WindowLeft),
+		batch: C.int32_t(p.Batch), total_q: C.int32_t(p.TotalQ), max_q_len: C.int32_t(p.MaxQLen), max_kv_len: C.int32_t(p.MaxKVLen),
+		num_items: C.int32_t(p.NumItems), grid: C.int32_t(p.Grid), num_splits: C.int32_t(p.NumSplits),
+		workspace: C.uint64_t(p.Workspace), workspace_bytes: C.uint64_t(p.WorkspaceBytes), kv_lens: C.uint64_t(p.KVLens),
+	}
+	return C.KVP_OK
+}
+
+//export kvp_paged_prefill
+func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
+	defer guard(&st)
+	if plan == nil || a == nil {
+		return failf(kverr.NullPointer, "kvp_paged_prefill: plan and args must not be NULL")
+	}
+	psize := unsafe.Sizeof(*plan)
+	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+		return fail(err)
+	}
+	size := unsafe.Sizeof(*a)
+	if err := checkSize(a.struct_size, size, size, "kvp_paged_prefill_args"); err != nil {
+		return fail(err)
+	}
+	if a.reserved != 0 || a.reserved2 != 0 {
+		return failf(kverr.InvalidArgument, "kvp_paged_prefill: reserved fields must be 0")
+	}
+	if plan.workspace_bytes > math.MaxInt64 {
+		return failf(kverr.InvalidArgument, "kvp_paged_prefill: plan workspace_bytes %d is too large", uint64(plan.workspace_bytes))
+	}
+	p := attn.PrefillPlan{
+		Kind: int(plan.kind), Route: int(plan.route),
+		PrefillShape: attn.PrefillShape{DType: attn.DType(plan.dtype), HeadDim: int(plan.head_dim),
+			NumQHeads: int(plan.num_q_heads), NumKVHeads: int(plan.num_kv_heads), WindowLeft: int(plan.window_left)},
+		Batch: int(plan.batch), TotalQ: int(plan.total_q), MaxQLen: int(plan.max_q_len), MaxKVLen: int(plan.max_kv_len),
+		NumItems: int(plan.num_items), Grid: int(plan.grid), NumSplits: int(plan.num_splits),
+		Workspace: cuda.DevicePtr(plan.workspace), WorkspaceBytes: int64(plan.workspace_bytes), KVLens: cuda.DevicePtr(plan.kv_lens),
+	}
+	scale := float32(a.scale)
+	if scale == 0 && plan.head_dim > 0 {
+		scale = float32(1 / math.Sqrt(float64(plan.head_dim)))
+	}
+	r := attn.PagedPrefillArgs{
+		PrefillLayout: attn.PrefillLayout{
+			QTokenStride: int64(a.q_token_stride), QHeadStride: int64(a.q_head_stride),
+			OutTokenStride: int64(a.out_token_stride), OutHeadStride: int64(a.out_head_stride),
+			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
+			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
+			CacheHeadStride: int64(a.cache_head_stride),
+			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
+			Scale: scale,
+		},
+		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
+		BlockTable: cuda.DevicePtr(a.block_table), Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
+	}
+	return fail(attn.PagedPrefill(&p, &r, cuda.Stream(stream)))
+}

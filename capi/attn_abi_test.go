@@ -75,3 +75,41 @@ func TestAttnABIWorkspaceSize(t *testing.T) {
 	_, st = hookWorkspaceSize(8, 32, 128, 1000, false)
 	expect(t, "1000 splits", st, kverr.InvalidArgument)
 }
+
+func TestPrefillABIArgumentChecks(t *testing.T) {
+	good := sizeofPrefillPlanArgs()
+	qo, kv := []int32{0, 3, 4}, []int32{10, 4}
+	_, st := hookPrefillPlan(qo, kv, 1<<20, good-8, 0)
+	expect(t, "plan struct_size", st, kverr.StructSize)
+	_, st = hookPrefillPlan(qo, kv, 1<<20, good, 1)
+	expect(t, "plan reserved", st, kverr.InvalidArgument)
+	kind, st := hookPrefillPlan([]int32{0, 3, 2}, kv, 1<<20, good, 0)
+	expect(t, "decreasing qo_indptr", st, kverr.InvalidArgument)
+	if kind != 0 {
+		t.Fatalf("a failed plan wrote kind %d", kind)
+	}
+	_, st = hookPrefillPlan([]int32{0, 11, 12}, kv, 1<<20, good, 0)
+	expect(t, "q_len > kv_len", st, kverr.InvalidArgument)
+	_, st = hookPrefillPlan(qo, kv, 48, good, 0)
+	expect(t, "workspace small", st, kverr.BufferTooSmall)
+
+	expect(t, "run unplanned", hookPrefillRun(0, false), kverr.InvalidArgument)
+	expect(t, "run null plan", hookPrefillRun(1, true), kverr.NullPointer)
+
+	n, st := hookPrefillWorkspaceSize(4, 1000, 32, 8, 128)
+	if st != 0 || n == 0 {
+		t.Fatalf("prefill workspace size %d, %s %s", n, statusName(st), lastError())
+	}
+	_, st = hookPrefillWorkspaceSize(4, 1000, 32, 8, 100)
+	expect(t, "workspace size head_dim", st, kverr.Unsupported)
+
+	if cuda.Load() != nil {
+		want := kverr.NoDevice
+		if !attn.KernelsBuilt() {
+			want = kverr.Unsupported
+		}
+		_, st = hookPrefillPlan(qo, kv, 1<<20, good, 0)
+		expect(t, "plan without driver", st, want)
+		expect(t, "run without driver", hookPrefillRun(1, false), want)
+	}
+}

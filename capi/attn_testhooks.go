@@ -4,6 +4,7 @@ package main
 // files cannot use cgo).
 
 /*
+#include <stdlib.h>
 #include "kvplug.h"
 */
 import "C"
@@ -87,4 +88,47 @@ func hookNumSplits(dtype, headDim, batch, qHeads, kvHeads, maxLen int32) (int32,
 	var v C.int32_t
 	st := kvp_attn_num_splits(C.int32_t(dtype), C.int32_t(headDim), C.int32_t(batch), C.int32_t(qHeads), C.int32_t(kvHeads), C.int32_t(maxLen), &v)
 	return int32(v), abiStatus(st)
+}
+
+// hookPrefillPlan plans a batch with host arrays qo and kv (device pointers
+// are placeholders: the checks fail before any launch) and returns the
+// status and the plan's kind.
+func hookPrefillPlan(qo, kv []int32, wsBytes uint64, structSize uintptr, reserved int32) (int32, abiStatus) {
+	a := C.kvp_prefill_plan_args{struct_size: C.size_t(structSize), dtype: C.KVP_DTYPE_BF16, head_dim: 128,
+		num_q_heads: 8, num_kv_heads: 2, batch: C.int32_t(len(kv)), window_left: -1, reserved: C.int32_t(reserved),
+		qo_indptr: 0x1000, kv_lens: 0x2000, workspace: 0x3000, workspace_bytes: C.uint64_t(wsBytes)}
+	// Copies in C memory: cgo forbids passing Go pointers inside a struct.
+	cqo := (*C.int32_t)(C.malloc(C.size_t(4 * max(len(qo), 1))))
+	ckv := (*C.int32_t)(C.malloc(C.size_t(4 * max(len(kv), 1))))
+	defer C.free(unsafe.Pointer(cqo))
+	defer C.free(unsafe.Pointer(ckv))
+	copy(unsafe.Slice((*int32)(unsafe.Pointer(cqo)), len(qo)), qo)
+	copy(unsafe.Slice((*int32)(unsafe.Pointer(ckv)), len(kv)), kv)
+	a.qo_indptr_host, a.kv_lens_host = cqo, ckv
+	plan := C.kvp_attn_plan{struct_size: C.size_t(unsafe.Sizeof(C.kvp_attn_plan{}))}
+	st := kvp_prefill_plan(&a, &plan, 0)
+	return int32(plan.kind), abiStatus(st)
+}
+
+func sizeofPrefillPlanArgs() uintptr { return unsafe.Sizeof(C.kvp_prefill_plan_args{}) }
+
+// hookPrefillRun runs an unplanned (kind 0) or hand-made plan.
+func hookPrefillRun(kind int32, nullPlan bool) abiStatus {
+	plan := C.kvp_attn_plan{struct_size: C.size_t(unsafe.Sizeof(C.kvp_attn_plan{})), kind: C.int32_t(kind), route: 1,
+		dtype: C.KVP_DTYPE_F16, head_dim: 64, num_q_heads: 2, num_kv_heads: 1, window_left: -1, batch: 1, total_q: 1,
+		max_q_len: 1, max_kv_len: 4, num_items: 1, grid: 8, num_splits: 1, workspace: 0x3000, workspace_bytes: 1024, kv_lens: 0x2000}
+	a := C.kvp_paged_prefill_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_prefill_args{})),
+		num_blocks: 4, block_size: 4, max_blocks_per_seq: 1, q: 0x10000, q_token_stride: 128, q_head_stride: 64,
+		k_cache: 0x20000, v_cache: 0x30000, cache_block_stride: 256, cache_token_stride: 64, cache_head_stride: 64,
+		block_table: 0x40000, block_table_stride: 1, out: 0x50000, out_token_stride: 128, out_head_stride: 64}
+	if nullPlan {
+		return abiStatus(kvp_paged_prefill(nil, &a, 0))
+	}
+	return abiStatus(kvp_paged_prefill(&plan, &a, 0))
+}
+
+func hookPrefillWorkspaceSize(maxBatch, maxTokens, qh, kvh, d int32) (uint64, abiStatus) {
+	var n C.uint64_t
+	st := kvp_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &n)
+	return uint64(n), abiStatus(st)
 }

@@ -744,6 +744,122 @@ typedef struct kvp_merge_states_args {
 
 #define KVP_MERGE_STATES_ARGS_INIT {sizeof(kvp_merge_states_args), 0, 0, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
+/* Paged prefill / extend attention over a varlen batch, planned once per
+ * batch composition and run per layer.
+ *
+ * Sequence b has q_len_b = qo_indptr[b+1] - qo_indptr[b] new query tokens,
+ * rows [qo_indptr[b], qo_indptr[b+1]) of q and out, at positions
+ * [kv_len_b - q_len_b, kv_len_b) of the sequence (kv_len_b counts the new
+ * tokens: write them with kvp_kv_write first). Row i at position pos_i and
+ * query head h attends causally to tokens [0, pos_i] of its sequence, or to
+ * [max(0, pos_i - window_left), pos_i] with a window, read through the block
+ * table as in decode (columns >= max_blocks_per_seq and block ids outside
+ * [0, num_blocks) are ignored). A whole prompt (q_len = kv_len), the tail of
+ * a prompt after a prefix-cache hit, a chunk of a long prompt, draft tokens
+ * to verify and decode rows (q_len 1) mix freely in one batch.
+ * lse (optional) is float32 [total_q, num_q_heads] contiguous, natural log.
+ *
+ * kvp_prefill_plan (once per step, on the host copies of qo_indptr and
+ * kv_lens) checks the batch, picks the route (a batch of one-token queries
+ * without a window runs the decode kernel, unless flags say
+ * KVP_PREFILL_NO_DECODE_ROUTE) and, for the prefill route, enqueues a small
+ * kernel that writes the work list into the workspace. It fills a
+ * kvp_attn_plan, a plain struct the engine keeps (and may copy) until the
+ * step ends. kvp_paged_prefill (per layer) checks the layer's tensors against
+ * the plan and enqueues one kernel (two for a split decode): no host work
+ * beyond that, no allocation, no synchronisation. Graph capture: the prefill
+ * route's launch has a fixed grid and reads the work list from the
+ * workspace, so a captured run replays correctly for any later plan of the
+ * same shape and route planned into the same workspace (plan outside the
+ * graph, before each replay, on the replay's stream); the decode route's
+ * launch depends on batch and num_splits. The device copies of qo_indptr and
+ * kv_lens must hold the host copies' values until the step's runs have
+ * executed; the block table's contents are the caller's obligation as in
+ * decode. The workspace belongs to one plan at a time: plan again only after
+ * the previous plan's runs are enqueued on the same stream (or have
+ * finished). */
+#define KVP_ATTN_PLAN_PREFILL 1       /* kvp_attn_plan.kind */
+#define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
+#define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
+#define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
+
+typedef struct kvp_prefill_plan_args {
+  size_t struct_size; /* sizeof(kvp_prefill_plan_args) */
+  int32_t dtype;      /* kvp_dtype of q, the caches and out */
+  int32_t head_dim;   /* 64, 128 or 256 */
+  int32_t num_q_heads;
+  int32_t num_kv_heads; /* divides num_q_heads */
+  int32_t batch;        /* sequences, in [0, 65535] */
+  int32_t window_left;  /* -1 (default): no window; w >= 0: tokens [pos - w, pos] */
+  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE */
+  int32_t reserved;     /* must be 0 */
+  const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
+  const int32_t *kv_lens_host;   /* host [batch]: kv_lens[b] >= q_len_b */
+  uint64_t qo_indptr;            /* device int32 [batch + 1], the same values */
+  uint64_t kv_lens;              /* device int32 [batch], the same values */
+  uint64_t workspace;            /* device, 16-byte aligned, kvp_prefill_workspace_size bytes */
+  uint64_t workspace_bytes;
+} kvp_prefill_plan_args;
+
+#define KVP_PREFILL_PLAN_ARGS_INIT {sizeof(kvp_prefill_plan_args), 0, 0, 0, 0, 0, -1, 0, 0, NULL, NULL, 0, 0, 0, 0}
+
+/* A planned batch. Filled by kvp_prefill_plan (the caller sets struct_size
+ * only); the fields are for reading: kvp_paged_prefill checks them but
+ * cannot tell a consistent edit from the library's values. `kind` says which
+ * planner wrote it (room for other plans, e.g. a shared-prefix one, in the
+ * same struct). */
+typedef struct kvp_attn_plan {
+  size_t struct_size; /* sizeof(kvp_attn_plan) */
+  int32_t kind;       /* KVP_ATTN_PLAN_PREFILL; 0 = not planned */
+  int32_t route;      /* KVP_ATTN_ROUTE_* */
+  int32_t dtype;
+  int32_t head_dim;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t window_left;
+  int32_t batch;
+  int32_t total_q;    /* qo_indptr[batch] */
+  int32_t max_q_len;
+  int32_t max_kv_len;
+  int32_t num_items;  /* prefill route: work items (row tiles) */
+  int32_t grid;       /* prefill route: blocks of the launch */
+  int32_t num_splits; /* decode route: split-KV count */
+  uint64_t workspace;
+  uint64_t workspace_bytes;
+  uint64_t kv_lens;   /* device */
+  uint64_t reserved[6];
+} kvp_attn_plan;
+
+#define KVP_ATTN_PLAN_INIT {sizeof(kvp_attn_plan), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, {0}}
+
+/* One layer's tensors for a planned batch. q and out are
+ * [total_q, num_q_heads, head_dim]; the cache and table as in decode. */
+typedef struct kvp_paged_prefill_args {
+  size_t struct_size; /* sizeof(kvp_paged_prefill_args) */
+  int32_t num_blocks;
+  int32_t block_size;
+  int32_t max_blocks_per_seq; /* block table columns read; * block_size >= max kv_len */
+  int32_t reserved;           /* must be 0 */
+  uint64_t q;
+  int64_t q_token_stride;
+  int64_t q_head_stride;
+  uint64_t k_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  uint64_t v_cache; /* same strides as k_cache */
+  int64_t cache_block_stride;
+  int64_t cache_token_stride;
+  int64_t cache_head_stride;
+  uint64_t block_table;       /* int32 [batch, block_table_stride] */
+  int64_t block_table_stride; /* >= max_blocks_per_seq */
+  uint64_t out;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  uint64_t lse; /* float32 [total_q, num_q_heads] contiguous; 0 = not wanted */
+  float scale;  /* softmax scale; 0 = 1/sqrt(head_dim) */
+  int32_t reserved2; /* must be 0 */
+} kvp_paged_prefill_args;
+
+#define KVP_PAGED_PREFILL_ARGS_INIT {sizeof(kvp_paged_prefill_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0}
+
 #ifndef KVPLUG_NO_PROTOTYPES
 /* *out = 1 when the CUDA driver loads and at least one device exists, else
  * 0. Errors: NULL_POINTER. */
@@ -781,6 +897,26 @@ kvp_status kvp_paged_decode(const kvp_paged_decode_args *args, uint64_t stream);
 
 /* Enqueues the merge of attention states on stream. */
 kvp_status kvp_merge_states(const kvp_merge_states_args *args, uint64_t stream);
+
+/* *out_bytes = the workspace kvp_prefill_plan needs for batches of up to
+ * max_batch sequences and max_tokens query tokens in all, on either route.
+ * Allocate it once (device memory, 16-byte aligned). Needs no GPU.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
+kvp_status kvp_prefill_workspace_size(int32_t max_batch, int32_t max_tokens, int32_t num_q_heads,
+                                      int32_t num_kv_heads, int32_t head_dim, uint64_t *out_bytes);
+
+/* Plans a batch (see kvp_prefill_plan_args) and, on the prefill route,
+ * enqueues the work-list kernel on stream. On error *plan is left as it was.
+ * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (offsets not from 0 or
+ * decreasing, a q_len above its kv_len, shapes, flags, alignment),
+ * UNSUPPORTED, BUFFER_TOO_SMALL (the workspace), NO_DEVICE, CUDA. */
+kvp_status kvp_prefill_plan(const kvp_prefill_plan_args *args, kvp_attn_plan *plan, uint64_t stream);
+
+/* Enqueues attention of a planned batch over one layer on stream.
+ * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (a plan not written by
+ * kvp_prefill_plan, a block table shorter than the longest sequence, shapes,
+ * strides, alignment), BUFFER_TOO_SMALL, UNSUPPORTED, NO_DEVICE, CUDA. */
+kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_args *args, uint64_t stream);
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: attention kernels (end) ==== */
 
