@@ -452,3 +452,19 @@ def test_describe_python_side_buffer_checks(mgr, unchanged):
         mgr.describe_into([1], ro)
     with unchanged(), raises(ValueError, "contiguous"):
         mgr.describe_into([1], None, np.zeros(4, np.int32)[::2])
+
+
+def test_vcache_destroy_leaves_a_manager_alone():
+    # Each destroy checks its handle's type: kvp_vcache_destroy on a
+    # kvp_manager * does nothing.
+    import ctypes
+
+    from kvplug import _lib
+
+    with kvplug.Manager(8, 4) as m:
+        live = _lib.live_handles()
+        _lib.fn("kvp_vcache_destroy", None, [ctypes.c_void_p])(m.handle)
+        assert _lib.live_handles() == live
+        m.add(1, 4)
+        m.check()
+    assert _lib.live_handles() == live - 1
