@@ -249,3 +249,92 @@ def test_drain_makes_progress_whatever_a_block_holds():
         assert evs[0].mm == tuple((i, i.to_bytes(16, "little")) for i in range(1100))
         assert m.drain_events() == []
         assert m.prefix_stats().pending_events == 0
+
+
+def test_prompt_forms_agree():
+    # Lists, int32 and int64 arrays, a 2-D batch and (when installed) torch
+    # tensors are the same prompts.
+    rng = np.random.default_rng(7)
+    p = rand_tokens(rng, 3 * BS + 2)
+    q = rand_tokens(rng, 3 * BS + 2)
+    forms = [[p.tolist(), q.tolist()], [p, q], [p.astype(np.int64), q.astype(np.int64)], np.stack([p, q])]
+    try:
+        import torch
+
+        forms.append([torch.from_numpy(p), torch.from_numpy(q)])
+        forms.append(torch.from_numpy(np.stack([p, q]).astype(np.int64)))
+    except ImportError:
+        pass
+    with kvplug.Manager(64, BS, prefix_cache=True) as m:
+        m.admit([1, 2], [p, q])
+        for i, f in enumerate(forms):
+            assert [x.matched_tokens for x in m.match(f)] == [3 * BS, 3 * BS], i
+            ids = [10 + 2 * i, 11 + 2 * i]
+            assert m.admit(ids, f).tolist() == [3 * BS, 3 * BS], i
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.match([[1.5, 2.0]])
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.match([np.array([2**40])])
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.match([np.zeros((2, 2), np.int32)])
+        m.check()
+
+
+def test_decode_step_forms_and_no_per_step_allocation():
+    import tracemalloc
+
+    rng = np.random.default_rng(8)
+    n = 512  # an array of the batch (2 KiB) would stand out of the call's small objects
+    with kvplug.Manager(8192, BS, prefix_cache=True) as m:
+        ids = np.arange(n, dtype=np.int64)
+        m.admit(ids, [rand_tokens(rng, 5) for _ in range(n)])
+        toks = np.arange(n, dtype=np.int32)
+        m.grow_tokens(ids, toks)  # one token each, int32 in place
+        m.grow_tokens(ids, toks.tolist())  # a list of ints
+        m.grow_tokens(ids, np.stack([toks, toks], axis=1))  # two each, a row per sequence
+        m.grow_tokens(ids, [[1], [], [2, 3]] + [[4]] * (n - 3))
+        lens = m.describe(ids).seq_lens.tolist()
+        assert lens[:4] == [10, 9, 11, 10] and set(lens[3:]) == {10}
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.grow_tokens(ids, toks[:3])
+        # A step over arrays it reuses allocates none.
+        table = np.empty((n, 16), np.int32)
+        sl, slots = np.empty(n, np.int32), np.empty(n, np.int32)
+        m.grow_tokens(ids, toks)
+        m.describe_into(ids, table, sl, slots)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(20):
+                m.grow_tokens(ids, toks)
+                m.describe_into(ids, table, sl, slots)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak - base < 4 * n, f"a decode step allocated {peak - base} bytes at once"
+        # The tokens went in: every sequence's blocks up to its length are cached.
+        assert m.prefix_stats().cached_blocks >= sum(lens) // BS
+        m.check()
+
+
+def test_keys_are_built_once_and_frozen():
+    rng = np.random.default_rng(9)
+    items = [MMItem(2, 3, bytearray(b"\x05" * 16))]
+    k = Keys(mm=items, salt=bytearray(b"t"))
+    items.append(MMItem(9, 1, bytes(16)))  # the Keys keeps its own copy
+    assert isinstance(k.mm, tuple) and len(k.mm) == 1 and k.salt == b"t"
+    assert k == Keys(mm=(MMItem(2, 3, b"\x05" * 16),), salt=b"t") and hash(k) == hash(Keys(mm=(MMItem(2, 3, b"\x05" * 16),), salt=b"t"))
+    p = rand_tokens(rng, 3 * BS + 1)
+    with kvplug.Manager(64, BS, prefix_cache=True) as m:
+        m.admit([1], [p], k)
+        c = k._c
+        assert c is not None
+        for i in range(3):
+            assert m.match([p], k)[0].matched_tokens == 3 * BS
+            assert m.match([p, p], [k, None])[1].matched_tokens == 0
+        assert k._c is c  # built once
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.match([p], Keys(mm=[MMItem(0, 1, b"short")]))
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.match([p], Keys(mm=[(0, 1)]))

@@ -22,6 +22,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _lib
+from . import manager as _manager  # completes after this module: used at call time only
 
 __all__ = ["Keys", "MMItem", "Match", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
 
@@ -30,6 +31,12 @@ _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
 _u64 = ctypes.c_uint64
 _INT32_MAX = 2**31 - 1
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+_ndarray = np.ndarray
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+_is_torch = _lib._is_torch_tensor
 
 BLOCK_STORED = 1
 BLOCKS_REMOVED = 2
@@ -105,11 +112,27 @@ class MMItem(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Keys:
     """A prompt's extra keys. Different adapters, multimodal content or
-    salts never share a block."""
+    salts never share a block. Build one per prompt (or tenant) and reuse
+    it: its C form is built on first use and kept, so later calls with it
+    cost nothing per item. mm is stored as a tuple of MMItem and salt as
+    bytes, so a Keys cannot change after its C form exists."""
 
     adapter: int = 0  # LoRA adapter id; 0 = none
     mm: Sequence[MMItem] = ()  # the whole prompt's, offsets strictly increasing; may reach past the tokens given
     salt: bytes = b""  # tenant salt, at most 1024 bytes
+    # (kvp_prefix_keys[1], the buffers it points to, its address), once used.
+    _c: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            mm = tuple(
+                it if type(it) is MMItem and type(it.hash) is bytes else MMItem(it[0], it[1], bytes(it[2])) for it in self.mm
+            )
+        except (TypeError, ValueError, IndexError):
+            mm = tuple(self.mm)  # malformed: the call that uses it says why
+        object.__setattr__(self, "mm", mm)
+        if isinstance(self.salt, (bytearray, memoryview)):
+            object.__setattr__(self, "salt", bytes(self.salt))
 
 
 class Match(NamedTuple):
@@ -191,8 +214,33 @@ def _sig() -> Any:
     return _F
 
 
+def _addr(arr: np.ndarray) -> int:
+    """The address of a C-contiguous numpy array: c_char.from_buffer is
+    cheaper than arr.ctypes.data; read-only and empty arrays take the
+    general path."""
+    try:
+        return _addressof(_from_buffer(arr))
+    except (TypeError, ValueError, BufferError):
+        return arr.ctypes.data
+
+
 def _tokens(t: Any, what: str) -> np.ndarray:
-    arr = np.asarray(t)
+    """t as a contiguous int32 array, without a copy when it is one
+    already (a numpy array or a torch CPU tensor of int32). Other integer
+    arrays are range-checked and converted; lists go through numpy, which
+    rejects non-integers, with no Python work per token."""
+    if type(t) is _ndarray:
+        arr = t
+    elif _is_torch(t):
+        if t.device.type != "cpu":
+            raise _bad(f"{what}: a CPU tensor is needed; the tensor is on {t.device}")
+        arr = t.detach().numpy()  # shares the tensor's memory
+    else:
+        arr = np.asarray(t)
+    if arr.dtype is _I32 or arr.dtype == _I32:
+        if arr.ndim != 1:
+            raise _bad(f"{what} must be one-dimensional: got shape {arr.shape}")
+        return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
     if arr.ndim != 1:
         raise _bad(f"{what} must be one-dimensional: got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
@@ -202,24 +250,37 @@ def _tokens(t: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, np.int32)
 
 
-def _flatten(prompts: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray]:
-    """(tokens, offsets[n+1]) of a list of prompts."""
+_NO_TOKENS = np.zeros(1, np.int32)  # a valid address for an all-empty batch
+
+
+def _flatten(prompts: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """(tokens, offsets[n+1]) of a batch of prompts: a list of token
+    sequences, or a 2-D array of equal-length prompts. One int32 prompt
+    or a 2-D int32 array is used in place."""
+    if (type(prompts) is _ndarray or _is_torch(prompts)) and len(prompts.shape) == 2:
+        n, k = prompts.shape
+        flat = _tokens(prompts.reshape(-1), "prompts")
+        return (flat if flat.size else _NO_TOKENS), np.arange(n + 1, dtype=np.int64) * k
+    if len(prompts) == 1:
+        a = _tokens(prompts[0], "prompt 0")
+        return (a if a.size else _NO_TOKENS), np.array((0, a.size), np.int64)
     arrs = [_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
     offsets = np.zeros(len(arrs) + 1, np.int64)
     np.cumsum([a.size for a in arrs], out=offsets[1:])
-    tokens = np.concatenate(arrs) if arrs else np.empty(0, np.int32)
-    if tokens.size == 0:
-        tokens = np.zeros(1, np.int32)  # a valid address for an all-empty batch
-    return tokens, offsets
+    tokens = np.concatenate(arrs) if arrs else _NO_TOKENS
+    return (tokens if tokens.size else _NO_TOKENS), offsets
 
 
 def _mm_items(mm: Sequence[Any]) -> Any:
     """A kvp_mm_item array of (offset, length, 16-byte hash) items."""
     items = (MMItemStruct * len(mm))()
     for i, it in enumerate(mm):
-        off, length, h = it
-        if len(h) != 16:
-            raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {len(h)}")
+        try:
+            off, length, h = it
+        except (TypeError, ValueError):
+            raise _bad(f"multimodal item {i} must be (offset, length, 16-byte hash): got {it!r}") from None
+        if not isinstance(h, (bytes, bytearray, memoryview)) or len(h) != 16:
+            raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {h!r}")
         if not (-(2**31) <= off <= _INT32_MAX and -(2**31) <= length <= _INT32_MAX):
             raise _bad(f"multimodal item {i}: offset and length must fit in int32")
         items[i].offset, items[i].length = off, length
@@ -250,26 +311,50 @@ def _keys_struct(k: Optional[Keys], keep: list) -> PrefixKeysStruct:
     return s
 
 
+def _c_keys(k: Any) -> Tuple[Any, list, int]:
+    """k's cached C form: (kvp_prefix_keys[1], what it points to, address).
+    Built on k's first use; a Keys never changes, so it stays valid."""
+    c = getattr(k, "_c", None) if type(k) is Keys else None
+    if c is None:
+        keep: list = []
+        arr = (PrefixKeysStruct * 1)(_keys_struct(k, keep))
+        c = (arr, keep, _addressof(arr))
+        if type(k) is Keys:
+            object.__setattr__(k, "_c", c)
+    return c
+
+
 def _keys_array(keys: Any, n: int, keep: list) -> Any:
-    """A kvp_prefix_keys[n] (or None) from None, one Keys for all, or a list."""
+    """The address of a kvp_prefix_keys[n] (or None) from None, one Keys
+    for all, or a list. keep receives what must outlive the call."""
     if keys is None:
         return None
+    if isinstance(keys, Keys) and n == 1:
+        c = _c_keys(keys)
+        keep.append(keys)
+        return c[2]
     if isinstance(keys, Keys):
         keys = [keys] * n
     keys = list(keys)
     if len(keys) != n:
         raise _bad(f"{len(keys)} keys for {n} prompts")
-    arr = (PrefixKeysStruct * n)(*[_keys_struct(k, keep) for k in keys])
+    structs = []
+    for k in keys:
+        if k is None:
+            structs.append(PrefixKeysStruct())
+        else:
+            structs.append(_c_keys(k)[0][0])
+            keep.append(k)
+    arr = (PrefixKeysStruct * n)(*structs)
     keep.append(arr)
-    return ctypes.addressof(arr)
+    return _addressof(arr)
 
 
 def _one_key(keys: Optional[Keys], keep: list) -> Any:
     if keys is None:
         return None
-    s = _keys_struct(keys, keep)
-    keep.append(s)
-    return ctypes.addressof(s)
+    keep.append(keys)
+    return _c_keys(keys)[2]
 
 
 def _check(st: int) -> None:
@@ -283,51 +368,71 @@ class PrefixCacheMethods:
     _h: Optional[int]
     block_size: int
 
-    def admit(self, seq_ids: Sequence[int], prompts: Sequence[Any], keys: Any = None) -> np.ndarray:
-        """Admits new sequences by their prompts (token id sequences), in
-        order; keys is None, one Keys for all, or one per prompt. Each
-        sequence starts on its prompt's longest cached prefix and only the
-        rest are its new tokens. Returns the matched token counts of the
-        admitted sequences: fewer than len(prompts) when the pool ran out,
-        admission stopping at the first prompt that did not fit (those
-        after it are untouched; retry them later). Raises
-        DuplicateSequenceError, InvalidArgumentError (nothing admitted)."""
+    def admit(self, seq_ids: Any, prompts: Any, keys: Any = None) -> np.ndarray:
+        """Admits new sequences by their prompts, in order; keys is None,
+        one Keys for all, or one per prompt. Each sequence starts on its
+        prompt's longest cached prefix and only the rest are its new
+        tokens. Returns the matched token counts of the admitted sequences:
+        fewer than len(prompts) when the pool ran out, admission stopping
+        at the first prompt that did not fit (those after it are
+        untouched; retry them later). Raises DuplicateSequenceError,
+        InvalidArgumentError (nothing admitted).
+
+        prompts is a list of token sequences (int32 numpy arrays and torch
+        CPU tensors are used in place; other arrays and lists are
+        converted by numpy) or a 2-D array of equal-length prompts. Under
+        chunked prefill, admit the first chunk with the whole prompt's
+        keys."""
         F = _sig()
-        ids = np.ascontiguousarray(np.asarray(seq_ids, np.int64).reshape(-1))
-        n = ids.size
+        ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n != len(prompts):
             raise _bad(f"admit: {n} ids for {len(prompts)} prompts")
         tokens, offsets = _flatten(prompts)
         keep: list = []
         karr = _keys_array(keys, n, keep)
-        matched = np.zeros(max(n, 1), np.int32)
+        matched = np.empty(max(n, 1), np.int32)
         admitted = _i32()
-        _check(
-            F["admit"](
-                self._h,
-                ids.ctypes.data,
-                n,
-                tokens.ctypes.data,
-                offsets.ctypes.data,
-                karr,
-                matched.ctypes.data,
-                ctypes.byref(admitted),
-            )
-        )
+        _check(F["admit"](self._h, ids_ptr, n, _addr(tokens), _addr(offsets), karr, _addr(matched), ctypes.byref(admitted)))
         return matched[: admitted.value]
 
-    def grow_tokens(self, seq_ids: Sequence[int], tokens: Sequence[Any]) -> None:
-        """Grows each sequence by its new tokens (tokens[i], a sequence of
-        token ids, possibly empty), all or none; blocks they fill are cached.
+    def grow_tokens(self, seq_ids: Any, tokens: Any) -> None:
+        """Grows each sequence by its new tokens, all or none; blocks they
+        fill are cached. tokens is one of:
+          - one token per sequence (a decode step): a 1-D integer array, a
+            torch CPU tensor or a list of ints; an int32 array is passed in
+            place, so a step that reuses its arrays allocates nothing;
+          - a 2-D array with one row of tokens per sequence;
+          - a list with one token sequence per sequence (possibly empty).
         Raises OutOfBlocksError (nothing grew), UnknownSequenceError,
         DuplicateSequenceError, InvalidArgumentError."""
         F = _sig()
-        ids = np.ascontiguousarray(np.asarray(seq_ids, np.int64).reshape(-1))
-        if ids.size != len(tokens):
-            raise _bad(f"grow_tokens: {ids.size} ids for {len(tokens)} token lists")
-        flat, offsets = _flatten(tokens)
-        counts = np.diff(offsets).astype(np.int32)
-        _check(F["grow_tokens"](self._h, ids.ctypes.data, counts.ctypes.data, ids.size, flat.ctypes.data))
+        ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if type(tokens) is _ndarray or _is_torch(tokens):
+            shape = tuple(tokens.shape)
+            if len(shape) not in (1, 2) or shape[0] != n:
+                raise _bad(f"grow_tokens: tokens of shape {shape} for {n} sequences: need ({n},) or ({n}, k)")
+            per = 1 if len(shape) == 1 else shape[1]
+            flat = _tokens(tokens if per == 1 and len(shape) == 1 else tokens.reshape(-1), "tokens")
+            counts_ptr = self._counts_of(per, n)
+        elif n and isinstance(tokens, (list, tuple)) and len(tokens) == n and isinstance(tokens[0], (int, np.integer)):
+            flat = _tokens(tokens, "tokens")  # one int per sequence
+            counts_ptr = self._counts_of(1, n)
+        else:
+            if n != len(tokens):
+                raise _bad(f"grow_tokens: {n} ids for {len(tokens)} token lists")
+            flat, offsets = _flatten(tokens)
+            counts = np.diff(offsets).astype(np.int32)
+            keep_counts = counts  # noqa: F841 (alive across the call)
+            counts_ptr = _addr(counts)
+        _check(F["grow_tokens"](self._h, ids_ptr, counts_ptr, n, _addr(flat) if flat.size else _addr(_NO_TOKENS)))
+
+    def _counts_of(self, value: int, n: int) -> int:
+        """The address of n counts of value, from the Manager's cached
+        array (grow's), so a decode step allocates nothing."""
+        fill = self._fill  # type: ignore[attr-defined]
+        if fill[0] != value or fill[1] is None or fill[1].size < n:
+            fill = self._new_fill(value, n)  # type: ignore[attr-defined]
+        return fill[2]
 
     def add_mm_items(self, seq_id: int, items: Sequence[MMItem]) -> None:
         """Appends multimodal items to a live sequence's keys, for tokens
@@ -351,7 +456,7 @@ class PrefixCacheMethods:
         keep: list = []
         karr = _keys_array(keys, n, keep)
         out = (PrefixMatchStruct * max(n, 1))()
-        _check(F["match"](self._h, n, tokens.ctypes.data, offsets.ctypes.data, karr, int(partial), out))
+        _check(F["match"](self._h, n, _addr(tokens), _addr(offsets), karr, int(partial), out))
         return [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out[:n]]
 
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
@@ -361,7 +466,7 @@ class PrefixCacheMethods:
         t = _tokens(tokens, "tokens")
         keep: list = []
         pid, nb = _u64(), _i32()
-        _check(F["pin"](self._h, t.ctypes.data, t.size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
+        _check(F["pin"](self._h, _addr(t), t.size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
         return pid.value, nb.value
 
     def unpin(self, pin_id: int) -> None:
@@ -379,7 +484,7 @@ class PrefixCacheMethods:
         t = _tokens(tokens, "tokens")
         keep: list = []
         nb = _i32()
-        _check(F["set_priority"](self._h, t.ctypes.data, t.size, _one_key(keys, keep), priority, ctypes.byref(nb)))
+        _check(F["set_priority"](self._h, _addr(t), t.size, _one_key(keys, keep), priority, ctypes.byref(nb)))
         return nb.value
 
     def prefix_stats(self) -> PrefixStats:
