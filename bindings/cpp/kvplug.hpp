@@ -701,6 +701,9 @@ struct AttnApi {
   KVPLUG_FN(kvp_kv_write);
   KVPLUG_FN(kvp_paged_decode);
   KVPLUG_FN(kvp_merge_states);
+  KVPLUG_FN(kvp_prefill_workspace_size);
+  KVPLUG_FN(kvp_prefill_plan);
+  KVPLUG_FN(kvp_paged_prefill);
   void load(const Library &lib) {
     KVPLUG_LOAD(lib, kvp_cuda_available);
     KVPLUG_LOAD(lib, kvp_attn_prepare);
@@ -709,6 +712,9 @@ struct AttnApi {
     KVPLUG_LOAD(lib, kvp_kv_write);
     KVPLUG_LOAD(lib, kvp_paged_decode);
     KVPLUG_LOAD(lib, kvp_merge_states);
+    KVPLUG_LOAD(lib, kvp_prefill_workspace_size);
+    KVPLUG_LOAD(lib, kvp_prefill_plan);
+    KVPLUG_LOAD(lib, kvp_paged_prefill);
   }
 };
 inline const AttnApi &attn_api() { return table<AttnApi>(); }
@@ -762,6 +768,34 @@ inline void paged_decode(const kvp_paged_decode_args &a, uint64_t stream = 0) {
 
 inline void merge_states(const kvp_merge_states_args &a, uint64_t stream = 0) {
   detail::check(detail::attn_api().kvp_merge_states(&a, stream));
+}
+
+// Bytes of workspace prefill_plan needs for batches of up to max_batch
+// sequences and max_tokens query tokens in all.
+inline uint64_t prefill_workspace_size(int32_t max_batch, int32_t max_tokens, int32_t num_q_heads,
+                                       int32_t num_kv_heads, int32_t head_dim) {
+  uint64_t n = 0;
+  detail::check(detail::attn_api().kvp_prefill_workspace_size(max_batch, max_tokens, num_q_heads, num_kv_heads,
+                                                              head_dim, &n));
+  return n;
+}
+
+// Plans a varlen batch once per step (kvp_prefill_plan_args: host and
+// device copies of qo_indptr and kv_lens, the workspace); the returned plan
+// is a plain struct to pass to paged_prefill for every layer of the step.
+//
+//   kvp_prefill_plan_args pa = KVP_PREFILL_PLAN_ARGS_INIT;
+//   pa.dtype = KVP_DTYPE_BF16; pa.head_dim = 128; pa.num_q_heads = 32; ...
+//   kvp_attn_plan plan = kvplug::attn::prefill_plan(pa, stream);
+//   for (layer ...) { a.q = ...; kvplug::attn::paged_prefill(plan, a, stream); }
+inline kvp_attn_plan prefill_plan(const kvp_prefill_plan_args &a, uint64_t stream = 0) {
+  kvp_attn_plan plan = KVP_ATTN_PLAN_INIT;
+  detail::check(detail::attn_api().kvp_prefill_plan(&a, &plan, stream));
+  return plan;
+}
+
+inline void paged_prefill(const kvp_attn_plan &plan, const kvp_paged_prefill_args &a, uint64_t stream = 0) {
+  detail::check(detail::attn_api().kvp_paged_prefill(&plan, &a, stream));
 }
 
 }  // namespace attn

@@ -37,6 +37,10 @@ __all__ = [
     "kv_write",
     "paged_decode",
     "merge_states",
+    "prefill_workspace_size",
+    "PrefillPlan",
+    "prefill_plan",
+    "paged_prefill",
 ]
 
 DTYPE_F16, DTYPE_BF16, DTYPE_F32 = 1, 2, 3  # enum kvp_dtype
@@ -414,3 +418,217 @@ def merge_states(
     with torch.cuda.device(dev):
         _check(f(ctypes.byref(a), _stream(stream, dev)))
     return (out, out_lse) if (return_lse or out_lse is not None) else out
+
+
+class _PrefillPlanArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dtype", _i32),
+        ("head_dim", _i32),
+        ("num_q_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("batch", _i32),
+        ("window_left", _i32),
+        ("flags", _i32),
+        ("reserved", _i32),
+        ("qo_indptr_host", ctypes.POINTER(_i32)),
+        ("kv_lens_host", ctypes.POINTER(_i32)),
+        ("qo_indptr", _u64),
+        ("kv_lens", _u64),
+        ("workspace", _u64),
+        ("workspace_bytes", _u64),
+    ]
+
+
+class _AttnPlan(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (n, _i32)
+        for n in ("kind", "route", "dtype", "head_dim", "num_q_heads", "num_kv_heads", "window_left", "batch",
+                  "total_q", "max_q_len", "max_kv_len", "num_items", "grid", "num_splits")
+    ] + [("workspace", _u64), ("workspace_bytes", _u64), ("kv_lens", _u64), ("reserved", _u64 * 6)]
+
+
+class _PagedPrefillArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_blocks", _i32),
+        ("block_size", _i32),
+        ("max_blocks_per_seq", _i32),
+        ("reserved", _i32),
+        ("q", _u64),
+        ("q_token_stride", _i64),
+        ("q_head_stride", _i64),
+        ("k_cache", _u64),
+        ("v_cache", _u64),
+        ("cache_block_stride", _i64),
+        ("cache_token_stride", _i64),
+        ("cache_head_stride", _i64),
+        ("block_table", _u64),
+        ("block_table_stride", _i64),
+        ("out", _u64),
+        ("out_token_stride", _i64),
+        ("out_head_stride", _i64),
+        ("lse", _u64),
+        ("scale", _f32),
+        ("reserved2", _i32),
+    ]
+
+
+ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
+
+
+def prefill_workspace_size(max_batch: int, max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of workspace prefill_plan needs for batches of up to max_batch
+    sequences and max_tokens query tokens in all."""
+    out = ctypes.c_uint64(0)
+    f = _fn("kvp_prefill_workspace_size", [_i32, _i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_uint64)])
+    _check(f(max_batch, max_tokens, num_q_heads, num_kv_heads, head_dim, ctypes.byref(out)))
+    return int(out.value)
+
+
+def _host_i32(x: Any, n: int, what: str) -> Any:
+    vals = x.tolist() if hasattr(x, "tolist") else list(x)
+    if len(vals) != n:
+        raise _bad(f"{what} has {len(vals)} entries; {n} expected")
+    return (_i32 * max(n, 1))(*vals)
+
+
+class PrefillPlan:
+    """A planned batch (kvp_attn_plan). Keeps the device arrays and the
+    workspace it refers to alive; pass it to paged_prefill for every layer
+    of the step."""
+
+    def __init__(self, c: _AttnPlan, keep: Tuple[Any, ...]):
+        self._c = c
+        self._keep = keep
+
+    @property
+    def route(self) -> int:
+        return int(self._c.route)
+
+    @property
+    def total_q(self) -> int:
+        return int(self._c.total_q)
+
+    @property
+    def num_items(self) -> int:
+        return int(self._c.num_items)
+
+    def __repr__(self) -> str:
+        c = self._c
+        route = {ROUTE_PREFILL: "prefill", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
+        return (f"PrefillPlan(route={route}, batch={c.batch}, total_q={c.total_q}, max_q_len={c.max_q_len}, "
+                f"max_kv_len={c.max_kv_len}, items={c.num_items}, grid={c.grid}, splits={c.num_splits})")
+
+
+def prefill_plan(
+    qo_indptr: Any,
+    kv_lens: Any,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    workspace: Any,
+    window_left: int = -1,
+    qo_indptr_host: Any = None,
+    kv_lens_host: Any = None,
+    decode_route: bool = True,
+    stream: Any = None,
+) -> PrefillPlan:
+    """Plans a varlen batch once per step: qo_indptr (int32 [batch+1], from
+    0, non-decreasing) and kv_lens (int32 [batch], each >= its q_len, the new
+    tokens included) on the device, with their host copies (CPU tensors or
+    sequences; when None they are read back from the device, which
+    synchronises). workspace: a CUDA tensor of prefill_workspace_size bytes.
+    decode_route=False keeps one-token batches on the prefill kernel."""
+    torch = _torch()
+    dev = workspace.device
+    _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
+    _index(kv_lens, "kv_lens", 1, dev, torch.int32)
+    batch = kv_lens.shape[0]
+    if qo_indptr.shape[0] != batch + 1:
+        raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; batch + 1 = {batch + 1} expected")
+    _cuda_tensor(workspace, "workspace", workspace.dim(), dev)
+    if not workspace.is_contiguous():
+        raise _bad("workspace must be contiguous")
+    if not isinstance(dtype, int):
+        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    qo_h = _host_i32(qo_indptr if qo_indptr_host is None else qo_indptr_host, batch + 1, "qo_indptr_host")
+    kv_h = _host_i32(kv_lens if kv_lens_host is None else kv_lens_host, batch, "kv_lens_host")
+    a = _PrefillPlanArgs(
+        ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left,
+        0 if decode_route else 1, 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
+        workspace.data_ptr(), workspace.numel() * workspace.element_size(),
+    )
+    plan = _AttnPlan()
+    plan.struct_size = ctypes.sizeof(_AttnPlan)
+    f = _fn("kvp_prefill_plan", [ctypes.POINTER(_PrefillPlanArgs), ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(a), ctypes.byref(plan), _stream(stream, dev)))
+    return PrefillPlan(plan, (qo_indptr, kv_lens, workspace))
+
+
+def paged_prefill(
+    plan: PrefillPlan,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    out: Any = None,
+    lse: Any = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    stream: Any = None,
+) -> Any:
+    """Attention of a planned batch over one layer: q ([total_q,
+    num_q_heads, head_dim]) over the paged caches through block_table (int32
+    [batch, max_blocks]). Returns out (allocated when None), or (out, lse)
+    with return_lse (lse float32 [total_q, num_q_heads], natural log)."""
+    torch = _torch()
+    if not isinstance(plan, PrefillPlan):
+        raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
+    cb, ct, ch = _cache_strides(k_cache, v_cache)
+    dev = k_cache.device
+    _cuda_tensor(q, "q", 3, dev)
+    _same_dtype(q, k_cache.dtype, "q")
+    nb, bs, kvh, d = k_cache.shape
+    c = plan._c
+    if q.shape[0] != c.total_q or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
+        raise _bad(f"q has shape {tuple(q.shape)}; the plan has [{c.total_q}, {c.num_q_heads}, {c.head_dim}]")
+    if kvh != c.num_kv_heads:
+        raise _bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
+    _rows(q, "q")
+    _index(block_table, "block_table", 2, dev, torch.int32)
+    if block_table.shape[0] != c.batch:
+        raise _bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _cuda_tensor(out, "out", 3, dev)
+        _same_dtype(out, q.dtype, "out")
+        if tuple(out.shape) != tuple(q.shape):
+            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
+        _rows(out, "out")
+    lse_ptr = 0
+    if lse is None and return_lse:
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=dev)
+    if lse is not None:
+        _cuda_tensor(lse, "lse", 2, dev)
+        _same_dtype(lse, torch.float32, "lse")
+        if tuple(lse.shape) != (q.shape[0], q.shape[1]) or not lse.is_contiguous():
+            raise _bad(f"lse must be a contiguous float32 [{q.shape[0]}, {q.shape[1]}] tensor")
+        lse_ptr = lse.data_ptr()
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
+    a = _PagedPrefillArgs(
+        ctypes.sizeof(_PagedPrefillArgs), nb, bs, block_table.shape[1], 0,
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
+        block_table.data_ptr(), tstride,
+        out.data_ptr(), out.stride(0), out.stride(1), lse_ptr, scale, 0,
+    )
+    f = _fn("kvp_paged_prefill", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_PagedPrefillArgs), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(c), ctypes.byref(a), _stream(stream, dev)))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,225 @@
+"""Paged prefill / extend attention benchmark (Llama-3-8B heads: 32 q, 8 kv,
+head_dim 128, block size 16).
+
+For each dtype, new tokens per sequence Q, cached prefix P and batch B it
+times, in the same run: kvplug (attn.paged_prefill after one prefill_plan),
+FlashInfer's BatchPrefillWithPagedKVCacheWrapper with backend "fa2" and
+"fa3" over the same paged cache (when flashinfer imports), and torch SDPA
+(flash backend) over the same K/V stored contiguously (K/V expanded to the
+q heads, bottom-right causal mask). Plus a mixed batch (4 prefill chunks of
+512 new tokens over a 1536-token prefix + 64 decodes at 2048 context):
+kvplug in one call against FlashInfer's prefill wrapper on the whole batch
+and against the sum of FlashInfer's separate prefill (the 4 chunks) and
+decode (the 64 decodes) calls.
+
+TFLOP/s counts causal FLOPs once: 4 * D * heads * sum over rows of the
+tokens the row sees. Timing: triton.testing.do_bench, median; inputs are
+random (never zeros); blocks are allocated in a shuffled order.
+
+Usage: python3 bench/prefill_bench.py [--quick] [--no-fa3] [--out DIR]
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kvplug import attn
+
+HQ, HK, D, BS = 32, 8, 128, 16
+
+
+def flops(q_lens, kv_lens):
+    rows = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(q_lens, kv_lens))
+    return 4.0 * D * HQ * rows
+
+
+class Case:
+    def __init__(self, dtype, q_lens, kv_lens, gen):
+        self.dtype, self.q_lens, self.kv_lens = dtype, q_lens, kv_lens
+        nblk = [math.ceil(k / BS) for k in kv_lens]
+        self.num_blocks = sum(nblk)
+        perm = torch.randperm(self.num_blocks, generator=gen, device="cuda").to(torch.int32)
+        self.max_blocks = max(nblk)
+        table = torch.zeros((len(q_lens), self.max_blocks), dtype=torch.int32, device="cuda")
+        indices, indptr, nxt = [], [0], 0
+        for b, n in enumerate(nblk):
+            table[b, :n] = perm[nxt:nxt + n]
+            indices.append(perm[nxt:nxt + n])
+            nxt += n
+            indptr.append(nxt)
+        self.table = table
+        self.kv_indices = torch.cat(indices)
+        self.kv_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
+        self.last_page = torch.tensor([(k - 1) % BS + 1 for k in kv_lens], dtype=torch.int32, device="cuda")
+        shape = (self.num_blocks, BS, HK, D)
+        self.k_cache = torch.randn(shape, dtype=dtype, device="cuda", generator=gen)
+        self.v_cache = torch.randn(shape, dtype=dtype, device="cuda", generator=gen)
+        qo = [0]
+        for n in q_lens:
+            qo.append(qo[-1] + n)
+        self.qo_host = qo
+        self.qo = torch.tensor(qo, dtype=torch.int32, device="cuda")
+        self.kvl = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+        self.q = torch.randn((qo[-1], HQ, D), dtype=dtype, device="cuda", generator=gen)
+        self.flops = flops(q_lens, kv_lens)
+
+    def kvplug(self):
+        ws = torch.empty(attn.prefill_workspace_size(len(self.q_lens), self.q.shape[0], HQ, HK, D),
+                         dtype=torch.uint8, device="cuda")
+        plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
+                                 qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens)
+        out = torch.empty_like(self.q)
+        t0 = time.perf_counter()  # host cost of a plan (checks + one small launch)
+        for _ in range(20):
+            attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
+                              qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens)
+        t_plan = (time.perf_counter() - t0) / 20 * 1e3
+        fn = lambda: attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out)  # noqa: E731
+        return fn, out, t_plan
+
+    def flashinfer(self, backend):
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+        w.plan(self.qo, self.kv_indptr, self.kv_indices, self.last_page, HQ, HK, D, BS, causal=True,
+               q_data_type=self.dtype, kv_data_type=self.dtype)
+        out = torch.empty_like(self.q)
+        return lambda: w.run(self.q, (self.k_cache, self.v_cache), out=out), out
+
+    def sdpa(self):
+        # Uniform batches only: [B, HQ, q, D] against contiguous [B, HQ, kv, D].
+        assert len(set(self.q_lens)) == 1 and len(set(self.kv_lens)) == 1
+        B, q, kv = len(self.q_lens), self.q_lens[0], self.kv_lens[0]
+        blk = self.table[:, :math.ceil(kv / BS)].long()
+        k = self.k_cache[blk].reshape(B, -1, HK, D)[:, :kv].repeat_interleave(HQ // HK, dim=2).transpose(1, 2).contiguous()
+        v = self.v_cache[blk].reshape(B, -1, HK, D)[:, :kv].repeat_interleave(HQ // HK, dim=2).transpose(1, 2).contiguous()
+        qq = self.q.view(B, q, HQ, D).transpose(1, 2).contiguous()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(q, kv)
+
+        def fn():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qq, k, v, attn_mask=mask)
+        return fn, lambda o: o.transpose(1, 2).reshape(-1, HQ, D)
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-fa3", action="store_true")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="skip points with batch * new tokens above this")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    try:
+        import flashinfer  # noqa: F401
+        backends = ["fa2"] + ([] if args.no_fa3 else ["fa3"])
+    except Exception as e:  # noqa: BLE001
+        print(f"flashinfer not available: {e}", file=sys.stderr)
+        backends = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    news = [128, 512, 2048, 8192] if not args.quick else [512, 2048]
+    prefixes = [0, 2048, 8192] if not args.quick else [0, 2048]
+    batches = [1, 8, 32] if not args.quick else [1, 8]
+    results = []
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
+    hdr = "| dtype | new | prefix | batch | kvplug TFLOP/s | " + " | ".join(f"{b} TFLOP/s | kvplug/{b}" for b in backends) + " | SDPA TFLOP/s | kvplug/SDPA |"
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    for dn in args.dtypes.split(","):
+        dt = dts[dn]
+        for new in news:
+            for pre in prefixes:
+                for B in batches:
+                    if B * new > args.max_tokens:
+                        continue
+                    c = Case(dt, [new] * B, [pre + new] * B, gen)
+                    fn, out, t_plan = c.kvplug()
+                    t = timed(fn)
+                    r = {"dtype": dn, "new": new, "prefix": pre, "batch": B, "kvplug_ms": t, "plan_ms": t_plan,
+                         "flops": c.flops}
+                    row = f"| {dn} | {new} | {pre} | {B} | {c.flops / t / 1e9:.0f} |"
+                    for be in backends:
+                        try:
+                            f2, o2 = c.flashinfer(be)
+                            t2 = timed(f2)
+                            r[be + "_ms"] = t2
+                            r[be + "_err"] = rel(out, o2)
+                            row += f" {c.flops / t2 / 1e9:.0f} | {t2 / t:.2f} |"
+                        except Exception as e:  # noqa: BLE001
+                            r[be + "_error"] = repr(e)[:300]
+                            row += " err | - |"
+                    try:
+                        f3, conv = c.sdpa()
+                        t3 = timed(f3)
+                        r["sdpa_ms"] = t3
+                        r["sdpa_err"] = rel(out, conv(f3()))
+                        row += f" {c.flops / t3 / 1e9:.0f} | {t3 / t:.2f} |"
+                    except Exception as e:  # noqa: BLE001
+                        r["sdpa_error"] = repr(e)[:300]
+                        row += " err | - |"
+                    print(row, flush=True)
+                    results.append(r)
+                    del c
+                    torch.cuda.empty_cache()
+        # Mixed batch: 4 chunks of 512 over a 1536-token prefix + 64 decodes at 2048.
+        q_lens = [512] * 4 + [1] * 64
+        kv_lens = [2048] * 68
+        c = Case(dt, q_lens, kv_lens, gen)
+        fn, out, t_plan = c.kvplug()
+        t = timed(fn)
+        r = {"dtype": dn, "mixed": True, "kvplug_ms": t, "plan_ms": t_plan, "flops": c.flops}
+        line = f"mixed {dn}: kvplug {t * 1e3:.1f} us"
+        if backends:
+            try:
+                f2, o2 = c.flashinfer("fa2")
+                t2 = timed(f2)
+                r["fa2_whole_ms"], r["fa2_err"] = t2, rel(out, o2)
+                pre = Case(dt, [512] * 4, [2048] * 4, gen)
+                fp, _ = pre.flashinfer("fa2")
+                tp = timed(fp)
+                import flashinfer
+                dec = Case(dt, [1] * 64, [2048] * 64, gen)
+                ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+                wd = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+                wd.plan(dec.kv_indptr, dec.kv_indices, dec.last_page, HQ, HK, D, BS, q_data_type=dt, kv_data_type=dt)
+                qd = dec.q
+                od = torch.empty_like(qd)
+                td = timed(lambda: wd.run(qd, (dec.k_cache, dec.v_cache), out=od))
+                r["fi_prefill_ms"], r["fi_decode_ms"] = tp, td
+                line += (f"; FlashInfer fa2 whole batch {t2 * 1e3:.1f} us ({t2 / t:.2f}x), separate prefill "
+                         f"{tp * 1e3:.1f} + decode {td * 1e3:.1f} = {(tp + td) * 1e3:.1f} us ({(tp + td) / t:.2f}x)")
+            except Exception as e:  # noqa: BLE001
+                r["fi_error"] = repr(e)[:300]
+                line += f"; FlashInfer failed: {e!r}"[:300]
+        print(line, flush=True)
+        results.append(r)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
+    with open(os.path.join(args.out, "prefill_bench.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""GPU tests of paged prefill / extend attention (attn.prefill_plan +
+attn.paged_prefill) on torch CUDA tensors, through libkvplug's C ABI.
+
+Each test draws fresh random inputs, poisons out and lse with NaN, and
+compares with a float64 reference computed from each sequence's logical K
+and V (causal, optional window). Run on a GPU machine with the library built:
+
+    KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
+        python3 -m pytest -q tests/gpu/test_prefill_torch.py
+
+Skips when torch or a CUDA device is absent.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import kvplug  # noqa: E402
+from kvplug import attn  # noqa: E402
+
+DEV = torch.device("cuda")
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def rel_err(got, want):
+    assert not torch.isnan(got).any(), "output has NaN (unwritten elements)"
+    got, want = got.double(), want.double()
+    return (got - want).norm().item() / max(want.norm().item(), 1e-30)
+
+
+class Batch:
+    """A random varlen batch: kv_lens[b] tokens of logical K/V per sequence in
+    a paged cache (blocks in shuffled order, NaN in every unused slot, table
+    columns past a sequence's blocks holding garbage ids), and q_lens[b] new
+    query rows per sequence."""
+
+    def __init__(self, gen, dtype, D, qh, kvh, bs, kv_lens, q_lens, window=-1):
+        assert all(q <= k for q, k in zip(q_lens, kv_lens))
+        self.dtype, self.D, self.qh, self.kvh, self.bs, self.window = dtype, D, qh, kvh, bs, window
+        self.kv_lens, self.q_lens = list(kv_lens), list(q_lens)
+        nblk = [math.ceil(L / bs) for L in kv_lens]
+        self.num_blocks = sum(nblk) + 3
+        max_blocks = max(max(nblk), 1)
+        perm = torch.randperm(self.num_blocks, generator=gen)
+        table = torch.randint(-self.num_blocks, 2 * self.num_blocks, (len(kv_lens), max_blocks + 2), generator=gen,
+                              dtype=torch.int32)
+        shape = (self.num_blocks, bs, kvh, D)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.k, self.v = [], []
+        nxt = 0
+        for b, L in enumerate(kv_lens):
+            k = (torch.rand((L, kvh, D), generator=gen) * 4 - 2).to(dtype)
+            v = (torch.rand((L, kvh, D), generator=gen) * 4 - 2).to(dtype)
+            for c in range(nblk[b]):
+                table[b, c] = perm[nxt]
+                n = min(bs, L - c * bs)
+                self.k_cache[perm[nxt], :n] = k[c * bs:c * bs + n]
+                self.v_cache[perm[nxt], :n] = v[c * bs:c * bs + n]
+                nxt += 1
+            self.k.append(k.to(DEV))
+            self.v.append(v.to(DEV))
+        self.table = table[:, :max_blocks].to(DEV)
+        self.k_cache, self.v_cache = self.k_cache.to(DEV), self.v_cache.to(DEV)
+        qo = [0]
+        for n in q_lens:
+            qo.append(qo[-1] + n)
+        self.qo = torch.tensor(qo, dtype=torch.int32, device=DEV)
+        self.kvl = torch.tensor(kv_lens, dtype=torch.int32, device=DEV)
+        self.total_q = qo[-1]
+        self.q = (torch.rand((self.total_q, qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+        self.ws = torch.empty(attn.prefill_workspace_size(len(kv_lens), max(self.total_q, 1), qh, kvh, D),
+                              dtype=torch.uint8, device=DEV)
+
+    def plan(self, **kw):
+        return attn.prefill_plan(self.qo, self.kvl, self.qh, self.kvh, self.D, self.dtype, self.ws,
+                                 window_left=self.window, qo_indptr_host=self.qo.cpu(), kv_lens_host=self.kv_lens, **kw)
+
+    def run(self, plan, scale=None):
+        out = torch.full_like(self.q, float("nan"))
+        lse = torch.full((self.total_q, self.qh), float("nan"), dtype=torch.float32, device=DEV)
+        attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out, lse=lse, scale=scale)
+        torch.cuda.synchronize()
+        return out, lse
+
+    def reference(self, scale=None):
+        scale = 1.0 / math.sqrt(self.D) if scale is None else scale
+        group = self.qh // self.kvh
+        outs, lses = [], []
+        for b, (L, n) in enumerate(zip(self.kv_lens, self.q_lens)):
+            if n == 0:
+                continue
+            q = self.q[int(self.qo[b]):int(self.qo[b]) + n].double()  # [n, qh, D]
+            k = self.k[b].double().repeat_interleave(group, dim=1)    # [L, qh, D]
+            v = self.v[b].double().repeat_interleave(group, dim=1)
+            s = torch.einsum("ihd,thd->hit", q, k) * scale
+            pos = torch.arange(L - n, L, device=DEV)[:, None]
+            t = torch.arange(L, device=DEV)[None, :]
+            mask = t <= pos
+            if self.window >= 0:
+                mask &= t >= pos - self.window
+            s = s.masked_fill(~mask[None], float("-inf"))
+            lses.append(torch.logsumexp(s, dim=-1).transpose(0, 1))   # [n, qh]
+            outs.append(torch.einsum("hit,thd->ihd", torch.softmax(s, dim=-1), v))
+        if not outs:
+            return torch.empty(0, self.qh, self.D, dtype=torch.float64, device=DEV), torch.empty(0, self.qh, device=DEV)
+        return torch.cat(outs), torch.cat(lses)
+
+    def check(self, plan, scale=None):
+        out, lse = self.run(plan, scale)
+        want, want_lse = self.reference(scale)
+        err = rel_err(out, want)
+        assert err < TOL[self.dtype], f"out rel err {err:.2e} (plan {plan})"
+        assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements)"
+        lerr = (lse.double() - want_lse).abs().max().item()
+        assert lerr < 1e-3, f"lse max abs err {lerr:.2e}"
+        return out, lse
+
+
+def ragged(gen, n, max_prefix, max_new, bs):
+    """kv_lens and q_lens: prompts with no prefix, tails after a prefix, one
+    decode row, a sequence ending on a block boundary."""
+    kv, q = [], []
+    for i in range(n):
+        new = 1 if i == 1 else int(torch.randint(1, max_new + 1, (1,), generator=gen))
+        prefix = 0 if i % 3 == 0 else int(torch.randint(0, max_prefix + 1, (1,), generator=gen))
+        if i == 2:
+            prefix = bs * 3 - new if bs * 3 > new else prefix
+        kv.append(prefix + new)
+        q.append(new)
+    return kv, q
+
+
+CASES = [(dt, D, bs, g) for dt in (torch.float16, torch.bfloat16) for D in (64, 128, 256)
+         for bs, g in ((1, 4), (16, 1), (64, 8), (256, 4))]
+CASES += [(torch.float32, D, 16, 4) for D in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("dtype,D,bs,group", CASES)
+def test_prefill(dtype, D, bs, group):
+    gen = torch.Generator().manual_seed(D * 1000 + bs * 10 + group + {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[dtype])
+    kv, q = ragged(gen, 5, 300, 150, bs)
+    b = Batch(gen, dtype, D, 2 * group, 2, bs, kv, q)
+    plan = b.plan()
+    assert plan.route == attn.ROUTE_PREFILL
+    b.check(plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_batch(dtype):
+    # 3 prefill chunks over cached prefixes + 12 decodes, one launch.
+    gen = torch.Generator().manual_seed(7)
+    kv = [700, 130, 64] + [int(x) for x in torch.randint(1, 900, (12,), generator=gen)]
+    q = [200, 130, 17] + [1] * 12
+    b = Batch(gen, dtype, 128, 32, 8, 16, kv, q)
+    b.check(b.plan())
+
+
+def test_long_chunk_over_prefix():
+    gen = torch.Generator().manual_seed(8)
+    b = Batch(gen, torch.bfloat16, 128, 32, 8, 16, [4096, 1000], [2048, 1000])
+    b.check(b.plan())
+
+
+@pytest.mark.parametrize("window", [0, 37, 200])
+def test_sliding_window(window):
+    gen = torch.Generator().manual_seed(9 + window)
+    b = Batch(gen, torch.float16, 128, 8, 2, 16, [500, 90, 300], [300, 1, 7], window=window)
+    b.check(b.plan())
+
+
+def test_decode_route_and_forced_prefill():
+    gen = torch.Generator().manual_seed(10)
+    kv = [int(x) for x in torch.randint(1, 3000, (9,), generator=gen)]
+    b = Batch(gen, torch.bfloat16, 128, 32, 8, 16, kv, [1] * 9)
+    plan = b.plan()
+    assert plan.route == attn.ROUTE_DECODE
+    b.check(plan)
+    plan = b.plan(decode_route=False)
+    assert plan.route == attn.ROUTE_PREFILL
+    b.check(plan)
+
+
+def test_scale_and_empty_batch():
+    gen = torch.Generator().manual_seed(11)
+    b = Batch(gen, torch.float16, 64, 4, 4, 16, [40, 8], [40, 0])
+    b.check(b.plan(), scale=0.3)
+    e = Batch(gen, torch.float16, 64, 4, 4, 16, [5], [0])
+    out, _ = e.run(e.plan())
+    assert out.numel() == 0
+
+
+def test_graph_capture_replays_later_plans():
+    # One captured run; each replay follows a new plan of a different batch
+    # composition (same shapes of q and table) into the same workspace.
+    gen = torch.Generator().manual_seed(12)
+    a = Batch(gen, torch.bfloat16, 128, 16, 4, 16, [300, 200, 100, 64], [100, 1, 50, 64])
+    attn.prepare()
+    s = torch.cuda.Stream()
+    out = torch.full_like(a.q, float("nan"))
+    with torch.cuda.stream(s):
+        plan = a.plan()
+        attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out)
+        s.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out)
+    qbuf = a.q  # the captured launch reads this buffer
+    for trial in range(3):
+        # New composition over the same cache and q buffer.
+        q_lens = [int(x) for x in torch.randint(1, 50, (4,), generator=gen)]
+        q_lens[trial] = 1
+        a.q_lens = q_lens
+        a.total_q = sum(q_lens)
+        qo = [0]
+        for n in q_lens:
+            qo.append(qo[-1] + n)
+        a.qo = torch.tensor(qo, dtype=torch.int32, device=DEV)
+        qbuf.copy_((torch.rand(qbuf.shape, generator=gen) * 4 - 2).to(qbuf.dtype))
+        a.q = qbuf[:a.total_q]
+        with torch.cuda.stream(s):
+            a.plan(stream=s)
+            out.fill_(float("nan"))
+            g.replay()
+        s.synchronize()
+        want, _ = a.reference()
+        # The graph wrote rows [0, total_q) of the captured out buffer from
+        # the captured q buffer, whose first rows are a.q.
+        err = rel_err(out[:a.total_q], want)
+        assert err < TOL[torch.bfloat16], f"replay {trial}: rel err {err:.2e}"
+
+
+def test_argument_errors():
+    gen = torch.Generator().manual_seed(13)
+    b = Batch(gen, torch.float16, 64, 4, 2, 16, [40, 4], [3, 1])
+    with pytest.raises(kvplug.InvalidArgumentError, match="kv_len"):
+        attn.prefill_plan(b.qo, b.kvl, 4, 2, 64, torch.float16, b.ws, qo_indptr_host=[0, 41, 42], kv_lens_host=[40, 4])
+    with pytest.raises(kvplug.InvalidArgumentError, match="decrease"):
+        attn.prefill_plan(b.qo, b.kvl, 4, 2, 64, torch.float16, b.ws, qo_indptr_host=[0, 3, 2], kv_lens_host=[40, 4])
+    small = torch.empty(40, dtype=torch.uint8, device=DEV)
+    with pytest.raises(kvplug.BufferTooSmallError, match="workspace"):
+        attn.prefill_plan(b.qo, b.kvl, 4, 2, 64, torch.float16, small, qo_indptr_host=[0, 3, 4], kv_lens_host=[40, 4])
+    plan = b.plan()
+    with pytest.raises(kvplug.InvalidArgumentError, match="block table"):
+        attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table[:, :1].contiguous())
