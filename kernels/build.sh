@@ -15,6 +15,13 @@ root="$(dirname "$here")"
 out="${1:-$here/fatbin/kvplug.fatbin}"
 tools="$root/.tools/cuda"
 
+# Nothing to do when the fatbin is newer than every source (pip builds call
+# this script without make's dependency check).
+if [ -f "$out" ] && [ -z "$(find "$here" -maxdepth 1 \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name build.sh -o -name nvcc-requirements.txt \) -newer "$out")" ]; then
+    echo "kernels/build.sh: ${out#"$root"/} is up to date" >&2
+    exit 0
+fi
+
 fail() {
     echo "kernels/build.sh: $*" >&2
     exit 1
@@ -63,7 +70,8 @@ nvcc="$(find_nvcc)" || {
     nvcc="$(wheel_nvcc)" || nvcc="$(fetch_nvcc)"
     exec 9>&-
 }
-version="$("$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9.]*\).*/\1/p' | head -1)"
+vout="$("$nvcc" --version 2>&1)" || fail "$nvcc does not run: '$nvcc --version' failed"
+version="$(sed -n 's/.*release \([0-9][0-9.]*\).*/\1/p' <<<"$vout" | head -1)"
 echo "kernels/build.sh: nvcc ${version:-of unknown version} at $nvcc" >&2
 case "$version" in
     1[3-9].*|[2-9][0-9].*) ;;

@@ -1,10 +1,13 @@
-"""Build step of the kvplug wheel: compile libkvplug.so from the repository's
-Go sources and place it inside the package, next to __init__.py, where
-kvplug._lib finds it.
+"""Build step of the kvplug wheel: compile the CUDA kernels and
+libkvplug.so from the repository's sources and place the library inside the
+package, next to __init__.py, where kvplug._lib finds it.
 
 The repository root is the directory two levels up (this file lives in
 bindings/python/), or KVPLUG_SOURCE_DIR when building from elsewhere. The
-Go toolchain is taken from PATH, or from the GO environment variable.
+Go toolchain is taken from PATH, or from the GO environment variable. The
+kernels are compiled by kernels/build.sh, which fetches nvcc 13.0 from PyPI
+into the repository's .tools/cuda when the machine has none;
+KVPLUG_KERNELS=off builds a library without them.
 """
 
 import os
@@ -43,15 +46,38 @@ class BuildPyWithLibrary(build_py):
         go = os.environ.get("GO") or shutil.which("go")
         if not go:
             sys.exit("kvplug: the Go toolchain (go) is needed to build libkvplug.so; put it on PATH or set GO")
+        kernels = os.environ.get("KVPLUG_KERNELS", "on")
+        if kernels not in ("on", "off"):
+            sys.exit(f"kvplug: KVPLUG_KERNELS must be on or off, not {kernels!r}")
         out_dir = Path(self.build_lib).resolve() / "kvplug"  # absolute: go runs in the repository root
         out_dir.mkdir(parents=True, exist_ok=True)
         lib = out_dir / "libkvplug.so"
-        cmd = [go, "build", "-trimpath", "-buildmode=c-shared", "-o", str(lib), "./capi"]
-        self.announce("kvplug: " + " ".join(cmd), level=2)
-        subprocess.run(cmd, cwd=root, check=True)
+        tags = []
+        if kernels == "on":
+            run(self, [str(root / "kernels" / "build.sh")], root, "compiling the CUDA kernels",
+                "KVPLUG_KERNELS=off builds the package without them")
+        else:
+            tags = ["-tags", "kvplug_nokernels"]
+        run(self, [go, "build", "-trimpath", *tags, "-buildmode=c-shared", "-o", str(lib), "./capi"], root,
+            "building libkvplug.so with Go", "kvplug needs Go 1.25 or newer: put go on PATH or set GO")
         # go build writes a cgo header beside the library; the real header is include/kvplug.h.
         (out_dir / "libkvplug.h").unlink(missing_ok=True)
         shutil.copyfile(root / "include" / "kvplug.h", out_dir / "kvplug.h")
+
+
+def run(cmd_obj, cmd, cwd: Path, what: str, hint: str) -> None:
+    """Runs one build step; a failure ends the build with its cause (the
+    step's last message) as the last lines pip shows, not a traceback."""
+    cmd_obj.announce("kvplug: " + " ".join(cmd), level=2)
+    sys.stdout.flush()
+    try:
+        p = subprocess.run(cmd, cwd=cwd, stderr=subprocess.PIPE, text=True, errors="replace")
+    except FileNotFoundError as e:
+        sys.exit(f"kvplug: {what} failed: {e}\n  ({hint})")
+    sys.stderr.write(p.stderr)
+    if p.returncode != 0:
+        last = [line for line in p.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
+        sys.exit(f"kvplug: {what} failed (exit status {p.returncode}): {last[0].strip()}\n  ({hint})")
 
 
 class BinaryDistribution(Distribution):
