@@ -2,9 +2,10 @@
 C call with the same arrays, in one process.
 
 A 4096-token prompt whose first 2048 tokens are a cached (pinned) system
-prompt is admitted N times (its token 2048 differs each time, so the
-other half is new), in a pool with free blocks for all of them; the
-admitted sequences are removed in rounds of 128, outside the timing.
+prompt is admitted N times per case (its token 2048 differs each time, so
+the other half is new), with free blocks for it: the admitted sequences
+are removed in rounds of 128 and what they cached is cleared, outside the
+timing. The cases take turns call by call.
 
     KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
         python3 bench/prefix_admit.py [--block-size 16] [-n 2000] [--repeat 3]
@@ -15,10 +16,12 @@ Cases:
   numpy-int32  Manager.admit([id], [arr]) with an int32 numpy prompt
   numpy-int64  ... with an int64 numpy prompt (converted)
   list         ... with a list of Python ints
-  keys         numpy-int32 with Keys(salt, one image), built once
-  decode-step  Manager.grow_tokens(ids, next_tokens) + describe_into for
+  keys         numpy-int32 with Keys(salt, one image), built once (its
+               system prompt is cached and pinned under the same keys)
+  decode step  Manager.grow_tokens(ids, next_tokens) + describe_into for
                256 sequences of 1000-4000 tokens, numpy arrays reused
-               (--decode-lists: next tokens as one list per sequence)
+               (--decode-lists: next tokens as one list per sequence),
+               beside the bare kvp_manager_grow_tokens + describe calls
 Prints the median microseconds per call of each repetition.
 """
 
@@ -32,57 +35,73 @@ import time
 import numpy as np
 
 import kvplug
+from kvplug import manager as _manager_mod
 from kvplug import prefix as _prefix
 
 
-def admit_case(case: str, bs: int, n: int) -> float:
+def admit_cases(cases: list, bs: int, n: int) -> dict:
+    """Median microseconds per admit of each case. The cases take turns
+    call by call, so the machine's load falls on all of them alike."""
     plen, cached, rnd = 4096, 2048, 128
     rng = np.random.default_rng(1)
     base = rng.integers(0, 100_000, plen, dtype=np.int32)
-    keys = None
-    if case == "keys":
-        keys = kvplug.Keys(salt=b"tenant", mm=[kvplug.MMItem(3000, 64, b"\x07" * 16)])
-    m = kvplug.Manager((n + 4) * (plen // bs), bs, prefix_cache=True)
-    m.admit([-1], [base[: cached + 1]], keys)
-    m.remove([-1])
-    m.pin(base[:cached], keys)
+    img = kvplug.Keys(salt=b"tenant", mm=[kvplug.MMItem(3000, 64, b"\x07" * 16)])
+    m = kvplug.Manager((rnd + 4) * (plen // bs), bs, prefix_cache=True)
+
+    def fresh() -> None:
+        # Like the Go benchmark's fresh pool: drop what the last round
+        # cached, then cache and pin the system prompt again.
+        m.clear_prefix_cache()
+        for k in (None, img):
+            m.admit([-1], [base[: cached + 1]], k)
+            m.remove([-1])
+            m.pin(base[:cached], k)
+
+    fresh()
     F = _prefix._sig()
     ids_arr = np.zeros(1, np.int64)
     offs = np.array([0, plen], np.int64)
     matched = np.zeros(1, np.int32)
     admitted = ctypes.c_int32()
-    times = []
+    # The bare call's arguments, addresses taken once (the arrays stay put).
+    c_args = (ids_arr.ctypes.data, base.ctypes.data, offs.ctypes.data, matched.ctypes.data, ctypes.byref(admitted))
+    times: dict = {c: [] for c in cases}
     live = []
-    prompts_list = None
+    sid = 0
     for i in range(n):
-        base[cached] = i
-        if case == "list":
-            p = base.tolist()
-        elif case == "numpy-int64":
-            p = base.astype(np.int64)
-        else:
-            p = base
-        t0 = time.perf_counter_ns()
-        if case == "c-call":
-            ids_arr[0] = i
-            st = F["admit"](m._h, ids_arr.ctypes.data, 1, base.ctypes.data, offs.ctypes.data, None, matched.ctypes.data, ctypes.byref(admitted))
-            assert st == 0 and matched[0] == cached
-        else:
-            got = m.admit([i], [p], keys)
-        t1 = time.perf_counter_ns()
-        if case != "c-call":
-            assert got[0] == cached, got
-        times.append(t1 - t0)
-        live.append(i)
-        if len(live) == rnd:
-            m.remove(live)
-            live = []
-    del prompts_list
+        for case in cases:
+            base[cached] = sid  # a new second half every call
+            if case == "list":
+                p = base.tolist()
+            elif case == "numpy-int64":
+                p = base.astype(np.int64)
+            else:
+                p = base
+            keys = img if case == "keys" else None
+            t0 = time.perf_counter_ns()
+            if case == "c-call":
+                ids_arr[0] = sid
+                st = F["admit"](m._h, c_args[0], 1, c_args[1], c_args[2], None, c_args[3], c_args[4])
+                t1 = time.perf_counter_ns()
+                assert st == 0 and matched[0] == cached
+            else:
+                got = m.admit([sid], [p], keys)
+                t1 = time.perf_counter_ns()
+                assert got[0] == cached, got
+            times[case].append(t1 - t0)
+            live.append(sid)
+            sid += 1
+            if len(live) == rnd:
+                m.remove(live)
+                live = []
+                fresh()
     m.close()
-    return statistics.median(times) / 1e3
+    return {c: statistics.median(v) / 1e3 for c, v in times.items()}
 
 
-def decode_case(n_steps: int, lists: bool) -> float:
+def decode_case(n_steps: int, lists: bool) -> tuple:
+    """Median microseconds of a decode step through the package and
+    through the bare C calls (grow_tokens + describe), taking turns."""
     bs, nseq = 16, 256
     rng = np.random.default_rng(2)
     lens = rng.integers(1000, 4000, nseq)
@@ -94,17 +113,30 @@ def decode_case(n_steps: int, lists: bool) -> float:
     seq_lens = np.empty(nseq, np.int32)
     slots = np.empty(nseq, np.int32)
     toks = np.empty(nseq, np.int32)
-    times = []
+    ones = np.ones(nseq, np.int32)
+    F = _prefix._sig()
+    describe = _manager_mod._sig()[6]
+    num = ctypes.c_int32()
+    a_ids, a_ones, a_toks = ids.ctypes.data, ones.ctypes.data, toks.ctypes.data
+    a_table, a_lens, a_slots, p_num = table.ctypes.data, seq_lens.ctypes.data, slots.ctypes.data, ctypes.byref(num)
+    py, c = [], []
     for step in range(n_steps):
         toks[:] = step
         t0 = time.perf_counter_ns()
-        m.grow_tokens(ids, [[t] for t in toks.tolist()] if lists else toks)
-        k = m.describe_into(ids, table, seq_lens, slots)
-        t1 = time.perf_counter_ns()
-        assert k == nseq
-        times.append(t1 - t0)
+        if step % 2:
+            st = F["grow_tokens"](m._h, a_ids, a_ones, nseq, a_toks)
+            st = st or describe(m._h, a_ids, nseq, a_table, 512, a_lens, a_slots, nseq, p_num)
+            t1 = time.perf_counter_ns()
+            assert st == 0
+            c.append(t1 - t0)
+        else:
+            m.grow_tokens(ids, [[t] for t in toks.tolist()] if lists else toks)
+            k = m.describe_into(ids, table, seq_lens, slots)
+            t1 = time.perf_counter_ns()
+            assert k == nseq
+            py.append(t1 - t0)
     m.close()
-    return statistics.median(times) / 1e3
+    return statistics.median(py) / 1e3, statistics.median(c) / 1e3
 
 
 def main() -> None:
@@ -116,12 +148,13 @@ def main() -> None:
     a = ap.parse_args()
     cases = ["c-call", "numpy-int32", "numpy-int64", "list", "keys"]
     for r in range(a.repeat):
-        row = {c: admit_case(c, a.block_size, a.n) for c in cases}
-        row["decode-step"] = decode_case(500, a.decode_lists)
+        row = admit_cases(cases, a.block_size, a.n)
+        dpy, dc = decode_case(1000, a.decode_lists)
         base = row["c-call"]
         print(
             f"run {r}: "
-            + ", ".join(f"{c} {v:.1f} us" + (f" ({v / base:.2f}x)" if c not in ("c-call", "decode-step") else "") for c, v in row.items()),
+            + ", ".join(f"{c} {v:.1f} us" + (f" ({v / base:.2f}x)" if c != "c-call" else "") for c, v in row.items())
+            + f"; decode step {dpy:.1f} us, bare C calls {dc:.1f} us ({dpy / dc:.2f}x)",
             flush=True,
         )
 

@@ -147,7 +147,7 @@ def _in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int,
             return obj.ctypes.data, obj.size, obj
     if isinstance(obj, (int, np.integer)):
         arr = np.array([obj], dtype)
-        return arr.ctypes.data, 1, arr
+        return _addressof(_from_buffer(arr)), 1, arr
     if isinstance(obj, (list, tuple, range, np.ndarray)):
         src = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
         if src.ndim != 1:
@@ -155,11 +155,16 @@ def _in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int,
         if src.size:
             if src.dtype.kind not in "iu":
                 raise _bad(f"{what} must hold integers: got {src.dtype} values")
-            if not np.can_cast(src.dtype, dtype):
+            if src.dtype != dtype and not np.can_cast(src.dtype, dtype):
                 lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
                 if src.min() < lo or src.max() > hi:
                     raise _bad(f"{what} must hold {dtype} values: got {src.min()}..{src.max()}")
         arr = np.ascontiguousarray(src, dtype=dtype)
+        # arr.ctypes.data costs several microseconds (it builds a ctypes
+        # helper object); c_char.from_buffer a tenth of that, for the
+        # writable, non-empty arrays it accepts.
+        if arr.size and arr.flags.writeable:
+            return _addressof(_from_buffer(arr)), arr.size, arr
         return arr.ctypes.data, arr.size, arr
     ptr, n = _lib.as_ptr(obj, ctype)
     return ptr, n, obj
