@@ -11,6 +11,7 @@ KVPLUG_KERNELS=off builds a library without them.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,16 @@ def source_root() -> Path:
             "build from a checkout, or set KVPLUG_SOURCE_DIR to one"
         )
     return root
+
+
+def header_version() -> str:
+    """The package's version is the header's (KVP_VERSION_MAJOR.MINOR.PATCH):
+    one number for the ABI, the library and the wheel."""
+    text = (source_root() / "include" / "kvplug.h").read_text()
+    parts = dict(re.findall(r"#define KVP_VERSION_(MAJOR|MINOR|PATCH) (\d+)", text))
+    if len(parts) != 3:
+        sys.exit("kvplug: include/kvplug.h lacks KVP_VERSION_MAJOR, _MINOR or _PATCH")
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
 
 
 class BuildPyWithLibrary(build_py):
@@ -98,6 +109,7 @@ class PlatformWheel(bdist_wheel):
 
 
 setup(
+    version=header_version(),
     distclass=BinaryDistribution,
     cmdclass={"build_py": BuildPyWithLibrary, "bdist_wheel": PlatformWheel},
 )
