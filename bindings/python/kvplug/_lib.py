@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import operator
 import os
 import threading
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "Status",
     "KvplugError",
     "InvalidArgumentError",
+    "checked_int",
     "NullPointerError",
     "StructSizeError",
     "InvalidHandleError",
@@ -214,6 +216,49 @@ def error_for(status: int, message: str) -> KvplugError:
 # --------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------
+# Integers crossing into C
+# --------------------------------------------------------------------------
+
+# ctypes converts an out-of-range Python int by wrapping it (2**64 becomes 0)
+# and a float or a numpy float by truncating or refusing with its own error;
+# every integer the bindings pass to a C function goes through checked_int
+# first, so a bad value is an InvalidArgumentError naming the argument.
+C_INT_RANGES: Dict[str, Tuple[int, int]] = {
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "uint32": (0, 2**32 - 1),
+    "uint64": (0, 2**64 - 1),
+}
+
+
+def _bound(v: int) -> str:
+    """v as a power of two where it is one (2^31, -2^63, 2^64-1), else decimal."""
+    for sign, base in ((1, v), (-1, -v)):
+        for off, suffix in ((0, ""), (1, "-1")):
+            b = base + off
+            if b > 1 and b & (b - 1) == 0 and b >= 1 << 10:
+                return f"{'-' if sign < 0 else ''}2^{b.bit_length() - 1}{suffix}"
+    return str(v)
+
+
+def checked_int(value: Any, what: str, ctype: str = "int64", lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """value as a Python int that fits the C type `ctype` ("int32",
+    "int64", "uint32", "uint64") and lies in [lo, hi] where given. Python
+    and numpy integers are accepted; bool, float, str and anything else
+    without __index__ are not. Raises InvalidArgumentError naming `what`."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InvalidArgumentError(f"{what} must be an integer: got {type(value).__name__} {value!r}",
+                                   Status.INVALID_ARGUMENT)
+    v = operator.index(value)
+    tlo, thi = C_INT_RANGES[ctype]
+    lo = tlo if lo is None else max(lo, tlo)
+    hi = thi if hi is None else min(hi, thi)
+    if not lo <= v <= hi:
+        raise InvalidArgumentError(f"{what} must be in [{_bound(lo)}, {_bound(hi)}]: got {v}", Status.INVALID_ARGUMENT)
+    return v
+
 
 _load_lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None

@@ -218,9 +218,12 @@ def prepare(device: Any = None) -> None:
 def workspace_size(max_batch: int, num_q_heads: int, head_dim: int, max_splits: int = 0) -> int:
     """Bytes of decode workspace for batches up to max_batch with up to
     max_splits splits (0: the library's default ceiling)."""
+    args = [_lib.checked_int(v, n, "int32") for v, n in ((max_batch, "workspace_size: max_batch"),
+            (num_q_heads, "workspace_size: num_q_heads"), (head_dim, "workspace_size: head_dim"),
+            (max_splits, "workspace_size: max_splits"))]
     out = ctypes.c_uint64(0)
     f = _fn("kvp_attn_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_uint64)])
-    _check(f(max_batch, num_q_heads, head_dim, max_splits, ctypes.byref(out)))
+    _check(f(*args, ctypes.byref(out)))
     return int(out.value)
 
 

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
+import numbers
+import warnings
+import weakref
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -128,6 +132,15 @@ def _sig() -> Any:
 _F: Any = None
 
 
+_int = _lib.checked_int
+
+
+def _scalar(obj: Any) -> bool:
+    """Whether obj is meant as one number (checked as an integer) rather than
+    an array (numpy, torch, a sequence, a buffer)."""
+    return isinstance(obj, (numbers.Number, str, bytes))
+
+
 def _bad(msg: str) -> _lib.InvalidArgumentError:
     return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
 
@@ -146,7 +159,7 @@ def _in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int,
         if obj.flags.c_contiguous:
             return obj.ctypes.data, obj.size, obj
     if isinstance(obj, (int, np.integer)):
-        arr = np.array([obj], dtype)
+        arr = np.array([_int(obj, what, dtype.name)], dtype)
         return _addressof(_from_buffer(arr)), 1, arr
     if isinstance(obj, (list, tuple, range, np.ndarray)):
         src = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
@@ -187,6 +200,23 @@ def _out_ptr(obj: Any, need: int, what: str) -> Tuple[int, int]:
     return ptr, n
 
 
+def _release(handle: int) -> None:
+    """Destroys a manager collected without close(), saying so when it still
+    had live sequences. Holds no reference to the Manager (a finalizer
+    must not)."""
+    F = _sig()
+    s = ManagerStatsStruct()
+    s.struct_size = ctypes.sizeof(ManagerStatsStruct)
+    live = s.num_seqs if F[7](handle, ctypes.byref(s)) == 0 else 0
+    F[1](handle)
+    if live:
+        seqs = "1 live sequence" if live == 1 else f"{live} live sequences"
+        msg = (f"kvplug: a Manager was collected with {seqs} and has been closed; "
+               "call close() or use it in a with block")
+        warnings.warn(msg, ResourceWarning, stacklevel=2)
+        logging.getLogger("kvplug").warning("%s", msg)
+
+
 class Manager(PrefixCacheMethods):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
@@ -208,9 +238,9 @@ class Manager(PrefixCacheMethods):
     ) -> None:
         self._h: Optional[int] = None
         F = _sig()
-        for v in (num_blocks, block_size, max_pending_events):
-            if not (-(2**31) <= v < 2**31):
-                raise _bad(f"num_blocks, block_size and max_pending_events must fit in int32: got {v}")
+        num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
+        block_size = _int(block_size, "Manager: block_size", "int32")
+        max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events
         )
@@ -220,6 +250,11 @@ class Manager(PrefixCacheMethods):
             _lib.raise_status(st)
         self._h = out.value
         self._destroy = F[1]
+        # Destroys the handle if the object is collected without close();
+        # the finalizer holds the handle, never self. Not at interpreter
+        # exit: the process is ending and modules may be half torn down.
+        self._finalizer = weakref.finalize(self, _release, self._h)
+        self._finalizer.atexit = False
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         # (value, array, address) of the counts array a grow by one number
@@ -243,6 +278,7 @@ class Manager(PrefixCacheMethods):
         calls raise InvalidHandleError."""
         h, self._h = self._h, None
         if h is not None:
+            self._finalizer.detach()
             self._destroy(h)
 
     def __enter__(self) -> "Manager":
@@ -250,12 +286,6 @@ class Manager(PrefixCacheMethods):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may be gone already
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else f"handle=0x{self._h:x}"
@@ -267,10 +297,8 @@ class Manager(PrefixCacheMethods):
         """Admits sequence seq_id with a prompt of prompt_len tokens (they
         are its new tokens). Raises DuplicateSequenceError,
         OutOfBlocksError, InvalidArgumentError."""
-        if not (-(2**63) <= seq_id < 2**63):
-            raise _bad(f"add: seq_id must fit in int64: got {seq_id}")
-        if not (-(2**31) <= prompt_len < 2**31):
-            raise _bad(f"add: prompt length must be in [1, 2^30]: got {prompt_len}")
+        seq_id = _int(seq_id, "add: seq_id", "int64")
+        prompt_len = _int(prompt_len, "add: prompt_len", "int32")
         st = _F[2](self._h, seq_id, prompt_len)
         if st:
             _lib.raise_status(st)
@@ -283,10 +311,13 @@ class Manager(PrefixCacheMethods):
         ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n > _INT32_MAX:
             raise _bad(f"grow: batch of {n} sequences")
-        if type(num_tokens) is int or isinstance(num_tokens, (int, np.integer)):
+        if type(num_tokens) is int or _scalar(num_tokens):
+            v = num_tokens
+            if not (type(v) is int and -(2**31) <= v < 2**31):
+                v = _int(num_tokens, "grow: num_tokens", "int32")
             fill = self._fill
-            if fill[0] != num_tokens or fill[1] is None or fill[1].size < n:
-                fill = self._new_fill(int(num_tokens), n)
+            if fill[0] != v or fill[1] is None or fill[1].size < n:
+                fill = self._new_fill(v, n)
             counts_ptr = fill[2]
         else:
             counts_ptr, k, keep_counts = _in_ptr(num_tokens, _I32, _i32, "num_tokens")
@@ -299,8 +330,6 @@ class Manager(PrefixCacheMethods):
     def _new_fill(self, value: int, n: int) -> Tuple[int, Any, int]:
         # Out-of-range counts that fit in int32 are left to the library,
         # whose message names the offending sequence.
-        if not (-(2**31) <= value <= _INT32_MAX):
-            raise _bad(f"grow: token count must be in [0, 2^24]: got {value}")
         old = self._fill[1]
         arr = np.full(max(n, 256, 0 if old is None else old.size), value, np.int32)
         fill = (value, arr, arr.ctypes.data)
@@ -312,6 +341,7 @@ class Manager(PrefixCacheMethods):
         its full blocks. Returns the (src, dst) block copies the engine must
         perform before the next kernel reads dst: one per child when the
         parent's last block is partial, else none."""
+        parent = _int(parent, "fork: parent", "int64")
         ptr, n, keep = _in_ptr(children, _I64, _i64, "children")
         if n > _INT32_MAX:
             raise _bad(f"fork: {n} children")
@@ -359,7 +389,7 @@ class Manager(PrefixCacheMethods):
             table_ptr, mb = 0, 0
         else:
             if max_blocks is not None:
-                mb = max_blocks
+                mb = _int(max_blocks, "describe: max_blocks", "int32", lo=1)
             else:
                 shape = getattr(block_table, "shape", None)
                 if shape is None or len(shape) != 2:
@@ -407,7 +437,7 @@ class Manager(PrefixCacheMethods):
             lens = np.empty(max(n, 0), np.int32)
             k = self.describe_into(ids, None, lens, None)
             need = int(-(-int(lens.max()) // self.block_size)) if n else 1
-            mb = max(need, 1) if max_blocks is None else max_blocks
+            mb = max(need, 1) if max_blocks is None else _int(max_blocks, "describe: max_blocks", "int32", lo=1)
             table = np.empty((n, mb), np.int32)
             slots = np.empty(k, np.int32)
             try:

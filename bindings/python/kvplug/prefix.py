@@ -181,6 +181,9 @@ class KVEvent:
     hashes: Tuple[bytes, ...] = ()
 
 
+_int = _lib.checked_int
+
+
 def _bad(msg: str) -> _lib.InvalidArgumentError:
     return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
 
@@ -281,9 +284,8 @@ def _mm_items(mm: Sequence[Any]) -> Any:
             raise _bad(f"multimodal item {i} must be (offset, length, 16-byte hash): got {it!r}") from None
         if not isinstance(h, (bytes, bytearray, memoryview)) or len(h) != 16:
             raise _bad(f"multimodal item {i}: hash must be 16 bytes, got {h!r}")
-        if not (-(2**31) <= off <= _INT32_MAX and -(2**31) <= length <= _INT32_MAX):
-            raise _bad(f"multimodal item {i}: offset and length must fit in int32")
-        items[i].offset, items[i].length = off, length
+        items[i].offset = _int(off, f"multimodal item {i}: offset", "int32")
+        items[i].length = _int(length, f"multimodal item {i}: length", "int32")
         ctypes.memmove(items[i].hash, bytes(h), 16)
     return items
 
@@ -294,9 +296,7 @@ def _keys_struct(k: Optional[Keys], keep: list) -> PrefixKeysStruct:
         return s
     if not isinstance(k, Keys):
         raise _bad(f"keys must be kvplug.Keys or None: got {type(k).__name__}")
-    if not (0 <= k.adapter < 2**64):
-        raise _bad(f"adapter must be in [0, 2^64): got {k.adapter}")
-    s.adapter = k.adapter
+    s.adapter = _int(k.adapter, "keys: adapter", "uint64")
     if k.mm:
         items = _mm_items(k.mm)
         keep.append(items)
@@ -441,8 +441,7 @@ class PrefixCacheMethods:
         after the sequence's last item and not inside a block it has filled
         already. Raises InvalidArgumentError, UnknownSequenceError (nothing
         changes)."""
-        if not (-(2**63) <= seq_id < 2**63):
-            raise _bad(f"add_mm_items: seq_id must fit in int64: got {seq_id}")
+        seq_id = _int(seq_id, "add_mm_items: seq_id", "int64")
         items = list(items)
         arr = _mm_items(items) if items else None
         _check(_sig()["add_mm_items"](self._h, seq_id, arr, len(items)))
@@ -471,16 +470,14 @@ class PrefixCacheMethods:
 
     def unpin(self, pin_id: int) -> None:
         """Releases one pin. Raises NotFoundError for an unknown id."""
-        if not (0 <= pin_id < 2**64):
-            raise _bad(f"unpin: pin id must be in [0, 2^64): got {pin_id}")
+        pin_id = _int(pin_id, "unpin: pin_id", "uint64")
         _check(_sig()["unpin"](self._h, pin_id))
 
     def set_priority(self, tokens: Any, priority: int, keys: Optional[Keys] = None) -> int:
         """Sets the eviction priority of a prefix's cached full blocks
         (lower goes first; default 0). Returns how many blocks were set."""
         F = _sig()
-        if not (-(2**31) <= priority <= _INT32_MAX):
-            raise _bad(f"set_priority: priority must fit in int32: got {priority}")
+        priority = _int(priority, "set_priority: priority", "int32")
         t = _tokens(tokens, "tokens")
         keep: list = []
         nb = _i32()
@@ -511,6 +508,7 @@ class PrefixCacheMethods:
         event grow to the size the library reports, and the call is
         retried."""
         F = _sig()
+        max_events = _int(max_events, "drain_events: max_events", "int32")
         if not (1 <= max_events <= 1 << 20):
             raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
         bs = self.block_size

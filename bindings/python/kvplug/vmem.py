@@ -254,9 +254,20 @@ class VirtualKVCache:
             try:
                 backend = {"cuda": BACKEND_CUDA, "host": BACKEND_HOST}[backend]
             except KeyError:
-                raise ValueError(f"kvplug: backend must be 'cuda' or 'host': got {backend!r}") from None
-        self.backend = int(backend)
-        self.device = int(device)
+                raise _lib.InvalidArgumentError(f"VirtualKVCache: backend must be 'cuda' or 'host': got {backend!r}",
+                                                _lib.Status.INVALID_ARGUMENT) from None
+        ci = _lib.checked_int
+        self.backend = ci(backend, "VirtualKVCache: backend", "int32")
+        self.device = ci(device, "VirtualKVCache: device", "int32")
+        num_layers = ci(num_layers, "VirtualKVCache: num_layers", "int32")
+        num_kv_heads = ci(num_kv_heads, "VirtualKVCache: num_kv_heads", "int32")
+        head_dim = ci(head_dim, "VirtualKVCache: head_dim", "int32")
+        max_batch = ci(max_batch, "VirtualKVCache: max_batch", "int32")
+        max_context = ci(max_context, "VirtualKVCache: max_context", "int32")
+        page_size = ci(page_size, "VirtualKVCache: page_size", "int64")
+        budget_bytes = ci(budget_bytes, "VirtualKVCache: budget_bytes", "int64")
+        reclaim_below_bytes = ci(reclaim_below_bytes, "VirtualKVCache: reclaim_below_bytes", "int64")
+        lookahead_tokens = ci(lookahead_tokens, "VirtualKVCache: lookahead_tokens", "int32")
         cfg = VCacheConfig(
             ctypes.sizeof(VCacheConfig), self.backend, self.device, num_layers, num_kv_heads, head_dim,
             nbytes, max_batch, max_context, page_size, budget_bytes, reclaim_below_bytes,
@@ -315,6 +326,7 @@ class VirtualKVCache:
         return s.value
 
     def free(self, slot: int) -> None:
+        slot = _lib.checked_int(slot, "free: slot", "int32")
         _lib.check(_lib.fn("kvp_vcache_free_slot", _c_int, [_vp, _i32])(self.handle, slot))
 
     def step(self, slots: IntArray, ctx_lens: IntArray) -> None:
@@ -324,7 +336,7 @@ class VirtualKVCache:
         sp, n = _int32_ptr(slots)
         cp, m = _int32_ptr(ctx_lens)
         if n != m:
-            raise ValueError(f"kvplug: step: {n} slots but {m} context lengths")
+            raise _lib.InvalidArgumentError(f"step: {n} slots but {m} context lengths", _lib.Status.INVALID_ARGUMENT)
         _lib.check(self._step(self.handle, sp[0], cp[0], n))
 
     def trim(self) -> None:
@@ -341,6 +353,7 @@ class VirtualKVCache:
 
     def layer_ptrs(self, layer: int) -> Tuple[int, int]:
         """The base addresses of layer's K and V tensors."""
+        layer = _lib.checked_int(layer, "layer", "int32")
         k, v = _u64(), _u64()
         _lib.check(_lib.fn("kvp_vcache_layer_ptrs", _c_int, [_vp, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])(
             self.handle, layer, ctypes.byref(k), ctypes.byref(v)))
@@ -399,7 +412,7 @@ class VirtualKVCache:
 def _int32_ptr(obj: IntArray) -> Tuple[Tuple[int, Any], int]:
     """(address, keep-alive) and count of obj as int32 elements."""
     if isinstance(obj, (list, tuple, range)):
-        arr = (_i32 * len(obj))(*obj)
+        arr = (_i32 * len(obj))(*(_lib.checked_int(v, f"element {i}", "int32") for i, v in enumerate(obj)))
         return (ctypes.addressof(arr), arr), len(arr)
     addr, n = _lib.as_ptr(obj, _i32)
     return (addr, obj), n
