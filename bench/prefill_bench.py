@@ -115,7 +115,7 @@ class Case:
 def timed(fn):
     fn()
     torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
 def rel(a, b):

@@ -9,14 +9,15 @@
 // Work partition (plan kernel, once per batch composition): each sequence's
 // rows are packed as (token, q head of the kv head's group) pairs, row
 // p -> token p / group, head p % group, and cut into tiles of
-// KVP_PREFILL_TILE_Q packed rows: with GQA the rows of one tile share every
+// kvp_prefill_tile_q(dtype, head_dim) packed rows: with GQA the rows of one tile share every
 // K/V tile they read, and a decode sequence of group g fills g rows instead of
 // one. A work item is one (sequence, row tile); the attention kernel runs a
 // fixed grid whose blocks stride over (item, kv head) pairs, reading the item
 // count from the workspace, so one captured launch serves any later plan.
 //
 // Attention kernel (16-bit): FlashAttention-2 layout on mma.sync m16n8k16;
-// 4 warps, each owning 16 packed rows and all 64 tokens of a K/V tile; K/V
+// 4 warps, each owning 32 packed rows (16 at head_dim 256) and all 64 tokens
+// of a K/V tile; K/V
 // tiles stream through a cp.async pipeline; the physical row offset of each
 // token of a tile is resolved once per tile from the block table (so block
 // size 1 costs what large blocks cost). A warp skips the tiles its rows cannot
@@ -36,7 +37,7 @@ namespace kvp {
 // attention kernel write outside out (rows < total_q) or the item list.
 __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
     constexpr int NT = KVP_PREFILL_PLAN_THREADS;
-    constexpr int TQ = KVP_PREFILL_TILE_Q;
+    const int TQ = p.tile_q;
     __shared__ int s_scan[NT];
     griddep_wait();
     const int tid = threadIdx.x;
@@ -125,10 +126,10 @@ struct PrefillSpan {
     int r0, nrows, delta, kv_begin, kv_end;
 };
 
-__device__ __forceinline__ PrefillSpan item_span(const PrefillItem& it, int group, int window_left) {
+__device__ __forceinline__ PrefillSpan item_span(const PrefillItem& it, int group, int window_left, int tile_q) {
     PrefillSpan s;
-    s.r0 = it.tile * KVP_PREFILL_TILE_Q;
-    s.nrows = min(KVP_PREFILL_TILE_Q, it.q_len * group - s.r0);
+    s.r0 = it.tile * tile_q;
+    s.nrows = min(tile_q, it.q_len * group - s.r0);
     s.delta = it.kv_len - it.q_len;  // position of the sequence's first new token
     const int first = s.delta + s.r0 / group, last = s.delta + (s.r0 + s.nrows - 1) / group;
     s.kv_end = min(it.kv_len, last + 1);
@@ -142,7 +143,7 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
     constexpr int E = D / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = p.num_q_heads / p.num_kv_heads;
-    const PrefillSpan sp = item_span(it, group, p.window_left);
+    const PrefillSpan sp = item_span(it, group, p.window_left, KVP_PREFILL_TILE_Q_F32);
     PrefillRows rr;
     rr.init(p, it.b, kvh);
     const float* kc = reinterpret_cast<const float*>(p.k_cache);
@@ -196,7 +197,10 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
 // ---- f16 / bf16: tensor-core kernel ------------------------------------------
 template <int D>
 struct PrefillCfg {
-    static constexpr int TQ = KVP_PREFILL_TILE_Q;
+    // m16 row tiles per warp: two where the registers allow (each K/V
+    // fragment read from shared memory then feeds twice the MMAs).
+    static constexpr int MT = D <= 128 ? 2 : 1;
+    static constexpr int TQ = 4 * 16 * MT;  // packed rows per item (KVP_PREFILL_TILE_Q(D))
     static constexpr int TK = KVP_PREFILL_TILE_KV;
     static constexpr int STAGES = D <= 64 ? 3 : 2;
     static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
@@ -226,8 +230,9 @@ template <typename T, int D>
 __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, const PrefillItem& it, int kvh,
                                                 uint8_t* smem) {
     using C = PrefillCfg<D>;
-    constexpr int TQ = C::TQ, TK = C::TK, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
+    constexpr int MT = C::MT, TQ = C::TQ, TK = C::TK, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
     constexpr int NT = KVP_PREFILL_THREADS;
+    constexpr int WR = 16 * MT;               // rows per warp
     constexpr int KV_CHUNKS = TK * CPR / NT;  // per tensor per stage per thread
     constexpr int Q_CHUNKS = TQ * CPR / NT;
     static_assert(TK * CPR % NT == 0 && TQ * CPR % NT == 0, "chunks divide evenly");
@@ -238,7 +243,7 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int group = p.num_q_heads / p.num_kv_heads;
     const int wl = p.window_left;
-    const PrefillSpan sp = item_span(it, group, wl);
+    const PrefillSpan sp = item_span(it, group, wl, TQ);
     PrefillRows rr;
     rr.init(p, it.b, kvh);
     const T* kc = reinterpret_cast<const T*>(p.k_cache);
@@ -305,30 +310,34 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
         cp_async_commit();
     }
 
-    // This thread's two rows (g and g + 8 of the warp's 16).
+    // This thread's rows: g and g + 8 of each of the warp's m16 tiles.
     const int g = lane >> 2, qd = (lane & 3) * 2;
-    int pos[2], tokr[2], qhr[2];
+    int pos[MT][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + h * 8;
-        const int pr = sp.r0 + r;
-        tokr[h] = pr / group;
-        qhr[h] = kvh * group + (pr - tokr[h] * group);
-        pos[h] = r < sp.nrows ? sp.delta + tokr[h] : -1;  // -1: padding row, sees nothing
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp * WR + mt * 16 + g + h * 8;
+            pos[mt][h] = r < sp.nrows ? sp.delta + (sp.r0 + r) / group : -1;  // -1: padding row, sees nothing
+        }
     }
-    const bool warp_live = warp * 16 < sp.nrows;
-    const int wlast = min(warp * 16 + 15, sp.nrows - 1);
-    const int wpos_max = sp.delta + (sp.r0 + wlast) / group;       // last position of the warp's rows
-    const int wpos_min = sp.delta + (sp.r0 + warp * 16) / group;   // first
+    const bool warp_live = warp * WR < sp.nrows;
+    const int wlast = min(warp * WR + WR - 1, sp.nrows - 1);
+    const int wpos_max = sp.delta + (sp.r0 + wlast) / group;    // last position of the warp's rows
+    const int wpos_min = sp.delta + (sp.r0 + warp * WR) / group;  // first
 
     const float sl = p.scale * kLog2e;
-    float m_run[2] = {neg_inf(), neg_inf()};
-    float l_run[2] = {0.f, 0.f};
-    float o_acc[CPR][4];
+    float m_run[MT][2], l_run[MT][2];
+    float o_acc[MT][CPR][4];
 #pragma unroll
-    for (int c = 0; c < CPR; ++c) o_acc[c][0] = o_acc[c][1] = o_acc[c][2] = o_acc[c][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+        m_run[mt][0] = m_run[mt][1] = neg_inf();
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+#pragma unroll
+        for (int c = 0; c < CPR; ++c) o_acc[mt][c][0] = o_acc[mt][c][1] = o_acc[mt][c][2] = o_acc[mt][c][3] = 0.f;
+    }
 
-    const int qa_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, qa_chk = lane >> 4;
+    const int qa_row = warp * WR + (lane & 7) + ((lane >> 3) & 1) * 8, qa_chk = lane >> 4;
     const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_chk = (lane >> 3) & 1;
     const int vb_row = (lane & 7) + ((lane >> 3) & 1) * 8, vb_chk = lane >> 4;
 
@@ -345,90 +354,106 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
         if (visible) {
             const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
             const uint32_t sv = sk + C::KV_TILE_BYTES;
-            float s[8][4];
+            float s[MT][8][4];
 #pragma unroll
-            for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                ldmatrix_x4(a, s_q_u32 + swz<CPR>(qa_row, kk * 2 + qa_chk));
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(a[mt], s_q_u32 + swz<CPR>(qa_row + mt * 16, kk * 2 + qa_chk));
 #pragma unroll
                 for (int np = 0; np < 4; ++np) {
                     uint32_t bk[4];
                     ldmatrix_x4(bk, sk + swz<CPR>(np * 16 + kb_row, kk * 2 + kb_chk));
-                    mma16816<T>(s[2 * np], a, bk[0], bk[1]);
-                    mma16816<T>(s[2 * np + 1], a, bk[2], bk[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                        mma16816<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                    }
                 }
             }
             // Mask: causal (token <= the row's position), window, tokens past
             // the sequence or in ignored blocks (row offset -1).
             const int64_t* offs = s_off + (j % RING) * TK;
             const bool full = kv0 + TK - 1 <= wpos_min && (wl < 0 || kv0 >= wpos_max - wl) && kv0 + TK <= it.kv_len;
-            float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-            for (int n = 0; n < 8; ++n) {
+            for (int mt = 0; mt < MT; ++mt) {
+                float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = n * 8 + qd + e;
-                    const int kv = kv0 + col;
-                    bool ok0 = true, ok1 = true;
-                    if (!full) {
-                        const bool tok_ok = offs[col] >= 0;
-                        ok0 = tok_ok && kv <= pos[0] && (wl < 0 || kv >= pos[0] - wl);
-                        ok1 = tok_ok && kv <= pos[1] && (wl < 0 || kv >= pos[1] - wl);
-                    } else if (offs[col] < 0) {
-                        ok0 = ok1 = false;
+                for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = n * 8 + qd + e;
+                        const int kv = kv0 + col;
+                        bool ok0 = true, ok1 = true;
+                        if (!full) {
+                            const bool tok_ok = offs[col] >= 0;
+                            ok0 = tok_ok && kv <= pos[mt][0] && (wl < 0 || kv >= pos[mt][0] - wl);
+                            ok1 = tok_ok && kv <= pos[mt][1] && (wl < 0 || kv >= pos[mt][1] - wl);
+                        } else if (offs[col] < 0) {
+                            ok0 = ok1 = false;
+                        }
+                        s[mt][n][e] = ok0 ? s[mt][n][e] * sl : neg_inf();
+                        s[mt][n][e + 2] = ok1 ? s[mt][n][e + 2] * sl : neg_inf();
+                        mx[0] = fmaxf(mx[0], s[mt][n][e]);
+                        mx[1] = fmaxf(mx[1], s[mt][n][e + 2]);
                     }
-                    s[n][e] = ok0 ? s[n][e] * sl : neg_inf();
-                    s[n][e + 2] = ok1 ? s[n][e + 2] * sl : neg_inf();
-                    mx[0] = fmaxf(mx[0], s[n][e]);
-                    mx[1] = fmaxf(mx[1], s[n][e + 2]);
+                }
+                float alpha[2], m_use[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    const float mn = fmaxf(m_run[mt][r], mx[r]);
+                    m_use[r] = mn == neg_inf() ? 0.f : mn;  // row fully masked so far: keep exp2 finite
+                    alpha[r] = exp2f(m_run[mt][r] - m_use[r]);
+                    m_run[mt][r] = mn;
+                }
+                float ps[2] = {0.f, 0.f};
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    s[mt][n][0] = exp2f(s[mt][n][0] - m_use[0]);
+                    s[mt][n][1] = exp2f(s[mt][n][1] - m_use[0]);
+                    s[mt][n][2] = exp2f(s[mt][n][2] - m_use[1]);
+                    s[mt][n][3] = exp2f(s[mt][n][3] - m_use[1]);
+                    ps[0] += s[mt][n][0] + s[mt][n][1];
+                    ps[1] += s[mt][n][2] + s[mt][n][3];
+                }
+                l_run[mt][0] = l_run[mt][0] * alpha[0] + ps[0];
+                l_run[mt][1] = l_run[mt][1] * alpha[1] + ps[1];
+#pragma unroll
+                for (int c = 0; c < CPR; ++c) {
+                    o_acc[mt][c][0] *= alpha[0];
+                    o_acc[mt][c][1] *= alpha[0];
+                    o_acc[mt][c][2] *= alpha[1];
+                    o_acc[mt][c][3] *= alpha[1];
                 }
             }
-            float alpha[2], m_use[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float mn = fmaxf(m_run[r], mx[r]);
-                m_use[r] = mn == neg_inf() ? 0.f : mn;  // row fully masked so far: keep exp2 finite
-                alpha[r] = exp2f(m_run[r] - m_use[r]);
-                m_run[r] = mn;
-            }
-            float ps[2] = {0.f, 0.f};
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                s[n][0] = exp2f(s[n][0] - m_use[0]);
-                s[n][1] = exp2f(s[n][1] - m_use[0]);
-                s[n][2] = exp2f(s[n][2] - m_use[1]);
-                s[n][3] = exp2f(s[n][3] - m_use[1]);
-                ps[0] += s[n][0] + s[n][1];
-                ps[1] += s[n][2] + s[n][3];
-            }
-            l_run[0] = l_run[0] * alpha[0] + ps[0];
-            l_run[1] = l_run[1] * alpha[1] + ps[1];
-#pragma unroll
-            for (int c = 0; c < CPR; ++c) {
-                o_acc[c][0] *= alpha[0];
-                o_acc[c][1] *= alpha[0];
-                o_acc[c][2] *= alpha[1];
-                o_acc[c][3] *= alpha[1];
-            }
             // O += P V, 16 tokens per k-step; the C fragments of S are the A
-            // fragments of P.
+            // fragments of P; each V fragment feeds every m16 tile.
 #pragma unroll
             for (int kt = 0; kt < TK / 16; ++kt) {
-                uint32_t pa[4];
-                pa[0] = pack2<T>(s[2 * kt][0], s[2 * kt][1]);
-                pa[1] = pack2<T>(s[2 * kt][2], s[2 * kt][3]);
-                pa[2] = pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-                pa[3] = pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+                uint32_t pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    pa[mt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+                    pa[mt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+                    pa[mt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+                    pa[mt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+                }
 #pragma unroll
                 for (int c = 0; c < CPR; c += 2) {
                     uint32_t bv[4];
                     ldmatrix_x4_trans(bv, sv + swz<CPR>(kt * 16 + vb_row, c + vb_chk));
-                    mma16816<T>(o_acc[c], pa, bv[0], bv[1]);
-                    mma16816<T>(o_acc[c + 1], pa, bv[2], bv[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(o_acc[mt][c], pa[mt], bv[0], bv[1]);
+                        mma16816<T>(o_acc[mt][c + 1], pa[mt], bv[2], bv[3]);
+                    }
                 }
             }
         }
@@ -444,21 +469,29 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
 
     // Each warp holds whole rows: normalise and store.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-        const int r = warp * 16 + g + h * 8;
-        if (r >= sp.nrows) continue;
-        const bool empty = !(l_run[h] > 0.f);
-        const float inv = empty ? 0.f : 1.f / l_run[h];
-        const int64_t row = (int64_t)it.q_start + tokr[h];
-        T* out = reinterpret_cast<T*>(p.out) + row * p.out_token_stride + (int64_t)qhr[h] * p.out_head_stride + qd;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int c = 0; c < CPR; ++c)
-            *reinterpret_cast<uint32_t*>(out + c * 8) = pack2<T>(o_acc[c][2 * h] * inv, o_acc[c][2 * h + 1] * inv);
-        if (p.lse != 0 && (lane & 3) == 0)
-            reinterpret_cast<float*>(p.lse)[row * p.num_q_heads + qhr[h]] =
-                empty ? neg_inf() : (m_run[h] + log2f(l_run[h])) * kLn2;
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[mt][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int r = warp * WR + mt * 16 + g + h * 8;
+            if (r >= sp.nrows) continue;
+            const int pr = sp.r0 + r;
+            const int tok = pr / group;
+            const int qh = kvh * group + (pr - tok * group);
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const int64_t row = (int64_t)it.q_start + tok;
+            T* out = reinterpret_cast<T*>(p.out) + row * p.out_token_stride + (int64_t)qh * p.out_head_stride + qd;
+#pragma unroll
+            for (int c = 0; c < CPR; ++c)
+                *reinterpret_cast<uint32_t*>(out + c * 8) =
+                    pack2<T>(o_acc[mt][c][2 * h] * inv, o_acc[mt][c][2 * h + 1] * inv);
+            if (p.lse != 0 && (lane & 3) == 0)
+                reinterpret_cast<float*>(p.lse)[row * p.num_q_heads + qh] =
+                    empty ? neg_inf() : (m_run[mt][h] + log2f(l)) * kLn2;
+        }
     }
     // The next item reuses the shared memory.
     cp_async_wait<0>();

@@ -237,19 +237,20 @@ typedef struct kvp_merge_params {
  *      bytes = 4 * (KVP_PREFILL_HEADER_INTS + KVP_PREFILL_ITEM_INTS * max_items)
  *  An item is one sequence's row tile: its rows packed as (token, q head of
  *  one kv head's group), packed row r -> token r / group, head r % group,
- *  KVP_PREFILL_TILE_Q packed rows per tile: ceil(q_len * group / TILE_Q)
- *  items per sequence.
+ *  tile_q = kvp_prefill_tile_q(dt, D) packed rows per tile:
+ *  ceil(q_len * group / tile_q) items per sequence.
  *
  *  Plan: kvp_prefill_plan, block
  *  (KVP_PREFILL_PLAN_THREADS,1,1), grid (1,1,1), smem 0 (static only).
- *  It clamps rows to [0, total_q) and writes at most max_items items.
+ *  It clamps rows to [0, total_q) and writes at most max_items items;
+ *  tile_q must be the run kernel's kvp_prefill_tile_q.
  *  Run: kvp_paged_prefill_<dt>_h<D>, block (KVP_PREFILL_THREADS,1,1), any
  *  grid (x only; blocks stride over item * num_kv_heads + kv head, so a
  *  launch captured in a graph serves any later plan into the same work
  *  list); dynamic smem kvp_prefill_smem_bytes(dt, D); values above 48 KiB
  *  need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
  * plan offsets: 0 qo_indptr, 8 kv_lens, 16 work, 24 batch, 28 group,
- *          32 total_q, 36 max_items; size 40.
+ *          32 total_q, 36 max_items, 40 tile_q, 44 reserved; size 48.
  * run offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 out, 40 lse,
  *          48 work, 56 q_token_stride, 64 q_head_stride, 72 out_token_stride,
  *          80 out_head_stride, 88 cache_block_stride, 96 cache_token_stride,
@@ -260,7 +261,7 @@ typedef struct kvp_merge_params {
  * ---------------------------------------------------------------------- */
 #define KVP_PREFILL_THREADS 128
 #define KVP_PREFILL_PLAN_THREADS 1024
-#define KVP_PREFILL_TILE_Q 64  /* packed rows per item (4 warps x 16) */
+#define KVP_PREFILL_TILE_Q_F32 64 /* packed rows per item of the f32 kernel */
 #define KVP_PREFILL_TILE_KV 64 /* tokens per K/V pipeline tile */
 #define KVP_PREFILL_HEADER_INTS 8
 #define KVP_PREFILL_ITEM_INTS 8
@@ -273,6 +274,8 @@ typedef struct kvp_prefill_plan_params {
     int32_t group; /* num_q_heads / num_kv_heads */
     int32_t total_q;
     int32_t max_items;
+    int32_t tile_q; /* kvp_prefill_tile_q of the run kernel */
+    int32_t reserved;
 } kvp_prefill_plan_params;
 
 typedef struct kvp_prefill_params {
@@ -301,15 +304,23 @@ typedef struct kvp_prefill_params {
     int32_t reserved; /* 0 */
 } kvp_prefill_params;
 
+/* Packed rows per work item: 4 warps of 32 rows (16-bit, head_dim <= 128),
+ * of 16 rows (head_dim 256), f32: KVP_PREFILL_TILE_Q_F32. */
+static inline int32_t kvp_prefill_tile_q(int dtype_bytes, int head_dim) {
+    if (dtype_bytes == 4) return KVP_PREFILL_TILE_Q_F32;
+    return head_dim <= 128 ? 128 : 64;
+}
+
 /* Dynamic shared memory of kvp_paged_prefill_<dt>_h<D>, in bytes.
- *   16-bit: 64 * D * 2 (query tile) + stages(D) * 64 * D * 4 (K and V tiles)
- *         + (stages(D) + 1) * 64 * 8 (row offsets), stages(64) = 3, else 2:
- *     h64: 59392, h128: 83456, h256: 165376
+ *   16-bit: tile_q * D * 2 (query tile) + stages(D) * 64 * D * 4 (K and V
+ *         tiles) + (stages(D) + 1) * 64 * 8 (row offsets), stages(64) = 3,
+ *         else 2: h64: 67584, h128: 99840, h256: 165376
  *   f32: 0 */
 static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
     if (dtype_bytes == 4) return 0;
     uint32_t stages = head_dim <= 64 ? 3u : 2u;
-    return 64u * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
+    return (uint32_t)kvp_prefill_tile_q(dtype_bytes, head_dim) * (uint32_t)head_dim * 2u +
+           stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
 }
 
 #endif /* KVPLUG_KERNELS_H */

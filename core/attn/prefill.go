@@ -32,7 +32,8 @@ const PrefillNoDecodeRoute = 1
 const (
 	prefillThreads     = 128  // KVP_PREFILL_THREADS
 	prefillPlanThreads = 1024 // KVP_PREFILL_PLAN_THREADS
-	prefillTileQ       = 64   // KVP_PREFILL_TILE_Q
+	prefillTileQF32    = 64   // KVP_PREFILL_TILE_Q_F32
+	prefillTileQMin    = 64   // the smallest tile of any kernel: workspace bounds use it
 	prefillHeaderInts  = 8    // KVP_PREFILL_HEADER_INTS
 	prefillItemInts    = 8    // KVP_PREFILL_ITEM_INTS
 	maxPrefillTokens   = 1<<31 - 1
@@ -47,6 +48,8 @@ type prefillPlanParams struct {
 	Group    int32  `c:"group"`
 	TotalQ   int32  `c:"total_q"`
 	MaxItems int32  `c:"max_items"`
+	TileQ    int32  `c:"tile_q"`
+	Reserved int32  `c:"reserved"`
 }
 
 // kvp_prefill_params
@@ -76,6 +79,17 @@ type prefillParams struct {
 	Reserved         int32   `c:"reserved"`
 }
 
+// prefillTileQ is kvp_prefill_tile_q: packed rows per work item.
+func prefillTileQ(d DType, headDim int) int {
+	if d.Size() == 4 {
+		return prefillTileQF32
+	}
+	if headDim <= 128 {
+		return 128
+	}
+	return 64
+}
+
 // prefillSharedBytes is kvp_prefill_smem_bytes.
 func prefillSharedBytes(d DType, headDim int) uint32 {
 	if d.Size() == 4 {
@@ -86,7 +100,7 @@ func prefillSharedBytes(d DType, headDim int) uint32 {
 		stages = 3
 	}
 	D := uint32(headDim)
-	return 64*D*2 + stages*64*D*4 + (stages+1)*64*8
+	return uint32(prefillTileQ(d, headDim))*D*2 + stages*64*D*4 + (stages+1)*64*8
 }
 
 // prefillBlocksPerSM is how many prefill blocks an SM holds at once (shared
@@ -95,10 +109,9 @@ func prefillBlocksPerSM(d DType, headDim int) int {
 	if d.Size() == 4 {
 		return 4
 	}
-	switch {
-	case headDim <= 64:
-		return 3
-	case headDim <= 128:
+	// Registers bound h64 and h128 (about 240-255 per thread), shared
+	// memory h256.
+	if headDim <= 128 {
 		return 2
 	}
 	return 1
@@ -155,6 +168,7 @@ func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchSt
 		return st, kverr.Errorf(kverr.InvalidArgument, "%s: qo_indptr[0] must be 0: got %d", what, qoIndptr[0])
 	}
 	group := int64(s.NumQHeads / s.NumKVHeads)
+	tile := int64(prefillTileQ(s.DType, s.HeadDim))
 	for b := 0; b < batch; b++ {
 		qLen := int64(qoIndptr[b+1]) - int64(qoIndptr[b])
 		if qLen < 0 {
@@ -166,7 +180,7 @@ func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchSt
 		}
 		st.maxQLen = max(st.maxQLen, int(qLen))
 		st.maxKVLen = max(st.maxKVLen, int(kv))
-		st.items += (qLen*group + prefillTileQ - 1) / prefillTileQ
+		st.items += (qLen*group + tile - 1) / tile
 	}
 	st.totalQ = int(qoIndptr[batch])
 	if int64(st.totalQ)*int64(s.NumQHeads) > math.MaxInt32 {
@@ -195,7 +209,7 @@ func PrefillWorkspaceSize(batchLimit, maxTokens, qHeads, kvHeads, headDim int) (
 		return 0, kverr.Errorf(kverr.Unsupported, "%s: head_dim must be 64, 128 or 256: got %d", what, headDim)
 	}
 	// Each sequence adds at most one partly filled tile.
-	items := (int64(maxTokens)*int64(qHeads/kvHeads)+prefillTileQ-1)/prefillTileQ + int64(batchLimit)
+	items := (int64(maxTokens)*int64(qHeads/kvHeads)+prefillTileQMin-1)/prefillTileQMin + int64(batchLimit)
 	return max(workBytes(items), workspaceBytes(batchLimit, qHeads, headDim, DefaultMaxSplits)), nil
 }
 
@@ -299,7 +313,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	pp := prefillPlanParams{
 		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
 		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
-		MaxItems: int32(st.items),
+		MaxItems: int32(st.items), TileQ: int32(prefillTileQ(a.DType, a.HeadDim)),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {

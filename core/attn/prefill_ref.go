@@ -111,10 +111,11 @@ func PrefillItems(s *PrefillShape, qoIndptr, kvLens []int32) ([][5]int32, error)
 		return nil, kverr.Errorf(kverr.InvalidArgument, "prefill_items: %d items is more than a test needs", st.items)
 	}
 	group := int64(s.NumQHeads / s.NumKVHeads)
+	tile := int64(prefillTileQ(s.DType, s.HeadDim))
 	items := make([][5]int32, 0, st.items)
 	for b := range kvLens {
 		qLen := int64(qoIndptr[b+1] - qoIndptr[b])
-		tiles := (qLen*group + prefillTileQ - 1) / prefillTileQ
+		tiles := (qLen*group + tile - 1) / tile
 		for t := tiles - 1; t >= 0; t-- {
 			items = append(items, [5]int32{int32(b), qoIndptr[b], int32(qLen), kvLens[b], int32(t)})
 		}
