@@ -24,14 +24,10 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_create: cfg and out must not be NULL")
 	}
-	full := unsafe.Sizeof(C.kvp_manager_config{})
-	// The first version of the struct ended at block_size.
-	first := unsafe.Offsetof(C.kvp_manager_config{}.block_size) + 4
-	if err := checkSize(cfg.struct_size, first, full, "kvp_manager_config"); err != nil {
+	var c C.kvp_manager_config // fields past the caller's struct_size stay 0: their defaults
+	if err := managerConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
 		return fail(err)
 	}
-	var c C.kvp_manager_config // fields past the caller's struct_size stay 0: their defaults
-	copyStruct(unsafe.Pointer(&c), unsafe.Pointer(cfg), uintptr(cfg.struct_size), full)
 	m, err := kvmanager.New(kvmanager.Config{
 		NumBlocks:         int(c.num_blocks),
 		BlockSize:         int(c.block_size),
@@ -175,10 +171,8 @@ func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
 	}
-	full := unsafe.Sizeof(C.kvp_manager_stats{})
-	minSize := unsafe.Offsetof(C.kvp_manager_stats{}.num_blocks) + 4
-	if uintptr(out.struct_size) < minSize {
-		return failf(kverr.StructSize, "kvp_manager_stats.struct_size is %d; at least %d is needed", uint64(out.struct_size), minSize)
+	if err := managerStatsStruct.checkSize(out.struct_size); err != nil {
+		return fail(err)
 	}
 	s := m.Stats()
 	var v C.kvp_manager_stats
@@ -195,8 +189,7 @@ func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp
 	v.allocated_slots = C.int64_t(s.AllocatedSlots)
 	v.internal_waste = C.int64_t(s.InternalWaste)
 	v.fragmentation = C.double(s.Fragmentation)
-	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
-	return C.KVP_OK
+	return fail(managerStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
 }
 
 //export kvp_manager_check

@@ -252,10 +252,8 @@ func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) (st C.k
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
 	}
-	full := unsafe.Sizeof(C.kvp_prefix_stats{})
-	minSize := unsafe.Offsetof(C.kvp_prefix_stats{}.queries) + 8
-	if uintptr(out.struct_size) < minSize {
-		return failf(kverr.StructSize, "kvp_prefix_stats.struct_size is %d; at least %d is needed", uint64(out.struct_size), minSize)
+	if err := prefixStatsStruct.checkSize(out.struct_size); err != nil {
+		return fail(err)
 	}
 	s := m.PrefixStats()
 	v := C.kvp_prefix_stats{
@@ -274,8 +272,7 @@ func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) (st C.k
 		evictable_blocks: C.int32_t(s.EvictableBlocks),
 		pending_events:   C.int32_t(s.PendingEvents),
 	}
-	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
-	return C.KVP_OK
+	return fail(prefixStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
 }
 
 //export kvp_manager_prefix_stats_reset

@@ -184,7 +184,7 @@ func hookVcacheCreate(layers, kvHeads, headDim, maxBatch, maxContext int32, budg
 	cfg.dtype_bytes = 2
 	cfg.max_batch, cfg.max_context = C.int32_t(maxBatch), C.int32_t(maxContext)
 	cfg.budget_bytes = C.int64_t(budget)
-	cfg.reclaim_below_bytes = -1
+	cfg.no_background = 1
 	var out *C.kvp_vcache
 	st := kvp_vcache_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)

@@ -34,23 +34,26 @@ func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_s
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "kvp_vcache_create: cfg and out must not be NULL")
 	}
-	size := unsafe.Sizeof(C.kvp_vcache_config{})
-	if err := checkSize(cfg.struct_size, size, size, "kvp_vcache_config"); err != nil {
+	var c C.kvp_vcache_config // fields past the caller's struct_size stay 0: their defaults
+	if err := vcacheConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
 		return fail(err)
 	}
-	if cfg.background != 0 && cfg.background != 1 {
-		return failf(kverr.InvalidArgument, "kvp_vcache_create: background must be 0 or 1: got %d", int32(cfg.background))
+	vcfg := vmem.Config{
+		Layers: int(c.num_layers), KVHeads: int(c.num_kv_heads), HeadDim: int(c.head_dim),
+		DTypeBytes: int(c.dtype_bytes), MaxBatch: int(c.max_batch), MaxContext: int(c.max_context),
+		PageSize: int(c.page_size), BudgetBytes: int64(c.budget_bytes),
+		LookaheadTokens: int(c.lookahead_tokens), NoBackground: c.no_background != 0,
+		ReclaimBelowBytes: int64(c.reclaim_below_bytes),
 	}
-	if cfg.reclaim_below_bytes < -1 {
-		return failf(kverr.InvalidArgument, "kvp_vcache_create: reclaim_below_bytes must be -1 (default), 0 or positive: got %d", int64(cfg.reclaim_below_bytes))
-	}
-	if cfg.page_size < 0 || cfg.page_size > 1<<30 {
-		return failf(kverr.InvalidArgument, "kvp_vcache_create: page_size must be in [0, 1 GiB]: got %d", int64(cfg.page_size))
+	// Checked before a driver is opened: a CUDA context or a host page file
+	// is not made for a configuration that cannot work.
+	if err := vcfg.Check(); err != nil {
+		return fail(err)
 	}
 	var drv vmem.Driver
-	switch cfg.backend {
+	switch c.backend {
 	case C.KVP_VMEM_CUDA:
-		d, err := vmem.NewCUDA(int(cfg.device))
+		d, err := vmem.NewCUDA(int(c.device))
 		if err != nil {
 			return fail(err)
 		}
@@ -62,20 +65,14 @@ func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_s
 		}
 		drv = d
 	default:
-		return failf(kverr.InvalidArgument, "kvp_vcache_create: backend must be KVP_VMEM_CUDA (0) or KVP_VMEM_HOST (1): got %d", int32(cfg.backend))
+		return failf(kverr.InvalidArgument, "kvp_vcache_create: backend must be KVP_VMEM_CUDA (0) or KVP_VMEM_HOST (1): got %d", int32(c.backend))
 	}
-	c, err := vmem.New(vmem.Config{
-		Layers: int(cfg.num_layers), KVHeads: int(cfg.num_kv_heads), HeadDim: int(cfg.head_dim),
-		DTypeBytes: int(cfg.dtype_bytes), MaxBatch: int(cfg.max_batch), MaxContext: int(cfg.max_context),
-		PageSize: int(cfg.page_size), BudgetBytes: int64(cfg.budget_bytes),
-		LookaheadTokens: int(cfg.lookahead_tokens), NoBackground: cfg.background == 0,
-		ReclaimBelowBytes: int64(cfg.reclaim_below_bytes),
-	}, drv)
+	vc, err := vmem.New(vcfg, drv)
 	if err != nil {
 		_ = drv.Close()
 		return fail(err)
 	}
-	*out = (*C.kvp_vcache)(newHandle(&vcache{c: c, drv: drv}))
+	*out = (*C.kvp_vcache)(newHandle(&vcache{c: vc, drv: drv}))
 	return C.KVP_OK
 }
 
@@ -190,8 +187,8 @@ func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_st
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
 	}
-	if minSize := unsafe.Offsetof(C.kvp_vcache_stats{}.page_size) + 8; uintptr(out.struct_size) < minSize {
-		return failf(kverr.StructSize, "kvp_vcache_stats.struct_size is %d; at least %d is needed (initialise it with KVP_VCACHE_STATS_INIT)", uint64(out.struct_size), minSize)
+	if err := vcacheStatsStruct.checkSize(out.struct_size); err != nil {
+		return fail(err)
 	}
 	s := vc.c.Stats()
 	full := C.kvp_vcache_stats{
@@ -214,6 +211,5 @@ func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_st
 		background_map_ns: C.int64_t(s.BackgroundMapNs),
 		background_errors: C.int64_t(s.BackgroundErrors),
 	}
-	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&full), uintptr(out.struct_size), unsafe.Sizeof(full))
-	return C.KVP_OK
+	return fail(vcacheStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&full)))
 }

@@ -27,11 +27,11 @@
  *   Threads.   All functions may be called from any thread. Each object
  *              documents its own thread-safety; kvp_manager serialises
  *              concurrent calls on one handle with an internal lock.
- *   Structs.   Config structs begin with size_t struct_size and only ever grow
- *              at the end. Initialise them with the KVP_..._INIT macro (which
- *              sets struct_size and the defaults) and then set fields. Output
- *              structs also begin with struct_size, set by the caller: the
- *              library fills min(caller's size, its own size) bytes.
+ *   Structs.   Structs passed by pointer begin with size_t struct_size and
+ *              evolve by one rule, stated under "Struct versions" below:
+ *              initialise each with its KVP_..._INIT macro, which sets
+ *              struct_size and leaves every other field 0, which always means
+ *              the field's default; then set the fields you need.
  *   Integers.  Counts are int32_t, sequence ids int64_t (the engine's own ids),
  *              block ids and token ids int32_t, device pointers and CUDA
  *              streams uint64_t (a CUdeviceptr, a CUstream; stream 0 is the
@@ -43,6 +43,34 @@
  * that fork workers load it in each worker after the fork, or use spawn.
  *
  * The ABI is stable within a major version.
+ *
+ * Struct versions. Every struct that begins with struct_size follows one rule
+ * (zstd's and sqlite's promise of append-only parameter structs, with the
+ * forward-compatibility check of Linux's extensible system calls):
+ *   - Fields are only ever appended; none is removed, reordered or given a new
+ *     meaning within a major version. A field's value 0 is its default.
+ *   - The library accepts every struct_size from the struct's first released
+ *     size (listed below) to its own sizeof. An input struct's fields past the
+ *     caller's struct_size take their defaults; an output struct is written
+ *     only up to the caller's struct_size. So a host compiled against an
+ *     older header keeps working with a newer library.
+ *   - A struct_size larger than the library's own comes from a newer header:
+ *     accepted when every byte past the library's size is 0 (the host left
+ *     the fields this library does not know at their defaults), refused with
+ *     KVP_ERR_STRUCT_SIZE otherwise, so a setting is never silently ignored.
+ *     Output structs get those bytes zeroed.
+ *   - struct_size below the first released size, or above 64 KiB, gives
+ *     KVP_ERR_STRUCT_SIZE.
+ *   First released sizes (x86-64 and aarch64 Linux):
+ *     kvp_manager_config     through block_size (16 bytes)
+ *     kvp_manager_stats      through num_blocks (12 bytes)
+ *     kvp_prefix_stats       through queries (16 bytes)
+ *     kvp_vcache_stats       through page_size (16 bytes)
+ *     every other struct     its whole size in version 0.2.0
+ *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
+ *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event) have no
+ *   struct_size: their layout is fixed for a major version, and a new layout
+ *   would come with new functions.
  *
  * Layout of this file: each part declares its types, then its functions.
  * The functions of every part sit inside #ifndef KVPLUG_NO_PROTOTYPES, a
@@ -64,11 +92,22 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 1
+#define KVP_VERSION_MINOR 2
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \
   (KVP_VERSION_MAJOR * 10000 + KVP_VERSION_MINOR * 100 + KVP_VERSION_PATCH)
+
+/* KVP_STRUCT_INIT(T): a T with struct_size = sizeof(T) and every other field
+ * 0, its default; every KVP_..._INIT macro of a versioned struct is this.
+ * Use it to initialise: `kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;`.
+ * (C: a designated initializer; C++: a value-initialised T, so neither
+ * warns under -Wextra.) */
+#ifdef __cplusplus
+#define KVP_STRUCT_INIT(T) ([] { T kvp_v_{}; kvp_v_.struct_size = sizeof(T); return kvp_v_; }())
+#else
+#define KVP_STRUCT_INIT(T) {.struct_size = sizeof(T)}
+#endif
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
@@ -177,11 +216,9 @@ typedef struct kvp_manager kvp_manager;
 typedef struct kvp_manager_config {
   size_t struct_size;  /* sizeof(kvp_manager_config) */
   int32_t num_blocks;  /* blocks in the pool, in [1, 2^26]; no default (0) */
-  int32_t block_size;  /* tokens per block, in [1, 2^16]; default 16; 1 = token mode */
+  int32_t block_size;  /* tokens per block, in [1, 2^16]; 0 = 16; 1 = token mode */
   /* num_blocks * block_size must be below 2^31: slots are int32. */
 
-  /* A caller whose struct_size ends before a field below gets its default
-   * (struct_size must reach at least past block_size). */
   int32_t enable_prefix_cache; /* nonzero: cache full blocks of sequences
                                   admitted by their tokens (see "Prefix
                                   cache" below); default 0 */
@@ -192,7 +229,7 @@ typedef struct kvp_manager_config {
                                   raised to num_blocks + 1 */
 } kvp_manager_config;
 
-#define KVP_MANAGER_CONFIG_INIT {sizeof(kvp_manager_config), 0, 16, 0, 0, 0}
+#define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
 
 /* A KV block copy the engine must perform: copy block src's rows to block dst
  * (all layers, K and V) before the next kernel reads dst. */
@@ -218,7 +255,7 @@ typedef struct kvp_manager_stats {
   double fragmentation;        /* internal_waste / allocated_slots (0 when none) */
 } kvp_manager_stats;
 
-#define KVP_MANAGER_STATS_INIT {sizeof(kvp_manager_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0}
+#define KVP_MANAGER_STATS_INIT KVP_STRUCT_INIT(kvp_manager_stats)
 
 #ifndef KVPLUG_NO_PROTOTYPES
 
@@ -412,7 +449,7 @@ typedef struct kvp_prefix_stats {
   int32_t pending_events;  /* undrained KV events */
 } kvp_prefix_stats;
 
-#define KVP_PREFIX_STATS_INIT {sizeof(kvp_prefix_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVP_PREFIX_STATS_INIT KVP_STRUCT_INIT(kvp_prefix_stats)
 
 /* KV event kinds: the fields of vLLM's KV events, for a router that tracks
  * which engine caches which prefix. */
@@ -660,7 +697,7 @@ typedef struct kvp_kv_write_args {
   uint64_t slot_mapping; /* int32 [num_tokens] */
 } kvp_kv_write_args;
 
-#define KVP_KV_WRITE_ARGS_INIT {sizeof(kvp_kv_write_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVP_KV_WRITE_ARGS_INIT KVP_STRUCT_INIT(kvp_kv_write_args)
 
 /* Decode attention, one query token per sequence: for sequence b and query
  * head i, out = softmax(scale * q K^T) V over tokens [0, seq_lens[b]), token
@@ -709,7 +746,7 @@ typedef struct kvp_paged_decode_args {
   int32_t reserved;         /* must be 0 */
 } kvp_paged_decode_args;
 
-#define KVP_PAGED_DECODE_ARGS_INIT {sizeof(kvp_paged_decode_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0, 0, 0}
+#define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)
 
 /* Merge of attention states over the same queries (e.g. a shared prefix's
  * and each sequence's own tokens): v[i] [num_tokens, num_heads, head_dim]
@@ -742,7 +779,7 @@ typedef struct kvp_merge_states_args {
   int64_t out_lse_head_stride;
 } kvp_merge_states_args;
 
-#define KVP_MERGE_STATES_ARGS_INIT {sizeof(kvp_merge_states_args), 0, 0, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVP_MERGE_STATES_ARGS_INIT KVP_STRUCT_INIT(kvp_merge_states_args)
 
 /* Paged prefill / extend attention over a varlen batch, planned once per
  * batch composition and run per layer.
@@ -830,7 +867,7 @@ typedef struct kvp_attn_plan {
   uint64_t reserved[6];
 } kvp_attn_plan;
 
-#define KVP_ATTN_PLAN_INIT {sizeof(kvp_attn_plan), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, {0}}
+#define KVP_ATTN_PLAN_INIT KVP_STRUCT_INIT(kvp_attn_plan)
 
 /* One layer's tensors for a planned batch. q and out are
  * [total_q, num_q_heads, head_dim]; the cache and table as in decode. */
@@ -858,7 +895,7 @@ typedef struct kvp_paged_prefill_args {
   int32_t reserved2; /* must be 0 */
 } kvp_paged_prefill_args;
 
-#define KVP_PAGED_PREFILL_ARGS_INIT {sizeof(kvp_paged_prefill_args), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0f, 0}
+#define KVP_PAGED_PREFILL_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_prefill_args)
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* *out = 1 when the CUDA driver loads and at least one device exists, else
@@ -980,7 +1017,7 @@ typedef struct kvp_vcache_config {
   int32_t num_layers;          /* layers on this device, in [1, 4096]; no default */
   int32_t num_kv_heads;        /* KV heads on this device, in [1, 4096]; no default */
   int32_t head_dim;            /* in [1, 4096]; no default */
-  int32_t dtype_bytes;         /* bytes per element: 1, 2, 4 or 8; default 2 */
+  int32_t dtype_bytes;         /* bytes per element: 1, 2, 4 or 8; 0 = 2 */
   int32_t max_batch;           /* request slots, in [1, 65536]; no default */
   int32_t max_context;         /* tokens per slot, in [1, 2^30]; no default */
   int64_t page_size;           /* physical page bytes, a multiple of the backend's
@@ -991,16 +1028,15 @@ typedef struct kvp_vcache_config {
                                   at 2^26 pages in all (stats report the budget in
                                   force); no default */
   int64_t reclaim_below_bytes; /* reclaim freed slots' pages when the budget left falls
-                                  under this; 0 = only when a step needs them;
-                                  -1 (default) = budget_bytes / 8 */
+                                  under this; 0 (default) = budget_bytes / 8;
+                                  negative = only when a step needs them */
   int32_t lookahead_tokens;    /* tokens mapped ahead of each slot's context by the
                                   background thread; 0 = default (16) */
-  int32_t background;          /* 1 (default): map ahead in the background; 0: step maps
-                                  everything itself */
+  int32_t no_background;       /* 0 (default): map ahead on a background thread;
+                                  nonzero: step maps everything itself */
 } kvp_vcache_config;
 
-#define KVP_VCACHE_CONFIG_INIT \
-  {sizeof(kvp_vcache_config), KVP_VMEM_CUDA, 0, 0, 0, 0, 2, 0, 0, 0, 0, -1, 16, 1}
+#define KVP_VCACHE_CONFIG_INIT KVP_STRUCT_INIT(kvp_vcache_config)
 
 /* A snapshot of a cache's state and counters. */
 typedef struct kvp_vcache_stats {
@@ -1024,8 +1060,7 @@ typedef struct kvp_vcache_stats {
   int64_t background_errors;  /* failed background jobs (step redoes them) */
 } kvp_vcache_stats;
 
-#define KVP_VCACHE_STATS_INIT \
-  {sizeof(kvp_vcache_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVP_VCACHE_STATS_INIT KVP_STRUCT_INIT(kvp_vcache_stats)
 
 #ifndef KVPLUG_NO_PROTOTYPES
 

@@ -176,7 +176,7 @@ func pageCost(drv vmem.Driver, page, n int) (map[string]float64, error) {
 func newCache(drv vmem.Driver, batch, maxCtx int, budget int64, bg bool) (*vmem.Cache, error) {
 	return vmem.New(vmem.Config{Layers: *layers, KVHeads: *kvHeads, HeadDim: *headDim, DTypeBytes: *dtype,
 		MaxBatch: batch, MaxContext: maxCtx, BudgetBytes: budget, NoBackground: !bg,
-		LookaheadTokens: *look, ReclaimBelowBytes: 0}, drv)
+		LookaheadTokens: *look, ReclaimBelowBytes: -1}, drv)
 }
 
 // steady times Step for 64 slots whose pages are all mapped.

@@ -114,7 +114,6 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"zero blocks", Config{NumBlocks: 0, BlockSize: 16}},
 		{"negative blocks", Config{NumBlocks: -3, BlockSize: 16}},
 		{"huge blocks", Config{NumBlocks: 1 << 31, BlockSize: 1}},
-		{"zero block size", Config{NumBlocks: 8, BlockSize: 0}},
 		{"negative block size", Config{NumBlocks: 8, BlockSize: -1}},
 		{"huge block size", Config{NumBlocks: 8, BlockSize: 1<<16 + 1}},
 		{"slots overflow int32", Config{NumBlocks: 1 << 20, BlockSize: 1 << 12}},
@@ -124,6 +123,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		if m != nil {
 			t.Fatalf("%s: got a manager", c.name)
 		}
+	}
+	if m, err := New(Config{NumBlocks: 8}); err != nil || m.Stats().BlockSize != DefaultBlockSize {
+		t.Fatalf("block size 0 is the default %d: %v", DefaultBlockSize, err)
 	}
 	m := newMgr(t, 1<<15, 1<<16-1) // 2^31 - 2^15 slots: fits
 	if s := m.Stats(); s.NumBlocks != 1<<15 || s.FreeBlocks != 1<<15 || s.Fragmentation != 0 {

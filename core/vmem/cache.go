@@ -23,7 +23,7 @@ type Config struct {
 	Layers     int // model layers on this device, in [1, 4096]
 	KVHeads    int // KV heads on this device, in [1, 4096]
 	HeadDim    int // in [1, 4096]
-	DTypeBytes int // bytes per element: 1, 2, 4 or 8
+	DTypeBytes int // bytes per element: 1, 2, 4 or 8; 0 means 2 (fp16, bf16)
 	MaxBatch   int // request slots, in [1, 65536]
 	MaxContext int // tokens per slot, in [1, 2^30]
 
@@ -42,8 +42,8 @@ type Config struct {
 	NoBackground bool
 	// ReclaimBelowBytes: when the budget left for new mappings (unheld
 	// budget plus idle pages) falls under this, pages of freed slots are
-	// unmapped and returned to the idle pool. 0 reclaims only on demand
-	// (when a Step needs the pages); negative means BudgetBytes/8.
+	// unmapped and returned to the idle pool. 0 means BudgetBytes/8;
+	// negative reclaims only on demand (when a Step needs the pages).
 	ReclaimBelowBytes int64
 }
 
@@ -174,8 +174,11 @@ func New(cfg Config, drv Driver) (*Cache, error) {
 	// Go runtime could not survive failing to allocate.
 	budgetUnits = min(budgetUnits, maxPages/int64(nbuf))
 	reclaimBelow := cfg.ReclaimBelowBytes
-	if reclaimBelow < 0 {
+	switch {
+	case reclaimBelow == 0:
 		reclaimBelow = cfg.BudgetBytes / 8
+	case reclaimBelow < 0:
+		reclaimBelow = 0 // only when a Step needs the pages
 	}
 	lookahead := cfg.LookaheadTokens
 	if lookahead == 0 {
@@ -218,7 +221,9 @@ func New(cfg Config, drv Driver) (*Cache, error) {
 	return c, nil
 }
 
-func checkConfig(cfg *Config, gran int) error {
+// Check validates the configuration as far as it can without a driver
+// (New also checks the page size against the driver's granularity).
+func (cfg Config) Check() error {
 	type rng struct {
 		name   string
 		v      int
@@ -237,9 +242,28 @@ func checkConfig(cfg *Config, gran int) error {
 		}
 	}
 	switch cfg.DTypeBytes {
-	case 1, 2, 4, 8:
+	case 0, 1, 2, 4, 8:
 	default:
-		return kverr.Errorf(kverr.InvalidArgument, "vmem: dtype_bytes must be 1, 2, 4 or 8: got %d", cfg.DTypeBytes)
+		return kverr.Errorf(kverr.InvalidArgument, "vmem: dtype_bytes must be 1, 2, 4 or 8 (0: 2): got %d", cfg.DTypeBytes)
+	}
+	if cfg.PageSize < 0 || cfg.PageSize > 1<<30 {
+		return kverr.Errorf(kverr.InvalidArgument, "vmem: page_size must be in [0, 1 GiB] (0: the driver's granularity): got %d", cfg.PageSize)
+	}
+	if cfg.BudgetBytes <= 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "vmem: budget_bytes must be > 0: got %d", cfg.BudgetBytes)
+	}
+	return nil
+}
+
+// DefaultDTypeBytes is the element size of a Config whose DTypeBytes is 0.
+const DefaultDTypeBytes = 2
+
+func checkConfig(cfg *Config, gran int) error {
+	if err := cfg.Check(); err != nil {
+		return err
+	}
+	if cfg.DTypeBytes == 0 {
+		cfg.DTypeBytes = DefaultDTypeBytes
 	}
 	if gran <= 0 {
 		return kverr.Errorf(kverr.Internal, "vmem: driver granularity is %d", gran)
@@ -249,9 +273,6 @@ func checkConfig(cfg *Config, gran int) error {
 	}
 	if cfg.PageSize < gran || cfg.PageSize%gran != 0 || cfg.PageSize > 1<<30 {
 		return kverr.Errorf(kverr.InvalidArgument, "vmem: page_size must be a multiple of the driver's granularity %d, at most 1 GiB: got %d", gran, cfg.PageSize)
-	}
-	if cfg.BudgetBytes <= 0 {
-		return kverr.Errorf(kverr.InvalidArgument, "vmem: budget_bytes must be > 0: got %d", cfg.BudgetBytes)
 	}
 	return nil
 }

@@ -323,7 +323,7 @@ func TestStepReclaimsFreedSlotsOnDemand(t *testing.T) {
 	cfg := testConfig()
 	c0 := newCache(t, cfg, newHost(t))
 	cfg.BudgetBytes = 5 * unitBytes(c0)
-	cfg.ReclaimBelowBytes = 0
+	cfg.ReclaimBelowBytes = -1 // only on demand
 	c := newCache(t, cfg, newHost(t))
 	tpp := tokensPerPage(c)
 	a := mustAlloc(t, c)

@@ -186,7 +186,7 @@ func TestHostMapsLongContextsInFewMappings(t *testing.T) {
 func TestHostModelMatchesKernelUnderReuse(t *testing.T) {
 	h := newHost(t)
 	cfg := testConfig()
-	cfg.ReclaimBelowBytes = 0
+	cfg.ReclaimBelowBytes = -1                        // only on demand
 	cfg.BudgetBytes = 5 * 4 * int64(os.Getpagesize()) // five pages a tensor: steps reclaim freed slots
 	c := newCache(t, cfg, h)
 	tpp := tokensPerPage(c)

@@ -157,10 +157,19 @@ TEST(Create, StructSizeOfTheFirstVersion) {
   EXPECT_EQ(kvp_manager_pin(m, toks, 4, nullptr, &pin, nullptr), KVP_ERR_INVALID_ARGUMENT);
   kvp_manager_destroy(m);
 }
-TEST(Create, StructSizeLarger) {
-  kvp_manager_config cfg = config(8, 16);
-  cfg.struct_size = sizeof cfg + 8;
-  expect_create_fails(&cfg, false, KVP_ERR_STRUCT_SIZE, "struct_size");
+TEST(Create, StructSizeOfANewerHeader) {
+  // A newer header's struct: accepted while its unknown fields are 0, refused
+  // once one is set (it would be ignored).
+  struct {
+    kvp_manager_config cfg;
+    int64_t newer_field;
+  } big = {config(8, 16), 0};
+  big.cfg.struct_size = sizeof big;
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&big.cfg, &m), KVP_OK) << kvp_last_error();
+  kvp_manager_destroy(m);
+  big.newer_field = 1;
+  expect_create_fails(&big.cfg, false, KVP_ERR_STRUCT_SIZE, "newer kvplug.h");
 }
 TEST(Create, ZeroBlocks) {
   kvp_manager_config cfg = config(0, 16);
@@ -170,9 +179,18 @@ TEST(Create, NegativeBlocks) {
   kvp_manager_config cfg = config(-5, 16);
   expect_create_fails(&cfg, false, KVP_ERR_INVALID_ARGUMENT, "-5");
 }
-TEST(Create, ZeroBlockSize) {
+TEST(Create, ZeroBlockSizeIsTheDefault) {
   kvp_manager_config cfg = config(8, 0);
-  expect_create_fails(&cfg, false, KVP_ERR_INVALID_ARGUMENT, "0");
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&cfg, &m), KVP_OK) << kvp_last_error();
+  kvp_manager_stats s = KVP_MANAGER_STATS_INIT;
+  ASSERT_EQ(kvp_manager_stats_get(m, &s), KVP_OK);
+  EXPECT_EQ(s.block_size, 16);
+  kvp_manager_destroy(m);
+}
+TEST(Create, NegativeBlockSize) {
+  kvp_manager_config cfg = config(8, -1);
+  expect_create_fails(&cfg, false, KVP_ERR_INVALID_ARGUMENT, "-1");
 }
 TEST(Create, HugeBlockSize) {
   kvp_manager_config cfg = config(8, (1 << 16) + 1);

@@ -27,7 +27,7 @@ def demo():
         (["--steps", "0"], "--steps must be at least 1"),
         (["--num-blocks", "10"], "cannot serve this workload"),
         (["--arrival-rate", "-1"], "--arrival-rate must be >= 0"),
-        (["--block-size", "0"], "block_size must be in [1, 2^16]"),
+        (["--block-size", "-1"], "block_size must be in [1, 2^16]"),
         (["--num-blocks", str(2**26 + 1), "--block-size", "1"], "num_blocks must be in [1, 2^26]"),
     ],
 )

@@ -62,8 +62,8 @@ def test_exceptions_pickle():
 
 @pytest.mark.parametrize(
     "num_blocks, block_size, needle",
-    [(0, 16, "got 0"), (-3, 16, "-3"), (8, 0, "got 0"), (8, 2**16 + 1, "65537"), (2**16, 2**16, "2\\^31")],
-    ids=["zero_blocks", "negative_blocks", "zero_block_size", "huge_block_size", "slots_past_int32"],
+    [(0, 16, "got 0"), (-3, 16, "-3"), (8, -1, "got -1"), (8, 2**16 + 1, "65537"), (2**16, 2**16, "2\\^31")],
+    ids=["zero_blocks", "negative_blocks", "negative_block_size", "huge_block_size", "slots_past_int32"],
 )
 def test_create_invalid(num_blocks, block_size, needle):
     with raises(kvplug.InvalidArgumentError, needle):
@@ -91,7 +91,31 @@ def test_create_null_out():
     assert "NULL" in _lib.last_error()
 
 
-@pytest.mark.parametrize("size", [0, ManagerConfig.block_size.offset, ctypes.sizeof(ManagerConfig) + 8])
+def test_block_size_zero_is_the_default():
+    with kvplug.Manager(8, 0) as m:
+        assert m.block_size == 16 and m.stats().block_size == 16
+
+
+def test_create_struct_of_a_newer_header():
+    """A larger struct_size is accepted while the bytes past this library's
+    struct are 0, and refused once one is set (it would be ignored)."""
+
+    class Newer(ctypes.Structure):
+        _fields_ = [("cfg", ManagerConfig), ("newer_field", ctypes.c_int64)]
+
+    big = Newer(ManagerConfig(ctypes.sizeof(Newer), 8, 16), 0)
+    out = vp()
+    assert create_raw(ctypes.addressof(big), ctypes.addressof(out)) == kvplug.Status.OK
+    _lib.fn("kvp_manager_destroy", None, [vp])(out)
+    big.newer_field = 7
+    out = vp()
+    st = create_raw(ctypes.addressof(big), ctypes.addressof(out))
+    assert st == kvplug.Status.STRUCT_SIZE and out.value is None
+    with raises(kvplug.StructSizeError, "newer kvplug.h"):
+        _lib.check(st)
+
+
+@pytest.mark.parametrize("size", [0, ManagerConfig.block_size.offset, 1 << 20])
 def test_create_wrong_struct_size(size):
     cfg = ManagerConfig(size, 8, 16)
     out = vp()

@@ -49,7 +49,7 @@ from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
 from .vmem import VirtualKVCache
 from . import attn
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "attn",

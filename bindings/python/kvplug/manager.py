@@ -255,8 +255,11 @@ class Manager(PrefixCacheMethods):
         # exit: the process is ending and modules may be half torn down.
         self._finalizer = weakref.finalize(self, _release, self._h)
         self._finalizer.atexit = False
-        self.num_blocks = int(num_blocks)
-        self.block_size = int(block_size)
+        s = ManagerStatsStruct()
+        s.struct_size = ctypes.sizeof(s)
+        _lib.check(F[7](self._h, ctypes.byref(s)))
+        self.num_blocks = s.num_blocks
+        self.block_size = s.block_size  # 0 asks for the library's default
         # (value, array, address) of the counts array a grow by one number
         # for all uses; replaced, never mutated, so concurrent grows are safe.
         self._fill: Tuple[int, Any, int] = (0, None, 0)

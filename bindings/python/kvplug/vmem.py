@@ -72,7 +72,7 @@ class VCacheConfig(ctypes.Structure):
         ("budget_bytes", _i64),
         ("reclaim_below_bytes", _i64),
         ("lookahead_tokens", _i32),
-        ("background", _i32),
+        ("no_background", _i32),
     ]
 
 
@@ -228,7 +228,13 @@ def _release(handle: int, backend: int) -> None:
 class VirtualKVCache:
     """A kvp_vcache. Methods are thread-safe (the library locks); close() must
     not race other calls. Use it as a context manager or call close(); a
-    cache collected without it is closed then (see the module's notes)."""
+    cache collected without it is closed then (see the module's notes).
+
+    The arguments are kvp_vcache_config's fields: page_size 0 is the
+    backend's granularity; reclaim_below_bytes 0 is budget_bytes / 8 and a
+    negative value reclaims only when a step needs the pages;
+    lookahead_tokens 0 is 16; background=False makes step map everything
+    itself."""
 
     def __init__(
         self,
@@ -245,7 +251,7 @@ class VirtualKVCache:
         page_size: int = 0,
         lookahead_tokens: int = 0,
         background: bool = True,
-        reclaim_below_bytes: int = -1,
+        reclaim_below_bytes: int = 0,
     ) -> None:
         self._h: Optional[int] = None
         self._dtype = _dtype_name(dtype)
@@ -271,7 +277,7 @@ class VirtualKVCache:
         cfg = VCacheConfig(
             ctypes.sizeof(VCacheConfig), self.backend, self.device, num_layers, num_kv_heads, head_dim,
             nbytes, max_batch, max_context, page_size, budget_bytes, reclaim_below_bytes,
-            lookahead_tokens, 1 if background else 0,
+            lookahead_tokens, 0 if background else 1,
         )
         h = _vp()
         _lib.check(_lib.fn("kvp_vcache_create", _c_int, [ctypes.POINTER(VCacheConfig), ctypes.POINTER(_vp)])(

@@ -1,0 +1,112 @@
+package main
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// The struct-evolution rule of the ABI (include/kvplug.h, "Struct versions"),
+// applied to every struct that begins with struct_size, in one place:
+//
+//   - a struct is accepted at any struct_size from its first released size
+//     (first) up to this library's size (size); an input struct's fields past
+//     the caller's size take their defaults, which are always 0;
+//   - a larger struct_size comes from a newer header: accepted when every
+//     byte past this library's size is 0 (the caller left the fields this
+//     library does not know unset), refused otherwise, since a set field
+//     would be silently ignored (the rule of Linux's extensible syscalls);
+//   - an output struct gets the fields the caller has room for; bytes past
+//     this library's size are zeroed.
+type abiStruct struct {
+	name  string
+	first uintptr // the size of the struct's first released version
+	size  uintptr // the size of this library's version
+}
+
+// maxStructSize bounds struct_size: a larger value is garbage (an
+// uninitialised struct), not a newer header.
+const maxStructSize = 1 << 16
+
+var (
+	managerConfigStruct = abiStruct{"kvp_manager_config",
+		unsafe.Offsetof(C.kvp_manager_config{}.block_size) + 4, unsafe.Sizeof(C.kvp_manager_config{})}
+	managerStatsStruct = abiStruct{"kvp_manager_stats",
+		unsafe.Offsetof(C.kvp_manager_stats{}.num_blocks) + 4, unsafe.Sizeof(C.kvp_manager_stats{})}
+	prefixStatsStruct = abiStruct{"kvp_prefix_stats",
+		unsafe.Offsetof(C.kvp_prefix_stats{}.queries) + 8, unsafe.Sizeof(C.kvp_prefix_stats{})}
+	vcacheConfigStruct = abiStruct{"kvp_vcache_config",
+		unsafe.Sizeof(C.kvp_vcache_config{}), unsafe.Sizeof(C.kvp_vcache_config{})}
+	vcacheStatsStruct = abiStruct{"kvp_vcache_stats",
+		unsafe.Offsetof(C.kvp_vcache_stats{}.page_size) + 8, unsafe.Sizeof(C.kvp_vcache_stats{})}
+	kvWriteArgsStruct = abiStruct{"kvp_kv_write_args",
+		unsafe.Sizeof(C.kvp_kv_write_args{}), unsafe.Sizeof(C.kvp_kv_write_args{})}
+	pagedDecodeArgsStruct = abiStruct{"kvp_paged_decode_args",
+		unsafe.Sizeof(C.kvp_paged_decode_args{}), unsafe.Sizeof(C.kvp_paged_decode_args{})}
+	mergeStatesArgsStruct = abiStruct{"kvp_merge_states_args",
+		unsafe.Sizeof(C.kvp_merge_states_args{}), unsafe.Sizeof(C.kvp_merge_states_args{})}
+)
+
+func (s abiStruct) checkSize(got C.size_t) error {
+	n := uintptr(got)
+	if n < s.first || n > maxStructSize {
+		return kverr.Errorf(kverr.StructSize,
+			"%s.struct_size is %d; this library accepts %d (the struct's first version) up to %d, "+
+				"or a newer header's larger size (initialise the struct with %s)", s.name, uint64(got), s.first, s.size, s.initMacro())
+	}
+	return nil
+}
+
+func (s abiStruct) initMacro() string {
+	b := []byte(s.name)
+	for i, c := range b {
+		if c >= 'a' && c <= 'z' {
+			b[i] = c - 'a' + 'A'
+		}
+	}
+	return string(b) + "_INIT"
+}
+
+// in reads the caller's input struct p (whose first field is struct_size)
+// into dst, a zeroed value of this library's version.
+func (s abiStruct) in(p unsafe.Pointer, dst unsafe.Pointer) error {
+	got := *(*C.size_t)(p)
+	if err := s.checkSize(got); err != nil {
+		return err
+	}
+	n := uintptr(got)
+	if n > s.size {
+		for i, b := range unsafe.Slice((*byte)(unsafe.Add(p, s.size)), n-s.size) {
+			if b != 0 {
+				return kverr.Errorf(kverr.StructSize,
+					"%s: byte %d of the caller's %d-byte struct is set, a field of a newer kvplug.h that this library "+
+						"(%d bytes, version %d.%d.%d) does not know; use a newer library or leave the field 0",
+					s.name, s.size+uintptr(i), n, s.size, C.KVP_VERSION_MAJOR, C.KVP_VERSION_MINOR, C.KVP_VERSION_PATCH)
+			}
+		}
+	}
+	copyStruct(dst, p, n, s.size)
+	return nil
+}
+
+// out writes src, a value of this library's version, into the caller's
+// output struct p up to the caller's struct_size, leaving struct_size as the
+// caller set it.
+func (s abiStruct) out(p unsafe.Pointer, src unsafe.Pointer) error {
+	got := *(*C.size_t)(p)
+	if err := s.checkSize(got); err != nil {
+		return err
+	}
+	n := uintptr(got)
+	copyStruct(p, src, n, s.size)
+	if n > s.size {
+		clear(unsafe.Slice((*byte)(unsafe.Add(p, s.size)), n-s.size))
+	}
+	*(*C.size_t)(p) = got
+	return nil
+}

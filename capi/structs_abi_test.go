@@ -1,0 +1,73 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// The struct-evolution rule of the header ("Struct versions"), checked at
+// every versioned struct's entry point: the first released size works (and
+// the fields past it are not read), sizes below it do not, a newer header's
+// larger size works when its extra bytes are 0 and is refused otherwise, and
+// an output struct is written only within the caller's size.
+func TestStructVersions(t *testing.T) {
+	for _, name := range []string{"kvp_manager_config", "kvp_vcache_config"} {
+		first, size := structSizes(name)
+		try := func(callerSize uintptr, garbageFrom uintptr, tail byte) abiStatus {
+			buf := newStructBuf(size + 64)
+			defer buf.free()
+			b := buf.bytes()
+			for i := garbageFrom; i < size; i++ {
+				b[i] = 0xA5 // fields the caller's version lacks: never read
+			}
+			if tail != 0 {
+				b[size] = tail
+			}
+			return hookCreateWithConfig(name, buf, callerSize)
+		}
+		expect(t, name+" at its first size, later fields garbage", try(first, first, 0), kverr.OK)
+		expect(t, name+" at this library's size", try(size, size, 0), kverr.OK)
+		expect(t, name+" one byte short of its first size", try(first-1, size, 0), kverr.StructSize)
+		expect(t, name+" from a newer header, new fields 0", try(size+32, size, 0), kverr.OK)
+		st := try(size+32, size, 1)
+		expect(t, name+" from a newer header, a new field set", st, kverr.StructSize)
+		if msg := lastError(); !strings.Contains(msg, "newer kvplug.h") {
+			t.Errorf("%s: message %q does not say why", name, msg)
+		}
+		expect(t, name+" struct_size garbage", try(1<<40, size, 0), kverr.StructSize)
+	}
+
+	for _, name := range []string{"kvp_manager_stats", "kvp_prefix_stats", "kvp_vcache_stats"} {
+		first, size := structSizes(name)
+		for _, callerSize := range []uintptr{first, size, size + 24} {
+			buf := newStructBuf(size + 64)
+			b := buf.bytes()
+			for i := range b {
+				b[i] = 0xEE
+			}
+			st := hookStatsInto(name, buf, callerSize)
+			expect(t, name+" output", st, kverr.OK)
+			for i := uintptr(8); i < callerSize && i >= size; i++ {
+				if b[i] != 0 {
+					t.Errorf("%s at size %d: byte %d past the library's struct is %#x, want 0", name, callerSize, i, b[i])
+					break
+				}
+			}
+			for i := callerSize; i < uintptr(len(b)); i++ {
+				if b[i] != 0xEE {
+					t.Errorf("%s at size %d: byte %d past the caller's struct was written", name, callerSize, i)
+					break
+				}
+			}
+			if got := *(*uint64)(buf.p); uintptr(got) != callerSize {
+				t.Errorf("%s: struct_size became %d, the caller set %d", name, got, callerSize)
+			}
+			buf.free()
+		}
+		buf := newStructBuf(size + 64)
+		expect(t, name+" short of its first size", hookStatsInto(name, buf, first-1), kverr.StructSize)
+		buf.free()
+	}
+}
