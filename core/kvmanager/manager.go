@@ -13,7 +13,11 @@
 //     tokens whose K/V the engine writes this step, whose slots Describe
 //     reports.
 //
-// Every call that fails changes nothing.
+// Every call that fails changes nothing. An internal step documented as
+// unable to fail is asserted, never discarded: its failure is a bug and
+// panics with an Internal error, which the C ABI answers with
+// KVP_ERR_INTERNAL; test builds (-race) check every invariant after every
+// call that may change a manager (assert.go).
 package kvmanager
 
 import (
@@ -232,7 +236,7 @@ func (m *Manager) Add(id int64, promptLen int) error {
 		return kverr.Errorf(kverr.InvalidArgument, "add: prompt length must be in [1, 2^30]: got %d", promptLen)
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.seqs.get(id) != nil {
 		return kverr.Errorf(kverr.DuplicateSequence, "add: sequence %d is already live", id)
 	}
@@ -242,8 +246,7 @@ func (m *Manager) Add(id int64, promptLen int) error {
 	}
 	m.makeFree(need)
 	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(need, nil)}
-	// Cannot fail: need blocks are free.
-	_ = m.pool.Allocate(s.blocks, -1)
+	assertOK(m.pool.Allocate(s.blocks, -1), "add: allocating blocks made free")
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
@@ -286,12 +289,9 @@ func (m *Manager) makeFree(need int) {
 		return
 	}
 	m.evicted = m.cache.Evict(m.evicted[:0], short)
-	// Cannot fail: an evictable block has no lock, hence no reference
-	// (CheckInvariants: locks equal references), and is marked, so it is
-	// Cached.
-	if err := m.pool.Evict(m.evicted); err != nil {
-		panic("kvmanager: evicted blocks not Cached in the pool: " + err.Error())
-	}
+	// An evictable block has no lock, hence no reference (CheckInvariants:
+	// locks equal references), and is marked, so it is Cached in the pool.
+	assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
 }
 
 // Grow adds counts[i] tokens, in [0, MaxGrowTokens], to each sequence ids[i]
@@ -328,7 +328,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 		return kverr.Errorf(kverr.InvalidArgument, "%s: %d tokens given, the counts add up to %d", op, len(tokens), total)
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	batch, err := m.resolve(op, ids, false)
 	if err != nil {
 		return err
@@ -347,8 +347,8 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 		if add := m.newBlocks(s, c); add > 0 {
 			old := len(s.blocks)
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
-			// Cannot fail: the batch's total was made free above.
-			_ = m.pool.Allocate(s.blocks[old:], s.blocks[old-1])
+			// The batch's total was made free above.
+			assertOK(m.pool.Allocate(s.blocks[old:], s.blocks[old-1]), "grow: allocating blocks made free")
 			wasteDelta += int64(add * m.bs)
 		}
 		if tokens != nil {
@@ -395,7 +395,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 		return 0, err
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	p := m.seqs.get(parent)
 	if p == nil {
 		return 0, kverr.Errorf(kverr.UnknownSequence, "fork: parent sequence %d is not live", parent)
@@ -433,9 +433,10 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	for i, id := range children {
 		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone()}
 		copy(c.blocks, p.blocks[:full])
-		_ = m.pool.Incref(c.blocks[:full]) // cannot fail: checked above
+		// Live blocks, their counts bounded above; the locks' likewise.
+		assertOK(m.pool.Incref(c.blocks[:full]), "fork: referencing the parent's blocks")
 		if len(m.locks) > 0 {
-			_ = m.cache.Lock(m.locks) // cannot fail: cached, and bounded above
+			assertOK(m.cache.Lock(m.locks), "fork: locking the parent's cached blocks")
 		}
 		if partial {
 			last := p.blocks[full]
@@ -443,8 +444,8 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			if full > 0 {
 				hint = p.blocks[full-1]
 			}
-			// Cannot fail: the free count was checked above.
-			_ = m.pool.Allocate(c.blocks[full:], hint)
+			// The free count was checked and made free above.
+			assertOK(m.pool.Allocate(c.blocks[full:], hint), "fork: allocating the copy-on-write blocks")
 			copies[i] = CopyPair{Src: last, Dst: c.blocks[full]}
 			n++
 		}
@@ -486,7 +487,7 @@ func (m *Manager) Remove(ids []int64) error {
 		return err
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	batch, err := m.resolve("remove", ids, false)
 	if err != nil {
 		return err
@@ -509,15 +510,15 @@ func (m *Manager) release(s *seq) {
 	if m.cache != nil {
 		m.locks = m.cachedOf(s.blocks, m.locks[:0])
 		if len(m.locks) > 0 {
-			// Cannot fail: locks equal references for cached blocks.
-			if err := m.cache.Unlock(m.locks); err != nil {
-				panic("kvmanager: a sequence's cached blocks are not locked: " + err.Error())
-			}
+			// Locks equal references for cached blocks.
+			assertOK(m.cache.Unlock(m.locks), "a sequence's cached blocks are not locked")
 		}
 	}
-	// Cannot fail: a live sequence holds a reference on each of its blocks
+	// A live sequence holds a reference on each of its blocks
 	// (CheckInvariants verifies it).
-	m.cached, _ = m.pool.Decref(s.blocks, m.cached[:0])
+	var err error
+	m.cached, err = m.pool.Decref(s.blocks, m.cached[:0])
+	assertOK(err, "a sequence's blocks are not referenced")
 }
 
 // cachedOf appends to dst the blocks of ids that the prefix cache holds.
@@ -672,6 +673,11 @@ func (m *Manager) Stats() Stats {
 func (m *Manager) CheckInvariants() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	return m.checkInvariants()
+}
+
+// checkInvariants is CheckInvariants under m.mu.
+func (m *Manager) checkInvariants() error {
 	if err := m.pool.CheckInvariants(); err != nil {
 		return err
 	}

@@ -156,7 +156,7 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 		return 0, kverr.Errorf(kverr.InvalidArgument, "admit: matched_tokens holds %d entries for %d prompts", len(matched), n)
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
 		return 0, err
 	}
@@ -192,15 +192,15 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	}
 	k := len(res.Blocks)
 	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens}
-	// Cannot fail: the matched blocks are cached, so their references equal
-	// their locks, which Acquire bounded below 2^31-1.
-	_ = m.pool.Incref(s.blocks[:k])
+	// The matched blocks are cached, so their references equal their
+	// locks, which Acquire bounded below 2^31-1.
+	assertOK(m.pool.Incref(s.blocks[:k]), "admit: referencing the matched blocks")
 	m.makeFree(need - k)
 	hint := int32(-1)
 	if k > 0 {
 		hint = s.blocks[k-1]
 	}
-	_ = m.pool.Allocate(s.blocks[k:], hint) // cannot fail: made free above
+	assertOK(m.pool.Allocate(s.blocks[k:], hint), "admit: allocating blocks made free")
 	if m.cache != nil {
 		s.pc = &seqPrefix{keys: keys.Clone(), last: res.Last, tail: make([]int32, 0, m.bs)}
 		m.extendPrefix(s, tokens[res.Tokens:])
@@ -276,11 +276,9 @@ func (m *Manager) insertBlock(s *seq, bi int, blk []int32) bool {
 	if res.Dup {
 		// Insert locked the twin for s, which does not reference it.
 		m.one[0] = res.Block
-		if err := m.cache.Unlock(m.one[:]); err != nil {
-			panic("kvmanager: unlock of a just-locked block failed: " + err.Error())
-		}
-	} else if err := m.pool.MarkCached(s.blocks[bi]); err != nil {
-		panic("kvmanager: a sequence's block is free: " + err.Error())
+		assertOK(m.cache.Unlock(m.one[:]), "unlocking the block Insert just locked")
+	} else {
+		assertOK(m.pool.MarkCached(s.blocks[bi]), "a sequence's block is free")
 	}
 	s.pc.last = res.Hash
 	return true
@@ -303,7 +301,7 @@ func (m *Manager) insertBlock(s *seq, bi int, blk []int32) bool {
 func (m *Manager) AddMMItems(id int64, mm []prefix.MMItem) error {
 	const op = "add multimodal items"
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	s := m.seqs.get(id)
 	if s == nil {
 		return kverr.Errorf(kverr.UnknownSequence, "%s: sequence %d is not live", op, id)
@@ -354,7 +352,7 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 		return kverr.Errorf(kverr.InvalidArgument, "match: out holds %d entries for %d prompts", len(out), n)
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	for i := range n {
 		out[i] = MatchInfo{PartialBlock: -1}
 		if m.cache == nil {
@@ -363,9 +361,7 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 		tokens, keys := prompts.prompt(i)
 		res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
 		m.locks = res.Blocks[:0]
-		if err != nil {
-			return kverr.Wrap(kverr.Internal, err, "match: validated prompt refused")
-		}
+		assertOK(err, "match: the index refused a validated prompt")
 		out[i] = MatchInfo{Tokens: int32(res.Tokens), PartialBlock: res.PartialBlock, PartialTokens: int32(res.PartialTokens)}
 	}
 	return nil
@@ -381,7 +377,7 @@ func (m *Manager) Pin(tokens []int32, keys *prefix.Keys) (uint64, int, error) {
 		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "pin: %d tokens, at most 2^30", len(tokens))
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil {
 		return 0, 0, errNoCache("pin")
 	}
@@ -394,7 +390,7 @@ func (m *Manager) Pin(tokens []int32, keys *prefix.Keys) (uint64, int, error) {
 // ClearPrefixCache).
 func (m *Manager) Unpin(id uint64) error {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil {
 		return errNoCache("unpin")
 	}
@@ -409,7 +405,7 @@ func (m *Manager) SetPriority(tokens []int32, keys *prefix.Keys, priority int32)
 		return 0, kverr.Errorf(kverr.InvalidArgument, "set priority: %d tokens, at most 2^30", len(tokens))
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil {
 		return 0, errNoCache("set priority")
 	}
@@ -432,7 +428,7 @@ func (m *Manager) PrefixStats() prefix.Stats {
 // ResetPrefixStats zeroes the prefix cache's counters (not its sizes).
 func (m *Manager) ResetPrefixStats() {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache != nil {
 		m.cache.ResetStats()
 	}
@@ -445,7 +441,7 @@ func (m *Manager) ResetPrefixStats() {
 // the cache is off. It returns the number of blocks freed.
 func (m *Manager) ClearPrefixCache() (int, error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil {
 		return 0, nil
 	}
@@ -454,9 +450,9 @@ func (m *Manager) ClearPrefixCache() (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if err := m.pool.Evict(m.evicted); err != nil {
-		panic("kvmanager: cleared blocks not Cached in the pool: " + err.Error())
-	}
+	// Clear refuses while any block is locked, so every cleared block has
+	// no reference and is Cached in the pool.
+	assertOK(m.pool.Evict(m.evicted), "cleared blocks are not Cached in the pool")
 	return len(m.evicted), nil
 }
 
@@ -481,7 +477,7 @@ var NoEventLimits = EventLimits{math.MaxInt, math.MaxInt, math.MaxInt, math.MaxI
 // a BlockRemoved one hash).
 func (m *Manager) DrainEvents(lim EventLimits) ([]prefix.Event, error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil || !m.cache.EventsEnabled() {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "drain events: KV events are off (enable_kv_events in the manager's config)")
 	}
@@ -536,7 +532,7 @@ type EventSize struct {
 // InvalidArgument (KV events off).
 func (m *Manager) NextEventSize() (size EventSize, ok bool, err error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil || !m.cache.EventsEnabled() {
 		return size, false, kverr.Errorf(kverr.InvalidArgument, "next event size: KV events are off (enable_kv_events in the manager's config)")
 	}
