@@ -77,6 +77,7 @@ def test_python_prefix_cache(tmp_path):
                                              "python").code)
     out = _run([sys.executable, "prefix.py"], tmp_path)
     assert "[  0 512]" in out and "matched_tokens=512" in out, out
+    assert out.splitlines()[-1] == "48 80", out  # the image's blocks only for the image's keys
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain")
