@@ -31,7 +31,7 @@ $(LIB): $(GO_SRC) $(KERNELS_DEP) $(BUILD)/kernels.setting
 $(VENV)/.ok: bindings/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q numpy pytest xxhash
+	$(VPY) -m pip install -q numpy pytest xxhash hypothesis msgspec pyzmq
 	@touch $@
 
 fmt:
