@@ -42,10 +42,13 @@ const (
 	maxSlots = 1<<31 - 1
 )
 
+// DefaultBlockSize is the block size of a Config that leaves it 0.
+const DefaultBlockSize = 16
+
 // Config sizes a Manager's pool.
 type Config struct {
 	NumBlocks int // blocks in the pool, in [1, 2^26]
-	BlockSize int // tokens per block, in [1, 2^16]; 1 is token-granular mode
+	BlockSize int // tokens per block, in [1, 2^16]; 1 is token-granular mode; 0 means DefaultBlockSize
 
 	// EnablePrefixCache keeps the full blocks of sequences admitted with
 	// their tokens (Admit, GrowTokens) in a prefix cache, shared by later
@@ -135,6 +138,9 @@ type Manager struct {
 // [1, 2^26], BlockSize in [1, 2^16], and NumBlocks*BlockSize below 2^31 so
 // that every slot fits in an int32.
 func New(cfg Config) (*Manager, error) {
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = DefaultBlockSize
+	}
 	p, err := blocks.New(cfg.NumBlocks, cfg.BlockSize)
 	if err != nil {
 		return nil, err
