@@ -1,0 +1,185 @@
+package main
+
+// Raw entry points over every export, for the data-driven scenario tests
+// and the ABI fuzz target (test files cannot use cgo): pointers pass
+// through as given, NULL included, so the tests reach every argument check
+// a C host can. Struct layouts come from the header's own types by
+// reflection, so no offset is written down twice.
+
+/*
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"reflect"
+	"unsafe"
+)
+
+type ptr = unsafe.Pointer
+
+// cField is a field of a header struct: its offset and size in bytes.
+type cField struct{ off, size uintptr }
+
+// cLayout is a header struct's size and fields, by the header's names.
+type cLayout struct {
+	size   uintptr
+	fields map[string]cField
+}
+
+var cLayouts = func() map[string]cLayout {
+	out := map[string]cLayout{}
+	for name, v := range map[string]any{
+		"kvp_manager_config":     C.kvp_manager_config{},
+		"kvp_manager_stats":      C.kvp_manager_stats{},
+		"kvp_prefix_stats":       C.kvp_prefix_stats{},
+		"kvp_prefix_keys":        C.kvp_prefix_keys{},
+		"kvp_prefix_match":       C.kvp_prefix_match{},
+		"kvp_mm_item":            C.kvp_mm_item{},
+		"kvp_block_mm":           C.kvp_block_mm{},
+		"kvp_block_copy":         C.kvp_block_copy{},
+		"kvp_kv_event":           C.kvp_kv_event{},
+		"kvp_vcache_config":      C.kvp_vcache_config{},
+		"kvp_vcache_stats":       C.kvp_vcache_stats{},
+		"kvp_kv_write_args":      C.kvp_kv_write_args{},
+		"kvp_paged_decode_args":  C.kvp_paged_decode_args{},
+		"kvp_merge_states_args":  C.kvp_merge_states_args{},
+		"kvp_prefill_plan_args":  C.kvp_prefill_plan_args{},
+		"kvp_attn_plan":          C.kvp_attn_plan{},
+		"kvp_paged_prefill_args": C.kvp_paged_prefill_args{},
+	} {
+		t := reflect.TypeOf(v)
+		l := cLayout{size: t.Size(), fields: map[string]cField{}}
+		for i := range t.NumField() {
+			f := t.Field(i)
+			if f.Name != "_" {
+				l.fields[f.Name] = cField{f.Offset, f.Type.Size()}
+			}
+		}
+		out[name] = l
+	}
+	return out
+}()
+
+// firstManagerConfigSize is kvp_manager_config's first released size.
+var firstManagerConfigSize = managerConfigStruct.first
+
+func st(s C.kvp_status) int { return int(s) }
+
+func rawManagerCreate(cfg, out ptr) int {
+	return st(kvp_manager_create((*C.kvp_manager_config)(cfg), (**C.kvp_manager)(out)))
+}
+func rawManagerDestroy(m ptr) { kvp_manager_destroy((*C.kvp_manager)(m)) }
+func rawManagerAdd(m ptr, id int64, n int32) int {
+	return st(kvp_manager_add((*C.kvp_manager)(m), C.int64_t(id), C.int32_t(n)))
+}
+func rawManagerGrow(m, ids, counts ptr, n int32) int {
+	return st(kvp_manager_grow((*C.kvp_manager)(m), (*C.int64_t)(ids), (*C.int32_t)(counts), C.int32_t(n)))
+}
+func rawManagerGrowTokens(m, ids, counts ptr, n int32, tokens ptr) int {
+	return st(kvp_manager_grow_tokens((*C.kvp_manager)(m), (*C.int64_t)(ids), (*C.int32_t)(counts), C.int32_t(n), (*C.int32_t)(tokens)))
+}
+func rawManagerFork(m ptr, parent int64, children ptr, n int32, copies ptr, maxCopies int32, numCopies ptr) int {
+	return st(kvp_manager_fork((*C.kvp_manager)(m), C.int64_t(parent), (*C.int64_t)(children), C.int32_t(n),
+		(*C.kvp_block_copy)(copies), C.int32_t(maxCopies), (*C.int32_t)(numCopies)))
+}
+func rawManagerRemove(m, ids ptr, n int32) int {
+	return st(kvp_manager_remove((*C.kvp_manager)(m), (*C.int64_t)(ids), C.int32_t(n)))
+}
+func rawManagerDescribe(m, ids ptr, n int32, table ptr, maxBlocks int32, lens, slots ptr, slotCap int32, numSlots ptr) int {
+	return st(kvp_manager_describe((*C.kvp_manager)(m), (*C.int64_t)(ids), C.int32_t(n), (*C.int32_t)(table), C.int32_t(maxBlocks),
+		(*C.int32_t)(lens), (*C.int32_t)(slots), C.int32_t(slotCap), (*C.int32_t)(numSlots)))
+}
+func rawManagerStats(m, out ptr) int {
+	return st(kvp_manager_stats_get((*C.kvp_manager)(m), (*C.kvp_manager_stats)(out)))
+}
+func rawManagerCheck(m ptr) int { return st(kvp_manager_check((*C.kvp_manager)(m))) }
+func rawManagerAdmit(m, ids ptr, n int32, tokens, offsets, keys, matched, numAdmitted ptr) int {
+	return st(kvp_manager_admit((*C.kvp_manager)(m), (*C.int64_t)(ids), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
+		(*C.kvp_prefix_keys)(keys), (*C.int32_t)(matched), (*C.int32_t)(numAdmitted)))
+}
+func rawManagerMatch(m ptr, n int32, tokens, offsets, keys ptr, partial int32, out ptr) int {
+	return st(kvp_manager_match((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
+		(*C.kvp_prefix_keys)(keys), C.int32_t(partial), (*C.kvp_prefix_match)(out)))
+}
+func rawManagerPin(m, tokens ptr, n int32, keys, pinID, numBlocks ptr) int {
+	return st(kvp_manager_pin((*C.kvp_manager)(m), (*C.int32_t)(tokens), C.int32_t(n), (*C.kvp_prefix_keys)(keys),
+		(*C.uint64_t)(pinID), (*C.int32_t)(numBlocks)))
+}
+func rawManagerUnpin(m ptr, id uint64) int {
+	return st(kvp_manager_unpin((*C.kvp_manager)(m), C.uint64_t(id)))
+}
+func rawManagerSetPriority(m, tokens ptr, n int32, keys ptr, prio int32, numBlocks ptr) int {
+	return st(kvp_manager_set_priority((*C.kvp_manager)(m), (*C.int32_t)(tokens), C.int32_t(n), (*C.kvp_prefix_keys)(keys),
+		C.int32_t(prio), (*C.int32_t)(numBlocks)))
+}
+func rawManagerPrefixStats(m, out ptr) int {
+	return st(kvp_manager_prefix_stats((*C.kvp_manager)(m), (*C.kvp_prefix_stats)(out)))
+}
+func rawManagerPrefixStatsReset(m ptr) int {
+	return st(kvp_manager_prefix_stats_reset((*C.kvp_manager)(m)))
+}
+func rawManagerClearPrefixCache(m, numFreed ptr) int {
+	return st(kvp_manager_clear_prefix_cache((*C.kvp_manager)(m), (*C.int32_t)(numFreed)))
+}
+func rawManagerDrainEvents(m, events ptr, maxEvents int32, tokens ptr, maxTokens int32, mm ptr, maxMM int32,
+	hashes ptr, maxHashes int32, numEvents ptr) int {
+	return st(kvp_manager_drain_events((*C.kvp_manager)(m), (*C.kvp_kv_event)(events), C.int32_t(maxEvents),
+		(*C.int32_t)(tokens), C.int32_t(maxTokens), (*C.kvp_block_mm)(mm), C.int32_t(maxMM),
+		(*C.uint8_t)(hashes), C.int32_t(maxHashes), (*C.int32_t)(numEvents)))
+}
+func rawManagerNextEventSize(m, tokens, mm, hashes ptr) int {
+	return st(kvp_manager_next_event_size((*C.kvp_manager)(m), (*C.int32_t)(tokens), (*C.int32_t)(mm), (*C.int32_t)(hashes)))
+}
+func rawManagerAddMMItems(m ptr, seqID int64, items ptr, n int32) int {
+	return st(kvp_manager_add_mm_items((*C.kvp_manager)(m), C.int64_t(seqID), (*C.kvp_mm_item)(items), C.int32_t(n)))
+}
+
+func rawVcacheCreate(cfg, out ptr) int {
+	return st(kvp_vcache_create((*C.kvp_vcache_config)(cfg), (**C.kvp_vcache)(out)))
+}
+func rawVcacheDestroy(c ptr) { kvp_vcache_destroy((*C.kvp_vcache)(c)) }
+func rawVcacheLayerPtrs(c ptr, layer int32, k, v ptr) int {
+	return st(kvp_vcache_layer_ptrs((*C.kvp_vcache)(c), C.int32_t(layer), (*C.uint64_t)(k), (*C.uint64_t)(v)))
+}
+func rawVcacheStrides(c, strides ptr) int {
+	return st(kvp_vcache_strides((*C.kvp_vcache)(c), (*C.int64_t)(strides)))
+}
+func rawVcacheAllocSlot(c, slot ptr) int {
+	return st(kvp_vcache_alloc_slot((*C.kvp_vcache)(c), (*C.int32_t)(slot)))
+}
+func rawVcacheFreeSlot(c ptr, slot int32) int {
+	return st(kvp_vcache_free_slot((*C.kvp_vcache)(c), C.int32_t(slot)))
+}
+func rawVcacheStep(c, slots, ctxLens ptr, n int32) int {
+	return st(kvp_vcache_step((*C.kvp_vcache)(c), (*C.int32_t)(slots), (*C.int32_t)(ctxLens), C.int32_t(n)))
+}
+func rawVcacheTrim(c ptr) int { return st(kvp_vcache_trim((*C.kvp_vcache)(c))) }
+func rawVcacheStats(c, out ptr) int {
+	return st(kvp_vcache_stats_get((*C.kvp_vcache)(c), (*C.kvp_vcache_stats)(out)))
+}
+
+func rawAttnWorkspaceSize(maxBatch, qHeads, headDim, maxSplits int32, out ptr) int {
+	return st(kvp_attn_workspace_size(C.int32_t(maxBatch), C.int32_t(qHeads), C.int32_t(headDim), C.int32_t(maxSplits), (*C.uint64_t)(out)))
+}
+func rawPrefillWorkspaceSize(maxBatch, maxTokens, qHeads, kvHeads, headDim int32, out ptr) int {
+	return st(kvp_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qHeads), C.int32_t(kvHeads),
+		C.int32_t(headDim), (*C.uint64_t)(out)))
+}
+func rawAttnNumSplits(dtype, headDim, batch, qHeads, kvHeads, maxSeqLen int32, out ptr) int {
+	return st(kvp_attn_num_splits(C.int32_t(dtype), C.int32_t(headDim), C.int32_t(batch), C.int32_t(qHeads),
+		C.int32_t(kvHeads), C.int32_t(maxSeqLen), (*C.int32_t)(out)))
+}
+func rawKVWrite(args ptr) int { return st(kvp_kv_write((*C.kvp_kv_write_args)(args), 0)) }
+func rawPagedDecode(args ptr) int {
+	return st(kvp_paged_decode((*C.kvp_paged_decode_args)(args), 0))
+}
+func rawMergeStates(args ptr) int {
+	return st(kvp_merge_states((*C.kvp_merge_states_args)(args), 0))
+}
+func rawPrefillPlan(args, plan ptr) int {
+	return st(kvp_prefill_plan((*C.kvp_prefill_plan_args)(args), (*C.kvp_attn_plan)(plan), 0))
+}
+func rawPagedPrefill(plan, args ptr) int {
+	return st(kvp_paged_prefill((*C.kvp_attn_plan)(plan), (*C.kvp_paged_prefill_args)(args), 0))
+}
