@@ -630,6 +630,159 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: prefix cache (end) ==== */
 
+/* ==== section: KV event publisher (begin) ==== */
+/*
+ * A KV event publisher sends a manager's KV events (enable_kv_events) out
+ * of the process in vLLM's wire format (vllm/distributed/kv_events.py), so
+ * that routers and indexers written for vLLM engines (llm-d's kv-cache
+ * indexer, Dynamo's router, this repository's cmd/kvindex) track kvplug
+ * engines unchanged:
+ *
+ *   PUB socket    every batch is a 3-frame message: topic, sequence number
+ *                 (8 bytes big-endian, 0, 1, 2, ... from create), payload.
+ *   payload       a msgpack EventBatch [ts, events] (plus the data-parallel
+ *                 rank when one is set); each event a map tagged by "type":
+ *                 BlockStored {block_hashes, parent_block_hash, token_ids,
+ *                 block_size, lora_id (the adapter, or nil), medium,
+ *                 lora_name (nil), extra_keys (only when a block has
+ *                 multimodal entries: per block nil or a list of [content
+ *                 hash as 32 hex digits, offset relative to the block])},
+ *                 BlockRemoved {block_hashes, medium}, AllBlocksCleared {}.
+ *                 A chain of stored blocks goes as one BlockStored, as in
+ *                 vLLM. KVP_EVENTS_FORMAT_ARRAY selects vLLM's older
+ *                 positional events; KVP_EVENTS_HASH_INT64 sends each hash
+ *                 as its last 8 bytes, big-endian, as an integer (vLLM's
+ *                 conversion) instead of its 16 bytes. The salt is never
+ *                 sent (it may be a secret).
+ *   ROUTER socket (replay_endpoint) a request is the first wanted sequence
+ *                 number (8 bytes big-endian; from a DEALER with an empty
+ *                 delimiter frame, or a REQ); the replies are [topic, seq,
+ *                 payload] for every buffered batch from there on, then
+ *                 [empty, -1, empty]. Asking for -2 (kvplug's extension;
+ *                 a vLLM publisher just ends the replay) makes the
+ *                 publisher send AllBlocksCleared and a BlockStored for
+ *                 every cached block on PUB, at most once a second: for a
+ *                 subscriber whose gap is older than the buffer.
+ *
+ * The publisher runs on its own goroutine: every flush_interval_us (or at
+ * kvp_event_publisher_flush) it takes the manager's pending events under
+ * the manager's lock (a copy), then encodes and sends them without it, so
+ * no engine call waits on the network. Each subscriber has its own queue of
+ * hwm batches; a batch that finds it full is dropped for that subscriber
+ * only and counted (dropped_sends); the subscriber sees the gap in the
+ * sequence numbers and replays it. A subscriber that blocks a write for 10
+ * s is disconnected. Memory is bounded by buffer_steps and buffer_bytes
+ * (the replay buffer) plus the queues. If the publisher itself falls
+ * behind by more than the manager's max_pending_events, the manager
+ * replaces the backlog with ALL_CLEARED and a snapshot, as for drains.
+ * At create the publisher asks for a snapshot, so its first batch is
+ * AllBlocksCleared followed by the blocks cached already.
+ *
+ * While a publisher runs, it is the manager's one consumer of events:
+ * do not call kvp_manager_drain_events on that manager (the events would
+ * be split between the two), and create at most one publisher per manager
+ * (a second is refused). Destroy the publisher before its manager.
+ * Endpoints: tcp://host:port (tcp://*:port for every interface; port 0
+ * picks a free port, see kvp_event_publisher_stats) and ipc:///path.
+ * Security: ZMTP's NULL mechanism, as vLLM: bind to trusted networks only.
+ */
+typedef struct kvp_event_publisher kvp_event_publisher;
+
+enum {
+  KVP_EVENTS_BIND_VLLM = 0,   /* vLLM's rule: bind when the endpoint has '*' or
+                                 '::' or is ipc://, else connect */
+  KVP_EVENTS_BIND = 1,        /* always bind */
+  KVP_EVENTS_CONNECT = 2      /* always connect (the subscriber binds); redials */
+};
+
+enum {
+  KVP_EVENTS_FORMAT_MAP = 0,   /* events as maps tagged by "type" (vLLM now) */
+  KVP_EVENTS_FORMAT_ARRAY = 1  /* positional events [tag, fields...] (older vLLM) */
+};
+
+enum {
+  KVP_EVENTS_HASH_BYTES = 0,  /* 16 bytes (core/prefix/HASH.md's canonical form) */
+  KVP_EVENTS_HASH_INT64 = 1   /* the last 8 bytes as a big-endian unsigned integer */
+};
+
+typedef struct kvp_event_publisher_config {
+  size_t struct_size;          /* sizeof(kvp_event_publisher_config) */
+  const char *endpoint;        /* PUB endpoint, e.g. "tcp://*:5557"; required */
+  const char *replay_endpoint; /* ROUTER endpoint (always bound); NULL = no replay */
+  const char *topic;           /* first frame of every message, at most 1024
+                                  bytes; NULL = "" (vLLM's default); llm-d reads
+                                  "kv@<instance>@<model>" */
+  const char *medium;          /* "medium" of the events; NULL = "GPU" */
+  int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule */
+  int32_t event_format;        /* KVP_EVENTS_FORMAT_...; default MAP */
+  int32_t hash_format;         /* KVP_EVENTS_HASH_...; default BYTES */
+  int32_t data_parallel_rank;  /* sent with every batch when >= 0; default -1 */
+  int32_t buffer_steps;        /* batches kept for replay, in [0, 2^24]; 0 = 10000 */
+  int32_t hwm;                 /* batches queued per subscriber, in [0, 2^24];
+                                  0 = 10000 */
+  int32_t max_batch_events;    /* events per batch, in [0, 2^20]; 0 = 1024 */
+  int32_t flush_interval_us;   /* publish pending events this often, in
+                                  [0, 60e6]; 0 = 1000 */
+  int64_t buffer_bytes;        /* payload bytes kept for replay; 0 = 256 MiB */
+} kvp_event_publisher_config;
+
+#define KVP_EVENT_PUBLISHER_CONFIG_INIT \
+  {sizeof(kvp_event_publisher_config), NULL, NULL, NULL, NULL, 0, 0, 0, -1, 0, 0, 0, 0, 0}
+
+/* A publisher's counters since create. */
+typedef struct kvp_event_publisher_stats {
+  size_t struct_size;        /* set by the caller: sizeof(kvp_event_publisher_stats) */
+  int64_t batches;           /* batches published (= the next sequence number) */
+  int64_t events;            /* the manager's events they carried */
+  int64_t bytes;             /* payload bytes */
+  int64_t dropped_sends;     /* batches not queued to a subscriber whose queue was full */
+  int64_t replay_requests;   /* replay requests served (snapshot requests included) */
+  int64_t replay_batches;    /* batches sent by replays */
+  int64_t snapshots;         /* snapshots taken (create, resync, -2 requests) */
+  int64_t source_errors;     /* failed drains of the manager */
+  int64_t buffered_batches;  /* batches in the replay buffer now */
+  int64_t buffered_bytes;
+  int32_t subscribers;       /* PUB connections now */
+  int32_t pub_port;          /* the PUB socket's bound TCP port; 0 when
+                                connecting or on ipc */
+  int32_t replay_port;       /* the ROUTER socket's bound TCP port; 0 when none */
+  int32_t reserved;          /* 0 */
+} kvp_event_publisher_stats;
+
+#define KVP_EVENT_PUBLISHER_STATS_INIT \
+  {sizeof(kvp_event_publisher_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+#ifndef KVPLUG_NO_PROTOTYPES
+
+/* Starts publishing m's KV events: binds (or connects) the sockets and
+ * starts the publisher's goroutine. Errors, with nothing started:
+ * NULL_POINTER (cfg, out, endpoint), STRUCT_SIZE, INVALID_HANDLE (m),
+ * INVALID_ARGUMENT (KV events off in m; m has a publisher already; an
+ * endpoint that does not parse or cannot be bound, with the system's
+ * reason; a field out of range). */
+kvp_status kvp_event_publisher_create(kvp_manager *m, const kvp_event_publisher_config *cfg,
+                                      kvp_event_publisher **out);
+
+/* Publishes what is pending (waiting at most a second for subscribers to
+ * take it), closes the sockets and stops the goroutine. NULL is a no-op. */
+void kvp_event_publisher_destroy(kvp_event_publisher *p);
+
+/* Wakes the publisher to publish the pending events now rather than at
+ * its next interval (e.g. at the end of an engine step). Never waits. */
+kvp_status kvp_event_publisher_flush(kvp_event_publisher *p);
+
+/* Asks for a snapshot: the next batches carry AllBlocksCleared and a
+ * BlockStored for every cached block, for subscribers that lost their view
+ * (the events pending before it are superseded, not dropped). */
+kvp_status kvp_event_publisher_resync(kvp_event_publisher *p);
+
+/* Fills *out with the publisher's counters. Errors: NULL_POINTER,
+ * STRUCT_SIZE (out->struct_size below sizeof(size_t) + 8). */
+kvp_status kvp_event_publisher_stats_get(kvp_event_publisher *p, kvp_event_publisher_stats *out);
+
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: KV event publisher (end) ==== */
+
 /* ==== section: attention kernels (begin) ==== */
 /*
  * CUDA kernels over the engine's own device memory: write this step's K and

@@ -1,0 +1,206 @@
+package main
+
+/*
+#include <string.h>
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"net"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/kvmanager"
+)
+
+// eventPublisher is a kvp_event_publisher handle's object.
+type eventPublisher struct {
+	p *kvevents.Publisher
+	m *kvmanager.Manager
+}
+
+// publishers maps a manager to its publisher: two consumers of one
+// manager's events would each see part of the stream.
+var (
+	publishersMu sync.Mutex
+	publishers   = map[*kvmanager.Manager]*eventPublisher{}
+)
+
+// maxEndpointLen bounds the C strings of the config, so a string without
+// its terminator is caught before it is read far.
+const maxEndpointLen = 4096
+
+// cString reads a NUL-terminated C string of at most max bytes ("" for
+// NULL); ok is false when no terminator comes within max+1 bytes.
+func cString(p *C.char, max int) (string, bool) {
+	if p == nil {
+		return "", true
+	}
+	n := int(C.strnlen(p, C.size_t(max+1)))
+	if n > max {
+		return "", false
+	}
+	return C.GoStringN(p, C.int(n)), true
+}
+
+func publisherOf(h *C.kvp_event_publisher) (*eventPublisher, error) {
+	return lookup[*eventPublisher](unsafe.Pointer(h), "kvp_event_publisher")
+}
+
+//export kvp_event_publisher_create
+func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_config, out **C.kvp_event_publisher) (st C.kvp_status) {
+	defer guard(&st)
+	const op = "kvp_event_publisher_create"
+	if cfg == nil || out == nil {
+		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
+	}
+	full := unsafe.Sizeof(C.kvp_event_publisher_config{})
+	if err := checkSize(cfg.struct_size, unsafe.Offsetof(C.kvp_event_publisher_config{}.buffer_bytes)+8, full, "kvp_event_publisher_config"); err != nil {
+		return fail(err)
+	}
+	m, err := managerOf(mh)
+	if err != nil {
+		return fail(err)
+	}
+	var c C.kvp_event_publisher_config
+	copyStruct(unsafe.Pointer(&c), unsafe.Pointer(cfg), uintptr(cfg.struct_size), full)
+	if c.endpoint == nil {
+		return failf(kverr.NullPointer, "%s: cfg.endpoint must not be NULL (e.g. \"tcp://*:5557\")", op)
+	}
+	strs := [4]string{}
+	for i, f := range []struct {
+		p    *C.char
+		name string
+		max  int
+	}{{c.endpoint, "endpoint", maxEndpointLen}, {c.replay_endpoint, "replay_endpoint", maxEndpointLen}, {c.topic, "topic", kvevents.MaxTopicLen}, {c.medium, "medium", 64}} {
+		s, ok := cString(f.p, f.max)
+		if !ok {
+			return failf(kverr.InvalidArgument, "%s: cfg.%s is longer than %d bytes (or not NUL-terminated)", op, f.name, f.max)
+		}
+		strs[i] = s
+	}
+	if c.flush_interval_us < 0 || c.flush_interval_us > 60_000_000 {
+		return failf(kverr.InvalidArgument, "%s: flush_interval_us must be in [0, 60000000]: got %d", op, int32(c.flush_interval_us))
+	}
+	if c.data_parallel_rank < -1 {
+		return failf(kverr.InvalidArgument, "%s: data_parallel_rank must be >= -1: got %d", op, int32(c.data_parallel_rank))
+	}
+	kc := kvevents.Config{
+		Endpoint:       strs[0],
+		ReplayEndpoint: strs[1],
+		Topic:          strs[2],
+		Bind:           int(c.bind_mode),
+		BufferSteps:    int(c.buffer_steps),
+		BufferBytes:    int64(c.buffer_bytes),
+		HWM:            int(c.hwm),
+		MaxBatchEvents: int(c.max_batch_events),
+		FlushInterval:  time.Duration(c.flush_interval_us) * time.Microsecond,
+		Encoding: kvevents.Encoding{
+			Format: kvevents.Format(c.event_format),
+			Hashes: kvevents.HashFormat(c.hash_format),
+			Medium: strs[3],
+			DPRank: int(c.data_parallel_rank),
+		},
+	}
+	src, err := kvevents.ManagerSource(m)
+	if err != nil {
+		return fail(err)
+	}
+	// Held across Start so that two racing creates on one manager cannot
+	// both succeed; Start binds sockets, which does not block for long.
+	publishersMu.Lock()
+	defer publishersMu.Unlock()
+	if _, dup := publishers[m]; dup {
+		return failf(kverr.InvalidArgument, "%s: the manager has a publisher already; destroy it first", op)
+	}
+	p, err := kvevents.Start(src, kc)
+	if err != nil {
+		return fail(err)
+	}
+	ep := &eventPublisher{p: p, m: m}
+	publishers[m] = ep
+	*out = (*C.kvp_event_publisher)(newHandle(ep))
+	return C.KVP_OK
+}
+
+//export kvp_event_publisher_destroy
+func kvp_event_publisher_destroy(h *C.kvp_event_publisher) {
+	defer guardVoid()
+	ep, ok := dropHandle[*eventPublisher](unsafe.Pointer(h))
+	if !ok {
+		return
+	}
+	ep.p.Close()
+	publishersMu.Lock()
+	delete(publishers, ep.m)
+	publishersMu.Unlock()
+}
+
+//export kvp_event_publisher_flush
+func kvp_event_publisher_flush(h *C.kvp_event_publisher) (st C.kvp_status) {
+	defer guard(&st)
+	ep, err := publisherOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	ep.p.Flush()
+	return C.KVP_OK
+}
+
+//export kvp_event_publisher_resync
+func kvp_event_publisher_resync(h *C.kvp_event_publisher) (st C.kvp_status) {
+	defer guard(&st)
+	ep, err := publisherOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	ep.p.Resync()
+	return C.KVP_OK
+}
+
+func tcpPort(a net.Addr) C.int32_t {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return C.int32_t(t.Port)
+	}
+	return 0
+}
+
+//export kvp_event_publisher_stats_get
+func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) (st C.kvp_status) {
+	defer guard(&st)
+	ep, err := publisherOf(h)
+	if err != nil {
+		return fail(err)
+	}
+	if out == nil {
+		return failf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
+	}
+	full := unsafe.Sizeof(C.kvp_event_publisher_stats{})
+	minSize := unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches) + 8
+	if uintptr(out.struct_size) < minSize {
+		return failf(kverr.StructSize, "kvp_event_publisher_stats.struct_size is %d; at least %d is needed", uint64(out.struct_size), minSize)
+	}
+	s := ep.p.Stats()
+	v := C.kvp_event_publisher_stats{
+		struct_size:      out.struct_size,
+		batches:          C.int64_t(s.Batches),
+		events:           C.int64_t(s.Events),
+		bytes:            C.int64_t(s.Bytes),
+		dropped_sends:    C.int64_t(s.DroppedSends),
+		replay_requests:  C.int64_t(s.ReplayReqs),
+		replay_batches:   C.int64_t(s.ReplayBatches),
+		snapshots:        C.int64_t(s.Snapshots),
+		source_errors:    C.int64_t(s.SourceErrors),
+		buffered_batches: C.int64_t(s.BufferedSteps),
+		buffered_bytes:   C.int64_t(s.BufferedBytes),
+		subscribers:      C.int32_t(s.Subscribers),
+		pub_port:         tcpPort(ep.p.PubAddr()),
+		replay_port:      tcpPort(ep.p.ReplayAddr()),
+	}
+	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
+	return C.KVP_OK
+}

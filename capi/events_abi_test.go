@@ -1,0 +1,177 @@
+package main
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+func strp(s string) *string { return &s }
+
+func loopbackPub() hookPubConfig {
+	return hookPubConfig{endpoint: strp("tcp://127.0.0.1:0"), replay: strp("tcp://127.0.0.1:0"), bind: 1, dpRank: -1}
+}
+
+func TestPublisherBadInput(t *testing.T) {
+	m, st := hookManagerCreateCached(64, 4, true, 0)
+	expect(t, "create manager", st, kverr.OK)
+	defer hookManagerDestroy(m)
+	plain, st := hookManagerCreateCached(64, 4, false, 0)
+	expect(t, "create manager without events", st, kverr.OK)
+	defer hookManagerDestroy(plain)
+
+	for _, c := range []struct {
+		name string
+		m    bool // the manager without events
+		mut  func(*hookPubConfig)
+		want kverr.Code
+	}{
+		{"NULL cfg", false, func(c *hookPubConfig) { c.nullCfg = true }, kverr.NullPointer},
+		{"NULL out", false, func(c *hookPubConfig) { c.nullOut = true }, kverr.NullPointer},
+		{"NULL endpoint", false, func(c *hookPubConfig) { c.endpoint = nil }, kverr.NullPointer},
+		{"short struct", false, func(c *hookPubConfig) { c.structSize = 8 }, kverr.StructSize},
+		{"longer struct", false, func(c *hookPubConfig) { c.structSize = sizeofPublisherConfig() + 8 }, kverr.StructSize},
+		{"no events", true, func(c *hookPubConfig) {}, kverr.InvalidArgument},
+		{"bad endpoint", false, func(c *hookPubConfig) { c.endpoint = strp("udp://x:1") }, kverr.InvalidArgument},
+		{"bad replay endpoint", false, func(c *hookPubConfig) { c.replay = strp("tcp://noport") }, kverr.InvalidArgument},
+		{"unterminated topic", false, func(c *hookPubConfig) { c.unterminatedTopic = true }, kverr.InvalidArgument},
+		{"bind mode", false, func(c *hookPubConfig) { c.bind = 3 }, kverr.InvalidArgument},
+		{"event format", false, func(c *hookPubConfig) { c.format = -1 }, kverr.InvalidArgument},
+		{"hash format", false, func(c *hookPubConfig) { c.hash = 2 }, kverr.InvalidArgument},
+		{"dp rank", false, func(c *hookPubConfig) { c.dpRank = -2 }, kverr.InvalidArgument},
+		{"hwm", false, func(c *hookPubConfig) { c.hwm = -1 }, kverr.InvalidArgument},
+		{"buffer steps", false, func(c *hookPubConfig) { c.bufferSteps = 1 << 30 }, kverr.InvalidArgument},
+		{"flush interval", false, func(c *hookPubConfig) { c.flushUS = -5 }, kverr.InvalidArgument},
+	} {
+		cfg := loopbackPub()
+		c.mut(&cfg)
+		h := m
+		if c.m {
+			h = plain
+		}
+		p, st := hookPublisherCreate(h, cfg)
+		expect(t, c.name, st, c.want)
+		if p != nil {
+			t.Fatalf("%s: a handle came back from a failed create", c.name)
+		}
+	}
+	_, st = hookPublisherCreate(nil, loopbackPub())
+	expect(t, "NULL manager", st, kverr.InvalidHandle)
+	expect(t, "flush NULL", hookPublisherFlush(nil), kverr.InvalidHandle)
+	expect(t, "resync manager handle", hookPublisherResync(m), kverr.InvalidHandle)
+	_, st = hookPublisherStats(m, 0, false)
+	expect(t, "stats of a manager handle", st, kverr.InvalidHandle)
+
+	p, st := hookPublisherCreate(m, loopbackPub())
+	expect(t, "create", st, kverr.OK)
+	_, st = hookPublisherCreate(m, loopbackPub())
+	expect(t, "second publisher on one manager", st, kverr.InvalidArgument)
+	_, st = hookPublisherStats(p, 0, true)
+	expect(t, "stats NULL out", st, kverr.NullPointer)
+	_, st = hookPublisherStats(p, 12, false)
+	expect(t, "stats short struct", st, kverr.StructSize)
+	s, st := hookPublisherStats(p, 0, false)
+	expect(t, "stats", st, kverr.OK)
+	if s[5] == 0 || s[6] == 0 || s[3] != 1 {
+		t.Fatalf("stats %v: ports or start snapshot missing", s)
+	}
+	// A bound port cannot be bound by another publisher.
+	m2, _ := hookManagerCreateCached(8, 4, true, 0)
+	defer hookManagerDestroy(m2)
+	cfg := loopbackPub()
+	cfg.endpoint = strp(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]))
+	_, st = hookPublisherCreate(m2, cfg)
+	expect(t, "port in use", st, kverr.InvalidArgument)
+	// Destroy given the manager's handle leaves it alone.
+	hookPublisherDestroy(m)
+	expect(t, "manager alive", hookManagerCheck(m), kverr.OK)
+	hookPublisherDestroy(p)
+	hookPublisherDestroy(p) // stale: a no-op
+	hookPublisherDestroy(nil)
+	expect(t, "flush destroyed", hookPublisherFlush(p), kverr.InvalidHandle)
+	p, st = hookPublisherCreate(m, loopbackPub())
+	expect(t, "create after destroy", st, kverr.OK)
+	hookPublisherDestroy(p)
+}
+
+// The events of admissions reach a subscriber in vLLM's format, their
+// hashes those core/prefix computes.
+func TestPublisherPublishesAdmissions(t *testing.T) {
+	m, st := hookManagerCreateCached(64, 4, true, 0)
+	expect(t, "create manager", st, kverr.OK)
+	defer hookManagerDestroy(m)
+	cfg := loopbackPub()
+	cfg.topic = strp("kv@i0@m")
+	cfg.hash = 1
+	cfg.dpRank = 2
+	cfg.flushUS = 60_000_000 // published by flush only
+	p, st := hookPublisherCreate(m, cfg)
+	expect(t, "create", st, kverr.OK)
+	defer hookPublisherDestroy(p)
+	s, _ := hookPublisherStats(p, 0, false)
+	sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), "kv@i0", 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	for {
+		if s, _ = hookPublisherStats(p, 0, false); s[4] == 1 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // the subscription follows the handshake
+	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	keys := []hookKeys{{adapter: 5, salt: []byte("tenant")}}
+	_, n, st := hookAdmit(m, []int64{1}, [][]int32{prompt}, keys)
+	expect(t, "admit", st, kverr.OK)
+	if n != 1 {
+		t.Fatalf("admitted %d", n)
+	}
+	expect(t, "flush", hookPublisherFlush(p), kverr.OK)
+	var stored *kvevents.DecodedEvent
+	for stored == nil {
+		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
+		msg, err := sub.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := kvevents.Decode(msg.Payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if msg.Topic != "kv@i0@m" || b.DPRank == nil || *b.DPRank != 2 {
+			t.Fatalf("topic %q dp rank %v", msg.Topic, b.DPRank)
+		}
+		for i := range b.Events {
+			if b.Events[i].Kind == kvevents.KindStored {
+				stored = &b.Events[i]
+			}
+		}
+	}
+	var hs prefix.Hasher
+	want, err := hs.Chain(nil, prompt, 4, &prefix.Keys{Adapter: 5, Salt: []byte("tenant")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(stored.Hashes) != 2 || stored.Hashes[0] != kvevents.KeyOf(want[0], kvevents.HashInt64) || stored.Hashes[1] != kvevents.KeyOf(want[1], kvevents.HashInt64) {
+		t.Fatalf("hashes %x, want %x", stored.Hashes, want)
+	}
+	if *stored.LoRAID != 5 || len(stored.Tokens) != 8 || stored.Tokens[7] != 8 {
+		t.Fatalf("stored %+v", stored)
+	}
+	expect(t, "resync", hookPublisherResync(p), kverr.OK)
+	for {
+		if s, _ = hookPublisherStats(p, 0, false); s[3] == 2 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if s[0] < 1 || s[1] < 2 {
+		t.Fatalf("stats %v", s)
+	}
+}
