@@ -16,8 +16,8 @@
 // count from the workspace, so one captured launch serves any later plan.
 //
 // Attention kernel (16-bit): FlashAttention-2 layout on mma.sync m16n8k16;
-// 4 warps, each owning 32 packed rows (16 at head_dim 256) and all 64 tokens
-// of a K/V tile; K/V
+// 4 warps, each owning 16 packed rows (PrefillCfg::MT m16 tiles) and all 64
+// tokens of a K/V tile; K/V
 // tiles stream through a cp.async pipeline; the physical row offset of each
 // token of a tile is resolved once per tile from the block table (so block
 // size 1 costs what large blocks cost). A warp skips the tiles its rows cannot
@@ -197,9 +197,11 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
 // ---- f16 / bf16: tensor-core kernel ------------------------------------------
 template <int D>
 struct PrefillCfg {
-    // m16 row tiles per warp: two where the registers allow (each K/V
-    // fragment read from shared memory then feeds twice the MMAs).
-    static constexpr int MT = D <= 128 ? 2 : 1;
+    // m16 row tiles per warp. Two (128-row items, each K/V fragment read
+    // from shared memory feeding twice the MMAs) measured no faster on an
+    // H100 at head_dim 128 (255 registers with spills, 185-191 TFLOP/s as
+    // with one) and slower for small batches (half the items), so one.
+    static constexpr int MT = 1;
     static constexpr int TQ = 4 * 16 * MT;  // packed rows per item (KVP_PREFILL_TILE_Q(D))
     static constexpr int TK = KVP_PREFILL_TILE_KV;
     static constexpr int STAGES = D <= 64 ? 3 : 2;

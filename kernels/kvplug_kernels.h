@@ -304,17 +304,19 @@ typedef struct kvp_prefill_params {
     int32_t reserved; /* 0 */
 } kvp_prefill_params;
 
-/* Packed rows per work item: 4 warps of 32 rows (16-bit, head_dim <= 128),
- * of 16 rows (head_dim 256), f32: KVP_PREFILL_TILE_Q_F32. */
+/* Packed rows per work item: 4 warps of 16 rows (16-bit), f32:
+ * KVP_PREFILL_TILE_Q_F32. A function of dtype and head_dim so that a kernel
+ * may take larger tiles without a change of the plan kernel's contract. */
 static inline int32_t kvp_prefill_tile_q(int dtype_bytes, int head_dim) {
+    (void)head_dim;
     if (dtype_bytes == 4) return KVP_PREFILL_TILE_Q_F32;
-    return head_dim <= 128 ? 128 : 64;
+    return 64;
 }
 
 /* Dynamic shared memory of kvp_paged_prefill_<dt>_h<D>, in bytes.
  *   16-bit: tile_q * D * 2 (query tile) + stages(D) * 64 * D * 4 (K and V
  *         tiles) + (stages(D) + 1) * 64 * 8 (row offsets), stages(64) = 3,
- *         else 2: h64: 67584, h128: 99840, h256: 165376
+ *         else 2: h64: 59392, h128: 83456, h256: 165376
  *   f32: 0 */
 static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
     if (dtype_bytes == 4) return 0;

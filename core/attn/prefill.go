@@ -84,9 +84,6 @@ func prefillTileQ(d DType, headDim int) int {
 	if d.Size() == 4 {
 		return prefillTileQF32
 	}
-	if headDim <= 128 {
-		return 128
-	}
 	return 64
 }
 
@@ -109,9 +106,12 @@ func prefillBlocksPerSM(d DType, headDim int) int {
 	if d.Size() == 4 {
 		return 4
 	}
-	// Registers bound h64 and h128 (about 240-255 per thread), shared
-	// memory h256.
-	if headDim <= 128 {
+	// h64: shared memory and registers (153 per thread) allow 3; h128:
+	// 2 (216 registers); h256: shared memory allows 1.
+	switch {
+	case headDim <= 64:
+		return 3
+	case headDim <= 128:
 		return 2
 	}
 	return 1

@@ -177,9 +177,9 @@ func TestPrefillItems(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// group 4, 128-row tiles: 1 row -> 1 tile, 0 rows -> none, 39 tokens =
-	// 156 rows -> 2 tiles, last first.
-	want := [][5]int32{{0, 0, 1, 100, 0}, {2, 1, 39, 40, 1}, {2, 1, 39, 40, 0}}
+	// group 4, 64-row tiles: 1 row -> 1 tile, 0 rows -> none, 39 tokens =
+	// 156 rows -> 3 tiles, last first.
+	want := [][5]int32{{0, 0, 1, 100, 0}, {2, 1, 39, 40, 2}, {2, 1, 39, 40, 1}, {2, 1, 39, 40, 0}}
 	if len(items) != len(want) {
 		t.Fatalf("items %v, want %v", items, want)
 	}
