@@ -682,7 +682,7 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * do not call kvp_manager_drain_events on that manager (the events would
  * be split between the two), and create at most one publisher per manager
  * (a second is refused). Destroy the publisher before its manager.
- * Endpoints: tcp://host:port (tcp://*:port for every interface; port 0
+ * Endpoints: tcp://host:port (host "*" for every interface, as in vLLM; port 0
  * picks a free port, see kvp_event_publisher_stats) and ipc:///path.
  * Security: ZMTP's NULL mechanism, as vLLM: bind to trusted networks only.
  */
@@ -707,7 +707,7 @@ enum {
 
 typedef struct kvp_event_publisher_config {
   size_t struct_size;          /* sizeof(kvp_event_publisher_config) */
-  const char *endpoint;        /* PUB endpoint, e.g. "tcp://*:5557"; required */
+  const char *endpoint;        /* PUB endpoint (see "Endpoints" above); required */
   const char *replay_endpoint; /* ROUTER endpoint (always bound); NULL = no replay */
   const char *topic;           /* first frame of every message, at most 1024
                                   bytes; NULL = "" (vLLM's default); llm-d reads

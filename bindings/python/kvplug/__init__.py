@@ -46,6 +46,7 @@ from ._lib import (
 )
 from .manager import Description, Manager, ManagerStats
 from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
+from .events import EventPublisher, EventPublisherStats  # noqa: F401 (KV events on ZMQ)
 from .vmem import VirtualKVCache
 from . import attn
 

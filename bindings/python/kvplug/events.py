@@ -1,0 +1,225 @@
+"""KV events on ZMQ in vLLM's wire format (the "KV event publisher" part of
+include/kvplug.h).
+
+    m = kvplug.Manager(4096, 16, prefix_cache=True, kv_events=True)
+    with kvplug.EventPublisher(m, "tcp://*:5557", replay_endpoint="tcp://*:5558",
+                               topic="kv@engine-0@my-model") as pub:
+        ...                     # admit / grow_tokens / remove as usual
+        pub.flush()             # optional: publish this step's events now
+
+Routers and indexers written for vLLM's KV events subscribe to the PUB
+endpoint and replay missed batches from the ROUTER endpoint. The publisher
+runs on the library's own thread; no Manager call waits on the network.
+While it runs it is the manager's one consumer of events: do not call
+Manager.drain_events on that manager.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import weakref
+from typing import Any, Optional
+
+from . import _lib
+
+__all__ = ["EventPublisher", "EventPublisherStats", "BIND_VLLM", "BIND", "CONNECT", "FORMAT_MAP", "FORMAT_ARRAY",
+           "HASH_BYTES", "HASH_INT64"]
+
+BIND_VLLM = 0  # vLLM's rule: bind a wildcard or ipc endpoint, connect to others
+BIND = 1
+CONNECT = 2
+FORMAT_MAP = 0  # events as maps tagged by "type" (vLLM now)
+FORMAT_ARRAY = 1  # positional events (older vLLM)
+HASH_BYTES = 0  # 16-byte hashes
+HASH_INT64 = 1  # the hash's last 8 bytes as an unsigned integer
+
+_vp = ctypes.c_void_p
+
+
+class EventPublisherConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("endpoint", ctypes.c_char_p),
+        ("replay_endpoint", ctypes.c_char_p),
+        ("topic", ctypes.c_char_p),
+        ("medium", ctypes.c_char_p),
+        ("bind_mode", ctypes.c_int32),
+        ("event_format", ctypes.c_int32),
+        ("hash_format", ctypes.c_int32),
+        ("data_parallel_rank", ctypes.c_int32),
+        ("buffer_steps", ctypes.c_int32),
+        ("hwm", ctypes.c_int32),
+        ("max_batch_events", ctypes.c_int32),
+        ("flush_interval_us", ctypes.c_int32),
+        ("buffer_bytes", ctypes.c_int64),
+    ]
+
+
+class EventPublisherStatsStruct(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("batches", ctypes.c_int64),
+        ("events", ctypes.c_int64),
+        ("bytes", ctypes.c_int64),
+        ("dropped_sends", ctypes.c_int64),
+        ("replay_requests", ctypes.c_int64),
+        ("replay_batches", ctypes.c_int64),
+        ("snapshots", ctypes.c_int64),
+        ("source_errors", ctypes.c_int64),
+        ("buffered_batches", ctypes.c_int64),
+        ("buffered_bytes", ctypes.c_int64),
+        ("subscribers", ctypes.c_int32),
+        ("pub_port", ctypes.c_int32),
+        ("replay_port", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class EventPublisherStats:
+    """A publisher's counters since it started (kvp_event_publisher_stats)."""
+
+    batches: int
+    events: int
+    bytes: int
+    dropped_sends: int
+    replay_requests: int
+    replay_batches: int
+    snapshots: int
+    source_errors: int
+    buffered_batches: int
+    buffered_bytes: int
+    subscribers: int
+    pub_port: int
+    replay_port: int
+
+
+def _sig() -> tuple:
+    return (
+        _lib.fn("kvp_event_publisher_create", ctypes.c_int,
+                [_vp, ctypes.POINTER(EventPublisherConfig), ctypes.POINTER(_vp)]),
+        _lib.fn("kvp_event_publisher_destroy", None, [_vp]),
+        _lib.fn("kvp_event_publisher_flush", ctypes.c_int, [_vp]),
+        _lib.fn("kvp_event_publisher_resync", ctypes.c_int, [_vp]),
+        _lib.fn("kvp_event_publisher_stats_get", ctypes.c_int, [_vp, ctypes.POINTER(EventPublisherStatsStruct)]),
+    )
+
+
+def _release(destroy: Any, h: int) -> None:
+    destroy(h)
+
+
+def _text(value: Optional[str], what: str) -> Optional[bytes]:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"EventPublisher: {what} must be a str or None, not {type(value).__name__}")
+    b = value.encode("utf-8")
+    if b"\x00" in b:
+        raise ValueError(f"EventPublisher: {what} contains a NUL character")
+    return b
+
+
+class EventPublisher:
+    """Publishes a Manager's KV events (the manager needs prefix_cache=True
+    and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
+    when replay_endpoint is given. Endpoints are tcp://host:port
+    (tcp://*:port binds every interface; port 0 picks a free port, see
+    pub_port) or ipc:///path. Failures raise KvplugError subclasses with the
+    library's message (an endpoint in use: InvalidArgumentError)."""
+
+    def __init__(
+        self,
+        manager: Any,
+        endpoint: str,
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        medium: Optional[str] = None,
+        bind_mode: int = BIND_VLLM,
+        event_format: int = FORMAT_MAP,
+        hash_format: int = HASH_BYTES,
+        data_parallel_rank: Optional[int] = None,
+        buffer_steps: int = 0,
+        hwm: int = 0,
+        max_batch_events: int = 0,
+        flush_interval_us: int = 0,
+        buffer_bytes: int = 0,
+    ) -> None:
+        self._h: Optional[int] = None
+        F = _sig()
+        mh = getattr(manager, "handle", None)
+        if mh is None:
+            raise _lib.error_for(int(_lib.Status.INVALID_HANDLE), "EventPublisher: the manager is closed (or not a Manager)")
+        i32 = lambda v, what, lo=None: _lib.checked_int(v, f"EventPublisher: {what}", "int32", lo=lo)  # noqa: E731
+        cfg = EventPublisherConfig(
+            ctypes.sizeof(EventPublisherConfig),
+            _text(endpoint, "endpoint"),
+            _text(replay_endpoint, "replay_endpoint"),
+            _text(topic, "topic"),
+            _text(medium, "medium"),
+            i32(bind_mode, "bind_mode"),
+            i32(event_format, "event_format"),
+            i32(hash_format, "hash_format"),
+            -1 if data_parallel_rank is None else i32(data_parallel_rank, "data_parallel_rank", 0),
+            i32(buffer_steps, "buffer_steps"),
+            i32(hwm, "hwm"),
+            i32(max_batch_events, "max_batch_events"),
+            i32(flush_interval_us, "flush_interval_us"),
+            _lib.checked_int(buffer_bytes, "EventPublisher: buffer_bytes", "int64"),
+        )
+        out = _vp()
+        st = F[0](mh, ctypes.byref(cfg), ctypes.byref(out))
+        if st:
+            _lib.raise_status(st)
+        self._h = out.value
+        self._F = F
+        self._manager = manager  # kept alive: the publisher reads its events
+        self._finalizer = weakref.finalize(self, _release, F[1], self._h)
+        self._finalizer.atexit = False
+        s = self.stats()
+        self.pub_port = s.pub_port
+        self.replay_port = s.replay_port
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Publishes what is pending (waiting at most a second), closes the
+        sockets; idempotent."""
+        h, self._h = self._h, None
+        if h is not None:
+            self._finalizer.detach()
+            self._F[1](h)
+
+    def __enter__(self) -> "EventPublisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else f"pub_port={self.pub_port}, replay_port={self.replay_port}"
+        return f"EventPublisher({state})"
+
+    def _handle(self) -> Optional[int]:
+        return self._h
+
+    def flush(self) -> None:
+        """Publishes the pending events now (never waits on the network)."""
+        _lib.check(self._F[2](self._handle()))
+
+    def resync(self) -> None:
+        """Sends AllBlocksCleared and every cached block next."""
+        _lib.check(self._F[3](self._handle()))
+
+    def stats(self) -> EventPublisherStats:
+        s = EventPublisherStatsStruct()
+        s.struct_size = ctypes.sizeof(s)
+        _lib.check(self._F[4](self._handle(), ctypes.byref(s)))
+        return EventPublisherStats(
+            s.batches, s.events, s.bytes, s.dropped_sends, s.replay_requests, s.replay_batches, s.snapshots,
+            s.source_errors, s.buffered_batches, s.buffered_bytes, s.subscribers, s.pub_port, s.replay_port,
+        )

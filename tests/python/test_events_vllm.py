@@ -1,0 +1,311 @@
+"""kvplug's published KV events decoded as vLLM's consumers decode them:
+with msgspec structs written from vllm/distributed/kv_events.py (the
+named-field events of current vLLM, and the positional events of older
+releases), received over ZMQ with pyzmq (libzmq) on the PUB socket, and a
+dropped range recovered from the ROUTER replay socket. The block hashes are
+checked against core/prefix/HASH.md's reference code."""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any, List, Optional, Tuple, Union
+
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+xxhash = pytest.importorskip("xxhash")
+
+import kvplug  # noqa: E402
+from kvplug import events  # noqa: E402
+
+
+# --- vLLM's definitions (named-field events; the batch stays positional) ---
+
+ExternalBlockHash = Union[bytes, int]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: List[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: List[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: List[ExternalBlockHash]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+# --- vLLM's older positional events ---
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: List[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: List[ExternalBlockHash]
+    medium: Optional[str]
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: List[Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]]
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def block_hashes(tokens, block_size, adapter=0, mm=(), salt=b""):
+    """core/prefix/HASH.md's reference code."""
+    parent, out = bytes(16), []
+    for i in range(len(tokens) // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
+        blk = tokens[lo:hi]
+        ents = [(o - lo, h) for (o, n, h) in mm if o < hi and o + n > lo]
+        s = salt if i == 0 else b""
+        b = bytes([1]) + parent
+        b += struct.pack("<I%di" % len(blk), len(blk), *blk)
+        b += struct.pack("<QI", adapter, len(ents))
+        for o, h in ents:
+            b += struct.pack("<i", o) + h
+        b += struct.pack("<I", len(s)) + s
+        parent = xxhash.xxh3_128_digest(b)
+        out.append(parent)
+    return out
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def subscribe(ctx, pub: events.EventPublisher, topic: str):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{pub.pub_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    deadline = time.time() + 5
+    while pub.stats().subscribers < 1:
+        assert time.time() < deadline, "the subscriber never connected"
+        time.sleep(0.005)
+    time.sleep(0.1)  # the subscription follows the connection
+    return sub
+
+
+def recv(sub, decoder) -> Tuple[str, int, Any]:
+    topic, seq, payload = sub.recv_multipart()
+    return topic.decode(), int.from_bytes(seq, "big"), decoder.decode(payload)
+
+
+def test_named_field_events_decode_as_vllm(ctx):
+    m = kvplug.Manager(64, 4, prefix_cache=True, kv_events=True)
+    pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, topic="kv@engine-0@model",
+                                flush_interval_us=60_000_000)
+    with m, pub:
+        sub = subscribe(ctx, pub, "kv@engine-0")
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        img = bytes(range(16))
+        keys = kvplug.Keys(adapter=3, mm=[kvplug.MMItem(2, 5, img)], salt=b"tenant-a")
+        prompt = list(range(100, 113))  # 3 full blocks and a partial one
+        t0 = time.time()
+        m.admit([1], [prompt], keys)
+        pub.flush()
+        topic, seq, batch = recv(sub, dec)
+        assert (topic, seq) == ("kv@engine-0@model", 0)
+        assert abs(batch.ts - t0) < 5 and batch.data_parallel_rank is None
+        # The start snapshot (an empty cache), then the admitted chain as
+        # one BlockStored, as vLLM sends a request's new blocks.
+        assert isinstance(batch.events[0], AllBlocksCleared)
+        ev = batch.events[1]
+        assert isinstance(ev, BlockStored) and len(batch.events) == 2
+        want = block_hashes(prompt, 4, adapter=3, mm=[(2, 5, img)], salt=b"tenant-a")
+        assert ev.block_hashes == want
+        assert ev.parent_block_hash is None
+        assert ev.token_ids == prompt[:12]
+        assert ev.block_size == 4
+        assert ev.lora_id == 3 and ev.lora_name is None
+        assert ev.medium == "GPU"
+        # The image covers positions 2..6: block 0 at offset 2, block 1 at -2.
+        assert ev.extra_keys == [([img.hex(), 2],), ([img.hex(), -2],), None]
+        assert ev.group_idx is None and ev.kv_cache_spec_kind is None
+
+        # Growing fills the partial block: a BlockStored under the chain.
+        m.grow_tokens([1], [[113, 114, 115]])
+        pub.flush()
+        _, seq, batch = recv(sub, dec)
+        ev = batch.events[0]
+        assert seq == 1 and ev.parent_block_hash == want[2]
+        assert ev.block_hashes == block_hashes(prompt + [113, 114, 115], 4, 3, [(2, 5, img)], b"tenant-a")[3:]
+
+        # Clearing the cache: AllBlocksCleared.
+        m.remove([1])
+        m.clear_prefix_cache()
+        pub.flush()
+        _, seq, batch = recv(sub, dec)
+        assert seq == 2 and [type(e) for e in batch.events] == [AllBlocksCleared]
+
+
+def test_evictions_and_positional_int_hash_events(ctx):
+    # 8 blocks: a second prompt evicts the first one's cached blocks.
+    m = kvplug.Manager(8, 4, prefix_cache=True, kv_events=True)
+    pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, event_format=events.FORMAT_ARRAY,
+                                hash_format=events.HASH_INT64, data_parallel_rank=1, medium="CPU",
+                                flush_interval_us=60_000_000)
+    with m, pub:
+        sub = subscribe(ctx, pub, "")
+        dec = msgspec.msgpack.Decoder(ArrayKVEventBatch)
+        a = list(range(1, 25))  # 6 blocks
+        m.admit([1], [a])
+        m.remove([1])
+        b = list(range(500, 525))  # 6 full blocks + 1 token: evicts 5 of a's
+        m.admit([2], [b])
+        pub.flush()
+        got: List[Any] = []
+        while not any(isinstance(e, ArrayBlockStored) and e.token_ids[0] == 500 for e in got):
+            _, _, batch = recv(sub, dec)
+            assert batch.data_parallel_rank == 1
+            got += batch.events
+        to_int = lambda h: int.from_bytes(h[-8:], "big")  # noqa: E731 (vLLM's conversion)
+        ha, hb = block_hashes(a, 4), block_hashes(b, 4)
+        stored_a = [e for e in got if isinstance(e, ArrayBlockStored) and e.token_ids[0] == 1][0]
+        assert stored_a.block_hashes == [to_int(h) for h in ha] and stored_a.medium == "CPU" and stored_a.lora_id is None
+        removed = [h for e in got if isinstance(e, ArrayBlockRemoved) for h in e.block_hashes]
+        assert len(removed) == 5 and set(removed) <= {to_int(h) for h in ha}
+        # Children before parents: a's last block goes first.
+        assert removed[0] == to_int(ha[5])
+        stored_b = [e for e in got if isinstance(e, ArrayBlockStored) and e.token_ids[0] == 500][0]
+        assert stored_b.block_hashes == [to_int(h) for h in hb] and stored_b.extra_keys is None
+
+
+def test_replay_of_a_dropped_range(ctx):
+    m = kvplug.Manager(256, 4, prefix_cache=True, kv_events=True)
+    pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, replay_endpoint="tcp://127.0.0.1:0",
+                                topic="kv@r", flush_interval_us=60_000_000)
+    with m, pub:
+        sub = subscribe(ctx, pub, "kv@r")
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        prompts = [[1000 * i + j for j in range(8)] for i in range(6)]
+        m.admit([0], [prompts[0]])
+        pub.flush()
+        _, seq, _ = recv(sub, dec)
+        assert seq == 0
+        # The subscriber goes away; batches 1..4 are published meanwhile.
+        sub.close(linger=0)
+        for i in range(1, 5):
+            m.admit([i], [prompts[i]])
+            pub.flush()
+            deadline = time.time() + 5
+            while pub.stats().batches < i + 1:
+                assert time.time() < deadline
+                time.sleep(0.005)
+        sub = subscribe(ctx, pub, "kv@r")
+        m.admit([5], [prompts[5]])
+        pub.flush()
+        _, seq, batch = recv(sub, dec)
+        assert seq == 5  # the gap: 1..4 were missed
+        # Replay from the ROUTER socket, as vLLM's subscribers do.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(f"tcp://127.0.0.1:{pub.replay_port}")
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""
+            topic, seq_b, payload = frames[1:]
+            if seq_b == END_SEQ:
+                assert topic == b"" and payload == b""
+                break
+            assert topic == b"kv@r"
+            replayed.append((int.from_bytes(seq_b, "big"), dec.decode(payload)))
+        assert [s for s, _ in replayed] == [1, 2, 3, 4, 5]
+        for i, (_, b) in enumerate(replayed[:4]):
+            (ev,) = b.events
+            assert ev.block_hashes == block_hashes(prompts[i + 1], 4)
+        # A range older than the buffer cannot be replayed: kvplug's
+        # snapshot request (-2) republishes the cache on PUB.
+        dealer.send_multipart([b"", (-2).to_bytes(8, "big", signed=True)])
+        assert dealer.recv_multipart()[2] == END_SEQ
+        _, seq, batch = recv(sub, dec)
+        assert seq == 6 and isinstance(batch.events[0], AllBlocksCleared)
+        stored = {h for e in batch.events[1:] for h in e.block_hashes}
+        assert stored == {h for p in prompts for h in block_hashes(p, 4)}
+        assert pub.stats().replay_requests == 2
+        dealer.close(linger=0)
+        sub.close(linger=0)
+
+
+def test_publisher_errors():
+    m = kvplug.Manager(8, 4, prefix_cache=True)  # no KV events
+    with m:
+        with pytest.raises(kvplug.InvalidArgumentError, match="KV events"):
+            events.EventPublisher(m, "tcp://127.0.0.1:0")
+    m = kvplug.Manager(8, 4, prefix_cache=True, kv_events=True)
+    with m:
+        with pytest.raises(kvplug.InvalidArgumentError, match="only tcp"):
+            events.EventPublisher(m, "inproc://x")
+        with pytest.raises(ValueError, match="NUL"):
+            events.EventPublisher(m, "tcp://127.0.0.1:0\x00")
+        with pub_ctx(m) as p:
+            with pytest.raises(kvplug.InvalidArgumentError, match="has a publisher already"):
+                events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND)
+            with pytest.raises(kvplug.InvalidArgumentError, match="address already in use"):
+                m2 = kvplug.Manager(8, 4, prefix_cache=True, kv_events=True)
+                try:
+                    events.EventPublisher(m2, f"tcp://127.0.0.1:{p.pub_port}", bind_mode=events.BIND)
+                finally:
+                    m2.close()
+        p.close()
+        with pytest.raises(kvplug.InvalidHandleError):
+            p.flush()
+    with pytest.raises(kvplug.InvalidHandleError):
+        events.EventPublisher(m, "tcp://127.0.0.1:0")  # m is closed
+
+
+def pub_ctx(m):
+    return events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND)
