@@ -1,0 +1,139 @@
+// Package cascade plans shared-prefix ("cascade") decode attention: from a
+// batch's block tables and lengths (host arrays) it finds the tree of block
+// runs that several sequences share (a system prompt shared by all, few-shot
+// blocks shared by a group, forks sharing all but their tails) and writes a
+// plan that the kernels of kernels/kvp_cascade.cuh execute in two launches
+// per layer: one over work items (a shared run's K/V read once for the
+// queries of every sequence that shares it, or one sequence's own tail),
+// writing partial attention states, and one merging each sequence's states
+// by online softmax.
+//
+// The plan lives in caller-owned memory of fixed capacity (a host workspace
+// and a device workspace sized by WorkspaceSizes), in the same int32 layout
+// on both sides, so that a CUDA graph captured over the run launches stays
+// valid for every later plan into the same workspaces: the kernels' grids
+// are fixed and they read every count from the device copy. A step whose
+// sequences only grew is absorbed by Update in O(batch) without re-planning,
+// while each tail stays within the chunks planned for it (the kernels read
+// the tails' ends from the device's sequence lengths).
+package cascade
+
+import (
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Layout constants shared with kernels/kvplug_kernels.h (section 5).
+const (
+	// MaxParts is the most partial states one sequence's plan may have
+	// (KVP_CASCADE_MAX_PARTS): the shared nodes on its path and its tail,
+	// each counted once per KV chunk. It bounds the workspaces.
+	MaxParts    = 8
+	HeaderInts  = 16 // KVP_CASCADE_HEADER_INTS
+	ItemInts    = 8  // KVP_CASCADE_ITEM_INTS
+	SegInts     = 4  // KVP_CASCADE_SEG_INTS
+	chunkAlign  = 64 // KV tile of the kernel: chunks are whole tiles
+	maxTokens   = 1<<31 - 1
+	maxBatchCap = 1 << 16
+)
+
+// Header words of a plan (both workspaces).
+const (
+	hMagic     = 0
+	hItems     = 1  // work items
+	hBatch     = 2  // sequences (merge rows)
+	hNodes     = 3  // shared nodes
+	hParts     = 4  // partial states in use
+	hChunk     = 5  // tokens per KV chunk
+	hMaxBatch  = 6  // capacity the offsets were computed for
+	hGroup     = 7  // num_q_heads / num_kv_heads
+	hTileQ     = 8  // packed rows per item
+	hBlockSize = 9  // block size the tables were read with
+	hMaxKV     = 10 // longest planned length (tail capacities included)
+	hSaved     = 11 // KV tokens per kv head the shared reads save (clamped to int32)
+	hTotal     = 12 // KV tokens per kv head plain decode would read (clamped)
+	hRoute     = 13 // RouteDecode or RouteCascade
+
+	planMagic = 0x6b766331 // "kvc1"
+)
+
+// Item fields (ItemInts int32 each; the last is free).
+const (
+	iRep      = 0 // sequence whose block-table row is read
+	iKVBegin  = 1 // first token
+	iKVEnd    = 2 // end token (exclusive); tails clip it to seq_lens[rep]
+	iDynamic  = 3 // 1: tail item (clip to the device length)
+	iMBegin   = 4 // first member (index into the order array)
+	iMCount   = 5 // members
+	iTile     = 6 // packed-row tile: rows [tile*tile_q, ...) of members*group
+	iPartBase = 7 // partial state of member j is part_base + j
+)
+
+// Layout is where each region of a plan sits, in int32 words from the start
+// of either workspace, for a capacity of MaxBatch sequences.
+type Layout struct {
+	MaxBatch, Group, TileQ, NumQHeads, HeadDim int
+
+	PartCap, ItemCap, SegCap               int
+	Items, Order, SegStart, Segs, PlanInts int
+	// Host-only, after the plan: per-sequence tail start and tail capacity
+	// end (tokens), which Update checks.
+	TailBegin, TailEnd, HostInts int
+	// Device-only, after the plan (byte offsets): partial outputs float32
+	// [PartCap][num_q_heads][head_dim] and their log2-domain lse float32
+	// [PartCap][num_q_heads].
+	PartOut, PartLSE, DeviceBytes int64
+}
+
+func align4(n int) int { return (n + 3) &^ 3 }
+
+// TileQ is the kernel's packed rows per item (kvp_cascade_tile_q): 128 at
+// head_dim <= 128, 64 at 256.
+func TileQ(headDim int) int {
+	if headDim <= 128 {
+		return 128
+	}
+	return 64
+}
+
+// NewLayout computes the regions for maxBatch sequences.
+func NewLayout(maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
+	var l Layout
+	if maxBatch < 1 || maxBatch > maxBatchCap {
+		return l, kverr.Errorf(kverr.InvalidArgument, "cascade: max_batch must be in [1, %d]: got %d", maxBatchCap, maxBatch)
+	}
+	if headDim != 64 && headDim != 128 && headDim != 256 {
+		return l, kverr.Errorf(kverr.Unsupported, "cascade: head_dim must be 64, 128 or 256: got %d", headDim)
+	}
+	if numKVHeads < 1 || numQHeads < 1 || numQHeads > 1<<12 || numQHeads%numKVHeads != 0 {
+		return l, kverr.Errorf(kverr.InvalidArgument, "cascade: num_q_heads (%d) must be in [1, 4096] and a multiple of num_kv_heads (%d)", numQHeads, numKVHeads)
+	}
+	l.MaxBatch, l.Group, l.TileQ, l.NumQHeads, l.HeadDim = maxBatch, numQHeads/numKVHeads, TileQ(headDim), numQHeads, headDim
+	l.PartCap = maxBatch * MaxParts
+	// A node of m members in c chunks has c*ceil(m*group/tile) items and c*m
+	// partial states, so items <= parts * ceil(group/tile).
+	l.ItemCap = l.PartCap * ((l.Group + l.TileQ - 1) / l.TileQ)
+	l.SegCap = l.PartCap
+	l.Items = HeaderInts
+	l.Order = l.Items + l.ItemCap*ItemInts
+	l.SegStart = l.Order + maxBatch
+	l.Segs = align4(l.SegStart + maxBatch + 1)
+	l.PlanInts = align4(l.Segs + l.SegCap*SegInts)
+	l.TailBegin = l.PlanInts
+	l.TailEnd = l.TailBegin + maxBatch
+	l.HostInts = l.TailEnd + maxBatch
+	l.PartOut = int64(l.PlanInts) * 4
+	l.PartLSE = l.PartOut + int64(l.PartCap)*int64(numQHeads)*int64(headDim)*4
+	l.DeviceBytes = l.PartLSE + int64(l.PartCap)*int64(numQHeads)*4
+	l.DeviceBytes = (l.DeviceBytes + 15) &^ 15
+	return l, nil
+}
+
+// WorkspaceSizes returns the device and host workspace bytes for batches of
+// up to maxBatch sequences.
+func WorkspaceSizes(maxBatch, numQHeads, numKVHeads, headDim int) (device, host int64, err error) {
+	l, err := NewLayout(maxBatch, numQHeads, numKVHeads, headDim)
+	if err != nil {
+		return 0, 0, err
+	}
+	return l.DeviceBytes, int64(l.HostInts) * 4, nil
+}

@@ -1,0 +1,381 @@
+package cascade
+
+import (
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// span is one partial state's token range of one sequence.
+type span struct{ seq, begin, end int32 }
+
+// checkPlan verifies a cascade plan against the batch by brute force:
+// every shared item's members hold the rep's blocks over its range, whole
+// and within their lengths; each sequence's merge segments name partial
+// states that cover [0, its length) exactly once (tails up to their planned
+// capacity); capacities are respected.
+func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summary) {
+	t.Helper()
+	B := len(b.lens)
+	if s.Route != RouteCascade {
+		t.Fatalf("route %d, want cascade", s.Route)
+	}
+	if s.Parts > l.PartCap || s.Items > l.ItemCap {
+		t.Fatalf("parts %d / items %d exceed capacities %d / %d", s.Parts, s.Items, l.PartCap, l.ItemCap)
+	}
+	order := ws[l.Order : l.Order+B]
+	seen := make([]bool, B)
+	for _, sq := range order {
+		if sq < 0 || int(sq) >= B || seen[sq] {
+			t.Fatalf("order is not a permutation: %v", order)
+		}
+		seen[sq] = true
+	}
+	owner := make([]span, s.Parts) // partial state -> (sequence, range)
+	for i := range owner {
+		owner[i].seq = -1
+	}
+	tb, te := ws[l.TailBegin:l.TailBegin+B], ws[l.TailEnd:l.TailEnd+B]
+	for i := 0; i < s.Items; i++ {
+		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
+		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
+		mb, mc := it[iMBegin], it[iMCount]
+		if mc < 1 || mb < 0 || int(mb+mc) > B || kb < 0 || ke <= kb || ke-kb > int32(s.Chunk) {
+			t.Fatalf("item %d malformed: %v (chunk %d)", i, it, s.Chunk)
+		}
+		rows := mc * int32(l.Group)
+		if it[iTile] < 0 || it[iTile]*int32(l.TileQ) >= rows {
+			t.Fatalf("item %d: tile %d outside %d rows", i, it[iTile], rows)
+		}
+		if it[iDynamic] != 0 {
+			if mc != 1 || order[mb] != rep || kb < tb[rep] || ke > te[rep]+int32(s.Chunk) {
+				t.Fatalf("tail item %d malformed: %v (tail [%d, %d))", i, it, tb[rep], te[rep])
+			}
+		} else {
+			if kb%int32(b.bs) != 0 || ke%int32(b.bs) != 0 && ke != kb+int32(s.Chunk) {
+				t.Fatalf("shared item %d: range [%d, %d) not block aligned", i, kb, ke)
+			}
+		}
+		for j := int32(0); j < mc; j++ {
+			sq := order[mb+j]
+			if it[iDynamic] == 0 {
+				if ke > b.lens[sq] {
+					t.Fatalf("shared item %d: member %d has %d tokens, range ends at %d", i, sq, b.lens[sq], ke)
+				}
+				for c := kb / int32(b.bs); c < (ke+int32(b.bs)-1)/int32(b.bs); c++ {
+					if b.table[int(sq)*b.stride+int(c)] != b.table[int(rep)*b.stride+int(c)] {
+						t.Fatalf("shared item %d: member %d's block at column %d differs from rep %d's", i, sq, c, rep)
+					}
+				}
+			}
+			pi := it[iPartBase] + j
+			if pi < 0 || int(pi) >= s.Parts {
+				t.Fatalf("item %d: partial %d outside %d", i, pi, s.Parts)
+			}
+			o := &owner[pi]
+			if o.seq >= 0 && (o.seq != sq || o.begin != kb || o.end != ke) {
+				t.Fatalf("partial %d written by two items with different spans", pi)
+			}
+			*o = span{sq, kb, ke}
+		}
+	}
+	segStart := ws[l.SegStart : l.SegStart+B+1]
+	used := make([]bool, s.Parts)
+	for sq := int32(0); sq < int32(B); sq++ {
+		next := int32(0)
+		for k := segStart[sq]; k < segStart[sq+1]; k++ {
+			sg := ws[l.Segs+int(k)*SegInts : l.Segs+int(k+1)*SegInts]
+			for c := int32(0); c < sg[1]; c++ {
+				pi := sg[0] + c*sg[2]
+				if pi < 0 || int(pi) >= s.Parts || used[pi] {
+					t.Fatalf("seq %d: partial %d out of range or merged twice", sq, pi)
+				}
+				used[pi] = true
+				o := owner[pi]
+				if o.seq != sq || o.begin != next {
+					t.Fatalf("seq %d: partial %d covers seq %d [%d, %d); expected a span from %d", sq, pi, o.seq, o.begin, o.end, next)
+				}
+				next = o.end
+			}
+		}
+		if next < b.lens[sq] || next < te[sq] {
+			t.Fatalf("seq %d (len %d, tail capacity %d): states cover [0, %d)", sq, b.lens[sq], te[sq], next)
+		}
+		if b.lens[sq] < tb[sq] || b.lens[sq] > te[sq] {
+			t.Fatalf("seq %d: len %d outside its tail [%d, %d]", sq, b.lens[sq], tb[sq], te[sq])
+		}
+	}
+	for pi, u := range used {
+		if !u {
+			t.Fatalf("partial %d is never merged", pi)
+		}
+	}
+}
+
+// bruteSaved is the KV tokens per kv head that reading every run of whole
+// blocks shared by 2+ sequences once saves: at each column, the classes of
+// sequences with equal table prefixes through that column (whole blocks
+// only) save (size - 1) blocks each.
+func bruteSaved(b *batch) int64 {
+	var saved int64
+	for c := 0; c < b.maxBlocks; c++ {
+		classes := map[string]int{}
+		for s, n := range b.lens {
+			if int(n)/b.bs <= c {
+				continue
+			}
+			key := fmt.Sprint(b.table[s*b.stride : s*b.stride+c+1])
+			classes[key]++
+		}
+		for _, n := range classes {
+			saved += int64(n-1) * int64(b.bs)
+		}
+	}
+	return saved
+}
+
+// bruteTail is sequence s's longest run of whole blocks shared with another
+// sequence, in tokens.
+func bruteTail(b *batch, s int) int32 {
+	best := 0
+	fs := int(b.lens[s]) / b.bs
+	for o := range b.lens {
+		if o == s {
+			continue
+		}
+		n := min(fs, int(b.lens[o])/b.bs, b.maxBlocks)
+		c := 0
+		for c < n && b.table[s*b.stride+c] == b.table[o*b.stride+c] {
+			c++
+		}
+		best = max(best, c)
+	}
+	return int32(best * b.bs)
+}
+
+// Random trees (depth 0-4, groups 1-40, block sizes 1/16/64, tails 0-300,
+// lengths ending inside shared runs): every plan checks out by brute force,
+// and when every shared run pays (long runs, keepAll) the plan's saving is
+// the brute-force maximum and each tail starts where its sequence's longest
+// sharing ends.
+func TestPlanRandomTrees(t *testing.T) {
+	r := seed(t)
+	var p Planner
+	for iter := 0; iter < 400; iter++ {
+		spec := treeSpec{seqs: 1 + r.IntN(40), depth: r.IntN(5), maxRun: 1 + r.IntN(12), maxTail: r.IntN(300),
+			bs: []int{1, 16, 64}[r.IntN(3)], partialOK: r.IntN(2) == 0}
+		b := genTree(r, spec)
+		qh, kvh, D := []int{4, 32, 8}[iter%3], []int{4, 8, 1}[iter%3], []int{64, 128, 256}[iter%3]
+		in := b.input(qh, kvh, D)
+		in.NoDecodeRoute = true
+		in.Slots = 1 + r.IntN(600)
+		if r.IntN(3) == 0 {
+			in.Headroom = r.IntN(1000)
+		}
+		l, err := NewLayout(len(b.lens)+r.IntN(3), qh, kvh, D)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws := make([]int32, l.HostInts)
+		for i := range ws {
+			ws[i] = -7 // poisoned
+		}
+		p.keepAll = iter%2 == 0
+		s, err := p.Plan(in, &l, ws)
+		if err != nil {
+			t.Fatalf("iter %d %+v: %v", iter, spec, err)
+		}
+		checkPlan(t, b, in, &l, ws, s)
+		deepest := int32(0) // emitted nodes on the longest path
+		for sq := range b.lens {
+			deepest = max(deepest, ws[l.SegStart+sq+1]-ws[l.SegStart+sq]-1)
+		}
+		if p.keepAll && deepest < MaxParts-1 {
+			if want := bruteSaved(b); s.SavedTokens != want {
+				t.Fatalf("iter %d %+v: saved %d tokens, brute force %d", iter, spec, s.SavedTokens, want)
+			}
+			tb := ws[l.TailBegin : l.TailBegin+len(b.lens)]
+			for sq := range b.lens {
+				if want := bruteTail(b, sq); tb[sq] != want {
+					t.Fatalf("iter %d: seq %d tail starts at %d, brute force %d", iter, sq, tb[sq], want)
+				}
+			}
+		}
+		if !p.keepAll && s.SavedTokens > bruteSaved(b) {
+			t.Fatalf("iter %d: saved %d above the brute-force maximum %d", iter, s.SavedTokens, bruteSaved(b))
+		}
+	}
+}
+
+// Sharing that does not pay goes to plain decode: no sharing at all, two
+// sequences sharing one small block, a tiny shared part of long sequences.
+func TestPlanDecodeRoute(t *testing.T) {
+	r := seed(t)
+	l, _ := NewLayout(64, 32, 8, 128)
+	ws := make([]int32, l.HostInts)
+	var p Planner
+	none := genTree(r, treeSpec{seqs: 64, depth: 0, maxTail: 4000, bs: 16})
+	if s, err := p.Plan(none.input(32, 8, 128), &l, ws); err != nil || s.Route != RouteDecode || s.SavedTokens != 0 {
+		t.Fatalf("no sharing: %+v %v", s, err)
+	}
+	// Two sequences sharing one 16-token block: the partial states cost more
+	// than the 16 tokens read once.
+	b := &batch{bs: 16, maxBlocks: 2, stride: 2, table: []int32{5, 6, 5, 7}, lens: []int32{20, 30}}
+	if s, err := p.Plan(b.input(32, 8, 128), &l, ws); err != nil || s.Route != RouteDecode || s.Nodes != 0 {
+		t.Fatalf("one shared block: %+v %v", s, err)
+	}
+	// 64 sequences of 8000 own tokens sharing 64: saves under a tenth.
+	small := &batch{bs: 16, maxBlocks: 504, stride: 504, table: make([]int32, 64*504), lens: make([]int32, 64)}
+	for s := 0; s < 64; s++ {
+		for c := 0; c < 504; c++ {
+			small.table[s*504+c] = int32(1000 + s*504 + c)
+		}
+		for c := 0; c < 4; c++ {
+			small.table[s*504+c] = int32(c)
+		}
+		small.lens[s] = 8000
+	}
+	if s, err := p.Plan(small.input(32, 8, 128), &l, ws); err != nil || s.Route != RouteDecode || s.Nodes != 1 {
+		t.Fatalf("small shared part: %+v %v", s, err)
+	}
+	// The same with a 4096-token shared prompt pays.
+	for s := 0; s < 64; s++ {
+		for c := 0; c < 256; c++ {
+			small.table[s*504+c] = int32(c)
+		}
+	}
+	if s, err := p.Plan(small.input(32, 8, 128), &l, ws); err != nil || s.Route != RouteCascade || s.SavedTokens != 63*4096 {
+		t.Fatalf("shared prompt: %+v %v", s, err)
+	}
+}
+
+// Update absorbs growth within each tail's capacity, and asks for a new
+// plan when a tail outgrows it or a length falls below the shared part.
+func TestUpdate(t *testing.T) {
+	r := seed(t)
+	b := widen(genTree(r, treeSpec{seqs: 24, depth: 2, maxRun: 20, maxTail: 200, bs: 16}), 20)
+	in := b.input(8, 2, 64)
+	in.NoDecodeRoute = true
+	l, _ := NewLayout(32, 8, 2, 64)
+	ws := make([]int32, l.HostInts)
+	var p Planner
+	s, err := p.Plan(in, &l, ws)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lens := append([]int32(nil), b.lens...)
+	te := ws[l.TailEnd : l.TailEnd+24]
+	tb := ws[l.TailBegin : l.TailBegin+24]
+	steps := 0
+	for {
+		for i := range lens {
+			lens[i]++
+		}
+		ok, err := Update(ws, &l, s.Route, 24, lens)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fits := true
+		for i := range lens {
+			fits = fits && lens[i] <= te[i]
+		}
+		if ok != fits {
+			t.Fatalf("step %d: update says %v, capacities say %v", steps, ok, fits)
+		}
+		if !ok {
+			break
+		}
+		steps++
+	}
+	if steps < 63 { // default headroom: at least 64 tokens per tail
+		t.Fatalf("only %d steps absorbed", steps)
+	}
+	lens = append(lens[:0], b.lens...)
+	for i := range lens {
+		if tb[i] > 0 {
+			lens[i] = tb[i] - 1
+			if ok, err := Update(ws, &l, s.Route, 24, lens); ok || err != nil {
+				t.Fatalf("length below the shared part accepted: %v %v", ok, err)
+			}
+			break
+		}
+	}
+	if _, err := Update(ws, &l, s.Route, 23, lens[:23]); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatalf("batch mismatch: %v", err)
+	}
+	if ok, err := Update(ws, &l, RouteDecode, 24, b.lens); !ok || err != nil {
+		t.Fatalf("decode route: %v %v", ok, err)
+	}
+}
+
+// Bad inputs are status codes with messages, and write nothing.
+func TestPlanErrors(t *testing.T) {
+	r := seed(t)
+	b := genTree(r, treeSpec{seqs: 8, depth: 1, maxRun: 4, maxTail: 40, bs: 16})
+	l, _ := NewLayout(8, 8, 2, 64)
+	small, _ := NewLayout(4, 8, 2, 64)
+	var p Planner
+	ws := make([]int32, l.HostInts)
+	cases := []struct {
+		name string
+		mod  func(in *Input)
+		l    *Layout
+		ws   []int32
+		code kverr.Code
+	}{
+		{"batch over capacity", func(in *Input) {}, &small, make([]int32, small.HostInts), kverr.BufferTooSmall},
+		{"host workspace small", func(in *Input) {}, &l, ws[:l.HostInts-1], kverr.BufferTooSmall},
+		{"block size 0", func(in *Input) { in.BlockSize = 0 }, &l, ws, kverr.InvalidArgument},
+		{"stride", func(in *Input) { in.TableStride = in.MaxBlocksPerSeq - 1 }, &l, ws, kverr.InvalidArgument},
+		{"table short", func(in *Input) { in.Tables = in.Tables[:7*in.TableStride+in.MaxBlocksPerSeq-1] }, &l, ws, kverr.BufferTooSmall},
+		{"length over table", func(in *Input) { in.SeqLens = append([]int32{int32(in.MaxBlocksPerSeq*16 + 1)}, in.SeqLens[1:]...) }, &l, ws, kverr.InvalidArgument},
+		{"negative length", func(in *Input) { in.SeqLens = append([]int32{-1}, in.SeqLens[1:]...) }, &l, ws, kverr.InvalidArgument},
+		{"heads differ", func(in *Input) { in.NumQHeads = 16 }, &l, ws, kverr.InvalidArgument},
+		{"headroom", func(in *Input) { in.Headroom = -1 }, &l, ws, kverr.InvalidArgument},
+	}
+	for _, c := range cases {
+		in := b.input(8, 2, 64)
+		c.mod(in)
+		for i := range c.ws {
+			c.ws[i] = 12345
+		}
+		_, err := p.Plan(in, c.l, c.ws)
+		if kverr.CodeOf(err) != c.code || err.Error() == "" {
+			t.Fatalf("%s: got %v, want code %v", c.name, err, c.code)
+		}
+		for i, v := range c.ws {
+			if v != 12345 {
+				t.Fatalf("%s: word %d written on error", c.name, i)
+			}
+		}
+	}
+	if _, err := NewLayout(0, 8, 2, 64); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatal("max_batch 0 accepted")
+	}
+	if _, err := NewLayout(8, 8, 3, 64); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatal("heads not a multiple accepted")
+	}
+	if _, err := NewLayout(8, 8, 2, 96); kverr.CodeOf(err) != kverr.Unsupported {
+		t.Fatal("head_dim 96 accepted")
+	}
+	if _, err := Header(make([]int32, l.HostInts), &l); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatal("empty workspace read as a plan")
+	}
+}
+
+// Two empty states merge to an empty state (0, -inf), never NaN; one empty
+// state beside a full one has weight 0.
+func TestMergeEmpty(t *testing.T) {
+	out := []float64{7, 7}
+	if st := MergeStates(out, []float64{0, 0, 0, 0}, []float64{math.Inf(-1), math.Inf(-1)}, 2); !math.IsInf(st, -1) || out[0] != 0 || out[1] != 0 {
+		t.Fatalf("empty+empty: lse %g out %v", st, out)
+	}
+	if st := MergeStates(out, []float64{9, 9, 1, 2}, []float64{math.Inf(-1), 0.5}, 2); st != 0.5 || out[0] != 1 || out[1] != 2 {
+		t.Fatalf("empty+state: lse %g out %v", st, out)
+	}
+	if st := MergeStates(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
+		t.Fatalf("no states: lse %g out %v", st, out)
+	}
+}
