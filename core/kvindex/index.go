@@ -1,0 +1,519 @@
+// Package kvindex is a cluster prefix index for KV-aware routing: it
+// subscribes to the KV event streams of N engine instances (kvplug's
+// publisher, or anything speaking vLLM's KV-event wire format with
+// kvplug's block hashes), keeps which instance holds which block in a
+// Backend (in memory, or a Valkey/Redis server shared by several routers),
+// and answers, for a prompt's tokens and keys, each instance's longest
+// cached prefix in tokens. It hashes prompts with core/prefix, the
+// engines' own code, so its hashes always agree with theirs.
+//
+// Each instance's stream is checked as it comes: a batch whose sequence
+// number skips ahead is a gap, filled from the instance's replay socket;
+// a gap older than the replay buffer, an instance that restarted
+// (sequence numbers going back), an undecodable batch or a backend that
+// failed or restarted mark the instance stale: its set is cleared, a
+// snapshot is requested, and until the snapshot's AllBlocksCleared
+// arrives the index reports the instance as stale (scored 0) rather than
+// guess.
+package kvindex
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/logx"
+	"github.com/kvplug/kvplug/core/prefix"
+	"go.uber.org/zap"
+)
+
+// InstanceConfig names one engine instance and where its events are.
+type InstanceConfig struct {
+	Name           string
+	Endpoint       string // its PUB socket (bound by the publisher)
+	ReplayEndpoint string // its ROUTER socket; "" when it has none
+	Topic          string // subscription prefix; "" is every topic
+	BlockSize      int    // tokens per block; 0: the Index's
+}
+
+// Config configures an Index.
+type Config struct {
+	Instances []InstanceConfig
+	BlockSize int // default block size; 0: 16
+	Backend   Backend
+	// Timeout bounds a connection attempt and a replay; 0: 2 s.
+	Timeout time.Duration
+}
+
+// Index is the cluster prefix index. Create it with New, stop it with
+// Close.
+type Index struct {
+	cfg     Config
+	be      Backend
+	insts   []*instance
+	byName  map[string]*instance
+	stop    chan struct{}
+	wg      sync.WaitGroup
+	hashers sync.Pool
+	updates atomic.Int64 // events applied, over all instances
+}
+
+// instance is one engine's stream and what the index knows of it.
+type instance struct {
+	cfg InstanceConfig
+	x   *Index
+
+	mu      sync.Mutex
+	nextSeq int64 // the next batch expected; -1 when none is
+	stale   bool  // the backend's set may differ from the engine's
+	gen     int64 // the backend generation the set was built in
+	format  kvevents.HashFormat
+	sub     *kvevents.SubConn
+	lastErr string
+	lastReq time.Time // when a snapshot was last requested
+
+	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors atomic.Int64
+}
+
+// New starts subscribing to every instance.
+func New(cfg Config) (*Index, error) {
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = 16
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 2 * time.Second
+	}
+	if cfg.Backend == nil {
+		cfg.Backend = NewMemory()
+	}
+	if cfg.BlockSize < 1 || cfg.BlockSize > prefix.MaxBlockSize {
+		return nil, fmt.Errorf("kvindex: block size %d out of [1, %d]", cfg.BlockSize, prefix.MaxBlockSize)
+	}
+	x := &Index{cfg: cfg, be: cfg.Backend, byName: map[string]*instance{}, stop: make(chan struct{})}
+	x.hashers.New = func() any { return new(prefix.Hasher) }
+	for _, ic := range cfg.Instances {
+		if ic.Name == "" || ic.Endpoint == "" {
+			return nil, fmt.Errorf("kvindex: an instance needs a name and an endpoint: %+v", ic)
+		}
+		if _, dup := x.byName[ic.Name]; dup {
+			return nil, fmt.Errorf("kvindex: instance %q given twice", ic.Name)
+		}
+		if ic.BlockSize == 0 {
+			ic.BlockSize = cfg.BlockSize
+		}
+		if ic.BlockSize < 1 || ic.BlockSize > prefix.MaxBlockSize {
+			return nil, fmt.Errorf("kvindex: instance %q: block size %d out of range", ic.Name, ic.BlockSize)
+		}
+		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: true}
+		x.insts = append(x.insts, in)
+		x.byName[ic.Name] = in
+	}
+	for _, in := range x.insts {
+		x.wg.Add(1)
+		go in.run()
+	}
+	x.wg.Add(1)
+	go x.watchBackend()
+	return x, nil
+}
+
+// Close stops the subscriptions (the backend stays open: it is the
+// caller's).
+func (x *Index) Close() {
+	select {
+	case <-x.stop:
+		return
+	default:
+	}
+	close(x.stop)
+	for _, in := range x.insts {
+		in.mu.Lock()
+		if in.sub != nil {
+			_ = in.sub.Close()
+		}
+		in.mu.Unlock()
+	}
+	x.wg.Wait()
+}
+
+// watchBackend pings a Valkey backend twice a second, so that a server
+// restart is noticed (Generation) even while no event arrives.
+func (x *Index) watchBackend() {
+	defer x.wg.Done()
+	v, ok := x.be.(*Valkey)
+	if !ok {
+		return
+	}
+	t := time.NewTicker(500 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-x.stop:
+			return
+		case <-t.C:
+			_ = v.Ping()
+		}
+	}
+}
+
+func (x *Index) stopped() bool {
+	select {
+	case <-x.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// run keeps the instance's subscription up and applies its batches.
+func (in *instance) run() {
+	defer in.x.wg.Done()
+	backoff := 50 * time.Millisecond
+	for !in.x.stopped() {
+		sub, err := kvevents.DialSub(in.cfg.Endpoint, in.cfg.Topic, in.x.cfg.Timeout)
+		if err != nil {
+			in.setErr(err)
+			select {
+			case <-in.x.stop:
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 2*time.Second)
+			continue
+		}
+		backoff = 50 * time.Millisecond
+		in.mu.Lock()
+		in.sub = sub
+		in.mu.Unlock()
+		if in.x.stopped() {
+			_ = sub.Close()
+			return
+		}
+		// A new connection may have missed anything: rebuild from a
+		// snapshot (the publisher's first batch is one anyway).
+		in.resync("connected")
+		in.consume(sub)
+		_ = sub.Close()
+	}
+}
+
+// consume applies batches until the connection fails.
+func (in *instance) consume(sub *kvevents.SubConn) {
+	for {
+		// A read deadline lets the loop notice a backend restart while
+		// the engine is idle.
+		_ = sub.SetDeadline(time.Now().Add(500 * time.Millisecond))
+		m, err := sub.Recv()
+		if err != nil {
+			var ne interface{ Timeout() bool }
+			if errors.As(err, &ne) && ne.Timeout() && !in.x.stopped() {
+				in.checkGeneration()
+				in.retrySnapshot()
+				continue
+			}
+			in.setErr(err)
+			return
+		}
+		in.checkGeneration()
+		in.handle(m)
+	}
+}
+
+// checkGeneration resyncs when the backend lost its data since the set
+// was built.
+func (in *instance) checkGeneration() {
+	g := in.x.be.Generation()
+	in.mu.Lock()
+	lost := g != in.gen
+	in.mu.Unlock()
+	if lost {
+		in.resync("backend restarted")
+	}
+}
+
+func (in *instance) setErr(err error) {
+	in.mu.Lock()
+	in.lastErr = err.Error()
+	in.mu.Unlock()
+}
+
+// resync marks the instance stale, clears its set and asks for a
+// snapshot; the set is rebuilt from the snapshot's AllBlocksCleared on.
+func (in *instance) resync(why string) {
+	in.mu.Lock()
+	in.stale = true
+	in.nextSeq = -1
+	in.gen = in.x.be.Generation()
+	in.mu.Unlock()
+	in.resets.Add(1)
+	logx.L().Debug("kvindex: resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
+	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
+		in.backendErrors.Add(1)
+		in.setErr(err)
+	}
+	in.requestSnapshot()
+}
+
+// snapshotRetry is how long a stale instance waits for its snapshot before
+// asking again (a publisher grants one request a second; a request can be
+// lost with its connection).
+const snapshotRetry = 1500 * time.Millisecond
+
+// requestSnapshot asks the instance's publisher for a snapshot.
+func (in *instance) requestSnapshot() {
+	if in.cfg.ReplayEndpoint == "" {
+		return // the publisher's next start (or resync) sends one
+	}
+	in.mu.Lock()
+	in.lastReq = time.Now()
+	in.mu.Unlock()
+	if err := kvevents.RequestSnapshot(in.cfg.ReplayEndpoint, in.x.cfg.Timeout); err != nil {
+		in.setErr(err)
+		return
+	}
+	in.snapshots.Add(1)
+}
+
+// retrySnapshot asks again when the instance has been stale for a while.
+func (in *instance) retrySnapshot() {
+	in.mu.Lock()
+	due := in.stale && time.Since(in.lastReq) > snapshotRetry
+	in.mu.Unlock()
+	if due {
+		in.requestSnapshot()
+	}
+}
+
+// handle applies one received batch, filling a gap by replay first.
+func (in *instance) handle(m kvevents.Message) {
+	in.mu.Lock()
+	next, stale := in.nextSeq, in.stale
+	in.mu.Unlock()
+	switch {
+	case stale || next < 0:
+		// Waiting for a snapshot: only a batch with AllBlocksCleared says
+		// what the whole set is.
+		in.applyFromClear(m)
+		in.retrySnapshot()
+	case m.Seq == next:
+		in.apply(m, false)
+	case m.Seq > next:
+		in.gaps.Add(1)
+		if !in.fill(next, m.Seq) {
+			in.resync(fmt.Sprintf("gap %d..%d not replayable", next, m.Seq-1))
+			in.applyFromClear(m)
+			return
+		}
+		in.apply(m, false)
+	default:
+		// Sequence numbers went back: the publisher restarted. Its first
+		// batch is a snapshot; anything else needs one.
+		in.resync(fmt.Sprintf("sequence went back from %d to %d", next, m.Seq))
+		in.applyFromClear(m)
+	}
+}
+
+// fill replays batches [from, to) and applies them; false when the
+// publisher no longer holds them all.
+func (in *instance) fill(from, to int64) bool {
+	if in.cfg.ReplayEndpoint == "" {
+		return false
+	}
+	msgs, err := kvevents.Replay(in.cfg.ReplayEndpoint, from, in.x.cfg.Timeout)
+	if err != nil {
+		in.setErr(err)
+		return false
+	}
+	want := from
+	for _, r := range msgs {
+		if r.Seq >= to {
+			break
+		}
+		if r.Seq != want {
+			return false
+		}
+		if !in.apply(r, true) {
+			return false
+		}
+		want++
+	}
+	return want == to
+}
+
+// applyFromClear applies a batch that contains AllBlocksCleared from that
+// event on, and ends the instance's staleness; other batches are ignored.
+func (in *instance) applyFromClear(m kvevents.Message) {
+	b, err := kvevents.Decode(m.Payload)
+	if err != nil {
+		in.badBatches.Add(1)
+		in.setErr(err)
+		return
+	}
+	for i := len(b.Events) - 1; i >= 0; i-- {
+		if b.Events[i].Kind == kvevents.KindCleared {
+			b.Events = b.Events[i:]
+			in.mu.Lock()
+			in.stale = false
+			in.nextSeq = m.Seq
+			in.mu.Unlock()
+			in.applyBatch(m.Seq, b, false)
+			return
+		}
+	}
+}
+
+// apply decodes and applies the next batch; false (and the instance
+// resynchronising) when it cannot.
+func (in *instance) apply(m kvevents.Message, replayed bool) bool {
+	b, err := kvevents.Decode(m.Payload)
+	if err != nil {
+		in.badBatches.Add(1)
+		in.setErr(err)
+		in.resync("undecodable batch")
+		return false
+	}
+	return in.applyBatch(m.Seq, b, replayed)
+}
+
+func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool {
+	ops := make([]Op, 0, len(b.Events))
+	n := 0
+	for _, ev := range b.Events {
+		switch ev.Kind {
+		case kvevents.KindStored:
+			ops = append(ops, Op{Kind: OpAdd, Keys: ev.Hashes})
+			if ev.BlockSize != in.cfg.BlockSize {
+				in.setErr(fmt.Errorf("instance %q publishes blocks of %d tokens, configured %d", in.cfg.Name, ev.BlockSize, in.cfg.BlockSize))
+			}
+			in.mu.Lock()
+			in.format = ev.HashFormat
+			in.mu.Unlock()
+		case kvevents.KindRemoved:
+			ops = append(ops, Op{Kind: OpRemove, Keys: ev.Hashes})
+		case kvevents.KindCleared:
+			ops = append(ops, Op{Kind: OpClear})
+		}
+		n++
+	}
+	if err := in.x.be.Apply(in.cfg.Name, ops); err != nil {
+		in.backendErrors.Add(1)
+		in.setErr(err)
+		in.resync("backend failed")
+		return false
+	}
+	in.mu.Lock()
+	in.nextSeq = seq + 1
+	in.mu.Unlock()
+	in.batches.Add(1)
+	in.events.Add(int64(n))
+	in.x.updates.Add(int64(n))
+	if replayed {
+		in.replayed.Add(1)
+	}
+	return true
+}
+
+// Score is one instance's answer for a prompt.
+type Score struct {
+	Instance string `json:"instance"`
+	// Tokens is the instance's longest cached prefix of the prompt, in
+	// tokens (full blocks); 0 when stale.
+	Tokens int  `json:"tokens"`
+	Blocks int  `json:"blocks"`
+	Stale  bool `json:"stale"` // the index cannot vouch for this instance now
+}
+
+// Query returns every instance's longest cached prefix of a prompt (keys
+// may be nil), in the instances' configured order.
+func (x *Index) Query(tokens []int32, keys *prefix.Keys) ([]Score, error) {
+	h := x.hashers.Get().(*prefix.Hasher)
+	defer x.hashers.Put(h)
+	chains := make([][]kvevents.Key, len(x.insts))
+	names := make([]string, len(x.insts))
+	out := make([]Score, len(x.insts))
+	byBS := map[int][]prefix.Hash{}
+	for i, in := range x.insts {
+		bs := in.cfg.BlockSize
+		hs, ok := byBS[bs]
+		if !ok {
+			var err error
+			if hs, err = h.Chain(nil, tokens, bs, keys); err != nil {
+				return nil, err
+			}
+			byBS[bs] = hs
+		}
+		in.mu.Lock()
+		f, stale := in.format, in.stale
+		in.mu.Unlock()
+		names[i] = in.cfg.Name
+		out[i] = Score{Instance: in.cfg.Name, Stale: stale}
+		if stale {
+			continue
+		}
+		ks := make([]kvevents.Key, len(hs))
+		for j, hh := range hs {
+			ks[j] = kvevents.KeyOf(hh, f)
+		}
+		chains[i] = ks
+	}
+	n, err := x.be.Longest(names, chains)
+	if err != nil {
+		return nil, err
+	}
+	for i := range out {
+		out[i].Blocks = n[i]
+		out[i].Tokens = n[i] * x.insts[i].cfg.BlockSize
+	}
+	return out, nil
+}
+
+// Best returns the instance with the longest cached prefix among those
+// not stale (ties: the first in configured order), or "" when none.
+func Best(scores []Score) string {
+	best, bestTok := "", -1
+	for _, s := range scores {
+		if !s.Stale && s.Tokens > bestTok {
+			best, bestTok = s.Instance, s.Tokens
+		}
+	}
+	return best
+}
+
+// InstanceStatus is what the index knows of one instance's stream.
+type InstanceStatus struct {
+	Name          string `json:"name"`
+	Stale         bool   `json:"stale"`
+	NextSeq       int64  `json:"next_seq"`
+	Batches       int64  `json:"batches"`
+	Events        int64  `json:"events"`
+	Gaps          int64  `json:"gaps"`
+	Replayed      int64  `json:"replayed_batches"`
+	Snapshots     int64  `json:"snapshots_requested"`
+	Resyncs       int64  `json:"resyncs"`
+	BadBatches    int64  `json:"bad_batches"`
+	BackendErrors int64  `json:"backend_errors"`
+	LastError     string `json:"last_error,omitempty"`
+}
+
+// Status returns every instance's status, sorted by name.
+func (x *Index) Status() []InstanceStatus {
+	out := make([]InstanceStatus, 0, len(x.insts))
+	for _, in := range x.insts {
+		in.mu.Lock()
+		s := InstanceStatus{Name: in.cfg.Name, Stale: in.stale, NextSeq: in.nextSeq, LastError: in.lastErr}
+		in.mu.Unlock()
+		s.Batches, s.Events, s.Gaps = in.batches.Load(), in.events.Load(), in.gaps.Load()
+		s.Replayed, s.Snapshots, s.Resyncs = in.replayed.Load(), in.snapshots.Load(), in.resets.Load()
+		s.BadBatches, s.BackendErrors = in.badBatches.Load(), in.backendErrors.Load()
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// Updates returns the events applied so far, over all instances.
+func (x *Index) Updates() int64 { return x.updates.Load() }

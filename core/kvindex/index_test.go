@@ -1,0 +1,556 @@
+package kvindex
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os/exec"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// teeSource hands a manager's events to the publisher and applies them to
+// an EventIndex: the instance's true set of cached blocks, as the index
+// should end up with.
+type teeSource struct {
+	src   kvevents.Source
+	mu    sync.Mutex
+	truth *prefix.EventIndex
+	err   error
+}
+
+func (s *teeSource) Drain() ([]prefix.Event, error) {
+	evs, err := s.src.Drain()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ev := range evs {
+		if e := s.truth.Apply(ev); e != nil && s.err == nil {
+			s.err = e
+		}
+	}
+	return evs, err
+}
+
+func (s *teeSource) Snapshot() error { return s.src.Snapshot() }
+
+func (s *teeSource) keys() map[kvevents.Key]bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[kvevents.Key]bool{}
+	for _, h := range s.truth.Hashes(nil) {
+		out[kvevents.Key(h)] = true
+	}
+	return out
+}
+
+// engine is one instance: a manager and its publisher.
+type engine struct {
+	name  string
+	m     *kvmanager.Manager
+	src   *teeSource
+	pub   *kvevents.Publisher
+	ports [2]int // PUB, ROUTER
+	next  int64
+}
+
+func newEngine(t testing.TB, name string, blocks, bs int, ports [2]int, cfg kvevents.Config) *engine {
+	t.Helper()
+	m, err := kvmanager.New(kvmanager.Config{NumBlocks: blocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms, err := kvevents.ManagerSource(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &engine{name: name, m: m, src: &teeSource{src: ms, truth: prefix.NewEventIndex()}}
+	cfg.Endpoint = fmt.Sprintf("tcp://127.0.0.1:%d", ports[0])
+	cfg.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", ports[1])
+	cfg.Bind = kvevents.BindListen
+	cfg.Topic = "kv@" + name
+	for try := 0; ; try++ {
+		e.pub, err = kvevents.Start(e.src, cfg)
+		if err == nil || try == 50 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // a restarted engine's old port may linger
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.ports = [2]int{e.pub.PubAddr().(*net.TCPAddr).Port, e.pub.ReplayAddr().(*net.TCPAddr).Port}
+	return e
+}
+
+func (e *engine) close() { e.pub.Close() }
+
+func (e *engine) instance() InstanceConfig {
+	return InstanceConfig{
+		Name:           e.name,
+		Endpoint:       fmt.Sprintf("tcp://127.0.0.1:%d", e.ports[0]),
+		ReplayEndpoint: fmt.Sprintf("tcp://127.0.0.1:%d", e.ports[1]),
+		Topic:          "kv@" + e.name,
+	}
+}
+
+// serve admits a prompt and finishes it at once: its blocks stay cached.
+// A prompt that does not fit is skipped.
+func (e *engine) serve(t testing.TB, prompt []int32, keys *prefix.Keys) {
+	t.Helper()
+	e.next++
+	p := kvmanager.Prompts{Tokens: prompt, Offsets: []int64{0, int64(len(prompt))}}
+	if keys != nil {
+		p.Keys = []prefix.Keys{*keys}
+	}
+	n, err := e.m.Admit([]int64{e.next}, p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n == 1 {
+		if err := e.m.Remove([]int64{e.next}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// match is the engine's own answer: its longest cached prefix in full
+// blocks (the manager never counts a prompt's last token).
+func (e *engine) match(t testing.TB, prompt []int32, keys *prefix.Keys) int {
+	p := kvmanager.Prompts{Tokens: prompt, Offsets: []int64{0, int64(len(prompt))}}
+	if keys != nil {
+		p.Keys = []prefix.Keys{*keys}
+	}
+	out := make([]kvmanager.MatchInfo, 1)
+	if err := e.m.Match(p, false, out); err != nil {
+		t.Fatal(err)
+	}
+	return int(out[0].Tokens)
+}
+
+// setOf returns the keys the backend holds for an instance.
+func setOf(t testing.TB, be Backend, inst string) map[kvevents.Key]bool {
+	t.Helper()
+	out := map[kvevents.Key]bool{}
+	switch b := be.(type) {
+	case *Memory:
+		b.mu.RLock()
+		for k := range b.sets[inst] {
+			out[k] = true
+		}
+		b.mu.RUnlock()
+	case *Valkey:
+		r, err := b.c.do([][][]byte{{[]byte("SMEMBERS"), b.key(inst)}})
+		if err != nil {
+			return nil
+		}
+		arr, _ := r[0].([]any)
+		for _, m := range arr {
+			var k kvevents.Key
+			copy(k[:], m.([]byte))
+			out[k] = true
+		}
+	}
+	return out
+}
+
+func sameSet(a, b map[kvevents.Key]bool) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k := range a {
+		if !b[k] {
+			return false
+		}
+	}
+	return true
+}
+
+// waitConverged waits until the index holds every engine's true set and
+// no instance is stale.
+func waitConverged(t *testing.T, x *Index, engines []*engine, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		ok := true
+		for _, e := range engines {
+			e.pub.Flush()
+		}
+		for i, e := range engines {
+			st := x.Status()
+			// Pending events are not in the truth yet: wait for the drain.
+			if e.m.PrefixStats().PendingEvents > 0 || st[indexOf(st, e.name)].Stale || !sameSet(setOf(t, x.be, e.name), e.src.keys()) {
+				ok = false
+				_ = i
+			}
+		}
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			for _, e := range engines {
+				t.Logf("%s: index %d keys, truth %d", e.name, len(setOf(t, x.be, e.name)), len(e.src.keys()))
+			}
+			t.Fatalf("not converged after %v: %+v", within, x.Status())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func indexOf(st []InstanceStatus, name string) int {
+	for i, s := range st {
+		if s.Name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+func prompt(r *rand.Rand, sys int, n int) []int32 {
+	out := make([]int32, 0, n)
+	for i := range 64 { // a system prompt shared by a tenant's requests
+		out = append(out, int32(sys*1000+i))
+	}
+	for len(out) < n {
+		out = append(out, int32(r.Intn(30000)))
+	}
+	return out
+}
+
+func startEngines(t *testing.T, n int, blocks int) []*engine {
+	t.Helper()
+	var es []*engine
+	for i := range n {
+		e := newEngine(t, fmt.Sprintf("e%d", i), blocks, 16, [2]int{0, 0}, kvevents.Config{})
+		t.Cleanup(e.close)
+		es = append(es, e)
+	}
+	return es
+}
+
+func instancesOf(es []*engine) []InstanceConfig {
+	var out []InstanceConfig
+	for _, e := range es {
+		out = append(out, e.instance())
+	}
+	return out
+}
+
+// The index follows three engines under eviction pressure and answers each
+// instance's longest cached prefix as the engine itself does.
+func TestIndexFollowsEngines(t *testing.T) {
+	es := startEngines(t, 3, 64)
+	x, err := New(Config{Instances: instancesOf(es), BlockSize: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	r := rand.New(rand.NewSource(1))
+	var prompts [][]int32
+	for i := range 60 {
+		p := prompt(r, i%4, 100+r.Intn(200))
+		prompts = append(prompts, p)
+		es[i%3].serve(t, p, nil)
+	}
+	waitConverged(t, x, es, 10*time.Second)
+	for _, p := range prompts {
+		scores, err := x.Query(p, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, e := range es {
+			want := e.match(t, p, nil)
+			// The engine's match stops before the prompt's last token; the
+			// index counts every cached full block.
+			if got := scores[i].Tokens; got != want && !(got == want+16 && got == len(p)/16*16 && len(p)%16 == 0) {
+				t.Fatalf("%s: index says %d tokens, the engine %d (prompt of %d)", e.name, got, want, len(p))
+			}
+		}
+	}
+	// Keys: the same tokens under a salt are another prefix.
+	salted := &prefix.Keys{Salt: []byte("tenant-b"), Adapter: 9}
+	es[1].serve(t, prompts[0], salted)
+	waitConverged(t, x, es, 10*time.Second)
+	scores, err := x.Query(prompts[0], salted)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if scores[1].Tokens != es[1].match(t, prompts[0], salted) || scores[1].Tokens == 0 || Best(scores) != "e1" {
+		t.Fatalf("salted query %+v", scores)
+	}
+}
+
+// An engine that restarts (a new manager, sequence numbers from 0) is
+// followed: the index ends with the new engine's set.
+func TestIndexInstanceRestart(t *testing.T) {
+	es := startEngines(t, 2, 64)
+	x, err := New(Config{Instances: instancesOf(es)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	r := rand.New(rand.NewSource(2))
+	for i := range 20 {
+		es[i%2].serve(t, prompt(r, i, 200), nil)
+	}
+	waitConverged(t, x, es, 10*time.Second)
+	old := es[0]
+	old.close()
+	es[0] = newEngine(t, "e0", 64, 16, old.ports, kvevents.Config{})
+	t.Cleanup(es[0].close)
+	p := prompt(r, 99, 160)
+	es[0].serve(t, p, nil)
+	waitConverged(t, x, es, 10*time.Second)
+	scores, _ := x.Query(p, nil)
+	if scores[0].Tokens != 160 {
+		t.Fatalf("after the restart: %+v", scores)
+	}
+	if st := x.Status(); st[0].Resyncs < 2 {
+		t.Fatalf("the restart was not noticed: %+v", st[0])
+	}
+}
+
+// Missed ranges: a gap the publisher still holds is replayed; an older one
+// ends in a snapshot. Batches are handed to the instance directly, so the
+// test chooses what the subscriber misses.
+func TestIndexMissedRanges(t *testing.T) {
+	e := newEngine(t, "e0", 256, 16, [2]int{0, 0}, kvevents.Config{BufferSteps: 4, FlushInterval: time.Minute})
+	defer e.close()
+	x, err := New(Config{}) // no subscriptions of its own
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	in := &instance{cfg: e.instance(), x: x, nextSeq: -1, stale: true}
+	in.cfg.BlockSize = 16
+	x.insts, x.byName[in.cfg.Name] = append(x.insts, in), in
+	sub, err := kvevents.DialSub(in.cfg.Endpoint, "", time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	time.Sleep(50 * time.Millisecond)
+	recv := func() kvevents.Message {
+		e.pub.Flush()
+		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
+		m, err := sub.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	r := rand.New(rand.NewSource(3))
+	in.handle(recv()) // the start snapshot
+	if in.stale {
+		t.Fatal("stale after the start snapshot")
+	}
+	// Miss batches 1 and 2; batch 3 reveals the gap, replay fills it.
+	for range 3 {
+		e.serve(t, prompt(r, r.Intn(1000), 64), nil)
+		recv()
+	}
+	e.serve(t, prompt(r, 5000, 64), nil)
+	in.handle(recv())
+	if in.stale || in.gaps.Load() != 1 || in.replayed.Load() != 3 {
+		t.Fatalf("replayable gap: stale %v gaps %d replayed %d", in.stale, in.gaps.Load(), in.replayed.Load())
+	}
+	if !sameSet(setOf(t, x.be, "e0"), e.src.keys()) {
+		t.Fatal("the replayed gap left the set wrong")
+	}
+	// Miss more than the buffer holds: the instance goes stale, asks for a
+	// snapshot and is whole again once it arrives.
+	for range 6 {
+		e.serve(t, prompt(r, r.Intn(1000), 64), nil)
+		recv()
+	}
+	e.serve(t, prompt(r, 6000, 64), nil)
+	in.handle(recv())
+	if !in.stale || in.snapshots.Load() != 1 {
+		t.Fatalf("an unreplayable gap: stale %v snapshots %d", in.stale, in.snapshots.Load())
+	}
+	if sc, _ := x.Query(prompt(r, 6000, 64), nil); !sc[0].Stale || sc[0].Tokens != 0 {
+		t.Fatalf("a stale instance scored %+v", sc[0])
+	}
+	in.handle(recv()) // the snapshot
+	if in.stale || !sameSet(setOf(t, x.be, "e0"), e.src.keys()) {
+		t.Fatal("the snapshot did not rebuild the set")
+	}
+	// Hostile or broken batches: counted, the instance resyncs, nothing
+	// crashes. (A publisher grants one snapshot a second.)
+	time.Sleep(1100 * time.Millisecond)
+	for _, bad := range [][]byte{nil, {0xc1}, {0x92, 0xcb}, bytes.Repeat([]byte{0xdd, 0xff, 0xff, 0xff, 0xff}, 8)} {
+		in.handle(kvevents.Message{Seq: in.nextSeq, Payload: bad})
+	}
+	if in.badBatches.Load() != 4 || !in.stale {
+		t.Fatalf("bad batches %d, stale %v", in.badBatches.Load(), in.stale)
+	}
+	in.handle(recv())
+	if in.stale || !sameSet(setOf(t, x.be, "e0"), e.src.keys()) {
+		t.Fatal("no recovery after bad batches")
+	}
+}
+
+// redisServer starts valkey-server or redis-server on a free loopback
+// port, without persistence; the test is skipped when neither exists.
+type redisServer struct {
+	bin  string
+	port int
+	cmd  *exec.Cmd
+}
+
+func findRedis(t *testing.T) string {
+	for _, b := range []string{"valkey-server", "redis-server"} {
+		if p, err := exec.LookPath(b); err == nil {
+			return p
+		}
+	}
+	t.Skip("neither valkey-server nor redis-server is installed (Debian: apt-get install valkey-server or redis-server)")
+	return ""
+}
+
+func startRedis(t *testing.T, bin string, port int) *redisServer {
+	t.Helper()
+	if port == 0 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port = ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+	}
+	s := &redisServer{bin: bin, port: port}
+	s.cmd = exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir())
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c := newRedisClient(s.addr(), time.Second)
+		_, err := c.do([][][]byte{{[]byte("PING")}})
+		c.close()
+		if err == nil {
+			return s
+		}
+		if time.Now().After(deadline) {
+			s.stop()
+			t.Fatalf("%s did not start: %v", bin, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (s *redisServer) addr() string { return fmt.Sprintf("127.0.0.1:%d", s.port) }
+
+func (s *redisServer) stop() {
+	_ = s.cmd.Process.Kill()
+	_ = s.cmd.Wait()
+}
+
+// The Valkey backend under load, with the server restarted (and its data
+// lost) in the middle: the index notices and converges back.
+func TestIndexValkeyRestartUnderLoad(t *testing.T) {
+	bin := findRedis(t)
+	srv := startRedis(t, bin, 0)
+	defer func() { srv.stop() }()
+	be, err := NewValkey(srv.addr(), "kvtest", time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	es := startEngines(t, 3, 128)
+	x, err := New(Config{Instances: instancesOf(es), Backend: be})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	r := rand.New(rand.NewSource(4))
+	var mu sync.Mutex
+	load := func(n int) {
+		for i := range n {
+			mu.Lock()
+			p := prompt(r, i%7, 100+r.Intn(300))
+			mu.Unlock()
+			es[i%3].serve(t, p, nil)
+		}
+	}
+	load(100)
+	waitConverged(t, x, es, 20*time.Second)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		load(300)
+	}()
+	time.Sleep(20 * time.Millisecond)
+	srv.stop()
+	time.Sleep(200 * time.Millisecond)
+	srv = startRedis(t, bin, srv.port)
+	<-done
+	waitConverged(t, x, es, 20*time.Second)
+	if be.Generation() == 0 {
+		t.Fatal("the restart was not noticed")
+	}
+	p := prompt(r, 3, 300)
+	es[2].serve(t, p, nil)
+	waitConverged(t, x, es, 10*time.Second)
+	if sc, err := x.Query(p, nil); err != nil || sc[2].Tokens != 288 || Best(sc) != "e2" {
+		t.Fatalf("after the restart: %+v %v", sc, err)
+	}
+}
+
+func TestHTTP(t *testing.T) {
+	es := startEngines(t, 2, 64)
+	x, err := New(Config{Instances: instancesOf(es)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	r := rand.New(rand.NewSource(5))
+	p := prompt(r, 1, 100)
+	keys := &prefix.Keys{Salt: []byte{1, 2}, MM: []prefix.MMItem{{Offset: 10, Length: 20, Hash: prefix.Hash{7}}}}
+	es[1].serve(t, p, keys)
+	waitConverged(t, x, es, 10*time.Second)
+	srv := httptest.NewServer(x.Handler())
+	defer srv.Close()
+	body := fmt.Sprintf(`{"tokens": %s, "salt": "0102", "mm": [{"offset": 10, "length": 20, "hash": "%s"}]}`, jsonInts(p), prefix.Hash{7})
+	resp, err := http.Post(srv.URL+"/v1/score", "application/json", bytes.NewBufferString(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var qr QueryResponse
+	if err := json.NewDecoder(resp.Body).Decode(&qr); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("status %d, %v", resp.StatusCode, err)
+	}
+	resp.Body.Close()
+	if qr.Best != "e1" || qr.Scores[1].Tokens != 96 || qr.Scores[0].Tokens != 0 {
+		t.Fatalf("response %+v", qr)
+	}
+	for _, bad := range []string{`{"tokens": [1], "salt": "zz"}`, `{"tokens": "x"}`, `{"tokenz": [1]}`,
+		`{"tokens": [1], "mm": [{"offset": -1, "length": 1, "hash": "00000000000000000000000000000000"}]}`} {
+		resp, err := http.Post(srv.URL+"/v1/score", "application/json", bytes.NewBufferString(bad))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("%s: status %d", bad, resp.StatusCode)
+		}
+	}
+	resp, err = http.Get(srv.URL + "/healthz")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("healthz %v %v", resp.StatusCode, err)
+	}
+	resp.Body.Close()
+}
+
+func jsonInts(v []int32) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}
