@@ -1,0 +1,218 @@
+package attn
+
+// Launches of shared-prefix (cascade) decode attention over a plan that
+// core/cascade wrote into the engine's workspaces: the upload of the plan,
+// and per layer the attention kernel over the plan's work items followed by
+// the merge of each sequence's partial states. The planner lives in
+// core/cascade (which imports this package for its reference); these
+// launchers take the plan's geometry as plain values.
+
+import (
+	"runtime"
+	"strconv"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Launch constants of kvplug_kernels.h, section 5.
+const (
+	cascadeThreads      = 128 // KVP_CASCADE_THREADS
+	cascadeMergeThreads = 128 // KVP_CASCADE_MERGE_THREADS
+)
+
+// kvp_cascade_params
+type cascadeParams struct {
+	Q                uint64  `c:"q"`
+	KCache           uint64  `c:"k_cache"`
+	VCache           uint64  `c:"v_cache"`
+	BlockTable       uint64  `c:"block_table"`
+	SeqLens          uint64  `c:"seq_lens"`
+	Out              uint64  `c:"out"`
+	LSE              uint64  `c:"lse"`
+	Work             uint64  `c:"work"`
+	PartOut          uint64  `c:"part_out"`
+	PartLSE          uint64  `c:"part_lse"`
+	QBatchStride     int64   `c:"q_batch_stride"`
+	QHeadStride      int64   `c:"q_head_stride"`
+	OutBatchStride   int64   `c:"out_batch_stride"`
+	OutHeadStride    int64   `c:"out_head_stride"`
+	CacheBlockStride int64   `c:"cache_block_stride"`
+	CacheTokenStride int64   `c:"cache_token_stride"`
+	CacheHeadStride  int64   `c:"cache_head_stride"`
+	BlockTableStride int64   `c:"block_table_stride"`
+	NumQHeads        int32   `c:"num_q_heads"`
+	NumKVHeads       int32   `c:"num_kv_heads"`
+	BlockSize        int32   `c:"block_size"`
+	NumBlocks        int32   `c:"num_blocks"`
+	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
+	ItemsOff         int32   `c:"items_off"`
+	OrderOff         int32   `c:"order_off"`
+	SegStartOff      int32   `c:"seg_start_off"`
+	SegsOff          int32   `c:"segs_off"`
+	MaxBatch         int32   `c:"max_batch"`
+	Scale            float32 `c:"scale"`
+	Reserved         int32   `c:"reserved"`
+}
+
+// cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge.
+var cascadeKernels = func() (t [2][len(headDims)][2]*cuda.Kernel) {
+	for di, d := range []DType{F16, BF16} {
+		for hi, h := range headDims {
+			suffix := "_" + d.String() + "_h" + strconv.Itoa(h)
+			t[di][hi] = [2]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix)}
+		}
+	}
+	return t
+}()
+
+// cascadeSharedBytes is kvp_cascade_smem_bytes.
+func cascadeSharedBytes(headDim int) uint32 {
+	stages := uint32(2)
+	if headDim <= 64 {
+		stages = 3
+	}
+	D := uint32(headDim)
+	tq := uint32(128)
+	if headDim > 128 {
+		tq = 64
+	}
+	return tq*D*2 + stages*64*D*4 + (stages+1)*64*8
+}
+
+// cascadeBlocksPerSM is how many attention blocks an SM holds at once (as
+// the prefill kernel: registers bound h64/h128, shared memory h256).
+func cascadeBlocksPerSM(headDim int) int {
+	if headDim <= 128 {
+		return 2
+	}
+	return 1
+}
+
+// CascadeSlots is how many cascade attention blocks the current context's
+// device runs at once: the planner sizes its KV chunks from it, and the
+// attention launch's grid is this many blocks.
+func CascadeSlots(headDim int) (int, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module("cascade_plan")
+	if err != nil {
+		return 0, err
+	}
+	return m.Device().SMs * cascadeBlocksPerSM(headDim), nil
+}
+
+// CascadeUpload enqueues copies of host byte ranges [off, off+n) of the
+// plan at host into the device workspace dev at the same offsets.
+func CascadeUpload(dev cuda.DevicePtr, host unsafe.Pointer, ranges [][2]int64, stream cuda.Stream) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if _, err := module("cascade_plan"); err != nil {
+		return err
+	}
+	for _, r := range ranges {
+		if err := cuda.CopyToDeviceAsync(dev+cuda.DevicePtr(r[0]), unsafe.Add(host, r[0]), int(r[1]), stream); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// CascadeRunArgs is one layer's run of a cascade plan: the layer's tensors
+// (DecodeLayout: q and out [batch, num_q_heads, head_dim], the cache, the
+// block table) and where the plan's regions sit in the device workspace.
+type CascadeRunArgs struct {
+	DecodeLayout
+	Q, KCache, VCache cuda.DevicePtr
+	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
+	SeqLens           cuda.DevicePtr // int32 [batch]: tails end here
+	Out               cuda.DevicePtr
+	LSE               cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+
+	Workspace      cuda.DevicePtr // the plan at offset 0
+	WorkspaceBytes int64
+	// Byte offsets of the partial states in the workspace, and of the plan
+	// regions in int32 words.
+	PartOut, PartLSE                         int64
+	ItemsOff, OrderOff, SegStartOff, SegsOff int
+	MaxBatch                                 int // the workspace's capacity
+}
+
+// CascadeRun enqueues the attention and merge kernels of a cascade plan on
+// stream. Both grids depend only on the device, the head shape and the
+// workspace's capacity, so a captured pair serves every later plan in the
+// same workspace.
+func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
+	const what = "paged_cascade"
+	if _, err := a.validate(); err != nil {
+		return err
+	}
+	if a.DType != F16 && a.DType != BF16 {
+		return kverr.Errorf(kverr.Unsupported, "%s: dtype %v: the cascade kernels are built for f16 and bf16 only", what, a.DType)
+	}
+	if a.MaxBatch < a.Batch || a.MaxBatch < 1 || a.PartOut <= 0 || a.PartLSE <= a.PartOut || a.PartLSE > a.WorkspaceBytes ||
+		a.PartOut%16 != 0 || a.PartLSE%4 != 0 || min(a.ItemsOff, a.OrderOff, a.SegStartOff, a.SegsOff) < 0 ||
+		int64(max(a.ItemsOff, a.OrderOff, a.SegStartOff, a.SegsOff))*4 >= a.PartOut {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's workspace geometry is inconsistent (not written by kvp_cascade_plan?)", what)
+	}
+	if a.Batch > 0 {
+		if err := firstErr(
+			checkTensor(what+": q", a.Q),
+			checkTensor(what+": k_cache", a.KCache),
+			checkTensor(what+": v_cache", a.VCache),
+			checkIndex(what+": block_table", a.BlockTable),
+			checkIndex(what+": seq_lens", a.SeqLens),
+			checkTensor(what+": out", a.Out),
+			aligned(what+": lse", 4, a.LSE),
+			checkTensor(what+": workspace", a.Workspace),
+		); err != nil {
+			return err
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module(what)
+	if err != nil || a.Batch == 0 {
+		return err
+	}
+	p := cascadeParams{
+		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache), BlockTable: uint64(a.BlockTable),
+		SeqLens: uint64(a.SeqLens), Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(a.Workspace),
+		PartOut: uint64(a.Workspace) + uint64(a.PartOut), PartLSE: uint64(a.Workspace) + uint64(a.PartLSE),
+		QBatchStride: a.QBatchStride, QHeadStride: a.QHeadStride,
+		OutBatchStride: a.OutBatchStride, OutHeadStride: a.OutHeadStride,
+		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
+		BlockTableStride: a.BlockTableStride,
+		NumQHeads:        int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
+		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
+		ItemsOff: int32(a.ItemsOff), OrderOff: int32(a.OrderOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
+		MaxBatch: int32(a.MaxBatch), Scale: a.Scale,
+	}
+	di := 0
+	if a.DType == BF16 {
+		di = 1
+	}
+	hi := 0
+	for i, h := range headDims {
+		if h == a.HeadDim {
+			hi = i
+		}
+	}
+	ks := cascadeKernels[di][hi]
+	sms := m.Device().SMs
+	cfg := cuda.LaunchConfig{
+		Grid:   cuda.Dim3{X: uint32(sms * cascadeBlocksPerSM(a.HeadDim)), Y: 1, Z: 1},
+		Block:  cuda.Dim3{X: cascadeThreads, Y: 1, Z: 1},
+		Shared: cascadeSharedBytes(a.HeadDim),
+	}
+	if err := cuda.Launch(m, ks[0], cfg, stream, &p); err != nil {
+		return err
+	}
+	rows := int64(a.MaxBatch) * int64(a.NumQHeads)
+	cfg = cuda.LaunchConfig{
+		Grid:  cuda.Dim3{X: uint32(min(ceilDiv64(rows, cascadeMergeThreads/32), int64(sms)*16)), Y: 1, Z: 1},
+		Block: cuda.Dim3{X: cascadeMergeThreads, Y: 1, Z: 1},
+	}
+	return cuda.Launch(m, ks[1], cfg, stream, &p)
+}
