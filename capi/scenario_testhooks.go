@@ -8,6 +8,7 @@ package main
 
 /*
 #include "kvplug.h"
+#include "glue.h"
 */
 import "C"
 
@@ -183,3 +184,12 @@ func rawPrefillPlan(args, plan ptr) int {
 func rawPagedPrefill(plan, args ptr) int {
 	return st(kvp_paged_prefill((*C.kvp_attn_plan)(plan), (*C.kvp_paged_prefill_args)(args), 0))
 }
+
+func rawVersion() uint32              { return uint32(kvp_version()) }
+func rawVersionString() string        { return C.GoString(kvp_version_string()) }
+func rawSetLogLevel(level int32) int  { return st(kvp_set_log_level(C.int(level))) }
+func rawLiveHandles(out ptr) int      { return st(kvp_live_handles((*C.int64_t)(out))) }
+func rawCudaAvailable(out ptr) int    { return st(kvp_cuda_available((*C.int32_t)(out))) }
+func rawAttnPrepare() int             { return st(kvp_attn_prepare()) }
+func rawStatusString(s int32) string  { return C.GoString(C.kvp_status_string(C.kvp_status(s))) }
+func rawSetLoggerOff(level int32) int { return st(kvp_set_logger(nil, nil, C.int(level))) }

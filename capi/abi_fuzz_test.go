@@ -1,0 +1,790 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// FuzzABI drives every entry point of kvplug.h with arbitrary integers,
+// sizes, handles and struct sizes: a manager (with or without the prefix
+// cache and events), a host-backend vcache, the attention calls' argument
+// checks, and the process-wide calls. Each call must return a status of the
+// header that is not KVP_ERR_INTERNAL, a failure must carry a message and
+// leave everything a caller can observe as it was (the manager's and the
+// prefix cache's stats, the cache's stats less its refusal and time
+// counters), and the manager's invariants must hold after every call.
+//
+// Buffers always hold what the call's own counts say (a count is either
+// the buffer's true length or invalid), as a correct C caller's would: the
+// library cannot detect a caller that lies about a buffer's length. On a
+// machine with a CUDA device the kernel launches are left out, since
+// arbitrary device pointers would fault the GPU rather than the library.
+//
+// Long run: go test -run '^$' -fuzz FuzzABI -fuzztime 10m ./capi
+func FuzzABI(f *testing.F) {
+	f.Add([]byte{1, 0, 3, 1, 5, 0, 0, 0, 4, 10, 7, 2, 1, 1, 20, 3, 9, 1})
+	f.Add([]byte{3, 11, 2, 0, 30, 2, 4, 1, 1, 40, 1, 0, 12, 2, 2, 25, 1, 8, 0, 3, 0, 33, 34, 35, 36, 37})
+	f.Add([]byte{0, 2, 50, 1, 7, 200, 3, 41, 42, 43, 44, 45, 46, 47, 48, 49, 13, 13})
+	f.Add(bytes.Repeat([]byte{7, 1, 250, 3, 0}, 8))
+	gpu := cuda.Available()
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fz := &abiFuzz{t: t, r: byteReader(data), gpu: gpu, junk: newCBuf(64)}
+		defer fz.close()
+		fz.setup()
+		for i := 0; !fz.r.done() && i < 64; i++ {
+			fz.step()
+		}
+	})
+}
+
+type abiFuzz struct {
+	t      *testing.T
+	r      *reader
+	gpu    bool
+	m      ptr // current manager
+	c      ptr // current vcache
+	staleM ptr
+	staleC ptr
+	junk   cbuf
+	bufs   []cbuf
+	pins   []uint64
+}
+
+func (fz *abiFuzz) alloc(n int) ptr {
+	b := newCBuf(n)
+	fz.bufs = append(fz.bufs, b)
+	return b.p
+}
+
+func (fz *abiFuzz) release() {
+	for _, b := range fz.bufs {
+		b.free()
+	}
+	fz.bufs = nil
+}
+
+func (fz *abiFuzz) close() {
+	fz.release()
+	rawManagerDestroy(fz.m)
+	rawVcacheDestroy(fz.c)
+	fz.junk.free()
+}
+
+// setup creates the objects the calls act on, from the first bytes.
+func (fz *abiFuzz) setup() {
+	flags := fz.r.u8()
+	cfg := fz.alloc(int(cLayouts["kvp_manager_config"].size))
+	setField(cfg, "kvp_manager_config", "struct_size", int64(cLayouts["kvp_manager_config"].size))
+	setField(cfg, "kvp_manager_config", "num_blocks", int64(fz.r.u8()%48)+1)
+	setField(cfg, "kvp_manager_config", "block_size", int64(fz.r.u8()%9))
+	setField(cfg, "kvp_manager_config", "enable_prefix_cache", int64(flags&1))
+	setField(cfg, "kvp_manager_config", "enable_kv_events", int64(flags&1&(flags>>1)))
+	out := fz.alloc(8)
+	if st := rawManagerCreate(cfg, out); st != 0 {
+		fz.t.Fatalf("setup manager: %s", lastError())
+	}
+	fz.m = *(*ptr)(out)
+	if flags&4 != 0 {
+		h, st := hookVcacheCreate(1, 1, 64, 4, 256, 64<<10)
+		if st != 0 {
+			fz.t.Fatalf("setup vcache: %s", lastError())
+		}
+		fz.c = h
+	}
+	fz.staleM = fz.tmpManager()
+	rawManagerDestroy(fz.staleM)
+	h, st := hookVcacheCreate(1, 1, 64, 1, 64, 1<<20)
+	if st != 0 {
+		fz.t.Fatalf("stale vcache: %s", lastError())
+	}
+	rawVcacheDestroy(h)
+	fz.staleC = h
+	fz.release()
+}
+
+func (fz *abiFuzz) tmpManager() ptr {
+	h, st := hookManagerCreate(sizeofManagerConfig(), 4, 4, false, false)
+	if st != 0 {
+		fz.t.Fatalf("helper manager: %s", lastError())
+	}
+	return h
+}
+
+func setField(p ptr, name, field string, v int64) {
+	f := cLayouts[name].fields[field]
+	switch f.size {
+	case 4:
+		*(*int32)(unsafe.Add(p, f.off)) = int32(v)
+	case 8:
+		*(*int64)(unsafe.Add(p, f.off)) = v
+	}
+}
+
+// Interesting integers: boundaries of the ABI's ranges.
+var fuzzInts = []int64{0, 1, -1, 2, 3, 4, 7, 8, 16, 64, 255, 256, 1023, 1024, 1025, 4096, 65535, 65536, 65537,
+	1 << 20, 1<<20 + 1, 1 << 24, 1<<24 + 1, 1 << 26, 1<<26 + 1, 1 << 30, 1<<30 + 1, math.MaxInt32, math.MinInt32,
+	1 << 31, 1 << 32, 1 << 40, 1 << 47, math.MaxInt64, math.MinInt64}
+
+// i64 is an arbitrary integer: a small one, a boundary, or raw bytes.
+func (fz *abiFuzz) i64() int64 {
+	switch b := fz.r.u8(); b % 4 {
+	case 0, 1:
+		return int64(fz.r.u8()%64) - 8
+	case 2:
+		return fuzzInts[int(fz.r.u8())%len(fuzzInts)]
+	default:
+		return int64(fz.r.i32())
+	}
+}
+
+func (fz *abiFuzz) i32() int32 { return int32(fz.i64()) }
+
+// small is a count in [0, n).
+func (fz *abiFuzz) small(n int) int { return int(fz.r.u8()) % n }
+
+// count is the length of the array it describes, or now and then an
+// invalid one (below 1 or above 2^20), never a valid one that the array
+// does not hold.
+func (fz *abiFuzz) count(n int) int32 {
+	if fz.r.u8()%6 != 0 {
+		return int32(n)
+	}
+	return []int32{0, -1, math.MinInt32, maxBatch + 1, math.MaxInt32}[fz.small(5)]
+}
+
+// array returns C memory with n int32 (or int64) values, or NULL (1 in 10).
+func (fz *abiFuzz) array(n, elem int, gen func() int64) ptr {
+	if fz.r.u8()%10 == 0 {
+		return nil
+	}
+	p := fz.alloc(elem * max(n, 1))
+	for i := range n {
+		v := gen()
+		if elem == 4 {
+			*(*int32)(unsafe.Add(p, 4*i)) = int32(v)
+		} else {
+			*(*int64)(unsafe.Add(p, 8*i)) = v
+		}
+	}
+	return p
+}
+
+func (fz *abiFuzz) id() int64 {
+	if fz.r.u8()%8 == 0 {
+		return fz.i64()
+	}
+	return int64(fz.small(8))
+}
+
+func (fz *abiFuzz) token() int64 { return int64(fz.small(4)) }
+
+// outp is room for an output of n bytes, or NULL (1 in 12).
+func (fz *abiFuzz) outp(n int) ptr {
+	if fz.r.u8()%12 == 0 {
+		return nil
+	}
+	return fz.alloc(n)
+}
+
+// handle picks the handle a call gets: mostly the current object of its
+// type, else NULL, junk, a destroyed handle or the other type's.
+func (fz *abiFuzz) handle(manager bool) ptr {
+	cur, other, stale := fz.m, fz.c, fz.staleM
+	if !manager {
+		cur, other, stale = fz.c, fz.m, fz.staleC
+	}
+	switch fz.r.u8() % 16 {
+	case 0:
+		return nil
+	case 1:
+		return fz.junk.p
+	case 2:
+		return stale
+	case 3:
+		return other
+	}
+	return cur
+}
+
+// structBuf is an input struct of the named type at an arbitrary
+// struct_size, with room for that size: first version, current, older,
+// newer (with a byte set past ours now and then), garbage.
+func (fz *abiFuzz) structBuf(name string) ptr {
+	l := cLayouts[name]
+	size := l.size
+	switch fz.r.u8() % 10 {
+	case 0:
+		size = uintptr(fz.small(int(l.size) + 1))
+	case 1:
+		size = l.size + 8*uintptr(fz.small(4))
+	case 2:
+		size = []uintptr{0, 4, 8, 1 << 16, 1<<16 + 1, 1 << 20}[fz.small(6)]
+	case 3:
+		size = uintptr(fz.r.i32()) & 0x1ffff
+	}
+	alloc := max(size, l.size) + 8
+	if size > 1<<16 {
+		alloc = l.size + 8 // refused before any byte past struct_size is read
+	}
+	p := fz.alloc(int(alloc))
+	*(*uintptr)(p) = size
+	if size > l.size && size <= 1<<16 && fz.r.u8()%3 == 0 {
+		*(*byte)(unsafe.Add(p, l.size+uintptr(fz.small(int(size-l.size))))) = 1
+	}
+	return p
+}
+
+// snapshot is what a caller can observe of the current objects.
+func (fz *abiFuzz) snapshot() string {
+	var b bytes.Buffer
+	for _, s := range []struct {
+		name string
+		get  func(m, out ptr) int
+	}{{"kvp_manager_stats", rawManagerStats}, {"kvp_prefix_stats", rawManagerPrefixStats}} {
+		l := cLayouts[s.name]
+		p := newCBuf(int(l.size))
+		*(*uintptr)(p.p) = l.size
+		if st := s.get(fz.m, p.p); st != 0 {
+			fz.t.Fatalf("snapshot %s: %s", s.name, lastError())
+		}
+		b.Write(unsafe.Slice((*byte)(p.p), l.size))
+		p.free()
+	}
+	if fz.c != nil {
+		l := cLayouts["kvp_vcache_stats"]
+		p := newCBuf(int(l.size))
+		*(*uintptr)(p.p) = l.size
+		if st := rawVcacheStats(fz.c, p.p); st != 0 {
+			fz.t.Fatalf("snapshot vcache: %s", lastError())
+		}
+		for _, f := range []string{"mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
+			"unmap_calls", "create_calls", "release_calls"} {
+			fl := l.fields[f]
+			b.Write(unsafe.Slice((*byte)(unsafe.Add(p.p, fl.off)), fl.size))
+		}
+		p.free()
+	}
+	return b.String()
+}
+
+// step makes one call and checks it.
+func (fz *abiFuzz) step() {
+	defer fz.release()
+	before := fz.snapshot()
+	op := fz.r.u8() % 48
+	name, st := fz.call(op)
+	if st < 0 {
+		return // not a status call
+	}
+	if st >= int(kverr.Internal) || statusName(st) == "KVP_ERR_UNKNOWN_STATUS" {
+		fz.t.Fatalf("%s returned %s: %s", name, statusName(st), lastError())
+	}
+	if st != 0 {
+		if lastError() == "" {
+			fz.t.Fatalf("%s failed with %s and no message", name, statusName(st))
+		}
+		if after := fz.snapshot(); after != before {
+			fz.t.Fatalf("%s failed with %s (%s) and changed the state", name, statusName(st), lastError())
+		}
+	}
+	if s := rawManagerCheck(fz.m); s != 0 {
+		fz.t.Fatalf("invariants broken after %s: %s", name, lastError())
+	}
+}
+
+// call makes the call numbered op; it returns the call's name and its
+// status (-1 for calls without one).
+func (fz *abiFuzz) call(op uint8) (string, int) {
+	switch op {
+	case 0:
+		return "kvp_manager_add", rawManagerAdd(fz.handle(true), fz.id(), fz.i32())
+	case 1, 2:
+		n := fz.small(5)
+		ids := fz.array(n, 8, fz.id)
+		counts := fz.array(n, 4, func() int64 {
+			if fz.r.u8()%6 == 0 {
+				return fz.i64()
+			}
+			return int64(fz.small(12))
+		})
+		return "kvp_manager_grow", rawManagerGrow(fz.handle(true), ids, counts, fz.count(n))
+	case 3:
+		n := fz.small(5)
+		ids := fz.array(n, 8, fz.id)
+		counts := make([]int64, n)
+		total := 0
+		for i := range counts {
+			counts[i] = int64(fz.small(10))
+			if fz.r.u8()%8 == 0 { // an invalid count: the library reads no token
+				counts[i] = []int64{-1, math.MinInt32, 1<<24 + 1, math.MaxInt32}[fz.small(4)]
+			}
+			if counts[i] > 0 && counts[i] <= 1<<24 {
+				total += int(counts[i])
+			}
+		}
+		k := 0
+		cp := fz.array(n, 4, func() int64 { k++; return counts[k-1] })
+		if cp == nil {
+			total = 0
+		}
+		tokens := fz.array(total, 4, fz.token)
+		return "kvp_manager_grow_tokens", rawManagerGrowTokens(fz.handle(true), ids, cp, fz.count(n), tokens)
+	case 4:
+		n := fz.small(5)
+		maxCopies := int32(fz.small(6))
+		copies := fz.array(int(maxCopies), 8, func() int64 { return 0 })
+		if fz.r.u8()%8 == 0 {
+			maxCopies = fz.i32()
+			if maxCopies > 0 {
+				copies = nil
+			}
+		}
+		return "kvp_manager_fork", rawManagerFork(fz.handle(true), fz.id(), fz.array(n, 8, fz.id), fz.count(n), copies, maxCopies, fz.outp(4))
+	case 5:
+		n := fz.small(5)
+		return "kvp_manager_remove", rawManagerRemove(fz.handle(true), fz.array(n, 8, fz.id), fz.count(n))
+	case 6:
+		n := fz.small(5)
+		maxBlocks := int32(fz.small(40))
+		slotCap := int32(fz.small(200))
+		var table, slots ptr
+		if fz.r.u8()%3 != 0 {
+			table = fz.alloc(4 * n * max(int(maxBlocks), 1))
+		}
+		if fz.r.u8()%3 != 0 {
+			slots = fz.alloc(4 * max(int(slotCap), 1))
+		}
+		if fz.r.u8()%8 == 0 {
+			maxBlocks, slotCap = []int32{0, -1, math.MinInt32}[fz.small(3)], []int32{-1, math.MinInt32}[fz.small(2)]
+			if maxBlocks < 0 {
+				slotCap = 0
+			}
+		}
+		var lens ptr
+		if fz.r.u8()%2 == 0 {
+			lens = fz.alloc(4 * max(n, 1))
+		}
+		return "kvp_manager_describe", rawManagerDescribe(fz.handle(true), fz.array(n, 8, fz.id), fz.count(n), table, maxBlocks, lens, slots, slotCap, fz.outp(4))
+	case 7:
+		return "kvp_manager_stats_get", rawManagerStats(fz.handle(true), fz.outStruct("kvp_manager_stats"))
+	case 8:
+		return "kvp_manager_prefix_stats", rawManagerPrefixStats(fz.handle(true), fz.outStruct("kvp_prefix_stats"))
+	case 9, 10, 11:
+		return fz.admitOrMatch(op == 11)
+	case 12:
+		n := fz.small(20)
+		tokens := fz.array(n, 4, fz.token)
+		num := fz.count(n)
+		if num > 0 && int(num) != n { // past 2^20 tokens: only the library's 2^30 limit refuses
+			num = -1
+		}
+		pin := fz.outp(8)
+		st := rawManagerPin(fz.handle(true), tokens, num, fz.keys(1), pin, fz.outp(4))
+		if st == 0 {
+			fz.pins = append(fz.pins, *(*uint64)(pin))
+		}
+		return "kvp_manager_pin", st
+	case 13:
+		id := uint64(fz.i64())
+		if len(fz.pins) > 0 && fz.r.u8()%2 == 0 {
+			id = fz.pins[fz.small(len(fz.pins))]
+		}
+		return "kvp_manager_unpin", rawManagerUnpin(fz.handle(true), id)
+	case 14:
+		n := fz.small(20)
+		return "kvp_manager_set_priority", rawManagerSetPriority(fz.handle(true), fz.array(n, 4, fz.token), int32(n), fz.keys(1), fz.i32(), fz.outp(4))
+	case 15:
+		return "kvp_manager_prefix_stats_reset", rawManagerPrefixStatsReset(fz.handle(true))
+	case 16:
+		return "kvp_manager_clear_prefix_cache", rawManagerClearPrefixCache(fz.handle(true), fz.outp(4))
+	case 17:
+		me, mt, mm, mh := int32(fz.small(5)), int32(fz.small(20)), int32(fz.small(3)), int32(fz.small(4))
+		ev := fz.outp(int(cLayouts["kvp_kv_event"].size) * max(int(me), 1))
+		tok := fz.outp(4 * max(int(mt), 1))
+		mmb := fz.outp(int(cLayouts["kvp_block_mm"].size) * max(int(mm), 1))
+		hs := fz.outp(16 * max(int(mh), 1))
+		if fz.r.u8()%6 == 0 {
+			me, mt = min(fz.i32(), me), min(fz.i32(), mt) // never more room than there is
+		}
+		return "kvp_manager_drain_events", rawManagerDrainEvents(fz.handle(true), ev, me, tok, mt, mmb, mm, hs, mh, fz.outp(4))
+	case 18:
+		return "kvp_manager_next_event_size", rawManagerNextEventSize(fz.handle(true), fz.outp(4), fz.outp(4), fz.outp(4))
+	case 19:
+		n := fz.small(3)
+		l := cLayouts["kvp_mm_item"]
+		var items ptr
+		if fz.r.u8()%8 != 0 {
+			items = fz.alloc(int(l.size) * max(n, 1))
+			for i := range n {
+				it := unsafe.Add(items, int(l.size)*i)
+				*(*int32)(it) = int32(fz.small(40))
+				*(*int32)(unsafe.Add(it, 4)) = int32(fz.small(6)) - 1
+			}
+		}
+		num := int32(n)
+		if fz.r.u8()%8 == 0 {
+			num = []int32{-1, math.MinInt32, 1<<20 + 1}[fz.small(3)]
+		}
+		return "kvp_manager_add_mm_items", rawManagerAddMMItems(fz.handle(true), fz.id(), items, num)
+	case 20:
+		return fz.createManager()
+	case 21:
+		h := fz.handle(true)
+		if h == fz.m && h != nil {
+			return "kvp_manager_destroy", -1 // the current one stays: the calls need it
+		}
+		rawManagerDestroy(h)
+		return "kvp_manager_destroy", -1
+	case 22:
+		return fz.createVcache()
+	case 23:
+		h := fz.handle(false)
+		if h == fz.c {
+			return "kvp_vcache_destroy", -1
+		}
+		rawVcacheDestroy(h)
+		return "kvp_vcache_destroy", -1
+	case 24:
+		return "kvp_vcache_layer_ptrs", rawVcacheLayerPtrs(fz.handle(false), fz.i32(), fz.outp(8), fz.outp(8))
+	case 25:
+		return "kvp_vcache_strides", rawVcacheStrides(fz.handle(false), fz.outp(32))
+	case 26, 27:
+		return "kvp_vcache_alloc_slot", rawVcacheAllocSlot(fz.handle(false), fz.outp(4))
+	case 28:
+		s := int32(fz.small(6)) - 1
+		if fz.r.u8()%6 == 0 {
+			s = fz.i32()
+		}
+		return "kvp_vcache_free_slot", rawVcacheFreeSlot(fz.handle(false), s)
+	case 29, 30:
+		n := fz.small(5)
+		slots := fz.array(n, 4, func() int64 { return int64(fz.small(6)) - 1 })
+		ctx := fz.array(n, 4, func() int64 {
+			if fz.r.u8()%6 == 0 {
+				return fz.i64()
+			}
+			return int64(fz.small(300))
+		})
+		return "kvp_vcache_step", rawVcacheStep(fz.handle(false), slots, ctx, fz.count(n))
+	case 31:
+		return "kvp_vcache_trim", rawVcacheTrim(fz.handle(false))
+	case 32:
+		return "kvp_vcache_stats_get", rawVcacheStats(fz.handle(false), fz.outStruct("kvp_vcache_stats"))
+	case 33:
+		return "kvp_attn_workspace_size", rawAttnWorkspaceSize(fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.outp(8))
+	case 34:
+		return "kvp_prefill_workspace_size", rawPrefillWorkspaceSize(fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.outp(8))
+	case 35:
+		return "kvp_attn_num_splits", rawAttnNumSplits(fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.outp(4))
+	case 36, 37, 38, 39, 40:
+		return fz.launch(op)
+	case 41:
+		return "kvp_cuda_available", rawCudaAvailable(fz.outp(4))
+	case 42:
+		if fz.gpu {
+			return "kvp_attn_prepare", -1
+		}
+		return "kvp_attn_prepare", rawAttnPrepare()
+	case 43:
+		return "kvp_live_handles", rawLiveHandles(fz.outp(8))
+	case 44:
+		// Leaves the level at OFF (or refuses): no log line reaches the
+		// test's output.
+		lv := fz.i32()
+		if lv >= 0 && lv < 4 {
+			lv = 4
+		}
+		return "kvp_set_log_level", rawSetLogLevel(lv)
+	case 45:
+		lv := fz.i32()
+		if lv >= 0 && lv < 4 {
+			lv = 4
+		}
+		return "kvp_set_logger", rawSetLoggerOff(lv)
+	case 46:
+		if v := rawVersion(); v/10000 != 0 || rawVersionString() == "" {
+			fz.t.Fatalf("kvp_version %d, %q", v, rawVersionString())
+		}
+		return "kvp_version", -1
+	default:
+		if s := rawStatusString(fz.i32()); s == "" {
+			fz.t.Fatal("kvp_status_string returned an empty name")
+		}
+		return "kvp_status_string", -1
+	}
+}
+
+// outStruct is an output struct of an arbitrary struct_size, NULL now and
+// then.
+func (fz *abiFuzz) outStruct(name string) ptr {
+	if fz.r.u8()%12 == 0 {
+		return nil
+	}
+	return fz.structBuf(name)
+}
+
+// keys is an array of n kvp_prefix_keys with arbitrary salts and items,
+// or NULL.
+func (fz *abiFuzz) keys(n int) ptr {
+	if fz.r.u8()%2 == 0 {
+		return nil
+	}
+	l := cLayouts["kvp_prefix_keys"]
+	item := cLayouts["kvp_mm_item"]
+	p := fz.alloc(int(l.size) * max(n, 1))
+	for i := range n {
+		k := unsafe.Add(p, int(l.size)*i)
+		*(*uint64)(unsafe.Add(k, l.fields["adapter"].off)) = uint64(fz.small(3))
+		saltLen := int32(fz.small(4))
+		if fz.r.u8()%10 == 0 {
+			saltLen = []int32{-1, 1025, math.MinInt32}[fz.small(3)]
+		}
+		*(*int32)(unsafe.Add(k, l.fields["salt_len"].off)) = saltLen
+		if saltLen > 0 && saltLen <= 1024 && fz.r.u8()%10 != 0 {
+			s := fz.alloc(int(saltLen))
+			*(*byte)(s) = fz.r.u8()
+			*(*ptr)(unsafe.Add(k, l.fields["salt"].off)) = s
+		}
+		numMM := int32(fz.small(3))
+		if fz.r.u8()%10 == 0 {
+			numMM = []int32{-1, 1<<20 + 1, math.MinInt32}[fz.small(3)]
+		}
+		*(*int32)(unsafe.Add(k, l.fields["num_mm"].off)) = numMM
+		if numMM > 0 && numMM <= 2 && fz.r.u8()%10 != 0 {
+			items := fz.alloc(int(item.size) * int(numMM))
+			for j := range int(numMM) {
+				it := unsafe.Add(items, int(item.size)*j)
+				*(*int32)(it) = int32(fz.small(24))
+				*(*int32)(unsafe.Add(it, 4)) = int32(fz.small(8)) - 1
+				*(*byte)(unsafe.Add(it, 8)) = fz.r.u8()
+			}
+			*(*ptr)(unsafe.Add(k, l.fields["mm"].off)) = items
+		}
+	}
+	return p
+}
+
+func (fz *abiFuzz) admitOrMatch(match bool) (string, int) {
+	n := fz.small(4)
+	var toks []int64
+	offs := []int64{0}
+	for range n {
+		for range fz.small(24) {
+			toks = append(toks, fz.token())
+		}
+		offs = append(offs, int64(len(toks)))
+	}
+	if fz.r.u8()%8 == 0 && n > 0 { // offsets that lie about the tokens
+		offs[fz.small(n+1)] = fz.i64()
+	}
+	tokens := fz.array(len(toks), 4, func() int64 { return toks[0] })
+	if tokens != nil {
+		for i, x := range toks {
+			*(*int32)(unsafe.Add(tokens, 4*i)) = int32(x)
+		}
+	}
+	// An offset past the tokens given is refused by the ABI only when it
+	// is past n * 2^30; within that, the caller's array must hold it, so
+	// a lying offset stays within the array or goes past that bound.
+	for i, o := range offs {
+		if o > int64(len(toks)) && o <= int64(max(n, 1))<<30 {
+			offs[i] = int64(len(toks))
+		}
+	}
+	k := 0
+	offsets := fz.array(len(offs), 8, func() int64 { k++; return offs[k-1] })
+	cnt := fz.count(n)
+	keys := fz.keys(n)
+	if match {
+		out := fz.outp(12 * max(n, 1))
+		return "kvp_manager_match", rawManagerMatch(fz.handle(true), cnt, tokens, offsets, keys, int32(fz.r.u8()%2), out)
+	}
+	ids := fz.array(n, 8, fz.id)
+	var matched ptr
+	if fz.r.u8()%2 == 0 {
+		matched = fz.alloc(4 * max(n, 1))
+	}
+	return "kvp_manager_admit", rawManagerAdmit(fz.handle(true), ids, cnt, tokens, offsets, keys, matched, fz.outp(4))
+}
+
+// createManager makes a manager from an arbitrary config; one that is
+// created becomes the current manager.
+func (fz *abiFuzz) createManager() (string, int) {
+	cfg := fz.structBuf("kvp_manager_config")
+	if size := *(*uintptr)(cfg); size >= 16 && size <= 1<<16 {
+		nb := []int64{fz.i64(), int64(fz.small(64)) + 1}[fz.small(2)]
+		if nb > 4096 && nb <= 1<<26 {
+			nb = 4096 // valid, but a pool of millions of blocks costs each call's invariant check
+		}
+		setField(cfg, "kvp_manager_config", "num_blocks", nb)
+		setField(cfg, "kvp_manager_config", "block_size", []int64{fz.i64(), int64(fz.small(9))}[fz.small(2)])
+		if size >= 20 {
+			setField(cfg, "kvp_manager_config", "enable_prefix_cache", fz.i64())
+		}
+		if size >= 24 {
+			setField(cfg, "kvp_manager_config", "enable_kv_events", int64(fz.small(3))-1)
+		}
+		if size >= 28 {
+			setField(cfg, "kvp_manager_config", "max_pending_events", fz.i64())
+		}
+	}
+	if fz.r.u8()%10 == 0 {
+		cfg = nil
+	}
+	out := fz.outp(8)
+	st := rawManagerCreate(cfg, out)
+	if st == 0 {
+		rawManagerDestroy(fz.m)
+		fz.m = *(*ptr)(out)
+		fz.pins = nil
+		return "kvp_manager_create", st
+	}
+	return "kvp_manager_create", st
+}
+
+// createVcache makes a host-backend cache from an arbitrary config (the
+// CUDA backend where no GPU is, for its refusal); physical memory stays
+// under a small budget.
+func (fz *abiFuzz) createVcache() (string, int) {
+	const name = "kvp_vcache_config"
+	cfg := fz.structBuf(name)
+	if size := *(*uintptr)(cfg); size >= cLayouts[name].size && size <= 1<<16 {
+		backend := int64(1)
+		if !fz.gpu && fz.r.u8()%8 == 0 {
+			backend = 0
+		} else if fz.r.u8()%8 == 0 {
+			backend = fz.i64()
+			if backend == 0 {
+				backend = 2
+			}
+		}
+		setField(cfg, name, "backend", backend)
+		for _, f := range []string{"num_layers", "num_kv_heads", "head_dim", "max_batch", "max_context"} {
+			v := int64(fz.small(8)) + 1
+			if f == "head_dim" || f == "max_context" {
+				v *= 32
+			}
+			if fz.r.u8()%6 == 0 {
+				v = fz.i64()
+			}
+			setField(cfg, name, f, v)
+		}
+		setField(cfg, name, "dtype_bytes", []int64{0, 1, 2, 4, 8, 3, -1}[fz.small(7)])
+		setField(cfg, name, "page_size", []int64{0, 4096, 8192, 1000, -4096, 1 << 31}[fz.small(6)])
+		setField(cfg, name, "budget_bytes", []int64{64 << 10, 1 << 20, 4 << 20, 0, -1, 4096, math.MaxInt64}[fz.small(7)])
+		setField(cfg, name, "reclaim_below_bytes", []int64{0, -1, 1 << 16, math.MinInt64}[fz.small(4)])
+		setField(cfg, name, "lookahead_tokens", fz.i64())
+		setField(cfg, name, "no_background", int64(fz.small(2)))
+	}
+	if fz.r.u8()%10 == 0 {
+		cfg = nil
+	}
+	out := fz.outp(8)
+	st := rawVcacheCreate(cfg, out)
+	if st == 0 {
+		if *(*int64)(unsafe.Add(cfg, cLayouts[name].fields["budget_bytes"].off)) > 4<<20 {
+			rawVcacheDestroy(*(*ptr)(out)) // valid, but the fuzz keeps memory small
+			return "kvp_vcache_create", st
+		}
+		rawVcacheDestroy(fz.c)
+		fz.c = *(*ptr)(out)
+		return "kvp_vcache_create", st
+	}
+	return "kvp_vcache_create", st
+}
+
+// launch calls one of the kernel launches with an args struct of arbitrary
+// size and fields; the host arrays of kvp_prefill_plan hold what its batch
+// says. Left out where a GPU would run the kernels.
+func (fz *abiFuzz) launch(op uint8) (string, int) {
+	names := map[uint8][2]string{36: {"kvp_kv_write", "kvp_kv_write_args"}, 37: {"kvp_paged_decode", "kvp_paged_decode_args"},
+		38: {"kvp_merge_states", "kvp_merge_states_args"}, 39: {"kvp_prefill_plan", "kvp_prefill_plan_args"},
+		40: {"kvp_paged_prefill", "kvp_paged_prefill_args"}}
+	call, sname := names[op][0], names[op][1]
+	if fz.gpu {
+		return call, -1
+	}
+	args := fz.structBuf(sname)
+	l := cLayouts[sname]
+	if size := *(*uintptr)(args); size >= l.size && size <= 1<<16 {
+		for field, f := range l.fields {
+			if field == "struct_size" || fz.r.u8()%3 != 0 {
+				continue
+			}
+			switch f.size {
+			case 4:
+				*(*int32)(unsafe.Add(args, f.off)) = fz.i32()
+			case 8:
+				*(*int64)(unsafe.Add(args, f.off)) = fz.i64()
+			}
+		}
+		if op == 39 {
+			// Host arrays: batch+1 offsets and batch lengths, or NULL.
+			batch := fz.small(6)
+			if fz.r.u8()%8 == 0 {
+				batch = []int{-1, 65536, math.MaxInt32}[fz.small(3)]
+			}
+			setField(args, sname, "batch", int64(batch))
+			if batch >= 0 && batch < 64 {
+				setField(args, sname, "qo_indptr_host", int64(uintptr(fz.array(batch+1, 4, func() int64 { return int64(fz.small(9)) }))))
+				setField(args, sname, "kv_lens_host", int64(uintptr(fz.array(batch, 4, func() int64 { return int64(fz.small(12)) }))))
+			} else {
+				setField(args, sname, "qo_indptr_host", 0)
+				setField(args, sname, "kv_lens_host", 0)
+			}
+		}
+	}
+	if fz.r.u8()%10 == 0 {
+		args = nil
+	}
+	switch op {
+	case 36:
+		return call, rawKVWrite(args)
+	case 37:
+		return call, rawPagedDecode(args)
+	case 38:
+		return call, rawMergeStates(args)
+	case 39:
+		return call, rawPrefillPlan(args, fz.outStruct("kvp_attn_plan"))
+	}
+	return call, rawPagedPrefill(fz.outStruct("kvp_attn_plan"), args)
+}
+
+// The seed corpus in a plain test run is the fuzz target's short budget;
+// this checks that the target reaches every group of entry points.
+func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
+	seen := map[string]bool{}
+	for op := range 48 {
+		data := []byte{5, 8, 4, byte(op)}
+		data = append(data, bytes.Repeat([]byte{1}, 64)...)
+		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
+		fz.setup()
+		name, _ := fz.call(fz.r.u8() % 48)
+		fz.close()
+		seen[name] = true
+	}
+	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove",
+		"kvp_manager_describe", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
+		"kvp_manager_pin", "kvp_manager_unpin", "kvp_manager_set_priority", "kvp_manager_prefix_stats_reset",
+		"kvp_manager_clear_prefix_cache", "kvp_manager_drain_events", "kvp_manager_next_event_size", "kvp_manager_add_mm_items",
+		"kvp_manager_create", "kvp_manager_destroy", "kvp_vcache_create", "kvp_vcache_destroy", "kvp_vcache_layer_ptrs",
+		"kvp_vcache_strides", "kvp_vcache_alloc_slot", "kvp_vcache_free_slot", "kvp_vcache_step", "kvp_vcache_trim",
+		"kvp_vcache_stats_get", "kvp_attn_workspace_size", "kvp_prefill_workspace_size", "kvp_attn_num_splits",
+		"kvp_kv_write", "kvp_paged_decode", "kvp_merge_states", "kvp_prefill_plan", "kvp_paged_prefill",
+		"kvp_cuda_available", "kvp_attn_prepare", "kvp_live_handles", "kvp_set_log_level", "kvp_set_logger",
+		"kvp_version", "kvp_status_string"}
+	for _, w := range want {
+		if !seen[w] {
+			t.Errorf("FuzzABI never calls %s", w)
+		}
+	}
+	if len(seen) != len(want) {
+		t.Errorf("FuzzABI calls %d entry points, the list names %d: %v", len(seen), len(want), fmt.Sprint(seen))
+	}
+}
