@@ -960,11 +960,16 @@ typedef struct kvp_merge_states_args {
  * beyond that, no allocation, no synchronisation. Graph capture: the prefill
  * route's launch has a fixed grid and reads the work list from the
  * workspace, so a captured run replays correctly for any later plan of the
- * same shape and route planned into the same workspace (plan outside the
- * graph, before each replay, on the replay's stream); the decode route's
- * launch depends on batch and num_splits. The device copies of qo_indptr and
- * kv_lens must hold the host copies' values until the step's runs have
- * executed; the block table's contents are the caller's obligation as in
+ * same shape, route and num_splits planned into the same workspace (plan
+ * outside the graph, before each replay, on the replay's stream); the decode
+ * route's launch also depends on batch. Split-KV: when a batch's row tiles
+ * fill less than half of the GPU (a short chunk over a long prefix), the
+ * plan cuts each tile's K/V range into up to 8 runs whose partial states a
+ * second kernel merges, as many as the workspace holds; flags
+ * KVP_PREFILL_NO_SPLIT_KV (with KVP_PREFILL_NO_DECODE_ROUTE) keep every plan
+ * on one prefill launch, for graphs that must serve any batch. The device
+ * copies of qo_indptr and kv_lens must hold the host copies' values until
+ * the step's runs have executed; the block table's contents are the caller's obligation as in
  * decode. The workspace belongs to one plan at a time: plan again only after
  * the previous plan's runs are enqueued on the same stream (or have
  * finished). */
@@ -972,6 +977,7 @@ typedef struct kvp_merge_states_args {
 #define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
 #define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
+#define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */
@@ -981,7 +987,7 @@ typedef struct kvp_prefill_plan_args {
   int32_t num_kv_heads; /* divides num_q_heads */
   int32_t batch;        /* sequences, in [0, 65535] */
   int32_t window_left;  /* -1 (default): no window; w >= 0: tokens [pos - w, pos] */
-  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE */
+  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV */
   int32_t reserved;     /* must be 0 */
   const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
   const int32_t *kv_lens_host;   /* host [batch]: kv_lens[b] >= q_len_b */
@@ -1013,7 +1019,7 @@ typedef struct kvp_attn_plan {
   int32_t max_kv_len;
   int32_t num_items;  /* prefill route: work items (row tiles) */
   int32_t grid;       /* prefill route: blocks of the launch */
-  int32_t num_splits; /* decode route: split-KV count */
+  int32_t num_splits; /* split-KV count of either route (prefill: at most 8) */
   uint64_t workspace;
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */

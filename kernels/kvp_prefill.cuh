@@ -56,7 +56,7 @@ __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
     int count = 0;
     for (int b = b0; b < b1; ++b) {
         int qs, ql, kvl;
-        count += seq(b, qs, ql, kvl);
+        count += seq(b, qs, ql, kvl) * p.num_splits;
     }
     s_scan[tid] = count;
     __syncthreads();
@@ -70,11 +70,14 @@ __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
     for (int b = b0; b < b1; ++b) {
         int qs, ql, kvl;
         const int tiles = seq(b, qs, ql, kvl);
-        for (int t = tiles - 1; t >= 0; --t, ++idx) {
-            if (idx >= p.max_items) break;
-            int4* it = reinterpret_cast<int4*>(work + KVP_PREFILL_HEADER_INTS + (int64_t)idx * KVP_PREFILL_ITEM_INTS);
-            it[0] = make_int4(b, qs, ql, kvl);
-            it[1] = make_int4(t, 0, 0, 0);
+        for (int t = tiles - 1; t >= 0; --t) {
+            for (int sp = 0; sp < p.num_splits; ++sp, ++idx) {
+                if (idx >= p.max_items) break;
+                int4* it =
+                    reinterpret_cast<int4*>(work + KVP_PREFILL_HEADER_INTS + (int64_t)idx * KVP_PREFILL_ITEM_INTS);
+                it[0] = make_int4(b, qs, ql, kvl);
+                it[1] = make_int4(t, sp, 0, 0);
+            }
         }
     }
     if (tid == NT - 1) work[0] = min(s_scan[NT - 1], p.max_items);
@@ -82,13 +85,13 @@ __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
 }
 
 struct PrefillItem {
-    int b, q_start, q_len, kv_len, tile;
+    int b, q_start, q_len, kv_len, tile, split;
 };
 
 __device__ __forceinline__ PrefillItem load_item(const int32_t* work, int i) {
     const int4* it = reinterpret_cast<const int4*>(work + KVP_PREFILL_HEADER_INTS + (int64_t)i * KVP_PREFILL_ITEM_INTS);
     const int4 a = it[0], c = it[1];
-    return PrefillItem{a.x, a.y, a.z, a.w, c.x};
+    return PrefillItem{a.x, a.y, a.z, a.w, c.x, c.y};
 }
 
 // Block-table lookups of one sequence for one kv head (as the decode
@@ -137,6 +140,39 @@ __device__ __forceinline__ PrefillSpan item_span(const PrefillItem& it, int grou
     return s;
 }
 
+// The run of 64-token tiles [t0, t1) that split `split` of `splits` takes of
+// the item's visible tiles (possibly empty).
+__device__ __forceinline__ void split_tiles(const PrefillSpan& s, int split, int splits, int& t0, int& t1) {
+    constexpr int TK = KVP_PREFILL_TILE_KV;
+    const int b = s.kv_begin / TK;
+    const int n = s.kv_end > s.kv_begin ? (s.kv_end + TK - 1) / TK - b : 0;
+    const int per = (n + splits - 1) / splits;
+    t0 = min(b + n, b + split * per);
+    t1 = min(b + n, t0 + per);
+}
+
+// Where an item writes: out/lse, or its split's slices of part_out/part_lse.
+template <typename T>
+struct PrefillOut {
+    T* out;
+    float* lse;
+    int64_t tok_stride, head_stride;
+    __device__ __forceinline__ PrefillOut(const kvp_prefill_params& p, int split, int64_t total_q, int D) {
+        if (p.num_splits > 1) {
+            const int64_t rows = total_q * p.num_q_heads;
+            out = reinterpret_cast<T*>(p.part_out) + split * rows * D;
+            lse = reinterpret_cast<float*>(p.part_lse) + split * rows;
+            tok_stride = (int64_t)p.num_q_heads * D;
+            head_stride = D;
+        } else {
+            out = reinterpret_cast<T*>(p.out);
+            lse = reinterpret_cast<float*>(p.lse);
+            tok_stride = p.out_token_stride;
+            head_stride = p.out_head_stride;
+        }
+    }
+};
+
 // ---- f32: plain kernel (tests) ----------------------------------------------
 template <int D>
 __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, const PrefillItem& it, int kvh) {
@@ -162,8 +198,11 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         float m = neg_inf(), l = 0.f, o[E];
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] = 0.f;
-        const int lo = p.window_left >= 0 ? max(0, pos - p.window_left) : 0;
-        for (int t = lo; t <= pos && t < it.kv_len; ++t) {
+        int t0, t1;
+        split_tiles(sp, it.split, p.num_splits, t0, t1);
+        const int lo = max(t0 * KVP_PREFILL_TILE_KV, p.window_left >= 0 ? max(0, pos - p.window_left) : 0);
+        const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
+        for (int t = lo; t < hi; ++t) {
             int off;
             const int blk = rr.load_block(t, off);
             const int64_t base = rr.offset(blk, off);
@@ -186,11 +225,9 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] *= inv;
-        store_f<float, E>(reinterpret_cast<float*>(p.out) + row * p.out_token_stride + (int64_t)qh * p.out_head_stride +
-                              lane * E,
-                          o);
-        if (p.lse != 0 && lane == 0)
-            reinterpret_cast<float*>(p.lse)[row * p.num_q_heads + qh] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf();
+        const PrefillOut<float> po(p, it.split, p.total_q, D);
+        store_f<float, E>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E, o);
+        if (po.lse != nullptr && lane == 0) po.lse[row * p.num_q_heads + qh] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf();
     }
 }
 
@@ -251,8 +288,9 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     const T* kc = reinterpret_cast<const T*>(p.k_cache);
     const T* vc = reinterpret_cast<const T*>(p.v_cache);
 
-    const int t_begin = sp.kv_begin / TK;
-    const int n_tiles = sp.kv_end > sp.kv_begin ? (sp.kv_end + TK - 1) / TK - t_begin : 0;
+    int t_begin, t_end;
+    split_tiles(sp, it.split, p.num_splits, t_begin, t_end);
+    const int n_tiles = t_end - t_begin;
 
     // Table entries of the first STAGES + 1 tiles.
     int pblk[STAGES + 1], poff[STAGES + 1];
@@ -485,14 +523,14 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
             const bool empty = !(l > 0.f);
             const float inv = empty ? 0.f : 1.f / l;
             const int64_t row = (int64_t)it.q_start + tok;
-            T* out = reinterpret_cast<T*>(p.out) + row * p.out_token_stride + (int64_t)qh * p.out_head_stride + qd;
+            const PrefillOut<T> po(p, it.split, p.total_q, D);
+            T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd;
 #pragma unroll
             for (int c = 0; c < CPR; ++c)
                 *reinterpret_cast<uint32_t*>(out + c * 8) =
                     pack2<T>(o_acc[mt][c][2 * h] * inv, o_acc[mt][c][2 * h + 1] * inv);
-            if (p.lse != 0 && (lane & 3) == 0)
-                reinterpret_cast<float*>(p.lse)[row * p.num_q_heads + qh] =
-                    empty ? neg_inf() : (m_run[mt][h] + log2f(l)) * kLn2;
+            if (po.lse != nullptr && (lane & 3) == 0)
+                po.lse[row * p.num_q_heads + qh] = empty ? neg_inf() : (m_run[mt][h] + log2f(l)) * kLn2;
         }
     }
     // The next item reuses the shared memory.

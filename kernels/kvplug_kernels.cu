@@ -40,14 +40,16 @@ KVP_OFF(kvp_prefill_plan_params, tile_q, 40);
 KVP_OFF(kvp_prefill_plan_params, work, 16);
 KVP_OFF(kvp_prefill_plan_params, batch, 24);
 KVP_OFF(kvp_prefill_plan_params, max_items, 36);
-static_assert(sizeof(kvp_prefill_params) == 152, "kvp_prefill_params size");
+static_assert(sizeof(kvp_prefill_params) == 176, "kvp_prefill_params size");
+KVP_OFF(kvp_prefill_params, total_q, 168);
+KVP_OFF(kvp_prefill_params, num_splits, 148);
+KVP_OFF(kvp_prefill_params, part_lse, 160);
 KVP_OFF(kvp_prefill_params, work, 48);
 KVP_OFF(kvp_prefill_params, q_token_stride, 56);
 KVP_OFF(kvp_prefill_params, block_table_stride, 112);
 KVP_OFF(kvp_prefill_params, num_q_heads, 120);
 KVP_OFF(kvp_prefill_params, window_left, 140);
 KVP_OFF(kvp_prefill_params, scale, 144);
-KVP_OFF(kvp_prefill_params, reserved, 148);
 static_assert(kvp::PrefillCfg<64>::SMEM == 59392, "prefill smem h64 (header formula)");
 static_assert(kvp::PrefillCfg<128>::SMEM == 83456, "prefill smem h128 (header formula)");
 static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header formula)");
@@ -93,3 +95,36 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
     kvp::prefill_plan(p);
 }
+
+// ---------------------------------------------------------------------------
+// Shared-prefix (cascade) decode attention: 16-bit types only.
+#include "kvp_cascade.cuh"
+
+static_assert(sizeof(kvp_cascade_params) == 192, "kvp_cascade_params size");
+KVP_OFF(kvp_cascade_params, part_lse, 72);
+KVP_OFF(kvp_cascade_params, q_batch_stride, 80);
+KVP_OFF(kvp_cascade_params, block_table_stride, 136);
+KVP_OFF(kvp_cascade_params, num_q_heads, 144);
+KVP_OFF(kvp_cascade_params, items_off, 164);
+KVP_OFF(kvp_cascade_params, max_batch, 180);
+KVP_OFF(kvp_cascade_params, scale, 184);
+static_assert(kvp::CascadeCfg<64>::SMEM == 67584, "cascade smem h64 (header formula)");
+static_assert(kvp::CascadeCfg<128>::SMEM == 99840, "cascade smem h128 (header formula)");
+static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header formula)");
+
+#define KVP_CASCADE_INSTANTIATE(DT, T, D)                                                      \
+    extern "C" __global__ void __launch_bounds__(KVP_CASCADE_THREADS)                          \
+        kvp_cascade_##DT##_h##D(const kvp_cascade_params p) {                                  \
+        kvp::cascade_attn<T, D>(p);                                                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(KVP_CASCADE_MERGE_THREADS)                    \
+        kvp_cascade_merge_##DT##_h##D(const kvp_cascade_params p) {                            \
+        kvp::cascade_merge<T, D>(p);                                                           \
+    }
+
+KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 64)
+KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 128)
+KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 256)
+KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 64)
+KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 128)
+KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 256)

@@ -233,13 +233,20 @@ typedef struct kvp_merge_params {
  *  Work list (int32, in the workspace `work`, 16-byte aligned):
  *      work[0]                      number of items
  *      work[8 + 8*i .. 8 + 8*i + 7] item i: b, q_start, q_len, kv_len,
- *                                   row tile, 0, 0, 0
+ *                                   row tile, split, 0, 0
  *      bytes = 4 * (KVP_PREFILL_HEADER_INTS + KVP_PREFILL_ITEM_INTS * max_items)
  *  An item is one sequence's row tile: its rows packed as (token, q head of
  *  one kv head's group), packed row r -> token r / group, head r % group,
  *  tile_q = kvp_prefill_tile_q(dt, D) packed rows per tile:
  *  ceil(q_len * group / tile_q) items per sequence.
  *
+ *  Split-KV (num_splits > 1): each row tile becomes num_splits items; split s
+ *  takes the s-th of num_splits equal runs of the tile's visible K/V tiles
+ *  and writes its normalised partial output (dtype) and natural-log lse to
+ *      part_out [num_splits][total_q][num_q_heads][head_dim] (contiguous)
+ *      part_lse [num_splits][total_q][num_q_heads]           (float32)
+ *  (an empty run writes 0 and -inf); kvp_merge_states_<dt>_h<D> with
+ *  num_states = num_splits then writes out and lse.
  *  Plan: kvp_prefill_plan, block
  *  (KVP_PREFILL_PLAN_THREADS,1,1), grid (1,1,1), smem 0 (static only).
  *  It clamps rows to [0, total_q) and writes at most max_items items;
@@ -250,14 +257,15 @@ typedef struct kvp_merge_params {
  *  list); dynamic smem kvp_prefill_smem_bytes(dt, D); values above 48 KiB
  *  need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
  * plan offsets: 0 qo_indptr, 8 kv_lens, 16 work, 24 batch, 28 group,
- *          32 total_q, 36 max_items, 40 tile_q, 44 reserved; size 48.
+ *          32 total_q, 36 max_items, 40 tile_q, 44 num_splits; size 48.
  * run offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 out, 40 lse,
  *          48 work, 56 q_token_stride, 64 q_head_stride, 72 out_token_stride,
  *          80 out_head_stride, 88 cache_block_stride, 96 cache_token_stride,
  *          104 cache_head_stride, 112 block_table_stride, 120 num_q_heads,
  *          124 num_kv_heads, 128 block_size, 132 num_blocks,
  *          136 max_blocks_per_seq, 140 window_left, 144 scale,
- *          148 reserved; size 152.
+ *          148 num_splits, 152 part_out, 160 part_lse, 168 total_q,
+ *          172 reserved; size 176.
  * ---------------------------------------------------------------------- */
 #define KVP_PREFILL_THREADS 128
 #define KVP_PREFILL_PLAN_THREADS 1024
@@ -274,8 +282,8 @@ typedef struct kvp_prefill_plan_params {
     int32_t group; /* num_q_heads / num_kv_heads */
     int32_t total_q;
     int32_t max_items;
-    int32_t tile_q; /* kvp_prefill_tile_q of the run kernel */
-    int32_t reserved;
+    int32_t tile_q;     /* kvp_prefill_tile_q of the run kernel */
+    int32_t num_splits; /* >= 1: items per row tile */
 } kvp_prefill_plan_params;
 
 typedef struct kvp_prefill_params {
@@ -301,7 +309,11 @@ typedef struct kvp_prefill_params {
     int32_t max_blocks_per_seq;
     int32_t window_left; /* < 0: no window */
     float scale;
-    int32_t reserved; /* 0 */
+    int32_t num_splits; /* 1: write out/lse; > 1: part_out/part_lse */
+    uint64_t part_out;  /* dtype [num_splits][total_q][num_q_heads][head_dim] */
+    uint64_t part_lse;  /* float32 [num_splits][total_q][num_q_heads] */
+    int32_t total_q;    /* rows of q/out: the partials' slice size */
+    int32_t reserved;   /* 0 */
 } kvp_prefill_params;
 
 /* Packed rows per work item: 4 warps of 16 rows (16-bit), f32:
@@ -323,6 +335,90 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
     uint32_t stages = head_dim <= 64 ? 3u : 2u;
     return (uint32_t)kvp_prefill_tile_q(dtype_bytes, head_dim) * (uint32_t)head_dim * 2u +
            stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
+}
+
+/* ------------------------------------------------------------------------
+ * 5. Shared-prefix (cascade) decode attention over a host-written plan
+ *    (core/cascade). q/out [batch, num_q_heads, head_dim] as in decode.
+ *    Plan (int32, at `work`, 16-byte aligned), words from `work`:
+ *      header [KVP_CASCADE_HEADER_INTS]: [1] items, [2] batch (merge rows)
+ *      items  at items_off, KVP_CASCADE_ITEM_INTS each: rep, kv_begin,
+ *             kv_end, dynamic (1: end clipped to seq_lens[rep]), m_begin,
+ *             m_count, tile, part_base
+ *      order  at order_off: int32 [max_batch], members' sequences
+ *      seg_start at seg_start_off: int32 [batch + 1]
+ *      segs   at segs_off, KVP_CASCADE_SEG_INTS each: first partial, count,
+ *             stride, 0
+ *    Partial states: part_out float32 [parts][num_q_heads][head_dim]
+ *    (normalised), part_lse float32 [parts][num_q_heads] (log2 domain).
+ *  Launch kvp_cascade_<dt>_h<D> (dt f16 or bf16): block
+ *      (KVP_CASCADE_THREADS,1,1), any grid (x; blocks stride over
+ *      item * num_kv_heads + kv head), dynamic smem
+ *      kvp_cascade_smem_bytes(D) (cuFuncSetAttribute above 48 KiB);
+ *  then kvp_cascade_merge_<dt>_h<D>: block (KVP_CASCADE_MERGE_THREADS,1,1),
+ *      any grid (warps stride over batch * num_q_heads), smem 0.
+ * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
+ *          48 lse, 56 work, 64 part_out, 72 part_lse, 80 q_batch_stride,
+ *          88 q_head_stride, 96 out_batch_stride, 104 out_head_stride,
+ *          112 cache_block_stride, 120 cache_token_stride,
+ *          128 cache_head_stride, 136 block_table_stride, 144 num_q_heads,
+ *          148 num_kv_heads, 152 block_size, 156 num_blocks,
+ *          160 max_blocks_per_seq, 164 items_off, 168 order_off,
+ *          172 seg_start_off, 176 segs_off, 180 max_batch, 184 scale,
+ *          188 reserved; size 192.
+ * ---------------------------------------------------------------------- */
+#define KVP_CASCADE_THREADS 128
+#define KVP_CASCADE_MERGE_THREADS 128
+#define KVP_CASCADE_TILE_KV 64
+#define KVP_CASCADE_HEADER_INTS 16
+#define KVP_CASCADE_ITEM_INTS 8
+#define KVP_CASCADE_SEG_INTS 4
+#define KVP_CASCADE_H_ITEMS 1
+#define KVP_CASCADE_H_BATCH 2
+
+typedef struct kvp_cascade_params {
+    uint64_t q;
+    uint64_t k_cache;
+    uint64_t v_cache;
+    uint64_t block_table; /* int32 [batch, block_table_stride] */
+    uint64_t seq_lens;    /* int32 [batch] */
+    uint64_t out;
+    uint64_t lse;      /* float32 [batch, num_q_heads] or 0 */
+    uint64_t work;     /* the plan */
+    uint64_t part_out; /* float32 */
+    uint64_t part_lse; /* float32 */
+    int64_t q_batch_stride;
+    int64_t q_head_stride;
+    int64_t out_batch_stride;
+    int64_t out_head_stride;
+    int64_t cache_block_stride;
+    int64_t cache_token_stride;
+    int64_t cache_head_stride;
+    int64_t block_table_stride;
+    int32_t num_q_heads;
+    int32_t num_kv_heads;
+    int32_t block_size;
+    int32_t num_blocks;
+    int32_t max_blocks_per_seq;
+    int32_t items_off;
+    int32_t order_off;
+    int32_t seg_start_off;
+    int32_t segs_off;
+    int32_t max_batch;
+    float scale;
+    int32_t reserved; /* 0 */
+} kvp_cascade_params;
+
+/* Packed rows per item: 128 at head_dim <= 128, 64 at 256. */
+static inline int32_t kvp_cascade_tile_q(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+
+/* Dynamic shared memory of kvp_cascade_<dt>_h<D> (16-bit types only):
+ *   tile_q * D * 2 + stages(D) * 64 * D * 4 + (stages(D) + 1) * 64 * 8,
+ *   stages(64) = 3, else 2: h64: 67584, h128: 99840, h256: 165376 */
+static inline uint32_t kvp_cascade_smem_bytes(int head_dim) {
+    uint32_t stages = head_dim <= 64 ? 3u : 2u;
+    return (uint32_t)kvp_cascade_tile_q(head_dim) * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u +
+           (stages + 1u) * 64u * 8u;
 }
 
 #endif /* KVPLUG_KERNELS_H */

@@ -21,7 +21,7 @@ var layoutCases = []layoutCase{
 	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 160},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 224},
 	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 48},
-	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 152},
+	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 176},
 }
 
 // TestParamsLayout compiles a program against kernels/kvplug_kernels.h that

@@ -23,10 +23,20 @@ const (
 	RouteDecode  = 2 // KVP_ATTN_ROUTE_DECODE: every q_len is 1; the decode kernel
 )
 
-// PrefillNoDecodeRoute (kvp_prefill_plan_args.flags) keeps a batch of
-// one-token queries on the prefill kernel, so that one captured graph serves
-// any batch composition.
-const PrefillNoDecodeRoute = 1
+// Plan flags (kvp_prefill_plan_args.flags). PrefillNoDecodeRoute keeps a
+// batch of one-token queries on the prefill kernel and PrefillNoSplitKV
+// keeps every plan at one split, so that one captured graph serves any
+// batch composition.
+const (
+	PrefillNoDecodeRoute = 1
+	PrefillNoSplitKV     = 2
+	// prefillMaxSplits bounds split-KV of the prefill route (the merge
+	// kernel's KVP_MERGE_MAX_STATES).
+	prefillMaxSplits = maxMergeStates
+	// prefillSplitTokens bounds the query rows whose split partials
+	// PrefillWorkspaceSize provisions for.
+	prefillSplitTokens = 256
+)
 
 // Launch constants of kvplug_kernels.h, section 4.
 const (
@@ -41,15 +51,15 @@ const (
 
 // kvp_prefill_plan_params
 type prefillPlanParams struct {
-	QOIndptr uint64 `c:"qo_indptr"`
-	KVLens   uint64 `c:"kv_lens"`
-	Work     uint64 `c:"work"`
-	Batch    int32  `c:"batch"`
-	Group    int32  `c:"group"`
-	TotalQ   int32  `c:"total_q"`
-	MaxItems int32  `c:"max_items"`
-	TileQ    int32  `c:"tile_q"`
-	Reserved int32  `c:"reserved"`
+	QOIndptr  uint64 `c:"qo_indptr"`
+	KVLens    uint64 `c:"kv_lens"`
+	Work      uint64 `c:"work"`
+	Batch     int32  `c:"batch"`
+	Group     int32  `c:"group"`
+	TotalQ    int32  `c:"total_q"`
+	MaxItems  int32  `c:"max_items"`
+	TileQ     int32  `c:"tile_q"`
+	NumSplits int32  `c:"num_splits"`
 }
 
 // kvp_prefill_params
@@ -76,6 +86,10 @@ type prefillParams struct {
 	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
 	WindowLeft       int32   `c:"window_left"`
 	Scale            float32 `c:"scale"`
+	NumSplits        int32   `c:"num_splits"`
+	PartOut          uint64  `c:"part_out"`
+	PartLSE          uint64  `c:"part_lse"`
+	TotalQ           int32   `c:"total_q"`
 	Reserved         int32   `c:"reserved"`
 }
 
@@ -210,10 +224,40 @@ func PrefillWorkspaceSize(batchLimit, maxTokens, qHeads, kvHeads, headDim int) (
 	}
 	// Each sequence adds at most one partly filled tile.
 	items := (int64(maxTokens)*int64(qHeads/kvHeads)+prefillTileQMin-1)/prefillTileQMin + int64(batchLimit)
-	return max(workBytes(items), workspaceBytes(batchLimit, qHeads, headDim, DefaultMaxSplits)), nil
+	split := splitOffset(items*prefillMaxSplits) + splitBytes(prefillMaxSplits, min(maxTokens, prefillSplitTokens), qHeads, headDim, 4)
+	return max(split, workspaceBytes(batchLimit, qHeads, headDim, DefaultMaxSplits)), nil
 }
 
 func workBytes(items int64) int64 { return 4 * (prefillHeaderInts + prefillItemInts*items) }
+
+// splitOffset is where the split partials start in the workspace: after the
+// work list, 256-byte aligned.
+func splitOffset(items int64) int64 { return (workBytes(items) + 255) &^ 255 }
+
+// splitBytes is the partial outputs (dtype) and lse (float32) of splits.
+func splitBytes(splits, totalQ, qHeads, headDim, elem int) int64 {
+	rows := int64(splits) * int64(totalQ) * int64(qHeads)
+	return rows*int64(headDim)*int64(elem) + rows*4
+}
+
+// prefillSplits is the split-KV count of a prefill plan: when the items
+// fill less than half of the device's resident blocks, each row tile's K/V
+// range is cut into up to slots / blocks runs (at most 8, at least 4 tiles
+// of 64 tokens each for the longest sequence), as many as the workspace
+// holds.
+func prefillSplits(slots int, items int64, kvHeads, maxKVLen, totalQ, qHeads, headDim, elem int, wsBytes int64) int {
+	blocks := items * int64(kvHeads)
+	if blocks == 0 || 2*blocks > int64(slots) {
+		return 1
+	}
+	s := min(int64(prefillMaxSplits), int64(slots)/blocks, int64(ceilDiv(maxKVLen, 64)/4))
+	for ; s > 1; s-- {
+		if splitOffset(items*s)+splitBytes(int(s), totalQ, qHeads, headDim, elem) <= wsBytes {
+			break
+		}
+	}
+	return int(max(s, 1))
+}
 
 // PrefillPlanArgs is the input of PlanPrefill.
 type PrefillPlanArgs struct {
@@ -254,7 +298,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	if err := a.PrefillShape.validate(what); err != nil {
 		return p, err
 	}
-	if a.Flags&^PrefillNoDecodeRoute != 0 {
+	if a.Flags&^(PrefillNoDecodeRoute|PrefillNoSplitKV) != 0 {
 		return p, kverr.Errorf(kverr.InvalidArgument, "%s: unknown flags %#x", what, a.Flags)
 	}
 	if a.WorkspaceBytes < 0 {
@@ -310,10 +354,14 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	if batch == 0 {
 		return p, nil
 	}
+	if a.Flags&PrefillNoSplitKV == 0 {
+		p.NumSplits = prefillSplits(p.Grid, st.items, a.NumKVHeads, st.maxKVLen, st.totalQ, a.NumQHeads, a.HeadDim, a.DType.Size(), a.WorkspaceBytes)
+		p.NumItems = int(st.items) * p.NumSplits
+	}
 	pp := prefillPlanParams{
 		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
 		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
-		MaxItems: int32(st.items), TileQ: int32(prefillTileQ(a.DType, a.HeadDim)),
+		MaxItems: int32(p.NumItems), TileQ: int32(prefillTileQ(a.DType, a.HeadDim)), NumSplits: int32(p.NumSplits),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
@@ -456,6 +504,16 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		if p.Grid < 1 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's grid is %d", what, p.Grid)
 		}
+		if p.NumSplits > prefillMaxSplits {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's num_splits is %d; the prefill route splits at most %d ways", what, p.NumSplits, prefillMaxSplits)
+		}
+		if p.NumSplits > 1 {
+			items := int64(p.NumItems / p.NumSplits)
+			need := splitOffset(items*int64(p.NumSplits)) + splitBytes(p.NumSplits, p.TotalQ, p.NumQHeads, p.HeadDim, p.DType.Size())
+			if p.WorkspaceBytes < need {
+				return kverr.Errorf(kverr.BufferTooSmall, "%s: the plan's %d splits need %d bytes of workspace; it has %d", what, p.NumSplits, need, p.WorkspaceBytes)
+			}
+		}
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -473,13 +531,40 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		NumQHeads:        int32(p.NumQHeads), NumKVHeads: int32(p.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
 		WindowLeft: int32(p.WindowLeft), Scale: a.Scale,
+		NumSplits: int32(p.NumSplits), TotalQ: int32(p.TotalQ),
+	}
+	S := p.NumSplits
+	rows := int64(p.TotalQ) * int64(p.NumQHeads)
+	if S > 1 {
+		pp.PartOut = uint64(p.Workspace) + uint64(splitOffset(int64(p.NumItems)))
+		pp.PartLSE = pp.PartOut + uint64(int64(S)*rows*int64(p.HeadDim)*int64(p.DType.Size()))
 	}
 	cfg := cuda.LaunchConfig{
 		Grid:   cuda.Dim3{X: uint32(p.Grid), Y: 1, Z: 1},
 		Block:  cuda.Dim3{X: prefillThreads, Y: 1, Z: 1},
 		Shared: prefillSharedBytes(p.DType, p.HeadDim),
 	}
-	return cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).prefill, cfg, stream, &pp)
+	if err := cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).prefill, cfg, stream, &pp); err != nil || S == 1 {
+		return err
+	}
+	// The splits' partial states are merged into out and lse.
+	mp := mergeParams{
+		Out: uint64(a.Out), OutLSE: uint64(a.LSE),
+		VTokenStride: int64(p.NumQHeads) * int64(p.HeadDim), VHeadStride: int64(p.HeadDim),
+		STokenStride: int64(p.NumQHeads), SHeadStride: 1,
+		OutTokenStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
+		OutLSETokenStride: int64(p.NumQHeads), OutLSEHeadStride: 1,
+		NumStates: int32(S), NumTokens: int32(p.TotalQ), NumHeads: int32(p.NumQHeads),
+	}
+	for i := 0; i < S; i++ {
+		mp.V[i] = pp.PartOut + uint64(int64(i)*rows*int64(p.HeadDim)*int64(p.DType.Size()))
+		mp.S[i] = pp.PartLSE + uint64(int64(i)*rows*4)
+	}
+	mcfg := cuda.LaunchConfig{
+		Grid:  cuda.Dim3{X: uint32(ceilDiv64(rows, mergeThreads/32)), Y: 1, Z: 1},
+		Block: cuda.Dim3{X: mergeThreads, Y: 1, Z: 1},
+	}
+	return cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).merge, mcfg, stream, &mp)
 }
 
 // runDecode runs a plan of one-token queries through the decode kernel: row

@@ -298,3 +298,39 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		t.Errorf("nil plan: %v", err)
 	}
 }
+
+func TestPrefillSplits(t *testing.T) {
+	const big = 1 << 40
+	// B=1, 128 new tokens at group 4 (8 items) over 8192 cached, 8 kv heads,
+	// 264 slots: 64 blocks -> 4 splits.
+	if s := prefillSplits(264, 8, 8, 8320, 128, 32, 128, 2, big); s != 4 {
+		t.Fatalf("splits %d, want 4", s)
+	}
+	// Enough blocks: no split.
+	if s := prefillSplits(264, 40, 8, 8320, 640, 32, 128, 2, big); s != 1 {
+		t.Fatalf("splits %d, want 1", s)
+	}
+	// Short sequences: no split (fewer than 4 tiles per split).
+	if s := prefillSplits(264, 1, 1, 200, 10, 4, 128, 2, big); s != 1 {
+		t.Fatalf("splits %d, want 1", s)
+	}
+	// At most 8, and no more than the workspace holds.
+	if s := prefillSplits(264, 1, 1, 1<<20, 10, 4, 128, 2, big); s != 8 {
+		t.Fatalf("splits %d, want 8", s)
+	}
+	need3 := splitOffset(3) + splitBytes(3, 10, 4, 128, 2)
+	if s := prefillSplits(264, 1, 1, 1<<20, 10, 4, 128, 2, need3); s != 3 {
+		t.Fatalf("splits %d with room for 3, want 3", s)
+	}
+	if s := prefillSplits(264, 1, 1, 1<<20, 10, 4, 128, 2, 64); s != 1 {
+		t.Fatalf("splits %d without room, want 1", s)
+	}
+	// The workspace size covers the largest split plan of a small batch.
+	ws, err := PrefillWorkspaceSize(4, 200, 32, 8, 128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if need := splitOffset(13*8) + splitBytes(8, 200, 32, 128, 4); need > ws {
+		t.Fatalf("workspace %d < %d for 8 splits of 200 tokens", ws, need)
+	}
+}

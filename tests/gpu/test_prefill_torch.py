@@ -173,6 +173,20 @@ def test_sliding_window(window):
     b.check(b.plan())
 
 
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 256),
+                                     (torch.float32, 128)])
+def test_split_kv(dtype, D):
+    # A short chunk over a long prefix fills few blocks: the plan splits the
+    # K/V range and merges the partial states; the unsplit plan agrees.
+    gen = torch.Generator().manual_seed(14 + D)
+    b = Batch(gen, dtype, D, 8, 2, 16, [3000, 1700], [70, 1])
+    plan = b.plan()
+    assert plan.num_splits > 1, plan
+    out, lse = b.check(plan)
+    out1, lse1 = b.run(b.plan(split_kv=False))
+    assert rel_err(out, out1.double()) < TOL[dtype]
+
+
 def test_decode_route_and_forced_prefill():
     gen = torch.Generator().manual_seed(10)
     kv = [int(x) for x in torch.randint(1, 3000, (9,), generator=gen)]
@@ -203,7 +217,7 @@ def test_graph_capture_replays_later_plans():
     s = torch.cuda.Stream()
     out = torch.full_like(a.q, float("nan"))
     with torch.cuda.stream(s):
-        plan = a.plan()
+        plan = a.plan(decode_route=False, split_kv=False)
         attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out)
         s.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -223,7 +237,7 @@ def test_graph_capture_replays_later_plans():
         qbuf.copy_((torch.rand(qbuf.shape, generator=gen) * 4 - 2).to(qbuf.dtype))
         a.q = qbuf[:a.total_q]
         with torch.cuda.stream(s):
-            a.plan(stream=s)
+            a.plan(stream=s, decode_route=False, split_kv=False)
             out.fill_(float("nan"))
             g.replay()
         s.synchronize()

@@ -517,6 +517,10 @@ class PrefillPlan:
     def num_items(self) -> int:
         return int(self._c.num_items)
 
+    @property
+    def num_splits(self) -> int:
+        return int(self._c.num_splits)
+
     def __repr__(self) -> str:
         c = self._c
         route = {ROUTE_PREFILL: "prefill", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
@@ -536,6 +540,7 @@ def prefill_plan(
     qo_indptr_host: Any = None,
     kv_lens_host: Any = None,
     decode_route: bool = True,
+    split_kv: bool = True,
     stream: Any = None,
 ) -> PrefillPlan:
     """Plans a varlen batch once per step: qo_indptr (int32 [batch+1], from
@@ -543,7 +548,9 @@ def prefill_plan(
     tokens included) on the device, with their host copies (CPU tensors or
     sequences; when None they are read back from the device, which
     synchronises). workspace: a CUDA tensor of prefill_workspace_size bytes.
-    decode_route=False keeps one-token batches on the prefill kernel."""
+    decode_route=False keeps one-token batches on the prefill kernel;
+    split_kv=False keeps every plan at one split (both: one captured graph
+    serves any batch composition)."""
     torch = _torch()
     dev = workspace.device
     _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
@@ -560,7 +567,7 @@ def prefill_plan(
     kv_h = _host_i32(kv_lens if kv_lens_host is None else kv_lens_host, batch, "kv_lens_host")
     a = _PrefillPlanArgs(
         ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left,
-        0 if decode_route else 1, 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
+        (0 if decode_route else 1) | (0 if split_kv else 2), 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
         workspace.data_ptr(), workspace.numel() * workspace.element_size(),
     )
     plan = _AttnPlan()
