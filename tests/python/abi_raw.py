@@ -51,6 +51,7 @@ SIGNATURES = {
     "kvp_prefill_plan": [vp, vp, u64],
     "kvp_paged_prefill": [vp, vp, u64],
     "kvp_live_handles": [vp],
+    "kvp_cuda_available": [vp],
 }
 DESTROYS = ("kvp_manager_destroy", "kvp_vcache_destroy")
 
