@@ -19,6 +19,9 @@ import (
 
 const scenarioDir = "../testdata/scenarios"
 
+// cLayouts are the header structs' layouts (scenario_testhooks.go).
+var cLayouts = buildCLayouts()
+
 // scValue is one argument or expected output.
 type scValue struct {
 	raw   string
@@ -258,7 +261,7 @@ func (r *scRunner) structSize(k, name string) uintptr {
 		if name != "kvp_manager_config" {
 			r.fatalf("FIRST is known only for kvp_manager_config")
 		}
-		base, s = firstManagerConfigSize, s[5:]
+		base, s = firstManagerConfigSize(), s[5:]
 	default:
 		x, err := strconv.ParseUint(s, 10, 64)
 		if err != nil {

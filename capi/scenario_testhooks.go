@@ -28,7 +28,9 @@ type cLayout struct {
 	fields map[string]cField
 }
 
-var cLayouts = func() map[string]cLayout {
+// buildCLayouts returns the layouts of the header structs the tests use.
+// A function, not a package variable: the library itself never runs it.
+func buildCLayouts() map[string]cLayout {
 	out := map[string]cLayout{}
 	for name, v := range map[string]any{
 		"kvp_manager_config":     C.kvp_manager_config{},
@@ -60,10 +62,10 @@ var cLayouts = func() map[string]cLayout {
 		out[name] = l
 	}
 	return out
-}()
+}
 
 // firstManagerConfigSize is kvp_manager_config's first released size.
-var firstManagerConfigSize = managerConfigStruct.first
+func firstManagerConfigSize() uintptr { return managerConfigStruct.first }
 
 func st(s C.kvp_status) int { return int(s) }
 
