@@ -50,6 +50,8 @@ var (
 		unsafe.Sizeof(C.kvp_paged_decode_args{}), unsafe.Sizeof(C.kvp_paged_decode_args{})}
 	mergeStatesArgsStruct = abiStruct{"kvp_merge_states_args",
 		unsafe.Sizeof(C.kvp_merge_states_args{}), unsafe.Sizeof(C.kvp_merge_states_args{})}
+	cascadePlanArgsStruct = abiStruct{"kvp_cascade_plan_args",
+		unsafe.Sizeof(C.kvp_cascade_plan_args{}), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
 )
 
 func (s abiStruct) checkSize(got C.size_t) error {

@@ -1116,6 +1116,124 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: attention kernels (end) ==== */
 
+/* ==== section: shared-prefix attention (begin) ==== */
+/*
+ * Decode attention for batches whose sequences share KV blocks (a system
+ * prompt shared by all, few-shot blocks shared by a group, forks of parallel
+ * sampling or beam search sharing all but their tails): each shared run of
+ * blocks is read once per step for the queries of every sequence that holds
+ * it (batched through the tensor cores), each sequence's own tail once, and
+ * the partial states are merged by log-sum-exp weights. The result is plain
+ * decode attention (kvp_paged_decode) over each sequence's tokens.
+ *
+ * kvp_cascade_plan (once per step, or less: see kvp_cascade_update) reads
+ * the batch's block table and lengths on the host, finds the tree of block
+ * runs that two or more sequences hold in the same columns (whole blocks
+ * within every holder's length), decides whether sharing pays (otherwise the
+ * plan's route is plain decode, unless KVP_CASCADE_NO_DECODE_ROUTE), writes
+ * the plan into the host workspace and enqueues its copy into the device
+ * workspace on stream. kvp_paged_cascade (per layer) enqueues two kernels
+ * (attention over the plan's work items, then the merge) or, on the decode
+ * route, kvp_paged_decode's launch. Both workspaces are the engine's,
+ * allocated once at the sizes kvp_cascade_workspace_size gives for a
+ * capacity max_batch; plan with the same max_batch every step.
+ *
+ * Graph capture: the cascade route's launches have fixed grids and read the
+ * plan from the device workspace, and a tail's end is read from the device
+ * seq_lens, so a captured kvp_paged_cascade replays correctly for every later
+ * plan into the same workspaces (plan outside the graph, before the replay,
+ * on the replay's stream). kvp_cascade_update checks on the host, in
+ * O(batch), that a step whose sequences only grew still fits the plan (each
+ * tail within the chunks planned for it, headroom tokens by default 64):
+ * then nothing needs planning or copying.
+ *
+ * Caller's obligations the library cannot see: the device seq_lens and the
+ * device block table hold the host copies' values when the runs execute
+ * (lengths may grow as kvp_cascade_update allows); the columns a plan found
+ * shared are not changed in any holder's row without a new plan; the host
+ * workspace is not planned into again until the previous plan's copy has
+ * executed (pinned memory) and the device workspace not until the previous
+ * plan's runs have been enqueued on the same stream before the new copy.
+ * What it can see is refused: a plan that does not fit the workspaces
+ * (BUFFER_TOO_SMALL), a layer whose block size or table differ from the
+ * plan's, a plan older than the workspaces' latest (INVALID_ARGUMENT).
+ *
+ * A cascade plan's kvp_attn_plan: kind KVP_ATTN_PLAN_CASCADE; route
+ * KVP_ATTN_ROUTE_CASCADE or KVP_ATTN_ROUTE_DECODE; batch; total_q = batch;
+ * max_q_len 1; max_kv_len the longest planned length (tail capacities
+ * included); num_items, grid; kv_lens = the device seq_lens; reserved[0] the
+ * host workspace's address, reserved[1] its bytes, reserved[2] max_batch |
+ * block_size << 32, reserved[3] partial states | plan generation << 32,
+ * reserved[4] the KV tokens per kv head the shared reads save this step,
+ * reserved[5] the tokens per kv head plain decode would read. f16 and bf16.
+ */
+#define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
+#define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
+#define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
+#define KVP_CASCADE_MAX_PARTS 8       /* partial states per sequence (bounds the workspaces) */
+
+typedef struct kvp_cascade_plan_args {
+  size_t struct_size; /* sizeof(kvp_cascade_plan_args) */
+  int32_t dtype;      /* kvp_dtype: F16 or BF16 */
+  int32_t head_dim;   /* 64, 128 or 256 */
+  int32_t num_q_heads;
+  int32_t num_kv_heads; /* divides num_q_heads */
+  int32_t batch;        /* sequences, in [0, max_batch] */
+  int32_t max_batch;    /* the workspaces' capacity; 0 = batch */
+  int32_t block_size;   /* 0 = 16 */
+  int32_t max_blocks_per_seq;     /* block table columns read */
+  int64_t block_table_stride;     /* >= max_blocks_per_seq; 0 = max_blocks_per_seq */
+  const int32_t *block_table_host; /* host [batch, block_table_stride] */
+  const int32_t *seq_lens_host;    /* host [batch], this step's token included */
+  uint64_t seq_lens;               /* device int32 [batch], the same values */
+  void *host_workspace;            /* host, 4-byte aligned (pinned: the copy is asynchronous) */
+  uint64_t host_workspace_bytes;
+  uint64_t workspace;              /* device, 16-byte aligned */
+  uint64_t workspace_bytes;
+  int32_t flags;                   /* 0 or KVP_CASCADE_NO_DECODE_ROUTE */
+  int32_t headroom;                /* tokens each tail may grow before a new plan is needed; 0 = 64 */
+} kvp_cascade_plan_args;
+
+#define KVP_CASCADE_PLAN_ARGS_INIT KVP_STRUCT_INIT(kvp_cascade_plan_args)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* *device_bytes and *host_bytes = the workspaces kvp_cascade_plan needs for
+ * batches of up to max_batch sequences. Needs no GPU.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
+kvp_status kvp_cascade_workspace_size(int32_t max_batch, int32_t num_q_heads, int32_t num_kv_heads,
+                                      int32_t head_dim, uint64_t *device_bytes, uint64_t *host_bytes);
+
+/* Plans a decode batch (see kvp_cascade_plan_args) into the workspaces and
+ * fills *plan (the caller sets plan->struct_size only). On the cascade route
+ * it enqueues the plan's copy to the device workspace on stream. On error
+ * *plan and the workspaces are left as they were.
+ * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (shapes, a length
+ * outside [0, max_blocks_per_seq * block_size], flags, alignment),
+ * UNSUPPORTED (dtype, head_dim), BUFFER_TOO_SMALL (a workspace, batch above
+ * max_batch), NO_DEVICE, CUDA. */
+kvp_status kvp_cascade_plan(const kvp_cascade_plan_args *args, kvp_attn_plan *plan, uint64_t stream);
+
+/* For a step whose sequences only grew: *fits = 1 when the cascade plan
+ * still covers the lengths seq_lens_host[batch] (nothing to plan or copy;
+ * update the device seq_lens as usual), 0 when it needs kvp_cascade_plan
+ * again. O(batch), host only; a decode-route plan always fits. plan->
+ * max_kv_len is unchanged. Errors: NULL_POINTER, STRUCT_SIZE,
+ * INVALID_ARGUMENT (not a cascade plan, batch differs from the plan's, a
+ * stale plan). */
+kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens_host, int32_t batch,
+                              int32_t *fits);
+
+/* Enqueues shared-prefix decode attention of a planned batch over one layer
+ * on stream: q and out [batch, num_q_heads, head_dim] with q_token_stride
+ * and out_token_stride between sequences; the cache and the block table as
+ * in decode; lse optional. Errors: NULL_POINTER, STRUCT_SIZE,
+ * INVALID_ARGUMENT (a plan not written by kvp_cascade_plan, a stale plan, a
+ * block size other than the plan's, a table shorter than the plan's
+ * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */
+kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_args *args, uint64_t stream);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: shared-prefix attention (end) ==== */
+
 /* ==== section: virtual-contiguous KV cache (begin) ==== */
 /*
  * A kvp_vcache is a KV cache in contiguous virtual memory (vAttention). Each
