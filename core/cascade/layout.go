@@ -52,6 +52,7 @@ const (
 	hSaved     = 11 // KV tokens per kv head the shared reads save (clamped to int32)
 	hTotal     = 12 // KV tokens per kv head plain decode would read (clamped)
 	hRoute     = 13 // RouteDecode or RouteCascade
+	hGen       = 14 // plans made into this workspace before this one (stale-plan check)
 
 	planMagic = 0x6b766331 // "kvc1"
 )

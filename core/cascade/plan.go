@@ -52,6 +52,7 @@ type Summary struct {
 	MaxKV       int   // longest planned length, tail capacities included
 	SavedTokens int64 // KV tokens per kv head that shared reads save
 	TotalTokens int64 // KV tokens per kv head that plain decode reads
+	Gen         int32 // the plan's generation in its workspace
 }
 
 // node is a shared run: tokens [begin, end) of every member's sequence,
@@ -120,7 +121,7 @@ func checkInput(in *Input, l *Layout) error {
 // and returns its summary. Nothing is written on error.
 func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 	var sum Summary
-	if len(ws) < l.HostInts {
+	if len(ws) < l.HostInts || len(ws) < HeaderInts {
 		return sum, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: the host workspace holds %d bytes; %d needed", 4*len(ws), 4*l.HostInts)
 	}
 	if in.NumQHeads != l.NumQHeads || in.NumQHeads/max(in.NumKVHeads, 1) != l.Group || in.HeadDim != l.HeadDim {
@@ -130,6 +131,9 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 		return sum, err
 	}
 	B := len(in.SeqLens)
+	if ws[hMagic] == planMagic {
+		sum.Gen = ws[hGen] + 1
+	}
 	p.in, p.bs = in, int32(in.BlockSize)
 	p.vbyte = 2 * int64(in.HeadDim) * int64(max(in.DTypeBytes, 1))
 	p.pcost = 2 * int64(l.Group) * int64(in.HeadDim+1) * 4
@@ -196,6 +200,7 @@ func (p *Planner) writeHeader(ws []int32, l *Layout, s *Summary) {
 	h[hSaved] = clamp32(s.SavedTokens)
 	h[hTotal] = clamp32(s.TotalTokens)
 	h[hRoute] = int32(s.Route)
+	h[hGen] = s.Gen
 	if s.Route == RouteDecode {
 		h[hItems], h[hParts] = 0, 0
 	}

@@ -22,6 +22,7 @@ func Header(ws []int32, l *Layout) (Summary, error) {
 	s.Items, s.Batch, s.Nodes, s.Parts, s.Chunk = int(h[hItems]), int(h[hBatch]), int(h[hNodes]), int(h[hParts]), int(h[hChunk])
 	s.MaxKV, s.SavedTokens, s.TotalTokens = int(h[hMaxKV]), int64(h[hSaved]), int64(h[hTotal])
 	s.Route = int(h[hRoute])
+	s.Gen = h[hGen]
 	return s, nil
 }
 
