@@ -195,3 +195,14 @@ func rawCudaAvailable(out ptr) int    { return st(kvp_cuda_available((*C.int32_t
 func rawAttnPrepare() int             { return st(kvp_attn_prepare()) }
 func rawStatusString(s int32) string  { return C.GoString(C.kvp_status_string(C.kvp_status(s))) }
 func rawSetLoggerOff(level int32) int { return st(kvp_set_logger(nil, nil, C.int(level))) }
+
+// hookGuarded runs f under an export's guard and returns the status the
+// export would return.
+func hookGuarded(f func()) int {
+	var s C.kvp_status
+	func() {
+		defer guard(&s)
+		f()
+	}()
+	return int(s)
+}
