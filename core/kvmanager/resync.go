@@ -9,7 +9,7 @@ import "github.com/kvplug/kvplug/core/kverr"
 // missed more than it can replay. Errors: InvalidArgument (KV events off).
 func (m *Manager) RequestEventSnapshot() error {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	if m.cache == nil || !m.cache.EventsEnabled() {
 		return kverr.Errorf(kverr.InvalidArgument, "event snapshot: KV events are off (enable_kv_events in the manager's config)")
 	}
