@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import kvplug
-from kvplug import _lib, attn, manager, prefix, vmem
+from kvplug import _lib, attn, cascade, manager, prefix, vmem
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "kvplug.h"
@@ -37,6 +37,7 @@ MIRRORS = {
     attn._MergeStatesArgs: "kvp_merge_states_args",
     vmem.VCacheConfig: "kvp_vcache_config",
     vmem.VCacheStats: "kvp_vcache_stats",
+    cascade._CascadePlanArgs: "kvp_cascade_plan_args",
 }
 for _name, _c in (("_PrefillPlanArgs", "kvp_prefill_plan_args"), ("_AttnPlan", "kvp_attn_plan"),
                   ("_PagedPrefillArgs", "kvp_paged_prefill_args")):
@@ -57,7 +58,7 @@ def header_structs() -> set:
 
 def test_every_struct_is_mirrored():
     found = set()
-    for mod in (_lib, manager, prefix, attn, vmem):
+    for mod in (_lib, manager, prefix, attn, cascade, vmem):
         for name, obj in vars(mod).items():
             if inspect.isclass(obj) and issubclass(obj, ctypes.Structure) and obj.__module__ == mod.__name__:
                 if name in NOT_HEADER:

@@ -49,6 +49,7 @@ from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
 from .events import EventPublisher, EventPublisherStats  # noqa: F401 (KV events on ZMQ)
 from .vmem import VirtualKVCache
 from . import attn
+from . import cascade  # noqa: F401 (shared-prefix decode attention)
 
 __version__ = "0.2.0"
 

@@ -1,0 +1,270 @@
+"""Shared-prefix ("cascade") decode attention on torch tensors.
+
+When sequences of a decode batch share KV blocks (a system prompt, few-shot
+blocks of a group, forks of parallel sampling), each shared run of blocks is
+read once per step for the queries of every sequence holding it, each tail
+once, and the partial states are merged: the result is plain paged decode
+attention. A plan is made from the host copies of the block table and the
+lengths (any engine has them) into two workspaces of fixed addresses, so a
+CUDA graph captured over paged_cascade replays for every later plan; a step
+whose sequences only grew is checked by CascadePlan.update in O(batch).
+
+    ws = kvplug.cascade.Workspaces(max_batch, 32, 8, 128, device="cuda")
+    plan = kvplug.cascade.plan(table_cpu, lens_cpu, lens_gpu, 32, 8, 128, torch.float16, ws)
+    out = kvplug.cascade.paged_cascade(plan, q, k_cache, v_cache, table_gpu)  # per layer
+    # next step, lengths + 1 (the device lens updated as usual):
+    if not plan.update(lens_cpu):
+        plan = kvplug.cascade.plan(...)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Optional, Tuple
+
+from . import _lib
+from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan, _PagedPrefillArgs
+from .attn import _bad, _cache_strides, _check, _cuda_tensor, _fn, _index, _rows, _same_dtype, _stream, _torch
+
+__all__ = ["ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
+           "paged_cascade"]
+
+ROUTE_DECODE, ROUTE_CASCADE = 2, 3  # KVP_ATTN_ROUTE_*
+PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
+NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
+MAX_PARTS = 8  # KVP_CASCADE_MAX_PARTS
+
+_i32, _i64, _u64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
+
+
+class _CascadePlanArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dtype", _i32),
+        ("head_dim", _i32),
+        ("num_q_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("batch", _i32),
+        ("max_batch", _i32),
+        ("block_size", _i32),
+        ("max_blocks_per_seq", _i32),
+        ("block_table_stride", _i64),
+        ("block_table_host", ctypes.POINTER(_i32)),
+        ("seq_lens_host", ctypes.POINTER(_i32)),
+        ("seq_lens", _u64),
+        ("host_workspace", ctypes.c_void_p),
+        ("host_workspace_bytes", _u64),
+        ("workspace", _u64),
+        ("workspace_bytes", _u64),
+        ("flags", _i32),
+        ("headroom", _i32),
+    ]
+
+
+def _i32arg(v: Any, what: str) -> int:
+    return _lib.checked_int(v, "kvplug.cascade: " + what, "int32")
+
+
+def workspace_size(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tuple[int, int]:
+    """(device_bytes, host_bytes) of the workspaces for batches of up to
+    max_batch sequences."""
+    dev, host = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    f = _fn("kvp_cascade_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
+    _check(f(_i32arg(max_batch, "max_batch"), _i32arg(num_q_heads, "num_q_heads"),
+             _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(head_dim, "head_dim"),
+             ctypes.byref(dev), ctypes.byref(host)))
+    return int(dev.value), int(host.value)
+
+
+class Workspaces:
+    """The device workspace (a CUDA uint8 tensor) and the host workspace (a
+    pinned CPU uint8 tensor, so the plan's copy is asynchronous) for batches
+    of up to max_batch sequences. Allocate once; plan every step into them."""
+
+    def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: Any = "cuda"):
+        torch = _torch()
+        dev_bytes, host_bytes = workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim)
+        self.max_batch = _i32arg(max_batch, "max_batch")
+        self.device = torch.empty(dev_bytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+
+
+class CascadePlan:
+    """A planned batch (kvp_attn_plan of kind cascade). Keeps the arrays it
+    refers to alive; pass it to paged_cascade for every layer of the step."""
+
+    def __init__(self, c: _AttnPlan, keep: Tuple[Any, ...]):
+        self._c = c
+        self._keep = keep
+
+    @property
+    def route(self) -> int:
+        return int(self._c.route)
+
+    @property
+    def batch(self) -> int:
+        return int(self._c.batch)
+
+    @property
+    def num_items(self) -> int:
+        return int(self._c.num_items)
+
+    @property
+    def saved_tokens(self) -> int:
+        """KV tokens per kv head that reading shared runs once saves."""
+        return int(self._c.reserved[4])
+
+    @property
+    def total_tokens(self) -> int:
+        """KV tokens per kv head plain decode reads."""
+        return int(self._c.reserved[5])
+
+    def update(self, seq_lens_host: Any) -> bool:
+        """True when the plan still covers these lengths (a step whose
+        sequences only grew); False: plan again."""
+        n = self.batch
+        lens = _host_i32(seq_lens_host, n, "seq_lens_host")
+        fits = _i32(-1)
+        f = _fn("kvp_cascade_update", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_i32), _i32, ctypes.POINTER(_i32)])
+        _check(f(ctypes.byref(self._c), lens, n, ctypes.byref(fits)))
+        return fits.value == 1
+
+    def __repr__(self) -> str:
+        c = self._c
+        route = {ROUTE_CASCADE: "cascade", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
+        return (f"CascadePlan(route={route}, batch={c.batch}, items={c.num_items}, max_kv_len={c.max_kv_len}, "
+                f"saved_tokens={self.saved_tokens}, total_tokens={self.total_tokens})")
+
+
+def _host_i32(x: Any, n: int, what: str) -> Any:
+    vals = x.reshape(-1).tolist() if hasattr(x, "tolist") else list(x)
+    if len(vals) != n:
+        raise _bad(f"{what} has {len(vals)} entries; {n} expected")
+    return (_i32 * max(n, 1))(*[_i32arg(v, what) for v in vals])
+
+
+def _host_table(t: Any) -> Tuple[Any, int, int]:
+    """A host int32 [batch, cols] C-contiguous tensor (converted when needed)."""
+    torch = _torch()
+    t = torch.as_tensor(t)
+    if t.dim() != 2:
+        raise _bad(f"block_table_host must be 2-D [batch, max_blocks], got shape {tuple(t.shape)}")
+    t = t.to(device="cpu", dtype=torch.int32).contiguous()
+    return t, int(t.shape[0]), int(t.shape[1])
+
+
+def plan(
+    block_table_host: Any,
+    seq_lens_host: Any,
+    seq_lens: Any,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    workspaces: Workspaces,
+    block_size: int = 16,
+    decode_route: bool = True,
+    headroom: int = 0,
+    stream: Any = None,
+) -> CascadePlan:
+    """Plans a decode batch: block_table_host (int32 [batch, max_blocks], CPU)
+    and seq_lens_host (batch lengths, this step's token included) are read on
+    the host; seq_lens (int32 [batch] CUDA) holds the same values for the
+    kernels. decode_route=False keeps the cascade route even when sharing
+    does not pay (one captured graph for every batch)."""
+    if not isinstance(workspaces, Workspaces):
+        raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
+    torch = _torch()
+    dev = workspaces.device.device
+    table, batch, cols = _host_table(block_table_host)
+    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
+    if seq_lens.shape[0] != batch:
+        raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for a block table of {batch} rows")
+    lens = _host_i32(seq_lens_host, batch, "seq_lens_host")
+    if not isinstance(dtype, int):
+        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}.get(dtype, 0)
+    a = _CascadePlanArgs(
+        ctypes.sizeof(_CascadePlanArgs), _i32arg(dtype, "dtype"), _i32arg(head_dim, "head_dim"),
+        _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(batch, "batch"),
+        workspaces.max_batch, _i32arg(block_size, "block_size"), _i32arg(max(cols, 1), "max_blocks_per_seq"),
+        max(cols, 1), ctypes.cast(table.data_ptr(), ctypes.POINTER(_i32)), lens, seq_lens.data_ptr(),
+        ctypes.c_void_p(workspaces.host.data_ptr()), workspaces.host.numel(),
+        workspaces.device.data_ptr(), workspaces.device.numel(),
+        0 if decode_route else NO_DECODE_ROUTE, _i32arg(headroom, "headroom"),
+    )
+    p = _AttnPlan()
+    p.struct_size = ctypes.sizeof(_AttnPlan)
+    f = _fn("kvp_cascade_plan", [ctypes.POINTER(_CascadePlanArgs), ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
+    return CascadePlan(p, (seq_lens, workspaces))
+
+
+def paged_cascade(
+    plan: CascadePlan,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_table: Any,
+    out: Any = None,
+    lse: Any = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    stream: Any = None,
+) -> Any:
+    """Decode attention of a planned batch over one layer: q ([batch,
+    num_q_heads, head_dim]) over the paged caches ([num_blocks, block_size,
+    num_kv_heads, head_dim]) through block_table (int32 [batch, max_blocks]
+    CUDA, the host table's values). Returns out, or (out, lse) with
+    return_lse (lse float32 [batch, num_q_heads], natural log)."""
+    if not isinstance(plan, CascadePlan):
+        raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
+    torch = _torch()
+    cb, ct, ch = _cache_strides(k_cache, v_cache)
+    dev = k_cache.device
+    _cuda_tensor(q, "q", 3, dev)
+    _same_dtype(q, k_cache.dtype, "q")
+    nb, bs, kvh, d = k_cache.shape
+    c = plan._c
+    if q.shape[0] != c.batch or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
+        raise _bad(f"q has shape {tuple(q.shape)}; the plan has [{c.batch}, {c.num_q_heads}, {c.head_dim}]")
+    if kvh != c.num_kv_heads:
+        raise _bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
+    _rows(q, "q")
+    _index(block_table, "block_table", 2, dev, torch.int32)
+    if block_table.shape[0] != c.batch:
+        raise _bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _cuda_tensor(out, "out", 3, dev)
+        _same_dtype(out, q.dtype, "out")
+        if tuple(out.shape) != tuple(q.shape):
+            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
+        _rows(out, "out")
+    lse_ptr = 0
+    if lse is None and return_lse:
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=dev)
+    if lse is not None:
+        _cuda_tensor(lse, "lse", 2, dev)
+        _same_dtype(lse, torch.float32, "lse")
+        if tuple(lse.shape) != (q.shape[0], q.shape[1]) or not lse.is_contiguous():
+            raise _bad(f"lse must be a contiguous float32 [{q.shape[0]}, {q.shape[1]}] tensor")
+        lse_ptr = lse.data_ptr()
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
+    a = _PagedPrefillArgs(
+        ctypes.sizeof(_PagedPrefillArgs), _i32arg(nb, "num_blocks"), _i32arg(bs, "block_size"),
+        _i32arg(block_table.shape[1], "max_blocks_per_seq"), 0,
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
+        block_table.data_ptr(), tstride,
+        out.data_ptr(), out.stride(0), out.stride(1),
+        lse_ptr, float(scale), 0,
+    )
+    f = _fn("kvp_paged_cascade", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_PagedPrefillArgs), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(c), ctypes.byref(a), _stream(stream, dev)))
+    return (out, lse) if (return_lse or lse is not None) else out
