@@ -54,6 +54,7 @@ type abiFuzz struct {
 	junk   cbuf
 	bufs   []cbuf
 	pins   []uint64
+	pub    ptr // current event publisher, on m
 }
 
 func (fz *abiFuzz) alloc(n int) ptr {
@@ -71,6 +72,7 @@ func (fz *abiFuzz) release() {
 
 func (fz *abiFuzz) close() {
 	fz.release()
+	rawPublisherDestroy(fz.pub) // before its manager, as the header asks
 	rawManagerDestroy(fz.m)
 	rawVcacheDestroy(fz.c)
 	fz.junk.free()
@@ -253,6 +255,11 @@ func (fz *abiFuzz) snapshot() string {
 		if st := s.get(fz.m, p.p); st != 0 {
 			fz.t.Fatalf("snapshot %s: %s", s.name, lastError())
 		}
+		if s.name == "kvp_prefix_stats" && fz.pub != nil {
+			// A running publisher drains the manager's events on its own
+			// goroutine: the pending count moves between any two calls.
+			setField(p.p, s.name, "pending_events", 0)
+		}
 		b.Write(unsafe.Slice((*byte)(p.p), l.size))
 		p.free()
 	}
@@ -277,7 +284,7 @@ func (fz *abiFuzz) snapshot() string {
 func (fz *abiFuzz) step() {
 	defer fz.release()
 	before := fz.snapshot()
-	op := fz.r.u8() % 48
+	op := fz.r.u8() % numOps
 	name, st := fz.call(op)
 	if st < 0 {
 		return // not a status call
@@ -512,12 +519,177 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 			fz.t.Fatalf("kvp_version %d, %q", v, rawVersionString())
 		}
 		return "kvp_version", -1
-	default:
+	case 47:
 		if s := rawStatusString(fz.i32()); s == "" {
 			fz.t.Fatal("kvp_status_string returned an empty name")
 		}
 		return "kvp_status_string", -1
+	case 48:
+		return "kvp_cascade_workspace_size", rawCascadeWorkspaceSize(fz.i32(), fz.i32(), fz.i32(), fz.i32(), fz.outp(8), fz.outp(8))
+	case 49:
+		return fz.cascadePlan()
+	case 50:
+		batch := int32(fz.small(8))
+		if fz.r.u8()%8 == 0 {
+			batch = []int32{-1, math.MinInt32}[fz.small(2)]
+		}
+		lens := fz.array(int(max(batch, 0)), 4, func() int64 { return int64(fz.small(300)) })
+		return "kvp_cascade_update", rawCascadeUpdate(fz.randomPlan(), lens, batch, fz.outp(4))
+	case 51:
+		if fz.gpu {
+			return "kvp_paged_cascade", -1
+		}
+		args := fz.structBuf("kvp_paged_prefill_args")
+		fz.randomFields(args, "kvp_paged_prefill_args")
+		return "kvp_paged_cascade", rawPagedCascade(fz.randomPlan(), args)
+	case 52:
+		return fz.createPublisher()
+	case 53:
+		return "kvp_event_publisher_flush", rawPublisherFlush(fz.pubHandle())
+	case 54:
+		return "kvp_event_publisher_resync", rawPublisherResync(fz.pubHandle())
+	case 55:
+		return "kvp_event_publisher_stats_get", rawPublisherStats(fz.pubHandle(), fz.outStruct("kvp_event_publisher_stats"))
+	case 56:
+		h := fz.pubHandle()
+		if h == fz.pub {
+			fz.pub = nil
+		}
+		rawPublisherDestroy(h)
+		return "kvp_event_publisher_destroy", -1
 	}
+	panic(fmt.Sprintf("no call numbered %d", op))
+}
+
+// numOps is the number of calls call knows.
+const numOps = 57
+
+// pubHandle picks a publisher handle: the current one (possibly none),
+// NULL, junk, or another type's.
+func (fz *abiFuzz) pubHandle() ptr {
+	switch fz.r.u8() % 8 {
+	case 0:
+		return nil
+	case 1:
+		return fz.junk.p
+	case 2:
+		return fz.m
+	}
+	return fz.pub
+}
+
+// randomFields sets some of the struct's integer fields to arbitrary
+// values (when its struct_size lets the library read them).
+func (fz *abiFuzz) randomFields(p ptr, name string) {
+	l := cLayouts[name]
+	if p == nil {
+		return
+	}
+	if size := *(*uintptr)(p); size < l.size || size > 1<<16 {
+		return
+	}
+	for field, f := range l.fields {
+		if field == "struct_size" || fz.r.u8()%3 != 0 {
+			continue
+		}
+		switch f.size {
+		case 4:
+			*(*int32)(unsafe.Add(p, f.off)) = fz.i32()
+		case 8:
+			*(*int64)(unsafe.Add(p, f.off)) = fz.i64()
+		}
+	}
+}
+
+// randomPlan is a kvp_attn_plan of arbitrary size and fields, or NULL.
+func (fz *abiFuzz) randomPlan() ptr {
+	p := fz.outStruct("kvp_attn_plan")
+	fz.randomFields(p, "kvp_attn_plan")
+	return p
+}
+
+// cascadePlan plans with arbitrary arguments whose host arrays hold what
+// the arguments say. Left out where a GPU would receive the plan's copy.
+func (fz *abiFuzz) cascadePlan() (string, int) {
+	const name = "kvp_cascade_plan_args"
+	if fz.gpu {
+		return "kvp_cascade_plan", -1
+	}
+	args := fz.structBuf(name)
+	fz.randomFields(args, name)
+	if size := *(*uintptr)(args); size >= cLayouts[name].size && size <= 1<<16 {
+		batch := fz.small(6)
+		if fz.r.u8()%8 == 0 {
+			batch = []int{-1, 65536, math.MaxInt32}[fz.small(3)]
+		}
+		stride, maxBlocks := fz.small(8), fz.small(8)
+		setField(args, name, "batch", int64(batch))
+		setField(args, name, "block_table_stride", int64(stride))
+		setField(args, name, "max_blocks_per_seq", int64(maxBlocks))
+		var table, lens ptr
+		if batch >= 0 && batch < 64 {
+			table = fz.array(batch*max(stride, maxBlocks, 1), 4, func() int64 { return int64(fz.small(64)) })
+			lens = fz.array(batch, 4, func() int64 { return int64(fz.small(200)) })
+		}
+		setField(args, name, "block_table_host", int64(uintptr(table)))
+		setField(args, name, "seq_lens_host", int64(uintptr(lens)))
+		hb := 4 * fz.small(4096)
+		host := fz.outp(max(hb, 4))
+		setField(args, name, "host_workspace", int64(uintptr(host)))
+		setField(args, name, "host_workspace_bytes", int64(hb))
+	}
+	if fz.r.u8()%10 == 0 {
+		args = nil
+	}
+	return "kvp_cascade_plan", rawCascadePlan(args, fz.outStruct("kvp_attn_plan"))
+}
+
+// cstr is a NUL-terminated copy of s in C memory.
+func (fz *abiFuzz) cstr(s string) ptr {
+	p := fz.alloc(len(s) + 1)
+	copy(unsafe.Slice((*byte)(p), len(s)), s)
+	return p
+}
+
+// createPublisher starts a publisher on the current manager with an
+// arbitrary config: endpoints that do not parse, loopback ports, long
+// topics, fields out of range. One that starts becomes the current one.
+func (fz *abiFuzz) createPublisher() (string, int) {
+	const name = "kvp_event_publisher_config"
+	cfg := fz.structBuf(name)
+	fz.randomFields(cfg, name)
+	if size := *(*uintptr)(cfg); size >= cLayouts[name].size && size <= 1<<16 {
+		endpoints := []string{"", "nonsense", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "udp://x:1", "tcp://"}
+		for _, f := range []string{"endpoint", "replay_endpoint", "topic", "medium"} {
+			var v ptr
+			switch k := fz.r.u8() % 4; {
+			case k == 0:
+			case f == "topic" && k == 1:
+				v = fz.cstr(string(bytes.Repeat([]byte{'t'}, 1025)))
+			default:
+				v = fz.cstr(endpoints[fz.small(len(endpoints))])
+			}
+			setField(cfg, name, f, int64(uintptr(v)))
+		}
+		for _, f := range []string{"buffer_steps", "hwm", "max_batch_events"} {
+			if fz.r.u8()%2 == 0 {
+				setField(cfg, name, f, int64(fz.small(64)))
+			}
+		}
+		if fz.r.u8()%2 == 0 {
+			setField(cfg, name, "buffer_bytes", int64(fz.small(1<<16)))
+		}
+	}
+	if fz.r.u8()%10 == 0 {
+		cfg = nil
+	}
+	out := fz.outp(8)
+	st := rawPublisherCreate(fz.handle(true), cfg, out)
+	if st == 0 {
+		rawPublisherDestroy(fz.pub)
+		fz.pub = *(*ptr)(out)
+	}
+	return "kvp_event_publisher_create", st
 }
 
 // outStruct is an output struct of an arbitrary struct_size, NULL now and
@@ -640,6 +812,8 @@ func (fz *abiFuzz) createManager() (string, int) {
 	out := fz.outp(8)
 	st := rawManagerCreate(cfg, out)
 	if st == 0 {
+		rawPublisherDestroy(fz.pub)
+		fz.pub = nil
 		rawManagerDestroy(fz.m)
 		fz.m = *(*ptr)(out)
 		fz.pins = nil
@@ -760,12 +934,12 @@ func (fz *abiFuzz) launch(op uint8) (string, int) {
 // this checks that the target reaches every group of entry points.
 func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 	seen := map[string]bool{}
-	for op := range 48 {
+	for op := range numOps {
 		data := []byte{5, 8, 4, byte(op)}
 		data = append(data, bytes.Repeat([]byte{1}, 64)...)
 		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
 		fz.setup()
-		name, _ := fz.call(fz.r.u8() % 48)
+		name, _ := fz.call(fz.r.u8() % numOps)
 		fz.close()
 		seen[name] = true
 	}
@@ -778,7 +952,9 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_vcache_stats_get", "kvp_attn_workspace_size", "kvp_prefill_workspace_size", "kvp_attn_num_splits",
 		"kvp_kv_write", "kvp_paged_decode", "kvp_merge_states", "kvp_prefill_plan", "kvp_paged_prefill",
 		"kvp_cuda_available", "kvp_attn_prepare", "kvp_live_handles", "kvp_set_log_level", "kvp_set_logger",
-		"kvp_version", "kvp_status_string"}
+		"kvp_version", "kvp_status_string", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
+		"kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
+		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy"}
 	for _, w := range want {
 		if !seen[w] {
 			t.Errorf("FuzzABI never calls %s", w)

@@ -33,23 +33,26 @@ type cLayout struct {
 func buildCLayouts() map[string]cLayout {
 	out := map[string]cLayout{}
 	for name, v := range map[string]any{
-		"kvp_manager_config":     C.kvp_manager_config{},
-		"kvp_manager_stats":      C.kvp_manager_stats{},
-		"kvp_prefix_stats":       C.kvp_prefix_stats{},
-		"kvp_prefix_keys":        C.kvp_prefix_keys{},
-		"kvp_prefix_match":       C.kvp_prefix_match{},
-		"kvp_mm_item":            C.kvp_mm_item{},
-		"kvp_block_mm":           C.kvp_block_mm{},
-		"kvp_block_copy":         C.kvp_block_copy{},
-		"kvp_kv_event":           C.kvp_kv_event{},
-		"kvp_vcache_config":      C.kvp_vcache_config{},
-		"kvp_vcache_stats":       C.kvp_vcache_stats{},
-		"kvp_kv_write_args":      C.kvp_kv_write_args{},
-		"kvp_paged_decode_args":  C.kvp_paged_decode_args{},
-		"kvp_merge_states_args":  C.kvp_merge_states_args{},
-		"kvp_prefill_plan_args":  C.kvp_prefill_plan_args{},
-		"kvp_attn_plan":          C.kvp_attn_plan{},
-		"kvp_paged_prefill_args": C.kvp_paged_prefill_args{},
+		"kvp_manager_config":         C.kvp_manager_config{},
+		"kvp_manager_stats":          C.kvp_manager_stats{},
+		"kvp_prefix_stats":           C.kvp_prefix_stats{},
+		"kvp_prefix_keys":            C.kvp_prefix_keys{},
+		"kvp_prefix_match":           C.kvp_prefix_match{},
+		"kvp_mm_item":                C.kvp_mm_item{},
+		"kvp_block_mm":               C.kvp_block_mm{},
+		"kvp_block_copy":             C.kvp_block_copy{},
+		"kvp_kv_event":               C.kvp_kv_event{},
+		"kvp_vcache_config":          C.kvp_vcache_config{},
+		"kvp_vcache_stats":           C.kvp_vcache_stats{},
+		"kvp_kv_write_args":          C.kvp_kv_write_args{},
+		"kvp_paged_decode_args":      C.kvp_paged_decode_args{},
+		"kvp_merge_states_args":      C.kvp_merge_states_args{},
+		"kvp_prefill_plan_args":      C.kvp_prefill_plan_args{},
+		"kvp_attn_plan":              C.kvp_attn_plan{},
+		"kvp_paged_prefill_args":     C.kvp_paged_prefill_args{},
+		"kvp_cascade_plan_args":      C.kvp_cascade_plan_args{},
+		"kvp_event_publisher_config": C.kvp_event_publisher_config{},
+		"kvp_event_publisher_stats":  C.kvp_event_publisher_stats{},
 	} {
 		t := reflect.TypeOf(v)
 		l := cLayout{size: t.Size(), fields: map[string]cField{}}
@@ -205,4 +208,31 @@ func hookGuarded(f func()) int {
 		f()
 	}()
 	return int(s)
+}
+
+func rawCascadeWorkspaceSize(maxBatch, qHeads, kvHeads, headDim int32, dev, host ptr) int {
+	return st(kvp_cascade_workspace_size(C.int32_t(maxBatch), C.int32_t(qHeads), C.int32_t(kvHeads), C.int32_t(headDim),
+		(*C.uint64_t)(dev), (*C.uint64_t)(host)))
+}
+func rawCascadePlan(args, plan ptr) int {
+	return st(kvp_cascade_plan((*C.kvp_cascade_plan_args)(args), (*C.kvp_attn_plan)(plan), 0))
+}
+func rawCascadeUpdate(plan, lens ptr, batch int32, fits ptr) int {
+	return st(kvp_cascade_update((*C.kvp_attn_plan)(plan), (*C.int32_t)(lens), C.int32_t(batch), (*C.int32_t)(fits)))
+}
+func rawPagedCascade(plan, args ptr) int {
+	return st(kvp_paged_cascade((*C.kvp_attn_plan)(plan), (*C.kvp_paged_prefill_args)(args), 0))
+}
+func rawPublisherCreate(m, cfg, out ptr) int {
+	return st(kvp_event_publisher_create((*C.kvp_manager)(m), (*C.kvp_event_publisher_config)(cfg), (**C.kvp_event_publisher)(out)))
+}
+func rawPublisherDestroy(p ptr) { kvp_event_publisher_destroy((*C.kvp_event_publisher)(p)) }
+func rawPublisherFlush(p ptr) int {
+	return st(kvp_event_publisher_flush((*C.kvp_event_publisher)(p)))
+}
+func rawPublisherResync(p ptr) int {
+	return st(kvp_event_publisher_resync((*C.kvp_event_publisher)(p)))
+}
+func rawPublisherStats(p, out ptr) int {
+	return st(kvp_event_publisher_stats_get((*C.kvp_event_publisher)(p), (*C.kvp_event_publisher_stats)(out)))
 }

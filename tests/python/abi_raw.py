@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, Tuple
 
-from kvplug import _lib, attn, manager, prefix, vmem
+from kvplug import _lib, attn, cascade, events, manager, prefix, vmem
 
 vp, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 
@@ -51,9 +51,17 @@ SIGNATURES = {
     "kvp_prefill_plan": [vp, vp, u64],
     "kvp_paged_prefill": [vp, vp, u64],
     "kvp_live_handles": [vp],
+    "kvp_cascade_workspace_size": [i32, i32, i32, i32, vp, vp],
+    "kvp_cascade_plan": [vp, vp, u64],
+    "kvp_cascade_update": [vp, vp, i32, vp],
+    "kvp_paged_cascade": [vp, vp, u64],
+    "kvp_event_publisher_create": [vp, vp, vp],
+    "kvp_event_publisher_flush": [vp],
+    "kvp_event_publisher_resync": [vp],
+    "kvp_event_publisher_stats_get": [vp, vp],
     "kvp_cuda_available": [vp],
 }
-DESTROYS = ("kvp_manager_destroy", "kvp_vcache_destroy")
+DESTROYS = ("kvp_manager_destroy", "kvp_vcache_destroy", "kvp_event_publisher_destroy")
 
 
 def call(name: str, *args) -> int:
@@ -91,6 +99,9 @@ STRUCTS = {
     "kvp_prefill_plan_args": attn._PrefillPlanArgs,
     "kvp_attn_plan": attn._AttnPlan,
     "kvp_paged_prefill_args": attn._PagedPrefillArgs,
+    "kvp_cascade_plan_args": cascade._CascadePlanArgs,
+    "kvp_event_publisher_config": events.EventPublisherConfig,
+    "kvp_event_publisher_stats": events.EventPublisherStatsStruct,
 }
 
 # kvp_manager_config's first released size: through block_size.

@@ -73,6 +73,7 @@ class Driver:
         self.stale_c = self.vcache(1, 64, 1 << 20)
         raw.call("kvp_vcache_destroy", self.stale_c)
         self.pins = []
+        self.pub = None  # the current event publisher, on self.m
 
     def manager_helper(self) -> int:
         cfg = raw.manager.ManagerConfig(ctypes.sizeof(raw.manager.ManagerConfig), 4, 4)
@@ -90,6 +91,7 @@ class Driver:
         return out.value
 
     def close(self) -> None:
+        raw.call("kvp_event_publisher_destroy", self.pub)  # before its manager, as the header asks
         raw.call("kvp_manager_destroy", self.m)
         if self.c:
             raw.call("kvp_vcache_destroy", self.c)
@@ -171,6 +173,10 @@ class Driver:
             p = mem.alloc(size)
             ctypes.c_size_t.from_address(p).value = size
             assert raw.call(fn, self.m, p) == 0, raw.last_error()
+            if name == "kvp_prefix_stats" and self.pub:
+                # A running publisher drains the manager's events on its own
+                # thread: the pending count moves between any two calls.
+                put(p, *layout(name)[1]["pending_events"], 0)
             snap += ctypes.string_at(p, size)
         if self.c:
             size, f = layout("kvp_vcache_stats")
@@ -365,8 +371,9 @@ def op_manager_create(d):
     out = d.outp(8)
     s = raw.call("kvp_manager_create", p, out)
     if s == 0:
+        raw.call("kvp_event_publisher_destroy", d.pub)
         raw.call("kvp_manager_destroy", d.m)
-        d.m, d.pins = ctypes.c_void_p.from_address(out).value, []
+        d.m, d.pins, d.pub = ctypes.c_void_p.from_address(out).value, [], None
     return "kvp_manager_create", s
 
 
@@ -544,13 +551,139 @@ def op_versions(d):
     return "kvp_version", None
 
 
+def _random_fields(d, p, ss, name):
+    size, f = layout(name)
+    if p is None or not size <= ss <= 1 << 16:
+        return
+    for fname, (off, fsize) in f.items():
+        if fname != "struct_size" and fsize in (4, 8) and d.chance(3):
+            put(p, off, fsize, d.draw(i32s) if fsize == 4 else d.draw(i64s))
+
+
+def _random_plan(d):
+    if d.chance(12):
+        return None
+    p, ss = d.struct("kvp_attn_plan")
+    _random_fields(d, p, ss, "kvp_attn_plan")
+    return p
+
+
+def op_cascade_workspace(d):
+    return "kvp_cascade_workspace_size", raw.call("kvp_cascade_workspace_size", *(d.draw(i32s) for _ in range(4)),
+                                                  d.outp(8), d.outp(8))
+
+
+def op_cascade_plan(d):
+    name = "kvp_cascade_plan_args"
+    if GPU:
+        return "kvp_cascade_plan", None
+    p, ss = d.struct(name)
+    _random_fields(d, p, ss, name)
+    size, f = layout(name)
+    if size <= ss <= 1 << 16:
+        batch = d.draw(st.sampled_from([-1, 65536, 2**31 - 1])) if d.chance(8) else d.small(6)
+        stride, max_blocks = d.small(8), d.small(8)
+        put(p, f["batch"][0], 4, batch)
+        put(p, f["block_table_stride"][0], 8, stride)
+        put(p, f["max_blocks_per_seq"][0], 4, max_blocks)
+        table = lens = 0
+        if 0 <= batch < 64:  # host arrays that hold what the arguments say
+            table = d.array([d.small(64) for _ in range(batch * max(stride, max_blocks, 1))], 4) or 0
+            lens = d.array([d.small(200) for _ in range(batch)], 4) or 0
+        put(p, f["block_table_host"][0], 8, table)
+        put(p, f["seq_lens_host"][0], 8, lens)
+        hb = 4 * d.small(4096)
+        put(p, f["host_workspace"][0], 8, d.outp(max(hb, 4)) or 0)
+        put(p, f["host_workspace_bytes"][0], 8, hb)
+    if d.chance(10):
+        p = None
+    plan = None if d.chance(12) else d.struct("kvp_attn_plan")[0]
+    return "kvp_cascade_plan", raw.call("kvp_cascade_plan", p, plan, 0)
+
+
+def op_cascade_update(d):
+    batch = d.draw(st.sampled_from([-1, -(2**31)])) if d.chance(8) else d.small(8)
+    lens = d.array([d.small(300) for _ in range(max(batch, 0))], 4)
+    return "kvp_cascade_update", raw.call("kvp_cascade_update", _random_plan(d), lens, batch, d.outp(4))
+
+
+def op_paged_cascade(d):
+    if GPU:
+        return "kvp_paged_cascade", None
+    p, ss = d.struct("kvp_paged_prefill_args")
+    _random_fields(d, p, ss, "kvp_paged_prefill_args")
+    return "kvp_paged_cascade", raw.call("kvp_paged_cascade", _random_plan(d), p, 0)
+
+
+def _pub_handle(d):
+    k = d.small(8)
+    return [None, ctypes.addressof(d.junk), d.m][k] if k < 3 else d.pub
+
+
+ENDPOINTS = ["", "nonsense", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "udp://x:1", "tcp://"]
+
+
+def op_publisher_create(d):
+    name = "kvp_event_publisher_config"
+    p, ss = d.struct(name)
+    _random_fields(d, p, ss, name)
+    size, f = layout(name)
+    if size <= ss <= 1 << 16:
+        for fname in ("endpoint", "replay_endpoint", "topic", "medium"):
+            k = d.small(4)
+            v = 0
+            if k == 1 and fname == "topic":
+                v = d.mem.alloc(1026)
+                ctypes.memmove(v, b"t" * 1025 + b"\0", 1026)
+            elif k:
+                text = d.draw(st.sampled_from(ENDPOINTS)).encode() + b"\0"
+                v = d.mem.alloc(len(text))
+                ctypes.memmove(v, text, len(text))
+            ctypes.c_void_p.from_address(p + f[fname][0]).value = v or None
+        for fname in ("buffer_steps", "hwm", "max_batch_events"):
+            if d.chance(2):
+                put(p, f[fname][0], 4, d.small(64))
+        if d.chance(2):
+            put(p, f["buffer_bytes"][0], 8, d.small(1 << 16))
+    if d.chance(10):
+        p = None
+    out = d.outp(8)
+    s = raw.call("kvp_event_publisher_create", d.handle(True), p, out)
+    if s == 0:
+        raw.call("kvp_event_publisher_destroy", d.pub)
+        d.pub = ctypes.c_void_p.from_address(out).value
+    return "kvp_event_publisher_create", s
+
+
+def op_publisher_flush(d):
+    return "kvp_event_publisher_flush", raw.call("kvp_event_publisher_flush", _pub_handle(d))
+
+
+def op_publisher_resync(d):
+    return "kvp_event_publisher_resync", raw.call("kvp_event_publisher_resync", _pub_handle(d))
+
+
+def op_publisher_stats(d):
+    p = None if d.chance(12) else d.struct("kvp_event_publisher_stats")[0]
+    return "kvp_event_publisher_stats_get", raw.call("kvp_event_publisher_stats_get", _pub_handle(d), p)
+
+
+def op_publisher_destroy(d):
+    h = _pub_handle(d)
+    if h is not None and h == d.pub:
+        d.pub = None
+    raw.call("kvp_event_publisher_destroy", h)
+    return "kvp_event_publisher_destroy", None
+
+
 OPS = [op_add, op_grow, op_grow, op_grow_tokens, op_fork, op_remove, op_describe, op_stats, op_prefix_stats, op_admit,
        op_admit, op_match, op_pin, op_unpin, op_set_priority, op_prefix_stats_reset, op_clear, op_drain,
        op_next_event_size, op_add_mm_items, op_manager_create, op_manager_destroy, op_vcache_create, op_vcache_destroy,
        op_layer_ptrs, op_strides, op_alloc_slot, op_alloc_slot, op_free_slot, op_step, op_step, op_trim, op_vcache_stats,
        op_workspace, op_prefill_workspace, op_num_splits, op_kv_write, op_paged_decode, op_merge_states,
        op_prefill_plan, op_paged_prefill, op_cuda_available, op_attn_prepare, op_live_handles, op_set_log_level,
-       op_versions]
+       op_versions, op_cascade_workspace, op_cascade_plan, op_cascade_update, op_paged_cascade, op_publisher_create,
+       op_publisher_flush, op_publisher_resync, op_publisher_stats, op_publisher_destroy]
 
 
 def _search(max_examples: int) -> None:
@@ -597,7 +730,7 @@ def test_every_entry_point_with_arbitrary_arguments():
 
 def test_every_entry_point_is_driven():
     names = {op.__name__ for op in OPS}
-    assert len(names) == 42
+    assert len(names) == 51
     exported = set(raw.SIGNATURES) - {"kvp_manager_check"}
     driven = {"kvp_manager_" + n for n in ("add", "grow", "grow_tokens", "fork", "remove", "describe", "stats_get",
                                            "prefix_stats", "admit", "match", "pin", "unpin", "set_priority",
@@ -607,5 +740,7 @@ def test_every_entry_point_is_driven():
                                            "stats_get")}
     driven |= {"kvp_attn_workspace_size", "kvp_prefill_workspace_size", "kvp_attn_num_splits", "kvp_kv_write",
                "kvp_paged_decode", "kvp_merge_states", "kvp_prefill_plan", "kvp_paged_prefill", "kvp_live_handles",
-               "kvp_cuda_available"}
+               "kvp_cuda_available", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
+               "kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
+               "kvp_event_publisher_stats_get"}
     assert exported == driven
