@@ -1,0 +1,213 @@
+"""Shared-prefix decode attention benchmark (fp16, 32 q / 8 kv heads,
+head_dim 128, block size 16).
+
+For each case (B sequences sharing a tree of prefixes, each with its own
+tail) it times, in one process: kvplug's cascade run (kvplug.cascade,
+planned once outside the timing), kvplug's plain paged decode over the same
+cache and tables, and, when flashinfer imports, FlashInfer's decode wrapper
+(tensor cores) and its multi-level cascade wrapper (one level per tree
+level). The floor is the step's unique K/V bytes at 3000 GB/s.
+
+Timing: each call is preceded by a 256 MiB write that evicts L2 (50 MB on an
+H100) and a 1 ms spin kernel (so the host has enqueued the call before the
+GPU reaches it), and timed alone with CUDA events; the median of --iters
+calls is reported. Outputs are checked against plain decode (max abs difference).
+
+Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--out DIR]
+Prints a markdown table; writes JSON to DIR (default $OUT or .).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bindings" / "python"))
+import kvplug  # noqa: E402
+from kvplug import cascade  # noqa: E402
+
+HQ, HK, D, BS = 32, 8, 128, 16
+FLOOR_GBPS = 3000.0
+
+
+def make_case(B, levels, tail):
+    """levels: [(group_size, tokens)] from the root: sequences
+    [g*group_size, (g+1)*group_size) share `tokens` more tokens (whole
+    blocks). Each sequence then owns `tail` tokens."""
+    rows = [[] for _ in range(B)]
+    next_block = 0
+    level_pages = []  # per level: list of (seq_lo, seq_hi, pages)
+    for gsize, tokens in levels:
+        nb = tokens // BS
+        groups = []
+        for lo in range(0, B, gsize):
+            pages = list(range(next_block, next_block + nb))
+            next_block += nb
+            for s in range(lo, min(B, lo + gsize)):
+                rows[s].extend(pages)
+            groups.append((lo, min(B, lo + gsize), pages))
+        level_pages.append(groups)
+    own = []
+    for s in range(B):
+        nb = -(-tail // BS)
+        pages = list(range(next_block, next_block + nb))
+        next_block += nb
+        own.append(pages)
+        rows[s].extend(pages)
+    shared = sum(t for _, t in levels)
+    lens = [shared + tail] * B
+    width = max(len(r) for r in rows)
+    table = torch.full((B, width), -1, dtype=torch.int32)
+    for s, r in enumerate(rows):
+        table[s, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    unique_tokens = sum(len(p) * BS for groups in level_pages for _, _, p in groups) + B * tail
+    return table, lens, next_block, level_pages, own, unique_tokens
+
+
+CASES = [
+    ("B=32 P=2048 S=512", 32, [(32, 2048)], 512),
+    ("B=64 P=4096 S=512", 64, [(64, 4096)], 512),
+    ("B=96 P=1024 S=512", 96, [(96, 1024)], 512),
+    ("B=128 P=8192 S=256", 128, [(128, 8192)], 256),
+    ("two-level 128x4096 + 8x16x1024, S=256", 128, [(128, 4096), (16, 1024)], 256),
+    ("fork 64 x 4096, S=128", 64, [(64, 4096)], 128),
+    ("no sharing B=32 L=4096", 32, [], 4096),
+    ("no sharing B=128 L=2048", 128, [], 2048),
+]
+
+
+def timed(fn, flush, iters):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Keep the GPU busy (about 1 ms) while the host enqueues the call, so
+        # the events time the kernels, not Python's launch overhead.
+        torch.cuda._sleep(2_000_000)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def flashinfer_fns(fi, q, k, v, lens, level_pages, own, B):
+    dev = q.device
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    fns = {}
+    # Plain decode over each sequence's whole page list.
+    indptr, indices, last = [0], [], []
+    for s in range(B):
+        pages = [p for groups in level_pages for lo, hi, ps in groups if lo <= s < hi for p in ps] + own[s]
+        indices += pages
+        indptr.append(len(indices))
+        last.append(lens[s] - (len(pages) - 1) * BS)
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(t(indptr), t(indices), t(last), HQ, HK, D, BS, q_data_type=q.dtype, kv_data_type=k.dtype)
+    fns["fi_decode"] = lambda: w.run(q, (k, v))
+    if level_pages:
+        ws2 = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        qo, kvi, kvx, kvl = [], [], [], []
+        for groups in level_pages:
+            qo.append(t([0] + [hi for _, hi, _ in groups]))
+            ip, ix, ll = [0], [], []
+            for _, _, ps in groups:
+                ix += ps
+                ip.append(len(ix))
+                ll.append(BS)
+            kvi.append(t(ip))
+            kvx.append(t(ix))
+            kvl.append(t(ll))
+        ip, ix, ll = [0], [], []
+        for s in range(B):
+            ix += own[s]
+            ip.append(len(ix))
+            ll.append(lens[s] - sum(len(ps) for groups in level_pages for lo, hi, ps in groups if lo <= s < hi) * BS
+                      - (len(own[s]) - 1) * BS)
+        qo.append(t(list(range(B + 1))))
+        kvi.append(t(ip))
+        kvx.append(t(ix))
+        kvl.append(t(ll))
+        cw = fi.MultiLevelCascadeAttentionWrapper(len(qo), ws2, "NHD")
+        cw.plan(qo, kvi, kvx, kvl, HQ, HK, D, BS, causal=False, q_data_type=q.dtype)
+        fns["fi_cascade"] = lambda: cw.run(q, (k, v))
+    return fns
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--fi-budget-s", type=float, default=240, help="skip FlashInfer once the run is this old")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t0 = time.time()
+    fi = None
+    if not args.no_flashinfer:
+        try:
+            import flashinfer as fi  # noqa: F811
+        except Exception as e:  # noqa: BLE001
+            print(f"flashinfer not available: {e!r}"[:300], file=sys.stderr)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    results = []
+    print("| case | floor (us) | kvplug cascade (us) | kvplug paged_decode (us) | FlashInfer decode (us) | FlashInfer cascade (us) | route | saved/total | max abs diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, B, levels, tail in CASES:
+        table, lens, nblocks, level_pages, own, uniq = make_case(B, levels, tail)
+        k = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)
+        v = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)
+        q = torch.randn(B, HQ, D, dtype=torch.float16, device=dev)
+        table_d = table.to(dev)
+        lens_h = torch.tensor(lens, dtype=torch.int32)
+        lens_d = lens_h.to(dev)
+        ws = cascade.Workspaces(B, HQ, HK, D, device=dev)
+        plan = cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws, block_size=BS)
+        out_c = torch.empty_like(q)
+        out_d = torch.empty_like(q)
+        dws = torch.empty(kvplug.attn.workspace_size(B, HQ, D), dtype=torch.uint8, device=dev)
+        row = {"case": name, "B": B, "levels": levels, "tail": tail,
+               "floor_us": uniq * HK * D * 2 * 2 / (FLOOR_GBPS * 1e3), "route": plan.route,
+               "saved_tokens": plan.saved_tokens, "total_tokens": plan.total_tokens, "items": plan.num_items}
+        fc = lambda: cascade.paged_cascade(plan, q, k, v, table_d, out=out_c)  # noqa: E731
+        fd = lambda: kvplug.attn.paged_decode(q, k, v, table_d, lens_d, out=out_d, workspace=dws)  # noqa: E731
+        row["cascade_us"] = timed(fc, flush, args.iters)
+        row["decode_us"] = timed(fd, flush, args.iters)
+        torch.cuda.synchronize()
+        row["max_abs_diff"] = float((out_c.float() - out_d.float()).abs().max())
+        if fi is not None and time.time() - t0 < args.fi_budget_s:
+            try:
+                for key, f in flashinfer_fns(fi, q, k, v, lens, level_pages, own, B).items():
+                    row[key + "_us"] = timed(f, flush, args.iters)
+            except Exception as e:  # noqa: BLE001
+                row["fi_error"] = repr(e)[:300]
+        results.append(row)
+
+        def f(x):
+            return f"{row[x]:.1f}" if x in row else "-"
+
+        print(f"| {name} | {row['floor_us']:.1f} | {f('cascade_us')} | {f('decode_us')} | {f('fi_decode_us')} | "
+              f"{f('fi_cascade_us')} | {'cascade' if plan.route == cascade.ROUTE_CASCADE else 'decode'} | "
+              f"{plan.saved_tokens / max(plan.total_tokens, 1):.2f} | {row['max_abs_diff']:.2g} |", flush=True)
+        del k, v, ws
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cascade_bench.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": results}, indent=1))
+    for r in results:
+        if "fi_error" in r:
+            print(f"{r['case']}: flashinfer error {r['fi_error']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

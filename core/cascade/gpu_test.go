@@ -1,0 +1,308 @@
+package cascade
+
+// GPU tests: the cascade kernels over plans of random sharing trees, against
+// the float64 reference of the same plan, outputs and partial states
+// poisoned with NaN first, and inside a captured CUDA graph across steps
+// that grow every sequence. They skip on machines without a CUDA driver and
+// device; run them on a GPU machine with
+//   go test -c -o .device/cascade.test ./core/cascade && .device/cascade.test -test.run GPU -test.v
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cuda"
+)
+
+func needGPU(t testing.TB) {
+	t.Helper()
+	if err := cuda.Load(); err != nil {
+		t.Skipf("no CUDA driver: %v", err)
+	}
+	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
+		t.Skipf("no CUDA device (%v)", err)
+	}
+	if err := attn.Prepare(); err != nil {
+		t.Fatalf("loading the kernels: %v", err)
+	}
+}
+
+func devMem(t testing.TB, bytes int) cuda.DevicePtr {
+	t.Helper()
+	p, err := cuda.MemAlloc(max(bytes, 16))
+	if err != nil {
+		t.Fatalf("alloc %d bytes: %v", bytes, err)
+	}
+	t.Cleanup(func() { cuda.MemFree(p) })
+	return p
+}
+
+func i32bytes(v []int32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+func upload(t testing.TB, b []byte) cuda.DevicePtr {
+	t.Helper()
+	p := devMem(t, len(b))
+	if err := cuda.CopyToDevice(p, b); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func put(t testing.TB, p cuda.DevicePtr, b []byte) {
+	t.Helper()
+	if err := cuda.CopyToDevice(p, b); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func download(t testing.TB, p cuda.DevicePtr, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	if err := cuda.CopyFromDevice(b, p); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// poison fills n bytes at p with NaN of 16-bit or 32-bit types.
+func poison(t testing.TB, p cuda.DevicePtr, n int, d attn.DType) {
+	t.Helper()
+	var err error
+	if d.Size() == 2 {
+		err = cuda.Memset16(p, uint16(d.NaNBits()), n/2)
+	} else {
+		err = cuda.Memset32(p, attn.F32.NaNBits(), n/4)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// growable gives every sequence `extra` more table columns with fresh
+// blocks after its last used one, so that lengths can grow.
+func growable(b *batch, extra int) *batch {
+	w := widen(b, extra)
+	next := int32(b.numBlocks)
+	for s, n := range b.lens {
+		used := 0
+		for c := 0; c < b.maxBlocks; c++ {
+			if b.table[s*b.stride+c] >= 0 {
+				used = c + 1
+			}
+		}
+		used = max(used, (int(n)+b.bs-1)/b.bs)
+		for c := used; c < w.maxBlocks; c++ {
+			w.table[s*w.stride+c] = next
+			next++
+		}
+	}
+	w.numBlocks = int(next)
+	return w
+}
+
+// gpuRun is a problem on the device with its workspaces.
+type gpuRun struct {
+	p      *problem
+	l      Layout
+	ws     []int32
+	run    attn.CascadeRunArgs
+	dev    cuda.DevicePtr
+	lensD  cuda.DevicePtr
+	outB   int
+	planer Planner
+	slots  int
+}
+
+func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int, withLSE bool) *gpuRun {
+	g := &gpuRun{p: newProblem(r, b, d, qh, kvh, D)}
+	var err error
+	if g.l, err = NewLayout(max(len(b.lens), 1), qh, kvh, D); err != nil {
+		t.Fatal(err)
+	}
+	if g.slots, err = attn.CascadeSlots(D); err != nil {
+		t.Fatal(err)
+	}
+	g.ws = make([]int32, g.l.HostInts)
+	g.dev = devMem(t, int(g.l.DeviceBytes))
+	poison(t, g.dev, int(g.l.DeviceBytes), attn.F32)
+	g.lensD = upload(t, i32bytes(b.lens))
+	g.outB = len(b.lens) * qh * D * d.Size()
+	g.run = attn.CascadeRunArgs{DecodeLayout: g.p.dl,
+		Q: upload(t, g.p.q), KCache: upload(t, g.p.kc), VCache: upload(t, g.p.vc),
+		BlockTable: upload(t, i32bytes(b.table)), SeqLens: g.lensD,
+		Out: devMem(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
+		PartOut: g.l.PartOut, PartLSE: g.l.PartLSE,
+		ItemsOff: g.l.Items, OrderOff: g.l.Order, SegStartOff: g.l.SegStart, SegsOff: g.l.Segs, MaxBatch: g.l.MaxBatch}
+	if withLSE {
+		g.run.LSE = devMem(t, 4*len(b.lens)*qh)
+	}
+	return g
+}
+
+// plan plans the batch and uploads the whole plan region.
+func (g *gpuRun) plan(t *testing.T, keepAll bool) Summary {
+	in := g.p.b.input(g.p.dl.NumQHeads, g.p.dl.NumKVHeads, g.p.dl.HeadDim)
+	in.NoDecodeRoute, in.Slots = true, g.slots
+	g.planer.keepAll = keepAll
+	s, err := g.planer.Plan(in, &g.l, g.ws)
+	if err != nil {
+		t.Fatal(err)
+	}
+	put(t, g.dev, i32bytes(g.ws[:g.l.PlanInts]))
+	return s
+}
+
+func (g *gpuRun) poisonOut(t *testing.T) {
+	poison(t, g.run.Out, g.outB, g.p.dl.DType)
+	if g.run.LSE != 0 {
+		poison(t, g.run.LSE, 4*g.p.dl.Batch*g.p.dl.NumQHeads, attn.F32)
+	}
+}
+
+// check compares the device output with the plan's float64 reference.
+func (g *gpuRun) check(t *testing.T, what string) {
+	t.Helper()
+	if err := cuda.Synchronize(); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	d, B, H, D := g.p.dl.DType, g.p.dl.Batch, g.p.dl.NumQHeads, g.p.dl.HeadDim
+	want := make([]byte, g.outB)
+	wantLSE := make([]float32, B*H)
+	if err := Ref(g.ws, &g.l, &g.p.dl, g.p.q, g.p.kc, g.p.vc, g.p.b.table, g.p.b.lens, want, wantLSE); err != nil {
+		t.Fatal(err)
+	}
+	got := download(t, g.run.Out, g.outB)
+	tol := map[attn.DType]float64{attn.F16: 3e-3, attn.BF16: 1.5e-2}[d]
+	for b := 0; b < B; b++ {
+		var num, den float64
+		for i := 0; i < H*D; i++ {
+			gv, wv := d.Load(got, int64(b*H*D+i)), d.Load(want, int64(b*H*D+i))
+			if math.IsNaN(gv) || math.IsInf(gv, 0) {
+				t.Fatalf("%s: seq %d (len %d) element %d is %g (unwritten?); want %g", what, b, g.p.b.lens[b], i, gv, wv)
+			}
+			num += (gv - wv) * (gv - wv)
+			den += wv * wv
+		}
+		if den == 0 && num != 0 || den > 0 && math.Sqrt(num/den) > tol {
+			t.Fatalf("%s: seq %d (len %d): relative error %.3g above %.1g", what, b, g.p.b.lens[b], math.Sqrt(num/max(den, 1e-300)), tol)
+		}
+	}
+	if g.run.LSE != 0 {
+		raw := download(t, g.run.LSE, 4*B*H)
+		for i := range wantLSE {
+			gl := float64(math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:])))
+			wl := float64(wantLSE[i])
+			if math.IsInf(wl, -1) != math.IsInf(gl, -1) || !math.IsInf(wl, -1) && math.Abs(gl-wl) > 2e-3*math.Max(1, math.Abs(wl)) {
+				t.Fatalf("%s: lse[%d] = %g, want %g", what, i, gl, wl)
+			}
+		}
+	}
+}
+
+// Random trees (depth 1-4, groups up to 128, tails 0-2048, block sizes
+// 1/16/64), forks and batches with no sharing, f16 and bf16, head_dim
+// 64/128/256, GQA groups 1-8: the kernels equal the float64 reference.
+func TestGPUCascade(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	type tc struct {
+		name       string
+		spec       treeSpec
+		d          attn.DType
+		qh, kvh, D int
+	}
+	cases := []tc{
+		{"tree_d3_bs16", treeSpec{seqs: 40, depth: 3, maxRun: 20, maxTail: 300, bs: 16, partialOK: true}, attn.F16, 32, 8, 128},
+		{"tree_d4_bs1", treeSpec{seqs: 24, depth: 4, maxRun: 90, maxTail: 100, bs: 1}, attn.BF16, 8, 8, 64},
+		{"tree_d2_bs64", treeSpec{seqs: 16, depth: 2, maxRun: 6, maxTail: 2048, bs: 64}, attn.F16, 16, 2, 256},
+		{"group128_bs16", treeSpec{seqs: 128, depth: 1, maxRun: 40, maxTail: 64, bs: 16}, attn.BF16, 32, 8, 128},
+		{"forks_bs16", treeSpec{seqs: 64, depth: 1, maxRun: 64, maxTail: 40, bs: 16}, attn.F16, 32, 4, 128},
+		{"tails_only", treeSpec{seqs: 30, depth: 0, maxTail: 1500, bs: 16}, attn.F16, 32, 8, 128},
+		{"tree_d1_h64_g1", treeSpec{seqs: 20, depth: 1, maxRun: 30, maxTail: 500, bs: 16}, attn.BF16, 4, 4, 64},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			for rep := 0; rep < 2; rep++ {
+				b := genTree(r, c.spec)
+				if c.name == "forks_bs16" { // all but the tails shared: one run for every sequence
+					for s := range b.lens {
+						copy(b.table[s*b.stride:s*b.stride+b.maxBlocks/2], b.table[:b.maxBlocks/2])
+					}
+				}
+				b.lens[r.IntN(len(b.lens))] = 0 // an empty sequence: out 0, lse -inf
+				g := newGPURun(t, r, b, c.d, c.qh, c.kvh, c.D, rep == 0)
+				s := g.plan(t, rep == 1)
+				g.poisonOut(t)
+				if err := attn.CascadeRun(&g.run, 0); err != nil {
+					t.Fatal(err)
+				}
+				g.check(t, fmt.Sprintf("rep %d (nodes %d, items %d, parts %d, chunk %d)", rep, s.Nodes, s.Items, s.Parts, s.Chunk))
+			}
+		})
+	}
+}
+
+// A captured graph of the run replays correctly across steps that grow
+// every sequence: Update absorbs most steps (only the device lengths
+// change), and a new plan into the same workspaces serves the same graph.
+func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	b := growable(genTree(r, treeSpec{seqs: 48, depth: 2, maxRun: 16, maxTail: 200, bs: 16}), 12)
+	g := newGPURun(t, r, b, attn.F16, 32, 8, 128, true)
+	g.plan(t, false)
+	s, err := cuda.StreamCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cuda.StreamDestroy(s)
+	graph, err := cuda.Capture(s, func() error { return attn.CascadeRun(&g.run, s) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer graph.Destroy()
+	replans := 0
+	for step := 0; step < 150; step++ {
+		if step > 0 {
+			for i := range b.lens {
+				if b.lens[i] > 0 {
+					b.lens[i] += int32(1 + r.IntN(2))
+				}
+			}
+			ok, err := Update(g.ws, &g.l, RouteCascade, len(b.lens), b.lens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !ok {
+				g.plan(t, false)
+				replans++
+			}
+			put(t, g.lensD, i32bytes(b.lens))
+		}
+		if step%30 != 0 && step != 149 {
+			continue
+		}
+		g.poisonOut(t)
+		if err := graph.Launch(s); err != nil {
+			t.Fatal(err)
+		}
+		if err := cuda.StreamSynchronize(s); err != nil {
+			t.Fatal(err)
+		}
+		g.check(t, fmt.Sprintf("step %d", step))
+	}
+	if replans == 0 {
+		t.Fatalf("150 steps of growth needed no new plan: the test does not cover one")
+	}
+	t.Logf("%d new plans in 150 steps", replans)
+}
