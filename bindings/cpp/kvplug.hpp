@@ -465,7 +465,9 @@ class Manager {
   static const detail::ManagerApi &api() { return detail::manager_api(); }
   void create(const kvp_manager_config &cfg) {
     detail::check(api().kvp_manager_create(&cfg, &h_));
-    block_size_ = cfg.block_size;
+    // The library's block size: cfg.block_size 0 asks for the default.
+    kvp_manager_stats s = KVP_MANAGER_STATS_INIT;
+    block_size_ = api().kvp_manager_stats_get(h_, &s) == KVP_OK ? s.block_size : (cfg.block_size ? cfg.block_size : 16);
   }
 
   kvp_manager *h_ = nullptr;
