@@ -919,6 +919,69 @@ class VCache {
 
 // ==== section: virtual-contiguous KV cache (end) ====
 
+// ==== section: shared-prefix attention (begin) ====
+
+namespace detail {
+struct CascadeApi {
+  KVPLUG_FN(kvp_cascade_workspace_size);
+  KVPLUG_FN(kvp_cascade_plan);
+  KVPLUG_FN(kvp_cascade_update);
+  KVPLUG_FN(kvp_paged_cascade);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_cascade_workspace_size);
+    KVPLUG_LOAD(lib, kvp_cascade_plan);
+    KVPLUG_LOAD(lib, kvp_cascade_update);
+    KVPLUG_LOAD(lib, kvp_paged_cascade);
+  }
+};
+inline const CascadeApi &cascade_api() { return table<CascadeApi>(); }
+}  // namespace detail
+
+// Shared-prefix decode attention (see the header's section): plan from the
+// host block table and lengths into the engine's two workspaces, run per
+// layer, and check in O(batch) whether a step that only grew still fits.
+//
+//   auto sz = kvplug::cascade::workspace_size(max_batch, 32, 8, 128);  // allocate sz.device / sz.host (pinned)
+//   kvp_cascade_plan_args pa = KVP_CASCADE_PLAN_ARGS_INIT;
+//   pa.dtype = KVP_DTYPE_F16; ...; pa.max_batch = max_batch;
+//   kvp_attn_plan plan = kvplug::cascade::plan(pa, stream);
+//   for (layer ...) kvplug::cascade::paged_cascade(plan, layer_args, stream);
+//   next step: if (!kvplug::cascade::update(plan, lens, batch)) plan = kvplug::cascade::plan(pa, stream);
+namespace cascade {
+
+struct WorkspaceSizes {
+  uint64_t device = 0;
+  uint64_t host = 0;
+};
+
+inline WorkspaceSizes workspace_size(int32_t max_batch, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim) {
+  WorkspaceSizes s;
+  detail::check(detail::cascade_api().kvp_cascade_workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim,
+                                                                 &s.device, &s.host));
+  return s;
+}
+
+inline kvp_attn_plan plan(const kvp_cascade_plan_args &a, uint64_t stream = 0) {
+  kvp_attn_plan p = KVP_ATTN_PLAN_INIT;
+  detail::check(detail::cascade_api().kvp_cascade_plan(&a, &p, stream));
+  return p;
+}
+
+// True when plan still covers these lengths; false: plan again.
+inline bool update(const kvp_attn_plan &plan, const int32_t *seq_lens_host, int32_t batch) {
+  int32_t fits = 0;
+  detail::check(detail::cascade_api().kvp_cascade_update(&plan, seq_lens_host, batch, &fits));
+  return fits == 1;
+}
+
+inline void paged_cascade(const kvp_attn_plan &plan, const kvp_paged_prefill_args &a, uint64_t stream = 0) {
+  detail::check(detail::cascade_api().kvp_paged_cascade(&plan, &a, stream));
+}
+
+}  // namespace cascade
+
+// ==== section: shared-prefix attention (end) ====
+
 }  // namespace kvplug
 
 #endif  // KVPLUG_HPP
