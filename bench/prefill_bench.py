@@ -17,6 +17,7 @@ tokens the row sees. Timing: triton.testing.do_bench, median; inputs are
 random (never zeros); blocks are allocated in a shuffled order.
 
 Usage: python3 bench/prefill_bench.py [--quick] [--no-fa3] [--out DIR]
+       python3 bench/prefill_bench.py --split-check   (split-KV against one split)
 """
 
 import argparse
@@ -123,7 +124,32 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def split_check():
+    """Small batches timed with the plan's split-KV choice and with
+    split_kv=False, in the same run."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print("| dtype | new | prefix | batch | splits | kvplug TFLOP/s | no-split TFLOP/s | split gain | rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dn, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for new, pre, B in ((128, 2048, 1), (128, 8192, 1), (512, 2048, 1), (512, 8192, 1), (128, 0, 1), (128, 2048, 8)):
+            c = Case(dt, [new] * B, [pre + new] * B, gen)
+            ws = torch.empty(attn.prefill_workspace_size(B, B * new, HQ, HK, D), dtype=torch.uint8, device="cuda")
+            outs, ts, ns = [], [], []
+            for split in (True, False):
+                plan = attn.prefill_plan(c.qo, c.kvl, HQ, HK, D, dt, ws, qo_indptr_host=c.qo_host,
+                                         kv_lens_host=c.kv_lens, split_kv=split)
+                out = torch.empty_like(c.q)
+                ts.append(timed(lambda: attn.paged_prefill(plan, c.q, c.k_cache, c.v_cache, c.table, out=out)))
+                outs.append(out.float())
+                ns.append(plan.num_splits)
+            rd = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+            print(f"| {dn} | {new} | {pre} | {B} | {ns[0]} | {c.flops / ts[0] / 1e9:.0f} | {c.flops / ts[1] / 1e9:.0f} "
+                  f"| {ts[1] / ts[0]:.2f} | {rd:.1e} |", flush=True)
+
+
 def main():
+    if "--split-check" in sys.argv:
+        return split_check()
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-fa3", action="store_true")
