@@ -63,8 +63,10 @@ func greeting(asServer bool) []byte {
 type zconn struct {
 	c        net.Conn
 	r        *bufio.Reader
-	peerType string // the peer's Socket-Type
-	peerID   []byte // the peer's Identity property (may be empty)
+	fs       frameState // the frame being read
+	msg      [][]byte   // the frames read so far of the message being read
+	peerType string     // the peer's Socket-Type
+	peerID   []byte     // the peer's Identity property (may be empty)
 }
 
 // compatible lists the socket types each of ours may talk to (ZMTP 3.0's
@@ -196,35 +198,68 @@ func appendMessage(dst []byte, frames ...[]byte) []byte {
 	return dst
 }
 
+// frameState is a frame being read. A read that fails part way (a read
+// deadline, used to poll) leaves it here, so the next call goes on where
+// this one stopped instead of losing the stream's framing.
+type frameState struct {
+	hdr  [9]byte
+	nh   int // header bytes read
+	body []byte
+	nb   int  // body bytes read
+	big  bool // the header is complete and body allocated
+}
+
+// fill reads into b[*n:] until it is full or a read fails.
+func (z *zconn) fill(b []byte, n *int) error {
+	for *n < len(b) {
+		k, err := z.r.Read(b[*n:])
+		*n += k
+		if err != nil {
+			if *n == len(b) {
+				return nil
+			}
+			return err
+		}
+	}
+	return nil
+}
+
 // readFrame reads one frame of at most max bytes (commands: maxCommandSize).
 // A longer frame is a protocol error and nothing of it is allocated, so a
-// peer cannot make this process allocate what it announces.
+// peer cannot make this process allocate what it announces. After an
+// error other than a timeout the connection must be dropped.
 func (z *zconn) readFrame(max int) (body []byte, flags byte, err error) {
-	var h [9]byte
-	if _, err = io.ReadFull(z.r, h[:2]); err != nil {
-		return nil, 0, err
-	}
-	flags = h[0]
-	if flags&^(flagMore|flagLong|flagCommand) != 0 {
-		return nil, 0, fmt.Errorf("%w: reserved frame flags %#x", errProtocol, flags)
-	}
-	size := uint64(h[1])
-	if flags&flagLong != 0 {
-		if _, err = io.ReadFull(z.r, h[2:9]); err != nil {
+	f := &z.fs
+	if !f.big {
+		if err = z.fill(f.hdr[:2], &f.nh); err != nil {
 			return nil, 0, err
 		}
-		size = binary.BigEndian.Uint64(h[1:9])
+		flags = f.hdr[0]
+		if flags&^(flagMore|flagLong|flagCommand) != 0 {
+			return nil, 0, fmt.Errorf("%w: reserved frame flags %#x", errProtocol, flags)
+		}
+		size := uint64(f.hdr[1])
+		if flags&flagLong != 0 {
+			if err = z.fill(f.hdr[:9], &f.nh); err != nil {
+				return nil, 0, err
+			}
+			size = binary.BigEndian.Uint64(f.hdr[1:9])
+		}
+		limit := uint64(max)
+		if flags&flagCommand != 0 {
+			limit = maxCommandSize
+		}
+		if size > limit {
+			return nil, 0, fmt.Errorf("%w: a frame of %d bytes, at most %d accepted here", errProtocol, size, limit)
+		}
+		f.body, f.nb, f.big = make([]byte, size), 0, true
 	}
-	limit := uint64(max)
-	if flags&flagCommand != 0 {
-		limit = maxCommandSize
+	if err = z.fill(f.body, &f.nb); err != nil {
+		return nil, 0, err
 	}
-	if size > limit {
-		return nil, 0, fmt.Errorf("%w: a frame of %d bytes, at most %d accepted here", errProtocol, size, limit)
-	}
-	body = make([]byte, size)
-	_, err = io.ReadFull(z.r, body)
-	return body, flags, err
+	body, flags = f.body, f.hdr[0]
+	*f = frameState{}
+	return body, flags, nil
 }
 
 // readCommand reads one command frame and splits it into name and body.
@@ -246,12 +281,12 @@ func (z *zconn) readCommand() (string, []byte, error) {
 // bytes, at most maxFrames of them. Commands met on the way are answered
 // (PING) or handed to onCommand (SUBSCRIBE, CANCEL); nil ignores them.
 func (z *zconn) readMessage(maxFrame, maxFrames int, onCommand func(name string, body []byte)) ([][]byte, error) {
-	var frames [][]byte
 	for {
 		b, fl, err := z.readFrame(maxFrame)
 		if err != nil {
 			return nil, err
 		}
+		frames := z.msg
 		if fl&flagCommand != 0 {
 			if len(frames) > 0 || fl&flagMore != 0 || len(b) < 1 || int(b[0]) > len(b)-1 {
 				return nil, fmt.Errorf("%w: malformed command", errProtocol)
@@ -277,8 +312,9 @@ func (z *zconn) readMessage(maxFrame, maxFrames int, onCommand func(name string,
 		if len(frames) == maxFrames {
 			return nil, fmt.Errorf("%w: a message of more than %d frames", errProtocol, maxFrames)
 		}
-		frames = append(frames, b)
+		z.msg = append(frames, b)
 		if fl&flagMore == 0 {
+			frames, z.msg = z.msg, nil
 			return frames, nil
 		}
 	}

@@ -38,6 +38,9 @@ type InstanceConfig struct {
 	ReplayEndpoint string // its ROUTER socket; "" when it has none
 	Topic          string // subscription prefix; "" is every topic
 	BlockSize      int    // tokens per block; 0: the Index's
+	// HashFormat is how the instance sends hashes until its first
+	// BlockStored says (a ReadOnly index never learns it).
+	HashFormat kvevents.HashFormat
 }
 
 // Config configures an Index.
@@ -47,6 +50,10 @@ type Config struct {
 	Backend   Backend
 	// Timeout bounds a connection attempt and a replay; 0: 2 s.
 	Timeout time.Duration
+	// ReadOnly queries a backend that another Index keeps (router
+	// replicas sharing one Valkey): no subscriptions, and every instance
+	// is taken as in sync (staleness is the writer's to report).
+	ReadOnly bool
 }
 
 // Index is the cluster prefix index. Create it with New, stop it with
@@ -59,7 +66,7 @@ type Index struct {
 	stop    chan struct{}
 	wg      sync.WaitGroup
 	hashers sync.Pool
-	updates atomic.Int64 // events applied, over all instances
+	updates atomic.Int64 // block keys added or removed, over all instances
 }
 
 // instance is one engine's stream and what the index knows of it.
@@ -108,9 +115,12 @@ func New(cfg Config) (*Index, error) {
 		if ic.BlockSize < 1 || ic.BlockSize > prefix.MaxBlockSize {
 			return nil, fmt.Errorf("kvindex: instance %q: block size %d out of range", ic.Name, ic.BlockSize)
 		}
-		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: true}
+		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, format: ic.HashFormat}
 		x.insts = append(x.insts, in)
 		x.byName[ic.Name] = in
+	}
+	if cfg.ReadOnly {
+		return x, nil
 	}
 	for _, in := range x.insts {
 		x.wg.Add(1)
@@ -381,8 +391,9 @@ func (in *instance) apply(m kvevents.Message, replayed bool) bool {
 
 func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool {
 	ops := make([]Op, 0, len(b.Events))
-	n := 0
+	n, keys := 0, 0
 	for _, ev := range b.Events {
+		keys += len(ev.Hashes)
 		switch ev.Kind {
 		case kvevents.KindStored:
 			ops = append(ops, Op{Kind: OpAdd, Keys: ev.Hashes})
@@ -410,7 +421,7 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 	in.mu.Unlock()
 	in.batches.Add(1)
 	in.events.Add(int64(n))
-	in.x.updates.Add(int64(n))
+	in.x.updates.Add(int64(keys))
 	if replayed {
 		in.replayed.Add(1)
 	}
@@ -515,5 +526,6 @@ func (x *Index) Status() []InstanceStatus {
 	return out
 }
 
-// Updates returns the events applied so far, over all instances.
+// Updates returns how many block keys the index has added or removed,
+// over all instances.
 func (x *Index) Updates() int64 { return x.updates.Load() }
