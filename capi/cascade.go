@@ -123,6 +123,7 @@ func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream
 		lens = unsafe.Slice((*int32)(unsafe.Pointer(a.seq_lens_host)), batch)
 	} else {
 		lens = []int32{}
+		stride = max(stride, 1) // an empty batch reads no table
 	}
 	slots, err := attn.CascadeSlots(int(a.head_dim))
 	if err != nil {
