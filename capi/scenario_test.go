@@ -172,6 +172,8 @@ type scRunner struct {
 	staleC   ptr
 	junk     cbuf
 	lastPin  uint64
+	pub      ptr // current event publisher, on m
+	stalePub ptr
 	bufs     []cbuf
 	results  map[string]any // outputs of the current call
 	failedAt string
@@ -313,6 +315,16 @@ func (r *scRunner) cstruct(arg, name string, defaults map[string]int64, renames 
 			field = rn
 		}
 		if _, ok := l.fields[field]; ok && field != "struct_size" {
+			if stringFields[field] {
+				var sp ptr
+				if !r.isNull(k) {
+					v := r.st.args[k].raw
+					sp = r.alloc(len(v) + 1)
+					copy(unsafe.Slice((*byte)(sp), len(v)), v)
+				}
+				*(*ptr)(unsafe.Add(p, l.fields[field].off)) = sp
+				continue
+			}
 			set(field, r.int(k, 0))
 		}
 	}
@@ -326,6 +338,9 @@ func (r *scRunner) cstruct(arg, name string, defaults map[string]int64, renames 
 	}
 	return p
 }
+
+// stringFields are the struct fields that hold a C string, given as a word.
+var stringFields = map[string]bool{"endpoint": true, "replay_endpoint": true, "topic": true, "medium": true}
 
 // readStruct records every field of the named struct at p as an output.
 func (r *scRunner) readStruct(name string, p ptr) {
@@ -429,6 +444,12 @@ func (r *scRunner) snapshot() string {
 			if st := s.get(r.m, p); st != 0 {
 				r.fatalf("snapshot %s: %s", s.name, lastError())
 			}
+			if s.name == "kvp_prefix_stats" && r.pub != nil {
+				// A running publisher drains the manager's events on its own
+				// goroutine: the pending count moves between any two calls.
+				f := cLayouts[s.name].fields["pending_events"]
+				*(*int32)(unsafe.Add(p, f.off)) = 0
+			}
 			b.Write(unsafe.Slice((*byte)(p), l.size))
 		}
 	}
@@ -450,6 +471,7 @@ func (r *scRunner) snapshot() string {
 }
 
 func (r *scRunner) close() {
+	rawPublisherDestroy(r.pub) // before its manager, as the header asks
 	for _, h := range []ptr{r.m, r.otherM} {
 		rawManagerDestroy(h)
 	}
@@ -529,6 +551,8 @@ func (r *scRunner) call() int {
 		out := r.out("out", 8)
 		s := rawManagerCreate(cfg, out)
 		if s == 0 {
+			rawPublisherDestroy(r.pub)
+			r.pub = nil
 			rawManagerDestroy(r.m)
 			r.m = *(*ptr)(out)
 		}
@@ -771,8 +795,108 @@ func (r *scRunner) call() int {
 		*(*uintptr)(plan) = cLayouts["kvp_attn_plan"].size
 		return rawPagedPrefill(plan, r.cstruct("args", "kvp_paged_prefill_args", nil, nil))
 	}
+	if s, ok := r.callMore(); ok {
+		return s
+	}
 	r.fatalf("unknown call %s", r.st.call)
 	return -1
+}
+
+// callMore runs the shared-prefix attention and event publisher calls.
+func (r *scRunner) callMore() (int, bool) {
+	switch r.st.call {
+	case "cascade_workspace_size":
+		dev, host := r.out("device_bytes", 8), r.out("host_bytes", 8)
+		s := rawCascadeWorkspaceSize(int32(r.int("max_batch", 0)), int32(r.int("num_q_heads", 0)), int32(r.int("num_kv_heads", 0)),
+			int32(r.int("head_dim", 0)), dev, host)
+		if s == 0 {
+			r.results["device_bytes"], r.results["host_bytes"] = *(*int64)(dev), *(*int64)(host)
+		}
+		return s, true
+	case "cascade_plan":
+		plan := r.alloc(int(cLayouts["kvp_attn_plan"].size))
+		*(*uintptr)(plan) = cLayouts["kvp_attn_plan"].size
+		return rawCascadePlan(r.cstruct("args", "kvp_cascade_plan_args", nil, nil), plan), true
+	case "cascade_update":
+		var plan ptr
+		if !r.isNull("plan") {
+			plan = r.alloc(int(cLayouts["kvp_attn_plan"].size))
+			*(*uintptr)(plan) = cLayouts["kvp_attn_plan"].size
+		}
+		batch := r.int("batch", 0)
+		return rawCascadeUpdate(plan, r.array("seq_lens_host", 4, int(max(batch, 0))), int32(batch), r.out("fits", 4)), true
+	case "paged_cascade":
+		plan := r.alloc(int(cLayouts["kvp_attn_plan"].size))
+		*(*uintptr)(plan) = cLayouts["kvp_attn_plan"].size
+		return rawPagedCascade(plan, r.cstruct("args", "kvp_paged_prefill_args", nil, nil)), true
+	case "event_publisher_create":
+		cfg := r.cstruct("cfg", "kvp_event_publisher_config", nil, nil)
+		out := r.out("out", 8)
+		s := rawPublisherCreate(r.handle("m", true), cfg, out)
+		if s == 0 {
+			rawPublisherDestroy(r.pub)
+			r.pub = *(*ptr)(out)
+		}
+		return s, true
+	case "event_publisher_flush":
+		return rawPublisherFlush(r.publisher()), true
+	case "event_publisher_resync":
+		return rawPublisherResync(r.publisher()), true
+	case "event_publisher_stats_get":
+		out := r.cstruct("out", "kvp_event_publisher_stats", nil, nil)
+		s := rawPublisherStats(r.publisher(), out)
+		if s == 0 {
+			r.readStruct("kvp_event_publisher_stats", out)
+		}
+		return s, true
+	case "event_publisher_destroy":
+		rawPublisherDestroy(r.publisher())
+		if !r.has("p") {
+			r.pub = nil
+		}
+		return 0, true
+	}
+	return 0, false
+}
+
+// publisher resolves the p= argument: the current publisher, NULL, junk,
+// stale (one created and destroyed) or other (the current manager).
+func (r *scRunner) publisher() ptr {
+	v, ok := r.st.args["p"]
+	if !ok {
+		return r.pub
+	}
+	switch v.raw {
+	case "NULL":
+		return nil
+	case "junk":
+		return r.junk.p
+	case "other":
+		return r.m
+	case "stale":
+		if r.stalePub == nil {
+			h, st := hookManagerCreateCached(4, 4, true, 0)
+			if st != 0 {
+				r.fatalf("helper manager: %s", lastError())
+			}
+			l := cLayouts["kvp_event_publisher_config"]
+			cfg := r.alloc(int(l.size))
+			*(*uintptr)(cfg) = l.size
+			ep := r.alloc(32)
+			copy(unsafe.Slice((*byte)(ep), 18), "tcp://127.0.0.1:0")
+			*(*ptr)(unsafe.Add(cfg, l.fields["endpoint"].off)) = ep
+			out := r.alloc(8)
+			if st := rawPublisherCreate(h, cfg, out); st != 0 {
+				r.fatalf("helper publisher: %s", lastError())
+			}
+			r.stalePub = *(*ptr)(out)
+			rawPublisherDestroy(r.stalePub)
+			rawManagerDestroy(h)
+		}
+		return r.stalePub
+	}
+	r.fatalf("unknown publisher p=%s", v.raw)
+	return nil
 }
 
 // keys builds one kvp_prefix_keys per prompt when the call gives salt_len

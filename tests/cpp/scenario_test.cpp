@@ -185,6 +185,24 @@ const std::map<std::string, std::pair<size_t, Fields>> &layouts() {
       {"kvp_merge_states_args", {sizeof(kvp_merge_states_args), {}}},
       {"kvp_prefill_plan_args", {sizeof(kvp_prefill_plan_args), {}}},
       {"kvp_paged_prefill_args", {sizeof(kvp_paged_prefill_args), {}}},
+      {"kvp_cascade_plan_args", {sizeof(kvp_cascade_plan_args), {}}},
+      {"kvp_event_publisher_config",
+       {sizeof(kvp_event_publisher_config),
+        {F(kvp_event_publisher_config, endpoint), F(kvp_event_publisher_config, replay_endpoint),
+         F(kvp_event_publisher_config, topic), F(kvp_event_publisher_config, medium),
+         F(kvp_event_publisher_config, bind_mode), F(kvp_event_publisher_config, event_format),
+         F(kvp_event_publisher_config, hash_format), F(kvp_event_publisher_config, data_parallel_rank),
+         F(kvp_event_publisher_config, buffer_steps), F(kvp_event_publisher_config, hwm),
+         F(kvp_event_publisher_config, max_batch_events), F(kvp_event_publisher_config, flush_interval_us),
+         F(kvp_event_publisher_config, buffer_bytes)}}},
+      {"kvp_event_publisher_stats",
+       {sizeof(kvp_event_publisher_stats),
+        {F(kvp_event_publisher_stats, batches), F(kvp_event_publisher_stats, events), F(kvp_event_publisher_stats, bytes),
+         F(kvp_event_publisher_stats, dropped_sends), F(kvp_event_publisher_stats, replay_requests),
+         F(kvp_event_publisher_stats, replay_batches), F(kvp_event_publisher_stats, snapshots),
+         F(kvp_event_publisher_stats, source_errors), F(kvp_event_publisher_stats, buffered_batches),
+         F(kvp_event_publisher_stats, buffered_bytes), F(kvp_event_publisher_stats, subscribers),
+         F(kvp_event_publisher_stats, pub_port), F(kvp_event_publisher_stats, replay_port)}}},
   };
   return l;
 }
@@ -196,9 +214,15 @@ const char *const kVcacheState[] = {"page_size",    "budget_bytes", "tensor_byte
                                     "held_bytes",   "active_slots", "cached_slots", "steps",
                                     "map_calls",    "unmap_calls",  "create_calls", "release_calls"};
 
+// Struct fields that hold a C string, given as a word.
+bool string_field(const std::string &f) {
+  return f == "endpoint" || f == "replay_endpoint" || f == "topic" || f == "medium";
+}
+
 class Runner {
  public:
   ~Runner() {
+    kvp_event_publisher_destroy(pub_);  // before its manager, as the header asks
     kvp_manager_destroy(m_);
     kvp_vcache_destroy(c_);
     for (kvp_manager *h : helper_m_) kvp_manager_destroy(h);
@@ -231,6 +255,8 @@ class Runner {
   const Stmt *st_ = nullptr;
   kvp_manager *m_ = nullptr;
   kvp_vcache *c_ = nullptr;
+  kvp_event_publisher *pub_ = nullptr;
+  kvp_event_publisher *stale_pub_ = nullptr;
   std::vector<kvp_manager *> helper_m_;
   std::vector<kvp_vcache *> helper_c_;
   kvp_manager *stale_m_ = nullptr;
@@ -288,7 +314,17 @@ class Runner {
     for (const auto &kv : st_->args) {
       auto rn = renames.find(kv.first);
       std::string f = rn == renames.end() ? kv.first : rn->second;
-      if (l.second.count(f)) values[f] = num(kv.first);
+      if (!l.second.count(f)) continue;
+      if (string_field(f)) {
+        char *str = nullptr;
+        if (!kv.second.null) {
+          str = static_cast<char *>(alloc(kv.second.raw.size() + 1));
+          std::memcpy(str, kv.second.raw.c_str(), kv.second.raw.size() + 1);
+        }
+        std::memcpy(p + l.second.at(f).off, &str, sizeof str);
+        continue;
+      }
+      values[f] = num(kv.first);
     }
     for (const auto &kv : values) {
       const Field &f = l.second.at(kv.first);
@@ -309,6 +345,7 @@ class Runner {
 
   void read_struct(const std::string &name, const void *p) {
     for (const auto &kv : layouts().at(name).second) {
+      if (string_field(kv.first)) continue;
       const uint8_t *q = static_cast<const uint8_t *>(p) + kv.second.off;
       if (kv.second.size == 4) {
         int32_t x;
@@ -384,6 +421,9 @@ class Runner {
       kvp_prefix_stats ps = KVP_PREFIX_STATS_INIT;
       EXPECT_EQ(kvp_manager_stats_get(m_, &ms), KVP_OK);
       EXPECT_EQ(kvp_manager_prefix_stats(m_, &ps), KVP_OK);
+      // A running publisher drains the manager's events on its own thread:
+      // the pending count moves between any two calls.
+      if (pub_) ps.pending_events = 0;
       s.append(reinterpret_cast<const char *>(&ms), sizeof ms);
       s.append(reinterpret_cast<const char *>(&ps), sizeof ps);
     }
@@ -419,6 +459,8 @@ class Runner {
       kvp_manager **o = out<kvp_manager *>("out", 1);
       kvp_status s = kvp_manager_create(cfg, o);
       if (s == KVP_OK) {
+        kvp_event_publisher_destroy(pub_);
+        pub_ = nullptr;
         kvp_manager_destroy(m_);
         m_ = *o;
       }
@@ -604,7 +646,78 @@ class Runner {
       if (call == "prefill_plan") return kvp_prefill_plan(make_struct<kvp_prefill_plan_args>("args", "kvp_prefill_plan_args"), &plan, 0);
       return kvp_paged_prefill(&plan, make_struct<kvp_paged_prefill_args>("args", "kvp_paged_prefill_args"), 0);
     }
+    return dispatch_more();
+  }
+
+  // The shared-prefix attention and event publisher calls.
+  kvp_status dispatch_more() {
+    const std::string &call = st_->call;
+    auto i32 = [&](const std::string &k, int64_t def = 0) { return static_cast<int32_t>(num(k, def)); };
+    kvp_attn_plan plan = KVP_ATTN_PLAN_INIT;
+    if (call == "cascade_workspace_size") {
+      uint64_t *dev = out<uint64_t>("device_bytes", 1), *host = out<uint64_t>("host_bytes", 1);
+      kvp_status s = kvp_cascade_workspace_size(i32("max_batch"), i32("num_q_heads"), i32("num_kv_heads"), i32("head_dim"), dev, host);
+      if (s == KVP_OK) results_["device_bytes"] = {static_cast<int64_t>(*dev)}, results_["host_bytes"] = {static_cast<int64_t>(*host)};
+      return s;
+    }
+    if (call == "cascade_plan") return kvp_cascade_plan(make_struct<kvp_cascade_plan_args>("args", "kvp_cascade_plan_args"), &plan, 0);
+    if (call == "cascade_update") {
+      int32_t batch = i32("batch");
+      std::vector<int64_t> lens = has("seq_lens_host") ? list("seq_lens_host") : std::vector<int64_t>(std::max(batch, 0), 0);
+      int32_t *l = null("seq_lens_host") ? nullptr : array<int32_t>(lens);
+      return kvp_cascade_update(null("plan") ? nullptr : &plan, l, batch, out<int32_t>("fits", 1));
+    }
+    if (call == "paged_cascade") return kvp_paged_cascade(&plan, make_struct<kvp_paged_prefill_args>("args", "kvp_paged_prefill_args"), 0);
+    if (call == "event_publisher_create") {
+      auto *cfg = make_struct<kvp_event_publisher_config>("cfg", "kvp_event_publisher_config");
+      kvp_event_publisher **o = out<kvp_event_publisher *>("out", 1);
+      kvp_status s = kvp_event_publisher_create(mh(), cfg, o);
+      if (s == KVP_OK) {
+        kvp_event_publisher_destroy(pub_);
+        pub_ = *o;
+      }
+      return s;
+    }
+    if (call == "event_publisher_flush") return kvp_event_publisher_flush(publisher());
+    if (call == "event_publisher_resync") return kvp_event_publisher_resync(publisher());
+    if (call == "event_publisher_stats_get") {
+      auto *o = make_struct<kvp_event_publisher_stats>("out", "kvp_event_publisher_stats");
+      kvp_status s = kvp_event_publisher_stats_get(publisher(), o);
+      if (s == KVP_OK) read_struct("kvp_event_publisher_stats", o);
+      return s;
+    }
+    if (call == "event_publisher_destroy") {
+      kvp_event_publisher_destroy(publisher());
+      if (!has("p")) pub_ = nullptr;
+      return KVP_OK;
+    }
     throw std::runtime_error(st_->where + ": unknown call " + call);
+  }
+
+  // The p= argument: the current publisher, NULL, junk, stale (created and
+  // destroyed) or other (the current manager).
+  kvp_event_publisher *publisher() {
+    if (!has("p")) return pub_;
+    std::string v = st_->args.at("p").raw;
+    if (v == "NULL") return nullptr;
+    if (v == "junk") return reinterpret_cast<kvp_event_publisher *>(junk_);
+    if (v == "other") return reinterpret_cast<kvp_event_publisher *>(m_);
+    if (v == "stale") {
+      if (!stale_pub_) {
+        kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+        cfg.num_blocks = cfg.block_size = 4;
+        cfg.enable_prefix_cache = cfg.enable_kv_events = 1;
+        kvp_manager *m = nullptr;
+        EXPECT_EQ(kvp_manager_create(&cfg, &m), KVP_OK) << kvp_last_error();
+        kvp_event_publisher_config pc = KVP_EVENT_PUBLISHER_CONFIG_INIT;
+        pc.endpoint = "tcp://127.0.0.1:0";
+        EXPECT_EQ(kvp_event_publisher_create(m, &pc, &stale_pub_), KVP_OK) << kvp_last_error();
+        kvp_event_publisher_destroy(stale_pub_);
+        kvp_manager_destroy(m);
+      }
+      return stale_pub_;
+    }
+    throw std::runtime_error("unknown publisher p=" + v);
   }
 };
 

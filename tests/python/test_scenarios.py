@@ -83,6 +83,9 @@ def parse(path: pathlib.Path):
 CASES = [(f"{p.stem}/{name}", stmts) for p in sorted(SCENARIOS.glob("*.txt")) for name, stmts in parse(p)]
 
 
+STRING_FIELDS = {"endpoint", "replay_endpoint", "topic", "medium"}
+
+
 class Runner:
     def __init__(self) -> None:
         self.m: Optional[int] = None
@@ -91,6 +94,8 @@ class Runner:
         self.junk = ctypes.create_string_buffer(64)
         self.stale: Dict[bool, int] = {}
         self.last_pin = 0
+        self.pub: Optional[int] = None  # the current event publisher, on self.m
+        self.stale_pub: Optional[int] = None
         self.mem = Memory()
 
     # -- arguments -----------------------------------------------------------
@@ -131,7 +136,13 @@ class Runner:
         values = dict(defaults or {})
         for k in self.st.args:
             f = (renames or {}).get(k, k)
-            if f in fields and f != "struct_size":
+            if f in STRING_FIELDS and f in fields:
+                text = None if self.null(k) else self.st.args[k].raw.encode() + b"\0"
+                sp = self.mem.alloc(len(text)) if text else None
+                if text:
+                    ctypes.memmove(sp, text, len(text))
+                ctypes.c_void_p.from_address(p + fields[f][0]).value = sp
+            elif f in fields and f != "struct_size":
                 values[f] = self.int(k)
         for f, v in values.items():
             put(p, fields[f][0], fields[f][1], v)
@@ -195,6 +206,10 @@ class Runner:
                 p = mem.alloc(size)
                 ctypes.c_size_t.from_address(p).value = size
                 assert raw.call(fn, self.m, p) == 0, raw.last_error()
+                if name == "kvp_prefix_stats" and self.pub:
+                    # A running publisher drains the manager's events on its
+                    # own thread: the pending count moves between any two calls.
+                    put(p, *layout(name)[1]["pending_events"], 0)
                 snap += ctypes.string_at(p, size)
         if self.c is not None:
             size, fields = layout("kvp_vcache_stats")
@@ -208,6 +223,7 @@ class Runner:
         return snap
 
     def close(self) -> None:
+        raw.call("kvp_event_publisher_destroy", self.pub)  # before its manager, as the header asks
         for h in (self.m,):
             if h is not None:
                 raw.call("kvp_manager_destroy", h)
@@ -249,6 +265,8 @@ class Runner:
             out = self.out("out", 8)
             s = raw.call("kvp_manager_create", cfg, out)
             if s == 0:
+                raw.call("kvp_event_publisher_destroy", self.pub)
+                self.pub = None
                 if self.m is not None:
                     raw.call("kvp_manager_destroy", self.m)
                 self.m = ctypes.c_void_p.from_address(out).value
@@ -418,7 +436,83 @@ class Runner:
             if call == "prefill_plan":
                 return raw.call("kvp_prefill_plan", args, plan, 0)
             return raw.call("kvp_paged_prefill", plan, args, 0)
+        return self.dispatch_more()
+
+    def dispatch_more(self) -> int:
+        """The shared-prefix attention and event publisher calls."""
+        call, M = self.st.call, self.mem
+        plan_size = layout("kvp_attn_plan")[0]
+
+        def plan():
+            p = M.alloc(plan_size)
+            ctypes.c_size_t.from_address(p).value = plan_size
+            return p
+
+        if call == "cascade_workspace_size":
+            dev, host = self.out("device_bytes", 8), self.out("host_bytes", 8)
+            s = raw.call("kvp_cascade_workspace_size", *(self.int(k) for k in ("max_batch", "num_q_heads", "num_kv_heads",
+                                                                               "head_dim")), dev, host)
+            if s == 0:
+                self.results["device_bytes"] = ctypes.c_uint64.from_address(dev).value
+                self.results["host_bytes"] = ctypes.c_uint64.from_address(host).value
+            return s
+        if call == "cascade_plan":
+            return raw.call("kvp_cascade_plan", self.cstruct("args", "kvp_cascade_plan_args"), plan(), 0)
+        if call == "cascade_update":
+            batch = self.int("batch")
+            lens = None if self.null("seq_lens_host") else M.array(self.list("seq_lens_host") or [0] * max(batch, 0), 4)
+            return raw.call("kvp_cascade_update", None if self.null("plan") else plan(), lens, batch, self.out("fits", 4))
+        if call == "paged_cascade":
+            return raw.call("kvp_paged_cascade", plan(), self.cstruct("args", "kvp_paged_prefill_args"), 0)
+        if call == "event_publisher_create":
+            cfg = self.cstruct("cfg", "kvp_event_publisher_config")
+            out = self.out("out", 8)
+            s = raw.call("kvp_event_publisher_create", self.handle("m", True), cfg, out)
+            if s == 0:
+                raw.call("kvp_event_publisher_destroy", self.pub)
+                self.pub = ctypes.c_void_p.from_address(out).value
+            return s
+        if call in ("event_publisher_flush", "event_publisher_resync"):
+            return raw.call("kvp_" + call, self.publisher())
+        if call == "event_publisher_stats_get":
+            out = self.cstruct("out", "kvp_event_publisher_stats")
+            s = raw.call("kvp_event_publisher_stats_get", self.publisher(), out)
+            if s == 0:
+                self.read_struct("kvp_event_publisher_stats", out)
+            return s
+        if call == "event_publisher_destroy":
+            raw.call("kvp_event_publisher_destroy", self.publisher())
+            if not self.has("p"):
+                self.pub = None
+            return 0
         raise AssertionError(f"{self.st.where}: unknown call {call}")
+
+    def publisher(self) -> Optional[int]:
+        if not self.has("p"):
+            return self.pub
+        v = self.st.args["p"].raw
+        if v == "NULL":
+            return None
+        if v == "junk":
+            return ctypes.addressof(self.junk)
+        if v == "other":
+            return self.m
+        if v == "stale":
+            if self.stale_pub is None:
+                cfg = raw.manager.ManagerConfig(ctypes.sizeof(raw.manager.ManagerConfig), 4, 4, 1, 1)
+                out = ctypes.c_void_p()
+                assert raw.call("kvp_manager_create", ctypes.addressof(cfg), ctypes.addressof(out)) == 0
+                pc = raw.events.EventPublisherConfig()
+                pc.struct_size = ctypes.sizeof(pc)
+                pc.endpoint = b"tcp://127.0.0.1:0"
+                pub = ctypes.c_void_p()
+                assert raw.call("kvp_event_publisher_create", out.value, ctypes.addressof(pc), ctypes.addressof(pub)) == 0, \
+                    raw.last_error()
+                raw.call("kvp_event_publisher_destroy", pub.value)
+                raw.call("kvp_manager_destroy", out.value)
+                self.stale_pub = pub.value
+            return self.stale_pub
+        raise AssertionError(f"unknown publisher p={v}")
 
     def keys(self, n: int) -> Optional[int]:
         if not self.has("salt_len") and not self.has("num_mm"):
