@@ -383,6 +383,7 @@ type peer struct {
 	z       *zconn
 	q       chan *entry  // PUB: the subscriber's queue
 	inQueue atomic.Int64 // batches queued or being written
+	qBytes  atomic.Int64 // their bytes
 	mu      sync.Mutex
 	topics  map[string]struct{}
 	gone    chan struct{}
@@ -561,6 +562,11 @@ func (pr *peer) subscribed(topic string) bool {
 	return false
 }
 
+// maxQueueBytes bounds the bytes queued for one subscriber besides the
+// HWM's count of batches, so a stalled subscriber holds at most this much
+// (a batch larger than this still goes to an empty queue).
+const maxQueueBytes = 64 << 20
+
 // writeTimeout bounds one write to a subscriber: a peer that stops
 // reading for this long is dropped (it reconnects and replays).
 const writeTimeout = 10 * time.Second
@@ -572,6 +578,7 @@ func (s *server) writeLoop(pr *peer) {
 			_ = pr.z.c.SetWriteDeadline(time.Now().Add(writeTimeout))
 			_, err := pr.z.c.Write(e.wire)
 			pr.inQueue.Add(-1)
+			pr.qBytes.Add(-int64(len(e.wire)))
 			if err != nil {
 				return
 			}
@@ -589,11 +596,17 @@ func (s *server) broadcast(e *entry) {
 		if !pr.subscribed(s.p.cfg.Topic) {
 			continue
 		}
+		if pr.qBytes.Load()+int64(len(e.wire)) > maxQueueBytes && pr.inQueue.Load() > 0 {
+			s.p.dropped.Add(1)
+			continue
+		}
 		pr.inQueue.Add(1)
+		pr.qBytes.Add(int64(len(e.wire)))
 		select {
 		case pr.q <- e:
 		default:
 			pr.inQueue.Add(-1)
+			pr.qBytes.Add(-int64(len(e.wire)))
 			s.p.dropped.Add(1)
 		}
 	}
