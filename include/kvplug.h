@@ -668,7 +668,7 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * kvp_event_publisher_flush) it takes the manager's pending events under
  * the manager's lock (a copy), then encodes and sends them without it, so
  * no engine call waits on the network. Each subscriber has its own queue of
- * hwm batches; a batch that finds it full is dropped for that subscriber
+ * at most hwm batches and 64 MiB; a batch that finds it full is dropped for that subscriber
  * only and counted (dropped_sends); the subscriber sees the gap in the
  * sequence numbers and replays it. A subscriber that blocks a write for 10
  * s is disconnected. Memory is bounded by buffer_steps and buffer_bytes
