@@ -194,6 +194,9 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	if a.reserved != 0 {
 		return failf(kverr.InvalidArgument, "kvp_prefill_plan: reserved must be 0: got %d", int32(a.reserved))
 	}
+	if a.window_size < 0 {
+		return failf(kverr.InvalidArgument, "kvp_prefill_plan: window_size must be 0 (no window) or positive: got %d", int32(a.window_size))
+	}
 	if a.batch < 0 || a.batch > 65535 {
 		return failf(kverr.InvalidArgument, "kvp_prefill_plan: batch must be in [0, 65535]: got %d", int32(a.batch))
 	}
@@ -212,7 +215,7 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	}
 	p, err := attn.PlanPrefill(&attn.PrefillPlanArgs{
 		PrefillShape: attn.PrefillShape{DType: attn.DType(a.dtype), HeadDim: int(a.head_dim),
-			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads), WindowLeft: int(a.window_left)},
+			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads), WindowLeft: int(a.window_size) - 1},
 		QOIndptr: qo, KVLens: kv,
 		QOIndptrDev: cuda.DevicePtr(a.qo_indptr), KVLensDev: cuda.DevicePtr(a.kv_lens),
 		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(a.workspace_bytes),

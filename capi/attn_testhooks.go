@@ -95,7 +95,7 @@ func hookNumSplits(dtype, headDim, batch, qHeads, kvHeads, maxLen int32) (int32,
 // status and the plan's kind.
 func hookPrefillPlan(qo, kv []int32, wsBytes uint64, structSize uintptr, reserved int32) (int32, abiStatus) {
 	a := C.kvp_prefill_plan_args{struct_size: C.size_t(structSize), dtype: C.KVP_DTYPE_BF16, head_dim: 128,
-		num_q_heads: 8, num_kv_heads: 2, batch: C.int32_t(len(kv)), window_left: -1, reserved: C.int32_t(reserved),
+		num_q_heads: 8, num_kv_heads: 2, batch: C.int32_t(len(kv)), reserved: C.int32_t(reserved),
 		qo_indptr: 0x1000, kv_lens: 0x2000, workspace: 0x3000, workspace_bytes: C.uint64_t(wsBytes)}
 	// Copies in C memory: cgo forbids passing Go pointers inside a struct.
 	cqo := (*C.int32_t)(C.malloc(C.size_t(4 * max(len(qo), 1))))

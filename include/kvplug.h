@@ -941,8 +941,9 @@ typedef struct kvp_merge_states_args {
  * rows [qo_indptr[b], qo_indptr[b+1]) of q and out, at positions
  * [kv_len_b - q_len_b, kv_len_b) of the sequence (kv_len_b counts the new
  * tokens: write them with kvp_kv_write first). Row i at position pos_i and
- * query head h attends causally to tokens [0, pos_i] of its sequence, or to
- * [max(0, pos_i - window_left), pos_i] with a window, read through the block
+ * query head h attends causally to tokens [0, pos_i] of its sequence, or,
+ * with window_size w > 0, to its last w tokens [max(0, pos_i - w + 1), pos_i]
+ * (FlashInfer's window_left is w - 1), read through the block
  * table as in decode (columns >= max_blocks_per_seq and block ids outside
  * [0, num_blocks) are ignored). A whole prompt (q_len = kv_len), the tail of
  * a prompt after a prefix-cache hit, a chunk of a long prompt, draft tokens
@@ -986,7 +987,7 @@ typedef struct kvp_prefill_plan_args {
   int32_t num_q_heads;
   int32_t num_kv_heads; /* divides num_q_heads */
   int32_t batch;        /* sequences, in [0, 65535] */
-  int32_t window_left;  /* -1 (default): no window; w >= 0: tokens [pos - w, pos] */
+  int32_t window_size;  /* 0 (default): no window; w > 0: tokens [pos - w + 1, pos] */
   int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV */
   int32_t reserved;     /* must be 0 */
   const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
@@ -997,7 +998,7 @@ typedef struct kvp_prefill_plan_args {
   uint64_t workspace_bytes;
 } kvp_prefill_plan_args;
 
-#define KVP_PREFILL_PLAN_ARGS_INIT {sizeof(kvp_prefill_plan_args), 0, 0, 0, 0, 0, -1, 0, 0, NULL, NULL, 0, 0, 0, 0}
+#define KVP_PREFILL_PLAN_ARGS_INIT KVP_STRUCT_INIT(kvp_prefill_plan_args)
 
 /* A planned batch. Filled by kvp_prefill_plan (the caller sets struct_size
  * only); the fields are for reading: kvp_paged_prefill checks them but
@@ -1012,7 +1013,7 @@ typedef struct kvp_attn_plan {
   int32_t head_dim;
   int32_t num_q_heads;
   int32_t num_kv_heads;
-  int32_t window_left;
+  int32_t window_left; /* -1: no window; else window_size - 1 */
   int32_t batch;
   int32_t total_q;    /* qo_indptr[batch] */
   int32_t max_q_len;

@@ -38,7 +38,7 @@ def _plan(qo, kv, ws_bytes=1 << 20, struct_size=None):
     n = len(kv)
     a = attn._PrefillPlanArgs(
         ctypes.sizeof(attn._PrefillPlanArgs) if struct_size is None else struct_size,
-        attn.DTYPE_BF16, 128, 8, 2, n, -1, 0, 0,
+        attn.DTYPE_BF16, 128, 8, 2, n, 0, 0, 0,
         (ctypes.c_int32 * len(qo))(*qo), (ctypes.c_int32 * max(n, 1))(*kv),
         0x1000, 0x2000, 0x3000, ws_bytes)
     plan = attn._AttnPlan()

@@ -431,7 +431,7 @@ class _PrefillPlanArgs(ctypes.Structure):
         ("num_q_heads", _i32),
         ("num_kv_heads", _i32),
         ("batch", _i32),
-        ("window_left", _i32),
+        ("window_size", _i32),
         ("flags", _i32),
         ("reserved", _i32),
         ("qo_indptr_host", ctypes.POINTER(_i32)),
@@ -548,6 +548,8 @@ def prefill_plan(
     tokens included) on the device, with their host copies (CPU tensors or
     sequences; when None they are read back from the device, which
     synchronises). workspace: a CUDA tensor of prefill_workspace_size bytes.
+    window_left: -1 (no window) or w >= 0, each row sees tokens
+    [pos - w, pos] (the C field window_size is w + 1).
     decode_route=False keeps one-token batches on the prefill kernel;
     split_kv=False keeps every plan at one split (both: one captured graph
     serves any batch composition)."""
@@ -563,10 +565,12 @@ def prefill_plan(
         raise _bad("workspace must be contiguous")
     if not isinstance(dtype, int):
         dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    if window_left < -1:
+        raise _bad(f"window_left must be -1 (no window) or >= 0, got {window_left}")
     qo_h = _host_i32(qo_indptr if qo_indptr_host is None else qo_indptr_host, batch + 1, "qo_indptr_host")
     kv_h = _host_i32(kv_lens if kv_lens_host is None else kv_lens_host, batch, "kv_lens_host")
     a = _PrefillPlanArgs(
-        ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left,
+        ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left + 1,
         (0 if decode_route else 1) | (0 if split_kv else 2), 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
         workspace.data_ptr(), workspace.numel() * workspace.element_size(),
     )
