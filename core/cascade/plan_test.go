@@ -1,7 +1,6 @@
 package cascade
 
 import (
-	"fmt"
 	"math"
 	"testing"
 
@@ -120,16 +119,28 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 // only) save (size - 1) blocks each.
 func bruteSaved(b *batch) int64 {
 	var saved int64
+	class := make([]int, len(b.lens)) // class of each sequence's prefix through the previous column
 	for c := 0; c < b.maxBlocks; c++ {
-		classes := map[string]int{}
+		next := map[[2]int]int{} // (previous class, block id) -> class
+		size := map[int]int{}
 		for s, n := range b.lens {
 			if int(n)/b.bs <= c {
+				class[s] = -1 // no whole block here: shares nothing further
 				continue
 			}
-			key := fmt.Sprint(b.table[s*b.stride : s*b.stride+c+1])
-			classes[key]++
+			if class[s] < 0 {
+				continue
+			}
+			k := [2]int{class[s], int(b.table[s*b.stride+c])}
+			id, ok := next[k]
+			if !ok {
+				id = len(next)
+				next[k] = id
+			}
+			class[s] = id
+			size[id]++
 		}
-		for _, n := range classes {
+		for _, n := range size {
 			saved += int64(n-1) * int64(b.bs)
 		}
 	}
