@@ -71,10 +71,11 @@ func kvp_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status) {
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_kv_write: args must not be NULL")
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_kv_write_args"); err != nil {
+	var args C.kvp_kv_write_args
+	if err := kvWriteArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
+	a = &args
 	w := attn.KVWriteArgs{
 		KVWriteLayout: attn.KVWriteLayout{
 			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim),
@@ -98,19 +99,16 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_paged_decode: args must not be NULL")
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_paged_decode_args"); err != nil {
+	var args C.kvp_paged_decode_args
+	if err := pagedDecodeArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
+	a = &args
 	if a.reserved != 0 {
 		return failf(kverr.InvalidArgument, "kvp_paged_decode: reserved must be 0: got %d", int32(a.reserved))
 	}
 	if a.workspace_bytes > math.MaxInt64 {
 		return failf(kverr.InvalidArgument, "kvp_paged_decode: workspace_bytes %d is too large", uint64(a.workspace_bytes))
-	}
-	scale := float32(a.scale)
-	if scale == 0 && a.head_dim > 0 {
-		scale = float32(1 / math.Sqrt(float64(a.head_dim)))
 	}
 	d := attn.PagedDecodeArgs{
 		DecodeLayout: attn.DecodeLayout{
@@ -122,7 +120,7 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
 			CacheHeadStride: int64(a.cache_head_stride),
 			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-			Scale: scale,
+			Scale: float32(a.scale),
 		},
 		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
 		BlockTable: cuda.DevicePtr(a.block_table), SeqLens: cuda.DevicePtr(a.seq_lens),
@@ -139,10 +137,11 @@ func kvp_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_s
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_merge_states: args must not be NULL")
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_merge_states_args"); err != nil {
+	var args C.kvp_merge_states_args
+	if err := mergeStatesArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
+	a = &args
 	if a.reserved != 0 {
 		return failf(kverr.InvalidArgument, "kvp_merge_states: reserved must be 0: got %d", int32(a.reserved))
 	}
@@ -183,12 +182,12 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	if a == nil || plan == nil {
 		return failf(kverr.NullPointer, "kvp_prefill_plan: args and plan must not be NULL")
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_prefill_plan_args"); err != nil {
+	var args C.kvp_prefill_plan_args
+	if err := prefillPlanArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
-	psize := unsafe.Sizeof(*plan)
-	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+	a = &args
+	if err := attnPlanStruct.checkSize(plan.struct_size); err != nil {
 		return fail(err)
 	}
 	if a.reserved != 0 {
@@ -224,15 +223,15 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	if err != nil {
 		return fail(err)
 	}
-	*plan = C.kvp_attn_plan{
-		struct_size: C.size_t(psize), kind: C.int32_t(p.Kind), route: C.int32_t(p.Route),
+	out := C.kvp_attn_plan{
+		kind: C.int32_t(p.Kind), route: C.int32_t(p.Route),
 		dtype: C.int32_t(p.DType), head_dim: C.int32_t(p.HeadDim),
 		num_q_heads: C.int32_t(p.NumQHeads), num_kv_heads: C.int32_t(p.NumKVHeads), window_left: C.int32_t(p.WindowLeft),
 		batch: C.int32_t(p.Batch), total_q: C.int32_t(p.TotalQ), max_q_len: C.int32_t(p.MaxQLen), max_kv_len: C.int32_t(p.MaxKVLen),
 		num_items: C.int32_t(p.NumItems), grid: C.int32_t(p.Grid), num_splits: C.int32_t(p.NumSplits),
 		workspace: C.uint64_t(p.Workspace), workspace_bytes: C.uint64_t(p.WorkspaceBytes), kv_lens: C.uint64_t(p.KVLens),
 	}
-	return C.KVP_OK
+	return fail(attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out)))
 }
 
 //export kvp_paged_prefill
@@ -241,14 +240,16 @@ func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 	if plan == nil || a == nil {
 		return failf(kverr.NullPointer, "kvp_paged_prefill: plan and args must not be NULL")
 	}
-	psize := unsafe.Sizeof(*plan)
-	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+	var pl C.kvp_attn_plan
+	if err := attnPlanStruct.in(unsafe.Pointer(plan), unsafe.Pointer(&pl)); err != nil {
 		return fail(err)
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_paged_prefill_args"); err != nil {
+	plan = &pl
+	var args C.kvp_paged_prefill_args
+	if err := pagedPrefillArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
+	a = &args
 	if a.reserved != 0 || a.reserved2 != 0 {
 		return failf(kverr.InvalidArgument, "kvp_paged_prefill: reserved fields must be 0")
 	}
@@ -263,10 +264,6 @@ func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 		NumItems: int(plan.num_items), Grid: int(plan.grid), NumSplits: int(plan.num_splits),
 		Workspace: cuda.DevicePtr(plan.workspace), WorkspaceBytes: int64(plan.workspace_bytes), KVLens: cuda.DevicePtr(plan.kv_lens),
 	}
-	scale := float32(a.scale)
-	if scale == 0 && plan.head_dim > 0 {
-		scale = float32(1 / math.Sqrt(float64(plan.head_dim)))
-	}
 	r := attn.PagedPrefillArgs{
 		PrefillLayout: attn.PrefillLayout{
 			QTokenStride: int64(a.q_token_stride), QHeadStride: int64(a.q_head_stride),
@@ -275,7 +272,7 @@ func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
 			CacheHeadStride: int64(a.cache_head_stride),
 			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-			Scale: scale,
+			Scale: float32(a.scale),
 		},
 		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
 		BlockTable: cuda.DevicePtr(a.block_table), Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),

@@ -50,6 +50,12 @@ var (
 		unsafe.Sizeof(C.kvp_paged_decode_args{}), unsafe.Sizeof(C.kvp_paged_decode_args{})}
 	mergeStatesArgsStruct = abiStruct{"kvp_merge_states_args",
 		unsafe.Sizeof(C.kvp_merge_states_args{}), unsafe.Sizeof(C.kvp_merge_states_args{})}
+	prefillPlanArgsStruct = abiStruct{"kvp_prefill_plan_args",
+		unsafe.Sizeof(C.kvp_prefill_plan_args{}), unsafe.Sizeof(C.kvp_prefill_plan_args{})}
+	attnPlanStruct = abiStruct{"kvp_attn_plan",
+		unsafe.Sizeof(C.kvp_attn_plan{}), unsafe.Sizeof(C.kvp_attn_plan{})}
+	pagedPrefillArgsStruct = abiStruct{"kvp_paged_prefill_args",
+		unsafe.Sizeof(C.kvp_paged_prefill_args{}), unsafe.Sizeof(C.kvp_paged_prefill_args{})}
 	cascadePlanArgsStruct = abiStruct{"kvp_cascade_plan_args",
 		unsafe.Sizeof(C.kvp_cascade_plan_args{}), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
 )

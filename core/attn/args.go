@@ -12,6 +12,7 @@
 package attn
 
 import (
+	"math"
 	"math/bits"
 	"slices"
 
@@ -69,7 +70,7 @@ type DecodeLayout struct {
 	MaxBlocksPerSeq  int
 	BlockTableStride int64
 
-	Scale float32 // softmax scale, usually 1/sqrt(head_dim)
+	Scale float32 // softmax scale; 0 means 1/sqrt(head_dim) (SoftmaxScale)
 }
 
 // MergeLayout is the shape of a merge of NumStates attention states, each a
@@ -342,4 +343,14 @@ func (l *MergeLayout) validate(withLSE bool) (mergeExtents, error) {
 		e = mergeExtents{}
 	}
 	return e, nil
+}
+
+// SoftmaxScale is the scale a launch uses: scale itself, or 1/sqrt(headDim)
+// when scale is 0, the default of every attention call (Go, C and the
+// bindings alike).
+func SoftmaxScale(scale float32, headDim int) float32 {
+	if scale == 0 && headDim > 0 {
+		return float32(1 / math.Sqrt(float64(headDim)))
+	}
+	return scale
 }

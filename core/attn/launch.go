@@ -256,7 +256,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		BlockTableStride: a.BlockTableStride,
 		Batch:            int32(a.Batch), NumQHeads: int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
-		NumSplits: int32(splits), Scale: a.Scale,
+		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim),
 	}
 	ks := kernelsFor(a.DType, a.HeadDim)
 	cfg := cuda.LaunchConfig{

@@ -382,7 +382,7 @@ type PrefillLayout struct {
 	MaxBlocksPerSeq  int
 	BlockTableStride int64
 
-	Scale float32
+	Scale float32 // softmax scale; 0 means 1/sqrt(head_dim) (SoftmaxScale)
 }
 
 type prefillExtents struct{ q, cache, out, table int64 }
@@ -530,7 +530,7 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		BlockTableStride: a.BlockTableStride,
 		NumQHeads:        int32(p.NumQHeads), NumKVHeads: int32(p.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
-		WindowLeft: int32(p.WindowLeft), Scale: a.Scale,
+		WindowLeft: int32(p.WindowLeft), Scale: SoftmaxScale(a.Scale, p.HeadDim),
 		NumSplits: int32(p.NumSplits), TotalQ: int32(p.TotalQ),
 	}
 	S := p.NumSplits

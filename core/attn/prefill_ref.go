@@ -78,7 +78,7 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 					for d := 0; d < D; d++ {
 						dot += qv[d] * s.DType.Load(kCache, ko+int64(d))
 					}
-					scores = append(scores, float64(l.Scale)*dot)
+					scores = append(scores, float64(SoftmaxScale(l.Scale, p.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
 				st := attendRows(s.DType, vCache, rows, scores, o)

@@ -140,7 +140,7 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 					for d := 0; d < D; d++ {
 						dot += qv[d] * l.DType.Load(kCache, ko+int64(d))
 					}
-					scores = append(scores, float64(l.Scale)*dot)
+					scores = append(scores, float64(SoftmaxScale(l.Scale, l.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
 				part := parts[s*D : (s+1)*D]
