@@ -34,6 +34,7 @@ func FuzzABI(f *testing.F) {
 	f.Add(bytes.Repeat([]byte{7, 1, 250, 3, 0}, 8))
 	gpu := cuda.Available()
 	f.Fuzz(func(t *testing.T, data []byte) {
+		lockThread(t)
 		fz := &abiFuzz{t: t, r: byteReader(data), gpu: gpu, junk: newCBuf(64)}
 		defer fz.close()
 		fz.setup()
@@ -933,6 +934,7 @@ func (fz *abiFuzz) launch(op uint8) (string, int) {
 // The seed corpus in a plain test run is the fuzz target's short budget;
 // this checks that the target reaches every group of entry points.
 func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
+	lockThread(t)
 	seen := map[string]bool{}
 	for op := range numOps {
 		data := []byte{5, 8, 4, byte(op)}

@@ -9,6 +9,7 @@ import (
 )
 
 func TestAttnABIArgumentChecks(t *testing.T) {
+	lockThread(t)
 	good := decodeHookArgs{structSize: sizeofPagedDecodeArgs(), dtype: 2, headDim: 128, batch: 2, qHeads: 8, kvHeads: 2,
 		numBlocks: 8, blockSize: 16, maxBlocks: 4, q: 0x1000, k: 0x2000, v: 0x3000, table: 0x4000, lens: 0x5000, out: 0x6000}
 	expect(t, "null args", hookPagedDecode(&good, true), kverr.NullPointer)
@@ -64,6 +65,7 @@ func TestAttnABIArgumentChecks(t *testing.T) {
 }
 
 func TestAttnABIWorkspaceSize(t *testing.T) {
+	lockThread(t)
 	n, st := hookWorkspaceSize(8, 32, 128, 4, false)
 	if st != 0 || n != 4*4*8*32*129 {
 		t.Fatalf("workspace size %d, %s %s", n, statusName(st), lastError())
@@ -77,6 +79,7 @@ func TestAttnABIWorkspaceSize(t *testing.T) {
 }
 
 func TestPrefillABIArgumentChecks(t *testing.T) {
+	lockThread(t)
 	good := sizeofPrefillPlanArgs()
 	qo, kv := []int32{0, 3, 4}, []int32{10, 4}
 	_, st := hookPrefillPlan(qo, kv, 1<<20, good-8, 0)

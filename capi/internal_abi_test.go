@@ -12,6 +12,7 @@ import (
 // the ABI the export's guard answers KVP_ERR_INTERNAL with its message,
 // and the process goes on.
 func TestACorePanicIsInternalAtTheABI(t *testing.T) {
+	lockThread(t)
 	cause := kverr.Errorf(kverr.InvalidArgument, "unlock: block 3 has no lock left")
 	st := hookGuarded(func() {
 		panic(kverr.Wrap(kverr.Internal, cause, "kvmanager: a sequence's cached blocks are not locked"))

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/binary"
+	"runtime"
 	"strings"
 	"testing"
 	"unsafe"
@@ -9,8 +10,17 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
+// lockThread keeps the test on one OS thread: kvp_last_error is the
+// calling thread's, and a goroutine that moved between a failing call and
+// the lastError() after it would read another thread's (empty) message.
+func lockThread(t testing.TB) {
+	runtime.LockOSThread()
+	t.Cleanup(runtime.UnlockOSThread)
+}
+
 func newManager(t testing.TB, blocks, bs int32) unsafe.Pointer {
 	t.Helper()
+	lockThread(t)
 	h, st := hookManagerCreate(sizeofManagerConfig(), blocks, bs, false, false)
 	if st != 0 || h == nil {
 		t.Fatalf("create: %s %s", statusName(st), lastError())
@@ -41,6 +51,7 @@ func TestStatusNamesMatchCore(t *testing.T) {
 }
 
 func TestManagerBadInput(t *testing.T) {
+	lockThread(t)
 	cfgSize := sizeofManagerConfig()
 	_, st := hookManagerCreate(cfgSize, 8, 16, true, false)
 	expect(t, "create NULL cfg", st, kverr.NullPointer)
@@ -164,6 +175,7 @@ func FuzzManagerABI(f *testing.F) {
 	f.Add([]byte{0, 1, 5, 0, 0, 0, 2, 1, 1, 0, 0, 0, 4, 1})
 	f.Add([]byte{3, 200, 9, 9, 9, 9, 1, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2})
 	f.Fuzz(func(t *testing.T, data []byte) {
+		lockThread(t)
 		r := byteReader(data)
 		bs := int32(r.u8()%17) + 1
 		h := newManager(t, 64, bs)

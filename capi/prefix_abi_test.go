@@ -12,6 +12,7 @@ import (
 
 func newCachedManager(t testing.TB, blocks, bs int32, events bool) unsafe.Pointer {
 	t.Helper()
+	lockThread(t)
 	h, st := hookManagerCreateCached(blocks, bs, events, 0)
 	if st != 0 || h == nil {
 		t.Fatalf("create: %s %s", statusName(st), lastError())

@@ -930,6 +930,7 @@ func TestScenarios(t *testing.T) {
 		}
 		for _, sc := range scs {
 			t.Run(strings.TrimSuffix(filepath.Base(file), ".txt")+"/"+sc.name, func(t *testing.T) {
+				lockThread(t)
 				r := &scRunner{t: t, junk: newCBuf(64), failedAt: file}
 				defer r.close()
 				for i := range sc.stmts {

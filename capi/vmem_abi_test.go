@@ -17,6 +17,7 @@ func liveHandles(t *testing.T) int64 {
 }
 
 func TestLiveHandlesCountsCreatesAndDestroys(t *testing.T) {
+	lockThread(t)
 	_, st := hookLiveHandles(true)
 	expect(t, "kvp_live_handles(NULL)", st, kverr.NullPointer)
 	before := liveHandles(t)
@@ -37,6 +38,7 @@ func TestLiveHandlesCountsCreatesAndDestroys(t *testing.T) {
 // A destroy function given a handle of another type leaves it alone: the
 // object stays registered and usable, and its own destroy still works.
 func TestDestroyChecksTheHandleType(t *testing.T) {
+	lockThread(t)
 	before := liveHandles(t)
 	m := newManager(t, 8, 4)
 	vc, st := hookVcacheCreate(1, 1, 64, 2, 64, 1<<20)
@@ -78,6 +80,7 @@ func TestDestroyChecksTheHandleType(t *testing.T) {
 // 40000 tokens of 4 KiB each: 40000 pages in each tensor, far past what one
 // kernel mapping a page would allow.
 func TestVcacheHostLongContextThroughTheABI(t *testing.T) {
+	lockThread(t)
 	vc, st := hookVcacheCreate(1, 8, 256, 1, 40000, 1<<30)
 	expect(t, "create", st, kverr.OK)
 	defer hookVcacheDestroy(vc)
@@ -94,6 +97,7 @@ func TestVcacheHostLongContextThroughTheABI(t *testing.T) {
 // A log callback that calls back into kvplug gets an error status for that
 // call instead of deadlocking on the lock held by the code that logged.
 func TestLogCallbackReentryFailsInsteadOfDeadlocking(t *testing.T) {
+	lockThread(t)
 	m, st := hookManagerCreateCached(4, 4, false, 0)
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(m)
@@ -132,6 +136,7 @@ func TestLogCallbackReentryFailsInsteadOfDeadlocking(t *testing.T) {
 }
 
 func TestManagerNumBlocksMessageNamesTheLimit(t *testing.T) {
+	lockThread(t)
 	_, st := hookManagerCreate(sizeofManagerConfig(), 1<<26+1, 1, false, false)
 	expect(t, "create 2^26+1 blocks", st, kverr.InvalidArgument)
 	if !strings.Contains(lastError(), "[1, 2^26]") {
