@@ -1142,8 +1142,9 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * Graph capture: the cascade route's launches have fixed grids and read the
  * plan from the device workspace, and a tail's end is read from the device
  * seq_lens, so a captured kvp_paged_cascade replays correctly for every later
- * plan into the same workspaces (plan outside the graph, before the replay,
- * on the replay's stream). kvp_cascade_update checks on the host, in
+ * cascade-route plan into the same workspaces (plan outside the graph,
+ * before the replay, on the replay's stream; KVP_CASCADE_NO_DECODE_ROUTE
+ * keeps every plan on that route). kvp_cascade_update checks on the host, in
  * O(batch), that a step whose sequences only grew still fits the plan (each
  * tail within the chunks planned for it, headroom tokens by default 64):
  * then nothing needs planning or copying.
