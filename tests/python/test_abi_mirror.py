@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import kvplug
-from kvplug import _lib, attn, cascade, manager, prefix, vmem
+from kvplug import _lib, attn, cascade, events, manager, prefix, vmem
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "kvplug.h"
@@ -39,10 +39,13 @@ MIRRORS = {
     vmem.VCacheStats: "kvp_vcache_stats",
     cascade._CascadePlanArgs: "kvp_cascade_plan_args",
 }
-for _name, _c in (("_PrefillPlanArgs", "kvp_prefill_plan_args"), ("_AttnPlan", "kvp_attn_plan"),
-                  ("_PagedPrefillArgs", "kvp_paged_prefill_args")):
-    if hasattr(attn, _name):
-        MIRRORS[getattr(attn, _name)] = _c
+MIRRORS.update({
+    attn._PrefillPlanArgs: "kvp_prefill_plan_args",
+    attn._AttnPlan: "kvp_attn_plan",
+    attn._PagedPrefillArgs: "kvp_paged_prefill_args",
+    events.EventPublisherConfig: "kvp_event_publisher_config",
+    events.EventPublisherStatsStruct: "kvp_event_publisher_stats",
+})
 
 # ctypes structs of the package that mirror no header struct (DLPack's ABI).
 NOT_HEADER = {"_DLDevice", "_DLDataType", "_DLTensor", "_DLManagedTensor"}

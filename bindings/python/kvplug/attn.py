@@ -20,7 +20,6 @@ crash.
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _lib
@@ -234,10 +233,13 @@ def num_splits(dtype: Any, head_dim: int, batch: int, num_q_heads: int, num_kv_h
     torch = _torch()
     if not isinstance(dtype, int):
         dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    args = [_lib.checked_int(v, "num_splits: " + n, "int32") for v, n in (
+        (dtype, "dtype"), (head_dim, "head_dim"), (batch, "batch"), (num_q_heads, "num_q_heads"),
+        (num_kv_heads, "num_kv_heads"), (max_seq_len, "max_seq_len"))]
     out = ctypes.c_int32(0)
     f = _fn("kvp_attn_num_splits", [_i32, _i32, _i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_int32)])
     with torch.cuda.device(torch.cuda.current_device()):
-        _check(f(dtype, head_dim, batch, num_q_heads, num_kv_heads, max_seq_len, ctypes.byref(out)))
+        _check(f(*args, ctypes.byref(out)))
     return int(out.value)
 
 
@@ -345,8 +347,9 @@ def paged_decode(
         if not workspace.is_contiguous():
             raise _bad("workspace must be contiguous")
         ws_ptr, ws_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
+    num_splits = _lib.checked_int(num_splits, "paged_decode: num_splits", "int32")
+    max_seq_len = _lib.checked_int(max_seq_len, "paged_decode: max_seq_len", "int32")
     tstride = block_table.stride(0) if batch > 1 else block_table.shape[1]
     a = _PagedDecodeArgs(
         ctypes.sizeof(_PagedDecodeArgs), _dtype_code(q, "q"), d, batch, qh, kvh, nb, bs, block_table.shape[1],
@@ -483,9 +486,12 @@ ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
 def prefill_workspace_size(max_batch: int, max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of workspace prefill_plan needs for batches of up to max_batch
     sequences and max_tokens query tokens in all."""
+    args = [_lib.checked_int(v, "prefill_workspace_size: " + n, "int32") for v, n in (
+        (max_batch, "max_batch"), (max_tokens, "max_tokens"), (num_q_heads, "num_q_heads"),
+        (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"))]
     out = ctypes.c_uint64(0)
     f = _fn("kvp_prefill_workspace_size", [_i32, _i32, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_uint64)])
-    _check(f(max_batch, max_tokens, num_q_heads, num_kv_heads, head_dim, ctypes.byref(out)))
+    _check(f(*args, ctypes.byref(out)))
     return int(out.value)
 
 
@@ -565,8 +571,11 @@ def prefill_plan(
         raise _bad("workspace must be contiguous")
     if not isinstance(dtype, int):
         dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
-    if window_left < -1:
-        raise _bad(f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    ci = _lib.checked_int
+    num_q_heads = ci(num_q_heads, "prefill_plan: num_q_heads", "int32")
+    num_kv_heads = ci(num_kv_heads, "prefill_plan: num_kv_heads", "int32")
+    head_dim = ci(head_dim, "prefill_plan: head_dim", "int32")
+    window_left = ci(window_left, "prefill_plan: window_left", "int32", lo=-1, hi=2**31 - 2)
     qo_h = _host_i32(qo_indptr if qo_indptr_host is None else qo_indptr_host, batch + 1, "qo_indptr_host")
     kv_h = _host_i32(kv_lens if kv_lens_host is None else kv_lens_host, batch, "kv_lens_host")
     a = _PrefillPlanArgs(
@@ -632,8 +641,7 @@ def paged_prefill(
         if tuple(lse.shape) != (q.shape[0], q.shape[1]) or not lse.is_contiguous():
             raise _bad(f"lse must be a contiguous float32 [{q.shape[0]}, {q.shape[1]}] tensor")
         lse_ptr = lse.data_ptr()
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
     tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
     a = _PagedPrefillArgs(
         ctypes.sizeof(_PagedPrefillArgs), nb, bs, block_table.shape[1], 0,
