@@ -61,7 +61,7 @@ def header_structs() -> set:
 
 def test_every_struct_is_mirrored():
     found = set()
-    for mod in (_lib, manager, prefix, attn, cascade, vmem):
+    for mod in (_lib, manager, prefix, attn, cascade, events, vmem):
         for name, obj in vars(mod).items():
             if inspect.isclass(obj) and issubclass(obj, ctypes.Structure) and obj.__module__ == mod.__name__:
                 if name in NOT_HEADER:
