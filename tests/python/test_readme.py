@@ -42,6 +42,7 @@ def test_every_example_is_covered():
         ("### The prefix cache (Python; the same calls exist in C, C++ and Go)", "python"),
         ("### Go", "go"),
         ("### On the GPU (Python, torch)", "python"),
+        ("### Prefill and mixed batches on the GPU (Python, torch)", "python"),
     ]), "a README example was added or renamed: run it here too"
 
 
@@ -105,4 +106,11 @@ def _torch_gpu() -> bool:
 def test_gpu_example(tmp_path):
     (tmp_path / "gpu.py").write_text(find("### On the GPU (Python, torch)", "python").code)
     out = _run([sys.executable, "gpu.py"], tmp_path)
+    assert out.count("max |kvplug - SDPA|") == 2, out
+
+
+@pytest.mark.skipif(not _torch_gpu(), reason="needs torch with a CUDA GPU")
+def test_gpu_prefill_example(tmp_path):
+    (tmp_path / "prefill.py").write_text(find("### Prefill and mixed batches on the GPU (Python, torch)", "python").code)
+    out = _run([sys.executable, "prefill.py"], tmp_path)
     assert out.count("max |kvplug - SDPA|") == 2, out
