@@ -1168,6 +1168,9 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * block_size << 32, reserved[3] partial states | plan generation << 32,
  * reserved[4] the KV tokens per kv head the shared reads save this step,
  * reserved[5] the tokens per kv head plain decode would read. f16 and bf16.
+ * kvp_cascade_update and kvp_paged_cascade read the host workspace that
+ * reserved[0] names: pass plans as kvp_cascade_plan wrote them (copies are
+ * fine; an edited address is undefined behaviour, as any bad pointer).
  */
 #define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
