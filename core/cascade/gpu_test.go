@@ -266,6 +266,14 @@ func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cuda.StreamDestroy(s)
+	// One run outside the capture resolves the kernels and raises their
+	// shared-memory limit, which a replay cannot do.
+	if err := attn.CascadeRun(&g.run, s); err != nil {
+		t.Fatal(err)
+	}
+	if err := cuda.StreamSynchronize(s); err != nil {
+		t.Fatal(err)
+	}
 	graph, err := cuda.Capture(s, func() error { return attn.CascadeRun(&g.run, s) })
 	if err != nil {
 		t.Fatal(err)
