@@ -242,7 +242,7 @@ func TestGPUPagedDecode(t *testing.T) {
 			splits := c.split
 			if splits == 0 {
 				dev, _ := cuda.DeviceInfo(0)
-				splits = Plan(dev.SMs, c.d, c.D, p.l.Batch, c.qh, c.kvh, maxLen)
+				splits = DecodeSplits(dev.SMs, c.d, c.D, p.l.Batch, c.qh, c.kvh, maxLen)
 			}
 			checkDecode(t, p, g, splits, name)
 		})
@@ -427,7 +427,7 @@ func TestGPUPagedDecodeGraph(t *testing.T) {
 			dev, _ := cuda.DeviceInfo(0)
 			splits := split
 			if split == 0 {
-				splits = Plan(dev.SMs, BF16, 128, 4, 32, 8, 3000)
+				splits = DecodeSplits(dev.SMs, BF16, 128, 4, 32, 8, 3000)
 			}
 			checkDecode(t, p, g, splits, fmt.Sprintf("graph split %d round %d", split, round))
 		}

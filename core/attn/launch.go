@@ -235,7 +235,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		if maxLen == 0 {
 			maxLen = a.MaxBlocksPerSeq * a.BlockSize
 		}
-		splits = Plan(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen)
+		splits = DecodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen)
 		// Never more splits than the workspace holds (none without one).
 		if splits > 1 {
 			fit := int64(0)

@@ -11,16 +11,16 @@ import (
 // of 2048+ tokens on an H100.
 const DefaultMaxSplits = 32
 
-// Plan returns the split-KV count for a decode launch, by the heuristic of
+// DecodeSplits returns the split-KV count for a decode launch, by the heuristic of
 // kernels/README.md: when the batch's (sequence, kv head, 16-head tile)
 // blocks are fewer than the device holds at once (sms times the resident
 // blocks per SM), each sequence is cut into up to that many splits of whole
 // 64-token tiles of the longest sequence, and splits that would be empty are
 // dropped. The result is also capped at MaxSplits. sms is the device's
-// multiprocessor count; maxSeqLen bounds the batch's lengths. Plan depends
+// multiprocessor count; maxSeqLen bounds the batch's lengths. DecodeSplits depends
 // only on the batch's shape, so an engine computes it once per step and
 // passes it to every layer.
-func Plan(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) int {
+func DecodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) int {
 	if sms <= 0 || batch <= 0 || kvHeads <= 0 || qHeads < kvHeads || maxSeqLen <= 0 {
 		return 1
 	}
@@ -97,5 +97,5 @@ func NumSplits(d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) (int, er
 	if err != nil {
 		return 0, err
 	}
-	return Plan(m.Device().SMs, d, headDim, batch, qHeads, kvHeads, maxSeqLen), nil
+	return DecodeSplits(m.Device().SMs, d, headDim, batch, qHeads, kvHeads, maxSeqLen), nil
 }

@@ -342,7 +342,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	sms := m.Device().SMs
 	if decode {
-		s := Plan(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen)
+		s := DecodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen)
 		fit := int64(0)
 		if a.Workspace != 0 {
 			fit = a.WorkspaceBytes / workspaceBytes(batch, a.NumQHeads, a.HeadDim, 1)

@@ -387,19 +387,19 @@ func TestPlanAndWorkspace(t *testing.T) {
 		{1, 300, 5}, // five tiles, one split each
 		{1, 0, 1},
 	} {
-		if s := Plan(132, BF16, 128, c.batch, 32, 8, c.maxLen); s != c.want {
-			t.Errorf("Plan(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
+		if s := DecodeSplits(132, BF16, 128, c.batch, 32, 8, c.maxLen); s != c.want {
+			t.Errorf("DecodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
 		}
 	}
 	// 33 slots per CTA over 40 tiles: 33 splits would leave empty ones;
 	// ceil(40/33) = 2 tiles each gives 20.
-	if s := Plan(132, BF16, 128, 1, 32, 8, 40*64); s != 20 {
+	if s := DecodeSplits(132, BF16, 128, 1, 32, 8, 40*64); s != 20 {
 		t.Errorf("40 tiles: %d splits, want 20", s)
 	}
-	if s := Plan(132, F32, 64, 1, 1, 1, 1<<30); s != MaxSplits {
+	if s := DecodeSplits(132, F32, 64, 1, 1, 1, 1<<30); s != MaxSplits {
 		t.Errorf("MQA, huge L: %d splits, want the cap %d", s, MaxSplits)
 	}
-	if s := Plan(0, F16, 64, 1, 1, 1, 100); s != 1 {
+	if s := DecodeSplits(0, F16, 64, 1, 1, 1, 100); s != 1 {
 		t.Errorf("no SMs: %d", s)
 	}
 	n, err := WorkspaceSize(64, 32, 128, 0)
