@@ -504,3 +504,36 @@ func TestCloseFlushesPending(t *testing.T) {
 		t.Fatalf("pending event not flushed at close: %+v", b.Events)
 	}
 }
+
+// ipc:// endpoints are Unix sockets; a stale socket file of a dead
+// process does not stop a new bind, and Close removes the file.
+func TestIPCEndpoints(t *testing.T) {
+	dir := t.TempDir()
+	pubPath, repPath := dir+"/pub.sock", dir+"/replay.sock"
+	stale, err := net.Listen("unix", pubPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale.(*net.UnixListener).SetUnlinkOnClose(false)
+	stale.Close() // leaves the file, as a crashed process would
+	src := newIndexSource(t, 8, 2)
+	p, err := Start(src, Config{Endpoint: "ipc://" + pubPath, ReplayEndpoint: "ipc://" + repPath, FlushInterval: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := DialSub("ipc://"+pubPath, "", time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	time.Sleep(50 * time.Millisecond)
+	src.insert(t, seqTokens(0, 2), nil)
+	waitStored(t, p, s)
+	if got, err := Replay("ipc://"+repPath, 0, 5*time.Second); err != nil || len(got) != 1 || got[0].Seq != 0 {
+		t.Fatalf("replay over ipc: %v %v", got, err)
+	}
+	p.Close()
+	if _, err := net.Dial("unix", pubPath); err == nil {
+		t.Fatal("the socket is still served after Close")
+	}
+}
