@@ -89,6 +89,7 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 	if c.data_parallel_rank < -1 {
 		return failf(kverr.InvalidArgument, "%s: data_parallel_rank must be >= -1: got %d", op, int32(c.data_parallel_rank))
 	}
+	dpRank := int(c.data_parallel_rank) // -1: left out of every batch
 	kc := kvevents.Config{
 		Endpoint:       strs[0],
 		ReplayEndpoint: strs[1],
@@ -103,7 +104,7 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 			Format: kvevents.Format(c.event_format),
 			Hashes: kvevents.HashFormat(c.hash_format),
 			Medium: strs[3],
-			DPRank: int(c.data_parallel_rank),
+			DPRank: dpRank,
 		},
 	}
 	src, err := kvevents.ManagerSource(m)

@@ -13,7 +13,7 @@ import (
 func strp(s string) *string { return &s }
 
 func loopbackPub() hookPubConfig {
-	return hookPubConfig{endpoint: strp("tcp://127.0.0.1:0"), replay: strp("tcp://127.0.0.1:0"), bind: 1, dpRank: -1}
+	return hookPubConfig{endpoint: strp("tcp://127.0.0.1:0"), replay: strp("tcp://127.0.0.1:0"), bind: 1}
 }
 
 func TestPublisherBadInput(t *testing.T) {
@@ -173,5 +173,49 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 	}
 	if s[0] < 1 || s[1] < 2 {
 		t.Fatalf("stats %v", s)
+	}
+}
+
+// data_parallel_rank -1: batches of two elements, as vLLM sent before it
+// had a data-parallel rank; the default, 0, is sent as vLLM sends it.
+func TestPublisherDPRank(t *testing.T) {
+	for _, omit := range []bool{false, true} {
+		m, st := hookManagerCreateCached(16, 4, true, 0)
+		expect(t, "create manager", st, kverr.OK)
+		cfg := loopbackPub()
+		cfg.flushUS = 60_000_000
+		if omit {
+			cfg.dpRank = -1
+		}
+		p, st := hookPublisherCreate(m, cfg)
+		expect(t, "create", st, kverr.OK)
+		s, _ := hookPublisherStats(p, 0, false)
+		sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), "", 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for {
+			if s, _ = hookPublisherStats(p, 0, false); s[4] == 1 {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(20 * time.Millisecond)
+		expect(t, "flush", hookPublisherFlush(p), kverr.OK)
+		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
+		msg, err := sub.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := kvevents.Decode(msg.Payload)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if omit != (b.DPRank == nil) || (!omit && *b.DPRank != 0) || (omit && msg.Payload[0] != 0x92) {
+			t.Fatalf("omit %v: rank %v, header %#x", omit, b.DPRank, msg.Payload[0])
+		}
+		sub.Close()
+		hookPublisherDestroy(p)
+		hookManagerDestroy(m)
 	}
 }

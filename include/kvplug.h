@@ -640,8 +640,9 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  *
  *   PUB socket    every batch is a 3-frame message: topic, sequence number
  *                 (8 bytes big-endian, 0, 1, 2, ... from create), payload.
- *   payload       a msgpack EventBatch [ts, events] (plus the data-parallel
- *                 rank when one is set); each event a map tagged by "type":
+ *   payload       a msgpack EventBatch [ts, events, data-parallel rank] (the
+ *                 rank left out when the config's is -1); each event a
+ *                 map tagged by "type":
  *                 BlockStored {block_hashes, parent_block_hash, token_ids,
  *                 block_size, lora_id (the adapter, or nil), medium,
  *                 lora_name (nil), extra_keys (only when a block has
@@ -716,7 +717,9 @@ typedef struct kvp_event_publisher_config {
   int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule */
   int32_t event_format;        /* KVP_EVENTS_FORMAT_...; default MAP */
   int32_t hash_format;         /* KVP_EVENTS_HASH_...; default BYTES */
-  int32_t data_parallel_rank;  /* sent with every batch when >= 0; default -1 */
+  int32_t data_parallel_rank;  /* sent with every batch, as vLLM does; default
+                                  0; -1 leaves it out (the batches of vLLM
+                                  before it had one) */
   int32_t buffer_steps;        /* batches kept for replay, in [0, 2^24]; 0 = 10000 */
   int32_t hwm;                 /* batches queued per subscriber, in [0, 2^24];
                                   0 = 10000 */
@@ -726,8 +729,7 @@ typedef struct kvp_event_publisher_config {
   int64_t buffer_bytes;        /* payload bytes kept for replay; 0 = 256 MiB */
 } kvp_event_publisher_config;
 
-#define KVP_EVENT_PUBLISHER_CONFIG_INIT \
-  {sizeof(kvp_event_publisher_config), NULL, NULL, NULL, NULL, 0, 0, 0, -1, 0, 0, 0, 0, 0}
+#define KVP_EVENT_PUBLISHER_CONFIG_INIT KVP_STRUCT_INIT(kvp_event_publisher_config)
 
 /* A publisher's counters since create. */
 typedef struct kvp_event_publisher_stats {
@@ -749,8 +751,7 @@ typedef struct kvp_event_publisher_stats {
   int32_t reserved;          /* 0 */
 } kvp_event_publisher_stats;
 
-#define KVP_EVENT_PUBLISHER_STATS_INIT \
-  {sizeof(kvp_event_publisher_stats), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVP_EVENT_PUBLISHER_STATS_INIT KVP_STRUCT_INIT(kvp_event_publisher_stats)
 
 #ifndef KVPLUG_NO_PROTOTYPES
 

@@ -126,8 +126,10 @@ class EventPublisher:
     and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
     when replay_endpoint is given. Endpoints are tcp://host:port
     (tcp://*:port binds every interface; port 0 picks a free port, see
-    pub_port) or ipc:///path. Failures raise KvplugError subclasses with the
-    library's message (an endpoint in use: InvalidArgumentError)."""
+    pub_port) or ipc:///path. Every batch carries data_parallel_rank, as
+    vLLM's do; None leaves it out (the batches of vLLM before it had one).
+    Failures raise KvplugError subclasses with the library's message (an
+    endpoint in use: InvalidArgumentError)."""
 
     def __init__(
         self,
@@ -140,7 +142,7 @@ class EventPublisher:
         bind_mode: int = BIND_VLLM,
         event_format: int = FORMAT_MAP,
         hash_format: int = HASH_BYTES,
-        data_parallel_rank: Optional[int] = None,
+        data_parallel_rank: Optional[int] = 0,
         buffer_steps: int = 0,
         hwm: int = 0,
         max_batch_events: int = 0,
