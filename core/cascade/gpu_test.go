@@ -258,7 +258,7 @@ func TestGPUCascade(t *testing.T) {
 func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
-	b := growable(genTree(r, treeSpec{seqs: 48, depth: 2, maxRun: 16, maxTail: 200, bs: 16}), 12)
+	b := growable(genTree(r, treeSpec{seqs: 48, depth: 2, maxRun: 16, maxTail: 200, bs: 16}), 24) // room for 150 steps of up to 2 tokens
 	g := newGPURun(t, r, b, attn.F16, 32, 8, 128, true)
 	g.plan(t, false)
 	s, err := cuda.StreamCreate()

@@ -127,7 +127,9 @@ def test_no_sharing_cascade_and_decode_routes():
 def test_update_and_graph_replay_across_growth():
     gen = torch.Generator().manual_seed(9)
     qh, kvh, D, bs, dtype = 32, 8, 128, 16, torch.float16
-    table, lens, nb = tree_batch(gen, [(32, 64), (8, 16)], 100, bs, extra_cols=8)
+    # Room in every row for 1600 more tokens: tails outgrow a plan's
+    # headroom (64 tokens, rounded up to whole KV chunks) and force re-plans.
+    table, lens, nb = tree_batch(gen, [(32, 64), (8, 16)], 100, bs, extra_cols=104)
     B = table.shape[0]
     k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
     v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
@@ -147,7 +149,7 @@ def test_update_and_graph_replay_across_growth():
             cascade.paged_cascade(plan, qd, kd, vd, td, out=out, stream=stream)
     replans = 0
     for step in range(100):
-        lens_h += 1
+        lens_h += 16
         if not plan.update(lens_h):
             # The pinned host workspace is rewritten only after the last
             # plan's copy has executed.
