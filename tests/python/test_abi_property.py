@@ -190,7 +190,14 @@ class Driver:
 
     def step(self) -> None:
         before = self.snapshot()
-        name, status = self.call(self.small(len(OPS)))
+        op = self.small(len(OPS))
+        # A call that does not return within a minute ends the run with
+        # every thread's traceback: a hang fails as loudly as a crash.
+        faulthandler.dump_traceback_later(60, exit=True)
+        try:
+            name, status = self.call(op)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         try:
             if status is None:
                 return
@@ -709,14 +716,10 @@ def test_every_entry_point_with_arbitrary_arguments():
     raw.call("kvp_live_handles", ctypes.addressof(live_before))
     seconds = float(os.environ.get("KVPLUG_PROPERTY_SECONDS", "0"))
     examples = int(os.environ.get("KVPLUG_PROPERTY_EXAMPLES", "40"))
-    faulthandler.dump_traceback_later(60, repeat=True, exit=True)  # a hung call ends the run
     start = time.monotonic()
-    try:
+    _search(examples)
+    while time.monotonic() - start < seconds:
         _search(examples)
-        while time.monotonic() - start < seconds:
-            _search(examples)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
     elapsed = time.monotonic() - start
     print(f"\nABI property test: {COUNTS['examples']} examples, {COUNTS['calls']} calls "
           f"({COUNTS['failures']} refused) in {elapsed:.0f} s")
