@@ -11,7 +11,7 @@ GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 
 
 -include kernels/kernels.mk
 
-.PHONY: all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet FORCE
+.PHONY: demo-routing all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet FORCE
 
 all: lib
 
@@ -71,6 +71,10 @@ test: vet check-header check-exports test-go test-cpp test-python test-fresh-clo
 
 demo: $(LIB) $(VENV)/.ok
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/demo.py
+
+# KV-aware routing: three instances, the cluster prefix index against random routing.
+demo-routing:
+	$(GO) run ./bench/kvroute
 
 bench: $(LIB) $(VENV)/.ok
 	$(GO) test $(GO_TAGS) -run '^$$' -bench . -benchmem ./core/...

@@ -41,6 +41,7 @@ def test_every_example_is_covered():
         ("### Python", "python"),
         ("### The prefix cache (Python; the same calls exist in C, C++ and Go)", "python"),
         ("### Go", "go"),
+        ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
         ("### Prefill and mixed batches on the GPU (Python, torch)", "python"),
     ]), "a README example was added or renamed: run it here too"
@@ -79,6 +80,14 @@ def test_python_prefix_cache(tmp_path):
     out = _run([sys.executable, "prefix.py"], tmp_path)
     assert "[  0 512]" in out and "matched_tokens=512" in out, out
     assert out.splitlines()[-1] == "48 80", out  # the image's blocks only for the image's keys
+
+
+def test_python_kv_events(tmp_path):
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    (tmp_path / "events.py").write_text(find("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python").code)
+    out = _run([sys.executable, "events.py"], tmp_path, timeout=60)
+    assert out.split() == ["1", "4", "16"], out  # first batch, four stored blocks of 16 tokens
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain")
