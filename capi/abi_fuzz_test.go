@@ -56,6 +56,9 @@ type abiFuzz struct {
 	bufs   []cbuf
 	pins   []uint64
 	pub    ptr // current event publisher, on m
+	// cBackground: c maps ahead on its own goroutine, so its mappings
+	// change between any two calls.
+	cBackground bool
 }
 
 func (fz *abiFuzz) alloc(n int) ptr {
@@ -271,8 +274,12 @@ func (fz *abiFuzz) snapshot() string {
 		if st := rawVcacheStats(fz.c, p.p); st != 0 {
 			fz.t.Fatalf("snapshot vcache: %s", lastError())
 		}
-		for _, f := range []string{"mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
-			"unmap_calls", "create_calls", "release_calls"} {
+		fields := []string{"mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
+			"unmap_calls", "create_calls", "release_calls"}
+		if fz.cBackground {
+			fields = []string{"active_slots", "cached_slots", "steps"} // the calls' alone
+		}
+		for _, f := range fields {
 			fl := l.fields[f]
 			b.Write(unsafe.Slice((*byte)(unsafe.Add(p.p, fl.off)), fl.size))
 		}
@@ -829,6 +836,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 func (fz *abiFuzz) createVcache() (string, int) {
 	const name = "kvp_vcache_config"
 	cfg := fz.structBuf(name)
+	background := false
 	if size := *(*uintptr)(cfg); size >= cLayouts[name].size && size <= 1<<16 {
 		backend := int64(1)
 		if !fz.gpu && fz.r.u8()%8 == 0 {
@@ -856,6 +864,7 @@ func (fz *abiFuzz) createVcache() (string, int) {
 		setField(cfg, name, "reclaim_below_bytes", []int64{0, -1, 1 << 16, math.MinInt64}[fz.small(4)])
 		setField(cfg, name, "lookahead_tokens", fz.i64())
 		setField(cfg, name, "no_background", int64(fz.small(2)))
+		background = *(*int32)(unsafe.Add(cfg, cLayouts[name].fields["no_background"].off)) == 0
 	}
 	if fz.r.u8()%10 == 0 {
 		cfg = nil
@@ -868,7 +877,7 @@ func (fz *abiFuzz) createVcache() (string, int) {
 			return "kvp_vcache_create", st
 		}
 		rawVcacheDestroy(fz.c)
-		fz.c = *(*ptr)(out)
+		fz.c, fz.cBackground = *(*ptr)(out), background
 		return "kvp_vcache_create", st
 	}
 	return "kvp_vcache_create", st

@@ -68,6 +68,7 @@ class Driver:
         assert raw.call("kvp_manager_create", ctypes.addressof(cfg), ctypes.addressof(out)) == 0, raw.last_error()
         self.m = out.value
         self.c = self.vcache(4, 256, 64 << 10) if flags & 4 else None
+        self.c_background = False  # whether self.c maps ahead on its own thread
         self.stale_m = self.manager_helper()
         raw.call("kvp_manager_destroy", self.stale_m)
         self.stale_c = self.vcache(1, 64, 1 << 20)
@@ -86,6 +87,7 @@ class Driver:
         cfg.struct_size = ctypes.sizeof(cfg)
         cfg.backend, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim = 1, 1, 1, 64
         cfg.max_batch, cfg.max_context, cfg.budget_bytes = batch, context, budget
+        cfg.no_background = 1
         out = ctypes.c_void_p()
         assert raw.call("kvp_vcache_create", ctypes.addressof(cfg), ctypes.addressof(out)) == 0, raw.last_error()
         return out.value
@@ -183,8 +185,13 @@ class Driver:
             p = mem.alloc(size)
             ctypes.c_size_t.from_address(p).value = size
             assert raw.call("kvp_vcache_stats_get", self.c, p) == 0, raw.last_error()
-            for name in ("mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
-                         "unmap_calls", "create_calls", "release_calls"):
+            names = ("mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
+                     "unmap_calls", "create_calls", "release_calls")
+            if self.c_background:
+                # Its background thread maps and unmaps between any two
+                # calls: only the slots and steps are the calls' alone.
+                names = ("active_slots", "cached_slots", "steps")
+            for name in names:
                 snap += ctypes.string_at(p + f[name][0], f[name][1])
         return snap
 
@@ -396,6 +403,7 @@ def op_vcache_create(d):
     p, ss = d.struct("kvp_vcache_config")
     size, f = layout("kvp_vcache_config")
     budget = 0
+    background = False
     if size <= ss <= 1 << 16:
         backend = 1
         if not GPU and d.chance(8):
@@ -412,7 +420,9 @@ def op_vcache_create(d):
         put(p, f["budget_bytes"][0], 8, budget)
         put(p, f["reclaim_below_bytes"][0], 8, d.draw(st.sampled_from([0, -1, 1 << 16, -(2**63)])))
         put(p, f["lookahead_tokens"][0], 4, d.draw(i32s))
-        put(p, f["no_background"][0], 4, d.small(2))
+        no_background = d.small(2)
+        background = no_background == 0
+        put(p, f["no_background"][0], 4, no_background)
     if d.chance(10):
         p = None
     out = d.outp(8)
@@ -424,7 +434,7 @@ def op_vcache_create(d):
         else:
             if d.c:
                 raw.call("kvp_vcache_destroy", d.c)
-            d.c = h
+            d.c, d.c_background = h, background
     return "kvp_vcache_create", s
 
 
