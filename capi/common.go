@@ -19,7 +19,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
+	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
 

@@ -11,7 +11,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
+	"github.com/kvplug/kvplug/internal/logx"
 )
 
 var versionString = func() *C.char {

@@ -9,8 +9,8 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/vmem"
+	"github.com/kvplug/kvplug/internal/logx"
 )
 
 const vcacheName = "kvp_vcache"

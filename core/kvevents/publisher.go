@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
 

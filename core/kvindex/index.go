@@ -26,8 +26,8 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kvevents"
-	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
 

@@ -28,8 +28,8 @@ import (
 
 	"github.com/kvplug/kvplug/core/blocks"
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
 

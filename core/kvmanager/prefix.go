@@ -5,8 +5,8 @@ import (
 	"math"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/logx"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
 
