@@ -35,10 +35,10 @@ $(VENV)/.ok: bindings/python/pyproject.toml Makefile
 	@touch $@
 
 fmt:
-	gofmt -l -w capi core kernels bench
+	gofmt -l -w capi core internal cmd kernels bench
 
 vet: $(KERNELS_DEP)
-	@test -z "$$(gofmt -l capi core kernels bench)" || { echo "gofmt needed:"; gofmt -l capi core kernels bench; exit 1; }
+	@test -z "$$(gofmt -l capi core internal cmd kernels bench)" || { echo "gofmt needed:"; gofmt -l capi core internal cmd kernels bench; exit 1; }
 	$(GO) vet $(GO_TAGS) ./...
 
 test-go: $(KERNELS_DEP)
