@@ -40,6 +40,7 @@ func cascadeBatch(t *testing.T, maxBatch int32) *cascadeHookArgs {
 
 // Bad arguments are status codes with messages before any device work.
 func TestCascadeABIArgumentChecks(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	good := cascadeBatch(t, 8)
 	_, st := hookCascadePlan(good, true)
 	expect(t, "null args", st, kverr.NullPointer)
@@ -80,6 +81,7 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 // refused as stale, a plan of another kind or a layer with another block
 // size is refused.
 func TestCascadeABIUpdateAndStalePlans(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	a := cascadeBatch(t, 8)
 	p1, err := hookPlanWithoutDevice(a)
 	if err != nil {
@@ -142,6 +144,7 @@ func TestCascadeABIUpdateAndStalePlans(t *testing.T) {
 // is read when its extra bytes are 0 (the call reaches the dtype check) and
 // refused when one is set.
 func TestCascadeABIStructVersions(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	a := cascadeBatch(t, 8)
 	a.dtype = int32(attn.F32)
 	size := sizeofCascadePlanArgs()

@@ -17,6 +17,7 @@ func loopbackPub() hookPubConfig {
 }
 
 func TestPublisherBadInput(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	m, st := hookManagerCreateCached(64, 4, true, 0)
 	expect(t, "create manager", st, kverr.OK)
 	defer hookManagerDestroy(m)
@@ -101,6 +102,7 @@ func TestPublisherBadInput(t *testing.T) {
 // The events of admissions reach a subscriber in vLLM's format, their
 // hashes those core/prefix computes.
 func TestPublisherPublishesAdmissions(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	m, st := hookManagerCreateCached(64, 4, true, 0)
 	expect(t, "create manager", st, kverr.OK)
 	defer hookManagerDestroy(m)
@@ -179,6 +181,7 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 // data_parallel_rank -1: batches of two elements, as vLLM sent before it
 // had a data-parallel rank; the default, 0, is sent as vLLM sends it.
 func TestPublisherDPRank(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	for _, omit := range []bool{false, true} {
 		m, st := hookManagerCreateCached(16, 4, true, 0)
 		expect(t, "create manager", st, kverr.OK)

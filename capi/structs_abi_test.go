@@ -13,6 +13,7 @@ import (
 // larger size works when its extra bytes are 0 and is refused otherwise, and
 // an output struct is written only within the caller's size.
 func TestStructVersions(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
 	for _, name := range []string{"kvp_manager_config", "kvp_vcache_config"} {
 		first, size := structSizes(name)
 		try := func(callerSize uintptr, garbageFrom uintptr, tail byte) abiStatus {

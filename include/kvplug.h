@@ -14,6 +14,9 @@
  *              codes as errors.
  *   Atomicity. A call that fails changes nothing: no state is modified and no
  *              caller buffer is written, unless its comment says otherwise.
+ *              The exception is KVP_ERR_INTERNAL, a bug in kvplug (a broken
+ *              assumption or a recovered panic): the object the call was on
+ *              may be half-changed; destroy it rather than use it further.
  *   Memory.    Arrays are owned by the caller. The library reads input arrays
  *              and writes output arrays only during the call and keeps no host
  *              pointer after it returns. Device pointers passed to kernel
