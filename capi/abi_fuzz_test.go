@@ -274,10 +274,10 @@ func (fz *abiFuzz) snapshot() string {
 		if st := rawVcacheStats(fz.c, p.p); st != 0 {
 			fz.t.Fatalf("snapshot vcache: %s", lastError())
 		}
-		fields := []string{"mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
+		fields := []string{"mapped_bytes", "held_bytes", "active_slots", "reusable_slots", "steps", "map_calls",
 			"unmap_calls", "create_calls", "release_calls"}
 		if fz.cBackground {
-			fields = []string{"active_slots", "cached_slots", "steps"} // the calls' alone
+			fields = []string{"active_slots", "reusable_slots", "steps"} // the calls' alone
 		}
 		for _, f := range fields {
 			fl := l.fields[f]

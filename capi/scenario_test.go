@@ -462,7 +462,7 @@ func (r *scRunner) snapshot() string {
 		}
 		// Refusals and times are counted even by calls that change nothing.
 		for _, f := range []string{"page_size", "budget_bytes", "tensor_bytes", "mapped_bytes", "held_bytes", "active_slots",
-			"cached_slots", "steps", "map_calls", "unmap_calls", "create_calls", "release_calls"} {
+			"reusable_slots", "steps", "map_calls", "unmap_calls", "create_calls", "release_calls"} {
 			fl := l.fields[f]
 			fmt.Fprintf(&b, "%s=%x;", f, unsafe.Slice((*byte)(unsafe.Add(p, fl.off)), fl.size))
 		}

@@ -199,7 +199,7 @@ func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_st
 		mapped_bytes:      C.int64_t(s.MappedBytes),
 		held_bytes:        C.int64_t(s.HeldBytes),
 		active_slots:      C.int32_t(s.ActiveSlots),
-		cached_slots:      C.int32_t(s.CachedSlots),
+		reusable_slots:    C.int32_t(s.ReusableSlots),
 		steps:             C.int64_t(s.Steps),
 		map_calls:         C.int64_t(s.MapCalls),
 		unmap_calls:       C.int64_t(s.UnmapCalls),

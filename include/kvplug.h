@@ -1333,7 +1333,7 @@ typedef struct kvp_vcache_stats {
   int64_t mapped_bytes;       /* mapped into slots (active and freed) */
   int64_t held_bytes;         /* physical memory held: mapped, idle or in flight */
   int32_t active_slots;       /* allocated slots */
-  int32_t cached_slots;       /* freed slots still holding pages */
+  int32_t reusable_slots;       /* freed slots still holding pages */
   int64_t steps;              /* successful kvp_vcache_step calls */
   int64_t map_calls;          /* pages mapped */
   int64_t unmap_calls;        /* pages unmapped */

@@ -75,12 +75,12 @@ func (l Layout) ElementStrides() [4]int64 {
 
 // Stats is a snapshot of the cache's state and counters.
 type Stats struct {
-	PageSize    int64
-	BudgetBytes int64 // the budget, rounded down to whole page groups
-	MappedBytes int64 // mapped into slots (active and freed)
-	HeldBytes   int64 // physical memory held: mapped, idle, or in flight
-	ActiveSlots int
-	CachedSlots int // freed slots that still hold mapped pages
+	PageSize      int64
+	BudgetBytes   int64 // the budget, rounded down to whole page groups
+	MappedBytes   int64 // mapped into slots (active and freed)
+	HeldBytes     int64 // physical memory held: mapped, idle, or in flight
+	ActiveSlots   int
+	ReusableSlots int // freed slots that still hold mapped pages
 
 	Steps        int64
 	MapCalls     int64 // pages mapped
@@ -230,8 +230,8 @@ func (cfg Config) Check() error {
 		lo, hi int
 	}
 	for _, r := range []rng{
-		{"layers", cfg.Layers, 1, 4096},
-		{"kv_heads", cfg.KVHeads, 1, 4096},
+		{"num_layers", cfg.Layers, 1, 4096},
+		{"num_kv_heads", cfg.KVHeads, 1, 4096},
 		{"head_dim", cfg.HeadDim, 1, 4096},
 		{"max_batch", cfg.MaxBatch, 1, 1 << 16},
 		{"max_context", cfg.MaxContext, 1, 1 << 30},
@@ -854,7 +854,7 @@ func (c *Cache) Stats() Stats {
 	}
 	for i := range c.slots {
 		if st := &c.slots[i]; !st.active && st.units > 0 {
-			s.CachedSlots++
+			s.ReusableSlots++
 		}
 	}
 	c.mu.Unlock()

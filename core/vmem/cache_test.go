@@ -249,7 +249,7 @@ func TestFreedSlotKeepsPagesForTheNextAlloc(t *testing.T) {
 		}
 	}
 	st := c.Stats()
-	if st.CachedSlots != 3 || st.ActiveSlots != 0 || st.MappedBytes != 7*unitBytes(c) {
+	if st.ReusableSlots != 3 || st.ActiveSlots != 0 || st.MappedBytes != 7*unitBytes(c) {
 		t.Fatalf("after free: %+v", st)
 	}
 	// The slot with the most pages comes first, then the next.
@@ -295,8 +295,8 @@ func TestReclaimBelowThreshold(t *testing.T) {
 			}
 			c.WaitBackground()
 			st := c.Stats()
-			if st.MappedBytes != 6*unit || st.CachedSlots != 1 || c.MappedTokens(b) != 0 || c.MappedTokens(a) != 4*tpp {
-				t.Fatalf("after reclaim: mapped %d units, cached %d, b %d a %d tokens", st.MappedBytes/unit, st.CachedSlots, c.MappedTokens(b), c.MappedTokens(a))
+			if st.MappedBytes != 6*unit || st.ReusableSlots != 1 || c.MappedTokens(b) != 0 || c.MappedTokens(a) != 4*tpp {
+				t.Fatalf("after reclaim: mapped %d units, cached %d, b %d a %d tokens", st.MappedBytes/unit, st.ReusableSlots, c.MappedTokens(b), c.MappedTokens(a))
 			}
 			if st.UnmapCalls != 2*int64(c.nbuf) || st.HeldBytes != 8*unit {
 				t.Fatalf("unmap calls %d, held %d units", st.UnmapCalls, st.HeldBytes/unit)
@@ -312,7 +312,7 @@ func TestReclaimBelowThreshold(t *testing.T) {
 				t.Fatal(err)
 			}
 			st = c.Stats()
-			if st.HeldBytes != st.MappedBytes || st.MappedBytes != 4*unit || st.CachedSlots != 0 {
+			if st.HeldBytes != st.MappedBytes || st.MappedBytes != 4*unit || st.ReusableSlots != 0 {
 				t.Fatalf("after trim: %+v", st)
 			}
 		})

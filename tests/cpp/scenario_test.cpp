@@ -177,7 +177,7 @@ const std::map<std::string, std::pair<size_t, Fields>> &layouts() {
        {sizeof(kvp_vcache_stats),
         {F(kvp_vcache_stats, page_size), F(kvp_vcache_stats, budget_bytes), F(kvp_vcache_stats, tensor_bytes),
          F(kvp_vcache_stats, mapped_bytes), F(kvp_vcache_stats, held_bytes), F(kvp_vcache_stats, active_slots),
-         F(kvp_vcache_stats, cached_slots), F(kvp_vcache_stats, steps), F(kvp_vcache_stats, map_calls),
+         F(kvp_vcache_stats, reusable_slots), F(kvp_vcache_stats, steps), F(kvp_vcache_stats, map_calls),
          F(kvp_vcache_stats, unmap_calls), F(kvp_vcache_stats, create_calls), F(kvp_vcache_stats, release_calls),
          F(kvp_vcache_stats, out_of_memory)}}},
       {"kvp_kv_write_args", {sizeof(kvp_kv_write_args), {}}},
@@ -211,7 +211,7 @@ const std::map<std::string, std::pair<size_t, Fields>> &layouts() {
 // The vcache stats a failed call must leave alone (its refusal and time
 // counters move even when nothing changes).
 const char *const kVcacheState[] = {"page_size",    "budget_bytes", "tensor_bytes", "mapped_bytes",
-                                    "held_bytes",   "active_slots", "cached_slots", "steps",
+                                    "held_bytes",   "active_slots", "reusable_slots", "steps",
                                     "map_calls",    "unmap_calls",  "create_calls", "release_calls"};
 
 // Struct fields that hold a C string, given as a word.

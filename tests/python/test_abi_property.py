@@ -185,12 +185,12 @@ class Driver:
             p = mem.alloc(size)
             ctypes.c_size_t.from_address(p).value = size
             assert raw.call("kvp_vcache_stats_get", self.c, p) == 0, raw.last_error()
-            names = ("mapped_bytes", "held_bytes", "active_slots", "cached_slots", "steps", "map_calls",
+            names = ("mapped_bytes", "held_bytes", "active_slots", "reusable_slots", "steps", "map_calls",
                      "unmap_calls", "create_calls", "release_calls")
             if self.c_background:
                 # Its background thread maps and unmaps between any two
                 # calls: only the slots and steps are the calls' alone.
-                names = ("active_slots", "cached_slots", "steps")
+                names = ("active_slots", "reusable_slots", "steps")
             for name in names:
                 snap += ctypes.string_at(p + f[name][0], f[name][1])
         return snap

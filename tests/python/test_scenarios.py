@@ -218,7 +218,7 @@ class Runner:
             assert raw.call("kvp_vcache_stats_get", self.c, p) == 0, raw.last_error()
             # Refusals and times are counted even by calls that change nothing.
             for f in ("page_size", "budget_bytes", "tensor_bytes", "mapped_bytes", "held_bytes", "active_slots",
-                      "cached_slots", "steps", "map_calls", "unmap_calls", "create_calls", "release_calls"):
+                      "reusable_slots", "steps", "map_calls", "unmap_calls", "create_calls", "release_calls"):
                 snap += ctypes.string_at(p + fields[f][0], fields[f][1])
         return snap
 

@@ -87,7 +87,7 @@ class VCacheStats(ctypes.Structure):
         ("mapped_bytes", _i64),
         ("held_bytes", _i64),
         ("active_slots", _i32),
-        ("cached_slots", _i32),
+        ("reusable_slots", _i32),
         ("steps", _i64),
         ("map_calls", _i64),
         ("unmap_calls", _i64),
