@@ -77,7 +77,7 @@ demo-routing:
 	$(GO) run ./bench/kvroute
 
 bench: $(LIB) $(VENV)/.ok
-	$(GO) test $(GO_TAGS) -run '^$$' -bench . -benchmem ./core/...
+	$(GO) test $(GO_TAGS) -run '^$$' -bench . -benchmem ./core/... ./internal/...
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/step_cost.py
 
 clean:

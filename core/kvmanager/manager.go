@@ -26,9 +26,9 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/kvplug/kvplug/core/blocks"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/blocks"
 	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
