@@ -52,8 +52,7 @@ func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream
 	if err := cascadePlanArgsStruct.in(unsafe.Pointer(ca), unsafe.Pointer(&a)); err != nil {
 		return fail(err)
 	}
-	psize := unsafe.Sizeof(*plan)
-	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+	if err := attnPlanStruct.checkSize(plan.struct_size); err != nil {
 		return fail(err)
 	}
 	dt := attn.DType(a.dtype)
@@ -150,8 +149,8 @@ func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream
 	if err := attn.CascadeUpload(cuda.DevicePtr(a.workspace), a.host_workspace, ranges, cuda.Stream(stream)); err != nil {
 		return fail(err)
 	}
-	*plan = cascadePlanStruct(&a, s, maxBatch, bs, slots)
-	return C.KVP_OK
+	out := cascadePlanStruct(&a, s, maxBatch, bs, slots)
+	return fail(attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out)))
 }
 
 // cascadePlanStruct is the kvp_attn_plan of a cascade plan (the header's
@@ -189,8 +188,7 @@ type cascadePlan struct {
 
 func readCascadePlan(what string, plan *C.kvp_attn_plan) (cascadePlan, error) {
 	var p cascadePlan
-	psize := unsafe.Sizeof(*plan)
-	if err := checkSize(plan.struct_size, psize, psize, "kvp_attn_plan"); err != nil {
+	if err := attnPlanStruct.checkSize(plan.struct_size); err != nil {
 		return p, err
 	}
 	if plan.kind != C.KVP_ATTN_PLAN_CASCADE {
@@ -261,10 +259,11 @@ func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 	if plan == nil || a == nil {
 		return failf(kverr.NullPointer, "%s: plan and args must not be NULL", what)
 	}
-	size := unsafe.Sizeof(*a)
-	if err := checkSize(a.struct_size, size, size, "kvp_paged_prefill_args"); err != nil {
+	var args C.kvp_paged_prefill_args
+	if err := pagedPrefillArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
 		return fail(err)
 	}
+	a = &args
 	if a.reserved != 0 || a.reserved2 != 0 {
 		return failf(kverr.InvalidArgument, "%s: reserved fields must be 0", what)
 	}

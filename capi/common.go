@@ -159,17 +159,6 @@ func dropHandle[T any](h unsafe.Pointer) (T, bool) {
 	return t, true
 }
 
-// checkSize validates a struct's struct_size field: at least min (the size
-// of the struct's first version) and at most max (what this library knows);
-// a larger size from a newer header is refused, since its extra fields would
-// be silently ignored.
-func checkSize(got C.size_t, min, max uintptr, what string) error {
-	if uintptr(got) < min || uintptr(got) > max {
-		return kverr.Errorf(kverr.StructSize, "%s.struct_size is %d; this library accepts %d to %d (initialise it with the header's _INIT macro)", what, uint64(got), min, max)
-	}
-	return nil
-}
-
 // checkCount validates a batch length.
 func checkCount(n C.int32_t, what string) error {
 	if n < 1 || n > maxBatch {

@@ -58,16 +58,14 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
 	}
-	full := unsafe.Sizeof(C.kvp_event_publisher_config{})
-	if err := checkSize(cfg.struct_size, unsafe.Offsetof(C.kvp_event_publisher_config{}.buffer_bytes)+8, full, "kvp_event_publisher_config"); err != nil {
+	var c C.kvp_event_publisher_config // fields past the caller's struct_size stay 0: their defaults
+	if err := eventPublisherConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
 		return fail(err)
 	}
 	m, err := managerOf(mh)
 	if err != nil {
 		return fail(err)
 	}
-	var c C.kvp_event_publisher_config
-	copyStruct(unsafe.Pointer(&c), unsafe.Pointer(cfg), uintptr(cfg.struct_size), full)
 	if c.endpoint == nil {
 		return failf(kverr.NullPointer, "%s: cfg.endpoint must not be NULL (e.g. \"tcp://*:5557\")", op)
 	}
@@ -180,14 +178,8 @@ func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_pu
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
 	}
-	full := unsafe.Sizeof(C.kvp_event_publisher_stats{})
-	minSize := unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches) + 8
-	if uintptr(out.struct_size) < minSize {
-		return failf(kverr.StructSize, "kvp_event_publisher_stats.struct_size is %d; at least %d is needed", uint64(out.struct_size), minSize)
-	}
 	s := ep.p.Stats()
 	v := C.kvp_event_publisher_stats{
-		struct_size:      out.struct_size,
 		batches:          C.int64_t(s.Batches),
 		events:           C.int64_t(s.Events),
 		bytes:            C.int64_t(s.Bytes),
@@ -202,6 +194,5 @@ func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_pu
 		pub_port:         tcpPort(ep.p.PubAddr()),
 		replay_port:      tcpPort(ep.p.ReplayAddr()),
 	}
-	copyStruct(unsafe.Pointer(out), unsafe.Pointer(&v), uintptr(out.struct_size), full)
-	return C.KVP_OK
+	return fail(eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
 }

@@ -35,7 +35,7 @@ func TestPublisherBadInput(t *testing.T) {
 		{"NULL out", false, func(c *hookPubConfig) { c.nullOut = true }, kverr.NullPointer},
 		{"NULL endpoint", false, func(c *hookPubConfig) { c.endpoint = nil }, kverr.NullPointer},
 		{"short struct", false, func(c *hookPubConfig) { c.structSize = 8 }, kverr.StructSize},
-		{"longer struct", false, func(c *hookPubConfig) { c.structSize = sizeofPublisherConfig() + 8 }, kverr.StructSize},
+		{"garbage struct_size", false, func(c *hookPubConfig) { c.structSize = 1 << 20 }, kverr.StructSize},
 		{"no events", true, func(c *hookPubConfig) {}, kverr.InvalidArgument},
 		{"bad endpoint", false, func(c *hookPubConfig) { c.endpoint = strp("udp://x:1") }, kverr.InvalidArgument},
 		{"bad replay endpoint", false, func(c *hookPubConfig) { c.replay = strp("tcp://noport") }, kverr.InvalidArgument},

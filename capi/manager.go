@@ -171,12 +171,8 @@ func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
 	}
-	if err := managerStatsStruct.checkSize(out.struct_size); err != nil {
-		return fail(err)
-	}
 	s := m.Stats()
 	var v C.kvp_manager_stats
-	v.struct_size = out.struct_size
 	v.num_blocks = C.int32_t(s.NumBlocks)
 	v.block_size = C.int32_t(s.BlockSize)
 	v.free_blocks = C.int32_t(s.FreeBlocks)

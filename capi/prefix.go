@@ -252,12 +252,8 @@ func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) (st C.k
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
 	}
-	if err := prefixStatsStruct.checkSize(out.struct_size); err != nil {
-		return fail(err)
-	}
 	s := m.PrefixStats()
 	v := C.kvp_prefix_stats{
-		struct_size:      out.struct_size,
 		queries:          C.int64_t(s.Queries),
 		query_tokens:     C.int64_t(s.QueryTokens),
 		hit_tokens:       C.int64_t(s.HitTokens),

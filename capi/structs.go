@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"strings"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -58,7 +59,16 @@ var (
 		unsafe.Sizeof(C.kvp_paged_prefill_args{}), unsafe.Sizeof(C.kvp_paged_prefill_args{})}
 	cascadePlanArgsStruct = abiStruct{"kvp_cascade_plan_args",
 		unsafe.Sizeof(C.kvp_cascade_plan_args{}), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
+	eventPublisherConfigStruct = abiStruct{"kvp_event_publisher_config",
+		unsafe.Sizeof(C.kvp_event_publisher_config{}), unsafe.Sizeof(C.kvp_event_publisher_config{})}
+	eventPublisherStatsStruct = abiStruct{"kvp_event_publisher_stats",
+		unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches) + 8, unsafe.Sizeof(C.kvp_event_publisher_stats{})}
 )
+
+// abiStructs is every versioned struct of the ABI.
+var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,
+	vcacheStatsStruct, kvWriteArgsStruct, pagedDecodeArgsStruct, mergeStatesArgsStruct, prefillPlanArgsStruct,
+	attnPlanStruct, pagedPrefillArgsStruct, cascadePlanArgsStruct, eventPublisherConfigStruct, eventPublisherStatsStruct}
 
 func (s abiStruct) checkSize(got C.size_t) error {
 	n := uintptr(got)
@@ -70,15 +80,7 @@ func (s abiStruct) checkSize(got C.size_t) error {
 	return nil
 }
 
-func (s abiStruct) initMacro() string {
-	b := []byte(s.name)
-	for i, c := range b {
-		if c >= 'a' && c <= 'z' {
-			b[i] = c - 'a' + 'A'
-		}
-	}
-	return string(b) + "_INIT"
-}
+func (s abiStruct) initMacro() string { return strings.ToUpper(s.name) + "_INIT" }
 
 // in reads the caller's input struct p (whose first field is struct_size)
 // into dst, a zeroed value of this library's version.

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -70,5 +72,31 @@ func TestStructVersions(t *testing.T) {
 		buf := newStructBuf(size + 64)
 		expect(t, name+" short of its first size", hookStatsInto(name, buf, first-1), kverr.StructSize)
 		buf.free()
+	}
+}
+
+// Every struct of the header that begins with struct_size is in the table
+// the rule is applied from, so no entry point checks a size its own way.
+func TestEveryVersionedStructIsInTheTable(t *testing.T) {
+	src, err := os.ReadFile("../include/kvplug.h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	re := regexp.MustCompile(`typedef struct (kvp_\w+) \{\s*size_t struct_size;`)
+	header := map[string]bool{}
+	for _, m := range re.FindAllSubmatch(src, -1) {
+		header[string(m[1])] = true
+	}
+	table := map[string]bool{}
+	for _, s := range abiStructs {
+		table[s.name] = true
+		if !header[s.name] {
+			t.Errorf("%s is in the table but is not a versioned struct of the header", s.name)
+		}
+	}
+	for name := range header {
+		if !table[name] {
+			t.Errorf("%s begins with struct_size but is not in capi's abiStructs", name)
+		}
 	}
 }

@@ -25,8 +25,7 @@ func (b structBuf) bytes() []byte      { return unsafe.Slice((*byte)(b.p), b.n) 
 
 // structSizes is this library's (first, size) of a struct, by name.
 func structSizes(name string) (first, size uintptr) {
-	for _, s := range []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct,
-		vcacheConfigStruct, vcacheStatsStruct, kvWriteArgsStruct, pagedDecodeArgsStruct, mergeStatesArgsStruct} {
+	for _, s := range abiStructs {
 		if s.name == name {
 			return s.first, s.size
 		}

@@ -187,12 +187,8 @@ func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_st
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
 	}
-	if err := vcacheStatsStruct.checkSize(out.struct_size); err != nil {
-		return fail(err)
-	}
 	s := vc.c.Stats()
 	full := C.kvp_vcache_stats{
-		struct_size:       out.struct_size,
 		page_size:         C.int64_t(s.PageSize),
 		budget_bytes:      C.int64_t(s.BudgetBytes),
 		tensor_bytes:      C.int64_t(vc.c.Layout().BufferBytes),
