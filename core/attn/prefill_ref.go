@@ -81,7 +81,7 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 					scores = append(scores, float64(SoftmaxScale(l.Scale, p.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
-				st := attendRows(s.DType, vCache, rows, scores, o)
+				st := AttendRef(s.DType, vCache, rows, scores, o)
 				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
 				for d := 0; d < D; d++ {
 					s.DType.Store(out, oo+int64(d), o[d])

@@ -144,9 +144,9 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 					rows = append(rows, ko)
 				}
 				part := parts[s*D : (s+1)*D]
-				partLSE[s] = attendRows(l.DType, vCache, rows, scores, part)
+				partLSE[s] = AttendRef(l.DType, vCache, rows, scores, part)
 			}
-			st := mergeInto(acc, parts, partLSE, numSplits, D)
+			st := MergeRef(acc, parts, partLSE[:numSplits], D)
 			oo := int64(b)*l.OutBatchStride + int64(i)*l.OutHeadStride
 			for d := 0; d < D; d++ {
 				l.DType.Store(out, oo+int64(d), acc[d])
@@ -159,9 +159,10 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 	return nil
 }
 
-// attendRows writes softmax(scores) . V[rows] into o and returns the
-// log-sum-exp of scores (-inf and o = 0 when there are none).
-func attendRows(d DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
+// AttendRef writes softmax(scores) . V[rows] into o and returns the natural
+// log-sum-exp of scores (-inf and o = 0 when there are none): one head's
+// attention state in float64, for the CPU references.
+func AttendRef(d DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
 	clear(o)
 	if len(scores) == 0 {
 		return math.Inf(-1)
@@ -184,23 +185,25 @@ func attendRows(d DType, v []byte, rows []int64, scores []float64, o []float64) 
 	return m + math.Log(sum)
 }
 
-// mergeInto merges n states (values parts[i*D:(i+1)*D], log-sum-exps lses[i],
-// -inf = empty) into out and returns the merged log-sum-exp.
-func mergeInto(out []float64, parts []float64, lses []float64, n, D int) float64 {
+// MergeRef merges the states parts[i*D:(i+1)*D] with log-sum-exps lses[i]
+// (-inf = empty, weight 0) into out and returns the merged log-sum-exp, in
+// float64 for the CPU references. Empty states only (or none) give out = 0
+// and -inf: never NaN, since no weight exp(-inf - -inf) is formed.
+func MergeRef(out []float64, parts []float64, lses []float64, D int) float64 {
 	clear(out)
 	m := math.Inf(-1)
-	for i := 0; i < n; i++ {
-		m = math.Max(m, lses[i])
+	for _, s := range lses {
+		m = math.Max(m, s)
 	}
 	if math.IsInf(m, -1) {
 		return m
 	}
 	sum := 0.0
-	for i := 0; i < n; i++ {
-		if math.IsInf(lses[i], -1) {
+	for i, s := range lses {
+		if math.IsInf(s, -1) {
 			continue
 		}
-		w := math.Exp(lses[i] - m)
+		w := math.Exp(s - m)
 		sum += w
 		for k := 0; k < D; k++ {
 			out[k] += w * parts[i*D+k]
@@ -250,7 +253,7 @@ func RefMergeStates(l *MergeLayout, v [][]byte, s [][]float32, out []byte, outLS
 					parts[i*D+k] = l.DType.Load(v[i], vo+int64(k))
 				}
 			}
-			st := mergeInto(acc, parts, lses, n, D)
+			st := MergeRef(acc, parts, lses[:n], D)
 			oo := t*l.OutTokenStride + h*l.OutHeadStride
 			for k := 0; k < D; k++ {
 				l.DType.Store(out, oo+int64(k), acc[k])

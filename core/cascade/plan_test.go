@@ -4,6 +4,7 @@ import (
 	"math"
 	"testing"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
@@ -380,13 +381,13 @@ func TestPlanErrors(t *testing.T) {
 // state beside a full one has weight 0.
 func TestMergeEmpty(t *testing.T) {
 	out := []float64{7, 7}
-	if st := MergeStates(out, []float64{0, 0, 0, 0}, []float64{math.Inf(-1), math.Inf(-1)}, 2); !math.IsInf(st, -1) || out[0] != 0 || out[1] != 0 {
+	if st := attn.MergeRef(out, []float64{0, 0, 0, 0}, []float64{math.Inf(-1), math.Inf(-1)}, 2); !math.IsInf(st, -1) || out[0] != 0 || out[1] != 0 {
 		t.Fatalf("empty+empty: lse %g out %v", st, out)
 	}
-	if st := MergeStates(out, []float64{9, 9, 1, 2}, []float64{math.Inf(-1), 0.5}, 2); st != 0.5 || out[0] != 1 || out[1] != 2 {
+	if st := attn.MergeRef(out, []float64{9, 9, 1, 2}, []float64{math.Inf(-1), 0.5}, 2); st != 0.5 || out[0] != 1 || out[1] != 2 {
 		t.Fatalf("empty+state: lse %g out %v", st, out)
 	}
-	if st := MergeStates(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
+	if st := attn.MergeRef(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
 		t.Fatalf("no states: lse %g out %v", st, out)
 	}
 }

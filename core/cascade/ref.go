@@ -79,7 +79,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					rows = append(rows, ko)
 				}
 				pi := (int(it[iPartBase])+j)*H + qh
-				plse[pi] = attend(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
+				plse[pi] = attn.AttendRef(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
 			}
 		}
 	}
@@ -98,7 +98,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					stL = append(stL, plse[pi])
 				}
 			}
-			st := MergeStates(acc, stP, stL, D)
+			st := attn.MergeRef(acc, stP, stL, D)
 			oo := int64(b)*dl.OutBatchStride + int64(h)*dl.OutHeadStride
 			for d := 0; d < D; d++ {
 				dt.Store(out, oo+int64(d), acc[d])
@@ -109,59 +109,4 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 		}
 	}
 	return nil
-}
-
-// attend writes softmax(scores) . V[rows] into o and returns the natural
-// log-sum-exp of scores: -inf with o = 0 when there are none.
-func attend(d attn.DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
-	clear(o)
-	if len(scores) == 0 {
-		return math.Inf(-1)
-	}
-	m := math.Inf(-1)
-	for _, s := range scores {
-		m = math.Max(m, s)
-	}
-	sum := 0.0
-	for j, s := range scores {
-		w := math.Exp(s - m)
-		sum += w
-		for k := range o {
-			o[k] += w * d.Load(v, rows[j]+int64(k))
-		}
-	}
-	for k := range o {
-		o[k] /= sum
-	}
-	return m + math.Log(sum)
-}
-
-// MergeStates merges the states parts[i*D:(i+1)*D] with log-sum-exps
-// lses[i] (-inf = empty, weight 0) into out and returns the merged
-// log-sum-exp. Empty states only (or none) give out = 0 and -inf: never
-// NaN, since no weight exp(-inf - -inf) is formed.
-func MergeStates(out []float64, parts []float64, lses []float64, D int) float64 {
-	clear(out)
-	m := math.Inf(-1)
-	for _, s := range lses {
-		m = math.Max(m, s)
-	}
-	if math.IsInf(m, -1) {
-		return m
-	}
-	sum := 0.0
-	for i, s := range lses {
-		if math.IsInf(s, -1) {
-			continue
-		}
-		w := math.Exp(s - m)
-		sum += w
-		for k := 0; k < D; k++ {
-			out[k] += w * parts[i*D+k]
-		}
-	}
-	for k := 0; k < D; k++ {
-		out[k] /= sum
-	}
-	return m + math.Log(sum)
 }
