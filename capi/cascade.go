@@ -280,10 +280,6 @@ func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 	if uint64(plan.workspace_bytes) > math.MaxInt64 || int64(plan.workspace_bytes) < p.l.DeviceBytes {
 		return failf(kverr.BufferTooSmall, "%s: the plan's workspace_bytes %d is below the %d its max_batch needs", what, uint64(plan.workspace_bytes), p.l.DeviceBytes)
 	}
-	scale := float32(a.scale)
-	if scale == 0 {
-		scale = float32(1 / math.Sqrt(float64(plan.head_dim)))
-	}
 	dl := attn.DecodeLayout{
 		DType: attn.DType(plan.dtype), HeadDim: int(plan.head_dim), Batch: p.batch,
 		NumQHeads: int(plan.num_q_heads), NumKVHeads: int(plan.num_kv_heads),
@@ -292,7 +288,7 @@ func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 		NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
 		CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
 		CacheHeadStride: int64(a.cache_head_stride),
-		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride), Scale: scale,
+		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride), Scale: float32(a.scale),
 	}
 	ws := cuda.DevicePtr(plan.workspace)
 	if p.route == cascade.RouteDecode {

@@ -187,7 +187,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		NumQHeads:        int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
 		ItemsOff: int32(a.ItemsOff), OrderOff: int32(a.OrderOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
-		MaxBatch: int32(a.MaxBatch), Scale: a.Scale,
+		MaxBatch: int32(a.MaxBatch), Scale: SoftmaxScale(a.Scale, a.HeadDim),
 	}
 	di := 0
 	if a.DType == BF16 {

@@ -75,7 +75,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					for d := 0; d < D; d++ {
 						dot += qv[d] * dt.Load(kCache, ko+int64(d))
 					}
-					scores = append(scores, float64(dl.Scale)*dot)
+					scores = append(scores, float64(attn.SoftmaxScale(dl.Scale, dl.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
 				pi := (int(it[iPartBase])+j)*H + qh

@@ -20,7 +20,7 @@ crash.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from . import _lib
 
@@ -256,6 +256,30 @@ def _cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
+def _out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
+    """The output tensor for q's rows (allocated when None, else checked) and
+    the lse tensor (float32 [rows, heads]; allocated when return_lse and None,
+    checked when given, else None)."""
+    torch = _torch()
+    rows, heads = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _cuda_tensor(out, "out", 3, dev)
+        _same_dtype(out, q.dtype, "out")
+        if tuple(out.shape) != tuple(q.shape):
+            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
+        _rows(out, "out")
+    if lse is None and return_lse:
+        lse = torch.empty((rows, heads), dtype=torch.float32, device=dev)
+    if lse is not None:
+        _cuda_tensor(lse, "lse", 2, dev)
+        _same_dtype(lse, torch.float32, "lse")
+        if tuple(lse.shape) != (rows, heads) or not lse.is_contiguous():
+            raise _bad(f"lse must be a contiguous float32 [{rows}, {heads}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
+    return out, lse
+
+
 def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None) -> None:
     """Writes key and value ([num_tokens, num_kv_heads, head_dim]) into the
     caches ([num_blocks, block_size, num_kv_heads, head_dim]) at
@@ -324,23 +348,8 @@ def paged_decode(
     _index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
         raise _bad(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries for batch {batch}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        _cuda_tensor(out, "out", 3, dev)
-        _same_dtype(out, q.dtype, "out")
-        if tuple(out.shape) != tuple(q.shape):
-            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
-        _rows(out, "out")
-    lse_ptr = 0
-    if lse is None and return_lse:
-        lse = torch.empty((batch, qh), dtype=torch.float32, device=dev)
-    if lse is not None:
-        _cuda_tensor(lse, "lse", 2, dev)
-        _same_dtype(lse, torch.float32, "lse")
-        if tuple(lse.shape) != (batch, qh) or not lse.is_contiguous():
-            raise _bad(f"lse must be a contiguous float32 [{batch}, {qh}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
-        lse_ptr = lse.data_ptr()
+    out, lse = _out_and_lse(q, out, lse, return_lse, dev)
+    lse_ptr = 0 if lse is None else lse.data_ptr()
     ws_ptr, ws_bytes = 0, 0
     if workspace is not None:
         _cuda_tensor(workspace, "workspace", workspace.dim(), dev)
@@ -591,6 +600,43 @@ def prefill_plan(
     return PrefillPlan(plan, (qo_indptr, kv_lens, workspace))
 
 
+def _run_planned(fn: str, c: Any, rows: int, q: Any, k_cache: Any, v_cache: Any, block_table: Any,
+                 out: Any, lse: Any, scale: Optional[float], return_lse: bool, stream: Any) -> Tuple[Any, Any]:
+    """One layer of a planned batch (kvp_attn_plan c, q with `rows` rows):
+    checks the tensors against the plan, packs kvp_paged_prefill_args and
+    calls fn (kvp_paged_prefill or kvp_paged_cascade). Returns (out, lse)."""
+    torch = _torch()
+    cb, ct, ch = _cache_strides(k_cache, v_cache)
+    dev = k_cache.device
+    _cuda_tensor(q, "q", 3, dev)
+    _same_dtype(q, k_cache.dtype, "q")
+    nb, bs, kvh, d = k_cache.shape
+    if q.shape[0] != rows or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
+        raise _bad(f"q has shape {tuple(q.shape)}; the plan has [{rows}, {c.num_q_heads}, {c.head_dim}]")
+    if kvh != c.num_kv_heads:
+        raise _bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
+    _rows(q, "q")
+    _index(block_table, "block_table", 2, dev, torch.int32)
+    if block_table.shape[0] != c.batch:
+        raise _bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
+    out, lse = _out_and_lse(q, out, lse, return_lse, dev)
+    scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
+    tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
+    ci = _lib.checked_int
+    a = _PagedPrefillArgs(
+        ctypes.sizeof(_PagedPrefillArgs), ci(nb, "num_blocks", "int32"), ci(bs, "block_size", "int32"),
+        ci(block_table.shape[1], "max_blocks_per_seq", "int32"), 0,
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
+        block_table.data_ptr(), tstride,
+        out.data_ptr(), out.stride(0), out.stride(1), 0 if lse is None else lse.data_ptr(), scale, 0,
+    )
+    f = _fn(fn, [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_PagedPrefillArgs), ctypes.c_uint64])
+    with torch.cuda.device(dev):
+        _check(f(ctypes.byref(c), ctypes.byref(a), _stream(stream, dev)))
+    return out, lse
+
+
 def paged_prefill(
     plan: PrefillPlan,
     q: Any,
@@ -607,50 +653,8 @@ def paged_prefill(
     num_q_heads, head_dim]) over the paged caches through block_table (int32
     [batch, max_blocks]). Returns out (allocated when None), or (out, lse)
     with return_lse (lse float32 [total_q, num_q_heads], natural log)."""
-    torch = _torch()
     if not isinstance(plan, PrefillPlan):
         raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
-    cb, ct, ch = _cache_strides(k_cache, v_cache)
-    dev = k_cache.device
-    _cuda_tensor(q, "q", 3, dev)
-    _same_dtype(q, k_cache.dtype, "q")
-    nb, bs, kvh, d = k_cache.shape
-    c = plan._c
-    if q.shape[0] != c.total_q or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
-        raise _bad(f"q has shape {tuple(q.shape)}; the plan has [{c.total_q}, {c.num_q_heads}, {c.head_dim}]")
-    if kvh != c.num_kv_heads:
-        raise _bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
-    _rows(q, "q")
-    _index(block_table, "block_table", 2, dev, torch.int32)
-    if block_table.shape[0] != c.batch:
-        raise _bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        _cuda_tensor(out, "out", 3, dev)
-        _same_dtype(out, q.dtype, "out")
-        if tuple(out.shape) != tuple(q.shape):
-            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
-        _rows(out, "out")
-    lse_ptr = 0
-    if lse is None and return_lse:
-        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=dev)
-    if lse is not None:
-        _cuda_tensor(lse, "lse", 2, dev)
-        _same_dtype(lse, torch.float32, "lse")
-        if tuple(lse.shape) != (q.shape[0], q.shape[1]) or not lse.is_contiguous():
-            raise _bad(f"lse must be a contiguous float32 [{q.shape[0]}, {q.shape[1]}] tensor")
-        lse_ptr = lse.data_ptr()
-    scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
-    tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
-    a = _PagedPrefillArgs(
-        ctypes.sizeof(_PagedPrefillArgs), nb, bs, block_table.shape[1], 0,
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
-        block_table.data_ptr(), tstride,
-        out.data_ptr(), out.stride(0), out.stride(1), lse_ptr, scale, 0,
-    )
-    f = _fn("kvp_paged_prefill", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_PagedPrefillArgs), ctypes.c_uint64])
-    with torch.cuda.device(dev):
-        _check(f(ctypes.byref(c), ctypes.byref(a), _stream(stream, dev)))
+    out, lse = _run_planned("kvp_paged_prefill", plan._c, plan._c.total_q, q, k_cache, v_cache, block_table,
+                            out, lse, scale, return_lse, stream)
     return (out, lse) if return_lse else out

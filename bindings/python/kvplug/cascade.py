@@ -20,12 +20,11 @@ whose sequences only grew is checked by CascadePlan.update in O(batch).
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Any, Optional, Tuple
 
 from . import _lib
-from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan, _PagedPrefillArgs
-from .attn import _bad, _cache_strides, _check, _cuda_tensor, _fn, _index, _rows, _same_dtype, _stream, _torch
+from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan
+from .attn import _bad, _check, _fn, _index, _run_planned, _stream, _torch
 
 __all__ = ["ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
@@ -220,51 +219,6 @@ def paged_cascade(
     return_lse (lse float32 [batch, num_q_heads], natural log)."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
-    torch = _torch()
-    cb, ct, ch = _cache_strides(k_cache, v_cache)
-    dev = k_cache.device
-    _cuda_tensor(q, "q", 3, dev)
-    _same_dtype(q, k_cache.dtype, "q")
-    nb, bs, kvh, d = k_cache.shape
-    c = plan._c
-    if q.shape[0] != c.batch or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
-        raise _bad(f"q has shape {tuple(q.shape)}; the plan has [{c.batch}, {c.num_q_heads}, {c.head_dim}]")
-    if kvh != c.num_kv_heads:
-        raise _bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
-    _rows(q, "q")
-    _index(block_table, "block_table", 2, dev, torch.int32)
-    if block_table.shape[0] != c.batch:
-        raise _bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        _cuda_tensor(out, "out", 3, dev)
-        _same_dtype(out, q.dtype, "out")
-        if tuple(out.shape) != tuple(q.shape):
-            raise _bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
-        _rows(out, "out")
-    lse_ptr = 0
-    if lse is None and return_lse:
-        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=dev)
-    if lse is not None:
-        _cuda_tensor(lse, "lse", 2, dev)
-        _same_dtype(lse, torch.float32, "lse")
-        if tuple(lse.shape) != (q.shape[0], q.shape[1]) or not lse.is_contiguous():
-            raise _bad(f"lse must be a contiguous float32 [{q.shape[0]}, {q.shape[1]}] tensor")
-        lse_ptr = lse.data_ptr()
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
-    a = _PagedPrefillArgs(
-        ctypes.sizeof(_PagedPrefillArgs), _i32arg(nb, "num_blocks"), _i32arg(bs, "block_size"),
-        _i32arg(block_table.shape[1], "max_blocks_per_seq"), 0,
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), cb, ct, ch,
-        block_table.data_ptr(), tstride,
-        out.data_ptr(), out.stride(0), out.stride(1),
-        lse_ptr, float(scale), 0,
-    )
-    f = _fn("kvp_paged_cascade", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_PagedPrefillArgs), ctypes.c_uint64])
-    with torch.cuda.device(dev):
-        _check(f(ctypes.byref(c), ctypes.byref(a), _stream(stream, dev)))
+    out, lse = _run_planned("kvp_paged_cascade", plan._c, plan._c.batch, q, k_cache, v_cache, block_table,
+                            out, lse, scale, return_lse, stream)
     return (out, lse) if (return_lse or lse is not None) else out
