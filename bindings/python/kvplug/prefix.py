@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
