@@ -1,0 +1,46 @@
+"""kvplug for Hugging Face transformers: decoder models of the Llama family
+(Llama, Mistral, Qwen2) with their K/V in kvplug's paged cache and their
+attention on kvplug's kernels (on CPU, a torch reference path over the same
+block tables and slots).
+
+    import kvplug.hf as kvhf
+    model = kvhf.prepare_model(model)              # registers attn_implementation="kvplug"
+    print(kvhf.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=16))
+
+A scheduler drives the step API itself:
+
+    cache = kvhf.PagedKVCache(kvhf.ModelShape.of(model.config), num_blocks=4096, block_size=16,
+                              dtype=torch.bfloat16, device="cuda")
+    runner = kvhf.Runner(model, cache, max_batch=256, cuda_graphs=True)
+    cache.add(1, prompt)                           # then, every step:
+    batch = cache.schedule([(1, 512), ...])        # chunks and decode tokens; OutOfBlocksError: preempt, retry
+    logits = runner.step(batch)                    # one row per sequence
+    cache.append(1, int(logits[0].argmax()))
+
+This subpackage needs torch and transformers (pip install 'kvplug[hf]');
+`import kvplug` does not import it.
+"""
+
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError as e:  # said plainly: the core package works without them
+    raise ImportError(f"kvplug.hf needs torch and transformers (pip install 'kvplug[hf]'): {e}") from e
+
+from .attention import NAME, StepContext, kvplug_attention, register
+from .cache import Batch, ModelShape, PagedKVCache, SequenceState
+from .runner import Runner, generate, prepare_model
+
+__all__ = [
+    "NAME",
+    "Batch",
+    "ModelShape",
+    "PagedKVCache",
+    "Runner",
+    "SequenceState",
+    "StepContext",
+    "generate",
+    "kvplug_attention",
+    "prepare_model",
+    "register",
+]

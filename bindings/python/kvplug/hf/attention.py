@@ -1,0 +1,177 @@
+"""The "kvplug" attention implementation for transformers' AttentionInterface.
+
+transformers calls an attention implementation as
+
+    fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)
+
+with query [1, q_heads, T, D] and key/value [1, kv_heads, T, D] (rotary
+applied) and every keyword argument the caller gave the model's forward in
+kwargs. That signature and the forwarding of keyword arguments are the
+stable part of the interface (the Cache classes are not), so the step's
+paged-cache description travels as the keyword argument `kvplug_batch` (a
+StepContext) and the model runs with use_cache=False: this function writes
+the new K/V into the paged cache itself, then attends over the cache.
+
+The batch is packed: T is every sequence's new tokens one after the other,
+position_ids give each token's position in its own sequence, and no mask
+is built (the implementation is not in transformers' mask registry, so
+create_causal_mask returns None).
+
+Two paths read the same block tables and slots:
+  - "kernels": kvplug.attn.kv_write, then paged_decode (a decode step) or
+    prefill_plan/paged_prefill (prefill chunks and mixed batches), on CUDA
+    fp16/bf16 tensors;
+  - "torch": the reference, on any device and dtype: K/V scattered into the
+    cache by slot, gathered back through the block table, attended by torch
+    SDPA with a causal (and sliding-window) mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kvplug
+
+__all__ = ["NAME", "StepContext", "kvplug_attention", "register"]
+
+NAME = "kvplug"
+
+
+@dataclasses.dataclass
+class StepContext:
+    """Everything one forward pass's attention layers need, built once per
+    step by the Runner (or, for a captured decode graph, once per graph with
+    static tensors updated before each replay)."""
+
+    cache: Any  # PagedKVCache
+    backend: str  # "kernels" or "torch"
+    slots: torch.Tensor  # int32 [T] on the cache's device (-1: padding, not written)
+    block_table: torch.Tensor  # int32 [n, max_blocks]
+    seq_lens: torch.Tensor  # int32 [n]
+    qo_indptr_host: np.ndarray  # int32 [n + 1]
+    seq_lens_host: np.ndarray  # int32 [n]
+    decode: bool  # every sequence has one new token
+    # kernels: planned once per step and window (kvplug plans carry the window)
+    qo_indptr: Optional[torch.Tensor] = None
+    prefill_ws: Optional[torch.Tensor] = None
+    decode_ws: Optional[torch.Tensor] = None
+    num_splits: int = 0  # decode: fixed for a captured graph (0: the library chooses per call)
+    plans: Dict[int, Any] = dataclasses.field(default_factory=dict)
+    # torch: per sequence, the flat slot index of each of its tokens (int64 on the device)
+    gather: Optional[List[torch.Tensor]] = None
+
+    def window_left(self, sliding_window: Optional[int]) -> int:
+        """kvplug's window_left (-1: none) for transformers' sliding_window W,
+        under which a query at position p sees keys p - W + 1 .. p. A window
+        longer than every sequence is no window (so decode keeps its kernel)."""
+        if sliding_window is None or sliding_window <= 0:
+            return -1
+        if len(self.seq_lens_host) and int(self.seq_lens_host.max()) <= sliding_window:
+            return -1
+        return int(sliding_window) - 1
+
+    def plan(self, window_left: int) -> Any:
+        p = self.plans.get(window_left)
+        if p is None:
+            sh = self.cache.shape
+            p = kvplug.attn.prefill_plan(
+                self.qo_indptr, self.seq_lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, self.cache.dtype,
+                self.prefill_ws, window_left=window_left, qo_indptr_host=self.qo_indptr_host,
+                kv_lens_host=self.seq_lens_host)
+            self.plans[window_left] = p
+        return p
+
+
+def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, window_left: int) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged cache, sequence by sequence."""
+    sh = ctx.cache.shape
+    kc = ctx.cache.k_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
+    vc = ctx.cache.v_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
+    group = sh.num_q_heads // sh.num_kv_heads
+    out = torch.empty_like(q)
+    qo = ctx.qo_indptr_host
+    for i, idx in enumerate(ctx.gather):
+        a, b = int(qo[i]), int(qo[i + 1])
+        n, L = b - a, int(ctx.seq_lens_host[i])
+        if n == 0:
+            continue
+        k = kc[idx].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
+        v = vc[idx].transpose(0, 1).repeat_interleave(group, dim=0)
+        pos = torch.arange(L - n, L, device=q.device)[:, None]
+        t = torch.arange(L, device=q.device)[None, :]
+        mask = t <= pos
+        if window_left >= 0:
+            mask = mask & (t >= pos - window_left)
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def kvplug_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    kvplug_batch: Optional[StepContext] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """transformers attention implementation over kvplug's paged cache."""
+    ctx = kvplug_batch
+    if ctx is None:
+        raise RuntimeError(
+            "kvplug attention: the model was called without kvplug_batch. A model with attn_implementation='kvplug' "
+            "runs through kvplug.hf.Runner (step / generate), which passes the step's paged-cache description; "
+            "for plain transformers calls, switch the model back with model.set_attn_implementation('sdpa')")
+    if query.shape[0] != 1:
+        raise ValueError(f"kvplug attention: the batch is packed into one row of tokens; got query shape {tuple(query.shape)}")
+    if dropout:
+        raise ValueError("kvplug attention is for inference: dropout must be 0 (call model.eval())")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("kvplug attention does not support logit softcapping")
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [T, H, D]: head_dim stays contiguous, as the kernels need
+    k = key[0].transpose(0, 1)  # [T, kv_heads, D]
+    v = value[0].transpose(0, 1)
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
+    wl = ctx.window_left(sliding_window)
+    kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
+    if ctx.backend == "kernels":
+        kvplug.attn.kv_write(k, v, kc, vc, ctx.slots)
+        if ctx.decode and wl < 0:
+            out = kvplug.attn.paged_decode(q, kc, vc, ctx.block_table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
+                                           num_splits=ctx.num_splits)
+        else:
+            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, ctx.block_table, scale=scale)
+    else:
+        sh = ctx.cache.shape
+        flat = ctx.slots.long()
+        kc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, k.to(kc.dtype))
+        vc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, v.to(vc.dtype))
+        out = _reference(ctx, layer, q, scale, wl)
+    return out.unsqueeze(0), None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Registers "kvplug" with transformers' AttentionInterface (idempotent).
+    Models then take attn_implementation="kvplug" (from_pretrained,
+    from_config, or model.set_attn_implementation)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, kvplug_attention)
+    _registered = True

@@ -1,0 +1,321 @@
+"""The paged KV cache of a transformers model: kvplug's Manager (block tables,
+prefix cache) plus one K and one V tensor per layer in kvplug's layout
+[num_blocks, block_size, num_kv_heads, head_dim], and the per-sequence token
+state a scheduler needs (what is known, what is computed).
+
+A sequence's life, as a scheduler drives it:
+
+    cache.add(7, prompt)                  # known tokens, no blocks yet
+    batch = cache.schedule([(7, 512)])    # admit a first chunk: prefix hit + up to 512 new tokens
+    logits = runner.step(batch)           # computes them (kvplug.hf.Runner)
+    batch = cache.schedule([(7, 512)])    # the next chunk: grows the sequence
+    ...
+    cache.append(7, token)                # a sampled token: the next step computes it
+    cache.fork(7, [8, 9])                 # parallel sampling: 8 and 9 share 7's blocks
+    cache.preempt(7)                      # frees its blocks, keeps its tokens
+    cache.remove([8, 9])
+
+Tokens enter the manager (admit / grow_tokens) in the step that computes
+their K/V, so a block the prefix cache holds always has its K/V written by
+the time another sequence reads it: within one step every layer writes all
+of the step's K/V before any attention reads the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+import kvplug
+
+__all__ = ["ModelShape", "PagedKVCache", "Batch", "SequenceState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the cache needs to know of a decoder model."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(config: Any) -> "ModelShape":
+        """From a transformers config of the Llama family (Llama, Mistral,
+        Qwen2 and those with the same attention fields)."""
+        missing = [f for f in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(config, f, None) is None]
+        if missing:
+            raise ValueError(f"kvplug.hf: config {type(config).__name__} lacks {', '.join(missing)}: not a decoder of the Llama family")
+        qh = int(config.num_attention_heads)
+        kvh = int(getattr(config, "num_key_value_heads", None) or qh)
+        hd = getattr(config, "head_dim", None) or config.hidden_size // qh
+        if qh % kvh:
+            raise ValueError(f"kvplug.hf: {qh} query heads are not a multiple of {kvh} kv heads")
+        return ModelShape(int(config.num_hidden_layers), qh, kvh, int(hd))
+
+
+@dataclasses.dataclass
+class SequenceState:
+    tokens: List[int]  # every known token: prompt, then outputs
+    computed: int = 0  # leading tokens whose K/V is in the cache (= the manager's length while live)
+    live: bool = False  # holds blocks in the manager
+    keys: Optional[kvplug.Keys] = None  # prefix-cache keys (adapter, multimodal, tenant salt)
+
+    @property
+    def pending(self) -> int:
+        """Known tokens still to compute."""
+        return len(self.tokens) - self.computed
+
+
+@dataclasses.dataclass
+class Batch:
+    """One scheduled step: for each sequence, its new tokens at positions
+    start .. start + len - 1, the block table and the slots the new tokens'
+    K/V go to. Arrays are numpy int32/int64 in batch order."""
+
+    seq_ids: np.ndarray  # int64 [n]
+    starts: np.ndarray  # int32 [n]: tokens computed before this step (prefix hits included)
+    q_lens: np.ndarray  # int32 [n]: new tokens this step
+    input_ids: np.ndarray  # int64 [total]: the new tokens, sequence after sequence
+    block_table: np.ndarray  # int32 [n, max_blocks] (-1 padded)
+    seq_lens: np.ndarray  # int32 [n]: starts + q_lens
+    slot_mapping: np.ndarray  # int32 [total]
+    cached_tokens: np.ndarray  # int32 [n]: tokens found in the prefix cache at admission (0 if not admitted now)
+    not_admitted: List[int]  # requested sequences left out: the pool could not hold them now
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has one new token."""
+        return len(self.q_lens) > 0 and bool((self.q_lens == 1).all())
+
+    def positions(self) -> np.ndarray:
+        """int64 [total]: each new token's position in its sequence."""
+        out = np.empty(self.num_tokens, np.int64)
+        o = 0
+        for s, n in zip(self.starts.tolist(), self.q_lens.tolist()):
+            out[o:o + n] = np.arange(s, s + n)
+            o += n
+        return out
+
+    def qo_indptr(self) -> np.ndarray:
+        out = np.zeros(len(self.q_lens) + 1, np.int32)
+        np.cumsum(self.q_lens, out=out[1:])
+        return out
+
+
+class PagedKVCache:
+    """K/V of every layer in kvplug's paged layout, managed by a
+    kvplug.Manager. `num_blocks` blocks of `block_size` tokens; the tensors
+    are allocated once (2 * layers * num_blocks * block_size * kv_heads *
+    head_dim elements of `dtype` on `device`)."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device: Any = "cpu",
+        prefix_cache: bool = True,
+    ) -> None:
+        if isinstance(shape, ModelShape) is False:
+            shape = ModelShape.of(shape)
+        self.shape = shape
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.prefix_cache = prefix_cache
+        self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache)
+        # [layers, 2, blocks, block_size, kv_heads, head_dim]: K and V of a layer share strides, as the kernels
+        # require. Zeroed on the CPU so that a reference run is deterministic; on the GPU every slot a kernel
+        # reads was written first (kernels skip tokens past seq_lens).
+        alloc = torch.zeros if self.device.type == "cpu" else torch.empty
+        self.kv = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
+                        dtype=dtype, device=self.device)
+        self.seqs: Dict[int, SequenceState] = {}
+        self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "admitted": 0, "preempted": 0, "forks": 0}
+
+    # -- tensors --------------------------------------------------------------
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.num_blocks
+
+    # -- sequences ------------------------------------------------------------
+
+    def add(self, seq_id: int, prompt: Iterable[int], keys: Optional[kvplug.Keys] = None) -> None:
+        """Registers a sequence with its prompt. No blocks are taken until a
+        schedule admits it."""
+        seq_id = int(seq_id)
+        if seq_id in self.seqs:
+            raise kvplug.DuplicateSequenceError(f"kvplug.hf: sequence {seq_id} exists", kvplug.Status.DUPLICATE_SEQUENCE)
+        toks = [int(t) for t in prompt]
+        if not toks:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {seq_id} has an empty prompt", kvplug.Status.INVALID_ARGUMENT)
+        self.seqs[seq_id] = SequenceState(toks, keys=keys)
+
+    def state(self, seq_id: int) -> SequenceState:
+        try:
+            return self.seqs[int(seq_id)]
+        except KeyError:
+            raise kvplug.UnknownSequenceError(f"kvplug.hf: unknown sequence {seq_id}", kvplug.Status.UNKNOWN_SEQUENCE) from None
+
+    def append(self, seq_id: int, token: int) -> None:
+        """Adds a sampled token; the next step that schedules the sequence
+        computes it."""
+        self.state(seq_id).tokens.append(int(token))
+
+    def fork(self, parent: int, children: Sequence[int]) -> None:
+        """Parallel sampling: the children start as copies of `parent`
+        (sharing its full blocks; its partial last block is copied). The
+        parent must be live with no pending tokens: fork after the step that
+        computed its prompt, then append each child's own sampled token."""
+        p = self.state(parent)
+        if not p.live or p.pending:
+            raise kvplug.InvalidArgumentError(
+                f"kvplug.hf: fork of sequence {parent} needs it live with every token computed "
+                f"(live={p.live}, pending={p.pending})", kvplug.Status.INVALID_ARGUMENT)
+        children = [int(c) for c in children]
+        for c in children:
+            if c in self.seqs:
+                raise kvplug.DuplicateSequenceError(f"kvplug.hf: sequence {c} exists", kvplug.Status.DUPLICATE_SEQUENCE)
+        copies = self.manager.fork(int(parent), np.array(children, np.int64))
+        if copies:
+            # The kernels read dst before the children write their next token into it.
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        for c in children:
+            self.seqs[c] = SequenceState(list(p.tokens), p.computed, True, p.keys)
+        self.stats["forks"] += len(children)
+
+    def preempt(self, seq_id: int) -> int:
+        """Frees a live sequence's blocks and keeps its tokens: the next
+        schedule re-admits it, recomputing only what the prefix cache lost.
+        Returns the tokens it had computed."""
+        s = self.state(seq_id)
+        done = s.computed
+        if s.live:
+            self.manager.remove([int(seq_id)])
+        s.live, s.computed = False, 0
+        self.stats["preempted"] += 1
+        return done
+
+    def remove(self, seq_ids: Iterable[int]) -> None:
+        """Retires sequences (their full blocks stay in the prefix cache)."""
+        ids = [int(i) for i in seq_ids]
+        live = [i for i in ids if self.state(i).live]
+        if live:
+            self.manager.remove(np.array(live, np.int64))
+        for i in ids:
+            del self.seqs[i]
+
+    # -- scheduling -----------------------------------------------------------
+
+    def schedule(self, requests: Sequence[Tuple[int, int]]) -> Batch:
+        """Allocates one step: (seq_id, max_new_tokens) for each sequence to
+        run, the number counting tokens to compute (a chunk of a prompt, or 1
+        for decode); at most the sequence's pending tokens are taken.
+
+        Live sequences grow first, all or none: when the pool cannot hold
+        them this raises kvplug.OutOfBlocksError and nothing changed (preempt
+        one and retry). Sequences not live are then admitted in order, each
+        starting on its longest cached prefix; admission stops at the first
+        that does not fit (Batch.not_admitted lists it and those after it).
+        The batch is ordered live sequences first, then the admitted ones."""
+        grow_ids: List[int] = []
+        grow_toks: List[List[int]] = []
+        admits: List[Tuple[int, int]] = []
+        for sid, n in requests:
+            sid, n = int(sid), int(n)
+            s = self.state(sid)
+            if n < 1:
+                raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} scheduled for {n} tokens", kvplug.Status.INVALID_ARGUMENT)
+            if s.live:
+                take = min(n, s.pending)
+                if take < 1:
+                    raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} has no pending token to compute "
+                                                      "(append the sampled token first)", kvplug.Status.INVALID_ARGUMENT)
+                grow_ids.append(sid)
+                grow_toks.append(s.tokens[s.computed:s.computed + take])
+            else:
+                admits.append((sid, n))
+        if len(set(grow_ids)) + len({a for a, _ in admits}) != len(requests):
+            raise kvplug.DuplicateSequenceError("kvplug.hf: a sequence is scheduled twice in one step", kvplug.Status.DUPLICATE_SEQUENCE)
+        if grow_ids:
+            self.manager.grow_tokens(np.array(grow_ids, np.int64), grow_toks)  # raises OutOfBlocksError: nothing grew
+        ids: List[int] = list(grow_ids)
+        starts: List[int] = [self.seqs[i].computed for i in grow_ids]
+        news: List[List[int]] = grow_toks
+        cached: List[int] = [0] * len(grow_ids)
+        not_admitted: List[int] = []
+        for k, (sid, n) in enumerate(admits):
+            s = self.seqs[sid]
+            hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
+            upto = min(len(s.tokens), hit + n)
+            got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+            if got.size == 0:
+                not_admitted = [a for a, _ in admits[k:]]
+                break
+            m = int(got[0])  # may be below `hit` when admitting an earlier sequence evicted blocks
+            s.live = True
+            ids.append(sid)
+            starts.append(m)
+            news.append(s.tokens[m:upto])
+            cached.append(m)
+            self.stats["admitted"] += 1
+            self.stats["cached_tokens"] += m
+        q_lens = np.array([len(t) for t in news], np.int32)
+        ids_arr = np.array(ids, np.int64)
+        if ids:
+            table, lens, slots = self.manager.describe(ids_arr)
+        else:
+            table, lens, slots = np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
+        starts_arr = np.array(starts, np.int32)
+        # The manager's view and ours must agree, or the kernels would read the wrong K/V.
+        if not np.array_equal(lens, starts_arr + q_lens) or len(slots) != int(q_lens.sum()):
+            raise kvplug.InternalError(f"kvplug.hf: manager lengths {lens.tolist()} disagree with the schedule "
+                                       f"{(starts_arr + q_lens).tolist()}", kvplug.Status.INTERNAL)
+        flat = np.fromiter((t for seq in news for t in seq), np.int64, int(q_lens.sum()))
+        self.stats["scheduled_tokens"] += int(q_lens.sum())
+        return Batch(ids_arr, starts_arr, q_lens, flat, table, lens, slots, np.array(cached, np.int32), not_admitted)
+
+    def commit(self, batch: Batch) -> None:
+        """Marks a batch's tokens computed (the runner calls it after the
+        forward pass)."""
+        for sid, s, n in zip(batch.seq_ids.tolist(), batch.starts.tolist(), batch.q_lens.tolist()):
+            st = self.seqs.get(sid)
+            if st is not None and st.live:
+                st.computed = s + n
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,323 @@
+"""Runs a transformers decoder over a PagedKVCache: one forward pass per
+scheduled Batch (prefill chunks, decode steps, or both mixed), optional CUDA
+graphs for decode steps, and `generate` for a batch of prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+import kvplug
+
+from .attention import NAME, StepContext, register
+from .cache import Batch, ModelShape, PagedKVCache
+
+__all__ = ["Runner", "prepare_model", "generate"]
+
+
+def prepare_model(model: Any) -> Any:
+    """Registers the "kvplug" attention and switches `model` to it (eval
+    mode). Returns the model."""
+    register()
+    cfg = model.config
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(NAME)
+    else:  # older transformers: the config field is what the attention layers read
+        cfg._attn_implementation = NAME
+    return model.eval()
+
+
+def _backend_for(cache: PagedKVCache, backend: str) -> str:
+    if backend not in ("auto", "kernels", "torch"):
+        raise ValueError(f"kvplug.hf: backend must be 'auto', 'kernels' or 'torch', not {backend!r}")
+    gpu_ok = cache.device.type == "cuda" and cache.dtype in (torch.float16, torch.bfloat16)
+    if backend == "kernels" and not gpu_ok:
+        raise ValueError(f"kvplug.hf: the kernels need a CUDA cache of float16 or bfloat16; this one is {cache.dtype} "
+                         f"on {cache.device} (use backend='torch')")
+    if backend == "auto":
+        return "kernels" if gpu_ok else "torch"
+    return backend
+
+
+class _DecodeGraph:
+    """A decode step for up to `size` sequences captured in a CUDA graph:
+    static inputs are overwritten before each replay; rows past the batch
+    are padding (slot -1: not written; length 0: attention gives 0)."""
+
+    def __init__(self, runner: "Runner", size: int, pool: Any) -> None:
+        c, dev = runner.cache, runner.cache.device
+        self.size = size
+        self.ids = torch.zeros((1, size), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((1, size), dtype=torch.long, device=dev)
+        self.slots = torch.full((size,), -1, dtype=torch.int32, device=dev)
+        self.table = torch.zeros((size, runner.max_blocks), dtype=torch.int32, device=dev)
+        self.lens = torch.zeros((size,), dtype=torch.int32, device=dev)
+        sh = c.shape
+        splits = kvplug.attn.num_splits(c.dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
+        self.ctx = StepContext(c, "kernels", self.slots, self.table, self.lens, np.arange(size + 1, dtype=np.int32),
+                               np.ones(size, np.int32), True, decode_ws=runner.decode_ws, num_splits=splits)
+        model = runner.model
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):  # warm-up outside the graph (lazy inits, autotuning)
+            for _ in range(2):
+                model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx).logits[0]
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        n = len(batch)
+        mb = batch.block_table.shape[1]
+        host = torch.from_numpy
+        self.ids[0, :n].copy_(host(batch.input_ids), non_blocking=True)
+        self.pos[0, :n].copy_(host(batch.seq_lens.astype(np.int64) - 1), non_blocking=True)
+        self.slots.fill_(-1)
+        self.slots[:n].copy_(host(batch.slot_mapping), non_blocking=True)
+        self.lens.zero_()
+        self.lens[:n].copy_(host(batch.seq_lens), non_blocking=True)
+        self.table[:n, :mb].copy_(host(batch.block_table), non_blocking=True)
+        self.graph.replay()
+        return self.logits[:n]
+
+
+class Runner:
+    """Runs `model` (a transformers causal LM of the Llama family, prepared
+    with prepare_model) over `cache`.
+
+    backend: "kernels" (kvplug's CUDA kernels; needs a CUDA fp16/bf16
+    cache), "torch" (the reference path: gather through the block table and
+    torch SDPA; any device), or "auto" (kernels where they run).
+    max_batch / max_step_tokens bound a step (they size the kernels'
+    workspaces); max_model_len bounds a sequence (the block-table width).
+    cuda_graphs: capture decode steps for batch sizes `graph_sizes`
+    (default 1, 2, 4, 8, then multiples of 16 up to max_batch) and replay
+    them; other steps run eagerly."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: PagedKVCache,
+        *,
+        backend: str = "auto",
+        max_batch: int = 256,
+        max_step_tokens: int = 8192,
+        max_model_len: int = 8192,
+        cuda_graphs: bool = False,
+        graph_sizes: Optional[Sequence[int]] = None,
+    ) -> None:
+        if getattr(model.config, "_attn_implementation", None) != NAME:
+            raise ValueError("kvplug.hf.Runner: call kvplug.hf.prepare_model(model) first (attn_implementation must be 'kvplug')")
+        shape = ModelShape.of(model.config)
+        if shape != cache.shape:
+            raise ValueError(f"kvplug.hf.Runner: the cache was made for {cache.shape}, the model is {shape}")
+        self.model = model
+        self.cache = cache
+        self.backend = _backend_for(cache, backend)
+        self.max_batch = int(max_batch)
+        self.max_step_tokens = int(max_step_tokens)
+        self.max_model_len = int(max_model_len)
+        self.max_blocks = -(-self.max_model_len // cache.block_size)
+        self.device = cache.device
+        self.prefill_ws = self.decode_ws = None
+        if self.backend == "kernels":
+            sh = cache.shape
+            kvplug.attn.prepare(self.device)
+            self.prefill_ws = torch.empty(kvplug.attn.prefill_workspace_size(
+                self.max_batch, self.max_step_tokens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim),
+                dtype=torch.uint8, device=self.device)
+            self.decode_ws = torch.empty(kvplug.attn.workspace_size(self.max_batch, sh.num_q_heads, sh.head_dim),
+                                         dtype=torch.uint8, device=self.device)
+        self.graphs: Dict[int, _DecodeGraph] = {}
+        if cuda_graphs:
+            self.capture(graph_sizes)
+        self.graph_steps = 0
+        self.eager_steps = 0
+
+    # -- CUDA graphs ----------------------------------------------------------
+
+    def capture(self, sizes: Optional[Sequence[int]] = None) -> None:
+        """Captures decode graphs (kernels backend only). A sliding window
+        shorter than max_model_len needs the prefill kernel, which these
+        graphs do not use: such models run decode eagerly."""
+        if self.backend != "kernels":
+            raise ValueError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
+        sw = getattr(self.model.config, "sliding_window", None)
+        if sw and getattr(self.model.config, "use_sliding_window", True) and sw < self.max_model_len:
+            return
+        if sizes is None:
+            sizes = [s for s in (1, 2, 4, 8) if s <= self.max_batch] + list(range(16, self.max_batch + 1, 16))
+        sizes = sorted({int(s) for s in sizes if 0 < int(s) <= self.max_batch}, reverse=True)
+        pool = None
+        with torch.no_grad():
+            for s in sizes:  # largest first: the smaller graphs reuse its memory pool
+                g = _DecodeGraph(self, s, pool)
+                pool = g.graph.pool()
+                self.graphs[s] = g
+        torch.cuda.synchronize(self.device)
+
+    def _graph_for(self, n: int) -> Optional[_DecodeGraph]:
+        best = None
+        for s, g in self.graphs.items():
+            if s >= n and (best is None or s < best.size):
+                best = g
+        return best
+
+    # -- steps ----------------------------------------------------------------
+
+    def _context(self, batch: Batch) -> StepContext:
+        dev = self.device
+        qo = batch.qo_indptr()
+        host = torch.from_numpy
+        pin = dev.type == "cuda"
+        meta = np.concatenate([batch.slot_mapping, batch.seq_lens, qo]).astype(np.int32)
+        meta_t = host(meta)
+        if pin:
+            meta_t = meta_t.pin_memory()
+        meta_d = meta_t.to(dev, non_blocking=True)
+        T, n = batch.num_tokens, len(batch)
+        slots, lens, qo_d = meta_d[:T], meta_d[T:T + n], meta_d[T + n:]
+        table = host(np.ascontiguousarray(batch.block_table)).to(dev, non_blocking=True)
+        ctx = StepContext(self.cache, self.backend, slots, table, lens, qo, batch.seq_lens, batch.is_decode,
+                          qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws)
+        if self.backend == "torch":
+            bs = self.cache.block_size
+            gather = []
+            for i, L in enumerate(batch.seq_lens.tolist()):
+                t = np.arange(L)
+                gather.append(host(batch.block_table[i, t // bs].astype(np.int64) * bs + t % bs).to(dev))
+            ctx.gather = gather
+        return ctx
+
+    def _check(self, batch: Batch) -> None:
+        if len(batch) > self.max_batch:
+            raise ValueError(f"kvplug.hf: a step of {len(batch)} sequences; this Runner takes up to {self.max_batch}")
+        if batch.num_tokens > self.max_step_tokens:
+            raise ValueError(f"kvplug.hf: a step of {batch.num_tokens} tokens; this Runner takes up to {self.max_step_tokens}")
+        if len(batch) and int(batch.seq_lens.max()) > self.max_model_len:
+            raise ValueError(f"kvplug.hf: a sequence of {int(batch.seq_lens.max())} tokens; max_model_len is {self.max_model_len}")
+
+    @torch.no_grad()
+    def step(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Computes a scheduled batch and marks its tokens computed. Returns
+        float32 logits: one row per sequence (its last new token's), or with
+        all_logits one row per new token (sequence after sequence)."""
+        self._check(batch)
+        if len(batch) == 0:
+            return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
+        g = self._graph_for(len(batch)) if (batch.is_decode and self.graphs) else None
+        if g is not None:
+            logits = g.run(batch)
+            self.graph_steps += 1
+        else:
+            ctx = self._context(batch)
+            ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)[None]
+            pos = torch.from_numpy(batch.positions()).to(self.device, non_blocking=True)[None]
+            keep: Any = 0
+            if not all_logits:
+                keep = torch.from_numpy(batch.qo_indptr()[1:].astype(np.int64) - 1).to(self.device)
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, kvplug_batch=ctx,
+                                logits_to_keep=keep).logits[0]
+            self.eager_steps += 1
+        self.cache.commit(batch)
+        return logits.float()
+
+
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 32,
+    *,
+    cache: Optional[PagedKVCache] = None,
+    runner: Optional[Runner] = None,
+    num_blocks: Optional[int] = None,
+    block_size: int = 16,
+    chunk: int = 512,
+    temperature: float = 0.0,
+    eos_token_id: Optional[int] = None,
+    seed: int = 0,
+) -> List[List[int]]:
+    """Generates up to max_new_tokens tokens for each prompt (lists of token
+    ids) through kvplug's paged cache: all prompts prefilled in chunks of
+    `chunk` tokens, then decoded together; when the pool runs out, the
+    newest sequence is preempted and re-admitted later. Greedy when
+    temperature is 0. Returns each prompt's new tokens.
+
+    A cache (and a runner) are made for the call unless given: num_blocks
+    defaults to room for every prompt and its outputs."""
+    prepare_model(model)
+    own = cache is None
+    if own:
+        need = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+        dev = next(model.parameters()).device
+        cache = PagedKVCache(ModelShape.of(model.config), num_blocks or max(need, 1), block_size,
+                             dtype=next(model.parameters()).dtype, device=dev)
+    if runner is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        runner = Runner(model, cache, max_batch=max(len(prompts), 1), max_step_tokens=max(chunk, len(prompts)),
+                        max_model_len=longest)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    base = max(cache.seqs, default=-1) + 1
+    ids = [base + i for i in range(len(prompts))]
+    outs: List[List[int]] = [[] for _ in prompts]
+    try:
+        for sid, p in zip(ids, prompts):
+            cache.add(sid, p)
+        active = list(ids)  # admission order: preemption takes the newest
+        while active:
+            budget = chunk
+            req = []
+            for sid in active:
+                s = cache.seqs[sid]
+                if s.live and s.pending == 1:
+                    req.append((sid, 1))
+                    budget -= 1
+            for sid in active:
+                s = cache.seqs[sid]
+                if not (s.live and s.pending == 1) and budget > 0:
+                    n = min(budget, s.pending)
+                    req.append((sid, n))
+                    budget -= n
+            try:
+                batch = cache.schedule(req)
+            except kvplug.OutOfBlocksError:
+                live = [sid for sid in active if cache.seqs[sid].live]
+                if len(live) <= 1:
+                    raise
+                cache.preempt(live[-1])
+                continue
+            if len(batch) == 0:
+                raise kvplug.OutOfBlocksError("kvplug.hf.generate: the pool cannot hold one sequence; give more num_blocks",
+                                              kvplug.Status.OUT_OF_BLOCKS)
+            logits = runner.step(batch)
+            done = []
+            for row, sid in enumerate(batch.seq_ids.tolist()):
+                s = cache.seqs[sid]
+                if s.pending:
+                    continue  # mid-prompt chunk: nothing sampled
+                if temperature > 0:
+                    probs = torch.softmax(logits[row].cpu() / temperature, -1)
+                    tok = int(torch.multinomial(probs, 1, generator=gen))
+                else:
+                    tok = int(logits[row].argmax())
+                k = ids.index(sid)
+                outs[k].append(tok)
+                if len(outs[k]) >= max_new_tokens or tok == eos_token_id:
+                    done.append(sid)
+                else:
+                    cache.append(sid, tok)
+            if done:
+                cache.remove(done)
+                active = [a for a in active if a not in done]
+    finally:
+        if own:
+            cache.close()
+        else:
+            leftover = [sid for sid in ids if sid in cache.seqs]
+            if leftover:
+                cache.remove(leftover)
+    return outs
