@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""A continuous-batching engine for a transformers model on kvplug.
+
+The loop an engine developer starts from: requests arrive over time; each
+step the scheduler grows every decoding sequence by one token, fills the
+rest of the step's token budget with prompt chunks (running prompts first,
+then waiting requests, each admitted on its longest cached prefix), and runs
+the batch through kvplug.hf.Runner (decode-only steps replay CUDA graphs on
+the GPU). When the pool runs out of blocks the newest running sequence is
+preempted: its blocks are freed, its tokens kept, and it waits first in line
+to be re-admitted (the prefix cache usually still holds most of it). A
+request with n > 1 samples n continuations: its sequence is forked once its
+prompt is computed, the children sharing the prompt's blocks.
+
+    python examples/hf_engine.py                       # tiny random Llama, CPU or GPU
+    python examples/hf_engine.py --model llama3-8b --requests 256 --rate 8 --cuda-graphs
+
+Nothing is downloaded: the model has random weights from a config made in
+code (--model picks a shape), and prompts are random token ids with a shared
+system prompt. The summary: output tokens/s, TTFT and TPOT percentiles,
+prefix-cache hit rate, preemptions, KV memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+import time
+from typing import Callable, Deque, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import kvplug
+import kvplug.hf as kvhf
+
+# -- requests ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    arrival: float  # seconds after the start
+    prompt: List[int]
+    max_new_tokens: int
+    n: int = 1  # parallel samples (forks)
+    temperature: float = 0.0
+    # filled in by the engine
+    seq_ids: List[int] = dataclasses.field(default_factory=list)
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    outputs: Dict[int, List[int]] = dataclasses.field(default_factory=dict)  # seq id -> its tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs.values())
+
+
+@dataclasses.dataclass
+class Workload:
+    """Poisson arrivals; every prompt is `system` shared tokens (0: none)
+    plus its own random tokens."""
+
+    requests: int = 32
+    rate: float = 0.0  # requests per second; 0: all arrive at the start
+    system: int = 256
+    own: tuple = (16, 64)  # own prompt tokens, uniform inclusive
+    output: tuple = (16, 64)  # output tokens, uniform inclusive
+    n: int = 1  # samples per request
+    temperature: float = 0.0  # > 0 samples (needed for forks to differ)
+    vocab: int = 32000
+    seed: int = 0
+
+    def make(self) -> List[Request]:
+        rng = np.random.default_rng(self.seed)
+        system = rng.integers(1, self.vocab, self.system).tolist()
+        t, out = 0.0, []
+        for i in range(self.requests):
+            if self.rate > 0:
+                t += float(rng.exponential(1.0 / self.rate))
+            own = rng.integers(1, self.vocab, int(rng.integers(self.own[0], self.own[1] + 1))).tolist()
+            out.append(Request(i, t, system + own, int(rng.integers(self.output[0], self.output[1] + 1)), self.n,
+                               self.temperature))
+        return out
+
+
+# -- the engine -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_batch: int = 64  # sequences per step
+    step_tokens: int = 2048  # tokens per step (decode tokens + prompt chunks)
+    chunk: int = 512  # at most this many prompt tokens of one sequence per step
+    eos: Optional[int] = None
+    seed: int = 0
+    progress_every: float = 2.0  # seconds between progress lines (0: none)
+
+
+class Engine:
+    """The scheduler over one PagedKVCache and its Runner."""
+
+    def __init__(self, runner: kvhf.Runner, cfg: EngineConfig,
+                 on_logits: Optional[Callable[[kvhf.Batch, torch.Tensor], None]] = None) -> None:
+        self.runner, self.cache, self.cfg = runner, runner.cache, cfg
+        self.on_logits = on_logits  # sees every step's logits, one row per new token (tests use it)
+        self.waiting: Deque[int] = collections.deque()  # sequence ids, first in line first
+        self.running: List[int] = []  # live sequences, admission order (the newest is preempted first)
+        self.req_of: Dict[int, Request] = {}
+        self.next_sid = 0
+        self.gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        self.steps = self.preemptions = self.prefill_tokens = 0
+        self.step_times: List[float] = []
+        self.host_times: List[float] = []  # scheduling + manager calls, per step
+        self.peak_blocks = 0
+
+    def submit(self, req: Request) -> None:
+        sid = self._new_sid(req)
+        self.cache.add(sid, req.prompt)
+        self.waiting.append(sid)
+
+    def _new_sid(self, req: Request) -> int:
+        sid = self.next_sid
+        self.next_sid += 1
+        req.seq_ids.append(sid)
+        req.outputs[sid] = []
+        self.req_of[sid] = req
+        return sid
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one step ---------------------------------------------------------------
+
+    def _plan(self) -> List[tuple]:
+        """(seq_id, tokens) for this step: decode tokens, then prompt chunks."""
+        cfg, seqs = self.cfg, self.cache.seqs
+        plan, budget = [], cfg.step_tokens
+        for sid in self.running:
+            if seqs[sid].pending == 1:
+                plan.append((sid, 1))
+                budget -= 1
+        for sid in self.running:  # prompts mid-way through their chunks
+            p = seqs[sid].pending
+            if p > 1 and budget > 0 and len(plan) < cfg.max_batch:
+                n = min(p, cfg.chunk, budget)
+                plan.append((sid, n))
+                budget -= n
+        for sid in self.waiting:  # new and preempted sequences, first in line first
+            if budget <= 0 or len(plan) >= cfg.max_batch:
+                break
+            n = min(seqs[sid].pending, cfg.chunk, budget)
+            plan.append((sid, n))
+            budget -= n
+        return plan
+
+    def _schedule(self) -> Optional[kvhf.Batch]:
+        while True:
+            plan = self._plan()
+            if not plan:
+                return None
+            try:
+                batch = self.cache.schedule(plan)
+            except kvplug.OutOfBlocksError:
+                if not self.running:
+                    raise
+                self._preempt(self.running[-1])
+                continue
+            admitted = set(batch.seq_ids.tolist())
+            for sid, _ in plan:
+                if sid in admitted and sid in self.waiting:
+                    self.waiting.remove(sid)
+                    self.running.append(sid)
+            if len(batch) == 0 and not self.running:
+                first = self.waiting[0]
+                raise kvplug.OutOfBlocksError(
+                    f"hf_engine: the pool ({self.cache.num_blocks} blocks) cannot hold sequence {first} "
+                    f"({len(self.cache.seqs[first].tokens)} tokens)", kvplug.Status.OUT_OF_BLOCKS)
+            return batch if len(batch) else None
+
+    def _preempt(self, sid: int) -> None:
+        self.cache.preempt(sid)
+        self.running.remove(sid)
+        self.waiting.appendleft(sid)
+        self.preemptions += 1
+
+    def _fork(self, sid: int, children: List[int], finished: List[int]) -> None:
+        """Forks sid, preempting the newest other running sequences while the
+        pool cannot hold the children's copied last blocks."""
+        while True:
+            try:
+                self.cache.fork(sid, children)
+                return
+            except kvplug.OutOfBlocksError:
+                victims = [v for v in self.running if v != sid and v not in finished]
+                if not victims:
+                    raise
+                self._preempt(victims[-1])  # its row this step is dropped: re-admission recomputes it
+
+    def _sample(self, logits: torch.Tensor, temperature: float, k: int) -> List[int]:
+        if temperature <= 0:
+            return [int(logits.argmax())] * k
+        probs = torch.softmax(logits.cpu() / temperature, -1)
+        return torch.multinomial(probs, k, replacement=True, generator=self.gen).tolist()
+
+    def step(self, now: Callable[[], float]) -> int:
+        """Runs one step; returns the tokens it computed (0: nothing to run)."""
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        if batch is None:
+            return 0
+        t1 = time.perf_counter()
+        logits = self.runner.step(batch, all_logits=self.on_logits is not None)
+        if self.on_logits is not None:
+            self.on_logits(batch, logits)
+            logits = logits[torch.from_numpy(batch.qo_indptr()[1:].astype(np.int64) - 1).to(logits.device)]
+        rows = logits.cpu() if logits.device.type != "cpu" else logits  # one copy, then host-side sampling
+        t2 = time.perf_counter()
+        seqs, finished = self.cache.seqs, []
+        for row, sid in enumerate(batch.seq_ids.tolist()):
+            if seqs[sid].pending:
+                continue  # a prompt chunk before the last: nothing to sample
+            req = self.req_of[sid]
+            fork_now = req.n > 1 and len(req.seq_ids) == 1 and not req.outputs[sid]
+            toks = self._sample(rows[row], req.temperature, req.n if fork_now else 1)
+            if fork_now:  # parallel sampling: the children share the prompt's blocks
+                children = [self._new_sid(req) for _ in range(req.n - 1)]
+                self._fork(sid, children, finished)
+                at = self.running.index(sid) + 1
+                self.running[at:at] = children
+            if req.first_token is None:
+                req.first_token = now()
+            for s, tok in zip(req.seq_ids if fork_now else [sid], toks):
+                req.outputs[s].append(tok)
+                if len(req.outputs[s]) >= req.max_new_tokens or tok == self.cfg.eos:
+                    finished.append(s)
+                else:
+                    self.cache.append(s, tok)
+        if finished:
+            self.cache.remove(finished)
+            for s in finished:
+                self.running.remove(s)
+                req = self.req_of[s]
+                if all(x not in self.cache.seqs for x in req.seq_ids):
+                    req.finished = now()
+        t3 = time.perf_counter()
+        self.steps += 1
+        self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
+        self.step_times.append(t3 - t0)
+        self.host_times.append((t1 - t0) + (t3 - t2))
+        self.peak_blocks = max(self.peak_blocks, self.cache.manager.stats().used_blocks)
+        return batch.num_tokens
+
+    # -- the loop -----------------------------------------------------------------
+
+    def run(self, requests: List[Request], log: Callable[[str], None] = print) -> float:
+        """Serves requests as they arrive (arrival times relative to the
+        start); returns the wall time."""
+        pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        start = time.perf_counter()
+        now = lambda: time.perf_counter() - start  # noqa: E731
+        last_log = 0.0
+        while pending or not self.idle:
+            while pending and pending[0].arrival <= now():
+                self.submit(pending.popleft())
+            if self.idle:
+                time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
+                continue
+            self.step(now)
+            if self.cfg.progress_every and now() - last_log >= self.cfg.progress_every:
+                last_log = now()
+                log(self.progress(requests, now()))
+        return now()
+
+    def progress(self, requests: List[Request], t: float) -> str:
+        done = sum(r.finished is not None for r in requests)
+        toks = sum(r.output_tokens for r in requests)
+        s = self.cache.manager.stats()
+        return (f"[{t:6.1f}s] step {self.steps:5d}  running {len(self.running):3d}  waiting {len(self.waiting):3d}  "
+                f"done {done}/{len(requests)}  out {toks / max(t, 1e-9):7.1f} tok/s  "
+                f"blocks {s.used_blocks}/{s.num_blocks}  preempted {self.preemptions}")
+
+
+def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
+    done = [r for r in requests if r.finished is not None]
+    out = sum(r.output_tokens for r in requests)
+    ttft = np.array([r.first_token - r.arrival for r in done]) * 1e3
+    tpot = np.array([(r.finished - r.first_token) / max(r.output_tokens / r.n - 1, 1) for r in done]) * 1e3
+    pct = lambda a: " / ".join(f"{np.percentile(a, q):.1f}" for q in (50, 90, 99)) if len(a) else "-"  # noqa: E731
+    c = engine.cache
+    ps = c.manager.prefix_stats()
+    block_bytes = c.nbytes // c.num_blocks
+    host = np.array(engine.host_times)
+    stepv = np.array(engine.step_times)
+    return [
+        f"requests: {len(done)}/{len(requests)} finished in {wall:.1f} s; {engine.steps} steps "
+        f"({engine.runner.graph_steps} decode steps replayed from CUDA graphs), {engine.preemptions} preemptions, "
+        f"{c.stats['forks']} forks",
+        f"throughput: {out / wall:.1f} output tokens/s ({out} tokens); prefill computed {engine.prefill_tokens} tokens",
+        f"TTFT ms p50 / p90 / p99: {pct(ttft)}",
+        f"TPOT ms p50 / p90 / p99: {pct(tpot)}",
+        f"prefix cache: hit rate {ps.hit_rate:.1%} of prompt tokens at admission ({ps.hit_tokens} of {ps.query_tokens})",
+        f"KV memory: pool {c.nbytes / 2**20:.1f} MiB ({c.num_blocks} blocks x {c.block_size} tokens), "
+        f"peak used {engine.peak_blocks} blocks = {engine.peak_blocks * block_bytes / 2**20:.1f} MiB",
+        f"host side (schedule + manager + sampling): {host.sum() / max(stepv.sum(), 1e-9):.1%} of step time, "
+        f"p50 {np.percentile(host, 50) * 1e3:.2f} ms per step" if len(host) else "host side: no steps",
+    ]
+
+
+# -- models (random weights, shapes of real ones) ----------------------------------------
+
+
+def make_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
+    """A causal LM with random weights; nothing is downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shapes = {
+        "tiny-llama": (LlamaConfig, LlamaForCausalLM, dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+        "tiny-mistral": (MistralConfig, MistralForCausalLM, dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                                                 num_hidden_layers=4, num_attention_heads=8,
+                                                                 num_key_value_heads=2, head_dim=32, sliding_window=4096)),
+        "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+        # Llama-3-8B's shape (random weights: 16 GB in bf16).
+        "llama3-8b": (LlamaConfig, LlamaForCausalLM, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                                          rope_theta=500000.0, max_position_embeddings=8192)),
+    }
+    if name not in shapes:
+        raise SystemExit(f"--model must be one of {', '.join(shapes)}")
+    cfg_cls, model_cls, kw = shapes[name]
+    cfg = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build the weights in the target dtype (no fp32 copy of an 8B model)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second (0: all at once)")
+    ap.add_argument("--system", type=int, default=256, help="shared system-prompt tokens (0: none)")
+    ap.add_argument("--own", type=int, nargs=2, default=[16, 64], help="own prompt tokens, min max")
+    ap.add_argument("--output", type=int, nargs=2, default=[16, 64], help="output tokens, min max")
+    ap.add_argument("--n", type=int, default=1, help="parallel samples per request (forks)")
+    ap.add_argument("--temperature", type=float, default=None, help="default 0 (greedy), 1.0 with --n > 1")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: the workload's peak)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (GPU)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    model = kvhf.prepare_model(make_model(args.model, dtype, args.device, args.seed))
+    temp = args.temperature if args.temperature is not None else (1.0 if args.n > 1 else 0.0)
+    wl = Workload(args.requests, args.rate, args.system, tuple(args.own), tuple(args.output), args.n, temp,
+                  model.config.vocab_size, args.seed)
+    requests = wl.make()
+    max_len = args.system + args.own[1] + args.output[1]
+    per_seq = -(-max_len // args.block_size)
+    num_blocks = args.num_blocks or per_seq * min(args.max_batch, args.requests * args.n) + per_seq
+    if num_blocks < per_seq:
+        sys.exit(f"--num-blocks {num_blocks} cannot hold one request of {max_len} tokens ({per_seq} blocks)")
+    cache = kvhf.PagedKVCache(kvhf.ModelShape.of(model.config), num_blocks, args.block_size, dtype=dtype, device=args.device)
+    runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,
+                         max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
+                         cuda_graphs=args.cuda_graphs)
+    cfg = EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=args.seed,
+                       progress_every=0 if args.quiet else 2.0)
+    print(f"kvplug {kvplug.version_string()} + transformers: {args.model} ({dtype}, {args.device}, {runner.backend}), "
+          f"{len(requests)} requests x {args.n}, system prompt {args.system}, pool {num_blocks} blocks")
+    engine = Engine(runner, cfg)
+    wall = engine.run(requests)
+    for line in summary(engine, requests, wall):
+        print("  " + line)
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()
