@@ -1240,6 +1240,49 @@ kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens
  * block size other than the plan's, a table shorter than the plan's
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */
 kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_args *args, uint64_t stream);
+
+/* Plans the decode batch seq_ids[n] of manager m (the ids the step's
+ * kvp_manager_describe takes, in the same order: row i of the plan is
+ * seq_ids[i]) from the manager's own block tables and lengths, in one call:
+ * the host needs no table of its own. The plan, the workspaces and *plan
+ * are exactly what kvp_cascade_plan gives for the block table and lengths
+ * kvp_manager_describe(m, seq_ids, n, ..., max_blocks_per_seq, ...) writes,
+ * and args are its args except:
+ *   batch               0 or n;
+ *   block_size          0 or the manager's;
+ *   max_blocks_per_seq  required: the columns of the device block table the
+ *                       runs will read (a sequence with more blocks gives
+ *                       BUFFER_TOO_SMALL, as describe does);
+ *   block_table_host, seq_lens_host  NULL (INVALID_ARGUMENT otherwise);
+ *   block_table_stride  not read.
+ * The run (kvp_paged_cascade) still needs the device block table and
+ * seq_lens holding describe's values: describe the batch as usual for them.
+ * Ids may repeat (as in describe); n = 0 plans an empty batch (seq_ids may
+ * then be NULL). The manager is locked only while its tables are read (a
+ * copy of each row's blocks into library memory, never the caller's), so
+ * the call is as thread-safe as the manager's functions; planning into one
+ * pair of workspaces from several threads at once is not.
+ *
+ * Host only: with workspace 0 and host_workspace NULL the batch is planned
+ * on the host for its summary alone, with no device or workspace needed
+ * (seq_lens is not read): *plan gets kind, route, batch, max_kv_len,
+ * num_items and reserved[2..5] as a device plan would (the chunking of an
+ * H100, 264 resident blocks: route and reserved[4], reserved[5] do not
+ * depend on the device), and grid, workspace, workspace_bytes, kv_lens,
+ * reserved[0] and reserved[1] 0. Such a plan names no workspace:
+ * kvp_cascade_update and kvp_paged_cascade refuse it (INVALID_ARGUMENT).
+ * Use it to measure a batch's sharing (the KV bytes a step reads with
+ * shared-prefix attention are those of reserved[5] - reserved[4] tokens
+ * per kv head on the cascade route, reserved[5] on the decode route) on any
+ * machine. Only one of the two workspaces given is NULL_POINTER.
+ *
+ * On error *plan and the workspaces are left as they were.
+ * Errors: INVALID_HANDLE, NULL_POINTER (args, plan, seq_ids with n > 0),
+ * INVALID_ARGUMENT (n outside [0, 65535], the fields above, n *
+ * max_blocks_per_seq above 2^28), UNKNOWN_SEQUENCE, BUFFER_TOO_SMALL, and
+ * kvp_cascade_plan's. */
+kvp_status kvp_manager_cascade_plan(kvp_manager *m, const int64_t *seq_ids, int32_t n,
+                                    const kvp_cascade_plan_args *args, kvp_attn_plan *plan, uint64_t stream);
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: shared-prefix attention (end) ==== */
 
