@@ -148,6 +148,13 @@ class PagedKVCache:
         self.seqs: Dict[int, SequenceState] = {}
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "admitted": 0, "preempted": 0, "forks": 0}
 
+    @classmethod
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True) -> "PagedKVCache":
+        """A cache for `model`'s shape, dtype and device."""
+        p = next(model.parameters())
+        return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
+                   prefix_cache=prefix_cache)
+
     # -- tensors --------------------------------------------------------------
 
     def k_cache(self, layer: int) -> torch.Tensor:

@@ -115,6 +115,10 @@ class Runner:
         shape = ModelShape.of(model.config)
         if shape != cache.shape:
             raise ValueError(f"kvplug.hf.Runner: the cache was made for {cache.shape}, the model is {shape}")
+        p = next(model.parameters())
+        if p.dtype != cache.dtype or p.device != cache.device:
+            raise ValueError(f"kvplug.hf.Runner: the model is {p.dtype} on {p.device}, the cache {cache.dtype} on "
+                             f"{cache.device} (PagedKVCache.for_model makes a matching one)")
         self.model = model
         self.cache = cache
         self.backend = _backend_for(cache, backend)
@@ -253,9 +257,7 @@ def generate(
     own = cache is None
     if own:
         need = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
-        dev = next(model.parameters()).device
-        cache = PagedKVCache(ModelShape.of(model.config), num_blocks or max(need, 1), block_size,
-                             dtype=next(model.parameters()).dtype, device=dev)
+        cache = PagedKVCache.for_model(model, num_blocks or max(need, 1), block_size)
     if runner is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
         runner = Runner(model, cache, max_batch=max(len(prompts), 1), max_step_tokens=max(chunk, len(prompts)),
