@@ -62,7 +62,9 @@ func (m *Manager) CascadeInput(ids []int64, maxBlocks int, in *cascade.Input, sc
 		return nil
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	// Read-only, but released through unlock like the calls that change
+	// the manager, so -race builds check the invariants after it too.
+	defer m.unlock()
 	batch, err := m.resolve("cascade_input", ids, true)
 	if err != nil {
 		return err

@@ -222,3 +222,73 @@ def paged_cascade(
     out, lse = _run_planned("kvp_paged_cascade", plan._c, plan._c.batch, q, k_cache, v_cache, block_table,
                             out, lse, scale, return_lse, stream)
     return (out, lse) if (return_lse or lse is not None) else out
+
+
+def plan_from_manager(
+    manager: Any,
+    seq_ids: Any,
+    max_blocks_per_seq: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    workspaces: Optional[Workspaces] = None,
+    seq_lens: Any = None,
+    decode_route: bool = True,
+    headroom: int = 0,
+    stream: Any = None,
+) -> CascadePlan:
+    """Plans the decode batch seq_ids of a kvplug.Manager from the manager's
+    own block tables and lengths (kvp_manager_cascade_plan): the plan that
+    plan() gives for the table and lengths manager.describe(seq_ids,
+    max_blocks_per_seq) returns, without a host table. max_blocks_per_seq
+    is the device block table's width; seq_lens (int32 [n] CUDA) holds the
+    batch's lengths for the kernels, as in plan().
+
+    With workspaces=None (and no seq_lens) the batch is planned on the host
+    for its summary alone, on any machine, torch not needed: the plan's
+    route, saved_tokens and total_tokens say how much a step's KV reads
+    shrink; it cannot be updated or run. dtype is a torch dtype or
+    attn.DTYPE_F16 / DTYPE_BF16."""
+    from .manager import Manager, _I64, _in_ptr
+
+    if not isinstance(manager, Manager):
+        raise _bad(f"manager must be a kvplug.Manager, got {type(manager).__name__}")
+    ids_ptr, n, ids_keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+    if not isinstance(dtype, int):
+        torch = _torch()
+        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}.get(dtype, 0)
+    a = _CascadePlanArgs()
+    a.struct_size = ctypes.sizeof(_CascadePlanArgs)
+    a.dtype, a.head_dim = _i32arg(dtype, "dtype"), _i32arg(head_dim, "head_dim")
+    a.num_q_heads, a.num_kv_heads = _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads")
+    a.batch = _i32arg(n, "batch")
+    a.max_blocks_per_seq = _i32arg(max_blocks_per_seq, "max_blocks_per_seq")
+    a.flags = 0 if decode_route else NO_DECODE_ROUTE
+    a.headroom = _i32arg(headroom, "headroom")
+    f = _fn("kvp_manager_cascade_plan", [ctypes.c_void_p, ctypes.c_void_p, _i32, ctypes.POINTER(_CascadePlanArgs),
+                                         ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
+    p = _AttnPlan()
+    p.struct_size = ctypes.sizeof(_AttnPlan)
+    if workspaces is None:
+        if seq_lens is not None:
+            raise _bad("seq_lens without workspaces: a host-only plan reads no device array")
+        _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), 0))
+        return CascadePlan(p, (ids_keep,))
+    if not isinstance(workspaces, Workspaces):
+        raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
+    torch = _torch()
+    dev = workspaces.device.device
+    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
+    if seq_lens.shape[0] != n:
+        raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for {n} seq_ids")
+    a.max_batch = workspaces.max_batch
+    a.seq_lens = seq_lens.data_ptr()
+    a.host_workspace, a.host_workspace_bytes = workspaces.host.data_ptr(), workspaces.host.numel()
+    a.workspace, a.workspace_bytes = workspaces.device.data_ptr(), workspaces.device.numel()
+    with torch.cuda.device(dev):
+        _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
+    return CascadePlan(p, (seq_lens, workspaces))
+
+
+__all__ += ["plan_from_manager"]
