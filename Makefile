@@ -27,11 +27,16 @@ $(LIB): $(GO_SRC) $(KERNELS_DEP) $(BUILD)/kernels.setting
 	$(GO) build -trimpath $(GO_TAGS) -buildmode=c-shared -o $@ ./capi
 	@rm -f $(BUILD)/libkvplug.h
 
-# A Python environment for the tests, the demo and the benchmarks.
+# A Python environment for the tests, the demo and the benchmarks. kvplug.hf's tests
+# (tests/python/test_hf_*.py) need torch and transformers, and fail, not skip, without them.
+# PyPI's Linux torch is the CUDA build: its nvidia-* wheels make it ~3 GB to download and
+# 4.6 GB installed (~70 s on a fast mirror). PyPI has no CPU-only Linux wheel, and torch
+# installed --no-deps does not import without the CUDA libraries.
 $(VENV)/.ok: bindings/python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q numpy pytest xxhash hypothesis msgspec pyzmq
+	$(VPY) -m pip install -q torch==2.11.0 transformers==5.23.0
 	@touch $@
 
 fmt:
