@@ -937,6 +937,16 @@ struct CascadeApi {
 inline const CascadeApi &cascade_api() { return table<CascadeApi>(); }
 }  // namespace detail
 
+namespace detail {
+// Its own table, so that a library older than this function fails only the
+// calls that need it.
+struct CascadeManagerApi {
+  KVPLUG_FN(kvp_manager_cascade_plan);
+  void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_manager_cascade_plan); }
+};
+inline const CascadeManagerApi &cascade_manager_api() { return table<CascadeManagerApi>(); }
+}  // namespace detail
+
 // Shared-prefix decode attention (see the header's section): plan from the
 // host block table and lengths into the engine's two workspaces, run per
 // layer, and check in O(batch) whether a step that only grew still fits.
@@ -976,6 +986,24 @@ inline bool update(const kvp_attn_plan &plan, const int32_t *seq_lens_host, int3
 
 inline void paged_cascade(const kvp_attn_plan &plan, const kvp_paged_prefill_args &a, uint64_t stream = 0) {
   detail::check(detail::cascade_api().kvp_paged_cascade(&plan, &a, stream));
+}
+
+// Plans the batch seq_ids[n] of m from the manager's own block tables and
+// lengths (kvp_manager_cascade_plan): a leaves block_table_host and
+// seq_lens_host NULL and sets max_blocks_per_seq to the device table's
+// width. With a.workspace 0 and a.host_workspace NULL the plan is the
+// host-only summary (route, reserved[4] saved and reserved[5] total tokens
+// per kv head), which needs no device and cannot be run.
+//
+//   kvp_cascade_plan_args pa = KVP_CASCADE_PLAN_ARGS_INIT;  // as for plan(), without the host arrays
+//   pa.max_blocks_per_seq = table_width;
+//   kvp_attn_plan plan = kvplug::cascade::plan(manager, ids, pa, stream);  // ids: the step's describe ids
+inline kvp_attn_plan plan(const Manager &m, span<const int64_t> seq_ids, const kvp_cascade_plan_args &a,
+                          uint64_t stream = 0) {
+  kvp_attn_plan p = KVP_ATTN_PLAN_INIT;
+  detail::check(detail::cascade_manager_api().kvp_manager_cascade_plan(
+      m.get(), detail::in(seq_ids), detail::count32(seq_ids.size(), "cascade::plan: seq_ids"), &a, &p, stream));
+  return p;
 }
 
 }  // namespace cascade
