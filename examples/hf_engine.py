@@ -200,11 +200,32 @@ class Engine:
                     raise
                 self._preempt(victims[-1])  # its row this step is dropped: re-admission recomputes it
 
-    def _sample(self, logits: torch.Tensor, temperature: float, k: int) -> List[int]:
-        if temperature <= 0:
-            return [int(logits.argmax())] * k
-        probs = torch.softmax(logits.cpu() / temperature, -1)
-        return torch.multinomial(probs, k, replacement=True, generator=self.gen).tolist()
+    def _sample(self, logits: torch.Tensor, batch: kvhf.Batch) -> Dict[int, List[int]]:
+        """Samples on the logits' device, one transfer to the host: each
+        sequence whose last token was computed gets 1 token, or n for a
+        request about to fork. Greedy rows take the argmax."""
+        seqs, want = self.cache.seqs, []
+        for row, sid in enumerate(batch.seq_ids.tolist()):
+            if seqs[sid].pending:
+                continue  # a prompt chunk before the last: nothing to sample
+            req = self.req_of[sid]
+            fork_now = req.n > 1 and len(req.seq_ids) == 1 and not req.outputs[sid]
+            want.append((row, sid, req.n if fork_now else 1, req.temperature))
+        if not want:
+            return {}
+        dev = logits.device
+        rows = logits[torch.tensor([w[0] for w in want], device=dev)]
+        kmax = max(w[2] for w in want)
+        out = rows.argmax(-1, keepdim=True).expand(-1, kmax)
+        temps = torch.tensor([w[3] for w in want], device=dev, dtype=torch.float32)
+        if bool((temps > 0).any()):
+            if self.gen.device != dev:
+                self.gen = torch.Generator(device=dev).manual_seed(self.cfg.seed)
+            probs = torch.softmax(rows / temps.clamp_min(1e-6)[:, None], -1)
+            drawn = torch.multinomial(probs, kmax, replacement=True, generator=self.gen)
+            out = torch.where((temps > 0)[:, None], drawn, out)
+        toks = out.tolist()  # the step's one device-to-host copy
+        return {sid: toks[i][:k] for i, (_, sid, k, _) in enumerate(want)}
 
     def step(self, now: Callable[[], float]) -> int:
         """Runs one step; returns the tokens it computed (0: nothing to run)."""
@@ -217,15 +238,12 @@ class Engine:
         if self.on_logits is not None:
             self.on_logits(batch, logits)
             logits = logits[torch.from_numpy(batch.qo_indptr()[1:].astype(np.int64) - 1).to(logits.device)]
-        rows = logits.cpu() if logits.device.type != "cpu" else logits  # one copy, then host-side sampling
+        sampled = self._sample(logits, batch)  # waits for the GPU
         t2 = time.perf_counter()
-        seqs, finished = self.cache.seqs, []
-        for row, sid in enumerate(batch.seq_ids.tolist()):
-            if seqs[sid].pending:
-                continue  # a prompt chunk before the last: nothing to sample
+        finished: List[int] = []
+        for sid, toks in sampled.items():
             req = self.req_of[sid]
-            fork_now = req.n > 1 and len(req.seq_ids) == 1 and not req.outputs[sid]
-            toks = self._sample(rows[row], req.temperature, req.n if fork_now else 1)
+            fork_now = len(toks) > 1
             if fork_now:  # parallel sampling: the children share the prompt's blocks
                 children = [self._new_sid(req) for _ in range(req.n - 1)]
                 self._fork(sid, children, finished)
@@ -242,7 +260,8 @@ class Engine:
         if finished:
             self.cache.remove(finished)
             for s in finished:
-                self.running.remove(s)
+                # Usually running; waiting if a fork preempted it after its token was sampled.
+                (self.running if s in self.running else self.waiting).remove(s)
                 req = self.req_of[s]
                 if all(x not in self.cache.seqs for x in req.seq_ids):
                     req.finished = now()
@@ -250,7 +269,7 @@ class Engine:
         self.steps += 1
         self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
         self.step_times.append(t3 - t0)
-        self.host_times.append((t1 - t0) + (t3 - t2))
+        self.host_times.append((t1 - t0) + (t3 - t2) + self.runner.last_prep)
         self.peak_blocks = max(self.peak_blocks, self.cache.manager.stats().used_blocks)
         return batch.num_tokens
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ class StepContext:
     plans: Dict[int, Any] = dataclasses.field(default_factory=dict)
     # torch: per sequence, the flat slot index of each of its tokens (int64 on the device)
     gather: Optional[List[torch.Tensor]] = None
+    # backend "custom": fn(ctx, layer, q, k, v, scale, window_left) -> out [T, H, D], for engines (and
+    # benchmarks) that bring other kernels over the same cache, block tables and slots
+    custom: Optional[Callable[..., torch.Tensor]] = None
 
     def window_left(self, sliding_window: Optional[int]) -> int:
         """kvplug's window_left (-1: none) for transformers' sliding_window W,
@@ -145,7 +148,9 @@ def kvplug_attention(
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     wl = ctx.window_left(sliding_window)
     kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
-    if ctx.backend == "kernels":
+    if ctx.backend == "custom":
+        out = ctx.custom(ctx, layer, q, k, v, scale, wl)
+    elif ctx.backend == "kernels":
         kvplug.attn.kv_write(k, v, kc, vc, ctx.slots)
         if ctx.decode and wl < 0:
             out = kvplug.attn.paged_decode(q, kc, vc, ctx.block_table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,

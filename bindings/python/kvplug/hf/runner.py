@@ -5,6 +5,7 @@ graphs for decode steps, and `generate` for a batch of prompts.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -70,7 +71,8 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx).logits[0]
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def load(self, batch: Batch) -> None:
+        """Copies the batch into the static inputs (host work + async copies)."""
         n = len(batch)
         mb = batch.block_table.shape[1]
         host = torch.from_numpy
@@ -81,6 +83,8 @@ class _DecodeGraph:
         self.lens.zero_()
         self.lens[:n].copy_(host(batch.seq_lens), non_blocking=True)
         self.table[:n, :mb].copy_(host(batch.block_table), non_blocking=True)
+
+    def replay(self, n: int) -> torch.Tensor:
         self.graph.replay()
         return self.logits[:n]
 
@@ -136,11 +140,15 @@ class Runner:
                 dtype=torch.uint8, device=self.device)
             self.decode_ws = torch.empty(kvplug.attn.workspace_size(self.max_batch, sh.num_q_heads, sh.head_dim),
                                          dtype=torch.uint8, device=self.device)
+        cfg = model.config
+        # The window the attention layers receive (Qwen2 keeps sliding_window set with use_sliding_window off).
+        self._window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.graphs: Dict[int, _DecodeGraph] = {}
         if cuda_graphs:
             self.capture(graph_sizes)
         self.graph_steps = 0
         self.eager_steps = 0
+        self.last_prep = 0.0  # host seconds the last step spent preparing (metadata, plans, graph inputs)
 
     # -- CUDA graphs ----------------------------------------------------------
 
@@ -150,8 +158,7 @@ class Runner:
         graphs do not use: such models run decode eagerly."""
         if self.backend != "kernels":
             raise ValueError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
-        sw = getattr(self.model.config, "sliding_window", None)
-        if sw and getattr(self.model.config, "use_sliding_window", True) and sw < self.max_model_len:
+        if self._window and self._window < self.max_model_len:
             return
         if sizes is None:
             sizes = [s for s in (1, 2, 4, 8) if s <= self.max_batch] + list(range(16, self.max_batch + 1, 16))
@@ -188,6 +195,8 @@ class Runner:
         table = host(np.ascontiguousarray(batch.block_table)).to(dev, non_blocking=True)
         ctx = StepContext(self.cache, self.backend, slots, table, lens, qo, batch.seq_lens, batch.is_decode,
                           qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws)
+        if self.backend == "kernels" and not (batch.is_decode and self._window is None):
+            ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
         if self.backend == "torch":
             bs = self.cache.block_size
             gather = []
@@ -213,12 +222,16 @@ class Runner:
         self._check(batch)
         if len(batch) == 0:
             return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
+        t0 = time.perf_counter()
         g = self._graph_for(len(batch)) if (batch.is_decode and self.graphs) else None
         if g is not None:
-            logits = g.run(batch)
+            g.load(batch)
+            self.last_prep = time.perf_counter() - t0
+            logits = g.replay(len(batch))
             self.graph_steps += 1
         else:
             ctx = self._context(batch)
+            self.last_prep = time.perf_counter() - t0
             ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)[None]
             pos = torch.from_numpy(batch.positions()).to(self.device, non_blocking=True)[None]
             keep: Any = 0
