@@ -50,7 +50,11 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 		_, st := hookCascadePlan(&a, false)
 		expect(t, name, st, want)
 	}
-	mod("struct_size small", func(a *cascadeHookArgs) { a.structSize-- }, kverr.StructSize)
+	mod("struct_size small", func(a *cascadeHookArgs) { a.structSize = firstCascadePlanArgsSize() - 1 }, kverr.StructSize)
+	mod("reserved set", func(a *cascadeHookArgs) { a.reserved = 1 }, kverr.InvalidArgument)
+	mod("qo_indptr_host without qo_indptr", func(a *cascadeHookArgs) { a.qo = make([]int32, a.batch+1) }, kverr.InvalidArgument)
+	mod("qo_indptr unaligned", func(a *cascadeHookArgs) { a.qo, a.qoDev = make([]int32, a.batch+1), 0x9002 }, kverr.InvalidArgument)
+	mod("max_tokens below max_batch", func(a *cascadeHookArgs) { a.maxTokens = a.maxBatch - 1 }, kverr.InvalidArgument)
 	mod("dtype f32", func(a *cascadeHookArgs) { a.dtype = int32(attn.F32) }, kverr.Unsupported)
 	mod("head_dim 80", func(a *cascadeHookArgs) { a.headDim = 80 }, kverr.Unsupported)
 	mod("flags", func(a *cascadeHookArgs) { a.flags = 4 }, kverr.InvalidArgument)
@@ -83,6 +87,7 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 func TestCascadeABIUpdateAndStalePlans(t *testing.T) {
 	lockThread(t) // kvp_last_error is per thread
 	a := cascadeBatch(t, 8)
+	a.flags = 1 // a batch this small routes to plain decode by the cost model
 	p1, err := hookPlanWithoutDevice(a)
 	if err != nil {
 		t.Fatal(err)
@@ -151,5 +156,96 @@ func TestCascadeABIStructVersions(t *testing.T) {
 	expect(t, "newer header, new fields 0", hookCascadePlanSized(a, size+32, 0), kverr.Unsupported)
 	expect(t, "newer header, a new field set", hookCascadePlanSized(a, size+32, 1), kverr.StructSize)
 	expect(t, "this library's size", hookCascadePlanSized(a, size, 1), kverr.Unsupported)
-	expect(t, "one byte short", hookCascadePlanSized(a, size-1, 0), kverr.StructSize)
+	expect(t, "one byte short of this library's size", hookCascadePlanSized(a, size-1, 0), kverr.Unsupported)
+	first := firstCascadePlanArgsSize()
+	expect(t, "the first released size", hookCascadePlanSized(a, first, 0), kverr.Unsupported)
+	expect(t, "one byte short of the first released size", hookCascadePlanSized(a, first-1, 0), kverr.StructSize)
+
+	// A host of the first release passes 112 bytes: the appended fields
+	// (qo_indptr_host, qo_indptr, max_tokens, reserved) take their defaults
+	// whatever lies past them, so its garbage there is no varlen request.
+	if first != 112 {
+		t.Fatalf("kvp_cascade_plan_args's first released size is %d; the header says 112", first)
+	}
+	b := cascadeBatch(t, 8)
+	b.structSize = first
+	b.qo, b.reserved = make([]int32, b.batch+1), 9 // read: INVALID_ARGUMENT; ignored: the device is reached
+	_, st := hookCascadePlan(b, false)
+	if kverr.Code(st) == kverr.InvalidArgument || kverr.Code(st) == kverr.StructSize {
+		t.Fatalf("first-release struct: the appended fields were read: %s", statusName(st))
+	}
+}
+
+// cascadePrefillBatch: cascadeBatch's 6 sequences, each with 40-90 new
+// query tokens at the end of its length (after the shared runs).
+func cascadePrefillBatch(t *testing.T, maxBatch, maxTokens int32) *cascadeHookArgs {
+	a := cascadeBatch(t, maxBatch)
+	a.qo = make([]int32, a.batch+1)
+	for s := int32(0); s < a.batch; s++ {
+		a.qo[s+1] = a.qo[s] + 40 + 10*s
+	}
+	dev, host, st := hookCascadePrefillWorkspaceSize(maxBatch, maxTokens, 8, 2, 128)
+	if st != 0 {
+		t.Fatalf("prefill workspace size: %s", statusName(st))
+	}
+	a.maxTokens, a.qoDev = maxTokens, 0xa000
+	a.host, a.hostBytes, a.workspaceBytes = make([]int32, host/4), host, dev
+	return a
+}
+
+// Varlen queries: the workspace sizes, plans of prompts sharing a prefix
+// (cascade route, rows and longest query in the plan, never absorbed by
+// update), plans without sharing (the prefill route), and the run's checks.
+func TestCascadeABIPrefill(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
+	dd, dh, st := hookCascadeWorkspaceSize(8, 8, 2, 128)
+	pd, ph, st2 := hookCascadePrefillWorkspaceSize(8, 8, 8, 2, 128)
+	if st != 0 || st2 != 0 || dd != pd || dh != ph {
+		t.Fatalf("max_tokens = max_batch: %d/%d vs %d/%d (%s %s)", pd, ph, dd, dh, statusName(st), statusName(st2))
+	}
+	if bd, bh, st := hookCascadePrefillWorkspaceSize(8, 4096, 8, 2, 128); st != 0 || bd <= dd || bh <= dh {
+		t.Fatalf("max_tokens 4096: %d/%d (%s)", bd, bh, statusName(st))
+	}
+	_, _, st = hookCascadePrefillWorkspaceSize(8, 7, 8, 2, 128)
+	expect(t, "max_tokens below max_batch", st, kverr.InvalidArgument)
+
+	a := cascadePrefillBatch(t, 8, 4096)
+	a.flags = 1 // prompts this short route to the prefill kernel by the cost model
+	p, err := hookPlanWithoutDevice(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rows, maxQ := p.rows(); p.route() != 3 || rows != a.qo[6] || maxQ != 90 {
+		t.Fatalf("prompts sharing a prefix: route %d, rows %d, max_q_len %d", p.route(), rows, maxQ)
+	}
+	// The 256-token run of sequences 0-2 reaches past their first query
+	// tokens: only its whole blocks before them may be shared.
+	if saved, _ := p.saved(); saved != 5*512 && saved != 5*512+2*208 {
+		t.Fatalf("saved %d tokens", saved)
+	}
+	if fits, st := hookCascadeUpdate(p, a.lens, 6); st != 0 || fits != 0 {
+		t.Fatalf("update of a prefill plan: fits %d, %s", fits, statusName(st))
+	}
+	expect(t, "run with another block size", hookPagedCascade(p, 32, 64, 0), kverr.InvalidArgument)
+	expect(t, "run with a short table", hookPagedCascade(p, 16, 40, 0), kverr.InvalidArgument)
+
+	// Too few query rows in the workspaces for the batch's: refused.
+	small := cascadePrefillBatch(t, 8, 100)
+	if _, err := hookPlanWithoutDevice(small); kverr.CodeOf(err) != kverr.BufferTooSmall {
+		t.Fatalf("rows above max_tokens: %v", err)
+	}
+
+	// No sharing: the prefill route.
+	b := cascadePrefillBatch(t, 8, 4096)
+	for i := range b.table {
+		b.table[i] = int32(i)
+	}
+	pb, err := hookPlanWithoutDevice(b)
+	if err != nil || pb.route() != 1 {
+		t.Fatalf("no sharing: route %d, %v", pb.route(), err)
+	}
+	expect(t, "prefill route, another block size", hookPagedCascade(pb, 32, 64, 0), kverr.InvalidArgument)
+	if fits, st := hookCascadeUpdate(pb, b.lens, 6); st != 0 || fits != 0 {
+		t.Fatalf("update of a prefill-route plan: fits %d, %s", fits, statusName(st))
+	}
 }

@@ -58,7 +58,7 @@ var (
 	pagedPrefillArgsStruct = abiStruct{"kvp_paged_prefill_args",
 		unsafe.Sizeof(C.kvp_paged_prefill_args{}), unsafe.Sizeof(C.kvp_paged_prefill_args{})}
 	cascadePlanArgsStruct = abiStruct{"kvp_cascade_plan_args",
-		unsafe.Sizeof(C.kvp_cascade_plan_args{}), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
+		unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
 	eventPublisherConfigStruct = abiStruct{"kvp_event_publisher_config",
 		unsafe.Sizeof(C.kvp_event_publisher_config{}), unsafe.Sizeof(C.kvp_event_publisher_config{})}
 	eventPublisherStatsStruct = abiStruct{"kvp_event_publisher_stats",

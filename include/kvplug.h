@@ -69,6 +69,7 @@
  *     kvp_manager_stats      through num_blocks (12 bytes)
  *     kvp_prefix_stats       through queries (16 bytes)
  *     kvp_vcache_stats       through page_size (16 bytes)
+ *     kvp_cascade_plan_args  through headroom (112 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event) have no
@@ -1131,6 +1132,19 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * the partial states are merged by log-sum-exp weights. The result is plain
  * decode attention (kvp_paged_decode) over each sequence's tokens.
  *
+ * Varlen queries (kvp_cascade_plan_args.qo_indptr_host): new prompts or
+ * chunks that share a cached prefix, mixed with decode rows. A shared run
+ * ends before the first query token of every member (so every query token
+ * of a member sees all of it: no mask), its K/V is read once for the query
+ * tokens of all members, each sequence's own part (its cached tokens after
+ * the shared runs and its new ones, causal over the new ones) once, and the
+ * states of each query row are merged: the result is kvp_paged_prefill's.
+ * Sharing pays there when it saves more K/V reads (the prefill kernel
+ * reads a sequence's tokens once per 64-row tile of its query rows) than
+ * the partial states cost; otherwise the plan's route is
+ * KVP_ATTN_ROUTE_PREFILL, the prefill kernel, planned into the same
+ * workspace.
+ *
  * kvp_cascade_plan (once per step, or less: see kvp_cascade_update) reads
  * the batch's block table and lengths on the host, finds the tree of block
  * runs that two or more sequences hold in the same columns (whole blocks
@@ -1165,9 +1179,11 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * plan's, a plan older than the workspaces' latest (INVALID_ARGUMENT).
  *
  * A cascade plan's kvp_attn_plan: kind KVP_ATTN_PLAN_CASCADE; route
- * KVP_ATTN_ROUTE_CASCADE or KVP_ATTN_ROUTE_DECODE; batch; total_q = batch;
- * max_q_len 1; max_kv_len the longest planned length (tail capacities
- * included); num_items, grid; kv_lens = the device seq_lens; reserved[0] the
+ * KVP_ATTN_ROUTE_CASCADE, KVP_ATTN_ROUTE_DECODE or (varlen queries)
+ * KVP_ATTN_ROUTE_PREFILL; batch; total_q (batch in decode); max_q_len;
+ * max_kv_len the longest planned length (tail capacities included);
+ * num_items, grid (and num_splits on the prefill route); kv_lens = the
+ * device seq_lens; reserved[0] the
  * host workspace's address, reserved[1] its bytes, reserved[2] max_batch |
  * block_size << 32, reserved[3] partial states | plan generation << 32,
  * reserved[4] the KV tokens per kv head the shared reads save this step,
@@ -1180,6 +1196,7 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
 #define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
 #define KVP_CASCADE_MAX_PARTS 8       /* partial states per sequence (bounds the workspaces) */
+#define KVP_CASCADE_PREFILL_PARTS 2   /* partial states provided per query row beyond one per sequence */
 
 typedef struct kvp_cascade_plan_args {
   size_t struct_size; /* sizeof(kvp_cascade_plan_args) */
@@ -1201,16 +1218,39 @@ typedef struct kvp_cascade_plan_args {
   uint64_t workspace_bytes;
   int32_t flags;                   /* 0 or KVP_CASCADE_NO_DECODE_ROUTE */
   int32_t headroom;                /* tokens each tail may grow before a new plan is needed; 0 = 64 */
+  /* Appended after the first release: varlen queries (prefill, chunks and
+   * decode rows mixed).
+   * NULL (default): one query token per sequence (decode). Otherwise
+   * sequence b has query rows [qo_indptr[b], qo_indptr[b+1]) of q/out at
+   * positions [seq_lens[b] - q_len, seq_lens[b]), causal, as
+   * kvp_prefill_plan_args has them. */
+  const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing, q_len <= seq_lens */
+  uint64_t qo_indptr;            /* device int32 [batch + 1], the same values (with qo_indptr_host) */
+  int32_t max_tokens;            /* the workspaces' query-row capacity; 0 = max_batch */
+  int32_t reserved;              /* must be 0 */
 } kvp_cascade_plan_args;
 
 #define KVP_CASCADE_PLAN_ARGS_INIT KVP_STRUCT_INIT(kvp_cascade_plan_args)
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* *device_bytes and *host_bytes = the workspaces kvp_cascade_plan needs for
- * batches of up to max_batch sequences. Needs no GPU.
+ * decode batches of up to max_batch sequences. Needs no GPU.
  * Errors: NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
 kvp_status kvp_cascade_workspace_size(int32_t max_batch, int32_t num_q_heads, int32_t num_kv_heads,
                                       int32_t head_dim, uint64_t *device_bytes, uint64_t *host_bytes);
+
+/* The same for batches with varlen queries: up to max_batch sequences and
+ * max_tokens (>= max_batch) query rows in all; plan with
+ * kvp_cascade_plan_args.max_tokens = max_tokens. The partial states take
+ * num_q_heads * (head_dim + 1) * 4 bytes for each of KVP_CASCADE_MAX_PARTS
+ * per sequence and KVP_CASCADE_PREFILL_PARTS per further query row (a
+ * shared level and the tail); a plan that needs more takes the plain route
+ * (or fails with BUFFER_TOO_SMALL under KVP_CASCADE_NO_DECODE_ROUTE).
+ * max_tokens = max_batch gives kvp_cascade_workspace_size's sizes. Needs no
+ * GPU. Errors: NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
+kvp_status kvp_cascade_prefill_workspace_size(int32_t max_batch, int32_t max_tokens, int32_t num_q_heads,
+                                              int32_t num_kv_heads, int32_t head_dim, uint64_t *device_bytes,
+                                              uint64_t *host_bytes);
 
 /* Plans a decode batch (see kvp_cascade_plan_args) into the workspaces and
  * fills *plan (the caller sets plan->struct_size only). On the cascade route
@@ -1225,17 +1265,20 @@ kvp_status kvp_cascade_plan(const kvp_cascade_plan_args *args, kvp_attn_plan *pl
 /* For a step whose sequences only grew: *fits = 1 when the cascade plan
  * still covers the lengths seq_lens_host[batch] (nothing to plan or copy;
  * update the device seq_lens as usual), 0 when it needs kvp_cascade_plan
- * again. O(batch), host only; a decode-route plan always fits. plan->
+ * again. O(batch), host only; a decode-route plan always fits, a plan with
+ * varlen queries (qo_indptr_host) never does (the next step's queries
+ * differ). plan->
  * max_kv_len is unchanged. Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (not a cascade plan, batch differs from the plan's, a
  * stale plan). */
 kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens_host, int32_t batch,
                               int32_t *fits);
 
-/* Enqueues shared-prefix decode attention of a planned batch over one layer
- * on stream: q and out [batch, num_q_heads, head_dim] with q_token_stride
- * and out_token_stride between sequences; the cache and the block table as
- * in decode; lse optional. Errors: NULL_POINTER, STRUCT_SIZE,
+/* Enqueues shared-prefix attention of a planned batch over one layer on
+ * stream: q and out [total_q, num_q_heads, head_dim] (total_q = batch in
+ * decode) with q_token_stride and out_token_stride between query rows; the
+ * cache and the block table as in decode; lse [total_q, num_q_heads]
+ * optional. On the prefill route it runs kvp_paged_prefill's kernel. Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (a plan not written by kvp_cascade_plan, a stale plan, a
  * block size other than the plan's, a table shorter than the plan's
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */

@@ -97,17 +97,20 @@ extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefi
 }
 
 // ---------------------------------------------------------------------------
-// Shared-prefix (cascade) decode attention: 16-bit types only.
+// Shared-prefix (cascade) attention: 16-bit types only.
 #include "kvp_cascade.cuh"
 
-static_assert(sizeof(kvp_cascade_params) == 192, "kvp_cascade_params size");
+static_assert(sizeof(kvp_cascade_params) == 200, "kvp_cascade_params size");
 KVP_OFF(kvp_cascade_params, part_lse, 72);
 KVP_OFF(kvp_cascade_params, q_batch_stride, 80);
 KVP_OFF(kvp_cascade_params, block_table_stride, 136);
 KVP_OFF(kvp_cascade_params, num_q_heads, 144);
 KVP_OFF(kvp_cascade_params, items_off, 164);
 KVP_OFF(kvp_cascade_params, max_batch, 180);
+KVP_OFF(kvp_cascade_params, qrows_off, 168);
 KVP_OFF(kvp_cascade_params, scale, 184);
+KVP_OFF(kvp_cascade_params, rowseq_off, 188);
+KVP_OFF(kvp_cascade_params, max_rows, 196);
 static_assert(kvp::CascadeCfg<64>::SMEM == 67584, "cascade smem h64 (header formula)");
 static_assert(kvp::CascadeCfg<128>::SMEM == 99840, "cascade smem h128 (header formula)");
 static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header formula)");

@@ -338,17 +338,24 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
 }
 
 /* ------------------------------------------------------------------------
- * 5. Shared-prefix (cascade) decode attention over a host-written plan
- *    (core/cascade). q/out [batch, num_q_heads, head_dim] as in decode.
- *    Plan (int32, at `work`, 16-byte aligned), words from `work`:
- *      header [KVP_CASCADE_HEADER_INTS]: [1] items, [2] batch (merge rows)
+ * 5. Shared-prefix (cascade) attention, decode or varlen prefill, over a
+ *    host-written plan (core/cascade). q/out [total_q, num_q_heads,
+ *    head_dim] (q_batch_stride / out_batch_stride between query rows; in
+ *    decode total_q = batch). Plan (int32, at `work`, 16-byte aligned),
+ *    words from `work`:
+ *      header [KVP_CASCADE_HEADER_INTS]: [1] items, [2] batch, [15] query
+ *             rows (merge rows)
  *      items  at items_off, KVP_CASCADE_ITEM_INTS each: rep, kv_begin,
- *             kv_end, dynamic (1: end clipped to seq_lens[rep]), m_begin,
- *             m_count, tile, part_base
- *      order  at order_off: int32 [max_batch], members' sequences
+ *             kv_end, dynamic (1: a tail: end clipped to seq_lens[rep],
+ *             causal, row positions from seq_lens[rep] - m_count), m_begin,
+ *             m_count (query tokens qrows[m_begin .. +m_count)), tile,
+ *             part_base (token k's partial state: part_base + k)
+ *      qrows  at qrows_off: int32 [max_rows], query rows grouped by sequence
  *      seg_start at seg_start_off: int32 [batch + 1]
  *      segs   at segs_off, KVP_CASCADE_SEG_INTS each: first partial, count,
- *             stride, 0
+ *             stride, 0 (token i of the sequence: first + i + c * stride)
+ *      rowseq at rowseq_off: int32 [max_rows], each query row's sequence
+ *      qstart at qstart_off: int32 [batch + 1], each sequence's first row
  *    Partial states: part_out float32 [parts][num_q_heads][head_dim]
  *    (normalised), part_lse float32 [parts][num_q_heads] (log2 domain).
  *  Launch kvp_cascade_<dt>_h<D> (dt f16 or bf16): block
@@ -356,25 +363,27 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
  *      item * num_kv_heads + kv head), dynamic smem
  *      kvp_cascade_smem_bytes(D) (cuFuncSetAttribute above 48 KiB);
  *  then kvp_cascade_merge_<dt>_h<D>: block (KVP_CASCADE_MERGE_THREADS,1,1),
- *      any grid (warps stride over batch * num_q_heads), smem 0.
+ *      any grid (warps stride over rows * num_q_heads), smem 0.
  * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
  *          48 lse, 56 work, 64 part_out, 72 part_lse, 80 q_batch_stride,
  *          88 q_head_stride, 96 out_batch_stride, 104 out_head_stride,
  *          112 cache_block_stride, 120 cache_token_stride,
  *          128 cache_head_stride, 136 block_table_stride, 144 num_q_heads,
  *          148 num_kv_heads, 152 block_size, 156 num_blocks,
- *          160 max_blocks_per_seq, 164 items_off, 168 order_off,
+ *          160 max_blocks_per_seq, 164 items_off, 168 qrows_off,
  *          172 seg_start_off, 176 segs_off, 180 max_batch, 184 scale,
- *          188 reserved; size 192.
+ *          188 rowseq_off, 192 qstart_off, 196 max_rows; size 200.
  * ---------------------------------------------------------------------- */
 #define KVP_CASCADE_THREADS 128
 #define KVP_CASCADE_MERGE_THREADS 128
 #define KVP_CASCADE_TILE_KV 64
-#define KVP_CASCADE_HEADER_INTS 16
+#define KVP_CASCADE_TAIL_TILE_Q 64 /* packed rows per tail item */
+#define KVP_CASCADE_HEADER_INTS 32
 #define KVP_CASCADE_ITEM_INTS 8
 #define KVP_CASCADE_SEG_INTS 4
 #define KVP_CASCADE_H_ITEMS 1
 #define KVP_CASCADE_H_BATCH 2
+#define KVP_CASCADE_H_ROWS 15
 
 typedef struct kvp_cascade_params {
     uint64_t q;
@@ -383,11 +392,11 @@ typedef struct kvp_cascade_params {
     uint64_t block_table; /* int32 [batch, block_table_stride] */
     uint64_t seq_lens;    /* int32 [batch] */
     uint64_t out;
-    uint64_t lse;      /* float32 [batch, num_q_heads] or 0 */
+    uint64_t lse;      /* float32 [total_q, num_q_heads] or 0 */
     uint64_t work;     /* the plan */
     uint64_t part_out; /* float32 */
     uint64_t part_lse; /* float32 */
-    int64_t q_batch_stride;
+    int64_t q_batch_stride; /* between query rows */
     int64_t q_head_stride;
     int64_t out_batch_stride;
     int64_t out_head_stride;
@@ -401,15 +410,18 @@ typedef struct kvp_cascade_params {
     int32_t num_blocks;
     int32_t max_blocks_per_seq;
     int32_t items_off;
-    int32_t order_off;
+    int32_t qrows_off;
     int32_t seg_start_off;
     int32_t segs_off;
     int32_t max_batch;
     float scale;
-    int32_t reserved; /* 0 */
+    int32_t rowseq_off;
+    int32_t qstart_off;
+    int32_t max_rows; /* the workspace's query-row capacity */
 } kvp_cascade_params;
 
-/* Packed rows per item: 128 at head_dim <= 128, 64 at 256. */
+/* Packed rows per shared item: 128 at head_dim <= 128, 64 at 256 (tail
+ * items: KVP_CASCADE_TAIL_TILE_Q). */
 static inline int32_t kvp_cascade_tile_q(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 /* Dynamic shared memory of kvp_cascade_<dt>_h<D> (16-bit types only):

@@ -1,6 +1,6 @@
 package attn
 
-// Launches of shared-prefix (cascade) decode attention over a plan that
+// Launches of shared-prefix (cascade) attention over a plan that
 // core/cascade wrote into the engine's workspaces: the upload of the plan,
 // and per layer the attention kernel over the plan's work items followed by
 // the merge of each sequence's partial states. The planner lives in
@@ -48,12 +48,14 @@ type cascadeParams struct {
 	NumBlocks        int32   `c:"num_blocks"`
 	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
 	ItemsOff         int32   `c:"items_off"`
-	OrderOff         int32   `c:"order_off"`
+	QRowsOff         int32   `c:"qrows_off"`
 	SegStartOff      int32   `c:"seg_start_off"`
 	SegsOff          int32   `c:"segs_off"`
 	MaxBatch         int32   `c:"max_batch"`
 	Scale            float32 `c:"scale"`
-	Reserved         int32   `c:"reserved"`
+	RowSeqOff        int32   `c:"rowseq_off"`
+	QStartOff        int32   `c:"qstart_off"`
+	MaxRows          int32   `c:"max_rows"`
 }
 
 // cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge.
@@ -120,10 +122,12 @@ func CascadeUpload(dev cuda.DevicePtr, host unsafe.Pointer, ranges [][2]int64, s
 }
 
 // CascadeRunArgs is one layer's run of a cascade plan: the layer's tensors
-// (DecodeLayout: q and out [batch, num_q_heads, head_dim], the cache, the
-// block table) and where the plan's regions sit in the device workspace.
+// (DecodeLayout: Batch sequences, q and out [Rows, num_q_heads, head_dim]
+// with QBatchStride / OutBatchStride between rows, the cache, the block
+// table) and where the plan's regions sit in the device workspace.
 type CascadeRunArgs struct {
 	DecodeLayout
+	Rows              int // query rows (total_q); 0: Batch (decode)
 	Q, KCache, VCache cuda.DevicePtr
 	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
 	SeqLens           cuda.DevicePtr // int32 [batch]: tails end here
@@ -134,9 +138,9 @@ type CascadeRunArgs struct {
 	WorkspaceBytes int64
 	// Byte offsets of the partial states in the workspace, and of the plan
 	// regions in int32 words.
-	PartOut, PartLSE                         int64
-	ItemsOff, OrderOff, SegStartOff, SegsOff int
-	MaxBatch                                 int // the workspace's capacity
+	PartOut, PartLSE                                               int64
+	ItemsOff, QRowsOff, SegStartOff, SegsOff, RowSeqOff, QStartOff int
+	MaxBatch, MaxRows                                              int // the workspace's capacities (MaxRows 0: MaxBatch)
 }
 
 // CascadeRun enqueues the attention and merge kernels of a cascade plan on
@@ -148,12 +152,30 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	if _, err := a.validate(); err != nil {
 		return err
 	}
+	rows, maxRows := a.Rows, a.MaxRows
+	if rows == 0 {
+		rows = a.Batch
+	}
+	if maxRows == 0 {
+		maxRows = a.MaxBatch
+	}
+	if rows > maxRows || maxRows > 1<<24 {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: %d query rows above the workspace's capacity of %d", what, rows, maxRows)
+	}
+	if rows != a.Batch {
+		// q and out hold rows, not sequences: check their extents as such.
+		dl := a.DecodeLayout
+		dl.Batch = rows
+		if _, err := dl.validate(); err != nil {
+			return err
+		}
+	}
 	if a.DType != F16 && a.DType != BF16 {
 		return kverr.Errorf(kverr.Unsupported, "%s: dtype %v: the cascade kernels are built for f16 and bf16 only", what, a.DType)
 	}
 	if a.MaxBatch < a.Batch || a.MaxBatch < 1 || a.PartOut <= 0 || a.PartLSE <= a.PartOut || a.PartLSE > a.WorkspaceBytes ||
-		a.PartOut%16 != 0 || a.PartLSE%4 != 0 || min(a.ItemsOff, a.OrderOff, a.SegStartOff, a.SegsOff) < 0 ||
-		int64(max(a.ItemsOff, a.OrderOff, a.SegStartOff, a.SegsOff))*4 >= a.PartOut {
+		a.PartOut%16 != 0 || a.PartLSE%4 != 0 || min(a.ItemsOff, a.QRowsOff, a.SegStartOff, a.SegsOff, a.RowSeqOff, a.QStartOff) < 0 ||
+		int64(max(a.ItemsOff, a.QRowsOff, a.SegStartOff, a.SegsOff, a.RowSeqOff, a.QStartOff))*4 >= a.PartOut {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's workspace geometry is inconsistent (not written by kvp_cascade_plan?)", what)
 	}
 	if a.Batch > 0 {
@@ -186,8 +208,9 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		BlockTableStride: a.BlockTableStride,
 		NumQHeads:        int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
-		ItemsOff: int32(a.ItemsOff), OrderOff: int32(a.OrderOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
+		ItemsOff: int32(a.ItemsOff), QRowsOff: int32(a.QRowsOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
 		MaxBatch: int32(a.MaxBatch), Scale: SoftmaxScale(a.Scale, a.HeadDim),
+		RowSeqOff: int32(a.RowSeqOff), QStartOff: int32(a.QStartOff), MaxRows: int32(maxRows),
 	}
 	di := 0
 	if a.DType == BF16 {
@@ -209,9 +232,10 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	if err := cuda.Launch(m, ks[0], cfg, stream, &p); err != nil {
 		return err
 	}
-	rows := int64(a.MaxBatch) * int64(a.NumQHeads)
+	// The merge grid depends on the capacity only (graph capture).
+	mrows := int64(maxRows) * int64(a.NumQHeads)
 	cfg = cuda.LaunchConfig{
-		Grid:  cuda.Dim3{X: uint32(min(ceilDiv64(rows, cascadeMergeThreads/32), int64(sms)*16)), Y: 1, Z: 1},
+		Grid:  cuda.Dim3{X: uint32(min(ceilDiv64(mrows, cascadeMergeThreads/32), int64(sms)*16)), Y: 1, Z: 1},
 		Block: cuda.Dim3{X: cascadeMergeThreads, Y: 1, Z: 1},
 	}
 	return cuda.Launch(m, ks[1], cfg, stream, &p)

@@ -16,6 +16,7 @@ type batch struct {
 	bs, maxBlocks, stride int
 	table                 []int32
 	lens                  []int32
+	qo                    []int32 // query offsets [batch+1]; nil: decode
 	numBlocks             int
 }
 
@@ -101,12 +102,31 @@ func genTree(r *rand.Rand, s treeSpec) *batch {
 
 func (b *batch) input(qh, kvh, D int) *Input {
 	return &Input{NumQHeads: qh, NumKVHeads: kvh, HeadDim: D, DTypeBytes: 2, BlockSize: b.bs,
-		Tables: b.table, TableStride: b.stride, MaxBlocksPerSeq: b.maxBlocks, SeqLens: b.lens}
+		Tables: b.table, TableStride: b.stride, MaxBlocksPerSeq: b.maxBlocks, SeqLens: b.lens, QIndptr: b.qo}
+}
+
+// withQueries gives each sequence a random number of query tokens: of its
+// length, up to maxQ; a third of the sequences are decode rows (1), some
+// have none.
+func withQueries(r *rand.Rand, b *batch, maxQ int) *batch {
+	b.qo = make([]int32, len(b.lens)+1)
+	for s, n := range b.lens {
+		q := int32(1)
+		switch r.IntN(6) {
+		case 0, 1:
+		case 2:
+			q = 0
+		default:
+			q = int32(1 + r.IntN(maxQ))
+		}
+		b.qo[s+1] = b.qo[s] + min(q, n)
+	}
+	return b
 }
 
 // widen gives every row extra table columns (unused, garbage).
 func widen(b *batch, extra int) *batch {
-	w := &batch{bs: b.bs, maxBlocks: b.maxBlocks + extra, stride: b.stride + extra, lens: b.lens, numBlocks: b.numBlocks}
+	w := &batch{bs: b.bs, maxBlocks: b.maxBlocks + extra, stride: b.stride + extra, lens: b.lens, qo: b.qo, numBlocks: b.numBlocks}
 	w.table = make([]int32, len(b.lens)*w.stride)
 	for i := range w.table {
 		w.table[i] = -3

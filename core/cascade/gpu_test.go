@@ -126,7 +126,7 @@ type gpuRun struct {
 func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int, withLSE bool) *gpuRun {
 	g := &gpuRun{p: newProblem(r, b, d, qh, kvh, D)}
 	var err error
-	if g.l, err = NewLayout(max(len(b.lens), 1), qh, kvh, D); err != nil {
+	if g.l, err = NewPrefillLayout(max(len(b.lens), 1), max(len(b.lens), b.rows(), 1), qh, kvh, D); err != nil {
 		t.Fatal(err)
 	}
 	if g.slots, err = attn.CascadeSlots(D); err != nil {
@@ -136,15 +136,16 @@ func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D in
 	g.dev = devMem(t, int(g.l.DeviceBytes))
 	poison(t, g.dev, int(g.l.DeviceBytes), attn.F32)
 	g.lensD = upload(t, i32bytes(b.lens))
-	g.outB = len(b.lens) * qh * D * d.Size()
-	g.run = attn.CascadeRunArgs{DecodeLayout: g.p.dl,
+	g.outB = b.rows() * qh * D * d.Size()
+	g.run = attn.CascadeRunArgs{DecodeLayout: g.p.dl, Rows: b.rows(),
 		Q: upload(t, g.p.q), KCache: upload(t, g.p.kc), VCache: upload(t, g.p.vc),
 		BlockTable: upload(t, i32bytes(b.table)), SeqLens: g.lensD,
 		Out: devMem(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
 		PartOut: g.l.PartOut, PartLSE: g.l.PartLSE,
-		ItemsOff: g.l.Items, OrderOff: g.l.Order, SegStartOff: g.l.SegStart, SegsOff: g.l.Segs, MaxBatch: g.l.MaxBatch}
+		ItemsOff: g.l.Items, QRowsOff: g.l.QRows, SegStartOff: g.l.SegStart, SegsOff: g.l.Segs,
+		RowSeqOff: g.l.RowSeq, QStartOff: g.l.QStart, MaxBatch: g.l.MaxBatch, MaxRows: g.l.MaxTokens}
 	if withLSE {
-		g.run.LSE = devMem(t, 4*len(b.lens)*qh)
+		g.run.LSE = devMem(t, 4*b.rows()*qh)
 	}
 	return g
 }
@@ -165,7 +166,7 @@ func (g *gpuRun) plan(t *testing.T, keepAll bool) Summary {
 func (g *gpuRun) poisonOut(t *testing.T) {
 	poison(t, g.run.Out, g.outB, g.p.dl.DType)
 	if g.run.LSE != 0 {
-		poison(t, g.run.LSE, 4*g.p.dl.Batch*g.p.dl.NumQHeads, attn.F32)
+		poison(t, g.run.LSE, 4*g.p.b.rows()*g.p.dl.NumQHeads, attn.F32)
 	}
 }
 

@@ -1,10 +1,12 @@
-// Package cascade plans shared-prefix ("cascade") decode attention: from a
-// batch's block tables and lengths (host arrays) it finds the tree of block
+// Package cascade plans shared-prefix ("cascade") attention, decode or
+// varlen prefill: from a batch's block tables, lengths and query lengths
+// (host arrays) it finds the tree of block
 // runs that several sequences share (a system prompt shared by all, few-shot
 // blocks shared by a group, forks sharing all but their tails) and writes a
 // plan that the kernels of kernels/kvp_cascade.cuh execute in two launches
 // per layer: one over work items (a shared run's K/V read once for the
-// queries of every sequence that shares it, or one sequence's own tail),
+// query tokens of every sequence that shares it, or one sequence's own tail,
+// causal over its new tokens),
 // writing partial attention states, and one merging each sequence's states
 // by online softmax.
 //
@@ -27,13 +29,20 @@ const (
 	// MaxParts is the most partial states one sequence's plan may have
 	// (KVP_CASCADE_MAX_PARTS): the shared nodes on its path and its tail,
 	// each counted once per KV chunk. It bounds the workspaces.
-	MaxParts    = 8
-	HeaderInts  = 16 // KVP_CASCADE_HEADER_INTS
-	ItemInts    = 8  // KVP_CASCADE_ITEM_INTS
-	SegInts     = 4  // KVP_CASCADE_SEG_INTS
-	chunkAlign  = 64 // KV tile of the kernel: chunks are whole tiles
-	maxTokens   = 1<<31 - 1
-	maxBatchCap = 1 << 16
+	MaxParts = 8
+	// PrefillParts is the partial states the workspaces provide for each
+	// query token beyond one per sequence: a shared level and the tail. A
+	// prefill plan that needs more (deeper trees, split tails) fits while
+	// other rows use less; otherwise it takes the plain route.
+	PrefillParts = 2
+	HeaderInts   = 32 // KVP_CASCADE_HEADER_INTS
+	ItemInts     = 8  // KVP_CASCADE_ITEM_INTS
+	SegInts      = 4  // KVP_CASCADE_SEG_INTS
+	TailTileQ    = 64 // KVP_CASCADE_TAIL_TILE_Q: packed rows per tail item
+	chunkAlign   = 64 // KV tile of the kernel: chunks are whole tiles
+	maxTokens    = 1<<31 - 1
+	maxBatchCap  = 1 << 16
+	maxRowsCap   = 1 << 24
 )
 
 // Header words of a plan (both workspaces).
@@ -53,6 +62,9 @@ const (
 	hTotal     = 12 // KV tokens per kv head plain decode would read (clamped)
 	hRoute     = 13 // RouteDecode or RouteCascade
 	hGen       = 14 // plans made into this workspace before this one (stale-plan check)
+	hRows      = 15 // query rows (KVP_CASCADE_H_ROWS): total_q, the merge's rows
+	hMaxTokens = 16 // query-row capacity the offsets were computed for
+	hMaxQLen   = 17 // longest query
 
 	planMagic = 0x6b766331 // "kvc1"
 )
@@ -63,19 +75,23 @@ const (
 	iKVBegin  = 1 // first token
 	iKVEnd    = 2 // end token (exclusive); tails clip it to seq_lens[rep]
 	iDynamic  = 3 // 1: tail item (clip to the device length)
-	iMBegin   = 4 // first member (index into the order array)
-	iMCount   = 5 // members
-	iTile     = 6 // packed-row tile: rows [tile*tile_q, ...) of members*group
-	iPartBase = 7 // partial state of member j is part_base + j
+	iMBegin   = 4 // first query token (index into the qrows array)
+	iMCount   = 5 // query tokens: the members' (shared) or the sequence's (tail)
+	iTile     = 6 // packed-row tile: rows [tile*tile_q, ...) of tokens*group
+	iPartBase = 7 // partial state of token k is part_base + k
 )
 
 // Layout is where each region of a plan sits, in int32 words from the start
-// of either workspace, for a capacity of MaxBatch sequences.
+// of either workspace, for a capacity of MaxBatch sequences and MaxTokens
+// query tokens (MaxBatch in decode).
 type Layout struct {
-	MaxBatch, Group, TileQ, NumQHeads, HeadDim int
+	MaxBatch, MaxTokens, Group, TileQ, NumQHeads, HeadDim int
 
-	PartCap, ItemCap, SegCap               int
-	Items, Order, SegStart, Segs, PlanInts int
+	PartCap, ItemCap, SegCap int
+	// Items; QRows [MaxTokens]: query rows in the plan's order of
+	// sequences; SegStart [MaxBatch+1]; Segs; RowSeq [MaxTokens]: each query
+	// row's sequence; QStart [MaxBatch+1]: each sequence's first query row.
+	Items, QRows, SegStart, Segs, RowSeq, QStart, PlanInts int
 	// Host-only, after the plan: per-sequence tail start and tail capacity
 	// end (tokens), which Update checks.
 	TailBegin, TailEnd, HostInts int
@@ -96,11 +112,21 @@ func TileQ(headDim int) int {
 	return 64
 }
 
-// NewLayout computes the regions for maxBatch sequences.
+// NewLayout computes the regions for maxBatch sequences of one query token
+// each (decode).
 func NewLayout(maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
+	return NewPrefillLayout(maxBatch, maxBatch, numQHeads, numKVHeads, headDim)
+}
+
+// NewPrefillLayout computes the regions for maxBatch sequences with
+// maxTokens query tokens in all (maxTokens >= maxBatch).
+func NewPrefillLayout(maxBatch, maxTokens, numQHeads, numKVHeads, headDim int) (Layout, error) {
 	var l Layout
 	if maxBatch < 1 || maxBatch > maxBatchCap {
 		return l, kverr.Errorf(kverr.InvalidArgument, "cascade: max_batch must be in [1, %d]: got %d", maxBatchCap, maxBatch)
+	}
+	if maxTokens < maxBatch || maxTokens > maxRowsCap {
+		return l, kverr.Errorf(kverr.InvalidArgument, "cascade: max_tokens must be in [max_batch = %d, %d]: got %d", maxBatch, maxRowsCap, maxTokens)
 	}
 	if headDim != 64 && headDim != 128 && headDim != 256 {
 		return l, kverr.Errorf(kverr.Unsupported, "cascade: head_dim must be 64, 128 or 256: got %d", headDim)
@@ -108,17 +134,22 @@ func NewLayout(maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
 	if numKVHeads < 1 || numQHeads < 1 || numQHeads > 1<<12 || numQHeads%numKVHeads != 0 {
 		return l, kverr.Errorf(kverr.InvalidArgument, "cascade: num_q_heads (%d) must be in [1, 4096] and a multiple of num_kv_heads (%d)", numQHeads, numKVHeads)
 	}
-	l.MaxBatch, l.Group, l.TileQ, l.NumQHeads, l.HeadDim = maxBatch, numQHeads/numKVHeads, TileQ(headDim), numQHeads, headDim
-	l.PartCap = maxBatch * MaxParts
-	// A node of m members in c chunks has c*ceil(m*group/tile) items and c*m
-	// partial states, so items <= parts * ceil(group/tile).
-	l.ItemCap = l.PartCap * ((l.Group + l.TileQ - 1) / l.TileQ)
-	l.SegCap = l.PartCap
+	l.MaxBatch, l.MaxTokens, l.Group, l.TileQ, l.NumQHeads, l.HeadDim = maxBatch, maxTokens, numQHeads/numKVHeads, TileQ(headDim), numQHeads, headDim
+	l.PartCap = maxBatch*MaxParts + (maxTokens-maxBatch)*PrefillParts
+	// A node of m tokens in c chunks has c*ceil(m*group/tile) items and c*m
+	// partial states, a tail chunk of q tokens ceil(q*group/TailTileQ) items
+	// and q states; tile >= TailTileQ, so items <= parts *
+	// ceil(group/TailTileQ).
+	l.ItemCap = l.PartCap * ((l.Group + TailTileQ - 1) / TailTileQ)
+	// A sequence has one segment per node on its path and its tail.
+	l.SegCap = maxBatch * MaxParts
 	l.Items = HeaderInts
-	l.Order = l.Items + l.ItemCap*ItemInts
-	l.SegStart = l.Order + maxBatch
+	l.QRows = l.Items + l.ItemCap*ItemInts
+	l.SegStart = l.QRows + maxTokens
 	l.Segs = align4(l.SegStart + maxBatch + 1)
-	l.PlanInts = align4(l.Segs + l.SegCap*SegInts)
+	l.RowSeq = l.Segs + l.SegCap*SegInts
+	l.QStart = l.RowSeq + maxTokens
+	l.PlanInts = align4(l.QStart + maxBatch + 1)
 	l.TailBegin = l.PlanInts
 	l.TailEnd = l.TailBegin + maxBatch
 	l.HostInts = l.TailEnd + maxBatch
@@ -130,9 +161,10 @@ func NewLayout(maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
 }
 
 // WorkspaceSizes returns the device and host workspace bytes for batches of
-// up to maxBatch sequences.
-func WorkspaceSizes(maxBatch, numQHeads, numKVHeads, headDim int) (device, host int64, err error) {
-	l, err := NewLayout(maxBatch, numQHeads, numKVHeads, headDim)
+// up to maxBatch sequences and maxTokens query tokens in all (maxBatch for
+// decode).
+func WorkspaceSizes(maxBatch, maxTokens, numQHeads, numKVHeads, headDim int) (device, host int64, err error) {
+	l, err := NewPrefillLayout(maxBatch, maxTokens, numQHeads, numKVHeads, headDim)
 	if err != nil {
 		return 0, 0, err
 	}

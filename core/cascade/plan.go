@@ -10,6 +10,7 @@ import (
 
 // Routes of a plan (kvp_attn_plan.route).
 const (
+	RoutePrefill = 1 // KVP_ATTN_ROUTE_PREFILL: nothing shared enough to pay in a batch with prefill rows; the prefill kernel
 	RouteDecode  = 2 // KVP_ATTN_ROUTE_DECODE: nothing shared enough to pay; plain paged decode
 	RouteCascade = 3 // KVP_ATTN_ROUTE_CASCADE: the cascade kernels over the plan
 )
@@ -18,7 +19,7 @@ const (
 // when the caller does not know the device (an H100: 132 SMs, 2 per SM).
 const DefaultSlots = 264
 
-// Input is a decode batch as the engine holds it on the host.
+// Input is a batch as the engine holds it on the host.
 type Input struct {
 	NumQHeads, NumKVHeads, HeadDim int
 	DTypeBytes                     int // 2 (f16, bf16) or 4 (f32)
@@ -28,8 +29,13 @@ type Input struct {
 	Tables          []int32
 	TableStride     int
 	MaxBlocksPerSeq int
-	// SeqLens[b] is sequence b's length this step, its new token included.
+	// SeqLens[b] is sequence b's length this step, its new tokens included.
 	SeqLens []int32
+	// QIndptr (batch + 1 offsets from 0, non-decreasing) gives sequence b the
+	// query rows [QIndptr[b], QIndptr[b+1]) at positions [SeqLens[b] - q_len,
+	// SeqLens[b]), as the prefill API has them; nil: one query token per
+	// sequence (decode), row b.
+	QIndptr []int32
 	// Slots is how many attention blocks the device runs at once (SMs times
 	// blocks per SM); 0 = DefaultSlots.
 	Slots int
@@ -45,37 +51,47 @@ type Input struct {
 type Summary struct {
 	Route       int
 	Batch       int
+	Rows        int // query rows (total_q; Batch in decode)
+	MaxQLen     int
 	Items       int
 	Parts       int
 	Nodes       int
 	Chunk       int   // tokens per KV chunk
 	MaxKV       int   // longest planned length, tail capacities included
-	SavedTokens int64 // KV tokens per kv head that shared reads save
+	SavedTokens int64 // KV tokens per kv head that shared reads save (one read per sharing sequence)
 	TotalTokens int64 // KV tokens per kv head that plain decode reads
 	Gen         int32 // the plan's generation in its workspace
 }
 
 // node is a shared run: tokens [begin, end) of every member's sequence,
-// read through rep's table row; members are order[mBegin:mBegin+mCount].
+// read through rep's table row; members are order[mBegin:mBegin+mCount],
+// whose query tokens are tokens [tBegin, tBegin+tCount) of the plan's qrows.
 type node struct {
-	rep, begin, end, mBegin, mCount, chunks, partBase int32
+	rep, begin, end, mBegin, mCount, chunks, partBase, tBegin, tCount int32
 }
 
 // Planner holds scratch memory reused across plans; not safe for concurrent
 // use. The zero value is ready.
 type Planner struct {
-	full  []int32 // per sequence: shareable (whole, in-table) blocks
-	pos   []int32 // per sequence: its index in the order
-	keys  []uint64
-	nodes []node
-	nseg  []int32
-	in    *Input
-	order []int32
-	tail  []int32 // per sequence: tail begin (tokens)
-	tcs   []int32 // per sequence: tail chunks
-	bs    int32
-	vbyte int64 // bytes of one token's K and V per kv head
-	pcost int64 // bytes of one member's partial state per kv head (write + read)
+	full   []int32 // per sequence: shareable (whole, in-table, before its first query token) blocks
+	pos    []int32 // per sequence: its first query token's index in qrows
+	keys   []uint64
+	nodes  []node
+	nseg   []int32
+	in     *Input
+	order  []int32 // sequences, members of every node contiguous
+	tail   []int32 // per sequence: tail begin (tokens)
+	tcs    []int32 // per sequence: tail chunks
+	qlen   []int32 // per sequence: query tokens
+	qstart []int32 // per sequence: first query row; [B] = rows
+	bs     int32
+	qGroup int32 // q heads per kv head
+	tileQ  int32 // packed rows per shared item
+	// prefill: the batch has prefill rows (a query longer than one token, or
+	// sequences without one).
+	prefill bool
+	vbyte   int64 // bytes of one token's K and V per kv head
+	pcost   int64 // bytes of one query token's partial state per kv head (write + read)
 
 	keepAll bool // tests: emit every shared run, paying or not
 }
@@ -87,34 +103,148 @@ func grow[T any](s []T, n int) []T {
 	return s[:n]
 }
 
-// checkInput validates the batch against the layout.
-func checkInput(in *Input, l *Layout) error {
+// checkInput validates the batch against the layout and fills p.qlen and
+// p.qstart; it returns the query rows.
+func (p *Planner) checkInput(in *Input, l *Layout) (int, error) {
 	b := len(in.SeqLens)
 	if b > l.MaxBatch {
-		return kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: batch %d exceeds the workspaces' max_batch %d", b, l.MaxBatch)
+		return 0, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: batch %d exceeds the workspaces' max_batch %d", b, l.MaxBatch)
 	}
 	if in.BlockSize < 1 || in.BlockSize > 1<<20 {
-		return kverr.Errorf(kverr.InvalidArgument, "cascade_plan: block_size must be in [1, 2^20]: got %d", in.BlockSize)
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: block_size must be in [1, 2^20]: got %d", in.BlockSize)
 	}
 	if in.MaxBlocksPerSeq < 1 || in.MaxBlocksPerSeq > 1<<30 {
-		return kverr.Errorf(kverr.InvalidArgument, "cascade_plan: max_blocks_per_seq must be in [1, 2^30]: got %d", in.MaxBlocksPerSeq)
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: max_blocks_per_seq must be in [1, 2^30]: got %d", in.MaxBlocksPerSeq)
 	}
 	if in.TableStride < in.MaxBlocksPerSeq {
-		return kverr.Errorf(kverr.InvalidArgument, "cascade_plan: block_table_stride (%d) must be >= max_blocks_per_seq (%d)", in.TableStride, in.MaxBlocksPerSeq)
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: block_table_stride (%d) must be >= max_blocks_per_seq (%d)", in.TableStride, in.MaxBlocksPerSeq)
 	}
 	if b > 0 && int64(len(in.Tables)) < int64(b-1)*int64(in.TableStride)+int64(in.MaxBlocksPerSeq) {
-		return kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: the block table holds %d entries; %d rows of stride %d need %d", len(in.Tables), b, in.TableStride, int64(b-1)*int64(in.TableStride)+int64(in.MaxBlocksPerSeq))
+		return 0, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: the block table holds %d entries; %d rows of stride %d need %d", len(in.Tables), b, in.TableStride, int64(b-1)*int64(in.TableStride)+int64(in.MaxBlocksPerSeq))
 	}
 	if in.Headroom < 0 || in.Headroom > 1<<24 {
-		return kverr.Errorf(kverr.InvalidArgument, "cascade_plan: headroom must be in [0, 2^24]: got %d", in.Headroom)
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: headroom must be in [0, 2^24]: got %d", in.Headroom)
 	}
 	capTok := int64(in.MaxBlocksPerSeq) * int64(in.BlockSize)
 	for s, n := range in.SeqLens {
 		if n < 0 || int64(n) > capTok {
-			return kverr.Errorf(kverr.InvalidArgument, "cascade_plan: seq_lens[%d] = %d is outside [0, max_blocks_per_seq * block_size = %d]", s, n, capTok)
+			return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: seq_lens[%d] = %d is outside [0, max_blocks_per_seq * block_size = %d]", s, n, capTok)
 		}
 	}
-	return nil
+	p.qlen = grow(p.qlen, b)
+	p.qstart = grow(p.qstart, b+1)
+	if in.QIndptr == nil {
+		for s := 0; s < b; s++ {
+			p.qlen[s], p.qstart[s] = 1, int32(s)
+		}
+		p.qstart[b] = int32(b)
+		return b, nil
+	}
+	qi := in.QIndptr
+	if len(qi) != b+1 {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: qo_indptr must hold batch + 1 = %d offsets: got %d", b+1, len(qi))
+	}
+	if qi[0] != 0 {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: qo_indptr[0] must be 0: got %d", qi[0])
+	}
+	for s := 0; s < b; s++ {
+		n := int64(qi[s+1]) - int64(qi[s])
+		if n < 0 {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: qo_indptr must not decrease: qo_indptr[%d] = %d > qo_indptr[%d] = %d", s, qi[s], s+1, qi[s+1])
+		}
+		if n > int64(in.SeqLens[s]) {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: sequence %d has %d query tokens but length %d (the length counts them: it must be >= q_len)", s, n, in.SeqLens[s])
+		}
+		p.qlen[s], p.qstart[s] = int32(n), qi[s]
+	}
+	p.qstart[b] = qi[b]
+	if int(qi[b]) > l.MaxTokens {
+		return 0, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: %d query tokens exceed the workspaces' max_tokens %d", qi[b], l.MaxTokens)
+	}
+	return int(qi[b]), nil
+}
+
+// Cost model of the route decision for decode batches, fitted to the H100
+// measurements of bench/cascade_bench.py (fp16, 32 q / 8 kv heads, head_dim
+// 128, block size 16; bench/RESULTS.md), in microseconds per KV token of
+// all kv heads at that shape, scaled to others by the bytes of a token's K
+// and V:
+//   - plain decode reads each sequence's tokens from HBM once (decHBM per
+//     unique token), while the re-reads of blocks that other sequences of
+//     the batch also hold mostly hit L2 (decL2 per re-read token);
+//   - the cascade pays, per token of a shared run, one item per 128-row
+//     tile of its members' packed rows (casShared per token and row tile:
+//     the tile is bound by its MMAs, not by the read), per tail token
+//     casTail (a tail item carries one sequence's group of q heads in a tile
+//     of mostly padding rows: it reads its tokens more slowly than plain
+//     decode does), per sequence casSeq (its partial states written and
+//     merged, and its tail items' ramp), and casFixed for the two launches'
+//     fill and drain.
+//
+// With these, B=32 P=2048 S=512 (81.6 vs 72.4 us predicted; 87.1 vs 75.8
+// measured) and B=96 P=1024 S=512 (159.2 vs 142.8; 162.4 vs 145.2) route to
+// plain decode; B=64 P=4096 S=512, B=128 P=8192 S=256, the two-level tree
+// and the fork case stay on the cascade (predicted within 7% of measured).
+const (
+	costRefTokenBytes = 8 * 2 * 128 * 2 // the fit's bytes of one token's K and V over all kv heads
+	decHBM            = 1.45e-3
+	decL2             = 0.72e-3
+	casShared         = 2.82e-3
+	casTail           = 1.71e-3
+	casSeq            = 0.29
+	casFixed          = 38.5
+)
+
+// decodeCost and cascadeCost are the model's microseconds for the batch
+// and for the plan's nodes (which must be grouped already).
+func (p *Planner) decodeCost(l *Layout, total, saved int64) float64 {
+	scale := float64(int64(p.in.NumKVHeads)*p.vbyte) / costRefTokenBytes
+	return scale * (decHBM*float64(total-saved) + decL2*float64(saved))
+}
+
+func (p *Planner) cascadeCost(l *Layout, total, saved int64) float64 {
+	in := p.in
+	scale := float64(int64(in.NumKVHeads)*p.vbyte) / costRefTokenBytes
+	var tiled, shared int64
+	for i := range p.nodes {
+		nd := &p.nodes[i]
+		tiles := (int64(nd.tCount)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
+		tiled += tiles * int64(nd.end-nd.begin)
+		shared += int64(nd.mCount) * int64(nd.end-nd.begin)
+	}
+	heads := float64(in.NumQHeads*in.HeadDim) / (32 * 128)
+	return scale*(casShared*float64(tiled)+casTail*float64(total-shared)) + casSeq*heads*float64(len(in.SeqLens)) + casFixed
+}
+
+// pays decides between the cascade and the plain route. Decode batches use
+// the cost model above. Batches with prefill rows are bound by their MMAs,
+// which sharing does not reduce (every query row still meets every token):
+// there the shared read pays when the K/V reads it saves (the prefill kernel
+// reads a sequence's tokens once per 64-row tile of its rows) exceed what
+// the partial states add.
+func (p *Planner) pays(l *Layout, rows int, total, saved int64) bool {
+	if len(p.nodes) == 0 {
+		return false
+	}
+	if !p.prefill {
+		return p.cascadeCost(l, total, saved) < p.decodeCost(l, total, saved)
+	}
+	g := int64(l.Group)
+	var savedBytes, partBytes int64
+	for i := range p.nodes {
+		nd := &p.nodes[i]
+		var plain int64
+		for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
+			plain += (int64(p.qlen[s])*g + TailTileQ - 1) / TailTileQ
+		}
+		once := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
+		savedBytes += (plain - once) * int64(nd.end-nd.begin) * p.vbyte
+		partBytes += int64(nd.tCount) * p.pcost
+	}
+	for s := range p.in.SeqLens {
+		partBytes += int64(p.qlen[s]) * p.pcost
+	}
+	return savedBytes > 2*partBytes
 }
 
 // Plan writes the plan of in into ws (a host workspace of l.HostInts words)
@@ -127,58 +257,115 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 	if in.NumQHeads != l.NumQHeads || in.NumQHeads/max(in.NumKVHeads, 1) != l.Group || in.HeadDim != l.HeadDim {
 		return sum, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: heads (%d q, %d kv) or head_dim %d differ from the workspace layout's", in.NumQHeads, in.NumKVHeads, in.HeadDim)
 	}
-	if err := checkInput(in, l); err != nil {
+	rows, err := p.checkInput(in, l)
+	if err != nil {
 		return sum, err
 	}
 	B := len(in.SeqLens)
 	if ws[hMagic] == planMagic {
 		sum.Gen = ws[hGen] + 1
 	}
-	p.in, p.bs = in, int32(in.BlockSize)
+	p.in, p.bs, p.qGroup, p.tileQ = in, int32(in.BlockSize), int32(l.Group), int32(l.TileQ)
+	p.prefill = false
+	for _, q := range p.qlen[:B] {
+		p.prefill = p.prefill || q != 1
+	}
 	p.vbyte = 2 * int64(in.HeadDim) * int64(max(in.DTypeBytes, 1))
 	p.pcost = 2 * int64(l.Group) * int64(in.HeadDim+1) * 4
 	p.full = grow(p.full, B)
 	p.pos = grow(p.pos, B)
 	p.keys = grow(p.keys, B)
 	p.nseg = grow(p.nseg, B)
-	p.nodes = p.nodes[:0]
-	order := ws[l.Order : l.Order+B]
-	tail := ws[l.TailBegin : l.TailBegin+B]
-	p.order, p.tail = order, tail
+	p.order = grow(p.order, B)
+	p.tail = grow(p.tail, B)
 	p.tcs = grow(p.tcs, B)
+	p.nodes = p.nodes[:0]
 	var total int64
 	for s := 0; s < B; s++ {
-		order[s] = int32(s)
-		n := in.SeqLens[s]
+		p.order[s] = int32(s)
+		n, q := in.SeqLens[s], p.qlen[s]
 		total += int64(n)
-		p.full[s] = min(n/p.bs, int32(in.MaxBlocksPerSeq))
+		sum.MaxQLen = max(sum.MaxQLen, int(q))
+		// A shared run must end at or before the first query token's
+		// position + 1, so that every query token sees all of it (no mask);
+		// a sequence without query tokens shares nothing.
+		p.full[s] = 0
+		if q > 0 {
+			p.full[s] = min((n-q+1)/p.bs, int32(in.MaxBlocksPerSeq))
+		}
 		p.nseg[s] = 0
 	}
 	if B > 0 {
 		p.group(0, B, 0, 0, 0)
 	}
+	p.tokens()
 	var saved int64
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		saved += int64(nd.mCount-1) * int64(nd.end-nd.begin)
 	}
-	sum.Batch, sum.Nodes, sum.SavedTokens, sum.TotalTokens = B, len(p.nodes), saved, total
-	// Sharing pays when it saves a tenth of the bytes plain decode reads;
-	// below that the extra partial states and the merge cost about what the
-	// shared reads save.
-	if !in.NoDecodeRoute && (len(p.nodes) == 0 || saved*10 < total) {
+	sum.Batch, sum.Rows, sum.Nodes, sum.SavedTokens, sum.TotalTokens = B, rows, len(p.nodes), saved, total
+	plain := func() (Summary, error) {
 		sum.Route = RouteDecode
+		if p.prefill {
+			sum.Route = RoutePrefill
+		}
+		sum.MaxKV = 0
 		for s := 0; s < B; s++ {
 			sum.MaxKV = max(sum.MaxKV, int(in.SeqLens[s]))
 		}
+		p.writeRows(ws, l, B)
 		p.writeHeader(ws, l, &sum)
 		return sum, nil
 	}
+	if !in.NoDecodeRoute && !p.keepAll && !p.pays(l, rows, total, saved) {
+		return plain()
+	}
+	if need := p.chunking(l, &sum); need > int64(l.PartCap) {
+		if in.NoDecodeRoute {
+			return Summary{}, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: the plan of %d query tokens needs %d partial states; the workspaces hold %d (size them with a larger max_tokens)", rows, need, l.PartCap)
+		}
+		sum.Chunk = 0
+		return plain()
+	}
 	sum.Route = RouteCascade
-	p.chunking(l, &sum)
 	p.emit(ws, l, &sum)
+	p.writeRows(ws, l, B)
 	p.writeHeader(ws, l, &sum)
 	return sum, nil
+}
+
+// tokens places the query tokens in the order of the sequences: sequence
+// s's first at p.pos[s], so that every node's members' tokens are one
+// contiguous range.
+func (p *Planner) tokens() {
+	t := int32(0)
+	for _, s := range p.order {
+		p.pos[s] = t
+		t += p.qlen[s]
+	}
+	for i := range p.nodes {
+		nd := &p.nodes[i]
+		last := p.order[nd.mBegin+nd.mCount-1]
+		nd.tBegin = p.pos[p.order[nd.mBegin]]
+		nd.tCount = p.pos[last] + p.qlen[last] - nd.tBegin
+	}
+}
+
+// writeRows writes the query-row regions: qrows (rows in the plan's order),
+// rowseq and qstart.
+func (p *Planner) writeRows(ws []int32, l *Layout, B int) {
+	for _, s := range p.order[:B] {
+		q0, n := p.qstart[s], p.qlen[s]
+		qr := ws[l.QRows+int(p.pos[s]) : l.QRows+int(p.pos[s]+n)]
+		rs := ws[l.RowSeq+int(q0) : l.RowSeq+int(q0+n)]
+		for i := range qr {
+			qr[i] = q0 + int32(i)
+			rs[i] = s
+		}
+	}
+	copy(ws[l.QStart:l.QStart+B+1], p.qstart[:B+1])
+	copy(ws[l.TailBegin:l.TailBegin+B], p.tail[:B])
 }
 
 func clamp32(v int64) int32 { return int32(min(v, 1<<31-1)) }
@@ -201,19 +388,35 @@ func (p *Planner) writeHeader(ws []int32, l *Layout, s *Summary) {
 	h[hTotal] = clamp32(s.TotalTokens)
 	h[hRoute] = int32(s.Route)
 	h[hGen] = s.Gen
-	if s.Route == RouteDecode {
+	h[hRows] = int32(s.Rows)
+	h[hMaxTokens] = int32(l.MaxTokens)
+	h[hMaxQLen] = int32(s.MaxQLen)
+	if s.Route != RouteCascade {
 		h[hItems], h[hParts] = 0, 0
 	}
 }
 
-// worth reports whether a run of t tokens shared by m sequences saves more
-// than twice what its partial states cost (written by the chunk pass, read
-// by the merge).
-func (p *Planner) worth(m int, t int32) bool {
+// worth reports whether a run of t tokens shared by the sequences b saves
+// more than twice what its partial states cost (written by the chunk pass,
+// read by the merge). In decode the run is read once instead of once per
+// member; with prefill rows, once per tile of the members' packed rows
+// instead of once per 64-row tile of each member's (the prefill kernel's).
+func (p *Planner) worth(b []int32, t int32) bool {
 	if p.keepAll {
 		return true
 	}
-	return int64(m-1)*int64(t)*p.vbyte > 2*int64(m)*p.pcost
+	var tokens, reads int64
+	g := int64(p.qGroup)
+	for _, s := range b {
+		tokens += int64(p.qlen[s])
+		reads += (int64(p.qlen[s])*g + TailTileQ - 1) / TailTileQ
+	}
+	if p.prefill {
+		reads -= (tokens*g + int64(p.tileQ) - 1) / int64(p.tileQ)
+	} else {
+		reads = int64(len(b) - 1)
+	}
+	return reads*int64(t)*p.vbyte > 2*tokens*p.pcost
 }
 
 // group partitions the members order[lo:hi], which share columns [?, col),
@@ -270,7 +473,7 @@ func (p *Planner) group(lo, hi int, col, pend int32, depth int32) {
 			p.setTail(b[0], pend)
 		} else {
 			end := col + p.commonRun(b, col)
-			if depth < MaxParts-1 && p.worth(len(b), (end-pend)*p.bs) {
+			if depth < MaxParts-1 && p.worth(b, (end-pend)*p.bs) {
 				p.nodes = append(p.nodes, node{rep: b[0], begin: pend * p.bs, end: end * p.bs,
 					mBegin: int32(base + i), mCount: int32(len(b))})
 				p.group(base+i, base+j, end, end, depth+1)
@@ -341,47 +544,56 @@ func mismatch(a, b []int32) int32 {
 
 // chunking picks the tokens per KV chunk: items of about equal work, about
 // two per resident block, whole 64-token tiles, at least 256 tokens; then
-// doubles it until every sequence's partial states fit MaxParts.
-func (p *Planner) chunking(l *Layout, sum *Summary) {
+// doubles it until every query token's partial states fit MaxParts and all
+// of them the workspaces' PartCap. It returns the partial states the plan
+// needs at that chunk (above PartCap: the plan does not fit).
+func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	in := p.in
 	slots := int64(in.Slots)
 	if slots <= 0 {
 		slots = DefaultSlots
 	}
+	g := int64(l.Group)
 	var work int64 // KV tokens read per kv head, weighted by row tiles
 	for i := range p.nodes {
 		nd := &p.nodes[i]
-		tiles := (int64(nd.mCount)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
+		tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
 		work += tiles * int64(nd.end-nd.begin)
 	}
 	for s, n := range in.SeqLens {
-		work += int64(n - p.tail[s])
+		tiles := max(1, (int64(p.qlen[s])*g+TailTileQ-1)/TailTileQ)
+		work += tiles * int64(n-p.tail[s])
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
 	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
+	var parts int64
 	for ; ; ch *= 2 {
 		for s := range p.nseg {
 			p.nseg[s] = 0
 		}
+		parts = 0
 		for i := range p.nodes {
 			nd := &p.nodes[i]
 			nd.chunks = int32((int64(nd.end-nd.begin) + ch - 1) / ch)
+			parts += int64(nd.chunks) * int64(nd.tCount)
 			for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
 				p.nseg[s] += nd.chunks
 			}
 		}
 		ok := true
 		for s := range in.SeqLens {
-			if tc, _ := p.tailChunks(s, ch); p.nseg[s]+tc > MaxParts {
+			tc, _ := p.tailChunks(s, ch)
+			parts += int64(tc) * int64(p.qlen[s])
+			if p.nseg[s]+tc > MaxParts {
 				ok = false
-				break
 			}
 		}
-		if ok || ch >= maxTokens/2 {
+		if ok && parts <= int64(l.PartCap) || ch >= maxTokens/2 {
 			break
 		}
 	}
 	sum.Chunk = int(ch)
+	return parts
 }
 
 // tailChunks is the chunks of sequence s's tail, planned with headroom and
@@ -404,9 +616,6 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	in := p.in
 	B := len(in.SeqLens)
 	ch := int32(sum.Chunk)
-	for j, s := range p.order {
-		p.pos[s] = int32(j)
-	}
 	items := ws[l.Items : l.Items+l.ItemCap*ItemInts]
 	ni := 0
 	parts := int32(0)
@@ -421,18 +630,17 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		nd.partBase = parts
-		tiles := (nd.mCount*g + tq - 1) / tq
+		tiles := (nd.tCount*g + tq - 1) / tq
 		for c := int32(0); c < nd.chunks; c++ {
 			kb := nd.begin + c*ch
 			ke := min(nd.end, kb+ch)
 			for t := int32(0); t < tiles; t++ {
-				put(nd.rep, kb, ke, 0, nd.mBegin, nd.mCount, t, parts+c*nd.mCount)
+				put(nd.rep, kb, ke, 0, nd.tBegin, nd.tCount, t, parts+c*nd.tCount)
 			}
 		}
-		parts += nd.chunks * nd.mCount
+		parts += nd.chunks * nd.tCount
 	}
 	tailEnd := ws[l.TailEnd : l.TailEnd+B]
-	tailTiles := (g + tq - 1) / tq
 	maxKV := 0
 	for s := 0; s < B; s++ {
 		tc, te := p.tailChunks(s, int64(ch))
@@ -440,13 +648,15 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 		tb := p.tail[s]
 		tailEnd[s] = te
 		maxKV = max(maxKV, int(tailEnd[s]))
+		q := p.qlen[s]
+		tailTiles := (q*g + TailTileQ - 1) / TailTileQ
 		for c := int32(0); c < tc; c++ {
 			for t := int32(0); t < tailTiles; t++ {
-				put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], 1, t, parts+c)
+				put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], q, t, parts+c*q)
 			}
 		}
 		p.nseg[s] = parts // the tail's first partial state
-		parts += tc
+		parts += tc * q
 	}
 	// Merge segments: per sequence, one per emitted node on its path, then
 	// its tail. Counts first, in the order's place of each sequence.
@@ -469,16 +679,16 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	segs := ws[l.Segs : l.Segs+l.SegCap*SegInts]
 	for i := range p.nodes { // DFS order: a path's nodes come root first
 		nd := &p.nodes[i]
-		for j, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
+		for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
 			k := int(cnt[s]) * SegInts
 			sg := segs[k : k+SegInts : k+SegInts]
-			sg[0], sg[1], sg[2], sg[3] = nd.partBase+int32(j), nd.chunks, nd.mCount, 0
+			sg[0], sg[1], sg[2], sg[3] = nd.partBase+p.pos[s]-nd.tBegin, nd.chunks, nd.tCount, 0
 			cnt[s]++
 		}
 	}
 	for s := 0; s < B; s++ {
 		k := int(cnt[s]) * SegInts
-		segs[k], segs[k+1], segs[k+2], segs[k+3] = p.nseg[s], p.tcs[s], 1, 0
+		segs[k], segs[k+1], segs[k+2], segs[k+3] = p.nseg[s], p.tcs[s], p.qlen[s], 0
 	}
 	sum.Items, sum.Parts, sum.MaxKV = ni, int(parts), maxKV
 }

@@ -8,14 +8,28 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
-// span is one partial state's token range of one sequence.
-type span struct{ seq, begin, end int32 }
+// span is one partial state's token range of one query token.
+type span struct{ seq, tok, begin, end int32 }
 
-// checkPlan verifies a cascade plan against the batch by brute force:
-// every shared item's members hold the rep's blocks over its range, whole
-// and within their lengths; each sequence's merge segments name partial
-// states that cover [0, its length) exactly once (tails up to their planned
-// capacity); capacities are respected.
+// qlens is each sequence's query tokens (1 in decode).
+func (b *batch) qlens() []int32 {
+	q := make([]int32, len(b.lens))
+	for s := range q {
+		q[s] = 1
+		if b.qo != nil {
+			q[s] = b.qo[s+1] - b.qo[s]
+		}
+	}
+	return q
+}
+
+// checkPlan verifies a cascade plan against the batch by brute force: the
+// query-row maps are consistent; every shared item's tokens belong to
+// members that hold the rep's blocks over its range, whole and before their
+// first query token; a tail item's tokens are its sequence's; each query
+// token's merge segments name partial states that cover [0, its sequence's
+// length) exactly once (tails up to their planned capacity); capacities are
+// respected.
 func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summary) {
 	t.Helper()
 	B := len(b.lens)
@@ -25,15 +39,42 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 	if s.Parts > l.PartCap || s.Items > l.ItemCap {
 		t.Fatalf("parts %d / items %d exceed capacities %d / %d", s.Parts, s.Items, l.PartCap, l.ItemCap)
 	}
-	order := ws[l.Order : l.Order+B]
-	seen := make([]bool, B)
-	for _, sq := range order {
-		if sq < 0 || int(sq) >= B || seen[sq] {
-			t.Fatalf("order is not a permutation: %v", order)
+	ql := b.qlens()
+	qs := ws[l.QStart : l.QStart+B+1]
+	rows := int32(0)
+	for sq := 0; sq < B; sq++ {
+		if qs[sq] != rows {
+			t.Fatalf("qstart[%d] = %d, want %d", sq, qs[sq], rows)
 		}
-		seen[sq] = true
+		rows += ql[sq]
 	}
-	owner := make([]span, s.Parts) // partial state -> (sequence, range)
+	if qs[B] != rows || s.Rows != int(rows) {
+		t.Fatalf("rows %d / qstart[B] %d, want %d", s.Rows, qs[B], rows)
+	}
+	qrows := ws[l.QRows : l.QRows+int(rows)]
+	rowSeq := ws[l.RowSeq : l.RowSeq+int(rows)]
+	at := make([]int32, B) // each sequence's first token in qrows
+	for i := range at {
+		at[i] = -1
+	}
+	seen := make([]bool, rows)
+	for k, r := range qrows {
+		if r < 0 || r >= rows || seen[r] {
+			t.Fatalf("qrows is not a permutation of the rows: %v", qrows)
+		}
+		seen[r] = true
+		sq := rowSeq[r]
+		if sq < 0 || int(sq) >= B || r < qs[sq] || r >= qs[sq+1] {
+			t.Fatalf("rowseq[%d] = %d, outside its rows", r, sq)
+		}
+		if r == qs[sq] {
+			at[sq] = int32(k)
+		}
+		if k > 0 && qrows[k-1]+1 != r && r != qs[sq] {
+			t.Fatalf("qrows: sequence %d's tokens are not contiguous and in order", sq)
+		}
+	}
+	owner := make([]span, s.Parts) // partial state -> (sequence, token, range)
 	for i := range owner {
 		owner[i].seq = -1
 	}
@@ -42,27 +83,28 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
 		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
 		mb, mc := it[iMBegin], it[iMCount]
-		if mc < 1 || mb < 0 || int(mb+mc) > B || kb < 0 || ke <= kb || ke-kb > int32(s.Chunk) {
+		if mc < 1 || mb < 0 || mb+mc > rows || kb < 0 || ke <= kb || ke-kb > int32(s.Chunk) {
 			t.Fatalf("item %d malformed: %v (chunk %d)", i, it, s.Chunk)
 		}
-		rows := mc * int32(l.Group)
-		if it[iTile] < 0 || it[iTile]*int32(l.TileQ) >= rows {
-			t.Fatalf("item %d: tile %d outside %d rows", i, it[iTile], rows)
+		tq := int32(l.TileQ)
+		if it[iDynamic] != 0 {
+			tq = TailTileQ
+		}
+		if it[iTile] < 0 || it[iTile]*tq >= mc*int32(l.Group) {
+			t.Fatalf("item %d: tile %d outside %d rows", i, it[iTile], mc*int32(l.Group))
 		}
 		if it[iDynamic] != 0 {
-			if mc != 1 || order[mb] != rep || kb < tb[rep] || ke > te[rep]+int32(s.Chunk) {
-				t.Fatalf("tail item %d malformed: %v (tail [%d, %d))", i, it, tb[rep], te[rep])
+			if mc != ql[rep] || mb != at[rep] || kb < tb[rep] || ke > te[rep]+int32(s.Chunk) {
+				t.Fatalf("tail item %d malformed: %v (tail [%d, %d), q_len %d at %d)", i, it, tb[rep], te[rep], ql[rep], at[rep])
 			}
-		} else {
-			if kb%int32(b.bs) != 0 || ke%int32(b.bs) != 0 && ke != kb+int32(s.Chunk) {
-				t.Fatalf("shared item %d: range [%d, %d) not block aligned", i, kb, ke)
-			}
+		} else if kb%int32(b.bs) != 0 || ke%int32(b.bs) != 0 && ke != kb+int32(s.Chunk) {
+			t.Fatalf("shared item %d: range [%d, %d) not block aligned", i, kb, ke)
 		}
-		for j := int32(0); j < mc; j++ {
-			sq := order[mb+j]
+		for k := mb; k < mb+mc; k++ {
+			sq := rowSeq[qrows[k]]
 			if it[iDynamic] == 0 {
-				if ke > b.lens[sq] {
-					t.Fatalf("shared item %d: member %d has %d tokens, range ends at %d", i, sq, b.lens[sq], ke)
+				if first := b.lens[sq] - ql[sq]; ke > first+1 {
+					t.Fatalf("shared item %d: member %d's first query token is at %d, the range ends at %d", i, sq, first, ke)
 				}
 				for c := kb / int32(b.bs); c < (ke+int32(b.bs)-1)/int32(b.bs); c++ {
 					if b.table[int(sq)*b.stride+int(c)] != b.table[int(rep)*b.stride+int(c)] {
@@ -70,38 +112,41 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 					}
 				}
 			}
-			pi := it[iPartBase] + j
+			pi := it[iPartBase] + k - mb
 			if pi < 0 || int(pi) >= s.Parts {
 				t.Fatalf("item %d: partial %d outside %d", i, pi, s.Parts)
 			}
 			o := &owner[pi]
-			if o.seq >= 0 && (o.seq != sq || o.begin != kb || o.end != ke) {
+			want := span{sq, qrows[k] - qs[sq], kb, ke}
+			if o.seq >= 0 && *o != want {
 				t.Fatalf("partial %d written by two items with different spans", pi)
 			}
-			*o = span{sq, kb, ke}
+			*o = want
 		}
 	}
 	segStart := ws[l.SegStart : l.SegStart+B+1]
 	used := make([]bool, s.Parts)
 	for sq := int32(0); sq < int32(B); sq++ {
-		next := int32(0)
-		for k := segStart[sq]; k < segStart[sq+1]; k++ {
-			sg := ws[l.Segs+int(k)*SegInts : l.Segs+int(k+1)*SegInts]
-			for c := int32(0); c < sg[1]; c++ {
-				pi := sg[0] + c*sg[2]
-				if pi < 0 || int(pi) >= s.Parts || used[pi] {
-					t.Fatalf("seq %d: partial %d out of range or merged twice", sq, pi)
+		for tok := int32(0); tok < ql[sq]; tok++ {
+			next := int32(0)
+			for k := segStart[sq]; k < segStart[sq+1]; k++ {
+				sg := ws[l.Segs+int(k)*SegInts : l.Segs+int(k+1)*SegInts]
+				for c := int32(0); c < sg[1]; c++ {
+					pi := sg[0] + tok + c*sg[2]
+					if pi < 0 || int(pi) >= s.Parts || used[pi] {
+						t.Fatalf("seq %d token %d: partial %d out of range or merged twice", sq, tok, pi)
+					}
+					used[pi] = true
+					o := owner[pi]
+					if o.seq != sq || o.tok != tok || o.begin != next {
+						t.Fatalf("seq %d token %d: partial %d covers seq %d token %d [%d, %d); expected a span from %d", sq, tok, pi, o.seq, o.tok, o.begin, o.end, next)
+					}
+					next = o.end
 				}
-				used[pi] = true
-				o := owner[pi]
-				if o.seq != sq || o.begin != next {
-					t.Fatalf("seq %d: partial %d covers seq %d [%d, %d); expected a span from %d", sq, pi, o.seq, o.begin, o.end, next)
-				}
-				next = o.end
 			}
-		}
-		if next < b.lens[sq] || next < te[sq] {
-			t.Fatalf("seq %d (len %d, tail capacity %d): states cover [0, %d)", sq, b.lens[sq], te[sq], next)
+			if next < b.lens[sq] || next < te[sq] {
+				t.Fatalf("seq %d token %d (len %d, tail capacity %d): states cover [0, %d)", sq, tok, b.lens[sq], te[sq], next)
+			}
 		}
 		if b.lens[sq] < tb[sq] || b.lens[sq] > te[sq] {
 			t.Fatalf("seq %d: len %d outside its tail [%d, %d]", sq, b.lens[sq], tb[sq], te[sq])
@@ -389,5 +434,74 @@ func TestMergeEmpty(t *testing.T) {
 	}
 	if st := attn.MergeRef(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
 		t.Fatalf("no states: lse %g out %v", st, out)
+	}
+}
+
+// decodeTree is B decode sequences (block size 16): all share p tokens,
+// groups of `group` share q more, each owns s.
+func decodeTree(B, p, group, q, s int) *batch {
+	cols := (p + q + s + 15) / 16
+	b := &batch{bs: 16, maxBlocks: cols, stride: cols, table: make([]int32, B*cols), lens: make([]int32, B)}
+	next := int32(0)
+	id := map[[2]int]int32{}
+	for i := 0; i < B; i++ {
+		for c := 0; c < cols; c++ {
+			key := [2]int{-1, c} // owned
+			switch {
+			case c < p/16:
+				key = [2]int{B, c}
+			case c < (p+q)/16 && group > 0:
+				key = [2]int{B + 1 + i/group, c}
+			default:
+				key = [2]int{i, c}
+			}
+			v, ok := id[key]
+			if !ok {
+				v = next
+				id[key] = v
+				next++
+			}
+			b.table[i*cols+c] = v
+		}
+		b.lens[i] = int32(p + q + s)
+	}
+	b.numBlocks = int(next)
+	return b
+}
+
+// The route cost model on the H100 benchmark's decode cases (32 q / 8 kv
+// heads, head_dim 128, fp16): the two where the cascade measured slower
+// than plain decode route to decode, the others to the cascade, and no
+// sharing to decode.
+func TestPlanCostModel(t *testing.T) {
+	cases := []struct {
+		name string
+		b    *batch
+		want int
+	}{
+		{"B=32 P=2048 S=512", decodeTree(32, 2048, 0, 0, 512), RouteDecode},
+		{"B=64 P=4096 S=512", decodeTree(64, 4096, 0, 0, 512), RouteCascade},
+		{"B=96 P=1024 S=512", decodeTree(96, 1024, 0, 0, 512), RouteDecode},
+		{"B=128 P=8192 S=256", decodeTree(128, 8192, 0, 0, 256), RouteCascade},
+		{"two-level", decodeTree(128, 4096, 16, 1024, 256), RouteCascade},
+		{"fork 64x4096 S=128", decodeTree(64, 4096, 0, 0, 128), RouteCascade},
+		{"no sharing B=32 L=4096", decodeTree(32, 0, 0, 0, 4096), RouteDecode},
+	}
+	var p Planner
+	for _, c := range cases {
+		l, err := NewLayout(len(c.b.lens), 32, 8, 128)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws := make([]int32, l.HostInts)
+		s, err := p.Plan(c.b.input(32, 8, 128), &l, ws)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dec, cas := p.decodeCost(&l, s.TotalTokens, s.SavedTokens), p.cascadeCost(&l, s.TotalTokens, s.SavedTokens)
+		t.Logf("%s: nodes %d, model: decode %.1f us, cascade %.1f us", c.name, s.Nodes, dec, cas)
+		if s.Route != c.want {
+			t.Errorf("%s: route %d, want %d (model: decode %.1f us, cascade %.1f us)", c.name, s.Route, c.want, dec, cas)
+		}
 	}
 }

@@ -8,13 +8,17 @@ import (
 )
 
 // Ref is the CPU reference of a planned run, in float64: every work item's
-// partial state (the queries of a shared run's members against its tokens,
-// or one sequence's tail chunk), then each sequence's merge of its states
-// by log-sum-exp weights, rounded once into out. It follows the plan in ws
-// exactly as the kernels do, so comparing it with attn.RefPagedDecode checks
-// the plan, and comparing the GPU with it checks the kernels. A decode-route
-// plan runs attn.RefPagedDecode. dl describes the layer (its Batch, heads
-// and head_dim must be the plan's); lse may be nil.
+// partial state (the query tokens of a shared run's members against its
+// tokens, or one sequence's tail chunk, causal over its query tokens), then
+// each query row's merge of its states by log-sum-exp weights, rounded once
+// into out. It follows the plan in ws exactly as the kernels do, so
+// comparing it with attn.RefPagedDecode or attn.RefPagedPrefill checks the
+// plan, and comparing the GPU with it checks the kernels. A plan on the
+// decode or prefill route runs attn.RefPagedDecode or attn.RefPagedPrefill.
+// dl describes the layer: its Batch is the plan's sequences, q and out have
+// the plan's Rows rows of QBatchStride / OutBatchStride (one per sequence in
+// decode); heads and head_dim must be the plan's. lse ([rows, num_q_heads])
+// may be nil.
 func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32) error {
 	s, err := Header(ws, l)
 	if err != nil {
@@ -24,44 +28,61 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 		return kverr.Errorf(kverr.InvalidArgument, "cascade_ref: the layer (batch %d, %d/%d heads, head_dim %d) is not the plan's (batch %d, %d q heads, group %d, head_dim %d)",
 			dl.Batch, dl.NumQHeads, dl.NumKVHeads, dl.HeadDim, s.Batch, l.NumQHeads, l.Group, l.HeadDim)
 	}
-	if s.Route == RouteDecode {
-		return attn.RefPagedDecode(dl, q, kCache, vCache, table, seqLens, out, lse, 1)
+	if len(seqLens) < s.Batch {
+		return kverr.Errorf(kverr.BufferTooSmall, "cascade_ref: seq_lens too short for %d sequences", s.Batch)
 	}
-	if len(seqLens) < s.Batch || len(out) < s.Batch*dl.DType.Size() {
-		return kverr.Errorf(kverr.BufferTooSmall, "cascade_ref: seq_lens or out too short for %d sequences", s.Batch)
+	qstart := ws[l.QStart : l.QStart+s.Batch+1]
+	switch s.Route {
+	case RouteDecode:
+		return attn.RefPagedDecode(dl, q, kCache, vCache, table, seqLens, out, lse, 1)
+	case RoutePrefill:
+		sh := attn.PrefillShape{DType: dl.DType, HeadDim: dl.HeadDim, NumQHeads: dl.NumQHeads, NumKVHeads: dl.NumKVHeads, WindowLeft: -1}
+		pl := attn.PrefillLayout{QTokenStride: dl.QBatchStride, QHeadStride: dl.QHeadStride,
+			OutTokenStride: dl.OutBatchStride, OutHeadStride: dl.OutHeadStride,
+			NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
+			CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
+			MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride, Scale: dl.Scale}
+		return attn.RefPagedPrefill(&sh, &pl, qstart, seqLens[:s.Batch], q, kCache, vCache, table, out, lse)
+	}
+	dt := dl.DType
+	if int64(len(out)) < int64(s.Rows)*int64(dt.Size()) {
+		return kverr.Errorf(kverr.BufferTooSmall, "cascade_ref: out too short for %d rows", s.Rows)
 	}
 	D, H, g := l.HeadDim, l.NumQHeads, l.Group
-	dt := dl.DType
 	parts := make([]float64, s.Parts*H*D)
 	plse := make([]float64, s.Parts*H)
 	for i := range plse {
 		plse[i] = math.Inf(-1)
 	}
-	order := ws[l.Order : l.Order+s.Batch]
+	qrows := ws[l.QRows : l.QRows+s.Rows]
 	qv := make([]float64, D)
 	var scores []float64
 	var rows []int64
 	for i := 0; i < s.Items; i++ {
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
 		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
+		tq := l.TileQ
+		delta := int64(1) << 30 // shared run: no mask
 		if it[iDynamic] != 0 {
+			tq = TailTileQ
 			ke = min(ke, seqLens[rep])
+			delta = int64(seqLens[rep]) - int64(it[iMCount])
 		}
 		kb = max(kb, 0)
 		trow := table[int64(rep)*dl.BlockTableStride:]
-		r0 := int(it[iTile]) * l.TileQ
-		r1 := min(r0+l.TileQ, int(it[iMCount])*g)
+		r0 := int(it[iTile]) * tq
+		r1 := min(r0+tq, int(it[iMCount])*g)
 		for kvh := 0; kvh < dl.NumKVHeads; kvh++ {
 			for r := r0; r < r1; r++ {
-				j, hh := r/g, r%g
+				k, hh := r/g, r%g
 				qh := kvh*g + hh
-				sq := int64(order[int(it[iMBegin])+j])
-				qo := sq*dl.QBatchStride + int64(qh)*dl.QHeadStride
+				qo := int64(qrows[int(it[iMBegin])+k])*dl.QBatchStride + int64(qh)*dl.QHeadStride
 				for d := 0; d < D; d++ {
 					qv[d] = dt.Load(q, qo+int64(d))
 				}
+				pos := delta + int64(k)
 				scores, rows = scores[:0], rows[:0]
-				for t := int(kb); t < int(ke); t++ {
+				for t := int(kb); t < int(ke) && int64(t) <= pos; t++ {
 					col := t / dl.BlockSize
 					if col >= dl.MaxBlocksPerSeq {
 						break
@@ -78,33 +99,36 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					scores = append(scores, float64(attn.SoftmaxScale(dl.Scale, dl.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
-				pi := (int(it[iPartBase])+j)*H + qh
+				pi := (int(it[iPartBase])+k)*H + qh
 				plse[pi] = attn.AttendRef(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
 			}
 		}
 	}
 	segStart := ws[l.SegStart : l.SegStart+s.Batch+1]
+	rowSeq := ws[l.RowSeq : l.RowSeq+s.Rows]
 	acc := make([]float64, D)
 	var stP []float64
 	var stL []float64
-	for b := 0; b < s.Batch; b++ {
+	for row := 0; row < s.Rows; row++ {
+		b := rowSeq[row]
+		i := int32(row) - qstart[b]
 		for h := 0; h < H; h++ {
 			stP, stL = stP[:0], stL[:0]
 			for k := segStart[b]; k < segStart[b+1]; k++ {
 				sg := ws[l.Segs+int(k)*SegInts : l.Segs+int(k+1)*SegInts]
 				for c := int32(0); c < sg[1]; c++ {
-					pi := int(sg[0]+c*sg[2])*H + h
+					pi := int(sg[0]+i+c*sg[2])*H + h
 					stP = append(stP, parts[pi*D:(pi+1)*D]...)
 					stL = append(stL, plse[pi])
 				}
 			}
 			st := attn.MergeRef(acc, stP, stL, D)
-			oo := int64(b)*dl.OutBatchStride + int64(h)*dl.OutHeadStride
+			oo := int64(row)*dl.OutBatchStride + int64(h)*dl.OutHeadStride
 			for d := 0; d < D; d++ {
 				dt.Store(out, oo+int64(d), acc[d])
 			}
 			if lse != nil {
-				lse[b*H+h] = float32(st)
+				lse[row*H+h] = float32(st)
 			}
 		}
 	}

@@ -8,7 +8,16 @@ import (
 	"github.com/kvplug/kvplug/core/attn"
 )
 
-// problem is a batch with random queries and caches in a layer layout.
+// rows is the batch's query rows.
+func (b *batch) rows() int {
+	if b.qo == nil {
+		return len(b.lens)
+	}
+	return int(b.qo[len(b.lens)])
+}
+
+// problem is a batch with random queries and caches in a layer layout (q
+// and out [rows, qh, D]).
 type problem struct {
 	b         *batch
 	dl        attn.DecodeLayout
@@ -30,7 +39,7 @@ func newProblem(r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int) *problem {
 		}
 		return buf
 	}
-	p.q = fill(len(b.lens) * qh * D)
+	p.q = fill(b.rows() * qh * D)
 	p.kc = fill(nb * b.bs * kvh * D)
 	p.vc = fill(nb * b.bs * kvh * D)
 	return p

@@ -15,14 +15,18 @@ func Header(ws []int32, l *Layout) (Summary, error) {
 	if h[hMagic] != planMagic {
 		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace holds no plan (plan with kvp_cascade_plan first)")
 	}
-	if int(h[hMaxBatch]) != l.MaxBatch || int(h[hGroup]) != l.Group || int(h[hTileQ]) != l.TileQ {
-		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan was made for another layout (max_batch %d, group %d, tile %d; expected %d, %d, %d)",
-			h[hMaxBatch], h[hGroup], h[hTileQ], l.MaxBatch, l.Group, l.TileQ)
+	if int(h[hMaxBatch]) != l.MaxBatch || int(h[hMaxTokens]) != l.MaxTokens || int(h[hGroup]) != l.Group || int(h[hTileQ]) != l.TileQ {
+		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan was made for another layout (max_batch %d, max_tokens %d, group %d, tile %d; expected %d, %d, %d, %d)",
+			h[hMaxBatch], h[hMaxTokens], h[hGroup], h[hTileQ], l.MaxBatch, l.MaxTokens, l.Group, l.TileQ)
 	}
 	s.Items, s.Batch, s.Nodes, s.Parts, s.Chunk = int(h[hItems]), int(h[hBatch]), int(h[hNodes]), int(h[hParts]), int(h[hChunk])
 	s.MaxKV, s.SavedTokens, s.TotalTokens = int(h[hMaxKV]), int64(h[hSaved]), int64(h[hTotal])
 	s.Route = int(h[hRoute])
 	s.Gen = h[hGen]
+	s.Rows, s.MaxQLen = int(h[hRows]), int(h[hMaxQLen])
+	if s.Batch < 0 || s.Batch > l.MaxBatch || s.Rows < 0 || s.Rows > l.MaxTokens || s.Items < 0 || s.Items > l.ItemCap || s.Parts < 0 || s.Parts > l.PartCap {
+		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan header is corrupt (batch %d, rows %d, items %d, parts %d)", s.Batch, s.Rows, s.Items, s.Parts)
+	}
 	return s, nil
 }
 
@@ -32,7 +36,8 @@ func Header(ws []int32, l *Layout) (Summary, error) {
 // the kernels read the tails' ends from the device's sequence lengths. false
 // means the batch needs a new plan (a tail outgrew its chunks, or a length
 // fell below the shared part it was planned with). A decode-route plan
-// always fits. The block tables' shared columns must not have changed: the
+// always fits; a plan with prefill rows (more query rows than sequences, or
+// the prefill route) never does: the next step's queries differ. The block tables' shared columns must not have changed: the
 // host cannot see that here (the caller's obligation).
 func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, error) {
 	if len(seqLens) != batch {
@@ -45,6 +50,9 @@ func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, err
 	if err != nil {
 		return false, err
 	}
+	if route == RoutePrefill || s.Rows != s.Batch {
+		return false, nil
+	}
 	if s.Batch != batch {
 		return false, kverr.Errorf(kverr.InvalidArgument, "cascade_update: the host workspace holds a plan of %d sequences; the plan given has %d (planned again since?)", s.Batch, batch)
 	}
@@ -56,4 +64,16 @@ func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, err
 		}
 	}
 	return true, nil
+}
+
+// PlanLayout is the layout of the plan in the host workspace ws for a
+// capacity of maxBatch sequences: its query-row capacity is read from the
+// plan's header (max_batch when ws holds no plan, which Header then
+// refuses).
+func PlanLayout(ws []int32, maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
+	maxTok := maxBatch
+	if len(ws) >= HeaderInts && ws[hMagic] == planMagic && int(ws[hMaxTokens]) >= maxBatch {
+		maxTok = int(ws[hMaxTokens])
+	}
+	return NewPrefillLayout(maxBatch, maxTok, numQHeads, numKVHeads, headDim)
 }

@@ -1,0 +1,362 @@
+// One tile of packed query rows against a run of paged K/V tokens, on the
+// tensor cores: the inner loop shared by the prefill kernel (kvp_prefill.cuh)
+// and the shared-prefix kernel's items (kvp_cascade.cuh), so that both run
+// the same code.
+//
+// FlashAttention-2 layout on mma.sync m16n8k16: 4 warps, each owning 16 * MT
+// packed rows and all 64 tokens of a K/V tile; K/V tiles stream through a
+// cp.async pipeline; the physical row offset of each token of a tile is
+// resolved once per tile from the block table (so block size 1 costs what
+// large blocks cost). Packed row r of the tile is (token, q head) =
+// ((r0 + r) / group, (r0 + r) % group) of the caller's rows; a row at
+// position pos sees tokens t <= pos (and t >= pos - window_left when
+// window_left >= 0): causal for prefill and a sequence's own tail, and
+// unmasked for a shared run (every member's queries come after it), which
+// passes a position past every token. A warp skips the tiles its rows cannot
+// see.
+#pragma once
+
+#include "kvp_common.cuh"
+
+namespace kvp {
+
+static_assert(KVP_PREFILL_TILE_KV == KVP_CASCADE_TILE_KV, "one K/V tile size for both kernels");
+
+// Geometry of a tile of 4 warps x MT m16 row tiles at head_dim D, and the
+// layout of its shared memory: query tile, K/V pipeline stages, token row
+// offsets.
+template <int D, int MT_>
+struct TileCfg {
+    static constexpr int MT = MT_;
+    static constexpr int TQ = 4 * 16 * MT;  // packed rows per tile
+    static constexpr int TK = KVP_PREFILL_TILE_KV;
+    static constexpr int STAGES = D <= 64 ? 3 : 2;
+    static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
+    static constexpr int CPR = D / 8;        // 16-byte chunks per row
+    static constexpr int Q_BYTES = TQ * D * 2;
+    static constexpr int KV_TILE_BYTES = TK * D * 2;
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;
+    static constexpr int OFF_BYTES = RING * TK * 8;
+    static constexpr int SMEM = Q_BYTES + STAGES * STAGE_BYTES + OFF_BYTES;
+};
+
+// Block-table lookups of one sequence for one kv head (as the decode
+// kernel's RowResolver): a token's element offset in the caches, or -1 when
+// its table column is past max_blocks_per_seq or its block is out of range.
+struct PagedRows {
+    const int32_t* table;
+    int block_size, shift, max_blocks, num_blocks;
+    int64_t block_stride, token_stride, head_off;
+
+    __device__ __forceinline__ void init(uint64_t block_table, int64_t table_stride, int b, int bs, int max_blk,
+                                         int n_blocks, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
+                                         int kvh) {
+        table = reinterpret_cast<const int32_t*>(block_table) + (int64_t)b * table_stride;
+        block_size = bs;
+        shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+        max_blocks = max_blk;
+        num_blocks = n_blocks;
+        block_stride = blk_stride;
+        token_stride = tok_stride;
+        head_off = (int64_t)kvh * head_stride;
+    }
+    __device__ __forceinline__ int load_block(int tok, int& off) const {
+        const int col = shift >= 0 ? tok >> shift : tok / block_size;
+        off = tok - col * block_size;
+        if (col >= max_blocks) return -1;
+        return __ldg(table + col);
+    }
+    __device__ __forceinline__ int64_t offset(int blk, int off) const {
+        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
+        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
+    }
+};
+
+// 16-byte async copy with the default L2 policy: K/V tiles are read again by
+// the other row tiles of the same rows' sequence (or shared run), so they
+// should stay in L2.
+__device__ __forceinline__ void cp_async16_keep(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+// Swizzled byte offset of 16-byte chunk c of row r in a [rows][CPR] tile:
+// ldmatrix's 8 row addresses of one chunk column land in 8 different banks.
+template <int CPR>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+    return (uint32_t)(r * CPR + (c ^ (r & 7))) * 16u;
+}
+
+// What one tile computes: packed rows [r0, r0 + nrows) of the caller's rows
+// (row r -> token r / group, head kvh * group + r % group), token of row r
+// at position delta + r / group, against tokens [kv_begin, kv_end) read in
+// n_tiles tiles from kv_begin on.
+struct TileJob {
+    int r0, nrows, group, kvh;
+    int delta;        // position of the caller's token 0 (large: no causal mask)
+    int window_left;  // < 0: no window
+    int kv_begin, kv_end, n_tiles;
+    int64_t q_head_stride;
+    float scale;
+};
+
+// Runs one tile. qrow(tok) is the element offset in q of token tok's row
+// (head 0); emit(tok, qh, o, h, l, m) stores the row g + 8h of this thread
+// (o: its m16 tile's accumulators, this thread's columns qd + 8c, qd + 8c + 1
+// in o[c][2h], o[c][2h + 1]; l: the row's softmax sum over the tile's tokens,
+// 0 when it saw none; m: its running max, log2 domain). The shared memory is
+// free again on return.
+template <typename T, int D, int MT, class QRow, class Emit>
+__device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr, const T* q, const T* kc, const T* vc,
+                                          QRow qrow, Emit emit, uint8_t* smem) {
+    using C = TileCfg<D, MT>;
+    constexpr int TQ = C::TQ, TK = C::TK, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
+    constexpr int NT = 128;
+    constexpr int WR = 16 * MT;               // rows per warp
+    constexpr int KV_CHUNKS = TK * CPR / NT;  // per tensor per stage per thread
+    constexpr int Q_CHUNKS = TQ * CPR / NT;
+    static_assert(KVP_PREFILL_THREADS == NT && KVP_CASCADE_THREADS == NT, "4 warps per tile");
+    static_assert(TK * CPR % NT == 0 && TQ * CPR % NT == 0, "chunks divide evenly");
+
+    uint8_t* s_q = smem;
+    uint8_t* s_kv = smem + C::Q_BYTES;
+    int64_t* s_off = reinterpret_cast<int64_t*>(s_kv + STAGES * C::STAGE_BYTES);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int group = jb.group, wl = jb.window_left, kb = jb.kv_begin, ke = jb.kv_end, n_tiles = jb.n_tiles;
+
+    // Table entries of the first STAGES + 1 tiles.
+    int pblk[STAGES + 1], poff[STAGES + 1];
+#pragma unroll
+    for (int j = 0; j <= STAGES; ++j) {
+        pblk[j] = -1;
+        poff[j] = 0;
+        if (tid < TK && j < n_tiles) pblk[j] = rr.load_block(kb + j * TK + tid, poff[j]);
+    }
+    // Query tile: packed rows past nrows are zero-filled.
+    const uint32_t s_q_u32 = smem_u32(s_q);
+#pragma unroll
+    for (int k = 0; k < Q_CHUNKS; ++k) {
+        const int i = tid + k * NT;
+        const int r = i / CPR, c = i % CPR;
+        const T* src = q;
+        int bytes = 0;
+        if (r < jb.nrows) {
+            const int pr = jb.r0 + r;
+            const int tok = pr / group;
+            const int qh = jb.kvh * group + (pr - tok * group);
+            src += qrow(tok) + (int64_t)qh * jb.q_head_stride + c * 8;
+            bytes = 16;
+        }
+        cp_async16_keep(s_q_u32 + swz<CPR>(r, c), src, bytes);
+    }
+    if (tid < TK) {
+#pragma unroll
+        for (int j = 0; j < STAGES; ++j) {
+            const int tok = kb + j * TK + tid;
+            s_off[j * TK + tid] = (j < n_tiles && tok < ke) ? rr.offset(pblk[j], poff[j]) : -1;
+        }
+    }
+    int cblk = pblk[STAGES], coff = poff[STAGES];
+    __syncthreads();
+
+    const uint32_t s_kv_u32 = smem_u32(s_kv);
+    auto issue = [&](int j) {
+        const int64_t* offs = s_off + (j % RING) * TK;
+        const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
+        const uint32_t sv = sk + C::KV_TILE_BYTES;
+#pragma unroll
+        for (int i = 0; i < KV_CHUNKS; ++i) {
+            const int c = tid + i * NT;
+            const int r = c / CPR, col = c % CPR;
+            const int64_t o = offs[r];
+            const int bytes = o >= 0 ? 16 : 0;
+            const int64_t src = o >= 0 ? o + col * 8 : 0;
+            cp_async16_keep(sk + swz<CPR>(r, col), kc + src, bytes);
+            cp_async16_keep(sv + swz<CPR>(r, col), vc + src, bytes);
+        }
+    };
+    cp_async_commit();  // the query tile
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < n_tiles) issue(j);
+        cp_async_commit();
+    }
+
+    // This thread's rows: g and g + 8 of each of the warp's m16 tiles.
+    const int g = lane >> 2, qd = (lane & 3) * 2;
+    int pos[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp * WR + mt * 16 + g + h * 8;
+            pos[mt][h] = r < jb.nrows ? jb.delta + (jb.r0 + r) / group : -1;  // -1: padding row, sees nothing
+        }
+    }
+    const bool warp_live = warp * WR < jb.nrows;
+    const int wlast = min(warp * WR + WR - 1, jb.nrows - 1);
+    const int wpos_max = jb.delta + (jb.r0 + wlast) / group;      // last position of the warp's rows
+    const int wpos_min = jb.delta + (jb.r0 + warp * WR) / group;  // first
+
+    const float sl = jb.scale * kLog2e;
+    float m_run[MT][2], l_run[MT][2];
+    float o_acc[MT][CPR][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        m_run[mt][0] = m_run[mt][1] = neg_inf();
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+#pragma unroll
+        for (int c = 0; c < CPR; ++c) o_acc[mt][c][0] = o_acc[mt][c][1] = o_acc[mt][c][2] = o_acc[mt][c][3] = 0.f;
+    }
+
+    const int qa_row = warp * WR + (lane & 7) + ((lane >> 3) & 1) * 8, qa_chk = lane >> 4;
+    const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_chk = (lane >> 3) & 1;
+    const int vb_row = (lane & 7) + ((lane >> 3) & 1) * 8, vb_chk = lane >> 4;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (j + STAGES - 1 < n_tiles) issue(j + STAGES - 1);
+        cp_async_commit();
+        int nblk = -1, noff = 0;
+        if (tid < TK && j + STAGES + 1 < n_tiles) nblk = rr.load_block(kb + (j + STAGES + 1) * TK + tid, noff);
+
+        const int kv0 = kb + j * TK;
+        const bool visible = warp_live && kv0 <= wpos_max && (wl < 0 || kv0 + TK - 1 >= wpos_min - wl);
+        if (visible) {
+            const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
+            const uint32_t sv = sk + C::KV_TILE_BYTES;
+            float s[MT][8][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(a[mt], s_q_u32 + swz<CPR>(qa_row + mt * 16, kk * 2 + qa_chk));
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    uint32_t bk[4];
+                    ldmatrix_x4(bk, sk + swz<CPR>(np * 16 + kb_row, kk * 2 + kb_chk));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                        mma16816<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                    }
+                }
+            }
+            // Mask: causal (token <= the row's position), window, tokens past
+            // the range or in ignored blocks (row offset -1).
+            const int64_t* offs = s_off + (j % RING) * TK;
+            const bool full = kv0 + TK - 1 <= wpos_min && (wl < 0 || kv0 >= wpos_max - wl) && kv0 + TK <= ke;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = n * 8 + qd + e;
+                        const int kv = kv0 + col;
+                        bool ok0 = true, ok1 = true;
+                        if (!full) {
+                            const bool tok_ok = offs[col] >= 0;
+                            ok0 = tok_ok && kv <= pos[mt][0] && (wl < 0 || kv >= pos[mt][0] - wl);
+                            ok1 = tok_ok && kv <= pos[mt][1] && (wl < 0 || kv >= pos[mt][1] - wl);
+                        } else if (offs[col] < 0) {
+                            ok0 = ok1 = false;
+                        }
+                        s[mt][n][e] = ok0 ? s[mt][n][e] * sl : neg_inf();
+                        s[mt][n][e + 2] = ok1 ? s[mt][n][e + 2] * sl : neg_inf();
+                        mx[0] = fmaxf(mx[0], s[mt][n][e]);
+                        mx[1] = fmaxf(mx[1], s[mt][n][e + 2]);
+                    }
+                }
+                float alpha[2], m_use[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    const float mn = fmaxf(m_run[mt][r], mx[r]);
+                    m_use[r] = mn == neg_inf() ? 0.f : mn;  // row fully masked so far: keep exp2 finite
+                    alpha[r] = exp2f(m_run[mt][r] - m_use[r]);
+                    m_run[mt][r] = mn;
+                }
+                float ps[2] = {0.f, 0.f};
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    s[mt][n][0] = exp2f(s[mt][n][0] - m_use[0]);
+                    s[mt][n][1] = exp2f(s[mt][n][1] - m_use[0]);
+                    s[mt][n][2] = exp2f(s[mt][n][2] - m_use[1]);
+                    s[mt][n][3] = exp2f(s[mt][n][3] - m_use[1]);
+                    ps[0] += s[mt][n][0] + s[mt][n][1];
+                    ps[1] += s[mt][n][2] + s[mt][n][3];
+                }
+                l_run[mt][0] = l_run[mt][0] * alpha[0] + ps[0];
+                l_run[mt][1] = l_run[mt][1] * alpha[1] + ps[1];
+#pragma unroll
+                for (int c = 0; c < CPR; ++c) {
+                    o_acc[mt][c][0] *= alpha[0];
+                    o_acc[mt][c][1] *= alpha[0];
+                    o_acc[mt][c][2] *= alpha[1];
+                    o_acc[mt][c][3] *= alpha[1];
+                }
+            }
+            // O += P V, 16 tokens per k-step; the C fragments of S are the A
+            // fragments of P; each V fragment feeds every m16 tile.
+#pragma unroll
+            for (int kt = 0; kt < TK / 16; ++kt) {
+                uint32_t pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    pa[mt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+                    pa[mt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+                    pa[mt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+                    pa[mt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+                }
+#pragma unroll
+                for (int c = 0; c < CPR; c += 2) {
+                    uint32_t bv[4];
+                    ldmatrix_x4_trans(bv, sv + swz<CPR>(kt * 16 + vb_row, c + vb_chk));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<T>(o_acc[mt][c], pa[mt], bv[0], bv[1]);
+                        mma16816<T>(o_acc[mt][c + 1], pa[mt], bv[2], bv[3]);
+                    }
+                }
+            }
+        }
+
+        const int jt = j + STAGES;
+        if (tid < TK && jt < n_tiles) {
+            const int tok = kb + jt * TK + tid;
+            s_off[(jt % RING) * TK + tid] = tok < ke ? rr.offset(cblk, coff) : -1;
+        }
+        cblk = nblk;
+        coff = noff;
+    }
+
+    // Each warp holds whole rows: hand each live row to the caller.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[mt][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int r = warp * WR + mt * 16 + g + h * 8;
+            if (r >= jb.nrows) continue;
+            const int pr = jb.r0 + r;
+            const int tok = pr / group;
+            emit(tok, jb.kvh * group + (pr - tok * group), o_acc[mt], h, l, m_run[mt][h]);
+        }
+    }
+    // The next tile reuses the shared memory.
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+}  // namespace kvp
