@@ -114,6 +114,7 @@ class Engine:
         self.steps = self.preemptions = self.prefill_tokens = 0
         self.step_times: List[float] = []
         self.host_times: List[float] = []  # scheduling + manager calls, per step
+        self.batch_sizes: List[int] = []  # sequences per step
         self.peak_blocks = 0
 
     def submit(self, req: Request) -> None:
@@ -269,20 +270,26 @@ class Engine:
         self.steps += 1
         self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
         self.step_times.append(t3 - t0)
+        self.batch_sizes.append(len(batch))
         self.host_times.append((t1 - t0) + (t3 - t2) + self.runner.last_prep)
         self.peak_blocks = max(self.peak_blocks, self.cache.manager.stats().used_blocks)
         return batch.num_tokens
 
     # -- the loop -----------------------------------------------------------------
 
-    def run(self, requests: List[Request], log: Callable[[str], None] = print) -> float:
+    def run(self, requests: List[Request], log: Callable[[str], None] = print, time_limit: float = 0.0) -> float:
         """Serves requests as they arrive (arrival times relative to the
-        start); returns the wall time."""
+        start); returns the wall time. time_limit > 0 stops the loop after
+        that many seconds, unfinished requests left as they are."""
         pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
         last_log = 0.0
         while pending or not self.idle:
+            if time_limit and now() > time_limit:
+                log(f"time limit of {time_limit:.0f} s reached: stopping with {len(self.running)} running, "
+                    f"{len(self.waiting) + len(pending)} waiting")
+                break
             while pending and pending[0].arrival <= now():
                 self.submit(pending.popleft())
             if self.idle:
@@ -361,6 +368,16 @@ def make_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
             model = model_cls(cfg)
     finally:
         torch.set_default_dtype(prev)
+    # Explicit random weights (norms at 1, biases 0): the same on every run whatever transformers' own init does.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()  # biases
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
     return model.eval()
 
 

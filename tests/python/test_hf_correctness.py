@@ -6,7 +6,7 @@ at that position, through prefix-cache hits, chunk boundaries inside
 blocks, mixed prefill/decode steps, preemption with re-admission, and forks.
 
 On the CPU the attention is the torch reference path over the paged cache
-(gather through the block table and slots, then SDPA): the same manager,
+(gather through the block table and slots, then softmax attention): the same manager,
 block-table and slot logic the kernels use. tests/gpu/test_hf_torch.py runs
 this harness with the kernels. torch and transformers are required: a
 missing one fails the run (make test installs both)."""

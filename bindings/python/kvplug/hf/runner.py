@@ -95,7 +95,7 @@ class Runner:
 
     backend: "kernels" (kvplug's CUDA kernels; needs a CUDA fp16/bf16
     cache), "torch" (the reference path: gather through the block table and
-    torch SDPA; any device), or "auto" (kernels where they run).
+    softmax attention in torch; any device), or "auto" (kernels where they run).
     max_batch / max_step_tokens bound a step (they size the kernels'
     workspaces); max_model_len bounds a sequence (the block-table width).
     cuda_graphs: capture decode steps for batch sizes `graph_sizes`

@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""Serving benchmark of a transformers model on kvplug (issue 14, item 4).
+
+A Llama-3-8B-shaped model (random bf16 weights, nothing downloaded) serves
+three workloads, all requests arriving at the start:
+  a: N requests sharing a 2048-token system prompt, each with 50-500 own
+     tokens and 128-512 output tokens;
+  b: the same with no shared prompt;
+  c: P prompts (50-500 tokens) each sampled S ways (forks), 128-512 outputs.
+Three systems serve each:
+  kvplug      the continuous-batching loop of examples/hf_engine.py on
+              kvplug.hf (kvplug's manager, prefix cache and kernels; decode
+              steps replayed from CUDA graphs);
+  flashinfer  the same loop and manager with FlashInfer's attention
+              (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
+              steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
+              graphs too) over the same paged cache; K/V written by kvplug's
+              kv_write in both;
+  hf          transformers' own batched generate (SDPA, DynamicCache, left
+              padding, static batches of --hf-batch), on --hf-requests of the
+              workload's requests.
+Output tokens/s, TTFT and TPOT percentiles, prefix hit rate, preemptions and
+the host share of step time (scheduling, manager calls, planning, sampling
+bookkeeping) per run, then the kvplug/flashinfer ratios.
+
+    python bench/hf_bench.py                             # the issue's full scale
+    python bench/hf_bench.py --scale 0.125 --out-scale 0.25 --hf-requests 16
+    python bench/hf_bench.py --model tiny-llama --device cpu --systems kvplug --scale 0.02   # a smoke run
+
+FlashInfer comes from the bundle of ../shared/peers/flashinfer-bundle.sh
+(PYTHONPATH, FLASHINFER_* as that script says); it compiles its kernels on
+first use (about 30 s for fa2 prefill and decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import kvplug
+import kvplug.hf as kvhf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_engine():
+    spec = importlib.util.spec_from_file_location("hf_engine", ROOT / "examples" / "hf_engine.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["hf_engine"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+E = _load_engine()
+
+
+# -- workloads ---------------------------------------------------------------------
+
+
+def workload(name: str, args, vocab: int) -> List[Any]:
+    rng = np.random.default_rng({"a": 1, "b": 2, "c": 3}[name])
+    o_lo, o_hi = (max(1, int(x * args.out_scale)) for x in args.output)
+    reqs = []
+    if name in ("a", "b"):
+        n = max(1, int(round(args.requests * args.scale)))
+        system = rng.integers(1, vocab, args.system).tolist() if name == "a" else None
+        for i in range(n):
+            own = rng.integers(1, vocab, int(rng.integers(args.own[0], args.own[1] + 1))).tolist()
+            # b: a prompt of the same length with nothing shared
+            prompt = (system + own) if system is not None else rng.integers(1, vocab, args.system + len(own)).tolist()
+            reqs.append(E.Request(i, 0.0, prompt, int(rng.integers(o_lo, o_hi + 1))))
+    else:
+        p = max(1, int(round(args.prompts_c * args.scale))) if args.scale < 1 else args.prompts_c
+        for i in range(p):
+            prompt = rng.integers(1, vocab, int(rng.integers(args.own[0], args.own[1] + 1))).tolist()
+            reqs.append(E.Request(i, 0.0, prompt, int(rng.integers(o_lo, o_hi + 1)), n=args.samples_c, temperature=1.0))
+    return reqs
+
+
+def fresh(reqs: List[Any]) -> List[Any]:
+    """The same requests with the engine's fields reset."""
+    return [E.Request(r.rid, r.arrival, list(r.prompt), r.max_new_tokens, r.n, r.temperature) for r in reqs]
+
+
+# -- FlashInfer over the same paged cache -----------------------------------------------
+
+
+def _paged(batch: kvhf.Batch, bs: int):
+    """FlashInfer's paged-KV description of a batch (CPU int32 tensors)."""
+    lens = batch.seq_lens.astype(np.int64)
+    nblk = (lens + bs - 1) // bs
+    indptr = np.zeros(len(lens) + 1, np.int32)
+    np.cumsum(nblk, out=indptr[1:])
+    mask = np.arange(batch.block_table.shape[1])[None, :] < nblk[:, None]
+    indices = batch.block_table[mask].astype(np.int32)
+    last = ((lens - 1) % bs + 1).astype(np.int32)
+    return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
+
+
+class _FIDecodeGraph:
+    """A decode step for up to `size` sequences in a CUDA graph with
+    FlashInfer's decode wrapper in graph mode (planned before each replay);
+    padding rows read block 0 with length 1 and write nothing."""
+
+    def __init__(self, runner: "FlashInferRunner", size: int, pool: Any) -> None:
+        fi, c, dev = runner.fi, runner.cache, runner.cache.device
+        self.runner, self.size = runner, size
+        self.ids = torch.zeros((1, size), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((1, size), dtype=torch.long, device=dev)
+        self.slots = torch.full((size,), -1, dtype=torch.int32, device=dev)
+        self.w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            runner.fi_ws, "NHD", use_cuda_graph=True, use_tensor_cores=runner.fi_tensor_cores,
+            paged_kv_indptr_buffer=torch.empty(size + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.empty(size * runner.max_blocks, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.empty(size, dtype=torch.int32, device=dev))
+        self._plan(torch.arange(size + 1, dtype=torch.int32), torch.zeros(size, dtype=torch.int32),
+                   torch.ones(size, dtype=torch.int32))
+        ctx = kvhf.StepContext(c, "custom", self.slots, torch.zeros((size, 1), dtype=torch.int32, device=dev),
+                               torch.ones(size, dtype=torch.int32, device=dev), np.arange(size + 1, dtype=np.int32),
+                               np.ones(size, np.int32), True, custom=runner.attend_with(lambda: self.w))
+        model = runner.model
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=ctx)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=ctx).logits[0]
+
+    def _plan(self, indptr, indices, last) -> None:
+        r = self.runner
+        sh = r.cache.shape
+        self.w.plan(indptr, indices, last, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, r.cache.block_size,
+                    pos_encoding_mode="NONE", q_data_type=r.cache.dtype, kv_data_type=r.cache.dtype,
+                    sm_scale=1.0 / math.sqrt(sh.head_dim))
+
+    def load(self, batch: kvhf.Batch) -> None:
+        n, pad = len(batch), self.size - len(batch)
+        host = torch.from_numpy
+        self.ids[0, :n].copy_(host(batch.input_ids), non_blocking=True)
+        self.pos[0, :n].copy_(host(batch.seq_lens.astype(np.int64) - 1), non_blocking=True)
+        self.slots.fill_(-1)
+        self.slots[:n].copy_(host(batch.slot_mapping), non_blocking=True)
+        indptr, indices, last = _paged(batch, self.runner.cache.block_size)
+        if pad:
+            top = int(indptr[-1])
+            indptr = torch.cat([indptr, top + torch.arange(1, pad + 1, dtype=torch.int32)])
+            indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32)])
+            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        self._plan(indptr, indices, last)
+
+    def replay(self, n: int) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits[:n]
+
+
+class FlashInferRunner(kvhf.Runner):
+    """kvhf.Runner with FlashInfer's attention: the same cache, manager,
+    block tables and slots; one FlashInfer plan per step."""
+
+    def __init__(self, model, cache, *, prefill_backend: str = "fa2", tensor_cores: bool = True, **kw) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.fi_tensor_cores = tensor_cores
+        self.fi_ws = torch.zeros(256 << 20, dtype=torch.uint8, device=cache.device)
+        self.fi_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.fi_ws, "NHD", backend=prefill_backend)
+        self.fi_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.fi_ws, "NHD", use_tensor_cores=tensor_cores)
+        if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
+            raise ValueError("the FlashInfer runner of this benchmark plans without a window")
+        super().__init__(model, cache, backend="kernels", **kw)
+
+    def attend_with(self, wrapper):
+        cache = self.cache
+
+        def attend(ctx, layer, q, k, v, scale, window_left):
+            kc, vc = cache.k_cache(layer), cache.v_cache(layer)
+            kvplug.attn.kv_write(k, v, kc, vc, ctx.slots)
+            return wrapper().run(q.contiguous(), (kc, vc))
+
+        return attend
+
+    def capture(self, sizes=None) -> None:
+        if sizes is None:
+            sizes = [s for s in (1, 2, 4, 8) if s <= self.max_batch] + list(range(16, self.max_batch + 1, 16))
+        pool = None
+        with torch.no_grad():
+            for s in sorted({int(x) for x in sizes if 0 < int(x) <= self.max_batch}, reverse=True):
+                g = _FIDecodeGraph(self, s, pool)
+                pool = g.graph.pool()
+                self.graphs[s] = g
+        torch.cuda.synchronize(self.device)
+
+    def _context(self, batch: kvhf.Batch) -> kvhf.StepContext:
+        sh, c = self.cache.shape, self.cache
+        dev = self.device
+        meta = torch.from_numpy(np.concatenate([batch.slot_mapping, batch.seq_lens]).astype(np.int32)).pin_memory()
+        meta_d = meta.to(dev, non_blocking=True)
+        T = batch.num_tokens
+        indptr, indices, last = _paged(batch, c.block_size)
+        scale = 1.0 / math.sqrt(sh.head_dim)
+        if batch.is_decode:
+            w = self.fi_decode
+            w.plan(indptr, indices, last, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, c.block_size,
+                   pos_encoding_mode="NONE", q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=scale)
+        else:
+            w = self.fi_prefill
+            w.plan(torch.from_numpy(batch.qo_indptr()), indptr, indices, last, sh.num_q_heads, sh.num_kv_heads,
+                   sh.head_dim, c.block_size, causal=True, sm_scale=scale, q_data_type=c.dtype, kv_data_type=c.dtype)
+        return kvhf.StepContext(c, "custom", meta_d[:T], torch.empty(0, device=dev), meta_d[T:], batch.qo_indptr(),
+                                batch.seq_lens, batch.is_decode, custom=self.attend_with(lambda: w))
+
+
+# -- transformers' own generate ------------------------------------------------------------
+
+
+class _Times:
+    """A generate streamer that notes when the first new tokens came out."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: Optional[float] = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model, reqs: List[Any], batch: int, device: str, time_limit: float) -> Dict[str, Any]:
+    model.set_attn_implementation("sdpa")
+    t0 = time.perf_counter()
+    out_tokens, ttft, tpot, done = 0, [], [], 0
+    order = sorted(reqs, key=lambda r: len(r.prompt))  # similar lengths together: less padding
+    per = max(1, batch // max(1, reqs[0].n))
+    for i in range(0, len(order), per):
+        if time_limit and time.perf_counter() - t0 > time_limit:
+            break
+        group = order[i:i + per]
+        L = max(len(r.prompt) for r in group)
+        ids = torch.zeros((len(group), L), dtype=torch.long)
+        mask = torch.zeros((len(group), L), dtype=torch.long)
+        for j, r in enumerate(group):  # left padding, as decoder-only generation needs
+            ids[j, L - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[j, L - len(r.prompt):] = 1
+        new = max(r.max_new_tokens for r in group)
+        st = _Times()
+        sample = group[0].temperature > 0
+        with torch.no_grad():
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=sample, temperature=1.0 if sample else None, top_k=0 if sample else None,
+                           top_p=1.0 if sample else None, num_return_sequences=group[0].n, pad_token_id=0,
+                           streamer=st)
+        torch.cuda.synchronize() if device.startswith("cuda") else None
+        end = time.perf_counter()
+        for r in group:  # only the tokens a request asked for count as output
+            out_tokens += r.max_new_tokens * r.n
+            ttft.append(st.first - t0)
+            tpot.append((end - st.first) / max(new - 1, 1))
+            done += 1
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "out_tokens": out_tokens, "finished": done, "requests": len(reqs),
+            "ttft": ttft, "tpot": tpot}
+
+
+# -- a run ----------------------------------------------------------------------------------
+
+
+def pct(a, q) -> float:
+    return float(np.percentile(a, q)) * 1e3 if len(a) else float("nan")
+
+
+def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
+    kvhf.prepare_model(model)
+    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    block_bytes = 2 * model.config.num_hidden_layers * args.block_size * kvhf.ModelShape.of(model.config).num_kv_heads \
+        * kvhf.ModelShape.of(model.config).head_dim * torch.tensor([], dtype=dtype).element_size()
+    num_blocks = args.num_blocks or int(args.kv_gb * 2**30 // block_bytes)
+    cache = kvhf.PagedKVCache.for_model(model, num_blocks, args.block_size)
+    t0 = time.perf_counter()
+    kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
+              cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
+    if system == "kvplug":
+        runner = kvhf.Runner(model, cache, backend="auto", **kw)
+    else:
+        runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)
+    setup = time.perf_counter() - t0
+    engine = E.Engine(runner, E.EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=0,
+                                             progress_every=0 if args.quiet else 10.0))
+    wall = engine.run(reqs, log=lambda s: print("    " + s, flush=True), time_limit=args.time_limit)
+    done = [r for r in reqs if r.finished is not None]
+    ps = cache.manager.prefix_stats()
+    host = np.array(engine.host_times)
+    steps = np.array(engine.step_times)
+    big = [h / s for h, s, n in zip(engine.host_times, engine.step_times, engine.batch_sizes) if n >= args.max_batch * 0.9]
+    res = {
+        "wall": wall, "setup": setup, "out_tokens": sum(r.output_tokens for r in reqs), "finished": len(done),
+        "requests": len(reqs), "ttft": [r.first_token - r.arrival for r in done],
+        "tpot": [(r.finished - r.first_token) / max(r.output_tokens / r.n - 1, 1) for r in done],
+        "hit_rate": ps.hit_rate, "preemptions": engine.preemptions, "steps": engine.steps,
+        "graph_steps": runner.graph_steps, "host_share": float(host.sum() / max(steps.sum(), 1e-9)),
+        "host_share_full_batch": float(np.mean(big)) if big else float("nan"),
+        "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks,
+    }
+    cache.close()
+    del runner, engine, cache
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
+
+
+def line(system: str, wl: str, r: Dict[str, Any]) -> str:
+    tps = r["out_tokens"] / max(r["wall"], 1e-9)
+    extra = ""
+    if "hit_rate" in r:
+        extra = (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
+                 f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}")
+    return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
+            f"TTFT p50 {pct(r['ttft'], 50):8.1f} p99 {pct(r['ttft'], 99):8.1f} ms  "
+            f"TPOT p50 {pct(r['tpot'], 50):6.1f} p99 {pct(r['tpot'], 99):6.1f} ms" + extra)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--systems", default="kvplug,flashinfer,hf")
+    ap.add_argument("--requests", type=int, default=512, help="requests of a and b (times --scale)")
+    ap.add_argument("--prompts-c", type=int, default=16, help="prompts of c (times --scale when < 1)")
+    ap.add_argument("--samples-c", type=int, default=32, help="samples per prompt of c")
+    ap.add_argument("--scale", type=float, default=1.0, help="scales the request counts")
+    ap.add_argument("--system", type=int, default=2048, help="shared system-prompt tokens of a")
+    ap.add_argument("--own", type=int, nargs=2, default=[50, 500])
+    ap.add_argument("--output", type=int, nargs=2, default=[128, 512])
+    ap.add_argument("--out-scale", type=float, default=1.0, help="scales the output lengths")
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV pool size (GiB) unless --num-blocks")
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    ap.add_argument("--fi-prefill-backend", default="fa2", help="FlashInfer prefill backend (fa3 compiles for ~2 min)")
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests (c: prompts) transformers' generate serves")
+    ap.add_argument("--hf-batch", type=int, default=64, help="sequences per generate call")
+    ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
+    ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    model = E.make_model(args.model, dtype, args.device)
+    vocab = model.config.vocab_size
+    print(f"kvplug {kvplug.version_string()}, torch {torch.__version__}, {args.model} {args.dtype} on {args.device} "
+          f"({time.perf_counter() - t0:.1f} s to build), "
+          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}", flush=True)
+    results: Dict[str, Dict[str, Any]] = {}
+    for wl in args.workloads.split(","):
+        reqs = workload(wl, args, vocab)
+        toks = sum(len(r.prompt) for r in reqs)
+        print(f"workload {wl}: {len(reqs)} requests x {reqs[0].n}, {toks} prompt tokens, "
+              f"{sum(r.max_new_tokens * r.n for r in reqs)} output tokens", flush=True)
+        for system in args.systems.split(","):
+            t1 = time.perf_counter()
+            if system == "hf":
+                sub = fresh(reqs[:args.hf_requests])
+                r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
+            elif system in ("kvplug", "flashinfer"):
+                r = run_loop(system, model, fresh(reqs), args, dtype)
+            else:
+                raise SystemExit(f"unknown system {system!r}: kvplug, flashinfer or hf")
+            results[f"{wl}/{system}"] = r
+            print(line(system, wl, r) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
+    print("summary (output tokens/s; kvplug / flashinfer):")
+    for wl in args.workloads.split(","):
+        row = {s: results[f"{wl}/{s}"]["out_tokens"] / results[f"{wl}/{s}"]["wall"]
+               for s in args.systems.split(",") if f"{wl}/{s}" in results}
+        ratio = f"  kvplug/flashinfer {row['kvplug'] / row['flashinfer']:.2f}x" if "kvplug" in row and "flashinfer" in row else ""
+        ratio += f"  kvplug/hf {row['kvplug'] / row['hf']:.1f}x" if "kvplug" in row and "hf" in row else ""
+        print(f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in row.items()) + ratio)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
