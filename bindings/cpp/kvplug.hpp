@@ -945,6 +945,13 @@ struct CascadeManagerApi {
   void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_manager_cascade_plan); }
 };
 inline const CascadeManagerApi &cascade_manager_api() { return table<CascadeManagerApi>(); }
+
+// Its own table too (varlen queries came after the first release).
+struct CascadePrefillApi {
+  KVPLUG_FN(kvp_cascade_prefill_workspace_size);
+  void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_cascade_prefill_workspace_size); }
+};
+inline const CascadePrefillApi &cascade_prefill_api() { return table<CascadePrefillApi>(); }
 }  // namespace detail
 
 // Shared-prefix decode attention (see the header's section): plan from the
@@ -957,6 +964,11 @@ inline const CascadeManagerApi &cascade_manager_api() { return table<CascadeMana
 //   kvp_attn_plan plan = kvplug::cascade::plan(pa, stream);
 //   for (layer ...) kvplug::cascade::paged_cascade(plan, layer_args, stream);
 //   next step: if (!kvplug::cascade::update(plan, lens, batch)) plan = kvplug::cascade::plan(pa, stream);
+//
+// Varlen queries (prompts or chunks sharing a cached prefix, decode rows
+// mixed): size the workspaces with workspace_size(max_batch, max_tokens, ...)
+// and set pa.max_tokens, pa.qo_indptr_host and pa.qo_indptr; q and out of
+// the layer args are [total_q, num_q_heads, head_dim].
 namespace cascade {
 
 struct WorkspaceSizes {
@@ -968,6 +980,16 @@ inline WorkspaceSizes workspace_size(int32_t max_batch, int32_t num_q_heads, int
   WorkspaceSizes s;
   detail::check(detail::cascade_api().kvp_cascade_workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim,
                                                                  &s.device, &s.host));
+  return s;
+}
+
+// Workspaces for batches of up to max_batch sequences with max_tokens query
+// rows in all (kvp_cascade_prefill_workspace_size).
+inline WorkspaceSizes workspace_size(int32_t max_batch, int32_t max_tokens, int32_t num_q_heads, int32_t num_kv_heads,
+                                     int32_t head_dim) {
+  WorkspaceSizes s;
+  detail::check(detail::cascade_prefill_api().kvp_cascade_prefill_workspace_size(
+      max_batch, max_tokens, num_q_heads, num_kv_heads, head_dim, &s.device, &s.host));
   return s;
 }
 

@@ -1,4 +1,6 @@
-"""Shared-prefix ("cascade") decode attention on torch tensors.
+"""Shared-prefix ("cascade") attention on torch tensors: decode, or varlen
+prefill queries (new prompts or chunks sharing a cached prefix, mixed with
+decode rows).
 
 When sequences of a decode batch share KV blocks (a system prompt, few-shot
 blocks of a group, forks of parallel sampling), each shared run of blocks is
@@ -15,6 +17,15 @@ whose sequences only grew is checked by CascadePlan.update in O(batch).
     # next step, lengths + 1 (the device lens updated as usual):
     if not plan.update(lens_cpu):
         plan = kvplug.cascade.plan(...)
+
+Prefill: size the workspaces for the query rows (max_tokens) and pass the
+query offsets as for kvplug.attn.prefill_plan; q and out are [total_q,
+num_q_heads, head_dim]:
+
+    ws = kvplug.cascade.Workspaces(max_batch, 32, 8, 128, max_tokens=8192)
+    plan = kvplug.cascade.plan(table_cpu, kv_lens_cpu, kv_lens_gpu, 32, 8, 128, torch.float16, ws,
+                               qo_indptr_host=qo_cpu, qo_indptr=qo_gpu)
+    out = kvplug.cascade.paged_cascade(plan, q, k_cache, v_cache, table_gpu)
 """
 
 from __future__ import annotations
@@ -26,10 +37,10 @@ from . import _lib
 from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan
 from .attn import _bad, _check, _fn, _index, _run_planned, _stream, _torch
 
-__all__ = ["ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
+__all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
 
-ROUTE_DECODE, ROUTE_CASCADE = 2, 3  # KVP_ATTN_ROUTE_*
+ROUTE_PREFILL, ROUTE_DECODE, ROUTE_CASCADE = 1, 2, 3  # KVP_ATTN_ROUTE_*
 PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
 NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
 MAX_PARTS = 8  # KVP_CASCADE_MAX_PARTS
@@ -58,6 +69,11 @@ class _CascadePlanArgs(ctypes.Structure):
         ("workspace_bytes", _u64),
         ("flags", _i32),
         ("headroom", _i32),
+        # Appended after the first release (first released size: 112 bytes).
+        ("qo_indptr_host", ctypes.POINTER(_i32)),
+        ("qo_indptr", _u64),
+        ("max_tokens", _i32),
+        ("reserved", _i32),
     ]
 
 
@@ -65,26 +81,36 @@ def _i32arg(v: Any, what: str) -> int:
     return _lib.checked_int(v, "kvplug.cascade: " + what, "int32")
 
 
-def workspace_size(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tuple[int, int]:
+def workspace_size(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   max_tokens: Optional[int] = None) -> Tuple[int, int]:
     """(device_bytes, host_bytes) of the workspaces for batches of up to
-    max_batch sequences."""
+    max_batch sequences and, for varlen queries, max_tokens query rows in all
+    (None: one per sequence, decode)."""
     dev, host = ctypes.c_uint64(0), ctypes.c_uint64(0)
-    f = _fn("kvp_cascade_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
-    _check(f(_i32arg(max_batch, "max_batch"), _i32arg(num_q_heads, "num_q_heads"),
-             _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(head_dim, "head_dim"),
-             ctypes.byref(dev), ctypes.byref(host)))
+    heads = (_i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(head_dim, "head_dim"))
+    if max_tokens is None:
+        f = _fn("kvp_cascade_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
+        _check(f(_i32arg(max_batch, "max_batch"), *heads, ctypes.byref(dev), ctypes.byref(host)))
+    else:
+        f = _fn("kvp_cascade_prefill_workspace_size",
+                [_i32, _i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
+        _check(f(_i32arg(max_batch, "max_batch"), _i32arg(max_tokens, "max_tokens"), *heads,
+                 ctypes.byref(dev), ctypes.byref(host)))
     return int(dev.value), int(host.value)
 
 
 class Workspaces:
     """The device workspace (a CUDA uint8 tensor) and the host workspace (a
     pinned CPU uint8 tensor, so the plan's copy is asynchronous) for batches
-    of up to max_batch sequences. Allocate once; plan every step into them."""
+    of up to max_batch sequences and max_tokens query rows (None: decode,
+    one per sequence). Allocate once; plan every step into them."""
 
-    def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: Any = "cuda"):
+    def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: Any = "cuda",
+                 max_tokens: Optional[int] = None):
         torch = _torch()
-        dev_bytes, host_bytes = workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim)
+        dev_bytes, host_bytes = workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens)
         self.max_batch = _i32arg(max_batch, "max_batch")
+        self.max_tokens = 0 if max_tokens is None else _i32arg(max_tokens, "max_tokens")
         self.device = torch.empty(dev_bytes, dtype=torch.uint8, device=device)
         self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
 
@@ -104,6 +130,15 @@ class CascadePlan:
     @property
     def batch(self) -> int:
         return int(self._c.batch)
+
+    @property
+    def total_q(self) -> int:
+        """Query rows (the batch in decode)."""
+        return int(self._c.total_q)
+
+    @property
+    def max_q_len(self) -> int:
+        return int(self._c.max_q_len)
 
     @property
     def num_items(self) -> int:
@@ -131,8 +166,9 @@ class CascadePlan:
 
     def __repr__(self) -> str:
         c = self._c
-        route = {ROUTE_CASCADE: "cascade", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
-        return (f"CascadePlan(route={route}, batch={c.batch}, items={c.num_items}, max_kv_len={c.max_kv_len}, "
+        route = {ROUTE_CASCADE: "cascade", ROUTE_DECODE: "decode", ROUTE_PREFILL: "prefill"}.get(c.route, str(c.route))
+        return (f"CascadePlan(route={route}, batch={c.batch}, total_q={c.total_q}, items={c.num_items}, "
+                f"max_kv_len={c.max_kv_len}, "
                 f"saved_tokens={self.saved_tokens}, total_tokens={self.total_tokens})")
 
 
@@ -166,12 +202,19 @@ def plan(
     decode_route: bool = True,
     headroom: int = 0,
     stream: Any = None,
+    qo_indptr_host: Any = None,
+    qo_indptr: Any = None,
 ) -> CascadePlan:
-    """Plans a decode batch: block_table_host (int32 [batch, max_blocks], CPU)
-    and seq_lens_host (batch lengths, this step's token included) are read on
+    """Plans a batch: block_table_host (int32 [batch, max_blocks], CPU) and
+    seq_lens_host (batch lengths, this step's tokens included) are read on
     the host; seq_lens (int32 [batch] CUDA) holds the same values for the
     kernels. decode_route=False keeps the cascade route even when sharing
-    does not pay (one captured graph for every batch)."""
+    does not pay (one captured graph for every batch). Varlen queries:
+    qo_indptr_host (batch + 1 offsets, CPU) and qo_indptr (int32 [batch + 1]
+    CUDA, the same values) give sequence b the query rows [qo[b], qo[b+1])
+    at its last positions, as kvplug.attn.prefill_plan; the workspaces must
+    be sized with max_tokens; plain prefill is the route where sharing does
+    not pay."""
     if not isinstance(workspaces, Workspaces):
         raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
     torch = _torch()
@@ -181,6 +224,15 @@ def plan(
     if seq_lens.shape[0] != batch:
         raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for a block table of {batch} rows")
     lens = _host_i32(seq_lens_host, batch, "seq_lens_host")
+    qo, qo_dev = None, 0
+    if (qo_indptr_host is None) != (qo_indptr is None):
+        raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
+    if qo_indptr_host is not None:
+        qo = _host_i32(qo_indptr_host, batch + 1, "qo_indptr_host")
+        _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
+        if qo_indptr.shape[0] != batch + 1:
+            raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; batch + 1 = {batch + 1} expected")
+        qo_dev = qo_indptr.data_ptr()
     if not isinstance(dtype, int):
         dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}.get(dtype, 0)
     a = _CascadePlanArgs(
@@ -191,13 +243,14 @@ def plan(
         ctypes.c_void_p(workspaces.host.data_ptr()), workspaces.host.numel(),
         workspaces.device.data_ptr(), workspaces.device.numel(),
         0 if decode_route else NO_DECODE_ROUTE, _i32arg(headroom, "headroom"),
+        qo, qo_dev, workspaces.max_tokens, 0,
     )
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
     f = _fn("kvp_cascade_plan", [ctypes.POINTER(_CascadePlanArgs), ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
     with torch.cuda.device(dev):
         _check(f(ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
-    return CascadePlan(p, (seq_lens, workspaces))
+    return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
 
 
 def paged_cascade(
@@ -212,14 +265,15 @@ def paged_cascade(
     return_lse: bool = False,
     stream: Any = None,
 ) -> Any:
-    """Decode attention of a planned batch over one layer: q ([batch,
-    num_q_heads, head_dim]) over the paged caches ([num_blocks, block_size,
-    num_kv_heads, head_dim]) through block_table (int32 [batch, max_blocks]
-    CUDA, the host table's values). Returns out, or (out, lse) with
-    return_lse (lse float32 [batch, num_q_heads], natural log)."""
+    """Attention of a planned batch over one layer: q ([total_q,
+    num_q_heads, head_dim]; total_q = batch in decode) over the paged caches
+    ([num_blocks, block_size, num_kv_heads, head_dim]) through block_table
+    (int32 [batch, max_blocks] CUDA, the host table's values). Returns out,
+    or (out, lse) with return_lse (lse float32 [total_q, num_q_heads],
+    natural log)."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
-    out, lse = _run_planned("kvp_paged_cascade", plan._c, plan._c.batch, q, k_cache, v_cache, block_table,
+    out, lse = _run_planned("kvp_paged_cascade", plan._c, plan._c.total_q, q, k_cache, v_cache, block_table,
                             out, lse, scale, return_lse, stream)
     return (out, lse) if (return_lse or lse is not None) else out
 
