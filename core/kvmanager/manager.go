@@ -126,12 +126,13 @@ type Manager struct {
 
 	// Scratch reused by every call (under mu), so the per-step calls do not
 	// allocate.
-	stamp   uint64
-	ids     []int64
-	cached  []int32
-	evicted []int32
-	locks   []int32
-	one     [1]int32
+	stamp    uint64
+	ids      []int64
+	cached   []int32
+	evicted  []int32
+	locks    []int32
+	inserted []prefix.InsertResult
+	one      [1]int32
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in

@@ -243,44 +243,59 @@ func (m *Manager) extendPrefix(s *seq, toks []int32) {
 		if len(pc.tail) < m.bs {
 			return
 		}
-		if !m.insertBlock(s, bi, pc.tail) {
+		if !m.insertBlocks(s, bi, pc.tail) {
 			return
 		}
 		pc.tail = pc.tail[:0]
 		bi++
 	}
-	for len(toks) >= m.bs {
-		if !m.insertBlock(s, bi, toks[:m.bs]) {
+	if full := len(toks) / m.bs; full > 0 {
+		if !m.insertBlocks(s, bi, toks[:full*m.bs]) {
 			return
 		}
-		toks = toks[m.bs:]
-		bi++
+		toks = toks[full*m.bs:]
 	}
 	pc.tail = append(pc.tail, toks...)
 }
 
-// insertBlock inserts s's full block bi, whose tokens are blk. If the cache
-// holds an identical block already, s keeps its own as a private copy (the
-// engine is writing its KV there this step) and the chain goes on from the
-// cached twin's hash. It returns false, with s's later blocks left private,
-// when the cache refuses the block: the twin's parent chain was evicted
-// meanwhile (a private block is not locked, so its cached twin may go), or
-// a hash collided.
-func (m *Manager) insertBlock(s *seq, bi int, blk []int32) bool {
-	res, err := m.cache.Insert(s.pc.last, blk, s.pc.keys, s.blocks[bi])
-	if err != nil {
-		logx.L().Debug("prefix cache: block not inserted; the sequence's later blocks stay private", zap.Error(err))
-		s.pc = nil
-		return false
+// insertBlocks inserts s's full blocks from bi on, whose tokens are toks
+// (a whole number of blocks), with InsertRun. If the cache holds an
+// identical block already, s keeps its own as a private copy (the engine
+// is writing its KV there this step) and the chain goes on from the
+// cached twin's hash. It returns false, with s's later blocks left
+// private, when the cache refuses a block: the twin's parent chain was
+// evicted meanwhile (a private block is not locked, so its cached twin
+// may go), or a hash collided.
+func (m *Manager) insertBlocks(s *seq, bi int, toks []int32) bool {
+	for len(toks) > 0 {
+		n := len(toks) / m.bs
+		if cap(m.inserted) < n {
+			m.inserted = make([]prefix.InsertResult, n)
+		}
+		res := m.inserted[:n]
+		done, err := m.cache.InsertRun(s.pc.last, toks, s.pc.keys, s.blocks[bi:bi+n], res)
+		for k, r := range res[:done] {
+			if r.Dup {
+				// InsertRun locked the twin for s, which does not
+				// reference it; InsertRun stops after a twin, so this
+				// happens before the next block's insert, as with Insert.
+				m.one[0] = r.Block
+				assertOK(m.cache.Unlock(m.one[:]), "unlocking the block InsertRun just locked")
+			} else {
+				assertOK(m.pool.MarkCached(s.blocks[bi+k]), "a sequence's block is free")
+			}
+		}
+		if done > 0 {
+			s.pc.last = res[done-1].Hash
+		}
+		if err != nil {
+			logx.L().Debug("prefix cache: block not inserted; the sequence's later blocks stay private", zap.Error(err))
+			s.pc = nil
+			return false
+		}
+		bi += done
+		toks = toks[done*m.bs:]
 	}
-	if res.Dup {
-		// Insert locked the twin for s, which does not reference it.
-		m.one[0] = res.Block
-		assertOK(m.cache.Unlock(m.one[:]), "unlocking the block Insert just locked")
-	} else {
-		assertOK(m.pool.MarkCached(s.blocks[bi]), "a sequence's block is free")
-	}
-	s.pc.last = res.Hash
 	return true
 }
 

@@ -45,8 +45,8 @@ func (x *Index) unlink(i int32) {
 	x.nodes[p].children--
 	x.byHash.del(n.hash)
 	x.byBlock[n.block] = nilNode
-	*n = node{parent: nilNode, child: nilNode, prev: nilNode, next: x.free, block: nilNode, heapPos: -1}
-	x.free = i
+	*n = node{parent: nilNode, child: nilNode, prev: nilNode, next: nilNode, block: nilNode, heapPos: -1}
+	x.freeNodes = append(x.freeNodes, i)
 	x.settle(p)
 }
 

@@ -229,7 +229,17 @@ func (h *Hasher) block(parent Hash, index int, block []int32, keys *Keys) Hash {
 	if index == 0 {
 		salt = keys.Salt
 	}
-	h.buf = AppendBlockInput(h.buf[:0], parent, block, keys.Adapter, h.mm, salt)
+	return h.sum(parent, block, keys.Adapter, h.mm, salt)
+}
+
+// sum returns the hash of the block with these parent, tokens and keys
+// (mm: its entries; salt: for a first block): hashShort where it applies,
+// else XXH3 of the written-out input.
+func (h *Hasher) sum(parent Hash, tokens []int32, adapter uint64, mm []BlockMM, salt []byte) Hash {
+	if len(mm) == 0 && len(salt) == 0 && shortBlock(len(tokens)) {
+		return hashShort(&parent, tokens, adapter)
+	}
+	h.buf = AppendBlockInput(h.buf[:0], parent, tokens, adapter, mm, salt)
 	return Sum(h.buf)
 }
 

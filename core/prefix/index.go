@@ -111,7 +111,7 @@ type Index struct {
 	bs            int
 	nodes         []node  // nodes[0] is the root
 	tokens        []int32 // node i's tokens are tokens[i*bs : (i+1)*bs]
-	free          int32   // free node slots, linked through next
+	freeNodes     []int32 // free node slots, the next one to take last
 	byHash        nodeTable
 	byBlock       []int32 // block id -> node, or nilNode
 	heap          []int32
@@ -123,6 +123,8 @@ type Index struct {
 	nextPin       PinID
 	hasher        Hasher
 	recent        int32     // the node a walk or Insert ended on: the likely parent of the next Insert
+	runHashes     []Hash    // scratch: InsertRun's hashes
+	sink          int32     // what prefetch read, kept so that its loads are not dropped
 	path          []int32   // scratch: nodes of the last walk
 	zeroed        []int32   // scratch: nodes Unlock took to lock 0
 	mm            []BlockMM // scratch
@@ -144,7 +146,6 @@ func New(cfg Config) (*Index, error) {
 	}
 	x := &Index{
 		bs:      cfg.BlockSize,
-		free:    nilNode,
 		byHash:  newNodeTable(),
 		byBlock: make([]int32, cfg.NumBlocks),
 		pins:    make(map[PinID]int32),
@@ -169,7 +170,7 @@ func (x *Index) resetRoot() {
 		x.tokens = make([]int32, x.bs)
 	}
 	x.tokens = x.tokens[:x.bs]
-	x.free = nilNode
+	x.freeNodes = x.freeNodes[:0]
 }
 
 // BlockSize returns the tokens per block.
@@ -231,9 +232,9 @@ func (x *Index) tokensOf(i int32) []int32 {
 }
 
 func (x *Index) newNode() int32 {
-	if x.free != nilNode {
-		i := x.free
-		x.free = x.nodes[i].next
+	if k := len(x.freeNodes); k > 0 {
+		i := x.freeNodes[k-1]
+		x.freeNodes = x.freeNodes[:k-1]
 		return i
 	}
 	x.nodes = append(x.nodes, node{})
@@ -258,15 +259,21 @@ func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 	cur := int32(rootNode)
 	var h Hash
 	bs := x.bs
+	short := len(keys.MM) == 0 && shortBlock(bs) // no block has entries
 	for i := range maxBlocks {
 		blk := tokens[i*bs : (i+1)*bs]
-		x.mm = appendBlockMM(x.mm[:0], keys.MM, i*bs, bs)
+		x.mm = x.mm[:0]
 		var salt []byte
 		if i == 0 {
 			salt = keys.Salt
 		}
-		x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
-		next := Sum(x.hasher.buf)
+		var next Hash
+		if short && len(salt) == 0 {
+			next = hashShort(&h, blk, keys.Adapter)
+		} else {
+			x.mm = appendBlockMM(x.mm, keys.MM, i*bs, bs)
+			next = x.hasher.sum(h, blk, keys.Adapter, x.mm, salt)
+		}
 		j, ok := x.byHash.get(next)
 		if !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
 			break
@@ -513,16 +520,126 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	if err := keys.validate("insert"); err != nil {
 		return InsertResult{}, err
 	}
-	p := int32(rootNode)
-	if !parent.IsZero() {
-		var ok bool
-		// A sequence inserts its blocks in order, each under the one
-		// inserted or matched just before: check that node before the table.
-		if r := x.recent; r > rootNode && int(r) < len(x.nodes) && x.nodes[r].block >= 0 && x.nodes[r].hash == parent {
-			p = r
-		} else if p, ok = x.byHash.get(parent); !ok {
-			return InsertResult{}, kverr.Errorf(kverr.NotFound, "insert: parent block %s is not cached", parent)
+	p, err := x.parentNode("insert", parent)
+	if err != nil {
+		return InsertResult{}, err
+	}
+	res, _, err := x.insertAt(p, parent, block, keys, blockID, nil)
+	return res, err
+}
+
+// InsertRun is Insert for a run of consecutive full blocks of one prompt:
+// block k's tokens are tokens[k*BlockSize : (k+1)*BlockSize] and its id
+// ids[k]; block 0's parent is parent and each later block's the block
+// before it. It does what Insert would do called for each block in turn
+// with the hash the previous call returned, and writes each call's result
+// to out[k]. It returns the number of blocks done: all of them, or fewer
+// when it stopped early, either after a block that was cached already
+// (its result has Dup, so that the caller can act on it, say unlock the
+// twin, before the next insert, as between Insert calls), or at a block
+// Insert would refuse, with that block's error (a refused block leaves
+// the rest of the run without a cached parent). Checked before anything
+// changes: len(tokens) == len(ids)*BlockSize, len(out) >= len(ids), keys,
+// parent.
+//
+// It computes the run's hashes first and reads the table slots and tree
+// nodes the inserts will use before it inserts any block, so the memory
+// loads of the whole run overlap instead of each block waiting on its
+// own.
+func (x *Index) InsertRun(parent Hash, tokens []int32, keys *Keys, ids []int32, out []InsertResult) (int, error) {
+	if keys == nil {
+		keys = &noKeys
+	}
+	if len(tokens) != len(ids)*x.bs {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "insert run: %d tokens for %d blocks of %d", len(tokens), len(ids), x.bs)
+	}
+	if len(out) < len(ids) {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "insert run: out holds %d results for %d blocks", len(out), len(ids))
+	}
+	if err := keys.validate("insert run"); err != nil {
+		return 0, err
+	}
+	p, err := x.parentNode("insert run", parent)
+	if err != nil {
+		return 0, err
+	}
+	bs := x.bs
+	depth := int(x.nodes[p].depth)
+	hs := slices.Grow(x.runHashes[:0], len(ids))[:len(ids)]
+	short := len(keys.MM) == 0 && shortBlock(bs) // no block has entries
+	h := parent
+	for k := range hs {
+		blk := tokens[k*bs : (k+1)*bs]
+		if short && (depth+k > 0 || len(keys.Salt) == 0) {
+			h = hashShort(&h, blk, keys.Adapter)
+		} else {
+			x.mm = appendBlockMM(x.mm[:0], keys.MM, (depth+k)*bs, bs)
+			var salt []byte
+			if depth+k == 0 {
+				salt = keys.Salt
+			}
+			h = x.hasher.sum(h, blk, keys.Adapter, x.mm, salt)
 		}
+		hs[k] = h
+	}
+	x.runHashes = hs
+	x.prefetch(hs)
+	for k, id := range ids {
+		res, i, err := x.insertAt(p, parent, tokens[k*bs:(k+1)*bs], keys, id, &hs[k])
+		if err != nil {
+			return k, err
+		}
+		out[k] = res
+		if res.Dup {
+			return k + 1, nil
+		}
+		p, parent = i, res.Hash
+	}
+	return len(ids), nil
+}
+
+// parentNode returns the node of an insert's parent hash: the root for
+// the zero hash.
+func (x *Index) parentNode(op string, parent Hash) (int32, error) {
+	if parent.IsZero() {
+		return rootNode, nil
+	}
+	// A sequence inserts its blocks in order, each under the one inserted
+	// or matched just before: check that node before the table.
+	if r := x.recent; r > rootNode && int(r) < len(x.nodes) && x.nodes[r].block >= 0 && x.nodes[r].hash == parent {
+		return r, nil
+	}
+	p, ok := x.byHash.get(parent)
+	if !ok {
+		return nilNode, kverr.Errorf(kverr.NotFound, "%s: parent block %s is not cached", op, parent)
+	}
+	return p, nil
+}
+
+// prefetch reads, for inserts of blocks with hashes hs, the table slot
+// each hash starts probing at and the node slots (and their token rows)
+// the inserts will take, so that their cache misses overlap. It changes
+// nothing; a slot read here that the inserts do not use is harmless.
+func (x *Index) prefetch(hs []Hash) {
+	var acc int32
+	t := &x.byHash
+	for k := range hs {
+		acc += t.slots[t.home(&hs[k])].node
+	}
+	for k := 1; k <= len(hs) && k <= len(x.freeNodes); k++ {
+		i := x.freeNodes[len(x.freeNodes)-k]
+		n := &x.nodes[i] // its first and last words: a node spans two cache lines
+		acc += int32(n.hash[0]) + int32(len(n.salt)) + x.tokens[int(i)*x.bs]
+	}
+	x.sink = acc
+}
+
+// insertAt is Insert of a block whose parent node p (hash parent) is
+// resolved and whose keys are valid; h is the block's hash when the
+// caller has computed it. It also returns the cached block's node.
+func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockID int32, hp *Hash) (InsertResult, int32, error) {
+	if blockID < 0 || int(blockID) >= len(x.byBlock) {
+		return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is outside the pool of %d", blockID, len(x.byBlock))
 	}
 	depth := int(x.nodes[p].depth)
 	x.mm = appendBlockMM(x.mm[:0], keys.MM, depth*x.bs, x.bs)
@@ -530,29 +647,33 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	if depth == 0 {
 		salt = keys.Salt
 	}
-	x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], parent, block, keys.Adapter, x.mm, salt)
-	h := Sum(x.hasher.buf)
+	var h Hash
+	if hp != nil {
+		h = *hp
+	} else {
+		h = x.hasher.sum(parent, block, keys.Adapter, x.mm, salt)
+	}
 
 	i, slot, ok := x.byHash.lookup(h)
 	if ok {
 		if !x.same(i, p, block, keys.Adapter, x.mm, salt) {
-			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: hash %s of block %d collides with cached block %d of different content", h, blockID, x.nodes[i].block)
+			return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: hash %s of block %d collides with cached block %d of different content", h, blockID, x.nodes[i].block)
 		}
 		if b := x.byBlock[blockID]; b != nilNode && b != i {
-			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
+			return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
 		}
 		if x.nodes[i].lock == math.MaxInt32 {
-			return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d holds 2^31-1 locks", x.nodes[i].block)
+			return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: block %d holds 2^31-1 locks", x.nodes[i].block)
 		}
 		x.clock++
 		x.addLock(i)
 		x.nodes[i].last = x.clock
 		x.counters.Dedups++
 		x.recent = i
-		return InsertResult{Hash: h, Block: x.nodes[i].block, Dup: true}, nil
+		return InsertResult{Hash: h, Block: x.nodes[i].block, Dup: true}, i, nil
 	}
 	if b := x.byBlock[blockID]; b != nilNode {
-		return InsertResult{}, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
+		return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is cached already under hash %s", blockID, x.nodes[b].hash)
 	}
 
 	x.clock++
@@ -589,7 +710,7 @@ func (x *Index) Insert(parent Hash, block []int32, keys *Keys, blockID int32) (I
 	x.counters.Inserts++
 	x.recent = i
 	x.events.stored(x, i)
-	return InsertResult{Hash: h, Block: blockID}, nil
+	return InsertResult{Hash: h, Block: blockID}, i, nil
 }
 
 func (x *Index) addLock(i int32) {

@@ -31,9 +31,9 @@ func (x *Index) check(hashes bool) error {
 	}
 	// Free slots.
 	isFree := make([]bool, len(x.nodes))
-	for i := x.free; i != nilNode; i = x.nodes[i].next {
+	for _, i := range x.freeNodes {
 		if i <= rootNode || int(i) >= len(x.nodes) || isFree[i] {
-			return bad("free list reaches node %d twice or out of range", i)
+			return bad("free list holds node %d twice or out of range", i)
 		}
 		if x.nodes[i].block != nilNode {
 			return bad("free node %d holds block %d", i, x.nodes[i].block)
