@@ -14,8 +14,14 @@ all-or-none grow makes that safe.
 
 The run is deterministic for a seed (all but the timings). Its summary: the
 requests served, the steps, blocks used and peak, fragmentation (the empty
-slots in partially filled last blocks), and the cost of a step's kvplug
-calls (grow + describe) in microseconds.
+slots in partially filled last blocks), the cost of a step's kvplug calls
+(grow + describe) in microseconds, and the KV bytes a decode step reads with
+plain decode and with shared-prefix attention: each step the decoding
+batch's sharing is planned from the manager's block tables
+(kvplug.cascade.plan_from_manager, host only, so no GPU is needed) for a
+Llama-3.1-8B-shaped model. The prefix-cache comparison that follows (a
+multi-tenant trace: requests start with one of 100 system prompts) reports
+the same, where sequences of a tenant share their system prompt's blocks.
 
 Parts other features add to: `Workload` (what arrives), `Engine.admit`
 (how a request gets its blocks), and `SECTIONS` (the summary's sections).
@@ -33,6 +39,14 @@ from typing import Callable, Deque, Dict, List, Optional
 import numpy as np
 
 import kvplug
+from kvplug import attn, cascade
+
+# The model whose decode reads are counted: Llama-3.1-8B's attention shape.
+# The planner needs the heads (whether a shared run pays for its partial
+# states depends on them); bytes are K and V of every layer.
+KV_MODEL = "Llama-3.1-8B shape: 32 layers, 32 q / 8 kv heads of 128, bf16"
+KV_LAYERS, KV_Q_HEADS, KV_HEADS, KV_HEAD_DIM, KV_DTYPE_BYTES = 32, 32, 8, 128, 2
+KV_TOKEN_BYTES = 2 * KV_HEADS * KV_HEAD_DIM * KV_DTYPE_BYTES * KV_LAYERS  # 128 KiB
 
 
 @dataclasses.dataclass
@@ -95,6 +109,15 @@ class Metrics:
     allocated_slots: List[int] = dataclasses.field(default_factory=list)
     running: List[int] = dataclasses.field(default_factory=list)
     latency_steps: List[int] = dataclasses.field(default_factory=list)
+    # Per step with decoding requests: KV tokens (per kv head, all of the
+    # batch) plain decode reads, and those shared-prefix attention reads
+    # (each shared run once); whether the plan took the cascade route; the
+    # planning call's cost.
+    kv_plain: List[int] = dataclasses.field(default_factory=list)
+    kv_shared: List[int] = dataclasses.field(default_factory=list)
+    cascade_steps: int = 0
+    shared_runs_steps: int = 0  # steps whose batch had a shared run worth planning
+    plan_us: List[float] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -146,6 +169,21 @@ class Engine:
             self.metrics.admitted += 1
         return new
 
+    def plan_decode_reads(self, ids: np.ndarray) -> None:
+        """Plans the decoding batch's shared-prefix attention from the
+        manager's block tables (host only: the summary, no workspaces) and
+        records the KV tokens a step reads with and without it. A plan on
+        the decode route (sharing too small to pay) reads what plain decode
+        reads."""
+        t0 = time.perf_counter()
+        p = cascade.plan_from_manager(self.m, ids, self.max_blocks, KV_Q_HEADS, KV_HEADS, KV_HEAD_DIM, attn.DTYPE_BF16)
+        self.metrics.plan_us.append((time.perf_counter() - t0) * 1e6)
+        shared = p.route == cascade.ROUTE_CASCADE
+        self.metrics.kv_plain.append(p.total_tokens)
+        self.metrics.kv_shared.append(p.total_tokens - p.saved_tokens if shared else p.total_tokens)
+        self.metrics.cascade_steps += int(shared)
+        self.metrics.shared_runs_steps += int(p.saved_tokens > 0)
+
     def preempt_newest(self, decoding: List[int]) -> None:
         rid = next(reversed(self.running))
         req = self.running.pop(rid)
@@ -179,6 +217,8 @@ class Engine:
             self.m.describe_into(batch, self.table, self.lens, self.slots)
             cost += time.perf_counter() - t0
         self.metrics.step_us.append(cost * 1e6)
+        if decoding:
+            self.plan_decode_reads(ids)
 
         # The model would run here and sample a token for each decoding request.
         finished = []
@@ -312,6 +352,12 @@ def prefix_cache_demo(cfg: Config, log: Callable[[str], None]) -> None:
         f"  sharing: {on[1] / off[1]:.2f}x the KV memory per step, {on[3] / max(off[3], 1):.2f}x the prefill compute, "
         f"{on[2] / max(off[2], 1):.2f}x the requests served"
     )
+    # Shared-prefix attention reads a block that several sequences hold once
+    # for all of them: with the cache on, a tenant's requests hold the same
+    # system-prompt blocks; with it off, each holds its own copy.
+    log(f"  decode KV reads ({_bytes(KV_TOKEN_BYTES)} a token), planned from each step's block tables:")
+    for cache, (e, *_rest) in runs.items():
+        log(f"    cache {'on ' if cache else 'off'}: {kv_reads(e)}")
 
 
 # -- the summary ------------------------------------------------------------------
@@ -353,8 +399,40 @@ def section_step_cost(e: Engine) -> List[str]:
     ]
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.0f} KiB"
+
+
+def kv_reads(e: Engine) -> str:
+    """The KV bytes a decode step read with plain decode and with
+    shared-prefix attention (mean over the steps that decoded), the ratio,
+    and the totals."""
+    mt = e.metrics
+    if not mt.kv_plain:
+        return "no decode step ran"
+    plain = np.array(mt.kv_plain, dtype=np.float64) * KV_TOKEN_BYTES
+    shared = np.array(mt.kv_shared, dtype=np.float64) * KV_TOKEN_BYTES
+    ratio = shared.sum() / plain.sum() if plain.sum() else 1.0
+    why = "; no shared run in any batch" if mt.shared_runs_steps == 0 else ""
+    return (f"plain {_bytes(plain.mean())}, shared-prefix {_bytes(shared.mean())} a step ({ratio:.2f}x{why}); "
+            f"in all {_bytes(plain.sum())} -> {_bytes(shared.sum())} over {len(plain)} steps, "
+            f"cascade route on {mt.cascade_steps / len(plain):.0%}")
+
+
+def section_kv_reads(e: Engine) -> List[str]:
+    lines = [f"decode KV reads, {KV_MODEL} ({_bytes(KV_TOKEN_BYTES)} a token):", f"  {kv_reads(e)}"]
+    if e.metrics.plan_us:
+        t = np.array(e.metrics.plan_us)
+        lines.append(f"  planned each step from the manager's block tables (host only, through ctypes): "
+                     f"mean {t.mean():.1f} us, p99 {np.percentile(t, 99):.1f} us")
+    return lines
+
+
 # Each section turns a finished run into summary lines.
-SECTIONS: List[Callable[[Engine], List[str]]] = [section_trace, section_blocks, section_step_cost]
+SECTIONS: List[Callable[[Engine], List[str]]] = [section_trace, section_blocks, section_step_cost, section_kv_reads]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
