@@ -6,6 +6,7 @@ package cascade
 // that grow every sequence. They skip on machines without a CUDA driver and
 // device; run them on a GPU machine with
 //   go test -c -o .device/cascade.test ./core/cascade && .device/cascade.test -test.run GPU -test.v
+// (the prefill tests alone: -test.run GPUCascadePrefill).
 
 import (
 	"encoding/binary"
@@ -126,7 +127,11 @@ type gpuRun struct {
 func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int, withLSE bool) *gpuRun {
 	g := &gpuRun{p: newProblem(r, b, d, qh, kvh, D)}
 	var err error
-	if g.l, err = NewPrefillLayout(max(len(b.lens), 1), max(len(b.lens), b.rows(), 1), qh, kvh, D); err != nil {
+	maxTok := max(len(b.lens), 1) // decode: the decode layout
+	if b.qo != nil {
+		maxTok = 4*b.rows() + MaxParts*len(b.lens) // room for MaxParts partial states per row
+	}
+	if g.l, err = NewPrefillLayout(max(len(b.lens), 1), maxTok, qh, kvh, D); err != nil {
 		t.Fatal(err)
 	}
 	if g.slots, err = attn.CascadeSlots(D); err != nil {
@@ -176,36 +181,63 @@ func (g *gpuRun) check(t *testing.T, what string) {
 	if err := cuda.Synchronize(); err != nil {
 		t.Fatalf("%s: %v", what, err)
 	}
-	d, B, H, D := g.p.dl.DType, g.p.dl.Batch, g.p.dl.NumQHeads, g.p.dl.HeadDim
+	R, H := g.p.b.rows(), g.p.dl.NumQHeads
 	want := make([]byte, g.outB)
-	wantLSE := make([]float32, B*H)
+	wantLSE := make([]float32, R*H)
 	if err := Ref(g.ws, &g.l, &g.p.dl, g.p.q, g.p.kc, g.p.vc, g.p.b.table, g.p.b.lens, want, wantLSE); err != nil {
 		t.Fatal(err)
 	}
-	got := download(t, g.run.Out, g.outB)
-	tol := map[attn.DType]float64{attn.F16: 3e-3, attn.BF16: 1.5e-2}[d]
-	for b := 0; b < B; b++ {
+	var gotLSE []byte
+	if g.run.LSE != 0 {
+		gotLSE = download(t, g.run.LSE, 4*R*H)
+	}
+	compareRows(t, what+" vs float64", g.p, download(t, g.run.Out, g.outB), gotLSE, want, wantLSE, 1)
+}
+
+// compareRows compares outputs [rows, H, D] (and lse when got holds one)
+// row by row: relative L2 error per query row, NaN or inf anywhere (an
+// unwritten, poisoned element) fails. slack widens the tolerance for two
+// rounded results.
+func compareRows(t *testing.T, what string, p *problem, got, gotLSE, want []byte, wantLSE []float32, slack float64) {
+	t.Helper()
+	d, H, D := p.dl.DType, p.dl.NumQHeads, p.dl.HeadDim
+	b := p.b
+	seqOf := func(row int) (int, int) { // sequence and token index of a query row
+		if b.qo == nil {
+			return row, 0
+		}
+		s := 0
+		for int(b.qo[s+1]) <= row {
+			s++
+		}
+		return s, row - int(b.qo[s])
+	}
+	tol := slack * map[attn.DType]float64{attn.F16: 3e-3, attn.BF16: 1.5e-2}[d]
+	for r := 0; r < b.rows(); r++ {
 		var num, den float64
 		for i := 0; i < H*D; i++ {
-			gv, wv := d.Load(got, int64(b*H*D+i)), d.Load(want, int64(b*H*D+i))
+			gv, wv := d.Load(got, int64(r*H*D+i)), d.Load(want, int64(r*H*D+i))
 			if math.IsNaN(gv) || math.IsInf(gv, 0) {
-				t.Fatalf("%s: seq %d (len %d) element %d is %g (unwritten?); want %g", what, b, g.p.b.lens[b], i, gv, wv)
+				s, k := seqOf(r)
+				t.Fatalf("%s: row %d (seq %d token %d, len %d) element %d is %g (unwritten?); want %g", what, r, s, k, b.lens[s], i, gv, wv)
 			}
 			num += (gv - wv) * (gv - wv)
 			den += wv * wv
 		}
 		if den == 0 && num != 0 || den > 0 && math.Sqrt(num/den) > tol {
-			t.Fatalf("%s: seq %d (len %d): relative error %.3g above %.1g", what, b, g.p.b.lens[b], math.Sqrt(num/max(den, 1e-300)), tol)
+			s, k := seqOf(r)
+			t.Fatalf("%s: row %d (seq %d token %d, len %d): relative error %.3g above %.1g", what, r, s, k, b.lens[s], math.Sqrt(num/max(den, 1e-300)), tol)
 		}
 	}
-	if g.run.LSE != 0 {
-		raw := download(t, g.run.LSE, 4*B*H)
-		for i := range wantLSE {
-			gl := float64(math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:])))
-			wl := float64(wantLSE[i])
-			if math.IsInf(wl, -1) != math.IsInf(gl, -1) || !math.IsInf(wl, -1) && math.Abs(gl-wl) > 2e-3*math.Max(1, math.Abs(wl)) {
-				t.Fatalf("%s: lse[%d] = %g, want %g", what, i, gl, wl)
-			}
+	if gotLSE == nil {
+		return
+	}
+	for i := range wantLSE {
+		gl := float64(math.Float32frombits(binary.LittleEndian.Uint32(gotLSE[4*i:])))
+		wl := float64(wantLSE[i])
+		if math.IsInf(wl, -1) != math.IsInf(gl, -1) || !math.IsInf(wl, -1) && math.Abs(gl-wl) > slack*2e-3*math.Max(1, math.Abs(wl)) {
+			s, k := seqOf(i / H)
+			t.Fatalf("%s: lse[row %d head %d] (seq %d token %d) = %g, want %g", what, i/H, i%H, s, k, gl, wl)
 		}
 	}
 }
@@ -314,4 +346,89 @@ func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
 		t.Fatalf("150 steps of growth needed no new plan: the test does not cover one")
 	}
 	t.Logf("%d new plans in 150 steps", replans)
+}
+
+// prefillOnDevice runs kvplug's own paged prefill (plan kernel and run) on
+// the problem's device tensors and returns its output and lse.
+func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
+	t.Helper()
+	b := g.p.b
+	R, H := b.rows(), g.p.dl.NumQHeads
+	sh, pl := prefillOf(&g.p.dl)
+	wsBytes, err := attn.PrefillWorkspaceSize(len(b.lens), max(R, 1), H, g.p.dl.NumKVHeads, g.p.dl.HeadDim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	qoD := upload(t, i32bytes(b.qo))
+	pp, err := attn.PlanPrefill(&attn.PrefillPlanArgs{PrefillShape: sh, QOIndptr: b.qo, KVLens: b.lens,
+		QOIndptrDev: qoD, KVLensDev: g.lensD, Workspace: devMem(t, int(wsBytes)), WorkspaceBytes: wsBytes}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := devMem(t, g.outB)
+	lse := devMem(t, 4*R*H)
+	poison(t, out, g.outB, g.p.dl.DType)
+	poison(t, lse, 4*R*H, attn.F32)
+	if err := attn.PagedPrefill(&pp, &attn.PagedPrefillArgs{PrefillLayout: pl, Q: g.run.Q, KCache: g.run.KCache,
+		VCache: g.run.VCache, BlockTable: g.run.BlockTable, Out: out, LSE: lse}, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := cuda.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	return download(t, out, g.outB), download(t, lse, 4*R*H)
+}
+
+// Varlen prefill queries sharing cached prefixes: random trees (depth 1-3,
+// block sizes 1/16/64) of sequences with 1-1000 new tokens (decode rows,
+// sequences without queries and prompts mixed), f16 and bf16, head_dim
+// 64/128/256, GQA groups 1-8: the cascade kernels equal the plan's float64
+// reference and kvplug's own paged prefill on the same device inputs, with
+// outputs and partial states poisoned first.
+func TestGPUCascadePrefill(t *testing.T) {
+	needGPU(t)
+	r := seed(t)
+	type tc struct {
+		name       string
+		spec       treeSpec
+		maxQ       int
+		d          attn.DType
+		qh, kvh, D int
+	}
+	cases := []tc{
+		// Sizes keep the float64 reference to about a minute on one core.
+		{"prompts_bs16", treeSpec{seqs: 4, depth: 1, maxRun: 64, maxTail: 1000, bs: 16}, 1000, attn.F16, 8, 2, 128},
+		{"tree_d3_bs16", treeSpec{seqs: 16, depth: 3, maxRun: 15, maxTail: 200, bs: 16, partialOK: true}, 200, attn.BF16, 8, 2, 128},
+		{"tree_d2_bs1", treeSpec{seqs: 10, depth: 2, maxRun: 100, maxTail: 100, bs: 1}, 100, attn.F16, 8, 8, 64},
+		{"tree_d2_bs64", treeSpec{seqs: 8, depth: 2, maxRun: 4, maxTail: 400, bs: 64}, 300, attn.BF16, 4, 1, 256},
+		{"group8_h64", treeSpec{seqs: 12, depth: 1, maxRun: 20, maxTail: 300, bs: 16}, 300, attn.F16, 16, 2, 64},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			for rep := 0; rep < 2; rep++ {
+				b := withQueries(r, genTree(r, c.spec), c.maxQ)
+				g := newGPURun(t, r, b, c.d, c.qh, c.kvh, c.D, true)
+				s := g.plan(t, rep == 1)
+				if s.Route != RouteCascade {
+					t.Fatalf("route %d with NoDecodeRoute", s.Route)
+				}
+				g.poisonOut(t)
+				if err := attn.CascadeRun(&g.run, 0); err != nil {
+					t.Fatal(err)
+				}
+				what := fmt.Sprintf("rep %d (rows %d, max q %d, nodes %d, items %d, parts %d, chunk %d)", rep, s.Rows, s.MaxQLen, s.Nodes, s.Items, s.Parts, s.Chunk)
+				g.check(t, what)
+				// kvplug's paged prefill: both are rounded once from float32
+				// accumulations, so twice the tolerance.
+				got := download(t, g.run.Out, g.outB)
+				gotLSE := download(t, g.run.LSE, 4*b.rows()*c.qh)
+				pout, plse := g.prefillOnDevice(t)
+				lse := make([]float32, b.rows()*c.qh)
+				for i := range lse {
+					lse[i] = math.Float32frombits(binary.LittleEndian.Uint32(plse[4*i:]))
+				}
+				compareRows(t, what+" vs paged_prefill", g.p, got, gotLSE, pout, lse, 2)
+			}
+		})
+	}
 }

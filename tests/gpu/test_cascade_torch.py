@@ -1,5 +1,5 @@
-"""GPU tests of shared-prefix decode attention (kvplug.cascade) on torch CUDA
-tensors, through libkvplug's C ABI.
+"""GPU tests of shared-prefix attention (kvplug.cascade), decode and varlen
+prefill queries, on torch CUDA tensors, through libkvplug's C ABI.
 
 Each test builds a batch whose sequences share runs of blocks (a tree of
 prefixes, forks, or nothing), draws fresh random K/V and queries, poisons
@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from kvplug import cascade  # noqa: E402
+import kvplug  # noqa: E402
+from kvplug import attn, cascade  # noqa: E402
 
 DEV = torch.device("cuda")
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
@@ -169,3 +170,207 @@ def test_update_and_graph_replay_across_growth():
             err = (got - want).norm().item() / want.norm().item()
             assert err < TOL[dtype], f"step {step}: relative error {err:.3g}"
     assert replans > 0
+
+
+# ---- varlen prefill queries sharing cached prefixes ------------------------
+
+def random_tree(gen, B, depth, max_run, tail_max, bs):
+    """A random sharing tree of B sequences: each level splits a group into
+    children of random sizes sharing a run of 1..max_run more blocks; each
+    sequence then owns up to tail_max tokens. Returns (table, lens, blocks)."""
+    rows = [[] for _ in range(B)]
+    nxt = [0]
+
+    def split(members, level):
+        if level >= depth or not members:
+            return
+        perm = torch.randperm(len(members), generator=gen).tolist()
+        members = [members[i] for i in perm]
+        while members:
+            n = 1 + int(torch.randint(0, len(members), (1,), generator=gen))
+            if float(torch.rand((1,), generator=gen)) < 0.3:
+                n = len(members)
+            g, members = members[:n], members[n:]
+            run = 1 + int(torch.randint(0, max_run, (1,), generator=gen))
+            ids = list(range(nxt[0], nxt[0] + run))
+            nxt[0] += run
+            for m in g:
+                rows[m] += ids
+            split(g, level + 1)
+
+    split(list(range(B)), 0)
+    lens = []
+    for s in range(B):
+        tail = int(torch.randint(0, tail_max + 1, (1,), generator=gen))
+        own = -(-tail // bs)
+        shared = len(rows[s]) * bs
+        rows[s] += list(range(nxt[0], nxt[0] + own))
+        nxt[0] += own
+        lens.append(shared + tail)
+    perm = torch.randperm(max(nxt[0], 1), generator=gen).tolist()
+    width = max(1, max(len(r) for r in rows))
+    table = torch.full((B, width), -1, dtype=torch.int32)
+    for s, r in enumerate(rows):
+        if r:
+            table[s, : len(r)] = torch.tensor([perm[i] for i in r], dtype=torch.int32)
+    return table, lens, max(nxt[0], 1)
+
+
+def random_queries(gen, lens, max_q):
+    """Query offsets: a third decode rows (1 token), a sixth none, the rest
+    1..max_q new tokens, never more than the sequence's length."""
+    qo = [0]
+    for L in lens:
+        k = int(torch.randint(0, 6, (1,), generator=gen))
+        q = 1 if k < 2 else (0 if k == 2 else 1 + int(torch.randint(0, max_q, (1,), generator=gen)))
+        qo.append(qo[-1] + min(q, L))
+    return qo
+
+
+def prefill_reference(q, k_cache, v_cache, table, lens, qo, bs):
+    """float64 causal attention: row i of sequence b (q_len new tokens at
+    positions [L - q_len, L)) over the sequence's logical tokens [0, pos]."""
+    T, qh, D = q.shape
+    kvh = k_cache.shape[2]
+    g = qh // kvh
+    out = torch.zeros((T, qh, D), dtype=torch.float64)
+    lse = torch.full((T, qh), -math.inf, dtype=torch.float64)
+    for b in range(len(lens)):
+        L, q0, q1 = lens[b], qo[b], qo[b + 1]
+        if q1 == q0 or L == 0:
+            continue
+        blocks = table[b, : -(-L // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, D)[:L].double()
+        v = v_cache[blocks].reshape(-1, kvh, D)[:L].double()
+        n = q1 - q0
+        pos = torch.arange(L - n, L)
+        mask = torch.arange(L)[None, :] <= pos[:, None]  # [n, L]
+        for h in range(qh):
+            s = (q[q0:q1, h].double() @ k[:, h // g].T) / math.sqrt(D)
+            s = s.masked_fill(~mask, -math.inf)
+            lse[q0:q1, h] = torch.logsumexp(s, 1)
+            out[q0:q1, h] = torch.softmax(s, 1) @ v[:, h // g]
+    return out, lse
+
+
+def run_prefill_case(gen, dtype, B, depth, max_run, tail_max, max_q, bs, qh, kvh, D, decode_route=False):
+    table, lens, nb = random_tree(gen, B, depth, max_run, tail_max, bs)
+    qo = random_queries(gen, lens, max_q)
+    T = qo[-1]
+    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    q = (torch.rand((max(T, 1), qh, D), generator=gen) * 4 - 2).to(dtype)[:T]
+    want, want_lse = prefill_reference(q, k, v, table, lens, qo, bs)
+    ws = cascade.Workspaces(B, qh, kvh, D, device=DEV, max_tokens=max(B, 4 * T + 8 * B))
+    lens_h = torch.tensor(lens, dtype=torch.int32)
+    qo_h = torch.tensor(qo, dtype=torch.int32)
+    lens_d, qo_d = lens_h.to(DEV), qo_h.to(DEV)
+    plan = cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, block_size=bs, decode_route=decode_route,
+                        qo_indptr_host=qo_h, qo_indptr=qo_d)
+    assert plan.total_q == T and plan.batch == B
+    qd, kd, vd, td = q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV)
+    out = torch.full((T, qh, D), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((T, qh), float("nan"), dtype=torch.float32, device=DEV)
+    cascade.paged_cascade(plan, qd, kd, vd, td, out=out, lse=lse)
+    torch.cuda.synchronize()
+    got, gl = out.cpu().double(), lse.cpu().double()
+    bad = torch.isnan(got).any(-1).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:10]} have NaN (unwritten elements) ({plan}, lens {lens}, qo {qo})"
+    err = ((got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-30))
+    worst = int(err.argmax()) if T else 0
+    assert T == 0 or err.max().item() < TOL[dtype], \
+        f"row {worst}: relative error {err.max().item():.3g} ({plan}, lens {lens}, qo {qo})"
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(gl), empty), f"empty rows differ ({plan})"
+    if (~empty).any():
+        assert (gl[~empty] - want_lse[~empty]).abs().max().item() < 2e-3 * max(
+            1.0, want_lse[~empty].abs().max().item())
+    # kvplug's own paged prefill on the same inputs.
+    pws = torch.empty(attn.prefill_workspace_size(B, max(T, 1), qh, kvh, D), dtype=torch.uint8, device=DEV)
+    pplan = attn.prefill_plan(qo_d, lens_d, qh, kvh, D, dtype, pws, qo_indptr_host=qo_h, kv_lens_host=lens_h)
+    pout, plse = attn.paged_prefill(pplan, qd, kd, vd, td, return_lse=True)
+    torch.cuda.synchronize()
+    perr = ((got - pout.cpu().double()).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-30))
+    assert T == 0 or perr.max().item() < 2 * TOL[dtype], \
+        f"vs paged_prefill: row {int(perr.argmax())} relative difference {perr.max().item():.3g} ({plan})"
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,depth,max_run,tail,max_q,bs,qh,kvh,D", [
+    (8, 1, 256, 1000, 1000, 16, 8, 2, 128),   # prompts of up to 1000 tokens over a shared prompt
+    (20, 3, 16, 300, 300, 16, 32, 8, 128),    # deeper tree, decode rows mixed
+    (10, 2, 200, 120, 120, 1, 8, 8, 64),      # token mode, no GQA
+    (8, 2, 5, 600, 500, 64, 8, 1, 256),       # large blocks, group 8, head_dim 256
+])
+def test_cascade_prefill_matches_reference(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D):
+    gen = torch.Generator().manual_seed(hash((str(dtype), B, depth, bs, D)) & 0xFFFF)
+    for _ in range(2):
+        plan = run_prefill_case(gen, dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D)
+        assert plan.route == cascade.ROUTE_CASCADE
+
+
+def test_cascade_prefill_shared_system_prompt_routes():
+    """8 requests share a 4096-token cached prompt, each with 200-1000 new
+    tokens: the cascade route by the cost model; the same requests without
+    sharing: the prefill route (kvp_paged_prefill's kernel), both correct."""
+    gen = torch.Generator().manual_seed(21)
+    qh, kvh, D, bs, dtype = 8, 2, 128, 16, torch.float16
+    for shared in (True, False):
+        B, P = 8, 4096
+        qlens = [200 + 100 * s for s in range(B)]
+        lens = [P + n for n in qlens]
+        nxt = 0 if not shared else P // bs
+        rows = []
+        for s in range(B):
+            own = -(-qlens[s] // bs)
+            pre = list(range(P // bs)) if shared else list(range(nxt, nxt + P // bs))
+            if not shared:
+                nxt += P // bs
+            rows.append(pre + list(range(nxt, nxt + own)))
+            nxt += own
+        width = max(len(r) for r in rows)
+        table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+        qo = [0]
+        for n in qlens:
+            qo.append(qo[-1] + n)
+        T = qo[-1]
+        k = (torch.rand((nxt, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+        v = (torch.rand((nxt, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+        q = (torch.rand((T, qh, D), generator=gen) * 4 - 2).to(dtype)
+        want, _ = prefill_reference(q, k, v, table, lens, qo, bs)
+        ws = cascade.Workspaces(B, qh, kvh, D, device=DEV, max_tokens=T)
+        lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
+        plan = cascade.plan(table, lens_h, lens_h.to(DEV), qh, kvh, D, dtype, ws, qo_indptr_host=qo_h,
+                            qo_indptr=qo_h.to(DEV))
+        assert plan.route == (cascade.ROUTE_CASCADE if shared else cascade.ROUTE_PREFILL), plan
+        assert plan.update(lens_h) is False
+        out = torch.full((T, qh, D), float("nan"), dtype=dtype, device=DEV)
+        cascade.paged_cascade(plan, q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), out=out)
+        torch.cuda.synchronize()
+        got = out.cpu().double()
+        assert not torch.isnan(got).any()
+        err = (got - want).norm().item() / want.norm().item()
+        assert err < TOL[dtype], f"shared={shared}: relative error {err:.3g} ({plan})"
+
+
+def test_cascade_prefill_errors():
+    gen = torch.Generator().manual_seed(3)
+    table, lens, nb = tree_batch(gen, [(4, 8)], 50, 16)
+    B = table.shape[0]
+    lens_h = torch.tensor(lens, dtype=torch.int32)
+    qo_h = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
+    ws = cascade.Workspaces(B, 8, 2, 64, device=DEV, max_tokens=64)
+    with pytest.raises(kvplug.KvplugError) as e:
+        cascade.plan(table, lens_h, lens_h.to(DEV), 8, 2, 64, torch.float16, ws, qo_indptr_host=qo_h)
+    assert "go together" in str(e.value)
+    small = cascade.Workspaces(B, 8, 2, 64, device=DEV, max_tokens=16)
+    with pytest.raises(Exception) as e:
+        cascade.plan(table, lens_h, lens_h.to(DEV), 8, 2, 64, torch.float16, small, qo_indptr_host=qo_h,
+                      qo_indptr=qo_h.to(DEV))
+    assert "max_tokens" in str(e.value)
+    bad = torch.tensor([0, 10, 5, 30, 40], dtype=torch.int32)
+    with pytest.raises(Exception) as e:
+        cascade.plan(table, lens_h, lens_h.to(DEV), 8, 2, 64, torch.float16, ws, qo_indptr_host=bad,
+                     qo_indptr=bad.to(DEV))
+    assert "decrease" in str(e.value)
