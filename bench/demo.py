@@ -110,13 +110,14 @@ class Metrics:
     running: List[int] = dataclasses.field(default_factory=list)
     latency_steps: List[int] = dataclasses.field(default_factory=list)
     # Per step with decoding requests: KV tokens (per kv head, all of the
-    # batch) plain decode reads, and those shared-prefix attention reads
-    # (each shared run once); whether the plan took the cascade route; the
+    # batch) plain decode reads; those shared-prefix attention reads (each
+    # shared run once); those the step reads as planned (the planner takes
+    # the cascade route only where its cost model predicts it faster); the
     # planning call's cost.
     kv_plain: List[int] = dataclasses.field(default_factory=list)
     kv_shared: List[int] = dataclasses.field(default_factory=list)
+    kv_planned: List[int] = dataclasses.field(default_factory=list)
     cascade_steps: int = 0
-    shared_runs_steps: int = 0  # steps whose batch had a shared run worth planning
     plan_us: List[float] = dataclasses.field(default_factory=list)
 
 
@@ -173,16 +174,17 @@ class Engine:
         """Plans the decoding batch's shared-prefix attention from the
         manager's block tables (host only: the summary, no workspaces) and
         records the KV tokens a step reads with and without it. A plan on
-        the decode route (sharing too small to pay) reads what plain decode
-        reads."""
+        the decode route (sharing predicted not to pay) reads what plain
+        decode reads."""
         t0 = time.perf_counter()
         p = cascade.plan_from_manager(self.m, ids, self.max_blocks, KV_Q_HEADS, KV_HEADS, KV_HEAD_DIM, attn.DTYPE_BF16)
         self.metrics.plan_us.append((time.perf_counter() - t0) * 1e6)
-        shared = p.route == cascade.ROUTE_CASCADE
-        self.metrics.kv_plain.append(p.total_tokens)
-        self.metrics.kv_shared.append(p.total_tokens - p.saved_tokens if shared else p.total_tokens)
-        self.metrics.cascade_steps += int(shared)
-        self.metrics.shared_runs_steps += int(p.saved_tokens > 0)
+        cascaded = p.route == cascade.ROUTE_CASCADE
+        mt = self.metrics
+        mt.kv_plain.append(p.total_tokens)
+        mt.kv_shared.append(p.total_tokens - p.saved_tokens)
+        mt.kv_planned.append(p.total_tokens - p.saved_tokens if cascaded else p.total_tokens)
+        mt.cascade_steps += int(cascaded)
 
     def preempt_newest(self, decoding: List[int]) -> None:
         rid = next(reversed(self.running))
@@ -355,7 +357,8 @@ def prefix_cache_demo(cfg: Config, log: Callable[[str], None]) -> None:
     # Shared-prefix attention reads a block that several sequences hold once
     # for all of them: with the cache on, a tenant's requests hold the same
     # system-prompt blocks; with it off, each holds its own copy.
-    log(f"  decode KV reads ({_bytes(KV_TOKEN_BYTES)} a token), planned from each step's block tables:")
+    log(f"  decode KV reads ({_bytes(KV_TOKEN_BYTES)} a token), planned from each step's block tables "
+        f"(the cascade route where the planner predicts it faster):")
     for cache, (e, *_rest) in runs.items():
         log(f"    cache {'on ' if cache else 'off'}: {kv_reads(e)}")
 
@@ -409,17 +412,20 @@ def _bytes(n: float) -> str:
 def kv_reads(e: Engine) -> str:
     """The KV bytes a decode step read with plain decode and with
     shared-prefix attention (mean over the steps that decoded), the ratio,
-    and the totals."""
+    the totals, and how often the planner took the cascade route (with the
+    bytes the steps read as planned)."""
     mt = e.metrics
     if not mt.kv_plain:
         return "no decode step ran"
     plain = np.array(mt.kv_plain, dtype=np.float64) * KV_TOKEN_BYTES
     shared = np.array(mt.kv_shared, dtype=np.float64) * KV_TOKEN_BYTES
-    ratio = shared.sum() / plain.sum() if plain.sum() else 1.0
-    why = "; no shared run in any batch" if mt.shared_runs_steps == 0 else ""
-    return (f"plain {_bytes(plain.mean())}, shared-prefix {_bytes(shared.mean())} a step ({ratio:.2f}x{why}); "
-            f"in all {_bytes(plain.sum())} -> {_bytes(shared.sum())} over {len(plain)} steps, "
-            f"cascade route on {mt.cascade_steps / len(plain):.0%}")
+    planned = np.array(mt.kv_planned, dtype=np.float64) * KV_TOKEN_BYTES
+    total = plain.sum() or 1.0
+    why = "; no shared run in any batch" if shared.sum() == plain.sum() else ""
+    return (f"plain {_bytes(plain.mean())}, shared-prefix {_bytes(shared.mean())} a step "
+            f"({shared.sum() / total:.2f}x{why}); in all {_bytes(plain.sum())} -> {_bytes(shared.sum())} "
+            f"over {len(plain)} steps; cascade route on {mt.cascade_steps / len(plain):.0%} "
+            f"(as planned: {planned.sum() / total:.2f}x)")
 
 
 def section_kv_reads(e: Engine) -> List[str]:

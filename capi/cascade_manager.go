@@ -88,6 +88,19 @@ func kvp_manager_cascade_plan(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, ca 
 		if a.flags&^C.KVP_CASCADE_NO_DECODE_ROUTE != 0 {
 			return failf(kverr.InvalidArgument, "%s: unknown flags %#x", what, int32(a.flags))
 		}
+		if a.reserved != 0 {
+			return failf(kverr.InvalidArgument, "%s: reserved must be 0", what)
+		}
+		// Fields appended to the struct after reserved are for
+		// kvp_cascade_plan, which the device path hands them to; this host
+		// planner knows none of them, so a set one is refused rather than
+		// ignored.
+		end := unsafe.Offsetof(a.reserved) + unsafe.Sizeof(a.reserved)
+		for i, b := range unsafe.Slice((*byte)(unsafe.Pointer(&a)), unsafe.Sizeof(a))[end:] {
+			if b != 0 {
+				return failf(kverr.InvalidArgument, "%s: a host-only plan reads no field after reserved; byte %d of the args is set", what, end+uintptr(i))
+			}
+		}
 	}
 
 	scr := cascadeManagerScratches.Get().(*cascadeManagerScratch)
@@ -100,22 +113,31 @@ func kvp_manager_cascade_plan(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, ca 
 
 	if hostOnly {
 		in.DTypeBytes = attn.DType(a.dtype).Size()
-		maxBatch := int(a.max_batch)
-		if maxBatch < 0 {
-			return failf(kverr.InvalidArgument, "%s: max_batch must be >= 0: got %d", what, maxBatch)
-		}
-		s, err := scr.hp.Plan(&in, maxBatch)
-		if err != nil {
-			return fail(kverr.Wrap(kverr.CodeOf(err), err, "%s", what))
+		maxBatch, maxTokens := int(a.max_batch), int(a.max_tokens)
+		if maxBatch < 0 || maxTokens < 0 {
+			return failf(kverr.InvalidArgument, "%s: max_batch and max_tokens must be >= 0: got %d, %d", what, maxBatch, maxTokens)
 		}
 		if maxBatch == 0 {
 			maxBatch = max(int(n), 1)
 		}
+		if a.qo_indptr_host != nil { // varlen queries; the device copy is not read
+			in.QIndptr = unsafe.Slice((*int32)(unsafe.Pointer(a.qo_indptr_host)), int(n)+1)
+			if maxTokens == 0 {
+				// No workspace to fit: by default the capacity is the
+				// batch's own rows (the planner checks the offsets).
+				maxTokens = max(int(in.QIndptr[n]), maxBatch)
+			}
+		}
+		s, err := scr.hp.Plan(&in, maxBatch, maxTokens)
+		if err != nil {
+			return fail(kverr.Wrap(kverr.CodeOf(err), err, "%s", what))
+		}
 		out := cascadePlanStruct(&a, s, maxBatch, bs, cascade.DefaultSlots)
 		// A summary: it names no workspace or device array, so
 		// kvp_cascade_update and kvp_paged_cascade refuse it (they find no
-		// host workspace) and nothing can launch from it.
-		out.grid, out.workspace, out.workspace_bytes, out.kv_lens = 0, 0, 0, 0
+		// host workspace) and nothing can launch from it. The prefill
+		// route's work list is planned on the device: no items here.
+		out.grid, out.num_splits, out.workspace, out.workspace_bytes, out.kv_lens = 0, 0, 0, 0, 0
 		out.reserved[0], out.reserved[1] = 0, 0
 		return fail(attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out)))
 	}

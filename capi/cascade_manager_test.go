@@ -135,8 +135,8 @@ func TestManagerCascadePlanEqualsDescribe(t *testing.T) {
 			if !slices.Equal(a.host, wantWS) {
 				t.Fatalf("cols %d flags %d: host workspaces differ", cols, flags)
 			}
-			if wf.Route != 3 || wf.Reserved[4] < 3*544 {
-				t.Fatalf("cols %d: the batch's sharing was not found: %+v", cols, wf)
+			if wf.Reserved[4] < 3*544 || (flags == 1 && wf.Route != 3) {
+				t.Fatalf("cols %d flags %d: the batch's sharing was not found: %+v", cols, flags, wf)
 			}
 
 			// Host only: no workspaces, no device; the same summary.
@@ -228,7 +228,13 @@ func TestManagerCascadePlanErrors(t *testing.T) {
 	mod("host lens given", both, func(a *cascadeHookArgs) { a.lens = []int32{1} }, kverr.InvalidArgument)
 	mod("batch differs", both, func(a *cascadeHookArgs) { a.batch = n - 1 }, kverr.InvalidArgument)
 	mod("block size differs", both, func(a *cascadeHookArgs) { a.blockSize = 32 }, kverr.InvalidArgument)
-	mod("struct_size small", both, func(a *cascadeHookArgs) { a.structSize-- }, kverr.StructSize)
+	mod("struct_size below the first release", both, func(a *cascadeHookArgs) { a.structSize = firstCascadePlanArgsSize() - 1 }, kverr.StructSize)
+	mod("reserved set", both, func(a *cascadeHookArgs) { a.reserved = 1 }, kverr.InvalidArgument)
+	mod("max_tokens below the batch capacity", both, func(a *cascadeHookArgs) { a.maxTokens = 4 }, kverr.InvalidArgument)
+	mod("qo_indptr decreasing", host, func(a *cascadeHookArgs) {
+		a.qo = make([]int32, n+1)
+		a.qo[1] = 2
+	}, kverr.InvalidArgument)
 	mod("dtype f32", both, func(a *cascadeHookArgs) { a.dtype = int32(attn.F32) }, kverr.Unsupported)
 	mod("head_dim 80", both, func(a *cascadeHookArgs) { a.headDim = 80 }, kverr.Unsupported)
 	mod("heads 8/3", both, func(a *cascadeHookArgs) { a.kvHeads = 3 }, kverr.InvalidArgument)
@@ -250,4 +256,66 @@ func TestManagerCascadePlanErrors(t *testing.T) {
 	// A wrong handle type and a destroyed handle.
 	_, st := hookManagerCascadePlan(unsafe.Pointer(prev), ids, n, good(), nil, false, false)
 	expect(t, "foreign pointer", st, kverr.InvalidHandle)
+}
+
+// Varlen queries (new prompts or chunks mixed with decode rows) pass
+// through: the plan from the manager with qo_indptr_host is
+// kvp_cascade_plan's of the described tables with the same offsets, on the
+// device path and, for the summary, host only.
+func TestManagerCascadePlanVarlenEqualsDescribe(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
+	h, ids := sharingHandle(t)
+	n := int32(len(ids))
+	lens := make([]int32, n)
+	idb, lb, num := cInt64s(ids), newCBuf(4*int(n)), newCBuf(4)
+	defer func() { idb.free(); lb.free(); num.free() }()
+	if st := hookManagerDescribe(h, idb, n, cbuf{}, 0, lb, cbuf{}, 0, num); st != 0 {
+		t.Fatalf("describe: %s %s", statusName(st), lastError())
+	}
+	copy(lens, unsafe.Slice((*int32)(lb.p), n))
+	qo := make([]int32, n+1)
+	for i := range ids {
+		q := int32(1) // decode rows, and every third a chunk of up to 40 tokens
+		if i%3 == 0 {
+			q = min(lens[i], int32(5+13*i%40))
+		}
+		qo[i+1] = qo[i] + q
+	}
+	maxTokens := qo[n] + 8
+	dev, host, st := hookCascadePrefillWorkspaceSize(16, maxTokens, 8, 2, 128)
+	if st != 0 {
+		t.Fatal(statusName(st))
+	}
+	for _, flags := range []int32{0, 1} {
+		a := &cascadeHookArgs{structSize: sizeofCascadePlanArgs(), dtype: int32(attn.F16), headDim: 128, qHeads: 8, kvHeads: 2,
+			maxBatch: 16, maxBlocks: 64, seqLensDev: 0x9000, host: make([]int32, host/4), hostBytes: host,
+			workspace: 0x100000, workspaceBytes: dev, flags: flags, qo: qo, qoDev: 0xA000, maxTokens: maxTokens}
+		want, wantWS := describePlan(t, h, ids, a)
+		var seen hookCascadeSeen
+		restore := hookPlanDeviceWithoutDevice(&seen)
+		got, st := hookManagerCascadePlan(h, ids, n, a, nil, false, false)
+		restore()
+		if st != 0 {
+			t.Fatalf("flags %d: %s %s", flags, statusName(st), lastError())
+		}
+		gf, wf := got.fields(), want.fields()
+		gf.Reserved[0], wf.Reserved[0] = 0, 0
+		if gf != wf || !slices.Equal(a.host, wantWS) {
+			t.Fatalf("flags %d: plans differ:\nmanager  %+v\ndescribe %+v", flags, gf, wf)
+		}
+		if tq, mq := want.rows(); tq != qo[n] || mq < 2 {
+			t.Fatalf("flags %d: the plan has %d query rows (max %d); %d given", flags, tq, mq, qo[n])
+		}
+		ho := *a
+		ho.host, ho.hostBytes, ho.workspace, ho.workspaceBytes, ho.seqLensDev, ho.qoDev = nil, 0, 0, 0, 0, 0
+		hp, st := hookManagerCascadePlan(h, ids, n, &ho, nil, false, false)
+		if st != 0 {
+			t.Fatalf("host only, flags %d: %s %s", flags, statusName(st), lastError())
+		}
+		hf := hp.fields()
+		if hf.Route != wf.Route || hf.TotalQ != wf.TotalQ || hf.MaxQ != wf.MaxQ || hf.MaxKV != wf.MaxKV ||
+			hf.Reserved[4] != wf.Reserved[4] || hf.Reserved[5] != wf.Reserved[5] {
+			t.Fatalf("host only, flags %d: %+v, device plan %+v", flags, hf, wf)
+		}
+	}
 }

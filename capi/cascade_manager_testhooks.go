@@ -73,8 +73,12 @@ func hookPlanDeviceWithoutDevice(seen *hookCascadeSeen) (restore func()) {
 			kvHeads: int32(a.num_kv_heads), batch: int32(b), maxBatch: int32(max(int(a.max_batch), b, 1)),
 			blockSize: int32(a.block_size), maxBlocks: int32(a.max_blocks_per_seq), stride: int64(a.block_table_stride),
 			seqLensDev: uint64(a.seq_lens), hostBytes: uint64(a.host_workspace_bytes), workspace: uint64(a.workspace),
-			workspaceBytes: uint64(a.workspace_bytes), flags: int32(a.flags), headroom: int32(a.headroom)}
+			workspaceBytes: uint64(a.workspace_bytes), flags: int32(a.flags), headroom: int32(a.headroom),
+			qoDev: uint64(a.qo_indptr), maxTokens: int32(a.max_tokens), reserved: int32(a.reserved)}
 		h.structSize = unsafe.Sizeof(*a)
+		if a.qo_indptr_host != nil {
+			h.qo = unsafe.Slice((*int32)(unsafe.Pointer(a.qo_indptr_host)), b+1)
+		}
 		if b > 0 {
 			h.table = unsafe.Slice((*int32)(unsafe.Pointer(a.block_table_host)), int64(b-1)*h.stride+int64(h.maxBlocks))
 			h.lens = unsafe.Slice((*int32)(unsafe.Pointer(a.seq_lens_host)), b)

@@ -1284,13 +1284,13 @@ kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */
 kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_args *args, uint64_t stream);
 
-/* Plans the decode batch seq_ids[n] of manager m (the ids the step's
+/* Plans the batch seq_ids[n] of manager m (the ids the step's
  * kvp_manager_describe takes, in the same order: row i of the plan is
  * seq_ids[i]) from the manager's own block tables and lengths, in one call:
  * the host needs no table of its own. The plan, the workspaces and *plan
  * are exactly what kvp_cascade_plan gives for the block table and lengths
  * kvp_manager_describe(m, seq_ids, n, ..., max_blocks_per_seq, ...) writes,
- * and args are its args except:
+ * and args are its args (varlen queries included) except:
  *   batch               0 or n;
  *   block_size          0 or the manager's;
  *   max_blocks_per_seq  required: the columns of the device block table the
@@ -1308,17 +1308,21 @@ kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_
  *
  * Host only: with workspace 0 and host_workspace NULL the batch is planned
  * on the host for its summary alone, with no device or workspace needed
- * (seq_lens is not read): *plan gets kind, route, batch, max_kv_len,
- * num_items and reserved[2..5] as a device plan would (the chunking of an
- * H100, 264 resident blocks: route and reserved[4], reserved[5] do not
- * depend on the device), and grid, workspace, workspace_bytes, kv_lens,
- * reserved[0] and reserved[1] 0. Such a plan names no workspace:
+ * (seq_lens and qo_indptr are not read; qo_indptr_host is, and max_batch
+ * and max_tokens default to the batch's sequences and query rows): *plan
+ * gets kind, route, batch, total_q, max_q_len, max_kv_len, num_items and
+ * reserved[2..5] as a device plan would (the chunking of an H100, 264
+ * resident blocks; the route and reserved[4], reserved[5] do not depend on
+ * the device; num_items is 0 on the prefill route, whose work list the
+ * device plans), and grid, num_splits, workspace, workspace_bytes,
+ * kv_lens, reserved[0] and reserved[1] 0. Such a plan names no workspace:
  * kvp_cascade_update and kvp_paged_cascade refuse it (INVALID_ARGUMENT).
- * Use it to measure a batch's sharing (the KV bytes a step reads with
- * shared-prefix attention are those of reserved[5] - reserved[4] tokens
- * per kv head on the cascade route, reserved[5] on the decode route) on any
- * machine. With one workspace given, the call is kvp_cascade_plan's and
- * fails for the other.
+ * Use it to measure a batch's sharing on any machine: shared-prefix
+ * attention reads reserved[5] - reserved[4] KV tokens per kv head where
+ * plain attention reads reserved[5] (a step on the decode or prefill
+ * route, which the planner takes where its cost model predicts sharing
+ * not to pay, reads reserved[5]). With one workspace given, the call is
+ * kvp_cascade_plan's and fails for the other.
  *
  * On error *plan and the workspaces are left as they were.
  * Errors: INVALID_HANDLE, NULL_POINTER (args, plan, seq_ids with n > 0),

@@ -15,14 +15,17 @@ type HostPlanner struct {
 	ws []int32
 }
 
-// Plan plans in for a workspace capacity of maxBatch sequences (0: the
-// batch) and returns its summary, with Gen 0. The errors are Plan's and
-// NewLayout's.
-func (h *HostPlanner) Plan(in *Input, maxBatch int) (Summary, error) {
+// Plan plans in for workspaces of capacity maxBatch sequences (0: the
+// batch) and maxTokens query rows (0: maxBatch, decode) and returns its
+// summary, with Gen 0. The errors are Plan's and NewPrefillLayout's.
+func (h *HostPlanner) Plan(in *Input, maxBatch, maxTokens int) (Summary, error) {
 	if maxBatch == 0 {
 		maxBatch = max(len(in.SeqLens), 1)
 	}
-	l, err := NewLayout(maxBatch, in.NumQHeads, in.NumKVHeads, in.HeadDim)
+	if maxTokens == 0 {
+		maxTokens = maxBatch
+	}
+	l, err := NewPrefillLayout(maxBatch, maxTokens, in.NumQHeads, in.NumKVHeads, in.HeadDim)
 	if err != nil {
 		return Summary{}, err
 	}

@@ -38,7 +38,9 @@ TEST(CascadeManager, ForksShareAllButTheirTails) {
   m.fork(1, std::vector<int64_t>{2, 3, 4, 5});
   std::vector<int64_t> ids{5, 1, 3, 2, 4};
   m.grow(ids, 1);
-  kvp_attn_plan p = kvplug::cascade::plan(m, ids, host_only_args(200));
+  kvp_cascade_plan_args a = host_only_args(200);
+  a.flags = KVP_CASCADE_NO_DECODE_ROUTE;  // whether it pays is the planner's cost model's call
+  kvp_attn_plan p = kvplug::cascade::plan(m, ids, a);
   EXPECT_EQ(p.kind, KVP_ATTN_PLAN_CASCADE);
   EXPECT_EQ(p.route, KVP_ATTN_ROUTE_CASCADE);
   EXPECT_EQ(p.batch, 5);

@@ -136,6 +136,48 @@ def test_manager_plan_equals_described_plan(dtype, bs, n_systems, seqs, forks, s
         assert err < TOL[dtype], f"relative error {err:.3g} ({pb})"
 
 
+@pytest.mark.parametrize("decode_route", [True, False])
+def test_manager_plan_with_varlen_queries_equals_described_plan(decode_route):
+    """Chunks and new prompts mixed with decode rows (qo_indptr): the plan
+    from the manager is cascade.plan's of the described tables, and both
+    runs give the same output."""
+    rng = np.random.default_rng(11)
+    m, ids = shared_manager(rng, 16, 2, 20, 1)
+    with m:
+        d = m.describe(ids, max_blocks=160)
+        B = len(ids)
+        q = [1 if i % 3 else int(min(d.seq_lens[i], 1 + 17 * i % 90)) for i in range(B)]
+        qo_h = torch.tensor(np.concatenate([[0], np.cumsum(q)]), dtype=torch.int32)
+        qo_d = qo_h.to(DEV)
+        total_q = int(qo_h[-1])
+        table, lens_h = torch.from_numpy(d.block_table), torch.from_numpy(d.seq_lens)
+        lens_d = lens_h.to(DEV)
+        wss = []
+        for _ in range(2):
+            ws = cascade.Workspaces(B, QH, KVH, D, device=DEV, max_tokens=total_q + 16)
+            ws.host.zero_()
+            ws.device.zero_()
+            wss.append(ws)
+        pa = cascade.plan(table, lens_h, lens_d, QH, KVH, D, torch.float16, wss[0], decode_route=decode_route,
+                          qo_indptr_host=qo_h, qo_indptr=qo_d)
+        pb = cascade.plan_from_manager(m, ids, 160, QH, KVH, D, torch.float16, wss[1], lens_d,
+                                       decode_route=decode_route, qo_indptr_host=qo_h, qo_indptr=qo_d)
+        torch.cuda.synchronize()
+        for f in ("route", "batch", "total_q", "max_q_len", "num_items", "saved_tokens", "total_tokens"):
+            assert getattr(pa, f) == getattr(pb, f), f
+        assert torch.equal(wss[0].host, wss[1].host), "host workspaces differ"
+        assert torch.equal(wss[0].device, wss[1].device), "device workspaces differ"
+        nb = int(table.max()) + 1
+        gen = torch.Generator().manual_seed(3)
+        k = (torch.rand((nb, 16, KVH, D), generator=gen) * 4 - 2).half().to(DEV)
+        v = (torch.rand((nb, 16, KVH, D), generator=gen) * 4 - 2).half().to(DEV)
+        qt = (torch.rand((total_q, QH, D), generator=gen) * 4 - 2).half().to(DEV)
+        outs = [cascade.paged_cascade(p, qt, k, v, table.to(DEV)) for p in (pa, pb)]
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[1]).any()
+        assert torch.equal(outs[0], outs[1]), "the two plans' outputs differ"
+
+
 def test_manager_plan_update_across_growth():
     rng = np.random.default_rng(3)
     m, ids = shared_manager(rng, 16, 2, 32, 2)

@@ -291,19 +291,22 @@ def plan_from_manager(
     decode_route: bool = True,
     headroom: int = 0,
     stream: Any = None,
+    qo_indptr_host: Any = None,
+    qo_indptr: Any = None,
 ) -> CascadePlan:
-    """Plans the decode batch seq_ids of a kvplug.Manager from the manager's
-    own block tables and lengths (kvp_manager_cascade_plan): the plan that
+    """Plans the batch seq_ids of a kvplug.Manager from the manager's own
+    block tables and lengths (kvp_manager_cascade_plan): the plan that
     plan() gives for the table and lengths manager.describe(seq_ids,
     max_blocks_per_seq) returns, without a host table. max_blocks_per_seq
     is the device block table's width; seq_lens (int32 [n] CUDA) holds the
-    batch's lengths for the kernels, as in plan().
+    batch's lengths for the kernels, and qo_indptr_host / qo_indptr the
+    varlen query offsets, as in plan().
 
-    With workspaces=None (and no seq_lens) the batch is planned on the host
-    for its summary alone, on any machine, torch not needed: the plan's
-    route, saved_tokens and total_tokens say how much a step's KV reads
-    shrink; it cannot be updated or run. dtype is a torch dtype or
-    attn.DTYPE_F16 / DTYPE_BF16."""
+    With workspaces=None (and no seq_lens or qo_indptr) the batch is
+    planned on the host for its summary alone, on any machine, torch not
+    needed: the plan's route, saved_tokens and total_tokens say how much a
+    step's KV reads shrink; it cannot be updated or run. dtype is a torch
+    dtype or attn.DTYPE_F16 / DTYPE_BF16."""
     from .manager import Manager, _I64, _in_ptr
 
     if not isinstance(manager, Manager):
@@ -320,13 +323,17 @@ def plan_from_manager(
     a.max_blocks_per_seq = _i32arg(max_blocks_per_seq, "max_blocks_per_seq")
     a.flags = 0 if decode_route else NO_DECODE_ROUTE
     a.headroom = _i32arg(headroom, "headroom")
+    qo = None
+    if qo_indptr_host is not None:
+        qo = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
+        a.qo_indptr_host = qo
     f = _fn("kvp_manager_cascade_plan", [ctypes.c_void_p, ctypes.c_void_p, _i32, ctypes.POINTER(_CascadePlanArgs),
                                          ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
     if workspaces is None:
-        if seq_lens is not None:
-            raise _bad("seq_lens without workspaces: a host-only plan reads no device array")
+        if seq_lens is not None or qo_indptr is not None:
+            raise _bad("seq_lens or qo_indptr without workspaces: a host-only plan reads no device array")
         _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), 0))
         return CascadePlan(p, (ids_keep,))
     if not isinstance(workspaces, Workspaces):
@@ -336,13 +343,20 @@ def plan_from_manager(
     _index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if seq_lens.shape[0] != n:
         raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for {n} seq_ids")
-    a.max_batch = workspaces.max_batch
+    if (qo is None) != (qo_indptr is None):
+        raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
+    if qo_indptr is not None:
+        _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
+        if qo_indptr.shape[0] != n + 1:
+            raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; n + 1 = {n + 1} expected")
+        a.qo_indptr = qo_indptr.data_ptr()
+    a.max_batch, a.max_tokens = workspaces.max_batch, workspaces.max_tokens
     a.seq_lens = seq_lens.data_ptr()
     a.host_workspace, a.host_workspace_bytes = workspaces.host.data_ptr(), workspaces.host.numel()
     a.workspace, a.workspace_bytes = workspaces.device.data_ptr(), workspaces.device.numel()
     with torch.cuda.device(dev):
         _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
-    return CascadePlan(p, (seq_lens, workspaces))
+    return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
 
 
 __all__ += ["plan_from_manager"]
