@@ -235,6 +235,12 @@ func (m *Manager) extendPrefix(s *seq, toks []int32) {
 	if pc == nil || len(toks) == 0 {
 		return
 	}
+	if len(toks) == 1 && len(pc.tail) < m.bs-1 {
+		// A decode step's token that does not fill its block: keep it,
+		// without the general path's copy call.
+		pc.tail = append(pc.tail, toks[0])
+		return
+	}
 	bi := s.length / m.bs // the block toks[0] goes to
 	if len(pc.tail) > 0 {
 		k := min(m.bs-len(pc.tail), len(toks))

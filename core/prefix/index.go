@@ -237,7 +237,13 @@ func (x *Index) newNode() int32 {
 		x.freeNodes = x.freeNodes[:k-1]
 		return i
 	}
-	x.nodes = append(x.nodes, node{})
+	// The caller sets every field, so a slot within capacity (zeroed by
+	// Clear, or never used) needs no zeroing here.
+	if len(x.nodes) < cap(x.nodes) {
+		x.nodes = x.nodes[:len(x.nodes)+1]
+	} else {
+		x.nodes = append(x.nodes, node{})
+	}
 	n := len(x.tokens)
 	x.tokens = slices.Grow(x.tokens, x.bs)[:n+x.bs]
 	return int32(len(x.nodes) - 1)
@@ -247,7 +253,10 @@ func (x *Index) newNode() int32 {
 // keys: the check behind every hash hit.
 func (x *Index) same(i, parent int32, tokens []int32, adapter uint64, mm []BlockMM, salt []byte) bool {
 	n := &x.nodes[i]
-	return n.parent == parent && n.adapter == adapter && n.salt == string(salt) &&
+	// Lengths first: most blocks have no salt, and comparing two empty
+	// strings still calls the runtime.
+	return n.parent == parent && n.adapter == adapter && len(n.salt) == len(salt) &&
+		(len(salt) == 0 || n.salt == string(salt)) &&
 		slices.Equal(n.mm, mm) && equalTokens(x.tokensOf(i), tokens)
 }
 
@@ -642,7 +651,10 @@ func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockI
 		return InsertResult{}, nilNode, kverr.Errorf(kverr.InvalidArgument, "insert: block %d is outside the pool of %d", blockID, len(x.byBlock))
 	}
 	depth := int(x.nodes[p].depth)
-	x.mm = appendBlockMM(x.mm[:0], keys.MM, depth*x.bs, x.bs)
+	x.mm = x.mm[:0]
+	if len(keys.MM) > 0 {
+		x.mm = appendBlockMM(x.mm, keys.MM, depth*x.bs, x.bs)
+	}
 	var salt []byte
 	if depth == 0 {
 		salt = keys.Salt
@@ -691,7 +703,9 @@ func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockI
 		heapPos: -1,
 		last:    x.clock,
 		adapter: keys.Adapter,
-		salt:    string(salt),
+	}
+	if len(salt) > 0 {
+		x.nodes[i].salt = string(salt)
 	}
 	if len(x.mm) > 0 {
 		x.nodes[i].mm = slices.Clone(x.mm)
@@ -709,7 +723,9 @@ func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockI
 	x.settle(p)
 	x.counters.Inserts++
 	x.recent = i
-	x.events.stored(x, i)
+	if x.events.on {
+		x.events.stored(x, i)
+	}
 	return InsertResult{Hash: h, Block: blockID}, i, nil
 }
 
