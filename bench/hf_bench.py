@@ -10,7 +10,8 @@ three workloads, all requests arriving at the start:
 Three systems serve each:
   kvplug      the continuous-batching loop of examples/hf_engine.py on
               kvplug.hf (kvplug's manager, prefix cache and kernels; decode
-              steps replayed from CUDA graphs);
+              steps with shared-prefix (cascade) attention, replayed from
+              CUDA graphs; --no-cascade for plain paged decode);
   flashinfer  the same loop and manager with FlashInfer's attention
               (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
               steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
@@ -35,7 +36,6 @@ first use (about 30 s for fa2 prefill and decode).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import importlib.util
 import json
@@ -297,7 +297,7 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
     if system == "kvplug":
-        runner = kvhf.Runner(model, cache, backend="auto", **kw)
+        runner = kvhf.Runner(model, cache, backend="auto", cascade=args.cascade and args.device.startswith("cuda"), **kw)
     else:
         runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)
     setup = time.perf_counter() - t0
@@ -359,6 +359,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0, help="KV pool size (GiB) unless --num-blocks")
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    ap.add_argument("--no-cascade", dest="cascade", action="store_false",
+                    help="kvplug decodes with paged_decode instead of shared-prefix (cascade) attention")
     ap.add_argument("--fi-prefill-backend", default="fa2", help="FlashInfer prefill backend (fa3 compiles for ~2 min)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests (c: prompts) transformers' generate serves")
     ap.add_argument("--hf-batch", type=int, default=64, help="sequences per generate call")

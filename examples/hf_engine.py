@@ -13,7 +13,7 @@ request with n > 1 samples n continuations: its sequence is forked once its
 prompt is computed, the children sharing the prompt's blocks.
 
     python examples/hf_engine.py                       # tiny random Llama, CPU or GPU
-    python examples/hf_engine.py --model llama3-8b --requests 256 --rate 8 --cuda-graphs
+    python examples/hf_engine.py --model llama3-8b --requests 256 --rate 8 --cuda-graphs --cascade
 
 Nothing is downloaded: the model has random weights from a config made in
 code (--model picks a shape), and prompts are random token ids with a shared
@@ -399,6 +399,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--step-tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (GPU)")
+    ap.add_argument("--cascade", action="store_true", help="shared-prefix decode attention (kvplug.cascade; GPU)")
     ap.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
@@ -418,7 +419,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     cache = kvhf.PagedKVCache(kvhf.ModelShape.of(model.config), num_blocks, args.block_size, dtype=dtype, device=args.device)
     runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,
                          max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
-                         cuda_graphs=args.cuda_graphs)
+                         cuda_graphs=args.cuda_graphs, cascade=args.cascade)
     cfg = EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=args.seed,
                        progress_every=0 if args.quiet else 2.0)
     print(f"kvplug {kvplug.version_string()} + transformers: {args.model} ({dtype}, {args.device}, {runner.backend}), "

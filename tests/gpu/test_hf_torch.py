@@ -39,9 +39,12 @@ SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attent
              head_dim=64, initializer_range=0.08)
 
 
+@pytest.mark.parametrize("cascade", [False, True], ids=["decode", "cascade"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_engine_on_kernels_matches_transformers(kind, dtype):
+def test_engine_on_kernels_matches_transformers(kind, dtype, cascade):
+    if cascade and kind == "mistral":
+        pytest.skip("a sliding window shorter than the sequences keeps decode on the prefill kernel")
     over = dict(SHAPE)
     if kind != "mistral":
         over.pop("head_dim")  # Llama and Qwen2 derive it: 512 / 8 = 64
@@ -49,7 +52,8 @@ def test_engine_on_kernels_matches_transformers(kind, dtype):
     eng_mod = H.load_engine()
     reqs = H.make_requests(eng_mod, model.config.vocab_size)
     engine, rec = H.run_engine(model, dtype, DEV, reqs, num_blocks=30, backend="kernels",
-                               cuda_graphs=(kind != "mistral"))
+                               # cascade: graphs for Llama, eager plans for Qwen2
+                               cuda_graphs=(kind == "llama") if cascade else (kind != "mistral"), cascade=cascade)
     assert engine.runner.backend == "kernels"
     assert all(r.finished is not None for r in reqs)
     assert rec.prefix_hits >= 3 and rec.chunk_starts_inside_block >= 1
@@ -57,23 +61,28 @@ def test_engine_on_kernels_matches_transformers(kind, dtype):
     atol, rtol = TOL[dtype]
     count, worst = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
     assert count > 200
-    print(f"{kind} {dtype}: {count} rows, worst error {worst:.2f} of the bound")
+    print(f"{kind} {dtype} {'cascade' if cascade else 'decode'}: {count} rows, worst error {worst:.2f} of the bound, "
+          f"{engine.runner.graph_steps} graph steps")
 
 
-def test_cuda_graph_decode_replays_match_eager():
+@pytest.mark.parametrize("cascade", [False, True], ids=["decode", "cascade"])
+def test_cuda_graph_decode_replays_match_eager(cascade):
     """Decode steps replayed from graphs (padded to the graph's batch) give
-    the eager kernels' logits, step after step, as the batch shrinks."""
+    the eager kernels' logits (plain decode, no cascade), step after step,
+    as the batch shrinks; the prompts share a 48-token prefix, so the
+    cascade plans find sharing."""
     dtype = torch.bfloat16
     over = dict(SHAPE)
     over.pop("head_dim")
     model = kvhf.prepare_model(H.tiny_model("llama", dtype=dtype, device=DEV, **over))
     outs = {}
+    shared = list(range(100, 148))
     for graphs in (False, True):
         with kvhf.PagedKVCache.for_model(model, 64, 16) as cache:
             runner = kvhf.Runner(model, cache, max_batch=8, max_step_tokens=512, max_model_len=256,
-                                 cuda_graphs=graphs, graph_sizes=[2, 4, 8])
+                                 cuda_graphs=graphs, graph_sizes=[2, 4, 8], cascade=cascade and graphs)
             for i in range(5):
-                cache.add(i, list(range(1 + i, 40 + 7 * i)))
+                cache.add(i, shared + list(range(1 + i, 40 + 7 * i)))
             lg = runner.step(cache.schedule([(i, 512) for i in range(5)]))
             seq = []
             live = list(range(5))

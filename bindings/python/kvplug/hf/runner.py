@@ -44,22 +44,47 @@ def _backend_for(cache: PagedKVCache, backend: str) -> str:
 
 
 class _DecodeGraph:
-    """A decode step for up to `size` sequences captured in a CUDA graph:
-    static inputs are overwritten before each replay; rows past the batch
-    are padding (slot -1: not written; length 0: attention gives 0)."""
+    """A decode step for up to `size` sequences captured in a CUDA graph.
+    Static inputs are overwritten before each replay from two pinned host
+    buffers (two copies per step); rows past the batch are padding (slot -1:
+    nothing written). With cascade, attention is kvplug.cascade's
+    shared-prefix decode, planned before each replay into the runner's
+    workspaces (padding rows: one token of block 0); without, paged_decode
+    (padding rows: length 0)."""
 
-    def __init__(self, runner: "Runner", size: int, pool: Any) -> None:
+    def __init__(self, runner: "Runner", size: int, pool: Any, cascade: bool) -> None:
         c, dev = runner.cache, runner.cache.device
-        self.size = size
-        self.ids = torch.zeros((1, size), dtype=torch.long, device=dev)
-        self.pos = torch.zeros((1, size), dtype=torch.long, device=dev)
-        self.slots = torch.full((size,), -1, dtype=torch.int32, device=dev)
-        self.table = torch.zeros((size, runner.max_blocks), dtype=torch.int32, device=dev)
-        self.lens = torch.zeros((size,), dtype=torch.int32, device=dev)
+        self.runner, self.size, self.cascade = runner, size, cascade
+        mb = runner.max_blocks
+        self.mb = mb
+        # int64 [ids | positions] and int32 [slots | lens | table] staging buffers and their device twins
+        self.h64 = torch.zeros(2 * size, dtype=torch.long).pin_memory()
+        self.h32 = torch.zeros(2 * size + size * mb, dtype=torch.int32).pin_memory()
+        self.d64 = torch.zeros(2 * size, dtype=torch.long, device=dev)
+        self.d32 = torch.zeros(2 * size + size * mb, dtype=torch.int32, device=dev)
+        self.ids, self.pos = self.d64[:size].view(1, size), self.d64[size:].view(1, size)
+        self.slots, self.lens = self.d32[:size], self.d32[size:2 * size]
+        self.table = self.d32[2 * size:].view(size, mb)
+        self.h_slots, self.h_lens = self.h32[:size], self.h32[size:2 * size]
+        self.h_table = self.h32[2 * size:].view(size, mb)
+        self.plan: Any = None
+        self.plan_ids: Optional[np.ndarray] = None
         sh = c.shape
         splits = kvplug.attn.num_splits(c.dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
         self.ctx = StepContext(c, "kernels", self.slots, self.table, self.lens, np.arange(size + 1, dtype=np.int32),
                                np.ones(size, np.int32), True, decode_ws=runner.decode_ws, num_splits=splits)
+        self.h_slots.fill_(-1)
+        if cascade:
+            # A capture needs a cascade-route plan: every row holds blocks 0 and 1 and one token of block 2.
+            k = min(3, mb)
+            self.h_table.fill_(-1)
+            self.h_table[:, :k] = torch.arange(k, dtype=torch.int32)
+            self.h_lens.fill_((k - 1) * c.block_size + 1)
+            self.d32.copy_(self.h32)
+            self.ctx.cascade_plan = self._plan_now()
+            runner._cascade_owner = None  # the capture's plan is no step's
+        else:
+            self.d32.copy_(self.h32)
         model = runner.model
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))
@@ -71,18 +96,42 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx).logits[0]
 
+    def _plan_now(self) -> Any:
+        r, sh = self.runner, self.runner.cache.shape
+        return kvplug.cascade.plan(self.h_table, self.h_lens, self.lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
+                                   r.cache.dtype, r.cascade_ws, block_size=r.cache.block_size, decode_route=False)
+
     def load(self, batch: Batch) -> None:
-        """Copies the batch into the static inputs (host work + async copies)."""
-        n = len(batch)
+        """Writes the batch into the static inputs: host work and two copies
+        (plus the cascade plan's own copy when it has to plan again)."""
+        n, size = len(batch), self.size
         mb = batch.block_table.shape[1]
-        host = torch.from_numpy
-        self.ids[0, :n].copy_(host(batch.input_ids), non_blocking=True)
-        self.pos[0, :n].copy_(host(batch.seq_lens.astype(np.int64) - 1), non_blocking=True)
-        self.slots.fill_(-1)
-        self.slots[:n].copy_(host(batch.slot_mapping), non_blocking=True)
-        self.lens.zero_()
-        self.lens[:n].copy_(host(batch.seq_lens), non_blocking=True)
-        self.table[:n, :mb].copy_(host(batch.block_table), non_blocking=True)
+        h64 = self.h64.numpy()
+        h64[:n] = batch.input_ids
+        h64[size:size + n] = batch.seq_lens - 1
+        h_slots, h_lens, h_table = self.h_slots.numpy(), self.h_lens.numpy(), self.h_table.numpy()
+        h_slots[:n] = batch.slot_mapping
+        h_slots[n:] = -1
+        h_lens[:n] = batch.seq_lens
+        h_table[:n, :mb] = batch.block_table
+        h_table[:n, mb:] = -1
+        if self.cascade:
+            h_lens[n:] = 1  # padding rows: one token of block 0, no sharing, nothing written
+            h_table[n:] = -1
+            h_table[n:, 0] = 0
+        else:
+            h_lens[n:] = 0
+        self.d64.copy_(self.h64, non_blocking=True)
+        self.d32.copy_(self.h32, non_blocking=True)
+        if self.cascade:
+            # A step whose sequences only grew keeps its plan (checked in O(batch)).
+            # The workspaces are shared by every graph and eager step: only the last planner may skip.
+            r = self.runner
+            same = r._cascade_owner is self and np.array_equal(self.plan_ids, batch.seq_ids)
+            if not (same and self.plan.update(h_lens)):
+                self.plan = self._plan_now()
+                self.plan_ids = batch.seq_ids.copy()
+                r._cascade_owner = self
 
     def replay(self, n: int) -> torch.Tensor:
         self.graph.replay()
@@ -100,7 +149,10 @@ class Runner:
     workspaces); max_model_len bounds a sequence (the block-table width).
     cuda_graphs: capture decode steps for batch sizes `graph_sizes`
     (default 1, 2, 4, 8, then multiples of 16 up to max_batch) and replay
-    them; other steps run eagerly."""
+    them; other steps run eagerly. cascade: decode steps use
+    kvplug.cascade's shared-prefix attention (each block run that sequences
+    share, a system prompt or the prompt of forked samples, read once per
+    step for all of them; kernels backend)."""
 
     def __init__(
         self,
@@ -113,6 +165,7 @@ class Runner:
         max_model_len: int = 8192,
         cuda_graphs: bool = False,
         graph_sizes: Optional[Sequence[int]] = None,
+        cascade: bool = False,
     ) -> None:
         if getattr(model.config, "_attn_implementation", None) != NAME:
             raise ValueError("kvplug.hf.Runner: call kvplug.hf.prepare_model(model) first (attn_implementation must be 'kvplug')")
@@ -132,9 +185,17 @@ class Runner:
         self.max_blocks = -(-self.max_model_len // cache.block_size)
         self.device = cache.device
         self.prefill_ws = self.decode_ws = None
+        self.cascade = bool(cascade)
+        self.cascade_ws = None
+        self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
+        if self.cascade and self.backend != "kernels":
+            raise ValueError("kvplug.hf: cascade attention needs the kernels backend (a CUDA fp16/bf16 cache)")
         if self.backend == "kernels":
             sh = cache.shape
             kvplug.attn.prepare(self.device)
+            if self.cascade:
+                self.cascade_ws = kvplug.cascade.Workspaces(self.max_batch, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
+                                                            device=self.device)
             self.prefill_ws = torch.empty(kvplug.attn.prefill_workspace_size(
                 self.max_batch, self.max_step_tokens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim),
                 dtype=torch.uint8, device=self.device)
@@ -166,7 +227,7 @@ class Runner:
         pool = None
         with torch.no_grad():
             for s in sizes:  # largest first: the smaller graphs reuse its memory pool
-                g = _DecodeGraph(self, s, pool)
+                g = _DecodeGraph(self, s, pool, self.cascade)
                 pool = g.graph.pool()
                 self.graphs[s] = g
         torch.cuda.synchronize(self.device)
@@ -197,6 +258,12 @@ class Runner:
                           qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws)
         if self.backend == "kernels" and not (batch.is_decode and self._window is None):
             ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
+        elif self.cascade and batch.is_decode:
+            sh = self.cache.shape
+            ctx.cascade_plan = kvplug.cascade.plan(
+                torch.from_numpy(np.ascontiguousarray(batch.block_table)), batch.seq_lens, lens, sh.num_q_heads,
+                sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size)
+            self._cascade_owner = None
         if self.backend == "torch":
             bs = self.cache.block_size
             gather = []
