@@ -105,7 +105,9 @@ func TestManagerCascadePlanGPU(t *testing.T) {
 		if !slices.Equal(da, db) {
 			t.Fatalf("flags %d: device workspaces differ", flags)
 		}
-		if fa.Route != 3 || fa.Grid == 0 || fa.Reserved[4] < 3*544 {
+		// The sharing is found either way; the cascade route is certain only
+		// under NO_DECODE_ROUTE (elsewhere the cost model decides).
+		if fa.Reserved[4] < 3*544 || (flags == 1 && (fa.Route != 3 || fa.Grid == 0)) {
 			t.Fatalf("flags %d: the sharing was not planned: %+v", flags, fa)
 		}
 	}
