@@ -15,6 +15,10 @@
  *   gcc -O2 -std=c11 -Wall -Wextra -Iinclude bench/cascade_plan_bench.c \
  *       -o cascade_plan_bench -L<dir of libkvplug.so> -lkvplug -Wl,-rpath,<that dir> -ldl
  *   ./cascade_plan_bench [runs]     (default 2000 per case and call)
+ *
+ * On a virtual machine the medians differ between processes by up to 2x
+ * (where the table and workspaces land in memory): run it several times
+ * and report the range of medians.
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <dlfcn.h>
