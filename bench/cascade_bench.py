@@ -13,7 +13,10 @@ H100) and a 1 ms spin kernel (so the host has enqueued the call before the
 GPU reaches it), and timed alone with CUDA events; the median of --iters
 calls is reported. Outputs are checked against plain decode (max abs difference).
 
-Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--out DIR]
+With --prefill it also times varlen prefill batches (requests sharing a
+cached prompt, each with new tokens) against kvplug's paged prefill.
+
+Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--prefill] [--out DIR]
 Prints a markdown table; writes JSON to DIR (default $OUT or .).
 """
 
@@ -144,12 +147,73 @@ def flashinfer_fns(fi, q, k, v, lens, level_pages, own, B):
     return fns
 
 
+# Prefill cases: B requests share a cached prompt of P tokens, request s has
+# q_lens[s] new tokens (its own part is just them).
+PREFILL_CASES = [
+    ("8 x 200-900 new over a shared 4096", 4096, [200 + 100 * s for s in range(8)]),
+    ("16 x 256 new over a shared 8192", 8192, [256] * 16),
+    ("32 x 64 new (chunks) over a shared 4096", 4096, [64] * 32),
+]
+
+
+def prefill_cases(dev, flush, iters):
+    """Times the cascade (routed, and its kernels) against kvplug's paged
+    prefill on the PREFILL_CASES; returns their rows."""
+    rows_out = []
+    print()
+    print("| prefill case | new tokens | kvplug cascade, routed (us) | cascade kernels (us) | kvplug paged_prefill (us) | route | max abs diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, P, qlens in PREFILL_CASES:
+        B = len(qlens)
+        rows, nxt = [], P // BS
+        for n in qlens:
+            own = -(-n // BS)
+            rows.append(list(range(P // BS)) + list(range(nxt, nxt + own)))
+            nxt += own
+        width = max(len(r) for r in rows)
+        table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+        lens = [P + n for n in qlens]
+        qo = [0]
+        for n in qlens:
+            qo.append(qo[-1] + n)
+        T = qo[-1]
+        k = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
+        v = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
+        q = torch.randn(T, HQ, D, dtype=torch.float16, device=dev)
+        table_d = table.to(dev)
+        lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
+        lens_d, qo_d = lens_h.to(dev), qo_h.to(dev)
+        plans = []
+        for route in (True, False):
+            ws = cascade.Workspaces(B, HQ, HK, D, device=dev, max_tokens=2 * T)
+            plans.append(cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws, block_size=BS,
+                                      decode_route=route, qo_indptr_host=qo_h, qo_indptr=qo_d))
+        pws = torch.empty(kvplug.attn.prefill_workspace_size(B, T, HQ, HK, D), dtype=torch.uint8, device=dev)
+        pplan = kvplug.attn.prefill_plan(qo_d, lens_d, HQ, HK, D, torch.float16, pws, qo_indptr_host=qo_h,
+                                         kv_lens_host=lens_h)
+        outs = [torch.empty_like(q) for _ in range(3)]
+        row = {"case": name, "prefill": True, "P": P, "q_lens": qlens, "route": plans[0].route}
+        row["cascade_us"] = timed(lambda: cascade.paged_cascade(plans[0], q, k, v, table_d, out=outs[0]), flush, iters)
+        row["cascade_kernels_us"] = timed(lambda: cascade.paged_cascade(plans[1], q, k, v, table_d, out=outs[1]),
+                                          flush, iters)
+        row["prefill_us"] = timed(lambda: kvplug.attn.paged_prefill(pplan, q, k, v, table_d, out=outs[2]), flush, iters)
+        torch.cuda.synchronize()
+        row["max_abs_diff"] = max(float((o.float() - outs[2].float()).abs().max()) for o in outs[:2])
+        route = {cascade.ROUTE_CASCADE: "cascade", cascade.ROUTE_PREFILL: "prefill"}.get(plans[0].route, "?")
+        print(f"| {name} | {T} | {row['cascade_us']:.1f} | {row['cascade_kernels_us']:.1f} | {row['prefill_us']:.1f} | "
+              f"{route} | {row['max_abs_diff']:.2g} |", flush=True)
+        rows_out.append(row)
+        del k, v
+    return rows_out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--fi-budget-s", type=float, default=240, help="skip FlashInfer once the run is this old")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--prefill", action="store_true", help="also the varlen prefill cases (kvplug only)")
     args = ap.parse_args()
     t0 = time.time()
     fi = None
@@ -162,8 +226,8 @@ def main():
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     results = []
-    print("| case | floor (us) | kvplug cascade (us) | kvplug paged_decode (us) | FlashInfer decode (us) | FlashInfer cascade (us) | route | saved/total | max abs diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | floor (us) | kvplug cascade, routed (us) | cascade kernels (us) | kvplug paged_decode (us) | FlashInfer decode (us) | FlashInfer cascade (us) | route | saved/total | max abs diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, B, levels, tail in CASES:
         table, lens, nblocks, level_pages, own, uniq = make_case(B, levels, tail)
         k = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)
@@ -174,6 +238,10 @@ def main():
         lens_d = lens_h.to(dev)
         ws = cascade.Workspaces(B, HQ, HK, D, device=dev)
         plan = cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws, block_size=BS)
+        # The cascade kernels whatever the route (the cost model's input).
+        ws_k = cascade.Workspaces(B, HQ, HK, D, device=dev)
+        plan_k = cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws_k, block_size=BS, decode_route=False)
+        out_k = torch.empty_like(q)
         out_c = torch.empty_like(q)
         out_d = torch.empty_like(q)
         dws = torch.empty(kvplug.attn.workspace_size(B, HQ, D), dtype=torch.uint8, device=dev)
@@ -183,9 +251,12 @@ def main():
         fc = lambda: cascade.paged_cascade(plan, q, k, v, table_d, out=out_c)  # noqa: E731
         fd = lambda: kvplug.attn.paged_decode(q, k, v, table_d, lens_d, out=out_d, workspace=dws)  # noqa: E731
         row["cascade_us"] = timed(fc, flush, args.iters)
+        row["cascade_kernels_us"] = timed(lambda: cascade.paged_cascade(plan_k, q, k, v, table_d, out=out_k), flush,
+                                          args.iters)
         row["decode_us"] = timed(fd, flush, args.iters)
         torch.cuda.synchronize()
-        row["max_abs_diff"] = float((out_c.float() - out_d.float()).abs().max())
+        row["max_abs_diff"] = max(float((out_c.float() - out_d.float()).abs().max()),
+                                  float((out_k.float() - out_d.float()).abs().max()))
         if fi is not None and time.time() - t0 < args.fi_budget_s:
             try:
                 for key, f in flashinfer_fns(fi, q, k, v, lens, level_pages, own, B).items():
@@ -197,10 +268,12 @@ def main():
         def f(x):
             return f"{row[x]:.1f}" if x in row else "-"
 
-        print(f"| {name} | {row['floor_us']:.1f} | {f('cascade_us')} | {f('decode_us')} | {f('fi_decode_us')} | "
+        print(f"| {name} | {row['floor_us']:.1f} | {f('cascade_us')} | {f('cascade_kernels_us')} | {f('decode_us')} | {f('fi_decode_us')} | "
               f"{f('fi_cascade_us')} | {'cascade' if plan.route == cascade.ROUTE_CASCADE else 'decode'} | "
               f"{plan.saved_tokens / max(plan.total_tokens, 1):.2f} | {row['max_abs_diff']:.2g} |", flush=True)
-        del k, v, ws
+        del k, v, ws, ws_k
+    if args.prefill:
+        results += prefill_cases(dev, flush, args.iters)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cascade_bench.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": results}, indent=1))

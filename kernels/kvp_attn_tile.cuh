@@ -100,13 +100,16 @@ struct TileJob {
     float scale;
 };
 
-// Runs one tile. qrow(tok) is the element offset in q of token tok's row
+// Runs one tile. CAUSAL: rows see tokens up to their positions (and the
+// window); false: every token of the range (a shared run), with no position
+// state in registers, which the 128-row tiles of shared items have no room
+// for. qrow(tok) is the element offset in q of token tok's row
 // (head 0); emit(tok, qh, o, h, l, m) stores the row g + 8h of this thread
 // (o: its m16 tile's accumulators, this thread's columns qd + 8c, qd + 8c + 1
 // in o[c][2h], o[c][2h + 1]; l: the row's softmax sum over the tile's tokens,
 // 0 when it saw none; m: its running max, log2 domain). The shared memory is
 // free again on return.
-template <typename T, int D, int MT, class QRow, class Emit>
+template <typename T, int D, int MT, bool CAUSAL, class QRow, class Emit>
 __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr, const T* q, const T* kc, const T* vc,
                                           QRow qrow, Emit emit, uint8_t* smem) {
     using C = TileCfg<D, MT>;
@@ -195,8 +198,8 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     }
     const bool warp_live = warp * WR < jb.nrows;
     const int wlast = min(warp * WR + WR - 1, jb.nrows - 1);
-    const int wpos_max = jb.delta + (jb.r0 + wlast) / group;      // last position of the warp's rows
-    const int wpos_min = jb.delta + (jb.r0 + warp * WR) / group;  // first
+    const int wpos_max = CAUSAL ? jb.delta + (jb.r0 + wlast) / group : 0x7fffffff;    // last position of the warp's rows
+    const int wpos_min = CAUSAL ? jb.delta + (jb.r0 + warp * WR) / group : 0x7fffffff;  // first
 
     const float sl = jb.scale * kLog2e;
     float m_run[MT][2], l_run[MT][2];
@@ -222,7 +225,7 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
         if (tid < TK && j + STAGES + 1 < n_tiles) nblk = rr.load_block(kb + (j + STAGES + 1) * TK + tid, noff);
 
         const int kv0 = kb + j * TK;
-        const bool visible = warp_live && kv0 <= wpos_max && (wl < 0 || kv0 + TK - 1 >= wpos_min - wl);
+        const bool visible = CAUSAL ? warp_live && kv0 <= wpos_max && (wl < 0 || kv0 + TK - 1 >= wpos_min - wl) : warp_live;
         if (visible) {
             const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
             const uint32_t sv = sk + C::KV_TILE_BYTES;
@@ -251,7 +254,7 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
             // Mask: causal (token <= the row's position), window, tokens past
             // the range or in ignored blocks (row offset -1).
             const int64_t* offs = s_off + (j % RING) * TK;
-            const bool full = kv0 + TK - 1 <= wpos_min && (wl < 0 || kv0 >= wpos_max - wl) && kv0 + TK <= ke;
+            const bool full = CAUSAL && kv0 + TK - 1 <= wpos_min && (wl < 0 || kv0 >= wpos_max - wl) && kv0 + TK <= ke;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float mx[2] = {neg_inf(), neg_inf()};
@@ -262,7 +265,9 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                         const int col = n * 8 + qd + e;
                         const int kv = kv0 + col;
                         bool ok0 = true, ok1 = true;
-                        if (!full) {
+                        if (!CAUSAL) {
+                            ok0 = ok1 = offs[col] >= 0;  // past the range or an ignored block: -1
+                        } else if (!full) {
                             const bool tok_ok = offs[col] >= 0;
                             ok0 = tok_ok && kv <= pos[mt][0] && (wl < 0 || kv >= pos[mt][0] - wl);
                             ok1 = tok_ok && kv <= pos[mt][1] && (wl < 0 || kv >= pos[mt][1] - wl);

@@ -55,8 +55,9 @@ struct CascadeItem {
     int rep, kv_begin, kv_end, dynamic, m_begin, m_count, tile, part_base;
 };
 
-// One item for one kv head, with MT m16 row tiles per warp.
-template <typename T, int D, int MT>
+// One item for one kv head, with MT m16 row tiles per warp; CAUSAL for tail
+// items.
+template <typename T, int D, int MT, bool CAUSAL>
 __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const CascadeItem& it, int kvh,
                                              uint8_t* smem) {
     using C = TileCfg<D, MT>;
@@ -65,7 +66,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     const int kb = max(it.kv_begin, 0);
     int ke = it.kv_end;
     int delta = 1 << 30;  // shared run: every member's tokens come after it
-    if (it.dynamic) {
+    if (CAUSAL) {
         const int len = __ldg(reinterpret_cast<const int32_t*>(p.seq_lens) + it.rep);
         ke = min(ke, len);
         delta = len - it.m_count;  // the sequence's first query token
@@ -90,7 +91,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     const int64_t q_stride = p.q_batch_stride;
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
-    attn_tile<T, D, MT>(
+    attn_tile<T, D, MT, CAUSAL>(
         jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
         reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, float l, float m) {
@@ -122,9 +123,9 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
         const int4 a = ip[0], b = ip[1];
         const CascadeItem it{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         if (it.dynamic)
-            cascade_item<T, D, 1>(p, it, kvh, smem);
+            cascade_item<T, D, 1, true>(p, it, kvh, smem);
         else
-            cascade_item<T, D, CascadeCfg<D>::MT>(p, it, kvh, smem);
+            cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, smem);
     }
     griddep_launch_dependents();
 }

@@ -236,7 +236,7 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     const int64_t q_start = it.q_start, q_stride = p.q_token_stride;
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
-    attn_tile<T, D, C::MT>(
+    attn_tile<T, D, C::MT, true>(
         jb, prefill_rows(p, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
         reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, float l, float m) {

@@ -164,35 +164,39 @@ func (p *Planner) checkInput(in *Input, l *Layout) (int, error) {
 	return int(qi[b]), nil
 }
 
-// Cost model of the route decision for decode batches, fitted to the H100
+// Cost model of the route decision for decode batches, fitted to H100
 // measurements of bench/cascade_bench.py (fp16, 32 q / 8 kv heads, head_dim
-// 128, block size 16; bench/RESULTS.md), in microseconds per KV token of
-// all kv heads at that shape, scaled to others by the bytes of a token's K
-// and V:
+// 128, block size 16, L2 flushed; the cascade kernels and plain decode
+// timed in the same run), in microseconds per KV token of all kv heads at
+// that shape, scaled to others by the bytes of a token's K and V:
 //   - plain decode reads each sequence's tokens from HBM once (decHBM per
 //     unique token), while the re-reads of blocks that other sequences of
 //     the batch also hold mostly hit L2 (decL2 per re-read token);
 //   - the cascade pays, per token of a shared run, one item per 128-row
 //     tile of its members' packed rows (casShared per token and row tile:
 //     the tile is bound by its MMAs, not by the read), per tail token
-//     casTail (a tail item carries one sequence's group of q heads in a tile
-//     of mostly padding rows: it reads its tokens more slowly than plain
-//     decode does), per sequence casSeq (its partial states written and
-//     merged, and its tail items' ramp), and casFixed for the two launches'
-//     fill and drain.
+//     casTail (a tail item carries one sequence's group of q heads in a
+//     64-row tile of mostly padding rows: it reads its tokens more slowly
+//     than plain decode does), per sequence casSeq (its partial states
+//     written and merged, scaled by q heads x head_dim), and casFixed for
+//     the two launches' fill and drain (one wave of tail items at least).
 //
-// With these, B=32 P=2048 S=512 (81.6 vs 72.4 us predicted; 87.1 vs 75.8
-// measured) and B=96 P=1024 S=512 (159.2 vs 142.8; 162.4 vs 145.2) route to
-// plain decode; B=64 P=4096 S=512, B=128 P=8192 S=256, the two-level tree
-// and the fork case stay on the cascade (predicted within 7% of measured).
+// Fitted on B=32 P=2048 S=512, B=64 P=4096 S=512, B=96 P=1024 S=512,
+// B=128 P=8192 S=256, the two-level tree and the fork case (within 10%).
+// With it the two cases where the cascade measured slower than plain
+// decode (B=32 P=2048 S=512: 94.0 vs 75.8 us; B=96 P=1024 S=512: 170.7 vs
+// 143.8) route to plain decode (predicted 86.5 vs 72.4 and 165.3 vs
+// 142.8), and the others stay on the cascade (1.9x to 3.5x faster
+// measured). Small batches route to plain decode: the fixed cost
+// dominates what little they would save.
 const (
 	costRefTokenBytes = 8 * 2 * 128 * 2 // the fit's bytes of one token's K and V over all kv heads
 	decHBM            = 1.45e-3
 	decL2             = 0.72e-3
-	casShared         = 2.82e-3
-	casTail           = 1.71e-3
-	casSeq            = 0.29
-	casFixed          = 38.5
+	casShared         = 1.93e-3
+	casTail           = 1.56e-3
+	casSeq            = 0.40
+	casFixed          = 44.1
 )
 
 // decodeCost and cascadeCost are the model's microseconds for the batch
