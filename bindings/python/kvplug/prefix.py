@@ -36,6 +36,8 @@ _I64 = np.dtype(np.int64)
 _ndarray = np.ndarray
 _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
+_Offsets2 = ctypes.c_int64 * 2
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _is_torch = _lib._is_torch_tensor
 
 BLOCK_STORED = 1
@@ -384,15 +386,29 @@ class PrefixCacheMethods:
         chunked prefill, admit the first chunk with the whole prompt's
         keys."""
         F = _sig()
-        ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if type(seq_ids) is list and len(seq_ids) == 1 and type(seq_ids[0]) is int and _I64_MIN <= seq_ids[0] <= _I64_MAX:
+            # One id, the usual admission: a ctypes scalar costs a fifth of
+            # numpy's conversion of the list.
+            keep_ids = _i64(seq_ids[0])
+            ids_ptr, n = _addressof(keep_ids), 1
+        else:
+            ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n != len(prompts):
             raise _bad(f"admit: {n} ids for {len(prompts)} prompts")
-        tokens, offsets = _flatten(prompts)
+        if n == 1 and type(prompts) is list:
+            # One prompt, the usual admission: its offsets as a ctypes
+            # array, a third of a numpy array's cost with its address.
+            tokens = _tokens(prompts[0], "prompt 0")
+            offsets = _Offsets2(0, tokens.size)
+            tok_ptr, off_ptr = _addr(tokens if tokens.size else _NO_TOKENS), _addressof(offsets)
+        else:
+            tokens, offsets = _flatten(prompts)
+            tok_ptr, off_ptr = _addr(tokens), _addr(offsets)
         keep: list = []
         karr = _keys_array(keys, n, keep)
         matched = np.empty(max(n, 1), np.int32)
         admitted = _i32()
-        _check(F["admit"](self._h, ids_ptr, n, _addr(tokens), _addr(offsets), karr, _addr(matched), ctypes.byref(admitted)))
+        _check(F["admit"](self._h, ids_ptr, n, tok_ptr, off_ptr, karr, _addr(matched), ctypes.byref(admitted)))
         return matched[: admitted.value]
 
     def grow_tokens(self, seq_ids: Any, tokens: Any) -> None:
