@@ -229,7 +229,11 @@ func (h *Hasher) block(parent Hash, index int, block []int32, keys *Keys) Hash {
 	if index == 0 {
 		salt = keys.Salt
 	}
-	return h.sum(parent, block, keys.Adapter, h.mm, salt)
+	if len(h.mm) == 0 && len(salt) == 0 && shortBlock(len(block)) {
+		return hashShort(&parent, block, keys.Adapter)
+	}
+	h.buf = AppendBlockInput(h.buf[:0], parent, block, keys.Adapter, h.mm, salt)
+	return Sum(h.buf)
 }
 
 // sum returns the hash of the block with these parent, tokens and keys

@@ -281,7 +281,8 @@ func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 			next = hashShort(&h, blk, keys.Adapter)
 		} else {
 			x.mm = appendBlockMM(x.mm, keys.MM, i*bs, bs)
-			next = x.hasher.sum(h, blk, keys.Adapter, x.mm, salt)
+			x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
+			next = Sum(x.hasher.buf)
 		}
 		j, ok := x.byHash.get(next)
 		if !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
@@ -587,7 +588,8 @@ func (x *Index) InsertRun(parent Hash, tokens []int32, keys *Keys, ids []int32, 
 			if depth+k == 0 {
 				salt = keys.Salt
 			}
-			h = x.hasher.sum(h, blk, keys.Adapter, x.mm, salt)
+			x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
+			h = Sum(x.hasher.buf)
 		}
 		hs[k] = h
 	}
