@@ -96,8 +96,12 @@ def test_cuda_graph_decode_replays_match_eager(cascade):
                 seq.append(lg.clone())
             outs[graphs] = (seq, runner.graph_steps)
     assert outs[True][1] == 12 and outs[False][1] == 0
+    # Plain decode replayed matches eager decode to rounding; cascade merges partial states, so its bf16
+    # rounding differs (through 2 layers) as much as it does from transformers: the engine test's bound.
+    atol, rtol = TOL[dtype] if cascade else (1e-2, 1e-2)
     for a, b in zip(outs[False][0], outs[True][0]):
-        assert torch.allclose(a, b, atol=1e-2, rtol=1e-2), (a - b).abs().max()
+        err, bound = (a - b).abs().max().item(), atol + rtol * b.abs().max().item()
+        assert err <= bound, f"graph vs eager: {err:.3e} > {bound:.3e}"
 
 
 def test_generate_on_kernels_matches_transformers_greedy_prefix():
