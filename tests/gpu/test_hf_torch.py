@@ -65,7 +65,13 @@ def test_engine_on_kernels_matches_transformers(kind, dtype, cascade):
           f"{engine.runner.graph_steps} graph steps")
 
 
-@pytest.mark.parametrize("cascade", [False, True], ids=["decode", "cascade"])
+CASCADE_BUG = pytest.mark.xfail(
+    strict=True, reason="kvplug.cascade's cascade route disagrees with paged_decode once a tail crosses into a new "
+    "block (logits off by ~8 from the 4th decode step of test_cascade_route_matches_decode; H200, working tree of "
+    "2026-11-23 19:47): remove this mark when it passes")
+
+
+@pytest.mark.parametrize("cascade", [False, pytest.param(True, marks=CASCADE_BUG)], ids=["decode", "cascade"])
 def test_cuda_graph_decode_replays_match_eager(cascade):
     """Decode steps replayed from graphs (padded to the graph's batch) give
     the eager kernels' logits (plain decode, no cascade), step after step,
@@ -119,3 +125,44 @@ def test_generate_on_kernels_matches_transformers_greedy_prefix():
         want.append(out[0, len(p):].tolist())
     got = kvhf.generate(H.twin(model), prompts, max_new_tokens=4)
     assert [g[:2] for g in got] == [w[:2] for w in want]
+
+
+@CASCADE_BUG
+def test_cascade_route_matches_decode():
+    """The smallest reproduction, no graph: five sequences sharing a
+    48-token prefix (3 blocks), ten decode steps eagerly, the cascade route
+    forced (decode_route=False) against paged_decode. The first three steps
+    agree to bf16 rounding; from the step where sequence 1 reaches 97 tokens
+    (its 7th block) the logits are far off."""
+    over = dict(SHAPE)
+    over.pop("head_dim")
+    model = kvhf.prepare_model(H.tiny_model("llama", dtype=torch.bfloat16, device=DEV, **over))
+    shared = list(range(100, 148))
+    orig = kvhf.runner.kvplug.cascade.plan
+
+    def forced(*a, **k):
+        k["decode_route"] = False
+        return orig(*a, **k)
+
+    outs = {}
+    for cascade in (False, True):
+        with kvhf.PagedKVCache.for_model(model, 64, 16) as cache:
+            runner = kvhf.Runner(model, cache, max_batch=8, max_step_tokens=512, max_model_len=256, cascade=cascade)
+            for i in range(5):
+                cache.add(i, shared + list(range(1 + i, 40 + 7 * i)))
+            lg = runner.step(cache.schedule([(i, 512) for i in range(5)]))
+            seq = []
+            kvhf.runner.kvplug.cascade.plan = forced
+            try:
+                for _ in range(10):
+                    for sid, t in zip(range(5), lg.argmax(-1).tolist()):
+                        cache.append(sid, t)
+                    lg = runner.step(cache.schedule([(sid, 1) for sid in range(5)]))
+                    seq.append(lg.clone())
+            finally:
+                kvhf.runner.kvplug.cascade.plan = orig
+            outs[cascade] = seq
+    atol, rtol = TOL[torch.bfloat16]
+    errs = [(a - b).abs().max().item() for a, b in zip(outs[False], outs[True])]
+    bounds = [atol + rtol * b.abs().max().item() for b in outs[False]]
+    assert all(e <= b for e, b in zip(errs, bounds)), f"per-step max |cascade - decode|: {[round(e, 3) for e in errs]}"

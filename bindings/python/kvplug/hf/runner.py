@@ -127,7 +127,7 @@ class _DecodeGraph:
             # A step whose sequences only grew keeps its plan (checked in O(batch)).
             # The workspaces are shared by every graph and eager step: only the last planner may skip.
             r = self.runner
-            same = r._cascade_owner is self and np.array_equal(self.plan_ids, batch.seq_ids)
+            same = r.cascade_update and r._cascade_owner is self and np.array_equal(self.plan_ids, batch.seq_ids)
             if not (same and self.plan.update(h_lens)):
                 self.plan = self._plan_now()
                 self.plan_ids = batch.seq_ids.copy()
@@ -152,7 +152,9 @@ class Runner:
     them; other steps run eagerly. cascade: decode steps use
     kvplug.cascade's shared-prefix attention (each block run that sequences
     share, a system prompt or the prompt of forked samples, read once per
-    step for all of them; kernels backend)."""
+    step for all of them; kernels backend). Off by default: its cascade
+    route disagrees with paged_decode once a tail crosses into a new block
+    (tests/gpu/test_hf_torch.py::test_cascade_route_matches_decode)."""
 
     def __init__(
         self,
@@ -186,6 +188,7 @@ class Runner:
         self.device = cache.device
         self.prefill_ws = self.decode_ws = None
         self.cascade = bool(cascade)
+        self.cascade_update = True  # keep a decode graph's cascade plan while its batch only grows (plan.update)
         self.cascade_ws = None
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
