@@ -263,6 +263,15 @@ func (x *Index) same(i, parent int32, tokens []int32, adapter uint64, mm []Block
 // walk follows the cached chain of a prompt's first maxBlocks full blocks
 // and leaves its nodes in x.path. It returns the last node (the root when
 // none matched) and its hash. keys is valid.
+//
+// A node with at most scanChildren children is searched by comparing its
+// children with the block (keys, then tokens), which needs no hash: a
+// matched block's hash is its node's. That finds exactly what the table
+// lookup would: a child with the block's content has the block's hash
+// (every node's hash is its content's), no other node holds that hash,
+// and a table hit counts only if it is such a child. Nodes with more
+// children (the root, a system prompt's branching point) are searched
+// through the table, so a long child list is never scanned.
 func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 	x.path = x.path[:0]
 	cur := int32(rootNode)
@@ -272,28 +281,46 @@ func (x *Index) walk(tokens []int32, keys *Keys, maxBlocks int) (int32, Hash) {
 	for i := range maxBlocks {
 		blk := tokens[i*bs : (i+1)*bs]
 		x.mm = x.mm[:0]
+		if len(keys.MM) > 0 {
+			x.mm = appendBlockMM(x.mm, keys.MM, i*bs, bs)
+		}
 		var salt []byte
 		if i == 0 {
 			salt = keys.Salt
 		}
-		var next Hash
-		if short && len(salt) == 0 {
-			next = hashShort(&h, blk, keys.Adapter)
+		j := int32(nilNode)
+		if n := &x.nodes[cur]; n.children <= scanChildren {
+			for c := n.child; c != nilNode; c = x.nodes[c].next {
+				if x.same(c, cur, blk, keys.Adapter, x.mm, salt) {
+					j = c
+					break
+				}
+			}
+			if j == nilNode {
+				break
+			}
 		} else {
-			x.mm = appendBlockMM(x.mm, keys.MM, i*bs, bs)
-			x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
-			next = Sum(x.hasher.buf)
-		}
-		j, ok := x.byHash.get(next)
-		if !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
-			break
+			var next Hash
+			if short && len(salt) == 0 {
+				next = hashShort(&h, blk, keys.Adapter)
+			} else {
+				x.hasher.buf = AppendBlockInput(x.hasher.buf[:0], h, blk, keys.Adapter, x.mm, salt)
+				next = Sum(x.hasher.buf)
+			}
+			var ok bool
+			if j, ok = x.byHash.get(next); !ok || !x.same(j, cur, blk, keys.Adapter, x.mm, salt) {
+				break
+			}
 		}
 		x.path = append(x.path, j)
-		cur, h = j, next
+		cur, h = j, x.nodes[j].hash
 	}
 	x.recent = cur
 	return cur, h
 }
+
+// scanChildren is the most children walk compares one by one.
+const scanChildren = 4
 
 // MatchResult is what Match found.
 type MatchResult struct {
