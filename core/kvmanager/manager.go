@@ -629,6 +629,13 @@ var noBlocks = func() *[1024]int32 {
 // others are shorter (tens of thousands of entries a step for 256 rows of
 // 300, which one store each made about half of the step's time).
 func fillNoBlock(dst []int32) {
+	if len(dst) < 16 {
+		// A few entries: stores beat the copy call.
+		for i := range dst {
+			dst[i] = -1
+		}
+		return
+	}
 	for len(dst) > 0 {
 		dst = dst[copy(dst, noBlocks[:]):]
 	}
