@@ -6,6 +6,7 @@ device machine) and is skipped elsewhere."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import shutil
@@ -44,6 +45,7 @@ def test_every_example_is_covered():
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
         ("### Prefill and mixed batches on the GPU (Python, torch)", "python"),
+        ("### Hugging Face transformers (Python, torch)", "python"),
     ]), "a README example was added or renamed: run it here too"
 
 
@@ -123,3 +125,16 @@ def test_gpu_prefill_example(tmp_path):
     (tmp_path / "prefill.py").write_text(find("### Prefill and mixed batches on the GPU (Python, torch)", "python").code)
     out = _run([sys.executable, "prefill.py"], tmp_path)
     assert out.count("max |kvplug - SDPA|") == 2, out
+
+
+def test_hf_example(tmp_path):
+    """Runs on the CPU (the torch reference path over the same block tables);
+    make test's venv has torch and transformers, so this never skips there."""
+    (tmp_path / "hf.py").write_text(find("### Hugging Face transformers (Python, torch)", "python").code)
+    out = _run([sys.executable, "hf.py"], tmp_path, timeout=600)
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    first = ast.literal_eval(lines[0])  # generate: two prompts, eight new tokens each
+    assert [len(x) for x in first] == [8, 8], out
+    assert lines[1] == "[ 0 48]", out  # request 2 starts on request 1's three cached blocks
+    assert "no pending token" in lines[2], out
