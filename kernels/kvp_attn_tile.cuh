@@ -40,38 +40,6 @@ struct TileCfg {
     static constexpr int SMEM = Q_BYTES + STAGES * STAGE_BYTES + OFF_BYTES;
 };
 
-// Block-table lookups of one sequence for one kv head (as the decode
-// kernel's RowResolver): a token's element offset in the caches, or -1 when
-// its table column is past max_blocks_per_seq or its block is out of range.
-struct PagedRows {
-    const int32_t* table;
-    int block_size, shift, max_blocks, num_blocks;
-    int64_t block_stride, token_stride, head_off;
-
-    __device__ __forceinline__ void init(uint64_t block_table, int64_t table_stride, int b, int bs, int max_blk,
-                                         int n_blocks, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
-                                         int kvh) {
-        table = reinterpret_cast<const int32_t*>(block_table) + (int64_t)b * table_stride;
-        block_size = bs;
-        shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-        max_blocks = max_blk;
-        num_blocks = n_blocks;
-        block_stride = blk_stride;
-        token_stride = tok_stride;
-        head_off = (int64_t)kvh * head_stride;
-    }
-    __device__ __forceinline__ int load_block(int tok, int& off) const {
-        const int col = shift >= 0 ? tok >> shift : tok / block_size;
-        off = tok - col * block_size;
-        if (col >= max_blocks) return -1;
-        return __ldg(table + col);
-    }
-    __device__ __forceinline__ int64_t offset(int blk, int off) const {
-        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
-        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
-    }
-};
-
 // 16-byte async copy with the default L2 policy: K/V tiles are read again by
 // the other row tiles of the same rows' sequence (or shared run), so they
 // should stay in L2.

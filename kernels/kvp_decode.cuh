@@ -64,38 +64,19 @@ __device__ __forceinline__ void decode_work_len(DecodeWork& w, int seq_len) {
     w.n_tiles = tiles > w.split ? (tiles - w.split + w.S - 1) / w.S : 0;
 }
 
-// Element offset of a token of sequence b in the caches (kv head included),
-// or -1 when the token must be ignored.
-struct RowResolver {
-    const int32_t* table;  // this sequence's row
-    int block_size, shift, max_blocks, num_blocks;
-    int64_t block_stride, token_stride, head_off;
-
-    __device__ __forceinline__ void init(const kvp_decode_params& p, int b, int kvh) {
-        table = reinterpret_cast<const int32_t*>(p.block_table) + (int64_t)b * p.block_table_stride;
-        block_size = p.block_size;
-        shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-        max_blocks = p.max_blocks_per_seq;
-        num_blocks = p.num_blocks;
-        block_stride = p.cache_block_stride;
-        token_stride = p.cache_token_stride;
-        head_off = (int64_t)kvh * p.cache_head_stride;
-    }
-    // Split in two (issue the table load, use it later) so the load latency
-    // hides behind other work.
-    // Reads only columns < max_blocks_per_seq, so it may run before the
-    // sequence length is known; -1 for a column past the table.
-    __device__ __forceinline__ int load_block(int tok, int& off) const {
-        const int col = shift >= 0 ? tok >> shift : tok / block_size;
-        off = tok - col * block_size;
-        if (col >= max_blocks) return -1;
-        return __ldg(table + col);
-    }
-    __device__ __forceinline__ int64_t offset(int blk, int off) const {
-        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
-        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
-    }
-};
+// The block-table lookups of sequence b for kv head kvh.
+__device__ __forceinline__ PagedRows decode_rows(const kvp_decode_params& p, int b, int kvh) {
+    PagedRows rr;
+    rr.table = reinterpret_cast<const int32_t*>(p.block_table) + (int64_t)b * p.block_table_stride;
+    rr.block_size = p.block_size;
+    rr.shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+    rr.max_blocks = p.max_blocks_per_seq;
+    rr.num_blocks = p.num_blocks;
+    rr.block_stride = p.cache_block_stride;
+    rr.token_stride = p.cache_token_stride;
+    rr.head_off = (int64_t)kvh * p.cache_head_stride;
+    return rr;
+}
 
 // Writes N consecutive dims [d0, d0+N) of q head qh: the normalised output
 // (or the split's partial) and, from the slice at d0 == 0, the lse.
@@ -129,8 +110,7 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     griddep_wait();
     DecodeWork w = decode_work_heads(p);
     decode_work_len(w, reinterpret_cast<const int32_t*>(p.seq_lens)[w.b]);
-    RowResolver rr;
-    rr.init(p, w.b, w.kvh);
+    const PagedRows rr = decode_rows(p, w.b, w.kvh);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* kc = reinterpret_cast<const float*>(p.k_cache);
     const float* vc = reinterpret_cast<const float*>(p.v_cache);
@@ -191,8 +171,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     griddep_wait();  // inputs may come from the previous kernel (PDL launch)
     DecodeWork w = decode_work_heads(p);
-    RowResolver rr;
-    rr.init(p, w.b, w.kvh);
+    const PagedRows rr = decode_rows(p, w.b, w.kvh);
     const T* kc = reinterpret_cast<const T*>(p.k_cache);
     const T* vc = reinterpret_cast<const T*>(p.v_cache);
 
