@@ -29,9 +29,13 @@ type teeSource struct {
 }
 
 func (s *teeSource) Drain() ([]prefix.Event, error) {
-	evs, err := s.src.Drain()
+	// The lock spans the drain too: once the manager's queue reads empty, a
+	// test that asks for keys() waits for these events to be in the truth,
+	// rather than seeing the old truth equal to the old index and calling
+	// the two converged.
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	evs, err := s.src.Drain()
 	for _, ev := range evs {
 		if e := s.truth.Apply(ev); e != nil && s.err == nil {
 			s.err = e
