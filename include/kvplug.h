@@ -1254,8 +1254,13 @@ kvp_status kvp_cascade_prefill_workspace_size(int32_t max_batch, int32_t max_tok
 
 /* Plans a decode batch (see kvp_cascade_plan_args) into the workspaces and
  * fills *plan (the caller sets plan->struct_size only). On the cascade route
- * it enqueues the plan's copy to the device workspace on stream. On error
- * *plan and the workspaces are left as they were.
+ * it enqueues the plan's copy to the device workspace on stream. On an
+ * argument or planning error *plan and the workspaces are left as they
+ * were. The exception (as the header's atomicity rule allows): when the
+ * device work cannot be enqueued (CUDA, NO_DEVICE: the copy, or on the
+ * prefill route the plan kernel), *plan is unchanged but the host workspace
+ * already holds the new plan and the device workspace part of it; plan
+ * again before any launch that reads them.
  * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (shapes, a length
  * outside [0, max_blocks_per_seq * block_size], flags, alignment),
  * UNSUPPORTED (dtype, head_dim), BUFFER_TOO_SMALL (a workspace, batch above
