@@ -8,19 +8,9 @@
 #include <vector>
 
 #include "kvplug.hpp"
+#include "thrown.hpp"
 
 namespace {
-
-template <class F>
-kvp_status thrown(F &&f) {
-  try {
-    f();
-  } catch (const kvplug::Error &e) {
-    EXPECT_NE(std::string(e.what()), "");
-    return e.status();
-  }
-  return KVP_OK;
-}
 
 kvp_cascade_plan_args host_only_args(int32_t max_blocks) {
   kvp_cascade_plan_args a = KVP_CASCADE_PLAN_ARGS_INIT;

@@ -8,19 +8,9 @@
 #include <vector>
 
 #include "kvplug.hpp"
+#include "thrown.hpp"
 
 namespace {
-
-template <class F>
-kvp_status thrown(F &&f) {
-  try {
-    f();
-  } catch (const kvplug::Error &e) {
-    EXPECT_NE(std::string(e.what()), "");
-    return e.status();
-  }
-  return KVP_OK;
-}
 
 TEST(Cascade, WorkspaceSizesGrowWithCapacity) {
   auto a = kvplug::cascade::workspace_size(16, 32, 8, 128);
