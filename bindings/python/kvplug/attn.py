@@ -505,16 +505,17 @@ def prefill_workspace_size(max_batch: int, max_tokens: int, num_q_heads: int, nu
 
 
 def _host_i32(x: Any, n: int, what: str) -> Any:
-    vals = x.tolist() if hasattr(x, "tolist") else list(x)
+    """n host int32 values of a list, numpy array or tensor (a device tensor
+    is copied), each checked to fit, as a ctypes array."""
+    vals = x.reshape(-1).tolist() if hasattr(x, "tolist") else list(x)
     if len(vals) != n:
         raise _bad(f"{what} has {len(vals)} entries; {n} expected")
-    return (_i32 * max(n, 1))(*vals)
+    return (_i32 * max(n, 1))(*[_lib.checked_int(v, "kvplug.attn: " + what, "int32") for v in vals])
 
 
-class PrefillPlan:
-    """A planned batch (kvp_attn_plan). Keeps the device arrays and the
-    workspace it refers to alive; pass it to paged_prefill for every layer
-    of the step."""
+class _Plan:
+    """A kvp_attn_plan, with the device arrays and the workspaces it refers
+    to kept alive as long as it is."""
 
     def __init__(self, c: _AttnPlan, keep: Tuple[Any, ...]):
         self._c = c
@@ -525,12 +526,26 @@ class PrefillPlan:
         return int(self._c.route)
 
     @property
+    def batch(self) -> int:
+        return int(self._c.batch)
+
+    @property
     def total_q(self) -> int:
+        """Query rows (the batch in decode)."""
         return int(self._c.total_q)
+
+    @property
+    def max_q_len(self) -> int:
+        return int(self._c.max_q_len)
 
     @property
     def num_items(self) -> int:
         return int(self._c.num_items)
+
+
+class PrefillPlan(_Plan):
+    """A planned batch (kvp_attn_plan). Pass it to paged_prefill for every
+    layer of the step."""
 
     @property
     def num_splits(self) -> int:

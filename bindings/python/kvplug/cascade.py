@@ -35,7 +35,7 @@ from typing import Any, Optional, Tuple
 
 from . import _lib
 from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan
-from .attn import _bad, _check, _fn, _index, _run_planned, _stream, _torch
+from .attn import _Plan, _bad, _check, _fn, _host_i32, _index, _run_planned, _stream, _torch
 
 __all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
@@ -115,34 +115,9 @@ class Workspaces:
         self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-class CascadePlan:
-    """A planned batch (kvp_attn_plan of kind cascade). Keeps the arrays it
-    refers to alive; pass it to paged_cascade for every layer of the step."""
-
-    def __init__(self, c: _AttnPlan, keep: Tuple[Any, ...]):
-        self._c = c
-        self._keep = keep
-
-    @property
-    def route(self) -> int:
-        return int(self._c.route)
-
-    @property
-    def batch(self) -> int:
-        return int(self._c.batch)
-
-    @property
-    def total_q(self) -> int:
-        """Query rows (the batch in decode)."""
-        return int(self._c.total_q)
-
-    @property
-    def max_q_len(self) -> int:
-        return int(self._c.max_q_len)
-
-    @property
-    def num_items(self) -> int:
-        return int(self._c.num_items)
+class CascadePlan(_Plan):
+    """A planned batch (kvp_attn_plan of kind cascade). Pass it to
+    paged_cascade for every layer of the step."""
 
     @property
     def saved_tokens(self) -> int:
@@ -170,13 +145,6 @@ class CascadePlan:
         return (f"CascadePlan(route={route}, batch={c.batch}, total_q={c.total_q}, items={c.num_items}, "
                 f"max_kv_len={c.max_kv_len}, "
                 f"saved_tokens={self.saved_tokens}, total_tokens={self.total_tokens})")
-
-
-def _host_i32(x: Any, n: int, what: str) -> Any:
-    vals = x.reshape(-1).tolist() if hasattr(x, "tolist") else list(x)
-    if len(vals) != n:
-        raise _bad(f"{what} has {len(vals)} entries; {n} expected")
-    return (_i32 * max(n, 1))(*[_i32arg(v, what) for v in vals])
 
 
 def _host_table(t: Any) -> Tuple[Any, int, int]:
