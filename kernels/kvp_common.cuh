@@ -385,4 +385,33 @@ struct PagedRows {
     }
 };
 
+// One token of the float32 kernels (one warp per query row, E dims a lane):
+// the token's K/V through the block table, scale*q.k in the log2 domain (sl
+// = scale * log2 e), and the online-softmax update of the running max m,
+// denominator l and output o. A token whose block is out of range is
+// skipped.
+template <int E>
+__device__ __forceinline__ void f32_attend_token(const PagedRows& rr, const float* kc, const float* vc, int lane,
+                                                 const float (&q)[E], float sl, int tok, float& m, float& l,
+                                                 float (&o)[E]) {
+    int off;
+    const int blk = rr.load_block(tok, off);
+    const int64_t base = rr.offset(blk, off);
+    if (base < 0) return;
+    float kv[E], vv[E];
+    load_f<float, E>(kc + base + lane * E, kv);
+    load_f<float, E>(vc + base + lane * E, vv);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) s += q[i] * kv[i];
+    s = warp_sum(s) * sl;
+    const float mn = fmaxf(m, s);
+    const float alpha = exp2f(m - mn);
+    const float pe = exp2f(s - mn);
+    l = l * alpha + pe;
+#pragma unroll
+    for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
+    m = mn;
+}
+
 }  // namespace kvp

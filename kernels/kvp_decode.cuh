@@ -127,26 +127,7 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
         for (int k = 0; k < w.n_tiles; ++k) {
             const int t0 = w.tile_start(k);
             const int t1 = min(w.L, t0 + KVP_DECODE_TILE);
-            for (int tok = t0; tok < t1; ++tok) {
-                int off;
-                const int blk = rr.load_block(tok, off);
-                const int64_t base = rr.offset(blk, off);
-                if (base < 0) continue;
-                float kv[E], vv[E];
-                load_f<float, E>(kc + base + lane * E, kv);
-                load_f<float, E>(vc + base + lane * E, vv);
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < E; ++i) s += q[i] * kv[i];
-                s = warp_sum(s) * sl;
-                const float mn = fmaxf(m, s);
-                const float alpha = exp2f(m - mn);
-                const float pe = exp2f(s - mn);
-                l = l * alpha + pe;
-#pragma unroll
-                for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
-                m = mn;
-            }
+            for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, m, l, o);
         }
         decode_store<float, E>(p, w, qh, lane * E, o, m, l, D);
     }

@@ -175,26 +175,7 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         split_tiles(sp, it.split, p.num_splits, t0, t1);
         const int lo = max(t0 * KVP_PREFILL_TILE_KV, p.window_left >= 0 ? max(0, pos - p.window_left) : 0);
         const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
-        for (int t = lo; t < hi; ++t) {
-            int off;
-            const int blk = rr.load_block(t, off);
-            const int64_t base = rr.offset(blk, off);
-            if (base < 0) continue;
-            float kv[E], vv[E];
-            load_f<float, E>(kc + base + lane * E, kv);
-            load_f<float, E>(vc + base + lane * E, vv);
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < E; ++i) s += q[i] * kv[i];
-            s = warp_sum(s) * sl;
-            const float mn = fmaxf(m, s);
-            const float alpha = exp2f(m - mn);
-            const float pe = exp2f(s - mn);
-            l = l * alpha + pe;
-#pragma unroll
-            for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
-            m = mn;
-        }
+        for (int t = lo; t < hi; ++t) f32_attend_token<E>(rr, kc, vc, lane, q, sl, t, m, l, o);
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] *= inv;
