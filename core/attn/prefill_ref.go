@@ -47,6 +47,9 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 	o := make([]float64, D)
 	var scores []float64
 	var rows []int64
+	kv := refKV{dt: s.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
+		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
+	scale := float64(SoftmaxScale(l.Scale, p.HeadDim))
 	for b := range kvLens {
 		qStart, qLen, kvLen := int(qoIndptr[b]), int(qoIndptr[b+1]-qoIndptr[b]), int(kvLens[b])
 		tableRow := table[int64(b)*l.BlockTableStride:]
@@ -63,24 +66,7 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 				for d := 0; d < D; d++ {
 					qv[d] = s.DType.Load(q, qo+int64(d))
 				}
-				scores, rows = scores[:0], rows[:0]
-				for t := lo; t <= pos; t++ {
-					col := t / l.BlockSize
-					if col >= l.MaxBlocksPerSeq {
-						break
-					}
-					blk := int64(tableRow[col])
-					if blk < 0 || blk >= int64(l.NumBlocks) {
-						continue
-					}
-					ko := blk*l.CacheBlockStride + int64(t%l.BlockSize)*l.CacheTokenStride + g*l.CacheHeadStride
-					dot := 0.0
-					for d := 0; d < D; d++ {
-						dot += qv[d] * s.DType.Load(kCache, ko+int64(d))
-					}
-					scores = append(scores, float64(SoftmaxScale(l.Scale, p.HeadDim))*dot)
-					rows = append(rows, ko)
-				}
+				scores, rows = kv.score(tableRow, g, qv, scale, lo, pos+1, scores[:0], rows[:0])
 				st := AttendRef(s.DType, vCache, rows, scores, o)
 				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
 				for d := 0; d < D; d++ {

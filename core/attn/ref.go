@@ -106,6 +106,9 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 	parts := make([]float64, numSplits*D)
 	partLSE := make([]float64, numSplits)
 	var scores []float64
+	kv := refKV{dt: l.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
+		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
+	scale := float64(SoftmaxScale(l.Scale, l.HeadDim))
 	for b := 0; b < l.Batch; b++ {
 		L := int(seqLens[b])
 		if L < 0 {
@@ -124,25 +127,8 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 			}
 			for s := 0; s < numSplits; s++ {
 				lo, hi := s*chunk, min(L, (s+1)*chunk)
-				scores = scores[:0]
 				var rows []int64
-				for t := lo; t < hi; t++ {
-					col := t / l.BlockSize
-					if col >= l.MaxBlocksPerSeq {
-						break
-					}
-					blk := int64(tableRow[col])
-					if blk < 0 || blk >= int64(l.NumBlocks) {
-						continue
-					}
-					ko := blk*l.CacheBlockStride + int64(t%l.BlockSize)*l.CacheTokenStride + g*l.CacheHeadStride
-					dot := 0.0
-					for d := 0; d < D; d++ {
-						dot += qv[d] * l.DType.Load(kCache, ko+int64(d))
-					}
-					scores = append(scores, float64(SoftmaxScale(l.Scale, l.HeadDim))*dot)
-					rows = append(rows, ko)
-				}
+				scores, rows = kv.score(tableRow, g, qv, scale, lo, hi, scores[:0], nil)
 				part := parts[s*D : (s+1)*D]
 				partLSE[s] = AttendRef(l.DType, vCache, rows, scores, part)
 			}
@@ -275,4 +261,38 @@ func firstErr(errs ...error) error {
 		}
 	}
 	return nil
+}
+
+// refKV is the K cache as the CPU references read it through a block table.
+type refKV struct {
+	dt                                   DType
+	k                                    []byte
+	blockSize, maxBlocks, numBlocks      int
+	blockStride, tokenStride, headStride int64
+}
+
+// score appends scale*q.k of tokens [lo, hi) of the sequence whose table row
+// is tableRow, for kv head g, and each token's element offset in the caches
+// (the rows AttendRef reads V at). Tokens past the table's columns end the
+// range, as the kernels' lookups do; tokens whose block is out of range are
+// skipped.
+func (c *refKV) score(tableRow []int32, g int64, qv []float64, scale float64, lo, hi int, scores []float64, rows []int64) ([]float64, []int64) {
+	for t := lo; t < hi; t++ {
+		col := t / c.blockSize
+		if col >= c.maxBlocks {
+			break
+		}
+		blk := int64(tableRow[col])
+		if blk < 0 || blk >= int64(c.numBlocks) {
+			continue
+		}
+		ko := blk*c.blockStride + int64(t%c.blockSize)*c.tokenStride + g*c.headStride
+		dot := 0.0
+		for d := range qv {
+			dot += qv[d] * c.dt.Load(c.k, ko+int64(d))
+		}
+		scores = append(scores, scale*dot)
+		rows = append(rows, ko)
+	}
+	return scores, rows
 }
