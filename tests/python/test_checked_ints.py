@@ -115,3 +115,21 @@ def test_a_manager_collected_without_close_is_destroyed_and_says_so():
         gc.collect()
     assert not [x for x in w if issubclass(x.category, ResourceWarning)]
     assert _lib.live_handles() == before
+
+
+def test_host_int32_arrays_of_a_plan_are_checked():
+    """The host arrays a plan copies (qo_indptr_host, kv_lens_host,
+    seq_lens_host) are int32 values: anything else is refused whole, from
+    lists, numpy arrays and tensors alike."""
+    from kvplug.attn import _host_i32
+
+    assert list(_host_i32([0, 3, 7], 3, "qo_indptr_host")) == [0, 3, 7]
+    assert list(_host_i32(np.array([[5], [9]], dtype=np.int64), 2, "kv_lens_host")) == [5, 9]
+    with _raises("kv_lens_host has 3 entries; 2 expected"):
+        _host_i32([1, 2, 3], 2, "kv_lens_host")
+    with _raises(r"kv_lens_host must be in \[-2\^31, 2\^31-1\]: got 2147483648"):
+        _host_i32(np.array([1, 2**31], dtype=np.int64), 2, "kv_lens_host")
+    with _raises("seq_lens_host must be an integer: got float 1.5"):
+        _host_i32([1.5, 2], 2, "seq_lens_host")
+    with _raises("seq_lens_host must be an integer: got bool"):
+        _host_i32([True, 2], 2, "seq_lens_host")

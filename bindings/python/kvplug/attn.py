@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Optional, Sequence, Tuple
 
+import numpy as np
+
 from . import _lib
 
 __all__ = [
@@ -507,10 +509,22 @@ def prefill_workspace_size(max_batch: int, max_tokens: int, num_q_heads: int, nu
 def _host_i32(x: Any, n: int, what: str) -> Any:
     """n host int32 values of a list, numpy array or tensor (a device tensor
     is copied), each checked to fit, as a ctypes array."""
-    vals = x.reshape(-1).tolist() if hasattr(x, "tolist") else list(x)
-    if len(vals) != n:
-        raise _bad(f"{what} has {len(vals)} entries; {n} expected")
-    return (_i32 * max(n, 1))(*[_lib.checked_int(v, "kvplug.attn: " + what, "int32") for v in vals])
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x).reshape(-1)
+    if a.size != n:
+        raise _bad(f"{what} has {a.size} entries; {n} expected")
+    # Planning runs every step: the type and range are checked on the whole
+    # array; only a failing one is walked value by value, for the message.
+    listed = isinstance(x, (list, tuple))
+    if n and (a.dtype.kind not in "iu" or a.min() < -(1 << 31) or a.max() >= (1 << 31)
+              or listed and any(isinstance(v, bool) for v in x)):
+        for v in (x if listed else a.tolist()):
+            _lib.checked_int(v, "kvplug.attn: " + what, "int32")
+    out = (_i32 * max(n, 1))()
+    if n:
+        ctypes.memmove(out, np.ascontiguousarray(a, dtype=np.int32).ctypes.data, 4 * n)
+    return out
 
 
 class _Plan:
