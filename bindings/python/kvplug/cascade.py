@@ -34,18 +34,17 @@ import ctypes
 from typing import Any, Optional, Tuple
 
 from . import _lib
-from .attn import DTYPE_BF16, DTYPE_F16, _AttnPlan
+from .attn import DTYPE_BF16, DTYPE_F16, ROUTE_DECODE, ROUTE_PREFILL, _AttnPlan, _i32, _i64, _u64
 from .attn import _Plan, _bad, _check, _fn, _host_i32, _index, _run_planned, _stream, _torch
 
 __all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
 
-ROUTE_PREFILL, ROUTE_DECODE, ROUTE_CASCADE = 1, 2, 3  # KVP_ATTN_ROUTE_*
+ROUTE_CASCADE = 3  # KVP_ATTN_ROUTE_CASCADE (ROUTE_PREFILL and ROUTE_DECODE are attn's)
 PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
 NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
 MAX_PARTS = 8  # KVP_CASCADE_MAX_PARTS
 
-_i32, _i64, _u64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 
 
 class _CascadePlanArgs(ctypes.Structure):
