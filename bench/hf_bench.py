@@ -7,11 +7,13 @@ three workloads, all requests arriving at the start:
      tokens and 128-512 output tokens;
   b: the same with no shared prompt;
   c: P prompts (50-500 tokens) each sampled S ways (forks), 128-512 outputs.
-Three systems serve each:
+These systems serve each (--systems):
   kvplug      the continuous-batching loop of examples/hf_engine.py on
               kvplug.hf (kvplug's manager, prefix cache and kernels; decode
-              steps replayed from CUDA graphs; --cascade for shared-prefix
-              attention in decode, not yet correct: see the GPU tests);
+              steps replayed from CUDA graphs);
+  kvplug-cascade  the same with Runner(cascade=True): decode steps read
+              each shared prefix block once (shared-prefix attention, routed
+              to plain decode where sharing does not pay);
   flashinfer  the same loop and manager with FlashInfer's attention
               (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
               steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
@@ -296,8 +298,9 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
-    if system == "kvplug":
-        runner = kvhf.Runner(model, cache, backend="auto", cascade=args.cascade and args.device.startswith("cuda"), **kw)
+    if system in ("kvplug", "kvplug-cascade"):
+        cascade = (system == "kvplug-cascade" or args.cascade) and args.device.startswith("cuda")
+        runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
         runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)
     setup = time.perf_counter() - t0
@@ -360,8 +363,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     ap.add_argument("--cascade", action="store_true",
-                    help="kvplug decodes with shared-prefix (cascade) attention (off: its cascade route disagrees "
-                    "with paged_decode past a block boundary; see tests/gpu/test_hf_torch.py)")
+                    help="the kvplug system decodes with shared-prefix (cascade) attention too "
+                    "(or name kvplug-cascade in --systems to measure both)")
     ap.add_argument("--fi-prefill-backend", default="fa2", help="FlashInfer prefill backend (fa3 compiles for ~2 min)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests (c: prompts) transformers' generate serves")
     ap.add_argument("--hf-batch", type=int, default=64, help="sequences per generate call")
@@ -388,17 +391,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             if system == "hf":
                 sub = fresh(reqs[:args.hf_requests])
                 r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
-            elif system in ("kvplug", "flashinfer"):
+            elif system in ("kvplug", "kvplug-cascade", "flashinfer"):
                 r = run_loop(system, model, fresh(reqs), args, dtype)
             else:
-                raise SystemExit(f"unknown system {system!r}: kvplug, flashinfer or hf")
+                raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-cascade, flashinfer or hf")
             results[f"{wl}/{system}"] = r
             print(line(system, wl, r) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
     print("summary (output tokens/s; kvplug / flashinfer):")
     for wl in args.workloads.split(","):
         row = {s: results[f"{wl}/{s}"]["out_tokens"] / results[f"{wl}/{s}"]["wall"]
                for s in args.systems.split(",") if f"{wl}/{s}" in results}
-        ratio = f"  kvplug/flashinfer {row['kvplug'] / row['flashinfer']:.2f}x" if "kvplug" in row and "flashinfer" in row else ""
+        ratio = "".join(f"  {k}/flashinfer {row[k] / row['flashinfer']:.2f}x"
+                        for k in ("kvplug", "kvplug-cascade") if k in row and "flashinfer" in row)
         ratio += f"  kvplug/hf {row['kvplug'] / row['hf']:.1f}x" if "kvplug" in row and "hf" in row else ""
         print(f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in row.items()) + ratio)
     if args.json:

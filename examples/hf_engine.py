@@ -141,7 +141,7 @@ class Engine:
         cfg, seqs = self.cfg, self.cache.seqs
         plan, budget = [], cfg.step_tokens
         for sid in self.running:
-            if seqs[sid].pending == 1:
+            if seqs[sid].pending == 1 and len(plan) < cfg.max_batch:
                 plan.append((sid, 1))
                 budget -= 1
         for sid in self.running:  # prompts mid-way through their chunks
@@ -150,13 +150,22 @@ class Engine:
                 n = min(p, cfg.chunk, budget)
                 plan.append((sid, n))
                 budget -= n
+        # A prompt that will fork into n samples takes n of the batch's seats, so that
+        # its children find room in the decode steps after its last chunk.
+        seats = sum(self._seats(sid) for sid in self.running)
         for sid in self.waiting:  # new and preempted sequences, first in line first
-            if budget <= 0 or len(plan) >= cfg.max_batch:
+            seats += self._seats(sid)
+            if budget <= 0 or len(plan) >= cfg.max_batch or (seats > cfg.max_batch and self.running):
                 break
             n = min(seqs[sid].pending, cfg.chunk, budget)
             plan.append((sid, n))
             budget -= n
         return plan
+
+    def _seats(self, sid: int) -> int:
+        """Batch rows sid will need: n for a request's prompt before it forks, else 1."""
+        req = self.req_of[sid]
+        return req.n if req.n > 1 and len(req.seq_ids) == 1 else 1
 
     def _schedule(self) -> Optional[kvhf.Batch]:
         while True:

@@ -229,6 +229,23 @@ def test_generate_preempts_when_the_pool_is_small():
     assert got == want
 
 
+def test_forks_never_outgrow_the_batch():
+    """Prompts sampled n ways count n seats when admitted: 4 prompts x 8
+    samples with room for 12 rows per step run every step within 12 rows
+    (a step past the Runner's max_batch is an error) and all finish."""
+    eng_mod = load_engine()
+    model = tiny_model("llama")
+    rng = np.random.default_rng(3)
+    reqs = [eng_mod.Request(i, 0.0, rng.integers(1, 97, int(rng.integers(5, 20))).tolist(), 6, n=8, temperature=1.0)
+            for i in range(4)]
+    engine, rec = run_engine(model, torch.float32, "cpu", reqs, num_blocks=128, max_batch=12)
+    assert max(engine.batch_sizes) <= 12
+    assert max(engine.batch_sizes) >= 8, "a forked prompt's samples decode together"
+    for r in reqs:
+        assert r.finished is not None and len(r.seq_ids) == 8
+        assert all(len(r.outputs[s]) == 6 for s in r.seq_ids)
+
+
 def test_same_step_prefix_sharing():
     """Two prompts with the same 32-token prefix admitted in one step: the
     second starts on the first's blocks, whose K/V this same step writes
