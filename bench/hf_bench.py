@@ -321,6 +321,15 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
         "host_share_full_batch": float(np.mean(big)) if big else float("nan"),
         "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks,
     }
+    # Where the time goes: decode-only steps (graph replays) against steps that carry prompt tokens.
+    decode = np.array(engine.step_tokens) == np.array(engine.batch_sizes)
+    full = decode & (np.array(engine.batch_sizes) >= args.max_batch * 0.9)
+    res.update({
+        "decode_steps": int(decode.sum()), "decode_time": float(steps[decode].sum()),
+        "other_time": float(steps[~decode].sum()),
+        "decode_step_ms_full_batch": float(np.median(steps[full]) * 1e3) if full.any() else float("nan"),
+        "host_ms_full_batch": float(np.median(host[full]) * 1e3) if full.any() else float("nan"),
+    })
     cache.close()
     del runner, engine, cache
     gc.collect()
@@ -334,7 +343,10 @@ def line(system: str, wl: str, r: Dict[str, Any]) -> str:
     extra = ""
     if "hit_rate" in r:
         extra = (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
-                 f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}")
+                 f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}"
+                 f"  decode steps {r['decode_steps']} {r['decode_time']:.1f} s, others {r['other_time']:.1f} s,"
+                 f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
+                 f" (host {r['host_ms_full_batch']:.2f} ms)")
     return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
             f"TTFT p50 {pct(r['ttft'], 50):8.1f} p99 {pct(r['ttft'], 99):8.1f} ms  "
             f"TPOT p50 {pct(r['tpot'], 50):6.1f} p99 {pct(r['tpot'], 99):6.1f} ms" + extra)

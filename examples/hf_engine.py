@@ -115,6 +115,7 @@ class Engine:
         self.step_times: List[float] = []
         self.host_times: List[float] = []  # scheduling + manager calls, per step
         self.batch_sizes: List[int] = []  # sequences per step
+        self.step_tokens: List[int] = []  # tokens per step (== sequences: a decode-only step)
         self.peak_blocks = 0
 
     def submit(self, req: Request) -> None:
@@ -280,6 +281,7 @@ class Engine:
         self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
         self.step_times.append(t3 - t0)
         self.batch_sizes.append(len(batch))
+        self.step_tokens.append(batch.num_tokens)
         self.host_times.append((t1 - t0) + (t3 - t2) + self.runner.last_prep)
         self.peak_blocks = max(self.peak_blocks, self.cache.manager.stats().used_blocks)
         return batch.num_tokens
