@@ -28,7 +28,7 @@ import collections
 import dataclasses
 import sys
 import time
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -137,31 +137,34 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------
 
-    def _plan(self) -> List[tuple]:
-        """(seq_id, tokens) for this step: decode tokens, then prompt chunks."""
-        cfg, seqs = self.cfg, self.cache.seqs
-        plan, budget = [], cfg.step_tokens
-        for sid in self.running:
-            if seqs[sid].pending == 1 and len(plan) < cfg.max_batch:
-                plan.append((sid, 1))
-                budget -= 1
-        for sid in self.running:  # prompts mid-way through their chunks
-            p = seqs[sid].pending
-            if p > 1 and budget > 0 and len(plan) < cfg.max_batch:
-                n = min(p, cfg.chunk, budget)
+    def _plan(self) -> Tuple[List[tuple], int]:
+        """(seq_id, tokens) for this step: decode tokens, then prompt chunks;
+        and how many of them, at the end, are waiting sequences to admit."""
+        cfg, seqs, running = self.cfg, self.cache.seqs, self.running
+        cap, budget = cfg.max_batch, cfg.step_tokens
+        pending = [len(s.tokens) - s.computed for s in map(seqs.__getitem__, running)]
+        plan = [(sid, 1) for sid, p in zip(running, pending) if p == 1][:cap]
+        budget -= len(plan)
+        if budget > 0 and len(plan) < cap:
+            for sid, p in zip(running, pending):  # prompts mid-way through their chunks
+                if p > 1 and budget > 0 and len(plan) < cap:
+                    n = min(p, cfg.chunk, budget)
+                    plan.append((sid, n))
+                    budget -= n
+        growing = len(plan)
+        # Admission only where the step has room (a full decode batch skips the seat count over the running list).
+        if self.waiting and budget > 0 and len(plan) < cap:
+            # A prompt that will fork into n samples takes n of the batch's seats, so that
+            # its children find room in the decode steps after its last chunk.
+            seats = sum(self._seats(sid) for sid in running)
+            for sid in self.waiting:  # new and preempted sequences, first in line first
+                seats += self._seats(sid)
+                if budget <= 0 or len(plan) >= cap or (seats > cap and running):
+                    break
+                n = min(seqs[sid].pending, cfg.chunk, budget)
                 plan.append((sid, n))
                 budget -= n
-        # A prompt that will fork into n samples takes n of the batch's seats, so that
-        # its children find room in the decode steps after its last chunk.
-        seats = sum(self._seats(sid) for sid in self.running)
-        for sid in self.waiting:  # new and preempted sequences, first in line first
-            seats += self._seats(sid)
-            if budget <= 0 or len(plan) >= cfg.max_batch or (seats > cfg.max_batch and self.running):
-                break
-            n = min(seqs[sid].pending, cfg.chunk, budget)
-            plan.append((sid, n))
-            budget -= n
-        return plan
+        return plan, len(plan) - growing
 
     def _seats(self, sid: int) -> int:
         """Batch rows sid will need: n for a request's prompt before it forks, else 1."""
@@ -170,7 +173,7 @@ class Engine:
 
     def _schedule(self) -> Optional[kvhf.Batch]:
         while True:
-            plan = self._plan()
+            plan, admits = self._plan()
             if not plan:
                 return None
             try:
@@ -180,11 +183,12 @@ class Engine:
                     raise
                 self._preempt(self.running[-1])
                 continue
-            admitted = set(batch.seq_ids.tolist())
-            for sid, _ in plan:
-                if sid in admitted and sid in self.waiting:
-                    self.waiting.remove(sid)
-                    self.running.append(sid)
+            if admits:  # only the plan's tail came from the waiting line
+                admitted = set(batch.seq_ids.tolist())
+                for sid, _ in plan[len(plan) - admits:]:
+                    if sid in admitted:
+                        self.waiting.remove(sid)
+                        self.running.append(sid)
             if len(batch) == 0 and not self.running:
                 first = self.waiting[0]
                 raise kvplug.OutOfBlocksError(
@@ -211,32 +215,49 @@ class Engine:
                     raise
                 self._preempt(victims[-1])  # its row this step is dropped: re-admission recomputes it
 
-    def _sample(self, logits: torch.Tensor, batch: kvhf.Batch) -> Dict[int, List[int]]:
+    def _sample(self, logits: torch.Tensor, batch: kvhf.Batch) -> Tuple[List[int], List[int], Dict[int, List[int]]]:
         """Samples on the logits' device, one transfer to the host: each
         sequence whose last token was computed gets 1 token, or n for a
-        request about to fork. Greedy rows take the argmax."""
-        seqs, want = self.cache.seqs, []
+        request about to fork. Greedy rows take the argmax. Returns the
+        sampled sequences, the (first) token of each, and the n tokens of
+        each sequence about to fork."""
+        seqs, req_of = self.cache.seqs, self.req_of
+        rows: List[int] = []
+        sids: List[int] = []
+        ks: List[int] = []
+        temps: List[float] = []
         for row, sid in enumerate(batch.seq_ids.tolist()):
-            if seqs[sid].pending:
+            s = seqs[sid]
+            if len(s.tokens) != s.computed:
                 continue  # a prompt chunk before the last: nothing to sample
-            req = self.req_of[sid]
+            req = req_of[sid]
             fork_now = req.n > 1 and len(req.seq_ids) == 1 and not req.outputs[sid]
-            want.append((row, sid, req.n if fork_now else 1, req.temperature))
-        if not want:
-            return {}
+            rows.append(row)
+            sids.append(sid)
+            ks.append(req.n if fork_now else 1)
+            temps.append(req.temperature)
+        if not sids:
+            return [], [], {}
         dev = logits.device
-        rows = logits[torch.tensor([w[0] for w in want], device=dev)]
-        kmax = max(w[2] for w in want)
-        out = rows.argmax(-1, keepdim=True).expand(-1, kmax)
-        temps = torch.tensor([w[3] for w in want], device=dev, dtype=torch.float32)
-        if bool((temps > 0).any()):
+        # A decode step samples every row: no gather (and no index upload) needed.
+        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]
+        kmax = max(ks)
+        out = picked.argmax(-1, keepdim=True).expand(-1, kmax)
+        # Decided on the host (in float32, as on the device): testing the device tensor would wait for the
+        # GPU before the sampling kernels launch.
+        temps32 = np.array(temps, np.float32)
+        if (temps32 > 0).any():
             if self.gen.device != dev:
                 self.gen = torch.Generator(device=dev).manual_seed(self.cfg.seed)
-            probs = torch.softmax(rows / temps.clamp_min(1e-6)[:, None], -1)
+            temp = torch.from_numpy(temps32).to(dev)
+            probs = torch.softmax(picked / temp.clamp_min(1e-6)[:, None], -1)
             drawn = torch.multinomial(probs, kmax, replacement=True, generator=self.gen)
-            out = torch.where((temps > 0)[:, None], drawn, out)
+            out = torch.where((temp > 0)[:, None], drawn, out)
+        if kmax == 1:
+            return sids, out.reshape(-1).tolist(), {}  # the step's one device-to-host copy
         toks = out.tolist()  # the step's one device-to-host copy
-        return {sid: toks[i][:k] for i, (_, sid, k, _) in enumerate(want)}
+        forks = {sid: t[:k] for sid, t, k in zip(sids, toks, ks) if k > 1}
+        return sids, [t[0] for t in toks], forks
 
     def step(self, now: Callable[[], float]) -> int:
         """Runs one step; returns the tokens it computed (0: nothing to run)."""
@@ -249,32 +270,57 @@ class Engine:
         if self.on_logits is not None:
             self.on_logits(batch, logits)
             logits = logits[torch.from_numpy(batch.qo_indptr()[1:].astype(np.int64) - 1).to(logits.device)]
-        sampled = self._sample(logits, batch)  # waits for the GPU
+        sids, toks, forks = self._sample(logits, batch)  # waits for the GPU
         t2 = time.perf_counter()
         finished: List[int] = []
-        for sid, toks in sampled.items():
-            req = self.req_of[sid]
-            fork_now = len(toks) > 1
-            if fork_now:  # parallel sampling: the children share the prompt's blocks
+        forked: List[Tuple[int, int]] = []  # (sequence, token) of this step's forks' sequences that go on
+        eos, req_of = self.cfg.eos, self.req_of
+        for sid, tok in zip(sids, toks):
+            req = req_of[sid]
+            if forks and sid in forks:  # parallel sampling: the children share the prompt's blocks
                 children = [self._new_sid(req) for _ in range(req.n - 1)]
                 self._fork(sid, children, finished)
                 at = self.running.index(sid) + 1
                 self.running[at:at] = children
+                if req.first_token is None:
+                    req.first_token = now()
+                for s, t in zip(req.seq_ids, forks[sid]):
+                    req.outputs[s].append(t)
+                    if len(req.outputs[s]) >= req.max_new_tokens or t == eos:
+                        finished.append(s)
+                    else:
+                        forked.append((s, t))
+                continue
             if req.first_token is None:
                 req.first_token = now()
-            for s, tok in zip(req.seq_ids if fork_now else [sid], toks):
-                req.outputs[s].append(tok)
-                if len(req.outputs[s]) >= req.max_new_tokens or tok == self.cfg.eos:
-                    finished.append(s)
-                else:
-                    self.cache.append(s, tok)
+            out = req.outputs[sid]
+            out.append(tok)
+            if len(out) >= req.max_new_tokens or tok == eos:
+                finished.append(sid)
+        # The sampled tokens of the sequences that go on enter the cache in one call after the loop: a fork in
+        # the loop copies only its own parent's tokens and a preemption keeps a sequence's tokens, so the
+        # order does not matter.
+        if finished or forks:
+            skip = set(finished).union(forks)
+            grow = [(s, t) for s, t in zip(sids, toks) if s not in skip]
+            grow += forked
+            if grow:
+                self.cache.append_tokens(*zip(*grow))
+        else:
+            self.cache.append_tokens(sids, toks)
         if finished:
             self.cache.remove(finished)
+            # Usually running; waiting if a fork preempted it after its token was sampled.
+            # One pass over each list, not a search and a removal per finished sequence.
+            gone = set(finished)
+            before = len(self.running)
+            self.running = [s for s in self.running if s not in gone]
+            if before - len(self.running) < len(gone):
+                self.waiting = collections.deque(s for s in self.waiting if s not in gone)
+            seqs = self.cache.seqs
             for s in finished:
-                # Usually running; waiting if a fork preempted it after its token was sampled.
-                (self.running if s in self.running else self.waiting).remove(s)
-                req = self.req_of[s]
-                if all(x not in self.cache.seqs for x in req.seq_ids):
+                req = req_of[s]
+                if all(x not in seqs for x in req.seq_ids):
                     req.finished = now()
         t3 = time.perf_counter()
         self.steps += 1

@@ -11,6 +11,7 @@ A sequence's life, as a scheduler drives it:
     batch = cache.schedule([(7, 512)])    # the next chunk: grows the sequence
     ...
     cache.append(7, token)                # a sampled token: the next step computes it
+                                          # (append_tokens: one per sequence of a batch)
     cache.fork(7, [8, 9])                 # parallel sampling: 8 and 9 share 7's blocks
     cache.preempt(7)                      # frees its blocks, keeps its tokens
     cache.remove([8, 9])
@@ -24,6 +25,7 @@ of the step's K/V before any attention reads the cache.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -114,6 +116,22 @@ class Batch:
         return out
 
 
+def _rows_int32(rows: List[List[int]]) -> Any:
+    """Rows of token ids for Manager.grow_tokens as int32 views of one array,
+    which it takes in place: a list per row costs it a numpy conversion and
+    range check per row. Rows with a token outside int32 stay lists, so that
+    the manager's own check reports it."""
+    total = sum(map(len, rows))
+    try:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, total)
+    except OverflowError:
+        return rows
+    if total and (int(flat.min()) < -(2**31) or int(flat.max()) > 2**31 - 1):
+        return rows
+    ends = np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)))
+    return np.split(flat.astype(np.int32), ends[:-1])
+
+
 class PagedKVCache:
     """K/V of every layer in kvplug's paged layout, managed by a
     kvplug.Manager. `num_blocks` blocks of `block_size` tokens; the tensors
@@ -195,6 +213,20 @@ class PagedKVCache:
         computes it."""
         self.state(seq_id).tokens.append(int(token))
 
+    def append_tokens(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """append for a batch, one sampled token per sequence (tokens[i] is
+        seq_ids[i]'s): what a decode step's sampling adds, in one call. All
+        or none: an unknown sequence raises before any token is added."""
+        if len(seq_ids) != len(tokens):
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: {len(tokens)} tokens for {len(seq_ids)} sequences",
+                                              kvplug.Status.INVALID_ARGUMENT)
+        try:
+            states = list(map(self.seqs.__getitem__, seq_ids))  # int-like ids: the dict's hash and == are int's
+        except (KeyError, TypeError):
+            states = [self.state(i) for i in seq_ids]  # converts other ids; raises UnknownSequenceError naming one
+        for s, t in zip(states, list(map(int, tokens))):  # all converted before the first is added
+            s.tokens.append(t)
+
     def fork(self, parent: int, children: Sequence[int]) -> None:
         """Parallel sampling: the children start as copies of `parent`
         (sharing its full blocks; its partial last block is copied). The
@@ -253,34 +285,49 @@ class PagedKVCache:
         starting on its longest cached prefix; admission stops at the first
         that does not fit (Batch.not_admitted lists it and those after it).
         The batch is ordered live sequences first, then the admitted ones."""
+        step = self._decode_step(requests)
+        if step is not None:
+            ids, starts, flat = step
+            # The step's tokens go to the manager as one array (the batch's input_ids), converted and
+            # range-checked by one numpy call.
+            ids_arr = np.array(ids, np.int64)
+            self.manager.grow_tokens(ids_arr, flat)  # raises OutOfBlocksError: nothing grew
+            return self._batch(ids_arr, starts, np.ones(len(ids), np.int32), flat, [0] * len(ids), [])
+        seqs = self.seqs
         grow_ids: List[int] = []
-        grow_toks: List[List[int]] = []
+        starts = []  # tokens computed before this step, per scheduled sequence
+        news: List[List[int]] = []  # the new tokens of each scheduled sequence
         admits: List[Tuple[int, int]] = []
+        multi = False  # a growing sequence takes more than one token
         for sid, n in requests:
             sid, n = int(sid), int(n)
             s = self.state(sid)
             if n < 1:
                 raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} scheduled for {n} tokens", kvplug.Status.INVALID_ARGUMENT)
             if s.live:
-                take = min(n, s.pending)
+                c, toks = s.computed, s.tokens
+                take = min(n, len(toks) - c)
                 if take < 1:
                     raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} has no pending token to compute "
                                                       "(append the sampled token first)", kvplug.Status.INVALID_ARGUMENT)
                 grow_ids.append(sid)
-                grow_toks.append(s.tokens[s.computed:s.computed + take])
+                starts.append(c)
+                news.append(toks[c:c + take])
+                multi = multi or take > 1
             else:
                 admits.append((sid, n))
         if len(set(grow_ids)) + len({a for a, _ in admits}) != len(requests):
             raise kvplug.DuplicateSequenceError("kvplug.hf: a sequence is scheduled twice in one step", kvplug.Status.DUPLICATE_SEQUENCE)
         if grow_ids:
-            self.manager.grow_tokens(np.array(grow_ids, np.int64), grow_toks)  # raises OutOfBlocksError: nothing grew
+            # A list per sequence costs the manager a conversion and a range check per sequence: the rows
+            # go as int32 views of one array (or, one token each, as one flat list).
+            grow = _rows_int32(news) if multi else [t[0] for t in news]
+            self.manager.grow_tokens(np.array(grow_ids, np.int64), grow)  # raises OutOfBlocksError: nothing grew
         ids: List[int] = list(grow_ids)
-        starts: List[int] = [self.seqs[i].computed for i in grow_ids]
-        news: List[List[int]] = grow_toks
         cached: List[int] = [0] * len(grow_ids)
         not_admitted: List[int] = []
         for k, (sid, n) in enumerate(admits):
-            s = self.seqs[sid]
+            s = seqs[sid]
             hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
             upto = min(len(s.tokens), hit + n)
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
@@ -295,28 +342,69 @@ class PagedKVCache:
             cached.append(m)
             self.stats["admitted"] += 1
             self.stats["cached_tokens"] += m
-        q_lens = np.array([len(t) for t in news], np.int32)
-        ids_arr = np.array(ids, np.int64)
-        if ids:
-            table, lens, slots = self.manager.describe(ids_arr)
+        q_lens = np.fromiter(map(len, news), np.int32, len(news))
+        flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
+        return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
+
+    def _decode_step(self, requests: Sequence[Tuple[int, int]]) -> Optional[Tuple[Sequence[int], List[int], np.ndarray]]:
+        """A decode step in bulk, one comprehension per field rather than a
+        loop over the sequences: (ids, starts, the new token of each, int64)
+        when every request is (live sequence, 1) with a token pending and no
+        sequence twice; None for anything else (prompt chunks, admissions,
+        bad requests), left to schedule's checked loop, which raises the
+        precise error. Changes nothing."""
+        try:
+            ids, ns = zip(*requests)  # TypeError, ValueError: not pairs
+            if ns.count(1) != len(ns):
+                return None
+            states = list(map(self.seqs.__getitem__, ids))  # ids are int-like: the dict's hash and == are int's
+            if not all(s.live for s in states) or len(set(ids)) != len(ids):
+                return None
+            starts = [s.computed for s in states]
+            flat = np.array([s.tokens[c] for s, c in zip(states, starts)], np.int64)  # IndexError: nothing pending
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError):
+            return None
+        return ids, starts, flat
+
+    def _batch(self, ids: Any, starts: List[int], q_lens: np.ndarray, flat: np.ndarray, cached: List[int],
+               not_admitted: List[int]) -> Batch:
+        """The Batch of scheduled sequences (their blocks taken), checked against the manager's view."""
+        total = flat.shape[0]
+        ids_arr = np.asarray(ids, np.int64)
+        starts_arr = np.array(starts, np.int32)
+        want = starts_arr + q_lens
+        if len(ids_arr):
+            table, lens, slots = self._describe(ids_arr, want, total)
         else:
             table, lens, slots = np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
-        starts_arr = np.array(starts, np.int32)
         # The manager's view and ours must agree, or the kernels would read the wrong K/V.
-        if not np.array_equal(lens, starts_arr + q_lens) or len(slots) != int(q_lens.sum()):
+        if not np.array_equal(lens, want) or len(slots) != total:
             raise kvplug.InternalError(f"kvplug.hf: manager lengths {lens.tolist()} disagree with the schedule "
-                                       f"{(starts_arr + q_lens).tolist()}", kvplug.Status.INTERNAL)
-        flat = np.fromiter((t for seq in news for t in seq), np.int64, int(q_lens.sum()))
-        self.stats["scheduled_tokens"] += int(q_lens.sum())
+                                       f"{want.tolist()}", kvplug.Status.INTERNAL)
+        self.stats["scheduled_tokens"] += total
         return Batch(ids_arr, starts_arr, q_lens, flat, table, lens, slots, np.array(cached, np.int32), not_admitted)
+
+    def _describe(self, ids: np.ndarray, lens: np.ndarray, total: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The manager's (block_table, seq_lens, slot_mapping) of a scheduled batch in one C call, the
+        buffers sized from the schedule's lengths (the block table as wide as the longest sequence needs,
+        as Manager.describe makes it; Manager.describe sizes them with a describe call of its own). A
+        manager that holds more than the schedule says is described at its own size, for the caller's
+        check to report."""
+        mb = max(1, -(-int(lens.max()) // self.block_size))
+        table, got, slots = np.empty((len(ids), mb), np.int32), np.empty(len(ids), np.int32), np.empty(total, np.int32)
+        try:
+            k = self.manager.describe_into(ids, table, got, slots)
+        except kvplug.BufferTooSmallError:
+            return self.manager.describe(ids)
+        return table, got, slots[:k]
 
     def commit(self, batch: Batch) -> None:
         """Marks a batch's tokens computed (the runner calls it after the
         forward pass)."""
-        for sid, s, n in zip(batch.seq_ids.tolist(), batch.starts.tolist(), batch.q_lens.tolist()):
-            st = self.seqs.get(sid)
+        seqs = self.seqs
+        for st, end in zip(map(seqs.get, batch.seq_ids.tolist()), (batch.starts + batch.q_lens).tolist()):
             if st is not None and st.live:
-                st.computed = s + n
+                st.computed = end
 
     def close(self) -> None:
         self.manager.close()

@@ -1,0 +1,110 @@
+"""PagedKVCache's scheduling paths against one another: a decode step (every
+request one token of a live sequence) takes a bulk path, anything else the
+checked per-sequence loop; both must give the same Batch and the same errors,
+and append_tokens must do what append does for each sequence. No model
+needed: only the manager and the token bookkeeping are exercised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvplug
+import kvplug.hf as kvhf
+
+SHAPE = kvhf.ModelShape(1, 2, 1, 8)
+FIELDS = ("seq_ids", "starts", "q_lens", "input_ids", "block_table", "seq_lens", "slot_mapping", "cached_tokens")
+
+
+def _cache(num_blocks: int = 256) -> kvhf.PagedKVCache:
+    return kvhf.PagedKVCache(SHAPE, num_blocks, 4, dtype=torch.float32)
+
+
+def _prefilled(cache: kvhf.PagedKVCache, n: int, rng: np.random.Generator) -> list:
+    """n live sequences with every prompt token computed and one sampled token appended."""
+    ids = list(range(10, 10 + n))
+    for sid in ids:
+        cache.add(sid, rng.integers(1, 500, int(rng.integers(1, 12))).tolist())
+    cache.commit(cache.schedule([(sid, 64) for sid in ids]))
+    cache.append_tokens(ids, rng.integers(1, 500, n).tolist())
+    return ids
+
+
+def _same(a: kvhf.Batch, b: kvhf.Batch) -> None:
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f
+    assert a.not_admitted == b.not_admitted
+
+
+def test_decode_step_matches_the_checked_loop():
+    rng = np.random.default_rng(0)
+    with _cache() as c1, _cache() as c2:
+        ids = _prefilled(c1, 9, np.random.default_rng(1))
+        assert _prefilled(c2, 9, np.random.default_rng(1)) == ids
+        for _ in range(11):  # across block boundaries (block_size 4)
+            order = rng.permutation(ids).tolist()
+            fast = c1.schedule([(sid, 1) for sid in order])
+            # np.int64 counts of 1 are decode too; a count of 2 with one token pending takes one token
+            # through the checked loop: the same batch.
+            slow = c2.schedule([(np.int64(sid), 2 if k == 0 else 1) for k, sid in enumerate(order)])
+            _same(fast, slow)
+            assert fast.is_decode
+            for c, b in ((c1, fast), (c2, slow)):
+                c.commit(b)
+            toks = rng.integers(1, 500, len(ids)).tolist()
+            c1.append_tokens(order, [toks[ids.index(s)] for s in order])
+            for sid, t in zip(ids, toks):
+                c2.append(sid, t)
+            assert all(c1.seqs[s].tokens == c2.seqs[s].tokens for s in ids)
+
+
+def test_decode_step_errors():
+    with _cache() as cache:
+        ids = _prefilled(cache, 3, np.random.default_rng(2))
+        with pytest.raises(kvplug.UnknownSequenceError):
+            cache.schedule([(ids[0], 1), (999, 1)])
+        with pytest.raises(kvplug.DuplicateSequenceError):
+            cache.schedule([(ids[0], 1), (ids[0], 1)])
+        with pytest.raises(kvplug.InvalidArgumentError, match="scheduled for 0"):
+            cache.schedule([(ids[0], 1), (ids[1], 0)])
+        b = cache.schedule([(sid, 1) for sid in ids])
+        cache.commit(b)
+        with pytest.raises(kvplug.InvalidArgumentError, match="pending"):
+            cache.schedule([(sid, 1) for sid in ids])  # nothing appended
+        # A failed schedule grows nothing: the manager still agrees with the token state.
+        cache.append_tokens(ids, [1, 2, 3])
+        b = cache.schedule([(sid, 1) for sid in ids])
+        assert b.seq_lens.tolist() == [len(cache.seqs[s].tokens) for s in ids]
+
+
+def test_append_tokens_is_all_or_none():
+    with _cache() as cache:
+        cache.add(1, [5, 6])
+        cache.add(2, [7])
+        with pytest.raises(kvplug.UnknownSequenceError):
+            cache.append_tokens([1, 3], [8, 9])
+        with pytest.raises(kvplug.InvalidArgumentError):
+            cache.append_tokens([1, 2], [8])
+        with pytest.raises(ValueError):
+            cache.append_tokens([1, 2], [8, "x"])
+        assert cache.seqs[1].tokens == [5, 6] and cache.seqs[2].tokens == [7]
+        cache.append_tokens(np.array([2, 1]), np.array([4, 3]))
+        assert cache.seqs[1].tokens == [5, 6, 3] and cache.seqs[2].tokens == [7, 4]
+        assert all(type(t) is int for t in cache.seqs[1].tokens)
+
+
+def test_mixed_step_rows_go_as_one_array():
+    """Decode rows with prompt chunks and an admission: the checked loop, whose grow passes int32 views."""
+    with _cache() as cache:
+        ids = _prefilled(cache, 4, np.random.default_rng(3))
+        cache.add(50, list(range(1, 30)))
+        cache.commit(cache.schedule([(50, 5)]))
+        cache.add(60, list(range(100, 110)))
+        b = cache.schedule([(ids[0], 1), (50, 7), (ids[1], 1), (60, 4)])
+        assert b.seq_ids.tolist() == [ids[0], 50, ids[1], 60]
+        assert b.q_lens.tolist() == [1, 7, 1, 4]
+        assert b.input_ids[1:8].tolist() == list(range(6, 13))
+        assert b.input_ids[-4:].tolist() == [100, 101, 102, 103]
+        assert len(b.slot_mapping) == 13 and len(set(b.slot_mapping.tolist())) == 13
