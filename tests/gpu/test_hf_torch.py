@@ -71,12 +71,13 @@ def test_engine_on_kernels_matches_transformers(kind, dtype, cascade):
 FORCED = torch.randint(0, SHAPE["vocab_size"], (16, 8), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-@pytest.mark.parametrize("cascade", [False, True], ids=["decode", "cascade"])
+@pytest.mark.parametrize("cascade", ["off", "forced", "auto"])
 def test_cuda_graph_decode_replays_match_eager(cascade):
     """Decode steps replayed from graphs (padded to the graph's batch) give
     the eager kernels' logits (plain decode, no cascade), step after step,
     as the batch shrinks; the prompts share a 48-token prefix, so the
-    cascade plans find sharing."""
+    cascade plans find sharing. forced: every replay is the cascade graph;
+    auto: the plan's route picks the cascade or the paged_decode graph."""
     dtype = torch.bfloat16
     over = dict(SHAPE)
     over.pop("head_dim")
@@ -86,7 +87,8 @@ def test_cuda_graph_decode_replays_match_eager(cascade):
     for graphs in (False, True):
         with kvhf.PagedKVCache.for_model(model, 64, 16) as cache:
             runner = kvhf.Runner(model, cache, max_batch=8, max_step_tokens=512, max_model_len=256,
-                                 cuda_graphs=graphs, graph_sizes=[2, 4, 8], cascade=cascade and graphs)
+                                 cuda_graphs=graphs, graph_sizes=[2, 4, 8], cascade=cascade != "off" and graphs)
+            runner.cascade_auto_route = cascade == "auto"
             for i in range(5):
                 cache.add(i, shared + list(range(1 + i, 40 + 7 * i)))
             lg = runner.step(cache.schedule([(i, 512) for i in range(5)]))
@@ -99,11 +101,15 @@ def test_cuda_graph_decode_replays_match_eager(cascade):
                     cache.remove([live.pop()])  # 4 sequences: another graph
                 lg = runner.step(cache.schedule([(sid, 1) for sid in live]))
                 seq.append(lg.clone())
-            outs[graphs] = (seq, runner.graph_steps)
+            outs[graphs] = (seq, runner.graph_steps, runner.graph_decode_steps)
     assert outs[True][1] == 12 and outs[False][1] == 0
+    if cascade == "forced":
+        assert outs[True][2] == 0, "forced: no replay of the paged_decode graph"
+    if cascade == "off":
+        assert outs[True][2] == 0
     # Plain decode replayed matches eager decode to rounding; cascade merges partial states, so its bf16
     # rounding differs (through 2 layers) as much as it does from transformers: the engine test's bound.
-    atol, rtol = TOL[dtype] if cascade else (1e-2, 1e-2)
+    atol, rtol = TOL[dtype] if cascade != "off" else (1e-2, 1e-2)
     for a, b in zip(outs[False][0], outs[True][0]):
         err, bound = (a - b).abs().max().item(), atol + rtol * b.abs().max().item()
         assert err <= bound, f"graph vs eager: {err:.3e} > {bound:.3e}"

@@ -5,8 +5,9 @@ graphs for decode steps, and `generate` for a batch of prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -47,10 +48,16 @@ class _DecodeGraph:
     """A decode step for up to `size` sequences captured in a CUDA graph.
     Static inputs are overwritten before each replay from two pinned host
     buffers (two copies per step); rows past the batch are padding (slot -1:
-    nothing written). With cascade, attention is kvplug.cascade's
-    shared-prefix decode, planned before each replay into the runner's
-    workspaces (padding rows: one token of block 0); without, paged_decode
-    (padding rows: length 0)."""
+    nothing written). Without cascade, attention is paged_decode (padding
+    rows: length 0). With cascade, two graphs share the static inputs: one
+    runs kvplug.cascade's shared-prefix decode, planned before each replay
+    into the runner's workspaces, the other paged_decode; the plan's route
+    (the library's cost model) picks which one replays (padding rows: one
+    token of block 0, no sharing, which both read harmlessly)."""
+
+    # A batch that only grew keeps its plan and route this many steps, then
+    # plans again so that the route follows the tails' growth.
+    REPLAN_EVERY = 16
 
     def __init__(self, runner: "Runner", size: int, pool: Any, cascade: bool) -> None:
         c, dev = runner.cache, runner.cache.device
@@ -69,6 +76,8 @@ class _DecodeGraph:
         self.h_table = self.h32[2 * size:].view(size, mb)
         self.plan: Any = None
         self.plan_ids: Optional[np.ndarray] = None
+        self.plan_age = 0
+        self.route_decode = not cascade  # the replay this step: paged_decode's graph
         sh = c.shape
         splits = kvplug.attn.num_splits(c.dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
         self.ctx = StepContext(c, "kernels", self.slots, self.table, self.lens, np.arange(size + 1, dtype=np.int32),
@@ -81,25 +90,33 @@ class _DecodeGraph:
             self.h_table[:, :k] = torch.arange(k, dtype=torch.int32)
             self.h_lens.fill_((k - 1) * c.block_size + 1)
             self.d32.copy_(self.h32)
-            self.ctx.cascade_plan = self._plan_now()
+            plain = dataclasses.replace(self.ctx, plans={})
+            self.ctx.cascade_plan = self._plan_now(decode_route=False)
             runner._cascade_owner = None  # the capture's plan is no step's
         else:
             self.d32.copy_(self.h32)
-        model = runner.model
+        self.graph, self.logits = self._capture(self.ctx, pool)
+        if cascade:
+            self.graph_decode, self.logits_decode = self._capture(plain, self.graph.pool())
+
+    def _capture(self, ctx: StepContext, pool: Any) -> Tuple[Any, torch.Tensor]:
+        model, dev = self.runner.model, self.runner.cache.device
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):  # warm-up outside the graph (lazy inits, autotuning)
             for _ in range(2):
-                model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx)
+                model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=ctx)
         torch.cuda.current_stream(dev).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=self.ctx).logits[0]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = model(input_ids=self.ids, position_ids=self.pos, use_cache=False, kvplug_batch=ctx).logits[0]
+        return graph, logits
 
-    def _plan_now(self) -> Any:
+    def _plan_now(self, decode_route: bool = True) -> Any:
         r, sh = self.runner, self.runner.cache.shape
         return kvplug.cascade.plan(self.h_table, self.h_lens, self.lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
-                                   r.cache.dtype, r.cascade_ws, block_size=r.cache.block_size, decode_route=False)
+                                   r.cache.dtype, r.cascade_ws, block_size=r.cache.block_size,
+                                   decode_route=decode_route)
 
     def load(self, batch: Batch) -> None:
         """Writes the batch into the static inputs: host work and two copies
@@ -124,16 +141,26 @@ class _DecodeGraph:
         self.d64.copy_(self.h64, non_blocking=True)
         self.d32.copy_(self.h32, non_blocking=True)
         if self.cascade:
-            # A step whose sequences only grew keeps its plan (checked in O(batch)).
-            # The workspaces are shared by every graph and eager step: only the last planner may skip.
+            # A step whose sequences only grew keeps its plan (checked in O(batch)) and its route for
+            # REPLAN_EVERY steps. The workspaces are shared by every graph and eager step: only the
+            # last planner may skip.
             r = self.runner
-            same = r.cascade_update and r._cascade_owner is self and np.array_equal(self.plan_ids, batch.seq_ids)
-            if not (same and self.plan.update(h_lens)):
-                self.plan = self._plan_now()
+            same = (r.cascade_update and r._cascade_owner is self and self.plan_age < self.REPLAN_EVERY
+                    and np.array_equal(self.plan_ids, batch.seq_ids))
+            if same and (self.route_decode or self.plan.update(h_lens)):
+                self.plan_age += 1
+            else:
+                self.plan = self._plan_now(decode_route=r.cascade_auto_route)
                 self.plan_ids = batch.seq_ids.copy()
+                self.plan_age = 0
+                self.route_decode = self.plan.route != kvplug.cascade.ROUTE_CASCADE
                 r._cascade_owner = self
 
     def replay(self, n: int) -> torch.Tensor:
+        if self.route_decode and self.cascade:
+            self.graph_decode.replay()
+            self.runner.graph_decode_steps += 1
+            return self.logits_decode[:n]
         self.graph.replay()
         return self.logits[:n]
 
@@ -152,9 +179,9 @@ class Runner:
     them; other steps run eagerly. cascade: decode steps use
     kvplug.cascade's shared-prefix attention (each block run that sequences
     share, a system prompt or the prompt of forked samples, read once per
-    step for all of them; kernels backend). Off by default: its cascade
-    route disagrees with paged_decode once a tail crosses into a new block
-    (tests/gpu/test_hf_torch.py::test_cascade_route_matches_decode)."""
+    step for all of them; kernels backend) where the library's cost model
+    says it pays, paged_decode elsewhere (graphs: both are captured and the
+    plan's route picks the replay)."""
 
     def __init__(
         self,
@@ -189,6 +216,7 @@ class Runner:
         self.prefill_ws = self.decode_ws = None
         self.cascade = bool(cascade)
         self.cascade_update = True  # keep a decode graph's cascade plan while its batch only grows (plan.update)
+        self.cascade_auto_route = True  # False: decode graphs always replay the cascade route (tests)
         self.cascade_ws = None
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
@@ -211,6 +239,7 @@ class Runner:
         if cuda_graphs:
             self.capture(graph_sizes)
         self.graph_steps = 0
+        self.graph_decode_steps = 0  # with cascade: graph steps the cost model sent to paged_decode
         self.eager_steps = 0
         self.last_prep = 0.0  # host seconds the last step spent preparing (metadata, plans, graph inputs)
 
