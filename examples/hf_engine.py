@@ -278,6 +278,10 @@ class Engine:
         for sid, tok in zip(sids, toks):
             req = req_of[sid]
             if forks and sid in forks:  # parallel sampling: the children share the prompt's blocks
+                if not self.cache.seqs[sid].live:
+                    # An earlier fork of this step preempted it: its samples are dropped (it is left out of
+                    # the append below too) and it forks after re-admission recomputes its last token.
+                    continue
                 children = [self._new_sid(req) for _ in range(req.n - 1)]
                 self._fork(sid, children, finished)
                 at = self.running.index(sid) + 1

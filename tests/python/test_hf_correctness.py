@@ -246,6 +246,25 @@ def test_forks_never_outgrow_the_batch():
         assert all(len(r.outputs[s]) == 6 for s in r.seq_ids)
 
 
+def test_a_fork_preempting_another_fork_of_the_same_step():
+    """Six prompts sampled 8 ways finish their prompts in one step while the
+    pool (48 blocks of 8) cannot hold every fork's copied last block: a fork
+    preempts a sequence that was about to fork in the same step. That one's
+    samples are dropped and it forks after re-admission; every row still
+    matches transformers."""
+    eng_mod = load_engine()
+    model = tiny_model("llama")
+    rng = np.random.default_rng(5)
+    reqs = [eng_mod.Request(i, 0.0, rng.integers(1, 97, 30).tolist(), 12, n=8, temperature=1.0) for i in range(6)]
+    engine, rec = run_engine(model, torch.float32, "cpu", reqs, num_blocks=48, max_batch=64, step_tokens=256, chunk=64)
+    assert engine.preemptions >= 1
+    for r in reqs:
+        assert r.finished is not None and len(r.seq_ids) == 8
+        assert all(len(r.outputs[s]) == 12 for s in r.seq_ids)
+    count, _ = compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
+    assert count > 500
+
+
 def test_same_step_prefix_sharing():
     """Two prompts with the same 32-token prefix admitted in one step: the
     second starts on the first's blocks, whose K/V this same step writes
