@@ -354,6 +354,70 @@ def test_cascade_prefill_shared_system_prompt_routes():
         assert err < TOL[dtype], f"shared={shared}: relative error {err:.3g} ({plan})"
 
 
+def test_cascade_prefill_plans_replay_in_a_captured_graph():
+    """One kvp_paged_cascade captured with a varlen prefill plan replays
+    correctly for later cascade-route plans into the same workspaces with
+    other query counts (decode rows, empty rows, long prompts) and shorter
+    tails, as the header promises: q and out are fixed buffers of the
+    capture's rows, each plan using a prefix of them."""
+    gen = torch.Generator().manual_seed(33)
+    qh, kvh, D, bs, dtype = 16, 4, 128, 16, torch.float16
+    B = 12
+    table, lens, nb = random_tree(gen, B, 2, 40, 400, bs)
+    cap_qo = [0]
+    for L in lens:
+        cap_qo.append(cap_qo[-1] + min(L, 256))
+    Tcap = cap_qo[-1]
+    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    kd, vd, td = k.to(DEV), v.to(DEV), table.to(DEV)
+    ws = cascade.Workspaces(B, qh, kvh, D, device=DEV, max_tokens=4 * Tcap + 8 * B)
+    lens_d = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    qo_d = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
+    qbuf = torch.zeros((Tcap, qh, D), dtype=dtype, device=DEV)
+    out = torch.zeros((Tcap, qh, D), dtype=dtype, device=DEV)
+    stream = torch.cuda.Stream()
+
+    def plan_for(lens_now, qo):
+        lens_h, qo_h = torch.tensor(lens_now, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
+        stream.synchronize()  # the previous plan's copy has executed before the host workspace is rewritten
+        with torch.cuda.stream(stream):
+            lens_d.copy_(lens_h)
+            qo_d.copy_(qo_h)
+        p = cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, block_size=bs, decode_route=False,
+                         qo_indptr_host=qo_h, qo_indptr=qo_d, stream=stream)
+        assert p.route == cascade.ROUTE_CASCADE and p.total_q == qo[-1], p
+        return p
+
+    plan = plan_for(lens, cap_qo)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        cascade.paged_cascade(plan, qbuf, kd, vd, td, out=out, stream=stream)  # warm-up
+        stream.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            cascade.paged_cascade(plan, qbuf, kd, vd, td, out=out, stream=stream)
+    for step in range(4):
+        # Shorter tails (within the rows' blocks) and fresh query counts, within the capture's rows.
+        lens_now = [int(torch.randint(max(1, L - 200), L + 1, (1,), generator=gen)) if L else 0 for L in lens]
+        qo = random_queries(gen, lens_now, 200)
+        while qo[-1] > Tcap:
+            qo = random_queries(gen, lens_now, 50)
+        T = qo[-1]
+        q = (torch.rand((max(T, 1), qh, D), generator=gen) * 4 - 2).to(dtype)[:T]
+        want, _ = prefill_reference(q, k, v, table, lens_now, qo, bs)
+        plan_for(lens_now, qo)
+        with torch.cuda.stream(stream):
+            qbuf[:T].copy_(q)
+            out.fill_(float("nan"))
+            g.replay()
+        stream.synchronize()
+        got = out[:T].cpu().double()
+        bad = torch.isnan(got).any(-1).any(-1).nonzero().flatten().tolist()
+        assert not bad, f"step {step}: rows {bad[:10]} unwritten (qo {qo})"
+        err = (got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-30)
+        assert T == 0 or err.max().item() < TOL[dtype], f"step {step}: row {int(err.argmax())} error {err.max().item():.3g}"
+
+
 def test_cascade_prefill_errors():
     gen = torch.Generator().manual_seed(3)
     table, lens, nb = tree_batch(gen, [(4, 8)], 50, 16)
