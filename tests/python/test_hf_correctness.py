@@ -113,13 +113,14 @@ class Recorder:
 
 
 def run_engine(model, dtype, device, requests, *, num_blocks, block_size=8, chunk=13, step_tokens=40, max_batch=8,
-               backend="auto", cuda_graphs=False, cascade=False, seed=0):
+               backend="auto", cuda_graphs=False, cascade=False, cascade_auto_route=True, seed=0):
     eng_mod = load_engine()
     kvmodel = twin(model)
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, block_size)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=max_len, cuda_graphs=cuda_graphs, cascade=cascade)
+    runner.cascade_auto_route = cascade_auto_route
     rec = Recorder()
     cfg = eng_mod.EngineConfig(max_batch=max_batch, step_tokens=step_tokens, chunk=chunk, seed=seed, progress_every=0)
     engine = eng_mod.Engine(runner, cfg, on_logits=lambda b, lg: rec(b, lg, block_size))

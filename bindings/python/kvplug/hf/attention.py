@@ -62,7 +62,7 @@ class StepContext:
     decode_ws: Optional[torch.Tensor] = None
     num_splits: int = 0  # decode: fixed for a captured graph (0: the library chooses per call)
     plans: Dict[int, Any] = dataclasses.field(default_factory=dict)
-    cascade_plan: Any = None  # decode: a kvplug.cascade plan (shared-prefix attention) instead of paged_decode
+    cascade_plan: Any = None  # a kvplug.cascade plan (shared-prefix attention) instead of paged_decode/prefill
     # torch: per sequence, the flat slot index of each of its tokens (int64 on the device)
     gather: Optional[List[torch.Tensor]] = None
     # backend "custom": fn(ctx, layer, q, k, v, scale, window_left) -> out [T, H, D], for engines (and
@@ -156,7 +156,7 @@ def kvplug_attention(
         out = ctx.custom(ctx, layer, q, k, v, scale, wl)
     elif ctx.backend == "kernels":
         kvplug.attn.kv_write(k, v, kc, vc, ctx.slots)
-        if ctx.decode and wl < 0 and ctx.cascade_plan is not None:
+        if wl < 0 and ctx.cascade_plan is not None:
             out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, ctx.block_table, scale=scale)
         elif ctx.decode and wl < 0:
             out = kvplug.attn.paged_decode(q, kc, vc, ctx.block_table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,

@@ -176,12 +176,13 @@ class Runner:
     workspaces); max_model_len bounds a sequence (the block-table width).
     cuda_graphs: capture decode steps for batch sizes `graph_sizes`
     (default 1, 2, 4, 8, then multiples of 16 up to max_batch) and replay
-    them; other steps run eagerly. cascade: decode steps use
-    kvplug.cascade's shared-prefix attention (each block run that sequences
-    share, a system prompt or the prompt of forked samples, read once per
-    step for all of them; kernels backend) where the library's cost model
-    says it pays, paged_decode elsewhere (graphs: both are captured and the
-    plan's route picks the replay)."""
+    them; other steps run eagerly. cascade: steps use kvplug.cascade's
+    shared-prefix attention (each block run that sequences share, a system
+    prompt or the prompt of forked samples, read once per step for all of
+    their decode rows and prompt chunks; kernels backend, no sliding window)
+    where the library's cost model says it pays, paged decode or prefill
+    elsewhere (decode graphs: both are captured and the plan's route picks
+    the replay)."""
 
     def __init__(
         self,
@@ -216,7 +217,7 @@ class Runner:
         self.prefill_ws = self.decode_ws = None
         self.cascade = bool(cascade)
         self.cascade_update = True  # keep a decode graph's cascade plan while its batch only grows (plan.update)
-        self.cascade_auto_route = True  # False: decode graphs always replay the cascade route (tests)
+        self.cascade_auto_route = True  # False: every plan keeps the cascade route (tests; may not fit the workspaces)
         self.cascade_ws = None
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
@@ -225,8 +226,9 @@ class Runner:
             sh = cache.shape
             kvplug.attn.prepare(self.device)
             if self.cascade:
+                # Sized for varlen queries too: prefill and mixed steps plan into them as well.
                 self.cascade_ws = kvplug.cascade.Workspaces(self.max_batch, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
-                                                            device=self.device)
+                                                            device=self.device, max_tokens=self.max_step_tokens)
             self.prefill_ws = torch.empty(kvplug.attn.prefill_workspace_size(
                 self.max_batch, self.max_step_tokens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim),
                 dtype=torch.uint8, device=self.device)
@@ -238,6 +240,7 @@ class Runner:
         self.graphs: Dict[int, _DecodeGraph] = {}
         if cuda_graphs:
             self.capture(graph_sizes)
+        self._inputs_copied: Any = None  # a CUDA event after the last step's host-to-device input copies
         self.graph_steps = 0
         self.graph_decode_steps = 0  # with cascade: graph steps the cost model sent to paged_decode
         self.eager_steps = 0
@@ -288,14 +291,19 @@ class Runner:
         table = host(np.ascontiguousarray(batch.block_table)).to(dev, non_blocking=True)
         ctx = StepContext(self.cache, self.backend, slots, table, lens, qo, batch.seq_lens, batch.is_decode,
                           qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws)
-        if self.backend == "kernels" and not (batch.is_decode and self._window is None):
-            ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
-        elif self.cascade and batch.is_decode:
+        if self.cascade and self._window is None:
+            # Shared-prefix attention for decode rows and prompt chunks alike (chunks of prompts that share
+            # a cached system prompt read it once); the plan's route is plain decode or prefill where
+            # sharing does not pay.
             sh = self.cache.shape
+            varlen = {} if batch.is_decode else dict(qo_indptr_host=qo, qo_indptr=qo_d)
             ctx.cascade_plan = kvplug.cascade.plan(
                 torch.from_numpy(np.ascontiguousarray(batch.block_table)), batch.seq_lens, lens, sh.num_q_heads,
-                sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size)
+                sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size,
+                decode_route=self.cascade_auto_route, **varlen)
             self._cascade_owner = None
+        elif self.backend == "kernels" and not (batch.is_decode and self._window is None):
+            ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
         if self.backend == "torch":
             bs = self.cache.block_size
             gather = []
@@ -304,6 +312,12 @@ class Runner:
                 gather.append(host(batch.block_table[i, t // bs].astype(np.int64) * bs + t % bs).to(dev))
             ctx.gather = gather
         return ctx
+
+    def _record_inputs_copied(self) -> None:
+        if self.device.type == "cuda" and (self.graphs or self.cascade):
+            if self._inputs_copied is None:
+                self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record(torch.cuda.current_stream(self.device))
 
     def _check(self, batch: Batch) -> None:
         if len(batch) > self.max_batch:
@@ -322,14 +336,21 @@ class Runner:
         if len(batch) == 0:
             return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
         t0 = time.perf_counter()
+        if self._inputs_copied is not None:
+            # The graphs' pinned input buffers and the cascade host workspace are rewritten below: the last
+            # step's copies out of them must have run (a caller need not wait for a step's results before
+            # scheduling the next one). Usually done already; otherwise this waits for one step.
+            self._inputs_copied.synchronize()
         g = self._graph_for(len(batch)) if (batch.is_decode and self.graphs) else None
         if g is not None:
             g.load(batch)
+            self._record_inputs_copied()
             self.last_prep = time.perf_counter() - t0
             logits = g.replay(len(batch))
             self.graph_steps += 1
         else:
             ctx = self._context(batch)
+            self._record_inputs_copied()
             self.last_prep = time.perf_counter() - t0
             ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)[None]
             pos = torch.from_numpy(batch.positions()).to(self.device, non_blocking=True)[None]
