@@ -147,6 +147,15 @@ def _torch() -> Any:
     return torch
 
 
+def _dtype_arg(dtype: Any) -> Any:
+    """The DTYPE_* code of a torch dtype (0 for any other, which the library
+    refuses by name); an int passes through, to be range-checked as one."""
+    if isinstance(dtype, int):
+        return dtype
+    torch = _torch()
+    return {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+
+
 def _dtype_code(t: Any, what: str) -> int:
     torch = _torch()
     codes = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}
@@ -233,8 +242,7 @@ def num_splits(dtype: Any, head_dim: int, batch: int, num_q_heads: int, num_kv_h
     device (before capping it to the workspace). dtype: a torch dtype or a
     DTYPE_* code."""
     torch = _torch()
-    if not isinstance(dtype, int):
-        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    dtype = _dtype_arg(dtype)
     args = [_lib.checked_int(v, "num_splits: " + n, "int32") for v, n in (
         (dtype, "dtype"), (head_dim, "head_dim"), (batch, "batch"), (num_q_heads, "num_q_heads"),
         (num_kv_heads, "num_kv_heads"), (max_seq_len, "max_seq_len"))]
@@ -607,8 +615,7 @@ def prefill_plan(
     _cuda_tensor(workspace, "workspace", workspace.dim(), dev)
     if not workspace.is_contiguous():
         raise _bad("workspace must be contiguous")
-    if not isinstance(dtype, int):
-        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16, torch.float32: DTYPE_F32}.get(dtype, 0)
+    dtype = _dtype_arg(dtype)
     ci = _lib.checked_int
     num_q_heads = ci(num_q_heads, "prefill_plan: num_q_heads", "int32")
     num_kv_heads = ci(num_kv_heads, "prefill_plan: num_kv_heads", "int32")

@@ -34,8 +34,8 @@ import ctypes
 from typing import Any, Optional, Tuple
 
 from . import _lib
-from .attn import DTYPE_BF16, DTYPE_F16, ROUTE_DECODE, ROUTE_PREFILL, _AttnPlan, _i32, _i64, _u64
-from .attn import _Plan, _bad, _check, _fn, _host_i32, _index, _run_planned, _stream, _torch
+from .attn import ROUTE_DECODE, ROUTE_PREFILL, _AttnPlan, _i32, _i64, _u64
+from .attn import _Plan, _bad, _check, _dtype_arg, _fn, _host_i32, _index, _run_planned, _stream, _torch
 
 __all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
@@ -182,28 +182,12 @@ def plan(
     at its last positions, as kvplug.attn.prefill_plan; the workspaces must
     be sized with max_tokens; plain prefill is the route where sharing does
     not pay."""
-    if not isinstance(workspaces, Workspaces):
-        raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
-    torch = _torch()
-    dev = workspaces.device.device
     table, batch, cols = _host_table(block_table_host)
-    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
-    if seq_lens.shape[0] != batch:
-        raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for a block table of {batch} rows")
+    dev, qo, qo_dev = _device_args(workspaces, seq_lens, batch, qo_indptr_host, qo_indptr,
+                                   f"a block table of {batch} rows")
     lens = _host_i32(seq_lens_host, batch, "seq_lens_host")
-    qo, qo_dev = None, 0
-    if (qo_indptr_host is None) != (qo_indptr is None):
-        raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
-    if qo_indptr_host is not None:
-        qo = _host_i32(qo_indptr_host, batch + 1, "qo_indptr_host")
-        _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
-        if qo_indptr.shape[0] != batch + 1:
-            raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; batch + 1 = {batch + 1} expected")
-        qo_dev = qo_indptr.data_ptr()
-    if not isinstance(dtype, int):
-        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}.get(dtype, 0)
     a = _CascadePlanArgs(
-        ctypes.sizeof(_CascadePlanArgs), _i32arg(dtype, "dtype"), _i32arg(head_dim, "head_dim"),
+        ctypes.sizeof(_CascadePlanArgs), _i32arg(_dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim"),
         _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(batch, "batch"),
         workspaces.max_batch, _i32arg(block_size, "block_size"), _i32arg(max(cols, 1), "max_blocks_per_seq"),
         max(cols, 1), ctypes.cast(table.data_ptr(), ctypes.POINTER(_i32)), lens, seq_lens.data_ptr(),
@@ -215,9 +199,33 @@ def plan(
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
     f = _fn("kvp_cascade_plan", [ctypes.POINTER(_CascadePlanArgs), ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
-    with torch.cuda.device(dev):
+    with _torch().cuda.device(dev):
         _check(f(ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
     return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
+
+
+def _device_args(workspaces: Any, seq_lens: Any, n: int, qo_indptr_host: Any, qo_indptr: Any,
+                 rows: str) -> Tuple[Any, Any, int]:
+    """Checks what a plan reads on the device (workspaces, seq_lens of n
+    entries, varlen qo_indptr of n + 1 with its host copy) and returns the
+    device, the host offsets (None: decode) and qo_indptr's pointer (0).
+    rows names the n rows in messages."""
+    if not isinstance(workspaces, Workspaces):
+        raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
+    torch = _torch()
+    dev = workspaces.device.device
+    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
+    if seq_lens.shape[0] != n:
+        raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for {rows}")
+    if (qo_indptr_host is None) != (qo_indptr is None):
+        raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
+    if qo_indptr_host is None:
+        return dev, None, 0
+    qo = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
+    _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
+    if qo_indptr.shape[0] != n + 1:
+        raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; {n} + 1 = {n + 1} expected")
+    return dev, qo, qo_indptr.data_ptr()
 
 
 def paged_cascade(
@@ -279,21 +287,14 @@ def plan_from_manager(
     if not isinstance(manager, Manager):
         raise _bad(f"manager must be a kvplug.Manager, got {type(manager).__name__}")
     ids_ptr, n, ids_keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
-    if not isinstance(dtype, int):
-        torch = _torch()
-        dtype = {torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}.get(dtype, 0)
     a = _CascadePlanArgs()
     a.struct_size = ctypes.sizeof(_CascadePlanArgs)
-    a.dtype, a.head_dim = _i32arg(dtype, "dtype"), _i32arg(head_dim, "head_dim")
+    a.dtype, a.head_dim = _i32arg(_dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim")
     a.num_q_heads, a.num_kv_heads = _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads")
     a.batch = _i32arg(n, "batch")
     a.max_blocks_per_seq = _i32arg(max_blocks_per_seq, "max_blocks_per_seq")
     a.flags = 0 if decode_route else NO_DECODE_ROUTE
     a.headroom = _i32arg(headroom, "headroom")
-    qo = None
-    if qo_indptr_host is not None:
-        qo = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
-        a.qo_indptr_host = qo
     f = _fn("kvp_manager_cascade_plan", [ctypes.c_void_p, ctypes.c_void_p, _i32, ctypes.POINTER(_CascadePlanArgs),
                                          ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
     p = _AttnPlan()
@@ -301,27 +302,18 @@ def plan_from_manager(
     if workspaces is None:
         if seq_lens is not None or qo_indptr is not None:
             raise _bad("seq_lens or qo_indptr without workspaces: a host-only plan reads no device array")
+        if qo_indptr_host is not None:
+            a.qo_indptr_host = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
         _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), 0))
         return CascadePlan(p, (ids_keep,))
-    if not isinstance(workspaces, Workspaces):
-        raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
-    torch = _torch()
-    dev = workspaces.device.device
-    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
-    if seq_lens.shape[0] != n:
-        raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for {n} seq_ids")
-    if (qo is None) != (qo_indptr is None):
-        raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
-    if qo_indptr is not None:
-        _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
-        if qo_indptr.shape[0] != n + 1:
-            raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; n + 1 = {n + 1} expected")
-        a.qo_indptr = qo_indptr.data_ptr()
+    dev, qo, a.qo_indptr = _device_args(workspaces, seq_lens, n, qo_indptr_host, qo_indptr, f"{n} seq_ids")
+    if qo is not None:
+        a.qo_indptr_host = qo
     a.max_batch, a.max_tokens = workspaces.max_batch, workspaces.max_tokens
     a.seq_lens = seq_lens.data_ptr()
     a.host_workspace, a.host_workspace_bytes = workspaces.host.data_ptr(), workspaces.host.numel()
     a.workspace, a.workspace_bytes = workspaces.device.data_ptr(), workspaces.device.numel()
-    with torch.cuda.device(dev):
+    with _torch().cuda.device(dev):
         _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
     return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
 
