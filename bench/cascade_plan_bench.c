@@ -29,6 +29,9 @@
 
 #include "kvplug.h"
 
+#define BENCH_NAME "cascade_plan_bench"
+#include "bench_util.h"
+
 enum { B = 256, COLS = 256, BS = 16, QH = 32, KVH = 8, HD = 128, LEN = COLS * BS };
 
 /* The few CUDA driver calls the benchmark needs for its device memory,
@@ -45,11 +48,6 @@ static struct {
   int (*memcpy_htod)(cu_ptr, const void *, size_t);
   int (*ctx_synchronize)(void);
 } cu;
-
-static void die(const char *what, kvp_status st) {
-  fprintf(stderr, "cascade_plan_bench: %s: %s: %s\n", what, kvp_status_string(st), kvp_last_error());
-  exit(1);
-}
 
 static void cu_check(const char *what, int r) {
   if (r != 0) {
@@ -91,17 +89,6 @@ static void load_cuda(void) {
   cu_check("cuDeviceGet", cu.device_get(&dev, 0));
   cu_check("cuDevicePrimaryCtxRetain", cu.primary_ctx_retain(&ctx, dev));
   cu_check("cuCtxSetCurrent", cu.ctx_set_current(ctx));
-}
-
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
 }
 
 /* A sharing case: every sequence shares its first `shared` tokens, then

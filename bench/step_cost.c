@@ -37,6 +37,9 @@
 
 #include "kvplug.h"
 
+#define BENCH_NAME "step_cost"
+#include "bench_util.h"
+
 #ifdef STEP_COST_CALLGRIND
 #include <valgrind/callgrind.h>
 #define TIMED_BEGIN() CALLGRIND_TOGGLE_COLLECT
@@ -48,22 +51,6 @@
 
 enum { NUM_SEQS = 256, PROMPT = 1000, BLOCK_SIZE = 16, RESET = 128 };
 #define MAX_BLOCKS ((PROMPT + RESET + BLOCK_SIZE - 1) / BLOCK_SIZE)
-
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static void die(const char *what, kvp_status st) {
-  fprintf(stderr, "%s: %s: %s\n", what, kvp_status_string(st), kvp_last_error());
-  exit(1);
-}
 
 static void *xmalloc(size_t n) {
   void *p = malloc(n);
