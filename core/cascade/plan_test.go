@@ -1,6 +1,7 @@
 package cascade
 
 import (
+	"fmt"
 	"math"
 	"testing"
 
@@ -30,6 +31,23 @@ func (b *batch) qlens() []int32 {
 // token's merge segments name partial states that cover [0, its sequence's
 // length) exactly once (tails up to their planned capacity); capacities are
 // respected.
+// planPoisoned plans in into a fresh host workspace of layout l whose
+// words all start poisoned (-7), so that a check reading a word the plan
+// should have written sees garbage rather than a lucky zero; what names
+// the case in a failure.
+func planPoisoned(t *testing.T, p *Planner, in *Input, l *Layout, what string) ([]int32, Summary) {
+	t.Helper()
+	ws := make([]int32, l.HostInts)
+	for i := range ws {
+		ws[i] = -7
+	}
+	s, err := p.Plan(in, l, ws)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return ws, s
+}
+
 func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summary) {
 	t.Helper()
 	B := len(b.lens)
@@ -235,15 +253,8 @@ func TestPlanRandomTrees(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ws := make([]int32, l.HostInts)
-		for i := range ws {
-			ws[i] = -7 // poisoned
-		}
 		p.keepAll = iter%2 == 0
-		s, err := p.Plan(in, &l, ws)
-		if err != nil {
-			t.Fatalf("iter %d %+v: %v", iter, spec, err)
-		}
+		ws, s := planPoisoned(t, &p, in, &l, fmt.Sprintf("iter %d %+v", iter, spec))
 		checkPlan(t, b, in, &l, ws, s)
 		deepest := int32(0) // emitted nodes on the longest path
 		for sq := range b.lens {

@@ -1,6 +1,7 @@
 package cascade
 
 import (
+	"fmt"
 	"math"
 	"testing"
 
@@ -37,15 +38,8 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 		in.NoDecodeRoute = true
 		in.Slots = 1 + r.IntN(600)
 		l := prefillLayout(t, b, r.IntN(3), qh, kvh, D)
-		ws := make([]int32, l.HostInts)
-		for i := range ws {
-			ws[i] = -7 // poisoned
-		}
 		p.keepAll = iter%2 == 0
-		s, err := p.Plan(in, &l, ws)
-		if err != nil {
-			t.Fatalf("iter %d %+v: %v", iter, spec, err)
-		}
+		ws, s := planPoisoned(t, &p, in, &l, fmt.Sprintf("iter %d %+v", iter, spec))
 		checkPlan(t, b, in, &l, ws, s)
 	}
 }
@@ -78,14 +72,10 @@ func TestRefMatchesPrefill(t *testing.T) {
 				b := withQueries(r, genTree(r, c.spec), c.maxQ)
 				p := newProblem(r, b, c.d, c.qh, c.kvh, c.D)
 				l := prefillLayout(t, b, 0, c.qh, c.kvh, c.D)
-				ws := make([]int32, l.HostInts)
 				in := b.input(c.qh, c.kvh, c.D)
 				in.NoDecodeRoute = true
 				in.Slots = 1 + r.IntN(50)
-				s, err := pl.Plan(in, &l, ws)
-				if err != nil {
-					t.Fatal(err)
-				}
+				ws, s := planPoisoned(t, &pl, in, &l, c.name)
 				compareWithPrefill(t, p, &l, ws, s, c.d)
 				nodes += s.Nodes
 			}
