@@ -318,7 +318,7 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
         "requests": len(reqs), "ttft": [r.first_token - r.arrival for r in done],
         "tpot": [(r.finished - r.first_token) / max(r.output_tokens / r.n - 1, 1) for r in done],
         "hit_rate": ps.hit_rate, "preemptions": engine.preemptions, "steps": engine.steps,
-        "graph_steps": runner.graph_steps, "graph_decode_steps": getattr(runner, "graph_decode_steps", 0), "host_share": float(host.sum() / max(steps.sum(), 1e-9)),
+        "graph_steps": runner.graph_steps, "graph_decode_steps": runner.graph_decode_steps, "host_share": float(host.sum() / max(steps.sum(), 1e-9)),
         "host_share_full_batch": float(np.mean(big)) if big else float("nan"),
         "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks,
     }
@@ -345,7 +345,7 @@ def line(system: str, wl: str, r: Dict[str, Any]) -> str:
     if "hit_rate" in r:
         extra = (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
                  f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}"
-                 f" ({r.get('graph_decode_steps', 0)} routed to paged_decode)"
+                 f" ({r['graph_decode_steps']} routed to paged_decode)"
                  f"  decode steps {r['decode_steps']} {r['decode_time']:.1f} s, others {r['other_time']:.1f} s,"
                  f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
                  f" (host {r['host_ms_full_batch']:.2f} ms)")
