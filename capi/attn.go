@@ -231,6 +231,7 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 		num_items: C.int32_t(p.NumItems), grid: C.int32_t(p.Grid), num_splits: C.int32_t(p.NumSplits),
 		workspace: C.uint64_t(p.Workspace), workspace_bytes: C.uint64_t(p.WorkspaceBytes), kv_lens: C.uint64_t(p.KVLens),
 	}
+	out.reserved[0] = C.uint64_t(p.Mainloop)
 	return fail(attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out)))
 }
 
@@ -262,6 +263,7 @@ func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 			NumQHeads: int(plan.num_q_heads), NumKVHeads: int(plan.num_kv_heads), WindowLeft: int(plan.window_left)},
 		Batch: int(plan.batch), TotalQ: int(plan.total_q), MaxQLen: int(plan.max_q_len), MaxKVLen: int(plan.max_kv_len),
 		NumItems: int(plan.num_items), Grid: int(plan.grid), NumSplits: int(plan.num_splits),
+		Mainloop:  int(min(plan.reserved[0], 1<<16)),
 		Workspace: cuda.DevicePtr(plan.workspace), WorkspaceBytes: int64(plan.workspace_bytes), KVLens: cuda.DevicePtr(plan.kv_lens),
 	}
 	r := attn.PagedPrefillArgs{

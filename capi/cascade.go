@@ -368,6 +368,7 @@ func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 			PrefillShape: attn.PrefillShape{DType: dl.DType, HeadDim: dl.HeadDim, NumQHeads: dl.NumQHeads, NumKVHeads: dl.NumKVHeads, WindowLeft: -1},
 			Batch:        p.batch, TotalQ: p.s.Rows, MaxQLen: p.s.MaxQLen, MaxKVLen: p.maxKV,
 			NumItems: int(plan.num_items), Grid: int(plan.grid), NumSplits: int(plan.num_splits),
+			Mainloop:  attn.DefaultPrefillMainloop(dl.DType, dl.HeadDim),
 			Workspace: ws + cuda.DevicePtr(p.l.PartOut), WorkspaceBytes: p.l.DeviceBytes - p.l.PartOut,
 			KVLens: cuda.DevicePtr(plan.kv_lens)}
 		pa := attn.PagedPrefillArgs{PrefillLayout: attn.PrefillLayout{

@@ -984,6 +984,7 @@ typedef struct kvp_merge_states_args {
 #define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
+#define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */
@@ -993,7 +994,7 @@ typedef struct kvp_prefill_plan_args {
   int32_t num_kv_heads; /* divides num_q_heads */
   int32_t batch;        /* sequences, in [0, 65535] */
   int32_t window_size;  /* 0 (default): no window; w > 0: tokens [pos - w + 1, pos] */
-  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV */
+  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV | KVP_PREFILL_NO_HOPPER */
   int32_t reserved;     /* must be 0 */
   const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
   const int32_t *kv_lens_host;   /* host [batch]: kv_lens[b] >= q_len_b */
@@ -1029,7 +1030,7 @@ typedef struct kvp_attn_plan {
   uint64_t workspace;
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */
-  uint64_t reserved[6];
+  uint64_t reserved[6]; /* the library's plan state: copy it with the plan, never edit it */
 } kvp_attn_plan;
 
 #define KVP_ATTN_PLAN_INIT KVP_STRUCT_INIT(kvp_attn_plan)
