@@ -37,7 +37,8 @@ struct Sm90Cfg {
     static constexpr int Q_BYTES = TQ * D * (int)sizeof(T);
     static constexpr int KV_BYTES = TN * D * (int)sizeof(T);  // one K or one V tile
     static constexpr int OFF_BYTES = STAGES * TN * 8;
-    static constexpr int BAR_BYTES = 8 * (2 * STAGES + 2) + 8 * STAGES;  // mbarriers + flags
+    static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2) and per-stage flags
+    static_assert(8 * (4 * STAGES + 2) + 4 * STAGES <= BAR_BYTES, "barrier space");
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + OFF_BYTES + BAR_BYTES;
     static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
 };
@@ -48,6 +49,25 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on bar when every cp.async this thread issued before has landed
+// (the barrier's expected count includes these arrivals).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barriers 2 and 3 of the two consumer warpgroups (256 threads each:
+// one warpgroup syncs, the other arrives); 0 is __syncthreads, 1 the producer's.
+__device__ __forceinline__ void turn_wait(int c) {
+    if (c == 0)
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    else
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+}
+__device__ __forceinline__ void turn_pass(int c) {  // hands the turn to the other warpgroup
+    if (c == 0)
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    else
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
     uint32_t done = 0;
@@ -122,18 +142,24 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
     auto v_s = [&](int s) { return base + C::Q_BYTES + (uint32_t)(2 * s + 1) * C::KV_BYTES; };
     int64_t* const offs = reinterpret_cast<int64_t*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES);  // [S][TN]
     const uint32_t bars = base + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES;
-    auto full = [&](int s) { return bars + 8u * s; };
-    auto empty = [&](int s) { return bars + 8u * (S + s); };
-    const uint32_t q_full = bars + 8u * (2 * S), q_empty = bars + 8u * (2 * S + 1);
+    // K and V of a stage fill and drain separately: K is free once S = Q K^T
+    // is done, V only after O += P V, which runs one tile later.
+    auto full_k = [&](int s) { return bars + 8u * s; };
+    auto full_v = [&](int s) { return bars + 8u * (S + s); };
+    auto empty_k = [&](int s) { return bars + 8u * (2 * S + s); };
+    auto empty_v = [&](int s) { return bars + 8u * (3 * S + s); };
+    const uint32_t q_full = bars + 8u * (4 * S), q_empty = bars + 8u * (4 * S + 1);
     int32_t* const flags = reinterpret_cast<int32_t*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES +
-                                                      8 * (2 * S + 2));  // [S]: the tile has unreadable tokens
+                                                      8 * (4 * S + 2));  // [S]: the tile has unreadable tokens
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
-            mbar_init(full(s), 128);  // every producer thread
-            mbar_init(empty(s), 8);   // lane 0 of every consumer warp
+            mbar_init(full_k(s), 128);  // every producer thread, when its copies land
+            mbar_init(full_v(s), 128);
+            mbar_init(empty_k(s), 8);  // lane 0 of every consumer warp
+            mbar_init(empty_v(s), 8);
         }
         mbar_init(q_full, 128);
         mbar_init(q_empty, 8);
@@ -149,6 +175,9 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
 
     if (wg == 0) {
         // ---------------- producer ----------------
+        // Never waits for its own copies: each thread's cp.async arrive on the
+        // stage's barrier when they land, so it runs ahead as far as the free
+        // stages allow.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         const T* kc = reinterpret_cast<const T*>(p.k_cache);
         const T* vc = reinterpret_cast<const T*>(p.v_cache);
@@ -175,10 +204,11 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                                c * (16 / (int)sizeof(T));
                 cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), src, ok ? 16 : 0);
             }
-            cp_async_commit();
+            mbar_arrive_cp_async(q_full);
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const int s = tile_it % S;
-                mbar_wait(empty(s), ((tile_it / S) & 1) ^ 1);
+                const int ph = ((tile_it / S) & 1) ^ 1;
+                mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
                 const int k0 = t * TN;
                 int bad = 0;
                 if (tid < TN) {
@@ -205,30 +235,34 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                 for (int i = tid; i < TN * C::CPR; i += 128) {
                     const int r = i / C::CPR, c = i - r * C::CPR;
                     const int64_t off = offs[s * TN + r];
-                    const int64_t e = (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T));
-                    const uint32_t dst = (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7);
-                    cp_async16_keep(k_s(s) + dst, kc + e, off < 0 ? 0 : 16);
-                    cp_async16_keep(v_s(s) + dst, vc + e, off < 0 ? 0 : 16);
+                    cp_async16_keep(k_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
+                                    kc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
                 }
-                cp_async_commit();
-                // The previous group (the query rows, or the previous tile) has landed.
-                cp_async_wait<1>();
-                fence_proxy_async();
-                mbar_arrive(t == t0 ? q_full : full((tile_it - 1) % S));
+                mbar_arrive_cp_async(full_k(s));
+                mbar_wait(empty_v(s), ph);
+                for (int i = tid; i < TN * C::CPR; i += 128) {
+                    const int r = i / C::CPR, c = i - r * C::CPR;
+                    const int64_t off = offs[s * TN + r];
+                    cp_async16_keep(v_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
+                                    vc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
+                }
+                mbar_arrive_cp_async(full_v(s));
             }
-            cp_async_wait<0>();
-            fence_proxy_async();
-            mbar_arrive(full((tile_it - 1) % S));
             ++item_it;
         }
     } else {
         // ---------------- consumers ----------------
+        // Per tile t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued
+        // together, so the softmax of S_t overlaps the second product; and
+        // the two consumer warpgroups take turns issuing (named barriers 2
+        // and 3), so one's softmax overlaps the other's products.
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-        const int c = wg - 1;              // which 64 rows of the item
+        const int c = wg - 1;  // which 64 rows of the item
         const int warp = (tid >> 5) & 3, lane = tid & 31;
         const int row_a = 64 * c + 16 * warp + (lane >> 2);  // this thread's rows: row_a, row_a + 8
         const int col_q = 2 * (lane & 3);
         const float sl = p.scale * kLog2e;
+        if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
         int tile_it = 0, item_it = 0;
         for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
             const int item = (int)(w / p.num_kv_heads);
@@ -247,16 +281,27 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
             float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
-            if (t0 < t1) mbar_wait(q_full, item_it & 1);
+            uint32_t pa[TN / 16][4];  // P of the previous tile, the A operand of its P V
+            bool have_prev = false;
+            int sv_prev = 0;
+            if (t0 < t1) {
+                mbar_wait(q_full, item_it & 1);
+                fence_proxy_async();
+            }
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const int s = tile_it % S;
-                mbar_wait(full(s), (tile_it / S) & 1);
+                const int ph = (tile_it / S) & 1;
                 const int k0 = t * TN;
                 const bool active = wg_rows > 0 && k0 <= wg_max_pos && (win < 0 || k0 + TN - 1 >= wg_min_pos - win);
+                mbar_wait(full_k(s), ph);
+                if (have_prev) mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
+                fence_proxy_async();
                 float sc[TN / 2];
+                turn_wait(c);  // this warpgroup's turn on the tensor cores
+                pin_regs(sc);
+                pin_regs(o);
+                wgmma_fence();
                 if (active) {
-                    pin_regs(sc);
-                    wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < C::KSTEPS; ++kk) {
                         constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
@@ -265,14 +310,20 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                         const uint64_t db = gmma_desc(k_s(s) + kb * (TN * 128) + ki, 16, 1024);
                         wgmma_ss<T, TN>(sc, da, db, kk > 0);
                     }
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    pin_regs(sc);
                 }
-                if (t == t1 - 1) {  // the item's last read of Q: the producer may load the next item's rows
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(q_empty);
+                wgmma_commit();
+                if (have_prev) {
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; ++kk) {
+                        const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                        wgmma_rs<T, D>(o, pa[kk], db, 1);
+                    }
                 }
+                wgmma_commit();
+                turn_pass(c);
+                wgmma_wait<1>();                 // S_t is done; P_{t-1} V_{t-1} may still run
+                pin_regs(sc);
+                float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
                 if (active) {
                     const bool mask = flags[s] != 0 || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win);
                     if (mask) {
@@ -291,6 +342,14 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                             }
                         }
                     }
+                }
+                // K_t, its offsets and flag are no longer read.
+                __syncwarp();
+                if (lane == 0) {
+                    mbar_arrive(empty_k(s));
+                    if (t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
+                }
+                if (active) {
                     float mx_a = neg_inf(), mx_b = neg_inf();
 #pragma unroll
                     for (int j = 0; j < TN / 8; ++j) {
@@ -302,39 +361,62 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
                     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
                     const float mn_a = fmaxf(m_a, mx_a * sl), mn_b = fmaxf(m_b, mx_b * sl);
-                    const float mu_a = mn_a == neg_inf() ? 0.f : mn_a, mu_b = mn_b == neg_inf() ? 0.f : mn_b;
-                    const float al_a = fast_exp2(m_a - mu_a), al_b = fast_exp2(m_b - mu_b);
+                    mu_a = mn_a == neg_inf() ? 0.f : mn_a, mu_b = mn_b == neg_inf() ? 0.f : mn_b;
+                    al_a = fast_exp2(m_a - mu_a), al_b = fast_exp2(m_b - mu_b);
                     m_a = mn_a, m_b = mn_b;
-                    l_a *= al_a, l_b *= al_b;
+                    float rs_a = 0.f, rs_b = 0.f;
+#pragma unroll
+                    for (int j = 0; j < TN / 8; ++j) {
+                        sc[4 * j] = fast_exp2(fmaf(sc[4 * j], sl, -mu_a));
+                        sc[4 * j + 1] = fast_exp2(fmaf(sc[4 * j + 1], sl, -mu_a));
+                        sc[4 * j + 2] = fast_exp2(fmaf(sc[4 * j + 2], sl, -mu_b));
+                        sc[4 * j + 3] = fast_exp2(fmaf(sc[4 * j + 3], sl, -mu_b));
+                        rs_a += sc[4 * j] + sc[4 * j + 1];
+                        rs_b += sc[4 * j + 2] + sc[4 * j + 3];
+                    }
+                    l_a = l_a * al_a + rs_a, l_b = l_b * al_b + rs_b;
+                }
+                wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
+                pin_regs(o);
+                if (have_prev) {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_v(sv_prev));
+                }
+                if (active) {
 #pragma unroll
                     for (int j = 0; j < D / 8; ++j) {
                         o[4 * j] *= al_a, o[4 * j + 1] *= al_a;
                         o[4 * j + 2] *= al_b, o[4 * j + 3] *= al_b;
                     }
-                    uint32_t pa[TN / 16][4];
 #pragma unroll
                     for (int j = 0; j < TN / 8; ++j) {
-                        const float p0 = fast_exp2(fmaf(sc[4 * j], sl, -mu_a));
-                        const float p1 = fast_exp2(fmaf(sc[4 * j + 1], sl, -mu_a));
-                        const float p2 = fast_exp2(fmaf(sc[4 * j + 2], sl, -mu_b));
-                        const float p3 = fast_exp2(fmaf(sc[4 * j + 3], sl, -mu_b));
-                        l_a += p0 + p1, l_b += p2 + p3;
-                        pa[j >> 1][(j & 1) * 2] = pack2<T>(p0, p1);
-                        pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(p2, p3);
+                        pa[j >> 1][(j & 1) * 2] = pack2<T>(sc[4 * j], sc[4 * j + 1]);
+                        pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(sc[4 * j + 2], sc[4 * j + 3]);
                     }
-                    pin_regs(o);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < TN / 16; ++kk) {
-                        const uint64_t db = gmma_desc(v_s(s) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
-                        wgmma_rs<T, D>(o, pa[kk], db, 1);
-                    }
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    pin_regs(o);
+                } else {
+                    // V_t is not read by this warpgroup: release it once it has landed.
+                    mbar_wait(full_v(s), ph);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_v(s));
                 }
+                have_prev = active;
+                sv_prev = s;
+            }
+            if (have_prev) {  // the item's last P V
+                mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
+                fence_proxy_async();
+                pin_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; ++kk) {
+                    const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                    wgmma_rs<T, D>(o, pa[kk], db, 1);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_regs(o);
                 __syncwarp();
-                if (lane == 0) mbar_arrive(empty(s));
+                if (lane == 0) mbar_arrive(empty_v(sv_prev));
             }
             if (t0 < t1) ++item_it;
             // Epilogue: normalise and write this thread's two rows.
@@ -362,6 +444,7 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                     po.lse[row * p.num_q_heads + qh] = emp ? neg_inf() : (m + log2f(l)) * kLn2;
             }
         }
+        if (c == 0) turn_wait(0);  // take the last turn warpgroup 1 handed over
     }
     griddep_launch_dependents();
 #endif

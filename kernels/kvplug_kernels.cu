@@ -96,7 +96,7 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 
 #define KVP_PREFILL_SM90_INSTANTIATE(DT, T, D)                                                 \
     static_assert(kvp::Sm90Cfg<T, D>::SMEM == 0 + 1024 + 2 * 128 * D + 8 * kvp::Sm90Cfg<T, D>::TN * D + \
-                      16 * kvp::Sm90Cfg<T, D>::TN + 64, "kvp_prefill_sm90_smem_bytes");             \
+                      16 * kvp::Sm90Cfg<T, D>::TN + 128, "kvp_prefill_sm90_smem_bytes");             \
     extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
         kvp_paged_prefill_sm90_##DT##_h##D(const kvp_prefill_params p) {                       \
         kvp::paged_prefill_sm90<T, D>(p);                                                      \

@@ -351,11 +351,11 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
 static inline int32_t kvp_prefill_sm90_tile_kv(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 /* 1024 (alignment) + tile_q * D * bytes (queries) + 2 stages * 2 * tile_kv * D * bytes
- * (K and V) + 2 * tile_kv * 8 (row offsets) + 64 (barriers and flags):
- * f16/bf16 h64: 83008, h128: 166976, h256: 198720. */
+ * (K and V) + 2 * tile_kv * 8 (row offsets) + 128 (barriers and flags):
+ * f16/bf16 h64: 83072, h128: 167040, h256: 198784. */
 static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim) {
     uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim, e = (uint32_t)dtype_bytes;
-    return 1024u + KVP_PREFILL_SM90_TILE_Q * d * e + 2u * 2u * tn * d * e + 2u * tn * 8u + 64u;
+    return 1024u + KVP_PREFILL_SM90_TILE_Q * d * e + 2u * 2u * tn * d * e + 2u * tn * 8u + 128u;
 }
 
 /* ------------------------------------------------------------------------

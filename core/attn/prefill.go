@@ -122,7 +122,7 @@ func prefillSM90SharedBytes(d DType, headDim int) uint32 {
 		tn = 64
 	}
 	D, e := uint32(headDim), uint32(d.Size())
-	return 1024 + prefillSM90TileQ*D*e + 2*2*tn*D*e + 2*tn*8 + 64
+	return 1024 + prefillSM90TileQ*D*e + 2*2*tn*D*e + 2*tn*8 + 128
 }
 
 // prefillMainloop picks the kernel of a plan's prefill route on dev: the
