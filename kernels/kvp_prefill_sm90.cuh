@@ -58,16 +58,20 @@ __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
 // Named barriers 2 and 3 of the two consumer warpgroups (256 threads each:
 // one warpgroup syncs, the other arrives); 0 is __syncthreads, 1 the producer's.
 __device__ __forceinline__ void turn_wait(int c) {
+#ifndef KVP_SM90_NO_PINGPONG
     if (c == 0)
         asm volatile("bar.sync 2, 256;\n" ::: "memory");
     else
         asm volatile("bar.sync 3, 256;\n" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void turn_pass(int c) {  // hands the turn to the other warpgroup
+#ifndef KVP_SM90_NO_PINGPONG
     if (c == 0)
         asm volatile("bar.arrive 3, 256;\n" ::: "memory");
     else
         asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
     uint32_t done = 0;
@@ -205,20 +209,22 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                 cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), src, ok ? 16 : 0);
             }
             mbar_arrive_cp_async(q_full);
+            // Thread tid < TN looks up token k0 + tid of a tile in the block
+            // table one tile ahead: the load's latency hides behind the
+            // current tile's copies and the wait for a free stage.
+            int nxt_blk = -1, nxt_off = 0;
+            if (tid < TN && t0 * TN + tid < sp.kv_end) nxt_blk = rr.load_block(t0 * TN + tid, nxt_off);
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const int s = tile_it % S;
                 const int ph = ((tile_it / S) & 1) ^ 1;
-                mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
+                const int blk = nxt_blk, boff = nxt_off;
                 const int k0 = t * TN;
+                nxt_blk = -1;
+                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end) nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
                 int bad = 0;
                 if (tid < TN) {
-                    const int tok = k0 + tid;
-                    int64_t off = -1;
-                    if (tok < sp.kv_end) {
-                        int o;
-                        const int blk = rr.load_block(tok, o);
-                        off = rr.offset(blk, o);
-                    }
+                    const int64_t off = k0 + tid < sp.kv_end ? rr.offset(blk, boff) : -1;
                     offs[s * TN + tid] = off;
                     bad = off < 0;
                 }
