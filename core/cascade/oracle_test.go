@@ -7,6 +7,11 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
+// The float64 oracle of a planned run, for this package's tests. It sits in
+// a test file, not beside the planner, because the planner is host-only: the
+// block manager (core/kvmanager) imports it, and an oracle there would link
+// core/attn and the CUDA layer into every program that manages blocks.
+
 // Ref is the CPU reference of a planned run, in float64: every work item's
 // partial state (the query tokens of a shared run's members against its
 // tokens, or one sequence's tail chunk, causal over its query tokens), then
