@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // FuzzABI drives every entry point of kvplug.h with arbitrary integers,
@@ -161,7 +162,7 @@ func (fz *abiFuzz) count(n int) int32 {
 	if fz.r.u8()%6 != 0 {
 		return int32(n)
 	}
-	return []int32{0, -1, math.MinInt32, maxBatch + 1, math.MaxInt32}[fz.small(5)]
+	return []int32{0, -1, math.MinInt32, limits.Batch + 1, math.MaxInt32}[fz.small(5)]
 }
 
 // array returns C memory with n int32 (or int64) values, or NULL (1 in 10).

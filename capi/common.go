@@ -19,6 +19,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
@@ -159,17 +160,12 @@ func dropHandle[T any](h unsafe.Pointer) (T, bool) {
 	return t, true
 }
 
-// checkCount validates a batch length.
+// checkCount validates a batch length (KVP_MAX_BATCH bounds every batched
+// call, so a wrong count is caught before a slice is made over the caller's
+// array).
 func checkCount(n C.int32_t, what string) error {
-	if n < 1 || n > maxBatch {
-		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [1, %d]: got %d", what, maxBatch, int32(n))
-	}
-	return nil
+	return limits.Range(what, int(n), 1, limits.Batch)
 }
-
-// maxBatch bounds every batched call, so a wrong count is caught before a
-// huge slice is made over the caller's array.
-const maxBatch = 1 << 20
 
 // slice views a caller array of n elements without copying; nil for a NULL
 // pointer. The view must not outlive the call.

@@ -113,6 +113,20 @@ extern "C" {
 #define KVP_STRUCT_INIT(T) {.struct_size = sizeof(T)}
 #endif
 
+/* ------------------------------------------------------------------------ */
+/* Limits                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Bounds of counts the functions check (INVALID_ARGUMENT beyond them), the
+ * library's own constants: a count is refused before anything is sized by
+ * it. Each function's comment says which of its arguments they bound. */
+#define KVP_MAX_BATCH (1 << 20)         /* sequence ids (or slots) of one manager or vcache call */
+#define KVP_MAX_ATTN_BATCH 65535        /* sequences of one attention plan or launch */
+#define KVP_MAX_PROMPT_TOKENS (1 << 30) /* tokens of one prompt or sequence */
+#define KVP_MAX_MM_ITEMS (1 << 20)      /* multimodal items of one prompt */
+#define KVP_MAX_SALT_LEN 1024           /* bytes of a prompt's cache salt */
+#define KVP_MAX_BYTES 0x7fffffffffffffffULL /* a byte count (workspace_bytes): INT64_MAX */
+
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
  * built against this header should check that kvp_version() / 10000 equals

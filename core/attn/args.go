@@ -17,6 +17,7 @@ import (
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // Limits of the arguments (beyond these the kernels' grids or the int32
@@ -24,8 +25,8 @@ import (
 const (
 	MaxHeads     = 1 << 12
 	MaxSplits    = 256
-	maxBatch     = maxGridYZ // decode grid.y
-	maxElemIndex = 1 << 50   // largest element offset any stride may reach
+	maxBatch     = limits.AttnBatch // decode grid.y (at most maxGridYZ: limits_test.go)
+	maxElemIndex = 1 << 50          // largest element offset any stride may reach
 )
 
 // SupportedHeadDim reports whether the kernels are built for head_dim d.
@@ -161,12 +162,7 @@ func vecMultiple(what string, d DType, strides ...int64) error {
 	return nil
 }
 
-func inRange(what string, v, lo, hi int) error {
-	if v < lo || v > hi {
-		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [%d, %d]: got %d", what, lo, hi, v)
-	}
-	return nil
-}
+func inRange(what string, v, lo, hi int) error { return limits.Range(what, v, lo, hi) }
 
 func checkHead(what string, d DType, headDim int) error {
 	if err := d.check(what); err != nil {
