@@ -231,15 +231,7 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 //export kvp_paged_prefill
 func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
-	const what = "kvp_paged_prefill"
-	if plan == nil || a == nil {
-		return failf(kverr.NullPointer, "%s: plan and args must not be NULL", what)
-	}
-	p, _, err := readAttnPlan(what, plan)
-	if err != nil {
-		return fail(err)
-	}
-	r, err := pagedPrefillArgsOf(what, a)
+	p, _, r, err := planRunOf("kvp_paged_prefill", plan, a)
 	if err != nil {
 		return fail(err)
 	}

@@ -70,8 +70,8 @@ func cascadePlanArgsOf(what string, ca *C.kvp_cascade_plan_args, plan *C.kvp_att
 }
 
 // writeCascadePlan encodes a cascade plan into the caller's kvp_attn_plan.
-func writeCascadePlan(plan *C.kvp_attn_plan, p *cascadeattn.Plan) C.kvp_status {
-	return fail(writeAttnPlan(plan, &p.PrefillPlan, p.Words()))
+func writeCascadePlan(plan *C.kvp_attn_plan, p *cascadeattn.Plan) error {
+	return writeAttnPlan(plan, &p.PrefillPlan, p.Words())
 }
 
 // readCascadePlan decodes a kvp_attn_plan into a cascade plan (its kind and
@@ -96,7 +96,7 @@ func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream
 	if err != nil {
 		return fail(err)
 	}
-	return writeCascadePlan(plan, &p)
+	return fail(writeCascadePlan(plan, &p))
 }
 
 //export kvp_cascade_update
@@ -124,17 +124,10 @@ func kvp_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int32
 //export kvp_paged_cascade
 func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
-	const what = "kvp_paged_cascade"
-	if plan == nil || a == nil {
-		return failf(kverr.NullPointer, "%s: plan and args must not be NULL", what)
-	}
-	r, err := pagedPrefillArgsOf(what, a)
+	pp, state, r, err := planRunOf("kvp_paged_cascade", plan, a)
 	if err != nil {
 		return fail(err)
 	}
-	p, err := readCascadePlan(what, plan)
-	if err != nil {
-		return fail(err)
-	}
+	p := cascadeattn.Plan{PrefillPlan: pp, State: cascadeattn.StateOf(&state)}
 	return fail(cascadeattn.Run(&p, &r, cuda.Stream(stream)))
 }

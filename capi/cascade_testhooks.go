@@ -81,7 +81,7 @@ func (p *cascadeHookPlan) setKind(k int32) { p.p.kind = C.int32_t(k) }
 func hookPlanStruct(p *cascadeattn.Plan) (*cascadeHookPlan, abiStatus) {
 	h := &cascadeHookPlan{}
 	h.p.struct_size = C.size_t(unsafe.Sizeof(h.p))
-	return h, abiStatus(writeCascadePlan(&h.p, p))
+	return h, abiStatus(fail(writeCascadePlan(&h.p, p)))
 }
 
 // plan is the core plan the struct holds, as the run and update exports read it.

@@ -137,6 +137,18 @@ func lookup[T any](h unsafe.Pointer, what string) (T, error) {
 	return t, nil
 }
 
+// onHandle is the shape of every export on a handle but a destroy: under
+// the panic guard, h's live object of type T (lookup's rules) is given to f,
+// whose error becomes the status and kvp_last_error.
+func onHandle[T any](h unsafe.Pointer, what string, f func(T) error) (st C.kvp_status) {
+	defer guard(&st)
+	obj, err := lookup[T](h, what)
+	if err != nil {
+		return fail(err)
+	}
+	return fail(f(obj))
+}
+
 // dropHandle unregisters h and returns its object if h is a live handle of
 // type T; any other pointer (NULL, destroyed, never a handle, or a handle
 // of another type) is left alone and false returned, so a destroy function

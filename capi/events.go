@@ -47,8 +47,9 @@ func cString(p *C.char, max int) (string, bool) {
 	return C.GoStringN(p, C.int(n)), true
 }
 
-func publisherOf(h *C.kvp_event_publisher) (*eventPublisher, error) {
-	return lookup[*eventPublisher](unsafe.Pointer(h), "kvp_event_publisher")
+// onPublisher is an export on a kvp_event_publisher handle (onHandle).
+func onPublisher(h *C.kvp_event_publisher, f func(*eventPublisher) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), "kvp_event_publisher", f)
 }
 
 //export kvp_event_publisher_create
@@ -140,25 +141,19 @@ func kvp_event_publisher_destroy(h *C.kvp_event_publisher) {
 }
 
 //export kvp_event_publisher_flush
-func kvp_event_publisher_flush(h *C.kvp_event_publisher) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	ep.p.Flush()
-	return C.KVP_OK
+func kvp_event_publisher_flush(h *C.kvp_event_publisher) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		ep.p.Flush()
+		return nil
+	})
 }
 
 //export kvp_event_publisher_resync
-func kvp_event_publisher_resync(h *C.kvp_event_publisher) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	ep.p.Resync()
-	return C.KVP_OK
+func kvp_event_publisher_resync(h *C.kvp_event_publisher) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		ep.p.Resync()
+		return nil
+	})
 }
 
 func tcpPort(a net.Addr) C.int32_t {
@@ -169,30 +164,27 @@ func tcpPort(a net.Addr) C.int32_t {
 }
 
 //export kvp_event_publisher_stats_get
-func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
-	}
-	s := ep.p.Stats()
-	v := C.kvp_event_publisher_stats{
-		batches:          C.int64_t(s.Batches),
-		events:           C.int64_t(s.Events),
-		bytes:            C.int64_t(s.Bytes),
-		dropped_sends:    C.int64_t(s.DroppedSends),
-		replay_requests:  C.int64_t(s.ReplayReqs),
-		replay_batches:   C.int64_t(s.ReplayBatches),
-		snapshots:        C.int64_t(s.Snapshots),
-		source_errors:    C.int64_t(s.SourceErrors),
-		buffered_batches: C.int64_t(s.BufferedSteps),
-		buffered_bytes:   C.int64_t(s.BufferedBytes),
-		subscribers:      C.int32_t(s.Subscribers),
-		pub_port:         tcpPort(ep.p.PubAddr()),
-		replay_port:      tcpPort(ep.p.ReplayAddr()),
-	}
-	return fail(eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
+func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
+		}
+		s := ep.p.Stats()
+		v := C.kvp_event_publisher_stats{
+			batches:          C.int64_t(s.Batches),
+			events:           C.int64_t(s.Events),
+			bytes:            C.int64_t(s.Bytes),
+			dropped_sends:    C.int64_t(s.DroppedSends),
+			replay_requests:  C.int64_t(s.ReplayReqs),
+			replay_batches:   C.int64_t(s.ReplayBatches),
+			snapshots:        C.int64_t(s.Snapshots),
+			source_errors:    C.int64_t(s.SourceErrors),
+			buffered_batches: C.int64_t(s.BufferedSteps),
+			buffered_bytes:   C.int64_t(s.BufferedBytes),
+			subscribers:      C.int32_t(s.Subscribers),
+			pub_port:         tcpPort(ep.p.PubAddr()),
+			replay_port:      tcpPort(ep.p.ReplayAddr()),
+		}
+		return eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
 }

@@ -60,6 +60,20 @@ func readAttnPlan(what string, plan *C.kvp_attn_plan) (attn.PrefillPlan, [6]uint
 	}, state, nil
 }
 
+// planRunOf decodes a run's arguments: the caller's kvp_attn_plan and the
+// layer's kvp_paged_prefill_args.
+func planRunOf(what string, plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args) (attn.PrefillPlan, [6]uint64, attn.PagedPrefillArgs, error) {
+	if plan == nil || a == nil {
+		return attn.PrefillPlan{}, [6]uint64{}, attn.PagedPrefillArgs{}, kverr.Errorf(kverr.NullPointer, "%s: plan and args must not be NULL", what)
+	}
+	p, state, err := readAttnPlan(what, plan)
+	if err != nil {
+		return p, state, attn.PagedPrefillArgs{}, err
+	}
+	r, err := pagedPrefillArgsOf(what, a)
+	return p, state, r, err
+}
+
 // pagedPrefillArgsOf decodes the caller's kvp_paged_prefill_args.
 func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args) (attn.PagedPrefillArgs, error) {
 	var c C.kvp_paged_prefill_args
