@@ -189,6 +189,16 @@ func (fz *abiFuzz) id() int64 {
 	return int64(fz.small(8))
 }
 
+// mostlySmall generates values in [0, n) and, 1 in 6, an arbitrary int64.
+func (fz *abiFuzz) mostlySmall(n int) func() int64 {
+	return func() int64 {
+		if fz.r.u8()%6 == 0 {
+			return fz.i64()
+		}
+		return int64(fz.small(n))
+	}
+}
+
 func (fz *abiFuzz) token() int64 { return int64(fz.small(4)) }
 
 // outp is room for an output of n bytes, or NULL (1 in 12).
@@ -323,12 +333,7 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 1, 2:
 		n := fz.small(5)
 		ids := fz.array(n, 8, fz.id)
-		counts := fz.array(n, 4, func() int64 {
-			if fz.r.u8()%6 == 0 {
-				return fz.i64()
-			}
-			return int64(fz.small(12))
-		})
+		counts := fz.array(n, 4, fz.mostlySmall(12))
 		return "kvp_manager_grow", rawManagerGrow(fz.handle(true), ids, counts, fz.count(n))
 	case 3:
 		n := fz.small(5)
@@ -481,12 +486,7 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 29, 30:
 		n := fz.small(5)
 		slots := fz.array(n, 4, func() int64 { return int64(fz.small(6)) - 1 })
-		ctx := fz.array(n, 4, func() int64 {
-			if fz.r.u8()%6 == 0 {
-				return fz.i64()
-			}
-			return int64(fz.small(300))
-		})
+		ctx := fz.array(n, 4, fz.mostlySmall(300))
 		return "kvp_vcache_step", rawVcacheStep(fz.handle(false), slots, ctx, fz.count(n))
 	case 31:
 		return "kvp_vcache_trim", rawVcacheTrim(fz.handle(false))
