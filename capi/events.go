@@ -30,10 +30,6 @@ var (
 	publishers   = map[*kvmanager.Manager]*eventPublisher{}
 )
 
-// maxEndpointLen bounds the C strings of the config, so a string without
-// its terminator is caught before it is read far.
-const maxEndpointLen = 4096
-
 // cString reads a NUL-terminated C string of at most max bytes ("" for
 // NULL); ok is false when no terminator comes within max+1 bytes.
 func cString(p *C.char, max int) (string, bool) {
@@ -75,15 +71,18 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 		p    *C.char
 		name string
 		max  int
-	}{{c.endpoint, "endpoint", maxEndpointLen}, {c.replay_endpoint, "replay_endpoint", maxEndpointLen}, {c.topic, "topic", kvevents.MaxTopicLen}, {c.medium, "medium", 64}} {
+	}{{c.endpoint, "endpoint", kvevents.MaxEndpointLen}, {c.replay_endpoint, "replay_endpoint", kvevents.MaxEndpointLen},
+		{c.topic, "topic", kvevents.MaxTopicLen}, {c.medium, "medium", kvevents.MaxMediumLen}} {
 		s, ok := cString(f.p, f.max)
 		if !ok {
 			return failf(kverr.InvalidArgument, "%s: cfg.%s is longer than %d bytes (or not NUL-terminated)", op, f.name, f.max)
 		}
 		strs[i] = s
 	}
-	if c.flush_interval_us < 0 || c.flush_interval_us > 60_000_000 {
-		return failf(kverr.InvalidArgument, "%s: flush_interval_us must be in [0, 60000000]: got %d", op, int32(c.flush_interval_us))
+	// kvevents checks the interval too (its bound, this one); here the
+	// message names the C field.
+	if maxUS := kvevents.MaxFlushInterval.Microseconds(); c.flush_interval_us < 0 || int64(c.flush_interval_us) > maxUS {
+		return failf(kverr.InvalidArgument, "%s: flush_interval_us must be in [0, %d]: got %d", op, maxUS, int32(c.flush_interval_us))
 	}
 	if c.data_parallel_rank < -1 {
 		return failf(kverr.InvalidArgument, "%s: data_parallel_rank must be >= -1: got %d", op, int32(c.data_parallel_rank))
