@@ -116,6 +116,11 @@ func TestCascadeABIPlanTranslation(t *testing.T) {
 	if err != nil || got != want {
 		t.Fatalf("decoded %+v (%v), want %+v", got, err, want)
 	}
+	for name, w := range planStateWords {
+		if w[0] != w[1] {
+			t.Errorf("%s is %d in the header, word %d in core/cascadeattn", name, w[0], w[1])
+		}
+	}
 
 	// The exports' own refusals.
 	sentinel := hookPlanSentinel()

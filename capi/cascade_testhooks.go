@@ -61,6 +61,17 @@ func sizeofCascadePlanArgs() uintptr { return unsafe.Sizeof(C.kvp_cascade_plan_a
 // firstCascadePlanArgsSize is kvp_cascade_plan_args's first released size.
 func firstCascadePlanArgsSize() uintptr { return cascadePlanArgsStruct.first }
 
+// planStateWords pairs each of the header's plan-state word indices with
+// core/cascadeattn's.
+var planStateWords = map[string][2]int{
+	"KVP_PLAN_STATE_HOST_WORKSPACE":       {C.KVP_PLAN_STATE_HOST_WORKSPACE, cascadeattn.WordHostWorkspace},
+	"KVP_PLAN_STATE_HOST_WORKSPACE_BYTES": {C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES, cascadeattn.WordHostWorkspaceBytes},
+	"KVP_PLAN_STATE_CAPACITY":             {C.KVP_PLAN_STATE_CAPACITY, cascadeattn.WordCapacity},
+	"KVP_PLAN_STATE_GENERATION":           {C.KVP_PLAN_STATE_GENERATION, cascadeattn.WordGeneration},
+	"KVP_PLAN_STATE_SAVED_TOKENS":         {C.KVP_PLAN_STATE_SAVED_TOKENS, cascadeattn.WordSavedTokens},
+	"KVP_PLAN_STATE_TOTAL_TOKENS":         {C.KVP_PLAN_STATE_TOTAL_TOKENS, cascadeattn.WordTotalTokens},
+}
+
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.
 type cascadeHookPlan struct{ p C.kvp_attn_plan }
 

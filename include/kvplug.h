@@ -1043,6 +1043,10 @@ typedef struct kvp_attn_plan {
   uint64_t workspace;
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */
+  /* Plan state, NOT a must-be-zero field (the one `reserved` of this header
+   * that is not): a cascade plan's words KVP_PLAN_STATE_* (the shared-prefix
+   * section), 0 in a prefill plan. kvp_cascade_update and kvp_paged_cascade
+   * read it back: copy it with the plan, never edit it. */
   uint64_t reserved[6];
 } kvp_attn_plan;
 
@@ -1197,15 +1201,18 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * KVP_ATTN_ROUTE_PREFILL; batch; total_q (batch in decode); max_q_len;
  * max_kv_len the longest planned length (tail capacities included);
  * num_items, grid (and num_splits on the prefill route); kv_lens = the
- * device seq_lens; reserved[0] the
- * host workspace's address, reserved[1] its bytes, reserved[2] max_batch |
- * block_size << 32, reserved[3] partial states | plan generation << 32,
- * reserved[4] the KV tokens per kv head the shared reads save this step,
- * reserved[5] the tokens per kv head plain decode would read. f16 and bf16.
- * kvp_cascade_update and kvp_paged_cascade read the host workspace that
- * reserved[0] names: pass plans as kvp_cascade_plan wrote them (copies are
- * fine; an edited address is undefined behaviour, as any bad pointer).
+ * device seq_lens; and the plan state in reserved[KVP_PLAN_STATE_*]: the
+ * words below. f16 and bf16. kvp_cascade_update and kvp_paged_cascade read
+ * the host workspace that reserved[KVP_PLAN_STATE_HOST_WORKSPACE] names:
+ * pass plans as kvp_cascade_plan wrote them (copies are fine; an edited
+ * address is undefined behaviour, as any bad pointer).
  */
+#define KVP_PLAN_STATE_HOST_WORKSPACE 0       /* the host workspace's address */
+#define KVP_PLAN_STATE_HOST_WORKSPACE_BYTES 1 /* its bytes */
+#define KVP_PLAN_STATE_CAPACITY 2     /* max_batch | block_size << 32 */
+#define KVP_PLAN_STATE_GENERATION 3   /* partial states | plan generation << 32 */
+#define KVP_PLAN_STATE_SAVED_TOKENS 4 /* KV tokens per kv head the shared reads save this step */
+#define KVP_PLAN_STATE_TOTAL_TOKENS 5 /* KV tokens per kv head plain decode would read */
 #define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
 #define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
@@ -1330,17 +1337,19 @@ kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * (seq_lens and qo_indptr are not read; qo_indptr_host is, and max_batch
  * and max_tokens default to the batch's sequences and query rows): *plan
  * gets kind, route, batch, total_q, max_q_len, max_kv_len, num_items and
- * reserved[2..5] as a device plan would (the chunking of an H100, 264
- * resident blocks; the route and reserved[4], reserved[5] do not depend on
+ * the plan-state words KVP_PLAN_STATE_CAPACITY to KVP_PLAN_STATE_TOTAL_TOKENS
+ * as a device plan would (the chunking of an H100, 264 resident blocks; the
+ * route and the saved and total tokens do not depend on
  * the device; num_items is 0 on the prefill route, whose work list the
  * device plans), and grid, num_splits, workspace, workspace_bytes,
- * kv_lens, reserved[0] and reserved[1] 0. Such a plan names no workspace:
- * kvp_cascade_update and kvp_paged_cascade refuse it (INVALID_ARGUMENT).
- * Use it to measure a batch's sharing on any machine: shared-prefix
- * attention reads reserved[5] - reserved[4] KV tokens per kv head where
- * plain attention reads reserved[5] (a step on the decode or prefill
+ * kv_lens and the host workspace's words 0. Such a plan names no
+ * workspace: kvp_cascade_update and kvp_paged_cascade refuse it
+ * (INVALID_ARGUMENT). Use it to measure a batch's sharing on any machine:
+ * shared-prefix attention reads total - saved KV tokens per kv head
+ * (reserved[KVP_PLAN_STATE_TOTAL_TOKENS] and [KVP_PLAN_STATE_SAVED_TOKENS])
+ * where plain attention reads total (a step on the decode or prefill
  * route, which the planner takes where its cost model predicts sharing
- * not to pay, reads reserved[5]). With one workspace given, the call is
+ * not to pay, reads total). With one workspace given, the call is
  * kvp_cascade_plan's and fails for the other.
  *
  * On error *plan and the workspaces are left as they were.

@@ -84,27 +84,36 @@ type State struct {
 	TotalTokens        int64 // KV tokens per kv head plain attention reads
 }
 
-// Words packs s into kvp_attn_plan's plan-state words: the host workspace's
-// address and bytes, max_batch | block_size << 32, parts | generation << 32,
-// saved tokens, total tokens (the order the header documents).
+// The plan-state words (kvp_attn_plan.reserved[KVP_PLAN_STATE_*]).
+const (
+	WordHostWorkspace      = 0 // the host workspace's address
+	WordHostWorkspaceBytes = 1
+	WordCapacity           = 2 // max_batch | block_size << 32
+	WordGeneration         = 3 // parts | generation << 32
+	WordSavedTokens        = 4
+	WordTotalTokens        = 5
+)
+
+// Words packs s into kvp_attn_plan's plan-state words.
 func (s *State) Words() [6]uint64 {
-	return [6]uint64{
-		uint64(uintptr(s.HostWorkspace)), s.HostWorkspaceBytes,
-		uint64(uint32(s.MaxBatch)) | uint64(uint32(s.BlockSize))<<32,
-		uint64(uint32(s.Parts)) | uint64(uint32(s.Gen))<<32,
-		uint64(s.SavedTokens), uint64(s.TotalTokens),
-	}
+	var w [6]uint64
+	w[WordHostWorkspace] = uint64(uintptr(s.HostWorkspace))
+	w[WordHostWorkspaceBytes] = s.HostWorkspaceBytes
+	w[WordCapacity] = uint64(uint32(s.MaxBatch)) | uint64(uint32(s.BlockSize))<<32
+	w[WordGeneration] = uint64(uint32(s.Parts)) | uint64(uint32(s.Gen))<<32
+	w[WordSavedTokens], w[WordTotalTokens] = uint64(s.SavedTokens), uint64(s.TotalTokens)
+	return w
 }
 
 // StateOf unpacks plan-state words that Words packed.
 func StateOf(w *[6]uint64) State {
 	return State{
 		// The address word read as a pointer (64-bit targets only).
-		HostWorkspace:      *(*unsafe.Pointer)(unsafe.Pointer(&w[0])),
-		HostWorkspaceBytes: w[1],
-		MaxBatch:           int(uint32(w[2])), BlockSize: int(uint32(w[2] >> 32)),
-		Parts: int(uint32(w[3])), Gen: int32(uint32(w[3] >> 32)),
-		SavedTokens: int64(w[4]), TotalTokens: int64(w[5]),
+		HostWorkspace:      *(*unsafe.Pointer)(unsafe.Pointer(&w[WordHostWorkspace])),
+		HostWorkspaceBytes: w[WordHostWorkspaceBytes],
+		MaxBatch:           int(uint32(w[WordCapacity])), BlockSize: int(uint32(w[WordCapacity] >> 32)),
+		Parts: int(uint32(w[WordGeneration])), Gen: int32(uint32(w[WordGeneration] >> 32)),
+		SavedTokens: int64(w[WordSavedTokens]), TotalTokens: int64(w[WordTotalTokens]),
 	}
 }
 
