@@ -1,7 +1,9 @@
 // Command capi is libkvplug's C ABI: the //export functions declared in
-// include/kvplug.h, built with go build -buildmode=c-shared. It only checks
-// arguments, maps handles to core objects, recovers panics and translates
-// between C and Go; the logic lives in core/.
+// include/kvplug.h, built with go build -buildmode=c-shared. It translates:
+// it decodes the C structs (the struct-evolution rule, must-be-zero fields,
+// NULL pointers, views of the caller's arrays), maps handles to core
+// objects, calls the core, encodes the result and recovers panics. The
+// logic and the bounds (core/limits) live in core/.
 package main
 
 /*

@@ -1,7 +1,7 @@
 // Package attn launches the library's attention kernels (KV write, paged
 // decode with split-KV, merge of attention states) on the engine's device
-// pointers and stream, and holds a CPU reference backend in Go with the same
-// semantics, computed in float64, that tests use as the oracle.
+// pointers and stream. Their float64 oracle, which the tests hold the
+// kernels to, is core/attn/attnref.
 //
 // Layouts follow kernels/kvplug_kernels.h: strides count elements of the
 // tensor's dtype (float32 elements for log-sum-exp arrays), head_dim is
@@ -349,4 +349,16 @@ func SoftmaxScale(scale float32, headDim int) float32 {
 		return float32(1 / math.Sqrt(float64(headDim)))
 	}
 	return scale
+}
+
+func ceilDiv(a, b int) int { return (a + b - 1) / b }
+
+// firstErr is the first non-nil error of a list of checks.
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }

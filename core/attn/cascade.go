@@ -4,7 +4,7 @@ package attn
 // core/cascade wrote into the engine's workspaces: the upload of the plan,
 // and per layer the attention kernel over the plan's work items followed by
 // the merge of each sequence's partial states. The planner lives in
-// core/cascade (which imports this package for its reference); these
+// core/cascade and the plan-to-run path in core/cascadeattn; these
 // launchers take the plan's geometry as plain values.
 
 import (
