@@ -72,16 +72,16 @@ class Case:
         self.q = torch.randn((qo[-1], HQ, D), dtype=dtype, device="cuda", generator=gen)
         self.flops = flops(q_lens, kv_lens)
 
-    def kvplug(self):
+    def kvplug(self, hopper=True):
         ws = torch.empty(attn.prefill_workspace_size(len(self.q_lens), self.q.shape[0], HQ, HK, D),
                          dtype=torch.uint8, device="cuda")
         plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
-                                 qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens)
+                                 qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
         out = torch.empty_like(self.q)
         t0 = time.perf_counter()  # host cost of a plan (checks + one small launch)
         for _ in range(20):
             attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
-                              qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens)
+                              qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
         t_plan = (time.perf_counter() - t0) / 20 * 1e3
         fn = lambda: attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out)  # noqa: E731
         return fn, out, t_plan
@@ -156,13 +156,18 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--max-tokens", type=int, default=16384, help="skip points with batch * new tokens above this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default="", help="B:new:prefix,... instead of the grid (e.g. the issue's eight)")
+    ap.add_argument("--sm80", action="store_true", help="also time the sm_80 kernel (hopper=False) on a Hopper GPU")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
-    try:
-        import flashinfer  # noqa: F401
-        backends = ["fa2"] + ([] if args.no_fa3 else ["fa3"])
-    except Exception as e:  # noqa: BLE001
-        print(f"flashinfer not available: {e}", file=sys.stderr)
-        backends = []
+    backends = []
+    if not args.no_flashinfer:
+        try:
+            import flashinfer  # noqa: F401
+            backends = ["fa2"] + ([] if args.no_fa3 else ["fa3"])
+        except Exception as e:  # noqa: BLE001
+            print(f"flashinfer not available: {e}", file=sys.stderr)
     gen = torch.Generator(device="cuda").manual_seed(0)
     dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
     news = [128, 512, 2048, 8192] if not args.quick else [512, 2048]
@@ -170,22 +175,25 @@ def main():
     batches = [1, 8, 32] if not args.quick else [1, 8]
     results = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
-    hdr = "| dtype | new | prefix | batch | kvplug TFLOP/s | " + " | ".join(f"{b} TFLOP/s | kvplug/{b}" for b in backends) + " | SDPA TFLOP/s | kvplug/SDPA |"
+    shapes = [tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t]
+    hdr = "| dtype | new | prefix | batch | kvplug TFLOP/s | " + ("kvplug sm80 TFLOP/s | sm90/sm80 | " if args.sm80 else "") + " | ".join(f"{b} TFLOP/s | kvplug/{b}" for b in backends) + " | SDPA TFLOP/s | kvplug/SDPA |"
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for dn in args.dtypes.split(","):
         dt = dts[dn]
-        for new in news:
-            for pre in prefixes:
-                for B in batches:
-                    if B * new > args.max_tokens:
-                        continue
+        grid = shapes or [(B, new, pre) for new in news for pre in prefixes for B in batches if B * new <= args.max_tokens]
+        for B, new, pre in grid:
                     c = Case(dt, [new] * B, [pre + new] * B, gen)
                     fn, out, t_plan = c.kvplug()
                     t = timed(fn)
                     r = {"dtype": dn, "new": new, "prefix": pre, "batch": B, "kvplug_ms": t, "plan_ms": t_plan,
                          "flops": c.flops}
                     row = f"| {dn} | {new} | {pre} | {B} | {c.flops / t / 1e9:.0f} |"
+                    if args.sm80:
+                        f8, o8, _ = c.kvplug(hopper=False)
+                        t8 = timed(f8)
+                        r["sm80_ms"], r["sm80_err"] = t8, rel(out, o8)
+                        row += f" {c.flops / t8 / 1e9:.0f} | {t8 / t:.2f} |"
                     for be in backends:
                         try:
                             f2, o2 = c.flashinfer(be)
@@ -197,6 +205,8 @@ def main():
                             r[be + "_error"] = repr(e)[:300]
                             row += " err | - |"
                     try:
+                        if args.no_sdpa:
+                            raise RuntimeError("not asked for")
                         f3, conv = c.sdpa()
                         t3 = timed(f3)
                         r["sdpa_ms"] = t3

@@ -225,15 +225,16 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	if err != nil {
 		return fail(err)
 	}
-	return fail(writeAttnPlan(plan, &p, [6]uint64{}))
+	return fail(writeAttnPlan(plan, &p, p.PlanState()))
 }
 
 //export kvp_paged_prefill
 func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
-	p, _, r, err := planRunOf("kvp_paged_prefill", plan, a)
+	p, state, r, err := planRunOf("kvp_paged_prefill", plan, a)
 	if err != nil {
 		return fail(err)
 	}
+	p.SetPlanState(&state)
 	return fail(attn.PagedPrefill(&p, &r, cuda.Stream(stream)))
 }

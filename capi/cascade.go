@@ -71,14 +71,16 @@ func cascadePlanArgsOf(what string, ca *C.kvp_cascade_plan_args, plan *C.kvp_att
 
 // writeCascadePlan encodes a cascade plan into the caller's kvp_attn_plan.
 func writeCascadePlan(plan *C.kvp_attn_plan, p *cascadeattn.Plan) error {
-	return writeAttnPlan(plan, &p.PrefillPlan, p.Words())
+	return writeAttnPlan(plan, &p.PrefillPlan, p.PlanState())
 }
 
 // readCascadePlan decodes a kvp_attn_plan into a cascade plan (its kind and
 // state are cascadeattn's to check).
 func readCascadePlan(what string, plan *C.kvp_attn_plan) (cascadeattn.Plan, error) {
-	pp, words, err := readAttnPlan(what, plan)
-	return cascadeattn.Plan{PrefillPlan: pp, State: cascadeattn.StateOf(&words)}, err
+	pp, state, err := readAttnPlan(what, plan)
+	p := cascadeattn.Plan{PrefillPlan: pp}
+	p.SetPlanState(&state)
+	return p, err
 }
 
 //export kvp_cascade_plan
@@ -128,6 +130,7 @@ func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, strea
 	if err != nil {
 		return fail(err)
 	}
-	p := cascadeattn.Plan{PrefillPlan: pp, State: cascadeattn.StateOf(&state)}
+	p := cascadeattn.Plan{PrefillPlan: pp}
+	p.SetPlanState(&state)
 	return fail(cascadeattn.Run(&p, &r, cuda.Stream(stream)))
 }

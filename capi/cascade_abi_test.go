@@ -122,6 +122,14 @@ func TestCascadeABIPlanTranslation(t *testing.T) {
 		}
 	}
 
+	// A prefill plan's state is its mainloop.
+	pp := want.PrefillPlan
+	pp.Kind, pp.Mainloop = attn.KindPrefill, attn.MainloopSM90
+	words, back, err := hookPrefillPlanRoundTrip(&pp)
+	if err != nil || back != pp || words != [6]uint64{attn.MainloopSM90} {
+		t.Fatalf("prefill plan: words %v, read back %+v (%v), want %+v", words, back, err, pp)
+	}
+
 	// The exports' own refusals.
 	sentinel := hookPlanSentinel()
 	expect(t, "run with reserved set", hookPagedCascade(sentinel, 16, 64, 1), kverr.InvalidArgument)

@@ -11,6 +11,7 @@ import "C"
 import (
 	"unsafe"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascadeattn"
 	"github.com/kvplug/kvplug/core/kvmanager"
 )
@@ -62,7 +63,8 @@ func sizeofCascadePlanArgs() uintptr { return unsafe.Sizeof(C.kvp_cascade_plan_a
 func firstCascadePlanArgsSize() uintptr { return cascadePlanArgsStruct.first }
 
 // planStateWords pairs each of the header's plan-state word indices with
-// core/cascadeattn's.
+// the core's (core/cascadeattn's of a cascade plan, core/attn's of a
+// prefill plan).
 var planStateWords = map[string][2]int{
 	"KVP_PLAN_STATE_HOST_WORKSPACE":       {C.KVP_PLAN_STATE_HOST_WORKSPACE, cascadeattn.WordHostWorkspace},
 	"KVP_PLAN_STATE_HOST_WORKSPACE_BYTES": {C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES, cascadeattn.WordHostWorkspaceBytes},
@@ -70,6 +72,7 @@ var planStateWords = map[string][2]int{
 	"KVP_PLAN_STATE_GENERATION":           {C.KVP_PLAN_STATE_GENERATION, cascadeattn.WordGeneration},
 	"KVP_PLAN_STATE_SAVED_TOKENS":         {C.KVP_PLAN_STATE_SAVED_TOKENS, cascadeattn.WordSavedTokens},
 	"KVP_PLAN_STATE_TOTAL_TOKENS":         {C.KVP_PLAN_STATE_TOTAL_TOKENS, cascadeattn.WordTotalTokens},
+	"KVP_PLAN_STATE_MAINLOOP":             {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
 }
 
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.
@@ -93,6 +96,24 @@ func hookPlanStruct(p *cascadeattn.Plan) (*cascadeHookPlan, abiStatus) {
 	h := &cascadeHookPlan{}
 	h.p.struct_size = C.size_t(unsafe.Sizeof(h.p))
 	return h, abiStatus(fail(writeCascadePlan(&h.p, p)))
+}
+
+// hookPrefillPlanRoundTrip writes prefill plan p into a kvp_attn_plan and
+// reads it back, as kvp_prefill_plan and kvp_paged_prefill do; it returns
+// the struct's plan-state words and the plan read back.
+func hookPrefillPlanRoundTrip(p *attn.PrefillPlan) ([6]uint64, attn.PrefillPlan, error) {
+	var c C.kvp_attn_plan
+	c.struct_size = C.size_t(unsafe.Sizeof(c))
+	if err := writeAttnPlan(&c, p, p.PlanState()); err != nil {
+		return [6]uint64{}, attn.PrefillPlan{}, err
+	}
+	var words [6]uint64
+	for i, w := range c.reserved {
+		words[i] = uint64(w)
+	}
+	back, state, err := readAttnPlan("test", &c)
+	back.SetPlanState(&state)
+	return words, back, err
 }
 
 // plan is the core plan the struct holds, as the run and update exports read it.

@@ -998,6 +998,10 @@ typedef struct kvp_merge_states_args {
 #define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
+#define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
+/* A prefill plan's plan-state word: the prefill kernel it was planned for
+ * (0: sm_80, 1: Hopper's sm_90a). */
+#define KVP_PLAN_STATE_MAINLOOP 0
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */
@@ -1007,7 +1011,7 @@ typedef struct kvp_prefill_plan_args {
   int32_t num_kv_heads; /* divides num_q_heads */
   int32_t batch;        /* sequences, in [0, 65535] */
   int32_t window_size;  /* 0 (default): no window; w > 0: tokens [pos - w + 1, pos] */
-  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV */
+  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV | KVP_PREFILL_NO_HOPPER */
   int32_t reserved;     /* must be 0 */
   const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
   const int32_t *kv_lens_host;   /* host [batch]: kv_lens[b] >= q_len_b */
@@ -1044,9 +1048,10 @@ typedef struct kvp_attn_plan {
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */
   /* Plan state, NOT a must-be-zero field (the one `reserved` of this header
-   * that is not): a cascade plan's words KVP_PLAN_STATE_* (the shared-prefix
-   * section), 0 in a prefill plan. kvp_cascade_update and kvp_paged_cascade
-   * read it back: copy it with the plan, never edit it. */
+   * that is not): the words KVP_PLAN_STATE_*, which the plan's kind gives
+   * (a prefill plan's mainloop below; a cascade plan's, the shared-prefix
+   * section). The calls that take the plan read it back: copy it with the
+   * plan, never edit it. */
   uint64_t reserved[6];
 } kvp_attn_plan;
 

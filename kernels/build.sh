@@ -92,7 +92,7 @@ start=$SECONDS
     -gencode=arch=compute_80,code=sm_80 \
     -gencode=arch=compute_86,code=sm_86 \
     -gencode=arch=compute_89,code=sm_89 \
-    -gencode=arch=compute_90,code=sm_90 \
+    -gencode=arch=compute_90a,code=sm_90a \
     -gencode=arch=compute_90,code=compute_90 \
     ${KVP_NVCC_FLAGS:-} "${extra[@]}" \
     -o "$tmp" "$here/kvplug_kernels.cu" || fail "nvcc failed to compile kernels/kvplug_kernels.cu (errors above)"

@@ -91,6 +91,24 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 
+// Hopper prefill (kvp_prefill_sm90.cuh): real code only in the sm_90a pass.
+#include "kvp_prefill_sm90.cuh"
+
+#define KVP_PREFILL_SM90_INSTANTIATE(DT, T, D)                                                 \
+    static_assert(kvp::Sm90Cfg<T, D>::SMEM == 0 + 1024 + 2 * 128 * D + 8 * kvp::Sm90Cfg<T, D>::TN * D + \
+                      16 * kvp::Sm90Cfg<T, D>::TN + 128, "kvp_prefill_sm90_smem_bytes");             \
+    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
+        kvp_paged_prefill_sm90_##DT##_h##D(const kvp_prefill_params p) {                       \
+        kvp::paged_prefill_sm90<T, D>(p);                                                      \
+    }
+
+KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 64)
+KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 128)
+KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 256)
+KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 64)
+KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 128)
+KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 256)
+
 // The plan kernel depends on neither dtype nor head_dim.
 extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
     kvp::prefill_plan(p);

@@ -337,6 +337,27 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
            stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
 }
 
+/* 4a. The same run on Hopper (sm_90a only; compute capability 9.0):
+ *  kvp_paged_prefill_sm90_<dt>_h<D>, <dt> in {f16, bf16}: the same params
+ *  struct, work list and outputs, planned with tile_q = KVP_PREFILL_SM90_TILE_Q;
+ *  block (KVP_PREFILL_SM90_THREADS,1,1) (one producer and two consumer
+ *  warpgroups), any grid (one block per SM is what fits), dynamic smem
+ *  kvp_prefill_sm90_smem_bytes(dt, D). Split-KV runs are cut in tiles of
+ *  kvp_prefill_sm90_tile_kv(D) tokens. On other devices the kernel is empty:
+ *  the launcher picks it only on compute capability 9.0. */
+#define KVP_PREFILL_SM90_THREADS 384
+#define KVP_PREFILL_SM90_TILE_Q 128
+
+static inline int32_t kvp_prefill_sm90_tile_kv(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+
+/* 1024 (alignment) + tile_q * D * bytes (queries) + 2 stages * 2 * tile_kv * D * bytes
+ * (K and V) + 2 * tile_kv * 8 (row offsets) + 128 (barriers and flags):
+ * f16/bf16 h64: 83072, h128: 167040, h256: 198784. */
+static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim) {
+    uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim, e = (uint32_t)dtype_bytes;
+    return 1024u + KVP_PREFILL_SM90_TILE_Q * d * e + 2u * 2u * tn * d * e + 2u * tn * 8u + 128u;
+}
+
 /* ------------------------------------------------------------------------
  * 5. Shared-prefix (cascade) attention, decode or varlen prefill, over a
  *    host-written plan (core/cascade). q/out [total_q, num_q_heads,

@@ -96,3 +96,22 @@ func TestPlanAndWorkspace(t *testing.T) {
 		t.Errorf("head_dim 80: %v", err)
 	}
 }
+
+// A prefill plan's state words hold its mainloop; a word no plan holds is
+// clamped into a value the run's check refuses, never wrapped into a valid
+// one.
+func TestPrefillPlanState(t *testing.T) {
+	p := PrefillPlan{Mainloop: MainloopSM90}
+	w := p.PlanState()
+	if w != [6]uint64{MainloopSM90} {
+		t.Fatalf("words %v", w)
+	}
+	var q PrefillPlan
+	if q.SetPlanState(&w); q.Mainloop != MainloopSM90 {
+		t.Fatalf("mainloop %d", q.Mainloop)
+	}
+	w[WordMainloop] = 1<<32 + MainloopSM90
+	if q.SetPlanState(&w); q.Mainloop != 1<<16 {
+		t.Fatalf("mainloop %d from word %#x", q.Mainloop, w[WordMainloop])
+	}
+}

@@ -14,6 +14,7 @@ var image = cuda.NewImage("kvplug", kernels.Fatbin)
 // kernelSet is the kernels of one (dtype, head_dim) instantiation.
 type kernelSet struct {
 	write, decode, combine, merge, prefill *cuda.Kernel
+	prefillSM90                            *cuda.Kernel // nil for f32
 }
 
 // prefillPlanKernel writes a prefill plan's work list (one kernel for every
@@ -33,6 +34,9 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 				combine: image.Kernel("kvp_paged_decode_combine" + suffix),
 				merge:   image.Kernel("kvp_merge_states" + suffix),
 				prefill: image.Kernel("kvp_paged_prefill" + suffix),
+			}
+			if d.Size() == 2 {
+				t[di][hi].prefillSM90 = image.Kernel("kvp_paged_prefill_sm90" + suffix)
 			}
 		}
 	}

@@ -30,6 +30,9 @@ const (
 const (
 	PrefillNoDecodeRoute = 1
 	PrefillNoSplitKV     = 2
+	// PrefillNoHopper keeps a plan on the sm_80 mainloop on a Hopper GPU
+	// (for comparisons and as a way around a fault in the Hopper one).
+	PrefillNoHopper = 4
 	// prefillMaxSplits bounds split-KV of the prefill route (the merge
 	// kernel's KVP_MERGE_MAX_STATES).
 	prefillMaxSplits = maxMergeStates
@@ -38,9 +41,20 @@ const (
 	prefillSplitTokens = 256
 )
 
+// Prefill mainloops: which kernel runs a plan's prefill route.
+const (
+	// MainloopSM80: mma.sync tiles of 64 packed rows, every supported device.
+	MainloopSM80 = 0
+	// MainloopSM90: the warp-specialized wgmma kernel (tiles of 128 packed
+	// rows), on compute capability 9.0 for 16-bit types.
+	MainloopSM90 = 1
+)
+
 // Launch constants of kvplug_kernels.h, section 4.
 const (
 	prefillThreads     = 128  // KVP_PREFILL_THREADS
+	prefillSM90Threads = 384  // KVP_PREFILL_SM90_THREADS
+	prefillSM90TileQ   = 128  // KVP_PREFILL_SM90_TILE_Q
 	prefillPlanThreads = 1024 // KVP_PREFILL_PLAN_THREADS
 	prefillTileQF32    = 64   // KVP_PREFILL_TILE_Q_F32
 	prefillTileQMin    = 64   // the smallest tile of any kernel: workspace bounds use it
@@ -99,6 +113,51 @@ func prefillTileQ(d DType, headDim int) int {
 		return prefillTileQF32
 	}
 	return 64
+}
+
+// prefillSM90SharedBytes is kvp_prefill_sm90_smem_bytes.
+func prefillSM90SharedBytes(d DType, headDim int) uint32 {
+	tn := uint32(128)
+	if headDim > 128 {
+		tn = 64
+	}
+	D, e := uint32(headDim), uint32(d.Size())
+	return 1024 + prefillSM90TileQ*D*e + 2*2*tn*D*e + 2*tn*8 + 128
+}
+
+// prefillMainloop picks the kernel of a plan's prefill route on dev: the
+// Hopper one where it runs (compute capability 9.0 exactly: its sm_90a code
+// runs nowhere else; 16-bit types; enough shared memory) unless the flags
+// keep the sm_80 one.
+func prefillMainloop(dev cuda.Device, d DType, headDim, flags int) int {
+	if d.Size() == 2 && dev.Major == 9 && dev.Minor == 0 && flags&PrefillNoHopper == 0 &&
+		uint32(dev.SharedPerBlockOptin) >= prefillSM90SharedBytes(d, headDim) {
+		return MainloopSM90
+	}
+	return MainloopSM80
+}
+
+// DefaultPrefillMainloop is the mainloop PlanPrefill picks without flags on
+// the calling thread's current device (MainloopSM80 where none is usable):
+// what a plan that records no mainloop of its own (the shared-prefix
+// planner's prefill route) was planned for.
+func DefaultPrefillMainloop(d DType, headDim int) int {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := module("prefill")
+	if err != nil {
+		return MainloopSM80
+	}
+	return prefillMainloop(m.Device(), d, headDim, 0)
+}
+
+// countItems is the work items of a batch in tiles of tile packed rows.
+func countItems(qoIndptr []int32, group, tile int64) int64 {
+	var n int64
+	for b := 0; b+1 < len(qoIndptr); b++ {
+		n += ((int64(qoIndptr[b+1])-int64(qoIndptr[b]))*group + tile - 1) / tile
+	}
+	return n
 }
 
 // prefillSharedBytes is kvp_prefill_smem_bytes.
@@ -283,6 +342,7 @@ type PrefillPlan struct {
 	PrefillShape
 	Batch, TotalQ, MaxQLen, MaxKVLen int
 	NumItems, Grid, NumSplits        int
+	Mainloop                         int // MainloopSM80 or MainloopSM90
 	Workspace                        cuda.DevicePtr
 	WorkspaceBytes                   int64
 	KVLens                           cuda.DevicePtr
@@ -298,7 +358,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	if err := a.PrefillShape.validate(what); err != nil {
 		return p, err
 	}
-	if a.Flags&^(PrefillNoDecodeRoute|PrefillNoSplitKV) != 0 {
+	if a.Flags&^(PrefillNoDecodeRoute|PrefillNoSplitKV|PrefillNoHopper) != 0 {
 		return p, kverr.Errorf(kverr.InvalidArgument, "%s: unknown flags %#x", what, a.Flags)
 	}
 	if a.WorkspaceBytes < 0 {
@@ -351,6 +411,14 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		return p, nil
 	}
 	p.Grid = sms * prefillBlocksPerSM(a.DType, a.HeadDim)
+	tileQ := prefillTileQ(a.DType, a.HeadDim)
+	if p.Mainloop = prefillMainloop(m.Device(), a.DType, a.HeadDim, a.Flags); p.Mainloop == MainloopSM90 {
+		// One block per SM fits; items of 128 rows are fewer than the
+		// workspace (sized for 64-row items) holds.
+		p.Grid, tileQ = sms, prefillSM90TileQ
+		st.items = countItems(a.QOIndptr, int64(a.NumQHeads/a.NumKVHeads), int64(tileQ))
+		p.NumItems = int(st.items)
+	}
 	if batch == 0 {
 		return p, nil
 	}
@@ -361,7 +429,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	pp := prefillPlanParams{
 		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
 		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
-		MaxItems: int32(p.NumItems), TileQ: int32(prefillTileQ(a.DType, a.HeadDim)), NumSplits: int32(p.NumSplits),
+		MaxItems: int32(p.NumItems), TileQ: int32(tileQ), NumSplits: int32(p.NumSplits),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
@@ -406,6 +474,7 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 		inRange(what+": plan num_items", p.NumItems, 0, maxPrefillTokens),
 		inRange(what+": plan grid", p.Grid, 0, 1<<20),
 		inRange(what+": plan num_splits", p.NumSplits, 1, MaxSplits),
+		inRange(what+": plan mainloop", p.Mainloop, MainloopSM80, MainloopSM90),
 		inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1),
 		inRange(what+": block_size", l.BlockSize, 1, 1<<20),
 		inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30),
@@ -544,7 +613,15 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		Block:  cuda.Dim3{X: prefillThreads, Y: 1, Z: 1},
 		Shared: prefillSharedBytes(p.DType, p.HeadDim),
 	}
-	if err := cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).prefill, cfg, stream, &pp); err != nil || S == 1 {
+	kernel := kernelsFor(p.DType, p.HeadDim).prefill
+	if p.Mainloop == MainloopSM90 {
+		if prefillMainloop(m.Device(), p.DType, p.HeadDim, 0) != MainloopSM90 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for the Hopper mainloop, which this device (compute capability %d.%d) does not run: plan on this device", what, m.Device().Major, m.Device().Minor)
+		}
+		cfg.Block.X, cfg.Shared = prefillSM90Threads, prefillSM90SharedBytes(p.DType, p.HeadDim)
+		kernel = kernelsFor(p.DType, p.HeadDim).prefillSM90
+	}
+	if err := cuda.Launch(m, kernel, cfg, stream, &pp); err != nil || S == 1 {
 		return err
 	}
 	// The splits' partial states are merged into out and lse.

@@ -72,7 +72,7 @@ type Plan struct {
 // where its host workspace is, the capacity and block size it was planned
 // for, its generation in the workspaces (a later plan makes it stale) and
 // the sharing it found. kvp_attn_plan holds it in its six plan-state words
-// (Words).
+// (PlanState).
 type State struct {
 	HostWorkspace      unsafe.Pointer
 	HostWorkspaceBytes uint64
@@ -94,8 +94,14 @@ const (
 	WordTotalTokens        = 5
 )
 
-// Words packs s into kvp_attn_plan's plan-state words.
-func (s *State) Words() [6]uint64 {
+// PlanState packs p's State into kvp_attn_plan's plan-state words (a
+// cascade plan's words, not the prefill plan's it embeds).
+func (p *Plan) PlanState() [6]uint64 { return p.State.words() }
+
+// SetPlanState unpacks plan-state words that PlanState packed.
+func (p *Plan) SetPlanState(w *[6]uint64) { p.State = stateOf(w) }
+
+func (s *State) words() [6]uint64 {
 	var w [6]uint64
 	w[WordHostWorkspace] = uint64(uintptr(s.HostWorkspace))
 	w[WordHostWorkspaceBytes] = s.HostWorkspaceBytes
@@ -105,8 +111,7 @@ func (s *State) Words() [6]uint64 {
 	return w
 }
 
-// StateOf unpacks plan-state words that Words packed.
-func StateOf(w *[6]uint64) State {
+func stateOf(w *[6]uint64) State {
 	return State{
 		// The address word read as a pointer (64-bit targets only).
 		HostWorkspace:      *(*unsafe.Pointer)(unsafe.Pointer(&w[WordHostWorkspace])),

@@ -292,13 +292,15 @@ func TestStateWords(t *testing.T) {
 	ws := make([]int32, 4)
 	s := State{HostWorkspace: unsafe.Pointer(&ws[0]), HostWorkspaceBytes: 16, MaxBatch: 65535, BlockSize: 32,
 		Parts: 9, Gen: -2, SavedTokens: 1 << 40, TotalTokens: 3}
-	w := s.Words()
+	p := Plan{State: s}
+	w := p.PlanState()
 	if w[0] != uint64(uintptr(unsafe.Pointer(&ws[0]))) || w[1] != 16 || w[2] != 65535|32<<32 || w[3] != 9|uint64(uint32(0xfffffffe))<<32 ||
 		w[4] != 1<<40 || w[5] != 3 {
 		t.Fatalf("words %#x", w)
 	}
-	if got := StateOf(&w); got != s {
-		t.Fatalf("state %+v, want %+v", got, s)
+	var q Plan
+	if q.SetPlanState(&w); q.State != s {
+		t.Fatalf("state %+v, want %+v", q.State, s)
 	}
 }
 

@@ -105,6 +105,8 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 		pp := attn.PrefillPlan{Kind: attn.KindPrefill, Route: attn.RoutePrefill, PrefillShape: sh,
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits,
+			// The plan records no mainloop: it was planned for this device's.
+			Mainloop:  attn.DefaultPrefillMainloop(p.DType, p.HeadDim),
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
 		return attn.PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:

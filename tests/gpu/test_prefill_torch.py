@@ -24,6 +24,21 @@ from kvplug import attn  # noqa: E402
 
 DEV = torch.device("cuda")
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+HOPPER_DEVICE = torch.cuda.get_device_capability() == (9, 0)
+
+# Every test runs on both prefill kernels: the Hopper (sm_90a) one, which the
+# plan picks on compute capability 9.0, and the sm_80 one (hopper=False; the
+# only one elsewhere).
+MAINLOOP = {"hopper": True}
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["hopper", "sm80"])
+def mainloop(request):
+    if request.param and not HOPPER_DEVICE:
+        pytest.skip("the Hopper kernel needs compute capability 9.0")
+    MAINLOOP["hopper"] = request.param
+    yield request.param
+    MAINLOOP["hopper"] = True
 
 
 def rel_err(got, want):
@@ -77,8 +92,13 @@ class Batch:
                               dtype=torch.uint8, device=DEV)
 
     def plan(self, **kw):
-        return attn.prefill_plan(self.qo, self.kvl, self.qh, self.kvh, self.D, self.dtype, self.ws,
-                                 window_left=self.window, qo_indptr_host=self.qo.cpu(), kv_lens_host=self.kv_lens, **kw)
+        kw.setdefault("hopper", MAINLOOP["hopper"])
+        p = attn.prefill_plan(self.qo, self.kvl, self.qh, self.kvh, self.D, self.dtype, self.ws,
+                              window_left=self.window, qo_indptr_host=self.qo.cpu(), kv_lens_host=self.kv_lens, **kw)
+        if p.route == attn.ROUTE_PREFILL:
+            want = attn.MAINLOOP_SM90 if kw["hopper"] and HOPPER_DEVICE and self.dtype != torch.float32 else attn.MAINLOOP_SM80
+            assert p.mainloop == want, p
+        return p
 
     def run(self, plan, scale=None):
         out = torch.full_like(self.q, float("nan"))
@@ -197,6 +217,20 @@ def test_decode_route_and_forced_prefill():
     plan = b.plan(decode_route=False)
     assert plan.route == attn.ROUTE_PREFILL
     b.check(plan)
+
+
+# The benchmark's shapes (bench/prefill_bench.py): B, new tokens, cached prefix;
+# 32 q / 8 kv heads, d 128, block size 16.
+BENCH_SHAPES = [(1, 2048, 0), (8, 2048, 0), (1, 8192, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192),
+                (32, 512, 2048), (1, 2048, 8192)]
+
+
+@pytest.mark.parametrize("B,new,prefix", BENCH_SHAPES)
+def test_benchmark_shapes(B, new, prefix):
+    gen = torch.Generator().manual_seed(B * 7 + new + prefix)
+    dtype = torch.float16 if (B + new) % 2 else torch.bfloat16
+    b = Batch(gen, dtype, 128, 32, 8, 16, [prefix + new] * B, [new] * B)
+    b.check(b.plan())
 
 
 def test_scale_and_empty_batch():

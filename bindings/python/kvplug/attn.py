@@ -500,6 +500,7 @@ class _PagedPrefillArgs(ctypes.Structure):
 
 
 ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
+MAINLOOP_SM80, MAINLOOP_SM90 = 0, 1  # kvp_attn_plan.reserved[0] of a prefill plan: the kernel of its prefill route
 
 
 def prefill_workspace_size(max_batch: int, max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -573,11 +574,17 @@ class PrefillPlan(_Plan):
     def num_splits(self) -> int:
         return int(self._c.num_splits)
 
+    @property
+    def mainloop(self) -> int:
+        """The prefill route's kernel: MAINLOOP_SM80 or MAINLOOP_SM90 (Hopper)."""
+        return int(self._c.reserved[0])
+
     def __repr__(self) -> str:
         c = self._c
         route = {ROUTE_PREFILL: "prefill", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
         return (f"PrefillPlan(route={route}, batch={c.batch}, total_q={c.total_q}, max_q_len={c.max_q_len}, "
-                f"max_kv_len={c.max_kv_len}, items={c.num_items}, grid={c.grid}, splits={c.num_splits})")
+                f"max_kv_len={c.max_kv_len}, items={c.num_items}, grid={c.grid}, splits={c.num_splits}, "
+                f"mainloop={'sm90' if self.mainloop == MAINLOOP_SM90 else 'sm80'})")
 
 
 def prefill_plan(
@@ -594,6 +601,7 @@ def prefill_plan(
     decode_route: bool = True,
     split_kv: bool = True,
     stream: Any = None,
+    hopper: bool = True,
 ) -> PrefillPlan:
     """Plans a varlen batch once per step: qo_indptr (int32 [batch+1], from
     0, non-decreasing) and kv_lens (int32 [batch], each >= its q_len, the new
@@ -604,7 +612,8 @@ def prefill_plan(
     [pos - w, pos] (the C field window_size is w + 1).
     decode_route=False keeps one-token batches on the prefill kernel;
     split_kv=False keeps every plan at one split (both: one captured graph
-    serves any batch composition)."""
+    serves any batch composition). hopper=False keeps a Hopper GPU on the
+    sm_80 kernel (plan.mainloop says which one a plan runs)."""
     torch = _torch()
     dev = workspace.device
     _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
@@ -625,7 +634,7 @@ def prefill_plan(
     kv_h = _host_i32(kv_lens if kv_lens_host is None else kv_lens_host, batch, "kv_lens_host")
     a = _PrefillPlanArgs(
         ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left + 1,
-        (0 if decode_route else 1) | (0 if split_kv else 2), 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
+        (0 if decode_route else 1) | (0 if split_kv else 2) | (0 if hopper else 4), 0, qo_h, kv_h, qo_indptr.data_ptr(), kv_lens.data_ptr(),
         workspace.data_ptr(), workspace.numel() * workspace.element_size(),
     )
     plan = _AttnPlan()

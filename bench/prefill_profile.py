@@ -1,0 +1,40 @@
+"""One paged prefill launch per system, for Nsight Compute (ncu) to profile: kvplug's
+kernel (the Hopper one on an H100, or the sm_80 one with --sm80) and FlashInfer's fa3 or
+fa2 on the same batch (32 q / 8 kv heads, d 128, block 16, fp16). Each runs twice (a
+warm-up, then the launch to profile with --launch-skip 1 --launch-count 1).
+
+    ncu --target-processes all -k regex:kvp_paged_prefill --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats python3 bench/prefill_profile.py kvplug
+    ncu ... -k regex:Prefill python3 bench/prefill_profile.py fa3
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_bench import Case  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("system", choices=["kvplug", "sm80", "fa3", "fa2"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new", type=int, default=2048)
+    ap.add_argument("--prefix", type=int, default=8192)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    c = Case(torch.float16, [args.new] * args.batch, [args.prefix + args.new] * args.batch, gen)
+    if args.system in ("kvplug", "sm80"):
+        fn, _, _ = c.kvplug(hopper=args.system == "kvplug")
+    else:
+        fn, _ = c.flashinfer(args.system)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+// Paged prefill / extend attention on Hopper (sm_90a): the same work list, items
+// and outputs as kvp_prefill.cuh, on a warp-specialized wgmma mainloop.
+//
+// A block is three warpgroups over a persistent grid that strides over
+// (item, kv head) pairs like the sm_80 kernel:
+//   - warpgroup 0, the producer (setmaxnreg down to 40 registers), gathers the
+//     item's query rows and then its K/V tiles from the paged cache into shared
+//     memory with cp.async (any block size: each token's row is looked up in
+//     the block table once per tile), STAGES tiles deep, signalling each full
+//     stage on an mbarrier;
+//   - warpgroups 1 and 2, the consumers (setmaxnreg up to 232), each own 64 of
+//     the item's 128 packed rows: S = Q K^T with wgmma from shared memory,
+//     masking only on tiles that need it, online softmax in registers, then
+//     O += P V with P from registers, and release the stage to the producer.
+// Shared-memory tiles are stored in 128-byte rows with the 128-byte swizzle
+// (16-byte chunk c of row r at chunk c ^ (r % 8)) that wgmma's descriptors
+// name, so the producer's 16-byte copies and the tensor cores' reads are both
+// free of bank conflicts. Every size in bytes is derived from sizeof(T): an
+// 8-bit cache changes the element count per 128-byte row, not the layout.
+#pragma once
+
+#include "kvp_prefill.cuh"
+#include "kvp_wgmma.cuh"
+
+namespace kvp {
+
+template <typename T, int D>
+struct Sm90Cfg {
+    static constexpr int TQ = KVP_PREFILL_SM90_TILE_Q;  // packed rows per item: 2 consumers x 64
+    static constexpr int TN = D <= 128 ? 128 : 64;      // tokens per K/V tile
+    static constexpr int STAGES = 2;
+    static constexpr int ROW = 128;                          // bytes per swizzled row
+    static constexpr int EPR = ROW / (int)sizeof(T);         // elements per 128-byte row
+    static constexpr int CB = D / EPR;                       // 128-byte column blocks of a head row
+    static constexpr int CPR = D * (int)sizeof(T) / 16;      // 16-byte chunks of a head row
+    static constexpr int KSTEPS = D / 16;                    // k16 steps of Q K^T
+    static constexpr int Q_BYTES = TQ * D * (int)sizeof(T);
+    static constexpr int KV_BYTES = TN * D * (int)sizeof(T);  // one K or one V tile
+    static constexpr int OFF_BYTES = STAGES * TN * 8;
+    static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2) and per-stage flags
+    static_assert(8 * (4 * STAGES + 2) + 4 * STAGES <= BAR_BYTES, "barrier space");
+    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + OFF_BYTES + BAR_BYTES;
+    static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
+};
+
+// ---- PTX wrappers (sm_90) ----------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on bar when every cp.async this thread issued before has landed
+// (the barrier's expected count includes these arrivals).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barriers 2 and 3 of the two consumer warpgroups (256 threads each:
+// one warpgroup syncs, the other arrives); 0 is __syncthreads, 1 the producer's.
+__device__ __forceinline__ void turn_wait(int c) {
+    if (c == 0)
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    else
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+}
+__device__ __forceinline__ void turn_pass(int c) {  // hands the turn to the other warpgroup
+    if (c == 0)
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    else
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    uint32_t done = 0;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// Writes by the generic proxy (cp.async, st.shared) become visible to wgmma's
+// reads (the async proxy) only after this fence in the writing thread.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// Keeps the compiler from moving accesses of accumulator registers across the
+// asynchronous wgmma that owns them.
+template <int N>
+__device__ __forceinline__ void pin_regs(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle. K-major operands (Q, K):
+// 8-row groups 1024 bytes apart (sbo), lbo unused. MN-major (V): lbo = bytes
+// between 128-byte column blocks, sbo = bytes between 8-token groups.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {  // byte offset in a [rows][128 B] block
+    return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The K/V tiles [t0, t1) (of TN tokens) that split `split` takes of an item's
+// visible range, as split_tiles does with 64-token tiles.
+template <int TN>
+__device__ __forceinline__ void split_tiles_n(const PrefillSpan& s, int split, int splits, int& t0, int& t1) {
+    const int b = s.kv_begin / TN;
+    const int n = s.kv_end > s.kv_begin ? (s.kv_end + TN - 1) / TN - b : 0;
+    const int per = (n + splits - 1) / splits;
+    t0 = min(b + n, b + split * per);
+    t1 = min(b + n, t0 + per);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = Sm90Cfg<T, D>;
+    constexpr int TN = C::TN, TQ = C::TQ, S = C::STAGES;
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    uint8_t* const sm = smem_raw + (base - smem_u32(smem_raw));
+    const uint32_t q_s = base;
+    auto k_s = [&](int s) { return base + C::Q_BYTES + (uint32_t)(2 * s) * C::KV_BYTES; };
+    auto v_s = [&](int s) { return base + C::Q_BYTES + (uint32_t)(2 * s + 1) * C::KV_BYTES; };
+    int64_t* const offs = reinterpret_cast<int64_t*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES);  // [S][TN]
+    const uint32_t bars = base + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES;
+    // K and V of a stage fill and drain separately: K is free once S = Q K^T
+    // is done, V only after O += P V, which runs one tile later.
+    auto full_k = [&](int s) { return bars + 8u * s; };
+    auto full_v = [&](int s) { return bars + 8u * (S + s); };
+    auto empty_k = [&](int s) { return bars + 8u * (2 * S + s); };
+    auto empty_v = [&](int s) { return bars + 8u * (3 * S + s); };
+    const uint32_t q_full = bars + 8u * (4 * S), q_empty = bars + 8u * (4 * S + 1);
+    int32_t* const flags = reinterpret_cast<int32_t*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES +
+                                                      8 * (4 * S + 2));  // [S]: the tile has unreadable tokens
+
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7;
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full_k(s), 128);  // every producer thread, when its copies land
+            mbar_init(full_v(s), 128);
+            mbar_init(empty_k(s), 8);  // lane 0 of every consumer warp
+            mbar_init(empty_v(s), 8);
+        }
+        mbar_init(q_full, 128);
+        mbar_init(q_empty, 8);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    griddep_wait();  // the plan kernel (or the previous layer) may still be running under PDL
+
+    const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
+    const int n_items = *reinterpret_cast<const volatile int32_t*>(work);
+    const int64_t total = (int64_t)n_items * p.num_kv_heads;
+    const int group = p.num_q_heads / p.num_kv_heads;
+
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        // Never waits for its own copies: each thread's cp.async arrive on the
+        // stage's barrier when they land, so it runs ahead as far as the free
+        // stages allow.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        const T* kc = reinterpret_cast<const T*>(p.k_cache);
+        const T* vc = reinterpret_cast<const T*>(p.v_cache);
+        const T* qg = reinterpret_cast<const T*>(p.q);
+        int tile_it = 0, item_it = 0;
+        for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+            const int item = (int)(w / p.num_kv_heads);
+            const int kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+            const PrefillItem it = load_item(work, item);
+            const PrefillSpan sp = item_span(it, group, p.window_left, TQ);
+            int t0, t1;
+            split_tiles_n<TN>(sp, it.split, p.num_splits, t0, t1);
+            if (t0 >= t1) continue;
+            const PagedRows rr = prefill_rows(p, it.b, kvh);
+            // Query rows: packed row r -> token (r0 + r) / group, head (r0 + r) % group.
+            mbar_wait(q_empty, (item_it & 1) ^ 1);
+            for (int i = tid; i < TQ * C::CPR; i += 128) {
+                const int r = i / C::CPR, c = i - r * C::CPR;
+                const int pr = sp.r0 + r;
+                const bool ok = r < sp.nrows;
+                const int tok = ok ? pr / group : 0;
+                const int qh = kvh * group + (ok ? pr - tok * group : 0);
+                const T* src = qg + ((int64_t)it.q_start + tok) * p.q_token_stride + (int64_t)qh * p.q_head_stride +
+                               c * (16 / (int)sizeof(T));
+                cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), src, ok ? 16 : 0);
+            }
+            mbar_arrive_cp_async(q_full);
+            for (int t = t0; t < t1; ++t, ++tile_it) {
+                const int s = tile_it % S;
+                const int ph = ((tile_it / S) & 1) ^ 1;
+                mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
+                const int k0 = t * TN;
+                int bad = 0;
+                if (tid < TN) {
+                    const int tok = k0 + tid;
+                    int64_t off = -1;
+                    if (tok < sp.kv_end) {
+                        int o;
+                        const int blk = rr.load_block(tok, o);
+                        off = rr.offset(blk, o);
+                    }
+                    offs[s * TN + tid] = off;
+                    bad = off < 0;
+                }
+                // Every producer thread sees the tile's offsets after this
+                // barrier; thread 0 records whether any token is unreadable.
+                int any;
+                asm volatile(
+                    "{\n.reg .pred p, q;\nsetp.ne.b32 q, %1, 0;\nbar.red.or.pred p, 1, 128, q;\nselp.u32 %0, 1, 0, "
+                    "p;\n}\n"
+                    : "=r"(any)
+                    : "r"(bad)
+                    : "memory");
+                if (tid == 0) flags[s] = any;
+                for (int i = tid; i < TN * C::CPR; i += 128) {
+                    const int r = i / C::CPR, c = i - r * C::CPR;
+                    const int64_t off = offs[s * TN + r];
+                    cp_async16_keep(k_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
+                                    kc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
+                }
+                mbar_arrive_cp_async(full_k(s));
+                mbar_wait(empty_v(s), ph);
+                for (int i = tid; i < TN * C::CPR; i += 128) {
+                    const int r = i / C::CPR, c = i - r * C::CPR;
+                    const int64_t off = offs[s * TN + r];
+                    cp_async16_keep(v_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
+                                    vc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
+                }
+                mbar_arrive_cp_async(full_v(s));
+            }
+            ++item_it;
+        }
+    } else {
+        // ---------------- consumers ----------------
+        // Per tile t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued
+        // together, so the softmax of S_t overlaps the second product; and
+        // the two consumer warpgroups take turns issuing (named barriers 2
+        // and 3), so one's softmax overlaps the other's products.
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        const int c = wg - 1;  // which 64 rows of the item
+        const int warp = (tid >> 5) & 3, lane = tid & 31;
+        const int row_a = 64 * c + 16 * warp + (lane >> 2);  // this thread's rows: row_a, row_a + 8
+        const int col_q = 2 * (lane & 3);
+        const float sl = p.scale * kLog2e;
+        if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
+        int tile_it = 0, item_it = 0;
+        for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+            const int item = (int)(w / p.num_kv_heads);
+            const int kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+            const PrefillItem it = load_item(work, item);
+            const PrefillSpan sp = item_span(it, group, p.window_left, TQ);
+            int t0, t1;
+            split_tiles_n<TN>(sp, it.split, p.num_splits, t0, t1);
+            const int wg_rows = min(64, sp.nrows - 64 * c);  // may be <= 0
+            const int wg_min_pos = sp.delta + (sp.r0 + 64 * c) / group;
+            const int wg_max_pos = sp.delta + (sp.r0 + 64 * c + max(wg_rows, 1) - 1) / group;
+            const int pos_a = sp.delta + (sp.r0 + row_a) / group, pos_b = sp.delta + (sp.r0 + row_a + 8) / group;
+            const int win = p.window_left;
+
+            float o[D / 2];
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
+            uint32_t pa[TN / 16][4];  // P of the previous tile, the A operand of its P V
+            bool have_prev = false;
+            int sv_prev = 0;
+            if (t0 < t1) {
+                mbar_wait(q_full, item_it & 1);
+                fence_proxy_async();
+            }
+            for (int t = t0; t < t1; ++t, ++tile_it) {
+                const int s = tile_it % S;
+                const int ph = (tile_it / S) & 1;
+                const int k0 = t * TN;
+                const bool active = wg_rows > 0 && k0 <= wg_max_pos && (win < 0 || k0 + TN - 1 >= wg_min_pos - win);
+                mbar_wait(full_k(s), ph);
+                if (have_prev) mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
+                fence_proxy_async();
+                float sc[TN / 2];
+                turn_wait(c);  // this warpgroup's turn on the tensor cores
+                pin_regs(sc);
+                pin_regs(o);
+                wgmma_fence();
+                if (active) {
+#pragma unroll
+                    for (int kk = 0; kk < C::KSTEPS; ++kk) {
+                        constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
+                        const uint32_t kb = kk * KB / 128, ki = kk * KB % 128;
+                        const uint64_t da = gmma_desc(q_s + kb * (TQ * 128) + (uint32_t)(64 * c * 128) + ki, 16, 1024);
+                        const uint64_t db = gmma_desc(k_s(s) + kb * (TN * 128) + ki, 16, 1024);
+                        wgmma_ss<T, TN>(sc, da, db, kk > 0);
+                    }
+                }
+                wgmma_commit();
+                if (have_prev) {
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; ++kk) {
+                        const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                        wgmma_rs<T, D>(o, pa[kk], db, 1);
+                    }
+                }
+                wgmma_commit();
+                turn_pass(c);
+                wgmma_wait<1>();                 // S_t is done; P_{t-1} V_{t-1} may still run
+                pin_regs(sc);
+                float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
+                if (active) {
+                    const bool mask = flags[s] != 0 || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win);
+                    if (mask) {
+                        const int64_t* off = offs + s * TN;
+                        const bool unreadable = flags[s] != 0;
+#pragma unroll
+                        for (int j = 0; j < TN / 8; ++j) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int kl = 8 * j + col_q + (e & 1);
+                                const int key = k0 + kl;
+                                const int pos = e < 2 ? pos_a : pos_b;
+                                bool bad = key > pos || (win >= 0 && key < pos - win);
+                                if (unreadable) bad = bad || off[kl] < 0;
+                                if (bad) sc[4 * j + e] = neg_inf();
+                            }
+                        }
+                    }
+                }
+                // K_t, its offsets and flag are no longer read.
+                __syncwarp();
+                if (lane == 0) {
+                    mbar_arrive(empty_k(s));
+                    if (t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
+                }
+                if (active) {
+                    float mx_a = neg_inf(), mx_b = neg_inf();
+#pragma unroll
+                    for (int j = 0; j < TN / 8; ++j) {
+                        mx_a = fmaxf(mx_a, fmaxf(sc[4 * j], sc[4 * j + 1]));
+                        mx_b = fmaxf(mx_b, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
+                    }
+                    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+                    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+                    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+                    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+                    const float mn_a = fmaxf(m_a, mx_a * sl), mn_b = fmaxf(m_b, mx_b * sl);
+                    mu_a = mn_a == neg_inf() ? 0.f : mn_a, mu_b = mn_b == neg_inf() ? 0.f : mn_b;
+                    al_a = fast_exp2(m_a - mu_a), al_b = fast_exp2(m_b - mu_b);
+                    m_a = mn_a, m_b = mn_b;
+                    float rs_a = 0.f, rs_b = 0.f;
+#pragma unroll
+                    for (int j = 0; j < TN / 8; ++j) {
+                        sc[4 * j] = fast_exp2(fmaf(sc[4 * j], sl, -mu_a));
+                        sc[4 * j + 1] = fast_exp2(fmaf(sc[4 * j + 1], sl, -mu_a));
+                        sc[4 * j + 2] = fast_exp2(fmaf(sc[4 * j + 2], sl, -mu_b));
+                        sc[4 * j + 3] = fast_exp2(fmaf(sc[4 * j + 3], sl, -mu_b));
+                        rs_a += sc[4 * j] + sc[4 * j + 1];
+                        rs_b += sc[4 * j + 2] + sc[4 * j + 3];
+                    }
+                    l_a = l_a * al_a + rs_a, l_b = l_b * al_b + rs_b;
+                }
+                wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
+                pin_regs(o);
+                if (have_prev) {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_v(sv_prev));
+                }
+                if (active) {
+#pragma unroll
+                    for (int j = 0; j < D / 8; ++j) {
+                        o[4 * j] *= al_a, o[4 * j + 1] *= al_a;
+                        o[4 * j + 2] *= al_b, o[4 * j + 3] *= al_b;
+                    }
+#pragma unroll
+                    for (int j = 0; j < TN / 8; ++j) {
+                        pa[j >> 1][(j & 1) * 2] = pack2<T>(sc[4 * j], sc[4 * j + 1]);
+                        pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(sc[4 * j + 2], sc[4 * j + 3]);
+                    }
+                } else {
+                    // V_t is not read by this warpgroup: release it once it has landed.
+                    mbar_wait(full_v(s), ph);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_v(s));
+                }
+                have_prev = active;
+                sv_prev = s;
+            }
+            if (have_prev) {  // the item's last P V
+                mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
+                fence_proxy_async();
+                pin_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; ++kk) {
+                    const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                    wgmma_rs<T, D>(o, pa[kk], db, 1);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_regs(o);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_v(sv_prev));
+            }
+            if (t0 < t1) ++item_it;
+            // Epilogue: normalise and write this thread's two rows.
+            l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+            l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+            l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+            l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+            const PrefillOut<T> po(p, it.split, p.total_q, D);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row_a + 8 * h;
+                if (r >= sp.nrows) continue;
+                const float l = h ? l_b : l_a, m = h ? m_b : m_a;
+                const bool emp = !(l > 0.f);
+                const float inv = emp ? 0.f : 1.f / l;
+                const int pr = sp.r0 + r;
+                const int tok = pr / group;
+                const int qh = kvh * group + (pr - tok * group);
+                const int64_t row = (int64_t)it.q_start + tok;
+                T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col_q;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+                if (po.lse != nullptr && (lane & 3) == 0)
+                    po.lse[row * p.num_q_heads + qh] = emp ? neg_inf() : (m + log2f(l)) * kLn2;
+            }
+        }
+        if (c == 0) turn_wait(0);  // take the last turn warpgroup 1 handed over
+    }
+    griddep_launch_dependents();
+#endif
+}
+
+}  // namespace kvp
