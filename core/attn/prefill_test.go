@@ -68,7 +68,7 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		{"head_dim", func(a *PrefillPlanArgs) { a.HeadDim = 80 }, kverr.Unsupported},
 		{"dtype", func(a *PrefillPlanArgs) { a.DType = 7 }, kverr.InvalidArgument},
 		{"window", func(a *PrefillPlanArgs) { a.WindowLeft = -2 }, kverr.InvalidArgument},
-		{"flags", func(a *PrefillPlanArgs) { a.Flags = 4 }, kverr.InvalidArgument},
+		{"flags", func(a *PrefillPlanArgs) { a.Flags = 8 }, kverr.InvalidArgument}, // 4 is PrefillNoHopper
 		{"workspace small", func(a *PrefillPlanArgs) { a.WorkspaceBytes = 40 }, kverr.BufferTooSmall},
 		{"workspace 0", func(a *PrefillPlanArgs) { a.Workspace = 0 }, kverr.NullPointer},
 		{"workspace unaligned", func(a *PrefillPlanArgs) { a.Workspace = 0x3004 }, kverr.InvalidArgument},
