@@ -32,6 +32,11 @@
 #define BENCH_NAME "cascade_plan_bench"
 #include "bench_util.h"
 
+/* A cascade plan's plan-state words (kvp_attn_plan.reserved). */
+#define GENERATION(p) ((p).reserved[KVP_PLAN_STATE_GENERATION])
+#define SAVED(p) ((p).reserved[KVP_PLAN_STATE_SAVED_TOKENS])
+#define TOTAL(p) ((p).reserved[KVP_PLAN_STATE_TOTAL_TOKENS])
+
 enum { B = 256, COLS = 256, BS = 16, QH = 32, KVH = 8, HD = 128, LEN = COLS * BS };
 
 /* The few CUDA driver calls the benchmark needs for its device memory,
@@ -249,9 +254,8 @@ int main(int argc, char **argv) {
     if ((st = kvp_manager_cascade_plan(m, ids, B, &summary_args, &ph, 0)) != KVP_OK) die("host-only plan", st);
     cu_check("cuCtxSynchronize", cu.ctx_synchronize());
     if (memcmp(host[0], host[1], host_bytes) != 0 || pa.route != pb.route || pa.num_items != pb.num_items ||
-        pa.max_kv_len != pb.max_kv_len || pa.reserved[3] != pb.reserved[3] || pa.reserved[4] != pb.reserved[4] ||
-        pa.reserved[5] != pb.reserved[5] || ph.route != pa.route || ph.reserved[4] != pa.reserved[4] ||
-        ph.reserved[5] != pa.reserved[5]) {
+        pa.max_kv_len != pb.max_kv_len || GENERATION(pa) != GENERATION(pb) || SAVED(pa) != SAVED(pb) ||
+        TOTAL(pa) != TOTAL(pb) || ph.route != pa.route || SAVED(ph) != SAVED(pa) || TOTAL(ph) != TOTAL(pa)) {
       fprintf(stderr, "cascade_plan_bench: %s: the manager's plan differs from kvp_cascade_plan's\n", c->name);
       mismatches++;
     }
@@ -277,7 +281,7 @@ int main(int argc, char **argv) {
     }
     printf("| %s | %.1f (%.1f) | %.1f (%.1f) | %.1f (%.1f) | %d | %.2f |\n", c->name, tt[0].median, tt[0].p90,
            tt[1].median, tt[1].p90, tt[2].median, tt[2].p90, pa.num_items,
-           pa.reserved[5] ? (double)pa.reserved[4] / (double)pa.reserved[5] : 0.0);
+           TOTAL(pa) ? (double)SAVED(pa) / (double)TOTAL(pa) : 0.0);
     fflush(stdout);
     kvp_manager_destroy(m);
   }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // FuzzABI drives every entry point of kvplug.h with arbitrary integers,
@@ -161,7 +162,7 @@ func (fz *abiFuzz) count(n int) int32 {
 	if fz.r.u8()%6 != 0 {
 		return int32(n)
 	}
-	return []int32{0, -1, math.MinInt32, maxBatch + 1, math.MaxInt32}[fz.small(5)]
+	return []int32{0, -1, math.MinInt32, limits.Batch + 1, math.MaxInt32}[fz.small(5)]
 }
 
 // array returns C memory with n int32 (or int64) values, or NULL (1 in 10).
@@ -186,6 +187,16 @@ func (fz *abiFuzz) id() int64 {
 		return fz.i64()
 	}
 	return int64(fz.small(8))
+}
+
+// mostlySmall generates values in [0, n) and, 1 in 6, an arbitrary int64.
+func (fz *abiFuzz) mostlySmall(n int) func() int64 {
+	return func() int64 {
+		if fz.r.u8()%6 == 0 {
+			return fz.i64()
+		}
+		return int64(fz.small(n))
+	}
 }
 
 func (fz *abiFuzz) token() int64 { return int64(fz.small(4)) }
@@ -322,12 +333,7 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 1, 2:
 		n := fz.small(5)
 		ids := fz.array(n, 8, fz.id)
-		counts := fz.array(n, 4, func() int64 {
-			if fz.r.u8()%6 == 0 {
-				return fz.i64()
-			}
-			return int64(fz.small(12))
-		})
+		counts := fz.array(n, 4, fz.mostlySmall(12))
 		return "kvp_manager_grow", rawManagerGrow(fz.handle(true), ids, counts, fz.count(n))
 	case 3:
 		n := fz.small(5)
@@ -480,12 +486,7 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 29, 30:
 		n := fz.small(5)
 		slots := fz.array(n, 4, func() int64 { return int64(fz.small(6)) - 1 })
-		ctx := fz.array(n, 4, func() int64 {
-			if fz.r.u8()%6 == 0 {
-				return fz.i64()
-			}
-			return int64(fz.small(300))
-		})
+		ctx := fz.array(n, 4, fz.mostlySmall(300))
 		return "kvp_vcache_step", rawVcacheStep(fz.handle(false), slots, ctx, fz.count(n))
 	case 31:
 		return "kvp_vcache_trim", rawVcacheTrim(fz.handle(false))

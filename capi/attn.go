@@ -6,12 +6,12 @@ package main
 import "C"
 
 import (
-	"math"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The launch exports translate the args struct into core/attn's on the
@@ -107,8 +107,9 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 	if a.reserved != 0 {
 		return failf(kverr.InvalidArgument, "kvp_paged_decode: reserved must be 0: got %d", int32(a.reserved))
 	}
-	if a.workspace_bytes > math.MaxInt64 {
-		return failf(kverr.InvalidArgument, "kvp_paged_decode: workspace_bytes %d is too large", uint64(a.workspace_bytes))
+	wsBytes, err := limits.ByteCount("kvp_paged_decode: workspace_bytes", uint64(a.workspace_bytes))
+	if err != nil {
+		return fail(err)
 	}
 	d := attn.PagedDecodeArgs{
 		DecodeLayout: attn.DecodeLayout{
@@ -125,7 +126,7 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
 		BlockTable: cuda.DevicePtr(a.block_table), SeqLens: cuda.DevicePtr(a.seq_lens),
 		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
-		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(a.workspace_bytes),
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
 		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len),
 	}
 	return fail(attn.PagedDecode(&d, cuda.Stream(stream)))
@@ -196,11 +197,12 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	if a.window_size < 0 {
 		return failf(kverr.InvalidArgument, "kvp_prefill_plan: window_size must be 0 (no window) or positive: got %d", int32(a.window_size))
 	}
-	if a.batch < 0 || a.batch > 65535 {
-		return failf(kverr.InvalidArgument, "kvp_prefill_plan: batch must be in [0, 65535]: got %d", int32(a.batch))
+	if err := limits.Range("kvp_prefill_plan: batch", int(a.batch), 0, limits.AttnBatch); err != nil {
+		return fail(err)
 	}
-	if a.workspace_bytes > math.MaxInt64 {
-		return failf(kverr.InvalidArgument, "kvp_prefill_plan: workspace_bytes %d is too large", uint64(a.workspace_bytes))
+	wsBytes, err := limits.ByteCount("kvp_prefill_plan: workspace_bytes", uint64(a.workspace_bytes))
+	if err != nil {
+		return fail(err)
 	}
 	if a.qo_indptr_host == nil || (a.batch > 0 && a.kv_lens_host == nil) {
 		return failf(kverr.NullPointer, "kvp_prefill_plan: qo_indptr_host and kv_lens_host must not be NULL")
@@ -217,67 +219,22 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads), WindowLeft: int(a.window_size) - 1},
 		QOIndptr: qo, KVLens: kv,
 		QOIndptrDev: cuda.DevicePtr(a.qo_indptr), KVLensDev: cuda.DevicePtr(a.kv_lens),
-		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(a.workspace_bytes),
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
 		Flags: int(a.flags),
 	}, cuda.Stream(stream))
 	if err != nil {
 		return fail(err)
 	}
-	out := C.kvp_attn_plan{
-		kind: C.int32_t(p.Kind), route: C.int32_t(p.Route),
-		dtype: C.int32_t(p.DType), head_dim: C.int32_t(p.HeadDim),
-		num_q_heads: C.int32_t(p.NumQHeads), num_kv_heads: C.int32_t(p.NumKVHeads), window_left: C.int32_t(p.WindowLeft),
-		batch: C.int32_t(p.Batch), total_q: C.int32_t(p.TotalQ), max_q_len: C.int32_t(p.MaxQLen), max_kv_len: C.int32_t(p.MaxKVLen),
-		num_items: C.int32_t(p.NumItems), grid: C.int32_t(p.Grid), num_splits: C.int32_t(p.NumSplits),
-		workspace: C.uint64_t(p.Workspace), workspace_bytes: C.uint64_t(p.WorkspaceBytes), kv_lens: C.uint64_t(p.KVLens),
-	}
-	out.reserved[0] = C.uint64_t(p.Mainloop)
-	return fail(attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out)))
+	return fail(writeAttnPlan(plan, &p, p.PlanState()))
 }
 
 //export kvp_paged_prefill
 func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
-	if plan == nil || a == nil {
-		return failf(kverr.NullPointer, "kvp_paged_prefill: plan and args must not be NULL")
-	}
-	var pl C.kvp_attn_plan
-	if err := attnPlanStruct.in(unsafe.Pointer(plan), unsafe.Pointer(&pl)); err != nil {
+	p, state, r, err := planRunOf("kvp_paged_prefill", plan, a)
+	if err != nil {
 		return fail(err)
 	}
-	plan = &pl
-	var args C.kvp_paged_prefill_args
-	if err := pagedPrefillArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
-		return fail(err)
-	}
-	a = &args
-	if a.reserved != 0 || a.reserved2 != 0 {
-		return failf(kverr.InvalidArgument, "kvp_paged_prefill: reserved fields must be 0")
-	}
-	if plan.workspace_bytes > math.MaxInt64 {
-		return failf(kverr.InvalidArgument, "kvp_paged_prefill: plan workspace_bytes %d is too large", uint64(plan.workspace_bytes))
-	}
-	p := attn.PrefillPlan{
-		Kind: int(plan.kind), Route: int(plan.route),
-		PrefillShape: attn.PrefillShape{DType: attn.DType(plan.dtype), HeadDim: int(plan.head_dim),
-			NumQHeads: int(plan.num_q_heads), NumKVHeads: int(plan.num_kv_heads), WindowLeft: int(plan.window_left)},
-		Batch: int(plan.batch), TotalQ: int(plan.total_q), MaxQLen: int(plan.max_q_len), MaxKVLen: int(plan.max_kv_len),
-		NumItems: int(plan.num_items), Grid: int(plan.grid), NumSplits: int(plan.num_splits),
-		Mainloop:  int(min(plan.reserved[0], 1<<16)),
-		Workspace: cuda.DevicePtr(plan.workspace), WorkspaceBytes: int64(plan.workspace_bytes), KVLens: cuda.DevicePtr(plan.kv_lens),
-	}
-	r := attn.PagedPrefillArgs{
-		PrefillLayout: attn.PrefillLayout{
-			QTokenStride: int64(a.q_token_stride), QHeadStride: int64(a.q_head_stride),
-			OutTokenStride: int64(a.out_token_stride), OutHeadStride: int64(a.out_head_stride),
-			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
-			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
-			CacheHeadStride: int64(a.cache_head_stride),
-			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-			Scale: float32(a.scale),
-		},
-		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
-		BlockTable: cuda.DevicePtr(a.block_table), Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
-	}
+	p.SetPlanState(&state)
 	return fail(attn.PagedPrefill(&p, &r, cuda.Stream(stream)))
 }

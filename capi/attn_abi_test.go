@@ -13,30 +13,20 @@ func TestAttnABIArgumentChecks(t *testing.T) {
 	good := decodeHookArgs{structSize: sizeofPagedDecodeArgs(), dtype: 2, headDim: 128, batch: 2, qHeads: 8, kvHeads: 2,
 		numBlocks: 8, blockSize: 16, maxBlocks: 4, q: 0x1000, k: 0x2000, v: 0x3000, table: 0x4000, lens: 0x5000, out: 0x6000}
 	expect(t, "null args", hookPagedDecode(&good, true), kverr.NullPointer)
-	a := good
-	a.structSize--
-	expect(t, "struct_size", hookPagedDecode(&a, false), kverr.StructSize)
-	a = good
-	a.dtype = 9
-	expect(t, "dtype 9", hookPagedDecode(&a, false), kverr.InvalidArgument)
-	a = good
-	a.headDim = 80
-	expect(t, "head_dim 80", hookPagedDecode(&a, false), kverr.Unsupported)
-	a = good
-	a.kvHeads = 3
-	expect(t, "gqa 8/3", hookPagedDecode(&a, false), kverr.InvalidArgument)
-	a = good
-	a.out = 0
-	expect(t, "out 0", hookPagedDecode(&a, false), kverr.NullPointer)
-	a = good
-	a.reserved = 1
-	expect(t, "reserved", hookPagedDecode(&a, false), kverr.InvalidArgument)
-	a = good
-	a.numSplits, a.workspace, a.workspaceBytes = 4, 0x8000, 100
-	expect(t, "workspace small", hookPagedDecode(&a, false), kverr.BufferTooSmall)
-	a = good
-	a.workspaceBytes = 1 << 63
-	expect(t, "workspace_bytes huge", hookPagedDecode(&a, false), kverr.InvalidArgument)
+	mod := func(name string, f func(a *decodeHookArgs), want kverr.Code) {
+		t.Helper()
+		a := good
+		f(&a)
+		expect(t, name, hookPagedDecode(&a, false), want)
+	}
+	mod("struct_size", func(a *decodeHookArgs) { a.structSize-- }, kverr.StructSize)
+	mod("dtype 9", func(a *decodeHookArgs) { a.dtype = 9 }, kverr.InvalidArgument)
+	mod("head_dim 80", func(a *decodeHookArgs) { a.headDim = 80 }, kverr.Unsupported)
+	mod("gqa 8/3", func(a *decodeHookArgs) { a.kvHeads = 3 }, kverr.InvalidArgument)
+	mod("out 0", func(a *decodeHookArgs) { a.out = 0 }, kverr.NullPointer)
+	mod("reserved", func(a *decodeHookArgs) { a.reserved = 1 }, kverr.InvalidArgument)
+	mod("workspace small", func(a *decodeHookArgs) { a.numSplits, a.workspace, a.workspaceBytes = 4, 0x8000, 100 }, kverr.BufferTooSmall)
+	mod("workspace_bytes huge", func(a *decodeHookArgs) { a.workspaceBytes = 1 << 63 }, kverr.InvalidArgument)
 
 	expect(t, "kv_write struct_size", hookKVWrite(8, 1, 64), kverr.StructSize)
 	expect(t, "kv_write dtype", hookKVWrite(sizeofKVWriteArgs(), 0, 64), kverr.InvalidArgument)

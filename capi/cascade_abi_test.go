@@ -2,8 +2,10 @@ package main
 
 import (
 	"testing"
+	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cascadeattn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 )
@@ -38,7 +40,10 @@ func cascadeBatch(t *testing.T, maxBatch int32) *cascadeHookArgs {
 		seqLensDev: 0x9000, host: make([]int32, host/4), hostBytes: host, workspace: 0x100000, workspaceBytes: dev}
 }
 
-// Bad arguments are status codes with messages before any device work.
+// Bad arguments are status codes with messages before any device work: the
+// checks are core/cascadeattn's (tested there); here, each field of the C
+// struct reaches its check, and the struct's own rules (NULL, struct_size,
+// reserved) are the export's.
 func TestCascadeABIArgumentChecks(t *testing.T) {
 	lockThread(t) // kvp_last_error is per thread
 	good := cascadeBatch(t, 8)
@@ -62,7 +67,6 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 	mod("host workspace NULL", func(a *cascadeHookArgs) { a.host = nil }, kverr.NullPointer)
 	mod("host workspace small", func(a *cascadeHookArgs) { a.hostBytes -= 4 }, kverr.BufferTooSmall)
 	mod("device workspace 0", func(a *cascadeHookArgs) { a.workspace = 0 }, kverr.NullPointer)
-	mod("device workspace unaligned", func(a *cascadeHookArgs) { a.workspace += 8 }, kverr.InvalidArgument)
 	mod("device workspace small", func(a *cascadeHookArgs) { a.workspaceBytes -= 16 }, kverr.BufferTooSmall)
 	mod("seq_lens 0", func(a *cascadeHookArgs) { a.seqLensDev = 0 }, kverr.InvalidArgument)
 	mod("host arrays NULL", func(a *cascadeHookArgs) { a.lens = nil }, kverr.NullPointer)
@@ -80,69 +84,62 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 	}
 }
 
-// kvp_cascade_update and kvp_paged_cascade on plans made without a device:
-// growth within the tails fits, a plan older than its workspaces' latest is
-// refused as stale, a plan of another kind or a layer with another block
-// size is refused.
-func TestCascadeABIUpdateAndStalePlans(t *testing.T) {
+// A plan's kvp_attn_plan is core/cascadeattn's plan field for field, the
+// plan-state words where the header documents them; kvp_cascade_update and
+// kvp_paged_cascade decode it back to the same plan, and their own struct
+// rules refuse before the core is reached (the plans' logic is tested in
+// core/cascadeattn).
+func TestCascadeABIPlanTranslation(t *testing.T) {
 	lockThread(t) // kvp_last_error is per thread
-	a := cascadeBatch(t, 8)
-	a.flags = 1 // a batch this small routes to plain decode by the cost model
-	p1, err := hookPlanWithoutDevice(a)
-	if err != nil {
-		t.Fatal(err)
+	host := make([]int32, 8)
+	want := cascadeattn.Plan{
+		PrefillPlan: attn.PrefillPlan{Kind: cascadeattn.KindCascade, Route: 3,
+			PrefillShape: attn.PrefillShape{DType: attn.BF16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2, WindowLeft: -1},
+			Batch:        6, TotalQ: 300, MaxQLen: 90, MaxKVLen: 900, NumItems: 40, Grid: 264, NumSplits: 0,
+			Workspace: 0x100000, WorkspaceBytes: 1 << 20, KVLens: 0x9000},
+		State: cascadeattn.State{HostWorkspace: unsafe.Pointer(&host[0]), HostWorkspaceBytes: 32, MaxBatch: 8, BlockSize: 16,
+			Parts: 30, Gen: 5, SavedTokens: 3072, TotalTokens: 5000},
 	}
-	if p1.route() != 3 {
-		t.Fatalf("route %d, want KVP_ATTN_ROUTE_CASCADE", p1.route())
+	p, st := hookPlanStruct(&want)
+	if st != 0 {
+		t.Fatal(statusName(st))
 	}
-	if saved, total := p1.saved(); saved != 5*512+2*256 || total == 0 {
-		t.Fatalf("saved %d of %d tokens", saved, total)
+	f := p.fields()
+	if f.Kind != 2 || f.Route != 3 || f.Batch != 6 || f.TotalQ != 300 || f.MaxQ != 90 || f.MaxKV != 900 || f.Items != 40 || f.Grid != 264 ||
+		f.Workspace != 0x100000 || f.WorkspaceBytes != 1<<20 || f.KVLens != 0x9000 {
+		t.Fatalf("fields %+v", f)
 	}
-	lens := append([]int32(nil), a.lens...)
-	for i := range lens {
-		lens[i] += 10
+	if f.Reserved != [6]uint64{uint64(uintptr(unsafe.Pointer(&host[0]))), 32, 8 | 16<<32, 30 | 5<<32, 3072, 5000} {
+		t.Fatalf("plan-state words %#x", f.Reserved)
 	}
-	fits, st := hookCascadeUpdate(p1, lens, 6)
-	if st != 0 || fits != 1 {
-		t.Fatalf("growth by 10: fits %d, %s", fits, statusName(st))
+	got, err := p.plan()
+	if err != nil || got != want {
+		t.Fatalf("decoded %+v (%v), want %+v", got, err, want)
 	}
-	for i := range lens {
-		lens[i] += 1000
+	for name, w := range planStateWords {
+		if w[0] != w[1] {
+			t.Errorf("%s is %d in the header, word %d in core/cascadeattn", name, w[0], w[1])
+		}
 	}
-	if fits, st = hookCascadeUpdate(p1, lens, 6); st != 0 || fits != 0 {
-		t.Fatalf("growth by 1010: fits %d, %s", fits, statusName(st))
-	}
-	_, st = hookCascadeUpdate(p1, lens[:5], 5)
-	expect(t, "batch differs", st, kverr.InvalidArgument)
-	expect(t, "run with another block size", hookPagedCascade(p1, 32, 64, 0), kverr.InvalidArgument)
-	expect(t, "run with a short table", hookPagedCascade(p1, 16, 40, 0), kverr.InvalidArgument)
-	expect(t, "run with reserved set", hookPagedCascade(p1, 16, 64, 1), kverr.InvalidArgument)
 
-	// A second plan into the same workspaces makes the first stale.
-	if _, err := hookPlanWithoutDevice(a); err != nil {
-		t.Fatal(err)
+	// A prefill plan's state is its mainloop.
+	pp := want.PrefillPlan
+	pp.Kind, pp.Mainloop = attn.KindPrefill, attn.MainloopSM90
+	words, back, err := hookPrefillPlanRoundTrip(&pp)
+	if err != nil || back != pp || words != [6]uint64{attn.MainloopSM90} {
+		t.Fatalf("prefill plan: words %v, read back %+v (%v), want %+v", words, back, err, pp)
 	}
-	_, st = hookCascadeUpdate(p1, a.lens, 6)
-	expect(t, "stale plan update", st, kverr.InvalidArgument)
-	expect(t, "stale plan run", hookPagedCascade(p1, 16, 64, 0), kverr.InvalidArgument)
 
-	p3, _ := hookPlanWithoutDevice(a)
-	p3.setKind(1)
-	_, st = hookCascadeUpdate(p3, a.lens, 6)
-	expect(t, "prefill kind", st, kverr.InvalidArgument)
-
-	// No sharing: the decode route, which always fits.
-	b := cascadeBatch(t, 8)
-	for i := range b.table {
-		b.table[i] = int32(i)
-	}
-	p4, err := hookPlanWithoutDevice(b)
-	if err != nil || p4.route() != 2 {
-		t.Fatalf("no sharing: route %d, %v", p4.route(), err)
-	}
-	if fits, st := hookCascadeUpdate(p4, lens, 6); st != 0 || fits != 1 {
-		t.Fatalf("decode route: fits %d, %s", fits, statusName(st))
-	}
+	// The exports' own refusals.
+	sentinel := hookPlanSentinel()
+	expect(t, "run with reserved set", hookPagedCascade(sentinel, 16, 64, 1), kverr.InvalidArgument)
+	_, st = hookCascadeUpdate(sentinel, nil, 3)
+	expect(t, "update with NULL lengths", st, kverr.NullPointer)
+	// A plan of another kind reaches the core's check through the struct.
+	sentinel.setKind(1)
+	_, st = hookCascadeUpdate(sentinel, make([]int32, 99), 99)
+	expect(t, "update of a prefill plan", st, kverr.InvalidArgument)
+	expect(t, "run of a prefill plan", hookPagedCascade(sentinel, 16, 64, 0), kverr.InvalidArgument)
 }
 
 // The struct-evolution rule: a newer header's larger kvp_cascade_plan_args
@@ -176,27 +173,9 @@ func TestCascadeABIStructVersions(t *testing.T) {
 	}
 }
 
-// cascadePrefillBatch: cascadeBatch's 6 sequences, each with 40-90 new
-// query tokens at the end of its length (after the shared runs).
-func cascadePrefillBatch(t *testing.T, maxBatch, maxTokens int32) *cascadeHookArgs {
-	a := cascadeBatch(t, maxBatch)
-	a.qo = make([]int32, a.batch+1)
-	for s := int32(0); s < a.batch; s++ {
-		a.qo[s+1] = a.qo[s] + 40 + 10*s
-	}
-	dev, host, st := hookCascadePrefillWorkspaceSize(maxBatch, maxTokens, 8, 2, 128)
-	if st != 0 {
-		t.Fatalf("prefill workspace size: %s", statusName(st))
-	}
-	a.maxTokens, a.qoDev = maxTokens, 0xa000
-	a.host, a.hostBytes, a.workspaceBytes = make([]int32, host/4), host, dev
-	return a
-}
-
-// Varlen queries: the workspace sizes, plans of prompts sharing a prefix
-// (cascade route, rows and longest query in the plan, never absorbed by
-// update), plans without sharing (the prefill route), and the run's checks.
-func TestCascadeABIPrefill(t *testing.T) {
+// The workspace sizes of varlen batches: max_tokens = max_batch is the
+// decode size, more query rows need more, fewer than max_batch are refused.
+func TestCascadeABIPrefillWorkspaceSize(t *testing.T) {
 	lockThread(t) // kvp_last_error is per thread
 	dd, dh, st := hookCascadeWorkspaceSize(8, 8, 2, 128)
 	pd, ph, st2 := hookCascadePrefillWorkspaceSize(8, 8, 8, 2, 128)
@@ -208,44 +187,4 @@ func TestCascadeABIPrefill(t *testing.T) {
 	}
 	_, _, st = hookCascadePrefillWorkspaceSize(8, 7, 8, 2, 128)
 	expect(t, "max_tokens below max_batch", st, kverr.InvalidArgument)
-
-	a := cascadePrefillBatch(t, 8, 4096)
-	a.flags = 1 // prompts this short route to the prefill kernel by the cost model
-	p, err := hookPlanWithoutDevice(a)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if rows, maxQ := p.rows(); p.route() != 3 || rows != a.qo[6] || maxQ != 90 {
-		t.Fatalf("prompts sharing a prefix: route %d, rows %d, max_q_len %d", p.route(), rows, maxQ)
-	}
-	// The 256-token run of sequences 0-2 reaches past their first query
-	// tokens: only its whole blocks before them may be shared.
-	if saved, _ := p.saved(); saved != 5*512 && saved != 5*512+2*208 {
-		t.Fatalf("saved %d tokens", saved)
-	}
-	if fits, st := hookCascadeUpdate(p, a.lens, 6); st != 0 || fits != 0 {
-		t.Fatalf("update of a prefill plan: fits %d, %s", fits, statusName(st))
-	}
-	expect(t, "run with another block size", hookPagedCascade(p, 32, 64, 0), kverr.InvalidArgument)
-	expect(t, "run with a short table", hookPagedCascade(p, 16, 40, 0), kverr.InvalidArgument)
-
-	// Too few query rows in the workspaces for the batch's: refused.
-	small := cascadePrefillBatch(t, 8, 100)
-	if _, err := hookPlanWithoutDevice(small); kverr.CodeOf(err) != kverr.BufferTooSmall {
-		t.Fatalf("rows above max_tokens: %v", err)
-	}
-
-	// No sharing: the prefill route.
-	b := cascadePrefillBatch(t, 8, 4096)
-	for i := range b.table {
-		b.table[i] = int32(i)
-	}
-	pb, err := hookPlanWithoutDevice(b)
-	if err != nil || pb.route() != 1 {
-		t.Fatalf("no sharing: route %d, %v", pb.route(), err)
-	}
-	expect(t, "prefill route, another block size", hookPagedCascade(pb, 32, 64, 0), kverr.InvalidArgument)
-	if fits, st := hookCascadeUpdate(pb, b.lens, 6); st != 0 || fits != 0 {
-		t.Fatalf("update of a prefill-route plan: fits %d, %s", fits, statusName(st))
-	}
 }

@@ -27,7 +27,7 @@ func TestManagerCascadePlanGPU(t *testing.T) {
 	if err := attn.Prepare(); err != nil {
 		t.Fatalf("loading the kernels: %v", err)
 	}
-	h, ids := sharingHandle(t)
+	h, _, ids := sharingHandle(t)
 	n := int32(len(ids))
 	const cols = 96
 	devBytes, hostBytes, st := hookCascadeWorkspaceSize(n+2, 8, 2, 128)

@@ -11,7 +11,9 @@ import "C"
 import (
 	"unsafe"
 
-	"github.com/kvplug/kvplug/core/cascade"
+	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cascadeattn"
+	"github.com/kvplug/kvplug/core/kvmanager"
 )
 
 // cascadeHookArgs mirrors kvp_cascade_plan_args.
@@ -60,6 +62,19 @@ func sizeofCascadePlanArgs() uintptr { return unsafe.Sizeof(C.kvp_cascade_plan_a
 // firstCascadePlanArgsSize is kvp_cascade_plan_args's first released size.
 func firstCascadePlanArgsSize() uintptr { return cascadePlanArgsStruct.first }
 
+// planStateWords pairs each of the header's plan-state word indices with
+// the core's (core/cascadeattn's of a cascade plan, core/attn's of a
+// prefill plan).
+var planStateWords = map[string][2]int{
+	"KVP_PLAN_STATE_HOST_WORKSPACE":       {C.KVP_PLAN_STATE_HOST_WORKSPACE, cascadeattn.WordHostWorkspace},
+	"KVP_PLAN_STATE_HOST_WORKSPACE_BYTES": {C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES, cascadeattn.WordHostWorkspaceBytes},
+	"KVP_PLAN_STATE_CAPACITY":             {C.KVP_PLAN_STATE_CAPACITY, cascadeattn.WordCapacity},
+	"KVP_PLAN_STATE_GENERATION":           {C.KVP_PLAN_STATE_GENERATION, cascadeattn.WordGeneration},
+	"KVP_PLAN_STATE_SAVED_TOKENS":         {C.KVP_PLAN_STATE_SAVED_TOKENS, cascadeattn.WordSavedTokens},
+	"KVP_PLAN_STATE_TOTAL_TOKENS":         {C.KVP_PLAN_STATE_TOTAL_TOKENS, cascadeattn.WordTotalTokens},
+	"KVP_PLAN_STATE_MAINLOOP":             {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
+}
+
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.
 type cascadeHookPlan struct{ p C.kvp_attn_plan }
 
@@ -73,37 +88,37 @@ func hookCascadePlan(h *cascadeHookArgs, null bool) (*cascadeHookPlan, abiStatus
 	return &p, abiStatus(kvp_cascade_plan(&a, &p.p, 0))
 }
 
-// hookPlanWithoutDevice plans as kvp_cascade_plan does but skips the device
-// (the slot count is the default and nothing is copied), so that the
-// update and run checks can be tested on a machine without a GPU.
-func hookPlanWithoutDevice(h *cascadeHookArgs) (*cascadeHookPlan, error) {
-	a := h.c()
-	maxTok := int(h.maxTokens)
-	if maxTok == 0 {
-		maxTok = int(h.maxBatch)
-	}
-	l, err := cascade.NewPrefillLayout(int(h.maxBatch), maxTok, int(h.qHeads), int(h.kvHeads), int(h.headDim))
-	if err != nil {
-		return nil, err
-	}
-	in := cascade.Input{NumQHeads: int(h.qHeads), NumKVHeads: int(h.kvHeads), HeadDim: int(h.headDim), DTypeBytes: 2,
-		BlockSize: int(h.blockSize), Tables: h.table, TableStride: int(h.stride), MaxBlocksPerSeq: int(h.maxBlocks),
-		SeqLens: h.lens, QIndptr: h.qo, Headroom: int(h.headroom), NoDecodeRoute: h.flags != 0}
-	var pl cascade.Planner
-	s, err := pl.Plan(&in, &l, h.host)
-	if err != nil {
-		return nil, err
-	}
-	return &cascadeHookPlan{cascadePlanStruct(&a, s, int(h.maxBatch), int(h.blockSize), cascade.DefaultSlots)}, nil
+func (p *cascadeHookPlan) route() int32    { return int32(p.p.route) }
+func (p *cascadeHookPlan) setKind(k int32) { p.p.kind = C.int32_t(k) }
+
+// hookPlanStruct is core plan p as kvp_attn_plan holds it.
+func hookPlanStruct(p *cascadeattn.Plan) (*cascadeHookPlan, abiStatus) {
+	h := &cascadeHookPlan{}
+	h.p.struct_size = C.size_t(unsafe.Sizeof(h.p))
+	return h, abiStatus(fail(writeCascadePlan(&h.p, p)))
 }
 
-func (p *cascadeHookPlan) route() int32 { return int32(p.p.route) }
-func (p *cascadeHookPlan) rows() (int32, int32) {
-	return int32(p.p.total_q), int32(p.p.max_q_len)
+// hookPrefillPlanRoundTrip writes prefill plan p into a kvp_attn_plan and
+// reads it back, as kvp_prefill_plan and kvp_paged_prefill do; it returns
+// the struct's plan-state words and the plan read back.
+func hookPrefillPlanRoundTrip(p *attn.PrefillPlan) ([6]uint64, attn.PrefillPlan, error) {
+	var c C.kvp_attn_plan
+	c.struct_size = C.size_t(unsafe.Sizeof(c))
+	if err := writeAttnPlan(&c, p, p.PlanState()); err != nil {
+		return [6]uint64{}, attn.PrefillPlan{}, err
+	}
+	var words [6]uint64
+	for i, w := range c.reserved {
+		words[i] = uint64(w)
+	}
+	back, state, err := readAttnPlan("test", &c)
+	back.SetPlanState(&state)
+	return words, back, err
 }
-func (p *cascadeHookPlan) setKind(k int32) { p.p.kind = C.int32_t(k) }
-func (p *cascadeHookPlan) saved() (uint64, uint64) {
-	return uint64(p.p.reserved[4]), uint64(p.p.reserved[5])
+
+// plan is the core plan the struct holds, as the run and update exports read it.
+func (p *cascadeHookPlan) plan() (cascadeattn.Plan, error) {
+	return readCascadePlan("test", &p.p)
 }
 
 func hookCascadeUpdate(p *cascadeHookPlan, lens []int32, batch int32) (int32, abiStatus) {
@@ -130,16 +145,10 @@ func hookCascadeWorkspaceSize(maxBatch, qh, kvh, d int32) (uint64, uint64, abiSt
 
 // hookPagedCascade runs a plan over contiguous tensors at fake addresses.
 func hookPagedCascade(p *cascadeHookPlan, blockSize, maxBlocks, reserved int32) abiStatus {
-	return hookPagedCascadeQ(p, blockSize, maxBlocks, reserved, 0)
-}
-
-// hookPagedCascadeQ is hookPagedCascade with q and out strides of qStride
-// elements between rows (0: contiguous).
-func hookPagedCascadeQ(p *cascadeHookPlan, blockSize, maxBlocks, reserved int32, qStride int64) abiStatus {
 	D, qh, kvh := int64(p.p.head_dim), int64(p.p.num_q_heads), int64(p.p.num_kv_heads)
 	a := C.kvp_paged_prefill_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_prefill_args{})),
 		num_blocks: 1 << 20, block_size: C.int32_t(blockSize), max_blocks_per_seq: C.int32_t(maxBlocks), reserved: C.int32_t(reserved),
-		q: 0x10000, q_token_stride: C.int64_t(max(qh*D, qStride)), q_head_stride: C.int64_t(D),
+		q: 0x10000, q_token_stride: C.int64_t(qh * D), q_head_stride: C.int64_t(D),
 		k_cache: 0x20000, v_cache: 0x30000,
 		cache_block_stride: C.int64_t(int64(blockSize) * kvh * D), cache_token_stride: C.int64_t(kvh * D), cache_head_stride: C.int64_t(D),
 		block_table: 0x40000, block_table_stride: C.int64_t(maxBlocks),
@@ -161,4 +170,62 @@ func hookCascadePlanSized(h *cascadeHookArgs, callerSize uintptr, tail byte) abi
 	var p C.kvp_attn_plan
 	p.struct_size = C.size_t(unsafe.Sizeof(p))
 	return abiStatus(kvp_cascade_plan((*C.kvp_cascade_plan_args)(buf.p), &p, 0))
+}
+
+// hookManagerHandle registers a core manager as a kvp_manager handle, so a
+// test can build sharing through the Go API (prefix cache, forks) and plan
+// through the ABI.
+func hookManagerHandle(m *kvmanager.Manager) unsafe.Pointer { return newHandle(m) }
+
+// hookManagerCascadePlan calls kvp_manager_cascade_plan with h's fields
+// (host arrays included, so a test can check they are refused); nullArgs
+// and nullPlan pass NULL for them. The plan struct starts as prev.
+func hookManagerCascadePlan(m unsafe.Pointer, ids []int64, n int32, h *cascadeHookArgs, prev *cascadeHookPlan, nullArgs, nullPlan bool) (*cascadeHookPlan, abiStatus) {
+	p := &cascadeHookPlan{}
+	if prev != nil {
+		*p = *prev
+	} else {
+		p.p.struct_size = C.size_t(unsafe.Sizeof(p.p))
+	}
+	a := h.c()
+	ap, pp := &a, &p.p
+	if nullArgs {
+		ap = nil
+	}
+	if nullPlan {
+		pp = nil
+	}
+	var idp *C.int64_t
+	if len(ids) > 0 {
+		idp = (*C.int64_t)(unsafe.Pointer(&ids[0]))
+	}
+	st := kvp_manager_cascade_plan((*C.kvp_manager)(m), idp, C.int32_t(n), ap, pp, 0)
+	return p, abiStatus(st)
+}
+
+// hookPlanSentinel is a plan struct with values no call writes (route 77,
+// batch 99), to see that a failed call leaves it alone.
+func hookPlanSentinel() *cascadeHookPlan {
+	p := &cascadeHookPlan{}
+	p.p.struct_size = C.size_t(unsafe.Sizeof(p.p))
+	p.p.route, p.p.batch = 77, 99
+	return p
+}
+
+// cascadePlanFields are a kvp_attn_plan's fields that a test compares.
+type cascadePlanFields struct {
+	Kind, Route, Batch, TotalQ, MaxQ, MaxKV, Items, Grid int32
+	Workspace, WorkspaceBytes, KVLens                    uint64
+	Reserved                                             [6]uint64
+}
+
+func (p *cascadeHookPlan) fields() cascadePlanFields {
+	c := &p.p
+	f := cascadePlanFields{Kind: int32(c.kind), Route: int32(c.route), Batch: int32(c.batch), TotalQ: int32(c.total_q),
+		MaxQ: int32(c.max_q_len), MaxKV: int32(c.max_kv_len), Items: int32(c.num_items), Grid: int32(c.grid),
+		Workspace: uint64(c.workspace), WorkspaceBytes: uint64(c.workspace_bytes), KVLens: uint64(c.kv_lens)}
+	for i := range f.Reserved {
+		f.Reserved[i] = uint64(c.reserved[i])
+	}
+	return f
 }

@@ -1,7 +1,9 @@
 // Command capi is libkvplug's C ABI: the //export functions declared in
-// include/kvplug.h, built with go build -buildmode=c-shared. It only checks
-// arguments, maps handles to core objects, recovers panics and translates
-// between C and Go; the logic lives in core/.
+// include/kvplug.h, built with go build -buildmode=c-shared. It translates:
+// it decodes the C structs (the struct-evolution rule, must-be-zero fields,
+// NULL pointers, views of the caller's arrays), maps handles to core
+// objects, calls the core, encodes the result and recovers panics. The
+// logic and the bounds (core/limits) live in core/.
 package main
 
 /*
@@ -19,6 +21,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
 )
@@ -136,6 +139,18 @@ func lookup[T any](h unsafe.Pointer, what string) (T, error) {
 	return t, nil
 }
 
+// onHandle is the shape of every export on a handle but a destroy: under
+// the panic guard, h's live object of type T (lookup's rules) is given to f,
+// whose error becomes the status and kvp_last_error.
+func onHandle[T any](h unsafe.Pointer, what string, f func(T) error) (st C.kvp_status) {
+	defer guard(&st)
+	obj, err := lookup[T](h, what)
+	if err != nil {
+		return fail(err)
+	}
+	return fail(f(obj))
+}
+
 // dropHandle unregisters h and returns its object if h is a live handle of
 // type T; any other pointer (NULL, destroyed, never a handle, or a handle
 // of another type) is left alone and false returned, so a destroy function
@@ -159,17 +174,12 @@ func dropHandle[T any](h unsafe.Pointer) (T, bool) {
 	return t, true
 }
 
-// checkCount validates a batch length.
+// checkCount validates a batch length (KVP_MAX_BATCH bounds every batched
+// call, so a wrong count is caught before a slice is made over the caller's
+// array).
 func checkCount(n C.int32_t, what string) error {
-	if n < 1 || n > maxBatch {
-		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [1, %d]: got %d", what, maxBatch, int32(n))
-	}
-	return nil
+	return limits.Range(what, int(n), 1, limits.Batch)
 }
-
-// maxBatch bounds every batched call, so a wrong count is caught before a
-// huge slice is made over the caller's array.
-const maxBatch = 1 << 20
 
 // slice views a caller array of n elements without copying; nil for a NULL
 // pointer. The view must not outlive the call.

@@ -30,10 +30,6 @@ var (
 	publishers   = map[*kvmanager.Manager]*eventPublisher{}
 )
 
-// maxEndpointLen bounds the C strings of the config, so a string without
-// its terminator is caught before it is read far.
-const maxEndpointLen = 4096
-
 // cString reads a NUL-terminated C string of at most max bytes ("" for
 // NULL); ok is false when no terminator comes within max+1 bytes.
 func cString(p *C.char, max int) (string, bool) {
@@ -47,8 +43,9 @@ func cString(p *C.char, max int) (string, bool) {
 	return C.GoStringN(p, C.int(n)), true
 }
 
-func publisherOf(h *C.kvp_event_publisher) (*eventPublisher, error) {
-	return lookup[*eventPublisher](unsafe.Pointer(h), "kvp_event_publisher")
+// onPublisher is an export on a kvp_event_publisher handle (onHandle).
+func onPublisher(h *C.kvp_event_publisher, f func(*eventPublisher) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), "kvp_event_publisher", f)
 }
 
 //export kvp_event_publisher_create
@@ -74,15 +71,18 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 		p    *C.char
 		name string
 		max  int
-	}{{c.endpoint, "endpoint", maxEndpointLen}, {c.replay_endpoint, "replay_endpoint", maxEndpointLen}, {c.topic, "topic", kvevents.MaxTopicLen}, {c.medium, "medium", 64}} {
+	}{{c.endpoint, "endpoint", kvevents.MaxEndpointLen}, {c.replay_endpoint, "replay_endpoint", kvevents.MaxEndpointLen},
+		{c.topic, "topic", kvevents.MaxTopicLen}, {c.medium, "medium", kvevents.MaxMediumLen}} {
 		s, ok := cString(f.p, f.max)
 		if !ok {
 			return failf(kverr.InvalidArgument, "%s: cfg.%s is longer than %d bytes (or not NUL-terminated)", op, f.name, f.max)
 		}
 		strs[i] = s
 	}
-	if c.flush_interval_us < 0 || c.flush_interval_us > 60_000_000 {
-		return failf(kverr.InvalidArgument, "%s: flush_interval_us must be in [0, 60000000]: got %d", op, int32(c.flush_interval_us))
+	// kvevents checks the interval too (its bound, this one); here the
+	// message names the C field.
+	if maxUS := kvevents.MaxFlushInterval.Microseconds(); c.flush_interval_us < 0 || int64(c.flush_interval_us) > maxUS {
+		return failf(kverr.InvalidArgument, "%s: flush_interval_us must be in [0, %d]: got %d", op, maxUS, int32(c.flush_interval_us))
 	}
 	if c.data_parallel_rank < -1 {
 		return failf(kverr.InvalidArgument, "%s: data_parallel_rank must be >= -1: got %d", op, int32(c.data_parallel_rank))
@@ -140,25 +140,19 @@ func kvp_event_publisher_destroy(h *C.kvp_event_publisher) {
 }
 
 //export kvp_event_publisher_flush
-func kvp_event_publisher_flush(h *C.kvp_event_publisher) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	ep.p.Flush()
-	return C.KVP_OK
+func kvp_event_publisher_flush(h *C.kvp_event_publisher) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		ep.p.Flush()
+		return nil
+	})
 }
 
 //export kvp_event_publisher_resync
-func kvp_event_publisher_resync(h *C.kvp_event_publisher) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	ep.p.Resync()
-	return C.KVP_OK
+func kvp_event_publisher_resync(h *C.kvp_event_publisher) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		ep.p.Resync()
+		return nil
+	})
 }
 
 func tcpPort(a net.Addr) C.int32_t {
@@ -169,30 +163,27 @@ func tcpPort(a net.Addr) C.int32_t {
 }
 
 //export kvp_event_publisher_stats_get
-func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) (st C.kvp_status) {
-	defer guard(&st)
-	ep, err := publisherOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
-	}
-	s := ep.p.Stats()
-	v := C.kvp_event_publisher_stats{
-		batches:          C.int64_t(s.Batches),
-		events:           C.int64_t(s.Events),
-		bytes:            C.int64_t(s.Bytes),
-		dropped_sends:    C.int64_t(s.DroppedSends),
-		replay_requests:  C.int64_t(s.ReplayReqs),
-		replay_batches:   C.int64_t(s.ReplayBatches),
-		snapshots:        C.int64_t(s.Snapshots),
-		source_errors:    C.int64_t(s.SourceErrors),
-		buffered_batches: C.int64_t(s.BufferedSteps),
-		buffered_bytes:   C.int64_t(s.BufferedBytes),
-		subscribers:      C.int32_t(s.Subscribers),
-		pub_port:         tcpPort(ep.p.PubAddr()),
-		replay_port:      tcpPort(ep.p.ReplayAddr()),
-	}
-	return fail(eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
+func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) C.kvp_status {
+	return onPublisher(h, func(ep *eventPublisher) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
+		}
+		s := ep.p.Stats()
+		v := C.kvp_event_publisher_stats{
+			batches:          C.int64_t(s.Batches),
+			events:           C.int64_t(s.Events),
+			bytes:            C.int64_t(s.Bytes),
+			dropped_sends:    C.int64_t(s.DroppedSends),
+			replay_requests:  C.int64_t(s.ReplayReqs),
+			replay_batches:   C.int64_t(s.ReplayBatches),
+			snapshots:        C.int64_t(s.Snapshots),
+			source_errors:    C.int64_t(s.SourceErrors),
+			buffered_batches: C.int64_t(s.BufferedSteps),
+			buffered_bytes:   C.int64_t(s.BufferedBytes),
+			subscribers:      C.int32_t(s.Subscribers),
+			pub_port:         tcpPort(ep.p.PubAddr()),
+			replay_port:      tcpPort(ep.p.ReplayAddr()),
+		}
+		return eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvevents"
@@ -120,13 +121,7 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	for {
-		if s, _ = hookPublisherStats(p, 0, false); s[4] == 1 {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(20 * time.Millisecond) // the subscription follows the handshake
+	waitSubscribed(p)
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
 	keys := []hookKeys{{adapter: 5, salt: []byte("tenant")}}
 	_, n, st := hookAdmit(m, []int64{1}, [][]int32{prompt}, keys)
@@ -137,15 +132,7 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 	expect(t, "flush", hookPublisherFlush(p), kverr.OK)
 	var stored *kvevents.DecodedEvent
 	for stored == nil {
-		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
-		msg, err := sub.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := kvevents.Decode(msg.Payload)
-		if err != nil {
-			t.Fatal(err)
-		}
+		msg, b := recvBatch(t, sub)
 		if msg.Topic != "kv@i0@m" || b.DPRank == nil || *b.DPRank != 2 {
 			t.Fatalf("topic %q dp rank %v", msg.Topic, b.DPRank)
 		}
@@ -197,23 +184,9 @@ func TestPublisherDPRank(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for {
-			if s, _ = hookPublisherStats(p, 0, false); s[4] == 1 {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
-		time.Sleep(20 * time.Millisecond)
+		waitSubscribed(p)
 		expect(t, "flush", hookPublisherFlush(p), kverr.OK)
-		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
-		msg, err := sub.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := kvevents.Decode(msg.Payload)
-		if err != nil {
-			t.Fatal(err)
-		}
+		msg, b := recvBatch(t, sub)
 		if omit != (b.DPRank == nil) || (!omit && *b.DPRank != 0) || (omit && msg.Payload[0] != 0x92) {
 			t.Fatalf("omit %v: rank %v, header %#x", omit, b.DPRank, msg.Payload[0])
 		}
@@ -221,4 +194,31 @@ func TestPublisherDPRank(t *testing.T) {
 		hookPublisherDestroy(p)
 		hookManagerDestroy(m)
 	}
+}
+
+// waitSubscribed waits until publisher p has its one subscriber, and a
+// little more: the subscription follows the handshake.
+func waitSubscribed(p unsafe.Pointer) {
+	for {
+		if s, _ := hookPublisherStats(p, 0, false); s[4] == 1 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+}
+
+// recvBatch receives one message (within 5 s) and decodes its batch.
+func recvBatch(t *testing.T, sub *kvevents.SubConn) (kvevents.Message, *kvevents.Batch) {
+	t.Helper()
+	_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
+	msg, err := sub.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := kvevents.Decode(msg.Payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return msg, b
 }

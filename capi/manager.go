@@ -18,6 +18,11 @@ func managerOf(h *C.kvp_manager) (*kvmanager.Manager, error) {
 	return lookup[*kvmanager.Manager](unsafe.Pointer(h), managerName)
 }
 
+// onManager is an export on a kvp_manager handle (onHandle).
+func onManager(h *C.kvp_manager, f func(*kvmanager.Manager) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), managerName, f)
+}
+
 //export kvp_manager_create
 func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
 	defer guard(&st)
@@ -51,152 +56,131 @@ func kvp_manager_destroy(h *C.kvp_manager) {
 }
 
 //export kvp_manager_add
-func kvp_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	return fail(m.Add(int64(id), int(promptLen)))
+func kvp_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		return m.Add(int64(id), int(promptLen))
+	})
 }
 
 //export kvp_manager_grow
-func kvp_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if ids == nil || counts == nil {
-		return failf(kverr.NullPointer, "kvp_manager_grow: seq_ids and num_tokens must not be NULL")
-	}
-	if err := checkCount(n, "kvp_manager_grow: n"); err != nil {
-		return fail(err)
-	}
-	return fail(m.Grow(slice[int64](unsafe.Pointer(ids), n), slice[int32](unsafe.Pointer(counts), n)))
+func kvp_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if ids == nil || counts == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow: seq_ids and num_tokens must not be NULL")
+		}
+		if err := checkCount(n, "kvp_manager_grow: n"); err != nil {
+			return err
+		}
+		return m.Grow(slice[int64](unsafe.Pointer(ids), n), slice[int32](unsafe.Pointer(counts), n))
+	})
 }
 
 //export kvp_manager_fork
 func kvp_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n C.int32_t,
-	copies *C.kvp_block_copy, maxCopies C.int32_t, numCopies *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if children == nil || numCopies == nil {
-		return failf(kverr.NullPointer, "kvp_manager_fork: children and num_copies must not be NULL")
-	}
-	if err := checkCount(n, "kvp_manager_fork: n"); err != nil {
-		return fail(err)
-	}
-	if maxCopies < 0 {
-		return failf(kverr.InvalidArgument, "kvp_manager_fork: max_copies must be >= 0: got %d", int32(maxCopies))
-	}
-	if maxCopies > 0 && copies == nil {
-		return failf(kverr.NullPointer, "kvp_manager_fork: copies is NULL with max_copies %d", int32(maxCopies))
-	}
-	// kvp_block_copy and kvmanager.CopyPair are both two int32s.
-	pairs := slice[kvmanager.CopyPair](unsafe.Pointer(copies), maxCopies)
-	k, err := m.Fork(int64(parent), slice[int64](unsafe.Pointer(children), n), pairs)
-	if err != nil {
-		return fail(err)
-	}
-	*numCopies = C.int32_t(k)
-	return C.KVP_OK
+	copies *C.kvp_block_copy, maxCopies C.int32_t, numCopies *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if children == nil || numCopies == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_fork: children and num_copies must not be NULL")
+		}
+		if err := checkCount(n, "kvp_manager_fork: n"); err != nil {
+			return err
+		}
+		if maxCopies < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_fork: max_copies must be >= 0: got %d", int32(maxCopies))
+		}
+		if maxCopies > 0 && copies == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_fork: copies is NULL with max_copies %d", int32(maxCopies))
+		}
+		// kvp_block_copy and kvmanager.CopyPair are both two int32s.
+		pairs := slice[kvmanager.CopyPair](unsafe.Pointer(copies), maxCopies)
+		k, err := m.Fork(int64(parent), slice[int64](unsafe.Pointer(children), n), pairs)
+		if err != nil {
+			return err
+		}
+		*numCopies = C.int32_t(k)
+		return nil
+	})
 }
 
 //export kvp_manager_remove
-func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if ids == nil {
-		return failf(kverr.NullPointer, "kvp_manager_remove: seq_ids must not be NULL")
-	}
-	if err := checkCount(n, "kvp_manager_remove: n"); err != nil {
-		return fail(err)
-	}
-	return fail(m.Remove(slice[int64](unsafe.Pointer(ids), n)))
+func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if ids == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_remove: seq_ids must not be NULL")
+		}
+		if err := checkCount(n, "kvp_manager_remove: n"); err != nil {
+			return err
+		}
+		return m.Remove(slice[int64](unsafe.Pointer(ids), n))
+	})
 }
 
 //export kvp_manager_describe
 func kvp_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 	table *C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,
-	slots *C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if ids == nil || numSlots == nil {
-		return failf(kverr.NullPointer, "kvp_manager_describe: seq_ids and num_slots must not be NULL")
-	}
-	if err := checkCount(n, "kvp_manager_describe: n"); err != nil {
-		return fail(err)
-	}
-	if table != nil && (maxBlocks < 1 || int64(maxBlocks)*int64(n) > 1<<31-1) {
-		return failf(kverr.InvalidArgument, "kvp_manager_describe: max_blocks must be in [1, 2^31/n] with a block_table: got %d", int32(maxBlocks))
-	}
-	if slotCap < 0 {
-		return failf(kverr.InvalidArgument, "kvp_manager_describe: slot_capacity must be >= 0: got %d", int32(slotCap))
-	}
-	var tbl []int32
-	if table != nil {
-		tbl = unsafe.Slice((*int32)(unsafe.Pointer(table)), int(n)*int(maxBlocks))
-	}
-	var slotBuf []int32
-	if slots != nil {
-		// A zero-length, non-nil view tells the core that slots are wanted.
-		slotBuf = unsafe.Slice((*int32)(unsafe.Pointer(slots)), int(slotCap))
-	}
-	k, err := m.Describe(slice[int64](unsafe.Pointer(ids), n), int(maxBlocks), tbl,
-		slice[int32](unsafe.Pointer(seqLens), n), slotBuf)
-	if err != nil {
-		return fail(err)
-	}
-	*numSlots = C.int32_t(k)
-	return C.KVP_OK
+	slots *C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if ids == nil || numSlots == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_describe: seq_ids and num_slots must not be NULL")
+		}
+		if err := checkCount(n, "kvp_manager_describe: n"); err != nil {
+			return err
+		}
+		if table != nil && (maxBlocks < 1 || int64(maxBlocks)*int64(n) > 1<<31-1) {
+			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_describe: max_blocks must be in [1, 2^31/n] with a block_table: got %d", int32(maxBlocks))
+		}
+		if slotCap < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_describe: slot_capacity must be >= 0: got %d", int32(slotCap))
+		}
+		var tbl []int32
+		if table != nil {
+			tbl = unsafe.Slice((*int32)(unsafe.Pointer(table)), int(n)*int(maxBlocks))
+		}
+		var slotBuf []int32
+		if slots != nil {
+			// A zero-length, non-nil view tells the core that slots are wanted.
+			slotBuf = unsafe.Slice((*int32)(unsafe.Pointer(slots)), int(slotCap))
+		}
+		k, err := m.Describe(slice[int64](unsafe.Pointer(ids), n), int(maxBlocks), tbl,
+			slice[int32](unsafe.Pointer(seqLens), n), slotBuf)
+		if err != nil {
+			return err
+		}
+		*numSlots = C.int32_t(k)
+		return nil
+	})
 }
 
 //export kvp_manager_stats_get
-func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
-	}
-	s := m.Stats()
-	var v C.kvp_manager_stats
-	v.num_blocks = C.int32_t(s.NumBlocks)
-	v.block_size = C.int32_t(s.BlockSize)
-	v.free_blocks = C.int32_t(s.FreeBlocks)
-	v.used_blocks = C.int32_t(s.UsedBlocks)
-	v.peak_used_blocks = C.int32_t(s.PeakUsedBlocks)
-	v.cached_blocks = C.int32_t(s.CachedBlocks)
-	v.shared_blocks = C.int32_t(s.SharedBlocks)
-	v.num_seqs = C.int32_t(s.NumSeqs)
-	v.num_tokens = C.int64_t(s.NumTokens)
-	v.allocated_slots = C.int64_t(s.AllocatedSlots)
-	v.internal_waste = C.int64_t(s.InternalWaste)
-	v.fragmentation = C.double(s.Fragmentation)
-	return fail(managerStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
+func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
+		}
+		s := m.Stats()
+		var v C.kvp_manager_stats
+		v.num_blocks = C.int32_t(s.NumBlocks)
+		v.block_size = C.int32_t(s.BlockSize)
+		v.free_blocks = C.int32_t(s.FreeBlocks)
+		v.used_blocks = C.int32_t(s.UsedBlocks)
+		v.peak_used_blocks = C.int32_t(s.PeakUsedBlocks)
+		v.cached_blocks = C.int32_t(s.CachedBlocks)
+		v.shared_blocks = C.int32_t(s.SharedBlocks)
+		v.num_seqs = C.int32_t(s.NumSeqs)
+		v.num_tokens = C.int64_t(s.NumTokens)
+		v.allocated_slots = C.int64_t(s.AllocatedSlots)
+		v.internal_waste = C.int64_t(s.InternalWaste)
+		v.fragmentation = C.double(s.Fragmentation)
+		return managerStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
 }
 
 //export kvp_manager_check
-func kvp_manager_check(h *C.kvp_manager) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if err := m.CheckInvariants(); err != nil {
-		return fail(kverr.Wrap(kverr.Internal, err, "kvp_manager_check"))
-	}
-	return C.KVP_OK
+func kvp_manager_check(h *C.kvp_manager) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if err := m.CheckInvariants(); err != nil {
+			return kverr.Wrap(kverr.Internal, err, "kvp_manager_check")
+		}
+		return nil
+	})
 }

@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // lockThread keeps the test on one OS thread: kvp_last_error is the
@@ -202,7 +203,7 @@ func FuzzManagerABI(f *testing.F) {
 				// A count is either the buffers' true length or an invalid one.
 				cnt := int32(n)
 				if r.u8()%4 == 0 {
-					cnt = []int32{0, -1, -1 << 31, maxBatch + 1}[r.u8()%4]
+					cnt = []int32{0, -1, -1 << 31, limits.Batch + 1}[r.u8()%4]
 				}
 				switch op {
 				case 1:

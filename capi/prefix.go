@@ -102,273 +102,237 @@ func onePrompt(op string, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_pr
 
 //export kvp_manager_admit
 func kvp_manager_admit(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
-	keys *C.kvp_prefix_keys, matched *C.int32_t, numAdmitted *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if ids == nil || numAdmitted == nil {
-		return failf(kverr.NullPointer, "kvp_manager_admit: seq_ids and num_admitted must not be NULL")
-	}
-	p, err := promptsOf("kvp_manager_admit", n, tokens, offsets, keys)
-	if err != nil {
-		return fail(err)
-	}
-	k, err := m.Admit(slice[int64](unsafe.Pointer(ids), n), p, slice[int32](unsafe.Pointer(matched), n))
-	if k > 0 || err == nil {
-		*numAdmitted = C.int32_t(k)
-	}
-	return fail(err)
+	keys *C.kvp_prefix_keys, matched *C.int32_t, numAdmitted *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if ids == nil || numAdmitted == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_admit: seq_ids and num_admitted must not be NULL")
+		}
+		p, err := promptsOf("kvp_manager_admit", n, tokens, offsets, keys)
+		if err != nil {
+			return err
+		}
+		k, err := m.Admit(slice[int64](unsafe.Pointer(ids), n), p, slice[int32](unsafe.Pointer(matched), n))
+		if k > 0 || err == nil {
+			*numAdmitted = C.int32_t(k)
+		}
+		return err
+	})
 }
 
 //export kvp_manager_grow_tokens
-func kvp_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t, tokens *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if ids == nil || counts == nil {
-		return failf(kverr.NullPointer, "kvp_manager_grow_tokens: seq_ids and num_tokens must not be NULL")
-	}
-	if err := checkCount(n, "kvp_manager_grow_tokens: n"); err != nil {
-		return fail(err)
-	}
-	c := slice[int32](unsafe.Pointer(counts), n)
-	var total int64
-	for _, x := range c {
-		total += int64(max(x, 0)) // the core rejects negative counts
-	}
-	if total > 0 && tokens == nil {
-		return failf(kverr.NullPointer, "kvp_manager_grow_tokens: tokens is NULL with %d new tokens", total)
-	}
-	t := []int32{}
-	if total > 0 {
-		t = unsafe.Slice((*int32)(unsafe.Pointer(tokens)), total)
-	}
-	return fail(m.GrowTokens(slice[int64](unsafe.Pointer(ids), n), c, t))
+func kvp_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t, tokens *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if ids == nil || counts == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow_tokens: seq_ids and num_tokens must not be NULL")
+		}
+		if err := checkCount(n, "kvp_manager_grow_tokens: n"); err != nil {
+			return err
+		}
+		c := slice[int32](unsafe.Pointer(counts), n)
+		var total int64
+		for _, x := range c {
+			total += int64(max(x, 0)) // the core rejects negative counts
+		}
+		if total > 0 && tokens == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow_tokens: tokens is NULL with %d new tokens", total)
+		}
+		t := []int32{}
+		if total > 0 {
+			t = unsafe.Slice((*int32)(unsafe.Pointer(tokens)), total)
+		}
+		return m.GrowTokens(slice[int64](unsafe.Pointer(ids), n), c, t)
+	})
 }
 
 //export kvp_manager_add_mm_items
-func kvp_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm_item, numItems C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if numItems < 0 || numItems > maxMMItems {
-		return failf(kverr.InvalidArgument, "kvp_manager_add_mm_items: num_items must be in [0, 2^20]: got %d", int32(numItems))
-	}
-	if numItems > 0 && items == nil {
-		return failf(kverr.NullPointer, "kvp_manager_add_mm_items: items is NULL with num_items %d", int32(numItems))
-	}
-	return fail(m.AddMMItems(int64(seqID), slice[prefix.MMItem](unsafe.Pointer(items), numItems)))
+func kvp_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm_item, numItems C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if numItems < 0 || numItems > maxMMItems {
+			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_add_mm_items: num_items must be in [0, 2^20]: got %d", int32(numItems))
+		}
+		if numItems > 0 && items == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_add_mm_items: items is NULL with num_items %d", int32(numItems))
+		}
+		return m.AddMMItems(int64(seqID), slice[prefix.MMItem](unsafe.Pointer(items), numItems))
+	})
 }
 
 //export kvp_manager_match
 func kvp_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
-	keys *C.kvp_prefix_keys, wantPartial C.int32_t, out *C.kvp_prefix_match) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_manager_match: out must not be NULL")
-	}
-	p, err := promptsOf("kvp_manager_match", n, tokens, offsets, keys)
-	if err != nil {
-		return fail(err)
-	}
-	return fail(m.Match(p, wantPartial != 0, slice[kvmanager.MatchInfo](unsafe.Pointer(out), n)))
+	keys *C.kvp_prefix_keys, wantPartial C.int32_t, out *C.kvp_prefix_match) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match: out must not be NULL")
+		}
+		p, err := promptsOf("kvp_manager_match", n, tokens, offsets, keys)
+		if err != nil {
+			return err
+		}
+		return m.Match(p, wantPartial != 0, slice[kvmanager.MatchInfo](unsafe.Pointer(out), n))
+	})
 }
 
 //export kvp_manager_pin
 func kvp_manager_pin(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
-	pinID *C.uint64_t, numBlocks *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if pinID == nil {
-		return failf(kverr.NullPointer, "kvp_manager_pin: pin_id must not be NULL")
-	}
-	t, k, err := onePrompt("kvp_manager_pin", tokens, numTokens, keys)
-	if err != nil {
-		return fail(err)
-	}
-	id, nb, err := m.Pin(t, k)
-	if err != nil {
-		return fail(err)
-	}
-	*pinID = C.uint64_t(id)
-	if numBlocks != nil {
-		*numBlocks = C.int32_t(nb)
-	}
-	return C.KVP_OK
+	pinID *C.uint64_t, numBlocks *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if pinID == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_pin: pin_id must not be NULL")
+		}
+		t, k, err := onePrompt("kvp_manager_pin", tokens, numTokens, keys)
+		if err != nil {
+			return err
+		}
+		id, nb, err := m.Pin(t, k)
+		if err != nil {
+			return err
+		}
+		*pinID = C.uint64_t(id)
+		if numBlocks != nil {
+			*numBlocks = C.int32_t(nb)
+		}
+		return nil
+	})
 }
 
 //export kvp_manager_unpin
-func kvp_manager_unpin(h *C.kvp_manager, pinID C.uint64_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	return fail(m.Unpin(uint64(pinID)))
+func kvp_manager_unpin(h *C.kvp_manager, pinID C.uint64_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		return m.Unpin(uint64(pinID))
+	})
 }
 
 //export kvp_manager_set_priority
 func kvp_manager_set_priority(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
-	priority C.int32_t, numBlocks *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	t, k, err := onePrompt("kvp_manager_set_priority", tokens, numTokens, keys)
-	if err != nil {
-		return fail(err)
-	}
-	nb, err := m.SetPriority(t, k, int32(priority))
-	if err != nil {
-		return fail(err)
-	}
-	if numBlocks != nil {
-		*numBlocks = C.int32_t(nb)
-	}
-	return C.KVP_OK
+	priority C.int32_t, numBlocks *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		t, k, err := onePrompt("kvp_manager_set_priority", tokens, numTokens, keys)
+		if err != nil {
+			return err
+		}
+		nb, err := m.SetPriority(t, k, int32(priority))
+		if err != nil {
+			return err
+		}
+		if numBlocks != nil {
+			*numBlocks = C.int32_t(nb)
+		}
+		return nil
+	})
 }
 
 //export kvp_manager_prefix_stats
-func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
-	}
-	s := m.PrefixStats()
-	v := C.kvp_prefix_stats{
-		queries:          C.int64_t(s.Queries),
-		query_tokens:     C.int64_t(s.QueryTokens),
-		hit_tokens:       C.int64_t(s.HitTokens),
-		partial_tokens:   C.int64_t(s.PartialTokens),
-		inserts:          C.int64_t(s.Inserts),
-		dedups:           C.int64_t(s.Dedups),
-		evictions:        C.int64_t(s.Evictions),
-		events_dropped:   C.int64_t(s.EventsDropped),
-		cached_blocks:    C.int32_t(s.CachedBlocks),
-		locked_blocks:    C.int32_t(s.LockedBlocks),
-		pinned_blocks:    C.int32_t(s.PinnedBlocks),
-		evictable_blocks: C.int32_t(s.EvictableBlocks),
-		pending_events:   C.int32_t(s.PendingEvents),
-	}
-	return fail(prefixStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v)))
+func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
+		}
+		s := m.PrefixStats()
+		v := C.kvp_prefix_stats{
+			queries:          C.int64_t(s.Queries),
+			query_tokens:     C.int64_t(s.QueryTokens),
+			hit_tokens:       C.int64_t(s.HitTokens),
+			partial_tokens:   C.int64_t(s.PartialTokens),
+			inserts:          C.int64_t(s.Inserts),
+			dedups:           C.int64_t(s.Dedups),
+			evictions:        C.int64_t(s.Evictions),
+			events_dropped:   C.int64_t(s.EventsDropped),
+			cached_blocks:    C.int32_t(s.CachedBlocks),
+			locked_blocks:    C.int32_t(s.LockedBlocks),
+			pinned_blocks:    C.int32_t(s.PinnedBlocks),
+			evictable_blocks: C.int32_t(s.EvictableBlocks),
+			pending_events:   C.int32_t(s.PendingEvents),
+		}
+		return prefixStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
 }
 
 //export kvp_manager_prefix_stats_reset
-func kvp_manager_prefix_stats_reset(h *C.kvp_manager) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	m.ResetPrefixStats()
-	return C.KVP_OK
+func kvp_manager_prefix_stats_reset(h *C.kvp_manager) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		m.ResetPrefixStats()
+		return nil
+	})
 }
 
 //export kvp_manager_clear_prefix_cache
-func kvp_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	n, err := m.ClearPrefixCache()
-	if err != nil {
-		return fail(err)
-	}
-	if numFreed != nil {
-		*numFreed = C.int32_t(n)
-	}
-	return C.KVP_OK
+func kvp_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		n, err := m.ClearPrefixCache()
+		if err != nil {
+			return err
+		}
+		if numFreed != nil {
+			*numFreed = C.int32_t(n)
+		}
+		return nil
+	})
 }
 
 //export kvp_manager_drain_events
 func kvp_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvents C.int32_t,
 	tokens *C.int32_t, maxTokens C.int32_t, mm *C.kvp_block_mm, maxMM C.int32_t,
-	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if events == nil || numEvents == nil {
-		return failf(kverr.NullPointer, "kvp_manager_drain_events: events and num_events must not be NULL")
-	}
-	if maxEvents < 1 || maxTokens < 0 || maxMM < 0 || maxHashes < 0 {
-		return failf(kverr.InvalidArgument, "kvp_manager_drain_events: max_events must be >= 1 and the other maxima >= 0: got %d, %d, %d, %d",
-			int32(maxEvents), int32(maxTokens), int32(maxMM), int32(maxHashes))
-	}
-	if (maxTokens > 0 && tokens == nil) || (maxMM > 0 && mm == nil) || (maxHashes > 0 && hashes == nil) {
-		return failf(kverr.NullPointer, "kvp_manager_drain_events: tokens, mm and hashes must not be NULL with a maximum above 0")
-	}
-	evs, err := m.DrainEvents(kvmanager.EventLimits{Events: int(maxEvents), Tokens: int(maxTokens), MM: int(maxMM), Hashes: int(maxHashes)})
-	if err != nil {
-		return fail(err)
-	}
-	outEv := slice[C.kvp_kv_event](unsafe.Pointer(events), maxEvents)
-	outTok := slice[int32](unsafe.Pointer(tokens), maxTokens)
-	outMM := slice[prefix.BlockMM](unsafe.Pointer(mm), maxMM)
-	outHash := slice[prefix.Hash](unsafe.Pointer(hashes), maxHashes)
-	nTok, nMM, nHash := 0, 0, 0
-	for i, ev := range evs {
-		e := C.kvp_kv_event{kind: C.int32_t(ev.Kind)}
-		switch ev.Kind {
-		case prefix.BlockStored:
-			e.block_size = C.int32_t(ev.BlockSize)
-			e.adapter = C.uint64_t(ev.Adapter)
-			e.hash = *(*[16]C.uint8_t)(unsafe.Pointer(&ev.Hash))
-			e.parent = *(*[16]C.uint8_t)(unsafe.Pointer(&ev.Parent))
-			e.tokens_offset = C.int32_t(nTok)
-			nTok += copy(outTok[nTok:], ev.Tokens)
-			e.mm_offset = C.int32_t(nMM)
-			e.num_mm = C.int32_t(len(ev.MM))
-			nMM += copy(outMM[nMM:], ev.MM)
-		case prefix.BlockRemoved:
-			e.hashes_offset = C.int32_t(nHash)
-			e.num_hashes = C.int32_t(len(ev.Hashes))
-			nHash += copy(outHash[nHash:], ev.Hashes)
+	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if events == nil || numEvents == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_drain_events: events and num_events must not be NULL")
 		}
-		outEv[i] = e
-	}
-	*numEvents = C.int32_t(len(evs))
-	return C.KVP_OK
+		if maxEvents < 1 || maxTokens < 0 || maxMM < 0 || maxHashes < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_drain_events: max_events must be >= 1 and the other maxima >= 0: got %d, %d, %d, %d",
+				int32(maxEvents), int32(maxTokens), int32(maxMM), int32(maxHashes))
+		}
+		if (maxTokens > 0 && tokens == nil) || (maxMM > 0 && mm == nil) || (maxHashes > 0 && hashes == nil) {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_drain_events: tokens, mm and hashes must not be NULL with a maximum above 0")
+		}
+		evs, err := m.DrainEvents(kvmanager.EventLimits{Events: int(maxEvents), Tokens: int(maxTokens), MM: int(maxMM), Hashes: int(maxHashes)})
+		if err != nil {
+			return err
+		}
+		outEv := slice[C.kvp_kv_event](unsafe.Pointer(events), maxEvents)
+		outTok := slice[int32](unsafe.Pointer(tokens), maxTokens)
+		outMM := slice[prefix.BlockMM](unsafe.Pointer(mm), maxMM)
+		outHash := slice[prefix.Hash](unsafe.Pointer(hashes), maxHashes)
+		nTok, nMM, nHash := 0, 0, 0
+		for i, ev := range evs {
+			e := C.kvp_kv_event{kind: C.int32_t(ev.Kind)}
+			switch ev.Kind {
+			case prefix.BlockStored:
+				e.block_size = C.int32_t(ev.BlockSize)
+				e.adapter = C.uint64_t(ev.Adapter)
+				e.hash = *(*[16]C.uint8_t)(unsafe.Pointer(&ev.Hash))
+				e.parent = *(*[16]C.uint8_t)(unsafe.Pointer(&ev.Parent))
+				e.tokens_offset = C.int32_t(nTok)
+				nTok += copy(outTok[nTok:], ev.Tokens)
+				e.mm_offset = C.int32_t(nMM)
+				e.num_mm = C.int32_t(len(ev.MM))
+				nMM += copy(outMM[nMM:], ev.MM)
+			case prefix.BlockRemoved:
+				e.hashes_offset = C.int32_t(nHash)
+				e.num_hashes = C.int32_t(len(ev.Hashes))
+				nHash += copy(outHash[nHash:], ev.Hashes)
+			}
+			outEv[i] = e
+		}
+		*numEvents = C.int32_t(len(evs))
+		return nil
+	})
 }
 
 //export kvp_manager_next_event_size
-func kvp_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	m, err := managerOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	size, _, err := m.NextEventSize()
-	if err != nil {
-		return fail(err)
-	}
-	for _, o := range []struct {
-		p *C.int32_t
-		v int
-	}{{tokens, size.Tokens}, {mm, size.MM}, {hashes, size.Hashes}} {
-		if o.p != nil {
-			*o.p = C.int32_t(o.v)
+func kvp_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		size, _, err := m.NextEventSize()
+		if err != nil {
+			return err
 		}
-	}
-	return C.KVP_OK
+		for _, o := range []struct {
+			p *C.int32_t
+			v int
+		}{{tokens, size.Tokens}, {mm, size.MM}, {hashes, size.Hashes}} {
+			if o.p != nil {
+				*o.p = C.int32_t(o.v)
+			}
+		}
+		return nil
+	})
 }

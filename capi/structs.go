@@ -35,35 +35,31 @@ type abiStruct struct {
 const maxStructSize = 1 << 16
 
 var (
-	managerConfigStruct = abiStruct{"kvp_manager_config",
-		unsafe.Offsetof(C.kvp_manager_config{}.block_size) + 4, unsafe.Sizeof(C.kvp_manager_config{})}
-	managerStatsStruct = abiStruct{"kvp_manager_stats",
-		unsafe.Offsetof(C.kvp_manager_stats{}.num_blocks) + 4, unsafe.Sizeof(C.kvp_manager_stats{})}
-	prefixStatsStruct = abiStruct{"kvp_prefix_stats",
-		unsafe.Offsetof(C.kvp_prefix_stats{}.queries) + 8, unsafe.Sizeof(C.kvp_prefix_stats{})}
-	vcacheConfigStruct = abiStruct{"kvp_vcache_config",
-		unsafe.Sizeof(C.kvp_vcache_config{}), unsafe.Sizeof(C.kvp_vcache_config{})}
-	vcacheStatsStruct = abiStruct{"kvp_vcache_stats",
-		unsafe.Offsetof(C.kvp_vcache_stats{}.page_size) + 8, unsafe.Sizeof(C.kvp_vcache_stats{})}
-	kvWriteArgsStruct = abiStruct{"kvp_kv_write_args",
-		unsafe.Sizeof(C.kvp_kv_write_args{}), unsafe.Sizeof(C.kvp_kv_write_args{})}
-	pagedDecodeArgsStruct = abiStruct{"kvp_paged_decode_args",
-		unsafe.Sizeof(C.kvp_paged_decode_args{}), unsafe.Sizeof(C.kvp_paged_decode_args{})}
-	mergeStatesArgsStruct = abiStruct{"kvp_merge_states_args",
-		unsafe.Sizeof(C.kvp_merge_states_args{}), unsafe.Sizeof(C.kvp_merge_states_args{})}
-	prefillPlanArgsStruct = abiStruct{"kvp_prefill_plan_args",
-		unsafe.Sizeof(C.kvp_prefill_plan_args{}), unsafe.Sizeof(C.kvp_prefill_plan_args{})}
-	attnPlanStruct = abiStruct{"kvp_attn_plan",
-		unsafe.Sizeof(C.kvp_attn_plan{}), unsafe.Sizeof(C.kvp_attn_plan{})}
-	pagedPrefillArgsStruct = abiStruct{"kvp_paged_prefill_args",
-		unsafe.Sizeof(C.kvp_paged_prefill_args{}), unsafe.Sizeof(C.kvp_paged_prefill_args{})}
-	cascadePlanArgsStruct = abiStruct{"kvp_cascade_plan_args",
-		unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host), unsafe.Sizeof(C.kvp_cascade_plan_args{})}
-	eventPublisherConfigStruct = abiStruct{"kvp_event_publisher_config",
-		unsafe.Sizeof(C.kvp_event_publisher_config{}), unsafe.Sizeof(C.kvp_event_publisher_config{})}
-	eventPublisherStatsStruct = abiStruct{"kvp_event_publisher_stats",
-		unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches) + 8, unsafe.Sizeof(C.kvp_event_publisher_stats{})}
+	managerConfigStruct        = structOf[C.kvp_manager_config]("kvp_manager_config", unsafe.Offsetof(C.kvp_manager_config{}.block_size)+4)
+	managerStatsStruct         = structOf[C.kvp_manager_stats]("kvp_manager_stats", unsafe.Offsetof(C.kvp_manager_stats{}.num_blocks)+4)
+	prefixStatsStruct          = structOf[C.kvp_prefix_stats]("kvp_prefix_stats", unsafe.Offsetof(C.kvp_prefix_stats{}.queries)+8)
+	vcacheConfigStruct         = structOf[C.kvp_vcache_config]("kvp_vcache_config", 0)
+	vcacheStatsStruct          = structOf[C.kvp_vcache_stats]("kvp_vcache_stats", unsafe.Offsetof(C.kvp_vcache_stats{}.page_size)+8)
+	kvWriteArgsStruct          = structOf[C.kvp_kv_write_args]("kvp_kv_write_args", 0)
+	pagedDecodeArgsStruct      = structOf[C.kvp_paged_decode_args]("kvp_paged_decode_args", 0)
+	mergeStatesArgsStruct      = structOf[C.kvp_merge_states_args]("kvp_merge_states_args", 0)
+	prefillPlanArgsStruct      = structOf[C.kvp_prefill_plan_args]("kvp_prefill_plan_args", 0)
+	attnPlanStruct             = structOf[C.kvp_attn_plan]("kvp_attn_plan", 0)
+	pagedPrefillArgsStruct     = structOf[C.kvp_paged_prefill_args]("kvp_paged_prefill_args", 0)
+	cascadePlanArgsStruct      = structOf[C.kvp_cascade_plan_args]("kvp_cascade_plan_args", unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host))
+	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
+	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)
 )
+
+// structOf is the abiStruct of C struct T (name), first released at size
+// first; 0: T's size, a struct that has not grown since.
+func structOf[T any](name string, first uintptr) abiStruct {
+	size := unsafe.Sizeof(*new(T))
+	if first == 0 {
+		first = size
+	}
+	return abiStruct{name, first, size}
+}
 
 // abiStructs is every versioned struct of the ABI.
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,

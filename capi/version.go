@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"unsafe"
 
-	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/internal/logx"
 )
 
@@ -27,8 +26,8 @@ func kvp_version_string() *C.char { return versionString }
 //export kvp_set_logger
 func kvp_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp_status) {
 	defer guard(&st)
-	if level < C.KVP_LOG_DEBUG || level > C.KVP_LOG_OFF {
-		return failf(kverr.InvalidArgument, "log level must be in [0, 4]: got %d", int(level))
+	if err := logx.CheckLevel(int(level)); err != nil {
+		return fail(err)
 	}
 	if fn == nil {
 		logx.SetSink(nil, logx.Level(level))
@@ -45,8 +44,8 @@ func kvp_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp
 //export kvp_set_log_level
 func kvp_set_log_level(level C.int) (st C.kvp_status) {
 	defer guard(&st)
-	if level < C.KVP_LOG_DEBUG || level > C.KVP_LOG_OFF {
-		return failf(kverr.InvalidArgument, "log level must be in [0, 4]: got %d", int(level))
+	if err := logx.CheckLevel(int(level)); err != nil {
+		return fail(err)
 	}
 	logx.SetLevel(logx.Level(level))
 	return C.KVP_OK

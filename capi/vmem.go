@@ -21,8 +21,9 @@ type vcache struct {
 	drv vmem.Driver
 }
 
-func vcacheOf(h *C.kvp_vcache) (*vcache, error) {
-	return lookup[*vcache](unsafe.Pointer(h), vcacheName)
+// onVcache is an export on a kvp_vcache handle (onHandle).
+func onVcache(h *C.kvp_vcache, f func(*vcache) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), vcacheName, f)
 }
 
 //export kvp_vcache_create
@@ -87,125 +88,104 @@ func kvp_vcache_destroy(h *C.kvp_vcache) {
 }
 
 //export kvp_vcache_layer_ptrs
-func kvp_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if k == nil || v == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_layer_ptrs: k_ptr and v_ptr must not be NULL")
-	}
-	kp, vp, err := vc.c.LayerPtrs(int(layer))
-	if err != nil {
-		return fail(err)
-	}
-	*k, *v = C.uint64_t(kp), C.uint64_t(vp)
-	return C.KVP_OK
+func kvp_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		if k == nil || v == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_layer_ptrs: k_ptr and v_ptr must not be NULL")
+		}
+		kp, vp, err := vc.c.LayerPtrs(int(layer))
+		if err != nil {
+			return err
+		}
+		*k, *v = C.uint64_t(kp), C.uint64_t(vp)
+		return nil
+	})
 }
 
 //export kvp_vcache_strides
-func kvp_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if strides == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_strides: strides must not be NULL")
-	}
-	s := vc.c.Layout().ElementStrides()
-	out := unsafe.Slice((*int64)(unsafe.Pointer(strides)), 4)
-	copy(out, s[:])
-	return C.KVP_OK
+func kvp_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		if strides == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_strides: strides must not be NULL")
+		}
+		s := vc.c.Layout().ElementStrides()
+		out := unsafe.Slice((*int64)(unsafe.Pointer(strides)), 4)
+		copy(out, s[:])
+		return nil
+	})
 }
 
 //export kvp_vcache_alloc_slot
-func kvp_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if slot == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_alloc_slot: slot must not be NULL")
-	}
-	s, err := vc.c.Alloc()
-	if err != nil {
-		return fail(err)
-	}
-	*slot = C.int32_t(s)
-	return C.KVP_OK
+func kvp_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		if slot == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_alloc_slot: slot must not be NULL")
+		}
+		s, err := vc.c.Alloc()
+		if err != nil {
+			return err
+		}
+		*slot = C.int32_t(s)
+		return nil
+	})
 }
 
 //export kvp_vcache_free_slot
-func kvp_vcache_free_slot(h *C.kvp_vcache, slot C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	return fail(vc.c.Free(int(slot)))
+func kvp_vcache_free_slot(h *C.kvp_vcache, slot C.int32_t) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		return vc.c.Free(int(slot))
+	})
 }
 
 //export kvp_vcache_step
-func kvp_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if n == 0 {
-		return C.KVP_OK
-	}
-	if err := checkCount(n, "kvp_vcache_step: n"); err != nil {
-		return fail(err)
-	}
-	if slots == nil || ctxLens == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_step: slots and ctx_lens must not be NULL")
-	}
-	return fail(vc.c.Step(slice[int32](unsafe.Pointer(slots), n), slice[int32](unsafe.Pointer(ctxLens), n)))
+func kvp_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		if n == 0 {
+			return nil
+		}
+		if err := checkCount(n, "kvp_vcache_step: n"); err != nil {
+			return err
+		}
+		if slots == nil || ctxLens == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_step: slots and ctx_lens must not be NULL")
+		}
+		return vc.c.Step(slice[int32](unsafe.Pointer(slots), n), slice[int32](unsafe.Pointer(ctxLens), n))
+	})
 }
 
 //export kvp_vcache_trim
-func kvp_vcache_trim(h *C.kvp_vcache) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	return fail(vc.c.Trim())
+func kvp_vcache_trim(h *C.kvp_vcache) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		return vc.c.Trim()
+	})
 }
 
 //export kvp_vcache_stats_get
-func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) (st C.kvp_status) {
-	defer guard(&st)
-	vc, err := vcacheOf(h)
-	if err != nil {
-		return fail(err)
-	}
-	if out == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
-	}
-	s := vc.c.Stats()
-	full := C.kvp_vcache_stats{
-		page_size:         C.int64_t(s.PageSize),
-		budget_bytes:      C.int64_t(s.BudgetBytes),
-		tensor_bytes:      C.int64_t(vc.c.Layout().BufferBytes),
-		mapped_bytes:      C.int64_t(s.MappedBytes),
-		held_bytes:        C.int64_t(s.HeldBytes),
-		active_slots:      C.int32_t(s.ActiveSlots),
-		reusable_slots:    C.int32_t(s.ReusableSlots),
-		steps:             C.int64_t(s.Steps),
-		map_calls:         C.int64_t(s.MapCalls),
-		unmap_calls:       C.int64_t(s.UnmapCalls),
-		create_calls:      C.int64_t(s.CreateCalls),
-		release_calls:     C.int64_t(s.ReleaseCalls),
-		out_of_memory:     C.int64_t(s.OutOfMemory),
-		step_map_ns:       C.int64_t(s.StepMapNs),
-		step_wait_ns:      C.int64_t(s.StepWaitNs),
-		background_map_ns: C.int64_t(s.BackgroundMapNs),
-		background_errors: C.int64_t(s.BackgroundErrors),
-	}
-	return fail(vcacheStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&full)))
+func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) C.kvp_status {
+	return onVcache(h, func(vc *vcache) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
+		}
+		s := vc.c.Stats()
+		full := C.kvp_vcache_stats{
+			page_size:         C.int64_t(s.PageSize),
+			budget_bytes:      C.int64_t(s.BudgetBytes),
+			tensor_bytes:      C.int64_t(vc.c.Layout().BufferBytes),
+			mapped_bytes:      C.int64_t(s.MappedBytes),
+			held_bytes:        C.int64_t(s.HeldBytes),
+			active_slots:      C.int32_t(s.ActiveSlots),
+			reusable_slots:    C.int32_t(s.ReusableSlots),
+			steps:             C.int64_t(s.Steps),
+			map_calls:         C.int64_t(s.MapCalls),
+			unmap_calls:       C.int64_t(s.UnmapCalls),
+			create_calls:      C.int64_t(s.CreateCalls),
+			release_calls:     C.int64_t(s.ReleaseCalls),
+			out_of_memory:     C.int64_t(s.OutOfMemory),
+			step_map_ns:       C.int64_t(s.StepMapNs),
+			step_wait_ns:      C.int64_t(s.StepWaitNs),
+			background_map_ns: C.int64_t(s.BackgroundMapNs),
+			background_errors: C.int64_t(s.BackgroundErrors),
+		}
+		return vcacheStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&full))
+	})
 }

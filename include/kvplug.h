@@ -113,6 +113,20 @@ extern "C" {
 #define KVP_STRUCT_INIT(T) {.struct_size = sizeof(T)}
 #endif
 
+/* ------------------------------------------------------------------------ */
+/* Limits                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Bounds of counts the functions check (INVALID_ARGUMENT beyond them), the
+ * library's own constants: a count is refused before anything is sized by
+ * it. Each function's comment says which of its arguments they bound. */
+#define KVP_MAX_BATCH (1 << 20)         /* sequence ids (or slots) of one manager or vcache call */
+#define KVP_MAX_ATTN_BATCH 65535        /* sequences of one attention plan or launch */
+#define KVP_MAX_PROMPT_TOKENS (1 << 30) /* tokens of one prompt or sequence */
+#define KVP_MAX_MM_ITEMS (1 << 20)      /* multimodal items of one prompt */
+#define KVP_MAX_SALT_LEN 1024           /* bytes of a prompt's cache salt */
+#define KVP_MAX_BYTES 0x7fffffffffffffffULL /* a byte count (workspace_bytes): INT64_MAX */
+
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
  * built against this header should check that kvp_version() / 10000 equals
@@ -985,6 +999,9 @@ typedef struct kvp_merge_states_args {
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
+/* A prefill plan's plan-state word: the prefill kernel it was planned for
+ * (0: sm_80, 1: Hopper's sm_90a). */
+#define KVP_PLAN_STATE_MAINLOOP 0
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */
@@ -1030,7 +1047,12 @@ typedef struct kvp_attn_plan {
   uint64_t workspace;
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */
-  uint64_t reserved[6]; /* the library's plan state: copy it with the plan, never edit it */
+  /* Plan state, NOT a must-be-zero field (the one `reserved` of this header
+   * that is not): the words KVP_PLAN_STATE_*, which the plan's kind gives
+   * (a prefill plan's mainloop below; a cascade plan's, the shared-prefix
+   * section). The calls that take the plan read it back: copy it with the
+   * plan, never edit it. */
+  uint64_t reserved[6];
 } kvp_attn_plan;
 
 #define KVP_ATTN_PLAN_INIT KVP_STRUCT_INIT(kvp_attn_plan)
@@ -1184,15 +1206,18 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * KVP_ATTN_ROUTE_PREFILL; batch; total_q (batch in decode); max_q_len;
  * max_kv_len the longest planned length (tail capacities included);
  * num_items, grid (and num_splits on the prefill route); kv_lens = the
- * device seq_lens; reserved[0] the
- * host workspace's address, reserved[1] its bytes, reserved[2] max_batch |
- * block_size << 32, reserved[3] partial states | plan generation << 32,
- * reserved[4] the KV tokens per kv head the shared reads save this step,
- * reserved[5] the tokens per kv head plain decode would read. f16 and bf16.
- * kvp_cascade_update and kvp_paged_cascade read the host workspace that
- * reserved[0] names: pass plans as kvp_cascade_plan wrote them (copies are
- * fine; an edited address is undefined behaviour, as any bad pointer).
+ * device seq_lens; and the plan state in reserved[KVP_PLAN_STATE_*]: the
+ * words below. f16 and bf16. kvp_cascade_update and kvp_paged_cascade read
+ * the host workspace that reserved[KVP_PLAN_STATE_HOST_WORKSPACE] names:
+ * pass plans as kvp_cascade_plan wrote them (copies are fine; an edited
+ * address is undefined behaviour, as any bad pointer).
  */
+#define KVP_PLAN_STATE_HOST_WORKSPACE 0       /* the host workspace's address */
+#define KVP_PLAN_STATE_HOST_WORKSPACE_BYTES 1 /* its bytes */
+#define KVP_PLAN_STATE_CAPACITY 2     /* max_batch | block_size << 32 */
+#define KVP_PLAN_STATE_GENERATION 3   /* partial states | plan generation << 32 */
+#define KVP_PLAN_STATE_SAVED_TOKENS 4 /* KV tokens per kv head the shared reads save this step */
+#define KVP_PLAN_STATE_TOTAL_TOKENS 5 /* KV tokens per kv head plain decode would read */
 #define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
 #define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
@@ -1317,17 +1342,19 @@ kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * (seq_lens and qo_indptr are not read; qo_indptr_host is, and max_batch
  * and max_tokens default to the batch's sequences and query rows): *plan
  * gets kind, route, batch, total_q, max_q_len, max_kv_len, num_items and
- * reserved[2..5] as a device plan would (the chunking of an H100, 264
- * resident blocks; the route and reserved[4], reserved[5] do not depend on
+ * the plan-state words KVP_PLAN_STATE_CAPACITY to KVP_PLAN_STATE_TOTAL_TOKENS
+ * as a device plan would (the chunking of an H100, 264 resident blocks; the
+ * route and the saved and total tokens do not depend on
  * the device; num_items is 0 on the prefill route, whose work list the
  * device plans), and grid, num_splits, workspace, workspace_bytes,
- * kv_lens, reserved[0] and reserved[1] 0. Such a plan names no workspace:
- * kvp_cascade_update and kvp_paged_cascade refuse it (INVALID_ARGUMENT).
- * Use it to measure a batch's sharing on any machine: shared-prefix
- * attention reads reserved[5] - reserved[4] KV tokens per kv head where
- * plain attention reads reserved[5] (a step on the decode or prefill
+ * kv_lens and the host workspace's words 0. Such a plan names no
+ * workspace: kvp_cascade_update and kvp_paged_cascade refuse it
+ * (INVALID_ARGUMENT). Use it to measure a batch's sharing on any machine:
+ * shared-prefix attention reads total - saved KV tokens per kv head
+ * (reserved[KVP_PLAN_STATE_TOTAL_TOKENS] and [KVP_PLAN_STATE_SAVED_TOKENS])
+ * where plain attention reads total (a step on the decode or prefill
  * route, which the planner takes where its cost model predicts sharing
- * not to pay, reads reserved[5]). With one workspace given, the call is
+ * not to pay, reads total). With one workspace given, the call is
  * kvp_cascade_plan's and fails for the other.
  *
  * On error *plan and the workspaces are left as they were.

@@ -1,7 +1,7 @@
 // Package attn launches the library's attention kernels (KV write, paged
 // decode with split-KV, merge of attention states) on the engine's device
-// pointers and stream, and holds a CPU reference backend in Go with the same
-// semantics, computed in float64, that tests use as the oracle.
+// pointers and stream. Their float64 oracle, which the tests hold the
+// kernels to, is core/attn/attnref.
 //
 // Layouts follow kernels/kvplug_kernels.h: strides count elements of the
 // tensor's dtype (float32 elements for log-sum-exp arrays), head_dim is
@@ -17,6 +17,7 @@ import (
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // Limits of the arguments (beyond these the kernels' grids or the int32
@@ -24,8 +25,8 @@ import (
 const (
 	MaxHeads     = 1 << 12
 	MaxSplits    = 256
-	maxBatch     = maxGridYZ // decode grid.y
-	maxElemIndex = 1 << 50   // largest element offset any stride may reach
+	maxBatch     = limits.AttnBatch // decode grid.y (at most maxGridYZ: limits_test.go)
+	maxElemIndex = 1 << 50          // largest element offset any stride may reach
 )
 
 // SupportedHeadDim reports whether the kernels are built for head_dim d.
@@ -161,12 +162,7 @@ func vecMultiple(what string, d DType, strides ...int64) error {
 	return nil
 }
 
-func inRange(what string, v, lo, hi int) error {
-	if v < lo || v > hi {
-		return kverr.Errorf(kverr.InvalidArgument, "%s must be in [%d, %d]: got %d", what, lo, hi, v)
-	}
-	return nil
-}
+func inRange(what string, v, lo, hi int) error { return limits.Range(what, v, lo, hi) }
 
 func checkHead(what string, d DType, headDim int) error {
 	if err := d.check(what); err != nil {
@@ -353,4 +349,16 @@ func SoftmaxScale(scale float32, headDim int) float32 {
 		return float32(1 / math.Sqrt(float64(headDim)))
 	}
 	return scale
+}
+
+func ceilDiv(a, b int) int { return (a + b - 1) / b }
+
+// firstErr is the first non-nil error of a list of checks.
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }

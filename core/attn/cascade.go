@@ -4,7 +4,7 @@ package attn
 // core/cascade wrote into the engine's workspaces: the upload of the plan,
 // and per layer the attention kernel over the plan's work items followed by
 // the merge of each sequence's partial states. The planner lives in
-// core/cascade (which imports this package for its reference); these
+// core/cascade and the plan-to-run path in core/cascadeattn; these
 // launchers take the plan's geometry as plain values.
 
 import (
@@ -92,6 +92,15 @@ func cascadeBlocksPerSM(headDim int) int {
 	return 1
 }
 
+// CheckCascadeDType refuses a dtype the cascade kernels are not built for
+// (Unsupported): they take f16 and bf16 only.
+func CheckCascadeDType(what string, d DType) error {
+	if d != F16 && d != BF16 {
+		return kverr.Errorf(kverr.Unsupported, "%s: dtype must be KVP_DTYPE_F16 or KVP_DTYPE_BF16: got %d", what, int32(d))
+	}
+	return nil
+}
+
 // CascadeSlots is how many cascade attention blocks the current context's
 // device runs at once: the planner sizes its KV chunks from it, and the
 // attention launch's grid is this many blocks.
@@ -170,8 +179,8 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 			return err
 		}
 	}
-	if a.DType != F16 && a.DType != BF16 {
-		return kverr.Errorf(kverr.Unsupported, "%s: dtype %v: the cascade kernels are built for f16 and bf16 only", what, a.DType)
+	if err := CheckCascadeDType(what, a.DType); err != nil {
+		return err
 	}
 	if a.MaxBatch < a.Batch || a.MaxBatch < 1 || a.PartOut <= 0 || a.PartLSE <= a.PartOut || a.PartLSE > a.WorkspaceBytes ||
 		a.PartOut%16 != 0 || a.PartLSE%4 != 0 || min(a.ItemsOff, a.QRowsOff, a.SegStartOff, a.SegsOff, a.RowSeqOff, a.QStartOff) < 0 ||

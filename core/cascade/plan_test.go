@@ -2,10 +2,8 @@ package cascade
 
 import (
 	"fmt"
-	"math"
 	"testing"
 
-	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
@@ -430,21 +428,6 @@ func TestPlanErrors(t *testing.T) {
 	}
 	if _, err := Header(make([]int32, l.HostInts), &l); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Fatal("empty workspace read as a plan")
-	}
-}
-
-// Two empty states merge to an empty state (0, -inf), never NaN; one empty
-// state beside a full one has weight 0.
-func TestMergeEmpty(t *testing.T) {
-	out := []float64{7, 7}
-	if st := attn.MergeRef(out, []float64{0, 0, 0, 0}, []float64{math.Inf(-1), math.Inf(-1)}, 2); !math.IsInf(st, -1) || out[0] != 0 || out[1] != 0 {
-		t.Fatalf("empty+empty: lse %g out %v", st, out)
-	}
-	if st := attn.MergeRef(out, []float64{9, 9, 1, 2}, []float64{math.Inf(-1), 0.5}, 2); st != 0.5 || out[0] != 1 || out[1] != 2 {
-		t.Fatalf("empty+state: lse %g out %v", st, out)
-	}
-	if st := attn.MergeRef(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
-		t.Fatalf("no states: lse %g out %v", st, out)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/attn/attnref"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
@@ -44,7 +45,7 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 	}
 }
 
-// A plan's run equals plain paged prefill (attn.RefPagedPrefill), in float64
+// A plan's run equals plain paged prefill (attnref.PagedPrefill), in float64
 // before the one rounding into the output dtype: random trees of prompts
 // sharing prefixes, with decode rows, empty rows and long queries mixed,
 // block sizes 1/16/64, lengths ending inside shared runs.
@@ -86,7 +87,7 @@ func TestRefMatchesPrefill(t *testing.T) {
 	}
 }
 
-// compareWithPrefill runs Ref on the plan and attn.RefPagedPrefill on the
+// compareWithPrefill runs Ref on the plan and attnref.PagedPrefill on the
 // batch and compares outputs and lse.
 func compareWithPrefill(t *testing.T, p *problem, l *Layout, ws []int32, s Summary, d attn.DType) {
 	t.Helper()
@@ -101,7 +102,7 @@ func compareWithPrefill(t *testing.T, p *problem, l *Layout, ws []int32, s Summa
 		t.Fatal(err)
 	}
 	sh, pl := prefillOf(&p.dl)
-	if err := attn.RefPagedPrefill(&sh, &pl, b.qo, b.lens, p.q, p.kc, p.vc, b.table, want, wl); err != nil {
+	if err := attnref.PagedPrefill(&sh, &pl, b.qo, b.lens, p.q, p.kc, p.vc, b.table, want, wl); err != nil {
 		t.Fatal(err)
 	}
 	tol := map[attn.DType]float64{attn.F32: 1e-6, attn.F16: 1e-3, attn.BF16: 8e-3}[d]

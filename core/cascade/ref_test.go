@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/attn/attnref"
 )
 
 // rows is the batch's query rows.
@@ -89,7 +90,7 @@ func TestRefMatchesDecode(t *testing.T) {
 				if err := Ref(ws, &l, &p.dl, p.q, p.kc, p.vc, b.table, b.lens, got, gl); err != nil {
 					t.Fatal(err)
 				}
-				if err := attn.RefPagedDecode(&p.dl, p.q, p.kc, p.vc, b.table, b.lens, want, wl, 1); err != nil {
+				if err := attnref.PagedDecode(&p.dl, p.q, p.kc, p.vc, b.table, b.lens, want, wl, 1); err != nil {
 					t.Fatal(err)
 				}
 				tol := map[attn.DType]float64{attn.F32: 1e-6, attn.F16: 1e-3, attn.BF16: 8e-3}[c.d]

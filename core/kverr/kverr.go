@@ -1,100 +1,50 @@
-// Package kverr carries the library's status codes through the Go core. Core
-// packages return *Error values built here; the C ABI turns the code into a
-// kvp_status and the message into kvp_last_error(). The numeric values are
-// the ABI's: they must match enum kvp_status in include/kvplug.h and never
-// change once released.
+// Package kverr is the library's status codes for Go programs that use the
+// core packages: an error a core call returns carries one (CodeOf), and the
+// C ABI returns the same values as kvp_status. The definitions live in
+// internal/kverr, at the bottom of the library where internal/ packages can
+// use them too; this package names them for importers outside the module,
+// which cannot import internal/. Everything here is an alias, so the two
+// packages' values are interchangeable.
 package kverr
 
-import (
-	"errors"
-	"fmt"
-)
+import "github.com/kvplug/kvplug/internal/kverr"
 
 // Code is a kvp_status value.
-type Code int32
-
-const (
-	OK                Code = 0
-	InvalidArgument   Code = 1  // a value out of range: zero, negative or huge count, bad enum
-	NullPointer       Code = 2  // a required pointer or buffer is NULL
-	StructSize        Code = 3  // a config struct's struct_size is not one this library knows
-	InvalidHandle     Code = 4  // NULL, destroyed or wrong-type handle
-	UnknownSequence   Code = 5  // no live sequence has that id (removed, or never added)
-	DuplicateSequence Code = 6  // the id is already live, or repeated within one batch
-	OutOfBlocks       Code = 7  // not enough free (or evictable) blocks; nothing changed
-	BufferTooSmall    Code = 8  // a caller buffer cannot hold the result; nothing written
-	NoDevice          Code = 9  // no CUDA driver or device
-	CUDA              Code = 10 // a CUDA driver call failed
-	Unsupported       Code = 11 // a valid request this build or device does not support
-	OutOfMemory       Code = 12 // a memory budget (host or device) is exhausted; nothing changed
-	NotFound          Code = 13 // a key (prefix, slot, pin) that is not present
-	Internal          Code = 14 // a bug in the library: a recovered panic or broken invariant
-)
-
-var names = map[Code]string{
-	OK:                "KVP_OK",
-	InvalidArgument:   "KVP_ERR_INVALID_ARGUMENT",
-	NullPointer:       "KVP_ERR_NULL_POINTER",
-	StructSize:        "KVP_ERR_STRUCT_SIZE",
-	InvalidHandle:     "KVP_ERR_INVALID_HANDLE",
-	UnknownSequence:   "KVP_ERR_UNKNOWN_SEQUENCE",
-	DuplicateSequence: "KVP_ERR_DUPLICATE_SEQUENCE",
-	OutOfBlocks:       "KVP_ERR_OUT_OF_BLOCKS",
-	BufferTooSmall:    "KVP_ERR_BUFFER_TOO_SMALL",
-	NoDevice:          "KVP_ERR_NO_DEVICE",
-	CUDA:              "KVP_ERR_CUDA",
-	Unsupported:       "KVP_ERR_UNSUPPORTED",
-	OutOfMemory:       "KVP_ERR_OUT_OF_MEMORY",
-	NotFound:          "KVP_ERR_NOT_FOUND",
-	Internal:          "KVP_ERR_INTERNAL",
-}
-
-// String returns the C enumerator's name.
-func (c Code) String() string {
-	if n, ok := names[c]; ok {
-		return n
-	}
-	return fmt.Sprintf("kvp_status(%d)", int32(c))
-}
+type Code = kverr.Code
 
 // Error is an error with a status code.
-type Error struct {
-	Code Code
-	Msg  string
-	Err  error // optional cause
-}
+type Error = kverr.Error
 
-func (e *Error) Error() string {
-	if e.Err != nil {
-		return e.Msg + ": " + e.Err.Error()
-	}
-	return e.Msg
-}
-
-func (e *Error) Unwrap() error { return e.Err }
+// The status codes (enum kvp_status of include/kvplug.h).
+const (
+	OK                = kverr.OK
+	InvalidArgument   = kverr.InvalidArgument
+	NullPointer       = kverr.NullPointer
+	StructSize        = kverr.StructSize
+	InvalidHandle     = kverr.InvalidHandle
+	UnknownSequence   = kverr.UnknownSequence
+	DuplicateSequence = kverr.DuplicateSequence
+	OutOfBlocks       = kverr.OutOfBlocks
+	BufferTooSmall    = kverr.BufferTooSmall
+	NoDevice          = kverr.NoDevice
+	CUDA              = kverr.CUDA
+	Unsupported       = kverr.Unsupported
+	OutOfMemory       = kverr.OutOfMemory
+	NotFound          = kverr.NotFound
+	Internal          = kverr.Internal
+)
 
 // Errorf builds an *Error with a formatted message.
-func Errorf(code Code, format string, args ...any) error {
-	return &Error{Code: code, Msg: fmt.Sprintf(format, args...)}
-}
+func Errorf(code Code, format string, args ...any) error { return kverr.Errorf(code, format, args...) }
 
 // Wrap attaches a code and a message to a cause.
 func Wrap(code Code, err error, format string, args ...any) error {
-	return &Error{Code: code, Msg: fmt.Sprintf(format, args...), Err: err}
+	return kverr.Wrap(code, err, format, args...)
 }
 
 // CodeOf returns the code an error carries: OK for nil, the code of the
 // outermost *Error in its chain, Internal for any other error.
-func CodeOf(err error) Code {
-	if err == nil {
-		return OK
-	}
-	var e *Error
-	if errors.As(err, &e) {
-		return e.Code
-	}
-	return Internal
-}
+func CodeOf(err error) Code { return kverr.CodeOf(err) }
 
 // Is reports whether err carries code.
-func Is(err error, code Code) bool { return CodeOf(err) == code }
+func Is(err error, code Code) bool { return kverr.Is(err, code) }

@@ -49,9 +49,14 @@ type Config struct {
 
 // Limits of Config.
 const (
-	MaxTopicLen    = 1024
-	MaxBufferSteps = 1 << 24
-	MaxHWM         = 1 << 24
+	MaxTopicLen      = 1024
+	MaxBufferSteps   = 1 << 24
+	MaxHWM           = 1 << 24
+	MaxFlushInterval = time.Minute
+	MaxMediumLen     = 64
+	// MaxEndpointLen bounds an endpoint string; the C ABI reads its C
+	// strings no further.
+	MaxEndpointLen = 4096
 )
 
 func (c *Config) setDefaults() {
@@ -107,7 +112,7 @@ func (c *Config) validate() error {
 		return bad("hwm must be in [0, 2^24] (0: 10000): got %d", c.HWM)
 	case c.MaxBatchEvents < 0 || c.MaxBatchEvents > 1<<20:
 		return bad("max_batch_events must be in [0, 2^20] (0: 1024): got %d", c.MaxBatchEvents)
-	case c.FlushInterval < 0 || c.FlushInterval > time.Minute:
+	case c.FlushInterval < 0 || c.FlushInterval > MaxFlushInterval:
 		return bad("flush interval must be in [0, 60 s]: got %v", c.FlushInterval)
 	case c.MaxSubscribers < 0 || c.MaxSubscribers > 1<<16:
 		return bad("max subscribers must be in [0, 65536]: got %d", c.MaxSubscribers)
@@ -115,8 +120,8 @@ func (c *Config) validate() error {
 		return bad("event format must be 0 (maps) or 1 (arrays): got %d", c.Encoding.Format)
 	case c.Encoding.Hashes != HashBytes && c.Encoding.Hashes != HashInt64:
 		return bad("hash format must be 0 (bytes) or 1 (int64): got %d", c.Encoding.Hashes)
-	case len(c.Encoding.Medium) > 64:
-		return bad("medium is %d bytes, at most 64", len(c.Encoding.Medium))
+	case len(c.Encoding.Medium) > MaxMediumLen:
+		return bad("medium is %d bytes, at most %d", len(c.Encoding.Medium), MaxMediumLen)
 	}
 	return nil
 }

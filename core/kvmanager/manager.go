@@ -27,6 +27,7 @@ import (
 	"sync"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/blocks"
 	"github.com/kvplug/kvplug/internal/logx"
@@ -35,9 +36,9 @@ import (
 
 // Limits of the batched calls' arguments.
 const (
-	MaxBatch      = 1 << 20 // sequences in one Grow, Remove, Describe or Fork
-	MaxGrowTokens = 1 << 24 // tokens added to one sequence by one Grow
-	MaxPromptLen  = 1 << 30 // tokens of one Add
+	MaxBatch      = limits.Batch        // sequences in one Grow, Remove, Describe or Fork
+	MaxGrowTokens = 1 << 24             // tokens added to one sequence by one Grow
+	MaxPromptLen  = limits.PromptTokens // tokens of one Add
 	// maxSlots bounds numBlocks * blockSize: slots are int32 in the C ABI.
 	maxSlots = 1<<31 - 1
 )

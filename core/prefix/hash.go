@@ -7,6 +7,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/zeebo/xxh3"
 )
 
@@ -17,11 +18,11 @@ const HashVersion = 1
 
 // MaxSaltLen bounds a tenant salt: a salt names a tenant (a key, an id, a
 // digest of both); it is not a place for payloads.
-const MaxSaltLen = 1024
+const MaxSaltLen = limits.SaltLen
 
 // MaxMMItems bounds the multimodal items of one prompt or sequence, so a
 // wrong count from a caller is caught before it is used.
-const MaxMMItems = 1 << 20
+const MaxMMItems = limits.MMItems
 
 // Hash is a block's 128-bit identity: XXH3-128 with seed 0 of the block's
 // hash input (HASH.md), in canonical byte order (high 64 bits first, each

@@ -21,7 +21,7 @@ import (
 	"fmt"
 	"math"
 
-	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/kverr"
 )
 
 // Limits of New's arguments.

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/kverr"
 )
 
 func newPool(t testing.TB, n, bs int) *Pool {

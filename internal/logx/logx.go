@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/kvplug/kvplug/internal/kverr"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -25,6 +26,14 @@ const (
 	Error Level = 3
 	Off   Level = 4
 )
+
+// CheckLevel refuses a level outside [Debug, Off] (InvalidArgument).
+func CheckLevel(l int) error {
+	if l < int(Debug) || l > int(Off) {
+		return kverr.Errorf(kverr.InvalidArgument, "log level must be in [%d, %d]: got %d", Debug, Off, l)
+	}
+	return nil
+}
 
 // Sink receives one formatted entry, with no line ending. It may be called
 // concurrently. It must not call back into the library: InCallback lets the

@@ -1,18 +1,24 @@
-package attn
-
-// The CPU reference backend: the kernels' semantics on host memory, computed
-// in float64 and rounded once into the output dtype. Tensors are []byte in
-// the layouts of the launches (little-endian elements); index arrays are
-// []int32 and log-sum-exp arrays []float32. Every buffer is bounds-checked
-// against its layout before anything is written.
+// Package attnref is the float64 oracle of core/attn's kernels, for tests:
+// the kernels' semantics on host memory, computed in float64 and rounded
+// once into the output dtype. Tensors are []byte in the layouts of the
+// launches (little-endian elements); index arrays are []int32 and
+// log-sum-exp arrays []float32. Every layout is checked as its launch checks
+// it (core/attn's Extents) and every buffer against the layout before
+// anything is written.
+//
+// Only tests import it: it is a package of its own, not part of core/attn,
+// so that programs that launch kernels do not link it.
+package attnref
 
 import (
 	"math"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
-func needBytes(what string, buf []byte, elems int64, d DType) error {
+func needBytes(what string, buf []byte, elems int64, d attn.DType) error {
 	if int64(len(buf)) < elems*int64(d.Size()) {
 		return kverr.Errorf(kverr.BufferTooSmall, "%s holds %d bytes; its layout reaches %d elements of %v (%d bytes)", what, len(buf), elems, d, elems*int64(d.Size()))
 	}
@@ -26,20 +32,20 @@ func needLen[T any](what string, s []T, n int64) error {
 	return nil
 }
 
-// RefKVWrite is the CPU reference of KVWrite: for each token t with a slot in
+// KVWrite is the CPU reference of attn.KVWrite: for each token t with a slot in
 // [0, num_blocks*block_size), copies key[t] and value[t] (all heads) into
 // the caches at that slot; other slots are skipped.
-func RefKVWrite(l *KVWriteLayout, key, value []byte, slots []int32, kCache, vCache []byte) error {
-	e, err := l.validate()
+func KVWrite(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache, vCache []byte) error {
+	e, err := l.Extents()
 	if err != nil {
 		return err
 	}
 	if err := firstErr(
-		needBytes("kv_write: key", key, e.key, l.DType),
-		needBytes("kv_write: value", value, e.value, l.DType),
+		needBytes("kv_write: key", key, e.Key, l.DType),
+		needBytes("kv_write: value", value, e.Value, l.DType),
 		needLen("kv_write: slot_mapping", slots, int64(l.NumTokens)),
-		needBytes("kv_write: k_cache", kCache, e.cache, l.DType),
-		needBytes("kv_write: v_cache", vCache, e.cache, l.DType),
+		needBytes("kv_write: k_cache", kCache, e.Cache, l.DType),
+		needBytes("kv_write: v_cache", vCache, e.Cache, l.DType),
 	); err != nil {
 		return err
 	}
@@ -63,7 +69,7 @@ func RefKVWrite(l *KVWriteLayout, key, value []byte, slots []int32, kCache, vCac
 	return nil
 }
 
-// RefPagedDecode is the CPU reference of PagedDecode. For sequence b and
+// PagedDecode is the CPU reference of attn.PagedDecode. For sequence b and
 // query head i (kv head g = i / (num_q_heads/num_kv_heads)) it attends over
 // tokens [0, seq_lens[b]): token t lives in block block_table[b][t /
 // block_size] at offset t % block_size; tokens whose table column is >=
@@ -76,21 +82,21 @@ func RefKVWrite(l *KVWriteLayout, key, value []byte, slots []int32, kCache, vCac
 // ceil(ceil(L/numSplits)/64)*64 tokens), computes each chunk's state and
 // merges them, so tests can compare a split launch with the same partition;
 // the result equals the unsplit attention up to float64 rounding.
-func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
-	e, err := l.validate()
+func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
+	e, err := l.Extents()
 	if err != nil {
 		return err
 	}
-	if err := inRange("paged_decode: num_splits", numSplits, 1, MaxSplits); err != nil {
+	if err := limits.Range("paged_decode: num_splits", numSplits, 1, attn.MaxSplits); err != nil {
 		return err
 	}
 	if err := firstErr(
-		needBytes("paged_decode: q", q, e.q, l.DType),
-		needBytes("paged_decode: k_cache", kCache, e.cache, l.DType),
-		needBytes("paged_decode: v_cache", vCache, e.cache, l.DType),
-		needLen("paged_decode: block_table", table, e.table),
+		needBytes("paged_decode: q", q, e.Q, l.DType),
+		needBytes("paged_decode: k_cache", kCache, e.Cache, l.DType),
+		needBytes("paged_decode: v_cache", vCache, e.Cache, l.DType),
+		needLen("paged_decode: block_table", table, e.Table),
 		needLen("paged_decode: seq_lens", seqLens, int64(l.Batch)),
-		needBytes("paged_decode: out", out, e.out, l.DType),
+		needBytes("paged_decode: out", out, e.Out, l.DType),
 	); err != nil {
 		return err
 	}
@@ -108,7 +114,7 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 	var scores []float64
 	kv := refKV{dt: l.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
 		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
-	scale := float64(SoftmaxScale(l.Scale, l.HeadDim))
+	scale := float64(attn.SoftmaxScale(l.Scale, l.HeadDim))
 	for b := 0; b < l.Batch; b++ {
 		L := int(seqLens[b])
 		if L < 0 {
@@ -117,7 +123,7 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 		tableRow := table[int64(b)*l.BlockTableStride:]
 		chunk := 0
 		if L > 0 {
-			chunk = ceilDiv(ceilDiv(L, numSplits), decodeTile) * decodeTile
+			chunk = ceilDiv(ceilDiv(L, numSplits), attn.DecodeTile) * attn.DecodeTile
 		}
 		for i := 0; i < l.NumQHeads; i++ {
 			g := int64(i / group)
@@ -130,9 +136,9 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 				var rows []int64
 				scores, rows = kv.score(tableRow, g, qv, scale, lo, hi, scores[:0], nil)
 				part := parts[s*D : (s+1)*D]
-				partLSE[s] = AttendRef(l.DType, vCache, rows, scores, part)
+				partLSE[s] = Attend(l.DType, vCache, rows, scores, part)
 			}
-			st := MergeRef(acc, parts, partLSE[:numSplits], D)
+			st := Merge(acc, parts, partLSE[:numSplits], D)
 			oo := int64(b)*l.OutBatchStride + int64(i)*l.OutHeadStride
 			for d := 0; d < D; d++ {
 				l.DType.Store(out, oo+int64(d), acc[d])
@@ -145,10 +151,10 @@ func RefPagedDecode(l *DecodeLayout, q, kCache, vCache []byte, table, seqLens []
 	return nil
 }
 
-// AttendRef writes softmax(scores) . V[rows] into o and returns the natural
+// Attend writes softmax(scores) . V[rows] into o and returns the natural
 // log-sum-exp of scores (-inf and o = 0 when there are none): one head's
 // attention state in float64, for the CPU references.
-func AttendRef(d DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
+func Attend(d attn.DType, v []byte, rows []int64, scores []float64, o []float64) float64 {
 	clear(o)
 	if len(scores) == 0 {
 		return math.Inf(-1)
@@ -171,11 +177,11 @@ func AttendRef(d DType, v []byte, rows []int64, scores []float64, o []float64) f
 	return m + math.Log(sum)
 }
 
-// MergeRef merges the states parts[i*D:(i+1)*D] with log-sum-exps lses[i]
+// Merge merges the states parts[i*D:(i+1)*D] with log-sum-exps lses[i]
 // (-inf = empty, weight 0) into out and returns the merged log-sum-exp, in
 // float64 for the CPU references. Empty states only (or none) give out = 0
 // and -inf: never NaN, since no weight exp(-inf - -inf) is formed.
-func MergeRef(out []float64, parts []float64, lses []float64, D int) float64 {
+func Merge(out []float64, parts []float64, lses []float64, D int) float64 {
 	clear(out)
 	m := math.Inf(-1)
 	for _, s := range lses {
@@ -201,12 +207,12 @@ func MergeRef(out []float64, parts []float64, lses []float64, D int) float64 {
 	return m + math.Log(sum)
 }
 
-// RefMergeStates is the CPU reference of MergeStates: out = sum_i w_i v_i
+// MergeStates is the CPU reference of attn.MergeStates: out = sum_i w_i v_i
 // with w_i = exp(s_i - lse) and lse = log(sum_i exp(s_i)), over the states
 // whose s_i is not -inf; when every state is empty, out = 0 and lse = -inf.
 // outLSE may be nil. out may alias v[0] (equal strides), outLSE s[0].
-func RefMergeStates(l *MergeLayout, v [][]byte, s [][]float32, out []byte, outLSE []float32) error {
-	e, err := l.validate(outLSE != nil)
+func MergeStates(l *attn.MergeLayout, v [][]byte, s [][]float32, out []byte, outLSE []float32) error {
+	e, err := l.Extents(outLSE != nil)
 	if err != nil {
 		return err
 	}
@@ -214,15 +220,15 @@ func RefMergeStates(l *MergeLayout, v [][]byte, s [][]float32, out []byte, outLS
 		return kverr.Errorf(kverr.InvalidArgument, "merge_states: %d values and %d lse arrays given for num_states %d", len(v), len(s), l.NumStates)
 	}
 	for i := range v {
-		if err := firstErr(needBytes("merge_states: v", v[i], e.v, l.DType), needLen("merge_states: s", s[i], e.s)); err != nil {
+		if err := firstErr(needBytes("merge_states: v", v[i], e.V, l.DType), needLen("merge_states: s", s[i], e.S)); err != nil {
 			return err
 		}
 	}
-	if err := needBytes("merge_states: out", out, e.out, l.DType); err != nil {
+	if err := needBytes("merge_states: out", out, e.Out, l.DType); err != nil {
 		return err
 	}
 	if outLSE != nil {
-		if err := needLen("merge_states: out_lse", outLSE, e.outLSE); err != nil {
+		if err := needLen("merge_states: out_lse", outLSE, e.OutLSE); err != nil {
 			return err
 		}
 	}
@@ -239,7 +245,7 @@ func RefMergeStates(l *MergeLayout, v [][]byte, s [][]float32, out []byte, outLS
 					parts[i*D+k] = l.DType.Load(v[i], vo+int64(k))
 				}
 			}
-			st := MergeRef(acc, parts, lses[:n], D)
+			st := Merge(acc, parts, lses[:n], D)
 			oo := t*l.OutTokenStride + h*l.OutHeadStride
 			for k := 0; k < D; k++ {
 				l.DType.Store(out, oo+int64(k), acc[k])
@@ -265,7 +271,7 @@ func firstErr(errs ...error) error {
 
 // refKV is the K cache as the CPU references read it through a block table.
 type refKV struct {
-	dt                                   DType
+	dt                                   attn.DType
 	k                                    []byte
 	blockSize, maxBlocks, numBlocks      int
 	blockStride, tokenStride, headStride int64

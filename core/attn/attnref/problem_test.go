@@ -1,18 +1,20 @@
-package attn
+package attnref
 
 import (
 	"math"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kvplug/kvplug/core/attn"
 )
 
 // decodeProblem is a random decode batch on host memory: the logical K and V
 // of every sequence (float64 copies of dtype values), a paged cache filled
-// from them by RefKVWrite through a random block allocation, and the
+// from them by KVWrite through a random block allocation, and the
 // matching block table.
 type decodeProblem struct {
-	l      DecodeLayout
-	w      KVWriteLayout // the write that filled the cache
+	l      attn.DecodeLayout
+	w      attn.KVWriteLayout // the write that filled the cache
 	lens   []int32
 	table  []int32
 	q      []byte
@@ -25,7 +27,7 @@ type decodeProblem struct {
 }
 
 type problemShape struct {
-	d         DType
+	d         attn.DType
 	headDim   int
 	qHeads    int
 	kvHeads   int
@@ -35,13 +37,13 @@ type problemShape struct {
 }
 
 // randVal is a uniform value in [-2, 2) representable in d.
-func randVal(r *rand.Rand, d DType) float64 {
+func randVal(r *rand.Rand, d attn.DType) float64 {
 	v := float32(r.Float64()*4 - 2)
 	switch d {
-	case F16:
-		return float64(HalfToFloat(FloatToHalf(v)))
-	case BF16:
-		return float64(BFloat16ToFloat(FloatToBFloat16(v)))
+	case attn.F16:
+		return float64(attn.HalfToFloat(attn.FloatToHalf(v)))
+	case attn.BF16:
+		return float64(attn.BFloat16ToFloat(attn.FloatToBFloat16(v)))
 	}
 	return float64(v)
 }
@@ -68,7 +70,7 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 	tokenStride := int64(s.kvHeads) * headStride
 	blockStride := int64(s.blockSize)*tokenStride + pad
 	tableStride := int64(maxBlocks) + int64(r.IntN(3))
-	p.l = DecodeLayout{
+	p.l = attn.DecodeLayout{
 		DType: d, HeadDim: D, Batch: batch, NumQHeads: s.qHeads, NumKVHeads: s.kvHeads,
 		QBatchStride: int64(s.qHeads) * headStride, QHeadStride: headStride,
 		OutBatchStride: int64(s.qHeads)*headStride + pad, OutHeadStride: headStride,
@@ -89,7 +91,7 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 	for _, L := range s.lens {
 		total += L
 	}
-	p.w = KVWriteLayout{
+	p.w = attn.KVWriteLayout{
 		DType: d, HeadDim: D, NumTokens: total, NumKVHeads: s.kvHeads,
 		KeyTokenStride: tokenStride + pad, KeyHeadStride: headStride,
 		ValueTokenStride: tokenStride, ValueHeadStride: headStride,
@@ -136,8 +138,8 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 		d.Store(p.kc, i, math.NaN())
 		d.Store(p.vc, i, math.NaN())
 	}
-	if err := RefKVWrite(&p.w, p.key, p.value, p.slots, p.kc, p.vc); err != nil {
-		t.Fatalf("RefKVWrite: %v", err)
+	if err := KVWrite(&p.w, p.key, p.value, p.slots, p.kc, p.vc); err != nil {
+		t.Fatalf("KVWrite: %v", err)
 	}
 	p.q = make([]byte, (int64(max(batch, 1))*p.l.QBatchStride)*es)
 	for i := int64(0); i < int64(len(p.q))/es; i++ {
@@ -184,19 +186,19 @@ func (p *decodeProblem) naive(b, i int) ([]float64, float64) {
 }
 
 // ulp is the relative spacing of the dtype's values near 1.
-func ulp(d DType) float64 {
+func ulp(d attn.DType) float64 {
 	switch d {
-	case F16:
+	case attn.F16:
 		return 1.0 / 1024
-	case BF16:
+	case attn.BF16:
 		return 1.0 / 128
 	}
 	return 1.0 / (1 << 23)
 }
 
 // subnormalStep is the spacing of the dtype's smallest values.
-func subnormalStep(d DType) float64 {
-	if d == F16 {
+func subnormalStep(d attn.DType) float64 {
+	if d == attn.F16 {
 		return 1.0 / (1 << 24)
 	}
 	return 1e-30

@@ -1,4 +1,4 @@
-package attn
+package attnref
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
@@ -37,7 +38,7 @@ func raggedLens(r *rand.Rand, batch, blockSize, maxLen int) []int {
 func TestRefPagedDecodeMatchesNaive(t *testing.T) {
 	r := seed(t)
 	type tc struct {
-		d              DType
+		d              attn.DType
 		D, qh, kvh, bs int
 		maxLen, batch  int
 		padded         bool
@@ -46,14 +47,14 @@ func TestRefPagedDecodeMatchesNaive(t *testing.T) {
 	var cases []tc
 	for _, bs := range []int{1, 16, 64, 256} {
 		for _, g := range []int{1, 4, 8} {
-			cases = append(cases, tc{F32, 64, 2 * g, 2, bs, 300, 6, bs == 16, 1})
+			cases = append(cases, tc{attn.F32, 64, 2 * g, 2, bs, 300, 6, bs == 16, 1})
 		}
 	}
 	cases = append(cases,
-		tc{F16, 128, 8, 2, 16, 200, 4, true, 3},
-		tc{BF16, 256, 4, 4, 64, 150, 3, false, 2},
-		tc{F32, 64, 8, 1, 1, 700, 3, false, 5},
-		tc{BF16, 64, 16, 2, 32, 90, 5, true, 7},
+		tc{attn.F16, 128, 8, 2, 16, 200, 4, true, 3},
+		tc{attn.BF16, 256, 4, 4, 64, 150, 3, false, 2},
+		tc{attn.F32, 64, 8, 1, 1, 700, 3, false, 5},
+		tc{attn.BF16, 64, 16, 2, 32, 90, 5, true, 7},
 	)
 	for _, c := range cases {
 		name := fmt.Sprintf("%v_D%d_q%d_kv%d_bs%d_s%d", c.d, c.D, c.qh, c.kvh, c.bs, c.splits)
@@ -61,7 +62,7 @@ func TestRefPagedDecodeMatchesNaive(t *testing.T) {
 			p := newDecodeProblem(t, r, problemShape{c.d, c.D, c.qh, c.kvh, c.bs, raggedLens(r, c.batch, c.bs, c.maxLen), c.padded})
 			out := make([]byte, p.outBytes())
 			lse := make([]float32, c.batch*c.qh)
-			if err := RefPagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, out, lse, c.splits); err != nil {
+			if err := PagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, out, lse, c.splits); err != nil {
 				t.Fatal(err)
 			}
 			for b := 0; b < c.batch; b++ {
@@ -91,20 +92,20 @@ func TestRefPagedDecodeMatchesNaive(t *testing.T) {
 // Split counts change nothing beyond float64 rounding.
 func TestRefPagedDecodeSplitsAgree(t *testing.T) {
 	r := seed(t)
-	p := newDecodeProblem(t, r, problemShape{F32, 64, 4, 2, 16, []int{0, 1, 63, 64, 65, 500}, false})
+	p := newDecodeProblem(t, r, problemShape{attn.F32, 64, 4, 2, 16, []int{0, 1, 63, 64, 65, 500}, false})
 	base := make([]byte, p.outBytes())
 	baseLSE := make([]float32, 6*4)
-	if err := RefPagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, base, baseLSE, 1); err != nil {
+	if err := PagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, base, baseLSE, 1); err != nil {
 		t.Fatal(err)
 	}
 	for _, s := range []int{2, 3, 8, 64} {
 		out := make([]byte, p.outBytes())
 		lse := make([]float32, 6*4)
-		if err := RefPagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, out, lse, s); err != nil {
+		if err := PagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, out, lse, s); err != nil {
 			t.Fatal(err)
 		}
 		for i := int64(0); i < int64(len(out))/4; i++ {
-			a, b := F32.Load(base, i), F32.Load(out, i)
+			a, b := attn.F32.Load(base, i), attn.F32.Load(out, i)
 			if math.Abs(a-b) > 2e-7*math.Abs(a)+1e-12 {
 				t.Fatalf("splits %d: element %d is %g, unsplit %g", s, i, b, a)
 			}
@@ -121,10 +122,10 @@ func TestRefPagedDecodeSplitsAgree(t *testing.T) {
 // out-of-range slots, and touches nothing else.
 func TestRefKVWrite(t *testing.T) {
 	r := seed(t)
-	for _, d := range []DType{F16, BF16, F32} {
+	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		D, kvh, bs, nb := 64, 3, 4, 5
 		vec := int64(16 / d.Size())
-		l := KVWriteLayout{
+		l := attn.KVWriteLayout{
 			DType: d, HeadDim: D, NumTokens: 6, NumKVHeads: kvh,
 			KeyTokenStride: int64(kvh*D) + vec, KeyHeadStride: int64(D),
 			ValueTokenStride: int64(kvh * D), ValueHeadStride: int64(D),
@@ -149,7 +150,7 @@ func TestRefKVWrite(t *testing.T) {
 		}
 		before := append([]byte(nil), combined...)
 		half := bs * kvh * D * es
-		if err := RefKVWrite(&l, key, value, slots, combined, combined[half:]); err != nil {
+		if err := KVWrite(&l, key, value, slots, combined, combined[half:]); err != nil {
 			t.Fatal(err)
 		}
 		written := map[int]int{} // element index in combined -> token
@@ -188,7 +189,7 @@ func TestRefKVWrite(t *testing.T) {
 // Merging the states of parts of a sequence gives attention over the whole.
 func TestRefMergeEqualsConcatenation(t *testing.T) {
 	r := seed(t)
-	for _, d := range []DType{F32, BF16} {
+	for _, d := range []attn.DType{attn.F32, attn.BF16} {
 		for _, n := range []int{1, 2, 3, 8} {
 			const D, heads = 64, 4
 			// One sequence of 200 tokens cut into n parts (some empty), each
@@ -212,11 +213,11 @@ func TestRefMergeEqualsConcatenation(t *testing.T) {
 			copyParts(t, whole, parts, cuts)
 			out := make([]byte, parts.outBytes())
 			lse := make([]float32, n*heads)
-			if err := RefPagedDecode(&parts.l, parts.q, parts.kc, parts.vc, parts.table, parts.lens, out, lse, 1); err != nil {
+			if err := PagedDecode(&parts.l, parts.q, parts.kc, parts.vc, parts.table, parts.lens, out, lse, 1); err != nil {
 				t.Fatal(err)
 			}
 			// Each part is a state [1 token, heads, D] at out[b], lse[b].
-			ml := MergeLayout{
+			ml := attn.MergeLayout{
 				DType: d, HeadDim: D, NumStates: n, NumTokens: 1, NumHeads: heads,
 				VTokenStride: parts.l.OutBatchStride, VHeadStride: parts.l.OutHeadStride,
 				STokenStride: heads, SHeadStride: 1,
@@ -232,7 +233,7 @@ func TestRefMergeEqualsConcatenation(t *testing.T) {
 			}
 			merged := make([]byte, heads*D*int(es))
 			mergedLSE := make([]float32, heads)
-			if err := RefMergeStates(&ml, vs, ss, merged, mergedLSE); err != nil {
+			if err := MergeStates(&ml, vs, ss, merged, mergedLSE); err != nil {
 				t.Fatal(err)
 			}
 			for i := 0; i < heads; i++ {
@@ -288,27 +289,27 @@ func copyParts(t *testing.T, whole, parts *decodeProblem, cuts []int) {
 
 func TestRefMergeAllEmptyAndInPlace(t *testing.T) {
 	const D = 64
-	l := MergeLayout{DType: F32, HeadDim: D, NumStates: 2, NumTokens: 2, NumHeads: 1,
+	l := attn.MergeLayout{DType: attn.F32, HeadDim: D, NumStates: 2, NumTokens: 2, NumHeads: 1,
 		VTokenStride: D, VHeadStride: D, STokenStride: 1, SHeadStride: 1,
 		OutTokenStride: D, OutHeadStride: D, OutLSETokenStride: 1, OutLSEHeadStride: 1}
 	v0 := make([]byte, 2*D*4)
 	v1 := make([]byte, 2*D*4)
 	for i := int64(0); i < 2*D; i++ {
-		F32.Store(v0, i, 1)
-		F32.Store(v1, i, 3)
+		attn.F32.Store(v0, i, 1)
+		attn.F32.Store(v1, i, 3)
 	}
 	inf := float32(math.Inf(-1))
 	s0 := []float32{inf, 0}
 	s1 := []float32{inf, 0}
 	// In place: out aliases v[0], out_lse aliases s[0].
-	if err := RefMergeStates(&l, [][]byte{v0, v1}, [][]float32{s0, s1}, v0, s0); err != nil {
+	if err := MergeStates(&l, [][]byte{v0, v1}, [][]float32{s0, s1}, v0, s0); err != nil {
 		t.Fatal(err)
 	}
 	for e := int64(0); e < D; e++ {
-		if got := F32.Load(v0, e); got != 0 {
+		if got := attn.F32.Load(v0, e); got != 0 {
 			t.Fatalf("all-empty token: out[%d] = %g, want 0", e, got)
 		}
-		if got := F32.Load(v0, D+e); got != 2 {
+		if got := attn.F32.Load(v0, D+e); got != 2 {
 			t.Fatalf("equal weights: out[%d] = %g, want 2", e, got)
 		}
 	}
@@ -317,105 +318,38 @@ func TestRefMergeAllEmptyAndInPlace(t *testing.T) {
 	}
 }
 
-func TestValidation(t *testing.T) {
-	good := func() DecodeLayout {
-		return DecodeLayout{DType: F16, HeadDim: 128, Batch: 2, NumQHeads: 8, NumKVHeads: 2,
-			QBatchStride: 8 * 128, QHeadStride: 128, OutBatchStride: 8 * 128, OutHeadStride: 128,
-			NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
-			MaxBlocksPerSeq: 2, BlockTableStride: 2, Scale: 0.1}
-	}
-	if _, err := (&[]DecodeLayout{good()}[0]).validate(); err != nil {
-		t.Fatalf("good layout refused: %v", err)
-	}
-	cases := []struct {
-		name string
-		mod  func(*DecodeLayout)
-		code kverr.Code
-	}{
-		{"dtype", func(l *DecodeLayout) { l.DType = 0 }, kverr.InvalidArgument},
-		{"head_dim", func(l *DecodeLayout) { l.HeadDim = 96 }, kverr.Unsupported},
-		{"gqa", func(l *DecodeLayout) { l.NumKVHeads = 3 }, kverr.InvalidArgument},
-		{"kv heads 0", func(l *DecodeLayout) { l.NumKVHeads = 0 }, kverr.InvalidArgument},
-		{"batch<0", func(l *DecodeLayout) { l.Batch = -1 }, kverr.InvalidArgument},
-		{"batch big", func(l *DecodeLayout) { l.Batch = 70000 }, kverr.InvalidArgument},
-		{"block size 0", func(l *DecodeLayout) { l.BlockSize = 0 }, kverr.InvalidArgument},
-		{"table stride", func(l *DecodeLayout) { l.BlockTableStride = 1 }, kverr.InvalidArgument},
-		{"misaligned stride", func(l *DecodeLayout) { l.QHeadStride = 129 }, kverr.InvalidArgument},
-		{"negative stride", func(l *DecodeLayout) { l.CacheTokenStride = -256 }, kverr.InvalidArgument},
-		{"overlapping out", func(l *DecodeLayout) { l.OutHeadStride = 64 }, kverr.InvalidArgument},
-		{"huge stride", func(l *DecodeLayout) { l.CacheBlockStride = 1 << 60 }, kverr.InvalidArgument},
-		{"nan scale", func(l *DecodeLayout) { l.Scale = float32(math.NaN()) }, kverr.InvalidArgument},
-	}
-	for _, c := range cases {
-		l := good()
-		c.mod(&l)
-		_, err := l.validate()
-		if kverr.CodeOf(err) != c.code {
-			t.Errorf("%s: got %v (%v), want %v", c.name, kverr.CodeOf(err), err, c.code)
-		}
-	}
-	// Buffers too small for the layout.
-	l := good()
-	err := RefPagedDecode(&l, make([]byte, 10), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), nil, 1)
+// The oracle refuses buffers too small for a valid layout, and a split
+// count out of range.
+func TestBuffersTooSmall(t *testing.T) {
+	l := attn.DecodeLayout{DType: attn.F16, HeadDim: 128, Batch: 2, NumQHeads: 8, NumKVHeads: 2,
+		QBatchStride: 8 * 128, QHeadStride: 128, OutBatchStride: 8 * 128, OutHeadStride: 128,
+		NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
+		MaxBlocksPerSeq: 2, BlockTableStride: 2, Scale: 0.1}
+	err := PagedDecode(&l, make([]byte, 10), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), nil, 1)
 	if !kverr.Is(err, kverr.BufferTooSmall) {
 		t.Errorf("short q: got %v, want BUFFER_TOO_SMALL", err)
 	}
-	err = RefPagedDecode(&l, make([]byte, 1<<20), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), make([]float32, 3), 1)
+	err = PagedDecode(&l, make([]byte, 1<<20), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), make([]float32, 3), 1)
 	if !kverr.Is(err, kverr.BufferTooSmall) {
 		t.Errorf("short lse: got %v, want BUFFER_TOO_SMALL", err)
 	}
-	err = RefPagedDecode(&l, make([]byte, 1<<20), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), nil, 0)
+	err = PagedDecode(&l, make([]byte, 1<<20), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), nil, 0)
 	if !kverr.Is(err, kverr.InvalidArgument) {
 		t.Errorf("0 splits: got %v, want INVALID_ARGUMENT", err)
 	}
-	ml := MergeLayout{DType: F32, HeadDim: 64, NumStates: 9, NumTokens: 1, NumHeads: 1}
-	if _, err := ml.validate(false); !kverr.Is(err, kverr.InvalidArgument) {
-		t.Errorf("9 states: got %v", err)
-	}
-	wl := KVWriteLayout{DType: BF16, HeadDim: 64, NumTokens: 1, NumKVHeads: 2, NumBlocks: 1, BlockSize: 1,
-		CacheBlockStride: 64, CacheTokenStride: 64, CacheHeadStride: 8}
-	if _, err := wl.validate(); !kverr.Is(err, kverr.InvalidArgument) {
-		t.Errorf("overlapping cache heads: got %v", err)
-	}
 }
 
-func TestPlanAndWorkspace(t *testing.T) {
-	// kernels/README.md's examples: H100, D=128, 32 q / 8 kv heads.
-	for _, c := range []struct{ batch, maxLen, want int }{
-		{1, 4096, 32}, {8, 2048, 4}, {16, 2048, 2}, {33, 2048, 1}, {128, 16384, 1},
-		{1, 64, 1},  // one tile
-		{1, 300, 5}, // five tiles, one split each
-		{1, 0, 1},
-	} {
-		if s := DecodeSplits(132, BF16, 128, c.batch, 32, 8, c.maxLen); s != c.want {
-			t.Errorf("DecodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
-		}
+// Two empty states merge to an empty state (0, -inf), never NaN; one empty
+// state beside a full one has weight 0.
+func TestMergeEmpty(t *testing.T) {
+	out := []float64{7, 7}
+	if st := Merge(out, []float64{0, 0, 0, 0}, []float64{math.Inf(-1), math.Inf(-1)}, 2); !math.IsInf(st, -1) || out[0] != 0 || out[1] != 0 {
+		t.Fatalf("empty+empty: lse %g out %v", st, out)
 	}
-	// 33 slots per CTA over 40 tiles: 33 splits would leave empty ones;
-	// ceil(40/33) = 2 tiles each gives 20.
-	if s := DecodeSplits(132, BF16, 128, 1, 32, 8, 40*64); s != 20 {
-		t.Errorf("40 tiles: %d splits, want 20", s)
+	if st := Merge(out, []float64{9, 9, 1, 2}, []float64{math.Inf(-1), 0.5}, 2); st != 0.5 || out[0] != 1 || out[1] != 2 {
+		t.Fatalf("empty+state: lse %g out %v", st, out)
 	}
-	if s := DecodeSplits(132, F32, 64, 1, 1, 1, 1<<30); s != MaxSplits {
-		t.Errorf("MQA, huge L: %d splits, want the cap %d", s, MaxSplits)
-	}
-	if s := DecodeSplits(0, F16, 64, 1, 1, 1, 100); s != 1 {
-		t.Errorf("no SMs: %d", s)
-	}
-	n, err := WorkspaceSize(64, 32, 128, 0)
-	if err != nil || n != 4*DefaultMaxSplits*64*32*129 {
-		t.Errorf("WorkspaceSize = %d, %v", n, err)
-	}
-	if n, err := WorkspaceSize(64, 32, 128, 1); err != nil || n != 0 {
-		t.Errorf("one split needs no workspace: %d, %v", n, err)
-	}
-	if _, err := WorkspaceSize(0, 32, 128, 4); !kverr.Is(err, kverr.InvalidArgument) {
-		t.Errorf("batch 0: %v", err)
-	}
-	if _, err := WorkspaceSize(70000, 32, 128, 4); !kverr.Is(err, kverr.InvalidArgument) {
-		t.Errorf("batch 70000: %v", err)
-	}
-	if _, err := WorkspaceSize(1, 32, 80, 4); !kverr.Is(err, kverr.Unsupported) {
-		t.Errorf("head_dim 80: %v", err)
+	if st := Merge(out, nil, nil, 2); !math.IsInf(st, -1) || out[0] != 0 {
+		t.Fatalf("no states: lse %g out %v", st, out)
 	}
 }

@@ -4,17 +4,23 @@ import (
 	"math"
 
 	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/attn/attnref"
 	"github.com/kvplug/kvplug/core/kverr"
 )
+
+// The float64 oracle of a planned run, for this package's tests. It sits in
+// a test file, not beside the planner, because the planner is host-only: the
+// block manager (core/kvmanager) imports it, and an oracle there would link
+// core/attn and the CUDA layer into every program that manages blocks.
 
 // Ref is the CPU reference of a planned run, in float64: every work item's
 // partial state (the query tokens of a shared run's members against its
 // tokens, or one sequence's tail chunk, causal over its query tokens), then
 // each query row's merge of its states by log-sum-exp weights, rounded once
 // into out. It follows the plan in ws exactly as the kernels do, so
-// comparing it with attn.RefPagedDecode or attn.RefPagedPrefill checks the
+// comparing it with attnref.PagedDecode or attnref.PagedPrefill checks the
 // plan, and comparing the GPU with it checks the kernels. A plan on the
-// decode or prefill route runs attn.RefPagedDecode or attn.RefPagedPrefill.
+// decode or prefill route runs attnref.PagedDecode or attnref.PagedPrefill.
 // dl describes the layer: its Batch is the plan's sequences, q and out have
 // the plan's Rows rows of QBatchStride / OutBatchStride (one per sequence in
 // decode); heads and head_dim must be the plan's. lse ([rows, num_q_heads])
@@ -34,7 +40,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 	qstart := ws[l.QStart : l.QStart+s.Batch+1]
 	switch s.Route {
 	case RouteDecode:
-		return attn.RefPagedDecode(dl, q, kCache, vCache, table, seqLens, out, lse, 1)
+		return attnref.PagedDecode(dl, q, kCache, vCache, table, seqLens, out, lse, 1)
 	case RoutePrefill:
 		sh := attn.PrefillShape{DType: dl.DType, HeadDim: dl.HeadDim, NumQHeads: dl.NumQHeads, NumKVHeads: dl.NumKVHeads, WindowLeft: -1}
 		pl := attn.PrefillLayout{QTokenStride: dl.QBatchStride, QHeadStride: dl.QHeadStride,
@@ -42,7 +48,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 			NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
 			CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
 			MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride, Scale: dl.Scale}
-		return attn.RefPagedPrefill(&sh, &pl, qstart, seqLens[:s.Batch], q, kCache, vCache, table, out, lse)
+		return attnref.PagedPrefill(&sh, &pl, qstart, seqLens[:s.Batch], q, kCache, vCache, table, out, lse)
 	}
 	dt := dl.DType
 	if int64(len(out)) < int64(s.Rows)*int64(dt.Size()) {
@@ -100,7 +106,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					rows = append(rows, ko)
 				}
 				pi := (int(it[iPartBase])+k)*H + qh
-				plse[pi] = attn.AttendRef(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
+				plse[pi] = attnref.Attend(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
 			}
 		}
 	}
@@ -122,7 +128,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					stL = append(stL, plse[pi])
 				}
 			}
-			st := attn.MergeRef(acc, stP, stL, D)
+			st := attnref.Merge(acc, stP, stL, D)
 			oo := int64(row)*dl.OutBatchStride + int64(h)*dl.OutHeadStride
 			for d := 0; d < D; d++ {
 				dt.Store(out, oo+int64(d), acc[d])

@@ -1,8 +1,11 @@
-package attn
+package attnref
 
-import "github.com/kvplug/kvplug/core/kverr"
+import (
+	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/kverr"
+)
 
-// RefPagedPrefill is the CPU reference of PlanPrefill + PagedPrefill, in
+// PagedPrefill is the CPU reference of attn.PlanPrefill + attn.PagedPrefill, in
 // float64. Sequence b's query rows [qoIndptr[b], qoIndptr[b+1]) sit at
 // positions [kvLens[b] - q_len_b, kvLens[b]); row i at position pos_i and
 // query head h (kv head h / (num_q_heads/num_kv_heads)) attends to tokens
@@ -12,32 +15,29 @@ import "github.com/kvplug/kvplug/core/kverr"
 // block id is outside [0, num_blocks) are ignored. out = softmax(scale q.K) V;
 // lse (when non-nil, [total_q, num_q_heads] contiguous) = log(sum exp(scale
 // q.k)). A row that sees no token gives out = 0, lse = -inf.
-func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32, q, kCache, vCache []byte, table []int32, out []byte, lse []float32) error {
+func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens []int32, q, kCache, vCache []byte, table []int32, out []byte, lse []float32) error {
 	const what = "paged_prefill"
-	if err := s.validate(what); err != nil {
-		return err
-	}
-	st, err := checkBatch(what, s, qoIndptr, kvLens)
+	st, err := s.CheckBatch(what, qoIndptr, kvLens)
 	if err != nil {
 		return err
 	}
-	p := PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, PrefillShape: *s, Batch: len(kvLens),
-		TotalQ: st.totalQ, MaxQLen: st.maxQLen, MaxKVLen: st.maxKVLen, NumItems: int(st.items), NumSplits: 1}
-	e, err := l.validate(what, &p)
+	p := attn.PrefillPlan{Kind: attn.KindPrefill, Route: attn.RoutePrefill, PrefillShape: *s, Batch: len(kvLens),
+		TotalQ: st.TotalQ, MaxQLen: st.MaxQLen, MaxKVLen: st.MaxKVLen, NumItems: int(st.Items), NumSplits: 1}
+	e, err := l.Extents(what, &p)
 	if err != nil {
 		return err
 	}
 	if err := firstErr(
-		needBytes(what+": q", q, e.q, s.DType),
-		needBytes(what+": k_cache", kCache, e.cache, s.DType),
-		needBytes(what+": v_cache", vCache, e.cache, s.DType),
-		needLen(what+": block_table", table, e.table),
-		needBytes(what+": out", out, e.out, s.DType),
+		needBytes(what+": q", q, e.Q, s.DType),
+		needBytes(what+": k_cache", kCache, e.Cache, s.DType),
+		needBytes(what+": v_cache", vCache, e.Cache, s.DType),
+		needLen(what+": block_table", table, e.Table),
+		needBytes(what+": out", out, e.Out, s.DType),
 	); err != nil {
 		return err
 	}
 	if lse != nil {
-		if err := needLen(what+": lse", lse, int64(st.totalQ)*int64(s.NumQHeads)); err != nil {
+		if err := needLen(what+": lse", lse, int64(st.TotalQ)*int64(s.NumQHeads)); err != nil {
 			return err
 		}
 	}
@@ -49,7 +49,7 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 	var rows []int64
 	kv := refKV{dt: s.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
 		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
-	scale := float64(SoftmaxScale(l.Scale, p.HeadDim))
+	scale := float64(attn.SoftmaxScale(l.Scale, p.HeadDim))
 	for b := range kvLens {
 		qStart, qLen, kvLen := int(qoIndptr[b]), int(qoIndptr[b+1]-qoIndptr[b]), int(kvLens[b])
 		tableRow := table[int64(b)*l.BlockTableStride:]
@@ -67,7 +67,7 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 					qv[d] = s.DType.Load(q, qo+int64(d))
 				}
 				scores, rows = kv.score(tableRow, g, qv, scale, lo, pos+1, scores[:0], rows[:0])
-				st := AttendRef(s.DType, vCache, rows, scores, o)
+				st := Attend(s.DType, vCache, rows, scores, o)
 				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
 				for d := 0; d < D; d++ {
 					s.DType.Store(out, oo+int64(d), o[d])
@@ -85,20 +85,17 @@ func RefPagedPrefill(s *PrefillShape, l *PrefillLayout, qoIndptr, kvLens []int32
 // (host copies), in its order: for each sequence, its row tiles from the
 // last to the first, as (b, q_start, q_len, kv_len, tile). For tests and
 // tools; the launch path never builds it.
-func PrefillItems(s *PrefillShape, qoIndptr, kvLens []int32) ([][5]int32, error) {
-	if err := s.validate("prefill_items"); err != nil {
-		return nil, err
-	}
-	st, err := checkBatch("prefill_items", s, qoIndptr, kvLens)
+func PrefillItems(s *attn.PrefillShape, qoIndptr, kvLens []int32) ([][5]int32, error) {
+	st, err := s.CheckBatch("prefill_items", qoIndptr, kvLens)
 	if err != nil {
 		return nil, err
 	}
-	if st.items > 1<<24 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "prefill_items: %d items is more than a test needs", st.items)
+	if st.Items > 1<<24 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "prefill_items: %d items is more than a test needs", st.Items)
 	}
 	group := int64(s.NumQHeads / s.NumKVHeads)
-	tile := int64(prefillTileQ(s.DType, s.HeadDim))
-	items := make([][5]int32, 0, st.items)
+	tile := int64(attn.PrefillTileRows(s.DType, s.HeadDim))
+	items := make([][5]int32, 0, st.Items)
 	for b := range kvLens {
 		qLen := int64(qoIndptr[b+1] - qoIndptr[b])
 		tiles := (qLen*group + tile - 1) / tile

@@ -1,9 +1,11 @@
-package attn
+package attnref
 
 // GPU tests: the kernels against the float64 CPU reference on fresh random
 // inputs, outputs poisoned with NaN first. They skip on machines without a
 // CUDA driver and device; run them on a GPU machine with
-//   go test -c -o .device/attn.test ./core/attn && .device/attn.test -test.run GPU -test.v
+//   go test -c -o .device/attnref.test ./core/attn/attnref && .device/attnref.test -test.run GPU -test.v
+// They live beside the oracle rather than in core/attn, whose own tests
+// cannot import it (it imports core/attn).
 
 import (
 	"encoding/binary"
@@ -14,6 +16,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 )
 
@@ -25,7 +28,7 @@ func needGPU(t testing.TB) {
 	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
 		t.Skipf("no CUDA device (%v)", err)
 	}
-	if err := Prepare(); err != nil {
+	if err := attn.Prepare(); err != nil {
 		t.Fatalf("loading the kernels: %v", err)
 	}
 }
@@ -65,7 +68,7 @@ func f32bytes(v []float32) []byte {
 }
 
 // poisoned allocates bytes of device memory filled with the dtype's NaN.
-func poisoned(t testing.TB, d DType, bytes int) cuda.DevicePtr {
+func poisoned(t testing.TB, d attn.DType, bytes int) cuda.DevicePtr {
 	t.Helper()
 	p := devMem(t, bytes)
 	var err error
@@ -91,11 +94,11 @@ func download(t testing.TB, p cuda.DevicePtr, n int) []byte {
 
 // tolerance of ||gpu - ref|| / ||ref|| per dtype: the kernels accumulate in
 // float32; 16-bit types round the probabilities for the tensor cores.
-func tolerance(d DType) float64 {
+func tolerance(d attn.DType) float64 {
 	switch d {
-	case F16:
+	case attn.F16:
 		return 2e-3
-	case BF16:
+	case attn.BF16:
 		return 1e-2
 	}
 	return 1e-5
@@ -103,7 +106,7 @@ func tolerance(d DType) float64 {
 
 // compareRows checks the rows (b, h) of two [rows, heads, D] strided
 // outputs: no NaN in got, relative L2 error within tol.
-func compareOut(t testing.TB, what string, d DType, D int, rows, heads int, rowStride, headStride int64, got, want []byte) {
+func compareOut(t testing.TB, what string, d attn.DType, D int, rows, heads int, rowStride, headStride int64, got, want []byte) {
 	t.Helper()
 	var num, den float64
 	for b := 0; b < rows; b++ {
@@ -147,14 +150,14 @@ func compareLSE(t testing.TB, what string, got, want []float32) {
 }
 
 type gpuDecode struct {
-	args     PagedDecodeArgs
+	args     attn.PagedDecodeArgs
 	outBytes int
 }
 
 // uploadDecode places a problem on the device with poisoned outputs.
 func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpuDecode {
 	g := &gpuDecode{outBytes: p.outBytes()}
-	g.args = PagedDecodeArgs{
+	g.args = attn.PagedDecodeArgs{
 		DecodeLayout: p.l,
 		Q:            upload(t, p.q),
 		KCache:       upload(t, p.kc),
@@ -165,10 +168,13 @@ func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpu
 		NumSplits:    splits,
 	}
 	if withLSE {
-		g.args.LSE = poisoned(t, F32, 4*p.l.Batch*p.l.NumQHeads)
+		g.args.LSE = poisoned(t, attn.F32, 4*p.l.Batch*p.l.NumQHeads)
 	}
-	ws := workspaceBytes(p.l.Batch, p.l.NumQHeads, p.l.HeadDim, MaxSplits)
-	g.args.Workspace = poisoned(t, F32, int(ws))
+	ws, err := attn.WorkspaceSize(p.l.Batch, p.l.NumQHeads, p.l.HeadDim, attn.MaxSplits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.args.Workspace = poisoned(t, attn.F32, int(ws))
 	g.args.WorkspaceBytes = ws
 	return g
 }
@@ -178,7 +184,7 @@ func checkDecode(t testing.TB, p *decodeProblem, g *gpuDecode, splits int, what 
 	out := download(t, g.args.Out, g.outBytes)
 	want := make([]byte, g.outBytes)
 	wantLSE := make([]float32, p.l.Batch*p.l.NumQHeads)
-	if err := RefPagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, want, wantLSE, max(splits, 1)); err != nil {
+	if err := PagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, want, wantLSE, max(splits, 1)); err != nil {
 		t.Fatal(err)
 	}
 	compareOut(t, what, p.l.DType, p.l.HeadDim, p.l.Batch, p.l.NumQHeads, p.l.OutBatchStride, p.l.OutHeadStride, out, want)
@@ -196,13 +202,13 @@ func TestGPUPagedDecode(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
 	type tc struct {
-		d                    DType
+		d                    attn.DType
 		D, qh, kvh, bs       int
 		maxLen, batch, split int
 		padded               bool
 	}
 	var cases []tc
-	for _, d := range []DType{F16, BF16, F32} {
+	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, D := range []int{64, 128, 256} {
 			for _, bs := range []int{1, 16, 64, 256} {
 				for _, g := range []int{1, 4, 8} {
@@ -214,12 +220,12 @@ func TestGPUPagedDecode(t *testing.T) {
 	}
 	// Long sequences, few of them: the split heuristic's case.
 	cases = append(cases,
-		tc{BF16, 128, 32, 8, 16, 5000, 2, 0, false},
-		tc{F16, 128, 32, 8, 64, 3000, 3, 7, true},
-		tc{F16, 64, 16, 1, 1, 2500, 2, 0, false},
-		tc{BF16, 256, 16, 16, 16, 1200, 9, 0, false}, // group 1, many heads
-		tc{F16, 128, 40, 5, 16, 600, 4, 2, false},    // group 8 over 5 kv heads
-		tc{BF16, 128, 64, 2, 16, 400, 3, 1, false},   // group 32: two head tiles
+		tc{attn.BF16, 128, 32, 8, 16, 5000, 2, 0, false},
+		tc{attn.F16, 128, 32, 8, 64, 3000, 3, 7, true},
+		tc{attn.F16, 64, 16, 1, 1, 2500, 2, 0, false},
+		tc{attn.BF16, 256, 16, 16, 16, 1200, 9, 0, false}, // group 1, many heads
+		tc{attn.F16, 128, 40, 5, 16, 600, 4, 2, false},    // group 8 over 5 kv heads
+		tc{attn.BF16, 128, 64, 2, 16, 400, 3, 1, false},   // group 32: two head tiles
 	)
 	for _, c := range cases {
 		name := fmt.Sprintf("%v_D%d_q%d_kv%d_bs%d_split%d", c.d, c.D, c.qh, c.kvh, c.bs, c.split)
@@ -233,7 +239,7 @@ func TestGPUPagedDecode(t *testing.T) {
 				maxLen = max(maxLen, int(L))
 			}
 			g.args.MaxSeqLen = maxLen
-			if err := PagedDecode(&g.args, 0); err != nil {
+			if err := attn.PagedDecode(&g.args, 0); err != nil {
 				t.Fatal(err)
 			}
 			if err := cuda.Synchronize(); err != nil {
@@ -242,7 +248,7 @@ func TestGPUPagedDecode(t *testing.T) {
 			splits := c.split
 			if splits == 0 {
 				dev, _ := cuda.DeviceInfo(0)
-				splits = DecodeSplits(dev.SMs, c.d, c.D, p.l.Batch, c.qh, c.kvh, maxLen)
+				splits = attn.DecodeSplits(dev.SMs, c.d, c.D, p.l.Batch, c.qh, c.kvh, maxLen)
 			}
 			checkDecode(t, p, g, splits, name)
 		})
@@ -254,7 +260,7 @@ func TestGPUPagedDecode(t *testing.T) {
 func TestGPUKVWriteThenDecode(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
-	for _, d := range []DType{F16, BF16, F32} {
+	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, bs := range []int{1, 16, 256} {
 			name := fmt.Sprintf("%v_bs%d", d, bs)
 			t.Run(name, func(t *testing.T) {
@@ -271,13 +277,13 @@ func TestGPUKVWriteThenDecode(t *testing.T) {
 					d.Store(p.kc, i, math.NaN())
 					d.Store(p.vc, i, math.NaN())
 				}
-				if err := RefKVWrite(&p.w, p.key, p.value, p.slots, p.kc, p.vc); err != nil {
+				if err := KVWrite(&p.w, p.key, p.value, p.slots, p.kc, p.vc); err != nil {
 					t.Fatal(err)
 				}
-				a := KVWriteArgs{KVWriteLayout: p.w,
+				a := attn.KVWriteArgs{KVWriteLayout: p.w,
 					Key: upload(t, p.key), Value: upload(t, p.value), SlotMapping: upload(t, i32bytes(p.slots)),
 					KCache: poisoned(t, d, cacheBytes), VCache: poisoned(t, d, cacheBytes)}
-				if err := KVWrite(&a, 0); err != nil {
+				if err := attn.KVWrite(&a, 0); err != nil {
 					t.Fatal(err)
 				}
 				gotK := download(t, a.KCache, cacheBytes)
@@ -297,7 +303,7 @@ func TestGPUKVWriteThenDecode(t *testing.T) {
 				if clean == 0 {
 					return
 				}
-				if err := PagedDecode(&g.args, 0); err != nil {
+				if err := attn.PagedDecode(&g.args, 0); err != nil {
 					t.Fatal(err)
 				}
 				checkDecode(t, p, g, 1, name)
@@ -324,14 +330,14 @@ func (p *decodeProblem) cleanPrefix() int {
 func TestGPUMergeStates(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
-	for _, d := range []DType{F16, BF16, F32} {
+	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, D := range []int{64, 128, 256} {
 			for _, n := range []int{1, 2, 5, 8} {
 				name := fmt.Sprintf("%v_D%d_n%d", d, D, n)
 				t.Run(name, func(t *testing.T) {
 					tokens, heads := 37, 6
 					vec := int64(16 / d.Size())
-					l := MergeLayout{DType: d, HeadDim: D, NumStates: n, NumTokens: tokens, NumHeads: heads,
+					l := attn.MergeLayout{DType: d, HeadDim: D, NumStates: n, NumTokens: tokens, NumHeads: heads,
 						VTokenStride: int64(heads*D) + vec, VHeadStride: int64(D),
 						STokenStride: 1, SHeadStride: int64(tokens), // lse [heads, tokens]
 						OutTokenStride: int64(heads * D), OutHeadStride: int64(D),
@@ -340,7 +346,7 @@ func TestGPUMergeStates(t *testing.T) {
 					vBytes := int(int64(tokens)*l.VTokenStride) * es
 					vs := make([][]byte, n)
 					ss := make([][]float32, n)
-					a := MergeArgs{MergeLayout: l}
+					a := attn.MergeArgs{MergeLayout: l}
 					for i := 0; i < n; i++ {
 						vs[i] = make([]byte, vBytes)
 						for k := int64(0); k < int64(vBytes/es); k++ {
@@ -364,13 +370,13 @@ func TestGPUMergeStates(t *testing.T) {
 					}
 					outBytes := tokens * heads * D * es
 					a.Out = poisoned(t, d, outBytes)
-					a.OutLSE = poisoned(t, F32, 4*tokens*heads)
-					if err := MergeStates(&a, 0); err != nil {
+					a.OutLSE = poisoned(t, attn.F32, 4*tokens*heads)
+					if err := attn.MergeStates(&a, 0); err != nil {
 						t.Fatal(err)
 					}
 					want := make([]byte, outBytes)
 					wantLSE := make([]float32, tokens*heads)
-					if err := RefMergeStates(&l, vs, ss, want, wantLSE); err != nil {
+					if err := MergeStates(&l, vs, ss, want, wantLSE); err != nil {
 						t.Fatal(err)
 					}
 					got := download(t, a.Out, outBytes)
@@ -387,7 +393,7 @@ func TestGPUMergeStates(t *testing.T) {
 	}
 }
 
-// PagedDecode captured into a CUDA graph replays correctly on new inputs.
+// attn.PagedDecode captured into a CUDA graph replays correctly on new inputs.
 func TestGPUPagedDecodeGraph(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
@@ -399,10 +405,10 @@ func TestGPUPagedDecodeGraph(t *testing.T) {
 	}
 	defer cuda.StreamDestroy(s)
 	for _, split := range []int{1, 0} {
-		p := newDecodeProblem(t, r, problemShape{BF16, 128, 32, 8, 16, []int{3000, 17, 0, 900}, false})
+		p := newDecodeProblem(t, r, problemShape{attn.BF16, 128, 32, 8, 16, []int{3000, 17, 0, 900}, false})
 		g := uploadDecode(t, p, split, true)
 		g.args.MaxSeqLen = 3000
-		graph, err := cuda.Capture(s, func() error { return PagedDecode(&g.args, s) })
+		graph, err := cuda.Capture(s, func() error { return attn.PagedDecode(&g.args, s) })
 		if err != nil {
 			t.Fatalf("capture: %v", err)
 		}
@@ -427,7 +433,7 @@ func TestGPUPagedDecodeGraph(t *testing.T) {
 			dev, _ := cuda.DeviceInfo(0)
 			splits := split
 			if split == 0 {
-				splits = DecodeSplits(dev.SMs, BF16, 128, 4, 32, 8, 3000)
+				splits = attn.DecodeSplits(dev.SMs, attn.BF16, 128, 4, 32, 8, 3000)
 			}
 			checkDecode(t, p, g, splits, fmt.Sprintf("graph split %d round %d", split, round))
 		}
@@ -437,43 +443,14 @@ func TestGPUPagedDecodeGraph(t *testing.T) {
 	}
 }
 
-// Kernel parameter sizes as the driver reports them equal the Go mirrors.
-func TestGPUParamSizes(t *testing.T) {
-	needGPU(t)
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	m, err := module("test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for di := range kernelTable {
-		for hi := range kernelTable[di] {
-			ks := &kernelTable[di][hi]
-			for _, k := range []struct {
-				k    *cuda.Kernel
-				size uintptr
-			}{{ks.write, unsafe.Sizeof(kvWriteParams{})}, {ks.decode, unsafe.Sizeof(decodeParams{})},
-				{ks.combine, unsafe.Sizeof(decodeParams{})}, {ks.merge, unsafe.Sizeof(mergeParams{})}} {
-				n, err := m.ParamSize(k.k)
-				if err != nil {
-					t.Fatalf("%s: %v", k.k.Name(), err)
-				}
-				if n != 0 && uintptr(n) != k.size {
-					t.Fatalf("%s takes %d bytes; Go passes %d", k.k.Name(), n, k.size)
-				}
-			}
-		}
-	}
-}
-
 var benchSink error
 
-// BenchmarkPagedDecodeLaunch measures the host cost of one PagedDecode call
+// BenchmarkPagedDecodeLaunch measures the host cost of one attn.PagedDecode call
 // (checks, context and module lookup, cuLaunchKernel) on a tiny problem.
 func BenchmarkPagedDecodeLaunch(b *testing.B) {
 	needGPU(b)
 	r := rand.New(rand.NewPCG(1, 2))
-	p := newDecodeProblem(b, r, problemShape{F16, 128, 8, 2, 16, []int{32}, false})
+	p := newDecodeProblem(b, r, problemShape{attn.F16, 128, 8, 2, 16, []int{32}, false})
 	g := uploadDecode(b, p, 1, false)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -482,13 +459,13 @@ func BenchmarkPagedDecodeLaunch(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer cuda.StreamDestroy(s)
-	if err := PagedDecode(&g.args, s); err != nil {
+	if err := attn.PagedDecode(&g.args, s); err != nil {
 		b.Fatal(err)
 	}
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		benchSink = PagedDecode(&g.args, s)
+		benchSink = attn.PagedDecode(&g.args, s)
 		if i%256 == 255 {
 			b.StopTimer()
 			cuda.StreamSynchronize(s)

@@ -1,0 +1,117 @@
+package attn
+
+import (
+	"math"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+)
+
+// Layouts the launches refuse, each with its status.
+func TestValidation(t *testing.T) {
+	good := func() DecodeLayout {
+		return DecodeLayout{DType: F16, HeadDim: 128, Batch: 2, NumQHeads: 8, NumKVHeads: 2,
+			QBatchStride: 8 * 128, QHeadStride: 128, OutBatchStride: 8 * 128, OutHeadStride: 128,
+			NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
+			MaxBlocksPerSeq: 2, BlockTableStride: 2, Scale: 0.1}
+	}
+	if _, err := (&[]DecodeLayout{good()}[0]).validate(); err != nil {
+		t.Fatalf("good layout refused: %v", err)
+	}
+	cases := []struct {
+		name string
+		mod  func(*DecodeLayout)
+		code kverr.Code
+	}{
+		{"dtype", func(l *DecodeLayout) { l.DType = 0 }, kverr.InvalidArgument},
+		{"head_dim", func(l *DecodeLayout) { l.HeadDim = 96 }, kverr.Unsupported},
+		{"gqa", func(l *DecodeLayout) { l.NumKVHeads = 3 }, kverr.InvalidArgument},
+		{"kv heads 0", func(l *DecodeLayout) { l.NumKVHeads = 0 }, kverr.InvalidArgument},
+		{"batch<0", func(l *DecodeLayout) { l.Batch = -1 }, kverr.InvalidArgument},
+		{"batch big", func(l *DecodeLayout) { l.Batch = 70000 }, kverr.InvalidArgument},
+		{"block size 0", func(l *DecodeLayout) { l.BlockSize = 0 }, kverr.InvalidArgument},
+		{"table stride", func(l *DecodeLayout) { l.BlockTableStride = 1 }, kverr.InvalidArgument},
+		{"misaligned stride", func(l *DecodeLayout) { l.QHeadStride = 129 }, kverr.InvalidArgument},
+		{"negative stride", func(l *DecodeLayout) { l.CacheTokenStride = -256 }, kverr.InvalidArgument},
+		{"overlapping out", func(l *DecodeLayout) { l.OutHeadStride = 64 }, kverr.InvalidArgument},
+		{"huge stride", func(l *DecodeLayout) { l.CacheBlockStride = 1 << 60 }, kverr.InvalidArgument},
+		{"nan scale", func(l *DecodeLayout) { l.Scale = float32(math.NaN()) }, kverr.InvalidArgument},
+	}
+	for _, c := range cases {
+		l := good()
+		c.mod(&l)
+		_, err := l.validate()
+		if kverr.CodeOf(err) != c.code {
+			t.Errorf("%s: got %v (%v), want %v", c.name, kverr.CodeOf(err), err, c.code)
+		}
+	}
+	ml := MergeLayout{DType: F32, HeadDim: 64, NumStates: 9, NumTokens: 1, NumHeads: 1}
+	if _, err := ml.validate(false); !kverr.Is(err, kverr.InvalidArgument) {
+		t.Errorf("9 states: got %v", err)
+	}
+	wl := KVWriteLayout{DType: BF16, HeadDim: 64, NumTokens: 1, NumKVHeads: 2, NumBlocks: 1, BlockSize: 1,
+		CacheBlockStride: 64, CacheTokenStride: 64, CacheHeadStride: 8}
+	if _, err := wl.validate(); !kverr.Is(err, kverr.InvalidArgument) {
+		t.Errorf("overlapping cache heads: got %v", err)
+	}
+}
+
+func TestPlanAndWorkspace(t *testing.T) {
+	// kernels/README.md's examples: H100, D=128, 32 q / 8 kv heads.
+	for _, c := range []struct{ batch, maxLen, want int }{
+		{1, 4096, 32}, {8, 2048, 4}, {16, 2048, 2}, {33, 2048, 1}, {128, 16384, 1},
+		{1, 64, 1},  // one tile
+		{1, 300, 5}, // five tiles, one split each
+		{1, 0, 1},
+	} {
+		if s := DecodeSplits(132, BF16, 128, c.batch, 32, 8, c.maxLen); s != c.want {
+			t.Errorf("DecodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
+		}
+	}
+	// 33 slots per CTA over 40 tiles: 33 splits would leave empty ones;
+	// ceil(40/33) = 2 tiles each gives 20.
+	if s := DecodeSplits(132, BF16, 128, 1, 32, 8, 40*64); s != 20 {
+		t.Errorf("40 tiles: %d splits, want 20", s)
+	}
+	if s := DecodeSplits(132, F32, 64, 1, 1, 1, 1<<30); s != MaxSplits {
+		t.Errorf("MQA, huge L: %d splits, want the cap %d", s, MaxSplits)
+	}
+	if s := DecodeSplits(0, F16, 64, 1, 1, 1, 100); s != 1 {
+		t.Errorf("no SMs: %d", s)
+	}
+	n, err := WorkspaceSize(64, 32, 128, 0)
+	if err != nil || n != 4*DefaultMaxSplits*64*32*129 {
+		t.Errorf("WorkspaceSize = %d, %v", n, err)
+	}
+	if n, err := WorkspaceSize(64, 32, 128, 1); err != nil || n != 0 {
+		t.Errorf("one split needs no workspace: %d, %v", n, err)
+	}
+	if _, err := WorkspaceSize(0, 32, 128, 4); !kverr.Is(err, kverr.InvalidArgument) {
+		t.Errorf("batch 0: %v", err)
+	}
+	if _, err := WorkspaceSize(70000, 32, 128, 4); !kverr.Is(err, kverr.InvalidArgument) {
+		t.Errorf("batch 70000: %v", err)
+	}
+	if _, err := WorkspaceSize(1, 32, 80, 4); !kverr.Is(err, kverr.Unsupported) {
+		t.Errorf("head_dim 80: %v", err)
+	}
+}
+
+// A prefill plan's state words hold its mainloop; a word no plan holds is
+// clamped into a value the run's check refuses, never wrapped into a valid
+// one.
+func TestPrefillPlanState(t *testing.T) {
+	p := PrefillPlan{Mainloop: MainloopSM90}
+	w := p.PlanState()
+	if w != [6]uint64{MainloopSM90} {
+		t.Fatalf("words %v", w)
+	}
+	var q PrefillPlan
+	if q.SetPlanState(&w); q.Mainloop != MainloopSM90 {
+		t.Fatalf("mainloop %d", q.Mainloop)
+	}
+	w[WordMainloop] = 1<<32 + MainloopSM90
+	if q.SetPlanState(&w); q.Mainloop != 1<<16 {
+		t.Fatalf("mainloop %d from word %#x", q.Mainloop, w[WordMainloop])
+	}
+}

@@ -1,0 +1,285 @@
+package cascadeattn
+
+import (
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cascade"
+	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
+)
+
+// sharingManager is a manager (block size 16, prefix cache on) holding 3
+// system prompts' worth of sharing: 12 sequences admitted with one of two
+// system prompts (544 and 280 tokens), the first group's four with a
+// few-shot block after it, and 3 forks of sequence 1; it returns the
+// manager and the batch's ids in a scrambled order.
+func sharingManager(t *testing.T) (*kvmanager.Manager, []int64) {
+	t.Helper()
+	m, err := kvmanager.New(kvmanager.Config{NumBlocks: 1024, BlockSize: 16, EnablePrefixCache: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	toks := func(n int) []int32 {
+		v := make([]int32, n)
+		for i := range v {
+			v[i] = r.Int32N(32000)
+		}
+		return v
+	}
+	sys := [][]int32{toks(544), toks(280)}
+	shots := toks(160)
+	var ids []int64
+	for id := int64(1); id <= 12; id++ {
+		p := slices.Clone(sys[id%2])
+		if id%2 == 0 && id <= 8 {
+			p = append(p, shots...)
+		}
+		p = append(p, toks(int(id)*7)...)
+		if _, err := m.Admit([]int64{id}, kvmanager.Prompts{Tokens: p, Offsets: []int64{0, int64(len(p))}}, nil); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if _, err := m.Fork(1, []int64{101, 102, 103}, make([]kvmanager.CopyPair, 3)); err != nil {
+		t.Fatal(err)
+	}
+	ids = append(ids, 101, 102, 103)
+	ones := make([]int32, len(ids))
+	for i := range ones {
+		ones[i] = 1
+	}
+	if err := m.Grow(ids, ones); err != nil {
+		t.Fatal(err)
+	}
+	r.Shuffle(len(ids), func(i, j int) { ids[i], ids[j] = ids[j], ids[i] })
+	return m, ids
+}
+
+// managerArgs are args for planning a manager's batch into fresh
+// workspaces (fake device addresses), with max_blocks_per_seq cols.
+func managerArgs(t *testing.T, cols int) *testBatch {
+	dev, host, err := cascade.WorkspaceSizes(16, 16, 8, 2, 128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testBatch{PlanArgs: PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
+		MaxBatch: 16, MaxBlocksPerSeq: cols, SeqLens: 0x9000, HostWorkspaceBytes: uint64(host),
+		Workspace: 0x100000, WorkspaceBytes: uint64(dev)}, host: make([]int32, host/4)}
+}
+
+// hostOnly is b without workspaces or device arrays.
+func hostOnly(b *testBatch) *testBatch {
+	h := *b
+	h.host, h.HostWorkspaceBytes, h.Workspace, h.WorkspaceBytes, h.SeqLens, h.QOIndptr = nil, 0, 0, 0, 0, 0
+	return &h
+}
+
+// describePlan is the plan PlanBatch makes from the tables m.Describe
+// writes for the same batch, and its host workspace.
+func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch) (Plan, []int32) {
+	t.Helper()
+	n, cols := len(ids), b.MaxBlocksPerSeq
+	d := *b
+	d.table, d.lens = make([]int32, n*cols), make([]int32, n)
+	if _, err := m.Describe(ids, cols, d.table, d.lens, nil); err != nil {
+		t.Fatalf("describe: %v", err)
+	}
+	d.Batch, d.BlockSize, d.BlockTableStride = n, 16, int64(cols)
+	d.host = make([]int32, len(b.host))
+	p, err := PlanBatch(d.args(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, d.host
+}
+
+// The plan from the manager is PlanBatch's plan of the described tables:
+// the same plan (but for the host workspace's address) and the same host
+// workspace word for word, planned once. The host-only plan (no
+// workspaces) has the same summary and cannot be updated or run.
+func TestPlanFromManagerEqualsDescribe(t *testing.T) {
+	plans := withoutDevice(t)
+	m, ids := sharingManager(t)
+	for _, cols := range []int{64, 200} {
+		for _, flags := range []int{0, FlagNoDecodeRoute} {
+			b := managerArgs(t, cols)
+			b.Flags = flags
+			want, wantWS := describePlan(t, m, ids, b)
+
+			*plans = 0
+			got, err := PlanFromManager(m, &ids[0], len(ids), b.args(), 0)
+			if err != nil {
+				t.Fatalf("cols %d: %v", cols, err)
+			}
+			if *plans != 1 || got.HostWorkspace != unsafe.Pointer(&b.host[0]) || got.Workspace != b.Workspace || got.KVLens != b.SeqLens {
+				t.Fatalf("cols %d: %d plans, into %p %#x with lengths %#x", cols, *plans, got.HostWorkspace, got.Workspace, got.KVLens)
+			}
+			got.HostWorkspace = want.HostWorkspace
+			if got != want {
+				t.Fatalf("cols %d flags %d: plans differ:\nmanager  %+v\ndescribe %+v", cols, flags, got, want)
+			}
+			if !slices.Equal(b.host, wantWS) {
+				t.Fatalf("cols %d flags %d: host workspaces differ", cols, flags)
+			}
+			if want.SavedTokens < 3*544 || (flags == 1 && want.Route != cascade.RouteCascade) {
+				t.Fatalf("cols %d flags %d: the batch's sharing was not found: %+v", cols, flags, want)
+			}
+
+			// Host only: no workspaces, no device; the same summary.
+			hp, err := PlanFromManager(m, &ids[0], len(ids), hostOnly(b).args(), 0)
+			if err != nil {
+				t.Fatalf("host only: %v", err)
+			}
+			if hp.Kind != want.Kind || hp.Route != want.Route || hp.Batch != want.Batch || hp.MaxKVLen != want.MaxKVLen ||
+				hp.NumItems != want.NumItems || hp.MaxBatch != want.MaxBatch || hp.BlockSize != want.BlockSize ||
+				hp.SavedTokens != want.SavedTokens || hp.TotalTokens != want.TotalTokens || hp.Parts != want.Parts {
+				t.Fatalf("host only: %+v, device plan %+v", hp, want)
+			}
+			if hp.Grid != 0 || hp.Workspace != 0 || hp.KVLens != 0 || hp.HostWorkspace != nil || hp.HostWorkspaceBytes != 0 {
+				t.Fatalf("host-only plan names device memory: %+v", hp)
+			}
+			lens := make([]int32, len(ids))
+			_, err = Update(&hp, &lens[0], len(ids))
+			expect(t, "update of a host-only plan", err, kverr.InvalidArgument)
+			expect(t, "run of a host-only plan", Run(&hp, layer(&hp, 16, cols), 0), kverr.InvalidArgument)
+		}
+	}
+	// An empty batch plans on the decode route.
+	p, err := PlanFromManager(m, nil, 0, hostOnly(managerArgs(t, 8)).args(), 0)
+	if err != nil || p.Batch != 0 || p.Route != cascade.RouteDecode {
+		t.Fatalf("empty batch: %v %+v", err, p)
+	}
+}
+
+// Bad arguments are errors whose messages name kvp_manager_cascade_plan,
+// and a failed call leaves the workspaces as they were; the checks PlanBatch
+// makes for the device path are its own.
+func TestPlanFromManagerErrors(t *testing.T) {
+	m, ids := sharingManager(t)
+	n := len(ids)
+	try := func(name string, ids []int64, n int, b *testBatch, want kverr.Code) {
+		t.Helper()
+		ws := slices.Clone(b.host)
+		var idp *int64
+		if len(ids) > 0 {
+			idp = &ids[0]
+		}
+		_, err := PlanFromManager(m, idp, n, b.args(), 0)
+		expect(t, name, err, want)
+		if err != nil && !strings.HasPrefix(err.Error(), "kvp_manager_cascade_plan: ") {
+			t.Errorf("%s: message %q does not name the call", name, err)
+		}
+		if !slices.Equal(ws, b.host) {
+			t.Errorf("%s: a failed call wrote the host workspace", name)
+		}
+	}
+	good := func() *testBatch { return managerArgs(t, 64) }
+	// mod tries a change of the good args on the device path (when device
+	// is set: PlanBatch checks it before touching the device) and on the
+	// host-only path (when host is set).
+	const device, host, both = 1, 2, 3
+	mod := func(name string, paths int, f func(b *testBatch), want kverr.Code) {
+		t.Helper()
+		b := good()
+		f(b)
+		if paths&device != 0 {
+			try(name, ids, n, b, want)
+		}
+		if paths&host != 0 {
+			try(name+" (host only)", ids, n, hostOnly(b), want)
+		}
+	}
+	try("NULL ids", nil, n, good(), kverr.NullPointer)
+	try("n -1", ids, -1, good(), kverr.InvalidArgument)
+	try("n 65536", ids, 65536, good(), kverr.InvalidArgument)
+	try("unknown id", append(slices.Clone(ids), 999), n+1, good(), kverr.UnknownSequence)
+	mod("table too narrow", both, func(b *testBatch) { b.MaxBlocksPerSeq = 8 }, kverr.BufferTooSmall)
+	mod("max_blocks 0", both, func(b *testBatch) { b.MaxBlocksPerSeq = 0 }, kverr.InvalidArgument)
+	mod("host table given", both, func(b *testBatch) { b.table = []int32{1} }, kverr.InvalidArgument)
+	mod("host lens given", both, func(b *testBatch) { b.lens = []int32{1} }, kverr.InvalidArgument)
+	mod("batch differs", both, func(b *testBatch) { b.Batch = n - 1 }, kverr.InvalidArgument)
+	mod("block size differs", both, func(b *testBatch) { b.BlockSize = 32 }, kverr.InvalidArgument)
+	mod("max_tokens below the batch capacity", both, func(b *testBatch) { b.MaxTokens = 4 }, kverr.InvalidArgument)
+	mod("qo_indptr decreasing", host, func(b *testBatch) {
+		b.qo = make([]int32, n+1)
+		b.qo[1] = 2
+	}, kverr.InvalidArgument)
+	mod("dtype f32", both, func(b *testBatch) { b.DType = attn.F32 }, kverr.Unsupported)
+	mod("head_dim 80", both, func(b *testBatch) { b.HeadDim = 80 }, kverr.Unsupported)
+	mod("heads 8/3", both, func(b *testBatch) { b.NumKVHeads = 3 }, kverr.InvalidArgument)
+	mod("flags", both, func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
+	mod("headroom -1", host, func(b *testBatch) { b.Headroom = -1 }, kverr.InvalidArgument)
+	mod("max_batch below the batch", host, func(b *testBatch) { b.MaxBatch = 4 }, kverr.BufferTooSmall)
+	// The device path's own checks (PlanBatch's, before any device work),
+	// with the message naming this call.
+	mod("device workspace small", device, func(b *testBatch) { b.WorkspaceBytes -= 16 }, kverr.BufferTooSmall)
+	mod("host workspace without device workspace", device, func(b *testBatch) { b.Workspace = 0 }, kverr.NullPointer)
+	mod("device seq_lens 0", device, func(b *testBatch) { b.SeqLens = 0 }, kverr.InvalidArgument)
+	if cuda.Load() != nil {
+		want := kverr.NoDevice
+		if !attn.KernelsBuilt() {
+			want = kverr.Unsupported
+		}
+		try("plan without driver", ids, n, good(), want)
+	}
+}
+
+// Varlen queries (new prompts or chunks mixed with decode rows) pass
+// through: the plan from the manager with QOIndptrHost is PlanBatch's of
+// the described tables with the same offsets, on the device path and, for
+// the summary, host only.
+func TestPlanFromManagerVarlenEqualsDescribe(t *testing.T) {
+	withoutDevice(t)
+	m, ids := sharingManager(t)
+	n := len(ids)
+	lens := make([]int32, n)
+	if _, err := m.Describe(ids, 0, nil, lens, nil); err != nil {
+		t.Fatalf("describe: %v", err)
+	}
+	qo := make([]int32, n+1)
+	for i := range ids {
+		q := int32(1) // decode rows, and every third a chunk of up to 40 tokens
+		if i%3 == 0 {
+			q = min(lens[i], int32(5+13*i%40))
+		}
+		qo[i+1] = qo[i] + q
+	}
+	maxTokens := int(qo[n]) + 8
+	dev, host, err := cascade.WorkspaceSizes(16, maxTokens, 8, 2, 128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, flags := range []int{0, FlagNoDecodeRoute} {
+		b := &testBatch{PlanArgs: PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
+			MaxBatch: 16, MaxBlocksPerSeq: 64, SeqLens: 0x9000, HostWorkspaceBytes: uint64(host),
+			Workspace: 0x100000, WorkspaceBytes: uint64(dev), Flags: flags, QOIndptr: 0xA000, MaxTokens: maxTokens},
+			host: make([]int32, host/4), qo: qo}
+		want, wantWS := describePlan(t, m, ids, b)
+		got, err := PlanFromManager(m, &ids[0], n, b.args(), 0)
+		if err != nil {
+			t.Fatalf("flags %d: %v", flags, err)
+		}
+		got.HostWorkspace = want.HostWorkspace
+		if got != want || !slices.Equal(b.host, wantWS) {
+			t.Fatalf("flags %d: plans differ:\nmanager  %+v\ndescribe %+v", flags, got, want)
+		}
+		if want.TotalQ != int(qo[n]) || want.MaxQLen < 2 {
+			t.Fatalf("flags %d: the plan has %d query rows (max %d); %d given", flags, want.TotalQ, want.MaxQLen, qo[n])
+		}
+		hp, err := PlanFromManager(m, &ids[0], n, hostOnly(b).args(), 0)
+		if err != nil {
+			t.Fatalf("host only, flags %d: %v", flags, err)
+		}
+		if hp.Route != want.Route || hp.TotalQ != want.TotalQ || hp.MaxQLen != want.MaxQLen || hp.MaxKVLen != want.MaxKVLen ||
+			hp.SavedTokens != want.SavedTokens || hp.TotalTokens != want.TotalTokens {
+			t.Fatalf("host only, flags %d: %+v, device plan %+v", flags, hp, want)
+		}
+	}
+}
