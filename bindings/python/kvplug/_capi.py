@@ -24,6 +24,22 @@ _size = ctypes.c_size_t
 MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
 
 
+def _ints(ctype: Any, *names: str) -> List[Tuple[str, Any]]:
+    return [(n, ctype) for n in names]
+
+
+def _tensor(name: str, *strides: str) -> List[Tuple[str, Any]]:
+    """A device address and its strides in elements: name, name_<s>_stride."""
+    return [(name, _u64)] + [(f"{name}_{s}_stride", _i64) for s in strides]
+
+
+# The paged caches and the block table of the attention structs (K and V
+# share the strides).
+_CACHES = [("k_cache", _u64), ("v_cache", _u64)] + _ints(_i64, "cache_block_stride", "cache_token_stride",
+                                                          "cache_head_stride")
+_TABLE = [("block_table", _u64), ("block_table_stride", _i64)]
+
+
 # --------------------------------------------------------------------------
 # Paged KV manager
 # --------------------------------------------------------------------------
@@ -51,10 +67,10 @@ class BlockCopy(ctypes.Structure):
 class ManagerStatsStruct(ctypes.Structure):
     """struct kvp_manager_stats."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("num_blocks", "block_size", "free_blocks", "used_blocks", "peak_used_blocks",
-                            "cached_blocks", "shared_blocks", "num_seqs")
-    ] + [("num_tokens", _i64), ("allocated_slots", _i64), ("internal_waste", _i64), ("fragmentation", ctypes.c_double)]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "num_blocks", "block_size", "free_blocks", "used_blocks", "peak_used_blocks", "cached_blocks",
+        "shared_blocks", "num_seqs",
+    ) + _ints(_i64, "num_tokens", "allocated_slots", "internal_waste") + [("fragmentation", ctypes.c_double)]
 
 
 # --------------------------------------------------------------------------
@@ -89,10 +105,10 @@ class PrefixMatchStruct(ctypes.Structure):
 class PrefixStatsStruct(ctypes.Structure):
     """struct kvp_prefix_stats."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i64) for n in ("queries", "query_tokens", "hit_tokens", "partial_tokens", "inserts", "dedups",
-                            "evictions", "events_dropped")
-    ] + [(n, _i32) for n in ("cached_blocks", "locked_blocks", "pinned_blocks", "evictable_blocks", "pending_events")]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "queries", "query_tokens", "hit_tokens", "partial_tokens", "inserts", "dedups", "evictions",
+        "events_dropped",
+    ) + _ints(_i32, "cached_blocks", "locked_blocks", "pinned_blocks", "evictable_blocks", "pending_events")
 
 
 class BlockMMStruct(ctypes.Structure):
@@ -110,7 +126,7 @@ class KVEventStruct(ctypes.Structure):
         ("adapter", _u64),
         ("hash", _u8 * 16),
         ("parent", _u8 * 16),
-    ] + [(n, _i32) for n in ("tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")]
+    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")
 
 
 # --------------------------------------------------------------------------
@@ -121,21 +137,19 @@ class KVEventStruct(ctypes.Structure):
 class EventPublisherConfig(ctypes.Structure):
     """struct kvp_event_publisher_config."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, ctypes.c_char_p) for n in ("endpoint", "replay_endpoint", "topic", "medium")
-    ] + [
-        (n, _i32) for n in ("bind_mode", "event_format", "hash_format", "data_parallel_rank", "buffer_steps", "hwm",
-                            "max_batch_events", "flush_interval_us")
-    ] + [("buffer_bytes", _i64)]
+    _fields_ = [("struct_size", _size)] + _ints(ctypes.c_char_p, "endpoint", "replay_endpoint", "topic", "medium") + _ints(
+        _i32, "bind_mode", "event_format", "hash_format", "data_parallel_rank", "buffer_steps", "hwm",
+        "max_batch_events", "flush_interval_us",
+    ) + [("buffer_bytes", _i64)]
 
 
 class EventPublisherStatsStruct(ctypes.Structure):
     """struct kvp_event_publisher_stats."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i64) for n in ("batches", "events", "bytes", "dropped_sends", "replay_requests", "replay_batches",
-                            "snapshots", "source_errors", "buffered_batches", "buffered_bytes")
-    ] + [(n, _i32) for n in ("subscribers", "pub_port", "replay_port", "reserved")]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "batches", "events", "bytes", "dropped_sends", "replay_requests", "replay_batches", "snapshots",
+        "source_errors", "buffered_batches", "buffered_bytes",
+    ) + _ints(_i32, "subscribers", "pub_port", "replay_port", "reserved")
 
 
 # --------------------------------------------------------------------------
@@ -146,120 +160,57 @@ class EventPublisherStatsStruct(ctypes.Structure):
 class KVWriteArgs(ctypes.Structure):
     """struct kvp_kv_write_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("dtype", "head_dim", "num_tokens", "num_kv_heads", "num_blocks", "block_size")
-    ] + [
-        ("key", _u64),
-        ("key_token_stride", _i64),
-        ("key_head_stride", _i64),
-        ("value", _u64),
-        ("value_token_stride", _i64),
-        ("value_head_stride", _i64),
-        ("k_cache", _u64),
-        ("v_cache", _u64),
-        ("cache_block_stride", _i64),
-        ("cache_token_stride", _i64),
-        ("cache_head_stride", _i64),
-        ("slot_mapping", _u64),
-    ]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_tokens", "num_kv_heads", "num_blocks", "block_size",
+    ) + _tensor("key", "token", "head") + _tensor("value", "token", "head") + _CACHES + [("slot_mapping", _u64)]
 
 
 class PagedDecodeArgs(ctypes.Structure):
     """struct kvp_paged_decode_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("dtype", "head_dim", "batch", "num_q_heads", "num_kv_heads", "num_blocks", "block_size",
-                            "max_blocks_per_seq")
-    ] + [
-        ("q", _u64),
-        ("q_batch_stride", _i64),
-        ("q_head_stride", _i64),
-        ("k_cache", _u64),
-        ("v_cache", _u64),
-        ("cache_block_stride", _i64),
-        ("cache_token_stride", _i64),
-        ("cache_head_stride", _i64),
-        ("block_table", _u64),
-        ("block_table_stride", _i64),
-        ("seq_lens", _u64),
-        ("out", _u64),
-        ("out_batch_stride", _i64),
-        ("out_head_stride", _i64),
-        ("lse", _u64),
-        ("workspace", _u64),
-        ("workspace_bytes", _u64),
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "batch", "num_q_heads", "num_kv_heads", "num_blocks", "block_size",
+        "max_blocks_per_seq",
+    ) + _tensor("q", "batch", "head") + _CACHES + _TABLE + [("seq_lens", _u64)] + _tensor("out", "batch", "head") + _ints(_u64, "lse", "workspace", "workspace_bytes") + [
         ("scale", _f32),
-        ("num_splits", _i32),
-        ("max_seq_len", _i32),
-        ("reserved", _i32),
-    ]
+    ] + _ints(_i32, "num_splits", "max_seq_len", "reserved")
 
 
 class MergeStatesArgs(ctypes.Structure):
     """struct kvp_merge_states_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("dtype", "head_dim", "num_states", "num_tokens", "num_heads", "reserved")
-    ] + [
-        ("v", _u64 * MERGE_MAX_STATES),
-        ("s", _u64 * MERGE_MAX_STATES),
-        ("v_token_stride", _i64),
-        ("v_head_stride", _i64),
-        ("s_token_stride", _i64),
-        ("s_head_stride", _i64),
-        ("out", _u64),
-        ("out_token_stride", _i64),
-        ("out_head_stride", _i64),
-        ("out_lse", _u64),
-        ("out_lse_token_stride", _i64),
-        ("out_lse_head_stride", _i64),
-    ]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_states", "num_tokens", "num_heads", "reserved",
+    ) + [("v", _u64 * MERGE_MAX_STATES), ("s", _u64 * MERGE_MAX_STATES)] + _ints(
+        _i64, "v_token_stride", "v_head_stride", "s_token_stride", "s_head_stride",
+    ) + _tensor("out", "token", "head") + _tensor("out_lse", "token", "head")
 
 
 class PrefillPlanArgs(ctypes.Structure):
     """struct kvp_prefill_plan_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "window_size", "flags",
-                            "reserved")
-    ] + [
-        ("qo_indptr_host", ctypes.POINTER(_i32)),
-        ("kv_lens_host", ctypes.POINTER(_i32)),
-        ("qo_indptr", _u64),
-        ("kv_lens", _u64),
-        ("workspace", _u64),
-        ("workspace_bytes", _u64),
-    ]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "window_size", "flags", "reserved",
+    ) + _ints(ctypes.POINTER(_i32), "qo_indptr_host", "kv_lens_host") + _ints(
+        _u64, "qo_indptr", "kv_lens", "workspace", "workspace_bytes",
+    )
 
 
 class AttnPlan(ctypes.Structure):
     """struct kvp_attn_plan."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("kind", "route", "dtype", "head_dim", "num_q_heads", "num_kv_heads", "window_left",
-                            "batch", "total_q", "max_q_len", "max_kv_len", "num_items", "grid", "num_splits")
-    ] + [("workspace", _u64), ("workspace_bytes", _u64), ("kv_lens", _u64), ("reserved", _u64 * 6)]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "kind", "route", "dtype", "head_dim", "num_q_heads", "num_kv_heads", "window_left", "batch", "total_q",
+        "max_q_len", "max_kv_len", "num_items", "grid", "num_splits",
+    ) + _ints(_u64, "workspace", "workspace_bytes", "kv_lens") + [("reserved", _u64 * 6)]
 
 
 class PagedPrefillArgs(ctypes.Structure):
     """struct kvp_paged_prefill_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("num_blocks", "block_size", "max_blocks_per_seq", "reserved")
-    ] + [
-        ("q", _u64),
-        ("q_token_stride", _i64),
-        ("q_head_stride", _i64),
-        ("k_cache", _u64),
-        ("v_cache", _u64),
-        ("cache_block_stride", _i64),
-        ("cache_token_stride", _i64),
-        ("cache_head_stride", _i64),
-        ("block_table", _u64),
-        ("block_table_stride", _i64),
-        ("out", _u64),
-        ("out_token_stride", _i64),
-        ("out_head_stride", _i64),
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "num_blocks", "block_size", "max_blocks_per_seq", "reserved",
+    ) + _tensor("q", "token", "head") + _CACHES + _TABLE + _tensor("out", "token", "head") + [
         ("lse", _u64),
         ("scale", _f32),
         ("reserved2", _i32),
@@ -274,20 +225,13 @@ class PagedPrefillArgs(ctypes.Structure):
 class CascadePlanArgs(ctypes.Structure):
     """struct kvp_cascade_plan_args."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "max_batch", "block_size",
-                            "max_blocks_per_seq")
-    ] + [
-        ("block_table_stride", _i64),
-        ("block_table_host", ctypes.POINTER(_i32)),
-        ("seq_lens_host", ctypes.POINTER(_i32)),
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "max_batch", "block_size",
+        "max_blocks_per_seq",
+    ) + [("block_table_stride", _i64)] + _ints(ctypes.POINTER(_i32), "block_table_host", "seq_lens_host") + [
         ("seq_lens", _u64),
         ("host_workspace", _vp),
-        ("host_workspace_bytes", _u64),
-        ("workspace", _u64),
-        ("workspace_bytes", _u64),
-        ("flags", _i32),
-        ("headroom", _i32),
+    ] + _ints(_u64, "host_workspace_bytes", "workspace", "workspace_bytes") + _ints(_i32, "flags", "headroom") + [
         # Appended after the first release (first released size: 112 bytes).
         ("qo_indptr_host", ctypes.POINTER(_i32)),
         ("qo_indptr", _u64),
@@ -304,24 +248,20 @@ class CascadePlanArgs(ctypes.Structure):
 class VCacheConfig(ctypes.Structure):
     """struct kvp_vcache_config."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i32) for n in ("backend", "device", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_batch",
-                            "max_context")
-    ] + [(n, _i64) for n in ("page_size", "budget_bytes", "reclaim_below_bytes")] + [
-        ("lookahead_tokens", _i32),
-        ("no_background", _i32),
-    ]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "backend", "device", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_batch", "max_context",
+    ) + _ints(_i64, "page_size", "budget_bytes", "reclaim_below_bytes") + _ints(_i32, "lookahead_tokens", "no_background")
 
 
 class VCacheStats(ctypes.Structure):
     """struct kvp_vcache_stats."""
 
-    _fields_ = [("struct_size", _size)] + [
-        (n, _i64) for n in ("page_size", "budget_bytes", "tensor_bytes", "mapped_bytes", "held_bytes")
-    ] + [("active_slots", _i32), ("reusable_slots", _i32)] + [
-        (n, _i64) for n in ("steps", "map_calls", "unmap_calls", "create_calls", "release_calls", "out_of_memory",
-                            "step_map_ns", "step_wait_ns", "background_map_ns", "background_errors")
-    ]
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "page_size", "budget_bytes", "tensor_bytes", "mapped_bytes", "held_bytes",
+    ) + _ints(_i32, "active_slots", "reusable_slots") + _ints(
+        _i64, "steps", "map_calls", "unmap_calls", "create_calls", "release_calls", "out_of_memory", "step_map_ns",
+        "step_wait_ns", "background_map_ns", "background_errors",
+    )
 
 
 # --------------------------------------------------------------------------

@@ -22,45 +22,11 @@ import logging
 import operator
 import os
 import threading
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar
 
 from . import _capi
-
-__all__ = [
-    "Status",
-    "KvplugError",
-    "InvalidArgumentError",
-    "checked_int",
-    "NullPointerError",
-    "StructSizeError",
-    "InvalidHandleError",
-    "UnknownSequenceError",
-    "DuplicateSequenceError",
-    "OutOfBlocksError",
-    "BufferTooSmallError",
-    "NoDeviceError",
-    "CudaError",
-    "UnsupportedError",
-    "OutOfMemoryError",
-    "NotFoundError",
-    "InternalError",
-    "LibraryLoadError",
-    "library",
-    "library_path",
-    "C",
-    "fn",
-    "check",
-    "raise_status",
-    "error_for",
-    "as_ptr",
-    "version",
-    "version_string",
-    "live_handles",
-    "set_logger",
-    "set_log_level",
-    "enable_logging",
-]
 
 _LIB_NAME = "libkvplug.so"
 _ENV_VAR = "KVPLUG_LIBRARY"
@@ -421,6 +387,46 @@ def live_handles() -> int:
     n = ctypes.c_int64()
     check(C.kvp_live_handles(ctypes.byref(n)))
     return n.value
+
+
+# --------------------------------------------------------------------------
+# Objects owning a handle
+# --------------------------------------------------------------------------
+
+_O = TypeVar("_O", bound="Owner")
+
+
+class Owner:
+    """An object that owns a library handle (self._h, None once closed):
+    close() or a with block destroys it with the C function named by
+    _destroy; a finalizer (set by _own) destroys it when the object is
+    collected without close(), seeing only the handle, never the object.
+    Not at interpreter exit: the process is ending and modules may be half
+    torn down."""
+
+    _h: Optional[int] = None
+    _destroy = ""
+
+    def _own(self, handle: int, release: Callable[..., None], *args: Any) -> None:
+        self._h = handle
+        self._finalizer = weakref.finalize(self, release, *args)
+        self._finalizer.atexit = False
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            self._finalizer.detach()
+            getattr(C, self._destroy)(h)
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------

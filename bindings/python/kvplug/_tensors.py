@@ -263,6 +263,11 @@ def new_outputs(p: Packed, q: Any, out: Any, lse: Any, return_lse: bool) -> Tupl
     return out, lse
 
 
+def _plan_field(name: str, doc: Optional[str] = None) -> property:
+    """A read-only int property of the plan's kvp_attn_plan field `name`."""
+    return property(lambda self: int(getattr(self._c, name)), doc=doc)
+
+
 class Plan:
     """A kvp_attn_plan, with the device arrays and the workspaces it refers
     to kept alive as long as it is, and its per-layer call: each thread
@@ -278,26 +283,11 @@ class Plan:
         self._fn = getattr(C, self._run_fn)
         self._tls = threading.local()
 
-    @property
-    def route(self) -> int:
-        return int(self._c.route)
-
-    @property
-    def batch(self) -> int:
-        return int(self._c.batch)
-
-    @property
-    def total_q(self) -> int:
-        """Query rows (the batch in decode)."""
-        return int(self._c.total_q)
-
-    @property
-    def max_q_len(self) -> int:
-        return int(self._c.max_q_len)
-
-    @property
-    def num_items(self) -> int:
-        return int(self._c.num_items)
+    route = _plan_field("route")
+    batch = _plan_field("batch")
+    total_q = _plan_field("total_q", "Query rows (the batch in decode).")
+    max_q_len = _plan_field("max_q_len")
+    num_items = _plan_field("num_items")
 
     def _pack(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
               return_lse: bool) -> Tuple[Packed, Any, Any]:

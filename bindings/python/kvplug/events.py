@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import weakref
 from typing import Any, Optional
 
 from . import _lib
@@ -69,7 +68,7 @@ def _text(value: Optional[str], what: str) -> Optional[bytes]:
     return b
 
 
-class EventPublisher:
+class EventPublisher(_lib.Owner):
     """Publishes a Manager's KV events (the manager needs prefix_cache=True
     and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
     when replay_endpoint is given. Endpoints are tcp://host:port
@@ -78,6 +77,8 @@ class EventPublisher:
     vLLM's do; None leaves it out (the batches of vLLM before it had one).
     Failures raise KvplugError subclasses with the library's message (an
     endpoint in use: InvalidArgumentError)."""
+
+    _destroy = "kvp_event_publisher_destroy"
 
     def __init__(
         self,
@@ -97,7 +98,6 @@ class EventPublisher:
         flush_interval_us: int = 0,
         buffer_bytes: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
         mh = getattr(manager, "handle", None)
         if mh is None:
             raise _lib.error_for(int(_lib.Status.INVALID_HANDLE), "EventPublisher: the manager is closed (or not a Manager)")
@@ -122,31 +122,16 @@ class EventPublisher:
         st = C.kvp_event_publisher_create(mh, ctypes.byref(cfg), ctypes.byref(out))
         if st:
             _lib.raise_status(st)
-        self._h = out.value
+        self._own(out.value, C.kvp_event_publisher_destroy, out.value)
         self._manager = manager  # kept alive: the publisher reads its events
-        self._finalizer = weakref.finalize(self, C.kvp_event_publisher_destroy, self._h)
-        self._finalizer.atexit = False
         s = self.stats()
         self.pub_port = s.pub_port
         self.replay_port = s.replay_port
 
-    @property
-    def closed(self) -> bool:
-        return self._h is None
-
     def close(self) -> None:
         """Publishes what is pending (waiting at most a second), closes the
         sockets; idempotent."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._finalizer.detach()
-            C.kvp_event_publisher_destroy(h)
-
-    def __enter__(self) -> "EventPublisher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else f"pub_port={self.pub_port}, replay_port={self.replay_port}"

@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import numbers
 import warnings
-import weakref
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -94,7 +93,7 @@ def _release(handle: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
-class Manager(PrefixCacheMethods):
+class Manager(PrefixCacheMethods, _lib.Owner):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
     library serialises calls on one manager), except close(), which no
@@ -103,6 +102,8 @@ class Manager(PrefixCacheMethods):
     prefix_cache=True keeps the full blocks of sequences admitted by their
     tokens (admit, grow_tokens) for later prompts with the same prefix;
     kv_events=True records KV events for drain_events (kvplug.prefix)."""
+
+    _destroy = "kvp_manager_destroy"
 
     def __init__(
         self,
@@ -113,7 +114,6 @@ class Manager(PrefixCacheMethods):
         kv_events: bool = False,
         max_pending_events: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
         max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
@@ -124,12 +124,7 @@ class Manager(PrefixCacheMethods):
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))
         if st:
             _lib.raise_status(st)
-        self._h = out.value
-        # Destroys the handle if the object is collected without close();
-        # the finalizer holds the handle, never self. Not at interpreter
-        # exit: the process is ending and modules may be half torn down.
-        self._finalizer = weakref.finalize(self, _release, self._h)
-        self._finalizer.atexit = False
+        self._own(out.value, _release, out.value)
         s = ManagerStatsStruct()
         s.struct_size = ctypes.sizeof(s)
         _lib.check(C.kvp_manager_stats_get(self._h, ctypes.byref(s)))
@@ -147,23 +142,10 @@ class Manager(PrefixCacheMethods):
         kvplug modules' C calls."""
         return self._h
 
-    @property
-    def closed(self) -> bool:
-        return self._h is None
-
     def close(self) -> None:
         """Destroys the manager and all its sequences; idempotent. Later
         calls raise InvalidHandleError."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._finalizer.detach()
-            C.kvp_manager_destroy(h)
-
-    def __enter__(self) -> "Manager":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else f"handle=0x{self._h:x}"

@@ -39,7 +39,7 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from . import _lib
 from ._capi import VCacheConfig, VCacheStats
@@ -179,7 +179,7 @@ def _release(handle: int, backend: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
-class VirtualKVCache:
+class VirtualKVCache(_lib.Owner):
     """A kvp_vcache. Methods are thread-safe (the library locks); close() must
     not race other calls. Use it as a context manager or call close(); a
     cache collected without it is closed then (see the module's notes).
@@ -189,6 +189,8 @@ class VirtualKVCache:
     negative value reclaims only when a step needs the pages;
     lookahead_tokens 0 is 16; background=False makes step map everything
     itself."""
+
+    _destroy = "kvp_vcache_destroy"
 
     def __init__(
         self,
@@ -207,7 +209,6 @@ class VirtualKVCache:
         background: bool = True,
         reclaim_below_bytes: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
         self._dtype = _dtype_name(dtype)
         nbytes, self._dl_code, self._np_dtype = _DTYPES[self._dtype]
         if isinstance(backend, str):
@@ -235,12 +236,7 @@ class VirtualKVCache:
         )
         h = _vp()
         _lib.check(C.kvp_vcache_create(ctypes.byref(cfg), ctypes.byref(h)))
-        self._h = h.value
-        # Closes the handle if the object is collected without close(); the
-        # finalizer sees only the handle, never self. Not at interpreter exit:
-        # the process is ending and modules may be half torn down.
-        self._finalizer = weakref.finalize(self, _release, self._h, self.backend)
-        self._finalizer.atexit = False
+        self._own(h.value, _release, h.value, self.backend)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_batch, self.max_context = max_batch, max_context
         self.dtype_bytes = nbytes
@@ -257,17 +253,8 @@ class VirtualKVCache:
     def close(self) -> None:
         """Unmaps and frees everything. Tensors from k()/v() become invalid:
         the GPU must be done with them (synchronize first)."""
-        h, self._h = self._h, None
         self._views.clear()
-        if h is not None:
-            self._finalizer.detach()
-            C.kvp_vcache_destroy(h)
-
-    def __enter__(self) -> "VirtualKVCache":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     @property
     def handle(self) -> int:
