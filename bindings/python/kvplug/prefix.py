@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _lib
 from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, flatten as _flatten
-from ._arrays import in_ptr as _in_ptr, tokens as _tokens
+from ._arrays import in_ptr as _in_ptr, one_each as _one_each, token_ptr as _token_ptr
 from ._capi import BlockMMStruct, KVEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct, PrefixStatsStruct
 from ._lib import C
 
@@ -248,9 +248,9 @@ class PrefixCacheMethods:
         if n == 1 and type(prompts) is list:
             # One prompt, the usual admission: its offsets as a ctypes
             # array, a third of a numpy array's cost with its address.
-            tokens = _tokens(prompts[0], "prompt 0")
-            offsets = _Offsets2(0, tokens.size)
-            tok_ptr, off_ptr = _addr(tokens if tokens.size else _NO_TOKENS), _addressof(offsets)
+            tok_ptr, size, tokens = _token_ptr(prompts[0], "prompt 0")
+            offsets = _Offsets2(0, size)
+            off_ptr = _addressof(offsets)
         else:
             tokens, offsets = _flatten(prompts)
             tok_ptr, off_ptr = _addr(tokens), _addr(offsets)
@@ -277,19 +277,26 @@ class PrefixCacheMethods:
             if len(shape) not in (1, 2) or shape[0] != n:
                 raise _bad(f"grow_tokens: tokens of shape {shape} for {n} sequences: need ({n},) or ({n}, k)")
             per = 1 if len(shape) == 1 else shape[1]
-            flat = _tokens(tokens if per == 1 and len(shape) == 1 else tokens.reshape(-1), "tokens")
+            tok_ptr, _, keep = _token_ptr(tokens if per == 1 and len(shape) == 1 else tokens.reshape(-1), "tokens")
             counts_ptr = self._counts_of(per, n)
         elif n and isinstance(tokens, (list, tuple)) and len(tokens) == n and isinstance(tokens[0], (int, np.integer)):
-            flat = _tokens(tokens, "tokens")  # one int per sequence
+            tok_ptr, _, keep = _token_ptr(tokens, "tokens")  # one int per sequence
             counts_ptr = self._counts_of(1, n)
         else:
-            if n != len(tokens):
-                raise _bad(f"grow_tokens: {n} ids for {len(tokens)} token lists")
-            flat, offsets = _flatten(tokens)
-            counts = np.diff(offsets).astype(np.int32)
-            keep_counts = counts  # noqa: F841 (alive across the call)
-            counts_ptr = _addr(counts)
-        _check(C.kvp_manager_grow_tokens(self._h, ids_ptr, counts_ptr, n, _addr(flat) if flat.size else _addr(_NO_TOKENS)))
+            # A decode step given as one list per sequence ([[t] for t in toks]):
+            # one conversion of all the tokens, not numpy's of each list.
+            one = len(tokens) == n and type(tokens) is list and n and type(tokens[0]) is list
+            keep = _one_each(tokens) if one else None
+            if keep is not None:
+                counts_ptr = self._counts_of(1, n)
+            else:
+                if n != len(tokens):
+                    raise _bad(f"grow_tokens: {n} ids for {len(tokens)} token lists")
+                keep, offsets = _flatten(tokens)
+                counts = np.diff(offsets).astype(np.int32)
+                counts_ptr = _addr(counts)
+            tok_ptr = _addr(keep if keep.size else _NO_TOKENS)
+        _check(C.kvp_manager_grow_tokens(self._h, ids_ptr, counts_ptr, n, tok_ptr))
 
     def _counts_of(self, value: int, n: int) -> int:
         """The address of n counts of value, from the Manager's cached
@@ -325,10 +332,10 @@ class PrefixCacheMethods:
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
         """Pins the cached full blocks of a prefix against eviction. Returns
         (pin_id, blocks pinned). Raises NotFoundError if none is cached."""
-        t = _tokens(tokens, "tokens")
+        t_ptr, size, t = _token_ptr(tokens, "tokens")
         keep: list = []
         pid, nb = _u64(), _i32()
-        _check(C.kvp_manager_pin(self._h, _addr(t), t.size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
+        _check(C.kvp_manager_pin(self._h, t_ptr, size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
         return pid.value, nb.value
 
     def unpin(self, pin_id: int) -> None:
@@ -340,10 +347,10 @@ class PrefixCacheMethods:
         """Sets the eviction priority of a prefix's cached full blocks
         (lower goes first; default 0). Returns how many blocks were set."""
         priority = _int(priority, "set_priority: priority", "int32")
-        t = _tokens(tokens, "tokens")
+        t_ptr, size, t = _token_ptr(tokens, "tokens")
         keep: list = []
         nb = _i32()
-        _check(C.kvp_manager_set_priority(self._h, _addr(t), t.size, _one_key(keys, keep), priority, ctypes.byref(nb)))
+        _check(C.kvp_manager_set_priority(self._h, t_ptr, size, _one_key(keys, keep), priority, ctypes.byref(nb)))
         return nb.value
 
     def prefix_stats(self) -> PrefixStats:
