@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -263,6 +264,10 @@ def new_outputs(p: Packed, q: Any, out: Any, lse: Any, return_lse: bool) -> Tupl
     return out, lse
 
 
+# Plans by the address of their kvp_attn_plan, once as_tensor() gave it out.
+_plans: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+
+
 def _plan_field(name: str, doc: Optional[str] = None) -> property:
     """A read-only int property of the plan's kvp_attn_plan field `name`."""
     return property(lambda self: int(getattr(self._c, name)), doc=doc)
@@ -282,12 +287,30 @@ class Plan:
         self._addr = ctypes.addressof(c)
         self._fn = getattr(C, self._run_fn)
         self._tls = threading.local()
+        self._tensor: Any = None
 
     route = _plan_field("route")
     batch = _plan_field("batch")
     total_q = _plan_field("total_q", "Query rows (the batch in decode).")
     max_q_len = _plan_field("max_q_len")
     num_items = _plan_field("num_items")
+
+    def as_tensor(self) -> Any:
+        """A CPU uint8 tensor over the plan's kvp_attn_plan, the plan argument
+        of the kvplug.ops operators (which find the plan by its address).
+        Keep the plan alive while the tensor is used."""
+        if self._tensor is None:
+            _plans[self._addr] = self
+            self._tensor = torch().frombuffer(self._c, dtype=_torch.uint8)
+        return self._tensor
+
+    @staticmethod
+    def of_tensor(t: Any, kind: type) -> "Plan":
+        """The live plan of type kind whose as_tensor() t is."""
+        p = _plans.get(t.data_ptr()) if _lib._is_torch_tensor(t) else None
+        if not isinstance(p, kind) or p._tensor.data_ptr() != t.data_ptr():
+            raise bad(f"plan must be the as_tensor() of a live {kind.__name__}, got {type(t).__name__}")
+        return p
 
     def _pack(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
               return_lse: bool) -> Tuple[Packed, Any, Any]:
