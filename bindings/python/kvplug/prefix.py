@@ -232,10 +232,10 @@ class PrefixCacheMethods:
         InvalidArgumentError (nothing admitted).
 
         prompts is a list of token sequences (int32 numpy arrays and torch
-        CPU tensors are used in place; other arrays and lists are
-        converted by numpy) or a 2-D array of equal-length prompts. Under
-        chunked prefill, admit the first chunk with the whole prompt's
-        keys."""
+        CPU tensors are used in place; lists of ints and other integer
+        arrays are converted, a batch of them at once) or a 2-D array of
+        equal-length prompts. Under chunked prefill, admit the first chunk
+        with the whole prompt's keys."""
         if type(seq_ids) is list and len(seq_ids) == 1 and type(seq_ids[0]) is int and _I64_MIN <= seq_ids[0] <= _I64_MAX:
             # One id, the usual admission: a ctypes scalar costs a fifth of
             # numpy's conversion of the list.
@@ -268,7 +268,9 @@ class PrefixCacheMethods:
             torch CPU tensor or a list of ints; an int32 array is passed in
             place, so a step that reuses its arrays allocates nothing;
           - a 2-D array with one row of tokens per sequence;
-          - a list with one token sequence per sequence (possibly empty).
+          - a list with one token sequence per sequence (possibly empty);
+            one-token lists ([[t] for t in toks]) cost about what a list of
+            ints does.
         Raises OutOfBlocksError (nothing grew), UnknownSequenceError,
         DuplicateSequenceError, InvalidArgumentError."""
         ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
