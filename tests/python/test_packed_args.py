@@ -36,10 +36,11 @@ def cpu_kernels(monkeypatch):
 
 class Recorder:
     """Stands in for a C function taking struct pointers and a stream: keeps
-    a copy of each struct and returns KVP_OK."""
+    a copy of each struct, and peek(structs) of the memory they point to
+    (alive during the call only), and returns KVP_OK."""
 
-    def __init__(self, *types):
-        self.types, self.calls = types, []
+    def __init__(self, *types, peek=None):
+        self.types, self.calls, self.peek, self.peeked = types, [], peek, []
 
     def __call__(self, *args):
         *ptrs, stream = args
@@ -47,11 +48,13 @@ class Recorder:
         ptrs = [p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value for p in ptrs]  # byref(...)
         self.calls.append([t.from_buffer_copy((ctypes.c_char * ctypes.sizeof(t)).from_address(p))
                            for t, p in zip(self.types, ptrs)] + [ptrs])
+        if self.peek:
+            self.peeked.append(self.peek(*self.calls[-1][:-1]))
         return 0
 
 
-def record(monkeypatch, name, *types):
-    r = Recorder(*types)
+def record(monkeypatch, name, *types, peek=None):
+    r = Recorder(*types, peek=peek)
     monkeypatch.setattr(_lib.C, name, r)
     return r
 
@@ -296,7 +299,9 @@ def test_planned_layers_check_against_the_plan(cpu_kernels, monkeypatch, cls, ru
 
 
 def test_prefill_plan_args(cpu_kernels, monkeypatch):
-    rec = record(monkeypatch, "kvp_prefill_plan", _capi.PrefillPlanArgs, _capi.AttnPlan)
+    rec = record(monkeypatch, "kvp_prefill_plan", _capi.PrefillPlanArgs, _capi.AttnPlan,
+                 peek=lambda a, p: ([a.qo_indptr_host[i] for i in range(a.batch + 1)],
+                                    [a.kv_lens_host[i] for i in range(a.batch)]))
     qo = torch.tensor([0, 3, 4], dtype=torch.int32)
     kv = torch.tensor([10, 4], dtype=torch.int32)
     ws = torch.empty(1 << 12, dtype=torch.uint8)
@@ -307,10 +312,13 @@ def test_prefill_plan_args(cpu_kernels, monkeypatch):
     assert (a.struct_size, a.dtype, a.head_dim, a.num_q_heads, a.num_kv_heads, a.batch, a.window_size, a.flags,
             a.reserved) == (ctypes.sizeof(_capi.PrefillPlanArgs), attn.DTYPE_BF16, 128, 8, 2, 2, 8, 1, 0)
     assert (a.qo_indptr, a.kv_lens, a.workspace, a.workspace_bytes) == (qo.data_ptr(), kv.data_ptr(), ws.data_ptr(), 4096)
+    assert rec.peeked[-1] == ([0, 3, 4], [10, 4])
 
 
 def test_cascade_plan_args(cpu_kernels, monkeypatch):
-    rec = record(monkeypatch, "kvp_cascade_plan", _capi.CascadePlanArgs, _capi.AttnPlan)
+    rec = record(monkeypatch, "kvp_cascade_plan", _capi.CascadePlanArgs, _capi.AttnPlan,
+                 peek=lambda a, p: ([a.seq_lens_host[i] for i in range(a.batch)],
+                                    [a.block_table_host[i] for i in range(a.batch * a.block_table_stride)]))
     ws = object.__new__(cascade.Workspaces)
     ws.max_batch, ws.max_tokens = 4, 0
     ws.device, ws.host = torch.empty(1 << 10, dtype=torch.uint8), torch.empty(1 << 9, dtype=torch.uint8)
@@ -324,7 +332,7 @@ def test_cascade_plan_args(cpu_kernels, monkeypatch):
     assert (a.seq_lens, a.host_workspace, a.host_workspace_bytes, a.workspace, a.workspace_bytes, a.flags,
             a.headroom, a.max_tokens, a.reserved) == (lens.data_ptr(), ws.host.data_ptr(), 512, ws.device.data_ptr(),
                                                       1024, cascade.NO_DECODE_ROUTE, 5, 0, 0)
-    assert [a.seq_lens_host[i] for i in range(2)] == [20, 40]
+    assert rec.peeked[-1] == ([20, 40], [0, 1, 2, 0, 1, 3])
     assert not a.qo_indptr_host and a.qo_indptr == 0
 
 

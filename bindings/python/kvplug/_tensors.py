@@ -71,7 +71,7 @@ def i32(v: Any, what: str) -> int:
 
 
 def layout(t: Any) -> Tuple[Any, ...]:
-    """What the checks read of a tensor argument (AttributeError for a non-tensor)."""
+    """What the checks read of a tensor argument (raises for a non-tensor)."""
     return (t.__class__, t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -352,8 +352,8 @@ class Plan:
         try:
             key = (layout(q), layout(k_cache), layout(v_cache), layout(block_table),
                    out is not None and layout(out), lse is not None and layout(lse))
-        except AttributeError:
-            key = None  # not tensors: the checks say which
+        except Exception:
+            key = None  # not all strided tensors: the checks say what is wrong
         tls = self._tls
         p = packed(tls, key)
         if p is None:

@@ -158,8 +158,8 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
     negative = padding, skipped)."""
     try:
         layout = (_layout(key), _layout(value), _layout(k_cache), _layout(v_cache), _layout(slot_mapping))
-    except AttributeError:
-        layout = None  # not tensors: the checks say which
+    except Exception:
+        layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_kv_write_tls, layout)
     if p is None:
         p = _t.keep(_kv_write_tls, _pack_kv_write(key, value, k_cache, v_cache, slot_mapping), layout)
@@ -226,8 +226,8 @@ def paged_decode(
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
                   workspace is not None and _layout(workspace))
-    except AttributeError:
-        layout = None  # not tensors: the checks say which
+    except Exception:
+        layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_decode_tls, layout)
     if p is None:
         p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse)
