@@ -207,6 +207,8 @@ def flatten(prompts: Any) -> Tuple[np.ndarray, np.ndarray]:
     or a 2-D int32 array is used in place."""
     if (type(prompts) is _ndarray or _is_torch(prompts)) and len(prompts.shape) == 2:
         n, k = prompts.shape
+        if _tensor(prompts):  # numpy's view of it reshapes for a tenth of torch's cost
+            prompts = (prompts.detach() if prompts.requires_grad else prompts).numpy()
         flat = tokens(prompts.reshape(-1), "prompts")
         return (flat if flat.size else NO_TOKENS), np.arange(n + 1, dtype=np.int64) * k
     if len(prompts) == 1:
