@@ -243,7 +243,7 @@ def _flat_lists(prompts: List[Any]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         for p in prompts:
             if type(p) is not list or p and type(p[0]) is bool:
                 return None
-            flat.extend(p)
+            flat.extend(array.array("i", p))  # a list through extend would take the slower iterator path
             lens.append(len(p))
     except (TypeError, OverflowError):
         return None
