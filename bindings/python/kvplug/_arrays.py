@@ -31,6 +31,11 @@ _min, _max = np.minimum.reduce, np.maximum.reduce  # arr.min() and arr.max() wit
 _int = _lib.checked_int
 
 
+# Up to this many integers of another width convert faster through a list
+# (tolist, then array.array's checked conversion) than through numpy's range
+# check and copy, whose calls cost microseconds each whatever the size: a
+# decode step's tokens as int64.
+_SMALL = 128
 _TYPECODE = {_I32: "i", _I64: "q"}  # array.array's C int32 and int64 (Linux: int, long long)
 _SAFE_CAST: Dict[Tuple[np.dtype, np.dtype], bool] = {}
 
@@ -167,6 +172,9 @@ def tokens(t: Any, what: str) -> np.ndarray:
             return np.frombuffer(a, _I32)
         arr = np.asarray(t)
     elif _tensor(t):
+        small = _small_tensor(t) if t.dim() == 1 else None
+        if small is not None:
+            return small
         arr = (t.detach() if t.requires_grad else t).numpy()  # shares the tensor's memory
     elif _is_torch(t):
         if t.device.type != "cpu":
@@ -182,6 +190,10 @@ def tokens(t: Any, what: str) -> np.ndarray:
         raise bad(f"{what} must be one-dimensional: got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise bad(f"{what} must hold integers: got {arr.dtype}")
+    if arr.size <= _SMALL:
+        a = ints(arr.tolist(), "i")
+        if a is not None:
+            return np.frombuffer(a, _I32)
     if arr.size and (_min(arr) < -(2**31) or _max(arr) > _INT32_MAX):
         raise bad(f"{what} must hold int32 token ids")
     return arr.astype(np.int32)  # a new, C-contiguous array
@@ -190,13 +202,27 @@ def tokens(t: Any, what: str) -> np.ndarray:
 NO_TOKENS = np.zeros(1, np.int32)  # a valid address for an all-empty batch
 
 
+def _small_tensor(t: Any) -> Optional[np.ndarray]:
+    """A short 1-D integer CPU tensor of another width (a decode step's int64
+    tokens) as an int32 array through a list (see _SMALL); None otherwise."""
+    dt = t.dtype
+    if t.numel() > _SMALL or dt.is_floating_point or dt.is_complex:
+        return None
+    a = ints(t.tolist(), "i")
+    return None if a is None else np.frombuffer(a, _I32)
+
+
 def token_ptr(t: Any, what: str) -> Tuple[int, int, Any]:
     """(address, count, keepalive) of tokens(t, what); an int32 CPU tensor
     is used in place without numpy's view of it. An empty one gives
     NO_TOKENS's address (never NULL)."""
-    if _tensor(t, _I32) and t.dim() == 1:
+    if _tensor(t) and t.dim() == 1:
         n = t.numel()
-        return (t.data_ptr() if n else addr(NO_TOKENS)), n, t
+        if t.dtype is sys.modules["torch"].int32:
+            return (t.data_ptr() if n else addr(NO_TOKENS)), n, t
+        arr = _small_tensor(t)
+        if arr is not None:
+            return addr(arr), n, arr
     arr = tokens(t, what)
     return addr(arr if arr.size else NO_TOKENS), arr.size, arr
 
