@@ -35,8 +35,7 @@ import time
 import numpy as np
 
 import kvplug
-from kvplug import manager as _manager_mod
-from kvplug import prefix as _prefix
+from kvplug._lib import C
 
 
 def admit_cases(cases: list, bs: int, n: int) -> dict:
@@ -58,7 +57,6 @@ def admit_cases(cases: list, bs: int, n: int) -> dict:
             m.pin(base[:cached], k)
 
     fresh()
-    F = _prefix._sig()
     ids_arr = np.zeros(1, np.int64)
     offs = np.array([0, plen], np.int64)
     matched = np.zeros(1, np.int32)
@@ -81,7 +79,7 @@ def admit_cases(cases: list, bs: int, n: int) -> dict:
             t0 = time.perf_counter_ns()
             if case == "c-call":
                 ids_arr[0] = sid
-                st = F["admit"](m._h, c_args[0], 1, c_args[1], c_args[2], None, c_args[3], c_args[4])
+                st = C.kvp_manager_admit(m._h, c_args[0], 1, c_args[1], c_args[2], None, c_args[3], c_args[4])
                 t1 = time.perf_counter_ns()
                 assert st == 0 and matched[0] == cached
             else:
@@ -114,8 +112,6 @@ def decode_case(n_steps: int, lists: bool) -> tuple:
     slots = np.empty(nseq, np.int32)
     toks = np.empty(nseq, np.int32)
     ones = np.ones(nseq, np.int32)
-    F = _prefix._sig()
-    describe = _manager_mod._sig()[6]
     num = ctypes.c_int32()
     a_ids, a_ones, a_toks = ids.ctypes.data, ones.ctypes.data, toks.ctypes.data
     a_table, a_lens, a_slots, p_num = table.ctypes.data, seq_lens.ctypes.data, slots.ctypes.data, ctypes.byref(num)
@@ -124,8 +120,8 @@ def decode_case(n_steps: int, lists: bool) -> tuple:
         toks[:] = step
         t0 = time.perf_counter_ns()
         if step % 2:
-            st = F["grow_tokens"](m._h, a_ids, a_ones, nseq, a_toks)
-            st = st or describe(m._h, a_ids, nseq, a_table, 512, a_lens, a_slots, nseq, p_num)
+            st = C.kvp_manager_grow_tokens(m._h, a_ids, a_ones, nseq, a_toks)
+            st = st or C.kvp_manager_describe(m._h, a_ids, nseq, a_table, 512, a_lens, a_slots, nseq, p_num)
             t1 = time.perf_counter_ns()
             assert st == 0
             c.append(t1 - t0)

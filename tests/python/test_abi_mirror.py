@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import kvplug
-from kvplug import _lib, attn, cascade, events, manager, prefix, vmem
+from kvplug import _capi, _lib, attn, cascade, events, manager, prefix, vmem
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "kvplug.h"
@@ -61,7 +61,7 @@ def header_structs() -> set:
 
 def test_every_struct_is_mirrored():
     found = set()
-    for mod in (_lib, manager, prefix, attn, cascade, events, vmem):
+    for mod in (_capi, _lib, manager, prefix, attn, cascade, events, vmem):
         for name, obj in vars(mod).items():
             if inspect.isclass(obj) and issubclass(obj, ctypes.Structure) and obj.__module__ == mod.__name__:
                 if name in NOT_HEADER:

@@ -1,14 +1,17 @@
-"""Loading of libkvplug, status-to-exception mapping, buffer helpers and the
-log hook. Every module of the package reaches the C library through here:
+"""Loading of libkvplug, the bound C functions, status-to-exception mapping,
+buffer helpers and the log hook. Every module of the package reaches the C
+library through here:
 
-    _kvp_add = _lib.fn("kvp_manager_add", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32])
-    st = _kvp_add(handle, 7, 100)
+    from ._lib import C
+    st = C.kvp_manager_add(handle, 7, 100)
     if st:
         _lib.raise_status(st)      # or _lib.check(st)
 
-The library is loaded on first use, from the KVPLUG_LIBRARY environment
-variable if set, else from libkvplug.so next to this file (where
-`pip install` puts it). It is never unloaded: it contains a Go runtime.
+C holds every function of include/kvplug.h, bound once (name, restype,
+argtypes from kvplug._capi.FUNCTIONS) when the library loads. The library is
+loaded on first use, from the KVPLUG_LIBRARY environment variable if set,
+else from libkvplug.so next to this file (where `pip install` puts it). It is
+never unloaded: it contains a Go runtime.
 """
 
 from __future__ import annotations
@@ -19,42 +22,11 @@ import logging
 import operator
 import os
 import threading
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar
 
-__all__ = [
-    "Status",
-    "KvplugError",
-    "InvalidArgumentError",
-    "checked_int",
-    "NullPointerError",
-    "StructSizeError",
-    "InvalidHandleError",
-    "UnknownSequenceError",
-    "DuplicateSequenceError",
-    "OutOfBlocksError",
-    "BufferTooSmallError",
-    "NoDeviceError",
-    "CudaError",
-    "UnsupportedError",
-    "OutOfMemoryError",
-    "NotFoundError",
-    "InternalError",
-    "LibraryLoadError",
-    "library",
-    "library_path",
-    "fn",
-    "check",
-    "raise_status",
-    "error_for",
-    "as_ptr",
-    "version",
-    "version_string",
-    "live_handles",
-    "set_logger",
-    "set_log_level",
-    "enable_logging",
-]
+from . import _capi
 
 _LIB_NAME = "libkvplug.so"
 _ENV_VAR = "KVPLUG_LIBRARY"
@@ -264,7 +236,42 @@ _load_lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_path: Optional[str] = None
 _fns: Dict[Tuple[Any, ...], Any] = {}
-_last_error: Any = None
+
+
+class _Functions:
+    """Every function of include/kvplug.h as an attribute (C.kvp_manager_add),
+    bound once from kvplug._capi.FUNCTIONS when the library loads. Before
+    that, the first attribute read loads the library; a function the library
+    lacks raises LibraryLoadError when it is read (the others still work)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names not bound (yet): see _bind.
+        if name not in _capi.FUNCTIONS:
+            raise AttributeError(f"kvplug: {name} is not a function of include/kvplug.h")
+        library()
+        f = self.__dict__.get(name)
+        if f is None:
+            raise LibraryLoadError(
+                f"kvplug: {_lib_path} has no function {name} (a library older than these bindings?)"
+            )
+        return f
+
+
+C = _Functions()
+
+
+def _bind(lib: ctypes.CDLL) -> Dict[str, Any]:
+    """lib's functions of the table, each with its signature."""
+    bound = {}
+    for name, (restype, argtypes) in _capi.FUNCTIONS.items():
+        try:
+            f = lib[name]  # a fresh function object: fn()'s signatures never clash with the table's
+        except AttributeError:
+            continue
+        f.restype = restype
+        f.argtypes = argtypes
+        bound[name] = f
+    return bound
 
 
 def _candidate() -> Tuple[str, str]:
@@ -284,7 +291,7 @@ def library() -> ctypes.CDLL:
 
 
 def _load() -> ctypes.CDLL:
-    global _lib, _lib_path, _last_error
+    global _lib, _lib_path
     with _load_lock:
         if _lib is not None:
             return _lib
@@ -299,23 +306,17 @@ def _load() -> ctypes.CDLL:
             lib = ctypes.CDLL(path)  # never closed: a Go runtime cannot be unloaded
         except OSError as e:
             raise LibraryLoadError(f"kvplug: cannot load {path} (from {where}): {e}") from e
-        try:
-            last_error = lib["kvp_last_error"]
-            ver = lib["kvp_version"]
-        except AttributeError as e:
-            raise LibraryLoadError(f"kvplug: {path} is not libkvplug (no kvp_last_error/kvp_version)") from e
-        last_error.restype = ctypes.c_char_p
-        last_error.argtypes = []
-        ver.restype = ctypes.c_uint32
-        ver.argtypes = []
-        major = ver() // 10000
+        bound = _bind(lib)
+        if "kvp_last_error" not in bound or "kvp_version" not in bound:
+            raise LibraryLoadError(f"kvplug: {path} is not libkvplug (no kvp_last_error/kvp_version)")
+        major = bound["kvp_version"]() // 10000
         if major != _ABI_MAJOR:
             raise LibraryLoadError(
                 f"kvplug: {path} has ABI version {major}.x; these bindings need {_ABI_MAJOR}.x"
             )
-        _last_error = last_error
+        C.__dict__.update(bound)
         _lib_path = path
-        _lib = lib
+        _lib = lib  # last: a thread that sees the library sees C bound
         return lib
 
 
@@ -331,14 +332,16 @@ def library_path() -> str:
 
 def fn(name: str, restype: Any, argtypes: Sequence[Any]) -> Any:
     """The library function `name` with the given signature, bound once and
-    cached. Raises LibraryLoadError if the library lacks it."""
+    cached, for callers that want another signature than C's (tests passing
+    raw pointers, say); the package itself calls through C. Raises
+    LibraryLoadError if the library lacks it."""
     key = (name, restype, tuple(argtypes))
     f = _fns.get(key)
     if f is not None:
         return f
     lib = library()
     try:
-        f = lib[name]  # a fresh function object: signatures never clash between modules
+        f = lib[name]
     except AttributeError as e:
         raise LibraryLoadError(
             f"kvplug: {_lib_path} has no function {name} (a library older than these bindings?)"
@@ -351,8 +354,7 @@ def fn(name: str, restype: Any, argtypes: Sequence[Any]) -> Any:
 
 def last_error() -> str:
     """The calling thread's kvp_last_error() message."""
-    library()
-    raw = _last_error()
+    raw = C.kvp_last_error()
     return raw.decode("utf-8", "replace") if raw else ""
 
 
@@ -371,20 +373,60 @@ def check(status: int) -> None:
 
 def version() -> Tuple[int, int, int]:
     """The loaded library's version as (major, minor, patch)."""
-    v = fn("kvp_version", ctypes.c_uint32, [])()
+    v = C.kvp_version()
     return v // 10000, v // 100 % 100, v % 100
 
 
 def version_string() -> str:
-    return fn("kvp_version_string", ctypes.c_char_p, [])().decode()
+    return C.kvp_version_string().decode()
 
 
 def live_handles() -> int:
     """The library's count of live handles of every type (managers, caches):
     for leak checks."""
     n = ctypes.c_int64()
-    check(fn("kvp_live_handles", ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)])(ctypes.byref(n)))
+    check(C.kvp_live_handles(ctypes.byref(n)))
     return n.value
+
+
+# --------------------------------------------------------------------------
+# Objects owning a handle
+# --------------------------------------------------------------------------
+
+_O = TypeVar("_O", bound="Owner")
+
+
+class Owner:
+    """An object that owns a library handle (self._h, None once closed):
+    close() or a with block destroys it with the C function named by
+    _destroy; a finalizer (set by _own) destroys it when the object is
+    collected without close(), seeing only the handle, never the object.
+    Not at interpreter exit: the process is ending and modules may be half
+    torn down."""
+
+    _h: Optional[int] = None
+    _destroy = ""
+
+    def _own(self, handle: int, release: Callable[..., None], *args: Any) -> None:
+        self._h = handle
+        self._finalizer = weakref.finalize(self, release, *args)
+        self._finalizer.atexit = False
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            self._finalizer.detach()
+            getattr(C, self._destroy)(h)
+
+    def __enter__(self: _O) -> _O:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------
@@ -540,7 +582,7 @@ def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_
         raise TypeError(f"kvplug: set_logger: callback must be callable(level, message) or None: got {type(callback).__name__}")
     if getattr(_in_callback, "depth", 0):
         raise RuntimeError("kvplug: set_logger called from inside the log callback; the callback must not call into kvplug")
-    set_fn = fn("kvp_set_logger", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    set_fn = C.kvp_set_logger
     if callback is None:
         check(set_fn(None, None, int(level)))
         _log_thunk = None
@@ -564,7 +606,7 @@ def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_
 
 def set_log_level(level: int) -> None:
     """Changes the minimum level delivered (LOG_DEBUG..LOG_OFF)."""
-    check(fn("kvp_set_log_level", ctypes.c_int, [ctypes.c_int])(int(level)))
+    check(C.kvp_set_log_level(int(level)))
 
 
 def enable_logging(logger: Optional[logging.Logger] = None, level: Optional[int] = None) -> None:

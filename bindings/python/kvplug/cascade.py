@@ -34,8 +34,14 @@ import ctypes
 from typing import Any, Optional, Tuple
 
 from . import _lib
-from .attn import ROUTE_DECODE, ROUTE_PREFILL, _AttnPlan, _i32, _i64, _u64
-from .attn import _Plan, _bad, _check, _dtype_arg, _fn, _host_i32, _index, _run_planned, _stream, _torch
+from . import _tensors as _t
+from ._arrays import _I64, in_ptr as _in_ptr
+from ._capi import AttnPlan as _AttnPlan
+from ._capi import CascadePlanArgs as _CascadePlanArgs
+from ._lib import C
+from ._tensors import bad as _bad, check as _check
+from .attn import ROUTE_DECODE, ROUTE_PREFILL
+from .manager import Manager
 
 __all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "workspace_size", "Workspaces", "CascadePlan", "plan",
            "paged_cascade"]
@@ -45,35 +51,9 @@ PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
 NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
 MAX_PARTS = 8  # KVP_CASCADE_MAX_PARTS
 
-
-
-class _CascadePlanArgs(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("dtype", _i32),
-        ("head_dim", _i32),
-        ("num_q_heads", _i32),
-        ("num_kv_heads", _i32),
-        ("batch", _i32),
-        ("max_batch", _i32),
-        ("block_size", _i32),
-        ("max_blocks_per_seq", _i32),
-        ("block_table_stride", _i64),
-        ("block_table_host", ctypes.POINTER(_i32)),
-        ("seq_lens_host", ctypes.POINTER(_i32)),
-        ("seq_lens", _u64),
-        ("host_workspace", ctypes.c_void_p),
-        ("host_workspace_bytes", _u64),
-        ("workspace", _u64),
-        ("workspace_bytes", _u64),
-        ("flags", _i32),
-        ("headroom", _i32),
-        # Appended after the first release (first released size: 112 bytes).
-        ("qo_indptr_host", ctypes.POINTER(_i32)),
-        ("qo_indptr", _u64),
-        ("max_tokens", _i32),
-        ("reserved", _i32),
-    ]
+_i64 = ctypes.c_int64
+_u64 = ctypes.c_uint64
+_i32 = ctypes.c_int32
 
 
 def _i32arg(v: Any, what: str) -> int:
@@ -88,13 +68,11 @@ def workspace_size(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim
     dev, host = ctypes.c_uint64(0), ctypes.c_uint64(0)
     heads = (_i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(head_dim, "head_dim"))
     if max_tokens is None:
-        f = _fn("kvp_cascade_workspace_size", [_i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
-        _check(f(_i32arg(max_batch, "max_batch"), *heads, ctypes.byref(dev), ctypes.byref(host)))
+        _check(C.kvp_cascade_workspace_size(_i32arg(max_batch, "max_batch"), *heads, ctypes.byref(dev),
+                                            ctypes.byref(host)))
     else:
-        f = _fn("kvp_cascade_prefill_workspace_size",
-                [_i32, _i32, _i32, _i32, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])
-        _check(f(_i32arg(max_batch, "max_batch"), _i32arg(max_tokens, "max_tokens"), *heads,
-                 ctypes.byref(dev), ctypes.byref(host)))
+        _check(C.kvp_cascade_prefill_workspace_size(_i32arg(max_batch, "max_batch"), _i32arg(max_tokens, "max_tokens"),
+                                                    *heads, ctypes.byref(dev), ctypes.byref(host)))
     return int(dev.value), int(host.value)
 
 
@@ -106,7 +84,7 @@ class Workspaces:
 
     def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: Any = "cuda",
                  max_tokens: Optional[int] = None):
-        torch = _torch()
+        torch = _t.torch()
         dev_bytes, host_bytes = workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens)
         self.max_batch = _i32arg(max_batch, "max_batch")
         self.max_tokens = 0 if max_tokens is None else _i32arg(max_tokens, "max_tokens")
@@ -114,9 +92,11 @@ class Workspaces:
         self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-class CascadePlan(_Plan):
+class CascadePlan(_t.Plan):
     """A planned batch (kvp_attn_plan of kind cascade). Pass it to
     paged_cascade for every layer of the step."""
+
+    _run_fn = "kvp_paged_cascade"
 
     @property
     def saved_tokens(self) -> int:
@@ -132,10 +112,9 @@ class CascadePlan(_Plan):
         """True when the plan still covers these lengths (a step whose
         sequences only grew); False: plan again."""
         n = self.batch
-        lens = _host_i32(seq_lens_host, n, "seq_lens_host")
+        lens = _t.host_i32(seq_lens_host, n, "seq_lens_host")
         fits = _i32(-1)
-        f = _fn("kvp_cascade_update", [ctypes.POINTER(_AttnPlan), ctypes.POINTER(_i32), _i32, ctypes.POINTER(_i32)])
-        _check(f(ctypes.byref(self._c), lens, n, ctypes.byref(fits)))
+        _check(C.kvp_cascade_update(self._addr, lens, n, ctypes.byref(fits)))
         return fits.value == 1
 
     def __repr__(self) -> str:
@@ -148,7 +127,7 @@ class CascadePlan(_Plan):
 
 def _host_table(t: Any) -> Tuple[Any, int, int]:
     """A host int32 [batch, cols] C-contiguous tensor (converted when needed)."""
-    torch = _torch()
+    torch = _t.torch()
     t = torch.as_tensor(t)
     if t.dim() != 2:
         raise _bad(f"block_table_host must be 2-D [batch, max_blocks], got shape {tuple(t.shape)}")
@@ -185,9 +164,9 @@ def plan(
     table, batch, cols = _host_table(block_table_host)
     dev, qo, qo_dev = _device_args(workspaces, seq_lens, batch, qo_indptr_host, qo_indptr,
                                    f"a block table of {batch} rows")
-    lens = _host_i32(seq_lens_host, batch, "seq_lens_host")
+    lens = _t.host_i32(seq_lens_host, batch, "seq_lens_host")
     a = _CascadePlanArgs(
-        ctypes.sizeof(_CascadePlanArgs), _i32arg(_dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim"),
+        ctypes.sizeof(_CascadePlanArgs), _i32arg(_t.dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim"),
         _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads"), _i32arg(batch, "batch"),
         workspaces.max_batch, _i32arg(block_size, "block_size"), _i32arg(max(cols, 1), "max_blocks_per_seq"),
         max(cols, 1), ctypes.cast(table.data_ptr(), ctypes.POINTER(_i32)), lens, seq_lens.data_ptr(),
@@ -198,9 +177,7 @@ def plan(
     )
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
-    f = _fn("kvp_cascade_plan", [ctypes.POINTER(_CascadePlanArgs), ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
-    with _torch().cuda.device(dev):
-        _check(f(ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
+    _t.launch(C.kvp_cascade_plan, _t.device_index(dev), stream, ctypes.byref(a), ctypes.byref(p))
     return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
 
 
@@ -212,17 +189,17 @@ def _device_args(workspaces: Any, seq_lens: Any, n: int, qo_indptr_host: Any, qo
     rows names the n rows in messages."""
     if not isinstance(workspaces, Workspaces):
         raise _bad(f"workspaces must be a kvplug.cascade.Workspaces, got {type(workspaces).__name__}")
-    torch = _torch()
+    torch = _t.torch()
     dev = workspaces.device.device
-    _index(seq_lens, "seq_lens", 1, dev, torch.int32)
+    _t.index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if seq_lens.shape[0] != n:
         raise _bad(f"seq_lens has {seq_lens.shape[0]} entries for {rows}")
     if (qo_indptr_host is None) != (qo_indptr is None):
         raise _bad("qo_indptr_host and qo_indptr go together (both None: decode)")
     if qo_indptr_host is None:
         return dev, None, 0
-    qo = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
-    _index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
+    qo = _t.host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
+    _t.index(qo_indptr, "qo_indptr", 1, dev, torch.int32)
     if qo_indptr.shape[0] != n + 1:
         raise _bad(f"qo_indptr has {qo_indptr.shape[0]} entries; {n} + 1 = {n + 1} expected")
     return dev, qo, qo_indptr.data_ptr()
@@ -248,8 +225,7 @@ def paged_cascade(
     natural log)."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
-    out, lse = _run_planned("kvp_paged_cascade", plan._c, plan._c.total_q, q, k_cache, v_cache, block_table,
-                            out, lse, scale, return_lse, stream)
+    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream)
     return (out, lse) if (return_lse or lse is not None) else out
 
 
@@ -282,29 +258,25 @@ def plan_from_manager(
     needed: the plan's route, saved_tokens and total_tokens say how much a
     step's KV reads shrink; it cannot be updated or run. dtype is a torch
     dtype or attn.DTYPE_F16 / DTYPE_BF16."""
-    from .manager import Manager, _I64, _in_ptr
-
     if not isinstance(manager, Manager):
         raise _bad(f"manager must be a kvplug.Manager, got {type(manager).__name__}")
     ids_ptr, n, ids_keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
     a = _CascadePlanArgs()
     a.struct_size = ctypes.sizeof(_CascadePlanArgs)
-    a.dtype, a.head_dim = _i32arg(_dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim")
+    a.dtype, a.head_dim = _i32arg(_t.dtype_arg(dtype), "dtype"), _i32arg(head_dim, "head_dim")
     a.num_q_heads, a.num_kv_heads = _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads")
     a.batch = _i32arg(n, "batch")
     a.max_blocks_per_seq = _i32arg(max_blocks_per_seq, "max_blocks_per_seq")
     a.flags = 0 if decode_route else NO_DECODE_ROUTE
     a.headroom = _i32arg(headroom, "headroom")
-    f = _fn("kvp_manager_cascade_plan", [ctypes.c_void_p, ctypes.c_void_p, _i32, ctypes.POINTER(_CascadePlanArgs),
-                                         ctypes.POINTER(_AttnPlan), ctypes.c_uint64])
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
     if workspaces is None:
         if seq_lens is not None or qo_indptr is not None:
             raise _bad("seq_lens or qo_indptr without workspaces: a host-only plan reads no device array")
         if qo_indptr_host is not None:
-            a.qo_indptr_host = _host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
-        _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), 0))
+            a.qo_indptr_host = _t.host_i32(qo_indptr_host, n + 1, "qo_indptr_host")
+        _check(C.kvp_manager_cascade_plan(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), 0))
         return CascadePlan(p, (ids_keep,))
     dev, qo, a.qo_indptr = _device_args(workspaces, seq_lens, n, qo_indptr_host, qo_indptr, f"{n} seq_ids")
     if qo is not None:
@@ -313,8 +285,8 @@ def plan_from_manager(
     a.seq_lens = seq_lens.data_ptr()
     a.host_workspace, a.host_workspace_bytes = workspaces.host.data_ptr(), workspaces.host.numel()
     a.workspace, a.workspace_bytes = workspaces.device.data_ptr(), workspaces.device.numel()
-    with _torch().cuda.device(dev):
-        _check(f(manager.handle or 0, ids_ptr or None, n, ctypes.byref(a), ctypes.byref(p), _stream(stream, dev)))
+    _t.launch(C.kvp_manager_cascade_plan, _t.device_index(dev), stream, manager.handle or 0, ids_ptr or None, n,
+              ctypes.byref(a), ctypes.byref(p))
     return CascadePlan(p, (seq_lens, workspaces, qo_indptr))
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import weakref
 from typing import Any, Optional
 
 from . import _lib
+from ._capi import EventPublisherConfig, EventPublisherStatsStruct
+from ._lib import C
 
 __all__ = ["EventPublisher", "EventPublisherStats", "BIND_VLLM", "BIND", "CONNECT", "FORMAT_MAP", "FORMAT_ARRAY",
            "HASH_BYTES", "HASH_INT64"]
@@ -35,45 +36,6 @@ HASH_BYTES = 0  # 16-byte hashes
 HASH_INT64 = 1  # the hash's last 8 bytes as an unsigned integer
 
 _vp = ctypes.c_void_p
-
-
-class EventPublisherConfig(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("endpoint", ctypes.c_char_p),
-        ("replay_endpoint", ctypes.c_char_p),
-        ("topic", ctypes.c_char_p),
-        ("medium", ctypes.c_char_p),
-        ("bind_mode", ctypes.c_int32),
-        ("event_format", ctypes.c_int32),
-        ("hash_format", ctypes.c_int32),
-        ("data_parallel_rank", ctypes.c_int32),
-        ("buffer_steps", ctypes.c_int32),
-        ("hwm", ctypes.c_int32),
-        ("max_batch_events", ctypes.c_int32),
-        ("flush_interval_us", ctypes.c_int32),
-        ("buffer_bytes", ctypes.c_int64),
-    ]
-
-
-class EventPublisherStatsStruct(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("batches", ctypes.c_int64),
-        ("events", ctypes.c_int64),
-        ("bytes", ctypes.c_int64),
-        ("dropped_sends", ctypes.c_int64),
-        ("replay_requests", ctypes.c_int64),
-        ("replay_batches", ctypes.c_int64),
-        ("snapshots", ctypes.c_int64),
-        ("source_errors", ctypes.c_int64),
-        ("buffered_batches", ctypes.c_int64),
-        ("buffered_bytes", ctypes.c_int64),
-        ("subscribers", ctypes.c_int32),
-        ("pub_port", ctypes.c_int32),
-        ("replay_port", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,21 +57,6 @@ class EventPublisherStats:
     replay_port: int
 
 
-def _sig() -> tuple:
-    return (
-        _lib.fn("kvp_event_publisher_create", ctypes.c_int,
-                [_vp, ctypes.POINTER(EventPublisherConfig), ctypes.POINTER(_vp)]),
-        _lib.fn("kvp_event_publisher_destroy", None, [_vp]),
-        _lib.fn("kvp_event_publisher_flush", ctypes.c_int, [_vp]),
-        _lib.fn("kvp_event_publisher_resync", ctypes.c_int, [_vp]),
-        _lib.fn("kvp_event_publisher_stats_get", ctypes.c_int, [_vp, ctypes.POINTER(EventPublisherStatsStruct)]),
-    )
-
-
-def _release(destroy: Any, h: int) -> None:
-    destroy(h)
-
-
 def _text(value: Optional[str], what: str) -> Optional[bytes]:
     if value is None:
         return None
@@ -121,7 +68,7 @@ def _text(value: Optional[str], what: str) -> Optional[bytes]:
     return b
 
 
-class EventPublisher:
+class EventPublisher(_lib.Owner):
     """Publishes a Manager's KV events (the manager needs prefix_cache=True
     and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
     when replay_endpoint is given. Endpoints are tcp://host:port
@@ -130,6 +77,8 @@ class EventPublisher:
     vLLM's do; None leaves it out (the batches of vLLM before it had one).
     Failures raise KvplugError subclasses with the library's message (an
     endpoint in use: InvalidArgumentError)."""
+
+    _destroy = "kvp_event_publisher_destroy"
 
     def __init__(
         self,
@@ -149,8 +98,6 @@ class EventPublisher:
         flush_interval_us: int = 0,
         buffer_bytes: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
-        F = _sig()
         mh = getattr(manager, "handle", None)
         if mh is None:
             raise _lib.error_for(int(_lib.Status.INVALID_HANDLE), "EventPublisher: the manager is closed (or not a Manager)")
@@ -172,35 +119,19 @@ class EventPublisher:
             _lib.checked_int(buffer_bytes, "EventPublisher: buffer_bytes", "int64"),
         )
         out = _vp()
-        st = F[0](mh, ctypes.byref(cfg), ctypes.byref(out))
+        st = C.kvp_event_publisher_create(mh, ctypes.byref(cfg), ctypes.byref(out))
         if st:
             _lib.raise_status(st)
-        self._h = out.value
-        self._F = F
+        self._own(out.value, C.kvp_event_publisher_destroy, out.value)
         self._manager = manager  # kept alive: the publisher reads its events
-        self._finalizer = weakref.finalize(self, _release, F[1], self._h)
-        self._finalizer.atexit = False
         s = self.stats()
         self.pub_port = s.pub_port
         self.replay_port = s.replay_port
 
-    @property
-    def closed(self) -> bool:
-        return self._h is None
-
     def close(self) -> None:
         """Publishes what is pending (waiting at most a second), closes the
         sockets; idempotent."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._finalizer.detach()
-            self._F[1](h)
-
-    def __enter__(self) -> "EventPublisher":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else f"pub_port={self.pub_port}, replay_port={self.replay_port}"
@@ -211,16 +142,16 @@ class EventPublisher:
 
     def flush(self) -> None:
         """Publishes the pending events now (never waits on the network)."""
-        _lib.check(self._F[2](self._handle()))
+        _lib.check(C.kvp_event_publisher_flush(self._handle()))
 
     def resync(self) -> None:
         """Sends AllBlocksCleared and every cached block next."""
-        _lib.check(self._F[3](self._handle()))
+        _lib.check(C.kvp_event_publisher_resync(self._handle()))
 
     def stats(self) -> EventPublisherStats:
         s = EventPublisherStatsStruct()
         s.struct_size = ctypes.sizeof(s)
-        _lib.check(self._F[4](self._handle(), ctypes.byref(s)))
+        _lib.check(C.kvp_event_publisher_stats_get(self._handle(), ctypes.byref(s)))
         return EventPublisherStats(
             s.batches, s.events, s.bytes, s.dropped_sends, s.replay_requests, s.replay_batches, s.snapshots,
             s.source_errors, s.buffered_batches, s.buffered_bytes, s.subscribers, s.pub_port, s.replay_port,

@@ -20,68 +20,26 @@ import dataclasses
 import logging
 import numbers
 import warnings
-import weakref
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _lib
+from ._arrays import _I32, _I64, bad as _bad, in_ptr as _in_ptr, out_ptr as _out_ptr
+from ._capi import BlockCopy, ManagerConfig, ManagerStatsStruct
+from ._lib import C
 from .prefix import PrefixCacheMethods
 
 __all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
 
-_c_int = ctypes.c_int
 _vp = ctypes.c_void_p
 _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
 _INT32_MAX = 2**31 - 1
-
-_I64 = np.dtype(np.int64)
-_I32 = np.dtype(np.int32)
 _ndarray = np.ndarray
-_from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 IntArray = Union[Sequence[int], np.ndarray, Any]  # Any: buffers and torch tensors
-
-
-class ManagerConfig(ctypes.Structure):
-    """struct kvp_manager_config (append-only, like the C struct)."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("num_blocks", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("enable_prefix_cache", ctypes.c_int32),
-        ("enable_kv_events", ctypes.c_int32),
-        ("max_pending_events", ctypes.c_int32),
-    ]
-
-
-class BlockCopy(ctypes.Structure):
-    """struct kvp_block_copy."""
-
-    _fields_ = [("src", ctypes.c_int32), ("dst", ctypes.c_int32)]
-
-
-class ManagerStatsStruct(ctypes.Structure):
-    """struct kvp_manager_stats."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("num_blocks", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("free_blocks", ctypes.c_int32),
-        ("used_blocks", ctypes.c_int32),
-        ("peak_used_blocks", ctypes.c_int32),
-        ("cached_blocks", ctypes.c_int32),
-        ("shared_blocks", ctypes.c_int32),
-        ("num_seqs", ctypes.c_int32),
-        ("num_tokens", ctypes.c_int64),
-        ("allocated_slots", ctypes.c_int64),
-        ("internal_waste", ctypes.c_int64),
-        ("fragmentation", ctypes.c_double),
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,28 +68,6 @@ class Description(NamedTuple):
     slot_mapping: np.ndarray  # int32 [num_slots]: slots of the batch's new tokens
 
 
-def _sig() -> Any:
-    """The C functions, bound on first use (loading the library)."""
-    global _F
-    if _F is None:
-        f = _lib.fn
-        _F = (
-            f("kvp_manager_create", _c_int, [ctypes.POINTER(ManagerConfig), ctypes.POINTER(_vp)]),
-            f("kvp_manager_destroy", None, [_vp]),
-            f("kvp_manager_add", _c_int, [_vp, _i64, _i32]),
-            f("kvp_manager_grow", _c_int, [_vp, _vp, _vp, _i32]),
-            f("kvp_manager_fork", _c_int, [_vp, _i64, _vp, _i32, _vp, _i32, ctypes.POINTER(_i32)]),
-            f("kvp_manager_remove", _c_int, [_vp, _vp, _i32]),
-            f("kvp_manager_describe", _c_int, [_vp, _vp, _i32, _vp, _i32, _vp, _vp, _i32, ctypes.POINTER(_i32)]),
-            f("kvp_manager_stats_get", _c_int, [_vp, ctypes.POINTER(ManagerStatsStruct)]),
-            f("kvp_manager_check", _c_int, [_vp]),
-        )
-    return _F
-
-
-_F: Any = None
-
-
 _int = _lib.checked_int
 
 
@@ -141,74 +77,14 @@ def _scalar(obj: Any) -> bool:
     return isinstance(obj, (numbers.Number, str, bytes))
 
 
-def _bad(msg: str) -> _lib.InvalidArgumentError:
-    return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
-
-
-def _in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int, Any]:
-    """(address, count, keepalive) of an input array of dtype. numpy arrays
-    of the right dtype are used in place; other sequences are converted (a
-    copy); buffers and torch tensors are used in place or refused."""
-    if type(obj) is _ndarray and (obj.dtype is dtype or obj.dtype == dtype) and obj.ndim == 1:
-        try:
-            # c_char.from_buffer is three times cheaper than arr.ctypes.data,
-            # and numpy's buffer export refuses non-contiguous arrays for it.
-            return _addressof(_from_buffer(obj)), obj.size, obj
-        except (ValueError, TypeError, BufferError):
-            pass  # read-only, empty or strided: the general path below
-        if obj.flags.c_contiguous:
-            return obj.ctypes.data, obj.size, obj
-    if isinstance(obj, (int, np.integer)):
-        arr = np.array([_int(obj, what, dtype.name)], dtype)
-        return _addressof(_from_buffer(arr)), 1, arr
-    if isinstance(obj, (list, tuple, range, np.ndarray)):
-        src = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
-        if src.ndim != 1:
-            raise _bad(f"{what} must be one-dimensional: got shape {src.shape}")
-        if src.size:
-            if src.dtype.kind not in "iu":
-                raise _bad(f"{what} must hold integers: got {src.dtype} values")
-            if src.dtype != dtype and not np.can_cast(src.dtype, dtype):
-                lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
-                if src.min() < lo or src.max() > hi:
-                    raise _bad(f"{what} must hold {dtype} values: got {src.min()}..{src.max()}")
-        arr = np.ascontiguousarray(src, dtype=dtype)
-        # arr.ctypes.data costs several microseconds (it builds a ctypes
-        # helper object); c_char.from_buffer a tenth of that, for the
-        # writable, non-empty arrays it accepts.
-        if arr.size and arr.flags.writeable:
-            return _addressof(_from_buffer(arr)), arr.size, arr
-        return arr.ctypes.data, arr.size, arr
-    ptr, n = _lib.as_ptr(obj, ctype)
-    return ptr, n, obj
-
-
-def _out_ptr(obj: Any, need: int, what: str) -> Tuple[int, int]:
-    """(address, capacity) of a writable int32 output buffer of at least
-    `need` elements; raises BufferTooSmallError when it is shorter."""
-    ptr = 0
-    if type(obj) is _ndarray and (obj.dtype is _I32 or obj.dtype == _I32):
-        n = obj.size
-        try:
-            ptr = _addressof(_from_buffer(obj))  # refuses read-only and strided arrays
-        except (ValueError, TypeError, BufferError):
-            ptr, n = _lib.as_ptr(obj, _i32, writable=True)  # raises with the reason
-    else:
-        ptr, n = _lib.as_ptr(obj, _i32, writable=True)
-    if n < need:
-        raise _lib.BufferTooSmallError(f"{what} holds {n} entries, {need} needed", _lib.Status.BUFFER_TOO_SMALL)
-    return ptr, n
-
-
 def _release(handle: int) -> None:
     """Destroys a manager collected without close(), saying so when it still
     had live sequences. Holds no reference to the Manager (a finalizer
     must not)."""
-    F = _sig()
     s = ManagerStatsStruct()
     s.struct_size = ctypes.sizeof(ManagerStatsStruct)
-    live = s.num_seqs if F[7](handle, ctypes.byref(s)) == 0 else 0
-    F[1](handle)
+    live = s.num_seqs if C.kvp_manager_stats_get(handle, ctypes.byref(s)) == 0 else 0
+    C.kvp_manager_destroy(handle)
     if live:
         seqs = "1 live sequence" if live == 1 else f"{live} live sequences"
         msg = (f"kvplug: a Manager was collected with {seqs} and has been closed; "
@@ -217,7 +93,7 @@ def _release(handle: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
-class Manager(PrefixCacheMethods):
+class Manager(PrefixCacheMethods, _lib.Owner):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
     library serialises calls on one manager), except close(), which no
@@ -226,6 +102,8 @@ class Manager(PrefixCacheMethods):
     prefix_cache=True keeps the full blocks of sequences admitted by their
     tokens (admit, grow_tokens) for later prompts with the same prefix;
     kv_events=True records KV events for drain_events (kvplug.prefix)."""
+
+    _destroy = "kvp_manager_destroy"
 
     def __init__(
         self,
@@ -236,8 +114,6 @@ class Manager(PrefixCacheMethods):
         kv_events: bool = False,
         max_pending_events: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
-        F = _sig()
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
         max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
@@ -245,19 +121,13 @@ class Manager(PrefixCacheMethods):
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events
         )
         out = _vp()
-        st = F[0](ctypes.byref(cfg), ctypes.byref(out))
+        st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))
         if st:
             _lib.raise_status(st)
-        self._h = out.value
-        self._destroy = F[1]
-        # Destroys the handle if the object is collected without close();
-        # the finalizer holds the handle, never self. Not at interpreter
-        # exit: the process is ending and modules may be half torn down.
-        self._finalizer = weakref.finalize(self, _release, self._h)
-        self._finalizer.atexit = False
+        self._own(out.value, _release, out.value)
         s = ManagerStatsStruct()
         s.struct_size = ctypes.sizeof(s)
-        _lib.check(F[7](self._h, ctypes.byref(s)))
+        _lib.check(C.kvp_manager_stats_get(self._h, ctypes.byref(s)))
         self.num_blocks = s.num_blocks
         self.block_size = s.block_size  # 0 asks for the library's default
         # (value, array, address) of the counts array a grow by one number
@@ -272,23 +142,10 @@ class Manager(PrefixCacheMethods):
         kvplug modules' C calls."""
         return self._h
 
-    @property
-    def closed(self) -> bool:
-        return self._h is None
-
     def close(self) -> None:
         """Destroys the manager and all its sequences; idempotent. Later
         calls raise InvalidHandleError."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._finalizer.detach()
-            self._destroy(h)
-
-    def __enter__(self) -> "Manager":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else f"handle=0x{self._h:x}"
@@ -302,7 +159,7 @@ class Manager(PrefixCacheMethods):
         OutOfBlocksError, InvalidArgumentError."""
         seq_id = _int(seq_id, "add: seq_id", "int64")
         prompt_len = _int(prompt_len, "add: prompt_len", "int32")
-        st = _F[2](self._h, seq_id, prompt_len)
+        st = C.kvp_manager_add(self._h, seq_id, prompt_len)
         if st:
             _lib.raise_status(st)
 
@@ -326,7 +183,7 @@ class Manager(PrefixCacheMethods):
             counts_ptr, k, keep_counts = _in_ptr(num_tokens, _I32, _i32, "num_tokens")
             if k != n:
                 raise _bad(f"grow: {k} token counts for {n} sequences")
-        st = _F[3](self._h, ids_ptr, counts_ptr, n)
+        st = C.kvp_manager_grow(self._h, ids_ptr, counts_ptr, n)
         if st:
             _lib.raise_status(st)
 
@@ -350,7 +207,7 @@ class Manager(PrefixCacheMethods):
             raise _bad(f"fork: {n} children")
         copies = np.empty((max(n, 1), 2), np.int32)
         num = _i32()
-        st = _F[4](self._h, parent, ptr, n, copies.ctypes.data, n, ctypes.byref(num))
+        st = C.kvp_manager_fork(self._h, parent, ptr, n, copies.ctypes.data, n, ctypes.byref(num))
         if st:
             _lib.raise_status(st)
         return [tuple(p) for p in copies[: num.value].tolist()]
@@ -361,7 +218,7 @@ class Manager(PrefixCacheMethods):
         ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n > _INT32_MAX:
             raise _bad(f"remove: batch of {n} sequences")
-        st = _F[5](self._h, ptr, n)
+        st = C.kvp_manager_remove(self._h, ptr, n)
         if st:
             _lib.raise_status(st)
 
@@ -411,7 +268,7 @@ class Manager(PrefixCacheMethods):
                 # A non-NULL pointer asks for slots even with no room for any.
                 slots_ptr = _addressof(_EMPTY_SLOT)
         num = _i32()
-        st = _F[6](self._h, ids_ptr, n, table_ptr, mb, lens_ptr, slots_ptr, cap, ctypes.byref(num))
+        st = C.kvp_manager_describe(self._h, ids_ptr, n, table_ptr, mb, lens_ptr, slots_ptr, cap, ctypes.byref(num))
         if st:
             _lib.raise_status(st)
         return num.value
@@ -457,7 +314,7 @@ class Manager(PrefixCacheMethods):
     def stats(self) -> ManagerStats:
         s = ManagerStatsStruct()
         s.struct_size = ctypes.sizeof(ManagerStatsStruct)
-        st = _F[7](self._h, ctypes.byref(s))
+        st = C.kvp_manager_stats_get(self._h, ctypes.byref(s))
         if st:
             _lib.raise_status(st)
         return ManagerStats(*(getattr(s, f[0]) for f in ManagerStatsStruct._fields_[1:]))
@@ -465,7 +322,7 @@ class Manager(PrefixCacheMethods):
     def check(self) -> None:
         """Verifies the library's internal invariants; raises InternalError
         describing the first broken one."""
-        st = _F[8](self._h)
+        st = C.kvp_manager_check(self._h)
         if st:
             _lib.raise_status(st)
 

@@ -22,84 +22,25 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _lib
-from . import manager as _manager  # completes after this module: used at call time only
+from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, flatten as _flatten
+from ._arrays import in_ptr as _in_ptr, one_each as _one_each, token_ptr as _token_ptr
+from ._capi import BlockMMStruct, KVEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct, PrefixStatsStruct
+from ._lib import C
 
 __all__ = ["Keys", "MMItem", "Match", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
 
-_vp = ctypes.c_void_p
 _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
 _u64 = ctypes.c_uint64
-_INT32_MAX = 2**31 - 1
-_I32 = np.dtype(np.int32)
-_I64 = np.dtype(np.int64)
-_ndarray = np.ndarray
-_from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 _Offsets2 = ctypes.c_int64 * 2
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_ndarray = np.ndarray
 _is_torch = _lib._is_torch_tensor
 
 BLOCK_STORED = 1
 BLOCKS_REMOVED = 2
 ALL_CLEARED = 3
-
-
-class MMItemStruct(ctypes.Structure):
-    _fields_ = [("offset", ctypes.c_int32), ("length", ctypes.c_int32), ("hash", ctypes.c_uint8 * 16)]
-
-
-class PrefixKeysStruct(ctypes.Structure):
-    _fields_ = [
-        ("adapter", ctypes.c_uint64),
-        ("mm", ctypes.POINTER(MMItemStruct)),
-        ("num_mm", ctypes.c_int32),
-        ("salt_len", ctypes.c_int32),
-        ("salt", ctypes.POINTER(ctypes.c_uint8)),
-    ]
-
-
-class PrefixMatchStruct(ctypes.Structure):
-    _fields_ = [("matched_tokens", ctypes.c_int32), ("partial_block", ctypes.c_int32), ("partial_tokens", ctypes.c_int32)]
-
-
-class PrefixStatsStruct(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("queries", ctypes.c_int64),
-        ("query_tokens", ctypes.c_int64),
-        ("hit_tokens", ctypes.c_int64),
-        ("partial_tokens", ctypes.c_int64),
-        ("inserts", ctypes.c_int64),
-        ("dedups", ctypes.c_int64),
-        ("evictions", ctypes.c_int64),
-        ("events_dropped", ctypes.c_int64),
-        ("cached_blocks", ctypes.c_int32),
-        ("locked_blocks", ctypes.c_int32),
-        ("pinned_blocks", ctypes.c_int32),
-        ("evictable_blocks", ctypes.c_int32),
-        ("pending_events", ctypes.c_int32),
-    ]
-
-
-class BlockMMStruct(ctypes.Structure):
-    _fields_ = [("offset", ctypes.c_int32), ("hash", ctypes.c_uint8 * 16)]
-
-
-class KVEventStruct(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("adapter", ctypes.c_uint64),
-        ("hash", ctypes.c_uint8 * 16),
-        ("parent", ctypes.c_uint8 * 16),
-        ("tokens_offset", ctypes.c_int32),
-        ("mm_offset", ctypes.c_int32),
-        ("num_mm", ctypes.c_int32),
-        ("hashes_offset", ctypes.c_int32),
-        ("num_hashes", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
-    ]
 
 
 class MMItem(NamedTuple):
@@ -184,96 +125,6 @@ class KVEvent:
 
 
 _int = _lib.checked_int
-
-
-def _bad(msg: str) -> _lib.InvalidArgumentError:
-    return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
-
-
-_F: Any = None
-
-
-def _sig() -> Any:
-    global _F
-    if _F is None:
-        f = _lib.fn
-        P = ctypes.POINTER
-        _F = dict(
-            admit=f("kvp_manager_admit", ctypes.c_int, [_vp, _vp, _i32, _vp, _vp, _vp, _vp, P(_i32)]),
-            grow_tokens=f("kvp_manager_grow_tokens", ctypes.c_int, [_vp, _vp, _vp, _i32, _vp]),
-            match=f("kvp_manager_match", ctypes.c_int, [_vp, _i32, _vp, _vp, _vp, _i32, _vp]),
-            pin=f("kvp_manager_pin", ctypes.c_int, [_vp, _vp, _i32, _vp, P(_u64), P(_i32)]),
-            unpin=f("kvp_manager_unpin", ctypes.c_int, [_vp, _u64]),
-            set_priority=f("kvp_manager_set_priority", ctypes.c_int, [_vp, _vp, _i32, _vp, _i32, P(_i32)]),
-            stats=f("kvp_manager_prefix_stats", ctypes.c_int, [_vp, P(PrefixStatsStruct)]),
-            reset=f("kvp_manager_prefix_stats_reset", ctypes.c_int, [_vp]),
-            clear=f("kvp_manager_clear_prefix_cache", ctypes.c_int, [_vp, P(_i32)]),
-            drain=f(
-                "kvp_manager_drain_events",
-                ctypes.c_int,
-                [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, P(_i32)],
-            ),
-            next_event_size=f("kvp_manager_next_event_size", ctypes.c_int, [_vp, P(_i32), P(_i32), P(_i32)]),
-            add_mm_items=f("kvp_manager_add_mm_items", ctypes.c_int, [_vp, _i64, _vp, _i32]),
-        )
-    return _F
-
-
-def _addr(arr: np.ndarray) -> int:
-    """The address of a C-contiguous numpy array: c_char.from_buffer is
-    cheaper than arr.ctypes.data; read-only and empty arrays take the
-    general path."""
-    try:
-        return _addressof(_from_buffer(arr))
-    except (TypeError, ValueError, BufferError):
-        return arr.ctypes.data
-
-
-def _tokens(t: Any, what: str) -> np.ndarray:
-    """t as a contiguous int32 array, without a copy when it is one
-    already (a numpy array or a torch CPU tensor of int32). Other integer
-    arrays are range-checked and converted; lists go through numpy, which
-    rejects non-integers, with no Python work per token."""
-    if type(t) is _ndarray:
-        arr = t
-    elif _is_torch(t):
-        if t.device.type != "cpu":
-            raise _bad(f"{what}: a CPU tensor is needed; the tensor is on {t.device}")
-        arr = t.detach().numpy()  # shares the tensor's memory
-    else:
-        arr = np.asarray(t)
-    if arr.dtype is _I32 or arr.dtype == _I32:
-        if arr.ndim != 1:
-            raise _bad(f"{what} must be one-dimensional: got shape {arr.shape}")
-        return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-    if arr.ndim != 1:
-        raise _bad(f"{what} must be one-dimensional: got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise _bad(f"{what} must hold integers: got {arr.dtype}")
-    if arr.size and (arr.min() < -(2**31) or arr.max() > _INT32_MAX):
-        raise _bad(f"{what} must hold int32 token ids")
-    return np.ascontiguousarray(arr, np.int32)
-
-
-_NO_TOKENS = np.zeros(1, np.int32)  # a valid address for an all-empty batch
-
-
-def _flatten(prompts: Any) -> Tuple[np.ndarray, np.ndarray]:
-    """(tokens, offsets[n+1]) of a batch of prompts: a list of token
-    sequences, or a 2-D array of equal-length prompts. One int32 prompt
-    or a 2-D int32 array is used in place."""
-    if (type(prompts) is _ndarray or _is_torch(prompts)) and len(prompts.shape) == 2:
-        n, k = prompts.shape
-        flat = _tokens(prompts.reshape(-1), "prompts")
-        return (flat if flat.size else _NO_TOKENS), np.arange(n + 1, dtype=np.int64) * k
-    if len(prompts) == 1:
-        a = _tokens(prompts[0], "prompt 0")
-        return (a if a.size else _NO_TOKENS), np.array((0, a.size), np.int64)
-    arrs = [_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    offsets = np.zeros(len(arrs) + 1, np.int64)
-    np.cumsum([a.size for a in arrs], out=offsets[1:])
-    tokens = np.concatenate(arrs) if arrs else _NO_TOKENS
-    return (tokens if tokens.size else _NO_TOKENS), offsets
 
 
 def _mm_items(mm: Sequence[Any]) -> Any:
@@ -381,26 +232,25 @@ class PrefixCacheMethods:
         InvalidArgumentError (nothing admitted).
 
         prompts is a list of token sequences (int32 numpy arrays and torch
-        CPU tensors are used in place; other arrays and lists are
-        converted by numpy) or a 2-D array of equal-length prompts. Under
-        chunked prefill, admit the first chunk with the whole prompt's
-        keys."""
-        F = _sig()
+        CPU tensors are used in place; lists of ints and other integer
+        arrays are converted, a batch of them at once) or a 2-D array of
+        equal-length prompts. Under chunked prefill, admit the first chunk
+        with the whole prompt's keys."""
         if type(seq_ids) is list and len(seq_ids) == 1 and type(seq_ids[0]) is int and _I64_MIN <= seq_ids[0] <= _I64_MAX:
             # One id, the usual admission: a ctypes scalar costs a fifth of
             # numpy's conversion of the list.
             keep_ids = _i64(seq_ids[0])
             ids_ptr, n = _addressof(keep_ids), 1
         else:
-            ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
+            ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n != len(prompts):
             raise _bad(f"admit: {n} ids for {len(prompts)} prompts")
         if n == 1 and type(prompts) is list:
             # One prompt, the usual admission: its offsets as a ctypes
             # array, a third of a numpy array's cost with its address.
-            tokens = _tokens(prompts[0], "prompt 0")
-            offsets = _Offsets2(0, tokens.size)
-            tok_ptr, off_ptr = _addr(tokens if tokens.size else _NO_TOKENS), _addressof(offsets)
+            tok_ptr, size, tokens = _token_ptr(prompts[0], "prompt 0")
+            offsets = _Offsets2(0, size)
+            off_ptr = _addressof(offsets)
         else:
             tokens, offsets = _flatten(prompts)
             tok_ptr, off_ptr = _addr(tokens), _addr(offsets)
@@ -408,7 +258,7 @@ class PrefixCacheMethods:
         karr = _keys_array(keys, n, keep)
         matched = np.empty(max(n, 1), np.int32)
         admitted = _i32()
-        _check(F["admit"](self._h, ids_ptr, n, tok_ptr, off_ptr, karr, _addr(matched), ctypes.byref(admitted)))
+        _check(C.kvp_manager_admit(self._h, ids_ptr, n, tok_ptr, off_ptr, karr, _addr(matched), ctypes.byref(admitted)))
         return matched[: admitted.value]
 
     def grow_tokens(self, seq_ids: Any, tokens: Any) -> None:
@@ -418,29 +268,37 @@ class PrefixCacheMethods:
             torch CPU tensor or a list of ints; an int32 array is passed in
             place, so a step that reuses its arrays allocates nothing;
           - a 2-D array with one row of tokens per sequence;
-          - a list with one token sequence per sequence (possibly empty).
+          - a list with one token sequence per sequence (possibly empty);
+            one-token lists ([[t] for t in toks]) cost about what a list of
+            ints does.
         Raises OutOfBlocksError (nothing grew), UnknownSequenceError,
         DuplicateSequenceError, InvalidArgumentError."""
-        F = _sig()
-        ids_ptr, n, keep_ids = _manager._in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if type(tokens) is _ndarray or _is_torch(tokens):
             shape = tuple(tokens.shape)
             if len(shape) not in (1, 2) or shape[0] != n:
                 raise _bad(f"grow_tokens: tokens of shape {shape} for {n} sequences: need ({n},) or ({n}, k)")
             per = 1 if len(shape) == 1 else shape[1]
-            flat = _tokens(tokens if per == 1 and len(shape) == 1 else tokens.reshape(-1), "tokens")
+            tok_ptr, _, keep = _token_ptr(tokens if per == 1 and len(shape) == 1 else tokens.reshape(-1), "tokens")
             counts_ptr = self._counts_of(per, n)
         elif n and isinstance(tokens, (list, tuple)) and len(tokens) == n and isinstance(tokens[0], (int, np.integer)):
-            flat = _tokens(tokens, "tokens")  # one int per sequence
+            tok_ptr, _, keep = _token_ptr(tokens, "tokens")  # one int per sequence
             counts_ptr = self._counts_of(1, n)
         else:
-            if n != len(tokens):
-                raise _bad(f"grow_tokens: {n} ids for {len(tokens)} token lists")
-            flat, offsets = _flatten(tokens)
-            counts = np.diff(offsets).astype(np.int32)
-            keep_counts = counts  # noqa: F841 (alive across the call)
-            counts_ptr = _addr(counts)
-        _check(F["grow_tokens"](self._h, ids_ptr, counts_ptr, n, _addr(flat) if flat.size else _addr(_NO_TOKENS)))
+            # A decode step given as one list per sequence ([[t] for t in toks]):
+            # one conversion of all the tokens, not numpy's of each list.
+            one = len(tokens) == n and type(tokens) is list and n and type(tokens[0]) is list
+            keep = _one_each(tokens) if one else None
+            if keep is not None:
+                counts_ptr = self._counts_of(1, n)
+            else:
+                if n != len(tokens):
+                    raise _bad(f"grow_tokens: {n} ids for {len(tokens)} token lists")
+                keep, offsets = _flatten(tokens)
+                counts = np.diff(offsets).astype(np.int32)
+                counts_ptr = _addr(counts)
+            tok_ptr = _addr(keep if keep.size else _NO_TOKENS)
+        _check(C.kvp_manager_grow_tokens(self._h, ids_ptr, counts_ptr, n, tok_ptr))
 
     def _counts_of(self, value: int, n: int) -> int:
         """The address of n counts of value, from the Manager's cached
@@ -460,61 +318,58 @@ class PrefixCacheMethods:
         seq_id = _int(seq_id, "add_mm_items: seq_id", "int64")
         items = list(items)
         arr = _mm_items(items) if items else None
-        _check(_sig()["add_mm_items"](self._h, seq_id, arr, len(items)))
+        _check(C.kvp_manager_add_mm_items(self._h, seq_id, arr, len(items)))
 
     def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
         """The longest cached prefix of each prompt, without admitting it
         (a router's or scheduler's query)."""
-        F = _sig()
         n = len(prompts)
         tokens, offsets = _flatten(prompts)
         keep: list = []
         karr = _keys_array(keys, n, keep)
         out = (PrefixMatchStruct * max(n, 1))()
-        _check(F["match"](self._h, n, _addr(tokens), _addr(offsets), karr, int(partial), out))
+        _check(C.kvp_manager_match(self._h, n, _addr(tokens), _addr(offsets), karr, int(partial), out))
         return [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out[:n]]
 
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
         """Pins the cached full blocks of a prefix against eviction. Returns
         (pin_id, blocks pinned). Raises NotFoundError if none is cached."""
-        F = _sig()
-        t = _tokens(tokens, "tokens")
+        t_ptr, size, t = _token_ptr(tokens, "tokens")
         keep: list = []
         pid, nb = _u64(), _i32()
-        _check(F["pin"](self._h, _addr(t), t.size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
+        _check(C.kvp_manager_pin(self._h, t_ptr, size, _one_key(keys, keep), ctypes.byref(pid), ctypes.byref(nb)))
         return pid.value, nb.value
 
     def unpin(self, pin_id: int) -> None:
         """Releases one pin. Raises NotFoundError for an unknown id."""
         pin_id = _int(pin_id, "unpin: pin_id", "uint64")
-        _check(_sig()["unpin"](self._h, pin_id))
+        _check(C.kvp_manager_unpin(self._h, pin_id))
 
     def set_priority(self, tokens: Any, priority: int, keys: Optional[Keys] = None) -> int:
         """Sets the eviction priority of a prefix's cached full blocks
         (lower goes first; default 0). Returns how many blocks were set."""
-        F = _sig()
         priority = _int(priority, "set_priority: priority", "int32")
-        t = _tokens(tokens, "tokens")
+        t_ptr, size, t = _token_ptr(tokens, "tokens")
         keep: list = []
         nb = _i32()
-        _check(F["set_priority"](self._h, _addr(t), t.size, _one_key(keys, keep), priority, ctypes.byref(nb)))
+        _check(C.kvp_manager_set_priority(self._h, t_ptr, size, _one_key(keys, keep), priority, ctypes.byref(nb)))
         return nb.value
 
     def prefix_stats(self) -> PrefixStats:
         s = PrefixStatsStruct()
         s.struct_size = ctypes.sizeof(PrefixStatsStruct)
-        _check(_sig()["stats"](self._h, ctypes.byref(s)))
+        _check(C.kvp_manager_prefix_stats(self._h, ctypes.byref(s)))
         return PrefixStats(*(getattr(s, f[0]) for f in PrefixStatsStruct._fields_[1:]))
 
     def reset_prefix_stats(self) -> None:
-        _check(_sig()["reset"](self._h))
+        _check(C.kvp_manager_prefix_stats_reset(self._h))
 
     def clear_prefix_cache(self) -> int:
         """Drops every unheld cached block and every pin; returns the blocks
         freed. Raises InvalidArgumentError while live sequences hold cached
         blocks."""
         n = _i32()
-        _check(_sig()["clear"](self._h, ctypes.byref(n)))
+        _check(C.kvp_manager_clear_prefix_cache(self._h, ctypes.byref(n)))
         return n.value
 
     def drain_events(self, max_events: int = 1024) -> List[KVEvent]:
@@ -523,7 +378,6 @@ class PrefixCacheMethods:
         progress whatever a block holds: buffers too small for the oldest
         event grow to the size the library reports, and the call is
         retried."""
-        F = _sig()
         max_events = _int(max_events, "drain_events: max_events", "int32")
         if not (1 <= max_events <= 1 << 20):
             raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
@@ -543,12 +397,12 @@ class PrefixCacheMethods:
             toks = np.empty(cap_tok, np.int32)
             mm = (BlockMMStruct * max(cap_mm, 1))()
             hashes = np.empty(16 * max(cap_hash, 1), np.uint8)
-            st = F["drain"](
+            st = C.kvp_manager_drain_events(
                 self._h, evs, max_events, toks.ctypes.data, cap_tok, mm, cap_mm, hashes.ctypes.data, cap_hash, ctypes.byref(num)
             )
             if st != _lib.Status.BUFFER_TOO_SMALL:
                 break
-            _check(F["next_event_size"](self._h, ctypes.byref(need_tok), ctypes.byref(need_mm), ctypes.byref(need_hash)))
+            _check(C.kvp_manager_next_event_size(self._h, ctypes.byref(need_tok), ctypes.byref(need_mm), ctypes.byref(need_hash)))
             cap_tok = max(cap_tok, need_tok.value)
             cap_mm = max(cap_mm, need_mm.value)
             cap_hash = max(cap_hash, need_hash.value)

@@ -39,9 +39,11 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from . import _lib
+from ._capi import VCacheConfig, VCacheStats
+from ._lib import C
 
 __all__ = ["VirtualKVCache", "VCacheConfig", "VCacheStats", "BACKEND_CUDA", "BACKEND_HOST"]
 
@@ -52,53 +54,6 @@ _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
 _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
-_c_int = ctypes.c_int
-
-
-class VCacheConfig(ctypes.Structure):
-    """struct kvp_vcache_config."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("backend", _i32),
-        ("device", _i32),
-        ("num_layers", _i32),
-        ("num_kv_heads", _i32),
-        ("head_dim", _i32),
-        ("dtype_bytes", _i32),
-        ("max_batch", _i32),
-        ("max_context", _i32),
-        ("page_size", _i64),
-        ("budget_bytes", _i64),
-        ("reclaim_below_bytes", _i64),
-        ("lookahead_tokens", _i32),
-        ("no_background", _i32),
-    ]
-
-
-class VCacheStats(ctypes.Structure):
-    """struct kvp_vcache_stats."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("page_size", _i64),
-        ("budget_bytes", _i64),
-        ("tensor_bytes", _i64),
-        ("mapped_bytes", _i64),
-        ("held_bytes", _i64),
-        ("active_slots", _i32),
-        ("reusable_slots", _i32),
-        ("steps", _i64),
-        ("map_calls", _i64),
-        ("unmap_calls", _i64),
-        ("create_calls", _i64),
-        ("release_calls", _i64),
-        ("out_of_memory", _i64),
-        ("step_map_ns", _i64),
-        ("step_wait_ns", _i64),
-        ("background_map_ns", _i64),
-        ("background_errors", _i64),
-    ]
 
 
 # dtype name -> (bytes, DLPack type code, numpy dtype string). DLPack codes:
@@ -213,9 +168,8 @@ def _release(handle: int, backend: int) -> None:
     reference to the VirtualKVCache (a finalizer must not)."""
     s = VCacheStats()
     s.struct_size = ctypes.sizeof(VCacheStats)
-    stats = _lib.fn("kvp_vcache_stats_get", _c_int, [_vp, ctypes.POINTER(VCacheStats)])
-    live = s.active_slots if stats(handle, ctypes.byref(s)) == 0 else 0
-    _lib.fn("kvp_vcache_destroy", None, [_vp])(handle)
+    live = s.active_slots if C.kvp_vcache_stats_get(handle, ctypes.byref(s)) == 0 else 0
+    C.kvp_vcache_destroy(handle)
     if live:
         kind = "CUDA" if backend == BACKEND_CUDA else "host"
         slots = f"{live} slot" if live == 1 else f"{live} slots"
@@ -225,7 +179,7 @@ def _release(handle: int, backend: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
-class VirtualKVCache:
+class VirtualKVCache(_lib.Owner):
     """A kvp_vcache. Methods are thread-safe (the library locks); close() must
     not race other calls. Use it as a context manager or call close(); a
     cache collected without it is closed then (see the module's notes).
@@ -235,6 +189,8 @@ class VirtualKVCache:
     negative value reclaims only when a step needs the pages;
     lookahead_tokens 0 is 16; background=False makes step map everything
     itself."""
+
+    _destroy = "kvp_vcache_destroy"
 
     def __init__(
         self,
@@ -253,7 +209,6 @@ class VirtualKVCache:
         background: bool = True,
         reclaim_below_bytes: int = 0,
     ) -> None:
-        self._h: Optional[int] = None
         self._dtype = _dtype_name(dtype)
         nbytes, self._dl_code, self._np_dtype = _DTYPES[self._dtype]
         if isinstance(backend, str):
@@ -280,20 +235,13 @@ class VirtualKVCache:
             lookahead_tokens, 0 if background else 1,
         )
         h = _vp()
-        _lib.check(_lib.fn("kvp_vcache_create", _c_int, [ctypes.POINTER(VCacheConfig), ctypes.POINTER(_vp)])(
-            ctypes.byref(cfg), ctypes.byref(h)))
-        self._h = h.value
-        # Closes the handle if the object is collected without close(); the
-        # finalizer sees only the handle, never self. Not at interpreter exit:
-        # the process is ending and modules may be half torn down.
-        self._finalizer = weakref.finalize(self, _release, self._h, self.backend)
-        self._finalizer.atexit = False
+        _lib.check(C.kvp_vcache_create(ctypes.byref(cfg), ctypes.byref(h)))
+        self._own(h.value, _release, h.value, self.backend)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_batch, self.max_context = max_batch, max_context
         self.dtype_bytes = nbytes
-        self._step = _lib.fn("kvp_vcache_step", _c_int, [_vp, _vp, _vp, _i32])
         st = (_i64 * 4)()
-        _lib.check(_lib.fn("kvp_vcache_strides", _c_int, [_vp, ctypes.POINTER(_i64)])(self._h, st))
+        _lib.check(C.kvp_vcache_strides(self._h, st))
         self.strides: Tuple[int, int, int, int] = tuple(st)  # type: ignore[assignment]
         # Weak: every view keeps the cache alive (its memory must stay
         # mapped), so strong references back would keep a dropped cache
@@ -305,17 +253,8 @@ class VirtualKVCache:
     def close(self) -> None:
         """Unmaps and frees everything. Tensors from k()/v() become invalid:
         the GPU must be done with them (synchronize first)."""
-        h, self._h = self._h, None
         self._views.clear()
-        if h is not None:
-            self._finalizer.detach()
-            _lib.fn("kvp_vcache_destroy", None, [_vp])(h)
-
-    def __enter__(self) -> "VirtualKVCache":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
     @property
     def handle(self) -> int:
@@ -328,12 +267,12 @@ class VirtualKVCache:
     def alloc(self) -> int:
         """A free slot (the freed slot holding the most pages first)."""
         s = _i32()
-        _lib.check(_lib.fn("kvp_vcache_alloc_slot", _c_int, [_vp, ctypes.POINTER(_i32)])(self.handle, ctypes.byref(s)))
+        _lib.check(C.kvp_vcache_alloc_slot(self.handle, ctypes.byref(s)))
         return s.value
 
     def free(self, slot: int) -> None:
         slot = _lib.checked_int(slot, "free: slot", "int32")
-        _lib.check(_lib.fn("kvp_vcache_free_slot", _c_int, [_vp, _i32])(self.handle, slot))
+        _lib.check(C.kvp_vcache_free_slot(self.handle, slot))
 
     def step(self, slots: IntArray, ctx_lens: IntArray) -> None:
         """Maps tokens [0, ctx_lens[i]) of slots[i] in every layer; raises
@@ -343,16 +282,16 @@ class VirtualKVCache:
         cp, m = _int32_ptr(ctx_lens)
         if n != m:
             raise _lib.InvalidArgumentError(f"step: {n} slots but {m} context lengths", _lib.Status.INVALID_ARGUMENT)
-        _lib.check(self._step(self.handle, sp[0], cp[0], n))
+        _lib.check(C.kvp_vcache_step(self.handle, sp[0], cp[0], n))
 
     def trim(self) -> None:
         """Gives freed slots' pages and idle pages back to the driver."""
-        _lib.check(_lib.fn("kvp_vcache_trim", _c_int, [_vp])(self.handle))
+        _lib.check(C.kvp_vcache_trim(self.handle))
 
     def stats(self) -> Dict[str, int]:
         s = VCacheStats()
         s.struct_size = ctypes.sizeof(VCacheStats)
-        _lib.check(_lib.fn("kvp_vcache_stats_get", _c_int, [_vp, ctypes.POINTER(VCacheStats)])(self.handle, ctypes.byref(s)))
+        _lib.check(C.kvp_vcache_stats_get(self.handle, ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in VCacheStats._fields_[1:]}
 
     # -- tensors ------------------------------------------------------------
@@ -361,8 +300,7 @@ class VirtualKVCache:
         """The base addresses of layer's K and V tensors."""
         layer = _lib.checked_int(layer, "layer", "int32")
         k, v = _u64(), _u64()
-        _lib.check(_lib.fn("kvp_vcache_layer_ptrs", _c_int, [_vp, _i32, ctypes.POINTER(_u64), ctypes.POINTER(_u64)])(
-            self.handle, layer, ctypes.byref(k), ctypes.byref(v)))
+        _lib.check(C.kvp_vcache_layer_ptrs(self.handle, layer, ctypes.byref(k), ctypes.byref(v)))
         return k.value, v.value
 
     @property

@@ -1,0 +1,345 @@
+"""include/kvplug.h in ctypes: every struct the package passes, and every
+function with its signature, in one table (FUNCTIONS), as the C++ wrapper's
+function tables (bindings/cpp/kvplug.hpp) have them.
+
+Nothing here loads the library: kvplug._lib binds FUNCTIONS once, when it
+loads it, into kvplug._lib.C (C.kvp_manager_add(...)). Pointer arguments are
+c_void_p: a caller passes an address (int), a ctypes array, ctypes.byref(...)
+or None. tests/python/test_abi_mirror.py checks every struct against the
+header (size and every field's offset) and tests/python/test_capi.py every
+function name against its prototypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Dict, List, Tuple
+
+_vp = ctypes.c_void_p
+_int = ctypes.c_int  # kvp_status
+_i32, _i64, _u32, _u64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+_u8 = ctypes.c_uint8
+_size = ctypes.c_size_t
+
+MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
+
+
+def _ints(ctype: Any, *names: str) -> List[Tuple[str, Any]]:
+    return [(n, ctype) for n in names]
+
+
+def _tensor(name: str, *strides: str) -> List[Tuple[str, Any]]:
+    """A device address and its strides in elements: name, name_<s>_stride."""
+    return [(name, _u64)] + [(f"{name}_{s}_stride", _i64) for s in strides]
+
+
+# The paged caches and the block table of the attention structs (K and V
+# share the strides).
+_CACHES = [("k_cache", _u64), ("v_cache", _u64)] + _ints(_i64, "cache_block_stride", "cache_token_stride",
+                                                          "cache_head_stride")
+_TABLE = [("block_table", _u64), ("block_table_stride", _i64)]
+
+
+# --------------------------------------------------------------------------
+# Paged KV manager
+# --------------------------------------------------------------------------
+
+
+class ManagerConfig(ctypes.Structure):
+    """struct kvp_manager_config (append-only, like the C struct)."""
+
+    _fields_ = [
+        ("struct_size", _size),
+        ("num_blocks", _i32),
+        ("block_size", _i32),
+        ("enable_prefix_cache", _i32),
+        ("enable_kv_events", _i32),
+        ("max_pending_events", _i32),
+    ]
+
+
+class BlockCopy(ctypes.Structure):
+    """struct kvp_block_copy."""
+
+    _fields_ = [("src", _i32), ("dst", _i32)]
+
+
+class ManagerStatsStruct(ctypes.Structure):
+    """struct kvp_manager_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "num_blocks", "block_size", "free_blocks", "used_blocks", "peak_used_blocks", "cached_blocks",
+        "shared_blocks", "num_seqs",
+    ) + _ints(_i64, "num_tokens", "allocated_slots", "internal_waste") + [("fragmentation", ctypes.c_double)]
+
+
+# --------------------------------------------------------------------------
+# Prefix cache
+# --------------------------------------------------------------------------
+
+
+class MMItemStruct(ctypes.Structure):
+    """struct kvp_mm_item."""
+
+    _fields_ = [("offset", _i32), ("length", _i32), ("hash", _u8 * 16)]
+
+
+class PrefixKeysStruct(ctypes.Structure):
+    """struct kvp_prefix_keys."""
+
+    _fields_ = [
+        ("adapter", _u64),
+        ("mm", ctypes.POINTER(MMItemStruct)),
+        ("num_mm", _i32),
+        ("salt_len", _i32),
+        ("salt", ctypes.POINTER(_u8)),
+    ]
+
+
+class PrefixMatchStruct(ctypes.Structure):
+    """struct kvp_prefix_match."""
+
+    _fields_ = [("matched_tokens", _i32), ("partial_block", _i32), ("partial_tokens", _i32)]
+
+
+class PrefixStatsStruct(ctypes.Structure):
+    """struct kvp_prefix_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "queries", "query_tokens", "hit_tokens", "partial_tokens", "inserts", "dedups", "evictions",
+        "events_dropped",
+    ) + _ints(_i32, "cached_blocks", "locked_blocks", "pinned_blocks", "evictable_blocks", "pending_events")
+
+
+class BlockMMStruct(ctypes.Structure):
+    """struct kvp_block_mm."""
+
+    _fields_ = [("offset", _i32), ("hash", _u8 * 16)]
+
+
+class KVEventStruct(ctypes.Structure):
+    """struct kvp_kv_event."""
+
+    _fields_ = [
+        ("kind", _i32),
+        ("block_size", _i32),
+        ("adapter", _u64),
+        ("hash", _u8 * 16),
+        ("parent", _u8 * 16),
+    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")
+
+
+# --------------------------------------------------------------------------
+# KV event publisher
+# --------------------------------------------------------------------------
+
+
+class EventPublisherConfig(ctypes.Structure):
+    """struct kvp_event_publisher_config."""
+
+    _fields_ = [("struct_size", _size)] + _ints(ctypes.c_char_p, "endpoint", "replay_endpoint", "topic", "medium") + _ints(
+        _i32, "bind_mode", "event_format", "hash_format", "data_parallel_rank", "buffer_steps", "hwm",
+        "max_batch_events", "flush_interval_us",
+    ) + [("buffer_bytes", _i64)]
+
+
+class EventPublisherStatsStruct(ctypes.Structure):
+    """struct kvp_event_publisher_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "batches", "events", "bytes", "dropped_sends", "replay_requests", "replay_batches", "snapshots",
+        "source_errors", "buffered_batches", "buffered_bytes",
+    ) + _ints(_i32, "subscribers", "pub_port", "replay_port", "reserved")
+
+
+# --------------------------------------------------------------------------
+# Attention kernels
+# --------------------------------------------------------------------------
+
+
+class KVWriteArgs(ctypes.Structure):
+    """struct kvp_kv_write_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_tokens", "num_kv_heads", "num_blocks", "block_size",
+    ) + _tensor("key", "token", "head") + _tensor("value", "token", "head") + _CACHES + [("slot_mapping", _u64)]
+
+
+class PagedDecodeArgs(ctypes.Structure):
+    """struct kvp_paged_decode_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "batch", "num_q_heads", "num_kv_heads", "num_blocks", "block_size",
+        "max_blocks_per_seq",
+    ) + _tensor("q", "batch", "head") + _CACHES + _TABLE + [("seq_lens", _u64)] + _tensor("out", "batch", "head") + _ints(_u64, "lse", "workspace", "workspace_bytes") + [
+        ("scale", _f32),
+    ] + _ints(_i32, "num_splits", "max_seq_len", "reserved")
+
+
+class MergeStatesArgs(ctypes.Structure):
+    """struct kvp_merge_states_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_states", "num_tokens", "num_heads", "reserved",
+    ) + [("v", _u64 * MERGE_MAX_STATES), ("s", _u64 * MERGE_MAX_STATES)] + _ints(
+        _i64, "v_token_stride", "v_head_stride", "s_token_stride", "s_head_stride",
+    ) + _tensor("out", "token", "head") + _tensor("out_lse", "token", "head")
+
+
+class PrefillPlanArgs(ctypes.Structure):
+    """struct kvp_prefill_plan_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "window_size", "flags", "reserved",
+    ) + _ints(ctypes.POINTER(_i32), "qo_indptr_host", "kv_lens_host") + _ints(
+        _u64, "qo_indptr", "kv_lens", "workspace", "workspace_bytes",
+    )
+
+
+class AttnPlan(ctypes.Structure):
+    """struct kvp_attn_plan."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "kind", "route", "dtype", "head_dim", "num_q_heads", "num_kv_heads", "window_left", "batch", "total_q",
+        "max_q_len", "max_kv_len", "num_items", "grid", "num_splits",
+    ) + _ints(_u64, "workspace", "workspace_bytes", "kv_lens") + [("reserved", _u64 * 6)]
+
+
+class PagedPrefillArgs(ctypes.Structure):
+    """struct kvp_paged_prefill_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "num_blocks", "block_size", "max_blocks_per_seq", "reserved",
+    ) + _tensor("q", "token", "head") + _CACHES + _TABLE + _tensor("out", "token", "head") + [
+        ("lse", _u64),
+        ("scale", _f32),
+        ("reserved2", _i32),
+    ]
+
+
+# --------------------------------------------------------------------------
+# Shared-prefix attention
+# --------------------------------------------------------------------------
+
+
+class CascadePlanArgs(ctypes.Structure):
+    """struct kvp_cascade_plan_args."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "dtype", "head_dim", "num_q_heads", "num_kv_heads", "batch", "max_batch", "block_size",
+        "max_blocks_per_seq",
+    ) + [("block_table_stride", _i64)] + _ints(ctypes.POINTER(_i32), "block_table_host", "seq_lens_host") + [
+        ("seq_lens", _u64),
+        ("host_workspace", _vp),
+    ] + _ints(_u64, "host_workspace_bytes", "workspace", "workspace_bytes") + _ints(_i32, "flags", "headroom") + [
+        # Appended after the first release (first released size: 112 bytes).
+        ("qo_indptr_host", ctypes.POINTER(_i32)),
+        ("qo_indptr", _u64),
+        ("max_tokens", _i32),
+        ("reserved", _i32),
+    ]
+
+
+# --------------------------------------------------------------------------
+# Virtual-contiguous KV cache
+# --------------------------------------------------------------------------
+
+
+class VCacheConfig(ctypes.Structure):
+    """struct kvp_vcache_config."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i32, "backend", "device", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_batch", "max_context",
+    ) + _ints(_i64, "page_size", "budget_bytes", "reclaim_below_bytes") + _ints(_i32, "lookahead_tokens", "no_background")
+
+
+class VCacheStats(ctypes.Structure):
+    """struct kvp_vcache_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "page_size", "budget_bytes", "tensor_bytes", "mapped_bytes", "held_bytes",
+    ) + _ints(_i32, "active_slots", "reusable_slots") + _ints(
+        _i64, "steps", "map_calls", "unmap_calls", "create_calls", "release_calls", "out_of_memory", "step_map_ns",
+        "step_wait_ns", "background_map_ns", "background_errors",
+    )
+
+
+# --------------------------------------------------------------------------
+# Functions: name -> (restype, argtypes), in the header's order
+# --------------------------------------------------------------------------
+
+
+def _sigs(restype: Any, *rows: Tuple[str, List[Any]]) -> Dict[str, Tuple[Any, List[Any]]]:
+    return {name: (restype, argtypes) for name, argtypes in rows}
+
+
+FUNCTIONS: Dict[str, Tuple[Any, List[Any]]] = {
+    "kvp_version": (_u32, []),
+    "kvp_version_string": (ctypes.c_char_p, []),
+    "kvp_last_error": (ctypes.c_char_p, []),
+    "kvp_status_string": (ctypes.c_char_p, [_int]),
+    "kvp_manager_destroy": (None, [_vp]),
+    "kvp_event_publisher_destroy": (None, [_vp]),
+    "kvp_vcache_destroy": (None, [_vp]),
+}
+FUNCTIONS.update(_sigs(
+    _int,
+    # common
+    ("kvp_set_logger", [_vp, _vp, _int]),
+    ("kvp_set_log_level", [_int]),
+    ("kvp_live_handles", [_vp]),
+    # paged KV manager
+    ("kvp_manager_create", [_vp, _vp]),
+    ("kvp_manager_add", [_vp, _i64, _i32]),
+    ("kvp_manager_grow", [_vp, _vp, _vp, _i32]),
+    ("kvp_manager_fork", [_vp, _i64, _vp, _i32, _vp, _i32, _vp]),
+    ("kvp_manager_remove", [_vp, _vp, _i32]),
+    ("kvp_manager_describe", [_vp, _vp, _i32, _vp, _i32, _vp, _vp, _i32, _vp]),
+    ("kvp_manager_stats_get", [_vp, _vp]),
+    ("kvp_manager_check", [_vp]),
+    # prefix cache
+    ("kvp_manager_admit", [_vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp]),
+    ("kvp_manager_grow_tokens", [_vp, _vp, _vp, _i32, _vp]),
+    ("kvp_manager_add_mm_items", [_vp, _i64, _vp, _i32]),
+    ("kvp_manager_match", [_vp, _i32, _vp, _vp, _vp, _i32, _vp]),
+    ("kvp_manager_pin", [_vp, _vp, _i32, _vp, _vp, _vp]),
+    ("kvp_manager_unpin", [_vp, _u64]),
+    ("kvp_manager_set_priority", [_vp, _vp, _i32, _vp, _i32, _vp]),
+    ("kvp_manager_prefix_stats", [_vp, _vp]),
+    ("kvp_manager_prefix_stats_reset", [_vp]),
+    ("kvp_manager_clear_prefix_cache", [_vp, _vp]),
+    ("kvp_manager_drain_events", [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, _vp]),
+    ("kvp_manager_next_event_size", [_vp, _vp, _vp, _vp]),
+    # KV event publisher
+    ("kvp_event_publisher_create", [_vp, _vp, _vp]),
+    ("kvp_event_publisher_flush", [_vp]),
+    ("kvp_event_publisher_resync", [_vp]),
+    ("kvp_event_publisher_stats_get", [_vp, _vp]),
+    # attention kernels
+    ("kvp_cuda_available", [_vp]),
+    ("kvp_attn_prepare", []),
+    ("kvp_attn_workspace_size", [_i32, _i32, _i32, _i32, _vp]),
+    ("kvp_attn_num_splits", [_i32, _i32, _i32, _i32, _i32, _i32, _vp]),
+    ("kvp_kv_write", [_vp, _u64]),
+    ("kvp_paged_decode", [_vp, _u64]),
+    ("kvp_merge_states", [_vp, _u64]),
+    ("kvp_prefill_workspace_size", [_i32, _i32, _i32, _i32, _i32, _vp]),
+    ("kvp_prefill_plan", [_vp, _vp, _u64]),
+    ("kvp_paged_prefill", [_vp, _vp, _u64]),
+    # shared-prefix attention
+    ("kvp_cascade_workspace_size", [_i32, _i32, _i32, _i32, _vp, _vp]),
+    ("kvp_cascade_prefill_workspace_size", [_i32, _i32, _i32, _i32, _i32, _vp, _vp]),
+    ("kvp_cascade_plan", [_vp, _vp, _u64]),
+    ("kvp_cascade_update", [_vp, _vp, _i32, _vp]),
+    ("kvp_paged_cascade", [_vp, _vp, _u64]),
+    ("kvp_manager_cascade_plan", [_vp, _vp, _i32, _vp, _vp, _u64]),
+    # virtual-contiguous KV cache
+    ("kvp_vcache_create", [_vp, _vp]),
+    ("kvp_vcache_layer_ptrs", [_vp, _i32, _vp, _vp]),
+    ("kvp_vcache_strides", [_vp, _vp]),
+    ("kvp_vcache_alloc_slot", [_vp, _vp]),
+    ("kvp_vcache_free_slot", [_vp, _i32]),
+    ("kvp_vcache_step", [_vp, _vp, _vp, _i32]),
+    ("kvp_vcache_trim", [_vp]),
+    ("kvp_vcache_stats_get", [_vp, _vp]),
+))

@@ -1,0 +1,370 @@
+"""The torch side of kvplug.attn and kvplug.cascade: the argument checks they
+share, the device and stream of a launch, and the packed per-layer call.
+
+A per-layer call (kv_write, paged_decode, a plan's paged_prefill or
+paged_cascade) reads each tensor argument's layout: its type, shape,
+strides, dtype and device (layout()). The first call with a layout runs
+every check and packs the C argument struct with the sizes and strides
+(Packed); a later call on the same thread with the same layouts sets only
+the addresses, which are all that can differ. The checks read nothing
+else of a tensor, so a layout that passed them passes them again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _lib
+from ._capi import AttnPlan, PagedPrefillArgs
+from ._lib import C
+
+DTYPE_F16, DTYPE_BF16, DTYPE_F32 = 1, 2, 3  # enum kvp_dtype
+
+# The device type the kernels read; tests of the packing set it to "cpu".
+DEVICE_TYPE = "cuda"
+
+_torch: Any = None
+_dtype_codes: Any = None
+_current_device: Any = None
+_raw_stream: Any = None
+
+
+def torch() -> Any:
+    """torch, imported on first use: the rest of the package works without it."""
+    if _torch is None:
+        _import_torch()
+    return _torch
+
+
+def _import_torch() -> None:
+    global _torch, _dtype_codes, _current_device, _raw_stream
+    import torch as t
+
+    _dtype_codes = {t.float16: DTYPE_F16, t.bfloat16: DTYPE_BF16, t.float32: DTYPE_F32}
+    # The private getters cost a tenth of torch.cuda.current_device() and
+    # current_stream(i).cuda_stream (which builds a Stream); torch's own
+    # compiled code calls them. The public ones serve where they are absent.
+    _current_device = getattr(t._C, "_cuda_getDevice", None) or t.cuda.current_device
+    _raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (lambda i: t.cuda.current_stream(i).cuda_stream)
+    _torch = t
+
+
+def bad(msg: str) -> _lib.KvplugError:
+    return _lib.error_for(_lib.Status.INVALID_ARGUMENT, "kvplug.attn: " + msg)
+
+
+def check(st: int) -> None:
+    if st:
+        _lib.raise_status(st)
+
+
+def i32(v: Any, what: str) -> int:
+    """v as an int32 argument (checked_int's checks, with a fast path for ints)."""
+    if type(v) is int and -2147483648 <= v <= 2147483647:
+        return v
+    return _lib.checked_int(v, what, "int32")
+
+
+def layout(t: Any) -> Tuple[Any, ...]:
+    """What the checks read of a tensor argument (raises for a non-tensor)."""
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.device)
+
+
+# --------------------------------------------------------------------------
+# Checks (each raises InvalidArgumentError naming the argument)
+# --------------------------------------------------------------------------
+
+
+def dtype_arg(dtype: Any) -> Any:
+    """The DTYPE_* code of a torch dtype (0 for any other, which the library
+    refuses by name); an int passes through, to be range-checked as one."""
+    if isinstance(dtype, int):
+        return dtype
+    torch()
+    return _dtype_codes.get(dtype, 0)
+
+
+def dtype_code(t: Any, what: str) -> int:
+    torch()
+    code = _dtype_codes.get(t.dtype)
+    if code is None:
+        raise bad(f"{what} has dtype {t.dtype}; float16, bfloat16 or float32 expected")
+    return code
+
+
+def cuda_tensor(t: Any, what: str, ndim: int, device: Any = None) -> None:
+    if not _lib._is_torch_tensor(t):
+        raise bad(f"{what} must be a torch tensor, got {type(t).__name__}")
+    if t.device.type != DEVICE_TYPE:
+        raise bad(f"{what} must be on a CUDA device, not {t.device}")
+    if device is not None and t.device != device:
+        raise bad(f"{what} is on {t.device}; the other tensors are on {device}")
+    if t.dim() != ndim:
+        raise bad(f"{what} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def same_dtype(t: Any, dtype: Any, what: str) -> None:
+    if t.dtype != dtype:
+        raise bad(f"{what} has dtype {t.dtype}; {dtype} expected")
+
+
+def rows(t: Any, what: str) -> None:
+    # head_dim contiguous (a size-1 dimension has any stride).
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise bad(f"{what}: the last dimension must be contiguous, strides are {t.stride()}")
+
+
+def index(t: Any, what: str, ndim: int, device: Any, dtype: Any) -> None:
+    cuda_tensor(t, what, ndim, device)
+    if t.dtype != dtype:
+        raise bad(f"{what} must be {dtype}, got {t.dtype} (convert once with .to({dtype}))")
+    rows(t, what)
+
+
+def workspace(t: Any, device: Any) -> Tuple[int, int]:
+    """(address, bytes) of a contiguous device workspace on `device`."""
+    cuda_tensor(t, "workspace", t.dim(), device)
+    if not t.is_contiguous():
+        raise bad("workspace must be contiguous")
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
+    cuda_tensor(k_cache, "k_cache", 4)
+    cuda_tensor(v_cache, "v_cache", 4, k_cache.device)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise bad(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    same_dtype(v_cache, k_cache.dtype, "v_cache")
+    if v_cache.stride() != k_cache.stride():
+        raise bad(f"k_cache and v_cache must share strides: {k_cache.stride()} vs {v_cache.stride()}")
+    rows(k_cache, "k_cache")
+    s = k_cache.stride()
+    return s[0], s[1], s[2]
+
+
+def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
+    """The output tensor for q's rows (allocated when None, else checked) and
+    the lse tensor (float32 [rows, heads]; allocated when return_lse and None,
+    checked when given, else None)."""
+    t = torch()
+    n, heads = q.shape[0], q.shape[1]
+    if out is None:
+        out = t.empty_like(q, memory_format=t.contiguous_format)
+    else:
+        cuda_tensor(out, "out", 3, dev)
+        same_dtype(out, q.dtype, "out")
+        if tuple(out.shape) != tuple(q.shape):
+            raise bad(f"out has shape {tuple(out.shape)}; {tuple(q.shape)} expected")
+        rows(out, "out")
+    if lse is None and return_lse:
+        lse = t.empty((n, heads), dtype=t.float32, device=dev)
+    if lse is not None:
+        cuda_tensor(lse, "lse", 2, dev)
+        same_dtype(lse, t.float32, "lse")
+        if tuple(lse.shape) != (n, heads) or not lse.is_contiguous():
+            raise bad(f"lse must be a contiguous float32 [{n}, {heads}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
+    return out, lse
+
+
+def host_i32(x: Any, n: int, what: str) -> Any:
+    """n host int32 values of a list, numpy array or tensor (a device tensor
+    is copied), each checked to fit, as a ctypes array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x).reshape(-1)
+    if a.size != n:
+        raise bad(f"{what} has {a.size} entries; {n} expected")
+    # Planning runs every step: the type and range are checked on the whole
+    # array; only a failing one is walked value by value, for the message.
+    listed = isinstance(x, (list, tuple))
+    if n and (a.dtype.kind not in "iu" or a.min() < -(1 << 31) or a.max() >= (1 << 31)
+              or listed and any(isinstance(v, bool) for v in x)):
+        for v in (x if listed else a.tolist()):
+            _lib.checked_int(v, "kvplug.attn: " + what, "int32")
+    out = (ctypes.c_int32 * max(n, 1))()
+    if n:
+        ctypes.memmove(out, np.ascontiguousarray(a, dtype=np.int32).ctypes.data, 4 * n)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------
+
+
+def stream_arg(stream: Any, device_index: int) -> int:
+    """The CUstream of `stream` (a torch.cuda.Stream or an int); None: torch's
+    current stream on the device."""
+    if stream is None:
+        return _raw_stream(device_index)
+    if isinstance(stream, int):
+        return stream
+    return int(stream.cuda_stream)
+
+
+def device_index(device: Any) -> int:
+    """The index of a torch device (the current device's for "cuda")."""
+    return device.index if device.index is not None else _current_device()
+
+
+def launch(fn: Any, device_index: int, stream: Any, *args: Any) -> None:
+    """fn(*args, stream) with the tensors' device current (the library
+    launches in the current context), raising for a failed status."""
+    s = stream_arg(stream, device_index)
+    if _current_device() == device_index:
+        st = fn(*args, s)
+    else:
+        with _torch.cuda.device(device_index):
+            st = fn(*args, s)
+    if st:
+        _lib.raise_status(st)
+
+
+class Packed:
+    """One thread's packed argument struct of a call site, for one layout."""
+
+    __slots__ = ("layout", "args", "addr", "device", "index", "rows", "heads")
+
+    def __init__(self, args: ctypes.Structure, device: Any, rows: int = 0, heads: int = 0) -> None:
+        self.layout: Any = None
+        self.args = args
+        self.addr = ctypes.addressof(args)
+        self.device = device
+        self.index = device_index(device)
+        self.rows, self.heads = rows, heads
+
+
+def packed(tls: threading.local, key: Any) -> Optional[Packed]:
+    """The calling thread's Packed of a call site when its layout is key."""
+    p = getattr(tls, "p", None)
+    return p if p is not None and key is not None and p.layout == key else None
+
+
+def keep(tls: threading.local, p: Packed, key: Any) -> Packed:
+    """Keeps p, checked for layout key, as the thread's Packed of the call site."""
+    if key is not None:
+        p.layout = key
+        tls.p = p
+    return p
+
+
+def new_outputs(p: Packed, q: Any, out: Any, lse: Any, return_lse: bool) -> Tuple[Any, Any]:
+    """out and lse of a call whose layouts were checked: the given ones, or
+    new ones as out_and_lse allocates them (whose strides p holds)."""
+    if out is None:
+        t = _torch
+        out = t.empty_like(q, memory_format=t.contiguous_format)
+    if lse is None and return_lse:
+        lse = _torch.empty((p.rows, p.heads), dtype=_torch.float32, device=p.device)
+    return out, lse
+
+
+# Plans by the address of their kvp_attn_plan, once as_tensor() gave it out.
+_plans: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+
+
+def _plan_field(name: str, doc: Optional[str] = None) -> property:
+    """A read-only int property of the plan's kvp_attn_plan field `name`."""
+    return property(lambda self: int(getattr(self._c, name)), doc=doc)
+
+
+class Plan:
+    """A kvp_attn_plan, with the device arrays and the workspaces it refers
+    to kept alive as long as it is, and its per-layer call: each thread
+    keeps a packed kvp_paged_prefill_args for the layouts of its last
+    layer, so that a layer like the last sets only the addresses."""
+
+    _run_fn = "kvp_paged_prefill"
+
+    def __init__(self, c: AttnPlan, keep: Tuple[Any, ...]):
+        self._c = c
+        self._keep = keep
+        self._addr = ctypes.addressof(c)
+        self._fn = getattr(C, self._run_fn)
+        self._tls = threading.local()
+        self._tensor: Any = None
+
+    route = _plan_field("route")
+    batch = _plan_field("batch")
+    total_q = _plan_field("total_q", "Query rows (the batch in decode).")
+    max_q_len = _plan_field("max_q_len")
+    num_items = _plan_field("num_items")
+
+    def as_tensor(self) -> Any:
+        """A CPU uint8 tensor over the plan's kvp_attn_plan, the plan argument
+        of the kvplug.ops operators (which find the plan by its address).
+        Keep the plan alive while the tensor is used."""
+        if self._tensor is None:
+            _plans[self._addr] = self
+            self._tensor = torch().frombuffer(self._c, dtype=_torch.uint8)
+        return self._tensor
+
+    @staticmethod
+    def of_tensor(t: Any, kind: type) -> "Plan":
+        """The live plan of type kind whose as_tensor() t is."""
+        p = _plans.get(t.data_ptr()) if _lib._is_torch_tensor(t) else None
+        if not isinstance(p, kind) or p._tensor.data_ptr() != t.data_ptr():
+            raise bad(f"plan must be the as_tensor() of a live {kind.__name__}, got {type(t).__name__}")
+        return p
+
+    def _pack(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
+              return_lse: bool) -> Tuple[Packed, Any, Any]:
+        """Every check of a layer's tensors against the plan, and the layer's
+        struct with their sizes and strides; returns it with out and lse
+        (allocated where needed)."""
+        c = self._c
+        t = torch()
+        n = c.total_q
+        cb, ct, ch = cache_strides(k_cache, v_cache)
+        dev = k_cache.device
+        cuda_tensor(q, "q", 3, dev)
+        same_dtype(q, k_cache.dtype, "q")
+        nb, bs, kvh, d = k_cache.shape
+        if q.shape[0] != n or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
+            raise bad(f"q has shape {tuple(q.shape)}; the plan has [{n}, {c.num_q_heads}, {c.head_dim}]")
+        if kvh != c.num_kv_heads:
+            raise bad(f"the caches have {kvh} kv heads; the plan {c.num_kv_heads}")
+        if dtype_code(q, "q") != c.dtype:
+            raise bad(f"q has dtype {q.dtype}; the plan was made for kvp_dtype {c.dtype}")
+        rows(q, "q")
+        index(block_table, "block_table", 2, dev, t.int32)
+        if block_table.shape[0] != c.batch:
+            raise bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
+        out, lse = out_and_lse(q, out, lse, return_lse, dev)
+        tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
+        ci = _lib.checked_int
+        a = PagedPrefillArgs(
+            ctypes.sizeof(PagedPrefillArgs), ci(nb, "num_blocks", "int32"), ci(bs, "block_size", "int32"),
+            ci(block_table.shape[1], "max_blocks_per_seq", "int32"), 0,
+            0, q.stride(0), q.stride(1), 0, 0, cb, ct, ch, 0, tstride,
+            0, out.stride(0), out.stride(1), 0, 0.0, 0,
+        )
+        return Packed(a, dev, n, c.num_q_heads), out, lse
+
+    def _run(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
+             scale: Optional[float], return_lse: bool, stream: Any) -> Tuple[Any, Any]:
+        """One layer of the planned batch; returns (out, lse)."""
+        try:
+            key = (layout(q), layout(k_cache), layout(v_cache), layout(block_table),
+                   out is not None and layout(out), lse is not None and layout(lse))
+        except Exception:
+            key = None  # not all strided tensors: the checks say what is wrong
+        tls = self._tls
+        p = packed(tls, key)
+        if p is None:
+            p, out, lse = self._pack(q, k_cache, v_cache, block_table, out, lse, return_lse)
+            keep(tls, p, key)
+        else:
+            out, lse = new_outputs(p, q, out, lse, return_lse)
+        a = p.args
+        a.scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
+        a.q, a.k_cache, a.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        a.block_table, a.out = block_table.data_ptr(), out.data_ptr()
+        a.lse = 0 if lse is None else lse.data_ptr()
+        launch(self._fn, p.index, stream, self._addr, p.addr)
+        return out, lse
