@@ -72,11 +72,11 @@ struct TileJob {
 // window); false: every token of the range (a shared run), with no position
 // state in registers, which the 128-row tiles of shared items have no room
 // for. qrow(tok) is the element offset in q of token tok's row
-// (head 0); emit(tok, qh, o, h, l, m) stores the row g + 8h of this thread
+// (head 0); emit(tok, qh, o, h, st) stores the row g + 8h of this thread
 // (o: its m16 tile's accumulators, this thread's columns qd + 8c, qd + 8c + 1
-// in o[c][2h], o[c][2h + 1]; l: the row's softmax sum over the tile's tokens,
-// 0 when it saw none; m: its running max, log2 domain). The shared memory is
-// free again on return.
+// in o[c][2h], o[c][2h + 1]; st: the row's softmax state over the tile's
+// tokens, l summed over the whole row, empty when it saw none). The shared
+// memory is free again on return.
 template <typename T, int D, int MT, bool CAUSAL, class QRow, class Emit>
 __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr, const T* q, const T* kc, const T* vc,
                                           QRow qrow, Emit emit, uint8_t* smem) {
@@ -170,12 +170,12 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     const int wpos_min = CAUSAL ? jb.delta + (jb.r0 + warp * WR) / group : 0x7fffffff;  // first
 
     const float sl = jb.scale * kLog2e;
-    float m_run[MT][2], l_run[MT][2];
+    SoftmaxState st[MT][2];  // rows g and g + 8 of each m16 tile; l: this thread's columns
     float o_acc[MT][CPR][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        m_run[mt][0] = m_run[mt][1] = neg_inf();
-        l_run[mt][0] = l_run[mt][1] = 0.f;
+        st[mt][0].init();
+        st[mt][1].init();
 #pragma unroll
         for (int c = 0; c < CPR; ++c) o_acc[mt][c][0] = o_acc[mt][c][1] = o_acc[mt][c][2] = o_acc[mt][c][3] = 0.f;
     }
@@ -250,14 +250,7 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                 }
                 float alpha[2], m_use[2];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    const float mn = fmaxf(m_run[mt][r], mx[r]);
-                    m_use[r] = mn == neg_inf() ? 0.f : mn;  // row fully masked so far: keep exp2 finite
-                    alpha[r] = exp2f(m_run[mt][r] - m_use[r]);
-                    m_run[mt][r] = mn;
-                }
+                for (int r = 0; r < 2; ++r) alpha[r] = st[mt][r].rescale(quad_max(mx[r]), m_use[r]);
                 float ps[2] = {0.f, 0.f};
 #pragma unroll
                 for (int n = 0; n < 8; ++n) {
@@ -268,8 +261,8 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                     ps[0] += s[mt][n][0] + s[mt][n][1];
                     ps[1] += s[mt][n][2] + s[mt][n][3];
                 }
-                l_run[mt][0] = l_run[mt][0] * alpha[0] + ps[0];
-                l_run[mt][1] = l_run[mt][1] * alpha[1] + ps[1];
+                st[mt][0].accumulate(alpha[0], ps[0]);
+                st[mt][1].accumulate(alpha[1], ps[1]);
 #pragma unroll
                 for (int c = 0; c < CPR; ++c) {
                     o_acc[mt][c][0] *= alpha[0];
@@ -317,14 +310,12 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float l = l_run[mt][h];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const SoftmaxState row{st[mt][h].m, quad_sum(st[mt][h].l)};
             const int r = warp * WR + mt * 16 + g + h * 8;
             if (r >= jb.nrows) continue;
             const int pr = jb.r0 + r;
             const int tok = pr / group;
-            emit(tok, jb.kvh * group + (pr - tok * group), o_acc[mt], h, l, m_run[mt][h]);
+            emit(tok, jb.kvh * group + (pr - tok * group), o_acc[mt], h, row);
         }
     }
     // The next tile reuses the shared memory.

@@ -94,16 +94,15 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     attn_tile<T, D, MT, CAUSAL>(
         jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
         reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
-        [&](int tok, int qh, const float(&o)[C::CPR][4], int h, float l, float m) {
+        [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
             // Partial state: normalised output and log2 lse.
-            const bool empty = !(l > 0.f);
-            const float inv = empty ? 0.f : 1.f / l;
+            const float inv = st.inv_l();
             const int64_t pi = (int64_t)(it.part_base + tok) * p.num_q_heads + qh;
             float* dst = part_out + pi * D + qd;
 #pragma unroll
             for (int c = 0; c < C::CPR; ++c)
                 *reinterpret_cast<float2*>(dst + c * 8) = make_float2(o[c][2 * h] * inv, o[c][2 * h + 1] * inv);
-            if (lse_lane) part_lse[pi] = empty ? neg_inf() : m + log2f(l);
+            if (lse_lane) part_lse[pi] = st.lse2();
         },
         smem);
 }
@@ -154,7 +153,9 @@ __device__ __forceinline__ void cascade_merge(const kvp_cascade_params& p) {
         const int b = rowseq[g];
         if ((unsigned)b >= (unsigned)batch) continue;  // not a plan's row map (the host writes only valid ones)
         const int i = g - qstart[b];                   // the row's token index in its sequence
-        float m = neg_inf(), l = 0.f, acc[E];
+        SoftmaxState st;
+        st.init();
+        float acc[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] = 0.f;
         const int k1 = seg_start[b + 1];
@@ -166,22 +167,19 @@ __device__ __forceinline__ void cascade_merge(const kvp_cascade_params& p) {
                 if (s == neg_inf()) continue;  // empty state: weight 0
                 float v[E];
                 load_cg<E>(part_out + pi * D + lane * E, v);
-                const float mn = fmaxf(m, s);
-                const float a = exp2f(m - mn), wgt = exp2f(s - mn);
-                l = l * a + wgt;
+                const float2 aw = st.fold(s);
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] = acc[e] * a + wgt * v[e];
-                m = mn;
+                for (int e = 0; e < E; ++e) acc[e] = acc[e] * aw.x + aw.y * v[e];
             }
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = st.inv_l();
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] *= inv;
         store_f<T, E>(reinterpret_cast<T*>(p.out) + (int64_t)g * p.out_batch_stride + (int64_t)h * p.out_head_stride +
                           lane * E,
                       acc);
         if (p.lse != 0 && lane == 0)
-            reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf();
+            reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = st.lse();
     }
     griddep_launch_dependents();
 }

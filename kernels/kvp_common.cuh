@@ -162,6 +162,61 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// ---- online softmax ----------------------------------------------------------
+// The running state of one query row, shared by every attention kernel and
+// merge. Log2 domain: scores enter scaled by scale * log2(e); m is the running
+// maximum and l the running sum of exp2(score - m). In the tensor-core kernels
+// a thread holds the sum over its own columns only; quad_sum reduces l over
+// the row's four threads before the ending. An empty state (no visible token)
+// has m = -inf, l = 0 and ends as output 0, lse -inf.
+struct SoftmaxState {
+    float m, l;
+
+    __device__ __forceinline__ void init() {
+        m = neg_inf();
+        l = 0.f;
+    }
+    // Moves the maximum to cover a tile whose row maximum is tile_max. Returns
+    // the factor that rescales the output accumulated so far (pass it to
+    // accumulate too), and sets offset, what the tile's scores subtract before
+    // exp2: 0 while the whole row has been masked, so that exp2 stays finite.
+    __device__ __forceinline__ float rescale(float tile_max, float& offset) {
+        const float mn = fmaxf(m, tile_max);
+        offset = mn == neg_inf() ? 0.f : mn;
+        const float alpha = exp2f(m - offset);
+        m = mn;
+        return alpha;
+    }
+    // Adds a tile's sum of exp2(score - offset) after rescale returned alpha.
+    __device__ __forceinline__ void accumulate(float alpha, float tile_sum) { l = l * alpha + tile_sum; }
+    // Folds in a normalised partial state whose log2 lse is s (-inf: empty):
+    // the running output is scaled by .x and the partial's output weighted by
+    // .y. An empty partial changes nothing (1, 0).
+    __device__ __forceinline__ float2 fold(float s) {
+        if (s == neg_inf()) return make_float2(1.f, 0.f);
+        const float mn = fmaxf(m, s);
+        const float a = exp2f(m - mn), w = exp2f(s - mn);
+        l = l * a + w;
+        m = mn;
+        return make_float2(a, w);
+    }
+    __device__ __forceinline__ bool empty() const { return !(l > 0.f); }
+    // The ending: the factor that normalises the output, and the lse.
+    __device__ __forceinline__ float inv_l() const { return empty() ? 0.f : 1.f / l; }
+    __device__ __forceinline__ float lse2() const { return empty() ? neg_inf() : m + log2f(l); }
+    __device__ __forceinline__ float lse() const { return empty() ? neg_inf() : (m + log2f(l)) * kLn2; }
+};
+
+// Maximum and sum over the four threads that hold one row of an mma tile.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // ---- 1. KV write -----------------------------------------------------------
 template <typename T, int D>
 __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
@@ -232,7 +287,9 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
     float acc[E];
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[i] = 0.f;
-    float l = 0.f, m_run = neg_inf();
+    SoftmaxState st;
+    st.init();
+    float mu = 0.f;                      // exp2 offset of the current round
     for (int s0 = 0; s0 < S; s0 += 32) {  // 32 splits per round, online rescale across rounds
         const int n = min(32, S - s0);
         const float ls = lane < n ? __ldcg(part_lse + (int64_t)(s0 + lane) * rows) : neg_inf();
@@ -244,16 +301,13 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
                 load_cg<E>(part_o + s * split_stride, v[u]);
             }
             if (u0 == 0) {
-                const float mn = fmaxf(m_run, warp_max(ls));
-                const float mu = mn == neg_inf() ? 0.f : mn;
-                const float alpha = exp2f(m_run - mu);
+                const float alpha = st.rescale(warp_max(ls), mu);
 #pragma unroll
                 for (int i = 0; i < E; ++i) acc[i] *= alpha;
-                l *= alpha;
-                m_run = mn;
+                st.l *= alpha;
             }
-            const float wl = exp2f(ls - (m_run == neg_inf() ? 0.f : m_run));
-            if (u0 == 0) l += warp_sum(wl);
+            const float wl = exp2f(ls - mu);
+            if (u0 == 0) st.l += warp_sum(wl);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 float w = __shfl_sync(0xffffffffu, wl, (u0 + u) & 31);
@@ -263,13 +317,12 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
             }
         }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = st.inv_l();
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[i] *= inv;
     T* out = reinterpret_cast<T*>(p.out) + b * p.out_batch_stride + qh * p.out_head_stride + lane * E;
     store_f<T, E>(out, acc);
-    if (p.lse != 0 && lane == 0)
-        reinterpret_cast<float*>(p.lse)[row] = l > 0.f ? (m_run + log2f(l)) * kLn2 : neg_inf();
+    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[row] = st.lse();
 }
 
 template <typename T, int D>
@@ -338,7 +391,8 @@ __device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
             l += w;
         }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const SoftmaxState st{m * kLog2e, l};  // the merged state, in the log2 domain
+    const float inv = st.inv_l();
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] *= inv;
     // out/out_lse may alias v[0]/s[0]: every lane has finished reading
@@ -346,8 +400,7 @@ __device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
     __syncwarp();
     store_f<T, E>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E, acc);
     if (p.out_lse != 0 && lane == 0)
-        reinterpret_cast<float*>(p.out_lse)[t * p.out_lse_token_stride + h * p.out_lse_head_stride] =
-            l > 0.f ? m + logf(l) : neg_inf();
+        reinterpret_cast<float*>(p.out_lse)[t * p.out_lse_token_stride + h * p.out_lse_head_stride] = st.lse();
 }
 
 // Block-table lookups of one sequence for one kv head, shared by the decode,
@@ -387,12 +440,12 @@ struct PagedRows {
 
 // One token of the float32 kernels (one warp per query row, E dims a lane):
 // the token's K/V through the block table, scale*q.k in the log2 domain (sl
-// = scale * log2 e), and the online-softmax update of the running max m,
-// denominator l and output o. A token whose block is out of range is
+// = scale * log2 e), and the online-softmax update of the row's state and
+// output o. A token whose block is out of range is
 // skipped.
 template <int E>
 __device__ __forceinline__ void f32_attend_token(const PagedRows& rr, const float* kc, const float* vc, int lane,
-                                                 const float (&q)[E], float sl, int tok, float& m, float& l,
+                                                 const float (&q)[E], float sl, int tok, SoftmaxState& st,
                                                  float (&o)[E]) {
     int off;
     const int blk = rr.load_block(tok, off);
@@ -405,13 +458,12 @@ __device__ __forceinline__ void f32_attend_token(const PagedRows& rr, const floa
 #pragma unroll
     for (int i = 0; i < E; ++i) s += q[i] * kv[i];
     s = warp_sum(s) * sl;
-    const float mn = fmaxf(m, s);
-    const float alpha = exp2f(m - mn);
-    const float pe = exp2f(s - mn);
-    l = l * alpha + pe;
+    float shift;
+    const float alpha = st.rescale(s, shift);
+    const float pe = exp2f(s - shift);
+    st.accumulate(alpha, pe);
 #pragma unroll
     for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
-    m = mn;
 }
 
 }  // namespace kvp

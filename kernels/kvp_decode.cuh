@@ -80,20 +80,19 @@ __device__ __forceinline__ PagedRows decode_rows(const kvp_decode_params& p, int
 
 // Writes N consecutive dims [d0, d0+N) of q head qh: the normalised output
 // (or the split's partial) and, from the slice at d0 == 0, the lse.
-// m2: running max (log2 domain of scale*q.k); l: softmax denominator.
+// st: the row's softmax state, l reduced over the whole row.
 template <typename T, int N>
 __device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int qh, int d0,
-                                             float (&o)[N], float m2, float l, int D) {
-    const bool empty = !(l > 0.f);
-    const float inv = empty ? 0.f : 1.f / l;
+                                             float (&o)[N], const SoftmaxState& st, int D) {
+    const float inv = st.inv_l();
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] *= inv;
-    const float lse2 = empty ? neg_inf() : m2 + log2f(l);
+    const float lse2 = st.lse2();
     const int64_t row = (int64_t)w.b * p.num_q_heads + qh;
     if (p.num_splits == 1) {
         T* out = reinterpret_cast<T*>(p.out) + (int64_t)w.b * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
         store_f<T, N>(out, o);
-        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[row] = empty ? neg_inf() : lse2 * kLn2;
+        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[row] = st.lse();
     } else {
         const int64_t rows = (int64_t)p.batch * p.num_q_heads;
         const int64_t r = (int64_t)w.split * rows + row;
@@ -121,15 +120,17 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
         load_f<float, E>(reinterpret_cast<const float*>(p.q) + (int64_t)w.b * p.q_batch_stride +
                              (int64_t)qh * p.q_head_stride + lane * E,
                          q);
-        float m = neg_inf(), l = 0.f, o[E];
+        SoftmaxState st;
+        st.init();
+        float o[E];
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] = 0.f;
         for (int k = 0; k < w.n_tiles; ++k) {
             const int t0 = w.tile_start(k);
             const int t1 = min(w.L, t0 + KVP_DECODE_TILE);
-            for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, m, l, o);
+            for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, st, o);
         }
-        decode_store<float, E>(p, w, qh, lane * E, o, m, l, D);
+        decode_store<float, E>(p, w, qh, lane * E, o, st, D);
     }
     griddep_launch_dependents();
 }
@@ -224,8 +225,9 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     }
 
     const float sl = p.scale * kLog2e;
-    float m_run[2] = {neg_inf(), neg_inf()};  // rows g and g+8 (log2 domain)
-    float l_run[2] = {0.f, 0.f};              // this thread's partial sums
+    SoftmaxState row_st[2];  // rows g and g+8; l: this thread's partial sums
+    row_st[0].init();
+    row_st[1].init();
     float o_acc[CPR][4];
 #pragma unroll
     for (int c = 0; c < CPR; ++c) o_acc[c][0] = o_acc[c][1] = o_acc[c][2] = o_acc[c][3] = 0.f;
@@ -282,14 +284,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         }
         float alpha[2], m_use[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float mn = fmaxf(m_run[r], mx[r]);
-            m_use[r] = mn == neg_inf() ? 0.f : mn;  // whole row masked so far: keep exp2 finite
-            alpha[r] = exp2f(m_run[r] - m_use[r]);
-            m_run[r] = mn;
-        }
+        for (int r = 0; r < 2; ++r) alpha[r] = row_st[r].rescale(quad_max(mx[r]), m_use[r]);
         float ps[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -300,8 +295,8 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
             ps[0] += s[nt][0] + s[nt][1];
             ps[1] += s[nt][2] + s[nt][3];
         }
-        l_run[0] = l_run[0] * alpha[0] + ps[0];
-        l_run[1] = l_run[1] * alpha[1] + ps[1];
+        row_st[0].accumulate(alpha[0], ps[0]);
+        row_st[1].accumulate(alpha[1], ps[1]);
 #pragma unroll
         for (int c = 0; c < CPR; ++c) {
             o_acc[c][0] *= alpha[0];
@@ -337,10 +332,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    for (int r = 0; r < 2; ++r) row_st[r].l = quad_sum(row_st[r].l);
     float* red_o = reinterpret_cast<float*>(smem);  // [4][16][RED_STRIDE]
     float* red_m = red_o + 4 * 16 * C::RED_STRIDE;  // [4][16]
     float* red_l = red_m + 64;                      // [4][16]
@@ -360,10 +352,10 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
                     make_float2(o_acc[c][2], o_acc[c][3]);
         }
         if ((lane & 3) == 0) {
-            red_m[warp * 16 + g] = m_run[0];
-            red_m[warp * 16 + g + 8] = m_run[1];
-            red_l[warp * 16 + g] = l_run[0];
-            red_l[warp * 16 + g + 8] = l_run[1];
+            red_m[warp * 16 + g] = row_st[0].m;
+            red_m[warp * 16 + g + 8] = row_st[1].m;
+            red_l[warp * 16 + g] = row_st[0].l;
+            red_l[warp * 16 + g + 8] = row_st[1].l;
         }
     }
     __syncthreads();
@@ -385,7 +377,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
                 o[4] += sc * x1.x; o[5] += sc * x1.y; o[6] += sc * x1.z; o[7] += sc * x1.w;
             }
         }
-        decode_store<T, 8>(p, w, w.qh0 + r, d0, o, M, L, D);
+        decode_store<T, 8>(p, w, w.qh0 + r, d0, o, SoftmaxState{M, L}, D);
     }
 }
 

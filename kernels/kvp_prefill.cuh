@@ -168,20 +168,22 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         load_f<float, E>(reinterpret_cast<const float*>(p.q) + row * p.q_token_stride + (int64_t)qh * p.q_head_stride +
                              lane * E,
                          q);
-        float m = neg_inf(), l = 0.f, o[E];
+        SoftmaxState st;
+        st.init();
+        float o[E];
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] = 0.f;
         int t0, t1;
         split_tiles(sp, it.split, p.num_splits, t0, t1);
         const int lo = max(t0 * KVP_PREFILL_TILE_KV, p.window_left >= 0 ? max(0, pos - p.window_left) : 0);
         const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
-        for (int t = lo; t < hi; ++t) f32_attend_token<E>(rr, kc, vc, lane, q, sl, t, m, l, o);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int t = lo; t < hi; ++t) f32_attend_token<E>(rr, kc, vc, lane, q, sl, t, st, o);
+        const float inv = st.inv_l();
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] *= inv;
         const PrefillOut<float> po(p, it.split, p.total_q, D);
         store_f<float, E>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E, o);
-        if (po.lse != nullptr && lane == 0) po.lse[row * p.num_q_heads + qh] = l > 0.f ? (m + log2f(l)) * kLn2 : neg_inf();
+        if (po.lse != nullptr && lane == 0) po.lse[row * p.num_q_heads + qh] = st.lse();
     }
 }
 
@@ -220,16 +222,15 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     attn_tile<T, D, C::MT, true>(
         jb, prefill_rows(p, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
         reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
-        [&](int tok, int qh, const float(&o)[C::CPR][4], int h, float l, float m) {
-            const bool empty = !(l > 0.f);
-            const float inv = empty ? 0.f : 1.f / l;
+        [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
+            const float inv = st.inv_l();
             const int64_t row = q_start + tok;
             T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd;
 #pragma unroll
             for (int c = 0; c < C::CPR; ++c)
                 *reinterpret_cast<uint32_t*>(out + c * 8) = pack2<T>(o[c][2 * h] * inv, o[c][2 * h + 1] * inv);
             if (po.lse != nullptr && lse_lane)
-                po.lse[row * p.num_q_heads + qh] = empty ? neg_inf() : (m + log2f(l)) * kLn2;
+                po.lse[row * p.num_q_heads + qh] = st.lse();
         },
         smem);
 }

@@ -286,7 +286,9 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-            float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
+            SoftmaxState st_a, st_b;  // rows row_a and row_a + 8; l: this thread's columns
+            st_a.init();
+            st_b.init();
             uint32_t pa[TN / 16][4];  // P of the previous tile, the A operand of its P V
             bool have_prev = false;
             int sv_prev = 0;
@@ -362,14 +364,8 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                         mx_a = fmaxf(mx_a, fmaxf(sc[4 * j], sc[4 * j + 1]));
                         mx_b = fmaxf(mx_b, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
                     }
-                    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-                    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-                    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-                    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-                    const float mn_a = fmaxf(m_a, mx_a * sl), mn_b = fmaxf(m_b, mx_b * sl);
-                    mu_a = mn_a == neg_inf() ? 0.f : mn_a, mu_b = mn_b == neg_inf() ? 0.f : mn_b;
-                    al_a = fast_exp2(m_a - mu_a), al_b = fast_exp2(m_b - mu_b);
-                    m_a = mn_a, m_b = mn_b;
+                    al_a = st_a.rescale(quad_max(mx_a) * sl, mu_a);
+                    al_b = st_b.rescale(quad_max(mx_b) * sl, mu_b);
                     float rs_a = 0.f, rs_b = 0.f;
 #pragma unroll
                     for (int j = 0; j < TN / 8; ++j) {
@@ -380,7 +376,8 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                         rs_a += sc[4 * j] + sc[4 * j + 1];
                         rs_b += sc[4 * j + 2] + sc[4 * j + 3];
                     }
-                    l_a = l_a * al_a + rs_a, l_b = l_b * al_b + rs_b;
+                    st_a.accumulate(al_a, rs_a);
+                    st_b.accumulate(al_b, rs_b);
                 }
                 wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
                 pin_regs(o);
@@ -426,18 +423,15 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
             }
             if (t0 < t1) ++item_it;
             // Epilogue: normalise and write this thread's two rows.
-            l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-            l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-            l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-            l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+            st_a.l = quad_sum(st_a.l);
+            st_b.l = quad_sum(st_b.l);
             const PrefillOut<T> po(p, it.split, p.total_q, D);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = row_a + 8 * h;
                 if (r >= sp.nrows) continue;
-                const float l = h ? l_b : l_a, m = h ? m_b : m_a;
-                const bool emp = !(l > 0.f);
-                const float inv = emp ? 0.f : 1.f / l;
+                const SoftmaxState& st = h ? st_b : st_a;
+                const float inv = st.inv_l();
                 const int pr = sp.r0 + r;
                 const int tok = pr / group;
                 const int qh = kvh * group + (pr - tok * group);
@@ -447,7 +441,7 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                 for (int j = 0; j < D / 8; ++j)
                     *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
                 if (po.lse != nullptr && (lane & 3) == 0)
-                    po.lse[row * p.num_q_heads + qh] = emp ? neg_inf() : (m + log2f(l)) * kLn2;
+                    po.lse[row * p.num_q_heads + qh] = st.lse();
             }
         }
         if (c == 0) turn_wait(0);  // take the last turn warpgroup 1 handed over
