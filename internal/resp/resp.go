@@ -92,27 +92,10 @@ func (c *Client) DialCount() int64 { return c.dials.Load() }
 // in its place; a transport error or timeout fails the whole call.
 func (c *Client) Do(cmds [][][]byte) ([]any, error) {
 	deadline := time.Now().Add(c.opTimeout)
-	t := time.NewTimer(c.opTimeout)
-	select {
-	case c.sem <- struct{}{}:
-		t.Stop()
-	case <-t.C:
-		return nil, ErrBusy
+	if err := c.acquire(deadline); err != nil {
+		return nil, err
 	}
 	defer func() { <-c.sem }()
-	if c.conn == nil {
-		dt := min(c.dialTimeout, time.Until(deadline))
-		if dt <= 0 {
-			return nil, ErrBusy
-		}
-		conn, err := net.DialTimeout("tcp", c.addr, dt)
-		if err != nil {
-			return nil, err
-		}
-		c.conn, c.r = conn, bufio.NewReaderSize(conn, 64<<10)
-		c.dials.Add(1)
-	}
-	_ = c.conn.SetDeadline(deadline)
 	w := c.w[:0]
 	for _, args := range cmds {
 		w = AppendCommand(w, args...)
@@ -121,11 +104,54 @@ func (c *Client) Do(cmds [][][]byte) ([]any, error) {
 	if len(w) > 1<<20 {
 		c.w = nil // do not keep a large buffer around
 	}
+	return c.roundTrip(w, len(cmds), deadline)
+}
+
+// DoEncoded is Do for a pipeline the caller encoded itself (AppendCommand,
+// or AppendArray and AppendBulk for large values written in place): buf
+// holds n commands.
+func (c *Client) DoEncoded(buf []byte, n int) ([]any, error) {
+	deadline := time.Now().Add(c.opTimeout)
+	if err := c.acquire(deadline); err != nil {
+		return nil, err
+	}
+	defer func() { <-c.sem }()
+	return c.roundTrip(buf, n, deadline)
+}
+
+// acquire takes the connection, dialling it if needed, by deadline.
+func (c *Client) acquire(deadline time.Time) error {
+	t := time.NewTimer(time.Until(deadline))
+	select {
+	case c.sem <- struct{}{}:
+		t.Stop()
+	case <-t.C:
+		return ErrBusy
+	}
+	if c.conn == nil {
+		dt := min(c.dialTimeout, time.Until(deadline))
+		if dt <= 0 {
+			<-c.sem
+			return ErrBusy
+		}
+		conn, err := net.DialTimeout("tcp", c.addr, dt)
+		if err != nil {
+			<-c.sem
+			return err
+		}
+		c.conn, c.r = conn, bufio.NewReaderSize(conn, 64<<10)
+		c.dials.Add(1)
+	}
+	return nil
+}
+
+func (c *Client) roundTrip(w []byte, n int, deadline time.Time) ([]any, error) {
+	_ = c.conn.SetDeadline(deadline)
 	if _, err := c.conn.Write(w); err != nil {
 		c.drop()
 		return nil, err
 	}
-	out := make([]any, len(cmds))
+	out := make([]any, n)
 	for i := range out {
 		v, err := ReadReply(c.r)
 		if err != nil {
@@ -139,17 +165,29 @@ func (c *Client) Do(cmds [][][]byte) ([]any, error) {
 
 // AppendCommand appends one command, an array of bulk strings, to w.
 func AppendCommand(w []byte, args ...[]byte) []byte {
-	w = append(w, '*')
-	w = strconv.AppendInt(w, int64(len(args)), 10)
-	w = append(w, '\r', '\n')
+	w = AppendArray(w, len(args))
 	for _, a := range args {
-		w = append(w, '$')
-		w = strconv.AppendInt(w, int64(len(a)), 10)
-		w = append(w, '\r', '\n')
+		w = AppendBulk(w, len(a))
 		w = append(w, a...)
 		w = append(w, '\r', '\n')
 	}
 	return w
+}
+
+// AppendArray appends the header of a command of n arguments; each
+// argument follows as AppendBulk and its bytes and CRLF.
+func AppendArray(w []byte, n int) []byte {
+	w = append(w, '*')
+	w = strconv.AppendInt(w, int64(n), 10)
+	return append(w, '\r', '\n')
+}
+
+// AppendBulk appends the header of a bulk string of size bytes; the caller
+// appends the bytes and then "\r\n".
+func AppendBulk(w []byte, size int) []byte {
+	w = append(w, '$')
+	w = strconv.AppendInt(w, int64(size), 10)
+	return append(w, '\r', '\n')
 }
 
 // IsTimeout reports whether err is a timeout: a network deadline passed,

@@ -185,15 +185,17 @@ func (t *Tier) key(dst []byte, hash uint64) []byte {
 
 // Encode returns the value stored for a block: header and payload.
 func Encode(hash, fingerprint uint64, payload []byte) []byte {
-	v := make([]byte, HeaderBytes+len(payload))
-	copy(v, Magic)
-	binary.LittleEndian.PutUint16(v[4:], Version)
-	binary.LittleEndian.PutUint64(v[8:], hash)
-	binary.LittleEndian.PutUint64(v[16:], fingerprint)
-	binary.LittleEndian.PutUint64(v[24:], uint64(len(payload)))
-	binary.LittleEndian.PutUint64(v[32:], xxh3.Hash(payload))
-	copy(v[HeaderBytes:], payload)
-	return v
+	return append(appendHeader(make([]byte, 0, HeaderBytes+len(payload)), hash, fingerprint, payload), payload...)
+}
+
+func appendHeader(v []byte, hash, fingerprint uint64, payload []byte) []byte {
+	v = append(v, Magic...)
+	v = binary.LittleEndian.AppendUint16(v, Version)
+	v = binary.LittleEndian.AppendUint16(v, 0)
+	v = binary.LittleEndian.AppendUint64(v, hash)
+	v = binary.LittleEndian.AppendUint64(v, fingerprint)
+	v = binary.LittleEndian.AppendUint64(v, uint64(len(payload)))
+	return binary.LittleEndian.AppendUint64(v, xxh3.Hash(payload))
 }
 
 // decode checks a value and returns its payload, or false.
@@ -328,27 +330,55 @@ func (t *Tier) get(hashes []uint64, take func(int, []byte) bool) {
 // skipped or fails.
 func (t *Tier) Put(hashes []uint64, payloads [][]byte) int {
 	n := min(len(hashes), len(payloads))
-	cmds := make([][][]byte, 0, n)
+	if n == 0 || !t.open() {
+		return 0
+	}
+	// The pipeline is encoded in one buffer of its exact size, each value's
+	// header and payload written in place.
 	var ttl []byte
 	if t.cfg.TTL > 0 {
 		ttl = strconv.AppendInt(nil, t.cfg.TTL.Milliseconds(), 10)
 	}
+	keyLen := len(t.prefix) + 16
+	size, cmds := 0, 0
+	for i := range n {
+		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
+			continue
+		}
+		size += 64 + keyLen + HeaderBytes + len(payloads[i]) + len(ttl)
+	}
+	buf := make([]byte, 0, size)
 	var written int64
 	for i := range n {
 		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
 			t.errs.Add(1)
 			continue
 		}
-		v := Encode(hashes[i], t.cfg.Fingerprint, payloads[i])
-		written += int64(len(v))
-		cmd := [][]byte{[]byte("SET"), t.key(nil, hashes[i]), v}
 		if ttl != nil {
-			cmd = append(cmd, []byte("PX"), ttl)
+			buf = resp.AppendArray(buf, 5)
+		} else {
+			buf = resp.AppendArray(buf, 3)
 		}
-		cmds = append(cmds, cmd)
+		buf = append(resp.AppendBulk(buf, 3), "SET\r\n"...)
+		buf = resp.AppendBulk(buf, keyLen)
+		buf = append(t.key(buf, hashes[i]), '\r', '\n')
+		vlen := HeaderBytes + len(payloads[i])
+		buf = resp.AppendBulk(buf, vlen)
+		buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, payloads[i])
+		buf = append(append(buf, payloads[i]...), '\r', '\n')
+		if ttl != nil {
+			buf = append(resp.AppendBulk(buf, 2), "PX\r\n"...)
+			buf = append(append(resp.AppendBulk(buf, len(ttl)), ttl...), '\r', '\n')
+		}
+		written += int64(vlen)
+		cmds++
 	}
-	r := t.do(cmds)
-	if r == nil {
+	if cmds == 0 {
+		return 0
+	}
+	r, err := t.c.DoEncoded(buf, cmds)
+	t.result(err)
+	if err != nil {
 		return 0
 	}
 	t.bytesWritten.Add(written)
