@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/internal/resp"
 )
 
 // OpKind is what an Op does to an instance's set of cached blocks.
@@ -113,7 +114,7 @@ func (m *Memory) Close() error { return nil }
 // of 16-byte members. A query is one pipelined round trip (SMISMEMBER per
 // instance); a batch of events one more.
 type Valkey struct {
-	c      *redisClient
+	c      *resp.Client
 	prefix string
 
 	mu    sync.Mutex
@@ -124,9 +125,9 @@ type Valkey struct {
 // NewValkey connects to a server at addr (host:port) and checks it.
 // Keys live under prefix (e.g. "kvindex").
 func NewValkey(addr, prefix string, timeout time.Duration) (*Valkey, error) {
-	v := &Valkey{c: newRedisClient(addr, timeout), prefix: prefix}
+	v := &Valkey{c: resp.NewClient(addr, timeout), prefix: prefix}
 	if err := v.Ping(); err != nil {
-		v.c.close()
+		v.c.Close()
 		return nil, err
 	}
 	return v, nil
@@ -137,11 +138,11 @@ func (v *Valkey) key(inst string) []byte { return []byte(v.prefix + ":inst:" + i
 // Ping checks the server and notes its run id: a new id is a restarted
 // server, which may have lost every set (Generation).
 func (v *Valkey) Ping() error {
-	r, err := v.c.do([][][]byte{{[]byte("INFO"), []byte("server")}})
+	r, err := v.c.Do([][][]byte{{[]byte("INFO"), []byte("server")}})
 	if err != nil {
 		return err
 	}
-	if e, ok := r[0].(respError); ok {
+	if e, ok := r[0].(resp.Error); ok {
 		return e
 	}
 	info, _ := r[0].([]byte)
@@ -210,9 +211,9 @@ func (v *Valkey) Apply(inst string, ops []Op) error {
 	if len(cmds) == 0 {
 		return nil
 	}
-	dials := v.c.dialCount()
-	r, err := v.c.do(cmds)
-	if err == nil && v.c.dialCount() != dials {
+	dials := v.c.DialCount()
+	r, err := v.c.Do(cmds)
+	if err == nil && v.c.DialCount() != dials {
 		// A new connection: check whether the server is a new one.
 		err = v.Ping()
 	}
@@ -220,7 +221,7 @@ func (v *Valkey) Apply(inst string, ops []Op) error {
 		return err
 	}
 	for _, x := range r {
-		if e, ok := x.(respError); ok {
+		if e, ok := x.(resp.Error); ok {
 			return e
 		}
 	}
@@ -247,14 +248,14 @@ func (v *Valkey) Longest(insts []string, chains [][]kvevents.Key) ([]int, error)
 	if len(cmds) == 0 {
 		return out, nil
 	}
-	r, err := v.c.do(cmds)
+	r, err := v.c.Do(cmds)
 	if err != nil {
 		return nil, err
 	}
 	for j, x := range r {
 		arr, ok := x.([]any)
 		if !ok {
-			if e, isErr := x.(respError); isErr {
+			if e, isErr := x.(resp.Error); isErr {
 				return nil, e
 			}
 			return nil, fmt.Errorf("redis: SMISMEMBER replied %T", x)
@@ -280,7 +281,7 @@ func (v *Valkey) Generation() int64 {
 
 // Len returns how many keys an instance holds (SCARD).
 func (v *Valkey) Len(inst string) (int, error) {
-	r, err := v.c.do([][][]byte{{[]byte("SCARD"), v.key(inst)}})
+	r, err := v.c.Do([][][]byte{{[]byte("SCARD"), v.key(inst)}})
 	if err != nil {
 		return 0, err
 	}
@@ -293,6 +294,6 @@ func (v *Valkey) Len(inst string) (int, error) {
 
 // Close implements Backend.
 func (v *Valkey) Close() error {
-	v.c.close()
+	v.c.Close()
 	return nil
 }

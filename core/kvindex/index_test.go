@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os/exec"
 	"sync"
 	"testing"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvplug/kvplug/core/kvevents"
 	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/redistest"
 )
 
 // teeSource hands a manager's events to the publisher and applies them to
@@ -152,7 +152,7 @@ func setOf(t testing.TB, be Backend, inst string) map[kvevents.Key]bool {
 		}
 		b.mu.RUnlock()
 	case *Valkey:
-		r, err := b.c.do([][][]byte{{[]byte("SMEMBERS"), b.key(inst)}})
+		r, err := b.c.Do([][][]byte{{[]byte("SMEMBERS"), b.key(inst)}})
 		if err != nil {
 			return nil
 		}
@@ -402,69 +402,13 @@ func TestIndexMissedRanges(t *testing.T) {
 	}
 }
 
-// redisServer starts valkey-server or redis-server on a free loopback
-// port, without persistence; the test is skipped when neither exists.
-type redisServer struct {
-	bin  string
-	port int
-	cmd  *exec.Cmd
-}
-
-func findRedis(t *testing.T) string {
-	for _, b := range []string{"valkey-server", "redis-server"} {
-		if p, err := exec.LookPath(b); err == nil {
-			return p
-		}
-	}
-	t.Skip("neither valkey-server nor redis-server is installed (Debian: apt-get install valkey-server or redis-server)")
-	return ""
-}
-
-func startRedis(t *testing.T, bin string, port int) *redisServer {
-	t.Helper()
-	if port == 0 {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port = ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-	}
-	s := &redisServer{bin: bin, port: port}
-	s.cmd = exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir())
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		c := newRedisClient(s.addr(), time.Second)
-		_, err := c.do([][][]byte{{[]byte("PING")}})
-		c.close()
-		if err == nil {
-			return s
-		}
-		if time.Now().After(deadline) {
-			s.stop()
-			t.Fatalf("%s did not start: %v", bin, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func (s *redisServer) addr() string { return fmt.Sprintf("127.0.0.1:%d", s.port) }
-
-func (s *redisServer) stop() {
-	_ = s.cmd.Process.Kill()
-	_ = s.cmd.Wait()
-}
-
 // The Valkey backend under load, with the server restarted (and its data
 // lost) in the middle: the index notices and converges back.
 func TestIndexValkeyRestartUnderLoad(t *testing.T) {
-	bin := findRedis(t)
-	srv := startRedis(t, bin, 0)
-	defer func() { srv.stop() }()
-	be, err := NewValkey(srv.addr(), "kvtest", time.Second)
+	bin := redistest.Find(t)
+	srv := redistest.Start(t, bin, 0)
+	defer func() { srv.Stop() }()
+	be, err := NewValkey(srv.Addr(), "kvtest", time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -493,9 +437,9 @@ func TestIndexValkeyRestartUnderLoad(t *testing.T) {
 		load(300)
 	}()
 	time.Sleep(20 * time.Millisecond)
-	srv.stop()
+	srv.Stop()
 	time.Sleep(200 * time.Millisecond)
-	srv = startRedis(t, bin, srv.port)
+	srv = redistest.Start(t, bin, srv.Port)
 	<-done
 	waitConverged(t, x, es, 20*time.Second)
 	if be.Generation() == 0 {

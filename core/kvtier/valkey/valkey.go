@@ -1,0 +1,460 @@
+// Package valkey is the shared KV tier: prefix blocks stored in a Valkey or
+// Redis server under their chained block hash, so that an instance can
+// load a block another instance computed.
+//
+// # Keys and values
+//
+// A block is one string key, kvplug:<namespace>:<hash as 16 hex digits>,
+// whose value is a 40-byte header followed by the payload (the block's
+// K/V bytes, in whatever layout the caller uses):
+//
+//	offset  size  field
+//	0       4     magic "KVPB"
+//	4       2     format version (1), little-endian like every field
+//	6       2     flags, 0
+//	8       8     the block's chained hash (the key's, repeated)
+//	16      8     layout fingerprint, supplied by the caller: a hash of
+//	              the model and KV layout (layers, heads, head size,
+//	              dtype, block size), so that instances of different
+//	              models or layouts never read each other's blocks
+//	24      8     payload length
+//	32      8     xxh3-64 of the payload
+//
+// A read checks every field; a value that fails any check (short, foreign,
+// truncated, bit-flipped, another layout's) is a miss, counted in Corrupt,
+// never an error. Instances of different models should also use different
+// namespaces: equal token prefixes give equal chained hashes, and the
+// fingerprint only keeps one model from reading the other's block, not from
+// overwriting it.
+//
+// # Memory
+//
+// The tier never deletes or counts keys: the server's memory is bounded by
+// its own maxmemory and maxmemory-policy settings (allkeys-lru or
+// allkeys-lfu for a server dedicated to the tier; volatile-lru with a TTL
+// on the blocks (Config.TTL) for a shared one). With noeviction a full
+// server refuses SETs; each refused store counts in Errors and the tier
+// goes on.
+//
+// # Faults
+//
+// No call returns an error or blocks past Config.OpTimeout (plus the time
+// to encode or check the batch): a server that is down, slow or restarting
+// turns the call into misses (Get, Exists) or skipped stores (Put), counted
+// in Timeouts or Errors. After such a failure the tier is skipped, without
+// touching the network, for a backoff window (Config.Backoff, doubling on
+// each consecutive failure up to Config.MaxBackoff; each call skipped so is
+// counted in Skipped), so a serving step never waits on a dead server again
+// and again; the first call after the window tries the server again and a
+// success closes the breaker. An error reply to one command (a full
+// noeviction server refusing a SET) counts in Errors without opening the
+// breaker.
+//
+// A Tier is safe for concurrent use; its calls share one connection, one
+// round trip at a time.
+package valkey
+
+import (
+	"encoding/binary"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvplug/kvplug/internal/kverr"
+	"github.com/kvplug/kvplug/internal/resp"
+	"github.com/zeebo/xxh3"
+)
+
+// Value format.
+const (
+	HeaderBytes = 40
+	Magic       = "KVPB"
+	Version     = 1
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultDialTimeout = 100 * time.Millisecond
+	DefaultOpTimeout   = 250 * time.Millisecond
+	DefaultBackoff     = time.Second
+	DefaultMaxBackoff  = 30 * time.Second
+)
+
+// Config configures a Tier.
+type Config struct {
+	Addr        string // host:port of the server
+	Namespace   string // 1-64 characters of [A-Za-z0-9_.-]
+	Fingerprint uint64 // the model and KV layout's fingerprint (see the package comment)
+	BlockBytes  int    // payload bytes of every block; 0: any length
+
+	DialTimeout time.Duration // bound on a connection attempt; 0: DefaultDialTimeout
+	OpTimeout   time.Duration // bound on a whole call (wait, dial, round trip); 0: DefaultOpTimeout
+	TTL         time.Duration // expiry set on stored blocks (whole milliseconds); 0: none
+	Backoff     time.Duration // first skip window after a failure; 0: DefaultBackoff
+	MaxBackoff  time.Duration // longest skip window; 0: DefaultMaxBackoff
+}
+
+// Stats are the tier's counters. Hits, Misses and Corrupt count blocks
+// (every block of a Get or Exists is exactly one of them: a failed or
+// skipped call's blocks are misses); Stores counts blocks stored; Timeouts,
+// Errors and Skipped count calls (Errors also counts commands refused by
+// the server); the bytes are values' bytes, header included.
+type Stats struct {
+	Hits, Misses, Stores, Corrupt int64
+	Timeouts, Errors, Skipped     int64
+	BytesRead, BytesWritten       int64
+	Available                     bool // the breaker is closed (false during a skip window)
+}
+
+// Tier is a client of the shared tier. See the package comment.
+type Tier struct {
+	cfg    Config
+	c      *resp.Client
+	prefix string
+
+	mu        sync.Mutex
+	skipUntil time.Time
+	backoff   time.Duration
+
+	hits, misses, stores, corrupt atomic.Int64
+	timeouts, errs, skipped       atomic.Int64
+	bytesRead, bytesWritten       atomic.Int64
+}
+
+// New returns a tier for cfg. It does not connect: the first call does, so
+// a server that is down at start-up only makes the first calls misses.
+func New(cfg Config) (*Tier, error) {
+	if cfg.Addr == "" {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: no address")
+	}
+	if n := len(cfg.Namespace); n == 0 || n > 64 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace of %d characters (1-64)", n)
+	}
+	for _, r := range cfg.Namespace {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '.' || r == '-') {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace %q: only [A-Za-z0-9_.-]", cfg.Namespace)
+		}
+	}
+	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
+	}
+	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.OpTimeout == 0 {
+		cfg.OpTimeout = DefaultOpTimeout
+	}
+	if cfg.Backoff == 0 {
+		cfg.Backoff = DefaultBackoff
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = DefaultMaxBackoff
+	}
+	cfg.MaxBackoff = max(cfg.MaxBackoff, cfg.Backoff)
+	return &Tier{
+		cfg:    cfg,
+		c:      resp.NewClientTimeouts(cfg.Addr, cfg.DialTimeout, cfg.OpTimeout),
+		prefix: "kvplug:" + cfg.Namespace + ":",
+	}, nil
+}
+
+// Close closes the connection. The tier stays usable (a later call
+// redials); Close is for the end of its life.
+func (t *Tier) Close() error {
+	t.c.Close()
+	return nil
+}
+
+// Key returns a block's key.
+func (t *Tier) Key(hash uint64) string { return string(t.key(nil, hash)) }
+
+func (t *Tier) key(dst []byte, hash uint64) []byte {
+	dst = append(dst, t.prefix...)
+	var h [16]byte
+	s := strconv.AppendUint(h[:0], hash, 16)
+	for range 16 - len(s) {
+		dst = append(dst, '0')
+	}
+	return append(dst, s...)
+}
+
+// Encode returns the value stored for a block: header and payload.
+func Encode(hash, fingerprint uint64, payload []byte) []byte {
+	return append(appendHeader(make([]byte, 0, HeaderBytes+len(payload)), hash, fingerprint, payload), payload...)
+}
+
+func appendHeader(v []byte, hash, fingerprint uint64, payload []byte) []byte {
+	v = append(v, Magic...)
+	v = binary.LittleEndian.AppendUint16(v, Version)
+	v = binary.LittleEndian.AppendUint16(v, 0)
+	v = binary.LittleEndian.AppendUint64(v, hash)
+	v = binary.LittleEndian.AppendUint64(v, fingerprint)
+	v = binary.LittleEndian.AppendUint64(v, uint64(len(payload)))
+	return binary.LittleEndian.AppendUint64(v, xxh3.Hash(payload))
+}
+
+// decode checks a value and returns its payload, or false.
+func (t *Tier) decode(hash uint64, v []byte) ([]byte, bool) {
+	if len(v) < HeaderBytes || string(v[:4]) != Magic ||
+		binary.LittleEndian.Uint16(v[4:]) != Version || binary.LittleEndian.Uint16(v[6:]) != 0 ||
+		binary.LittleEndian.Uint64(v[8:]) != hash || binary.LittleEndian.Uint64(v[16:]) != t.cfg.Fingerprint {
+		return nil, false
+	}
+	n := binary.LittleEndian.Uint64(v[24:])
+	if n != uint64(len(v)-HeaderBytes) || (t.cfg.BlockBytes > 0 && n != uint64(t.cfg.BlockBytes)) {
+		return nil, false
+	}
+	p := v[HeaderBytes:]
+	if xxh3.Hash(p) != binary.LittleEndian.Uint64(v[32:]) {
+		return nil, false
+	}
+	return p, true
+}
+
+// open reports whether the breaker lets a call through; a call it stops is
+// counted in Skipped.
+func (t *Tier) open() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.skipUntil.IsZero() && time.Now().Before(t.skipUntil) {
+		t.skipped.Add(1)
+		return false
+	}
+	return true
+}
+
+// result records a call's transport outcome in the breaker and counters.
+func (t *Tier) result(err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err == nil {
+		t.skipUntil, t.backoff = time.Time{}, 0
+		return
+	}
+	if resp.IsTimeout(err) {
+		t.timeouts.Add(1)
+	} else {
+		t.errs.Add(1)
+	}
+	if t.backoff == 0 {
+		t.backoff = t.cfg.Backoff
+	} else {
+		t.backoff = min(2*t.backoff, t.cfg.MaxBackoff)
+	}
+	t.skipUntil = time.Now().Add(t.backoff)
+}
+
+// do runs one pipeline through the breaker; nil replies mean the call was
+// skipped or failed (already counted).
+func (t *Tier) do(cmds [][][]byte) []any {
+	if len(cmds) == 0 || !t.open() {
+		return nil
+	}
+	r, err := t.c.Do(cmds)
+	t.result(err)
+	if err != nil {
+		return nil
+	}
+	return r
+}
+
+// Get fetches blocks: out[i] is hashes[i]'s payload, or nil for a miss
+// (absent, corrupt, or the call skipped or failed). One round trip.
+func (t *Tier) Get(hashes []uint64) [][]byte {
+	out := make([][]byte, len(hashes))
+	t.get(hashes, func(i int, p []byte) bool { out[i] = p; return true })
+	return out
+}
+
+// GetInto fetches blocks into the caller's buffers (host-tier slots):
+// found[i] reports whether hashes[i]'s payload was copied into dst[i],
+// which must be exactly as long as the payload (a value of another length
+// is a miss, counted corrupt). dst[i] is untouched on a miss.
+func (t *Tier) GetInto(hashes []uint64, dst [][]byte) []bool {
+	found := make([]bool, len(hashes))
+	if len(dst) < len(hashes) {
+		t.misses.Add(int64(len(hashes)))
+		return found
+	}
+	t.get(hashes, func(i int, p []byte) bool {
+		if len(p) != len(dst[i]) {
+			return false
+		}
+		copy(dst[i], p)
+		found[i] = true
+		return true
+	})
+	return found
+}
+
+func (t *Tier) get(hashes []uint64, take func(int, []byte) bool) {
+	if len(hashes) == 0 {
+		return
+	}
+	cmds := make([][][]byte, len(hashes))
+	get := []byte("GET")
+	for i, h := range hashes {
+		cmds[i] = [][]byte{get, t.key(nil, h)}
+	}
+	r := t.do(cmds)
+	if r == nil {
+		t.misses.Add(int64(len(hashes)))
+		return
+	}
+	for i, x := range r {
+		switch v := x.(type) {
+		case []byte:
+			t.bytesRead.Add(int64(len(v)))
+			if p, ok := t.decode(hashes[i], v); ok && take(i, p) {
+				t.hits.Add(1)
+			} else {
+				t.corrupt.Add(1)
+			}
+		case resp.Error:
+			t.errs.Add(1) // a wrong-type key, a server refusing reads
+			t.misses.Add(1)
+		default:
+			t.misses.Add(1) // nil: absent
+		}
+	}
+}
+
+// Put stores blocks (hashes[i] with payloads[i]) in one round trip and
+// returns how many the server accepted. A payload of the wrong length
+// (Config.BlockBytes) is not sent. Nothing is stored when the call is
+// skipped or fails.
+func (t *Tier) Put(hashes []uint64, payloads [][]byte) int {
+	n := min(len(hashes), len(payloads))
+	if n == 0 || !t.open() {
+		return 0
+	}
+	// The pipeline is encoded in one buffer of its exact size, each value's
+	// header and payload written in place.
+	var ttl []byte
+	if t.cfg.TTL > 0 {
+		ttl = strconv.AppendInt(nil, t.cfg.TTL.Milliseconds(), 10)
+	}
+	keyLen := len(t.prefix) + 16
+	size, cmds := 0, 0
+	for i := range n {
+		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
+			continue
+		}
+		size += 64 + keyLen + HeaderBytes + len(payloads[i]) + len(ttl)
+	}
+	buf := make([]byte, 0, size)
+	var written int64
+	for i := range n {
+		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
+			t.errs.Add(1)
+			continue
+		}
+		if ttl != nil {
+			buf = resp.AppendArray(buf, 5)
+		} else {
+			buf = resp.AppendArray(buf, 3)
+		}
+		buf = append(resp.AppendBulk(buf, 3), "SET\r\n"...)
+		buf = resp.AppendBulk(buf, keyLen)
+		buf = append(t.key(buf, hashes[i]), '\r', '\n')
+		vlen := HeaderBytes + len(payloads[i])
+		buf = resp.AppendBulk(buf, vlen)
+		buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, payloads[i])
+		buf = append(append(buf, payloads[i]...), '\r', '\n')
+		if ttl != nil {
+			buf = append(resp.AppendBulk(buf, 2), "PX\r\n"...)
+			buf = append(append(resp.AppendBulk(buf, len(ttl)), ttl...), '\r', '\n')
+		}
+		written += int64(vlen)
+		cmds++
+	}
+	if cmds == 0 {
+		return 0
+	}
+	r, err := t.c.DoEncoded(buf, cmds)
+	t.result(err)
+	if err != nil {
+		return 0
+	}
+	t.bytesWritten.Add(written)
+	stored := 0
+	for _, x := range r {
+		if s, ok := x.(string); ok && s == "OK" {
+			stored++
+		} else {
+			t.errs.Add(1) // e.g. OOM under maxmemory-policy noeviction
+		}
+	}
+	t.stores.Add(int64(stored))
+	return stored
+}
+
+// Exists reports which blocks the server holds (by key only: a corrupt
+// value there is found by Get), in one round trip; a skipped or failed
+// call reports none. Hits and misses are counted as for Get.
+func (t *Tier) Exists(hashes []uint64) []bool {
+	out := make([]bool, len(hashes))
+	if len(hashes) == 0 {
+		return out
+	}
+	cmds := make([][][]byte, len(hashes))
+	ex := []byte("EXISTS")
+	for i, h := range hashes {
+		cmds[i] = [][]byte{ex, t.key(nil, h)}
+	}
+	r := t.do(cmds)
+	if r == nil {
+		t.misses.Add(int64(len(hashes)))
+		return out
+	}
+	for i, x := range r {
+		if n, ok := x.(int64); ok && n == 1 {
+			out[i] = true
+			t.hits.Add(1)
+		} else {
+			t.misses.Add(1)
+		}
+	}
+	return out
+}
+
+// Prefix returns the length of the longest run of hashes, from the first,
+// that the server holds (Exists): the blocks admission can count on this
+// tier for.
+func (t *Tier) Prefix(hashes []uint64) int {
+	n := 0
+	for _, ok := range t.Exists(hashes) {
+		if !ok {
+			break
+		}
+		n++
+	}
+	return n
+}
+
+// Available reports whether the breaker is closed (no skip window now).
+func (t *Tier) Available() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.skipUntil.IsZero() || !time.Now().Before(t.skipUntil)
+}
+
+// Stats returns the counters.
+func (t *Tier) Stats() Stats {
+	return Stats{
+		Hits: t.hits.Load(), Misses: t.misses.Load(), Stores: t.stores.Load(), Corrupt: t.corrupt.Load(),
+		Timeouts: t.timeouts.Load(), Errors: t.errs.Load(), Skipped: t.skipped.Load(),
+		BytesRead: t.bytesRead.Load(), BytesWritten: t.bytesWritten.Load(),
+		Available: t.Available(),
+	}
+}
+
+func (s Stats) String() string {
+	return fmt.Sprintf("hits %d misses %d stores %d corrupt %d timeouts %d errors %d skipped %d read %d written %d available %v",
+		s.Hits, s.Misses, s.Stores, s.Corrupt, s.Timeouts, s.Errors, s.Skipped, s.BytesRead, s.BytesWritten, s.Available)
+}

@@ -1,0 +1,405 @@
+package valkey
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math/rand"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvplug/kvplug/internal/kverr"
+	"github.com/kvplug/kvplug/internal/redistest"
+	"github.com/kvplug/kvplug/internal/resp"
+)
+
+// bound is what a call with a 100 ms operation timeout must return within:
+// generous, so a loaded machine does not make the tests flaky.
+const bound = 2 * time.Second
+
+func newTier(t testing.TB, cfg Config) *Tier {
+	t.Helper()
+	if cfg.Namespace == "" {
+		cfg.Namespace = "test"
+	}
+	if cfg.OpTimeout == 0 {
+		cfg.OpTimeout = 100 * time.Millisecond
+	}
+	tr, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tr.Close() })
+	return tr
+}
+
+func payload(h uint64, n int) []byte {
+	b := make([]byte, n)
+	rand.New(rand.NewSource(int64(h))).Read(b)
+	return b
+}
+
+// raw sends one command to addr outside the tier.
+func raw(t *testing.T, addr string, args ...[]byte) any {
+	t.Helper()
+	c := resp.NewClient(addr, 2*time.Second)
+	defer c.Close()
+	r, err := c.Do([][][]byte{args})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r[0]
+}
+
+func timed(t *testing.T, what string, f func()) {
+	t.Helper()
+	start := time.Now()
+	f()
+	if d := time.Since(start); d > bound {
+		t.Fatalf("%s took %v, more than %v", what, d, bound)
+	}
+}
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	for _, c := range []Config{
+		{Namespace: "x"},
+		{Addr: "a:1"},
+		{Addr: "a:1", Namespace: "has space"},
+		{Addr: "a:1", Namespace: "x:y"},
+		{Addr: "a:1", Namespace: string(make([]byte, 65))},
+		{Addr: "a:1", Namespace: "x", BlockBytes: -1},
+		{Addr: "a:1", Namespace: "x", OpTimeout: -1},
+		{Addr: "a:1", Namespace: "x", TTL: time.Microsecond},
+	} {
+		if _, err := New(c); !kverr.Is(err, kverr.InvalidArgument) {
+			t.Errorf("%+v: %v", c, err)
+		}
+	}
+}
+
+func TestKeyAndEncoding(t *testing.T) {
+	tr := newTier(t, Config{Addr: "127.0.0.1:1", Namespace: "llama3-8b.bs16"})
+	if k := tr.Key(0xab); k != "kvplug:llama3-8b.bs16:00000000000000ab" {
+		t.Fatal(k)
+	}
+	v := Encode(7, 9, []byte("abc"))
+	if len(v) != HeaderBytes+3 || string(v[:4]) != Magic || binary.LittleEndian.Uint64(v[24:]) != 3 {
+		t.Fatalf("%x", v)
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	const bs = 4096
+	tr := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 42, BlockBytes: bs, TTL: time.Hour, OpTimeout: time.Second})
+	hs := []uint64{1, 2, 3, 4}
+	ps := [][]byte{payload(1, bs), payload(2, bs), payload(3, bs), payload(4, bs)}
+	if n := tr.Put(hs[:3], ps[:3]); n != 3 {
+		t.Fatalf("stored %d", n)
+	}
+	got := tr.Get(hs)
+	for i := range 3 {
+		if !bytes.Equal(got[i], ps[i]) {
+			t.Fatalf("block %d differs", i)
+		}
+	}
+	if got[3] != nil {
+		t.Fatal("a hit on an absent block")
+	}
+	if n := tr.Prefix([]uint64{1, 2, 4, 3}); n != 2 {
+		t.Fatalf("prefix %d", n)
+	}
+	dst := [][]byte{make([]byte, bs), make([]byte, bs), make([]byte, 10)}
+	found := tr.GetInto([]uint64{3, 4, 1}, dst)
+	if !found[0] || found[1] || found[2] || !bytes.Equal(dst[0], ps[2]) {
+		t.Fatalf("GetInto %v", found)
+	}
+	if ttl, _ := raw(t, srv.Addr(), []byte("PTTL"), []byte(tr.Key(1))).(int64); ttl <= 0 || ttl > int64(time.Hour/time.Millisecond) {
+		t.Fatalf("PTTL %d", ttl)
+	}
+	// A payload of the wrong size is not stored.
+	if n := tr.Put([]uint64{5}, [][]byte{make([]byte, 10)}); n != 0 {
+		t.Fatal("stored a wrong-sized block")
+	}
+	st := tr.Stats()
+	if st.Stores != 3 || st.Hits != 3+3+1 || st.Misses != 1+1+1 || st.Corrupt != 1 || st.Errors != 1 || st.Timeouts != 0 || st.Skipped != 0 ||
+		st.BytesWritten != 3*(HeaderBytes+bs) || st.BytesRead != 5*(HeaderBytes+bs) || !st.Available {
+		t.Fatalf("stats %v", st)
+	}
+}
+
+// Short, foreign or corrupt values under a block's key (written with a
+// plain SET), and another layout's block: each a miss, counted corrupt.
+func TestCorruptValuesAreMisses(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	tr := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 42, BlockBytes: 64, OpTimeout: time.Second})
+	good := Encode(100, 42, payload(100, 64))
+	mut := func(f func(v []byte) []byte) []byte {
+		v := bytes.Clone(good)
+		return f(v)
+	}
+	cases := []struct {
+		name string
+		v    []byte
+	}{
+		{"empty", nil},
+		{"short", []byte("KVPB")},
+		{"header only", good[:HeaderBytes]},
+		{"truncated payload", good[:len(good)-1]},
+		{"trailing bytes", append(bytes.Clone(good), 0)},
+		{"bad magic", mut(func(v []byte) []byte { v[0] = 'X'; return v })},
+		{"bad version", mut(func(v []byte) []byte { v[4] = 2; return v })},
+		{"flags", mut(func(v []byte) []byte { v[6] = 1; return v })},
+		{"another block's value", Encode(101, 42, payload(100, 64))},
+		{"wrong fingerprint", Encode(100, 43, payload(100, 64))},
+		{"length field", mut(func(v []byte) []byte { v[24]++; return v })},
+		{"wrong block size", Encode(100, 42, payload(100, 32))},
+		{"flipped payload bit", mut(func(v []byte) []byte { v[HeaderBytes+7] ^= 4; return v })},
+		{"flipped checksum bit", mut(func(v []byte) []byte { v[33] ^= 1; return v })},
+	}
+	for i, c := range cases {
+		raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(100)), c.v)
+		before := tr.Stats()
+		if got := tr.Get([]uint64{100}); got[0] != nil {
+			t.Fatalf("%s: a hit", c.name)
+		}
+		if found := tr.GetInto([]uint64{100}, [][]byte{make([]byte, 64)}); found[0] {
+			t.Fatalf("%s: GetInto hit", c.name)
+		}
+		st := tr.Stats()
+		if st.Corrupt != before.Corrupt+2 || st.Hits != before.Hits || st.Errors != 0 || !st.Available {
+			t.Fatalf("case %d %s: stats %v", i, c.name, st)
+		}
+	}
+	raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(100)), good)
+	if got := tr.Get([]uint64{100}); got[0] == nil {
+		t.Fatal("the good value misses")
+	}
+	// A key of another type is a miss and an error, not a failure.
+	raw(t, srv.Addr(), []byte("SADD"), []byte(tr.Key(200)), []byte("m"))
+	if got := tr.Get([]uint64{200}); got[0] != nil || !tr.Available() {
+		t.Fatal("a set under a block's key")
+	}
+}
+
+// Instances of different layouts sharing a server never read each other's
+// blocks.
+func TestWrongFingerprintMisses(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	a := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 1, OpTimeout: time.Second})
+	b := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 2, OpTimeout: time.Second})
+	if a.Put([]uint64{5}, [][]byte{[]byte("layout one")}) != 1 {
+		t.Fatal("put")
+	}
+	if got := b.Get([]uint64{5}); got[0] != nil || b.Stats().Corrupt != 1 {
+		t.Fatalf("read another layout's block: %q %v", got[0], b.Stats())
+	}
+	if got := a.Get([]uint64{5}); string(got[0]) != "layout one" {
+		t.Fatal("the writer misses its own block")
+	}
+}
+
+// Valkey down: nothing listens on the port. Calls miss at once, counted,
+// then skip during the backoff window without touching the network.
+func TestServerDown(t *testing.T) {
+	addr := fmt.Sprintf("127.0.0.1:%d", redistest.FreePort(t))
+	tr := newTier(t, Config{Addr: addr, Backoff: time.Hour})
+	timed(t, "Get on a down server", func() {
+		if got := tr.Get([]uint64{1, 2}); got[0] != nil || got[1] != nil {
+			t.Fatal("a hit")
+		}
+	})
+	st := tr.Stats()
+	if st.Errors+st.Timeouts != 1 || st.Misses != 2 || st.Available {
+		t.Fatalf("stats %v", st)
+	}
+	timed(t, "calls in the skip window", func() {
+		for range 100 {
+			tr.Put([]uint64{1}, [][]byte{{1}})
+			tr.Get([]uint64{1})
+			tr.Exists([]uint64{1})
+		}
+	})
+	if st := tr.Stats(); st.Skipped != 300 || st.Errors+st.Timeouts != 1 || st.Stores != 0 {
+		t.Fatalf("stats %v", st)
+	}
+}
+
+// slowServer accepts connections and answers each command after delay
+// (never, when delay is 0) with a null bulk.
+func slowServer(t *testing.T, delay time.Duration) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		close(done)
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go func() {
+				buf := make([]byte, 64<<10)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					if delay == 0 {
+						continue
+					}
+					select {
+					case <-time.After(delay):
+						c.Write([]byte("$-1\r\n"))
+					case <-done:
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// Valkey slow: a server that never answers, or answers after the deadline.
+// Each call returns within the bound, counted as a timeout, and the tier is
+// then skipped.
+func TestServerSlow(t *testing.T) {
+	for _, delay := range []time.Duration{0, 700 * time.Millisecond} {
+		t.Run(fmt.Sprint("delay ", delay), func(t *testing.T) {
+			tr := newTier(t, Config{Addr: slowServer(t, delay), OpTimeout: 100 * time.Millisecond, Backoff: time.Hour})
+			timed(t, "Get on a slow server", func() {
+				if got := tr.Get([]uint64{1}); got[0] != nil {
+					t.Fatal("a hit")
+				}
+			})
+			timed(t, "Put on a slow server", func() { tr.Put([]uint64{1}, [][]byte{{1}}) })
+			st := tr.Stats()
+			if st.Timeouts != 1 || st.Skipped != 1 || st.Available {
+				t.Fatalf("stats %v", st)
+			}
+		})
+	}
+	// Concurrent callers queue on the one connection; each still returns
+	// within the bound.
+	tr := newTier(t, Config{Addr: slowServer(t, 0), OpTimeout: 100 * time.Millisecond, Backoff: time.Nanosecond, MaxBackoff: time.Nanosecond})
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() { timed(t, "concurrent Get", func() { tr.Get([]uint64{1}) }) })
+	}
+	wg.Wait()
+	if st := tr.Stats(); st.Timeouts+st.Skipped != 8 || st.Timeouts == 0 {
+		t.Fatalf("stats %v", st)
+	}
+}
+
+// Valkey restarted: the tier skips while the server is gone and recovers
+// by itself when it is back (with its data lost).
+func TestServerRestart(t *testing.T) {
+	bin := redistest.Find(t)
+	srv := redistest.Start(t, bin, 0)
+	tr := newTier(t, Config{Addr: srv.Addr(), OpTimeout: 500 * time.Millisecond, Backoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond})
+	p := payload(1, 1024)
+	if tr.Put([]uint64{1}, [][]byte{p}) != 1 || tr.Get([]uint64{1})[0] == nil {
+		t.Fatal("before the restart")
+	}
+	srv.Stop()
+	timed(t, "Get on a stopped server", func() {
+		if tr.Get([]uint64{1})[0] != nil {
+			t.Fatal("a hit")
+		}
+	})
+	if st := tr.Stats(); st.Errors+st.Timeouts != 1 || st.Available {
+		t.Fatalf("after the stop: %v", st)
+	}
+	for range 10 { // in the window or failing again: never blocking long
+		timed(t, "Get while down", func() { tr.Get([]uint64{1}) })
+	}
+	if tr.Stats().Skipped == 0 {
+		t.Fatal("nothing skipped")
+	}
+	srv = redistest.Start(t, bin, srv.Port)
+	deadline := time.Now().Add(10 * time.Second)
+	for tr.Put([]uint64{1}, [][]byte{p}) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no recovery: %v", tr.Stats())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := tr.Get([]uint64{1}); !bytes.Equal(got[0], p) || !tr.Available() {
+		t.Fatalf("after the restart: %v", tr.Stats())
+	}
+}
+
+// Concurrent stores and loads (run with -race).
+func TestConcurrent(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	tr := newTier(t, Config{Addr: srv.Addr(), BlockBytes: 256, OpTimeout: 5 * time.Second})
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 50 {
+				h := uint64(g*1000 + i)
+				if tr.Put([]uint64{h}, [][]byte{payload(h, 256)}) != 1 {
+					t.Error("put failed")
+					return
+				}
+				if got := tr.Get([]uint64{h}); !bytes.Equal(got[0], payload(h, 256)) {
+					t.Error("get differs")
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if st := tr.Stats(); st.Stores != 200 || st.Hits != 200 || st.Timeouts+st.Errors+st.Skipped+st.Corrupt != 0 {
+		t.Fatalf("stats %v", st)
+	}
+}
+
+// A batch of 64 blocks of 64 KiB (4 MiB) against a local server.
+func benchBatch(b *testing.B, get bool) {
+	srv := redistest.Start(b, redistest.Find(b), 0)
+	const n, bs = 64, 64 << 10
+	tr := newTier(b, Config{Addr: srv.Addr(), BlockBytes: bs, OpTimeout: 10 * time.Second})
+	hs := make([]uint64, n)
+	ps := make([][]byte, n)
+	dst := make([][]byte, n)
+	for i := range hs {
+		hs[i], ps[i], dst[i] = uint64(i+1), payload(uint64(i), bs), make([]byte, bs)
+	}
+	if tr.Put(hs, ps) != n {
+		b.Fatal("put")
+	}
+	b.SetBytes(n * bs)
+	for b.Loop() {
+		if get {
+			for _, ok := range tr.GetInto(hs, dst) {
+				if !ok {
+					b.Fatal("miss")
+				}
+			}
+		} else if tr.Put(hs, ps) != n {
+			b.Fatal("put")
+		}
+	}
+}
+
+func BenchmarkGet64x64KiB(b *testing.B) { benchBatch(b, true) }
+func BenchmarkPut64x64KiB(b *testing.B) { benchBatch(b, false) }

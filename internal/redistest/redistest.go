@@ -1,0 +1,93 @@
+// Package redistest starts a throwaway valkey-server or redis-server for
+// tests: on a free loopback port, without persistence, in the test's own
+// temporary directory, killed at the test's cleanup. A test that needs one
+// is skipped only when neither binary is installed (CI installs
+// redis-server: .ci/run).
+package redistest
+
+import (
+	"fmt"
+	"net"
+	"os/exec"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvplug/kvplug/internal/resp"
+)
+
+// Server is a running server process.
+type Server struct {
+	Bin  string
+	Port int
+
+	mu  sync.Mutex
+	cmd *exec.Cmd
+}
+
+// Find returns the path of valkey-server or redis-server, or skips the test.
+func Find(t testing.TB) string {
+	for _, b := range []string{"valkey-server", "redis-server"} {
+		if p, err := exec.LookPath(b); err == nil {
+			return p
+		}
+	}
+	t.Skip("neither valkey-server nor redis-server is installed (Debian: apt-get install valkey-server or redis-server)")
+	return ""
+}
+
+// FreePort returns a loopback port nothing listens on now.
+func FreePort(t testing.TB) int {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// Start starts bin on port (a free one when 0) with extra arguments and
+// waits until it answers PING. The process is killed at t's cleanup if it
+// is still running.
+func Start(t testing.TB, bin string, port int, args ...string) *Server {
+	t.Helper()
+	if port == 0 {
+		port = FreePort(t)
+	}
+	s := &Server{Bin: bin, Port: port}
+	argv := append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir()}, args...)
+	s.cmd = exec.Command(bin, argv...)
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c := resp.NewClient(s.Addr(), time.Second)
+		_, err := c.Do([][][]byte{{[]byte("PING")}})
+		c.Close()
+		if err == nil {
+			return s
+		}
+		if time.Now().After(deadline) {
+			s.Stop()
+			t.Fatalf("%s did not start: %v", bin, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Addr is the server's host:port.
+func (s *Server) Addr() string { return fmt.Sprintf("127.0.0.1:%d", s.Port) }
+
+// Stop kills the server and waits for it; it may be called more than once.
+func (s *Server) Stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return
+	}
+	_ = s.cmd.Process.Kill()
+	_ = s.cmd.Wait()
+	s.cmd = nil
+}

@@ -1,0 +1,270 @@
+// Package resp is a minimal RESP2 client
+// (https://redis.io/docs/reference/protocol-spec/) for the few commands the
+// library sends to Valkey or Redis (the cluster index's backend, the shared
+// KV tier), pipelined: a client library would be a dependency for a handful
+// of commands.
+//
+// A Client holds one connection, dialled lazily and redialled after any
+// failure. Every call is bounded in time as a whole: waiting for the
+// connection (a concurrent call holding it), dialling and the round trip
+// all fit within the operation timeout, so a dead or slow server costs a
+// caller at most that long. Every reply is read with its lengths bounded,
+// and any transport error closes the connection so the next call starts
+// clean (a reply half read would desynchronise the stream). A Client is
+// safe for concurrent use; calls are serialised on its one connection.
+package resp
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync/atomic"
+	"time"
+)
+
+// Error is an error reply (-ERR ...), returned in the place of the command
+// that drew it.
+type Error string
+
+func (e Error) Error() string { return "redis: " + string(e) }
+
+// ErrBusy is returned when the connection stayed held by other calls for
+// the whole operation timeout. It is a timeout (IsTimeout).
+var ErrBusy = errors.New("redis: connection busy past the operation timeout")
+
+// ErrMalformed is a reply that breaks the protocol or its bounds.
+var ErrMalformed = errors.New("redis: malformed reply")
+
+// Bounds of a reply.
+const (
+	maxBulk  = 512 << 20
+	maxArray = 1 << 24
+)
+
+// Client is a pipelining RESP2 client on one connection.
+type Client struct {
+	addr        string
+	dialTimeout time.Duration
+	opTimeout   time.Duration
+
+	sem   chan struct{} // the connection's lock, taken with a deadline
+	conn  net.Conn
+	r     *bufio.Reader
+	w     []byte
+	dials atomic.Int64 // connections made: a redial may meet a restarted server
+}
+
+// NewClient returns a client for addr (host:port) whose dial and whole
+// operations are each bounded by timeout. It does not connect yet.
+func NewClient(addr string, timeout time.Duration) *Client {
+	return NewClientTimeouts(addr, timeout, timeout)
+}
+
+// NewClientTimeouts returns a client whose dial is bounded by dial and each
+// call as a whole (waiting for the connection, dial, round trip) by op.
+func NewClientTimeouts(addr string, dial, op time.Duration) *Client {
+	return &Client{addr: addr, dialTimeout: dial, opTimeout: op, sem: make(chan struct{}, 1)}
+}
+
+// Close closes the connection; a later call dials again.
+func (c *Client) Close() {
+	c.sem <- struct{}{}
+	c.drop()
+	<-c.sem
+}
+
+func (c *Client) drop() {
+	if c.conn != nil {
+		_ = c.conn.Close()
+		c.conn = nil
+	}
+}
+
+// DialCount returns how many connections the client has made.
+func (c *Client) DialCount() int64 { return c.dials.Load() }
+
+// Do sends cmds in one pipeline and returns their replies, in order:
+// string (simple string), Error, int64, []byte (bulk; nil for a null bulk)
+// or []any (array). An error reply of one command is returned as an Error
+// in its place; a transport error or timeout fails the whole call.
+func (c *Client) Do(cmds [][][]byte) ([]any, error) {
+	deadline := time.Now().Add(c.opTimeout)
+	if err := c.acquire(deadline); err != nil {
+		return nil, err
+	}
+	defer func() { <-c.sem }()
+	w := c.w[:0]
+	for _, args := range cmds {
+		w = AppendCommand(w, args...)
+	}
+	c.w = w[:0]
+	if len(w) > 1<<20 {
+		c.w = nil // do not keep a large buffer around
+	}
+	return c.roundTrip(w, len(cmds), deadline)
+}
+
+// DoEncoded is Do for a pipeline the caller encoded itself (AppendCommand,
+// or AppendArray and AppendBulk for large values written in place): buf
+// holds n commands.
+func (c *Client) DoEncoded(buf []byte, n int) ([]any, error) {
+	deadline := time.Now().Add(c.opTimeout)
+	if err := c.acquire(deadline); err != nil {
+		return nil, err
+	}
+	defer func() { <-c.sem }()
+	return c.roundTrip(buf, n, deadline)
+}
+
+// acquire takes the connection, dialling it if needed, by deadline.
+func (c *Client) acquire(deadline time.Time) error {
+	t := time.NewTimer(time.Until(deadline))
+	select {
+	case c.sem <- struct{}{}:
+		t.Stop()
+	case <-t.C:
+		return ErrBusy
+	}
+	if c.conn == nil {
+		dt := min(c.dialTimeout, time.Until(deadline))
+		if dt <= 0 {
+			<-c.sem
+			return ErrBusy
+		}
+		conn, err := net.DialTimeout("tcp", c.addr, dt)
+		if err != nil {
+			<-c.sem
+			return err
+		}
+		c.conn, c.r = conn, bufio.NewReaderSize(conn, 64<<10)
+		c.dials.Add(1)
+	}
+	return nil
+}
+
+func (c *Client) roundTrip(w []byte, n int, deadline time.Time) ([]any, error) {
+	_ = c.conn.SetDeadline(deadline)
+	if _, err := c.conn.Write(w); err != nil {
+		c.drop()
+		return nil, err
+	}
+	out := make([]any, n)
+	for i := range out {
+		v, err := ReadReply(c.r)
+		if err != nil {
+			c.drop()
+			return nil, err
+		}
+		out[i] = v
+	}
+	return out, nil
+}
+
+// AppendCommand appends one command, an array of bulk strings, to w.
+func AppendCommand(w []byte, args ...[]byte) []byte {
+	w = AppendArray(w, len(args))
+	for _, a := range args {
+		w = AppendBulk(w, len(a))
+		w = append(w, a...)
+		w = append(w, '\r', '\n')
+	}
+	return w
+}
+
+// AppendArray appends the header of a command of n arguments; each
+// argument follows as AppendBulk and its bytes and CRLF.
+func AppendArray(w []byte, n int) []byte {
+	w = append(w, '*')
+	w = strconv.AppendInt(w, int64(n), 10)
+	return append(w, '\r', '\n')
+}
+
+// AppendBulk appends the header of a bulk string of size bytes; the caller
+// appends the bytes and then "\r\n".
+func AppendBulk(w []byte, size int) []byte {
+	w = append(w, '$')
+	w = strconv.AppendInt(w, int64(size), 10)
+	return append(w, '\r', '\n')
+}
+
+// IsTimeout reports whether err is a timeout: a network deadline passed,
+// or the connection stayed busy (ErrBusy).
+func IsTimeout(err error) bool {
+	if errors.Is(err, ErrBusy) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+func readLine(r *bufio.Reader) ([]byte, error) {
+	line, err := r.ReadSlice('\n')
+	if err != nil {
+		if errors.Is(err, bufio.ErrBufferFull) {
+			return nil, fmt.Errorf("%w: a line longer than %d bytes", ErrMalformed, r.Size())
+		}
+		return nil, err
+	}
+	if len(line) < 3 || line[len(line)-2] != '\r' {
+		return nil, ErrMalformed
+	}
+	return line[:len(line)-2], nil
+}
+
+// ReadReply reads one reply (see Do for the types).
+func ReadReply(r *bufio.Reader) (any, error) { return readReply(r, 0) }
+
+func readReply(r *bufio.Reader, depth int) (any, error) {
+	if depth > 4 {
+		return nil, fmt.Errorf("%w: nested too deep", ErrMalformed)
+	}
+	line, err := readLine(r)
+	if err != nil {
+		return nil, err
+	}
+	body := line[1:]
+	switch line[0] {
+	case '+':
+		return string(body), nil
+	case '-':
+		return Error(body), nil
+	case ':':
+		n, err := strconv.ParseInt(string(body), 10, 64)
+		if err != nil {
+			return nil, ErrMalformed
+		}
+		return n, nil
+	case '$':
+		n, err := strconv.ParseInt(string(body), 10, 64)
+		if err != nil || n < -1 || n > maxBulk {
+			return nil, ErrMalformed
+		}
+		if n == -1 {
+			return nil, nil
+		}
+		b := make([]byte, n+2)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return nil, err
+		}
+		return b[:n], nil
+	case '*':
+		n, err := strconv.ParseInt(string(body), 10, 64)
+		if err != nil || n < -1 || n > maxArray {
+			return nil, ErrMalformed
+		}
+		if n == -1 {
+			return nil, nil
+		}
+		out := make([]any, n)
+		for i := range out {
+			if out[i], err = readReply(r, depth+1); err != nil {
+				return nil, err
+			}
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("%w: type byte %q", ErrMalformed, line[0])
+}
