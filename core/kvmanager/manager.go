@@ -62,6 +62,10 @@ type Config struct {
 	// MaxPendingEvents bounds the undrained KV events (0: the default of
 	// package prefix).
 	MaxPendingEvents int
+
+	// HostTier, when not nil, adds the host tier below the GPU pool
+	// (tier.go; needs EnablePrefixCache).
+	HostTier *HostTier
 }
 
 // CopyPair is a KV block copy the engine must perform before the next kernel
@@ -121,6 +125,8 @@ type Manager struct {
 
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
+	// The host tier; nil when there is none.
+	tier *tier
 	// KV events drained from the index that the caller's buffers could not
 	// hold yet (DrainEvents).
 	carry []prefix.Event
@@ -163,6 +169,11 @@ func New(cfg Config) (*Manager, error) {
 			MaxPendingEvents: cfg.MaxPendingEvents,
 		})
 		if err != nil {
+			return nil, err
+		}
+	}
+	if cfg.HostTier != nil {
+		if m.tier, err = newTier(cfg); err != nil {
 			return nil, err
 		}
 	}
@@ -297,6 +308,11 @@ func (m *Manager) makeFree(need int) {
 		return
 	}
 	m.evicted = m.cache.Evict(m.evicted[:0], short)
+	if m.tier != nil {
+		// Needed now: a block waiting for its demotion copy could not
+		// serve the allocation (tier.go).
+		m.tier.st.EvictedUndemoted += int64(len(m.evicted))
+	}
 	// An evictable block has no lock, hence no reference (CheckInvariants:
 	// locks equal references), and is marked, so it is Cached in the pool.
 	assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
@@ -755,6 +771,9 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		}
 		tokens += int64(s.length)
 		waste += m.wasteOf(s)
+	}
+	if err := m.checkTier(refs, bad); err != nil {
+		return err
 	}
 	for b, r := range refs {
 		if got := m.pool.Ref(int32(b)); got != r {

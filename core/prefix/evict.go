@@ -12,6 +12,18 @@ import (
 // when nothing else is evictable. One BlockRemoved event lists the call's
 // blocks.
 func (x *Index) Evict(dst []int32, n int) []int32 {
+	dst, _ = x.evict(dst, nil, n, false)
+	return dst
+}
+
+// EvictHashes is Evict that also appends each evicted block's hash to
+// hashes, in the order of dst, and returns both: for a caller that keeps
+// evicted blocks elsewhere under their hash (the host tier).
+func (x *Index) EvictHashes(dst []int32, hashes []Hash, n int) ([]int32, []Hash) {
+	return x.evict(dst, hashes, n, true)
+}
+
+func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool) ([]int32, []Hash) {
 	start := len(dst)
 	x.removedHashes = x.removedHashes[:0]
 	for len(dst)-start < n && len(x.heap) > 0 {
@@ -21,13 +33,16 @@ func (x *Index) Evict(dst []int32, n int) []int32 {
 		if x.events.on {
 			x.removedHashes = append(x.removedHashes, x.nodes[i].hash)
 		}
+		if wantHashes {
+			hashes = append(hashes, x.nodes[i].hash)
+		}
 		x.unlink(i)
 	}
 	x.counters.Evictions += int64(len(dst) - start)
 	if len(x.removedHashes) > 0 {
 		x.events.removed(x, x.removedHashes)
 	}
-	return dst
+	return dst, hashes
 }
 
 // unlink removes leaf i from the tree and frees its slot.

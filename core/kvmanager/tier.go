@@ -1,0 +1,353 @@
+package kvmanager
+
+import (
+	"encoding/binary"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// The host tier in the manager (issue 23; core/kvtier's package comment
+// has the ordering rules this follows).
+//
+// With Config.HostTier set, cached GPU blocks that the manager evicts
+// ahead of need are demoted to the host pool instead of dropped: the
+// manager Reserves a host slot under the block's hash, queues a copy
+// (GPU block -> host slot) and keeps the GPU block out of the free queue
+// until the copy has completed; then it Commits the slot and frees the
+// block. Match per tier (MatchTiers) reports, beyond the GPU prefix
+// cache's match, how many further blocks the host tier holds.
+//
+// # When blocks are demoted
+//
+// An allocation that finds the free queue short (Add, Admit, Grow, Fork)
+// needs the evicted blocks now, and a block whose copy is still in flight
+// cannot serve it. So those evictions drop the blocks at once, without
+// demotion, as without a tier (counted in TierStats.EvictedUndemoted).
+// Demotion happens ahead of need instead, in FlushCopies, which the
+// engine calls once per step: it evicts the least recently used cached
+// blocks (the prefix cache's own order) until the free blocks plus those
+// being demoted reach HostTier.DemoteAhead, queues their copies and hands
+// the step's copies to the TierCopier as one batch. Their blocks return
+// to the free queue when the engine reports the batch complete
+// (CompleteCopies), normally before the next step's allocations, which
+// then find free blocks and evict nothing. A block being demoted is
+// neither free nor evictable: until its copy completes, allocations see
+// that many fewer available blocks, and one that cannot be served fails
+// with OutOfBlocks, changing nothing, as when the pool is exhausted.
+// DemoteAhead bounds how many blocks that can be; 0 demotes nothing.
+//
+// # Keys
+//
+// A host slot holds a block under a 64-bit key: the first eight bytes of
+// the block's 128-bit chained hash (HostKey).
+//
+// # Ordering and threads
+//
+// FlushCopies calls TierCopier.Copy with the manager's lock held: Copy
+// must only enqueue the batch (a copy kernel or cudaMemcpyBatchAsync on
+// the engine's stream, then an event) and return; it must not call the
+// Manager. The engine reports completion with CompleteCopies(ticket),
+// from any goroutine, once the batch's copies have finished (its event
+// has completed), or with failed set when they did not. Until then the
+// batch's GPU blocks stay allocated to the copy and its host slots stay
+// reserved (invisible to host matches), so the bytes under a copy never
+// change and a half-written slot is never matched.
+
+// HostTier configures a manager's host tier.
+type HostTier struct {
+	// Pool holds the demoted blocks. The manager is its only writer
+	// (Reserve, Commit, Abort); one pool per manager.
+	Pool *host.Pool
+	// Copier performs the copies between GPU blocks and host slots.
+	Copier TierCopier
+	// DemoteAhead is the number of blocks FlushCopies keeps free or being
+	// demoted, by demoting least recently used cached blocks; in [0,
+	// NumBlocks]. 0 disables demotion (the tier is only matched).
+	DemoteAhead int
+}
+
+// DemoteOp is one block's demotion: copy GPU block Block (all layers, K
+// and V) into host slot Slot (Pool.Bytes(Slot)).
+type DemoteOp struct {
+	Block int32
+	Slot  host.Slot
+	Hash  prefix.Hash // the block's chained hash (its host key is HostKey(Hash))
+}
+
+// CopyBatch is one step's copies, handed to TierCopier.Copy. Its slices
+// are the manager's and valid only during the call.
+type CopyBatch struct {
+	// Ticket names the batch in CompleteCopies; never 0.
+	Ticket uint64
+	// Demote lists the GPU-to-host copies, in eviction order.
+	Demote []DemoteOp
+}
+
+// TierCopier performs a manager's tier copies (see the comment above
+// HostTier for when and under which lock it is called).
+type TierCopier interface {
+	// Copy starts the batch's copies and returns. An error means nothing
+	// of the batch was started: the manager drops the blocks without
+	// demotion (aborting their host slots) and FlushCopies returns it.
+	Copy(b CopyBatch) error
+}
+
+// TierStats are the host tier's counters in the manager, and the host
+// pool's own.
+type TierStats struct {
+	DemotionsQueued    int64 // demotion copies handed to the copier
+	DemotionsCompleted int64 // committed to the host tier
+	DemotionsFailed    int64 // copies reported failed, or a Copy that failed
+	SkippedFull        int64 // demotions skipped: every host slot pinned
+	SkippedPresent     int64 // demotions skipped: the host tier holds the block already
+	EvictedUndemoted   int64 // blocks an allocation evicted at once, not demoted
+	InFlight           int   // blocks whose demotion copy has not completed
+	MatchQueries       int64 // prompts asked of MatchTiers
+	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
+	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
+	Host               host.Stats
+}
+
+// TierMatch is what MatchTiers found for one prompt: its first GPU
+// tokens are in the GPU prefix cache, the next Host tokens in the host
+// tier (whole blocks; GPU+Host never covers the prompt's last token).
+type TierMatch struct {
+	GPU  int32
+	Host int32
+}
+
+// HostKey is the host tier's key of a block: the first eight bytes of its
+// chained hash, big-endian.
+func HostKey(h prefix.Hash) uint64 { return binary.BigEndian.Uint64(h[:8]) }
+
+// tier is a manager's host tier state.
+type tier struct {
+	cfg      HostTier
+	inflight map[uint64][]DemoteOp // by ticket
+	nextTkt  uint64
+	nBlocks  int // blocks in inflight
+
+	// Scratch.
+	pending []DemoteOp
+	hashes  []prefix.Hash
+	keys    []uint64
+	hasher  prefix.Hasher
+
+	st TierStats
+}
+
+func newTier(cfg Config) (*tier, error) {
+	h := cfg.HostTier
+	if h.Pool == nil || h.Copier == nil {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: a pool and a copier are needed")
+	}
+	if !cfg.EnablePrefixCache {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: needs the prefix cache (enable_prefix_cache)")
+	}
+	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
+	}
+	return &tier{cfg: *h, inflight: make(map[uint64][]DemoteOp)}, nil
+}
+
+// FlushCopies demotes least recently used cached blocks until the free
+// blocks plus those being demoted reach HostTier.DemoteAhead (fewer when
+// fewer are evictable), and hands their copies to the copier as one
+// batch. It returns the batch's ticket, for CompleteCopies, and its
+// number of copies; ticket 0 and n 0 when there was nothing to copy (the
+// copier is not called). A block whose host slot cannot be reserved
+// (every slot pinned, or the block is there already) is freed at once
+// and counted. Errors: InvalidArgument (no host tier), and the copier's
+// error, after which the batch's blocks are free and not demoted.
+func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
+	m.mu.Lock()
+	defer m.unlock()
+	t := m.tier
+	if t == nil {
+		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
+	}
+	want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks
+	if want <= 0 {
+		return 0, 0, nil
+	}
+	m.evicted, t.hashes = m.cache.EvictHashes(m.evicted[:0], t.hashes[:0], want)
+	t.pending = t.pending[:0]
+	for i, b := range m.evicted {
+		h := t.hashes[i]
+		slot, rerr := t.cfg.Pool.Reserve(HostKey(h))
+		m.one[0] = b
+		if rerr != nil {
+			if kverr.Is(rerr, kverr.OutOfBlocks) {
+				t.st.SkippedFull++
+			} else {
+				t.st.SkippedPresent++
+			}
+			assertOK(m.pool.Evict(m.one[:]), "flush copies: an evicted block is not Cached in the pool")
+			continue
+		}
+		// The copy holds the block: Cached -> InUse with its one
+		// reference, no longer retained by the cache (which dropped it).
+		assertOK(m.pool.Incref(m.one[:]), "flush copies: referencing an evicted block")
+		assertOK(m.pool.UnmarkCached(b), "flush copies: unmarking an evicted block")
+		t.pending = append(t.pending, DemoteOp{Block: b, Slot: slot, Hash: h})
+	}
+	if len(t.pending) == 0 {
+		return 0, 0, nil
+	}
+	t.nextTkt++
+	ticket = t.nextTkt
+	if cerr := t.cfg.Copier.Copy(CopyBatch{Ticket: ticket, Demote: t.pending}); cerr != nil {
+		for _, op := range t.pending {
+			m.endDemotion(op, false)
+		}
+		return 0, 0, kverr.Wrap(kverr.CodeOf(cerr), cerr, "flush copies: the copier refused %d demotions; their blocks were freed", len(t.pending))
+	}
+	ops := append([]DemoteOp(nil), t.pending...)
+	t.inflight[ticket] = ops
+	t.nBlocks += len(ops)
+	t.st.DemotionsQueued += int64(len(ops))
+	return ticket, len(ops), nil
+}
+
+// endDemotion ends one demotion: its host slot is committed (ok) or
+// aborted, and its GPU block freed.
+func (m *Manager) endDemotion(op DemoteOp, ok bool) {
+	t := m.tier
+	if ok {
+		assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		t.st.DemotionsCompleted++
+	} else {
+		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
+		t.st.DemotionsFailed++
+	}
+	m.one[0] = op.Block
+	var err error
+	m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+	assertOK(err, "complete copies: a demoted block is not referenced")
+}
+
+// CompleteCopies reports that batch ticket's copies have finished (failed
+// false) or failed: each demoted block's host slot is committed (aborted
+// on failure) and its GPU block returns to the free queue. Errors:
+// InvalidArgument (no host tier), NotFound (ticket unknown or completed
+// already), with nothing changed.
+func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
+	m.mu.Lock()
+	defer m.unlock()
+	t := m.tier
+	if t == nil {
+		return kverr.Errorf(kverr.InvalidArgument, "complete copies: no host tier configured")
+	}
+	ops, ok := t.inflight[ticket]
+	if !ok {
+		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
+	}
+	delete(t.inflight, ticket)
+	t.nBlocks -= len(ops)
+	for _, op := range ops {
+		m.endDemotion(op, !failed)
+	}
+	return nil
+}
+
+// MatchTiers is Match per tier: for each prompt, the tokens of its
+// longest prefix in the GPU prefix cache (as Match, touching those
+// blocks) and, beyond them, of the blocks the host tier holds under the
+// prompt's next chained hashes (host.Pool.Lookup: touched in the host
+// LRU, not pinned). Neither match covers the prompt's last token. Without
+// a host tier Host is 0; without the prefix cache both are.
+// Errors: InvalidArgument (batch, a prompt's length in [0, MaxPromptLen],
+// keys, out shorter than the batch).
+func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
+	if err := prompts.validate("match tiers", 0); err != nil {
+		return err
+	}
+	n := prompts.Len()
+	if len(out) < n {
+		return kverr.Errorf(kverr.InvalidArgument, "match tiers: out holds %d entries for %d prompts", len(out), n)
+	}
+	m.mu.Lock()
+	defer m.unlock()
+	for i := range n {
+		out[i] = TierMatch{}
+		if m.cache == nil {
+			continue
+		}
+		tokens, keys := prompts.prompt(i)
+		res, err := m.cache.Match(m.locks[:0], tokens, keys, false)
+		m.locks = res.Blocks[:0]
+		assertOK(err, "match tiers: the index refused a validated prompt")
+		out[i].GPU = int32(res.Tokens)
+		t := m.tier
+		if t == nil {
+			continue
+		}
+		t.st.MatchQueries++
+		t.st.MatchGPUTokens += int64(res.Tokens)
+		limit := 0
+		if len(tokens) > 0 {
+			limit = (len(tokens) - 1) / m.bs // full blocks short of the last token
+		}
+		gpuBlocks := res.Tokens / m.bs
+		if limit <= gpuBlocks {
+			continue
+		}
+		t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*m.bs], m.bs, keys)
+		assertOK(err, "match tiers: hashing a validated prompt")
+		t.keys = t.keys[:0]
+		for _, h := range t.hashes[gpuBlocks:] {
+			t.keys = append(t.keys, HostKey(h))
+		}
+		hit := t.cfg.Pool.Lookup(t.keys)
+		out[i].Host = int32(hit * m.bs)
+		t.st.MatchHostTokens += int64(hit * m.bs)
+	}
+	return nil
+}
+
+// TierStats returns the host tier's counters; zero when there is none.
+func (m *Manager) TierStats() TierStats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.tier == nil {
+		return TierStats{}
+	}
+	st := m.tier.st
+	st.InFlight = m.tier.nBlocks
+	st.Host = m.tier.cfg.Pool.Stats()
+	return st
+}
+
+// checkTier verifies the host tier's part of the invariants: every block
+// being demoted is InUse, not cached, with one reference, which refs (the
+// sequences' references so far) is credited with; its host slot is
+// reserved under the block's key.
+func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error {
+	t := m.tier
+	if t == nil {
+		return nil
+	}
+	count := 0
+	for tk, ops := range t.inflight {
+		for _, op := range ops {
+			b := op.Block
+			if m.pool.IsCached(b) {
+				return bad("block %d being demoted (batch %d) is marked cached", b, tk)
+			}
+			if _, ok := m.cache.BlockHash(b); ok {
+				return bad("block %d being demoted (batch %d) is in the prefix cache", b, tk)
+			}
+			refs[b]++
+			if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+				return bad("block %d being demoted (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
+			}
+			count++
+		}
+	}
+	if count != t.nBlocks {
+		return bad("%d blocks being demoted, the count says %d", count, t.nBlocks)
+	}
+	return nil
+}
