@@ -1,0 +1,323 @@
+package kvmanager
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+const tierBlockBytes = 32
+
+// kvOf is the fake K/V of the block with chained hash h: what an engine
+// would have computed into it.
+func kvOf(h prefix.Hash) []byte {
+	b := make([]byte, tierBlockBytes)
+	for i := 0; i < tierBlockBytes; i += 16 {
+		copy(b[i:], h[:])
+	}
+	binary.LittleEndian.PutUint32(b, 0xfeedbeef) // not all hash
+	return b
+}
+
+// fakeGPU is the GPU pool's memory in tests, and the copier: Copy copies
+// each demoted block's bytes into its host slot at once, and records the
+// batch; completion is the test's to report.
+type fakeGPU struct {
+	mu      sync.Mutex
+	mem     map[int32][]byte
+	pool    *host.Pool
+	batches []CopyBatch
+	fail    error
+}
+
+func (g *fakeGPU) Copy(b CopyBatch) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.fail != nil {
+		return g.fail
+	}
+	for _, op := range b.Demote {
+		copy(g.pool.Bytes(op.Slot), g.mem[op.Block])
+	}
+	b.Demote = slices.Clone(b.Demote)
+	g.batches = append(g.batches, b)
+	return nil
+}
+
+// compute writes the K/V of sequence id's full blocks of prompt toks into
+// the GPU memory, as the engine's step would.
+func (g *fakeGPU) compute(t testing.TB, m *Manager, id int64, toks []int32) {
+	t.Helper()
+	chain := wholeChain(t, toks, m.BlockSize(), nil)
+	tbl := blocksOf(t, m, id, len(toks)/m.BlockSize()+1)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for i, h := range chain {
+		g.mem[tbl[i]] = kvOf(h)
+	}
+}
+
+func newTierMgr(t testing.TB, numBlocks, bs, slots, ahead int) (*Manager, *fakeGPU) {
+	t.Helper()
+	p, err := host.New(host.Config{Slots: slots, BlockBytes: tierBlockBytes})
+	must(t, err)
+	g := &fakeGPU{mem: map[int32][]byte{}, pool: p}
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true,
+		HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: ahead}})
+	must(t, err)
+	return m, g
+}
+
+// hostHolds checks that the host tier holds block hash h with its K/V.
+func hostHolds(t testing.TB, p *host.Pool, h prefix.Hash) {
+	t.Helper()
+	slots := make([]host.Slot, 1)
+	n, err := p.PinPrefix([]uint64{HostKey(h)}, slots)
+	must(t, err)
+	if n != 1 {
+		t.Fatalf("host tier does not hold block %s", h)
+	}
+	defer func() { must(t, p.Unpin(slots[0])) }()
+	if !bytes.Equal(p.Bytes(slots[0]), kvOf(h)) {
+		t.Fatalf("host slot %d of block %s holds %x, want %x", slots[0], h, p.Bytes(slots[0]), kvOf(h))
+	}
+}
+
+func tierMatch(t testing.TB, m *Manager, toks []int32) TierMatch {
+	t.Helper()
+	out := make([]TierMatch, 1)
+	must(t, m.MatchTiers(one(toks, nil), out))
+	return out[0]
+}
+
+// A conversation's cached history, evicted ahead of need by FlushCopies,
+// is copied to the host tier (the slots hold the blocks' bytes) and
+// matched there beyond the GPU's match once the copies completed.
+func TestTierDemotesOnFlushAndMatchesPerTier(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 6)
+	r := rand.New(rand.NewPCG(1, 23))
+	conv := seqTokens(r, 4*bs+1) // four full blocks and one token
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	tbl := blocksOf(t, m, 1, 8)
+	must(t, m.Remove([]int64{1}))
+	if st := m.Stats(); st.CachedBlocks != 4 || st.FreeBlocks != 4 {
+		t.Fatalf("after remove: %+v", st)
+	}
+	if got := tierMatch(t, m, conv); got != (TierMatch{GPU: 4 * bs}) {
+		t.Fatalf("before demotion: %+v", got)
+	}
+
+	ticket, n, err := m.FlushCopies()
+	must(t, err)
+	if ticket == 0 || n != 2 || len(g.batches) != 1 {
+		t.Fatalf("flush: ticket %d, %d copies, %d batches; want 2 copies in one batch", ticket, n, len(g.batches))
+	}
+	chain := wholeChain(t, conv, bs, nil)
+	// The deepest blocks go first (the prefix cache's eviction order).
+	want := []DemoteOp{{Block: tbl[3], Hash: chain[3]}, {Block: tbl[2], Hash: chain[2]}}
+	for i, op := range g.batches[0].Demote {
+		if op.Block != want[i].Block || op.Hash != want[i].Hash {
+			t.Fatalf("demotion %d: %+v, want block %d hash %s", i, op, want[i].Block, want[i].Hash)
+		}
+	}
+	st, ts := m.Stats(), m.TierStats()
+	if st.FreeBlocks != 4 || st.CachedBlocks != 2 || ts.InFlight != 2 || ts.DemotionsQueued != 2 || ts.Host.Reserved != 2 {
+		t.Fatalf("in flight: %+v %+v", st, ts)
+	}
+	// A second flush while they are in flight has nothing to do.
+	if tk, n, err := m.FlushCopies(); err != nil || tk != 0 || n != 0 {
+		t.Fatalf("second flush: %d %d %v", tk, n, err)
+	}
+	// Reserved slots are not matched before completion.
+	if got := tierMatch(t, m, conv); got != (TierMatch{GPU: 2 * bs}) {
+		t.Fatalf("copies in flight: %+v", got)
+	}
+	must(t, m.CompleteCopies(ticket, false))
+	st, ts = m.Stats(), m.TierStats()
+	if st.FreeBlocks != 6 || ts.InFlight != 0 || ts.DemotionsCompleted != 2 || ts.Host.Resident != 2 {
+		t.Fatalf("completed: %+v %+v", st, ts)
+	}
+	hostHolds(t, g.pool, chain[2])
+	hostHolds(t, g.pool, chain[3])
+	if got := tierMatch(t, m, conv); got != (TierMatch{GPU: 2 * bs, Host: 2 * bs}) {
+		t.Fatalf("after demotion: %+v", got)
+	}
+	// The match never covers the last token: a prompt ending at a block
+	// boundary matches one block less.
+	if got := tierMatch(t, m, conv[:4*bs]); got != (TierMatch{GPU: 2 * bs, Host: bs}) {
+		t.Fatalf("block-aligned prompt: %+v", got)
+	}
+	ts = m.TierStats()
+	if ts.MatchQueries != 4 || ts.MatchHostTokens != 3*bs || ts.MatchGPUTokens != (4+2+2+2)*bs {
+		t.Fatalf("match counters: %+v", ts)
+	}
+	wantCode(t, "complete twice", m.CompleteCopies(ticket, false), kverr.NotFound)
+}
+
+// A block whose demotion copy is in flight is neither free nor evictable:
+// no allocation gets it, and one that would need it fails with
+// OutOfBlocks, changing nothing. Evictions an allocation makes itself are
+// not demoted (counted).
+func TestTierBlockInFlightIsNotReused(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 6)
+	r := rand.New(rand.NewPCG(2, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	must(t, m.Remove([]int64{1}))
+	ticket, n, err := m.FlushCopies()
+	must(t, err)
+	if n != 2 {
+		t.Fatalf("%d demotions, want 2", n)
+	}
+	inFlight := []int32{g.batches[0].Demote[0].Block, g.batches[0].Demote[1].Block}
+	// 4 free and 2 evictable: 7 blocks do not fit.
+	before, tsBefore, hsBefore := m.Stats(), m.TierStats(), g.pool.Stats()
+	wantCode(t, "add 7 blocks", m.Add(2, 7*bs), kverr.OutOfBlocks)
+	if n, err := m.Admit([]int64{2}, one(seqTokens(r, 7*bs), nil), nil); n != 0 || err != nil {
+		t.Fatalf("admit 7 blocks: %d %v", n, err)
+	}
+	if m.Stats() != before || m.TierStats() != tsBefore || g.pool.Stats() != hsBefore {
+		t.Fatalf("a failed allocation changed the state:\n%+v\n%+v", before, m.Stats())
+	}
+	// 6 fit, evicting the 2 cached blocks at once, never the in-flight ones.
+	must(t, m.Add(2, 6*bs))
+	got := blocksOf(t, m, 2, 8)
+	for _, b := range inFlight {
+		if slices.Contains(got, b) {
+			t.Fatalf("sequence got block %d, whose demotion is in flight (table %v)", b, got)
+		}
+	}
+	if ts := m.TierStats(); ts.EvictedUndemoted != 2 || ts.InFlight != 2 {
+		t.Fatalf("tier stats: %+v", ts)
+	}
+	wantCode(t, "add 1 more block", m.Add(3, 1), kverr.OutOfBlocks)
+	must(t, m.CompleteCopies(ticket, false))
+	must(t, m.Add(3, 2*bs))
+	if got := blocksOf(t, m, 3, 4); !slices.Equal(slices.Sorted(slices.Values(got)), slices.Sorted(slices.Values(inFlight))) {
+		t.Fatalf("after completion the freed blocks %v serve the allocation, got %v", inFlight, got)
+	}
+}
+
+// With every host slot pinned the demotion is skipped, counted, and the
+// block freed at once; a block the host tier holds already is not copied
+// again.
+func TestTierHostFullSkipsDemotion(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 1, 6)
+	r := rand.New(rand.NewPCG(3, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	must(t, m.Remove([]int64{1}))
+	ticket, n, err := m.FlushCopies()
+	must(t, err)
+	if n != 1 {
+		t.Fatalf("%d demotions, want 1", n)
+	}
+	st, ts := m.Stats(), m.TierStats()
+	if st.FreeBlocks != 5 || st.CachedBlocks != 2 || ts.SkippedFull != 1 || ts.Host.SkippedFull != 1 || ts.InFlight != 1 {
+		t.Fatalf("host full: %+v %+v", st, ts)
+	}
+	must(t, m.CompleteCopies(ticket, false))
+	chain := wholeChain(t, conv, bs, nil)
+	hostHolds(t, g.pool, chain[3])
+
+	// The same history again: recomputed, cached, demoted: its last block
+	// is in the host tier already.
+	admit(t, m, 2, conv, nil)
+	g.compute(t, m, 2, conv)
+	must(t, m.Remove([]int64{2}))
+	_, _, err = m.FlushCopies()
+	must(t, err)
+	if ts := m.TierStats(); ts.SkippedPresent < 1 {
+		t.Fatalf("a block already in the host tier was not skipped: %+v", ts)
+	}
+}
+
+// A copier that refuses a batch, or copies reported failed, leave the
+// blocks free and the host slots free, counted as failed.
+func TestTierCopyFailures(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 6)
+	r := rand.New(rand.NewPCG(4, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	must(t, m.Remove([]int64{1}))
+	g.fail = kverr.Errorf(kverr.Internal, "stream broken")
+	tk, n, err := m.FlushCopies()
+	wantCode(t, "refused batch", err, kverr.Internal)
+	if tk != 0 || n != 0 {
+		t.Fatalf("refused batch: ticket %d, %d copies", tk, n)
+	}
+	st, ts := m.Stats(), m.TierStats()
+	if st.FreeBlocks != 6 || ts.DemotionsFailed != 2 || ts.InFlight != 0 || ts.Host.Reserved != 0 || ts.Host.Aborts != 2 {
+		t.Fatalf("after a refused batch: %+v %+v", st, ts)
+	}
+	g.fail = nil
+	// Evict the rest ahead of need: the two blocks left, reported failed.
+	m2, g2 := newTierMgr(t, 8, bs, 16, 8)
+	admit(t, m2, 1, conv, nil)
+	g2.compute(t, m2, 1, conv)
+	must(t, m2.Remove([]int64{1}))
+	tk, n, err = m2.FlushCopies()
+	must(t, err)
+	if n != 4 {
+		t.Fatalf("%d demotions, want 4", n)
+	}
+	wantCode(t, "unknown ticket", m2.CompleteCopies(tk+1, false), kverr.NotFound)
+	must(t, m2.CompleteCopies(tk, true))
+	st, ts = m2.Stats(), m2.TierStats()
+	if st.FreeBlocks != 8 || ts.DemotionsFailed != 4 || ts.Host.Resident != 0 || ts.Host.Reserved != 0 {
+		t.Fatalf("after failed copies: %+v %+v", st, ts)
+	}
+	if got := tierMatch(t, m2, conv); got != (TierMatch{}) {
+		t.Fatalf("failed copies matched: %+v", got)
+	}
+}
+
+func TestTierConfigAndNoTier(t *testing.T) {
+	p, err := host.New(host.Config{Slots: 4, BlockBytes: 8})
+	must(t, err)
+	g := &fakeGPU{pool: p}
+	for name, cfg := range map[string]Config{
+		"no prefix cache": {NumBlocks: 8, BlockSize: 4, HostTier: &HostTier{Pool: p, Copier: g}},
+		"no pool":         {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Copier: g}},
+		"no copier":       {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p}},
+		"ahead < 0":       {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: -1}},
+		"ahead > pool":    {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: 9}},
+	} {
+		_, err := New(cfg)
+		wantCode(t, name, err, kverr.InvalidArgument)
+	}
+	m := newCached(t, 8, 4, false)
+	_, _, err = m.FlushCopies()
+	wantCode(t, "flush without tier", err, kverr.InvalidArgument)
+	wantCode(t, "complete without tier", m.CompleteCopies(1, false), kverr.InvalidArgument)
+	r := rand.New(rand.NewPCG(5, 23))
+	conv := seqTokens(r, 13)
+	admit(t, m, 1, conv, nil)
+	if got := tierMatch(t, m, conv); got != (TierMatch{GPU: 12}) {
+		t.Fatalf("no tier: %+v", got)
+	}
+	if m.TierStats() != (TierStats{}) {
+		t.Fatalf("no tier: stats %+v", m.TierStats())
+	}
+	wantCode(t, "short out", m.MatchTiers(one(conv, nil), nil), kverr.InvalidArgument)
+	// DemoteAhead 0: the tier is matched, nothing is demoted.
+	m0, _ := newTierMgr(t, 8, 4, 4, 0)
+	if tk, n, err := m0.FlushCopies(); tk != 0 || n != 0 || err != nil {
+		t.Fatalf("ahead 0: %d %d %v", tk, n, err)
+	}
+}
