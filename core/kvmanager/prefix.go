@@ -191,6 +191,10 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 		return 0, false, nil
 	}
 	k := len(res.Blocks)
+	hostHit := 0 // blocks after the k matched on the GPU, pinned in the host tier
+	if m.tier != nil {
+		hostHit = m.pinHost(tokens, keys, k)
+	}
 	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens}
 	// The matched blocks are cached, so their references equal their
 	// locks, which Acquire bounded below 2^31-1.
@@ -201,16 +205,25 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 		hint = s.blocks[k-1]
 	}
 	assertOK(m.pool.Allocate(s.blocks[k:], hint), "admit: allocating blocks made free")
+	if hostHit > 0 {
+		m.queueReloads(s, k, hostHit)
+	}
 	if m.cache != nil {
 		s.pc = &seqPrefix{keys: keys.Clone(), last: res.Last, tail: make([]int32, 0, m.bs)}
+		// The reloaded blocks are inserted like the blocks the step
+		// computes: their K/V arrives before the step's attention.
 		m.extendPrefix(s, tokens[res.Tokens:])
 	}
+	if hostHit > 0 {
+		m.lockReloads(s, k, hostHit)
+	}
+	matched = res.Tokens + hostHit*m.bs
 	s.length = len(tokens)
-	s.fresh = len(tokens) - res.Tokens
+	s.fresh = len(tokens) - matched
 	m.seqs.put(id, s)
 	m.numTokens += int64(s.length)
 	m.waste += m.wasteOf(s)
-	return res.Tokens, true, nil
+	return matched, true, nil
 }
 
 // GrowTokens is Grow with the new tokens themselves: tokens holds each

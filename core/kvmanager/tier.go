@@ -76,6 +76,13 @@ type DemoteOp struct {
 	Hash  prefix.Hash // the block's chained hash (its host key is HostKey(Hash))
 }
 
+// ReloadOp is one block's reload: copy host slot Slot into GPU block
+// Block (all layers, K and V), before the step's attention reads it.
+type ReloadOp struct {
+	Slot  host.Slot
+	Block int32
+}
+
 // CopyBatch is one step's copies, handed to TierCopier.Copy. Its slices
 // are the manager's and valid only during the call.
 type CopyBatch struct {
@@ -83,6 +90,11 @@ type CopyBatch struct {
 	Ticket uint64
 	// Demote lists the GPU-to-host copies, in eviction order.
 	Demote []DemoteOp
+	// Reload lists the host-to-GPU copies of the step's host hits, in
+	// admission order and each prompt's block order. The engine must
+	// order them before the step's attention (a copy on the step's
+	// stream, or an event the stream waits on).
+	Reload []ReloadOp
 }
 
 // TierCopier performs a manager's tier copies (see the comment above
@@ -103,6 +115,10 @@ type TierStats struct {
 	SkippedFull        int64 // demotions skipped: every host slot pinned
 	SkippedPresent     int64 // demotions skipped: the host tier holds the block already
 	EvictedUndemoted   int64 // blocks an allocation evicted at once, not demoted
+	Reloads            int64 // host-to-GPU block copies queued by admissions
+	ReloadsCompleted   int64 // of which reported complete
+	ReloadsFailed      int64 // of which reported failed
+	HostHitTokens      int64 // tokens admissions matched in the host tier
 	InFlight           int   // blocks whose demotion copy has not completed
 	MatchQueries       int64 // prompts asked of MatchTiers
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
@@ -125,14 +141,22 @@ func HostKey(h prefix.Hash) uint64 { return binary.BigEndian.Uint64(h[:8]) }
 // tier is a manager's host tier state.
 type tier struct {
 	cfg      HostTier
-	inflight map[uint64][]DemoteOp // by ticket
+	inflight map[uint64]CopyBatch // by ticket
 	nextTkt  uint64
-	nBlocks  int // blocks in inflight
+	nBlocks  int // demotions in inflight
+
+	// Reloads queued by admissions since the last FlushCopies. Each
+	// reload op, queued or in flight, holds one reference on its GPU
+	// block (and one lock, when the block is cached), so that the block
+	// is not evicted, demoted or reused while the copy may write it, even
+	// if its sequence is removed first.
+	reloads []ReloadOp
 
 	// Scratch.
 	pending []DemoteOp
 	hashes  []prefix.Hash
 	keys    []uint64
+	slots   []host.Slot
 	hasher  prefix.Hasher
 
 	st TierStats
@@ -149,7 +173,7 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
-	return &tier{cfg: *h, inflight: make(map[uint64][]DemoteOp)}, nil
+	return &tier{cfg: *h, inflight: make(map[uint64]CopyBatch)}, nil
 }
 
 // FlushCopies demotes least recently used cached blocks until the free
@@ -168,12 +192,11 @@ func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
 	if t == nil {
 		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
 	}
-	want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks
-	if want <= 0 {
-		return 0, 0, nil
-	}
-	m.evicted, t.hashes = m.cache.EvictHashes(m.evicted[:0], t.hashes[:0], want)
 	t.pending = t.pending[:0]
+	m.evicted, t.hashes = m.evicted[:0], t.hashes[:0]
+	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
+		m.evicted, t.hashes = m.cache.EvictHashes(m.evicted, t.hashes, want)
+	}
 	for i, b := range m.evicted {
 		h := t.hashes[i]
 		slot, rerr := t.cfg.Pool.Reserve(HostKey(h))
@@ -193,22 +216,48 @@ func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
 		assertOK(m.pool.UnmarkCached(b), "flush copies: unmarking an evicted block")
 		t.pending = append(t.pending, DemoteOp{Block: b, Slot: slot, Hash: h})
 	}
-	if len(t.pending) == 0 {
+	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
 	}
 	t.nextTkt++
 	ticket = t.nextTkt
-	if cerr := t.cfg.Copier.Copy(CopyBatch{Ticket: ticket, Demote: t.pending}); cerr != nil {
+	if cerr := t.cfg.Copier.Copy(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
 		for _, op := range t.pending {
 			m.endDemotion(op, false)
 		}
-		return 0, 0, kverr.Wrap(kverr.CodeOf(cerr), cerr, "flush copies: the copier refused %d demotions; their blocks were freed", len(t.pending))
+		for _, op := range t.reloads {
+			m.endReload(op, false)
+		}
+		nd, nr := len(t.pending), len(t.reloads)
+		t.reloads = t.reloads[:0]
+		return 0, 0, kverr.Wrap(kverr.CodeOf(cerr), cerr,
+			"flush copies: the copier refused %d demotions, whose blocks were freed, and %d reloads, whose blocks hold no valid K/V", nd, nr)
 	}
-	ops := append([]DemoteOp(nil), t.pending...)
-	t.inflight[ticket] = ops
-	t.nBlocks += len(ops)
-	t.st.DemotionsQueued += int64(len(ops))
-	return ticket, len(ops), nil
+	b := CopyBatch{Ticket: ticket, Demote: append([]DemoteOp(nil), t.pending...), Reload: append([]ReloadOp(nil), t.reloads...)}
+	t.reloads = t.reloads[:0]
+	t.inflight[ticket] = b
+	t.nBlocks += len(b.Demote)
+	t.st.DemotionsQueued += int64(len(b.Demote))
+	return ticket, len(b.Demote) + len(b.Reload), nil
+}
+
+// endReload ends one reload: its host slot is unpinned and the op's
+// reference (and lock) on the GPU block dropped.
+func (m *Manager) endReload(op ReloadOp, ok bool) {
+	t := m.tier
+	assertOK(t.cfg.Pool.Unpin(op.Slot), "complete copies: unpinning a reload's host slot")
+	if ok {
+		t.st.ReloadsCompleted++
+	} else {
+		t.st.ReloadsFailed++
+	}
+	m.one[0] = op.Block
+	if m.pool.IsCached(op.Block) {
+		assertOK(m.cache.Unlock(m.one[:]), "complete copies: a reloaded cached block is not locked")
+	}
+	var err error
+	m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+	assertOK(err, "complete copies: a reloaded block is not referenced")
 }
 
 // endDemotion ends one demotion: its host slot is committed (ok) or
@@ -240,14 +289,17 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 	if t == nil {
 		return kverr.Errorf(kverr.InvalidArgument, "complete copies: no host tier configured")
 	}
-	ops, ok := t.inflight[ticket]
+	b, ok := t.inflight[ticket]
 	if !ok {
 		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
 	}
 	delete(t.inflight, ticket)
-	t.nBlocks -= len(ops)
-	for _, op := range ops {
+	t.nBlocks -= len(b.Demote)
+	for _, op := range b.Demote {
 		m.endDemotion(op, !failed)
+	}
+	for _, op := range b.Reload {
+		m.endReload(op, !failed)
 	}
 	return nil
 }
@@ -330,8 +382,14 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 		return nil
 	}
 	count := 0
-	for tk, ops := range t.inflight {
-		for _, op := range ops {
+	for _, op := range t.reloads {
+		refs[op.Block]++
+	}
+	for tk, batch := range t.inflight {
+		for _, op := range batch.Reload {
+			refs[op.Block]++
+		}
+		for _, op := range batch.Demote {
 			b := op.Block
 			if m.pool.IsCached(b) {
 				return bad("block %d being demoted (batch %d) is marked cached", b, tk)
@@ -350,4 +408,55 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 		return bad("%d blocks being demoted, the count says %d", count, t.nBlocks)
 	}
 	return nil
+}
+
+// pinHost matches a prompt's blocks beyond its first gpu matched ones in
+// the host tier, pinning the matched slots (into t.slots), and returns
+// how many. Never the block holding the prompt's last token.
+func (m *Manager) pinHost(tokens []int32, keys *prefix.Keys, gpu int) int {
+	t := m.tier
+	limit := 0
+	if len(tokens) > 0 {
+		limit = (len(tokens) - 1) / m.bs
+	}
+	if limit <= gpu {
+		return 0
+	}
+	var err error
+	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*m.bs], m.bs, keys)
+	assertOK(err, "admit: hashing a validated prompt")
+	t.keys = t.keys[:0]
+	for _, h := range t.hashes[gpu:] {
+		t.keys = append(t.keys, HostKey(h))
+	}
+	if cap(t.slots) < len(t.keys) {
+		t.slots = make([]host.Slot, len(t.keys))
+	}
+	t.slots = t.slots[:len(t.keys)]
+	n, err := t.cfg.Pool.PinPrefix(t.keys, t.slots)
+	if err != nil {
+		return 0 // a closed pool: a miss
+	}
+	return n
+}
+
+// queueReloads records the reloads of s's blocks [k, k+n) from t.slots
+// and takes the ops' references on them; lockReloads then takes their
+// locks on those the prefix cache holds (once inserted).
+func (m *Manager) queueReloads(s *seq, k, n int) {
+	t := m.tier
+	for j := range n {
+		t.reloads = append(t.reloads, ReloadOp{Slot: t.slots[j], Block: s.blocks[k+j]})
+	}
+	// Fresh blocks with one reference each.
+	assertOK(m.pool.Incref(s.blocks[k:k+n]), "admit: referencing the reload's blocks")
+	t.st.Reloads += int64(n)
+	t.st.HostHitTokens += int64(n * m.bs)
+}
+
+func (m *Manager) lockReloads(s *seq, k, n int) {
+	m.locks = m.cachedOf(s.blocks[k:k+n], m.locks[:0])
+	if len(m.locks) > 0 {
+		assertOK(m.cache.Lock(m.locks), "admit: locking the reload's cached blocks")
+	}
 }
