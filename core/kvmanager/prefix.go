@@ -122,7 +122,9 @@ type MatchInfo struct {
 // gets prompt i, starts on the cached blocks of its longest cached prefix
 // in full blocks (never its last token), and has the rest of the prompt as
 // its new tokens; matched[i] (if matched is not nil) is set to the number
-// of matched tokens. Its other blocks are allocated (evicting cached ones
+// of matched tokens. With a host tier (tier.go) the match goes on in the
+// host tier: those blocks are reloaded, and their tokens count as matched
+// too. Its other blocks are allocated (evicting cached ones
 // if the free queue runs short) and each full one is inserted into the
 // cache, so later prompts, in this batch too, share it. Without the prefix
 // cache nothing matches and the tokens are not kept.

@@ -17,7 +17,28 @@ import (
 // (GPU block -> host slot) and keeps the GPU block out of the free queue
 // until the copy has completed; then it Commits the slot and frees the
 // block. Match per tier (MatchTiers) reports, beyond the GPU prefix
-// cache's match, how many further blocks the host tier holds.
+// cache's match, how many further blocks the host tier holds, and
+// admission (Admit) uses them: a prompt's blocks that follow its GPU
+// match and that the host tier holds are pinned there, get GPU blocks
+// and count as matched (not computed); their reloads (host slot -> GPU
+// block) go into the next copy batch.
+//
+// # Reloaded blocks
+//
+// A reloaded block is inserted into the GPU prefix cache at admission,
+// as the blocks the step computes are (prefix.go: a block is cached when
+// the call that fills it returns, before its K/V exists): its K/V
+// arrives before the step's attention, since the engine orders the
+// batch's reloads before it (core/kvtier, rule 3), so a later prompt, in
+// the same step too, may share it. Until the reload completes, the copy
+// holds one reference (and, once cached, one lock) on the GPU block, so
+// that a sequence removed first leaves the block neither free nor
+// evictable while the copy may still write it; and the host slot stays
+// pinned, so the bytes under the copy cannot change. A failed reload
+// (CompleteCopies with failed, or a refused batch) unpins and releases
+// the same way, but the blocks stay cached without valid K/V: the
+// engine must treat it as fatal for the prefix cache (remove the
+// sequences, ClearPrefixCache).
 //
 // # When blocks are demoted
 //
@@ -178,9 +199,11 @@ func newTier(cfg Config) (*tier, error) {
 
 // FlushCopies demotes least recently used cached blocks until the free
 // blocks plus those being demoted reach HostTier.DemoteAhead (fewer when
-// fewer are evictable), and hands their copies to the copier as one
-// batch. It returns the batch's ticket, for CompleteCopies, and its
-// number of copies; ticket 0 and n 0 when there was nothing to copy (the
+// fewer are evictable), and hands their copies, with the reloads queued
+// by admissions since the last flush, to the copier as one batch. The
+// engine calls it once per step, after the step's admissions and before
+// its forward pass. It returns the batch's ticket, for CompleteCopies,
+// and its number of copies; ticket 0 and n 0 when there was nothing to copy (the
 // copier is not called). A block whose host slot cannot be reserved
 // (every slot pinned, or the block is there already) is freed at once
 // and counted. Errors: InvalidArgument (no host tier), and the copier's
@@ -279,7 +302,8 @@ func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 
 // CompleteCopies reports that batch ticket's copies have finished (failed
 // false) or failed: each demoted block's host slot is committed (aborted
-// on failure) and its GPU block returns to the free queue. Errors:
+// on failure) and its GPU block returns to the free queue; each reload's
+// host slot is unpinned and the copy's hold on its GPU block dropped. Errors:
 // InvalidArgument (no host tier), NotFound (ticket unknown or completed
 // already), with nothing changed.
 func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {

@@ -46,7 +46,11 @@ func (g *fakeGPU) Copy(b CopyBatch) error {
 	for _, op := range b.Demote {
 		copy(g.pool.Bytes(op.Slot), g.mem[op.Block])
 	}
+	for _, op := range b.Reload {
+		g.mem[op.Block] = slices.Clone(g.pool.Bytes(op.Slot))
+	}
 	b.Demote = slices.Clone(b.Demote)
+	b.Reload = slices.Clone(b.Reload)
 	g.batches = append(g.batches, b)
 	return nil
 }
@@ -320,4 +324,153 @@ func TestTierConfigAndNoTier(t *testing.T) {
 	if tk, n, err := m0.FlushCopies(); tk != 0 || n != 0 || err != nil {
 		t.Fatalf("ahead 0: %d %d %v", tk, n, err)
 	}
+}
+
+// demoteAll admits conv as sequence id, computes it, removes it and
+// demotes every cached block (DemoteAhead is the pool size), completing
+// the copies.
+func demoteAll(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) {
+	t.Helper()
+	admit(t, m, id, conv, nil)
+	g.compute(t, m, id, conv)
+	must(t, m.Remove([]int64{id}))
+	tk, _, err := m.FlushCopies()
+	must(t, err)
+	if tk != 0 {
+		must(t, m.CompleteCopies(tk, false))
+	}
+	if st := m.Stats(); st.CachedBlocks != 0 {
+		t.Fatalf("not all demoted: %+v", st)
+	}
+}
+
+// A conversation that returns after its history left the GPU pool matches
+// the history in the host tier: admission allocates GPU blocks for it and
+// queues their reloads (right slots, right blocks, in order) in the next
+// batch; the blocks hold the history's K/V once the batch completed, and
+// the host slots are unpinned then.
+func TestTierReloadsAReturningConversation(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 8)
+	r := rand.New(rand.NewPCG(6, 23))
+	conv := seqTokens(r, 4*bs+1)
+	demoteAll(t, m, g, 1, conv)
+	turn2 := append(slices.Clone(conv), seqTokens(r, 2*bs)...) // 6 full blocks, one token
+	if got := tierMatch(t, m, turn2); got != (TierMatch{Host: 4 * bs}) {
+		t.Fatalf("match: %+v", got)
+	}
+	if got := admit(t, m, 2, turn2, nil); got != 4*bs {
+		t.Fatalf("admit matched %d tokens, want %d", got, 4*bs)
+	}
+	tbl := blocksOf(t, m, 2, 8)
+	if _, slots := describeSlots(t, m, 2); len(slots) != len(turn2)-4*bs || slots[0] != tbl[4]*bs {
+		t.Fatalf("new tokens' slots %v: want them from block %d", slots, tbl[4])
+	}
+	ts := m.TierStats()
+	if ts.Reloads != 4 || ts.HostHitTokens != 4*bs || ts.Host.Pinned != 4 {
+		t.Fatalf("after admit: %+v", ts)
+	}
+	tk, n, err := m.FlushCopies()
+	must(t, err)
+	if n != 4 || len(g.batches) != 2 {
+		t.Fatalf("flush: %d copies, %d batches", n, len(g.batches))
+	}
+	b := g.batches[1]
+	chain := wholeChain(t, turn2, bs, nil)
+	if len(b.Demote) != 0 || len(b.Reload) != 4 {
+		t.Fatalf("batch %+v", b)
+	}
+	for j, op := range b.Reload {
+		if key, ok := g.pool.Hash(op.Slot); !ok || key != HostKey(chain[j]) || op.Block != tbl[j] {
+			t.Fatalf("reload %d: %+v (slot holds %x), want block %d from the slot of %s", j, op, key, tbl[j], chain[j])
+		}
+	}
+	must(t, m.CompleteCopies(tk, false))
+	ts = m.TierStats()
+	if ts.ReloadsCompleted != 4 || ts.Host.Pinned != 0 || ts.Host.Resident != 4 {
+		t.Fatalf("after completion: %+v", ts)
+	}
+	for j := range 4 {
+		if !bytes.Equal(g.mem[tbl[j]], kvOf(chain[j])) {
+			t.Fatalf("block %d holds %x after the reload, want %x", tbl[j], g.mem[tbl[j]], kvOf(chain[j]))
+		}
+	}
+	// The reloaded blocks are in the GPU prefix cache: a third prompt
+	// shares them (and the two blocks the second one computed).
+	if got := admit(t, m, 3, turn2, nil); got != 6*bs {
+		t.Fatalf("third prompt matched %d tokens, want %d", got, 6*bs)
+	}
+	if got := blocksOf(t, m, 3, 8); !slices.Equal(got[:6], tbl[:6]) {
+		t.Fatalf("third prompt's table %v, second's %v", got, tbl)
+	}
+}
+
+// A reload's blocks stay held by the copy until it completes, even when
+// their sequence is removed first: no allocation gets them and nothing
+// evicts them.
+func TestTierReloadHoldsBlocksUntilComplete(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 8)
+	r := rand.New(rand.NewPCG(7, 23))
+	conv := seqTokens(r, 4*bs+1)
+	demoteAll(t, m, g, 1, conv)
+	admit(t, m, 2, conv, nil)
+	reloaded := blocksOf(t, m, 2, 8)[:4]
+	must(t, m.Remove([]int64{2}))
+	// 8 blocks: 4 held by the pending reload; the rest are free.
+	wantCode(t, "add 5 blocks", m.Add(3, 5*bs), kverr.OutOfBlocks)
+	tk, _, err := m.FlushCopies()
+	must(t, err)
+	wantCode(t, "add 5 blocks in flight", m.Add(3, 5*bs), kverr.OutOfBlocks)
+	must(t, m.Add(3, 4*bs))
+	for _, b := range blocksOf(t, m, 3, 8) {
+		if slices.Contains(reloaded, b) {
+			t.Fatalf("block %d, being reloaded, was allocated", b)
+		}
+	}
+	must(t, m.CompleteCopies(tk, false))
+	if st := m.Stats(); st.CachedBlocks != 4 {
+		t.Fatalf("reloaded blocks not cached after completion: %+v", st)
+	}
+}
+
+// An admission that does not fit changes nothing: no host pin, no host
+// LRU touch or hit counted, no reload queued.
+func TestTierAdmitThatDoesNotFitChangesNothing(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 8)
+	r := rand.New(rand.NewPCG(8, 23))
+	conv := seqTokens(r, 4*bs+1)
+	demoteAll(t, m, g, 1, conv)
+	must(t, m.Add(9, 4*bs)) // 4 of 8 blocks left, conv needs 5
+	st, ts, hs := m.Stats(), m.TierStats(), g.pool.Stats()
+	if n, err := m.Admit([]int64{2}, one(conv, nil), nil); n != 0 || err != nil {
+		t.Fatalf("admit: %d %v", n, err)
+	}
+	if m.Stats() != st || m.TierStats() != ts || g.pool.Stats() != hs {
+		t.Fatalf("a refused admission changed the state:\n%+v %+v\n%+v %+v", st, ts, m.Stats(), m.TierStats())
+	}
+	if tk, n, err := m.FlushCopies(); tk != 0 || n != 0 || err != nil {
+		t.Fatalf("flush after a refused admission: %d %d %v", tk, n, err)
+	}
+}
+
+// A copier that refuses a batch with reloads unpins their slots and
+// drops the copies' holds on the blocks.
+func TestTierRefusedReloadReleasesPins(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 8)
+	r := rand.New(rand.NewPCG(9, 23))
+	conv := seqTokens(r, 4*bs+1)
+	demoteAll(t, m, g, 1, conv)
+	admit(t, m, 2, conv, nil)
+	g.fail = kverr.Errorf(kverr.Internal, "stream broken")
+	_, _, err := m.FlushCopies()
+	wantCode(t, "refused", err, kverr.Internal)
+	ts := m.TierStats()
+	if ts.ReloadsFailed != 4 || ts.Host.Pinned != 0 {
+		t.Fatalf("after a refused reload: %+v", ts)
+	}
+	must(t, m.Remove([]int64{2}))
+	check(t, m)
 }
