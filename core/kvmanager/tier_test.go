@@ -474,3 +474,135 @@ func TestTierRefusedReloadReleasesPins(t *testing.T) {
 	must(t, m.Remove([]int64{2}))
 	check(t, m)
 }
+
+// A random model: conversations come back turn after turn, sequences are
+// removed, unrelated sequences press on the pool, batches are flushed and
+// completed in any order. The per-call invariants hold (-race builds);
+// no allocation gets a block being demoted; each completed demotion's
+// slot holds its block's K/V and each completed reload's block its
+// slot's; and at the end every live sequence's full blocks hold the K/V
+// of their chained hashes, whether computed, shared or reloaded.
+func TestTierRandomModel(t *testing.T) {
+	for seed := range uint64(6) {
+		r := rand.New(rand.NewPCG(seed, 2323))
+		const bs = 4
+		m, g := newTierMgr(t, 24, bs, 12+int(seed), 4+int(seed))
+		convs := make([][]int32, 5)
+		live := map[int64][]int32{} // id -> prompt (nil: added without tokens)
+		var id int64
+		inflight := map[uint64]CopyBatch{}
+		demoting := map[int32]bool{}
+		complete := func(tk uint64) {
+			must(t, m.CompleteCopies(tk, false))
+			b := inflight[tk]
+			delete(inflight, tk)
+			for _, op := range b.Demote {
+				delete(demoting, op.Block)
+				hostHolds(t, g.pool, op.Hash)
+			}
+			for _, op := range b.Reload {
+				key := binary.BigEndian.Uint64(g.mem[op.Block][16:24])
+				if k, ok := g.pool.Hash(op.Slot); !ok || k != key {
+					t.Fatalf("seed %d: reloaded block %d holds key %x, its slot %d %x", seed, op.Block, key, op.Slot, k)
+				}
+			}
+		}
+		for step := range 400 {
+			switch op := r.IntN(10); {
+			case op < 4: // a conversation's next turn
+				c := r.IntN(len(convs))
+				p := append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(3*bs))...)
+				id++
+				matched := []int32{0}
+				n, err := m.Admit([]int64{id}, one(p, nil), matched)
+				must(t, err)
+				if n == 0 {
+					continue
+				}
+				tbl := blocksOf(t, m, id, len(p)/bs+1)
+				for _, b := range tbl {
+					if demoting[b] {
+						t.Fatalf("seed %d step %d: sequence %d got block %d, being demoted", seed, step, id, b)
+					}
+				}
+				chain := wholeChain(t, p, bs, nil)
+				for j := int(matched[0]) / bs; j < len(chain); j++ {
+					g.mem[tbl[j]] = kvOf(chain[j])
+				}
+				convs[c] = p
+				live[id] = p
+			case op < 6 && len(live) > 0: // a sequence finishes
+				ids := slices.Sorted(func(yield func(int64) bool) {
+					for k := range live {
+						if !yield(k) {
+							return
+						}
+					}
+				})
+				k := ids[r.IntN(len(ids))]
+				must(t, m.Remove([]int64{k}))
+				delete(live, k)
+			case op < 7: // pressure
+				id++
+				if err := m.Add(id, 1+r.IntN(6*bs)); err == nil {
+					for _, b := range blocksOf(t, m, id, 8) {
+						if demoting[b] {
+							t.Fatalf("seed %d step %d: added sequence got block %d, being demoted", seed, step, b)
+						}
+					}
+					live[id] = nil
+				} else {
+					wantCode(t, "add", err, kverr.OutOfBlocks)
+				}
+			case op < 8: // the step's copies
+				tk, _, err := m.FlushCopies()
+				must(t, err)
+				if tk != 0 {
+					b := g.batches[len(g.batches)-1]
+					inflight[tk] = b
+					for _, op := range b.Demote {
+						demoting[op.Block] = true
+					}
+				}
+			case op < 9 && len(inflight) > 0: // a batch completes
+				tks := slices.Sorted(func(yield func(uint64) bool) {
+					for k := range inflight {
+						if !yield(k) {
+							return
+						}
+					}
+				})
+				complete(tks[r.IntN(len(tks))])
+			default:
+				c := r.IntN(len(convs))
+				if len(convs[c]) > 0 {
+					tierMatch(t, m, convs[c])
+				}
+			}
+		}
+		tk, _, err := m.FlushCopies()
+		must(t, err)
+		if tk != 0 {
+			inflight[tk] = g.batches[len(g.batches)-1]
+		}
+		for tk := range inflight {
+			complete(tk)
+		}
+		for k, p := range live {
+			if p == nil {
+				continue
+			}
+			tbl := blocksOf(t, m, k, len(p)/bs+1)
+			for j, h := range wholeChain(t, p, bs, nil) {
+				if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
+					t.Fatalf("seed %d: sequence %d's block %d (%d) holds the wrong K/V", seed, k, j, tbl[j])
+				}
+			}
+		}
+		ts := m.TierStats()
+		t.Logf("seed %d: %+v", seed, ts)
+		if ts.InFlight != 0 || ts.Host.Pinned != 0 {
+			t.Fatalf("seed %d: left in flight: %+v", seed, ts)
+		}
+	}
+}
