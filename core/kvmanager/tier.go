@@ -64,6 +64,12 @@ import (
 // A host slot holds a block under a 64-bit key: the first eight bytes of
 // the block's 128-bit chained hash (HostKey).
 //
+// # Model reloads
+//
+// ClearPrefixCache does not touch the host tier (its blocks would be the
+// old model's K/V, and demotions in flight still commit): a model or
+// adapter reload needs a new manager and host pool.
+//
 // # Ordering and threads
 //
 // FlushCopies calls TierCopier.Copy with the manager's lock held: Copy
@@ -443,8 +449,8 @@ func (m *Manager) pinHost(tokens []int32, keys *prefix.Keys, gpu int) int {
 	if len(tokens) > 0 {
 		limit = (len(tokens) - 1) / m.bs
 	}
-	if limit <= gpu {
-		return 0
+	if limit <= gpu || t.cfg.Pool.Stats().Resident == 0 {
+		return 0 // nothing to match: spare the hashing
 	}
 	var err error
 	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*m.bs], m.bs, keys)

@@ -606,3 +606,49 @@ func TestTierRandomModel(t *testing.T) {
 		}
 	}
 }
+
+// Completion reported from another goroutine (an engine's event poller)
+// while the scheduler admits, removes and flushes: the race detector and
+// the per-call invariant checks watch it.
+func TestTierConcurrentCompletion(t *testing.T) {
+	const bs = 4
+	m, _ := newTierMgr(t, 32, bs, 24, 12)
+	tickets := make(chan uint64, 1024)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for tk := range tickets {
+			if err := m.CompleteCopies(tk, false); err != nil {
+				t.Error(err)
+			}
+			_ = m.TierStats()
+		}
+	}()
+	r := rand.New(rand.NewPCG(10, 23))
+	convs := make([][]int32, 4)
+	for i := range 300 {
+		c := i % len(convs)
+		p := append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(2*bs))...)
+		if len(p) > 20*bs {
+			p = seqTokens(r, 1+r.IntN(2*bs))
+		}
+		id := int64(i + 1)
+		if n, err := m.Admit([]int64{id}, one(p, nil), nil); err != nil {
+			t.Fatal(err)
+		} else if n == 1 {
+			convs[c] = p
+			must(t, m.Remove([]int64{id}))
+		}
+		tk, _, err := m.FlushCopies()
+		must(t, err)
+		if tk != 0 {
+			tickets <- tk
+		}
+	}
+	close(tickets)
+	<-done
+	check(t, m)
+	if ts := m.TierStats(); ts.InFlight != 0 || ts.Host.Pinned != 0 || ts.DemotionsQueued == 0 {
+		t.Fatalf("after the run: %+v", ts)
+	}
+}
