@@ -45,6 +45,11 @@ type Input struct {
 	// NoDecodeRoute keeps the cascade route even when sharing does not pay
 	// (one captured graph for every batch).
 	NoDecodeRoute bool
+	// PlainPrefillFaster sends a batch with prefill rows to the prefill
+	// route whatever it shares (unless NoDecodeRoute): on a device whose
+	// plain prefill kernel (Hopper's wgmma one) outruns the cascade kernel's
+	// shared items, reading a shared prompt once per batch does not pay.
+	PlainPrefillFaster bool
 }
 
 // Summary is what a plan holds besides its arrays.
@@ -322,7 +327,7 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 		p.writeHeader(ws, l, &sum)
 		return sum, nil
 	}
-	if !in.NoDecodeRoute && !p.keepAll && !p.pays(l, rows, total, saved) {
+	if !in.NoDecodeRoute && !p.keepAll && ((p.prefill && in.PlainPrefillFaster) || !p.pays(l, rows, total, saved)) {
 		return plain()
 	}
 	if need := p.chunking(l, &sum); need > int64(l.PartCap) {

@@ -280,3 +280,42 @@ func TestPlanPrefillErrors(t *testing.T) {
 		t.Fatalf("max_tokens below max_batch: %v", err)
 	}
 }
+
+// With PlainPrefillFaster (a Hopper device, whose plain prefill kernel
+// outruns the cascade's shared items), the same shared-prompt batch that
+// takes the cascade above takes the prefill route; NoDecodeRoute still keeps
+// the cascade, and a decode batch over a shared prompt is not affected.
+func TestPlanPlainPrefillFaster(t *testing.T) {
+	var p Planner
+	b := sharedPrompts(8, 4096, 0, 900)
+	for s := 0; s < 8; s++ {
+		q := int32(200 + 100*s)
+		b.qo[s+1] = b.qo[s] + q
+		b.lens[s] = 4096 + q
+	}
+	l := prefillLayout(t, b, 0, 32, 8, 128)
+	ws := make([]int32, l.HostInts)
+	in := b.input(32, 8, 128)
+	in.PlainPrefillFaster = true
+	s, err := p.Plan(in, &l, ws)
+	if err != nil || s.Route != RoutePrefill || s.Items != 0 || s.SavedTokens != 7*4096 {
+		t.Fatalf("prefill rows on a faster plain prefill: %+v %v", s, err)
+	}
+	in.NoDecodeRoute = true
+	if s, err = p.Plan(in, &l, ws); err != nil || s.Route != RouteCascade {
+		t.Fatalf("NoDecodeRoute: %+v %v", s, err)
+	}
+	checkPlan(t, b, in, &l, ws, s)
+
+	d := decodeTree(64, 4096, 0, 0, 512)
+	dl, err := NewLayout(len(d.lens), 32, 8, 128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dws := make([]int32, dl.HostInts)
+	din := d.input(32, 8, 128)
+	din.PlainPrefillFaster = true
+	if s, err := p.Plan(din, &dl, dws); err != nil || s.Route != RouteCascade {
+		t.Fatalf("decode rows: %+v %v", s, err)
+	}
+}

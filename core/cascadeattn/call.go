@@ -42,6 +42,9 @@ type device interface {
 	// upload enqueues copies of the host plan's byte ranges into the device
 	// workspace at the same offsets.
 	upload(dst cuda.DevicePtr, src unsafe.Pointer, ranges [][2]int64, stream cuda.Stream) error
+	// prefillMainloop is the kernel the prefill route runs on this device
+	// (attn.MainloopSM80 or attn.MainloopSM90).
+	prefillMainloop(d attn.DType, headDim int) int
 }
 
 // gpu is the device of the calling thread's current CUDA context.
@@ -55,6 +58,10 @@ func (gpu) planPrefill(a *attn.PrefillPlanArgs, stream cuda.Stream) (attn.Prefil
 
 func (gpu) upload(dst cuda.DevicePtr, src unsafe.Pointer, ranges [][2]int64, stream cuda.Stream) error {
 	return attn.CascadeUpload(dst, src, ranges, stream)
+}
+
+func (gpu) prefillMainloop(d attn.DType, headDim int) int {
+	return attn.DefaultPrefillMainloop(d, headDim)
 }
 
 var dev device = gpu{}

@@ -206,7 +206,8 @@ func plan(c call, a *PlanArgs, pl *cascade.Planner, stream cuda.Stream) (Plan, e
 	in := cascade.Input{NumQHeads: a.NumQHeads, NumKVHeads: a.NumKVHeads, HeadDim: a.HeadDim,
 		DTypeBytes: a.DType.Size(), BlockSize: bs, Tables: table, TableStride: int(stride),
 		MaxBlocksPerSeq: max(a.MaxBlocksPerSeq, 1), SeqLens: lens, QIndptr: qo, Slots: slots, Headroom: a.Headroom,
-		NoDecodeRoute: a.Flags&FlagNoDecodeRoute != 0}
+		NoDecodeRoute:      a.Flags&FlagNoDecodeRoute != 0,
+		PlainPrefillFaster: dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90}
 	ws := hostWords(a.HostWorkspace, a.HostWorkspaceBytes)
 	s, err := pl.Plan(&in, &l, ws)
 	if err != nil {

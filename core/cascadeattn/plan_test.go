@@ -27,6 +27,8 @@ func (noDevice) planPrefill(*attn.PrefillPlanArgs, cuda.Stream) (attn.PrefillPla
 
 func (noDevice) upload(cuda.DevicePtr, unsafe.Pointer, [][2]int64, cuda.Stream) error { return nil }
 
+func (noDevice) prefillMainloop(attn.DType, int) int { return attn.MainloopSM80 }
+
 // withoutDevice makes the test's plans without a GPU and returns the count
 // of plans that reached the device step.
 func withoutDevice(t *testing.T) *int {
