@@ -33,15 +33,28 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	if err := managerConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
 		return fail(err)
 	}
-	m, err := kvmanager.New(kvmanager.Config{
+	ht, err := newHostTier(&c)
+	if err != nil {
+		return fail(err)
+	}
+	cfgGo := kvmanager.Config{
 		NumBlocks:         int(c.num_blocks),
 		BlockSize:         int(c.block_size),
 		EnablePrefixCache: c.enable_prefix_cache != 0,
 		EnableKVEvents:    c.enable_kv_events != 0,
 		MaxPendingEvents:  int(c.max_pending_events),
-	})
+	}
+	if ht != nil {
+		// No copier: the engine drives the copies (kvp_manager_flush_copies).
+		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead)}
+	}
+	m, err := kvmanager.New(cfgGo)
 	if err != nil {
+		ht.free()
 		return fail(err)
+	}
+	if ht != nil {
+		hostTiers.Store(m, ht)
 	}
 	*out = (*C.kvp_manager)(newHandle(m))
 	return C.KVP_OK
@@ -52,7 +65,9 @@ func kvp_manager_destroy(h *C.kvp_manager) {
 	defer guardVoid()
 	// Only a live kvp_manager is dropped: another object's handle (a
 	// kvp_vcache, say) stays registered and alive.
-	dropHandle[*kvmanager.Manager](unsafe.Pointer(h))
+	if m, ok := dropHandle[*kvmanager.Manager](unsafe.Pointer(h)); ok {
+		freeHostTier(m)
+	}
 }
 
 //export kvp_manager_add

@@ -72,7 +72,8 @@
  *     kvp_cascade_plan_args  through headroom (112 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
- *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event) have no
+ *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
+ *   kvp_tier_copy, kvp_tier_match) have no
  *   struct_size: their layout is fixed for a major version, and a new layout
  *   would come with new functions.
  *
@@ -245,6 +246,19 @@ typedef struct kvp_manager_config {
                                   enable_prefix_cache; default 0 */
   int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
                                   raised to num_blocks + 1 */
+
+  /* Host KV tier (see "Host KV tier" below); all 0 = none. */
+  int32_t host_tier_slots;     /* blocks the host tier holds, in [0, 2^30];
+                                  0 = no host tier; needs
+                                  enable_prefix_cache and host_block_bytes */
+  int32_t demote_ahead;        /* blocks kvp_manager_flush_copies keeps free
+                                  or being demoted, in [0, num_blocks];
+                                  0 = nothing is demoted */
+  int32_t reserved;            /* must be 0 */
+  int64_t host_block_bytes;    /* bytes of one block's K/V, all layers, K
+                                  and V, as the engine lays it out (its
+                                  size in a host slot); >= 1 with a host
+                                  tier, 0 without; slots * bytes <= 2^46 */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -277,12 +291,17 @@ typedef struct kvp_manager_stats {
 
 #ifndef KVPLUG_NO_PROTOTYPES
 
-/* Creates a manager. Errors: NULL_POINTER (cfg or out), STRUCT_SIZE,
- * INVALID_ARGUMENT (num_blocks or block_size out of range). */
+/* Creates a manager (with a host tier when host_tier_slots > 0, whose
+ * memory it allocates). Errors: NULL_POINTER (cfg or out), STRUCT_SIZE,
+ * INVALID_ARGUMENT (num_blocks or block_size out of range; a host tier
+ * without the prefix cache or host_block_bytes, host_tier_slots,
+ * demote_ahead or host_block_bytes out of range, reserved not 0),
+ * OUT_OF_MEMORY (the host tier's memory). */
 kvp_status kvp_manager_create(const kvp_manager_config *cfg, kvp_manager **out);
 
-/* Destroys a manager and every sequence in it. NULL is a no-op. The caller
- * must ensure no other thread is using the handle. */
+/* Destroys a manager and every sequence in it, and frees its host tier's
+ * memory (no copy to or from it may be in flight). NULL is a no-op. The
+ * caller must ensure no other thread is using the handle. */
 void kvp_manager_destroy(kvp_manager *m);
 
 /* Adds sequence seq_id with a prompt of prompt_len tokens and allocates its
@@ -647,6 +666,160 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
 
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: prefix cache (end) ==== */
+
+/* ==== section: host KV tier (begin) ==== */
+/*
+ * Host KV tier (a manager created with host_tier_slots > 0 and the prefix
+ * cache). Cached blocks the GPU pool evicts ahead of need are demoted into
+ * host memory instead of dropped, and a prompt whose prefix continues in
+ * the host tier is admitted with those blocks reloaded into GPU blocks
+ * (kvp_manager_admit counts them in matched_tokens: not computed).
+ *
+ * Memory: the library allocates host_tier_slots slots of host_block_bytes
+ * each, one region (kvp_manager_host_tier_memory), with plain malloc: it is
+ * not pinned (page-locked) memory, so a cudaMemcpyAsync from or to it is
+ * not asynchronous; pinned allocation comes with the library's batched
+ * copy kernel (an engine may cudaHostRegister the region meanwhile and
+ * must unregister it before kvp_manager_destroy). The region is the
+ * manager's, freed by kvp_manager_destroy.
+ *
+ * The engine drives the copies (it knows its K/V layout). Per step, after
+ * the step's admissions and before its forward pass:
+ *   kvp_manager_flush_copies     demotes least recently used cached blocks
+ *                                until free plus being-demoted blocks reach
+ *                                demote_ahead, and returns the step's copy
+ *                                batch: demotions (GPU block -> host slot)
+ *                                and the reloads admissions queued (host
+ *                                slot -> GPU block), with a ticket.
+ *   (engine)                     copies every layer's K and V of each op,
+ *                                the reloads ordered before the step's
+ *                                attention (same stream, or an event).
+ *   kvp_manager_complete_copies  once the copies have finished (or failed),
+ *                                from any thread: demoted blocks' host
+ *                                slots become matchable and their GPU
+ *                                blocks free; reloads' slots are unpinned.
+ * Until a batch completes, its GPU blocks are neither free nor evictable
+ * and its host slots neither matched nor reused, so the bytes under a copy
+ * never change. A failed reload leaves its blocks cached without valid
+ * K/V: treat it as fatal for the prefix cache (remove the sequences, then
+ * kvp_manager_clear_prefix_cache). Allocations that find too few free
+ * blocks still evict at once without demoting (counted in
+ * evicted_undemoted): demote_ahead should cover a step's allocations.
+ * A block sits in host slot s as host_block_bytes bytes at
+ * base + s * host_block_bytes, in whatever layout the engine copies it in
+ * (the library never reads it). Keys: the first 8 bytes of the block's
+ * chained hash. kvp_manager_clear_prefix_cache leaves the host tier: a
+ * model or adapter reload needs a new manager.
+ *
+ * Threads: as every kvp_manager function, these are safe to call
+ * concurrently on one manager (they serialise); the caller's arrays must
+ * not change during a call.
+ */
+
+/* One block copy of a host tier batch: GPU block `block` and host slot
+ * `slot` (demotions copy block -> slot, reloads slot -> block). */
+typedef struct kvp_tier_copy {
+  int32_t block;
+  int32_t slot;
+} kvp_tier_copy;
+
+/* What kvp_manager_match_tiers found for one prompt: its first gpu_tokens
+ * in the GPU prefix cache, the next host_tokens in the host tier (whole
+ * blocks; together never the prompt's last token). */
+typedef struct kvp_tier_match {
+  int32_t gpu_tokens;
+  int32_t host_tokens;
+} kvp_tier_match;
+
+/* The host tier's counters (since creation) and gauges; all zero without a
+ * host tier. */
+typedef struct kvp_tier_stats {
+  size_t struct_size;          /* set by the caller: sizeof(kvp_tier_stats) */
+  int64_t demotions_queued;    /* demotion copies handed out by flush_copies */
+  int64_t demotions_completed; /* committed to the host tier */
+  int64_t demotions_failed;    /* reported failed */
+  int64_t skipped_full;        /* demotions skipped: every host slot pinned */
+  int64_t skipped_present;     /* demotions skipped: the host tier holds the block */
+  int64_t evicted_undemoted;   /* blocks an allocation evicted at once */
+  int64_t reloads;             /* host-to-GPU copies queued by admissions */
+  int64_t reloads_completed;   /* of which reported complete */
+  int64_t reloads_failed;      /* of which reported failed */
+  int64_t host_hit_tokens;     /* tokens admissions matched in the host tier */
+  int64_t match_queries;       /* prompts asked of kvp_manager_match_tiers */
+  int64_t match_gpu_tokens;    /* tokens it found in the GPU prefix cache */
+  int64_t match_host_tokens;   /* tokens it found in the host tier beyond them */
+  int64_t host_evictions;      /* host slots' blocks evicted to make room */
+  int64_t host_hits;           /* blocks matched in the host tier */
+  int64_t host_misses;         /* blocks looked up there and not found */
+  int32_t in_flight;           /* GPU blocks whose demotion has not completed */
+  int32_t host_slots;          /* host_tier_slots */
+  int32_t host_resident;       /* slots holding a committed block */
+  int32_t host_reserved;       /* slots with a demotion copy in flight */
+  int32_t host_pinned;         /* slots pinned (reloads in flight, reserved) */
+  int32_t reserved;            /* 0 */
+} kvp_tier_stats;
+
+#define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Demotes least recently used cached blocks (see above) and returns the
+ * step's copy batch: its demotions in demote[0, *num_demote) (eviction
+ * order) and the reloads queued by admissions since the last flush in
+ * reload[0, *num_reload) (admission order, each prompt's block order),
+ * and its ticket in *ticket for kvp_manager_complete_copies; *ticket 0 and
+ * both counts 0 when there is nothing to copy (then there is nothing to
+ * complete). A block whose host slot cannot be reserved (every slot
+ * pinned, or it is there already) is freed without a copy and counted.
+ * demote must have room for demote_ahead minus the free blocks minus those
+ * being demoted, reload for the reloads queued: arrays of demote_ahead and
+ * num_blocks entries always do. Otherwise BUFFER_TOO_SMALL, with nothing
+ * changed and *num_demote and *num_reload set to the room needed.
+ * demote (reload) may be NULL with max_demote (max_reload) 0.
+ * Errors: NULL_POINTER (num_demote, num_reload, ticket; an array NULL with
+ * its max > 0), INVALID_ARGUMENT (no host tier, a max < 0),
+ * BUFFER_TOO_SMALL. */
+kvp_status kvp_manager_flush_copies(kvp_manager *m, kvp_tier_copy *demote,
+                                    int32_t max_demote, int32_t *num_demote,
+                                    kvp_tier_copy *reload, int32_t max_reload,
+                                    int32_t *num_reload, uint64_t *ticket);
+
+/* Reports that the copies of batch `ticket` have finished (failed 0) or
+ * failed (nonzero): each demoted block's host slot is committed (on
+ * failure released) and its GPU block freed; each reload's host slot is
+ * unpinned and the copy's hold on its GPU block dropped. Call it once per
+ * nonzero ticket, from any thread.
+ * Errors, with nothing changed: INVALID_ARGUMENT (no host tier), NOT_FOUND
+ * (ticket unknown or completed already). */
+kvp_status kvp_manager_complete_copies(kvp_manager *m, uint64_t ticket,
+                                       int32_t failed);
+
+/* Per tier kvp_manager_match: for each of n prompts (given as in
+ * kvp_manager_admit; an empty prompt matches 0) the tokens of its longest
+ * prefix in the GPU prefix cache (touched, as match does) and, beyond
+ * them, the tokens of the blocks the host tier holds (touched in the host
+ * tier's LRU, not pinned). A router's or scheduler's query; nothing is
+ * admitted. host_tokens is 0 without a host tier, both without the prefix
+ * cache. Errors: NULL_POINTER (out, tokens, token_offsets),
+ * INVALID_ARGUMENT (n < 1 or > 2^20, offsets, keys). */
+kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tokens,
+                                   const int64_t *token_offsets,
+                                   const kvp_prefix_keys *keys, kvp_tier_match *out);
+
+/* Fills *out with the host tier's statistics (all zero without one).
+ * Errors: NULL_POINTER, STRUCT_SIZE. */
+kvp_status kvp_manager_tier_stats(kvp_manager *m, kvp_tier_stats *out);
+
+/* The host tier's memory: *base receives its start, *slot_bytes
+ * host_block_bytes and *num_slots host_tier_slots; slot s is
+ * [base + s * slot_bytes, base + (s + 1) * slot_bytes). The region is the
+ * manager's and stays valid until kvp_manager_destroy (no copy may be in
+ * flight then). The engine writes a slot only under a demotion of the
+ * current batch and reads one under a reload; outputs may be NULL.
+ * Errors: INVALID_ARGUMENT (no host tier). */
+kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
+                                        int64_t *slot_bytes, int32_t *num_slots);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: host KV tier (end) ==== */
 
 /* ==== section: KV event publisher (begin) ==== */
 /*

@@ -692,6 +692,115 @@ class PrefixCache {
 
 // ==== section: prefix cache (end) ====
 
+// ==== section: host KV tier (begin) ====
+
+namespace detail {
+struct TierApi {
+  KVPLUG_FN(kvp_manager_flush_copies);
+  KVPLUG_FN(kvp_manager_complete_copies);
+  KVPLUG_FN(kvp_manager_match_tiers);
+  KVPLUG_FN(kvp_manager_tier_stats);
+  KVPLUG_FN(kvp_manager_host_tier_memory);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_manager_flush_copies);
+    KVPLUG_LOAD(lib, kvp_manager_complete_copies);
+    KVPLUG_LOAD(lib, kvp_manager_match_tiers);
+    KVPLUG_LOAD(lib, kvp_manager_tier_stats);
+    KVPLUG_LOAD(lib, kvp_manager_host_tier_memory);
+  }
+};
+inline const TierApi &tier_api() { return table<TierApi>(); }
+}  // namespace detail
+
+// One step's host tier copies (HostTier::flush_copies): demotions copy GPU
+// block .block into host slot .slot, reloads host slot .slot into GPU block
+// .block (before the step's attention). ticket 0: nothing to copy.
+struct CopyBatch {
+  uint64_t ticket = 0;
+  std::vector<kvp_tier_copy> demote, reload;
+};
+
+// The host KV tier of a Manager created with host_tier_slots > 0 (see the
+// header's "Host KV tier"): a view that does not own the manager, which
+// must outlive it. The engine performs the copies.
+class HostTier {
+ public:
+  explicit HostTier(Manager &m) noexcept : m_(&m) {}
+
+  // Demotes and returns this step's copy batch; call complete_copies with
+  // its ticket (when nonzero) once the copies have finished. Arrays the
+  // library finds too small grow to the size it reports.
+  CopyBatch flush_copies() {
+    CopyBatch b;
+    int32_t nd = 0, nr = 0;
+    b.demote.resize(64);
+    b.reload.resize(64);
+    for (;;) {
+      const kvp_status st = api().kvp_manager_flush_copies(
+          m_->get(), b.demote.data(), static_cast<int32_t>(b.demote.size()), &nd, b.reload.data(),
+          static_cast<int32_t>(b.reload.size()), &nr, &b.ticket);
+      if (st != KVP_ERR_BUFFER_TOO_SMALL) {
+        detail::check(st);
+        break;
+      }
+      b.demote.resize(std::max<std::size_t>(b.demote.size(), static_cast<std::size_t>(nd)));
+      b.reload.resize(std::max<std::size_t>(b.reload.size(), static_cast<std::size_t>(nr)));
+    }
+    b.demote.resize(static_cast<std::size_t>(nd));
+    b.reload.resize(static_cast<std::size_t>(nr));
+    return b;
+  }
+
+  // Reports batch ticket's copies finished (or failed).
+  void complete_copies(uint64_t ticket, bool failed = false) {
+    detail::check(api().kvp_manager_complete_copies(m_->get(), ticket, failed ? 1 : 0));
+  }
+
+  // Per prompt, the tokens matched in the GPU prefix cache and, beyond
+  // them, in the host tier.
+  std::vector<kvp_tier_match> match_tiers(const Prompts &p) {
+    if (!p.keys.empty() && p.keys.size() != p.size()) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: match_tiers: " + std::to_string(p.keys.size()) + " keys for " +
+                                                std::to_string(p.size()) + " prompts");
+    }
+    std::vector<kvp_tier_match> out(p.size());
+    detail::check(api().kvp_manager_match_tiers(m_->get(), detail::count32(p.size(), "match_tiers: prompts"),
+                                                p.tokens.data(), p.offsets.data(),
+                                                p.keys.empty() ? nullptr : p.keys.data(), out.data()));
+    return out;
+  }
+
+  kvp_tier_stats stats() const {
+    kvp_tier_stats s = KVP_TIER_STATS_INIT;
+    detail::check(api().kvp_manager_tier_stats(m_->get(), &s));
+    return s;
+  }
+
+  // Slot s's memory (slot_bytes() bytes), the library's, valid until the
+  // manager is destroyed.
+  uint8_t *slot(int32_t s) const {
+    void *base = nullptr;
+    int64_t bytes = 0;
+    int32_t n = 0;
+    detail::check(api().kvp_manager_host_tier_memory(m_->get(), &base, &bytes, &n));
+    if (s < 0 || s >= n) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: host slot " + std::to_string(s) + " of " + std::to_string(n));
+    }
+    return static_cast<uint8_t *>(base) + static_cast<int64_t>(s) * bytes;
+  }
+  int64_t slot_bytes() const {
+    int64_t bytes = 0;
+    detail::check(api().kvp_manager_host_tier_memory(m_->get(), nullptr, &bytes, nullptr));
+    return bytes;
+  }
+
+ private:
+  static const detail::TierApi &api() { return detail::tier_api(); }
+  Manager *m_;
+};
+
+// ==== section: host KV tier (end) ====
+
 // ==== section: attention kernels (begin) ====
 
 namespace detail {

@@ -87,7 +87,9 @@ type HostTier struct {
 	// Pool holds the demoted blocks. The manager is its only writer
 	// (Reserve, Commit, Abort); one pool per manager.
 	Pool *host.Pool
-	// Copier performs the copies between GPU blocks and host slots.
+	// Copier performs the copies between GPU blocks and host slots. Nil:
+	// the engine drives the copies itself through FlushCopiesTo (as the C
+	// ABI does), and FlushCopies fails.
 	Copier TierCopier
 	// DemoteAhead is the number of blocks FlushCopies keeps free or being
 	// demoted, by demoting least recently used cached blocks; in [0,
@@ -191,8 +193,8 @@ type tier struct {
 
 func newTier(cfg Config) (*tier, error) {
 	h := cfg.HostTier
-	if h.Pool == nil || h.Copier == nil {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: a pool and a copier are needed")
+	if h.Pool == nil {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: a pool is needed")
 	}
 	if !cfg.EnablePrefixCache {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: needs the prefix cache (enable_prefix_cache)")
@@ -221,6 +223,54 @@ func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
 	if t == nil {
 		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
 	}
+	if t.cfg.Copier == nil {
+		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: the host tier has no copier (the engine drives the copies: FlushCopiesTo)")
+	}
+	return m.flushLocked(t.cfg.Copier.Copy)
+}
+
+// FlushCopiesTo is FlushCopies for an engine that performs the copies
+// itself (HostTier.Copier nil, as through the C ABI): instead of handing
+// the batch to a copier it writes the batch's demotions into demote and
+// its reloads into reload, and returns their numbers with the ticket
+// (ticket 0 when there was nothing to copy). The engine then copies each
+// demotion's GPU block into its host slot and each reload's host slot
+// into its GPU block, ordering the reloads before the step's attention,
+// and reports the batch with CompleteCopies (rules as for
+// TierCopier.Copy and CompleteCopies).
+//
+// demote must hold the demotions the flush may queue, DemoteAhead minus
+// the free blocks minus the blocks being demoted (never more than
+// DemoteAhead), and reload the reloads queued since the last flush
+// (never more than NumBlocks); when either is shorter the call fails with
+// BufferTooSmall, changing nothing, and needDemote and needReload tell
+// the sizes needed. Errors: InvalidArgument (no host tier), BufferTooSmall.
+func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint64, nDemote, nReload, needDemote, needReload int, err error) {
+	m.mu.Lock()
+	defer m.unlock()
+	t := m.tier
+	if t == nil {
+		return 0, 0, 0, 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
+	}
+	needDemote = max(t.cfg.DemoteAhead-m.pool.NumFree()-t.nBlocks, 0)
+	needReload = len(t.reloads)
+	if len(demote) < needDemote || len(reload) < needReload {
+		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
+			"flush copies: the batch may hold %d demotions and holds %d reloads; the arrays hold %d and %d",
+			needDemote, needReload, len(demote), len(reload))
+	}
+	ticket, _, err = m.flushLocked(func(b CopyBatch) error {
+		nDemote = copy(demote, b.Demote)
+		nReload = copy(reload, b.Reload)
+		return nil
+	})
+	return ticket, nDemote, nReload, needDemote, needReload, err
+}
+
+// flushLocked is FlushCopies under the manager's lock, handing the batch
+// to copyFn.
+func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n int, err error) {
+	t := m.tier
 	t.pending = t.pending[:0]
 	m.evicted, t.hashes = m.evicted[:0], t.hashes[:0]
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
@@ -250,7 +300,7 @@ func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
 	}
 	t.nextTkt++
 	ticket = t.nextTkt
-	if cerr := t.cfg.Copier.Copy(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
+	if cerr := copyFn(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
 		for _, op := range t.pending {
 			m.endDemotion(op, false)
 		}

@@ -298,7 +298,6 @@ func TestTierConfigAndNoTier(t *testing.T) {
 	for name, cfg := range map[string]Config{
 		"no prefix cache": {NumBlocks: 8, BlockSize: 4, HostTier: &HostTier{Pool: p, Copier: g}},
 		"no pool":         {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Copier: g}},
-		"no copier":       {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p}},
 		"ahead < 0":       {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: -1}},
 		"ahead > pool":    {NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: 9}},
 	} {
@@ -651,4 +650,47 @@ func TestTierConcurrentCompletion(t *testing.T) {
 	if ts := m.TierStats(); ts.InFlight != 0 || ts.Host.Pinned != 0 || ts.DemotionsQueued == 0 {
 		t.Fatalf("after the run: %+v", ts)
 	}
+}
+
+// An engine that drives its own copies (no copier) gets each batch from
+// FlushCopiesTo: arrays too short fail with BufferTooSmall and the sizes
+// needed, changing nothing; FlushCopies refuses. The batch's ops are the
+// ones a copier would have got, and CompleteCopies ends them.
+func TestTierFlushCopiesTo(t *testing.T) {
+	const bs = 4
+	p, err := host.New(host.Config{Slots: 16, BlockBytes: tierBlockBytes})
+	must(t, err)
+	m, err := New(Config{NumBlocks: 8, BlockSize: bs, EnablePrefixCache: true,
+		HostTier: &HostTier{Pool: p, DemoteAhead: 6}})
+	must(t, err)
+	g := &fakeGPU{mem: map[int32][]byte{}, pool: p}
+	r := rand.New(rand.NewPCG(7, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	tbl := blocksOf(t, m, 1, 8)
+	must(t, m.Remove([]int64{1}))
+	_, _, err = m.FlushCopies()
+	wantCode(t, "flush without copier", err, kverr.InvalidArgument)
+
+	before, tsBefore := m.Stats(), m.TierStats()
+	_, _, _, nd, nr, err := m.FlushCopiesTo(make([]DemoteOp, 1), nil)
+	wantCode(t, "short demote", err, kverr.BufferTooSmall)
+	if nd != 2 || nr != 0 || m.Stats() != before || m.TierStats() != tsBefore {
+		t.Fatalf("short: need %d %d; %+v %+v", nd, nr, m.Stats(), m.TierStats())
+	}
+	demote := make([]DemoteOp, 6)
+	tk, nd, nr, _, _, err := m.FlushCopiesTo(demote, nil)
+	must(t, err)
+	chain := wholeChain(t, conv, bs, nil)
+	if tk == 0 || nd != 2 || nr != 0 || demote[0].Block != tbl[3] || demote[0].Hash != chain[3] || demote[1].Block != tbl[2] {
+		t.Fatalf("flush: ticket %d, %d %d, %+v", tk, nd, nr, demote[:nd])
+	}
+	for _, op := range demote[:nd] {
+		copy(p.Bytes(op.Slot), g.mem[op.Block])
+	}
+	must(t, m.CompleteCopies(tk, false))
+	hostHolds(t, p, chain[2])
+	hostHolds(t, p, chain[3])
+	must(t, m.CheckInvariants())
 }

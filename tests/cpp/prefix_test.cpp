@@ -2,7 +2,9 @@
 // match, pins, priorities, stats, events and clear.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -245,4 +247,52 @@ TEST(PrefixCache, DrainsABlockWithMoreEntriesThanTheDefaultBuffers) {
   ASSERT_EQ(evs[0].mm.size(), 1100u);
   EXPECT_EQ(evs[0].mm[1099].offset, 1099);
   EXPECT_TRUE(pc.drain_events().empty());
+}
+
+// The host KV tier through the wrapper: the test plays the engine, with a
+// byte vector as the GPU pool's K/V.
+TEST(HostTier, DemotesAndReloadsThroughTheWrapper) {
+  constexpr int32_t kBlocks = 8;
+  constexpr int64_t kBytes = 32;
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = kBlocks;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.host_tier_slots = 16;
+  cfg.host_block_bytes = kBytes;
+  cfg.demote_ahead = kBlocks;
+  kvplug::Manager m(cfg);
+  kvplug::PrefixCache pc(m);
+  kvplug::HostTier tier(m);
+  ASSERT_EQ(tier.slot_bytes(), kBytes);
+  std::vector<uint8_t> gpu(static_cast<std::size_t>(kBlocks * kBytes), 0);
+  auto step = [&] {
+    kvplug::CopyBatch b = tier.flush_copies();
+    for (const kvp_tier_copy &c : b.demote) std::memcpy(tier.slot(c.slot), &gpu[c.block * kBytes], kBytes);
+    for (const kvp_tier_copy &c : b.reload) std::memcpy(&gpu[c.block * kBytes], tier.slot(c.slot), kBytes);
+    if (b.ticket != 0) tier.complete_copies(b.ticket);
+    return b;
+  };
+  const auto conv = iota(100, 4 * kBlock + 1);
+  kvplug::Prompts p;
+  p.add(conv);
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{1}, p), (std::vector<int32_t>{0}));
+  auto d = m.describe(std::vector<int64_t>{1});
+  for (int i = 0; i < 4; i++) std::memset(&gpu[d.block_table[i] * kBytes], 0xa0 + i, kBytes);
+  m.remove(std::vector<int64_t>{1});
+  EXPECT_EQ(step().demote.size(), 4u);
+  const auto tm = tier.match_tiers(p);
+  ASSERT_EQ(tm.size(), 1u);
+  EXPECT_EQ(tm[0].gpu_tokens, 0);
+  EXPECT_EQ(tm[0].host_tokens, 4 * kBlock);
+
+  std::fill(gpu.begin(), gpu.end(), 0);
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{2}, p), (std::vector<int32_t>{4 * kBlock}));
+  EXPECT_EQ(step().reload.size(), 4u);
+  d = m.describe(std::vector<int64_t>{2});
+  for (int i = 0; i < 4; i++) EXPECT_EQ(gpu[d.block_table[i] * kBytes + kBytes - 1], 0xa0 + i) << i;
+  EXPECT_EQ(tier.stats().reloads_completed, 4);
+  EXPECT_EQ(tier.flush_copies().ticket, 0u);
+  EXPECT_THROW(tier.complete_copies(99), kvplug::Error);
+  m.check();
 }

@@ -45,6 +45,9 @@ MIRRORS.update({
     attn._PagedPrefillArgs: "kvp_paged_prefill_args",
     events.EventPublisherConfig: "kvp_event_publisher_config",
     events.EventPublisherStatsStruct: "kvp_event_publisher_stats",
+    _capi.TierCopyStruct: "kvp_tier_copy",
+    _capi.TierMatchStruct: "kvp_tier_match",
+    _capi.TierStatsStruct: "kvp_tier_stats",
 })
 
 # ctypes structs of the package that mirror no header struct (DLPack's ABI).

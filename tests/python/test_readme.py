@@ -41,6 +41,7 @@ def test_every_example_is_covered():
         ("### C++ (header-only wrapper, no link-time dependency)", "cpp"),
         ("### Python", "python"),
         ("### The prefix cache (Python; the same calls exist in C, C++ and Go)", "python"),
+        ("#### The host KV tier (Python; C: `kvp_manager_flush_copies`)", "python"),
         ("### Go", "go"),
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
@@ -82,6 +83,12 @@ def test_python_prefix_cache(tmp_path):
     out = _run([sys.executable, "prefix.py"], tmp_path)
     assert "[  0 512]" in out and "matched_tokens=512" in out, out
     assert out.splitlines()[-1] == "48 80", out  # the image's blocks only for the image's keys
+
+
+def test_python_host_tier(tmp_path):
+    (tmp_path / "tier.py").write_text(find("#### The host KV tier (Python; C: `kvp_manager_flush_copies`)", "python").code)
+    out = _run([sys.executable, "tier.py"], tmp_path)
+    assert out.splitlines() == ["58", "[TierMatch(gpu_tokens=64, host_tokens=928)]", "[992]", "58", "True 928"], out
 
 
 def test_python_kv_events(tmp_path):

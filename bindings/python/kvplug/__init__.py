@@ -46,6 +46,7 @@ from ._lib import (
 )
 from .manager import Description, Manager, ManagerStats
 from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
+from .tier import CopyBatch, TierMatch, TierStats
 from .events import EventPublisher, EventPublisherStats  # noqa: F401 (KV events on ZMQ)
 from .vmem import VirtualKVCache
 from . import attn
@@ -64,6 +65,9 @@ __all__ = [
     "Match",
     "PrefixStats",
     "KVEvent",
+    "CopyBatch",
+    "TierMatch",
+    "TierStats",
     "Status",
     "KvplugError",
     "InvalidArgumentError",

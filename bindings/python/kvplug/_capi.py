@@ -55,6 +55,10 @@ class ManagerConfig(ctypes.Structure):
         ("enable_prefix_cache", _i32),
         ("enable_kv_events", _i32),
         ("max_pending_events", _i32),
+        ("host_tier_slots", _i32),
+        ("demote_ahead", _i32),
+        ("reserved", _i32),
+        ("host_block_bytes", _i64),
     ]
 
 
@@ -127,6 +131,33 @@ class KVEventStruct(ctypes.Structure):
         ("hash", _u8 * 16),
         ("parent", _u8 * 16),
     ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")
+
+
+# --------------------------------------------------------------------------
+# Host KV tier
+# --------------------------------------------------------------------------
+
+
+class TierCopyStruct(ctypes.Structure):
+    """struct kvp_tier_copy."""
+
+    _fields_ = [("block", _i32), ("slot", _i32)]
+
+
+class TierMatchStruct(ctypes.Structure):
+    """struct kvp_tier_match."""
+
+    _fields_ = [("gpu_tokens", _i32), ("host_tokens", _i32)]
+
+
+class TierStatsStruct(ctypes.Structure):
+    """struct kvp_tier_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "demotions_queued", "demotions_completed", "demotions_failed", "skipped_full", "skipped_present",
+        "evicted_undemoted", "reloads", "reloads_completed", "reloads_failed", "host_hit_tokens", "match_queries",
+        "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses",
+    ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved")
 
 
 # --------------------------------------------------------------------------
@@ -310,6 +341,12 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_clear_prefix_cache", [_vp, _vp]),
     ("kvp_manager_drain_events", [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, _vp]),
     ("kvp_manager_next_event_size", [_vp, _vp, _vp, _vp]),
+    # host KV tier
+    ("kvp_manager_flush_copies", [_vp, _vp, _i32, _vp, _vp, _i32, _vp, _vp]),
+    ("kvp_manager_complete_copies", [_vp, _u64, _i32]),
+    ("kvp_manager_match_tiers", [_vp, _i32, _vp, _vp, _vp, _vp]),
+    ("kvp_manager_tier_stats", [_vp, _vp]),
+    ("kvp_manager_host_tier_memory", [_vp, _vp, _vp, _vp]),
     # KV event publisher
     ("kvp_event_publisher_create", [_vp, _vp, _vp]),
     ("kvp_event_publisher_flush", [_vp]),

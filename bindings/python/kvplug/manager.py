@@ -29,6 +29,7 @@ from ._arrays import _I32, _I64, bad as _bad, in_ptr as _in_ptr, out_ptr as _out
 from ._capi import BlockCopy, ManagerConfig, ManagerStatsStruct
 from ._lib import C
 from .prefix import PrefixCacheMethods
+from .tier import HostTierMethods
 
 __all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
 
@@ -93,7 +94,7 @@ def _release(handle: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
-class Manager(PrefixCacheMethods, _lib.Owner):
+class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
     library serialises calls on one manager), except close(), which no
@@ -101,7 +102,12 @@ class Manager(PrefixCacheMethods, _lib.Owner):
 
     prefix_cache=True keeps the full blocks of sequences admitted by their
     tokens (admit, grow_tokens) for later prompts with the same prefix;
-    kv_events=True records KV events for drain_events (kvplug.prefix)."""
+    kv_events=True records KV events for drain_events (kvplug.prefix).
+
+    host_tier_slots > 0 (with prefix_cache) adds the host KV tier
+    (kvplug.tier): that many host slots of host_block_bytes each (the
+    engine's K/V bytes of one block, all layers, K and V), allocated by the
+    library; flush_copies keeps demote_ahead blocks free or being demoted."""
 
     _destroy = "kvp_manager_destroy"
 
@@ -113,12 +119,19 @@ class Manager(PrefixCacheMethods, _lib.Owner):
         prefix_cache: bool = False,
         kv_events: bool = False,
         max_pending_events: int = 0,
+        host_tier_slots: int = 0,
+        host_block_bytes: int = 0,
+        demote_ahead: int = 0,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
         max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
+        host_tier_slots = _int(host_tier_slots, "Manager: host_tier_slots", "int32")
+        demote_ahead = _int(demote_ahead, "Manager: demote_ahead", "int32")
+        host_block_bytes = _int(host_block_bytes, "Manager: host_block_bytes", "int64")
         cfg = ManagerConfig(
-            ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events
+            ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
+            host_tier_slots, demote_ahead, 0, host_block_bytes,
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))
@@ -130,6 +143,7 @@ class Manager(PrefixCacheMethods, _lib.Owner):
         _lib.check(C.kvp_manager_stats_get(self._h, ctypes.byref(s)))
         self.num_blocks = s.num_blocks
         self.block_size = s.block_size  # 0 asks for the library's default
+        self._demote_ahead = demote_ahead
         # (value, array, address) of the counts array a grow by one number
         # for all uses; replaced, never mutated, so concurrent grows are safe.
         self._fill: Tuple[int, Any, int] = (0, None, 0)

@@ -1,0 +1,159 @@
+"""The host KV tier of a Manager (include/kvplug.h, "Host KV tier").
+
+A Manager created with host_tier_slots > 0 (and prefix_cache=True) demotes
+cached blocks the GPU pool evicts ahead of need into host memory that the
+library allocates, and reloads them when a prompt's prefix continues there.
+The engine performs the copies, since it knows its K/V layout. Per step,
+after the step's admissions and before its forward pass:
+
+    batch = m.flush_copies()
+    host = m.host_tier_memory()                 # uint8 [slots, block_bytes]
+    for block, slot in zip(batch.demote_blocks, batch.demote_slots):
+        host[slot] = gpu_block_bytes(block)     # every layer's K and V
+    for slot, block in zip(batch.reload_slots, batch.reload_blocks):
+        write_gpu_block(block, host[slot])      # before the step's attention
+    if batch.ticket:
+        m.complete_copies(batch.ticket)         # once the copies finished
+
+The host memory is plain (not pinned) host memory for now; a pinned
+allocation comes with the library's batched copy kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any, List, NamedTuple, Sequence
+
+import numpy as np
+
+from . import _lib
+from ._arrays import addr as _addr, flatten as _flatten
+from ._capi import TierCopyStruct, TierMatchStruct, TierStatsStruct
+from ._lib import C
+
+__all__ = ["CopyBatch", "TierMatch", "TierStats", "HostTierMethods"]
+
+_i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+
+
+class CopyBatch(NamedTuple):
+    """One step's host tier copies (Manager.flush_copies). Demotions copy
+    GPU block demote_blocks[i] into host slot demote_slots[i]; reloads
+    copy host slot reload_slots[i] into GPU block reload_blocks[i], and
+    must land before the step's attention. ticket 0: nothing to copy."""
+
+    ticket: int
+    demote_blocks: np.ndarray  # int32
+    demote_slots: np.ndarray  # int32
+    reload_slots: np.ndarray  # int32
+    reload_blocks: np.ndarray  # int32
+
+
+class TierMatch(NamedTuple):
+    """Manager.match_tiers' answer for one prompt: its first gpu_tokens in
+    the GPU prefix cache, the next host_tokens in the host tier."""
+
+    gpu_tokens: int
+    host_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    """The host tier's counters (since creation) and gauges (struct
+    kvp_tier_stats); all zero without a host tier."""
+
+    demotions_queued: int
+    demotions_completed: int
+    demotions_failed: int
+    skipped_full: int
+    skipped_present: int
+    evicted_undemoted: int
+    reloads: int
+    reloads_completed: int
+    reloads_failed: int
+    host_hit_tokens: int
+    match_queries: int
+    match_gpu_tokens: int
+    match_host_tokens: int
+    host_evictions: int
+    host_hits: int
+    host_misses: int
+    in_flight: int
+    host_slots: int
+    host_resident: int
+    host_reserved: int
+    host_pinned: int
+
+
+_STAT_FIELDS = [f.name for f in dataclasses.fields(TierStats)]
+
+
+def _check(st: int) -> None:
+    if st:
+        _lib.raise_status(st)
+
+
+class HostTierMethods:
+    """The host tier's methods of Manager (self._h is the kvp_manager *)."""
+
+    _h: Any
+    _demote_ahead: int
+
+    def flush_copies(self) -> CopyBatch:
+        """Demotes least recently used cached blocks and returns this step's
+        copy batch (demotions and the reloads admissions queued). The
+        engine copies, then calls complete_copies(batch.ticket) when the
+        ticket is nonzero. Raises InvalidArgumentError without a host tier."""
+        cap_d, cap_r = max(self._demote_ahead, 1), 64
+        nd, nr, tk = _i32(), _i32(), _u64()
+        while True:
+            d = (TierCopyStruct * cap_d)()
+            r = (TierCopyStruct * cap_r)()
+            st = C.kvp_manager_flush_copies(self._h, d, cap_d, ctypes.byref(nd), r, cap_r, ctypes.byref(nr),
+                                            ctypes.byref(tk))
+            if st != _lib.Status.BUFFER_TOO_SMALL:
+                break
+            # Nothing changed: grow to the room the library asked for.
+            cap_d, cap_r = max(cap_d, nd.value), max(cap_r, nr.value)
+        _check(st)
+        dv = np.ctypeslib.as_array(d).view(np.int32).reshape(-1, 2)[: nd.value] if nd.value else np.empty((0, 2), np.int32)
+        rv = np.ctypeslib.as_array(r).view(np.int32).reshape(-1, 2)[: nr.value] if nr.value else np.empty((0, 2), np.int32)
+        return CopyBatch(tk.value, dv[:, 0].copy(), dv[:, 1].copy(), rv[:, 1].copy(), rv[:, 0].copy())
+
+    def complete_copies(self, ticket: int, failed: bool = False) -> None:
+        """Reports that batch ticket's copies finished (or failed, with
+        failed=True; a failed reload leaves its blocks cached without valid
+        K/V). Raises NotFoundError for an unknown or completed ticket."""
+        ticket = _lib.checked_int(ticket, "complete_copies: ticket", "uint64")
+        _check(C.kvp_manager_complete_copies(self._h, ticket, int(bool(failed))))
+
+    def match_tiers(self, prompts: Sequence[Any], keys: Any = None) -> List[TierMatch]:
+        """Per prompt, the tokens of its longest prefix in the GPU prefix
+        cache and, beyond them, those the host tier holds (nothing is
+        admitted)."""
+        from .prefix import _keys_array
+
+        n = len(prompts)
+        tokens, offsets = _flatten(prompts)
+        keep: list = []
+        karr = _keys_array(keys, n, keep)
+        out = (TierMatchStruct * max(n, 1))()
+        _check(C.kvp_manager_match_tiers(self._h, n, _addr(tokens), _addr(offsets), karr, out))
+        return [TierMatch(o.gpu_tokens, o.host_tokens) for o in out[:n]]
+
+    def tier_stats(self) -> TierStats:
+        s = TierStatsStruct()
+        s.struct_size = ctypes.sizeof(TierStatsStruct)
+        _check(C.kvp_manager_tier_stats(self._h, ctypes.byref(s)))
+        return TierStats(*(getattr(s, f) for f in _STAT_FIELDS))
+
+    def host_tier_memory(self) -> np.ndarray:
+        """The host tier's memory as a uint8 array [host_tier_slots,
+        host_block_bytes] (row s is slot s), a view of the library's
+        memory: valid until close(), which frees it. Raises
+        InvalidArgumentError without a host tier."""
+        base, nbytes, nslots = _vp(), _i64(), _i32()
+        _check(C.kvp_manager_host_tier_memory(self._h, ctypes.byref(base), ctypes.byref(nbytes), ctypes.byref(nslots)))
+        buf = (ctypes.c_uint8 * (nbytes.value * nslots.value)).from_address(base.value)
+        return np.ctypeslib.as_array(buf).reshape(nslots.value, nbytes.value)

@@ -1,0 +1,228 @@
+package main
+
+/*
+#include <stdlib.h>
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"sync"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+)
+
+// The host KV tier at the ABI (include/kvplug.h, "Host KV tier"): the
+// manager's host pool lives in C memory that this file allocates at
+// kvp_manager_create and frees at kvp_manager_destroy, and the engine
+// drives the copies through kvmanager.FlushCopiesTo.
+
+// hostTier is a manager's host pool and the C memory behind it.
+type hostTier struct {
+	pool *host.Pool
+	mem  unsafe.Pointer
+}
+
+// hostTiers maps a manager to its host tier, for host_tier_memory and destroy.
+var hostTiers sync.Map // *kvmanager.Manager -> *hostTier
+
+// cAllocator allocates a host pool's memory with calloc, so that the
+// region may be handed to C (a Go pointer may not be kept by C). Free is
+// the destroy's (freeHostTier), after the pool is gone.
+type cAllocator struct{ p *unsafe.Pointer }
+
+func (a cAllocator) Alloc(size int) ([]byte, error) {
+	p := C.calloc(1, C.size_t(size))
+	if p == nil {
+		return nil, kverr.Errorf(kverr.OutOfMemory, "calloc of %d bytes failed", size)
+	}
+	*a.p = p
+	return unsafe.Slice((*byte)(p), size), nil
+}
+
+func (cAllocator) Free([]byte) error { return nil }
+
+// newHostTier validates the config's host tier fields and allocates the
+// pool; nil, nil when the config has none.
+func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
+	if c.reserved != 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.reserved must be 0: got %d", int32(c.reserved))
+	}
+	slots, bytes, ahead := int64(c.host_tier_slots), int64(c.host_block_bytes), int64(c.demote_ahead)
+	if slots == 0 {
+		if bytes != 0 || ahead != 0 {
+			return nil, kverr.Errorf(kverr.InvalidArgument,
+				"kvp_manager_config: host_block_bytes (%d) and demote_ahead (%d) need a host tier (host_tier_slots > 0)", bytes, ahead)
+		}
+		return nil, nil
+	}
+	if slots < 0 || slots > 1<<30 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_slots must be in [0, 2^30]: got %d", slots)
+	}
+	if bytes < 1 || bytes > 1<<46/slots {
+		return nil, kverr.Errorf(kverr.InvalidArgument,
+			"kvp_manager_config.host_block_bytes must be >= 1 with a host tier, and host_tier_slots * host_block_bytes <= 2^46: got %d slots of %d bytes", slots, bytes)
+	}
+	ht := &hostTier{}
+	p, err := host.New(host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&ht.mem}})
+	if err != nil {
+		ht.free()
+		return nil, err
+	}
+	ht.pool = p
+	return ht, nil
+}
+
+func (ht *hostTier) free() {
+	if ht != nil && ht.mem != nil {
+		C.free(ht.mem)
+		ht.mem = nil
+	}
+}
+
+// tierOf returns manager m's host tier; an error when it has none.
+func tierOf(m *kvmanager.Manager, op string) (*hostTier, error) {
+	v, ok := hostTiers.Load(m)
+	if !ok {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "%s: the manager has no host tier (host_tier_slots 0)", op)
+	}
+	return v.(*hostTier), nil
+}
+
+// freeHostTier frees a destroyed manager's host tier memory.
+func freeHostTier(m *kvmanager.Manager) {
+	if v, ok := hostTiers.LoadAndDelete(m); ok {
+		ht := v.(*hostTier)
+		_ = ht.pool.Close()
+		ht.free()
+	}
+}
+
+//export kvp_manager_flush_copies
+func kvp_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDemote C.int32_t, numDemote *C.int32_t,
+	reload *C.kvp_tier_copy, maxReload C.int32_t, numReload *C.int32_t, ticket *C.uint64_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		const op = "kvp_manager_flush_copies"
+		if numDemote == nil || numReload == nil || ticket == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: num_demote, num_reload and ticket must not be NULL", op)
+		}
+		if maxDemote < 0 || maxReload < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: max_demote and max_reload must be >= 0: got %d and %d", op, int32(maxDemote), int32(maxReload))
+		}
+		if (demote == nil && maxDemote > 0) || (reload == nil && maxReload > 0) {
+			return kverr.Errorf(kverr.NullPointer, "%s: demote or reload is NULL with a max > 0 (max_demote %d, max_reload %d)", op, int32(maxDemote), int32(maxReload))
+		}
+		if _, err := tierOf(m, op); err != nil {
+			return err
+		}
+		// The core's ops carry the block's hash: taken into Go scratch,
+		// then written to the caller's arrays.
+		d := make([]kvmanager.DemoteOp, maxDemote)
+		r := make([]kvmanager.ReloadOp, maxReload)
+		tk, nd, nr, needD, needR, err := m.FlushCopiesTo(d, r)
+		if kverr.Is(err, kverr.BufferTooSmall) {
+			*numDemote, *numReload = C.int32_t(needD), C.int32_t(needR)
+			return kverr.Wrap(kverr.BufferTooSmall, err, op)
+		}
+		if err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		if nd > 0 {
+			out := unsafe.Slice(demote, nd)
+			for i, o := range d[:nd] {
+				out[i] = C.kvp_tier_copy{block: C.int32_t(o.Block), slot: C.int32_t(o.Slot)}
+			}
+		}
+		if nr > 0 {
+			out := unsafe.Slice(reload, nr)
+			for i, o := range r[:nr] {
+				out[i] = C.kvp_tier_copy{block: C.int32_t(o.Block), slot: C.int32_t(o.Slot)}
+			}
+		}
+		*numDemote, *numReload, *ticket = C.int32_t(nd), C.int32_t(nr), C.uint64_t(tk)
+		return nil
+	})
+}
+
+//export kvp_manager_complete_copies
+func kvp_manager_complete_copies(h *C.kvp_manager, ticket C.uint64_t, failed C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if err := m.CompleteCopies(uint64(ticket), failed != 0); err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, "kvp_manager_complete_copies")
+		}
+		return nil
+	})
+}
+
+//export kvp_manager_match_tiers
+func kvp_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+	keys *C.kvp_prefix_keys, out *C.kvp_tier_match) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match_tiers: out must not be NULL")
+		}
+		p, err := promptsOf("kvp_manager_match_tiers", n, tokens, offsets, keys)
+		if err != nil {
+			return err
+		}
+		// kvp_tier_match and kvmanager.TierMatch are both two int32s
+		// (tier_abi_test.go checks).
+		return m.MatchTiers(p, slice[kvmanager.TierMatch](unsafe.Pointer(out), n))
+	})
+}
+
+//export kvp_manager_tier_stats
+func kvp_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_tier_stats: out must not be NULL")
+		}
+		s := m.TierStats()
+		var v C.kvp_tier_stats
+		v.demotions_queued = C.int64_t(s.DemotionsQueued)
+		v.demotions_completed = C.int64_t(s.DemotionsCompleted)
+		v.demotions_failed = C.int64_t(s.DemotionsFailed)
+		v.skipped_full = C.int64_t(s.SkippedFull)
+		v.skipped_present = C.int64_t(s.SkippedPresent)
+		v.evicted_undemoted = C.int64_t(s.EvictedUndemoted)
+		v.reloads = C.int64_t(s.Reloads)
+		v.reloads_completed = C.int64_t(s.ReloadsCompleted)
+		v.reloads_failed = C.int64_t(s.ReloadsFailed)
+		v.host_hit_tokens = C.int64_t(s.HostHitTokens)
+		v.match_queries = C.int64_t(s.MatchQueries)
+		v.match_gpu_tokens = C.int64_t(s.MatchGPUTokens)
+		v.match_host_tokens = C.int64_t(s.MatchHostTokens)
+		v.host_evictions = C.int64_t(s.Host.Evictions)
+		v.host_hits = C.int64_t(s.Host.Hits)
+		v.host_misses = C.int64_t(s.Host.Misses)
+		v.in_flight = C.int32_t(s.InFlight)
+		v.host_slots = C.int32_t(s.Host.Slots)
+		v.host_resident = C.int32_t(s.Host.Resident)
+		v.host_reserved = C.int32_t(s.Host.Reserved)
+		v.host_pinned = C.int32_t(s.Host.Pinned)
+		return tierStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
+}
+
+//export kvp_manager_host_tier_memory
+func kvp_manager_host_tier_memory(h *C.kvp_manager, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		ht, err := tierOf(m, "kvp_manager_host_tier_memory")
+		if err != nil {
+			return err
+		}
+		if base != nil {
+			*base = ht.mem
+		}
+		if slotBytes != nil {
+			*slotBytes = C.int64_t(ht.pool.BlockBytes())
+		}
+		if numSlots != nil {
+			*numSlots = C.int32_t(ht.pool.Stats().Slots)
+		}
+		return nil
+	})
+}

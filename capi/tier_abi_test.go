@@ -1,0 +1,189 @@
+package main
+
+import (
+	"bytes"
+	"testing"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
+)
+
+const tierBytes = 32
+
+// tableOf returns sequence id's first n GPU blocks.
+func tableOf(t *testing.T, h unsafe.Pointer, id int64, n int32) []int32 {
+	t.Helper()
+	ids, tbl, lens, num := cInt64s([]int64{id}), newCBuf(4*int(n)), newCBuf(4), newCBuf(4)
+	defer ids.free()
+	defer tbl.free()
+	defer lens.free()
+	defer num.free()
+	expect(t, "describe", hookManagerDescribe(h, ids, 1, tbl, n, lens, cbuf{}, 0, num), kverr.OK)
+	return slices32(tbl, int(n))
+}
+
+// kvOfBlock is the fake K/V of a prompt's block i.
+func kvOfBlock(i int) []byte { return bytes.Repeat([]byte{byte(0xa0 + i)}, tierBytes) }
+
+// The engine's flow through the ABI: a conversation's cached blocks are
+// demoted (the test copies fake GPU memory into the host slots the batch
+// names), matched in the host tier, and reloaded into new GPU blocks on
+// its return (the test copies the slots back); the blocks then hold the
+// conversation's K/V.
+func TestTierABIDemotesAndReloads(t *testing.T) {
+	lockThread(t)
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	mem, slotBytes, nSlots, st := hookHostTierMemory(h)
+	expect(t, "host memory", st, kverr.OK)
+	if slotBytes != tierBytes || nSlots != 16 || len(mem) != 16*tierBytes {
+		t.Fatalf("host memory: %d slots of %d", nSlots, slotBytes)
+	}
+	slotMem := func(s int32) []byte { return mem[int64(s)*slotBytes : int64(s+1)*slotBytes] }
+	gpu := map[int32][]byte{}
+
+	conv := make([]int32, 17) // four full blocks and one token
+	for i := range conv {
+		conv[i] = int32(100 + i)
+	}
+	matched, n, st := hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
+	expect(t, "admit", st, kverr.OK)
+	if n != 1 || matched[0] != 0 {
+		t.Fatalf("admit: %d admitted, matched %v", n, matched)
+	}
+	tbl := tableOf(t, h, 1, 5)
+	for i := range 4 {
+		gpu[tbl[i]] = kvOfBlock(i)
+	}
+	ids := cInt64s([]int64{1})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+
+	// Arrays too small: BUFFER_TOO_SMALL with the room needed, nothing changed.
+	_, _, nd, nr, _, st := hookFlushCopies(h, 1, 0)
+	expect(t, "short flush", st, kverr.BufferTooSmall)
+	if nd != 4 || nr != 0 {
+		t.Fatalf("short flush: need %d %d", nd, nr)
+	}
+	if s, _ := hookTierStats(h, sizeofTierStats(), false); s[3] != 0 {
+		t.Fatalf("short flush changed the tier: %v", s)
+	}
+	d, r, nd, nr, tk, st := hookFlushCopies(h, 8, 8)
+	expect(t, "flush", st, kverr.OK)
+	if tk == 0 || nd != 4 || nr != 0 || len(d) != 4 || r != nil {
+		t.Fatalf("flush: ticket %d, %d demotions %v, %d reloads", tk, nd, d, nr)
+	}
+	for _, op := range d {
+		copy(slotMem(op[1]), gpu[op[0]])
+	}
+	if s, _ := hookTierStats(h, sizeofTierStats(), false); s[3] != 4 {
+		t.Fatalf("in flight: %v", s)
+	}
+	expect(t, "complete", hookCompleteCopies(h, tk, false), kverr.OK)
+	expect(t, "complete twice", hookCompleteCopies(h, tk, false), kverr.NotFound)
+	got, st := hookMatchTiers(h, [][]int32{conv, conv[:5]}, false)
+	expect(t, "match tiers", st, kverr.OK)
+	if got[0] != [2]int32{0, 16} || got[1] != [2]int32{0, 4} {
+		t.Fatalf("match tiers: %v", got)
+	}
+
+	// The conversation returns: its four blocks are reloaded.
+	clear(gpu)
+	matched, _, st = hookAdmit(h, []int64{2}, [][]int32{conv}, nil)
+	expect(t, "admit again", st, kverr.OK)
+	if matched[0] != 16 {
+		t.Fatalf("admit again: matched %d", matched[0])
+	}
+	d, r, nd, nr, tk, st = hookFlushCopies(h, 8, 8)
+	expect(t, "flush reloads", st, kverr.OK)
+	if tk == 0 || nd != 0 || nr != 4 {
+		t.Fatalf("flush reloads: ticket %d, %d %d", tk, nd, nr)
+	}
+	for _, op := range r {
+		gpu[op[0]] = bytes.Clone(slotMem(op[1]))
+	}
+	expect(t, "complete reloads", hookCompleteCopies(h, tk, false), kverr.OK)
+	tbl = tableOf(t, h, 2, 5)
+	for i := range 4 {
+		if !bytes.Equal(gpu[tbl[i]], kvOfBlock(i)) {
+			t.Fatalf("block %d (GPU block %d) after reload: %x", i, tbl[i], gpu[tbl[i]])
+		}
+	}
+	s, st := hookTierStats(h, sizeofTierStats(), false)
+	expect(t, "stats", st, kverr.OK)
+	if s != [6]int64{4, 4, 16, 0, 4, 16} {
+		t.Fatalf("stats: %v", s)
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
+	// Nothing to copy: ticket 0.
+	if _, _, nd, nr, tk, st := hookFlushCopies(h, 8, 8); st != 0 || tk != 0 || nd != 0 || nr != 0 {
+		t.Fatalf("empty flush: %d %d %d %s", tk, nd, nr, statusName(st))
+	}
+}
+
+// Every bad input gets its status and a message, and changes nothing.
+func TestTierABIRefusals(t *testing.T) {
+	lockThread(t)
+	ok := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 4, ahead: 2, blockBytes: 16}
+	live, _ := hookLiveHandles(false)
+	for name, c := range map[string]hookTierConfig{
+		"no prefix cache": {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, noPrefixCache: true},
+		"no block bytes":  {numBlocks: 8, blockSize: 4, slots: 4},
+		"slots < 0":       {numBlocks: 8, blockSize: 4, slots: -1, blockBytes: 16},
+		"too large":       {numBlocks: 8, blockSize: 4, slots: 1 << 20, blockBytes: 1 << 27},
+		"ahead > blocks":  {numBlocks: 8, blockSize: 4, slots: 4, ahead: 9, blockBytes: 16},
+		"ahead < 0":       {numBlocks: 8, blockSize: 4, slots: 4, ahead: -1, blockBytes: 16},
+		"bytes, no tier":  {numBlocks: 8, blockSize: 4, blockBytes: 16},
+		"reserved":        {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, reserved: 1},
+	} {
+		h, st := hookManagerCreateTier(c)
+		expect(t, name, st, kverr.InvalidArgument)
+		if h != nil {
+			t.Fatalf("%s: a handle", name)
+		}
+	}
+	if n, _ := hookLiveHandles(false); n != live {
+		t.Fatalf("refused creates left %d handles", n-live)
+	}
+	// A config of the first released size has no host tier.
+	h0, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, structSize: 16})
+	expect(t, "old config", st, kverr.OK)
+	defer hookManagerDestroy(h0)
+	_, _, _, _, _, st = hookFlushCopies(h0, 4, 4)
+	expect(t, "flush without tier", st, kverr.InvalidArgument)
+	expect(t, "complete without tier", hookCompleteCopies(h0, 1, false), kverr.InvalidArgument)
+	_, _, _, st = hookHostTierMemory(h0)
+	expect(t, "memory without tier", st, kverr.InvalidArgument)
+	if s, st := hookTierStats(h0, sizeofTierStats(), false); st != 0 || s != [6]int64{} {
+		t.Fatalf("stats without tier: %v %s", s, statusName(st))
+	}
+	if m, st := hookMatchTiers(h0, [][]int32{{1, 2, 3, 4, 5}}, false); st != 0 || m[0] != [2]int32{} {
+		t.Fatalf("match without tier: %v %s", m, statusName(st))
+	}
+
+	h, st := hookManagerCreateTier(ok)
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	expect(t, "flush NULL counts", hookFlushCopiesNull(h, true, 0), kverr.NullPointer)
+	expect(t, "flush NULL demote with max", hookFlushCopiesNull(h, false, 2), kverr.NullPointer)
+	_, _, _, _, _, st = hookFlushCopies(h, -1, 0)
+	expect(t, "flush max < 0", st, kverr.InvalidArgument)
+	expect(t, "complete unknown", hookCompleteCopies(h, 7, false), kverr.NotFound)
+	_, st = hookMatchTiers(h, [][]int32{{1, 2}}, true)
+	expect(t, "match NULL out", st, kverr.NullPointer)
+	_, st = hookTierStats(h, 0, false)
+	expect(t, "stats struct_size 0", st, kverr.StructSize)
+	_, st = hookTierStats(h, sizeofTierStats(), true)
+	expect(t, "stats NULL", st, kverr.NullPointer)
+	expect(t, "NULL handle", hookCompleteCopies(nil, 1, false), kverr.InvalidHandle)
+}
+
+// kvp_tier_match is viewed as kvmanager.TierMatch.
+func TestTierMatchLayout(t *testing.T) {
+	var m kvmanager.TierMatch
+	if sizeofTierMatch() != unsafe.Sizeof(m) || offsetofTierMatchHost() != unsafe.Offsetof(m.Host) {
+		t.Fatalf("kvp_tier_match (%d bytes, host at %d) is not kvmanager.TierMatch", sizeofTierMatch(), offsetofTierMatchHost())
+	}
+}

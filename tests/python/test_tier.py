@@ -1,0 +1,112 @@
+"""The host KV tier through the Python API: the test plays the engine, with
+a numpy array as the GPU pool's K/V, copying blocks into and out of the
+host slots as flush_copies' batches ask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvplug
+
+BS, BLOCKS, SLOTS, BYTES = 4, 8, 16, 64
+
+
+@pytest.fixture
+def tm():
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
+                        demote_ahead=BLOCKS) as m:
+        yield m
+
+
+def kv_of(i: int) -> np.ndarray:
+    return np.full(BYTES, 0xA0 + i, np.uint8)
+
+
+def run_copies(m: kvplug.Manager, gpu: np.ndarray) -> kvplug.CopyBatch:
+    """One step's copies, as an engine does them; completes the batch."""
+    batch = m.flush_copies()
+    host = m.host_tier_memory()
+    host[batch.demote_slots] = gpu[batch.demote_blocks]
+    gpu[batch.reload_blocks] = host[batch.reload_slots]
+    if batch.ticket:
+        m.complete_copies(batch.ticket)
+    return batch
+
+
+def test_demotion_and_reload(tm):
+    gpu = np.zeros((BLOCKS, BYTES), np.uint8)  # the fake GPU K/V pool
+    conv = np.arange(100, 117, dtype=np.int32)  # four full blocks and one token
+    assert tm.admit([1], [conv]).tolist() == [0]
+    table = tm.describe([1]).block_table[0]
+    for i in range(4):
+        gpu[table[i]] = kv_of(i)
+    tm.remove([1])
+
+    batch = run_copies(tm, gpu)
+    assert batch.ticket != 0 and len(batch.demote_blocks) == 4 and len(batch.reload_blocks) == 0
+    assert sorted(batch.demote_blocks.tolist()) == sorted(table[:4].tolist())
+    assert tm.match_tiers([conv, conv[:5]]) == [kvplug.TierMatch(0, 16), kvplug.TierMatch(0, 4)]
+    s = tm.tier_stats()
+    assert (s.demotions_completed, s.host_resident, s.in_flight, s.host_slots) == (4, 4, 0, SLOTS)
+
+    gpu[:] = 0  # the GPU K/V is gone
+    assert tm.admit([2], [conv]).tolist() == [16]  # matched in the host tier
+    batch = run_copies(tm, gpu)
+    assert len(batch.demote_blocks) == 0 and len(batch.reload_blocks) == 4
+    table = tm.describe([2]).block_table[0]
+    for i in range(4):
+        assert (gpu[table[i]] == kv_of(i)).all(), i
+    s = tm.tier_stats()
+    assert (s.reloads, s.reloads_completed, s.host_hit_tokens, s.host_pinned) == (4, 4, 16, 0)
+    tm.check()
+    assert run_copies(tm, gpu).ticket == 0  # nothing left to copy
+
+
+def test_copies_in_flight_hold_their_blocks(tm):
+    conv = np.arange(17, dtype=np.int32)
+    tm.admit([1], [conv])
+    tm.remove([1])
+    batch = tm.flush_copies()
+    assert len(batch.demote_blocks) == 4
+    assert tm.stats().free_blocks == BLOCKS - 4  # the blocks under the copies are not free
+    assert tm.match_tiers([conv]) == [kvplug.TierMatch(0, 0)]  # nor matchable yet
+    tm.complete_copies(batch.ticket, failed=True)
+    s = tm.tier_stats()
+    assert (s.demotions_failed, s.host_resident) == (4, 0) and tm.stats().free_blocks == BLOCKS
+    with pytest.raises(kvplug.NotFoundError):
+        tm.complete_copies(batch.ticket)
+
+
+def test_refusals():
+    with pytest.raises(kvplug.InvalidArgumentError, match="prefix cache"):
+        kvplug.Manager(8, 4, host_tier_slots=4, host_block_bytes=16)
+    with pytest.raises(kvplug.InvalidArgumentError, match="host_block_bytes"):
+        kvplug.Manager(8, 4, prefix_cache=True, host_tier_slots=4)
+    with pytest.raises(kvplug.InvalidArgumentError, match="demote_ahead"):
+        kvplug.Manager(8, 4, prefix_cache=True, host_tier_slots=4, host_block_bytes=16, demote_ahead=9)
+    with kvplug.Manager(8, 4, prefix_cache=True) as m:
+        with pytest.raises(kvplug.InvalidArgumentError, match="no host tier"):
+            m.flush_copies()
+        with pytest.raises(kvplug.InvalidArgumentError, match="no host tier"):
+            m.host_tier_memory()
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.complete_copies(1)
+        assert m.tier_stats() == kvplug.TierStats(*([0] * 21))
+        assert m.match_tiers([np.arange(9, dtype=np.int32)]) == [kvplug.TierMatch(0, 0)]
+
+
+def test_flush_grows_its_arrays_past_demote_ahead():
+    # Reloads beyond the first array's room: BUFFER_TOO_SMALL is handled.
+    with kvplug.Manager(128, 1, prefix_cache=True, host_tier_slots=128, host_block_bytes=8, demote_ahead=128) as m:
+        conv = np.arange(101, dtype=np.int32)
+        m.admit([1], [conv])
+        m.remove([1])
+        b = m.flush_copies()
+        assert len(b.demote_blocks) == 101  # token mode: every token is a full block
+        m.complete_copies(b.ticket)
+        assert m.admit([2], [conv]).tolist() == [100]
+        b = m.flush_copies()
+        assert len(b.reload_blocks) == 100 and b.ticket
+        m.complete_copies(b.ticket)
+        m.check()
