@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 	"unsafe"
 
@@ -33,6 +34,20 @@ func FuzzABI(f *testing.F) {
 	f.Add([]byte{3, 11, 2, 0, 30, 2, 4, 1, 1, 40, 1, 0, 12, 2, 2, 25, 1, 8, 0, 3, 0, 33, 34, 35, 36, 37})
 	f.Add([]byte{0, 2, 50, 1, 7, 200, 3, 41, 42, 43, 44, 45, 46, 47, 48, 49, 13, 13})
 	f.Add(bytes.Repeat([]byte{7, 1, 250, 3, 0}, 8))
+	// A host tier (12 blocks of 2 tokens, 4 slots, demote_ahead 12):
+	// conversations demoted, flushed, completed, matched per tier and
+	// reloaded.
+	f.Add([]byte{
+		9, 11, 2, 3, 12, 16, 63, 254, 104, 64, 117, 59, 57, 211, 61, 62, 130, 32, 186, 86, 65, 59, 64, 52,
+		208, 57, 64, 120, 32, 61, 64, 14, 66, 10, 62, 1, 62, 28, 2, 231, 194, 57, 202, 239, 57, 147, 153, 59,
+		86, 74, 62, 62, 115, 57, 20, 178, 59, 46, 59, 59, 155, 59, 64, 14, 157, 57, 20, 84, 38, 21, 63, 209,
+		232, 57, 237, 56, 59, 61, 245, 64, 254, 147, 147, 64, 222, 61, 64, 52, 63, 64, 57, 59, 216, 91, 64, 18,
+		16, 30, 193, 223, 64, 203, 173, 209, 179, 57, 61, 59, 63, 63, 59, 60, 2, 62, 64, 59, 59, 59, 57, 137,
+		59, 177, 43, 255, 194, 59, 61, 38, 113, 59, 92, 50, 121, 57, 106, 132, 62, 178, 26, 88, 106, 64, 57, 194,
+		27, 64, 155, 118, 165, 178, 148, 37, 64, 64, 225, 129, 198, 171, 17, 142, 192, 151, 206, 224, 59, 64, 177, 197,
+		59, 45, 6, 64, 92, 110, 70, 42, 167, 185, 64, 62, 47, 59, 57, 223, 61, 139, 33, 64, 125, 224, 50, 38,
+		51, 237, 95, 57, 120, 40, 64, 63,
+	})
 	gpu := cuda.Available()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
@@ -60,6 +75,14 @@ type abiFuzz struct {
 	// cBackground: c maps ahead on its own goroutine, so its mappings
 	// change between any two calls.
 	cBackground bool
+	// The current manager's host tier (tierSlots 0: none), the tickets of
+	// its batches not yet completed and some completed ones, and its tier
+	// counters after the last call (they never decrease).
+	numBlocks, tierSlots, demoteAhead int32
+	tierBytes                         int64
+	tickets, doneTickets              []uint64
+	tierCounters                      []int64
+	nextID                            int64 // conversation's sequence ids
 }
 
 func (fz *abiFuzz) alloc(n int) ptr {
@@ -88,15 +111,25 @@ func (fz *abiFuzz) setup() {
 	flags := fz.r.u8()
 	cfg := fz.alloc(int(cLayouts["kvp_manager_config"].size))
 	setField(cfg, "kvp_manager_config", "struct_size", int64(cLayouts["kvp_manager_config"].size))
-	setField(cfg, "kvp_manager_config", "num_blocks", int64(fz.r.u8()%48)+1)
+	fz.numBlocks = int32(fz.r.u8()%48) + 1
+	setField(cfg, "kvp_manager_config", "num_blocks", int64(fz.numBlocks))
 	setField(cfg, "kvp_manager_config", "block_size", int64(fz.r.u8()%9))
 	setField(cfg, "kvp_manager_config", "enable_prefix_cache", int64(flags&1))
 	setField(cfg, "kvp_manager_config", "enable_kv_events", int64(flags&1&(flags>>1)))
+	if flags&9 == 9 { // a host tier, on the prefix cache
+		fz.tierSlots = int32(fz.small(8)) + 1
+		fz.demoteAhead = int32(fz.small(int(fz.numBlocks) + 1))
+		fz.tierBytes = int64(fz.small(64)) + 1
+		setField(cfg, "kvp_manager_config", "host_tier_slots", int64(fz.tierSlots))
+		setField(cfg, "kvp_manager_config", "demote_ahead", int64(fz.demoteAhead))
+		setField(cfg, "kvp_manager_config", "host_block_bytes", fz.tierBytes)
+	}
 	out := fz.alloc(8)
 	if st := rawManagerCreate(cfg, out); st != 0 {
 		fz.t.Fatalf("setup manager: %s", lastError())
 	}
 	fz.m = *(*ptr)(out)
+	fz.tierCounters = fz.tierStats()
 	if flags&4 != 0 {
 		h, st := hookVcacheCreate(1, 1, 64, 4, 256, 64<<10)
 		if st != 0 {
@@ -263,7 +296,7 @@ func (fz *abiFuzz) snapshot() string {
 	for _, s := range []struct {
 		name string
 		get  func(m, out ptr) int
-	}{{"kvp_manager_stats", rawManagerStats}, {"kvp_prefix_stats", rawManagerPrefixStats}} {
+	}{{"kvp_manager_stats", rawManagerStats}, {"kvp_prefix_stats", rawManagerPrefixStats}, {"kvp_tier_stats", rawManagerTierStats}} {
 		l := cLayouts[s.name]
 		p := newCBuf(int(l.size))
 		*(*uintptr)(p.p) = l.size
@@ -322,6 +355,61 @@ func (fz *abiFuzz) step() {
 	if s := rawManagerCheck(fz.m); s != 0 {
 		fz.t.Fatalf("invariants broken after %s: %s", name, lastError())
 	}
+	fz.checkTier(name)
+}
+
+// tierCounterFields are kvp_tier_stats' counters, which never decrease.
+var tierCounterFields = []string{"demotions_queued", "demotions_completed", "demotions_failed", "skipped_full",
+	"skipped_present", "evicted_undemoted", "reloads", "reloads_completed", "reloads_failed", "host_hit_tokens",
+	"match_queries", "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses"}
+
+// tierStats returns the current manager's tier counters (in the order of
+// tierCounterFields), then in_flight, host_slots, host_resident,
+// host_reserved and host_pinned.
+func (fz *abiFuzz) tierStats() []int64 {
+	l := cLayouts["kvp_tier_stats"]
+	p := newCBuf(int(l.size))
+	defer p.free()
+	*(*uintptr)(p.p) = l.size
+	if st := rawManagerTierStats(fz.m, p.p); st != 0 {
+		fz.t.Fatalf("kvp_manager_tier_stats: %s", lastError())
+	}
+	var v []int64
+	for _, f := range tierCounterFields {
+		v = append(v, *(*int64)(unsafe.Add(p.p, l.fields[f].off)))
+	}
+	for _, f := range []string{"in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned"} {
+		v = append(v, int64(*(*int32)(unsafe.Add(p.p, l.fields[f].off))))
+	}
+	return v
+}
+
+// checkTier checks the host tier's stats after a call: counters never
+// decrease, nothing is in flight once every ticket has completed, the
+// gauges stay within the tier's slots (all zero without a tier).
+func (fz *abiFuzz) checkTier(name string) {
+	v := fz.tierStats()
+	n := len(tierCounterFields)
+	for i, f := range tierCounterFields {
+		if v[i] < fz.tierCounters[i] {
+			fz.t.Fatalf("after %s: tier stat %s went from %d to %d", name, f, fz.tierCounters[i], v[i])
+		}
+	}
+	inFlight, slots, resident, reserved, pinned := v[n], v[n+1], v[n+2], v[n+3], v[n+4]
+	if slots != int64(fz.tierSlots) || resident < 0 || reserved < 0 || pinned < 0 || resident+reserved > slots || pinned > slots {
+		fz.t.Fatalf("after %s: tier stats %v with %d host slots", name, v[n:], fz.tierSlots)
+	}
+	if len(fz.tickets) == 0 && (inFlight != 0 || reserved != 0) {
+		fz.t.Fatalf("after %s: every ticket completed, yet in_flight %d, host_reserved %d", name, inFlight, reserved)
+	}
+	if fz.tierSlots == 0 {
+		for i, x := range v {
+			if x != 0 {
+				fz.t.Fatalf("after %s: no host tier, yet tier stat %d is %d", name, i, x)
+			}
+		}
+	}
+	fz.tierCounters = v
 }
 
 // call makes the call numbered op; it returns the call's name and its
@@ -397,7 +485,7 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 8:
 		return "kvp_manager_prefix_stats", rawManagerPrefixStats(fz.handle(true), fz.outStruct("kvp_prefix_stats"))
 	case 9, 10, 11:
-		return fz.admitOrMatch(op == 11)
+		return fz.admitOrMatch(int(op) - 9)
 	case 12:
 		n := fz.small(20)
 		tokens := fz.array(n, 4, fz.token)
@@ -566,12 +654,183 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 		}
 		rawPublisherDestroy(h)
 		return "kvp_event_publisher_destroy", -1
+	case 57, 58:
+		return fz.flushCopies()
+	case 59, 60:
+		return fz.completeCopies()
+	case 61:
+		return fz.admitOrMatch(3)
+	case 62:
+		return "kvp_manager_tier_stats", rawManagerTierStats(fz.handle(true), fz.outStruct("kvp_tier_stats"))
+	case 63:
+		h := fz.handle(true)
+		base, bytes, slots := fz.outp(8), fz.outp(8), fz.outp(4)
+		st := rawManagerHostTierMemory(h, base, bytes, slots)
+		if h == fz.m && (st == 0) != (fz.tierSlots > 0) {
+			fz.t.Fatalf("kvp_manager_host_tier_memory with %d host slots: %s (%s)", fz.tierSlots, statusName(st), lastError())
+		}
+		if h == fz.m && st == 0 {
+			if (base != nil && *(*ptr)(base) == nil) || (bytes != nil && *(*int64)(bytes) != fz.tierBytes) ||
+				(slots != nil && *(*int32)(slots) != fz.tierSlots) {
+				fz.t.Fatalf("kvp_manager_host_tier_memory: wrong region for %d slots of %d bytes", fz.tierSlots, fz.tierBytes)
+			}
+		}
+		return "kvp_manager_host_tier_memory", st
+	case 64:
+		return fz.conversation()
 	}
 	panic(fmt.Sprintf("no call numbered %d", op))
 }
 
 // numOps is the number of calls call knows.
-const numOps = 57
+const numOps = 65
+
+// conversation admits one of a few recurring prompts as a new sequence
+// and removes it at once, with valid arguments: its full blocks stay
+// cached, so that flushes demote them and a return of the prompt reloads
+// them from the host tier.
+func (fz *abiFuzz) conversation() (string, int) {
+	toks := make([]int32, 1+fz.small(24))
+	base := int32(fz.small(3)) * 1000
+	for i := range toks {
+		toks[i] = base + int32(i)
+	}
+	tokens := fz.alloc(4 * len(toks))
+	copy(unsafe.Slice((*int32)(tokens), len(toks)), toks)
+	offsets := fz.alloc(16)
+	*(*int64)(unsafe.Add(offsets, 8)) = int64(len(toks))
+	fz.nextID++
+	ids := fz.alloc(8)
+	*(*int64)(ids) = 1000 + fz.nextID
+	admitted := fz.alloc(4)
+	st := rawManagerAdmit(fz.m, ids, 1, tokens, offsets, nil, nil, admitted)
+	if st == 0 && *(*int32)(admitted) == 1 { // else out of blocks: none admitted
+		if s := rawManagerRemove(fz.m, ids, 1); s != 0 {
+			fz.t.Fatalf("kvp_manager_remove of an admitted sequence: %s", lastError())
+		}
+	}
+	return "kvp_manager_admit", st
+}
+
+// flushCopies flushes the host tier's copies into arrays of arbitrary
+// room (now and then too little, NULL or a hostile max), and checks the
+// batch: copies within the pool and the host slots, BUFFER_TOO_SMALL
+// only with a need past the room given, and success whenever the room is
+// demote_ahead and num_blocks entries.
+func (fz *abiFuzz) flushCopies() (string, int) {
+	const name = "kvp_manager_flush_copies"
+	h := fz.handle(true)
+	maxD, maxR := int32(fz.small(int(fz.demoteAhead)+2)), int32(fz.small(int(fz.numBlocks)+2))
+	if fz.r.u8()%3 == 0 { // the room the header promises is enough
+		maxD, maxR = fz.demoteAhead, fz.numBlocks
+	}
+	sz := int(cLayouts["kvp_tier_copy"].size)
+	demote, reload := fz.outp(sz*max(int(maxD), 1)), fz.outp(sz*max(int(maxR), 1))
+	if fz.r.u8()%10 == 0 { // a hostile max: never more room than there is
+		maxD, maxR = min(fz.i32(), maxD), min(fz.i32(), maxR)
+	}
+	nd, nr, ticket := fz.outp(4), fz.outp(4), fz.outp(8)
+	if nd != nil {
+		*(*int32)(nd) = -7
+	}
+	if nr != nil {
+		*(*int32)(nr) = -7
+	}
+	st := rawManagerFlushCopies(h, demote, maxD, nd, reload, maxR, nr, ticket)
+	if h != fz.m {
+		return name, st
+	}
+	valid := nd != nil && nr != nil && ticket != nil && maxD >= 0 && maxR >= 0 &&
+		(demote != nil || maxD == 0) && (reload != nil || maxR == 0) && fz.tierSlots > 0
+	switch {
+	case !valid && st == 0:
+		fz.t.Fatalf("%s accepted bad arguments (max %d and %d)", name, maxD, maxR)
+	case valid && maxD >= fz.demoteAhead && maxR >= fz.numBlocks && st != 0:
+		fz.t.Fatalf("%s with room for %d demotions and %d reloads: %s (%s)", name, maxD, maxR, statusName(st), lastError())
+	case st == int(kverr.BufferTooSmall):
+		needD, needR := *(*int32)(nd), *(*int32)(nr)
+		if needD < 0 || needR < 0 || (needD <= maxD && needR <= maxR) {
+			fz.t.Fatalf("%s: BUFFER_TOO_SMALL needing %d and %d with room for %d and %d", name, needD, needR, maxD, maxR)
+		}
+	case st == 0:
+		d, r, tk := *(*int32)(nd), *(*int32)(nr), *(*uint64)(ticket)
+		if d < 0 || d > maxD || r < 0 || r > maxR || (tk == 0) != (d == 0 && r == 0) {
+			fz.t.Fatalf("%s: %d demotions, %d reloads (room %d, %d), ticket %d", name, d, r, maxD, maxR, tk)
+		}
+		for i, arr := range []ptr{demote, reload} {
+			cnt := []int32{d, r}[i]
+			for j := range int(cnt) {
+				c := unsafe.Add(arr, sz*j)
+				block, slot := *(*int32)(c), *(*int32)(unsafe.Add(c, 4))
+				if block < 0 || block >= fz.numBlocks || slot < 0 || slot >= fz.tierSlots {
+					fz.t.Fatalf("%s: copy (block %d, slot %d) outside %d blocks, %d slots", name, block, slot, fz.numBlocks, fz.tierSlots)
+				}
+			}
+		}
+		if tk != 0 {
+			for _, o := range append(append([]uint64{}, fz.tickets...), fz.doneTickets...) {
+				if o == tk {
+					fz.t.Fatalf("%s handed out ticket %d twice", name, tk)
+				}
+			}
+			fz.tickets = append(fz.tickets, tk)
+		}
+	}
+	return name, st
+}
+
+// completeCopies completes a ticket the fuzz holds (failed now and then),
+// one completed already, 0 or an arbitrary one (NOT_FOUND).
+func (fz *abiFuzz) completeCopies() (string, int) {
+	const name = "kvp_manager_complete_copies"
+	h := fz.handle(true)
+	failed := int32(0)
+	switch fz.r.u8() % 8 {
+	case 0:
+		failed = 1
+	case 1:
+		failed = fz.i32()
+	}
+	k, ticket := -1, uint64(fz.i64())
+	switch b := fz.r.u8() % 8; {
+	case b < 5 && len(fz.tickets) > 0:
+		k = fz.small(len(fz.tickets))
+		ticket = fz.tickets[k]
+	case b == 5 && len(fz.doneTickets) > 0:
+		ticket = fz.doneTickets[fz.small(len(fz.doneTickets))]
+	case b == 6:
+		ticket = 0
+	}
+	st := rawManagerCompleteCopies(h, ticket, failed)
+	if h != fz.m {
+		return name, st
+	}
+	switch {
+	case fz.tierSlots == 0:
+		if st != int(kverr.InvalidArgument) {
+			fz.t.Fatalf("%s without a host tier: %s (%s)", name, statusName(st), lastError())
+		}
+	case k >= 0:
+		if st != 0 {
+			fz.t.Fatalf("%s of ticket %d, outstanding: %s (%s)", name, ticket, statusName(st), lastError())
+		}
+		fz.tickets = append(fz.tickets[:k], fz.tickets[k+1:]...)
+		if len(fz.doneTickets) < 8 {
+			fz.doneTickets = append(fz.doneTickets, ticket)
+		}
+	case slices.Contains(fz.tickets, ticket):
+		// An arbitrary value that happens to be outstanding: no check.
+		if st == 0 {
+			i := slices.Index(fz.tickets, ticket)
+			fz.tickets = append(fz.tickets[:i], fz.tickets[i+1:]...)
+		}
+	default:
+		if st != int(kverr.NotFound) {
+			fz.t.Fatalf("%s of unknown ticket %d: %s (%s)", name, ticket, statusName(st), lastError())
+		}
+	}
+	return name, st
+}
 
 // pubHandle picks a publisher handle: the current one (possibly none),
 // NULL, junk, or another type's.
@@ -751,7 +1010,9 @@ func (fz *abiFuzz) keys(n int) ptr {
 	return p
 }
 
-func (fz *abiFuzz) admitOrMatch(match bool) (string, int) {
+// admitOrMatch calls kvp_manager_admit (kind 0 and 1), kvp_manager_match
+// (2) or kvp_manager_match_tiers (3) with prompts of arbitrary tokens.
+func (fz *abiFuzz) admitOrMatch(kind int) (string, int) {
 	n := fz.small(4)
 	var toks []int64
 	offs := []int64{0}
@@ -782,7 +1043,11 @@ func (fz *abiFuzz) admitOrMatch(match bool) (string, int) {
 	offsets := fz.array(len(offs), 8, func() int64 { k++; return offs[k-1] })
 	cnt := fz.count(n)
 	keys := fz.keys(n)
-	if match {
+	if kind == 3 {
+		out := fz.outp(int(cLayouts["kvp_tier_match"].size) * max(n, 1))
+		return "kvp_manager_match_tiers", rawManagerMatchTiers(fz.handle(true), cnt, tokens, offsets, keys, out)
+	}
+	if kind == 2 {
 		out := fz.outp(12 * max(n, 1))
 		return "kvp_manager_match", rawManagerMatch(fz.handle(true), cnt, tokens, offsets, keys, int32(fz.r.u8()%2), out)
 	}
@@ -798,6 +1063,10 @@ func (fz *abiFuzz) admitOrMatch(match bool) (string, int) {
 // created becomes the current manager.
 func (fz *abiFuzz) createManager() (string, int) {
 	cfg := fz.structBuf("kvp_manager_config")
+	l := cLayouts["kvp_manager_config"]
+	badTier := false // a host tier field the header refuses
+	var slots, ahead, reserved int32
+	var bytes int64
 	if size := *(*uintptr)(cfg); size >= 16 && size <= 1<<16 {
 		nb := []int64{fz.i64(), int64(fz.small(64)) + 1}[fz.small(2)]
 		if nb > 4096 && nb <= 1<<26 {
@@ -814,21 +1083,74 @@ func (fz *abiFuzz) createManager() (string, int) {
 		if size >= 28 {
 			setField(cfg, "kvp_manager_config", "max_pending_events", fz.i64())
 		}
+		if size >= l.size && fz.r.u8()%2 == 0 {
+			nb := int64(*(*int32)(unsafe.Add(cfg, l.fields["num_blocks"].off)))
+			slots, ahead, bytes = int32(fz.small(8))+1, int32(fz.small(int(min(max(nb, 0), 64))+1)), int64(fz.small(64))+1
+			switch fz.r.u8() % 8 {
+			case 0:
+				slots = []int32{-1, math.MinInt32, 1<<30 + 1}[fz.small(3)]
+			case 1:
+				bytes = []int64{0, -1, 1 << 46, math.MaxInt64, math.MinInt64}[fz.small(5)]
+			case 2:
+				ahead = []int32{-1, int32(nb) + 1, math.MaxInt32, math.MinInt32}[fz.small(4)]
+			case 3:
+				reserved = int32(fz.i64() | 1)
+			case 4:
+				slots = 0 // no tier: bytes and ahead must be 0 too
+				if fz.r.u8()%2 == 0 {
+					bytes, ahead = 0, 0
+				}
+			}
+			badTier = slots < 0 || slots > 1<<30 || reserved != 0 || (slots == 0 && (bytes != 0 || ahead != 0)) ||
+				(slots > 0 && (bytes < 1 || bytes > (1<<46)/int64(slots) || ahead < 0 || int64(ahead) > nb))
+			setField(cfg, "kvp_manager_config", "host_tier_slots", int64(slots))
+			setField(cfg, "kvp_manager_config", "demote_ahead", int64(ahead))
+			setField(cfg, "kvp_manager_config", "reserved", int64(reserved))
+			setField(cfg, "kvp_manager_config", "host_block_bytes", bytes)
+		}
 	}
 	if fz.r.u8()%10 == 0 {
 		cfg = nil
 	}
 	out := fz.outp(8)
+	live := fz.liveHandles()
 	st := rawManagerCreate(cfg, out)
 	if st == 0 {
+		if badTier {
+			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, reserved %d, bytes %d",
+				slots, ahead, reserved, bytes)
+		}
 		rawPublisherDestroy(fz.pub)
 		fz.pub = nil
 		rawManagerDestroy(fz.m)
 		fz.m = *(*ptr)(out)
 		fz.pins = nil
+		fz.numBlocks = *(*int32)(unsafe.Add(cfg, l.fields["num_blocks"].off))
+		fz.tierSlots, fz.demoteAhead, fz.tierBytes = 0, 0, 0
+		if *(*uintptr)(cfg) >= l.size {
+			fz.tierSlots, fz.demoteAhead, fz.tierBytes = slots, ahead, bytes
+		}
+		fz.tickets, fz.doneTickets = nil, nil
+		fz.tierCounters = make([]int64, len(tierCounterFields)) // a new manager's counters start at 0
 		return "kvp_manager_create", st
 	}
+	if after := fz.liveHandles(); after != live {
+		fz.t.Fatalf("kvp_manager_create failed (%s) with %d live handles before, %d after", lastError(), live, after)
+	}
+	if badTier && cfg != nil && out != nil && *(*uintptr)(cfg) == l.size && st != int(kverr.InvalidArgument) {
+		fz.t.Fatalf("kvp_manager_create of a bad host tier: %s (%s)", statusName(st), lastError())
+	}
 	return "kvp_manager_create", st
+}
+
+// liveHandles is kvp_live_handles' count.
+func (fz *abiFuzz) liveHandles() int64 {
+	p := newCBuf(8)
+	defer p.free()
+	if st := rawLiveHandles(p.p); st != 0 {
+		fz.t.Fatalf("kvp_live_handles: %s", lastError())
+	}
+	return *(*int64)(p.p)
 }
 
 // createVcache makes a host-backend cache from an arbitrary config (the
@@ -966,7 +1288,8 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_cuda_available", "kvp_attn_prepare", "kvp_live_handles", "kvp_set_log_level", "kvp_set_logger",
 		"kvp_version", "kvp_status_string", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
 		"kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
-		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy"}
+		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy", "kvp_manager_flush_copies",
+		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory"}
 	for _, w := range want {
 		if !seen[w] {
 			t.Errorf("FuzzABI never calls %s", w)

@@ -53,6 +53,9 @@ func buildCLayouts() map[string]cLayout {
 		"kvp_cascade_plan_args":      C.kvp_cascade_plan_args{},
 		"kvp_event_publisher_config": C.kvp_event_publisher_config{},
 		"kvp_event_publisher_stats":  C.kvp_event_publisher_stats{},
+		"kvp_tier_copy":              C.kvp_tier_copy{},
+		"kvp_tier_match":             C.kvp_tier_match{},
+		"kvp_tier_stats":             C.kvp_tier_stats{},
 	} {
 		t := reflect.TypeOf(v)
 		l := cLayout{size: t.Size(), fields: map[string]cField{}}
@@ -139,6 +142,23 @@ func rawManagerNextEventSize(m, tokens, mm, hashes ptr) int {
 }
 func rawManagerAddMMItems(m ptr, seqID int64, items ptr, n int32) int {
 	return st(kvp_manager_add_mm_items((*C.kvp_manager)(m), C.int64_t(seqID), (*C.kvp_mm_item)(items), C.int32_t(n)))
+}
+func rawManagerFlushCopies(m, demote ptr, maxDemote int32, numDemote, reload ptr, maxReload int32, numReload, ticket ptr) int {
+	return st(kvp_manager_flush_copies((*C.kvp_manager)(m), (*C.kvp_tier_copy)(demote), C.int32_t(maxDemote), (*C.int32_t)(numDemote),
+		(*C.kvp_tier_copy)(reload), C.int32_t(maxReload), (*C.int32_t)(numReload), (*C.uint64_t)(ticket)))
+}
+func rawManagerCompleteCopies(m ptr, ticket uint64, failed int32) int {
+	return st(kvp_manager_complete_copies((*C.kvp_manager)(m), C.uint64_t(ticket), C.int32_t(failed)))
+}
+func rawManagerMatchTiers(m ptr, n int32, tokens, offsets, keys, out ptr) int {
+	return st(kvp_manager_match_tiers((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
+		(*C.kvp_prefix_keys)(keys), (*C.kvp_tier_match)(out)))
+}
+func rawManagerTierStats(m, out ptr) int {
+	return st(kvp_manager_tier_stats((*C.kvp_manager)(m), (*C.kvp_tier_stats)(out)))
+}
+func rawManagerHostTierMemory(m, base, slotBytes, numSlots ptr) int {
+	return st(kvp_manager_host_tier_memory((*C.kvp_manager)(m), (*unsafe.Pointer)(base), (*C.int64_t)(slotBytes), (*C.int32_t)(numSlots)))
 }
 
 func rawVcacheCreate(cfg, out ptr) int {
