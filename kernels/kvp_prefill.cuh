@@ -114,10 +114,10 @@ __device__ __forceinline__ PrefillSpan item_span(const PrefillItem& it, int grou
     return s;
 }
 
-// The run of 64-token tiles [t0, t1) that split `split` of `splits` takes of
+// The run of TK-token tiles [t0, t1) that split `split` of `splits` takes of
 // the item's visible tiles (possibly empty).
+template <int TK = KVP_PREFILL_TILE_KV>
 __device__ __forceinline__ void split_tiles(const PrefillSpan& s, int split, int splits, int& t0, int& t1) {
-    constexpr int TK = KVP_PREFILL_TILE_KV;
     const int b = s.kv_begin / TK;
     const int n = s.kv_end > s.kv_begin ? (s.kv_end + TK - 1) / TK - b : 0;
     const int per = (n + splits - 1) / splits;

@@ -122,15 +122,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// The K/V tiles [t0, t1) (of TN tokens) that split `split` takes of an item's
-// visible range, as split_tiles does with 64-token tiles.
+// One (item, kv head) pair of the persistent grid, as both roles decode it:
+// the item, its rows' span, and the K/V tiles [t0, t1) of TN tokens its split
+// takes.
+struct Sm90Work {
+    PrefillItem it;
+    PrefillSpan sp;
+    int kvh, t0, t1;
+};
+
 template <int TN>
-__device__ __forceinline__ void split_tiles_n(const PrefillSpan& s, int split, int splits, int& t0, int& t1) {
-    const int b = s.kv_begin / TN;
-    const int n = s.kv_end > s.kv_begin ? (s.kv_end + TN - 1) / TN - b : 0;
-    const int per = (n + splits - 1) / splits;
-    t0 = min(b + n, b + split * per);
-    t1 = min(b + n, t0 + per);
+__device__ __forceinline__ Sm90Work sm90_work(const kvp_prefill_params& p, const int32_t* work, int64_t w,
+                                              int group) {
+    Sm90Work x;
+    const int item = (int)(w / p.num_kv_heads);
+    x.kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+    x.it = load_item(work, item);
+    x.sp = item_span(x.it, group, p.window_left, KVP_PREFILL_SM90_TILE_Q);
+    split_tiles<TN>(x.sp, x.it.split, p.num_splits, x.t0, x.t1);
+    return x;
 }
 
 template <typename T, int D>
@@ -187,13 +197,21 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
         const T* vc = reinterpret_cast<const T*>(p.v_cache);
         const T* qg = reinterpret_cast<const T*>(p.q);
         int tile_it = 0, item_it = 0;
+        // The tile's 16-byte chunks from the cache at src into the K or V
+        // tile at dst, through the stage's row offsets (unreadable rows: zeros).
+        auto gather = [&](uint32_t dst, const T* src, int s) {
+            for (int i = tid; i < TN * C::CPR; i += 128) {
+                const int r = i / C::CPR, c = i - r * C::CPR;
+                const int64_t off = offs[s * TN + r];
+                cp_async16_keep(dst + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
+                                src + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
+            }
+        };
         for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-            const int item = (int)(w / p.num_kv_heads);
-            const int kvh = (int)(w - (int64_t)item * p.num_kv_heads);
-            const PrefillItem it = load_item(work, item);
-            const PrefillSpan sp = item_span(it, group, p.window_left, TQ);
-            int t0, t1;
-            split_tiles_n<TN>(sp, it.split, p.num_splits, t0, t1);
+            const Sm90Work x = sm90_work<TN>(p, work, w, group);
+            const PrefillItem& it = x.it;
+            const PrefillSpan& sp = x.sp;
+            const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
             if (t0 >= t1) continue;
             const PagedRows rr = prefill_rows(p, it.b, kvh);
             // Query rows: packed row r -> token (r0 + r) / group, head (r0 + r) % group.
@@ -238,20 +256,10 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                     : "r"(bad)
                     : "memory");
                 if (tid == 0) flags[s] = any;
-                for (int i = tid; i < TN * C::CPR; i += 128) {
-                    const int r = i / C::CPR, c = i - r * C::CPR;
-                    const int64_t off = offs[s * TN + r];
-                    cp_async16_keep(k_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
-                                    kc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
-                }
+                gather(k_s(s), kc, s);
                 mbar_arrive_cp_async(full_k(s));
                 mbar_wait(empty_v(s), ph);
-                for (int i = tid; i < TN * C::CPR; i += 128) {
-                    const int r = i / C::CPR, c = i - r * C::CPR;
-                    const int64_t off = offs[s * TN + r];
-                    cp_async16_keep(v_s(s) + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
-                                    vc + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
-                }
+                gather(v_s(s), vc, s);
                 mbar_arrive_cp_async(full_v(s));
             }
             ++item_it;
@@ -271,12 +279,10 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
         if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
         int tile_it = 0, item_it = 0;
         for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-            const int item = (int)(w / p.num_kv_heads);
-            const int kvh = (int)(w - (int64_t)item * p.num_kv_heads);
-            const PrefillItem it = load_item(work, item);
-            const PrefillSpan sp = item_span(it, group, p.window_left, TQ);
-            int t0, t1;
-            split_tiles_n<TN>(sp, it.split, p.num_splits, t0, t1);
+            const Sm90Work x = sm90_work<TN>(p, work, w, group);
+            const PrefillItem& it = x.it;
+            const PrefillSpan& sp = x.sp;
+            const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
             const int wg_rows = min(64, sp.nrows - 64 * c);  // may be <= 0
             const int wg_min_pos = sp.delta + (sp.r0 + 64 * c) / group;
             const int wg_max_pos = sp.delta + (sp.r0 + 64 * c + max(wg_rows, 1) - 1) / group;
@@ -290,6 +296,14 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
             st_a.init();
             st_b.init();
             uint32_t pa[TN / 16][4];  // P of the previous tile, the A operand of its P V
+            // O += P V over the V tile of stage sv (P from registers).
+            auto issue_pv = [&](int sv) {
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; ++kk) {
+                    const uint64_t db = gmma_desc(v_s(sv) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                    wgmma_rs<T, D>(o, pa[kk], db, 1);
+                }
+            };
             bool have_prev = false;
             int sv_prev = 0;
             if (t0 < t1) {
@@ -320,13 +334,7 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                     }
                 }
                 wgmma_commit();
-                if (have_prev) {
-#pragma unroll
-                    for (int kk = 0; kk < TN / 16; ++kk) {
-                        const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
-                        wgmma_rs<T, D>(o, pa[kk], db, 1);
-                    }
-                }
+                if (have_prev) issue_pv(sv_prev);
                 wgmma_commit();
                 turn_pass(c);
                 wgmma_wait<1>();                 // S_t is done; P_{t-1} V_{t-1} may still run
@@ -410,11 +418,7 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                 fence_proxy_async();
                 pin_regs(o);
                 wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < TN / 16; ++kk) {
-                    const uint64_t db = gmma_desc(v_s(sv_prev) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
-                    wgmma_rs<T, D>(o, pa[kk], db, 1);
-                }
+                issue_pv(sv_prev);
                 wgmma_commit();
                 wgmma_wait<0>();
                 pin_regs(o);
