@@ -48,6 +48,11 @@ const (
 	// MainloopSM90: the warp-specialized wgmma kernel (tiles of 128 packed
 	// rows), on compute capability 9.0 for 16-bit types.
 	MainloopSM90 = 1
+	// MainloopOfDevice: PagedPrefill runs the one PlanPrefill picks without
+	// flags on the run's device, for plans that record none (the
+	// shared-prefix planner's prefill route). Plan state from the C ABI
+	// never holds it.
+	MainloopOfDevice = -1
 )
 
 // Launch constants of kvplug_kernels.h, section 4.
@@ -151,15 +156,6 @@ func DefaultPrefillMainloop(d DType, headDim int) int {
 	return prefillMainloop(m.Device(), d, headDim, 0)
 }
 
-// countItems is the work items of a batch in tiles of tile packed rows.
-func countItems(qoIndptr []int32, group, tile int64) int64 {
-	var n int64
-	for b := 0; b+1 < len(qoIndptr); b++ {
-		n += ((int64(qoIndptr[b+1])-int64(qoIndptr[b]))*group + tile - 1) / tile
-	}
-	return n
-}
-
 // prefillSharedBytes is kvp_prefill_smem_bytes.
 func prefillSharedBytes(d DType, headDim int) uint32 {
 	if d.Size() == 4 {
@@ -222,7 +218,8 @@ func (s *PrefillShape) validate(what string) error {
 // batchStats are the host-side facts of a batch composition.
 type batchStats struct {
 	totalQ, maxQLen, maxKVLen int
-	items                     int64
+	items                     int64 // in tiles of prefillTileQ
+	itemsSM90                 int64 // in the Hopper kernel's tiles of prefillSM90TileQ
 }
 
 // checkBatch validates the host copies of qo_indptr ([batch+1], from 0,
@@ -254,6 +251,7 @@ func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchSt
 		st.maxQLen = max(st.maxQLen, int(qLen))
 		st.maxKVLen = max(st.maxKVLen, int(kv))
 		st.items += (qLen*group + tile - 1) / tile
+		st.itemsSM90 += (qLen*group + prefillSM90TileQ - 1) / prefillSM90TileQ
 	}
 	st.totalQ = int(qoIndptr[batch])
 	if int64(st.totalQ)*int64(s.NumQHeads) > math.MaxInt32 {
@@ -342,7 +340,7 @@ type PrefillPlan struct {
 	PrefillShape
 	Batch, TotalQ, MaxQLen, MaxKVLen int
 	NumItems, Grid, NumSplits        int
-	Mainloop                         int // MainloopSM80 or MainloopSM90
+	Mainloop                         int // MainloopSM80, MainloopSM90 or MainloopOfDevice
 	Workspace                        cuda.DevicePtr
 	WorkspaceBytes                   int64
 	KVLens                           cuda.DevicePtr
@@ -416,7 +414,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		// One block per SM fits; items of 128 rows are fewer than the
 		// workspace (sized for 64-row items) holds.
 		p.Grid, tileQ = sms, prefillSM90TileQ
-		st.items = countItems(a.QOIndptr, int64(a.NumQHeads/a.NumKVHeads), int64(tileQ))
+		st.items = st.itemsSM90
 		p.NumItems = int(st.items)
 	}
 	if batch == 0 {
@@ -474,7 +472,7 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 		inRange(what+": plan num_items", p.NumItems, 0, maxPrefillTokens),
 		inRange(what+": plan grid", p.Grid, 0, 1<<20),
 		inRange(what+": plan num_splits", p.NumSplits, 1, MaxSplits),
-		inRange(what+": plan mainloop", p.Mainloop, MainloopSM80, MainloopSM90),
+		inRange(what+": plan mainloop", p.Mainloop, MainloopOfDevice, MainloopSM90),
 		inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1),
 		inRange(what+": block_size", l.BlockSize, 1, 1<<20),
 		inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30),
@@ -614,7 +612,11 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		Shared: prefillSharedBytes(p.DType, p.HeadDim),
 	}
 	kernel := kernelsFor(p.DType, p.HeadDim).prefill
-	if p.Mainloop == MainloopSM90 {
+	mainloop := p.Mainloop
+	if mainloop == MainloopOfDevice {
+		mainloop = prefillMainloop(m.Device(), p.DType, p.HeadDim, 0)
+	}
+	if mainloop == MainloopSM90 {
 		if prefillMainloop(m.Device(), p.DType, p.HeadDim, 0) != MainloopSM90 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for the Hopper mainloop, which this device (compute capability %d.%d) does not run: plan on this device", what, m.Device().Major, m.Device().Minor)
 		}

@@ -106,7 +106,7 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits,
 			// The plan records no mainloop: it was planned for this device's.
-			Mainloop:  dev.prefillMainloop(p.DType, p.HeadDim),
+			Mainloop:  attn.MainloopOfDevice,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
 		return attn.PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
