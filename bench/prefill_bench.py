@@ -176,49 +176,48 @@ def main():
     results = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}", flush=True)
     shapes = [tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t]
-    hdr = "| dtype | new | prefix | batch | kvplug TFLOP/s | " + ("kvplug sm80 TFLOP/s | sm90/sm80 | " if args.sm80 else "") + " | ".join(f"{b} TFLOP/s | kvplug/{b}" for b in backends) + " | SDPA TFLOP/s | kvplug/SDPA |"
+    hdr = "| dtype | new | prefix | batch | kvplug TFLOP/s | " + ("kvplug sm80 TFLOP/s | sm90/sm80 | " if args.sm80 else "") + "".join(f"{b} TFLOP/s | kvplug/{b} | " for b in backends) + ("" if args.no_sdpa else "SDPA TFLOP/s | kvplug/SDPA |")
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for dn in args.dtypes.split(","):
         dt = dts[dn]
         grid = shapes or [(B, new, pre) for new in news for pre in prefixes for B in batches if B * new <= args.max_tokens]
         for B, new, pre in grid:
-                    c = Case(dt, [new] * B, [pre + new] * B, gen)
-                    fn, out, t_plan = c.kvplug()
-                    t = timed(fn)
-                    r = {"dtype": dn, "new": new, "prefix": pre, "batch": B, "kvplug_ms": t, "plan_ms": t_plan,
-                         "flops": c.flops}
-                    row = f"| {dn} | {new} | {pre} | {B} | {c.flops / t / 1e9:.0f} |"
-                    if args.sm80:
-                        f8, o8, _ = c.kvplug(hopper=False)
-                        t8 = timed(f8)
-                        r["sm80_ms"], r["sm80_err"] = t8, rel(out, o8)
-                        row += f" {c.flops / t8 / 1e9:.0f} | {t8 / t:.2f} |"
-                    for be in backends:
-                        try:
-                            f2, o2 = c.flashinfer(be)
-                            t2 = timed(f2)
-                            r[be + "_ms"] = t2
-                            r[be + "_err"] = rel(out, o2)
-                            row += f" {c.flops / t2 / 1e9:.0f} | {t2 / t:.2f} |"
-                        except Exception as e:  # noqa: BLE001
-                            r[be + "_error"] = repr(e)[:300]
-                            row += " err | - |"
-                    try:
-                        if args.no_sdpa:
-                            raise RuntimeError("not asked for")
-                        f3, conv = c.sdpa()
-                        t3 = timed(f3)
-                        r["sdpa_ms"] = t3
-                        r["sdpa_err"] = rel(out, conv(f3()))
-                        row += f" {c.flops / t3 / 1e9:.0f} | {t3 / t:.2f} |"
-                    except Exception as e:  # noqa: BLE001
-                        r["sdpa_error"] = repr(e)[:300]
-                        row += " err | - |"
-                    print(row, flush=True)
-                    results.append(r)
-                    del c
-                    torch.cuda.empty_cache()
+            c = Case(dt, [new] * B, [pre + new] * B, gen)
+            fn, out, t_plan = c.kvplug()
+            t = timed(fn)
+            r = {"dtype": dn, "new": new, "prefix": pre, "batch": B, "kvplug_ms": t, "plan_ms": t_plan,
+                 "flops": c.flops}
+            row = f"| {dn} | {new} | {pre} | {B} | {c.flops / t / 1e9:.0f} |"
+            if args.sm80:
+                f8, o8, _ = c.kvplug(hopper=False)
+                t8 = timed(f8)
+                r["sm80_ms"], r["sm80_err"] = t8, rel(out, o8)
+                row += f" {c.flops / t8 / 1e9:.0f} | {t8 / t:.2f} |"
+            for be in backends:
+                try:
+                    f2, o2 = c.flashinfer(be)
+                    t2 = timed(f2)
+                    r[be + "_ms"] = t2
+                    r[be + "_err"] = rel(out, o2)
+                    row += f" {c.flops / t2 / 1e9:.0f} | {t2 / t:.2f} |"
+                except Exception as e:  # noqa: BLE001
+                    r[be + "_error"] = repr(e)[:300]
+                    row += " err | - |"
+            if not args.no_sdpa:
+                try:
+                    f3, conv = c.sdpa()
+                    t3 = timed(f3)
+                    r["sdpa_ms"] = t3
+                    r["sdpa_err"] = rel(out, conv(f3()))
+                    row += f" {c.flops / t3 / 1e9:.0f} | {t3 / t:.2f} |"
+                except Exception as e:  # noqa: BLE001
+                    r["sdpa_error"] = repr(e)[:300]
+                    row += " err | - |"
+            print(row, flush=True)
+            results.append(r)
+            del c
+            torch.cuda.empty_cache()
         # Mixed batch: 4 chunks of 512 over a 1536-token prefix + 64 decodes at 2048.
         q_lens = [512] * 4 + [1] * 64
         kv_lens = [2048] * 68
