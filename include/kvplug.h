@@ -127,6 +127,7 @@ extern "C" {
 #define KVP_MAX_MM_ITEMS (1 << 20)      /* multimodal items of one prompt */
 #define KVP_MAX_SALT_LEN 1024           /* bytes of a prompt's cache salt */
 #define KVP_MAX_BYTES 0x7fffffffffffffffULL /* a byte count (workspace_bytes): INT64_MAX */
+#define KVP_MAX_TIER_LAYERS 1024        /* layers of one tier copier's KV layout */
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
@@ -676,12 +677,12 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * (kvp_manager_admit counts them in matched_tokens: not computed).
  *
  * Memory: the library allocates host_tier_slots slots of host_block_bytes
- * each, one region (kvp_manager_host_tier_memory), with plain malloc: it is
- * not pinned (page-locked) memory, so a cudaMemcpyAsync from or to it is
- * not asynchronous; pinned allocation comes with the library's batched
- * copy kernel (an engine may cudaHostRegister the region meanwhile and
- * must unregister it before kvp_manager_destroy). The region is the
- * manager's, freed by kvp_manager_destroy.
+ * each, one region (kvp_manager_host_tier_memory). A tier copier
+ * (kvp_tier_copier_create, next section) page-locks it and maps it for the
+ * device, and copies each step's batch in one launch; an engine that
+ * copies by other means may cudaHostRegister the region itself. Either
+ * registration must be undone (kvp_tier_copier_destroy, or the engine's
+ * cudaHostUnregister) before kvp_manager_destroy frees the region.
  *
  * The engine drives the copies (it knows its K/V layout). Per step, after
  * the step's admissions and before its forward pass:
@@ -820,6 +821,84 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
                                         int64_t *slot_bytes, int32_t *num_slots);
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: host KV tier (end) ==== */
+
+/* ==== section: tier copy (begin) ==== */
+/*
+ * A tier copier copies a host tier's batches (kvp_manager_flush_copies, or
+ * an engine's own tier) between the engine's paged KV caches in GPU memory
+ * and host slots: every layer's K and V of every block of the batch in one
+ * kernel launch per 500 blocks, on the engine's stream, reading and
+ * writing the host slots directly (page-locked, mapped memory). Needs the
+ * library's CUDA kernels and a GPU.
+ *
+ * Layouts. Block b of layer l is the block_bytes at k[l] + b *
+ * k_block_stride (K) and v[l] + b * v_block_stride (V): one contiguous
+ * chunk per block, layer and tensor, as in the [num_blocks, block_size,
+ * kv_heads, head_dim] and [num_blocks, kv_heads, block_size, head_dim]
+ * layouts, and in vLLM's and SGLang's paged caches. Host slot s holds
+ * (layer l, tensor t = 0 K, 1 V) at host + s * slot_bytes + (l * kv + t) *
+ * block_bytes, kv = 2 (1 without V): a slot is one contiguous value, the
+ * one the shared tier stores. slot_bytes must hold num_layers * kv *
+ * block_bytes (a manager's host_block_bytes is slot_bytes).
+ *
+ * Ordering: kvp_tier_copier_run only enqueues. The engine records an event
+ * on the stream after it and calls kvp_manager_complete_copies once the
+ * event has completed; reloads are ordered before the step's attention by
+ * running on the step's stream (or an event it waits on).
+ *
+ * Context: the copier belongs to the CUDA context current on the creating
+ * thread (device 0's primary context when none is); run it from threads
+ * where that context is current, on streams of that context.
+ *
+ * Threads: kvp_tier_copier_run may be called from several threads (calls
+ * serialise); destroy must not race a run. Arrays are the caller's and
+ * read only during the call.
+ */
+typedef struct kvp_tier_copier kvp_tier_copier;
+
+/* An engine's paged KV caches, per layer (see Layouts above). */
+typedef struct kvp_kv_layers {
+  size_t struct_size;      /* sizeof(kvp_kv_layers) */
+  int32_t num_layers;      /* [1, KVP_MAX_TIER_LAYERS] */
+  int32_t num_blocks;      /* blocks per layer, >= 1: ops naming others are refused */
+  const uint64_t *k;       /* [num_layers] device addresses of block 0 of each layer's K */
+  const uint64_t *v;       /* [num_layers] for V, or NULL: K only (one tensor per layer) */
+  int64_t block_bytes;     /* one block of one layer's K (and V); a multiple of 16, <= 2^30 */
+  int64_t k_block_stride;  /* bytes from block b to b+1 in K: >= block_bytes, multiple of 16 */
+  int64_t v_block_stride;  /* the same in V (ignored without v) */
+} kvp_kv_layers;
+
+#define KVP_KV_LAYERS_INIT KVP_STRUCT_INIT(kvp_kv_layers)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Creates a copier for `layers` and the host region [host, host + num_slots
+ * * slot_bytes) (16-byte aligned), which it page-locks and maps for the
+ * device unless the engine registered it already (then it is used as it
+ * is and left registered at destroy). The layer addresses are copied.
+ * Errors: NULL_POINTER (layers, host, out, layers->k), STRUCT_SIZE,
+ * INVALID_ARGUMENT (counts, sizes, strides, alignment, a null address),
+ * UNSUPPORTED (built without kernels), NO_DEVICE, CUDA (registering the
+ * memory), OUT_OF_MEMORY. */
+kvp_status kvp_tier_copier_create(const kvp_kv_layers *layers, void *host, int64_t slot_bytes,
+                                  int32_t num_slots, kvp_tier_copier **out);
+
+/* Enqueues on `stream` (a CUstream / cudaStream_t; NULL = the legacy
+ * default stream) the copies of demote[0, num_demote) (GPU block -> host
+ * slot) and reload[0, num_reload) (host slot -> GPU block). Every op is
+ * checked first: a block or slot out of range fails the call with nothing
+ * enqueued. A batch must not name one block or slot twice with a
+ * conflicting direction (a manager's batches never do).
+ * Errors: INVALID_HANDLE, NULL_POINTER (an array NULL with its count > 0),
+ * INVALID_ARGUMENT (a count < 0, an op out of range, another CUDA context
+ * current), CUDA (a launch). */
+kvp_status kvp_tier_copier_run(kvp_tier_copier *c, const kvp_tier_copy *demote, int32_t num_demote,
+                               const kvp_tier_copy *reload, int32_t num_reload, void *stream);
+
+/* Destroys a copier: unregisters the host region when create registered
+ * it. No copy of it may be in flight. NULL is a no-op. */
+void kvp_tier_copier_destroy(kvp_tier_copier *c);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: tier copy (end) ==== */
 
 /* ==== section: KV event publisher (begin) ==== */
 /*

@@ -15,6 +15,7 @@
  *     kvp_merge_states_<dt>_h<D>
  *     kvp_paged_prefill_<dt>_h<D>
  *     kvp_prefill_plan (one kernel for every dtype and head_dim)
+ *     kvp_tier_copy (dtype-blind)
  * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}.
  *
  * Alignment (all kernels): every tensor pointer of the kernel's dtype and the
@@ -453,5 +454,53 @@ static inline uint32_t kvp_cascade_smem_bytes(int head_dim) {
     return (uint32_t)kvp_cascade_tile_q(head_dim) * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u +
            (stages + 1u) * 64u * 8u;
 }
+
+/* ------------------------------------------------------------------------
+ * 6. Tier copy: blocks between the paged KV caches (device memory) and the
+ *    slots of a host KV tier (pinned host memory mapped into the device's
+ *    address space), every layer's K and V of each block, in one launch.
+ *    STRIDES HERE ARE IN BYTES (the kernel is dtype-blind).
+ *    layers: uint64 [num_layers][2], device memory: the address of block 0
+ *            of layer l's K ([l][0]) and V ([l][1]; unused when kv == 1).
+ *    Block b of layer l's K is the chunk_bytes at layers[l][0] +
+ *    b * k_block_stride (V: layers[l][1] + b * v_block_stride).
+ *    Host slot s holds, for l = 0..num_layers-1 and t = 0..kv-1 (K, V),
+ *    chunk (l, t) at host + s * slot_bytes + (l * kv + t) * chunk_bytes.
+ *    ops[i] = {block, slot}: i < n_demote copies block -> slot, the others
+ *    slot -> block. Ops naming a block or slot out of range are skipped
+ *    (memory safety; the launcher rejects them).
+ *    Alignment: layers' addresses, host, strides, slot_bytes and
+ *    chunk_bytes are multiples of 16.
+ *    Launch: block (KVP_TIER_COPY_THREADS,1,1),
+ *            grid (n_ops * num_layers * kv * parts,1,1) with
+ *            parts = ceil_div(chunk_bytes, KVP_TIER_COPY_CTA_BYTES),
+ *            dynamic shared memory 0. n_ops == 0: launch nothing; more
+ *            than KVP_TIER_COPY_OPS ops: one launch per KVP_TIER_COPY_OPS.
+ * offsets: 0 layers, 8 host, 16 slot_bytes, 24 chunk_bytes,
+ *          32 k_block_stride, 40 v_block_stride, 48 num_layers, 52 kv,
+ *          56 n_ops, 60 n_demote, 64 parts, 68 num_blocks, 72 num_slots,
+ *          76 reserved, 80 ops; size 4080 (within the 4 KiB parameter limit).
+ * ---------------------------------------------------------------------- */
+#define KVP_TIER_COPY_THREADS 256
+#define KVP_TIER_COPY_CTA_BYTES 16384 /* 4 loads of 16 bytes per thread */
+#define KVP_TIER_COPY_OPS 500
+
+typedef struct kvp_tier_copy_params {
+    uint64_t layers;
+    uint64_t host;
+    int64_t slot_bytes;
+    int64_t chunk_bytes;
+    int64_t k_block_stride;
+    int64_t v_block_stride;
+    int32_t num_layers;
+    int32_t kv; /* 1 (K only) or 2 */
+    int32_t n_ops;
+    int32_t n_demote;
+    int32_t parts;
+    int32_t num_blocks;
+    int32_t num_slots;
+    int32_t reserved;
+    int32_t ops[KVP_TIER_COPY_OPS][2];
+} kvp_tier_copy_params;
 
 #endif /* KVPLUG_KERNELS_H */

@@ -5,11 +5,13 @@ import (
 	"strconv"
 
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kimage"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/kernels"
 )
 
-var image = cuda.NewImage("kvplug", kernels.Fatbin)
+// image is the library's one kernel image (shared with the tier copy).
+var image = kimage.Image
 
 // kernelSet is the kernels of one (dtype, head_dim) instantiation.
 type kernelSet struct {

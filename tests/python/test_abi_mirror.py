@@ -48,6 +48,7 @@ MIRRORS.update({
     _capi.TierCopyStruct: "kvp_tier_copy",
     _capi.TierMatchStruct: "kvp_tier_match",
     _capi.TierStatsStruct: "kvp_tier_stats",
+    _capi.KVLayersStruct: "kvp_kv_layers",
 })
 
 # ctypes structs of the package that mirror no header struct (DLPack's ABI).

@@ -160,6 +160,13 @@ class TierStatsStruct(ctypes.Structure):
     ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved")
 
 
+class KVLayersStruct(ctypes.Structure):
+    """struct kvp_kv_layers."""
+
+    _fields_ = [("struct_size", _size)] + _ints(_i32, "num_layers", "num_blocks") + _ints(
+        _vp, "k", "v") + _ints(_i64, "block_bytes", "k_block_stride", "v_block_stride")
+
+
 # --------------------------------------------------------------------------
 # KV event publisher
 # --------------------------------------------------------------------------
@@ -312,6 +319,7 @@ FUNCTIONS: Dict[str, Tuple[Any, List[Any]]] = {
     "kvp_manager_destroy": (None, [_vp]),
     "kvp_event_publisher_destroy": (None, [_vp]),
     "kvp_vcache_destroy": (None, [_vp]),
+    "kvp_tier_copier_destroy": (None, [_vp]),
 }
 FUNCTIONS.update(_sigs(
     _int,
@@ -347,6 +355,9 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_match_tiers", [_vp, _i32, _vp, _vp, _vp, _vp]),
     ("kvp_manager_tier_stats", [_vp, _vp]),
     ("kvp_manager_host_tier_memory", [_vp, _vp, _vp, _vp]),
+    # tier copy
+    ("kvp_tier_copier_create", [_vp, _vp, _i64, _i32, _vp]),
+    ("kvp_tier_copier_run", [_vp, _vp, _i32, _vp, _i32, _vp]),
     # KV event publisher
     ("kvp_event_publisher_create", [_vp, _vp, _vp]),
     ("kvp_event_publisher_flush", [_vp]),
