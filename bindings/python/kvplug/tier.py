@@ -15,8 +15,8 @@ after the step's admissions and before its forward pass:
     if batch.ticket:
         m.complete_copies(batch.ticket)         # once the copies finished
 
-The host memory is plain (not pinned) host memory for now; a pinned
-allocation comes with the library's batched copy kernel.
+On a GPU, kvplug.TierCopier performs the copies (every layer's K and V of
+a batch in one kernel launch, host memory page-locked and mapped).
 """
 
 from __future__ import annotations
