@@ -31,8 +31,9 @@ from . import _lib
 from ._arrays import addr as _addr, flatten as _flatten
 from ._capi import TierCopyStruct, TierMatchStruct, TierStatsStruct
 from ._lib import C
+from .tiercopy import TierCopier  # noqa: F401 (the copies on a GPU)
 
-__all__ = ["CopyBatch", "TierMatch", "TierStats", "HostTierMethods"]
+__all__ = ["CopyBatch", "TierMatch", "TierStats", "HostTierMethods", "TierCopier"]
 
 _i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 
