@@ -1123,8 +1123,10 @@ typedef struct kvp_kv_write_args {
 
 #define KVP_KV_WRITE_ARGS_INIT KVP_STRUCT_INIT(kvp_kv_write_args)
 
-/* Decode attention, one query token per sequence: for sequence b and query
- * head i, out = softmax(scale * q K^T) V over tokens [0, seq_lens[b]), token
+/* Decode attention, q_len (1 to 16) new tokens per sequence: for sequence
+ * b's new token t (row b * q_len + t of q and out, at position seq_lens[b]
+ * - q_len + t) and query head i, out = softmax(scale * q K^T) V over tokens
+ * [0, that position] (one token: [0, seq_lens[b])), token
  * t read from block block_table[b * block_table_stride + t / block_size] at
  * offset t % block_size. Table columns >= max_blocks_per_seq and block ids
  * outside [0, num_blocks) are ignored. An empty sequence (seq_len <= 0)
@@ -1147,7 +1149,7 @@ typedef struct kvp_paged_decode_args {
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq; /* block table columns read */
-  uint64_t q;                 /* [batch, num_q_heads, head_dim] */
+  uint64_t q;                 /* [batch * q_len, num_q_heads, head_dim] */
   int64_t q_batch_stride;
   int64_t q_head_stride;
   uint64_t k_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
@@ -1158,16 +1160,17 @@ typedef struct kvp_paged_decode_args {
   uint64_t block_table;       /* int32 [batch, block_table_stride] */
   int64_t block_table_stride; /* >= max_blocks_per_seq */
   uint64_t seq_lens;          /* int32 [batch] */
-  uint64_t out;               /* [batch, num_q_heads, head_dim] */
-  int64_t out_batch_stride;
+  uint64_t out;               /* [batch * q_len, num_q_heads, head_dim] */
+  int64_t out_batch_stride;   /* between rows of out (q_batch_stride: of q) */
   int64_t out_head_stride;
-  uint64_t lse;             /* float32 [batch, num_q_heads] contiguous; 0 = not wanted */
+  uint64_t lse;             /* float32 [batch * q_len, num_q_heads] contiguous; 0 = not wanted */
   uint64_t workspace;       /* device memory of kvp_attn_workspace_size bytes; 0 = none */
   uint64_t workspace_bytes; /* its size */
   float scale;              /* softmax scale; 0 = 1/sqrt(head_dim) */
   int32_t num_splits;       /* 0 = library's choice; 1..256 = forced */
   int32_t max_seq_len;      /* bound on seq_lens for the choice of splits; 0 = max_blocks_per_seq * block_size */
-  int32_t reserved;         /* must be 0 */
+  int32_t q_len;            /* new tokens per sequence, in [0, 16]; 0 and 1: one (decode).
+                               Split-KV workspace: sized for batch * q_len rows */
 } kvp_paged_decode_args;
 
 #define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)
@@ -1222,8 +1225,10 @@ typedef struct kvp_merge_states_args {
  * lse (optional) is float32 [total_q, num_q_heads] contiguous, natural log.
  *
  * kvp_prefill_plan (once per step, on the host copies of qo_indptr and
- * kv_lens) checks the batch, picks the route (a batch of one-token queries
- * without a window runs the decode kernel, unless flags say
+ * kv_lens) checks the batch, picks the route (a batch without a window
+ * whose every sequence brings the same q_len new tokens runs the decode
+ * kernel when q_len is 1, or q_len * (num_q_heads / num_kv_heads) <= 16 --
+ * speculative verification, multi-token prediction -- unless flags say
  * KVP_PREFILL_NO_DECODE_ROUTE) and, for the prefill route, enqueues a small
  * kernel that writes the work list into the workspace. It fills a
  * kvp_attn_plan, a plain struct the engine keeps (and may copy) until the
@@ -1247,7 +1252,7 @@ typedef struct kvp_merge_states_args {
  * finished). */
 #define KVP_ATTN_PLAN_PREFILL 1       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
-#define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
+#define KVP_ATTN_ROUTE_DECODE 2       /* one short q_len for all (see above): decode kernel */
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */

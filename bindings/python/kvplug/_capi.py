@@ -211,7 +211,7 @@ class PagedDecodeArgs(ctypes.Structure):
         "max_blocks_per_seq",
     ) + _tensor("q", "batch", "head") + _CACHES + _TABLE + [("seq_lens", _u64)] + _tensor("out", "batch", "head") + _ints(_u64, "lse", "workspace", "workspace_bytes") + [
         ("scale", _f32),
-    ] + _ints(_i32, "num_splits", "max_seq_len", "reserved")
+    ] + _ints(_i32, "num_splits", "max_seq_len", "q_len")
 
 
 class MergeStatesArgs(ctypes.Structure):
