@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand"
-	"net"
 	"sync"
 	"testing"
 	"time"
@@ -248,63 +247,13 @@ func TestServerDown(t *testing.T) {
 	}
 }
 
-// slowServer accepts connections and answers each command after delay
-// (never, when delay is 0) with a null bulk.
-func slowServer(t *testing.T, delay time.Duration) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	done := make(chan struct{})
-	t.Cleanup(func() {
-		close(done)
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					if _, err := c.Read(buf); err != nil {
-						return
-					}
-					if delay == 0 {
-						continue
-					}
-					select {
-					case <-time.After(delay):
-						c.Write([]byte("$-1\r\n"))
-					case <-done:
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // Valkey slow: a server that never answers, or answers after the deadline.
 // Each call returns within the bound, counted as a timeout, and the tier is
 // then skipped.
 func TestServerSlow(t *testing.T) {
 	for _, delay := range []time.Duration{0, 700 * time.Millisecond} {
 		t.Run(fmt.Sprint("delay ", delay), func(t *testing.T) {
-			tr := newTier(t, Config{Addr: slowServer(t, delay), OpTimeout: 100 * time.Millisecond, Backoff: time.Hour})
+			tr := newTier(t, Config{Addr: redistest.Slow(t, delay), OpTimeout: 100 * time.Millisecond, Backoff: time.Hour})
 			timed(t, "Get on a slow server", func() {
 				if got := tr.Get(hs(1)); got[0] != nil {
 					t.Fatal("a hit")
@@ -319,7 +268,7 @@ func TestServerSlow(t *testing.T) {
 	}
 	// Concurrent callers queue on the one connection; each still returns
 	// within the bound.
-	tr := newTier(t, Config{Addr: slowServer(t, 0), OpTimeout: 100 * time.Millisecond, Backoff: time.Nanosecond, MaxBackoff: time.Nanosecond})
+	tr := newTier(t, Config{Addr: redistest.Slow(t, 0), OpTimeout: 100 * time.Millisecond, Backoff: time.Nanosecond, MaxBackoff: time.Nanosecond})
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() { timed(t, "concurrent Get", func() { tr.Get(hs(1)) }) })
