@@ -82,9 +82,10 @@ type SharedTier struct {
 	// 64 characters of [A-Za-z0-9_.-] (see "Keys and model identity"
 	// above). Required.
 	Namespace string
-	// OpTimeout bounds each round trip to the server, transfer included;
-	// 0: valkey.DefaultOpTimeout (250 ms). It must cover the largest fetch
-	// (an admission batch's blocks) at the link's bandwidth.
+	// OpTimeout bounds each round trip to the server, transfer included,
+	// in [0, 1 minute]; 0: valkey.DefaultOpTimeout (250 ms). It must cover
+	// the largest fetch (an admission batch's blocks) at the link's
+	// bandwidth.
 	OpTimeout time.Duration
 	// TTL is the expiry of stored blocks (whole milliseconds); 0: none.
 	TTL time.Duration
@@ -102,6 +103,10 @@ const DefaultPutQueue = 256
 
 // maxPutQueue bounds SharedTier.PutQueue.
 const maxPutQueue = 1 << 20
+
+// maxOpTimeout bounds SharedTier.OpTimeout: a call waits at most two of
+// them.
+const maxOpTimeout = time.Minute
 
 // sharedPutBatch is the most blocks one store round trip carries.
 const sharedPutBatch = 16
@@ -165,20 +170,37 @@ func fingerprint(ns string, blockSize, blockBytes int) uint64 {
 	return xxh3.Hash(b)
 }
 
-func newShared(c *SharedTier, pool *host.Pool, blockSize int) (*sharedTier, error) {
-	if c.PutQueue < 0 || c.PutQueue > maxPutQueue {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "shared tier: put queue must be in [0, %d]: got %d", maxPutQueue, c.PutQueue)
+// Check returns the error New would return for a manager with this
+// shared tier (its own fields' errors), without making anything: a
+// caller that allocates a host pool first may check before.
+func (c *SharedTier) Check() error {
+	if c.OpTimeout > maxOpTimeout {
+		return kverr.Errorf(kverr.InvalidArgument, "shared tier: operation timeout must be at most %v: got %v", maxOpTimeout, c.OpTimeout)
 	}
-	t, err := valkey.New(valkey.Config{
+	if c.PutQueue < 0 || c.PutQueue > maxPutQueue {
+		return kverr.Errorf(kverr.InvalidArgument, "shared tier: put queue must be in [0, %d]: got %d", maxPutQueue, c.PutQueue)
+	}
+	return c.valkeyConfig(0, 0).Check()
+}
+
+func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
+	return valkey.Config{
 		Addr:        c.Addr,
 		Namespace:   c.Namespace,
-		Fingerprint: fingerprint(c.Namespace, blockSize, pool.BlockBytes()),
-		BlockBytes:  pool.BlockBytes(),
+		Fingerprint: fingerprint(c.Namespace, blockSize, blockBytes),
+		BlockBytes:  blockBytes,
 		OpTimeout:   c.OpTimeout,
 		TTL:         c.TTL,
 		Backoff:     c.Backoff,
 		MaxBackoff:  c.MaxBackoff,
-	})
+	}
+}
+
+func newShared(c *SharedTier, pool *host.Pool, blockSize int) (*sharedTier, error) {
+	if err := c.Check(); err != nil {
+		return nil, err
+	}
+	t, err := valkey.New(c.valkeyConfig(blockSize, pool.BlockBytes()))
 	if err != nil {
 		return nil, err
 	}

@@ -391,6 +391,7 @@ func TestSharedTierConfig(t *testing.T) {
 		"no namespace":      {Addr: "127.0.0.1:1"},
 		"namespace with /":  {Addr: "127.0.0.1:1", Namespace: "meta-llama/Llama-3"},
 		"negative timeout":  {Addr: "127.0.0.1:1", Namespace: "m", OpTimeout: -1},
+		"timeout too long":  {Addr: "127.0.0.1:1", Namespace: "m", OpTimeout: time.Minute + 1},
 		"negative queue":    {Addr: "127.0.0.1:1", Namespace: "m", PutQueue: -1},
 		"queue too long":    {Addr: "127.0.0.1:1", Namespace: "m", PutQueue: maxPutQueue + 1},
 		"TTL under 1 ms":    {Addr: "127.0.0.1:1", Namespace: "m", TTL: time.Microsecond},

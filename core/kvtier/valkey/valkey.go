@@ -137,22 +137,8 @@ type Tier struct {
 // New returns a tier for cfg. It does not connect: the first call does, so
 // a server that is down at start-up only makes the first calls misses.
 func New(cfg Config) (*Tier, error) {
-	if cfg.Addr == "" {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: no address")
-	}
-	if n := len(cfg.Namespace); n == 0 || n > 64 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace of %d characters (1-64)", n)
-	}
-	for _, r := range cfg.Namespace {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '.' || r == '-') {
-			return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace %q: only [A-Za-z0-9_.-]", cfg.Namespace)
-		}
-	}
-	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
-	}
-	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	if err := cfg.Check(); err != nil {
+		return nil, err
 	}
 	if cfg.DialTimeout == 0 {
 		cfg.DialTimeout = DefaultDialTimeout
@@ -172,6 +158,28 @@ func New(cfg Config) (*Tier, error) {
 		c:      resp.NewClientTimeouts(cfg.Addr, cfg.DialTimeout, cfg.OpTimeout),
 		prefix: "kvplug:" + cfg.Namespace + ":",
 	}, nil
+}
+
+// Check returns the error New would return for cfg, without a tier.
+func (cfg Config) Check() error {
+	if cfg.Addr == "" {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: no address")
+	}
+	if n := len(cfg.Namespace); n == 0 || n > 64 {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace of %d characters (1-64)", n)
+	}
+	for _, r := range cfg.Namespace {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '.' || r == '-') {
+			return kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace %q: only [A-Za-z0-9_.-]", cfg.Namespace)
+		}
+	}
+	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
+	}
+	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	}
+	return nil
 }
 
 // Close closes the connection. The tier stays usable (a later call
