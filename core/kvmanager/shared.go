@@ -174,8 +174,8 @@ func fingerprint(ns string, blockSize, blockBytes int) uint64 {
 // shared tier (its own fields' errors), without making anything: a
 // caller that allocates a host pool first may check before.
 func (c *SharedTier) Check() error {
-	if c.OpTimeout > maxOpTimeout {
-		return kverr.Errorf(kverr.InvalidArgument, "shared tier: operation timeout must be at most %v: got %v", maxOpTimeout, c.OpTimeout)
+	if c.OpTimeout < 0 || c.OpTimeout > maxOpTimeout {
+		return kverr.Errorf(kverr.InvalidArgument, "shared tier: operation timeout must be in [0, %v]: got %v", maxOpTimeout, c.OpTimeout)
 	}
 	if c.PutQueue < 0 || c.PutQueue > maxPutQueue {
 		return kverr.Errorf(kverr.InvalidArgument, "shared tier: put queue must be in [0, %d]: got %d", maxPutQueue, c.PutQueue)
