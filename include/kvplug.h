@@ -559,7 +559,10 @@ typedef struct kvp_kv_event {
  * and matched_tokens[i] (if not NULL) receives their count; the rest of the
  * prompt is its new tokens. Its full blocks are cached at once, so later
  * prompts of the same batch share them. Without the prefix cache nothing
- * matches: admit is then add with the tokens ignored.
+ * matches: admit is then add with the tokens ignored. With a host tier the
+ * match goes on there, and with a shared tier below it, on the server
+ * (see "Host KV tier" and "Shared KV tier": blocks reloaded, counted in
+ * matched_tokens).
  *
  * The keys are the sequence's for its whole life: the blocks that later
  * grow_tokens calls fill are hashed with them. Under chunked prefill the
@@ -856,7 +859,10 @@ kvp_status kvp_manager_complete_copies(kvp_manager *m, uint64_t ticket,
  * prefix in the GPU prefix cache (touched, as match does) and, beyond
  * them, the tokens of the blocks the host tier holds (touched in the host
  * tier's LRU, not pinned). A router's or scheduler's query; nothing is
- * admitted. host_tokens is 0 without a host tier, both without the prefix
+ * admitted. With a shared tier, the blocks the server holds past those
+ * are first fetched into the host tier and counted in host_tokens (a
+ * prefetch for the admission that follows; see "Shared KV tier").
+ * host_tokens is 0 without a host tier, both without the prefix
  * cache. Errors: NULL_POINTER (out, tokens, token_offsets),
  * INVALID_ARGUMENT (n < 1 or > 2^20, offsets, keys). */
 kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tokens,
