@@ -49,7 +49,7 @@ var (
 	cascadePlanArgsStruct      = structOf[C.kvp_cascade_plan_args]("kvp_cascade_plan_args", unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host))
 	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
 	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)
-	tierStatsStruct            = structOf[C.kvp_tier_stats]("kvp_tier_stats", 0)
+	tierStatsStruct            = structOf[C.kvp_tier_stats]("kvp_tier_stats", unsafe.Offsetof(C.kvp_tier_stats{}.reserved)+4)
 	kvLayersStruct             = structOf[C.kvp_kv_layers]("kvp_kv_layers", 0)
 )
 

@@ -70,6 +70,7 @@
  *     kvp_prefix_stats       through queries (16 bytes)
  *     kvp_vcache_stats       through page_size (16 bytes)
  *     kvp_cascade_plan_args  through headroom (112 bytes)
+ *     kvp_tier_stats         through reserved (160 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -260,6 +261,22 @@ typedef struct kvp_manager_config {
                                   and V, as the engine lays it out (its
                                   size in a host slot); >= 1 with a host
                                   tier, 0 without; slots * bytes <= 2^46 */
+
+  /* Shared KV tier (see "Shared KV tier" below); all NULL and 0 = none.
+   * The strings are read during kvp_manager_create only (the library
+   * keeps copies). */
+  const char *shared_tier_addr;      /* "host:port" of a Valkey or Redis
+                                        server, at most 1024 bytes; NULL =
+                                        no shared tier; needs a host tier */
+  const char *shared_tier_namespace; /* the identity of the model and K/V
+                                        layout the blocks belong to, 1-64
+                                        characters of [A-Za-z0-9_.-];
+                                        required with an address */
+  int32_t shared_tier_timeout_ms;    /* bound on each round trip to the
+                                        server, transfer included, in
+                                        [0, 60000]; 0 = 250 */
+  int32_t shared_tier_put_queue;     /* demoted blocks waiting to be
+                                        stored, in [0, 2^20]; 0 = 256 */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -293,16 +310,25 @@ typedef struct kvp_manager_stats {
 #ifndef KVPLUG_NO_PROTOTYPES
 
 /* Creates a manager (with a host tier when host_tier_slots > 0, whose
- * memory it allocates). Errors: NULL_POINTER (cfg or out), STRUCT_SIZE,
- * INVALID_ARGUMENT (num_blocks or block_size out of range; a host tier
- * without the prefix cache or host_block_bytes, host_tier_slots,
- * demote_ahead or host_block_bytes out of range, reserved not 0),
- * OUT_OF_MEMORY (the host tier's memory). */
+ * memory it allocates, and a shared tier below it when shared_tier_addr
+ * is set: it does not connect, so a server that is down makes the first
+ * lookups misses, not an error). Errors: NULL_POINTER (cfg or out),
+ * STRUCT_SIZE, INVALID_ARGUMENT (num_blocks or block_size out of range; a
+ * host tier without the prefix cache or host_block_bytes,
+ * host_tier_slots, demote_ahead or host_block_bytes out of range,
+ * reserved not 0; a shared tier without a host tier, an address empty
+ * or longer than 1024 bytes, a namespace missing or not as stated,
+ * shared_tier_timeout_ms or shared_tier_put_queue out of range, or
+ * namespace, timeout or queue set without an address), OUT_OF_MEMORY
+ * (the host tier's memory). */
 kvp_status kvp_manager_create(const kvp_manager_config *cfg, kvp_manager **out);
 
 /* Destroys a manager and every sequence in it, and frees its host tier's
- * memory (no copy to or from it may be in flight). NULL is a no-op. The
- * caller must ensure no other thread is using the handle. */
+ * memory (no copy to or from it may be in flight). With a shared tier it
+ * first writes the blocks still queued for it (each round trip bounded
+ * by shared_tier_timeout_ms; a server that is down skips them at once)
+ * and closes the connection. NULL is a no-op. The caller must ensure no
+ * other thread is using the handle. */
 void kvp_manager_destroy(kvp_manager *m);
 
 /* Adds sequence seq_id with a prompt of prompt_len tokens and allocates its
@@ -534,7 +560,10 @@ typedef struct kvp_kv_event {
  * and matched_tokens[i] (if not NULL) receives their count; the rest of the
  * prompt is its new tokens. Its full blocks are cached at once, so later
  * prompts of the same batch share them. Without the prefix cache nothing
- * matches: admit is then add with the tokens ignored.
+ * matches: admit is then add with the tokens ignored. With a host tier the
+ * match goes on there, and with a shared tier below it, on the server
+ * (see "Host KV tier" and "Shared KV tier": blocks reloaded, counted in
+ * matched_tokens).
  *
  * The keys are the sequence's for its whole life: the blocks that later
  * grow_tokens calls fill are hashed with them. Under chunked prefill the
@@ -758,6 +787,38 @@ typedef struct kvp_tier_stats {
   int32_t host_reserved;       /* slots with a demotion copy in flight */
   int32_t host_pinned;         /* slots pinned (reloads in flight, reserved) */
   int32_t reserved;            /* 0 */
+  /* The shared tier's (see "Shared KV tier" below); all zero without one. */
+  int64_t shared_lookups;       /* calls that looked blocks up (an
+                                   admission's or match's batch) */
+  int64_t shared_hits;          /* blocks found there, consecutively after a
+                                   prompt's GPU and host matches */
+  int64_t shared_misses;        /* blocks not found, or not looked up (the
+                                   call failed or was skipped) */
+  int64_t shared_fetched;       /* blocks read into host slots */
+  int64_t shared_fetch_misses;  /* blocks found whose read then missed (gone
+                                   since, corrupt, short) or no slot took */
+  int64_t shared_hit_tokens;    /* tokens admissions matched in blocks the
+                                   same call fetched (in host_hit_tokens) */
+  int64_t shared_match_tokens;  /* the same for kvp_manager_match_tiers (in
+                                   match_host_tokens) */
+  int64_t shared_puts_queued;   /* committed demotions queued for a store */
+  int64_t shared_puts_done;     /* of which stored */
+  int64_t shared_puts_present;  /* of which not sent: held there already */
+  int64_t shared_puts_failed;   /* of which not stored: the call failed or
+                                   was skipped, or the server refused */
+  int64_t shared_puts_dropped;  /* committed demotions not queued: the
+                                   queue was full */
+  int64_t shared_corrupt;       /* values that failed a check: misses */
+  int64_t shared_timeouts;      /* round trips past shared_tier_timeout_ms */
+  int64_t shared_errors;        /* round trips failed otherwise (refused
+                                   connections), commands refused */
+  int64_t shared_skipped;       /* calls skipped without a round trip, the
+                                   server having failed within its backoff
+                                   window */
+  int64_t shared_bytes_read;    /* value bytes read, headers included */
+  int64_t shared_bytes_written; /* value bytes written, headers included */
+  int32_t shared_queue_len;     /* blocks waiting to be stored now */
+  int32_t shared_available;     /* 1: the server is not in a backoff window */
 } kvp_tier_stats;
 
 #define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)
@@ -799,7 +860,10 @@ kvp_status kvp_manager_complete_copies(kvp_manager *m, uint64_t ticket,
  * prefix in the GPU prefix cache (touched, as match does) and, beyond
  * them, the tokens of the blocks the host tier holds (touched in the host
  * tier's LRU, not pinned). A router's or scheduler's query; nothing is
- * admitted. host_tokens is 0 without a host tier, both without the prefix
+ * admitted. With a shared tier, the blocks the server holds past those
+ * are first fetched into the host tier and counted in host_tokens (a
+ * prefetch for the admission that follows; see "Shared KV tier").
+ * host_tokens is 0 without a host tier, both without the prefix
  * cache. Errors: NULL_POINTER (out, tokens, token_offsets),
  * INVALID_ARGUMENT (n < 1 or > 2^20, offsets, keys). */
 kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tokens,
@@ -820,6 +884,52 @@ kvp_status kvp_manager_tier_stats(kvp_manager *m, kvp_tier_stats *out);
 kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
                                         int64_t *slot_bytes, int32_t *num_slots);
 #endif /* KVPLUG_NO_PROTOTYPES */
+/*
+ * Shared KV tier (a manager created with shared_tier_addr and a host tier):
+ * a Valkey or Redis server that instances share, below each one's host
+ * tier, so that an instance serves a prompt another instance computed.
+ *
+ * Fetch: kvp_manager_admit and kvp_manager_match_tiers look, for each
+ * prompt, past its GPU and host matches: the blocks the server holds under
+ * the prompt's next chained hashes, consecutively, are read into fresh
+ * host slots, and the call goes on as if the host tier held them (admit
+ * reloads them and counts them in matched_tokens; match_tiers counts them
+ * in host_tokens, so a router's match prefetches them). Two round trips
+ * per call whatever the batch, each bounded by shared_tier_timeout_ms,
+ * transfer included (size it for an admission batch's blocks at the
+ * link's bandwidth), made without holding the manager's lock. A block
+ * that is absent, corrupt, short or another layout's is a miss, and the
+ * prefix is computed. A server that is down, slow or restarting costs one
+ * failed round trip, then is skipped without a round trip for a backoff
+ * window (1 s, doubling up to 30 s while it keeps failing); every such
+ * call is counted (shared_errors, shared_timeouts, shared_skipped) and
+ * none is an error.
+ *
+ * Store: a block whose demotion kvp_manager_complete_copies commits is
+ * queued for the server (its host slot pinned until read), and a thread of
+ * the library writes the queue out, leaving out blocks the server holds
+ * already. complete_copies never waits on the server: a demotion that
+ * finds the queue (shared_tier_put_queue) full is not stored, counted in
+ * shared_puts_dropped. kvp_manager_destroy writes the queue out first.
+ *
+ * Keys and model identity: a block is stored under
+ * kvplug:<namespace>:<its 128-bit chained hash in hex>, with a header
+ * (the hash again, a fingerprint of the namespace, block size and
+ * host_block_bytes, the payload's length and checksum) checked on every
+ * read. The chained hash covers tokens, adapter, multimodal items and
+ * salt, not the model: shared_tier_namespace must name everything the
+ * K/V depends on (model and revision, dtype, layers, KV heads, head size,
+ * block layout, tensor-parallel rank when ranks keep their own heads),
+ * e.g. "llama-3.1-8b-instruct.bf16.l32.kv8.d128.tp0". Instances that
+ * share blocks use the same namespace and host_block_bytes; a different
+ * model needs a different namespace.
+ *
+ * Memory: the library never deletes keys; bound the server with its own
+ * maxmemory and an eviction policy (allkeys-lru for a dedicated server).
+ *
+ * Threads: as for the host tier. The store thread touches only the host
+ * slots it pinned and the server.
+ */
 /* ==== section: host KV tier (end) ==== */
 
 /* ==== section: tier copy (begin) ==== */

@@ -722,7 +722,12 @@ struct CopyBatch {
 
 // The host KV tier of a Manager created with host_tier_slots > 0 (see the
 // header's "Host KV tier"): a view that does not own the manager, which
-// must outlive it. The engine performs the copies.
+// must outlive it. The engine performs the copies. A shared tier below it
+// (a Valkey or Redis server: the config's shared_tier_addr and
+// shared_tier_namespace, whose strings need only outlive the Manager's
+// constructor; the header's "Shared KV tier") works through the same
+// calls: admit and match_tiers fetch its blocks into host slots, and
+// stats() carries its shared_* counters.
 class HostTier {
  public:
   explicit HostTier(Manager &m) noexcept : m_(&m) {}

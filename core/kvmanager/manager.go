@@ -176,6 +176,9 @@ func New(cfg Config) (*Manager, error) {
 		if m.tier, err = newTier(cfg); err != nil {
 			return nil, err
 		}
+		if m.tier.shared != nil {
+			go m.tier.shared.run() // until Close
+		}
 	}
 	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize),
 		zap.Bool("prefix_cache", cfg.EnablePrefixCache), zap.Bool("kv_events", cfg.EnableKVEvents))

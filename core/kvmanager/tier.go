@@ -62,7 +62,9 @@ import (
 // # Keys
 //
 // A host slot holds a block under a 64-bit key: the first eight bytes of
-// the block's 128-bit chained hash (HostKey).
+// the block's 128-bit chained hash (HostKey). The shared tier, which many
+// instances fill over a long time, keys and checks blocks by the whole
+// 128-bit hash (shared.go).
 //
 // # Model reloads
 //
@@ -95,6 +97,10 @@ type HostTier struct {
 	// demoted, by demoting least recently used cached blocks; in [0,
 	// NumBlocks]. 0 disables demotion (the tier is only matched).
 	DemoteAhead int
+	// Shared, when not nil, adds the shared tier (a Valkey or Redis
+	// server) below the host tier (shared.go). The manager must then be
+	// closed (Close).
+	Shared *SharedTier
 }
 
 // DemoteOp is one block's demotion: copy GPU block Block (all layers, K
@@ -153,6 +159,7 @@ type TierStats struct {
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
 	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
 	Host               host.Stats
+	Shared             SharedStats // the shared tier's; zero without one
 }
 
 // TierMatch is what MatchTiers found for one prompt: its first GPU
@@ -188,6 +195,12 @@ type tier struct {
 	slots   []host.Slot
 	hasher  prefix.Hasher
 
+	// The shared tier; nil when there is none.
+	shared *sharedTier
+	// The host keys of the blocks the current Admit or MatchTiers
+	// fetched from the shared tier (set under the lock for the call).
+	fetched map[uint64]struct{}
+
 	st TierStats
 }
 
@@ -202,7 +215,14 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
-	return &tier{cfg: *h, inflight: make(map[uint64]CopyBatch)}, nil
+	t := &tier{cfg: *h, inflight: make(map[uint64]CopyBatch)}
+	if h.Shared != nil {
+		var err error
+		if t.shared, err = newShared(h.Shared, h.Pool, cfg.BlockSize); err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
 }
 
 // FlushCopies demotes least recently used cached blocks until the free
@@ -344,7 +364,11 @@ func (m *Manager) endReload(op ReloadOp, ok bool) {
 func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 	t := m.tier
 	if ok {
-		assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		if t.shared != nil {
+			t.shared.queueStore(op)
+		} else {
+			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		}
 		t.st.DemotionsCompleted++
 	} else {
 		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
@@ -358,7 +382,8 @@ func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 
 // CompleteCopies reports that batch ticket's copies have finished (failed
 // false) or failed: each demoted block's host slot is committed (aborted
-// on failure) and its GPU block returns to the free queue; each reload's
+// on failure), and queued for the shared tier when there is one (never
+// waiting on it), and its GPU block returns to the free queue; each reload's
 // host slot is unpinned and the copy's hold on its GPU block dropped. Errors:
 // InvalidArgument (no host tier), NotFound (ticket unknown or completed
 // already), with nothing changed.
@@ -390,6 +415,11 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 // prompt's next chained hashes (host.Pool.Lookup: touched in the host
 // LRU, not pinned). Neither match covers the prompt's last token. Without
 // a host tier Host is 0; without the prefix cache both are.
+//
+// With a shared tier, the blocks it holds past each prompt's GPU and host
+// matches are first fetched into the host tier (shared.go, bounded by
+// two operation timeouts), and Host counts them: a scheduler's MatchTiers
+// ahead of Admit prefetches them.
 // Errors: InvalidArgument (batch, a prompt's length in [0, MaxPromptLen],
 // keys, out shorter than the batch).
 func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
@@ -400,6 +430,7 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 	if len(out) < n {
 		return kverr.Errorf(kverr.InvalidArgument, "match tiers: out holds %d entries for %d prompts", len(out), n)
 	}
+	fetched, _ := m.fetchShared(prompts, nil) // no ids: no error
 	m.mu.Lock()
 	defer m.unlock()
 	for i := range n {
@@ -435,6 +466,9 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 		hit := t.cfg.Pool.Lookup(t.keys)
 		out[i].Host = int32(hit * m.bs)
 		t.st.MatchHostTokens += int64(hit * m.bs)
+		if k := t.countShared(fetched, hit); k > 0 {
+			t.shared.matchTokens.Add(int64(k * m.bs))
+		}
 	}
 	return nil
 }
@@ -449,6 +483,9 @@ func (m *Manager) TierStats() TierStats {
 	st := m.tier.st
 	st.InFlight = m.tier.nBlocks
 	st.Host = m.tier.cfg.Pool.Stats()
+	if m.tier.shared != nil {
+		st.Shared = m.tier.shared.stats()
+	}
 	return st
 }
 

@@ -59,6 +59,10 @@ class ManagerConfig(ctypes.Structure):
         ("demote_ahead", _i32),
         ("reserved", _i32),
         ("host_block_bytes", _i64),
+        ("shared_tier_addr", ctypes.c_char_p),
+        ("shared_tier_namespace", ctypes.c_char_p),
+        ("shared_tier_timeout_ms", _i32),
+        ("shared_tier_put_queue", _i32),
     ]
 
 
@@ -157,7 +161,12 @@ class TierStatsStruct(ctypes.Structure):
         _i64, "demotions_queued", "demotions_completed", "demotions_failed", "skipped_full", "skipped_present",
         "evicted_undemoted", "reloads", "reloads_completed", "reloads_failed", "host_hit_tokens", "match_queries",
         "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses",
-    ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved")
+    ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved") + _ints(
+        _i64, "shared_lookups", "shared_hits", "shared_misses", "shared_fetched", "shared_fetch_misses",
+        "shared_hit_tokens", "shared_match_tokens", "shared_puts_queued", "shared_puts_done", "shared_puts_present",
+        "shared_puts_failed", "shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors",
+        "shared_skipped", "shared_bytes_read", "shared_bytes_written",
+    ) + _ints(_i32, "shared_queue_len", "shared_available")
 
 
 class KVLayersStruct(ctypes.Structure):

@@ -224,7 +224,15 @@ func (p *Pool) Reserve(hash uint64) (Slot, error) {
 // Commit marks reserved slot s's copy complete: its block becomes resident,
 // most recently used and unpinned (other pins taken since Reserve, none
 // possible today, would remain).
-func (p *Pool) Commit(s Slot) error {
+func (p *Pool) Commit(s Slot) error { return p.commit(s, false) }
+
+// CommitPinned is Commit that keeps the slot pinned, for a caller that
+// reads the block next (a store to the shared tier): no other call can
+// evict or reuse the slot between its commit and the pin, as one could
+// between Commit and Pin. Unpin it when done.
+func (p *Pool) CommitPinned(s Slot) error { return p.commit(s, true) }
+
+func (p *Pool) commit(s Slot, keepPin bool) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.check(s); err != nil {
@@ -238,7 +246,9 @@ func (p *Pool) Commit(s Slot) error {
 	p.st.Reserved--
 	p.st.Resident++
 	p.st.Commits++
-	p.unpin(s)
+	if !keepPin {
+		p.unpin(s)
+	}
 	p.pushFront(s)
 	return nil
 }
@@ -270,6 +280,21 @@ func (p *Pool) Lookup(hashes []uint64) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.match(hashes, nil, false)
+}
+
+// Peek returns what Lookup would, without marking anything used or
+// counting hits and misses: a look ahead of the lookup that follows.
+func (p *Pool) Peek(hashes []uint64) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, h := range hashes {
+		if s, ok := p.index[h]; !ok || p.slots[s].st != resident {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 // PinPrefix is Lookup that also pins the matched slots, writing them to

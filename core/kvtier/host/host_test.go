@@ -156,6 +156,57 @@ func TestPinnedNeverEvicted(t *testing.T) {
 	demote(t, p2, 8)
 }
 
+// CommitPinned commits a block that stays pinned (a store out of it
+// follows): not evictable until its Unpin, while Lookup matches it.
+func TestCommitPinned(t *testing.T) {
+	p := newPool(t, 1)
+	s := mustReserve(t, p, 1)
+	if err := p.CommitPinned(s); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.Resident != 1 || st.Pinned != 1 || st.Reserved != 0 || st.Commits != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if p.Lookup([]uint64{1}) != 1 {
+		t.Fatal("a committed block is not matched")
+	}
+	if _, err := p.Reserve(2); !kverr.Is(err, kverr.OutOfBlocks) {
+		t.Fatalf("evicted a block committed pinned: %v", err)
+	}
+	if err := p.CommitPinned(s); !kverr.Is(err, kverr.NotFound) {
+		t.Fatalf("committing twice: %v", err)
+	}
+	if err := p.Unpin(s); err != nil {
+		t.Fatal(err)
+	}
+	demote(t, p, 2)
+}
+
+// Peek answers as Lookup does, but neither counts nor touches the LRU.
+func TestPeek(t *testing.T) {
+	p := newPool(t, 3)
+	for h := uint64(1); h <= 3; h++ {
+		demote(t, p, h)
+	}
+	before, lru := p.Stats(), p.lru()
+	if n := p.Peek([]uint64{1, 2, 9, 3}); n != 2 {
+		t.Fatalf("peek %d", n)
+	}
+	if n := p.Peek([]uint64{9}); n != 0 {
+		t.Fatalf("peek %d", n)
+	}
+	if p.Stats() != before || !slices.Equal(p.lru(), lru) {
+		t.Fatalf("Peek changed the pool: %+v %v", p.Stats(), p.lru())
+	}
+	r := mustReserve(t, p, 9)
+	if n := p.Peek([]uint64{9}); n != 0 {
+		t.Fatal("Peek matched a reserved block")
+	}
+	if err := p.Abort(r); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestBadCallsChangeNothing(t *testing.T) {
 	p := newPool(t, 2)
 	s := demote(t, p, 1)
