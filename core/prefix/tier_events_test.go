@@ -151,7 +151,9 @@ func TestTierEventsInQueue(t *testing.T) {
 // The oracle's checks of tier events: stored once, removed while stored.
 func TestEventIndexTiers(t *testing.T) {
 	r := NewEventIndex()
-	st := func(m Medium, h byte) Event { return Event{Kind: BlockStored, Medium: m, Hash: Hash{h}, Parent: Hash{99}} }
+	st := func(m Medium, h byte) Event {
+		return Event{Kind: BlockStored, Medium: m, Hash: Hash{h}, Parent: Hash{99}}
+	}
 	rm := func(m Medium, hs ...byte) Event {
 		ev := Event{Kind: BlockRemoved, Medium: m}
 		for _, h := range hs {
