@@ -16,7 +16,7 @@ type hookTierConfig struct {
 	numBlocks, blockSize, slots, ahead, reserved int32
 	blockBytes                                   int64
 	noPrefixCache                                bool
-	events                                       bool // enable_kv_events
+	events                                       bool    // enable_kv_events
 	structSize                                   uintptr // 0: the full struct
 }
 
