@@ -245,7 +245,8 @@ typedef struct kvp_manager_config {
                                   kvp_manager_drain_events; needs
                                   enable_prefix_cache; default 0 */
   int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
-                                  raised to num_blocks + 1 */
+                                  raised to num_blocks + host_tier_slots
+                                  + 1 */
 
   /* Host KV tier (see "Host KV tier" below); all 0 = none. */
   int32_t host_tier_slots;     /* blocks the host tier holds, in [0, 2^30];

@@ -328,7 +328,7 @@ func (x *Index) RecordTierRemoved(m Medium, hashes []Hash) error {
 // when events are off or none is pending.
 //
 // The queue holds at most Config.MaxPendingEvents events (raised to
-// NumBlocks+1). When an event would exceed that, every pending event is
+// NumBlocks+TierBlocks+1). When an event would exceed that, every pending event is
 // discarded, counted in Stats.EventsDropped with every event after it, and
 // recording stops; the next DrainEvents then starts with AllCleared
 // followed by a BlockStored for every block cached at that moment (parents
