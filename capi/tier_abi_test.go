@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"unsafe"
@@ -123,6 +124,54 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	// Nothing to copy: ticket 0.
 	if _, _, nd, nr, tk, st := hookFlushCopies(h, 8, 8); st != 0 || tk != 0 || nd != 0 || nr != 0 {
 		t.Fatalf("empty flush: %d %d %d %s", tk, nd, nr, statusName(st))
+	}
+}
+
+// KV events through the ABI: a committed demotion is a BLOCK_STORED of
+// medium CPU with the block's GPU hash, parent and tokens; the GPU's
+// events say GPU; clearing the prefix cache re-announces the host tier's
+// blocks after its ALL_CLEARED.
+func TestTierABIEventsCarryMedium(t *testing.T) {
+	lockThread(t)
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes, events: true})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	conv := make([]int32, 9) // two full blocks and one token
+	for i := range conv {
+		conv[i] = int32(7 + i)
+	}
+	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
+	expect(t, "admit", st, kverr.OK)
+	ids := cInt64s([]int64{1})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	gpu, st := hookDrain(h, 16, 64, 4, 16)
+	expect(t, "drain", st, kverr.OK)
+	if len(gpu) != 2 || gpu[0].medium != hookMediumGPU || gpu[1].medium != hookMediumGPU {
+		t.Fatalf("admission's events: %+v", gpu)
+	}
+	_, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
+	expect(t, "flush", st, kverr.OK)
+	evs, _ := hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 1 || evs[0].kind != hookRemoved || evs[0].medium != hookMediumGPU || len(evs[0].hashes) != 2 {
+		t.Fatalf("flush's events: %+v", evs)
+	}
+	expect(t, "complete", hookCompleteCopies(h, tk, false), kverr.OK)
+	evs, _ = hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 2 {
+		t.Fatalf("commit's events: %+v", evs)
+	}
+	for i, ev := range evs {
+		if ev.kind != hookStored || ev.medium != hookMediumCPU || ev.hash != gpu[i].hash ||
+			ev.parent != gpu[i].parent || !slices.Equal(ev.tokens, gpu[i].tokens) {
+			t.Fatalf("CPU event %d: %+v, its GPU event %+v", i, ev, gpu[i])
+		}
+	}
+	_, st = hookClearPrefixCache(h)
+	expect(t, "clear", st, kverr.OK)
+	evs, _ = hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 3 || evs[0].kind != hookCleared || evs[0].medium != 0 || evs[1].medium != hookMediumCPU || evs[2].medium != hookMediumCPU {
+		t.Fatalf("clear: %+v", evs)
 	}
 }
 

@@ -17,6 +17,7 @@ type hookTierConfig struct {
 	numBlocks, blockSize, slots, ahead, reserved int32
 	blockBytes                                   int64
 	noPrefixCache                                bool
+	events                                       bool    // enable_kv_events
 	structSize                                   uintptr // 0: the full struct
 	sharedAddr, sharedNS                         *string
 	sharedTimeoutMs, sharedPutQueue              int32
@@ -32,6 +33,9 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 	cfg.num_blocks, cfg.block_size = C.int32_t(c.numBlocks), C.int32_t(c.blockSize)
 	if !c.noPrefixCache {
 		cfg.enable_prefix_cache = 1
+	}
+	if c.events {
+		cfg.enable_kv_events = 1
 	}
 	cfg.host_tier_slots, cfg.demote_ahead, cfg.reserved = C.int32_t(c.slots), C.int32_t(c.ahead), C.int32_t(c.reserved)
 	cfg.host_block_bytes = C.int64_t(c.blockBytes)

@@ -247,7 +247,8 @@ typedef struct kvp_manager_config {
                                   kvp_manager_drain_events; needs
                                   enable_prefix_cache; default 0 */
   int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
-                                  raised to num_blocks + 1 */
+                                  raised to num_blocks + host_tier_slots
+                                  + 1 */
 
   /* Host KV tier (see "Host KV tier" below); all 0 = none. */
   int32_t host_tier_slots;     /* blocks the host tier holds, in [0, 2^30];
@@ -519,10 +520,21 @@ typedef struct kvp_prefix_stats {
  * which engine caches which prefix. */
 enum {
   KVP_KV_EVENT_BLOCK_STORED = 1,   /* a block entered the cache */
-  KVP_KV_EVENT_BLOCKS_REMOVED = 2, /* blocks left it (children before parents) */
-  KVP_KV_EVENT_ALL_CLEARED = 3     /* forget every block: the cache was
-                                      cleared, or a snapshot of BLOCK_STORED
-                                      events follows (after a full queue) */
+  KVP_KV_EVENT_BLOCKS_REMOVED = 2, /* blocks left it (GPU: children before
+                                      parents) */
+  KVP_KV_EVENT_ALL_CLEARED = 3     /* forget every block of every medium: the
+                                      cache was cleared, or a snapshot of
+                                      BLOCK_STORED events follows (after a
+                                      full queue); the host tier's blocks
+                                      follow it either way */
+};
+
+/* Where the blocks of a BLOCK_STORED or BLOCKS_REMOVED event are held
+ * (kvp_kv_event.medium; vLLM's "medium", sent as the name given here). */
+enum {
+  KVP_MEDIUM_GPU = 0,    /* "GPU": the prefix cache's own blocks */
+  KVP_MEDIUM_CPU = 1,    /* "CPU": the host tier's (see "Host KV tier") */
+  KVP_MEDIUM_SHARED = 2  /* "SHARED": a tier shared by instances (reserved) */
 };
 
 /* A multimodal entry of a stored block: offset is the item's first
@@ -535,7 +547,9 @@ typedef struct kvp_block_mm {
 
 /* One KV event. Its variable parts live in the caller's arrays passed to
  * kvp_manager_drain_events, at the offsets given here. The salt is not
- * reported (it may be a secret): a router sees a first block's salted hash. */
+ * reported (it may be a secret): a router sees a first block's salted hash.
+ * A host tier block's BLOCK_STORED (medium CPU) has the fields its GPU
+ * BLOCK_STORED had: the same hash, its chain's parent, tokens and keys. */
 typedef struct kvp_kv_event {
   int32_t kind;            /* KVP_KV_EVENT_... */
   int32_t block_size;      /* BLOCK_STORED: the block's tokens */
@@ -547,7 +561,9 @@ typedef struct kvp_kv_event {
   int32_t num_mm;
   int32_t hashes_offset;   /* BLOCKS_REMOVED: hashes[hashes_offset ..+ num_hashes] */
   int32_t num_hashes;
-  int32_t reserved;        /* 0 */
+  int32_t medium;          /* BLOCK_STORED, BLOCKS_REMOVED: KVP_MEDIUM_...
+                              (this was a reserved field, always 0: the
+                              GPU, which it still is without a host tier) */
 } kvp_kv_event;
 
 #ifndef KVPLUG_NO_PROTOTYPES
@@ -741,6 +757,18 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * chained hash. kvp_manager_clear_prefix_cache leaves the host tier: a
  * model or adapter reload needs a new manager.
  *
+ * KV events (enable_kv_events): the host tier's blocks have their own, of
+ * medium KVP_MEDIUM_CPU ("CPU" on the wire, as vLLM's offloaded blocks), in
+ * the one stream with the GPU's and under the same max_pending_events
+ * (raised to num_blocks + host_tier_slots + 1): a BLOCK_STORED when
+ * complete_copies commits a demotion (none while its copy is in flight or
+ * when it failed; its GPU BLOCKS_REMOVED came at flush_copies), a
+ * BLOCKS_REMOVED when flush_copies reuses the slot of a resident block
+ * (the host LRU's eviction). Reloads change nothing there (their GPU
+ * BLOCK_STORED comes at admission). Snapshots, and the ALL_CLEARED of
+ * kvp_manager_clear_prefix_cache, are followed by a BLOCK_STORED for each
+ * block the host tier holds.
+ *
  * Threads: as every kvp_manager function, these are safe to call
  * concurrently on one manager (they serialise); the caller's arrays must
  * not change during a call.
@@ -888,6 +916,8 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * Shared KV tier (a manager created with shared_tier_addr and a host tier):
  * a Valkey or Redis server that instances share, below each one's host
  * tier, so that an instance serves a prompt another instance computed.
+ * Not yet with enable_kv_events (create answers UNSUPPORTED): the CPU
+ * events do not follow the blocks a fetch brings into the host tier.
  *
  * Fetch: kvp_manager_admit and kvp_manager_match_tiers look, for each
  * prompt, past its GPU and host matches: the blocks the server holds under
@@ -1093,7 +1123,8 @@ typedef struct kvp_event_publisher_config {
   const char *topic;           /* first frame of every message, at most 1024
                                   bytes; NULL = "" (vLLM's default); llm-d reads
                                   "kv@<instance>@<model>" */
-  const char *medium;          /* "medium" of the events; NULL = "GPU" */
+  const char *medium;          /* "medium" of the GPU's events; NULL = "GPU"
+                                  (the host tier's go as "CPU") */
   int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule */
   int32_t event_format;        /* KVP_EVENTS_FORMAT_...; default MAP */
   int32_t hash_format;         /* KVP_EVENTS_HASH_...; default BYTES */

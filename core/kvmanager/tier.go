@@ -66,6 +66,37 @@ import (
 // instances fill over a long time, keys and checks blocks by the whole
 // 128-bit hash (shared.go).
 //
+// # KV events
+//
+// With KV events on (Config.EnableKVEvents), the host tier's blocks have
+// their own events, of medium CPU (prefix.MediumCPU; "CPU" on the wire,
+// as vLLM's OffloadingConnector sends), in the one stream with the GPU
+// prefix cache's (medium GPU), under the same bound and resync rules
+// (package prefix, Index.DrainEvents):
+//
+//   - a demotion announces its block when CompleteCopies commits it
+//     (BlockStored, CPU), never while its copy is in flight or when it
+//     fails; its GPU BlockRemoved came when FlushCopies evicted it;
+//   - a host slot that Reserve takes from a resident block (the host
+//     LRU's eviction) announces that block's removal (BlockRemoved, CPU),
+//     in FlushCopies, one event for the flush's evictions;
+//   - a reload does not change the host tier (the block stays resident
+//     there); its GPU BlockStored comes from the admission, as for any
+//     block the prefix cache caches;
+//   - a snapshot (RequestEventSnapshot, a full queue) lists the host
+//     tier's resident blocks after the GPU's, and so does
+//     ClearPrefixCache after its AllCleared, which a consumer applies to
+//     every medium while the host tier keeps its blocks.
+//
+// A CPU BlockStored carries what the block's GPU BlockStored did: its
+// chained hash (the same one: a consumer ties the tiers together by it),
+// its parent's hash (the previous block of its chain, wherever that is
+// held), its tokens, adapter and multimodal entries. vLLM's own CPU
+// events leave the parent, tokens and adapter out (None, [], None);
+// consumers written for them read these unchanged. To announce them, the
+// manager keeps each host slot's block description (about 40 bytes and
+// the block's tokens per slot) while events are on.
+//
 // # Model reloads
 //
 // ClearPrefixCache does not touch the host tier (its blocks would be the
@@ -188,8 +219,20 @@ type tier struct {
 	// if its sequence is removed first.
 	reloads []ReloadOp
 
+	// KV events (Config.EnableKVEvents): each host slot's block, by slot,
+	// grown as slots are first used; toks holds slot s's tokens at
+	// [s*bs, (s+1)*bs).
+	events    bool
+	bs        int
+	meta      []hostMeta
+	toks      []int32
+	nResident int           // slots whose block was announced (meta resident)
+	gone      []prefix.Hash // scratch: a flush's host evictions
+
 	// Scratch.
 	pending []DemoteOp
+	evInfo  []prefix.EvictedBlock
+	evToks  []int32
 	hashes  []prefix.Hash
 	keys    []uint64
 	slots   []host.Slot
@@ -204,6 +247,54 @@ type tier struct {
 	st TierStats
 }
 
+// hostMeta is what the events say of a host slot's block.
+type hostMeta struct {
+	hash     prefix.Hash
+	parent   prefix.Hash
+	adapter  uint64
+	mm       []prefix.BlockMM
+	resident bool // committed and announced; false while reserved
+}
+
+// setMeta records the block that slot s now holds (reserved).
+func (t *tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
+	if n := int(s) + 1; n > len(t.meta) {
+		t.meta = append(t.meta, make([]hostMeta, n-len(t.meta))...)
+		t.toks = append(t.toks, make([]int32, n*t.bs-len(t.toks))...)
+	}
+	// b.MM is the caller's (EvictBlocks hands it over).
+	t.meta[s] = hostMeta{hash: b.Hash, parent: b.Parent, adapter: b.Adapter, mm: b.MM}
+	copy(t.toks[int(s)*t.bs:(int(s)+1)*t.bs], toks)
+}
+
+// block returns slot s's block as its BlockStored describes it; its
+// slices are the tier's.
+func (t *tier) block(s host.Slot) prefix.TierBlock {
+	h := &t.meta[s]
+	return prefix.TierBlock{
+		Medium:  prefix.MediumCPU,
+		Hash:    h.hash,
+		Parent:  h.parent,
+		Adapter: h.adapter,
+		Tokens:  t.toks[int(s)*t.bs : (int(s)+1)*t.bs : (int(s)+1)*t.bs],
+		MM:      h.mm,
+	}
+}
+
+// TierLen implements prefix.TierSource: the resident host blocks.
+func (t *tier) TierLen() int { return t.nResident }
+
+// AppendTierBlocks implements prefix.TierSource: the resident host
+// blocks, in slot order.
+func (t *tier) AppendTierBlocks(dst []prefix.TierBlock) []prefix.TierBlock {
+	for s := range t.meta {
+		if t.meta[s].resident {
+			dst = append(dst, t.block(host.Slot(s)))
+		}
+	}
+	return dst
+}
+
 func newTier(cfg Config) (*tier, error) {
 	h := cfg.HostTier
 	if h.Pool == nil {
@@ -215,7 +306,12 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
-	t := &tier{cfg: *h, inflight: make(map[uint64]CopyBatch)}
+	t := &tier{cfg: *h, inflight: make(map[uint64]CopyBatch), bs: cfg.BlockSize}
+	if h.Shared != nil && cfg.EnableKVEvents {
+		// The shared tier's fetches fill and evict host slots outside the
+		// manager's lock, where the CPU events cannot follow them yet.
+		return nil, kverr.Errorf(kverr.Unsupported, "host tier: the shared tier and KV events cannot be enabled together yet")
+	}
 	if h.Shared != nil {
 		var err error
 		if t.shared, err = newShared(h.Shared, h.Pool, cfg.BlockSize); err != nil {
@@ -292,13 +388,14 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n int, err error) {
 	t := m.tier
 	t.pending = t.pending[:0]
-	m.evicted, t.hashes = m.evicted[:0], t.hashes[:0]
+	t.evInfo, t.evToks, t.gone = t.evInfo[:0], t.evToks[:0], t.gone[:0]
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
-		m.evicted, t.hashes = m.cache.EvictHashes(m.evicted, t.hashes, want)
+		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo, t.evToks, want)
 	}
-	for i, b := range m.evicted {
-		h := t.hashes[i]
-		slot, rerr := t.cfg.Pool.Reserve(HostKey(h))
+	for i := range t.evInfo {
+		ev := &t.evInfo[i]
+		b, h := ev.Block, ev.Hash
+		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
 		m.one[0] = b
 		if rerr != nil {
 			if kverr.Is(rerr, kverr.OutOfBlocks) {
@@ -314,6 +411,21 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 		assertOK(m.pool.Incref(m.one[:]), "flush copies: referencing an evicted block")
 		assertOK(m.pool.UnmarkCached(b), "flush copies: unmarking an evicted block")
 		t.pending = append(t.pending, DemoteOp{Block: b, Slot: slot, Hash: h})
+		if t.events {
+			if gone.Evicted {
+				old := &t.meta[slot]
+				if !old.resident || HostKey(old.hash) != gone.Hash {
+					panic(kverr.Errorf(kverr.Internal, "kvmanager: flush copies: the host pool evicted block %016x from slot %d, which holds no announced block", gone.Hash, slot))
+				}
+				t.gone = append(t.gone, old.hash)
+				t.nResident--
+			}
+			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
+		}
+		ev.MM = nil // the slot's now, or dropped
+	}
+	if len(t.gone) > 0 {
+		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "flush copies: recording host evictions")
 	}
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
@@ -370,9 +482,16 @@ func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
 		}
 		t.st.DemotionsCompleted++
+		if t.events {
+			t.meta[op.Slot].resident = true
+			t.nResident++
+		}
 	} else {
 		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
 		t.st.DemotionsFailed++
+		if t.events {
+			t.meta[op.Slot] = hostMeta{}
+		}
 	}
 	m.one[0] = op.Block
 	var err error
@@ -402,6 +521,14 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 	t.nBlocks -= len(b.Demote)
 	for _, op := range b.Demote {
 		m.endDemotion(op, !failed)
+	}
+	if t.events && !failed {
+		// Announced parents first (the batch is in eviction order,
+		// children first), so that a chain goes as one BlockStored.
+		for k := len(b.Demote) - 1; k >= 0; k-- {
+			blk := t.block(b.Demote[k].Slot)
+			assertOK(m.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
+		}
 	}
 	for _, op := range b.Reload {
 		m.endReload(op, !failed)
@@ -523,6 +650,37 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 	}
 	if count != t.nBlocks {
 		return bad("%d blocks being demoted, the count says %d", count, t.nBlocks)
+	}
+	return t.checkEvents(bad)
+}
+
+// checkEvents verifies the slots' descriptions that the KV events rest
+// on: the announced slots are the pool's resident ones, each under its
+// block's key, and every slot being demoted describes its block, not yet
+// announced.
+func (t *tier) checkEvents(bad func(string, ...any) error) error {
+	if !t.events {
+		return nil
+	}
+	n := 0
+	for s := range t.meta {
+		if !t.meta[s].resident {
+			continue
+		}
+		n++
+		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != HostKey(t.meta[s].hash) {
+			return bad("host slot %d is announced with block %s, the pool holds %016x (%v)", s, t.meta[s].hash, k, ok)
+		}
+	}
+	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || n != res {
+		return bad("%d host slots announced, the count says %d, the pool holds %d resident", n, t.nResident, res)
+	}
+	for tk, batch := range t.inflight {
+		for _, op := range batch.Demote {
+			if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
+				return bad("host slot %d being demoted (batch %d) does not describe block %s", op.Slot, tk, op.Hash)
+			}
+		}
 	}
 	return nil
 }

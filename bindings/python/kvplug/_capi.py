@@ -134,7 +134,7 @@ class KVEventStruct(ctypes.Structure):
         ("adapter", _u64),
         ("hash", _u8 * 16),
         ("parent", _u8 * 16),
-    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")
+    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "medium")
 
 
 # --------------------------------------------------------------------------

@@ -187,14 +187,30 @@ func (p *Pool) check(s Slot) error {
 // copy), and with OutOfBlocks, counted in SkippedFull, when every slot is
 // pinned: the demotion is skipped.
 func (p *Pool) Reserve(hash uint64) (Slot, error) {
+	s, _, err := p.ReserveEvict(hash)
+	return s, err
+}
+
+// Eviction reports the resident block a ReserveEvict call evicted to
+// free its slot: Hash is its key; Evicted is false when the slot was free.
+type Eviction struct {
+	Hash    uint64
+	Evicted bool
+}
+
+// ReserveEvict is Reserve that also reports the block it evicted, if any,
+// so that the caller can announce the eviction (the manager's KV events):
+// the evicted block was resident in the returned slot.
+func (p *Pool) ReserveEvict(hash uint64) (Slot, Eviction, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return NoSlot, kverr.Errorf(kverr.InvalidHandle, "host tier: closed")
+		return NoSlot, Eviction{}, kverr.Errorf(kverr.InvalidHandle, "host tier: closed")
 	}
 	if s, ok := p.index[hash]; ok {
-		return NoSlot, kverr.Errorf(kverr.InvalidArgument, "host tier: block %016x is already in slot %d", hash, s)
+		return NoSlot, Eviction{}, kverr.Errorf(kverr.InvalidArgument, "host tier: block %016x is already in slot %d", hash, s)
 	}
+	var ev Eviction
 	var s Slot
 	if n := len(p.freeList); n > 0 {
 		s = p.freeList[n-1]
@@ -206,10 +222,11 @@ func (p *Pool) Reserve(hash uint64) (Slot, error) {
 		}
 		if s == NoSlot {
 			p.st.SkippedFull++
-			return NoSlot, kverr.Errorf(kverr.OutOfBlocks, "host tier: all %d slots pinned", len(p.slots))
+			return NoSlot, Eviction{}, kverr.Errorf(kverr.OutOfBlocks, "host tier: all %d slots pinned", len(p.slots))
 		}
 		p.unlink(s)
 		delete(p.index, p.slots[s].hash)
+		ev = Eviction{Hash: p.slots[s].hash, Evicted: true}
 		p.st.Resident--
 		p.st.Evictions++
 	}
@@ -218,7 +235,7 @@ func (p *Pool) Reserve(hash uint64) (Slot, error) {
 	p.st.Reserved++
 	p.st.Pinned++
 	p.st.Demotions++
-	return s, nil
+	return s, ev, nil
 }
 
 // Commit marks reserved slot s's copy complete: its block becomes resident,

@@ -80,6 +80,42 @@ func TestDemoteLookupEvictLRU(t *testing.T) {
 	}
 }
 
+// ReserveEvict reports the block it evicted (the LRU resident one, in the
+// slot it hands out), and nothing for a free slot.
+func TestReserveEvictReportsEvicted(t *testing.T) {
+	p := newPool(t, 2)
+	for h := uint64(1); h <= 2; h++ {
+		s, ev, err := p.ReserveEvict(h)
+		if err != nil || ev != (Eviction{}) {
+			t.Fatalf("free slot: %v %+v", err, ev)
+		}
+		if err := p.Commit(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.Lookup([]uint64{2}) // 1 is now the least recently used
+	s1 := slotOf(t, p, 1)
+	s, ev, err := p.ReserveEvict(3)
+	if err != nil || ev != (Eviction{Hash: 1, Evicted: true}) || s != s1 {
+		t.Fatalf("eviction: slot %d (block 1 was in %d) %+v %v", s, s1, ev, err)
+	}
+	// A refused reservation reports nothing.
+	if _, ev, err := p.ReserveEvict(2); !kverr.Is(err, kverr.InvalidArgument) || ev.Evicted {
+		t.Fatalf("present block: %+v %v", ev, err)
+	}
+}
+
+func slotOf(t *testing.T, p *Pool, h uint64) Slot {
+	t.Helper()
+	for s := range Slot(p.Stats().Slots) {
+		if k, ok := p.Hash(s); ok && k == h {
+			return s
+		}
+	}
+	t.Fatalf("block %d is in no slot", h)
+	return NoSlot
+}
+
 // Host pool full: every slot pinned (copies in flight both ways), so a
 // demotion is skipped, counted, and changes nothing.
 func TestPoolFullDemotionSkipped(t *testing.T) {
