@@ -104,7 +104,8 @@ class TorchTierCopier:
 
     def _index(self, blocks: np.ndarray) -> torch.Tensor:
         idx = torch.from_numpy(blocks.astype(np.int64))
-        return idx.to(self.device, non_blocking=True) if self.cuda else idx
+        # From pinned memory: a pageable source may make the copy wait for the stream.
+        return idx.pin_memory().to(self.device, non_blocking=True) if self.cuda else idx
 
     def run(self, batch: kvplug.CopyBatch, stream: Any = None) -> None:
         """Enqueues batch's reloads, then its demotions, on `stream` (the
