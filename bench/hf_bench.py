@@ -33,7 +33,8 @@ arriving when turn k finished (its TTFT counts from then), turns of all
 conversations interleaved; the GPU pool is --m-pool-frac (a quarter) of the
 working set, so histories are evicted between turns. Its systems:
   kvplug-host  kvplug with the host KV tier (--host-cache-gb, default the
-               whole working set; --demote-ahead): evicted histories are
+               whole working set; --demote-ahead; --demote-overlap puts
+               the demotions on a side stream): evicted histories are
                demoted to pinned host memory and reloaded on the next turn;
   kvplug       without it: evicted histories are recomputed;
   kvplug-all   a GPU pool that holds the whole working set (the upper bound).

@@ -469,6 +469,8 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--demote-ahead", type=int, default=None,
                     help="blocks the host tier keeps free or being demoted (default: one step's allocations, "
                     "2 x step tokens / block size + max batch, at most a quarter of the pool)")
+    ap.add_argument("--demote-overlap", action="store_true",
+                    help="demotions on a side CUDA stream, overlapping the step (default: the step's stream)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
 
@@ -486,6 +488,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
         if ahead is None:
             ahead = kvhf.PagedKVCache.default_demote_ahead(num_blocks, args.block_size, args.step_tokens, args.max_batch)
         kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
+        if args.demote_overlap:
+            kw["tier_overlap"] = True
     if args.shared_tier:
         if gb <= 0:
             sys.exit("--shared-tier needs --host-cache-gb > 0: blocks fetched from the shared tier land in the host tier")

@@ -37,12 +37,14 @@ SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attent
              initializer_range=0.08)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graphs", "graphs-overlap"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_conversations_on_kernels_with_the_host_tier(dtype, graphs):
+def test_conversations_on_kernels_with_the_host_tier(dtype, graphs, overlap):
+    """overlap: demotions on a side stream."""
     model = H.tiny_model("llama", dtype=dtype, device=DEV, **SHAPE)
     engine, rec, reqs, outs, s, _ = T.run_conversations(model, dtype, DEV, num_blocks=24, host_slots=64, demote_ahead=6,
-                                                        backend="kernels", cuda_graphs=graphs)
+                                                        backend="kernels", cuda_graphs=graphs, tier_overlap=overlap)
     assert s["pinned"] and s["copier"] in ("TorchTierCopier", "TierCopier"), s
     assert s["reloads_completed"] > 0 and s["host_hit_tokens"] >= 3 * T.BS and s["in_flight"] == 0, s
     assert s["load_gbps"] > 0 and s["reload_seconds"] > 0

@@ -64,13 +64,15 @@ class Conversations:
 
 
 def run_conversations(model, dtype, device, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
-                      backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None, max_batch: int = 2,
+                      backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
+                      tier_overlap: bool = False, max_batch: int = 2,
                       step_tokens: int = 48, chunk: int = 24):
     """Runs the conversations; returns (engine, recorder, requests, outputs by rid, tier summary or None)."""
     E = H.load_engine()
     kvmodel = H.twin(model)
     conv = Conversations(E, model.config.vocab_size)
-    tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier) if host_slots else {}
+    tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
+                tier_overlap=tier_overlap) if host_slots else {}
     cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, **tier)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
@@ -237,6 +239,8 @@ def test_engine_flags():
     assert E.tier_kwargs(args, shape, 1000, torch.float32) == {"host_tier_slots": 2**29 // bb, "demote_ahead": 40}
     args = ap.parse_args(["--host-cache-gb", "0.5"])
     assert E.tier_kwargs(args, shape, 1000, torch.float32)["demote_ahead"] == 250  # 2 x 2048 / 16 + 64, pool / 4
+    args = ap.parse_args(["--host-cache-gb", "0.5", "--demote-overlap"])
+    assert E.tier_kwargs(args, shape, 1000, torch.float32)["tier_overlap"] is True
     with pytest.raises(SystemExit, match="host-cache-gb"):
         E.tier_kwargs(ap.parse_args(["--shared-tier", "127.0.0.1:6379"]), shape, 1000, torch.float32)
     if not tier_copy.manager_takes("shared_tier"):

@@ -139,7 +139,14 @@ class PagedKVCache:
     """K/V of every layer in kvplug's paged layout, managed by a
     kvplug.Manager. `num_blocks` blocks of `block_size` tokens; the tensors
     are allocated once (2 * layers * num_blocks * block_size * kv_heads *
-    head_dim elements of `dtype` on `device`)."""
+    head_dim elements of `dtype` on `device`).
+
+    host_tier_slots > 0 adds the manager's host KV tier, slots of
+    block_bytes each (host_slots_for converts GiB), with demote_ahead
+    (default_demote_ahead when None); the Runner runs its copies each step
+    (self.tier, a kvplug.hf.tier_copy.HostTier; tier_copier picks the
+    copier, tier_overlap runs demotions on a side stream). shared_tier
+    ("host:port") goes to the Manager where the binding has that argument."""
 
     def __init__(
         self,
@@ -154,6 +161,7 @@ class PagedKVCache:
         demote_ahead: Optional[int] = None,
         shared_tier: Optional[str] = None,
         tier_copier: Any = None,
+        tier_overlap: bool = False,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -196,7 +204,7 @@ class PagedKVCache:
             except BaseException:
                 self.manager.close()
                 raise
-            self.tier = HostTier(self.manager, self.kv, copier, self.block_bytes)
+            self.tier = HostTier(self.manager, self.kv, copier, self.block_bytes, overlap=tier_overlap)
             self._tier_finalizer = weakref.finalize(self, self.tier.close)
 
     @classmethod

@@ -19,10 +19,10 @@ kvplug.tier.TierCopier (the library's batched copy kernel), where the
 binding has it, has the same contract and replaces it on CUDA caches.
 
 HostTier drives a step: step(stream) completes the batches whose copies
-have finished (a CUDA event each, polled, never waited on), calls
-flush_copies, runs the copier (reloads, then demotions, each between timing
-events) and records the batch's event; on the CPU the batch completes at
-once. PagedKVCache.schedule polls too, so that blocks whose demotion has
+have finished (CUDA events, polled, never waited on), calls flush_copies,
+runs the copier (demotions, then reloads, each between timing events) on
+the step's stream (demotions on a side stream with overlap=True) and keeps
+the batch's events; on the CPU the batch completes at once. PagedKVCache.schedule polls too, so that blocks whose demotion has
 landed are free for the step's admissions.
 """
 
@@ -161,24 +161,41 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
 @dataclasses.dataclass
 class _InFlight:
     ticket: int
-    r0: Any  # CUDA timing events: before the reloads, between reloads and demotions, after the demotions
+    r0: Any  # CUDA timing events on the step's stream: before and after the reloads
     r1: Any
-    done: Any
+    d0: Any  # before and after the demotions (on the side stream with overlap)
+    d1: Any
     reload_bytes: int
     demote_bytes: int
+
+    def query(self) -> bool:
+        return self.r1.query() and self.d1.query()
+
+    def synchronize(self) -> None:
+        self.r1.synchronize()
+        self.d1.synchronize()
 
 
 class HostTier:
     """Runs a manager's host tier copies for a PagedKVCache (see the module
     docstring). Counters: batches, reload/demote bytes and the seconds their
-    copies took on the device (CUDA events; on the CPU, wall time)."""
+    copies took on the device (CUDA events; on the CPU, wall time).
 
-    def __init__(self, manager: kvplug.Manager, kv: torch.Tensor, copier: Any, slot_bytes: int) -> None:
+    overlap (CUDA): demotions run on a side stream that first waits for the
+    step's stream (the blocks' K/V written), so that their device-to-host
+    copies overlap the step's forward pass instead of delaying it; their
+    GPU blocks are held until the batch completes either way. Reloads are
+    always on the step's stream, ahead of its attention."""
+
+    def __init__(self, manager: kvplug.Manager, kv: torch.Tensor, copier: Any, slot_bytes: int, *,
+                 overlap: bool = False) -> None:
         self.manager = manager
         self.copier = copier
         self.cuda = kv.device.type == "cuda"
         self.device = kv.device
         self.slot_bytes = slot_bytes
+        self.overlap = bool(overlap) and self.cuda
+        self._side: Any = None
         self.in_flight: Deque[_InFlight] = collections.deque()
         self.batches = 0
         self.reload_bytes = self.demote_bytes = 0
@@ -193,7 +210,7 @@ class HostTier:
         returns how many. Never waits."""
         n = 0
         q = self.in_flight
-        while q and q[0].done.query():
+        while q and q[0].query():
             self._complete(q.popleft())
             n += 1
         return n
@@ -203,7 +220,7 @@ class HostTier:
             if f.reload_bytes:
                 self.reload_seconds += f.r0.elapsed_time(f.r1) * 1e-3
             if f.demote_bytes:
-                self.demote_seconds += f.r1.elapsed_time(f.done) * 1e-3
+                self.demote_seconds += f.d0.elapsed_time(f.d1) * 1e-3
         self.manager.complete_copies(f.ticket, failed=failed)
 
     def step(self, stream: Any = None) -> Optional[kvplug.CopyBatch]:
@@ -227,24 +244,31 @@ class HostTier:
         try:
             if self.cuda:
                 stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-                r0, r1, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                r0, r1, d0, d1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+                dstream = stream
+                if nd and self.overlap:
+                    if self._side is None:
+                        self._side = torch.cuda.Stream(device=self.device)
+                    dstream = self._side
+                    dstream.wait_stream(stream)  # the demoted blocks' K/V was written by earlier steps
+                d0.record(dstream)
+                if nd:
+                    self.copier.run(demotes, dstream)
+                d1.record(dstream)
                 r0.record(stream)
                 if nr:
                     self.copier.run(reloads, stream)
                 r1.record(stream)
-                if nd:
-                    self.copier.run(demotes, stream)
-                done.record(stream)
-                self.in_flight.append(_InFlight(batch.ticket, r0, r1, done, rbytes, dbytes))
+                self.in_flight.append(_InFlight(batch.ticket, r0, r1, d0, d1, rbytes, dbytes))
             else:
                 t0 = time.perf_counter()
-                if nr:
-                    self.copier.run(reloads, None)
-                t1 = time.perf_counter()
                 if nd:
                     self.copier.run(demotes, None)
-                self.reload_seconds += t1 - t0
-                self.demote_seconds += time.perf_counter() - t1
+                t1 = time.perf_counter()
+                if nr:
+                    self.copier.run(reloads, None)
+                self.demote_seconds += t1 - t0
+                self.reload_seconds += time.perf_counter() - t1
                 self.manager.complete_copies(batch.ticket)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
@@ -260,7 +284,7 @@ class HostTier:
         """Waits for every batch in flight and completes it."""
         while self.in_flight:
             f = self.in_flight.popleft()
-            f.done.synchronize()
+            f.synchronize()
             self._complete(f)
 
     def close(self) -> None:
