@@ -411,8 +411,8 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
     elif args.shared_tier:
         raise SystemExit("--shared-tier goes with the kvplug-host system")
-    t0 = time.perf_counter()
     cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, **tier)
+    t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
     if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all"):

@@ -261,14 +261,14 @@ class HostTier:
                 r1.record(stream)
                 self.in_flight.append(_InFlight(batch.ticket, r0, r1, d0, d1, rbytes, dbytes))
             else:
-                t0 = time.perf_counter()
                 if nd:
+                    t0 = time.perf_counter()
                     self.copier.run(demotes, None)
-                t1 = time.perf_counter()
+                    self.demote_seconds += time.perf_counter() - t0
                 if nr:
+                    t0 = time.perf_counter()
                     self.copier.run(reloads, None)
-                self.demote_seconds += t1 - t0
-                self.reload_seconds += time.perf_counter() - t1
+                    self.reload_seconds += time.perf_counter() - t0
                 self.manager.complete_copies(batch.ticket)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
