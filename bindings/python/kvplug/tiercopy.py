@@ -109,7 +109,7 @@ class TierCopier(_lib.Owner):
         self.block_bytes = int(lay.block_bytes)
         self.slot_bytes_needed = self.block_bytes * len(k) * (1 if v is None else 2)
 
-    def run(self, batch: Any = None, *, demote: Any = None, reload: Any = None, stream: Any = None) -> None:
+    def run(self, batch: Any = None, stream: Any = None, *, demote: Any = None, reload: Any = None) -> None:
         """Enqueues a batch's copies on stream (a torch.cuda.Stream, a raw
         cudaStream_t int, or None: the current stream): batch is a
         Manager.flush_copies() CopyBatch, or give demote=(blocks, slots)

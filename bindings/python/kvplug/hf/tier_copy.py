@@ -15,8 +15,9 @@ the reverse (host slots -> staging -> index_copy_ into the blocks); one copy
 per run of consecutive host slots, not one per block and layer. On the CPU
 the copies are plain tensor copies. A host slot holds its block as
 [layers, 2 (K, V), block_size, kv_heads, head_dim] of the cache's dtype.
-kvplug.tier.TierCopier (the library's batched copy kernel), where the
-binding has it, has the same contract and replaces it on CUDA caches.
+kvplug.TierCopier (the library's batched copy kernel, every layer's K and
+V of a batch in one launch) has the same contract and replaces it on CUDA
+caches.
 
 HostTier drives a step: step(stream) completes the batches whose copies
 have finished (CUDA events, polled, never waited on), calls flush_copies,
@@ -144,17 +145,17 @@ CopierSpec = Union[None, str, Callable[[Any], Any]]
 
 def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
     """The copier of a PagedKVCache's host tier. spec None or "auto":
-    kvplug.tier.TierCopier on a CUDA cache where the binding has it
-    (TierCopier.for_cache(cache) if it has that, else
-    TierCopier(cache.manager, cache.kv)), else TorchTierCopier; "torch":
-    TorchTierCopier; a callable: spec(cache)."""
+    kvplug.TierCopier (the library's batched copy kernel) on a CUDA cache,
+    else TorchTierCopier; "torch": TorchTierCopier; a callable:
+    spec(cache)."""
     if callable(spec):
         return spec(cache)
     if spec not in (None, "auto", "torch"):
         raise ValueError(f"kvplug.hf: tier_copier must be 'auto', 'torch' or a callable, not {spec!r}")
-    lib = getattr(kvplug.tier, "TierCopier", None)
-    if spec != "torch" and lib is not None and cache.device.type == "cuda":
-        return lib.for_cache(cache) if hasattr(lib, "for_cache") else lib(cache.manager, cache.kv)
+    if spec != "torch" and cache.device.type == "cuda":
+        kv = cache.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        return kvplug.TierCopier([kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])],
+                                 manager=cache.manager)
     return TorchTierCopier(cache.kv, cache.manager.host_tier_memory())
 
 
