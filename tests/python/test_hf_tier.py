@@ -198,24 +198,29 @@ def test_cache_tier_arguments():
             kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier="127.0.0.1:6379")
 
 
-def test_library_copier_is_used_where_the_binding_has_it(monkeypatch):
-    """kvplug.tier.TierCopier replaces the torch copier on CUDA caches;
-    tier_copier="torch" keeps the torch one; CPU caches use torch."""
+def test_library_copier_is_used_on_cuda_caches(monkeypatch):
+    """kvplug.TierCopier replaces the torch copier on CUDA caches, with the
+    cache's per-layer K and V; tier_copier="torch" keeps the torch one;
+    CPU caches use torch."""
     made = []
 
     class Fake:
-        def __init__(self, manager, kv):
-            made.append((manager, kv))
+        def __init__(self, k, v, *, manager):
+            made.append((k, v, manager))
 
         def run(self, batch, stream):
             pass
 
     class FakeCache:
         device = torch.device("cuda")
-        manager, kv = object(), object()
+        manager = object()
+        kv = torch.arange(2 * 2 * 3 * 4).view(2, 2, 3, 4, 1, 1)  # [layers, K/V, blocks, bs, heads, dim]
 
-    monkeypatch.setattr(kvplug.tier, "TierCopier", Fake, raising=False)
-    assert isinstance(tier_copy.make_copier(FakeCache()), Fake) and made == [(FakeCache.manager, FakeCache.kv)]
+    monkeypatch.setattr(kvplug, "TierCopier", Fake)
+    assert isinstance(tier_copy.make_copier(FakeCache()), Fake)
+    (k, v, m), = made
+    assert m is FakeCache.manager and len(k) == len(v) == 2
+    assert all(torch.equal(k[i], FakeCache.kv[i, 0]) and torch.equal(v[i], FakeCache.kv[i, 1]) for i in range(2))
     shape = kvhf.ModelShape(1, 2, 1, 8)
     with kvhf.PagedKVCache(shape, 8, 4, dtype=torch.float32, host_tier_slots=2) as c:
         assert isinstance(c.tier.copier, tier_copy.TorchTierCopier)
