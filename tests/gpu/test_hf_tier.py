@@ -28,9 +28,12 @@ from kvplug.hf import tier_copy  # noqa: E402
 
 _here = pathlib.Path(__file__).resolve().parents[1] / "python"
 sys.path.insert(0, str(_here))
-import test_hf_tier as T  # noqa: E402
+import test_hf_correctness as H  # noqa: E402  (tests/python: the tiny models and the engine)
 
-H = T.H
+# tests/python/test_hf_tier.py under another name (this module has its name).
+_spec = importlib.util.spec_from_file_location("hf_tier_cpu", _here / "test_hf_tier.py")
+T = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(T)
 DEV = "cuda"
 TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2)}
 SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
