@@ -136,5 +136,10 @@ class TierCopier(_lib.Owner):
         with torch.cuda.device(self.device):
             _check(C.kvp_tier_copier_run(self._h, d, nd, r, nr, ctypes.c_void_p(s)))
 
+    @property
+    def pinned(self) -> bool:
+        """The host memory is page-locked and mapped while the copier is open."""
+        return self._h is not None
+
     def __repr__(self) -> str:
         return "TierCopier(closed)" if self._h is None else f"TierCopier({self.device}, block_bytes={self.block_bytes})"
