@@ -167,7 +167,10 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                                                       8 * (4 * S + 2));  // [S]: the tile has unreadable tokens
 
     const int tid = threadIdx.x;
-    const int wg = tid >> 7;
+    // The warpgroup index through a shuffle from lane 0: the compiler then
+    // knows it is warp-uniform, and the consumers' wgmma paths are not
+    // divergent code (where ptxas serialises wgmma, C7520).
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full_k(s), 128);  // every producer thread, when its copies land
