@@ -83,7 +83,8 @@ import (
 // mode (or calls FlushCopies again before the forward pass). A block
 // allocated since the last FlushCopies holds no K/V yet (the step writes
 // it), even when cached, so evicting it again before the next flush drops
-// it (EvictedUndemoted); so does a host pool with every slot pinned. A
+// it (EvictedUndemoted; FlushCopies' own demotions skip such blocks
+// too); so does a host pool with every slot pinned. A
 // block the host tier holds already is SkippedPresent. Completion commits
 // the host slot as any demotion's (Abort on failure) and frees nothing on
 // the GPU. FlushCopies still demotes ahead (DemoteAhead), in the same
@@ -458,12 +459,12 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	t.pending = append(t.pending[:0], t.evictOps...)
 	unheld := len(t.evictOps)
 	t.evictOps = t.evictOps[:0]
-	if t.stamp != nil {
-		t.epoch++ // the blocks allocated so far are the step's
-	}
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
 		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want)
 		t.pending = m.reserveDemotions(t.pending, true, "flush copies")
+	}
+	if t.stamp != nil {
+		t.epoch++ // the blocks allocated so far are the step's to write
 	}
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
@@ -504,9 +505,12 @@ func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []Demot
 		ev := &t.evInfo[i]
 		b, h := ev.Block, ev.Hash
 		m.one[0] = b
-		if !hold && t.stamp[b] == t.epoch {
-			// Allocated since the last flush: its K/V is not written yet.
-			t.st.EvictedUndemoted++
+		if t.stamp != nil && t.stamp[b] == t.epoch {
+			// Allocated since the last flush (DemoteEvicted): its K/V is
+			// not written yet (a sequence removed before its step).
+			if !hold {
+				t.st.EvictedUndemoted++
+			}
 			assertOK(m.pool.Evict(m.one[:]), op+": an evicted block is not Cached in the pool")
 			ev.MM = nil
 			continue
