@@ -191,7 +191,7 @@ class HostTier:
     always on the step's stream, ahead of its attention, after the
     demotions (overlap off). A manager with demote_evicted needs overlap
     off: the blocks its allocations evicted are already their new owners'
-    and only the step's stream order keeps their K/V until demoted.
+    and only the step's stream order keeps their K/V until demoted."""
 
     def __init__(self, manager: kvplug.Manager, kv: torch.Tensor, copier: Any, slot_bytes: int, *,
                  overlap: bool = False) -> None:
