@@ -1090,7 +1090,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 	cfg := fz.structBuf("kvp_manager_config")
 	l := cLayouts["kvp_manager_config"]
 	badTier := false // a host tier field the header refuses
-	var slots, ahead, reserved int32
+	var slots, ahead, evicted int32
 	var bytes int64
 	badShared, shared := false, false // a shared tier field the header refuses; a shared tier
 	if size := *(*uintptr)(cfg); size >= 16 && size <= 1<<16 {
@@ -1120,18 +1120,18 @@ func (fz *abiFuzz) createManager() (string, int) {
 			case 2:
 				ahead = []int32{-1, int32(nb) + 1, math.MaxInt32, math.MinInt32}[fz.small(4)]
 			case 3:
-				reserved = int32(fz.i64() | 1)
+				evicted = []int32{1, 2, -1, int32(fz.i64() | 1)}[fz.small(4)]
 			case 4:
 				slots = 0 // no tier: bytes and ahead must be 0 too
 				if fz.r.u8()%2 == 0 {
 					bytes, ahead = 0, 0
 				}
 			}
-			badTier = slots < 0 || slots > 1<<30 || reserved != 0 || (slots == 0 && (bytes != 0 || ahead != 0)) ||
+			badTier = slots < 0 || slots > 1<<30 || (evicted != 0 && evicted != 1) || (slots == 0 && (bytes != 0 || ahead != 0 || evicted != 0)) ||
 				(slots > 0 && (bytes < 1 || bytes > (1<<46)/int64(slots) || ahead < 0 || int64(ahead) > nb))
 			setField(cfg, "kvp_manager_config", "host_tier_slots", int64(slots))
 			setField(cfg, "kvp_manager_config", "demote_ahead", int64(ahead))
-			setField(cfg, "kvp_manager_config", "reserved", int64(reserved))
+			setField(cfg, "kvp_manager_config", "demote_evicted", int64(evicted))
 			setField(cfg, "kvp_manager_config", "host_block_bytes", bytes)
 			if fz.r.u8()%3 == 0 {
 				badShared, shared = fz.sharedConfig(cfg, slots)
@@ -1146,8 +1146,8 @@ func (fz *abiFuzz) createManager() (string, int) {
 	st := rawManagerCreate(cfg, out)
 	if st == 0 {
 		if badTier {
-			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, reserved %d, bytes %d",
-				slots, ahead, reserved, bytes)
+			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, demote_evicted %d, bytes %d",
+				slots, ahead, evicted, bytes)
 		}
 		if badShared {
 			fz.t.Fatalf("kvp_manager_create accepted a bad shared tier config")

@@ -52,7 +52,8 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	}
 	if ht != nil {
 		// No copier: the engine drives the copies (kvp_manager_flush_copies).
-		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead), Shared: shared}
+		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead),
+			DemoteEvicted: c.demote_evicted != 0, Shared: shared}
 	}
 	m, err := kvmanager.New(cfgGo)
 	if err != nil {

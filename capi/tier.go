@@ -50,14 +50,15 @@ func (cAllocator) Free([]byte) error { return nil }
 // newHostTier validates the config's host tier fields and allocates the
 // pool; nil, nil when the config has none.
 func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
-	if c.reserved != 0 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.reserved must be 0: got %d", int32(c.reserved))
+	if c.demote_evicted != 0 && c.demote_evicted != 1 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_evicted must be 0 or 1: got %d", int32(c.demote_evicted))
 	}
 	slots, bytes, ahead := int64(c.host_tier_slots), int64(c.host_block_bytes), int64(c.demote_ahead)
 	if slots == 0 {
-		if bytes != 0 || ahead != 0 {
+		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 {
 			return nil, kverr.Errorf(kverr.InvalidArgument,
-				"kvp_manager_config: host_block_bytes (%d) and demote_ahead (%d) need a host tier (host_tier_slots > 0)", bytes, ahead)
+				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d) and demote_evicted (%d) need a host tier (host_tier_slots > 0)",
+				bytes, ahead, int32(c.demote_evicted))
 		}
 		return nil, nil
 	}

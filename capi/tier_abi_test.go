@@ -181,14 +181,15 @@ func TestTierABIRefusals(t *testing.T) {
 	ok := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 4, ahead: 2, blockBytes: 16}
 	live, _ := hookLiveHandles(false)
 	for name, c := range map[string]hookTierConfig{
-		"no prefix cache": {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, noPrefixCache: true},
-		"no block bytes":  {numBlocks: 8, blockSize: 4, slots: 4},
-		"slots < 0":       {numBlocks: 8, blockSize: 4, slots: -1, blockBytes: 16},
-		"too large":       {numBlocks: 8, blockSize: 4, slots: 1 << 20, blockBytes: 1 << 27},
-		"ahead > blocks":  {numBlocks: 8, blockSize: 4, slots: 4, ahead: 9, blockBytes: 16},
-		"ahead < 0":       {numBlocks: 8, blockSize: 4, slots: 4, ahead: -1, blockBytes: 16},
-		"bytes, no tier":  {numBlocks: 8, blockSize: 4, blockBytes: 16},
-		"reserved":        {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, reserved: 1},
+		"no prefix cache":         {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, noPrefixCache: true},
+		"no block bytes":          {numBlocks: 8, blockSize: 4, slots: 4},
+		"slots < 0":               {numBlocks: 8, blockSize: 4, slots: -1, blockBytes: 16},
+		"too large":               {numBlocks: 8, blockSize: 4, slots: 1 << 20, blockBytes: 1 << 27},
+		"ahead > blocks":          {numBlocks: 8, blockSize: 4, slots: 4, ahead: 9, blockBytes: 16},
+		"ahead < 0":               {numBlocks: 8, blockSize: 4, slots: 4, ahead: -1, blockBytes: 16},
+		"bytes, no tier":          {numBlocks: 8, blockSize: 4, blockBytes: 16},
+		"demote_evicted 2":        {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, demoteEvicted: 2},
+		"demote_evicted, no tier": {numBlocks: 8, blockSize: 4, demoteEvicted: 1},
 	} {
 		h, st := hookManagerCreateTier(c)
 		expect(t, name, st, kverr.InvalidArgument)

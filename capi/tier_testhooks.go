@@ -14,13 +14,13 @@ import "unsafe"
 // hookTierConfig is a manager config with a host tier, and a shared tier
 // when sharedAddr or sharedNS is not nil.
 type hookTierConfig struct {
-	numBlocks, blockSize, slots, ahead, reserved int32
-	blockBytes                                   int64
-	noPrefixCache                                bool
-	events                                       bool    // enable_kv_events
-	structSize                                   uintptr // 0: the full struct
-	sharedAddr, sharedNS                         *string
-	sharedTimeoutMs, sharedPutQueue              int32
+	numBlocks, blockSize, slots, ahead, demoteEvicted int32
+	blockBytes                                        int64
+	noPrefixCache                                     bool
+	events                                            bool    // enable_kv_events
+	structSize                                        uintptr // 0: the full struct
+	sharedAddr, sharedNS                              *string
+	sharedTimeoutMs, sharedPutQueue                   int32
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -37,7 +37,7 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 	if c.events {
 		cfg.enable_kv_events = 1
 	}
-	cfg.host_tier_slots, cfg.demote_ahead, cfg.reserved = C.int32_t(c.slots), C.int32_t(c.ahead), C.int32_t(c.reserved)
+	cfg.host_tier_slots, cfg.demote_ahead, cfg.demote_evicted = C.int32_t(c.slots), C.int32_t(c.ahead), C.int32_t(c.demoteEvicted)
 	cfg.host_block_bytes = C.int64_t(c.blockBytes)
 	if c.sharedAddr != nil {
 		cfg.shared_tier_addr = C.CString(*c.sharedAddr)

@@ -471,6 +471,9 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
                     "2 x step tokens / block size + max batch, at most a quarter of the pool)")
     ap.add_argument("--demote-overlap", action="store_true",
                     help="demotions on a side CUDA stream, overlapping the step (default: the step's stream)")
+    ap.add_argument("--no-demote-evicted", dest="demote_evicted", action="store_false",
+                    help="drop the cached blocks a step's allocations evict instead of demoting them in the step's "
+                    "copies (demoting them is the default without --demote-overlap)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
 
@@ -490,6 +493,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
         kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
         if args.demote_overlap:
             kw["tier_overlap"] = True
+        if not getattr(args, "demote_evicted", True):
+            kw["demote_evicted"] = False
     if args.shared_tier:
         if gb <= 0:
             sys.exit("--shared-tier needs --host-cache-gb > 0: blocks fetched from the shared tier land in the host tier")

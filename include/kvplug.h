@@ -257,7 +257,13 @@ typedef struct kvp_manager_config {
   int32_t demote_ahead;        /* blocks kvp_manager_flush_copies keeps free
                                   or being demoted, in [0, num_blocks];
                                   0 = nothing is demoted */
-  int32_t reserved;            /* must be 0 */
+  int32_t demote_evicted;      /* nonzero: demote the cached blocks that
+                                  allocations evict, in the next
+                                  flush_copies batch (see "Host KV tier":
+                                  the engine must copy the batch's
+                                  demotions on the step's stream before
+                                  the step writes any K/V); default 0;
+                                  needs a host tier */
   int64_t host_block_bytes;    /* bytes of one block's K/V, all layers, K
                                   and V, as the engine lays it out (its
                                   size in a host slot); >= 1 with a host
@@ -724,7 +730,7 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * Memory: the library allocates host_tier_slots slots of host_block_bytes
  * each, one region (kvp_manager_host_tier_memory). A tier copier
  * (kvp_tier_copier_create, next section) page-locks it and maps it for the
- * device, and copies each step's batch in one launch; an engine that
+ * device, and copies each step's batch (demotions first); an engine that
  * copies by other means may cudaHostRegister the region itself. Either
  * registration must be undone (kvp_tier_copier_destroy, or the engine's
  * cudaHostUnregister) before kvp_manager_destroy frees the region.
@@ -749,8 +755,27 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * never change. A failed reload leaves its blocks cached without valid
  * K/V: treat it as fatal for the prefix cache (remove the sequences, then
  * kvp_manager_clear_prefix_cache). Allocations that find too few free
- * blocks still evict at once without demoting (counted in
- * evicted_undemoted): demote_ahead should cover a step's allocations.
+ * blocks evict at once without demoting (counted in evicted_undemoted):
+ * demote_ahead should cover a step's allocations, unless demote_evicted
+ * is set.
+ *
+ * demote_evicted (opt-in): the cached blocks an allocation (add, admit,
+ * grow, fork) evicts go to their new owner at once, and their demotions
+ * (host slots reserved under their hashes) come in the next
+ * kvp_manager_flush_copies batch, ahead of its other demotions; such a
+ * demotion holds no GPU block, and complete_copies only commits (or
+ * releases) its host slot. Their K/V is intact until the step writes the
+ * new owner's, so the mode needs the engine to follow one ordering rule:
+ * with demote_evicted, call flush_copies after the step's last allocation,
+ * and enqueue the batch's demotions on the step's stream before anything
+ * that writes K/V in that step (not on a side stream): before the batch's
+ * reloads, the fork copy-on-write copies, kv_write and attention. An
+ * allocation after the step's flush would have its evicted blocks copied
+ * in the next step, after they were overwritten: an engine that allocates
+ * then must not set demote_evicted. A block allocated since the last
+ * flush that an allocation evicts again is dropped (its K/V is not
+ * written yet), as is one for which every host slot is pinned (both in
+ * evicted_undemoted); one the host tier holds already is skipped_present.
  * A block sits in host slot s as host_block_bytes bytes at
  * base + s * host_block_bytes, in whatever layout the engine copies it in
  * (the library never reads it). Keys: the first 8 bytes of the block's
@@ -861,8 +886,11 @@ typedef struct kvp_tier_stats {
  * complete). A block whose host slot cannot be reserved (every slot
  * pinned, or it is there already) is freed without a copy and counted.
  * demote must have room for demote_ahead minus the free blocks minus those
- * being demoted, reload for the reloads queued: arrays of demote_ahead and
- * num_blocks entries always do. Otherwise BUFFER_TOO_SMALL, with nothing
+ * being demoted, plus (demote_evicted) the demotions allocations queued
+ * since the last flush, reload for the reloads queued: arrays of
+ * demote_ahead (num_blocks + demote_ahead with demote_evicted) and
+ * num_blocks entries always do. Demotions come first in demote: those
+ * allocations queued, then flush_copies' own. Otherwise BUFFER_TOO_SMALL, with nothing
  * changed and *num_demote and *num_reload set to the room needed.
  * demote (reload) may be NULL with max_demote (max_reload) 0.
  * Errors: NULL_POINTER (num_demote, num_reload, ticket; an array NULL with
@@ -967,7 +995,7 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * A tier copier copies a host tier's batches (kvp_manager_flush_copies, or
  * an engine's own tier) between the engine's paged KV caches in GPU memory
  * and host slots: every layer's K and V of every block of the batch in one
- * kernel launch per 500 blocks, on the engine's stream, reading and
+ * kernel launch per 500 demotions or reloads, on the engine's stream, reading and
  * writing the host slots directly (page-locked, mapped memory). Needs the
  * library's CUDA kernels and a GPU.
  *
@@ -981,7 +1009,11 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * one the shared tier stores. slot_bytes must hold num_layers * kv *
  * block_bytes (a manager's host_block_bytes is slot_bytes).
  *
- * Ordering: kvp_tier_copier_run only enqueues. The engine records an event
+ * Ordering: kvp_tier_copier_run only enqueues, the demotions in launches
+ * of their own ahead of the reloads' (a reload may write a GPU block that
+ * a demotion of the same batch reads, with demote_evicted), so that on
+ * the stream every demotion has read its block before any reload of the
+ * batch writes one. The engine records an event
  * on the stream after it and calls kvp_manager_complete_copies once the
  * event has completed; reloads are ordered before the step's attention by
  * running on the step's stream (or an event it waits on).

@@ -281,6 +281,7 @@ func (m *Manager) Add(id int64, promptLen int) error {
 	m.makeFree(need)
 	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(need, nil)}
 	assertOK(m.pool.Allocate(s.blocks, -1), "add: allocating blocks made free")
+	m.allocated(s.blocks)
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
@@ -320,6 +321,10 @@ func (m *Manager) availableText() string {
 func (m *Manager) makeFree(need int) {
 	short := need - m.pool.NumFree()
 	if short <= 0 || m.cache == nil {
+		return
+	}
+	if m.tier != nil && m.tier.cfg.DemoteEvicted {
+		m.evictForAlloc(short)
 		return
 	}
 	m.evicted = m.cache.Evict(m.evicted[:0], short)
@@ -388,6 +393,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
 			// The batch's total was made free above.
 			assertOK(m.pool.Allocate(s.blocks[old:], s.blocks[old-1]), "grow: allocating blocks made free")
+			m.allocated(s.blocks[old:])
 			wasteDelta += int64(add * m.bs)
 		}
 		if tokens != nil {
@@ -485,6 +491,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			}
 			// The free count was checked and made free above.
 			assertOK(m.pool.Allocate(c.blocks[full:], hint), "fork: allocating the copy-on-write blocks")
+			m.allocated(c.blocks[full:])
 			copies[i] = CopyPair{Src: last, Dst: c.blocks[full]}
 			n++
 		}

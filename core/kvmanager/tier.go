@@ -59,6 +59,37 @@ import (
 // with OutOfBlocks, changing nothing, as when the pool is exhausted.
 // DemoteAhead bounds how many blocks that can be; 0 demotes nothing.
 //
+// # Demoting the blocks allocations evict (DemoteEvicted)
+//
+// The copy engine's stream order makes the blocks an allocation evicts
+// demotable too, and HostTier.DemoteEvicted opts in: such a block goes to
+// its new owner at once, and its demotion (a host slot reserved under its
+// hash, a DemoteOp holding no reference on the GPU block) waits for the
+// next FlushCopies, which hands it out ahead of the batch's other copies.
+// Its K/V is intact until the step writes the new owner's: the forward
+// pass (kv_write, attention), the Fork copy-on-write copies, a reload
+// into the block. So the mode rests on one ordering rule, the engine's:
+//
+//   - FlushCopies follows the step's last allocation (Add, Admit, Grow,
+//     Fork), and the batch's demotions are enqueued on the step's stream
+//     before anything that writes K/V in that step (not on a side stream,
+//     nor overlapped with the step): the demotions of a batch before its
+//     reloads (tiercopy.Copier.Run launches them first), the batch before
+//     the step's block copies and forward pass.
+//
+// An allocation after the step's FlushCopies would leave its evicted
+// blocks' demotions for the next step's batch, after the forward pass had
+// overwritten them: an engine that allocates then must not enable the
+// mode (or calls FlushCopies again before the forward pass). A block
+// allocated since the last FlushCopies holds no K/V yet (the step writes
+// it), even when cached, so evicting it again before the next flush drops
+// it (EvictedUndemoted; FlushCopies' own demotions skip such blocks
+// too); so does a host pool with every slot pinned. A
+// block the host tier holds already is SkippedPresent. Completion commits
+// the host slot as any demotion's (Abort on failure) and frees nothing on
+// the GPU. FlushCopies still demotes ahead (DemoteAhead), in the same
+// batch after the allocations' demotions.
+//
 // # Keys
 //
 // A host slot holds a block under a 64-bit key: the first eight bytes of
@@ -126,8 +157,17 @@ type HostTier struct {
 	Copier TierCopier
 	// DemoteAhead is the number of blocks FlushCopies keeps free or being
 	// demoted, by demoting least recently used cached blocks; in [0,
-	// NumBlocks]. 0 disables demotion (the tier is only matched).
+	// NumBlocks]. 0 disables demotion ahead of need.
 	DemoteAhead int
+	// DemoteEvicted demotes the cached blocks that allocations evict
+	// (Add, Admit, Grow, Fork finding the free queue short), in the next
+	// FlushCopies' batch, while their GPU blocks go to their new owners
+	// at once. Only for an engine that calls FlushCopies after a step's
+	// last allocation and enqueues the batch's demotions on the step's
+	// stream before anything that writes K/V in the step (see "Demoting
+	// the blocks allocations evict" above); otherwise the host tier would
+	// hold the new owners' K/V under the old blocks' hashes.
+	DemoteEvicted bool
 	// Shared, when not nil, adds the shared tier (a Valkey or Redis
 	// server) below the host tier (shared.go). The manager must then be
 	// closed (Close).
@@ -154,7 +194,12 @@ type ReloadOp struct {
 type CopyBatch struct {
 	// Ticket names the batch in CompleteCopies; never 0.
 	Ticket uint64
-	// Demote lists the GPU-to-host copies, in eviction order.
+	// Demote lists the GPU-to-host copies, in eviction order: those of
+	// the blocks allocations evicted since the last flush first
+	// (HostTier.DemoteEvicted), then FlushCopies' own. The engine must
+	// copy them before the batch's reloads (which may write the same GPU
+	// blocks, allocated anew) and, with DemoteEvicted, before anything
+	// else that writes K/V in the step.
 	Demote []DemoteOp
 	// Reload lists the host-to-GPU copies of the step's host hits, in
 	// admission order and each prompt's block order. The engine must
@@ -180,12 +225,12 @@ type TierStats struct {
 	DemotionsFailed    int64 // copies reported failed, or a Copy that failed
 	SkippedFull        int64 // demotions skipped: every host slot pinned
 	SkippedPresent     int64 // demotions skipped: the host tier holds the block already
-	EvictedUndemoted   int64 // blocks an allocation evicted at once, not demoted
+	EvictedUndemoted   int64 // blocks an allocation evicted and dropped, not demoted (with DemoteEvicted: those it could not demote, present ones aside)
 	Reloads            int64 // host-to-GPU block copies queued by admissions
 	ReloadsCompleted   int64 // of which reported complete
 	ReloadsFailed      int64 // of which reported failed
 	HostHitTokens      int64 // tokens admissions matched in the host tier
-	InFlight           int   // blocks whose demotion copy has not completed
+	InFlight           int   // blocks whose demotion copy has not completed (queued by allocations included)
 	MatchQueries       int64 // prompts asked of MatchTiers
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
 	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
@@ -208,9 +253,18 @@ func HostKey(h prefix.Hash) uint64 { return binary.BigEndian.Uint64(h[:8]) }
 // tier is a manager's host tier state.
 type tier struct {
 	cfg      HostTier
-	inflight map[uint64]CopyBatch // by ticket
+	inflight map[uint64]inflightBatch // by ticket
 	nextTkt  uint64
-	nBlocks  int // demotions in inflight
+	nBlocks  int // demotions in inflight that hold their GPU block
+	nUnheld  int // demotions in inflight that do not (DemoteEvicted)
+
+	// DemoteEvicted: the demotions of the blocks allocations evicted since
+	// the last flush, their host slots reserved, holding no GPU block;
+	// and each block's allocation epoch (stamp[b] == epoch: allocated
+	// since the last flush, its K/V not written yet).
+	evictOps []DemoteOp
+	epoch    uint32
+	stamp    []uint32
 
 	// Reloads queued by admissions since the last FlushCopies. Each
 	// reload op, queued or in flight, holds one reference on its GPU
@@ -245,6 +299,14 @@ type tier struct {
 	fetched map[uint64]struct{}
 
 	st TierStats
+}
+
+// inflightBatch is a batch handed out and not completed: its first
+// unheld demotions (the allocations', DemoteEvicted) hold no GPU block,
+// the others one reference each.
+type inflightBatch struct {
+	CopyBatch
+	unheld int
 }
 
 // hostMeta is what the events say of a host slot's block.
@@ -306,7 +368,11 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
-	t := &tier{cfg: *h, inflight: make(map[uint64]CopyBatch), bs: cfg.BlockSize}
+	t := &tier{cfg: *h, inflight: make(map[uint64]inflightBatch), bs: cfg.BlockSize}
+	if h.DemoteEvicted {
+		t.epoch = 1
+		t.stamp = make([]uint32, cfg.NumBlocks)
+	}
 	if h.Shared != nil && cfg.EnableKVEvents {
 		// The shared tier's fetches fill and evict host slots outside the
 		// manager's lock, where the CPU events cannot follow them yet.
@@ -355,9 +421,10 @@ func (m *Manager) FlushCopies() (ticket uint64, n int, err error) {
 // and reports the batch with CompleteCopies (rules as for
 // TierCopier.Copy and CompleteCopies).
 //
-// demote must hold the demotions the flush may queue, DemoteAhead minus
-// the free blocks minus the blocks being demoted (never more than
-// DemoteAhead), and reload the reloads queued since the last flush
+// demote must hold the demotions the flush may queue: those allocations
+// queued since the last flush (DemoteEvicted; never more than NumBlocks)
+// and DemoteAhead minus the free blocks minus the blocks being demoted
+// (never more than DemoteAhead); and reload the reloads queued since the last flush
 // (never more than NumBlocks); when either is shorter the call fails with
 // BufferTooSmall, changing nothing, and needDemote and needReload tell
 // the sizes needed. Errors: InvalidArgument (no host tier), BufferTooSmall.
@@ -368,7 +435,7 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 	if t == nil {
 		return 0, 0, 0, 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
 	}
-	needDemote = max(t.cfg.DemoteAhead-m.pool.NumFree()-t.nBlocks, 0)
+	needDemote = len(t.evictOps) + max(t.cfg.DemoteAhead-m.pool.NumFree()-t.nBlocks, 0)
 	needReload = len(t.reloads)
 	if len(demote) < needDemote || len(reload) < needReload {
 		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
@@ -387,45 +454,17 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 // to copyFn.
 func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n int, err error) {
 	t := m.tier
-	t.pending = t.pending[:0]
-	t.evInfo, t.evToks, t.gone = t.evInfo[:0], t.evToks[:0], t.gone[:0]
+	// The allocations' demotions first (DemoteEvicted): they hold no GPU
+	// block, and their blocks' K/V lasts only until the step writes them.
+	t.pending = append(t.pending[:0], t.evictOps...)
+	unheld := len(t.evictOps)
+	t.evictOps = t.evictOps[:0]
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
-		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo, t.evToks, want)
+		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want)
+		t.pending = m.reserveDemotions(t.pending, true, "flush copies")
 	}
-	for i := range t.evInfo {
-		ev := &t.evInfo[i]
-		b, h := ev.Block, ev.Hash
-		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
-		m.one[0] = b
-		if rerr != nil {
-			if kverr.Is(rerr, kverr.OutOfBlocks) {
-				t.st.SkippedFull++
-			} else {
-				t.st.SkippedPresent++
-			}
-			assertOK(m.pool.Evict(m.one[:]), "flush copies: an evicted block is not Cached in the pool")
-			continue
-		}
-		// The copy holds the block: Cached -> InUse with its one
-		// reference, no longer retained by the cache (which dropped it).
-		assertOK(m.pool.Incref(m.one[:]), "flush copies: referencing an evicted block")
-		assertOK(m.pool.UnmarkCached(b), "flush copies: unmarking an evicted block")
-		t.pending = append(t.pending, DemoteOp{Block: b, Slot: slot, Hash: h})
-		if t.events {
-			if gone.Evicted {
-				old := &t.meta[slot]
-				if !old.resident || HostKey(old.hash) != gone.Hash {
-					panic(kverr.Errorf(kverr.Internal, "kvmanager: flush copies: the host pool evicted block %016x from slot %d, which holds no announced block", gone.Hash, slot))
-				}
-				t.gone = append(t.gone, old.hash)
-				t.nResident--
-			}
-			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
-		}
-		ev.MM = nil // the slot's now, or dropped
-	}
-	if len(t.gone) > 0 {
-		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "flush copies: recording host evictions")
+	if t.stamp != nil {
+		t.epoch++ // the blocks allocated so far are the step's to write
 	}
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
@@ -433,8 +472,8 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	t.nextTkt++
 	ticket = t.nextTkt
 	if cerr := copyFn(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
-		for _, op := range t.pending {
-			m.endDemotion(op, false)
+		for i, op := range t.pending {
+			m.endDemotion(op, false, i >= unheld)
 		}
 		for _, op := range t.reloads {
 			m.endReload(op, false)
@@ -446,10 +485,97 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	}
 	b := CopyBatch{Ticket: ticket, Demote: append([]DemoteOp(nil), t.pending...), Reload: append([]ReloadOp(nil), t.reloads...)}
 	t.reloads = t.reloads[:0]
-	t.inflight[ticket] = b
-	t.nBlocks += len(b.Demote)
+	t.inflight[ticket] = inflightBatch{b, unheld}
+	t.nBlocks += len(b.Demote) - unheld
+	t.nUnheld += unheld
 	t.st.DemotionsQueued += int64(len(b.Demote))
 	return ticket, len(b.Demote) + len(b.Reload), nil
+}
+
+// reserveDemotions reserves host slots for the blocks the prefix cache
+// just evicted (t.evInfo, t.evToks; described for the KV events) and
+// appends their demotions to ops. hold (FlushCopies' demotions): each op
+// holds its GPU block until the copy completes; otherwise (the blocks an
+// allocation evicts, DemoteEvicted) the blocks are freed at once, the ops
+// holding none. A block that cannot be demoted is freed and counted.
+func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp {
+	t := m.tier
+	t.gone = t.gone[:0]
+	for i := range t.evInfo {
+		ev := &t.evInfo[i]
+		b, h := ev.Block, ev.Hash
+		m.one[0] = b
+		if t.stamp != nil && t.stamp[b] == t.epoch {
+			// Allocated since the last flush (DemoteEvicted): its K/V is
+			// not written yet (a sequence removed before its step).
+			if !hold {
+				t.st.EvictedUndemoted++
+			}
+			assertOK(m.pool.Evict(m.one[:]), op+": an evicted block is not Cached in the pool")
+			ev.MM = nil
+			continue
+		}
+		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
+		if rerr != nil {
+			if kverr.Is(rerr, kverr.OutOfBlocks) {
+				t.st.SkippedFull++
+				if !hold {
+					t.st.EvictedUndemoted++
+				}
+			} else {
+				t.st.SkippedPresent++
+			}
+			assertOK(m.pool.Evict(m.one[:]), op+": an evicted block is not Cached in the pool")
+			ev.MM = nil
+			continue
+		}
+		if hold {
+			// The copy holds the block: Cached -> InUse with its one
+			// reference, no longer retained by the cache (which dropped it).
+			assertOK(m.pool.Incref(m.one[:]), op+": referencing an evicted block")
+			assertOK(m.pool.UnmarkCached(b), op+": unmarking an evicted block")
+		} else {
+			// Free for the allocation: the copy reads it before the step
+			// writes it (stream order).
+			assertOK(m.pool.Evict(m.one[:]), op+": an evicted block is not Cached in the pool")
+		}
+		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h})
+		if t.events {
+			if gone.Evicted {
+				old := &t.meta[slot]
+				if !old.resident || HostKey(old.hash) != gone.Hash {
+					panic(kverr.Errorf(kverr.Internal, "kvmanager: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, slot))
+				}
+				t.gone = append(t.gone, old.hash)
+				t.nResident--
+			}
+			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
+		}
+		ev.MM = nil // the slot's now, or dropped
+	}
+	if len(t.gone) > 0 {
+		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
+	}
+	return ops
+}
+
+// evictForAlloc is makeFree's eviction with DemoteEvicted: it evicts n
+// cached blocks to the free queue and queues the demotions of those it
+// can demote for the next flush.
+func (m *Manager) evictForAlloc(n int) {
+	t := m.tier
+	t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], n)
+	t.evictOps = m.reserveDemotions(t.evictOps, false, "allocate")
+}
+
+// allocated records blocks just allocated (DemoteEvicted): their K/V is
+// the current step's to write.
+func (m *Manager) allocated(blocks []int32) {
+	if t := m.tier; t != nil && t.stamp != nil {
+		for _, b := range blocks {
+			t.stamp[b] = t.epoch
+		}
+	}
 }
 
 // endReload ends one reload: its host slot is unpinned and the op's
@@ -472,8 +598,8 @@ func (m *Manager) endReload(op ReloadOp, ok bool) {
 }
 
 // endDemotion ends one demotion: its host slot is committed (ok) or
-// aborted, and its GPU block freed.
-func (m *Manager) endDemotion(op DemoteOp, ok bool) {
+// aborted, and its GPU block freed when the op holds it (held).
+func (m *Manager) endDemotion(op DemoteOp, ok, held bool) {
 	t := m.tier
 	if ok {
 		if t.shared != nil {
@@ -492,6 +618,9 @@ func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 		if t.events {
 			t.meta[op.Slot] = hostMeta{}
 		}
+	}
+	if !held {
+		return
 	}
 	m.one[0] = op.Block
 	var err error
@@ -518,9 +647,10 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
 	}
 	delete(t.inflight, ticket)
-	t.nBlocks -= len(b.Demote)
-	for _, op := range b.Demote {
-		m.endDemotion(op, !failed)
+	t.nBlocks -= len(b.Demote) - b.unheld
+	t.nUnheld -= b.unheld
+	for i, op := range b.Demote {
+		m.endDemotion(op, !failed, i >= b.unheld)
 	}
 	if t.events && !failed {
 		// Announced parents first (the batch is in eviction order,
@@ -608,7 +738,7 @@ func (m *Manager) TierStats() TierStats {
 		return TierStats{}
 	}
 	st := m.tier.st
-	st.InFlight = m.tier.nBlocks
+	st.InFlight = m.tier.nBlocks + m.tier.nUnheld + len(m.tier.evictOps)
 	st.Host = m.tier.cfg.Pool.Stats()
 	if m.tier.shared != nil {
 		st.Shared = m.tier.shared.stats()
@@ -629,12 +759,26 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 	for _, op := range t.reloads {
 		refs[op.Block]++
 	}
+	for _, op := range t.evictOps {
+		if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+			return bad("block %d's queued demotion: host slot %d does not hold its key", op.Block, op.Slot)
+		}
+	}
+	unheld := 0
 	for tk, batch := range t.inflight {
 		for _, op := range batch.Reload {
 			refs[op.Block]++
 		}
-		for _, op := range batch.Demote {
+		for i, op := range batch.Demote {
 			b := op.Block
+			if i < batch.unheld {
+				// Holds no GPU block (DemoteEvicted), only its host slot.
+				unheld++
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+					return bad("block %d's demotion (batch %d, unheld): host slot %d does not hold its key", b, tk, op.Slot)
+				}
+				continue
+			}
 			if m.pool.IsCached(b) {
 				return bad("block %d being demoted (batch %d) is marked cached", b, tk)
 			}
@@ -648,8 +792,8 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 			count++
 		}
 	}
-	if count != t.nBlocks {
-		return bad("%d blocks being demoted, the count says %d", count, t.nBlocks)
+	if count != t.nBlocks || unheld != t.nUnheld {
+		return bad("%d blocks being demoted and %d unheld demotions, the counts say %d and %d", count, unheld, t.nBlocks, t.nUnheld)
 	}
 	return t.checkEvents(bad)
 }
@@ -680,6 +824,11 @@ func (t *tier) checkEvents(bad func(string, ...any) error) error {
 			if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
 				return bad("host slot %d being demoted (batch %d) does not describe block %s", op.Slot, tk, op.Hash)
 			}
+		}
+	}
+	for _, op := range t.evictOps {
+		if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
+			return bad("host slot %d of a queued demotion does not describe block %s", op.Slot, op.Hash)
 		}
 	}
 	return nil

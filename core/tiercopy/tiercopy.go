@@ -1,7 +1,7 @@
 // Package tiercopy moves KV blocks between the paged caches in GPU memory
 // and the slots of a host KV tier: every layer's K and V of each block of a
-// step's copy batch (demotions and reloads) in one kernel launch per
-// KVP_TIER_COPY_OPS blocks, reading and writing the host slots directly
+// step's copy batch (demotions, then reloads) in one kernel launch per
+// KVP_TIER_COPY_OPS blocks of each, reading and writing the host slots directly
 // through page-locked memory mapped into the device's address space.
 //
 // Why a kernel and not one cudaMemcpyAsync per block and layer: a step's
@@ -210,7 +210,9 @@ func New(l Layers, h Host) (*Copier, error) {
 func (c *Copier) HostDevicePtr() cuda.DevicePtr { return c.reg.Device }
 
 // Run enqueues the copies on stream (a stream of the copier's context):
-// demotions (block -> slot) and reloads (slot -> block). It returns once
+// demotions (block -> slot) and reloads (slot -> block), the demotions in
+// launches of their own ahead of the reloads' (a reload may overwrite a
+// block that a demotion of the batch reads). It returns once
 // they are enqueued; the engine records an event after it and reports the
 // batch complete when the event has completed. Every op is checked before
 // anything is launched: a bad one fails the call with nothing enqueued.
@@ -250,26 +252,28 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 		NumBlocks: c.layers.NumBlocks, NumSlots: c.host.NumSlots,
 	}
 	perOp := int64(len(c.layers.K)*c.kv) * c.parts
-	for first := 0; first < n; first += c.perLaunch {
-		cnt := min(c.perLaunch, n-first)
-		p.NOps, p.NDemote = int32(cnt), int32(max(0, min(cnt, len(demote)-first)))
-		for i := 0; i < cnt; i++ {
-			o := opAt(demote, reload, first+i)
-			p.Ops[i] = [2]int32{o.Block, o.Slot}
-		}
-		cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
-		if err := cuda.Launch(m, kernel, cfg, stream, &p); err != nil {
-			return err
+	// The demotions' launches before the reloads': a launch's ops run
+	// concurrently, and a reload may write a GPU block that a demotion of
+	// the same batch reads (a block evicted and allocated anew in the
+	// step, the manager's DemoteEvicted); stream order puts the reads
+	// first.
+	for k, ops := range [][]Op{demote, reload} {
+		for first := 0; first < len(ops); first += c.perLaunch {
+			cnt := min(c.perLaunch, len(ops)-first)
+			p.NOps, p.NDemote = int32(cnt), 0
+			if k == 0 {
+				p.NDemote = int32(cnt)
+			}
+			for i, o := range ops[first : first+cnt] {
+				p.Ops[i] = [2]int32{o.Block, o.Slot}
+			}
+			cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
+			if err := cuda.Launch(m, kernel, cfg, stream, &p); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
-}
-
-func opAt(demote, reload []Op, i int) Op {
-	if i < len(demote) {
-		return demote[i]
-	}
-	return reload[i-len(demote)]
 }
 
 // Close unregisters the host region (when New registered it) and frees

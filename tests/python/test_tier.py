@@ -141,3 +141,47 @@ def test_kv_events_carry_the_medium():
         m.clear_prefix_cache()
         evs = m.drain_events()
         assert evs[0] == kvplug.KVEvent("cleared") and [e.medium for e in evs[1:]] == ["CPU"] * 3
+
+
+def test_demote_evicted_demotes_what_allocations_evict():
+    """demote_evicted: an allocation that evicts cached blocks gets them at
+    once; their demotions come in the next flush_copies batch, which the
+    engine copies before the step writes the new owner's K/V (the fake
+    mirrors the step's stream order: copies, then the forward's writes)."""
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
+                        demote_evicted=True) as m:
+        assert m.demote_evicted
+        gpu = np.zeros((BLOCKS, BYTES), np.uint8)
+        conv = np.arange(100, 117, dtype=np.int32)  # four full blocks and one token
+        assert m.admit([1], [conv]).tolist() == [0]
+        assert run_copies(m, gpu).ticket == 0  # the step: nothing to copy (demote_ahead 0)
+        old = m.describe([1]).block_table[0][:4].copy()
+        for i in range(4):
+            gpu[old[i]] = kv_of(i)  # the step's forward pass
+        m.remove([1])
+
+        other = np.arange(500, 500 + BLOCKS * BS, dtype=np.int32)  # needs every block: evicts the 4 cached
+        assert m.admit([2], [other]).tolist() == [0]
+        table = m.describe([2]).block_table[0]
+        assert set(old.tolist()) <= set(table.tolist())  # the evicted blocks serve the allocation at once
+        s = m.tier_stats()
+        assert (s.evicted_undemoted, s.in_flight, s.demotions_queued) == (0, 4, 0)
+        batch = run_copies(m, gpu)  # the copies first, on the step's stream...
+        assert sorted(batch.demote_blocks.tolist()) == sorted(old.tolist()) and len(batch.reload_blocks) == 0
+        gpu[table] = 0xEE  # ...then the forward pass writes the new owner's K/V
+        s = m.tier_stats()
+        assert (s.demotions_completed, s.host_resident, s.in_flight, s.evicted_undemoted) == (4, 4, 0, 0)
+        assert m.stats().used_blocks == BLOCKS  # completion frees nothing on the GPU
+        m.check()
+
+        m.remove([2])
+        assert m.match_tiers([conv]) == [kvplug.TierMatch(0, 16)]
+        assert m.admit([3], [conv]).tolist() == [16]
+        run_copies(m, gpu)
+        table = m.describe([3]).block_table[0]
+        for i in range(4):
+            assert (gpu[table[i]] == kv_of(i)).all(), i
+        m.check()
+
+    with pytest.raises(kvplug.InvalidArgumentError):
+        kvplug.Manager(BLOCKS, BS, prefix_cache=True, demote_evicted=True)  # no host tier

@@ -57,7 +57,7 @@ class ManagerConfig(ctypes.Structure):
         ("max_pending_events", _i32),
         ("host_tier_slots", _i32),
         ("demote_ahead", _i32),
-        ("reserved", _i32),
+        ("demote_evicted", _i32),
         ("host_block_bytes", _i64),
         ("shared_tier_addr", ctypes.c_char_p),
         ("shared_tier_namespace", ctypes.c_char_p),

@@ -120,6 +120,12 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     (kvplug.tier): that many host slots of host_block_bytes each (the
     engine's K/V bytes of one block, all layers, K and V), allocated by the
     library; flush_copies keeps demote_ahead blocks free or being demoted.
+    demote_evicted=True also demotes the cached blocks that allocations
+    evict (in the next flush_copies batch, their GPU blocks going to their
+    new owners at once): only for an engine that calls flush_copies after
+    a step's last allocation and copies the batch's demotions on the
+    step's stream before anything that writes K/V in the step (kvplug.h,
+    "Host KV tier").
 
     shared_tier="host:port" (with a host tier) adds the shared tier below
     it, a Valkey or Redis server that instances share (kvplug.tier);
@@ -142,6 +148,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         host_tier_slots: int = 0,
         host_block_bytes: int = 0,
         demote_ahead: int = 0,
+        demote_evicted: bool = False,
         shared_tier: Optional[str] = None,
         shared_tier_namespace: Optional[str] = None,
         shared_tier_timeout_ms: int = 0,
@@ -157,7 +164,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_put_queue = _int(shared_tier_put_queue, "Manager: shared_tier_put_queue", "int32")
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
-            host_tier_slots, demote_ahead, 0, host_block_bytes,
+            host_tier_slots, demote_ahead, int(bool(demote_evicted)), host_block_bytes,
             _cstr(shared_tier, "Manager: shared_tier"), _cstr(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue,
         )
@@ -172,6 +179,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         self.num_blocks = s.num_blocks
         self.block_size = s.block_size  # 0 asks for the library's default
         self._demote_ahead = demote_ahead
+        self.demote_evicted = bool(demote_evicted)
         # (value, array, address) of the counts array a grow by one number
         # for all uses; replaced, never mutated, so concurrent grows are safe.
         self._fill: Tuple[int, Any, int] = (0, None, 0)

@@ -145,7 +145,11 @@ class PagedKVCache:
     block_bytes each (host_slots_for converts GiB), with demote_ahead
     (default_demote_ahead when None); the Runner runs its copies each step
     (self.tier, a kvplug.hf.tier_copy.HostTier; tier_copier picks the
-    copier, tier_overlap runs demotions on a side stream). shared_tier
+    copier, tier_overlap runs demotions on a side stream). demote_evicted
+    (default: on unless tier_overlap) also demotes the cached blocks that
+    allocations evict, copied in the step's batch on the step's stream
+    ahead of its forward pass (kvplug.Manager's demote_evicted; it needs
+    the demotions on the step's stream, so not with tier_overlap). shared_tier
     ("host:port") goes to the Manager where the binding has that argument."""
 
     def __init__(
@@ -162,6 +166,7 @@ class PagedKVCache:
         shared_tier: Optional[str] = None,
         tier_copier: Any = None,
         tier_overlap: bool = False,
+        demote_evicted: Optional[bool] = None,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -180,6 +185,13 @@ class PagedKVCache:
             if demote_ahead is None:
                 demote_ahead = self.default_demote_ahead(self.num_blocks)
             kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
+            if demote_evicted and tier_overlap:
+                raise ValueError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
+            if demote_evicted is None:
+                demote_evicted = not tier_overlap and manager_takes("demote_evicted")
+            if demote_evicted:
+                kw["demote_evicted"] = True
+        self.demote_evicted = bool(kw.get("demote_evicted", False))
         if shared_tier:
             if not manager_takes("shared_tier"):
                 raise ValueError(f"kvplug.hf: shared_tier={shared_tier!r} needs a kvplug binding with the shared tier; "
@@ -304,6 +316,10 @@ class PagedKVCache:
             if c in self.seqs:
                 raise kvplug.DuplicateSequenceError(f"kvplug.hf: sequence {c} exists", kvplug.Status.DUPLICATE_SEQUENCE)
         copies = self.manager.fork(int(parent), np.array(children, np.int64))
+        if copies and self.tier is not None and self.demote_evicted:
+            # The blocks the fork's allocation evicted are demoted from their K/V, which the copy-on-write
+            # copy below overwrites: their demotions go first, on the same stream.
+            self.tier.step(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         if copies:
             # The kernels read dst before the children write their next token into it.
             src = torch.tensor([s for s, _ in copies], device=self.device)

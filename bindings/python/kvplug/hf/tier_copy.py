@@ -109,7 +109,7 @@ class TorchTierCopier:
         return idx.pin_memory().to(self.device, non_blocking=True) if self.cuda else idx
 
     def run(self, batch: kvplug.CopyBatch, stream: Any = None) -> None:
-        """Enqueues batch's reloads, then its demotions, on `stream` (the
+        """Enqueues batch's demotions, then its reloads, on `stream` (the
         current stream when None). The staging tensors are freed on that
         stream, so the caching allocator reuses them only after the copies."""
         if self.cuda:
@@ -120,6 +120,14 @@ class TorchTierCopier:
 
     def _run(self, batch: kvplug.CopyBatch) -> None:
         nb = self.cuda
+        # Demotions first: a reload may write a GPU block that a demotion of the batch reads (a block an
+        # allocation evicted and gave to the reloading prompt, with the manager's demote_evicted).
+        if len(batch.demote_slots):
+            order = np.argsort(batch.demote_slots, kind="stable")
+            slots = batch.demote_slots[order]
+            stage = self.kv.index_select(2, self._index(batch.demote_blocks[order])).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for i0, i1, s0 in _runs(slots):
+                self.host[s0:s0 + i1 - i0].copy_(stage[i0:i1], non_blocking=nb)
         if len(batch.reload_slots):
             order = np.argsort(batch.reload_slots, kind="stable")
             slots = batch.reload_slots[order]
@@ -127,12 +135,6 @@ class TorchTierCopier:
             for i0, i1, s0 in _runs(slots):
                 stage[i0:i1].copy_(self.host[s0:s0 + i1 - i0], non_blocking=nb)
             self.kv.index_copy_(2, self._index(batch.reload_blocks[order]), stage.permute(1, 2, 0, 3, 4, 5))
-        if len(batch.demote_slots):
-            order = np.argsort(batch.demote_slots, kind="stable")
-            slots = batch.demote_slots[order]
-            stage = self.kv.index_select(2, self._index(batch.demote_blocks[order])).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for i0, i1, s0 in _runs(slots):
-                self.host[s0:s0 + i1 - i0].copy_(stage[i0:i1], non_blocking=nb)
 
     def close(self) -> None:
         if self.pinned:
@@ -186,7 +188,10 @@ class HostTier:
     step's stream (the blocks' K/V written), so that their device-to-host
     copies overlap the step's forward pass instead of delaying it; their
     GPU blocks are held until the batch completes either way. Reloads are
-    always on the step's stream, ahead of its attention."""
+    always on the step's stream, ahead of its attention, after the
+    demotions (overlap off). A manager with demote_evicted needs overlap
+    off: the blocks its allocations evicted are already their new owners'
+    and only the step's stream order keeps their K/V until demoted."""
 
     def __init__(self, manager: kvplug.Manager, kv: torch.Tensor, copier: Any, slot_bytes: int, *,
                  overlap: bool = False) -> None:

@@ -1,0 +1,356 @@
+package kvmanager
+
+import (
+	"bytes"
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// newEvictMgr is newTierMgr with HostTier.DemoteEvicted, and KV events
+// when events is set.
+func newEvictMgr(t testing.TB, numBlocks, bs, slots, ahead int, events bool) (*Manager, *fakeGPU) {
+	t.Helper()
+	p, err := host.New(host.Config{Slots: slots, BlockBytes: tierBlockBytes})
+	must(t, err)
+	g := &fakeGPU{mem: map[int32][]byte{}, pool: p}
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: events,
+		HostTier: &HostTier{Pool: p, Copier: g, DemoteAhead: ahead, DemoteEvicted: true}})
+	must(t, err)
+	return m, g
+}
+
+// An allocation that evicts cached blocks gets them at once and queues
+// their demotions; the next FlushCopies hands them out (the fake copies
+// them before the step writes the new owner's K/V, as the step's stream
+// orders them); completion commits them, and a returning conversation is
+// reloaded from the host tier.
+func TestTierDemoteEvicted(t *testing.T) {
+	const bs = 4
+	m, g := newEvictMgr(t, 8, bs, 16, 0, false)
+	r := rand.New(rand.NewPCG(5, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	if _, _, err := m.FlushCopies(); err != nil { // the admission's step
+		t.Fatal(err)
+	}
+	old := blocksOf(t, m, 1, 8)[:4]
+	must(t, m.Remove([]int64{1}))
+
+	// 4 free and 4 cached: the allocation takes all 8, evicting the 4.
+	must(t, m.Add(2, 8*bs))
+	got := blocksOf(t, m, 2, 8)
+	for _, b := range old {
+		if !slices.Contains(got, b) {
+			t.Fatalf("the evicted block %d does not serve the allocation (table %v)", b, got)
+		}
+	}
+	if ts := m.TierStats(); ts.EvictedUndemoted != 0 || ts.InFlight != 4 || ts.DemotionsQueued != 0 {
+		t.Fatalf("after the allocation: %+v", ts)
+	}
+	if st := m.Stats(); st.FreeBlocks != 0 || st.CachedBlocks != 0 {
+		t.Fatalf("after the allocation: %+v", st)
+	}
+	tk, n, err := m.FlushCopies()
+	must(t, err)
+	b := g.batches[len(g.batches)-1]
+	if n != 4 || len(b.Demote) != 4 || len(b.Reload) != 0 {
+		t.Fatalf("batch: %d copies, %+v", n, b)
+	}
+	chain := wholeChain(t, conv, bs, nil)
+	for _, op := range b.Demote {
+		if !slices.Contains(old, op.Block) || !slices.Contains(chain, op.Hash) {
+			t.Fatalf("demotion %+v is not one of the evicted blocks %v", op, old)
+		}
+	}
+	// The step's forward pass writes the new owner's K/V, after the copy.
+	for _, blk := range got {
+		g.mem[blk] = bytes.Repeat([]byte{0xee}, tierBlockBytes)
+	}
+	if got := tierMatch(t, m, conv); got.Host != 0 {
+		t.Fatalf("a reserved slot is matched before completion: %+v", got)
+	}
+	must(t, m.CompleteCopies(tk, false))
+	for _, h := range chain {
+		hostHolds(t, g.pool, h)
+	}
+	if ts := m.TierStats(); ts.DemotionsCompleted != 4 || ts.InFlight != 0 || ts.EvictedUndemoted != 0 {
+		t.Fatalf("after completion: %+v", ts)
+	}
+	// The block stays its new owner's.
+	if st := m.Stats(); st.UsedBlocks != 8 {
+		t.Fatalf("completion changed the GPU pool: %+v", st)
+	}
+	must(t, m.Remove([]int64{2}))
+	if got := tierMatch(t, m, conv); got != (TierMatch{Host: 4 * bs}) {
+		t.Fatalf("host match: %+v", got)
+	}
+	matched := []int32{0}
+	n2, err := m.Admit([]int64{3}, one(conv, nil), matched)
+	must(t, err)
+	if n2 != 1 || matched[0] != 4*bs {
+		t.Fatalf("admit: %d matched %v", n2, matched)
+	}
+	tk, _, err = m.FlushCopies()
+	must(t, err)
+	must(t, m.CompleteCopies(tk, false))
+	tbl := blocksOf(t, m, 3, 8)
+	for j, h := range chain {
+		if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
+			t.Fatalf("reloaded block %d holds the wrong K/V", j)
+		}
+	}
+}
+
+// A failed batch aborts the allocations' demotions (the host tier holds
+// nothing, the GPU blocks stay their owners'); a refused batch too. A
+// block allocated since the last flush, evicted again before it, is
+// dropped (its K/V is not written yet), and so is one for which every
+// host slot is pinned; one the host tier holds already is skipped.
+func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
+	const bs = 4
+	for _, refuse := range []bool{false, true} {
+		m, g := newEvictMgr(t, 8, bs, 16, 0, false)
+		r := rand.New(rand.NewPCG(6, 23))
+		conv := seqTokens(r, 4*bs+1)
+		admit(t, m, 1, conv, nil)
+		g.compute(t, m, 1, conv)
+		_, _, err := m.FlushCopies()
+		must(t, err)
+		must(t, m.Remove([]int64{1}))
+		must(t, m.Add(2, 8*bs))
+		if refuse {
+			g.fail = errors.New("refused")
+			_, _, err := m.FlushCopies()
+			if err == nil {
+				t.Fatal("a refused batch: no error")
+			}
+			g.fail = nil
+		} else {
+			tk, _, err := m.FlushCopies()
+			must(t, err)
+			must(t, m.CompleteCopies(tk, true))
+		}
+		ts := m.TierStats()
+		if ts.DemotionsFailed != 4 || ts.InFlight != 0 || ts.Host.Resident != 0 || ts.Host.Reserved != 0 {
+			t.Fatalf("refuse %v: %+v", refuse, ts)
+		}
+		if st := m.Stats(); st.UsedBlocks != 8 {
+			t.Fatalf("refuse %v: %+v", refuse, st)
+		}
+		if got := tierMatch(t, m, conv); got.Host != 0 {
+			t.Fatalf("refuse %v: failed demotions matched: %+v", refuse, got)
+		}
+	}
+
+	// Allocated, cached, removed and evicted within one step: dropped.
+	m, g := newEvictMgr(t, 8, bs, 16, 0, false)
+	r := rand.New(rand.NewPCG(7, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	must(t, m.Remove([]int64{1}))
+	must(t, m.Add(2, 8*bs))
+	if ts := m.TierStats(); ts.EvictedUndemoted != 4 || ts.InFlight != 0 {
+		t.Fatalf("fresh blocks: %+v", ts)
+	}
+	if tk, n, err := m.FlushCopies(); tk != 0 || n != 0 || err != nil {
+		t.Fatalf("fresh blocks: a batch %d %d %v", tk, n, err)
+	}
+	_ = g
+
+	// Present already: skipped, not counted undemoted.
+	m, g = newEvictMgr(t, 8, bs, 16, 0, false)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	_, _, err := m.FlushCopies()
+	must(t, err)
+	must(t, m.Remove([]int64{1}))
+	must(t, m.Add(2, 8*bs))
+	tk, _, err := m.FlushCopies()
+	must(t, err)
+	must(t, m.CompleteCopies(tk, false))
+	must(t, m.Remove([]int64{2}))
+	admit(t, m, 3, conv, nil) // reloads
+	tk, _, err = m.FlushCopies()
+	must(t, err)
+	must(t, m.CompleteCopies(tk, false))
+	must(t, m.Remove([]int64{3}))
+	must(t, m.Add(4, 8*bs))
+	if ts := m.TierStats(); ts.SkippedPresent != 4 || ts.EvictedUndemoted != 0 || ts.InFlight != 0 {
+		t.Fatalf("present: %+v", ts)
+	}
+
+	// Every host slot pinned: dropped, counted.
+	m, g = newEvictMgr(t, 8, bs, 1, 0, false)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	_, _, err = m.FlushCopies()
+	must(t, err)
+	must(t, m.Remove([]int64{1}))
+	must(t, m.Add(2, 8*bs)) // one slot: the first reserved, the rest full
+	if ts := m.TierStats(); ts.InFlight != 1 || ts.EvictedUndemoted != 3 || ts.SkippedFull != 3 {
+		t.Fatalf("host full: %+v", ts)
+	}
+}
+
+// KV events: the allocation's eviction is the GPU BlockRemoved; the CPU
+// BlockStored comes when the demotion commits, never before.
+func TestTierDemoteEvictedEvents(t *testing.T) {
+	const bs = 4
+	m, g := newEvictMgr(t, 8, bs, 16, 0, true)
+	r := rand.New(rand.NewPCG(8, 23))
+	conv := seqTokens(r, 4*bs+1)
+	admit(t, m, 1, conv, nil)
+	g.compute(t, m, 1, conv)
+	_, _, err := m.FlushCopies()
+	must(t, err)
+	must(t, m.Remove([]int64{1}))
+	drainAll(t, m)
+	chain := wholeChain(t, conv, bs, nil)
+	must(t, m.Add(2, 8*bs))
+	evs := drainAll(t, m)
+	if gone := removedIn(evs, prefix.MediumGPU); len(gone) != 4 || len(cpuStored(evs)) != 0 {
+		t.Fatalf("after the allocation: %+v", evs)
+	}
+	tk, _, err := m.FlushCopies()
+	must(t, err)
+	if evs := drainAll(t, m); len(cpuStored(evs)) != 0 {
+		t.Fatalf("announced in flight: %+v", evs)
+	}
+	must(t, m.CompleteCopies(tk, false))
+	stored := cpuStored(drainAll(t, m))
+	if len(stored) != len(chain) || stored[0] != chain[0] || !sameSet(stored, chain) {
+		t.Fatalf("CPU stored %v, want %v parents first", stored, chain)
+	}
+}
+
+// A random model of an engine that follows the ordering rule: each step's
+// admissions and allocations, then FlushCopies (the fake copies the batch
+// at once), then the step's K/V writes. Every committed host slot holds
+// its block's K/V, and every live sequence its own, whatever blocks the
+// allocations took from the cache; the per-call invariant checks (race
+// builds) watch the counts.
+func TestTierDemoteEvictedRandomModel(t *testing.T) {
+	for seed := range uint64(6) {
+		r := rand.New(rand.NewPCG(seed, 2324))
+		const bs = 4
+		m, g := newEvictMgr(t, 24, bs, 12+int(seed), int(seed%3), seed%2 == 0)
+		convs := make([][]int32, 5)
+		live := map[int64][]int32{}
+		var id int64
+		type write struct {
+			b int32
+			h prefix.Hash
+		}
+		var writes []write // the current step's
+		inflight := map[uint64]CopyBatch{}
+		step := func() {
+			tk, _, err := m.FlushCopies()
+			must(t, err)
+			if tk != 0 {
+				inflight[tk] = g.batches[len(g.batches)-1]
+			}
+			for _, w := range writes {
+				g.mem[w.b] = kvOf(w.h)
+			}
+			writes = writes[:0]
+		}
+		complete := func(tk uint64) {
+			must(t, m.CompleteCopies(tk, false))
+			for _, op := range inflight[tk].Demote {
+				hostHolds(t, g.pool, op.Hash)
+			}
+			delete(inflight, tk)
+		}
+		for range 500 {
+			switch op := r.IntN(10); {
+			case op < 4:
+				c := r.IntN(len(convs))
+				p := append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(3*bs))...)
+				id++
+				matched := []int32{0}
+				n, err := m.Admit([]int64{id}, one(p, nil), matched)
+				must(t, err)
+				if n == 0 {
+					continue
+				}
+				tbl := blocksOf(t, m, id, len(p)/bs+1)
+				chain := wholeChain(t, p, bs, nil)
+				for j := int(matched[0]) / bs; j < len(chain); j++ {
+					writes = append(writes, write{tbl[j], chain[j]})
+				}
+				convs[c] = p
+				live[id] = p
+			case op < 5 && len(live) > 0:
+				ids := slices.Sorted(func(yield func(int64) bool) {
+					for k := range live {
+						if !yield(k) {
+							return
+						}
+					}
+				})
+				k := ids[r.IntN(len(ids))]
+				must(t, m.Remove([]int64{k}))
+				delete(live, k)
+			case op < 6:
+				id++
+				if err := m.Add(id, 1+r.IntN(6*bs)); err == nil {
+					live[id] = nil
+				} else {
+					wantCode(t, "add", err, kverr.OutOfBlocks)
+				}
+			case op < 8:
+				step()
+			case op < 9 && len(inflight) > 0:
+				tks := slices.Sorted(func(yield func(uint64) bool) {
+					for k := range inflight {
+						if !yield(k) {
+							return
+						}
+					}
+				})
+				complete(tks[r.IntN(len(tks))])
+			default:
+				c := r.IntN(len(convs))
+				if len(convs[c]) > 0 {
+					tierMatch(t, m, convs[c])
+				}
+			}
+		}
+		step()
+		for tk := range inflight {
+			complete(tk)
+		}
+		for k, p := range live {
+			if p == nil {
+				continue
+			}
+			tbl := blocksOf(t, m, k, len(p)/bs+1)
+			for j, h := range wholeChain(t, p, bs, nil) {
+				if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
+					t.Fatalf("seed %d: sequence %d's block %d (%d) holds the wrong K/V", seed, k, j, tbl[j])
+				}
+			}
+		}
+		ts := m.TierStats()
+		t.Logf("seed %d: %+v", seed, ts)
+		if ts.InFlight != 0 || ts.Host.Pinned != 0 || ts.DemotionsCompleted == 0 {
+			t.Fatalf("seed %d: %+v", seed, ts)
+		}
+	}
+}
+
+func sameSet(a, b []prefix.Hash) bool {
+	for _, h := range a {
+		if !slices.Contains(b, h) {
+			return false
+		}
+	}
+	return len(a) == len(b)
+}
