@@ -69,8 +69,10 @@ def test_copies_complete_on_their_event():
     completes it without waiting, and the bytes round-trip through the
     pinned host slots."""
     shape = kvhf.ModelShape(4, 8, 2, 64)
+    # demote_evicted off: with it, blocks allocated since the last flush
+    # (here, written by the test, not by a step) are never demoted.
     with kvhf.PagedKVCache(shape, 64, 16, dtype=torch.float16, device=DEV, host_tier_slots=32, demote_ahead=64,
-                           tier_copier="torch") as cache:
+                           tier_copier="torch", demote_evicted=False) as cache:
         tier = cache.tier
         assert tier.copier.pinned and tier.copier.host.is_pinned()
         cache.kv.copy_(torch.randn(cache.kv.shape, device=DEV))
