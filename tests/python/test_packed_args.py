@@ -102,7 +102,7 @@ def old_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, 
         block_table.data_ptr(), tstride, seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         0 if lse is None else lse.data_ptr(), ws_ptr, ws_bytes, 0.0 if scale is None else float(scale),
-        num_splits, max_seq_len, 0,
+        num_splits, max_seq_len, 1,  # q_len: one new token per sequence
     )
 
 

@@ -37,7 +37,7 @@ _lib = torch.library.Library("kvplug", "DEF")  # kept: the registrations live as
 _SCHEMAS = {
     "kv_write": "kv_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
     "paged_decode": "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-                    "Tensor? workspace=None, float scale=0.0, int num_splits=0, int max_seq_len=0) -> Tensor",
+                    "Tensor? workspace=None, float scale=0.0, int num_splits=0, int max_seq_len=0, int q_len=1) -> Tensor",
     "paged_prefill": "paged_prefill(Tensor plan, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
                      "float scale=0.0) -> Tensor",
     "paged_cascade": "paged_cascade(Tensor plan, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
@@ -50,9 +50,9 @@ def _kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: An
 
 
 def _paged_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, workspace: Optional[Any] = None,
-                  scale: float = 0.0, num_splits: int = 0, max_seq_len: int = 0) -> Any:
+                  scale: float = 0.0, num_splits: int = 0, max_seq_len: int = 0, q_len: int = 1) -> Any:
     return attn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace,
-                             num_splits=num_splits, max_seq_len=max_seq_len)
+                             num_splits=num_splits, max_seq_len=max_seq_len, q_len=q_len)
 
 
 def _planned(kind: type, run: Any) -> Any:
