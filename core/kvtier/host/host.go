@@ -86,6 +86,11 @@ type Stats struct {
 	Evictions   int64 // resident blocks evicted to make room
 	Hits        int64 // blocks matched by Lookup/PinPrefix
 	Misses      int64 // blocks asked of Lookup/PinPrefix and not matched
+
+	// Of the batched calls by key (keyed.go):
+	SkippedPresent int64 // keys ReserveKeys skipped: in the pool already, or repeated
+	Stale          int64 // keys CompleteKeys or UnpinKeys found nothing to do for
+	Resets         int64 // Reset calls
 }
 
 // Pool is the host tier's slot pool. See the package comment.
