@@ -275,12 +275,23 @@ def _build() -> Dict[str, Any]:
         TransferResult,
     )
     from vllm.v1.kv_offload.config import OffloadingConfig
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.base import OffloadingHistogramMetadata, get_offload_group_idx
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     class KvplugLoadStoreSpec(CPULoadStoreSpec):
         """Host slots of kvplug's store (block_ids: slot numbers; -1 for a
         block the store could not pin)."""
+
+    class _Accessed:
+        """The keys one request loaded or offered to store, in the order seen
+        (ReqContext state), for its recency update when it finishes."""
+
+        def __init__(self, owner: Any, generation: int) -> None:
+            self.owner, self.generation = owner, generation
+            self.keys: List[OffloadKey] = []
+            self.seen: set = set()
+            self.finished = False
 
     class KvplugOffloadingManager(OffloadingManager):
         """vLLM's OffloadingManager over a kvplug HostStore (bookkeeping
@@ -296,6 +307,8 @@ def _build() -> Dict[str, Any]:
             self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
             self._counts: Counter = Counter()
             self._published: Counter = Counter()
+            self._alloc_sizes: List[int] = []
+            self._generation = 0
 
         # -- helpers --
 
@@ -307,6 +320,22 @@ def _build() -> Dict[str, Any]:
                 self._counts["key_collisions"] += 1
                 return None
             return h
+
+        def _accessed(self, req_context: ReqContext) -> Any:
+            st = req_context.get_state(_Accessed)
+            if st is None or st.owner is not self or st.generation != self._generation:
+                st = _Accessed(self, self._generation)
+                req_context.set_state(st)
+            return st
+
+        def _record(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
+            st = self._accessed(req_context)
+            if st.finished:
+                return
+            for k in keys:
+                if k not in st.seen:
+                    st.seen.add(k)
+                    st.keys.append(k)
 
         def _fault(self, what: str, exc: BaseException) -> None:
             self._counts["errors"] += 1
@@ -323,7 +352,30 @@ def _build() -> Dict[str, Any]:
         # -- OffloadingManager --
 
         def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+            self._accessed(req_context)
             return RequestOffloadingContext()
+
+        def on_request_finished(self, req_context: ReqContext) -> None:
+            """The blocks the request loaded or stored become the most recently
+            used, the prefix head first (it is the part other prompts share),
+            ordered by the positions the scheduler recorded, as vLLM's CPU
+            manager orders them."""
+            try:
+                st = req_context.get_state(_Accessed)
+                if st is None or st.owner is not self or st.generation != self._generation or st.finished:
+                    return
+                st.finished = True
+                groups: Dict[int, List[OffloadKey]] = {}
+                for k in st.keys:
+                    groups.setdefault(get_offload_group_idx(k), []).append(k)
+                ordered = [k for g in sorted(groups) for k in groups[g]]
+                pos = {k: req_context.get_offload_key_position(k) for k in ordered}
+                if all(p is not None for p in pos.values()):
+                    ordered.sort(key=pos.__getitem__)  # head to tail across the groups
+                if self._store is not None:
+                    self._store.touch([offload_key64(k) for k in ordered])
+            except Exception as exc:
+                self._fault("on_request_finished", exc)
 
         def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
             self._counts["lookups"] += 1
@@ -359,6 +411,7 @@ def _build() -> Dict[str, Any]:
                             self._pins[hs[i]] += 1
             except Exception as exc:
                 self._fault("prepare_load", exc)
+            self._record(req_context, [k for k, s in zip(keys, slots) if s >= 0])
             misses = int((slots < 0).sum())
             self._counts["loads_prepared"] += len(keys) - misses
             if misses:
@@ -415,10 +468,14 @@ def _build() -> Dict[str, Any]:
                     hs.append(h)
                 if not cand:
                     return empty
+                new = {h for h in hs if h not in self._keys}
+                if new:
+                    self._alloc_sizes.append(len(new))
                 r = self._store.try_reserve(hs)
                 if r is None:
                     self._counts["stores_refused"] += len(cand)
                     return None
+                self._record(req_context, cand)
                 slots, evicted = r
                 evicted_keys = []
                 for e in evicted.tolist():
@@ -485,6 +542,7 @@ def _build() -> Dict[str, Any]:
             self._keys.clear()
             self._pending.clear()
             self._pins.clear()
+            self._generation += 1
             self._counts["resets"] += 1
 
         def get_stats(self) -> Any:
@@ -499,6 +557,16 @@ def _build() -> Dict[str, Any]:
                 s = self.store_stats()
                 usage = (s.resident + s.pending) / s.num_slots if s is not None and s.num_slots else 0.0
                 stats.set_gauge("kvplug:host_usage_perc", usage)
+                # vLLM's CPU offloading gauges, with their meaning: the share
+                # of slots pinned by transfers in flight (stores, loads).
+                pinned = s.pinned / s.num_slots if s is not None and s.num_slots else 0.0
+                write = s.pending / s.num_slots if s is not None and s.num_slots else 0.0
+                stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, pinned)
+                stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write)
+                stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(pinned - write, 0.0))
+                for n in self._alloc_sizes:
+                    stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, n)
+                self._alloc_sizes.clear()
                 return stats
             except Exception as exc:
                 self._fault("get_stats", exc)
@@ -564,6 +632,13 @@ def _build() -> Dict[str, Any]:
                 documentation=f"kvplug host store: {name.replace('_', ' ')}") for name in _COUNTERS}
             defs["kvplug:host_usage_perc"] = OffloadingGaugeMetadata(
                 documentation="kvplug host store: fraction of slots holding or receiving a block")
+            for name, doc in ((CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, "pinned by transfers in flight"),
+                              (CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, "pinned by stores in flight"),
+                              (CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, "pinned by loads in flight")):
+                defs[name] = OffloadingGaugeMetadata(documentation=f"Fraction of kvplug host slots {doc}")
+            defs[CPUOffloadingMetrics.CPU_ALLOCATION_SIZE] = OffloadingHistogramMetadata(
+                documentation="Blocks each prepare_store call asks host slots for",
+                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144))
             return defs
 
         def __init__(self, config: OffloadingConfig) -> None:

@@ -244,7 +244,9 @@ func (p *Pool) Commit(s Slot) error {
 	p.st.Resident++
 	p.st.Commits++
 	p.unpin(s)
-	p.pushFront(s)
+	if !p.linked(s) { // a ReserveKeys slot keeps its place (keyed.go)
+		p.pushFront(s)
+	}
 	return nil
 }
 
@@ -258,6 +260,9 @@ func (p *Pool) Abort(s Slot) error {
 	sl := &p.slots[s]
 	if sl.st != reserved {
 		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
+	}
+	if p.linked(s) { // a ReserveKeys slot (keyed.go)
+		p.unlink(s)
 	}
 	delete(p.index, sl.hash)
 	*sl = slot{st: free, prev: NoSlot, next: NoSlot}

@@ -15,6 +15,13 @@ import "github.com/kvplug/kvplug/internal/kverr"
 //   - PinKeys, UnpinKeys and CompleteKeys act on the keys they find and
 //     count the rest (Stale): a key that is gone (the pool was Reset, or
 //     the key never stored) is a miss in the engine's terms, not an error.
+//
+// Recency follows the engines' logical accesses, not the copies' timing: a
+// slot ReserveKeys hands out joins the LRU at once (pinned, so never a
+// victim while its copy is in flight), TouchKeys moves pending keys too, and
+// CompleteKeys leaves a committed block where it is. A request that offered
+// blocks, finished (touching them) and only then saw its copies complete
+// keeps its blocks' places behind the requests that came after it.
 
 // SlotState is the state of a key's slot (State).
 type SlotState uint8
@@ -123,6 +130,7 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 		p.freeList = p.freeList[:n-1]
 		p.slots[s] = slot{hash: h, st: reserved, pins: 1, prev: NoSlot, next: NoSlot}
 		p.index[h] = s
+		p.pushFront(s)
 		p.st.Reserved++
 		p.st.Pinned++
 		p.st.Demotions++
@@ -133,8 +141,8 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 }
 
 // CompleteKeys ends the incoming copies of the reserved keys of hashes:
-// committed (failed false) or given back (failed true), as Commit and
-// Abort. Keys that are not reserved (resident already, or gone) are
+// committed (failed false; the block keeps its place in the LRU) or given
+// back (failed true), as Commit and Abort. Keys that are not reserved (resident already, or gone) are
 // counted in Stale and left alone. It returns how many it completed.
 func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 	p.mu.Lock()
@@ -152,6 +160,9 @@ func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 		sl := &p.slots[s]
 		p.st.Reserved--
 		if failed {
+			if p.linked(s) {
+				p.unlink(s)
+			}
 			delete(p.index, h)
 			*sl = slot{st: free, prev: NoSlot, next: NoSlot}
 			p.st.Pinned--
@@ -162,7 +173,9 @@ func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 			p.st.Resident++
 			p.st.Commits++
 			p.unpin(s)
-			p.pushFront(s)
+			if !p.linked(s) {
+				p.pushFront(s)
+			}
 		}
 		n++
 	}
@@ -220,8 +233,9 @@ func (p *Pool) UnpinKeys(hashes []uint64) int {
 	return n
 }
 
-// TouchKeys marks the resident keys of hashes recently used, the first key
-// most recently (a prompt's prefix outlives its tail); others are ignored.
+// TouchKeys marks the keys of hashes (resident or pending) recently used,
+// the first key most recently (a prompt's prefix outlives its tail);
+// absent keys are ignored.
 func (p *Pool) TouchKeys(hashes []uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -230,7 +244,7 @@ func (p *Pool) TouchKeys(hashes []uint64) {
 	}
 	for i := len(hashes) - 1; i >= 0; i-- {
 		s, ok := p.index[hashes[i]]
-		if !ok || p.slots[s].st != resident {
+		if !ok || !p.linked(s) {
 			continue
 		}
 		p.unlink(s)
@@ -259,4 +273,11 @@ func (p *Pool) Reset() int {
 	p.st.Resident, p.st.Reserved, p.st.Pinned = 0, 0, 0
 	p.st.Resets++
 	return n
+}
+
+// linked reports whether slot s is in the LRU list: every resident slot,
+// and the reserved slots ReserveKeys handed out.
+func (p *Pool) linked(s Slot) bool {
+	sl := &p.slots[s]
+	return sl.prev != NoSlot || sl.next != NoSlot || p.head == s
 }

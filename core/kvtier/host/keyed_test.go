@@ -224,3 +224,33 @@ func TestKeyedCallsRandom(t *testing.T) {
 		}
 	}
 }
+
+// A pending key's place in the LRU is its reservation (or last touch), not
+// its copy's completion: a request whose copies complete late does not
+// outlive the requests that came after it.
+func TestKeyedRecencyIsLogical(t *testing.T) {
+	p := newPool(t, 4)
+	reserveKeys(t, p, 1, 2) // an old request's blocks, copies in flight
+	p.TouchKeys([]uint64{1, 2})
+	reserveKeys(t, p, 3, 4)
+	p.CompleteKeys([]uint64{3, 4}, false)
+	p.TouchKeys([]uint64{3, 4})
+	p.CompleteKeys([]uint64{1, 2}, false) // late
+	if got := p.lru(); !slices.Equal(got, []uint64{3, 4, 1, 2}) {
+		t.Fatalf("lru %v", got)
+	}
+	_, ev := reserveKeys(t, p, 5)
+	if !slices.Equal(ev, []uint64{2}) {
+		t.Fatalf("evicted %v", ev)
+	}
+	// A failed copy leaves the list; Commit and Abort of a keyed slot too.
+	reserveKeys(t, p, 6)
+	p.CompleteKeys([]uint64{6}, true)
+	s, _ := reserveKeys(t, p, 7)
+	if err := p.Abort(s[0]); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.lru(); slices.Contains(got, 6) || slices.Contains(got, 7) {
+		t.Fatalf("lru %v keeps a given-back key", got)
+	}
+}
