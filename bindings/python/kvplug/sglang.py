@@ -24,8 +24,9 @@ selects the zero-copy batch_get_v1 / batch_set_v1 path, keep their meaning):
 
 A page's key is a 64-bit hash of SGLang's page hash (already chained over
 the prefix) with the model and this rank's shard (tensor, pipeline and
-context parallel rank; one copy for MLA models); values carry a fingerprint
-of the model and page layout, so another layout's value is a miss.
+context parallel rank; MLA ranks, which hold the same bytes, share keys, and
+each stores what the tiers lack); values carry a fingerprint of the model
+and page layout, so another layout's value is a miss.
 
 Faults in SGLang's terms, never an exception into its threads: a page never
 stored, or stored under another fingerprint, is a miss (batch_exists stops
@@ -336,8 +337,6 @@ def _build() -> Any:
         def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                          extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
             try:
-                if not self.config.is_storage_writer:  # an MLA replica: rank 0 writes the one copy
-                    return [True] * len(keys)
                 return self._pool_io(self.mem_pool_host, self._kv(), keys, host_indices, str(PoolName.KV), True)
             except Exception as exc:
                 self._fault("batch_set_v1", exc)
@@ -354,11 +353,36 @@ def _build() -> Any:
             ln = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64).reshape(-1, 1)
             return p, ln
 
+        @staticmethod
+        def _is_pointer(loc: Any) -> bool:
+            return isinstance(loc, int) or (isinstance(loc, (list, tuple)) and bool(loc)
+                                             and all(isinstance(x, int) for x in loc))
+
+        @staticmethod
+        def _pointer_segments(locs: Sequence[Any], sizes: Sequence[Any]) -> tuple:
+            """Raw-address pages (target_location as an address, or a list of
+            them, with target_sizes in bytes), as some backends take them."""
+            rows_p, rows_l = [], []
+            for loc, size in zip(locs, sizes):
+                loc = [loc] if isinstance(loc, int) else list(loc)
+                size = [size] * len(loc) if isinstance(size, int) else list(size)
+                rows_p.append(loc)
+                rows_l.append(size)
+            return np.array(rows_p, dtype=np.uint64), np.array(rows_l, dtype=np.int64)
+
         def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                      target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+                      target_sizes: Optional[Any] = None) -> List[Any]:
+            """Pages into tensors (target_locations: flat page tensors, or new
+            ones of the host pool's), or into raw addresses (target_locations
+            addresses, target_sizes bytes: True per hit). None per miss."""
             try:
                 if not keys:
                     return []
+                if target_locations is not None and target_sizes is not None and all(
+                        self._is_pointer(t) for t in target_locations):
+                    p, ln = self._pointer_segments(target_locations, target_sizes)
+                    found = self._kv().get(self._keys(keys), p, ln)
+                    return [True if f else None for f in found]
                 targets = list(target_locations) if target_locations is not None else [
                     self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
                 p, ln = self._tensor_segments(targets)
@@ -368,17 +392,23 @@ def _build() -> Any:
                 self._fault("batch_get", exc)
                 return [None] * len(keys)
 
-        def get(self, key: str, target_location: Optional[Any] = None,
-                target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
-            return self.batch_get([key], None if target_location is None else [target_location])[0]
+        def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Any:
+            locs = None if target_location is None else [target_location]
+            sizes = None if target_sizes is None else [target_sizes]
+            return self.batch_get([key], locs, sizes)[0]
 
         def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                       target_sizes: Optional[Any] = None) -> bool:
+            """Pages from tensors (values), or from raw addresses
+            (target_locations with target_sizes); True when every page is in
+            a tier."""
             try:
                 if not keys:
                     return True
-                vals = [v.contiguous() for v in values]
-                p, ln = self._tensor_segments(vals)
+                if values is None and target_locations is not None and target_sizes is not None:
+                    p, ln = self._pointer_segments(target_locations, target_sizes)
+                else:
+                    p, ln = self._tensor_segments([v.contiguous() for v in values])
                 return bool(self._kv().put(self._keys(keys), p, ln).all())
             except Exception as exc:
                 self._fault("batch_set", exc)
@@ -386,6 +416,8 @@ def _build() -> Any:
 
         def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
                 target_sizes: Optional[Any] = None) -> bool:
+            if value is None and target_location is not None:
+                return self.batch_set([key], None, [target_location], [target_sizes])
             return self.batch_set([key], [value])
 
         # -- multi-pool v2 --
@@ -432,9 +464,6 @@ def _build() -> Any:
                 try:
                     pool = self.registered_pools[t.name] if name != str(PoolName.KV) else self.mem_pool_host
                     store = self._store_for(pool, name)
-                    if write and not self.config.is_storage_writer:
-                        out[name] = [True] * len(keys)
-                        continue
                     out[name] = self._pool_io(pool, store, keys, t.host_indices, name, write)
                 except Exception as exc:
                     self._fault("batch_set_v2" if write else "batch_get_v2", exc)
