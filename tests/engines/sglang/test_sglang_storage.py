@@ -186,3 +186,39 @@ def test_page_store_without_sglang():
     with pytest.raises(ValueError):
         ks.PageStore(16, host_bytes=8)
     ps.close()
+
+
+def test_multi_pool_v2_methods(instances):
+    # A hybrid model's side pool (here a second MHA host pool standing in
+    # for SGLang's SWA pool) registered through register_mem_host_pool_v2,
+    # stored and found with SGLang's PoolTransfer and hit policies.
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    inst = instances(extra={**KVPLUG, "kvplug_host_bytes": 1 << 20})
+    side = instances(extra={**KVPLUG, "kvplug_host_bytes": 1 << 20}).host
+    be = inst.backend
+    be.register_mem_host_pool_v2(side, PoolName.SWA)
+    t = tokens(13, 16)
+    keys = inst.hashes(t)
+    idx = inst.fill(t, 13)
+    assert be.batch_set_v1(keys, idx) == [True] * 4
+    sidx = side.alloc(8)
+    g = torch.Generator().manual_seed(5)
+    for s in (0, 4):
+        page = side.get_dummy_flat_data_page()
+        page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
+        side.set_from_flat_data_page(int(sidx[s]), page)
+    want = [side.get_data_page(int(sidx[s]), flat=True).clone() for s in (0, 4)]
+    res = be.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=sidx, keys=keys[2:4])])
+    assert res == {"swa": [True, True]}
+    # Trailing pages: prefixes of 3 and 4 pages have their last page's state.
+    r = be.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=keys[3:4],
+                                               hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [3, 4]
+    # All pages: the side pool lacks pages 0-1, so nothing is restorable.
+    r = be.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert r.kv_hit_pages == 0
+    out = side.alloc(8)
+    got = be.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=out, keys=keys[2:4])])
+    assert got == {"swa": [True, True]}
+    assert all(torch.equal(side.get_data_page(int(out[s]), flat=True), w) for s, w in zip((0, 4), want))
