@@ -27,9 +27,29 @@ Output tokens/s, TTFT and TPOT percentiles, prefix hit rate, preemptions and
 the host share of step time (scheduling, manager calls, planning, sampling
 bookkeeping) per run, then the kvplug/flashinfer ratios.
 
+Workload m (issue 23, host KV tier): 128 conversations x 6 turns (--m-*),
+each turn adding 200-500 user tokens and 128-256 output tokens, turn k+1
+arriving when turn k finished (its TTFT counts from then), turns of all
+conversations interleaved; the GPU pool is --m-pool-frac (a quarter) of the
+working set, so histories are evicted between turns. Its systems:
+  kvplug-host  kvplug with the host KV tier (--host-cache-gb, default the
+               whole working set; --demote-ahead; --demote-overlap puts
+               the demotions on a side stream): evicted histories are
+               demoted to pinned host memory and reloaded on the next turn;
+  kvplug       without it: evicted histories are recomputed;
+  kvplug-all   a GPU pool that holds the whole working set (the upper bound).
+It reports TTFT p50/p99 (all turns and turns 2+), output tokens/s, the host
+tier's hit rates, demotions, reloads and skips, and its load bandwidth
+against a 1 GiB pinned host->device torch copy timed in the same run.
+kvplug-host on a, b, c measures the tier enabled but unused.
+
     python bench/hf_bench.py                             # the issue's full scale
     python bench/hf_bench.py --scale 0.125 --out-scale 0.25 --hf-requests 16
     python bench/hf_bench.py --model tiny-llama --device cpu --systems kvplug --scale 0.02   # a smoke run
+    python bench/hf_bench.py --workloads m                          # host tier, recompute, upper bound
+    python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --host-cache-gb 32   # tier unused
+    python bench/hf_bench.py --model tiny-llama --device cpu --dtype float32 --workloads m --scale 0.03 \
+        --m-turns 3 --m-user 20 40 --m-output 8 16 --max-batch 8 --step-tokens 256 --chunk 128   # a smoke run
 
 FlashInfer comes from the bundle of ../shared/peers/flashinfer-bundle.sh
 (PYTHONPATH, FLASHINFER_* as that script says); it compiles its kernels on
@@ -89,6 +109,54 @@ def workload(name: str, args, vocab: int) -> List[Any]:
             prompt = rng.integers(1, vocab, int(rng.integers(args.own[0], args.own[1] + 1))).tolist()
             reqs.append(E.Request(i, 0.0, prompt, int(rng.integers(o_lo, o_hi + 1)), n=args.samples_c, temperature=1.0))
     return reqs
+
+
+class MultiTurn:
+    """Workload m: conversations of several turns. Turn k's prompt is turn
+    k-1's prompt and outputs plus 200-500 new user tokens, with 128-256
+    output tokens; every conversation's first turn arrives at the start and
+    each later turn when its previous one finished (Engine.run's follow_up),
+    at the back of the waiting line: turn k of the conversations runs
+    roughly before turn k+1, so that a GPU pool smaller than the working set
+    (every conversation's full history) evicts histories between turns.
+    Its TTFT is from that arrival to the turn's first output token."""
+
+    def __init__(self, args, vocab: int) -> None:
+        rng = np.random.default_rng(4)
+        n = max(1, int(round(args.m_convs * args.scale)))
+        turns = args.m_turns
+        o_lo, o_hi = (max(1, int(x * args.out_scale)) for x in args.m_output)
+        u_lo, u_hi = args.m_user
+        self.users = [[rng.integers(1, vocab, int(rng.integers(u_lo, u_hi + 1))).tolist() for _ in range(turns)]
+                      for _ in range(n)]
+        self.outs = [[int(rng.integers(o_lo, o_hi + 1)) for _ in range(turns)] for _ in range(n)]
+        self.order = rng.permutation(n).tolist()  # the first turns' order in the waiting line
+        self.turns = turns
+        self.lens = [sum(map(len, u)) + sum(o) for u, o in zip(self.users, self.outs)]  # full histories
+        self.max_len = max(self.lens)
+        self.of: Dict[int, Any] = {}  # rid -> (conversation, turn)
+
+    def __len__(self) -> int:
+        return len(self.users) * self.turns
+
+    def working_set_blocks(self, block_size: int) -> int:
+        return sum(-(-n // block_size) for n in self.lens)
+
+    def _request(self, conv: int, turn: int, prompt: List[int], arrival: float) -> Any:
+        rid = conv * self.turns + turn
+        self.of[rid] = (conv, turn)
+        return E.Request(rid, arrival, prompt, self.outs[conv][turn])
+
+    def first(self) -> List[Any]:
+        self.of = {}
+        return [self._request(c, 0, list(self.users[c][0]), 0.0) for c in self.order]
+
+    def follow_up(self, req: Any, now: float) -> Optional[Any]:
+        conv, turn = self.of[req.rid]
+        if turn + 1 >= self.turns:
+            return None
+        prompt = req.prompt + req.outputs[req.seq_ids[0]] + self.users[conv][turn + 1]
+        return self._request(conv, turn + 1, prompt, now)
 
 
 def fresh(reqs: List[Any]) -> List[Any]:
@@ -289,17 +357,65 @@ def pct(a, q) -> float:
     return float(np.percentile(a, q)) * 1e3 if len(a) else float("nan")
 
 
-def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
+def copy_ceiling(device: str, gib: float = 1.0, reps: int = 5) -> Optional[Dict[str, float]]:
+    """GB/s of one large pinned host -> device (and device -> host) copy:
+    the link's ceiling for the host tier's loads (None off CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    n = int(gib * 2**30)
+    h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(n, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d_gbps", d, h), ("d2h_gbps", h, d)):
+        dst.copy_(src, non_blocking=True)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        e1.record()
+        e1.synchronize()
+        out[name] = reps * n / (e0.elapsed_time(e1) * 1e-3) / 1e9
+    del h, d
+    torch.cuda.empty_cache()
+    return out
+
+
+def working_set_blocks(reqs: List[Any], block_size: int) -> int:
+    return sum(r.n * -(-(len(r.prompt) + r.max_new_tokens) // block_size) for r in reqs)
+
+
+def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Dict[str, Any]:
+    """One system on one workload. kvplug-host: kvplug with the host KV tier
+    (--host-cache-gb, default: the workload's whole working set);
+    kvplug-all: kvplug with a GPU pool that holds the working set (the upper
+    bound). Workload m (conv): the pool defaults to --m-pool-frac of the
+    working set."""
     kvhf.prepare_model(model)
-    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)
-    block_bytes = 2 * model.config.num_hidden_layers * args.block_size * kvhf.ModelShape.of(model.config).num_kv_heads \
-        * kvhf.ModelShape.of(model.config).head_dim * torch.tensor([], dtype=dtype).element_size()
-    num_blocks = args.num_blocks or int(args.kv_gb * 2**30 // block_bytes)
-    cache = kvhf.PagedKVCache.for_model(model, num_blocks, args.block_size)
+    shape = kvhf.ModelShape.of(model.config)
+    bs = args.block_size
+    max_len = conv.max_len if conv is not None else max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    block_bytes = kvhf.tier_copy.block_bytes(shape.num_layers, bs, shape.num_kv_heads, shape.head_dim, dtype)
+    ws = conv.working_set_blocks(bs) if conv is not None else working_set_blocks(reqs, bs)
+    if system == "kvplug-all":
+        num_blocks = ws + (len(conv.users) if conv is not None else 0) + args.max_batch
+    elif args.num_blocks:
+        num_blocks = args.num_blocks
+    elif conv is not None:
+        num_blocks = int(math.ceil(args.m_pool_frac * ws))
+    else:
+        num_blocks = int(args.kv_gb * 2**30 // block_bytes)
+    num_blocks = max(num_blocks, -(-max_len // bs) + 1)
+    tier: Dict[str, Any] = {}
+    if system == "kvplug-host":
+        gb = args.host_cache_gb or 1.05 * ws * block_bytes / 2**30
+        tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
+    elif args.shared_tier:
+        raise SystemExit("--shared-tier goes with the kvplug-host system")
+    cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
-    if system in ("kvplug", "kvplug-cascade"):
+    if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all"):
         cascade = (system == "kvplug-cascade" or args.cascade) and args.device.startswith("cuda")
         runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
@@ -307,7 +423,8 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
     setup = time.perf_counter() - t0
     engine = E.Engine(runner, E.EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=0,
                                              progress_every=0 if args.quiet else 10.0))
-    wall = engine.run(reqs, log=lambda s: print("    " + s, flush=True), time_limit=args.time_limit)
+    wall = engine.run(reqs, log=lambda s: print("    " + s, flush=True), time_limit=args.time_limit,
+                      follow_up=conv.follow_up if conv is not None else None)
     done = [r for r in reqs if r.finished is not None]
     ps = cache.manager.prefix_stats()
     host = np.array(engine.host_times)
@@ -320,8 +437,15 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
         "hit_rate": ps.hit_rate, "preemptions": engine.preemptions, "steps": engine.steps,
         "graph_steps": runner.graph_steps, "graph_decode_steps": runner.graph_decode_steps, "host_share": float(host.sum() / max(steps.sum(), 1e-9)),
         "host_share_full_batch": float(np.mean(big)) if big else float("nan"),
-        "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks,
+        "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks, "working_set_blocks": ws,
+        "prompt_tokens": cache.stats["prompt_tokens"], "cached_tokens": cache.stats["cached_tokens"],
+        "prefill_tokens": engine.prefill_tokens,
     }
+    if conv is not None:
+        res["requests"] = len(conv)
+        res["ttft_next"] = [r.first_token - r.arrival for r in done if conv.of[r.rid][1] > 0]
+    if cache.tier is not None:
+        res["tier"] = cache.tier_summary()
     # Where the time goes: decode-only steps (graph replays) against steps that carry prompt tokens.
     decode = np.array(engine.step_tokens) == np.array(engine.batch_sizes)
     full = decode & (np.array(engine.batch_sizes) >= args.max_batch * 0.9)
@@ -339,16 +463,32 @@ def run_loop(system: str, model, reqs, args, dtype) -> Dict[str, Any]:
     return res
 
 
-def line(system: str, wl: str, r: Dict[str, Any]) -> str:
+def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
+    t = r.get("tier")
+    if not t:
+        return ""
+    of = f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of the pinned copy's {ceiling['h2d_gbps']:.1f}" if ceiling else ""
+    return (f"  | host tier {t['host_bytes'] / 2**30:.1f} GiB: hit host {t['host_hit_rate']:.1%} GPU "
+            f"{t['gpu_hit_rate']:.1%}, demotions {t['demotions_completed']}, reloads {t['reloads_completed']}, skipped "
+            f"{t['skipped_full']} full / {t['skipped_present']} present / {t['evicted_undemoted']} undemoted, "
+            f"loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s{of}")
+
+
+def line(system: str, wl: str, r: Dict[str, Any], ceiling: Optional[Dict[str, float]] = None) -> str:
     tps = r["out_tokens"] / max(r["wall"], 1e-9)
     extra = ""
+    if "ttft_next" in r:
+        extra += (f"  turns 2+ TTFT p50 {pct(r['ttft_next'], 50):.1f} p99 {pct(r['ttft_next'], 99):.1f} ms"
+                  f"  pool {r['num_blocks']} blocks ({r['num_blocks'] / max(r['working_set_blocks'], 1):.2f} of the "
+                  f"working set), prefill {r['prefill_tokens']} tokens")
     if "hit_rate" in r:
-        extra = (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
-                 f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}"
-                 f" ({r['graph_decode_steps']} routed to paged_decode)"
-                 f"  decode steps {r['decode_steps']} {r['decode_time']:.1f} s, others {r['other_time']:.1f} s,"
-                 f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
-                 f" (host {r['host_ms_full_batch']:.2f} ms)")
+        extra += (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
+                  f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}"
+                  f" ({r['graph_decode_steps']} routed to paged_decode)"
+                  f"  decode steps {r['decode_steps']} {r['decode_time']:.1f} s, others {r['other_time']:.1f} s,"
+                  f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
+                  f" (host {r['host_ms_full_batch']:.2f} ms)")
+    extra += tier_text(r, ceiling)
     return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
             f"TTFT p50 {pct(r['ttft'], 50):8.1f} p99 {pct(r['ttft'], 99):8.1f} ms  "
             f"TPOT p50 {pct(r['tpot'], 50):6.1f} p99 {pct(r['tpot'], 99):6.1f} ms" + extra)
@@ -359,8 +499,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--workloads", default="a,b,c")
-    ap.add_argument("--systems", default="kvplug,flashinfer,hf")
+    ap.add_argument("--workloads", default="a,b,c", help="a, b, c and m (multi-turn), comma separated")
+    ap.add_argument("--systems", default=None,
+                    help="kvplug, kvplug-host, kvplug-all, kvplug-cascade, flashinfer, hf (default: "
+                    "kvplug,flashinfer,hf for a, b, c; kvplug-host,kvplug,kvplug-all for m)")
     ap.add_argument("--requests", type=int, default=512, help="requests of a and b (times --scale)")
     ap.add_argument("--prompts-c", type=int, default=16, help="prompts of c (times --scale when < 1)")
     ap.add_argument("--samples-c", type=int, default=32, help="samples per prompt of c")
@@ -382,6 +524,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--fi-prefill-backend", default="fa2", help="FlashInfer prefill backend (fa3 compiles for ~2 min)")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests (c: prompts) transformers' generate serves")
     ap.add_argument("--hf-batch", type=int, default=64, help="sequences per generate call")
+    ap.add_argument("--m-convs", type=int, default=128, help="conversations of m (times --scale)")
+    ap.add_argument("--m-turns", type=int, default=6, help="turns per conversation of m")
+    ap.add_argument("--m-user", type=int, nargs=2, default=[200, 500], help="new user tokens per turn of m, min max")
+    ap.add_argument("--m-output", type=int, nargs=2, default=[128, 256],
+                    help="output tokens per turn of m, min max (times --out-scale)")
+    ap.add_argument("--m-pool-frac", type=float, default=0.25,
+                    help="m's GPU pool (kvplug, kvplug-host) as a fraction of its working set, unless --num-blocks")
+    E.add_tier_args(ap)  # --host-cache-gb (kvplug-host; default: the working set), --demote-ahead, --shared-tier
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--quiet", action="store_true")
@@ -394,30 +544,71 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"kvplug {kvplug.version_string()}, torch {torch.__version__}, {args.model} {args.dtype} on {args.device} "
           f"({time.perf_counter() - t0:.1f} s to build), "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}", flush=True)
+    systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl == "m" else "kvplug,flashinfer,hf"))
+                  .split(",") for wl in args.workloads.split(",")}
+    ceiling = None
+    if any(s == "kvplug-host" for v in systems_of.values() for s in v):
+        ceiling = copy_ceiling(args.device)
+        if ceiling:
+            print(f"pinned copy ceiling (1 GiB, torch): host->device {ceiling['h2d_gbps']:.1f} GB/s, "
+                  f"device->host {ceiling['d2h_gbps']:.1f} GB/s", flush=True)
     results: Dict[str, Dict[str, Any]] = {}
     for wl in args.workloads.split(","):
-        reqs = workload(wl, args, vocab)
-        toks = sum(len(r.prompt) for r in reqs)
-        print(f"workload {wl}: {len(reqs)} requests x {reqs[0].n}, {toks} prompt tokens, "
-              f"{sum(r.max_new_tokens * r.n for r in reqs)} output tokens", flush=True)
-        for system in args.systems.split(","):
+        conv = None
+        if wl == "m":
+            conv = MultiTurn(args, vocab)
+            bs = args.block_size
+            print(f"workload m: {len(conv.users)} conversations x {conv.turns} turns, histories up to {conv.max_len} "
+                  f"tokens, working set {sum(conv.lens)} tokens = {conv.working_set_blocks(bs)} blocks of {bs}",
+                  flush=True)
+        else:
+            reqs = workload(wl, args, vocab)
+            toks = sum(len(r.prompt) for r in reqs)
+            print(f"workload {wl}: {len(reqs)} requests x {reqs[0].n}, {toks} prompt tokens, "
+                  f"{sum(r.max_new_tokens * r.n for r in reqs)} output tokens", flush=True)
+        for system in systems_of[wl]:
             t1 = time.perf_counter()
             if system == "hf":
+                if conv is not None:
+                    raise SystemExit("the hf system does not serve workload m")
                 sub = fresh(reqs[:args.hf_requests])
                 r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
-            elif system in ("kvplug", "kvplug-cascade", "flashinfer"):
-                r = run_loop(system, model, fresh(reqs), args, dtype)
+            elif system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "flashinfer"):
+                r = run_loop(system, model, conv.first() if conv is not None else fresh(reqs), args, dtype, conv)
             else:
-                raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-cascade, flashinfer or hf")
+                raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-host, kvplug-all, kvplug-cascade, "
+                                 "flashinfer or hf")
             results[f"{wl}/{system}"] = r
-            print(line(system, wl, r) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
+            print(line(system, wl, r, ceiling) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
+    if "m" in systems_of:
+        print("multi-turn (m): TTFT p50 / p99 ms (turns 2+), output tokens/s, loads vs the pinned copy ceiling:")
+        for system in systems_of["m"]:
+            r = results.get(f"m/{system}")
+            if r is None:
+                continue
+            t = r.get("tier")
+            load = ""
+            if t:
+                load = f"  loads {t['load_gbps']:.1f} GB/s"
+                load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
+                load += f", host hit {t['host_hit_rate']:.1%}"
+            print(f"  {system:12s} {pct(r['ttft'], 50):8.1f} / {pct(r['ttft'], 99):8.1f} "
+                  f"({pct(r['ttft_next'], 50):.1f} / {pct(r['ttft_next'], 99):.1f})  "
+                  f"{r['out_tokens'] / max(r['wall'], 1e-9):8.1f} tok/s" + load)
+        h, base = results.get("m/kvplug-host"), results.get("m/kvplug")
+        if h and base:
+            print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9):.2f}x "
+                  f"lower, output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
+        if ceiling:
+            results["m/ceiling"] = ceiling
     print("summary (output tokens/s; kvplug / flashinfer):")
     for wl in args.workloads.split(","):
         row = {s: results[f"{wl}/{s}"]["out_tokens"] / results[f"{wl}/{s}"]["wall"]
-               for s in args.systems.split(",") if f"{wl}/{s}" in results}
+               for s in systems_of[wl] if f"{wl}/{s}" in results}
         ratio = "".join(f"  {k}/flashinfer {row[k] / row['flashinfer']:.2f}x"
                         for k in ("kvplug", "kvplug-cascade") if k in row and "flashinfer" in row)
         ratio += f"  kvplug/hf {row['kvplug'] / row['hf']:.1f}x" if "kvplug" in row and "hf" in row else ""
+        ratio += f"  kvplug-host/kvplug {row['kvplug-host'] / row['kvplug']:.3f}x" if "kvplug-host" in row and "kvplug" in row else ""
         print(f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in row.items()) + ratio)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

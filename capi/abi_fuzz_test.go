@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -37,17 +38,12 @@ func FuzzABI(f *testing.F) {
 	// A host tier (12 blocks of 2 tokens, 4 slots, demote_ahead 12):
 	// conversations demoted, flushed, completed, matched per tier and
 	// reloaded.
-	f.Add([]byte{
-		9, 11, 2, 3, 12, 16, 63, 254, 104, 64, 117, 59, 57, 211, 61, 62, 130, 32, 186, 86, 65, 59, 64, 52,
-		208, 57, 64, 120, 32, 61, 64, 14, 66, 10, 62, 1, 62, 28, 2, 231, 194, 57, 202, 239, 57, 147, 153, 59,
-		86, 74, 62, 62, 115, 57, 20, 178, 59, 46, 59, 59, 155, 59, 64, 14, 157, 57, 20, 84, 38, 21, 63, 209,
-		232, 57, 237, 56, 59, 61, 245, 64, 254, 147, 147, 64, 222, 61, 64, 52, 63, 64, 57, 59, 216, 91, 64, 18,
-		16, 30, 193, 223, 64, 203, 173, 209, 179, 57, 61, 59, 63, 63, 59, 60, 2, 62, 64, 59, 59, 59, 57, 137,
-		59, 177, 43, 255, 194, 59, 61, 38, 113, 59, 92, 50, 121, 57, 106, 132, 62, 178, 26, 88, 106, 64, 57, 194,
-		27, 64, 155, 118, 165, 178, 148, 37, 64, 64, 225, 129, 198, 171, 17, 142, 192, 151, 206, 224, 59, 64, 177, 197,
-		59, 45, 6, 64, 92, 110, 70, 42, 167, 185, 64, 62, 47, 59, 57, 223, 61, 139, 33, 64, 125, 224, 50, 38,
-		51, 237, 95, 57, 120, 40, 64, 63,
-	})
+	f.Add(hostTierSeed)
+	// The host tier seed's steps on a manager that kvp_manager_create
+	// makes first with a shared tier (a server that is down: port 1).
+	f.Add(slices.Concat(hostTierSeed[:6],
+		[]byte{20, 5, 0, 0, 11, 1, 0, 0, 2, 1, 0, 9, 1, 0, 8, 0, 3, 12, 16, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1},
+		hostTierSeed[6:]))
 	gpu := cuda.Available()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
@@ -58,6 +54,21 @@ func FuzzABI(f *testing.F) {
 			fz.step()
 		}
 	})
+}
+
+// hostTierSeed: a host tier (12 blocks of 2 tokens, 4 slots, demote_ahead
+// 12): conversations demoted, flushed, completed, matched per tier and
+// reloaded.
+var hostTierSeed = []byte{
+	9, 11, 2, 3, 12, 16, 63, 254, 104, 64, 117, 59, 57, 211, 61, 62, 130, 32, 186, 86, 65, 59, 64, 52,
+	208, 57, 64, 120, 32, 61, 64, 14, 66, 10, 62, 1, 62, 28, 2, 231, 194, 57, 202, 239, 57, 147, 153, 59,
+	86, 74, 62, 62, 115, 57, 20, 178, 59, 46, 59, 59, 155, 59, 64, 14, 157, 57, 20, 84, 38, 21, 63, 209,
+	232, 57, 237, 56, 59, 61, 245, 64, 254, 147, 147, 64, 222, 61, 64, 52, 63, 64, 57, 59, 216, 91, 64, 18,
+	16, 30, 193, 223, 64, 203, 173, 209, 179, 57, 61, 59, 63, 63, 59, 60, 2, 62, 64, 59, 59, 59, 57, 137,
+	59, 177, 43, 255, 194, 59, 61, 38, 113, 59, 92, 50, 121, 57, 106, 132, 62, 178, 26, 88, 106, 64, 57, 194,
+	27, 64, 155, 118, 165, 178, 148, 37, 64, 64, 225, 129, 198, 171, 17, 142, 192, 151, 206, 224, 59, 64, 177, 197,
+	59, 45, 6, 64, 92, 110, 70, 42, 167, 185, 64, 62, 47, 59, 57, 223, 61, 139, 33, 64, 125, 224, 50, 38,
+	51, 237, 95, 57, 120, 40, 64, 63,
 }
 
 type abiFuzz struct {
@@ -82,7 +93,10 @@ type abiFuzz struct {
 	tierBytes                         int64
 	tickets, doneTickets              []uint64
 	tierCounters                      []int64
-	nextID                            int64 // conversation's sequence ids
+	// shared: the current manager has a shared tier, whose store
+	// goroutine changes its counters between any two calls.
+	shared bool
+	nextID int64 // conversation's sequence ids
 }
 
 func (fz *abiFuzz) alloc(n int) ptr {
@@ -308,6 +322,13 @@ func (fz *abiFuzz) snapshot() string {
 			// goroutine: the pending count moves between any two calls.
 			setField(p.p, s.name, "pending_events", 0)
 		}
+		if s.name == "kvp_tier_stats" && fz.shared {
+			// The shared tier's store goroutine counts on its own, and
+			// unpins the host slots of the blocks it stored.
+			off := l.fields["shared_lookups"].off
+			clear(unsafe.Slice((*byte)(unsafe.Add(p.p, off)), l.size-off))
+			setField(p.p, s.name, "host_pinned", 0)
+		}
 		b.Write(unsafe.Slice((*byte)(p.p), l.size))
 		p.free()
 	}
@@ -361,7 +382,11 @@ func (fz *abiFuzz) step() {
 // tierCounterFields are kvp_tier_stats' counters, which never decrease.
 var tierCounterFields = []string{"demotions_queued", "demotions_completed", "demotions_failed", "skipped_full",
 	"skipped_present", "evicted_undemoted", "reloads", "reloads_completed", "reloads_failed", "host_hit_tokens",
-	"match_queries", "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses"}
+	"match_queries", "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses",
+	"shared_lookups", "shared_hits", "shared_misses", "shared_fetched", "shared_fetch_misses", "shared_hit_tokens",
+	"shared_match_tokens", "shared_puts_queued", "shared_puts_done", "shared_puts_present", "shared_puts_failed",
+	"shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors", "shared_skipped",
+	"shared_bytes_read", "shared_bytes_written"}
 
 // tierStats returns the current manager's tier counters (in the order of
 // tierCounterFields), then in_flight, host_slots, host_resident,
@@ -1067,6 +1092,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 	badTier := false // a host tier field the header refuses
 	var slots, ahead, reserved int32
 	var bytes int64
+	badShared, shared := false, false // a shared tier field the header refuses; a shared tier
 	if size := *(*uintptr)(cfg); size >= 16 && size <= 1<<16 {
 		nb := []int64{fz.i64(), int64(fz.small(64)) + 1}[fz.small(2)]
 		if nb > 4096 && nb <= 1<<26 {
@@ -1107,6 +1133,9 @@ func (fz *abiFuzz) createManager() (string, int) {
 			setField(cfg, "kvp_manager_config", "demote_ahead", int64(ahead))
 			setField(cfg, "kvp_manager_config", "reserved", int64(reserved))
 			setField(cfg, "kvp_manager_config", "host_block_bytes", bytes)
+			if fz.r.u8()%3 == 0 {
+				badShared, shared = fz.sharedConfig(cfg, slots)
+			}
 		}
 	}
 	if fz.r.u8()%10 == 0 {
@@ -1120,15 +1149,18 @@ func (fz *abiFuzz) createManager() (string, int) {
 			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, reserved %d, bytes %d",
 				slots, ahead, reserved, bytes)
 		}
+		if badShared {
+			fz.t.Fatalf("kvp_manager_create accepted a bad shared tier config")
+		}
 		rawPublisherDestroy(fz.pub)
 		fz.pub = nil
 		rawManagerDestroy(fz.m)
 		fz.m = *(*ptr)(out)
 		fz.pins = nil
 		fz.numBlocks = *(*int32)(unsafe.Add(cfg, l.fields["num_blocks"].off))
-		fz.tierSlots, fz.demoteAhead, fz.tierBytes = 0, 0, 0
+		fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared = 0, 0, 0, false
 		if *(*uintptr)(cfg) >= l.size {
-			fz.tierSlots, fz.demoteAhead, fz.tierBytes = slots, ahead, bytes
+			fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared = slots, ahead, bytes, shared
 		}
 		fz.tickets, fz.doneTickets = nil, nil
 		fz.tierCounters = make([]int64, len(tierCounterFields)) // a new manager's counters start at 0
@@ -1137,10 +1169,43 @@ func (fz *abiFuzz) createManager() (string, int) {
 	if after := fz.liveHandles(); after != live {
 		fz.t.Fatalf("kvp_manager_create failed (%s) with %d live handles before, %d after", lastError(), live, after)
 	}
-	if badTier && cfg != nil && out != nil && *(*uintptr)(cfg) == l.size && st != int(kverr.InvalidArgument) {
-		fz.t.Fatalf("kvp_manager_create of a bad host tier: %s (%s)", statusName(st), lastError())
+	if (badTier || badShared) && cfg != nil && out != nil && *(*uintptr)(cfg) == l.size && st != int(kverr.InvalidArgument) {
+		fz.t.Fatalf("kvp_manager_create of a bad host (%v) or shared (%v) tier: %s (%s)", badTier, badShared, statusName(st), lastError())
 	}
 	return "kvp_manager_create", st
+}
+
+// sharedConfig sets the shared tier fields of a full-size config whose
+// host tier has slots (0: none): an address nothing listens on (port 1,
+// refused at once), an empty or too long one, or NULL; a namespace valid,
+// empty, with a character the header refuses, too long, or NULL; a
+// timeout and a queue length in range or not. It reports whether the
+// header refuses them, and whether they make a shared tier.
+func (fz *abiFuzz) sharedConfig(cfg ptr, slots int32) (bad, shared bool) {
+	l := cLayouts["kvp_manager_config"]
+	str := func(v string, null bool) ptr {
+		if null {
+			return nil
+		}
+		p := fz.alloc(len(v) + 1)
+		copy(unsafe.Slice((*byte)(p), len(v)), v)
+		return p
+	}
+	addrs := []string{"127.0.0.1:1", "", strings.Repeat("a", 1025)}
+	nss := []string{"fuzz.bs4", "", "meta/x", strings.Repeat("n", 65)}
+	ai, ni := fz.small(len(addrs)+1), fz.small(len(nss)+1) // the last: NULL
+	timeout := []int64{0, 100, -1, 60001, fz.i64()}[fz.small(5)]
+	queue := []int64{0, 4, -1, 1<<20 + 1, fz.i64()}[fz.small(5)]
+	timeout, queue = int64(int32(timeout)), int64(int32(queue))
+	*(*ptr)(unsafe.Add(cfg, l.fields["shared_tier_addr"].off)) = str(addrs[min(ai, len(addrs)-1)], ai == len(addrs))
+	*(*ptr)(unsafe.Add(cfg, l.fields["shared_tier_namespace"].off)) = str(nss[min(ni, len(nss)-1)], ni == len(nss))
+	setField(cfg, "kvp_manager_config", "shared_tier_timeout_ms", timeout)
+	setField(cfg, "kvp_manager_config", "shared_tier_put_queue", queue)
+	if ai == len(addrs) {
+		return ni != len(nss) || timeout != 0 || queue != 0, false
+	}
+	bad = slots <= 0 || ai != 0 || ni != 0 || timeout < 0 || timeout > 60000 || queue < 0 || queue > 1<<20
+	return bad, !bad
 }
 
 // liveHandles is kvp_live_handles' count.

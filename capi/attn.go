@@ -104,9 +104,6 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 		return fail(err)
 	}
 	a = &args
-	if a.reserved != 0 {
-		return failf(kverr.InvalidArgument, "kvp_paged_decode: reserved must be 0: got %d", int32(a.reserved))
-	}
 	wsBytes, err := limits.ByteCount("kvp_paged_decode: workspace_bytes", uint64(a.workspace_bytes))
 	if err != nil {
 		return fail(err)
@@ -121,7 +118,7 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
 			CacheHeadStride: int64(a.cache_head_stride),
 			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-			Scale: float32(a.scale),
+			Scale: float32(a.scale), QLen: int(a.q_len),
 		},
 		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
 		BlockTable: cuda.DevicePtr(a.block_table), SeqLens: cuda.DevicePtr(a.seq_lens),

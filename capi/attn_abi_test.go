@@ -24,7 +24,11 @@ func TestAttnABIArgumentChecks(t *testing.T) {
 	mod("head_dim 80", func(a *decodeHookArgs) { a.headDim = 80 }, kverr.Unsupported)
 	mod("gqa 8/3", func(a *decodeHookArgs) { a.kvHeads = 3 }, kverr.InvalidArgument)
 	mod("out 0", func(a *decodeHookArgs) { a.out = 0 }, kverr.NullPointer)
-	mod("reserved", func(a *decodeHookArgs) { a.reserved = 1 }, kverr.InvalidArgument)
+	mod("q_len 17", func(a *decodeHookArgs) { a.qLen = 17 }, kverr.InvalidArgument)
+	mod("q_len -1", func(a *decodeHookArgs) { a.qLen = -1 }, kverr.InvalidArgument)
+	mod("q_len 4, workspace for one row per sequence", func(a *decodeHookArgs) {
+		a.qLen, a.numSplits, a.workspace, a.workspaceBytes = 4, 2, 0x8000, 2*2*8*129*4
+	}, kverr.BufferTooSmall)
 	mod("workspace small", func(a *decodeHookArgs) { a.numSplits, a.workspace, a.workspaceBytes = 4, 0x8000, 100 }, kverr.BufferTooSmall)
 	mod("workspace_bytes huge", func(a *decodeHookArgs) { a.workspaceBytes = 1 << 63 }, kverr.InvalidArgument)
 

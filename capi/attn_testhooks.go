@@ -18,7 +18,7 @@ type decodeHookArgs struct {
 	numBlocks, blockSize, maxBlocks        int32
 	q, k, v, table, lens, out, lse         uint64
 	workspace, workspaceBytes              uint64
-	numSplits, reserved                    int32
+	numSplits, qLen                        int32
 }
 
 func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
@@ -32,7 +32,7 @@ func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
 		q: C.uint64_t(h.q), k_cache: C.uint64_t(h.k), v_cache: C.uint64_t(h.v),
 		block_table: C.uint64_t(h.table), seq_lens: C.uint64_t(h.lens), out: C.uint64_t(h.out), lse: C.uint64_t(h.lse),
 		workspace: C.uint64_t(h.workspace), workspace_bytes: C.uint64_t(h.workspaceBytes),
-		num_splits: C.int32_t(h.numSplits), reserved: C.int32_t(h.reserved),
+		num_splits: C.int32_t(h.numSplits), q_len: C.int32_t(h.qLen),
 	}
 	// Contiguous layouts.
 	D, qh, kvh, bs := int64(h.headDim), int64(h.qHeads), int64(h.kvHeads), int64(h.blockSize)

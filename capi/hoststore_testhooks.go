@@ -161,8 +161,16 @@ func hookSharedStoreDestroy(h unsafe.Pointer) { kvp_shared_store_destroy((*C.kvp
 // hookSharedStorePutGet puts data (one segment a key), then gets it back
 // into fresh buffers: stored, found and what came back.
 func hookSharedStorePutGet(h unsafe.Pointer, keys []uint64, data [][]byte) (int32, []int32, [][]byte, abiStatus) {
-	k := cUint64s(keys)
+	// 16-byte keys: each uint64 little-endian, then 8 bytes of 0x5a.
+	k := newCBuf(16 * len(keys))
 	defer k.free()
+	kb := unsafe.Slice((*byte)(k.p), 16*len(keys))
+	for i, v := range keys {
+		for j := 0; j < 8; j++ {
+			kb[16*i+j] = byte(v >> (8 * j))
+			kb[16*i+8+j] = 0x5a
+		}
+	}
 	n := len(keys)
 	ptrs, lens, outp := newCBuf(8*n), newCBuf(8*n), newCBuf(8*n)
 	defer ptrs.free()
@@ -181,11 +189,11 @@ func hookSharedStorePutGet(h unsafe.Pointer, keys []uint64, data [][]byte) (int3
 		unsafe.Slice((*int64)(lens.p), n)[i] = int64(len(data[i]))
 	}
 	ss := (*C.kvp_shared_store)(h)
-	st := kvp_shared_store_put(ss, C.int32_t(n), (*C.uint64_t)(k.p), 1, (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p), (*C.int32_t)(stored.p))
+	st := kvp_shared_store_put(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p), (*C.int32_t)(stored.p))
 	if st != 0 {
 		return 0, nil, nil, abiStatus(st)
 	}
-	st = kvp_shared_store_get(ss, C.int32_t(n), (*C.uint64_t)(k.p), 1, (*unsafe.Pointer)(outp.p), (*C.int64_t)(lens.p), (*C.int32_t)(found.p))
+	st = kvp_shared_store_get(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(outp.p), (*C.int64_t)(lens.p), (*C.int32_t)(found.p))
 	back := make([][]byte, n)
 	for i := range n {
 		back[i] = append([]byte(nil), unsafe.Slice((*byte)(unsafe.Slice((*unsafe.Pointer)(outp.p), n)[i]), len(data[i]))...)

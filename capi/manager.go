@@ -33,6 +33,12 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	if err := managerConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
 		return fail(err)
 	}
+	// The shared tier's fields are checked before the host tier's memory
+	// is allocated.
+	shared, err := sharedTierOf(&c)
+	if err != nil {
+		return fail(err)
+	}
 	ht, err := newHostTier(&c)
 	if err != nil {
 		return fail(err)
@@ -46,7 +52,7 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	}
 	if ht != nil {
 		// No copier: the engine drives the copies (kvp_manager_flush_copies).
-		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead)}
+		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead), Shared: shared}
 	}
 	m, err := kvmanager.New(cfgGo)
 	if err != nil {

@@ -207,9 +207,20 @@ func hookClearPrefixCache(h unsafe.Pointer) (int32, abiStatus) {
 	return int32(n), abiStatus(st)
 }
 
+// The header's event kinds and media, for the tests (which cannot use C).
+const (
+	hookStored       = int32(C.KVP_KV_EVENT_BLOCK_STORED)
+	hookRemoved      = int32(C.KVP_KV_EVENT_BLOCKS_REMOVED)
+	hookCleared      = int32(C.KVP_KV_EVENT_ALL_CLEARED)
+	hookMediumGPU    = int32(C.KVP_MEDIUM_GPU)
+	hookMediumCPU    = int32(C.KVP_MEDIUM_CPU)
+	hookMediumShared = int32(C.KVP_MEDIUM_SHARED)
+)
+
 // hookEvent is a drained event with its variable parts resolved.
 type hookEvent struct {
 	kind         int32
+	medium       int32
 	hash, parent [16]byte
 	tokens       []int32
 	mm           int
@@ -236,7 +247,7 @@ func hookDrain(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes int32) (
 	tv := unsafe.Slice((*int32)(toks.p), max(maxTokens, 1))
 	hv := unsafe.Slice((*[16]byte)(hashes.p), max(maxHashes, 1))
 	for _, e := range unsafe.Slice(evs, int(n)) {
-		ev := hookEvent{kind: int32(e.kind), mm: int(e.num_mm)}
+		ev := hookEvent{kind: int32(e.kind), medium: int32(e.medium), mm: int(e.num_mm)}
 		ev.hash = *(*[16]byte)(unsafe.Pointer(&e.hash))
 		ev.parent = *(*[16]byte)(unsafe.Pointer(&e.parent))
 		if e.kind == C.KVP_KV_EVENT_BLOCK_STORED {

@@ -31,6 +31,17 @@ func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_stat
 	return onHandle(unsafe.Pointer(h), "kvp_shared_store", f)
 }
 
+// sharedKeysOf validates n and keys and views the caller's n 16-byte keys.
+func sharedKeysOf(op string, n C.int32_t, keys *C.uint8_t) ([]valkey.Hash, error) {
+	if err := checkCount(n, op+": n"); err != nil {
+		return nil, err
+	}
+	if keys == nil {
+		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
+	}
+	return slice[valkey.Hash](unsafe.Pointer(keys), n), nil
+}
+
 //export kvp_shared_store_create
 func kvp_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
 	defer guard(&st)
@@ -95,10 +106,10 @@ func kvp_shared_store_destroy(h *C.kvp_shared_store) {
 }
 
 //export kvp_shared_store_exists
-func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint64_t, found *C.int32_t) C.kvp_status {
+func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_exists"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := sharedKeysOf(op, n, keys)
 		if err != nil {
 			return err
 		}
@@ -117,11 +128,11 @@ func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint64_
 }
 
 //export kvp_shared_store_put
-func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint64_t, segs C.int32_t, ptrs *unsafe.Pointer,
+func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, stored *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_put"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := sharedKeysOf(op, n, keys)
 		if err != nil {
 			return err
 		}
@@ -159,11 +170,11 @@ func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint64_t, 
 }
 
 //export kvp_shared_store_get
-func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint64_t, segs C.int32_t, ptrs *unsafe.Pointer,
+func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_get"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := sharedKeysOf(op, n, keys)
 		if err != nil {
 			return err
 		}

@@ -49,7 +49,8 @@ var (
 	cascadePlanArgsStruct      = structOf[C.kvp_cascade_plan_args]("kvp_cascade_plan_args", unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host))
 	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
 	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)
-	tierStatsStruct            = structOf[C.kvp_tier_stats]("kvp_tier_stats", 0)
+	tierStatsStruct            = structOf[C.kvp_tier_stats]("kvp_tier_stats", unsafe.Offsetof(C.kvp_tier_stats{}.reserved)+4)
+	kvLayersStruct             = structOf[C.kvp_kv_layers]("kvp_kv_layers", 0)
 )
 
 // structOf is the abiStruct of C struct T (name), first released at size
@@ -66,7 +67,7 @@ func structOf[T any](name string, first uintptr) abiStruct {
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,
 	vcacheStatsStruct, kvWriteArgsStruct, pagedDecodeArgsStruct, mergeStatesArgsStruct, prefillPlanArgsStruct,
 	attnPlanStruct, pagedPrefillArgsStruct, cascadePlanArgsStruct, eventPublisherConfigStruct, eventPublisherStatsStruct,
-	tierStatsStruct}
+	tierStatsStruct, kvLayersStruct}
 
 func (s abiStruct) checkSize(got C.size_t) error {
 	n := uintptr(got)

@@ -42,7 +42,7 @@ func TestStructVersions(t *testing.T) {
 		expect(t, name+" struct_size garbage", try(1<<40, size, 0), kverr.StructSize)
 	}
 
-	for _, name := range []string{"kvp_manager_stats", "kvp_prefix_stats", "kvp_vcache_stats"} {
+	for _, name := range []string{"kvp_manager_stats", "kvp_prefix_stats", "kvp_vcache_stats", "kvp_tier_stats"} {
 		first, size := structSizes(name)
 		for _, callerSize := range []uintptr{first, size, size + 24} {
 			buf := newStructBuf(size + 64)

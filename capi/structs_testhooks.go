@@ -78,6 +78,15 @@ func hookStatsInto(name string, buf structBuf, structSize uintptr) abiStatus {
 			return abiStatus(kvp_manager_stats_get(m, (*C.kvp_manager_stats)(buf.p)))
 		}
 		return abiStatus(kvp_manager_prefix_stats(m, (*C.kvp_prefix_stats)(buf.p)))
+	case "kvp_tier_stats":
+		cfg := C.kvp_manager_config{struct_size: C.size_t(unsafe.Sizeof(C.kvp_manager_config{})), num_blocks: 8, block_size: 16,
+			enable_prefix_cache: 1, host_tier_slots: 4, host_block_bytes: 64}
+		var m *C.kvp_manager
+		if st := kvp_manager_create(&cfg, &m); st != C.KVP_OK {
+			return abiStatus(st)
+		}
+		defer kvp_manager_destroy(m)
+		return abiStatus(kvp_manager_tier_stats(m, (*C.kvp_tier_stats)(buf.p)))
 	case "kvp_vcache_stats":
 		cfg := C.kvp_vcache_config{struct_size: C.size_t(unsafe.Sizeof(C.kvp_vcache_config{})), backend: C.KVP_VMEM_HOST,
 			num_layers: 1, num_kv_heads: 1, head_dim: 64, max_batch: 1, max_context: 64, budget_bytes: 1 << 20, no_background: 1}

@@ -2,12 +2,14 @@ package main
 
 /*
 #include <stdlib.h>
+#include <string.h>
 #include "kvplug.h"
 */
 import "C"
 
 import (
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -66,6 +68,10 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
 			"kvp_manager_config.host_block_bytes must be >= 1 with a host tier, and host_tier_slots * host_block_bytes <= 2^46: got %d slots of %d bytes", slots, bytes)
 	}
+	if nb := int64(c.num_blocks); ahead < 0 || ahead > nb {
+		// The core refuses it too, but only after the memory is allocated.
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_ahead must be in [0, num_blocks = %d]: got %d", nb, ahead)
+	}
 	ht := &hostTier{}
 	p, err := host.New(host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&ht.mem}})
 	if err != nil {
@@ -74,6 +80,56 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 	}
 	ht.pool = p
 	return ht, nil
+}
+
+// maxAddrLen bounds kvp_manager_config.shared_tier_addr (and the length
+// read of the namespace, which the core bounds at 64).
+const maxAddrLen = 1024
+
+// sharedTierOf translates and checks the config's shared tier fields;
+// nil, nil when it has none.
+func sharedTierOf(c *C.kvp_manager_config) (*kvmanager.SharedTier, error) {
+	if c.shared_tier_addr == nil {
+		if c.shared_tier_namespace != nil || c.shared_tier_timeout_ms != 0 || c.shared_tier_put_queue != 0 {
+			return nil, kverr.Errorf(kverr.InvalidArgument,
+				"kvp_manager_config: shared_tier_namespace, shared_tier_timeout_ms (%d) and shared_tier_put_queue (%d) need a shared tier (shared_tier_addr)",
+				int32(c.shared_tier_timeout_ms), int32(c.shared_tier_put_queue))
+		}
+		return nil, nil
+	}
+	if c.host_tier_slots == 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config: a shared tier (shared_tier_addr) needs a host tier (host_tier_slots > 0)")
+	}
+	addr, err := boundedString(c.shared_tier_addr, "kvp_manager_config.shared_tier_addr")
+	if err != nil {
+		return nil, err
+	}
+	var ns string
+	if c.shared_tier_namespace != nil {
+		if ns, err = boundedString(c.shared_tier_namespace, "kvp_manager_config.shared_tier_namespace"); err != nil {
+			return nil, err
+		}
+	}
+	sh := &kvmanager.SharedTier{
+		Addr:      addr,
+		Namespace: ns,
+		OpTimeout: time.Duration(c.shared_tier_timeout_ms) * time.Millisecond,
+		PutQueue:  int(c.shared_tier_put_queue),
+	}
+	if err := sh.Check(); err != nil {
+		return nil, kverr.Wrap(kverr.CodeOf(err), err, "kvp_manager_config")
+	}
+	return sh, nil
+}
+
+// boundedString copies a NUL-terminated C string of at most maxAddrLen
+// bytes.
+func boundedString(p *C.char, what string) (string, error) {
+	n := int(C.strnlen(p, maxAddrLen+1))
+	if n > maxAddrLen {
+		return "", kverr.Errorf(kverr.InvalidArgument, "%s is longer than %d bytes", what, maxAddrLen)
+	}
+	return C.GoStringN(p, C.int(n)), nil
 }
 
 func (ht *hostTier) free() {
@@ -92,9 +148,11 @@ func tierOf(m *kvmanager.Manager, op string) (*hostTier, error) {
 	return v.(*hostTier), nil
 }
 
-// freeHostTier frees a destroyed manager's host tier memory.
+// freeHostTier closes a destroyed manager's shared tier (its queued
+// stores are written, bounded) and frees its host tier memory.
 func freeHostTier(m *kvmanager.Manager) {
 	if v, ok := hostTiers.LoadAndDelete(m); ok {
+		_ = m.Close()
 		ht := v.(*hostTier)
 		_ = ht.pool.Close()
 		ht.free()
@@ -203,6 +261,29 @@ func kvp_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_statu
 		v.host_resident = C.int32_t(s.Host.Resident)
 		v.host_reserved = C.int32_t(s.Host.Reserved)
 		v.host_pinned = C.int32_t(s.Host.Pinned)
+		sh := &s.Shared
+		v.shared_lookups = C.int64_t(sh.Lookups)
+		v.shared_hits = C.int64_t(sh.Hits)
+		v.shared_misses = C.int64_t(sh.Misses)
+		v.shared_fetched = C.int64_t(sh.Fetched)
+		v.shared_fetch_misses = C.int64_t(sh.FetchMisses)
+		v.shared_hit_tokens = C.int64_t(sh.HitTokens)
+		v.shared_match_tokens = C.int64_t(sh.MatchTokens)
+		v.shared_puts_queued = C.int64_t(sh.PutsQueued)
+		v.shared_puts_done = C.int64_t(sh.PutsDone)
+		v.shared_puts_present = C.int64_t(sh.PutsPresent)
+		v.shared_puts_failed = C.int64_t(sh.PutsFailed)
+		v.shared_puts_dropped = C.int64_t(sh.PutsDropped)
+		v.shared_corrupt = C.int64_t(sh.Corrupt)
+		v.shared_timeouts = C.int64_t(sh.Timeouts)
+		v.shared_errors = C.int64_t(sh.Errors)
+		v.shared_skipped = C.int64_t(sh.Skipped)
+		v.shared_bytes_read = C.int64_t(sh.BytesRead)
+		v.shared_bytes_written = C.int64_t(sh.BytesWritten)
+		v.shared_queue_len = C.int32_t(sh.QueueLen)
+		if sh.Available {
+			v.shared_available = 1
+		}
 		return tierStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
 	})
 }

@@ -2,11 +2,15 @@ package main
 
 import (
 	"bytes"
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/internal/redistest"
 )
 
 const tierBytes = 32
@@ -123,6 +127,54 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	}
 }
 
+// KV events through the ABI: a committed demotion is a BLOCK_STORED of
+// medium CPU with the block's GPU hash, parent and tokens; the GPU's
+// events say GPU; clearing the prefix cache re-announces the host tier's
+// blocks after its ALL_CLEARED.
+func TestTierABIEventsCarryMedium(t *testing.T) {
+	lockThread(t)
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes, events: true})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	conv := make([]int32, 9) // two full blocks and one token
+	for i := range conv {
+		conv[i] = int32(7 + i)
+	}
+	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
+	expect(t, "admit", st, kverr.OK)
+	ids := cInt64s([]int64{1})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	gpu, st := hookDrain(h, 16, 64, 4, 16)
+	expect(t, "drain", st, kverr.OK)
+	if len(gpu) != 2 || gpu[0].medium != hookMediumGPU || gpu[1].medium != hookMediumGPU {
+		t.Fatalf("admission's events: %+v", gpu)
+	}
+	_, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
+	expect(t, "flush", st, kverr.OK)
+	evs, _ := hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 1 || evs[0].kind != hookRemoved || evs[0].medium != hookMediumGPU || len(evs[0].hashes) != 2 {
+		t.Fatalf("flush's events: %+v", evs)
+	}
+	expect(t, "complete", hookCompleteCopies(h, tk, false), kverr.OK)
+	evs, _ = hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 2 {
+		t.Fatalf("commit's events: %+v", evs)
+	}
+	for i, ev := range evs {
+		if ev.kind != hookStored || ev.medium != hookMediumCPU || ev.hash != gpu[i].hash ||
+			ev.parent != gpu[i].parent || !slices.Equal(ev.tokens, gpu[i].tokens) {
+			t.Fatalf("CPU event %d: %+v, its GPU event %+v", i, ev, gpu[i])
+		}
+	}
+	_, st = hookClearPrefixCache(h)
+	expect(t, "clear", st, kverr.OK)
+	evs, _ = hookDrain(h, 16, 64, 4, 16)
+	if len(evs) != 3 || evs[0].kind != hookCleared || evs[0].medium != 0 || evs[1].medium != hookMediumCPU || evs[2].medium != hookMediumCPU {
+		t.Fatalf("clear: %+v", evs)
+	}
+}
+
 // Every bad input gets its status and a message, and changes nothing.
 func TestTierABIRefusals(t *testing.T) {
 	lockThread(t)
@@ -186,4 +238,152 @@ func TestTierMatchLayout(t *testing.T) {
 	if sizeofTierMatch() != unsafe.Sizeof(m) || offsetofTierMatchHost() != unsafe.Offsetof(m.Host) {
 		t.Fatalf("kvp_tier_match (%d bytes, host at %d) is not kvmanager.TierMatch", sizeofTierMatch(), offsetofTierMatchHost())
 	}
+}
+
+// demoteThroughABI admits conv on h, writes its four blocks' fake K/V
+// into the host slots of their demotions, and completes the batch.
+func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
+	t.Helper()
+	mem, slotBytes, _, st := hookHostTierMemory(h)
+	expect(t, "host memory", st, kverr.OK)
+	_, _, st = hookAdmit(h, []int64{id}, [][]int32{conv}, nil)
+	expect(t, "admit", st, kverr.OK)
+	tbl := tableOf(t, h, id, 5)
+	gpu := map[int32][]byte{}
+	for i := range 4 {
+		gpu[tbl[i]] = kvOfBlock(i)
+	}
+	ids := cInt64s([]int64{id})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	d, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
+	expect(t, "flush", st, kverr.OK)
+	if len(d) != 4 {
+		t.Fatalf("flush: %d demotions", len(d))
+	}
+	for _, op := range d {
+		copy(mem[int64(op[1])*slotBytes:int64(op[1]+1)*slotBytes], gpu[op[0]])
+	}
+	expect(t, "complete", hookCompleteCopies(h, tk, false), kverr.OK)
+}
+
+// Two managers through the ABI share one server: the blocks one demoted
+// are stored (destroy writes the queue out) and the other admits the
+// conversation with them reloaded, holding the first one's K/V; the
+// shared tier's counters appear past kvp_tier_stats' first size only.
+func TestSharedTierABI(t *testing.T) {
+	lockThread(t)
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	addr, ns := srv.Addr(), "abi-test.bs4"
+	cfg := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes,
+		sharedAddr: &addr, sharedNS: &ns, sharedTimeoutMs: 2000}
+	conv := make([]int32, 17)
+	for i := range conv {
+		conv[i] = int32(300 + i)
+	}
+	a, st := hookManagerCreateTier(cfg)
+	expect(t, "create A", st, kverr.OK)
+	demoteThroughABI(t, a, 1, conv)
+	hookManagerDestroy(a) // writes the queue out
+
+	b, st := hookManagerCreateTier(cfg)
+	expect(t, "create B", st, kverr.OK)
+	defer hookManagerDestroy(b)
+	got, st := hookMatchTiers(b, [][]int32{conv}, false)
+	expect(t, "match tiers", st, kverr.OK)
+	if got[0] != [2]int32{0, 16} {
+		t.Fatalf("B's match: %v", got)
+	}
+	matched, _, st := hookAdmit(b, []int64{1}, [][]int32{conv}, nil)
+	expect(t, "admit B", st, kverr.OK)
+	if matched[0] != 16 {
+		t.Fatalf("B matched %d tokens", matched[0])
+	}
+	mem, slotBytes, _, _ := hookHostTierMemory(b)
+	_, r, _, _, tk, st := hookFlushCopies(b, 8, 8)
+	expect(t, "flush reloads", st, kverr.OK)
+	gpu := map[int32][]byte{}
+	for _, op := range r {
+		gpu[op[0]] = bytes.Clone(mem[int64(op[1])*slotBytes : int64(op[1]+1)*slotBytes])
+	}
+	expect(t, "complete reloads", hookCompleteCopies(b, tk, false), kverr.OK)
+	tbl := tableOf(t, b, 1, 5)
+	for i := range 4 {
+		if !bytes.Equal(gpu[tbl[i]], kvOfBlock(i)) {
+			t.Fatalf("block %d (GPU block %d) after the reload: %x", i, tbl[i], gpu[tbl[i]])
+		}
+	}
+	s, st := hookSharedStats(b, sizeofTierStats())
+	expect(t, "stats", st, kverr.OK)
+	if s["lookups"] != 1 || s["hits"] != 4 || s["fetched"] != 4 || s["match_tokens"] != 16 || s["hit_tokens"] != 0 ||
+		s["available"] != 1 || s["errors"]+s["timeouts"]+s["skipped"]+s["corrupt"] != 0 || s["bytes_read"] != 4*(48+tierBytes) {
+		t.Fatalf("B's shared stats: %v", s)
+	}
+	// A caller of the first released size gets none of them.
+	s, st = hookSharedStats(b, firstSizeofTierStats())
+	expect(t, "stats at the first size", st, kverr.OK)
+	for k, v := range s {
+		if v != 0 {
+			t.Fatalf("shared stat %s written past the caller's struct_size: %d", k, v)
+		}
+	}
+}
+
+// A shared tier with the server down: admissions go on, counted.
+func TestSharedTierABIServerDown(t *testing.T) {
+	lockThread(t)
+	addr, ns := fmt.Sprintf("127.0.0.1:%d", redistest.FreePort(t)), "abi-test.bs4"
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes,
+		sharedAddr: &addr, sharedNS: &ns, sharedTimeoutMs: 100})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	conv := make([]int32, 17)
+	demoteThroughABI(t, h, 1, conv)
+	matched, _, st := hookAdmit(h, []int64{2}, [][]int32{append(conv, 1, 2, 3, 4)}, nil)
+	expect(t, "admit", st, kverr.OK)
+	if matched[0] != 16 {
+		t.Fatalf("matched %d tokens: want the host tier's 16", matched[0])
+	}
+	s, _ := hookSharedStats(h, sizeofTierStats())
+	if s["errors"]+s["timeouts"] != 1 || s["skipped"] < 1 || s["available"] != 0 || s["fetched"] != 0 {
+		t.Fatalf("shared stats: %v", s)
+	}
+}
+
+// Bad shared tier fields: INVALID_ARGUMENT with a message, no handle.
+func TestSharedTierABIRefusals(t *testing.T) {
+	lockThread(t)
+	addr, ns, empty, bad, long := "127.0.0.1:1", "m.bs4", "", "meta-llama/x", strings.Repeat("a", 1025)
+	tier := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16}
+	with := func(f func(*hookTierConfig)) hookTierConfig { c := tier; f(&c); return c }
+	live, _ := hookLiveHandles(false)
+	for name, c := range map[string]hookTierConfig{
+		"no host tier":          {numBlocks: 8, blockSize: 4, sharedAddr: &addr, sharedNS: &ns},
+		"namespace, no addr":    with(func(c *hookTierConfig) { c.sharedNS = &ns }),
+		"timeout, no addr":      with(func(c *hookTierConfig) { c.sharedTimeoutMs = 5 }),
+		"queue, no addr":        with(func(c *hookTierConfig) { c.sharedPutQueue = 5 }),
+		"no namespace":          with(func(c *hookTierConfig) { c.sharedAddr = &addr }),
+		"empty namespace":       with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS = &addr, &empty }),
+		"namespace with /":      with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS = &addr, &bad }),
+		"namespace too long":    with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS = &addr, &long }),
+		"empty address":         with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS = &empty, &ns }),
+		"address too long":      with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS = &long, &ns }),
+		"timeout < 0":           with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedTimeoutMs = &addr, &ns, -1 }),
+		"timeout over 1 min":    with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedTimeoutMs = &addr, &ns, 60001 }),
+		"put queue < 0":         with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedPutQueue = &addr, &ns, -1 }),
+		"put queue over 2^20":   with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedPutQueue = &addr, &ns, 1<<20+1 }),
+		"host tier bad as ever": with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.ahead = &addr, &ns, -1 }),
+	} {
+		h, st := hookManagerCreateTier(c)
+		expect(t, name, st, kverr.InvalidArgument)
+		if h != nil || lastError() == "" {
+			t.Fatalf("%s: a handle, or no message", name)
+		}
+	}
+	if n, _ := hookLiveHandles(false); n != live {
+		t.Fatalf("refused creates left %d handles", n-live)
+	}
+	h, st := hookManagerCreateTier(with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedPutQueue = &addr, &ns, 1<<20 }))
+	expect(t, "the largest queue", st, kverr.OK)
+	hookManagerDestroy(h)
 }

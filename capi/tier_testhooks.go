@@ -11,12 +11,16 @@ import "C"
 
 import "unsafe"
 
-// hookTierConfig is a manager config with a host tier.
+// hookTierConfig is a manager config with a host tier, and a shared tier
+// when sharedAddr or sharedNS is not nil.
 type hookTierConfig struct {
 	numBlocks, blockSize, slots, ahead, reserved int32
 	blockBytes                                   int64
 	noPrefixCache                                bool
+	events                                       bool    // enable_kv_events
 	structSize                                   uintptr // 0: the full struct
+	sharedAddr, sharedNS                         *string
+	sharedTimeoutMs, sharedPutQueue              int32
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -30,8 +34,20 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 	if !c.noPrefixCache {
 		cfg.enable_prefix_cache = 1
 	}
+	if c.events {
+		cfg.enable_kv_events = 1
+	}
 	cfg.host_tier_slots, cfg.demote_ahead, cfg.reserved = C.int32_t(c.slots), C.int32_t(c.ahead), C.int32_t(c.reserved)
 	cfg.host_block_bytes = C.int64_t(c.blockBytes)
+	if c.sharedAddr != nil {
+		cfg.shared_tier_addr = C.CString(*c.sharedAddr)
+		defer C.free(unsafe.Pointer(cfg.shared_tier_addr))
+	}
+	if c.sharedNS != nil {
+		cfg.shared_tier_namespace = C.CString(*c.sharedNS)
+		defer C.free(unsafe.Pointer(cfg.shared_tier_namespace))
+	}
+	cfg.shared_tier_timeout_ms, cfg.shared_tier_put_queue = C.int32_t(c.sharedTimeoutMs), C.int32_t(c.sharedPutQueue)
 	var out *C.kvp_manager
 	st := kvp_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
@@ -116,6 +132,30 @@ func hookTierStats(h unsafe.Pointer, structSize uintptr, nullOut bool) ([6]int64
 	return [6]int64{int64(s.demotions_completed), int64(s.reloads_completed), int64(s.host_hit_tokens),
 		int64(s.in_flight), int64(s.host_resident), int64(s.host_slots)}, abiStatus(st)
 }
+
+// hookSharedStats returns the shared tier's stats by field name (the
+// header's, less the shared_ prefix).
+func hookSharedStats(h unsafe.Pointer, structSize uintptr) (map[string]int64, abiStatus) {
+	s := (*C.kvp_tier_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))))
+	defer C.free(unsafe.Pointer(s))
+	s.struct_size = C.size_t(structSize)
+	st := kvp_manager_tier_stats((*C.kvp_manager)(h), s)
+	return map[string]int64{
+		"lookups": int64(s.shared_lookups), "hits": int64(s.shared_hits), "misses": int64(s.shared_misses),
+		"fetched": int64(s.shared_fetched), "fetch_misses": int64(s.shared_fetch_misses),
+		"hit_tokens": int64(s.shared_hit_tokens), "match_tokens": int64(s.shared_match_tokens),
+		"puts_queued": int64(s.shared_puts_queued), "puts_done": int64(s.shared_puts_done),
+		"puts_present": int64(s.shared_puts_present), "puts_failed": int64(s.shared_puts_failed),
+		"puts_dropped": int64(s.shared_puts_dropped), "corrupt": int64(s.shared_corrupt),
+		"timeouts": int64(s.shared_timeouts), "errors": int64(s.shared_errors), "skipped": int64(s.shared_skipped),
+		"bytes_read": int64(s.shared_bytes_read), "bytes_written": int64(s.shared_bytes_written),
+		"queue_len": int64(s.shared_queue_len), "available": int64(s.shared_available),
+	}, abiStatus(st)
+}
+
+// firstSizeofTierStats is kvp_tier_stats' first released size (through
+// reserved), before the shared tier's fields.
+func firstSizeofTierStats() uintptr { return unsafe.Offsetof(C.kvp_tier_stats{}.reserved) + 4 }
 
 func sizeofTierStats() uintptr { return unsafe.Sizeof(C.kvp_tier_stats{}) }
 

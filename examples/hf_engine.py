@@ -18,7 +18,10 @@ prompt is computed, the children sharing the prompt's blocks.
 Nothing is downloaded: the model has random weights from a config made in
 code (--model picks a shape), and prompts are random token ids with a shared
 system prompt. The summary: output tokens/s, TTFT and TPOT percentiles,
-prefix-cache hit rate, preemptions, KV memory.
+prefix-cache hit rate, preemptions, KV memory; with --host-cache-gb, the host
+KV tier's hit rates, demotions and reloads and its load bandwidth.
+
+    python examples/hf_engine.py --num-blocks 64 --host-cache-gb 0.05   # a small pool over a host tier
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 import kvplug
 import kvplug.hf as kvhf
+from kvplug.hf.tier_copy import summary_lines as tier_lines
 
 # -- requests ------------------------------------------------------------------
 
@@ -117,6 +121,7 @@ class Engine:
         self.batch_sizes: List[int] = []  # sequences per step
         self.step_tokens: List[int] = []  # tokens per step (== sequences: a decode-only step)
         self.peak_blocks = 0
+        self.just_finished: List[Request] = []  # requests the last step finished
 
     def submit(self, req: Request) -> None:
         sid = self._new_sid(req)
@@ -324,8 +329,9 @@ class Engine:
             seqs = self.cache.seqs
             for s in finished:
                 req = req_of[s]
-                if all(x not in seqs for x in req.seq_ids):
+                if req.finished is None and all(x not in seqs for x in req.seq_ids):
                     req.finished = now()
+                    self.just_finished.append(req)
         t3 = time.perf_counter()
         self.steps += 1
         self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
@@ -338,10 +344,14 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------
 
-    def run(self, requests: List[Request], log: Callable[[str], None] = print, time_limit: float = 0.0) -> float:
+    def run(self, requests: List[Request], log: Callable[[str], None] = print, time_limit: float = 0.0,
+            follow_up: Optional[Callable[[Request, float], Optional[Request]]] = None) -> float:
         """Serves requests as they arrive (arrival times relative to the
         start); returns the wall time. time_limit > 0 stops the loop after
-        that many seconds, unfinished requests left as they are."""
+        that many seconds, unfinished requests left as they are.
+        follow_up(req, now), called as each request finishes, may return the
+        next request of its conversation: it arrives then (its arrival set
+        to now) and is appended to `requests`."""
         pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
@@ -356,7 +366,16 @@ class Engine:
             if self.idle:
                 time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
                 continue
+            self.just_finished = []
             self.step(now)
+            if follow_up is not None and self.just_finished:
+                for req in self.just_finished:
+                    t = now()
+                    nxt = follow_up(req, t)
+                    if nxt is not None:
+                        nxt.arrival = t
+                        requests.append(nxt)
+                        self.submit(nxt)
             if self.cfg.progress_every and now() - last_log >= self.cfg.progress_every:
                 last_log = now()
                 log(self.progress(requests, now()))
@@ -394,7 +413,7 @@ def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
         f"peak used {engine.peak_blocks} blocks = {engine.peak_blocks * block_bytes / 2**20:.1f} MiB",
         f"host side (schedule + manager + sampling): {host.sum() / max(stepv.sum(), 1e-9):.1%} of step time, "
         f"p50 {np.percentile(host, 50) * 1e3:.2f} ms per step" if len(host) else "host side: no steps",
-    ]
+    ] + (tier_lines(t) if (t := c.tier_summary()) is not None else [])
 
 
 # -- models (random weights, shapes of real ones) ----------------------------------------
@@ -442,6 +461,45 @@ def make_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
     return model.eval()
 
 
+def add_tier_args(ap: argparse.ArgumentParser) -> None:
+    """The KV tier flags (examples/hf_engine.py and bench/hf_bench.py)."""
+    ap.add_argument("--host-cache-gb", type=float, default=0.0,
+                    help="host KV tier size in GiB (0: none): cached blocks the GPU pool evicts are demoted there "
+                    "and reloaded on a prefix hit")
+    ap.add_argument("--demote-ahead", type=int, default=None,
+                    help="blocks the host tier keeps free or being demoted (default: one step's allocations, "
+                    "2 x step tokens / block size + max batch, at most a quarter of the pool)")
+    ap.add_argument("--demote-overlap", action="store_true",
+                    help="demotions on a side CUDA stream, overlapping the step (default: the step's stream)")
+    ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
+                    help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
+
+
+def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: int, dtype: torch.dtype,
+                host_cache_gb: Optional[float] = None) -> dict:
+    """PagedKVCache's tier arguments from the flags ({} without a tier)."""
+    gb = args.host_cache_gb if host_cache_gb is None else host_cache_gb
+    kw: dict = {}
+    if gb > 0:
+        slots = kvhf.PagedKVCache.host_slots_for(gb, shape, args.block_size, dtype)
+        if slots < 1:
+            sys.exit(f"--host-cache-gb {gb} holds no block of this model ({shape}, block size {args.block_size})")
+        ahead = args.demote_ahead
+        if ahead is None:
+            ahead = kvhf.PagedKVCache.default_demote_ahead(num_blocks, args.block_size, args.step_tokens, args.max_batch)
+        kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
+        if args.demote_overlap:
+            kw["tier_overlap"] = True
+    if args.shared_tier:
+        if gb <= 0:
+            sys.exit("--shared-tier needs --host-cache-gb > 0: blocks fetched from the shared tier land in the host tier")
+        if not kvhf.tier_copy.manager_takes("shared_tier"):
+            sys.exit(f"--shared-tier {args.shared_tier}: this kvplug binding has no shared tier "
+                     "(kvplug.Manager takes no shared_tier argument)")
+        kw["shared_tier"] = args.shared_tier
+    return kw
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llama")
@@ -462,6 +520,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (GPU)")
     ap.add_argument("--cascade", action="store_true", help="shared-prefix decode attention (kvplug.cascade; GPU)")
     ap.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    add_tier_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -477,14 +536,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     num_blocks = args.num_blocks or per_seq * min(args.max_batch, args.requests * args.n) + per_seq
     if num_blocks < per_seq:
         sys.exit(f"--num-blocks {num_blocks} cannot hold one request of {max_len} tokens ({per_seq} blocks)")
-    cache = kvhf.PagedKVCache(kvhf.ModelShape.of(model.config), num_blocks, args.block_size, dtype=dtype, device=args.device)
+    shape = kvhf.ModelShape.of(model.config)
+    tier = tier_kwargs(args, shape, num_blocks, dtype)
+    cache = kvhf.PagedKVCache(shape, num_blocks, args.block_size, dtype=dtype, device=args.device, **tier)
     runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,
                          max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
                          cuda_graphs=args.cuda_graphs, cascade=args.cascade)
     cfg = EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=args.seed,
                        progress_every=0 if args.quiet else 2.0)
     print(f"kvplug {kvplug.version_string()} + transformers: {args.model} ({dtype}, {args.device}, {runner.backend}), "
-          f"{len(requests)} requests x {args.n}, system prompt {args.system}, pool {num_blocks} blocks")
+          f"{len(requests)} requests x {args.n}, system prompt {args.system}, pool {num_blocks} blocks"
+          + (f", host tier {tier['host_tier_slots']} slots, demote ahead {tier['demote_ahead']}" if tier else "")
+          + (f", shared tier {args.shared_tier}" if args.shared_tier else ""))
     engine = Engine(runner, cfg)
     wall = engine.run(requests)
     for line in summary(engine, requests, wall):

@@ -70,6 +70,7 @@
  *     kvp_prefix_stats       through queries (16 bytes)
  *     kvp_vcache_stats       through page_size (16 bytes)
  *     kvp_cascade_plan_args  through headroom (112 bytes)
+ *     kvp_tier_stats         through reserved (160 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -127,6 +128,7 @@ extern "C" {
 #define KVP_MAX_MM_ITEMS (1 << 20)      /* multimodal items of one prompt */
 #define KVP_MAX_SALT_LEN 1024           /* bytes of a prompt's cache salt */
 #define KVP_MAX_BYTES 0x7fffffffffffffffULL /* a byte count (workspace_bytes): INT64_MAX */
+#define KVP_MAX_TIER_LAYERS 1024        /* layers of one tier copier's KV layout */
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
@@ -245,7 +247,8 @@ typedef struct kvp_manager_config {
                                   kvp_manager_drain_events; needs
                                   enable_prefix_cache; default 0 */
   int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
-                                  raised to num_blocks + 1 */
+                                  raised to num_blocks + host_tier_slots
+                                  + 1 */
 
   /* Host KV tier (see "Host KV tier" below); all 0 = none. */
   int32_t host_tier_slots;     /* blocks the host tier holds, in [0, 2^30];
@@ -259,6 +262,22 @@ typedef struct kvp_manager_config {
                                   and V, as the engine lays it out (its
                                   size in a host slot); >= 1 with a host
                                   tier, 0 without; slots * bytes <= 2^46 */
+
+  /* Shared KV tier (see "Shared KV tier" below); all NULL and 0 = none.
+   * The strings are read during kvp_manager_create only (the library
+   * keeps copies). */
+  const char *shared_tier_addr;      /* "host:port" of a Valkey or Redis
+                                        server, at most 1024 bytes; NULL =
+                                        no shared tier; needs a host tier */
+  const char *shared_tier_namespace; /* the identity of the model and K/V
+                                        layout the blocks belong to, 1-64
+                                        characters of [A-Za-z0-9_.-];
+                                        required with an address */
+  int32_t shared_tier_timeout_ms;    /* bound on each round trip to the
+                                        server, transfer included, in
+                                        [0, 60000]; 0 = 250 */
+  int32_t shared_tier_put_queue;     /* demoted blocks waiting to be
+                                        stored, in [0, 2^20]; 0 = 256 */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -292,16 +311,25 @@ typedef struct kvp_manager_stats {
 #ifndef KVPLUG_NO_PROTOTYPES
 
 /* Creates a manager (with a host tier when host_tier_slots > 0, whose
- * memory it allocates). Errors: NULL_POINTER (cfg or out), STRUCT_SIZE,
- * INVALID_ARGUMENT (num_blocks or block_size out of range; a host tier
- * without the prefix cache or host_block_bytes, host_tier_slots,
- * demote_ahead or host_block_bytes out of range, reserved not 0),
- * OUT_OF_MEMORY (the host tier's memory). */
+ * memory it allocates, and a shared tier below it when shared_tier_addr
+ * is set: it does not connect, so a server that is down makes the first
+ * lookups misses, not an error). Errors: NULL_POINTER (cfg or out),
+ * STRUCT_SIZE, INVALID_ARGUMENT (num_blocks or block_size out of range; a
+ * host tier without the prefix cache or host_block_bytes,
+ * host_tier_slots, demote_ahead or host_block_bytes out of range,
+ * reserved not 0; a shared tier without a host tier, an address empty
+ * or longer than 1024 bytes, a namespace missing or not as stated,
+ * shared_tier_timeout_ms or shared_tier_put_queue out of range, or
+ * namespace, timeout or queue set without an address), OUT_OF_MEMORY
+ * (the host tier's memory). */
 kvp_status kvp_manager_create(const kvp_manager_config *cfg, kvp_manager **out);
 
 /* Destroys a manager and every sequence in it, and frees its host tier's
- * memory (no copy to or from it may be in flight). NULL is a no-op. The
- * caller must ensure no other thread is using the handle. */
+ * memory (no copy to or from it may be in flight). With a shared tier it
+ * first writes the blocks still queued for it (each round trip bounded
+ * by shared_tier_timeout_ms; a server that is down skips them at once)
+ * and closes the connection. NULL is a no-op. The caller must ensure no
+ * other thread is using the handle. */
 void kvp_manager_destroy(kvp_manager *m);
 
 /* Adds sequence seq_id with a prompt of prompt_len tokens and allocates its
@@ -492,10 +520,21 @@ typedef struct kvp_prefix_stats {
  * which engine caches which prefix. */
 enum {
   KVP_KV_EVENT_BLOCK_STORED = 1,   /* a block entered the cache */
-  KVP_KV_EVENT_BLOCKS_REMOVED = 2, /* blocks left it (children before parents) */
-  KVP_KV_EVENT_ALL_CLEARED = 3     /* forget every block: the cache was
-                                      cleared, or a snapshot of BLOCK_STORED
-                                      events follows (after a full queue) */
+  KVP_KV_EVENT_BLOCKS_REMOVED = 2, /* blocks left it (GPU: children before
+                                      parents) */
+  KVP_KV_EVENT_ALL_CLEARED = 3     /* forget every block of every medium: the
+                                      cache was cleared, or a snapshot of
+                                      BLOCK_STORED events follows (after a
+                                      full queue); the host tier's blocks
+                                      follow it either way */
+};
+
+/* Where the blocks of a BLOCK_STORED or BLOCKS_REMOVED event are held
+ * (kvp_kv_event.medium; vLLM's "medium", sent as the name given here). */
+enum {
+  KVP_MEDIUM_GPU = 0,    /* "GPU": the prefix cache's own blocks */
+  KVP_MEDIUM_CPU = 1,    /* "CPU": the host tier's (see "Host KV tier") */
+  KVP_MEDIUM_SHARED = 2  /* "SHARED": a tier shared by instances (reserved) */
 };
 
 /* A multimodal entry of a stored block: offset is the item's first
@@ -508,7 +547,9 @@ typedef struct kvp_block_mm {
 
 /* One KV event. Its variable parts live in the caller's arrays passed to
  * kvp_manager_drain_events, at the offsets given here. The salt is not
- * reported (it may be a secret): a router sees a first block's salted hash. */
+ * reported (it may be a secret): a router sees a first block's salted hash.
+ * A host tier block's BLOCK_STORED (medium CPU) has the fields its GPU
+ * BLOCK_STORED had: the same hash, its chain's parent, tokens and keys. */
 typedef struct kvp_kv_event {
   int32_t kind;            /* KVP_KV_EVENT_... */
   int32_t block_size;      /* BLOCK_STORED: the block's tokens */
@@ -520,7 +561,9 @@ typedef struct kvp_kv_event {
   int32_t num_mm;
   int32_t hashes_offset;   /* BLOCKS_REMOVED: hashes[hashes_offset ..+ num_hashes] */
   int32_t num_hashes;
-  int32_t reserved;        /* 0 */
+  int32_t medium;          /* BLOCK_STORED, BLOCKS_REMOVED: KVP_MEDIUM_...
+                              (this was a reserved field, always 0: the
+                              GPU, which it still is without a host tier) */
 } kvp_kv_event;
 
 #ifndef KVPLUG_NO_PROTOTYPES
@@ -533,7 +576,10 @@ typedef struct kvp_kv_event {
  * and matched_tokens[i] (if not NULL) receives their count; the rest of the
  * prompt is its new tokens. Its full blocks are cached at once, so later
  * prompts of the same batch share them. Without the prefix cache nothing
- * matches: admit is then add with the tokens ignored.
+ * matches: admit is then add with the tokens ignored. With a host tier the
+ * match goes on there, and with a shared tier below it, on the server
+ * (see "Host KV tier" and "Shared KV tier": blocks reloaded, counted in
+ * matched_tokens).
  *
  * The keys are the sequence's for its whole life: the blocks that later
  * grow_tokens calls fill are hashed with them. Under chunked prefill the
@@ -676,12 +722,12 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * (kvp_manager_admit counts them in matched_tokens: not computed).
  *
  * Memory: the library allocates host_tier_slots slots of host_block_bytes
- * each, one region (kvp_manager_host_tier_memory), with plain malloc: it is
- * not pinned (page-locked) memory, so a cudaMemcpyAsync from or to it is
- * not asynchronous; pinned allocation comes with the library's batched
- * copy kernel (an engine may cudaHostRegister the region meanwhile and
- * must unregister it before kvp_manager_destroy). The region is the
- * manager's, freed by kvp_manager_destroy.
+ * each, one region (kvp_manager_host_tier_memory). A tier copier
+ * (kvp_tier_copier_create, next section) page-locks it and maps it for the
+ * device, and copies each step's batch in one launch; an engine that
+ * copies by other means may cudaHostRegister the region itself. Either
+ * registration must be undone (kvp_tier_copier_destroy, or the engine's
+ * cudaHostUnregister) before kvp_manager_destroy frees the region.
  *
  * The engine drives the copies (it knows its K/V layout). Per step, after
  * the step's admissions and before its forward pass:
@@ -710,6 +756,18 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * (the library never reads it). Keys: the first 8 bytes of the block's
  * chained hash. kvp_manager_clear_prefix_cache leaves the host tier: a
  * model or adapter reload needs a new manager.
+ *
+ * KV events (enable_kv_events): the host tier's blocks have their own, of
+ * medium KVP_MEDIUM_CPU ("CPU" on the wire, as vLLM's offloaded blocks), in
+ * the one stream with the GPU's and under the same max_pending_events
+ * (raised to num_blocks + host_tier_slots + 1): a BLOCK_STORED when
+ * complete_copies commits a demotion (none while its copy is in flight or
+ * when it failed; its GPU BLOCKS_REMOVED came at flush_copies), a
+ * BLOCKS_REMOVED when flush_copies reuses the slot of a resident block
+ * (the host LRU's eviction). Reloads change nothing there (their GPU
+ * BLOCK_STORED comes at admission). Snapshots, and the ALL_CLEARED of
+ * kvp_manager_clear_prefix_cache, are followed by a BLOCK_STORED for each
+ * block the host tier holds.
  *
  * Threads: as every kvp_manager function, these are safe to call
  * concurrently on one manager (they serialise); the caller's arrays must
@@ -757,6 +815,38 @@ typedef struct kvp_tier_stats {
   int32_t host_reserved;       /* slots with a demotion copy in flight */
   int32_t host_pinned;         /* slots pinned (reloads in flight, reserved) */
   int32_t reserved;            /* 0 */
+  /* The shared tier's (see "Shared KV tier" below); all zero without one. */
+  int64_t shared_lookups;       /* calls that looked blocks up (an
+                                   admission's or match's batch) */
+  int64_t shared_hits;          /* blocks found there, consecutively after a
+                                   prompt's GPU and host matches */
+  int64_t shared_misses;        /* blocks not found, or not looked up (the
+                                   call failed or was skipped) */
+  int64_t shared_fetched;       /* blocks read into host slots */
+  int64_t shared_fetch_misses;  /* blocks found whose read then missed (gone
+                                   since, corrupt, short) or no slot took */
+  int64_t shared_hit_tokens;    /* tokens admissions matched in blocks the
+                                   same call fetched (in host_hit_tokens) */
+  int64_t shared_match_tokens;  /* the same for kvp_manager_match_tiers (in
+                                   match_host_tokens) */
+  int64_t shared_puts_queued;   /* committed demotions queued for a store */
+  int64_t shared_puts_done;     /* of which stored */
+  int64_t shared_puts_present;  /* of which not sent: held there already */
+  int64_t shared_puts_failed;   /* of which not stored: the call failed or
+                                   was skipped, or the server refused */
+  int64_t shared_puts_dropped;  /* committed demotions not queued: the
+                                   queue was full */
+  int64_t shared_corrupt;       /* values that failed a check: misses */
+  int64_t shared_timeouts;      /* round trips past shared_tier_timeout_ms */
+  int64_t shared_errors;        /* round trips failed otherwise (refused
+                                   connections), commands refused */
+  int64_t shared_skipped;       /* calls skipped without a round trip, the
+                                   server having failed within its backoff
+                                   window */
+  int64_t shared_bytes_read;    /* value bytes read, headers included */
+  int64_t shared_bytes_written; /* value bytes written, headers included */
+  int32_t shared_queue_len;     /* blocks waiting to be stored now */
+  int32_t shared_available;     /* 1: the server is not in a backoff window */
 } kvp_tier_stats;
 
 #define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)
@@ -798,7 +888,10 @@ kvp_status kvp_manager_complete_copies(kvp_manager *m, uint64_t ticket,
  * prefix in the GPU prefix cache (touched, as match does) and, beyond
  * them, the tokens of the blocks the host tier holds (touched in the host
  * tier's LRU, not pinned). A router's or scheduler's query; nothing is
- * admitted. host_tokens is 0 without a host tier, both without the prefix
+ * admitted. With a shared tier, the blocks the server holds past those
+ * are first fetched into the host tier and counted in host_tokens (a
+ * prefetch for the admission that follows; see "Shared KV tier").
+ * host_tokens is 0 without a host tier, both without the prefix
  * cache. Errors: NULL_POINTER (out, tokens, token_offsets),
  * INVALID_ARGUMENT (n < 1 or > 2^20, offsets, keys). */
 kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tokens,
@@ -819,7 +912,133 @@ kvp_status kvp_manager_tier_stats(kvp_manager *m, kvp_tier_stats *out);
 kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
                                         int64_t *slot_bytes, int32_t *num_slots);
 #endif /* KVPLUG_NO_PROTOTYPES */
+/*
+ * Shared KV tier (a manager created with shared_tier_addr and a host tier):
+ * a Valkey or Redis server that instances share, below each one's host
+ * tier, so that an instance serves a prompt another instance computed.
+ * Not yet with enable_kv_events (create answers UNSUPPORTED): the CPU
+ * events do not follow the blocks a fetch brings into the host tier.
+ *
+ * Fetch: kvp_manager_admit and kvp_manager_match_tiers look, for each
+ * prompt, past its GPU and host matches: the blocks the server holds under
+ * the prompt's next chained hashes, consecutively, are read into fresh
+ * host slots, and the call goes on as if the host tier held them (admit
+ * reloads them and counts them in matched_tokens; match_tiers counts them
+ * in host_tokens, so a router's match prefetches them). Two round trips
+ * per call whatever the batch, each bounded by shared_tier_timeout_ms,
+ * transfer included (size it for an admission batch's blocks at the
+ * link's bandwidth), made without holding the manager's lock. A block
+ * that is absent, corrupt, short or another layout's is a miss, and the
+ * prefix is computed. A server that is down, slow or restarting costs one
+ * failed round trip, then is skipped without a round trip for a backoff
+ * window (1 s, doubling up to 30 s while it keeps failing); every such
+ * call is counted (shared_errors, shared_timeouts, shared_skipped) and
+ * none is an error.
+ *
+ * Store: a block whose demotion kvp_manager_complete_copies commits is
+ * queued for the server (its host slot pinned until read), and a thread of
+ * the library writes the queue out, leaving out blocks the server holds
+ * already. complete_copies never waits on the server: a demotion that
+ * finds the queue (shared_tier_put_queue) full is not stored, counted in
+ * shared_puts_dropped. kvp_manager_destroy writes the queue out first.
+ *
+ * Keys and model identity: a block is stored under
+ * kvplug:<namespace>:<its 128-bit chained hash in hex>, with a header
+ * (the hash again, a fingerprint of the namespace, block size and
+ * host_block_bytes, the payload's length and checksum) checked on every
+ * read. The chained hash covers tokens, adapter, multimodal items and
+ * salt, not the model: shared_tier_namespace must name everything the
+ * K/V depends on (model and revision, dtype, layers, KV heads, head size,
+ * block layout, tensor-parallel rank when ranks keep their own heads),
+ * e.g. "llama-3.1-8b-instruct.bf16.l32.kv8.d128.tp0". Instances that
+ * share blocks use the same namespace and host_block_bytes; a different
+ * model needs a different namespace.
+ *
+ * Memory: the library never deletes keys; bound the server with its own
+ * maxmemory and an eviction policy (allkeys-lru for a dedicated server).
+ *
+ * Threads: as for the host tier. The store thread touches only the host
+ * slots it pinned and the server.
+ */
 /* ==== section: host KV tier (end) ==== */
+
+/* ==== section: tier copy (begin) ==== */
+/*
+ * A tier copier copies a host tier's batches (kvp_manager_flush_copies, or
+ * an engine's own tier) between the engine's paged KV caches in GPU memory
+ * and host slots: every layer's K and V of every block of the batch in one
+ * kernel launch per 500 blocks, on the engine's stream, reading and
+ * writing the host slots directly (page-locked, mapped memory). Needs the
+ * library's CUDA kernels and a GPU.
+ *
+ * Layouts. Block b of layer l is the block_bytes at k[l] + b *
+ * k_block_stride (K) and v[l] + b * v_block_stride (V): one contiguous
+ * chunk per block, layer and tensor, as in the [num_blocks, block_size,
+ * kv_heads, head_dim] and [num_blocks, kv_heads, block_size, head_dim]
+ * layouts, and in vLLM's and SGLang's paged caches. Host slot s holds
+ * (layer l, tensor t = 0 K, 1 V) at host + s * slot_bytes + (l * kv + t) *
+ * block_bytes, kv = 2 (1 without V): a slot is one contiguous value, the
+ * one the shared tier stores. slot_bytes must hold num_layers * kv *
+ * block_bytes (a manager's host_block_bytes is slot_bytes).
+ *
+ * Ordering: kvp_tier_copier_run only enqueues. The engine records an event
+ * on the stream after it and calls kvp_manager_complete_copies once the
+ * event has completed; reloads are ordered before the step's attention by
+ * running on the step's stream (or an event it waits on).
+ *
+ * Context: the copier belongs to the CUDA context current on the creating
+ * thread (device 0's primary context when none is); run it from threads
+ * where that context is current, on streams of that context.
+ *
+ * Threads: kvp_tier_copier_run may be called from several threads (calls
+ * serialise); destroy must not race a run. Arrays are the caller's and
+ * read only during the call.
+ */
+typedef struct kvp_tier_copier kvp_tier_copier;
+
+/* An engine's paged KV caches, per layer (see Layouts above). */
+typedef struct kvp_kv_layers {
+  size_t struct_size;      /* sizeof(kvp_kv_layers) */
+  int32_t num_layers;      /* [1, KVP_MAX_TIER_LAYERS] */
+  int32_t num_blocks;      /* blocks per layer, >= 1: ops naming others are refused */
+  const uint64_t *k;       /* [num_layers] device addresses of block 0 of each layer's K */
+  const uint64_t *v;       /* [num_layers] for V, or NULL: K only (one tensor per layer) */
+  int64_t block_bytes;     /* one block of one layer's K (and V); a multiple of 16, <= 2^30 */
+  int64_t k_block_stride;  /* bytes from block b to b+1 in K: >= block_bytes, multiple of 16 */
+  int64_t v_block_stride;  /* the same in V (ignored without v) */
+} kvp_kv_layers;
+
+#define KVP_KV_LAYERS_INIT KVP_STRUCT_INIT(kvp_kv_layers)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Creates a copier for `layers` and the host region [host, host + num_slots
+ * * slot_bytes) (16-byte aligned), which it page-locks and maps for the
+ * device unless the engine registered it already (then it is used as it
+ * is and left registered at destroy). The layer addresses are copied.
+ * Errors: NULL_POINTER (layers, host, out, layers->k), STRUCT_SIZE,
+ * INVALID_ARGUMENT (counts, sizes, strides, alignment, a null address),
+ * UNSUPPORTED (built without kernels), NO_DEVICE, CUDA (registering the
+ * memory), OUT_OF_MEMORY. */
+kvp_status kvp_tier_copier_create(const kvp_kv_layers *layers, void *host, int64_t slot_bytes,
+                                  int32_t num_slots, kvp_tier_copier **out);
+
+/* Enqueues on `stream` (a CUstream / cudaStream_t; NULL = the legacy
+ * default stream) the copies of demote[0, num_demote) (GPU block -> host
+ * slot) and reload[0, num_reload) (host slot -> GPU block). Every op is
+ * checked first: a block or slot out of range fails the call with nothing
+ * enqueued. A batch must not name one block or slot twice with a
+ * conflicting direction (a manager's batches never do).
+ * Errors: INVALID_HANDLE, NULL_POINTER (an array NULL with its count > 0),
+ * INVALID_ARGUMENT (a count < 0, an op out of range, another CUDA context
+ * current), CUDA (a launch). */
+kvp_status kvp_tier_copier_run(kvp_tier_copier *c, const kvp_tier_copy *demote, int32_t num_demote,
+                               const kvp_tier_copy *reload, int32_t num_reload, void *stream);
+
+/* Destroys a copier: unregisters the host region when create registered
+ * it. No copy of it may be in flight. NULL is a no-op. */
+void kvp_tier_copier_destroy(kvp_tier_copier *c);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: tier copy (end) ==== */
 
 /* ==== section: KV event publisher (begin) ==== */
 /*
@@ -904,7 +1123,8 @@ typedef struct kvp_event_publisher_config {
   const char *topic;           /* first frame of every message, at most 1024
                                   bytes; NULL = "" (vLLM's default); llm-d reads
                                   "kv@<instance>@<model>" */
-  const char *medium;          /* "medium" of the events; NULL = "GPU" */
+  const char *medium;          /* "medium" of the GPU's events; NULL = "GPU"
+                                  (the host tier's go as "CPU") */
   int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule */
   int32_t event_format;        /* KVP_EVENTS_FORMAT_...; default MAP */
   int32_t hash_format;         /* KVP_EVENTS_HASH_...; default BYTES */
@@ -1044,8 +1264,10 @@ typedef struct kvp_kv_write_args {
 
 #define KVP_KV_WRITE_ARGS_INIT KVP_STRUCT_INIT(kvp_kv_write_args)
 
-/* Decode attention, one query token per sequence: for sequence b and query
- * head i, out = softmax(scale * q K^T) V over tokens [0, seq_lens[b]), token
+/* Decode attention, q_len (1 to 16) new tokens per sequence: for sequence
+ * b's new token t (row b * q_len + t of q and out, at position seq_lens[b]
+ * - q_len + t) and query head i, out = softmax(scale * q K^T) V over tokens
+ * [0, that position] (one token: [0, seq_lens[b])), token
  * t read from block block_table[b * block_table_stride + t / block_size] at
  * offset t % block_size. Table columns >= max_blocks_per_seq and block ids
  * outside [0, num_blocks) are ignored. An empty sequence (seq_len <= 0)
@@ -1068,7 +1290,7 @@ typedef struct kvp_paged_decode_args {
   int32_t num_blocks;
   int32_t block_size;
   int32_t max_blocks_per_seq; /* block table columns read */
-  uint64_t q;                 /* [batch, num_q_heads, head_dim] */
+  uint64_t q;                 /* [batch * q_len, num_q_heads, head_dim] */
   int64_t q_batch_stride;
   int64_t q_head_stride;
   uint64_t k_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
@@ -1079,16 +1301,17 @@ typedef struct kvp_paged_decode_args {
   uint64_t block_table;       /* int32 [batch, block_table_stride] */
   int64_t block_table_stride; /* >= max_blocks_per_seq */
   uint64_t seq_lens;          /* int32 [batch] */
-  uint64_t out;               /* [batch, num_q_heads, head_dim] */
-  int64_t out_batch_stride;
+  uint64_t out;               /* [batch * q_len, num_q_heads, head_dim] */
+  int64_t out_batch_stride;   /* between rows of out (q_batch_stride: of q) */
   int64_t out_head_stride;
-  uint64_t lse;             /* float32 [batch, num_q_heads] contiguous; 0 = not wanted */
+  uint64_t lse;             /* float32 [batch * q_len, num_q_heads] contiguous; 0 = not wanted */
   uint64_t workspace;       /* device memory of kvp_attn_workspace_size bytes; 0 = none */
   uint64_t workspace_bytes; /* its size */
   float scale;              /* softmax scale; 0 = 1/sqrt(head_dim) */
   int32_t num_splits;       /* 0 = library's choice; 1..256 = forced */
   int32_t max_seq_len;      /* bound on seq_lens for the choice of splits; 0 = max_blocks_per_seq * block_size */
-  int32_t reserved;         /* must be 0 */
+  int32_t q_len;            /* new tokens per sequence, in [0, 16]; 0 and 1: one (decode).
+                               Split-KV workspace: sized for batch * q_len rows */
 } kvp_paged_decode_args;
 
 #define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)
@@ -1143,8 +1366,10 @@ typedef struct kvp_merge_states_args {
  * lse (optional) is float32 [total_q, num_q_heads] contiguous, natural log.
  *
  * kvp_prefill_plan (once per step, on the host copies of qo_indptr and
- * kv_lens) checks the batch, picks the route (a batch of one-token queries
- * without a window runs the decode kernel, unless flags say
+ * kv_lens) checks the batch, picks the route (a batch without a window
+ * whose every sequence brings the same q_len new tokens runs the decode
+ * kernel when q_len is 1, or q_len * (num_q_heads / num_kv_heads) <= 16 --
+ * speculative verification, multi-token prediction -- unless flags say
  * KVP_PREFILL_NO_DECODE_ROUTE) and, for the prefill route, enqueues a small
  * kernel that writes the work list into the workspace. It fills a
  * kvp_attn_plan, a plain struct the engine keeps (and may copy) until the
@@ -1168,7 +1393,7 @@ typedef struct kvp_merge_states_args {
  * finished). */
 #define KVP_ATTN_PLAN_PREFILL 1       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
-#define KVP_ATTN_ROUTE_DECODE 2       /* every q_len is 1: decode kernel */
+#define KVP_ATTN_ROUTE_DECODE 2       /* one short q_len for all (see above): decode kernel */
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
@@ -1886,9 +2111,11 @@ kvp_status kvp_host_store_read(kvp_host_store *s, int32_t n, const int32_t *slot
 /*
  * A standalone client of the shared tier (a Valkey or Redis server that
  * instances share; the format of its values is core/kvtier/valkey's: a
- * 40-byte header with the key, a layout fingerprint and a checksum, then the
+ * header with the key, a layout fingerprint and a checksum, then the
  * payload), without a kvp_manager, for kvplug.sglang's HiCache storage
- * backend. Keys are 64-bit, as the host store's.
+ * backend. A key is 16 bytes (a 128-bit hash of the block's identity, as the
+ * manager's shared tier keys blocks by their 128-bit chained hash): keys
+ * arrays hold n keys of 16 bytes each.
  *
  * Faults never fail a call: a server that is down, slow or restarting
  * turns the call into misses (get, exists) or stores skipped (put), counted
@@ -1908,7 +2135,7 @@ typedef struct kvp_shared_store_config {
   size_t struct_size;       /* sizeof(kvp_shared_store_config) */
   const char *address;      /* "host:port" of the server; required */
   const char *key_space;    /* 1-64 characters of [A-Za-z0-9_.-]: keys are
-                               kvplug:<key_space>:<key as 16 hex digits>;
+                               kvplug:<key_space>:<key as 32 hex digits>;
                                required */
   uint64_t fingerprint;     /* the model and KV layout's fingerprint: values
                                stored under another are misses */
@@ -1955,7 +2182,7 @@ void kvp_shared_store_destroy(kvp_shared_store *s);
 /* found[i] receives 1 when the server holds key i (by key only; a corrupt
  * value is found by get), else 0; one round trip. Errors: NULL_POINTER,
  * INVALID_ARGUMENT (n). */
-kvp_status kvp_shared_store_exists(kvp_shared_store *s, int32_t n, const uint64_t *keys,
+kvp_status kvp_shared_store_exists(kvp_shared_store *s, int32_t n, const uint8_t *keys,
                                    int32_t *found);
 
 /* Stores n blocks in one round trip: key i's payload is the concatenation
@@ -1963,14 +2190,14 @@ kvp_status kvp_shared_store_exists(kvp_shared_store *s, int32_t n, const uint64_
  * *num_stored (may be NULL) receives how many the server accepted.
  * Errors: NULL_POINTER, INVALID_ARGUMENT (n, segs outside [1, 4096] or
  * n * segs above KVP_MAX_BATCH, a length < 0). */
-kvp_status kvp_shared_store_put(kvp_shared_store *s, int32_t n, const uint64_t *keys, int32_t segs,
+kvp_status kvp_shared_store_put(kvp_shared_store *s, int32_t n, const uint8_t *keys, int32_t segs,
                                 const void *const *ptrs, const int64_t *lens, int32_t *num_stored);
 
 /* Fetches n blocks in one round trip into the caller's segments (as put
  * lays them out): found[i] is 1 when key i's payload was found, checked,
  * of exactly the segments' total length, and copied; 0 leaves its segments
  * untouched. Errors: as kvp_shared_store_put. */
-kvp_status kvp_shared_store_get(kvp_shared_store *s, int32_t n, const uint64_t *keys, int32_t segs,
+kvp_status kvp_shared_store_get(kvp_shared_store *s, int32_t n, const uint8_t *keys, int32_t segs,
                                 void *const *ptrs, const int64_t *lens, int32_t *found);
 
 /* Fills *out with the client's counters. Errors: NULL_POINTER,

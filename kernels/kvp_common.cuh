@@ -277,7 +277,7 @@ __device__ __forceinline__ void load_cg(const float* src, float (&v)[E]) {
 template <typename T, int D, int U>
 __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b, int qh, int lane) {
     constexpr int E = D / 32;  // floats per lane of one partial row
-    const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+    const int64_t rows = (int64_t)p.batch * kvp_decode_q_len(p.q_len) * p.num_q_heads;
     const int64_t row = (int64_t)b * p.num_q_heads + qh;
     const float* part_o = reinterpret_cast<const float*>(p.workspace) + row * D + lane * E;
     const float* part_lse = reinterpret_cast<const float*>(p.workspace) + (int64_t)p.num_splits * rows * D + row;
@@ -336,13 +336,13 @@ __device__ __forceinline__ void combine_row(const kvp_decode_params& p, int b, i
         combine_row_u<T, D, UMAX>(p, b, qh, lane);
 }
 
-// One warp per (sequence, q head).
+// One warp per (row of q, q head); a row is a sequence's new token.
 template <typename T, int D>
 __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
     griddep_wait();
     griddep_launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+    const int64_t rows = (int64_t)p.batch * kvp_decode_q_len(p.q_len) * p.num_q_heads;
     const int64_t row = (int64_t)blockIdx.x * (KVP_COMBINE_THREADS / 32) + warp;
     if (row >= rows) return;
     const int b = (int)(row / p.num_q_heads);

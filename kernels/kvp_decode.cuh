@@ -1,7 +1,11 @@
-// Paged decode attention.
+// Paged decode attention, for 1 to 16 new tokens per sequence (decode,
+// speculative verification, multi-token prediction).
 //
-// One block per (kv head, group tile of <= 16 q heads, sequence, split), so
-// the K/V rows of a kv head are read once for all the q heads that share them.
+// One block per (kv head, group tile, sequence, split): the tile's rows are
+// its q heads times the sequence's q_len new tokens (at most 16 rows, so a
+// group tile holds 16 / q_len heads), and the K/V rows of a kv head are read
+// once for all of them. New token t of a sequence of length L sits at
+// position L - q_len + t and sees positions up to its own (causal).
 // 16-bit types: K/V tiles of 64 tokens stream into shared memory through a
 // cp.async pipeline (STAGES deep); Q.K^T and P.V run on the tensor cores
 // (mma.sync m16n8k16, q heads as the 16 rows, FlashAttention-2 register
@@ -38,18 +42,22 @@ struct DecodeCfg {
 // reads can be in flight together with the read of seq_lens.
 struct DecodeWork {
     int kvh, qh0, nh, b, split, S, L, n_tiles;
+    int qlen, rows;  // new tokens per sequence; rows = nh * qlen (<= 16)
     // First token of the block's k-th tile.
     __device__ __forceinline__ int tile_start(int k) const { return (split + k * S) * KVP_DECODE_TILE; }
 };
 
 __device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params& p) {
     DecodeWork w;
+    w.qlen = kvp_decode_q_len(p.q_len);
+    const int hpc = kvp_decode_heads_per_cta(p.q_len);
     const int group = p.num_q_heads / p.num_kv_heads;
-    const int head_tiles = (group + KVP_DECODE_HEADS_PER_CTA - 1) / KVP_DECODE_HEADS_PER_CTA;
+    const int head_tiles = (group + hpc - 1) / hpc;
     w.kvh = blockIdx.x / head_tiles;
     const int ht = blockIdx.x - w.kvh * head_tiles;
-    w.qh0 = w.kvh * group + ht * KVP_DECODE_HEADS_PER_CTA;
-    w.nh = min(KVP_DECODE_HEADS_PER_CTA, group - ht * KVP_DECODE_HEADS_PER_CTA);
+    w.qh0 = w.kvh * group + ht * hpc;
+    w.nh = min(hpc, group - ht * hpc);
+    w.rows = w.nh * w.qlen;
     w.b = blockIdx.y;
     w.split = blockIdx.z;
     w.S = p.num_splits;
@@ -78,23 +86,25 @@ __device__ __forceinline__ PagedRows decode_rows(const kvp_decode_params& p, int
     return rr;
 }
 
-// Writes N consecutive dims [d0, d0+N) of q head qh: the normalised output
-// (or the split's partial) and, from the slice at d0 == 0, the lse.
-// st: the row's softmax state, l reduced over the whole row.
+// Writes N consecutive dims [d0, d0+N) of q head qh of new token t of the
+// block's sequence: the normalised output (or the split's partial) and, from
+// the slice at d0 == 0, the lse. st: the row's softmax state, l reduced over
+// the whole row.
 template <typename T, int N>
-__device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int qh, int d0,
+__device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int t, int qh, int d0,
                                              float (&o)[N], const SoftmaxState& st, int D) {
     const float inv = st.inv_l();
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] *= inv;
     const float lse2 = st.lse2();
-    const int64_t row = (int64_t)w.b * p.num_q_heads + qh;
+    const int64_t tok = (int64_t)w.b * w.qlen + t;  // the row of q and out
+    const int64_t row = tok * p.num_q_heads + qh;
     if (p.num_splits == 1) {
-        T* out = reinterpret_cast<T*>(p.out) + (int64_t)w.b * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
+        T* out = reinterpret_cast<T*>(p.out) + tok * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
         store_f<T, N>(out, o);
         if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[row] = st.lse();
     } else {
-        const int64_t rows = (int64_t)p.batch * p.num_q_heads;
+        const int64_t rows = (int64_t)p.batch * w.qlen * p.num_q_heads;
         const int64_t r = (int64_t)w.split * rows + row;
         float* part_o = reinterpret_cast<float*>(p.workspace);
         store_f<float, N>(part_o + r * D + d0, o);
@@ -114,10 +124,11 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     const float* kc = reinterpret_cast<const float*>(p.k_cache);
     const float* vc = reinterpret_cast<const float*>(p.v_cache);
     const float sl = p.scale * kLog2e;
-    for (int hi = warp; hi < w.nh; hi += KVP_DECODE_THREADS / 32) {
-        const int qh = w.qh0 + hi;
+    for (int r = warp; r < w.rows; r += KVP_DECODE_THREADS / 32) {
+        const int t = r / w.nh, qh = w.qh0 + (r - t * w.nh);
+        const int last = w.L - w.qlen + t;  // the last position token t sees
         float q[E];
-        load_f<float, E>(reinterpret_cast<const float*>(p.q) + (int64_t)w.b * p.q_batch_stride +
+        load_f<float, E>(reinterpret_cast<const float*>(p.q) + ((int64_t)w.b * w.qlen + t) * p.q_batch_stride +
                              (int64_t)qh * p.q_head_stride + lane * E,
                          q);
         SoftmaxState st;
@@ -127,10 +138,10 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
         for (int i = 0; i < E; ++i) o[i] = 0.f;
         for (int k = 0; k < w.n_tiles; ++k) {
             const int t0 = w.tile_start(k);
-            const int t1 = min(w.L, t0 + KVP_DECODE_TILE);
+            const int t1 = min(last + 1, t0 + KVP_DECODE_TILE);
             for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, st, o);
         }
-        decode_store<float, E>(p, w, qh, lane * E, o, st, D);
+        decode_store<float, E>(p, w, t, qh, lane * E, o, st, D);
     }
     griddep_launch_dependents();
 }
@@ -163,14 +174,18 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     constexpr int Q_CHUNKS = (16 * CPR + NT - 1) / NT;
     uint4 qv[Q_CHUNKS];
     {
-        const T* qb = reinterpret_cast<const T*>(p.q) + (int64_t)w.b * p.q_batch_stride;
+        // Row r is new token r / nh, head qh0 + r % nh.
+        const T* qb = reinterpret_cast<const T*>(p.q) + (int64_t)w.b * w.qlen * p.q_batch_stride;
 #pragma unroll
         for (int k = 0; k < Q_CHUNKS; ++k) {
             const int i = tid + k * NT;
             const int r = i / CPR, c = i % CPR;
             qv[k] = make_uint4(0, 0, 0, 0);
-            if (i < 16 * CPR && r < w.nh)
-                qv[k] = *reinterpret_cast<const uint4*>(qb + (int64_t)(w.qh0 + r) * p.q_head_stride + c * 8);
+            if (i < 16 * CPR && r < w.rows) {
+                const int t = r / w.nh;
+                qv[k] = *reinterpret_cast<const uint4*>(qb + (int64_t)t * p.q_batch_stride +
+                                                        (int64_t)(w.qh0 + r - t * w.nh) * p.q_head_stride + c * 8);
+            }
         }
     }
     const int seq_len = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
@@ -190,7 +205,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     }
     // Table entry of tile STAGES, stored at the end of iteration 0.
     int cblk = pblk[STAGES], coff = poff[STAGES];
-    // Query tile: rows >= nh are zero so padded heads stay finite.
+    // Query tile: rows >= rows are zero so padded rows stay finite.
 #pragma unroll
     for (int k = 0; k < Q_CHUNKS; ++k) {
         const int i = tid + k * NT;
@@ -238,6 +253,14 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     const int kb_row = warp * 16 + (lane & 7) + ((lane >> 4) << 3), kb_chk = (lane >> 3) & 1;
     const int vb_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, vb_chk = lane >> 4;
     const int g = lane >> 2, qd = (lane & 3) * 2;
+    // The last position rows g and g + 8 see (causal among the new tokens;
+    // L - 1 for every row when q_len is 1). Padded rows see everything.
+    int last[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        last[h] = r < w.rows ? w.L - w.qlen + r / w.nh : w.L - 1;
+    }
 
     for (int j = 0; j < w.n_tiles; ++j) {
         cp_async_wait<STAGES - 2>();
@@ -267,8 +290,10 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
             mma16816<T>(s[1], a, bk[2], bk[3]);
         }
 
-        // Mask tokens past the end or with an ignored block; scale into log2 domain.
+        // Mask tokens past the end, past a new token's own position or with
+        // an ignored block; scale into log2 domain.
         const int64_t* offs = s_off + (j % RING) * TILE;
+        const int tpos = w.tile_start(j);
         float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -276,8 +301,8 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
             for (int e = 0; e < 2; ++e) {
                 const int tcol = warp * 16 + nt * 8 + qd + e;
                 const bool ok = offs[tcol] >= 0;
-                s[nt][e] = ok ? s[nt][e] * sl : neg_inf();
-                s[nt][e + 2] = ok ? s[nt][e + 2] * sl : neg_inf();
+                s[nt][e] = ok && tpos + tcol <= last[0] ? s[nt][e] * sl : neg_inf();
+                s[nt][e + 2] = ok && tpos + tcol <= last[1] ? s[nt][e + 2] * sl : neg_inf();
                 mx[0] = fmaxf(mx[0], s[nt][e]);
                 mx[1] = fmaxf(mx[1], s[nt][e + 2]);
             }
@@ -338,14 +363,14 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     float* red_l = red_m + 64;                      // [4][16]
     {
         float* base = red_o + warp * 16 * C::RED_STRIDE;
-        // Only the rows of real heads (< nh) are merged.
-        if (g < w.nh) {
+        // Only real rows (< rows) are merged.
+        if (g < w.rows) {
 #pragma unroll
             for (int c = 0; c < CPR; ++c)
                 *reinterpret_cast<float2*>(base + g * C::RED_STRIDE + c * 8 + qd) =
                     make_float2(o_acc[c][0], o_acc[c][1]);
         }
-        if (g + 8 < w.nh) {
+        if (g + 8 < w.rows) {
 #pragma unroll
             for (int c = 0; c < CPR; ++c)
                 *reinterpret_cast<float2*>(base + (g + 8) * C::RED_STRIDE + c * 8 + qd) =
@@ -359,7 +384,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         }
     }
     __syncthreads();
-    for (int it = tid; it < w.nh * CPR; it += NT) {
+    for (int it = tid; it < w.rows * CPR; it += NT) {
         const int r = it / CPR, d0 = (it % CPR) * 8;
         float M = neg_inf();
 #pragma unroll
@@ -377,7 +402,8 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
                 o[4] += sc * x1.x; o[5] += sc * x1.y; o[6] += sc * x1.z; o[7] += sc * x1.w;
             }
         }
-        decode_store<T, 8>(p, w, w.qh0 + r, d0, o, SoftmaxState{M, L}, D);
+        const int t = r / w.nh;
+        decode_store<T, 8>(p, w, t, w.qh0 + r - t * w.nh, d0, o, SoftmaxState{M, L}, D);
     }
 }
 

@@ -18,7 +18,8 @@ KVP_OFF(kvp_kv_write_params, key_token_stride, 40);
 KVP_OFF(kvp_kv_write_params, cache_head_stride, 88);
 KVP_OFF(kvp_kv_write_params, num_tokens, 96);
 KVP_OFF(kvp_kv_write_params, num_blocks, 108);
-static_assert(sizeof(kvp_decode_params) == 160, "kvp_decode_params size");
+static_assert(sizeof(kvp_decode_params) == 168, "kvp_decode_params size");
+KVP_OFF(kvp_decode_params, q_len, 160);
 KVP_OFF(kvp_decode_params, workspace, 56);
 KVP_OFF(kvp_decode_params, q_batch_stride, 64);
 KVP_OFF(kvp_decode_params, block_table_stride, 120);
@@ -149,3 +150,18 @@ KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 256)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 256)
+
+// ---------------------------------------------------------------------------
+// Tier copy (dtype-blind).
+#include "kvp_tier_copy.cuh"
+
+static_assert(sizeof(kvp_tier_copy_params) == 4080, "kvp_tier_copy_params size");
+KVP_OFF(kvp_tier_copy_params, chunk_bytes, 24);
+KVP_OFF(kvp_tier_copy_params, num_layers, 48);
+KVP_OFF(kvp_tier_copy_params, n_demote, 60);
+KVP_OFF(kvp_tier_copy_params, num_slots, 72);
+KVP_OFF(kvp_tier_copy_params, ops, 80);
+
+extern "C" __global__ void __launch_bounds__(KVP_TIER_COPY_THREADS) kvp_tier_copy(const __grid_constant__ kvp_tier_copy_params p) {
+    kvp::tier_copy(p);
+}

@@ -15,6 +15,7 @@
  *     kvp_merge_states_<dt>_h<D>
  *     kvp_paged_prefill_<dt>_h<D>
  *     kvp_prefill_plan (one kernel for every dtype and head_dim)
+ *     kvp_tier_copy (dtype-blind)
  * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}.
  *
  * Alignment (all kernels): every tensor pointer of the kernel's dtype and the
@@ -42,7 +43,7 @@
 
 #include <stdint.h>
 
-#define KVP_KERNELS_ABI_VERSION 1
+#define KVP_KERNELS_ABI_VERSION 2
 
 /* Threads per block for every kernel below. */
 #define KVP_KV_WRITE_THREADS 256
@@ -91,10 +92,13 @@ typedef struct kvp_kv_write_params {
 } kvp_kv_write_params;
 
 /* ------------------------------------------------------------------------
- * 2. Paged decode attention (one query token per sequence).
- *    q   [batch, num_q_heads, head_dim]  (q_batch_stride, q_head_stride)
- *    out [batch, num_q_heads, head_dim]  (out_batch_stride, out_head_stride)
- *    lse float32 [batch, num_q_heads] contiguous, or 0 = not requested
+ * 2. Paged decode attention: q_len (1..16; 0 means 1) new tokens per
+ *    sequence, the last q_len of its seq_lens[b] tokens: new token t (row
+ *    b * q_len + t of q and out) sits at position seq_lens[b] - q_len + t
+ *    and attends to positions [0, that position] (causal).
+ *    q   [batch * q_len, num_q_heads, head_dim]  (q_batch_stride: row stride)
+ *    out [batch * q_len, num_q_heads, head_dim]  (out_batch_stride, out_head_stride)
+ *    lse float32 [batch * q_len, num_q_heads] contiguous, or 0 = not requested
  *    block_table int32 [batch, block_table_stride]; row b holds the blocks of
  *        sequence b; only columns < max_blocks_per_seq are ever read
  *    seq_lens int32 [batch]; 0 gives out = 0 and lse = -inf
@@ -111,20 +115,22 @@ typedef struct kvp_kv_write_params {
  *  none is empty and contributes nothing). Results do not depend on the
  *  partition beyond rounding.
  *
- *  Workspace (float32, 16-byte aligned, needed only when num_splits > 1):
- *      part_out [num_splits][batch][num_q_heads][head_dim]  at float offset 0
- *      part_lse [num_splits][batch][num_q_heads]            at float offset
- *               num_splits*batch*num_q_heads*head_dim  (log2 domain, internal)
- *      bytes = 4 * num_splits * batch * num_q_heads * (head_dim + 1)
+ *  Workspace (float32, 16-byte aligned, needed only when num_splits > 1;
+ *  rows = batch * q_len):
+ *      part_out [num_splits][rows][num_q_heads][head_dim]  at float offset 0
+ *      part_lse [num_splits][rows][num_q_heads]            at float offset
+ *               num_splits*rows*num_q_heads*head_dim  (log2 domain, internal)
+ *      bytes = 4 * num_splits * rows * num_q_heads * (head_dim + 1)
  *
  *  Launch of kvp_paged_decode_<dt>_h<D>:
  *      block (KVP_DECODE_THREADS,1,1)
- *      grid  (num_kv_heads * ceil_div(num_q_heads/num_kv_heads, 16), batch, num_splits)
+ *      grid  (num_kv_heads * ceil_div(num_q_heads/num_kv_heads,
+ *             kvp_decode_heads_per_cta(q_len)), batch, num_splits)
  *      dynamic shared memory: kvp_decode_smem_bytes(dt, D) below; values above
  *      48 KiB need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
  *      batch <= 65535, num_splits <= 65535.
  *  Launch of kvp_paged_decode_combine_<dt>_h<D>:
- *      block (KVP_COMBINE_THREADS,1,1), grid (ceil_div(batch*num_q_heads, 4),1,1), smem 0
+ *      block (KVP_COMBINE_THREADS,1,1), grid (ceil_div(batch*q_len*num_q_heads, 4),1,1), smem 0
  *  batch == 0: launch nothing.
  *  PDL: every kernel begins with griddepcontrol.wait, so any of them may be
  *  launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -136,7 +142,8 @@ typedef struct kvp_kv_write_params {
  *          104 cache_token_stride, 112 cache_head_stride,
  *          120 block_table_stride, 128 batch, 132 num_q_heads,
  *          136 num_kv_heads, 140 block_size, 144 num_blocks,
- *          148 max_blocks_per_seq, 152 num_splits, 156 scale; size 160.
+ *          148 max_blocks_per_seq, 152 num_splits, 156 scale, 160 q_len,
+ *          164 reserved; size 168.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_decode_params {
     uint64_t q;
@@ -163,7 +170,24 @@ typedef struct kvp_decode_params {
     int32_t max_blocks_per_seq;
     int32_t num_splits;
     float scale; /* softmax scale, usually 1/sqrt(head_dim) */
+    int32_t q_len; /* new tokens per sequence, 1..16 (0: 1) */
+    int32_t reserved;
 } kvp_decode_params;
+
+/* Most new tokens per sequence of the decode kernel. */
+#define KVP_DECODE_MAX_Q_LEN 16
+
+/* Both sides of the launch use these two. */
+#ifdef __CUDACC__
+#define KVP_HOST_DEVICE __host__ __device__
+#else
+#define KVP_HOST_DEVICE
+#endif
+static inline KVP_HOST_DEVICE int32_t kvp_decode_q_len(int32_t q_len) { return q_len < 1 ? 1 : q_len; }
+/* q heads per decode block: the 16 tensor-core rows hold heads x new tokens. */
+static inline KVP_HOST_DEVICE int32_t kvp_decode_heads_per_cta(int32_t q_len) {
+    return KVP_DECODE_HEADS_PER_CTA / kvp_decode_q_len(q_len);
+}
 
 /* Dynamic shared memory of kvp_paged_decode_<dt>_h<D>, in bytes.
  * dtype_bytes: 4 for f32, 2 for f16/bf16.
@@ -453,5 +477,53 @@ static inline uint32_t kvp_cascade_smem_bytes(int head_dim) {
     return (uint32_t)kvp_cascade_tile_q(head_dim) * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u +
            (stages + 1u) * 64u * 8u;
 }
+
+/* ------------------------------------------------------------------------
+ * 6. Tier copy: blocks between the paged KV caches (device memory) and the
+ *    slots of a host KV tier (pinned host memory mapped into the device's
+ *    address space), every layer's K and V of each block, in one launch.
+ *    STRIDES HERE ARE IN BYTES (the kernel is dtype-blind).
+ *    layers: uint64 [num_layers][2], device memory: the address of block 0
+ *            of layer l's K ([l][0]) and V ([l][1]; unused when kv == 1).
+ *    Block b of layer l's K is the chunk_bytes at layers[l][0] +
+ *    b * k_block_stride (V: layers[l][1] + b * v_block_stride).
+ *    Host slot s holds, for l = 0..num_layers-1 and t = 0..kv-1 (K, V),
+ *    chunk (l, t) at host + s * slot_bytes + (l * kv + t) * chunk_bytes.
+ *    ops[i] = {block, slot}: i < n_demote copies block -> slot, the others
+ *    slot -> block. Ops naming a block or slot out of range are skipped
+ *    (memory safety; the launcher rejects them).
+ *    Alignment: layers' addresses, host, strides, slot_bytes and
+ *    chunk_bytes are multiples of 16.
+ *    Launch: block (KVP_TIER_COPY_THREADS,1,1),
+ *            grid (n_ops * num_layers * kv * parts,1,1) with
+ *            parts = ceil_div(chunk_bytes, KVP_TIER_COPY_CTA_BYTES),
+ *            dynamic shared memory 0. n_ops == 0: launch nothing; more
+ *            than KVP_TIER_COPY_OPS ops: one launch per KVP_TIER_COPY_OPS.
+ * offsets: 0 layers, 8 host, 16 slot_bytes, 24 chunk_bytes,
+ *          32 k_block_stride, 40 v_block_stride, 48 num_layers, 52 kv,
+ *          56 n_ops, 60 n_demote, 64 parts, 68 num_blocks, 72 num_slots,
+ *          76 reserved, 80 ops; size 4080 (within the 4 KiB parameter limit).
+ * ---------------------------------------------------------------------- */
+#define KVP_TIER_COPY_THREADS 256
+#define KVP_TIER_COPY_CTA_BYTES 16384 /* 4 loads of 16 bytes per thread */
+#define KVP_TIER_COPY_OPS 500
+
+typedef struct kvp_tier_copy_params {
+    uint64_t layers;
+    uint64_t host;
+    int64_t slot_bytes;
+    int64_t chunk_bytes;
+    int64_t k_block_stride;
+    int64_t v_block_stride;
+    int32_t num_layers;
+    int32_t kv; /* 1 (K only) or 2 */
+    int32_t n_ops;
+    int32_t n_demote;
+    int32_t parts;
+    int32_t num_blocks;
+    int32_t num_slots;
+    int32_t reserved;
+    int32_t ops[KVP_TIER_COPY_OPS][2];
+} kvp_tier_copy_params;
 
 #endif /* KVPLUG_KERNELS_H */

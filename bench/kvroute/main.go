@@ -138,11 +138,12 @@ func run(policy string, reqs []request, n, blocks, bs int, valkey string, seed i
 		case "kv-aware":
 			scores, err := x.Query(q.prompt, nil)
 			must(err)
-			// The longest cached prefix; ties (no hit anywhere, say) go to
-			// the least loaded instance.
+			// The highest score (the longest cached prefix, weighted by
+			// tier); ties (no hit anywhere, say) go to the least loaded
+			// instance.
 			target = 0
 			for i, s := range scores {
-				if s.Tokens > scores[target].Tokens || (s.Tokens == scores[target].Tokens && load[i] < load[target]) {
+				if s.Score > scores[target].Score || (s.Score == scores[target].Score && load[i] < load[target]) {
 					target = i
 				}
 			}

@@ -722,7 +722,12 @@ struct CopyBatch {
 
 // The host KV tier of a Manager created with host_tier_slots > 0 (see the
 // header's "Host KV tier"): a view that does not own the manager, which
-// must outlive it. The engine performs the copies.
+// must outlive it. The engine performs the copies. A shared tier below it
+// (a Valkey or Redis server: the config's shared_tier_addr and
+// shared_tier_namespace, whose strings need only outlive the Manager's
+// constructor; the header's "Shared KV tier") works through the same
+// calls: admit and match_tiers fetch its blocks into host slots, and
+// stats() carries its shared_* counters.
 class HostTier {
  public:
   explicit HostTier(Manager &m) noexcept : m_(&m) {}
@@ -793,6 +798,11 @@ class HostTier {
     detail::check(api().kvp_manager_host_tier_memory(m_->get(), nullptr, &bytes, nullptr));
     return bytes;
   }
+  int32_t num_slots() const {
+    int32_t n = 0;
+    detail::check(api().kvp_manager_host_tier_memory(m_->get(), nullptr, nullptr, &n));
+    return n;
+  }
 
  private:
   static const detail::TierApi &api() { return detail::tier_api(); }
@@ -800,6 +810,79 @@ class HostTier {
 };
 
 // ==== section: host KV tier (end) ====
+
+// ==== section: tier copy (begin) ====
+
+namespace detail {
+struct TierCopyApi {
+  KVPLUG_FN(kvp_tier_copier_create);
+  KVPLUG_FN(kvp_tier_copier_run);
+  KVPLUG_FN(kvp_tier_copier_destroy);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_tier_copier_create);
+    KVPLUG_LOAD(lib, kvp_tier_copier_run);
+    KVPLUG_LOAD(lib, kvp_tier_copier_destroy);
+  }
+};
+inline const TierCopyApi &tier_copy_api() { return table<TierCopyApi>(); }
+}  // namespace detail
+
+// Copies host tier batches between the engine's paged GPU caches and host
+// slots, every layer's K and V of a batch in one launch (the header's
+// "tier copy"). Owns its kvp_tier_copier; destroy it before the manager
+// whose host memory it registered.
+class TierCopier {
+ public:
+  // k and v: per layer, the device address of block 0 (v empty: K only).
+  TierCopier(const std::vector<uint64_t> &k, const std::vector<uint64_t> &v, int32_t num_blocks, int64_t block_bytes,
+             int64_t k_block_stride, int64_t v_block_stride, void *host, int64_t slot_bytes, int32_t num_slots) {
+    kvp_kv_layers l = KVP_KV_LAYERS_INIT;
+    l.num_layers = detail::count32(k.size(), "TierCopier: layers");
+    l.num_blocks = num_blocks;
+    l.k = k.data();
+    l.v = v.empty() ? nullptr : v.data();
+    if (!v.empty() && v.size() != k.size()) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: TierCopier: " + std::to_string(v.size()) + " V layers for " +
+                                                std::to_string(k.size()) + " K layers");
+    }
+    l.block_bytes = block_bytes;
+    l.k_block_stride = k_block_stride;
+    l.v_block_stride = v_block_stride;
+    detail::check(api().kvp_tier_copier_create(&l, host, slot_bytes, num_slots, &h_));
+  }
+  // Over a manager's host tier memory.
+  TierCopier(const std::vector<uint64_t> &k, const std::vector<uint64_t> &v, int32_t num_blocks, int64_t block_bytes,
+             int64_t k_block_stride, int64_t v_block_stride, const HostTier &tier)
+      : TierCopier(k, v, num_blocks, block_bytes, k_block_stride, v_block_stride, tier.slot(0), tier.slot_bytes(),
+                   tier.num_slots()) {}
+  TierCopier(const TierCopier &) = delete;
+  TierCopier &operator=(const TierCopier &) = delete;
+  TierCopier(TierCopier &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  TierCopier &operator=(TierCopier &&o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+    }
+    return *this;
+  }
+  ~TierCopier() { reset(); }
+  void reset() noexcept {
+    if (h_ != nullptr) api().kvp_tier_copier_destroy(std::exchange(h_, nullptr));
+  }
+  kvp_tier_copier *get() const noexcept { return h_; }
+
+  // Enqueues the batch's demotions and reloads on stream (a cudaStream_t).
+  void run(const CopyBatch &b, void *stream = nullptr) {
+    detail::check(api().kvp_tier_copier_run(h_, b.demote.data(), detail::count32(b.demote.size(), "run: demote"),
+                                            b.reload.data(), detail::count32(b.reload.size(), "run: reload"), stream));
+  }
+
+ private:
+  static const detail::TierCopyApi &api() { return detail::tier_copy_api(); }
+  kvp_tier_copier *h_ = nullptr;
+};
+
+// ==== section: tier copy (end) ====
 
 // ==== section: attention kernels (begin) ====
 

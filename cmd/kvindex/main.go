@@ -1,15 +1,27 @@
 // Command kvindex is a cluster prefix index for KV-aware routing: it
 // subscribes to the KV event streams of engine instances (kvplug's
 // publisher, in vLLM's wire format), keeps which instance caches which
-// block in memory or in Valkey/Redis, and answers over HTTP/JSON, for a
-// prompt's tokens and keys, each instance's longest cached prefix:
+// block on which medium (GPU, CPU: a host tier, SHARED: a tier instances
+// share) in memory or in Valkey/Redis, and answers over HTTP/JSON, for a
+// prompt's tokens and keys, each instance's longest cached prefix per
+// medium and a score that ranks them:
 //
 //	kvindex -listen 127.0.0.1:8090 -block-size 16 \
 //	    -instance e0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
 //	    -instance e1=tcp://10.0.0.2:5557,tcp://10.0.0.2:5558 \
-//	    [-valkey 127.0.0.1:6379 -valkey-prefix kvindex]
+//	    [-valkey 127.0.0.1:6379 -valkey-prefix kvindex] \
+//	    [-cpu-weight 0.75 -shared-weight 0.25]
 //
 //	curl -d '{"tokens": [1, 2, 3, ...]}' http://127.0.0.1:8090/v1/score
+//	{"scores": [{"instance": "e0", "tokens": 160, "blocks": 10, "gpu_tokens": 64,
+//	             "cpu_tokens": 96, "shared_tokens": 0, "score": 136, "stale": false}, ...],
+//	 "best": "e0", "weights": {"cpu": 0.75, "shared": 0.25}}
+//
+// gpu_tokens is the prompt's longest prefix on the instance's GPU,
+// cpu_tokens how far its host tier continues it, shared_tokens how far the
+// shared tier continues that; tokens is their sum, and score counts GPU
+// tokens at 1 and the others at the weights (see package core/kvindex,
+// "Media"). best is the instance with the highest score.
 //
 // An instance is NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]. See package
 // core/kvindex for the API and the recovery rules.
@@ -31,6 +43,15 @@ import (
 )
 
 type instanceFlags []kvindex.InstanceConfig
+
+// flagWeight turns a weight flag into Config's form, where 0 takes the
+// default and a negative weight counts nothing.
+func flagWeight(w float64) float64 {
+	if w == 0 {
+		return -1
+	}
+	return w
+}
 
 func (f *instanceFlags) String() string { return fmt.Sprint(len(*f), " instances") }
 
@@ -57,6 +78,8 @@ func main() {
 	bs := flag.Int("block-size", 16, "tokens per block of the engines")
 	valkey := flag.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
 	prefixKey := flag.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
+	cpuWeight := flag.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
+	sharedWeight := flag.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
 	flag.Var(&insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat)")
 	flag.Parse()
 	if len(insts) == 0 {
@@ -73,7 +96,8 @@ func main() {
 		}
 		be = v
 	}
-	x, err := kvindex.New(kvindex.Config{Instances: insts, BlockSize: *bs, Backend: be})
+	x, err := kvindex.New(kvindex.Config{Instances: insts, BlockSize: *bs, Backend: be,
+		CPUWeight: flagWeight(*cpuWeight), SharedWeight: flagWeight(*sharedWeight)})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)

@@ -18,3 +18,11 @@ func TestInstanceFlag(t *testing.T) {
 		}
 	}
 }
+
+func TestFlagWeight(t *testing.T) {
+	for in, want := range map[float64]float64{0: -1, 0.5: 0.5, 1: 1} {
+		if got := flagWeight(in); got != want {
+			t.Errorf("flagWeight(%v) = %v, want %v", in, got, want)
+		}
+	}
+}

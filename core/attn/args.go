@@ -72,7 +72,22 @@ type DecodeLayout struct {
 	BlockTableStride int64
 
 	Scale float32 // softmax scale; 0 means 1/sqrt(head_dim) (SoftmaxScale)
+
+	// QLen is the new tokens per sequence, 0..MaxDecodeQLen (0 means 1):
+	// q and out hold Batch*QLen rows (sequence b's token t at row
+	// b*QLen+t; QBatchStride and OutBatchStride are row strides), each new
+	// token at position seq_len-QLen+t, causal among them.
+	QLen int
 }
+
+// MaxDecodeQLen is the most new tokens per sequence of one paged decode
+// (KVP_DECODE_MAX_Q_LEN): the tensor-core tile's 16 rows.
+const MaxDecodeQLen = 16
+
+// Rows is the q and out rows: Batch times the new tokens per sequence.
+func (l *DecodeLayout) Rows() int { return l.Batch * l.qLen() }
+
+func (l *DecodeLayout) qLen() int { return max(l.QLen, 1) }
 
 // MergeLayout is the shape of a merge of NumStates attention states, each a
 // value [num_tokens, num_heads, head_dim] (dtype) and a float32 natural-log
@@ -243,6 +258,9 @@ func (l *DecodeLayout) validate() (decodeExtents, error) {
 	if l.NumQHeads%l.NumKVHeads != 0 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: num_q_heads (%d) must be a multiple of num_kv_heads (%d)", what, l.NumQHeads, l.NumKVHeads)
 	}
+	if err := inRange(what+": q_len", l.QLen, 0, MaxDecodeQLen); err != nil {
+		return e, err
+	}
 	if err := inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1); err != nil {
 		return e, err
 	}
@@ -266,10 +284,10 @@ func (l *DecodeLayout) validate() (decodeExtents, error) {
 		return e, err
 	}
 	var err error
-	if e.q, err = span(what+": q", l.HeadDim, dim{l.Batch, l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
+	if e.q, err = span(what+": q", l.HeadDim, dim{l.Rows(), l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
 		return e, err
 	}
-	out := []dim{{l.Batch, l.OutBatchStride}, {l.NumQHeads, l.OutHeadStride}}
+	out := []dim{{l.Rows(), l.OutBatchStride}, {l.NumQHeads, l.OutHeadStride}}
 	if e.out, err = span(what+": out", l.HeadDim, out...); err != nil {
 		return e, err
 	}

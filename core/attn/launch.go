@@ -5,11 +5,13 @@ import (
 	"strconv"
 
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kimage"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/kernels"
 )
 
-var image = cuda.NewImage("kvplug", kernels.Fatbin)
+// image is the library's one kernel image (shared with the tier copy).
+var image = kimage.Image
 
 // kernelSet is the kernels of one (dtype, head_dim) instantiation.
 type kernelSet struct {
@@ -239,12 +241,12 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		if maxLen == 0 {
 			maxLen = a.MaxBlocksPerSeq * a.BlockSize
 		}
-		splits = DecodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen)
+		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen, a.QLen)
 		// Never more splits than the workspace holds (none without one).
 		if splits > 1 {
 			fit := int64(0)
 			if a.Workspace != 0 {
-				fit = a.WorkspaceBytes / workspaceBytes(a.Batch, a.NumQHeads, a.HeadDim, 1)
+				fit = a.WorkspaceBytes / workspaceBytes(a.Rows(), a.NumQHeads, a.HeadDim, 1)
 			}
 			splits = int(max(1, min(int64(splits), fit)))
 		}
@@ -260,11 +262,11 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		BlockTableStride: a.BlockTableStride,
 		Batch:            int32(a.Batch), NumQHeads: int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
-		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim),
+		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim), QLen: int32(a.qLen()),
 	}
 	ks := kernelsFor(a.DType, a.HeadDim)
 	cfg := cuda.LaunchConfig{
-		Grid:   cuda.Dim3{X: uint32(a.NumKVHeads * ceilDiv(group, decodeHeadsPerBlock)), Y: uint32(a.Batch), Z: uint32(splits)},
+		Grid:   cuda.Dim3{X: uint32(a.NumKVHeads * ceilDiv(group, decodeHeadsPer(a.QLen))), Y: uint32(a.Batch), Z: uint32(splits)},
 		Block:  cuda.Dim3{X: decodeThreads, Y: 1, Z: 1},
 		Shared: decodeSharedBytes(a.DType, a.HeadDim),
 	}
@@ -272,14 +274,14 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		return err
 	}
 	cfg = cuda.LaunchConfig{
-		Grid:  cuda.Dim3{X: uint32(ceilDiv(a.Batch*a.NumQHeads, combineThreads/32)), Y: 1, Z: 1},
+		Grid:  cuda.Dim3{X: uint32(ceilDiv(a.Rows()*a.NumQHeads, combineThreads/32)), Y: 1, Z: 1},
 		Block: cuda.Dim3{X: combineThreads, Y: 1, Z: 1},
 	}
 	return cuda.Launch(m, ks.combine, cfg, stream, &p)
 }
 
 func (a *PagedDecodeArgs) checkWorkspace(splits int) error {
-	need := workspaceBytes(a.Batch, a.NumQHeads, a.HeadDim, splits)
+	need := workspaceBytes(a.Rows(), a.NumQHeads, a.HeadDim, splits)
 	if a.Workspace == 0 {
 		return kverr.Errorf(kverr.NullPointer, "paged_decode: %d splits need a workspace of %d bytes; workspace is 0", splits, need)
 	}

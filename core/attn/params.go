@@ -68,6 +68,8 @@ type decodeParams struct {
 	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
 	NumSplits        int32   `c:"num_splits"`
 	Scale            float32 `c:"scale"`
+	QLen             int32   `c:"q_len"`
+	Reserved         int32   `c:"reserved"`
 }
 
 // kvp_merge_params

@@ -18,7 +18,7 @@ type layoutCase struct {
 
 var layoutCases = []layoutCase{
 	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 112},
-	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 160},
+	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 168},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 224},
 	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 48},
 	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 176},

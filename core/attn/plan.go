@@ -21,10 +21,19 @@ const DefaultMaxSplits = 32
 // only on the batch's shape, so an engine computes it once per step and
 // passes it to every layer.
 func DecodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) int {
+	return decodeSplits(sms, d, headDim, batch, qHeads, kvHeads, maxSeqLen, 1)
+}
+
+// decodeHeadsPer is the q heads of one decode block at qLen new tokens per
+// sequence (kvp_decode_heads_per_cta): its 16 rows hold heads x tokens.
+func decodeHeadsPer(qLen int) int { return decodeHeadsPerBlock / max(qLen, 1) }
+
+// decodeSplits is DecodeSplits for qLen new tokens per sequence.
+func decodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen, qLen int) int {
 	if sms <= 0 || batch <= 0 || kvHeads <= 0 || qHeads < kvHeads || maxSeqLen <= 0 {
 		return 1
 	}
-	ctas := batch * kvHeads * ceilDiv(qHeads/kvHeads, decodeHeadsPerBlock)
+	ctas := batch * kvHeads * ceilDiv(qHeads/kvHeads, decodeHeadsPer(qLen))
 	slots := sms * decodeBlocksPerSM(d, headDim)
 	tiles := ceilDiv(maxSeqLen, decodeTile)
 	if ctas >= slots || tiles <= 1 {

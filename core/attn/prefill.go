@@ -20,7 +20,7 @@ import (
 const (
 	KindPrefill  = 1 // KVP_ATTN_PLAN_PREFILL
 	RoutePrefill = 1 // KVP_ATTN_ROUTE_PREFILL: the prefill kernel over the work list
-	RouteDecode  = 2 // KVP_ATTN_ROUTE_DECODE: every q_len is 1; the decode kernel
+	RouteDecode  = 2 // KVP_ATTN_ROUTE_DECODE: one q_len <= 16 for every sequence; the decode kernel
 )
 
 // Plan flags (kvp_prefill_plan_args.flags). PrefillNoDecodeRoute keeps a
@@ -371,7 +371,8 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		Batch: batch, TotalQ: st.totalQ, MaxQLen: st.maxQLen, MaxKVLen: st.maxKVLen,
 		NumItems: int(st.items), NumSplits: 1,
 		Workspace: a.Workspace, WorkspaceBytes: a.WorkspaceBytes, KVLens: a.KVLensDev}
-	decode := batch > 0 && st.maxQLen == 1 && st.totalQ == batch && a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
+	decode := batch > 0 && decodeRoutes(st.maxQLen, a.NumQHeads/a.NumKVHeads) && st.totalQ == batch*st.maxQLen &&
+		a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
 	if decode {
 		p.Route, p.NumItems = RouteDecode, 0
 	}
@@ -400,10 +401,10 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	sms := m.Device().SMs
 	if decode {
-		s := DecodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen)
+		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen, st.maxQLen)
 		fit := int64(0)
 		if a.Workspace != 0 {
-			fit = a.WorkspaceBytes / workspaceBytes(batch, a.NumQHeads, a.HeadDim, 1)
+			fit = a.WorkspaceBytes / workspaceBytes(st.totalQ, a.NumQHeads, a.HeadDim, 1)
 		}
 		p.NumSplits = int(max(1, min(int64(s), fit)))
 		return p, nil
@@ -646,12 +647,22 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	return cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).merge, mcfg, stream, &mp)
 }
 
-// runDecode runs a plan of one-token queries through the decode kernel: row
-// b of q is sequence b's query.
+// decodeRoutes reports whether a batch whose every sequence brings qLen new
+// tokens runs on the decode kernel: at most 16 rows of (new token, q head)
+// per kv head, so that one block takes a kv head's whole group and reads
+// each K/V tile once (more rows split the group over blocks that each read
+// it; the prefill kernel's tiles hold them all).
+func decodeRoutes(qLen, group int) bool {
+	return qLen >= 1 && (qLen == 1 || qLen*group <= decodeHeadsPerBlock)
+}
+
+// runDecode runs a plan of uniform short queries through the decode
+// kernel: rows [b*q_len, (b+1)*q_len) of q are sequence b's.
 func (p *PrefillPlan) runDecode(a *PagedPrefillArgs, stream cuda.Stream) error {
 	d := PagedDecodeArgs{
 		DecodeLayout: DecodeLayout{
 			DType: p.DType, HeadDim: p.HeadDim, Batch: p.Batch, NumQHeads: p.NumQHeads, NumKVHeads: p.NumKVHeads,
+			QLen:         p.MaxQLen,
 			QBatchStride: a.QTokenStride, QHeadStride: a.QHeadStride,
 			OutBatchStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
 			NumBlocks: a.NumBlocks, BlockSize: a.BlockSize,

@@ -72,7 +72,7 @@ const SnapshotSeq = -2
 type Encoding struct {
 	Format    Format
 	Hashes    HashFormat
-	Medium    string // BlockStored/BlockRemoved "medium"; vLLM: "GPU"
+	Medium    string // "medium" of the GPU's events (prefix.MediumGPU); vLLM: "GPU"
 	DPRank    int    // data_parallel_rank; < 0: omitted
 	MaxBlocks int    // BlockStored events merge at most this many blocks; 0: 256
 }
@@ -94,17 +94,30 @@ func NewEncoder(enc Encoding) *Encoder {
 	if enc.MaxBlocks <= 0 {
 		enc.MaxBlocks = maxMergedBlocks
 	}
+	if enc.Medium == "" {
+		enc.Medium = "GPU"
+	}
 	return &Encoder{enc: enc}
+}
+
+// mediumName is the "medium" of events of medium m: Encoding.Medium for
+// the GPU's, the medium's own name ("CPU", "SHARED") for the others.
+func (e *Encoder) mediumName(m prefix.Medium) string {
+	if m == prefix.MediumGPU {
+		return e.enc.Medium
+	}
+	return m.String()
 }
 
 // storedRun returns how many events from evs[0] (a BlockStored) form one
 // chain that one vLLM BlockStored can carry: each a BlockStored whose
-// parent is the previous one's hash, with the same adapter and block size.
+// parent is the previous one's hash, with the same medium, adapter and
+// block size.
 func (e *Encoder) storedRun(evs []prefix.Event) int {
 	n := 1
 	for n < len(evs) && n < e.enc.MaxBlocks {
 		a, b := &evs[n-1], &evs[n]
-		if b.Kind != prefix.BlockStored || b.Parent != a.Hash || b.Adapter != a.Adapter || b.BlockSize != a.BlockSize {
+		if b.Kind != prefix.BlockStored || b.Parent != a.Hash || b.Medium != a.Medium || b.Adapter != a.Adapter || b.BlockSize != a.BlockSize {
 			break
 		}
 		n++
@@ -139,7 +152,7 @@ func (e *Encoder) Encode(ts float64, evs []prefix.Event) []byte {
 			b = e.appendStored(b, evs[i:i+n])
 			i += n
 		case prefix.BlockRemoved:
-			b = e.appendRemoved(b, evs[i].Hashes)
+			b = e.appendRemoved(b, evs[i].Hashes, evs[i].Medium)
 			i++
 		default:
 			b = e.appendTag(b, "AllBlocksCleared", 0)
@@ -220,7 +233,7 @@ func (e *Encoder) appendStored(b []byte, run []prefix.Event) []byte {
 		b = msgp.AppendUint64(b, first.Adapter)
 	}
 	b = e.field(b, "medium")
-	b = msgp.AppendString(b, e.enc.Medium)
+	b = msgp.AppendString(b, e.mediumName(first.Medium))
 	b = e.field(b, "lora_name") // kvplug knows adapters by id only
 	b = msgp.AppendNil(b)
 	if hasMM {
@@ -247,7 +260,7 @@ func (e *Encoder) appendStored(b []byte, run []prefix.Event) []byte {
 	return b
 }
 
-func (e *Encoder) appendRemoved(b []byte, hashes []prefix.Hash) []byte {
+func (e *Encoder) appendRemoved(b []byte, hashes []prefix.Hash, m prefix.Medium) []byte {
 	b = e.appendTag(b, "BlockRemoved", 2)
 	b = e.field(b, "block_hashes")
 	b = msgp.AppendArrayHeader(b, uint32(len(hashes)))
@@ -255,7 +268,7 @@ func (e *Encoder) appendRemoved(b []byte, hashes []prefix.Hash) []byte {
 		b = e.appendHash(b, h)
 	}
 	b = e.field(b, "medium")
-	return msgp.AppendString(b, e.enc.Medium)
+	return msgp.AppendString(b, e.mediumName(m))
 }
 
 // Key is a block hash as a consumer keys it: a 16-byte hash as is, an
@@ -287,12 +300,30 @@ type DecodedEvent struct {
 	Hashes     []Key // BlockStored: the chain's blocks; BlockRemoved: the removed blocks
 	HashFormat HashFormat
 	Parent     *Key // BlockStored; nil for a first block
-	Tokens     []int64
-	BlockSize  int
-	LoRAID     *int64
-	LoRAName   *string
-	Medium     *string
-	ExtraKeys  []any // raw per-block extra keys (msgpack decoded), nil when absent
+	// Tokens are the blocks' tokens, BlockSize per hash; or none at all,
+	// as vLLM's OffloadingConnector sends its CPU blocks (token_ids [],
+	// parent None, block_size the offloaded block's, or 0).
+	Tokens    []int64
+	BlockSize int
+	LoRAID    *int64
+	LoRAName  *string
+	// Medium is the event's "medium": "GPU", "CPU", kvplug's "SHARED"
+	// (MediumOf maps it), or anything a producer sends; nil when absent.
+	Medium    *string
+	ExtraKeys []any // raw per-block extra keys (msgpack decoded), nil when absent
+
+	hasTokens bool // token_ids was given (empty or not)
+}
+
+// MediumOf returns the medium of a decoded BlockStored or BlockRemoved:
+// GPU when it names none (vLLM's events before "medium"), else the medium
+// its name gives in any case (prefix.ParseMedium); ok is false for a name
+// kvplug does not know.
+func (ev *DecodedEvent) MediumOf() (m prefix.Medium, ok bool) {
+	if ev.Medium == nil {
+		return prefix.MediumGPU, true
+	}
+	return prefix.ParseMedium(*ev.Medium)
 }
 
 // Batch is a decoded EventBatch.
@@ -515,7 +546,10 @@ func decodeEvent(p []byte, ev *DecodedEvent) ([]byte, error) {
 		return nil, fmt.Errorf("an event must be an array or a map, got %v", msgp.NextType(p))
 	}
 	if ev.Kind == KindStored {
-		if len(ev.Hashes) == 0 || ev.BlockSize < 1 || len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+		// token_ids is required (as in vLLM's struct); empty, it is the
+		// hash-only form of vLLM's offloaded blocks.
+		if len(ev.Hashes) == 0 || !ev.hasTokens ||
+			(len(ev.Tokens) > 0 && (ev.BlockSize < 1 || len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize)) {
 			return nil, fmt.Errorf("BlockStored with %d hashes, %d tokens and block size %d", len(ev.Hashes), len(ev.Tokens), ev.BlockSize)
 		}
 	}
@@ -556,6 +590,7 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 			return nil, fmt.Errorf("%d tokens in %d bytes", n, len(p))
 		}
 		ev.Tokens = make([]int64, n)
+		ev.hasTokens = true
 		for i := range ev.Tokens {
 			if ev.Tokens[i], p, err = msgp.ReadInt64Bytes(p); err != nil {
 				return nil, err
@@ -567,8 +602,8 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 		if v, p, err = msgp.ReadInt64Bytes(p); err != nil {
 			return nil, err
 		}
-		if v < 1 || v > prefix.MaxBlockSize {
-			return nil, fmt.Errorf("block_size %d out of [1, %d]", v, prefix.MaxBlockSize)
+		if v < 0 || v > prefix.MaxBlockSize {
+			return nil, fmt.Errorf("block_size %d out of [0, %d]", v, prefix.MaxBlockSize)
 		}
 		ev.BlockSize = int(v)
 		return p, nil

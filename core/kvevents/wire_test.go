@@ -19,6 +19,13 @@ func sampleEvents() []prefix.Event {
 		{Kind: prefix.BlockStored, Hash: h(2), Parent: h(1), Tokens: []int32{-3, 1 << 30}, BlockSize: 2, Adapter: 4},
 		{Kind: prefix.BlockStored, Hash: h(3), Parent: h(7), Tokens: []int32{5, 6}, BlockSize: 2},
 		{Kind: prefix.BlockRemoved, Hashes: []prefix.Hash{h(2), h(1)}},
+		// The host tier's: a chain of CPU blocks (one event), a GPU block
+		// that continues it (not merged: another medium), a removal.
+		{Kind: prefix.BlockStored, Medium: prefix.MediumCPU, Hash: h(4), Parent: h(2), Tokens: []int32{7, 8}, BlockSize: 2, Adapter: 4},
+		{Kind: prefix.BlockStored, Medium: prefix.MediumCPU, Hash: h(5), Parent: h(4), Tokens: []int32{9, 10}, BlockSize: 2, Adapter: 4},
+		{Kind: prefix.BlockStored, Hash: h(6), Parent: h(5), Tokens: []int32{11, 12}, BlockSize: 2, Adapter: 4},
+		{Kind: prefix.BlockRemoved, Medium: prefix.MediumCPU, Hashes: []prefix.Hash{h(5)}},
+		{Kind: prefix.BlockStored, Medium: prefix.MediumShared, Hash: h(8), Tokens: []int32{1, 1}, BlockSize: 2},
 	}
 }
 
@@ -37,7 +44,7 @@ func TestWireRoundTrip(t *testing.T) {
 			t.Fatalf("%+v: ts %v dp %v", enc, b.TS, b.DPRank)
 		}
 		// The chain 1 -> 2 merges; block 3 (another parent) does not.
-		if len(b.Events) != 4 {
+		if len(b.Events) != 8 {
 			t.Fatalf("%+v: %d events", enc, len(b.Events))
 		}
 		ev := b.Events[1]
@@ -49,9 +56,65 @@ func TestWireRoundTrip(t *testing.T) {
 		if p := b.Events[2].Parent; p == nil || *p != KeyOf(evs[3].Parent, enc.Hashes) || b.Events[2].LoRAID != nil || b.Events[2].ExtraKeys != nil {
 			t.Fatalf("%+v: event 2 %+v", enc, b.Events[2])
 		}
-		if r := b.Events[3]; r.Kind != KindRemoved || len(r.Hashes) != 2 || r.Hashes[0] != KeyOf(evs[4].Hashes[0], enc.Hashes) {
+		if r := b.Events[3]; r.Kind != KindRemoved || len(r.Hashes) != 2 || r.Hashes[0] != KeyOf(evs[4].Hashes[0], enc.Hashes) || *r.Medium != enc.Medium {
 			t.Fatalf("%+v: removed %+v", enc, r)
 		}
+		// Each event's medium: the configured name for the GPU's, the
+		// medium's own for the host tier's and the shared tier's.
+		for i, want := range []struct {
+			kind, hashes int
+			medium       string
+			m            prefix.Medium
+		}{{KindStored, 2, "CPU", prefix.MediumCPU}, {KindStored, 1, enc.Medium, prefix.MediumGPU},
+			{KindRemoved, 1, "CPU", prefix.MediumCPU}, {KindStored, 1, "SHARED", prefix.MediumShared}} {
+			ev := b.Events[4+i]
+			m, ok := ev.MediumOf()
+			if ev.Kind != want.kind || len(ev.Hashes) != want.hashes || ev.Medium == nil || *ev.Medium != want.medium ||
+				(want.medium != enc.Medium && (!ok || m != want.m)) {
+				t.Fatalf("%+v: event %d %+v, want %+v", enc, 4+i, ev, want)
+			}
+		}
+		if cpu := b.Events[4]; cpu.Parent == nil || *cpu.Parent != KeyOf(evs[5].Parent, enc.Hashes) || len(cpu.Tokens) != 4 || cpu.Tokens[3] != 10 {
+			t.Fatalf("%+v: CPU chain %+v", enc, cpu)
+		}
+	}
+}
+
+// vLLM's OffloadingConnector sends its CPU blocks without tokens or parent
+// (token_ids [], block_size the offloaded block's or 0): Decode takes them;
+// an event without token_ids at all is still refused.
+func TestDecodeHashOnlyStored(t *testing.T) {
+	str := func(b []byte, s string) []byte { return append(append(b, 0xa0|byte(len(s))), s...) }
+	for _, bs := range []byte{0, 16} {
+		p := []byte{0x92, 0x01, 0x91, 0x86}
+		p = str(p, "type")
+		p = str(p, "BlockStored")
+		p = str(p, "block_hashes")
+		p = append(p, 0x92, 0x05, 0x06)
+		p = str(p, "parent_block_hash")
+		p = append(p, 0xc0)
+		p = str(p, "token_ids")
+		p = append(p, 0x90)
+		p = str(p, "block_size")
+		p = append(p, bs)
+		p = str(p, "medium")
+		p = str(p, "cpu")
+		b, err := Decode(p)
+		if err != nil {
+			t.Fatalf("block size %d: %v", bs, err)
+		}
+		ev := b.Events[0]
+		m, ok := ev.MediumOf()
+		if len(ev.Hashes) != 2 || ev.Hashes[1][15] != 6 || len(ev.Tokens) != 0 || ev.BlockSize != int(bs) || !ok || m != prefix.MediumCPU {
+			t.Fatalf("decoded %+v (%v %v)", ev, m, ok)
+		}
+	}
+	if m, ok := (&DecodedEvent{}).MediumOf(); !ok || m != prefix.MediumGPU {
+		t.Fatal("no medium is the GPU")
+	}
+	s := "DISK"
+	if _, ok := (&DecodedEvent{Medium: &s}).MediumOf(); ok {
+		t.Fatal("an unknown medium")
 	}
 }
 
@@ -90,7 +153,7 @@ func FuzzDecode(f *testing.F) {
 			return
 		}
 		for _, ev := range b.Events {
-			if ev.Kind == KindStored && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+			if ev.Kind == KindStored && len(ev.Tokens) != 0 && len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
 				t.Fatalf("inconsistent stored event %+v", ev)
 			}
 		}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/resp"
 )
 
@@ -19,56 +20,102 @@ const (
 	OpClear
 )
 
-// Op is one change of an instance's set of block keys.
+// Op is one change of an instance's set of block keys on one medium
+// (OpClear: on every medium).
 type Op struct {
-	Kind OpKind
-	Keys []kvevents.Key
+	Kind   OpKind
+	Medium prefix.Medium // the zero value is the GPU
+	Keys   []kvevents.Key
 }
 
-// Backend keeps, per instance, the set of block keys it has cached. Apply
-// is called for one instance by one goroutine at a time, in the order of
-// its events; Longest may run concurrently with Apply.
+// Held is what an instance holds of a prompt's chain, in blocks from the
+// chain's start: its longest prefix on the GPU, then the blocks that
+// follow it, each one held by the CPU tier, then the blocks that follow
+// those, each one held by the shared tier. It is what the engine would
+// use: the GPU's cached prefix, extended by the host tier's blocks it
+// reloads (a block both tiers hold counts on the GPU), as kvplug's
+// manager admits (MatchTiers) and vLLM's offloading does.
+type Held struct {
+	GPU, CPU, Shared int
+}
+
+// Total is the blocks held on every medium.
+func (h Held) Total() int { return h.GPU + h.CPU + h.Shared }
+
+// held counts a chain's Held from a per-key membership test.
+func held(chain []kvevents.Key, has func(j int, m prefix.Medium) bool) Held {
+	var h Held
+	j := 0
+	for j < len(chain) && has(j, prefix.MediumGPU) {
+		j++
+	}
+	h.GPU = j
+	for j < len(chain) && has(j, prefix.MediumCPU) {
+		j++
+	}
+	h.CPU = j - h.GPU
+	for j < len(chain) && has(j, prefix.MediumShared) {
+		j++
+	}
+	h.Shared = j - h.GPU - h.CPU
+	return h
+}
+
+// Backend keeps, per instance and medium, the set of block keys it has
+// cached. Apply is called for one instance by one goroutine at a time, in
+// the order of its events; Match may run concurrently with Apply.
 type Backend interface {
 	// Apply applies ops in order.
 	Apply(inst string, ops []Op) error
-	// Longest returns, for each instance, how many leading keys of chain
-	// it holds (the chain's longest cached prefix, in blocks); chains[i]
-	// is instance insts[i]'s chain (instances may differ in block size and
-	// hash format).
-	Longest(insts []string, chains [][]kvevents.Key) ([]int, error)
+	// Match returns, for each instance, what it holds of its chain (see
+	// Held); chains[i] is instance insts[i]'s chain (instances may differ
+	// in block size and hash format).
+	Match(insts []string, chains [][]kvevents.Key) ([]Held, error)
 	// Generation changes whenever the backend may have lost what it held
 	// (a Valkey server restarted): every instance must then be rebuilt.
 	Generation() int64
 	Close() error
 }
 
-// Memory is the in-process Backend.
+// Memory is the in-process Backend: per instance, each key's media as a
+// bit set (bit m for prefix.Medium m).
 type Memory struct {
 	mu   sync.RWMutex
-	sets map[string]map[kvevents.Key]struct{}
+	sets map[string]map[kvevents.Key]uint8
 }
 
 // NewMemory returns an empty in-memory backend.
-func NewMemory() *Memory { return &Memory{sets: map[string]map[kvevents.Key]struct{}{}} }
+func NewMemory() *Memory { return &Memory{sets: map[string]map[kvevents.Key]uint8{}} }
 
-// Apply implements Backend.
+// Apply implements Backend. An op of a medium beyond prefix.NumMedia is
+// ignored.
 func (m *Memory) Apply(inst string, ops []Op) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.sets[inst]
 	if s == nil {
-		s = map[kvevents.Key]struct{}{}
+		s = map[kvevents.Key]uint8{}
 		m.sets[inst] = s
 	}
 	for _, op := range ops {
+		if op.Kind != OpClear && int(op.Medium) >= prefix.NumMedia {
+			continue
+		}
+		bit := uint8(1) << op.Medium
 		switch op.Kind {
 		case OpAdd:
 			for _, k := range op.Keys {
-				s[k] = struct{}{}
+				s[k] |= bit
 			}
 		case OpRemove:
 			for _, k := range op.Keys {
-				delete(s, k)
+				if v, ok := s[k]; ok {
+					if v &^= bit; v == 0 {
+						delete(s, k)
+					} else {
+						s[k] = v
+					}
+				}
 			}
 		case OpClear:
 			clear(s)
@@ -77,30 +124,32 @@ func (m *Memory) Apply(inst string, ops []Op) error {
 	return nil
 }
 
-// Longest implements Backend.
-func (m *Memory) Longest(insts []string, chains [][]kvevents.Key) ([]int, error) {
+// Match implements Backend.
+func (m *Memory) Match(insts []string, chains [][]kvevents.Key) ([]Held, error) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	out := make([]int, len(insts))
+	out := make([]Held, len(insts))
 	for i, inst := range insts {
-		s := m.sets[inst]
-		n := 0
-		for _, k := range chains[i] {
-			if _, ok := s[k]; !ok {
-				break
-			}
-			n++
-		}
-		out[i] = n
+		s, chain := m.sets[inst], chains[i]
+		out[i] = held(chain, func(j int, md prefix.Medium) bool { return s[chain[j]]&(1<<md) != 0 })
 	}
 	return out, nil
 }
 
-// Len returns how many keys an instance holds.
-func (m *Memory) Len(inst string) int {
+// Len returns how many keys an instance holds on the GPU.
+func (m *Memory) Len(inst string) int { return m.LenIn(inst, prefix.MediumGPU) }
+
+// LenIn returns how many keys an instance holds on medium md.
+func (m *Memory) LenIn(inst string, md prefix.Medium) int {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	return len(m.sets[inst])
+	n := 0
+	for _, v := range m.sets[inst] {
+		if v&(1<<md) != 0 {
+			n++
+		}
+	}
+	return n
 }
 
 // Generation implements Backend: memory is never lost.
@@ -110,9 +159,12 @@ func (m *Memory) Generation() int64 { return 0 }
 func (m *Memory) Close() error { return nil }
 
 // Valkey is the Backend on a Valkey or Redis server (6.2 or later:
-// SMISMEMBER): each instance's blocks are one set, <prefix>:inst:<name>,
-// of 16-byte members. A query is one pipelined round trip (SMISMEMBER per
-// instance); a batch of events one more.
+// SMISMEMBER): each instance's blocks on each medium are one set of
+// 16-byte members, <prefix>:inst:<name> for the GPU's (the only set
+// before media were kept), <prefix>:inst-cpu:<name> and
+// <prefix>:inst-shared:<name> for the others. A query is one pipelined
+// round trip (SMISMEMBER per instance and medium); a batch of events one
+// more.
 type Valkey struct {
 	c      *resp.Client
 	prefix string
@@ -133,7 +185,15 @@ func NewValkey(addr, prefix string, timeout time.Duration) (*Valkey, error) {
 	return v, nil
 }
 
-func (v *Valkey) key(inst string) []byte { return []byte(v.prefix + ":inst:" + inst) }
+func (v *Valkey) key(inst string) []byte { return v.keyIn(inst, prefix.MediumGPU) }
+
+// setNames are the media's set name parts, by medium.
+var setNames = [prefix.NumMedia]string{":inst:", ":inst-cpu:", ":inst-shared:"}
+
+// keyIn is the set of an instance's blocks on medium md.
+func (v *Valkey) keyIn(inst string, md prefix.Medium) []byte {
+	return []byte(v.prefix + setNames[md] + inst)
+}
 
 // Ping checks the server and notes its run id: a new id is a restarted
 // server, which may have lost every set (Generation).
@@ -183,15 +243,23 @@ func splitLines(b []byte) []string {
 // several commands of one pipeline.
 const maxArgs = 4096
 
-// Apply implements Backend: one pipeline per call.
+// Apply implements Backend: one pipeline per call. An op of a medium
+// beyond prefix.NumMedia is ignored.
 func (v *Valkey) Apply(inst string, ops []Op) error {
-	key := v.key(inst)
 	var cmds [][][]byte
 	for _, op := range ops {
+		if op.Kind != OpClear && int(op.Medium) >= prefix.NumMedia {
+			continue
+		}
 		switch op.Kind {
 		case OpClear:
-			cmds = append(cmds, [][]byte{[]byte("DEL"), key})
+			del := [][]byte{[]byte("DEL")}
+			for md := range prefix.Medium(prefix.NumMedia) {
+				del = append(del, v.keyIn(inst, md))
+			}
+			cmds = append(cmds, del)
 		case OpAdd, OpRemove:
+			key := v.keyIn(inst, op.Medium)
 			name := []byte("SADD")
 			if op.Kind == OpRemove {
 				name = []byte("SREM")
@@ -228,21 +296,24 @@ func (v *Valkey) Apply(inst string, ops []Op) error {
 	return nil
 }
 
-// Longest implements Backend.
-func (v *Valkey) Longest(insts []string, chains [][]kvevents.Key) ([]int, error) {
-	out := make([]int, len(insts))
+// Match implements Backend: one SMISMEMBER per instance and medium, in
+// one pipeline.
+func (v *Valkey) Match(insts []string, chains [][]kvevents.Key) ([]Held, error) {
+	out := make([]Held, len(insts))
 	var cmds [][][]byte
 	var which []int
 	for i, inst := range insts {
 		if len(chains[i]) == 0 {
 			continue
 		}
-		args := make([][]byte, 0, 2+len(chains[i]))
-		args = append(args, []byte("SMISMEMBER"), v.key(inst))
-		for j := range chains[i] {
-			args = append(args, chains[i][j][:])
+		for md := range prefix.Medium(prefix.NumMedia) {
+			args := make([][]byte, 0, 2+len(chains[i]))
+			args = append(args, []byte("SMISMEMBER"), v.keyIn(inst, md))
+			for j := range chains[i] {
+				args = append(args, chains[i][j][:])
+			}
+			cmds = append(cmds, args)
 		}
-		cmds = append(cmds, args)
 		which = append(which, i)
 	}
 	if len(cmds) == 0 {
@@ -252,22 +323,26 @@ func (v *Valkey) Longest(insts []string, chains [][]kvevents.Key) ([]int, error)
 	if err != nil {
 		return nil, err
 	}
-	for j, x := range r {
-		arr, ok := x.([]any)
-		if !ok {
-			if e, isErr := x.(resp.Error); isErr {
-				return nil, e
+	var member [prefix.NumMedia][]any
+	for k, i := range which {
+		for md := range member {
+			x := r[k*prefix.NumMedia+md]
+			arr, ok := x.([]any)
+			if !ok {
+				if e, isErr := x.(resp.Error); isErr {
+					return nil, e
+				}
+				return nil, fmt.Errorf("redis: SMISMEMBER replied %T", x)
 			}
-			return nil, fmt.Errorf("redis: SMISMEMBER replied %T", x)
-		}
-		n := 0
-		for _, m := range arr {
-			if b, _ := m.(int64); b != 1 {
-				break
+			if len(arr) != len(chains[i]) {
+				return nil, fmt.Errorf("redis: SMISMEMBER replied %d flags for %d members", len(arr), len(chains[i]))
 			}
-			n++
+			member[md] = arr
 		}
-		out[which[j]] = n
+		out[i] = held(chains[i], func(j int, md prefix.Medium) bool {
+			b, _ := member[md][j].(int64)
+			return b == 1
+		})
 	}
 	return out, nil
 }
@@ -279,9 +354,12 @@ func (v *Valkey) Generation() int64 {
 	return v.gen
 }
 
-// Len returns how many keys an instance holds (SCARD).
-func (v *Valkey) Len(inst string) (int, error) {
-	r, err := v.c.Do([][][]byte{{[]byte("SCARD"), v.key(inst)}})
+// Len returns how many keys an instance holds on the GPU (SCARD).
+func (v *Valkey) Len(inst string) (int, error) { return v.LenIn(inst, prefix.MediumGPU) }
+
+// LenIn returns how many keys an instance holds on medium md (SCARD).
+func (v *Valkey) LenIn(inst string, md prefix.Medium) (int, error) {
+	r, err := v.c.Do([][][]byte{{[]byte("SCARD"), v.keyIn(inst, md)}})
 	if err != nil {
 		return 0, err
 	}

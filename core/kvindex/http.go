@@ -23,10 +23,13 @@ type QueryRequest struct {
 	} `json:"mm,omitempty"`
 }
 
-// QueryResponse is the answer: every instance's score and the best one.
+// QueryResponse is the answer: every instance's score (its prefix per
+// medium and the weighted score), the best one, and the weights of the
+// tiers below the GPU that the scores used.
 type QueryResponse struct {
-	Scores []Score `json:"scores"`
-	Best   string  `json:"best"`
+	Scores  []Score `json:"scores"`
+	Best    string  `json:"best"`
+	Weights Weights `json:"weights"`
 }
 
 // maxRequestBytes bounds a request body (a 1M-token prompt in JSON is
@@ -81,7 +84,7 @@ func (x *Index) Handler() http.Handler {
 			http.Error(w, "query failed: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
-		writeJSON(w, QueryResponse{Scores: scores, Best: Best(scores)})
+		writeJSON(w, QueryResponse{Scores: scores, Best: Best(scores), Weights: x.w})
 	})
 	mux.HandleFunc("GET /v1/instances", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, x.Status())

@@ -7,6 +7,28 @@
 // cached prefix in tokens. It hashes prompts with core/prefix, the
 // engines' own code, so its hashes always agree with theirs.
 //
+// # Media
+//
+// Events name the medium of their blocks (vLLM's "medium"): "GPU" for an
+// engine's prefix cache, "CPU" for its host tier (kvplug's, or vLLM's
+// CPU offloading), "SHARED" for a tier that instances share (kvplug's
+// name, reserved for a shared store); an event without one is the GPU's,
+// names are matched in any case, and an event of any other medium is
+// ignored and counted (InstanceStatus.UnknownMedium). The index keeps each
+// instance's blocks per medium, and a query reports, per instance, the
+// prompt's longest prefix on the GPU and how far the CPU tier, then the
+// shared tier, continue it (Held): the blocks the engine would reuse, the
+// GPU's at once and the others after a copy. Instances are ranked by
+//
+//	score = gpu_tokens + CPUWeight*cpu_tokens + SharedWeight*shared_tokens
+//
+// with CPUWeight 0.75 and SharedWeight 0.25 unless configured: a token
+// reloaded from host memory saves most of its prefill (issue 23's
+// figures: a 2048-token Llama-3-8B prefix, 256 MB, reloads in about 5 ms
+// over a 50 GB/s link against tens of ms to recompute) but costs more than
+// a GPU hit, and a fetch from a shared store over the network costs more
+// again. Weights are in [0, 1]: no lower tier outranks the GPU.
+//
 // Each instance's stream is checked as it comes: a batch whose sequence
 // number skips ahead is a gap, filled from the instance's replay socket;
 // a gap older than the replay buffer, an instance that restarted
@@ -54,12 +76,44 @@ type Config struct {
 	// replicas sharing one Valkey): no subscriptions, and every instance
 	// is taken as in sync (staleness is the writer's to report).
 	ReadOnly bool
+	// CPUWeight and SharedWeight are what a token held on the CPU tier
+	// and on the shared tier count for in a score, against 1 for a GPU
+	// token (see "Media"); in [0, 1]. 0 takes the default (0.75, 0.25); a
+	// negative weight counts the tier's tokens for nothing.
+	CPUWeight, SharedWeight float64
+}
+
+// Default weights of the tiers below the GPU (Config).
+const (
+	DefaultCPUWeight    = 0.75
+	DefaultSharedWeight = 0.25
+)
+
+// Weights are the weights a score gives a token on each tier below the
+// GPU.
+type Weights struct {
+	CPU    float64 `json:"cpu"`
+	Shared float64 `json:"shared"`
+}
+
+// weight resolves a configured weight: 0 the default, < 0 nothing.
+func weight(w, def float64, name string) (float64, error) {
+	switch {
+	case w == 0:
+		return def, nil
+	case w < 0:
+		return 0, nil
+	case w > 1 || w != w:
+		return 0, fmt.Errorf("kvindex: %s weight %v out of [0, 1]", name, w)
+	}
+	return w, nil
 }
 
 // Index is the cluster prefix index. Create it with New, stop it with
 // Close.
 type Index struct {
 	cfg     Config
+	w       Weights
 	be      Backend
 	insts   []*instance
 	byName  map[string]*instance
@@ -83,7 +137,7 @@ type instance struct {
 	lastErr string
 	lastReq time.Time // when a snapshot was last requested
 
-	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors atomic.Int64
+	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
 }
 
 // New starts subscribing to every instance.
@@ -101,6 +155,13 @@ func New(cfg Config) (*Index, error) {
 		return nil, fmt.Errorf("kvindex: block size %d out of [1, %d]", cfg.BlockSize, prefix.MaxBlockSize)
 	}
 	x := &Index{cfg: cfg, be: cfg.Backend, byName: map[string]*instance{}, stop: make(chan struct{})}
+	var err error
+	if x.w.CPU, err = weight(cfg.CPUWeight, DefaultCPUWeight, "CPU"); err != nil {
+		return nil, err
+	}
+	if x.w.Shared, err = weight(cfg.SharedWeight, DefaultSharedWeight, "shared"); err != nil {
+		return nil, err
+	}
 	x.hashers.New = func() any { return new(prefix.Hasher) }
 	for _, ic := range cfg.Instances {
 		if ic.Name == "" || ic.Endpoint == "" {
@@ -393,18 +454,28 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 	ops := make([]Op, 0, len(b.Events))
 	n, keys := 0, 0
 	for _, ev := range b.Events {
+		var md prefix.Medium
+		if ev.Kind != kvevents.KindCleared {
+			var ok bool
+			if md, ok = ev.MediumOf(); !ok {
+				in.unknownMedium.Add(1)
+				continue
+			}
+		}
 		keys += len(ev.Hashes)
 		switch ev.Kind {
 		case kvevents.KindStored:
-			ops = append(ops, Op{Kind: OpAdd, Keys: ev.Hashes})
-			if ev.BlockSize != in.cfg.BlockSize {
+			ops = append(ops, Op{Kind: OpAdd, Medium: md, Keys: ev.Hashes})
+			// (A hash-only event, vLLM's offloaded blocks, says nothing of
+			// the engine's block size.)
+			if len(ev.Tokens) > 0 && ev.BlockSize != in.cfg.BlockSize {
 				in.setErr(fmt.Errorf("instance %q publishes blocks of %d tokens, configured %d", in.cfg.Name, ev.BlockSize, in.cfg.BlockSize))
 			}
 			in.mu.Lock()
 			in.format = ev.HashFormat
 			in.mu.Unlock()
 		case kvevents.KindRemoved:
-			ops = append(ops, Op{Kind: OpRemove, Keys: ev.Hashes})
+			ops = append(ops, Op{Kind: OpRemove, Medium: md, Keys: ev.Hashes})
 		case kvevents.KindCleared:
 			ops = append(ops, Op{Kind: OpClear})
 		}
@@ -428,18 +499,33 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 	return true
 }
 
-// Score is one instance's answer for a prompt.
+// Score is one instance's answer for a prompt; all 0 when stale.
 type Score struct {
 	Instance string `json:"instance"`
-	// Tokens is the instance's longest cached prefix of the prompt, in
-	// tokens (full blocks); 0 when stale.
-	Tokens int  `json:"tokens"`
-	Blocks int  `json:"blocks"`
-	Stale  bool `json:"stale"` // the index cannot vouch for this instance now
+	// Tokens is the instance's longest cached prefix of the prompt over
+	// every medium (GPUTokens + CPUTokens + SharedTokens), in tokens of
+	// full blocks, and Blocks the same in blocks.
+	Tokens int `json:"tokens"`
+	Blocks int `json:"blocks"`
+	// GPUTokens is the prefix on the GPU; CPUTokens the tokens of the
+	// blocks after it that the CPU tier holds, SharedTokens those of the
+	// blocks after these that the shared tier holds (see Held).
+	GPUTokens    int `json:"gpu_tokens"`
+	CPUTokens    int `json:"cpu_tokens"`
+	SharedTokens int `json:"shared_tokens"`
+	// Score ranks the instances (Best): GPU tokens, plus the lower tiers'
+	// at their weights (see "Media" in the package comment).
+	Score float64 `json:"score"`
+	Stale bool    `json:"stale"` // the index cannot vouch for this instance now
 }
 
+// Weights returns the weights the index's scores give the tiers below the
+// GPU.
+func (x *Index) Weights() Weights { return x.w }
+
 // Query returns every instance's longest cached prefix of a prompt (keys
-// may be nil), in the instances' configured order.
+// may be nil) per medium, and its score, in the instances' configured
+// order.
 func (x *Index) Query(tokens []int32, keys *prefix.Keys) ([]Score, error) {
 	h := x.hashers.Get().(*prefix.Hasher)
 	defer x.hashers.Put(h)
@@ -471,24 +557,28 @@ func (x *Index) Query(tokens []int32, keys *prefix.Keys) ([]Score, error) {
 		}
 		chains[i] = ks
 	}
-	n, err := x.be.Longest(names, chains)
+	n, err := x.be.Match(names, chains)
 	if err != nil {
 		return nil, err
 	}
 	for i := range out {
-		out[i].Blocks = n[i]
-		out[i].Tokens = n[i] * x.insts[i].cfg.BlockSize
+		bs := x.insts[i].cfg.BlockSize
+		s := &out[i]
+		s.Blocks = n[i].Total()
+		s.Tokens = s.Blocks * bs
+		s.GPUTokens, s.CPUTokens, s.SharedTokens = n[i].GPU*bs, n[i].CPU*bs, n[i].Shared*bs
+		s.Score = float64(s.GPUTokens) + x.w.CPU*float64(s.CPUTokens) + x.w.Shared*float64(s.SharedTokens)
 	}
 	return out, nil
 }
 
-// Best returns the instance with the longest cached prefix among those
-// not stale (ties: the first in configured order), or "" when none.
+// Best returns the instance with the highest score among those not stale
+// (ties: the first in configured order), or "" when none.
 func Best(scores []Score) string {
-	best, bestTok := "", -1
+	best, bestScore := "", -1.0
 	for _, s := range scores {
-		if !s.Stale && s.Tokens > bestTok {
-			best, bestTok = s.Instance, s.Tokens
+		if !s.Stale && s.Score > bestScore {
+			best, bestScore = s.Instance, s.Score
 		}
 	}
 	return best
@@ -507,6 +597,7 @@ type InstanceStatus struct {
 	Resyncs       int64  `json:"resyncs"`
 	BadBatches    int64  `json:"bad_batches"`
 	BackendErrors int64  `json:"backend_errors"`
+	UnknownMedium int64  `json:"unknown_medium_events"` // events of a medium the index does not know, ignored
 	LastError     string `json:"last_error,omitempty"`
 }
 
@@ -519,7 +610,7 @@ func (x *Index) Status() []InstanceStatus {
 		in.mu.Unlock()
 		s.Batches, s.Events, s.Gaps = in.batches.Load(), in.events.Load(), in.gaps.Load()
 		s.Replayed, s.Snapshots, s.Resyncs = in.replayed.Load(), in.snapshots.Load(), in.resets.Load()
-		s.BadBatches, s.BackendErrors = in.badBatches.Load(), in.backendErrors.Load()
+		s.BadBatches, s.BackendErrors, s.UnknownMedium = in.badBatches.Load(), in.backendErrors.Load(), in.unknownMedium.Load()
 		out = append(out, s)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })

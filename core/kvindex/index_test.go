@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kvevents"
 	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/redistest"
 )
@@ -46,11 +47,13 @@ func (s *teeSource) Drain() ([]prefix.Event, error) {
 
 func (s *teeSource) Snapshot() error { return s.src.Snapshot() }
 
-func (s *teeSource) keys() map[kvevents.Key]bool {
+func (s *teeSource) keys() map[kvevents.Key]bool { return s.keysIn(prefix.MediumGPU) }
+
+func (s *teeSource) keysIn(md prefix.Medium) map[kvevents.Key]bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := map[kvevents.Key]bool{}
-	for _, h := range s.truth.Hashes(nil) {
+	for _, h := range s.truth.HashesIn(md, nil) {
 		out[kvevents.Key(h)] = true
 	}
 	return out
@@ -58,6 +61,7 @@ func (s *teeSource) keys() map[kvevents.Key]bool {
 
 // engine is one instance: a manager and its publisher.
 type engine struct {
+	pool  *host.Pool
 	name  string
 	m     *kvmanager.Manager
 	src   *teeSource
@@ -66,9 +70,30 @@ type engine struct {
 	next  int64
 }
 
+// nopCopier accepts every batch: the tests' engines have no K/V to copy.
+type nopCopier struct{}
+
+func (nopCopier) Copy(kvmanager.CopyBatch) error { return nil }
+
 func newEngine(t testing.TB, name string, blocks, bs int, ports [2]int, cfg kvevents.Config) *engine {
+	return newTierEngine(t, name, blocks, bs, 0, ports, cfg)
+}
+
+// newTierEngine is newEngine with a host tier of hostSlots slots (none
+// when 0) that demotes ahead up to all the GPU's blocks.
+func newTierEngine(t testing.TB, name string, blocks, bs, hostSlots int, ports [2]int, cfg kvevents.Config) *engine {
 	t.Helper()
-	m, err := kvmanager.New(kvmanager.Config{NumBlocks: blocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: true})
+	mc := kvmanager.Config{NumBlocks: blocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: true}
+	var pool *host.Pool
+	if hostSlots > 0 {
+		var err error
+		pool, err = host.New(host.Config{Slots: hostSlots, BlockBytes: 8})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mc.HostTier = &kvmanager.HostTier{Pool: pool, Copier: nopCopier{}, DemoteAhead: blocks}
+	}
+	m, err := kvmanager.New(mc)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,7 +101,7 @@ func newEngine(t testing.TB, name string, blocks, bs int, ports [2]int, cfg kvev
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &engine{name: name, m: m, src: &teeSource{src: ms, truth: prefix.NewEventIndex()}}
+	e := &engine{name: name, m: m, pool: pool, src: &teeSource{src: ms, truth: prefix.NewEventIndex()}}
 	cfg.Endpoint = fmt.Sprintf("tcp://127.0.0.1:%d", ports[0])
 	cfg.ReplayEndpoint = fmt.Sprintf("tcp://127.0.0.1:%d", ports[1])
 	cfg.Bind = kvevents.BindListen
@@ -126,6 +151,31 @@ func (e *engine) serve(t testing.TB, prompt []int32, keys *prefix.Keys) {
 	}
 }
 
+// demote runs a step's tier copies to completion: every cached block
+// that no sequence holds goes to the host tier (as far as it has room).
+func (e *engine) demote(t testing.TB) {
+	t.Helper()
+	tk, _, err := e.m.FlushCopies()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tk != 0 {
+		if err := e.m.CompleteCopies(tk, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// matchTiers is the engine's own answer per tier (never counting the
+// prompt's last token).
+func (e *engine) matchTiers(t testing.TB, prompt []int32) kvmanager.TierMatch {
+	out := make([]kvmanager.TierMatch, 1)
+	if err := e.m.MatchTiers(kvmanager.Prompts{Tokens: prompt, Offsets: []int64{0, int64(len(prompt))}}, out); err != nil {
+		t.Fatal(err)
+	}
+	return out[0]
+}
+
 // match is the engine's own answer: its longest cached prefix in full
 // blocks (the manager never counts a prompt's last token).
 func (e *engine) match(t testing.TB, prompt []int32, keys *prefix.Keys) int {
@@ -140,19 +190,26 @@ func (e *engine) match(t testing.TB, prompt []int32, keys *prefix.Keys) int {
 	return int(out[0].Tokens)
 }
 
-// setOf returns the keys the backend holds for an instance.
+// setOf returns the keys the backend holds for an instance on the GPU.
 func setOf(t testing.TB, be Backend, inst string) map[kvevents.Key]bool {
+	return setIn(t, be, inst, prefix.MediumGPU)
+}
+
+// setIn returns the keys the backend holds for an instance on medium md.
+func setIn(t testing.TB, be Backend, inst string, md prefix.Medium) map[kvevents.Key]bool {
 	t.Helper()
 	out := map[kvevents.Key]bool{}
 	switch b := be.(type) {
 	case *Memory:
 		b.mu.RLock()
-		for k := range b.sets[inst] {
-			out[k] = true
+		for k, v := range b.sets[inst] {
+			if v&(1<<md) != 0 {
+				out[k] = true
+			}
 		}
 		b.mu.RUnlock()
 	case *Valkey:
-		r, err := b.c.Do([][][]byte{{[]byte("SMEMBERS"), b.key(inst)}})
+		r, err := b.c.Do([][][]byte{{[]byte("SMEMBERS"), b.keyIn(inst, md)}})
 		if err != nil {
 			return nil
 		}
@@ -191,7 +248,8 @@ func waitConverged(t *testing.T, x *Index, engines []*engine, within time.Durati
 		for i, e := range engines {
 			st := x.Status()
 			// Pending events are not in the truth yet: wait for the drain.
-			if e.m.PrefixStats().PendingEvents > 0 || st[indexOf(st, e.name)].Stale || !sameSet(setOf(t, x.be, e.name), e.src.keys()) {
+			if e.m.PrefixStats().PendingEvents > 0 || st[indexOf(st, e.name)].Stale || !sameSet(setOf(t, x.be, e.name), e.src.keys()) ||
+				!sameSet(setIn(t, x.be, e.name, prefix.MediumCPU), e.src.keysIn(prefix.MediumCPU)) {
 				ok = false
 				_ = i
 			}
@@ -478,6 +536,9 @@ func TestHTTP(t *testing.T) {
 	}
 	resp.Body.Close()
 	if qr.Best != "e1" || qr.Scores[1].Tokens != 96 || qr.Scores[0].Tokens != 0 {
+		t.Fatalf("response %+v", qr)
+	}
+	if s := qr.Scores[1]; s.GPUTokens != 96 || s.CPUTokens != 0 || s.Score != 96 || qr.Weights != (Weights{CPU: 0.75, Shared: 0.25}) {
 		t.Fatalf("response %+v", qr)
 	}
 	for _, bad := range []string{`{"tokens": [1], "salt": "zz"}`, `{"tokens": "x"}`, `{"tokenz": [1]}`,

@@ -60,7 +60,8 @@ type Config struct {
 	// (needs EnablePrefixCache).
 	EnableKVEvents bool
 	// MaxPendingEvents bounds the undrained KV events (0: the default of
-	// package prefix).
+	// package prefix); it is raised to NumBlocks plus the host tier's
+	// slots plus 1, so that a snapshot fits.
 	MaxPendingEvents int
 
 	// HostTier, when not nil, adds the host tier below the GPU pool
@@ -162,11 +163,16 @@ func New(cfg Config) (*Manager, error) {
 	}
 	m := &Manager{pool: p, bs: cfg.BlockSize}
 	if cfg.EnablePrefixCache {
+		tierBlocks := 0
+		if cfg.HostTier != nil && cfg.HostTier.Pool != nil {
+			tierBlocks = cfg.HostTier.Pool.Stats().Slots
+		}
 		m.cache, err = prefix.New(prefix.Config{
 			BlockSize:        cfg.BlockSize,
 			NumBlocks:        cfg.NumBlocks,
 			EnableEvents:     cfg.EnableKVEvents,
 			MaxPendingEvents: cfg.MaxPendingEvents,
+			TierBlocks:       tierBlocks,
 		})
 		if err != nil {
 			return nil, err
@@ -175,6 +181,15 @@ func New(cfg Config) (*Manager, error) {
 	if cfg.HostTier != nil {
 		if m.tier, err = newTier(cfg); err != nil {
 			return nil, err
+		}
+		if cfg.EnableKVEvents {
+			// The host tier's blocks are announced as CPU events and
+			// listed by snapshots (tier.go, "KV events").
+			m.tier.events = true
+			m.cache.SetTierSource(m.tier)
+		}
+		if m.tier.shared != nil {
+			go m.tier.shared.run() // until Close
 		}
 	}
 	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize),

@@ -124,7 +124,9 @@ type MatchInfo struct {
 // its new tokens; matched[i] (if matched is not nil) is set to the number
 // of matched tokens. With a host tier (tier.go) the match goes on in the
 // host tier: those blocks are reloaded, and their tokens count as matched
-// too. Its other blocks are allocated (evicting cached ones
+// too; with a shared tier, the blocks it holds past the host match are
+// first fetched into the host tier (shared.go: before the call takes the
+// manager's lock, and bounded by two operation timeouts). Its other blocks are allocated (evicting cached ones
 // if the free queue runs short) and each full one is inserted into the
 // cache, so later prompts, in this batch too, share it. Without the prefix
 // cache nothing matches and the tokens are not kept.
@@ -157,10 +159,18 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	if matched != nil && len(matched) < n {
 		return 0, kverr.Errorf(kverr.InvalidArgument, "admit: matched_tokens holds %d entries for %d prompts", len(matched), n)
 	}
+	fetched, err := m.fetchShared(prompts, ids)
+	if err != nil {
+		return 0, err
+	}
 	m.mu.Lock()
 	defer m.unlock()
 	if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
 		return 0, err
+	}
+	if m.tier != nil {
+		m.tier.fetched = fetched
+		defer func() { m.tier.fetched = nil }()
 	}
 	for i, id := range ids {
 		tokens, keys := prompts.prompt(i)
@@ -196,6 +206,9 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	hostHit := 0 // blocks after the k matched on the GPU, pinned in the host tier
 	if m.tier != nil {
 		hostHit = m.pinHost(tokens, keys, k)
+		if n := m.tier.countShared(m.tier.fetched, hostHit); n > 0 {
+			m.tier.shared.hitTokens.Add(int64(n * m.bs))
+		}
 	}
 	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens}
 	// The matched blocks are cached, so their references equal their

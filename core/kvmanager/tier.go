@@ -62,7 +62,40 @@ import (
 // # Keys
 //
 // A host slot holds a block under a 64-bit key: the first eight bytes of
-// the block's 128-bit chained hash (HostKey).
+// the block's 128-bit chained hash (HostKey). The shared tier, which many
+// instances fill over a long time, keys and checks blocks by the whole
+// 128-bit hash (shared.go).
+//
+// # KV events
+//
+// With KV events on (Config.EnableKVEvents), the host tier's blocks have
+// their own events, of medium CPU (prefix.MediumCPU; "CPU" on the wire,
+// as vLLM's OffloadingConnector sends), in the one stream with the GPU
+// prefix cache's (medium GPU), under the same bound and resync rules
+// (package prefix, Index.DrainEvents):
+//
+//   - a demotion announces its block when CompleteCopies commits it
+//     (BlockStored, CPU), never while its copy is in flight or when it
+//     fails; its GPU BlockRemoved came when FlushCopies evicted it;
+//   - a host slot that Reserve takes from a resident block (the host
+//     LRU's eviction) announces that block's removal (BlockRemoved, CPU),
+//     in FlushCopies, one event for the flush's evictions;
+//   - a reload does not change the host tier (the block stays resident
+//     there); its GPU BlockStored comes from the admission, as for any
+//     block the prefix cache caches;
+//   - a snapshot (RequestEventSnapshot, a full queue) lists the host
+//     tier's resident blocks after the GPU's, and so does
+//     ClearPrefixCache after its AllCleared, which a consumer applies to
+//     every medium while the host tier keeps its blocks.
+//
+// A CPU BlockStored carries what the block's GPU BlockStored did: its
+// chained hash (the same one: a consumer ties the tiers together by it),
+// its parent's hash (the previous block of its chain, wherever that is
+// held), its tokens, adapter and multimodal entries. vLLM's own CPU
+// events leave the parent, tokens and adapter out (None, [], None);
+// consumers written for them read these unchanged. To announce them, the
+// manager keeps each host slot's block description (about 40 bytes and
+// the block's tokens per slot) while events are on.
 //
 // # Model reloads
 //
@@ -95,6 +128,10 @@ type HostTier struct {
 	// demoted, by demoting least recently used cached blocks; in [0,
 	// NumBlocks]. 0 disables demotion (the tier is only matched).
 	DemoteAhead int
+	// Shared, when not nil, adds the shared tier (a Valkey or Redis
+	// server) below the host tier (shared.go). The manager must then be
+	// closed (Close).
+	Shared *SharedTier
 }
 
 // DemoteOp is one block's demotion: copy GPU block Block (all layers, K
@@ -153,6 +190,7 @@ type TierStats struct {
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
 	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
 	Host               host.Stats
+	Shared             SharedStats // the shared tier's; zero without one
 }
 
 // TierMatch is what MatchTiers found for one prompt: its first GPU
@@ -181,14 +219,80 @@ type tier struct {
 	// if its sequence is removed first.
 	reloads []ReloadOp
 
+	// KV events (Config.EnableKVEvents): each host slot's block, by slot,
+	// grown as slots are first used; toks holds slot s's tokens at
+	// [s*bs, (s+1)*bs).
+	events    bool
+	bs        int
+	meta      []hostMeta
+	toks      []int32
+	nResident int           // slots whose block was announced (meta resident)
+	gone      []prefix.Hash // scratch: a flush's host evictions
+
 	// Scratch.
 	pending []DemoteOp
+	evInfo  []prefix.EvictedBlock
+	evToks  []int32
 	hashes  []prefix.Hash
 	keys    []uint64
 	slots   []host.Slot
 	hasher  prefix.Hasher
 
+	// The shared tier; nil when there is none.
+	shared *sharedTier
+	// The host keys of the blocks the current Admit or MatchTiers
+	// fetched from the shared tier (set under the lock for the call).
+	fetched map[uint64]struct{}
+
 	st TierStats
+}
+
+// hostMeta is what the events say of a host slot's block.
+type hostMeta struct {
+	hash     prefix.Hash
+	parent   prefix.Hash
+	adapter  uint64
+	mm       []prefix.BlockMM
+	resident bool // committed and announced; false while reserved
+}
+
+// setMeta records the block that slot s now holds (reserved).
+func (t *tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
+	if n := int(s) + 1; n > len(t.meta) {
+		t.meta = append(t.meta, make([]hostMeta, n-len(t.meta))...)
+		t.toks = append(t.toks, make([]int32, n*t.bs-len(t.toks))...)
+	}
+	// b.MM is the caller's (EvictBlocks hands it over).
+	t.meta[s] = hostMeta{hash: b.Hash, parent: b.Parent, adapter: b.Adapter, mm: b.MM}
+	copy(t.toks[int(s)*t.bs:(int(s)+1)*t.bs], toks)
+}
+
+// block returns slot s's block as its BlockStored describes it; its
+// slices are the tier's.
+func (t *tier) block(s host.Slot) prefix.TierBlock {
+	h := &t.meta[s]
+	return prefix.TierBlock{
+		Medium:  prefix.MediumCPU,
+		Hash:    h.hash,
+		Parent:  h.parent,
+		Adapter: h.adapter,
+		Tokens:  t.toks[int(s)*t.bs : (int(s)+1)*t.bs : (int(s)+1)*t.bs],
+		MM:      h.mm,
+	}
+}
+
+// TierLen implements prefix.TierSource: the resident host blocks.
+func (t *tier) TierLen() int { return t.nResident }
+
+// AppendTierBlocks implements prefix.TierSource: the resident host
+// blocks, in slot order.
+func (t *tier) AppendTierBlocks(dst []prefix.TierBlock) []prefix.TierBlock {
+	for s := range t.meta {
+		if t.meta[s].resident {
+			dst = append(dst, t.block(host.Slot(s)))
+		}
+	}
+	return dst
 }
 
 func newTier(cfg Config) (*tier, error) {
@@ -202,7 +306,19 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
-	return &tier{cfg: *h, inflight: make(map[uint64]CopyBatch)}, nil
+	t := &tier{cfg: *h, inflight: make(map[uint64]CopyBatch), bs: cfg.BlockSize}
+	if h.Shared != nil && cfg.EnableKVEvents {
+		// The shared tier's fetches fill and evict host slots outside the
+		// manager's lock, where the CPU events cannot follow them yet.
+		return nil, kverr.Errorf(kverr.Unsupported, "host tier: the shared tier and KV events cannot be enabled together yet")
+	}
+	if h.Shared != nil {
+		var err error
+		if t.shared, err = newShared(h.Shared, h.Pool, cfg.BlockSize); err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
 }
 
 // FlushCopies demotes least recently used cached blocks until the free
@@ -272,13 +388,14 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n int, err error) {
 	t := m.tier
 	t.pending = t.pending[:0]
-	m.evicted, t.hashes = m.evicted[:0], t.hashes[:0]
+	t.evInfo, t.evToks, t.gone = t.evInfo[:0], t.evToks[:0], t.gone[:0]
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
-		m.evicted, t.hashes = m.cache.EvictHashes(m.evicted, t.hashes, want)
+		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo, t.evToks, want)
 	}
-	for i, b := range m.evicted {
-		h := t.hashes[i]
-		slot, rerr := t.cfg.Pool.Reserve(HostKey(h))
+	for i := range t.evInfo {
+		ev := &t.evInfo[i]
+		b, h := ev.Block, ev.Hash
+		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
 		m.one[0] = b
 		if rerr != nil {
 			if kverr.Is(rerr, kverr.OutOfBlocks) {
@@ -294,6 +411,21 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 		assertOK(m.pool.Incref(m.one[:]), "flush copies: referencing an evicted block")
 		assertOK(m.pool.UnmarkCached(b), "flush copies: unmarking an evicted block")
 		t.pending = append(t.pending, DemoteOp{Block: b, Slot: slot, Hash: h})
+		if t.events {
+			if gone.Evicted {
+				old := &t.meta[slot]
+				if !old.resident || HostKey(old.hash) != gone.Hash {
+					panic(kverr.Errorf(kverr.Internal, "kvmanager: flush copies: the host pool evicted block %016x from slot %d, which holds no announced block", gone.Hash, slot))
+				}
+				t.gone = append(t.gone, old.hash)
+				t.nResident--
+			}
+			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
+		}
+		ev.MM = nil // the slot's now, or dropped
+	}
+	if len(t.gone) > 0 {
+		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "flush copies: recording host evictions")
 	}
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
@@ -344,11 +476,22 @@ func (m *Manager) endReload(op ReloadOp, ok bool) {
 func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 	t := m.tier
 	if ok {
-		assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		if t.shared != nil {
+			t.shared.queueStore(op)
+		} else {
+			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		}
 		t.st.DemotionsCompleted++
+		if t.events {
+			t.meta[op.Slot].resident = true
+			t.nResident++
+		}
 	} else {
 		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
 		t.st.DemotionsFailed++
+		if t.events {
+			t.meta[op.Slot] = hostMeta{}
+		}
 	}
 	m.one[0] = op.Block
 	var err error
@@ -358,7 +501,8 @@ func (m *Manager) endDemotion(op DemoteOp, ok bool) {
 
 // CompleteCopies reports that batch ticket's copies have finished (failed
 // false) or failed: each demoted block's host slot is committed (aborted
-// on failure) and its GPU block returns to the free queue; each reload's
+// on failure), and queued for the shared tier when there is one (never
+// waiting on it), and its GPU block returns to the free queue; each reload's
 // host slot is unpinned and the copy's hold on its GPU block dropped. Errors:
 // InvalidArgument (no host tier), NotFound (ticket unknown or completed
 // already), with nothing changed.
@@ -378,6 +522,14 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 	for _, op := range b.Demote {
 		m.endDemotion(op, !failed)
 	}
+	if t.events && !failed {
+		// Announced parents first (the batch is in eviction order,
+		// children first), so that a chain goes as one BlockStored.
+		for k := len(b.Demote) - 1; k >= 0; k-- {
+			blk := t.block(b.Demote[k].Slot)
+			assertOK(m.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
+		}
+	}
 	for _, op := range b.Reload {
 		m.endReload(op, !failed)
 	}
@@ -390,6 +542,11 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 // prompt's next chained hashes (host.Pool.Lookup: touched in the host
 // LRU, not pinned). Neither match covers the prompt's last token. Without
 // a host tier Host is 0; without the prefix cache both are.
+//
+// With a shared tier, the blocks it holds past each prompt's GPU and host
+// matches are first fetched into the host tier (shared.go, bounded by
+// two operation timeouts), and Host counts them: a scheduler's MatchTiers
+// ahead of Admit prefetches them.
 // Errors: InvalidArgument (batch, a prompt's length in [0, MaxPromptLen],
 // keys, out shorter than the batch).
 func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
@@ -400,6 +557,7 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 	if len(out) < n {
 		return kverr.Errorf(kverr.InvalidArgument, "match tiers: out holds %d entries for %d prompts", len(out), n)
 	}
+	fetched, _ := m.fetchShared(prompts, nil) // no ids: no error
 	m.mu.Lock()
 	defer m.unlock()
 	for i := range n {
@@ -435,6 +593,9 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 		hit := t.cfg.Pool.Lookup(t.keys)
 		out[i].Host = int32(hit * m.bs)
 		t.st.MatchHostTokens += int64(hit * m.bs)
+		if k := t.countShared(fetched, hit); k > 0 {
+			t.shared.matchTokens.Add(int64(k * m.bs))
+		}
 	}
 	return nil
 }
@@ -449,6 +610,9 @@ func (m *Manager) TierStats() TierStats {
 	st := m.tier.st
 	st.InFlight = m.tier.nBlocks
 	st.Host = m.tier.cfg.Pool.Stats()
+	if m.tier.shared != nil {
+		st.Shared = m.tier.shared.stats()
+	}
 	return st
 }
 
@@ -486,6 +650,37 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 	}
 	if count != t.nBlocks {
 		return bad("%d blocks being demoted, the count says %d", count, t.nBlocks)
+	}
+	return t.checkEvents(bad)
+}
+
+// checkEvents verifies the slots' descriptions that the KV events rest
+// on: the announced slots are the pool's resident ones, each under its
+// block's key, and every slot being demoted describes its block, not yet
+// announced.
+func (t *tier) checkEvents(bad func(string, ...any) error) error {
+	if !t.events {
+		return nil
+	}
+	n := 0
+	for s := range t.meta {
+		if !t.meta[s].resident {
+			continue
+		}
+		n++
+		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != HostKey(t.meta[s].hash) {
+			return bad("host slot %d is announced with block %s, the pool holds %016x (%v)", s, t.meta[s].hash, k, ok)
+		}
+	}
+	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || n != res {
+		return bad("%d host slots announced, the count says %d, the pool holds %d resident", n, t.nResident, res)
+	}
+	for tk, batch := range t.inflight {
+		for _, op := range batch.Demote {
+			if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
+				return bad("host slot %d being demoted (batch %d) does not describe block %s", op.Slot, tk, op.Hash)
+			}
+		}
 	}
 	return nil
 }

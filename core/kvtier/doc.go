@@ -1,8 +1,9 @@
 // Package kvtier is the root of the KV tiers below the GPU pool (issue
 // 23): host memory (package host) and a Valkey/Redis server that
 // instances share (package valkey). This package holds no code; its
-// subpackages are self-contained, and the manager (core/kvmanager) and a
-// later C ABI build on them.
+// subpackages are self-contained, and the manager (core/kvmanager: tier.go
+// for the host tier, shared.go for the shared one) and the C ABI build on
+// them.
 //
 // # How the manager uses them
 //
@@ -15,7 +16,8 @@
 // the demotion is skipped and the GPU block is freed at once. A committed
 // block may also be written to the shared tier (valkey.Tier.Put, off the
 // step's critical path: the call is bounded, but it is a network round
-// trip).
+// trip; the manager queues it for a goroutine of its own, the host slot
+// pinned until the store has read it).
 //
 // Reload on a hit. Admission matches the prompt's chained hashes tier by
 // tier: the GPU prefix cache first, then host.Pool.PinPrefix on the

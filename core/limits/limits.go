@@ -29,6 +29,9 @@ const (
 	// Bytes bounds a byte count the ABI passes as uint64 (workspace_bytes
 	// and the like; KVP_MAX_BYTES): the Go side holds it as int64.
 	Bytes = math.MaxInt64
+	// TierLayers bounds the layers of a tier copier's KV layout
+	// (KVP_MAX_TIER_LAYERS).
+	TierLayers = 1024
 )
 
 // Range refuses v outside [lo, hi] with InvalidArgument, naming it what.

@@ -2,6 +2,7 @@ package prefix
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/kvplug/kvplug/core/kverr"
 )
@@ -28,16 +29,60 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", uint8(k))
 }
 
+// Medium is where the blocks of an event are held: vLLM's "medium" of
+// BlockStored and BlockRemoved. The prefix cache's own blocks are on the
+// GPU; a manager's host tier records its blocks' events as CPU (as vLLM's
+// OffloadingConnector does); Shared names a tier that instances share (a
+// Valkey/Redis store), reserved for it. The zero value is GPU.
+type Medium uint8
+
+// The media of KV events.
+const (
+	MediumGPU    Medium = 0 // "GPU": the GPU block pool (vLLM's name)
+	MediumCPU    Medium = 1 // "CPU": host memory (vLLM's name for offloaded blocks)
+	MediumShared Medium = 2 // "SHARED": a tier shared by instances
+	// NumMedia is the number of media; every Medium is below it.
+	NumMedia = 3
+)
+
+var mediumNames = [NumMedia]string{"GPU", "CPU", "SHARED"}
+
+// String returns the medium's name on the wire: "GPU", "CPU" or "SHARED".
+func (m Medium) String() string {
+	if int(m) < NumMedia {
+		return mediumNames[m]
+	}
+	return fmt.Sprintf("Medium(%d)", uint8(m))
+}
+
+// ParseMedium returns the medium named s, in any case ("GPU", "cpu",
+// "Shared", ...); ok is false for any other name.
+func ParseMedium(s string) (m Medium, ok bool) {
+	for i, n := range mediumNames {
+		if strings.EqualFold(s, n) {
+			return Medium(i), true
+		}
+	}
+	return 0, false
+}
+
 // Event is a change of the set of cached blocks, for a router that keeps
 // its own view of which engine caches which prefix. Its fields are those
 // of vLLM's KV events; the salt is not among them (it may be a secret), so
 // a router learns a first block's salted hash, not the salt.
 type Event struct {
 	Kind EventKind
+	// Medium says where the blocks of a BlockStored or BlockRemoved are:
+	// GPU for the prefix cache's own events, CPU for a host tier's
+	// (RecordTierStored, RecordTierRemoved). AllCleared has no medium: it
+	// clears every one.
+	Medium Medium
 
 	// BlockStored: the block's hash, its parent's (zero for a first
 	// block), its tokens (BlockSize of them), and its extra keys: the
-	// adapter and the multimodal entries as its hash saw them.
+	// adapter and the multimodal entries as its hash saw them. A block
+	// of a tier below the GPU carries the same fields, its parent being
+	// the previous block of its chain, wherever that block is held.
 	Hash      Hash
 	Parent    Hash
 	Tokens    []int32
@@ -53,6 +98,7 @@ type Event struct {
 // arenas, at offsets that DrainEvents turns into caller-owned copies.
 type pendingEvent struct {
 	kind    EventKind
+	medium  Medium
 	hash    Hash
 	parent  Hash
 	adapter uint64
@@ -66,6 +112,7 @@ type pendingEvent struct {
 // previous event's end.
 type eventQueue struct {
 	on       bool
+	tier     TierSource // blocks below the GPU, listed by snapshots; nil: none
 	limit    int
 	q        []pendingEvent
 	head     int
@@ -81,7 +128,11 @@ type eventQueue struct {
 
 func (e *eventQueue) pending(cached int) int {
 	if e.resync {
-		return 1 + cached
+		n := 1 + cached
+		if e.tier != nil {
+			n += e.tier.TierLen()
+		}
+		return n
 	}
 	return len(e.q) - e.head
 }
@@ -133,16 +184,45 @@ func (e *eventQueue) pushStored(x *Index, i int32) {
 	e.mms = append(e.mms, n.mm...)
 }
 
-func (e *eventQueue) removed(x *Index, hashes []Hash) {
+func (e *eventQueue) removed(m Medium, hashes []Hash) {
 	if e.admit() {
-		e.q = append(e.q, pendingEvent{kind: BlockRemoved, nHash: len(hashes)})
+		e.q = append(e.q, pendingEvent{kind: BlockRemoved, medium: m, nHash: len(hashes)})
 		e.hashes = append(e.hashes, hashes...)
+	}
+}
+
+// pushTier records a BlockStored of a tier's block.
+func (e *eventQueue) pushTier(b *TierBlock) {
+	e.q = append(e.q, pendingEvent{
+		kind:    BlockStored,
+		medium:  b.Medium,
+		hash:    b.Hash,
+		parent:  b.Parent,
+		adapter: b.Adapter,
+		nTok:    len(b.Tokens),
+		nMM:     len(b.MM),
+	})
+	e.toks = append(e.toks, b.Tokens...)
+	e.mms = append(e.mms, b.MM...)
+}
+
+// pushTierBlocks records a BlockStored for every block the tier source
+// holds (after an AllCleared: a consumer forgets every medium's blocks).
+func (e *eventQueue) pushTierBlocks() {
+	if e.tier == nil {
+		return
+	}
+	blocks := e.tier.AppendTierBlocks(nil)
+	for k := range blocks {
+		e.pushTier(&blocks[k])
 	}
 }
 
 // cleared records AllCleared. The events before it no longer matter to a
 // consumer, which ends up empty either way, so they are discarded (not
-// counted as dropped), and a pending resync is no longer needed.
+// counted as dropped), and a pending resync is no longer needed. The
+// blocks of the tiers below the GPU, which Clear does not touch, follow
+// it as BlockStored events, since a consumer forgets them too.
 func (e *eventQueue) cleared(x *Index) {
 	if !e.on {
 		return
@@ -150,10 +230,12 @@ func (e *eventQueue) cleared(x *Index) {
 	e.reset()
 	e.resync = false
 	e.q = append(e.q, pendingEvent{kind: AllCleared})
+	e.pushTierBlocks()
 }
 
 // snapshot replaces a lost stretch of events: AllCleared, then one
-// BlockStored per cached block, parents before children.
+// BlockStored per cached block, parents before children, then one per
+// block of the tier source (SetTierSource), in its order.
 func (x *Index) snapshot() {
 	e := &x.events
 	e.resync = false
@@ -170,6 +252,75 @@ func (x *Index) snapshot() {
 			level = append(level, c)
 		}
 	}
+	e.pushTierBlocks()
+}
+
+// TierBlock is a block a tier below the GPU holds (a manager's host
+// tier), with the fields of its BlockStored event: those of the prefix
+// cache's block it was (Tokens holds BlockSize tokens).
+type TierBlock struct {
+	Medium  Medium
+	Hash    Hash
+	Parent  Hash
+	Adapter uint64
+	Tokens  []int32
+	MM      []BlockMM
+}
+
+// TierSource lists the blocks of the tiers below the GPU, for the
+// snapshots that rebuild a consumer's view (DrainEvents after a full
+// queue, RequestSnapshot) and for Clear, whose AllCleared a consumer
+// applies to every medium. Its owner (the manager) calls the index under
+// the same lock as it changes the tier.
+type TierSource interface {
+	// TierLen returns the number of blocks AppendTierBlocks lists.
+	TierLen() int
+	// AppendTierBlocks appends every block the tiers hold to dst and
+	// returns it; the index copies what it keeps.
+	AppendTierBlocks(dst []TierBlock) []TierBlock
+}
+
+// SetTierSource makes snapshots and Clear list src's blocks after the
+// prefix cache's; nil removes it. A no-op when events are off.
+// Config.TierBlocks should bound src's blocks, so that a snapshot fits
+// the event queue's bound.
+func (x *Index) SetTierSource(src TierSource) {
+	if x.events.on {
+		x.events.tier = src
+	}
+}
+
+// RecordTierStored records a BlockStored event of b.Medium for a block a
+// tier below the GPU now holds (a demotion committed to the host tier),
+// under the event queue's bound as the index's own events (DrainEvents).
+// Errors: InvalidArgument (b.Medium GPU or unknown, b.Tokens not
+// BlockSize long), recording nothing. A no-op when events are off.
+func (x *Index) RecordTierStored(b *TierBlock) error {
+	if b.Medium == MediumGPU || int(b.Medium) >= NumMedia {
+		return kverr.Errorf(kverr.InvalidArgument, "tier event: medium %v is not a tier below the GPU", b.Medium)
+	}
+	if len(b.Tokens) != x.bs {
+		return kverr.Errorf(kverr.InvalidArgument, "tier event: a block of %d tokens, the block size is %d", len(b.Tokens), x.bs)
+	}
+	if x.events.admit() {
+		x.events.pushTier(b)
+	}
+	return nil
+}
+
+// RecordTierRemoved records a BlockRemoved event of medium m for blocks a
+// tier below the GPU no longer holds (host slots evicted or overwritten),
+// under the event queue's bound. Errors: InvalidArgument (m GPU or
+// unknown), recording nothing. A no-op when events are off or hashes is
+// empty.
+func (x *Index) RecordTierRemoved(m Medium, hashes []Hash) error {
+	if m == MediumGPU || int(m) >= NumMedia {
+		return kverr.Errorf(kverr.InvalidArgument, "tier event: medium %v is not a tier below the GPU", m)
+	}
+	if len(hashes) > 0 {
+		x.events.removed(m, hashes)
+	}
+	return nil
 }
 
 // DrainEvents removes up to max of the oldest pending events (all of them
@@ -177,11 +328,12 @@ func (x *Index) snapshot() {
 // when events are off or none is pending.
 //
 // The queue holds at most Config.MaxPendingEvents events (raised to
-// NumBlocks+1). When an event would exceed that, every pending event is
+// NumBlocks+TierBlocks+1). When an event would exceed that, every pending event is
 // discarded, counted in Stats.EventsDropped with every event after it, and
 // recording stops; the next DrainEvents then starts with AllCleared
 // followed by a BlockStored for every block cached at that moment (parents
-// first), after which recording resumes. A consumer that applies the
+// first) and one for every block of the tier source, after which
+// recording resumes. A consumer that applies the
 // stream in order thus always ends with the index's set of cached blocks;
 // AllCleared means "forget everything", whether the cache was cleared or a
 // snapshot follows.
@@ -222,7 +374,7 @@ func (x *Index) DrainEvents(max int) []Event {
 	}
 	for k, p := range batch {
 		ev := &out[k]
-		ev.Kind = p.kind
+		ev.Kind, ev.Medium = p.kind, p.medium
 		switch p.kind {
 		case BlockStored:
 			ev.Hash, ev.Parent, ev.Adapter, ev.BlockSize = p.hash, p.parent, p.adapter, p.nTok
@@ -258,30 +410,37 @@ func (x *Index) DrainEvents(max int) []Event {
 func (x *Index) EventsEnabled() bool { return x.events.on }
 
 // EventIndex is the view of a cache that a consumer builds from its events
-// alone: the set of cached block hashes and their parents. It checks the
-// stream as it goes (a block is stored once, under a present parent, and
-// removed only as a leaf), so it doubles as the events' test oracle.
+// alone: the set of cached block hashes and their parents on the GPU, and
+// the set of blocks of each tier below it. It checks the stream as it goes
+// (a GPU block is stored once, under a present parent, and removed only as
+// a leaf; a tier's block is stored once and removed only while stored),
+// so it doubles as the events' test oracle.
 type EventIndex struct {
 	parent   map[Hash]Hash
 	children map[Hash]int
+	tiers    [NumMedia]map[Hash]struct{} // [MediumGPU] unused
 }
 
 // NewEventIndex returns an empty EventIndex.
 func NewEventIndex() *EventIndex {
-	return &EventIndex{parent: make(map[Hash]Hash), children: make(map[Hash]int)}
+	r := &EventIndex{parent: make(map[Hash]Hash), children: make(map[Hash]int)}
+	for m := 1; m < NumMedia; m++ {
+		r.tiers[m] = make(map[Hash]struct{})
+	}
+	return r
 }
 
-// Len returns the number of blocks the events say are cached.
+// Len returns the number of blocks the events say are cached on the GPU.
 func (r *EventIndex) Len() int { return len(r.parent) }
 
-// Contains reports whether the events say block h is cached.
+// Contains reports whether the events say block h is cached on the GPU.
 func (r *EventIndex) Contains(h Hash) bool {
 	_, ok := r.parent[h]
 	return ok
 }
 
-// Hashes appends the hashes of the blocks the events say are cached to dst,
-// in no particular order.
+// Hashes appends the hashes of the blocks the events say are cached on
+// the GPU to dst, in no particular order.
 func (r *EventIndex) Hashes(dst []Hash) []Hash {
 	for h := range r.parent {
 		dst = append(dst, h)
@@ -289,11 +448,72 @@ func (r *EventIndex) Hashes(dst []Hash) []Hash {
 	return dst
 }
 
+// LenIn is Len for medium m.
+func (r *EventIndex) LenIn(m Medium) int {
+	if m == MediumGPU {
+		return r.Len()
+	}
+	return len(r.tiers[m])
+}
+
+// ContainsIn is Contains for medium m.
+func (r *EventIndex) ContainsIn(m Medium, h Hash) bool {
+	if m == MediumGPU {
+		return r.Contains(h)
+	}
+	_, ok := r.tiers[m][h]
+	return ok
+}
+
+// HashesIn is Hashes for medium m.
+func (r *EventIndex) HashesIn(m Medium, dst []Hash) []Hash {
+	if m == MediumGPU {
+		return r.Hashes(dst)
+	}
+	for h := range r.tiers[m] {
+		dst = append(dst, h)
+	}
+	return dst
+}
+
+// applyTier applies a tier's BlockStored or BlockRemoved.
+func (r *EventIndex) applyTier(ev Event) error {
+	set := r.tiers[ev.Medium]
+	switch ev.Kind {
+	case BlockStored:
+		if _, ok := set[ev.Hash]; ok {
+			return kverr.Errorf(kverr.InvalidArgument, "replay: %v block %s stored twice", ev.Medium, ev.Hash)
+		}
+		set[ev.Hash] = struct{}{}
+	case BlockRemoved:
+		seen := make(map[Hash]bool, len(ev.Hashes))
+		for _, h := range ev.Hashes {
+			if _, ok := set[h]; !ok || seen[h] {
+				return kverr.Errorf(kverr.InvalidArgument, "replay: removed %v block %s is not stored", ev.Medium, h)
+			}
+			seen[h] = true
+		}
+		for _, h := range ev.Hashes {
+			delete(set, h)
+		}
+	}
+	return nil
+}
+
 // Apply applies one event. An event inconsistent with the stream so far
 // (a block stored twice or under an unknown parent, an unknown block
-// removed, a block removed before its children) is an error and changes
-// nothing.
+// removed, a block removed before its children; for a tier below the
+// GPU, a block stored twice or an unknown one removed) is an error and
+// changes nothing.
 func (r *EventIndex) Apply(ev Event) error {
+	if ev.Kind == BlockStored || ev.Kind == BlockRemoved {
+		if int(ev.Medium) >= NumMedia {
+			return kverr.Errorf(kverr.InvalidArgument, "replay: unknown medium %d", ev.Medium)
+		}
+		if ev.Medium != MediumGPU {
+			return r.applyTier(ev)
+		}
+	}
 	switch ev.Kind {
 	case BlockStored:
 		if _, ok := r.parent[ev.Hash]; ok {
@@ -332,6 +552,9 @@ func (r *EventIndex) Apply(ev Event) error {
 	case AllCleared:
 		clear(r.parent)
 		clear(r.children)
+		for m := 1; m < NumMedia; m++ {
+			clear(r.tiers[m])
+		}
 	default:
 		return kverr.Errorf(kverr.InvalidArgument, "replay: unknown event kind %d", ev.Kind)
 	}

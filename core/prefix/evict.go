@@ -12,7 +12,7 @@ import (
 // when nothing else is evictable. One BlockRemoved event lists the call's
 // blocks.
 func (x *Index) Evict(dst []int32, n int) []int32 {
-	dst, _ = x.evict(dst, nil, n, false)
+	dst, _ = x.evict(dst, nil, n, false, nil)
 	return dst
 }
 
@@ -20,27 +20,63 @@ func (x *Index) Evict(dst []int32, n int) []int32 {
 // hashes, in the order of dst, and returns both: for a caller that keeps
 // evicted blocks elsewhere under their hash (the host tier).
 func (x *Index) EvictHashes(dst []int32, hashes []Hash, n int) ([]int32, []Hash) {
-	return x.evict(dst, hashes, n, true)
+	return x.evict(dst, hashes, n, true, nil)
 }
 
-func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool) ([]int32, []Hash) {
-	start := len(dst)
+// EvictedBlock is a block EvictBlocks removed, with the fields of the
+// BlockStored event that announced it (its tokens go to a separate slice).
+type EvictedBlock struct {
+	Block   int32
+	Hash    Hash
+	Parent  Hash
+	Adapter uint64
+	MM      []BlockMM // the caller's: the index keeps no reference to it
+}
+
+// EvictBlocks is Evict that describes each evicted block: it appends one
+// EvictedBlock per block to info and the block's BlockSize tokens to
+// toks, in eviction order, and returns both: for a caller that keeps
+// evicted blocks elsewhere and announces them there (the host tier's
+// events).
+func (x *Index) EvictBlocks(info []EvictedBlock, toks []int32, n int) ([]EvictedBlock, []int32) {
+	d := evictDesc{info, toks}
+	x.evict(nil, nil, n, false, &d)
+	return d.info, d.toks
+}
+
+// evictDesc collects EvictBlocks' descriptions.
+type evictDesc struct {
+	info []EvictedBlock
+	toks []int32
+}
+
+// evict evicts up to n blocks, appending their ids to dst, or, when desc
+// is not nil, their descriptions to desc instead.
+func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool, desc *evictDesc) ([]int32, []Hash) {
+	count := 0
 	x.removedHashes = x.removedHashes[:0]
-	for len(dst)-start < n && len(x.heap) > 0 {
+	for count < n && len(x.heap) > 0 {
 		i := x.heap[0]
 		x.heapRemove(i)
-		dst = append(dst, x.nodes[i].block)
+		nd := &x.nodes[i]
+		if desc != nil {
+			desc.info = append(desc.info, EvictedBlock{Block: nd.block, Hash: nd.hash, Parent: x.nodes[nd.parent].hash, Adapter: nd.adapter, MM: nd.mm})
+			desc.toks = append(desc.toks, x.tokensOf(i)...)
+		} else {
+			dst = append(dst, nd.block)
+		}
 		if x.events.on {
-			x.removedHashes = append(x.removedHashes, x.nodes[i].hash)
+			x.removedHashes = append(x.removedHashes, nd.hash)
 		}
 		if wantHashes {
-			hashes = append(hashes, x.nodes[i].hash)
+			hashes = append(hashes, nd.hash)
 		}
 		x.unlink(i)
+		count++
 	}
-	x.counters.Evictions += int64(len(dst) - start)
+	x.counters.Evictions += int64(count)
 	if len(x.removedHashes) > 0 {
-		x.events.removed(x, x.removedHashes)
+		x.events.removed(MediumGPU, x.removedHashes)
 	}
 	return dst, hashes
 }

@@ -69,9 +69,12 @@ type Config struct {
 	// engine without a router should not pay for them.
 	EnableEvents bool
 	// MaxPendingEvents bounds the undrained events (0: the default). It is
-	// raised to NumBlocks+1 so a resync snapshot always fits (see
-	// DrainEvents).
+	// raised to NumBlocks+TierBlocks+1 so a resync snapshot always fits
+	// (see DrainEvents).
 	MaxPendingEvents int
+	// TierBlocks bounds the blocks a TierSource lists (SetTierSource): a
+	// manager's host tier slots; 0 without one.
+	TierBlocks int
 }
 
 const (
@@ -141,6 +144,9 @@ func New(cfg Config) (*Index, error) {
 	if cfg.NumBlocks < 1 || cfg.NumBlocks > MaxBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "num_blocks must be in [1, %d]: got %d", MaxBlocks, cfg.NumBlocks)
 	}
+	if cfg.TierBlocks < 0 || cfg.TierBlocks > 1<<30 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "tier blocks must be in [0, 2^30]: got %d", cfg.TierBlocks)
+	}
 	if cfg.MaxPendingEvents < 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "max_pending_events must be >= 0: got %d", cfg.MaxPendingEvents)
 	}
@@ -160,7 +166,7 @@ func New(cfg Config) (*Index, error) {
 	if x.events.limit == 0 {
 		x.events.limit = DefaultMaxPendingEvents
 	}
-	x.events.limit = max(x.events.limit, cfg.NumBlocks+1)
+	x.events.limit = max(x.events.limit, cfg.NumBlocks+cfg.TierBlocks+1)
 	return x, nil
 }
 

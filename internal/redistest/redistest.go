@@ -91,3 +91,55 @@ func (s *Server) Stop() {
 	_ = s.cmd.Wait()
 	s.cmd = nil
 }
+
+// Slow starts a listener on a free loopback port that accepts connections
+// and answers each read of a command with a null bulk after delay, or
+// never when delay is 0: a server that is up but too slow. It stops at
+// t's cleanup. It returns its host:port.
+func Slow(t testing.TB, delay time.Duration) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		close(done)
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go func() {
+				buf := make([]byte, 64<<10)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					if delay == 0 {
+						continue
+					}
+					select {
+					case <-time.After(delay):
+						c.Write([]byte("$-1\r\n"))
+					case <-done:
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}

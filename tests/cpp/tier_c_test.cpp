@@ -185,3 +185,49 @@ TEST(HostTier, BadInputs) {
   EXPECT_EQ(kvp_manager_complete_copies(m, 1, 0), KVP_ERR_INVALID_ARGUMENT);
   kvp_manager_destroy(m);
 }
+
+// The shared tier's config through the header: with the server down (port
+// 1 refuses at once) admissions go on, computing the prefix, and the
+// failure is counted; bad fields are refused with nothing created.
+TEST(SharedTier, ServerDownAndBadInputs) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = kBlocks;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.host_tier_slots = kSlots;
+  cfg.host_block_bytes = kBytes;
+  cfg.demote_ahead = kBlocks;
+  const std::string addr = "127.0.0.1:1", ns = "cpp-test.bs4";
+  cfg.shared_tier_addr = addr.c_str();
+  cfg.shared_tier_namespace = ns.c_str();
+  cfg.shared_tier_timeout_ms = 100;
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&cfg, &m), KVP_OK) << kvp_last_error();
+  std::vector<int32_t> conv(4 * kBlock + 1);
+  std::iota(conv.begin(), conv.end(), 100);
+  EXPECT_EQ(admit(m, 1, conv), 0);
+  kvp_tier_stats s = KVP_TIER_STATS_INIT;
+  ASSERT_EQ(kvp_manager_tier_stats(m, &s), KVP_OK);
+  EXPECT_EQ(s.shared_errors + s.shared_timeouts, 1);
+  EXPECT_EQ(s.shared_misses, 4);
+  EXPECT_EQ(s.shared_available, 0);
+  kvp_manager_destroy(m);
+
+  m = nullptr;
+  kvp_manager_config bad = cfg;
+  bad.shared_tier_namespace = "meta-llama/Llama-3";
+  EXPECT_EQ(kvp_manager_create(&bad, &m), KVP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvp_last_error()).find("namespace"), std::string::npos) << kvp_last_error();
+  bad = cfg;
+  bad.shared_tier_addr = nullptr;  // a namespace and a timeout without an address
+  EXPECT_EQ(kvp_manager_create(&bad, &m), KVP_ERR_INVALID_ARGUMENT);
+  bad = cfg;
+  bad.host_tier_slots = 0;
+  bad.host_block_bytes = 0;
+  bad.demote_ahead = 0;
+  EXPECT_EQ(kvp_manager_create(&bad, &m), KVP_ERR_INVALID_ARGUMENT);  // no host tier below it
+  bad = cfg;
+  bad.shared_tier_timeout_ms = 60001;
+  EXPECT_EQ(kvp_manager_create(&bad, &m), KVP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+}

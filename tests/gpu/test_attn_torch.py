@@ -117,6 +117,64 @@ def test_paged_decode_splits_long(splits):
     assert torch.allclose(lse[finite].double(), want_lse[finite], rtol=1e-3, atol=1e-3)
 
 
+def multi_reference(p, q, q_len, scale):
+    """float64 attention of q ([batch * q_len, qh, D]): sequence b's new token
+    t sits at position L - q_len + t and sees positions [0, that position]."""
+    B = len(p.lens)
+    out = torch.zeros((B * q_len, p.qh, p.D), dtype=torch.float64, device=DEV)
+    lse = torch.full((B * q_len, p.qh), float("-inf"), dtype=torch.float64, device=DEV)
+    g = p.qh // p.kvh
+    start = 0
+    for b, L in enumerate(p.lens):
+        k = p.k[start:start + L].double().repeat_interleave(g, dim=1)
+        v = p.v[start:start + L].double().repeat_interleave(g, dim=1)
+        for t in range(q_len):
+            end = L - q_len + t + 1
+            if end > 0:
+                r = b * q_len + t
+                s = torch.einsum("hd,lhd->hl", q[r].double(), k[:end]) * scale
+                lse[r] = torch.logsumexp(s, dim=1)
+                out[r] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v[:end])
+        start += L
+    return out, lse
+
+
+@pytest.mark.parametrize("q_len", [2, 3, 4, 7, 16])
+@pytest.mark.parametrize("dtype,D,bs,group", [
+    (torch.float16, 128, 16, 4), (torch.bfloat16, 64, 1, 8), (torch.bfloat16, 256, 64, 1),
+    (torch.float16, 128, 256, 2), (torch.float32, 128, 16, 4),
+])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_paged_decode_multi_token(q_len, dtype, D, bs, group, splits):
+    """q_len new tokens per sequence (speculative verification, multi-token
+    prediction): causal among them, every split count, lse."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    lens = [q_len, q_len + 1, 700, 64 * 3 + q_len, 1500][:5]
+    p = Paged(gen, dtype, D, 2 * group, 2, bs, lens)
+    B = len(lens)
+    q = (torch.rand((B * q_len, 2 * group, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    ws = torch.empty(attn.workspace_size(B * q_len, 2 * group, D, 8), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B * q_len, 2 * group), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, lse=lse, workspace=ws,
+                      num_splits=splits, max_seq_len=max(lens), q_len=q_len)
+    torch.cuda.synchronize()
+    want, want_lse = multi_reference(p, q, q_len, 1 / math.sqrt(D))
+    assert rel_err(out, want) < TOL[dtype]
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_paged_decode_multi_token_errors():
+    gen = torch.Generator().manual_seed(1)
+    p = Paged(gen, torch.float16, 128, 8, 2, 16, [40, 50])
+    q = torch.zeros((6, 8, 128), dtype=torch.float16, device=DEV)
+    for bad in (0, 4, 17):  # 6 rows: q_len 4 leaves a remainder; 0 and 17 are out of range
+        with pytest.raises(kvplug.InvalidArgumentError):
+            attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, q_len=bad)
+    with pytest.raises(kvplug.InvalidArgumentError):  # 6 rows of 2 tokens: 3 sequences, 2 in the table
+        attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, q_len=2)
+
+
 def test_merge_states_equals_whole():
     gen = torch.Generator().manual_seed(torch.seed())
     whole = Paged(gen, torch.float32, 128, 8, 2, 16, [300])

@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvplug.sglang import PageStore  # noqa: E402
+from kvplug.sharedstore import key128, keys128  # noqa: E402
 from kvplug.vllm import BlockCopier, plan_rows  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -149,7 +150,7 @@ def test_sglang_pages_through_the_host_store(layout, pin):
     ptrs, sizes = meta(torch.arange(4))
     page_bytes = sum(sizes)
     store = PageStore(page_bytes, host_bytes=8 * page_bytes)
-    keys = np.array([11, 12, 13], np.uint64)
+    keys = keys128([key128(k) for k in ("p11", "p12", "p13")])
     src = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 20, 21, 22, 23])
     p, s = meta(src)
     segs = len(p) // 3

@@ -219,6 +219,25 @@ def test_decode_route_and_forced_prefill():
     b.check(plan)
 
 
+@pytest.mark.parametrize("q_len,qh,kvh,route", [
+    (4, 32, 8, attn.ROUTE_DECODE),   # 4 tokens x group 4: one decode block per kv head
+    (2, 64, 8, attn.ROUTE_DECODE),   # x group 8
+    (16, 8, 8, attn.ROUTE_DECODE),   # 16 tokens x group 1
+    (4, 16, 2, attn.ROUTE_PREFILL),  # 4 x group 8 = 32 rows: the prefill kernel's tiles
+])
+def test_uniform_short_queries_route(q_len, qh, kvh, route):
+    """Speculative verification: every sequence brings the same few new
+    tokens; the decode kernel takes them when a kv head's rows fit its tile."""
+    gen = torch.Generator().manual_seed(11 + q_len + qh)
+    kv = [q_len, q_len + 3] + [int(x) for x in torch.randint(q_len, 3000, (7,), generator=gen)]
+    b = Batch(gen, torch.bfloat16, 128, qh, kvh, 16, kv, [q_len] * len(kv))
+    plan = b.plan()
+    assert plan.route == route, plan
+    out, lse = b.check(plan)
+    out1, _ = b.run(b.plan(decode_route=False))
+    assert rel_err(out, out1.double()) < TOL[torch.bfloat16]
+
+
 # The benchmark's shapes (bench/prefill_bench.py): B, new tokens, cached prefix;
 # 32 q / 8 kv heads, d 128, block size 16.
 BENCH_SHAPES = [(1, 2048, 0), (8, 2048, 0), (1, 8192, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192),

@@ -49,3 +49,41 @@ def unchanged(mgr):
 
 def ids(*v: int) -> np.ndarray:
     return np.array(v, np.int64)
+
+
+@pytest.fixture
+def valkey_server(tmp_path) -> Iterator[str]:
+    """A throwaway valkey-server or redis-server on a free loopback port,
+    without persistence; yields its host:port (as internal/redistest does
+    for the Go tests). Skipped when neither is installed (CI installs
+    redis-server)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("neither valkey-server nor redis-server is installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail(f"{binary} did not start on port {port}")
+            time.sleep(0.02)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -48,6 +48,7 @@ MIRRORS.update({
     _capi.TierCopyStruct: "kvp_tier_copy",
     _capi.TierMatchStruct: "kvp_tier_match",
     _capi.TierStatsStruct: "kvp_tier_stats",
+    _capi.KVLayersStruct: "kvp_kv_layers",
 })
 MIRRORS.update({
     _capi.HostStoreConfig: "kvp_host_store_config",

@@ -222,6 +222,57 @@ def test_evictions_and_positional_int_hash_events(ctx):
         assert stored_b.block_hashes == [to_int(h) for h in hb] and stored_b.extra_keys is None
 
 
+def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
+    # A manager with a host tier: blocks demoted there are BlockStored with
+    # medium "CPU" (as vLLM's OffloadingConnector sends them), under the
+    # hashes their GPU events had; a host eviction is a "CPU" BlockRemoved.
+    m = kvplug.Manager(8, 4, prefix_cache=True, kv_events=True, host_tier_slots=2, host_block_bytes=16, demote_ahead=8)
+    pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, flush_interval_us=60_000_000)
+    with m, pub:
+        sub = subscribe(ctx, pub, "")
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+
+        def step():
+            b = m.flush_copies()  # the engine's copies would go here
+            if b.ticket:
+                m.complete_copies(b.ticket)
+            pub.flush()
+            got = []
+            while not got or not isinstance(got[-1], BlockStored) or got[-1].medium != "CPU":
+                got += recv(sub, dec)[2].events
+            return [e for e in got if not isinstance(e, AllBlocksCleared)]
+
+        a = list(range(1, 10))  # two full blocks and one token
+        m.admit([1], [a])
+        m.remove([1])
+        got = step()
+        ha = block_hashes(a, 4)
+        gpu_stored, gpu_removed, cpu_stored = got
+        assert isinstance(gpu_stored, BlockStored) and gpu_stored.medium == "GPU" and gpu_stored.block_hashes == ha
+        assert isinstance(gpu_removed, BlockRemoved) and gpu_removed.medium == "GPU" and set(gpu_removed.block_hashes) == set(ha)
+        # The demoted chain, parents first: one BlockStored, as on the GPU.
+        assert isinstance(cpu_stored, BlockStored) and cpu_stored.medium == "CPU"
+        assert cpu_stored.block_hashes == ha and cpu_stored.parent_block_hash is None
+        assert cpu_stored.token_ids == a[:8] and cpu_stored.block_size == 4 and cpu_stored.lora_id is None
+
+        b = list(range(50, 55))  # one block: the host tier is full, its LRU block goes
+        m.admit([2], [b])
+        m.remove([2])
+        got = step()
+        cpu_removed = [e for e in got if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+        assert len(cpu_removed) == 1 and cpu_removed[0].block_hashes == [ha[1]]
+        assert got[-1].medium == "CPU" and got[-1].block_hashes == block_hashes(b, 4)
+        assert got[-1].parent_block_hash is None
+
+        # A resync lists both tiers: the GPU's blocks (none) and the host's.
+        pub.resync()
+        pub.flush()
+        batch = recv(sub, dec)[2]
+        assert isinstance(batch.events[0], AllBlocksCleared)
+        cpu = {h for e in batch.events[1:] for h in e.block_hashes if e.medium == "CPU"}
+        assert cpu == {ha[0]} | set(block_hashes(b, 4)) and all(e.medium == "CPU" for e in batch.events[1:])
+
+
 def test_replay_of_a_dropped_range(ctx):
     m = kvplug.Manager(256, 4, prefix_cache=True, kv_events=True)
     pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, replay_endpoint="tcp://127.0.0.1:0",

@@ -28,8 +28,8 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd, cwd, timeout=300) -> str:
-    p = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(cmd, cwd, timeout=300, env=None) -> str:
+    p = subprocess.run(cmd, cwd=cwd, env=dict(_env(), **(env or {})), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{cmd} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p.stdout
 
@@ -42,6 +42,7 @@ def test_every_example_is_covered():
         ("### Python", "python"),
         ("### The prefix cache (Python; the same calls exist in C, C++ and Go)", "python"),
         ("#### The host KV tier (Python; C: `kvp_manager_flush_copies`)", "python"),
+        ("#### The shared KV tier (Python; C: `shared_tier_addr` in `kvp_manager_config`)", "python"),
         ("### Go", "go"),
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
@@ -89,6 +90,13 @@ def test_python_host_tier(tmp_path):
     (tmp_path / "tier.py").write_text(find("#### The host KV tier (Python; C: `kvp_manager_flush_copies`)", "python").code)
     out = _run([sys.executable, "tier.py"], tmp_path)
     assert out.splitlines() == ["58", "[TierMatch(gpu_tokens=64, host_tokens=928)]", "[992]", "58", "True 928"], out
+
+
+def test_python_shared_tier(tmp_path, valkey_server):
+    (tmp_path / "shared.py").write_text(
+        find("#### The shared KV tier (Python; C: `shared_tier_addr` in `kvp_manager_config`)", "python").code)
+    out = _run([sys.executable, "shared.py"], tmp_path, env={"VALKEY_ADDR": valkey_server})
+    assert out.splitlines() == ["[TierMatch(gpu_tokens=0, host_tokens=496)]", "[496]", "True 31"], out
 
 
 def test_python_kv_events(tmp_path):

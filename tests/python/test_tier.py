@@ -110,3 +110,34 @@ def test_flush_grows_its_arrays_past_demote_ahead():
         assert len(b.reload_blocks) == 100 and b.ticket
         m.complete_copies(b.ticket)
         m.check()
+
+
+def test_kv_events_carry_the_medium():
+    # A demotion committed to the host tier is a "CPU" stored event with its
+    # GPU event's hash, parent and tokens; a host eviction a "CPU" removal.
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, kv_events=True, host_tier_slots=3, host_block_bytes=BYTES,
+                        demote_ahead=BLOCKS) as m:
+        gpu = np.zeros((BLOCKS, BYTES), np.uint8)
+        a = np.arange(100, 109, dtype=np.int32)  # two full blocks and one token
+        m.admit([1], [a])
+        m.remove([1])
+        stored = m.drain_events()
+        assert [(e.kind, e.medium) for e in stored] == [("stored", "GPU")] * 2
+        run_copies(m, gpu)
+        evs = m.drain_events()
+        assert [(e.kind, e.medium) for e in evs] == [("removed", "GPU"), ("stored", "CPU"), ("stored", "CPU")]
+        for ev, want in zip(evs[1:], stored):  # parents first, as the GPU's
+            assert (ev.hash, ev.parent, ev.tokens, ev.adapter) == (want.hash, want.parent, want.tokens, want.adapter)
+
+        b = np.arange(200, 209, dtype=np.int32)  # two more blocks: one host slot left, the LRU goes
+        m.admit([2], [b])
+        m.remove([2])
+        m.drain_events()
+        run_copies(m, gpu)
+        evs = m.drain_events()
+        assert [(e.kind, e.medium) for e in evs] == [("removed", "GPU"), ("removed", "CPU"), ("stored", "CPU"), ("stored", "CPU")]
+        assert evs[1].hashes == (stored[1].hash,)  # a's second block: committed first, least recently used
+        assert m.tier_stats().host_resident == 3
+        m.clear_prefix_cache()
+        evs = m.drain_events()
+        assert evs[0] == kvplug.KVEvent("cleared") and [e.medium for e in evs[1:]] == ["CPU"] * 3

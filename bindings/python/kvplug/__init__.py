@@ -47,6 +47,7 @@ from ._lib import (
 from .manager import Description, Manager, ManagerStats
 from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
 from .tier import CopyBatch, TierMatch, TierStats
+from .tiercopy import TierCopier
 from .events import EventPublisher, EventPublisherStats  # noqa: F401 (KV events on ZMQ)
 from .vmem import VirtualKVCache
 from . import attn
@@ -68,6 +69,7 @@ __all__ = [
     "CopyBatch",
     "TierMatch",
     "TierStats",
+    "TierCopier",
     "Status",
     "KvplugError",
     "InvalidArgumentError",

@@ -59,6 +59,10 @@ class ManagerConfig(ctypes.Structure):
         ("demote_ahead", _i32),
         ("reserved", _i32),
         ("host_block_bytes", _i64),
+        ("shared_tier_addr", ctypes.c_char_p),
+        ("shared_tier_namespace", ctypes.c_char_p),
+        ("shared_tier_timeout_ms", _i32),
+        ("shared_tier_put_queue", _i32),
     ]
 
 
@@ -130,7 +134,7 @@ class KVEventStruct(ctypes.Structure):
         ("adapter", _u64),
         ("hash", _u8 * 16),
         ("parent", _u8 * 16),
-    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "reserved")
+    ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "medium")
 
 
 # --------------------------------------------------------------------------
@@ -157,7 +161,19 @@ class TierStatsStruct(ctypes.Structure):
         _i64, "demotions_queued", "demotions_completed", "demotions_failed", "skipped_full", "skipped_present",
         "evicted_undemoted", "reloads", "reloads_completed", "reloads_failed", "host_hit_tokens", "match_queries",
         "match_gpu_tokens", "match_host_tokens", "host_evictions", "host_hits", "host_misses",
-    ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved")
+    ) + _ints(_i32, "in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned", "reserved") + _ints(
+        _i64, "shared_lookups", "shared_hits", "shared_misses", "shared_fetched", "shared_fetch_misses",
+        "shared_hit_tokens", "shared_match_tokens", "shared_puts_queued", "shared_puts_done", "shared_puts_present",
+        "shared_puts_failed", "shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors",
+        "shared_skipped", "shared_bytes_read", "shared_bytes_written",
+    ) + _ints(_i32, "shared_queue_len", "shared_available")
+
+
+class KVLayersStruct(ctypes.Structure):
+    """struct kvp_kv_layers."""
+
+    _fields_ = [("struct_size", _size)] + _ints(_i32, "num_layers", "num_blocks") + _ints(
+        _vp, "k", "v") + _ints(_i64, "block_bytes", "k_block_stride", "v_block_stride")
 
 
 # --------------------------------------------------------------------------
@@ -204,7 +220,7 @@ class PagedDecodeArgs(ctypes.Structure):
         "max_blocks_per_seq",
     ) + _tensor("q", "batch", "head") + _CACHES + _TABLE + [("seq_lens", _u64)] + _tensor("out", "batch", "head") + _ints(_u64, "lse", "workspace", "workspace_bytes") + [
         ("scale", _f32),
-    ] + _ints(_i32, "num_splits", "max_seq_len", "reserved")
+    ] + _ints(_i32, "num_splits", "max_seq_len", "q_len")
 
 
 class MergeStatesArgs(ctypes.Structure):
@@ -312,6 +328,7 @@ FUNCTIONS: Dict[str, Tuple[Any, List[Any]]] = {
     "kvp_manager_destroy": (None, [_vp]),
     "kvp_event_publisher_destroy": (None, [_vp]),
     "kvp_vcache_destroy": (None, [_vp]),
+    "kvp_tier_copier_destroy": (None, [_vp]),
 }
 FUNCTIONS.update(_sigs(
     _int,
@@ -347,6 +364,9 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_match_tiers", [_vp, _i32, _vp, _vp, _vp, _vp]),
     ("kvp_manager_tier_stats", [_vp, _vp]),
     ("kvp_manager_host_tier_memory", [_vp, _vp, _vp, _vp]),
+    # tier copy
+    ("kvp_tier_copier_create", [_vp, _vp, _i64, _i32, _vp]),
+    ("kvp_tier_copier_run", [_vp, _vp, _i32, _vp, _i32, _vp]),
     # KV event publisher
     ("kvp_event_publisher_create", [_vp, _vp, _vp]),
     ("kvp_event_publisher_flush", [_vp]),

@@ -55,6 +55,7 @@ __all__ = [
 
 MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
 ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
+DECODE_MAX_Q_LEN = 16  # KVP_DECODE_MAX_Q_LEN: new tokens per sequence of paged_decode
 PLAN_NO_DECODE_ROUTE, PLAN_NO_SPLIT_KV = 1, 2  # KVP_PREFILL_NO_DECODE_ROUTE, KVP_PREFILL_NO_SPLIT_KV
 PLAN_NO_HOPPER = 4  # KVP_PREFILL_NO_HOPPER: the sm_80 kernel on a Hopper GPU too
 MAINLOOP_SM80, MAINLOOP_SM90 = 0, 1  # kvp_attn_plan.reserved[KVP_PLAN_STATE_MAINLOOP] of a prefill plan
@@ -172,7 +173,7 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
 
 
 def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, out: Any, lse: Any,
-                 workspace: Any, return_lse: bool) -> Tuple[_t.Packed, Any, Any]:
+                 workspace: Any, return_lse: bool, q_len: int) -> Tuple[_t.Packed, Any, Any]:
     """Every check of paged_decode's tensors, and its struct with their sizes
     and strides; returns it with out and lse (allocated where needed)."""
     torch = _t.torch()
@@ -181,7 +182,10 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     _t.cuda_tensor(q, "q", 3, dev)
     _t.same_dtype(q, k_cache.dtype, "q")
     nb, bs, kvh, d = k_cache.shape
-    batch, qh = q.shape[0], q.shape[1]
+    q_len = _t.i32(q_len, "paged_decode: q_len")
+    if not 1 <= q_len <= DECODE_MAX_Q_LEN or q.shape[0] % q_len:
+        raise _bad(f"q_len must be in [1, {DECODE_MAX_Q_LEN}] and divide q's {q.shape[0]} rows: got {q_len}")
+    batch, qh = q.shape[0] // q_len, q.shape[1]
     if q.shape[2] != d:
         raise _bad(f"q has head_dim {q.shape[2]}, the caches {d}")
     _t.rows(q, "q")
@@ -197,9 +201,9 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     a = _PagedDecodeArgs(
         ctypes.sizeof(_PagedDecodeArgs), _t.dtype_code(q, "q"), d, batch, qh, kvh, nb, bs, block_table.shape[1],
         0, q.stride(0), q.stride(1), 0, 0, cb, ct, ch, 0, tstride, 0, 0, out.stride(0), out.stride(1),
-        0, 0, ws_bytes, 0.0, 0, 0, 0,
+        0, 0, ws_bytes, 0.0, 0, 0, q_len,
     )
-    return _t.Packed(a, dev, batch, qh), out, lse
+    return _t.Packed(a, dev, batch * q_len, qh), out, lse
 
 
 def paged_decode(
@@ -216,23 +220,26 @@ def paged_decode(
     max_seq_len: int = 0,
     return_lse: bool = False,
     stream: Any = None,
+    q_len: int = 1,
 ) -> Any:
-    """Decode attention of q ([batch, num_q_heads, head_dim], one token per
-    sequence) over the paged caches through block_table (int32 [batch,
-    max_blocks]) and seq_lens (int32 [batch]). Returns out (allocated when
-    None), or (out, lse) with return_lse (lse float32 [batch, num_q_heads],
-    natural log; allocated when None). workspace: a CUDA tensor of at least
-    workspace_size(...) bytes enabling split-KV; num_splits 0 lets the
-    library choose from max_seq_len (0: max_blocks * block_size)."""
+    """Decode attention of q ([batch * q_len, num_q_heads, head_dim]: q_len
+    new tokens per sequence, 1 to 16, the last q_len of its seq_lens[b]
+    tokens, causal among them) over the paged caches through block_table
+    (int32 [batch, max_blocks]) and seq_lens (int32 [batch]). Returns out
+    (allocated when None), or (out, lse) with return_lse (lse float32
+    [batch * q_len, num_q_heads], natural log; allocated when None).
+    workspace: a CUDA tensor of at least workspace_size(batch * q_len, ...)
+    bytes enabling split-KV; num_splits 0 lets the library choose from
+    max_seq_len (0: max_blocks * block_size)."""
     try:
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
-                  workspace is not None and _layout(workspace))
+                  workspace is not None and _layout(workspace), q_len)
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_decode_tls, layout)
     if p is None:
-        p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse)
+        p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse, q_len)
         _t.keep(_decode_tls, p, layout)
     else:
         out, lse = _t.new_outputs(p, q, out, lse, return_lse)

@@ -8,7 +8,12 @@ include/kvplug.h).
         pub.flush()             # optional: publish this step's events now
 
 Routers and indexers written for vLLM's KV events subscribe to the PUB
-endpoint and replay missed batches from the ROUTER endpoint. The publisher
+endpoint and replay missed batches from the ROUTER endpoint. Each event's
+"medium" says where its blocks are: "GPU" (the prefix cache; the name
+the medium argument gives) or "CPU" (a manager's host tier, whose blocks
+carry the fields of their GPU events, the same hash included), as vLLM's
+own events and its CPU offloading's do; MEDIUM_SHARED is reserved for a
+tier that instances share. The publisher
 runs on the library's own thread; no Manager call waits on the network.
 While it runs it is the manager's one consumer of events: do not call
 Manager.drain_events on that manager.
@@ -23,9 +28,10 @@ from typing import Any, Optional
 from . import _lib
 from ._capi import EventPublisherConfig, EventPublisherStatsStruct
 from ._lib import C
+from .prefix import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_SHARED
 
 __all__ = ["EventPublisher", "EventPublisherStats", "BIND_VLLM", "BIND", "CONNECT", "FORMAT_MAP", "FORMAT_ARRAY",
-           "HASH_BYTES", "HASH_INT64"]
+           "HASH_BYTES", "HASH_INT64", "MEDIUM_GPU", "MEDIUM_CPU", "MEDIUM_SHARED"]
 
 BIND_VLLM = 0  # vLLM's rule: bind a wildcard or ipc endpoint, connect to others
 BIND = 1
@@ -75,6 +81,8 @@ class EventPublisher(_lib.Owner):
     (tcp://*:port binds every interface; port 0 picks a free port, see
     pub_port) or ipc:///path. Every batch carries data_parallel_rank, as
     vLLM's do; None leaves it out (the batches of vLLM before it had one).
+    medium names the GPU's events (None: "GPU"); the host tier's go as
+    "CPU".
     Failures raise KvplugError subclasses with the library's message (an
     endpoint in use: InvalidArgumentError)."""
 

@@ -78,6 +78,18 @@ def _scalar(obj: Any) -> bool:
     return isinstance(obj, (numbers.Number, str, bytes))
 
 
+def _cstr(value: Optional[str], what: str) -> Optional[bytes]:
+    """A config string for a char * field: None is NULL."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, not {type(value).__name__}")
+    b = value.encode("utf-8")
+    if b"\x00" in b:
+        raise ValueError(f"{what} contains a NUL character")
+    return b
+
+
 def _release(handle: int) -> None:
     """Destroys a manager collected without close(), saying so when it still
     had live sequences. Holds no reference to the Manager (a finalizer
@@ -107,7 +119,15 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     host_tier_slots > 0 (with prefix_cache) adds the host KV tier
     (kvplug.tier): that many host slots of host_block_bytes each (the
     engine's K/V bytes of one block, all layers, K and V), allocated by the
-    library; flush_copies keeps demote_ahead blocks free or being demoted."""
+    library; flush_copies keeps demote_ahead blocks free or being demoted.
+
+    shared_tier="host:port" (with a host tier) adds the shared tier below
+    it, a Valkey or Redis server that instances share (kvplug.tier);
+    shared_tier_namespace names the model and K/V layout the blocks belong
+    to (required; 1-64 characters of [A-Za-z0-9_.-]),
+    shared_tier_timeout_ms bounds each round trip (0: 250 ms) and
+    shared_tier_put_queue the blocks waiting to be stored (0: 256). close()
+    writes the blocks still queued first (bounded by the timeout)."""
 
     _destroy = "kvp_manager_destroy"
 
@@ -122,6 +142,10 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         host_tier_slots: int = 0,
         host_block_bytes: int = 0,
         demote_ahead: int = 0,
+        shared_tier: Optional[str] = None,
+        shared_tier_namespace: Optional[str] = None,
+        shared_tier_timeout_ms: int = 0,
+        shared_tier_put_queue: int = 0,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
@@ -129,9 +153,13 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         host_tier_slots = _int(host_tier_slots, "Manager: host_tier_slots", "int32")
         demote_ahead = _int(demote_ahead, "Manager: demote_ahead", "int32")
         host_block_bytes = _int(host_block_bytes, "Manager: host_block_bytes", "int64")
+        shared_tier_timeout_ms = _int(shared_tier_timeout_ms, "Manager: shared_tier_timeout_ms", "int32")
+        shared_tier_put_queue = _int(shared_tier_put_queue, "Manager: shared_tier_put_queue", "int32")
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
             host_tier_slots, demote_ahead, 0, host_block_bytes,
+            _cstr(shared_tier, "Manager: shared_tier"), _cstr(shared_tier_namespace, "Manager: shared_tier_namespace"),
+            shared_tier_timeout_ms, shared_tier_put_queue,
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))

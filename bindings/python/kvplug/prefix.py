@@ -42,6 +42,14 @@ BLOCK_STORED = 1
 BLOCKS_REMOVED = 2
 ALL_CLEARED = 3
 
+# KV event media (kvp_kv_event.medium), by their names on the wire.
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_SHARED = "GPU", "CPU", "SHARED"
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_SHARED)
+
+
+def _medium(v: int) -> str:
+    return _MEDIA[v] if 0 <= v < len(_MEDIA) else f"medium {v}"
+
 
 class MMItem(NamedTuple):
     """A multimodal input: placeholder tokens at prompt positions
@@ -112,8 +120,11 @@ class PrefixStats:
 class KVEvent:
     """A change of the set of cached blocks (vLLM's KV event fields).
     kind: "stored" (hash, parent, tokens, adapter, mm as (offset, hash)
-    pairs relative to the block), "removed" (hashes, children first) or
-    "cleared" (forget every block)."""
+    pairs relative to the block), "removed" (hashes; on the GPU children
+    first) or "cleared" (forget every block, of every medium). medium: where
+    a stored or removed block is, "GPU" (the prefix cache) or "CPU" (the
+    host tier: its blocks carry the fields of their GPU events, the same
+    hash included); "" for "cleared"."""
 
     kind: str
     hash: bytes = b""
@@ -122,6 +133,7 @@ class KVEvent:
     adapter: int = 0
     mm: Tuple[Tuple[int, bytes], ...] = ()
     hashes: Tuple[bytes, ...] = ()
+    medium: str = ""
 
 
 _int = _lib.checked_int
@@ -420,6 +432,7 @@ class PrefixCacheMethods:
                         tokens=tuple(toks[e.tokens_offset : e.tokens_offset + e.block_size].tolist()),
                         adapter=e.adapter,
                         mm=mms,
+                        medium=_medium(e.medium),
                     )
                 )
             elif e.kind == BLOCKS_REMOVED:
@@ -427,6 +440,7 @@ class PrefixCacheMethods:
                     KVEvent(
                         "removed",
                         hashes=tuple(hb[16 * (e.hashes_offset + j) : 16 * (e.hashes_offset + j + 1)] for j in range(e.num_hashes)),
+                        medium=_medium(e.medium),
                     )
                 )
             else:

@@ -22,7 +22,7 @@ selects the zero-copy batch_get_v1 / batch_set_v1 path, keep their meaning):
     kvplug_op_timeout_ms  bound on one server call (default 250)
     kvplug_ttl_ms         expiry of stored pages (default: none)
 
-A page's key is a 64-bit hash of SGLang's page hash (already chained over
+A page's key is a 128-bit hash of SGLang's page hash (already chained over
 the prefix) with the model and this rank's shard (tensor, pipeline and
 context parallel rank; MLA ranks, which hold the same bytes, share keys, and
 each stores what the tiers lack); values carry a fingerprint of the model
@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .hoststore import HostStore, key64
-from .sharedstore import SharedStore
+from .sharedstore import SharedStore, key128, keys64
 
 logger = logging.getLogger("kvplug.sglang")
 
@@ -62,9 +62,10 @@ _build_lock = threading.Lock()
 
 
 class PageStore:
-    """Pages (fixed size, page_bytes) by 64-bit key in a local host tier
-    (host_bytes of it; none when 0) in front of a shared store (none when
-    None). Pages move as scatter lists: key i's bytes are the concatenation
+    """Pages (fixed size, page_bytes) by 16-byte key (kvplug.sharedstore.key128;
+    uint8 [n, 16] arrays) in a local host tier (host_bytes of it; none when 0;
+    it keys a page by the key's first 8 bytes) in front of a shared store
+    (none when None). Pages move as scatter lists: key i's bytes are the concatenation
     of ptrs[i, :] (addresses) of lens[i, :] bytes, as SGLang's host pool
     describes a page (one segment for MLA, K and V for MHA page_first, every
     layer's K and V for layer_first)."""
@@ -86,7 +87,7 @@ class PageStore:
 
     def exists_prefix(self, keys: np.ndarray) -> int:
         """How many keys, from the first, a tier holds (local hits touched)."""
-        n = self.host.lookup_prefix(keys) if self.host is not None else 0
+        n = self.host.lookup_prefix(keys64(keys)) if self.host is not None else 0
         if n < len(keys) and self.shared is not None:
             n += self.shared.prefix(keys[n:])
         self._count(exists_keys=len(keys), exists_hits=n)
@@ -95,7 +96,7 @@ class PageStore:
     def exists(self, keys: np.ndarray) -> np.ndarray:
         found = np.zeros(len(keys), bool)
         if self.host is not None:
-            st, _ = self.host.state(keys)
+            st, _ = self.host.state(keys64(keys))
             found = st == 2
         rest = np.flatnonzero(~found)
         if len(rest) and self.shared is not None:
@@ -109,7 +110,8 @@ class PageStore:
         ok = np.zeros(n, bool)
         to_shared = np.arange(n)
         if self.host is not None:
-            r = self.host.try_reserve(keys)
+            k64 = keys64(keys)
+            r = self.host.try_reserve(k64)
             if r is None:
                 self._count(host_full=n)
             else:
@@ -119,11 +121,11 @@ class PageStore:
                 try:
                     if len(new):
                         self.host.write(slots[new], ptrs[new], lens[new])
-                    self.host.complete(keys[new])
+                    self.host.complete(k64[new])
                     ok[:] = True
                     self._count(host_stored=len(new))
                 except Exception:
-                    self.host.complete(keys[new], failed=True)
+                    self.host.complete(k64[new], failed=True)
                     raise
                 to_shared = new
         if self.shared is not None and len(to_shared):
@@ -138,15 +140,16 @@ class PageStore:
         page the shared store had is kept in the local tier too."""
         n = len(keys)
         found = np.zeros(n, bool)
+        k64 = keys64(keys)
         if self.host is not None:
-            slots, _ = self.host.pin(keys)
+            slots, _ = self.host.pin(k64)
             hit = np.flatnonzero(slots >= 0)
             if len(hit):
                 try:
                     self.host.read(slots[hit], ptrs[hit], lens[hit])
                     found[hit] = True
                 finally:
-                    self.host.unpin(keys[hit])
+                    self.host.unpin(k64[hit])
             self._count(host_hits=len(hit))
         rest = np.flatnonzero(~found)
         if len(rest) and self.shared is not None:
@@ -155,13 +158,13 @@ class PageStore:
             fetched = rest[got]
             self._count(shared_hits=len(fetched), misses=len(rest) - len(fetched))
             if len(fetched) and self.host is not None:
-                r = self.host.try_reserve(keys[fetched])
+                r = self.host.try_reserve(k64[fetched])
                 if r is not None:
                     slots, _ = r
                     new = np.flatnonzero(slots >= 0)
                     if len(new):
                         self.host.write(slots[new], ptrs[fetched][new], lens[fetched][new])
-                    self.host.complete(keys[fetched][new])
+                    self.host.complete(k64[fetched][new])
                     self._count(host_filled=len(new))
         else:
             self._count(misses=len(rest))
@@ -281,7 +284,8 @@ def _build() -> Any:
 
         def _keys(self, keys: Sequence[str], pool: str = "kv") -> np.ndarray:
             scope = "" if pool == str(PoolName.KV) else f"|{pool}"
-            return np.fromiter((key64(f"{k}{scope}{self._suffix}") for k in keys), dtype=np.uint64, count=len(keys))
+            raw = b"".join(key128(f"{k}{scope}{self._suffix}") for k in keys)
+            return np.frombuffer(raw, dtype=np.uint8).reshape(len(keys), 16)
 
         def _kv(self) -> PageStore:
             return self._stores[str(PoolName.KV)]

@@ -1,8 +1,10 @@
 """The standalone shared store (include/kvplug.h, "standalone shared
 store"): blocks in a Valkey or Redis server that instances share, keyed by
-64-bit keys (kvplug.hoststore.key64), for kvplug.sglang.
+16-byte keys (key128(): a 128-bit hash of the block's identity), for
+kvplug.sglang.
 
     with kvplug.SharedStore("127.0.0.1:6379", "llama3-8b", fingerprint=fp) as ss:
+        keys = [key128(h) for h in block_hashes]
         ss.put(keys, ptrs, lens)          # ptrs/lens: [n, segs] per key
         found = ss.exists(keys)           # bool array
         found = ss.get(keys, ptrs, lens)  # copies into the segments
@@ -17,16 +19,43 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Any, Iterable
+import hashlib
+from typing import Any, Union
 
 import numpy as np
 
 from . import _lib
 from ._capi import SharedStoreConfig, SharedStoreStatsStruct
 from ._lib import C
-from .hoststore import _segments, keys_array
+from .hoststore import _segments
 
-__all__ = ["SharedStore", "SharedStoreStats"]
+__all__ = ["SharedStore", "SharedStoreStats", "key128", "keys128", "keys64"]
+
+
+def key128(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
+    """A 16-byte key of a block's identity (bytes, or a str such as a hex
+    digest): its BLAKE2b digest of 16 bytes. Its first 8 bytes, read
+    little-endian, are kvplug.hoststore.key64 of the same data's digest
+    (keys64 of a keys128 array)."""
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def keys128(keys: Any) -> np.ndarray:
+    """keys (16-byte bytes objects, or a uint8 [n, 16] array) as a
+    C-contiguous uint8 [n, 16] array."""
+    if isinstance(keys, np.ndarray):
+        a = np.ascontiguousarray(keys, dtype=np.uint8)
+    else:
+        a = np.frombuffer(b"".join(bytes(k) for k in keys), dtype=np.uint8).copy()
+    a = a.reshape(-1, 16) if a.size else np.empty((0, 16), np.uint8)
+    return a
+
+
+def keys64(keys128_array: np.ndarray) -> np.ndarray:
+    """The 64-bit host-store keys of 16-byte keys (their first 8 bytes)."""
+    return np.ascontiguousarray(keys128_array[:, :8]).view("<u8").reshape(-1).astype(np.uint64)
 
 _vp, _i32 = ctypes.c_void_p, ctypes.c_int32
 
@@ -77,24 +106,24 @@ class SharedStore(_lib.Owner):
     def __repr__(self) -> str:
         return "SharedStore(closed)" if self._h is None else f"SharedStore({self.address!r}, {self.key_space!r})"
 
-    def exists(self, keys: Iterable[int]) -> np.ndarray:
+    def exists(self, keys: Any) -> np.ndarray:
         """Which keys the server holds (bool array); all False on a fault."""
-        k = keys_array(keys)
+        k = keys128(keys)
         found = np.zeros(len(k), np.int32)
         if len(k):
             _lib.check(C.kvp_shared_store_exists(self._h, len(k), k.ctypes.data, found.ctypes.data))
         return found.astype(bool)
 
-    def prefix(self, keys: Iterable[int]) -> int:
+    def prefix(self, keys: Any) -> int:
         """How many keys, from the first, the server holds."""
         found = self.exists(keys)
         miss = np.flatnonzero(~found)
         return int(miss[0]) if len(miss) else len(found)
 
-    def put(self, keys: Iterable[int], ptrs: Any, lens: Any) -> int:
+    def put(self, keys: Any, ptrs: Any, lens: Any) -> int:
         """Stores key i's payload, the concatenation of its segments (ptrs[i, :]
         addresses of lens[i, :] bytes); returns how many the server accepted."""
-        k = keys_array(keys)
+        k = keys128(keys)
         if not len(k):
             return 0
         p, ln, segs = _segments(len(k), ptrs, lens)
@@ -103,10 +132,10 @@ class SharedStore(_lib.Owner):
                                           ctypes.byref(n)))
         return n.value
 
-    def get(self, keys: Iterable[int], ptrs: Any, lens: Any) -> np.ndarray:
+    def get(self, keys: Any, ptrs: Any, lens: Any) -> np.ndarray:
         """Fetches key i's payload into its segments; found[i] (bool) says
         whether it was found whole and copied (else its segments are untouched)."""
-        k = keys_array(keys)
+        k = keys128(keys)
         found = np.zeros(len(k), np.int32)
         if not len(k):
             return found.astype(bool)

@@ -15,8 +15,18 @@ after the step's admissions and before its forward pass:
     if batch.ticket:
         m.complete_copies(batch.ticket)         # once the copies finished
 
-The host memory is plain (not pinned) host memory for now; a pinned
-allocation comes with the library's batched copy kernel.
+On a GPU, kvplug.TierCopier performs the copies (every layer's K and V of
+a batch in one kernel launch, host memory page-locked and mapped).
+
+With shared_tier="host:port" as well (a Valkey or Redis server that
+instances share, include/kvplug.h "Shared KV tier"), admit and match_tiers
+fetch the blocks the server holds past a prompt's GPU and host matches
+into host slots (reloaded like any host hit), and the blocks
+complete_copies commits are stored there by a library thread, so that an
+instance serves a prompt another instance computed. shared_tier_namespace
+must name the model and K/V layout (e.g. "llama-3.1-8b.bf16.l32.kv8.d128"):
+the blocks' hashes do not cover the model. A server that is down or slow
+is skipped and counted (tier_stats().shared_*); no call fails for it.
 """
 
 from __future__ import annotations
@@ -31,8 +41,9 @@ from . import _lib
 from ._arrays import addr as _addr, flatten as _flatten
 from ._capi import TierCopyStruct, TierMatchStruct, TierStatsStruct
 from ._lib import C
+from .tiercopy import TierCopier  # noqa: F401 (the copies on a GPU)
 
-__all__ = ["CopyBatch", "TierMatch", "TierStats", "HostTierMethods"]
+__all__ = ["CopyBatch", "TierMatch", "TierStats", "HostTierMethods", "TierCopier"]
 
 _i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 
@@ -84,6 +95,28 @@ class TierStats:
     host_resident: int
     host_reserved: int
     host_pinned: int
+    # The shared tier's (all zero without one): see struct kvp_tier_stats.
+    # Defaults, so that the host tier's fields alone still make one.
+    shared_lookups: int = 0
+    shared_hits: int = 0
+    shared_misses: int = 0
+    shared_fetched: int = 0
+    shared_fetch_misses: int = 0
+    shared_hit_tokens: int = 0
+    shared_match_tokens: int = 0
+    shared_puts_queued: int = 0
+    shared_puts_done: int = 0
+    shared_puts_present: int = 0
+    shared_puts_failed: int = 0
+    shared_puts_dropped: int = 0
+    shared_corrupt: int = 0
+    shared_timeouts: int = 0
+    shared_errors: int = 0
+    shared_skipped: int = 0
+    shared_bytes_read: int = 0
+    shared_bytes_written: int = 0
+    shared_queue_len: int = 0
+    shared_available: bool = False
 
 
 _STAT_FIELDS = [f.name for f in dataclasses.fields(TierStats)]
@@ -131,7 +164,8 @@ class HostTierMethods:
     def match_tiers(self, prompts: Sequence[Any], keys: Any = None) -> List[TierMatch]:
         """Per prompt, the tokens of its longest prefix in the GPU prefix
         cache and, beyond them, those the host tier holds (nothing is
-        admitted)."""
+        admitted). With a shared tier, the blocks it holds past those are
+        fetched into the host tier first and counted in host_tokens."""
         from .prefix import _keys_array
 
         n = len(prompts)
@@ -146,7 +180,9 @@ class HostTierMethods:
         s = TierStatsStruct()
         s.struct_size = ctypes.sizeof(TierStatsStruct)
         _check(C.kvp_manager_tier_stats(self._h, ctypes.byref(s)))
-        return TierStats(*(getattr(s, f) for f in _STAT_FIELDS))
+        v = {f: getattr(s, f) for f in _STAT_FIELDS}
+        v["shared_available"] = bool(v["shared_available"])
+        return TierStats(**v)
 
     def host_tier_memory(self) -> np.ndarray:
         """The host tier's memory as a uint8 array [host_tier_slots,

@@ -76,7 +76,8 @@ func KVWrite(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache, vC
 // max_blocks_per_seq or whose block id is outside [0, num_blocks) are
 // ignored. out = softmax(scale * q.K) V; lse (when non-nil, [batch,
 // num_q_heads] contiguous) = log(sum exp(scale * q.k)). An empty sequence
-// gives out = 0 and lse = -inf.
+// gives out = 0 and lse = -inf. With QLen > 1, rows b*QLen+t of q, out and
+// lse are sequence b's new token t, which attends over [0, L-QLen+t].
 //
 // numSplits (>= 1) partitions each sequence as the GPU does (chunks of
 // ceil(ceil(L/numSplits)/64)*64 tokens), computes each chunk's state and
@@ -101,7 +102,7 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 		return err
 	}
 	if lse != nil {
-		if err := needLen("paged_decode: lse", lse, int64(l.Batch)*int64(l.NumQHeads)); err != nil {
+		if err := needLen("paged_decode: lse", lse, int64(l.Rows())*int64(l.NumQHeads)); err != nil {
 			return err
 		}
 	}
@@ -125,26 +126,31 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 		if L > 0 {
 			chunk = ceilDiv(ceilDiv(L, numSplits), attn.DecodeTile) * attn.DecodeTile
 		}
-		for i := 0; i < l.NumQHeads; i++ {
-			g := int64(i / group)
-			qo := int64(b)*l.QBatchStride + int64(i)*l.QHeadStride
-			for d := 0; d < D; d++ {
-				qv[d] = l.DType.Load(q, qo+int64(d))
-			}
-			for s := 0; s < numSplits; s++ {
-				lo, hi := s*chunk, min(L, (s+1)*chunk)
-				var rows []int64
-				scores, rows = kv.score(tableRow, g, qv, scale, lo, hi, scores[:0], nil)
-				part := parts[s*D : (s+1)*D]
-				partLSE[s] = Attend(l.DType, vCache, rows, scores, part)
-			}
-			st := Merge(acc, parts, partLSE[:numSplits], D)
-			oo := int64(b)*l.OutBatchStride + int64(i)*l.OutHeadStride
-			for d := 0; d < D; d++ {
-				l.DType.Store(out, oo+int64(d), acc[d])
-			}
-			if lse != nil {
-				lse[b*l.NumQHeads+i] = float32(st)
+		qLen := max(l.QLen, 1)
+		for t := 0; t < qLen; t++ {
+			row := int64(b*qLen + t)
+			end := min(L, L-qLen+t+1) // new token t sees positions [0, L-qLen+t]
+			for i := 0; i < l.NumQHeads; i++ {
+				g := int64(i / group)
+				qo := row*l.QBatchStride + int64(i)*l.QHeadStride
+				for d := 0; d < D; d++ {
+					qv[d] = l.DType.Load(q, qo+int64(d))
+				}
+				for s := 0; s < numSplits; s++ {
+					lo, hi := s*chunk, min(end, (s+1)*chunk)
+					var rows []int64
+					scores, rows = kv.score(tableRow, g, qv, scale, lo, max(lo, hi), scores[:0], nil)
+					part := parts[s*D : (s+1)*D]
+					partLSE[s] = Attend(l.DType, vCache, rows, scores, part)
+				}
+				st := Merge(acc, parts, partLSE[:numSplits], D)
+				oo := row*l.OutBatchStride + int64(i)*l.OutHeadStride
+				for d := 0; d < D; d++ {
+					l.DType.Store(out, oo+int64(d), acc[d])
+				}
+				if lse != nil {
+					lse[row*int64(l.NumQHeads)+int64(i)] = float32(st)
+				}
 			}
 		}
 	}

@@ -118,6 +118,65 @@ func TestRefPagedDecodeSplitsAgree(t *testing.T) {
 	}
 }
 
+// With QLen new tokens per sequence, row b*QLen+t equals a one-token
+// decode of sequence b cut to length L-QLen+t+1 (its causal view), for
+// every split count; rows of a sequence shorter than the token's position
+// are empty (out 0, lse -inf).
+func TestRefPagedDecodeMultiToken(t *testing.T) {
+	r := seed(t)
+	for _, qLen := range []int{2, 5, 16} {
+		p := newDecodeProblem(t, r, problemShape{attn.F32, 64, 4, 2, 16, []int{1, qLen, qLen + 1, 64, 300}, false})
+		B, H, D := p.l.Batch, p.l.NumQHeads, p.l.HeadDim
+		ml := p.l
+		ml.QLen = qLen
+		rowBytes := int(ml.QBatchStride) * 4
+		q := make([]byte, B*qLen*rowBytes)
+		for i := 0; i < len(q)/4; i++ {
+			attn.F32.Store(q, int64(i), randVal(r, attn.F32))
+		}
+		out := make([]byte, B*qLen*int(ml.OutBatchStride)*4)
+		lse := make([]float32, B*qLen*H)
+		if err := PagedDecode(&ml, q, p.kc, p.vc, p.table, p.lens, out, lse, 3); err != nil {
+			t.Fatal(err)
+		}
+		for tk := 0; tk < qLen; tk++ {
+			// One token per sequence: row b of the view is row b*qLen+tk.
+			one := p.l
+			one.QBatchStride, one.OutBatchStride = int64(qLen)*ml.QBatchStride, int64(qLen)*ml.OutBatchStride
+			lens := make([]int32, B)
+			for b := range lens {
+				lens[b] = max(0, p.lens[b]-int32(qLen)+int32(tk)+1)
+			}
+			qv := q[tk*rowBytes:]
+			got := make([]byte, len(out)-tk*int(ml.OutBatchStride)*4)
+			gotLSE := make([]float32, B*H)
+			if err := PagedDecode(&one, qv, p.kc, p.vc, p.table, lens, got, gotLSE, 1); err != nil {
+				t.Fatal(err)
+			}
+			for b := 0; b < B; b++ {
+				row := b*qLen + tk
+				for h := 0; h < H; h++ {
+					if a, w := lse[row*H+h], gotLSE[b*H+h]; a != w && math.Abs(float64(a-w)) > 1e-5 {
+						t.Fatalf("q_len %d token %d seq %d head %d: lse %g, one-token decode %g", qLen, tk, b, h, a, w)
+					}
+					for d := 0; d < D; d++ {
+						a := attn.F32.Load(out, int64(row)*ml.OutBatchStride+int64(h)*ml.OutHeadStride+int64(d))
+						w := attn.F32.Load(got, int64(b)*one.OutBatchStride+int64(h)*one.OutHeadStride+int64(d))
+						if math.Abs(a-w) > 1e-5*math.Abs(w)+1e-9 {
+							t.Fatalf("q_len %d token %d seq %d head %d dim %d: %g, one-token decode %g", qLen, tk, b, h, d, a, w)
+						}
+					}
+				}
+			}
+		}
+	}
+	bad := newDecodeProblem(t, r, problemShape{attn.F32, 64, 4, 2, 16, []int{8}, false})
+	bad.l.QLen = 17
+	if err := PagedDecode(&bad.l, bad.q, bad.kc, bad.vc, bad.table, bad.lens, make([]byte, bad.outBytes()), nil, 1); err == nil {
+		t.Fatal("q_len 17 accepted")
+	}
+}
+
 // KV write puts each token where the slot says, skips padding and
 // out-of-range slots, and touches nothing else.
 func TestRefKVWrite(t *testing.T) {

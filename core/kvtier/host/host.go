@@ -192,14 +192,30 @@ func (p *Pool) check(s Slot) error {
 // copy), and with OutOfBlocks, counted in SkippedFull, when every slot is
 // pinned: the demotion is skipped.
 func (p *Pool) Reserve(hash uint64) (Slot, error) {
+	s, _, err := p.ReserveEvict(hash)
+	return s, err
+}
+
+// Eviction reports the resident block a ReserveEvict call evicted to
+// free its slot: Hash is its key; Evicted is false when the slot was free.
+type Eviction struct {
+	Hash    uint64
+	Evicted bool
+}
+
+// ReserveEvict is Reserve that also reports the block it evicted, if any,
+// so that the caller can announce the eviction (the manager's KV events):
+// the evicted block was resident in the returned slot.
+func (p *Pool) ReserveEvict(hash uint64) (Slot, Eviction, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return NoSlot, kverr.Errorf(kverr.InvalidHandle, "host tier: closed")
+		return NoSlot, Eviction{}, kverr.Errorf(kverr.InvalidHandle, "host tier: closed")
 	}
 	if s, ok := p.index[hash]; ok {
-		return NoSlot, kverr.Errorf(kverr.InvalidArgument, "host tier: block %016x is already in slot %d", hash, s)
+		return NoSlot, Eviction{}, kverr.Errorf(kverr.InvalidArgument, "host tier: block %016x is already in slot %d", hash, s)
 	}
+	var ev Eviction
 	var s Slot
 	if n := len(p.freeList); n > 0 {
 		s = p.freeList[n-1]
@@ -211,10 +227,11 @@ func (p *Pool) Reserve(hash uint64) (Slot, error) {
 		}
 		if s == NoSlot {
 			p.st.SkippedFull++
-			return NoSlot, kverr.Errorf(kverr.OutOfBlocks, "host tier: all %d slots pinned", len(p.slots))
+			return NoSlot, Eviction{}, kverr.Errorf(kverr.OutOfBlocks, "host tier: all %d slots pinned", len(p.slots))
 		}
 		p.unlink(s)
 		delete(p.index, p.slots[s].hash)
+		ev = Eviction{Hash: p.slots[s].hash, Evicted: true}
 		p.st.Resident--
 		p.st.Evictions++
 	}
@@ -223,13 +240,21 @@ func (p *Pool) Reserve(hash uint64) (Slot, error) {
 	p.st.Reserved++
 	p.st.Pinned++
 	p.st.Demotions++
-	return s, nil
+	return s, ev, nil
 }
 
 // Commit marks reserved slot s's copy complete: its block becomes resident,
 // most recently used and unpinned (other pins taken since Reserve, none
 // possible today, would remain).
-func (p *Pool) Commit(s Slot) error {
+func (p *Pool) Commit(s Slot) error { return p.commit(s, false) }
+
+// CommitPinned is Commit that keeps the slot pinned, for a caller that
+// reads the block next (a store to the shared tier): no other call can
+// evict or reuse the slot between its commit and the pin, as one could
+// between Commit and Pin. Unpin it when done.
+func (p *Pool) CommitPinned(s Slot) error { return p.commit(s, true) }
+
+func (p *Pool) commit(s Slot, keepPin bool) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.check(s); err != nil {
@@ -243,7 +268,9 @@ func (p *Pool) Commit(s Slot) error {
 	p.st.Reserved--
 	p.st.Resident++
 	p.st.Commits++
-	p.unpin(s)
+	if !keepPin {
+		p.unpin(s)
+	}
 	if !p.linked(s) { // a ReserveKeys slot keeps its place (keyed.go)
 		p.pushFront(s)
 	}
@@ -280,6 +307,21 @@ func (p *Pool) Lookup(hashes []uint64) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.match(hashes, nil, false)
+}
+
+// Peek returns what Lookup would, without marking anything used or
+// counting hits and misses: a look ahead of the lookup that follows.
+func (p *Pool) Peek(hashes []uint64) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, h := range hashes {
+		if s, ok := p.index[h]; !ok || p.slots[s].st != resident {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 // PinPrefix is Lookup that also pins the matched slots, writing them to

@@ -80,6 +80,42 @@ func TestDemoteLookupEvictLRU(t *testing.T) {
 	}
 }
 
+// ReserveEvict reports the block it evicted (the LRU resident one, in the
+// slot it hands out), and nothing for a free slot.
+func TestReserveEvictReportsEvicted(t *testing.T) {
+	p := newPool(t, 2)
+	for h := uint64(1); h <= 2; h++ {
+		s, ev, err := p.ReserveEvict(h)
+		if err != nil || ev != (Eviction{}) {
+			t.Fatalf("free slot: %v %+v", err, ev)
+		}
+		if err := p.Commit(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.Lookup([]uint64{2}) // 1 is now the least recently used
+	s1 := slotOf(t, p, 1)
+	s, ev, err := p.ReserveEvict(3)
+	if err != nil || ev != (Eviction{Hash: 1, Evicted: true}) || s != s1 {
+		t.Fatalf("eviction: slot %d (block 1 was in %d) %+v %v", s, s1, ev, err)
+	}
+	// A refused reservation reports nothing.
+	if _, ev, err := p.ReserveEvict(2); !kverr.Is(err, kverr.InvalidArgument) || ev.Evicted {
+		t.Fatalf("present block: %+v %v", ev, err)
+	}
+}
+
+func slotOf(t *testing.T, p *Pool, h uint64) Slot {
+	t.Helper()
+	for s := range Slot(p.Stats().Slots) {
+		if k, ok := p.Hash(s); ok && k == h {
+			return s
+		}
+	}
+	t.Fatalf("block %d is in no slot", h)
+	return NoSlot
+}
+
 // Host pool full: every slot pinned (copies in flight both ways), so a
 // demotion is skipped, counted, and changes nothing.
 func TestPoolFullDemotionSkipped(t *testing.T) {
@@ -154,6 +190,57 @@ func TestPinnedNeverEvicted(t *testing.T) {
 		t.Fatal(err)
 	}
 	demote(t, p2, 8)
+}
+
+// CommitPinned commits a block that stays pinned (a store out of it
+// follows): not evictable until its Unpin, while Lookup matches it.
+func TestCommitPinned(t *testing.T) {
+	p := newPool(t, 1)
+	s := mustReserve(t, p, 1)
+	if err := p.CommitPinned(s); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.Resident != 1 || st.Pinned != 1 || st.Reserved != 0 || st.Commits != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if p.Lookup([]uint64{1}) != 1 {
+		t.Fatal("a committed block is not matched")
+	}
+	if _, err := p.Reserve(2); !kverr.Is(err, kverr.OutOfBlocks) {
+		t.Fatalf("evicted a block committed pinned: %v", err)
+	}
+	if err := p.CommitPinned(s); !kverr.Is(err, kverr.NotFound) {
+		t.Fatalf("committing twice: %v", err)
+	}
+	if err := p.Unpin(s); err != nil {
+		t.Fatal(err)
+	}
+	demote(t, p, 2)
+}
+
+// Peek answers as Lookup does, but neither counts nor touches the LRU.
+func TestPeek(t *testing.T) {
+	p := newPool(t, 3)
+	for h := uint64(1); h <= 3; h++ {
+		demote(t, p, h)
+	}
+	before, lru := p.Stats(), p.lru()
+	if n := p.Peek([]uint64{1, 2, 9, 3}); n != 2 {
+		t.Fatalf("peek %d", n)
+	}
+	if n := p.Peek([]uint64{9}); n != 0 {
+		t.Fatalf("peek %d", n)
+	}
+	if p.Stats() != before || !slices.Equal(p.lru(), lru) {
+		t.Fatalf("Peek changed the pool: %+v %v", p.Stats(), p.lru())
+	}
+	r := mustReserve(t, p, 9)
+	if n := p.Peek([]uint64{9}); n != 0 {
+		t.Fatal("Peek matched a reserved block")
+	}
+	if err := p.Abort(r); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func TestBadCallsChangeNothing(t *testing.T) {

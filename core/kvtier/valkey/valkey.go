@@ -4,21 +4,28 @@
 //
 // # Keys and values
 //
-// A block is one string key, kvplug:<namespace>:<hash as 16 hex digits>,
-// whose value is a 40-byte header followed by the payload (the block's
-// K/V bytes, in whatever layout the caller uses):
+// A block is one string key, kvplug:<namespace>:<hash as 32 hex digits>,
+// the whole 128-bit chained hash (core/prefix.Hash, in its canonical byte
+// order), whose value is a 48-byte header followed by the payload (the
+// block's K/V bytes, in whatever layout the caller uses):
 //
 //	offset  size  field
 //	0       4     magic "KVPB"
-//	4       2     format version (1), little-endian like every field
+//	4       2     format version (2), little-endian like every number
 //	6       2     flags, 0
-//	8       8     the block's chained hash (the key's, repeated)
-//	16      8     layout fingerprint, supplied by the caller: a hash of
+//	8       16    the block's chained hash (the key's, repeated)
+//	24      8     layout fingerprint, supplied by the caller: a hash of
 //	              the model and KV layout (layers, heads, head size,
 //	              dtype, block size), so that instances of different
 //	              models or layouts never read each other's blocks
-//	24      8     payload length
-//	32      8     xxh3-64 of the payload
+//	32      8     payload length
+//	40      8     xxh3-64 of the payload
+//
+// The key holds all 128 bits of the hash, not a 64-bit digest of it: the
+// tier is shared by every instance and outlives them, so it sees far more
+// blocks than one instance's host tier, and two prefixes whose hashes
+// agree in 64 bits must not read as each other's K/V. A value is checked
+// against the whole hash too (a key renamed or copied by hand is a miss).
 //
 // A read checks every field; a value that fails any check (short, foreign,
 // truncated, bit-flipped, another layout's) is a miss, counted in Corrupt,
@@ -56,6 +63,7 @@ package valkey
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"strconv"
 	"sync"
@@ -69,10 +77,13 @@ import (
 
 // Value format.
 const (
-	HeaderBytes = 40
+	HeaderBytes = 48
 	Magic       = "KVPB"
-	Version     = 1
+	Version     = 2
 )
+
+// Hash is a block's 128-bit chained hash (the bytes of core/prefix.Hash).
+type Hash = [16]byte
 
 // Defaults of Config's zero fields.
 const (
@@ -126,22 +137,8 @@ type Tier struct {
 // New returns a tier for cfg. It does not connect: the first call does, so
 // a server that is down at start-up only makes the first calls misses.
 func New(cfg Config) (*Tier, error) {
-	if cfg.Addr == "" {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: no address")
-	}
-	if n := len(cfg.Namespace); n == 0 || n > 64 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace of %d characters (1-64)", n)
-	}
-	for _, r := range cfg.Namespace {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '.' || r == '-') {
-			return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace %q: only [A-Za-z0-9_.-]", cfg.Namespace)
-		}
-	}
-	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
-	}
-	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	if err := cfg.Check(); err != nil {
+		return nil, err
 	}
 	if cfg.DialTimeout == 0 {
 		cfg.DialTimeout = DefaultDialTimeout
@@ -163,6 +160,28 @@ func New(cfg Config) (*Tier, error) {
 	}, nil
 }
 
+// Check returns the error New would return for cfg, without a tier.
+func (cfg Config) Check() error {
+	if cfg.Addr == "" {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: no address")
+	}
+	if n := len(cfg.Namespace); n == 0 || n > 64 {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace of %d characters (1-64)", n)
+	}
+	for _, r := range cfg.Namespace {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '.' || r == '-') {
+			return kverr.Errorf(kverr.InvalidArgument, "valkey tier: namespace %q: only [A-Za-z0-9_.-]", cfg.Namespace)
+		}
+	}
+	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
+	}
+	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	}
+	return nil
+}
+
 // Close closes the connection. The tier stays usable (a later call
 // redials); Close is for the end of its life.
 func (t *Tier) Close() error {
@@ -171,46 +190,40 @@ func (t *Tier) Close() error {
 }
 
 // Key returns a block's key.
-func (t *Tier) Key(hash uint64) string { return string(t.key(nil, hash)) }
+func (t *Tier) Key(hash Hash) string { return string(t.key(nil, hash)) }
 
-func (t *Tier) key(dst []byte, hash uint64) []byte {
-	dst = append(dst, t.prefix...)
-	var h [16]byte
-	s := strconv.AppendUint(h[:0], hash, 16)
-	for range 16 - len(s) {
-		dst = append(dst, '0')
-	}
-	return append(dst, s...)
+func (t *Tier) key(dst []byte, hash Hash) []byte {
+	return hex.AppendEncode(append(dst, t.prefix...), hash[:])
 }
 
 // Encode returns the value stored for a block: header and payload.
-func Encode(hash, fingerprint uint64, payload []byte) []byte {
+func Encode(hash Hash, fingerprint uint64, payload []byte) []byte {
 	return append(appendHeader(make([]byte, 0, HeaderBytes+len(payload)), hash, fingerprint, payload), payload...)
 }
 
-func appendHeader(v []byte, hash, fingerprint uint64, payload []byte) []byte {
+func appendHeader(v []byte, hash Hash, fingerprint uint64, payload []byte) []byte {
 	v = append(v, Magic...)
 	v = binary.LittleEndian.AppendUint16(v, Version)
 	v = binary.LittleEndian.AppendUint16(v, 0)
-	v = binary.LittleEndian.AppendUint64(v, hash)
+	v = append(v, hash[:]...)
 	v = binary.LittleEndian.AppendUint64(v, fingerprint)
 	v = binary.LittleEndian.AppendUint64(v, uint64(len(payload)))
 	return binary.LittleEndian.AppendUint64(v, xxh3.Hash(payload))
 }
 
 // decode checks a value and returns its payload, or false.
-func (t *Tier) decode(hash uint64, v []byte) ([]byte, bool) {
+func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
 	if len(v) < HeaderBytes || string(v[:4]) != Magic ||
 		binary.LittleEndian.Uint16(v[4:]) != Version || binary.LittleEndian.Uint16(v[6:]) != 0 ||
-		binary.LittleEndian.Uint64(v[8:]) != hash || binary.LittleEndian.Uint64(v[16:]) != t.cfg.Fingerprint {
+		Hash(v[8:24]) != hash || binary.LittleEndian.Uint64(v[24:]) != t.cfg.Fingerprint {
 		return nil, false
 	}
-	n := binary.LittleEndian.Uint64(v[24:])
+	n := binary.LittleEndian.Uint64(v[32:])
 	if n != uint64(len(v)-HeaderBytes) || (t.cfg.BlockBytes > 0 && n != uint64(t.cfg.BlockBytes)) {
 		return nil, false
 	}
 	p := v[HeaderBytes:]
-	if xxh3.Hash(p) != binary.LittleEndian.Uint64(v[32:]) {
+	if xxh3.Hash(p) != binary.LittleEndian.Uint64(v[40:]) {
 		return nil, false
 	}
 	return p, true
@@ -265,7 +278,7 @@ func (t *Tier) do(cmds [][][]byte) []any {
 
 // Get fetches blocks: out[i] is hashes[i]'s payload, or nil for a miss
 // (absent, corrupt, or the call skipped or failed). One round trip.
-func (t *Tier) Get(hashes []uint64) [][]byte {
+func (t *Tier) Get(hashes []Hash) [][]byte {
 	out := make([][]byte, len(hashes))
 	t.get(hashes, func(i int, p []byte) bool { out[i] = p; return true })
 	return out
@@ -275,7 +288,7 @@ func (t *Tier) Get(hashes []uint64) [][]byte {
 // found[i] reports whether hashes[i]'s payload was copied into dst[i],
 // which must be exactly as long as the payload (a value of another length
 // is a miss, counted corrupt). dst[i] is untouched on a miss.
-func (t *Tier) GetInto(hashes []uint64, dst [][]byte) []bool {
+func (t *Tier) GetInto(hashes []Hash, dst [][]byte) []bool {
 	found := make([]bool, len(hashes))
 	if len(dst) < len(hashes) {
 		t.misses.Add(int64(len(hashes)))
@@ -292,7 +305,7 @@ func (t *Tier) GetInto(hashes []uint64, dst [][]byte) []bool {
 	return found
 }
 
-func (t *Tier) get(hashes []uint64, take func(int, []byte) bool) {
+func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 	if len(hashes) == 0 {
 		return
 	}
@@ -328,7 +341,7 @@ func (t *Tier) get(hashes []uint64, take func(int, []byte) bool) {
 // returns how many the server accepted. A payload of the wrong length
 // (Config.BlockBytes) is not sent. Nothing is stored when the call is
 // skipped or fails.
-func (t *Tier) Put(hashes []uint64, payloads [][]byte) int {
+func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 	n := min(len(hashes), len(payloads))
 	if n == 0 || !t.open() {
 		return 0
@@ -339,7 +352,7 @@ func (t *Tier) Put(hashes []uint64, payloads [][]byte) int {
 	if t.cfg.TTL > 0 {
 		ttl = strconv.AppendInt(nil, t.cfg.TTL.Milliseconds(), 10)
 	}
-	keyLen := len(t.prefix) + 16
+	keyLen := len(t.prefix) + 2*len(Hash{})
 	size, cmds := 0, 0
 	for i := range n {
 		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
@@ -397,7 +410,7 @@ func (t *Tier) Put(hashes []uint64, payloads [][]byte) int {
 // Exists reports which blocks the server holds (by key only: a corrupt
 // value there is found by Get), in one round trip; a skipped or failed
 // call reports none. Hits and misses are counted as for Get.
-func (t *Tier) Exists(hashes []uint64) []bool {
+func (t *Tier) Exists(hashes []Hash) []bool {
 	out := make([]bool, len(hashes))
 	if len(hashes) == 0 {
 		return out
@@ -426,7 +439,7 @@ func (t *Tier) Exists(hashes []uint64) []bool {
 // Prefix returns the length of the longest run of hashes, from the first,
 // that the server holds (Exists): the blocks admission can count on this
 // tier for.
-func (t *Tier) Prefix(hashes []uint64) int {
+func (t *Tier) Prefix(hashes []Hash) int {
 	n := 0
 	for _, ok := range t.Exists(hashes) {
 		if !ok {

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand"
-	"net"
 	"sync"
 	"testing"
 	"time"
@@ -33,6 +32,24 @@ func newTier(t testing.TB, cfg Config) *Tier {
 	}
 	t.Cleanup(func() { tr.Close() })
 	return tr
+}
+
+// hs returns hashes whose last eight bytes are xs's (big-endian), the
+// first eight a constant, so that a hash that agrees with another in 64
+// bits only is easy to write.
+func hs(xs ...uint64) []Hash {
+	out := make([]Hash, len(xs))
+	for i, x := range xs {
+		out[i] = hashOf(x)
+	}
+	return out
+}
+
+func hashOf(x uint64) Hash {
+	var h Hash
+	binary.BigEndian.PutUint64(h[:], 0x0123456789abcdef)
+	binary.BigEndian.PutUint64(h[8:], x)
+	return h
 }
 
 func payload(h uint64, n int) []byte {
@@ -81,11 +98,12 @@ func TestNewRejectsBadConfig(t *testing.T) {
 
 func TestKeyAndEncoding(t *testing.T) {
 	tr := newTier(t, Config{Addr: "127.0.0.1:1", Namespace: "llama3-8b.bs16"})
-	if k := tr.Key(0xab); k != "kvplug:llama3-8b.bs16:00000000000000ab" {
+	if k := tr.Key(hashOf(0xab)); k != "kvplug:llama3-8b.bs16:0123456789abcdef00000000000000ab" {
 		t.Fatal(k)
 	}
-	v := Encode(7, 9, []byte("abc"))
-	if len(v) != HeaderBytes+3 || string(v[:4]) != Magic || binary.LittleEndian.Uint64(v[24:]) != 3 {
+	v := Encode(hashOf(7), 9, []byte("abc"))
+	if len(v) != HeaderBytes+3 || string(v[:4]) != Magic || Hash(v[8:24]) != hashOf(7) ||
+		binary.LittleEndian.Uint64(v[24:]) != 9 || binary.LittleEndian.Uint64(v[32:]) != 3 {
 		t.Fatalf("%x", v)
 	}
 }
@@ -94,12 +112,12 @@ func TestRoundTrip(t *testing.T) {
 	srv := redistest.Start(t, redistest.Find(t), 0)
 	const bs = 4096
 	tr := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 42, BlockBytes: bs, TTL: time.Hour, OpTimeout: time.Second})
-	hs := []uint64{1, 2, 3, 4}
+	keys := hs(1, 2, 3, 4)
 	ps := [][]byte{payload(1, bs), payload(2, bs), payload(3, bs), payload(4, bs)}
-	if n := tr.Put(hs[:3], ps[:3]); n != 3 {
+	if n := tr.Put(keys[:3], ps[:3]); n != 3 {
 		t.Fatalf("stored %d", n)
 	}
-	got := tr.Get(hs)
+	got := tr.Get(keys)
 	for i := range 3 {
 		if !bytes.Equal(got[i], ps[i]) {
 			t.Fatalf("block %d differs", i)
@@ -108,19 +126,19 @@ func TestRoundTrip(t *testing.T) {
 	if got[3] != nil {
 		t.Fatal("a hit on an absent block")
 	}
-	if n := tr.Prefix([]uint64{1, 2, 4, 3}); n != 2 {
+	if n := tr.Prefix(hs(1, 2, 4, 3)); n != 2 {
 		t.Fatalf("prefix %d", n)
 	}
 	dst := [][]byte{make([]byte, bs), make([]byte, bs), make([]byte, 10)}
-	found := tr.GetInto([]uint64{3, 4, 1}, dst)
+	found := tr.GetInto(hs(3, 4, 1), dst)
 	if !found[0] || found[1] || found[2] || !bytes.Equal(dst[0], ps[2]) {
 		t.Fatalf("GetInto %v", found)
 	}
-	if ttl, _ := raw(t, srv.Addr(), []byte("PTTL"), []byte(tr.Key(1))).(int64); ttl <= 0 || ttl > int64(time.Hour/time.Millisecond) {
+	if ttl, _ := raw(t, srv.Addr(), []byte("PTTL"), []byte(tr.Key(hashOf(1)))).(int64); ttl <= 0 || ttl > int64(time.Hour/time.Millisecond) {
 		t.Fatalf("PTTL %d", ttl)
 	}
 	// A payload of the wrong size is not stored.
-	if n := tr.Put([]uint64{5}, [][]byte{make([]byte, 10)}); n != 0 {
+	if n := tr.Put(hs(5), [][]byte{make([]byte, 10)}); n != 0 {
 		t.Fatal("stored a wrong-sized block")
 	}
 	st := tr.Stats()
@@ -135,7 +153,7 @@ func TestRoundTrip(t *testing.T) {
 func TestCorruptValuesAreMisses(t *testing.T) {
 	srv := redistest.Start(t, redistest.Find(t), 0)
 	tr := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 42, BlockBytes: 64, OpTimeout: time.Second})
-	good := Encode(100, 42, payload(100, 64))
+	good := Encode(hashOf(100), 42, payload(100, 64))
 	mut := func(f func(v []byte) []byte) []byte {
 		v := bytes.Clone(good)
 		return f(v)
@@ -150,22 +168,24 @@ func TestCorruptValuesAreMisses(t *testing.T) {
 		{"truncated payload", good[:len(good)-1]},
 		{"trailing bytes", append(bytes.Clone(good), 0)},
 		{"bad magic", mut(func(v []byte) []byte { v[0] = 'X'; return v })},
-		{"bad version", mut(func(v []byte) []byte { v[4] = 2; return v })},
+		{"bad version", mut(func(v []byte) []byte { v[4] = 1; return v })},
 		{"flags", mut(func(v []byte) []byte { v[6] = 1; return v })},
-		{"another block's value", Encode(101, 42, payload(100, 64))},
-		{"wrong fingerprint", Encode(100, 43, payload(100, 64))},
-		{"length field", mut(func(v []byte) []byte { v[24]++; return v })},
-		{"wrong block size", Encode(100, 42, payload(100, 32))},
+		{"another block's value", Encode(hashOf(101), 42, payload(100, 64))},
+		{"a block whose hash agrees in its last 64 bits", Encode(Hash{15: 100}, 42, payload(100, 64))},
+		{"a block whose hash agrees in its first 64 bits", Encode(hashOf(1<<40+100), 42, payload(100, 64))},
+		{"wrong fingerprint", Encode(hashOf(100), 43, payload(100, 64))},
+		{"length field", mut(func(v []byte) []byte { v[32]++; return v })},
+		{"wrong block size", Encode(hashOf(100), 42, payload(100, 32))},
 		{"flipped payload bit", mut(func(v []byte) []byte { v[HeaderBytes+7] ^= 4; return v })},
-		{"flipped checksum bit", mut(func(v []byte) []byte { v[33] ^= 1; return v })},
+		{"flipped checksum bit", mut(func(v []byte) []byte { v[41] ^= 1; return v })},
 	}
 	for i, c := range cases {
-		raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(100)), c.v)
+		raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(hashOf(100))), c.v)
 		before := tr.Stats()
-		if got := tr.Get([]uint64{100}); got[0] != nil {
+		if got := tr.Get(hs(100)); got[0] != nil {
 			t.Fatalf("%s: a hit", c.name)
 		}
-		if found := tr.GetInto([]uint64{100}, [][]byte{make([]byte, 64)}); found[0] {
+		if found := tr.GetInto(hs(100), [][]byte{make([]byte, 64)}); found[0] {
 			t.Fatalf("%s: GetInto hit", c.name)
 		}
 		st := tr.Stats()
@@ -173,13 +193,13 @@ func TestCorruptValuesAreMisses(t *testing.T) {
 			t.Fatalf("case %d %s: stats %v", i, c.name, st)
 		}
 	}
-	raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(100)), good)
-	if got := tr.Get([]uint64{100}); got[0] == nil {
+	raw(t, srv.Addr(), []byte("SET"), []byte(tr.Key(hashOf(100))), good)
+	if got := tr.Get(hs(100)); got[0] == nil {
 		t.Fatal("the good value misses")
 	}
 	// A key of another type is a miss and an error, not a failure.
-	raw(t, srv.Addr(), []byte("SADD"), []byte(tr.Key(200)), []byte("m"))
-	if got := tr.Get([]uint64{200}); got[0] != nil || !tr.Available() {
+	raw(t, srv.Addr(), []byte("SADD"), []byte(tr.Key(hashOf(200))), []byte("m"))
+	if got := tr.Get(hs(200)); got[0] != nil || !tr.Available() {
 		t.Fatal("a set under a block's key")
 	}
 }
@@ -190,13 +210,13 @@ func TestWrongFingerprintMisses(t *testing.T) {
 	srv := redistest.Start(t, redistest.Find(t), 0)
 	a := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 1, OpTimeout: time.Second})
 	b := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 2, OpTimeout: time.Second})
-	if a.Put([]uint64{5}, [][]byte{[]byte("layout one")}) != 1 {
+	if a.Put(hs(5), [][]byte{[]byte("layout one")}) != 1 {
 		t.Fatal("put")
 	}
-	if got := b.Get([]uint64{5}); got[0] != nil || b.Stats().Corrupt != 1 {
+	if got := b.Get(hs(5)); got[0] != nil || b.Stats().Corrupt != 1 {
 		t.Fatalf("read another layout's block: %q %v", got[0], b.Stats())
 	}
-	if got := a.Get([]uint64{5}); string(got[0]) != "layout one" {
+	if got := a.Get(hs(5)); string(got[0]) != "layout one" {
 		t.Fatal("the writer misses its own block")
 	}
 }
@@ -207,7 +227,7 @@ func TestServerDown(t *testing.T) {
 	addr := fmt.Sprintf("127.0.0.1:%d", redistest.FreePort(t))
 	tr := newTier(t, Config{Addr: addr, Backoff: time.Hour})
 	timed(t, "Get on a down server", func() {
-		if got := tr.Get([]uint64{1, 2}); got[0] != nil || got[1] != nil {
+		if got := tr.Get(hs(1, 2)); got[0] != nil || got[1] != nil {
 			t.Fatal("a hit")
 		}
 	})
@@ -217,64 +237,14 @@ func TestServerDown(t *testing.T) {
 	}
 	timed(t, "calls in the skip window", func() {
 		for range 100 {
-			tr.Put([]uint64{1}, [][]byte{{1}})
-			tr.Get([]uint64{1})
-			tr.Exists([]uint64{1})
+			tr.Put(hs(1), [][]byte{{1}})
+			tr.Get(hs(1))
+			tr.Exists(hs(1))
 		}
 	})
 	if st := tr.Stats(); st.Skipped != 300 || st.Errors+st.Timeouts != 1 || st.Stores != 0 {
 		t.Fatalf("stats %v", st)
 	}
-}
-
-// slowServer accepts connections and answers each command after delay
-// (never, when delay is 0) with a null bulk.
-func slowServer(t *testing.T, delay time.Duration) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	done := make(chan struct{})
-	t.Cleanup(func() {
-		close(done)
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					if _, err := c.Read(buf); err != nil {
-						return
-					}
-					if delay == 0 {
-						continue
-					}
-					select {
-					case <-time.After(delay):
-						c.Write([]byte("$-1\r\n"))
-					case <-done:
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
 }
 
 // Valkey slow: a server that never answers, or answers after the deadline.
@@ -283,13 +253,13 @@ func slowServer(t *testing.T, delay time.Duration) string {
 func TestServerSlow(t *testing.T) {
 	for _, delay := range []time.Duration{0, 700 * time.Millisecond} {
 		t.Run(fmt.Sprint("delay ", delay), func(t *testing.T) {
-			tr := newTier(t, Config{Addr: slowServer(t, delay), OpTimeout: 100 * time.Millisecond, Backoff: time.Hour})
+			tr := newTier(t, Config{Addr: redistest.Slow(t, delay), OpTimeout: 100 * time.Millisecond, Backoff: time.Hour})
 			timed(t, "Get on a slow server", func() {
-				if got := tr.Get([]uint64{1}); got[0] != nil {
+				if got := tr.Get(hs(1)); got[0] != nil {
 					t.Fatal("a hit")
 				}
 			})
-			timed(t, "Put on a slow server", func() { tr.Put([]uint64{1}, [][]byte{{1}}) })
+			timed(t, "Put on a slow server", func() { tr.Put(hs(1), [][]byte{{1}}) })
 			st := tr.Stats()
 			if st.Timeouts != 1 || st.Skipped != 1 || st.Available {
 				t.Fatalf("stats %v", st)
@@ -298,10 +268,10 @@ func TestServerSlow(t *testing.T) {
 	}
 	// Concurrent callers queue on the one connection; each still returns
 	// within the bound.
-	tr := newTier(t, Config{Addr: slowServer(t, 0), OpTimeout: 100 * time.Millisecond, Backoff: time.Nanosecond, MaxBackoff: time.Nanosecond})
+	tr := newTier(t, Config{Addr: redistest.Slow(t, 0), OpTimeout: 100 * time.Millisecond, Backoff: time.Nanosecond, MaxBackoff: time.Nanosecond})
 	var wg sync.WaitGroup
 	for range 8 {
-		wg.Go(func() { timed(t, "concurrent Get", func() { tr.Get([]uint64{1}) }) })
+		wg.Go(func() { timed(t, "concurrent Get", func() { tr.Get(hs(1)) }) })
 	}
 	wg.Wait()
 	if st := tr.Stats(); st.Timeouts+st.Skipped != 8 || st.Timeouts == 0 {
@@ -316,12 +286,12 @@ func TestServerRestart(t *testing.T) {
 	srv := redistest.Start(t, bin, 0)
 	tr := newTier(t, Config{Addr: srv.Addr(), OpTimeout: 500 * time.Millisecond, Backoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond})
 	p := payload(1, 1024)
-	if tr.Put([]uint64{1}, [][]byte{p}) != 1 || tr.Get([]uint64{1})[0] == nil {
+	if tr.Put(hs(1), [][]byte{p}) != 1 || tr.Get(hs(1))[0] == nil {
 		t.Fatal("before the restart")
 	}
 	srv.Stop()
 	timed(t, "Get on a stopped server", func() {
-		if tr.Get([]uint64{1})[0] != nil {
+		if tr.Get(hs(1))[0] != nil {
 			t.Fatal("a hit")
 		}
 	})
@@ -329,20 +299,20 @@ func TestServerRestart(t *testing.T) {
 		t.Fatalf("after the stop: %v", st)
 	}
 	for range 10 { // in the window or failing again: never blocking long
-		timed(t, "Get while down", func() { tr.Get([]uint64{1}) })
+		timed(t, "Get while down", func() { tr.Get(hs(1)) })
 	}
 	if tr.Stats().Skipped == 0 {
 		t.Fatal("nothing skipped")
 	}
 	srv = redistest.Start(t, bin, srv.Port)
 	deadline := time.Now().Add(10 * time.Second)
-	for tr.Put([]uint64{1}, [][]byte{p}) != 1 {
+	for tr.Put(hs(1), [][]byte{p}) != 1 {
 		if time.Now().After(deadline) {
 			t.Fatalf("no recovery: %v", tr.Stats())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if got := tr.Get([]uint64{1}); !bytes.Equal(got[0], p) || !tr.Available() {
+	if got := tr.Get(hs(1)); !bytes.Equal(got[0], p) || !tr.Available() {
 		t.Fatalf("after the restart: %v", tr.Stats())
 	}
 }
@@ -356,11 +326,11 @@ func TestConcurrent(t *testing.T) {
 		wg.Go(func() {
 			for i := range 50 {
 				h := uint64(g*1000 + i)
-				if tr.Put([]uint64{h}, [][]byte{payload(h, 256)}) != 1 {
+				if tr.Put(hs(h), [][]byte{payload(h, 256)}) != 1 {
 					t.Error("put failed")
 					return
 				}
-				if got := tr.Get([]uint64{h}); !bytes.Equal(got[0], payload(h, 256)) {
+				if got := tr.Get(hs(h)); !bytes.Equal(got[0], payload(h, 256)) {
 					t.Error("get differs")
 					return
 				}
@@ -378,24 +348,24 @@ func benchBatch(b *testing.B, get bool) {
 	srv := redistest.Start(b, redistest.Find(b), 0)
 	const n, bs = 64, 64 << 10
 	tr := newTier(b, Config{Addr: srv.Addr(), BlockBytes: bs, OpTimeout: 10 * time.Second})
-	hs := make([]uint64, n)
+	keys := make([]Hash, n)
 	ps := make([][]byte, n)
 	dst := make([][]byte, n)
-	for i := range hs {
-		hs[i], ps[i], dst[i] = uint64(i+1), payload(uint64(i), bs), make([]byte, bs)
+	for i := range keys {
+		keys[i], ps[i], dst[i] = hashOf(uint64(i+1)), payload(uint64(i), bs), make([]byte, bs)
 	}
-	if tr.Put(hs, ps) != n {
+	if tr.Put(keys, ps) != n {
 		b.Fatal("put")
 	}
 	b.SetBytes(n * bs)
 	for b.Loop() {
 		if get {
-			for _, ok := range tr.GetInto(hs, dst) {
+			for _, ok := range tr.GetInto(keys, dst) {
 				if !ok {
 					b.Fatal("miss")
 				}
 			}
-		} else if tr.Put(hs, ps) != n {
+		} else if tr.Put(keys, ps) != n {
 			b.Fatal("put")
 		}
 	}

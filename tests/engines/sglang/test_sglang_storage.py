@@ -173,16 +173,18 @@ def test_page_store_without_sglang():
     # The logic under the backend, with plain buffers.
     import numpy as np
 
+    from kvplug.sharedstore import key128, keys128
+
     ps = ks.PageStore(16, host_bytes=64)
     data = np.arange(32, dtype=np.uint8).reshape(2, 16)
     ptrs = (data.ctypes.data + np.arange(2, dtype=np.uint64) * 16).reshape(2, 1)
     lens = np.full((2, 1), 16, np.int64)
-    keys = np.array([5, 6], np.uint64)
+    keys = keys128([key128("5"), key128("6")])
     assert ps.put(keys, ptrs, lens).all()
     out = np.zeros_like(data)
     optrs = (out.ctypes.data + np.arange(2, dtype=np.uint64) * 16).reshape(2, 1)
     assert ps.get(keys, optrs, lens).all() and (out == data).all()
-    assert ps.exists_prefix(np.array([5, 7, 6], np.uint64)) == 1
+    assert ps.exists_prefix(keys128([key128("5"), key128("7"), key128("6")])) == 1
     with pytest.raises(ValueError):
         ks.PageStore(16, host_bytes=8)
     ps.close()

@@ -17,6 +17,12 @@ A scheduler drives the step API itself:
     logits = runner.step(batch)                    # one row per sequence
     cache.append(1, int(logits[0].argmax()))
 
+A host KV tier below the GPU pool (kvplug.tier): PagedKVCache(...,
+host_tier_slots=PagedKVCache.host_slots_for(gib, shape, block_size, dtype))
+demotes cached blocks the pool evicts into host memory and reloads them on a
+prefix hit; the Runner runs the copies each step (kvplug.hf.tier_copy) and
+cache.tier_summary() has the hit rates and load bandwidth.
+
 This subpackage needs torch and transformers (pip install 'kvplug[hf]');
 `import kvplug` does not import it.
 """
@@ -30,15 +36,18 @@ except ImportError as e:  # said plainly: the core package works without them
 from .attention import NAME, StepContext, kvplug_attention, register
 from .cache import Batch, ModelShape, PagedKVCache, SequenceState
 from .runner import Runner, generate, prepare_model
+from .tier_copy import HostTier, TorchTierCopier
 
 __all__ = [
     "NAME",
     "Batch",
+    "HostTier",
     "ModelShape",
     "PagedKVCache",
     "Runner",
     "SequenceState",
     "StepContext",
+    "TorchTierCopier",
     "generate",
     "kvplug_attention",
     "prepare_model",

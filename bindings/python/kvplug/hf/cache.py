@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 import kvplug
+
+from .tier_copy import HostTier, block_bytes, make_copier, manager_takes
 
 __all__ = ["ModelShape", "PagedKVCache", "Batch", "SequenceState"]
 
@@ -136,7 +139,14 @@ class PagedKVCache:
     """K/V of every layer in kvplug's paged layout, managed by a
     kvplug.Manager. `num_blocks` blocks of `block_size` tokens; the tensors
     are allocated once (2 * layers * num_blocks * block_size * kv_heads *
-    head_dim elements of `dtype` on `device`)."""
+    head_dim elements of `dtype` on `device`).
+
+    host_tier_slots > 0 adds the manager's host KV tier, slots of
+    block_bytes each (host_slots_for converts GiB), with demote_ahead
+    (default_demote_ahead when None); the Runner runs its copies each step
+    (self.tier, a kvplug.hf.tier_copy.HostTier; tier_copier picks the
+    copier, tier_overlap runs demotions on a side stream). shared_tier
+    ("host:port") goes to the Manager where the binding has that argument."""
 
     def __init__(
         self,
@@ -147,6 +157,11 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: Any = "cpu",
         prefix_cache: bool = True,
+        host_tier_slots: int = 0,
+        demote_ahead: Optional[int] = None,
+        shared_tier: Optional[str] = None,
+        tier_copier: Any = None,
+        tier_overlap: bool = False,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -156,7 +171,21 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.prefix_cache = prefix_cache
-        self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache)
+        self.block_bytes = block_bytes(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, dtype)
+        kw: Dict[str, Any] = {}
+        host_tier_slots = int(host_tier_slots)
+        if host_tier_slots > 0:
+            if not prefix_cache:
+                raise ValueError("kvplug.hf: a host tier needs the prefix cache (prefix_cache=True)")
+            if demote_ahead is None:
+                demote_ahead = self.default_demote_ahead(self.num_blocks)
+            kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
+        if shared_tier:
+            if not manager_takes("shared_tier"):
+                raise ValueError(f"kvplug.hf: shared_tier={shared_tier!r} needs a kvplug binding with the shared tier; "
+                                 "this kvplug.Manager takes no shared_tier argument")
+            kw["shared_tier"] = shared_tier
+        self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache, **kw)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: K and V of a layer share strides, as the kernels
         # require. Zeroed on the CPU so that a reference run is deterministic; on the GPU every slot a kernel
         # reads was written first (kernels skip tokens past seq_lens).
@@ -164,14 +193,47 @@ class PagedKVCache:
         self.kv = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
                         dtype=dtype, device=self.device)
         self.seqs: Dict[int, SequenceState] = {}
-        self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "admitted": 0, "preempted": 0, "forks": 0}
+        # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
+        self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
+                      "forks": 0}
+        # The host tier's copies (Runner.step runs them); closed before the manager, also when collected.
+        self.tier: Optional[HostTier] = None
+        if host_tier_slots > 0:
+            try:
+                copier = make_copier(self, tier_copier)
+            except BaseException:
+                self.manager.close()
+                raise
+            self.tier = HostTier(self.manager, self.kv, copier, self.block_bytes, overlap=tier_overlap)
+            self._tier_finalizer = weakref.finalize(self, self.tier.close)
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True) -> "PagedKVCache":
-        """A cache for `model`'s shape, dtype and device."""
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
+                  **tier: Any) -> "PagedKVCache":
+        """A cache for `model`'s shape, dtype and device (tier: the host and
+        shared tier arguments of the constructor)."""
         p = next(model.parameters())
         return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
-                   prefix_cache=prefix_cache)
+                   prefix_cache=prefix_cache, **tier)
+
+    @staticmethod
+    def default_demote_ahead(num_blocks: int, block_size: int = 16, step_tokens: int = 0, max_batch: int = 0) -> int:
+        """A demote_ahead that covers one step's allocations: its computed
+        tokens' blocks, as many again for blocks reloaded from the host tier
+        (not counted in the step's tokens), and a new block for each
+        sequence (2 x step_tokens / block_size + max_batch), at most a
+        quarter of the pool; without a step size, an eighth of the pool (at
+        most 512)."""
+        if step_tokens > 0 or max_batch > 0:
+            want = 2 * -(-step_tokens // block_size) + max_batch
+            return max(1, min(want, num_blocks // 4))
+        return max(1, min(num_blocks // 8, 512))
+
+    @staticmethod
+    def host_slots_for(gib: float, shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+        """Host tier slots that `gib` GiB hold for this K/V layout (one slot:
+        layers x 2 x block_size x kv_heads x head_dim x dtype bytes)."""
+        return int(gib * 2**30) // block_bytes(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, dtype)
 
     # -- tensors --------------------------------------------------------------
 
@@ -284,7 +346,15 @@ class PagedKVCache:
         one and retry). Sequences not live are then admitted in order, each
         starting on its longest cached prefix; admission stops at the first
         that does not fit (Batch.not_admitted lists it and those after it).
-        The batch is ordered live sequences first, then the admitted ones."""
+        The batch is ordered live sequences first, then the admitted ones.
+
+        With a host tier, blocks whose demotion has landed are freed first
+        (never waiting for copies), and an admission counts the tokens the
+        host tier holds as matched: they are reloaded by the step's copies
+        (Runner.step), not computed."""
+        tier = self.tier
+        if tier is not None and tier.in_flight:
+            tier.poll()
         step = self._decode_step(requests)
         if step is not None:
             ids, starts, flat = step
@@ -328,7 +398,13 @@ class PagedKVCache:
         not_admitted: List[int] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
-            hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
+            if self.tier is not None:
+                # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
+                # against the chunk.
+                tm = self.manager.match_tiers([s.tokens], s.keys)[0]
+                hit = tm.gpu_tokens + tm.host_tokens
+            else:
+                hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
             upto = min(len(s.tokens), hit + n)
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0:
@@ -342,6 +418,7 @@ class PagedKVCache:
             cached.append(m)
             self.stats["admitted"] += 1
             self.stats["cached_tokens"] += m
+            self.stats["prompt_tokens"] += len(s.tokens)
         q_lens = np.fromiter(map(len, news), np.int32, len(news))
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
         return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
@@ -406,7 +483,17 @@ class PagedKVCache:
             if st is not None and st.live:
                 st.computed = end
 
+    def tier_summary(self) -> Optional[Dict[str, Any]]:
+        """The host tier's figures (HostTier.summary), None without one."""
+        if self.tier is None:
+            return None
+        return self.tier.summary(self.stats["prompt_tokens"], self.stats["cached_tokens"])
+
     def close(self) -> None:
+        """Waits for the host tier's copies in flight, unpins its memory and
+        destroys the manager."""
+        if self.tier is not None:
+            self._tier_finalizer()
         self.manager.close()
 
     def __enter__(self) -> "PagedKVCache":

@@ -182,7 +182,11 @@ class Runner:
     their decode rows and prompt chunks; kernels backend, no sliding window)
     where the library's cost model says it pays, paged decode or prefill
     elsewhere (decode graphs: both are captured and the plan's route picks
-    the replay)."""
+    the replay).
+
+    A cache with a host tier (PagedKVCache(host_tier_slots=...)) has its
+    copies run by step(): once per step, before the forward pass, on the
+    step's stream (kvplug.hf.tier_copy)."""
 
     def __init__(
         self,
@@ -341,6 +345,10 @@ class Runner:
             # step's copies out of them must have run (a caller need not wait for a step's results before
             # scheduling the next one). Usually done already; otherwise this waits for one step.
             self._inputs_copied.synchronize()
+        if self.cache.tier is not None:
+            # The host tier's copies of this step (its admissions' reloads, demotions ahead of need) go on the
+            # step's stream ahead of the forward pass: every reloaded block lands before attention reads it.
+            self.cache.tier.step(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         g = self._graph_for(len(batch)) if (batch.is_decode and self.graphs) else None
         if g is not None:
             g.load(batch)

@@ -1,0 +1,145 @@
+"""Batched copies between the paged KV caches on the GPU and the slots of a
+host KV tier (include/kvplug.h, "tier copy").
+
+A TierCopier takes the engine's per-layer K and V caches (torch tensors
+whose first dimension is the block) and the host tier's memory (a
+Manager's, or any uint8 array [slots, slot_bytes]); it page-locks that
+memory and, per call, copies every layer's K and V of every block of a
+batch in one kernel launch on the given stream:
+
+    copier = TierCopier(k_caches, v_caches, manager=m)
+    ...
+    batch = m.flush_copies()
+    copier.run(batch)                         # on the current stream
+    done = torch.cuda.Event(); done.record()
+    ...                                       # later, once done.query():
+    m.complete_copies(batch.ticket)
+
+Close the copier (or leave its with block) before closing the Manager whose
+memory it registered. Needs a GPU and the library's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import _lib
+from ._capi import KVLayersStruct, TierCopyStruct
+from ._lib import C
+from ._tensors import check as _check, torch as _torch
+
+__all__ = ["TierCopier"]
+
+
+def _ops(blocks: Any, slots: Any, what: str) -> tuple:
+    b = np.ascontiguousarray(np.asarray(blocks, dtype=np.int64))
+    s = np.ascontiguousarray(np.asarray(slots, dtype=np.int64))
+    if b.shape != s.shape or b.ndim != 1:
+        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier.run: {what} blocks and slots must be 1-D of one length")
+    if b.size and (b.min() < -(2**31) or b.max() >= 2**31 or s.min() < -(2**31) or s.max() >= 2**31):
+        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier.run: {what} op out of int32 range")
+    arr = (TierCopyStruct * max(b.size, 1))()
+    view = np.ctypeslib.as_array(arr).view(np.int32).reshape(-1, 2)
+    view[: b.size, 0] = b
+    view[: b.size, 1] = s
+    return arr, int(b.size)
+
+
+class TierCopier(_lib.Owner):
+    """Copies blocks between the GPU caches and a host tier's slots.
+
+    k_caches / v_caches: one tensor per layer on one CUDA device, dimension
+    0 the block (any dtype; each block contiguous, as in [num_blocks,
+    block_size, kv_heads, head_dim] or [num_blocks, kv_heads, block_size,
+    head_dim]); v_caches None copies K only. The host memory is the
+    manager's (manager=) or `host`, a C-contiguous uint8 array of shape
+    [num_slots, slot_bytes] that outlives the copier."""
+
+    _destroy = "kvp_tier_copier_destroy"
+
+    def __init__(self, k_caches: Sequence[Any], v_caches: Optional[Sequence[Any]] = None, *,
+                 manager: Any = None, host: Any = None) -> None:
+        torch = _torch()
+        k = list(k_caches)
+        v = None if v_caches is None else list(v_caches)
+        if not k or (v is not None and len(v) != len(k)):
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: need >= 1 K layer and as many V layers as K")
+        ref = k[0]
+        for t in k + (v or []):
+            if not isinstance(t, torch.Tensor) or not t.is_cuda or t.device != ref.device or t.dim() < 2:
+                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: caches must be CUDA tensors of >= 2 dims on one device")
+            if t.shape[0] != ref.shape[0] or t.dtype != ref.dtype or t[0].numel() != ref[0].numel():
+                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every layer needs the same blocks, dtype and block shape")
+            if not t[0].is_contiguous():
+                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: each block of a cache must be contiguous")
+        esize = ref.element_size()
+        if (manager is None) == (host is None):
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: pass exactly one of manager= and host=")
+        if manager is not None:
+            host = manager.host_tier_memory()
+        if not isinstance(host, np.ndarray) or host.dtype != np.uint8 or host.ndim != 2 or not host.flags.c_contiguous:
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: host must be a C-contiguous uint8 array [slots, slot_bytes]")
+        kp = (ctypes.c_uint64 * len(k))(*[t.data_ptr() for t in k])
+        vp = None if v is None else (ctypes.c_uint64 * len(v))(*[t.data_ptr() for t in v])
+        lay = KVLayersStruct()
+        lay.struct_size = ctypes.sizeof(KVLayersStruct)
+        lay.num_layers = len(k)
+        lay.num_blocks = ref.shape[0]
+        lay.k = ctypes.cast(kp, ctypes.c_void_p)
+        lay.v = None if vp is None else ctypes.cast(vp, ctypes.c_void_p)
+        lay.block_bytes = ref[0].numel() * esize
+        lay.k_block_stride = ref.stride(0) * esize
+        lay.v_block_stride = (v[0].stride(0) if v else ref.stride(0)) * esize
+        for t in k[1:]:
+            if t.stride(0) != ref.stride(0):
+                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every K layer needs the same block stride")
+        for t in (v or [])[1:]:
+            if t.stride(0) != v[0].stride(0):
+                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every V layer needs the same block stride")
+        out = ctypes.c_void_p()
+        with torch.cuda.device(ref.device):
+            _check(C.kvp_tier_copier_create(ctypes.byref(lay), host.ctypes.data, host.shape[1], host.shape[0], ctypes.byref(out)))
+        self._own(out.value, C.kvp_tier_copier_destroy, out.value)
+        # Kept alive: the copier reads and writes them.
+        self._keep = (k, v, host, manager)
+        self.device = ref.device
+        self.block_bytes = int(lay.block_bytes)
+        self.slot_bytes_needed = self.block_bytes * len(k) * (1 if v is None else 2)
+
+    def run(self, batch: Any = None, stream: Any = None, *, demote: Any = None, reload: Any = None) -> None:
+        """Enqueues a batch's copies on stream (a torch.cuda.Stream, a raw
+        cudaStream_t int, or None: the current stream): batch is a
+        Manager.flush_copies() CopyBatch, or give demote=(blocks, slots)
+        and/or reload=(slots, blocks). Returns once enqueued."""
+        if self._h is None:
+            raise _lib.error_for(int(_lib.Status.INVALID_HANDLE), "TierCopier is closed")
+        if batch is not None:
+            demote = (batch.demote_blocks, batch.demote_slots)
+            reload = (batch.reload_slots, batch.reload_blocks)
+        d, nd = _ops(*(demote if demote is not None else ((), ())), "demote")
+        if reload is not None:
+            r, nr = _ops(reload[1], reload[0], "reload")
+        else:
+            r, nr = _ops((), (), "reload")
+        if nd + nr == 0:
+            return
+        torch = _torch()
+        if stream is None:
+            s = torch.cuda.current_stream(self.device).cuda_stream
+        elif isinstance(stream, int):
+            s = stream
+        else:
+            s = stream.cuda_stream
+        with torch.cuda.device(self.device):
+            _check(C.kvp_tier_copier_run(self._h, d, nd, r, nr, ctypes.c_void_p(s)))
+
+    @property
+    def pinned(self) -> bool:
+        """The host memory is page-locked and mapped while the copier is open."""
+        return self._h is not None
+
+    def __repr__(self) -> str:
+        return "TierCopier(closed)" if self._h is None else f"TierCopier({self.device}, block_bytes={self.block_bytes})"

@@ -1,0 +1,494 @@
+package kvmanager
+
+import (
+	"encoding/binary"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/kvtier/valkey"
+	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
+	"github.com/zeebo/xxh3"
+	"go.uber.org/zap"
+)
+
+// The shared tier in the manager (issue 23; core/kvtier/valkey): a Valkey
+// or Redis server that instances share, below each one's host tier, so
+// that an instance serves a prompt another instance computed.
+//
+// With HostTier.Shared set, the manager owns a valkey.Tier and uses it in
+// two places.
+//
+// Fetch. Admit and MatchTiers look, for each prompt, past its GPU match
+// and its host match: the blocks the shared tier holds under the prompt's
+// next chained hashes, consecutively, are read straight into freshly
+// reserved host slots and committed there (a shared-tier block always
+// passes through the host tier), and the call then goes on as without a
+// shared tier: Admit finds them in the host tier and reloads them like
+// any host hit, MatchTiers counts them in TierMatch.Host. A block that
+// cannot be read whole and checked (absent, evicted since, corrupt, short,
+// another layout's) is a miss, and its slot is given back. This runs
+// before the call takes the manager's lock for its own work, without
+// holding it, in two round trips per call whatever the batch (EXISTS of
+// every block wanted, then GET of those found); each is bounded by
+// SharedTier.OpTimeout, the transfer included, so the fetch adds at most
+// two operation timeouts to the call. A server that is down, slow or
+// restarting costs one failed round trip and is then skipped without
+// touching the network for a backoff window (package valkey); its blocks
+// are misses and the prefix is computed. A call that then fails (an id
+// live already, say) keeps the fetched blocks in the host tier.
+//
+// Store. A block whose demotion commits (CompleteCopies) is queued for
+// the shared tier, its host slot pinned until the store has read it, and
+// one goroutine per manager writes the queue out, up to
+// sharedPutBatch blocks a round trip, leaving out those the server holds
+// already (an EXISTS first: every instance demotes the same system
+// prompt). The queue holds SharedTier.PutQueue blocks: a demotion that
+// finds it full is not stored (counted), so neither CompleteCopies nor a
+// step ever waits on the server. Blocks fetched from the shared tier are
+// not stored again. Close flushes the queue and stops the goroutine.
+//
+// # Keys and model identity
+//
+// A block is stored under its whole 128-bit chained hash (valkey's keys),
+// and its value carries the hash again with a fingerprint of the
+// namespace and layout (block size, block bytes), all checked on every
+// read: a block whose hash agrees with another's in 64 bits (the host
+// tier's key, HostKey) never reads as the other's K/V. The chained hash
+// covers the tokens, the adapter, multimodal items and the tenant salt,
+// but not the model: equal prompts give equal hashes under every model.
+// SharedTier.Namespace is what keeps models apart, and the engine must set
+// it to the identity of everything the K/V depends on: model and
+// revision, dtype, K/V layout (layers, KV heads, head size, block layout),
+// tensor-parallel rank when each rank keeps its own share of the heads,
+// e.g. "llama-3.1-8b-instruct.bf16.l32.kv8.d128.tp0". Instances that may
+// share blocks use the same namespace; any difference means another
+// namespace. The fingerprint also stops two instances that agree on the
+// namespace but not on the block size or bytes.
+//
+// # Memory
+//
+// The tier never deletes keys: the server's memory is bounded by its own
+// maxmemory policy (allkeys-lru for a server dedicated to the tier;
+// volatile-lru with SharedTier.TTL on a shared one).
+
+// SharedTier configures the shared tier below a manager's host tier.
+type SharedTier struct {
+	// Addr is the server's host:port.
+	Addr string
+	// Namespace names the model and K/V layout the blocks belong to: 1 to
+	// 64 characters of [A-Za-z0-9_.-] (see "Keys and model identity"
+	// above). Required.
+	Namespace string
+	// OpTimeout bounds each round trip to the server, transfer included,
+	// in [0, 1 minute]; 0: valkey.DefaultOpTimeout (250 ms). It must cover
+	// the largest fetch (an admission batch's blocks) at the link's
+	// bandwidth.
+	OpTimeout time.Duration
+	// TTL is the expiry of stored blocks (whole milliseconds); 0: none.
+	TTL time.Duration
+	// Backoff and MaxBackoff are the first and longest skip windows after
+	// a failed call (valkey.Config); 0: valkey's defaults (1 s, 30 s).
+	Backoff, MaxBackoff time.Duration
+	// PutQueue is the most blocks waiting to be stored, in [0, 2^20]; 0:
+	// DefaultPutQueue. Each pins its host slot until stored.
+	PutQueue int
+}
+
+// DefaultPutQueue is the store queue's size of a SharedTier that leaves
+// PutQueue 0.
+const DefaultPutQueue = 256
+
+// maxPutQueue bounds SharedTier.PutQueue.
+const maxPutQueue = 1 << 20
+
+// maxOpTimeout bounds SharedTier.OpTimeout: a call waits at most two of
+// them.
+const maxOpTimeout = time.Minute
+
+// sharedPutBatch is the most blocks one store round trip carries.
+const sharedPutBatch = 16
+
+// SharedStats are the shared tier's counters (since creation) and gauges,
+// in TierStats.Shared; all zero without a shared tier.
+type SharedStats struct {
+	Lookups      int64 // fetch calls that looked blocks up (an admission's or match's batch)
+	Hits         int64 // blocks looked up and found, consecutively after a prompt's GPU and host matches
+	Misses       int64 // blocks looked up and not found, or not looked up: the call failed or was skipped
+	Fetched      int64 // blocks read into host slots and committed there
+	FetchMisses  int64 // blocks found whose read then missed (gone since, corrupt, short), or no host slot took
+	HitTokens    int64 // tokens admissions matched in blocks fetched by the same call
+	MatchTokens  int64 // tokens MatchTiers found in blocks fetched by the same call (in MatchHostTokens too)
+	PutsQueued   int64 // committed demotions queued for a store
+	PutsDone     int64 // of which stored
+	PutsPresent  int64 // of which not sent: the server held them already
+	PutsFailed   int64 // of which not stored: the call failed or was skipped, or the server refused
+	PutsDropped  int64 // committed demotions not queued: the queue was full, or the manager closed
+	Corrupt      int64 // values that failed a check (header, hash, fingerprint, length, checksum): misses
+	Timeouts     int64 // round trips that ran past OpTimeout
+	Errors       int64 // round trips that failed otherwise (refused connections), and commands the server refused
+	Skipped      int64 // calls skipped without a round trip: the server failed within the backoff window
+	BytesRead    int64 // value bytes read, headers included
+	BytesWritten int64 // value bytes written, headers included
+	QueueLen     int   // blocks waiting to be stored now
+	Available    bool  // the server is not in a backoff window
+}
+
+// putOp is one block to store: its hash and the host slot holding it,
+// pinned until the store has read it.
+type putOp struct {
+	hash prefix.Hash
+	slot host.Slot
+}
+
+// sharedTier is a manager's shared tier.
+type sharedTier struct {
+	t     *valkey.Tier
+	pool  *host.Pool
+	queue chan putOp
+	done  chan struct{} // closed when the store goroutine has ended
+
+	// closed is set by Close, under the manager's lock: no more fetches
+	// or stores; queue is closed.
+	closed bool
+
+	lookups, hits, misses, fetched, fetchMisses atomic.Int64
+	hitTokens, matchTokens                      atomic.Int64
+	putsQueued, putsDone, putsPresent           atomic.Int64
+	putsFailed, putsDropped                     atomic.Int64
+}
+
+// fingerprint is the layout fingerprint of a manager's blocks in the
+// shared tier: the namespace, the block size and the block bytes.
+func fingerprint(ns string, blockSize, blockBytes int) uint64 {
+	b := append([]byte("kvplug shared tier\x00"), ns...)
+	b = append(b, 0, prefix.HashVersion)
+	b = binary.LittleEndian.AppendUint64(b, uint64(blockSize))
+	b = binary.LittleEndian.AppendUint64(b, uint64(blockBytes))
+	return xxh3.Hash(b)
+}
+
+// Check returns the error New would return for a manager with this
+// shared tier (its own fields' errors), without making anything: a
+// caller that allocates a host pool first may check before.
+func (c *SharedTier) Check() error {
+	if c.OpTimeout < 0 || c.OpTimeout > maxOpTimeout {
+		return kverr.Errorf(kverr.InvalidArgument, "shared tier: operation timeout must be in [0, %v]: got %v", maxOpTimeout, c.OpTimeout)
+	}
+	if c.PutQueue < 0 || c.PutQueue > maxPutQueue {
+		return kverr.Errorf(kverr.InvalidArgument, "shared tier: put queue must be in [0, %d]: got %d", maxPutQueue, c.PutQueue)
+	}
+	return c.valkeyConfig(0, 0).Check()
+}
+
+func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
+	return valkey.Config{
+		Addr:        c.Addr,
+		Namespace:   c.Namespace,
+		Fingerprint: fingerprint(c.Namespace, blockSize, blockBytes),
+		BlockBytes:  blockBytes,
+		OpTimeout:   c.OpTimeout,
+		TTL:         c.TTL,
+		Backoff:     c.Backoff,
+		MaxBackoff:  c.MaxBackoff,
+	}
+}
+
+func newShared(c *SharedTier, pool *host.Pool, blockSize int) (*sharedTier, error) {
+	if err := c.Check(); err != nil {
+		return nil, err
+	}
+	t, err := valkey.New(c.valkeyConfig(blockSize, pool.BlockBytes()))
+	if err != nil {
+		return nil, err
+	}
+	q := c.PutQueue
+	if q == 0 {
+		q = DefaultPutQueue
+	}
+	return &sharedTier{t: t, pool: pool, queue: make(chan putOp, q), done: make(chan struct{})}, nil
+}
+
+// run is the store goroutine: it writes the queue out until Close closes
+// it, the blocks queued by then included.
+func (s *sharedTier) run() {
+	defer close(s.done)
+	batch := make([]putOp, 0, sharedPutBatch)
+	for op := range s.queue {
+		batch = append(batch[:0], op)
+	more:
+		for len(batch) < sharedPutBatch {
+			select {
+			case op, ok := <-s.queue:
+				if !ok {
+					break more
+				}
+				batch = append(batch, op)
+			default:
+				break more
+			}
+		}
+		s.store(batch)
+	}
+}
+
+// store writes one batch of queued blocks that the server does not hold
+// yet, then unpins their slots.
+func (s *sharedTier) store(batch []putOp) {
+	hashes := make([]valkey.Hash, len(batch))
+	for i, op := range batch {
+		hashes[i] = valkey.Hash(op.hash)
+	}
+	held := s.t.Exists(hashes)
+	var send []valkey.Hash
+	var payloads [][]byte
+	for i, op := range batch {
+		if held[i] {
+			continue
+		}
+		send = append(send, hashes[i])
+		payloads = append(payloads, s.pool.Bytes(op.slot))
+	}
+	present := int64(len(batch) - len(send))
+	stored := int64(0)
+	// A failed or skipped EXISTS leaves the breaker open: the stores
+	// would be skipped too.
+	if len(send) > 0 && s.t.Available() {
+		stored = int64(s.t.Put(send, payloads))
+	}
+	s.putsPresent.Add(present)
+	s.putsDone.Add(stored)
+	s.putsFailed.Add(int64(len(send)) - stored)
+	for _, op := range batch {
+		if err := s.pool.Unpin(op.slot); err != nil {
+			logx.L().Error("shared tier: unpinning a stored block's host slot", zap.Error(err))
+		}
+	}
+}
+
+// stats returns the shared tier's counters.
+func (s *sharedTier) stats() SharedStats {
+	v := s.t.Stats()
+	return SharedStats{
+		Lookups: s.lookups.Load(), Hits: s.hits.Load(), Misses: s.misses.Load(),
+		Fetched: s.fetched.Load(), FetchMisses: s.fetchMisses.Load(),
+		HitTokens: s.hitTokens.Load(), MatchTokens: s.matchTokens.Load(),
+		PutsQueued: s.putsQueued.Load(), PutsDone: s.putsDone.Load(), PutsPresent: s.putsPresent.Load(),
+		PutsFailed: s.putsFailed.Load(), PutsDropped: s.putsDropped.Load(),
+		Corrupt: v.Corrupt, Timeouts: v.Timeouts, Errors: v.Errors, Skipped: v.Skipped,
+		BytesRead: v.BytesRead, BytesWritten: v.BytesWritten,
+		QueueLen: len(s.queue), Available: v.Available,
+	}
+}
+
+// queueStore commits a completed demotion's host slot and queues the
+// block for the shared tier (the slot stays pinned until stored); when
+// the queue is full the slot is just committed. Under the manager's lock.
+func (s *sharedTier) queueStore(op DemoteOp) {
+	if s.closed {
+		assertOK(s.pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		s.putsDropped.Add(1)
+		return
+	}
+	assertOK(s.pool.CommitPinned(op.Slot), "complete copies: committing a reserved host slot")
+	select {
+	case s.queue <- putOp{hash: op.Hash, slot: op.Slot}:
+		s.putsQueued.Add(1)
+	default:
+		assertOK(s.pool.Unpin(op.Slot), "complete copies: unpinning a host slot committed pinned")
+		s.putsDropped.Add(1)
+	}
+}
+
+// sharedWant is what a fetch looks up: the hashes of the blocks wanted,
+// each once, and per prompt the indexes in want of its blocks past its
+// GPU and host matches, in block order (prompt i's are
+// idx[off[i]:off[i+1]]).
+type sharedWant struct {
+	want []valkey.Hash
+	idx  []int32
+	off  []int
+}
+
+// fetchShared is the shared tier's part of Admit (ids not nil) and
+// MatchTiers: it finds the blocks to look up under the manager's lock
+// (failing as the call would when an id is live or repeated), then,
+// without the lock, reads those the shared tier holds into host slots and
+// commits them. It returns the host keys of the blocks fetched; nil when
+// there is no shared tier or nothing was fetched.
+func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}, error) {
+	if m.tier == nil || m.tier.shared == nil {
+		return nil, nil
+	}
+	s := m.tier.shared
+	w, err := m.sharedWanted(prompts, ids)
+	if err != nil || len(w.want) == 0 {
+		return nil, err
+	}
+	s.lookups.Add(1)
+	held := s.t.Exists(w.want)
+	// Each prompt's run of held blocks from its first wanted one; a block
+	// after a hole is of no use to it (its prefix is computed).
+	need := make([]bool, len(w.want))
+	for p := range len(w.off) - 1 {
+		for _, j := range w.idx[w.off[p]:w.off[p+1]] {
+			if !held[j] {
+				break
+			}
+			need[j] = true
+		}
+	}
+	var keys []valkey.Hash
+	var slots []host.Slot
+	var dst [][]byte
+	hits, full := int64(0), false
+	for j, ok := range need {
+		if !ok {
+			continue
+		}
+		hits++
+		if full {
+			s.fetchMisses.Add(1)
+			continue
+		}
+		slot, rerr := s.pool.Reserve(HostKey(prefix.Hash(w.want[j])))
+		if kverr.Is(rerr, kverr.OutOfBlocks) {
+			full = true // every host slot pinned
+			s.fetchMisses.Add(1)
+			continue
+		}
+		if rerr != nil {
+			continue // the host tier got the block meanwhile
+		}
+		keys = append(keys, w.want[j])
+		slots = append(slots, slot)
+		dst = append(dst, s.pool.Bytes(slot))
+	}
+	s.hits.Add(hits)
+	s.misses.Add(int64(len(w.want)) - hits)
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	found := s.t.GetInto(keys, dst)
+	fetched := make(map[uint64]struct{}, len(keys))
+	for i, slot := range slots {
+		if found[i] {
+			assertOK(s.pool.Commit(slot), "shared tier: committing a fetched block's host slot")
+			fetched[HostKey(prefix.Hash(keys[i]))] = struct{}{}
+		} else {
+			assertOK(s.pool.Abort(slot), "shared tier: giving back a missed block's host slot")
+		}
+	}
+	s.fetched.Add(int64(len(fetched)))
+	s.fetchMisses.Add(int64(len(keys) - len(fetched)))
+	return fetched, nil
+}
+
+// sharedWanted finds, under the lock, the blocks of each prompt that
+// neither the GPU prefix cache nor the host tier holds, up to the block
+// holding its last token, at most the host tier's slots in all. It
+// changes nothing: it looks (prefix.Index.Lookup, host.Pool.Peek)
+// without touching or counting.
+func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var w sharedWant
+	t := m.tier
+	if t.shared.closed {
+		return w, nil
+	}
+	if ids != nil {
+		if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
+			return w, err
+		}
+	}
+	room := t.cfg.Pool.Stats().Slots
+	seen := make(map[prefix.Hash]int32)
+	n := prompts.Len()
+	w.off = make([]int, 1, n+1)
+	for i := range n {
+		tokens, keys := prompts.prompt(i)
+		limit := 0
+		if len(tokens) > 0 {
+			limit = (len(tokens) - 1) / m.bs
+		}
+		if limit > 0 && len(w.want) < room {
+			var err error
+			t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*m.bs], m.bs, keys)
+			assertOK(err, "shared tier: hashing a validated prompt")
+			g := 0
+			for g < limit {
+				if _, ok := m.cache.Lookup(t.hashes[g]); !ok {
+					break
+				}
+				g++
+			}
+			t.keys = t.keys[:0]
+			for _, h := range t.hashes[g:] {
+				t.keys = append(t.keys, HostKey(h))
+			}
+			for _, h := range t.hashes[g+t.cfg.Pool.Peek(t.keys):] {
+				j, ok := seen[h]
+				if !ok {
+					if len(w.want) == room {
+						break
+					}
+					j = int32(len(w.want))
+					seen[h] = j
+					w.want = append(w.want, valkey.Hash(h))
+				}
+				w.idx = append(w.idx, j)
+			}
+		}
+		w.off = append(w.off, len(w.idx))
+	}
+	return w, nil
+}
+
+// countShared counts, after a prompt's host match (t.keys[:hit]), the
+// blocks among them that this call fetched from the shared tier.
+func (t *tier) countShared(fetched map[uint64]struct{}, hit int) int {
+	if len(fetched) == 0 {
+		return 0
+	}
+	n := 0
+	for _, k := range t.keys[:hit] {
+		if _, ok := fetched[k]; ok {
+			n++
+		}
+	}
+	return n
+}
+
+// Close ends the manager's background work: the shared tier's queued
+// stores are written (each round trip bounded by SharedTier.OpTimeout; a
+// server that is down skips them at once) and its connection is closed.
+// The manager stays usable, without the shared tier: nothing is fetched
+// or stored after Close. A Go program that creates a manager with a
+// shared tier must Close it, or its store goroutine lives on; the C ABI's
+// kvp_manager_destroy does. Closing twice, or a manager without a shared
+// tier, does nothing.
+func (m *Manager) Close() error {
+	s := m.closeShared()
+	if s == nil {
+		return nil
+	}
+	<-s.done
+	return s.t.Close()
+}
+
+// closeShared marks the shared tier closed and closes its queue; nil when
+// there is none or it was closed already.
+func (m *Manager) closeShared() *sharedTier {
+	m.mu.Lock()
+	defer m.unlock()
+	if m.tier == nil || m.tier.shared == nil || m.tier.shared.closed {
+		return nil
+	}
+	s := m.tier.shared
+	s.closed = true
+	close(s.queue)
+	return s
+}

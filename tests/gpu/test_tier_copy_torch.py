@@ -1,0 +1,155 @@
+"""GPU tests of the tier copier (kvplug.TierCopier, kvp_tier_copier_*): a
+Manager's host tier driven end to end on torch caches (demote a
+conversation's blocks, lose them on the GPU, reload them into other
+blocks, compare bytes), both cache layouts, K-only caches, batches of more
+than one launch, and bad ops refused with nothing copied. Run on a GPU
+machine with the library built:
+
+    KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
+        python3 -m pytest -q tests/gpu/test_tier_copy_torch.py
+
+Skips when torch or a CUDA device is absent.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import kvplug  # noqa: E402
+from kvplug.tiercopy import TierCopier  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def caches(layers, blocks, shape, dtype, seed, kv=True):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    mk = lambda: [torch.randn((blocks, *shape), generator=g, device=DEV, dtype=torch.float32).to(dtype)  # noqa: E731
+                  for _ in range(layers)]
+    return mk(), (mk() if kv else None)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "vllm"])
+@pytest.mark.parametrize("kv", [True, False])
+def test_manager_round_trip(layout, kv):
+    L, BS, H, D, BLOCKS = 3, 16, 4, 64, 48
+    shape = {"nhd": (BS, H, D), "hnd": (H, BS, D), "vllm": (BS, H, D)}[layout]
+    if layout == "vllm":  # one [2, blocks, ...] tensor per layer: K = [0], V = [1]
+        g = torch.Generator(device=DEV).manual_seed(7)
+        both = [torch.randn((2, BLOCKS, *shape), generator=g, device=DEV).half() for _ in range(L)]
+        k, v = [t[0] for t in both], ([t[1] for t in both] if kv else None)
+    else:
+        k, v = caches(L, BLOCKS, shape, torch.bfloat16, 11, kv)
+    chunk = k[0][0].numel() * k[0].element_size()
+    slot_bytes = chunk * L * (2 if kv else 1)
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=32, host_block_bytes=slot_bytes,
+                        demote_ahead=BLOCKS) as m:
+        with TierCopier(k, v, manager=m) as cp:
+            assert cp.slot_bytes_needed == slot_bytes
+            rng = np.random.default_rng(3)
+            conv = rng.integers(0, 32000, 6 * BS + 1, dtype=np.int32)
+            assert m.admit([1], [conv]).tolist() == [0]
+            table = m.describe([1]).block_table[0][:6].tolist()
+            want_k = [t[table].clone() for t in k]
+            want_v = [t[table].clone() for t in v] if kv else None
+            m.remove([1])
+
+            host = m.host_tier_memory()
+            host[:] = 0xEE
+            batch = m.flush_copies()
+            assert sorted(batch.demote_blocks.tolist()) == sorted(table)
+            cp.run(batch)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            m.complete_copies(batch.ticket)
+            for blk, slot in zip(batch.demote_blocks.tolist(), batch.demote_slots.tolist()):
+                i = table.index(blk)
+                row = host[slot]
+                for layer in range(L):
+                    for t, src in enumerate([want_k] + ([want_v] if kv else [])):
+                        off = (layer * (2 if kv else 1) + t) * chunk
+                        got = torch.from_numpy(row[off:off + chunk].copy()).view(k[0].dtype).reshape(shape)
+                        assert torch.equal(got, src[layer][i].cpu()), (blk, layer, t)
+
+            for t in k + (v or []):  # the GPU K/V is gone (poisoned)
+                t.fill_(float("nan"))
+            assert m.admit([2], [conv]).tolist() == [6 * BS]  # all six blocks from the host tier
+            batch = m.flush_copies()
+            assert len(batch.reload_blocks) == 6 and len(batch.demote_blocks) == 0
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                cp.run(batch, stream=s)
+            torch.cuda.synchronize()
+            m.complete_copies(batch.ticket)
+            table2 = m.describe([2]).block_table[0][:6].tolist()
+            for layer in range(L):
+                assert torch.equal(k[layer][table2], want_k[layer])
+                if kv:
+                    assert torch.equal(v[layer][table2], want_v[layer])
+            st = m.tier_stats()
+            assert (st.demotions_completed, st.reloads_completed, st.host_hit_tokens) == (6, 6, 6 * BS)
+            m.check()
+
+
+def test_many_ops_and_bad_ops():
+    L, BLOCKS, SLOTS = 2, 1400, 1300
+    k, v = caches(L, BLOCKS, (1, 2, 64), torch.float16, 5)  # 256-byte chunks: token mode
+    chunk = 256
+    host = np.full((SLOTS, chunk * L * 2 + 16), 0xEE, np.uint8)  # slots wider than the layout
+    with TierCopier(k, v, host=host) as cp:
+        blocks = np.random.default_rng(1).permutation(BLOCKS)[:1203]
+        slots = np.arange(1203)
+        with pytest.raises(kvplug.InvalidArgumentError):
+            cp.run(demote=(np.append(blocks, BLOCKS), np.append(slots, 0)))  # one bad op: nothing runs
+        torch.cuda.synchronize()
+        assert (host == 0xEE).all()
+        cp.run(demote=(blocks, slots))  # three launches
+        torch.cuda.synchronize()
+        hk = torch.from_numpy(host[:1203, :chunk * L * 2].copy()).view(torch.float16).reshape(1203, L, 2, 1, 2, 64)
+        for layer in range(L):
+            assert torch.equal(hk[:, layer, 0].to(DEV), k[layer][torch.from_numpy(blocks).to(DEV)])
+            assert torch.equal(hk[:, layer, 1].to(DEV), v[layer][torch.from_numpy(blocks).to(DEV)])
+        assert (host[:1203, chunk * L * 2:] == 0xEE).all()  # the padding past the layout is untouched
+        # Reload into other blocks.
+        dst = np.arange(BLOCKS - 1203, BLOCKS)[::-1].copy()
+        before = [t.clone() for t in k]
+        cp.run(reload=(slots, dst))
+        torch.cuda.synchronize()
+        for layer in range(L):
+            expect = before[layer].clone()
+            expect[torch.from_numpy(dst).to(DEV)] = before[layer][torch.from_numpy(blocks).to(DEV)]
+            assert torch.equal(k[layer], expect)
+
+
+def test_bad_layouts():
+    k, v = caches(2, 8, (16, 2, 64), torch.float16, 1)
+    host = np.zeros((4, 16 * 2 * 64 * 2 * 4), np.uint8)
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier(k, v, host=host[:, :-16])  # slots too small
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier(k, v[:1], host=host)
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier([t[:, :, :1] for t in k], None, host=host)  # blocks not contiguous
+    cp = TierCopier(k, v, host=host)
+    cp.close()
+    with pytest.raises(kvplug.KvplugError):
+        cp.run(demote=([0], [0]))
+
+
+def test_host_pinned_by_the_engine():
+    """Host memory the engine pinned itself (torch's pinned allocator) is
+    used as it is, and stays usable after the copier is closed."""
+    k, v = caches(2, 8, (16, 2, 64), torch.float16, 9)
+    pinned = torch.zeros((4, 16 * 2 * 64 * 2 * 4), dtype=torch.uint8).pin_memory()
+    with TierCopier(k, v, host=pinned.numpy()) as cp:
+        cp.run(demote=([5, 2], [0, 3]))
+        torch.cuda.synchronize()
+    row = pinned[3, : 16 * 2 * 64 * 2].view(torch.float16).reshape(16, 2, 64)
+    assert torch.equal(row.to(DEV), k[0][2])
+    assert pinned.is_pinned()
+    back = pinned.to(DEV, non_blocking=True)  # still a pinned buffer torch can copy from
+    torch.cuda.synchronize()
+    assert torch.equal(back.cpu(), pinned)

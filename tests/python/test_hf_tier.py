@@ -1,0 +1,318 @@
+"""kvplug.hf with the host KV tier on the CPU: multi-turn conversations
+through the engine of examples/hf_engine.py with a GPU pool too small to
+keep their histories, so that a history is demoted to the host tier between
+turns and reloaded by the next turn. Every logit row is checked against
+transformers (the harness of test_hf_correctness.py), the greedy outputs
+against runs with a pool that holds everything and without the tier; the
+copier, the flags, the summaries and bench/hf_bench.py's workload m are
+checked too. tests/gpu/test_hf_tier.py runs the conversations on the
+kernels with pinned copies."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+import torch
+
+import kvplug
+import kvplug.hf as kvhf
+from kvplug.hf import tier_copy
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import test_hf_correctness as H  # noqa: E402
+
+BS = 8
+
+
+class Conversations:
+    """n conversations of `turns` turns: turn k's prompt is turn k-1's
+    prompt and outputs plus new user tokens; a turn arrives when the one
+    before it finished (Engine.run's follow_up)."""
+
+    def __init__(self, eng_mod, vocab: int, n: int = 4, turns: int = 3, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.E = eng_mod
+        self.turns = turns
+        self.users = [[rng.integers(1, vocab, int(rng.integers(18, 30))).tolist() for _ in range(turns)] for _ in range(n)]
+        self.outs = [[int(rng.integers(6, 12)) for _ in range(turns)] for _ in range(n)]
+        self.of: Dict[int, Tuple[int, int]] = {}
+
+    def first(self) -> List[Any]:
+        return [self._req(c, 0, list(self.users[c][0]), 0.0) for c in range(len(self.users))]
+
+    def _req(self, c: int, t: int, prompt: List[int], arrival: float) -> Any:
+        rid = c * self.turns + t
+        self.of[rid] = (c, t)
+        return self.E.Request(rid, arrival, prompt, self.outs[c][t])
+
+    def follow_up(self, req: Any, now: float) -> Optional[Any]:
+        c, t = self.of[req.rid]
+        if t + 1 >= self.turns:
+            return None
+        return self._req(c, t + 1, req.prompt + req.outputs[req.seq_ids[0]] + self.users[c][t + 1], now)
+
+    def max_len(self) -> int:
+        return max(sum(map(len, u)) + sum(o) for u, o in zip(self.users, self.outs))
+
+
+def run_conversations(model, dtype, device, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
+                      backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
+                      tier_overlap: bool = False, max_batch: int = 2,
+                      step_tokens: int = 48, chunk: int = 24):
+    """Runs the conversations; returns (engine, recorder, requests, outputs by rid, tier summary or None)."""
+    E = H.load_engine()
+    kvmodel = H.twin(model)
+    conv = Conversations(E, model.config.vocab_size)
+    tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
+                tier_overlap=tier_overlap) if host_slots else {}
+    cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, **tier)
+    runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
+                         max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
+    rec = H.Recorder()
+    cfg = E.EngineConfig(max_batch=max_batch, step_tokens=step_tokens, chunk=chunk, progress_every=0)
+    engine = E.Engine(runner, cfg, on_logits=lambda b, lg: rec(b, lg, BS))
+    reqs = conv.first()
+    engine.run(reqs, log=lambda s: None, follow_up=conv.follow_up)
+    assert len(reqs) == 4 * conv.turns and all(r.finished is not None for r in reqs)
+    cache.manager.check()
+    summary = cache.tier_summary()
+    lines = E.summary(engine, reqs, 1.0)
+    cache.close()
+    outs = {r.rid: r.outputs[r.seq_ids[0]] for r in reqs}
+    return engine, rec, reqs, outs, summary, lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy
+    machine their spinning makes each step many times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return H.tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def big_pool(model):
+    return run_conversations(model, torch.float32, "cpu", num_blocks=256)
+
+
+def test_evicted_history_is_served_from_the_host_tier(model, big_pool):
+    engine, rec, reqs, outs, s, lines = run_conversations(model, torch.float32, "cpu", num_blocks=24, host_slots=64,
+                                                          demote_ahead=6)
+    # The history of later turns came back from host memory, not recomputed.
+    assert s["demotions_completed"] > 0 and s["reloads_completed"] > 0, s
+    assert s["host_hit_tokens"] >= 3 * BS, s
+    assert s["host_hit_rate"] > 0 and s["in_flight"] == 0 and s["host_pinned"] == 0
+    assert s["reloads_completed"] == s["reloads"] and s["demotions_failed"] == 0
+    # Every logit row, reloaded blocks included, is transformers' row.
+    count, _ = H.compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
+    assert count > 100
+    # Greedy outputs: the same as with a pool that holds everything, and as recomputing without the tier.
+    assert outs == big_pool[3]
+    _, _, _, recompute, none, _ = run_conversations(model, torch.float32, "cpu", num_blocks=24)
+    assert none is None and outs == recompute
+    assert any(line.startswith("host tier:") for line in lines)
+    assert any(line.startswith("host tier loads:") for line in lines)
+
+
+def test_a_lost_reload_is_caught(model):
+    """The check above can fail: a copier that drops its reloads leaves the
+    reused blocks with other K/V, and the rows differ from transformers."""
+
+    class DropReloads(tier_copy.TorchTierCopier):
+        def run(self, batch, stream=None):
+            super().run(batch._replace(reload_slots=batch.reload_slots[:0], reload_blocks=batch.reload_blocks[:0]), stream)
+
+    def copier(cache):
+        return DropReloads(cache.kv, cache.manager.host_tier_memory())
+
+    engine, rec, reqs, _, s, _ = run_conversations(model, torch.float32, "cpu", num_blocks=24, host_slots=64,
+                                                   demote_ahead=6, tier_copier=copier)
+    assert s["reloads"] > 0 and s["copier"] == "DropReloads"
+    with pytest.raises(AssertionError, match="transformers"):
+        H.compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
+
+
+def test_torch_copier_round_trip():
+    """Demotions then reloads through unordered, non-contiguous host slots
+    bring every layer's K and V of each block back."""
+    shape = kvhf.ModelShape(3, 4, 2, 8)
+    with kvhf.PagedKVCache(shape, 16, 4, dtype=torch.bfloat16, host_tier_slots=12, demote_ahead=4) as cache:
+        assert cache.block_bytes == 3 * 2 * 4 * 2 * 8 * 2
+        host = cache.manager.host_tier_memory()
+        assert host.shape == (12, cache.block_bytes)
+        cp = tier_copy.TorchTierCopier(cache.kv, host)
+        cache.kv.copy_(torch.randn(cache.kv.shape))
+        want = cache.kv.clone()
+        blocks = np.array([5, 1, 9, 2, 14], np.int32)
+        slots = np.array([7, 3, 4, 11, 0], np.int32)
+        none = np.empty(0, np.int32)
+        cp.run(kvplug.CopyBatch(1, blocks, slots, none, none))
+        for b, s in zip(blocks, slots):
+            assert torch.equal(cp.host[s], want[:, :, b])
+        cache.kv.zero_()
+        back = np.array([0, 3, 6, 12, 8], np.int32)  # slot i -> another block
+        cp.run(kvplug.CopyBatch(2, none, none, slots, back))
+        for b, nb in zip(blocks, back):
+            assert torch.equal(cache.kv[:, :, nb], want[:, :, b])
+        assert cache.kv[:, :, 1].abs().sum() == 0  # nothing else written
+        cp.close()
+    with pytest.raises(ValueError, match="bytes"):
+        tier_copy.TorchTierCopier(torch.zeros(2, 2, 4, 4, 1, 8), np.zeros((3, 10), np.uint8))
+
+
+def test_cache_tier_arguments():
+    shape = kvhf.ModelShape(2, 4, 2, 16)
+    bb = 2 * 2 * 8 * 2 * 16 * 4  # layers x K,V x block x kv heads x head_dim x float32
+    assert kvhf.PagedKVCache.host_slots_for(1.0, shape, 8, torch.float32) == 2**30 // bb
+    assert kvhf.PagedKVCache.default_demote_ahead(1000, 16, 256, 8) == 2 * 16 + 8
+    assert kvhf.PagedKVCache.default_demote_ahead(40, 16, 8192, 256) == 10  # a quarter of the pool at most
+    assert kvhf.PagedKVCache.default_demote_ahead(100) == 12
+    with kvhf.PagedKVCache(shape, 32, 8, dtype=torch.float32, host_tier_slots=5) as c:
+        assert c.tier is not None and c.manager.tier_stats().host_slots == 5
+        assert c.block_bytes == bb and c.manager.host_tier_memory().shape == (5, bb)
+        assert set(c.tier_summary()) >= {"host_hit_rate", "gpu_hit_rate", "load_gbps", "reload_bytes", "demotions_completed",
+                                         "skipped_full", "skipped_present", "evicted_undemoted", "host_bytes"}
+    with kvhf.PagedKVCache(shape, 32, 8, dtype=torch.float32) as c:
+        assert c.tier is None and c.tier_summary() is None
+    with pytest.raises(ValueError, match="prefix cache"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, prefix_cache=False)
+    with pytest.raises(ValueError, match="tier_copier"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, tier_copier="fast")
+    if not tier_copy.manager_takes("shared_tier"):
+        with pytest.raises(ValueError, match="shared tier"):
+            kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier="127.0.0.1:6379")
+
+
+def test_library_copier_is_used_on_cuda_caches(monkeypatch):
+    """kvplug.TierCopier replaces the torch copier on CUDA caches, with the
+    cache's per-layer K and V; tier_copier="torch" keeps the torch one;
+    CPU caches use torch."""
+    made = []
+
+    class Fake:
+        def __init__(self, k, v, *, manager):
+            made.append((k, v, manager))
+
+        def run(self, batch, stream):
+            pass
+
+    class FakeCache:
+        device = torch.device("cuda")
+        manager = object()
+        kv = torch.arange(2 * 2 * 3 * 4).view(2, 2, 3, 4, 1, 1)  # [layers, K/V, blocks, bs, heads, dim]
+
+    monkeypatch.setattr(kvplug, "TierCopier", Fake)
+    assert isinstance(tier_copy.make_copier(FakeCache()), Fake)
+    (k, v, m), = made
+    assert m is FakeCache.manager and len(k) == len(v) == 2
+    assert all(torch.equal(k[i], FakeCache.kv[i, 0]) and torch.equal(v[i], FakeCache.kv[i, 1]) for i in range(2))
+    shape = kvhf.ModelShape(1, 2, 1, 8)
+    with kvhf.PagedKVCache(shape, 8, 4, dtype=torch.float32, host_tier_slots=2) as c:
+        assert isinstance(c.tier.copier, tier_copy.TorchTierCopier)
+
+
+def test_engine_flags():
+    E = H.load_engine()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    E.add_tier_args(ap)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--max-batch", type=int, default=64)
+    shape = kvhf.ModelShape(4, 8, 2, 32)
+    args = ap.parse_args([])
+    assert (args.host_cache_gb, args.demote_ahead, args.shared_tier) == (0.0, None, None)
+    assert E.tier_kwargs(args, shape, 1000, torch.float32) == {}
+    args = ap.parse_args(["--host-cache-gb", "0.5", "--demote-ahead", "40"])
+    bb = 4 * 2 * 16 * 2 * 32 * 4
+    assert E.tier_kwargs(args, shape, 1000, torch.float32) == {"host_tier_slots": 2**29 // bb, "demote_ahead": 40}
+    args = ap.parse_args(["--host-cache-gb", "0.5"])
+    assert E.tier_kwargs(args, shape, 1000, torch.float32)["demote_ahead"] == 250  # 2 x 2048 / 16 + 64, pool / 4
+    args = ap.parse_args(["--host-cache-gb", "0.5", "--demote-overlap"])
+    assert E.tier_kwargs(args, shape, 1000, torch.float32)["tier_overlap"] is True
+    with pytest.raises(SystemExit, match="host-cache-gb"):
+        E.tier_kwargs(ap.parse_args(["--shared-tier", "127.0.0.1:6379"]), shape, 1000, torch.float32)
+    if not tier_copy.manager_takes("shared_tier"):
+        with pytest.raises(SystemExit, match="no shared tier"):
+            E.tier_kwargs(ap.parse_args(["--host-cache-gb", "1", "--shared-tier", "h:1"]), shape, 1000, torch.float32)
+
+
+def test_engine_main_with_the_host_tier(capsys):
+    E = H.load_engine()
+    E.main(["--requests", "6", "--rate", "0", "--system", "64", "--own", "8", "16", "--output", "4", "8",
+            "--num-blocks", "12", "--host-cache-gb", "0.01", "--max-batch", "4", "--step-tokens", "128", "--quiet"])
+    out = capsys.readouterr().out
+    assert "host tier" in out and "6/6 finished" in out, out
+    assert "host tier loads:" in out and "GB/s" in out, out
+
+
+def _bench():
+    if "hf_bench" in sys.modules:
+        return sys.modules["hf_bench"]
+    spec = importlib.util.spec_from_file_location("hf_bench", ROOT / "bench" / "hf_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["hf_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_multi_turn_workload():
+    """Workload m's conversations: each turn's prompt continues the one
+    before it, and the working set counts the full histories."""
+    B = _bench()
+    import argparse
+
+    args = argparse.Namespace(m_convs=128, m_turns=6, m_user=[200, 500], m_output=[128, 256], scale=1.0, out_scale=1.0)
+    conv = B.MultiTurn(args, 1000)
+    assert len(conv.users) == 128 and len(conv) == 768
+    assert all(200 <= len(u) <= 500 for us in conv.users for u in us)
+    assert all(128 <= o <= 256 for os_ in conv.outs for o in os_)
+    first = conv.first()
+    assert sorted(r.rid // 6 for r in first) == list(range(128)) and [r.rid for r in first] != sorted(r.rid for r in first)
+    r = first[0]
+    r.seq_ids.append(0)
+    r.outputs[0] = list(range(r.max_new_tokens))
+    nxt = conv.follow_up(r, 1.5)
+    c = r.rid // 6
+    assert nxt.prompt == r.prompt + r.outputs[0] + conv.users[c][1] and nxt.arrival == 1.5
+    assert nxt.max_new_tokens == conv.outs[c][1]
+    assert conv.max_len == max(conv.lens) and conv.working_set_blocks(16) == sum(-(-n // 16) for n in conv.lens)
+    small = B.MultiTurn(argparse.Namespace(**{**vars(args), "scale": 0.05, "out_scale": 0.5}), 1000)
+    assert len(small.users) == 6 and all(64 <= o <= 128 for os_ in small.outs for o in os_)
+
+
+def test_bench_smoke(tmp_path, capsys):
+    """bench/hf_bench.py --workloads m at a tiny scale on the CPU: the three
+    systems run every turn; the tier's figures are reported."""
+    B = _bench()
+    out = tmp_path / "m.json"
+    B.main(["--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--workloads", "m", "--scale", "0.03",
+            "--m-turns", "3", "--m-user", "12", "24", "--m-output", "4", "8", "--max-batch", "4", "--step-tokens",
+            "128", "--chunk", "64", "--quiet", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "multi-turn (m)" in text and "kvplug-host vs kvplug" in text, text
+    res = json.loads(out.read_text())
+    assert set(res) == {"m/kvplug-host", "m/kvplug", "m/kvplug-all"}
+    for r in res.values():
+        assert r["finished"] == r["requests"] == 12 and len(r["ttft"]) == 12 and len(r["ttft_next"]) == 8
+    t = res["m/kvplug-host"]["tier"]
+    assert t["host_hit_tokens"] > 0 and t["reloads_completed"] > 0, t
+    assert "tier" not in res["m/kvplug"]
+    assert res["m/kvplug-all"]["num_blocks"] >= res["m/kvplug-all"]["working_set_blocks"]
+    assert res["m/kvplug"]["num_blocks"] < res["m/kvplug"]["working_set_blocks"]
