@@ -54,15 +54,19 @@ def host_rows(views, rows, pin):
     return [torch.zeros((rows, v.shape[1]), dtype=torch.int8, pin_memory=pin) for v in views]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+ENGINES = [("cpu", "torch")] + ([("cuda", "torch"), ("cuda", "kvplug")] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device,copy", ENGINES, ids=[f"{d}-{c}" for d, c in ENGINES])
 @pytest.mark.parametrize("packed", [False, True], ids=["layer-outermost", "packed"])
 @pytest.mark.parametrize("bpc", [1, 2])
-def test_vllm_store_then_load_into_other_blocks(device, packed, bpc):
+def test_vllm_store_then_load_into_other_blocks(device, copy, packed, bpc):
     backing, views = vllm_kv(device, packed=packed)
-    pin = device == "cuda"
     slots = 8
-    host = host_rows(views, slots * bpc, pin)
-    copier = BlockCopier(views, host, [list(range(len(views)))])
+    copier = BlockCopier.for_views(views, slots * bpc, [list(range(len(views)))], pin_memory=device == "cuda",
+                                   use_library=copy == "kvplug")
+    assert (copier.tier_copier is not None) == (copy == "kvplug")
+    host = copier.host_tensors
     # Store GPU blocks 3..7 (logical blocks 1..5 of a request) into slots.
     gpu = [3, 4, 5, 6, 7]
     first = 1
@@ -86,12 +90,16 @@ def test_vllm_store_then_load_into_other_blocks(device, packed, bpc):
         assert deadline < 1000
     for v, w in zip(views, want):
         assert torch.equal(v[dst].cpu(), w)
+    for h, w in zip(host, want):  # the host rows hold the stored pages
+        rows = plan_rows(gpu, [len(gpu)], [first], slot_ids, bpc)[0][1]
+        assert torch.equal(h[torch.from_numpy(rows)], w)
     # Other blocks untouched.
     before = backing.clone()
     rows = plan_rows([0], [1], [0], [-1], bpc)  # a slot the store could not pin: skipped
     copier.transfer(3, rows, store=False)
     copier.wait({3})
     assert torch.equal(backing, before)
+    copier.shutdown()
 
 
 @pytest.mark.parametrize("device", DEVICES)

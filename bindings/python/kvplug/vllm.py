@@ -17,7 +17,8 @@ block_size, blocks_per_chunk and offload_prompt_only, keep their meaning):
 The scheduler side keeps no memory: it hands out slot numbers of the host
 store, keyed by a 64-bit hash of vLLM's OffloadKey (block hash and KV cache
 group), and each worker owns num_slots rows of its own share of every block
-in host memory (pinned when CUDA is available), indexed by those slots.
+in host memory, indexed by those slots, which kvplug's batched copy kernel
+(kvplug.TierCopier) or torch moves (BlockCopier.for_views says which).
 
 Faults in vLLM's terms, never an exception out of a manager call: a key
 never stored or dropped by reset_cache is a MISS; a store of a block that
@@ -112,14 +113,19 @@ class BlockCopier:
     on a side stream, after the engine's current stream (so a store reads
     what the forward pass wrote), and a transfer finishes when its event has
     passed (a store's host rows are written then); with CPU tensors they
-    run at once. The batched copy is torch's (index_select, one
-    host-device copy, index_copy_)."""
+    run at once. With tier_copier (a kvplug.TierCopier over the same
+    tensors and the host region the host tensors view, for every tensor of
+    every op) a transfer is one launch of kvplug's batched copy kernel, the
+    host rows written and read in place; otherwise the batched copy is
+    torch's (index_select, one host-device copy, index_copy_).
+    BlockCopier.for_views builds either."""
 
     def __init__(self, device_tensors: Sequence[Any], host_tensors: Sequence[Any],
-                 group_tensors: Sequence[Sequence[int]]) -> None:
+                 group_tensors: Sequence[Sequence[int]], tier_copier: Any = None) -> None:
         import torch
 
         self._torch = torch
+        self.tier_copier = tier_copier
         if len(device_tensors) != len(host_tensors):
             raise ValueError(f"{len(device_tensors)} device tensors and {len(host_tensors)} host tensors")
         for i, (d, h) in enumerate(zip(device_tensors, host_tensors)):
@@ -137,6 +143,45 @@ class BlockCopier:
         self._jobs: Dict[int, Tuple[Any, int, float, List[Tuple[Any, Any, Any]], List[Any]]] = {}
         self._order: List[int] = []
         self._done_early: List[Tuple[int, int, float]] = []  # finished by wait(), reported by finished()
+
+    @classmethod
+    def for_views(cls, device_tensors: Sequence[Any], num_rows: int, group_tensors: Sequence[Sequence[int]],
+                  pin_memory: bool = False, use_library: Optional[bool] = None) -> "BlockCopier":
+        """A copier with num_rows host rows per tensor. When every tensor has
+        one page size and stride (a multiple of 16 bytes) and every group
+        uses every tensor, the host rows are one region, row r holding each
+        tensor's page in turn (the layout of kvplug's host slots), and on
+        CUDA (use_library None or True) kvplug's TierCopier, which
+        page-locks the region, moves them; otherwise each tensor gets rows
+        of its own, in pinned memory when pin_memory, and torch moves them."""
+        import torch
+
+        pages = {int(t.shape[1]) for t in device_tensors}
+        strides = {int(t.stride(0)) for t in device_tensors}
+        n = len(device_tensors)
+        one_region = (len(pages) == 1 and len(strides) == 1 and all(len(set(g)) == n for g in group_tensors)
+                      and next(iter(pages)) % 16 == 0 and next(iter(strides)) % 16 == 0)
+        cuda = n > 0 and device_tensors[0].device.type == "cuda"
+        if use_library is None:
+            use_library = cuda
+        if not one_region:
+            if use_library and cuda:
+                logger.info("kvplug: KV tensors of several page sizes or groups; torch copies the blocks")
+            host = [torch.zeros((num_rows, int(t.shape[1])), dtype=torch.int8, pin_memory=pin_memory)
+                    for t in device_tensors]
+            return cls(device_tensors, host, group_tensors)
+        page = next(iter(pages))
+        region = np.zeros((num_rows, n * page), dtype=np.uint8)
+        rows = torch.from_numpy(region).view(torch.int8)
+        host = [rows[:, i * page:(i + 1) * page] for i in range(n)]
+        tier = None
+        if use_library and cuda and num_rows > 0:
+            from .tiercopy import TierCopier
+
+            tier = TierCopier(list(device_tensors), None, host=region)
+        copier = cls(device_tensors, host, group_tensors, tier_copier=tier)
+        copier._region = region  # kept alive with the copier
+        return copier
 
     def _stream(self, store: bool) -> Any:
         s = self._streams.get(store)
@@ -165,7 +210,23 @@ class BlockCopier:
         keep_alive: List[Any] = []
         event = None
         start = time.monotonic()
-        if self._cuda and per_tensor:
+        if self.tier_copier is not None and per_tensor:
+            # Every group uses every tensor here (for_views): one op per block.
+            d = np.concatenate([r[0] for r in rows if len(r[0])])
+            h = np.concatenate([r[1] for r in rows if len(r[0])])
+            keep = h >= 0
+            d, h = d[keep], h[keep]
+            stream = self._stream(store)
+            dev = self.device_tensors[0].device
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            if store:
+                self.tier_copier.run(stream=stream, demote=(d, h))
+            else:
+                self.tier_copier.run(stream=stream, reload=(h, d))
+            event = torch.cuda.Event()
+            event.record(stream)
+            nbytes = len(d) * sum(int(t.shape[1]) for t in self.device_tensors)
+        elif self._cuda and per_tensor:
             stream = self._stream(store)
             dev = self.device_tensors[0].device
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -232,6 +293,9 @@ class BlockCopier:
 
     def shutdown(self) -> None:
         self.wait(list(self._order))
+        if self.tier_copier is not None:
+            self.tier_copier.close()
+            self.tier_copier = None
 
 
 # --------------------------------------------------------------------------
@@ -584,21 +648,20 @@ def _build() -> Dict[str, Any]:
 
         def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_slots: int,
                      pin_memory: Optional[bool] = None) -> None:
-            if pin_memory is None:
-                pin_memory = torch.cuda.is_available()
             self.blocks_per_chunk = int(blocks_per_chunk)
-            device, host = [], []
+            device = []
             for ct in kv_caches.tensors:
                 t = ct.tensor
                 if t.dtype != torch.int8:
                     t = t.view(torch.int8)
-                t = t.view(t.shape[0], -1)
-                page = t.shape[1]
-                rows = torch.zeros((num_slots, self.blocks_per_chunk * page), dtype=torch.int8, pin_memory=pin_memory)
-                device.append(t)
-                host.append(rows.view(num_slots * self.blocks_per_chunk, page))
+                device.append(t.view(t.shape[0], -1))
+            cuda = bool(device) and device[0].device.type == "cuda"
+            if pin_memory is None:
+                pin_memory = cuda
             groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
-            self.copier = BlockCopier(device, host, groups)
+            # Host row r = slot r // blocks_per_chunk, block r % blocks_per_chunk of its chunk.
+            self.copier = BlockCopier.for_views(device, num_slots * self.blocks_per_chunk, groups,
+                                                pin_memory=pin_memory)
 
         def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: Any, store: bool) -> bool:
             rows = plan_rows(gpu.block_ids, gpu.group_sizes, gpu.block_indices, host.block_ids,
