@@ -11,7 +11,7 @@ GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 
 
 -include kernels/kernels.mk
 
-.PHONY: demo-routing all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet FORCE
+.PHONY: demo-routing all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet test-engines FORCE
 
 all: lib
 
@@ -76,6 +76,43 @@ test: vet check-header check-exports test-go test-cpp test-python test-fresh-clo
 
 demo: $(LIB) $(VENV)/.ok
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/demo.py
+
+# The engines' conformance tests, not part of `make test` (README, "Using kvplug
+# with vLLM / SGLang"): kvplug.vllm and kvplug.sglang driven by vLLM's and SGLang's
+# own scheduler-side classes on the CPU, plus the engines' unit tests that can be
+# pointed at them. Each engine gets its own environment under build/engines-venv
+# (vLLM 0.32 pins torch 2.13, SGLang 0.5.23 torch 2.14.1), installed with uv from
+# tests/engines/requirements-*.txt: about 9 GB each (the CUDA torch and its
+# libraries: PyPI has no CPU-only Linux torch), a minute each from a fast mirror.
+# vLLM's own tests come from its sdist (tests/engines/fetch_upstream.py).
+ENGINES_VENV := $(BUILD)/engines-venv
+ENGINES_VLLM := 0.32.0
+ENGINES_UV := $(ENGINES_VENV)/tools/bin/uv
+ENGINES_ENV = KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=$(abspath bindings/python) HF_HUB_OFFLINE=1
+ENGINES_PYTEST = -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning
+
+$(ENGINES_VENV)/tools/.ok:
+	$(PYTHON) -m venv $(ENGINES_VENV)/tools
+	$(ENGINES_VENV)/tools/bin/pip install -q uv==0.13.9
+	@touch $@
+
+$(ENGINES_VENV)/%/.ok: tests/engines/requirements-%.txt $(ENGINES_VENV)/tools/.ok
+	rm -rf $(ENGINES_VENV)/$*
+	$(ENGINES_UV) venv -q --python $(PYTHON) $(ENGINES_VENV)/$*
+	UV_CACHE_DIR=$(abspath $(ENGINES_VENV))/uv-cache $(ENGINES_UV) pip install -q --python $(ENGINES_VENV)/$*/bin/python -r $<
+	@touch $@
+
+test-engines: $(LIB) $(ENGINES_VENV)/vllm/.ok $(ENGINES_VENV)/sglang/.ok
+	@rm -rf $(ENGINES_VENV)/results && mkdir -p $(ENGINES_VENV)/results
+	$(ENGINES_VENV)/vllm/bin/python tests/engines/fetch_upstream.py $(ENGINES_VLLM) $(ENGINES_VENV)/upstream
+	-cd tests/engines && $(ENGINES_ENV) $(abspath $(ENGINES_VENV))/vllm/bin/python -m pytest $(ENGINES_PYTEST) \
+		--junitxml=$(abspath $(ENGINES_VENV))/results/vllm.xml vllm
+	-cd tests/engines && $(ENGINES_ENV) $(abspath $(ENGINES_VENV))/sglang/bin/python -m pytest $(ENGINES_PYTEST) \
+		--junitxml=$(abspath $(ENGINES_VENV))/results/sglang.xml sglang
+	-cd $(ENGINES_VENV)/upstream/vllm && $(ENGINES_ENV) PYTHONPATH=$(abspath bindings/python):$(abspath tests/engines/vllm) \
+		$(abspath $(ENGINES_VENV))/vllm/bin/python -m pytest $(ENGINES_PYTEST) --tb=no -rN -p upstream_shim \
+		--junitxml=$(abspath $(ENGINES_VENV))/results/vllm-upstream.xml tests/v1/kv_offload/cpu/test_manager.py
+	$(PYTHON) tests/engines/summarize.py $(ENGINES_VENV)/results
 
 # KV-aware routing: three instances, the cluster prefix index against random routing.
 demo-routing:

@@ -1963,6 +1963,281 @@ kvp_status kvp_vcache_stats_get(kvp_vcache *c, kvp_vcache_stats *out);
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: virtual-contiguous KV cache (end) ==== */
 
+/* ==== section: standalone host store (begin) ==== */
+/*
+ * A standalone host store: the host tier's slot pool (the same
+ * bookkeeping as a manager's host tier: fixed-size slots, each holding one
+ * block under a 64-bit key, an LRU over resident blocks, pins for copies in
+ * flight) without a kvp_manager, for an engine that keeps its own GPU block
+ * manager and asks for host slots by key: vLLM's OffloadingManager
+ * (kvplug.vllm) and SGLang's HiCache storage backend (kvplug.sglang). The
+ * caller derives the keys (a hash of the engine's block hash; equal keys
+ * mean equal blocks) and performs the copies itself.
+ *
+ * A key's slot is in one of three states (kvp_host_store_state):
+ *   absent   (KVP_HOST_KEY_ABSENT)   no slot holds it;
+ *   pending  (KVP_HOST_KEY_PENDING)  reserved by kvp_host_store_reserve: the
+ *            copy into the slot is in flight; the slot is pinned and not
+ *            readable; kvp_host_store_complete commits it (or gives it back);
+ *   resident (KVP_HOST_KEY_RESIDENT) readable; evictable (least recently
+ *            used first) while no pin is held on it.
+ *
+ * Ordering rules for the engine's copies, as for the manager's host tier:
+ *   1. Write a slot only between the reserve that handed it out and the
+ *      complete that ends it; complete only after the copy has finished.
+ *   2. Read a slot only while holding a pin on it (kvp_host_store_pin ...
+ *      kvp_host_store_unpin): a pinned slot is never evicted or reused.
+ *
+ * Bad input in the engine's terms: reserve skips keys the store holds
+ * already (slot -1, counted in skipped_present) and refuses a batch the free
+ * and evictable slots cannot cover as a whole (KVP_ERR_OUT_OF_BLOCKS,
+ * nothing changed, counted in refused_full); pin reports slot -1 for a key
+ * that is not resident (a miss); complete and unpin of a key they find
+ * nothing to do for (never stored, or dropped by kvp_host_store_reset)
+ * count it in stale and go on.
+ *
+ * Memory: with slot_bytes > 0 the library allocates num_slots slots of
+ * slot_bytes (plain, unpinned host memory, zeroed), slot s at
+ * base + s * slot_bytes (kvp_host_store_memory), freed by destroy;
+ * kvp_host_store_write and kvp_host_store_read copy between it and the
+ * caller's buffers. With slot_bytes 0 the store is bookkeeping only (the
+ * engine's workers own the memory and index it by slot number).
+ *
+ * Threads: all functions on one store may be called from any thread; they
+ * serialise on the store's lock. The caller's arrays must not change during
+ * a call. Keys arrays hold n uint64 keys, n in [1, KVP_MAX_BATCH].
+ */
+typedef struct kvp_host_store kvp_host_store;
+
+typedef struct kvp_host_store_config {
+  size_t struct_size;  /* sizeof(kvp_host_store_config) */
+  int32_t num_slots;   /* slots, in [1, 2^30]; no default (0) */
+  int32_t reserved;    /* must be 0 */
+  int64_t slot_bytes;  /* bytes of one slot, >= 0; 0 = no memory (bookkeeping
+                          only); num_slots * slot_bytes <= 2^46 */
+} kvp_host_store_config;
+
+#define KVP_HOST_STORE_CONFIG_INIT KVP_STRUCT_INIT(kvp_host_store_config)
+
+/* kvp_host_store_state's answers. */
+#define KVP_HOST_KEY_ABSENT 0
+#define KVP_HOST_KEY_PENDING 1
+#define KVP_HOST_KEY_RESIDENT 2
+
+/* Counters (since creation) and gauges of a store. */
+typedef struct kvp_host_store_stats {
+  size_t struct_size;      /* set by the caller: sizeof(kvp_host_store_stats) */
+  int64_t reserves;        /* slots handed out by reserve */
+  int64_t commits;         /* of which completed */
+  int64_t aborts;          /* of which given back (failed copies) */
+  int64_t refused_full;    /* keys of reserve batches refused: no room */
+  int64_t skipped_present; /* keys reserve skipped: held already, or repeated */
+  int64_t evictions;       /* resident blocks evicted to make room */
+  int64_t hits;            /* keys found resident by lookup_prefix and pin */
+  int64_t misses;          /* keys they did not find */
+  int64_t stale;           /* keys complete or unpin found nothing to do for */
+  int64_t resets;          /* kvp_host_store_reset calls */
+  int32_t num_slots;       /* capacity */
+  int32_t resident;        /* slots holding a committed block */
+  int32_t pending;         /* slots reserved, their copy in flight */
+  int32_t pinned;          /* slots with a pin (pending ones included) */
+} kvp_host_store_stats;
+
+#define KVP_HOST_STORE_STATS_INIT KVP_STRUCT_INIT(kvp_host_store_stats)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Creates a store. Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT
+ * (num_slots or slot_bytes out of range, reserved not 0), OUT_OF_MEMORY. */
+kvp_status kvp_host_store_create(const kvp_host_store_config *cfg, kvp_host_store **out);
+
+/* Destroys a store and frees its memory (no copy may use it any more). NULL
+ * is a no-op. */
+void kvp_host_store_destroy(kvp_host_store *s);
+
+/* For each of n keys: states[i] receives its state (KVP_HOST_KEY_*) and,
+ * when slots is not NULL, slots[i] its slot (-1 when absent). Touches
+ * nothing and counts nothing. Errors: NULL_POINTER (keys, states),
+ * INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_state(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                                int32_t *states, int32_t *slots);
+
+/* *matched receives the number of keys, from the first, that are resident
+ * (a prompt's prefix); they are marked recently used, the first most
+ * recently. Pins nothing. Errors: NULL_POINTER, INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_lookup_prefix(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                                        int32_t *matched);
+
+/* Reserves a slot for each key the store does not hold: slots[i] receives
+ * key i's slot, or -1 for a key held already (pending or resident) or
+ * repeated in the batch. Room is made by evicting least recently used
+ * unpinned resident blocks that are not keys of the batch; their keys are
+ * written to evicted[0, *num_evicted) in eviction order (evicted has room
+ * for n keys). All or none: OUT_OF_BLOCKS when the batch does not fit, with
+ * nothing changed. Errors: NULL_POINTER, INVALID_ARGUMENT (n),
+ * OUT_OF_BLOCKS. */
+kvp_status kvp_host_store_reserve(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                                  int32_t *slots, uint64_t *evicted, int32_t *num_evicted);
+
+/* Ends the copies into the pending keys of keys: committed (failed 0; the
+ * block becomes resident, most recently used) or given back (failed
+ * nonzero). Keys that are not pending count in stale. *num_completed (may
+ * be NULL) receives how many were pending. Errors: NULL_POINTER (keys),
+ * INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_complete(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                                   int32_t failed, int32_t *num_completed);
+
+/* Pins the slot of each resident key for a copy out of it: slots[i]
+ * receives it, or -1 for a key that is not resident (a miss). Does not
+ * touch the LRU. *num_pinned (may be NULL) receives how many it pinned;
+ * each needs one kvp_host_store_unpin. Errors: NULL_POINTER (keys, slots),
+ * INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_pin(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                              int32_t *slots, int32_t *num_pinned);
+
+/* Drops one pin of each pinned key; keys without a pin count in stale.
+ * *num_unpinned (may be NULL) receives how many it unpinned.
+ * Errors: NULL_POINTER (keys), INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_unpin(kvp_host_store *s, int32_t n, const uint64_t *keys,
+                                int32_t *num_unpinned);
+
+/* Marks the resident keys of keys recently used, the first most recently;
+ * other keys are ignored. Errors: NULL_POINTER, INVALID_ARGUMENT (n). */
+kvp_status kvp_host_store_touch(kvp_host_store *s, int32_t n, const uint64_t *keys);
+
+/* Drops every block, pending and pinned ones included (the caller
+ * guarantees no copy still uses them): later completes, pins and unpins
+ * of the dropped keys are stale or misses. *num_dropped (may be NULL)
+ * receives how many slots it freed. */
+kvp_status kvp_host_store_reset(kvp_host_store *s, int32_t *num_dropped);
+
+/* Fills *out with the store's statistics. Errors: NULL_POINTER,
+ * STRUCT_SIZE. */
+kvp_status kvp_host_store_stats_get(kvp_host_store *s, kvp_host_store_stats *out);
+
+/* The store's memory: *base (NULL without memory), *slot_bytes and
+ * *num_slots; outputs may be NULL. Valid until destroy. */
+kvp_status kvp_host_store_memory(kvp_host_store *s, void **base, int64_t *slot_bytes,
+                                 int32_t *num_slots);
+
+/* Copies into the store: for each i of n, slot slots[i] (which must be
+ * pending: reserved and not completed) receives the concatenation of
+ * segments [i * segs, (i + 1) * segs) of ptrs (lengths in lens), which
+ * must total slot_bytes. Checked in full before anything is copied.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n, segs outside [1, 4096] or
+ * n * segs above KVP_MAX_BATCH, a length < 0, lengths not totalling
+ * slot_bytes, a slot out of range), NOT_FOUND (a slot not pending),
+ * UNSUPPORTED (a store without memory). */
+kvp_status kvp_host_store_write(kvp_host_store *s, int32_t n, const int32_t *slots, int32_t segs,
+                                const void *const *ptrs, const int64_t *lens);
+
+/* Copies out of the store, the converse of kvp_host_store_write: slot
+ * slots[i] (which must be resident; hold a pin on it) is split across its
+ * segments. Errors: as kvp_host_store_write, NOT_FOUND for a slot that is
+ * not resident. */
+kvp_status kvp_host_store_read(kvp_host_store *s, int32_t n, const int32_t *slots, int32_t segs,
+                               void *const *ptrs, const int64_t *lens);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: standalone host store (end) ==== */
+
+/* ==== section: standalone shared store (begin) ==== */
+/*
+ * A standalone client of the shared tier (a Valkey or Redis server that
+ * instances share; the format of its values is core/kvtier/valkey's: a
+ * header with the key, a layout fingerprint and a checksum, then the
+ * payload), without a kvp_manager, for kvplug.sglang's HiCache storage
+ * backend. A key is 16 bytes (a 128-bit hash of the block's identity, as the
+ * manager's shared tier keys blocks by their 128-bit chained hash): keys
+ * arrays hold n keys of 16 bytes each.
+ *
+ * Faults never fail a call: a server that is down, slow or restarting
+ * turns the call into misses (get, exists) or stores skipped (put), counted
+ * in timeouts or errors, within op_timeout_ms; after a failure the server
+ * is skipped, without touching the network, for a backoff window that
+ * doubles up to max_backoff_ms (each call so skipped counted in skipped).
+ * A value that fails its checks (short, foreign, corrupt, another layout's)
+ * is a miss counted in corrupt. create does not connect: a server that is
+ * down at start-up only makes the first calls misses.
+ *
+ * Threads: calls on one store may come from any thread; they share one
+ * connection, one round trip at a time.
+ */
+typedef struct kvp_shared_store kvp_shared_store;
+
+typedef struct kvp_shared_store_config {
+  size_t struct_size;       /* sizeof(kvp_shared_store_config) */
+  const char *address;      /* "host:port" of the server; required */
+  const char *key_space;    /* 1-64 characters of [A-Za-z0-9_.-]: keys are
+                               kvplug:<key_space>:<key as 32 hex digits>;
+                               required */
+  uint64_t fingerprint;     /* the model and KV layout's fingerprint: values
+                               stored under another are misses */
+  int64_t block_bytes;      /* payload bytes of every block; 0 = any */
+  int32_t dial_timeout_ms;  /* 0 = 100 */
+  int32_t op_timeout_ms;    /* bound on a whole call; 0 = 250 */
+  int32_t ttl_ms;           /* expiry of stored blocks; 0 = none */
+  int32_t backoff_ms;       /* first skip window after a failure; 0 = 1000 */
+  int32_t max_backoff_ms;   /* longest skip window; 0 = 30000 */
+  int32_t reserved;         /* must be 0 */
+} kvp_shared_store_config;
+
+#define KVP_SHARED_STORE_CONFIG_INIT KVP_STRUCT_INIT(kvp_shared_store_config)
+
+/* Counters of a shared store: hits, misses and corrupt count keys (every
+ * key of a get or exists is one of them); stores counts blocks stored;
+ * timeouts, errors and skipped count calls; bytes are values' bytes. */
+typedef struct kvp_shared_store_stats {
+  size_t struct_size;  /* set by the caller: sizeof(kvp_shared_store_stats) */
+  int64_t hits;
+  int64_t misses;
+  int64_t stores;
+  int64_t corrupt;
+  int64_t timeouts;
+  int64_t errors;
+  int64_t skipped;
+  int64_t bytes_read;
+  int64_t bytes_written;
+  int32_t available;   /* 1: no skip window now */
+  int32_t reserved;    /* 0 */
+} kvp_shared_store_stats;
+
+#define KVP_SHARED_STORE_STATS_INIT KVP_STRUCT_INIT(kvp_shared_store_stats)
+
+#ifndef KVPLUG_NO_PROTOTYPES
+/* Creates a client (no connection yet). Errors: NULL_POINTER (cfg, out,
+ * address, key_space), STRUCT_SIZE, INVALID_ARGUMENT (a string too long or
+ * with other characters, a negative size or time, reserved not 0). */
+kvp_status kvp_shared_store_create(const kvp_shared_store_config *cfg, kvp_shared_store **out);
+
+/* Destroys a client and closes its connection. NULL is a no-op. */
+void kvp_shared_store_destroy(kvp_shared_store *s);
+
+/* found[i] receives 1 when the server holds key i (by key only; a corrupt
+ * value is found by get), else 0; one round trip. Errors: NULL_POINTER,
+ * INVALID_ARGUMENT (n). */
+kvp_status kvp_shared_store_exists(kvp_shared_store *s, int32_t n, const uint8_t *keys,
+                                   int32_t *found);
+
+/* Stores n blocks in one round trip: key i's payload is the concatenation
+ * of segments [i * segs, (i + 1) * segs) of ptrs (lengths in lens).
+ * *num_stored (may be NULL) receives how many the server accepted.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n, segs outside [1, 4096] or
+ * n * segs above KVP_MAX_BATCH, a length < 0). */
+kvp_status kvp_shared_store_put(kvp_shared_store *s, int32_t n, const uint8_t *keys, int32_t segs,
+                                const void *const *ptrs, const int64_t *lens, int32_t *num_stored);
+
+/* Fetches n blocks in one round trip into the caller's segments (as put
+ * lays them out): found[i] is 1 when key i's payload was found, checked,
+ * of exactly the segments' total length, and copied; 0 leaves its segments
+ * untouched. Errors: as kvp_shared_store_put. */
+kvp_status kvp_shared_store_get(kvp_shared_store *s, int32_t n, const uint8_t *keys, int32_t segs,
+                                void *const *ptrs, const int64_t *lens, int32_t *found);
+
+/* Fills *out with the client's counters. Errors: NULL_POINTER,
+ * STRUCT_SIZE. */
+kvp_status kvp_shared_store_stats_get(kvp_shared_store *s, kvp_shared_store_stats *out);
+#endif /* KVPLUG_NO_PROTOTYPES */
+/* ==== section: standalone shared store (end) ==== */
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -50,6 +50,12 @@ MIRRORS.update({
     _capi.TierStatsStruct: "kvp_tier_stats",
     _capi.KVLayersStruct: "kvp_kv_layers",
 })
+MIRRORS.update({
+    _capi.HostStoreConfig: "kvp_host_store_config",
+    _capi.HostStoreStatsStruct: "kvp_host_store_stats",
+    _capi.SharedStoreConfig: "kvp_shared_store_config",
+    _capi.SharedStoreStatsStruct: "kvp_shared_store_stats",
+})
 
 # ctypes structs of the package that mirror no header struct (DLPack's ABI).
 NOT_HEADER = {"_DLDevice", "_DLDataType", "_DLTensor", "_DLManagedTensor"}

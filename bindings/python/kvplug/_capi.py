@@ -400,3 +400,70 @@ FUNCTIONS.update(_sigs(
     ("kvp_vcache_trim", [_vp]),
     ("kvp_vcache_stats_get", [_vp, _vp]),
 ))
+
+
+# --------------------------------------------------------------------------
+# Standalone host store and shared store (kvplug.hoststore, kvplug.sharedstore)
+# --------------------------------------------------------------------------
+
+
+class HostStoreConfig(ctypes.Structure):
+    """struct kvp_host_store_config."""
+
+    _fields_ = [("struct_size", _size), ("num_slots", _i32), ("reserved", _i32), ("slot_bytes", _i64)]
+
+
+class HostStoreStatsStruct(ctypes.Structure):
+    """struct kvp_host_store_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "reserves", "commits", "aborts", "refused_full", "skipped_present", "evictions", "hits", "misses",
+        "stale", "resets",
+    ) + _ints(_i32, "num_slots", "resident", "pending", "pinned")
+
+
+class SharedStoreConfig(ctypes.Structure):
+    """struct kvp_shared_store_config."""
+
+    _fields_ = [
+        ("struct_size", _size),
+        ("address", ctypes.c_char_p),
+        ("key_space", ctypes.c_char_p),
+        ("fingerprint", _u64),
+        ("block_bytes", _i64),
+    ] + _ints(_i32, "dial_timeout_ms", "op_timeout_ms", "ttl_ms", "backoff_ms", "max_backoff_ms", "reserved")
+
+
+class SharedStoreStatsStruct(ctypes.Structure):
+    """struct kvp_shared_store_stats."""
+
+    _fields_ = [("struct_size", _size)] + _ints(
+        _i64, "hits", "misses", "stores", "corrupt", "timeouts", "errors", "skipped", "bytes_read", "bytes_written",
+    ) + _ints(_i32, "available", "reserved")
+
+
+FUNCTIONS.update({
+    "kvp_host_store_destroy": (None, [_vp]),
+    "kvp_shared_store_destroy": (None, [_vp]),
+})
+FUNCTIONS.update(_sigs(
+    _int,
+    ("kvp_host_store_create", [_vp, _vp]),
+    ("kvp_host_store_state", [_vp, _i32, _vp, _vp, _vp]),
+    ("kvp_host_store_lookup_prefix", [_vp, _i32, _vp, _vp]),
+    ("kvp_host_store_reserve", [_vp, _i32, _vp, _vp, _vp, _vp]),
+    ("kvp_host_store_complete", [_vp, _i32, _vp, _i32, _vp]),
+    ("kvp_host_store_pin", [_vp, _i32, _vp, _vp, _vp]),
+    ("kvp_host_store_unpin", [_vp, _i32, _vp, _vp]),
+    ("kvp_host_store_touch", [_vp, _i32, _vp]),
+    ("kvp_host_store_reset", [_vp, _vp]),
+    ("kvp_host_store_stats_get", [_vp, _vp]),
+    ("kvp_host_store_memory", [_vp, _vp, _vp, _vp]),
+    ("kvp_host_store_write", [_vp, _i32, _vp, _i32, _vp, _vp]),
+    ("kvp_host_store_read", [_vp, _i32, _vp, _i32, _vp, _vp]),
+    ("kvp_shared_store_create", [_vp, _vp]),
+    ("kvp_shared_store_exists", [_vp, _i32, _vp, _vp]),
+    ("kvp_shared_store_put", [_vp, _i32, _vp, _i32, _vp, _vp, _vp]),
+    ("kvp_shared_store_get", [_vp, _i32, _vp, _i32, _vp, _vp, _vp]),
+    ("kvp_shared_store_stats_get", [_vp, _vp]),
+))

@@ -86,6 +86,11 @@ type Stats struct {
 	Evictions   int64 // resident blocks evicted to make room
 	Hits        int64 // blocks matched by Lookup/PinPrefix
 	Misses      int64 // blocks asked of Lookup/PinPrefix and not matched
+
+	// Of the batched calls by key (keyed.go):
+	SkippedPresent int64 // keys ReserveKeys skipped: in the pool already, or repeated
+	Stale          int64 // keys CompleteKeys or UnpinKeys found nothing to do for
+	Resets         int64 // Reset calls
 }
 
 // Pool is the host tier's slot pool. See the package comment.
@@ -266,7 +271,9 @@ func (p *Pool) commit(s Slot, keepPin bool) error {
 	if !keepPin {
 		p.unpin(s)
 	}
-	p.pushFront(s)
+	if !p.linked(s) { // a ReserveKeys slot keeps its place (keyed.go)
+		p.pushFront(s)
+	}
 	return nil
 }
 
@@ -280,6 +287,9 @@ func (p *Pool) Abort(s Slot) error {
 	sl := &p.slots[s]
 	if sl.st != reserved {
 		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
+	}
+	if p.linked(s) { // a ReserveKeys slot (keyed.go)
+		p.unlink(s)
 	}
 	delete(p.index, sl.hash)
 	*sl = slot{st: free, prev: NoSlot, next: NoSlot}

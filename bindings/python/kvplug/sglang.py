@@ -1,0 +1,504 @@
+"""kvplug inside SGLang: a HiCache storage backend (SGLang's L3, below its
+host-memory L2) over kvplug's shared tier (a Valkey or Redis server that
+instances share, kvplug.sharedstore) and, optionally, a host tier of its own
+(kvplug.hoststore) that keeps recently used pages in local memory in front
+of the server.
+
+    python -m sglang.launch_server --model-path MODEL --page-size 64 \\
+        --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvplug",
+            "module_path": "kvplug.sglang", "class_name": "KvplugHiCacheStorage",
+            "interface_v1": 1, "kvplug_valkey": "127.0.0.1:6379",
+            "kvplug_host_bytes": 8589934592}'
+
+extra_config keys read here (SGLang's own keys, such as interface_v1, which
+selects the zero-copy batch_get_v1 / batch_set_v1 path, keep their meaning):
+
+    kvplug_valkey         host:port of the shared server ("" or absent: none)
+    kvplug_host_bytes     bytes of the local host tier (0 or absent: none);
+                          at least one of the two is required
+    kvplug_key_space      the keys' space on the server (default: from the
+                          model name); instances that share blocks share it
+    kvplug_op_timeout_ms  bound on one server call (default 250)
+    kvplug_ttl_ms         expiry of stored pages (default: none)
+
+A page's key is a 128-bit hash of SGLang's page hash (already chained over
+the prefix) with the model and this rank's shard (tensor, pipeline and
+context parallel rank; MLA ranks, which hold the same bytes, share keys, and
+each stores what the tiers lack); values carry a fingerprint of the model
+and page layout, so another layout's value is a miss.
+
+Faults in SGLang's terms, never an exception into its threads: a page never
+stored, or stored under another fingerprint, is a miss (batch_exists stops
+counting there, batch_get_v1 returns False for it); a store of a page that is
+there already succeeds without a copy; a full local tier skips the local copy;
+a server that is down, slow or restarting makes gets and exists misses and
+stores skipped within the op timeout (False when no tier took the page).
+Every case is counted: KvplugHiCacheStorage.counters().
+
+This module imports without SGLang installed: KvplugHiCacheStorage is built
+on first access, which imports SGLang. PageStore, the logic under it, needs
+numpy only.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .hoststore import HostStore, key64
+from .sharedstore import SharedStore, key128, keys64
+
+logger = logging.getLogger("kvplug.sglang")
+
+__all__ = ["PageStore", "KvplugHiCacheStorage"]
+
+_build_lock = threading.Lock()
+
+
+class PageStore:
+    """Pages (fixed size, page_bytes) by 16-byte key (kvplug.sharedstore.key128;
+    uint8 [n, 16] arrays) in a local host tier (host_bytes of it; none when 0;
+    it keys a page by the key's first 8 bytes) in front of a shared store
+    (none when None). Pages move as scatter lists: key i's bytes are the concatenation
+    of ptrs[i, :] (addresses) of lens[i, :] bytes, as SGLang's host pool
+    describes a page (one segment for MLA, K and V for MHA page_first, every
+    layer's K and V for layer_first)."""
+
+    def __init__(self, page_bytes: int, host_bytes: int = 0, shared: Optional[SharedStore] = None) -> None:
+        self.page_bytes = int(page_bytes)
+        slots = int(host_bytes) // self.page_bytes if self.page_bytes > 0 else 0
+        self.host: Optional[HostStore] = HostStore(num_slots=slots, slot_bytes=self.page_bytes) if slots > 0 else None
+        self.shared = shared
+        if self.host is None and self.shared is None:
+            raise ValueError(f"kvplug PageStore: no tier (host_bytes {host_bytes} holds no page of {page_bytes} "
+                             "bytes, and no shared store)")
+        self.counts: Counter = Counter()
+        self._lock = threading.Lock()  # counts only: the stores are thread-safe
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            self.counts.update(kw)
+
+    def exists_prefix(self, keys: np.ndarray) -> int:
+        """How many keys, from the first, a tier holds (local hits touched)."""
+        n = self.host.lookup_prefix(keys64(keys)) if self.host is not None else 0
+        if n < len(keys) and self.shared is not None:
+            n += self.shared.prefix(keys[n:])
+        self._count(exists_keys=len(keys), exists_hits=n)
+        return n
+
+    def exists(self, keys: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(keys), bool)
+        if self.host is not None:
+            st, _ = self.host.state(keys64(keys))
+            found = st == 2
+        rest = np.flatnonzero(~found)
+        if len(rest) and self.shared is not None:
+            found[rest] = self.shared.exists(keys[rest])
+        return found
+
+    def put(self, keys: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Stores the pages; ok[i]: key i is in a tier now (stored, or there
+        already)."""
+        n = len(keys)
+        ok = np.zeros(n, bool)
+        to_shared = np.arange(n)
+        if self.host is not None:
+            k64 = keys64(keys)
+            r = self.host.try_reserve(k64)
+            if r is None:
+                self._count(host_full=n)
+            else:
+                slots, _ = r
+                new = np.flatnonzero(slots >= 0)
+                self._count(host_present=n - len(new))
+                try:
+                    if len(new):
+                        self.host.write(slots[new], ptrs[new], lens[new])
+                    self.host.complete(k64[new])
+                    ok[:] = True
+                    self._count(host_stored=len(new))
+                except Exception:
+                    self.host.complete(k64[new], failed=True)
+                    raise
+                to_shared = new
+        if self.shared is not None and len(to_shared):
+            stored = self.shared.put(keys[to_shared], ptrs[to_shared], lens[to_shared])
+            self._count(shared_stored=stored, shared_skipped=len(to_shared) - stored)
+            if stored == len(to_shared):
+                ok[to_shared] = True
+        return ok
+
+    def get(self, keys: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Copies the pages found into their segments; found[i] per key. A
+        page the shared store had is kept in the local tier too."""
+        n = len(keys)
+        found = np.zeros(n, bool)
+        k64 = keys64(keys)
+        if self.host is not None:
+            slots, _ = self.host.pin(k64)
+            hit = np.flatnonzero(slots >= 0)
+            if len(hit):
+                try:
+                    self.host.read(slots[hit], ptrs[hit], lens[hit])
+                    found[hit] = True
+                finally:
+                    self.host.unpin(k64[hit])
+            self._count(host_hits=len(hit))
+        rest = np.flatnonzero(~found)
+        if len(rest) and self.shared is not None:
+            got = self.shared.get(keys[rest], ptrs[rest], lens[rest])
+            found[rest] = got
+            fetched = rest[got]
+            self._count(shared_hits=len(fetched), misses=len(rest) - len(fetched))
+            if len(fetched) and self.host is not None:
+                r = self.host.try_reserve(k64[fetched])
+                if r is not None:
+                    slots, _ = r
+                    new = np.flatnonzero(slots >= 0)
+                    if len(new):
+                        self.host.write(slots[new], ptrs[fetched][new], lens[fetched][new])
+                    self.host.complete(k64[fetched][new])
+                    self._count(host_filled=len(new))
+        else:
+            self._count(misses=len(rest))
+        return found
+
+    def clear(self) -> None:
+        """Drops the local tier (the shared server's pages stay: its memory
+        is bounded by its own maxmemory policy)."""
+        if self.host is not None:
+            self.host.reset()
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        if self.shared is not None:
+            self.shared.close()
+
+
+def _segments(ptrs: Sequence[int], sizes: Sequence[int], pages: int) -> tuple:
+    """SGLang's page buffer meta (flat lists, consecutive per page) as
+    [pages, segs] arrays."""
+    if pages == 0 or len(ptrs) % pages or len(ptrs) != len(sizes):
+        raise ValueError(f"page buffer meta of {len(ptrs)} pointers and {len(sizes)} sizes for {pages} pages")
+    p = np.asarray(ptrs, dtype=np.uint64).reshape(pages, -1)
+    ln = np.asarray(sizes, dtype=np.int64).reshape(pages, -1)
+    return p, ln
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvplugHiCacheStorage":
+        with _build_lock:
+            if name not in globals():
+                globals()[name] = _build()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _key_space(model: Optional[str]) -> str:
+    s = re.sub(r"[^A-Za-z0-9_.-]", "-", model or "sglang").strip("-") or "sglang"
+    return s[-64:]
+
+
+def _build() -> Any:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+
+    class KvplugHiCacheStorage(HiCacheStorage):
+        """SGLang's HiCacheStorage over kvplug's tiers (see the module
+        docstring); loaded by `--hicache-storage-backend dynamic`."""
+
+        def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[Dict[str, Any]] = None) -> None:
+            extra = dict(storage_config.extra_config or {})
+            self.config = storage_config
+            self.valkey = str(extra.get("kvplug_valkey") or "")
+            self.host_bytes = int(extra.get("kvplug_host_bytes") or 0)
+            if not self.valkey and self.host_bytes <= 0:
+                raise ValueError("kvplug: the HiCache storage backend needs kvplug_valkey (host:port) or "
+                                 "kvplug_host_bytes in --hicache-storage-backend-extra-config")
+            self.key_space = str(extra.get("kvplug_key_space") or _key_space(storage_config.model_name))
+            self.op_timeout_ms = int(extra.get("kvplug_op_timeout_ms") or 0)
+            self.ttl_ms = int(extra.get("kvplug_ttl_ms") or 0)
+            c = storage_config
+            shard = f"pp{c.pp_rank}/{c.pp_size}|cp{c.attn_cp_rank}/{c.attn_cp_size}"
+            if c.dcp_size > 1:
+                shard += f"|dcp{c.dcp_rank}/{c.dcp_size}"
+            if not c.is_mla_model:
+                shard += f"|tp{c.tp_rank}/{c.tp_size}"
+            self._suffix = f"|{c.model_name or ''}|{shard}"
+            self._stores: Dict[str, PageStore] = {}
+            self._errors: Counter = Counter()
+            self._lock = threading.Lock()
+
+        # -- setup --
+
+        def _store_for(self, pool: Any, name: str) -> PageStore:
+            store = self._stores.get(name)
+            if store is not None:
+                return store
+            with self._lock:
+                store = self._stores.get(name)
+                if store is not None:
+                    return store
+                page = int(getattr(pool, "page_size", 1) or 1)
+                ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+                page_bytes = int(sum(sizes))
+                layout = getattr(pool, "layout", "")
+                fp = key64(f"{self.config.model_name}|{type(pool).__name__}|{layout}|{getattr(pool, 'dtype', '')}|"
+                           f"{page}|{page_bytes}|{len(ptrs)}|{name}{self._suffix}")
+                shared = None
+                if self.valkey:
+                    shared = SharedStore(self.valkey, self.key_space, fingerprint=fp, block_bytes=page_bytes,
+                                         op_timeout_ms=self.op_timeout_ms, ttl_ms=self.ttl_ms)
+                host_bytes = self.host_bytes if name == str(PoolName.KV) else 0
+                if shared is None and host_bytes < page_bytes:
+                    host_bytes = self.host_bytes  # a local-only backend keeps every pool locally
+                store = PageStore(page_bytes, host_bytes, shared)
+                self._stores[name] = store
+                return store
+
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            super().register_mem_pool_host(mem_pool_host)
+            self._store_for(mem_pool_host, str(PoolName.KV))
+
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            self._store_for(host_pool, str(host_pool_name))
+
+        # -- helpers --
+
+        def _keys(self, keys: Sequence[str], pool: str = "kv") -> np.ndarray:
+            scope = "" if pool == str(PoolName.KV) else f"|{pool}"
+            raw = b"".join(key128(f"{k}{scope}{self._suffix}") for k in keys)
+            return np.frombuffer(raw, dtype=np.uint8).reshape(len(keys), 16)
+
+        def _kv(self) -> PageStore:
+            return self._stores[str(PoolName.KV)]
+
+        def _fault(self, what: str, exc: BaseException) -> None:
+            with self._lock:
+                self._errors[what] += 1
+            logger.exception("kvplug HiCache storage: %s failed: %s", what, exc)
+
+        def counters(self) -> Dict[str, int]:
+            """Counts of every pool's tiers (PageStore.counts, summed) and of
+            faults caught (errors)."""
+            out: Counter = Counter()
+            for s in list(self._stores.values()):
+                out.update(s.counts)
+            out["errors"] = sum(self._errors.values())
+            return dict(out)
+
+        def _pool_io(self, pool: Any, store: PageStore, keys: Sequence[str], host_indices: Any, name: str,
+                     write: bool) -> List[bool]:
+            if not keys:
+                return []
+            ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+            p, ln = _segments(ptrs, sizes, len(keys))
+            k = self._keys(keys, name)
+            res = store.put(k, p, ln) if write else store.get(k, p, ln)
+            return res.tolist()
+
+        # -- zero-copy v1 --
+
+        def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+            try:
+                return self._kv().exists_prefix(self._keys(keys)) if keys else 0
+            except Exception as exc:
+                self._fault("batch_exists", exc)
+                return 0
+
+        def exists(self, key: str) -> bool:
+            try:
+                return bool(self._kv().exists(self._keys([key]))[0])
+            except Exception as exc:
+                self._fault("exists", exc)
+                return False
+
+        def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+            try:
+                return self._pool_io(self.mem_pool_host, self._kv(), keys, host_indices, str(PoolName.KV), False)
+            except Exception as exc:
+                self._fault("batch_get_v1", exc)
+                return [False] * len(keys)
+
+        def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+            try:
+                return self._pool_io(self.mem_pool_host, self._kv(), keys, host_indices, str(PoolName.KV), True)
+            except Exception as exc:
+                self._fault("batch_set_v1", exc)
+                return [False] * len(keys)
+
+        # -- generic (tensor) interface --
+
+        @staticmethod
+        def _tensor_segments(tensors: Sequence[torch.Tensor]) -> tuple:
+            for t in tensors:
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError("page tensors must be contiguous CPU tensors")
+            p = np.array([t.data_ptr() for t in tensors], dtype=np.uint64).reshape(-1, 1)
+            ln = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64).reshape(-1, 1)
+            return p, ln
+
+        @staticmethod
+        def _is_pointer(loc: Any) -> bool:
+            return isinstance(loc, int) or (isinstance(loc, (list, tuple)) and bool(loc)
+                                             and all(isinstance(x, int) for x in loc))
+
+        @staticmethod
+        def _pointer_segments(locs: Sequence[Any], sizes: Sequence[Any]) -> tuple:
+            """Raw-address pages (target_location as an address, or a list of
+            them, with target_sizes in bytes), as some backends take them."""
+            rows_p, rows_l = [], []
+            for loc, size in zip(locs, sizes):
+                loc = [loc] if isinstance(loc, int) else list(loc)
+                size = [size] * len(loc) if isinstance(size, int) else list(size)
+                rows_p.append(loc)
+                rows_l.append(size)
+            return np.array(rows_p, dtype=np.uint64), np.array(rows_l, dtype=np.int64)
+
+        def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                      target_sizes: Optional[Any] = None) -> List[Any]:
+            """Pages into tensors (target_locations: flat page tensors, or new
+            ones of the host pool's), or into raw addresses (target_locations
+            addresses, target_sizes bytes: True per hit). None per miss."""
+            try:
+                if not keys:
+                    return []
+                if target_locations is not None and target_sizes is not None and all(
+                        self._is_pointer(t) for t in target_locations):
+                    p, ln = self._pointer_segments(target_locations, target_sizes)
+                    found = self._kv().get(self._keys(keys), p, ln)
+                    return [True if f else None for f in found]
+                targets = list(target_locations) if target_locations is not None else [
+                    self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+                p, ln = self._tensor_segments(targets)
+                found = self._kv().get(self._keys(keys), p, ln)
+                return [t if f else None for t, f in zip(targets, found)]
+            except Exception as exc:
+                self._fault("batch_get", exc)
+                return [None] * len(keys)
+
+        def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Any:
+            locs = None if target_location is None else [target_location]
+            sizes = None if target_sizes is None else [target_sizes]
+            return self.batch_get([key], locs, sizes)[0]
+
+        def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                      target_sizes: Optional[Any] = None) -> bool:
+            """Pages from tensors (values), or from raw addresses
+            (target_locations with target_sizes); True when every page is in
+            a tier."""
+            try:
+                if not keys:
+                    return True
+                if values is None and target_locations is not None and target_sizes is not None:
+                    p, ln = self._pointer_segments(target_locations, target_sizes)
+                else:
+                    p, ln = self._tensor_segments([v.contiguous() for v in values])
+                return bool(self._kv().put(self._keys(keys), p, ln).all())
+            except Exception as exc:
+                self._fault("batch_set", exc)
+                return False
+
+        def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+                target_sizes: Optional[Any] = None) -> bool:
+            if value is None and target_location is not None:
+                return self.batch_set([key], None, [target_location], [target_sizes])
+            return self.batch_set([key], [value])
+
+        # -- multi-pool v2 --
+
+        def _pool_has(self, name: str, keys: Sequence[str]) -> np.ndarray:
+            store = self._stores.get(name)
+            if store is None or not keys:
+                return np.zeros(len(keys), bool)
+            return store.exists(self._keys(keys, name))
+
+        def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                            extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+            try:
+                kv_pages = self.batch_exists(keys, extra_info)
+                hits: Dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
+                restorable = list(range(1, kv_pages + 1))
+                for t in pool_transfers or []:
+                    if not restorable:
+                        break
+                    name = str(t.name)
+                    has = self._pool_has(name, keys[:kv_pages])
+                    if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                        miss = np.flatnonzero(~has)
+                        boundary = int(miss[0]) if len(miss) else kv_pages
+                        ok = set(range(1, boundary + 1))
+                    elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                        trailing = max(1, len(t.keys) if t.keys else 1)
+                        ok = {n for n in range(1, kv_pages + 1) if has[max(0, n - trailing):n].all()}
+                        boundary = max(ok, default=0)
+                    else:  # a policy this backend does not keep: nothing restorable from it
+                        ok, boundary = set(), 0
+                    if boundary:
+                        hits[name] = boundary
+                    restorable = [n for n in restorable if n in ok]
+                return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+            except Exception as exc:
+                self._fault("batch_exists_v2", exc)
+                return PoolTransferResult.empty()
+
+        def _batch_v2(self, transfers: List[PoolTransfer], write: bool) -> Dict[str, List[bool]]:
+            out: Dict[str, List[bool]] = {}
+            for t in transfers:
+                name, keys = str(t.name), list(t.keys or [])
+                try:
+                    pool = self.registered_pools[t.name] if name != str(PoolName.KV) else self.mem_pool_host
+                    store = self._store_for(pool, name)
+                    out[name] = self._pool_io(pool, store, keys, t.host_indices, name, write)
+                except Exception as exc:
+                    self._fault("batch_set_v2" if write else "batch_get_v2", exc)
+                    out[name] = [False] * len(keys)
+            return out
+
+        def batch_get_v2(self, transfers: List[PoolTransfer],
+                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+            return self._batch_v2(transfers, write=False)
+
+        def batch_set_v2(self, transfers: List[PoolTransfer],
+                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+            return self._batch_v2(transfers, write=True)
+
+        # -- lifecycle --
+
+        def clear(self) -> bool:
+            try:
+                for s in self._stores.values():
+                    s.clear()
+                return True
+            except Exception as exc:
+                self._fault("clear", exc)
+                return False
+
+        def get_stats(self) -> None:
+            return None
+
+        def close(self) -> None:
+            for s in self._stores.values():
+                s.close()
+            self._stores.clear()
+
+    return KvplugHiCacheStorage

@@ -1,0 +1,400 @@
+package main
+
+/*
+#include <stdlib.h>
+#include <string.h>
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+)
+
+// The standalone host store at the ABI (include/kvplug.h, "standalone host
+// store"): a host.Pool of its own, driven by key through the pool's
+// batched calls (core/kvtier/host/keyed.go), for engines that keep their
+// own GPU block manager.
+
+// hostStore is a kvp_host_store handle's object.
+type hostStore struct {
+	pool      *host.Pool
+	mem       unsafe.Pointer // C memory; nil without memory
+	slotBytes int64          // 0 without memory
+	slots     int32
+}
+
+var (
+	hostStoreConfigStruct = structOf[C.kvp_host_store_config]("kvp_host_store_config", 0)
+	hostStoreStatsStruct  = structOf[C.kvp_host_store_stats]("kvp_host_store_stats", 0)
+)
+
+// Segments of one key in write/read/put/get: a bound on the scatter list.
+const maxSegments = 4096
+
+func onHostStore(h *C.kvp_host_store, f func(*hostStore) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), "kvp_host_store", f)
+}
+
+//export kvp_host_store_create
+func kvp_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
+	defer guard(&st)
+	const op = "kvp_host_store_create"
+	if cfg == nil || out == nil {
+		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
+	}
+	var c C.kvp_host_store_config
+	if err := hostStoreConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+		return fail(err)
+	}
+	if c.reserved != 0 {
+		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
+	}
+	slots, bytes := int64(c.num_slots), int64(c.slot_bytes)
+	if slots < 1 || slots > 1<<30 {
+		return failf(kverr.InvalidArgument, "%s: num_slots must be in [1, 2^30]: got %d", op, slots)
+	}
+	if bytes < 0 || bytes > (1<<46)/slots {
+		return failf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
+	}
+	hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
+	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&hs.mem}}
+	if bytes == 0 {
+		// Bookkeeping only: the pool needs a size; one Go byte per slot.
+		cfgPool = host.Config{Slots: int(slots), BlockBytes: 1}
+	}
+	p, err := host.New(cfgPool)
+	if err != nil {
+		if hs.mem != nil {
+			C.free(hs.mem)
+		}
+		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
+	}
+	hs.pool = p
+	*out = (*C.kvp_host_store)(newHandle(hs))
+	return C.KVP_OK
+}
+
+//export kvp_host_store_destroy
+func kvp_host_store_destroy(h *C.kvp_host_store) {
+	defer guardVoid()
+	hs, ok := dropHandle[*hostStore](unsafe.Pointer(h))
+	if !ok {
+		return
+	}
+	hs.pool.Reset() // the caller guarantees no copy uses the memory any more
+	_ = hs.pool.Close()
+	if hs.mem != nil {
+		C.free(hs.mem)
+		hs.mem = nil
+	}
+}
+
+// storeKeysOf validates n and keys and views the caller's keys.
+func storeKeysOf(op string, n C.int32_t, keys *C.uint64_t) ([]uint64, error) {
+	if err := checkCount(n, op+": n"); err != nil {
+		return nil, err
+	}
+	if keys == nil {
+		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
+	}
+	return slice[uint64](unsafe.Pointer(keys), n), nil
+}
+
+//export kvp_host_store_state
+func kvp_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, states *C.int32_t, slots *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		const op = "kvp_host_store_state"
+		ks, err := storeKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		if states == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: states must not be NULL", op)
+		}
+		st := slice[int32](unsafe.Pointer(states), n)
+		sl := slice[int32](unsafe.Pointer(slots), n)
+		for i, k := range ks {
+			s, state := hs.pool.State(k)
+			st[i] = int32(state)
+			if sl != nil {
+				sl[i] = int32(s)
+			}
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_lookup_prefix
+func kvp_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, matched *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		const op = "kvp_host_store_lookup_prefix"
+		ks, err := storeKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		if matched == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: matched must not be NULL", op)
+		}
+		*matched = C.int32_t(hs.pool.Lookup(ks))
+		return nil
+	})
+}
+
+//export kvp_host_store_reserve
+func kvp_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t,
+	evicted *C.uint64_t, numEvicted *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		const op = "kvp_host_store_reserve"
+		ks, err := storeKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		if slots == nil || evicted == nil || numEvicted == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: slots, evicted and num_evicted must not be NULL", op)
+		}
+		// Go scratch first: nothing reaches the caller's arrays on a refusal.
+		sl := make([]host.Slot, len(ks))
+		ev := make([]uint64, len(ks))
+		ne, err := hs.pool.ReserveKeys(ks, sl, ev)
+		if err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		out := slice[int32](unsafe.Pointer(slots), n)
+		for i, s := range sl {
+			out[i] = int32(s)
+		}
+		copy(slice[uint64](unsafe.Pointer(evicted), n), ev[:ne])
+		*numEvicted = C.int32_t(ne)
+		return nil
+	})
+}
+
+//export kvp_host_store_complete
+func kvp_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, failed C.int32_t, num *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		ks, err := storeKeysOf("kvp_host_store_complete", n, keys)
+		if err != nil {
+			return err
+		}
+		done := hs.pool.CompleteKeys(ks, failed != 0)
+		if num != nil {
+			*num = C.int32_t(done)
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_pin
+func kvp_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t, num *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		const op = "kvp_host_store_pin"
+		ks, err := storeKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		if slots == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: slots must not be NULL", op)
+		}
+		sl := make([]host.Slot, len(ks))
+		pinned, err := hs.pool.PinKeys(ks, sl)
+		if err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		out := slice[int32](unsafe.Pointer(slots), n)
+		for i, s := range sl {
+			out[i] = int32(s)
+		}
+		if num != nil {
+			*num = C.int32_t(pinned)
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_unpin
+func kvp_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, num *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		ks, err := storeKeysOf("kvp_host_store_unpin", n, keys)
+		if err != nil {
+			return err
+		}
+		done := hs.pool.UnpinKeys(ks)
+		if num != nil {
+			*num = C.int32_t(done)
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_touch
+func kvp_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		ks, err := storeKeysOf("kvp_host_store_touch", n, keys)
+		if err != nil {
+			return err
+		}
+		hs.pool.TouchKeys(ks)
+		return nil
+	})
+}
+
+//export kvp_host_store_reset
+func kvp_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		dropped := hs.pool.Reset()
+		if num != nil {
+			*num = C.int32_t(dropped)
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_stats_get
+func kvp_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_host_store_stats_get: out must not be NULL")
+		}
+		s := hs.pool.Stats()
+		var v C.kvp_host_store_stats
+		v.reserves = C.int64_t(s.Demotions)
+		v.commits = C.int64_t(s.Commits)
+		v.aborts = C.int64_t(s.Aborts)
+		v.refused_full = C.int64_t(s.SkippedFull)
+		v.skipped_present = C.int64_t(s.SkippedPresent)
+		v.evictions = C.int64_t(s.Evictions)
+		v.hits = C.int64_t(s.Hits)
+		v.misses = C.int64_t(s.Misses)
+		v.stale = C.int64_t(s.Stale)
+		v.resets = C.int64_t(s.Resets)
+		v.num_slots = C.int32_t(s.Slots)
+		v.resident = C.int32_t(s.Resident)
+		v.pending = C.int32_t(s.Reserved)
+		v.pinned = C.int32_t(s.Pinned)
+		return hostStoreStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
+}
+
+//export kvp_host_store_memory
+func kvp_host_store_memory(h *C.kvp_host_store, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		if base != nil {
+			*base = hs.mem
+		}
+		if slotBytes != nil {
+			*slotBytes = C.int64_t(hs.slotBytes)
+		}
+		if numSlots != nil {
+			*numSlots = C.int32_t(hs.slots)
+		}
+		return nil
+	})
+}
+
+// segmentsOf validates a scatter list of n keys of segs segments each and
+// views it: ptrs[i*segs+j] with length lens[i*segs+j]. total, when >= 0,
+// is the length every key's segments must add up to.
+func segmentsOf(op string, n, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t, total int64) ([]unsafe.Pointer, []int64, error) {
+	if err := checkCount(n, op+": n"); err != nil {
+		return nil, nil, err
+	}
+	if segs < 1 || segs > maxSegments || int64(n)*int64(segs) > 1<<20 {
+		return nil, nil, kverr.Errorf(kverr.InvalidArgument, "%s: segs must be in [1, %d] and n * segs <= 2^20: got %d segments of %d keys", op, maxSegments, int32(segs), int32(n))
+	}
+	if ptrs == nil || lens == nil {
+		return nil, nil, kverr.Errorf(kverr.NullPointer, "%s: ptrs and lens must not be NULL", op)
+	}
+	m := C.int32_t(int64(n) * int64(segs))
+	ps := slice[unsafe.Pointer](unsafe.Pointer(ptrs), m)
+	ls := slice[int64](unsafe.Pointer(lens), m)
+	for i := 0; i < int(n); i++ {
+		sum := int64(0)
+		for j := 0; j < int(segs); j++ {
+			l := ls[i*int(segs)+j]
+			if l < 0 || l > 1<<46 {
+				return nil, nil, kverr.Errorf(kverr.InvalidArgument, "%s: lens[%d] is %d", op, i*int(segs)+j, l)
+			}
+			if l > 0 && ps[i*int(segs)+j] == nil {
+				return nil, nil, kverr.Errorf(kverr.NullPointer, "%s: ptrs[%d] is NULL with a length of %d", op, i*int(segs)+j, l)
+			}
+			sum += l
+		}
+		if total >= 0 && sum != total {
+			return nil, nil, kverr.Errorf(kverr.InvalidArgument, "%s: key %d's segments total %d bytes, not the slot's %d", op, i, sum, total)
+		}
+	}
+	return ps, ls, nil
+}
+
+// hostCopy is kvp_host_store_write (in) and kvp_host_store_read.
+func hostCopy(h *C.kvp_host_store, op string, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer,
+	lens *C.int64_t, in bool) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		if hs.mem == nil {
+			return kverr.Errorf(kverr.Unsupported, "%s: the store has no memory (slot_bytes 0)", op)
+		}
+		if slots == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: slots must not be NULL", op)
+		}
+		ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, hs.slotBytes)
+		if err != nil {
+			return err
+		}
+		sl := slice[int32](unsafe.Pointer(slots), n)
+		want := host.Resident
+		if in {
+			want = host.Pending
+		}
+		for i, s := range sl {
+			if s < 0 || s >= hs.slots {
+				return kverr.Errorf(kverr.InvalidArgument, "%s: slots[%d] = %d is out of range [0, %d)", op, i, s, hs.slots)
+			}
+			k, ok := hs.pool.Hash(host.Slot(s))
+			if _, state := hs.pool.State(k); !ok || state != want {
+				what := "resident"
+				if in {
+					what = "pending (reserved and not completed)"
+				}
+				return kverr.Errorf(kverr.NotFound, "%s: slot %d is not %s", op, s, what)
+			}
+		}
+		g := int(segs)
+		for i, s := range sl {
+			off := uintptr(int64(s) * hs.slotBytes)
+			for j := 0; j < g; j++ {
+				l := ls[i*g+j]
+				if l == 0 {
+					continue
+				}
+				slot := unsafe.Add(hs.mem, off)
+				if in {
+					C.memcpy(slot, ps[i*g+j], C.size_t(l))
+				} else {
+					C.memcpy(ps[i*g+j], slot, C.size_t(l))
+				}
+				off += uintptr(l)
+			}
+		}
+		return nil
+	})
+}
+
+//export kvp_host_store_write
+func kvp_host_store_write(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
+	return hostCopy(h, "kvp_host_store_write", n, slots, segs, ptrs, lens, true)
+}
+
+//export kvp_host_store_read
+func kvp_host_store_read(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
+	return hostCopy(h, "kvp_host_store_read", n, slots, segs, ptrs, lens, false)
+}
+
+// The standalone stores' versioned structs join the table the struct rule
+// is applied from (structs.go).
+func init() {
+	abiStructs = append(abiStructs, hostStoreConfigStruct, hostStoreStatsStruct, sharedStoreConfigStruct, sharedStoreStatsStruct)
+}

@@ -1,0 +1,240 @@
+package main
+
+/*
+#include <string.h>
+#include "kvplug.h"
+*/
+import "C"
+
+import (
+	"time"
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/valkey"
+)
+
+// The standalone shared store at the ABI (include/kvplug.h, "standalone
+// shared store"): a valkey.Tier of its own. Every fault of the server is
+// the tier's business (misses and skipped stores, counted); what fails here
+// is bad arguments only.
+
+var (
+	sharedStoreConfigStruct = structOf[C.kvp_shared_store_config]("kvp_shared_store_config", 0)
+	sharedStoreStatsStruct  = structOf[C.kvp_shared_store_stats]("kvp_shared_store_stats", 0)
+)
+
+// maxAddressLen bounds kvp_shared_store_config.address.
+const maxAddressLen = 1024
+
+func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_status {
+	return onHandle(unsafe.Pointer(h), "kvp_shared_store", f)
+}
+
+// sharedKeysOf validates n and keys and views the caller's n 16-byte keys.
+func sharedKeysOf(op string, n C.int32_t, keys *C.uint8_t) ([]valkey.Hash, error) {
+	if err := checkCount(n, op+": n"); err != nil {
+		return nil, err
+	}
+	if keys == nil {
+		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
+	}
+	return slice[valkey.Hash](unsafe.Pointer(keys), n), nil
+}
+
+//export kvp_shared_store_create
+func kvp_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
+	defer guard(&st)
+	const op = "kvp_shared_store_create"
+	if cfg == nil || out == nil {
+		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
+	}
+	var c C.kvp_shared_store_config
+	if err := sharedStoreConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+		return fail(err)
+	}
+	if c.address == nil || c.key_space == nil {
+		return failf(kverr.NullPointer, "%s: cfg.address and cfg.key_space must not be NULL", op)
+	}
+	if c.reserved != 0 {
+		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
+	}
+	addr, ok := cString(c.address, maxAddressLen)
+	if !ok {
+		return failf(kverr.InvalidArgument, "%s: cfg.address is longer than %d bytes (or not NUL-terminated)", op, maxAddressLen)
+	}
+	ns, ok := cString(c.key_space, 64)
+	if !ok {
+		return failf(kverr.InvalidArgument, "%s: cfg.key_space is longer than 64 bytes (or not NUL-terminated)", op)
+	}
+	ms := func(name string, v C.int32_t) (time.Duration, error) {
+		if v < 0 {
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.%s must be >= 0: got %d", op, name, int32(v))
+		}
+		return time.Duration(v) * time.Millisecond, nil
+	}
+	vc := valkey.Config{Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint)}
+	if c.block_bytes < 0 || c.block_bytes > 1<<40 {
+		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
+	}
+	vc.BlockBytes = int(c.block_bytes)
+	var err error
+	for _, f := range []struct {
+		name string
+		v    C.int32_t
+		dst  *time.Duration
+	}{{"dial_timeout_ms", c.dial_timeout_ms, &vc.DialTimeout}, {"op_timeout_ms", c.op_timeout_ms, &vc.OpTimeout},
+		{"ttl_ms", c.ttl_ms, &vc.TTL}, {"backoff_ms", c.backoff_ms, &vc.Backoff}, {"max_backoff_ms", c.max_backoff_ms, &vc.MaxBackoff}} {
+		if *f.dst, err = ms(f.name, f.v); err != nil {
+			return fail(err)
+		}
+	}
+	t, err := valkey.New(vc)
+	if err != nil {
+		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
+	}
+	*out = (*C.kvp_shared_store)(newHandle(t))
+	return C.KVP_OK
+}
+
+//export kvp_shared_store_destroy
+func kvp_shared_store_destroy(h *C.kvp_shared_store) {
+	defer guardVoid()
+	if t, ok := dropHandle[*valkey.Tier](unsafe.Pointer(h)); ok {
+		_ = t.Close()
+	}
+}
+
+//export kvp_shared_store_exists
+func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, found *C.int32_t) C.kvp_status {
+	return onSharedStore(h, func(t *valkey.Tier) error {
+		const op = "kvp_shared_store_exists"
+		ks, err := sharedKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		if found == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: found must not be NULL", op)
+		}
+		out := slice[int32](unsafe.Pointer(found), n)
+		for i, ok := range t.Exists(ks) {
+			out[i] = 0
+			if ok {
+				out[i] = 1
+			}
+		}
+		return nil
+	})
+}
+
+//export kvp_shared_store_put
+func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
+	lens *C.int64_t, stored *C.int32_t) C.kvp_status {
+	return onSharedStore(h, func(t *valkey.Tier) error {
+		const op = "kvp_shared_store_put"
+		ks, err := sharedKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, -1)
+		if err != nil {
+			return err
+		}
+		// One segment: the tier reads the caller's memory in place. More:
+		// the key's segments are gathered into one payload first.
+		g := int(segs)
+		payloads := make([][]byte, len(ks))
+		for i := range ks {
+			if g == 1 {
+				payloads[i] = unsafe.Slice((*byte)(ps[i]), int(ls[i]))
+				continue
+			}
+			size := int64(0)
+			for j := 0; j < g; j++ {
+				size += ls[i*g+j]
+			}
+			p := make([]byte, 0, size)
+			for j := 0; j < g; j++ {
+				if ls[i*g+j] > 0 {
+					p = append(p, unsafe.Slice((*byte)(ps[i*g+j]), int(ls[i*g+j]))...)
+				}
+			}
+			payloads[i] = p
+		}
+		n := t.Put(ks, payloads)
+		if stored != nil {
+			*stored = C.int32_t(n)
+		}
+		return nil
+	})
+}
+
+//export kvp_shared_store_get
+func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
+	lens *C.int64_t, found *C.int32_t) C.kvp_status {
+	return onSharedStore(h, func(t *valkey.Tier) error {
+		const op = "kvp_shared_store_get"
+		ks, err := sharedKeysOf(op, n, keys)
+		if err != nil {
+			return err
+		}
+		ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, -1)
+		if err != nil {
+			return err
+		}
+		if found == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: found must not be NULL", op)
+		}
+		out := slice[int32](unsafe.Pointer(found), n)
+		g := int(segs)
+		if g == 1 {
+			dst := make([][]byte, len(ks))
+			for i := range ks {
+				dst[i] = unsafe.Slice((*byte)(ps[i]), int(ls[i]))
+			}
+			for i, ok := range t.GetInto(ks, dst) {
+				out[i] = 0
+				if ok {
+					out[i] = 1
+				}
+			}
+			return nil
+		}
+		for i, p := range t.Get(ks) {
+			out[i] = 0
+			size := int64(0)
+			for j := 0; j < g; j++ {
+				size += ls[i*g+j]
+			}
+			if p == nil || int64(len(p)) != size {
+				continue
+			}
+			for j := 0; j < g; j++ {
+				if l := ls[i*g+j]; l > 0 {
+					C.memcpy(ps[i*g+j], unsafe.Pointer(&p[0]), C.size_t(l))
+					p = p[l:]
+				}
+			}
+			out[i] = 1
+		}
+		return nil
+	})
+}
+
+//export kvp_shared_store_stats_get
+func kvp_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store_stats) C.kvp_status {
+	return onSharedStore(h, func(t *valkey.Tier) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_shared_store_stats_get: out must not be NULL")
+		}
+		s := t.Stats()
+		var v C.kvp_shared_store_stats
+		v.hits, v.misses, v.stores, v.corrupt = C.int64_t(s.Hits), C.int64_t(s.Misses), C.int64_t(s.Stores), C.int64_t(s.Corrupt)
+		v.timeouts, v.errors, v.skipped = C.int64_t(s.Timeouts), C.int64_t(s.Errors), C.int64_t(s.Skipped)
+		v.bytes_read, v.bytes_written = C.int64_t(s.BytesRead), C.int64_t(s.BytesWritten)
+		if s.Available {
+			v.available = 1
+		}
+		return sharedStoreStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
+}

@@ -1,0 +1,123 @@
+"""kvplug.sharedstore.SharedStore against a throwaway redis-server (or
+valkey-server): put, exists and get with one or two segments per key, a
+value of another fingerprint or size as a miss, and a server that is down
+as misses and skipped stores within the op timeout, never an exception."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import kvplug
+from kvplug.sharedstore import SharedStore, key128, keys128, keys64
+
+
+def K(*ids):
+    return [key128(str(i)) for i in ids]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("neither valkey-server nor redis-server is installed")
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.02)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def rows(buf: np.ndarray):
+    n = buf.shape[0]
+    return (buf.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(buf.strides[0])).reshape(n, 1), \
+        np.full((n, 1), buf.shape[1], np.int64)
+
+
+def test_put_exists_get(server):
+    with SharedStore(server, "t1", fingerprint=11) as ss:
+        data = np.random.default_rng(0).integers(0, 255, (3, 64), dtype=np.uint8)
+        p, ln = rows(data)
+        assert ss.put(K(1, 2, 3), p, ln) == 3
+        assert list(ss.exists(K(1, 2, 4, 3))) == [True, True, False, True]
+        assert ss.prefix(K(1, 2, 4, 3)) == 2
+        out = np.zeros_like(data)
+        op, oln = rows(out)
+        assert list(ss.get(K(1, 2, 3), op, oln)) == [True] * 3
+        np.testing.assert_array_equal(out, data)
+        s = ss.stats()
+        assert s.stores == 3 and s.hits >= 6 and s.available
+
+
+def test_two_segments_and_foreign_values(server):
+    k = np.full((2, 16), 7, np.uint8)
+    v = np.full((2, 16), 9, np.uint8)
+    ptrs = np.stack([k.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
+                     v.ctypes.data + np.arange(2, dtype=np.uint64) * 16], axis=1)
+    lens = np.full((2, 2), 16, np.int64)
+    with SharedStore(server, "t2", fingerprint=1) as a, SharedStore(server, "t2", fingerprint=2) as b:
+        assert a.put(K(10, 11), ptrs, lens) == 2
+        ok, ov = np.zeros_like(k), np.zeros_like(v)
+        optrs = np.stack([ok.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
+                          ov.ctypes.data + np.arange(2, dtype=np.uint64) * 16], axis=1)
+        assert list(a.get(K(10, 11), optrs, lens)) == [True, True]
+        assert (ok == 7).all() and (ov == 9).all()
+        # Another fingerprint's reader: a miss counted corrupt, buffers untouched.
+        ok[:] = 0
+        assert list(b.get(K(10), optrs[:1], lens[:1])) == [False]
+        assert (ok == 0).all() and b.stats().corrupt == 1
+        # A payload of another size than the buffers: a miss.
+        assert list(a.get(K(10), optrs[:1, :1], lens[:1, :1])) == [False]
+
+
+def test_server_down_is_misses_not_errors():
+    addr = f"127.0.0.1:{_free_port()}"
+    with SharedStore(addr, "t3", op_timeout_ms=100, backoff_ms=200) as ss:
+        buf = np.zeros((2, 8), np.uint8)
+        p, ln = rows(buf)
+        t0 = time.monotonic()
+        assert ss.put(K(1, 2), p, ln) == 0
+        assert list(ss.exists(K(1, 2))) == [False, False]
+        assert list(ss.get(K(1, 2), p, ln)) == [False, False]
+        assert time.monotonic() - t0 < 1.0
+        s = ss.stats()
+        assert s.stores == 0 and s.misses >= 4 and (s.errors + s.timeouts) >= 1 and s.skipped >= 1
+
+
+def test_config_checks():
+    with pytest.raises(kvplug.InvalidArgumentError):
+        SharedStore("127.0.0.1:1", "bad space")
+    with pytest.raises(kvplug.InvalidArgumentError):
+        SharedStore("127.0.0.1:1", "ok", op_timeout_ms=-1)
+    with pytest.raises(kvplug.InvalidArgumentError):
+        SharedStore("", "ok")
+
+
+def test_keys():
+    k = keys128(K(1, 2))
+    assert k.shape == (2, 16) and bytes(k[1]) == key128("2")
+    assert keys64(k)[0] == int.from_bytes(key128("1")[:8], "little")
+    assert keys128([]).shape == (0, 16)
