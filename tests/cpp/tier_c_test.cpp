@@ -156,7 +156,7 @@ TEST(HostTier, BadInputs) {
   cfg.host_block_bytes = 0;
   EXPECT_EQ(kvp_manager_create(&cfg, &m), KVP_ERR_INVALID_ARGUMENT);
   cfg.host_block_bytes = kBytes;
-  cfg.reserved = 1;
+  cfg.demote_evicted = 2;  // 0 or 1
   EXPECT_EQ(kvp_manager_create(&cfg, &m), KVP_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(m, nullptr);
 
