@@ -15,8 +15,13 @@ const (
 	hostRegisterDeviceMap = 0x02 // CU_MEMHOSTREGISTER_DEVICEMAP: mapped
 )
 
-// errHostAlreadyRegistered is CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED.
-const errHostAlreadyRegistered Result = 712
+// cuMemHostRegister's answers for memory that is page-locked already:
+// CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED (registered) and
+// CUDA_ERROR_INVALID_VALUE (allocated pinned, by cudaHostAlloc).
+const (
+	errHostAlreadyRegistered Result = 712
+	errInvalidValue          Result = 1
+)
 
 var (
 	cuMemHostRegister         func(p unsafe.Pointer, size uintptr, flags uint32) Result
@@ -50,24 +55,24 @@ func RegisterHost(p unsafe.Pointer, size int) (HostRegistration, error) {
 		return r, kverr.Errorf(kverr.InvalidArgument, "registering host memory: need a non-NULL region of > 0 bytes (got %p, %d bytes)", p, size)
 	}
 	err := withContext(func() error {
-		if cuMemHostGetDevicePointer(&r.Device, p, 0) == Success {
-			return nil // pinned and mapped by its owner
-		}
 		res := cuMemHostRegister(p, uintptr(size), hostRegisterPortable|hostRegisterDeviceMap)
-		switch res {
-		case Success:
+		if res == Success {
 			r.Owned = true
-		case errHostAlreadyRegistered:
-		default:
+		} else if res != errHostAlreadyRegistered && res != errInvalidValue {
 			return cudaErr("registering host memory (page-locking it)", "cuMemHostRegister", res)
 		}
-		if err := cudaErr("mapping host memory for the device", "cuMemHostGetDevicePointer",
-			cuMemHostGetDevicePointer(&r.Device, p, 0)); err != nil {
+		// Registered here, or by the engine (ALREADY_REGISTERED), or
+		// allocated pinned by it (cudaHostAlloc memory answers
+		// INVALID_VALUE): mapped if it has a device address.
+		if dres := cuMemHostGetDevicePointer(&r.Device, p, 0); dres != Success {
 			if r.Owned {
 				cuMemHostUnregister(p)
 				r.Owned = false
 			}
-			return err
+			if res != Success && res != errHostAlreadyRegistered {
+				return cudaErr("registering host memory (page-locking it)", "cuMemHostRegister", res)
+			}
+			return cudaErr("mapping host memory for the device", "cuMemHostGetDevicePointer", dres)
 		}
 		return nil
 	})
