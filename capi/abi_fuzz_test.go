@@ -44,6 +44,9 @@ func FuzzABI(f *testing.F) {
 	f.Add(slices.Concat(hostTierSeed[:6],
 		[]byte{20, 5, 0, 0, 11, 1, 0, 0, 2, 1, 0, 9, 1, 0, 8, 0, 3, 12, 16, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1},
 		hostTierSeed[6:]))
+	// The standalone stores (abi_fuzz_stores_test.go).
+	f.Add(hostStoreSeed)
+	f.Add(hostStoreBareSeed)
 	gpu := cuda.Available()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
@@ -103,6 +106,7 @@ type abiFuzz struct {
 	// the last call; the current shared store (its server down), a
 	// destroyed one and its counters.
 	ok          map[string]int // successful calls by name, when not nil
+	lastStatus  int            // the status of the last call
 	stores      bool
 	hs, staleHS ptr
 	hsSlots     int32
@@ -382,6 +386,7 @@ func (fz *abiFuzz) step() {
 	}
 	op := fz.r.u8() % ops
 	name, st := fz.call(op)
+	fz.lastStatus = st
 	if st < 0 {
 		return // not a status call
 	}
