@@ -44,6 +44,9 @@ func FuzzABI(f *testing.F) {
 	f.Add(slices.Concat(hostTierSeed[:6],
 		[]byte{20, 5, 0, 0, 11, 1, 0, 0, 2, 1, 0, 9, 1, 0, 8, 0, 3, 12, 16, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1},
 		hostTierSeed[6:]))
+	// The standalone stores (abi_fuzz_stores_test.go).
+	f.Add(hostStoreSeed)
+	f.Add(hostStoreBareSeed)
 	gpu := cuda.Available()
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
@@ -97,6 +100,21 @@ type abiFuzz struct {
 	// goroutine changes its counters between any two calls.
 	shared bool
 	nextID int64 // conversation's sequence ids
+	// stores: the standalone stores are part of the run (setup flag
+	// storesFlag): the current host store (hsSlots slots of hsBytes), a
+	// destroyed one, slots it handed out lately and its counters after
+	// the last call; the current shared store (its server down), a
+	// destroyed one and its counters.
+	ok          map[string]int // successful calls by name, when not nil
+	lastStatus  int            // the status of the last call
+	stores      bool
+	hs, staleHS ptr
+	hsSlots     int32
+	hsBytes     int64
+	hsHanded    []int32
+	hsCounters  []int64
+	ss, staleSS ptr
+	ssCounters  []int64
 }
 
 func (fz *abiFuzz) alloc(n int) ptr {
@@ -117,6 +135,7 @@ func (fz *abiFuzz) close() {
 	rawPublisherDestroy(fz.pub) // before its manager, as the header asks
 	rawManagerDestroy(fz.m)
 	rawVcacheDestroy(fz.c)
+	fz.closeStores()
 	fz.junk.free()
 }
 
@@ -159,6 +178,9 @@ func (fz *abiFuzz) setup() {
 	}
 	rawVcacheDestroy(h)
 	fz.staleC = h
+	if flags&storesFlag != 0 {
+		fz.storeSetup()
+	}
 	fz.release()
 }
 
@@ -350,6 +372,7 @@ func (fz *abiFuzz) snapshot() string {
 		}
 		p.free()
 	}
+	fz.storeSnapshot(&b)
 	return b.String()
 }
 
@@ -357,10 +380,18 @@ func (fz *abiFuzz) snapshot() string {
 func (fz *abiFuzz) step() {
 	defer fz.release()
 	before := fz.snapshot()
-	op := fz.r.u8() % numOps
+	ops := uint8(numOps)
+	if fz.stores {
+		ops += numStoreOps
+	}
+	op := fz.r.u8() % ops
 	name, st := fz.call(op)
+	fz.lastStatus = st
 	if st < 0 {
 		return // not a status call
+	}
+	if st == 0 && fz.ok != nil {
+		fz.ok[name]++
 	}
 	if st >= int(kverr.Internal) || statusName(st) == "KVP_ERR_UNKNOWN_STATUS" {
 		fz.t.Fatalf("%s returned %s: %s", name, statusName(st), lastError())
@@ -377,6 +408,7 @@ func (fz *abiFuzz) step() {
 		fz.t.Fatalf("invariants broken after %s: %s", name, lastError())
 	}
 	fz.checkTier(name)
+	fz.checkStores(name)
 }
 
 // tierCounterFields are kvp_tier_stats' counters, which never decrease.
@@ -703,6 +735,9 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 		return "kvp_manager_host_tier_memory", st
 	case 64:
 		return fz.conversation()
+	}
+	if op >= numOps && fz.stores {
+		return fz.storeCall(op - numOps)
 	}
 	panic(fmt.Sprintf("no call numbered %d", op))
 }
@@ -1342,6 +1377,16 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		fz.close()
 		seen[name] = true
 	}
+	for op := range numStoreOps {
+		// Stores (flag storesFlag) on a host store of 4 slots of 16 bytes.
+		data := []byte{5 | storesFlag, 8, 4, 3, 1, byte(numOps + op)}
+		data = append(data, bytes.Repeat([]byte{1}, 64)...)
+		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
+		fz.setup()
+		name, _ := fz.call(fz.r.u8() % (numOps + numStoreOps))
+		fz.close()
+		seen[name] = true
+	}
 	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove",
 		"kvp_manager_describe", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
 		"kvp_manager_pin", "kvp_manager_unpin", "kvp_manager_set_priority", "kvp_manager_prefix_stats_reset",
@@ -1354,7 +1399,12 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_version", "kvp_status_string", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
 		"kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
 		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy", "kvp_manager_flush_copies",
-		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory"}
+		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory",
+		"kvp_host_store_create", "kvp_host_store_destroy", "kvp_host_store_state", "kvp_host_store_lookup_prefix",
+		"kvp_host_store_reserve", "kvp_host_store_complete", "kvp_host_store_pin", "kvp_host_store_unpin",
+		"kvp_host_store_touch", "kvp_host_store_reset", "kvp_host_store_stats_get", "kvp_host_store_memory",
+		"kvp_host_store_write", "kvp_host_store_read", "kvp_shared_store_create", "kvp_shared_store_destroy",
+		"kvp_shared_store_exists", "kvp_shared_store_put", "kvp_shared_store_get", "kvp_shared_store_stats_get"}
 	for _, w := range want {
 		if !seen[w] {
 			t.Errorf("FuzzABI never calls %s", w)

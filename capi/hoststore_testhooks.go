@@ -200,3 +200,69 @@ func hookSharedStorePutGet(h unsafe.Pointer, keys []uint64, data [][]byte) (int3
 	}
 	return *(*int32)(stored.p), slices32(found, n), back, abiStatus(st)
 }
+
+// Raw entry points of the standalone stores for the ABI fuzz target
+// (abi_fuzz_test.go): pointers pass through as given, NULL included.
+
+func rawHostStoreCreate(cfg, out ptr) int {
+	return st(kvp_host_store_create((*C.kvp_host_store_config)(cfg), (**C.kvp_host_store)(out)))
+}
+func rawHostStoreDestroy(h ptr) { kvp_host_store_destroy((*C.kvp_host_store)(h)) }
+func rawHostStoreState(h ptr, n int32, keys, states, slots ptr) int {
+	return st(kvp_host_store_state((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(states), (*C.int32_t)(slots)))
+}
+func rawHostStoreLookupPrefix(h ptr, n int32, keys, matched ptr) int {
+	return st(kvp_host_store_lookup_prefix((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(matched)))
+}
+func rawHostStoreReserve(h ptr, n int32, keys, slots, evicted, numEvicted ptr) int {
+	return st(kvp_host_store_reserve((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots),
+		(*C.uint64_t)(evicted), (*C.int32_t)(numEvicted)))
+}
+func rawHostStoreComplete(h ptr, n int32, keys ptr, failed int32, num ptr) int {
+	return st(kvp_host_store_complete((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), C.int32_t(failed), (*C.int32_t)(num)))
+}
+func rawHostStorePin(h ptr, n int32, keys, slots, num ptr) int {
+	return st(kvp_host_store_pin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots), (*C.int32_t)(num)))
+}
+func rawHostStoreUnpin(h ptr, n int32, keys, num ptr) int {
+	return st(kvp_host_store_unpin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(num)))
+}
+func rawHostStoreTouch(h ptr, n int32, keys ptr) int {
+	return st(kvp_host_store_touch((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys)))
+}
+func rawHostStoreReset(h, num ptr) int {
+	return st(kvp_host_store_reset((*C.kvp_host_store)(h), (*C.int32_t)(num)))
+}
+func rawHostStoreStats(h, out ptr) int {
+	return st(kvp_host_store_stats_get((*C.kvp_host_store)(h), (*C.kvp_host_store_stats)(out)))
+}
+func rawHostStoreMemory(h, base, slotBytes, numSlots ptr) int {
+	return st(kvp_host_store_memory((*C.kvp_host_store)(h), (*unsafe.Pointer)(base), (*C.int64_t)(slotBytes), (*C.int32_t)(numSlots)))
+}
+func rawHostStoreWrite(h ptr, n int32, slots ptr, segs int32, ptrs, lens ptr) int {
+	return st(kvp_host_store_write((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
+		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens)))
+}
+func rawHostStoreRead(h ptr, n int32, slots ptr, segs int32, ptrs, lens ptr) int {
+	return st(kvp_host_store_read((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
+		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens)))
+}
+
+func rawSharedStoreCreate(cfg, out ptr) int {
+	return st(kvp_shared_store_create((*C.kvp_shared_store_config)(cfg), (**C.kvp_shared_store)(out)))
+}
+func rawSharedStoreDestroy(h ptr) { kvp_shared_store_destroy((*C.kvp_shared_store)(h)) }
+func rawSharedStoreExists(h ptr, n int32, keys, found ptr) int {
+	return st(kvp_shared_store_exists((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), (*C.int32_t)(found)))
+}
+func rawSharedStorePut(h ptr, n int32, keys ptr, segs int32, ptrs, lens, stored ptr) int {
+	return st(kvp_shared_store_put((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
+		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens), (*C.int32_t)(stored)))
+}
+func rawSharedStoreGet(h ptr, n int32, keys ptr, segs int32, ptrs, lens, found ptr) int {
+	return st(kvp_shared_store_get((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
+		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens), (*C.int32_t)(found)))
+}
+func rawSharedStoreStats(h, out ptr) int {
+	return st(kvp_shared_store_stats_get((*C.kvp_shared_store)(h), (*C.kvp_shared_store_stats)(out)))
+}

@@ -56,6 +56,10 @@ func buildCLayouts() map[string]cLayout {
 		"kvp_tier_copy":              C.kvp_tier_copy{},
 		"kvp_tier_match":             C.kvp_tier_match{},
 		"kvp_tier_stats":             C.kvp_tier_stats{},
+		"kvp_host_store_config":      C.kvp_host_store_config{},
+		"kvp_host_store_stats":       C.kvp_host_store_stats{},
+		"kvp_shared_store_config":    C.kvp_shared_store_config{},
+		"kvp_shared_store_stats":     C.kvp_shared_store_stats{},
 	} {
 		t := reflect.TypeOf(v)
 		l := cLayout{size: t.Size(), fields: map[string]cField{}}

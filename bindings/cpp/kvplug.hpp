@@ -1225,6 +1225,392 @@ inline kvp_attn_plan plan(const Manager &m, span<const int64_t> seq_ids, const k
 
 // ==== section: shared-prefix attention (end) ====
 
+// ==== section: standalone host store (begin) ====
+
+namespace detail {
+struct HostStoreApi {
+  KVPLUG_FN(kvp_host_store_create);
+  KVPLUG_FN(kvp_host_store_destroy);
+  KVPLUG_FN(kvp_host_store_state);
+  KVPLUG_FN(kvp_host_store_lookup_prefix);
+  KVPLUG_FN(kvp_host_store_reserve);
+  KVPLUG_FN(kvp_host_store_complete);
+  KVPLUG_FN(kvp_host_store_pin);
+  KVPLUG_FN(kvp_host_store_unpin);
+  KVPLUG_FN(kvp_host_store_touch);
+  KVPLUG_FN(kvp_host_store_reset);
+  KVPLUG_FN(kvp_host_store_stats_get);
+  KVPLUG_FN(kvp_host_store_memory);
+  KVPLUG_FN(kvp_host_store_write);
+  KVPLUG_FN(kvp_host_store_read);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_host_store_create);
+    KVPLUG_LOAD(lib, kvp_host_store_destroy);
+    KVPLUG_LOAD(lib, kvp_host_store_state);
+    KVPLUG_LOAD(lib, kvp_host_store_lookup_prefix);
+    KVPLUG_LOAD(lib, kvp_host_store_reserve);
+    KVPLUG_LOAD(lib, kvp_host_store_complete);
+    KVPLUG_LOAD(lib, kvp_host_store_pin);
+    KVPLUG_LOAD(lib, kvp_host_store_unpin);
+    KVPLUG_LOAD(lib, kvp_host_store_touch);
+    KVPLUG_LOAD(lib, kvp_host_store_reset);
+    KVPLUG_LOAD(lib, kvp_host_store_stats_get);
+    KVPLUG_LOAD(lib, kvp_host_store_memory);
+    KVPLUG_LOAD(lib, kvp_host_store_write);
+    KVPLUG_LOAD(lib, kvp_host_store_read);
+  }
+};
+inline const HostStoreApi &host_store_api() { return table<HostStoreApi>(); }
+
+// The data of an output vector, never NULL (an empty vector's data() may
+// be): the library reports the count, not a NULL pointer.
+template <class T>
+T *out(std::vector<T> &v) noexcept {
+  thread_local T none{};
+  return v.empty() ? &none : v.data();
+}
+
+// Checks a scatter list of n items of segs segments each: ptrs and lens of
+// n * segs entries. segs < 1 is left to the library to refuse.
+inline void check_segments(const char *op, std::size_t n, int32_t segs, std::size_t ptrs, std::size_t lens) {
+  if (ptrs != lens || (segs > 0 && ptrs != n * static_cast<std::size_t>(segs))) {
+    throw Error(KVP_ERR_INVALID_ARGUMENT, std::string("kvplug: ") + op + ": " + std::to_string(ptrs) + " pointers and " +
+                                              std::to_string(lens) + " lengths for " + std::to_string(n) + " x " +
+                                              std::to_string(segs) + " segments");
+  }
+}
+}  // namespace detail
+
+// HostStore::reserve's result: slots[i] is key i's slot, -1 for a key held
+// already or repeated; evicted the keys evicted to make room, in order.
+struct HostStoreReservation {
+  std::vector<int32_t> slots;
+  std::vector<uint64_t> evicted;
+};
+
+// HostStore::state's result: states[i] is KVP_HOST_KEY_*, slots[i] its
+// slot (-1 when absent).
+struct HostStoreStates {
+  std::vector<int32_t> states;
+  std::vector<int32_t> slots;
+};
+
+// HostStore::pin's result: slots[i] is key i's pinned slot, -1 for a miss;
+// pinned the number of pins taken (each needs one unpin).
+struct HostStorePins {
+  std::vector<int32_t> slots;
+  int32_t pinned = 0;
+};
+
+// A standalone host store (kvp_host_store, the header's "standalone host
+// store"): keyed host slots without a manager, for an engine that keeps its
+// own GPU block manager and performs the copies itself. Move-only; owns the
+// handle. Note the names: clear() is kvp_host_store_reset (drops every
+// block); reset() destroys the store, as for the other handles.
+class HostStore {
+ public:
+  // num_slots slots of slot_bytes bytes (0: bookkeeping only, no memory).
+  explicit HostStore(int32_t num_slots, int64_t slot_bytes = 0) {
+    kvp_host_store_config cfg = KVP_HOST_STORE_CONFIG_INIT;
+    cfg.num_slots = num_slots;
+    cfg.slot_bytes = slot_bytes;
+    detail::check(api().kvp_host_store_create(&cfg, &h_));
+  }
+  explicit HostStore(const kvp_host_store_config &cfg) { detail::check(api().kvp_host_store_create(&cfg, &h_)); }
+
+  // Takes ownership of a handle from kvp_host_store_create.
+  static HostStore adopt(kvp_host_store *h) noexcept { return HostStore(h); }
+
+  HostStore(const HostStore &) = delete;
+  HostStore &operator=(const HostStore &) = delete;
+  HostStore(HostStore &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  HostStore &operator=(HostStore &&o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+    }
+    return *this;
+  }
+  ~HostStore() { reset(); }
+
+  kvp_host_store *get() const noexcept { return h_; }
+  explicit operator bool() const noexcept { return h_ != nullptr; }
+  // Gives up ownership; the caller destroys the handle.
+  kvp_host_store *release() noexcept { return std::exchange(h_, nullptr); }
+  // Destroys the store and its memory now (later calls throw INVALID_HANDLE).
+  void reset() noexcept {
+    if (h_ != nullptr) api().kvp_host_store_destroy(std::exchange(h_, nullptr));
+  }
+
+  // Each key's state and slot; touches and counts nothing.
+  HostStoreStates state(span<const uint64_t> keys) const {
+    HostStoreStates r;
+    r.states.resize(keys.size());
+    r.slots.resize(keys.size());
+    detail::check(api().kvp_host_store_state(h_, detail::count32(keys.size(), "state: keys"), detail::in(keys),
+                                             detail::out(r.states), detail::out(r.slots)));
+    return r;
+  }
+
+  // The number of keys, from the first, that are resident; marks them
+  // recently used. Pins nothing.
+  int32_t lookup_prefix(span<const uint64_t> keys) {
+    int32_t matched = 0;
+    detail::check(api().kvp_host_store_lookup_prefix(h_, detail::count32(keys.size(), "lookup_prefix: keys"),
+                                                     detail::in(keys), &matched));
+    return matched;
+  }
+
+  // Reserves a slot for each key the store does not hold, all or none:
+  // throws OUT_OF_BLOCKS (nothing changed) when the batch does not fit.
+  HostStoreReservation reserve(span<const uint64_t> keys) {
+    HostStoreReservation r;
+    detail::check(reserve_into(keys, r));
+    return r;
+  }
+  // As reserve, but a batch that does not fit returns false (r untouched).
+  bool try_reserve(span<const uint64_t> keys, HostStoreReservation &r) {
+    HostStoreReservation tmp;
+    const kvp_status st = reserve_into(keys, tmp);
+    if (st == KVP_ERR_OUT_OF_BLOCKS) return false;
+    detail::check(st);
+    r = std::move(tmp);
+    return true;
+  }
+
+  // Commits (failed false) or gives back the pending keys of keys; returns
+  // how many were pending (the others count in stats().stale).
+  int32_t complete(span<const uint64_t> keys, bool failed = false) {
+    int32_t n = 0;
+    detail::check(api().kvp_host_store_complete(h_, detail::count32(keys.size(), "complete: keys"), detail::in(keys),
+                                                failed ? 1 : 0, &n));
+    return n;
+  }
+
+  // Pins the slot of each resident key for a copy out of it.
+  HostStorePins pin(span<const uint64_t> keys) {
+    HostStorePins r;
+    r.slots.resize(keys.size());
+    detail::check(api().kvp_host_store_pin(h_, detail::count32(keys.size(), "pin: keys"), detail::in(keys),
+                                           detail::out(r.slots), &r.pinned));
+    return r;
+  }
+
+  // Drops one pin of each pinned key; returns how many it unpinned.
+  int32_t unpin(span<const uint64_t> keys) {
+    int32_t n = 0;
+    detail::check(
+        api().kvp_host_store_unpin(h_, detail::count32(keys.size(), "unpin: keys"), detail::in(keys), &n));
+    return n;
+  }
+
+  // Marks the resident keys of keys recently used, the first most recently.
+  void touch(span<const uint64_t> keys) {
+    detail::check(api().kvp_host_store_touch(h_, detail::count32(keys.size(), "touch: keys"), detail::in(keys)));
+  }
+
+  // kvp_host_store_reset: drops every block, pending and pinned ones
+  // included (no copy may still use them); returns the slots it freed.
+  int32_t clear() {
+    int32_t n = 0;
+    detail::check(api().kvp_host_store_reset(h_, &n));
+    return n;
+  }
+
+  kvp_host_store_stats stats() const {
+    kvp_host_store_stats s = KVP_HOST_STORE_STATS_INIT;
+    detail::check(api().kvp_host_store_stats_get(h_, &s));
+    return s;
+  }
+
+  // The store's memory (kvp_host_store_memory): base is NULL without
+  // memory; slot s is at base + s * slot_bytes, valid until destroyed.
+  void *base() const {
+    void *b = nullptr;
+    detail::check(api().kvp_host_store_memory(h_, &b, nullptr, nullptr));
+    return b;
+  }
+  int64_t slot_bytes() const {
+    int64_t bytes = 0;
+    detail::check(api().kvp_host_store_memory(h_, nullptr, &bytes, nullptr));
+    return bytes;
+  }
+  int32_t num_slots() const {
+    int32_t n = 0;
+    detail::check(api().kvp_host_store_memory(h_, nullptr, nullptr, &n));
+    return n;
+  }
+  // Slot s's memory; INVALID_ARGUMENT out of range, UNSUPPORTED without memory.
+  uint8_t *slot(int32_t s) const {
+    void *b = nullptr;
+    int64_t bytes = 0;
+    int32_t n = 0;
+    detail::check(api().kvp_host_store_memory(h_, &b, &bytes, &n));
+    if (b == nullptr) throw Error(KVP_ERR_UNSUPPORTED, "kvplug: the host store has no memory (slot_bytes 0)");
+    if (s < 0 || s >= n) {
+      throw Error(KVP_ERR_INVALID_ARGUMENT, "kvplug: host store slot " + std::to_string(s) + " of " + std::to_string(n));
+    }
+    return static_cast<uint8_t *>(b) + static_cast<int64_t>(s) * bytes;
+  }
+
+  // Copies into pending slots: slot slots[i] receives the concatenation of
+  // segments [i * segs, (i + 1) * segs) of ptrs (lengths in lens), which
+  // must total slot_bytes().
+  void write(span<const int32_t> slots, span<const void *const> ptrs, span<const int64_t> lens, int32_t segs = 1) {
+    detail::check_segments("host store write", slots.size(), segs, ptrs.size(), lens.size());
+    detail::check(api().kvp_host_store_write(h_, detail::count32(slots.size(), "write: slots"), detail::in(slots), segs,
+                                             detail::in(ptrs), detail::in(lens)));
+  }
+  void write(int32_t slot, const void *data, int64_t len) {
+    write(span<const int32_t>(&slot, 1), span<const void *const>(&data, 1), span<const int64_t>(&len, 1));
+  }
+
+  // Copies out of resident slots (hold a pin on each), as write lays them out.
+  void read(span<const int32_t> slots, span<void *const> ptrs, span<const int64_t> lens, int32_t segs = 1) const {
+    detail::check_segments("host store read", slots.size(), segs, ptrs.size(), lens.size());
+    detail::check(api().kvp_host_store_read(h_, detail::count32(slots.size(), "read: slots"), detail::in(slots), segs,
+                                            detail::in(ptrs), detail::in(lens)));
+  }
+  void read(int32_t slot, void *data, int64_t len) const {
+    read(span<const int32_t>(&slot, 1), span<void *const>(&data, 1), span<const int64_t>(&len, 1));
+  }
+
+ private:
+  explicit HostStore(kvp_host_store *h) noexcept : h_(h) {}
+  static const detail::HostStoreApi &api() { return detail::host_store_api(); }
+  kvp_status reserve_into(span<const uint64_t> keys, HostStoreReservation &r) {
+    const int32_t n = detail::count32(keys.size(), "reserve: keys");
+    r.slots.resize(keys.size());
+    r.evicted.resize(keys.size());
+    int32_t ne = 0;
+    const kvp_status st = api().kvp_host_store_reserve(h_, n, detail::in(keys), detail::out(r.slots),
+                                                       detail::out(r.evicted), &ne);
+    r.evicted.resize(st == KVP_OK ? static_cast<std::size_t>(ne) : 0);
+    return st;
+  }
+
+  kvp_host_store *h_ = nullptr;
+};
+
+// ==== section: standalone host store (end) ====
+
+// ==== section: standalone shared store (begin) ====
+
+namespace detail {
+struct SharedStoreApi {
+  KVPLUG_FN(kvp_shared_store_create);
+  KVPLUG_FN(kvp_shared_store_destroy);
+  KVPLUG_FN(kvp_shared_store_exists);
+  KVPLUG_FN(kvp_shared_store_put);
+  KVPLUG_FN(kvp_shared_store_get);
+  KVPLUG_FN(kvp_shared_store_stats_get);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_shared_store_create);
+    KVPLUG_LOAD(lib, kvp_shared_store_destroy);
+    KVPLUG_LOAD(lib, kvp_shared_store_exists);
+    KVPLUG_LOAD(lib, kvp_shared_store_put);
+    KVPLUG_LOAD(lib, kvp_shared_store_get);
+    KVPLUG_LOAD(lib, kvp_shared_store_stats_get);
+  }
+};
+inline const SharedStoreApi &shared_store_api() { return table<SharedStoreApi>(); }
+}  // namespace detail
+
+// A shared store's key: 16 bytes (a 128-bit hash of the block's identity).
+using SharedKey = std::array<uint8_t, 16>;
+static_assert(sizeof(SharedKey) == 16, "SharedKey must be 16 bytes with no padding");
+
+// A standalone client of a Valkey or Redis server shared by instances
+// (kvp_shared_store, the header's "standalone shared store"). The server's
+// faults never throw: a server that is down or slow makes misses and
+// skipped stores, counted in stats(); only bad arguments throw. Move-only;
+// owns the handle. create does not connect.
+class SharedStore {
+ public:
+  SharedStore(const std::string &address, const std::string &key_space, uint64_t fingerprint = 0,
+              int64_t block_bytes = 0) {
+    kvp_shared_store_config cfg = KVP_SHARED_STORE_CONFIG_INIT;
+    cfg.address = address.c_str();
+    cfg.key_space = key_space.c_str();
+    cfg.fingerprint = fingerprint;
+    cfg.block_bytes = block_bytes;
+    detail::check(api().kvp_shared_store_create(&cfg, &h_));
+  }
+  // The config's strings need only outlive the constructor.
+  explicit SharedStore(const kvp_shared_store_config &cfg) { detail::check(api().kvp_shared_store_create(&cfg, &h_)); }
+
+  // Takes ownership of a handle from kvp_shared_store_create.
+  static SharedStore adopt(kvp_shared_store *h) noexcept { return SharedStore(h); }
+
+  SharedStore(const SharedStore &) = delete;
+  SharedStore &operator=(const SharedStore &) = delete;
+  SharedStore(SharedStore &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  SharedStore &operator=(SharedStore &&o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+    }
+    return *this;
+  }
+  ~SharedStore() { reset(); }
+
+  kvp_shared_store *get() const noexcept { return h_; }
+  explicit operator bool() const noexcept { return h_ != nullptr; }
+  kvp_shared_store *release() noexcept { return std::exchange(h_, nullptr); }
+  // Destroys the client and closes its connection now.
+  void reset() noexcept {
+    if (h_ != nullptr) api().kvp_shared_store_destroy(std::exchange(h_, nullptr));
+  }
+
+  // found[i] is 1 when the server holds key i, else 0; one round trip.
+  std::vector<int32_t> exists(span<const SharedKey> keys) {
+    std::vector<int32_t> found(keys.size());
+    detail::check(api().kvp_shared_store_exists(h_, detail::count32(keys.size(), "exists: keys"), bytes(keys),
+                                                detail::out(found)));
+    return found;
+  }
+
+  // Stores keys.size() blocks in one round trip: key i's payload is the
+  // concatenation of segments [i * segs, (i + 1) * segs) of ptrs (lengths
+  // in lens). Returns how many the server accepted.
+  int32_t put(span<const SharedKey> keys, span<const void *const> ptrs, span<const int64_t> lens, int32_t segs = 1) {
+    detail::check_segments("shared store put", keys.size(), segs, ptrs.size(), lens.size());
+    int32_t stored = 0;
+    detail::check(api().kvp_shared_store_put(h_, detail::count32(keys.size(), "put: keys"), bytes(keys), segs,
+                                             detail::in(ptrs), detail::in(lens), &stored));
+    return stored;
+  }
+
+  // Fetches keys.size() blocks into the caller's segments (as put lays
+  // them out): found[i] is 1 when key i's payload was found, checked, of
+  // exactly its segments' length, and copied; 0 leaves them untouched.
+  std::vector<int32_t> get(span<const SharedKey> keys, span<void *const> ptrs, span<const int64_t> lens,
+                           int32_t segs = 1) {
+    detail::check_segments("shared store get", keys.size(), segs, ptrs.size(), lens.size());
+    std::vector<int32_t> found(keys.size());
+    detail::check(api().kvp_shared_store_get(h_, detail::count32(keys.size(), "get: keys"), bytes(keys), segs,
+                                             detail::in(ptrs), detail::in(lens), detail::out(found)));
+    return found;
+  }
+
+  kvp_shared_store_stats stats() const {
+    kvp_shared_store_stats s = KVP_SHARED_STORE_STATS_INIT;
+    detail::check(api().kvp_shared_store_stats_get(h_, &s));
+    return s;
+  }
+
+ private:
+  explicit SharedStore(kvp_shared_store *h) noexcept : h_(h) {}
+  static const detail::SharedStoreApi &api() { return detail::shared_store_api(); }
+  static const uint8_t *bytes(span<const SharedKey> keys) noexcept {
+    return reinterpret_cast<const uint8_t *>(detail::in(keys));
+  }
+
+  kvp_shared_store *h_ = nullptr;
+};
+
+// ==== section: standalone shared store (end) ====
+
 }  // namespace kvplug
 
 #endif  // KVPLUG_HPP
