@@ -400,11 +400,12 @@ func TestSharedTierConfig(t *testing.T) {
 		_, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
 		wantCode(t, name, err, kverr.InvalidArgument)
 	}
-	// KV events with a shared tier: refused until the CPU events follow
-	// the shared tier's fetches.
+	// KV events with a shared tier: accepted (the CPU events follow the
+	// shared tier's fetches).
 	sh := SharedTier{Addr: "127.0.0.1:1", Namespace: "m"}
-	_, err = New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, EnableKVEvents: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
-	wantCode(t, "shared tier with KV events", err, kverr.Unsupported)
+	ev, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, EnableKVEvents: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
+	must(t, err)
+	must(t, ev.Close())
 	// Without a shared tier: zero stats, Close does nothing.
 	m, _ := newTierMgr(t, 8, 4, 4, 0)
 	if m.TierStats().Shared != (SharedStats{}) || m.Close() != nil {

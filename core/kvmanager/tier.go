@@ -111,6 +111,11 @@ import (
 //   - a host slot that Reserve takes from a resident block (the host
 //     LRU's eviction) announces that block's removal (BlockRemoved, CPU),
 //     in FlushCopies, one event for the flush's evictions;
+//   - a block fetched from the shared tier (shared.go) is announced when
+//     its host slot commits (BlockStored, CPU, described from the prompt
+//     that wanted it), and a slot its reservation takes from a resident
+//     block announces that block's removal (BlockRemoved, CPU), in the
+//     fetch, before the call's own work;
 //   - a reload does not change the host tier (the block stays resident
 //     there); its GPU BlockStored comes from the admission, as for any
 //     block the prefix cache caches;
@@ -318,6 +323,23 @@ type hostMeta struct {
 	resident bool // committed and announced; false while reserved
 }
 
+// hostEvicted notes, with KV events on, that a reservation took slot s
+// (gone: the resident block it evicted, if any): the evicted block's
+// hash joins t.gone, whose BlockRemoved the caller records, and the slot
+// is no longer announced. Under the manager's lock, as every change of
+// the host pool's slots is.
+func (t *tier) hostEvicted(s host.Slot, gone host.Eviction, op string) {
+	if !gone.Evicted {
+		return
+	}
+	if int(s) >= len(t.meta) || !t.meta[s].resident || HostKey(t.meta[s].hash) != gone.Hash {
+		panic(kverr.Errorf(kverr.Internal, "kvmanager: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, s))
+	}
+	t.gone = append(t.gone, t.meta[s].hash)
+	t.meta[s].resident = false
+	t.nResident--
+}
+
 // setMeta records the block that slot s now holds (reserved).
 func (t *tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
 	if n := int(s) + 1; n > len(t.meta) {
@@ -372,11 +394,6 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteEvicted {
 		t.epoch = 1
 		t.stamp = make([]uint32, cfg.NumBlocks)
-	}
-	if h.Shared != nil && cfg.EnableKVEvents {
-		// The shared tier's fetches fill and evict host slots outside the
-		// manager's lock, where the CPU events cannot follow them yet.
-		return nil, kverr.Errorf(kverr.Unsupported, "host tier: the shared tier and KV events cannot be enabled together yet")
 	}
 	if h.Shared != nil {
 		var err error
@@ -541,14 +558,7 @@ func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []Demot
 		}
 		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h})
 		if t.events {
-			if gone.Evicted {
-				old := &t.meta[slot]
-				if !old.resident || HostKey(old.hash) != gone.Hash {
-					panic(kverr.Errorf(kverr.Internal, "kvmanager: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, slot))
-				}
-				t.gone = append(t.gone, old.hash)
-				t.nResident--
-			}
+			t.hostEvicted(slot, gone, op)
 			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
 		}
 		ev.MM = nil // the slot's now, or dropped

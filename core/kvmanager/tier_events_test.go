@@ -249,13 +249,34 @@ func sameTiers(t testing.TB, m *Manager, r *prefix.EventIndex, reserved map[host
 // A random workload of admissions, removals, pressure, flushes and
 // completions (some failed), drained in random sizes: a consumer applying
 // the events in order always sees both tiers as they are.
-func TestTierEventsRandomModel(t *testing.T) {
+func TestTierEventsRandomModel(t *testing.T) { tierEventsModel(t, "") }
+
+// tierEventsModel runs the random model, with a shared tier at addr when
+// addr is not empty: admissions and matches then fetch the blocks the
+// manager demoted, stored and lost from its host tier since.
+func tierEventsModel(t *testing.T, addr string) {
 	for seed := range uint64(4) {
 		r := rand.New(rand.NewPCG(seed, 777))
 		const bs = 2
-		m, g := newTierEventsMgr(t, 16, bs, 6+int(seed), 3+int(seed), 0)
+		var m *Manager
+		var g *fakeGPU
+		if addr == "" {
+			m, g = newTierEventsMgr(t, 16, bs, 6+int(seed), 3+int(seed), 0)
+		} else {
+			m, g = newSharedEventsMgr(t, addr, 16, bs, 6+int(seed), 3+int(seed))
+		}
 		truth := prefix.NewEventIndex()
 		convs := make([][]int32, 4)
+		// With a shared tier: conversations another instance stored,
+		// which admissions and matches fetch.
+		var library [][]int32
+		if addr != "" {
+			for range 3 {
+				p := seqTokens(r, 4*bs+1)
+				storeKeyed(t, addr, bs, p, nil)
+				library = append(library, p)
+			}
+		}
 		var live []int64
 		var id int64
 		inflight := map[uint64]CopyBatch{}
@@ -275,6 +296,9 @@ func TestTierEventsRandomModel(t *testing.T) {
 				p := append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(3*bs))...)
 				if len(p) > 10*bs {
 					p = seqTokens(r, 1+r.IntN(3*bs))
+				}
+				if len(library) > 0 && r.IntN(3) == 0 {
+					p = append(slices.Clone(library[r.IntN(len(library))]), seqTokens(r, 1+r.IntN(2*bs))...)
 				}
 				id++
 				if n, err := m.Admit([]int64{id}, one(p, nil), nil); err == nil && n == 1 {
@@ -305,6 +329,13 @@ func TestTierEventsRandomModel(t *testing.T) {
 			case op == 9:
 				if r.IntN(8) == 0 {
 					must(t, m.RequestEventSnapshot())
+				} else if addr != "" {
+					// A match: fetches what the shared tier holds.
+					if len(library) > 0 && r.IntN(2) == 0 {
+						tierMatch(t, m, library[r.IntN(len(library))])
+					} else {
+						tierMatch(t, m, append(slices.Clone(convs[r.IntN(len(convs))]), 1))
+					}
 				}
 			}
 			// Drain in random sizes, sometimes leaving events pending.
@@ -324,7 +355,8 @@ func TestTierEventsRandomModel(t *testing.T) {
 		applyEvents(t, truth, drainAll(t, m))
 		sameTiers(t, m, truth, reserved())
 		ts := m.TierStats()
-		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || ts.DemotionsFailed == 0 {
+		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || ts.DemotionsFailed == 0 ||
+			(addr != "" && ts.Shared.Fetched == 0) {
 			t.Fatalf("seed %d: the workload missed a case: %+v", seed, ts)
 		}
 	}
