@@ -70,11 +70,16 @@ func flushAndComplete(t testing.TB, m *Manager, g *fakeGPU, failed bool) []Demot
 // nothing; a host eviction is a CPU BlockRemoved.
 func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	const bs = 4
-	m, _ := newTierEventsMgr(t, 8, bs, 4, 8, 0)
+	m, g := newTierEventsMgr(t, 8, bs, 4, 8, 0)
 	r := rand.New(rand.NewPCG(7, 23))
 	keys := &prefix.Keys{Adapter: 5, MM: []prefix.MMItem{{Offset: 1, Length: 6, Hash: prefix.Hash{9}}}}
 	a := seqTokens(r, 3*bs+1)
 	admit(t, m, 1, a, keys)
+	// The step (its flush, nothing to copy, then its forward pass): a
+	// block allocated since the last flush is never demoted.
+	if flushAndComplete(t, m, g, false) != nil {
+		t.Fatal("the step's flush demoted blocks")
+	}
 	must(t, m.Remove([]int64{1}))
 	stored := drainAll(t, m)
 	chainA := wholeChain(t, a, bs, keys)
@@ -111,6 +116,7 @@ func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	// least recently used block (A's last: committed first).
 	b := seqTokens(r, 2*bs+1)
 	admit(t, m, 2, b, nil)
+	flushAndComplete(t, m, g, false) // the step
 	must(t, m.Remove([]int64{2}))
 	drainAll(t, m)
 	tk, _, err = m.FlushCopies()
@@ -154,6 +160,7 @@ func TestTierEventsClearReannouncesHost(t *testing.T) {
 	r := rand.New(rand.NewPCG(8, 23))
 	a := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, a, nil)
+	flushAndComplete(t, m, g, false) // the step: nothing to copy
 	must(t, m.Remove([]int64{1}))
 	flushAndComplete(t, m, g, false) // demotes A's last two blocks: free and demoting reach 6
 	truth := prefix.NewEventIndex()
@@ -255,6 +262,7 @@ func TestTierEventsRandomModel(t *testing.T) { tierEventsModel(t, "") }
 // addr is not empty: admissions and matches then fetch the blocks the
 // manager demoted, stored and lost from its host tier since.
 func tierEventsModel(t *testing.T, addr string) {
+	failed := int64(0)
 	for seed := range uint64(4) {
 		r := rand.New(rand.NewPCG(seed, 777))
 		const bs = 2
@@ -355,9 +363,15 @@ func tierEventsModel(t *testing.T, addr string) {
 		applyEvents(t, truth, drainAll(t, m))
 		sameTiers(t, m, truth, reserved())
 		ts := m.TierStats()
-		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || ts.DemotionsFailed == 0 ||
+		// (With a shared tier, fewer blocks are demoted: failures are
+		// looked for over all seeds.)
+		failed += ts.DemotionsFailed
+		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || (addr == "" && ts.DemotionsFailed == 0) ||
 			(addr != "" && ts.Shared.Fetched == 0) {
 			t.Fatalf("seed %d: the workload missed a case: %+v", seed, ts)
 		}
+	}
+	if failed == 0 {
+		t.Fatal("no demotion failed")
 	}
 }
