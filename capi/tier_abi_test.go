@@ -57,6 +57,7 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	if n != 1 || matched[0] != 0 {
 		t.Fatalf("admit: %d admitted, matched %v", n, matched)
 	}
+	stepFlush(t, h)
 	tbl := tableOf(t, h, 1, 5)
 	for i := range 4 {
 		gpu[tbl[i]] = kvOfBlock(i)
@@ -142,6 +143,7 @@ func TestTierABIEventsCarryMedium(t *testing.T) {
 	}
 	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
+	stepFlush(t, h)
 	ids := cInt64s([]int64{1})
 	defer ids.free()
 	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
@@ -241,6 +243,20 @@ func TestTierMatchLayout(t *testing.T) {
 	}
 }
 
+// stepFlush is the step's flush after an admission (before its forward
+// pass, which writes the blocks): nothing to copy here. flush_copies
+// never demotes a block allocated since the previous flush, so a test
+// that demotes the blocks of a sequence it admitted and removed runs it
+// in between, as an engine's step would.
+func stepFlush(t *testing.T, h unsafe.Pointer) {
+	t.Helper()
+	_, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
+	expect(t, "the step's flush", st, kverr.OK)
+	if tk != 0 {
+		t.Fatalf("the step's flush handed out batch %d", tk)
+	}
+}
+
 // demoteThroughABI admits conv on h, writes its four blocks' fake K/V
 // into the host slots of their demotions, and completes the batch.
 func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
@@ -249,6 +265,7 @@ func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
 	expect(t, "host memory", st, kverr.OK)
 	_, _, st = hookAdmit(h, []int64{id}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
+	stepFlush(t, h)
 	tbl := tableOf(t, h, id, 5)
 	gpu := map[int32][]byte{}
 	for i := range 4 {

@@ -788,8 +788,8 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * (raised to num_blocks + host_tier_slots + 1): a BLOCK_STORED when
  * complete_copies commits a demotion (none while its copy is in flight or
  * when it failed; its GPU BLOCKS_REMOVED came at flush_copies), a
- * BLOCKS_REMOVED when flush_copies reuses the slot of a resident block
- * (the host LRU's eviction). Reloads change nothing there (their GPU
+ * BLOCKS_REMOVED when flush_copies (or a shared tier's fetch) reuses the
+ * slot of a resident block (the host LRU's eviction). Reloads change nothing there (their GPU
  * BLOCK_STORED comes at admission). Snapshots, and the ALL_CLEARED of
  * kvp_manager_clear_prefix_cache, are followed by a BLOCK_STORED for each
  * block the host tier holds.
@@ -944,8 +944,13 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * Shared KV tier (a manager created with shared_tier_addr and a host tier):
  * a Valkey or Redis server that instances share, below each one's host
  * tier, so that an instance serves a prompt another instance computed.
- * Not yet with enable_kv_events (create answers UNSUPPORTED): the CPU
- * events do not follow the blocks a fetch brings into the host tier.
+ * With enable_kv_events, a block a fetch brings into the host tier is
+ * announced as any host block: a BLOCK_STORED of medium KVP_MEDIUM_CPU when
+ * its slot commits (its hash, parent, tokens, adapter and multimodal
+ * entries from the prompt that wanted it), a BLOCKS_REMOVED (CPU) for a
+ * resident host block whose slot the fetch took, and snapshots list it.
+ * The server's own contents have no events (no medium SHARED is sent): it
+ * evicts by its own maxmemory policy, unseen by the instances.
  *
  * Fetch: kvp_manager_admit and kvp_manager_match_tiers look, for each
  * prompt, past its GPU and host matches: the blocks the server holds under

@@ -30,9 +30,11 @@ import (
 // any host hit, MatchTiers counts them in TierMatch.Host. A block that
 // cannot be read whole and checked (absent, evicted since, corrupt, short,
 // another layout's) is a miss, and its slot is given back. This runs
-// before the call takes the manager's lock for its own work, without
-// holding it, in two round trips per call whatever the batch (EXISTS of
-// every block wanted, then GET of those found); each is bounded by
+// before the call takes the manager's lock for its own work, its round
+// trips without holding it (the slots' reservations and commits take it
+// briefly, so that the host tier's KV events follow them), in two round
+// trips per call whatever the batch (EXISTS of every block wanted, then
+// GET of those found); each is bounded by
 // SharedTier.OpTimeout, the transfer included, so the fetch adds at most
 // two operation timeouts to the call. A server that is down, slow or
 // restarting costs one failed round trip and is then skipped without
@@ -49,6 +51,19 @@ import (
 // finds it full is not stored (counted), so neither CompleteCopies nor a
 // step ever waits on the server. Blocks fetched from the shared tier are
 // not stored again. Close flushes the queue and stops the goroutine.
+//
+// # KV events
+//
+// With KV events on, a fetched block is a host block like a demoted one
+// (tier.go, "KV events"): its commit announces it (BlockStored, medium
+// CPU, with its hash, parent, tokens, adapter and multimodal entries from
+// the prompt that wanted it), a reservation that evicts a resident host
+// block announces that block's removal (BlockRemoved, CPU), and snapshots
+// list it. A read that misses announces nothing. The shared tier's own
+// contents have no events (no medium SHARED): the server evicts by its
+// own maxmemory policy without telling the instances, so no instance
+// could announce a shared block's removal, nor list the server's blocks
+// in a snapshot.
 //
 // # Keys and model identity
 //
@@ -303,21 +318,38 @@ func (s *sharedTier) queueStore(op DemoteOp) {
 }
 
 // sharedWant is what a fetch looks up: the hashes of the blocks wanted,
-// each once, and per prompt the indexes in want of its blocks past its
-// GPU and host matches, in block order (prompt i's are
-// idx[off[i]:off[i+1]]).
+// each once, with where each was first wanted (for the KV events), and
+// per prompt the indexes in want of its blocks past its GPU and host
+// matches, in block order (prompt i's are idx[off[i]:off[i+1]]).
 type sharedWant struct {
 	want []valkey.Hash
+	src  []wantSrc
 	idx  []int32
 	off  []int
 }
 
+// wantSrc is a wanted block's place: block Block of prompt Prompt, under
+// its chain's previous block Parent (zero for a first block).
+type wantSrc struct {
+	Prompt, Block int32
+	Parent        prefix.Hash
+}
+
 // fetchShared is the shared tier's part of Admit (ids not nil) and
 // MatchTiers: it finds the blocks to look up under the manager's lock
-// (failing as the call would when an id is live or repeated), then,
-// without the lock, reads those the shared tier holds into host slots and
-// commits them. It returns the host keys of the blocks fetched; nil when
-// there is no shared tier or nothing was fetched.
+// (failing as the call would when an id is live or repeated), asks the
+// server which it holds, reserves host slots for them under the lock,
+// reads them into the slots without it, and commits them under it again.
+// It returns the host keys of the blocks fetched; nil when there is no
+// shared tier or nothing was fetched.
+//
+// The host slots change only under the manager's lock, so that the KV
+// events follow them as they follow demotions: a slot that a reservation
+// takes from a resident block announces that block's removal (CPU
+// BlockRemoved), and a committed block is announced (CPU BlockStored),
+// described from the prompt that wanted it (tokens, parent, adapter,
+// multimodal entries) as its GPU BlockStored would be. While its read is
+// in flight the slot is reserved: pinned, neither resident nor announced.
 func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}, error) {
 	if m.tier == nil || m.tier.shared == nil {
 		return nil, nil
@@ -340,9 +372,30 @@ func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}
 			need[j] = true
 		}
 	}
+	keys, slots := m.reserveFetch(prompts, &w, need)
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	dst := make([][]byte, len(slots))
+	for i, slot := range slots {
+		dst[i] = s.pool.Bytes(slot)
+	}
+	found := s.t.GetInto(keys, dst)
+	return m.commitFetch(keys, slots, found), nil
+}
+
+// reserveFetch reserves, under the lock, a host slot for each block
+// needed (need[j]: w.want[j]) and returns the blocks' hashes and slots;
+// with KV events on it describes each slot's block (not yet announced)
+// and announces the resident blocks the reservations evicted.
+func (m *Manager) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valkey.Hash, []host.Slot) {
+	m.mu.Lock()
+	defer m.unlock()
+	t := m.tier
+	s := t.shared
 	var keys []valkey.Hash
 	var slots []host.Slot
-	var dst [][]byte
+	t.gone = t.gone[:0]
 	hits, full := int64(0), false
 	for j, ok := range need {
 		if !ok {
@@ -353,7 +406,8 @@ func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}
 			s.fetchMisses.Add(1)
 			continue
 		}
-		slot, rerr := s.pool.Reserve(HostKey(prefix.Hash(w.want[j])))
+		h := prefix.Hash(w.want[j])
+		slot, gone, rerr := s.pool.ReserveEvict(HostKey(h))
 		if kverr.Is(rerr, kverr.OutOfBlocks) {
 			full = true // every host slot pinned
 			s.fetchMisses.Add(1)
@@ -364,26 +418,59 @@ func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}
 		}
 		keys = append(keys, w.want[j])
 		slots = append(slots, slot)
-		dst = append(dst, s.pool.Bytes(slot))
+		if t.events {
+			t.hostEvicted(slot, gone, "shared tier fetch")
+			src := w.src[j]
+			tokens, pk := prompts.prompt(int(src.Prompt))
+			b := int(src.Block)
+			ev := prefix.EvictedBlock{Hash: h, Parent: src.Parent, MM: pk.AppendBlockMM(nil, b, m.bs)}
+			if pk != nil {
+				ev.Adapter = pk.Adapter
+			}
+			t.setMeta(slot, &ev, tokens[b*m.bs:(b+1)*m.bs])
+		}
 	}
 	s.hits.Add(hits)
 	s.misses.Add(int64(len(w.want)) - hits)
-	if len(keys) == 0 {
-		return nil, nil
+	if len(t.gone) > 0 {
+		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "shared tier fetch: recording host evictions")
 	}
-	found := s.t.GetInto(keys, dst)
+	return keys, slots
+}
+
+// commitFetch commits, under the lock, the slots whose reads found their
+// block (found[i]) and gives the others back; with KV events on it
+// announces the committed blocks, in want order (a prompt's parents
+// first). It returns the committed blocks' host keys.
+func (m *Manager) commitFetch(keys []valkey.Hash, slots []host.Slot, found []bool) map[uint64]struct{} {
+	m.mu.Lock()
+	defer m.unlock()
+	t := m.tier
+	s := t.shared
 	fetched := make(map[uint64]struct{}, len(keys))
 	for i, slot := range slots {
-		if found[i] {
-			assertOK(s.pool.Commit(slot), "shared tier: committing a fetched block's host slot")
-			fetched[HostKey(prefix.Hash(keys[i]))] = struct{}{}
-		} else {
+		if !found[i] {
 			assertOK(s.pool.Abort(slot), "shared tier: giving back a missed block's host slot")
+			if t.events {
+				t.meta[slot] = hostMeta{}
+			}
+			continue
+		}
+		assertOK(s.pool.Commit(slot), "shared tier: committing a fetched block's host slot")
+		fetched[HostKey(prefix.Hash(keys[i]))] = struct{}{}
+		if t.events {
+			t.meta[slot].resident = true
+			t.nResident++
+			blk := t.block(slot)
+			assertOK(m.cache.RecordTierStored(&blk), "shared tier: recording a fetched block")
 		}
 	}
 	s.fetched.Add(int64(len(fetched)))
 	s.fetchMisses.Add(int64(len(keys) - len(fetched)))
-	return fetched, nil
+	if len(fetched) == 0 {
+		return nil
+	}
+	return fetched
 }
 
 // sharedWanted finds, under the lock, the blocks of each prompt that
@@ -429,7 +516,8 @@ func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error)
 			for _, h := range t.hashes[g:] {
 				t.keys = append(t.keys, HostKey(h))
 			}
-			for _, h := range t.hashes[g+t.cfg.Pool.Peek(t.keys):] {
+			for b := g + t.cfg.Pool.Peek(t.keys); b < len(t.hashes); b++ {
+				h := t.hashes[b]
 				j, ok := seen[h]
 				if !ok {
 					if len(w.want) == room {
@@ -438,6 +526,11 @@ func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error)
 					j = int32(len(w.want))
 					seen[h] = j
 					w.want = append(w.want, valkey.Hash(h))
+					src := wantSrc{Prompt: int32(i), Block: int32(b)}
+					if b > 0 {
+						src.Parent = t.hashes[b-1]
+					}
+					w.src = append(w.src, src)
 				}
 				w.idx = append(w.idx, j)
 			}

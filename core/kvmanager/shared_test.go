@@ -94,7 +94,7 @@ func TestSharedTierAcrossManagers(t *testing.T) {
 	if got := admit(t, d, 1, conv, nil); got != 0 {
 		t.Fatalf("D matched %d tokens in an empty tier", got)
 	}
-	gd.compute(t, d, 1, conv)
+	gd.step(t, d, 1, conv)
 
 	storeConv(t, srv.Addr(), bs, conv)
 
@@ -238,7 +238,7 @@ func TestSharedTierServerDown(t *testing.T) {
 	if sh.Errors+sh.Timeouts != 1 || sh.Misses != 4 || sh.Available {
 		t.Fatalf("after the first admission: %+v", sh)
 	}
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	must(t, m.Remove([]int64{1}))
 	tk, _, err := m.FlushCopies()
 	must(t, err)
@@ -302,7 +302,7 @@ func TestSharedTierPutQueueFull(t *testing.T) {
 	})
 	conv := seqTokens(rand.New(rand.NewPCG(6, 77)), 4*bs+1)
 	admit(t, m, 1, conv, nil) // a timeout
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	must(t, m.Remove([]int64{1}))
 	tk, _, err := m.FlushCopies()
 	must(t, err)
@@ -353,7 +353,7 @@ func TestSharedTierConcurrent(t *testing.T) {
 					t.Error(err)
 					return
 				}
-				g.compute(t, m, id, conv)
+				g.step(t, m, id, conv)
 				out := make([]TierMatch, 1)
 				if err := m.MatchTiers(one(convs[(round+w+1)%len(convs)], nil), out); err != nil {
 					t.Error(err)
@@ -400,11 +400,12 @@ func TestSharedTierConfig(t *testing.T) {
 		_, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
 		wantCode(t, name, err, kverr.InvalidArgument)
 	}
-	// KV events with a shared tier: refused until the CPU events follow
-	// the shared tier's fetches.
+	// KV events with a shared tier: accepted (the CPU events follow the
+	// shared tier's fetches).
 	sh := SharedTier{Addr: "127.0.0.1:1", Namespace: "m"}
-	_, err = New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, EnableKVEvents: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
-	wantCode(t, "shared tier with KV events", err, kverr.Unsupported)
+	ev, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, EnableKVEvents: true, HostTier: &HostTier{Pool: p, Shared: &sh}})
+	must(t, err)
+	must(t, ev.Close())
 	// Without a shared tier: zero stats, Close does nothing.
 	m, _ := newTierMgr(t, 8, 4, 4, 0)
 	if m.TierStats().Shared != (SharedStats{}) || m.Close() != nil {

@@ -59,6 +59,15 @@ import (
 // with OutOfBlocks, changing nothing, as when the pool is exhausted.
 // DemoteAhead bounds how many blocks that can be; 0 demotes nothing.
 //
+// FlushCopies never demotes a block allocated since the previous
+// FlushCopies: a block is cached when the call that fills it returns, but
+// its K/V exists only once the step's forward pass (which follows the
+// step's flush) has written it, so a block whose sequence was removed
+// before then holds nothing worth copying. Such a block is evicted (to
+// the free queue) without demotion. The engine's step is one FlushCopies
+// then the forward pass; a block allocated before a flush is written by
+// the time of the next.
+//
 // # Demoting the blocks allocations evict (DemoteEvicted)
 //
 // The copy engine's stream order makes the blocks an allocation evicts
@@ -83,8 +92,8 @@ import (
 // mode (or calls FlushCopies again before the forward pass). A block
 // allocated since the last FlushCopies holds no K/V yet (the step writes
 // it), even when cached, so evicting it again before the next flush drops
-// it (EvictedUndemoted; FlushCopies' own demotions skip such blocks
-// too); so does a host pool with every slot pinned. A
+// it (EvictedUndemoted; FlushCopies' own demotions skip such blocks in
+// both modes, above); so does a host pool with every slot pinned. A
 // block the host tier holds already is SkippedPresent. Completion commits
 // the host slot as any demotion's (Abort on failure) and frees nothing on
 // the GPU. FlushCopies still demotes ahead (DemoteAhead), in the same
@@ -111,6 +120,11 @@ import (
 //   - a host slot that Reserve takes from a resident block (the host
 //     LRU's eviction) announces that block's removal (BlockRemoved, CPU),
 //     in FlushCopies, one event for the flush's evictions;
+//   - a block fetched from the shared tier (shared.go) is announced when
+//     its host slot commits (BlockStored, CPU, described from the prompt
+//     that wanted it), and a slot its reservation takes from a resident
+//     block announces that block's removal (BlockRemoved, CPU), in the
+//     fetch, before the call's own work;
 //   - a reload does not change the host tier (the block stays resident
 //     there); its GPU BlockStored comes from the admission, as for any
 //     block the prefix cache caches;
@@ -259,9 +273,9 @@ type tier struct {
 	nUnheld  int // demotions in inflight that do not (DemoteEvicted)
 
 	// DemoteEvicted: the demotions of the blocks allocations evicted since
-	// the last flush, their host slots reserved, holding no GPU block;
-	// and each block's allocation epoch (stamp[b] == epoch: allocated
-	// since the last flush, its K/V not written yet).
+	// the last flush, their host slots reserved, holding no GPU block.
+	// In both modes, each block's allocation epoch (stamp[b] == epoch:
+	// allocated since the last flush, its K/V not written yet).
 	evictOps []DemoteOp
 	epoch    uint32
 	stamp    []uint32
@@ -318,6 +332,23 @@ type hostMeta struct {
 	resident bool // committed and announced; false while reserved
 }
 
+// hostEvicted notes, with KV events on, that a reservation took slot s
+// (gone: the resident block it evicted, if any): the evicted block's
+// hash joins t.gone, whose BlockRemoved the caller records, and the slot
+// is no longer announced. Under the manager's lock, as every change of
+// the host pool's slots is.
+func (t *tier) hostEvicted(s host.Slot, gone host.Eviction, op string) {
+	if !gone.Evicted {
+		return
+	}
+	if int(s) >= len(t.meta) || !t.meta[s].resident || HostKey(t.meta[s].hash) != gone.Hash {
+		panic(kverr.Errorf(kverr.Internal, "kvmanager: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, s))
+	}
+	t.gone = append(t.gone, t.meta[s].hash)
+	t.meta[s].resident = false
+	t.nResident--
+}
+
 // setMeta records the block that slot s now holds (reserved).
 func (t *tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
 	if n := int(s) + 1; n > len(t.meta) {
@@ -369,15 +400,8 @@ func newTier(cfg Config) (*tier, error) {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
 	t := &tier{cfg: *h, inflight: make(map[uint64]inflightBatch), bs: cfg.BlockSize}
-	if h.DemoteEvicted {
-		t.epoch = 1
-		t.stamp = make([]uint32, cfg.NumBlocks)
-	}
-	if h.Shared != nil && cfg.EnableKVEvents {
-		// The shared tier's fetches fill and evict host slots outside the
-		// manager's lock, where the CPU events cannot follow them yet.
-		return nil, kverr.Errorf(kverr.Unsupported, "host tier: the shared tier and KV events cannot be enabled together yet")
-	}
+	t.epoch = 1
+	t.stamp = make([]uint32, cfg.NumBlocks)
 	if h.Shared != nil {
 		var err error
 		if t.shared, err = newShared(h.Shared, h.Pool, cfg.BlockSize); err != nil {
@@ -463,9 +487,7 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want)
 		t.pending = m.reserveDemotions(t.pending, true, "flush copies")
 	}
-	if t.stamp != nil {
-		t.epoch++ // the blocks allocated so far are the step's to write
-	}
+	t.epoch++ // the blocks allocated so far are the step's to write
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
 	}
@@ -505,9 +527,13 @@ func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []Demot
 		ev := &t.evInfo[i]
 		b, h := ev.Block, ev.Hash
 		m.one[0] = b
-		if t.stamp != nil && t.stamp[b] == t.epoch {
-			// Allocated since the last flush (DemoteEvicted): its K/V is
-			// not written yet (a sequence removed before its step).
+		if t.stamp[b] == t.epoch {
+			// Allocated since the last flush: its K/V is not written yet
+			// (cached at admission, its sequence removed before the step's
+			// forward pass). Dropped, never demoted: the host tier would
+			// serve whatever the block held. An allocation's eviction
+			// (DemoteEvicted) counts it; FlushCopies' does not (nothing
+			// was lost: the block held nothing).
 			if !hold {
 				t.st.EvictedUndemoted++
 			}
@@ -541,14 +567,7 @@ func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []Demot
 		}
 		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h})
 		if t.events {
-			if gone.Evicted {
-				old := &t.meta[slot]
-				if !old.resident || HostKey(old.hash) != gone.Hash {
-					panic(kverr.Errorf(kverr.Internal, "kvmanager: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, slot))
-				}
-				t.gone = append(t.gone, old.hash)
-				t.nResident--
-			}
+			t.hostEvicted(slot, gone, op)
 			t.setMeta(slot, ev, t.evToks[i*m.bs:(i+1)*m.bs])
 		}
 		ev.MM = nil // the slot's now, or dropped
@@ -568,10 +587,10 @@ func (m *Manager) evictForAlloc(n int) {
 	t.evictOps = m.reserveDemotions(t.evictOps, false, "allocate")
 }
 
-// allocated records blocks just allocated (DemoteEvicted): their K/V is
-// the current step's to write.
+// allocated records blocks just allocated: their K/V is the current
+// step's to write, so no demotion reads them before the next flush.
 func (m *Manager) allocated(blocks []int32) {
-	if t := m.tier; t != nil && t.stamp != nil {
+	if t := m.tier; t != nil {
 		for _, b := range blocks {
 			t.stamp[b] = t.epoch
 		}

@@ -70,11 +70,16 @@ func flushAndComplete(t testing.TB, m *Manager, g *fakeGPU, failed bool) []Demot
 // nothing; a host eviction is a CPU BlockRemoved.
 func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	const bs = 4
-	m, _ := newTierEventsMgr(t, 8, bs, 4, 8, 0)
+	m, g := newTierEventsMgr(t, 8, bs, 4, 8, 0)
 	r := rand.New(rand.NewPCG(7, 23))
 	keys := &prefix.Keys{Adapter: 5, MM: []prefix.MMItem{{Offset: 1, Length: 6, Hash: prefix.Hash{9}}}}
 	a := seqTokens(r, 3*bs+1)
 	admit(t, m, 1, a, keys)
+	// The step (its flush, nothing to copy, then its forward pass): a
+	// block allocated since the last flush is never demoted.
+	if flushAndComplete(t, m, g, false) != nil {
+		t.Fatal("the step's flush demoted blocks")
+	}
 	must(t, m.Remove([]int64{1}))
 	stored := drainAll(t, m)
 	chainA := wholeChain(t, a, bs, keys)
@@ -111,6 +116,7 @@ func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	// least recently used block (A's last: committed first).
 	b := seqTokens(r, 2*bs+1)
 	admit(t, m, 2, b, nil)
+	flushAndComplete(t, m, g, false) // the step
 	must(t, m.Remove([]int64{2}))
 	drainAll(t, m)
 	tk, _, err = m.FlushCopies()
@@ -154,6 +160,7 @@ func TestTierEventsClearReannouncesHost(t *testing.T) {
 	r := rand.New(rand.NewPCG(8, 23))
 	a := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, a, nil)
+	flushAndComplete(t, m, g, false) // the step: nothing to copy
 	must(t, m.Remove([]int64{1}))
 	flushAndComplete(t, m, g, false) // demotes A's last two blocks: free and demoting reach 6
 	truth := prefix.NewEventIndex()
@@ -249,13 +256,35 @@ func sameTiers(t testing.TB, m *Manager, r *prefix.EventIndex, reserved map[host
 // A random workload of admissions, removals, pressure, flushes and
 // completions (some failed), drained in random sizes: a consumer applying
 // the events in order always sees both tiers as they are.
-func TestTierEventsRandomModel(t *testing.T) {
+func TestTierEventsRandomModel(t *testing.T) { tierEventsModel(t, "") }
+
+// tierEventsModel runs the random model, with a shared tier at addr when
+// addr is not empty: admissions and matches then fetch the blocks the
+// manager demoted, stored and lost from its host tier since.
+func tierEventsModel(t *testing.T, addr string) {
+	failed := int64(0)
 	for seed := range uint64(4) {
 		r := rand.New(rand.NewPCG(seed, 777))
 		const bs = 2
-		m, g := newTierEventsMgr(t, 16, bs, 6+int(seed), 3+int(seed), 0)
+		var m *Manager
+		var g *fakeGPU
+		if addr == "" {
+			m, g = newTierEventsMgr(t, 16, bs, 6+int(seed), 3+int(seed), 0)
+		} else {
+			m, g = newSharedEventsMgr(t, addr, 16, bs, 6+int(seed), 3+int(seed))
+		}
 		truth := prefix.NewEventIndex()
 		convs := make([][]int32, 4)
+		// With a shared tier: conversations another instance stored,
+		// which admissions and matches fetch.
+		var library [][]int32
+		if addr != "" {
+			for range 3 {
+				p := seqTokens(r, 4*bs+1)
+				storeKeyed(t, addr, bs, p, nil)
+				library = append(library, p)
+			}
+		}
 		var live []int64
 		var id int64
 		inflight := map[uint64]CopyBatch{}
@@ -275,6 +304,9 @@ func TestTierEventsRandomModel(t *testing.T) {
 				p := append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(3*bs))...)
 				if len(p) > 10*bs {
 					p = seqTokens(r, 1+r.IntN(3*bs))
+				}
+				if len(library) > 0 && r.IntN(3) == 0 {
+					p = append(slices.Clone(library[r.IntN(len(library))]), seqTokens(r, 1+r.IntN(2*bs))...)
 				}
 				id++
 				if n, err := m.Admit([]int64{id}, one(p, nil), nil); err == nil && n == 1 {
@@ -305,6 +337,13 @@ func TestTierEventsRandomModel(t *testing.T) {
 			case op == 9:
 				if r.IntN(8) == 0 {
 					must(t, m.RequestEventSnapshot())
+				} else if addr != "" {
+					// A match: fetches what the shared tier holds.
+					if len(library) > 0 && r.IntN(2) == 0 {
+						tierMatch(t, m, library[r.IntN(len(library))])
+					} else {
+						tierMatch(t, m, append(slices.Clone(convs[r.IntN(len(convs))]), 1))
+					}
 				}
 			}
 			// Drain in random sizes, sometimes leaving events pending.
@@ -324,8 +363,15 @@ func TestTierEventsRandomModel(t *testing.T) {
 		applyEvents(t, truth, drainAll(t, m))
 		sameTiers(t, m, truth, reserved())
 		ts := m.TierStats()
-		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || ts.DemotionsFailed == 0 {
+		// (With a shared tier, fewer blocks are demoted: failures are
+		// looked for over all seeds.)
+		failed += ts.DemotionsFailed
+		if truth.LenIn(prefix.MediumCPU) == 0 || ts.Host.Evictions == 0 || (addr == "" && ts.DemotionsFailed == 0) ||
+			(addr != "" && ts.Shared.Fetched == 0) {
 			t.Fatalf("seed %d: the workload missed a case: %+v", seed, ts)
 		}
+	}
+	if failed == 0 {
+		t.Fatal("no demotion failed")
 	}
 }

@@ -68,6 +68,23 @@ func (g *fakeGPU) compute(t testing.TB, m *Manager, id int64, toks []int32) {
 	}
 }
 
+// step models the engine's step after admissions: its FlushCopies
+// (completed at once when it hands out a batch), then its forward pass,
+// which writes the K/V of sequence id's full blocks (compute).
+// FlushCopies never demotes a block allocated since the previous flush
+// (its K/V is not written yet), so a test that demotes the blocks of a
+// sequence it admitted and removed runs the step in between, as an
+// engine would.
+func (g *fakeGPU) step(t testing.TB, m *Manager, id int64, toks []int32) {
+	t.Helper()
+	tk, _, err := m.FlushCopies()
+	must(t, err)
+	if tk != 0 {
+		must(t, m.CompleteCopies(tk, false))
+	}
+	g.compute(t, m, id, toks)
+}
+
 func newTierMgr(t testing.TB, numBlocks, bs, slots, ahead int) (*Manager, *fakeGPU) {
 	t.Helper()
 	p, err := host.New(host.Config{Slots: slots, BlockBytes: tierBlockBytes})
@@ -110,7 +127,7 @@ func TestTierDemotesOnFlushAndMatchesPerTier(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 23))
 	conv := seqTokens(r, 4*bs+1) // four full blocks and one token
 	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	tbl := blocksOf(t, m, 1, 8)
 	must(t, m.Remove([]int64{1}))
 	if st := m.Stats(); st.CachedBlocks != 4 || st.FreeBlocks != 4 {
@@ -177,7 +194,7 @@ func TestTierBlockInFlightIsNotReused(t *testing.T) {
 	r := rand.New(rand.NewPCG(2, 23))
 	conv := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	must(t, m.Remove([]int64{1}))
 	ticket, n, err := m.FlushCopies()
 	must(t, err)
@@ -222,7 +239,7 @@ func TestTierHostFullSkipsDemotion(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 23))
 	conv := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	must(t, m.Remove([]int64{1}))
 	ticket, n, err := m.FlushCopies()
 	must(t, err)
@@ -240,7 +257,7 @@ func TestTierHostFullSkipsDemotion(t *testing.T) {
 	// The same history again: recomputed, cached, demoted: its last block
 	// is in the host tier already.
 	admit(t, m, 2, conv, nil)
-	g.compute(t, m, 2, conv)
+	g.step(t, m, 2, conv)
 	must(t, m.Remove([]int64{2}))
 	_, _, err = m.FlushCopies()
 	must(t, err)
@@ -257,7 +274,7 @@ func TestTierCopyFailures(t *testing.T) {
 	r := rand.New(rand.NewPCG(4, 23))
 	conv := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
+	g.step(t, m, 1, conv)
 	must(t, m.Remove([]int64{1}))
 	g.fail = kverr.Errorf(kverr.Internal, "stream broken")
 	tk, n, err := m.FlushCopies()
@@ -273,7 +290,7 @@ func TestTierCopyFailures(t *testing.T) {
 	// Evict the rest ahead of need: the two blocks left, reported failed.
 	m2, g2 := newTierMgr(t, 8, bs, 16, 8)
 	admit(t, m2, 1, conv, nil)
-	g2.compute(t, m2, 1, conv)
+	g2.step(t, m2, 1, conv)
 	must(t, m2.Remove([]int64{1}))
 	tk, n, err = m2.FlushCopies()
 	must(t, err)
@@ -331,7 +348,7 @@ func TestTierConfigAndNoTier(t *testing.T) {
 func demoteAll(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) {
 	t.Helper()
 	admit(t, m, id, conv, nil)
-	g.compute(t, m, id, conv)
+	g.step(t, m, id, conv)
 	must(t, m.Remove([]int64{id}))
 	tk, _, err := m.FlushCopies()
 	must(t, err)
@@ -667,6 +684,10 @@ func TestTierFlushCopiesTo(t *testing.T) {
 	r := rand.New(rand.NewPCG(7, 23))
 	conv := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, conv, nil)
+	// The step: its flush (nothing to copy), then its forward pass.
+	if tk, _, _, _, _, err := m.FlushCopiesTo(make([]DemoteOp, 6), nil); err != nil || tk != 0 {
+		t.Fatalf("the step's flush: ticket %d, %v", tk, err)
+	}
 	g.compute(t, m, 1, conv)
 	tbl := blocksOf(t, m, 1, 8)
 	must(t, m.Remove([]int64{1}))
@@ -693,4 +714,47 @@ func TestTierFlushCopiesTo(t *testing.T) {
 	hostHolds(t, p, chain[2])
 	hostHolds(t, p, chain[3])
 	must(t, m.CheckInvariants())
+}
+
+// Without DemoteEvicted too, FlushCopies never demotes a block allocated
+// since the previous flush: cached at admission, its sequence removed
+// before the step's forward pass, it holds no K/V, and the host tier
+// would serve whatever it held. It is evicted without demotion; a block
+// allocated before the previous flush is demoted.
+func TestTierFlushSkipsUnwrittenBlocks(t *testing.T) {
+	const bs = 4
+	m, g := newTierMgr(t, 8, bs, 16, 8)
+	r := rand.New(rand.NewPCG(8, 23))
+	a := seqTokens(r, 2*bs+1)
+	admit(t, m, 1, a, nil)
+	g.step(t, m, 1, a) // A's blocks are written
+	b := seqTokens(r, 2*bs+1)
+	admit(t, m, 2, b, nil)
+	must(t, m.Remove([]int64{1, 2})) // B's before its step
+	if st := m.Stats(); st.CachedBlocks != 4 {
+		t.Fatalf("after remove: %+v", st)
+	}
+	tk, n, err := m.FlushCopies()
+	must(t, err)
+	chainA := wholeChain(t, a, bs, nil)
+	if tk == 0 || n != 2 || len(g.batches[len(g.batches)-1].Demote) != 2 {
+		t.Fatalf("flush: ticket %d, %d copies; want A's 2 demotions", tk, n)
+	}
+	for _, op := range g.batches[len(g.batches)-1].Demote {
+		if !slices.Contains(chainA, op.Hash) {
+			t.Fatalf("demoted %s, not one of A's blocks", op.Hash)
+		}
+	}
+	must(t, m.CompleteCopies(tk, false))
+	st, ts := m.Stats(), m.TierStats()
+	if st.CachedBlocks != 0 || st.FreeBlocks != 8 || ts.DemotionsCompleted != 2 || ts.Host.Resident != 2 || ts.Host.Demotions != 2 {
+		t.Fatalf("after the flush: %+v %+v", st, ts)
+	}
+	if got := tierMatch(t, m, b); got != (TierMatch{}) {
+		t.Fatalf("B's unwritten blocks matched: %+v", got)
+	}
+	if got := tierMatch(t, m, a); got != (TierMatch{Host: 2 * bs}) {
+		t.Fatalf("A's match: %+v", got)
+	}
+	check(t, m)
 }

@@ -166,6 +166,19 @@ func (k *Keys) WithMoreMM(mm []MMItem) *Keys {
 	return c
 }
 
+// AppendBlockMM appends to dst the entries of k's multimodal items in
+// block index of blockSize tokens (those that overlap it, offsets relative
+// to its first position), as the block's hash and its BlockStored see
+// them, and returns dst; k may be nil (none). For a caller that describes
+// a prompt's block it did not take from the index (the host tier's blocks
+// fetched from the shared tier).
+func (k *Keys) AppendBlockMM(dst []BlockMM, index, blockSize int) []BlockMM {
+	if k == nil {
+		return dst
+	}
+	return appendBlockMM(dst, k.MM, index*blockSize, blockSize)
+}
+
 // appendBlockMM appends to dst the items of mm that overlap the block of
 // blockSize positions starting at prompt position start, with offsets made
 // relative to start. mm is in increasing Offset order, so the result is too.

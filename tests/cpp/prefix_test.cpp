@@ -277,6 +277,7 @@ TEST(HostTier, DemotesAndReloadsThroughTheWrapper) {
   kvplug::Prompts p;
   p.add(conv);
   EXPECT_EQ(pc.admit(std::vector<int64_t>{1}, p), (std::vector<int32_t>{0}));
+  EXPECT_EQ(step().ticket, 0u);  // the step's flush (nothing to copy), then its forward pass writes the blocks
   auto d = m.describe(std::vector<int64_t>{1});
   for (int i = 0; i < 4; i++) std::memset(&gpu[d.block_table[i] * kBytes], 0xa0 + i, kBytes);
   m.remove(std::vector<int64_t>{1});

@@ -92,6 +92,10 @@ TEST(HostTier, DemotesAndReloads) {
   std::vector<int32_t> conv(4 * kBlock + 1);  // four full blocks and one token
   std::iota(conv.begin(), conv.end(), 100);
   EXPECT_EQ(admit(m, 1, conv), 0);
+  // The step: its flush (nothing to copy), then its forward pass writes the
+  // blocks. flush_copies never demotes a block allocated since the previous
+  // flush (its K/V is not written yet).
+  EXPECT_EQ(run_copies(m, gpu).ticket, 0u);
   auto table = table_of(m, 1);
   for (int i = 0; i < 4; i++) std::memset(gpu.data() + table[i] * kBytes, 0xa0 + i, kBytes);
   int64_t id = 1;

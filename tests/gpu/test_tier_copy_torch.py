@@ -51,6 +51,10 @@ def test_manager_round_trip(layout, kv):
             rng = np.random.default_rng(3)
             conv = rng.integers(0, 32000, 6 * BS + 1, dtype=np.int32)
             assert m.admit([1], [conv]).tolist() == [0]
+            # The step's flush (nothing to copy; its forward pass writes the
+            # blocks after it): flush_copies never demotes a block allocated
+            # since the previous flush.
+            assert m.flush_copies().ticket == 0
             table = m.describe([1]).block_table[0][:6].tolist()
             want_k = [t[table].clone() for t in k]
             want_v = [t[table].clone() for t in v] if kv else None

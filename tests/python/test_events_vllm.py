@@ -244,6 +244,10 @@ def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
 
         a = list(range(1, 10))  # two full blocks and one token
         m.admit([1], [a])
+        # The step's own flush (nothing to copy; its forward pass writes the
+        # blocks): flush_copies never demotes a block allocated since the
+        # previous flush.
+        assert m.flush_copies().ticket == 0
         m.remove([1])
         got = step()
         ha = block_hashes(a, 4)
@@ -257,6 +261,7 @@ def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
 
         b = list(range(50, 55))  # one block: the host tier is full, its LRU block goes
         m.admit([2], [b])
+        assert m.flush_copies().ticket == 0  # the step
         m.remove([2])
         got = step()
         cpu_removed = [e for e in got if isinstance(e, BlockRemoved) and e.medium == "CPU"]

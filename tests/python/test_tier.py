@@ -38,6 +38,11 @@ def test_demotion_and_reload(tm):
     gpu = np.zeros((BLOCKS, BYTES), np.uint8)  # the fake GPU K/V pool
     conv = np.arange(100, 117, dtype=np.int32)  # four full blocks and one token
     assert tm.admit([1], [conv]).tolist() == [0]
+    # The step: its flush_copies (nothing to copy), then its forward pass
+    # writes the blocks. flush_copies never demotes a block allocated since
+    # the previous flush (its K/V is not written yet), so the step runs
+    # between the admission and the removal, as in an engine.
+    assert run_copies(tm, gpu).ticket == 0
     table = tm.describe([1]).block_table[0]
     for i in range(4):
         gpu[table[i]] = kv_of(i)
@@ -66,6 +71,7 @@ def test_demotion_and_reload(tm):
 def test_copies_in_flight_hold_their_blocks(tm):
     conv = np.arange(17, dtype=np.int32)
     tm.admit([1], [conv])
+    assert tm.flush_copies().ticket == 0  # the step (see test_demotion_and_reload)
     tm.remove([1])
     batch = tm.flush_copies()
     assert len(batch.demote_blocks) == 4
@@ -101,6 +107,7 @@ def test_flush_grows_its_arrays_past_demote_ahead():
     with kvplug.Manager(128, 1, prefix_cache=True, host_tier_slots=128, host_block_bytes=8, demote_ahead=128) as m:
         conv = np.arange(101, dtype=np.int32)
         m.admit([1], [conv])
+        assert m.flush_copies().ticket == 0  # the step (see test_demotion_and_reload)
         m.remove([1])
         b = m.flush_copies()
         assert len(b.demote_blocks) == 101  # token mode: every token is a full block
@@ -120,6 +127,7 @@ def test_kv_events_carry_the_medium():
         gpu = np.zeros((BLOCKS, BYTES), np.uint8)
         a = np.arange(100, 109, dtype=np.int32)  # two full blocks and one token
         m.admit([1], [a])
+        assert run_copies(m, gpu).ticket == 0  # the step (see test_demotion_and_reload)
         m.remove([1])
         stored = m.drain_events()
         assert [(e.kind, e.medium) for e in stored] == [("stored", "GPU")] * 2
@@ -131,6 +139,7 @@ def test_kv_events_carry_the_medium():
 
         b = np.arange(200, 209, dtype=np.int32)  # two more blocks: one host slot left, the LRU goes
         m.admit([2], [b])
+        assert run_copies(m, gpu).ticket == 0  # the step
         m.remove([2])
         m.drain_events()
         run_copies(m, gpu)

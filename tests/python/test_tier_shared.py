@@ -52,6 +52,7 @@ ENGINE = textwrap.dedent(
     with m:
         if role == "compute":
             out["matched"] = m.admit([1], [conv]).tolist()
+            run_copies(m)  # the step's flush (nothing to copy): the blocks are written after it
             table = m.describe([1]).block_table[0]
             for i in range(4):
                 gpu[table[i]] = kv_of(i)  # the engine computes the prompt's K/V
