@@ -69,8 +69,6 @@ def test_copies_complete_on_their_event():
     completes it without waiting, and the bytes round-trip through the
     pinned host slots."""
     shape = kvhf.ModelShape(4, 8, 2, 64)
-    # demote_evicted off: with it, blocks allocated since the last flush
-    # (here, written by the test, not by a step) are never demoted.
     with kvhf.PagedKVCache(shape, 64, 16, dtype=torch.float16, device=DEV, host_tier_slots=32, demote_ahead=64,
                            tier_copier="torch", demote_evicted=False) as cache:
         tier = cache.tier
@@ -78,6 +76,10 @@ def test_copies_complete_on_their_event():
         cache.kv.copy_(torch.randn(cache.kv.shape, device=DEV))
         toks = np.arange(1, 16 * 5 + 2, dtype=np.int32)  # five full blocks
         cache.manager.admit([1], [toks])
+        # The admission's step: a flush never demotes blocks allocated since
+        # the previous one (their K/V is written by this step's forward).
+        tier.step(torch.cuda.current_stream())
+        tier.drain()
         blocks = cache.manager.describe([1]).block_table[0, :5].tolist()
         want = cache.kv[:, :, blocks].clone()
         cache.manager.remove([1])
