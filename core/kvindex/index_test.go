@@ -144,6 +144,11 @@ func (e *engine) serve(t testing.TB, prompt []int32, keys *prefix.Keys) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if e.pool != nil {
+		// The admission's step: its flush comes before the forward pass
+		// writes the new blocks, which are demotable from the next one.
+		e.demote(t)
+	}
 	if n == 1 {
 		if err := e.m.Remove([]int64{e.next}); err != nil {
 			t.Fatal(err)
