@@ -25,11 +25,20 @@ import (
 // hostTier is a manager's host pool and the C memory behind it.
 type hostTier struct {
 	pool *host.Pool
-	mem  unsafe.Pointer
+	mem  unsafe.Pointer // what this file allocated (freed at destroy); nil for the engine's memory
+	base unsafe.Pointer // the region, the library's or the engine's
 }
 
 // hostTiers maps a manager to its host tier, for host_tier_memory and destroy.
 var hostTiers sync.Map // *kvmanager.Manager -> *hostTier
+
+// engineMemory is a host pool's memory that the engine handed in
+// (kvp_manager_config.host_tier_memory): the engine's, never freed here.
+type engineMemory struct{ p unsafe.Pointer }
+
+func (a engineMemory) Alloc(size int) ([]byte, error) { return unsafe.Slice((*byte)(a.p), size), nil }
+
+func (engineMemory) Free([]byte) error { return nil }
 
 // cAllocator allocates a host pool's memory with calloc, so that the
 // region may be handed to C (a Go pointer may not be kept by C). Free is
@@ -55,6 +64,9 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 	}
 	slots, bytes, ahead := int64(c.host_tier_slots), int64(c.host_block_bytes), int64(c.demote_ahead)
 	if slots == 0 {
+		if c.host_tier_memory != nil {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory needs a host tier (host_tier_slots > 0)")
+		}
 		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 {
 			return nil, kverr.Errorf(kverr.InvalidArgument,
 				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d) and demote_evicted (%d) need a host tier (host_tier_slots > 0)",
@@ -73,13 +85,24 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 		// The core refuses it too, but only after the memory is allocated.
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_ahead must be in [0, num_blocks = %d]: got %d", nb, ahead)
 	}
+	if uintptr(c.host_tier_memory)%16 != 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory must be 16-byte aligned: got %p", c.host_tier_memory)
+	}
 	ht := &hostTier{}
-	p, err := host.New(host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&ht.mem}})
+	var alloc host.Allocator = cAllocator{&ht.mem}
+	if c.host_tier_memory != nil {
+		alloc = engineMemory{c.host_tier_memory}
+	}
+	p, err := host.New(host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: alloc})
 	if err != nil {
 		ht.free()
 		return nil, err
 	}
 	ht.pool = p
+	ht.base = ht.mem
+	if c.host_tier_memory != nil {
+		ht.base = c.host_tier_memory
+	}
 	return ht, nil
 }
 
@@ -297,7 +320,7 @@ func kvp_manager_host_tier_memory(h *C.kvp_manager, base *unsafe.Pointer, slotBy
 			return err
 		}
 		if base != nil {
-			*base = ht.mem
+			*base = ht.base
 		}
 		if slotBytes != nil {
 			*slotBytes = C.int64_t(ht.pool.BlockBytes())

@@ -21,6 +21,7 @@ type hookTierConfig struct {
 	structSize                                        uintptr // 0: the full struct
 	sharedAddr, sharedNS                              *string
 	sharedTimeoutMs, sharedPutQueue                   int32
+	mem                                               unsafe.Pointer // host_tier_memory (C memory)
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -39,6 +40,7 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 	}
 	cfg.host_tier_slots, cfg.demote_ahead, cfg.demote_evicted = C.int32_t(c.slots), C.int32_t(c.ahead), C.int32_t(c.demoteEvicted)
 	cfg.host_block_bytes = C.int64_t(c.blockBytes)
+	cfg.host_tier_memory = c.mem
 	if c.sharedAddr != nil {
 		cfg.shared_tier_addr = C.CString(*c.sharedAddr)
 		defer C.free(unsafe.Pointer(cfg.shared_tier_addr))

@@ -284,6 +284,17 @@ typedef struct kvp_manager_config {
                                         [0, 60000]; 0 = 250 */
   int32_t shared_tier_put_queue;     /* demoted blocks waiting to be
                                         stored, in [0, 2^20]; 0 = 256 */
+
+  void *host_tier_memory;            /* the host tier's memory, the
+                                        engine's: host_tier_slots *
+                                        host_block_bytes bytes, 16-byte
+                                        aligned (e.g. cudaHostAlloc'd, which
+                                        a tier copier then uses as it is),
+                                        valid and unused by anything else
+                                        until kvp_manager_destroy, which
+                                        does not free it; NULL = the
+                                        library allocates it; needs a host
+                                        tier */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -727,8 +738,10 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * the host tier is admitted with those blocks reloaded into GPU blocks
  * (kvp_manager_admit counts them in matched_tokens: not computed).
  *
- * Memory: the library allocates host_tier_slots slots of host_block_bytes
- * each, one region (kvp_manager_host_tier_memory). A tier copier
+ * Memory: host_tier_slots slots of host_block_bytes each, one region
+ * (kvp_manager_host_tier_memory): the library allocates it, or the engine
+ * hands its own in (kvp_manager_config.host_tier_memory, e.g. memory it
+ * allocated pinned). A tier copier
  * (kvp_tier_copier_create, next section) page-locks it and maps it for the
  * device, and copies each step's batch (demotions first); an engine that
  * copies by other means may cudaHostRegister the region itself. Either

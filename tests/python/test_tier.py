@@ -194,3 +194,32 @@ def test_demote_evicted_demotes_what_allocations_evict():
 
     with pytest.raises(kvplug.InvalidArgumentError):
         kvplug.Manager(BLOCKS, BS, prefix_cache=True, demote_evicted=True)  # no host tier
+
+
+def test_engine_memory():
+    """host_tier_memory: the slots are the engine's array; demotions land
+    in it and it outlives the manager; a wrong size or layout is refused."""
+    mem = np.zeros((SLOTS, BYTES), np.uint8)
+    m = kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
+                       demote_ahead=BLOCKS, host_tier_memory=mem)
+    host = m.host_tier_memory()
+    assert np.shares_memory(host, mem)
+    gpu = np.zeros((BLOCKS, BYTES), np.uint8)
+    conv = np.arange(500, 517, dtype=np.int32)
+    m.admit([1], [conv])
+    run_copies(m, gpu)  # the admission's step
+    table = m.describe([1]).block_table[0]
+    for i in range(4):
+        gpu[table[i]] = kv_of(i)
+    m.remove([1])
+    batch = run_copies(m, gpu)
+    assert len(batch.demote_blocks) == 4
+    assert sorted(mem[batch.demote_slots, 0].tolist()) == [0xA0, 0xA1, 0xA2, 0xA3]
+    m.close()
+    assert sorted(mem[batch.demote_slots, 0].tolist()) == [0xA0, 0xA1, 0xA2, 0xA3]  # the engine's still
+    for bad in (np.zeros((SLOTS, BYTES - 1), np.uint8), np.zeros((BYTES, SLOTS), np.uint8).T, [0] * (SLOTS * BYTES)):
+        with pytest.raises(kvplug.InvalidArgumentError):
+            kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
+                           host_tier_memory=bad)
+    with pytest.raises(kvplug.InvalidArgumentError):  # no host tier
+        kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_memory=np.zeros(0, np.uint8))

@@ -63,6 +63,7 @@ class ManagerConfig(ctypes.Structure):
         ("shared_tier_namespace", ctypes.c_char_p),
         ("shared_tier_timeout_ms", _i32),
         ("shared_tier_put_queue", _i32),
+        ("host_tier_memory", _vp),
     ]
 
 

@@ -106,6 +106,29 @@ def _release(handle: int) -> None:
         logging.getLogger("kvplug").warning("%s", msg)
 
 
+def _host_memory(mem: Any, slots: int, block_bytes: int) -> Optional[int]:
+    """The address of host_tier_memory (None: the library allocates), after
+    checking it is a C-contiguous byte region of slots * block_bytes."""
+    if mem is None:
+        return None
+    nbytes = slots * block_bytes
+    if hasattr(mem, "data_ptr") and hasattr(mem, "is_cuda"):  # a torch tensor
+        if mem.is_cuda or not mem.is_contiguous():
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "Manager: host_tier_memory must be a contiguous CPU tensor")
+        addr, size = mem.data_ptr(), mem.numel() * mem.element_size()
+    elif isinstance(mem, np.ndarray):
+        if not mem.flags.c_contiguous or not mem.flags.writeable:
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "Manager: host_tier_memory must be a writable C-contiguous array")
+        addr, size = mem.ctypes.data, mem.nbytes
+    else:
+        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT),
+                             f"Manager: host_tier_memory must be a numpy array or a CPU torch tensor, not {type(mem).__name__}")
+    if size != nbytes:
+        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT),
+                             f"Manager: host_tier_memory has {size} bytes; host_tier_slots * host_block_bytes = {nbytes}")
+    return addr
+
+
 class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     """A pool of num_blocks KV blocks of block_size tokens and the block
     tables of the live sequences. Safe to call from several threads (the
@@ -119,7 +142,11 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     host_tier_slots > 0 (with prefix_cache) adds the host KV tier
     (kvplug.tier): that many host slots of host_block_bytes each (the
     engine's K/V bytes of one block, all layers, K and V), allocated by the
-    library; flush_copies keeps demote_ahead blocks free or being demoted.
+    library, or host_tier_memory: the engine's own (a C-contiguous uint8
+    numpy array or CPU torch tensor of host_tier_slots * host_block_bytes
+    bytes, 16-byte aligned, e.g. torch's pinned memory; the Manager keeps
+    it referenced); flush_copies keeps demote_ahead blocks free or being
+    demoted.
     demote_evicted=True also demotes the cached blocks that allocations
     evict (in the next flush_copies batch, their GPU blocks going to their
     new owners at once): only for an engine that calls flush_copies after
@@ -153,6 +180,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_namespace: Optional[str] = None,
         shared_tier_timeout_ms: int = 0,
         shared_tier_put_queue: int = 0,
+        host_tier_memory: Any = None,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
@@ -166,13 +194,14 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
             host_tier_slots, demote_ahead, int(bool(demote_evicted)), host_block_bytes,
             _cstr(shared_tier, "Manager: shared_tier"), _cstr(shared_tier_namespace, "Manager: shared_tier_namespace"),
-            shared_tier_timeout_ms, shared_tier_put_queue,
+            shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))
         if st:
             _lib.raise_status(st)
         self._own(out.value, _release, out.value)
+        self._host_memory = host_tier_memory  # the engine's memory stays alive with the manager
         s = ManagerStatsStruct()
         s.struct_size = ctypes.sizeof(s)
         _lib.check(C.kvp_manager_stats_get(self._h, ctypes.byref(s)))
