@@ -157,3 +157,29 @@ def test_host_pinned_by_the_engine():
     back = pinned.to(DEV, non_blocking=True)  # still a pinned buffer torch can copy from
     torch.cuda.synchronize()
     assert torch.equal(back.cpu(), pinned)
+
+
+def test_manager_over_pinned_engine_memory():
+    """A Manager whose host tier is the engine's pinned tensor
+    (host_tier_memory=), copied by a TierCopier over the manager: the
+    demoted bytes land in the engine's tensor."""
+    L, BS, H, D, BLOCKS, SLOTS = 2, 16, 2, 64, 16, 8
+    k, v = caches(L, BLOCKS, (BS, H, D), torch.float16, 21)
+    chunk = BS * H * D * 2
+    pinned = torch.zeros((SLOTS, chunk * L * 2), dtype=torch.uint8).pin_memory()
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=chunk * L * 2,
+                        demote_ahead=BLOCKS, host_tier_memory=pinned) as m:
+        with TierCopier(k, v, manager=m) as cp:
+            conv = np.arange(100, 100 + 2 * BS + 1, dtype=np.int32)
+            m.admit([1], [conv])
+            assert m.flush_copies().ticket == 0  # the admission's step: nothing to demote yet
+            table = m.describe([1]).block_table[0][:2].tolist()
+            m.remove([1])
+            batch = m.flush_copies()
+            cp.run(batch)
+            torch.cuda.synchronize()
+            m.complete_copies(batch.ticket)
+            for blk, slot in zip(batch.demote_blocks.tolist(), batch.demote_slots.tolist()):
+                got = pinned[slot, :chunk].view(torch.float16).reshape(BS, H, D)
+                assert torch.equal(got.to(DEV), k[0][blk]) and blk in table
+    assert pinned.is_pinned()
