@@ -236,6 +236,47 @@ def test_graph_capture():
         assert rel_err(out, want) < TOL[torch.float16]
 
 
+def test_graph_capture_multi_token():
+    """A captured q_len = 4 decode (speculative verification) replays over
+    new queries and grown sequences: the lengths are read on the device, so
+    a graph captured once serves every step of the same shape."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    Q = 4
+    lens = [900, 40, 2000]
+    p = Paged(gen, torch.bfloat16, 128, 32, 8, 16, lens)
+    q = torch.empty((3 * Q, 32, 128), dtype=torch.bfloat16, device=DEV)
+    ws = torch.empty(attn.workspace_size(3 * Q, 32, 128), dtype=torch.uint8, device=DEV)
+    out = torch.empty_like(q)
+    attn.prepare()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
+                          max_seq_len=2000, q_len=Q)
+    for step in range(3):
+        # Each step the sequences are shorter views of the same cache (the
+        # accepted tokens of a verification differ): new lengths, new q.
+        cut = [L - 7 * step for L in lens]
+        p.lens = cut
+        p.seq_lens.copy_(torch.tensor(cut, dtype=torch.int32))
+        q.copy_((torch.rand(q.shape, generator=gen) * 4 - 2).to(q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        full_k, full_v = p.k, p.v
+        # The reference over the first cut[b] tokens of each sequence.
+        ks, vs, start = [], [], 0
+        for L, c in zip(lens, cut):
+            ks.append(full_k[start:start + c])
+            vs.append(full_v[start:start + c])
+            start += L
+        p.k, p.v = torch.cat(ks), torch.cat(vs)
+        want, _ = multi_reference(p, q, Q, 1 / math.sqrt(128))
+        p.k, p.v, p.lens = full_k, full_v, lens
+        assert rel_err(out, want) < TOL[torch.bfloat16], step
+
+
 def test_argument_errors():
     gen = torch.Generator().manual_seed(1)
     p = Paged(gen, torch.float16, 64, 4, 2, 16, [20, 5])
