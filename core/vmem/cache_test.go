@@ -167,8 +167,11 @@ func TestWriteReadThroughMappedRanges(t *testing.T) {
 			c := newCache(t, cfg, newHost(t))
 			a, b, d := mustAlloc(t, c), mustAlloc(t, c), mustAlloc(t, c)
 			step(t, c, a, 100, b, 64, d, 1)
-			if got := c.MappedTokens(b); got != 64 {
-				t.Fatalf("64 tokens mapped %d (want exactly one page)", got)
+			// Step maps exactly one page; the background mapper, when on,
+			// may already have mapped the next one for the lookahead
+			// (64 + DefaultLookahead tokens).
+			if got := c.MappedTokens(b); got != 64 && !(bg && got == 128) {
+				t.Fatalf("64 tokens mapped %d (want one page, or two with the background lookahead)", got)
 			}
 			writeTokens(c, a, 0, 100)
 			writeTokens(c, b, 0, 64)
