@@ -116,27 +116,47 @@ func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t
 		if found == nil {
 			return kverr.Errorf(kverr.NullPointer, "%s: found must not be NULL", op)
 		}
-		out := slice[int32](unsafe.Pointer(found), n)
-		for i, ok := range t.Exists(ks) {
-			out[i] = 0
-			if ok {
-				out[i] = 1
-			}
-		}
+		putFlags(slice[int32](unsafe.Pointer(found), n), t.Exists(ks))
 		return nil
 	})
+}
+
+// putFlags writes found[i] as the caller's int32 flags (0 or 1).
+func putFlags(out []int32, found []bool) {
+	for i, ok := range found {
+		out[i] = 0
+		if ok {
+			out[i] = 1
+		}
+	}
+}
+
+// sharedBatch reads a put's or get's keys and their segments (segs per
+// key, key i's at [i*segs, (i+1)*segs)).
+func sharedBatch(op string, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
+	lens *C.int64_t) ([]valkey.Hash, []unsafe.Pointer, []int64, error) {
+	ks, err := sharedKeysOf(op, n, keys)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, -1)
+	return ks, ps, ls, err
+}
+
+// valueSize is the bytes of key i's segments.
+func valueSize(ls []int64, i, segs int) int64 {
+	size := int64(0)
+	for _, l := range ls[i*segs : (i+1)*segs] {
+		size += l
+	}
+	return size
 }
 
 //export kvp_shared_store_put
 func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, stored *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
-		const op = "kvp_shared_store_put"
-		ks, err := sharedKeysOf(op, n, keys)
-		if err != nil {
-			return err
-		}
-		ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, -1)
+		ks, ps, ls, err := sharedBatch("kvp_shared_store_put", n, keys, segs, ptrs, lens)
 		if err != nil {
 			return err
 		}
@@ -149,11 +169,7 @@ func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 				payloads[i] = unsafe.Slice((*byte)(ps[i]), int(ls[i]))
 				continue
 			}
-			size := int64(0)
-			for j := 0; j < g; j++ {
-				size += ls[i*g+j]
-			}
-			p := make([]byte, 0, size)
+			p := make([]byte, 0, valueSize(ls, i, g))
 			for j := 0; j < g; j++ {
 				if ls[i*g+j] > 0 {
 					p = append(p, unsafe.Slice((*byte)(ps[i*g+j]), int(ls[i*g+j]))...)
@@ -174,11 +190,7 @@ func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 	lens *C.int64_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_get"
-		ks, err := sharedKeysOf(op, n, keys)
-		if err != nil {
-			return err
-		}
-		ps, ls, err := segmentsOf(op, n, segs, ptrs, lens, -1)
+		ks, ps, ls, err := sharedBatch(op, n, keys, segs, ptrs, lens)
 		if err != nil {
 			return err
 		}
@@ -192,21 +204,12 @@ func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 			for i := range ks {
 				dst[i] = unsafe.Slice((*byte)(ps[i]), int(ls[i]))
 			}
-			for i, ok := range t.GetInto(ks, dst) {
-				out[i] = 0
-				if ok {
-					out[i] = 1
-				}
-			}
+			putFlags(out, t.GetInto(ks, dst))
 			return nil
 		}
 		for i, p := range t.Get(ks) {
 			out[i] = 0
-			size := int64(0)
-			for j := 0; j < g; j++ {
-				size += ls[i*g+j]
-			}
-			if p == nil || int64(len(p)) != size {
+			if p == nil || int64(len(p)) != valueSize(ls, i, g) {
 				continue
 			}
 			for j := 0; j < g; j++ {

@@ -146,6 +146,7 @@ type Copier struct {
 	host      Host
 	kv        int
 	parts     int64
+	perOp     int64 // thread blocks per op: layers x tensors x parts
 	perLaunch int
 	ctx       cuda.Context
 	table     cuda.DevicePtr // uint64 [layers][2], device memory
@@ -172,8 +173,8 @@ func New(l Layers, h Host) (*Copier, error) {
 		c.layers.V = append([]cuda.DevicePtr(nil), l.V...)
 	}
 	c.parts = (l.ChunkBytes + ctaByte - 1) / ctaByte
-	perOp := int64(len(l.K)*c.kv) * c.parts
-	c.perLaunch = int(min(int64(OpsPerLaunch), (1<<31-1)/perOp))
+	c.perOp = int64(len(l.K)*c.kv) * c.parts
+	c.perLaunch = int(min(int64(OpsPerLaunch), (1<<31-1)/c.perOp))
 	if c.perLaunch < 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
 	}
@@ -251,7 +252,6 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 		NumLayers: int32(len(c.layers.K)), KV: int32(c.kv), Parts: int32(c.parts),
 		NumBlocks: c.layers.NumBlocks, NumSlots: c.host.NumSlots,
 	}
-	perOp := int64(len(c.layers.K)*c.kv) * c.parts
 	// The demotions' launches before the reloads': a launch's ops run
 	// concurrently, and a reload may write a GPU block that a demotion of
 	// the same batch reads (a block evicted and allocated anew in the
@@ -267,7 +267,7 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 			for i, o := range ops[first : first+cnt] {
 				p.Ops[i] = [2]int32{o.Block, o.Slot}
 			}
-			cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
+			cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * c.perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
 			if err := cuda.Launch(m, kernel, cfg, stream, &p); err != nil {
 				return err
 			}

@@ -5,9 +5,7 @@ as misses and skipped stores within the op timeout, never an exception."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import time
 
 import numpy as np
@@ -27,38 +25,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(tmp_path):
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("neither valkey-server nor redis-server is installed")
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.02)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def rows(buf: np.ndarray):
     n = buf.shape[0]
     return (buf.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(buf.strides[0])).reshape(n, 1), \
         np.full((n, 1), buf.shape[1], np.int64)
 
 
-def test_put_exists_get(server):
-    with SharedStore(server, "t1", fingerprint=11) as ss:
+def test_put_exists_get(valkey_server):
+    with SharedStore(valkey_server, "t1", fingerprint=11) as ss:
         data = np.random.default_rng(0).integers(0, 255, (3, 64), dtype=np.uint8)
         p, ln = rows(data)
         assert ss.put(K(1, 2, 3), p, ln) == 3
@@ -72,13 +46,13 @@ def test_put_exists_get(server):
         assert s.stores == 3 and s.hits >= 6 and s.available
 
 
-def test_two_segments_and_foreign_values(server):
+def test_two_segments_and_foreign_values(valkey_server):
     k = np.full((2, 16), 7, np.uint8)
     v = np.full((2, 16), 9, np.uint8)
     ptrs = np.stack([k.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
                      v.ctypes.data + np.arange(2, dtype=np.uint64) * 16], axis=1)
     lens = np.full((2, 2), 16, np.int64)
-    with SharedStore(server, "t2", fingerprint=1) as a, SharedStore(server, "t2", fingerprint=2) as b:
+    with SharedStore(valkey_server, "t2", fingerprint=1) as a, SharedStore(valkey_server, "t2", fingerprint=2) as b:
         assert a.put(K(10, 11), ptrs, lens) == 2
         ok, ov = np.zeros_like(k), np.zeros_like(v)
         optrs = np.stack([ok.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
