@@ -6,7 +6,9 @@ tail) it times, in one process: kvplug's cascade run (kvplug.cascade,
 planned once outside the timing), kvplug's plain paged decode over the same
 cache and tables, and, when flashinfer imports, FlashInfer's decode wrapper
 (tensor cores) and its multi-level cascade wrapper (one level per tree
-level). The floor is the step's unique K/V bytes at 3000 GB/s.
+level). The floor is the step's unique K/V bytes at the copy bandwidth
+measured in the same run (a 1 GiB device-to-device copy: read + write bytes
+over its median time).
 
 Timing: each call is preceded by a 256 MiB write that evicts L2 (50 MB on an
 H100) and a 1 ms spin kernel (so the host has enqueued the call before the
@@ -35,7 +37,24 @@ import kvplug  # noqa: E402
 from kvplug import cascade  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16
-FLOOR_GBPS = 3000.0
+
+
+def copy_bandwidth(dev, iters=20):
+    """GB/s of a 1 GiB device-to-device copy (bytes read + written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    ts.sort()
+    return 2 * src.numel() / ts[len(ts) // 2] / 1e9
 
 
 def make_case(B, levels, tail):
@@ -225,6 +244,8 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    gbps = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {gbps:.0f} GB/s (the floor's)")
     results = []
     print("| case | floor (us) | kvplug cascade, routed (us) | cascade kernels (us) | kvplug paged_decode (us) | FlashInfer decode (us) | FlashInfer cascade (us) | route | saved/total | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -246,7 +267,7 @@ def main():
         out_d = torch.empty_like(q)
         dws = torch.empty(kvplug.attn.workspace_size(B, HQ, D), dtype=torch.uint8, device=dev)
         row = {"case": name, "B": B, "levels": levels, "tail": tail,
-               "floor_us": uniq * HK * D * 2 * 2 / (FLOOR_GBPS * 1e3), "route": plan.route,
+               "floor_us": uniq * HK * D * 2 * 2 / (gbps * 1e3), "copy_gbps": gbps, "route": plan.route,
                "saved_tokens": plan.saved_tokens, "total_tokens": plan.total_tokens, "items": plan.num_items}
         fc = lambda: cascade.paged_cascade(plan, q, k, v, table_d, out=out_c)  # noqa: E731
         fd = lambda: kvplug.attn.paged_decode(q, k, v, table_d, lens_d, out=out_d, workspace=dws)  # noqa: E731

@@ -73,6 +73,8 @@ var planStateWords = map[string][2]int{
 	"KVP_PLAN_STATE_SAVED_TOKENS":         {C.KVP_PLAN_STATE_SAVED_TOKENS, cascadeattn.WordSavedTokens},
 	"KVP_PLAN_STATE_TOTAL_TOKENS":         {C.KVP_PLAN_STATE_TOTAL_TOKENS, cascadeattn.WordTotalTokens},
 	"KVP_PLAN_STATE_MAINLOOP":             {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
+	"KVP_PLAN_STATE_DECODE_ROWS":          {C.KVP_PLAN_STATE_DECODE_ROWS, attn.WordDecodeRows},
+	"KVP_PLAN_STATE_DECODE_INDEX":         {C.KVP_PLAN_STATE_DECODE_INDEX, attn.WordDecodeIndex},
 }
 
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.

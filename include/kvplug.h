@@ -1421,10 +1421,17 @@ typedef struct kvp_merge_states_args {
  * kernel when q_len is 1, or q_len * (num_q_heads / num_kv_heads) <= 16 --
  * speculative verification, multi-token prediction -- unless flags say
  * KVP_PREFILL_NO_DECODE_ROUTE) and, for the prefill route, enqueues a small
- * kernel that writes the work list into the workspace. It fills a
+ * kernel that writes the work list into the workspace. In a mixed batch
+ * without a window (some sequences of one new token, others longer), the
+ * prefill route leaves the one-token sequences to a decode launch that
+ * kvp_paged_prefill adds (found through the device qo_indptr, split as
+ * decode splits), instead of a prefill row tile each that their group
+ * alone would fill; KVP_PREFILL_NO_DECODE_ROUTE keeps them on the prefill
+ * kernel too. It fills a
  * kvp_attn_plan, a plain struct the engine keeps (and may copy) until the
  * step ends. kvp_paged_prefill (per layer) checks the layer's tensors against
- * the plan and enqueues one kernel (two for a split decode): no host work
+ * the plan and enqueues one kernel (two for a split decode; the decode
+ * rows of a mixed batch add one or two): no host work
  * beyond that, no allocation, no synchronisation. Graph capture: the prefill
  * route's launch has a fixed grid and reads the work list from the
  * workspace, so a captured run replays correctly for any later plan of the
@@ -1447,9 +1454,14 @@ typedef struct kvp_merge_states_args {
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
-/* A prefill plan's plan-state word: the prefill kernel it was planned for
- * (0: sm_80, 1: Hopper's sm_90a). */
+/* A prefill plan's plan-state words: the prefill kernel it was planned for
+ * (0: sm_80, 1: Hopper's sm_90a); the decode rows of a mixed batch (see
+ * kvp_prefill_plan): their sequences | the decode launch's splits << 32, 0
+ * when the prefill kernel takes every row; the device qo_indptr the decode
+ * launch reads. */
 #define KVP_PLAN_STATE_MAINLOOP 0
+#define KVP_PLAN_STATE_DECODE_ROWS 1
+#define KVP_PLAN_STATE_DECODE_INDEX 2
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */

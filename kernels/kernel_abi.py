@@ -31,7 +31,7 @@ DECODE = _struct([(n, "<u8") for n in ("q", "k_cache", "v_cache", "block_table",
                                          "block_table_stride")]
                  + [(n, "<i4") for n in ("batch", "num_q_heads", "num_kv_heads", "block_size", "num_blocks",
                                          "max_blocks_per_seq", "num_splits")]
-                 + [("scale", "<f4"), ("q_len", "<i4"), ("reserved", "<i4")], 168)
+                 + [("scale", "<f4"), ("q_len", "<i4"), ("q_rows", "<i4"), ("q_indptr", "<u8")], 176)
 # kvp_merge_params
 MERGE = _struct([(f"v{i}", "<u8") for i in range(8)] + [(f"s{i}", "<u8") for i in range(8)]
                 + [(n, "<u8") for n in ("out", "out_lse")]

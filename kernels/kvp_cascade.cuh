@@ -18,8 +18,11 @@
 // r / group, head r % group, so the queries of every sequence sharing a run
 // go through the tensor cores together and the run's K/V is read once for
 // all of them. Shared items take tiles of CascadeCfg::MT m16 rows per warp
-// (128 rows at head_dim <= 128), tail items 64 (KVP_CASCADE_TAIL_TILE_Q): a
-// decode tail fills only `group` rows. A tail item's end is clipped to
+// (128 rows at head_dim <= 128). A tail of at most 16 packed rows (a decode
+// tail: its sequence's q heads times at most 16 / group new tokens) runs the
+// decode kernel's 16-row tile (decode_tile, kvp_decode.cuh), its 4 warps on
+// different tokens of each K/V tile; longer tails take 64-row tiles
+// (KVP_CASCADE_TAIL_TILE_Q). A tail item's end is clipped to
 // seq_lens[rep] on the device and its positions follow seq_lens, so steps
 // that only grow lengths reuse the plan. Each item writes one partial state
 // per row (normalised output, float32, and its log2-domain lse; -inf when it
@@ -33,11 +36,12 @@
 //
 // Both kernels run fixed grids that stride over the counts in the plan's
 // header, so a captured launch serves every later plan in the same
-// workspace. Both item kinds run attn_tile (kvp_attn_tile.cuh), the prefill
-// kernel's inner loop.
+// workspace. Shared items and long tails run attn_tile (kvp_attn_tile.cuh),
+// the prefill kernel's inner loop.
 #pragma once
 
 #include "kvp_attn_tile.cuh"
+#include "kvp_decode.cuh"
 
 namespace kvp {
 
@@ -46,8 +50,10 @@ struct CascadeCfg {
     static constexpr int MT = D <= 128 ? 2 : 1;  // m16 row tiles per warp of shared items
     using Shared = TileCfg<D, MT>;
     using Tail = TileCfg<D, 1>;
+    using DecodeTail = DecodeCfg<D>;
     static constexpr int TQ = Shared::TQ;  // kvp_cascade_tile_q
-    static constexpr int SMEM = Shared::SMEM > Tail::SMEM ? Shared::SMEM : Tail::SMEM;
+    static constexpr int TILES = Shared::SMEM > Tail::SMEM ? Shared::SMEM : Tail::SMEM;
+    static constexpr int SMEM = TILES > DecodeTail::SMEM ? TILES : DecodeTail::SMEM;
     static_assert(Tail::TQ == KVP_CASCADE_TAIL_TILE_Q, "tail tile");
 };
 
@@ -107,6 +113,49 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
         smem);
 }
 
+// A tail of at most 16 packed rows (m_count * group <= 16): the decode
+// kernel's 16-row tile over [kv_begin, min(kv_end, seq_lens[rep])), rows
+// (new token, q head of kv head kvh), causal among the tail's query tokens
+// (the last m_count positions of the sequence).
+template <typename T, int D>
+__device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p, const CascadeItem& it, int kvh,
+                                                    uint8_t* smem) {
+    const int group = p.num_q_heads / p.num_kv_heads;
+    const int32_t* qrows = reinterpret_cast<const int32_t*>(p.work) + p.qrows_off + it.m_begin;
+    DecodeWork w;
+    w.kvh = kvh;
+    w.qh0 = kvh * group;
+    w.nh = group;
+    w.b = it.rep;
+    w.split = 0;
+    w.S = 1;
+    w.base = max(it.kv_begin, 0);
+    w.end = w.L = w.n_tiles = 0;
+    w.qlen = it.m_count;
+    w.rows = it.m_count * group;
+    PagedRows rr;
+    rr.init(p.block_table, p.block_table_stride, it.rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
+            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
+    float* part_out = reinterpret_cast<float*>(p.part_out);
+    float* part_lse = reinterpret_cast<float*>(p.part_lse);
+    const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+    decode_tile<T, D, CascadeCfg<D>::DecodeTail::STAGES, false>(
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
+        reinterpret_cast<const T*>(p.v_cache), p.scale,
+        [&](int t, int qh) { return (int64_t)__ldg(qrows + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
+        [&] { return make_int2(__ldg(lens + it.rep), it.kv_end); },
+        [&](int t, int qh, int d0, float(&o)[8], const SoftmaxState& st) {
+            // Partial state: normalised output and log2 lse.
+            const float inv = st.inv_l();
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] *= inv;
+            const int64_t pi = (int64_t)(it.part_base + t) * p.num_q_heads + qh;
+            store_f<float, 8>(part_out + pi * D + d0, o);
+            if (d0 == 0) part_lse[pi] = st.lse2();
+        },
+        smem);
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     extern __shared__ __align__(128) uint8_t smem[];
@@ -121,7 +170,9 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
         const int4* ip = reinterpret_cast<const int4*>(items + (int64_t)i * KVP_CASCADE_ITEM_INTS);
         const int4 a = ip[0], b = ip[1];
         const CascadeItem it{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        if (it.dynamic)
+        if (it.dynamic && it.m_count * (p.num_q_heads / p.num_kv_heads) <= 16)
+            cascade_decode_tail<T, D>(p, it, kvh, smem);
+        else if (it.dynamic)
             cascade_item<T, D, 1, true>(p, it, kvh, smem);
         else
             cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, smem);

@@ -270,12 +270,12 @@ __device__ __forceinline__ void load_cg(const float* src, float (&v)[E]) {
 }
 
 // Merges the num_splits partial states of one (sequence b, q head) row into
-// out/lse. Called by one whole warp. U = partial rows loaded per batch; the
+// out/lse row orow. Called by one whole warp. U = partial rows loaded per batch; the
 // batch is clamped to the last split, so U is picked to fit S (loads of a
 // duplicate row cost a full L2 access each: S = 4 with U = 16 wastes 12;
 // predicating the loads instead made the compiler serialise them).
 template <typename T, int D, int U>
-__device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b, int qh, int lane) {
+__device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b, int64_t orow, int qh, int lane) {
     constexpr int E = D / 32;  // floats per lane of one partial row
     const int64_t rows = (int64_t)p.batch * kvp_decode_q_len(p.q_len) * p.num_q_heads;
     const int64_t row = (int64_t)b * p.num_q_heads + qh;
@@ -320,23 +320,25 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
     const float inv = st.inv_l();
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[i] *= inv;
-    T* out = reinterpret_cast<T*>(p.out) + b * p.out_batch_stride + qh * p.out_head_stride + lane * E;
+    T* out = reinterpret_cast<T*>(p.out) + orow * p.out_batch_stride + qh * p.out_head_stride + lane * E;
     store_f<T, E>(out, acc);
-    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[row] = st.lse();
+    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[orow * p.num_q_heads + qh] = st.lse();
 }
 
 template <typename T, int D>
-__device__ __forceinline__ void combine_row(const kvp_decode_params& p, int b, int qh, int lane) {
+__device__ __forceinline__ void combine_row(const kvp_decode_params& p, int b, int64_t orow, int qh, int lane) {
     constexpr int UMAX = 256 / (D / 32 * 4) < 16 ? 256 / (D / 32 * 4) : 16;  // 256 bytes per lane
     if (p.num_splits <= 4)
-        combine_row_u<T, D, 4>(p, b, qh, lane);
+        combine_row_u<T, D, 4>(p, b, orow, qh, lane);
     else if (p.num_splits <= 8)
-        combine_row_u<T, D, 8>(p, b, qh, lane);
+        combine_row_u<T, D, 8>(p, b, orow, qh, lane);
     else
-        combine_row_u<T, D, UMAX>(p, b, qh, lane);
+        combine_row_u<T, D, UMAX>(p, b, orow, qh, lane);
 }
 
-// One warp per (row of q, q head); a row is a sequence's new token.
+// One warp per (row of q, q head); a row is a sequence's new token. With
+// q_indptr (q_len 1), row b is sequence b's, at q_indptr[b] in out, and a
+// sequence with another count is not this launch's.
 template <typename T, int D>
 __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
     griddep_wait();
@@ -346,7 +348,13 @@ __device__ __forceinline__ void decode_combine(const kvp_decode_params& p) {
     const int64_t row = (int64_t)blockIdx.x * (KVP_COMBINE_THREADS / 32) + warp;
     if (row >= rows) return;
     const int b = (int)(row / p.num_q_heads);
-    combine_row<T, D>(p, b, (int)(row - (int64_t)b * p.num_q_heads), lane);
+    int64_t orow = b;
+    if (p.q_indptr != 0) {
+        const int32_t* qi = reinterpret_cast<const int32_t*>(p.q_indptr);
+        orow = qi[b];
+        if (qi[b + 1] - orow != 1 || (uint64_t)orow >= (uint64_t)p.q_rows) return;
+    }
+    combine_row<T, D>(p, b, orow, (int)(row - (int64_t)b * p.num_q_heads), lane);
 }
 
 // ---- 3. merge of attention states ------------------------------------------

@@ -22,9 +22,14 @@
 namespace kvp {
 
 template <int D>
+struct DecodeStages {
+    static constexpr int value = D <= 64 ? 4 : (D <= 128 ? 3 : 2);
+};
+
+template <int D, int STAGES_ = DecodeStages<D>::value>
 struct DecodeCfg {
     static constexpr int TILE = KVP_DECODE_TILE;  // tokens per pipeline stage
-    static constexpr int STAGES = D <= 64 ? 4 : (D <= 128 ? 3 : 2);
+    static constexpr int STAGES = STAGES_;
     static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
     static constexpr int CPR = D / 8;        // 16-byte chunks per 16-bit row
     static constexpr int KV_TILE_BYTES = TILE * D * 2;
@@ -36,15 +41,26 @@ struct DecodeCfg {
     static_assert(4 * 16 * RED_STRIDE * 4 + 2 * 64 * 4 <= STAGES * STAGE_BYTES, "merge scratch fits");
 };
 
-// Split s of a sequence takes the 64-token tiles s, s + S, s + 2S, ... (S =
-// num_splits): interleaved rather than contiguous chunks, so where a block's
-// tiles start does not depend on the sequence length and its first block-table
-// reads can be in flight together with the read of seq_lens.
+// What one 16-row decode tile reads: tokens [base, end) of one sequence in
+// the 64-token tiles split, split + S, split + 2S, ... counted from base
+// (S = num_splits: interleaved rather than contiguous chunks, so where a
+// block's tiles start does not depend on the sequence length and its first
+// block-table reads can be in flight together with the read of the length),
+// for rows = nh q heads x qlen new tokens, new token t at position
+// L - qlen + t (causal among the new tokens).
 struct DecodeWork {
-    int kvh, qh0, nh, b, split, S, L, n_tiles;
+    int kvh, qh0, nh, b, split, S;
+    int base, end, L, n_tiles;
     int qlen, rows;  // new tokens per sequence; rows = nh * qlen (<= 16)
     // First token of the block's k-th tile.
-    __device__ __forceinline__ int tile_start(int k) const { return (split + k * S) * KVP_DECODE_TILE; }
+    __device__ __forceinline__ int tile_start(int k) const { return base + (split + k * S) * KVP_DECODE_TILE; }
+    // Sets the positions' end L and the tokens' end (<= L), then the tiles.
+    __device__ __forceinline__ void set_len(int seq_len, int kv_end) {
+        L = max(0, seq_len);
+        end = min(kv_end, L);
+        const int tiles = end > base ? (end - base + KVP_DECODE_TILE - 1) / KVP_DECODE_TILE : 0;
+        n_tiles = tiles > split ? (tiles - split + S - 1) / S : 0;
+    }
 };
 
 __device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params& p) {
@@ -61,54 +77,53 @@ __device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params&
     w.b = blockIdx.y;
     w.split = blockIdx.z;
     w.S = p.num_splits;
-    w.L = 0;
-    w.n_tiles = 0;
+    w.base = 0;
+    w.end = w.L = w.n_tiles = 0;
     return w;
-}
-
-__device__ __forceinline__ void decode_work_len(DecodeWork& w, int seq_len) {
-    w.L = max(0, seq_len);
-    const int tiles = (w.L + KVP_DECODE_TILE - 1) / KVP_DECODE_TILE;
-    w.n_tiles = tiles > w.split ? (tiles - w.split + w.S - 1) / w.S : 0;
 }
 
 // The block-table lookups of sequence b for kv head kvh.
 __device__ __forceinline__ PagedRows decode_rows(const kvp_decode_params& p, int b, int kvh) {
     PagedRows rr;
-    rr.table = reinterpret_cast<const int32_t*>(p.block_table) + (int64_t)b * p.block_table_stride;
-    rr.block_size = p.block_size;
-    rr.shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
-    rr.max_blocks = p.max_blocks_per_seq;
-    rr.num_blocks = p.num_blocks;
-    rr.block_stride = p.cache_block_stride;
-    rr.token_stride = p.cache_token_stride;
-    rr.head_off = (int64_t)kvh * p.cache_head_stride;
+    rr.init(p.block_table, p.block_table_stride, b, p.block_size, p.max_blocks_per_seq, p.num_blocks,
+            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
     return rr;
 }
 
+// The row of q and out of sequence b's first new token: b * q_len, or
+// q_indptr[b] when the launch serves the one-token sequences of a varlen
+// batch (then -1 for a sequence with another count or a row outside q_rows:
+// not this launch's).
+__device__ __forceinline__ int64_t decode_first_row(const kvp_decode_params& p, int b, int qlen) {
+    if (p.q_indptr == 0) return (int64_t)b * qlen;
+    const int32_t* qi = reinterpret_cast<const int32_t*>(p.q_indptr);
+    const int q0 = __ldg(qi + b);
+    return __ldg(qi + b + 1) - q0 == 1 && (unsigned)q0 < (unsigned)p.q_rows ? (int64_t)q0 : -1;
+}
+
 // Writes N consecutive dims [d0, d0+N) of q head qh of new token t of the
-// block's sequence: the normalised output (or the split's partial) and, from
-// the slice at d0 == 0, the lse. st: the row's softmax state, l reduced over
-// the whole row.
+// block's sequence (first row q0): the normalised output (or the split's
+// partial) and, from the slice at d0 == 0, the lse. st: the row's softmax
+// state, l reduced over the whole row.
 template <typename T, int N>
-__device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int t, int qh, int d0,
-                                             float (&o)[N], const SoftmaxState& st, int D) {
+__device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int64_t q0, int t, int qh,
+                                             int d0, float (&o)[N], const SoftmaxState& st, int D) {
     const float inv = st.inv_l();
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] *= inv;
-    const float lse2 = st.lse2();
-    const int64_t tok = (int64_t)w.b * w.qlen + t;  // the row of q and out
-    const int64_t row = tok * p.num_q_heads + qh;
     if (p.num_splits == 1) {
+        const int64_t tok = q0 + t;  // the row of q and out
         T* out = reinterpret_cast<T*>(p.out) + tok * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
         store_f<T, N>(out, o);
-        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[row] = st.lse();
+        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[tok * p.num_q_heads + qh] = st.lse();
     } else {
+        // Partials are indexed by (sequence, new token), whatever q_indptr says.
+        const int64_t row = ((int64_t)w.b * w.qlen + t) * p.num_q_heads + qh;
         const int64_t rows = (int64_t)p.batch * w.qlen * p.num_q_heads;
         const int64_t r = (int64_t)w.split * rows + row;
         float* part_o = reinterpret_cast<float*>(p.workspace);
         store_f<float, N>(part_o + r * D + d0, o);
-        if (d0 == 0) part_o[(int64_t)p.num_splits * rows * D + r] = lse2;
+        if (d0 == 0) part_o[(int64_t)p.num_splits * rows * D + r] = st.lse2();
     }
 }
 
@@ -118,7 +133,10 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     constexpr int E = D / 32;
     griddep_wait();
     DecodeWork w = decode_work_heads(p);
-    decode_work_len(w, reinterpret_cast<const int32_t*>(p.seq_lens)[w.b]);
+    const int64_t q0 = decode_first_row(p, w.b, w.qlen);
+    if (q0 < 0) return;
+    const int L = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
+    w.set_len(L, L);
     const PagedRows rr = decode_rows(p, w.b, w.kvh);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* kc = reinterpret_cast<const float*>(p.k_cache);
@@ -128,7 +146,7 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
         const int t = r / w.nh, qh = w.qh0 + (r - t * w.nh);
         const int last = w.L - w.qlen + t;  // the last position token t sees
         float q[E];
-        load_f<float, E>(reinterpret_cast<const float*>(p.q) + ((int64_t)w.b * w.qlen + t) * p.q_batch_stride +
+        load_f<float, E>(reinterpret_cast<const float*>(p.q) + (q0 + t) * p.q_batch_stride +
                              (int64_t)qh * p.q_head_stride + lane * E,
                          q);
         SoftmaxState st;
@@ -141,54 +159,52 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
             const int t1 = min(last + 1, t0 + KVP_DECODE_TILE);
             for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, st, o);
         }
-        decode_store<float, E>(p, w, t, qh, lane * E, o, st, D);
+        decode_store<float, E>(p, w, q0, t, qh, lane * E, o, st, D);
     }
     griddep_launch_dependents();
 }
 
-// ---- f16 / bf16: tensor-core kernel ------------------------------------------
-template <typename T, int D>
-__device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
-    using C = DecodeCfg<D>;
-    constexpr int TILE = C::TILE, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
+// ---- f16 / bf16: one 16-row tensor-core tile ----------------------------------
+// The block's 4 warps run w's tiles: q rows from qrow(t, qh) (the element
+// offset in q of new token t, q head qh), the positions' and the tokens' end
+// from load_len() (an int2 for w.set_len, read while the query and table
+// loads are in flight), the result
+// through store(t, qh, d0, o[8], st) for dims [d0, d0 + 8) of each of the
+// w.rows rows (o unnormalised, st the row's state). SIGNAL: call
+// griddep_launch_dependents after the K/V loop. The shared memory (at least
+// DecodeCfg<D, STAGES>::SMEM) is free again on return.
+template <typename T, int D, int STAGES, bool SIGNAL, class QRow, class LoadLen, class Store>
+__device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, const T* qp, const T* kc, const T* vc,
+                                            float scale, QRow qrow, LoadLen load_len, Store store, uint8_t* smem) {
+    using C = DecodeCfg<D, STAGES>;
+    constexpr int TILE = C::TILE, RING = C::RING, CPR = C::CPR;
     constexpr int NT = KVP_DECODE_THREADS;
     constexpr int CHUNKS_PER_THREAD = TILE * CPR / NT;  // per tensor (K or V) per stage
     static_assert(TILE * CPR % NT == 0, "tile chunks divide evenly");
     static_assert(NT / CPR * CHUNKS_PER_THREAD == TILE, "row mapping");
 
-    extern __shared__ __align__(128) uint8_t smem[];
-    uint8_t* s_kv = smem;                                       // [STAGES][K tile, V tile]
-    uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;              // [16][D] swizzled
+    uint8_t* s_kv = smem;                                           // [STAGES][K tile, V tile]
+    uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;                  // [16][D] swizzled
     int64_t* s_off = reinterpret_cast<int64_t*>(s_q + C::Q_BYTES);  // [RING][TILE]
-
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    griddep_wait();  // inputs may come from the previous kernel (PDL launch)
-    DecodeWork w = decode_work_heads(p);
-    const PagedRows rr = decode_rows(p, w.b, w.kvh);
-    const T* kc = reinterpret_cast<const T*>(p.k_cache);
-    const T* vc = reinterpret_cast<const T*>(p.v_cache);
 
     // Everything that depends on no other load is issued at once: the query
-    // rows, seq_lens[b] and the block-table entries of the first STAGES + 1
+    // rows, the length and the block-table entries of the first STAGES + 1
     // tiles (tile positions do not depend on the length; see DecodeWork).
     constexpr int Q_CHUNKS = (16 * CPR + NT - 1) / NT;
     uint4 qv[Q_CHUNKS];
-    {
-        // Row r is new token r / nh, head qh0 + r % nh.
-        const T* qb = reinterpret_cast<const T*>(p.q) + (int64_t)w.b * w.qlen * p.q_batch_stride;
 #pragma unroll
-        for (int k = 0; k < Q_CHUNKS; ++k) {
-            const int i = tid + k * NT;
-            const int r = i / CPR, c = i % CPR;
-            qv[k] = make_uint4(0, 0, 0, 0);
-            if (i < 16 * CPR && r < w.rows) {
-                const int t = r / w.nh;
-                qv[k] = *reinterpret_cast<const uint4*>(qb + (int64_t)t * p.q_batch_stride +
-                                                        (int64_t)(w.qh0 + r - t * w.nh) * p.q_head_stride + c * 8);
-            }
+    for (int k = 0; k < Q_CHUNKS; ++k) {
+        // Row r is new token r / nh, head qh0 + r % nh.
+        const int i = tid + k * NT;
+        const int r = i / CPR, c = i % CPR;
+        qv[k] = make_uint4(0, 0, 0, 0);
+        if (i < 16 * CPR && r < w.rows) {
+            const int t = r / w.nh;
+            qv[k] = *reinterpret_cast<const uint4*>(qp + qrow(t, w.qh0 + r - t * w.nh) + c * 8);
         }
     }
-    const int seq_len = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
+    const int2 len = load_len();
     int pblk[STAGES + 1], poff[STAGES + 1];
 #pragma unroll
     for (int j = 0; j <= STAGES; ++j) {
@@ -196,12 +212,12 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         poff[j] = 0;
         if (tid < TILE) pblk[j] = rr.load_block(w.tile_start(j) + tid, poff[j]);
     }
-    decode_work_len(w, seq_len);
+    w.set_len(len.x, len.y);
     if (tid < TILE) {
 #pragma unroll
         for (int j = 0; j < STAGES; ++j)
             s_off[j * TILE + tid] =
-                (j < w.n_tiles && w.tile_start(j) + tid < w.L) ? rr.offset(pblk[j], poff[j]) : -1;
+                (j < w.n_tiles && w.tile_start(j) + tid < w.end) ? rr.offset(pblk[j], poff[j]) : -1;
     }
     // Table entry of tile STAGES, stored at the end of iteration 0.
     int cblk = pblk[STAGES], coff = poff[STAGES];
@@ -239,7 +255,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         cp_async_commit();
     }
 
-    const float sl = p.scale * kLog2e;
+    const float sl = scale * kLog2e;
     SoftmaxState row_st[2];  // rows g and g+8; l: this thread's partial sums
     row_st[0].init();
     row_st[1].init();
@@ -277,7 +293,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         const uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
         const uint32_t sv = sk + C::KV_TILE_BYTES;
 
-        // S = Q K^T: 16 heads x 16 tokens (two n-tiles of 8 tokens).
+        // S = Q K^T: 16 rows x 16 tokens (two n-tiles of 8 tokens).
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -335,7 +351,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
         pa[1] = pack2<T>(s[0][2], s[0][3]);
         pa[2] = pack2<T>(s[1][0], s[1][1]);
         pa[3] = pack2<T>(s[1][2], s[1][3]);
-        // O += P V: 16 heads x D.
+        // O += P V: 16 rows x D.
 #pragma unroll
         for (int c = 0; c < CPR; c += 2) {
             uint32_t bv[4];
@@ -347,11 +363,11 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
 
         const int jt = j + STAGES;
         if (tid < TILE && jt < w.n_tiles)
-            s_off[(jt % RING) * TILE + tid] = w.tile_start(jt) + tid < w.L ? rr.offset(cblk, coff) : -1;
+            s_off[(jt % RING) * TILE + tid] = w.tile_start(jt) + tid < w.end ? rr.offset(cblk, coff) : -1;
         cblk = nblk;
         coff = noff;
     }
-    griddep_launch_dependents();  // the combine (PDL launch) may start its blocks
+    if (SIGNAL) griddep_launch_dependents();  // the combine (PDL launch) may start its blocks
 
     // Merge the 4 warps' states through shared memory (the pipeline is drained).
     cp_async_wait<0>();
@@ -403,8 +419,33 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
             }
         }
         const int t = r / w.nh;
-        decode_store<T, 8>(p, w, t, w.qh0 + r - t * w.nh, d0, o, SoftmaxState{M, L}, D);
+        store(t, w.qh0 + r - t * w.nh, d0, o, SoftmaxState{M, L});
     }
+    __syncthreads();  // the caller may reuse the shared memory
+}
+
+// ---- f16 / bf16: the decode kernel ---------------------------------------------
+template <typename T, int D>
+__device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    griddep_wait();  // inputs may come from the previous kernel (PDL launch)
+    DecodeWork w = decode_work_heads(p);
+    const int64_t q0 = decode_first_row(p, w.b, w.qlen);
+    if (q0 < 0) return;
+    const PagedRows rr = decode_rows(p, w.b, w.kvh);
+    const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+    decode_tile<T, D, DecodeStages<D>::value, true>(
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
+        reinterpret_cast<const T*>(p.v_cache), p.scale,
+        [&](int t, int qh) { return (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
+        [&] {
+            const int L = lens[w.b];
+            return make_int2(L, L);
+        },
+        [&](int t, int qh, int d0, float(&o)[8], const SoftmaxState& st) {
+            decode_store<T, 8>(p, w, q0, t, qh, d0, o, st, D);
+        },
+        smem);
 }
 
 template <typename T, int D>

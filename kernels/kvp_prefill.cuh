@@ -28,7 +28,8 @@ namespace kvp {
 // One block of KVP_PREFILL_PLAN_THREADS threads: per-thread tile counts over
 // a contiguous run of sequences, a block-wide exclusive scan, then each thread
 // writes its sequences' items (last row tile first: it sees the most K/V, so
-// the strided grid starts on the long items). Lengths are clamped so that a
+// the strided grid starts on the long items; with skip_decode, none for a
+// sequence of one new token). Lengths are clamped so that a
 // device array that disagrees with what the host planned cannot make the
 // attention kernel write outside out (rows < total_q) or the item list.
 __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
@@ -47,6 +48,7 @@ __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
         const int q_end = min(max(cu[b + 1], q_start), p.total_q);
         q_len = q_end - q_start;
         kv_len = max(kl[b], q_len);  // rows never sit before position 0
+        if (p.skip_decode && q_len == 1) return 0;  // the decode launch's row
         return (int)(((int64_t)q_len * p.group + TQ - 1) / TQ);
     };
     int count = 0;

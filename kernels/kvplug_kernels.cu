@@ -18,7 +18,8 @@ KVP_OFF(kvp_kv_write_params, key_token_stride, 40);
 KVP_OFF(kvp_kv_write_params, cache_head_stride, 88);
 KVP_OFF(kvp_kv_write_params, num_tokens, 96);
 KVP_OFF(kvp_kv_write_params, num_blocks, 108);
-static_assert(sizeof(kvp_decode_params) == 168, "kvp_decode_params size");
+static_assert(sizeof(kvp_decode_params) == 176, "kvp_decode_params size");
+KVP_OFF(kvp_decode_params, q_indptr, 168);
 KVP_OFF(kvp_decode_params, q_len, 160);
 KVP_OFF(kvp_decode_params, workspace, 56);
 KVP_OFF(kvp_decode_params, q_batch_stride, 64);
@@ -36,7 +37,8 @@ KVP_OFF(kvp_merge_params, out_lse_head_stride, 200);
 KVP_OFF(kvp_merge_params, num_states, 208);
 KVP_OFF(kvp_merge_params, reserved, 220);
 
-static_assert(sizeof(kvp_prefill_plan_params) == 48, "kvp_prefill_plan_params size");
+static_assert(sizeof(kvp_prefill_plan_params) == 56, "kvp_prefill_plan_params size");
+KVP_OFF(kvp_prefill_plan_params, skip_decode, 48);
 KVP_OFF(kvp_prefill_plan_params, tile_q, 40);
 KVP_OFF(kvp_prefill_plan_params, work, 16);
 KVP_OFF(kvp_prefill_plan_params, batch, 24);
@@ -130,8 +132,8 @@ KVP_OFF(kvp_cascade_params, qrows_off, 168);
 KVP_OFF(kvp_cascade_params, scale, 184);
 KVP_OFF(kvp_cascade_params, rowseq_off, 188);
 KVP_OFF(kvp_cascade_params, max_rows, 196);
-static_assert(kvp::CascadeCfg<64>::SMEM == 67584, "cascade smem h64 (header formula)");
-static_assert(kvp::CascadeCfg<128>::SMEM == 99840, "cascade smem h128 (header formula)");
+static_assert(kvp::CascadeCfg<64>::SMEM == 70144, "cascade smem h64 (header formula)");
+static_assert(kvp::CascadeCfg<128>::SMEM == 104448, "cascade smem h128 (header formula)");
 static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header formula)");
 
 #define KVP_CASCADE_INSTANTIATE(DT, T, D)                                                      \

@@ -43,7 +43,7 @@
 
 #include <stdint.h>
 
-#define KVP_KERNELS_ABI_VERSION 2
+#define KVP_KERNELS_ABI_VERSION 3
 
 /* Threads per block for every kernel below. */
 #define KVP_KV_WRITE_THREADS 256
@@ -115,6 +115,13 @@ typedef struct kvp_kv_write_params {
  *  none is empty and contributes nothing). Results do not depend on the
  *  partition beyond rounding.
  *
+ *  Varlen rows (q_indptr != 0, q_len 1): sequence b's one new token is row
+ *  q_indptr[b] of q, out and lse; a sequence whose q_indptr[b + 1] -
+ *  q_indptr[b] is not 1, or whose row is outside [0, q_rows), is skipped
+ *  (nothing written for it), so one launch
+ *  serves the decode rows of a mixed batch whose other rows another kernel
+ *  writes. The split partials stay indexed by b.
+ *
  *  Workspace (float32, 16-byte aligned, needed only when num_splits > 1;
  *  rows = batch * q_len):
  *      part_out [num_splits][rows][num_q_heads][head_dim]  at float offset 0
@@ -143,7 +150,7 @@ typedef struct kvp_kv_write_params {
  *          120 block_table_stride, 128 batch, 132 num_q_heads,
  *          136 num_kv_heads, 140 block_size, 144 num_blocks,
  *          148 max_blocks_per_seq, 152 num_splits, 156 scale, 160 q_len,
- *          164 reserved; size 168.
+ *          164 q_rows, 168 q_indptr; size 176.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_decode_params {
     uint64_t q;
@@ -171,7 +178,8 @@ typedef struct kvp_decode_params {
     int32_t num_splits;
     float scale; /* softmax scale, usually 1/sqrt(head_dim) */
     int32_t q_len; /* new tokens per sequence, 1..16 (0: 1) */
-    int32_t reserved;
+    int32_t q_rows; /* with q_indptr: rows of q/out (a row at or past it is skipped); else 0 */
+    uint64_t q_indptr; /* int32 [batch + 1] or 0; with q_len 1 only (see above) */
 } kvp_decode_params;
 
 /* Most new tokens per sequence of the decode kernel. */
@@ -281,7 +289,8 @@ typedef struct kvp_merge_params {
  *  list); dynamic smem kvp_prefill_smem_bytes(dt, D); values above 48 KiB
  *  need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
  * plan offsets: 0 qo_indptr, 8 kv_lens, 16 work, 24 batch, 28 group,
- *          32 total_q, 36 max_items, 40 tile_q, 44 num_splits; size 48.
+ *          32 total_q, 36 max_items, 40 tile_q, 44 num_splits,
+ *          48 skip_decode, 52 reserved; size 56.
  * run offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 out, 40 lse,
  *          48 work, 56 q_token_stride, 64 q_head_stride, 72 out_token_stride,
  *          80 out_head_stride, 88 cache_block_stride, 96 cache_token_stride,
@@ -308,6 +317,8 @@ typedef struct kvp_prefill_plan_params {
     int32_t max_items;
     int32_t tile_q;     /* kvp_prefill_tile_q of the run kernel */
     int32_t num_splits; /* >= 1: items per row tile */
+    int32_t skip_decode; /* 1: no items for sequences of one new token (a decode launch serves them) */
+    int32_t reserved;    /* 0 */
 } kvp_prefill_plan_params;
 
 typedef struct kvp_prefill_params {
@@ -469,13 +480,18 @@ typedef struct kvp_cascade_params {
  * items: KVP_CASCADE_TAIL_TILE_Q). */
 static inline int32_t kvp_cascade_tile_q(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
-/* Dynamic shared memory of kvp_cascade_<dt>_h<D> (16-bit types only):
+/* Dynamic shared memory of kvp_cascade_<dt>_h<D> (16-bit types only): the
+ * larger of a shared item's tile,
  *   tile_q * D * 2 + stages(D) * 64 * D * 4 + (stages(D) + 1) * 64 * 8,
- *   stages(64) = 3, else 2: h64: 67584, h128: 99840, h256: 165376 */
+ *   stages(64) = 3, else 2,
+ * and a decode tail's 16-row tile (kvp_decode_smem_bytes(2, D)):
+ *   h64: 70144, h128: 104448, h256: 165376 */
 static inline uint32_t kvp_cascade_smem_bytes(int head_dim) {
     uint32_t stages = head_dim <= 64 ? 3u : 2u;
-    return (uint32_t)kvp_cascade_tile_q(head_dim) * (uint32_t)head_dim * 2u + stages * 64u * (uint32_t)head_dim * 4u +
-           (stages + 1u) * 64u * 8u;
+    uint32_t tile = (uint32_t)kvp_cascade_tile_q(head_dim) * (uint32_t)head_dim * 2u +
+                    stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
+    uint32_t tail = kvp_decode_smem_bytes(2, head_dim);
+    return tile > tail ? tile : tail;
 }
 
 /* ------------------------------------------------------------------------

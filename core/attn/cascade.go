@@ -69,7 +69,8 @@ var cascadeKernels = func() (t [2][len(headDims)][2]*cuda.Kernel) {
 	return t
 }()
 
-// cascadeSharedBytes is kvp_cascade_smem_bytes.
+// cascadeSharedBytes is kvp_cascade_smem_bytes: the larger of a shared
+// item's tile and a decode tail's 16-row decode tile.
 func cascadeSharedBytes(headDim int) uint32 {
 	stages := uint32(2)
 	if headDim <= 64 {
@@ -80,7 +81,7 @@ func cascadeSharedBytes(headDim int) uint32 {
 	if headDim > 128 {
 		tq = 64
 	}
-	return tq*D*2 + stages*64*D*4 + (stages+1)*64*8
+	return max(tq*D*2+stages*64*D*4+(stages+1)*64*8, decodeSharedBytes(F16, headDim))
 }
 
 // cascadeBlocksPerSM is how many attention blocks an SM holds at once (as

@@ -251,6 +251,14 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 			splits = int(max(1, min(int64(splits), fit)))
 		}
 	}
+	return a.launch(m, splits, 0, 0, stream)
+}
+
+// launch runs the decode kernel (and with splits > 1 the combine) of a
+// checked a on stream. qIndptr != 0 (q_len 1): sequence b's row of q and
+// out is qIndptr[b] (below qRows), and sequences of another query count are
+// skipped.
+func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.DevicePtr, qRows int, stream cuda.Stream) error {
 	group := a.NumQHeads / a.NumKVHeads
 	p := decodeParams{
 		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache),
@@ -263,6 +271,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		Batch:            int32(a.Batch), NumQHeads: int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
 		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
 		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim), QLen: int32(a.qLen()),
+		QIndptr: uint64(qIndptr), QRows: int32(qRows),
 	}
 	ks := kernelsFor(a.DType, a.HeadDim)
 	cfg := cuda.LaunchConfig{

@@ -69,7 +69,8 @@ type decodeParams struct {
 	NumSplits        int32   `c:"num_splits"`
 	Scale            float32 `c:"scale"`
 	QLen             int32   `c:"q_len"`
-	Reserved         int32   `c:"reserved"`
+	QRows            int32   `c:"q_rows"`
+	QIndptr          uint64  `c:"q_indptr"`
 }
 
 // kvp_merge_params

@@ -18,9 +18,9 @@ type layoutCase struct {
 
 var layoutCases = []layoutCase{
 	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 112},
-	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 168},
+	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 176},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 224},
-	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 48},
+	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 56},
 	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 176},
 }
 
@@ -64,6 +64,9 @@ func TestParamsLayout(t *testing.T) {
 			fmt.Fprintf(&src, "  printf(\"%s %%u\\n\", kvp_prefill_smem_bytes(%d, %d));\n", key, dt.Size(), d)
 			want[key] = uintptr(prefillSharedBytes(dt, d))
 		}
+		key := fmt.Sprintf("cascade_smem.%d", d)
+		fmt.Fprintf(&src, "  printf(\"%s %%u\\n\", kvp_cascade_smem_bytes(%d));\n", key, d)
+		want[key] = uintptr(cascadeSharedBytes(d))
 	}
 	src.WriteString("  return 0;\n}\n")
 	dir := t.TempDir()

@@ -70,15 +70,17 @@ const (
 
 // kvp_prefill_plan_params
 type prefillPlanParams struct {
-	QOIndptr  uint64 `c:"qo_indptr"`
-	KVLens    uint64 `c:"kv_lens"`
-	Work      uint64 `c:"work"`
-	Batch     int32  `c:"batch"`
-	Group     int32  `c:"group"`
-	TotalQ    int32  `c:"total_q"`
-	MaxItems  int32  `c:"max_items"`
-	TileQ     int32  `c:"tile_q"`
-	NumSplits int32  `c:"num_splits"`
+	QOIndptr   uint64 `c:"qo_indptr"`
+	KVLens     uint64 `c:"kv_lens"`
+	Work       uint64 `c:"work"`
+	Batch      int32  `c:"batch"`
+	Group      int32  `c:"group"`
+	TotalQ     int32  `c:"total_q"`
+	MaxItems   int32  `c:"max_items"`
+	TileQ      int32  `c:"tile_q"`
+	NumSplits  int32  `c:"num_splits"`
+	SkipDecode int32  `c:"skip_decode"`
+	Reserved   int32  `c:"reserved"`
 }
 
 // kvp_prefill_params
@@ -220,6 +222,10 @@ type batchStats struct {
 	totalQ, maxQLen, maxKVLen int
 	items                     int64 // in tiles of prefillTileQ
 	itemsSM90                 int64 // in the Hopper kernel's tiles of prefillSM90TileQ
+	// The sequences of one new token (decode rows), their longest kv_len,
+	// and the items of the others.
+	decodeSeqs, decodeMaxKV  int
+	longItems, longItemsSM90 int64
 }
 
 // checkBatch validates the host copies of qo_indptr ([batch+1], from 0,
@@ -250,8 +256,17 @@ func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchSt
 		}
 		st.maxQLen = max(st.maxQLen, int(qLen))
 		st.maxKVLen = max(st.maxKVLen, int(kv))
-		st.items += (qLen*group + tile - 1) / tile
-		st.itemsSM90 += (qLen*group + prefillSM90TileQ - 1) / prefillSM90TileQ
+		items := (qLen*group + tile - 1) / tile
+		itemsSM90 := (qLen*group + prefillSM90TileQ - 1) / prefillSM90TileQ
+		st.items += items
+		st.itemsSM90 += itemsSM90
+		if qLen == 1 {
+			st.decodeSeqs++
+			st.decodeMaxKV = max(st.decodeMaxKV, int(kv))
+		} else {
+			st.longItems += items
+			st.longItemsSM90 += itemsSM90
+		}
 	}
 	st.totalQ = int(qoIndptr[batch])
 	if int64(st.totalQ)*int64(s.NumQHeads) > math.MaxInt32 {
@@ -344,6 +359,11 @@ type PrefillPlan struct {
 	Workspace                        cuda.DevicePtr
 	WorkspaceBytes                   int64
 	KVLens                           cuda.DevicePtr
+	// Decode rows of a mixed batch (prefill route): DecodeSeqs > 0 sequences
+	// of one new token that the work list leaves out and a decode launch of
+	// DecodeSplits splits serves, its rows found through QOIndptr (device).
+	DecodeSeqs, DecodeSplits int
+	QOIndptr                 cuda.DevicePtr
 }
 
 // PlanPrefill plans a batch on stream: checks, route, and for the prefill
@@ -411,13 +431,19 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	p.Grid = sms * prefillBlocksPerSM(a.DType, a.HeadDim)
 	tileQ := prefillTileQ(a.DType, a.HeadDim)
+	// Mixed batches: the decode kernel takes the one-token rows, whose
+	// sequences would otherwise each fill a whole row tile with one group.
+	mixed := st.decodeSeqs > 0 && a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
+	if mixed {
+		st.items, st.itemsSM90 = st.longItems, st.longItemsSM90
+	}
 	if p.Mainloop = prefillMainloop(m.Device(), a.DType, a.HeadDim, a.Flags); p.Mainloop == MainloopSM90 {
 		// One block per SM fits; items of 128 rows are fewer than the
 		// workspace (sized for 64-row items) holds.
 		p.Grid, tileQ = sms, prefillSM90TileQ
 		st.items = st.itemsSM90
-		p.NumItems = int(st.items)
 	}
+	p.NumItems = int(st.items)
 	if batch == 0 {
 		return p, nil
 	}
@@ -425,16 +451,39 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		p.NumSplits = prefillSplits(p.Grid, st.items, a.NumKVHeads, st.maxKVLen, st.totalQ, a.NumQHeads, a.HeadDim, a.DType.Size(), a.WorkspaceBytes)
 		p.NumItems = int(st.items) * p.NumSplits
 	}
+	if mixed {
+		p.DecodeSeqs, p.QOIndptr = st.decodeSeqs, a.QOIndptrDev
+		p.DecodeSplits = 1
+		if a.Flags&PrefillNoSplitKV == 0 {
+			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1)
+			fit := (a.WorkspaceBytes - p.decodePartsOffset()) / workspaceBytes(batch, a.NumQHeads, a.HeadDim, 1)
+			p.DecodeSplits = int(max(1, min(int64(s), fit)))
+		}
+	}
 	pp := prefillPlanParams{
 		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
 		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
 		MaxItems: int32(p.NumItems), TileQ: int32(tileQ), NumSplits: int32(p.NumSplits),
+	}
+	if mixed {
+		pp.SkipDecode = 1
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
 		return PrefillPlan{}, err
 	}
 	return p, nil
+}
+
+// decodePartsOffset is where the split partials of a mixed batch's decode
+// launch start in the workspace: after the work list and the prefill
+// kernel's split partials, 256-byte aligned.
+func (p *PrefillPlan) decodePartsOffset() int64 {
+	end := workBytes(int64(p.NumItems))
+	if p.NumSplits > 1 {
+		end = splitOffset(int64(p.NumItems)) + splitBytes(p.NumSplits, p.TotalQ, p.NumQHeads, p.HeadDim, p.DType.Size())
+	}
+	return (end + 255) &^ 255
 }
 
 // PrefillLayout is the per-layer shape of a run: strides of q and out
@@ -474,6 +523,8 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 		inRange(what+": plan grid", p.Grid, 0, 1<<20),
 		inRange(what+": plan num_splits", p.NumSplits, 1, MaxSplits),
 		inRange(what+": plan mainloop", p.Mainloop, MainloopOfDevice, MainloopSM90),
+		inRange(what+": plan decode rows", p.DecodeSeqs, 0, p.Batch),
+		inRange(what+": plan decode splits", p.DecodeSplits, 0, MaxSplits),
 		inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1),
 		inRange(what+": block_size", l.BlockSize, 1, 1<<20),
 		inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30),
@@ -586,8 +637,14 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	m, err := module(what)
-	if err != nil || p.NumItems == 0 {
+	if err != nil {
 		return err
+	}
+	if p.NumItems == 0 {
+		if p.DecodeSeqs == 0 {
+			return nil
+		}
+		return p.runDecodeRows(m, a, stream)
 	}
 	pp := prefillParams{
 		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache), BlockTable: uint64(a.BlockTable),
@@ -624,9 +681,24 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		cfg.Block.X, cfg.Shared = prefillSM90Threads, prefillSM90SharedBytes(p.DType, p.HeadDim)
 		kernel = kernelsFor(p.DType, p.HeadDim).prefillSM90
 	}
-	if err := cuda.Launch(m, kernel, cfg, stream, &pp); err != nil || S == 1 {
+	if err := cuda.Launch(m, kernel, cfg, stream, &pp); err != nil {
 		return err
 	}
+	if S > 1 {
+		if err := p.mergeSplits(m, a, &pp, stream); err != nil {
+			return err
+		}
+	}
+	if p.DecodeSeqs == 0 {
+		return nil
+	}
+	return p.runDecodeRows(m, a, stream)
+}
+
+// mergeSplits merges the prefill kernel's split partials into out and lse.
+func (p *PrefillPlan) mergeSplits(m *cuda.Module, a *PagedPrefillArgs, pp *prefillParams, stream cuda.Stream) error {
+	S := p.NumSplits
+	rows := int64(p.TotalQ) * int64(p.NumQHeads)
 	// The splits' partial states are merged into out and lse.
 	mp := mergeParams{
 		Out: uint64(a.Out), OutLSE: uint64(a.LSE),
@@ -647,19 +719,28 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	return cuda.Launch(m, kernelsFor(p.DType, p.HeadDim).merge, mcfg, stream, &mp)
 }
 
-// decodeRoutes reports whether a batch whose every sequence brings qLen new
-// tokens runs on the decode kernel: at most 16 rows of (new token, q head)
-// per kv head, so that one block takes a kv head's whole group and reads
-// each K/V tile once (more rows split the group over blocks that each read
-// it; the prefill kernel's tiles hold them all).
-func decodeRoutes(qLen, group int) bool {
-	return qLen >= 1 && (qLen == 1 || qLen*group <= decodeHeadsPerBlock)
+// runDecodeRows runs the decode kernel over a mixed batch's one-token
+// sequences (the others' blocks exit at once): sequence b's row of q and
+// out is qo_indptr[b].
+func (p *PrefillPlan) runDecodeRows(m *cuda.Module, a *PagedPrefillArgs, stream cuda.Stream) error {
+	d := p.decodeArgs(a)
+	d.QLen = 1
+	if p.DecodeSplits > 1 {
+		d.Workspace = p.Workspace + cuda.DevicePtr(p.decodePartsOffset())
+		d.WorkspaceBytes = p.WorkspaceBytes - p.decodePartsOffset()
+		if err := d.checkWorkspace(p.DecodeSplits); err != nil {
+			return err
+		}
+	}
+	if p.QOIndptr == 0 {
+		return kverr.Errorf(kverr.NullPointer, "paged_prefill: the plan's decode rows have no qo_indptr")
+	}
+	return d.launch(m, p.DecodeSplits, p.QOIndptr, p.TotalQ, stream)
 }
 
-// runDecode runs a plan of uniform short queries through the decode
-// kernel: rows [b*q_len, (b+1)*q_len) of q are sequence b's.
-func (p *PrefillPlan) runDecode(a *PagedPrefillArgs, stream cuda.Stream) error {
-	d := PagedDecodeArgs{
+// decodeArgs is a decode launch over the plan's batch and a's tensors.
+func (p *PrefillPlan) decodeArgs(a *PagedPrefillArgs) PagedDecodeArgs {
+	return PagedDecodeArgs{
 		DecodeLayout: DecodeLayout{
 			DType: p.DType, HeadDim: p.HeadDim, Batch: p.Batch, NumQHeads: p.NumQHeads, NumKVHeads: p.NumKVHeads,
 			QLen:         p.MaxQLen,
@@ -673,6 +754,21 @@ func (p *PrefillPlan) runDecode(a *PagedPrefillArgs, stream cuda.Stream) error {
 		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen,
 	}
+}
+
+// decodeRoutes reports whether a batch whose every sequence brings qLen new
+// tokens runs on the decode kernel: at most 16 rows of (new token, q head)
+// per kv head, so that one block takes a kv head's whole group and reads
+// each K/V tile once (more rows split the group over blocks that each read
+// it; the prefill kernel's tiles hold them all).
+func decodeRoutes(qLen, group int) bool {
+	return qLen >= 1 && (qLen == 1 || qLen*group <= decodeHeadsPerBlock)
+}
+
+// runDecode runs a plan of uniform short queries through the decode
+// kernel: rows [b*q_len, (b+1)*q_len) of q are sequence b's.
+func (p *PrefillPlan) runDecode(a *PagedPrefillArgs, stream cuda.Stream) error {
+	d := p.decodeArgs(a)
 	if d.Batch == 0 {
 		return nil
 	}

@@ -119,6 +119,21 @@ def test_cascade_matches_reference(dtype, levels, tail, bs):
     assert plan.route == cascade.ROUTE_CASCADE and plan.saved_tokens > 0
 
 
+@pytest.mark.parametrize("qh,kvh,D,bs,tail", [
+    (8, 8, 64, 1, 300),      # no GQA, token mode
+    (16, 2, 256, 64, 700),   # group 8, head_dim 256
+    (32, 8, 128, 256, 900),  # block size 256: tails inside one block
+    (64, 4, 128, 16, 200),   # group 16: a tail fills the 16-row tile
+    (32, 1, 64, 16, 150),    # group 32: tails on the 64-row tile
+])
+def test_cascade_decode_tails(qh, kvh, D, bs, tail):
+    """Decode tails of at most 16 packed rows run the decode kernel's tile
+    inside the cascade kernel; longer ones the 64-row tile."""
+    gen = torch.Generator().manual_seed(qh * 100 + D + bs)
+    plan = run_case(gen, torch.bfloat16, [(12, 20), (4, 9)], tail, bs, qh=qh, kvh=kvh, D=D)
+    assert plan.route == cascade.ROUTE_CASCADE
+
+
 def test_no_sharing_cascade_and_decode_routes():
     gen = torch.Generator().manual_seed(5)
     plan = run_case(gen, torch.float16, [], 2000, 16)  # forced cascade route over tails only
@@ -304,6 +319,8 @@ def run_prefill_case(gen, dtype, B, depth, max_run, tail_max, max_q, bs, qh, kvh
     (20, 3, 16, 300, 300, 16, 32, 8, 128),    # deeper tree, decode rows mixed
     (10, 2, 200, 120, 120, 1, 8, 8, 64),      # token mode, no GQA
     (8, 2, 5, 600, 500, 64, 8, 1, 256),       # large blocks, group 8, head_dim 256
+    (16, 2, 64, 400, 4, 16, 32, 8, 128),      # draft tokens: tails of up to 16 rows on the decode tile
+    (12, 2, 40, 300, 2, 256, 16, 2, 256),     # 1-2 tokens x group 8
 ])
 def test_cascade_prefill_matches_reference(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D):
     gen = torch.Generator().manual_seed(hash((str(dtype), B, depth, bs, D)) & 0xFFFF)

@@ -172,12 +172,55 @@ def test_prefill(dtype, D, bs, group):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mixed_batch(dtype):
-    # 3 prefill chunks over cached prefixes + 12 decodes, one launch.
+    # 3 prefill chunks over cached prefixes + 12 decodes: the decode rows go
+    # to a decode launch; with decode_route=False the prefill kernel takes
+    # them all, and both agree with the reference.
     gen = torch.Generator().manual_seed(7)
     kv = [700, 130, 64] + [int(x) for x in torch.randint(1, 900, (12,), generator=gen)]
     q = [200, 130, 17] + [1] * 12
     b = Batch(gen, dtype, 128, 32, 8, 16, kv, q)
-    b.check(b.plan())
+    plan = b.plan()
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 12, plan
+    out, _ = b.check(plan)
+    whole = b.plan(decode_route=False)
+    assert whole.decode_rows == 0, whole
+    out1, _ = b.check(whole)
+    assert rel_err(out, out1.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("D,group,bs", [(64, 1, 1), (128, 4, 16), (256, 8, 64), (128, 32, 16)])
+def test_mixed_batch_decode_rows(D, group, bs):
+    # Decode rows interleaved with chunks, sequences with no new token, and a
+    # decode row at the end of a block; few decode rows over long contexts
+    # split their launch.
+    gen = torch.Generator().manual_seed(70 + D + group + bs)
+    kv = [2900, 40, 3000, 16 * bs, 700, 5, 2500]
+    q = [1, 40, 1, 1, 0, 5, 1]
+    b = Batch(gen, torch.bfloat16, D, 2 * group if group < 32 else 32, 2 if group < 32 else 1, bs, kv, q)
+    plan = b.plan()
+    assert plan.decode_rows == 4, plan
+    if group < 32:
+        assert plan.decode_splits > 1, plan
+    b.check(plan)
+    b.check(b.plan(split_kv=False))
+
+
+def test_mixed_batch_only_decode_rows_and_empty():
+    # One-token rows beside sequences with no new token: not a uniform batch,
+    # so the prefill route, with no prefill items at all.
+    gen = torch.Generator().manual_seed(71)
+    b = Batch(gen, torch.float16, 128, 8, 2, 16, [300, 50, 900, 20], [1, 0, 1, 0])
+    plan = b.plan()
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 2, plan
+    b.check(plan)
+
+
+def test_mixed_batch_window_keeps_prefill_kernel():
+    gen = torch.Generator().manual_seed(72)
+    b = Batch(gen, torch.float16, 128, 8, 2, 16, [500, 90], [300, 1], window=40)
+    plan = b.plan()
+    assert plan.decode_rows == 0, plan
+    b.check(plan)
 
 
 def test_long_chunk_over_prefix():

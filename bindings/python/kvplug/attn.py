@@ -332,12 +332,23 @@ class PrefillPlan(_t.Plan):
         """The prefill route's kernel: MAINLOOP_SM80 or MAINLOOP_SM90 (Hopper)."""
         return int(self._c.reserved[0])
 
+    @property
+    def decode_rows(self) -> int:
+        """Sequences of one new token in a mixed batch that the prefill route
+        leaves to a decode launch (0: the prefill kernel takes every row)."""
+        return int(self._c.reserved[1] & 0xFFFFFFFF)
+
+    @property
+    def decode_splits(self) -> int:
+        """Splits of that decode launch."""
+        return int(self._c.reserved[1] >> 32)
+
     def __repr__(self) -> str:
         c = self._c
         route = {ROUTE_PREFILL: "prefill", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
         return (f"PrefillPlan(route={route}, batch={c.batch}, total_q={c.total_q}, max_q_len={c.max_q_len}, "
                 f"max_kv_len={c.max_kv_len}, items={c.num_items}, grid={c.grid}, splits={c.num_splits}, "
-                f"mainloop={'sm90' if self.mainloop == MAINLOOP_SM90 else 'sm80'})")
+                f"mainloop={'sm90' if self.mainloop == MAINLOOP_SM90 else 'sm80'}, decode_rows={self.decode_rows})")
 
 
 def prefill_plan(
@@ -363,7 +374,9 @@ def prefill_plan(
     synchronises). workspace: a CUDA tensor of prefill_workspace_size bytes.
     window_left: -1 (no window) or w >= 0, each row sees tokens
     [pos - w, pos] (the C field window_size is w + 1).
-    decode_route=False keeps one-token batches on the prefill kernel;
+    decode_route=False keeps one-token batches, and the one-token rows of
+    mixed batches (which otherwise go to a decode launch), on the prefill
+    kernel;
     split_kv=False keeps every plan at one split (both: one captured graph
     serves any batch composition). hopper=False keeps a Hopper GPU on the
     sm_80 kernel (plan.mainloop says which one a plan runs)."""
