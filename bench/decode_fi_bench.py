@@ -11,7 +11,14 @@ before the decode kernel took several tokens. Timing: triton's do_bench
 (median; it rewrites a 256 MB buffer before every call, so L2 is cold);
 random inputs; blocks in shuffled order; outputs compared with FlashInfer's.
 
-Usage: python3 bench/decode_fi_bench.py [--dtype bf16|fp16] [--spec B:L:Q,...] [--no-fa3] [--json FILE]
+Mixed batches (--mixed N:L:C:P,...: N decode rows over L cached tokens each
+beside one prompt chunk of C new tokens over P cached, a serving loop's
+step with chunked prefill): kvplug's plan (the decode rows on a decode
+launch, the chunk on the prefill kernel), the same batch with
+decode_route=False (every row on the prefill kernel), and FlashInfer's
+prefill wrapper (fa2, fa3) over the whole batch.
+
+Usage: python3 bench/decode_fi_bench.py [--dtype bf16|fp16] [--spec B:L:Q,...] [--mixed N:L:C:P,...] [--no-fa3] [--json FILE]
 Prints markdown tables.
 """
 
@@ -80,6 +87,47 @@ class Batch:
         return lambda: w.run(self.q, (self.k, self.v), out=out), out
 
 
+class MixedBatch(Batch):
+    """n decode rows over L tokens each, then one chunk of c new tokens over
+    p cached (its kv_len p + c)."""
+
+    def __init__(self, dtype, n, L, c, p, gen):
+        lens, qls = [L] * n + [p + c], [1] * n + [c]
+        nbs = [math.ceil(x / BS) for x in lens]
+        self.B, self.L = len(lens), max(lens)
+        self.num_blocks = sum(nbs)
+        perm = torch.randperm(self.num_blocks, generator=gen, device="cuda").to(torch.int32)
+        width = max(nbs)
+        self.table = torch.zeros((self.B, width), dtype=torch.int32, device="cuda")
+        ind, o = [0], 0
+        for b, nb in enumerate(nbs):
+            self.table[b, :nb] = perm[o:o + nb]
+            o += nb
+            ind.append(o)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        self.lens_h, self.qls = lens, qls
+        self.k = torch.randn((self.num_blocks, BS, HK, D), dtype=dtype, device="cuda", generator=gen)
+        self.v = torch.randn((self.num_blocks, BS, HK, D), dtype=dtype, device="cuda", generator=gen)
+        T = sum(qls)
+        self.q = torch.randn((T, HQ, D), dtype=dtype, device="cuda", generator=gen)
+        self.kv_indptr = torch.tensor(ind, dtype=torch.int32, device="cuda")
+        self.kv_indices = perm
+        self.last = torch.tensor([(x - 1) % BS + 1 for x in lens], dtype=torch.int32, device="cuda")
+        qo = [0]
+        for x in qls:
+            qo.append(qo[-1] + x)
+        self.qo = torch.tensor(qo, dtype=torch.int32, device="cuda")
+        self.bytes = 2 * sum(lens) * HK * D * self.k.element_size()
+
+    def kvplug_plan(self, decode_route):
+        ws = torch.empty(attn.prefill_workspace_size(self.B, self.q.shape[0], HQ, HK, D), dtype=torch.uint8,
+                         device="cuda")
+        plan = attn.prefill_plan(self.qo, self.seq_lens, HQ, HK, D, self.q.dtype, ws, qo_indptr_host=self.qo.cpu(),
+                                 kv_lens_host=self.lens_h, decode_route=decode_route)
+        out = torch.empty_like(self.q)
+        return lambda: attn.paged_prefill(plan, self.q, self.k, self.v, self.table, out=out), out, plan
+
+
 def timed(fn):
     fn()
     torch.cuda.synchronize()
@@ -95,13 +143,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--spec", default="64:4096:4,64:4096:2,32:2048:4,64:4096:8")
+    ap.add_argument("--mixed", default="255:2560:512:2048,128:4096:2048:0,32:8192:128:8192,8:16384:512:0")
     ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "plain": [], "spec": []}
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "plain": [], "spec": [], "mixed": []}
     print(f"# {res['device']} {args.dtype} {res['date']}")
     if not args.no_plain:
         print("| B | L | kvplug us | FI CUDA-core us | FI tensor-core us | best FI / kvplug | GB/s kvplug | rel err |")
@@ -141,6 +190,30 @@ def main():
         res["spec"].append(dict(B=B, L=L, q_len=Q, kvplug_us=tk, kvplug_prefill_route_us=tp,
                                 **{f"fi_{x}_us": t for x, t in zip(backends, tf)}, err=err))
         print(f"| {B} | {L} | {Q} | {tk:.1f} | {tp:.1f} | " + " | ".join(f"{t:.1f}" for t in tf)
+              + f" | {min(tf) / tk:.2f} | {err:.1e} |", flush=True)
+        del b
+        torch.cuda.empty_cache()
+    if args.mixed:
+        print()
+        print("| decode rows | over L | chunk | over P | kvplug us | kvplug, all rows on the prefill kernel us | "
+              + " | ".join(f"FI {x} us" for x in backends) + " | best FI / kvplug | rel err |")
+        print("|" + " --- |" * (7 + len(backends)))
+    for spec in [s for s in args.mixed.split(",") if s]:
+        n, L, c, p = (int(x) for x in spec.split(":"))
+        b = MixedBatch(dt, n, L, c, p, gen)
+        fk, ok, plan = b.kvplug_plan(True)
+        assert plan.decode_rows == n, plan
+        tk = timed(fk)
+        fp, op, _ = b.kvplug_plan(False)
+        tp = timed(fp)
+        tf, err = [], rel(ok, op)
+        for be in backends:
+            f, o = b.fi_prefill(be)
+            tf.append(timed(f))
+            err = max(err, rel(ok, o))
+        res["mixed"].append(dict(decode_rows=n, L=L, chunk=c, prefix=p, kvplug_us=tk, kvplug_prefill_kernel_us=tp,
+                                 **{f"fi_{x}_us": t for x, t in zip(backends, tf)}, err=err))
+        print(f"| {n} | {L} | {c} | {p} | {tk:.1f} | {tp:.1f} | " + " | ".join(f"{t:.1f}" for t in tf)
               + f" | {min(tf) / tk:.2f} | {err:.1e} |", flush=True)
         del b
         torch.cuda.empty_cache()

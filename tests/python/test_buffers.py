@@ -160,3 +160,20 @@ def test_tensor_protocol_without_torch(mgr):
         mgr.describe_into([1], None, FakeTensor(np.zeros(4, np.int32)[::2]))
     with pytest.raises(ValueError, match="host buffer"):
         mgr.describe_into([1], None, FakeTensor(np.zeros(1, np.int32), device="cuda:0"))
+
+
+@pytest.mark.parametrize("form", ["list", "int64", "int32"])
+def test_host_i32_copies_converted_values(form):
+    """The plan's host arrays (qo_indptr_host, kv_lens_host): a list or an
+    int64 array is converted to int32 and copied; the converted copy must
+    still be alive when it is read, whatever the allocator does meanwhile."""
+    from kvplug import _tensors
+
+    for n in (3, 256, 5000):
+        want = list(range(7, 7 + n))
+        x = {"list": want, "int64": np.array(want, dtype=np.int64), "int32": np.array(want, dtype=np.int32)}[form]
+        for _ in range(20):
+            got = _tensors.host_i32(x, n, "kv_lens_host")
+            churn = [np.zeros(n, dtype=np.int32) for _ in range(3)]  # reuses freed blocks of this size
+            assert list(got) == want, n
+            del churn

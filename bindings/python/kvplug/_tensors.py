@@ -188,7 +188,9 @@ def host_i32(x: Any, n: int, what: str) -> Any:
             _lib.checked_int(v, "kvplug.attn: " + what, "int32")
     out = (ctypes.c_int32 * max(n, 1))()
     if n:
-        ctypes.memmove(out, np.ascontiguousarray(a, dtype=np.int32).ctypes.data, 4 * n)
+        # Named: a converted copy must outlive the memmove that reads it.
+        src = np.ascontiguousarray(a, dtype=np.int32)
+        ctypes.memmove(out, src.ctypes.data, 4 * n)
     return out
 
 
