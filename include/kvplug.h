@@ -1681,7 +1681,7 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
 #define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
 #define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
-#define KVP_CASCADE_MAX_PARTS 8       /* partial states per sequence (bounds the workspaces) */
+#define KVP_CASCADE_MAX_PARTS 16      /* partial states per sequence (bounds the workspaces) */
 #define KVP_CASCADE_PREFILL_PARTS 2   /* partial states provided per query row beyond one per sequence */
 
 typedef struct kvp_cascade_plan_args {

@@ -29,7 +29,7 @@ const (
 	// MaxParts is the most partial states one sequence's plan may have
 	// (KVP_CASCADE_MAX_PARTS): the shared nodes on its path and its tail,
 	// each counted once per KV chunk. It bounds the workspaces.
-	MaxParts = 8
+	MaxParts = 16
 	// PrefillParts is the partial states the workspaces provide for each
 	// query token beyond one per sequence: a shared level and the tail. A
 	// prefill plan that needs more (deeper trees, split tails) fits while
@@ -39,10 +39,13 @@ const (
 	ItemInts     = 8  // KVP_CASCADE_ITEM_INTS
 	SegInts      = 4  // KVP_CASCADE_SEG_INTS
 	TailTileQ    = 64 // KVP_CASCADE_TAIL_TILE_Q: packed rows per tail item
-	chunkAlign   = 64 // KV tile of the kernel: chunks are whole tiles
-	maxTokens    = 1<<31 - 1
-	maxBatchCap  = 1 << 16
-	maxRowsCap   = 1 << 24
+	// decodeTailRows: a tail of at most this many packed rows runs the
+	// decode kernel's 16-row tile (kvp_cascade.cuh).
+	decodeTailRows = 16
+	chunkAlign     = 64 // KV tile of the kernel: chunks are whole tiles
+	maxTokens      = 1<<31 - 1
+	maxBatchCap    = 1 << 16
+	maxRowsCap     = 1 << 24
 )
 
 // Header words of a plan (both workspaces).

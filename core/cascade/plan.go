@@ -94,9 +94,10 @@ type Planner struct {
 	tileQ  int32 // packed rows per shared item
 	// prefill: the batch has prefill rows (a query longer than one token, or
 	// sequences without one).
-	prefill bool
-	vbyte   int64 // bytes of one token's K and V per kv head
-	pcost   int64 // bytes of one query token's partial state per kv head (write + read)
+	prefill   bool
+	nodeChunk int64 // tokens per KV chunk of the shared runs (chunking)
+	vbyte     int64 // bytes of one token's K and V per kv head
+	pcost     int64 // bytes of one query token's partial state per kv head (write + read)
 
 	keepAll bool // tests: emit every shared run, paying or not
 }
@@ -169,7 +170,7 @@ func (p *Planner) checkInput(in *Input, l *Layout) (int, error) {
 	return int(qi[b]), nil
 }
 
-// Cost model of the route decision for decode batches, fitted to H100
+// Cost model of the route decision for decode batches, fitted to H200
 // measurements of bench/cascade_bench.py (fp16, 32 q / 8 kv heads, head_dim
 // 128, block size 16, L2 flushed; the cascade kernels and plain decode
 // timed in the same run), in microseconds per KV token of all kv heads at
@@ -179,33 +180,34 @@ func (p *Planner) checkInput(in *Input, l *Layout) (int, error) {
 //     the batch also hold mostly hit L2 (decL2 per re-read token);
 //   - the cascade pays, per token of a shared run, one item per 128-row
 //     tile of its members' packed rows (casShared per token and row tile:
-//     the tile is bound by its MMAs, not by the read), per tail token
-//     casTail (a tail item carries one sequence's group of q heads in a
-//     64-row tile of mostly padding rows: it reads its tokens more slowly
-//     than plain decode does), per sequence casSeq (its partial states
-//     written and merged, scaled by q heads x head_dim), and casFixed for
-//     the two launches' fill and drain (one wave of tail items at least).
+//     the tile is bound by its matrix products), and casSpan per 64-token
+//     tile of one shared chunk (the blocks that run a shared run's chunks
+//     are few, and each runs its chunk's tiles one after another); per tail
+//     token casTail (the decode kernel's 16-row tile: plain decode's cost,
+//     as measured within a few percent); per sequence casSeq (its partial states written and merged,
+//     scaled by q heads x head_dim); and casFixed for the two launches.
 //
-// Fitted on B=32 P=2048 S=512, B=64 P=4096 S=512, B=96 P=1024 S=512,
-// B=128 P=8192 S=256, the two-level tree and the fork case (within 10%).
-// With it the two cases where the cascade measured slower than plain
-// decode (B=32 P=2048 S=512: 94.0 vs 75.8 us; B=96 P=1024 S=512: 170.7 vs
-// 143.8) route to plain decode (predicted 86.5 vs 72.4 and 165.3 vs
-// 142.8), and the others stay on the cascade (1.9x to 3.5x faster
-// measured). Small batches route to plain decode: the fixed cost
-// dominates what little they would save.
+// Fitted on the four shared-prefix cases of issue 21 (B=32 P=2048 S=512,
+// B=64 P=4096 S=512, B=96 P=1024 S=512, B=128 P=8192 S=256), the two-level
+// tree, the fork case (residuals within 9 us) and tails alone (B=32 of 576
+// and 2560 tokens, B=128 of 256 and 2048). Every sharing case measured
+// faster on the cascade (61.5 vs 64.1 us at B=32 P=2048 up to 168 vs 695
+// at B=128 P=8192), no sharing slower (151 vs 142 and 279 vs 267), and the
+// model routes each the same way. Small batches route to plain decode: the
+// fixed cost dominates what little they would save.
 const (
 	costRefTokenBytes = 8 * 2 * 128 * 2 // the fit's bytes of one token's K and V over all kv heads
-	decHBM            = 1.45e-3
-	decL2             = 0.72e-3
-	casShared         = 1.93e-3
-	casTail           = 1.56e-3
-	casSeq            = 0.40
-	casFixed          = 44.1
+	decHBM            = 1.05e-3
+	decL2             = 0.66e-3
+	casShared         = 2.19e-3
+	casSpan           = 4.41
+	casTail           = decHBM
+	casSeq            = 0.039
+	casFixed          = 15.9
 )
 
 // decodeCost and cascadeCost are the model's microseconds for the batch
-// and for the plan's nodes (which must be grouped already).
+// and for the plan's nodes (which must be grouped and chunked already).
 func (p *Planner) decodeCost(l *Layout, total, saved int64) float64 {
 	scale := float64(int64(p.in.NumKVHeads)*p.vbyte) / costRefTokenBytes
 	return scale * (decHBM*float64(total-saved) + decL2*float64(saved))
@@ -214,15 +216,17 @@ func (p *Planner) decodeCost(l *Layout, total, saved int64) float64 {
 func (p *Planner) cascadeCost(l *Layout, total, saved int64) float64 {
 	in := p.in
 	scale := float64(int64(in.NumKVHeads)*p.vbyte) / costRefTokenBytes
-	var tiled, shared int64
+	var tiled, shared, span int64
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		tiles := (int64(nd.tCount)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
 		tiled += tiles * int64(nd.end-nd.begin)
 		shared += int64(nd.mCount) * int64(nd.end-nd.begin)
+		span = max(span, (min(int64(nd.end-nd.begin), p.nodeChunk)+chunkAlign-1)/chunkAlign)
 	}
 	heads := float64(in.NumQHeads*in.HeadDim) / (32 * 128)
-	return scale*(casShared*float64(tiled)+casTail*float64(total-shared)) + casSeq*heads*float64(len(in.SeqLens)) + casFixed
+	return scale*(casShared*float64(tiled)+casTail*float64(total-shared)) + casSpan*scale*float64(span) +
+		casSeq*heads*float64(len(in.SeqLens)) + casFixed
 }
 
 // pays decides between the cascade and the plain route. Decode batches use
@@ -315,7 +319,7 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 	}
 	sum.Batch, sum.Rows, sum.Nodes, sum.SavedTokens, sum.TotalTokens = B, rows, len(p.nodes), saved, total
 	plain := func() (Summary, error) {
-		sum.Route = RouteDecode
+		sum.Route, sum.Chunk = RouteDecode, 0
 		if p.prefill {
 			sum.Route = RoutePrefill
 		}
@@ -327,10 +331,18 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 		p.writeHeader(ws, l, &sum)
 		return sum, nil
 	}
+	// A decode batch's cost depends on the chunks (the shared runs' span).
+	need := int64(-1)
+	if !p.prefill && len(p.nodes) > 0 {
+		need = p.chunking(l, &sum)
+	}
 	if !in.NoDecodeRoute && !p.keepAll && ((p.prefill && in.PlainPrefillFaster) || !p.pays(l, rows, total, saved)) {
 		return plain()
 	}
-	if need := p.chunking(l, &sum); need > int64(l.PartCap) {
+	if need < 0 {
+		need = p.chunking(l, &sum)
+	}
+	if need > int64(l.PartCap) {
 		if in.NoDecodeRoute {
 			return Summary{}, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: the plan of %d query tokens needs %d partial states; the workspaces hold %d (size them with a larger max_tokens)", rows, need, l.PartCap)
 		}
@@ -551,11 +563,20 @@ func mismatch(a, b []int32) int32 {
 	return int32(len(a))
 }
 
-// chunking picks the tokens per KV chunk: items of about equal work, about
-// two per resident block, whole 64-token tiles, at least 256 tokens; then
-// doubles it until every query token's partial states fit MaxParts and all
-// of them the workspaces' PartCap. It returns the partial states the plan
-// needs at that chunk (above PartCap: the plan does not fit).
+// tileWeight is the time of one 64-token K/V tile of an item with `rows`
+// packed rows, in units of a decode tail's 16-row tile: the tile's matrix
+// products grow with its rows (rows / 32), while a decode tile is bound by
+// its reads. H200, one block per SM: a 128-row shared tile takes about 5 us,
+// a decode tail's about 1.3.
+func tileWeight(rows int64) int64 { return max(1, rows/32) }
+
+// chunking picks the tokens per KV chunk of the tails (sum.Chunk) and of the
+// shared runs (p.nodeChunk): items of about equal time, about two per
+// resident block, whole 64-token tiles, tails of at least 256 tokens, a
+// shared run's chunk shorter by its tiles' weight; then doubles both until
+// every query token's partial states fit MaxParts and all of them the
+// workspaces' PartCap. It returns the partial states the plan needs at that
+// chunk (above PartCap: the plan does not fit).
 func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	in := p.in
 	slots := int64(in.Slots)
@@ -563,15 +584,19 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		slots = DefaultSlots
 	}
 	g := int64(l.Group)
-	var work int64 // KV tokens read per kv head, weighted by row tiles
+	var work int64 // KV tokens read per kv head, weighted by row tiles and their weight
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
-		work += tiles * int64(nd.end-nd.begin)
+		work += tiles * tileWeight(int64(l.TileQ)) * int64(nd.end-nd.begin)
 	}
 	for s, n := range in.SeqLens {
-		tiles := max(1, (int64(p.qlen[s])*g+TailTileQ-1)/TailTileQ)
-		work += tiles * int64(n-p.tail[s])
+		rows := int64(p.qlen[s]) * g
+		tiles, w := int64(1), int64(1)
+		if rows > decodeTailRows {
+			tiles, w = (rows+TailTileQ-1)/TailTileQ, tileWeight(TailTileQ)
+		}
+		work += tiles * w * int64(n-p.tail[s])
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
 	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
@@ -581,9 +606,10 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 			p.nseg[s] = 0
 		}
 		parts = 0
+		p.nodeChunk = max(chunkAlign, (ch/tileWeight(int64(l.TileQ))+chunkAlign-1)/chunkAlign*chunkAlign)
 		for i := range p.nodes {
 			nd := &p.nodes[i]
-			nd.chunks = int32((int64(nd.end-nd.begin) + ch - 1) / ch)
+			nd.chunks = int32((int64(nd.end-nd.begin) + p.nodeChunk - 1) / p.nodeChunk)
 			parts += int64(nd.chunks) * int64(nd.tCount)
 			for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
 				p.nseg[s] += nd.chunks
@@ -636,13 +662,14 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	}
 	tq := int32(l.TileQ)
 	g := int32(l.Group)
+	nch := int32(p.nodeChunk)
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		nd.partBase = parts
 		tiles := (nd.tCount*g + tq - 1) / tq
 		for c := int32(0); c < nd.chunks; c++ {
-			kb := nd.begin + c*ch
-			ke := min(nd.end, kb+ch)
+			kb := nd.begin + c*nch
+			ke := min(nd.end, kb+nch)
 			for t := int32(0); t < tiles; t++ {
 				put(nd.rep, kb, ke, 0, nd.tBegin, nd.tCount, t, parts+c*nd.tCount)
 			}

@@ -463,23 +463,23 @@ func decodeTree(B, p, group, q, s int) *batch {
 	return b
 }
 
-// The route cost model on the H100 benchmark's decode cases (32 q / 8 kv
-// heads, head_dim 128, fp16): the two where the cascade measured slower
-// than plain decode route to decode, the others to the cascade, and no
-// sharing to decode.
+// The route cost model on the benchmark's decode cases (32 q / 8 kv heads,
+// head_dim 128, fp16; H200): every sharing case, where the cascade measured
+// faster than plain decode, routes to the cascade; no sharing to decode.
 func TestPlanCostModel(t *testing.T) {
 	cases := []struct {
 		name string
 		b    *batch
 		want int
 	}{
-		{"B=32 P=2048 S=512", decodeTree(32, 2048, 0, 0, 512), RouteDecode},
+		{"B=32 P=2048 S=512", decodeTree(32, 2048, 0, 0, 512), RouteCascade},
 		{"B=64 P=4096 S=512", decodeTree(64, 4096, 0, 0, 512), RouteCascade},
-		{"B=96 P=1024 S=512", decodeTree(96, 1024, 0, 0, 512), RouteDecode},
+		{"B=96 P=1024 S=512", decodeTree(96, 1024, 0, 0, 512), RouteCascade},
 		{"B=128 P=8192 S=256", decodeTree(128, 8192, 0, 0, 256), RouteCascade},
 		{"two-level", decodeTree(128, 4096, 16, 1024, 256), RouteCascade},
 		{"fork 64x4096 S=128", decodeTree(64, 4096, 0, 0, 128), RouteCascade},
 		{"no sharing B=32 L=4096", decodeTree(32, 0, 0, 0, 4096), RouteDecode},
+		{"no sharing B=128 L=2048", decodeTree(128, 0, 0, 0, 2048), RouteDecode},
 	}
 	var p Planner
 	for _, c := range cases {
