@@ -42,6 +42,7 @@
 
 #include "kvp_attn_tile.cuh"
 #include "kvp_decode.cuh"
+#include "kvp_prefill_sm90.cuh"
 
 namespace kvp {
 
@@ -170,6 +171,7 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
         const int4* ip = reinterpret_cast<const int4*>(items + (int64_t)i * KVP_CASCADE_ITEM_INTS);
         const int4 a = ip[0], b = ip[1];
         const CascadeItem it{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if (!it.dynamic && p.skip_shared) continue;  // kvp_cascade_sm90 runs the shared items
         if (it.dynamic && it.m_count * (p.num_q_heads / p.num_kv_heads) <= 16)
             cascade_decode_tail<T, D>(p, it, kvh, smem);
         else if (it.dynamic)
@@ -178,6 +180,77 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
             cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, smem);
     }
     griddep_launch_dependents();
+}
+
+// The shared items on Hopper's wgmma mainloop (kvp_prefill_sm90.cuh): a
+// unit is one (shared item, kv head), its rows the item's tile of packed
+// rows of the members' query tokens (through qrows), its tokens the item's
+// range with no mask (every member's queries come after it), its results
+// partial states as cascade_item writes them. Tail items are skipped (the
+// cascade kernel, launched with skip_shared, runs them).
+template <typename T, int D>
+struct Sm90CascadeSrc {
+    struct Unit {
+        CascadeItem it;
+        PrefillSpan sp;
+        int kvh, t0, t1;
+        bool skip;
+    };
+    const kvp_cascade_params& p;
+    const int32_t* work;
+    int group, window, tile_q;
+    int64_t total;
+
+    __device__ __forceinline__ Sm90CascadeSrc(const kvp_cascade_params& p_) : p(p_) {
+        work = reinterpret_cast<const int32_t*>(p.work);
+        group = p.num_q_heads / p.num_kv_heads;
+        window = -1;
+        tile_q = CascadeCfg<D>::TQ;
+        total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_ITEMS)) * p.num_kv_heads;
+    }
+    __device__ __forceinline__ Unit unit(int64_t w) const {
+        constexpr int TN = Sm90Cfg<T, D>::TN;
+        Unit u;
+        const int i = (int)(w / p.num_kv_heads);
+        u.kvh = (int)(w - (int64_t)i * p.num_kv_heads);
+        const int4* ip = reinterpret_cast<const int4*>(work + p.items_off + (int64_t)i * KVP_CASCADE_ITEM_INTS);
+        const int4 a = ip[0], b = ip[1];
+        u.it = CascadeItem{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        u.skip = u.it.dynamic != 0;
+        u.sp.r0 = u.it.tile * tile_q;
+        u.sp.nrows = max(0, min(tile_q, u.it.m_count * group - u.sp.r0));
+        u.sp.delta = 1 << 30;  // every member's query tokens come after the run: no mask
+        u.sp.kv_begin = max(u.it.kv_begin, 0);
+        u.sp.kv_end = u.it.kv_end;
+        u.t0 = u.sp.kv_begin / TN;
+        u.t1 = u.sp.kv_end > u.sp.kv_begin ? (u.sp.kv_end + TN - 1) / TN : u.t0;
+        return u;
+    }
+    __device__ __forceinline__ PagedRows rows(const Unit& u) const {
+        PagedRows rr;
+        rr.init(p.block_table, p.block_table_stride, u.it.rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
+                p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, u.kvh);
+        return rr;
+    }
+    __device__ __forceinline__ int64_t q_row(const Unit& u, int tok) const {
+        return (int64_t)__ldg(work + p.qrows_off + u.it.m_begin + tok) * p.q_batch_stride;
+    }
+    // Partial state: normalised output (float32) and log2 lse.
+    __device__ __forceinline__ void store(const Unit& u, int tok, int qh, int col, const float (&o)[D / 2], int h,
+                                          const SoftmaxState& st, bool lse_lane) const {
+        const float inv = st.inv_l();
+        const int64_t pi = (int64_t)(u.it.part_base + tok) * p.num_q_heads + qh;
+        float* dst = reinterpret_cast<float*>(p.part_out) + pi * D + col;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        if (lse_lane) reinterpret_cast<float*>(p.part_lse)[pi] = st.lse2();
+    }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void cascade_shared_sm90(const kvp_cascade_params& p) {
+    sm90_attention<T, D, Sm90CascadeSrc<T, D>>(p);
 }
 
 // One warp per (query row, q head): online-softmax merge of its partial

@@ -122,29 +122,67 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// One (item, kv head) pair of the persistent grid, as both roles decode it:
-// the item, its rows' span, and the K/V tiles [t0, t1) of TN tokens its split
-// takes.
-struct Sm90Work {
-    PrefillItem it;
-    PrefillSpan sp;
-    int kvh, t0, t1;
+// What the mainloop runs: a source of (item, kv head) units that both roles
+// decode the same way, each naming its packed query rows (sp.r0, sp.nrows;
+// row r -> token (r0 + r) / group, head r % group; positions from
+// sp.delta), the readable tokens [sp.kv_begin, sp.kv_end) read in the
+// TN-token tiles [t0, t1) through one block-table row, and where the rows'
+// results go. A unit with skip set is not this kernel's.
+//
+// Paged prefill's work list (kvp_prefill.cuh's items, split-KV runs).
+template <typename T, int D>
+struct Sm90PrefillSrc {
+    struct Unit {
+        PrefillItem it;
+        PrefillSpan sp;
+        int kvh, t0, t1;
+        bool skip;
+    };
+    const kvp_prefill_params& p;
+    const int32_t* work;
+    int group, window;  // window: window_left (< 0: none)
+    int64_t total;
+
+    __device__ __forceinline__ Sm90PrefillSrc(const kvp_prefill_params& p_) : p(p_) {
+        work = reinterpret_cast<const int32_t*>(p.work);
+        group = p.num_q_heads / p.num_kv_heads;
+        window = p.window_left;
+        total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work)) * p.num_kv_heads;
+    }
+    __device__ __forceinline__ Unit unit(int64_t w) const {
+        Unit u;
+        const int item = (int)(w / p.num_kv_heads);
+        u.kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+        u.it = load_item(work, item);
+        u.sp = item_span(u.it, group, p.window_left, KVP_PREFILL_SM90_TILE_Q);
+        split_tiles<Sm90Cfg<T, D>::TN>(u.sp, u.it.split, p.num_splits, u.t0, u.t1);
+        u.skip = false;
+        return u;
+    }
+    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return prefill_rows(p, u.it.b, u.kvh); }
+    // Element offset in q of the unit's token tok (head 0).
+    __device__ __forceinline__ int64_t q_row(const Unit& u, int tok) const {
+        return ((int64_t)u.it.q_start + tok) * p.q_token_stride;
+    }
+    // Dims 8j + col, 8j + col + 1 of row (tok, qh) for every j: o[4j + 2h],
+    // o[4j + 2h + 1], unnormalised; st the row's state (l reduced).
+    __device__ __forceinline__ void store(const Unit& u, int tok, int qh, int col, const float (&o)[D / 2], int h,
+                                          const SoftmaxState& st, bool lse_lane) const {
+        const PrefillOut<T> po(p, u.it.split, p.total_q, D);
+        const float inv = st.inv_l();
+        const int64_t row = (int64_t)u.it.q_start + tok;
+        T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        if (po.lse != nullptr && lse_lane) po.lse[row * p.num_q_heads + qh] = st.lse();
+    }
 };
 
-template <int TN>
-__device__ __forceinline__ Sm90Work sm90_work(const kvp_prefill_params& p, const int32_t* work, int64_t w,
-                                              int group) {
-    Sm90Work x;
-    const int item = (int)(w / p.num_kv_heads);
-    x.kvh = (int)(w - (int64_t)item * p.num_kv_heads);
-    x.it = load_item(work, item);
-    x.sp = item_span(x.it, group, p.window_left, KVP_PREFILL_SM90_TILE_Q);
-    split_tiles<TN>(x.sp, x.it.split, p.num_splits, x.t0, x.t1);
-    return x;
-}
-
-template <typename T, int D>
-__device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) {
+// The mainloop over src's units; P is the params struct (the cache, the
+// table and the shapes).
+template <typename T, int D, class Src, class P>
+__device__ __forceinline__ void sm90_attention(const P& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = Sm90Cfg<T, D>;
     constexpr int TN = C::TN, TQ = C::TQ, S = C::STAGES;
@@ -185,9 +223,8 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
     __syncthreads();
     griddep_wait();  // the plan kernel (or the previous layer) may still be running under PDL
 
-    const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
-    const int n_items = *reinterpret_cast<const volatile int32_t*>(work);
-    const int64_t total = (int64_t)n_items * p.num_kv_heads;
+    const Src src(p);
+    const int64_t total = src.total;
     const int group = p.num_q_heads / p.num_kv_heads;
 
     if (wg == 0) {
@@ -211,12 +248,11 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
             }
         };
         for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-            const Sm90Work x = sm90_work<TN>(p, work, w, group);
-            const PrefillItem& it = x.it;
+            const typename Src::Unit x = src.unit(w);
             const PrefillSpan& sp = x.sp;
             const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
-            if (t0 >= t1) continue;
-            const PagedRows rr = prefill_rows(p, it.b, kvh);
+            if (x.skip || t0 >= t1) continue;
+            const PagedRows rr = src.rows(x);
             // Query rows: packed row r -> token (r0 + r) / group, head (r0 + r) % group.
             mbar_wait(q_empty, (item_it & 1) ^ 1);
             for (int i = tid; i < TQ * C::CPR; i += 128) {
@@ -225,27 +261,29 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
                 const bool ok = r < sp.nrows;
                 const int tok = ok ? pr / group : 0;
                 const int qh = kvh * group + (ok ? pr - tok * group : 0);
-                const T* src = qg + ((int64_t)it.q_start + tok) * p.q_token_stride + (int64_t)qh * p.q_head_stride +
-                               c * (16 / (int)sizeof(T));
-                cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), src, ok ? 16 : 0);
+                const T* qp = qg + src.q_row(x, tok) + (int64_t)qh * p.q_head_stride + c * (16 / (int)sizeof(T));
+                cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), qp, ok ? 16 : 0);
             }
             mbar_arrive_cp_async(q_full);
             // Thread tid < TN looks up token k0 + tid of a tile in the block
             // table one tile ahead: the load's latency hides behind the
             // current tile's copies and the wait for a free stage.
             int nxt_blk = -1, nxt_off = 0;
-            if (tid < TN && t0 * TN + tid < sp.kv_end) nxt_blk = rr.load_block(t0 * TN + tid, nxt_off);
+            const int kb = sp.kv_begin;  // tokens before it (a tile's start) are unreadable too
+            if (tid < TN && t0 * TN + tid < sp.kv_end && t0 * TN + tid >= kb)
+                nxt_blk = rr.load_block(t0 * TN + tid, nxt_off);
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const int s = tile_it % S;
                 const int ph = ((tile_it / S) & 1) ^ 1;
                 const int blk = nxt_blk, boff = nxt_off;
                 const int k0 = t * TN;
                 nxt_blk = -1;
-                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end) nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
+                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
                 mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
                 int bad = 0;
                 if (tid < TN) {
-                    const int64_t off = k0 + tid < sp.kv_end ? rr.offset(blk, boff) : -1;
+                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
                     offs[s * TN + tid] = off;
                     bad = off < 0;
                 }
@@ -282,15 +320,15 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
         if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
         int tile_it = 0, item_it = 0;
         for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-            const Sm90Work x = sm90_work<TN>(p, work, w, group);
-            const PrefillItem& it = x.it;
+            const typename Src::Unit x = src.unit(w);
+            if (x.skip) continue;
             const PrefillSpan& sp = x.sp;
             const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
             const int wg_rows = min(64, sp.nrows - 64 * c);  // may be <= 0
             const int wg_min_pos = sp.delta + (sp.r0 + 64 * c) / group;
             const int wg_max_pos = sp.delta + (sp.r0 + 64 * c + max(wg_rows, 1) - 1) / group;
             const int pos_a = sp.delta + (sp.r0 + row_a) / group, pos_b = sp.delta + (sp.r0 + row_a + 8) / group;
-            const int win = p.window_left;
+            const int win = src.window;
 
             float o[D / 2];
 #pragma unroll
@@ -432,29 +470,24 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
             // Epilogue: normalise and write this thread's two rows.
             st_a.l = quad_sum(st_a.l);
             st_b.l = quad_sum(st_b.l);
-            const PrefillOut<T> po(p, it.split, p.total_q, D);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = row_a + 8 * h;
                 if (r >= sp.nrows) continue;
-                const SoftmaxState& st = h ? st_b : st_a;
-                const float inv = st.inv_l();
                 const int pr = sp.r0 + r;
                 const int tok = pr / group;
-                const int qh = kvh * group + (pr - tok * group);
-                const int64_t row = (int64_t)it.q_start + tok;
-                T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col_q;
-#pragma unroll
-                for (int j = 0; j < D / 8; ++j)
-                    *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-                if (po.lse != nullptr && (lane & 3) == 0)
-                    po.lse[row * p.num_q_heads + qh] = st.lse();
+                src.store(x, tok, kvh * group + (pr - tok * group), col_q, o, h, h ? st_b : st_a, (lane & 3) == 0);
             }
         }
         if (c == 0) turn_wait(0);  // take the last turn warpgroup 1 handed over
     }
     griddep_launch_dependents();
 #endif
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) {
+    sm90_attention<T, D, Sm90PrefillSrc<T, D>>(p);
 }
 
 }  // namespace kvp

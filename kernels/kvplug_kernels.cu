@@ -121,7 +121,8 @@ extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefi
 // Shared-prefix (cascade) attention: 16-bit types only.
 #include "kvp_cascade.cuh"
 
-static_assert(sizeof(kvp_cascade_params) == 200, "kvp_cascade_params size");
+static_assert(sizeof(kvp_cascade_params) == 208, "kvp_cascade_params size");
+KVP_OFF(kvp_cascade_params, skip_shared, 200);
 KVP_OFF(kvp_cascade_params, part_lse, 72);
 KVP_OFF(kvp_cascade_params, q_batch_stride, 80);
 KVP_OFF(kvp_cascade_params, block_table_stride, 136);
@@ -152,6 +153,20 @@ KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 256)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 256)
+
+// The shared items on Hopper (real code only in the sm_90a pass).
+#define KVP_CASCADE_SM90_INSTANTIATE(DT, T, D)                                                 \
+    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
+        kvp_cascade_sm90_##DT##_h##D(const kvp_cascade_params p) {                             \
+        kvp::cascade_shared_sm90<T, D>(p);                                                     \
+    }
+
+KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 64)
+KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 128)
+KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 256)
+KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 64)
+KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 128)
+KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 256)
 
 // ---------------------------------------------------------------------------
 // Tier copy (dtype-blind).

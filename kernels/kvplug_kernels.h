@@ -428,7 +428,8 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *          148 num_kv_heads, 152 block_size, 156 num_blocks,
  *          160 max_blocks_per_seq, 164 items_off, 168 qrows_off,
  *          172 seg_start_off, 176 segs_off, 180 max_batch, 184 scale,
- *          188 rowseq_off, 192 qstart_off, 196 max_rows; size 200.
+ *          188 rowseq_off, 192 qstart_off, 196 max_rows, 200 skip_shared,
+ *          204 reserved; size 208.
  * ---------------------------------------------------------------------- */
 #define KVP_CASCADE_THREADS 128
 #define KVP_CASCADE_MERGE_THREADS 128
@@ -474,6 +475,8 @@ typedef struct kvp_cascade_params {
     int32_t rowseq_off;
     int32_t qstart_off;
     int32_t max_rows; /* the workspace's query-row capacity */
+    int32_t skip_shared; /* 1: kvp_cascade_<dt>_h<D> runs the tail items only (kvp_cascade_sm90 the shared) */
+    int32_t reserved;    /* 0 */
 } kvp_cascade_params;
 
 /* Packed rows per shared item: 128 at head_dim <= 128, 64 at 256 (tail

@@ -56,14 +56,18 @@ type cascadeParams struct {
 	RowSeqOff        int32   `c:"rowseq_off"`
 	QStartOff        int32   `c:"qstart_off"`
 	MaxRows          int32   `c:"max_rows"`
+	SkipShared       int32   `c:"skip_shared"`
+	Reserved         int32   `c:"reserved"`
 }
 
-// cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge.
-var cascadeKernels = func() (t [2][len(headDims)][2]*cuda.Kernel) {
+// cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, and the
+// shared items on Hopper's wgmma mainloop.
+var cascadeKernels = func() (t [2][len(headDims)][3]*cuda.Kernel) {
 	for di, d := range []DType{F16, BF16} {
 		for hi, h := range headDims {
 			suffix := "_" + d.String() + "_h" + strconv.Itoa(h)
-			t[di][hi] = [2]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix)}
+			t[di][hi] = [3]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix),
+				image.Kernel("kvp_cascade_sm90" + suffix)}
 		}
 	}
 	return t
@@ -100,6 +104,13 @@ func CheckCascadeDType(what string, d DType) error {
 		return kverr.Errorf(kverr.Unsupported, "%s: dtype must be KVP_DTYPE_F16 or KVP_DTYPE_BF16: got %d", what, int32(d))
 	}
 	return nil
+}
+
+// CascadeSharedOnHopper reports whether the cascade's shared items run on
+// the Hopper (sm_90a) wgmma mainloop on dev: compute capability 9.0, 16-bit
+// types, the kernels built for it.
+func CascadeSharedOnHopper(dev cuda.Device, d DType, headDim int) bool {
+	return prefillMainloop(dev, d, headDim, 0) == MainloopSM90
 }
 
 // CascadeSlots is how many cascade attention blocks the current context's
@@ -234,6 +245,20 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	}
 	ks := cascadeKernels[di][hi]
 	sms := m.Device().SMs
+	if CascadeSharedOnHopper(m.Device(), a.DType, a.HeadDim) {
+		// The shared items on the wgmma mainloop first (one block per SM),
+		// then the tails; launched whatever the plan holds, so that a
+		// captured run serves every later plan.
+		hcfg := cuda.LaunchConfig{
+			Grid:   cuda.Dim3{X: uint32(sms), Y: 1, Z: 1},
+			Block:  cuda.Dim3{X: prefillSM90Threads, Y: 1, Z: 1},
+			Shared: prefillSM90SharedBytes(a.DType, a.HeadDim),
+		}
+		if err := cuda.Launch(m, ks[2], hcfg, stream, &p); err != nil {
+			return err
+		}
+		p.SkipShared = 1
+	}
 	cfg := cuda.LaunchConfig{
 		Grid:   cuda.Dim3{X: uint32(sms * cascadeBlocksPerSM(a.HeadDim)), Y: 1, Z: 1},
 		Block:  cuda.Dim3{X: cascadeThreads, Y: 1, Z: 1},

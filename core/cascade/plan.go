@@ -50,6 +50,9 @@ type Input struct {
 	// plain prefill kernel (Hopper's wgmma one) outruns the cascade kernel's
 	// shared items, reading a shared prompt once per batch does not pay.
 	PlainPrefillFaster bool
+	// SharedWgmma: the shared items run on Hopper's wgmma mainloop (128-token
+	// tiles at about a decode tile's time per token), not the sm_80 tile.
+	SharedWgmma bool
 }
 
 // Summary is what a plan holds besides its arrays.
@@ -584,11 +587,17 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		slots = DefaultSlots
 	}
 	g := int64(l.Group)
+	// A shared tile's weight, and the shared chunks' alignment (the wgmma
+	// mainloop's K/V tiles are 128 tokens).
+	sw, align := tileWeight(int64(l.TileQ)), int64(chunkAlign)
+	if in.SharedWgmma {
+		sw, align = 1, 2*chunkAlign
+	}
 	var work int64 // KV tokens read per kv head, weighted by row tiles and their weight
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
-		work += tiles * tileWeight(int64(l.TileQ)) * int64(nd.end-nd.begin)
+		work += tiles * sw * int64(nd.end-nd.begin)
 	}
 	for s, n := range in.SeqLens {
 		rows := int64(p.qlen[s]) * g
@@ -600,13 +609,31 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
 	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
+	// On the wgmma mainloop the shared items run in a launch of their own,
+	// one block per SM (half the cascade kernel's slots): their chunks are
+	// cut so that the shared work alone fills those blocks.
+	nc := int64(0)
+	if in.SharedWgmma {
+		var shared int64
+		for i := range p.nodes {
+			nd := &p.nodes[i]
+			tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
+			shared += tiles * int64(nd.end-nd.begin)
+		}
+		nc = shared * int64(in.NumKVHeads) / max(slots/2, 1)
+		nc = max(align, (nc+align-1)/align*align)
+	}
 	var parts int64
 	for ; ; ch *= 2 {
 		for s := range p.nseg {
 			p.nseg[s] = 0
 		}
 		parts = 0
-		p.nodeChunk = max(chunkAlign, (ch/tileWeight(int64(l.TileQ))+chunkAlign-1)/chunkAlign*chunkAlign)
+		p.nodeChunk = max(align, (ch/sw+align-1)/align*align)
+		if nc > 0 {
+			p.nodeChunk = nc
+			nc *= 2
+		}
 		for i := range p.nodes {
 			nd := &p.nodes[i]
 			nd.chunks = int32((int64(nd.end-nd.begin) + p.nodeChunk - 1) / p.nodeChunk)

@@ -73,7 +73,8 @@ func PlanFromManager(m *kvmanager.Manager, ids *int64, n int, a *PlanArgs, strea
 	defer managerScratches.Put(scr)
 	in := cascade.Input{NumQHeads: a.NumQHeads, NumKVHeads: a.NumKVHeads, HeadDim: a.HeadDim,
 		Headroom: a.Headroom, NoDecodeRoute: a.Flags&FlagNoDecodeRoute != 0,
-		PlainPrefillFaster: dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90}
+		PlainPrefillFaster: dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90,
+		SharedWgmma:        dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90}
 	var idv []int64
 	if n > 0 {
 		idv = unsafe.Slice(ids, n)

@@ -207,7 +207,8 @@ func plan(c call, a *PlanArgs, pl *cascade.Planner, stream cuda.Stream) (Plan, e
 		DTypeBytes: a.DType.Size(), BlockSize: bs, Tables: table, TableStride: int(stride),
 		MaxBlocksPerSeq: max(a.MaxBlocksPerSeq, 1), SeqLens: lens, QIndptr: qo, Slots: slots, Headroom: a.Headroom,
 		NoDecodeRoute:      a.Flags&FlagNoDecodeRoute != 0,
-		PlainPrefillFaster: dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90}
+		PlainPrefillFaster: dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90,
+		SharedWgmma:        dev.prefillMainloop(a.DType, a.HeadDim) == attn.MainloopSM90}
 	ws := hostWords(a.HostWorkspace, a.HostWorkspaceBytes)
 	s, err := pl.Plan(&in, &l, ws)
 	if err != nil {
