@@ -414,10 +414,16 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *      qstart at qstart_off: int32 [batch + 1], each sequence's first row
  *    Partial states: part_out float32 [parts][num_q_heads][head_dim]
  *    (normalised), part_lse float32 [parts][num_q_heads] (log2 domain).
+ *  On compute capability 9.0 first kvp_cascade_sm90_<dt>_h<D>: the shared
+ *      (dynamic 0) items on the Hopper prefill mainloop, block
+ *      (KVP_PREFILL_SM90_THREADS,1,1), any grid (one block per SM fits),
+ *      dynamic smem kvp_prefill_sm90_smem_bytes(dt, D); then the launch
+ *      below with skip_shared = 1 (empty kernel on other devices).
  *  Launch kvp_cascade_<dt>_h<D> (dt f16 or bf16): block
  *      (KVP_CASCADE_THREADS,1,1), any grid (x; blocks stride over
  *      item * num_kv_heads + kv head), dynamic smem
- *      kvp_cascade_smem_bytes(D) (cuFuncSetAttribute above 48 KiB);
+ *      kvp_cascade_smem_bytes(D) (cuFuncSetAttribute above 48 KiB); a
+ *      tail of at most 16 packed rows runs the decode kernel's 16-row tile;
  *  then kvp_cascade_merge_<dt>_h<D>: block (KVP_CASCADE_MERGE_THREADS,1,1),
  *      any grid (warps stride over rows * num_q_heads), smem 0.
  * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
