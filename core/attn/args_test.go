@@ -114,4 +114,19 @@ func TestPrefillPlanState(t *testing.T) {
 	if q.SetPlanState(&w); q.Mainloop != 1<<16 {
 		t.Fatalf("mainloop %d from word %#x", q.Mainloop, w[WordMainloop])
 	}
+	// A mixed batch's decode rows: count and splits in one word, the device
+	// qo_indptr in the next.
+	p = PrefillPlan{Mainloop: MainloopSM80, DecodeSeqs: 12, DecodeSplits: 5, QOIndptr: 0xabc000}
+	w = p.PlanState()
+	if w[WordDecodeRows] != 12|5<<32 || w[WordDecodeIndex] != 0xabc000 {
+		t.Fatalf("decode words %#x %#x", w[WordDecodeRows], w[WordDecodeIndex])
+	}
+	q = PrefillPlan{}
+	if q.SetPlanState(&w); q.DecodeSeqs != 12 || q.DecodeSplits != 5 || q.QOIndptr != 0xabc000 {
+		t.Fatalf("decode state %+v", q)
+	}
+	w[WordDecodeRows] = 1<<63 | 1<<40
+	if q.SetPlanState(&w); q.DecodeSeqs != 0 || q.DecodeSplits != 1<<31-1 {
+		t.Fatalf("clamped decode state %d %d", q.DecodeSeqs, q.DecodeSplits)
+	}
 }

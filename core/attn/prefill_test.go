@@ -104,6 +104,8 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		{"out unaligned", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Out = 0x50008 }, kverr.InvalidArgument},
 		{"scale NaN", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Scale = float32(math.NaN()) }, kverr.InvalidArgument},
 		{"workspace shrunk", func(p *PrefillPlan, a *PagedPrefillArgs) { p.WorkspaceBytes = 64 }, kverr.BufferTooSmall},
+		{"decode rows above batch", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSeqs = 3 }, kverr.InvalidArgument},
+		{"decode splits above max", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSplits = MaxSplits + 1 }, kverr.InvalidArgument},
 	}
 	for _, c := range runCases {
 		p, a := plan, run

@@ -499,3 +499,60 @@ func TestPlanCostModel(t *testing.T) {
 		}
 	}
 }
+
+// Shared runs are cut shorter than tails: by their tiles' weight on the
+// sm_80 tile (a 128-row tile costs about four decode tiles), and on the
+// wgmma mainloop into 128-token multiples whose items alone fill one block
+// per SM (half the cascade kernel's slots).
+func TestPlanSharedChunks(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		b    *batch
+	}{
+		{"B=128 P=8192 S=256", decodeTree(128, 8192, 0, 0, 256)},
+		{"B=32 P=2048 S=512", decodeTree(32, 2048, 0, 0, 512)},
+		{"B=96 P=1024 S=512", decodeTree(96, 1024, 0, 0, 512)},
+	} {
+		for _, wgmma := range []bool{false, true} {
+			l, err := NewLayout(len(c.b.lens), 32, 8, 128)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ws := make([]int32, l.HostInts)
+			in := c.b.input(32, 8, 128)
+			in.SharedWgmma, in.NoDecodeRoute = wgmma, true
+			var p Planner
+			s, err := p.Plan(in, &l, ws)
+			if err != nil || s.Route != RouteCascade || s.Nodes != 1 {
+				t.Fatalf("%s: %+v %v", c.name, s, err)
+			}
+			nd := p.nodes[0]
+			rowTiles := (int64(nd.tCount)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
+			units := rowTiles * int64(nd.chunks) * 8
+			var shared int64
+			for i := 0; i < s.Items; i++ {
+				if ws[l.Items+i*ItemInts+iDynamic] == 0 {
+					shared++
+					if ke, kb := ws[l.Items+i*ItemInts+iKVEnd], ws[l.Items+i*ItemInts+iKVBegin]; int64(ke-kb) > p.nodeChunk {
+						t.Errorf("%s: a shared item of %d tokens; chunk %d", c.name, ke-kb, p.nodeChunk)
+					}
+				}
+			}
+			if shared != rowTiles*int64(nd.chunks) {
+				t.Errorf("%s: %d shared items, want %d row tiles x %d chunks", c.name, shared, rowTiles, nd.chunks)
+			}
+			t.Logf("%s wgmma=%v: tail chunk %d, shared chunk %d, %d shared units", c.name, wgmma, s.Chunk, p.nodeChunk, units)
+			if wgmma {
+				// One wave of at least half the SMs, unless the chunk is at its
+				// minimum or halving it would exceed MaxParts.
+				oneWave := units <= DefaultSlots/2 || p.nodeChunk == 128
+				busy := units >= DefaultSlots/4 || 2*nd.chunks+p.tcs[0] > MaxParts
+				if p.nodeChunk%128 != 0 || !oneWave || !busy {
+					t.Errorf("%s: shared chunk %d, %d units on %d blocks", c.name, p.nodeChunk, units, DefaultSlots/2)
+				}
+			} else if p.nodeChunk > int64(s.Chunk)/tileWeight(int64(l.TileQ))+chunkAlign {
+				t.Errorf("%s: shared chunk %d, tail chunk %d: not cut by the tile weight", c.name, p.nodeChunk, s.Chunk)
+			}
+		}
+	}
+}
