@@ -190,11 +190,8 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
 // cascade kernel, launched with skip_shared, runs them).
 template <typename T, int D>
 struct Sm90CascadeSrc {
-    struct Unit {
+    struct Unit : Sm90Unit {
         CascadeItem it;
-        PrefillSpan sp;
-        int kvh, t0, t1;
-        bool skip;
     };
     const kvp_cascade_params& p;
     const int32_t* work;

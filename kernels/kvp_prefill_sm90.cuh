@@ -129,14 +129,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // TN-token tiles [t0, t1) through one block-table row, and where the rows'
 // results go. A unit with skip set is not this kernel's.
 //
+// What both roles read of a unit; a source's Unit adds its item.
+struct Sm90Unit {
+    PrefillSpan sp;
+    int kvh, t0, t1;
+    bool skip;
+};
+
 // Paged prefill's work list (kvp_prefill.cuh's items, split-KV runs).
 template <typename T, int D>
 struct Sm90PrefillSrc {
-    struct Unit {
+    struct Unit : Sm90Unit {
         PrefillItem it;
-        PrefillSpan sp;
-        int kvh, t0, t1;
-        bool skip;
     };
     const kvp_prefill_params& p;
     const int32_t* work;

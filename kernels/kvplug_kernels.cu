@@ -97,20 +97,24 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 // Hopper prefill (kvp_prefill_sm90.cuh): real code only in the sm_90a pass.
 #include "kvp_prefill_sm90.cuh"
 
+// Every 16-bit (dtype, head_dim) instantiation of a kernel family M.
+#define KVP_FOR_16BIT(M)                                                                       \
+    M(f16, kvp::f16, 64) M(f16, kvp::f16, 128) M(f16, kvp::f16, 256) M(bf16, kvp::bf16, 64)    \
+        M(bf16, kvp::bf16, 128) M(bf16, kvp::bf16, 256)
+
+// A kernel on Hopper's mainloop: NAME_<dt>_h<D>(PARAMS) runs FN<T, D>.
+#define KVP_SM90_KERNEL(NAME, PARAMS, FN, DT, T, D)                                            \
+    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
+        NAME##_##DT##_h##D(const PARAMS p) {                                                   \
+        FN<T, D>(p);                                                                           \
+    }
+
 #define KVP_PREFILL_SM90_INSTANTIATE(DT, T, D)                                                 \
     static_assert(kvp::Sm90Cfg<T, D>::SMEM == 0 + 1024 + 2 * 128 * D + 8 * kvp::Sm90Cfg<T, D>::TN * D + \
                       16 * kvp::Sm90Cfg<T, D>::TN + 128, "kvp_prefill_sm90_smem_bytes");             \
-    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
-        kvp_paged_prefill_sm90_##DT##_h##D(const kvp_prefill_params p) {                       \
-        kvp::paged_prefill_sm90<T, D>(p);                                                      \
-    }
+    KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90, DT, T, D)
 
-KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 64)
-KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 128)
-KVP_PREFILL_SM90_INSTANTIATE(f16, kvp::f16, 256)
-KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 64)
-KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 128)
-KVP_PREFILL_SM90_INSTANTIATE(bf16, kvp::bf16, 256)
+KVP_FOR_16BIT(KVP_PREFILL_SM90_INSTANTIATE)
 
 // The plan kernel depends on neither dtype nor head_dim.
 extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
@@ -147,26 +151,13 @@ static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header f
         kvp::cascade_merge<T, D>(p);                                                           \
     }
 
-KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 64)
-KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 128)
-KVP_CASCADE_INSTANTIATE(f16, kvp::f16, 256)
-KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 64)
-KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 128)
-KVP_CASCADE_INSTANTIATE(bf16, kvp::bf16, 256)
+KVP_FOR_16BIT(KVP_CASCADE_INSTANTIATE)
 
 // The shared items on Hopper (real code only in the sm_90a pass).
 #define KVP_CASCADE_SM90_INSTANTIATE(DT, T, D)                                                 \
-    extern "C" __global__ void __launch_bounds__(KVP_PREFILL_SM90_THREADS, 1)                  \
-        kvp_cascade_sm90_##DT##_h##D(const kvp_cascade_params p) {                             \
-        kvp::cascade_shared_sm90<T, D>(p);                                                     \
-    }
+    KVP_SM90_KERNEL(kvp_cascade_sm90, kvp_cascade_params, kvp::cascade_shared_sm90, DT, T, D)
 
-KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 64)
-KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 128)
-KVP_CASCADE_SM90_INSTANTIATE(f16, kvp::f16, 256)
-KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 64)
-KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 128)
-KVP_CASCADE_SM90_INSTANTIATE(bf16, kvp::bf16, 256)
+KVP_FOR_16BIT(KVP_CASCADE_SM90_INSTANTIATE)
 
 // ---------------------------------------------------------------------------
 // Tier copy (dtype-blind).
