@@ -368,15 +368,16 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 pin_regs(sc);
                 pin_regs(o);
                 wgmma_fence();
-                if (active) {
+                // S = Q K^T even for a tile this warpgroup's rows do not see
+                // (its result is then unused): a wgmma under a branch makes
+                // ptxas serialise every wgmma of the kernel (C7515).
 #pragma unroll
-                    for (int kk = 0; kk < C::KSTEPS; ++kk) {
-                        constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
-                        const uint32_t kb = kk * KB / 128, ki = kk * KB % 128;
-                        const uint64_t da = gmma_desc(q_s + kb * (TQ * 128) + (uint32_t)(64 * c * 128) + ki, 16, 1024);
-                        const uint64_t db = gmma_desc(k_s(s) + kb * (TN * 128) + ki, 16, 1024);
-                        wgmma_ss<T, TN>(sc, da, db, kk > 0);
-                    }
+                for (int kk = 0; kk < C::KSTEPS; ++kk) {
+                    constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
+                    const uint32_t kb = kk * KB / 128, ki = kk * KB % 128;
+                    const uint64_t da = gmma_desc(q_s + kb * (TQ * 128) + (uint32_t)(64 * c * 128) + ki, 16, 1024);
+                    const uint64_t db = gmma_desc(k_s(s) + kb * (TN * 128) + ki, 16, 1024);
+                    wgmma_ss<T, TN>(sc, da, db, kk > 0);
                 }
                 wgmma_commit();
                 if (have_prev) issue_pv(sv_prev);
