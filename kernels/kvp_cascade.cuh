@@ -60,7 +60,28 @@ struct CascadeCfg {
 
 struct CascadeItem {
     int rep, kv_begin, kv_end, dynamic, m_begin, m_count, tile, part_base;
+
+    // A tail whose packed rows fit the decode kernel's 16-row tile.
+    __device__ __forceinline__ bool decode_tail(int group) const {
+        return dynamic && m_count * group <= KVP_DECODE_HEADS_PER_CTA;
+    }
 };
+
+// Item i of the plan.
+__device__ __forceinline__ CascadeItem load_cascade_item(const kvp_cascade_params& p, int i) {
+    const int4* ip = reinterpret_cast<const int4*>(reinterpret_cast<const int32_t*>(p.work) + p.items_off +
+                                                   (int64_t)i * KVP_CASCADE_ITEM_INTS);
+    const int4 a = ip[0], b = ip[1];
+    return CascadeItem{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+}
+
+// The block-table lookups of sequence rep (an item's table row) for kv head kvh.
+__device__ __forceinline__ PagedRows cascade_rows(const kvp_cascade_params& p, int rep, int kvh) {
+    PagedRows rr;
+    rr.init(p.block_table, p.block_table_stride, rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
+            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
+    return rr;
+}
 
 // One item for one kv head, with MT m16 row tiles per warp; CAUSAL for tail
 // items.
@@ -90,9 +111,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     jb.n_tiles = ke > kb ? (ke - kb + C::TK - 1) / C::TK : 0;
     jb.q_head_stride = p.q_head_stride;
     jb.scale = p.scale;
-    PagedRows rr;
-    rr.init(p.block_table, p.block_table_stride, it.rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
+    const PagedRows rr = cascade_rows(p, it.rep, kvh);
     float* part_out = reinterpret_cast<float*>(p.part_out);
     float* part_lse = reinterpret_cast<float*>(p.part_lse);
     const int64_t q_stride = p.q_batch_stride;
@@ -114,7 +133,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
         smem);
 }
 
-// A tail of at most 16 packed rows (m_count * group <= 16): the decode
+// A decode tail (CascadeItem::decode_tail: at most 16 packed rows): the decode
 // kernel's 16-row tile over [kv_begin, min(kv_end, seq_lens[rep])), rows
 // (new token, q head of kv head kvh), causal among the tail's query tokens
 // (the last m_count positions of the sequence).
@@ -134,9 +153,7 @@ __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p,
     w.end = w.L = w.n_tiles = 0;
     w.qlen = it.m_count;
     w.rows = it.m_count * group;
-    PagedRows rr;
-    rr.init(p.block_table, p.block_table_stride, it.rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
+    const PagedRows rr = cascade_rows(p, it.rep, kvh);
     float* part_out = reinterpret_cast<float*>(p.part_out);
     float* part_lse = reinterpret_cast<float*>(p.part_lse);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
@@ -163,16 +180,14 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     griddep_wait();  // the plan's copy or the previous layer may still be running under PDL
     const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
     const int n_items = *reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_ITEMS);
-    const int32_t* items = work + p.items_off;
     const int64_t total = (int64_t)n_items * p.num_kv_heads;
+    const int group = p.num_q_heads / p.num_kv_heads;
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
         const int i = (int)(w / p.num_kv_heads);
         const int kvh = (int)(w - (int64_t)i * p.num_kv_heads);
-        const int4* ip = reinterpret_cast<const int4*>(items + (int64_t)i * KVP_CASCADE_ITEM_INTS);
-        const int4 a = ip[0], b = ip[1];
-        const CascadeItem it{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const CascadeItem it = load_cascade_item(p, i);
         if (!it.dynamic && p.skip_shared) continue;  // kvp_cascade_sm90 runs the shared items
-        if (it.dynamic && it.m_count * (p.num_q_heads / p.num_kv_heads) <= 16)
+        if (it.decode_tail(group))
             cascade_decode_tail<T, D>(p, it, kvh, smem);
         else if (it.dynamic)
             cascade_item<T, D, 1, true>(p, it, kvh, smem);
@@ -210,9 +225,7 @@ struct Sm90CascadeSrc {
         Unit u;
         const int i = (int)(w / p.num_kv_heads);
         u.kvh = (int)(w - (int64_t)i * p.num_kv_heads);
-        const int4* ip = reinterpret_cast<const int4*>(work + p.items_off + (int64_t)i * KVP_CASCADE_ITEM_INTS);
-        const int4 a = ip[0], b = ip[1];
-        u.it = CascadeItem{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        u.it = load_cascade_item(p, i);
         u.skip = u.it.dynamic != 0;
         u.sp.r0 = u.it.tile * tile_q;
         u.sp.nrows = max(0, min(tile_q, u.it.m_count * group - u.sp.r0));
@@ -223,12 +236,7 @@ struct Sm90CascadeSrc {
         u.t1 = u.sp.kv_end > u.sp.kv_begin ? (u.sp.kv_end + TN - 1) / TN : u.t0;
         return u;
     }
-    __device__ __forceinline__ PagedRows rows(const Unit& u) const {
-        PagedRows rr;
-        rr.init(p.block_table, p.block_table_stride, u.it.rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-                p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, u.kvh);
-        return rr;
-    }
+    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return cascade_rows(p, u.it.rep, u.kvh); }
     __device__ __forceinline__ int64_t q_row(const Unit& u, int tok) const {
         return (int64_t)__ldg(work + p.qrows_off + u.it.m_begin + tok) * p.q_batch_stride;
     }

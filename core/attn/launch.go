@@ -243,13 +243,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		}
 		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen, a.QLen)
 		// Never more splits than the workspace holds (none without one).
-		if splits > 1 {
-			fit := int64(0)
-			if a.Workspace != 0 {
-				fit = a.WorkspaceBytes / workspaceBytes(a.Rows(), a.NumQHeads, a.HeadDim, 1)
-			}
-			splits = int(max(1, min(int64(splits), fit)))
-		}
+		splits = fitSplits(splits, a.Workspace, a.WorkspaceBytes, a.Rows(), a.NumQHeads, a.HeadDim)
 	}
 	return a.launch(m, splits, 0, 0, stream)
 }

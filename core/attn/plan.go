@@ -3,6 +3,7 @@ package attn
 import (
 	"runtime"
 
+	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
@@ -52,6 +53,15 @@ func decodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen, 
 // [splits][batch][heads].
 func workspaceBytes(batch, qHeads, headDim, splits int) int64 {
 	return 4 * int64(splits) * int64(batch) * int64(qHeads) * int64(headDim+1)
+}
+
+// fitSplits caps a split count at what bytes of workspace (at ws; 0: none)
+// hold for rows query rows: never below 1.
+func fitSplits(splits int, ws cuda.DevicePtr, bytes int64, rows, qHeads, headDim int) int {
+	if splits <= 1 || ws == 0 || bytes <= 0 {
+		return 1
+	}
+	return int(max(1, min(int64(splits), bytes/workspaceBytes(rows, qHeads, headDim, 1))))
 }
 
 // WorkspaceSize returns the bytes of decode workspace an engine allocates

@@ -222,10 +222,8 @@ type batchStats struct {
 	totalQ, maxQLen, maxKVLen int
 	items                     int64 // in tiles of prefillTileQ
 	itemsSM90                 int64 // in the Hopper kernel's tiles of prefillSM90TileQ
-	// The sequences of one new token (decode rows), their longest kv_len,
-	// and the items of the others.
-	decodeSeqs, decodeMaxKV  int
-	longItems, longItemsSM90 int64
+	// The sequences of one new token (decode rows) and their longest kv_len.
+	decodeSeqs, decodeMaxKV int
 }
 
 // checkBatch validates the host copies of qo_indptr ([batch+1], from 0,
@@ -256,16 +254,11 @@ func checkBatch(what string, s *PrefillShape, qoIndptr, kvLens []int32) (batchSt
 		}
 		st.maxQLen = max(st.maxQLen, int(qLen))
 		st.maxKVLen = max(st.maxKVLen, int(kv))
-		items := (qLen*group + tile - 1) / tile
-		itemsSM90 := (qLen*group + prefillSM90TileQ - 1) / prefillSM90TileQ
-		st.items += items
-		st.itemsSM90 += itemsSM90
+		st.items += (qLen*group + tile - 1) / tile
+		st.itemsSM90 += (qLen*group + prefillSM90TileQ - 1) / prefillSM90TileQ
 		if qLen == 1 {
 			st.decodeSeqs++
 			st.decodeMaxKV = max(st.decodeMaxKV, int(kv))
-		} else {
-			st.longItems += items
-			st.longItemsSM90 += itemsSM90
 		}
 	}
 	st.totalQ = int(qoIndptr[batch])
@@ -422,11 +415,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	sms := m.Device().SMs
 	if decode {
 		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen, st.maxQLen)
-		fit := int64(0)
-		if a.Workspace != 0 {
-			fit = a.WorkspaceBytes / workspaceBytes(st.totalQ, a.NumQHeads, a.HeadDim, 1)
-		}
-		p.NumSplits = int(max(1, min(int64(s), fit)))
+		p.NumSplits = fitSplits(s, a.Workspace, a.WorkspaceBytes, st.totalQ, a.NumQHeads, a.HeadDim)
 		return p, nil
 	}
 	p.Grid = sms * prefillBlocksPerSM(a.DType, a.HeadDim)
@@ -434,14 +423,14 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	// Mixed batches: the decode kernel takes the one-token rows, whose
 	// sequences would otherwise each fill a whole row tile with one group.
 	mixed := st.decodeSeqs > 0 && a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
-	if mixed {
-		st.items, st.itemsSM90 = st.longItems, st.longItemsSM90
-	}
 	if p.Mainloop = prefillMainloop(m.Device(), a.DType, a.HeadDim, a.Flags); p.Mainloop == MainloopSM90 {
 		// One block per SM fits; items of 128 rows are fewer than the
 		// workspace (sized for 64-row items) holds.
 		p.Grid, tileQ = sms, prefillSM90TileQ
 		st.items = st.itemsSM90
+	}
+	if mixed { // each one-token sequence's single row tile is the decode launch's
+		st.items -= int64(st.decodeSeqs) * int64(ceilDiv(a.NumQHeads/a.NumKVHeads, tileQ))
 	}
 	p.NumItems = int(st.items)
 	if batch == 0 {
@@ -451,15 +440,6 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		p.NumSplits = prefillSplits(p.Grid, st.items, a.NumKVHeads, st.maxKVLen, st.totalQ, a.NumQHeads, a.HeadDim, a.DType.Size(), a.WorkspaceBytes)
 		p.NumItems = int(st.items) * p.NumSplits
 	}
-	if mixed {
-		p.DecodeSeqs, p.QOIndptr = st.decodeSeqs, a.QOIndptrDev
-		p.DecodeSplits = 1
-		if a.Flags&PrefillNoSplitKV == 0 {
-			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1)
-			fit := (a.WorkspaceBytes - p.decodePartsOffset()) / workspaceBytes(batch, a.NumQHeads, a.HeadDim, 1)
-			p.DecodeSplits = int(max(1, min(int64(s), fit)))
-		}
-	}
 	pp := prefillPlanParams{
 		QOIndptr: uint64(a.QOIndptrDev), KVLens: uint64(a.KVLensDev), Work: uint64(a.Workspace),
 		Batch: int32(batch), Group: int32(a.NumQHeads / a.NumKVHeads), TotalQ: int32(st.totalQ),
@@ -467,6 +447,12 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	if mixed {
 		pp.SkipDecode = 1
+		p.DecodeSeqs, p.QOIndptr, p.DecodeSplits = st.decodeSeqs, a.QOIndptrDev, 1
+		if a.Flags&PrefillNoSplitKV == 0 {
+			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1)
+			off := p.decodePartsOffset()
+			p.DecodeSplits = fitSplits(s, a.Workspace+cuda.DevicePtr(off), a.WorkspaceBytes-off, batch, a.NumQHeads, a.HeadDim)
+		}
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: 1, Y: 1, Z: 1}, Block: cuda.Dim3{X: prefillPlanThreads, Y: 1, Z: 1}}
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
