@@ -18,7 +18,7 @@ calls is reported. Outputs are checked against plain decode (max abs difference)
 With --prefill it also times varlen prefill batches (requests sharing a
 cached prompt, each with new tokens) against kvplug's paged prefill.
 
-Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--prefill] [--out DIR]
+Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--prefill] [--probes] [--out DIR]
 Prints a markdown table; writes JSON to DIR (default $OUT or .).
 """
 
@@ -39,22 +39,13 @@ from kvplug import cascade  # noqa: E402
 HQ, HK, D, BS = 32, 8, 128, 16
 
 
-def copy_bandwidth(dev, iters=20):
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written)."""
+def copy_bandwidth(dev, flush, iters=20):
+    """GB/s of a 1 GiB device-to-device copy (bytes read + written), timed as
+    every case is."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     src.random_(0, 255)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    ts.sort()
-    return 2 * src.numel() / ts[len(ts) // 2] / 1e9
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), flush, iters) / 1e3
 
 
 def make_case(B, levels, tail):
@@ -100,6 +91,16 @@ CASES = [
     ("fork 64 x 4096, S=128", 64, [(64, 4096)], 128),
     ("no sharing B=32 L=4096", 32, [], 4096),
     ("no sharing B=128 L=2048", 128, [], 2048),
+]
+
+# --probes: cases that separate the cascade's costs: the shared items nearly
+# alone (16-token tails), and the tails alone at the issue cases' tail sizes.
+PROBES = [
+    ("probe: B=32 P=2048 S=16 (shared)", 32, [(32, 2048)], 16),
+    ("probe: B=128 P=8192 S=16 (shared)", 128, [(128, 8192)], 16),
+    ("probe: B=8 P=2048 S=512", 8, [(8, 2048)], 512),
+    ("probe: no sharing B=32 L=576 (tails)", 32, [], 576),
+    ("probe: no sharing B=128 L=256 (tails)", 128, [], 256),
 ]
 
 
@@ -233,6 +234,7 @@ def main():
     ap.add_argument("--fi-budget-s", type=float, default=240, help="skip FlashInfer once the run is this old")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--prefill", action="store_true", help="also the varlen prefill cases (kvplug only)")
+    ap.add_argument("--probes", action="store_true", help="also the PROBES cases (shared items or tails alone)")
     args = ap.parse_args()
     t0 = time.time()
     fi = None
@@ -244,12 +246,12 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    gbps = copy_bandwidth(dev)
+    gbps = copy_bandwidth(dev, flush)
     print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {gbps:.0f} GB/s (the floor's)")
     results = []
     print("| case | floor (us) | kvplug cascade, routed (us) | cascade kernels (us) | kvplug paged_decode (us) | FlashInfer decode (us) | FlashInfer cascade (us) | route | saved/total | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, B, levels, tail in CASES:
+    for name, B, levels, tail in CASES + (PROBES if args.probes else []):
         table, lens, nblocks, level_pages, own, uniq = make_case(B, levels, tail)
         k = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)
         v = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)

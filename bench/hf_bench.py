@@ -422,8 +422,6 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     if system == "kvplug-host":
         gb = args.host_cache_gb or 1.05 * ws * block_bytes / 2**30
         tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
-    elif args.shared_tier:
-        raise SystemExit("--shared-tier goes with the kvplug-host system")
     cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
@@ -559,6 +557,8 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}", flush=True)
     systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl == "m" else "kvplug,flashinfer,hf"))
                   .split(",") for wl in args.workloads.split(",")}
+    if args.shared_tier and any(s not in ("kvplug-host", "hf") for v in systems_of.values() for s in v):
+        raise SystemExit("--shared-tier goes with the kvplug-host system")  # before any run, not after the first
     ceiling = None
     if any(s == "kvplug-host" for v in systems_of.values() for s in v):
         ceiling = copy_ceiling(args.device)

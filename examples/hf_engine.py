@@ -267,6 +267,7 @@ class Engine:
     def step(self, now: Callable[[], float]) -> int:
         """Runs one step; returns the tokens it computed (0: nothing to run)."""
         t0 = time.perf_counter()
+        self.just_finished = []
         batch = self._schedule()
         if batch is None:
             return 0
@@ -366,9 +367,8 @@ class Engine:
             if self.idle:
                 time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
                 continue
-            self.just_finished = []
             self.step(now)
-            if follow_up is not None and self.just_finished:
+            if follow_up is not None:
                 for req in self.just_finished:
                     t = now()
                     nxt = follow_up(req, t)
@@ -493,7 +493,7 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
         kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
         if args.demote_overlap:
             kw["tier_overlap"] = True
-        if not getattr(args, "demote_evicted", True):
+        if not args.demote_evicted:
             kw["demote_evicted"] = False
     if args.shared_tier:
         if gb <= 0:

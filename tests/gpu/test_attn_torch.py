@@ -61,19 +61,29 @@ class Paged:
         attn.kv_write(self.k, self.v, self.k_cache, self.v_cache, self.slots)
         self.q = (torch.rand((len(lens), qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
 
-    def reference(self, scale):
-        out = torch.zeros((len(self.lens), self.qh, self.D), dtype=torch.float64, device=DEV)
-        lse = torch.full((len(self.lens), self.qh), float("-inf"), dtype=torch.float64, device=DEV)
+    def reference(self, scale, q=None, q_len=1, lens=None):
+        """float64 attention of q ([batch * q_len, qh, D]; default self.q):
+        sequence b's new token t sits at position L - q_len + t and sees
+        positions [0, that position], L = lens[b] (default self.lens: the
+        first lens[b] of the sequence's self.lens[b] written tokens)."""
+        q = self.q if q is None else q
+        lens = self.lens if lens is None else lens
+        B = len(lens)
+        out = torch.zeros((B * q_len, self.qh, self.D), dtype=torch.float64, device=DEV)
+        lse = torch.full((B * q_len, self.qh), float("-inf"), dtype=torch.float64, device=DEV)
         g = self.qh // self.kvh
         start = 0
-        for b, L in enumerate(self.lens):
-            if L:
-                k = self.k[start:start + L].double().repeat_interleave(g, dim=1)  # [L, qh, D]
-                v = self.v[start:start + L].double().repeat_interleave(g, dim=1)
-                s = torch.einsum("hd,lhd->hl", self.q[b].double(), k) * scale
-                lse[b] = torch.logsumexp(s, dim=1)
-                out[b] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v)
-            start += L
+        for b, (L, written) in enumerate(zip(lens, self.lens)):
+            k = self.k[start:start + L].double().repeat_interleave(g, dim=1)  # [L, qh, D]
+            v = self.v[start:start + L].double().repeat_interleave(g, dim=1)
+            for t in range(q_len):
+                end = L - q_len + t + 1
+                if end > 0:
+                    r = b * q_len + t
+                    s = torch.einsum("hd,lhd->hl", q[r].double(), k[:end]) * scale
+                    lse[r] = torch.logsumexp(s, dim=1)
+                    out[r] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v[:end])
+            start += written
         return out, lse
 
 
@@ -117,28 +127,6 @@ def test_paged_decode_splits_long(splits):
     assert torch.allclose(lse[finite].double(), want_lse[finite], rtol=1e-3, atol=1e-3)
 
 
-def multi_reference(p, q, q_len, scale):
-    """float64 attention of q ([batch * q_len, qh, D]): sequence b's new token
-    t sits at position L - q_len + t and sees positions [0, that position]."""
-    B = len(p.lens)
-    out = torch.zeros((B * q_len, p.qh, p.D), dtype=torch.float64, device=DEV)
-    lse = torch.full((B * q_len, p.qh), float("-inf"), dtype=torch.float64, device=DEV)
-    g = p.qh // p.kvh
-    start = 0
-    for b, L in enumerate(p.lens):
-        k = p.k[start:start + L].double().repeat_interleave(g, dim=1)
-        v = p.v[start:start + L].double().repeat_interleave(g, dim=1)
-        for t in range(q_len):
-            end = L - q_len + t + 1
-            if end > 0:
-                r = b * q_len + t
-                s = torch.einsum("hd,lhd->hl", q[r].double(), k[:end]) * scale
-                lse[r] = torch.logsumexp(s, dim=1)
-                out[r] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v[:end])
-        start += L
-    return out, lse
-
-
 @pytest.mark.parametrize("q_len", [2, 3, 4, 7, 16])
 @pytest.mark.parametrize("dtype,D,bs,group", [
     (torch.float16, 128, 16, 4), (torch.bfloat16, 64, 1, 8), (torch.bfloat16, 256, 64, 1),
@@ -149,7 +137,7 @@ def test_paged_decode_multi_token(q_len, dtype, D, bs, group, splits):
     """q_len new tokens per sequence (speculative verification, multi-token
     prediction): causal among them, every split count, lse."""
     gen = torch.Generator().manual_seed(torch.seed())
-    lens = [q_len, q_len + 1, 700, 64 * 3 + q_len, 1500][:5]
+    lens = [q_len, q_len + 1, 700, 64 * 3 + q_len, 1500]
     p = Paged(gen, dtype, D, 2 * group, 2, bs, lens)
     B = len(lens)
     q = (torch.rand((B * q_len, 2 * group, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
@@ -159,7 +147,7 @@ def test_paged_decode_multi_token(q_len, dtype, D, bs, group, splits):
     attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, lse=lse, workspace=ws,
                       num_splits=splits, max_seq_len=max(lens), q_len=q_len)
     torch.cuda.synchronize()
-    want, want_lse = multi_reference(p, q, q_len, 1 / math.sqrt(D))
+    want, want_lse = p.reference(1 / math.sqrt(D), q, q_len)
     assert rel_err(out, want) < TOL[dtype]
     assert torch.allclose(lse.double(), want_lse, rtol=1e-3, atol=1e-3)
 
@@ -258,22 +246,12 @@ def test_graph_capture_multi_token():
         # Each step the sequences are shorter views of the same cache (the
         # accepted tokens of a verification differ): new lengths, new q.
         cut = [L - 7 * step for L in lens]
-        p.lens = cut
         p.seq_lens.copy_(torch.tensor(cut, dtype=torch.int32))
         q.copy_((torch.rand(q.shape, generator=gen) * 4 - 2).to(q.dtype))
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        full_k, full_v = p.k, p.v
-        # The reference over the first cut[b] tokens of each sequence.
-        ks, vs, start = [], [], 0
-        for L, c in zip(lens, cut):
-            ks.append(full_k[start:start + c])
-            vs.append(full_v[start:start + c])
-            start += L
-        p.k, p.v = torch.cat(ks), torch.cat(vs)
-        want, _ = multi_reference(p, q, Q, 1 / math.sqrt(128))
-        p.k, p.v, p.lens = full_k, full_v, lens
+        want, _ = p.reference(1 / math.sqrt(128), q, Q, lens=cut)  # the first cut[b] tokens of each
         assert rel_err(out, want) < TOL[torch.bfloat16], step
 
 

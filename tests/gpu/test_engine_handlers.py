@@ -26,7 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvplug.sglang import PageStore  # noqa: E402
+from kvplug.sglang import PageStore, _segments  # noqa: E402
 from kvplug.sharedstore import key128, keys128  # noqa: E402
 from kvplug.vllm import BlockCopier, plan_rows  # noqa: E402
 
@@ -72,8 +72,8 @@ def test_vllm_store_then_load_into_other_blocks(device, copy, packed, bpc):
     first = 1
     nchunks = -(-(len(gpu) + first % bpc) // bpc)
     slot_ids = list(range(2, 2 + nchunks))
-    rows = plan_rows(gpu, [len(gpu)], [first], slot_ids, bpc)
-    nbytes = copier.transfer(1, rows, store=True)
+    stored = plan_rows(gpu, [len(gpu)], [first], slot_ids, bpc)
+    nbytes = copier.transfer(1, stored, store=True)
     copier.wait({1})
     assert [j for j, _, _ in copier.finished()] == [1]
     assert nbytes == len(gpu) * sum(v.shape[1] for v in views)
@@ -90,9 +90,9 @@ def test_vllm_store_then_load_into_other_blocks(device, copy, packed, bpc):
         assert deadline < 1000
     for v, w in zip(views, want):
         assert torch.equal(v[dst].cpu(), w)
+    host_rows = torch.from_numpy(stored[0][1])
     for h, w in zip(host, want):  # the host rows hold the stored pages
-        rows = plan_rows(gpu, [len(gpu)], [first], slot_ids, bpc)[0][1]
-        assert torch.equal(h[torch.from_numpy(rows)], w)
+        assert torch.equal(h[host_rows], w)
     # Other blocks untouched.
     before = backing.clone()
     rows = plan_rows([0], [1], [0], [-1], bpc)  # a slot the store could not pin: skipped
@@ -160,14 +160,11 @@ def test_sglang_pages_through_the_host_store(layout, pin):
     store = PageStore(page_bytes, host_bytes=8 * page_bytes)
     keys = keys128([key128(k) for k in ("p11", "p12", "p13")])
     src = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 20, 21, 22, 23])
-    p, s = meta(src)
-    segs = len(p) // 3
-    ok = store.put(keys, np.array(p, np.uint64).reshape(3, segs), np.array(s, np.int64).reshape(3, segs))
+    ok = store.put(keys, *_segments(*meta(src), 3))
     assert ok.all()
     want = [page_of(buf, layout, i).clone() for i in (0, 8, 20)]
     dst = torch.tensor([40, 41, 42, 43, 48, 49, 50, 51, 32, 33, 34, 35])
-    p, s = meta(dst)
-    found = store.get(keys, np.array(p, np.uint64).reshape(3, segs), np.array(s, np.int64).reshape(3, segs))
+    found = store.get(keys, *_segments(*meta(dst), 3))
     assert found.all()
     for i, w in zip((40, 48, 32), want):
         assert torch.equal(page_of(buf, layout, i), w)

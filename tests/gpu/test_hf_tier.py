@@ -46,7 +46,7 @@ SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attent
 def test_conversations_on_kernels_with_the_host_tier(dtype, graphs, overlap):
     """overlap: demotions on a side stream."""
     model = H.tiny_model("llama", dtype=dtype, device=DEV, **SHAPE)
-    engine, rec, reqs, outs, s, _ = T.run_conversations(model, dtype, DEV, num_blocks=24, host_slots=64, demote_ahead=6,
+    engine, rec, reqs, outs, s, _ = T.run_conversations(model, num_blocks=24, host_slots=64, demote_ahead=6,
                                                         backend="kernels", cuda_graphs=graphs, tier_overlap=overlap)
     assert s["pinned"] and s["copier"] in ("TorchTierCopier", "TierCopier"), s
     assert s["reloads_completed"] > 0 and s["host_hit_tokens"] >= 3 * T.BS and s["in_flight"] == 0, s
@@ -60,7 +60,7 @@ def test_conversations_on_kernels_with_the_host_tier(dtype, graphs, overlap):
         # in other chunks than the big pool computed them, and bf16's
         # rounding of those K/V flips near-tied argmaxes of the random model
         # (every row's logits still match transformers above).
-        big = T.run_conversations(model, dtype, DEV, num_blocks=256, backend="kernels", cuda_graphs=graphs)
+        big = T.run_conversations(model, num_blocks=256, backend="kernels", cuda_graphs=graphs)
         assert outs == big[3]
 
 

@@ -63,11 +63,12 @@ class Conversations:
         return max(sum(map(len, u)) + sum(o) for u, o in zip(self.users, self.outs))
 
 
-def run_conversations(model, dtype, device, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
+def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
                       backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
                       tier_overlap: bool = False, max_batch: int = 2,
                       step_tokens: int = 48, chunk: int = 24):
-    """Runs the conversations; returns (engine, recorder, requests, outputs by rid, tier summary or None)."""
+    """Runs the conversations (the model's device and dtype); returns (engine, recorder, requests, outputs by
+    rid, tier summary or None, the engine's summary lines)."""
     E = H.load_engine()
     kvmodel = H.twin(model)
     conv = Conversations(E, model.config.vocab_size)
@@ -81,7 +82,7 @@ def run_conversations(model, dtype, device, *, num_blocks: int, host_slots: int 
     engine = E.Engine(runner, cfg, on_logits=lambda b, lg: rec(b, lg, BS))
     reqs = conv.first()
     engine.run(reqs, log=lambda s: None, follow_up=conv.follow_up)
-    assert len(reqs) == 4 * conv.turns and all(r.finished is not None for r in reqs)
+    assert len(reqs) == len(conv.users) * conv.turns and all(r.finished is not None for r in reqs)
     cache.manager.check()
     summary = cache.tier_summary()
     lines = E.summary(engine, reqs, 1.0)
@@ -107,11 +108,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def big_pool(model):
-    return run_conversations(model, torch.float32, "cpu", num_blocks=256)
+    return run_conversations(model, num_blocks=256)
 
 
 def test_evicted_history_is_served_from_the_host_tier(model, big_pool):
-    engine, rec, reqs, outs, s, lines = run_conversations(model, torch.float32, "cpu", num_blocks=24, host_slots=64,
+    engine, rec, reqs, outs, s, lines = run_conversations(model, num_blocks=24, host_slots=64,
                                                           demote_ahead=6)
     # The history of later turns came back from host memory, not recomputed.
     assert s["demotions_completed"] > 0 and s["reloads_completed"] > 0, s
@@ -123,7 +124,7 @@ def test_evicted_history_is_served_from_the_host_tier(model, big_pool):
     assert count > 100
     # Greedy outputs: the same as with a pool that holds everything, and as recomputing without the tier.
     assert outs == big_pool[3]
-    _, _, _, recompute, none, _ = run_conversations(model, torch.float32, "cpu", num_blocks=24)
+    _, _, _, recompute, none, _ = run_conversations(model, num_blocks=24)
     assert none is None and outs == recompute
     assert any(line.startswith("host tier:") for line in lines)
     assert any(line.startswith("host tier loads:") for line in lines)
@@ -140,7 +141,7 @@ def test_a_lost_reload_is_caught(model):
     def copier(cache):
         return DropReloads(cache.kv, cache.manager.host_tier_memory())
 
-    engine, rec, reqs, _, s, _ = run_conversations(model, torch.float32, "cpu", num_blocks=24, host_slots=64,
+    engine, rec, reqs, _, s, _ = run_conversations(model, num_blocks=24, host_slots=64,
                                                    demote_ahead=6, tier_copier=copier)
     assert s["reloads"] > 0 and s["copier"] == "DropReloads"
     with pytest.raises(AssertionError, match="transformers"):
