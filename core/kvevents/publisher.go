@@ -79,7 +79,7 @@ func (c *Config) setDefaults() {
 		c.MaxSubscribers = 256
 	}
 	if c.Encoding.Medium == "" {
-		c.Encoding.Medium = "GPU"
+		c.Encoding.Medium = prefix.MediumGPU.String()
 	}
 }
 

@@ -95,7 +95,7 @@ func NewEncoder(enc Encoding) *Encoder {
 		enc.MaxBlocks = maxMergedBlocks
 	}
 	if enc.Medium == "" {
-		enc.Medium = "GPU"
+		enc.Medium = prefix.MediumGPU.String()
 	}
 	return &Encoder{enc: enc}
 }

@@ -185,8 +185,6 @@ func NewValkey(addr, prefix string, timeout time.Duration) (*Valkey, error) {
 	return v, nil
 }
 
-func (v *Valkey) key(inst string) []byte { return v.keyIn(inst, prefix.MediumGPU) }
-
 // setNames are the media's set name parts, by medium.
 var setNames = [prefix.NumMedia]string{":inst:", ":inst-cpu:", ":inst-shared:"}
 
@@ -296,6 +294,9 @@ func (v *Valkey) Apply(inst string, ops []Op) error {
 	return nil
 }
 
+// smismember is SMISMEMBER's name, shared by Match's commands.
+var smismember = []byte("SMISMEMBER")
+
 // Match implements Backend: one SMISMEMBER per instance and medium, in
 // one pipeline.
 func (v *Valkey) Match(insts []string, chains [][]kvevents.Key) ([]Held, error) {
@@ -306,13 +307,21 @@ func (v *Valkey) Match(insts []string, chains [][]kvevents.Key) ([]Held, error) 
 		if len(chains[i]) == 0 {
 			continue
 		}
-		for md := range prefix.Medium(prefix.NumMedia) {
-			args := make([][]byte, 0, 2+len(chains[i]))
-			args = append(args, []byte("SMISMEMBER"), v.keyIn(inst, md))
-			for j := range chains[i] {
-				args = append(args, chains[i][j][:])
-			}
-			cmds = append(cmds, args)
+		// Every medium asks after the same members: the first medium's
+		// command lists them, the others copy its list, all in one backing
+		// array (Do only reads the commands).
+		n := 2 + len(chains[i])
+		buf := make([][]byte, 0, prefix.NumMedia*n)
+		buf = append(buf, smismember, v.keyIn(inst, prefix.MediumGPU))
+		for j := range chains[i] {
+			buf = append(buf, chains[i][j][:])
+		}
+		for md := prefix.Medium(1); md < prefix.NumMedia; md++ {
+			buf = append(buf, smismember, v.keyIn(inst, md))
+			buf = append(buf, buf[2:n]...)
+		}
+		for md := range prefix.NumMedia {
+			cmds = append(cmds, buf[md*n:(md+1)*n:(md+1)*n])
 		}
 		which = append(which, i)
 	}

@@ -519,10 +519,6 @@ type Score struct {
 	Stale bool    `json:"stale"` // the index cannot vouch for this instance now
 }
 
-// Weights returns the weights the index's scores give the tiers below the
-// GPU.
-func (x *Index) Weights() Weights { return x.w }
-
 // Query returns every instance's longest cached prefix of a prompt (keys
 // may be nil) per medium, and its score, in the instances' configured
 // order.

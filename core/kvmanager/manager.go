@@ -280,8 +280,7 @@ func (m *Manager) Add(id int64, promptLen int) error {
 	}
 	m.makeFree(need)
 	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(need, nil)}
-	assertOK(m.pool.Allocate(s.blocks, -1), "add: allocating blocks made free")
-	m.allocated(s.blocks)
+	m.allocate(s.blocks, -1, "add: allocating blocks made free")
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
@@ -392,8 +391,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 			old := len(s.blocks)
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
 			// The batch's total was made free above.
-			assertOK(m.pool.Allocate(s.blocks[old:], s.blocks[old-1]), "grow: allocating blocks made free")
-			m.allocated(s.blocks[old:])
+			m.allocate(s.blocks[old:], s.blocks[old-1], "grow: allocating blocks made free")
 			wasteDelta += int64(add * m.bs)
 		}
 		if tokens != nil {
@@ -490,8 +488,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 				hint = p.blocks[full-1]
 			}
 			// The free count was checked and made free above.
-			assertOK(m.pool.Allocate(c.blocks[full:], hint), "fork: allocating the copy-on-write blocks")
-			m.allocated(c.blocks[full:])
+			m.allocate(c.blocks[full:], hint, "fork: allocating the copy-on-write blocks")
 			copies[i] = CopyPair{Src: last, Dst: c.blocks[full]}
 			n++
 		}

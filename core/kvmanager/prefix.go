@@ -219,8 +219,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	if k > 0 {
 		hint = s.blocks[k-1]
 	}
-	assertOK(m.pool.Allocate(s.blocks[k:], hint), "admit: allocating blocks made free")
-	m.allocated(s.blocks[k:])
+	m.allocate(s.blocks[k:], hint, "admit: allocating blocks made free")
 	if hostHit > 0 {
 		m.queueReloads(s, k, hostHit)
 	}

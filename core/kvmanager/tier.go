@@ -484,7 +484,7 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	unheld := len(t.evictOps)
 	t.evictOps = t.evictOps[:0]
 	if want := t.cfg.DemoteAhead - m.pool.NumFree() - t.nBlocks; want > 0 {
-		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want)
+		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want, t.events)
 		t.pending = m.reserveDemotions(t.pending, true, "flush copies")
 	}
 	t.epoch++ // the blocks allocated so far are the step's to write
@@ -515,7 +515,7 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 }
 
 // reserveDemotions reserves host slots for the blocks the prefix cache
-// just evicted (t.evInfo, t.evToks; described for the KV events) and
+// just evicted (t.evInfo; t.evToks too with KV events on, for them) and
 // appends their demotions to ops. hold (FlushCopies' demotions): each op
 // holds its GPU block until the copy completes; otherwise (the blocks an
 // allocation evicts, DemoteEvicted) the blocks are freed at once, the ops
@@ -583,13 +583,17 @@ func (m *Manager) reserveDemotions(ops []DemoteOp, hold bool, op string) []Demot
 // can demote for the next flush.
 func (m *Manager) evictForAlloc(n int) {
 	t := m.tier
-	t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], n)
+	t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], n, t.events)
 	t.evictOps = m.reserveDemotions(t.evictOps, false, "allocate")
 }
 
-// allocated records blocks just allocated: their K/V is the current
-// step's to write, so no demotion reads them before the next flush.
-func (m *Manager) allocated(blocks []int32) {
+// allocate allocates blocks the caller made free (hint as pool.Allocate)
+// and records them as just allocated: their K/V is the current step's to
+// write, so no demotion reads them before the next flush. One call does
+// both so that no allocation misses the stamp. what names the caller's
+// step for the panic when the blocks were not free.
+func (m *Manager) allocate(blocks []int32, hint int32, what string) {
+	assertOK(m.pool.Allocate(blocks, hint), what)
 	if t := m.tier; t != nil {
 		for _, b := range blocks {
 			t.stamp[b] = t.epoch

@@ -12,15 +12,7 @@ import (
 // when nothing else is evictable. One BlockRemoved event lists the call's
 // blocks.
 func (x *Index) Evict(dst []int32, n int) []int32 {
-	dst, _ = x.evict(dst, nil, n, false, nil)
-	return dst
-}
-
-// EvictHashes is Evict that also appends each evicted block's hash to
-// hashes, in the order of dst, and returns both: for a caller that keeps
-// evicted blocks elsewhere under their hash (the host tier).
-func (x *Index) EvictHashes(dst []int32, hashes []Hash, n int) ([]int32, []Hash) {
-	return x.evict(dst, hashes, n, true, nil)
+	return x.evict(dst, n, nil)
 }
 
 // EvictedBlock is a block EvictBlocks removed, with the fields of the
@@ -34,25 +26,27 @@ type EvictedBlock struct {
 }
 
 // EvictBlocks is Evict that describes each evicted block: it appends one
-// EvictedBlock per block to info and the block's BlockSize tokens to
-// toks, in eviction order, and returns both: for a caller that keeps
-// evicted blocks elsewhere and announces them there (the host tier's
-// events).
-func (x *Index) EvictBlocks(info []EvictedBlock, toks []int32, n int) ([]EvictedBlock, []int32) {
-	d := evictDesc{info, toks}
-	x.evict(nil, nil, n, false, &d)
+// EvictedBlock per block to info and returns it, in eviction order: for a
+// caller that keeps evicted blocks elsewhere (the host tier). With tokens,
+// it also appends each block's BlockSize tokens to toks, which only a
+// caller announcing the blocks there needs (the host tier's events); toks
+// comes back as passed otherwise, sparing the copy.
+func (x *Index) EvictBlocks(info []EvictedBlock, toks []int32, n int, tokens bool) ([]EvictedBlock, []int32) {
+	d := evictDesc{info: info, toks: toks, tokens: tokens}
+	x.evict(nil, n, &d)
 	return d.info, d.toks
 }
 
 // evictDesc collects EvictBlocks' descriptions.
 type evictDesc struct {
-	info []EvictedBlock
-	toks []int32
+	info   []EvictedBlock
+	toks   []int32
+	tokens bool
 }
 
 // evict evicts up to n blocks, appending their ids to dst, or, when desc
 // is not nil, their descriptions to desc instead.
-func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool, desc *evictDesc) ([]int32, []Hash) {
+func (x *Index) evict(dst []int32, n int, desc *evictDesc) []int32 {
 	count := 0
 	x.removedHashes = x.removedHashes[:0]
 	for count < n && len(x.heap) > 0 {
@@ -61,15 +55,14 @@ func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool, desc *
 		nd := &x.nodes[i]
 		if desc != nil {
 			desc.info = append(desc.info, EvictedBlock{Block: nd.block, Hash: nd.hash, Parent: x.nodes[nd.parent].hash, Adapter: nd.adapter, MM: nd.mm})
-			desc.toks = append(desc.toks, x.tokensOf(i)...)
+			if desc.tokens {
+				desc.toks = append(desc.toks, x.tokensOf(i)...)
+			}
 		} else {
 			dst = append(dst, nd.block)
 		}
 		if x.events.on {
 			x.removedHashes = append(x.removedHashes, nd.hash)
-		}
-		if wantHashes {
-			hashes = append(hashes, nd.hash)
 		}
 		x.unlink(i)
 		count++
@@ -78,7 +71,7 @@ func (x *Index) evict(dst []int32, hashes []Hash, n int, wantHashes bool, desc *
 	if len(x.removedHashes) > 0 {
 		x.events.removed(MediumGPU, x.removedHashes)
 	}
-	return dst, hashes
+	return dst
 }
 
 // unlink removes leaf i from the tree and frees its slot.

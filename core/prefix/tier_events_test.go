@@ -38,16 +38,16 @@ func TestMediumNames(t *testing.T) {
 // EvictBlocks evicts what Evict would, in the same order, and describes
 // each block as its BlockStored did.
 func TestEvictBlocksDescribes(t *testing.T) {
-	a, b := newIndex(t, 4, 16, true), newIndex(t, 4, 16, true)
+	a, b, c := newIndex(t, 4, 16, true), newIndex(t, 4, 16, true), newIndex(t, 4, 16, true)
 	keys := &Keys{Adapter: 3, MM: []MMItem{{Offset: 2, Length: 4, Hash: Hash{5}}}}
 	p := seq(0, 16)
-	for _, x := range []*Index{a, b} {
+	for _, x := range []*Index{a, b, c} {
 		unlock(t, x, cache(t, x, p, keys, 3, 5, 7, 9)...)
 	}
 	stored := b.DrainEvents(0)
 	a.DrainEvents(0)
 	want := evict(t, a, 3)
-	info, toks := b.EvictBlocks([]EvictedBlock{{Block: -1}}, []int32{-1}, 3)
+	info, toks := b.EvictBlocks([]EvictedBlock{{Block: -1}}, []int32{-1}, 3, true)
 	check(t, b)
 	if len(info) != 4 || info[0].Block != -1 || len(toks) != 1+3*4 {
 		t.Fatalf("EvictBlocks appended %d blocks, %d tokens", len(info)-1, len(toks)-1)
@@ -61,6 +61,14 @@ func TestEvictBlocksDescribes(t *testing.T) {
 	}
 	if !slices.EqualFunc(a.DrainEvents(0), b.DrainEvents(0), func(x, y Event) bool { return x.Kind == y.Kind && slices.Equal(x.Hashes, y.Hashes) }) {
 		t.Fatal("EvictBlocks and Evict recorded different events")
+	}
+	// Without tokens: the same blocks, described alike, and toks untouched.
+	cinfo, ctoks := c.EvictBlocks(nil, []int32{-1}, 3, false)
+	check(t, c)
+	if !slices.EqualFunc(cinfo, info[1:], func(x, y EvictedBlock) bool {
+		return x.Block == y.Block && x.Hash == y.Hash && x.Parent == y.Parent && x.Adapter == y.Adapter && slices.Equal(x.MM, y.MM)
+	}) || !slices.Equal(ctoks, []int32{-1}) {
+		t.Fatalf("EvictBlocks without tokens: %+v, %v", cinfo, ctoks)
 	}
 }
 

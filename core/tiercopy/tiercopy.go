@@ -207,9 +207,6 @@ func New(l Layers, h Host) (*Copier, error) {
 	return c, nil
 }
 
-// HostDevicePtr is the device's address of the host region.
-func (c *Copier) HostDevicePtr() cuda.DevicePtr { return c.reg.Device }
-
 // Run enqueues the copies on stream (a stream of the copier's context):
 // demotions (block -> slot) and reloads (slot -> block), the demotions in
 // launches of their own ahead of the reloads' (a reload may overwrite a
