@@ -156,18 +156,13 @@ func kvp_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 		if slots == nil || evicted == nil || numEvicted == nil {
 			return kverr.Errorf(kverr.NullPointer, "%s: slots, evicted and num_evicted must not be NULL", op)
 		}
-		// Go scratch first: nothing reaches the caller's arrays on a refusal.
-		sl := make([]host.Slot, len(ks))
-		ev := make([]uint64, len(ks))
-		ne, err := hs.pool.ReserveKeys(ks, sl, ev)
+		// host.Slot is an int32, and ReserveKeys writes nothing until the
+		// whole batch fits: a refusal leaves the caller's arrays as they were.
+		ne, err := hs.pool.ReserveKeys(ks, slice[host.Slot](unsafe.Pointer(slots), n),
+			slice[uint64](unsafe.Pointer(evicted), n))
 		if err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, op)
 		}
-		out := slice[int32](unsafe.Pointer(slots), n)
-		for i, s := range sl {
-			out[i] = int32(s)
-		}
-		copy(slice[uint64](unsafe.Pointer(evicted), n), ev[:ne])
 		*numEvicted = C.int32_t(ne)
 		return nil
 	})
@@ -199,14 +194,11 @@ func kvp_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slot
 		if slots == nil {
 			return kverr.Errorf(kverr.NullPointer, "%s: slots must not be NULL", op)
 		}
-		sl := make([]host.Slot, len(ks))
-		pinned, err := hs.pool.PinKeys(ks, sl)
+		// As in reserve: PinKeys writes the int32 slots only once its
+		// checks pass.
+		pinned, err := hs.pool.PinKeys(ks, slice[host.Slot](unsafe.Pointer(slots), n))
 		if err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, op)
-		}
-		out := slice[int32](unsafe.Pointer(slots), n)
-		for i, s := range sl {
-			out[i] = int32(s)
 		}
 		if num != nil {
 			*num = C.int32_t(pinned)

@@ -294,10 +294,9 @@ func kvp_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvent
 		outHash := slice[prefix.Hash](unsafe.Pointer(hashes), maxHashes)
 		nTok, nMM, nHash := 0, 0, 0
 		for i, ev := range evs {
-			e := C.kvp_kv_event{kind: C.int32_t(ev.Kind)}
-			if ev.Kind != prefix.AllCleared {
-				e.medium = C.int32_t(ev.Medium)
-			}
+			// AllCleared has no medium: its Medium is the zero value, so
+			// its medium field stays 0 as the header has it.
+			e := C.kvp_kv_event{kind: C.int32_t(ev.Kind), medium: C.int32_t(ev.Medium)}
 			switch ev.Kind {
 			case prefix.BlockStored:
 				e.block_size = C.int32_t(ev.BlockSize)

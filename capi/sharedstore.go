@@ -1,7 +1,6 @@
 package main
 
 /*
-#include <string.h>
 #include "kvplug.h"
 */
 import "C"
@@ -23,9 +22,6 @@ var (
 	sharedStoreConfigStruct = structOf[C.kvp_shared_store_config]("kvp_shared_store_config", 0)
 	sharedStoreStatsStruct  = structOf[C.kvp_shared_store_stats]("kvp_shared_store_stats", 0)
 )
-
-// maxAddressLen bounds kvp_shared_store_config.address.
-const maxAddressLen = 1024
 
 func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_status {
 	return onHandle(unsafe.Pointer(h), "kvp_shared_store", f)
@@ -59,37 +55,25 @@ func kvp_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_
 	if c.reserved != 0 {
 		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
 	}
-	addr, ok := cString(c.address, maxAddressLen)
+	addr, ok := cString(c.address, maxAddrLen)
 	if !ok {
-		return failf(kverr.InvalidArgument, "%s: cfg.address is longer than %d bytes (or not NUL-terminated)", op, maxAddressLen)
+		return failf(kverr.InvalidArgument, "%s: cfg.address is longer than %d bytes (or not NUL-terminated)", op, maxAddrLen)
 	}
 	ns, ok := cString(c.key_space, 64)
 	if !ok {
 		return failf(kverr.InvalidArgument, "%s: cfg.key_space is longer than 64 bytes (or not NUL-terminated)", op)
 	}
-	ms := func(name string, v C.int32_t) (time.Duration, error) {
-		if v < 0 {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.%s must be >= 0: got %d", op, name, int32(v))
-		}
-		return time.Duration(v) * time.Millisecond, nil
-	}
-	vc := valkey.Config{Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint)}
-	if c.block_bytes < 0 || c.block_bytes > 1<<40 {
+	// Negative sizes and durations are valkey.Config.Check's to refuse
+	// (InvalidArgument); the one bound it has not is a block's size.
+	if c.block_bytes > 1<<40 {
 		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
 	}
-	vc.BlockBytes = int(c.block_bytes)
-	var err error
-	for _, f := range []struct {
-		name string
-		v    C.int32_t
-		dst  *time.Duration
-	}{{"dial_timeout_ms", c.dial_timeout_ms, &vc.DialTimeout}, {"op_timeout_ms", c.op_timeout_ms, &vc.OpTimeout},
-		{"ttl_ms", c.ttl_ms, &vc.TTL}, {"backoff_ms", c.backoff_ms, &vc.Backoff}, {"max_backoff_ms", c.max_backoff_ms, &vc.MaxBackoff}} {
-		if *f.dst, err = ms(f.name, f.v); err != nil {
-			return fail(err)
-		}
-	}
-	t, err := valkey.New(vc)
+	ms := func(v C.int32_t) time.Duration { return time.Duration(v) * time.Millisecond }
+	t, err := valkey.New(valkey.Config{
+		Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint), BlockBytes: int(c.block_bytes),
+		DialTimeout: ms(c.dial_timeout_ms), OpTimeout: ms(c.op_timeout_ms), TTL: ms(c.ttl_ms),
+		Backoff: ms(c.backoff_ms), MaxBackoff: ms(c.max_backoff_ms),
+	})
 	if err != nil {
 		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
 	}
@@ -197,29 +181,18 @@ func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 		if found == nil {
 			return kverr.Errorf(kverr.NullPointer, "%s: found must not be NULL", op)
 		}
-		out := slice[int32](unsafe.Pointer(found), n)
+		// Key i's segments, viewed in place: the tier copies each value
+		// straight into the caller's memory.
 		g := int(segs)
-		if g == 1 {
-			dst := make([][]byte, len(ks))
-			for i := range ks {
-				dst[i] = unsafe.Slice((*byte)(ps[i]), int(ls[i]))
-			}
-			putFlags(out, t.GetInto(ks, dst))
-			return nil
+		views := make([][]byte, len(ps))
+		for k, p := range ps {
+			views[k] = unsafe.Slice((*byte)(p), int(ls[k]))
 		}
-		for i, p := range t.Get(ks) {
-			out[i] = 0
-			if p == nil || int64(len(p)) != valueSize(ls, i, g) {
-				continue
-			}
-			for j := 0; j < g; j++ {
-				if l := ls[i*g+j]; l > 0 {
-					C.memcpy(ps[i*g+j], unsafe.Pointer(&p[0]), C.size_t(l))
-					p = p[l:]
-				}
-			}
-			out[i] = 1
+		dst := make([][][]byte, len(ks))
+		for i := range ks {
+			dst[i] = views[i*g : (i+1)*g : (i+1)*g]
 		}
+		putFlags(slice[int32](unsafe.Pointer(found), n), t.GetSegments(ks, dst))
 		return nil
 	})
 }

@@ -106,8 +106,9 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 	return ht, nil
 }
 
-// maxAddrLen bounds kvp_manager_config.shared_tier_addr (and the length
-// read of the namespace, which the core bounds at 64).
+// maxAddrLen bounds a server address: kvp_manager_config.shared_tier_addr
+// (and the length read of the namespace, which the core bounds at 64) and
+// kvp_shared_store_config.address.
 const maxAddrLen = 1024
 
 // sharedTierOf translates and checks the config's shared tier fields;

@@ -232,6 +232,19 @@ def checked_int(value: Any, what: str, ctype: str = "int64", lo: Optional[int] =
     return v
 
 
+def c_string(value: Optional[str], what: str) -> Optional[bytes]:
+    """value as the bytes of a config struct's char * field: None is NULL.
+    A NUL inside would cut the string short in C, so it is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, not {type(value).__name__}")
+    b = value.encode("utf-8")
+    if b"\x00" in b:
+        raise ValueError(f"{what} contains a NUL character")
+    return b
+
+
 _load_lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_path: Optional[str] = None

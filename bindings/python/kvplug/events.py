@@ -63,17 +63,6 @@ class EventPublisherStats:
     replay_port: int
 
 
-def _text(value: Optional[str], what: str) -> Optional[bytes]:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"EventPublisher: {what} must be a str or None, not {type(value).__name__}")
-    b = value.encode("utf-8")
-    if b"\x00" in b:
-        raise ValueError(f"EventPublisher: {what} contains a NUL character")
-    return b
-
-
 class EventPublisher(_lib.Owner):
     """Publishes a Manager's KV events (the manager needs prefix_cache=True
     and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
@@ -112,10 +101,10 @@ class EventPublisher(_lib.Owner):
         i32 = lambda v, what, lo=None: _lib.checked_int(v, f"EventPublisher: {what}", "int32", lo=lo)  # noqa: E731
         cfg = EventPublisherConfig(
             ctypes.sizeof(EventPublisherConfig),
-            _text(endpoint, "endpoint"),
-            _text(replay_endpoint, "replay_endpoint"),
-            _text(topic, "topic"),
-            _text(medium, "medium"),
+            _lib.c_string(endpoint, "EventPublisher: endpoint"),
+            _lib.c_string(replay_endpoint, "EventPublisher: replay_endpoint"),
+            _lib.c_string(topic, "EventPublisher: topic"),
+            _lib.c_string(medium, "EventPublisher: medium"),
             i32(bind_mode, "bind_mode"),
             i32(event_format, "event_format"),
             i32(hash_format, "hash_format"),

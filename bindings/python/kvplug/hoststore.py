@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional, Tuple, Union
 import numpy as np
 
 from . import _lib
+from ._arrays import addr as _addr
 from ._capi import HostStoreConfig, HostStoreStatsStruct
 from ._lib import C
 
@@ -52,10 +53,6 @@ def keys_array(keys: Iterable[int]) -> np.ndarray:
     if isinstance(keys, np.ndarray):
         return np.ascontiguousarray(keys, dtype=np.uint64)
     return np.fromiter(keys, dtype=np.uint64)
-
-
-def _addr(a: np.ndarray) -> int:
-    return a.ctypes.data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +111,16 @@ class HostStore(_lib.Owner):
     def __repr__(self) -> str:
         return "HostStore(closed)" if self._h is None else f"HostStore(num_slots={self.num_slots}, slot_bytes={self.slot_bytes})"
 
+    def _count(self, fn: Any, keys: Iterable[int], *args: Any) -> int:
+        """fn(handle, n, keys, *args, &count) for a call by key that returns
+        a count; 0 without calling for no keys."""
+        k = keys_array(keys)
+        if not len(k):
+            return 0
+        n = _i32()
+        _lib.check(fn(self._h, len(k), _addr(k), *args, ctypes.byref(n)))
+        return n.value
+
     def state(self, keys: Iterable[int]) -> Tuple[np.ndarray, np.ndarray]:
         """(states, slots) of keys: ABSENT, PENDING or RESIDENT, and the
         slot (-1 when absent). Touches and counts nothing."""
@@ -126,12 +133,7 @@ class HostStore(_lib.Owner):
 
     def lookup_prefix(self, keys: Iterable[int]) -> int:
         """How many keys, from the first, are resident (marked recently used)."""
-        k = keys_array(keys)
-        if not len(k):
-            return 0
-        m = _i32()
-        _lib.check(C.kvp_host_store_lookup_prefix(self._h, len(k), _addr(k), ctypes.byref(m)))
-        return m.value
+        return self._count(C.kvp_host_store_lookup_prefix, keys)
 
     def try_reserve(self, keys: Iterable[int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """(slots, evicted keys), or None when the batch does not fit (nothing
@@ -163,12 +165,7 @@ class HostStore(_lib.Owner):
     def complete(self, keys: Iterable[int], failed: bool = False) -> int:
         """Commits (or, failed, gives back) the pending keys; returns how many
         were pending (the rest count as stale)."""
-        k = keys_array(keys)
-        if not len(k):
-            return 0
-        n = _i32()
-        _lib.check(C.kvp_host_store_complete(self._h, len(k), _addr(k), 1 if failed else 0, ctypes.byref(n)))
-        return n.value
+        return self._count(C.kvp_host_store_complete, keys, 1 if failed else 0)
 
     def pin(self, keys: Iterable[int]) -> Tuple[np.ndarray, int]:
         """Pins the resident keys for a copy out of them: (slots, how many),
@@ -183,12 +180,7 @@ class HostStore(_lib.Owner):
 
     def unpin(self, keys: Iterable[int]) -> int:
         """Drops one pin of each pinned key; returns how many."""
-        k = keys_array(keys)
-        if not len(k):
-            return 0
-        n = _i32()
-        _lib.check(C.kvp_host_store_unpin(self._h, len(k), _addr(k), ctypes.byref(n)))
-        return n.value
+        return self._count(C.kvp_host_store_unpin, keys)
 
     def touch(self, keys: Iterable[int]) -> None:
         """Marks the resident keys recently used, the first most recently."""

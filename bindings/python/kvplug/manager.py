@@ -78,18 +78,6 @@ def _scalar(obj: Any) -> bool:
     return isinstance(obj, (numbers.Number, str, bytes))
 
 
-def _cstr(value: Optional[str], what: str) -> Optional[bytes]:
-    """A config string for a char * field: None is NULL."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str or None, not {type(value).__name__}")
-    b = value.encode("utf-8")
-    if b"\x00" in b:
-        raise ValueError(f"{what} contains a NUL character")
-    return b
-
-
 def _release(handle: int) -> None:
     """Destroys a manager collected without close(), saying so when it still
     had live sequences. Holds no reference to the Manager (a finalizer
@@ -193,7 +181,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
             host_tier_slots, demote_ahead, int(bool(demote_evicted)), host_block_bytes,
-            _cstr(shared_tier, "Manager: shared_tier"), _cstr(shared_tier_namespace, "Manager: shared_tier_namespace"),
+            _lib.c_string(shared_tier, "Manager: shared_tier"),
+            _lib.c_string(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
         )
         out = _vp()

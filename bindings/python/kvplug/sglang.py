@@ -103,6 +103,26 @@ class PageStore:
             found[rest] = self.shared.exists(keys[rest])
         return found
 
+    def _host_fill(self, k64: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> Optional[np.ndarray]:
+        """Copies the pages of the keys the host tier lacks into it: the
+        positions of the keys stored now (the others it held already), or
+        None when the batch does not fit. A write that raises gives the
+        reserved slots back (completed as failed) before the error goes on:
+        left pending they would stay pinned, and their keys unreadable."""
+        r = self.host.try_reserve(k64)
+        if r is None:
+            return None
+        slots, _ = r
+        new = np.flatnonzero(slots >= 0)
+        try:
+            if len(new):
+                self.host.write(slots[new], ptrs[new], lens[new])
+            self.host.complete(k64[new])
+        except Exception:
+            self.host.complete(k64[new], failed=True)
+            raise
+        return new
+
     def put(self, keys: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Stores the pages; ok[i]: key i is in a tier now (stored, or there
         already)."""
@@ -110,23 +130,12 @@ class PageStore:
         ok = np.zeros(n, bool)
         to_shared = np.arange(n)
         if self.host is not None:
-            k64 = keys64(keys)
-            r = self.host.try_reserve(k64)
-            if r is None:
+            new = self._host_fill(keys64(keys), ptrs, lens)
+            if new is None:
                 self._count(host_full=n)
             else:
-                slots, _ = r
-                new = np.flatnonzero(slots >= 0)
-                self._count(host_present=n - len(new))
-                try:
-                    if len(new):
-                        self.host.write(slots[new], ptrs[new], lens[new])
-                    self.host.complete(k64[new])
-                    ok[:] = True
-                    self._count(host_stored=len(new))
-                except Exception:
-                    self.host.complete(k64[new], failed=True)
-                    raise
+                ok[:] = True
+                self._count(host_present=n - len(new), host_stored=len(new))
                 to_shared = new
         if self.shared is not None and len(to_shared):
             stored = self.shared.put(keys[to_shared], ptrs[to_shared], lens[to_shared])
@@ -158,13 +167,8 @@ class PageStore:
             fetched = rest[got]
             self._count(shared_hits=len(fetched), misses=len(rest) - len(fetched))
             if len(fetched) and self.host is not None:
-                r = self.host.try_reserve(k64[fetched])
-                if r is not None:
-                    slots, _ = r
-                    new = np.flatnonzero(slots >= 0)
-                    if len(new):
-                        self.host.write(slots[new], ptrs[fetched][new], lens[fetched][new])
-                    self.host.complete(k64[fetched][new])
+                new = self._host_fill(k64[fetched], ptrs[fetched], lens[fetched])
+                if new is not None:
                     self._count(host_filled=len(new))
         else:
             self._count(misses=len(rest))

@@ -305,6 +305,34 @@ func (t *Tier) GetInto(hashes []Hash, dst [][]byte) []bool {
 	return found
 }
 
+// GetSegments is GetInto for payloads held in pieces (a block whose K and
+// V, or layers, lie apart): dst[i] are hashes[i]'s segments, which the
+// payload fills in order. A value that is not exactly as long as its
+// segments together is a miss, counted corrupt, as in GetInto; dst[i] is
+// untouched on a miss.
+func (t *Tier) GetSegments(hashes []Hash, dst [][][]byte) []bool {
+	found := make([]bool, len(hashes))
+	if len(dst) < len(hashes) {
+		t.misses.Add(int64(len(hashes)))
+		return found
+	}
+	t.get(hashes, func(i int, p []byte) bool {
+		size := 0
+		for _, d := range dst[i] {
+			size += len(d)
+		}
+		if len(p) != size {
+			return false
+		}
+		for _, d := range dst[i] {
+			p = p[copy(d, p):]
+		}
+		found[i] = true
+		return true
+	})
+	return found
+}
+
 func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 	if len(hashes) == 0 {
 		return

@@ -96,6 +96,42 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	}
 }
 
+// GetSegments scatters a payload over its segments in order; a value of
+// another length than theirs together is a corrupt miss that leaves them
+// alone.
+func TestGetSegments(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	tr := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 7, OpTimeout: time.Second})
+	ps := [][]byte{payload(1, 96), payload(2, 64)}
+	if n := tr.Put(hs(1, 2), ps); n != 2 {
+		t.Fatalf("stored %d", n)
+	}
+	seg := func(ls ...int) [][]byte {
+		out := make([][]byte, len(ls))
+		for i, l := range ls {
+			out[i] = bytes.Repeat([]byte{0xee}, l)
+		}
+		return out
+	}
+	dst := [][][]byte{seg(32, 0, 64), seg(32, 48), seg(8)}
+	found := tr.GetSegments(hs(1, 2, 3), dst)
+	if !found[0] || found[1] || found[2] {
+		t.Fatalf("GetSegments %v", found)
+	}
+	if !bytes.Equal(append(dst[0][0], dst[0][2]...), ps[0]) {
+		t.Fatal("segments differ from the payload")
+	}
+	if !bytes.Equal(dst[1][0], seg(32)[0]) || !bytes.Equal(dst[1][1], seg(48)[0]) {
+		t.Fatal("a miss wrote its segments")
+	}
+	if st := tr.Stats(); st.Hits != 1 || st.Corrupt != 1 || st.Misses != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if found := tr.GetSegments(hs(1), nil); found[0] {
+		t.Fatal("a hit without segments")
+	}
+}
+
 func TestKeyAndEncoding(t *testing.T) {
 	tr := newTier(t, Config{Addr: "127.0.0.1:1", Namespace: "llama3-8b.bs16"})
 	if k := tr.Key(hashOf(0xab)); k != "kvplug:llama3-8b.bs16:0123456789abcdef00000000000000ab" {

@@ -34,7 +34,7 @@ import torch
 
 import kvplug
 
-from .tier_copy import HostTier, block_bytes, make_copier, manager_takes
+from .tier_copy import HostTier, block_bytes, make_copier
 
 __all__ = ["ModelShape", "PagedKVCache", "Batch", "SequenceState"]
 
@@ -150,7 +150,7 @@ class PagedKVCache:
     allocations evict, copied in the step's batch on the step's stream
     ahead of its forward pass (kvplug.Manager's demote_evicted; it needs
     the demotions on the step's stream, so not with tier_overlap). shared_tier
-    ("host:port") goes to the Manager where the binding has that argument."""
+    ("host:port") goes to the Manager's shared_tier."""
 
     def __init__(
         self,
@@ -188,14 +188,11 @@ class PagedKVCache:
             if demote_evicted and tier_overlap:
                 raise ValueError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
             if demote_evicted is None:
-                demote_evicted = not tier_overlap and manager_takes("demote_evicted")
+                demote_evicted = not tier_overlap
             if demote_evicted:
                 kw["demote_evicted"] = True
         self.demote_evicted = bool(kw.get("demote_evicted", False))
         if shared_tier:
-            if not manager_takes("shared_tier"):
-                raise ValueError(f"kvplug.hf: shared_tier={shared_tier!r} needs a kvplug binding with the shared tier; "
-                                 "this kvplug.Manager takes no shared_tier argument")
             kw["shared_tier"] = shared_tier
         self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache, **kw)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: K and V of a layer share strides, as the kernels
