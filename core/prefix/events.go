@@ -170,18 +170,10 @@ func (e *eventQueue) stored(x *Index, i int32) {
 	}
 }
 
+// pushStored records a BlockStored of the prefix cache's block i.
 func (e *eventQueue) pushStored(x *Index, i int32) {
 	n := &x.nodes[i]
-	e.q = append(e.q, pendingEvent{
-		kind:    BlockStored,
-		hash:    n.hash,
-		parent:  x.nodes[n.parent].hash,
-		adapter: n.adapter,
-		nTok:    x.bs,
-		nMM:     len(n.mm),
-	})
-	e.toks = append(e.toks, x.tokensOf(i)...)
-	e.mms = append(e.mms, n.mm...)
+	e.pushBlockStored(MediumGPU, n.hash, x.nodes[n.parent].hash, n.adapter, x.tokensOf(i), n.mm)
 }
 
 func (e *eventQueue) removed(m Medium, hashes []Hash) {
@@ -193,17 +185,25 @@ func (e *eventQueue) removed(m Medium, hashes []Hash) {
 
 // pushTier records a BlockStored of a tier's block.
 func (e *eventQueue) pushTier(b *TierBlock) {
+	e.pushBlockStored(b.Medium, b.Hash, b.Parent, b.Adapter, b.Tokens, b.MM)
+}
+
+// pushBlockStored records a BlockStored of medium m, whether the block is
+// the prefix cache's own (pushStored) or a tier's (pushTier). Its tokens
+// and extra keys are copied into the arenas, since their owner may reuse
+// them before the event is drained; the event's BlockSize is len(tokens).
+func (e *eventQueue) pushBlockStored(m Medium, hash, parent Hash, adapter uint64, tokens []int32, mm []BlockMM) {
 	e.q = append(e.q, pendingEvent{
 		kind:    BlockStored,
-		medium:  b.Medium,
-		hash:    b.Hash,
-		parent:  b.Parent,
-		adapter: b.Adapter,
-		nTok:    len(b.Tokens),
-		nMM:     len(b.MM),
+		medium:  m,
+		hash:    hash,
+		parent:  parent,
+		adapter: adapter,
+		nTok:    len(tokens),
+		nMM:     len(mm),
 	})
-	e.toks = append(e.toks, b.Tokens...)
-	e.mms = append(e.mms, b.MM...)
+	e.toks = append(e.toks, tokens...)
+	e.mms = append(e.mms, mm...)
 }
 
 // pushTierBlocks records a BlockStored for every block the tier source

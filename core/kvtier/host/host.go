@@ -216,11 +216,8 @@ func (p *Pool) ReserveEvict(hash uint64) (Slot, Eviction, error) {
 		return NoSlot, Eviction{}, kverr.Errorf(kverr.InvalidArgument, "host tier: block %016x is already in slot %d", hash, s)
 	}
 	var ev Eviction
-	var s Slot
-	if n := len(p.freeList); n > 0 {
-		s = p.freeList[n-1]
-		p.freeList = p.freeList[:n-1]
-	} else {
+	s := p.popFree()
+	if s == NoSlot {
 		s = p.tail
 		for s != NoSlot && p.slots[s].pins > 0 {
 			s = p.slots[s].prev
@@ -229,17 +226,9 @@ func (p *Pool) ReserveEvict(hash uint64) (Slot, Eviction, error) {
 			p.st.SkippedFull++
 			return NoSlot, Eviction{}, kverr.Errorf(kverr.OutOfBlocks, "host tier: all %d slots pinned", len(p.slots))
 		}
-		p.unlink(s)
-		delete(p.index, p.slots[s].hash)
-		ev = Eviction{Hash: p.slots[s].hash, Evicted: true}
-		p.st.Resident--
-		p.st.Evictions++
+		ev = Eviction{Hash: p.evictResident(s), Evicted: true}
 	}
-	p.slots[s] = slot{hash: hash, st: reserved, pins: 1, prev: NoSlot, next: NoSlot}
-	p.index[hash] = s
-	p.st.Reserved++
-	p.st.Pinned++
-	p.st.Demotions++
+	p.reserveFree(s, hash)
 	return s, ev, nil
 }
 
@@ -257,23 +246,10 @@ func (p *Pool) CommitPinned(s Slot) error { return p.commit(s, true) }
 func (p *Pool) commit(s Slot, keepPin bool) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.check(s); err != nil {
+	if err := p.checkReserved(s); err != nil {
 		return err
 	}
-	sl := &p.slots[s]
-	if sl.st != reserved {
-		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
-	}
-	sl.st = resident
-	p.st.Reserved--
-	p.st.Resident++
-	p.st.Commits++
-	if !keepPin {
-		p.unpin(s)
-	}
-	if !p.linked(s) { // a ReserveKeys slot keeps its place (keyed.go)
-		p.pushFront(s)
-	}
+	p.commitReserved(s, keepPin)
 	return nil
 }
 
@@ -281,23 +257,94 @@ func (p *Pool) commit(s Slot, keepPin bool) error {
 func (p *Pool) Abort(s Slot) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.checkReserved(s); err != nil {
+		return err
+	}
+	p.abortReserved(s)
+	return nil
+}
+
+// checkReserved is check that also requires slot s to be reserved.
+func (p *Pool) checkReserved(s Slot) error {
 	if err := p.check(s); err != nil {
 		return err
 	}
-	sl := &p.slots[s]
-	if sl.st != reserved {
+	if p.slots[s].st != reserved {
 		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
 	}
-	if p.linked(s) { // a ReserveKeys slot (keyed.go)
+	return nil
+}
+
+// The slot transitions below are shared by the per-slot calls and the
+// batched calls by key (keyed.go), so that both keep the same counters and
+// the same LRU. The caller holds the lock and has checked the slot's state.
+
+// popFree takes the free slot freed last off the free list; NoSlot when
+// none is free.
+func (p *Pool) popFree() Slot {
+	n := len(p.freeList)
+	if n == 0 {
+		return NoSlot
+	}
+	s := p.freeList[n-1]
+	p.freeList = p.freeList[:n-1]
+	return s
+}
+
+// reserveFree hands out free slot s, already off the free list, for an
+// incoming copy of block hash: pinned until commitReserved or
+// abortReserved, and out of the LRU (ReserveKeys links it at once).
+func (p *Pool) reserveFree(s Slot, hash uint64) {
+	p.slots[s] = slot{hash: hash, st: reserved, pins: 1, prev: NoSlot, next: NoSlot}
+	p.index[hash] = s
+	p.st.Reserved++
+	p.st.Pinned++
+	p.st.Demotions++
+}
+
+// commitReserved makes reserved slot s's block resident and drops the pin
+// its reservation took, unless keepPin. A slot Reserve handed out becomes
+// the most recently used; one ReserveKeys handed out is in the LRU already
+// and keeps its place there.
+func (p *Pool) commitReserved(s Slot, keepPin bool) {
+	p.slots[s].st = resident
+	p.st.Reserved--
+	p.st.Resident++
+	p.st.Commits++
+	if !keepPin {
+		p.unpin(s)
+	}
+	if !p.linked(s) {
+		p.pushFront(s)
+	}
+}
+
+// abortReserved gives reserved slot s back to the free list, to be reused
+// first.
+func (p *Pool) abortReserved(s Slot) {
+	if p.linked(s) { // a ReserveKeys slot
 		p.unlink(s)
 	}
-	delete(p.index, sl.hash)
-	*sl = slot{st: free, prev: NoSlot, next: NoSlot}
+	delete(p.index, p.slots[s].hash)
+	p.slots[s] = slot{st: free, prev: NoSlot, next: NoSlot}
 	p.st.Reserved--
 	p.st.Pinned--
 	p.st.Aborts++
 	p.freeList = append(p.freeList, s)
-	return nil
+}
+
+// evictResident drops unpinned resident slot s's block and returns its
+// hash. The slot is left free but off the free list: the caller either
+// reserves it at once (ReserveEvict) or decides where it goes on the free
+// list (ReserveKeys).
+func (p *Pool) evictResident(s Slot) uint64 {
+	h := p.slots[s].hash
+	p.unlink(s)
+	delete(p.index, h)
+	p.slots[s] = slot{st: free, prev: NoSlot, next: NoSlot}
+	p.st.Resident--
+	p.st.Evictions++
+	return h
 }
 
 // Lookup returns the length of the longest run of hashes, from the first,

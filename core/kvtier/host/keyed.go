@@ -103,13 +103,8 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 	if len(victims) > 0 {
 		fl := make([]Slot, 0, len(victims)+len(p.freeList))
 		for _, s := range victims {
-			evicted[nEvicted] = p.slots[s].hash
+			evicted[nEvicted] = p.evictResident(s)
 			nEvicted++
-			p.unlink(s)
-			delete(p.index, p.slots[s].hash)
-			p.slots[s] = slot{st: free, prev: NoSlot, next: NoSlot}
-			p.st.Resident--
-			p.st.Evictions++
 			fl = append(fl, s)
 		}
 		p.freeList = append(fl, p.freeList...)
@@ -125,15 +120,9 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 			slots[i] = NoSlot
 			continue
 		}
-		n := len(p.freeList)
-		s := p.freeList[n-1]
-		p.freeList = p.freeList[:n-1]
-		p.slots[s] = slot{hash: h, st: reserved, pins: 1, prev: NoSlot, next: NoSlot}
-		p.index[h] = s
-		p.pushFront(s)
-		p.st.Reserved++
-		p.st.Pinned++
-		p.st.Demotions++
+		s := p.popFree() // never NoSlot: the victims above made room
+		p.reserveFree(s, h)
+		p.pushFront(s) // recency follows the engine's access, not the copy
 		slots[i] = s
 	}
 	p.st.SkippedPresent += int64(present)
@@ -142,8 +131,9 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 
 // CompleteKeys ends the incoming copies of the reserved keys of hashes:
 // committed (failed false; the block keeps its place in the LRU) or given
-// back (failed true), as Commit and Abort. Keys that are not reserved (resident already, or gone) are
-// counted in Stale and left alone. It returns how many it completed.
+// back (failed true), as Commit and Abort. Keys that are not reserved
+// (resident already, or gone) are counted in Stale and left alone. It
+// returns how many it completed.
 func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -157,25 +147,10 @@ func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 			p.st.Stale++
 			continue
 		}
-		sl := &p.slots[s]
-		p.st.Reserved--
 		if failed {
-			if p.linked(s) {
-				p.unlink(s)
-			}
-			delete(p.index, h)
-			*sl = slot{st: free, prev: NoSlot, next: NoSlot}
-			p.st.Pinned--
-			p.st.Aborts++
-			p.freeList = append(p.freeList, s)
+			p.abortReserved(s)
 		} else {
-			sl.st = resident
-			p.st.Resident++
-			p.st.Commits++
-			p.unpin(s)
-			if !p.linked(s) {
-				p.pushFront(s)
-			}
+			p.commitReserved(s, false)
 		}
 		n++
 	}
