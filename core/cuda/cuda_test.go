@@ -30,7 +30,7 @@ func TestNoDeviceOrBasics(t *testing.T) {
 				t.Errorf("%s: %v, want NO_DEVICE wrapping ErrNoDevice", name, err)
 			}
 		}
-		im := NewImage("test", func() []byte { return []byte{1} })
+		im := NewImage("test", func() ([]byte, error) { return []byte{1}, nil })
 		if _, err := im.Module(); !kverr.Is(err, kverr.NoDevice) {
 			t.Errorf("Image.Module: %v", err)
 		}
@@ -72,7 +72,7 @@ func TestNoDeviceOrBasics(t *testing.T) {
 	}
 	// An image that is not a fatbin fails to load with a CUDA error, kept
 	// for later calls in the same context.
-	im := NewImage("garbage", func() []byte { return []byte("not a fatbin") })
+	im := NewImage("garbage", func() ([]byte, error) { return []byte("not a fatbin"), nil })
 	k := im.Kernel("nothing")
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -86,7 +86,7 @@ func TestNoDeviceOrBasics(t *testing.T) {
 		t.Fatal("launch from a module that failed to load succeeded")
 	}
 	// An empty image: a build without kernels.
-	empty := NewImage("empty", func() []byte { return nil })
+	empty := NewImage("empty", func() ([]byte, error) { return nil, nil })
 	if _, err := empty.Module(); !kverr.Is(err, kverr.Unsupported) {
 		t.Fatalf("empty image: %v", err)
 	}

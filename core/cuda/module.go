@@ -50,7 +50,7 @@ func init() {
 // Image is a fatbin loaded lazily into each context that launches from it.
 type Image struct {
 	name string
-	data func() []byte
+	data func() ([]byte, error)
 
 	mu      sync.Mutex // serialises registration and module loads
 	kernels []*Kernel
@@ -58,8 +58,9 @@ type Image struct {
 }
 
 // NewImage declares an image; data returns the fatbin (empty when the
-// library was built without its kernels).
-func NewImage(name string, data func() []byte) *Image {
+// library was built without its kernels), or why it cannot be had. It is
+// called at each context's first load.
+func NewImage(name string, data func() ([]byte, error)) *Image {
 	im := &Image{name: name, data: data}
 	im.mods.Store(&[]*Module{})
 	return im
@@ -152,7 +153,10 @@ func (im *Image) loadInto(m *Module) error {
 	if m.dev, err = DeviceInfo(ord); err != nil {
 		return err
 	}
-	data := im.data()
+	data, err := im.data()
+	if err != nil {
+		return err
+	}
 	if len(data) == 0 {
 		return kverr.Errorf(kverr.Unsupported, "%s: this library was built without its CUDA kernels (empty fatbin)", what)
 	}

@@ -4,9 +4,35 @@
 package kimage
 
 import (
+	"os"
+
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/kernels"
 )
 
-// Image is the fatbin's image; register kernels on it at package level.
-var Image = cuda.NewImage("kvplug", kernels.Fatbin)
+// OverrideEnv names an environment variable that, when set, gives the path of
+// a fatbin or cubin to load in place of the embedded one. Kernel work uses it
+// to time a variant built with nvcc against the same library without
+// relinking it; each kernel's parameter size is still checked against the
+// library's at launch, so an image of another kernel ABI is refused there.
+// The variable is read at each context's first launch.
+const OverrideEnv = "KVPLUG_KERNEL_IMAGE"
+
+// Image is the kernel image; register kernels on it at package level.
+var Image = cuda.NewImage("kvplug", imageData)
+
+func imageData() ([]byte, error) {
+	path := os.Getenv(OverrideEnv)
+	if path == "" {
+		return kernels.Fatbin(), nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, kverr.Wrap(kverr.InvalidArgument, err, "%s: reading the kernel image", OverrideEnv)
+	}
+	if len(b) == 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "%s=%s: the file is empty", OverrideEnv, path)
+	}
+	return b, nil
+}
