@@ -210,6 +210,7 @@ struct Sm90CascadeSrc {
     };
     const kvp_cascade_params& p;
     const int32_t* work;
+    int32_t* sched = nullptr;  // the static stride: the planner sizes the shared items to one per SM
     int group, window, tile_q;
     int64_t total;
 

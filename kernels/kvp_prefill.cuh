@@ -78,7 +78,11 @@ __device__ __forceinline__ void prefill_plan(const kvp_prefill_plan_params& p) {
             }
         }
     }
-    if (tid == NT - 1) work[0] = min(s_scan[NT - 1], p.max_items);
+    if (tid == NT - 1) {
+        work[0] = min(s_scan[NT - 1], p.max_items);
+        work[KVP_PREFILL_W_NEXT_UNIT] = 0;  // the Hopper kernel's scheduler starts from zero
+        work[KVP_PREFILL_W_NEXT_UNIT + 1] = 0;
+    }
     griddep_launch_dependents();
 }
 

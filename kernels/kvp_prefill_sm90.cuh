@@ -3,12 +3,12 @@
 //
 // A block is three warpgroups over a persistent grid that strides over
 // (item, kv head) pairs like the sm_80 kernel:
-//   - warpgroup 0, the producer (setmaxnreg down to 40 registers), gathers the
+//   - warpgroup 0, the producer (setmaxnreg down to 56 registers), gathers the
 //     item's query rows and then its K/V tiles from the paged cache into shared
 //     memory with cp.async (any block size: each token's row is looked up in
 //     the block table once per tile), STAGES tiles deep, signalling each full
 //     stage on an mbarrier;
-//   - warpgroups 1 and 2, the consumers (setmaxnreg up to 232), each own 64 of
+//   - warpgroups 1 and 2, the consumers (setmaxnreg up to 224), each own 64 of
 //     the item's 128 packed rows: S = Q K^T with wgmma from shared memory,
 //     masking only on tiles that need it, online softmax in registers, then
 //     O += P V with P from registers, and release the stage to the producer.
@@ -37,8 +37,15 @@ struct Sm90Cfg {
     static constexpr int Q_BYTES = TQ * D * (int)sizeof(T);
     static constexpr int KV_BYTES = TN * D * (int)sizeof(T);  // one K or one V tile
     static constexpr int OFF_BYTES = STAGES * TN * 8;
-    static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2) and per-stage flags
-    static_assert(8 * (4 * STAGES + 2) + 4 * STAGES <= BAR_BYTES, "barrier space");
+    // Registers per thread after setmaxnreg (128 x producer + 256 x consumer
+    // within the 64 Ki register file). At 40 the producer's unrolled gather
+    // spills; the consumers fit 224 at every head_dim without spilling.
+    static constexpr int PRODUCER_REGS = 56;
+    static constexpr int CONSUMER_REGS = 224;
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536, "register file");
+    static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2), per-stage flags, unit slots
+    static constexpr int SLOT_OFF = 8 * (4 * STAGES + 2) + 8;  // after the barriers and flags, 8-aligned
+    static_assert(4 * STAGES <= 8 && SLOT_OFF + 3 * 8 <= BAR_BYTES, "barrier space");
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + OFF_BYTES + BAR_BYTES;
     static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
 };
@@ -73,15 +80,37 @@ __device__ __forceinline__ void turn_pass(int c) {  // hands the turn to the oth
         asm volatile("bar.arrive 2, 256;\n" ::: "memory");
 #endif
 }
+template <bool B>
+struct Flag {  // a compile-time flag for a generic lambda's instances
+    static constexpr bool value = B;
+};
+
+// The suspend-time hint lets the hardware park a waiting warp until the phase
+// completes (up to 10 ms a try) instead of returning at once: a spinning
+// producer otherwise spends the issue slots the consumers need (in an ncu
+// profile, a quarter of the kernel's instructions were such retries).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
     uint32_t done = 0;
     do {
         asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, "
+            "p;\n}\n"
             : "=r"(done)
-            : "r"(bar), "r"(parity)
+            : "r"(bar), "r"(parity), "r"(10000000)
             : "memory");
     } while (!done);
+}
+// cp.async of 16 bytes, all of them read (no zero fill).
+__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void st_shared_s64(uint32_t a, int64_t v) {
+    asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(a), "l"(v) : "memory");
+}
+__device__ __forceinline__ int64_t ld_shared_s64(uint32_t a) {
+    int64_t v;
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(a) : "memory");
+    return v;
 }
 // Writes by the generic proxy (cp.async, st.shared) become visible to wgmma's
 // reads (the async proxy) only after this fence in the writing thread.
@@ -112,6 +141,12 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// A descriptor for bytes further on in shared memory: the start-address field
+// is the low 14 bits (address / 16), and no tile reaches past 256 KiB, so an
+// add carries nothing into the next field. The consumers build each operand's
+// descriptor once and step it by constants.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {  // byte offset in a [rows][128 B] block
     return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
@@ -121,6 +156,32 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+
+// Which unit the producer takes next. With a scheduler (two int32 words the
+// plan zeroes: the next unit, and blocks done) blocks take units from one
+// counter, in the work list's order (each sequence's longest items first), as
+// they finish the last: a causal prefill's units range from one K/V tile to
+// all of them, and a static stride over them leaves some blocks with half
+// again the average. The last block to finish zeroes both words, so a
+// launch captured in a graph (or the next layer's, under the same plan)
+// starts from zero again. Without one, block b takes units b, b + grid, ...
+//
+// take(ctr, j) is the block's j-th unit (producer thread 0); finish(ctr)
+// follows its last take, the one past the end.
+struct Sm90Sched {
+    static __device__ __forceinline__ int64_t take(int32_t* ctr, int j) {
+        if (ctr == nullptr) return (int64_t)j * gridDim.x + blockIdx.x;
+        return atomicAdd(ctr, 1);
+    }
+    static __device__ __forceinline__ void finish(int32_t* ctr) {
+        if (ctr == nullptr) return;
+        __threadfence();
+        if (atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
+            atomicExch(ctr, 0);
+            atomicExch(ctr + 1, 0);
+        }
+    }
+};
 
 // What the mainloop runs: a source of (item, kv head) units that both roles
 // decode the same way, each naming its packed query rows (sp.r0, sp.nrows;
@@ -144,11 +205,13 @@ struct Sm90PrefillSrc {
     };
     const kvp_prefill_params& p;
     const int32_t* work;
+    int32_t* sched;     // Sm90Sched's words
     int group, window;  // window: window_left (< 0: none)
     int64_t total;
 
     __device__ __forceinline__ Sm90PrefillSrc(const kvp_prefill_params& p_) : p(p_) {
         work = reinterpret_cast<const int32_t*>(p.work);
+        sched = reinterpret_cast<int32_t*>(p.work) + KVP_PREFILL_W_NEXT_UNIT;
         group = p.num_q_heads / p.num_kv_heads;
         window = p.window_left;
         total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work)) * p.num_kv_heads;
@@ -207,6 +270,10 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
     const uint32_t q_full = bars + 8u * (4 * S), q_empty = bars + 8u * (4 * S + 1);
     int32_t* const flags = reinterpret_cast<int32_t*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES +
                                                       8 * (4 * S + 2));  // [S]: the tile has unreadable tokens
+    // The unit handed to the consumers with its query rows (-1: no more), and
+    // the producer's own next unit, double-buffered for its 128 threads.
+    // Shared-window addresses (32-bit) keep the producer within its 40 registers.
+    const uint32_t unit_slot = bars + C::SLOT_OFF, next_slot = unit_slot + 8;  // next_slot: [2]
 
     const int tid = threadIdx.x;
     // The warpgroup index through a shuffle from lane 0: the compiler then
@@ -220,7 +287,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             mbar_init(empty_k(s), 8);  // lane 0 of every consumer warp
             mbar_init(empty_v(s), 8);
         }
-        mbar_init(q_full, 128);
+        mbar_init(q_full, 129);  // every producer thread, and thread 0 once the unit slot is written
         mbar_init(q_empty, 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -236,29 +303,76 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         // Never waits for its own copies: each thread's cp.async arrive on the
         // stage's barrier when they land, so it runs ahead as far as the free
         // stages allow.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
         const T* kc = reinterpret_cast<const T*>(p.k_cache);
         const T* vc = reinterpret_cast<const T*>(p.v_cache);
         const T* qg = reinterpret_cast<const T*>(p.q);
         int tile_it = 0, item_it = 0;
         // The tile's 16-byte chunks from the cache at src into the K or V
-        // tile at dst, through the stage's row offsets (unreadable rows: zeros).
-        auto gather = [&](uint32_t dst, const T* src, int s) {
-            for (int i = tid; i < TN * C::CPR; i += 128) {
-                const int r = i / C::CPR, c = i - r * C::CPR;
-                const int64_t off = offs[s * TN + r];
-                cp_async16_keep(dst + (uint32_t)(c >> 3) * (TN * 128) + swz(r, c & 7),
-                                src + (off < 0 ? 0 : off) + c * (16 / (int)sizeof(T)), off < 0 ? 0 : 16);
+        // tile at dst, through the stage's row byte offsets (unreadable rows,
+        // only where the tile has any: zeros). Thread tid copies chunk
+        // tid % CPR of rows tid / CPR + RPP * k: its column, swizzle phase and
+        // source column are fixed, so each copy costs an offset load and an
+        // add (the loop once cost some 50 instructions a copy, and the
+        // producer's instructions were most of the kernel's).
+        constexpr int RPP = 128 / C::CPR;  // rows per pass
+        static_assert(128 % C::CPR == 0 && TN % RPP == 0 && RPP % 4 == 0, "gather passes");
+        const int g_col = tid % C::CPR, g_row = tid / C::CPR;
+        // Row g_row + RPP * k: its swizzle phase (row % 8) is g_row's, or with
+        // RPP = 4 (g_row < 4) g_row's plus 4 on odd passes, so chunk
+        // (g_col % 8) ^ phase is one of two values fixed per thread.
+        const uint32_t g_dst0 = (uint32_t)(g_col >> 3) * (TN * 128) + (uint32_t)g_row * 128;
+        const uint32_t g_sw0 = (uint32_t)((g_col & 7) ^ (g_row & 7)) << 4, g_sw4 = g_sw0 ^ 64u;
+        auto g_dst = [&](int k) {  // k: a compile-time pass index
+            return g_dst0 + (uint32_t)(RPP * k * 128) + (((RPP * k) & 7) ? g_sw4 : g_sw0);
+        };
+        auto gather = [&](uint32_t dst, const T* src, int s, bool any_bad) {
+            const char* from = reinterpret_cast<const char*>(src) + g_col * 16;
+            const int64_t* off = offs + s * TN + g_row;
+            if (!any_bad) {
+#pragma unroll 4
+                for (int k = 0; k < TN / RPP; ++k)
+                    cp_async16_full(dst + g_dst(k), from + off[RPP * k]);
+            } else {
+#pragma unroll 4
+                for (int k = 0; k < TN / RPP; ++k) {
+                    const int64_t o = off[RPP * k];
+                    cp_async16_keep(dst + g_dst(k), from + (o < 0 ? 0 : o), o < 0 ? 0 : 16);
+                }
             }
         };
-        for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+        // Thread 0 takes unit n + 1 while unit n's copies are issued; the
+        // others learn it through next_slot[(n + 1) % 2].
+        auto take = [&](int n) {
+            if (tid == 0) st_shared_s64(next_slot + 8 * (n & 1), Sm90Sched::take(src.sched, n));
+        };
+        take(0);
+        // Hands unit w (or -1, the end) to the consumers: thread 0's arrive
+        // on q_full publishes the slot, every thread's the query rows.
+        auto hand_over = [&](int64_t w) {
+            mbar_wait(q_empty, (item_it & 1) ^ 1);
+            if (tid == 0) {
+                st_shared_s64(unit_slot, w);
+                mbar_arrive(q_full);
+            }
+        };
+        for (int n = 0;; ++n) {
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");  // unit n is in its slot
+            const int64_t w = ld_shared_s64(next_slot + 8 * (n & 1));
+            if (w >= total) break;
+            take(n + 1);  // every thread has read slot n % 2 before it is written again (the next bar.sync)
             const typename Src::Unit x = src.unit(w);
+            if (x.skip) continue;
             const PrefillSpan& sp = x.sp;
             const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
-            if (x.skip || t0 >= t1) continue;
+            hand_over(w);
+            ++item_it;
+            if (t0 >= t1) {  // no K/V to read (an empty split run): the consumers write its empty state
+                mbar_arrive(q_full);
+                continue;
+            }
             const PagedRows rr = src.rows(x);
             // Query rows: packed row r -> token (r0 + r) / group, head (r0 + r) % group.
-            mbar_wait(q_empty, (item_it & 1) ^ 1);
             for (int i = tid; i < TQ * C::CPR; i += 128) {
                 const int r = i / C::CPR, c = i - r * C::CPR;
                 const int pr = sp.r0 + r;
@@ -287,8 +401,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
                 int bad = 0;
                 if (tid < TN) {
-                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
-                    offs[s * TN + tid] = off;
+                    const int64_t off =
+                        k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) * (int64_t)sizeof(T) : -1;
+                    offs[s * TN + tid] = off;  // bytes
                     bad = off < 0;
                 }
                 // Every producer thread sees the tile's offsets after this
@@ -301,31 +416,38 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                     : "r"(bad)
                     : "memory");
                 if (tid == 0) flags[s] = any;
-                gather(k_s(s), kc, s);
+                gather(k_s(s), kc, s, any);
                 mbar_arrive_cp_async(full_k(s));
                 mbar_wait(empty_v(s), ph);
-                gather(v_s(s), vc, s);
+                gather(v_s(s), vc, s, any);
                 mbar_arrive_cp_async(full_v(s));
             }
-            ++item_it;
         }
+        hand_over(-1);
+        mbar_arrive(q_full);
+        if (tid == 0) Sm90Sched::finish(src.sched);
     } else {
         // ---------------- consumers ----------------
         // Per tile t: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued
         // together, so the softmax of S_t overlaps the second product; and
         // the two consumer warpgroups take turns issuing (named barriers 2
         // and 3), so one's softmax overlaps the other's products.
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
         const int c = wg - 1;  // which 64 rows of the item
         const int warp = (tid >> 5) & 3, lane = tid & 31;
         const int row_a = 64 * c + 16 * warp + (lane >> 2);  // this thread's rows: row_a, row_a + 8
         const int col_q = 2 * (lane & 3);
         const float sl = p.scale * kLog2e;
+        const uint64_t dq = gmma_desc(q_s + (uint32_t)(64 * c * 128), 16, 1024);  // this warpgroup's Q rows
+        const uint64_t dk0 = gmma_desc(k_s(0), 16, 1024), dv0 = gmma_desc(v_s(0), TN * 128, 1024);
         if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
         int tile_it = 0, item_it = 0;
-        for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+        for (;; ++item_it) {
+            // The producer's next unit, with its query rows when it has K/V.
+            mbar_wait(q_full, item_it & 1);
+            const int64_t w = ld_shared_s64(unit_slot);
+            if (w < 0) break;
             const typename Src::Unit x = src.unit(w);
-            if (x.skip) continue;
             const PrefillSpan& sp = x.sp;
             const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
             const int wg_rows = min(64, sp.nrows - 64 * c);  // may be <= 0
@@ -345,45 +467,52 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             auto issue_pv = [&](int sv) {
 #pragma unroll
                 for (int kk = 0; kk < TN / 16; ++kk) {
-                    const uint64_t db = gmma_desc(v_s(sv) + (uint32_t)(kk * 16 * 128), TN * 128, 1024);
+                    const uint64_t db = desc_at(dv0, (uint32_t)(2 * sv * C::KV_BYTES + kk * 16 * 128));
                     wgmma_rs<T, D>(o, pa[kk], db, 1);
                 }
             };
-            bool have_prev = false;
-            int sv_prev = 0;
+            int sv_prev = 0;  // the stage of the previous tile's V
             if (t0 < t1) {
-                mbar_wait(q_full, item_it & 1);
                 fence_proxy_async();
+            } else {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(q_empty);  // the slot is read; there are no query rows
             }
-            for (int t = t0; t < t1; ++t, ++tile_it) {
+            // One tile: S_t = Q K_t^T, issued with O += P_{t-1} V_{t-1} after
+            // the first tile (PV, a compile-time flag: the first tile is its
+            // own instance, so no wgmma sits under a run-time branch, where
+            // ptxas closes the group with a dummy wgmma that stalls). A tile
+            // this warpgroup's rows do not see still runs its products, with
+            // P = 0 (its V is read next step like any other).
+            auto step = [&](int t, auto pv_flag) {
+                constexpr bool PV = decltype(pv_flag)::value;
                 const int s = tile_it % S;
                 const int ph = (tile_it / S) & 1;
                 const int k0 = t * TN;
                 const bool active = wg_rows > 0 && k0 <= wg_max_pos && (win < 0 || k0 + TN - 1 >= wg_min_pos - win);
                 mbar_wait(full_k(s), ph);
-                if (have_prev) mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
+                if constexpr (PV) mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
                 fence_proxy_async();
                 float sc[TN / 2];
                 turn_wait(c);  // this warpgroup's turn on the tensor cores
                 pin_regs(sc);
                 pin_regs(o);
                 wgmma_fence();
-                // S = Q K^T even for a tile this warpgroup's rows do not see
-                // (its result is then unused): a wgmma under a branch makes
-                // ptxas serialise every wgmma of the kernel (C7515).
 #pragma unroll
                 for (int kk = 0; kk < C::KSTEPS; ++kk) {
                     constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
                     const uint32_t kb = kk * KB / 128, ki = kk * KB % 128;
-                    const uint64_t da = gmma_desc(q_s + kb * (TQ * 128) + (uint32_t)(64 * c * 128) + ki, 16, 1024);
-                    const uint64_t db = gmma_desc(k_s(s) + kb * (TN * 128) + ki, 16, 1024);
+                    const uint64_t da = desc_at(dq, kb * (TQ * 128) + ki);
+                    const uint64_t db = desc_at(dk0, (uint32_t)(2 * s * C::KV_BYTES) + kb * (TN * 128) + ki);
                     wgmma_ss<T, TN>(sc, da, db, kk > 0);
                 }
                 wgmma_commit();
-                if (have_prev) issue_pv(sv_prev);
-                wgmma_commit();
+                if constexpr (PV) {
+                    issue_pv(sv_prev);
+                    wgmma_commit();
+                }
                 turn_pass(c);
-                wgmma_wait<1>();                 // S_t is done; P_{t-1} V_{t-1} may still run
+                wgmma_wait<PV ? 1 : 0>();  // S_t is done; P_{t-1} V_{t-1} may still run
                 pin_regs(sc);
                 float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
                 if (active) {
@@ -433,9 +562,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                     st_a.accumulate(al_a, rs_a);
                     st_b.accumulate(al_b, rs_b);
                 }
-                wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
-                pin_regs(o);
-                if (have_prev) {
+                if constexpr (PV) {
+                    wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
+                    pin_regs(o);
                     __syncwarp();
                     if (lane == 0) mbar_arrive(empty_v(sv_prev));
                 }
@@ -451,15 +580,16 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                         pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(sc[4 * j + 2], sc[4 * j + 3]);
                     }
                 } else {
-                    // V_t is not read by this warpgroup: release it once it has landed.
-                    mbar_wait(full_v(s), ph);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(empty_v(s));
+#pragma unroll
+                    for (int j = 0; j < TN / 16; ++j) pa[j][0] = pa[j][1] = pa[j][2] = pa[j][3] = 0u;
                 }
-                have_prev = active;
                 sv_prev = s;
-            }
-            if (have_prev) {  // the item's last P V
+                ++tile_it;
+            };
+            if (t0 < t1) {
+                step(t0, Flag<false>{});
+                for (int t = t0 + 1; t < t1; ++t) step(t, Flag<true>{});
+                // The item's last P V.
                 mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
                 fence_proxy_async();
                 pin_regs(o);
@@ -471,7 +601,6 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty_v(sv_prev));
             }
-            if (t0 < t1) ++item_it;
             // Epilogue: normalise and write this thread's two rows.
             st_a.l = quad_sum(st_a.l);
             st_b.l = quad_sum(st_b.l);

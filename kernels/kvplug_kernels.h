@@ -264,6 +264,9 @@ typedef struct kvp_merge_params {
  *
  *  Work list (int32, in the workspace `work`, 16-byte aligned):
  *      work[0]                      number of items
+ *      work[1], work[2]             the Hopper kernel's unit counter and
+ *                                   blocks done (the plan zeroes them; the
+ *                                   run leaves them zero)
  *      work[8 + 8*i .. 8 + 8*i + 7] item i: b, q_start, q_len, kv_len,
  *                                   row tile, split, 0, 0
  *      bytes = 4 * (KVP_PREFILL_HEADER_INTS + KVP_PREFILL_ITEM_INTS * max_items)
@@ -305,6 +308,7 @@ typedef struct kvp_merge_params {
 #define KVP_PREFILL_TILE_Q_F32 64 /* packed rows per item of the f32 kernel */
 #define KVP_PREFILL_TILE_KV 64 /* tokens per K/V pipeline tile */
 #define KVP_PREFILL_HEADER_INTS 8
+#define KVP_PREFILL_W_NEXT_UNIT 1 /* work[1], work[2]: the Hopper kernel's scheduler */
 #define KVP_PREFILL_ITEM_INTS 8
 
 typedef struct kvp_prefill_plan_params {

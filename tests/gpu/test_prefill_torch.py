@@ -344,6 +344,33 @@ def test_graph_capture_replays_later_plans():
         assert err < TOL[torch.bfloat16], f"replay {trial}: rel err {err:.2e}"
 
 
+def test_one_plan_serves_many_launches():
+    # The layers of a step share one plan: each launch must see the whole
+    # work list, though the Hopper kernel's blocks take units from a counter
+    # in the workspace (the last block of a launch zeroes it for the next),
+    # and a captured launch replays without a new plan.
+    gen = torch.Generator().manual_seed(13)
+    b = Batch(gen, torch.bfloat16, 128, 32, 8, 16, [900, 300, 77, 520], [600, 300, 1, 20])
+    plan = b.plan()
+    for layer in range(3):
+        b.q.copy_((torch.rand(b.q.shape, generator=gen) * 4 - 2).to(b.q.dtype))
+        b.check(plan)
+    s = torch.cuda.Stream()
+    out = torch.full_like(b.q, float("nan"))
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out)
+    want, _ = b.reference()
+    for replay in range(2):
+        with torch.cuda.stream(s):
+            out.fill_(float("nan"))
+            g.replay()
+        s.synchronize()
+        err = rel_err(out, want)
+        assert err < TOL[torch.bfloat16], f"replay {replay}: rel err {err:.2e}"
+
+
 def test_argument_errors():
     gen = torch.Generator().manual_seed(13)
     b = Batch(gen, torch.float16, 64, 4, 2, 16, [40, 4], [3, 1])
