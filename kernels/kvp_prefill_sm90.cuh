@@ -330,9 +330,21 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             const char* from = reinterpret_cast<const char*>(src) + g_col * 16;
             const int64_t* off = offs + s * TN + g_row;
             if (!any_bad) {
-#pragma unroll 4
-                for (int k = 0; k < TN / RPP; ++k)
-                    cp_async16_full(dst + g_dst(k), from + off[RPP * k]);
+                // Offsets in batches of four ahead of their copies: each
+                // cp.async is an asm with a memory clobber, which keeps the
+                // compiler from hoisting the next load over it, and a load
+                // then an add then a copy in turn waits out the shared-memory
+                // latency once per copy.
+                constexpr int B = 4;
+                static_assert((TN / RPP) % B == 0, "offset batches");
+#pragma unroll 2
+                for (int k = 0; k < TN / RPP; k += B) {
+                    int64_t o[B];
+#pragma unroll
+                    for (int i = 0; i < B; ++i) o[i] = off[RPP * (k + i)];
+#pragma unroll
+                    for (int i = 0; i < B; ++i) cp_async16_full(dst + g_dst(k + i), from + o[i]);
+                }
             } else {
 #pragma unroll 4
                 for (int k = 0; k < TN / RPP; ++k) {
