@@ -1447,7 +1447,10 @@ typedef struct kvp_merge_states_args {
  * the step's runs have executed; the block table's contents are the caller's obligation as in
  * decode. The workspace belongs to one plan at a time: plan again only after
  * the previous plan's runs are enqueued on the same stream (or have
- * finished). */
+ * finished). A plan's runs must not overlap each other in time (enqueue
+ * them on one stream, as the layers of a step are): besides split partials,
+ * the Hopper kernel's blocks take work from a counter in the workspace,
+ * which each run leaves at zero for the next. */
 #define KVP_ATTN_PLAN_PREFILL 1       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
 #define KVP_ATTN_ROUTE_DECODE 2       /* one short q_len for all (see above): decode kernel */
