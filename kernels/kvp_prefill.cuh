@@ -28,7 +28,7 @@ namespace kvp {
 // One block of KVP_PREFILL_PLAN_THREADS threads: per-thread tile counts over
 // a contiguous run of sequences, a block-wide exclusive scan, then each thread
 // writes its sequences' items (last row tile first: it sees the most K/V, so
-// the strided grid starts on the long items; with skip_decode, none for a
+// the blocks start on the long items; with skip_decode, none for a
 // sequence of one new token). Lengths are clamped so that a
 // device array that disagrees with what the host planned cannot make the
 // attention kernel write outside out (rows < total_q) or the item list.

@@ -1,8 +1,8 @@
 // Paged prefill / extend attention on Hopper (sm_90a): the same work list, items
 // and outputs as kvp_prefill.cuh, on a warp-specialized wgmma mainloop.
 //
-// A block is three warpgroups over a persistent grid that strides over
-// (item, kv head) pairs like the sm_80 kernel:
+// A block is three warpgroups over a persistent grid whose blocks take
+// (item, kv head) units from a counter (Sm90Sched):
 //   - warpgroup 0, the producer (setmaxnreg down to 56 registers), gathers the
 //     item's query rows and then its K/V tiles from the paged cache into shared
 //     memory with cp.async (any block size: each token's row is looked up in
@@ -42,7 +42,10 @@ struct Sm90Cfg {
     // spills; the consumers fit 224 at every head_dim without spilling.
     static constexpr int PRODUCER_REGS = 56;
     static constexpr int CONSUMER_REGS = 224;
-    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536, "register file");
+    // setmaxnreg moves registers within the block's launch allocation:
+    // __launch_bounds__(384, 1) gives 168 a thread (65536 / 384 rounded down to
+    // a multiple of 8). A split that asks for more waits in setmaxnreg.inc forever.
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "register pool of the launch"); 
     static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2), per-stage flags, unit slots
     static constexpr int SLOT_OFF = 8 * (4 * STAGES + 2) + 8;  // after the barriers and flags, 8-aligned
     static_assert(4 * STAGES <= 8 && SLOT_OFF + 3 * 8 <= BAR_BYTES, "barrier space");
@@ -272,7 +275,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                                                       8 * (4 * S + 2));  // [S]: the tile has unreadable tokens
     // The unit handed to the consumers with its query rows (-1: no more), and
     // the producer's own next unit, double-buffered for its 128 threads.
-    // Shared-window addresses (32-bit) keep the producer within its 40 registers.
+    // Shared-window addresses (32-bit) keep the producer within its registers.
     const uint32_t unit_slot = bars + C::SLOT_OFF, next_slot = unit_slot + 8;  // next_slot: [2]
 
     const int tid = threadIdx.x;

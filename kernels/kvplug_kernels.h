@@ -383,14 +383,19 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
  *  warpgroups), any grid (one block per SM is what fits), dynamic smem
  *  kvp_prefill_sm90_smem_bytes(dt, D). Split-KV runs are cut in tiles of
  *  kvp_prefill_sm90_tile_kv(D) tokens. On other devices the kernel is empty:
- *  the launcher picks it only on compute capability 9.0. */
+ *  the launcher picks it only on compute capability 9.0. Its blocks take
+ *  (item, kv head) units from work[1] and count themselves done in work[2]:
+ *  both must be zero when a run starts (the plan kernel zeroes them, and
+ *  each run's last block zeroes them again), and two runs over one work list
+ *  must not overlap in time (a work list built without the plan kernel must
+ *  zero them too). */
 #define KVP_PREFILL_SM90_THREADS 384
 #define KVP_PREFILL_SM90_TILE_Q 128
 
 static inline int32_t kvp_prefill_sm90_tile_kv(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 /* 1024 (alignment) + tile_q * D * bytes (queries) + 2 stages * 2 * tile_kv * D * bytes
- * (K and V) + 2 * tile_kv * 8 (row offsets) + 128 (barriers and flags):
+ * (K and V) + 2 * tile_kv * 8 (row offsets) + 128 (barriers, flags, unit slots):
  * f16/bf16 h64: 83072, h128: 167040, h256: 198784. */
 static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim) {
     uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim, e = (uint32_t)dtype_bytes;

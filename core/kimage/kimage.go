@@ -12,11 +12,14 @@ import (
 )
 
 // OverrideEnv names an environment variable that, when set, gives the path of
-// a fatbin or cubin to load in place of the embedded one. Kernel work uses it
-// to time a variant built with nvcc against the same library without
-// relinking it; each kernel's parameter size is still checked against the
-// library's at launch, so an image of another kernel ABI is refused there.
-// The variable is read at each context's first launch.
+// a fatbin, cubin or PTX file to load in place of the embedded image. Kernel
+// work uses it to time a variant built with nvcc against the same library
+// without relinking it. Where the driver reports parameter sizes (CUDA 12.4
+// and newer) each launch still checks the kernel's against the library's, so
+// an image of another kernel ABI is refused there (an internal error). The
+// variable is read at each context's first launch; a load that fails is kept
+// for the context, so every later call that needs the kernels there fails
+// with the same error.
 const OverrideEnv = "KVPLUG_KERNEL_IMAGE"
 
 // Image is the kernel image; register kernels on it at package level.
@@ -34,5 +37,7 @@ func imageData() ([]byte, error) {
 	if len(b) == 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "%s=%s: the file is empty", OverrideEnv, path)
 	}
-	return b, nil
+	// The driver reads PTX as a NUL-terminated string; fatbins and cubins
+	// carry their sizes and ignore the extra byte.
+	return append(b, 0), nil
 }

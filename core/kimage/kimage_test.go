@@ -22,8 +22,8 @@ func TestImageDataOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv(OverrideEnv, img)
-	if b, err := imageData(); err != nil || !bytes.Equal(b, want) {
-		t.Fatalf("override: %q, %v", b, err)
+	if b, err := imageData(); err != nil || !bytes.Equal(b, append(want, 0)) {
+		t.Fatalf("override: %q, %v; want the file's bytes and a NUL", b, err)
 	}
 	t.Setenv(OverrideEnv, filepath.Join(dir, "missing.cubin"))
 	if _, err := imageData(); !kverr.Is(err, kverr.InvalidArgument) {
