@@ -478,38 +478,14 @@ func (fz *abiFuzz) hostReserve() (string, int) {
 // hostStoreStats returns the current host store's counters (in the order
 // of hostStoreCounterFields), then num_slots, resident, pending, pinned.
 func (fz *abiFuzz) hostStoreStats() []int64 {
-	l := cLayouts["kvp_host_store_stats"]
-	p := newCBuf(int(l.size))
-	defer p.free()
-	*(*uintptr)(p.p) = l.size
-	if st := rawHostStoreStats(fz.hs, p.p); st != 0 {
-		fz.t.Fatalf("kvp_host_store_stats_get: %s", lastError())
-	}
-	var v []int64
-	for _, f := range hostStoreCounterFields {
-		v = append(v, *(*int64)(unsafe.Add(p.p, l.fields[f].off)))
-	}
-	for _, f := range []string{"num_slots", "resident", "pending", "pinned"} {
-		v = append(v, int64(*(*int32)(unsafe.Add(p.p, l.fields[f].off))))
-	}
-	return v
+	return fz.readStats("kvp_host_store_stats", rawHostStoreStats, fz.hs, hostStoreCounterFields,
+		[]string{"num_slots", "resident", "pending", "pinned"})
 }
 
 // sharedStoreStats returns the current shared store's counters (in the
 // order of sharedStoreCounterFields).
 func (fz *abiFuzz) sharedStoreStats() []int64 {
-	l := cLayouts["kvp_shared_store_stats"]
-	p := newCBuf(int(l.size))
-	defer p.free()
-	*(*uintptr)(p.p) = l.size
-	if st := rawSharedStoreStats(fz.ss, p.p); st != 0 {
-		fz.t.Fatalf("kvp_shared_store_stats_get: %s", lastError())
-	}
-	var v []int64
-	for _, f := range sharedStoreCounterFields {
-		v = append(v, *(*int64)(unsafe.Add(p.p, l.fields[f].off)))
-	}
-	return v
+	return fz.readStats("kvp_shared_store_stats", rawSharedStoreStats, fz.ss, sharedStoreCounterFields, nil)
 }
 
 // storeSnapshot is what a caller can observe of the current stores: every

@@ -334,11 +334,7 @@ func (fz *abiFuzz) snapshot() string {
 		get  func(m, out ptr) int
 	}{{"kvp_manager_stats", rawManagerStats}, {"kvp_prefix_stats", rawManagerPrefixStats}, {"kvp_tier_stats", rawManagerTierStats}} {
 		l := cLayouts[s.name]
-		p := newCBuf(int(l.size))
-		*(*uintptr)(p.p) = l.size
-		if st := s.get(fz.m, p.p); st != 0 {
-			fz.t.Fatalf("snapshot %s: %s", s.name, lastError())
-		}
+		p := fz.fetchStats(s.name, s.get, fz.m)
 		if s.name == "kvp_prefix_stats" && fz.pub != nil {
 			// A running publisher drains the manager's events on its own
 			// goroutine: the pending count moves between any two calls.
@@ -356,11 +352,7 @@ func (fz *abiFuzz) snapshot() string {
 	}
 	if fz.c != nil {
 		l := cLayouts["kvp_vcache_stats"]
-		p := newCBuf(int(l.size))
-		*(*uintptr)(p.p) = l.size
-		if st := rawVcacheStats(fz.c, p.p); st != 0 {
-			fz.t.Fatalf("snapshot vcache: %s", lastError())
-		}
+		p := fz.fetchStats("kvp_vcache_stats", rawVcacheStats, fz.c)
 		fields := []string{"mapped_bytes", "held_bytes", "active_slots", "reusable_slots", "steps", "map_calls",
 			"unmap_calls", "create_calls", "release_calls"}
 		if fz.cBackground {
@@ -420,25 +412,44 @@ var tierCounterFields = []string{"demotions_queued", "demotions_completed", "dem
 	"shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors", "shared_skipped",
 	"shared_bytes_read", "shared_bytes_written"}
 
+// fetchStats fills a stats struct of the header's type layout from
+// object h through get, with struct_size set to the header's size as a
+// correct caller sets it. Every stats call on a live object must succeed,
+// so a failure fails the run. The caller frees the buffer.
+func (fz *abiFuzz) fetchStats(layout string, get func(h, out ptr) int, h ptr) cbuf {
+	l := cLayouts[layout]
+	p := newCBuf(int(l.size))
+	*(*uintptr)(p.p) = l.size
+	if st := get(h, p.p); st != 0 {
+		p.free()
+		fz.t.Fatalf("reading %s: %s", layout, lastError())
+	}
+	return p
+}
+
+// readStats fetches the stats struct layout of h (fetchStats) and returns
+// its int64 fields counters, then its int32 fields gauges widened to
+// int64, in the order given: the checks compare the slices call to call.
+func (fz *abiFuzz) readStats(layout string, get func(h, out ptr) int, h ptr, counters, gauges []string) []int64 {
+	p := fz.fetchStats(layout, get, h)
+	defer p.free()
+	l := cLayouts[layout]
+	v := make([]int64, 0, len(counters)+len(gauges))
+	for _, f := range counters {
+		v = append(v, *(*int64)(unsafe.Add(p.p, l.fields[f].off)))
+	}
+	for _, f := range gauges {
+		v = append(v, int64(*(*int32)(unsafe.Add(p.p, l.fields[f].off))))
+	}
+	return v
+}
+
 // tierStats returns the current manager's tier counters (in the order of
 // tierCounterFields), then in_flight, host_slots, host_resident,
 // host_reserved and host_pinned.
 func (fz *abiFuzz) tierStats() []int64 {
-	l := cLayouts["kvp_tier_stats"]
-	p := newCBuf(int(l.size))
-	defer p.free()
-	*(*uintptr)(p.p) = l.size
-	if st := rawManagerTierStats(fz.m, p.p); st != 0 {
-		fz.t.Fatalf("kvp_manager_tier_stats: %s", lastError())
-	}
-	var v []int64
-	for _, f := range tierCounterFields {
-		v = append(v, *(*int64)(unsafe.Add(p.p, l.fields[f].off)))
-	}
-	for _, f := range []string{"in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned"} {
-		v = append(v, int64(*(*int32)(unsafe.Add(p.p, l.fields[f].off))))
-	}
-	return v
+	return fz.readStats("kvp_tier_stats", rawManagerTierStats, fz.m, tierCounterFields,
+		[]string{"in_flight", "host_slots", "host_resident", "host_reserved", "host_pinned"})
 }
 
 // checkTier checks the host tier's stats after a call: counters never

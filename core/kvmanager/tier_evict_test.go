@@ -3,6 +3,7 @@ package kvmanager
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -25,6 +26,55 @@ func newEvictMgr(t testing.TB, numBlocks, bs, slots, ahead int, events bool) (*M
 	return m, g
 }
 
+// evictConv draws the eviction tests' conversation from seed: four full
+// blocks of bs tokens and one token more, so that removing it leaves the
+// four full blocks cached.
+func evictConv(seed uint64, bs int) []int32 {
+	return seqTokens(rand.New(rand.NewPCG(seed, 23)), 4*bs+1)
+}
+
+// cacheComputed admits conv as sequence id, writes its K/V, runs the
+// admission's step and removes the sequence; it returns the GPU blocks of
+// conv's full blocks, now cached with their K/V written. The step comes
+// before the removal because FlushCopies never demotes a block allocated
+// since the previous flush (its K/V is not written yet): without it an
+// eviction would drop the blocks rather than demote them.
+func cacheComputed(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) []int32 {
+	t.Helper()
+	admit(t, m, id, conv, nil)
+	g.compute(t, m, id, conv)
+	_, _, err := m.FlushCopies() // the admission's step
+	must(t, err)
+	cached := blocksOf(t, m, id, len(conv)/m.BlockSize()+1)[:len(conv)/m.BlockSize()]
+	must(t, m.Remove([]int64{id}))
+	return cached
+}
+
+// evictCached allocates the whole GPU pool to the new sequence id. The
+// tests call it with no sequence live, so the allocation takes every free
+// block and evicts every cached one, which is what queues the demotions
+// of the evicted blocks.
+func evictCached(t testing.TB, m *Manager, id int64) {
+	t.Helper()
+	st := m.Stats()
+	must(t, m.Add(id, st.NumBlocks*st.BlockSize))
+}
+
+// holdsKV checks that every full block of live sequence id, whose tokens
+// are toks, holds its own K/V in the fake GPU memory: whatever blocks the
+// allocations took from the cache, no demotion or reload overwrote a live
+// block.
+func holdsKV(t testing.TB, m *Manager, g *fakeGPU, id int64, toks []int32, where string) {
+	t.Helper()
+	bs := m.BlockSize()
+	tbl := blocksOf(t, m, id, len(toks)/bs+1)
+	for j, h := range wholeChain(t, toks, bs, nil) {
+		if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
+			t.Fatalf("%s: sequence %d's block %d (%d) holds the wrong K/V", where, id, j, tbl[j])
+		}
+	}
+}
+
 // An allocation that evicts cached blocks gets them at once and queues
 // their demotions; the next FlushCopies hands them out (the fake copies
 // them before the step writes the new owner's K/V, as the step's stream
@@ -33,18 +83,11 @@ func newEvictMgr(t testing.TB, numBlocks, bs, slots, ahead int, events bool) (*M
 func TestTierDemoteEvicted(t *testing.T) {
 	const bs = 4
 	m, g := newEvictMgr(t, 8, bs, 16, 0, false)
-	r := rand.New(rand.NewPCG(5, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
-	if _, _, err := m.FlushCopies(); err != nil { // the admission's step
-		t.Fatal(err)
-	}
-	old := blocksOf(t, m, 1, 8)[:4]
-	must(t, m.Remove([]int64{1}))
+	conv := evictConv(5, bs)
+	old := cacheComputed(t, m, g, 1, conv)
 
 	// 4 free and 4 cached: the allocation takes all 8, evicting the 4.
-	must(t, m.Add(2, 8*bs))
+	evictCached(t, m, 2)
 	got := blocksOf(t, m, 2, 8)
 	for _, b := range old {
 		if !slices.Contains(got, b) {
@@ -100,12 +143,7 @@ func TestTierDemoteEvicted(t *testing.T) {
 	tk, _, err = m.FlushCopies()
 	must(t, err)
 	must(t, m.CompleteCopies(tk, false))
-	tbl := blocksOf(t, m, 3, 8)
-	for j, h := range chain {
-		if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
-			t.Fatalf("reloaded block %d holds the wrong K/V", j)
-		}
-	}
+	holdsKV(t, m, g, 3, conv, "reloaded")
 }
 
 // A failed batch aborts the allocations' demotions (the host tier holds
@@ -117,14 +155,9 @@ func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
 	const bs = 4
 	for _, refuse := range []bool{false, true} {
 		m, g := newEvictMgr(t, 8, bs, 16, 0, false)
-		r := rand.New(rand.NewPCG(6, 23))
-		conv := seqTokens(r, 4*bs+1)
-		admit(t, m, 1, conv, nil)
-		g.compute(t, m, 1, conv)
-		_, _, err := m.FlushCopies()
-		must(t, err)
-		must(t, m.Remove([]int64{1}))
-		must(t, m.Add(2, 8*bs))
+		conv := evictConv(6, bs)
+		cacheComputed(t, m, g, 1, conv)
+		evictCached(t, m, 2)
 		if refuse {
 			g.fail = errors.New("refused")
 			_, _, err := m.FlushCopies()
@@ -150,28 +183,22 @@ func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
 	}
 
 	// Allocated, cached, removed and evicted within one step: dropped.
-	m, g := newEvictMgr(t, 8, bs, 16, 0, false)
-	r := rand.New(rand.NewPCG(7, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
+	m, _ := newEvictMgr(t, 8, bs, 16, 0, false)
+	conv := evictConv(7, bs)
+	admit(t, m, 1, conv, nil) // no step before the removal: no flush saw the blocks
 	must(t, m.Remove([]int64{1}))
-	must(t, m.Add(2, 8*bs))
+	evictCached(t, m, 2)
 	if ts := m.TierStats(); ts.EvictedUndemoted != 4 || ts.InFlight != 0 {
 		t.Fatalf("fresh blocks: %+v", ts)
 	}
 	if tk, n, err := m.FlushCopies(); tk != 0 || n != 0 || err != nil {
 		t.Fatalf("fresh blocks: a batch %d %d %v", tk, n, err)
 	}
-	_ = g
 
 	// Present already: skipped, not counted undemoted.
-	m, g = newEvictMgr(t, 8, bs, 16, 0, false)
-	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
-	_, _, err := m.FlushCopies()
-	must(t, err)
-	must(t, m.Remove([]int64{1}))
-	must(t, m.Add(2, 8*bs))
+	m, g := newEvictMgr(t, 8, bs, 16, 0, false)
+	cacheComputed(t, m, g, 1, conv)
+	evictCached(t, m, 2)
 	tk, _, err := m.FlushCopies()
 	must(t, err)
 	must(t, m.CompleteCopies(tk, false))
@@ -181,19 +208,15 @@ func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
 	must(t, err)
 	must(t, m.CompleteCopies(tk, false))
 	must(t, m.Remove([]int64{3}))
-	must(t, m.Add(4, 8*bs))
+	evictCached(t, m, 4)
 	if ts := m.TierStats(); ts.SkippedPresent != 4 || ts.EvictedUndemoted != 0 || ts.InFlight != 0 {
 		t.Fatalf("present: %+v", ts)
 	}
 
 	// Every host slot pinned: dropped, counted.
 	m, g = newEvictMgr(t, 8, bs, 1, 0, false)
-	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
-	_, _, err = m.FlushCopies()
-	must(t, err)
-	must(t, m.Remove([]int64{1}))
-	must(t, m.Add(2, 8*bs)) // one slot: the first reserved, the rest full
+	cacheComputed(t, m, g, 1, conv)
+	evictCached(t, m, 2) // one slot: the first reserved, the rest full
 	if ts := m.TierStats(); ts.InFlight != 1 || ts.EvictedUndemoted != 3 || ts.SkippedFull != 3 {
 		t.Fatalf("host full: %+v", ts)
 	}
@@ -204,16 +227,11 @@ func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
 func TestTierDemoteEvictedEvents(t *testing.T) {
 	const bs = 4
 	m, g := newEvictMgr(t, 8, bs, 16, 0, true)
-	r := rand.New(rand.NewPCG(8, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
-	g.compute(t, m, 1, conv)
-	_, _, err := m.FlushCopies()
-	must(t, err)
-	must(t, m.Remove([]int64{1}))
+	conv := evictConv(8, bs)
+	cacheComputed(t, m, g, 1, conv)
 	drainAll(t, m)
 	chain := wholeChain(t, conv, bs, nil)
-	must(t, m.Add(2, 8*bs))
+	evictCached(t, m, 2)
 	evs := drainAll(t, m)
 	if gone := removedIn(evs, prefix.MediumGPU); len(gone) != 4 || len(cpuStored(evs)) != 0 {
 		t.Fatalf("after the allocation: %+v", evs)
@@ -331,12 +349,7 @@ func TestTierDemoteEvictedRandomModel(t *testing.T) {
 			if p == nil {
 				continue
 			}
-			tbl := blocksOf(t, m, k, len(p)/bs+1)
-			for j, h := range wholeChain(t, p, bs, nil) {
-				if !bytes.Equal(g.mem[tbl[j]], kvOf(h)) {
-					t.Fatalf("seed %d: sequence %d's block %d (%d) holds the wrong K/V", seed, k, j, tbl[j])
-				}
-			}
+			holdsKV(t, m, g, k, p, fmt.Sprintf("seed %d", seed))
 		}
 		ts := m.TierStats()
 		t.Logf("seed %d: %+v", seed, ts)
