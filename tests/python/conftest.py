@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Iterator, List, Tuple
 
 import numpy as np
@@ -51,6 +52,27 @@ def ids(*v: int) -> np.ndarray:
     return np.array(v, np.int64)
 
 
+def row_segments(*bufs: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The (ptrs, lens) arrays the stores' put/get/read/write take, of shape
+    [n, len(bufs)]: key i's segment j is row i of bufs[j] (each [n, bytes]
+    with contiguous rows). One buffer is one segment per key; a K and a V buffer
+    are SGLang's page_first layout, two segments at two addresses."""
+    n = bufs[0].shape[0]
+    rows = np.arange(n, dtype=np.uint64)
+    ptrs = np.stack([b.ctypes.data + rows * np.uint64(b.strides[0]) for b in bufs], axis=1)
+    lens = np.stack([np.full(n, b.shape[1] * b.itemsize, np.int64) for b in bufs], axis=1)
+    return ptrs, lens
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free when the OS picked it (released at
+    once): for a server to bind, or for an address that must refuse
+    connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def valkey_server(tmp_path) -> Iterator[str]:
     """A throwaway valkey-server or redis-server on a free loopback port,
@@ -58,16 +80,13 @@ def valkey_server(tmp_path) -> Iterator[str]:
     for the Go tests). Skipped when neither is installed (CI installs
     redis-server)."""
     import shutil
-    import socket
     import subprocess
     import time
 
     binary = shutil.which("valkey-server") or shutil.which("redis-server")
     if binary is None:
         pytest.skip("neither valkey-server nor redis-server is installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -9,18 +9,12 @@ import ctypes
 
 import numpy as np
 import pytest
+from conftest import row_segments
 
 import kvplug
 from kvplug.hoststore import ABSENT, PENDING, RESIDENT, HostStore, key64
 
 SLOT = 48
-
-
-def seg(buf: np.ndarray):
-    """One segment per row of buf: (ptrs, lens) of [n, 1]."""
-    n = buf.shape[0]
-    ptrs = buf.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(buf.strides[0])
-    return ptrs.reshape(n, 1), np.full((n, 1), buf.shape[1], np.int64)
 
 
 def test_store_and_read_back():
@@ -31,14 +25,14 @@ def test_store_and_read_back():
         st, sl = hs.state(keys)
         assert list(st) == [PENDING] * 3 and list(sl) == [0, 1, 2]
         data = np.arange(3 * SLOT, dtype=np.uint8).reshape(3, SLOT)
-        ptrs, lens = seg(data)
+        ptrs, lens = row_segments(data)
         hs.write(slots, ptrs, lens)
         assert hs.complete(keys) == 3
         assert hs.lookup_prefix(keys + [key64(b"zz")]) == 3
         pinned, n = hs.pin(keys[::-1])
         assert n == 3 and list(pinned) == [2, 1, 0]
         out = np.zeros_like(data)
-        optrs, olens = seg(out)
+        optrs, olens = row_segments(out)
         hs.read(pinned[::-1], optrs, olens)
         np.testing.assert_array_equal(out, data)
         np.testing.assert_array_equal(hs.memory()[:3], data)
@@ -53,9 +47,7 @@ def test_two_segments_per_key():
         k = np.arange(2 * SLOT, dtype=np.uint8).reshape(2, SLOT)
         v = (255 - k).copy()
         slots, _ = hs.reserve([1, 2])
-        ptrs = np.stack([k.ctypes.data + np.arange(2, dtype=np.uint64) * SLOT,
-                         v.ctypes.data + np.arange(2, dtype=np.uint64) * SLOT], axis=1)
-        lens = np.full((2, 2), SLOT, np.int64)
+        ptrs, lens = row_segments(k, v)
         hs.write(slots, ptrs, lens)
         hs.complete([1, 2])
         mem = hs.memory()
@@ -110,7 +102,7 @@ def test_eviction_spares_the_batch_and_reports_evicted():
 def test_write_checks_before_copying():
     with HostStore(num_slots=2, slot_bytes=16) as hs:
         buf = np.zeros((1, 16), np.uint8)
-        ptrs, lens = seg(buf)
+        ptrs, lens = row_segments(buf)
         with pytest.raises(kvplug.NotFoundError):  # slot 0 is free, not pending
             hs.write([0], ptrs, lens)
         hs.reserve([9])

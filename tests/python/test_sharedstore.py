@@ -5,11 +5,11 @@ as misses and skipped stores within the op timeout, never an exception."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 import pytest
+from conftest import free_port, row_segments
 
 import kvplug
 from kvplug.sharedstore import SharedStore, key128, keys128, keys64
@@ -19,27 +19,15 @@ def K(*ids):
     return [key128(str(i)) for i in ids]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rows(buf: np.ndarray):
-    n = buf.shape[0]
-    return (buf.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(buf.strides[0])).reshape(n, 1), \
-        np.full((n, 1), buf.shape[1], np.int64)
-
-
 def test_put_exists_get(valkey_server):
     with SharedStore(valkey_server, "t1", fingerprint=11) as ss:
         data = np.random.default_rng(0).integers(0, 255, (3, 64), dtype=np.uint8)
-        p, ln = rows(data)
+        p, ln = row_segments(data)
         assert ss.put(K(1, 2, 3), p, ln) == 3
         assert list(ss.exists(K(1, 2, 4, 3))) == [True, True, False, True]
         assert ss.prefix(K(1, 2, 4, 3)) == 2
         out = np.zeros_like(data)
-        op, oln = rows(out)
+        op, oln = row_segments(out)
         assert list(ss.get(K(1, 2, 3), op, oln)) == [True] * 3
         np.testing.assert_array_equal(out, data)
         s = ss.stats()
@@ -49,14 +37,11 @@ def test_put_exists_get(valkey_server):
 def test_two_segments_and_foreign_values(valkey_server):
     k = np.full((2, 16), 7, np.uint8)
     v = np.full((2, 16), 9, np.uint8)
-    ptrs = np.stack([k.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
-                     v.ctypes.data + np.arange(2, dtype=np.uint64) * 16], axis=1)
-    lens = np.full((2, 2), 16, np.int64)
+    ptrs, lens = row_segments(k, v)
     with SharedStore(valkey_server, "t2", fingerprint=1) as a, SharedStore(valkey_server, "t2", fingerprint=2) as b:
         assert a.put(K(10, 11), ptrs, lens) == 2
         ok, ov = np.zeros_like(k), np.zeros_like(v)
-        optrs = np.stack([ok.ctypes.data + np.arange(2, dtype=np.uint64) * 16,
-                          ov.ctypes.data + np.arange(2, dtype=np.uint64) * 16], axis=1)
+        optrs, _ = row_segments(ok, ov)
         assert list(a.get(K(10, 11), optrs, lens)) == [True, True]
         assert (ok == 7).all() and (ov == 9).all()
         # Another fingerprint's reader: a miss counted corrupt, buffers untouched.
@@ -68,10 +53,10 @@ def test_two_segments_and_foreign_values(valkey_server):
 
 
 def test_server_down_is_misses_not_errors():
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     with SharedStore(addr, "t3", op_timeout_ms=100, backoff_ms=200) as ss:
         buf = np.zeros((2, 8), np.uint8)
-        p, ln = rows(buf)
+        p, ln = row_segments(buf)
         t0 = time.monotonic()
         assert ss.put(K(1, 2), p, ln) == 0
         assert list(ss.exists(K(1, 2))) == [False, False]
