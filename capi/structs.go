@@ -6,6 +6,7 @@ package main
 import "C"
 
 import (
+	"reflect"
 	"strings"
 	"unsafe"
 
@@ -28,7 +29,22 @@ type abiStruct struct {
 	name  string
 	first uintptr // the size of the struct's first released version
 	size  uintptr // the size of this library's version
+	ptrs  []ptrField
 }
+
+// ptrField is a pointer field of a struct: its offset and name.
+type ptrField struct {
+	off  uintptr
+	name string
+}
+
+// minPointer is the lowest address a pointer may hold: nothing is ever mapped
+// in the first page. A Go variable of pointer type that holds a value in
+// (0, minPointer) is fatal to the Go runtime when it copies a stack ("invalid
+// pointer found on stack"), even if the value is never dereferenced, so
+// input structs are checked for such values before they are copied into Go
+// variables of their C types.
+const minPointer = 4096
 
 // maxStructSize bounds struct_size: a larger value is garbage (an
 // uninitialised struct), not a newer header.
@@ -60,7 +76,15 @@ func structOf[T any](name string, first uintptr) abiStruct {
 	if first == 0 {
 		first = size
 	}
-	return abiStruct{name, first, size}
+	var ptrs []ptrField
+	t := reflect.TypeFor[T]()
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if k := f.Type.Kind(); k == reflect.Pointer || k == reflect.UnsafePointer {
+			ptrs = append(ptrs, ptrField{f.Offset, f.Name})
+		}
+	}
+	return abiStruct{name, first, size, ptrs}
 }
 
 // abiStructs is every versioned struct of the ABI.
@@ -89,6 +113,14 @@ func (s abiStruct) in(p unsafe.Pointer, dst unsafe.Pointer) error {
 		return err
 	}
 	n := uintptr(got)
+	for _, f := range s.ptrs {
+		if f.off+unsafe.Sizeof(uintptr(0)) > n {
+			continue // past the caller's version: zero
+		}
+		if v := *(*uintptr)(unsafe.Add(p, f.off)); v != 0 && v < minPointer {
+			return kverr.Errorf(kverr.InvalidArgument, "%s.%s is %#x: not NULL and not a valid address", s.name, f.name, v)
+		}
+	}
 	if n > s.size {
 		for i, b := range unsafe.Slice((*byte)(unsafe.Add(p, s.size)), n-s.size) {
 			if b != 0 {

@@ -5,6 +5,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
 )
@@ -98,5 +99,41 @@ func TestEveryVersionedStructIsInTheTable(t *testing.T) {
 		if !table[name] {
 			t.Errorf("%s begins with struct_size but is not in capi's abiStructs", name)
 		}
+	}
+}
+
+// A pointer field of an input struct that holds a value in the first page
+// (garbage such as 0x2f, never a valid address) is refused before the struct
+// is copied into a Go variable of its C type: the Go runtime treats such a
+// value in a pointer-typed variable as fatal when it moves a stack, even if
+// the value is never read. NULL and real addresses pass the check.
+func TestStructPointerFieldsInFirstPageAreRefused(t *testing.T) {
+	checked := 0
+	for _, s := range abiStructs {
+		for _, f := range s.ptrs {
+			checked++
+			try := func(v uintptr) error {
+				buf := make([]uintptr, (s.size+64)/unsafe.Sizeof(uintptr(0)))
+				p := unsafe.Pointer(&buf[0])
+				*(*uintptr)(p) = s.size // struct_size
+				*(*uintptr)(unsafe.Add(p, f.off)) = v
+				dst := make([]byte, s.size)
+				return s.in(p, unsafe.Pointer(&dst[0]))
+			}
+			if err := try(0x2f); !kverr.Is(err, kverr.InvalidArgument) || !strings.Contains(err.Error(), f.name) {
+				t.Errorf("%s.%s = 0x2f: %v, want INVALID_ARGUMENT naming the field", s.name, f.name, err)
+			}
+			if err := try(minPointer - 1); !kverr.Is(err, kverr.InvalidArgument) {
+				t.Errorf("%s.%s = %#x: %v, want INVALID_ARGUMENT", s.name, f.name, minPointer-1, err)
+			}
+			for _, v := range []uintptr{0, minPointer, 0x7f0000001000} {
+				if err := try(v); err != nil {
+					t.Errorf("%s.%s = %#x: %v, want accepted", s.name, f.name, v, err)
+				}
+			}
+		}
+	}
+	if checked < 10 {
+		t.Fatalf("only %d pointer fields found in the ABI's input structs; the reflection over their C types is broken", checked)
 	}
 }

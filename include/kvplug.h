@@ -64,6 +64,9 @@
  *     Output structs get those bytes zeroed.
  *   - struct_size below the first released size, or above 64 KiB, gives
  *     KVP_ERR_STRUCT_SIZE.
+ *   - A pointer field of an input struct holding a value in the first page
+ *     (non-zero and below 4096: garbage, never an address) gives
+ *     KVP_ERR_INVALID_ARGUMENT, whether or not the call would read it.
  *   First released sizes (x86-64 and aarch64 Linux):
  *     kvp_manager_config     through block_size (16 bytes)
  *     kvp_manager_stats      through num_blocks (12 bytes)
