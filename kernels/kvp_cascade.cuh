@@ -67,6 +67,21 @@ struct CascadeItem {
     }
 };
 
+// The plan's packed rows per item of a tail longer than a decode tail:
+// KVP_CASCADE_TAIL_TILE_Q, or KVP_PREFILL_SM90_TILE_Q where the planner cut
+// them for the Hopper launch (any other value is read as the first).
+__device__ __forceinline__ int cascade_tail_tile(const int32_t* work) {
+    const int t = *reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_TAIL_TILE_Q);
+    return t == KVP_PREFILL_SM90_TILE_Q ? KVP_PREFILL_SM90_TILE_Q : KVP_CASCADE_TAIL_TILE_Q;
+}
+
+// The plan's items and, of them, the Hopper launch's (a prefix of the list).
+__device__ __forceinline__ int2 cascade_item_counts(const int32_t* work) {
+    const int n = *reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_ITEMS);
+    const int h = *reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_HOPPER_ITEMS);
+    return make_int2(n, min(max(h, 0), n));
+}
+
 // Item i of the plan.
 __device__ __forceinline__ CascadeItem load_cascade_item(const kvp_cascade_params& p, int i) {
     const int4* ip = reinterpret_cast<const int4*>(reinterpret_cast<const int32_t*>(p.work) + p.items_off +
@@ -84,10 +99,10 @@ __device__ __forceinline__ PagedRows cascade_rows(const kvp_cascade_params& p, i
 }
 
 // One item for one kv head, with MT m16 row tiles per warp; CAUSAL for tail
-// items.
+// items: its packed rows [r0, min(r0 + the tile's rows, r_end)).
 template <typename T, int D, int MT, bool CAUSAL>
-__device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const CascadeItem& it, int kvh,
-                                             uint8_t* smem) {
+__device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const CascadeItem& it, int kvh, int r0,
+                                             int r_end, uint8_t* smem) {
     using C = TileCfg<D, MT>;
     const int group = p.num_q_heads / p.num_kv_heads;
     const int32_t* qrows = reinterpret_cast<const int32_t*>(p.work) + p.qrows_off + it.m_begin;
@@ -100,8 +115,8 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
         delta = len - it.m_count;  // the sequence's first query token
     }
     TileJob jb;
-    jb.r0 = it.tile * C::TQ;
-    jb.nrows = max(0, min(C::TQ, it.m_count * group - jb.r0));
+    jb.r0 = r0;
+    jb.nrows = max(0, min(C::TQ, r_end - r0));
     jb.group = group;
     jb.kvh = kvh;
     jb.delta = delta;
@@ -179,30 +194,46 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     extern __shared__ __align__(128) uint8_t smem[];
     griddep_wait();  // the plan's copy or the previous layer may still be running under PDL
     const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
-    const int n_items = *reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_ITEMS);
-    const int64_t total = (int64_t)n_items * p.num_kv_heads;
+    const int2 counts = cascade_item_counts(work);
+    const int first = p.skip_shared ? counts.y : 0;  // kvp_cascade_sm90 ran the items before
     const int group = p.num_q_heads / p.num_kv_heads;
+    const int tail_tile = cascade_tail_tile(work);
+    // A long tail cut for the Hopper launch, run here (a device without it):
+    // its 128 rows in two units of this kernel's 64.
+    const int halves = p.skip_shared ? 1 : tail_tile / KVP_CASCADE_TAIL_TILE_Q;
+    const int64_t total = (int64_t)(counts.x - first) * p.num_kv_heads * halves;
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-        const int i = (int)(w / p.num_kv_heads);
-        const int kvh = (int)(w - (int64_t)i * p.num_kv_heads);
+        const int64_t u = w / halves;
+        const int half = (int)(w - u * halves);
+        const int i = first + (int)(u / p.num_kv_heads);
+        const int kvh = (int)(u - (int64_t)(i - first) * p.num_kv_heads);
         const CascadeItem it = load_cascade_item(p, i);
-        if (!it.dynamic && p.skip_shared) continue;  // kvp_cascade_sm90 runs the shared items
-        if (it.decode_tail(group))
+        const int rows = it.m_count * group;
+        if (it.dynamic && !it.decode_tail(group)) {
+            const int r0 = it.tile * tail_tile + half * KVP_CASCADE_TAIL_TILE_Q;
+            cascade_item<T, D, 1, true>(p, it, kvh, r0, min(rows, (it.tile + 1) * tail_tile), smem);
+        } else if (half > 0) {
+            continue;
+        } else if (it.dynamic) {
             cascade_decode_tail<T, D>(p, it, kvh, smem);
-        else if (it.dynamic)
-            cascade_item<T, D, 1, true>(p, it, kvh, smem);
-        else
-            cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, smem);
+        } else {
+            constexpr int TQ = CascadeCfg<D>::TQ;
+            cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, it.tile * TQ, min(rows, (it.tile + 1) * TQ), smem);
+        }
     }
     griddep_launch_dependents();
 }
 
-// The shared items on Hopper's wgmma mainloop (kvp_prefill_sm90.cuh): a
-// unit is one (shared item, kv head), its rows the item's tile of packed
-// rows of the members' query tokens (through qrows), its tokens the item's
-// range with no mask (every member's queries come after it), its results
-// partial states as cascade_item writes them. Tail items are skipped (the
-// cascade kernel, launched with skip_shared, runs them).
+// The shared items, and the longer tails of a plan cut for it, on Hopper's
+// wgmma mainloop (kvp_prefill_sm90.cuh). A unit is one (item, kv head); its
+// rows the item's tile of packed rows of its query tokens (through qrows);
+// its tokens the item's range, with no mask for a shared item (every
+// member's queries come after it) and causal for a tail (clipped to
+// seq_lens[rep] and to its rows' last position, as cascade_item reads
+// them); its results partial states as cascade_item writes them. Its items
+// are the list's first KVP_CASCADE_H_HOPPER_ITEMS (the cascade kernel,
+// launched with skip_shared, runs the rest). Blocks take units from the
+// plan's counter (Sm90Sched).
 template <typename T, int D>
 struct Sm90CascadeSrc {
     struct Unit : Sm90Unit {
@@ -210,16 +241,18 @@ struct Sm90CascadeSrc {
     };
     const kvp_cascade_params& p;
     const int32_t* work;
-    int32_t* sched = nullptr;  // the static stride: the planner sizes the shared items to one per SM
-    int group, window, tile_q;
+    int32_t* sched;  // Sm90Sched's words
+    int group, window, tile_q, tail_tile;
     int64_t total;
 
     __device__ __forceinline__ Sm90CascadeSrc(const kvp_cascade_params& p_) : p(p_) {
         work = reinterpret_cast<const int32_t*>(p.work);
+        sched = reinterpret_cast<int32_t*>(p.work) + KVP_CASCADE_W_NEXT_UNIT;
         group = p.num_q_heads / p.num_kv_heads;
         window = -1;
         tile_q = CascadeCfg<D>::TQ;
-        total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work + KVP_CASCADE_H_ITEMS)) * p.num_kv_heads;
+        tail_tile = cascade_tail_tile(work);
+        total = (int64_t)cascade_item_counts(work).y * p.num_kv_heads;
     }
     __device__ __forceinline__ Unit unit(int64_t w) const {
         constexpr int TN = Sm90Cfg<T, D>::TN;
@@ -227,12 +260,20 @@ struct Sm90CascadeSrc {
         const int i = (int)(w / p.num_kv_heads);
         u.kvh = (int)(w - (int64_t)i * p.num_kv_heads);
         u.it = load_cascade_item(p, i);
-        u.skip = u.it.dynamic != 0;
-        u.sp.r0 = u.it.tile * tile_q;
-        u.sp.nrows = max(0, min(tile_q, u.it.m_count * group - u.sp.r0));
-        u.sp.delta = 1 << 30;  // every member's query tokens come after the run: no mask
+        const int rows = u.it.dynamic ? tail_tile : tile_q;
+        u.sp.r0 = u.it.tile * rows;
+        u.sp.nrows = max(0, min(rows, u.it.m_count * group - u.sp.r0));
         u.sp.kv_begin = max(u.it.kv_begin, 0);
-        u.sp.kv_end = u.it.kv_end;
+        if (u.it.dynamic) {
+            // The sequence's query tokens are its last m_count positions.
+            const int len = __ldg(reinterpret_cast<const int32_t*>(p.seq_lens) + u.it.rep);
+            u.sp.delta = len - u.it.m_count;
+            const int last = u.sp.delta + (u.sp.r0 + max(u.sp.nrows, 1) - 1) / group;
+            u.sp.kv_end = min(min(u.it.kv_end, len), last + 1);
+        } else {
+            u.sp.delta = 1 << 30;  // every member's query tokens come after the run: no mask
+            u.sp.kv_end = u.it.kv_end;
+        }
         u.t0 = u.sp.kv_begin / TN;
         u.t1 = u.sp.kv_end > u.sp.kv_begin ? (u.sp.kv_end + TN - 1) / TN : u.t0;
         return u;

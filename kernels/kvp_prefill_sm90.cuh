@@ -60,6 +60,10 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
+// n arrivals at once (sm_90).
+__device__ __forceinline__ void mbar_arrive_n(uint32_t bar, uint32_t n) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(n) : "memory");
+}
 // Arrives on bar when every cp.async this thread issued before has landed
 // (the barrier's expected count includes these arrivals).
 __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
@@ -191,13 +195,12 @@ struct Sm90Sched {
 // row r -> token (r0 + r) / group, head r % group; positions from
 // sp.delta), the readable tokens [sp.kv_begin, sp.kv_end) read in the
 // TN-token tiles [t0, t1) through one block-table row, and where the rows'
-// results go. A unit with skip set is not this kernel's.
+// results go.
 //
 // What both roles read of a unit; a source's Unit adds its item.
 struct Sm90Unit {
     PrefillSpan sp;
     int kvh, t0, t1;
-    bool skip;
 };
 
 // Paged prefill's work list (kvp_prefill.cuh's items, split-KV runs).
@@ -224,9 +227,8 @@ struct Sm90PrefillSrc {
         const int item = (int)(w / p.num_kv_heads);
         u.kvh = (int)(w - (int64_t)item * p.num_kv_heads);
         u.it = load_item(work, item);
-        u.sp = item_span(u.it, group, p.window_left, KVP_PREFILL_SM90_TILE_Q);
+        u.sp = item_span(u.it, group, window, KVP_PREFILL_SM90_TILE_Q);
         split_tiles<Sm90Cfg<T, D>::TN>(u.sp, u.it.split, p.num_splits, u.t0, u.t1);
-        u.skip = false;
         return u;
     }
     __device__ __forceinline__ PagedRows rows(const Unit& u) const { return prefill_rows(p, u.it.b, u.kvh); }
@@ -290,7 +292,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             mbar_init(empty_k(s), 8);  // lane 0 of every consumer warp
             mbar_init(empty_v(s), 8);
         }
-        mbar_init(q_full, 129);  // every producer thread, and thread 0 once the unit slot is written
+        mbar_init(q_full, 129);  // the producer threads' query-row copies and thread 0's slot write (hand_over)
         mbar_init(q_empty, 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -299,7 +301,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
 
     const Src src(p);
     const int64_t total = src.total;
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = src.group;
 
     if (wg == 0) {
         // ---------------- producer ----------------
@@ -356,34 +358,39 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 }
             }
         };
-        // Thread 0 takes unit n + 1 while unit n's copies are issued; the
-        // others learn it through next_slot[(n + 1) % 2].
+        // Thread 0 takes unit n + 1 once unit n's copies are issued (its
+        // consumers still have a tile or two to run, which hide the atomic;
+        // taken at the unit's start, a block would hold a second unit for
+        // the whole of its first, and the last units wait on busy blocks);
+        // the others learn it through next_slot[(n + 1) % 2].
         auto take = [&](int n) {
             if (tid == 0) st_shared_s64(next_slot + 8 * (n & 1), Sm90Sched::take(src.sched, n));
         };
         take(0);
         // Hands unit w (or -1, the end) to the consumers: thread 0's arrive
-        // on q_full publishes the slot, every thread's the query rows.
-        auto hand_over = [&](int64_t w) {
+        // on q_full publishes the slot, and every thread's cp.async arrive
+        // the query rows; with no rows to copy (rows false), thread 0
+        // arrives for all 129 at once.
+        auto hand_over = [&](int64_t w, bool rows) {
             mbar_wait(q_empty, (item_it & 1) ^ 1);
             if (tid == 0) {
                 st_shared_s64(unit_slot, w);
-                mbar_arrive(q_full);
+                mbar_arrive_n(q_full, rows ? 1u : 129u);
             }
         };
         for (int n = 0;; ++n) {
             asm volatile("bar.sync 1, 128;\n" ::: "memory");  // unit n is in its slot
             const int64_t w = ld_shared_s64(next_slot + 8 * (n & 1));
             if (w >= total) break;
-            take(n + 1);  // every thread has read slot n % 2 before it is written again (the next bar.sync)
+            // Every thread reads slot n % 2 before thread 0 writes it again
+            // (take(n + 2), after the next bar.sync).
             const typename Src::Unit x = src.unit(w);
-            if (x.skip) continue;
             const PrefillSpan& sp = x.sp;
             const int kvh = x.kvh, t0 = x.t0, t1 = x.t1;
-            hand_over(w);
+            hand_over(w, t0 < t1);
             ++item_it;
             if (t0 >= t1) {  // no K/V to read (an empty split run): the consumers write its empty state
-                mbar_arrive(q_full);
+                take(n + 1);
                 continue;
             }
             const PagedRows rr = src.rows(x);
@@ -437,9 +444,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 gather(v_s(s), vc, s, any);
                 mbar_arrive_cp_async(full_v(s));
             }
+            take(n + 1);
         }
-        hand_over(-1);
-        mbar_arrive(q_full);
+        hand_over(-1, false);
         if (tid == 0) Sm90Sched::finish(src.sched);
     } else {
         // ---------------- consumers ----------------
@@ -460,7 +467,12 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         for (;; ++item_it) {
             // The producer's next unit, with its query rows when it has K/V.
             mbar_wait(q_full, item_it & 1);
-            const int64_t w = ld_shared_s64(unit_slot);
+            // Lane 0 reads the slot, and its arrive on q_empty (after the
+            // unit's last read of Q) is the warp's: the producer writes the
+            // slot again only after it.
+            int64_t w = 0;
+            if (lane == 0) w = ld_shared_s64(unit_slot);
+            w = __shfl_sync(0xffffffffu, w, 0);
             if (w < 0) break;
             const typename Src::Unit x = src.unit(w);
             const PrefillSpan& sp = x.sp;

@@ -409,7 +409,8 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *    decode total_q = batch). Plan (int32, at `work`, 16-byte aligned),
  *    words from `work`:
  *      header [KVP_CASCADE_HEADER_INTS]: [1] items, [2] batch, [15] query
- *             rows (merge rows)
+ *             rows (merge rows), [18] tail tile, [19] the Hopper launch's
+ *             items, [20..21] zero (its unit counter)
  *      items  at items_off, KVP_CASCADE_ITEM_INTS each: rep, kv_begin,
  *             kv_end, dynamic (1: a tail: end clipped to seq_lens[rep],
  *             causal, row positions from seq_lens[rep] - m_count), m_begin,
@@ -423,11 +424,12 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *      qstart at qstart_off: int32 [batch + 1], each sequence's first row
  *    Partial states: part_out float32 [parts][num_q_heads][head_dim]
  *    (normalised), part_lse float32 [parts][num_q_heads] (log2 domain).
- *  On compute capability 9.0 first kvp_cascade_sm90_<dt>_h<D>: the shared
- *      (dynamic 0) items on the Hopper prefill mainloop, block
- *      (KVP_PREFILL_SM90_THREADS,1,1), any grid (one block per SM fits),
- *      dynamic smem kvp_prefill_sm90_smem_bytes(dt, D); then the launch
- *      below with skip_shared = 1 (empty kernel on other devices).
+ *  On compute capability 9.0 first kvp_cascade_sm90_<dt>_h<D>: the items
+ *      before [19] (the shared items, and the tails of more than 16 packed
+ *      rows when the plan's tail tile is 128) on the Hopper prefill mainloop,
+ *      block (KVP_PREFILL_SM90_THREADS,1,1), any grid (one block per SM
+ *      fits), dynamic smem kvp_prefill_sm90_smem_bytes(dt, D); then the
+ *      launch below with skip_shared = 1 (empty kernel on other devices).
  *  Launch kvp_cascade_<dt>_h<D> (dt f16 or bf16): block
  *      (KVP_CASCADE_THREADS,1,1), any grid (x; blocks stride over
  *      item * num_kv_heads + kv head), dynamic smem
@@ -456,6 +458,17 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
 #define KVP_CASCADE_H_ITEMS 1
 #define KVP_CASCADE_H_BATCH 2
 #define KVP_CASCADE_H_ROWS 15
+/* Packed rows per item of a tail longer than 16 packed rows: 64
+ * (KVP_CASCADE_TAIL_TILE_Q, the sm_80 tile) or 128 (KVP_PREFILL_SM90_TILE_Q:
+ * on compute capability 9.0 the Hopper launch runs them). */
+#define KVP_CASCADE_H_TAIL_TILE_Q 18
+/* Items at the list's start that the Hopper launch runs: the shared items,
+ * then the tails of more than 16 packed rows when the tail tile is 128. */
+#define KVP_CASCADE_H_HOPPER_ITEMS 19
+/* Two words the Hopper launch takes its units from (the next, and blocks
+ * done): zero in every plan; its last block zeroes them again, so the
+ * plan's launches must not overlap. */
+#define KVP_CASCADE_W_NEXT_UNIT 20
 
 typedef struct kvp_cascade_params {
     uint64_t q;
@@ -490,12 +503,12 @@ typedef struct kvp_cascade_params {
     int32_t rowseq_off;
     int32_t qstart_off;
     int32_t max_rows; /* the workspace's query-row capacity */
-    int32_t skip_shared; /* 1: kvp_cascade_<dt>_h<D> runs the tail items only (kvp_cascade_sm90 the shared) */
+    int32_t skip_shared; /* 1: kvp_cascade_<dt>_h<D> skips the items kvp_cascade_sm90 ran */
     int32_t reserved;    /* 0 */
 } kvp_cascade_params;
 
 /* Packed rows per shared item: 128 at head_dim <= 128, 64 at 256 (tail
- * items: KVP_CASCADE_TAIL_TILE_Q). */
+ * items: the plan's KVP_CASCADE_H_TAIL_TILE_Q word). */
 static inline int32_t kvp_cascade_tile_q(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 /* Dynamic shared memory of kvp_cascade_<dt>_h<D> (16-bit types only): the

@@ -162,6 +162,9 @@ type CascadeRunArgs struct {
 	PartOut, PartLSE                                               int64
 	ItemsOff, QRowsOff, SegStartOff, SegsOff, RowSeqOff, QStartOff int
 	MaxBatch, MaxRows                                              int // the workspace's capacities (MaxRows 0: MaxBatch)
+	// SM80 runs every item on the sm_80 kernels even on a Hopper device
+	// (tests: a plan cut for the wgmma mainloop must run there too).
+	SM80 bool
 }
 
 // CascadeRun enqueues the attention and merge kernels of a cascade plan on
@@ -245,10 +248,11 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	}
 	ks := cascadeKernels[di][hi]
 	sms := m.Device().SMs
-	if CascadeSharedOnHopper(m.Device(), a.DType, a.HeadDim) {
-		// The shared items on the wgmma mainloop first (one block per SM),
-		// then the tails; launched whatever the plan holds, so that a
-		// captured run serves every later plan.
+	if !a.SM80 && CascadeSharedOnHopper(m.Device(), a.DType, a.HeadDim) {
+		// The shared items (and the long tails of a plan cut for it) on the
+		// wgmma mainloop first (one block per SM), then the rest; launched
+		// whatever the plan holds, so that a captured run serves every
+		// later plan.
 		hcfg := cuda.LaunchConfig{
 			Grid:   cuda.Dim3{X: uint32(sms), Y: 1, Z: 1},
 			Block:  cuda.Dim3{X: prefillSM90Threads, Y: 1, Z: 1},

@@ -157,8 +157,14 @@ func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D in
 
 // plan plans the batch and uploads the whole plan region.
 func (g *gpuRun) plan(t *testing.T, keepAll bool) Summary {
+	return g.planFor(t, keepAll, false)
+}
+
+// planFor plans the batch, for the wgmma mainloop's tail tiles if wgmma,
+// and uploads the whole plan region.
+func (g *gpuRun) planFor(t *testing.T, keepAll, wgmma bool) Summary {
 	in := g.p.b.input(g.p.dl.NumQHeads, g.p.dl.NumKVHeads, g.p.dl.HeadDim)
-	in.NoDecodeRoute, in.Slots = true, g.slots
+	in.NoDecodeRoute, in.Slots, in.SharedWgmma = true, g.slots, wgmma
 	g.planer.keepAll = keepAll
 	s, err := g.planer.Plan(in, &g.l, g.ws)
 	if err != nil {
@@ -384,7 +390,9 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 // sequences without queries and prompts mixed), f16 and bf16, head_dim
 // 64/128/256, GQA groups 1-8: the cascade kernels equal the plan's float64
 // reference and kvplug's own paged prefill on the same device inputs, with
-// outputs and partial states poisoned first.
+// outputs and partial states poisoned first. The second batch is planned
+// with the wgmma mainloop's 128-row tail tiles (run there on Hopper), and
+// run again on the sm_80 kernels alone.
 func TestGPUCascadePrefill(t *testing.T) {
 	needGPU(t)
 	r := seed(t)
@@ -408,7 +416,7 @@ func TestGPUCascadePrefill(t *testing.T) {
 			for rep := 0; rep < 2; rep++ {
 				b := withQueries(r, genTree(r, c.spec), c.maxQ)
 				g := newGPURun(t, r, b, c.d, c.qh, c.kvh, c.D, true)
-				s := g.plan(t, rep == 1)
+				s := g.planFor(t, rep == 1, rep == 1)
 				if s.Route != RouteCascade {
 					t.Fatalf("route %d with NoDecodeRoute", s.Route)
 				}
@@ -428,6 +436,16 @@ func TestGPUCascadePrefill(t *testing.T) {
 					lse[i] = math.Float32frombits(binary.LittleEndian.Uint32(plse[4*i:]))
 				}
 				compareRows(t, what+" vs paged_prefill", g.p, got, gotLSE, pout, lse, 2)
+				if rep == 1 {
+					g.run.SM80 = true
+					g.poisonOut(t)
+					if err := attn.CascadeRun(&g.run, 0); err != nil {
+						t.Fatal(err)
+					}
+					got = download(t, g.run.Out, g.outB)
+					gotLSE = download(t, g.run.LSE, 4*b.rows()*c.qh)
+					compareRows(t, what+" on the sm_80 kernels vs paged_prefill", g.p, got, gotLSE, pout, lse, 2)
+				}
 			}
 		})
 	}

@@ -35,10 +35,11 @@ const (
 	// prefill plan that needs more (deeper trees, split tails) fits while
 	// other rows use less; otherwise it takes the plain route.
 	PrefillParts = 2
-	HeaderInts   = 32 // KVP_CASCADE_HEADER_INTS
-	ItemInts     = 8  // KVP_CASCADE_ITEM_INTS
-	SegInts      = 4  // KVP_CASCADE_SEG_INTS
-	TailTileQ    = 64 // KVP_CASCADE_TAIL_TILE_Q: packed rows per tail item
+	HeaderInts   = 32  // KVP_CASCADE_HEADER_INTS
+	ItemInts     = 8   // KVP_CASCADE_ITEM_INTS
+	SegInts      = 4   // KVP_CASCADE_SEG_INTS
+	TailTileQ    = 64  // KVP_CASCADE_TAIL_TILE_Q: packed rows per tail item on the sm_80 tile
+	SM90TileQ    = 128 // KVP_PREFILL_SM90_TILE_Q: packed rows per tail item on the wgmma mainloop
 	// decodeTailRows: a tail of at most this many packed rows runs the
 	// decode kernel's 16-row tile (kvp_cascade.cuh).
 	decodeTailRows = 16
@@ -68,6 +69,13 @@ const (
 	hRows      = 15 // query rows (KVP_CASCADE_H_ROWS): total_q, the merge's rows
 	hMaxTokens = 16 // query-row capacity the offsets were computed for
 	hMaxQLen   = 17 // longest query
+	hTailTileQ = 18 // KVP_CASCADE_H_TAIL_TILE_Q: packed rows per item of a long tail (TailTileQ or SM90TileQ)
+	// hHopperItems (KVP_CASCADE_H_HOPPER_ITEMS): the items at the list's
+	// start that the wgmma launch runs (shared items, then long tails when
+	// cut for it); the cascade kernel skips them behind that launch.
+	hHopperItems = 19
+	// Words 20 and 21 (KVP_CASCADE_W_NEXT_UNIT) are the wgmma launch's unit
+	// counter: zero in every plan, and zero again after each launch.
 
 	planMagic = 0x6b766331 // "kvc1"
 )
@@ -140,8 +148,8 @@ func NewPrefillLayout(maxBatch, maxTokens, numQHeads, numKVHeads, headDim int) (
 	l.MaxBatch, l.MaxTokens, l.Group, l.TileQ, l.NumQHeads, l.HeadDim = maxBatch, maxTokens, numQHeads/numKVHeads, TileQ(headDim), numQHeads, headDim
 	l.PartCap = maxBatch*MaxParts + (maxTokens-maxBatch)*PrefillParts
 	// A node of m tokens in c chunks has c*ceil(m*group/tile) items and c*m
-	// partial states, a tail chunk of q tokens ceil(q*group/TailTileQ) items
-	// and q states; tile >= TailTileQ, so items <= parts *
+	// partial states, a tail chunk of q tokens ceil(q*group/tail tile) items
+	// and q states; both tiles >= TailTileQ, so items <= parts *
 	// ceil(group/TailTileQ).
 	l.ItemCap = l.PartCap * ((l.Group + TailTileQ - 1) / TailTileQ)
 	// A sequence has one segment per node on its path and its tail.

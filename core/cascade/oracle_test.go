@@ -70,7 +70,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 		tq := l.TileQ
 		delta := int64(1) << 30 // shared run: no mask
 		if it[iDynamic] != 0 {
-			tq = TailTileQ
+			tq = int(ws[hTailTileQ])
 			ke = min(ke, seqLens[rep])
 			delta = int64(seqLens[rep]) - int64(it[iMCount])
 		}

@@ -95,6 +95,13 @@ type Planner struct {
 	bs     int32
 	qGroup int32 // q heads per kv head
 	tileQ  int32 // packed rows per shared item
+	// tailTile is the packed rows per item of a tail longer than
+	// decodeTailRows: TailTileQ on the sm_80 tile, SM90TileQ when the tails
+	// run on the wgmma mainloop (SharedWgmma).
+	tailTile int32
+	// hopperItems is how many items at the list's start the wgmma launch
+	// runs: the shared items, and with SharedWgmma the long tails.
+	hopperItems int32
 	// prefill: the batch has prefill rows (a query longer than one token, or
 	// sequences without one).
 	prefill   bool
@@ -282,6 +289,10 @@ func (p *Planner) Plan(in *Input, l *Layout, ws []int32) (Summary, error) {
 		sum.Gen = ws[hGen] + 1
 	}
 	p.in, p.bs, p.qGroup, p.tileQ = in, int32(in.BlockSize), int32(l.Group), int32(l.TileQ)
+	p.tailTile = TailTileQ
+	if in.SharedWgmma {
+		p.tailTile = SM90TileQ
+	}
 	p.prefill = false
 	for _, q := range p.qlen[:B] {
 		p.prefill = p.prefill || q != 1
@@ -415,8 +426,10 @@ func (p *Planner) writeHeader(ws []int32, l *Layout, s *Summary) {
 	h[hRows] = int32(s.Rows)
 	h[hMaxTokens] = int32(l.MaxTokens)
 	h[hMaxQLen] = int32(s.MaxQLen)
+	h[hTailTileQ] = p.tailTile
+	h[hHopperItems] = p.hopperItems
 	if s.Route != RouteCascade {
-		h[hItems], h[hParts] = 0, 0
+		h[hItems], h[hParts], h[hHopperItems] = 0, 0, 0
 	}
 }
 
@@ -587,12 +600,13 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		slots = DefaultSlots
 	}
 	g := int64(l.Group)
-	// A shared tile's weight, and the shared chunks' alignment (the wgmma
-	// mainloop's K/V tiles are 128 tokens).
-	sw, align := tileWeight(int64(l.TileQ)), int64(chunkAlign)
+	// A shared tile's weight and a long tail's, and the shared chunks'
+	// alignment (the wgmma mainloop's K/V tiles are 128 tokens).
+	sw, tw, align := tileWeight(int64(l.TileQ)), tileWeight(TailTileQ), int64(chunkAlign)
 	if in.SharedWgmma {
-		sw, align = 1, 2*chunkAlign
+		sw, tw, align = 1, 1, 2*chunkAlign
 	}
+	tt := int64(p.tailTile)
 	var work int64 // KV tokens read per kv head, weighted by row tiles and their weight
 	for i := range p.nodes {
 		nd := &p.nodes[i]
@@ -603,15 +617,15 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		rows := int64(p.qlen[s]) * g
 		tiles, w := int64(1), int64(1)
 		if rows > decodeTailRows {
-			tiles, w = (rows+TailTileQ-1)/TailTileQ, tileWeight(TailTileQ)
+			tiles, w = (rows+tt-1)/tt, tw
 		}
 		work += tiles * w * int64(n-p.tail[s])
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
 	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
-	// On the wgmma mainloop the shared items run in a launch of their own,
-	// one block per SM (half the cascade kernel's slots): their chunks are
-	// cut so that the shared work alone fills those blocks.
+	// On the wgmma mainloop the shared items and the long tails run in a
+	// launch of their own, one block per SM (half the cascade kernel's
+	// slots): the shared chunks are cut so that its work fills those blocks.
 	nc := int64(0)
 	if in.SharedWgmma {
 		var shared int64
@@ -619,6 +633,11 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 			nd := &p.nodes[i]
 			tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
 			shared += tiles * int64(nd.end-nd.begin)
+		}
+		for s, n := range in.SeqLens {
+			if rows := int64(p.qlen[s]) * g; rows > decodeTailRows {
+				shared += (rows + tt - 1) / tt * int64(n-p.tail[s])
+			}
 		}
 		nc = shared * int64(in.NumKVHeads) / max(slots/2, 1)
 		nc = max(align, (nc+align-1)/align*align)
@@ -705,21 +724,32 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	}
 	tailEnd := ws[l.TailEnd : l.TailEnd+B]
 	maxKV := 0
-	for s := 0; s < B; s++ {
-		tc, te := p.tailChunks(s, int64(ch))
-		p.tcs[s] = tc
-		tb := p.tail[s]
-		tailEnd[s] = te
-		maxKV = max(maxKV, int(tailEnd[s]))
-		q := p.qlen[s]
-		tailTiles := (q*g + TailTileQ - 1) / TailTileQ
-		for c := int32(0); c < tc; c++ {
-			for t := int32(0); t < tailTiles; t++ {
-				put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], q, t, parts+c*q)
+	// The tails longer than a decode tail first: on the wgmma mainloop they
+	// join the shared items in the Hopper launch's prefix of the list.
+	hopper := ni
+	for pass := 0; pass < 2; pass++ {
+		for s := 0; s < B; s++ {
+			q := p.qlen[s]
+			if long := q*g > decodeTailRows; long != (pass == 0) {
+				continue
 			}
+			tc, te := p.tailChunks(s, int64(ch))
+			p.tcs[s] = tc
+			tb := p.tail[s]
+			tailEnd[s] = te
+			maxKV = max(maxKV, int(tailEnd[s]))
+			tailTiles := (q*g + p.tailTile - 1) / p.tailTile
+			for c := int32(0); c < tc; c++ {
+				for t := int32(0); t < tailTiles; t++ {
+					put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], q, t, parts+c*q)
+				}
+			}
+			p.nseg[s] = parts // the tail's first partial state
+			parts += tc * q
 		}
-		p.nseg[s] = parts // the tail's first partial state
-		parts += tc * q
+		if pass == 0 && p.in.SharedWgmma {
+			hopper = ni
+		}
 	}
 	// Merge segments: per sequence, one per emitted node on its path, then
 	// its tail. Counts first, in the order's place of each sequence.
@@ -754,4 +784,5 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 		segs[k], segs[k+1], segs[k+2], segs[k+3] = p.nseg[s], p.tcs[s], p.qlen[s], 0
 	}
 	sum.Items, sum.Parts, sum.MaxKV = ni, int(parts), maxKV
+	p.hopperItems = int32(hopper)
 }

@@ -99,12 +99,24 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
 		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
 		mb, mc := it[iMBegin], it[iMCount]
-		if mc < 1 || mb < 0 || mb+mc > rows || kb < 0 || ke <= kb || ke-kb > int32(s.Chunk) {
+		// On the wgmma mainloop the shared runs have chunks of their own.
+		long := ke-kb > int32(s.Chunk) && (it[iDynamic] != 0 || !in.SharedWgmma)
+		if mc < 1 || mb < 0 || mb+mc > rows || kb < 0 || ke <= kb || long {
 			t.Fatalf("item %d malformed: %v (chunk %d)", i, it, s.Chunk)
+		}
+		// The wgmma launch's prefix: the shared items, then (cut for it)
+		// the tails of more than a decode tail's rows; the rest are tails
+		// for the cascade kernel.
+		wgmmaItem := it[iDynamic] == 0 || in.SharedWgmma && mc*int32(l.Group) > decodeTailRows
+		if (int32(i) < ws[hHopperItems]) != wgmmaItem {
+			t.Fatalf("item %d (%v) on the wrong side of the wgmma launch's %d items", i, it, ws[hHopperItems])
 		}
 		tq := int32(l.TileQ)
 		if it[iDynamic] != 0 {
-			tq = TailTileQ
+			tq = ws[hTailTileQ]
+			if want := map[bool]int32{false: TailTileQ, true: SM90TileQ}[in.SharedWgmma]; tq != want {
+				t.Fatalf("tail tile %d in the header; want %d (SharedWgmma %v)", tq, want, in.SharedWgmma)
+			}
 		}
 		if it[iTile] < 0 || it[iTile]*tq >= mc*int32(l.Group) {
 			t.Fatalf("item %d: tile %d outside %d rows", i, it[iTile], mc*int32(l.Group))

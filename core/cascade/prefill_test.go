@@ -38,6 +38,7 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 		in := b.input(qh, kvh, D)
 		in.NoDecodeRoute = true
 		in.Slots = 1 + r.IntN(600)
+		in.SharedWgmma = iter%4 >= 2 // long tails in 128-row tiles
 		l := prefillLayout(t, b, r.IntN(3), qh, kvh, D)
 		p.keepAll = iter%2 == 0
 		ws, s := planPoisoned(t, &p, in, &l, fmt.Sprintf("iter %d %+v", iter, spec))
@@ -79,6 +80,7 @@ func TestRefMatchesPrefill(t *testing.T) {
 				in := b.input(c.qh, c.kvh, c.D)
 				in.NoDecodeRoute = true
 				in.Slots = 1 + r.IntN(50)
+				in.SharedWgmma = rep%2 == 1 // long tails in 128-row tiles
 				ws, s := planPoisoned(t, &pl, in, &l, c.name)
 				compareWithPrefill(t, p, &l, ws, s, c.d)
 				nodes += s.Nodes
