@@ -1663,6 +1663,10 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * workspace is not planned into again until the previous plan's copy has
  * executed (pinned memory) and the device workspace not until the previous
  * plan's runs have been enqueued on the same stream before the new copy.
+ * A plan's runs must not overlap each other in time (enqueue them on one
+ * stream, as the layers of a step are): they write the same partial states,
+ * and on Hopper the first kernel's blocks take work from a counter in the
+ * device workspace, which each run leaves at zero for the next.
  * What it can see is refused: a plan that does not fit the workspaces
  * (BUFFER_TOO_SMALL), a layer whose block size or table differ from the
  * plan's, a plan older than the workspaces' latest (INVALID_ARGUMENT).

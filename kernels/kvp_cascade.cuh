@@ -21,8 +21,9 @@
 // (128 rows at head_dim <= 128). A tail of at most 16 packed rows (a decode
 // tail: its sequence's q heads times at most 16 / group new tokens) runs the
 // decode kernel's 16-row tile (decode_tile, kvp_decode.cuh), its 4 warps on
-// different tokens of each K/V tile; longer tails take 64-row tiles
-// (KVP_CASCADE_TAIL_TILE_Q). A tail item's end is clipped to
+// different tokens of each K/V tile; longer tails take the plan's tail tile
+// of rows (its header word KVP_CASCADE_H_TAIL_TILE_Q: 64, the sm_80 tile, or
+// 128, the Hopper mainloop's, where that launch runs them). A tail item's end is clipped to
 // seq_lens[rep] on the device and its positions follow seq_lens, so steps
 // that only grow lengths reuse the plan. Each item writes one partial state
 // per row (normalised output, float32, and its log2-domain lse; -inf when it
@@ -34,10 +35,12 @@
 // states by online softmax into out and lse. Empty states have weight 0; a
 // row with only empty states gets out = 0, lse = -inf.
 //
-// Both kernels run fixed grids that stride over the counts in the plan's
-// header, so a captured launch serves every later plan in the same
-// workspace. Shared items and long tails run attn_tile (kvp_attn_tile.cuh),
-// the prefill kernel's inner loop.
+// Every kernel runs a fixed grid over the counts in the plan's header (the
+// Hopper launch through the plan's unit counter, which its last block
+// zeroes), so a captured launch serves every later plan in the same
+// workspace; a plan's launches must not overlap. On the sm_80 kernel shared
+// items and long tails run attn_tile (kvp_attn_tile.cuh), the prefill
+// kernel's inner loop; on Hopper the wgmma mainloop runs them.
 #pragma once
 
 #include "kvp_attn_tile.cuh"
@@ -211,7 +214,9 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
         const int rows = it.m_count * group;
         if (it.dynamic && !it.decode_tail(group)) {
             const int r0 = it.tile * tail_tile + half * KVP_CASCADE_TAIL_TILE_Q;
-            cascade_item<T, D, 1, true>(p, it, kvh, r0, min(rows, (it.tile + 1) * tail_tile), smem);
+            const int r_end = min(rows, (it.tile + 1) * tail_tile);
+            if (r0 >= r_end) continue;  // a last tile's half without rows
+            cascade_item<T, D, 1, true>(p, it, kvh, r0, r_end, smem);
         } else if (half > 0) {
             continue;
         } else if (it.dynamic) {

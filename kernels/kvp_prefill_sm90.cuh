@@ -164,24 +164,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// Which unit the producer takes next. With a scheduler (two int32 words the
-// plan zeroes: the next unit, and blocks done) blocks take units from one
-// counter, in the work list's order (each sequence's longest items first), as
-// they finish the last: a causal prefill's units range from one K/V tile to
-// all of them, and a static stride over them leaves some blocks with half
-// again the average. The last block to finish zeroes both words, so a
-// launch captured in a graph (or the next layer's, under the same plan)
-// starts from zero again. Without one, block b takes units b, b + grid, ...
+// Which unit the producer takes next. Blocks take units from one counter
+// (two int32 words the plan zeroes: the next unit, and blocks done), in the
+// work list's order, as they near the end of the last: a causal prefill's
+// units range from one K/V tile to all of them, and a static stride over
+// them leaves some blocks with half again the average. The last block to
+// finish zeroes both words, so a launch captured in a graph (or the next
+// layer's, under the same plan) starts from zero again.
 //
-// take(ctr, j) is the block's j-th unit (producer thread 0); finish(ctr)
+// take(ctr) is the block's next unit (producer thread 0); finish(ctr)
 // follows its last take, the one past the end.
 struct Sm90Sched {
-    static __device__ __forceinline__ int64_t take(int32_t* ctr, int j) {
-        if (ctr == nullptr) return (int64_t)j * gridDim.x + blockIdx.x;
-        return atomicAdd(ctr, 1);
-    }
+    static __device__ __forceinline__ int64_t take(int32_t* ctr) { return atomicAdd(ctr, 1); }
     static __device__ __forceinline__ void finish(int32_t* ctr) {
-        if (ctr == nullptr) return;
         __threadfence();
         if (atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
             atomicExch(ctr, 0);
@@ -364,7 +359,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         // the whole of its first, and the last units wait on busy blocks);
         // the others learn it through next_slot[(n + 1) % 2].
         auto take = [&](int n) {
-            if (tid == 0) st_shared_s64(next_slot + 8 * (n & 1), Sm90Sched::take(src.sched, n));
+            if (tid == 0) st_shared_s64(next_slot + 8 * (n & 1), Sm90Sched::take(src.sched));
         };
         take(0);
         // Hands unit w (or -1, the end) to the consumers: thread 0's arrive

@@ -432,7 +432,8 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *      launch below with skip_shared = 1 (empty kernel on other devices).
  *  Launch kvp_cascade_<dt>_h<D> (dt f16 or bf16): block
  *      (KVP_CASCADE_THREADS,1,1), any grid (x; blocks stride over
- *      item * num_kv_heads + kv head), dynamic smem
+ *      (item, kv head) pairs, and the two 64-row halves of a 128-row tail
+ *      tile when no Hopper launch ran it), dynamic smem
  *      kvp_cascade_smem_bytes(D) (cuFuncSetAttribute above 48 KiB); a
  *      tail of at most 16 packed rows runs the decode kernel's 16-row tile;
  *  then kvp_cascade_merge_<dt>_h<D>: block (KVP_CASCADE_MERGE_THREADS,1,1),
@@ -451,7 +452,7 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
 #define KVP_CASCADE_THREADS 128
 #define KVP_CASCADE_MERGE_THREADS 128
 #define KVP_CASCADE_TILE_KV 64
-#define KVP_CASCADE_TAIL_TILE_Q 64 /* packed rows per tail item */
+#define KVP_CASCADE_TAIL_TILE_Q 64 /* packed rows per tail item of the sm_80 kernel */
 #define KVP_CASCADE_HEADER_INTS 32
 #define KVP_CASCADE_ITEM_INTS 8
 #define KVP_CASCADE_SEG_INTS 4

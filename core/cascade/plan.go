@@ -51,7 +51,9 @@ type Input struct {
 	// shared items, reading a shared prompt once per batch does not pay.
 	PlainPrefillFaster bool
 	// SharedWgmma: the shared items run on Hopper's wgmma mainloop (128-token
-	// tiles at about a decode tile's time per token), not the sm_80 tile.
+	// tiles at about a decode tile's time per token), not the sm_80 tile, and
+	// so do the tails of more than a decode tail's rows, cut into its 128-row
+	// tiles (the plan still runs on the sm_80 kernel, two 64-row tiles each).
 	SharedWgmma bool
 }
 

@@ -124,11 +124,12 @@ def test_cascade_matches_reference(dtype, levels, tail, bs):
     (16, 2, 256, 64, 700),   # group 8, head_dim 256
     (32, 8, 128, 256, 900),  # block size 256: tails inside one block
     (64, 4, 128, 16, 200),   # group 16: a tail fills the 16-row tile
-    (32, 1, 64, 16, 150),    # group 32: tails on the 64-row tile
+    (32, 1, 64, 16, 150),    # group 32: tails of 32 rows (the 64-row tile; Hopper's 128-row one)
 ])
 def test_cascade_decode_tails(qh, kvh, D, bs, tail):
     """Decode tails of at most 16 packed rows run the decode kernel's tile
-    inside the cascade kernel; longer ones the 64-row tile."""
+    inside the cascade kernel; longer ones the 64-row tile (on Hopper the
+    wgmma mainloop's 128-row tile)."""
     gen = torch.Generator().manual_seed(qh * 100 + D + bs)
     plan = run_case(gen, torch.bfloat16, [(12, 20), (4, 9)], tail, bs, qh=qh, kvh=kvh, D=D)
     assert plan.route == cascade.ROUTE_CASCADE
