@@ -245,8 +245,9 @@ func (p *Planner) cascadeCost(l *Layout, total, saved int64) float64 {
 // the cost model above. Batches with prefill rows are bound by their MMAs,
 // which sharing does not reduce (every query row still meets every token):
 // there the shared read pays when the K/V reads it saves (the prefill kernel
-// reads a sequence's tokens once per 64-row tile of its rows) exceed what
-// the partial states add.
+// reads a sequence's tokens once per tile of its rows: 64 on the sm_80
+// kernel, 128 on Hopper's, the long tails' tile) exceed what the partial
+// states add.
 func (p *Planner) pays(l *Layout, rows int, total, saved int64) bool {
 	if len(p.nodes) == 0 {
 		return false
@@ -260,7 +261,7 @@ func (p *Planner) pays(l *Layout, rows int, total, saved int64) bool {
 		nd := &p.nodes[i]
 		var plain int64
 		for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
-			plain += (int64(p.qlen[s])*g + TailTileQ - 1) / TailTileQ
+			plain += (int64(p.qlen[s])*g + int64(p.tailTile) - 1) / int64(p.tailTile)
 		}
 		once := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
 		savedBytes += (plain - once) * int64(nd.end-nd.begin) * p.vbyte
@@ -439,7 +440,7 @@ func (p *Planner) writeHeader(ws []int32, l *Layout, s *Summary) {
 // more than twice what its partial states cost (written by the chunk pass,
 // read by the merge). In decode the run is read once instead of once per
 // member; with prefill rows, once per tile of the members' packed rows
-// instead of once per 64-row tile of each member's (the prefill kernel's).
+// instead of once per row tile of each member's (the prefill kernel's).
 func (p *Planner) worth(b []int32, t int32) bool {
 	if p.keepAll {
 		return true
@@ -448,7 +449,7 @@ func (p *Planner) worth(b []int32, t int32) bool {
 	g := int64(p.qGroup)
 	for _, s := range b {
 		tokens += int64(p.qlen[s])
-		reads += (int64(p.qlen[s])*g + TailTileQ - 1) / TailTileQ
+		reads += (int64(p.qlen[s])*g + int64(p.tailTile) - 1) / int64(p.tailTile)
 	}
 	if p.prefill {
 		reads -= (tokens*g + int64(p.tileQ) - 1) / int64(p.tileQ)
