@@ -261,7 +261,7 @@ func (p *Planner) pays(l *Layout, rows int, total, saved int64) bool {
 		nd := &p.nodes[i]
 		var plain int64
 		for _, s := range p.order[nd.mBegin : nd.mBegin+nd.mCount] {
-			plain += (int64(p.qlen[s])*g + int64(p.tailTile) - 1) / int64(p.tailTile)
+			plain += p.rowTiles(int(s))
 		}
 		once := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
 		savedBytes += (plain - once) * int64(nd.end-nd.begin) * p.vbyte
@@ -449,7 +449,7 @@ func (p *Planner) worth(b []int32, t int32) bool {
 	g := int64(p.qGroup)
 	for _, s := range b {
 		tokens += int64(p.qlen[s])
-		reads += (int64(p.qlen[s])*g + int64(p.tailTile) - 1) / int64(p.tailTile)
+		reads += p.rowTiles(int(s))
 	}
 	if p.prefill {
 		reads -= (tokens*g + int64(p.tileQ) - 1) / int64(p.tileQ)
@@ -609,7 +609,6 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	if in.SharedWgmma {
 		sw, tw, align = 1, 1, 2*chunkAlign
 	}
-	tt := int64(p.tailTile)
 	var work int64 // KV tokens read per kv head, weighted by row tiles and their weight
 	for i := range p.nodes {
 		nd := &p.nodes[i]
@@ -617,10 +616,9 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		work += tiles * sw * int64(nd.end-nd.begin)
 	}
 	for s, n := range in.SeqLens {
-		rows := int64(p.qlen[s]) * g
 		tiles, w := int64(1), int64(1)
-		if rows > decodeTailRows {
-			tiles, w = (rows+tt-1)/tt, tw
+		if p.longTail(s) {
+			tiles, w = p.rowTiles(s), tw
 		}
 		work += tiles * w * int64(n-p.tail[s])
 	}
@@ -638,8 +636,8 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 			shared += tiles * int64(nd.end-nd.begin)
 		}
 		for s, n := range in.SeqLens {
-			if rows := int64(p.qlen[s]) * g; rows > decodeTailRows {
-				shared += (rows + tt - 1) / tt * int64(n-p.tail[s])
+			if p.longTail(s) {
+				shared += p.rowTiles(s) * int64(n-p.tail[s])
 			}
 		}
 		nc = shared * int64(in.NumKVHeads) / max(slots/2, 1)
@@ -678,6 +676,18 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	}
 	sum.Chunk = int(ch)
 	return parts
+}
+
+// longTail reports whether sequence s's tail has more packed rows than the
+// decode kernel's 16-row tile holds (the kernels' decode_tail test).
+func (p *Planner) longTail(s int) bool { return int64(p.qlen[s])*int64(p.qGroup) > decodeTailRows }
+
+// rowTiles is sequence s's packed rows in tiles of p.tailTile rows: its
+// tail's items per KV chunk, and how often the plain prefill kernel, whose
+// row tile that is, reads each of its tokens.
+func (p *Planner) rowTiles(s int) int64 {
+	tt := int64(p.tailTile)
+	return (int64(p.qlen[s])*int64(p.qGroup) + tt - 1) / tt
 }
 
 // tailChunks is the chunks of sequence s's tail, planned with headroom and
@@ -732,16 +742,16 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	hopper := ni
 	for pass := 0; pass < 2; pass++ {
 		for s := 0; s < B; s++ {
-			q := p.qlen[s]
-			if long := q*g > decodeTailRows; long != (pass == 0) {
+			if p.longTail(s) != (pass == 0) {
 				continue
 			}
+			q := p.qlen[s]
 			tc, te := p.tailChunks(s, int64(ch))
 			p.tcs[s] = tc
 			tb := p.tail[s]
 			tailEnd[s] = te
 			maxKV = max(maxKV, int(tailEnd[s]))
-			tailTiles := (q*g + p.tailTile - 1) / p.tailTile
+			tailTiles := int32(p.rowTiles(s))
 			for c := int32(0); c < tc; c++ {
 				for t := int32(0); t < tailTiles; t++ {
 					put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], q, t, parts+c*q)
