@@ -244,34 +244,23 @@ func (p *Pool) Commit(s Slot) error { return p.commit(s, false) }
 func (p *Pool) CommitPinned(s Slot) error { return p.commit(s, true) }
 
 func (p *Pool) commit(s Slot, keepPin bool) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.checkReserved(s); err != nil {
-		return err
-	}
-	p.commitReserved(s, keepPin)
-	return nil
+	return p.onReserved(s, func() { p.commitReserved(s, keepPin) })
 }
 
 // Abort gives reserved slot s back: its copy failed or was cancelled.
-func (p *Pool) Abort(s Slot) error {
+func (p *Pool) Abort(s Slot) error { return p.onReserved(s, func() { p.abortReserved(s) }) }
+
+// onReserved runs end under the lock if slot s is valid and reserved.
+func (p *Pool) onReserved(s Slot, end func()) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.checkReserved(s); err != nil {
-		return err
-	}
-	p.abortReserved(s)
-	return nil
-}
-
-// checkReserved is check that also requires slot s to be reserved.
-func (p *Pool) checkReserved(s Slot) error {
 	if err := p.check(s); err != nil {
 		return err
 	}
 	if p.slots[s].st != reserved {
 		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
 	}
+	end()
 	return nil
 }
 

@@ -289,20 +289,11 @@ func (t *Tier) Get(hashes []Hash) [][]byte {
 // which must be exactly as long as the payload (a value of another length
 // is a miss, counted corrupt). dst[i] is untouched on a miss.
 func (t *Tier) GetInto(hashes []Hash, dst [][]byte) []bool {
-	found := make([]bool, len(hashes))
-	if len(dst) < len(hashes) {
-		t.misses.Add(int64(len(hashes)))
-		return found
+	segs := make([][][]byte, len(dst)) // each buffer its block's one segment
+	for i := range dst {
+		segs[i] = dst[i : i+1 : i+1]
 	}
-	t.get(hashes, func(i int, p []byte) bool {
-		if len(p) != len(dst[i]) {
-			return false
-		}
-		copy(dst[i], p)
-		found[i] = true
-		return true
-	})
-	return found
+	return t.GetSegments(hashes, segs)
 }
 
 // GetSegments is GetInto for payloads held in pieces (a block whose K and
