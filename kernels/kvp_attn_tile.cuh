@@ -120,15 +120,25 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
         }
         cp_async16_keep(s_q_u32 + swz<CPR>(r, c), src, bytes);
     }
+    // Bit (j % RING) of bad_tiles: tile j has an unreadable token (past the
+    // range, or in an ignored block). Tiles without one skip the per-token
+    // offset test in the mask.
+    uint32_t bad_tiles = 0;
+    int my_bad = 0;  // bit j: this thread's token of tile j is unreadable
     if (tid < TK) {
 #pragma unroll
         for (int j = 0; j < STAGES; ++j) {
             const int tok = kb + j * TK + tid;
-            s_off[j * TK + tid] = (j < n_tiles && tok < ke) ? rr.offset(pblk[j], poff[j]) : -1;
+            const int64_t o = (j < n_tiles && tok < ke) ? rr.offset(pblk[j], poff[j]) : -1;
+            s_off[j * TK + tid] = o;
+            my_bad |= (o < 0) << j;
         }
     }
     int cblk = pblk[STAGES], coff = poff[STAGES];
-    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j)
+        if (__syncthreads_or((my_bad >> j) & 1)) bad_tiles |= 1u << j;
+    my_bad = 0;  // from here: whether this thread's token of the tile written last is unreadable
 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     auto issue = [&](int j) {
@@ -186,7 +196,11 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
 
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();
+        const int bad_last = __syncthreads_or(my_bad);  // tile j - 1 + STAGES, written by the last iteration
+        if (j > 0) {
+            const uint32_t bit = 1u << ((j - 1 + STAGES) % RING);
+            bad_tiles = bad_last ? bad_tiles | bit : bad_tiles & ~bit;
+        }
         if (j + STAGES - 1 < n_tiles) issue(j + STAGES - 1);
         cp_async_commit();
         int nblk = -1, noff = 0;
@@ -223,46 +237,41 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
             // the range or in ignored blocks (row offset -1).
             const int64_t* offs = s_off + (j % RING) * TK;
             const bool full = CAUSAL && kv0 + TK - 1 <= wpos_min && (wl < 0 || kv0 >= wpos_max - wl) && kv0 + TK <= ke;
+            const bool readable = !((bad_tiles >> (j % RING)) & 1u);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
                 for (int n = 0; n < 8; ++n) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int col = n * 8 + qd + e;
                         const int kv = kv0 + col;
-                        bool ok0 = true, ok1 = true;
-                        if (!CAUSAL) {
-                            ok0 = ok1 = offs[col] >= 0;  // past the range or an ignored block: -1
-                        } else if (!full) {
-                            const bool tok_ok = offs[col] >= 0;
-                            ok0 = tok_ok && kv <= pos[mt][0] && (wl < 0 || kv >= pos[mt][0] - wl);
-                            ok1 = tok_ok && kv <= pos[mt][1] && (wl < 0 || kv >= pos[mt][1] - wl);
-                        } else if (offs[col] < 0) {
-                            ok0 = ok1 = false;
+                        // Past the range or in an ignored block: offset -1.
+                        const bool tok_ok = readable || offs[col] >= 0;
+                        bool ok0 = tok_ok, ok1 = tok_ok;
+                        if (CAUSAL && !full) {
+                            ok0 = ok0 && kv <= pos[mt][0] && (wl < 0 || kv >= pos[mt][0] - wl);
+                            ok1 = ok1 && kv <= pos[mt][1] && (wl < 0 || kv >= pos[mt][1] - wl);
                         }
-                        s[mt][n][e] = ok0 ? s[mt][n][e] * sl : neg_inf();
-                        s[mt][n][e + 2] = ok1 ? s[mt][n][e + 2] * sl : neg_inf();
-                        mx[0] = fmaxf(mx[0], s[mt][n][e]);
-                        mx[1] = fmaxf(mx[1], s[mt][n][e + 2]);
+                        s[mt][n][e] = ok0 ? s[mt][n][e] : neg_inf();
+                        s[mt][n][e + 2] = ok1 ? s[mt][n][e + 2] : neg_inf();
                     }
                 }
+                // Maxima of the unscaled scores (the scale is positive).
+                const float mx0 = tree_reduce<8>([&](int n) { return fmaxf(s[mt][n][0], s[mt][n][1]); }, MaxOp{});
+                const float mx1 = tree_reduce<8>([&](int n) { return fmaxf(s[mt][n][2], s[mt][n][3]); }, MaxOp{});
                 float alpha[2], m_use[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) alpha[r] = st[mt][r].rescale(quad_max(mx[r]), m_use[r]);
-                float ps[2] = {0.f, 0.f};
+                alpha[0] = st[mt][0].rescale(quad_max(mx0) * sl, m_use[0]);
+                alpha[1] = st[mt][1].rescale(quad_max(mx1) * sl, m_use[1]);
 #pragma unroll
                 for (int n = 0; n < 8; ++n) {
-                    s[mt][n][0] = exp2f(s[mt][n][0] - m_use[0]);
-                    s[mt][n][1] = exp2f(s[mt][n][1] - m_use[0]);
-                    s[mt][n][2] = exp2f(s[mt][n][2] - m_use[1]);
-                    s[mt][n][3] = exp2f(s[mt][n][3] - m_use[1]);
-                    ps[0] += s[mt][n][0] + s[mt][n][1];
-                    ps[1] += s[mt][n][2] + s[mt][n][3];
+                    s[mt][n][0] = fast_exp2(fmaf(s[mt][n][0], sl, -m_use[0]));
+                    s[mt][n][1] = fast_exp2(fmaf(s[mt][n][1], sl, -m_use[0]));
+                    s[mt][n][2] = fast_exp2(fmaf(s[mt][n][2], sl, -m_use[1]));
+                    s[mt][n][3] = fast_exp2(fmaf(s[mt][n][3], sl, -m_use[1]));
                 }
-                st[mt][0].accumulate(alpha[0], ps[0]);
-                st[mt][1].accumulate(alpha[1], ps[1]);
+                st[mt][0].accumulate(alpha[0], tree_reduce<8>([&](int n) { return s[mt][n][0] + s[mt][n][1]; }, AddOp{}));
+                st[mt][1].accumulate(alpha[1], tree_reduce<8>([&](int n) { return s[mt][n][2] + s[mt][n][3]; }, AddOp{}));
 #pragma unroll
                 for (int c = 0; c < CPR; ++c) {
                     o_acc[mt][c][0] *= alpha[0];
@@ -297,9 +306,12 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
         }
 
         const int jt = j + STAGES;
+        my_bad = 0;
         if (tid < TK && jt < n_tiles) {
             const int tok = kb + jt * TK + tid;
-            s_off[(jt % RING) * TK + tid] = tok < ke ? rr.offset(cblk, coff) : -1;
+            const int64_t o = tok < ke ? rr.offset(cblk, coff) : -1;
+            s_off[(jt % RING) * TK + tid] = o;
+            my_bad = o < 0;
         }
         cblk = nblk;
         coff = noff;

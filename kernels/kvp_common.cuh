@@ -217,6 +217,43 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A row's maximum or sum over this thread's columns, as a tree: M values
+// get(0..M-1) (each already a pair of the row's columns), folded in halves.
+// A running fmaxf or sum is a chain of dependent instructions as long as the
+// row, which the softmax waits out before its first exp2.
+template <int W, int N, class Op>
+__device__ __forceinline__ float fold_halves(float (&t)[N], Op op) {  // t[0] = op over t[0, 2W)
+#pragma unroll
+    for (int j = 0; j < W; ++j) t[j] = op(t[j], t[j + W]);
+    if constexpr (W > 1)
+        return fold_halves<W / 2>(t, op);
+    else
+        return t[0];
+}
+template <int M, class Get, class Op>
+__device__ __forceinline__ float tree_reduce(Get get, Op op) {
+    static_assert(M >= 2 && (M & (M - 1)) == 0, "a power of two");
+    float t[M];
+#pragma unroll
+    for (int j = 0; j < M; ++j) t[j] = get(j);
+    return fold_halves<M / 2>(t, op);
+}
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
+};
+struct AddOp {
+    __device__ __forceinline__ float operator()(float x, float y) const { return x + y; }
+};
+
+// 2^x with the MUFU instruction alone; results below 2^-126 flush to zero,
+// which a softmax weight that small is anyway. (exp2f adds a range check and
+// two multiplies for subnormal results.)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // ---- 1. KV write -----------------------------------------------------------
 template <typename T, int D>
 __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {

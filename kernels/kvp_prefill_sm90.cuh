@@ -158,12 +158,6 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {  // byte offset in
     return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Which unit the producer takes next. Blocks take units from one counter
 // (two int32 words the plan zeroes: the next unit, and blocks done), in the
 // work list's order, as they near the end of the last: a causal prefill's
@@ -497,7 +491,6 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             if (t0 < t1) {
                 fence_proxy_async();
             } else {
-                __syncwarp();
                 if (lane == 0) mbar_arrive(q_empty);  // the slot is read; there are no query rows
             }
             // One tile: S_t = Q K_t^T, issued with O += P_{t-1} V_{t-1} after
@@ -538,20 +531,31 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 pin_regs(sc);
                 float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
                 if (active) {
-                    const bool mask = flags[s] != 0 || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win);
-                    if (mask) {
-                        const int64_t* off = offs + s * TN;
-                        const bool unreadable = flags[s] != 0;
+                    const bool unreadable = flags[s] != 0;
+                    if (unreadable || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win)) {
+                        // Column 8j + e of the tile is readable by row a when
+                        // lo_a <= 8j + e <= hi_a: compares and selects, no
+                        // branch per element.
+                        const int hi_a = pos_a - k0 - col_q, hi_b = pos_b - k0 - col_q;
+                        const int lo_a = win >= 0 ? hi_a - win : -TN, lo_b = win >= 0 ? hi_b - win : -TN;
 #pragma unroll
                         for (int j = 0; j < TN / 8; ++j) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int kl = 8 * j + col_q + (e & 1);
-                                const int key = k0 + kl;
-                                const int pos = e < 2 ? pos_a : pos_b;
-                                bool bad = key > pos || (win >= 0 && key < pos - win);
-                                if (unreadable) bad = bad || off[kl] < 0;
-                                if (bad) sc[4 * j + e] = neg_inf();
+                                const int kl = 8 * j + (e & 1);
+                                const int hi = e < 2 ? hi_a : hi_b, lo = e < 2 ? lo_a : lo_b;
+                                sc[4 * j + e] = kl > hi || kl < lo ? neg_inf() : sc[4 * j + e];
+                            }
+                        }
+                        if (unreadable) {  // tokens outside the sequence or the readable range
+                            const int64_t* off = offs + s * TN + col_q;
+#pragma unroll
+                            for (int j = 0; j < TN / 8; ++j) {
+                                const bool bad0 = off[8 * j] < 0, bad1 = off[8 * j + 1] < 0;
+                                sc[4 * j] = bad0 ? neg_inf() : sc[4 * j];
+                                sc[4 * j + 2] = bad0 ? neg_inf() : sc[4 * j + 2];
+                                sc[4 * j + 1] = bad1 ? neg_inf() : sc[4 * j + 1];
+                                sc[4 * j + 3] = bad1 ? neg_inf() : sc[4 * j + 3];
                             }
                         }
                     }
@@ -563,26 +567,20 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                     if (t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
                 }
                 if (active) {
-                    float mx_a = neg_inf(), mx_b = neg_inf();
-#pragma unroll
-                    for (int j = 0; j < TN / 8; ++j) {
-                        mx_a = fmaxf(mx_a, fmaxf(sc[4 * j], sc[4 * j + 1]));
-                        mx_b = fmaxf(mx_b, fmaxf(sc[4 * j + 2], sc[4 * j + 3]));
-                    }
+                    // Maxima of the unscaled scores: the scale is positive.
+                    const float mx_a = tree_reduce<TN / 8>([&](int j) { return fmaxf(sc[4 * j], sc[4 * j + 1]); }, MaxOp{});
+                    const float mx_b = tree_reduce<TN / 8>([&](int j) { return fmaxf(sc[4 * j + 2], sc[4 * j + 3]); }, MaxOp{});
                     al_a = st_a.rescale(quad_max(mx_a) * sl, mu_a);
                     al_b = st_b.rescale(quad_max(mx_b) * sl, mu_b);
-                    float rs_a = 0.f, rs_b = 0.f;
 #pragma unroll
                     for (int j = 0; j < TN / 8; ++j) {
                         sc[4 * j] = fast_exp2(fmaf(sc[4 * j], sl, -mu_a));
                         sc[4 * j + 1] = fast_exp2(fmaf(sc[4 * j + 1], sl, -mu_a));
                         sc[4 * j + 2] = fast_exp2(fmaf(sc[4 * j + 2], sl, -mu_b));
                         sc[4 * j + 3] = fast_exp2(fmaf(sc[4 * j + 3], sl, -mu_b));
-                        rs_a += sc[4 * j] + sc[4 * j + 1];
-                        rs_b += sc[4 * j + 2] + sc[4 * j + 3];
                     }
-                    st_a.accumulate(al_a, rs_a);
-                    st_b.accumulate(al_b, rs_b);
+                    st_a.accumulate(al_a, tree_reduce<TN / 8>([&](int j) { return sc[4 * j] + sc[4 * j + 1]; }, AddOp{}));
+                    st_b.accumulate(al_b, tree_reduce<TN / 8>([&](int j) { return sc[4 * j + 2] + sc[4 * j + 3]; }, AddOp{}));
                 }
                 if constexpr (PV) {
                     wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
