@@ -1360,7 +1360,7 @@ typedef struct kvp_paged_decode_args {
   uint64_t lse;             /* float32 [batch * q_len, num_q_heads] contiguous; 0 = not wanted */
   uint64_t workspace;       /* device memory of kvp_attn_workspace_size bytes; 0 = none */
   uint64_t workspace_bytes; /* its size */
-  float scale;              /* softmax scale; 0 = 1/sqrt(head_dim) */
+  float scale;              /* softmax scale, finite, >= 0; 0 = 1/sqrt(head_dim) */
   int32_t num_splits;       /* 0 = library's choice; 1..256 = forced */
   int32_t max_seq_len;      /* bound on seq_lens for the choice of splits; 0 = max_blocks_per_seq * block_size */
   int32_t q_len;            /* new tokens per sequence, in [0, 16]; 0 and 1: one (decode).
@@ -1545,7 +1545,7 @@ typedef struct kvp_paged_prefill_args {
   int64_t out_token_stride;
   int64_t out_head_stride;
   uint64_t lse; /* float32 [total_q, num_q_heads] contiguous; 0 = not wanted */
-  float scale;  /* softmax scale; 0 = 1/sqrt(head_dim) */
+  float scale;  /* softmax scale, finite, >= 0; 0 = 1/sqrt(head_dim) */
   int32_t reserved2; /* must be 0 */
 } kvp_paged_prefill_args;
 

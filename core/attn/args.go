@@ -276,8 +276,8 @@ func (l *DecodeLayout) validate() (decodeExtents, error) {
 	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
 	}
-	if !(l.Scale == l.Scale) || l.Scale > 3.4e38 || l.Scale < -3.4e38 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: scale must be finite: got %g", what, l.Scale)
+	if err := checkScale(what, l.Scale); err != nil {
+		return e, err
 	}
 	if err := vecMultiple(what, l.DType, l.QBatchStride, l.QHeadStride, l.OutBatchStride, l.OutHeadStride,
 		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
@@ -357,6 +357,16 @@ func (l *MergeLayout) validate(withLSE bool) (mergeExtents, error) {
 		e = mergeExtents{}
 	}
 	return e, nil
+}
+
+// checkScale accepts a finite scale of 0 (the default) or above. The
+// tensor-core kernels take a row's maximum over the unscaled scores, which
+// is the maximum of the scaled ones only for a positive scale.
+func checkScale(what string, scale float32) error {
+	if !(scale >= 0) || scale > math.MaxFloat32 {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: scale must be finite and not negative (0: 1/sqrt(head_dim)): got %g", what, scale)
+	}
+	return nil
 }
 
 // SoftmaxScale is the scale a launch uses: scale itself, or 1/sqrt(headDim)

@@ -36,6 +36,8 @@ func TestValidation(t *testing.T) {
 		{"overlapping out", func(l *DecodeLayout) { l.OutHeadStride = 64 }, kverr.InvalidArgument},
 		{"huge stride", func(l *DecodeLayout) { l.CacheBlockStride = 1 << 60 }, kverr.InvalidArgument},
 		{"nan scale", func(l *DecodeLayout) { l.Scale = float32(math.NaN()) }, kverr.InvalidArgument},
+		{"negative scale", func(l *DecodeLayout) { l.Scale = -0.125 }, kverr.InvalidArgument},
+		{"infinite scale", func(l *DecodeLayout) { l.Scale = float32(math.Inf(1)) }, kverr.InvalidArgument},
 	}
 	for _, c := range cases {
 		l := good()

@@ -526,8 +526,8 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
 	}
-	if !(l.Scale == l.Scale) || l.Scale > math.MaxFloat32 || l.Scale < -math.MaxFloat32 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: scale must be finite: got %g", what, l.Scale)
+	if err := checkScale(what, l.Scale); err != nil {
+		return e, err
 	}
 	if err := vecMultiple(what, p.DType, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride,
 		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {

@@ -103,6 +103,7 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		{"q 0", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Q = 0 }, kverr.NullPointer},
 		{"out unaligned", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Out = 0x50008 }, kverr.InvalidArgument},
 		{"scale NaN", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Scale = float32(math.NaN()) }, kverr.InvalidArgument},
+		{"scale negative", func(p *PrefillPlan, a *PagedPrefillArgs) { a.Scale = -0.125 }, kverr.InvalidArgument},
 		{"workspace shrunk", func(p *PrefillPlan, a *PagedPrefillArgs) { p.WorkspaceBytes = 64 }, kverr.BufferTooSmall},
 		{"decode rows above batch", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSeqs = 3 }, kverr.InvalidArgument},
 		{"decode splits above max", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSplits = MaxSplits + 1 }, kverr.InvalidArgument},
