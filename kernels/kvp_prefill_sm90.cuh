@@ -278,7 +278,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full_k(s), 128);  // every producer thread, when its copies land
             mbar_init(full_v(s), 128);
-            mbar_init(empty_k(s), 8);  // lane 0 of every consumer warp
+            mbar_init(empty_k(s), 256);  // every consumer thread (lane 0 may arrive for its warp)
             mbar_init(empty_v(s), 8);
         }
         mbar_init(q_full, 129);  // the producer threads' query-row copies and thread 0's slot write (hand_over)
@@ -530,8 +530,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 wgmma_wait<PV ? 1 : 0>();  // S_t is done; P_{t-1} V_{t-1} may still run
                 pin_regs(sc);
                 float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
+                const bool unreadable = active && flags[s] != 0;  // the tile has unreadable tokens
                 if (active) {
-                    const bool unreadable = flags[s] != 0;
                     if (unreadable || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win)) {
                         // Column 8j + e of the tile is readable by row a when
                         // lo_a <= 8j + e <= hi_a: compares and selects, no
@@ -560,12 +560,17 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                         }
                     }
                 }
-                // K_t, its offsets and flag are no longer read.
-                __syncwarp();
-                if (lane == 0) {
+                // K_t, its offsets and flag are no longer read. Where the
+                // lanes read offsets, each releases them with its own
+                // arrive; elsewhere lane 0 arrives for the warp.
+                if (unreadable) {
                     mbar_arrive(empty_k(s));
-                    if (t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
+                    __syncwarp();
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive_n(empty_k(s), 32);
                 }
+                if (lane == 0 && t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
                 if (active) {
                     // Maxima of the unscaled scores: the scale is positive.
                     const float mx_a = tree_reduce<TN / 8>([&](int j) { return fmaxf(sc[4 * j], sc[4 * j + 1]); }, MaxOp{});

@@ -384,3 +384,7 @@ def test_argument_errors():
     plan = b.plan()
     with pytest.raises(kvplug.InvalidArgumentError, match="block table"):
         attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table[:, :1].contiguous())
+    out = torch.full_like(b.q, float("nan"))
+    with pytest.raises(kvplug.InvalidArgumentError, match="scale"):
+        attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out, scale=-0.125)
+    assert torch.isnan(out).all()  # nothing was launched
