@@ -6,8 +6,8 @@
 //   - warpgroup 0, the producer (setmaxnreg down to 56 registers), gathers the
 //     item's query rows and then its K/V tiles from the paged cache into shared
 //     memory with cp.async (any block size: each token's row is looked up in
-//     the block table once per tile), STAGES tiles deep, signalling each full
-//     stage on an mbarrier;
+//     the block table once per tile), STAGES tiles deep, K one tile ahead of
+//     V, signalling each full K or V tile on an mbarrier;
 //   - warpgroups 1 and 2, the consumers (setmaxnreg up to 224), each own 64 of
 //     the item's 128 packed rows: S = Q K^T with wgmma from shared memory,
 //     masking only on tiles that need it, online softmax in registers, then
@@ -401,6 +401,20 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             const int kb = sp.kv_begin;  // tokens before it (a tile's start) are unreadable too
             if (tid < TN && t0 * TN + tid < sp.kv_end && t0 * TN + tid >= kb)
                 nxt_blk = rr.load_block(t0 * TN + tid, nxt_off);
+            // K runs one tile ahead of V: K_t, V_{t-1}, K_{t+1}, V_t, ... V_t's
+            // stage frees only when P_{t-2} V_{t-2} is done, and K_{t+1}
+            // queued behind it arrived late (in ncu, the consumers' waits for
+            // K and the producer's for a free V slot were the pipeline's
+            // largest stalls). A tile's offsets stay in its stage until the
+            // K two tiles on, so V_{t-1}'s gather still reads them.
+            struct VStage {
+                int s, ph, any;  // stage, its phase, whether it has unreadable tokens
+            } prev{0, 0, 0};
+            auto gather_v = [&](const VStage& v) {
+                mbar_wait(empty_v(v.s), v.ph);
+                gather(v_s(v.s), vc, v.s, v.any);
+                mbar_arrive_cp_async(full_v(v.s));
+            };
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const int s = tile_it % S;
                 const int ph = ((tile_it / S) & 1) ^ 1;
@@ -429,10 +443,10 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 if (tid == 0) flags[s] = any;
                 gather(k_s(s), kc, s, any);
                 mbar_arrive_cp_async(full_k(s));
-                mbar_wait(empty_v(s), ph);
-                gather(v_s(s), vc, s, any);
-                mbar_arrive_cp_async(full_v(s));
+                if (t > t0) gather_v(prev);
+                prev = VStage{s, ph, any};
             }
+            gather_v(prev);  // the unit's last V
             take(n + 1);
         }
         hand_over(-1, false);
