@@ -406,7 +406,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             // queued behind it arrived late (in ncu, the consumers' waits for
             // K and the producer's for a free V slot were the pipeline's
             // largest stalls). A tile's offsets stay in its stage until the
-            // K two tiles on, so V_{t-1}'s gather still reads them.
+            // K two tiles on writes it, so V_{t-1}'s gather still reads them.
             struct VStage {
                 int s, ph, any;  // stage, its phase, whether it has unreadable tokens
             } prev{0, 0, 0};
@@ -424,6 +424,11 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
                     nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
                 mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
+                // The last iteration's V gather read this stage's offsets
+                // (tile t - 2's): every producer thread is past it before
+                // any writes tile t's. (The unit loop's barrier does this
+                // for a unit's first tile.)
+                if (t > t0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
                 int bad = 0;
                 if (tid < TN) {
                     const int64_t off =
