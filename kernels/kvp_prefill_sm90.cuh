@@ -423,7 +423,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 nxt_blk = -1;
                 if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
                     nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
-                mbar_wait(empty_k(s), ph);  // also frees the stage's offsets and flag
+                mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, offsets, flag
                 // The last iteration's V gather read this stage's offsets
                 // (tile t - 2's): every producer thread is past it before
                 // any writes tile t's. (The unit loop's barrier does this
@@ -552,8 +552,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 const bool unreadable = active && flags[s] != 0;  // the tile has unreadable tokens
                 if (active) {
                     if (unreadable || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win)) {
-                        // Column 8j + e of the tile is readable by row a when
-                        // lo_a <= 8j + e <= hi_a: compares and selects, no
+                        // Row a sees column col_q + 8j + e of the tile when
+                        // lo_a <= 8j + e <= hi_a (causal and window; col_q is
+                        // folded into both bounds): compares and selects, no
                         // branch per element.
                         const int hi_a = pos_a - k0 - col_q, hi_b = pos_b - k0 - col_q;
                         const int lo_a = win >= 0 ? hi_a - win : -TN, lo_b = win >= 0 ? hi_b - win : -TN;
@@ -581,7 +582,11 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 }
                 // K_t, its offsets and flag are no longer read. Where the
                 // lanes read offsets, each releases them with its own
-                // arrive; elsewhere lane 0 arrives for the warp.
+                // arrive; elsewhere lane 0 arrives for the warp after
+                // __syncwarp. Both order the lanes' reads before the
+                // producer's rewrite; compute-sanitizer's racecheck follows
+                // only the first, and the offsets of an unreadable tile are
+                // rewritten soonest (a causal tail's first tile).
                 if (unreadable) {
                     mbar_arrive(empty_k(s));
                     __syncwarp();
