@@ -124,21 +124,21 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     // range, or in an ignored block). Tiles without one skip the per-token
     // offset test in the mask.
     uint32_t bad_tiles = 0;
-    int my_bad = 0;  // bit j: this thread's token of tile j is unreadable
+    int first_bad = 0;  // bit j: this thread's token of tile j is unreadable
     if (tid < TK) {
 #pragma unroll
         for (int j = 0; j < STAGES; ++j) {
             const int tok = kb + j * TK + tid;
             const int64_t o = (j < n_tiles && tok < ke) ? rr.offset(pblk[j], poff[j]) : -1;
             s_off[j * TK + tid] = o;
-            my_bad |= (o < 0) << j;
+            first_bad |= (o < 0) << j;
         }
     }
     int cblk = pblk[STAGES], coff = poff[STAGES];
 #pragma unroll
     for (int j = 0; j < STAGES; ++j)
-        if (__syncthreads_or((my_bad >> j) & 1)) bad_tiles |= 1u << j;
-    my_bad = 0;  // from here: whether this thread's token of the tile written last is unreadable
+        if (__syncthreads_or((first_bad >> j) & 1)) bad_tiles |= 1u << j;
+    int last_bad = 0;  // this thread's token of the tile written last is unreadable
 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     auto issue = [&](int j) {
@@ -196,7 +196,7 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
 
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait<STAGES - 2>();
-        const int bad_last = __syncthreads_or(my_bad);  // tile j - 1 + STAGES, written by the last iteration
+        const int bad_last = __syncthreads_or(last_bad);  // tile j - 1 + STAGES, written by the last iteration
         if (j > 0) {
             const uint32_t bit = 1u << ((j - 1 + STAGES) % RING);
             bad_tiles = bad_last ? bad_tiles | bit : bad_tiles & ~bit;
@@ -306,12 +306,12 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
         }
 
         const int jt = j + STAGES;
-        my_bad = 0;
+        last_bad = 0;
         if (tid < TK && jt < n_tiles) {
             const int tok = kb + jt * TK + tid;
             const int64_t o = tok < ke ? rr.offset(cblk, coff) : -1;
             s_off[(jt % RING) * TK + tid] = o;
-            my_bad = o < 0;
+            last_bad = o < 0;
         }
         cblk = nblk;
         coff = noff;
