@@ -609,18 +609,24 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	if in.SharedWgmma {
 		sw, tw, align = 1, 1, 2*chunkAlign
 	}
-	var work int64 // KV tokens read per kv head, weighted by row tiles and their weight
+	// work: KV tokens read per kv head, weighted by row tiles and their
+	// weight; tiled: the shared runs' and the long tails' part of it, in
+	// row tiles alone (what the wgmma launch runs when SharedWgmma).
+	var work, tiled int64
 	for i := range p.nodes {
 		nd := &p.nodes[i]
-		tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
-		work += tiles * sw * int64(nd.end-nd.begin)
+		t := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ) * int64(nd.end-nd.begin)
+		work += t * sw
+		tiled += t
 	}
 	for s, n := range in.SeqLens {
-		tiles, w := int64(1), int64(1)
-		if p.longTail(s) {
-			tiles, w = p.rowTiles(s), tw
+		if !p.longTail(s) {
+			work += int64(n - p.tail[s])
+			continue
 		}
-		work += tiles * w * int64(n-p.tail[s])
+		t := p.rowTiles(s) * int64(n-p.tail[s])
+		work += t * tw
+		tiled += t
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
 	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
@@ -629,18 +635,7 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 	// slots): the shared chunks are cut so that its work fills those blocks.
 	nc := int64(0)
 	if in.SharedWgmma {
-		var shared int64
-		for i := range p.nodes {
-			nd := &p.nodes[i]
-			tiles := (int64(nd.tCount)*g + int64(l.TileQ) - 1) / int64(l.TileQ)
-			shared += tiles * int64(nd.end-nd.begin)
-		}
-		for s, n := range in.SeqLens {
-			if p.longTail(s) {
-				shared += p.rowTiles(s) * int64(n-p.tail[s])
-			}
-		}
-		nc = shared * int64(in.NumKVHeads) / max(slots/2, 1)
+		nc = tiled * int64(in.NumKVHeads) / max(slots/2, 1)
 		nc = max(align, (nc+align-1)/align*align)
 	}
 	var parts int64
