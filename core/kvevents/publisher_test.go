@@ -219,19 +219,88 @@ func TestArrayFormatAndIntHashes(t *testing.T) {
 	}
 }
 
+// TestTopicFilter publishes batches while subscribers of other topics are
+// connected: none of those batches may reach them. The filter's test is
+// that the first batch such a subscriber sees, once it also subscribes to
+// the publisher's topic, is the one published after that; a batch that
+// leaked before it would arrive first (each subscriber's stream is in
+// order), so the check waits on no timeout.
 func TestTopicFilter(t *testing.T) {
 	src := newIndexSource(t, 16, 2)
 	p := startPub(t, src, Config{Topic: "kv@b@m"})
-	s, err := DialSub(ep(p.PubAddr()), "kv@a", time.Second)
-	if err != nil {
-		t.Fatal(err)
+	in := subscribe(t, p, "kv@b")
+	// Another topic, and a topic of which the publisher's is only a prefix.
+	var outs []*SubConn
+	for _, topic := range []string{"kv@a", "kv@b@m@x"} {
+		s, err := DialSub(ep(p.PubAddr()), topic, 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		waitSubscribed(t, p, topic, 1)
+		outs = append(outs, s)
 	}
-	defer s.Close()
-	time.Sleep(50 * time.Millisecond)
+	m, _ := recvBatch(t, p, in) // the snapshot at start
+	if m.Seq != 0 || m.Topic != "kv@b@m" {
+		t.Fatalf("subscriber of the topic: first batch seq %d topic %q", m.Seq, m.Topic)
+	}
 	src.insert(t, seqTokens(0, 2), nil)
-	_ = s.SetDeadline(time.Now().Add(200 * time.Millisecond))
-	if _, err := s.Recv(); err == nil || !isTimeout(err) {
-		t.Fatalf("a subscriber of another topic received a batch (err %v)", err)
+	if m, _ := recvBatch(t, p, in); m.Seq != 1 {
+		t.Fatalf("subscriber of the topic: second batch seq %d", m.Seq)
+	}
+	// broadcast holds the server's lock while it queues a batch to every
+	// peer, so once the lock is free batch 1 has been offered to all of
+	// them; only then do the others subscribe to the topic too.
+	p.pub.mu.Lock()
+	p.pub.mu.Unlock()
+	for _, s := range outs {
+		if _, err := s.z.c.Write(appendMessage(nil, append([]byte{1}, "kv@b@m"...))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitSubscribed(t, p, "kv@b@m", len(outs))
+	src.insert(t, seqTokens(10, 2), nil)
+	if m, _ := recvBatch(t, p, in); m.Seq != 2 {
+		t.Fatalf("subscriber of the topic: third batch seq %d", m.Seq)
+	}
+	for i, s := range outs {
+		_ = s.SetDeadline(time.Now().Add(5 * time.Second))
+		m, err := s.Recv()
+		if err != nil {
+			t.Fatalf("subscriber %d: %v", i, err)
+		}
+		if m.Seq != 2 {
+			t.Fatalf("subscriber %d of another topic received batch %d, published before it subscribed to %q", i, m.Seq, "kv@b@m")
+		}
+	}
+	if st := p.Stats(); st.Batches != 3 || st.DroppedSends != 0 || st.Subscribers != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// waitSubscribed waits until n of p's subscribers hold exactly topic in
+// their subscriptions (read directly, not through the filter under test).
+func waitSubscribed(t *testing.T, p *Publisher, topic string, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p.pub.mu.Lock()
+		got := 0
+		for pr := range p.pub.conns {
+			pr.mu.Lock()
+			if _, ok := pr.topics[topic]; ok {
+				got++
+			}
+			pr.mu.Unlock()
+		}
+		p.pub.mu.Unlock()
+		if got >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d subscriptions to %q arrived", got, n, topic)
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 }
 
@@ -407,9 +476,8 @@ func TestConnectMode(t *testing.T) {
 	}
 	s := &SubConn{z: z}
 	defer s.Close()
-	time.Sleep(20 * time.Millisecond)
+	waitSubscribed(t, p, "", 1)
 	src.insert(t, seqTokens(0, 2), nil)
-	// The start snapshot may or may not have raced the subscription.
 	waitStored(t, p, s)
 }
 
@@ -526,7 +594,7 @@ func TestIPCEndpoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	time.Sleep(50 * time.Millisecond)
+	waitSubscribed(t, p, "", 1)
 	src.insert(t, seqTokens(0, 2), nil)
 	waitStored(t, p, s)
 	if got, err := Replay("ipc://"+repPath, 0, 5*time.Second); err != nil || len(got) != 1 || got[0].Seq != 0 {
