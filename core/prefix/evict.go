@@ -87,6 +87,9 @@ func (x *Index) unlink(i int32) {
 		x.nodes[n.next].prev = n.prev
 	}
 	x.nodes[p].children--
+	if n.epoch == x.epoch {
+		x.nPending--
+	}
 	x.byHash.del(n.hash)
 	x.byBlock[n.block] = nilNode
 	*n = node{parent: nilNode, child: nilNode, prev: nilNode, next: nilNode, block: nilNode, heapPos: -1}
@@ -119,6 +122,7 @@ func (x *Index) Clear(dst []int32) ([]int32, error) {
 	clear(x.pins)
 	x.nPinned = 0
 	x.nHeld = 0
+	x.nPending = 0
 	x.events.cleared(x)
 	return dst, nil
 }

@@ -98,8 +98,9 @@ type node struct {
 	lock     int32
 	pin      int32
 	prio     int32
-	heapPos  int32 // position in the eviction heap; -1 when not there
-	holds    int32 // (lock > 0) + (pin > 0) + held children; held when > 0
+	heapPos  int32  // position in the eviction heap; -1 when not there
+	holds    int32  // (lock > 0) + (pin > 0) + held children; held when > 0
+	epoch    uint32 // the step that inserted it: pending while it is Index.epoch (computed.go)
 	last     uint64
 	adapter  uint64
 	mm       []BlockMM
@@ -122,6 +123,8 @@ type Index struct {
 	nLocked       int
 	nPinned       int
 	nHeld         int             // nodes held by a lock or pin, their own or a descendant's
+	epoch         uint32          // the current step: nodes inserted in it are pending (computed.go)
+	nPending      int             // cached nodes inserted in the current step
 	pins          map[PinID]int32 // -> the deepest pinned node
 	nextPin       PinID
 	hasher        Hasher
@@ -161,6 +164,7 @@ func New(cfg Config) (*Index, error) {
 		x.byBlock[i] = nilNode
 	}
 	x.resetRoot()
+	x.epoch = 1
 	x.events.on = cfg.EnableEvents
 	x.events.limit = cfg.MaxPendingEvents
 	if x.events.limit == 0 {
@@ -736,6 +740,7 @@ func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockI
 		depth:   pn.depth + 1,
 		lock:    1,
 		heapPos: -1,
+		epoch:   x.epoch,
 		last:    x.clock,
 		adapter: keys.Adapter,
 	}
@@ -754,6 +759,7 @@ func (x *Index) insertAt(p int32, parent Hash, block []int32, keys *Keys, blockI
 	x.byHash.putAt(slot, h, i)
 	x.byBlock[blockID] = i
 	x.nLocked++
+	x.nPending++
 	x.hold(i, +1)
 	x.settle(p)
 	x.counters.Inserts++

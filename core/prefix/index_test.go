@@ -293,6 +293,7 @@ func TestEvictionOrder(t *testing.T) {
 		x := newIndex(t, 2, 16, false)
 		p := cache(t, x, seq(0, 6), nil, 0, 1, 2)
 		q := cache(t, x, seq(50, 2), nil, 3)
+		x.Commit()
 		id, n, err := x.Pin(seq(0, 4), nil) // the first two blocks
 		if err != nil || n != 2 {
 			t.Fatalf("pin: %d %v", n, err)
@@ -397,6 +398,15 @@ func TestPinErrors(t *testing.T) {
 		t.Fatalf("unpin of an unknown id: %v", err)
 	}
 	cache(t, x, seq(0, 4), nil, 0, 1)
+	// Pending blocks (no commit since their insert) are never pinned.
+	if _, _, err := x.Pin(seq(0, 4), nil); kverr.CodeOf(err) != kverr.NotFound {
+		t.Fatalf("pin of pending blocks: %v", err)
+	}
+	x.CommitBlocks([]int32{0})
+	if id, n, err := x.Pin(seq(0, 4), nil); err != nil || n != 1 || x.Unpin(id) != nil {
+		t.Fatalf("pin of one computed block then a pending one: %d %v, want 1 block", n, err)
+	}
+	x.Commit()
 	id1, n1, err1 := x.Pin(seq(0, 2), nil)
 	id2, n2, err2 := x.Pin(seq(0, 5), nil) // every full block: both
 	if err1 != nil || err2 != nil || n1 != 1 || n2 != 2 || id1 == id2 {
@@ -468,10 +478,11 @@ func TestStats(t *testing.T) {
 	match(t, x, seq(0, 10), nil)
 	match(t, x, seq(50, 6), nil)
 	s := x.Stats()
-	want := Stats{Queries: 2, QueryTokens: 16, HitTokens: 8, Inserts: 2, CachedBlocks: 2, LockedBlocks: 2}
+	want := Stats{Queries: 2, QueryTokens: 16, HitTokens: 8, Inserts: 2, CachedBlocks: 2, LockedBlocks: 2, PendingBlocks: 2}
 	if s != want {
 		t.Fatalf("stats %+v, want %+v", s, want)
 	}
+	x.Commit()
 	x.ResetStats()
 	want = Stats{CachedBlocks: 2, LockedBlocks: 2}
 	if s := x.Stats(); s != want {

@@ -40,7 +40,7 @@ func (x *Index) check(hashes bool) error {
 		}
 		isFree[i] = true
 	}
-	live, locked, pinned, inHeap, held := 0, 0, 0, 0, 0
+	live, locked, pinned, inHeap, held, pending := 0, 0, 0, 0, 0, 0
 	heldKids := make([]int32, len(x.nodes))
 	for i := len(x.nodes) - 1; i > rootNode; i-- {
 		// Count each node's held children.
@@ -117,6 +117,12 @@ func (x *Index) check(hashes bool) error {
 		if n.lock < 0 || n.pin < 0 {
 			return bad("block %d has lock %d, pin %d", n.block, n.lock, n.pin)
 		}
+		if n.epoch == x.epoch {
+			pending++
+			if n.pin > 0 {
+				return bad("pending block %d is pinned", n.block)
+			}
+		}
 		if n.pin != pinCover[i] {
 			return bad("block %d has pin count %d, its pins cover it %d times", n.block, n.pin, pinCover[i])
 		}
@@ -173,6 +179,9 @@ func (x *Index) check(hashes bool) error {
 	}
 	if held != x.nHeld {
 		return bad("counted %d held blocks, the index says %d", held, x.nHeld)
+	}
+	if pending != x.nPending {
+		return bad("counted %d pending blocks, the index says %d", pending, x.nPending)
 	}
 	if locked != x.nLocked || pinned != x.nPinned {
 		return bad("counted %d locked and %d pinned blocks, the index says %d and %d", locked, pinned, x.nLocked, x.nPinned)

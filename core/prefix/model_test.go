@@ -25,6 +25,7 @@ type refBlock struct {
 	lock, pin      int
 	prio           int32
 	last           uint64
+	pending        bool // inserted since the last commit
 }
 
 type refModel struct {
@@ -150,7 +151,7 @@ func (r *refModel) insert(tokens []int32, keys *Keys, i int, id int32) (block in
 	b := &refBlock{
 		key: key, parentKey: r.keyOf(tokens, keys, i), block: id, depth: i + 1,
 		tokens: slices.Clone(tokens[i*r.bs : (i+1)*r.bs]), adapter: keys.Adapter, salt: salt, mm: mm,
-		lock: 1, last: r.clock,
+		lock: 1, last: r.clock, pending: true,
 	}
 	r.blocks[key] = b
 	r.byID[id] = b
@@ -200,6 +201,10 @@ func (r *refModel) evict(n int) []int32 {
 	return out
 }
 
+// simSeq is a running sequence: the blocks it locks, and of those the
+// ones it inserted itself (not found cached).
+type simSeq struct{ held, own []int32 }
+
 // sim is an engine driving an Index and the model in lockstep: a pool of
 // block ids, running sequences holding locks, pins, events.
 type sim struct {
@@ -208,7 +213,7 @@ type sim struct {
 	x      *Index
 	ref    *refModel
 	free   []int32
-	seqs   [][]int32 // each running sequence's locked blocks
+	seqs   []simSeq
 	pinIDs []PinID
 	replay *EventIndex
 	sys    [][]int32
@@ -296,6 +301,7 @@ func (s *sim) admit() {
 		s.ref.byID[id].lock++
 	}
 	held := slices.Clone(got.Blocks)
+	var own []int32
 	parent := got.Last
 	for i := len(got.Blocks); (i+1)*s.x.bs <= len(p); i++ {
 		if len(s.free) == 0 && len(s.evict(1)) == 0 {
@@ -314,10 +320,13 @@ func (s *sim) admit() {
 		if res.Dup && res.Block != id {
 			s.free = append(s.free, id)
 		}
+		if !res.Dup {
+			own = append(own, id)
+		}
 		held = append(held, res.Block)
 		parent = res.Hash
 	}
-	s.seqs = append(s.seqs, held)
+	s.seqs = append(s.seqs, simSeq{held: held, own: own})
 }
 
 // retire releases one to three sequences in one Unlock, as a batched
@@ -329,7 +338,7 @@ func (s *sim) retire() {
 			break
 		}
 		j := s.rng.IntN(len(s.seqs))
-		ids = append(ids, s.seqs[j]...)
+		ids = append(ids, s.seqs[j].held...)
 		s.seqs = slices.Delete(s.seqs, j, j+1)
 	}
 	if err := s.x.Unlock(ids); err != nil {
@@ -338,10 +347,86 @@ func (s *sim) retire() {
 	s.ref.unlock(ids)
 }
 
+// commit marks every block computed.
+func (s *sim) commit() {
+	s.x.Commit()
+	for _, b := range s.ref.byID {
+		b.pending = false
+	}
+	if s.x.Pending() != 0 {
+		s.fatalf("%d blocks pending after commit", s.x.Pending())
+	}
+}
+
+// abort retires one sequence before its forward pass: it unlocks its
+// blocks and drops those it inserted that are still pending, with every
+// block below them. Blocks other sequences lock go too (the index
+// reports their locks); the sim then forgets them in those sequences
+// and frees them, as the index no longer knows them.
+func (s *sim) abort() {
+	if len(s.seqs) == 0 {
+		return
+	}
+	j := s.rng.IntN(len(s.seqs))
+	sq := s.seqs[j]
+	s.seqs = slices.Delete(s.seqs, j, j+1)
+	if err := s.x.Unlock(sq.held); err != nil {
+		s.fatalf("unlock %v: %v", sq.held, err)
+	}
+	s.ref.unlock(sq.held)
+	// The model's drop: own pending blocks and everything below them.
+	gone := map[string]bool{}
+	for _, id := range sq.own {
+		if b, ok := s.ref.byID[id]; ok && b.pending {
+			gone[b.key] = true
+		}
+	}
+	for changed := true; changed; {
+		changed = false
+		for _, b := range s.ref.blocks {
+			if !gone[b.key] && gone[b.parentKey] {
+				gone[b.key] = true
+				changed = true
+			}
+		}
+	}
+	got, err := s.x.DropPending(sq.own, nil)
+	if err != nil {
+		s.fatalf("drop pending %v: %v", sq.own, err)
+	}
+	if len(got) != len(gone) {
+		s.fatalf("drop pending %v: dropped %v, the model drops %d blocks", sq.own, got, len(gone))
+	}
+	for k, d := range got {
+		b, ok := s.ref.byID[d.Block]
+		if !ok || !gone[b.key] || int(d.Locks) != b.lock {
+			s.fatalf("drop pending: dropped %+v, model %+v", d, b)
+		}
+		if k > 0 && s.ref.byID[got[k-1].Block].depth < b.depth {
+			s.fatalf("drop pending: %v is not deepest first", got)
+		}
+	}
+	for _, d := range got {
+		b := s.ref.byID[d.Block]
+		delete(s.ref.blocks, b.key)
+		delete(s.ref.byID, d.Block)
+		for i := range s.seqs {
+			s.seqs[i].held = slices.DeleteFunc(s.seqs[i].held, func(id int32) bool { return id == d.Block })
+		}
+		s.free = append(s.free, d.Block)
+	}
+}
+
 func (s *sim) pin() {
 	p, k := s.prompt()
 	id, n, err := s.x.Pin(p, k)
 	path := s.ref.chain(p, k, len(p)/s.x.bs)
+	for i, b := range path {
+		if b.pending { // a pin covers computed blocks only
+			path = path[:i]
+			break
+		}
+	}
 	if len(path) == 0 {
 		if kverr.CodeOf(err) != kverr.NotFound {
 			s.fatalf("pin of an uncached prefix: %v", err)
@@ -472,6 +557,9 @@ func (s *sim) check() {
 			s.fatalf("block %d is not cached", id)
 		}
 		n := &s.x.nodes[i]
+		if b.pending != s.x.IsPending(id) {
+			s.fatalf("block %d: pending %v in the index, %v in the model", id, s.x.IsPending(id), b.pending)
+		}
 		if int(n.lock) != b.lock || int(n.pin) != b.pin || n.prio != b.prio || n.last != b.last || int(n.depth) != b.depth {
 			s.fatalf("block %d: index %v prio %d last %d, model lock %d pin %d prio %d last %d depth %d",
 				id, *n, n.prio, n.last, b.lock, b.pin, b.prio, b.last, b.depth)
@@ -527,8 +615,12 @@ func TestModel(t *testing.T) {
 				switch r := s.rng.IntN(100); {
 				case r < 35:
 					s.admit()
-				case r < 75:
+				case r < 65:
 					s.retire()
+				case r < 70:
+					s.abort()
+				case r < 75:
+					s.commit()
 				case r < 80:
 					s.evict(1 + s.rng.IntN(4))
 				case r < 84:
@@ -548,7 +640,7 @@ func TestModel(t *testing.T) {
 			}
 			s.checkReplay()
 			t.Logf("%+v pins %d", s.x.Stats(), len(s.pinIDs))
-			if st := s.x.Stats(); st.Inserts == 0 || st.HitTokens == 0 || st.Evictions == 0 || st.Dedups == 0 || (bs > 1 && st.PartialTokens == 0) {
+			if st := s.x.Stats(); st.Inserts == 0 || st.HitTokens == 0 || st.Evictions == 0 || st.Dedups == 0 || (bs > 1 && st.PartialTokens == 0) || st.DroppedPending == 0 {
 				t.Fatalf("the walk missed a path: %+v", st)
 			}
 			if maxEvents == 1 && s.x.Stats().EventsDropped == 0 {

@@ -8,7 +8,9 @@ import (
 
 // Pin pins the cached full blocks of a prompt's prefix (every cached full
 // block, the last one included, unlike Match) so they are never evicted,
-// until Unpin with the returned id. Pins count: a block stays pinned while
+// until Unpin with the returned id. It stops at the prefix's first pending
+// block (computed.go): a pin promises K/V that stays, and a pending block's
+// may never be computed. Pins count: a block stays pinned while
 // any pin covers it. Blocks of the prefix cached later are not covered; pin
 // again to cover them. It returns the number of blocks pinned; a prefix
 // with no cached block is NotFound. Pinning is not an access.
@@ -23,8 +25,9 @@ func (x *Index) Pin(tokens []int32, keys *Keys) (PinID, int, error) {
 		return 0, 0, err
 	}
 	x.walk(tokens, keys, len(tokens)/x.bs)
+	x.path = x.computedPrefix(x.path)
 	if len(x.path) == 0 {
-		return 0, 0, kverr.Errorf(kverr.NotFound, "pin: no block of this %d-token prefix is cached", len(tokens))
+		return 0, 0, kverr.Errorf(kverr.NotFound, "pin: no computed block of this %d-token prefix is cached", len(tokens))
 	}
 	for _, i := range x.path {
 		if x.nodes[i].pin == math.MaxInt32 {

@@ -10,6 +10,9 @@ type Stats struct {
 	Dedups        int64 // Insert calls that found the block cached already
 	Evictions     int64 // blocks Evict removed
 	EventsDropped int64 // events lost to a full queue (see DrainEvents)
+	// DroppedPending counts pending blocks DropPending removed (with the
+	// blocks cached below them): blocks whose K/V no forward pass computed.
+	DroppedPending int64
 
 	// Gauges: the state now; ResetStats leaves them.
 	CachedBlocks    int // blocks in the tree
@@ -17,6 +20,7 @@ type Stats struct {
 	PinnedBlocks    int // blocks with at least one pin
 	EvictableBlocks int // blocks Evict could remove (see Evictable)
 	PendingEvents   int // events waiting for DrainEvents
+	PendingBlocks   int // blocks inserted since the last Commit, not computed yet
 }
 
 // Stats returns the counters and gauges.
@@ -28,6 +32,7 @@ func (x *Index) Stats() Stats {
 	s.PinnedBlocks = x.nPinned
 	s.EvictableBlocks = x.Evictable()
 	s.PendingEvents = x.events.pending(x.byHash.len())
+	s.PendingBlocks = x.nPending
 	return s
 }
 
