@@ -409,16 +409,35 @@ def live_handles() -> int:
 _O = TypeVar("_O", bound="Owner")
 
 
+class Lease:
+    """What every array or tensor viewing memory that an Owner's handle owns
+    holds on to (the ctypes buffer at the base of a numpy view, the context
+    of a DLPack capsule): numpy and torch read such memory without asking,
+    so nothing but the handle's survival can keep a read of it valid. A
+    lease keeps its owner alive, and an owner closed while a lease lives
+    destroys its handle when the lease goes."""
+
+    __slots__ = ("owner", "__weakref__")
+
+    def __init__(self, owner: "Owner") -> None:
+        self.owner = owner
+
+
 class Owner:
     """An object that owns a library handle (self._h, None once closed):
     close() or a with block destroys it with the C function named by
     _destroy; a finalizer (set by _own) destroys it when the object is
     collected without close(), seeing only the handle, never the object.
     Not at interpreter exit: the process is ending and modules may be half
-    torn down."""
+    torn down.
+
+    Views of the handle's memory hold the owner's lease (_lease()): close()
+    then makes the object unusable at once, and destroys the handle when
+    the last view is gone."""
 
     _h: Optional[int] = None
     _destroy = ""
+    _lease_ref: Optional["weakref.ReferenceType[Lease]"] = None
 
     def _own(self, handle: int, release: Callable[..., None], *args: Any) -> None:
         self._h = handle
@@ -429,11 +448,31 @@ class Owner:
     def closed(self) -> bool:
         return self._h is None
 
+    def _lease(self) -> Lease:
+        """The lease that a new view of the handle's memory must hold (one
+        per owner, shared by its views; made again once they are all gone)."""
+        lease = self._lease_ref() if self._lease_ref is not None else None
+        if lease is None:
+            lease = Lease(self)
+            self._lease_ref = weakref.ref(lease)
+        return lease
+
     def close(self) -> None:
         h, self._h = self._h, None
-        if h is not None:
-            self._finalizer.detach()
-            getattr(C, self._destroy)(h)
+        if h is None:
+            return
+        self._finalizer.detach()
+        destroy = getattr(C, self._destroy)
+        lease = self._lease_ref() if self._lease_ref is not None else None
+        if lease is None:
+            destroy(h)
+        else:
+            # An array still views the handle's memory: freeing it now would
+            # turn that array's reads into reads of freed (or unmapped)
+            # memory. Not at interpreter exit either: a view may still be
+            # read by code that runs later in the shutdown.
+            later = weakref.finalize(lease, destroy, h)
+            later.atexit = False
 
     def __enter__(self: _O) -> _O:
         return self

@@ -202,14 +202,16 @@ class HostStore(_lib.Owner):
 
     def memory(self) -> Optional[np.ndarray]:
         """The slots' memory as a uint8 [num_slots, slot_bytes] array viewing
-        the library's allocation (valid until close), or None without memory."""
+        the library's allocation, or None without memory. The array, and
+        every array or tensor made from it, keeps the memory alive: a store
+        closed while one exists frees it when the last is gone."""
         base, nb, ns = _vp(), ctypes.c_int64(), _i32()
         _lib.check(C.kvp_host_store_memory(self._h, ctypes.byref(base), ctypes.byref(nb), ctypes.byref(ns)))
         if not base.value:
             return None
         buf = (ctypes.c_uint8 * (nb.value * ns.value)).from_address(base.value)
-        arr = np.frombuffer(buf, dtype=np.uint8).reshape(ns.value, nb.value)
-        return arr
+        buf._kvplug_lease = self._lease()  # type: ignore[attr-defined]  # numpy's base: see _lib.Lease
+        return np.frombuffer(buf, dtype=np.uint8).reshape(ns.value, nb.value)
 
     def write(self, slots: Any, ptrs: Any, lens: Any) -> None:
         """Copies into pending slots: slot slots[i] receives the concatenation

@@ -132,6 +132,7 @@ class HostTierMethods:
 
     _h: Any
     _demote_ahead: int
+    _lease: Any  # _lib.Owner's
 
     def flush_copies(self) -> CopyBatch:
         """Demotes least recently used cached blocks and returns this step's
@@ -187,9 +188,13 @@ class HostTierMethods:
     def host_tier_memory(self) -> np.ndarray:
         """The host tier's memory as a uint8 array [host_tier_slots,
         host_block_bytes] (row s is slot s), a view of the library's
-        memory: valid until close(), which frees it. Raises
-        InvalidArgumentError without a host tier."""
+        memory (or of host_tier_memory given at creation). The array, and
+        every array or tensor made from it, keeps that memory alive: a
+        Manager closed while one exists frees its memory when the last is
+        gone. Raises InvalidArgumentError without a host tier,
+        InvalidHandleError after close()."""
         base, nbytes, nslots = _vp(), _i64(), _i32()
         _check(C.kvp_manager_host_tier_memory(self._h, ctypes.byref(base), ctypes.byref(nbytes), ctypes.byref(nslots)))
         buf = (ctypes.c_uint8 * (nbytes.value * nslots.value)).from_address(base.value)
-        return np.ctypeslib.as_array(buf).reshape(nslots.value, nbytes.value)
+        buf._kvplug_lease = self._lease()  # type: ignore[attr-defined]  # numpy's base: see _lib.Lease
+        return np.frombuffer(buf, np.uint8).reshape(nslots.value, nbytes.value)

@@ -23,13 +23,15 @@ The CUDA backend exposes torch tensors through DLPack (tensors are created
 before any page is mapped, which __cuda_array_interface__ cannot express:
 torch asks the driver which device an address belongs to). The host backend
 exposes numpy arrays over the mapped memory. Touching tokens that step() has
-not mapped faults (a GPU error, or SIGSEGV on the host backend). Every
-tensor becomes invalid when the cache is closed.
+not mapped faults (a GPU error, or SIGSEGV on the host backend).
 
-close() (or a with block) releases a cache when the engine says so. A cache
-dropped without it is closed when it is collected, once no tensor from
-k()/v() is alive (each keeps its cache), with a ResourceWarning and a
-warning on the "kvplug" logger if slots were still allocated.
+close() (or a with block) releases a cache when the engine says so: its
+methods raise InvalidHandleError from then on, and its memory is unmapped at
+once, or, while a tensor from k()/v() (or one made from it) is still alive,
+when the last of them is gone, so no tensor ever reads unmapped memory. A
+cache dropped without close() is closed when it is collected, once no such
+tensor is alive, with a ResourceWarning and a warning on the "kvplug" logger
+if slots were still allocated.
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", _vp), ("d
 
 _KDL_CUDA = 2
 _CAPSULE_NAME = b"dltensor"  # must outlive every capsule: module lifetime
-# Exported tensors' ctypes objects (and the cache), by DLManagedTensor address,
-# until the consumer calls the deleter.
+# Exported tensors' ctypes objects (and the cache's lease), by DLManagedTensor
+# address, until the consumer calls the deleter.
 _dl_live: Dict[int, Any] = {}
 _dl_lock = threading.Lock()
 
@@ -243,7 +245,7 @@ class VirtualKVCache(_lib.Owner):
         st = (_i64 * 4)()
         _lib.check(C.kvp_vcache_strides(self._h, st))
         self.strides: Tuple[int, int, int, int] = tuple(st)  # type: ignore[assignment]
-        # Weak: every view keeps the cache alive (its memory must stay
+        # Weak: every view holds the cache's lease (its memory must stay
         # mapped), so strong references back would keep a dropped cache
         # alive for ever.
         self._views: "weakref.WeakValueDictionary[Tuple[int, int], Any]" = weakref.WeakValueDictionary()
@@ -251,8 +253,10 @@ class VirtualKVCache(_lib.Owner):
     # -- lifetime -----------------------------------------------------------
 
     def close(self) -> None:
-        """Unmaps and frees everything. Tensors from k()/v() become invalid:
-        the GPU must be done with them (synchronize first)."""
+        """Unmaps and frees everything, at once when no tensor from k()/v()
+        is alive, else when the last one is gone; later calls raise
+        InvalidHandleError. Work the GPU has queued on the tensors must be
+        done (synchronize first) when none is alive."""
         self._views.clear()
         super().close()
 
@@ -328,7 +332,7 @@ class VirtualKVCache(_lib.Owner):
         import torch
 
         bits = 8 * self.dtype_bytes
-        cap = _dlpack_capsule(self, ptr, self.shape, self.strides, self._dl_code, bits, self.device)
+        cap = _dlpack_capsule(self._lease(), ptr, self.shape, self.strides, self._dl_code, bits, self.device)
         t = torch.utils.dlpack.from_dlpack(cap)
         want = getattr(torch, self._dtype)
         return t if t.dtype == want else t.view(want)
@@ -339,7 +343,7 @@ class VirtualKVCache(_lib.Owner):
         isz = self.dtype_bytes
         nbytes = self.strides[0] * self.max_batch * isz
         buf = (ctypes.c_char * nbytes).from_address(ptr)
-        buf._kvplug_cache = self  # the array's base keeps the cache, and its memory, alive
+        buf._kvplug_lease = self._lease()  # the array's base keeps the memory mapped: see _lib.Lease
         return np.ndarray(self.shape, dtype=np.dtype(self._np_dtype), buffer=buf,
                           strides=tuple(s * isz for s in self.strides))
 

@@ -89,7 +89,7 @@ class TorchTierCopier:
         if host.ndim != 2 or host.dtype != np.uint8 or host.shape[1] != want:
             raise ValueError(f"kvplug.hf: host tier slots of {host.shape[1] if host.ndim == 2 else '?'} bytes; "
                              f"a block of this cache is {want} bytes")
-        self._host_np = host  # the library's memory (valid until the manager closes)
+        self._host_np = host  # the library's memory, kept alive by this array
         self.host = torch.from_numpy(host).view(kv.dtype).view(host.shape[0], *self.block_shape)
         self.device = kv.device
         self.cuda = kv.device.type == "cuda"
