@@ -62,6 +62,7 @@ const char *kvp_status_string(kvp_status status) {
     case KVP_ERR_OUT_OF_MEMORY: return "KVP_ERR_OUT_OF_MEMORY";
     case KVP_ERR_NOT_FOUND: return "KVP_ERR_NOT_FOUND";
     case KVP_ERR_INTERNAL: return "KVP_ERR_INTERNAL";
+    case KVP_ERR_IN_USE: return "KVP_ERR_IN_USE";
   }
   return "KVP_ERR_UNKNOWN_STATUS";
 }

@@ -137,6 +137,14 @@ func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_sta
 	})
 }
 
+//export kvp_manager_mark_computed
+func kvp_manager_mark_computed(h *C.kvp_manager) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		m.MarkComputed()
+		return nil
+	})
+}
+
 //export kvp_manager_describe
 func kvp_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 	table *C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,

@@ -242,6 +242,9 @@ func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_s
 			pinned_blocks:    C.int32_t(s.PinnedBlocks),
 			evictable_blocks: C.int32_t(s.EvictableBlocks),
 			pending_events:   C.int32_t(s.PendingEvents),
+
+			uncomputed_blocks:  C.int32_t(s.PendingBlocks),
+			dropped_uncomputed: C.int64_t(s.DroppedPending),
 		}
 		return prefixStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
 	})

@@ -163,7 +163,9 @@ typedef enum kvp_status {
   KVP_ERR_UNSUPPORTED = 11,       /* a valid request this build or device does not support */
   KVP_ERR_OUT_OF_MEMORY = 12,     /* a memory budget is exhausted; nothing changed */
   KVP_ERR_NOT_FOUND = 13,         /* a key (prefix, slot, pin) that is not present */
-  KVP_ERR_INTERNAL = 14           /* a bug in kvplug (a recovered panic); please report it */
+  KVP_ERR_INTERNAL = 14,          /* a bug in kvplug (a recovered panic); please report it */
+  KVP_ERR_IN_USE = 15             /* the call would take state another live sequence still uses
+                                     (blocks it shares that no forward pass computed yet); nothing changed */
 } kvp_status;
 
 #ifndef KVPLUG_NO_PROTOTYPES
@@ -388,9 +390,24 @@ kvp_status kvp_manager_fork(kvp_manager *m, int64_t parent,
 /* Removes n sequences and releases their blocks. All or none: an unknown id
  * (including one removed before: a double remove) or an id repeated in the
  * batch fails the call and removes nothing.
+ * With the prefix cache, the blocks the sequences filled since the last
+ * kvp_manager_mark_computed leave the cache ("Computed K/V" in the prefix
+ * cache section); if a live sequence outside the batch shares one of them,
+ * the call fails with IN_USE and its message names that sequence.
  * Errors: NULL_POINTER, INVALID_ARGUMENT (n < 1 or > 2^20), UNKNOWN_SEQUENCE,
- * DUPLICATE_SEQUENCE. */
+ * DUPLICATE_SEQUENCE, IN_USE. */
 kvp_status kvp_manager_remove(kvp_manager *m, const int64_t *seq_ids, int32_t n);
+
+/* Records that the K/V of every new token described so far is computed: the
+ * step's forward pass has run, or is enqueued on the stream that every later
+ * reader of the cache (attention, tier copies) follows. Blocks filled so far
+ * become computed, so removing their sequences keeps them cached ("Computed
+ * K/V" in the prefix cache section). Call once per step, after launching the
+ * forward pass and before removing finished sequences. O(1); a no-op without
+ * the prefix cache. If a step fails after this call, its blocks hold no valid
+ * K/V: remove every sequence and kvp_manager_clear_prefix_cache.
+ * Errors: INVALID_HANDLE. */
+kvp_status kvp_manager_mark_computed(kvp_manager *m);
 
 /* Describes a batch of n sequences into caller buffers, in batch order. Any
  * of the three outputs may be NULL to skip it.
@@ -443,17 +460,32 @@ kvp_status kvp_manager_check(kvp_manager *m);
  *                            (their slots come from kvp_manager_describe).
  *   kvp_manager_grow_tokens  running requests, with the tokens themselves,
  *                            so that blocks they fill are cached.
+ *   (the forward pass)
+ *   kvp_manager_mark_computed  once the step's forward pass is launched.
  *   kvp_manager_remove       finished requests: their cached blocks stay,
  *                            evictable.
  * kvp_manager_add and kvp_manager_grow keep working; their tokens are not
  * known, so the blocks they fill stay private to the sequence.
  *
- * A block is cached as soon as the call that fills it returns, before the
- * engine computes its KV. A sequence admitted later, even in the same step,
- * may start on it: correct for an engine that writes every new token's K
- * and V of a layer before that layer's attention reads the cache (paged
- * engines do, for the whole step at once). An engine that runs a step's
- * sequences in separate forward passes must run them in admission order.
+ * Computed K/V (the contract; since 0.3). A block is cached as soon as the
+ * call that fills it (admit, grow_tokens) returns, before the engine
+ * computes its K/V, and stays uncomputed until the engine calls
+ * kvp_manager_mark_computed: call it once per step, after launching the
+ * step's forward pass (the K/V writes enqueued on the stream every later
+ * reader of the cache follows) and before removing the step's finished
+ * sequences. A sequence removed while blocks it filled are uncomputed
+ * (preempted, aborted, a step abandoned) takes them out of the cache: no
+ * later prompt matches them, no tier demotes or stores them. A sequence
+ * admitted later in the same step may start on uncomputed blocks (correct
+ * when the step's forward pass writes every new token's K/V of a layer
+ * before that layer's attention reads the cache, as paged engines do; an
+ * engine that runs a step's sequences in separate forward passes must run
+ * them in admission order); the filler's removal then fails with
+ * KVP_ERR_IN_USE, naming the sharer, unless both go in one remove batch
+ * (or the filler goes after mark_computed). Preempting the most recently
+ * admitted sequence first never meets it. Blocks reloaded from the host
+ * tier count as computed at admission. An engine that never calls
+ * mark_computed keeps correct results but caches nothing across requests.
  * Chunked prefill: kvp_manager_match the whole prompt (m tokens cached),
  * admit its first m + chunk tokens, then grow_tokens one chunk per step.
  * Pass the whole prompt's keys to admit, multimodal items past the first
@@ -532,6 +564,10 @@ typedef struct kvp_prefix_stats {
   int32_t pinned_blocks;   /* covered by a pin */
   int32_t evictable_blocks;/* that an allocation could evict now */
   int32_t pending_events;  /* undrained KV events */
+  int32_t uncomputed_blocks; /* cached blocks filled since the last
+                              kvp_manager_mark_computed (since 0.3) */
+  int64_t dropped_uncomputed; /* uncomputed blocks removals took out of the
+                              cache (since 0.3) */
 } kvp_prefix_stats;
 
 #define KVP_PREFIX_STATS_INIT KVP_STRUCT_INIT(kvp_prefix_stats)

@@ -32,6 +32,7 @@ const (
 	OutOfMemory       = kverr.OutOfMemory
 	NotFound          = kverr.NotFound
 	Internal          = kverr.Internal
+	InUse             = kverr.InUse
 )
 
 // Errorf builds an *Error with a formatted message.

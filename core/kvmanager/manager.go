@@ -97,6 +97,10 @@ type seq struct {
 	fresh  int     // new tokens: those of the latest Add or Grow
 	stamp  uint64  // last batch that visited it (repeat detection)
 	pc     *seqPrefix
+	// own is the index in blocks of the first block allocated for this
+	// sequence: those before it were matched or forked from another. Only
+	// a sequence's own blocks can be blocks it filled (computed.go).
+	own int
 }
 
 // Manager manages the block tables of live sequences over one block pool.
@@ -141,6 +145,13 @@ type Manager struct {
 	locks    []int32
 	inserted []prefix.InsertResult
 	one      [1]int32
+	dropped  []prefix.DroppedBlock
+	uncomp   map[int32]int32
+
+	// committed is set by the first MarkComputed: a drop of uncomputed
+	// blocks before it is logged as a likely missing call (computed.go).
+	committed bool
+	warned    bool
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in
@@ -474,7 +485,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	// block's lock count is bounded like its reference count above).
 	m.locks = m.cachedOf(p.blocks[:full], m.locks[:0])
 	for i, id := range children {
-		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone()}
+		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone(), own: full}
 		copy(c.blocks, p.blocks[:full])
 		// Live blocks, their counts bounded above; the locks' likewise.
 		assertOK(m.pool.Incref(c.blocks[:full]), "fork: referencing the parent's blocks")
@@ -524,7 +535,13 @@ func (m *Manager) checkNewIDs(op, what string, ids []int64) error {
 // blocks no other sequence references return to the pool. The batch has
 // len(ids) in [1, MaxBatch]. All or none: an unknown id (a double remove
 // included) or an id twice in the batch fails the call and removes nothing.
-// Errors: InvalidArgument, UnknownSequence, DuplicateSequence.
+//
+// The blocks a removed sequence filled since the last MarkComputed leave
+// the prefix cache (computed.go): no forward pass computed their K/V. If
+// a live sequence outside the batch shares one of them (it matched them
+// or was forked from the sequence since), Remove fails with InUse,
+// naming it: remove the two in one batch, or after MarkComputed.
+// Errors: InvalidArgument, UnknownSequence, DuplicateSequence, InUse.
 func (m *Manager) Remove(ids []int64) error {
 	if err := checkBatch("remove", len(ids)); err != nil {
 		return err
@@ -536,11 +553,18 @@ func (m *Manager) Remove(ids []int64) error {
 		return err
 	}
 	defer m.clearMemo()
+	uncomputed, err := m.uncomputedOf(ids, batch)
+	if err != nil {
+		return err
+	}
 	for i, s := range batch {
 		m.release(s)
 		m.numTokens -= int64(s.length)
 		m.waste -= m.wasteOf(s)
 		m.seqs.del(ids[i])
+	}
+	if len(uncomputed) > 0 {
+		m.dropUncomputed(uncomputed)
 	}
 	return nil
 }
@@ -763,6 +787,9 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		if s.fresh < 0 || s.fresh > s.length {
 			return bad("sequence %d has %d new tokens of %d", id, s.fresh, s.length)
 		}
+		if s.own < 0 || s.own > len(s.blocks) {
+			return bad("sequence %d's own blocks start at %d of %d", id, s.own, len(s.blocks))
+		}
 		for _, b := range s.blocks {
 			if m.pool.State(b) != blocks.InUse {
 				return bad("sequence %d holds block %d in state %s", id, b, m.pool.State(b))
@@ -815,6 +842,9 @@ func (m *Manager) checkInvariants(hashes bool) error {
 			}
 			if indexed && m.cache.LockCount(id) != m.pool.Ref(id) {
 				return bad("cached block %d has %d locks and %d references", b, m.cache.LockCount(id), m.pool.Ref(id))
+			}
+			if m.cache.IsPending(id) && m.pool.Ref(id) == 0 {
+				return bad("block %d is cached uncomputed with no sequence to compute it", b)
 			}
 		}
 	}

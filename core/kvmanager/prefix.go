@@ -210,7 +210,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 			m.tier.shared.hitTokens.Add(int64(n * m.bs))
 		}
 	}
-	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens}
+	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens, own: k}
 	// The matched blocks are cached, so their references equal their
 	// locks, which Acquire bounded below 2^31-1.
 	assertOK(m.pool.Incref(s.blocks[:k]), "admit: referencing the matched blocks")
@@ -231,6 +231,9 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	}
 	if hostHit > 0 {
 		m.lockReloads(s, k, hostHit)
+		// Their K/V comes from the reload copy, which the engine orders
+		// before every reader: computed, whatever becomes of s.
+		m.cache.CommitBlocks(s.blocks[k : k+hostHit])
 	}
 	matched = res.Tokens + hostHit*m.bs
 	s.length = len(tokens)

@@ -32,6 +32,7 @@ const (
 	OutOfMemory       Code = 12 // a memory budget (host or device) is exhausted; nothing changed
 	NotFound          Code = 13 // a key (prefix, slot, pin) that is not present
 	Internal          Code = 14 // a bug in the library: a recovered panic or broken invariant
+	InUse             Code = 15 // the call would take state another live object still uses; nothing changed
 )
 
 var names = map[Code]string{
@@ -50,6 +51,7 @@ var names = map[Code]string{
 	OutOfMemory:       "KVP_ERR_OUT_OF_MEMORY",
 	NotFound:          "KVP_ERR_NOT_FOUND",
 	Internal:          "KVP_ERR_INTERNAL",
+	InUse:             "KVP_ERR_IN_USE",
 }
 
 // String returns the C enumerator's name.
