@@ -47,6 +47,17 @@
  *
  * The ABI is stable within a major version.
  *
+ * Changes in 0.3 for a host built against 0.2:
+ *   - Prefix cache: blocks a step fills stay uncomputed until the new
+ *     kvp_manager_mark_computed; kvp_manager_remove drops a sequence's
+ *     uncomputed blocks from the cache, and refuses with the new status
+ *     KVP_ERR_IN_USE while a live sequence shares them. A 0.2 host that
+ *     does not call mark_computed keeps correct results but no longer
+ *     caches blocks across requests: call it once per step after the
+ *     forward pass ("Computed K/V" in the prefix cache section).
+ *   - kvp_prefix_stats gains uncomputed_blocks and dropped_uncomputed
+ *     (appended, by the struct rule below).
+ *
  * Struct versions. Every struct that begins with struct_size follows one rule
  * (zstd's and sqlite's promise of append-only parameter structs, with the
  * forward-compatibility check of Linux's extensible system calls):
@@ -101,7 +112,7 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 2
+#define KVP_VERSION_MINOR 3
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \

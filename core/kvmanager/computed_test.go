@@ -559,3 +559,57 @@ func TestSlotOracleCatchesForeignKV(t *testing.T) {
 	}
 	_ = prefix.Hash{}
 }
+
+// BenchmarkMarkComputed is the engine's per-step mark: alone (it is
+// O(1), whatever the step filled), and in a decode step of 256 sequences
+// (grow_tokens by one token each, a sixteenth of them filling a block),
+// without and with the mark, whose difference is the mark's cost in a step.
+func BenchmarkMarkComputed(b *testing.B) {
+	const n = 256
+	setup := func(b *testing.B) (*Manager, []int64, []int32, []int32) {
+		m, err := New(Config{NumBlocks: 1 << 16, BlockSize: 16, EnablePrefixCache: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ids := make([]int64, n)
+		ps := make([][]int32, n)
+		for i := range ids {
+			ids[i] = int64(i)
+			ps[i] = iota32(1000*i, 1+i%16)
+		}
+		if got, err := m.Admit(ids, promptsOf(ps...), nil); err != nil || got != n {
+			b.Fatal(got, err)
+		}
+		counts := make([]int32, n)
+		for i := range counts {
+			counts[i] = 1
+		}
+		return m, ids, counts, iota32(7, n)
+	}
+	b.Run("mark", func(b *testing.B) {
+		m, _, _, _ := setup(b)
+		for b.Loop() {
+			m.MarkComputed()
+		}
+	})
+	for _, mark := range []bool{false, true} {
+		b.Run(fmt.Sprintf("decode_step_256_mark_%v", mark), func(b *testing.B) {
+			m, ids, counts, toks := setup(b)
+			k := 0
+			for b.Loop() {
+				if k++; k == 3000 { // the pool holds 4096 steps
+					b.StopTimer()
+					m, ids, counts, toks = setup(b)
+					k = 0
+					b.StartTimer()
+				}
+				if err := m.GrowTokens(ids, counts, toks); err != nil {
+					b.Fatal(err)
+				}
+				if mark {
+					m.MarkComputed()
+				}
+			}
+		})
+	}
+}
