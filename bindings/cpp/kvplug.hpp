@@ -15,15 +15,19 @@
 // std::runtime_error whose what() is the library's message and whose
 // status() is the kvp_status. A failed call changes nothing, so an
 // OUT_OF_BLOCKS from grow() can be caught, handled (preempt) and retried.
+// A library that cannot be loaded is a kvplug::LibraryError, an Error too.
 // Exceptions were chosen over an expected<T> type because C++17 has none,
 // and the errors that a scheduler must handle (OUT_OF_BLOCKS) are rare
 // compared with the calls that succeed.
 //
 // Loading: kvplug::load(path) loads the library explicitly; otherwise the
 // first call loads $KVPLUG_LIBRARY, or "libkvplug.so" through the dynamic
-// linker's search path. Each part of the API resolves its functions the first
-// time it is used (see detail::table<T>()), so a library that lacks a newer
-// part still serves the others.
+// linker's search path. When that fails (no such file, not libkvplug, another
+// ABI major version) the call throws kvplug::LibraryError, and a later call
+// tries again. Each part of the API resolves its functions the first time it
+// is used (see detail::table<T>()), so a library that lacks a newer part
+// still serves the others: a function missing from it throws
+// Error(KVP_ERR_UNSUPPORTED).
 //
 // Thread-safety: the same as the C API's. Loading is thread-safe.
 #ifndef KVPLUG_HPP
@@ -62,6 +66,23 @@ class Error : public std::runtime_error {
 
  private:
   kvp_status status_;
+};
+
+// The library could not be loaded: not found, not a kvplug library, or of
+// another ABI major version. what() says which path was tried and why.
+//
+// A type of its own, derived from Error so that `catch (const kvplug::Error&)`
+// still catches it, rather than a status code of the wrapper's own: kvp_status
+// is the C header's enum, whose next values belong to the header (a code
+// chosen here could later mean something else), and converting an integer
+// outside its enumerators' range to it is undefined behaviour in C++. Its
+// status() is KVP_ERR_NOT_FOUND, the code that says "what was asked for is not
+// there", never KVP_ERR_UNSUPPORTED, which tells a loaded library that lacks
+// a feature (a function newer than it, kernels not built). To tell it apart
+// from a missing key, catch LibraryError before Error.
+class LibraryError : public Error {
+ public:
+  explicit LibraryError(const std::string &message) : Error(KVP_ERR_NOT_FOUND, message) {}
 };
 
 // ---------------------------------------------------------------------------
@@ -154,17 +175,18 @@ inline const Library &open_library(LoaderState &s, const char *path) {
   void *h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (h == nullptr) {
     const char *why = dlerror();
-    throw Error(KVP_ERR_UNSUPPORTED, "kvplug: cannot load " + p + ": " + (why ? why : "unknown dlopen error") +
-                                         " (set KVPLUG_LIBRARY or call kvplug::load(path))");
+    throw LibraryError("kvplug: cannot load " + p + ": " + (why ? why : "unknown dlopen error") +
+                       " (set KVPLUG_LIBRARY or call kvplug::load(path))");
+  }
+  // The handle stays open whatever follows: dlclose of a Go runtime is never safe.
+  dlerror();
+  auto version = reinterpret_cast<decltype(&::kvp_version)>(dlsym(h, "kvp_version"));
+  if (version == nullptr) throw LibraryError("kvplug: " + p + " is not libkvplug (it has no kvp_version)");
+  if (version() / 10000 != KVP_VERSION_MAJOR) {
+    throw LibraryError("kvplug: " + p + " has ABI version " + std::to_string(version() / 10000) +
+                       ".x; this header is " + std::to_string(KVP_VERSION_MAJOR) + ".x");
   }
   auto *lib = new Library(h, p);
-  auto version = lib->sym<decltype(&::kvp_version)>("kvp_version");
-  if (version() / 10000 != KVP_VERSION_MAJOR) {
-    std::string msg = "kvplug: " + p + " has ABI version " + std::to_string(version() / 10000) +
-                      ".x; this header is " + std::to_string(KVP_VERSION_MAJOR) + ".x";
-    delete lib;  // the handle stays open: dlclose of a Go runtime is never safe
-    throw Error(KVP_ERR_UNSUPPORTED, msg);
-  }
   s.lib = lib;
   return *lib;
 }
@@ -259,8 +281,45 @@ inline const std::string &load(const char *path = nullptr) {
 inline uint32_t version() { return detail::common().kvp_version(); }
 inline std::string version_string() { return detail::common().kvp_version_string(); }
 
-// The name of a status ("KVP_ERR_OUT_OF_BLOCKS").
-inline const char *status_string(kvp_status st) { return detail::common().kvp_status_string(st); }
+namespace detail {
+// Whether the library is loaded, without loading it.
+inline bool loaded() {
+  LoaderState &s = loader_state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.lib != nullptr;
+}
+}  // namespace detail
+
+// The name of a status ("KVP_ERR_OUT_OF_BLOCKS"), or "KVP_ERR_UNKNOWN_STATUS"
+// as kvp_status_string() says it. Never throws and needs no library for the
+// codes of this header: it is what a handler of a kvplug::Error calls, also
+// when the error is that the library could not be loaded.
+inline const char *status_string(kvp_status st) noexcept {
+  switch (st) {
+    case KVP_OK: return "KVP_OK";
+    case KVP_ERR_INVALID_ARGUMENT: return "KVP_ERR_INVALID_ARGUMENT";
+    case KVP_ERR_NULL_POINTER: return "KVP_ERR_NULL_POINTER";
+    case KVP_ERR_STRUCT_SIZE: return "KVP_ERR_STRUCT_SIZE";
+    case KVP_ERR_INVALID_HANDLE: return "KVP_ERR_INVALID_HANDLE";
+    case KVP_ERR_UNKNOWN_SEQUENCE: return "KVP_ERR_UNKNOWN_SEQUENCE";
+    case KVP_ERR_DUPLICATE_SEQUENCE: return "KVP_ERR_DUPLICATE_SEQUENCE";
+    case KVP_ERR_OUT_OF_BLOCKS: return "KVP_ERR_OUT_OF_BLOCKS";
+    case KVP_ERR_BUFFER_TOO_SMALL: return "KVP_ERR_BUFFER_TOO_SMALL";
+    case KVP_ERR_NO_DEVICE: return "KVP_ERR_NO_DEVICE";
+    case KVP_ERR_CUDA: return "KVP_ERR_CUDA";
+    case KVP_ERR_UNSUPPORTED: return "KVP_ERR_UNSUPPORTED";
+    case KVP_ERR_OUT_OF_MEMORY: return "KVP_ERR_OUT_OF_MEMORY";
+    case KVP_ERR_NOT_FOUND: return "KVP_ERR_NOT_FOUND";
+    case KVP_ERR_INTERNAL: return "KVP_ERR_INTERNAL";
+    case KVP_ERR_IN_USE: return "KVP_ERR_IN_USE";
+    default: break;  // a code newer than this list: a loaded library may know it
+  }
+  try {
+    if (detail::loaded()) return detail::common().kvp_status_string(st);
+  } catch (...) {  // the library lacks the function, or a lock failed: no name then
+  }
+  return "KVP_ERR_UNKNOWN_STATUS";
+}
 
 // Routes the library's log lines to fn (NULL silences them) at level and above.
 inline void set_logger(kvp_log_fn fn, void *user, int level = KVP_LOG_INFO) {

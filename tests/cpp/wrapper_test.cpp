@@ -39,6 +39,20 @@ TEST(Loader, LoadsFromTheEnvironmentOnFirstUse) {
   EXPECT_STREQ(kvplug::status_string(KVP_ERR_OUT_OF_BLOCKS), "KVP_ERR_OUT_OF_BLOCKS");
 }
 
+TEST(Loader, StatusStringAgreesWithTheLibrary) {
+  kvplug::version();  // loaded
+  // Every code the library names (a library older than the header lacks the newest).
+  int named = 0;
+  for (int i = 0; i <= KVP_ERR_IN_USE; i++) {
+    auto st = static_cast<kvp_status>(i);
+    std::string lib = kvplug::detail::common().kvp_status_string(st);
+    if (lib == "KVP_ERR_UNKNOWN_STATUS") continue;
+    named++;
+    EXPECT_EQ(kvplug::status_string(st), lib) << i;
+  }
+  EXPECT_GE(named, KVP_ERR_INTERNAL + 1);
+}
+
 TEST(Loader, RefusesASecondCopy) {
   kvplug::version();  // loaded
   auto [st, msg] = thrown([] { kvplug::load("/elsewhere/libkvplug.so"); });
