@@ -190,3 +190,49 @@ def test_vmem_view_survives_close_in_a_fresh_process():
     """)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout) == 1.5 * 300 * 2 * 8
+
+
+# ---- describe_into: a 2-D table's width is its row stride -----------------------------------
+
+
+def two_sequences() -> kvplug.Manager:
+    m = kvplug.Manager(16, 4)
+    m.add(1, 6)  # blocks 0, 1
+    m.add(2, 9)  # blocks 2, 3, 4
+    return m
+
+
+def test_describe_into_refuses_a_max_blocks_other_than_the_tables_width():
+    with two_sequences() as m:
+        table = np.full((2, 8), -7, np.int32)
+        lens = np.zeros(2, np.int32)
+        with pytest.raises(kvplug.InvalidArgumentError, match="max_blocks=4 but block_table has 8 columns"):
+            m.describe_into([1, 2], table, lens, max_blocks=4)
+        assert (table == -7).all() and (lens == 0).all()  # nothing written
+        # The width itself, given or not, fills one row per sequence.
+        for mb in (None, 8):
+            table[:] = -7
+            m.describe_into([1, 2], table, lens, max_blocks=mb)
+            assert table.tolist() == [[0, 1] + [-1] * 6, [2, 3, 4] + [-1] * 5]
+            assert lens.tolist() == [6, 9]
+
+
+def test_describe_into_a_flat_table_uses_max_blocks_as_its_stride():
+    with two_sequences() as m:
+        flat = np.full(10, -7, np.int32)
+        m.describe_into([1, 2], flat, max_blocks=4)
+        assert flat.tolist() == [0, 1, -1, -1, 2, 3, 4, -1, -7, -7]
+
+
+def test_describe_with_out_checks_max_blocks_against_the_table():
+    with two_sequences() as m:
+        out = (np.empty((2, 8), np.int32), np.empty(2, np.int32), np.empty(15, np.int32))  # 6 + 9 new tokens
+        with pytest.raises(kvplug.InvalidArgumentError, match="8 columns"):
+            m.describe([1, 2], 4, out=out)
+        assert m.describe([1, 2], 8, out=out).block_table.shape == (2, 8)
+
+
+def test_describe_into_refuses_a_three_dimensional_table():
+    with two_sequences() as m:
+        with pytest.raises(kvplug.InvalidArgumentError, match="block_table must be 2-D"):
+            m.describe_into([1, 2], np.empty((2, 2, 4), np.int32), max_blocks=4)

@@ -303,9 +303,10 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         -1), sequence lengths (int32 [n]) and the slots of its new tokens
         (int32, into the front of slot_mapping) into caller buffers, any of
         which may be None. Returns the number of slots (counted even when
-        slot_mapping is None). block_table is 2-D (max_blocks = its number
-        of columns) or flat with max_blocks given; its rows beyond n, and
-        entries beyond the returned count, are left alone.
+        slot_mapping is None). block_table is 2-D (max_blocks is its number
+        of columns: a different max_blocks is an InvalidArgumentError) or
+        flat with max_blocks given; its rows beyond n, and entries beyond
+        the returned count, are left alone.
 
         With int64 ids and C-contiguous int32 numpy outputs nothing is
         allocated or converted. Raises BufferTooSmallError (nothing
@@ -316,13 +317,21 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         if block_table is None:
             table_ptr, mb = 0, 0
         else:
+            shape = getattr(block_table, "shape", None)
+            ndim = 1 if shape is None else len(shape)
+            if ndim not in (1, 2):
+                raise _bad(f"describe: block_table must be 2-D [n, max_blocks] or flat: got shape {tuple(shape)}")
             if max_blocks is not None:
                 mb = _int(max_blocks, "describe: max_blocks", "int32", lo=1)
-            else:
-                shape = getattr(block_table, "shape", None)
-                if shape is None or len(shape) != 2:
-                    raise _bad("describe: a flat block_table needs max_blocks")
+                # The library writes rows max_blocks apart: in a table of
+                # another width they would straddle its rows.
+                if ndim == 2 and shape[1] != mb:
+                    raise _bad(f"describe: max_blocks={mb} but block_table has {shape[1]} columns: "
+                               "omit max_blocks for a 2-D table, or pass a flat one")
+            elif ndim == 2:
                 mb = shape[1]
+            else:
+                raise _bad("describe: a flat block_table needs max_blocks")
             if not (1 <= mb <= _INT32_MAX):
                 raise _bad(f"describe: max_blocks must be in [1, 2^31): got {mb}")
             table_ptr, _ = _out_ptr(block_table, n * mb, "describe: block_table")
@@ -359,7 +368,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         n = len(ids)
         if out is not None:
             table, lens, slots = out
-            k = self.describe_into(ids, table, lens, slots)
+            k = self.describe_into(ids, table, lens, slots, max_blocks=max_blocks)
             return Description(table[:n], lens[:n], slots[:k])
         for _ in range(3):  # retried only if another thread grows the batch in between
             lens = np.empty(max(n, 0), np.int32)
