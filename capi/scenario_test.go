@@ -581,6 +581,8 @@ func (r *scRunner) call() int {
 			r.results["num_copies"] = i32(num)
 		}
 		return s
+	case "manager_mark_computed":
+		return rawManagerMarkComputed(r.handle("m", true))
 	case "manager_remove":
 		n := r.int("n", int64(len(r.list("ids"))))
 		return rawManagerRemove(r.handle("m", true), r.array("ids", 8, 0), int32(n))

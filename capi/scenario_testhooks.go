@@ -96,6 +96,9 @@ func rawManagerFork(m ptr, parent int64, children ptr, n int32, copies ptr, maxC
 	return st(kvp_manager_fork((*C.kvp_manager)(m), C.int64_t(parent), (*C.int64_t)(children), C.int32_t(n),
 		(*C.kvp_block_copy)(copies), C.int32_t(maxCopies), (*C.int32_t)(numCopies)))
 }
+func rawManagerMarkComputed(m ptr) int {
+	return st(kvp_manager_mark_computed((*C.kvp_manager)(m)))
+}
 func rawManagerRemove(m, ids ptr, n int32) int {
 	return st(kvp_manager_remove((*C.kvp_manager)(m), (*C.int64_t)(ids), C.int32_t(n)))
 }

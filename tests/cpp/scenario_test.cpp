@@ -477,6 +477,7 @@ class Runner {
       return KVP_OK;
     }
     if (call == "manager_add") return kvp_manager_add(mh(), num("id"), i32("prompt_len"));
+    if (call == "manager_mark_computed") return kvp_manager_mark_computed(mh());
     if (call == "manager_grow" || call == "manager_grow_tokens" || call == "manager_remove") {
       int32_t n = i32("n", static_cast<int64_t>(list("ids").size()));
       if (call == "manager_remove") return kvp_manager_remove(mh(), arg_array<int64_t>("ids"), n);

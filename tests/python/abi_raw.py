@@ -20,6 +20,7 @@ SIGNATURES = {
     "kvp_manager_grow_tokens": [vp, vp, vp, i32, vp],
     "kvp_manager_fork": [vp, i64, vp, i32, vp, i32, vp],
     "kvp_manager_remove": [vp, vp, i32],
+    "kvp_manager_mark_computed": [vp],
     "kvp_manager_describe": [vp, vp, i32, vp, i32, vp, vp, i32, vp],
     "kvp_manager_stats_get": [vp, vp],
     "kvp_manager_check": [vp],

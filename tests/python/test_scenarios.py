@@ -282,6 +282,8 @@ class Runner:
             return 0
         if call == "manager_add":
             return raw.call("kvp_manager_add", m(), self.int("id"), self.int("prompt_len"))
+        if call == "manager_mark_computed":
+            return raw.call("kvp_manager_mark_computed", m())
         if call in ("manager_grow", "manager_grow_tokens", "manager_remove"):
             n = self.int("n", len(self.list("ids")))
             if call == "manager_remove":
