@@ -718,4 +718,48 @@ TEST(Logging, SilencedLoggerReceivesNothing) {
   EXPECT_TRUE(sink.lines.empty());
 }
 
+// The prefix cache's computed-K/V contract through the C API alone: a
+// request removed before its forward pass leaves nothing a later prompt
+// matches; a sharer of its uncomputed blocks makes its removal IN_USE;
+// after kvp_manager_mark_computed the blocks stay cached.
+TEST(ComputedKV, RemoveBeforeForwardPassMatchesNothing) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 64;
+  cfg.block_size = 16;
+  cfg.enable_prefix_cache = 1;
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&cfg, &m), KVP_OK);
+  std::vector<int32_t> p(80);
+  for (int32_t i = 0; i < 80; ++i) p[static_cast<std::size_t>(i)] = 100 + i;
+  const int64_t off[2] = {0, 80};
+  auto admit = [&](int64_t id) {
+    int32_t matched = -1, admitted = 0;
+    EXPECT_EQ(kvp_manager_admit(m, &id, 1, p.data(), off, nullptr, &matched, &admitted), KVP_OK);
+    EXPECT_EQ(admitted, 1);
+    return matched;
+  };
+  EXPECT_EQ(admit(1), 0);
+  int64_t one = 1, two = 2, three = 3;
+  ASSERT_EQ(kvp_manager_remove(m, &one, 1), KVP_OK);  // preempted before its forward pass
+  EXPECT_EQ(admit(2), 0);                              // nothing of sequence 1 matches
+  EXPECT_EQ(admit(3), 64);                             // same step: shares sequence 2's blocks
+  EXPECT_EQ(kvp_manager_remove(m, &two, 1), KVP_ERR_IN_USE);
+  EXPECT_NE(std::string(kvp_last_error()).find("sequence 3"), std::string::npos) << kvp_last_error();
+  EXPECT_STREQ(kvp_status_string(KVP_ERR_IN_USE), "KVP_ERR_IN_USE");
+  kvp_prefix_stats st = KVP_PREFIX_STATS_INIT;
+  ASSERT_EQ(kvp_manager_prefix_stats(m, &st), KVP_OK);
+  EXPECT_EQ(st.uncomputed_blocks, 5);   // sequence 2's (3's fifth block is a private twin)
+  EXPECT_EQ(st.dropped_uncomputed, 5);  // sequence 1's
+  ASSERT_EQ(kvp_manager_mark_computed(m), KVP_OK);  // the step's forward pass ran
+  ASSERT_EQ(kvp_manager_remove(m, &two, 1), KVP_OK);
+  ASSERT_EQ(kvp_manager_remove(m, &three, 1), KVP_OK);
+  EXPECT_EQ(admit(4), 64);
+  ASSERT_EQ(kvp_manager_prefix_stats(m, &st), KVP_OK);
+  EXPECT_EQ(st.uncomputed_blocks, 0);  // sequence 4 matched 4 blocks; its fifth is a twin of 2's
+  EXPECT_EQ(st.dropped_uncomputed, 5);
+  EXPECT_EQ(kvp_manager_mark_computed(nullptr), KVP_ERR_INVALID_HANDLE);
+  EXPECT_EQ(kvp_manager_check(m), KVP_OK);
+  kvp_manager_destroy(m);
+}
+
 }  // namespace

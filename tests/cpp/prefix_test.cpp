@@ -328,8 +328,9 @@ TEST(HostTier, SharedTierConfigThroughTheWrapper) {
 }
 
 // The tier copier through the wrapper: bad layouts throw with the library's
-// status; a good one over a manager's host tier either makes a copier (with
-// a GPU) or throws NO_DEVICE / UNSUPPORTED (without one).
+// status; a good one over a manager's host tier answers as the kernels do on
+// this machine (kvplug::attn::prepare): a copier with a GPU and kernels,
+// NO_DEVICE without a GPU, UNSUPPORTED in a build without kernels.
 TEST(TierCopier, WrapperChecksAndCreates) {
   kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
   cfg.num_blocks = 8;
@@ -353,10 +354,13 @@ TEST(TierCopier, WrapperChecksAndCreates) {
   EXPECT_EQ(status_of([&] { kvplug::TierCopier c(k, v, 8, 64, 64, 64, tier.slot(0), 240, 4); }),
             KVP_ERR_INVALID_ARGUMENT);  // slots smaller than 2 layers x K and V x 64 bytes
   EXPECT_EQ(status_of([&] { kvplug::TierCopier c(k, v, 8, 40, 64, 64, tier); }), KVP_ERR_INVALID_ARGUMENT);
+  const kvp_status here = status_of([] { kvplug::attn::prepare(); });
+  ASSERT_TRUE(here == KVP_OK || here == KVP_ERR_NO_DEVICE || here == KVP_ERR_UNSUPPORTED) << here;
   const kvp_status st = status_of([&] {
     kvplug::TierCopier c(k, v, 8, 64, 64, 64, tier);
     EXPECT_NE(c.get(), nullptr);
     c.run(kvplug::CopyBatch{});  // nothing to copy
   });
-  EXPECT_TRUE(st == KVP_OK || st == KVP_ERR_NO_DEVICE || st == KVP_ERR_UNSUPPORTED) << st;
+  EXPECT_EQ(st, here) << "the copier answers " << kvplug::status_string(st) << ", the kernels "
+                      << kvplug::status_string(here);
 }

@@ -117,7 +117,8 @@ class PrefixStatsStruct(ctypes.Structure):
     _fields_ = [("struct_size", _size)] + _ints(
         _i64, "queries", "query_tokens", "hit_tokens", "partial_tokens", "inserts", "dedups", "evictions",
         "events_dropped",
-    ) + _ints(_i32, "cached_blocks", "locked_blocks", "pinned_blocks", "evictable_blocks", "pending_events")
+    ) + _ints(_i32, "cached_blocks", "locked_blocks", "pinned_blocks", "evictable_blocks", "pending_events",
+              "uncomputed_blocks") + _ints(_i64, "dropped_uncomputed")
 
 
 class BlockMMStruct(ctypes.Structure):
@@ -343,6 +344,7 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_grow", [_vp, _vp, _vp, _i32]),
     ("kvp_manager_fork", [_vp, _i64, _vp, _i32, _vp, _i32, _vp]),
     ("kvp_manager_remove", [_vp, _vp, _i32]),
+    ("kvp_manager_mark_computed", [_vp]),
     ("kvp_manager_describe", [_vp, _vp, _i32, _vp, _i32, _vp, _vp, _i32, _vp]),
     ("kvp_manager_stats_get", [_vp, _vp]),
     ("kvp_manager_check", [_vp]),
