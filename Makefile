@@ -11,6 +11,12 @@ GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 
 
 -include kernels/kernels.mk
 
+# cgo does not track the headers capi includes from outside its directory
+# (include/kvplug.h), so Go's build cache would reuse objects compiled against
+# an older header; the header's digest in CGO_CFLAGS keys them to its content.
+CGO_CFLAGS ?= -O2 -g
+export CGO_CFLAGS += -DKVPLUG_HEADER_SUM=$(shell cat include/kvplug.h | cksum | cut -d' ' -f1)
+
 .PHONY: demo-routing all lib kernels test test-go test-cpp test-python test-fresh-clone check-header check-exports demo bench clean fmt vet test-engines FORCE
 
 all: lib
