@@ -109,6 +109,8 @@ class PrefixStats:
     pinned_blocks: int  # covered by a pin
     evictable_blocks: int  # an allocation could evict now
     pending_events: int  # undrained KV events
+    uncomputed_blocks: int  # cached blocks filled since the last mark_computed
+    dropped_uncomputed: int  # uncomputed blocks removals took out of the cache
 
     @property
     def hit_rate(self) -> float:
@@ -311,6 +313,16 @@ class PrefixCacheMethods:
                 counts_ptr = _addr(counts)
             tok_ptr = _addr(keep if keep.size else _NO_TOKENS)
         _check(C.kvp_manager_grow_tokens(self._h, ids_ptr, counts_ptr, n, tok_ptr))
+
+    def mark_computed(self) -> None:
+        """Marks the K/V of every new token described so far as computed:
+        call it once per step, after launching the step's forward pass and
+        before removing finished sequences. Until then, the blocks the step
+        filled are uncomputed, and removing their sequence (preempted,
+        aborted) takes them out of the cache instead of keeping them for
+        later prompts; removing it while a sequence admitted after it shares
+        them raises InUseError. O(1); a no-op without the prefix cache."""
+        _check(C.kvp_manager_mark_computed(self._h))
 
     def _counts_of(self, value: int, n: int) -> int:
         """The address of n counts of value, from the Manager's cached
