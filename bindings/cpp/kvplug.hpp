@@ -339,6 +339,7 @@ struct ManagerApi {
   KVPLUG_FN(kvp_manager_grow);
   KVPLUG_FN(kvp_manager_fork);
   KVPLUG_FN(kvp_manager_remove);
+  KVPLUG_FN(kvp_manager_mark_computed);
   KVPLUG_FN(kvp_manager_describe);
   KVPLUG_FN(kvp_manager_stats_get);
   KVPLUG_FN(kvp_manager_check);
@@ -349,6 +350,7 @@ struct ManagerApi {
     KVPLUG_LOAD(lib, kvp_manager_grow);
     KVPLUG_LOAD(lib, kvp_manager_fork);
     KVPLUG_LOAD(lib, kvp_manager_remove);
+    KVPLUG_LOAD(lib, kvp_manager_mark_computed);
     KVPLUG_LOAD(lib, kvp_manager_describe);
     KVPLUG_LOAD(lib, kvp_manager_stats_get);
     KVPLUG_LOAD(lib, kvp_manager_check);
@@ -446,6 +448,12 @@ class Manager {
     detail::check(api().kvp_manager_remove(h_, detail::in(seq_ids), detail::count32(seq_ids.size(), "remove: seq_ids")));
   }
   void remove(int64_t seq_id) { remove(span<const int64_t>(&seq_id, 1)); }
+
+  // The step's forward pass is launched: the K/V of every new token
+  // described so far counts as computed, so removing a finished sequence
+  // keeps its blocks cached. Call once per step, before removing finished
+  // sequences (kvplug.h, "Computed K/V"); a no-op without the prefix cache.
+  void mark_computed() { detail::check(api().kvp_manager_mark_computed(h_)); }
 
   // Describes the batch into caller buffers (any may be empty to skip it;
   // block_table holds seq_ids.size() rows of max_blocks). Returns the

@@ -99,6 +99,7 @@ TEST(PrefixCache, EvictionPinsAndClear) {
   kvplug::Prompts p;
   p.add(cat(system, iota(0, 2 * kBlock + 1)));  // 5 blocks, 4 full
   pc.admit(std::vector<int64_t>{1}, p);
+  m.mark_computed();  // the step's forward pass: pins cover computed blocks only
   int32_t pinned = 0;
   const uint64_t pin = pc.pin(system, nullptr, &pinned);
   EXPECT_EQ(pinned, 2);
@@ -280,6 +281,7 @@ TEST(HostTier, DemotesAndReloadsThroughTheWrapper) {
   EXPECT_EQ(step().ticket, 0u);  // the step's flush (nothing to copy), then its forward pass writes the blocks
   auto d = m.describe(std::vector<int64_t>{1});
   for (int i = 0; i < 4; i++) std::memset(&gpu[d.block_table[i] * kBytes], 0xa0 + i, kBytes);
+  m.mark_computed();
   m.remove(std::vector<int64_t>{1});
   EXPECT_EQ(step().demote.size(), 4u);
   const auto tm = tier.match_tiers(p);
@@ -295,6 +297,33 @@ TEST(HostTier, DemotesAndReloadsThroughTheWrapper) {
   EXPECT_EQ(tier.stats().reloads_completed, 4);
   EXPECT_EQ(tier.flush_copies().ticket, 0u);
   EXPECT_THROW(tier.complete_copies(99), kvplug::Error);
+  m.check();
+}
+
+// The computed-K/V contract through the wrapper: a request removed before
+// its forward pass leaves nothing a later prompt matches; removing the
+// filler of blocks a later sequence of the step shares throws IN_USE;
+// after mark_computed the blocks stay cached.
+TEST(PrefixCache, RemoveBeforeForwardPassMatchesNothing) {
+  kvplug::Manager m = cached_manager(64, false);
+  kvplug::PrefixCache pc(m);
+  kvplug::Prompts p;
+  p.add(iota(100, 20));  // 5 full blocks of 4
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{1}, p), (std::vector<int32_t>{0}));
+  m.remove(1);  // preempted before its forward pass
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{2}, p), (std::vector<int32_t>{0}));
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{3}, p), (std::vector<int32_t>{16}));  // shares 2's blocks
+  try {
+    m.remove(2);
+    FAIL() << "removing the filler of blocks sequence 3 shares succeeded";
+  } catch (const kvplug::Error &e) {
+    EXPECT_EQ(e.status(), KVP_ERR_IN_USE);
+    EXPECT_NE(std::string(e.what()).find("sequence 3"), std::string::npos) << e.what();
+  }
+  m.mark_computed();
+  m.remove(std::vector<int64_t>{2, 3});
+  EXPECT_EQ(pc.admit(std::vector<int64_t>{4}, p), (std::vector<int32_t>{16}));
+  EXPECT_EQ(pc.stats().dropped_uncomputed, 5);
   m.check();
 }
 

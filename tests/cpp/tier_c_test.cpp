@@ -98,6 +98,7 @@ TEST(HostTier, DemotesAndReloads) {
   EXPECT_EQ(run_copies(m, gpu).ticket, 0u);
   auto table = table_of(m, 1);
   for (int i = 0; i < 4; i++) std::memset(gpu.data() + table[i] * kBytes, 0xa0 + i, kBytes);
+  ASSERT_EQ(kvp_manager_mark_computed(m), KVP_OK);
   int64_t id = 1;
   ASSERT_EQ(kvp_manager_remove(m, &id, 1), KVP_OK);
 
