@@ -490,7 +490,9 @@ class PagedKVCache:
 
     def commit(self, batch: Batch) -> None:
         """Marks a batch's tokens computed (the runner calls it after the
-        forward pass)."""
+        forward pass), in the manager too: the blocks the step filled stay
+        cached when their sequences go (Manager.mark_computed)."""
+        self.manager.mark_computed()
         seqs = self.seqs
         for st, end in zip(map(seqs.get, batch.seq_ids.tolist()), (batch.starts + batch.q_lens).tolist()):
             if st is not None and st.live:
