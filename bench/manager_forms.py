@@ -124,6 +124,7 @@ def decode_work(n: int, steps: int, rng: np.random.Generator) -> Dict[str, Dict[
     for step in range(steps):
         if step % rnd == 0:  # a fresh batch every rnd steps, so the pool never fills
             if step:
+                m.mark_computed()
                 m.remove(ids)
             m.admit(ids, [rng.integers(0, 50_000, k, dtype=np.int32) for k in rng.integers(1000, 4000, n)])
         toks = rng.integers(0, 50_000, n)
@@ -144,6 +145,7 @@ def admit_work(calls: int, rng: np.random.Generator) -> Dict[str, Dict[str, floa
     m = kvplug.Manager(4 * (batch + 1) * plen // bs, bs, prefix_cache=True)
     system = rng.integers(0, 50_000, plen // 2, dtype=np.int32)
     m.admit([-1], [np.append(system, 0)])  # caches the system prompt's blocks
+    m.mark_computed()  # its forward pass ran
     m.remove([-1])
     m.pin(system)
     works: Dict[str, Dict[str, List[int]]] = {"admit([id], [prompt])": {}, "admit(8 ids, 8 prompts)": {}}
@@ -153,6 +155,7 @@ def admit_work(calls: int, rng: np.random.Generator) -> Dict[str, Dict[str, floa
         p = np.concatenate([system, rng.integers(0, 50_000, plen // 2)])
         for name, f in rotated(list(forms_of_prompt(p).items()), k):
             w_one.setdefault(name, []).append(timed(lambda: m.admit([sid], [f])))
+            m.mark_computed()
             m.remove([sid])
             sid += 1
         ps = np.concatenate([np.tile(system, (batch, 1)), rng.integers(0, 50_000, (batch, plen // 2))], axis=1)
@@ -168,6 +171,7 @@ def admit_work(calls: int, rng: np.random.Generator) -> Dict[str, Dict[str, floa
             batch_forms["list of torch int64"] = list(torch.from_numpy(ps.astype(np.int64)))
         for name, f in rotated(list(batch_forms.items()), k):
             w_batch.setdefault(name, []).append(timed(lambda: m.admit(bids, f)))
+            m.mark_computed()
             m.remove(bids)
         sid += batch
     m.close()

@@ -53,6 +53,7 @@ def admit_cases(cases: list, bs: int, n: int) -> dict:
         m.clear_prefix_cache()
         for k in (None, img):
             m.admit([-1], [base[: cached + 1]], k)
+            m.mark_computed()  # its forward pass ran: the blocks stay cached
             m.remove([-1])
             m.pin(base[:cached], k)
 
@@ -90,6 +91,7 @@ def admit_cases(cases: list, bs: int, n: int) -> dict:
             live.append(sid)
             sid += 1
             if len(live) == rnd:
+                m.mark_computed()
                 m.remove(live)
                 live = []
                 fresh()

@@ -56,9 +56,10 @@ multi-tenant trace: 5000 requests, each a system prompt (100 of 1000-4000
   20-200 output tokens; at most 64 running, a pool of 32768 blocks of 16
   tokens. Each step admits waiting requests in order while they fit (at
   most 8192 prompt tokens a step), decodes one token for every running
-  request, and retires the finished ones (their blocks stay cached). Host
-  time is the time spent in the cache's calls (admission, decode step,
-  retirement, eviction); the trace and token lists are built outside it.
+  request, and retires the finished ones (their blocks stay cached; kvplug's
+  decode step ends with Manager.mark_computed, the engine's mark of the
+  step's forward pass). Host time is the time spent in the cache's calls
+  (admission, decode step, retirement, eviction); the trace and token lists are built outside it.
 
 Timing: the decode step and admission run --repeat rounds (default 3); in
 each round every system makes its calls in one block (the order rotating
@@ -140,6 +141,7 @@ class KvplugAdmit:
         m, base = self.m, self.base
         m.clear_prefix_cache()
         m.admit([-1], [base[: CACHED + 1]])
+        m.mark_computed()  # its forward pass ran: the blocks stay cached
         m.remove([-1])
         m.pin(base[:CACHED])
 
@@ -151,6 +153,7 @@ class KvplugAdmit:
         assert got[0] == CACHED, got
         self.live.append(i)
         if len(self.live) == ROUND:
+            self.m.mark_computed()
             self.m.remove(self.live)
             self.live = []
             self.fresh()
@@ -174,6 +177,7 @@ class KvplugTrace:
         n = len(rids)
         self.m.grow_tokens(rids, toks)
         self.m.describe_into(rids, self.table[:n], self.lens[:n], self.slots[:n])
+        self.m.mark_computed()  # the step's forward pass: its blocks stay cached when requests finish
 
     def finish(self, rid: int) -> None:
         self.m.remove([rid])

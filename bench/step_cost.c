@@ -202,6 +202,7 @@ static int admit_mode(int bs, int n) {
     if ((st = kvp_manager_clear_prefix_cache(m, NULL)) != KVP_OK) die("clear", st); \
     st = kvp_manager_admit(m, &sys_id, 1, prompt, sys_offs, NULL, NULL, &admitted); \
     if (st != KVP_OK || admitted != 1) die("admit system prompt", st);              \
+    if ((st = kvp_manager_mark_computed(m)) != KVP_OK) die("mark computed", st);    \
     if ((st = kvp_manager_remove(m, &sys_id, 1)) != KVP_OK) die("remove", st);      \
     st = kvp_manager_pin(m, prompt, CACHED, NULL, &pin, NULL);                      \
     if (st != KVP_OK) die("pin", st);                                               \
@@ -221,6 +222,7 @@ static int admit_mode(int bs, int n) {
     t[i] = t1 - t0;
     live[nlive++] = id;
     if (nlive == ROUND) {
+      if ((st = kvp_manager_mark_computed(m)) != KVP_OK) die("mark computed", st);
       if ((st = kvp_manager_remove(m, live, nlive)) != KVP_OK) die("remove", st);
       nlive = 0;
       FRESH();

@@ -98,6 +98,7 @@ func (s *stepper) steps(steps int) []time.Duration {
 			must(m.GrowTokens(running, ones, toks))
 		}
 		running = append(running, ids[:n]...)
+		m.MarkComputed() // the step's forward pass
 		if len(running) > 64 {
 			must(m.Remove(running[:len(running)-64]))
 			running = append(running[:0], running[len(running)-64:]...)
@@ -206,6 +207,7 @@ func benchPublish(steps int) {
 		}
 		_, err := m2.Admit([]int64{i}, kvmanager.Prompts{Tokens: prompt, Offsets: []int64{0, int64(len(prompt))}}, nil)
 		must(err)
+		m2.MarkComputed()
 		must(m2.Remove([]int64{i}))
 	}
 	pub2.Flush()
@@ -242,6 +244,7 @@ func benchIndexUpdates(name string, be kvindex.Backend) {
 		}
 		_, err := m.Admit([]int64{i}, kvmanager.Prompts{Tokens: prompt, Offsets: []int64{0, int64(len(prompt))}}, nil)
 		must(err)
+		m.MarkComputed()
 		must(m.Remove([]int64{i}))
 		produced += 256
 		// Keep the producer within reach of the index: the figure is the

@@ -161,6 +161,7 @@ func run(policy string, reqs []request, n, blocks, bs int, valkey string, seed i
 		// Decode the answer token by token, then finish.
 		for _, tok := range q.output {
 			must(in.m.GrowTokens([]int64{id}, []int32{1}, []int32{tok}))
+			in.m.MarkComputed() // each step's forward pass
 		}
 		must(in.m.Remove([]int64{id}))
 		// The router's view follows the engines within the time between
