@@ -155,6 +155,7 @@ func run(policy string, reqs []request, n, blocks, bs int, valkey string, seed i
 		if admitted == 0 {
 			must(fmt.Errorf("request %d (%d tokens) does not fit an instance of %d blocks", k, len(q.prompt), blocks))
 		}
+		in.m.MarkComputed() // the prefill's forward pass
 		load[target]++
 		hit += int64(matched[0])
 		total += int64(len(q.prompt))
