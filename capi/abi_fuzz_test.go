@@ -757,9 +757,11 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 const numOps = 65
 
 // conversation admits one of a few recurring prompts as a new sequence
-// and removes it at once, with valid arguments: its full blocks stay
-// cached, so that flushes demote them and a return of the prompt reloads
-// them from the host tier.
+// and removes it at once, with valid arguments: its step's forward pass
+// runs in between (kvp_manager_mark_computed, without which the removal
+// would drop the blocks it filled), so its full blocks stay cached, that
+// flushes demote them and a return of the prompt reloads them from the
+// host tier.
 func (fz *abiFuzz) conversation() (string, int) {
 	toks := make([]int32, 1+fz.small(24))
 	base := int32(fz.small(3)) * 1000
@@ -776,6 +778,9 @@ func (fz *abiFuzz) conversation() (string, int) {
 	admitted := fz.alloc(4)
 	st := rawManagerAdmit(fz.m, ids, 1, tokens, offsets, nil, nil, admitted)
 	if st == 0 && *(*int32)(admitted) == 1 { // else out of blocks: none admitted
+		if s := rawManagerMarkComputed(fz.m); s != 0 {
+			fz.t.Fatalf("kvp_manager_mark_computed: %s", lastError())
+		}
 		if s := rawManagerRemove(fz.m, ids, 1); s != 0 {
 			fz.t.Fatalf("kvp_manager_remove of an admitted sequence: %s", lastError())
 		}

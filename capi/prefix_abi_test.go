@@ -44,6 +44,8 @@ func TestPrefixCacheThroughABI(t *testing.T) {
 		t.Fatalf("admitted %d, matched %v; want 2, [0 8]", n, matched)
 	}
 	expect(t, "check", hookManagerCheck(h), kverr.OK)
+	// The admission's step: its forward pass computes the blocks.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 
 	// Another tenant shares nothing; the right one matches, with the
 	// partial block of a's third block (tokens 1, 2).
@@ -61,6 +63,9 @@ func TestPrefixCacheThroughABI(t *testing.T) {
 	if stats[2] != 3 || stats[0] != 4 || stats[1] != 16 {
 		t.Fatalf("stats (queries, hits, cached, evictable, evictions) %v; want 4 queries, 16 hit tokens, 3 cached", stats)
 	}
+	// The decode step's forward pass: Pin covers only computed blocks, and
+	// the removal below keeps a's third block cached only once computed.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 
 	id, nb, st := hookPin(h, sys, salt[:1])
 	expect(t, "pin", st, kverr.OK)

@@ -293,3 +293,9 @@ func hookNextEventSize(h unsafe.Pointer) ([3]int32, abiStatus) {
 	st := kvp_manager_next_event_size((*C.kvp_manager)(h), &tok, &mm, &hs)
 	return [3]int32{int32(tok), int32(mm), int32(hs)}, abiStatus(st)
 }
+
+// hookManagerMarkComputed is kvp_manager_mark_computed: the step's forward
+// pass ran, so the blocks filled so far are computed.
+func hookManagerMarkComputed(h unsafe.Pointer) abiStatus {
+	return abiStatus(kvp_manager_mark_computed((*C.kvp_manager)(h)))
+}

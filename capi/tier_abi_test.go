@@ -62,6 +62,9 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	for i := range 4 {
 		gpu[tbl[i]] = kvOfBlock(i)
 	}
+	// The forward pass above wrote the blocks: mark_computed, so the
+	// removal keeps them cached for the flush to demote.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 	ids := cInt64s([]int64{1})
 	defer ids.free()
 	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
@@ -144,6 +147,8 @@ func TestTierABIEventsCarryMedium(t *testing.T) {
 	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
 	stepFlush(t, h)
+	// The step's forward pass ran: the removal keeps the blocks cached.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 	ids := cInt64s([]int64{1})
 	defer ids.free()
 	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
@@ -247,7 +252,9 @@ func TestTierMatchLayout(t *testing.T) {
 // pass, which writes the blocks): nothing to copy here. flush_copies
 // never demotes a block allocated since the previous flush, so a test
 // that demotes the blocks of a sequence it admitted and removed runs it
-// in between, as an engine's step would.
+// in between, as an engine's step would; the test then calls
+// mark_computed after the forward pass, since a removal before it drops
+// the sequence's blocks from the cache.
 func stepFlush(t *testing.T, h unsafe.Pointer) {
 	t.Helper()
 	_, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
@@ -271,6 +278,9 @@ func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
 	for i := range 4 {
 		gpu[tbl[i]] = kvOfBlock(i)
 	}
+	// The forward pass above wrote the blocks: mark_computed, so the
+	// removal keeps them cached for the flush to demote.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 	ids := cInt64s([]int64{id})
 	defer ids.free()
 	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)

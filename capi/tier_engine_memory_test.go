@@ -35,6 +35,8 @@ func TestTierABIEngineMemory(t *testing.T) {
 		t.Fatalf("admit: %d, %s", n, lastError())
 	}
 	stepFlush(t, h)
+	// The step's forward pass ran: the removal keeps the blocks cached.
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
 	ids := cInt64s([]int64{1})
 	defer ids.free()
 	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)

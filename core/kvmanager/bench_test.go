@@ -169,6 +169,10 @@ func benchAdmit(b *testing.B, bs int, mode string, prompt []int32, cached, round
 				if _, err := m.Admit([]int64{-1}, one(prompt[:cached+1]), nil); err != nil {
 					b.Fatal(err)
 				}
+				// Its step's forward pass: the system prompt's blocks are
+				// computed, so they stay cached after the removal and
+				// Pin covers them (computed.go).
+				m.MarkComputed()
 				must(b, m.Remove([]int64{-1}))
 				if _, _, err := m.Pin(prompt[:cached], nil); err != nil {
 					b.Fatal(err)
@@ -179,6 +183,10 @@ func benchAdmit(b *testing.B, bs int, mode string, prompt []int32, cached, round
 			hits := 0
 			endRound := func() {
 				b.StopTimer()
+				// The round's forward passes: its blocks stay cached after
+				// the removal, so full-pool fills the pool with cached
+				// blocks (computed.go).
+				m.MarkComputed()
 				must(b, m.Remove(ids))
 				ids = ids[:0]
 				if mode == "fresh-pool" {

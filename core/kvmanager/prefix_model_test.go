@@ -425,6 +425,10 @@ func runPrefixModel(t *testing.T, bs, numBlocks, vocab int, seed uint64, steps i
 				nextID++
 			}
 			md.admit(ids, ps, ks)
+			// The step's forward pass: the model keeps every removed
+			// sequence's blocks cached, so each admission or grow is
+			// followed by MarkComputed before any removal (computed.go).
+			md.m.MarkComputed()
 		case op < 11 && len(md.seqs) > 0: // decode or extend, with tokens
 			ids := live()[:r.IntN(min(len(md.seqs), 4))+1]
 			counts := make([]int32, len(ids))
@@ -434,9 +438,11 @@ func runPrefixModel(t *testing.T, bs, numBlocks, vocab int, seed uint64, steps i
 				tokens[i] = toks(int(counts[i]))
 			}
 			md.growBatch(ids, counts, tokens)
+			md.m.MarkComputed() // the step's forward pass, as after admit
 		case op < 12 && len(md.seqs) > 0: // grow without tokens
 			ids := live()[:1]
 			md.growBatch(ids, []int32{int32(r.IntN(bs) + 1)}, nil)
+			md.m.MarkComputed() // the step's forward pass, as after admit
 		case op < 13 && len(md.seqs) > 0:
 			children := []int64{nextID, nextID + 1}[:r.IntN(2)+1]
 			nextID += 2

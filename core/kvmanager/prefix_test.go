@@ -102,6 +102,7 @@ func TestRemoveKeepsBlocksCachedAndEvictionFreesThem(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	p := seqTokens(r, 6*bs+1) // 7 blocks, 6 full
 	admit(t, m, 1, p, nil)
+	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal
 	must(t, m.Remove([]int64{1}))
 	check(t, m)
 	st := m.Stats()
@@ -219,6 +220,7 @@ func TestForkLocksSharedCachedBlocks(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
 	p := seqTokens(r, 2*bs+2)
 	admit(t, m, 1, p, nil)
+	m.MarkComputed() // the prefill's forward pass, before the fork
 	copies := make([]CopyPair, 2)
 	n, err := m.Fork(1, []int64{2, 3}, copies)
 	if err != nil || n != 2 {
@@ -231,6 +233,7 @@ func TestForkLocksSharedCachedBlocks(t *testing.T) {
 	if got := m.PrefixStats().CachedBlocks; got != 4 {
 		t.Fatalf("cached %d, want 4 (2 shared + one per child)", got)
 	}
+	m.MarkComputed() // the children's step: their third blocks stay cached after the removal
 	must(t, m.Remove([]int64{1, 2, 3}))
 	check(t, m)
 	if st := m.Stats(); st.CachedBlocks != 4 || st.UsedBlocks != 0 {
@@ -244,6 +247,7 @@ func TestClearPrefixCache(t *testing.T) {
 	r := rand.New(rand.NewPCG(13, 14))
 	p := seqTokens(r, 3*bs+1)
 	admit(t, m, 1, p, nil)
+	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal, and Pin covers them
 	if _, err := m.ClearPrefixCache(); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Fatalf("clear with a live sequence holding cached blocks: %v", err)
 	}
@@ -276,6 +280,7 @@ func TestPinnedPrefixSurvivesPressure(t *testing.T) {
 	r := rand.New(rand.NewPCG(15, 16))
 	sys := seqTokens(r, 2*bs)
 	admit(t, m, 1, append(slices.Clone(sys), 5), nil)
+	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal, and Pin covers them
 	must(t, m.Remove([]int64{1}))
 	if _, n, err := m.Pin(sys, nil); err != nil || n != 2 {
 		t.Fatalf("pin: %d, %v", n, err)
@@ -298,6 +303,7 @@ func TestPriorityOrdersEviction(t *testing.T) {
 	hi, lo := seqTokens(r, 2*bs), seqTokens(r, 2*bs)
 	admit(t, m, 1, append(slices.Clone(hi), 1), nil)
 	admit(t, m, 2, append(slices.Clone(lo), 1), nil)
+	m.MarkComputed() // the step's forward pass: both prefixes stay cached after the removal
 	must(t, m.Remove([]int64{1, 2}))
 	// hi was used first, so LRU would evict it; its priority keeps it.
 	if n, err := m.SetPriority(hi, nil, 5); err != nil || n != 2 {
@@ -374,6 +380,10 @@ func TestDrainEventsRespectsLimits(t *testing.T) {
 	r := rand.New(rand.NewPCG(19, 20))
 	p := seqTokens(r, 5*bs+1)
 	admit(t, m, 1, p, nil)
+	// The step's forward pass: without it the removal would drop the 5
+	// blocks (one BlockRemoved of 5 hashes, split 3 + 2, which happens to
+	// give the same kinds) instead of leaving them for the eviction below.
+	m.MarkComputed()
 	must(t, m.Remove([]int64{1}))
 	admit(t, m, 2, seqTokens(r, 15*bs), nil) // evicts 4 of the 5 cached blocks
 	replay := prefix.NewEventIndex()

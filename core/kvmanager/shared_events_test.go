@@ -28,13 +28,15 @@ func newSharedEventsMgr(t testing.TB, addr string, numBlocks, bs, slots, ahead i
 }
 
 // storeKeyed has a fresh manager (no events) admit conv under keys, run
-// its step (a flush: the forward pass writes the blocks), demote its
-// blocks and store them in the shared tier at addr.
+// its step (a flush, then the forward pass writes the blocks and
+// MarkComputed), demote its blocks and store them in the shared tier at
+// addr.
 func storeKeyed(t *testing.T, addr string, bs int, conv []int32, keys *prefix.Keys) {
 	t.Helper()
 	m, g := newSharedMgr(t, addr, 8, bs, 16, 8, func(c *SharedTier) { c.OpTimeout = 2 * time.Second })
 	admit(t, m, 1, conv, keys)
 	flushAndComplete(t, m, g, false)
+	m.MarkComputed() // the forward pass ran: the blocks stay cached after the removal
 	must(t, m.Remove([]int64{1}))
 	flushAndComplete(t, m, g, false)
 	must(t, m.Close())
@@ -160,6 +162,7 @@ func TestSharedTierEventsFetchEvicts(t *testing.T) {
 	own := seqTokens(r, 2*bs+1)
 	admit(t, b, 1, own, nil)
 	flushAndComplete(t, b, g, false)
+	b.MarkComputed() // the step's forward pass ran: the blocks stay cached after the removal
 	must(t, b.Remove([]int64{1}))
 	flushAndComplete(t, b, g, false)
 	waitStored(t, b)

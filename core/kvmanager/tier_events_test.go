@@ -75,11 +75,13 @@ func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	keys := &prefix.Keys{Adapter: 5, MM: []prefix.MMItem{{Offset: 1, Length: 6, Hash: prefix.Hash{9}}}}
 	a := seqTokens(r, 3*bs+1)
 	admit(t, m, 1, a, keys)
-	// The step (its flush, nothing to copy, then its forward pass): a
-	// block allocated since the last flush is never demoted.
+	// The step (its flush, nothing to copy, then its forward pass and
+	// MarkComputed): a block allocated since the last flush is never
+	// demoted, and one removed before MarkComputed leaves the cache.
 	if flushAndComplete(t, m, g, false) != nil {
 		t.Fatal("the step's flush demoted blocks")
 	}
+	m.MarkComputed()
 	must(t, m.Remove([]int64{1}))
 	stored := drainAll(t, m)
 	chainA := wholeChain(t, a, bs, keys)
@@ -117,6 +119,7 @@ func TestTierEventsDemoteCommitEvict(t *testing.T) {
 	b := seqTokens(r, 2*bs+1)
 	admit(t, m, 2, b, nil)
 	flushAndComplete(t, m, g, false) // the step
+	m.MarkComputed()                 // its forward pass ran
 	must(t, m.Remove([]int64{2}))
 	drainAll(t, m)
 	tk, _, err = m.FlushCopies()
@@ -161,6 +164,7 @@ func TestTierEventsClearReannouncesHost(t *testing.T) {
 	a := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, a, nil)
 	flushAndComplete(t, m, g, false) // the step: nothing to copy
+	m.MarkComputed()                 // its forward pass ran: A's blocks stay cached after the removal
 	must(t, m.Remove([]int64{1}))
 	flushAndComplete(t, m, g, false) // demotes A's last two blocks: free and demoting reach 6
 	truth := prefix.NewEventIndex()
@@ -196,6 +200,11 @@ func TestTierEventsOverflowSnapshot(t *testing.T) {
 	for i := range 40 {
 		p := seqTokens(r, 3*bs+1)
 		admit(t, m, int64(i+1), p, nil)
+		// The step's forward pass: the removed sequence's blocks stay
+		// cached and later flushes demote them, so the snapshot has host
+		// blocks to rebuild (without it every block is dropped at the
+		// removal and the host tier stays empty).
+		m.MarkComputed()
 		must(t, m.Remove([]int64{int64(i + 1)}))
 		flushAndComplete(t, m, g, false)
 	}
@@ -204,6 +213,9 @@ func TestTierEventsOverflowSnapshot(t *testing.T) {
 		t.Fatalf("the queue never overflowed: %+v", st)
 	}
 	resident := m.TierStats().Host.Resident
+	if resident == 0 {
+		t.Fatalf("the host tier holds no block: the snapshot rebuilds only the GPU's")
+	}
 	if st.PendingEvents != 1+st.CachedBlocks+resident {
 		t.Fatalf("pending %d, want 1 + %d cached + %d host", st.PendingEvents, st.CachedBlocks, resident)
 	}
@@ -313,6 +325,11 @@ func tierEventsModel(t *testing.T, addr string) {
 					convs[c] = p
 					live = append(live, id)
 				}
+				// The admission's forward pass: MarkComputed before any
+				// removal, so removed sequences' blocks stay cached and
+				// reach the host tier as the workload expects
+				// (computed.go).
+				m.MarkComputed()
 			case op < 6 && len(live) > 0:
 				k := r.IntN(len(live))
 				must(t, m.Remove(live[k:k+1]))

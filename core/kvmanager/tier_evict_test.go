@@ -34,17 +34,20 @@ func evictConv(seed uint64, bs int) []int32 {
 }
 
 // cacheComputed admits conv as sequence id, writes its K/V, runs the
-// admission's step and removes the sequence; it returns the GPU blocks of
-// conv's full blocks, now cached with their K/V written. The step comes
-// before the removal because FlushCopies never demotes a block allocated
-// since the previous flush (its K/V is not written yet): without it an
-// eviction would drop the blocks rather than demote them.
+// admission's step (MarkComputed included) and removes the sequence; it
+// returns the GPU blocks of conv's full blocks, now cached with their K/V
+// written. The step comes before the removal because FlushCopies never
+// demotes a block allocated since the previous flush (its K/V is not
+// written yet), and Remove drops from the cache the blocks filled since
+// the last MarkComputed (computed.go): without it the blocks would be
+// dropped rather than demoted.
 func cacheComputed(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) []int32 {
 	t.Helper()
 	admit(t, m, id, conv, nil)
 	g.compute(t, m, id, conv)
 	_, _, err := m.FlushCopies() // the admission's step
 	must(t, err)
+	m.MarkComputed() // the step's forward pass ran
 	cached := blocksOf(t, m, id, len(conv)/m.BlockSize()+1)[:len(conv)/m.BlockSize()]
 	must(t, m.Remove([]int64{id}))
 	return cached
@@ -182,14 +185,26 @@ func TestTierDemoteEvictedFailuresAndSkips(t *testing.T) {
 		}
 	}
 
-	// Allocated, cached, removed and evicted within one step: dropped.
+	// Allocated, cached and removed within one step, before its forward
+	// pass: dropped. No MarkComputed on purpose, the point is a removal
+	// before the forward pass. Before the computed K/V contract the blocks
+	// stayed cached until the allocation evicted them undemoted
+	// (EvictedUndemoted 4); now Remove drops them from the cache at once
+	// (computed.go): they are free, the allocation evicts nothing, and
+	// nothing is demoted either way.
 	m, _ := newEvictMgr(t, 8, bs, 16, 0, false)
 	conv := evictConv(7, bs)
 	admit(t, m, 1, conv, nil) // no step before the removal: no flush saw the blocks
 	must(t, m.Remove([]int64{1}))
+	if st, ps := m.Stats(), m.PrefixStats(); st.CachedBlocks != 0 || st.FreeBlocks != 8 || ps.CachedBlocks != 0 || ps.DroppedPending != 4 {
+		t.Fatalf("fresh blocks after the removal: %+v %+v", st, ps)
+	}
 	evictCached(t, m, 2)
-	if ts := m.TierStats(); ts.EvictedUndemoted != 4 || ts.InFlight != 0 {
+	if ts := m.TierStats(); ts.EvictedUndemoted != 0 || ts.InFlight != 0 || ts.DemotionsQueued != 0 {
 		t.Fatalf("fresh blocks: %+v", ts)
+	}
+	if ps := m.PrefixStats(); ps.Evictions != 0 {
+		t.Fatalf("fresh blocks: the allocation evicted %d blocks, want 0", ps.Evictions)
 	}
 	if tk, n, err := m.FlushCopies(); tk != 0 || n != 0 || err != nil {
 		t.Fatalf("fresh blocks: a batch %d %d %v", tk, n, err)
@@ -305,6 +320,12 @@ func TestTierDemoteEvictedRandomModel(t *testing.T) {
 				}
 				convs[c] = p
 				live[id] = p
+				// The forward pass of the admission is enqueued (its
+				// writes land at the step, after the step's copies):
+				// MarkComputed before any removal, so a removed
+				// sequence's blocks stay cached as the model expects
+				// (computed.go).
+				m.MarkComputed()
 			case op < 5 && len(live) > 0:
 				ids := slices.Sorted(func(yield func(int64) bool) {
 					for k := range live {

@@ -70,11 +70,13 @@ func (g *fakeGPU) compute(t testing.TB, m *Manager, id int64, toks []int32) {
 
 // step models the engine's step after admissions: its FlushCopies
 // (completed at once when it hands out a batch), then its forward pass,
-// which writes the K/V of sequence id's full blocks (compute).
+// which writes the K/V of sequence id's full blocks (compute), then
+// MarkComputed, the engine's word that the forward pass ran.
 // FlushCopies never demotes a block allocated since the previous flush
-// (its K/V is not written yet), so a test that demotes the blocks of a
-// sequence it admitted and removed runs the step in between, as an
-// engine would.
+// (its K/V is not written yet), and Remove drops from the cache the
+// blocks filled since the last MarkComputed (computed.go), so a test that
+// demotes the blocks of a sequence it admitted and removed runs the step
+// in between, as an engine would.
 func (g *fakeGPU) step(t testing.TB, m *Manager, id int64, toks []int32) {
 	t.Helper()
 	tk, _, err := m.FlushCopies()
@@ -83,6 +85,7 @@ func (g *fakeGPU) step(t testing.TB, m *Manager, id int64, toks []int32) {
 		must(t, m.CompleteCopies(tk, false))
 	}
 	g.compute(t, m, id, toks)
+	m.MarkComputed()
 }
 
 func newTierMgr(t testing.TB, numBlocks, bs, slots, ahead int) (*Manager, *fakeGPU) {
@@ -545,6 +548,11 @@ func TestTierRandomModel(t *testing.T) {
 				for j := int(matched[0]) / bs; j < len(chain); j++ {
 					g.mem[tbl[j]] = kvOf(chain[j])
 				}
+				// The K/V writes above are the admission's forward pass:
+				// MarkComputed before any removal, so a removed
+				// sequence's blocks stay cached as the model expects
+				// (computed.go).
+				m.MarkComputed()
 				convs[c] = p
 				live[id] = p
 			case op < 6 && len(live) > 0: // a sequence finishes
@@ -653,6 +661,9 @@ func TestTierConcurrentCompletion(t *testing.T) {
 			t.Fatal(err)
 		} else if n == 1 {
 			convs[c] = p
+			// The step's forward pass, before the sequence finishes: its
+			// blocks stay cached and are demoted (computed.go).
+			m.MarkComputed()
 			must(t, m.Remove([]int64{id}))
 		}
 		tk, _, err := m.FlushCopies()
@@ -684,11 +695,13 @@ func TestTierFlushCopiesTo(t *testing.T) {
 	r := rand.New(rand.NewPCG(7, 23))
 	conv := seqTokens(r, 4*bs+1)
 	admit(t, m, 1, conv, nil)
-	// The step: its flush (nothing to copy), then its forward pass.
+	// The step: its flush (nothing to copy), then its forward pass and
+	// MarkComputed, so the blocks stay cached after the removal.
 	if tk, _, _, _, _, err := m.FlushCopiesTo(make([]DemoteOp, 6), nil); err != nil || tk != 0 {
 		t.Fatalf("the step's flush: ticket %d, %v", tk, err)
 	}
 	g.compute(t, m, 1, conv)
+	m.MarkComputed()
 	tbl := blocksOf(t, m, 1, 8)
 	must(t, m.Remove([]int64{1}))
 	_, _, err = m.FlushCopies()
@@ -716,23 +729,32 @@ func TestTierFlushCopiesTo(t *testing.T) {
 	must(t, m.CheckInvariants())
 }
 
-// Without DemoteEvicted too, FlushCopies never demotes a block allocated
-// since the previous flush: cached at admission, its sequence removed
-// before the step's forward pass, it holds no K/V, and the host tier
-// would serve whatever it held. It is evicted without demotion; a block
-// allocated before the previous flush is demoted.
+// A block cached at admission whose sequence is removed before the
+// step's forward pass holds no K/V, and the host tier would serve
+// whatever it held: it is never demoted. Under the computed K/V contract
+// (computed.go) such a block leaves the cache at the removal itself, as
+// no MarkComputed came after its admission: it is free at once, and the
+// flush neither demotes it nor evicts it. A block computed before
+// (its step ran, MarkComputed included) stays cached and is demoted.
+// (Without DemoteEvicted; FlushCopies also never demotes a block
+// allocated since the previous flush.)
 func TestTierFlushSkipsUnwrittenBlocks(t *testing.T) {
 	const bs = 4
 	m, g := newTierMgr(t, 8, bs, 16, 8)
 	r := rand.New(rand.NewPCG(8, 23))
 	a := seqTokens(r, 2*bs+1)
 	admit(t, m, 1, a, nil)
-	g.step(t, m, 1, a) // A's blocks are written
+	g.step(t, m, 1, a) // A's blocks are written, and marked computed
 	b := seqTokens(r, 2*bs+1)
 	admit(t, m, 2, b, nil)
-	must(t, m.Remove([]int64{1, 2})) // B's before its step
-	if st := m.Stats(); st.CachedBlocks != 4 {
-		t.Fatalf("after remove: %+v", st)
+	// B's before its step: no MarkComputed on purpose, the point of the
+	// test is a removal before the forward pass.
+	must(t, m.Remove([]int64{1, 2}))
+	// Before the contract B's 2 blocks stayed cached until the flush
+	// evicted them undemoted (4 cached). Now Remove drops them: only A's 2
+	// stay cached, and B's 2 are free with A's and B's partial blocks.
+	if st, ps := m.Stats(), m.PrefixStats(); st.CachedBlocks != 2 || st.FreeBlocks != 6 || ps.CachedBlocks != 2 || ps.DroppedPending != 2 {
+		t.Fatalf("after remove: %+v %+v", st, ps)
 	}
 	tk, n, err := m.FlushCopies()
 	must(t, err)
