@@ -60,6 +60,7 @@ def test_removed_sequences_stay_cached_until_evicted():
     with kvplug.Manager(8, BS, prefix_cache=True) as m:
         p = rand_tokens(rng, 6 * BS + 1)
         m.admit([1], [p])
+        m.mark_computed()  # the step's forward pass ran
         m.remove([1])
         st = m.stats()
         assert (st.cached_blocks, st.free_blocks) == (6, 2)
@@ -91,6 +92,9 @@ def test_pins_priorities_and_clear(cm):
     rng = np.random.default_rng(5)
     system = rand_tokens(rng, 2 * BS)
     cm.admit([1], [np.concatenate([system, [1]])])
+    with pytest.raises(kvplug.NotFoundError):
+        cm.pin(system)  # no forward pass has computed the blocks yet
+    cm.mark_computed()
     pin, n = cm.pin(system)
     assert n == 2
     assert cm.set_priority(system, 10) == 2
@@ -133,6 +137,9 @@ def test_events_replay_to_the_cached_set(cm):
         n = cm.admit([sid], [np.concatenate([np.arange(8, dtype=np.int32), rand_tokens(rng, int(rng.integers(1, 12)))])])
         if n.size:
             live.append(sid)
+            if i % 5 == 0:  # aborted before its forward pass: its blocks leave the cache
+                cm.remove([live.pop()])
+        cm.mark_computed()  # the step's forward pass
         if len(live) > 3 or not n.size:
             cm.remove([live.pop(0)])
         while True:
@@ -143,7 +150,32 @@ def test_events_replay_to_the_cached_set(cm):
             assert (len(cached), cm.prefix_stats().pending_events) != before
     assert len(cached) == cm.prefix_stats().cached_blocks
     assert cm.prefix_stats().evictions > 0
+    assert cm.prefix_stats().dropped_uncomputed > 0
     cm.check()
+
+
+def test_removed_before_its_forward_pass_matches_nothing():
+    # The computed-K/V contract: a request admitted and removed before its
+    # forward pass (preempted, aborted) leaves nothing a later prompt
+    # matches; one admitted later in the same step that shares the filler's
+    # blocks makes the filler's removal an InUseError; after mark_computed
+    # the blocks stay cached.
+    m = kvplug.Manager(64, 16, prefix_cache=True)
+    P = list(range(100, 180))
+    assert m.admit([1], [P]).tolist() == [0]
+    m.remove([1])
+    assert m.admit([2], [P]).tolist() == [0]
+    assert m.admit([3], [P]).tolist() == [64]  # same step: shares 2's blocks
+    with pytest.raises(kvplug.InUseError, match="sequence 3"):
+        m.remove([2])
+    st = m.prefix_stats()
+    assert (st.uncomputed_blocks, st.dropped_uncomputed) == (5, 5)
+    m.mark_computed()
+    m.remove([2, 3])
+    assert m.admit([4], [P]).tolist() == [64]
+    assert issubclass(kvplug.InUseError, kvplug.KvplugError)
+    m.check()
+    m.close()
 
 
 def test_stored_event_hashes_follow_hash_md(cm):

@@ -46,6 +46,7 @@ def test_demotion_and_reload(tm):
     table = tm.describe([1]).block_table[0]
     for i in range(4):
         gpu[table[i]] = kv_of(i)
+    tm.mark_computed()  # the forward pass ran: its blocks are computed
     tm.remove([1])
 
     batch = run_copies(tm, gpu)
@@ -72,6 +73,7 @@ def test_copies_in_flight_hold_their_blocks(tm):
     conv = np.arange(17, dtype=np.int32)
     tm.admit([1], [conv])
     assert tm.flush_copies().ticket == 0  # the step (see test_demotion_and_reload)
+    tm.mark_computed()
     tm.remove([1])
     batch = tm.flush_copies()
     assert len(batch.demote_blocks) == 4
@@ -108,6 +110,7 @@ def test_flush_grows_its_arrays_past_demote_ahead():
         conv = np.arange(101, dtype=np.int32)
         m.admit([1], [conv])
         assert m.flush_copies().ticket == 0  # the step (see test_demotion_and_reload)
+        m.mark_computed()
         m.remove([1])
         b = m.flush_copies()
         assert len(b.demote_blocks) == 101  # token mode: every token is a full block
@@ -128,6 +131,7 @@ def test_kv_events_carry_the_medium():
         a = np.arange(100, 109, dtype=np.int32)  # two full blocks and one token
         m.admit([1], [a])
         assert run_copies(m, gpu).ticket == 0  # the step (see test_demotion_and_reload)
+        m.mark_computed()
         m.remove([1])
         stored = m.drain_events()
         assert [(e.kind, e.medium) for e in stored] == [("stored", "GPU")] * 2
@@ -140,6 +144,7 @@ def test_kv_events_carry_the_medium():
         b = np.arange(200, 209, dtype=np.int32)  # two more blocks: one host slot left, the LRU goes
         m.admit([2], [b])
         assert run_copies(m, gpu).ticket == 0  # the step
+        m.mark_computed()
         m.remove([2])
         m.drain_events()
         run_copies(m, gpu)
@@ -167,6 +172,7 @@ def test_demote_evicted_demotes_what_allocations_evict():
         old = m.describe([1]).block_table[0][:4].copy()
         for i in range(4):
             gpu[old[i]] = kv_of(i)  # the step's forward pass
+        m.mark_computed()
         m.remove([1])
 
         other = np.arange(500, 500 + BLOCKS * BS, dtype=np.int32)  # needs every block: evicts the 4 cached
@@ -183,6 +189,7 @@ def test_demote_evicted_demotes_what_allocations_evict():
         assert m.stats().used_blocks == BLOCKS  # completion frees nothing on the GPU
         m.check()
 
+        m.mark_computed()
         m.remove([2])
         assert m.match_tiers([conv]) == [kvplug.TierMatch(0, 16)]
         assert m.admit([3], [conv]).tolist() == [16]
@@ -211,6 +218,7 @@ def test_engine_memory():
     table = m.describe([1]).block_table[0]
     for i in range(4):
         gpu[table[i]] = kv_of(i)
+    m.mark_computed()
     m.remove([1])
     batch = run_copies(m, gpu)
     assert len(batch.demote_blocks) == 4

@@ -56,6 +56,7 @@ ENGINE = textwrap.dedent(
             table = m.describe([1]).block_table[0]
             for i in range(4):
                 gpu[table[i]] = kv_of(i)  # the engine computes the prompt's K/V
+            m.mark_computed()
             m.remove([1])
             out["demoted"] = len(run_copies(m).demote_blocks)  # completes: stores queued
         else:
