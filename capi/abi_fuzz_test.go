@@ -486,11 +486,15 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	switch op {
 	case 0:
 		return "kvp_manager_add", rawManagerAdd(fz.handle(true), fz.id(), fz.i32())
-	case 1, 2:
+	case 1:
 		n := fz.small(5)
 		ids := fz.array(n, 8, fz.id)
 		counts := fz.array(n, 4, fz.mostlySmall(12))
 		return "kvp_manager_grow", rawManagerGrow(fz.handle(true), ids, counts, fz.count(n))
+	case 2:
+		// The step's forward pass: removals before it drop the blocks
+		// the step filled, after it keep them.
+		return "kvp_manager_mark_computed", rawManagerMarkComputed(fz.handle(true))
 	case 3:
 		n := fz.small(5)
 		ids := fz.array(n, 8, fz.id)
@@ -1403,7 +1407,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		fz.close()
 		seen[name] = true
 	}
-	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove",
+	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove", "kvp_manager_mark_computed",
 		"kvp_manager_describe", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
 		"kvp_manager_pin", "kvp_manager_unpin", "kvp_manager_set_priority", "kvp_manager_prefix_stats_reset",
 		"kvp_manager_clear_prefix_cache", "kvp_manager_drain_events", "kvp_manager_next_event_size", "kvp_manager_add_mm_items",
