@@ -1,9 +1,10 @@
 package attn
 
 // The GPU test that needs the launchers' internals; the kernels' results
-// are tested against the oracle in core/attn/attnref. It skips on machines
-// without a CUDA driver and device; run it on a GPU machine with
-//   go test -c -o .device/attn.test ./core/attn && .device/attn.test -test.run GPU -test.v
+// are tested against the oracle in core/attn/attnref. It skips only on
+// machines with no NVIDIA device (internal/gputest); run it on a GPU machine
+// with
+//   go test -c -o .device/attn.test ./core/attn && KVPLUG_REQUIRE_GPU=1 .device/attn.test -test.run GPU -test.v
 
 import (
 	"runtime"
@@ -11,16 +12,12 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/internal/gputest"
 )
 
 func needGPU(t testing.TB) {
 	t.Helper()
-	if err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver: %v", err)
-	}
-	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
-		t.Skipf("no CUDA device (%v)", err)
-	}
+	gputest.Need(t)
 	if err := Prepare(); err != nil {
 		t.Fatalf("loading the kernels: %v", err)
 	}

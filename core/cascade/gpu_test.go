@@ -3,9 +3,10 @@ package cascade
 // GPU tests: the cascade kernels over plans of random sharing trees, against
 // the float64 reference of the same plan, outputs and partial states
 // poisoned with NaN first, and inside a captured CUDA graph across steps
-// that grow every sequence. They skip on machines without a CUDA driver and
-// device; run them on a GPU machine with
-//   go test -c -o .device/cascade.test ./core/cascade && .device/cascade.test -test.run GPU -test.v
+// that grow every sequence. They skip only on machines with no NVIDIA
+// device and fail on any other CUDA error (internal/gputest); run them on a
+// GPU machine with
+//   go test -c -o .device/cascade.test ./core/cascade && KVPLUG_REQUIRE_GPU=1 .device/cascade.test -test.run GPU -test.v
 // (the prefill tests alone: -test.run GPUCascadePrefill).
 
 import (
@@ -19,16 +20,12 @@ import (
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/internal/gputest"
 )
 
 func needGPU(t testing.TB) {
 	t.Helper()
-	if err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver: %v", err)
-	}
-	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
-		t.Skipf("no CUDA device (%v)", err)
-	}
+	gputest.Need(t)
 	if err := attn.Prepare(); err != nil {
 		t.Fatalf("loading the kernels: %v", err)
 	}

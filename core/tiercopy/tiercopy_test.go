@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/gputest"
 )
 
 func goodLayers() Layers {
@@ -73,24 +74,15 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-func needGPU(t *testing.T) {
-	t.Helper()
-	if err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver: %v", err)
-	}
-	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
-		t.Skipf("no CUDA device (%v)", err)
-	}
-}
-
 // TestGPURoundTrip demotes random blocks of every layer's K and V into host
 // slots, checks the slot bytes against the caches, poisons the caches and
 // reloads the slots into other blocks, then checks those blocks. 1203 ops
-// take three launches. Run on a GPU machine with
+// take three launches. It skips only where there is no NVIDIA device
+// (internal/gputest). Run on a GPU machine with
 //
-//	go test -c -o .device/tiercopy.test ./core/tiercopy && .device/tiercopy.test -test.run GPU -test.v
+//	go test -c -o .device/tiercopy.test ./core/tiercopy && KVPLUG_REQUIRE_GPU=1 .device/tiercopy.test -test.run GPU -test.v
 func TestGPURoundTrip(t *testing.T) {
-	needGPU(t)
+	gputest.Need(t)
 	for _, tc := range []struct {
 		name          string
 		layers, chunk int

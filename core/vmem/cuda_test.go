@@ -6,18 +6,19 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/gputest"
 )
 
-// GPU tests: they skip on machines without a CUDA driver or device. Build
-// with `go test -c -o .device/vmem.test ./core/vmem` and run with
-// `-test.run CUDA -test.v` on the GPU machine.
+// GPU tests: they skip only on machines with no NVIDIA device and fail on
+// any other CUDA error (internal/gputest). Build with
+// `go test -c -o .device/vmem.test ./core/vmem` and run with
+// `KVPLUG_REQUIRE_GPU=1 .device/vmem.test -test.run CUDA -test.v` on the GPU
+// machine.
 
 func newCUDADriver(t *testing.T) *CUDA {
 	t.Helper()
+	gputest.Need(t)
 	d, err := NewCUDA(0)
-	if kverr.Is(err, kverr.NoDevice) {
-		t.Skipf("no CUDA device: %v", err)
-	}
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,16 +9,17 @@ each sequence's logical K and V. Run on a GPU machine with the library built:
     KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
         python3 -m pytest -q tests/gpu/test_cascade_torch.py
 
-Skips when torch or a CUDA device is absent.
+Skips only on a machine with no NVIDIA device, and fails under
+KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
 import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+from gputest import cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+
+torch = cuda_torch()
 
 import kvplug  # noqa: E402
 from kvplug import attn, cascade  # noqa: E402

@@ -13,7 +13,9 @@ layers, size, heads, dim], described per page as SGLang's
 get_page_buffer_meta does) and kvplug's host store.
 
 Each runs on the CPU, and on CUDA (device KV tensors, pinned host memory,
-copies on a side stream) where torch sees a GPU:
+copies on a side stream) wherever the machine has an NVIDIA device; a device
+torch cannot use fails the module, as does KVPLUG_REQUIRE_GPU=1 on a machine
+without one (tests/gpu/gputest.py):
 
     KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
         python3 -m pytest -q tests/gpu/test_engine_handlers.py
@@ -24,13 +26,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from gputest import cuda_usable, import_torch  # noqa: E402  (tests/gpu)
+
+torch = import_torch()
+CUDA = cuda_usable(torch)
 
 from kvplug.sglang import PageStore, _segments  # noqa: E402
 from kvplug.sharedstore import key128, keys128  # noqa: E402
 from kvplug.vllm import BlockCopier, plan_rows  # noqa: E402
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
 def vllm_kv(device, num_blocks=16, layers=3, block_size=4, heads=2, head_size=8, packed=False):
@@ -54,7 +59,7 @@ def host_rows(views, rows, pin):
     return [torch.zeros((rows, v.shape[1]), dtype=torch.int8, pin_memory=pin) for v in views]
 
 
-ENGINES = [("cpu", "torch")] + ([("cuda", "torch"), ("cuda", "kvplug")] if torch.cuda.is_available() else [])
+ENGINES = [("cpu", "torch")] + ([("cuda", "torch"), ("cuda", "kvplug")] if CUDA else [])
 
 
 @pytest.mark.parametrize("device,copy", ENGINES, ids=[f"{d}-{c}" for d, c in ENGINES])
@@ -151,7 +156,7 @@ def page_of(buf, layout, idx, page=4):
     return buf[:, idx:idx + page] if layout == "page_first" else buf[:, :, idx:idx + page]
 
 
-@pytest.mark.parametrize("pin", [False] + ([True] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("pin", [False] + ([True] if CUDA else []))
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_sglang_pages_through_the_host_store(layout, pin):
     buf, meta = sglang_host_pool(layout, pin=pin)

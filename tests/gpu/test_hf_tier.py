@@ -8,7 +8,8 @@ harness is tests/python/test_hf_tier.py's.
     KVPLUG_LIBRARY=build/libkvplug.so PYTHONPATH=bindings/python \\
         python3 -m pytest -q tests/gpu/test_hf_tier.py
 
-Skips without a CUDA device.
+Skips only on a machine with no NVIDIA device, and fails under
+KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
 import importlib.util
@@ -17,10 +18,9 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+from gputest import cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+torch = cuda_torch()
 
 import kvplug  # noqa: E402
 import kvplug.hf as kvhf  # noqa: E402

@@ -1,9 +1,10 @@
 package attnref
 
 // GPU tests: the kernels against the float64 CPU reference on fresh random
-// inputs, outputs poisoned with NaN first. They skip on machines without a
-// CUDA driver and device; run them on a GPU machine with
-//   go test -c -o .device/attnref.test ./core/attn/attnref && .device/attnref.test -test.run GPU -test.v
+// inputs, outputs poisoned with NaN first. They skip only on machines with
+// no NVIDIA device and fail on any other CUDA error (internal/gputest); run
+// them on a GPU machine with
+//   go test -c -o .device/attnref.test ./core/attn/attnref && KVPLUG_REQUIRE_GPU=1 .device/attnref.test -test.run GPU -test.v
 // They live beside the oracle rather than in core/attn, whose own tests
 // cannot import it (it imports core/attn).
 
@@ -18,16 +19,12 @@ import (
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
+	"github.com/kvplug/kvplug/internal/gputest"
 )
 
 func needGPU(t testing.TB) {
 	t.Helper()
-	if err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver: %v", err)
-	}
-	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
-		t.Skipf("no CUDA device (%v)", err)
-	}
+	gputest.Need(t)
 	if err := attn.Prepare(); err != nil {
 		t.Fatalf("loading the kernels: %v", err)
 	}

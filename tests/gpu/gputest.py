@@ -1,0 +1,105 @@
+"""Whether a GPU test runs, skips or fails: the Python side of internal/gputest.
+
+A test skips only on a machine with no NVIDIA device: no /dev/nvidiaN (nor
+WSL's /dev/dxg) and torch finding no CUDA device. Where a device node exists,
+torch failing to reach it (a broken or mismatched driver, a torch built
+without CUDA) fails the test, since a skip there would hide the breakage
+behind a green run. KVPLUG_REQUIRE_GPU=1, set on the GPU machine, turns every
+skip of a GPU test into a failure, so that such a run cannot pass without
+running them.
+
+    from gputest import cuda_torch
+    torch = cuda_torch()  # at module level: skips or fails the module
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, List, Optional, Tuple
+
+import pytest
+
+REQUIRE_ENV = "KVPLUG_REQUIRE_GPU"
+
+
+def required() -> bool:
+    return os.environ.get(REQUIRE_ENV) == "1"
+
+
+def device_nodes() -> List[str]:
+    """The device files a GPU is reached through. /dev/nvidiactl and
+    /dev/nvidia-uvm are left out: they exist wherever the kernel module is
+    loaded, GPU or not."""
+    nodes = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if os.path.exists("/dev/dxg"):
+        nodes.append("/dev/dxg")
+    return nodes
+
+
+def skip(reason: str, module: bool = False) -> None:
+    """Skips for a reason only a GPU test has (no device, a device of
+    another architecture), or fails under KVPLUG_REQUIRE_GPU=1."""
+    if required():
+        pytest.fail(f"{REQUIRE_ENV}=1, but this GPU test would skip: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=module)
+
+
+def probe(torch: Any) -> Tuple[Optional[str], bool]:
+    """(None, False) when torch can use a CUDA device; else why not, and
+    whether the reason is that the machine has no NVIDIA device."""
+    if torch.cuda.is_available():
+        return None, False
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is built without CUDA"
+    else:
+        try:
+            torch.cuda.init()
+            why = f"torch finds {torch.cuda.device_count()} CUDA devices"
+        except Exception as e:  # torch's own message says what failed
+            why = f"torch cannot initialise CUDA: {e}"
+    nodes = device_nodes()
+    if nodes:
+        return f"{', '.join(nodes)} exist, but {why}", False
+    return f"no NVIDIA device on this machine (no /dev/nvidiaN; {why})", True
+
+
+def import_torch() -> Any:
+    """torch; a machine with no device may lack it (the module is skipped),
+    one with a device must have it."""
+    try:
+        import torch
+    except ImportError as e:
+        nodes = device_nodes()
+        if nodes:
+            pytest.fail(f"{', '.join(nodes)} exist, but torch is not installed: {e}", pytrace=False)
+        skip(f"no NVIDIA device on this machine and torch is not installed: {e}", module=True)
+    return torch
+
+
+def cuda_usable(torch: Any) -> bool:
+    """True when torch can use a CUDA device, False on a machine with none
+    (for modules whose CPU cases run anyway); fails the caller on any other
+    CUDA error, and under KVPLUG_REQUIRE_GPU=1 when there is no device."""
+    reason, absent = probe(torch)
+    if reason is None:
+        return True
+    if absent and not required():
+        return False
+    if absent:
+        reason = f"{REQUIRE_ENV}=1, but {reason}"
+    pytest.fail(reason, pytrace=False)
+    return False  # unreachable: pytest.fail raises
+
+
+def cuda_torch() -> Any:
+    """torch, when it can use a CUDA device. Called at module level: skips
+    the module on a machine with no NVIDIA device, fails it otherwise."""
+    torch = import_torch()
+    reason, absent = probe(torch)
+    if reason is None:
+        return torch
+    if absent:
+        skip(reason, module=True)
+    pytest.fail(reason, pytrace=False)
+

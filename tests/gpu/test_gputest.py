@@ -1,0 +1,55 @@
+"""gputest's decisions, on stand-ins for torch and the device nodes: runs
+anywhere, no GPU needed."""
+
+import types
+
+import pytest
+import torch
+
+import gputest
+
+
+def fake_torch(available, cuda_version="13.0", init_error=None, count=0):
+    def init():
+        if init_error:
+            raise RuntimeError(init_error)
+
+    cuda = types.SimpleNamespace(is_available=lambda: available, init=init, device_count=lambda: count)
+    return types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda=cuda_version), __version__="2.11.0")
+
+
+@pytest.mark.parametrize("nodes,t,usable,absent", [
+    ([], fake_torch(False, init_error="Found no NVIDIA driver"), False, True),
+    ([], fake_torch(False), False, True),                               # a driver, no device
+    ([], fake_torch(False, cuda_version=None), False, True),            # CPU torch, no device
+    (["/dev/nvidia0"], fake_torch(False, init_error="CUDA driver version is insufficient"), False, False),
+    (["/dev/nvidia0"], fake_torch(False, cuda_version=None), False, False),  # CPU torch on a GPU machine
+    (["/dev/nvidia0"], fake_torch(True, count=1), True, False),
+])
+def test_probe(monkeypatch, nodes, t, usable, absent):
+    monkeypatch.setattr(gputest, "device_nodes", lambda: nodes)
+    reason, is_absent = gputest.probe(t)
+    assert (reason is None) == usable and is_absent == absent, reason
+
+
+def test_cuda_usable_skips_nothing_and_fails_when_broken_or_required(monkeypatch):
+    monkeypatch.delenv(gputest.REQUIRE_ENV, raising=False)
+    monkeypatch.setattr(gputest, "device_nodes", lambda: [])
+    assert gputest.cuda_usable(fake_torch(False)) is False
+    monkeypatch.setenv(gputest.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="KVPLUG_REQUIRE_GPU=1"):
+        gputest.cuda_usable(fake_torch(False))
+    monkeypatch.delenv(gputest.REQUIRE_ENV)
+    monkeypatch.setattr(gputest, "device_nodes", lambda: ["/dev/nvidia0"])
+    with pytest.raises(pytest.fail.Exception, match="/dev/nvidia0 exist"):
+        gputest.cuda_usable(fake_torch(False, init_error="CUDA_ERROR_SYSTEM_DRIVER_MISMATCH"))
+
+
+def test_skip_fails_when_required(monkeypatch):
+    monkeypatch.setenv(gputest.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="would skip: no Hopper"):
+        gputest.skip("no Hopper")
+    monkeypatch.setenv(gputest.REQUIRE_ENV, "0")
+    with pytest.raises(pytest.skip.Exception):
+        gputest.skip("no Hopper")
+
