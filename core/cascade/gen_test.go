@@ -3,12 +3,15 @@ package cascade
 import (
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
+// seed is the random source of one test, logged and replayable
+// (internal/testseed: KVPLUG_TEST_SEED).
 func seed(t testing.TB) *rand.Rand {
-	s := rand.Uint64()
-	t.Logf("seed %d", s)
-	return rand.New(rand.NewPCG(s, 11))
+	t.Helper()
+	return rand.New(rand.NewPCG(testseed.Seed(t), 11))
 }
 
 // batch is a decode batch's host arrays.

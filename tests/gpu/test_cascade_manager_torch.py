@@ -14,6 +14,7 @@ KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -90,7 +91,7 @@ def zeroed_workspaces(max_batch):
 ])
 @pytest.mark.parametrize("decode_route", [True, False])
 def test_manager_plan_equals_described_plan(dtype, bs, n_systems, seqs, forks, spare, decode_route):
-    rng = np.random.default_rng(hash((bs, n_systems, seqs)) & 0xFFFF)
+    rng = np.random.default_rng(zlib.crc32(f"{bs} {n_systems} {seqs}".encode()))  # a fixed seed per case
     m, ids = shared_manager(rng, bs, n_systems, seqs, forks)
     with m:
         d = m.describe(ids)

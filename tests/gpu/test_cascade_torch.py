@@ -14,6 +14,7 @@ KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
 import math
+import zlib
 
 import pytest
 
@@ -115,7 +116,8 @@ def run_case(gen, dtype, levels, tail_max, bs, qh=32, kvh=8, D=128, decode_route
     ([(64, 256)], 128, 16),            # forks of one prompt
 ])
 def test_cascade_matches_reference(dtype, levels, tail, bs):
-    gen = torch.Generator().manual_seed(hash((str(dtype), str(levels), bs)) & 0xFFFF)
+    # A fixed seed per case (crc32: str hashes change with every process).
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {levels} {bs}".encode()))
     plan = run_case(gen, dtype, levels, tail, bs)
     assert plan.route == cascade.ROUTE_CASCADE and plan.saved_tokens > 0
 
@@ -325,7 +327,7 @@ def run_prefill_case(gen, dtype, B, depth, max_run, tail_max, max_q, bs, qh, kvh
     (12, 2, 40, 300, 2, 256, 16, 2, 256),     # 1-2 tokens x group 8
 ])
 def test_cascade_prefill_matches_reference(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D):
-    gen = torch.Generator().manual_seed(hash((str(dtype), B, depth, bs, D)) & 0xFFFF)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {B} {depth} {bs} {D}".encode()))
     for _ in range(2):
         plan = run_prefill_case(gen, dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D)
         assert plan.route == cascade.ROUTE_CASCADE

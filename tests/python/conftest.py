@@ -4,12 +4,23 @@
 from __future__ import annotations
 
 import socket
+import sys
 from typing import Iterator, List, Tuple
 
 import numpy as np
 import pytest
 
 import kvplug
+
+
+@pytest.fixture(autouse=True)
+def _torch_seed() -> None:
+    """Tests that fill tensors from torch's global generator (those of the
+    argument checks and packing, whose values do not matter) draw the same
+    values on every run."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)
 
 
 @pytest.fixture

@@ -8,12 +8,14 @@ import (
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
+// seed is the random source of one test, logged and replayable
+// (internal/testseed: KVPLUG_TEST_SEED).
 func seed(t testing.TB) *rand.Rand {
-	s := rand.Uint64()
-	t.Logf("seed %d", s)
-	return rand.New(rand.NewPCG(s, 7))
+	t.Helper()
+	return rand.New(rand.NewPCG(testseed.Seed(t), 7))
 }
 
 // raggedLens gives batch lengths including 0, 1, block boundaries and a
