@@ -74,7 +74,8 @@ def test_lines_have_no_line_ending():
     lines = []
     kvplug.set_logger(lambda level, msg: lines.append(msg), kvplug.LOG_DEBUG)
     with kvplug.Manager(8, 4, prefix_cache=True) as m:
-        m.admit([1], [list(range(100))])  # does not fit: a debug line
+        m.add(9, 32)  # every block taken
+        m.admit([1], [list(range(10))])  # does not fit now: a debug line
     kvplug.set_logger(None)
     assert lines
     assert not [m for m in lines if m.endswith(("\n", "\r"))]
@@ -85,6 +86,7 @@ def test_calls_from_the_callback_fail_instead_of_deadlocking():
 
     seen = []
     with kvplug.Manager(4, 4, prefix_cache=True) as m:
+        m.add(9, 16)  # every block taken
 
         def reenter(level, msg):
             for call in (m.stats, m.check, lambda: kvplug.set_logger(None)):
@@ -97,7 +99,7 @@ def test_calls_from_the_callback_fail_instead_of_deadlocking():
         kvplug.set_logger(reenter, kvplug.LOG_DEBUG)
         result = []
         # admit logs "pool full" while it holds the manager's lock.
-        t = threading.Thread(target=lambda: result.append(m.admit([1], [list(range(100))])), daemon=True)
+        t = threading.Thread(target=lambda: result.append(m.admit([1], [list(range(8))])), daemon=True)
         t.start()
         t.join(30)
         assert not t.is_alive(), "admit deadlocked in its log callback"

@@ -236,3 +236,193 @@ def test_describe_into_refuses_a_three_dimensional_table():
     with two_sequences() as m:
         with pytest.raises(kvplug.InvalidArgumentError, match="block_table must be 2-D"):
             m.describe_into([1, 2], np.empty((2, 2, 4), np.int32), max_blocks=4)
+
+
+# ---- every error is a KvplugError, and the matching built-in ------------------------------
+
+
+def test_the_new_error_classes():
+    assert issubclass(kvplug.ArgumentTypeError, kvplug.InvalidArgumentError)
+    assert issubclass(kvplug.ArgumentTypeError, TypeError) and issubclass(kvplug.ArgumentTypeError, ValueError)
+    assert issubclass(kvplug.PromptTooLongError, kvplug.InvalidArgumentError)
+    # Not "not now": a scheduler that retries on OutOfBlocksError must not retry it.
+    assert not issubclass(kvplug.PromptTooLongError, kvplug.OutOfBlocksError)
+    assert _lib.error_for(kvplug.Status.IN_USE, "m").__class__ is kvplug.InUseError
+
+
+def bad_calls(m):
+    """(call, exception class, what its message must name)."""
+    return [
+        (lambda: m.admit([1], prompts=None), kvplug.ArgumentTypeError, "prompts"),
+        (lambda: m.admit(None, [[1, 2]]), kvplug.ArgumentTypeError, "seq_ids"),
+        (lambda: m.grow(None), kvplug.ArgumentTypeError, "seq_ids"),
+        (lambda: m.grow([1], None), kvplug.ArgumentTypeError, "num_tokens"),
+        (lambda: m.grow([1], np.array([1.0], np.float32)), kvplug.ArgumentTypeError, "num_tokens"),
+        (lambda: m.grow([1], torch.tensor(1.0)), kvplug.ArgumentTypeError, "num_tokens"),
+        (lambda: m.grow(torch.tensor([1], dtype=torch.bfloat16)), kvplug.ArgumentTypeError, "seq_ids"),
+        (lambda: m.grow_tokens([1], None), kvplug.ArgumentTypeError, "tokens"),
+        (lambda: m.remove("1"), kvplug.ArgumentTypeError, "seq_ids"),
+        (lambda: m.describe_into([1], np.empty((1, 8), np.int64)), kvplug.ArgumentTypeError, "block_table"),
+        (lambda: m.describe_into([1], np.empty((1, 16), np.int32)[:, ::2]), kvplug.InvalidArgumentError, "block_table"),
+        (lambda: m.describe_into([1], None, np.empty(1, np.int32).astype(np.int16)), kvplug.ArgumentTypeError, "seq_lens"),
+        (lambda: m.describe_into([1], None, None, torch.empty(4, dtype=torch.int64)), kvplug.ArgumentTypeError,
+         "slot_mapping"),
+        (lambda: m.admit([2], [[1, 2]], keys=5), kvplug.ArgumentTypeError, "keys"),
+        (lambda: m.match(None), kvplug.ArgumentTypeError, "prompts"),
+        (lambda: m.admit([2], [None]), kvplug.ArgumentTypeError, "prompt 0"),
+    ]
+
+
+def test_bad_arguments_raise_kvplug_errors_naming_them():
+    with kvplug.Manager(64, 16, prefix_cache=True) as m:
+        m.add(1, 5)
+        for i, (call, cls, name) in enumerate(bad_calls(m)):
+            with pytest.raises(cls) as e:
+                call()
+            assert isinstance(e.value, kvplug.KvplugError), i
+            assert name in str(e.value), (i, str(e.value))
+        assert m.stats().num_seqs == 1  # nothing was admitted or removed
+
+
+def test_other_bad_arguments_raise_kvplug_errors():
+    cases = [
+        (lambda: kvplug.Manager(8, 16, shared_tier=5), kvplug.ArgumentTypeError, "shared_tier"),
+        (lambda: kvplug.Manager(8, 16, shared_tier="a\x00b:1"), kvplug.InvalidArgumentError, "shared_tier"),
+        (lambda: VirtualKVCache(1, 1, 8, "float13", 1, 16, 1 << 20, backend="host"), kvplug.ArgumentTypeError, "dtype"),
+        (lambda: HostStore(4, 64).state(None), kvplug.ArgumentTypeError, "keys"),
+        (lambda: HostStore(4, 64).state([-1]), kvplug.InvalidArgumentError, "keys"),
+        (lambda: kvplug.set_logger(42), kvplug.ArgumentTypeError, "callback"),
+        (lambda: kvplug.as_ptr(None, None), kvplug.ArgumentTypeError, "numpy array"),
+    ]
+    for i, (call, cls, name) in enumerate(cases):
+        with pytest.raises(cls) as e:
+            call()
+        assert isinstance(e.value, kvplug.KvplugError) and name in str(e.value), (i, str(e.value))
+
+
+def test_torch_integer_scalars_and_arrays_are_taken_like_numpys():
+    with kvplug.Manager(64, 4) as a, kvplug.Manager(64, 4) as b:
+        a.add(np.int64(7), np.int64(5))
+        b.add(torch.tensor(7), torch.tensor(5))
+        a.grow([7], np.int64(3))
+        b.grow([7], torch.tensor(3))
+        a.grow(np.array([7], np.int32), np.array([2], np.int64))
+        b.grow(torch.tensor([7], dtype=torch.int32), torch.tensor([2]))  # int64 counts, int32 ids
+        a.grow([7], np.array(1))  # a 0-d array is one number
+        b.grow([7], torch.tensor(1, dtype=torch.int32))
+        assert a.describe([7]).seq_lens.tolist() == b.describe(torch.tensor([7])).seq_lens.tolist() == [11]
+        with pytest.raises(kvplug.InvalidArgumentError, match="num_tokens must be in"):
+            b.grow([7], torch.tensor(2**40))  # checked as numpy's would be, never wrapped
+        b.remove(torch.tensor([7], dtype=torch.int32))
+        assert b.stats().num_seqs == 0
+
+
+# ---- empty batches do nothing ------------------------------------------------------------------
+
+
+def test_empty_batches_do_nothing():
+    with kvplug.Manager(64, 16, prefix_cache=True) as m:
+        m.admit([1], [list(range(40))])
+        before = (m.stats(), m.describe([1]))
+        m.grow([])
+        m.grow([], 1)
+        m.grow(np.empty(0, np.int64), np.empty(0, np.int32))
+        m.grow_tokens([], [])
+        m.grow_tokens(np.empty(0, np.int64), np.empty(0, np.int32))
+        m.remove([])
+        assert m.admit([], []).tolist() == []
+        assert m.match([]) == []
+        d = m.describe([])
+        assert d.block_table.shape == (0, 1) and d.seq_lens.shape == (0,) and d.slot_mapping.shape == (0,)
+        assert m.describe([], 4).block_table.shape == (0, 4)
+        table, lens, slots = np.full((2, 4), 9, np.int32), np.full(2, 9, np.int32), np.full(2, 9, np.int32)
+        assert m.describe_into([], table, lens, slots) == 0
+        assert (table == 9).all() and (lens == 9).all() and (slots == 9).all()  # nothing written
+        after = (m.stats(), m.describe([1]))
+        assert before[0] == after[0]
+        assert before[1].block_table.tolist() == after[1].block_table.tolist()
+        # Counts or tokens for sequences that are not there are still refused.
+        with pytest.raises(kvplug.InvalidArgumentError, match="1 token counts for 0 sequences"):
+            m.grow([], [1])
+        with pytest.raises(kvplug.InvalidArgumentError, match="tokens for 0 sequences"):
+            m.grow_tokens([], [[5]])
+        with pytest.raises(kvplug.InvalidArgumentError, match="0 ids for 1 prompts"):
+            m.admit([], [[1]])
+    # A closed manager says so even for an empty batch.
+    for call in (lambda: m.grow([]), lambda: m.remove([]), lambda: m.describe([]), lambda: m.admit([], []),
+                 lambda: m.grow_tokens([], [])):
+        with pytest.raises(kvplug.InvalidHandleError, match="closed"):
+            call()
+
+
+def test_empty_match_tiers():
+    with tier_manager() as m:
+        assert m.match_tiers([]) == []
+
+
+# ---- a prompt that can never fit is not "not now" ------------------------------------------
+
+
+def test_admit_refuses_a_prompt_longer_than_the_pool():
+    with kvplug.Manager(8, 4, prefix_cache=True) as m:  # 32 tokens in all
+        with pytest.raises(kvplug.PromptTooLongError, match="sequence 5's prompt of 33 tokens needs 9 blocks") as e:
+            m.admit([5], [list(range(33))])
+        assert "never" in str(e.value)
+        # In a batch: nothing admitted, not even the prompts before it.
+        with pytest.raises(kvplug.PromptTooLongError, match="sequence 7's"):
+            m.admit([6, 7], [list(range(4)), np.arange(40, dtype=np.int32)])
+        with pytest.raises(kvplug.PromptTooLongError, match="sequence 8's"):
+            m.admit(np.array([8, 9]), np.zeros((2, 33), np.int32))  # a 2-D batch
+        with pytest.raises(kvplug.PromptTooLongError, match="sequence 10's"):
+            m.add(10, 33)
+        assert m.stats().num_seqs == 0
+        # The whole pool is a prompt that fits; a prompt that fits the pool but
+        # not now is still "retry later" ([] admitted, no error).
+        assert m.admit([11], [list(range(32))]).tolist() == [0]
+        assert m.admit([12], [list(range(4))]).tolist() == []
+        with pytest.raises(kvplug.OutOfBlocksError):
+            m.add(13, 4)
+
+
+# ---- settings refused at creation ------------------------------------------------------------
+
+
+def test_block_size_zero_is_refused():
+    with pytest.raises(kvplug.InvalidArgumentError, match="block_size must be >= 1"):
+        kvplug.Manager(64, block_size=0)
+
+
+@pytest.mark.parametrize("addr", ["not an address", "", "localhost", "localhost:", ":6379", "::1:6379",
+                                  "host:99999", "host:0", "host:63 79", "host:port"])
+def test_shared_tier_must_be_host_and_port(addr):
+    with pytest.raises(kvplug.InvalidArgumentError, match="shared_tier must be \"host:port\""):
+        kvplug.Manager(64, 16, prefix_cache=True, host_tier_slots=8, host_block_bytes=4096, shared_tier=addr,
+                       shared_tier_namespace="ns")
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:1", "localhost:6379", "[::1]:1"])
+def test_shared_tier_addresses_that_are_taken(addr):
+    kvplug.Manager(64, 16, prefix_cache=True, host_tier_slots=8, host_block_bytes=4096, shared_tier=addr,
+                   shared_tier_namespace="ns", shared_tier_timeout_ms=10).close()
+
+
+@pytest.mark.parametrize("mem", [np.zeros(8 * 512, np.float64), np.zeros(8 * 2048, np.int16),
+                                 torch.zeros(8 * 1024, dtype=torch.float32)], ids=["float64", "int16", "torch.float32"])
+def test_host_tier_memory_must_be_bytes(mem):
+    with pytest.raises(kvplug.ArgumentTypeError, match="host_tier_memory must be a"):
+        kvplug.Manager(64, 16, prefix_cache=True, host_tier_slots=8, host_block_bytes=4096, host_tier_memory=mem)
+    ok = mem.view(np.uint8) if isinstance(mem, np.ndarray) else mem.view(torch.uint8)
+    kvplug.Manager(64, 16, prefix_cache=True, host_tier_slots=8, host_block_bytes=4096, host_tier_memory=ok).close()
+
+
+# ---- GPU entry points on a machine without a GPU --------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_entry_points_raise_no_device_error():
+    from kvplug import attn, cascade
+
+    for call, name in ((attn.prepare, "attn.prepare"), (lambda: cascade.Workspaces(8, 32, 8, 128), "cascade.Workspaces"),
+                       (lambda: attn.num_splits(torch.float16, 128, 1, 32, 8, 100), "attn.num_splits")):
+        with pytest.raises(kvplug.NoDeviceError, match=name + ": no CUDA device"):
+            call()

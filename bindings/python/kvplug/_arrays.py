@@ -49,6 +49,7 @@ def _safe_cast(src: np.dtype, dst: np.dtype) -> bool:
 
 
 _TORCH_NAME = {_I32: "int32", _I64: "int64"}
+_TORCH_DTYPE = {_I32: lambda t: t.int32, _I64: lambda t: t.int64}
 
 
 def _tensor(obj: Any, dtype: Optional[np.dtype] = None) -> bool:
@@ -78,6 +79,21 @@ def ints(seq: Any, typecode: str) -> Optional[array.array]:
 
 def bad(msg: str) -> _lib.InvalidArgumentError:
     return _lib.InvalidArgumentError(msg, _lib.Status.INVALID_ARGUMENT)
+
+
+def bad_type(msg: str) -> _lib.ArgumentTypeError:
+    return _lib.ArgumentTypeError(msg, _lib.Status.INVALID_ARGUMENT)
+
+
+def _numpy_of_tensor(t: Any, what: str) -> np.ndarray:
+    """numpy's view of a CPU tensor (a copy for none), for the converters'
+    general paths; a tensor elsewhere or of a dtype numpy lacks is refused."""
+    if t.device.type != "cpu":
+        raise bad(f"{what}: a CPU tensor is needed; the tensor is on {t.device}")
+    try:
+        return (t.detach() if getattr(t, "requires_grad", False) else t).numpy()
+    except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy has no counterpart of
+        raise bad_type(f"{what} must hold integers: got a tensor of {t.dtype}") from None
 
 
 def addr(arr: np.ndarray) -> int:
@@ -116,16 +132,26 @@ def in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int, 
             return _addressof(_from_buffer(arr)), arr.size, arr
     elif _tensor(obj, dtype):
         return obj.data_ptr(), obj.numel(), obj  # in place, as _lib.as_ptr takes it
+    if obj is None:
+        raise bad_type(f"{what} must be a sequence of integers (a list, a numpy array, a CPU tensor), not None")
     if isinstance(obj, (int, np.integer)):
         arr = np.array([_int(obj, what, dtype.name)], dtype)
         return _addressof(_from_buffer(arr)), 1, arr
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.is_cpu and obj.dtype is not _TORCH_DTYPE[dtype](torch):
+        # Another dtype (int32 ids, int64 counts): converted as the same
+        # numpy array would be. Tensors on a GPU, and objects that only
+        # look like tensors, go to _lib.as_ptr, which takes or refuses them.
+        obj = _numpy_of_tensor(obj, what)
     if isinstance(obj, (list, tuple, range, np.ndarray)):
         src = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
+        if src.ndim == 0 and src.dtype.kind in "iu":
+            src = src.reshape(1)  # one number, as an int is taken
         if src.ndim != 1:
             raise bad(f"{what} must be one-dimensional: got shape {src.shape}")
         if src.size:
             if src.dtype.kind not in "iu":
-                raise bad(f"{what} must hold integers: got {src.dtype} values")
+                raise bad_type(f"{what} must hold integers: got {src.dtype} values")
             if src.dtype != dtype and not np.can_cast(src.dtype, dtype):
                 lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
                 if src.min() < lo or src.max() > hi:
@@ -137,7 +163,7 @@ def in_ptr(obj: Any, dtype: np.dtype, ctype: Any, what: str) -> Tuple[int, int, 
         if arr.size and arr.flags.writeable:
             return _addressof(_from_buffer(arr)), arr.size, arr
         return arr.ctypes.data, arr.size, arr
-    ptr, n = _lib.as_ptr(obj, ctype)
+    ptr, n = _lib.as_ptr(obj, ctype, what=what)
     return ptr, n, obj
 
 
@@ -150,9 +176,11 @@ def out_ptr(obj: Any, need: int, what: str) -> Tuple[int, int]:
         try:
             ptr = _addressof(_from_buffer(obj))  # refuses read-only and strided arrays
         except (ValueError, TypeError, BufferError):
-            ptr, n = _lib.as_ptr(obj, _i32, writable=True)  # raises with the reason
+            ptr, n = _lib.as_ptr(obj, _i32, writable=True, what=what)  # raises with the reason
     else:
-        ptr, n = _lib.as_ptr(obj, _i32, writable=True)
+        if obj is None:
+            raise bad_type(f"{what} must be a writable int32 array, not None")
+        ptr, n = _lib.as_ptr(obj, _i32, writable=True, what=what)
     if n < need:
         raise _lib.BufferTooSmallError(f"{what} holds {n} entries, {need} needed", _lib.Status.BUFFER_TOO_SMALL)
     return ptr, n
@@ -177,9 +205,9 @@ def tokens(t: Any, what: str) -> np.ndarray:
             return small
         arr = (t.detach() if t.requires_grad else t).numpy()  # shares the tensor's memory
     elif _is_torch(t):
-        if t.device.type != "cpu":
-            raise bad(f"{what}: a CPU tensor is needed; the tensor is on {t.device}")
-        arr = t.detach().numpy()  # shares the tensor's memory
+        arr = _numpy_of_tensor(t, what)  # shares the tensor's memory
+    elif t is None or isinstance(t, (str, bytes, dict, set)):
+        raise bad_type(f"{what} must be a sequence of token ids, not {type(t).__name__}")
     else:
         arr = np.asarray(t)
     if arr.dtype is _I32 or arr.dtype == _I32:
@@ -189,7 +217,7 @@ def tokens(t: Any, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise bad(f"{what} must be one-dimensional: got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
-        raise bad(f"{what} must hold integers: got {arr.dtype}")
+        raise bad_type(f"{what} must hold integers: got {arr.dtype}")
     if arr.size <= _SMALL:
         a = ints(arr.tolist(), "i")
         if a is not None:
@@ -227,10 +255,19 @@ def token_ptr(t: Any, what: str) -> Tuple[int, int, Any]:
     return addr(arr if arr.size else NO_TOKENS), arr.size, arr
 
 
+def batch_len(prompts: Any, what: str = "prompts") -> int:
+    """len(prompts), refusing what has no length (None, a number) by name."""
+    try:
+        return len(prompts)
+    except TypeError:
+        raise bad_type(f"{what} must be a list of token sequences or a 2-D array, not {type(prompts).__name__}") from None
+
+
 def flatten(prompts: Any) -> Tuple[np.ndarray, np.ndarray]:
     """(tokens, offsets[n+1]) of a batch of prompts: a list of token
     sequences, or a 2-D array of equal-length prompts. One int32 prompt
     or a 2-D int32 array is used in place."""
+    batch_len(prompts)
     if (type(prompts) is _ndarray or _is_torch(prompts)) and len(prompts.shape) == 2:
         n, k = prompts.shape
         if _tensor(prompts):  # numpy's view of it reshapes for a tenth of torch's cost

@@ -55,6 +55,7 @@ class Status(enum.IntEnum):
     OUT_OF_MEMORY = 12
     NOT_FOUND = 13
     INTERNAL = 14
+    IN_USE = 15
 
 
 class KvplugError(Exception):
@@ -92,6 +93,17 @@ class KvplugError(Exception):
 # bad argument, KeyError for an unknown id) without knowing kvplug's classes.
 class InvalidArgumentError(KvplugError, ValueError):
     status = Status.INVALID_ARGUMENT
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of a type the call does not take (None for an array, a
+    float array for token ids, ...): also a TypeError, as Python's own
+    checks raise, and an InvalidArgumentError, as the library would say."""
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """A prompt needs more blocks than the whole pool holds: no eviction or
+    wait can ever admit it (unlike OutOfBlocksError, which is "not now")."""
 
 
 class NullPointerError(KvplugError, ValueError):
@@ -153,6 +165,13 @@ class InternalError(KvplugError, RuntimeError):
     status = Status.INTERNAL
 
 
+class InUseError(KvplugError):
+    """The call would take state that another live sequence still uses;
+    nothing changed."""
+
+    status = Status.IN_USE
+
+
 _ERRORS: Dict[int, type] = {
     int(cls.status): cls
     for cls in (
@@ -170,6 +189,7 @@ _ERRORS: Dict[int, type] = {
         OutOfMemoryError,
         NotFoundError,
         InternalError,
+        InUseError,
     )
 }
 
@@ -221,9 +241,13 @@ def checked_int(value: Any, what: str, ctype: str = "int64", lo: Optional[int] =
     and numpy integers are accepted; bool, float, str and anything else
     without __index__ are not. Raises InvalidArgumentError naming `what`."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise InvalidArgumentError(f"{what} must be an integer: got {type(value).__name__} {value!r}",
-                                   Status.INVALID_ARGUMENT)
-    v = operator.index(value)
+        raise ArgumentTypeError(f"{what} must be an integer: got {type(value).__name__} {value!r}",
+                                Status.INVALID_ARGUMENT)
+    try:
+        v = operator.index(value)
+    except TypeError:  # a float tensor, or one of several elements: torch's __index__ refuses them
+        raise ArgumentTypeError(f"{what} must be an integer: got {type(value).__name__} {value!r}",
+                                Status.INVALID_ARGUMENT) from None
     tlo, thi = C_INT_RANGES[ctype]
     lo = tlo if lo is None else max(lo, tlo)
     hi = thi if hi is None else min(hi, thi)
@@ -238,10 +262,10 @@ def c_string(value: Optional[str], what: str) -> Optional[bytes]:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str or None, not {type(value).__name__}")
+        raise ArgumentTypeError(f"{what} must be a str or None, not {type(value).__name__}", Status.INVALID_ARGUMENT)
     b = value.encode("utf-8")
     if b"\x00" in b:
-        raise ValueError(f"{what} contains a NUL character")
+        raise InvalidArgumentError(f"{what} contains a NUL character", Status.INVALID_ARGUMENT)
     return b
 
 
@@ -517,7 +541,7 @@ def _is_torch_tensor(obj: Any) -> bool:
     return (mod == "torch" or mod.startswith("torch.")) and hasattr(obj, "data_ptr")
 
 
-def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0) -> Tuple[int, int]:
+def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0, what: str = "") -> Tuple[int, int]:
     """The address and element count of obj's memory, without copying.
 
     obj is a numpy array, a torch CPU (or pinned) tensor, or any object with
@@ -525,25 +549,26 @@ def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0) -> 
     C-contiguous, hold elements of ctype (ctypes.c_int32, ...; None accepts
     any element type and counts bytes), be writable if `writable`, and hold at
     least min_count elements. The address is valid while obj is alive and not
-    resized: keep obj referenced across the call that uses it.
+    resized: keep obj referenced across the call that uses it. `what` names
+    the argument in the messages.
 
-    Raises TypeError (unsupported object or element type) or ValueError (not
-    contiguous, read-only, too small, torch tensor not on the CPU)."""
+    Raises ArgumentTypeError (a TypeError: unsupported object or element
+    type), InvalidArgumentError (a ValueError: not contiguous, read-only,
+    torch tensor not on the CPU) or BufferTooSmallError (a ValueError)."""
+    name = f"kvplug: {what}: " if what else "kvplug: "
     np = _numpy()
     if isinstance(obj, np.ndarray):
-        return _ndarray_ptr(obj, ctype, writable, min_count)
+        return _ndarray_ptr(obj, ctype, writable, min_count, name)
     if _is_torch_tensor(obj):
-        return _torch_ptr(obj, ctype, min_count)
+        return _torch_ptr(obj, ctype, min_count, name)
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(
-            f"kvplug: expected a numpy array, a torch CPU tensor or a buffer, got {type(obj).__name__}"
-        ) from None
+        raise _type_error(f"{name}expected a numpy array, a torch CPU tensor or a buffer, got {type(obj).__name__}") from None
     if not view.c_contiguous:
-        raise ValueError("kvplug: the buffer must be C-contiguous")
+        raise _value_error(f"{name}the buffer must be C-contiguous")
     if writable and view.readonly:
-        raise ValueError("kvplug: the buffer is read-only; an output buffer must be writable")
+        raise _value_error(f"{name}the buffer is read-only; an output buffer must be writable")
     if ctype is not None:
         want = np.dtype(_CTYPE_INFO[ctype][0]) if ctype in _CTYPE_INFO else None
         try:
@@ -551,15 +576,15 @@ def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0) -> 
         except TypeError:
             got = None
         if want is None or got is None or got.kind != want.kind or view.itemsize != want.itemsize:
-            raise TypeError(
-                f"kvplug: buffer of format {view.format!r} (itemsize {view.itemsize}); "
+            raise _type_error(
+                f"{name}buffer of format {view.format!r} (itemsize {view.itemsize}); "
                 f"expected {want.name if want is not None else getattr(ctype, '__name__', ctype)}"
             )
         count = view.nbytes // view.itemsize
     else:
         count = view.nbytes
     if count < min_count:
-        raise ValueError(f"kvplug: buffer holds {count} elements, {min_count} needed")
+        raise _too_small(f"{name}buffer holds {count} elements, {min_count} needed")
     if not view.nbytes:
         return 0, 0
     # numpy reads the address of read-only buffers too (ctypes.from_buffer
@@ -568,38 +593,50 @@ def as_ptr(obj: Any, ctype: Any, writable: bool = False, min_count: int = 0) -> 
     return np.frombuffer(view, dtype=np.uint8).ctypes.data, count
 
 
-def _ndarray_ptr(arr: Any, ctype: Any, writable: bool, min_count: int) -> Tuple[int, int]:
+def _type_error(msg: str) -> ArgumentTypeError:
+    return ArgumentTypeError(msg, Status.INVALID_ARGUMENT)
+
+
+def _value_error(msg: str) -> InvalidArgumentError:
+    return InvalidArgumentError(msg, Status.INVALID_ARGUMENT)
+
+
+def _too_small(msg: str) -> BufferTooSmallError:
+    return BufferTooSmallError(msg, Status.BUFFER_TOO_SMALL)
+
+
+def _ndarray_ptr(arr: Any, ctype: Any, writable: bool, min_count: int, name: str) -> Tuple[int, int]:
     if ctype is not None:
         code = _CTYPE_INFO.get(ctype)
         if code is None or arr.dtype != _numpy().dtype(code[0]):
             want = _numpy().dtype(code[0]).name if code else getattr(ctype, "__name__", ctype)
-            raise TypeError(f"kvplug: array of dtype {arr.dtype}; expected {want}")
+            raise _type_error(f"{name}array of dtype {arr.dtype}; expected {want}")
         count = arr.size
     else:
         count = arr.nbytes
     if not arr.flags.c_contiguous:
-        raise ValueError("kvplug: the array must be C-contiguous (use numpy.ascontiguousarray)")
+        raise _value_error(f"{name}the array must be C-contiguous (use numpy.ascontiguousarray)")
     if writable and not arr.flags.writeable:
-        raise ValueError("kvplug: the array is read-only; an output array must be writable")
+        raise _value_error(f"{name}the array is read-only; an output array must be writable")
     if count < min_count:
-        raise ValueError(f"kvplug: array holds {count} elements, {min_count} needed")
+        raise _too_small(f"{name}array holds {count} elements, {min_count} needed")
     return arr.ctypes.data, count
 
 
-def _torch_ptr(t: Any, ctype: Any, min_count: int) -> Tuple[int, int]:
+def _torch_ptr(t: Any, ctype: Any, min_count: int, name: str) -> Tuple[int, int]:
     if t.device.type != "cpu":
-        raise ValueError(f"kvplug: a host buffer is needed; the tensor is on {t.device}")
+        raise _value_error(f"{name}a host buffer is needed; the tensor is on {t.device}")
     if not t.is_contiguous():
-        raise ValueError("kvplug: the tensor must be contiguous (use .contiguous())")
+        raise _value_error(f"{name}the tensor must be contiguous (use .contiguous())")
     if ctype is not None:
         code = _CTYPE_INFO.get(ctype)
         if code is None or str(t.dtype) != code[1]:
-            raise TypeError(f"kvplug: tensor of dtype {t.dtype}; expected {code[1] if code else ctype}")
+            raise _type_error(f"{name}tensor of dtype {t.dtype}; expected {code[1] if code else ctype}")
         count = t.numel()
     else:
         count = t.numel() * t.element_size()
     if count < min_count:
-        raise ValueError(f"kvplug: tensor holds {count} elements, {min_count} needed")
+        raise _too_small(f"{name}tensor holds {count} elements, {min_count} needed")
     return t.data_ptr(), count
 
 
@@ -628,10 +665,11 @@ def set_logger(callback: Optional[Callable[[int, str], None]], level: int = LOG_
     the library's own, and must not call into kvplug (calls on kvplug
     objects from it raise UnsupportedError; set_logger raises RuntimeError).
 
-    Raises TypeError at once for a callback that is not callable."""
+    Raises ArgumentTypeError (a TypeError) at once for a callback that is
+    not callable."""
     global _log_thunk
     if callback is not None and not callable(callback):
-        raise TypeError(f"kvplug: set_logger: callback must be callable(level, message) or None: got {type(callback).__name__}")
+        raise _type_error(f"kvplug: set_logger: callback must be callable(level, message) or None: got {type(callback).__name__}")
     if getattr(_in_callback, "depth", 0):
         raise RuntimeError("kvplug: set_logger called from inside the log callback; the callback must not call into kvplug")
     set_fn = C.kvp_set_logger

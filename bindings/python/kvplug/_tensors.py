@@ -54,6 +54,18 @@ def _import_torch() -> None:
     _torch = t
 
 
+def need_cuda(what: str) -> Any:
+    """torch, once it sees a CUDA device; NoDeviceError otherwise, as the
+    library answers its GPU calls there (torch's own calls would fail with
+    a RuntimeError or an AssertionError that names no kvplug call)."""
+    t = torch()
+    if not t.cuda.is_available():
+        built = f"built for CUDA {t.version.cuda}" if t.version.cuda else "built without CUDA"
+        raise _lib.NoDeviceError(f"kvplug: {what}: no CUDA device (torch {t.__version__}, {built}, "
+                                 "finds no driver or device)", _lib.Status.NO_DEVICE)
+    return t
+
+
 def bad(msg: str) -> _lib.KvplugError:
     return _lib.error_for(_lib.Status.INVALID_ARGUMENT, "kvplug.attn: " + msg)
 

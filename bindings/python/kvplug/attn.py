@@ -73,8 +73,9 @@ def cuda_available() -> bool:
 
 def prepare(device: Any = None) -> None:
     """Loads the kernels on `device` (default: torch's current device) now,
-    so that no launch loads them, as graph capture requires."""
-    torch = _t.torch()
+    so that no launch loads them, as graph capture requires. Raises
+    NoDeviceError on a machine without a CUDA device."""
+    torch = _t.need_cuda("attn.prepare")
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         torch.cuda.init()
         torch.empty(0, device="cuda")  # makes torch's context current on this thread
@@ -99,8 +100,8 @@ def workspace_size(max_batch: int, num_q_heads: int, head_dim: int, max_splits: 
 def num_splits(dtype: Any, head_dim: int, batch: int, num_q_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
     """The split count paged_decode chooses for this shape on torch's current
     device (before capping it to the workspace). dtype: a torch dtype or a
-    DTYPE_* code."""
-    torch = _t.torch()
+    DTYPE_* code. Raises NoDeviceError without a CUDA device."""
+    torch = _t.need_cuda("attn.num_splits")
     args = _int32s("num_splits: ", ((_t.dtype_arg(dtype), "dtype"), (head_dim, "head_dim"), (batch, "batch"),
                    (num_q_heads, "num_q_heads"), (num_kv_heads, "num_kv_heads"), (max_seq_len, "max_seq_len")))
     out = ctypes.c_int32(0)

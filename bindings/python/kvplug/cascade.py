@@ -80,11 +80,12 @@ class Workspaces:
     """The device workspace (a CUDA uint8 tensor) and the host workspace (a
     pinned CPU uint8 tensor, so the plan's copy is asynchronous) for batches
     of up to max_batch sequences and max_tokens query rows (None: decode,
-    one per sequence). Allocate once; plan every step into them."""
+    one per sequence). Allocate once; plan every step into them. Raises
+    NoDeviceError on a machine without a CUDA device."""
 
     def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: Any = "cuda",
                  max_tokens: Optional[int] = None):
-        torch = _t.torch()
+        torch = _t.need_cuda("cascade.Workspaces")
         dev_bytes, host_bytes = workspace_size(max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens)
         self.max_batch = _i32arg(max_batch, "max_batch")
         self.max_tokens = 0 if max_tokens is None else _i32arg(max_tokens, "max_tokens")

@@ -50,9 +50,16 @@ def key64(data: Union[bytes, bytearray, memoryview, str]) -> int:
 
 def keys_array(keys: Iterable[int]) -> np.ndarray:
     """keys as a C-contiguous uint64 array (used in place when it is one)."""
-    if isinstance(keys, np.ndarray):
-        return np.ascontiguousarray(keys, dtype=np.uint64)
-    return np.fromiter(keys, dtype=np.uint64)
+    try:
+        if isinstance(keys, np.ndarray):
+            return np.ascontiguousarray(keys, dtype=np.uint64)
+        return np.fromiter(keys, dtype=np.uint64)
+    except TypeError:
+        raise _lib.ArgumentTypeError(f"HostStore: keys must be an iterable of 64-bit integers: got {type(keys).__name__}",
+                                     _lib.Status.INVALID_ARGUMENT) from None
+    except (ValueError, OverflowError) as e:
+        raise _lib.InvalidArgumentError(f"HostStore: keys must be 64-bit unsigned integers: {e}",
+                                        _lib.Status.INVALID_ARGUMENT) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _lib
-from ._arrays import _I32, _I64, bad as _bad, in_ptr as _in_ptr, out_ptr as _out_ptr
+from ._arrays import _I32, _I64, bad as _bad, bad_type as _bad_type, in_ptr as _in_ptr, out_ptr as _out_ptr
 from ._capi import BlockCopy, ManagerConfig, ManagerStatsStruct
 from ._lib import C
 from .prefix import PrefixCacheMethods
@@ -74,8 +74,28 @@ _int = _lib.checked_int
 
 def _scalar(obj: Any) -> bool:
     """Whether obj is meant as one number (checked as an integer) rather than
-    an array (numpy, torch, a sequence, a buffer)."""
-    return isinstance(obj, (numbers.Number, str, bytes))
+    an array (numpy, torch, a sequence, a buffer): a 0-d numpy array or
+    torch tensor is one number too, as numpy's integer scalars are."""
+    return isinstance(obj, (numbers.Number, str, bytes)) or getattr(obj, "ndim", None) == 0
+
+
+def _closed(what: str) -> _lib.InvalidHandleError:
+    return _lib.InvalidHandleError(f"{what}: the Manager is closed", _lib.Status.INVALID_HANDLE)
+
+
+def _shared_tier_address(addr: Optional[str]) -> None:
+    """Refuses a shared_tier that is not "host:port" (the library would
+    accept it and count every lookup as an unreachable server)."""
+    if addr is None or not isinstance(addr, str):
+        return  # None: no shared tier; another type: c_string says so
+    host, sep, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # an IPv6 address
+    elif ":" in host:
+        host = ""  # an IPv6 address must be bracketed
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or any(c.isspace() for c in addr):
+        raise _bad(f'Manager: shared_tier must be "host:port" (a Valkey or Redis server, e.g. "127.0.0.1:6379"; '
+                   f'"[::1]:6379" for IPv6): got {addr!r}')
 
 
 def _release(handle: int) -> None:
@@ -103,10 +123,18 @@ def _host_memory(mem: Any, slots: int, block_bytes: int) -> Optional[int]:
     if hasattr(mem, "data_ptr") and hasattr(mem, "is_cuda"):  # a torch tensor
         if mem.is_cuda or not mem.is_contiguous():
             raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "Manager: host_tier_memory must be a contiguous CPU tensor")
+        # Bytes, as host_tier_memory() gives them back: a float tensor of the
+        # right size is more likely the engine's K/V than its tier.
+        if str(mem.dtype) != "torch.uint8":
+            raise _bad_type(f"Manager: host_tier_memory must be a torch.uint8 tensor: got {mem.dtype} "
+                            "(.view(torch.uint8) gives the bytes of another)")
         addr, size = mem.data_ptr(), mem.numel() * mem.element_size()
     elif isinstance(mem, np.ndarray):
         if not mem.flags.c_contiguous or not mem.flags.writeable:
             raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "Manager: host_tier_memory must be a writable C-contiguous array")
+        if mem.dtype != np.uint8:
+            raise _bad_type(f"Manager: host_tier_memory must be a uint8 array: got {mem.dtype} "
+                            "(.view(np.uint8) gives the bytes of another)")
         addr, size = mem.ctypes.data, mem.nbytes
     else:
         raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT),
@@ -172,6 +200,12 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
+        if block_size == 0:
+            # The C config's 0 asks for the default (16); a Python caller
+            # names the default by leaving the argument out, so 0 here is a
+            # mistake to report, not a request for 16.
+            raise _bad("Manager: block_size must be >= 1 (leave it out for 16): got 0")
+        _shared_tier_address(shared_tier)
         max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
         host_tier_slots = _int(host_tier_slots, "Manager: host_tier_slots", "int32")
         demote_ahead = _int(demote_ahead, "Manager: demote_ahead", "int32")
@@ -195,7 +229,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         s.struct_size = ctypes.sizeof(s)
         _lib.check(C.kvp_manager_stats_get(self._h, ctypes.byref(s)))
         self.num_blocks = s.num_blocks
-        self.block_size = s.block_size  # 0 asks for the library's default
+        self.block_size = s.block_size
+        self._max_prompt = s.num_blocks * s.block_size  # the tokens the whole pool holds
         self._demote_ahead = demote_ahead
         self.demote_evicted = bool(demote_evicted)
         # (value, array, address) of the counts array a grow by one number
@@ -224,21 +259,27 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     def add(self, seq_id: int, prompt_len: int) -> None:
         """Admits sequence seq_id with a prompt of prompt_len tokens (they
         are its new tokens). Raises DuplicateSequenceError,
-        OutOfBlocksError, InvalidArgumentError."""
+        OutOfBlocksError (not now: retry once blocks are free),
+        PromptTooLongError (more tokens than the whole pool holds: never),
+        InvalidArgumentError."""
         seq_id = _int(seq_id, "add: seq_id", "int64")
         prompt_len = _int(prompt_len, "add: prompt_len", "int32")
+        if prompt_len > self._max_prompt:
+            raise self._too_long("add", seq_id, prompt_len)
         st = C.kvp_manager_add(self._h, seq_id, prompt_len)
         if st:
             _lib.raise_status(st)
 
     def grow(self, seq_ids: IntArray, num_tokens: Union[int, IntArray] = 1) -> None:
         """Grows each sequence by num_tokens tokens (one int for all, or one
-        per sequence), all or none. Raises OutOfBlocksError (nothing grew:
-        preempt and retry), UnknownSequenceError, DuplicateSequenceError,
-        InvalidArgumentError."""
+        per sequence), all or none; an empty batch does nothing. Raises
+        OutOfBlocksError (nothing grew: preempt and retry),
+        UnknownSequenceError, DuplicateSequenceError, InvalidArgumentError."""
         ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n > _INT32_MAX:
             raise _bad(f"grow: batch of {n} sequences")
+        if not n:
+            return self._empty("grow", num_tokens)
         if type(num_tokens) is int or _scalar(num_tokens):
             v = num_tokens
             if not (type(v) is int and -(2**31) <= v < 2**31):
@@ -255,6 +296,12 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         if st:
             _lib.raise_status(st)
 
+    def _too_long(self, call: str, seq_id: int, prompt_len: int) -> _lib.PromptTooLongError:
+        bs = self.block_size
+        return _lib.PromptTooLongError(
+            f"{call}: sequence {seq_id}'s prompt of {prompt_len} tokens needs {-(-prompt_len // bs)} blocks of {bs} "
+            f"tokens; the whole pool holds {self.num_blocks}, so it can never be admitted", _lib.Status.INVALID_ARGUMENT)
+
     def _new_fill(self, value: int, n: int) -> Tuple[int, Any, int]:
         # Out-of-range counts that fit in int32 are left to the library,
         # whose message names the offending sequence.
@@ -263,6 +310,21 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         fill = (value, arr, arr.ctypes.data)
         self._fill = fill
         return fill
+
+    def _empty(self, call: str, num_tokens: Any = None) -> None:
+        """An empty batch: nothing to do (a scheduler step without one kind of
+        work), once the manager is known open and a count list, if any,
+        known empty too."""
+        if self._h is None:
+            raise _closed(call)
+        if num_tokens is None:
+            return
+        if type(num_tokens) is int or _scalar(num_tokens):
+            _int(num_tokens, f"{call}: num_tokens", "int32")
+        else:
+            k = _in_ptr(num_tokens, _I32, _i32, "num_tokens")[1]
+            if k:
+                raise _bad(f"{call}: {k} token counts for 0 sequences")
 
     def fork(self, parent: int, children: IntArray) -> List[Tuple[int, int]]:
         """Creates the sequences `children` as copies of `parent`, sharing
@@ -281,11 +343,14 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         return [tuple(p) for p in copies[: num.value].tolist()]
 
     def remove(self, seq_ids: IntArray) -> None:
-        """Retires the sequences, all or none. Raises UnknownSequenceError
-        (also for a double remove), DuplicateSequenceError."""
+        """Retires the sequences, all or none; an empty batch does nothing.
+        Raises UnknownSequenceError (also for a double remove),
+        DuplicateSequenceError."""
         ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n > _INT32_MAX:
             raise _bad(f"remove: batch of {n} sequences")
+        if not n:
+            return self._empty("remove")
         st = C.kvp_manager_remove(self._h, ptr, n)
         if st:
             _lib.raise_status(st)
@@ -309,8 +374,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         the returned count, are left alone.
 
         With int64 ids and C-contiguous int32 numpy outputs nothing is
-        allocated or converted. Raises BufferTooSmallError (nothing
-        written), UnknownSequenceError."""
+        allocated or converted. An empty batch writes nothing and returns
+        0. Raises BufferTooSmallError (nothing written),
+        UnknownSequenceError."""
         ids_ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
         if n > _INT32_MAX:
             raise _bad(f"describe: batch of {n} sequences")
@@ -344,6 +410,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             if cap == 0:
                 # A non-NULL pointer asks for slots even with no room for any.
                 slots_ptr = _addressof(_EMPTY_SLOT)
+        if not n:
+            self._empty("describe")
+            return 0
         num = _i32()
         st = C.kvp_manager_describe(self._h, ids_ptr, n, table_ptr, mb, lens_ptr, slots_ptr, cap, ctypes.byref(num))
         if st:
@@ -370,6 +439,10 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             table, lens, slots = out
             k = self.describe_into(ids, table, lens, slots, max_blocks=max_blocks)
             return Description(table[:n], lens[:n], slots[:k])
+        if not n:
+            self._empty("describe")
+            mb = 1 if max_blocks is None else _int(max_blocks, "describe: max_blocks", "int32", lo=1)
+            return Description(np.empty((0, mb), np.int32), np.empty(0, np.int32), np.empty(0, np.int32))
         for _ in range(3):  # retried only if another thread grows the batch in between
             lens = np.empty(max(n, 0), np.int32)
             k = self.describe_into(ids, None, lens, None)

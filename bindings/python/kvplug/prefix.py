@@ -22,7 +22,8 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _lib
-from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, flatten as _flatten
+from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, bad_type as _bad_type
+from ._arrays import batch_len as _batch_len, flatten as _flatten
 from ._arrays import in_ptr as _in_ptr, one_each as _one_each, token_ptr as _token_ptr
 from ._capi import BlockMMStruct, KVEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct, PrefixStatsStruct
 from ._lib import C
@@ -202,7 +203,10 @@ def _keys_array(keys: Any, n: int, keep: list) -> Any:
         return c[2]
     if isinstance(keys, Keys):
         keys = [keys] * n
-    keys = list(keys)
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise _bad_type(f"keys must be None, one kvplug.Keys or a list of them: got {type(keys).__name__}") from None
     if len(keys) != n:
         raise _bad(f"{len(keys)} keys for {n} prompts")
     structs = []
@@ -234,6 +238,10 @@ class PrefixCacheMethods:
 
     _h: Optional[int]
     block_size: int
+    num_blocks: int
+    _max_prompt: int
+    _too_long: Any  # Manager's
+    _empty: Any  # Manager's
 
     def admit(self, seq_ids: Any, prompts: Any, keys: Any = None) -> np.ndarray:
         """Admits new sequences by their prompts, in order; keys is None,
@@ -242,7 +250,9 @@ class PrefixCacheMethods:
         tokens. Returns the matched token counts of the admitted sequences:
         fewer than len(prompts) when the pool ran out, admission stopping
         at the first prompt that did not fit (those after it are
-        untouched; retry them later). Raises DuplicateSequenceError,
+        untouched; retry them later). An empty batch does nothing. Raises
+        PromptTooLongError for a prompt of more tokens than the whole pool
+        holds (it could never be admitted), DuplicateSequenceError,
         InvalidArgumentError (nothing admitted).
 
         prompts is a list of token sequences (int32 numpy arrays and torch
@@ -257,16 +267,26 @@ class PrefixCacheMethods:
             ids_ptr, n = _addressof(keep_ids), 1
         else:
             ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
-        if n != len(prompts):
+        if n != _batch_len(prompts):
             raise _bad(f"admit: {n} ids for {len(prompts)} prompts")
+        if not n:
+            self._empty("admit")
+            return np.empty(0, np.int32)
         if n == 1 and type(prompts) is list:
             # One prompt, the usual admission: its offsets as a ctypes
             # array, a third of a numpy array's cost with its address.
             tok_ptr, size, tokens = _token_ptr(prompts[0], "prompt 0")
+            if size > self._max_prompt:
+                raise self._too_long("admit", _i64.from_address(ids_ptr).value, size)
             offsets = _Offsets2(0, size)
             off_ptr = _addressof(offsets)
         else:
             tokens, offsets = _flatten(prompts)
+            if offsets[-1] > self._max_prompt:  # only then may one prompt be too long
+                lens = np.diff(offsets)
+                i = int(np.argmax(lens > self._max_prompt))
+                if lens[i] > self._max_prompt:
+                    raise self._too_long("admit", _i64.from_address(ids_ptr + 8 * i).value, int(lens[i]))
             tok_ptr, off_ptr = _addr(tokens), _addr(offsets)
         keep: list = []
         karr = _keys_array(keys, n, keep)
@@ -286,8 +306,15 @@ class PrefixCacheMethods:
             one-token lists ([[t] for t in toks]) cost about what a list of
             ints does.
         Raises OutOfBlocksError (nothing grew), UnknownSequenceError,
-        DuplicateSequenceError, InvalidArgumentError."""
+        DuplicateSequenceError, InvalidArgumentError. An empty batch does
+        nothing."""
         ids_ptr, n, keep_ids = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        if not n:
+            if tokens is None or _batch_len(tokens, "tokens"):
+                raise _bad(f"grow_tokens: tokens for 0 sequences: got {tokens!r:.60}")
+            return self._empty("grow_tokens")
+        if tokens is None:
+            raise _bad_type("grow_tokens: tokens must be one token per sequence or one token list per sequence, not None")
         if type(tokens) is _ndarray or _is_torch(tokens):
             shape = tuple(tokens.shape)
             if len(shape) not in (1, 2) or shape[0] != n:
@@ -346,8 +373,11 @@ class PrefixCacheMethods:
 
     def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
         """The longest cached prefix of each prompt, without admitting it
-        (a router's or scheduler's query)."""
-        n = len(prompts)
+        (a router's or scheduler's query). No prompts: []."""
+        n = _batch_len(prompts)
+        if not n:
+            self._empty("match")
+            return []
         tokens, offsets = _flatten(prompts)
         keep: list = []
         karr = _keys_array(keys, n, keep)

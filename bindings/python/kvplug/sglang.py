@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from . import _lib
 from .hoststore import HostStore, key64
 from .sharedstore import SharedStore, key128, keys64
 
@@ -76,8 +77,8 @@ class PageStore:
         self.host: Optional[HostStore] = HostStore(num_slots=slots, slot_bytes=self.page_bytes) if slots > 0 else None
         self.shared = shared
         if self.host is None and self.shared is None:
-            raise ValueError(f"kvplug PageStore: no tier (host_bytes {host_bytes} holds no page of {page_bytes} "
-                             "bytes, and no shared store)")
+            raise _lib.InvalidArgumentError(f"kvplug PageStore: no tier (host_bytes {host_bytes} holds no page of {page_bytes} "
+                                            "bytes, and no shared store)")
         self.counts: Counter = Counter()
         self._lock = threading.Lock()  # counts only: the stores are thread-safe
 
@@ -191,7 +192,7 @@ def _segments(ptrs: Sequence[int], sizes: Sequence[int], pages: int) -> tuple:
     """SGLang's page buffer meta (flat lists, consecutive per page) as
     [pages, segs] arrays."""
     if pages == 0 or len(ptrs) % pages or len(ptrs) != len(sizes):
-        raise ValueError(f"page buffer meta of {len(ptrs)} pointers and {len(sizes)} sizes for {pages} pages")
+        raise _lib.InvalidArgumentError(f"page buffer meta of {len(ptrs)} pointers and {len(sizes)} sizes for {pages} pages")
     p = np.asarray(ptrs, dtype=np.uint64).reshape(pages, -1)
     ln = np.asarray(sizes, dtype=np.int64).reshape(pages, -1)
     return p, ln
@@ -233,8 +234,8 @@ def _build() -> Any:
             self.valkey = str(extra.get("kvplug_valkey") or "")
             self.host_bytes = int(extra.get("kvplug_host_bytes") or 0)
             if not self.valkey and self.host_bytes <= 0:
-                raise ValueError("kvplug: the HiCache storage backend needs kvplug_valkey (host:port) or "
-                                 "kvplug_host_bytes in --hicache-storage-backend-extra-config")
+                raise _lib.InvalidArgumentError("kvplug: the HiCache storage backend needs kvplug_valkey (host:port) or "
+                                                "kvplug_host_bytes in --hicache-storage-backend-extra-config")
             self.key_space = str(extra.get("kvplug_key_space") or _key_space(storage_config.model_name))
             self.op_timeout_ms = int(extra.get("kvplug_op_timeout_ms") or 0)
             self.ttl_ms = int(extra.get("kvplug_ttl_ms") or 0)
@@ -356,7 +357,7 @@ def _build() -> Any:
         def _tensor_segments(tensors: Sequence[torch.Tensor]) -> tuple:
             for t in tensors:
                 if t.device.type != "cpu" or not t.is_contiguous():
-                    raise ValueError("page tensors must be contiguous CPU tensors")
+                    raise _lib.InvalidArgumentError("page tensors must be contiguous CPU tensors")
             p = np.array([t.data_ptr() for t in tensors], dtype=np.uint64).reshape(-1, 1)
             ln = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64).reshape(-1, 1)
             return p, ln

@@ -38,7 +38,7 @@ from typing import Any, List, NamedTuple, Sequence
 import numpy as np
 
 from . import _lib
-from ._arrays import addr as _addr, flatten as _flatten
+from ._arrays import addr as _addr, batch_len as _batch_len, flatten as _flatten
 from ._capi import TierCopyStruct, TierMatchStruct, TierStatsStruct
 from ._lib import C
 from .tiercopy import TierCopier  # noqa: F401 (the copies on a GPU)
@@ -133,6 +133,7 @@ class HostTierMethods:
     _h: Any
     _demote_ahead: int
     _lease: Any  # _lib.Owner's
+    _empty: Any  # Manager's
 
     def flush_copies(self) -> CopyBatch:
         """Demotes least recently used cached blocks and returns this step's
@@ -169,7 +170,10 @@ class HostTierMethods:
         fetched into the host tier first and counted in host_tokens."""
         from .prefix import _keys_array
 
-        n = len(prompts)
+        n = _batch_len(prompts)
+        if not n:
+            self._empty("match_tiers")
+            return []
         tokens, offsets = _flatten(prompts)
         keep: list = []
         karr = _keys_array(keys, n, keep)

@@ -44,6 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _lib
 from .hoststore import PENDING, RESIDENT, HostStore, key64
 
 logger = logging.getLogger("kvplug.vllm")
@@ -87,8 +88,8 @@ def plan_rows(gpu_block_ids: Sequence[int], group_sizes: Sequence[int], block_in
         skip = int(bi) % bpc
         nchunks = -(-(gs + skip) // bpc)
         if g_off + gs > len(gpu) or h_off + nchunks > len(slots):
-            raise ValueError(f"transfer spec too short: group of {gs} blocks from block {bi} needs {nchunks} host "
-                             f"chunks past {h_off} of {len(slots)} and GPU blocks past {g_off} of {len(gpu)}")
+            raise _lib.InvalidArgumentError(f"transfer spec too short: group of {gs} blocks from block {bi} needs {nchunks} host "
+                                            f"chunks past {h_off} of {len(slots)} and GPU blocks past {g_off} of {len(gpu)}")
         s = slots[h_off:h_off + nchunks]
         rows = (s[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :])
         rows[s < 0, :] = -1
@@ -96,8 +97,8 @@ def plan_rows(gpu_block_ids: Sequence[int], group_sizes: Sequence[int], block_in
         g_off += gs
         h_off += nchunks
     if g_off != len(gpu) or h_off != len(slots):
-        raise ValueError(f"transfer spec mismatch: {len(gpu)} GPU blocks and {len(slots)} host chunks, "
-                         f"the groups use {g_off} and {h_off}")
+        raise _lib.InvalidArgumentError(f"transfer spec mismatch: {len(gpu)} GPU blocks and {len(slots)} host chunks, "
+                                        f"the groups use {g_off} and {h_off}")
     return out
 
 
@@ -127,13 +128,13 @@ class BlockCopier:
         self._torch = torch
         self.tier_copier = tier_copier
         if len(device_tensors) != len(host_tensors):
-            raise ValueError(f"{len(device_tensors)} device tensors and {len(host_tensors)} host tensors")
+            raise _lib.InvalidArgumentError(f"{len(device_tensors)} device tensors and {len(host_tensors)} host tensors")
         for i, (d, h) in enumerate(zip(device_tensors, host_tensors)):
             if d.dim() != 2 or h.dim() != 2 or d.shape[1] != h.shape[1] or d.dtype != h.dtype:
-                raise ValueError(f"tensor {i}: device {tuple(d.shape)} {d.dtype} and host {tuple(h.shape)} {h.dtype} "
-                                 "must be 2-D rows of one page size and dtype")
+                raise _lib.InvalidArgumentError(f"tensor {i}: device {tuple(d.shape)} {d.dtype} and host {tuple(h.shape)} {h.dtype} "
+                                                "must be 2-D rows of one page size and dtype")
             if h.device.type != "cpu":
-                raise ValueError(f"tensor {i}: host tensor on {h.device}")
+                raise _lib.InvalidArgumentError(f"tensor {i}: host tensor on {h.device}")
         self.device_tensors = list(device_tensors)
         self.host_tensors = list(host_tensors)
         self.group_tensors = [list(g) for g in group_tensors]
@@ -708,10 +709,10 @@ def _build() -> Dict[str, Any]:
             super().__init__(config)
             host_bytes = self.extra_config.get("kvplug_host_bytes", self.extra_config.get("cpu_bytes_to_use"))
             if not host_bytes:
-                raise ValueError("kvplug: kv_connector_extra_config needs kvplug_host_bytes (host memory for "
-                                 "offloaded blocks, all workers together)")
+                raise _lib.InvalidArgumentError("kvplug: kv_connector_extra_config needs kvplug_host_bytes (host memory for "
+                                                "offloaded blocks, all workers together)")
             if config.canonical_layout:
-                raise ValueError("kvplug: canonical_layout is not supported; leave it off")
+                raise _lib.InvalidArgumentError("kvplug: canonical_layout is not supported; leave it off")
             world = max(int(config.parallel.world_size), 1)
             per_worker_chunk = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
             self.worker_chunk_bytes = per_worker_chunk

@@ -81,7 +81,8 @@ def _dtype_name(dtype: Any) -> str:
     aliases = {"half": "float16", "float": "float32", "double": "float64", "f2": "float16", "f4": "float32"}
     name = aliases.get(name, name)
     if name not in _DTYPES:
-        raise TypeError(f"kvplug: unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}")
+        raise _lib.ArgumentTypeError(f"kvplug: VirtualKVCache: dtype: unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}",
+                                     _lib.Status.INVALID_ARGUMENT)
     return name
 
 
@@ -282,8 +283,8 @@ class VirtualKVCache(_lib.Owner):
         """Maps tokens [0, ctx_lens[i]) of slots[i] in every layer; raises
         OutOfMemoryError (nothing changed) when the budget cannot cover them.
         Pass numpy int32 arrays to avoid conversions."""
-        sp, n = _int32_ptr(slots)
-        cp, m = _int32_ptr(ctx_lens)
+        sp, n = _int32_ptr(slots, "step: slots")
+        cp, m = _int32_ptr(ctx_lens, "step: ctx_lens")
         if n != m:
             raise _lib.InvalidArgumentError(f"step: {n} slots but {m} context lengths", _lib.Status.INVALID_ARGUMENT)
         _lib.check(C.kvp_vcache_step(self.handle, sp[0], cp[0], n))
@@ -357,10 +358,10 @@ class VirtualKVCache(_lib.Owner):
                 f"dtype={self._dtype}, max_batch={self.max_batch}, max_context={self.max_context}, {state})")
 
 
-def _int32_ptr(obj: IntArray) -> Tuple[Tuple[int, Any], int]:
+def _int32_ptr(obj: IntArray, what: str) -> Tuple[Tuple[int, Any], int]:
     """(address, keep-alive) and count of obj as int32 elements."""
     if isinstance(obj, (list, tuple, range)):
-        arr = (_i32 * len(obj))(*(_lib.checked_int(v, f"element {i}", "int32") for i, v in enumerate(obj)))
+        arr = (_i32 * len(obj))(*(_lib.checked_int(v, f"{what} element {i}", "int32") for i, v in enumerate(obj)))
         return (ctypes.addressof(arr), arr), len(arr)
-    addr, n = _lib.as_ptr(obj, _i32)
+    addr, n = _lib.as_ptr(obj, _i32, what=what)
     return (addr, obj), n

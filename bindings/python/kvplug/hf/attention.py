@@ -140,11 +140,11 @@ def kvplug_attention(
             "runs through kvplug.hf.Runner (step / generate), which passes the step's paged-cache description; "
             "for plain transformers calls, switch the model back with model.set_attn_implementation('sdpa')")
     if query.shape[0] != 1:
-        raise ValueError(f"kvplug attention: the batch is packed into one row of tokens; got query shape {tuple(query.shape)}")
+        raise kvplug.InvalidArgumentError(f"kvplug attention: the batch is packed into one row of tokens; got query shape {tuple(query.shape)}")
     if dropout:
-        raise ValueError("kvplug attention is for inference: dropout must be 0 (call model.eval())")
+        raise kvplug.InvalidArgumentError("kvplug attention is for inference: dropout must be 0 (call model.eval())")
     if kwargs.get("softcap") is not None:
-        raise ValueError("kvplug attention does not support logit softcapping")
+        raise kvplug.InvalidArgumentError("kvplug attention does not support logit softcapping")
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [T, H, D]: head_dim stays contiguous, as the kernels need
     k = key[0].transpose(0, 1)  # [T, kv_heads, D]

@@ -54,12 +54,12 @@ class ModelShape:
         Qwen2 and those with the same attention fields)."""
         missing = [f for f in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(config, f, None) is None]
         if missing:
-            raise ValueError(f"kvplug.hf: config {type(config).__name__} lacks {', '.join(missing)}: not a decoder of the Llama family")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: config {type(config).__name__} lacks {', '.join(missing)}: not a decoder of the Llama family")
         qh = int(config.num_attention_heads)
         kvh = int(getattr(config, "num_key_value_heads", None) or qh)
         hd = getattr(config, "head_dim", None) or config.hidden_size // qh
         if qh % kvh:
-            raise ValueError(f"kvplug.hf: {qh} query heads are not a multiple of {kvh} kv heads")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: {qh} query heads are not a multiple of {kvh} kv heads")
         return ModelShape(int(config.num_hidden_layers), qh, kvh, int(hd))
 
 
@@ -181,12 +181,12 @@ class PagedKVCache:
         host_tier_slots = int(host_tier_slots)
         if host_tier_slots > 0:
             if not prefix_cache:
-                raise ValueError("kvplug.hf: a host tier needs the prefix cache (prefix_cache=True)")
+                raise kvplug.InvalidArgumentError("kvplug.hf: a host tier needs the prefix cache (prefix_cache=True)")
             if demote_ahead is None:
                 demote_ahead = self.default_demote_ahead(self.num_blocks)
             kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
             if demote_evicted and tier_overlap:
-                raise ValueError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
+                raise kvplug.InvalidArgumentError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
             if demote_evicted is None:
                 demote_evicted = not tier_overlap
             if demote_evicted:

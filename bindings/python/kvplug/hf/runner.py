@@ -34,11 +34,11 @@ def prepare_model(model: Any) -> Any:
 
 def _backend_for(cache: PagedKVCache, backend: str) -> str:
     if backend not in ("auto", "kernels", "torch"):
-        raise ValueError(f"kvplug.hf: backend must be 'auto', 'kernels' or 'torch', not {backend!r}")
+        raise kvplug.InvalidArgumentError(f"kvplug.hf: backend must be 'auto', 'kernels' or 'torch', not {backend!r}")
     gpu_ok = cache.device.type == "cuda" and cache.dtype in (torch.float16, torch.bfloat16)
     if backend == "kernels" and not gpu_ok:
-        raise ValueError(f"kvplug.hf: the kernels need a CUDA cache of float16 or bfloat16; this one is {cache.dtype} "
-                         f"on {cache.device} (use backend='torch')")
+        raise kvplug.InvalidArgumentError(f"kvplug.hf: the kernels need a CUDA cache of float16 or bfloat16; this one is {cache.dtype} "
+                                          f"on {cache.device} (use backend='torch')")
     if backend == "auto":
         return "kernels" if gpu_ok else "torch"
     return backend
@@ -202,14 +202,14 @@ class Runner:
         cascade: bool = False,
     ) -> None:
         if getattr(model.config, "_attn_implementation", None) != NAME:
-            raise ValueError("kvplug.hf.Runner: call kvplug.hf.prepare_model(model) first (attn_implementation must be 'kvplug')")
+            raise kvplug.InvalidArgumentError("kvplug.hf.Runner: call kvplug.hf.prepare_model(model) first (attn_implementation must be 'kvplug')")
         shape = ModelShape.of(model.config)
         if shape != cache.shape:
-            raise ValueError(f"kvplug.hf.Runner: the cache was made for {cache.shape}, the model is {shape}")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf.Runner: the cache was made for {cache.shape}, the model is {shape}")
         p = next(model.parameters())
         if p.dtype != cache.dtype or p.device != cache.device:
-            raise ValueError(f"kvplug.hf.Runner: the model is {p.dtype} on {p.device}, the cache {cache.dtype} on "
-                             f"{cache.device} (PagedKVCache.for_model makes a matching one)")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf.Runner: the model is {p.dtype} on {p.device}, the cache {cache.dtype} on "
+                                              f"{cache.device} (PagedKVCache.for_model makes a matching one)")
         self.model = model
         self.cache = cache
         self.backend = _backend_for(cache, backend)
@@ -225,7 +225,7 @@ class Runner:
         self.cascade_ws = None
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
-            raise ValueError("kvplug.hf: cascade attention needs the kernels backend (a CUDA fp16/bf16 cache)")
+            raise kvplug.InvalidArgumentError("kvplug.hf: cascade attention needs the kernels backend (a CUDA fp16/bf16 cache)")
         if self.backend == "kernels":
             sh = cache.shape
             kvplug.attn.prepare(self.device)
@@ -257,7 +257,7 @@ class Runner:
         shorter than max_model_len needs the prefill kernel, which these
         graphs do not use: such models run decode eagerly."""
         if self.backend != "kernels":
-            raise ValueError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
+            raise kvplug.InvalidArgumentError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
         if self._window and self._window < self.max_model_len:
             return
         if sizes is None:
@@ -325,11 +325,11 @@ class Runner:
 
     def _check(self, batch: Batch) -> None:
         if len(batch) > self.max_batch:
-            raise ValueError(f"kvplug.hf: a step of {len(batch)} sequences; this Runner takes up to {self.max_batch}")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: a step of {len(batch)} sequences; this Runner takes up to {self.max_batch}")
         if batch.num_tokens > self.max_step_tokens:
-            raise ValueError(f"kvplug.hf: a step of {batch.num_tokens} tokens; this Runner takes up to {self.max_step_tokens}")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: a step of {batch.num_tokens} tokens; this Runner takes up to {self.max_step_tokens}")
         if len(batch) and int(batch.seq_lens.max()) > self.max_model_len:
-            raise ValueError(f"kvplug.hf: a sequence of {int(batch.seq_lens.max())} tokens; max_model_len is {self.max_model_len}")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: a sequence of {int(batch.seq_lens.max())} tokens; max_model_len is {self.max_model_len}")
 
     @torch.no_grad()
     def step(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:

@@ -87,8 +87,8 @@ class TorchTierCopier:
         self.block_shape = (L, two, bs, kvh, hd)
         want = block_bytes(L, bs, kvh, hd, kv.dtype)
         if host.ndim != 2 or host.dtype != np.uint8 or host.shape[1] != want:
-            raise ValueError(f"kvplug.hf: host tier slots of {host.shape[1] if host.ndim == 2 else '?'} bytes; "
-                             f"a block of this cache is {want} bytes")
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: host tier slots of {host.shape[1] if host.ndim == 2 else '?'} bytes; "
+                                              f"a block of this cache is {want} bytes")
         self._host_np = host  # the library's memory, kept alive by this array
         self.host = torch.from_numpy(host).view(kv.dtype).view(host.shape[0], *self.block_shape)
         self.device = kv.device
@@ -153,7 +153,7 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
     if callable(spec):
         return spec(cache)
     if spec not in (None, "auto", "torch"):
-        raise ValueError(f"kvplug.hf: tier_copier must be 'auto', 'torch' or a callable, not {spec!r}")
+        raise kvplug.InvalidArgumentError(f"kvplug.hf: tier_copier must be 'auto', 'torch' or a callable, not {spec!r}")
     if spec != "torch" and cache.device.type == "cuda":
         kv = cache.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         return kvplug.TierCopier([kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])],
