@@ -1,4 +1,5 @@
-"""Whether a GPU test runs, skips or fails: the Python side of internal/gputest.
+"""Helpers of the GPU tests: whether one runs, skips or fails (the Python side
+of internal/gputest), and the row-by-row comparison of outputs.
 
 A test skips only on a machine with no NVIDIA device: no /dev/nvidiaN (nor
 WSL's /dev/dxg) and torch finding no CUDA device. Where a device node exists,
@@ -103,3 +104,29 @@ def cuda_torch() -> Any:
         skip(reason, module=True)
     pytest.fail(reason, pytrace=False)
 
+
+def row_err(got: Any, want: Any) -> Tuple[float, int]:
+    """The largest relative L2 error of one row of got against want (rows:
+    dim 0, one query token's heads), and that row, so that one bad short row
+    shows however long the rest of the batch is. A row whose reference is
+    zero (an empty sequence) must be zero; NaN anywhere (an unwritten,
+    poisoned element) fails."""
+    assert tuple(got.shape) == tuple(want.shape), f"shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    g = got.detach().cpu().double().reshape(got.shape[0], -1)
+    w = want.detach().cpu().double().reshape(want.shape[0], -1)
+    nan = g.isnan().any(dim=1).nonzero().flatten().tolist()
+    assert not nan, f"rows {nan[:16]} hold NaN (unwritten elements)"
+    if g.shape[0] == 0:
+        return 0.0, -1
+    num, den = (g - w).norm(dim=1), w.norm(dim=1)
+    err = num / den.clamp_min(1e-300)
+    err[den == 0] = float("inf")
+    err[(den == 0) & (num == 0)] = 0.0
+    row = int(err.argmax())
+    return float(err[row]), row
+
+
+def check_rows(got: Any, want: Any, tol: float, what: str = "") -> None:
+    """Asserts that every row of got is within tol of want (row_err)."""
+    err, row = row_err(got, want)
+    assert err < tol, f"{what}{': ' if what else ''}row {row}: relative error {err:.3g} above {tol:.1g}"

@@ -53,3 +53,20 @@ def test_skip_fails_when_required(monkeypatch):
     with pytest.raises(pytest.skip.Exception):
         gputest.skip("no Hopper")
 
+
+def test_row_err_finds_one_bad_short_row():
+    want = torch.ones((64, 4, 8), dtype=torch.float64)
+    got = want.clone()
+    got[37, 0, 0] += 0.5  # one element of one row: 0.5 / sqrt(32) of that row, ~1e-3 of the batch
+    err, row = gputest.row_err(got, want)
+    assert row == 37 and err == pytest.approx(0.5 / 32 ** 0.5)
+    whole = ((got - want).norm() / want.norm()).item()
+    assert whole < err / 5
+    zero = torch.zeros_like(want)
+    got = zero.clone()
+    got[3, 1, 1] = 1e-9  # a row whose reference is zero must be zero
+    assert gputest.row_err(got, zero) == (float("inf"), 3)
+    assert gputest.row_err(zero, zero) == (0.0, 0)
+    got[5, 0, 0] = float("nan")
+    with pytest.raises(AssertionError, match=r"rows \[5\]"):
+        gputest.row_err(got, zero)

@@ -50,13 +50,24 @@ def test_enable_logging_routes_to_the_logging_module(caplog):
 
 
 def test_callback_exceptions_do_not_escape(caplog):
+    calls = []
+
     def bad(level, msg):
+        calls.append(msg)
         raise RuntimeError("boom")
 
+    caplog.set_level(logging.ERROR, logger="kvplug")
     kvplug.set_logger(bad, kvplug.LOG_DEBUG)
-    with kvplug.Manager(8, 4):  # the library keeps working
-        pass
+    with kvplug.Manager(8, 4) as m:  # the library keeps working
+        m.add(1, 4)
+        m.check()
+        assert m.stats().used_blocks == 1
     kvplug.set_logger(None)
+    assert calls, "the callback never ran, so nothing was raised"
+    # Each exception is reported through logging instead of crossing into the library.
+    failed = [r for r in caplog.records if r.name == "kvplug" and r.getMessage() == "kvplug log callback failed"]
+    assert failed and len(failed) <= len(calls)
+    assert all(r.exc_info and isinstance(r.exc_info[1], RuntimeError) and str(r.exc_info[1]) == "boom" for r in failed)
 
 
 def test_set_logger_rejects_non_callables_at_once():

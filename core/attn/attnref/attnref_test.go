@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/kvplug/kvplug/core/attn"
@@ -257,16 +258,20 @@ func TestRefMergeEqualsConcatenation(t *testing.T) {
 			// attended as its own batch entry with the same query.
 			total := 200
 			cuts := []int{0, total}
-			for len(cuts) < n+1 {
+			for len(cuts) < n {
 				cuts = append(cuts, r.IntN(total+1))
+			}
+			if n > 1 {
+				// A repeated cut: the part between the two copies is empty.
+				cuts = append(cuts, cuts[r.IntN(len(cuts))])
 			}
 			sortInts(cuts)
 			lens := make([]int, n)
 			for i := range lens {
 				lens[i] = cuts[i+1] - cuts[i]
 			}
-			if n > 1 {
-				lens[r.IntN(n)] += 0 // an empty part arises when two cuts coincide
+			if n > 1 && !slices.Contains(lens, 0) {
+				t.Fatalf("cuts %v leave no part empty", cuts)
 			}
 			whole := newDecodeProblem(t, r, problemShape{d, D, heads, 1, 16, []int{total}, false})
 			// Parts: same K/V rows, same query.
