@@ -1,7 +1,7 @@
 """Python mirror of kernels/kvplug_kernels.h for the scripts that launch the
-kernels straight from the fatbin (tests/gpu/test_kernels_cupy.py,
-bench/decode_bench.py): the parameter structs as numpy dtypes, whose sizes
-are asserted against the header's, and the dynamic shared-memory formula."""
+kernels straight from the fatbin (bench/decode_bench.py): the parameter
+structs as numpy dtypes, whose sizes are asserted against the header's, and
+the dynamic shared-memory formula."""
 
 import numpy as np
 

@@ -28,9 +28,12 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 class Paged:
     """A random batch: logical K/V per sequence, a paged cache filled by
-    attn.kv_write through a shuffled block allocation, and its block table."""
+    attn.kv_write through a shuffled block allocation, and its block table.
+    combined: K and V are views of one [num_blocks, 2, bs, kvh, D] tensor
+    (a block stride of twice the block), as engines with one KV tensor
+    per layer hold them."""
 
-    def __init__(self, gen, dtype, D, qh, kvh, bs, lens):
+    def __init__(self, gen, dtype, D, qh, kvh, bs, lens, combined=False):
         self.dtype, self.D, self.qh, self.kvh, self.bs, self.lens = dtype, D, qh, kvh, bs, lens
         nblk = [math.ceil(L / bs) for L in lens]
         self.num_blocks = sum(nblk) + 2
@@ -48,18 +51,23 @@ class Paged:
         total = sum(lens)
         self.k = (torch.rand((total, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
         self.v = (torch.rand((total, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
-        shape = (self.num_blocks, bs, kvh, D)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        if combined:
+            kv = torch.full((self.num_blocks, 2, bs, kvh, D), float("nan"), dtype=dtype, device=DEV)
+            self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
+        else:
+            shape = (self.num_blocks, bs, kvh, D)
+            self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+            self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
         self.slots = torch.tensor(slots, dtype=torch.int32, device=DEV)
         attn.kv_write(self.k, self.v, self.k_cache, self.v_cache, self.slots)
         self.q = (torch.rand((len(lens), qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
 
-    def reference(self, scale, q=None, q_len=1, lens=None):
+    def reference(self, scale, q=None, q_len=1, lens=None, keep=None):
         """float64 attention of q ([batch * q_len, qh, D]; default self.q):
         sequence b's new token t sits at position L - q_len + t and sees
         positions [0, that position], L = lens[b] (default self.lens: the
-        first lens[b] of the sequence's self.lens[b] written tokens)."""
+        first lens[b] of the sequence's self.lens[b] written tokens); of
+        those, only the positions keep[b] (bool [L]) holds, when given."""
         q = self.q if q is None else q
         lens = self.lens if lens is None else lens
         B = len(lens)
@@ -72,11 +80,14 @@ class Paged:
             v = self.v[start:start + L].double().repeat_interleave(g, dim=1)
             for t in range(q_len):
                 end = L - q_len + t + 1
-                if end > 0:
+                kk, vv = (k[:end], v[:end]) if end > 0 else (k[:0], v[:0])
+                if keep is not None and end > 0:
+                    kk, vv = kk[keep[b][:end]], vv[keep[b][:end]]
+                if kk.shape[0] > 0:
                     r = b * q_len + t
-                    s = torch.einsum("hd,lhd->hl", q[r].double(), k[:end]) * scale
+                    s = torch.einsum("hd,lhd->hl", q[r].double(), kk) * scale
                     lse[r] = torch.logsumexp(s, dim=1)
-                    out[r] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v[:end])
+                    out[r] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), vv)
             start += written
         return out, lse
 
@@ -93,7 +104,7 @@ def ragged(gen, batch, bs, max_len):
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_paged_decode(dtype, D, bs, group, seed):
     gen = torch.Generator().manual_seed(seed)
-    p = Paged(gen, dtype, D, 2 * group, 2, bs, ragged(gen, 6, bs, 700))
+    p = Paged(gen, dtype, D, 2 * group, 2, bs, ragged(gen, 6, bs, 700), combined=bs != 16)
     ws = torch.empty(attn.workspace_size(6, 2 * group, D), dtype=torch.uint8, device=DEV)
     out = torch.full_like(p.q, float("nan"))
     lse = torch.full((6, 2 * group), float("nan"), dtype=torch.float32, device=DEV)
@@ -106,6 +117,118 @@ def test_paged_decode(dtype, D, bs, group, seed):
     empty = want_lse.isinf()
     assert torch.isneginf(lse[empty]).all()
     assert torch.allclose(lse[~empty].double(), want_lse[~empty], rtol=1e-3, atol=1e-3)
+
+
+def decode_and_check(p, splits, table=None, keep=None):
+    """paged_decode of p.q into poisoned out and lse with splits (0: the
+    library's choice), against the float64 reference, row by row."""
+    B, qh = p.q.shape[0], p.q.shape[1]
+    ws = torch.empty(attn.workspace_size(B, qh, p.D, 8), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(p.q, float("nan"))
+    lse = torch.full((B, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table if table is None else table, p.seq_lens, out=out, lse=lse,
+                      workspace=ws, num_splits=splits, max_seq_len=max(max(p.lens), 1))
+    torch.cuda.synchronize()
+    want, want_lse = p.reference(1 / math.sqrt(p.D), keep=keep)
+    check_rows(out, want, TOL[p.dtype], f"splits {splits}")
+    empty = want_lse.isinf()
+    assert torch.isneginf(lse[empty]).all()
+    assert torch.allclose(lse[~empty].double(), want_lse[~empty], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [3, 20, 32])
+def test_paged_decode_odd_groups(dtype, group, seed):
+    """Groups that are not powers of two or exceed one tile's 16 q heads."""
+    gen = torch.Generator().manual_seed(seed)
+    p = Paged(gen, dtype, 128, 2 * group, 2, 16, [5, 200, 0, 77])
+    decode_and_check(p, 1)
+    decode_and_check(p, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bs", [1, 16, 48])
+def test_paged_decode_ignores_bad_table_entries(dtype, bs, seed):
+    """Block ids outside [0, num_blocks) inside a sequence, and table columns
+    at or past max_blocks_per_seq (a table narrower than the sequences),
+    are skipped: their tokens are left out, and nothing faults."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [3 * bs + 5, 2 * bs + 1, bs, 0]
+    p = Paged(gen, dtype, 64, 8, 2, bs, lens)
+    table = p.table.clone()
+    nblk = [math.ceil(L / bs) for L in lens]
+    keep = [torch.ones(L, dtype=torch.bool, device=DEV) for L in lens]
+    for b, n in enumerate(nblk):
+        if n >= 2:  # the second block of the sequence: past the pool's end, or negative
+            table[b, 1] = p.num_blocks + 3 if b % 2 else -5
+            keep[b][bs:2 * bs] = False
+    cols = max(1, max(nblk) - 1)  # one column short of the longest sequence
+    for b in range(len(lens)):
+        keep[b][cols * bs:] = False
+    narrow = table[:, :cols]  # a view: the row stride stays the full table's
+    assert narrow.stride(0) > cols
+    decode_and_check(p, 1, narrow, keep)
+    decode_and_check(p, 2, narrow, keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bs", [1, 16, 64, 256])
+def test_kv_write_exact(dtype, D, bs, seed):
+    """kv_write from strided K and V (slices of a fused [tokens, 3, heads,
+    D] QKV buffer) into one combined cache [blocks, 2, bs, heads, D]: each
+    token's slot holds its bytes exactly, padding slots (-1) and slots past
+    the pool are skipped, and every other byte is left as it was."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, ntok = 3, 45
+    num_blocks = math.ceil(2 * ntok / bs) + 2
+    qkv = (torch.rand((ntok, 3, heads, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:ntok].to(torch.int32)
+    slots[torch.randperm(ntok, generator=gen)[:5]] = -1
+    slots[0] = num_blocks * bs + 7
+    cache = (torch.rand((num_blocks, 2, bs, heads, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    want = cache.clone()
+    attn.kv_write(qkv[:, 1], qkv[:, 2], cache[:, 0], cache[:, 1], slots.to(DEV))
+    torch.cuda.synchronize()
+    ok = ((slots >= 0) & (slots < num_blocks * bs)).to(DEV)
+    s = slots.to(DEV).long()[ok]
+    want[s // bs, 0, s % bs] = qkv[ok, 1]
+    want[s // bs, 1, s % bs] = qkv[ok, 2]
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_merge_states_reference(dtype, D, n, seed):
+    """merge_states of n states with empty (-inf) entries, a token empty in
+    every state, into views of wider poisoned buffers: the merge against
+    float64, out 0 and lse -inf where every state is empty, and the
+    buffers' columns past the views left unwritten."""
+    gen = torch.Generator().manual_seed(seed)
+    T, H = 9, 5
+    vs = [(torch.rand((T, H, D), generator=gen) * 4 - 2).to(dtype) for _ in range(n)]
+    ss = [torch.randn((T, H), generator=gen) * 4 for _ in range(n)]
+    for st in ss:
+        st[torch.rand((T, H), generator=gen) < 0.2] = float("-inf")
+        st[1, 2] = float("-inf")  # token 1, head 2: empty everywhere
+    ss[0][0, :] = float("-inf")
+    S = torch.stack(ss).double()  # [n, T, H]
+    want_lse = torch.logsumexp(S, dim=0)
+    w = torch.softmax(S, dim=0).nan_to_num(0.0)  # an all -inf column is NaN: weight 0
+    want = (w[..., None] * torch.stack([v.double() for v in vs])).sum(0)
+    out_buf = torch.full((T, H, D + 8), float("nan"), dtype=dtype, device=DEV)
+    lse_buf = torch.full((T, H + 1), float("nan"), dtype=torch.float32, device=DEV)
+    attn.merge_states([v.to(DEV) for v in vs], [st.to(DEV) for st in ss], out=out_buf[..., :D], out_lse=lse_buf[:, :H])
+    torch.cuda.synchronize()
+    check_rows(out_buf[..., :D], want, TOL[dtype])
+    assert out_buf[..., D:].isnan().all(), "out's row padding was written"
+    assert lse_buf[:, H].isnan().all(), "out_lse's row padding was written"
+    lse = lse_buf[:, :H].cpu().double()
+    empty = want_lse.isneginf()
+    assert empty[1, 2] and torch.equal(lse.isneginf(), empty)
+    assert (out_buf[1, 2, :D] == 0).all()
+    assert torch.allclose(lse[~empty], want_lse[~empty], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7, 0])
