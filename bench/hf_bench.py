@@ -63,7 +63,9 @@ import gc
 import importlib.util
 import json
 import math
+import os
 import pathlib
+import re
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -370,6 +372,41 @@ def pct(a, q) -> float:
     return float(np.percentile(a, q)) * 1e3 if len(a) else float("nan")
 
 
+def fmt(v: float, spec: str) -> str:
+    """v formatted by spec, or "-" in its width when v is nan (a figure the
+    run has no sample of: no full-batch step, no finished request)."""
+    if not math.isnan(v):
+        return format(v, spec)
+    width = re.match(r"\d*", spec).group()
+    return format("-", ">" + width) if width else "-"
+
+
+KV_GB_MAX = 40.0  # the default pool's ceiling (GiB): the issue's measurements used 40 GiB
+
+
+def device_free_bytes(device: str) -> int:
+    """Memory a KV pool may take on `device`: 90% of the GPU's free memory
+    (after the model's weights), or half the RAM the kernel reports
+    available on the CPU."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(0.9 * free)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // 2
+
+
+def default_pool_blocks(args, block_bytes: int, ws: int) -> int:
+    """The pool without --kv-gb or --num-blocks: the workload's working set
+    (every sequence at its longest at once: no run needs more), at most
+    KV_GB_MAX GiB and at most what the device has free."""
+    cap = min(int(KV_GB_MAX * 2**30), device_free_bytes(args.device)) // block_bytes
+    return min(ws + args.max_batch, cap)
+
+
 def copy_ceiling(device: str, gib: float = 1.0, reps: int = 5) -> Optional[Dict[str, float]]:
     """GB/s of one large pinned host -> device (and device -> host) copy:
     the link's ceiling for the host tier's loads (None off CUDA)."""
@@ -415,8 +452,10 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         num_blocks = args.num_blocks
     elif conv is not None:
         num_blocks = int(math.ceil(args.m_pool_frac * ws))
-    else:
+    elif args.kv_gb is not None:
         num_blocks = int(args.kv_gb * 2**30 // block_bytes)
+    else:
+        num_blocks = default_pool_blocks(args, block_bytes, ws)
     num_blocks = max(num_blocks, -(-max_len // bs) + 1)
     tier: Dict[str, Any] = {}
     if system == "kvplug-host":
@@ -489,20 +528,21 @@ def line(system: str, wl: str, r: Dict[str, Any], ceiling: Optional[Dict[str, fl
     tps = r["out_tokens"] / max(r["wall"], 1e-9)
     extra = ""
     if "ttft_next" in r:
-        extra += (f"  turns 2+ TTFT p50 {pct(r['ttft_next'], 50):.1f} p99 {pct(r['ttft_next'], 99):.1f} ms"
+        extra += (f"  turns 2+ TTFT p50 {fmt(pct(r['ttft_next'], 50), '.1f')} p99 {fmt(pct(r['ttft_next'], 99), '.1f')} ms"
                   f"  pool {r['num_blocks']} blocks ({r['num_blocks'] / max(r['working_set_blocks'], 1):.2f} of the "
                   f"working set), prefill {r['prefill_tokens']} tokens")
     if "hit_rate" in r:
         extra += (f"  hit {r['hit_rate']:5.1%}  preempt {r['preemptions']:4d}  host {r['host_share']:5.1%}"
-                  f" (full batch {r['host_share_full_batch']:.1%})  graphs {r['graph_steps']}/{r['steps']}"
+                  f" (full batch {fmt(r['host_share_full_batch'], '.1%')})  graphs {r['graph_steps']}/{r['steps']}"
                   f" ({r['graph_decode_steps']} routed to paged_decode)"
                   f"  decode steps {r['decode_steps']} {r['decode_time']:.1f} s, others {r['other_time']:.1f} s,"
-                  f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
-                  f" (host {r['host_ms_full_batch']:.2f} ms)")
+                  + (f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
+                     f" (host {r['host_ms_full_batch']:.2f} ms)" if not math.isnan(r["decode_step_ms_full_batch"])
+                     else " no full-batch decode step"))
     extra += tier_text(r, ceiling)
     return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
-            f"TTFT p50 {pct(r['ttft'], 50):8.1f} p99 {pct(r['ttft'], 99):8.1f} ms  "
-            f"TPOT p50 {pct(r['tpot'], 50):6.1f} p99 {pct(r['tpot'], 99):6.1f} ms" + extra)
+            f"TTFT p50 {fmt(pct(r['ttft'], 50), '8.1f')} p99 {fmt(pct(r['ttft'], 99), '8.1f')} ms  "
+            f"TPOT p50 {fmt(pct(r['tpot'], 50), '6.1f')} p99 {fmt(pct(r['tpot'], 99), '6.1f')} ms" + extra)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -526,7 +566,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--step-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV pool size (GiB) unless --num-blocks")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV pool size (GiB) unless --num-blocks (default: the workload's working set, at most "
+                    f"{KV_GB_MAX:.0f} GiB and at most 90%% of the GPU's free memory, or half the available RAM on the CPU)")
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     ap.add_argument("--cascade", action="store_true",
@@ -605,12 +647,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 load = f"  loads {t['load_gbps']:.1f} GB/s"
                 load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
                 load += f", host hit {t['host_hit_rate']:.1%}"
-            print(f"  {system:12s} {pct(r['ttft'], 50):8.1f} / {pct(r['ttft'], 99):8.1f} "
-                  f"({pct(r['ttft_next'], 50):.1f} / {pct(r['ttft_next'], 99):.1f})  "
+            print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
+                  f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
                   f"{r['out_tokens'] / max(r['wall'], 1e-9):8.1f} tok/s" + load)
         h, base = results.get("m/kvplug-host"), results.get("m/kvplug")
         if h and base:
-            print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9):.2f}x "
+            print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "
                   f"lower, output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
         if ceiling:
             results["m/ceiling"] = ceiling

@@ -29,16 +29,36 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import importlib
 import sys
 import time
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 
 import kvplug
-import kvplug.hf as kvhf
-from kvplug.hf.tier_copy import summary_lines as tier_lines
+
+
+class _Lazy:
+    """A module imported on its first attribute read: torch (and kvplug.hf,
+    which imports it) take seconds to import, and `--help` or a bad flag
+    should not wait for them."""
+
+    def __init__(self, name: str) -> None:
+        self.__dict__["_name"] = name
+
+    def __getattr__(self, attr: str) -> Any:
+        mod = importlib.import_module(self.__dict__["_name"])
+        return getattr(mod, attr)
+
+
+torch: Any = _Lazy("torch")
+kvhf: Any = _Lazy("kvplug.hf")
+
+
+def tier_lines(s: Dict[str, Any]) -> List[str]:
+    return kvhf.tier_copy.summary_lines(s)
+
 
 # -- requests ------------------------------------------------------------------
 
@@ -397,7 +417,7 @@ def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
     tpot = np.array([(r.finished - r.first_token) / max(r.output_tokens / r.n - 1, 1) for r in done]) * 1e3
     pct = lambda a: " / ".join(f"{np.percentile(a, q):.1f}" for q in (50, 90, 99)) if len(a) else "-"  # noqa: E731
     c = engine.cache
-    ps = c.manager.prefix_stats()
+    cached, prompt = c.stats["cached_tokens"], c.stats["prompt_tokens"]
     block_bytes = c.nbytes // c.num_blocks
     host = np.array(engine.host_times)
     stepv = np.array(engine.step_times)
@@ -408,7 +428,10 @@ def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
         f"throughput: {out / wall:.1f} output tokens/s ({out} tokens); prefill computed {engine.prefill_tokens} tokens",
         f"TTFT ms p50 / p90 / p99: {pct(ttft)}",
         f"TPOT ms p50 / p90 / p99: {pct(tpot)}",
-        f"prefix cache: hit rate {ps.hit_rate:.1%} of prompt tokens at admission ({ps.hit_tokens} of {ps.query_tokens})",
+        # The cache's own count of admissions: the manager's prefix stats count the match that sizes each
+        # admission's chunk too, so their hit and query tokens hold every prompt twice.
+        f"prefix cache: hit rate {cached / prompt if prompt else 0.0:.1%} of prompt tokens at admission "
+        f"({cached} of {prompt})",
         f"KV memory: pool {c.nbytes / 2**20:.1f} MiB ({c.num_blocks} blocks x {c.block_size} tokens), "
         f"peak used {engine.peak_blocks} blocks = {engine.peak_blocks * block_bytes / 2**20:.1f} MiB",
         f"host side (schedule + manager + sampling): {host.sum() / max(stepv.sum(), 1e-9):.1%} of step time, "
@@ -417,6 +440,10 @@ def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
 
 
 # -- models (random weights, shapes of real ones) ----------------------------------------
+
+
+# The shapes make_model builds (named here for --help, which imports neither torch nor transformers).
+MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "llama3-8b")
 
 
 def make_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
@@ -436,6 +463,7 @@ def make_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
                                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                                           rope_theta=500000.0, max_position_embeddings=8192)),
     }
+    assert tuple(shapes) == MODELS, "MODELS names make_model's shapes"
     if name not in shapes:
         raise SystemExit(f"--model must be one of {', '.join(shapes)}")
     cfg_cls, model_cls, kw = shapes[name]
@@ -507,8 +535,9 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="tiny-llama", choices=MODELS,
+                    help="the shape of the random-weight model (default: %(default)s)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when torch sees a GPU)")
     ap.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rate", type=float, default=4.0, help="arrivals per second (0: all at once)")
@@ -529,6 +558,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     model = kvhf.prepare_model(make_model(args.model, dtype, args.device, args.seed))

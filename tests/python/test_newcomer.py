@@ -426,3 +426,90 @@ def test_gpu_entry_points_raise_no_device_error():
                        (lambda: attn.num_splits(torch.float16, 128, 1, 32, 8, 100), "attn.num_splits")):
         with pytest.raises(kvplug.NoDeviceError, match=name + ": no CUDA device"):
             call()
+
+
+# ---- the smoke runs: examples/hf_engine.py and bench/hf_bench.py ------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str, path: str):
+    """A script of the repository as a module (registered: its dataclasses look their module up)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_engine_help_lists_the_models_without_importing_torch():
+    r = run_python(f"""
+        import runpy, sys
+        sys.argv = ["hf_engine.py", "--help"]
+        try:
+            runpy.run_path({str(ROOT / "examples" / "hf_engine.py")!r}, run_name="__main__")
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        print("imported:", sorted(m for m in ("torch", "transformers", "kvplug.hf") if m in sys.modules))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "{tiny-llama,tiny-mistral,tiny-qwen2,llama3-8b}" in r.stdout.replace("\n", "").replace(" ", "")
+    assert r.stdout.splitlines()[-1] == "imported: []"
+
+
+def engine_summary(capsys, *flags: str) -> list:
+    E = load_script("hf_engine", "examples/hf_engine.py")
+    E.main(["--device", "cpu", "--dtype", "float32", "--requests", "4", "--rate", "0", "--system", "32", "--own", "8", "8",
+            "--output", "2", "2", "--max-batch", "4", "--step-tokens", "256", "--quiet", *flags])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_engine_summary_counts_each_admitted_prompt_once(capsys):
+    lines = engine_summary(capsys)
+    hit = [ln for ln in lines if "prefix cache:" in ln]
+    assert len(hit) == 1, lines
+    # Four prompts of 32 + 8 tokens, none preempted: 160 prompt tokens at admission, not 320.
+    assert "of 160)" in hit[0], hit[0]
+    assert "preemptions" in lines[1] and ", 0 preemptions" in lines[1], lines[1]
+
+
+def test_engine_summary_has_no_shared_tier_line_without_one(capsys):
+    lines = engine_summary(capsys, "--host-cache-gb", "0.01")
+    assert any("host tier:" in ln for ln in lines), lines
+    assert not any("shared tier" in ln for ln in lines), lines
+
+
+def test_bench_formats_missing_figures_as_a_dash():
+    B = load_script("hf_bench", "bench/hf_bench.py")
+    assert B.fmt(float("nan"), "8.1f") == "       -" and B.fmt(float("nan"), ".1%") == "-"
+    assert B.fmt(0.25, ".1%") == "25.0%" and B.fmt(3.14159, "6.1f") == "   3.1"
+
+
+def test_bench_pool_defaults_to_the_workload_within_the_device(monkeypatch):
+    import argparse
+
+    B = load_script("hf_bench", "bench/hf_bench.py")
+    assert B.device_free_bytes("cpu") > 0
+    args = argparse.Namespace(device="cpu", max_batch=8)
+    monkeypatch.setattr(B, "device_free_bytes", lambda device: 1 << 40)
+    assert B.default_pool_blocks(args, 1 << 20, 1000) == 1008  # the working set fits
+    assert B.default_pool_blocks(args, 1 << 20, 10**6) == 40 * 1024  # at most 40 GiB
+    monkeypatch.setattr(B, "device_free_bytes", lambda device: 100 << 20)
+    assert B.default_pool_blocks(args, 1 << 20, 1000) == 100  # at most what the device has free
+
+
+def test_bench_smoke_run_without_kv_gb(tmp_path, capsys):
+    B = load_script("hf_bench", "bench/hf_bench.py")
+    out = tmp_path / "c.json"
+    B.main(["--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--workloads", "c", "--systems", "kvplug",
+            "--scale", "0.02", "--samples-c", "2", "--own", "8", "16", "--output", "4", "8", "--max-batch", "4",
+            "--step-tokens", "64", "--chunk", "32", "--quiet", "--json", str(out)])
+    text = capsys.readouterr().out
+    r = __import__("json").loads(out.read_text())["c/kvplug"]
+    assert r["finished"] == r["requests"] == 1
+    assert r["num_blocks"] == r["working_set_blocks"] + 4  # sized to the workload, not 40 GiB
+    assert "nan" not in text and "full batch -" in text, text  # two sequences: no full batch of 4

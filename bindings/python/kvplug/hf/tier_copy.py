@@ -351,7 +351,9 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
         f"{s['load_gbps']:.1f} GB/s",
     ]
     shared = {k: v for k, v in s.items() if k.startswith("shared_")}
-    if shared:
+    # The stats carry the shared tier's fields whether or not there is one:
+    # a manager without one has them all zero (and no server available).
+    if any(shared.values()):
         lines.append("shared tier: " + ", ".join(
             f"{k[7:]} {v:.1%}" if isinstance(v, float) else f"{k[7:]} {v}" for k, v in sorted(shared.items())))
     return lines
