@@ -7,7 +7,7 @@ BUILD     := build
 LIB       := $(BUILD)/libkvplug.so
 VENV      := $(BUILD)/venv
 VPY       := $(VENV)/bin/python
-GO_SRC    := $(shell find capi core kernels -name '*.go' -not -name '*_test.go' 2>/dev/null) capi/errors.c capi/glue.h include/kvplug.h go.mod go.sum
+GO_SRC    := $(shell find capi core internal kernels -name '*.go' -not -name '*_test.go' 2>/dev/null) $(wildcard capi/*.c capi/*.h) include/kvplug.h go.mod go.sum
 
 -include kernels/kernels.mk
 

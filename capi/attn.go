@@ -18,8 +18,8 @@ import (
 // stack and call it: no allocation on success, and the caller's C thread
 // (pinned for the call) is the one whose current CUDA context is used.
 
-//export kvp_cuda_available
-func kvp_cuda_available(out *C.int32_t) (st C.kvp_status) {
+//export kvpgo_cuda_available
+func kvpgo_cuda_available(out *C.int32_t) (st C.kvp_status) {
 	defer guard(&st)
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_cuda_available: out must not be NULL")
@@ -31,14 +31,14 @@ func kvp_cuda_available(out *C.int32_t) (st C.kvp_status) {
 	return C.KVP_OK
 }
 
-//export kvp_attn_prepare
-func kvp_attn_prepare() (st C.kvp_status) {
+//export kvpgo_attn_prepare
+func kvpgo_attn_prepare() (st C.kvp_status) {
 	defer guard(&st)
 	return fail(attn.Prepare())
 }
 
-//export kvp_attn_workspace_size
-func kvp_attn_workspace_size(maxBatch, qHeads, headDim, maxSplits C.int32_t, out *C.uint64_t) (st C.kvp_status) {
+//export kvpgo_attn_workspace_size
+func kvpgo_attn_workspace_size(maxBatch, qHeads, headDim, maxSplits C.int32_t, out *C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_attn_workspace_size: out_bytes must not be NULL")
@@ -51,8 +51,8 @@ func kvp_attn_workspace_size(maxBatch, qHeads, headDim, maxSplits C.int32_t, out
 	return C.KVP_OK
 }
 
-//export kvp_attn_num_splits
-func kvp_attn_num_splits(dtype, headDim, batch, qHeads, kvHeads, maxSeqLen C.int32_t, out *C.int32_t) (st C.kvp_status) {
+//export kvpgo_attn_num_splits
+func kvpgo_attn_num_splits(dtype, headDim, batch, qHeads, kvHeads, maxSeqLen C.int32_t, out *C.int32_t) (st C.kvp_status) {
 	defer guard(&st)
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_attn_num_splits: out must not be NULL")
@@ -65,8 +65,8 @@ func kvp_attn_num_splits(dtype, headDim, batch, qHeads, kvHeads, maxSeqLen C.int
 	return C.KVP_OK
 }
 
-//export kvp_kv_write
-func kvp_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_kv_write
+func kvpgo_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_kv_write: args must not be NULL")
@@ -93,8 +93,8 @@ func kvp_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status) {
 	return fail(attn.KVWrite(&w, cuda.Stream(stream)))
 }
 
-//export kvp_paged_decode
-func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_paged_decode
+func kvpgo_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_paged_decode: args must not be NULL")
@@ -129,8 +129,8 @@ func kvp_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp_s
 	return fail(attn.PagedDecode(&d, cuda.Stream(stream)))
 }
 
-//export kvp_merge_states
-func kvp_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_merge_states
+func kvpgo_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_merge_states: args must not be NULL")
@@ -160,8 +160,8 @@ func kvp_merge_states(a *C.kvp_merge_states_args, stream C.uint64_t) (st C.kvp_s
 	return fail(attn.MergeStates(&m, cuda.Stream(stream)))
 }
 
-//export kvp_prefill_workspace_size
-func kvp_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.int32_t, out *C.uint64_t) (st C.kvp_status) {
+//export kvpgo_prefill_workspace_size
+func kvpgo_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.int32_t, out *C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if out == nil {
 		return failf(kverr.NullPointer, "kvp_prefill_workspace_size: out_bytes must not be NULL")
@@ -174,8 +174,8 @@ func kvp_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.
 	return C.KVP_OK
 }
 
-//export kvp_prefill_plan
-func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_prefill_plan
+func kvpgo_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if a == nil || plan == nil {
 		return failf(kverr.NullPointer, "kvp_prefill_plan: args and plan must not be NULL")
@@ -225,8 +225,8 @@ func kvp_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, stream 
 	return fail(writeAttnPlan(plan, &p, p.PlanState()))
 }
 
-//export kvp_paged_prefill
-func kvp_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_paged_prefill
+func kvpgo_paged_prefill(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	p, state, r, err := planRunOf("kvp_paged_prefill", plan, a)
 	if err != nil {

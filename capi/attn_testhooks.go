@@ -23,7 +23,7 @@ type decodeHookArgs struct {
 
 func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
 	if null {
-		return abiStatus(kvp_paged_decode(nil, 0))
+		return abiStatus(kvpgo_paged_decode(nil, 0))
 	}
 	a := C.kvp_paged_decode_args{
 		struct_size: C.size_t(h.structSize), dtype: C.int32_t(h.dtype), head_dim: C.int32_t(h.headDim),
@@ -40,7 +40,7 @@ func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
 	a.out_batch_stride, a.out_head_stride = C.int64_t(qh*D), C.int64_t(D)
 	a.cache_block_stride, a.cache_token_stride, a.cache_head_stride = C.int64_t(bs*kvh*D), C.int64_t(kvh*D), C.int64_t(D)
 	a.block_table_stride = C.int64_t(h.maxBlocks)
-	return abiStatus(kvp_paged_decode(&a, 0))
+	return abiStatus(kvpgo_paged_decode(&a, 0))
 }
 
 func sizeofPagedDecodeArgs() uintptr { return unsafe.Sizeof(C.kvp_paged_decode_args{}) }
@@ -52,7 +52,7 @@ func hookKVWrite(structSize uintptr, dtype, headDim int32) abiStatus {
 		key_token_stride: C.int64_t(headDim), key_head_stride: C.int64_t(headDim),
 		value_token_stride: C.int64_t(headDim), value_head_stride: C.int64_t(headDim),
 		cache_block_stride: C.int64_t(headDim), cache_token_stride: C.int64_t(headDim), cache_head_stride: C.int64_t(headDim)}
-	return abiStatus(kvp_kv_write(&a, 0))
+	return abiStatus(kvpgo_kv_write(&a, 0))
 }
 
 func sizeofKVWriteArgs() uintptr { return unsafe.Sizeof(C.kvp_kv_write_args{}) }
@@ -65,7 +65,7 @@ func hookMergeStates(numStates int32, reserved int32) abiStatus {
 	for i := 0; i < int(C.KVP_MERGE_MAX_STATES); i++ {
 		a.v[i], a.s[i] = C.uint64_t(0x1000*(i+1)), C.uint64_t(0x100000+0x1000*i)
 	}
-	return abiStatus(kvp_merge_states(&a, 0))
+	return abiStatus(kvpgo_merge_states(&a, 0))
 }
 
 func hookWorkspaceSize(maxBatch, qHeads, headDim, maxSplits int32, null bool) (uint64, abiStatus) {
@@ -74,19 +74,19 @@ func hookWorkspaceSize(maxBatch, qHeads, headDim, maxSplits int32, null bool) (u
 	if null {
 		p = nil
 	}
-	st := kvp_attn_workspace_size(C.int32_t(maxBatch), C.int32_t(qHeads), C.int32_t(headDim), C.int32_t(maxSplits), p)
+	st := kvpgo_attn_workspace_size(C.int32_t(maxBatch), C.int32_t(qHeads), C.int32_t(headDim), C.int32_t(maxSplits), p)
 	return uint64(n), abiStatus(st)
 }
 
 func hookCudaAvailable() (int32, abiStatus) {
 	var v C.int32_t = 7
-	st := kvp_cuda_available(&v)
+	st := kvpgo_cuda_available(&v)
 	return int32(v), abiStatus(st)
 }
 
 func hookNumSplits(dtype, headDim, batch, qHeads, kvHeads, maxLen int32) (int32, abiStatus) {
 	var v C.int32_t
-	st := kvp_attn_num_splits(C.int32_t(dtype), C.int32_t(headDim), C.int32_t(batch), C.int32_t(qHeads), C.int32_t(kvHeads), C.int32_t(maxLen), &v)
+	st := kvpgo_attn_num_splits(C.int32_t(dtype), C.int32_t(headDim), C.int32_t(batch), C.int32_t(qHeads), C.int32_t(kvHeads), C.int32_t(maxLen), &v)
 	return int32(v), abiStatus(st)
 }
 
@@ -106,7 +106,7 @@ func hookPrefillPlan(qo, kv []int32, wsBytes uint64, structSize uintptr, reserve
 	copy(unsafe.Slice((*int32)(unsafe.Pointer(ckv)), len(kv)), kv)
 	a.qo_indptr_host, a.kv_lens_host = cqo, ckv
 	plan := C.kvp_attn_plan{struct_size: C.size_t(unsafe.Sizeof(C.kvp_attn_plan{}))}
-	st := kvp_prefill_plan(&a, &plan, 0)
+	st := kvpgo_prefill_plan(&a, &plan, 0)
 	return int32(plan.kind), abiStatus(st)
 }
 
@@ -122,13 +122,13 @@ func hookPrefillRun(kind int32, nullPlan bool) abiStatus {
 		k_cache: 0x20000, v_cache: 0x30000, cache_block_stride: 256, cache_token_stride: 64, cache_head_stride: 64,
 		block_table: 0x40000, block_table_stride: 1, out: 0x50000, out_token_stride: 128, out_head_stride: 64}
 	if nullPlan {
-		return abiStatus(kvp_paged_prefill(nil, &a, 0))
+		return abiStatus(kvpgo_paged_prefill(nil, &a, 0))
 	}
-	return abiStatus(kvp_paged_prefill(&plan, &a, 0))
+	return abiStatus(kvpgo_paged_prefill(&plan, &a, 0))
 }
 
 func hookPrefillWorkspaceSize(maxBatch, maxTokens, qh, kvh, d int32) (uint64, abiStatus) {
 	var n C.uint64_t
-	st := kvp_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &n)
+	st := kvpgo_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &n)
 	return uint64(n), abiStatus(st)
 }

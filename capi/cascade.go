@@ -19,14 +19,14 @@ import (
 // exports translate kvp_cascade_plan_args and kvp_attn_plan (plan.go) to
 // and from its types.
 
-//export kvp_cascade_workspace_size
-func kvp_cascade_workspace_size(maxBatch, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
+//export kvpgo_cascade_workspace_size
+func kvpgo_cascade_workspace_size(maxBatch, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	return cascadeWorkspaceSize("kvp_cascade_workspace_size", maxBatch, maxBatch, qHeads, kvHeads, headDim, deviceBytes, hostBytes)
 }
 
-//export kvp_cascade_prefill_workspace_size
-func kvp_cascade_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
+//export kvpgo_cascade_prefill_workspace_size
+func kvpgo_cascade_prefill_workspace_size(maxBatch, maxTokens, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	return cascadeWorkspaceSize("kvp_cascade_prefill_workspace_size", maxBatch, maxTokens, qHeads, kvHeads, headDim, deviceBytes, hostBytes)
 }
@@ -83,8 +83,8 @@ func readCascadePlan(what string, plan *C.kvp_attn_plan) (cascadeattn.Plan, erro
 	return p, err
 }
 
-//export kvp_cascade_plan
-func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_cascade_plan
+func kvpgo_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	const what = "kvp_cascade_plan"
 	if ca == nil || plan == nil {
@@ -101,8 +101,8 @@ func kvp_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stream
 	return fail(writeCascadePlan(plan, &p))
 }
 
-//export kvp_cascade_update
-func kvp_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int32_t, fits *C.int32_t) (st C.kvp_status) {
+//export kvpgo_cascade_update
+func kvpgo_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int32_t, fits *C.int32_t) (st C.kvp_status) {
 	defer guard(&st)
 	const what = "kvp_cascade_update"
 	if plan == nil || fits == nil || (seqLens == nil && batch > 0) {
@@ -123,8 +123,8 @@ func kvp_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int32
 	return C.KVP_OK
 }
 
-//export kvp_paged_cascade
-func kvp_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
+//export kvpgo_paged_cascade
+func kvpgo_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
 	pp, state, r, err := planRunOf("kvp_paged_cascade", plan, a)
 	if err != nil {

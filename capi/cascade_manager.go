@@ -17,8 +17,8 @@ import (
 // Shared-prefix planning from a kvp_manager's own block tables
 // (core/cascadeattn.PlanFromManager).
 
-//export kvp_manager_cascade_plan
-func kvp_manager_cascade_plan(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, ca *C.kvp_cascade_plan_args,
+//export kvpgo_manager_cascade_plan
+func kvpgo_manager_cascade_plan(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, ca *C.kvp_cascade_plan_args,
 	plan *C.kvp_attn_plan, stream C.uint64_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		const what = "kvp_manager_cascade_plan"

@@ -84,10 +84,10 @@ func hookCascadePlan(h *cascadeHookArgs, null bool) (*cascadeHookPlan, abiStatus
 	var p cascadeHookPlan
 	p.p.struct_size = C.size_t(unsafe.Sizeof(p.p))
 	if null {
-		return &p, abiStatus(kvp_cascade_plan(nil, &p.p, 0))
+		return &p, abiStatus(kvpgo_cascade_plan(nil, &p.p, 0))
 	}
 	a := h.c()
-	return &p, abiStatus(kvp_cascade_plan(&a, &p.p, 0))
+	return &p, abiStatus(kvpgo_cascade_plan(&a, &p.p, 0))
 }
 
 func (p *cascadeHookPlan) route() int32    { return int32(p.p.route) }
@@ -129,19 +129,19 @@ func hookCascadeUpdate(p *cascadeHookPlan, lens []int32, batch int32) (int32, ab
 	if len(lens) > 0 {
 		lp = (*C.int32_t)(unsafe.Pointer(&lens[0]))
 	}
-	st := kvp_cascade_update(&p.p, lp, C.int32_t(batch), &fits)
+	st := kvpgo_cascade_update(&p.p, lp, C.int32_t(batch), &fits)
 	return int32(fits), abiStatus(st)
 }
 
 func hookCascadePrefillWorkspaceSize(maxBatch, maxTokens, qh, kvh, d int32) (uint64, uint64, abiStatus) {
 	var dev, host C.uint64_t
-	st := kvp_cascade_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &dev, &host)
+	st := kvpgo_cascade_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &dev, &host)
 	return uint64(dev), uint64(host), abiStatus(st)
 }
 
 func hookCascadeWorkspaceSize(maxBatch, qh, kvh, d int32) (uint64, uint64, abiStatus) {
 	var dev, host C.uint64_t
-	st := kvp_cascade_workspace_size(C.int32_t(maxBatch), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &dev, &host)
+	st := kvpgo_cascade_workspace_size(C.int32_t(maxBatch), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &dev, &host)
 	return uint64(dev), uint64(host), abiStatus(st)
 }
 
@@ -155,7 +155,7 @@ func hookPagedCascade(p *cascadeHookPlan, blockSize, maxBlocks, reserved int32) 
 		cache_block_stride: C.int64_t(int64(blockSize) * kvh * D), cache_token_stride: C.int64_t(kvh * D), cache_head_stride: C.int64_t(D),
 		block_table: 0x40000, block_table_stride: C.int64_t(maxBlocks),
 		out: 0x50000, out_token_stride: C.int64_t(qh * D), out_head_stride: C.int64_t(D)}
-	return abiStatus(kvp_paged_cascade(&p.p, &a, 0))
+	return abiStatus(kvpgo_paged_cascade(&p.p, &a, 0))
 }
 
 // hookCascadePlanSized passes the args in a buffer larger than this
@@ -171,7 +171,7 @@ func hookCascadePlanSized(h *cascadeHookArgs, callerSize uintptr, tail byte) abi
 	buf.bytes()[size] = tail
 	var p C.kvp_attn_plan
 	p.struct_size = C.size_t(unsafe.Sizeof(p))
-	return abiStatus(kvp_cascade_plan((*C.kvp_cascade_plan_args)(buf.p), &p, 0))
+	return abiStatus(kvpgo_cascade_plan((*C.kvp_cascade_plan_args)(buf.p), &p, 0))
 }
 
 // hookManagerHandle registers a core manager as a kvp_manager handle, so a
@@ -201,7 +201,7 @@ func hookManagerCascadePlan(m unsafe.Pointer, ids []int64, n int32, h *cascadeHo
 	if len(ids) > 0 {
 		idp = (*C.int64_t)(unsafe.Pointer(&ids[0]))
 	}
-	st := kvp_manager_cascade_plan((*C.kvp_manager)(m), idp, C.int32_t(n), ap, pp, 0)
+	st := kvpgo_manager_cascade_plan((*C.kvp_manager)(m), idp, C.int32_t(n), ap, pp, 0)
 	return p, abiStatus(st)
 }
 

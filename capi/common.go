@@ -6,6 +6,8 @@
 // logic and the bounds (core/limits) live in core/.
 package main
 
+//go:generate go run ../internal/forkguard/gen ../include/kvplug.h forkguard.c
+
 /*
 #cgo CFLAGS: -I${SRCDIR}/../include -DKVPLUG_NO_PROTOTYPES -std=gnu11 -fvisibility=default
 #include "kvplug.h"
@@ -86,8 +88,8 @@ var (
 	handleCount atomic.Int64
 )
 
-//export kvp_live_handles
-func kvp_live_handles(out *C.int64_t) (st C.kvp_status) {
+//export kvpgo_live_handles
+func kvpgo_live_handles(out *C.int64_t) (st C.kvp_status) {
 	defer guard(&st)
 	if logx.InCallback() {
 		return fail(errFromLogCallback("kvp_live_handles"))

@@ -48,8 +48,8 @@ func onPublisher(h *C.kvp_event_publisher, f func(*eventPublisher) error) C.kvp_
 	return onHandle(unsafe.Pointer(h), "kvp_event_publisher", f)
 }
 
-//export kvp_event_publisher_create
-func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_config, out **C.kvp_event_publisher) (st C.kvp_status) {
+//export kvpgo_event_publisher_create
+func kvpgo_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_config, out **C.kvp_event_publisher) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_event_publisher_create"
 	if cfg == nil || out == nil {
@@ -126,8 +126,8 @@ func kvp_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_co
 	return C.KVP_OK
 }
 
-//export kvp_event_publisher_destroy
-func kvp_event_publisher_destroy(h *C.kvp_event_publisher) {
+//export kvpgo_event_publisher_destroy
+func kvpgo_event_publisher_destroy(h *C.kvp_event_publisher) {
 	defer guardVoid()
 	ep, ok := dropHandle[*eventPublisher](unsafe.Pointer(h))
 	if !ok {
@@ -139,16 +139,16 @@ func kvp_event_publisher_destroy(h *C.kvp_event_publisher) {
 	publishersMu.Unlock()
 }
 
-//export kvp_event_publisher_flush
-func kvp_event_publisher_flush(h *C.kvp_event_publisher) C.kvp_status {
+//export kvpgo_event_publisher_flush
+func kvpgo_event_publisher_flush(h *C.kvp_event_publisher) C.kvp_status {
 	return onPublisher(h, func(ep *eventPublisher) error {
 		ep.p.Flush()
 		return nil
 	})
 }
 
-//export kvp_event_publisher_resync
-func kvp_event_publisher_resync(h *C.kvp_event_publisher) C.kvp_status {
+//export kvpgo_event_publisher_resync
+func kvpgo_event_publisher_resync(h *C.kvp_event_publisher) C.kvp_status {
 	return onPublisher(h, func(ep *eventPublisher) error {
 		ep.p.Resync()
 		return nil
@@ -162,8 +162,8 @@ func tcpPort(a net.Addr) C.int32_t {
 	return 0
 }
 
-//export kvp_event_publisher_stats_get
-func kvp_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) C.kvp_status {
+//export kvpgo_event_publisher_stats_get
+func kvpgo_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) C.kvp_status {
 	return onPublisher(h, func(ep *eventPublisher) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")

@@ -77,20 +77,20 @@ func hookPublisherCreate(m unsafe.Pointer, c hookPubConfig) (unsafe.Pointer, abi
 	if c.nullOut {
 		pout = nil
 	}
-	st := kvp_event_publisher_create((*C.kvp_manager)(m), pcfg, pout)
+	st := kvpgo_event_publisher_create((*C.kvp_manager)(m), pcfg, pout)
 	return unsafe.Pointer(out), abiStatus(st)
 }
 
 func hookPublisherDestroy(p unsafe.Pointer) {
-	kvp_event_publisher_destroy((*C.kvp_event_publisher)(p))
+	kvpgo_event_publisher_destroy((*C.kvp_event_publisher)(p))
 }
 
 func hookPublisherFlush(p unsafe.Pointer) abiStatus {
-	return abiStatus(kvp_event_publisher_flush((*C.kvp_event_publisher)(p)))
+	return abiStatus(kvpgo_event_publisher_flush((*C.kvp_event_publisher)(p)))
 }
 
 func hookPublisherResync(p unsafe.Pointer) abiStatus {
-	return abiStatus(kvp_event_publisher_resync((*C.kvp_event_publisher)(p)))
+	return abiStatus(kvpgo_event_publisher_resync((*C.kvp_event_publisher)(p)))
 }
 
 // hookPublisherStats returns batches, events, dropped sends, snapshots,
@@ -104,7 +104,7 @@ func hookPublisherStats(p unsafe.Pointer, structSize uintptr, null bool) ([7]int
 	if null {
 		ps = nil
 	}
-	st := kvp_event_publisher_stats_get((*C.kvp_event_publisher)(p), ps)
+	st := kvpgo_event_publisher_stats_get((*C.kvp_event_publisher)(p), ps)
 	return [7]int64{int64(s.batches), int64(s.events), int64(s.dropped_sends), int64(s.snapshots),
 		int64(s.subscribers), int64(s.pub_port), int64(s.replay_port)}, abiStatus(st)
 }

@@ -39,8 +39,8 @@ func onHostStore(h *C.kvp_host_store, f func(*hostStore) error) C.kvp_status {
 	return onHandle(unsafe.Pointer(h), "kvp_host_store", f)
 }
 
-//export kvp_host_store_create
-func kvp_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
+//export kvpgo_host_store_create
+func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_host_store_create"
 	if cfg == nil || out == nil {
@@ -78,8 +78,8 @@ func kvp_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store)
 	return C.KVP_OK
 }
 
-//export kvp_host_store_destroy
-func kvp_host_store_destroy(h *C.kvp_host_store) {
+//export kvpgo_host_store_destroy
+func kvpgo_host_store_destroy(h *C.kvp_host_store) {
 	defer guardVoid()
 	hs, ok := dropHandle[*hostStore](unsafe.Pointer(h))
 	if !ok {
@@ -104,8 +104,8 @@ func storeKeysOf(op string, n C.int32_t, keys *C.uint64_t) ([]uint64, error) {
 	return slice[uint64](unsafe.Pointer(keys), n), nil
 }
 
-//export kvp_host_store_state
-func kvp_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, states *C.int32_t, slots *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_state
+func kvpgo_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, states *C.int32_t, slots *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_state"
 		ks, err := storeKeysOf(op, n, keys)
@@ -128,8 +128,8 @@ func kvp_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, st
 	})
 }
 
-//export kvp_host_store_lookup_prefix
-func kvp_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, matched *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_lookup_prefix
+func kvpgo_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, matched *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_lookup_prefix"
 		ks, err := storeKeysOf(op, n, keys)
@@ -144,8 +144,8 @@ func kvp_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint
 	})
 }
 
-//export kvp_host_store_reserve
-func kvp_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t,
+//export kvpgo_host_store_reserve
+func kvpgo_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t,
 	evicted *C.uint64_t, numEvicted *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_reserve"
@@ -168,8 +168,8 @@ func kvp_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 	})
 }
 
-//export kvp_host_store_complete
-func kvp_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, failed C.int32_t, num *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_complete
+func kvpgo_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, failed C.int32_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		ks, err := storeKeysOf("kvp_host_store_complete", n, keys)
 		if err != nil {
@@ -183,8 +183,8 @@ func kvp_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t,
 	})
 }
 
-//export kvp_host_store_pin
-func kvp_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t, num *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_pin
+func kvpgo_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_pin"
 		ks, err := storeKeysOf(op, n, keys)
@@ -207,8 +207,8 @@ func kvp_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slot
 	})
 }
 
-//export kvp_host_store_unpin
-func kvp_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, num *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_unpin
+func kvpgo_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		ks, err := storeKeysOf("kvp_host_store_unpin", n, keys)
 		if err != nil {
@@ -222,8 +222,8 @@ func kvp_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, nu
 	})
 }
 
-//export kvp_host_store_touch
-func kvp_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.kvp_status {
+//export kvpgo_host_store_touch
+func kvpgo_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		ks, err := storeKeysOf("kvp_host_store_touch", n, keys)
 		if err != nil {
@@ -234,8 +234,8 @@ func kvp_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.
 	})
 }
 
-//export kvp_host_store_reset
-func kvp_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_reset
+func kvpgo_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		dropped := hs.pool.Reset()
 		if num != nil {
@@ -245,8 +245,8 @@ func kvp_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
 	})
 }
 
-//export kvp_host_store_stats_get
-func kvp_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats) C.kvp_status {
+//export kvpgo_host_store_stats_get
+func kvpgo_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_host_store_stats_get: out must not be NULL")
@@ -271,8 +271,8 @@ func kvp_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats) 
 	})
 }
 
-//export kvp_host_store_memory
-func kvp_host_store_memory(h *C.kvp_host_store, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
+//export kvpgo_host_store_memory
+func kvpgo_host_store_memory(h *C.kvp_host_store, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		if base != nil {
 			*base = hs.mem
@@ -375,13 +375,13 @@ func hostCopy(h *C.kvp_host_store, op string, n C.int32_t, slots *C.int32_t, seg
 	})
 }
 
-//export kvp_host_store_write
-func kvp_host_store_write(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
+//export kvpgo_host_store_write
+func kvpgo_host_store_write(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
 	return hostCopy(h, "kvp_host_store_write", n, slots, segs, ptrs, lens, true)
 }
 
-//export kvp_host_store_read
-func kvp_host_store_read(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
+//export kvpgo_host_store_read
+func kvpgo_host_store_read(h *C.kvp_host_store, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int64_t) (st C.kvp_status) {
 	return hostCopy(h, "kvp_host_store_read", n, slots, segs, ptrs, lens, false)
 }
 

@@ -27,11 +27,11 @@ func hookHostStoreCreate(slots int32, slotBytes int64, reserved int32, structSiz
 	cfg.num_slots, cfg.slot_bytes, cfg.reserved = C.int32_t(slots), C.int64_t(slotBytes), C.int32_t(reserved)
 	out := (**C.kvp_host_store)(C.calloc(1, C.size_t(unsafe.Sizeof(uintptr(0)))))
 	defer C.free(unsafe.Pointer(out))
-	st := kvp_host_store_create(cfg, out)
+	st := kvpgo_host_store_create(cfg, out)
 	return unsafe.Pointer(*out), abiStatus(st)
 }
 
-func hookHostStoreDestroy(h unsafe.Pointer) { kvp_host_store_destroy((*C.kvp_host_store)(h)) }
+func hookHostStoreDestroy(h unsafe.Pointer) { kvpgo_host_store_destroy((*C.kvp_host_store)(h)) }
 
 // hookHostStoreReserve returns the slots and evicted keys; on a failure the
 // slots are what the caller's array held before (filled with 99).
@@ -46,7 +46,7 @@ func hookHostStoreReserve(h unsafe.Pointer, keys []uint64) ([]int32, []uint64, a
 	defer sl.free()
 	defer ev.free()
 	defer ne.free()
-	st := kvp_host_store_reserve((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(sl.p),
+	st := kvpgo_host_store_reserve((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(sl.p),
 		(*C.uint64_t)(ev.p), (*C.int32_t)(ne.p))
 	n := int(*(*int32)(ne.p))
 	return slices32(sl, len(keys)), append([]uint64(nil), unsafe.Slice((*uint64)(ev.p), len(keys))[:n]...), abiStatus(st)
@@ -64,15 +64,15 @@ func hookHostStoreKeys(h unsafe.Pointer, op string, keys []uint64, flag int32) (
 	var st C.kvp_status
 	switch op {
 	case "complete":
-		st = kvp_host_store_complete(hs, n, kp, C.int32_t(flag), o)
+		st = kvpgo_host_store_complete(hs, n, kp, C.int32_t(flag), o)
 	case "unpin":
-		st = kvp_host_store_unpin(hs, n, kp, o)
+		st = kvpgo_host_store_unpin(hs, n, kp, o)
 	case "touch":
-		st = kvp_host_store_touch(hs, n, kp)
+		st = kvpgo_host_store_touch(hs, n, kp)
 	case "lookup":
-		st = kvp_host_store_lookup_prefix(hs, n, kp, o)
+		st = kvpgo_host_store_lookup_prefix(hs, n, kp, o)
 	case "reset":
-		st = kvp_host_store_reset(hs, o)
+		st = kvpgo_host_store_reset(hs, o)
 	default:
 		panic(op)
 	}
@@ -85,7 +85,7 @@ func hookHostStorePin(h unsafe.Pointer, keys []uint64) ([]int32, int32, abiStatu
 	sl, n := newCBuf(4*len(keys)), newCBuf(4)
 	defer sl.free()
 	defer n.free()
-	st := kvp_host_store_pin((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(sl.p), (*C.int32_t)(n.p))
+	st := kvpgo_host_store_pin((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(sl.p), (*C.int32_t)(n.p))
 	return slices32(sl, len(keys)), *(*int32)(n.p), abiStatus(st)
 }
 
@@ -95,7 +95,7 @@ func hookHostStoreState(h unsafe.Pointer, keys []uint64) ([]int32, []int32, abiS
 	st, sl := newCBuf(4*len(keys)), newCBuf(4*len(keys))
 	defer st.free()
 	defer sl.free()
-	s := kvp_host_store_state((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(st.p), (*C.int32_t)(sl.p))
+	s := kvpgo_host_store_state((*C.kvp_host_store)(h), C.int32_t(len(keys)), (*C.uint64_t)(k.p), (*C.int32_t)(st.p), (*C.int32_t)(sl.p))
 	return slices32(st, len(keys)), slices32(sl, len(keys)), abiStatus(s)
 }
 
@@ -121,9 +121,9 @@ func hookHostStoreCopy(h unsafe.Pointer, slots []int32, data [][]byte, segs int,
 	}
 	var st C.kvp_status
 	if in {
-		st = kvp_host_store_write((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(sl.p), C.int32_t(segs), (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p))
+		st = kvpgo_host_store_write((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(sl.p), C.int32_t(segs), (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p))
 	} else {
-		st = kvp_host_store_read((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(sl.p), C.int32_t(segs), (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p))
+		st = kvpgo_host_store_read((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(sl.p), C.int32_t(segs), (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p))
 		for i := range n {
 			copy(data[i], unsafe.Slice((*byte)(bufs[i].p), len(data[i])))
 		}
@@ -135,7 +135,7 @@ func hookHostStoreCopy(h unsafe.Pointer, slots []int32, data [][]byte, segs int,
 func hookHostStoreStats(h unsafe.Pointer) ([6]int64, abiStatus) {
 	var s C.kvp_host_store_stats
 	s.struct_size = C.size_t(unsafe.Sizeof(s))
-	st := kvp_host_store_stats_get((*C.kvp_host_store)(h), &s)
+	st := kvpgo_host_store_stats_get((*C.kvp_host_store)(h), &s)
 	return [6]int64{int64(s.reserves), int64(s.commits), int64(s.stale), int64(s.refused_full), int64(s.resident), int64(s.pinned)}, abiStatus(st)
 }
 
@@ -152,11 +152,11 @@ func hookSharedStoreCreate(addr, ns string, opTimeoutMS int32) (unsafe.Pointer, 
 	cfg.op_timeout_ms = C.int32_t(opTimeoutMS)
 	out := (**C.kvp_shared_store)(C.calloc(1, C.size_t(unsafe.Sizeof(uintptr(0)))))
 	defer C.free(unsafe.Pointer(out))
-	st := kvp_shared_store_create(cfg, out)
+	st := kvpgo_shared_store_create(cfg, out)
 	return unsafe.Pointer(*out), abiStatus(st)
 }
 
-func hookSharedStoreDestroy(h unsafe.Pointer) { kvp_shared_store_destroy((*C.kvp_shared_store)(h)) }
+func hookSharedStoreDestroy(h unsafe.Pointer) { kvpgo_shared_store_destroy((*C.kvp_shared_store)(h)) }
 
 // hookSharedStorePutGet puts data (one segment a key), then gets it back
 // into fresh buffers: stored, found and what came back.
@@ -189,11 +189,11 @@ func hookSharedStorePutGet(h unsafe.Pointer, keys []uint64, data [][]byte) (int3
 		unsafe.Slice((*int64)(lens.p), n)[i] = int64(len(data[i]))
 	}
 	ss := (*C.kvp_shared_store)(h)
-	st := kvp_shared_store_put(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p), (*C.int32_t)(stored.p))
+	st := kvpgo_shared_store_put(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(ptrs.p), (*C.int64_t)(lens.p), (*C.int32_t)(stored.p))
 	if st != 0 {
 		return 0, nil, nil, abiStatus(st)
 	}
-	st = kvp_shared_store_get(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(outp.p), (*C.int64_t)(lens.p), (*C.int32_t)(found.p))
+	st = kvpgo_shared_store_get(ss, C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(outp.p), (*C.int64_t)(lens.p), (*C.int32_t)(found.p))
 	back := make([][]byte, n)
 	for i := range n {
 		back[i] = append([]byte(nil), unsafe.Slice((*byte)(unsafe.Slice((*unsafe.Pointer)(outp.p), n)[i]), len(data[i]))...)
@@ -205,64 +205,64 @@ func hookSharedStorePutGet(h unsafe.Pointer, keys []uint64, data [][]byte) (int3
 // (abi_fuzz_test.go): pointers pass through as given, NULL included.
 
 func rawHostStoreCreate(cfg, out ptr) int {
-	return st(kvp_host_store_create((*C.kvp_host_store_config)(cfg), (**C.kvp_host_store)(out)))
+	return st(kvpgo_host_store_create((*C.kvp_host_store_config)(cfg), (**C.kvp_host_store)(out)))
 }
-func rawHostStoreDestroy(h ptr) { kvp_host_store_destroy((*C.kvp_host_store)(h)) }
+func rawHostStoreDestroy(h ptr) { kvpgo_host_store_destroy((*C.kvp_host_store)(h)) }
 func rawHostStoreState(h ptr, n int32, keys, states, slots ptr) int {
-	return st(kvp_host_store_state((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(states), (*C.int32_t)(slots)))
+	return st(kvpgo_host_store_state((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(states), (*C.int32_t)(slots)))
 }
 func rawHostStoreLookupPrefix(h ptr, n int32, keys, matched ptr) int {
-	return st(kvp_host_store_lookup_prefix((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(matched)))
+	return st(kvpgo_host_store_lookup_prefix((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(matched)))
 }
 func rawHostStoreReserve(h ptr, n int32, keys, slots, evicted, numEvicted ptr) int {
-	return st(kvp_host_store_reserve((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots),
+	return st(kvpgo_host_store_reserve((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots),
 		(*C.uint64_t)(evicted), (*C.int32_t)(numEvicted)))
 }
 func rawHostStoreComplete(h ptr, n int32, keys ptr, failed int32, num ptr) int {
-	return st(kvp_host_store_complete((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), C.int32_t(failed), (*C.int32_t)(num)))
+	return st(kvpgo_host_store_complete((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), C.int32_t(failed), (*C.int32_t)(num)))
 }
 func rawHostStorePin(h ptr, n int32, keys, slots, num ptr) int {
-	return st(kvp_host_store_pin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots), (*C.int32_t)(num)))
+	return st(kvpgo_host_store_pin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(slots), (*C.int32_t)(num)))
 }
 func rawHostStoreUnpin(h ptr, n int32, keys, num ptr) int {
-	return st(kvp_host_store_unpin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(num)))
+	return st(kvpgo_host_store_unpin((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys), (*C.int32_t)(num)))
 }
 func rawHostStoreTouch(h ptr, n int32, keys ptr) int {
-	return st(kvp_host_store_touch((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys)))
+	return st(kvpgo_host_store_touch((*C.kvp_host_store)(h), C.int32_t(n), (*C.uint64_t)(keys)))
 }
 func rawHostStoreReset(h, num ptr) int {
-	return st(kvp_host_store_reset((*C.kvp_host_store)(h), (*C.int32_t)(num)))
+	return st(kvpgo_host_store_reset((*C.kvp_host_store)(h), (*C.int32_t)(num)))
 }
 func rawHostStoreStats(h, out ptr) int {
-	return st(kvp_host_store_stats_get((*C.kvp_host_store)(h), (*C.kvp_host_store_stats)(out)))
+	return st(kvpgo_host_store_stats_get((*C.kvp_host_store)(h), (*C.kvp_host_store_stats)(out)))
 }
 func rawHostStoreMemory(h, base, slotBytes, numSlots ptr) int {
-	return st(kvp_host_store_memory((*C.kvp_host_store)(h), (*unsafe.Pointer)(base), (*C.int64_t)(slotBytes), (*C.int32_t)(numSlots)))
+	return st(kvpgo_host_store_memory((*C.kvp_host_store)(h), (*unsafe.Pointer)(base), (*C.int64_t)(slotBytes), (*C.int32_t)(numSlots)))
 }
 func rawHostStoreWrite(h ptr, n int32, slots ptr, segs int32, ptrs, lens ptr) int {
-	return st(kvp_host_store_write((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
+	return st(kvpgo_host_store_write((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
 		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens)))
 }
 func rawHostStoreRead(h ptr, n int32, slots ptr, segs int32, ptrs, lens ptr) int {
-	return st(kvp_host_store_read((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
+	return st(kvpgo_host_store_read((*C.kvp_host_store)(h), C.int32_t(n), (*C.int32_t)(slots), C.int32_t(segs),
 		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens)))
 }
 
 func rawSharedStoreCreate(cfg, out ptr) int {
-	return st(kvp_shared_store_create((*C.kvp_shared_store_config)(cfg), (**C.kvp_shared_store)(out)))
+	return st(kvpgo_shared_store_create((*C.kvp_shared_store_config)(cfg), (**C.kvp_shared_store)(out)))
 }
-func rawSharedStoreDestroy(h ptr) { kvp_shared_store_destroy((*C.kvp_shared_store)(h)) }
+func rawSharedStoreDestroy(h ptr) { kvpgo_shared_store_destroy((*C.kvp_shared_store)(h)) }
 func rawSharedStoreExists(h ptr, n int32, keys, found ptr) int {
-	return st(kvp_shared_store_exists((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), (*C.int32_t)(found)))
+	return st(kvpgo_shared_store_exists((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), (*C.int32_t)(found)))
 }
 func rawSharedStorePut(h ptr, n int32, keys ptr, segs int32, ptrs, lens, stored ptr) int {
-	return st(kvp_shared_store_put((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
+	return st(kvpgo_shared_store_put((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
 		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens), (*C.int32_t)(stored)))
 }
 func rawSharedStoreGet(h ptr, n int32, keys ptr, segs int32, ptrs, lens, found ptr) int {
-	return st(kvp_shared_store_get((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
+	return st(kvpgo_shared_store_get((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(keys), C.int32_t(segs),
 		(*unsafe.Pointer)(ptrs), (*C.int64_t)(lens), (*C.int32_t)(found)))
 }
 func rawSharedStoreStats(h, out ptr) int {
-	return st(kvp_shared_store_stats_get((*C.kvp_shared_store)(h), (*C.kvp_shared_store_stats)(out)))
+	return st(kvpgo_shared_store_stats_get((*C.kvp_shared_store)(h), (*C.kvp_shared_store_stats)(out)))
 }

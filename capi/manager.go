@@ -23,8 +23,8 @@ func onManager(h *C.kvp_manager, f func(*kvmanager.Manager) error) C.kvp_status 
 	return onHandle(unsafe.Pointer(h), managerName, f)
 }
 
-//export kvp_manager_create
-func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
+//export kvpgo_manager_create
+func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
 	defer guard(&st)
 	if cfg == nil || out == nil {
 		return failf(kverr.NullPointer, "kvp_manager_create: cfg and out must not be NULL")
@@ -67,8 +67,8 @@ func kvp_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kv
 	return C.KVP_OK
 }
 
-//export kvp_manager_destroy
-func kvp_manager_destroy(h *C.kvp_manager) {
+//export kvpgo_manager_destroy
+func kvpgo_manager_destroy(h *C.kvp_manager) {
 	defer guardVoid()
 	// Only a live kvp_manager is dropped: another object's handle (a
 	// kvp_vcache, say) stays registered and alive.
@@ -77,15 +77,15 @@ func kvp_manager_destroy(h *C.kvp_manager) {
 	}
 }
 
-//export kvp_manager_add
-func kvp_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) C.kvp_status {
+//export kvpgo_manager_add
+func kvpgo_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		return m.Add(int64(id), int(promptLen))
 	})
 }
 
-//export kvp_manager_grow
-func kvp_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) C.kvp_status {
+//export kvpgo_manager_grow
+func kvpgo_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if ids == nil || counts == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow: seq_ids and num_tokens must not be NULL")
@@ -97,8 +97,8 @@ func kvp_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.i
 	})
 }
 
-//export kvp_manager_fork
-func kvp_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n C.int32_t,
+//export kvpgo_manager_fork
+func kvpgo_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n C.int32_t,
 	copies *C.kvp_block_copy, maxCopies C.int32_t, numCopies *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if children == nil || numCopies == nil {
@@ -124,8 +124,8 @@ func kvp_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n
 	})
 }
 
-//export kvp_manager_remove
-func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_status {
+//export kvpgo_manager_remove
+func kvpgo_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if ids == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_remove: seq_ids must not be NULL")
@@ -137,16 +137,16 @@ func kvp_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_sta
 	})
 }
 
-//export kvp_manager_mark_computed
-func kvp_manager_mark_computed(h *C.kvp_manager) C.kvp_status {
+//export kvpgo_manager_mark_computed
+func kvpgo_manager_mark_computed(h *C.kvp_manager) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		m.MarkComputed()
 		return nil
 	})
 }
 
-//export kvp_manager_describe
-func kvp_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
+//export kvpgo_manager_describe
+func kvpgo_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 	table *C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,
 	slots *C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
@@ -181,8 +181,8 @@ func kvp_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 	})
 }
 
-//export kvp_manager_stats_get
-func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_status {
+//export kvpgo_manager_stats_get
+func kvpgo_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
@@ -205,8 +205,8 @@ func kvp_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_sta
 	})
 }
 
-//export kvp_manager_check
-func kvp_manager_check(h *C.kvp_manager) C.kvp_status {
+//export kvpgo_manager_check
+func kvpgo_manager_check(h *C.kvp_manager) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if err := m.CheckInvariants(); err != nil {
 			return kverr.Wrap(kverr.Internal, err, "kvp_manager_check")

@@ -100,8 +100,8 @@ func onePrompt(op string, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_pr
 	return t, &k, err
 }
 
-//export kvp_manager_admit
-func kvp_manager_admit(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+//export kvpgo_manager_admit
+func kvpgo_manager_admit(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, matched *C.int32_t, numAdmitted *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if ids == nil || numAdmitted == nil {
@@ -119,8 +119,8 @@ func kvp_manager_admit(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, tokens *C.
 	})
 }
 
-//export kvp_manager_grow_tokens
-func kvp_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t, tokens *C.int32_t) C.kvp_status {
+//export kvpgo_manager_grow_tokens
+func kvpgo_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t, tokens *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if ids == nil || counts == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow_tokens: seq_ids and num_tokens must not be NULL")
@@ -144,8 +144,8 @@ func kvp_manager_grow_tokens(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t
 	})
 }
 
-//export kvp_manager_add_mm_items
-func kvp_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm_item, numItems C.int32_t) C.kvp_status {
+//export kvpgo_manager_add_mm_items
+func kvpgo_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm_item, numItems C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if numItems < 0 || numItems > maxMMItems {
 			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_add_mm_items: num_items must be in [0, 2^20]: got %d", int32(numItems))
@@ -157,8 +157,8 @@ func kvp_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_mm
 	})
 }
 
-//export kvp_manager_match
-func kvp_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+//export kvpgo_manager_match
+func kvpgo_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, wantPartial C.int32_t, out *C.kvp_prefix_match) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
@@ -172,8 +172,8 @@ func kvp_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets
 	})
 }
 
-//export kvp_manager_pin
-func kvp_manager_pin(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
+//export kvpgo_manager_pin
+func kvpgo_manager_pin(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
 	pinID *C.uint64_t, numBlocks *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if pinID == nil {
@@ -195,15 +195,15 @@ func kvp_manager_pin(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, k
 	})
 }
 
-//export kvp_manager_unpin
-func kvp_manager_unpin(h *C.kvp_manager, pinID C.uint64_t) C.kvp_status {
+//export kvpgo_manager_unpin
+func kvpgo_manager_unpin(h *C.kvp_manager, pinID C.uint64_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		return m.Unpin(uint64(pinID))
 	})
 }
 
-//export kvp_manager_set_priority
-func kvp_manager_set_priority(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
+//export kvpgo_manager_set_priority
+func kvpgo_manager_set_priority(h *C.kvp_manager, tokens *C.int32_t, numTokens C.int32_t, keys *C.kvp_prefix_keys,
 	priority C.int32_t, numBlocks *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		t, k, err := onePrompt("kvp_manager_set_priority", tokens, numTokens, keys)
@@ -221,8 +221,8 @@ func kvp_manager_set_priority(h *C.kvp_manager, tokens *C.int32_t, numTokens C.i
 	})
 }
 
-//export kvp_manager_prefix_stats
-func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_status {
+//export kvpgo_manager_prefix_stats
+func kvpgo_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
@@ -250,16 +250,16 @@ func kvp_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_s
 	})
 }
 
-//export kvp_manager_prefix_stats_reset
-func kvp_manager_prefix_stats_reset(h *C.kvp_manager) C.kvp_status {
+//export kvpgo_manager_prefix_stats_reset
+func kvpgo_manager_prefix_stats_reset(h *C.kvp_manager) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		m.ResetPrefixStats()
 		return nil
 	})
 }
 
-//export kvp_manager_clear_prefix_cache
-func kvp_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) C.kvp_status {
+//export kvpgo_manager_clear_prefix_cache
+func kvpgo_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		n, err := m.ClearPrefixCache()
 		if err != nil {
@@ -272,8 +272,8 @@ func kvp_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) C.kvp
 	})
 }
 
-//export kvp_manager_drain_events
-func kvp_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvents C.int32_t,
+//export kvpgo_manager_drain_events
+func kvpgo_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvents C.int32_t,
 	tokens *C.int32_t, maxTokens C.int32_t, mm *C.kvp_block_mm, maxMM C.int32_t,
 	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
@@ -323,8 +323,8 @@ func kvp_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvent
 	})
 }
 
-//export kvp_manager_next_event_size
-func kvp_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) C.kvp_status {
+//export kvpgo_manager_next_event_size
+func kvpgo_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		size, _, err := m.NextEventSize()
 		if err != nil {

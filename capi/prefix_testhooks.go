@@ -28,7 +28,7 @@ func hookManagerCreateCached(numBlocks, blockSize int32, events bool, structSize
 		cfg.enable_kv_events = 1
 	}
 	var out *C.kvp_manager
-	st := kvp_manager_create(cfg, &out)
+	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
 }
 
@@ -107,7 +107,7 @@ func hookAdmit(h unsafe.Pointer, ids []int64, prompts [][]int32, keys []hookKeys
 	matched := newCBuf(4 * len(ids))
 	defer matched.free()
 	var admitted C.int32_t = -1
-	st := kvp_manager_admit((*C.kvp_manager)(h), (*C.int64_t)(cids.p), C.int32_t(len(ids)), (*C.int32_t)(toks.p),
+	st := kvpgo_manager_admit((*C.kvp_manager)(h), (*C.int64_t)(cids.p), C.int32_t(len(ids)), (*C.int32_t)(toks.p),
 		(*C.int64_t)(offs.p), ck, (*C.int32_t)(matched.p), &admitted)
 	return slices32(matched, len(ids)), int32(admitted), abiStatus(st)
 }
@@ -119,7 +119,7 @@ func hookAdmitRaw(h unsafe.Pointer, ids cbuf, n int32, toks, offs cbuf, numAdmit
 	if !numAdmitted {
 		p = nil
 	}
-	return abiStatus(kvp_manager_admit((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n), (*C.int32_t)(toks.p),
+	return abiStatus(kvpgo_manager_admit((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n), (*C.int32_t)(toks.p),
 		(*C.int64_t)(offs.p), nil, nil, p))
 }
 
@@ -138,7 +138,7 @@ func hookGrowTokens(h unsafe.Pointer, ids []int64, counts []int32, tokens []int3
 	if nullTokens {
 		tp = nil
 	}
-	return abiStatus(kvp_manager_grow_tokens((*C.kvp_manager)(h), (*C.int64_t)(cids.p), (*C.int32_t)(ccounts.p), C.int32_t(len(ids)), tp))
+	return abiStatus(kvpgo_manager_grow_tokens((*C.kvp_manager)(h), (*C.int64_t)(cids.p), (*C.int32_t)(ccounts.p), C.int32_t(len(ids)), tp))
 }
 
 // hookMatch returns each prompt's (matched, partial block, partial tokens).
@@ -154,7 +154,7 @@ func hookMatch(h unsafe.Pointer, prompts [][]int32, keys []hookKeys, partial boo
 	if partial {
 		want = 1
 	}
-	st := kvp_manager_match((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), ck, want, out)
+	st := kvpgo_manager_match((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), ck, want, out)
 	res := make([][3]int32, len(prompts))
 	for i, m := range unsafe.Slice(out, len(prompts)) {
 		res[i] = [3]int32{int32(m.matched_tokens), int32(m.partial_block), int32(m.partial_tokens)}
@@ -169,19 +169,19 @@ func hookPin(h unsafe.Pointer, tokens []int32, keys []hookKeys) (uint64, int32, 
 	defer freeKeys()
 	var id C.uint64_t
 	var n C.int32_t
-	st := kvp_manager_pin((*C.kvp_manager)(h), (*C.int32_t)(t.p), C.int32_t(len(tokens)), ck, &id, &n)
+	st := kvpgo_manager_pin((*C.kvp_manager)(h), (*C.int32_t)(t.p), C.int32_t(len(tokens)), ck, &id, &n)
 	return uint64(id), int32(n), abiStatus(st)
 }
 
 func hookUnpin(h unsafe.Pointer, id uint64) abiStatus {
-	return abiStatus(kvp_manager_unpin((*C.kvp_manager)(h), C.uint64_t(id)))
+	return abiStatus(kvpgo_manager_unpin((*C.kvp_manager)(h), C.uint64_t(id)))
 }
 
 func hookSetPriority(h unsafe.Pointer, tokens []int32, prio int32) (int32, abiStatus) {
 	t := cInt32s(tokens)
 	defer t.free()
 	var n C.int32_t
-	st := kvp_manager_set_priority((*C.kvp_manager)(h), (*C.int32_t)(t.p), C.int32_t(len(tokens)), nil, C.int32_t(prio), &n)
+	st := kvpgo_manager_set_priority((*C.kvp_manager)(h), (*C.int32_t)(t.p), C.int32_t(len(tokens)), nil, C.int32_t(prio), &n)
 	return int32(n), abiStatus(st)
 }
 
@@ -193,17 +193,17 @@ func hookPrefixStats(h unsafe.Pointer, structSize uintptr) ([5]int64, abiStatus)
 		structSize = unsafe.Sizeof(s)
 	}
 	s.struct_size = C.size_t(structSize)
-	st := kvp_manager_prefix_stats((*C.kvp_manager)(h), &s)
+	st := kvpgo_manager_prefix_stats((*C.kvp_manager)(h), &s)
 	return [5]int64{int64(s.queries), int64(s.hit_tokens), int64(s.cached_blocks), int64(s.evictable_blocks), int64(s.evictions)}, abiStatus(st)
 }
 
 func hookPrefixStatsReset(h unsafe.Pointer) abiStatus {
-	return abiStatus(kvp_manager_prefix_stats_reset((*C.kvp_manager)(h)))
+	return abiStatus(kvpgo_manager_prefix_stats_reset((*C.kvp_manager)(h)))
 }
 
 func hookClearPrefixCache(h unsafe.Pointer) (int32, abiStatus) {
 	var n C.int32_t = -1
-	st := kvp_manager_clear_prefix_cache((*C.kvp_manager)(h), &n)
+	st := kvpgo_manager_clear_prefix_cache((*C.kvp_manager)(h), &n)
 	return int32(n), abiStatus(st)
 }
 
@@ -238,7 +238,7 @@ func hookDrain(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes int32) (
 	hashes := newCBuf(16 * int(maxHashes))
 	defer hashes.free()
 	var n C.int32_t = -1
-	st := kvp_manager_drain_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(toks.p), C.int32_t(maxTokens),
+	st := kvpgo_manager_drain_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(toks.p), C.int32_t(maxTokens),
 		(*C.kvp_block_mm)(mm.p), C.int32_t(maxMM), (*C.uint8_t)(hashes.p), C.int32_t(maxHashes), &n)
 	if st != C.KVP_OK {
 		return nil, abiStatus(st)
@@ -283,19 +283,19 @@ func hookAddMMItems(h unsafe.Pointer, seqID int64, items [][3]int32, nullItems b
 	if numItems != 0 {
 		n = C.int32_t(numItems)
 	}
-	return abiStatus(kvp_manager_add_mm_items((*C.kvp_manager)(h), C.int64_t(seqID), p, n))
+	return abiStatus(kvpgo_manager_add_mm_items((*C.kvp_manager)(h), C.int64_t(seqID), p, n))
 }
 
 // hookNextEventSize returns the room (tokens, mm, hashes) the oldest
 // pending event needs.
 func hookNextEventSize(h unsafe.Pointer) ([3]int32, abiStatus) {
 	var tok, mm, hs C.int32_t = -1, -1, -1
-	st := kvp_manager_next_event_size((*C.kvp_manager)(h), &tok, &mm, &hs)
+	st := kvpgo_manager_next_event_size((*C.kvp_manager)(h), &tok, &mm, &hs)
 	return [3]int32{int32(tok), int32(mm), int32(hs)}, abiStatus(st)
 }
 
 // hookManagerMarkComputed is kvp_manager_mark_computed: the step's forward
 // pass ran, so the blocks filled so far are computed.
 func hookManagerMarkComputed(h unsafe.Pointer) abiStatus {
-	return abiStatus(kvp_manager_mark_computed((*C.kvp_manager)(h)))
+	return abiStatus(kvpgo_manager_mark_computed((*C.kvp_manager)(h)))
 }

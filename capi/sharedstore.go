@@ -38,8 +38,8 @@ func sharedKeysOf(op string, n C.int32_t, keys *C.uint8_t) ([]valkey.Hash, error
 	return slice[valkey.Hash](unsafe.Pointer(keys), n), nil
 }
 
-//export kvp_shared_store_create
-func kvp_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
+//export kvpgo_shared_store_create
+func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_shared_store_create"
 	if cfg == nil || out == nil {
@@ -81,16 +81,16 @@ func kvp_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_
 	return C.KVP_OK
 }
 
-//export kvp_shared_store_destroy
-func kvp_shared_store_destroy(h *C.kvp_shared_store) {
+//export kvpgo_shared_store_destroy
+func kvpgo_shared_store_destroy(h *C.kvp_shared_store) {
 	defer guardVoid()
 	if t, ok := dropHandle[*valkey.Tier](unsafe.Pointer(h)); ok {
 		_ = t.Close()
 	}
 }
 
-//export kvp_shared_store_exists
-func kvp_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, found *C.int32_t) C.kvp_status {
+//export kvpgo_shared_store_exists
+func kvpgo_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_exists"
 		ks, err := sharedKeysOf(op, n, keys)
@@ -136,8 +136,8 @@ func valueSize(ls []int64, i, segs int) int64 {
 	return size
 }
 
-//export kvp_shared_store_put
-func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
+//export kvpgo_shared_store_put
+func kvpgo_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, stored *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		ks, ps, ls, err := sharedBatch("kvp_shared_store_put", n, keys, segs, ptrs, lens)
@@ -169,8 +169,8 @@ func kvp_shared_store_put(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 	})
 }
 
-//export kvp_shared_store_get
-func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
+//export kvpgo_shared_store_get
+func kvpgo_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_get"
@@ -197,8 +197,8 @@ func kvp_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, s
 	})
 }
 
-//export kvp_shared_store_stats_get
-func kvp_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store_stats) C.kvp_status {
+//export kvpgo_shared_store_stats_get
+func kvpgo_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store_stats) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_shared_store_stats_get: out must not be NULL")

@@ -44,8 +44,8 @@ func hookCreateWithConfig(name string, buf structBuf, structSize uintptr) abiSta
 		cfg.num_blocks, cfg.block_size = 8, 16
 		cfg.struct_size = C.size_t(structSize)
 		var out *C.kvp_manager
-		st := kvp_manager_create(cfg, &out)
-		kvp_manager_destroy(out)
+		st := kvpgo_manager_create(cfg, &out)
+		kvpgo_manager_destroy(out)
 		return abiStatus(st)
 	case "kvp_vcache_config":
 		cfg := (*C.kvp_vcache_config)(buf.p)
@@ -55,8 +55,8 @@ func hookCreateWithConfig(name string, buf structBuf, structSize uintptr) abiSta
 		cfg.no_background = 1
 		cfg.struct_size = C.size_t(structSize)
 		var out *C.kvp_vcache
-		st := kvp_vcache_create(cfg, &out)
-		kvp_vcache_destroy(out)
+		st := kvpgo_vcache_create(cfg, &out)
+		kvpgo_vcache_destroy(out)
 		return abiStatus(st)
 	}
 	panic("not a config: " + name)
@@ -70,32 +70,32 @@ func hookStatsInto(name string, buf structBuf, structSize uintptr) abiStatus {
 	case "kvp_manager_stats", "kvp_prefix_stats":
 		cfg := C.kvp_manager_config{struct_size: C.size_t(unsafe.Sizeof(C.kvp_manager_config{})), num_blocks: 8, block_size: 16, enable_prefix_cache: 1}
 		var m *C.kvp_manager
-		if st := kvp_manager_create(&cfg, &m); st != C.KVP_OK {
+		if st := kvpgo_manager_create(&cfg, &m); st != C.KVP_OK {
 			return abiStatus(st)
 		}
-		defer kvp_manager_destroy(m)
+		defer kvpgo_manager_destroy(m)
 		if name == "kvp_manager_stats" {
-			return abiStatus(kvp_manager_stats_get(m, (*C.kvp_manager_stats)(buf.p)))
+			return abiStatus(kvpgo_manager_stats_get(m, (*C.kvp_manager_stats)(buf.p)))
 		}
-		return abiStatus(kvp_manager_prefix_stats(m, (*C.kvp_prefix_stats)(buf.p)))
+		return abiStatus(kvpgo_manager_prefix_stats(m, (*C.kvp_prefix_stats)(buf.p)))
 	case "kvp_tier_stats":
 		cfg := C.kvp_manager_config{struct_size: C.size_t(unsafe.Sizeof(C.kvp_manager_config{})), num_blocks: 8, block_size: 16,
 			enable_prefix_cache: 1, host_tier_slots: 4, host_block_bytes: 64}
 		var m *C.kvp_manager
-		if st := kvp_manager_create(&cfg, &m); st != C.KVP_OK {
+		if st := kvpgo_manager_create(&cfg, &m); st != C.KVP_OK {
 			return abiStatus(st)
 		}
-		defer kvp_manager_destroy(m)
-		return abiStatus(kvp_manager_tier_stats(m, (*C.kvp_tier_stats)(buf.p)))
+		defer kvpgo_manager_destroy(m)
+		return abiStatus(kvpgo_manager_tier_stats(m, (*C.kvp_tier_stats)(buf.p)))
 	case "kvp_vcache_stats":
 		cfg := C.kvp_vcache_config{struct_size: C.size_t(unsafe.Sizeof(C.kvp_vcache_config{})), backend: C.KVP_VMEM_HOST,
 			num_layers: 1, num_kv_heads: 1, head_dim: 64, max_batch: 1, max_context: 64, budget_bytes: 1 << 20, no_background: 1}
 		var vc *C.kvp_vcache
-		if st := kvp_vcache_create(&cfg, &vc); st != C.KVP_OK {
+		if st := kvpgo_vcache_create(&cfg, &vc); st != C.KVP_OK {
 			return abiStatus(st)
 		}
-		defer kvp_vcache_destroy(vc)
-		return abiStatus(kvp_vcache_stats_get(vc, (*C.kvp_vcache_stats)(buf.p)))
+		defer kvpgo_vcache_destroy(vc)
+		return abiStatus(kvpgo_vcache_stats_get(vc, (*C.kvp_vcache_stats)(buf.p)))
 	}
 	panic("not an output struct: " + name)
 }

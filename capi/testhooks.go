@@ -11,9 +11,9 @@ package main
 #include "glue.h"
 
 // The exports this file's C calls (kvplug.h leaves them out here).
-extern kvp_status kvp_manager_check(kvp_manager *m);
-extern kvp_status kvp_live_handles(int64_t *out);
-extern kvp_status kvp_set_logger(kvp_log_fn fn, void *user, int level);
+extern kvp_status kvpgo_manager_check(kvp_manager *m);
+extern kvp_status kvpgo_live_handles(int64_t *out);
+extern kvp_status kvpgo_set_logger(kvp_log_fn fn, void *user, int level);
 
 // A log callback that breaks the header's rule and calls back into kvplug:
 // on the handle given as user, and a call with no handle. It records what
@@ -26,17 +26,17 @@ static void reentry_log(void *user, int level, const char *msg) {
   reentry_lines++;
   size_t n = strlen(msg);
   if (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) reentry_newline = 1;
-  reentry_check = kvp_manager_check((kvp_manager *)user);
+  reentry_check = kvpgo_manager_check((kvp_manager *)user);
   strncpy(reentry_msg, kvp_last_error(), sizeof reentry_msg - 1);
   int64_t live = 0;
-  reentry_live = kvp_live_handles(&live);
+  reentry_live = kvpgo_live_handles(&live);
 }
 
 static int set_reentry_logger(void *user) {
   reentry_lines = reentry_newline = 0;
   reentry_check = reentry_live = -1;
   reentry_msg[0] = 0;
-  return kvp_set_logger(reentry_log, user, KVP_LOG_DEBUG);
+  return kvpgo_set_logger(reentry_log, user, KVP_LOG_DEBUG);
 }
 
 static const char *reentry_result(int out[4]) {
@@ -98,31 +98,31 @@ func hookManagerCreate(structSize uintptr, numBlocks, blockSize int32, nullCfg, 
 	if nullOut {
 		o = nil
 	}
-	st := kvp_manager_create(c, o)
+	st := kvpgo_manager_create(c, o)
 	return unsafe.Pointer(*out), abiStatus(st)
 }
 
-func hookManagerDestroy(h unsafe.Pointer) { kvp_manager_destroy((*C.kvp_manager)(h)) }
+func hookManagerDestroy(h unsafe.Pointer) { kvpgo_manager_destroy((*C.kvp_manager)(h)) }
 
 func hookManagerAdd(h unsafe.Pointer, id int64, n int32) abiStatus {
-	return abiStatus(kvp_manager_add((*C.kvp_manager)(h), C.int64_t(id), C.int32_t(n)))
+	return abiStatus(kvpgo_manager_add((*C.kvp_manager)(h), C.int64_t(id), C.int32_t(n)))
 }
 
 func hookManagerGrow(h unsafe.Pointer, ids cbuf, counts cbuf, n int32) abiStatus {
-	return abiStatus(kvp_manager_grow((*C.kvp_manager)(h), (*C.int64_t)(ids.p), (*C.int32_t)(counts.p), C.int32_t(n)))
+	return abiStatus(kvpgo_manager_grow((*C.kvp_manager)(h), (*C.int64_t)(ids.p), (*C.int32_t)(counts.p), C.int32_t(n)))
 }
 
 func hookManagerRemove(h unsafe.Pointer, ids cbuf, n int32) abiStatus {
-	return abiStatus(kvp_manager_remove((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n)))
+	return abiStatus(kvpgo_manager_remove((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n)))
 }
 
 func hookManagerFork(h unsafe.Pointer, parent int64, children cbuf, n int32, copies cbuf, maxCopies int32, numCopies cbuf) abiStatus {
-	return abiStatus(kvp_manager_fork((*C.kvp_manager)(h), C.int64_t(parent), (*C.int64_t)(children.p), C.int32_t(n),
+	return abiStatus(kvpgo_manager_fork((*C.kvp_manager)(h), C.int64_t(parent), (*C.int64_t)(children.p), C.int32_t(n),
 		(*C.kvp_block_copy)(copies.p), C.int32_t(maxCopies), (*C.int32_t)(numCopies.p)))
 }
 
 func hookManagerDescribe(h unsafe.Pointer, ids cbuf, n int32, table cbuf, maxBlocks int32, lens cbuf, slots cbuf, slotCap int32, numSlots cbuf) abiStatus {
-	return abiStatus(kvp_manager_describe((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n),
+	return abiStatus(kvpgo_manager_describe((*C.kvp_manager)(h), (*C.int64_t)(ids.p), C.int32_t(n),
 		(*C.int32_t)(table.p), C.int32_t(maxBlocks), (*C.int32_t)(lens.p), (*C.int32_t)(slots.p),
 		C.int32_t(slotCap), (*C.int32_t)(numSlots.p)))
 }
@@ -131,12 +131,12 @@ func hookManagerDescribe(h unsafe.Pointer, ids cbuf, n int32, table cbuf, maxBlo
 func hookManagerStats(h unsafe.Pointer, structSize uintptr) ([4]int64, abiStatus) {
 	var s C.kvp_manager_stats
 	s.struct_size = C.size_t(structSize)
-	st := kvp_manager_stats_get((*C.kvp_manager)(h), &s)
+	st := kvpgo_manager_stats_get((*C.kvp_manager)(h), &s)
 	return [4]int64{int64(s.free_blocks), int64(s.used_blocks), int64(s.num_seqs), int64(s.num_tokens)}, abiStatus(st)
 }
 
 func hookManagerCheck(h unsafe.Pointer) abiStatus {
-	return abiStatus(kvp_manager_check((*C.kvp_manager)(h)))
+	return abiStatus(kvpgo_manager_check((*C.kvp_manager)(h)))
 }
 
 func sizeofManagerConfig() uintptr { return unsafe.Sizeof(C.kvp_manager_config{}) }
@@ -146,7 +146,7 @@ func sizeofManagerStats() uintptr  { return unsafe.Sizeof(C.kvp_manager_stats{})
 // user = h (NULL: the default, silent logger again).
 func hookSetReentryLogger(h unsafe.Pointer) abiStatus {
 	if h == nil {
-		return abiStatus(kvp_set_logger(nil, nil, C.KVP_LOG_OFF))
+		return abiStatus(kvpgo_set_logger(nil, nil, C.KVP_LOG_OFF))
 	}
 	return abiStatus(C.set_reentry_logger(h))
 }
@@ -170,7 +170,7 @@ func hookLiveHandles(null bool) (int64, abiStatus) {
 	if null {
 		p = nil
 	}
-	st := kvp_live_handles(p)
+	st := kvpgo_live_handles(p)
 	return int64(n), abiStatus(st)
 }
 
@@ -186,15 +186,15 @@ func hookVcacheCreate(layers, kvHeads, headDim, maxBatch, maxContext int32, budg
 	cfg.budget_bytes = C.int64_t(budget)
 	cfg.no_background = 1
 	var out *C.kvp_vcache
-	st := kvp_vcache_create(cfg, &out)
+	st := kvpgo_vcache_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
 }
 
-func hookVcacheDestroy(h unsafe.Pointer) { kvp_vcache_destroy((*C.kvp_vcache)(h)) }
+func hookVcacheDestroy(h unsafe.Pointer) { kvpgo_vcache_destroy((*C.kvp_vcache)(h)) }
 
 func hookVcacheAlloc(h unsafe.Pointer) (int32, abiStatus) {
 	var s C.int32_t = -1
-	st := kvp_vcache_alloc_slot((*C.kvp_vcache)(h), &s)
+	st := kvpgo_vcache_alloc_slot((*C.kvp_vcache)(h), &s)
 	return int32(s), abiStatus(st)
 }
 
@@ -202,13 +202,13 @@ func hookVcacheStep(h unsafe.Pointer, slots, ctxLens []int32) abiStatus {
 	cs, cc := cInt32s(slots), cInt32s(ctxLens)
 	defer cs.free()
 	defer cc.free()
-	return abiStatus(kvp_vcache_step((*C.kvp_vcache)(h), (*C.int32_t)(cs.p), (*C.int32_t)(cc.p), C.int32_t(len(slots))))
+	return abiStatus(kvpgo_vcache_step((*C.kvp_vcache)(h), (*C.int32_t)(cs.p), (*C.int32_t)(cc.p), C.int32_t(len(slots))))
 }
 
 // hookVcacheMapped returns mapped_bytes and active_slots from the stats.
 func hookVcacheMapped(h unsafe.Pointer) (int64, int32, abiStatus) {
 	var s C.kvp_vcache_stats
 	s.struct_size = C.size_t(unsafe.Sizeof(s))
-	st := kvp_vcache_stats_get((*C.kvp_vcache)(h), &s)
+	st := kvpgo_vcache_stats_get((*C.kvp_vcache)(h), &s)
 	return int64(s.mapped_bytes), int32(s.active_slots), abiStatus(st)
 }

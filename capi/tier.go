@@ -184,8 +184,8 @@ func freeHostTier(m *kvmanager.Manager) {
 	}
 }
 
-//export kvp_manager_flush_copies
-func kvp_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDemote C.int32_t, numDemote *C.int32_t,
+//export kvpgo_manager_flush_copies
+func kvpgo_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDemote C.int32_t, numDemote *C.int32_t,
 	reload *C.kvp_tier_copy, maxReload C.int32_t, numReload *C.int32_t, ticket *C.uint64_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		const op = "kvp_manager_flush_copies"
@@ -230,8 +230,8 @@ func kvp_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDemo
 	})
 }
 
-//export kvp_manager_complete_copies
-func kvp_manager_complete_copies(h *C.kvp_manager, ticket C.uint64_t, failed C.int32_t) C.kvp_status {
+//export kvpgo_manager_complete_copies
+func kvpgo_manager_complete_copies(h *C.kvp_manager, ticket C.uint64_t, failed C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if err := m.CompleteCopies(uint64(ticket), failed != 0); err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, "kvp_manager_complete_copies")
@@ -240,8 +240,8 @@ func kvp_manager_complete_copies(h *C.kvp_manager, ticket C.uint64_t, failed C.i
 	})
 }
 
-//export kvp_manager_match_tiers
-func kvp_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+//export kvpgo_manager_match_tiers
+func kvpgo_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, out *C.kvp_tier_match) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
@@ -257,8 +257,8 @@ func kvp_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, o
 	})
 }
 
-//export kvp_manager_tier_stats
-func kvp_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_status {
+//export kvpgo_manager_tier_stats
+func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_manager_tier_stats: out must not be NULL")
@@ -313,8 +313,8 @@ func kvp_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_statu
 	})
 }
 
-//export kvp_manager_host_tier_memory
-func kvp_manager_host_tier_memory(h *C.kvp_manager, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
+//export kvpgo_manager_host_tier_memory
+func kvpgo_manager_host_tier_memory(h *C.kvp_manager, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		ht, err := tierOf(m, "kvp_manager_host_tier_memory")
 		if err != nil {

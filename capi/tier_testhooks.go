@@ -51,7 +51,7 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 	}
 	cfg.shared_tier_timeout_ms, cfg.shared_tier_put_queue = C.int32_t(c.sharedTimeoutMs), C.int32_t(c.sharedPutQueue)
 	var out *C.kvp_manager
-	st := kvp_manager_create(cfg, &out)
+	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
 }
 
@@ -71,7 +71,7 @@ func hookFlushCopies(h unsafe.Pointer, maxD, maxR int32) (d, r [][2]int32, nd, n
 	}
 	var cnd, cnr C.int32_t = -1, -1
 	var tk C.uint64_t = 99
-	st = abiStatus(kvp_manager_flush_copies((*C.kvp_manager)(h), dp, C.int32_t(maxD), &cnd, rp, C.int32_t(maxR), &cnr, &tk))
+	st = abiStatus(kvpgo_manager_flush_copies((*C.kvp_manager)(h), dp, C.int32_t(maxD), &cnd, rp, C.int32_t(maxR), &cnr, &tk))
 	if st == 0 {
 		for _, o := range unsafe.Slice(dp, max(cnd, 0)) {
 			d = append(d, [2]int32{int32(o.block), int32(o.slot)})
@@ -88,9 +88,9 @@ func hookFlushCopiesNull(h unsafe.Pointer, nullCounts bool, maxD int32) abiStatu
 	var cnd, cnr C.int32_t
 	var tk C.uint64_t
 	if nullCounts {
-		return abiStatus(kvp_manager_flush_copies((*C.kvp_manager)(h), nil, 0, nil, nil, 0, &cnr, &tk))
+		return abiStatus(kvpgo_manager_flush_copies((*C.kvp_manager)(h), nil, 0, nil, nil, 0, &cnr, &tk))
 	}
-	return abiStatus(kvp_manager_flush_copies((*C.kvp_manager)(h), nil, C.int32_t(maxD), &cnd, nil, 0, &cnr, &tk))
+	return abiStatus(kvpgo_manager_flush_copies((*C.kvp_manager)(h), nil, C.int32_t(maxD), &cnd, nil, 0, &cnr, &tk))
 }
 
 func hookCompleteCopies(h unsafe.Pointer, ticket uint64, failed bool) abiStatus {
@@ -98,7 +98,7 @@ func hookCompleteCopies(h unsafe.Pointer, ticket uint64, failed bool) abiStatus 
 	if failed {
 		f = 1
 	}
-	return abiStatus(kvp_manager_complete_copies((*C.kvp_manager)(h), C.uint64_t(ticket), f))
+	return abiStatus(kvpgo_manager_complete_copies((*C.kvp_manager)(h), C.uint64_t(ticket), f))
 }
 
 // hookMatchTiers returns each prompt's (gpu, host) tokens.
@@ -112,7 +112,7 @@ func hookMatchTiers(h unsafe.Pointer, prompts [][]int32, nullOut bool) ([][2]int
 	if nullOut {
 		o = nil
 	}
-	st := kvp_manager_match_tiers((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), nil, o)
+	st := kvpgo_manager_match_tiers((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), nil, o)
 	res := make([][2]int32, len(prompts))
 	for i, m := range unsafe.Slice(out, len(prompts)) {
 		res[i] = [2]int32{int32(m.gpu_tokens), int32(m.host_tokens)}
@@ -130,7 +130,7 @@ func hookTierStats(h unsafe.Pointer, structSize uintptr, nullOut bool) ([6]int64
 	if nullOut {
 		p = nil
 	}
-	st := kvp_manager_tier_stats((*C.kvp_manager)(h), p)
+	st := kvpgo_manager_tier_stats((*C.kvp_manager)(h), p)
 	return [6]int64{int64(s.demotions_completed), int64(s.reloads_completed), int64(s.host_hit_tokens),
 		int64(s.in_flight), int64(s.host_resident), int64(s.host_slots)}, abiStatus(st)
 }
@@ -141,7 +141,7 @@ func hookSharedStats(h unsafe.Pointer, structSize uintptr) (map[string]int64, ab
 	s := (*C.kvp_tier_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))))
 	defer C.free(unsafe.Pointer(s))
 	s.struct_size = C.size_t(structSize)
-	st := kvp_manager_tier_stats((*C.kvp_manager)(h), s)
+	st := kvpgo_manager_tier_stats((*C.kvp_manager)(h), s)
 	return map[string]int64{
 		"lookups": int64(s.shared_lookups), "hits": int64(s.shared_hits), "misses": int64(s.shared_misses),
 		"fetched": int64(s.shared_fetched), "fetch_misses": int64(s.shared_fetch_misses),
@@ -171,7 +171,7 @@ func hookHostTierMemory(h unsafe.Pointer) ([]byte, int64, int32, abiStatus) {
 	var base unsafe.Pointer
 	var bytes C.int64_t
 	var n C.int32_t
-	st := abiStatus(kvp_manager_host_tier_memory((*C.kvp_manager)(h), &base, &bytes, &n))
+	st := abiStatus(kvpgo_manager_host_tier_memory((*C.kvp_manager)(h), &base, &bytes, &n))
 	if st != 0 {
 		return nil, 0, 0, st
 	}

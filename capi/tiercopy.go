@@ -24,8 +24,8 @@ const tierCopierName = "kvp_tier_copier"
 var _ [unsafe.Sizeof(C.kvp_tier_copy{}) - unsafe.Sizeof(tiercopy.Op{})]struct{}
 var _ [unsafe.Sizeof(tiercopy.Op{}) - unsafe.Sizeof(C.kvp_tier_copy{})]struct{}
 
-//export kvp_tier_copier_create
-func kvp_tier_copier_create(layers *C.kvp_kv_layers, host unsafe.Pointer, slotBytes C.int64_t, numSlots C.int32_t,
+//export kvpgo_tier_copier_create
+func kvpgo_tier_copier_create(layers *C.kvp_kv_layers, host unsafe.Pointer, slotBytes C.int64_t, numSlots C.int32_t,
 	out **C.kvp_tier_copier) (st C.kvp_status) {
 	defer guard(&st)
 	if logx.InCallback() {
@@ -70,8 +70,8 @@ func ptrs(p *C.uint64_t, n int) []cuda.DevicePtr {
 	return out
 }
 
-//export kvp_tier_copier_run
-func kvp_tier_copier_run(h *C.kvp_tier_copier, demote *C.kvp_tier_copy, numDemote C.int32_t,
+//export kvpgo_tier_copier_run
+func kvpgo_tier_copier_run(h *C.kvp_tier_copier, demote *C.kvp_tier_copy, numDemote C.int32_t,
 	reload *C.kvp_tier_copy, numReload C.int32_t, stream unsafe.Pointer) C.kvp_status {
 	return onHandle(unsafe.Pointer(h), tierCopierName, func(cp *tiercopy.Copier) error {
 		for _, a := range []struct {
@@ -91,8 +91,8 @@ func kvp_tier_copier_run(h *C.kvp_tier_copier, demote *C.kvp_tier_copy, numDemot
 	})
 }
 
-//export kvp_tier_copier_destroy
-func kvp_tier_copier_destroy(h *C.kvp_tier_copier) {
+//export kvpgo_tier_copier_destroy
+func kvpgo_tier_copier_destroy(h *C.kvp_tier_copier) {
 	defer guardVoid()
 	if cp, ok := dropHandle[*tiercopy.Copier](unsafe.Pointer(h)); ok {
 		_ = cp.Close()

@@ -50,7 +50,7 @@ func hookTierCopierCreate(l hookKVLayers, host bool, slotBytes int64, slots int3
 		defer C.free(hp)
 	}
 	var out *C.kvp_tier_copier
-	st := kvp_tier_copier_create(c, hp, C.int64_t(slotBytes), C.int32_t(slots), &out)
+	st := kvpgo_tier_copier_create(c, hp, C.int64_t(slotBytes), C.int32_t(slots), &out)
 	return unsafe.Pointer(out), abiStatus(st)
 }
 
@@ -71,7 +71,7 @@ func hookTierCopierRun(h unsafe.Pointer, demote [][2]int32, nd int32, reload [][
 	d, r := arr(demote), arr(reload)
 	defer C.free(unsafe.Pointer(d))
 	defer C.free(unsafe.Pointer(r))
-	return abiStatus(kvp_tier_copier_run((*C.kvp_tier_copier)(h), d, C.int32_t(nd), r, C.int32_t(nr), nil))
+	return abiStatus(kvpgo_tier_copier_run((*C.kvp_tier_copier)(h), d, C.int32_t(nd), r, C.int32_t(nr), nil))
 }
 
-func hookTierCopierDestroy(h unsafe.Pointer) { kvp_tier_copier_destroy((*C.kvp_tier_copier)(h)) }
+func hookTierCopierDestroy(h unsafe.Pointer) { kvpgo_tier_copier_destroy((*C.kvp_tier_copier)(h)) }

@@ -17,14 +17,14 @@ var versionString = func() *C.char {
 	return C.CString(fmt.Sprintf("%d.%d.%d", C.KVP_VERSION_MAJOR, C.KVP_VERSION_MINOR, C.KVP_VERSION_PATCH))
 }()
 
-//export kvp_version
-func kvp_version() C.uint32_t { return C.KVP_VERSION_NUMBER }
+//export kvpgo_version
+func kvpgo_version() C.uint32_t { return C.KVP_VERSION_NUMBER }
 
-//export kvp_version_string
-func kvp_version_string() *C.char { return versionString }
+//export kvpgo_version_string
+func kvpgo_version_string() *C.char { return versionString }
 
-//export kvp_set_logger
-func kvp_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp_status) {
+//export kvpgo_set_logger
+func kvpgo_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp_status) {
 	defer guard(&st)
 	if err := logx.CheckLevel(int(level)); err != nil {
 		return fail(err)
@@ -41,8 +41,8 @@ func kvp_set_logger(fn C.kvp_log_fn, user unsafe.Pointer, level C.int) (st C.kvp
 	return C.KVP_OK
 }
 
-//export kvp_set_log_level
-func kvp_set_log_level(level C.int) (st C.kvp_status) {
+//export kvpgo_set_log_level
+func kvpgo_set_log_level(level C.int) (st C.kvp_status) {
 	defer guard(&st)
 	if err := logx.CheckLevel(int(level)); err != nil {
 		return fail(err)

@@ -26,8 +26,8 @@ func onVcache(h *C.kvp_vcache, f func(*vcache) error) C.kvp_status {
 	return onHandle(unsafe.Pointer(h), vcacheName, f)
 }
 
-//export kvp_vcache_create
-func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_status) {
+//export kvpgo_vcache_create
+func kvpgo_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_status) {
 	defer guard(&st)
 	if logx.InCallback() {
 		return fail(errFromLogCallback("kvp_vcache_create"))
@@ -77,8 +77,8 @@ func kvp_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp_s
 	return C.KVP_OK
 }
 
-//export kvp_vcache_destroy
-func kvp_vcache_destroy(h *C.kvp_vcache) {
+//export kvpgo_vcache_destroy
+func kvpgo_vcache_destroy(h *C.kvp_vcache) {
 	defer guardVoid()
 	// Only a live kvp_vcache is dropped: another object's handle stays.
 	if vc, ok := dropHandle[*vcache](unsafe.Pointer(h)); ok {
@@ -87,8 +87,8 @@ func kvp_vcache_destroy(h *C.kvp_vcache) {
 	}
 }
 
-//export kvp_vcache_layer_ptrs
-func kvp_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) C.kvp_status {
+//export kvpgo_vcache_layer_ptrs
+func kvpgo_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		if k == nil || v == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_layer_ptrs: k_ptr and v_ptr must not be NULL")
@@ -102,8 +102,8 @@ func kvp_vcache_layer_ptrs(h *C.kvp_vcache, layer C.int32_t, k, v *C.uint64_t) C
 	})
 }
 
-//export kvp_vcache_strides
-func kvp_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) C.kvp_status {
+//export kvpgo_vcache_strides
+func kvpgo_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		if strides == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_strides: strides must not be NULL")
@@ -115,8 +115,8 @@ func kvp_vcache_strides(h *C.kvp_vcache, strides *C.int64_t) C.kvp_status {
 	})
 }
 
-//export kvp_vcache_alloc_slot
-func kvp_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) C.kvp_status {
+//export kvpgo_vcache_alloc_slot
+func kvpgo_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		if slot == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_alloc_slot: slot must not be NULL")
@@ -130,15 +130,15 @@ func kvp_vcache_alloc_slot(h *C.kvp_vcache, slot *C.int32_t) C.kvp_status {
 	})
 }
 
-//export kvp_vcache_free_slot
-func kvp_vcache_free_slot(h *C.kvp_vcache, slot C.int32_t) C.kvp_status {
+//export kvpgo_vcache_free_slot
+func kvpgo_vcache_free_slot(h *C.kvp_vcache, slot C.int32_t) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		return vc.c.Free(int(slot))
 	})
 }
 
-//export kvp_vcache_step
-func kvp_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) C.kvp_status {
+//export kvpgo_vcache_step
+func kvpgo_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		if n == 0 {
 			return nil
@@ -153,15 +153,15 @@ func kvp_vcache_step(h *C.kvp_vcache, slots, ctxLens *C.int32_t, n C.int32_t) C.
 	})
 }
 
-//export kvp_vcache_trim
-func kvp_vcache_trim(h *C.kvp_vcache) C.kvp_status {
+//export kvpgo_vcache_trim
+func kvpgo_vcache_trim(h *C.kvp_vcache) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		return vc.c.Trim()
 	})
 }
 
-//export kvp_vcache_stats_get
-func kvp_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) C.kvp_status {
+//export kvpgo_vcache_stats_get
+func kvpgo_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) C.kvp_status {
 	return onVcache(h, func(vc *vcache) error {
 		if out == nil {
 			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")

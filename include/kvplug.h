@@ -42,8 +42,12 @@
  *
  * Go runtime facts a host must know: the library contains a Go runtime. Never
  * dlclose() it (the runtime cannot be unloaded). Load it at most once per
- * process. Do not fork() after loading it and use it in the child: engines
- * that fork workers load it in each worker after the fork, or use spawn.
+ * process. Do not fork() after loading it and use it in the child: every
+ * function called in a child forked after the library was loaded fails at
+ * once with KVP_ERR_UNSUPPORTED (destroy functions do nothing; kvp_version
+ * and kvp_version_string still answer), since entering the runtime there
+ * could deadlock. Engines that fork workers load it in each worker after
+ * the fork, or use spawn.
  *
  * The ABI is stable within a major version.
  *
@@ -57,6 +61,8 @@
  *     forward pass ("Computed K/V" in the prefix cache section).
  *   - kvp_prefix_stats gains uncomputed_blocks and dropped_uncomputed
  *     (appended, by the struct rule below).
+ *   - A call in a child forked after the library was loaded fails at once
+ *     with KVP_ERR_UNSUPPORTED instead of entering the Go runtime.
  *
  * Struct versions. Every struct that begins with struct_size follows one rule
  * (zstd's and sqlite's promise of append-only parameter structs, with the
@@ -642,7 +648,8 @@ typedef struct kvp_kv_event {
  * the prompt's longest cached prefix in full blocks (never its last token)
  * and matched_tokens[i] (if not NULL) receives their count; the rest of the
  * prompt is its new tokens. Its full blocks are cached at once, so later
- * prompts of the same batch share them. Without the prefix cache nothing
+ * prompts of the same batch share them; they stay uncomputed until
+ * kvp_manager_mark_computed ("Computed K/V" in the prefix cache section). Without the prefix cache nothing
  * matches: admit is then add with the tokens ignored. With a host tier the
  * match goes on there, and with a shared tier below it, on the server
  * (see "Host KV tier" and "Shared KV tier": blocks reloaded, counted in

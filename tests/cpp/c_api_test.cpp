@@ -14,6 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "kvplug.h"
 
 namespace {
@@ -759,6 +763,51 @@ TEST(ComputedKV, RemoveBeforeForwardPassMatchesNothing) {
   EXPECT_EQ(st.dropped_uncomputed, 5);
   EXPECT_EQ(kvp_manager_mark_computed(nullptr), KVP_ERR_INVALID_HANDLE);
   EXPECT_EQ(kvp_manager_check(m), KVP_OK);
+  kvp_manager_destroy(m);
+}
+
+// A child forked after the library was loaded gets UNSUPPORTED at once from
+// every entry point, with a message naming the cause, instead of entering
+// a Go runtime that did not survive the fork.
+TEST(Fork, ChildCallsFailAtOnce) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 8;
+  kvp_manager *m = nullptr;
+  ASSERT_EQ(kvp_manager_create(&cfg, &m), KVP_OK);  // the runtime is running
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(fds[0]);
+    kvp_manager *c = nullptr;
+    int code = kvp_manager_create(&cfg, &c) == KVP_ERR_UNSUPPORTED ? 0 : 1;
+    const char *msg = kvp_last_error();
+    if (write(fds[1], msg, strlen(msg)) < 0) code = 2;
+    if (kvp_manager_add(m, 1, 4) != KVP_ERR_UNSUPPORTED) code = 3;
+    if (kvp_version() != static_cast<uint32_t>(KVP_VERSION_NUMBER)) code = 4;
+    kvp_manager_destroy(m);  // does nothing in the child
+    _exit(code);
+  }
+  close(fds[1]);
+  int status = 0;
+  bool done = false;
+  for (int i = 0; i < 2000 && !done; i++) {  // 20 s
+    done = waitpid(pid, &status, WNOHANG) == pid;
+    if (!done) usleep(10000);
+  }
+  if (!done) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  char buf[1024] = {0};
+  ssize_t n = read(fds[0], buf, sizeof buf - 1);
+  close(fds[0]);
+  ASSERT_TRUE(done) << "the forked child hung in a kvplug call";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status << ": " << buf;
+  EXPECT_GT(n, 0);
+  EXPECT_NE(std::string(buf).find("forked"), std::string::npos) << buf;
+  EXPECT_EQ(kvp_manager_add(m, 1, 4), KVP_OK);  // the parent is unaffected
   kvp_manager_destroy(m);
 }
 
