@@ -7,20 +7,21 @@ without a GPU. Each test is the regression test of one of these."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 import kvplug
 from kvplug import _lib
 from kvplug.hoststore import HostStore
 from kvplug.vmem import VirtualKVCache
-
-torch = pytest.importorskip("torch")
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -430,7 +431,7 @@ def test_gpu_entry_points_raise_no_device_error():
 
 # ---- the smoke runs: examples/hf_engine.py and bench/hf_bench.py ------------------------------
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load_script(name: str, path: str):
@@ -509,7 +510,7 @@ def test_bench_smoke_run_without_kv_gb(tmp_path, capsys):
             "--scale", "0.02", "--samples-c", "2", "--own", "8", "16", "--output", "4", "8", "--max-batch", "4",
             "--step-tokens", "64", "--chunk", "32", "--quiet", "--json", str(out)])
     text = capsys.readouterr().out
-    r = __import__("json").loads(out.read_text())["c/kvplug"]
+    r = json.loads(out.read_text())["c/kvplug"]
     assert r["finished"] == r["requests"] == 1
     assert r["num_blocks"] == r["working_set_blocks"] + 4  # sized to the workload, not 40 GiB
     assert "nan" not in text and "full batch -" in text, text  # two sequences: no full batch of 4

@@ -247,7 +247,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
 
     def close(self) -> None:
         """Destroys the manager and all its sequences; idempotent. Later
-        calls raise InvalidHandleError."""
+        calls raise InvalidHandleError. While an array from
+        host_tier_memory() (or one made from it) is alive, the library
+        frees the manager, and that memory, when the last of them goes."""
         super().close()
 
     def __repr__(self) -> str:
