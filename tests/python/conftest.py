@@ -3,14 +3,29 @@
 
 from __future__ import annotations
 
+import importlib
 import socket
 import sys
-from typing import Iterator, List, Tuple
+from types import ModuleType
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
 
 import kvplug
+
+
+def require(module: str, package: Optional[str] = None) -> ModuleType:
+    """Imports a module the tests need from a package the Makefile installs
+    in build/venv (xxhash, hypothesis, msgspec, pyzmq, torch, ...). A missing
+    one fails the importing test module instead of skipping it, so that a
+    broken environment cannot pass as a run of skipped tests."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"cannot import {module} ({e}): install the {package or module} package, which the Makefile "
+                    "installs in build/venv for make test", pytrace=False)
+        raise  # unreachable: pytest.fail raises
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,9 @@ import pytest
 import abi_raw as raw
 from abi_raw import Memory, layout, put
 
-hypothesis = pytest.importorskip("hypothesis")
+from conftest import require
+
+hypothesis = require("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -13,9 +13,11 @@ from typing import Any, List, Optional, Tuple, Union
 
 import pytest
 
-msgspec = pytest.importorskip("msgspec")
-zmq = pytest.importorskip("zmq")
-xxhash = pytest.importorskip("xxhash")
+from conftest import require
+
+msgspec = require("msgspec")
+zmq = require("zmq", "pyzmq")
+xxhash = require("xxhash")
 
 import kvplug  # noqa: E402
 from kvplug import events  # noqa: E402

@@ -11,7 +11,9 @@ import struct
 
 import pytest
 
-xxhash = pytest.importorskip("xxhash", reason="the xxhash package is installed by the Makefile's venv")
+from conftest import require
+
+xxhash = require("xxhash")
 
 VECTORS = pathlib.Path(__file__).resolve().parents[2] / "core" / "prefix" / "testdata" / "hash_vectors.json"
 

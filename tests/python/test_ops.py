@@ -11,7 +11,9 @@ import ctypes
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import require
+
+torch = require("torch")
 
 import kvplug  # noqa: E402
 import kvplug.ops as ops  # noqa: E402

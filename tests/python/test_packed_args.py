@@ -14,7 +14,9 @@ import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import require
+
+torch = require("torch")
 
 import kvplug  # noqa: E402
 from kvplug import _capi, _lib, _tensors, attn, cascade  # noqa: E402
