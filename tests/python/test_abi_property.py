@@ -337,6 +337,10 @@ def op_prefix_stats_reset(d):
     return "kvp_manager_prefix_stats_reset", raw.call("kvp_manager_prefix_stats_reset", d.handle(True))
 
 
+def op_mark_computed(d):
+    return "kvp_manager_mark_computed", raw.call("kvp_manager_mark_computed", d.handle(True))
+
+
 def op_clear(d):
     return "kvp_manager_clear_prefix_cache", raw.call("kvp_manager_clear_prefix_cache", d.handle(True), d.outp(4))
 
@@ -696,7 +700,7 @@ def op_publisher_destroy(d):
 
 
 OPS = [op_add, op_grow, op_grow, op_grow_tokens, op_fork, op_remove, op_describe, op_stats, op_prefix_stats, op_admit,
-       op_admit, op_match, op_pin, op_unpin, op_set_priority, op_prefix_stats_reset, op_clear, op_drain,
+       op_admit, op_match, op_pin, op_unpin, op_set_priority, op_prefix_stats_reset, op_mark_computed, op_clear, op_drain,
        op_next_event_size, op_add_mm_items, op_manager_create, op_manager_destroy, op_vcache_create, op_vcache_destroy,
        op_layer_ptrs, op_strides, op_alloc_slot, op_alloc_slot, op_free_slot, op_step, op_step, op_trim, op_vcache_stats,
        op_workspace, op_prefill_workspace, op_num_splits, op_kv_write, op_paged_decode, op_merge_states,
@@ -745,12 +749,12 @@ def test_every_entry_point_with_arbitrary_arguments():
 
 def test_every_entry_point_is_driven():
     names = {op.__name__ for op in OPS}
-    assert len(names) == 51
+    assert len(names) == 52
     exported = set(raw.SIGNATURES) - {"kvp_manager_check"}
     driven = {"kvp_manager_" + n for n in ("add", "grow", "grow_tokens", "fork", "remove", "describe", "stats_get",
                                            "prefix_stats", "admit", "match", "pin", "unpin", "set_priority",
                                            "prefix_stats_reset", "clear_prefix_cache", "drain_events",
-                                           "next_event_size", "add_mm_items", "create")}
+                                           "next_event_size", "add_mm_items", "create", "mark_computed")}
     driven |= {"kvp_vcache_" + n for n in ("create", "layer_ptrs", "strides", "alloc_slot", "free_slot", "step", "trim",
                                            "stats_get")}
     driven |= {"kvp_attn_workspace_size", "kvp_prefill_workspace_size", "kvp_attn_num_splits", "kvp_kv_write",

@@ -203,6 +203,7 @@ def test_evictions_and_positional_int_hash_events(ctx):
         dec = msgspec.msgpack.Decoder(ArrayKVEventBatch)
         a = list(range(1, 25))  # 6 blocks
         m.admit([1], [a])
+        m.mark_computed()  # the step's forward pass: a's blocks stay cached when it is removed
         m.remove([1])
         b = list(range(500, 525))  # 6 full blocks + 1 token: evicts 5 of a's
         m.admit([2], [b])
@@ -250,6 +251,7 @@ def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
         # blocks): flush_copies never demotes a block allocated since the
         # previous flush.
         assert m.flush_copies().ticket == 0
+        m.mark_computed()
         m.remove([1])
         got = step()
         ha = block_hashes(a, 4)
@@ -264,6 +266,7 @@ def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
         b = list(range(50, 55))  # one block: the host tier is full, its LRU block goes
         m.admit([2], [b])
         assert m.flush_copies().ticket == 0  # the step
+        m.mark_computed()
         m.remove([2])
         got = step()
         cpu_removed = [e for e in got if isinstance(e, BlockRemoved) and e.medium == "CPU"]
