@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"net"
 	"testing"
 	"time"
 	"unsafe"
@@ -121,7 +122,7 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	waitSubscribed(p)
+	subscribed(t, p, sub)
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
 	keys := []hookKeys{{adapter: 5, salt: []byte("tenant")}}
 	_, n, st := hookAdmit(m, []int64{1}, [][]int32{prompt}, keys)
@@ -153,10 +154,17 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 	if *stored.LoRAID != 5 || len(stored.Tokens) != 8 || stored.Tokens[7] != 8 {
 		t.Fatalf("stored %+v", stored)
 	}
+	// Every snapshot subscribed asked for was taken before the admission's
+	// batch was published: the count moves by the resync alone.
+	before, _ := hookPublisherStats(p, 0, false)
 	expect(t, "resync", hookPublisherResync(p), kverr.OK)
+	deadline := time.Now().Add(5 * time.Second)
 	for {
-		if s, _ = hookPublisherStats(p, 0, false); s[3] == 2 {
+		if s, _ = hookPublisherStats(p, 0, false); s[3] == before[3]+1 {
 			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("snapshots %d after a resync, %d before", s[3], before[3])
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -184,9 +192,7 @@ func TestPublisherDPRank(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waitSubscribed(p)
-		expect(t, "flush", hookPublisherFlush(p), kverr.OK)
-		msg, b := recvBatch(t, sub)
+		msg, b := subscribed(t, p, sub)
 		if omit != (b.DPRank == nil) || (!omit && *b.DPRank != 0) || (omit && msg.Payload[0] != 0x92) {
 			t.Fatalf("omit %v: rank %v, header %#x", omit, b.DPRank, msg.Payload[0])
 		}
@@ -196,16 +202,56 @@ func TestPublisherDPRank(t *testing.T) {
 	}
 }
 
-// waitSubscribed waits until publisher p has its one subscriber, and a
-// little more: the subscription follows the handshake.
-func waitSubscribed(p unsafe.Pointer) {
+// subscribed returns once publisher p's batches reach sub, with the last
+// batch it read. ZMQ tells a subscriber nothing of its subscription's
+// arrival, and a batch published before it arrives is not sent to it (the
+// slow joiner); so this publishes snapshots (resync, flush) until one
+// reaches sub, then reads up to the last one published: sub's next batch
+// is the test's. Every batch after a received one is received too, in order.
+func subscribed(t *testing.T, p unsafe.Pointer, sub *kvevents.SubConn) (kvevents.Message, *kvevents.Batch) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if s, _ := hookPublisherStats(p, 0, false); s[4] == 1 {
-			break
+		s, _ := hookPublisherStats(p, 0, false)
+		expect(t, "resync", hookPublisherResync(p), kverr.OK)
+		expect(t, "flush", hookPublisherFlush(p), kverr.OK)
+		last := waitBatches(t, p, s[0]+1) - 1
+		_ = sub.SetDeadline(time.Now().Add(200 * time.Millisecond))
+		msg, err := sub.Recv()
+		if err == nil {
+			for msg.Seq != last {
+				msg, _ = recvBatch(t, sub)
+			}
+			b, err := kvevents.Decode(msg.Payload)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return msg, b
+		}
+		if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no batch reached the subscriber: its subscription never arrived")
+		}
+	}
+}
+
+// waitBatches waits until publisher p has published n batches, and returns
+// how many it has.
+func waitBatches(t *testing.T, p unsafe.Pointer, n int64) int64 {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		s, _ := hookPublisherStats(p, 0, false)
+		if s[0] >= n {
+			return s[0]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d batches published, %d expected", s[0], n)
 		}
 		time.Sleep(time.Millisecond)
 	}
-	time.Sleep(20 * time.Millisecond)
 }
 
 // recvBatch receives one message (within 5 s) and decodes its batch.

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -405,7 +406,6 @@ func TestIndexMissedRanges(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	time.Sleep(50 * time.Millisecond)
 	recv := func() kvevents.Message {
 		e.pub.Flush()
 		_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
@@ -416,9 +416,9 @@ func TestIndexMissedRanges(t *testing.T) {
 		return m
 	}
 	r := rand.New(rand.NewSource(3))
-	in.handle(recv()) // the start snapshot
+	in.handle(e.subscribed(t, sub)) // a snapshot
 	if in.stale {
-		t.Fatal("stale after the start snapshot")
+		t.Fatal("stale after a snapshot")
 	}
 	// Miss batches 1 and 2; batch 3 reveals the gap, replay fills it.
 	for range 3 {
@@ -452,13 +452,24 @@ func TestIndexMissedRanges(t *testing.T) {
 		t.Fatal("the snapshot did not rebuild the set")
 	}
 	// Hostile or broken batches: counted, the instance resyncs, nothing
-	// crashes. (A publisher grants one snapshot a second.)
-	time.Sleep(1100 * time.Millisecond)
+	// crashes.
+	granted := e.pub.Stats().Snapshots
 	for _, bad := range [][]byte{nil, {0xc1}, {0x92, 0xcb}, bytes.Repeat([]byte{0xdd, 0xff, 0xff, 0xff, 0xff}, 8)} {
 		in.handle(kvevents.Message{Seq: in.nextSeq, Payload: bad})
 	}
 	if in.badBatches.Load() != 4 || !in.stale {
 		t.Fatalf("bad batches %d, stale %v", in.badBatches.Load(), in.stale)
+	}
+	// A publisher grants one snapshot request a second and drops the rest,
+	// so the resync's requests may all come too soon after the last
+	// snapshot: ask until one is granted.
+	deadline := time.Now().Add(10 * time.Second)
+	for e.pub.Stats().Snapshots == granted {
+		if time.Now().After(deadline) {
+			t.Fatalf("no snapshot granted in 10 s: %+v", e.pub.Stats())
+		}
+		time.Sleep(20 * time.Millisecond)
+		in.requestSnapshot()
 	}
 	in.handle(recv())
 	if in.stale || !sameSet(setOf(t, x.be, "e0"), e.src.keys()) {
@@ -485,25 +496,38 @@ func TestIndexValkeyRestartUnderLoad(t *testing.T) {
 	defer x.Close()
 	r := rand.New(rand.NewSource(4))
 	var mu sync.Mutex
-	load := func(n int) {
-		for i := range n {
+	var served atomic.Int64
+	load := func(n int, stop <-chan struct{}) {
+		for i := 0; i < n || n < 0; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
 			mu.Lock()
 			p := prompt(r, i%7, 100+r.Intn(300))
 			mu.Unlock()
 			es[i%3].serve(t, p, nil)
+			served.Add(1)
 		}
 	}
-	load(100)
+	load(100, nil)
 	waitConverged(t, x, es, 20*time.Second)
-	done := make(chan struct{})
+	// Load runs until the server has been stopped while the index wrote to
+	// it and restarted, and has served more after that.
+	stop, done := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
-		load(300)
+		load(-1, stop)
 	}()
-	time.Sleep(20 * time.Millisecond)
+	waitFor(t, "load before the stop", func() bool { return served.Load() >= 120 })
+	errs := backendErrors(x)
 	srv.Stop()
-	time.Sleep(200 * time.Millisecond)
+	waitFor(t, "the index failing to write", func() bool { return backendErrors(x) > errs })
 	srv = redistest.Start(t, bin, srv.Port)
+	after := served.Load()
+	waitFor(t, "load after the restart", func() bool { return served.Load() >= after+50 })
+	close(stop)
 	<-done
 	waitConverged(t, x, es, 20*time.Second)
 	if be.Generation() == 0 {
@@ -514,6 +538,59 @@ func TestIndexValkeyRestartUnderLoad(t *testing.T) {
 	waitConverged(t, x, es, 10*time.Second)
 	if sc, err := x.Query(p, nil); err != nil || sc[2].Tokens != 288 || Best(sc) != "e2" {
 		t.Fatalf("after the restart: %+v %v", sc, err)
+	}
+}
+
+// waitFor polls cond until it holds, failing the test after 20 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited 20 s for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func backendErrors(x *Index) int64 {
+	var n int64
+	for _, s := range x.Status() {
+		n += s.BackendErrors
+	}
+	return n
+}
+
+// subscribed returns once e's batches reach sub, with the last batch it
+// read. ZMQ tells a subscriber nothing of its subscription's arrival, and a
+// batch published before it arrives is not sent to it (the slow joiner); so
+// this publishes snapshots until one reaches sub, then reads up to the last
+// one published. Every batch after a received one is received too, in order.
+func (e *engine) subscribed(t *testing.T, sub *kvevents.SubConn) kvevents.Message {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n := e.pub.Stats().Batches
+		e.pub.Resync()
+		waitFor(t, "the snapshot's batch", func() bool { return e.pub.Stats().Batches > n })
+		last := e.pub.Stats().NextSeq - 1
+		_ = sub.SetDeadline(time.Now().Add(200 * time.Millisecond))
+		m, err := sub.Recv()
+		if err == nil {
+			for m.Seq != last {
+				_ = sub.SetDeadline(time.Now().Add(5 * time.Second))
+				if m, err = sub.Recv(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			return m
+		}
+		if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no batch reached the subscriber: its subscription never arrived")
+		}
 	}
 }
 

@@ -126,17 +126,38 @@ def ctx():
     c.destroy(linger=0)
 
 
-def subscribe(ctx, pub: events.EventPublisher, topic: str):
+def wait_batches(pub: events.EventPublisher, n: int) -> None:
+    """Waits until pub has published n batches in all (at most 5 s)."""
+    deadline = time.monotonic() + 5
+    while pub.stats().batches < n:
+        assert time.monotonic() < deadline, f"{pub.stats().batches} batches published, {n} expected"
+        time.sleep(0.002)
+
+
+def subscribe(ctx, pub: events.EventPublisher, topic: str) -> Tuple[Any, int]:
+    """A SUB socket whose subscription the publisher has, and the sequence
+    number of the next batch it will receive. ZMQ tells a subscriber nothing
+    of its subscription's arrival, and a batch published before it arrives
+    is not sent (the slow joiner); so this publishes snapshots (resync,
+    flush) until one reaches the socket, then reads up to the last one
+    published. Every batch after a received one is received too, in order."""
     sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
     sub.connect(f"tcp://127.0.0.1:{pub.pub_port}")
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    deadline = time.time() + 5
-    while pub.stats().subscribers < 1:
-        assert time.time() < deadline, "the subscriber never connected"
-        time.sleep(0.005)
-    time.sleep(0.1)  # the subscription follows the connection
-    return sub
+    deadline = time.monotonic() + 10
+    while True:
+        n = pub.stats().batches
+        pub.resync()
+        pub.flush()
+        wait_batches(pub, n + 1)
+        last = pub.stats().batches - 1
+        if sub.poll(200):
+            break
+        assert time.monotonic() < deadline, "no batch reached the subscriber: its subscription never arrived"
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    while int.from_bytes(sub.recv_multipart()[1], "big") != last:
+        pass
+    return sub, last + 1
 
 
 def recv(sub, decoder) -> Tuple[str, int, Any]:
@@ -149,7 +170,7 @@ def test_named_field_events_decode_as_vllm(ctx):
     pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, topic="kv@engine-0@model",
                                 flush_interval_us=60_000_000)
     with m, pub:
-        sub = subscribe(ctx, pub, "kv@engine-0")
+        sub, first = subscribe(ctx, pub, "kv@engine-0")
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         img = bytes(range(16))
         keys = kvplug.Keys(adapter=3, mm=[kvplug.MMItem(2, 5, img)], salt=b"tenant-a")
@@ -158,13 +179,11 @@ def test_named_field_events_decode_as_vllm(ctx):
         m.admit([1], [prompt], keys)
         pub.flush()
         topic, seq, batch = recv(sub, dec)
-        assert (topic, seq) == ("kv@engine-0@model", 0)
+        assert (topic, seq) == ("kv@engine-0@model", first)
         assert abs(batch.ts - t0) < 5 and batch.data_parallel_rank == 0  # sent by default, as vLLM does
-        # The start snapshot (an empty cache), then the admitted chain as
-        # one BlockStored, as vLLM sends a request's new blocks.
-        assert isinstance(batch.events[0], AllBlocksCleared)
-        ev = batch.events[1]
-        assert isinstance(ev, BlockStored) and len(batch.events) == 2
+        # The admitted chain as one BlockStored, as vLLM sends a request's new blocks.
+        (ev,) = batch.events
+        assert isinstance(ev, BlockStored)
         want = block_hashes(prompt, 4, adapter=3, mm=[(2, 5, img)], salt=b"tenant-a")
         assert ev.block_hashes == want
         assert ev.parent_block_hash is None
@@ -181,7 +200,7 @@ def test_named_field_events_decode_as_vllm(ctx):
         pub.flush()
         _, seq, batch = recv(sub, dec)
         ev = batch.events[0]
-        assert seq == 1 and ev.parent_block_hash == want[2]
+        assert seq == first + 1 and ev.parent_block_hash == want[2]
         assert ev.block_hashes == block_hashes(prompt + [113, 114, 115], 4, 3, [(2, 5, img)], b"tenant-a")[3:]
 
         # Clearing the cache: AllBlocksCleared.
@@ -189,7 +208,7 @@ def test_named_field_events_decode_as_vllm(ctx):
         m.clear_prefix_cache()
         pub.flush()
         _, seq, batch = recv(sub, dec)
-        assert seq == 2 and [type(e) for e in batch.events] == [AllBlocksCleared]
+        assert seq == first + 2 and [type(e) for e in batch.events] == [AllBlocksCleared]
 
 
 def test_evictions_and_positional_int_hash_events(ctx):
@@ -199,7 +218,7 @@ def test_evictions_and_positional_int_hash_events(ctx):
                                 hash_format=events.HASH_INT64, data_parallel_rank=1, medium="CPU",
                                 flush_interval_us=60_000_000)
     with m, pub:
-        sub = subscribe(ctx, pub, "")
+        sub, _ = subscribe(ctx, pub, "")
         dec = msgspec.msgpack.Decoder(ArrayKVEventBatch)
         a = list(range(1, 25))  # 6 blocks
         m.admit([1], [a])
@@ -232,7 +251,7 @@ def test_host_tier_events_decode_as_vllm_cpu_events(ctx):
     m = kvplug.Manager(8, 4, prefix_cache=True, kv_events=True, host_tier_slots=2, host_block_bytes=16, demote_ahead=8)
     pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, flush_interval_us=60_000_000)
     with m, pub:
-        sub = subscribe(ctx, pub, "")
+        sub, _ = subscribe(ctx, pub, "")
         dec = msgspec.msgpack.Decoder(KVEventBatch)
 
         def step():
@@ -288,32 +307,29 @@ def test_replay_of_a_dropped_range(ctx):
     pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, replay_endpoint="tcp://127.0.0.1:0",
                                 topic="kv@r", flush_interval_us=60_000_000)
     with m, pub:
-        sub = subscribe(ctx, pub, "kv@r")
+        sub, first = subscribe(ctx, pub, "kv@r")
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         prompts = [[1000 * i + j for j in range(8)] for i in range(6)]
         m.admit([0], [prompts[0]])
         pub.flush()
         _, seq, _ = recv(sub, dec)
-        assert seq == 0
-        # The subscriber goes away; batches 1..4 are published meanwhile.
+        assert seq == first
+        # The subscriber goes away; batches first+1..first+4 are published meanwhile.
         sub.close(linger=0)
         for i in range(1, 5):
             m.admit([i], [prompts[i]])
             pub.flush()
-            deadline = time.time() + 5
-            while pub.stats().batches < i + 1:
-                assert time.time() < deadline
-                time.sleep(0.005)
-        sub = subscribe(ctx, pub, "kv@r")
+            wait_batches(pub, first + i + 1)
+        sub, resumed = subscribe(ctx, pub, "kv@r")  # after its own snapshots
         m.admit([5], [prompts[5]])
         pub.flush()
         _, seq, batch = recv(sub, dec)
-        assert seq == 5  # the gap: 1..4 were missed
+        assert seq == resumed  # the gap: first+1..first+4 were missed
         # Replay from the ROUTER socket, as vLLM's subscribers do.
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVTIMEO, 5000)
         dealer.connect(f"tcp://127.0.0.1:{pub.replay_port}")
-        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        dealer.send_multipart([b"", (first + 1).to_bytes(8, "big")])
         replayed = []
         while True:
             frames = dealer.recv_multipart()
@@ -324,16 +340,20 @@ def test_replay_of_a_dropped_range(ctx):
                 break
             assert topic == b"kv@r"
             replayed.append((int.from_bytes(seq_b, "big"), dec.decode(payload)))
-        assert [s for s, _ in replayed] == [1, 2, 3, 4, 5]
+        # The four missed admissions, the snapshots of the second subscribe, the sixth admission.
+        assert [s for s, _ in replayed] == list(range(first + 1, resumed + 1))
         for i, (_, b) in enumerate(replayed[:4]):
             (ev,) = b.events
             assert ev.block_hashes == block_hashes(prompts[i + 1], 4)
+        assert all(isinstance(b.events[0], AllBlocksCleared) for _, b in replayed[4:-1])
+        (ev,) = replayed[-1][1].events
+        assert ev.block_hashes == block_hashes(prompts[5], 4)
         # A range older than the buffer cannot be replayed: kvplug's
         # snapshot request (-2) republishes the cache on PUB.
         dealer.send_multipart([b"", (-2).to_bytes(8, "big", signed=True)])
         assert dealer.recv_multipart()[2] == END_SEQ
         _, seq, batch = recv(sub, dec)
-        assert seq == 6 and isinstance(batch.events[0], AllBlocksCleared)
+        assert seq == resumed + 1 and isinstance(batch.events[0], AllBlocksCleared)
         stored = {h for e in batch.events[1:] for h in e.block_hashes}
         assert stored == {h for p in prompts for h in block_hashes(p, 4)}
         assert pub.stats().replay_requests == 2
