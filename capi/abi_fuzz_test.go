@@ -103,7 +103,7 @@ type abiFuzz struct {
 	// evict, whose demotions wait (in flight, their host slots reserved)
 	// for the next flush without a ticket.
 	demoteEvicted bool
-	nextID int64 // conversation's sequence ids
+	nextID        int64 // conversation's sequence ids
 	// stores: the standalone stores are part of the run (setup flag
 	// storesFlag): the current host store (hsSlots slots of hsBytes), a
 	// destroyed one, slots it handed out lately and its counters after
