@@ -82,6 +82,7 @@ def test_copies_complete_on_their_event():
         tier.drain()
         blocks = cache.manager.describe([1]).block_table[0, :5].tolist()
         want = cache.kv[:, :, blocks].clone()
+        cache.manager.mark_computed()  # the step's forward pass ran
         cache.manager.remove([1])
         torch.cuda._sleep(50_000_000)  # keeps the stream busy: the copies cannot have finished at once
         b = tier.step(torch.cuda.current_stream())

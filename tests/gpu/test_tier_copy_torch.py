@@ -59,6 +59,7 @@ def test_manager_round_trip(layout, kv):
             table = m.describe([1]).block_table[0][:6].tolist()
             want_k = [t[table].clone() for t in k]
             want_v = [t[table].clone() for t in v] if kv else None
+            m.mark_computed()  # the step's forward pass ran
             m.remove([1])
 
             host = m.host_tier_memory()
@@ -175,6 +176,7 @@ def test_manager_over_pinned_engine_memory():
             m.admit([1], [conv])
             assert m.flush_copies().ticket == 0  # the admission's step: nothing to demote yet
             table = m.describe([1]).block_table[0][:2].tolist()
+            m.mark_computed()
             m.remove([1])
             batch = m.flush_copies()
             cp.run(batch)

@@ -175,6 +175,10 @@ class PagedKVCache:
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the current device: name it, as tensors made there do ("cuda:0"), so that the
+            # runner's check that model and cache share a device compares like with like.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefix_cache = prefix_cache
         self.block_bytes = block_bytes(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, dtype)
         kw: Dict[str, Any] = {}
