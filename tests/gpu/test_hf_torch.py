@@ -22,6 +22,7 @@ from gputest import cuda_torch  # noqa: E402  (tests/gpu: skips only where there
 
 torch = cuda_torch()
 
+import kvplug  # noqa: E402
 import kvplug.hf as kvhf  # noqa: E402
 
 _path = pathlib.Path(__file__).resolve().parents[1] / "python" / "test_hf_correctness.py"
@@ -177,3 +178,19 @@ def test_cascade_route_matches_decode():
     errs = [(a - b).abs().max().item() for a, b in zip(outs[False], outs[True])]
     bounds = [atol + rtol * b.abs().max().item() for b in outs[False]]
     assert all(e <= b for e, b in zip(errs, bounds)), f"per-step max |cascade - decode|: {[round(e, 3) for e in errs]}"
+
+
+def test_auto_backend_takes_torch_for_a_head_size_the_kernels_lack():
+    """head_dim 32 (the engine's tiny models): backend "auto" runs on the torch path
+    instead of failing in the kernels' workspace sizing; "kernels" is refused up front."""
+    model = H.tiny_model("llama", dtype=torch.bfloat16, device=DEV, vocab_size=128, hidden_size=128,
+                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    assert model.config.hidden_size // model.config.num_attention_heads == 32
+    cache = kvhf.PagedKVCache.for_model(model, num_blocks=8, block_size=16)
+    try:
+        assert cache.device == next(model.parameters()).device  # "cuda" named as the model's device
+        assert kvhf.Runner(model, cache, max_batch=2).backend == "torch"
+        with pytest.raises(kvplug.InvalidArgumentError, match="head_dim"):
+            kvhf.Runner(model, cache, backend="kernels")
+    finally:
+        cache.close()

@@ -32,6 +32,11 @@ def prepare_model(model: Any) -> Any:
     return model.eval()
 
 
+# The head sizes kvplug's attention kernels are built for (the header's
+# kvp_paged_decode_args.head_dim); the torch path takes any.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
 def _backend_for(cache: PagedKVCache, backend: str) -> str:
     if backend not in ("auto", "kernels", "torch"):
         raise kvplug.InvalidArgumentError(f"kvplug.hf: backend must be 'auto', 'kernels' or 'torch', not {backend!r}")
@@ -39,6 +44,11 @@ def _backend_for(cache: PagedKVCache, backend: str) -> str:
     if backend == "kernels" and not gpu_ok:
         raise kvplug.InvalidArgumentError(f"kvplug.hf: the kernels need a CUDA cache of float16 or bfloat16; this one is {cache.dtype} "
                                           f"on {cache.device} (use backend='torch')")
+    if cache.shape.head_dim not in KERNEL_HEAD_DIMS:
+        if backend == "kernels":
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: the kernels take head_dim {', '.join(map(str, KERNEL_HEAD_DIMS))}; "
+                                              f"this model's is {cache.shape.head_dim} (use backend='torch')")
+        gpu_ok = False
     if backend == "auto":
         return "kernels" if gpu_ok else "torch"
     return backend
