@@ -183,8 +183,8 @@ def test_cascade_route_matches_decode():
 def test_auto_backend_takes_torch_for_a_head_size_the_kernels_lack():
     """head_dim 32 (the engine's tiny models): backend "auto" runs on the torch path
     instead of failing in the kernels' workspace sizing; "kernels" is refused up front."""
-    model = H.tiny_model("llama", dtype=torch.bfloat16, device=DEV, vocab_size=128, hidden_size=128,
-                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    model = kvhf.prepare_model(H.tiny_model("llama", dtype=torch.bfloat16, device=DEV, vocab_size=128, hidden_size=128,
+                                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2))
     assert model.config.hidden_size // model.config.num_attention_heads == 32
     cache = kvhf.PagedKVCache.for_model(model, num_blocks=8, block_size=16)
     try:
