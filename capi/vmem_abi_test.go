@@ -104,10 +104,14 @@ func TestLogCallbackReentryFailsInsteadOfDeadlocking(t *testing.T) {
 	expect(t, "set logger", hookSetReentryLogger(m), kverr.OK)
 	defer hookSetReentryLogger(nil)
 
-	// Too big for the pool: admit logs "pool full" holding the manager's lock.
+	// A live sequence holds the whole pool, so the next prompt does not fit
+	// now: admit logs "pool full" holding the manager's lock.
+	if _, n, st := hookAdmit(m, []int64{9}, [][]int32{make([]int32, 16)}, nil); st != 0 || n != 1 {
+		t.Fatalf("filling the pool: %d admitted, status %d", n, st)
+	}
 	done := make(chan abiStatus, 1)
 	go func() {
-		_, n, st := hookAdmit(m, []int64{1}, [][]int32{make([]int32, 100)}, nil)
+		_, n, st := hookAdmit(m, []int64{1}, [][]int32{make([]int32, 8)}, nil)
 		if st == 0 && n != 0 {
 			st = -1
 		}

@@ -63,6 +63,10 @@
  *     (appended, by the struct rule below).
  *   - A call in a child forked after the library was loaded fails at once
  *     with KVP_ERR_UNSUPPORTED instead of entering the Go runtime.
+ *   - kvp_manager_add and kvp_manager_admit refuse a prompt that needs more
+ *     blocks than the whole pool has with KVP_ERR_INVALID_ARGUMENT (before:
+ *     OUT_OF_BLOCKS, or admit's short count), so a scheduler does not
+ *     retry it forever.
  *
  * Struct versions. Every struct that begins with struct_size follows one rule
  * (zstd's and sqlite's promise of append-only parameter structs, with the
@@ -374,8 +378,9 @@ void kvp_manager_destroy(kvp_manager *m);
 /* Adds sequence seq_id with a prompt of prompt_len tokens and allocates its
  * ceil(prompt_len / block_size) blocks. The prompt's tokens are this step's
  * new tokens of the sequence (see kvp_manager_describe).
- * Errors: INVALID_ARGUMENT (prompt_len < 1 or > 2^30), DUPLICATE_SEQUENCE,
- * OUT_OF_BLOCKS. */
+ * Errors: INVALID_ARGUMENT (prompt_len < 1 or > 2^30, or more blocks than the
+ * whole pool has: it could never be added, so it is not OUT_OF_BLOCKS, which
+ * a scheduler retries), DUPLICATE_SEQUENCE, OUT_OF_BLOCKS (not now). */
 kvp_status kvp_manager_add(kvp_manager *m, int64_t seq_id, int32_t prompt_len);
 
 /* Grows each sequence seq_ids[i] by num_tokens[i] tokens (>= 0), allocating
@@ -664,11 +669,14 @@ typedef struct kvp_kv_event {
  * evictable blocks, after its match, are fewer than it needs): *num_admitted
  * receives how many were admitted, always a prefix of the batch, and the
  * call returns KVP_OK. Running out of blocks is not an error here; prompts
- * [*num_admitted, n) are untouched, for the scheduler to retry later.
+ * [*num_admitted, n) are untouched, for the scheduler to retry later. A
+ * prompt that needs more blocks than the whole pool has could never be
+ * admitted: that is INVALID_ARGUMENT, naming it, with nothing admitted.
  * Errors, detected before anything changes: NULL_POINTER (seq_ids, tokens
  * with a non-empty batch, token_offsets, num_admitted), INVALID_ARGUMENT
- * (n < 1 or > 2^20, a prompt of 0 or more than 2^30 tokens, offsets, keys),
- * DUPLICATE_SEQUENCE (an id live or repeated). */
+ * (n < 1 or > 2^20, a prompt of 0 or more than 2^30 tokens or more blocks
+ * than the pool, offsets, keys), DUPLICATE_SEQUENCE (an id live or
+ * repeated). */
 kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n,
                              const int32_t *tokens, const int64_t *token_offsets,
                              const kvp_prefix_keys *keys, int32_t *matched_tokens,

@@ -269,16 +269,31 @@ func checkBatch(op string, n int) error {
 	return nil
 }
 
+// neverFits returns the InvalidArgument error of a prompt of n tokens that
+// needs more blocks than the whole pool has: no eviction or finished
+// sequence can make room for it, so "not now" (OutOfBlocks, or Admit's
+// short count) would have a scheduler retry it forever.
+func (m *Manager) neverFits(op string, id int64, n int) error {
+	if need := m.blocksFor(n); need > m.pool.NumBlocks() {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: sequence %d's prompt of %d tokens needs %d blocks of %d tokens; the whole pool holds %d, so it can never be admitted",
+			op, id, n, need, m.bs, m.pool.NumBlocks())
+	}
+	return nil
+}
+
 // Add admits sequence id with a prompt of promptLen tokens, in
 // [1, MaxPromptLen], and allocates its ceil(promptLen / blockSize) blocks:
 // from the head of the pool's free queue, contiguously while the following
 // ids are free (one run in an unfragmented pool). The prompt's tokens are the
 // sequence's new tokens.
-// Errors: InvalidArgument (promptLen), DuplicateSequence (id is live),
-// OutOfBlocks.
+// Errors: InvalidArgument (promptLen, or more blocks than the whole pool
+// has), DuplicateSequence (id is live), OutOfBlocks.
 func (m *Manager) Add(id int64, promptLen int) error {
 	if promptLen < 1 || promptLen > MaxPromptLen {
 		return kverr.Errorf(kverr.InvalidArgument, "add: prompt length must be in [1, 2^30]: got %d", promptLen)
+	}
+	if err := m.neverFits("add", id, promptLen); err != nil {
+		return err
 	}
 	m.mu.Lock()
 	defer m.unlock()

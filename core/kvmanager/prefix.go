@@ -144,10 +144,14 @@ type MatchInfo struct {
 // changes nothing for the others. It is not an error: a scheduler retries
 // them when sequences finish.
 //
+// A prompt that needs more blocks than the whole pool has can never be
+// admitted: that is an error (InvalidArgument, naming it), checked before
+// anything changes, not a short count.
+//
 // Errors, checked before anything changes: InvalidArgument (batch size,
-// len(ids) != prompts.Len(), a prompt's length in [1, MaxPromptLen],
-// offsets, keys, matched shorter than the batch), DuplicateSequence (an id
-// live or repeated).
+// len(ids) != prompts.Len(), a prompt's length in [1, MaxPromptLen] or
+// past the whole pool, offsets, keys, matched shorter than the batch),
+// DuplicateSequence (an id live or repeated).
 func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, error) {
 	if err := prompts.validate("admit", 1); err != nil {
 		return 0, err
@@ -158,6 +162,11 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	}
 	if matched != nil && len(matched) < n {
 		return 0, kverr.Errorf(kverr.InvalidArgument, "admit: matched_tokens holds %d entries for %d prompts", len(matched), n)
+	}
+	for i := range n {
+		if err := m.neverFits("admit", ids[i], int(prompts.Offsets[i+1]-prompts.Offsets[i])); err != nil {
+			return 0, err
+		}
 	}
 	fetched, err := m.fetchShared(prompts, ids)
 	if err != nil {

@@ -534,6 +534,13 @@ func TestTierRandomModel(t *testing.T) {
 				id++
 				matched := []int32{0}
 				n, err := m.Admit([]int64{id}, one(p, nil), matched)
+				if (len(p)+bs-1)/bs > 24 { // longer than the whole pool: refused, never admitted
+					if !kverr.Is(err, kverr.InvalidArgument) {
+						t.Fatalf("seed %d step %d: a %d-token prompt over a 24-block pool: %v", seed, step, len(p), err)
+					}
+					convs[c] = nil // the conversation starts over
+					continue
+				}
 				must(t, err)
 				if n == 0 {
 					continue
