@@ -153,3 +153,24 @@ def test_hf_example(tmp_path):
     assert [len(x) for x in first] == [8, 8], out
     assert lines[1] == "[ 0 48]", out  # request 2 starts on request 1's three cached blocks
     assert "no pending token" in lines[2], out
+
+
+def test_contents_lists_every_section():
+    """The README's contents list names every section heading (##, ###,
+    ####) in order, each linked to the anchor GitHub gives it."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    heads = [(len(m.group(1)), m.group(2)) for m in re.finditer(r"(?m)^(#{2,4}) (.*)$", text)]
+    heads = [h for h in heads if h[1] != "Contents"]
+    start = text.index("## Contents")
+    block = text[start:text.index("\n## ", start + 1)]
+    listed = [(len(m.group(1)) // 2 + 2, m.group(2), m.group(3))
+              for m in re.finditer(r"(?m)^( *)- \[(.*)\]\(#([^)]*)\)$", block)]
+
+    def anchor(h: str) -> str:
+        return re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+
+    assert [(lvl, h) for lvl, h, _ in listed] == heads
+    for _, h, a in listed:
+        assert a == anchor(h), (h, a)
