@@ -88,11 +88,29 @@ func kvpgo_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_
 		return failf(kverr.InvalidArgument, "%s: data_parallel_rank must be >= -1: got %d", op, int32(c.data_parallel_rank))
 	}
 	dpRank := int(c.data_parallel_rank) // -1: left out of every batch
+	// The header's bind_mode 0 is vLLM's rule (bind a wildcard or ipc
+	// endpoint, connect to any other) and must stay so: by the struct rule
+	// a field's 0 keeps its meaning within a major version, and released
+	// hosts that leave it 0 with tcp://HOST:PORT rely on connecting. Go's
+	// Config binds by default (BindDefault), so the modes are mapped; the
+	// Python binding passes KVP_EVENTS_BIND unless told otherwise.
+	var bind int
+	switch c.bind_mode {
+	case C.KVP_EVENTS_BIND_VLLM:
+		bind = kvevents.BindVLLM
+	case C.KVP_EVENTS_BIND:
+		bind = kvevents.BindListen
+	case C.KVP_EVENTS_CONNECT:
+		bind = kvevents.BindConnect
+	default:
+		return failf(kverr.InvalidArgument, "%s: bind_mode must be KVP_EVENTS_BIND_VLLM (0), KVP_EVENTS_BIND (1) or KVP_EVENTS_CONNECT (2): got %d",
+			op, int32(c.bind_mode))
+	}
 	kc := kvevents.Config{
 		Endpoint:       strs[0],
 		ReplayEndpoint: strs[1],
 		Topic:          strs[2],
-		Bind:           int(c.bind_mode),
+		Bind:           bind,
 		BufferSteps:    int(c.buffer_steps),
 		BufferBytes:    int64(c.buffer_bytes),
 		HWM:            int(c.hwm),

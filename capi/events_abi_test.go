@@ -268,3 +268,47 @@ func recvBatch(t *testing.T, sub *kvevents.SubConn) (kvevents.Message, *kvevents
 	}
 	return msg, b
 }
+
+// bind_mode keeps the header's meanings: 0 is vLLM's rule (a wildcard
+// endpoint binds, a host and port connects), 1 binds, 2 connects.
+func TestPublisherBindModes(t *testing.T) {
+	lockThread(t) // kvp_last_error is per thread
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	subscriber := fmt.Sprintf("tcp://%s", ln.Addr())
+	for _, c := range []struct {
+		endpoint string
+		bind     int32
+		binds    bool
+	}{
+		{"tcp://*:0", 0, true},
+		{subscriber, 0, false},
+		{"tcp://127.0.0.1:0", 1, true},
+		{subscriber, 2, false},
+	} {
+		m, st := hookManagerCreateCached(16, 4, true, 0)
+		expect(t, "create manager", st, kverr.OK)
+		cfg := loopbackPub()
+		cfg.endpoint, cfg.bind = strp(c.endpoint), c.bind
+		p, st := hookPublisherCreate(m, cfg)
+		expect(t, fmt.Sprintf("create %s bind_mode %d", c.endpoint, c.bind), st, kverr.OK)
+		s, _ := hookPublisherStats(p, 0, false)
+		if (s[5] != 0) != c.binds {
+			t.Errorf("%s bind_mode %d: pub_port %d, binds want %v", c.endpoint, c.bind, s[5], c.binds)
+		}
+		if !c.binds {
+			// It dials the subscriber's bound socket.
+			_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
+			conn, err := ln.Accept()
+			if err != nil {
+				t.Fatalf("%s bind_mode %d: the publisher never connected: %v", c.endpoint, c.bind, err)
+			}
+			conn.Close()
+		}
+		hookPublisherDestroy(p)
+		hookManagerDestroy(m)
+	}
+}

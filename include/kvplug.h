@@ -1210,6 +1210,15 @@ void kvp_tier_copier_destroy(kvp_tier_copier *c);
  * (a second is refused). Destroy the publisher before its manager.
  * Endpoints: tcp://host:port (host "*" for every interface, as in vLLM; port 0
  * picks a free port, see kvp_event_publisher_stats) and ipc:///path.
+ * Bind or connect: subscribers such as cmd/kvindex connect, so the PUB socket
+ * must bind; set bind_mode = KVP_EVENTS_BIND for that. bind_mode's 0,
+ * KVP_EVENTS_BIND_VLLM, is vLLM's rule and stays the C default (a field's 0
+ * keeps its meaning within a major version): it binds an endpoint whose host
+ * is "*" or "::", and ipc://, but connects to tcp://127.0.0.1:5557, where a
+ * subscriber that connects too is refused forever. KVP_EVENTS_CONNECT is for
+ * a subscriber that binds (llm-d's indexer can). The Python binding's
+ * EventPublisher passes KVP_EVENTS_BIND unless told otherwise. The ROUTER
+ * socket always binds.
  * Security: ZMTP's NULL mechanism, as vLLM: bind to trusted networks only.
  */
 typedef struct kvp_event_publisher kvp_event_publisher;
@@ -1240,7 +1249,9 @@ typedef struct kvp_event_publisher_config {
                                   "kv@<instance>@<model>" */
   const char *medium;          /* "medium" of the GPU's events; NULL = "GPU"
                                   (the host tier's go as "CPU") */
-  int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule */
+  int32_t bind_mode;           /* KVP_EVENTS_BIND_...; default vLLM's rule
+                                  (0): set KVP_EVENTS_BIND to serve a named
+                                  host:port (see "Bind or connect" above) */
   int32_t event_format;        /* KVP_EVENTS_FORMAT_...; default MAP */
   int32_t hash_format;         /* KVP_EVENTS_HASH_...; default BYTES */
   int32_t data_parallel_rank;  /* sent with every batch, as vLLM does; default

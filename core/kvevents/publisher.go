@@ -25,19 +25,43 @@ type Source interface {
 	Snapshot() error
 }
 
-// Bind modes of Config.Bind.
+// Bind modes of Config.Bind: whether the PUB socket binds its endpoint
+// (subscribers, such as cmd/kvindex, connect to it) or connects to it (the
+// subscriber binds, as llm-d's indexer can). The zero value binds: a
+// publisher is the stable end of its stream, and an endpoint that names
+// the publisher's own host and port, tcp://127.0.0.1:5557, means "serve
+// here". The replay (ROUTER) socket always binds.
+//
+// The C ABI's bind_mode numbers these differently (its 0 is vLLM's rule,
+// which released hosts rely on); capi maps them.
 const (
-	BindVLLM    = 0 // vLLM's rule: bind a wildcard or ipc endpoint, connect to others
+	BindDefault = 0 // bind (the same as BindListen)
 	BindListen  = 1 // always bind
-	BindConnect = 2 // always connect (the subscriber binds)
+	BindConnect = 2 // always connect (the subscriber binds); redials
+	// BindVLLM is vLLM's rule for its PUB endpoint: bind when the endpoint
+	// has a wildcard host ("*", "::") or is ipc://, connect otherwise. vLLM's
+	// default endpoint, tcp://*:5557, binds; tcp://10.0.0.1:5557 connects.
+	BindVLLM = 3
 )
+
+// Binds reports whether a PUB socket configured with endpoint ep and bind
+// mode mode binds (true) or connects (false).
+func Binds(ep string, mode int) bool {
+	switch mode {
+	case BindConnect:
+		return false
+	case BindVLLM:
+		return vllmBinds(ep)
+	}
+	return true
+}
 
 // Config configures a Publisher. Zero values take the defaults.
 type Config struct {
 	Endpoint       string // PUB endpoint, e.g. tcp://*:5557 (required)
 	ReplayEndpoint string // ROUTER endpoint for replay; "" = none (always bound)
 	Topic          string // first frame of every message; vLLM's default ""
-	Bind           int    // BindVLLM, BindListen or BindConnect
+	Bind           int    // BindDefault (bind), BindListen, BindConnect or BindVLLM
 	BufferSteps    int    // batches kept for replay; default 10000
 	BufferBytes    int64  // bytes of batches kept for replay; default 256 MiB
 	HWM            int    // batches queued per subscriber before drops; default 10000
@@ -102,8 +126,8 @@ func (c *Config) validate() error {
 	switch {
 	case len(c.Topic) > MaxTopicLen:
 		return bad("topic is %d bytes, at most %d", len(c.Topic), MaxTopicLen)
-	case c.Bind < BindVLLM || c.Bind > BindConnect:
-		return bad("bind mode must be 0 (vLLM's rule), 1 (bind) or 2 (connect): got %d", c.Bind)
+	case c.Bind < BindDefault || c.Bind > BindVLLM:
+		return bad("bind mode must be 0 (bind, the default), 1 (bind), 2 (connect) or 3 (vLLM's rule): got %d", c.Bind)
 	case c.BufferSteps < 0 || c.BufferSteps > MaxBufferSteps:
 		return bad("buffer_steps must be in [0, 2^24] (0: 10000): got %d", c.BufferSteps)
 	case c.BufferBytes < 0:
@@ -203,10 +227,16 @@ func Start(src Source, cfg Config) (*Publisher, error) {
 		done: make(chan struct{}),
 		wake: make(chan struct{}, 1),
 	}
-	bind := cfg.Bind == BindListen || (cfg.Bind == BindVLLM && vllmBinds(cfg.Endpoint))
+	bind := Binds(cfg.Endpoint, cfg.Bind)
 	var err error
 	if p.pub, err = newServer(p, cfg.Endpoint, "PUB", bind); err != nil {
 		return nil, err
+	}
+	if bind {
+		logx.L().Info("event publisher: PUB bound; subscribers connect to it", zap.String("endpoint", cfg.Endpoint),
+			zap.Stringer("address", p.pub.addr()))
+	} else {
+		logx.L().Info("event publisher: PUB connects to its subscriber, which must bind the endpoint", zap.String("endpoint", cfg.Endpoint))
 	}
 	if cfg.ReplayEndpoint != "" {
 		if p.replay, err = newServer(p, cfg.ReplayEndpoint, "ROUTER", true); err != nil {
@@ -228,6 +258,9 @@ func Start(src Source, cfg Config) (*Publisher, error) {
 
 // PubAddr returns the PUB socket's bound address (nil when it connects).
 func (p *Publisher) PubAddr() net.Addr { return p.pub.addr() }
+
+// Binds reports whether the PUB socket binds (false: it connects).
+func (p *Publisher) Binds() bool { return p.pub.ln != nil }
 
 // ReplayAddr returns the ROUTER socket's bound address (nil when none).
 func (p *Publisher) ReplayAddr() net.Addr {
@@ -466,6 +499,7 @@ func (s *server) acceptLoop() {
 func (s *server) dialLoop() {
 	defer s.wg.Done()
 	backoff := 100 * time.Millisecond
+	failing := "" // the last failure logged, so a refused endpoint is said once
 	for {
 		select {
 		case <-s.quit:
@@ -474,9 +508,15 @@ func (s *server) dialLoop() {
 		}
 		c, err := net.DialTimeout(s.ep.network, s.ep.addr, 2*time.Second)
 		if err == nil {
+			failing = ""
+			logx.L().Info("event publisher: connected to the subscriber", zap.String("socket", s.kind), zap.String("endpoint", s.ep.String()))
 			s.wg.Add(1)
 			s.serve(c, false)
 			backoff = 100 * time.Millisecond
+		} else if err.Error() != failing {
+			failing = err.Error()
+			logx.L().Warn("event publisher: waiting for a subscriber to bind the endpoint (connect mode); retrying",
+				zap.String("socket", s.kind), zap.String("endpoint", s.ep.String()), zap.Error(err))
 		}
 		select {
 		case <-s.quit:

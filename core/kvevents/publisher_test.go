@@ -429,7 +429,7 @@ func TestConfigErrors(t *testing.T) {
 		want string
 	}{
 		{Config{}, "endpoint must be given"},
-		{Config{Endpoint: "inproc://x"}, "only tcp:// and ipc://"},
+		{Config{Endpoint: "inproc://x"}, "only tcp://HOST:PORT and ipc:///PATH"},
 		{Config{Endpoint: "tcp://nohostport"}, "missing port"},
 		{Config{Endpoint: "tcp://127.0.0.1:0", HWM: -1}, "hwm"},
 		{Config{Endpoint: "tcp://127.0.0.1:0", Bind: 5}, "bind mode"},

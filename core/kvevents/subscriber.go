@@ -2,8 +2,12 @@ package kvevents
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"math"
 	"net"
+	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -19,13 +23,37 @@ type Message struct {
 // make a subscriber allocate without bound.
 const MaxPayload = 256 << 20
 
-// SubConn is a SUB connection to one publisher.
+// SubConn is a SUB connection to one publisher. It connects: the
+// publisher's PUB socket must bind the endpoint (kvplug's publisher does by
+// default).
 type SubConn struct {
-	z *zconn
+	z     *zconn
+	pongs atomic.Int64
 }
 
+// DialError is DialSub's error when nothing accepted the connection: it
+// names the endpoint and says what the subscriber waits for.
+type DialError struct {
+	Endpoint string
+	Err      error
+}
+
+func (e *DialError) Error() string {
+	hint := ""
+	if errors.Is(e.Err, syscall.ECONNREFUSED) || errors.Is(e.Err, syscall.ENOENT) {
+		// The usual cause: a publisher that connects (kvplug's in connect
+		// mode, vLLM's for a host other than "*") or none yet.
+		hint = " (nothing is bound there: the publisher must bind this endpoint; kvplug's binds by default, " +
+			"vLLM's only a wildcard tcp://*:PORT or ipc:// endpoint)"
+	}
+	return fmt.Sprintf("kvevents: SUB connecting to %s: %v%s", e.Endpoint, e.Err, hint)
+}
+
+func (e *DialError) Unwrap() error { return e.Err }
+
 // DialSub connects a SUB socket to a publisher's bound endpoint and
-// subscribes to topic (a prefix; "" is every topic).
+// subscribes to topic (a prefix; "" is every topic). A failed connection
+// is a *DialError.
 func DialSub(ep, topic string, timeout time.Duration) (*SubConn, error) {
 	e, err := parseEndpoint(ep)
 	if err != nil {
@@ -33,12 +61,12 @@ func DialSub(ep, topic string, timeout time.Duration) (*SubConn, error) {
 	}
 	c, err := net.DialTimeout(e.network, e.addr, timeout)
 	if err != nil {
-		return nil, err
+		return nil, &DialError{Endpoint: ep, Err: err}
 	}
 	z, err := handshake(c, "SUB", false)
 	if err != nil {
 		_ = c.Close()
-		return nil, err
+		return nil, fmt.Errorf("kvevents: SUB handshake with %s: %w", ep, err)
 	}
 	// ZMTP 3.0 subscription: a message of 0x01 and the topic prefix.
 	if _, err := c.Write(appendMessage(nil, append([]byte{1}, topic...))); err != nil {
@@ -51,14 +79,32 @@ func DialSub(ep, topic string, timeout time.Duration) (*SubConn, error) {
 // SetDeadline sets the deadline of the next reads.
 func (s *SubConn) SetDeadline(t time.Time) error { return s.z.c.SetReadDeadline(t) }
 
-// Recv returns the next batch message.
+// Recv returns the next batch message. PONGs that arrive on the way are
+// counted (Pongs).
 func (s *SubConn) Recv() (Message, error) {
-	fr, err := s.z.readMessage(MaxPayload, 3, nil)
+	fr, err := s.z.readMessage(MaxPayload, 3, func(name string, _ []byte) {
+		if name == "PONG" {
+			s.pongs.Add(1)
+		}
+	})
 	if err != nil {
 		return Message{}, err
 	}
 	return parseMessage(fr)
 }
+
+// Ping sends a ZMTP heartbeat (PING) to the publisher, which answers PONG
+// (kvplug's publisher and libzmq's do) whether or not it has batches to
+// send: a later Recv counts the answer (Pongs), so a subscriber can tell an
+// idle publisher from a silent connection.
+func (s *SubConn) Ping() error {
+	// PING: a TTL (2 bytes, tenths of a second; 0: none), then a context
+	// the PONG echoes.
+	return s.z.writeCommand("PING", []byte{0, 0, 'k', 'v'})
+}
+
+// Pongs returns how many PONGs Recv has read.
+func (s *SubConn) Pongs() int64 { return s.pongs.Load() }
 
 // Close closes the connection.
 func (s *SubConn) Close() error { return s.z.c.Close() }
@@ -119,6 +165,15 @@ func Replay(ep string, start int64, timeout time.Duration) ([]Message, error) {
 		}
 		out = append(out, m)
 	}
+}
+
+// ProbeReplay checks that a publisher's ROUTER endpoint answers: it asks
+// for the batches from the last possible sequence number on, which no
+// publisher holds, so the answer is the end of replay alone. vLLM's
+// publishers answer it as kvplug's do.
+func ProbeReplay(ep string, timeout time.Duration) error {
+	_, err := Replay(ep, math.MaxInt64, timeout)
+	return err
 }
 
 // RequestSnapshot asks a kvplug publisher's ROUTER endpoint for a snapshot

@@ -26,6 +26,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -325,6 +326,21 @@ type endpoint struct {
 	network, addr string
 }
 
+// String returns the endpoint in ZMQ's form.
+func (e endpoint) String() string {
+	if e.network == "unix" {
+		return "ipc://" + e.addr
+	}
+	return "tcp://" + e.addr
+}
+
+// CheckEndpoint returns an error when s is not an endpoint this package
+// can use: tcp://HOST:PORT (HOST "*" is every interface) or ipc:///PATH.
+func CheckEndpoint(s string) error {
+	_, err := parseEndpoint(s)
+	return err
+}
+
 // parseEndpoint parses a ZMQ endpoint. tcp://*:port means every interface.
 func parseEndpoint(s string) (endpoint, error) {
 	switch {
@@ -333,8 +349,12 @@ func parseEndpoint(s string) (endpoint, error) {
 		if strings.HasPrefix(a, "*:") {
 			a = a[1:]
 		}
-		if _, _, err := net.SplitHostPort(a); err != nil {
+		_, port, err := net.SplitHostPort(a)
+		if err != nil {
 			return endpoint{}, fmt.Errorf("endpoint %q: %v", s, err)
+		}
+		if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+			return endpoint{}, fmt.Errorf("endpoint %q: port %q is not a number in [0, 65535]", s, port)
 		}
 		return endpoint{"tcp", a}, nil
 	case strings.HasPrefix(s, "ipc://"):
@@ -344,7 +364,7 @@ func parseEndpoint(s string) (endpoint, error) {
 		}
 		return endpoint{"unix", p}, nil
 	}
-	return endpoint{}, fmt.Errorf("endpoint %q: only tcp:// and ipc:// endpoints are supported", s)
+	return endpoint{}, fmt.Errorf("endpoint %q: only tcp://HOST:PORT and ipc:///PATH endpoints are supported", s)
 }
 
 // vllmBinds is vLLM's rule for its PUB endpoint: bind when the endpoint

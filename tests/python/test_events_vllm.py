@@ -361,6 +361,34 @@ def test_replay_of_a_dropped_range(ctx):
         sub.close(linger=0)
 
 
+def test_publisher_binds_a_host_and_port_by_default(ctx):
+    """EventPublisher(m, "tcp://127.0.0.1:PORT") serves there, so a
+    subscriber that connects (kvindex, pyzmq's connect) gets its batches;
+    CONNECT dials a subscriber that binds; BIND_VLLM keeps vLLM's rule."""
+    m = kvplug.Manager(16, 4, prefix_cache=True, kv_events=True)
+    with m:
+        with events.EventPublisher(m, "tcp://127.0.0.1:0", flush_interval_us=60_000_000) as pub:
+            assert pub.pub_port != 0  # bound
+            sub, _ = subscribe(ctx, pub, "")
+            sub.close(linger=0)
+        # A subscriber that binds, and a publisher told to connect to it.
+        for mode in (events.CONNECT, events.BIND_VLLM):
+            sub = ctx.socket(zmq.SUB)
+            port = sub.bind_to_random_port("tcp://127.0.0.1")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            with events.EventPublisher(m, f"tcp://127.0.0.1:{port}", bind_mode=mode,
+                                       flush_interval_us=60_000_000) as pub:
+                assert pub.pub_port == 0  # connected
+                deadline = time.monotonic() + 10
+                while not sub.poll(200):  # resync until a snapshot gets through
+                    assert time.monotonic() < deadline, f"mode {mode}: nothing reached the bound subscriber"
+                    pub.resync()
+                    pub.flush()
+                _, seq, payload = sub.recv_multipart()
+                assert msgspec.msgpack.decode(payload)[1][0]["type"] == "AllBlocksCleared"
+            sub.close(linger=0)
+
+
 def test_publisher_errors():
     m = kvplug.Manager(8, 4, prefix_cache=True)  # no KV events
     with m:

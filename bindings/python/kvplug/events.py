@@ -8,7 +8,11 @@ include/kvplug.h).
         pub.flush()             # optional: publish this step's events now
 
 Routers and indexers written for vLLM's KV events subscribe to the PUB
-endpoint and replay missed batches from the ROUTER endpoint. Each event's
+endpoint and replay missed batches from the ROUTER endpoint. Both sockets
+bind their endpoints by default, so subscribers (cmd/kvindex, pyzmq's
+connect) connect to them; bind_mode=CONNECT makes the PUB socket dial a
+subscriber that binds instead, and BIND_VLLM applies vLLM's rule (bind a
+wildcard or ipc endpoint, connect to any other). Each event's
 "medium" says where its blocks are: "GPU" (the prefix cache; the name
 the medium argument gives) or "CPU" (a manager's host tier, whose blocks
 carry the fields of their GPU events, the same hash included), as vLLM's
@@ -33,9 +37,13 @@ from .prefix import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_SHARED
 __all__ = ["EventPublisher", "EventPublisherStats", "BIND_VLLM", "BIND", "CONNECT", "FORMAT_MAP", "FORMAT_ARRAY",
            "HASH_BYTES", "HASH_INT64", "MEDIUM_GPU", "MEDIUM_CPU", "MEDIUM_SHARED"]
 
+# bind_mode values (the C header's KVP_EVENTS_BIND_...). EventPublisher
+# passes BIND unless told otherwise: the C field's 0 is BIND_VLLM, kept for
+# hosts built against released headers, under which tcp://127.0.0.1:PORT
+# connects, and a subscriber connecting to it is refused forever.
 BIND_VLLM = 0  # vLLM's rule: bind a wildcard or ipc endpoint, connect to others
-BIND = 1
-CONNECT = 2
+BIND = 1  # always bind (EventPublisher's default)
+CONNECT = 2  # always connect: the subscriber binds the endpoint; redials until it does
 FORMAT_MAP = 0  # events as maps tagged by "type" (vLLM now)
 FORMAT_ARRAY = 1  # positional events (older vLLM)
 HASH_BYTES = 0  # 16-byte hashes
@@ -68,7 +76,10 @@ class EventPublisher(_lib.Owner):
     and kv_events=True) on a ZMQ PUB socket, with replay on a ROUTER socket
     when replay_endpoint is given. Endpoints are tcp://host:port
     (tcp://*:port binds every interface; port 0 picks a free port, see
-    pub_port) or ipc:///path. Every batch carries data_parallel_rank, as
+    pub_port) or ipc:///path. The PUB socket binds its endpoint unless
+    bind_mode says otherwise: CONNECT dials a subscriber that binds it (and
+    redials until one does), BIND_VLLM follows vLLM's rule (bind tcp://*:port
+    and ipc://, connect to a named host). The replay socket always binds. Every batch carries data_parallel_rank, as
     vLLM's do; None leaves it out (the batches of vLLM before it had one).
     medium names the GPU's events (None: "GPU"); the host tier's go as
     "CPU".
@@ -85,7 +96,7 @@ class EventPublisher(_lib.Owner):
         replay_endpoint: Optional[str] = None,
         topic: str = "",
         medium: Optional[str] = None,
-        bind_mode: int = BIND_VLLM,
+        bind_mode: int = BIND,
         event_format: int = FORMAT_MAP,
         hash_format: int = HASH_BYTES,
         data_parallel_rank: Optional[int] = 0,
