@@ -12,10 +12,19 @@
 // and any transport error closes the connection so the next call starts
 // clean (a reply half read would desynchronise the stream). A Client is
 // safe for concurrent use; calls are serialised on its one connection.
+//
+// A client made with Options may speak TLS (Options.TLS: the handshake,
+// and the verification of the server's certificate, on every new
+// connection; a failure is a TLSError and the connection is closed, never
+// used in plaintext) and authenticate (Options.Auth: AUTH on every new
+// connection, before its first command; a refusal is an AuthError, whose
+// message never holds the password).
 package resp
 
 import (
 	"bufio"
+	"bytes"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -38,6 +47,50 @@ var ErrBusy = errors.New("redis: connection busy past the operation timeout")
 // ErrMalformed is a reply that breaks the protocol or its bounds.
 var ErrMalformed = errors.New("redis: malformed reply")
 
+// AuthError is a connection's AUTH refused by the server (wrong password,
+// unknown or disabled user), or its credentials not readable. Its message
+// never holds the password: the server's reply is quoted with any copy of
+// the password in it replaced.
+type AuthError struct{ msg string }
+
+func (e *AuthError) Error() string { return "redis: authentication failed: " + e.msg }
+
+// TLSError is a TLS handshake that failed: the server's certificate not
+// verified (unknown authority, expired, another name), no TLS on the
+// server's side, or the server refusing the client's certificate.
+type TLSError struct{ Err error }
+
+func (e *TLSError) Error() string { return "redis: TLS handshake failed: " + e.Err.Error() }
+
+func (e *TLSError) Unwrap() error { return e.Err }
+
+// IsAuth reports whether err is an AuthError.
+func IsAuth(err error) bool {
+	var a *AuthError
+	return errors.As(err, &a)
+}
+
+// IsTLS reports whether err is a TLSError.
+func IsTLS(err error) bool {
+	var t *TLSError
+	return errors.As(err, &t)
+}
+
+// Options configure a client made with NewClientOptions.
+type Options struct {
+	DialTimeout time.Duration // bound on the TCP connect
+	OpTimeout   time.Duration // bound on a whole call: wait, connect, TLS handshake, AUTH, round trip
+	// TLS, when not nil, is the configuration of every connection's TLS
+	// handshake (its ServerName and roots included); nil: plaintext.
+	TLS *tls.Config
+	// Auth, when not nil, gives the credentials of a new connection: it is
+	// called on each connect (so a rotated password file is read again),
+	// and a non-empty password is sent as AUTH [username] password. An
+	// error from it fails the connect as an AuthError whose message is
+	// the error's (it must not hold the password).
+	Auth func() (username string, password []byte, err error)
+}
+
 // Bounds of a reply.
 const (
 	maxBulk  = 512 << 20
@@ -49,6 +102,8 @@ type Client struct {
 	addr        string
 	dialTimeout time.Duration
 	opTimeout   time.Duration
+	tls         *tls.Config
+	auth        func() (string, []byte, error)
 
 	sem   chan struct{} // the connection's lock, taken with a deadline
 	conn  net.Conn
@@ -67,6 +122,17 @@ func NewClient(addr string, timeout time.Duration) *Client {
 // call as a whole (waiting for the connection, dial, round trip) by op.
 func NewClientTimeouts(addr string, dial, op time.Duration) *Client {
 	return &Client{addr: addr, dialTimeout: dial, opTimeout: op, sem: make(chan struct{}, 1)}
+}
+
+// NewClientOptions returns a client for addr with o's timeouts, TLS and
+// credentials. It does not connect yet.
+func NewClientOptions(addr string, o Options) *Client {
+	c := NewClientTimeouts(addr, o.DialTimeout, o.OpTimeout)
+	if o.TLS != nil {
+		c.tls = o.TLS.Clone()
+	}
+	c.auth = o.Auth
+	return c
 }
 
 // Close closes the connection; a later call dials again.
@@ -134,7 +200,7 @@ func (c *Client) acquire(deadline time.Time) error {
 			<-c.sem
 			return ErrBusy
 		}
-		conn, err := net.DialTimeout("tcp", c.addr, dt)
+		conn, err := c.dial(dt, deadline)
 		if err != nil {
 			<-c.sem
 			return err
@@ -145,18 +211,108 @@ func (c *Client) acquire(deadline time.Time) error {
 	return nil
 }
 
+// dial connects (within dt), then does the TLS handshake and AUTH where
+// configured (by deadline). A connection that fails either is closed:
+// nothing is ever sent on it in plaintext instead.
+func (c *Client) dial(dt time.Duration, deadline time.Time) (net.Conn, error) {
+	conn, err := net.DialTimeout("tcp", c.addr, dt)
+	if err != nil {
+		return nil, err
+	}
+	_ = conn.SetDeadline(deadline)
+	if c.tls != nil {
+		tc := tls.Client(conn, c.tls)
+		if err := tc.Handshake(); err != nil {
+			_ = conn.Close()
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				return nil, err // a server too slow to answer: a timeout, as for any round trip
+			}
+			return nil, &TLSError{Err: err}
+		}
+		conn = tc
+	}
+	if c.auth != nil {
+		if err := authenticate(conn, c.auth); err != nil {
+			_ = conn.Close()
+			return nil, c.tlsAlert(err)
+		}
+	}
+	return conn, nil
+}
+
+// tlsAlert returns err as a TLSError when it is a TLS alert from the
+// server: under TLS 1.3 a server that refuses the client's certificate
+// (none, or one it does not trust) says so after the client's side of the
+// handshake has completed, on the connection's first read.
+func (c *Client) tlsAlert(err error) error {
+	var oe *net.OpError
+	if c.tls != nil && errors.As(err, &oe) && oe.Op == "remote error" {
+		return &TLSError{Err: err}
+	}
+	return err
+}
+
+// authenticate sends AUTH on a new connection and reads its reply.
+func authenticate(conn net.Conn, auth func() (string, []byte, error)) error {
+	user, pw, err := auth()
+	if err != nil {
+		return &AuthError{msg: err.Error()}
+	}
+	if len(pw) == 0 {
+		return nil
+	}
+	var w []byte
+	if user != "" {
+		w = AppendCommand(nil, []byte("AUTH"), []byte(user), pw)
+	} else {
+		w = AppendCommand(nil, []byte("AUTH"), pw)
+	}
+	_, err = conn.Write(w)
+	clear(w)
+	if err != nil {
+		return err
+	}
+	// A reader of the connection's own: AUTH's reply is the only bytes
+	// before the first command's, and it is read whole.
+	r := bufio.NewReaderSize(conn, 512)
+	v, err := ReadReply(r)
+	if err != nil {
+		return err
+	}
+	if r.Buffered() > 0 {
+		return fmt.Errorf("%w: bytes after the reply to AUTH", ErrMalformed)
+	}
+	switch v := v.(type) {
+	case string:
+		if v == "OK" {
+			return nil
+		}
+	case Error:
+		msg := []byte(v)
+		if bytes.Contains(msg, pw) {
+			msg = bytes.ReplaceAll(msg, pw, []byte("[password]"))
+		}
+		if user != "" {
+			return &AuthError{msg: fmt.Sprintf("user %q: %s", user, msg)}
+		}
+		return &AuthError{msg: string(msg)}
+	}
+	return fmt.Errorf("%w: an unexpected reply to AUTH", ErrMalformed)
+}
+
 func (c *Client) roundTrip(w []byte, n int, deadline time.Time) ([]any, error) {
 	_ = c.conn.SetDeadline(deadline)
 	if _, err := c.conn.Write(w); err != nil {
 		c.drop()
-		return nil, err
+		return nil, c.tlsAlert(err)
 	}
 	out := make([]any, n)
 	for i := range out {
 		v, err := ReadReply(c.r)
 		if err != nil {
 			c.drop()
-			return nil, err
+			return nil, c.tlsAlert(err)
 		}
 		out[i] = v
 	}

@@ -59,6 +59,40 @@
 //
 // A Tier is safe for concurrent use; its calls share one connection, one
 // round trip at a time.
+//
+// # Security
+//
+// Three settings, each off by default, for a server that others can
+// reach:
+//
+//   - AUTH (Config.Username, Config.Password): every new connection sends
+//     AUTH [username] password before its first command (an ACL user, or
+//     the default user's requirepass). The password is read from an
+//     environment variable or a file (Secret), at New to check it and
+//     again on every connect, so a rotated file is picked up by the next
+//     connection. A refusal fails the call like a down server (counted in
+//     Errors and AuthFailures, logged, the breaker opened); a command the
+//     user may not run (NOPERM) or a server that wants AUTH the tier did
+//     not send (NOAUTH) counts in Errors and AuthFailures without opening
+//     it. No error message or log line holds the password.
+//   - TLS (Config.TLS): every connection does a TLS handshake verifying
+//     the server's certificate against a CA file or the system's roots,
+//     for Config.TLS.ServerName or the address's host, with an optional
+//     client certificate. A handshake or verification failure fails the
+//     call like a down server (counted in Errors and TLSFailures, logged,
+//     the breaker opened); the tier never falls back to plaintext.
+//   - A MAC (Config.MACKeys): each value carries a keyed BLAKE3 tag of the
+//     namespace, its header and its payload, under a key that instances
+//     share and the server never sees, so a client that can write to the
+//     server but lacks the key cannot make a value that any instance
+//     serves as K/V. A value whose tag does not verify (no tag, another
+//     key, a value altered, truncated or moved to another key) is a miss,
+//     counted in Corrupt and MACFailures. Two keys may be given: the first
+//     signs new values, both verify, so keys rotate without a flag day
+//     (every instance to "old,new", then to "new,old", then to "new").
+//     The MAC proves who wrote a value, not that it is recent: a client
+//     without the key can still delete values or put back an older value
+//     of the same block, which is the same K/V.
 package valkey
 
 import (
@@ -66,13 +100,16 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvplug/kvplug/internal/kverr"
+	"github.com/kvplug/kvplug/internal/logx"
 	"github.com/kvplug/kvplug/internal/resp"
 	"github.com/zeebo/xxh3"
+	"go.uber.org/zap"
 )
 
 // Value format.
@@ -105,6 +142,12 @@ type Config struct {
 	TTL         time.Duration // expiry set on stored blocks (whole milliseconds); 0: none
 	Backoff     time.Duration // first skip window after a failure; 0: DefaultBackoff
 	MaxBackoff  time.Duration // longest skip window; 0: DefaultMaxBackoff
+
+	// Security (see "Security" in the package comment); all off when zero.
+	Username string // ACL user sent with AUTH; "": the default user (AUTH password); needs Password
+	Password Secret // the password sent with AUTH on every connect; zero: no AUTH
+	TLS      *TLS   // TLS on every connection; nil: plaintext
+	MACKeys  Secret // one or two MAC keys (hex, separated by white space or a comma); zero: no MAC
 }
 
 // Stats are the tier's counters. Hits, Misses and Corrupt count blocks
@@ -117,6 +160,12 @@ type Stats struct {
 	Timeouts, Errors, Skipped     int64
 	BytesRead, BytesWritten       int64
 	Available                     bool // the breaker is closed (false during a skip window)
+
+	// Of Errors, the calls that failed on authentication (AUTH refused,
+	// the password not readable, a command refused with NOPERM or
+	// NOAUTH) and on TLS (handshake or verification); of Corrupt, the
+	// values whose MAC did not verify (with Config.MACKeys).
+	AuthFailures, TLSFailures, MACFailures int64
 }
 
 // Tier is a client of the shared tier. See the package comment.
@@ -125,13 +174,19 @@ type Tier struct {
 	c      *resp.Client
 	prefix string
 
+	mac    []*macKey // nil: no MAC; [0] signs
+	flags  uint16    // the flags of this tier's values
+	header int       // bytes before the payload: HeaderBytes, plus MACBytes with a MAC
+
 	mu        sync.Mutex
 	skipUntil time.Time
 	backoff   time.Duration
+	lastLog   time.Time // of the last refusal logged (NOPERM, NOAUTH, MAC)
 
 	hits, misses, stores, corrupt atomic.Int64
 	timeouts, errs, skipped       atomic.Int64
 	bytesRead, bytesWritten       atomic.Int64
+	authFails, tlsFails, macFails atomic.Int64
 }
 
 // New returns a tier for cfg. It does not connect: the first call does, so
@@ -153,11 +208,47 @@ func New(cfg Config) (*Tier, error) {
 		cfg.MaxBackoff = DefaultMaxBackoff
 	}
 	cfg.MaxBackoff = max(cfg.MaxBackoff, cfg.Backoff)
-	return &Tier{
+	opts := resp.Options{DialTimeout: cfg.DialTimeout, OpTimeout: cfg.OpTimeout}
+	if cfg.TLS != nil {
+		tc, err := cfg.TLS.config(cfg.Addr)
+		if err != nil {
+			return nil, err
+		}
+		opts.TLS = tc
+	}
+	if !cfg.Password.IsZero() {
+		// Read now to refuse a missing or empty password at once, and
+		// again on every connect (Options.Auth).
+		pw, err := cfg.Password.read("password")
+		if err != nil {
+			return nil, err
+		}
+		clear(pw)
+		user, secret := cfg.Username, cfg.Password
+		opts.Auth = func() (string, []byte, error) {
+			pw, err := secret.read("password")
+			return user, pw, err
+		}
+	}
+	t := &Tier{
 		cfg:    cfg,
-		c:      resp.NewClientTimeouts(cfg.Addr, cfg.DialTimeout, cfg.OpTimeout),
+		c:      resp.NewClientOptions(cfg.Addr, opts),
 		prefix: "kvplug:" + cfg.Namespace + ":",
-	}, nil
+		header: HeaderBytes,
+	}
+	if !cfg.MACKeys.IsZero() {
+		text, err := cfg.MACKeys.read("MAC keys")
+		if err != nil {
+			return nil, err
+		}
+		t.mac, err = parseMACKeys(text)
+		clear(text)
+		if err != nil {
+			return nil, err
+		}
+		t.flags, t.header = FlagMAC, HeaderBytes+MACBytes
+	}
+	return t, nil
 }
 
 // Check returns the error New would return for cfg, without a tier.
@@ -174,10 +265,27 @@ func (cfg Config) Check() error {
 		}
 	}
 	if cfg.BlockBytes < 0 || cfg.DialTimeout < 0 || cfg.OpTimeout < 0 || cfg.TTL < 0 || cfg.Backoff < 0 || cfg.MaxBackoff < 0 {
-		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a negative size or duration in %+v", cfg)
+		return kverr.Errorf(kverr.InvalidArgument,
+			"valkey tier: a negative size or duration: block bytes %d, dial timeout %v, operation timeout %v, TTL %v, backoff %v, max backoff %v",
+			cfg.BlockBytes, cfg.DialTimeout, cfg.OpTimeout, cfg.TTL, cfg.Backoff, cfg.MaxBackoff)
 	}
 	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
 		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
+	}
+	if len(cfg.Username) > 256 || strings.ContainsAny(cfg.Username, " \t\r\n\x00") {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a username of at most 256 bytes without white space or NUL")
+	}
+	if cfg.Username != "" && cfg.Password.IsZero() {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a username (%q) needs a password", cfg.Username)
+	}
+	if err := cfg.Password.check("password"); err != nil {
+		return err
+	}
+	if err := cfg.MACKeys.check("MAC keys"); err != nil {
+		return err
+	}
+	if cfg.TLS != nil && (cfg.TLS.CertFile == "") != (cfg.TLS.KeyFile == "") {
+		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: a TLS client certificate needs both its certificate and its key file")
 	}
 	return nil
 }
@@ -196,37 +304,97 @@ func (t *Tier) key(dst []byte, hash Hash) []byte {
 	return hex.AppendEncode(append(dst, t.prefix...), hash[:])
 }
 
-// Encode returns the value stored for a block: header and payload.
+// Encode returns the value stored for a block by a tier without a MAC:
+// header and payload (EncodeMAC: with one).
 func Encode(hash Hash, fingerprint uint64, payload []byte) []byte {
-	return append(appendHeader(make([]byte, 0, HeaderBytes+len(payload)), hash, fingerprint, payload), payload...)
+	return append(appendHeader(make([]byte, 0, HeaderBytes+len(payload)), hash, fingerprint, 0, payload), payload...)
 }
 
-func appendHeader(v []byte, hash Hash, fingerprint uint64, payload []byte) []byte {
+func appendHeader(v []byte, hash Hash, fingerprint uint64, flags uint16, payload []byte) []byte {
 	v = append(v, Magic...)
 	v = binary.LittleEndian.AppendUint16(v, Version)
-	v = binary.LittleEndian.AppendUint16(v, 0)
+	v = binary.LittleEndian.AppendUint16(v, flags)
 	v = append(v, hash[:]...)
 	v = binary.LittleEndian.AppendUint64(v, fingerprint)
 	v = binary.LittleEndian.AppendUint64(v, uint64(len(payload)))
 	return binary.LittleEndian.AppendUint64(v, xxh3.Hash(payload))
 }
 
-// decode checks a value and returns its payload, or false.
+// decode checks a value and returns its payload, or false. A tier with a
+// MAC counts in MACFailures the values that fail for want of a valid tag
+// (no tag, another key's, a tag that does not verify); the caller counts
+// every failure in Corrupt.
 func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
-	if len(v) < HeaderBytes || string(v[:4]) != Magic ||
-		binary.LittleEndian.Uint16(v[4:]) != Version || binary.LittleEndian.Uint16(v[6:]) != 0 ||
-		Hash(v[8:24]) != hash || binary.LittleEndian.Uint64(v[24:]) != t.cfg.Fingerprint {
+	if len(v) < HeaderBytes || string(v[:4]) != Magic || binary.LittleEndian.Uint16(v[4:]) != Version {
+		return nil, false
+	}
+	if flags := binary.LittleEndian.Uint16(v[6:]); flags != t.flags {
+		if t.mac != nil && flags == 0 {
+			t.macFailed("a value without a MAC")
+		}
+		return nil, false
+	}
+	if Hash(v[8:24]) != hash || binary.LittleEndian.Uint64(v[24:]) != t.cfg.Fingerprint {
 		return nil, false
 	}
 	n := binary.LittleEndian.Uint64(v[32:])
-	if n != uint64(len(v)-HeaderBytes) || (t.cfg.BlockBytes > 0 && n != uint64(t.cfg.BlockBytes)) {
+	if len(v) < t.header || n != uint64(len(v)-t.header) || (t.cfg.BlockBytes > 0 && n != uint64(t.cfg.BlockBytes)) {
 		return nil, false
 	}
-	p := v[HeaderBytes:]
+	p := v[t.header:]
 	if xxh3.Hash(p) != binary.LittleEndian.Uint64(v[40:]) {
 		return nil, false
 	}
+	if t.mac != nil && !t.verifyMAC(v) {
+		t.macFailed("a value whose MAC does not verify")
+		return nil, false
+	}
 	return p, true
+}
+
+// macFailed counts and logs (at most once a minute) a value refused for
+// its MAC.
+func (t *Tier) macFailed(what string) {
+	t.macFails.Add(1)
+	if t.logDue() {
+		logx.L().Warn("shared tier: "+what+" read from the server (a writer without this tier's MAC keys, or an altered value): a miss",
+			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace), zap.Int64("mac_failures", t.macFails.Load()))
+	}
+}
+
+// logDue reports whether a refusal may be logged now: at most one line a
+// minute, so a misconfigured fleet does not flood the host's log.
+func (t *Tier) logDue() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := time.Now()
+	if !t.lastLog.IsZero() && now.Sub(t.lastLog) < time.Minute {
+		return false
+	}
+	t.lastLog = now
+	return true
+}
+
+// refused counts an error reply: in Errors, and, for a refusal of
+// authentication or permission (NOAUTH, NOPERM, WRONGPASS), in
+// AuthFailures once per call (logged at most once a minute). It reports
+// whether it was such a refusal.
+func (t *Tier) refused(e resp.Error, counted bool) bool {
+	t.errs.Add(1)
+	code, _, _ := strings.Cut(string(e), " ")
+	switch code {
+	case "NOAUTH", "NOPERM", "WRONGPASS":
+	default:
+		return false
+	}
+	if !counted {
+		t.authFails.Add(1)
+		if t.logDue() {
+			logx.L().Error("shared tier: the server refused a command: check the tier's user and its ACL (it needs GET, SET, EXISTS)",
+				zap.String("addr", t.cfg.Addr), zap.String("user", t.cfg.Username), zap.String("reply", string(e)))
+		}
+	}
+	return true
 }
 
 // open reports whether the breaker lets a call through; a call it stops is
@@ -242,17 +410,43 @@ func (t *Tier) open() bool {
 }
 
 // result records a call's transport outcome in the breaker and counters.
+// The first failure after a success is logged (an authentication or TLS
+// failure as an error, others as a warning), and so is the recovery.
 func (t *Tier) result(err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err == nil {
+		if t.backoff != 0 {
+			logx.L().Info("shared tier: the server answers again", zap.String("addr", t.cfg.Addr))
+		}
 		t.skipUntil, t.backoff = time.Time{}, 0
 		return
 	}
+	kind := "unreachable"
 	if resp.IsTimeout(err) {
 		t.timeouts.Add(1)
+		kind = "timed out"
 	} else {
 		t.errs.Add(1)
+		switch {
+		case resp.IsAuth(err):
+			t.authFails.Add(1)
+			kind = "authentication failed"
+		case resp.IsTLS(err):
+			t.tlsFails.Add(1)
+			kind = "TLS failed"
+		}
+	}
+	if t.backoff == 0 {
+		// err's text holds no secret: resp's AuthError leaves the
+		// password out, and the rest are the network's and crypto/tls's.
+		fields := []zap.Field{zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace),
+			zap.Duration("skipped_for", t.cfg.Backoff), zap.Error(err)}
+		if kind == "authentication failed" || kind == "TLS failed" {
+			logx.L().Error("shared tier: "+kind+": the server is skipped (misses, stores dropped) until it succeeds", fields...)
+		} else {
+			logx.L().Warn("shared tier: server "+kind+": skipped (misses, stores dropped) until it answers", fields...)
+		}
 	}
 	if t.backoff == 0 {
 		t.backoff = t.cfg.Backoff
@@ -338,6 +532,7 @@ func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 		t.misses.Add(int64(len(hashes)))
 		return
 	}
+	authCounted := false
 	for i, x := range r {
 		switch v := x.(type) {
 		case []byte:
@@ -348,7 +543,8 @@ func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 				t.corrupt.Add(1)
 			}
 		case resp.Error:
-			t.errs.Add(1) // a wrong-type key, a server refusing reads
+			// A wrong-type key, a server refusing reads, a user without GET.
+			authCounted = t.refused(v, authCounted) || authCounted
 			t.misses.Add(1)
 		default:
 			t.misses.Add(1) // nil: absent
@@ -377,7 +573,7 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
 			continue
 		}
-		size += 64 + keyLen + HeaderBytes + len(payloads[i]) + len(ttl)
+		size += 64 + keyLen + t.header + len(payloads[i]) + len(ttl)
 	}
 	buf := make([]byte, 0, size)
 	var written int64
@@ -394,9 +590,12 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		buf = append(resp.AppendBulk(buf, 3), "SET\r\n"...)
 		buf = resp.AppendBulk(buf, keyLen)
 		buf = append(t.key(buf, hashes[i]), '\r', '\n')
-		vlen := HeaderBytes + len(payloads[i])
+		vlen := t.header + len(payloads[i])
 		buf = resp.AppendBulk(buf, vlen)
-		buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, payloads[i])
+		buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
+		if t.mac != nil {
+			buf = t.appendMAC(buf, payloads[i])
+		}
 		buf = append(append(buf, payloads[i]...), '\r', '\n')
 		if ttl != nil {
 			buf = append(resp.AppendBulk(buf, 2), "PX\r\n"...)
@@ -414,12 +613,15 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		return 0
 	}
 	t.bytesWritten.Add(written)
-	stored := 0
+	stored, authCounted := 0, false
 	for _, x := range r {
 		if s, ok := x.(string); ok && s == "OK" {
 			stored++
+		} else if e, ok := x.(resp.Error); ok {
+			// OOM under maxmemory-policy noeviction; a user without SET.
+			authCounted = t.refused(e, authCounted) || authCounted
 		} else {
-			t.errs.Add(1) // e.g. OOM under maxmemory-policy noeviction
+			t.errs.Add(1)
 		}
 	}
 	t.stores.Add(int64(stored))
@@ -444,13 +646,17 @@ func (t *Tier) Exists(hashes []Hash) []bool {
 		t.misses.Add(int64(len(hashes)))
 		return out
 	}
+	authCounted := false
 	for i, x := range r {
 		if n, ok := x.(int64); ok && n == 1 {
 			out[i] = true
 			t.hits.Add(1)
-		} else {
-			t.misses.Add(1)
+			continue
 		}
+		if e, ok := x.(resp.Error); ok {
+			authCounted = t.refused(e, authCounted) || authCounted
+		}
+		t.misses.Add(1)
 	}
 	return out
 }
@@ -482,11 +688,12 @@ func (t *Tier) Stats() Stats {
 		Hits: t.hits.Load(), Misses: t.misses.Load(), Stores: t.stores.Load(), Corrupt: t.corrupt.Load(),
 		Timeouts: t.timeouts.Load(), Errors: t.errs.Load(), Skipped: t.skipped.Load(),
 		BytesRead: t.bytesRead.Load(), BytesWritten: t.bytesWritten.Load(),
-		Available: t.Available(),
+		Available:    t.Available(),
+		AuthFailures: t.authFails.Load(), TLSFailures: t.tlsFails.Load(), MACFailures: t.macFails.Load(),
 	}
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("hits %d misses %d stores %d corrupt %d timeouts %d errors %d skipped %d read %d written %d available %v",
-		s.Hits, s.Misses, s.Stores, s.Corrupt, s.Timeouts, s.Errors, s.Skipped, s.BytesRead, s.BytesWritten, s.Available)
+	return fmt.Sprintf("hits %d misses %d stores %d corrupt %d timeouts %d errors %d skipped %d read %d written %d available %v %s",
+		s.Hits, s.Misses, s.Stores, s.Corrupt, s.Timeouts, s.Errors, s.Skipped, s.BytesRead, s.BytesWritten, s.Available, s.securityString())
 }

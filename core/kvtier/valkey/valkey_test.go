@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -379,11 +380,25 @@ func TestConcurrent(t *testing.T) {
 	}
 }
 
-// A batch of 64 blocks of 64 KiB (4 MiB) against a local server.
-func benchBatch(b *testing.B, get bool) {
-	srv := redistest.Start(b, redistest.Find(b), 0)
+// A batch of 64 blocks of 64 KiB (4 MiB) against a local server: in
+// plaintext, over TLS (TLS 1.3, ECDSA P-256 certificates, AES-GCM), with
+// the MAC, or both.
+func benchBatch(b *testing.B, get bool, mode string) {
 	const n, bs = 64, 64 << 10
-	tr := newTier(b, Config{Addr: srv.Addr(), BlockBytes: bs, OpTimeout: 10 * time.Second})
+	cfg := Config{BlockBytes: bs, OpTimeout: 10 * time.Second}
+	var srv *redistest.Server
+	if strings.Contains(mode, "tls") {
+		certs := redistest.NewCerts(b)
+		srv = redistest.StartTLS(b, redistest.Find(b), redistest.TLSServer{Certs: certs})
+		cfg.TLS = &TLS{CAFile: certs.CA}
+	} else {
+		srv = redistest.Start(b, redistest.Find(b), 0)
+	}
+	if strings.Contains(mode, "mac") {
+		cfg.MACKeys = Secret{Value: []byte(keyA)}
+	}
+	cfg.Addr = srv.Addr()
+	tr := newTier(b, cfg)
 	keys := make([]Hash, n)
 	ps := make([][]byte, n)
 	dst := make([][]byte, n)
@@ -407,5 +422,11 @@ func benchBatch(b *testing.B, get bool) {
 	}
 }
 
-func BenchmarkGet64x64KiB(b *testing.B) { benchBatch(b, true) }
-func BenchmarkPut64x64KiB(b *testing.B) { benchBatch(b, false) }
+func BenchmarkGet64x64KiB(b *testing.B)       { benchBatch(b, true, "") }
+func BenchmarkPut64x64KiB(b *testing.B)       { benchBatch(b, false, "") }
+func BenchmarkGet64x64KiBTLS(b *testing.B)    { benchBatch(b, true, "tls") }
+func BenchmarkPut64x64KiBTLS(b *testing.B)    { benchBatch(b, false, "tls") }
+func BenchmarkGet64x64KiBMAC(b *testing.B)    { benchBatch(b, true, "mac") }
+func BenchmarkPut64x64KiBMAC(b *testing.B)    { benchBatch(b, false, "mac") }
+func BenchmarkGet64x64KiBTLSMAC(b *testing.B) { benchBatch(b, true, "tls+mac") }
+func BenchmarkPut64x64KiBTLSMAC(b *testing.B) { benchBatch(b, false, "tls+mac") }
