@@ -83,6 +83,36 @@ test: vet check-header check-exports test-go test-cpp test-python test-fresh-clo
 demo: $(LIB) $(VENV)/.ok
 	KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=bindings/python $(VPY) bench/demo.py
 
+# The C++ and Python suites against a race-detector build of the library, not part of
+# `make test` (README, "Testing beyond `make test`"). The race runtime's shadow memory
+# covers addresses below 0xe000000000 only, and a shared library loads near 0x7f0000000000,
+# where the runtime fails at load ("ThreadSanitizer failed to allocate ..."): the race build
+# asks the loader for a low base address instead. A race does not change a host's exit
+# status, so the reports go to files (GORACE log_path) and any report fails the target.
+RACE_LIB     := $(BUILD)/race/libkvplug.so
+RACE_REPORTS := $(abspath $(BUILD)/race/reports)
+
+.PHONY: test-race
+
+$(RACE_LIB): $(GO_SRC) $(KERNELS_DEP) $(BUILD)/kernels.setting
+	@mkdir -p $(BUILD)/race
+	$(GO) build -race -trimpath $(GO_TAGS) -buildmode=c-shared \
+		-ldflags='-extldflags=-Wl,-Ttext-segment=0x4000000000' -o $@ ./capi
+	@rm -f $(BUILD)/race/libkvplug.h
+
+test-race: $(RACE_LIB) $(VENV)/.ok
+	@rm -rf $(RACE_REPORTS) && mkdir -p $(RACE_REPORTS)
+	cmake -S . -B $(BUILD)/cmake-race -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPLUG_LIBRARY=$(abspath $(RACE_LIB)) >/dev/null
+	cmake --build $(BUILD)/cmake-race
+	@st=0; \
+	(cd $(BUILD)/cmake-race && GORACE=log_path=$(RACE_REPORTS)/race ctest --output-on-failure) || st=1; \
+	GORACE=log_path=$(RACE_REPORTS)/race KVPLUG_LIBRARY=$(abspath $(RACE_LIB)) PYTHONPATH=bindings/python \
+		$(VPY) -m pytest -q tests/python || st=1; \
+	if ls $(RACE_REPORTS)/race.* >/dev/null 2>&1; then \
+		cat $(RACE_REPORTS)/race.*; echo "test-race: data races reported (above; files in $(RACE_REPORTS))"; st=1; \
+	fi; \
+	exit $$st
+
 # The engines' conformance tests, not part of `make test` (README, "Using kvplug
 # with vLLM / SGLang"): kvplug.vllm and kvplug.sglang driven by vLLM's and SGLang's
 # own scheduler-side classes on the CPU, plus the engines' unit tests that can be
