@@ -88,6 +88,15 @@ import (
 // The tier never deletes keys: the server's memory is bounded by its own
 // maxmemory policy (allkeys-lru for a server dedicated to the tier;
 // volatile-lru with SharedTier.TTL on a shared one).
+//
+// # Security
+//
+// SharedTier's Username and Password (AUTH), TLS and MACKeys (a keyed
+// MAC over each value) are valkey.Config's: see package valkey,
+// "Security". The manager adds nothing to them: a server that refuses
+// the credentials or the handshake is a server that is down (misses,
+// stores dropped, a backoff window), and a value whose MAC does not
+// verify is a miss like a corrupt one.
 
 // SharedTier configures the shared tier below a manager's host tier.
 type SharedTier struct {
@@ -110,6 +119,20 @@ type SharedTier struct {
 	// PutQueue is the most blocks waiting to be stored, in [0, 2^20]; 0:
 	// DefaultPutQueue. Each pins its host slot until stored.
 	PutQueue int
+
+	// Security, all off when zero (valkey's "Security"): AUTH as Username
+	// (an ACL user; "": the default user) with the password Password
+	// holds, read from an environment variable or a file at New and on
+	// every connect; TLS with the server's certificate verified; a MAC
+	// over every value with the keys MACKeys holds (one or two, hex; the
+	// first signs). A refused AUTH, a failed TLS handshake and a value
+	// whose MAC does not verify are counted (SharedStats.AuthFailures,
+	// TLSFailures, MACFailures) and logged, never errors of a call; no
+	// message holds a secret.
+	Username string
+	Password valkey.Secret
+	TLS      *valkey.TLS
+	MACKeys  valkey.Secret
 }
 
 // DefaultPutQueue is the store queue's size of a SharedTier that leaves
@@ -149,6 +172,9 @@ type SharedStats struct {
 	BytesWritten int64 // value bytes written, headers included
 	QueueLen     int   // blocks waiting to be stored now
 	Available    bool  // the server is not in a backoff window
+	AuthFailures int64 // of Errors: AUTH refused (or its password not readable), commands refused with NOAUTH or NOPERM
+	TLSFailures  int64 // of Errors: TLS handshakes or verifications that failed
+	MACFailures  int64 // of Corrupt: values whose MAC did not verify (no MAC, another key's, altered)
 }
 
 // putOp is one block to store: its hash and the host slot holding it,
@@ -195,7 +221,9 @@ func (c *SharedTier) Check() error {
 	if c.PutQueue < 0 || c.PutQueue > maxPutQueue {
 		return kverr.Errorf(kverr.InvalidArgument, "shared tier: put queue must be in [0, %d]: got %d", maxPutQueue, c.PutQueue)
 	}
-	return c.valkeyConfig(0, 0).Check()
+	// The secrets and TLS files are read (and dropped) too, so that a
+	// missing password or CA file is refused before anything is made.
+	return c.valkeyConfig(0, 0).CheckFiles()
 }
 
 func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
@@ -208,6 +236,10 @@ func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
 		TTL:         c.TTL,
 		Backoff:     c.Backoff,
 		MaxBackoff:  c.MaxBackoff,
+		Username:    c.Username,
+		Password:    c.Password,
+		TLS:         c.TLS,
+		MACKeys:     c.MACKeys,
 	}
 }
 
@@ -295,6 +327,7 @@ func (s *sharedTier) stats() SharedStats {
 		Corrupt: v.Corrupt, Timeouts: v.Timeouts, Errors: v.Errors, Skipped: v.Skipped,
 		BytesRead: v.BytesRead, BytesWritten: v.BytesWritten,
 		QueueLen: len(s.queue), Available: v.Available,
+		AuthFailures: v.AuthFailures, TLSFailures: v.TLSFailures, MACFailures: v.MACFailures,
 	}
 }
 

@@ -199,3 +199,21 @@ func StartTLS(t testing.TB, bin string, cfg TLSServer, args ...string) *Server {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// ClientTLS is a client configuration that verifies a server of c.CA for
+// 127.0.0.1 and presents c's client certificate.
+func (c *Certs) ClientTLS() (*tls.Config, error) {
+	pem, err := os.ReadFile(c.CA)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("%s: no certificate", c.CA)
+	}
+	kp, err := tls.LoadX509KeyPair(c.ClientCert, c.ClientKey)
+	if err != nil {
+		return nil, err
+	}
+	return &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{kp}, ServerName: "127.0.0.1"}, nil
+}

@@ -232,13 +232,45 @@ func (c *Client) dial(dt time.Duration, deadline time.Time) (net.Conn, error) {
 		}
 		conn = tc
 	}
-	if c.auth != nil {
-		if err := authenticate(conn, c.auth); err != nil {
-			_ = conn.Close()
-			return nil, c.tlsAlert(err)
+	// The connection's first exchange: AUTH, or with TLS and no AUTH a
+	// PING. Under TLS 1.3 a server that refuses the client's certificate
+	// (none, or one it does not trust) says so only after the client's
+	// side of the handshake has completed: by an alert or by closing the
+	// connection, met by this first write or read. So a failure of this
+	// exchange on a TLS connection, other than a timeout or a refused
+	// AUTH, is the TLS session's, reported here rather than as a failure
+	// of the caller's first command.
+	switch {
+	case c.auth != nil:
+		err = authenticate(conn, c.auth)
+	case c.tls != nil:
+		err = ping(conn)
+	}
+	if err != nil {
+		_ = conn.Close()
+		if c.tls != nil && !IsAuth(err) && !IsTimeout(err) {
+			err = &TLSError{Err: err}
 		}
+		return nil, err
 	}
 	return conn, nil
+}
+
+// ping sends PING on a new connection and reads its reply: any reply, an
+// error included (NOAUTH from a server that wants AUTH the client does
+// not send: its commands will say so).
+func ping(conn net.Conn) error {
+	if _, err := conn.Write(AppendCommand(nil, []byte("PING"))); err != nil {
+		return err
+	}
+	r := bufio.NewReaderSize(conn, 512)
+	if _, err := ReadReply(r); err != nil {
+		return err
+	}
+	if r.Buffered() > 0 {
+		return fmt.Errorf("%w: bytes after the reply to PING", ErrMalformed)
+	}
+	return nil
 }
 
 // tlsAlert returns err as a TLSError when it is a TLS alert from the

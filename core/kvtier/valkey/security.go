@@ -106,7 +106,7 @@ func (s Secret) read(what string) ([]byte, error) {
 			v = v[:len(v)-1]
 		}
 	default:
-		v = s.Value
+		v = bytes.Clone(s.Value) // the caller's stays as it is: a read's copy is cleared after use
 	}
 	if len(v) == 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: the %s (%v) is empty", what, s)

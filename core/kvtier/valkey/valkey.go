@@ -290,6 +290,36 @@ func (cfg Config) Check() error {
 	return nil
 }
 
+// CheckFiles returns the error New would return for cfg's secrets and TLS
+// files (Check's errors first): it reads them and keeps nothing.
+func (cfg Config) CheckFiles() error {
+	if err := cfg.Check(); err != nil {
+		return err
+	}
+	if cfg.TLS != nil {
+		if _, err := cfg.TLS.config(cfg.Addr); err != nil {
+			return err
+		}
+	}
+	if !cfg.Password.IsZero() {
+		pw, err := cfg.Password.read("password")
+		if err != nil {
+			return err
+		}
+		clear(pw)
+	}
+	if !cfg.MACKeys.IsZero() {
+		text, err := cfg.MACKeys.read("MAC keys")
+		if err != nil {
+			return err
+		}
+		_, err = parseMACKeys(text)
+		clear(text)
+		return err
+	}
+	return nil
+}
+
 // Close closes the connection. The tier stays usable (a later call
 // redials); Close is for the end of its life.
 func (t *Tier) Close() error {
