@@ -55,6 +55,7 @@ func (m *Manager) MarkComputed() {
 	defer m.unlock()
 	m.committed = true
 	if m.cache != nil {
+		m.queueComputed() // the host tier's write-through: before the blocks stop reading as uncomputed
 		m.cache.Commit()
 	}
 }

@@ -353,9 +353,10 @@ func (m *Manager) makeFree(need int) {
 		return
 	}
 	m.evicted = m.cache.Evict(m.evicted[:0], short)
-	if m.tier != nil {
+	if m.tier != nil && m.tier.cfg.WriteThrough == 0 {
 		// Needed now: a block waiting for its demotion copy could not
-		// serve the allocation (tier.go).
+		// serve the allocation (tier.go). (With write-through the host
+		// tier has its copy, or counts it lost: writethrough.go.)
 		m.tier.st.EvictedUndemoted += int64(len(m.evicted))
 	}
 	// An evictable block has no lock, hence no reference (CheckInvariants:

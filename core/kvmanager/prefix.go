@@ -329,6 +329,7 @@ func (m *Manager) insertBlocks(s *seq, bi int, toks []int32) bool {
 				assertOK(m.cache.Unlock(m.one[:]), "unlocking the block InsertRun just locked")
 			} else {
 				assertOK(m.pool.MarkCached(s.blocks[bi+k]), "a sequence's block is free")
+				m.noteFilled(s.blocks[bi+k])
 			}
 		}
 		if done > 0 {

@@ -182,6 +182,12 @@ type HostTier struct {
 	// the blocks allocations evict" above); otherwise the host tier would
 	// hold the new owners' K/V under the old blocks' hashes.
 	DemoteEvicted bool
+	// WriteThrough stores computed blocks to the host tier while they stay
+	// in the GPU prefix cache (writethrough.go): each FlushCopies copies
+	// up to this many of the blocks computed since (oldest first), so a
+	// GPU eviction later costs nothing and no GPU hit is traded for a host
+	// one. In [0, NumBlocks]; 0 stores nothing this way.
+	WriteThrough int
 	// Shared, when not nil, adds the shared tier (a Valkey or Redis
 	// server) below the host tier (shared.go). The manager must then be
 	// closed (Close).
@@ -248,6 +254,9 @@ type TierStats struct {
 	MatchQueries       int64 // prompts asked of MatchTiers
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
 	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
+	WriteThroughStored int64 // computed blocks copied to the host tier while staying on the GPU (completed)
+	WriteThroughLost   int64 // computed blocks the GPU evicted before their write-through store
+	WriteThroughQueue  int   // computed blocks waiting for their write-through store
 	Host               host.Stats
 	Shared             SharedStats // the shared tier's; zero without one
 }
@@ -312,6 +321,9 @@ type tier struct {
 	// fetched from the shared tier (set under the lock for the call).
 	fetched map[uint64]struct{}
 
+	// Write-through (writethrough.go).
+	wt writeThrough
+
 	st TierStats
 }
 
@@ -320,7 +332,8 @@ type tier struct {
 // the others one reference each.
 type inflightBatch struct {
 	CopyBatch
-	unheld int
+	unheld  int
+	through int // the last through demotions are write-through stores (writethrough.go)
 }
 
 // hostMeta is what the events say of a host slot's block.
@@ -399,9 +412,15 @@ func newTier(cfg Config) (*tier, error) {
 	if h.DemoteAhead < 0 || h.DemoteAhead > cfg.NumBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", cfg.NumBlocks, h.DemoteAhead)
 	}
+	if h.WriteThrough < 0 || h.WriteThrough > cfg.NumBlocks {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: write_through must be in [0, %d]: got %d", cfg.NumBlocks, h.WriteThrough)
+	}
 	t := &tier{cfg: *h, inflight: make(map[uint64]inflightBatch), bs: cfg.BlockSize}
 	t.epoch = 1
 	t.stamp = make([]uint32, cfg.NumBlocks)
+	if h.WriteThrough > 0 {
+		t.wt.queued = make([]bool, cfg.NumBlocks)
+	}
 	if h.Shared != nil {
 		var err error
 		if t.shared, err = newShared(h.Shared, h.Pool, cfg.BlockSize); err != nil {
@@ -459,7 +478,7 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 	if t == nil {
 		return 0, 0, 0, 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: no host tier configured")
 	}
-	needDemote = len(t.evictOps) + max(t.cfg.DemoteAhead-m.pool.NumFree()-t.nBlocks, 0)
+	needDemote = len(t.evictOps) + max(t.cfg.DemoteAhead-m.pool.NumFree()-t.nBlocks, 0) + min(len(t.wt.queue), t.cfg.WriteThrough)
 	needReload = len(t.reloads)
 	if len(demote) < needDemote || len(reload) < needReload {
 		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
@@ -487,6 +506,9 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 		t.evInfo, t.evToks = m.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want, t.events)
 		t.pending = m.reserveDemotions(t.pending, true, "flush copies")
 	}
+	moved := len(t.pending)
+	t.pending = m.writeThroughOps(t.pending, "flush copies")
+	through := len(t.pending) - moved
 	t.epoch++ // the blocks allocated so far are the step's to write
 	if len(t.pending) == 0 && len(t.reloads) == 0 {
 		return 0, 0, nil
@@ -495,6 +517,10 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	ticket = t.nextTkt
 	if cerr := copyFn(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
 		for i, op := range t.pending {
+			if i >= moved {
+				m.endStore(op, false)
+				continue
+			}
 			m.endDemotion(op, false, i >= unheld)
 		}
 		for _, op := range t.reloads {
@@ -507,10 +533,10 @@ func (m *Manager) flushLocked(copyFn func(CopyBatch) error) (ticket uint64, n in
 	}
 	b := CopyBatch{Ticket: ticket, Demote: append([]DemoteOp(nil), t.pending...), Reload: append([]ReloadOp(nil), t.reloads...)}
 	t.reloads = t.reloads[:0]
-	t.inflight[ticket] = inflightBatch{b, unheld}
-	t.nBlocks += len(b.Demote) - unheld
+	t.inflight[ticket] = inflightBatch{b, unheld, through}
+	t.nBlocks += len(b.Demote) - unheld - through
 	t.nUnheld += unheld
-	t.st.DemotionsQueued += int64(len(b.Demote))
+	t.st.DemotionsQueued += int64(len(b.Demote) - through)
 	return ticket, len(b.Demote) + len(b.Reload), nil
 }
 
@@ -613,7 +639,8 @@ func (m *Manager) endReload(op ReloadOp, ok bool) {
 	}
 	m.one[0] = op.Block
 	if m.pool.IsCached(op.Block) {
-		assertOK(m.cache.Unlock(m.one[:]), "complete copies: a reloaded cached block is not locked")
+		// Not an access: the sequence that matched the block touched it.
+		assertOK(m.cache.Release(m.one[:]), "complete copies: a reloaded cached block is not locked")
 	}
 	var err error
 	m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
@@ -670,9 +697,14 @@ func (m *Manager) CompleteCopies(ticket uint64, failed bool) error {
 		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
 	}
 	delete(t.inflight, ticket)
-	t.nBlocks -= len(b.Demote) - b.unheld
+	t.nBlocks -= len(b.Demote) - b.unheld - b.through
 	t.nUnheld -= b.unheld
+	moved := len(b.Demote) - b.through
 	for i, op := range b.Demote {
+		if i >= moved {
+			m.endStore(op, !failed)
+			continue
+		}
 		m.endDemotion(op, !failed, i >= b.unheld)
 	}
 	if t.events && !failed {
@@ -762,6 +794,7 @@ func (m *Manager) TierStats() TierStats {
 	}
 	st := m.tier.st
 	st.InFlight = m.tier.nBlocks + m.tier.nUnheld + len(m.tier.evictOps)
+	st.WriteThroughQueue = len(m.tier.wt.queue)
 	st.Host = m.tier.cfg.Pool.Stats()
 	if m.tier.shared != nil {
 		st.Shared = m.tier.shared.stats()
@@ -794,6 +827,21 @@ func (m *Manager) checkTier(refs []int32, bad func(string, ...any) error) error 
 		}
 		for i, op := range batch.Demote {
 			b := op.Block
+			if i >= len(batch.Demote)-batch.through {
+				// A write-through store: the block stays cached, and the
+				// copy holds a reference and a lock on it.
+				if !m.pool.IsCached(b) {
+					return bad("block %d being stored (batch %d) is not cached", b, tk)
+				}
+				if h, ok := m.cache.BlockHash(b); !ok || h != op.Hash {
+					return bad("block %d being stored (batch %d) is not cached under its hash %s", b, tk, op.Hash)
+				}
+				refs[b]++
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+					return bad("block %d being stored (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
+				}
+				continue
+			}
 			if i < batch.unheld {
 				// Holds no GPU block (DemoteEvicted), only its host slot.
 				unheld++

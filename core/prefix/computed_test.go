@@ -83,3 +83,36 @@ func TestCommitWraps(t *testing.T) {
 	}
 	check(t, x)
 }
+
+// Release drops locks as Unlock does but leaves the blocks' last access,
+// so the eviction order is what it was before the lock.
+func TestReleaseIsNotAnAccess(t *testing.T) {
+	x := newIndex(t, 2, 8, false)
+	a := cache(t, x, seq(0, 2), nil, 0)  // older
+	b := cache(t, x, seq(10, 2), nil, 1) // newer
+	unlock(t, x, a...)
+	unlock(t, x, b...)
+	if err := x.Lock([]int32{0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.Release([]int32{0, 0, 0}); err == nil {
+		t.Fatal("released more locks than held")
+	}
+	if x.LockCount(0) != 2 {
+		t.Fatalf("a refused release changed the locks: %d", x.LockCount(0))
+	}
+	if err := x.Release([]int32{0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	check(t, x)
+	if got := evict(t, x, 1); !slices.Equal(got, []int32{0}) {
+		t.Fatalf("evicted %v first, want block 0: the release touched it", got)
+	}
+	d, toks, ok := x.Describe(1, nil)
+	if !ok || d.Block != 1 || !slices.Equal(toks, seq(10, 2)) || d.Parent != (Hash{}) {
+		t.Fatalf("describe: %+v %v %v", d, toks, ok)
+	}
+	if _, _, ok := x.Describe(0, nil); ok {
+		t.Fatal("described an evicted block")
+	}
+}

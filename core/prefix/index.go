@@ -860,3 +860,46 @@ func (x *Index) Unlock(ids []int32) error {
 	}
 	return nil
 }
+
+// Release drops one lock from each block of ids, as Unlock does, but is not
+// an access: the blocks keep their last-access time, so the eviction order
+// is what it would have been without the lock. For holds that are not a
+// sequence's use of a block (a copy reading it). All or none, as Unlock.
+func (x *Index) Release(ids []int32) error {
+	if err := x.resolve("release", ids); err != nil {
+		return err
+	}
+	x.zeroed = x.zeroed[:0]
+	for k, i := range x.path {
+		if x.nodes[i].lock < 1 {
+			for _, j := range x.path[:k] {
+				x.nodes[j].lock++
+			}
+			return kverr.Errorf(kverr.InvalidArgument, "release: block %d has no lock left", ids[k])
+		}
+		if x.nodes[i].lock--; x.nodes[i].lock == 0 {
+			x.zeroed = append(x.zeroed, i)
+		}
+	}
+	for _, i := range x.zeroed {
+		x.nLocked--
+		x.hold(i, -1)
+	}
+	for _, i := range x.path {
+		x.settle(i)
+	}
+	return nil
+}
+
+// Describe appends the tokens of cached block id to toks and returns them
+// with the fields of its BlockStored event; ok is false when the block is
+// not cached. The MM slice is the index's: copy it to keep it.
+func (x *Index) Describe(id int32, toks []int32) (EvictedBlock, []int32, bool) {
+	i := x.nodeOf(id)
+	if i == nilNode {
+		return EvictedBlock{}, toks, false
+	}
+	n := &x.nodes[i]
+	return EvictedBlock{Block: id, Hash: n.hash, Parent: x.nodes[n.parent].hash, Adapter: n.adapter, MM: n.mm},
+		append(toks, x.tokensOf(i)...), true
+}

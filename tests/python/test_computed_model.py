@@ -108,7 +108,9 @@ class Engine:
             assert not lifo, f"removing the newest sequence {victim} was refused: {e}"
             assert self.m.stats() == before, "a refused remove changed the manager"
             self.refused += 1
-            batch += self.new[self.new.index(victim) + 1:]  # with everything admitted after it
+            # with everything admitted after its fill: after its admission, or (a running
+            # sequence whose decode token filled a block) all of this step's
+            batch += self.new[self.new.index(victim) + 1:] if victim in self.new else list(self.new)
             self.m.remove(batch)
         self.preempted += len(batch)
         self.forget(batch)

@@ -1,0 +1,185 @@
+package kvmanager
+
+import (
+	"slices"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// Write-through: the host tier copies blocks, it does not move them.
+//
+// Demotion (tier.go) takes a block out of the GPU prefix cache to put it
+// in the host tier: ahead of need (DemoteAhead) it evicts blocks the GPU
+// cache would still have served, so a request that would have hit on the
+// GPU reloads from the host instead, or misses. With HostTier.WriteThrough
+// the host tier gets a copy of each block once its K/V exists, and the
+// block stays in the GPU cache:
+//
+//   - a block filled by Admit or GrowTokens is noted; MarkComputed (its
+//     step's forward pass has run) queues it, oldest first. A block taken
+//     out of the cache before that (an uncomputed block, computed.go) is
+//     never queued, and its K/V never reaches a tier.
+//   - each FlushCopies hands out up to WriteThrough queued blocks as
+//     copies GPU block -> host slot, in the batch's Demote list after the
+//     demotions (CopyBatch: the engine copies them all alike). Until the
+//     batch completes, the copy holds a reference and a lock on the GPU
+//     block, so it is neither evicted nor reused while the copy reads it;
+//     the lock is released without counting as an access (prefix.Index.
+//     Release), so the GPU cache's eviction order is what it would be
+//     without the tier. An engine that completes each batch before its
+//     next step's allocations (as it must for reloads) therefore sees the
+//     GPU cache behave exactly as with no tier: no GPU hit is lost.
+//   - completion commits the host slot (and queues the block for the
+//     shared tier, when there is one), as a demotion's does, and announces
+//     it (CPU BlockStored); the GPU block stays cached, and a later GPU
+//     eviction of it costs nothing.
+//   - a queued block that the GPU evicts before its turn is counted lost
+//     (TierStats.WriteThroughLost): WriteThrough bounds the copies a step,
+//     and a backlog longer than the pool is cut from its oldest end.
+type writeThrough struct {
+	filled []int32   // blocks inserted since the last MarkComputed (some may since have gone)
+	queue  []wtEntry // computed blocks waiting for their store, oldest first
+	queued []bool    // by block id: an entry of queue names it
+}
+
+// wtEntry is a queued block: its id and the hash it was computed under
+// (the id may since hold another block).
+type wtEntry struct {
+	block int32
+	hash  prefix.Hash
+}
+
+// noteFilled records a block the prefix cache just inserted for a
+// sequence, to be queued for its store once computed.
+func (m *Manager) noteFilled(b int32) {
+	t := m.tier
+	if t == nil || t.cfg.WriteThrough == 0 {
+		return
+	}
+	t.wt.filled = append(t.wt.filled, b)
+	if len(t.wt.filled) > 2*m.pool.NumBlocks() {
+		// No MarkComputed for a long time: keep only the blocks still
+		// uncomputed in the cache, so the list stays bounded by the pool.
+		t.wt.filled = slices.DeleteFunc(t.wt.filled, func(b int32) bool { return !m.cache.IsPending(b) })
+	}
+}
+
+// queueComputed queues, at MarkComputed, the noted blocks that are still
+// cached and uncomputed: the ones this mark makes computed.
+func (m *Manager) queueComputed() {
+	t := m.tier
+	if t == nil || t.cfg.WriteThrough == 0 {
+		return
+	}
+	for _, b := range t.wt.filled {
+		if !m.cache.IsPending(b) {
+			continue // dropped uncomputed, or noted twice
+		}
+		if t.wt.queued[b] {
+			// An older entry names this id, whose block the GPU evicted
+			// and reused: that entry stores this block in its turn.
+			continue
+		}
+		h, _ := m.cache.BlockHash(b)
+		t.wt.queued[b] = true
+		t.wt.queue = append(t.wt.queue, wtEntry{b, h})
+	}
+	t.wt.filled = t.wt.filled[:0]
+	if over := len(t.wt.queue) - m.pool.NumBlocks(); over > 0 {
+		for _, e := range t.wt.queue[:over] {
+			t.wt.queued[e.block] = false
+		}
+		t.wt.queue = append(t.wt.queue[:0], t.wt.queue[over:]...)
+		t.st.WriteThroughLost += int64(over)
+	}
+}
+
+// writeThroughOps appends to ops the stores of up to WriteThrough queued
+// blocks: each still cached and computed gets a host slot under its hash
+// and a reference and a lock for its copy. op names the call for panics.
+func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
+	t := m.tier
+	if t.cfg.WriteThrough == 0 || len(t.wt.queue) == 0 {
+		return ops
+	}
+	t.gone = t.gone[:0]
+	taken, k := 0, 0
+	for ; k < len(t.wt.queue) && taken < t.cfg.WriteThrough; k++ {
+		b := t.wt.queue[k].block
+		t.wt.queued[b] = false
+		if m.cache.IsPending(b) {
+			t.st.WriteThroughLost++ // evicted first, and the id filled again: queued anew once computed
+			continue
+		}
+		ev, toks, ok := m.cache.Describe(b, t.evToks[:0])
+		t.evToks = toks
+		if !ok {
+			t.st.WriteThroughLost++ // the GPU evicted it first
+			continue
+		}
+		if ev.Hash != t.wt.queue[k].hash {
+			// Evicted first; the id's block now is another computed one,
+			// which this entry stores instead (queueComputed left it out).
+			t.st.WriteThroughLost++
+		}
+		slot, gone, err := t.cfg.Pool.ReserveEvict(HostKey(ev.Hash))
+		if err != nil {
+			if kverr.Is(err, kverr.OutOfBlocks) {
+				t.st.SkippedFull++
+			} else {
+				t.st.SkippedPresent++
+			}
+			continue
+		}
+		m.one[0] = b
+		// A cached block: its references equal its locks, bounded below
+		// 2^31-1 by the sequences that hold it.
+		assertOK(m.pool.Incref(m.one[:]), op+": referencing a block to store")
+		assertOK(m.cache.Lock(m.one[:]), op+": locking a block to store")
+		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: ev.Hash})
+		if t.events {
+			t.hostEvicted(slot, gone, op)
+			ev.MM = slices.Clone(ev.MM) // the index's; the slot keeps its own
+			t.setMeta(slot, &ev, toks)
+		}
+		taken++
+	}
+	t.wt.queue = append(t.wt.queue[:0], t.wt.queue[k:]...)
+	if len(t.gone) > 0 {
+		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
+	}
+	return ops
+}
+
+// endStore ends one write-through store: its host slot is committed (ok)
+// or aborted as a demotion's, and the copy's reference and lock on the
+// GPU block, which stays cached, are released without an access.
+func (m *Manager) endStore(op DemoteOp, ok bool) {
+	t := m.tier
+	if ok {
+		if t.shared != nil {
+			t.shared.queueStore(op)
+		} else {
+			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		}
+		t.st.WriteThroughStored++
+		if t.events {
+			t.meta[op.Slot].resident = true
+			t.nResident++
+		}
+	} else {
+		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
+		t.st.DemotionsFailed++
+		if t.events {
+			t.meta[op.Slot] = hostMeta{}
+		}
+	}
+	m.one[0] = op.Block
+	// The copy's lock kept the block in the cache (neither evictable nor
+	// an uncomputed block a removal drops).
+	assertOK(m.cache.Release(m.one[:]), "complete copies: releasing a stored block")
+	var err error
+	m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+	assertOK(err, "complete copies: a stored block is not referenced")
+}
