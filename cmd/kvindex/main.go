@@ -10,21 +10,44 @@
 //	    -instance e0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
 //	    -instance e1=tcp://10.0.0.2:5557,tcp://10.0.0.2:5558 \
 //	    [-valkey 127.0.0.1:6379 -valkey-prefix kvindex] \
-//	    [-cpu-weight 0.75 -shared-weight 0.25]
+//	    [-cpu-weight 0.75 -shared-weight 0.25] \
+//	    [-idle-timeout 5s -timeout 2s -log-level info]
 //
 //	curl -d '{"tokens": [1, 2, 3, ...]}' http://127.0.0.1:8090/v1/score
 //	{"scores": [{"instance": "e0", "tokens": 160, "blocks": 10, "gpu_tokens": 64,
-//	             "cpu_tokens": 96, "shared_tokens": 0, "score": 136, "stale": false}, ...],
+//	             "cpu_tokens": 96, "shared_tokens": 0, "score": 136, "stale": false,
+//	             "state": "fresh"}, ...],
 //	 "best": "e0", "weights": {"cpu": 0.75, "shared": 0.25}}
 //
 // gpu_tokens is the prompt's longest prefix on the instance's GPU,
 // cpu_tokens how far its host tier continues it, shared_tokens how far the
 // shared tier continues that; tokens is their sum, and score counts GPU
 // tokens at 1 and the others at the weights (see package core/kvindex,
-// "Media"). best is the instance with the highest score.
+// "Media"). best is the instance with the highest score among the fresh
+// ones.
 //
-// An instance is NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]. See package
-// core/kvindex for the API and the recovery rules.
+// An instance is NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]. kvindex
+// connects to both endpoints: the engine's publisher binds them (kvplug's
+// does by default). Each instance is fresh (routed), stale (connected,
+// waiting for a snapshot) or down (its publisher exited, refuses the
+// connection, or went silent: no batch for -idle-timeout and no answer to
+// a heartbeat or on its replay endpoint); a stale or down instance is
+// scored as absent until it is fresh again (package core/kvindex,
+// "Liveness").
+//
+// Endpoints, besides POST /v1/score and GET /v1/instances (every
+// instance's status):
+//
+//	GET /healthz   liveness: 200 while the process serves
+//	GET /readyz    readiness: 200 when at least one instance is fresh, 503
+//	               otherwise; the JSON body lists every instance's state
+//	GET /metrics   Prometheus text format: events, resyncs, instances by
+//	               state, index size, scoring latency
+//
+// kvindex logs to stderr: each instance's connection, resyncs, and its
+// changes of state, with what it waits for. It prints "serving" once its
+// listener is up. Bad flags exit with status 2, a failure to start (the
+// listen address in use, Valkey unreachable) with 1.
 package main
 
 import (
@@ -32,15 +55,58 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
+	"github.com/kvplug/kvplug/core/kvevents"
 	"github.com/kvplug/kvplug/core/kvindex"
+	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/logx"
 )
+
+// libVersion is kvplug's version, the header's KVP_VERSION_* (a test
+// checks that they agree).
+const libVersion = "0.3.0"
+
+// version overrides libVersion in -version's answer when set at link time
+// (-ldflags "-X main.version=...").
+var version string
+
+// versionString is -version's answer: the version, the commit it was
+// built from when the build knows it, and the Go release.
+func versionString() string {
+	v := version
+	if v == "" {
+		v = libVersion
+	}
+	s := "kvindex " + v
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		rev, dirty := "", ""
+		for _, kv := range bi.Settings {
+			switch kv.Key {
+			case "vcs.revision":
+				rev = kv.Value
+			case "vcs.modified":
+				if kv.Value == "true" {
+					dirty = ", modified"
+				}
+			}
+		}
+		if rev != "" {
+			s += fmt.Sprintf(" (commit %.12s%s)", rev, dirty)
+		}
+		s += " " + bi.GoVersion
+	}
+	return s
+}
 
 type instanceFlags []kvindex.InstanceConfig
 
@@ -62,60 +128,167 @@ func (f *instanceFlags) Set(s string) error {
 	}
 	parts := strings.SplitN(rest, ",", 3)
 	ic := kvindex.InstanceConfig{Name: name, Endpoint: parts[0]}
-	if len(parts) > 1 {
+	if err := kvevents.CheckEndpoint(ic.Endpoint); err != nil {
+		return err
+	}
+	if len(parts) > 1 && parts[1] != "" {
 		ic.ReplayEndpoint = parts[1]
+		if err := kvevents.CheckEndpoint(ic.ReplayEndpoint); err != nil {
+			return fmt.Errorf("replay %v", err)
+		}
 	}
 	if len(parts) > 2 {
 		ic.Topic = parts[2]
+	}
+	for _, o := range *f {
+		if o.Name == name {
+			return fmt.Errorf("instance %q given twice", name)
+		}
 	}
 	*f = append(*f, ic)
 	return nil
 }
 
+// logLevels are -log-level's values.
+var logLevels = map[string]logx.Level{"debug": logx.Debug, "info": logx.Info, "warn": logx.Warn, "error": logx.Error, "off": logx.Off}
+
+var levelNames = [...]string{logx.Debug: "DEBUG", logx.Info: "INFO", logx.Warn: "WARN", logx.Error: "ERROR"}
+
+// lockedWriter serialises the lines of concurrent loggers.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) printf(format string, a ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	fmt.Fprintf(l.w, format, a...)
+}
+
 func main() {
+	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr, nil))
+}
+
+// run is the command. It returns the exit status: 0 after a clean
+// shutdown (SIGINT, SIGTERM, or ctx done), 1 when it cannot start, 2 for
+// bad flags. serving, when not nil, is called with the listener's address
+// once the server accepts connections.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving func(addr string)) int {
+	fs := flag.NewFlagSet("kvindex", flag.ContinueOnError)
+	fs.SetOutput(stderr)
 	var insts instanceFlags
-	listen := flag.String("listen", "127.0.0.1:8090", "HTTP address")
-	bs := flag.Int("block-size", 16, "tokens per block of the engines")
-	valkey := flag.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
-	prefixKey := flag.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
-	cpuWeight := flag.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
-	sharedWeight := flag.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
-	flag.Var(&insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat)")
-	flag.Parse()
-	if len(insts) == 0 {
-		fmt.Fprintln(os.Stderr, "kvindex: give at least one -instance")
-		flag.Usage()
-		os.Exit(2)
+	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address (host:port; port 0 picks a free one)")
+	bs := fs.Int("block-size", 16, fmt.Sprintf("tokens per block of the engines, in [1, %d]", prefix.MaxBlockSize))
+	valkey := fs.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
+	prefixKey := fs.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
+	cpuWeight := fs.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
+	sharedWeight := fs.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
+	idle := fs.Duration("idle-timeout", kvindex.DefaultIdleTimeout, "how long an instance may send nothing before kvindex checks it is there (a heartbeat, then its replay endpoint); 0: never")
+	timeout := fs.Duration("timeout", kvindex.DefaultTimeout, "bound of a connection attempt, a replay, and the wait for a heartbeat's answer")
+	logLevel := fs.String("log-level", "info", "debug, info, warn, error or off (logs go to stderr)")
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	fs.Var(&insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat); its publisher binds the endpoints, kvindex connects")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2 // the flag package said why, with the usage
 	}
+	if *showVersion {
+		fmt.Fprintln(stdout, versionString())
+		return 0
+	}
+	bad := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "kvindex: "+format+"\n", a...)
+		fmt.Fprintln(stderr, "kvindex: run kvindex -help for the flags")
+		return 2
+	}
+	level, okLevel := logLevels[*logLevel]
+	switch {
+	case fs.NArg() > 0:
+		return bad("unexpected argument %q (flags only)", fs.Arg(0))
+	case len(insts) == 0:
+		return bad("give at least one -instance NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]")
+	case *bs < 1 || *bs > prefix.MaxBlockSize:
+		return bad("-block-size %d: must be in [1, %d], the engines' tokens per block", *bs, prefix.MaxBlockSize)
+	case *cpuWeight < 0 || *cpuWeight > 1 || *cpuWeight != *cpuWeight:
+		return bad("-cpu-weight %v: must be in [0, 1]", *cpuWeight)
+	case *sharedWeight < 0 || *sharedWeight > 1 || *sharedWeight != *sharedWeight:
+		return bad("-shared-weight %v: must be in [0, 1]", *sharedWeight)
+	case *idle < 0:
+		return bad("-idle-timeout %v: must be >= 0 (0: never)", *idle)
+	case *timeout <= 0:
+		return bad("-timeout %v: must be > 0", *timeout)
+	case !okLevel:
+		return bad("-log-level %q: must be debug, info, warn, error or off", *logLevel)
+	}
+	if _, _, err := net.SplitHostPort(*listen); err != nil {
+		return bad("-listen %q: %v (want host:port)", *listen, err)
+	}
+	if *valkey != "" {
+		if _, _, err := net.SplitHostPort(*valkey); err != nil {
+			return bad("-valkey %q: %v (want host:port)", *valkey, err)
+		}
+	}
+	cfgIdle := *idle
+	if cfgIdle == 0 {
+		cfgIdle = -1 // Config's "never"
+	}
+
+	out := &lockedWriter{w: stderr}
+	logx.SetSink(func(l logx.Level, msg string) {
+		name := "?"
+		if int(l) < len(levelNames) {
+			name = levelNames[l]
+		}
+		out.printf("%s %-5s %s\n", time.Now().UTC().Format("2006-01-02T15:04:05.000Z"), name, msg)
+	}, level)
+	defer logx.SetSink(nil, logx.Off)
+
 	var be kvindex.Backend = kvindex.NewMemory()
 	if *valkey != "" {
-		v, err := kvindex.NewValkey(*valkey, *prefixKey, 2*time.Second)
+		v, err := kvindex.NewValkey(*valkey, *prefixKey, *timeout)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "kvindex: valkey %s: %v\n", *valkey, err)
-			os.Exit(1)
+			out.printf("kvindex: valkey %s: %v\n", *valkey, err)
+			return 1
 		}
 		be = v
 	}
-	x, err := kvindex.New(kvindex.Config{Instances: insts, BlockSize: *bs, Backend: be,
+	defer be.Close()
+	x, err := kvindex.New(kvindex.Config{Instances: insts, BlockSize: *bs, Backend: be, Timeout: *timeout, IdleTimeout: cfgIdle,
 		CPUWeight: flagWeight(*cpuWeight), SharedWeight: flagWeight(*sharedWeight)})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
+		return bad("%v", strings.TrimPrefix(err.Error(), "kvindex: "))
 	}
-	srv := &http.Server{Addr: *listen, Handler: x.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer x.Close()
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		out.printf("kvindex: %v\n", err)
+		return 1
+	}
+	srv := &http.Server{Handler: x.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	done := make(chan struct{})
 	go func() {
+		defer close(done)
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}()
-	fmt.Fprintf(os.Stderr, "kvindex: %d instances, serving on http://%s\n", len(insts), *listen)
-	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		fmt.Fprintln(os.Stderr, "kvindex:", err)
-		os.Exit(1)
+	addr := ln.Addr().String()
+	out.printf("kvindex: serving on http://%s, %d instance(s) (POST /v1/score; GET /v1/instances, /healthz, /readyz, /metrics); %s\n",
+		addr, len(insts), versionString())
+	if serving != nil {
+		serving(addr)
 	}
-	x.Close()
-	_ = be.Close()
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		out.printf("kvindex: %v\n", err)
+		return 1
+	}
+	<-done
+	out.printf("kvindex: stopped\n")
+	return 0
 }

@@ -82,20 +82,23 @@ type Backend interface {
 type Memory struct {
 	mu   sync.RWMutex
 	sets map[string]map[kvevents.Key]uint8
+	lens map[string]*[prefix.NumMedia]int // keys per instance and medium
 }
 
 // NewMemory returns an empty in-memory backend.
-func NewMemory() *Memory { return &Memory{sets: map[string]map[kvevents.Key]uint8{}} }
+func NewMemory() *Memory {
+	return &Memory{sets: map[string]map[kvevents.Key]uint8{}, lens: map[string]*[prefix.NumMedia]int{}}
+}
 
 // Apply implements Backend. An op of a medium beyond prefix.NumMedia is
 // ignored.
 func (m *Memory) Apply(inst string, ops []Op) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	s := m.sets[inst]
+	s, n := m.sets[inst], m.lens[inst]
 	if s == nil {
-		s = map[kvevents.Key]uint8{}
-		m.sets[inst] = s
+		s, n = map[kvevents.Key]uint8{}, new([prefix.NumMedia]int)
+		m.sets[inst], m.lens[inst] = s, n
 	}
 	for _, op := range ops {
 		if op.Kind != OpClear && int(op.Medium) >= prefix.NumMedia {
@@ -105,11 +108,15 @@ func (m *Memory) Apply(inst string, ops []Op) error {
 		switch op.Kind {
 		case OpAdd:
 			for _, k := range op.Keys {
-				s[k] |= bit
+				if v := s[k]; v&bit == 0 {
+					s[k] = v | bit
+					n[op.Medium]++
+				}
 			}
 		case OpRemove:
 			for _, k := range op.Keys {
-				if v, ok := s[k]; ok {
+				if v, ok := s[k]; ok && v&bit != 0 {
+					n[op.Medium]--
 					if v &^= bit; v == 0 {
 						delete(s, k)
 					} else {
@@ -119,6 +126,7 @@ func (m *Memory) Apply(inst string, ops []Op) error {
 			}
 		case OpClear:
 			clear(s)
+			*n = [prefix.NumMedia]int{}
 		}
 	}
 	return nil
@@ -141,15 +149,28 @@ func (m *Memory) Len(inst string) int { return m.LenIn(inst, prefix.MediumGPU) }
 
 // LenIn returns how many keys an instance holds on medium md.
 func (m *Memory) LenIn(inst string, md prefix.Medium) int {
+	if int(md) >= prefix.NumMedia {
+		return 0
+	}
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	n := 0
-	for _, v := range m.sets[inst] {
-		if v&(1<<md) != 0 {
-			n++
+	if n := m.lens[inst]; n != nil {
+		return n[md]
+	}
+	return 0
+}
+
+// Sizes implements Sizer.
+func (m *Memory) Sizes(insts []string) ([][prefix.NumMedia]int, error) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	out := make([][prefix.NumMedia]int, len(insts))
+	for i, inst := range insts {
+		if n := m.lens[inst]; n != nil {
+			out[i] = *n
 		}
 	}
-	return n
+	return out, nil
 }
 
 // Generation implements Backend: memory is never lost.
@@ -377,6 +398,35 @@ func (v *Valkey) LenIn(inst string, md prefix.Medium) (int, error) {
 		return 0, fmt.Errorf("redis: SCARD replied %v", r[0])
 	}
 	return int(n), nil
+}
+
+// Sizes implements Sizer: one SCARD per instance and medium, in one
+// pipeline.
+func (v *Valkey) Sizes(insts []string) ([][prefix.NumMedia]int, error) {
+	out := make([][prefix.NumMedia]int, len(insts))
+	if len(insts) == 0 {
+		return out, nil
+	}
+	cmds := make([][][]byte, 0, len(insts)*prefix.NumMedia)
+	for _, inst := range insts {
+		for md := range prefix.Medium(prefix.NumMedia) {
+			cmds = append(cmds, [][]byte{[]byte("SCARD"), v.keyIn(inst, md)})
+		}
+	}
+	r, err := v.c.Do(cmds)
+	if err != nil {
+		return nil, err
+	}
+	for i := range insts {
+		for md := range prefix.NumMedia {
+			n, ok := r[i*prefix.NumMedia+md].(int64)
+			if !ok {
+				return nil, fmt.Errorf("redis: SCARD replied %v", r[i*prefix.NumMedia+md])
+			}
+			out[i][md] = int(n)
+		}
+	}
+	return out, nil
 }
 
 // Close implements Backend.

@@ -63,7 +63,11 @@ func (r *QueryRequest) keys() (*prefix.Keys, error) {
 //
 //	POST /v1/score      QueryRequest -> QueryResponse
 //	GET  /v1/instances  []InstanceStatus
-//	GET  /healthz       200 when every instance is in sync, 503 otherwise
+//	GET  /healthz       liveness: 200 while the process serves
+//	GET  /readyz        readiness: 200 when at least one instance is fresh,
+//	                    503 otherwise; the body is Readiness (every
+//	                    instance's state) either way
+//	GET  /metrics       Prometheus text format (WriteMetrics)
 func (x *Index) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/score", func(w http.ResponseWriter, r *http.Request) {
@@ -84,24 +88,35 @@ func (x *Index) Handler() http.Handler {
 			http.Error(w, "query failed: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
-		writeJSON(w, QueryResponse{Scores: scores, Best: Best(scores), Weights: x.w})
+		writeJSON(w, http.StatusOK, QueryResponse{Scores: scores, Best: Best(scores), Weights: x.w})
 	})
 	mux.HandleFunc("GET /v1/instances", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, x.Status())
+		writeJSON(w, http.StatusOK, x.Status())
 	})
+	// Liveness: the process serves. Whether engines are reachable is
+	// readiness's question; a liveness probe that failed on it would
+	// restart a healthy index whenever an engine restarts.
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		for _, s := range x.Status() {
-			if s.Stale {
-				http.Error(w, "instance "+s.Name+" is not in sync", http.StatusServiceUnavailable)
-				return
-			}
-		}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		rd := x.Readiness()
+		code := http.StatusOK
+		if !rd.Ready {
+			code = http.StatusServiceUnavailable
+		}
+		writeJSON(w, code, rd)
+	})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		_ = x.WriteMetrics(w)
 	})
 	return mux
 }
 
-func writeJSON(w http.ResponseWriter, v any) {
+func writeJSON(w http.ResponseWriter, code int, v any) {
 	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
 	_ = json.NewEncoder(w).Encode(v)
 }

@@ -37,6 +37,22 @@
 // snapshot is requested, and until the snapshot's AllBlocksCleared
 // arrives the index reports the instance as stale (scored 0) rather than
 // guess.
+//
+// # Liveness
+//
+// Each instance is in one of three states (State): fresh (connected, in
+// sync and heard from: scored), stale (connected, waiting for a snapshot)
+// or down (not connected: its publisher is gone, refuses the connection or
+// went silent). A stale or down instance is scored as absent (0, never
+// Best), and a down one's blocks are cleared from the backend, so routers
+// reading a shared Valkey stop using them too. An engine that exits
+// closes its connection, and the instance is down at once. One whose
+// host vanishes or hangs is caught by silence: after IdleTimeout without a
+// batch the index sends a ZMTP heartbeat (PING) on the subscription, and
+// when no PONG comes within Timeout it asks the replay endpoint, which
+// answers an empty replay while the publisher runs; when neither answers
+// the instance is down, and the index redials until the publisher is
+// back, then resynchronises from a snapshot.
 package kvindex
 
 import (
@@ -55,8 +71,11 @@ import (
 
 // InstanceConfig names one engine instance and where its events are.
 type InstanceConfig struct {
-	Name           string
-	Endpoint       string // its PUB socket (bound by the publisher)
+	Name string
+	// Endpoint is its PUB socket, which the index connects to: the
+	// publisher must bind it (kvplug's does by default; vLLM's for a
+	// tcp://*:PORT or ipc:// endpoint).
+	Endpoint       string
 	ReplayEndpoint string // its ROUTER socket; "" when it has none
 	Topic          string // subscription prefix; "" is every topic
 	BlockSize      int    // tokens per block; 0: the Index's
@@ -70,8 +89,13 @@ type Config struct {
 	Instances []InstanceConfig
 	BlockSize int // default block size; 0: 16
 	Backend   Backend
-	// Timeout bounds a connection attempt and a replay; 0: 2 s.
+	// Timeout bounds a connection attempt, a replay and the wait for a
+	// heartbeat's answer; 0: 2 s.
 	Timeout time.Duration
+	// IdleTimeout is how long an instance may send nothing before the
+	// index checks that it is still there (see "Liveness"); 0: 5 s, < 0:
+	// never (an instance is then down only when its connection closes).
+	IdleTimeout time.Duration
 	// ReadOnly queries a backend that another Index keeps (router
 	// replicas sharing one Valkey): no subscriptions, and every instance
 	// is taken as in sync (staleness is the writer's to report).
@@ -88,6 +112,30 @@ const (
 	DefaultCPUWeight    = 0.75
 	DefaultSharedWeight = 0.25
 )
+
+// Defaults of Config's durations.
+const (
+	DefaultTimeout     = 2 * time.Second
+	DefaultIdleTimeout = 5 * time.Second
+)
+
+// State is an instance's state (see "Liveness").
+type State string
+
+// The states of an instance.
+const (
+	// StateFresh: connected, in sync and heard from; scored.
+	StateFresh State = "fresh"
+	// StateStale: connected, but the index cannot vouch for its set
+	// (waiting for a snapshot); scored as absent.
+	StateStale State = "stale"
+	// StateDown: not connected (the publisher is gone, refuses the
+	// connection, or went silent); scored as absent, its blocks cleared.
+	StateDown State = "down"
+)
+
+// States lists the states in a fixed order (metrics).
+var States = []State{StateFresh, StateStale, StateDown}
 
 // Weights are the weights a score gives a token on each tier below the
 // GPU.
@@ -121,6 +169,7 @@ type Index struct {
 	wg      sync.WaitGroup
 	hashers sync.Pool
 	updates atomic.Int64 // block keys added or removed, over all instances
+	queries latency      // Query's latency and outcomes
 }
 
 // instance is one engine's stream and what the index knows of it.
@@ -128,16 +177,23 @@ type instance struct {
 	cfg InstanceConfig
 	x   *Index
 
-	mu      sync.Mutex
-	nextSeq int64 // the next batch expected; -1 when none is
-	stale   bool  // the backend's set may differ from the engine's
-	gen     int64 // the backend generation the set was built in
-	format  kvevents.HashFormat
-	sub     *kvevents.SubConn
-	lastErr string
-	lastReq time.Time // when a snapshot was last requested
+	mu        sync.Mutex
+	nextSeq   int64 // the next batch expected; -1 when none is
+	stale     bool  // the backend's set may differ from the engine's
+	down      bool  // no live connection (see "Liveness")
+	gen       int64 // the backend generation the set was built in
+	format    kvevents.HashFormat
+	sub       *kvevents.SubConn
+	lastErr   string
+	lastReq   time.Time // when a snapshot was last requested
+	since     time.Time // when the state last changed
+	lastHeard time.Time // the last batch or heartbeat answer
+	logged    State     // the state last logged
+	staleLog  time.Time // when a long wait for a snapshot was last logged
+	waiting   string    // what the instance waits for (status, logs)
 
 	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
+	disconnects, heartbeats, heartbeatAnswers, probes                                            atomic.Int64
 }
 
 // New starts subscribing to every instance.
@@ -146,7 +202,13 @@ func New(cfg Config) (*Index, error) {
 		cfg.BlockSize = 16
 	}
 	if cfg.Timeout == 0 {
-		cfg.Timeout = 2 * time.Second
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.Timeout < 0 {
+		return nil, fmt.Errorf("kvindex: timeout %v is negative", cfg.Timeout)
 	}
 	if cfg.Backend == nil {
 		cfg.Backend = NewMemory()
@@ -167,6 +229,14 @@ func New(cfg Config) (*Index, error) {
 		if ic.Name == "" || ic.Endpoint == "" {
 			return nil, fmt.Errorf("kvindex: an instance needs a name and an endpoint: %+v", ic)
 		}
+		if err := kvevents.CheckEndpoint(ic.Endpoint); err != nil {
+			return nil, fmt.Errorf("kvindex: instance %q: %v", ic.Name, err)
+		}
+		if ic.ReplayEndpoint != "" {
+			if err := kvevents.CheckEndpoint(ic.ReplayEndpoint); err != nil {
+				return nil, fmt.Errorf("kvindex: instance %q: replay %v", ic.Name, err)
+			}
+		}
 		if _, dup := x.byName[ic.Name]; dup {
 			return nil, fmt.Errorf("kvindex: instance %q given twice", ic.Name)
 		}
@@ -176,7 +246,12 @@ func New(cfg Config) (*Index, error) {
 		if ic.BlockSize < 1 || ic.BlockSize > prefix.MaxBlockSize {
 			return nil, fmt.Errorf("kvindex: instance %q: block size %d out of range", ic.Name, ic.BlockSize)
 		}
-		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, format: ic.HashFormat}
+		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, down: !cfg.ReadOnly, format: ic.HashFormat,
+			since: time.Now()}
+		in.logged = in.stateLocked()
+		if in.down {
+			in.waiting = in.dialWaiting(nil)
+		}
 		x.insts = append(x.insts, in)
 		x.byName[ic.Name] = in
 	}
@@ -240,14 +315,30 @@ func (x *Index) stopped() bool {
 	}
 }
 
+// waitingLogEvery is how often an instance that stays unreachable, or
+// connected without a snapshot, says again what it waits for.
+const waitingLogEvery = time.Minute
+
 // run keeps the instance's subscription up and applies its batches.
 func (in *instance) run() {
 	defer in.x.wg.Done()
 	backoff := 50 * time.Millisecond
+	var said string // the dial failure last logged
+	var saidAt time.Time
 	for !in.x.stopped() {
 		sub, err := kvevents.DialSub(in.cfg.Endpoint, in.cfg.Topic, in.x.cfg.Timeout)
 		if err != nil {
 			in.setErr(err)
+			w := in.dialWaiting(err)
+			in.mu.Lock()
+			in.waiting = w
+			in.mu.Unlock()
+			if err.Error() != said || time.Since(saidAt) >= waitingLogEvery {
+				said, saidAt = err.Error(), time.Now()
+				logx.L().Warn("kvindex: instance waiting for its publisher", zap.String("instance", in.cfg.Name),
+					zap.String("endpoint", in.cfg.Endpoint), zap.String("mode", "SUB connects; the publisher must bind"),
+					zap.Error(err))
+			}
 			select {
 			case <-in.x.stop:
 				return
@@ -256,14 +347,18 @@ func (in *instance) run() {
 			backoff = min(2*backoff, 2*time.Second)
 			continue
 		}
-		backoff = 50 * time.Millisecond
+		backoff, said = 50*time.Millisecond, ""
 		in.mu.Lock()
 		in.sub = sub
+		in.down = false
+		in.lastHeard = time.Now()
 		in.mu.Unlock()
 		if in.x.stopped() {
 			_ = sub.Close()
 			return
 		}
+		logx.L().Info("kvindex: instance connected", zap.String("instance", in.cfg.Name),
+			zap.String("endpoint", in.cfg.Endpoint), zap.String("mode", "SUB connects"), zap.String("topic", in.cfg.Topic))
 		// A new connection may have missed anything: rebuild from a
 		// snapshot (the publisher's first batch is one anyway).
 		in.resync("connected")
@@ -272,25 +367,168 @@ func (in *instance) run() {
 	}
 }
 
-// consume applies batches until the connection fails.
+// dialWaiting says what an instance that is not connected waits for.
+func (in *instance) dialWaiting(err error) string {
+	w := "a publisher bound at " + in.cfg.Endpoint + " (the index's SUB connects)"
+	if err != nil {
+		var de *kvevents.DialError
+		if errors.As(err, &de) {
+			err = de.Err
+		}
+		w += ": " + err.Error()
+	}
+	return w
+}
+
+// pollInterval is the read deadline of a subscription: how often the loop
+// looks at the backend, a snapshot's lateness and the instance's silence
+// while no batch arrives.
+const pollInterval = 500 * time.Millisecond
+
+// consume applies batches until the connection fails or goes silent.
 func (in *instance) consume(sub *kvevents.SubConn) {
+	idle, timeout := in.x.cfg.IdleTimeout, in.x.cfg.Timeout
+	heard := time.Now()
+	var pinged time.Time // when a heartbeat went unanswered so far; zero: none pending
+	pongs := sub.Pongs()
 	for {
-		// A read deadline lets the loop notice a backend restart while
-		// the engine is idle.
-		_ = sub.SetDeadline(time.Now().Add(500 * time.Millisecond))
+		_ = sub.SetDeadline(time.Now().Add(pollInterval))
 		m, err := sub.Recv()
+		now := time.Now()
+		if p := sub.Pongs(); p != pongs {
+			in.heartbeatAnswers.Add(p - pongs)
+			pongs, heard, pinged = p, now, time.Time{}
+			in.setHeard(now)
+		}
 		if err != nil {
+			if in.x.stopped() {
+				return
+			}
 			var ne interface{ Timeout() bool }
-			if errors.As(err, &ne) && ne.Timeout() && !in.x.stopped() {
-				in.checkGeneration()
-				in.retrySnapshot()
+			if !errors.As(err, &ne) || !ne.Timeout() {
+				in.setErr(err)
+				in.markDown("its connection to " + in.cfg.Endpoint + " closed: " + err.Error())
+				return
+			}
+			in.checkGeneration()
+			in.retrySnapshot()
+			if idle <= 0 || now.Sub(heard) < idle {
 				continue
 			}
-			in.setErr(err)
-			return
+			if pinged.IsZero() {
+				in.heartbeats.Add(1)
+				if err := sub.Ping(); err != nil {
+					in.setErr(err)
+					in.markDown("a heartbeat to " + in.cfg.Endpoint + " failed: " + err.Error())
+					return
+				}
+				pinged = now
+				continue
+			}
+			if now.Sub(pinged) < timeout {
+				continue
+			}
+			if why := in.probe(now.Sub(heard)); why != "" {
+				in.markDown(why)
+				return
+			}
+			heard, pinged = now, time.Time{}
+			in.setHeard(now)
+			continue
 		}
+		heard, pinged = now, time.Time{}
+		in.setHeard(now)
 		in.checkGeneration()
 		in.handle(m)
+	}
+}
+
+// probe asks the replay endpoint of an instance whose subscription went
+// silent and left a heartbeat unanswered; it returns why the instance is
+// down, or "" when the publisher answered.
+func (in *instance) probe(silent time.Duration) string {
+	why := fmt.Sprintf("silent for %v: no batch, and no answer to a heartbeat on %s in %v",
+		silent.Round(100*time.Millisecond), in.cfg.Endpoint, in.x.cfg.Timeout)
+	if in.cfg.ReplayEndpoint == "" {
+		return why
+	}
+	in.probes.Add(1)
+	err := kvevents.ProbeReplay(in.cfg.ReplayEndpoint, in.x.cfg.Timeout)
+	if err != nil {
+		in.setErr(err)
+		return why + ", nor from its replay endpoint " + in.cfg.ReplayEndpoint + " (" + err.Error() + ")"
+	}
+	// The publisher runs; its PUB socket does not answer heartbeats.
+	logx.L().Debug("kvindex: instance silent, its replay endpoint answers", zap.String("instance", in.cfg.Name))
+	return ""
+}
+
+// setHeard notes when the instance was last heard from.
+func (in *instance) setHeard(t time.Time) {
+	in.mu.Lock()
+	in.lastHeard = t
+	in.mu.Unlock()
+}
+
+// markDown takes the instance out of routing until it reconnects: its set
+// is cleared (readers of a shared backend stop routing to it too).
+func (in *instance) markDown(why string) {
+	if in.x.stopped() {
+		return
+	}
+	in.mu.Lock()
+	in.down, in.stale, in.nextSeq = true, true, -1
+	in.waiting = in.dialWaiting(nil)
+	in.gen = in.x.be.Generation()
+	in.mu.Unlock()
+	in.disconnects.Add(1)
+	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
+		in.backendErrors.Add(1)
+		in.setErr(err)
+	}
+	in.noteState(why)
+}
+
+// stateLocked is the instance's state; in.mu is held.
+func (in *instance) stateLocked() State {
+	switch {
+	case in.down:
+		return StateDown
+	case in.stale:
+		return StateStale
+	}
+	return StateFresh
+}
+
+// noteState logs the instance's state when it changed since last logged.
+func (in *instance) noteState(why string) {
+	in.mu.Lock()
+	st, was := in.stateLocked(), in.logged
+	if st == was {
+		in.mu.Unlock()
+		return
+	}
+	in.logged = st
+	now := time.Now()
+	after := now.Sub(in.since)
+	in.since, in.staleLog = now, now
+	seq, waiting := in.nextSeq, in.waiting
+	in.mu.Unlock()
+	l := logx.L()
+	name := zap.String("instance", in.cfg.Name)
+	switch st {
+	case StateFresh:
+		l.Info("kvindex: instance fresh: in sync, routed", name, zap.Int64("next_seq", seq),
+			zap.String("was", string(was)), zap.Duration("after", after.Round(time.Millisecond)))
+	case StateStale:
+		lvl := l.Warn
+		if was == StateDown {
+			lvl = l.Info // connecting: a snapshot is the normal way in
+		}
+		lvl("kvindex: instance stale: not routed until in sync", name, zap.String("why", why), zap.String("waiting_for", waiting))
+	case StateDown:
+		l.Warn("kvindex: instance down: not routed until it is back", name, zap.String("why", why),
+			zap.String("waiting_for", waiting))
 	}
 }
 
@@ -319,14 +557,25 @@ func (in *instance) resync(why string) {
 	in.stale = true
 	in.nextSeq = -1
 	in.gen = in.x.be.Generation()
+	in.waiting = in.snapshotWaiting()
 	in.mu.Unlock()
 	in.resets.Add(1)
-	logx.L().Debug("kvindex: resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
+	logx.L().Info("kvindex: instance resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
 	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
 		in.backendErrors.Add(1)
 		in.setErr(err)
 	}
+	in.noteState(why)
 	in.requestSnapshot()
+}
+
+// snapshotWaiting says what a connected, stale instance waits for.
+func (in *instance) snapshotWaiting() string {
+	w := "a snapshot (a batch with AllBlocksCleared) on " + in.cfg.Endpoint
+	if in.cfg.ReplayEndpoint == "" {
+		return w + "; no replay endpoint to ask for one: the publisher's next start or resync sends it"
+	}
+	return w + ", asked for on " + in.cfg.ReplayEndpoint
 }
 
 // snapshotRetry is how long a stale instance waits for its snapshot before
@@ -349,11 +598,22 @@ func (in *instance) requestSnapshot() {
 	in.snapshots.Add(1)
 }
 
-// retrySnapshot asks again when the instance has been stale for a while.
+// retrySnapshot asks again when the instance has been stale for a while,
+// and says so now and then.
 func (in *instance) retrySnapshot() {
 	in.mu.Lock()
 	due := in.stale && time.Since(in.lastReq) > snapshotRetry
+	say := in.stale && !in.down && time.Since(in.staleLog) >= waitingLogEvery
+	if say {
+		in.staleLog = time.Now()
+	}
+	waiting, since, lastErr := in.waiting, in.since, in.lastErr
 	in.mu.Unlock()
+	if say {
+		logx.L().Warn("kvindex: instance still stale", zap.String("instance", in.cfg.Name),
+			zap.Duration("for", time.Since(since).Round(time.Second)), zap.String("waiting_for", waiting),
+			zap.String("last_error", lastErr))
+	}
 	if due {
 		in.requestSnapshot()
 	}
@@ -430,8 +690,11 @@ func (in *instance) applyFromClear(m kvevents.Message) {
 			in.mu.Lock()
 			in.stale = false
 			in.nextSeq = m.Seq
+			in.waiting = ""
 			in.mu.Unlock()
-			in.applyBatch(m.Seq, b, false)
+			if in.applyBatch(m.Seq, b, false) {
+				in.noteState("")
+			}
 			return
 		}
 	}
@@ -516,13 +779,17 @@ type Score struct {
 	// Score ranks the instances (Best): GPU tokens, plus the lower tiers'
 	// at their weights (see "Media" in the package comment).
 	Score float64 `json:"score"`
-	Stale bool    `json:"stale"` // the index cannot vouch for this instance now
+	// Stale is true when the instance is not fresh: the index cannot vouch
+	// for it now, and scores it as absent (State says why).
+	Stale bool  `json:"stale"`
+	State State `json:"state"`
 }
 
 // Query returns every instance's longest cached prefix of a prompt (keys
 // may be nil) per medium, and its score, in the instances' configured
 // order.
-func (x *Index) Query(tokens []int32, keys *prefix.Keys) ([]Score, error) {
+func (x *Index) Query(tokens []int32, keys *prefix.Keys) (_ []Score, err error) {
+	defer x.queries.since(time.Now(), &err)
 	h := x.hashers.Get().(*prefix.Hasher)
 	defer x.hashers.Put(h)
 	chains := make([][]kvevents.Key, len(x.insts))
@@ -540,11 +807,11 @@ func (x *Index) Query(tokens []int32, keys *prefix.Keys) ([]Score, error) {
 			byBS[bs] = hs
 		}
 		in.mu.Lock()
-		f, stale := in.format, in.stale
+		f, st := in.format, in.stateLocked()
 		in.mu.Unlock()
 		names[i] = in.cfg.Name
-		out[i] = Score{Instance: in.cfg.Name, Stale: stale}
-		if stale {
+		out[i] = Score{Instance: in.cfg.Name, Stale: st != StateFresh, State: st}
+		if st != StateFresh {
 			continue
 		}
 		ks := make([]kvevents.Key, len(hs))
@@ -582,19 +849,37 @@ func Best(scores []Score) string {
 
 // InstanceStatus is what the index knows of one instance's stream.
 type InstanceStatus struct {
-	Name          string `json:"name"`
-	Stale         bool   `json:"stale"`
-	NextSeq       int64  `json:"next_seq"`
-	Batches       int64  `json:"batches"`
-	Events        int64  `json:"events"`
-	Gaps          int64  `json:"gaps"`
-	Replayed      int64  `json:"replayed_batches"`
-	Snapshots     int64  `json:"snapshots_requested"`
-	Resyncs       int64  `json:"resyncs"`
-	BadBatches    int64  `json:"bad_batches"`
-	BackendErrors int64  `json:"backend_errors"`
-	UnknownMedium int64  `json:"unknown_medium_events"` // events of a medium the index does not know, ignored
-	LastError     string `json:"last_error,omitempty"`
+	Name  string `json:"name"`
+	State State  `json:"state"`
+	// Since is when the instance entered State; LastHeard when it last
+	// sent a batch or answered a heartbeat (zero: never).
+	Since     time.Time `json:"since"`
+	LastHeard time.Time `json:"last_heard"`
+	// WaitingFor says, when the instance is not fresh, what the index waits
+	// for (a publisher to bind the endpoint, a snapshot).
+	WaitingFor     string `json:"waiting_for,omitempty"`
+	Endpoint       string `json:"endpoint"`
+	ReplayEndpoint string `json:"replay_endpoint,omitempty"`
+	Stale          bool   `json:"stale"` // not fresh: scored as absent
+	NextSeq        int64  `json:"next_seq"`
+	Batches        int64  `json:"batches"`
+	Events         int64  `json:"events"`
+	Gaps           int64  `json:"gaps"`
+	Replayed       int64  `json:"replayed_batches"`
+	Snapshots      int64  `json:"snapshots_requested"`
+	Resyncs        int64  `json:"resyncs"`
+	BadBatches     int64  `json:"bad_batches"`
+	BackendErrors  int64  `json:"backend_errors"`
+	UnknownMedium  int64  `json:"unknown_medium_events"` // events of a medium the index does not know, ignored
+	// Disconnects counts the times the instance went down; Heartbeats the
+	// PINGs sent to it while it was silent, HeartbeatAnswers its PONGs,
+	// ReplayProbes the checks of its replay endpoint after an unanswered
+	// heartbeat.
+	Disconnects      int64  `json:"disconnects"`
+	Heartbeats       int64  `json:"heartbeats"`
+	HeartbeatAnswers int64  `json:"heartbeat_answers"`
+	ReplayProbes     int64  `json:"replay_probes"`
+	LastError        string `json:"last_error,omitempty"`
 }
 
 // Status returns every instance's status, sorted by name.
@@ -602,8 +887,15 @@ func (x *Index) Status() []InstanceStatus {
 	out := make([]InstanceStatus, 0, len(x.insts))
 	for _, in := range x.insts {
 		in.mu.Lock()
-		s := InstanceStatus{Name: in.cfg.Name, Stale: in.stale, NextSeq: in.nextSeq, LastError: in.lastErr}
+		st := in.stateLocked()
+		s := InstanceStatus{Name: in.cfg.Name, State: st, Since: in.since, LastHeard: in.lastHeard, Stale: st != StateFresh,
+			Endpoint: in.cfg.Endpoint, ReplayEndpoint: in.cfg.ReplayEndpoint, NextSeq: in.nextSeq, LastError: in.lastErr}
+		if st != StateFresh {
+			s.WaitingFor = in.waiting
+		}
 		in.mu.Unlock()
+		s.Disconnects, s.Heartbeats = in.disconnects.Load(), in.heartbeats.Load()
+		s.HeartbeatAnswers, s.ReplayProbes = in.heartbeatAnswers.Load(), in.probes.Load()
 		s.Batches, s.Events, s.Gaps = in.batches.Load(), in.events.Load(), in.gaps.Load()
 		s.Replayed, s.Snapshots, s.Resyncs = in.replayed.Load(), in.snapshots.Load(), in.resets.Load()
 		s.BadBatches, s.BackendErrors, s.UnknownMedium = in.badBatches.Load(), in.backendErrors.Load(), in.unknownMedium.Load()
@@ -616,3 +908,24 @@ func (x *Index) Status() []InstanceStatus {
 // Updates returns how many block keys the index has added or removed,
 // over all instances.
 func (x *Index) Updates() int64 { return x.updates.Load() }
+
+// Readiness is the answer of GET /readyz: ready when at least one
+// instance is fresh (a router can be given a useful answer).
+type Readiness struct {
+	Ready     bool             `json:"ready"`
+	Fresh     int              `json:"fresh"`
+	Instances []InstanceStatus `json:"instances"`
+}
+
+// Readiness returns whether the index can route, with every instance's
+// status.
+func (x *Index) Readiness() Readiness {
+	r := Readiness{Instances: x.Status()}
+	for _, s := range r.Instances {
+		if s.State == StateFresh {
+			r.Fresh++
+		}
+	}
+	r.Ready = r.Fresh > 0
+	return r
+}

@@ -156,8 +156,8 @@ func TestIndexScoresTiers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want0 := Score{Instance: "e0", Tokens: 160, Blocks: 10, CPUTokens: 160, Score: 0.75 * 160}
-	want1 := Score{Instance: "e1", Tokens: 96, Blocks: 6, GPUTokens: 96, Score: 96}
+	want0 := Score{Instance: "e0", Tokens: 160, Blocks: 10, CPUTokens: 160, Score: 0.75 * 160, State: StateFresh}
+	want1 := Score{Instance: "e1", Tokens: 96, Blocks: 6, GPUTokens: 96, Score: 96, State: StateFresh}
 	if sc[0] != want0 || sc[1] != want1 || Best(sc) != "e0" {
 		t.Fatalf("scores %+v, want %+v %+v", sc, want0, want1)
 	}
