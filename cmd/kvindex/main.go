@@ -166,6 +166,36 @@ func (l *lockedWriter) printf(format string, a ...any) {
 	fmt.Fprintf(l.w, format, a...)
 }
 
+// options are the command's flags.
+type options struct {
+	insts                   instanceFlags
+	listen, valkey          *string
+	prefixKey, logLevel     *string
+	bs                      *int
+	cpuWeight, sharedWeight *float64
+	idle, timeout           *time.Duration
+	showVersion             *bool
+}
+
+// newFlags defines the command's flags (README.md's table lists them).
+func newFlags(stderr io.Writer) (*flag.FlagSet, *options) {
+	fs := flag.NewFlagSet("kvindex", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	o := &options{}
+	o.listen = fs.String("listen", "127.0.0.1:8090", "HTTP address (host:port; port 0 picks a free one)")
+	o.bs = fs.Int("block-size", 16, fmt.Sprintf("tokens per block of the engines, in [1, %d]", prefix.MaxBlockSize))
+	o.valkey = fs.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
+	o.prefixKey = fs.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
+	o.cpuWeight = fs.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
+	o.sharedWeight = fs.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
+	o.idle = fs.Duration("idle-timeout", kvindex.DefaultIdleTimeout, "how long an instance may send nothing before kvindex checks it is there (a heartbeat, then its replay endpoint); 0: never")
+	o.timeout = fs.Duration("timeout", kvindex.DefaultTimeout, "bound of a connection attempt, a replay, and the wait for a heartbeat's answer")
+	o.logLevel = fs.String("log-level", "info", "debug, info, warn, error or off (logs go to stderr)")
+	o.showVersion = fs.Bool("version", false, "print the version and exit")
+	fs.Var(&o.insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat); its publisher binds the endpoints, kvindex connects")
+	return fs, o
+}
+
 func main() {
 	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr, nil))
 }
@@ -175,20 +205,9 @@ func main() {
 // bad flags. serving, when not nil, is called with the listener's address
 // once the server accepts connections.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving func(addr string)) int {
-	fs := flag.NewFlagSet("kvindex", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var insts instanceFlags
-	listen := fs.String("listen", "127.0.0.1:8090", "HTTP address (host:port; port 0 picks a free one)")
-	bs := fs.Int("block-size", 16, fmt.Sprintf("tokens per block of the engines, in [1, %d]", prefix.MaxBlockSize))
-	valkey := fs.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
-	prefixKey := fs.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
-	cpuWeight := fs.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
-	sharedWeight := fs.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
-	idle := fs.Duration("idle-timeout", kvindex.DefaultIdleTimeout, "how long an instance may send nothing before kvindex checks it is there (a heartbeat, then its replay endpoint); 0: never")
-	timeout := fs.Duration("timeout", kvindex.DefaultTimeout, "bound of a connection attempt, a replay, and the wait for a heartbeat's answer")
-	logLevel := fs.String("log-level", "info", "debug, info, warn, error or off (logs go to stderr)")
-	showVersion := fs.Bool("version", false, "print the version and exit")
-	fs.Var(&insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat); its publisher binds the endpoints, kvindex connects")
+	fs, o := newFlags(stderr)
+	insts, listen, bs, valkey, prefixKey := &o.insts, o.listen, o.bs, o.valkey, o.prefixKey
+	cpuWeight, sharedWeight, idle, timeout, logLevel, showVersion := o.cpuWeight, o.sharedWeight, o.idle, o.timeout, o.logLevel, o.showVersion
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -208,7 +227,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 	switch {
 	case fs.NArg() > 0:
 		return bad("unexpected argument %q (flags only)", fs.Arg(0))
-	case len(insts) == 0:
+	case len(*insts) == 0:
 		return bad("give at least one -instance NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]")
 	case *bs < 1 || *bs > prefix.MaxBlockSize:
 		return bad("-block-size %d: must be in [1, %d], the engines' tokens per block", *bs, prefix.MaxBlockSize)
@@ -256,7 +275,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 		be = v
 	}
 	defer be.Close()
-	x, err := kvindex.New(kvindex.Config{Instances: insts, BlockSize: *bs, Backend: be, Timeout: *timeout, IdleTimeout: cfgIdle,
+	x, err := kvindex.New(kvindex.Config{Instances: *insts, BlockSize: *bs, Backend: be, Timeout: *timeout, IdleTimeout: cfgIdle,
 		CPUWeight: flagWeight(*cpuWeight), SharedWeight: flagWeight(*sharedWeight)})
 	if err != nil {
 		return bad("%v", strings.TrimPrefix(err.Error(), "kvindex: "))
@@ -280,7 +299,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 	}()
 	addr := ln.Addr().String()
 	out.printf("kvindex: serving on http://%s, %d instance(s) (POST /v1/score; GET /v1/instances, /healthz, /readyz, /metrics); %s\n",
-		addr, len(insts), versionString())
+		addr, len(*insts), versionString())
 	if serving != nil {
 		serving(addr)
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -340,4 +341,36 @@ func score(t *testing.T, base string, prompt []int32) kvindex.QueryResponse {
 		t.Fatalf("score: status %d, %v", resp.StatusCode, err)
 	}
 	return qr
+}
+
+// README.md's table of kvindex's flags lists every flag, and no other.
+func TestREADMEListsTheFlags(t *testing.T) {
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(b)
+	start := strings.Index(text, "| Flag | Default | Meaning |")
+	if start < 0 {
+		t.Fatal("README.md has no table of kvindex's flags")
+	}
+	table := text[start:]
+	table = table[:strings.Index(table, "\n\n")]
+	documented := map[string]bool{}
+	for _, row := range strings.Split(table, "\n")[2:] {
+		first := strings.SplitN(row, "|", 3)[1]
+		for _, m := range regexp.MustCompile("`-([a-z-]+)").FindAllStringSubmatch(first, -1) {
+			documented[m[1]] = true
+		}
+	}
+	fs, _ := newFlags(io.Discard)
+	fs.VisitAll(func(f *flag.Flag) {
+		if !documented[f.Name] {
+			t.Errorf("-%s is not in README.md's table", f.Name)
+		}
+		delete(documented, f.Name)
+	})
+	for name := range documented {
+		t.Errorf("README.md's table lists -%s, which kvindex lacks", name)
+	}
 }
