@@ -98,8 +98,10 @@ func (s *SubConn) Recv() (Message, error) {
 // send: a later Recv counts the answer (Pongs), so a subscriber can tell an
 // idle publisher from a silent connection.
 func (s *SubConn) Ping() error {
-	// PING: a TTL (2 bytes, tenths of a second; 0: none), then a context
-	// the PONG echoes.
+	// PING: a TTL (2 bytes, tenths of a second; 0: none, so the publisher
+	// sets no timer of its own), then a context the PONG echoes. A peer
+	// that stops reading cannot block the caller for long.
+	_ = s.z.c.SetWriteDeadline(time.Now().Add(handshakeTimeout))
 	return s.z.writeCommand("PING", []byte{0, 0, 'k', 'v'})
 }
 

@@ -854,7 +854,7 @@ type InstanceStatus struct {
 	// Since is when the instance entered State; LastHeard when it last
 	// sent a batch or answered a heartbeat (zero: never).
 	Since     time.Time `json:"since"`
-	LastHeard time.Time `json:"last_heard"`
+	LastHeard time.Time `json:"last_heard,omitzero"`
 	// WaitingFor says, when the instance is not fresh, what the index waits
 	// for (a publisher to bind the endpoint, a snapshot).
 	WaitingFor     string `json:"waiting_for,omitempty"`
