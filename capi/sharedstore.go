@@ -19,8 +19,8 @@ import (
 // is bad arguments only.
 
 var (
-	sharedStoreConfigStruct = structOf[C.kvp_shared_store_config]("kvp_shared_store_config", 0)
-	sharedStoreStatsStruct  = structOf[C.kvp_shared_store_stats]("kvp_shared_store_stats", 0)
+	sharedStoreConfigStruct = structOf[C.kvp_shared_store_config]("kvp_shared_store_config", unsafe.Offsetof(C.kvp_shared_store_config{}.reserved)+4)
+	sharedStoreStatsStruct  = structOf[C.kvp_shared_store_stats]("kvp_shared_store_stats", unsafe.Offsetof(C.kvp_shared_store_stats{}.reserved)+4)
 )
 
 func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_status {
@@ -68,12 +68,24 @@ func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_share
 	if c.block_bytes > 1<<40 {
 		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
 	}
+	sec := sharedSecurityFields{
+		username: c.username, passwordEnv: c.password_env, passwordFile: c.password_file,
+		caFile: c.tls_ca_file, certFile: c.tls_cert_file, keyFile: c.tls_key_file, serverName: c.tls_server_name,
+		macKeysEnv: c.mac_keys_env, macKeysFile: c.mac_keys_file, tls: c.tls, reserved: c.reserved2,
+		structName: "kvp_shared_store_config", reservedName: "reserved2",
+	}
+	security, err := sec.translate()
+	if err != nil {
+		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
+	}
 	ms := func(v C.int32_t) time.Duration { return time.Duration(v) * time.Millisecond }
-	t, err := valkey.New(valkey.Config{
+	vc := valkey.Config{
 		Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint), BlockBytes: int(c.block_bytes),
 		DialTimeout: ms(c.dial_timeout_ms), OpTimeout: ms(c.op_timeout_ms), TTL: ms(c.ttl_ms),
 		Backoff: ms(c.backoff_ms), MaxBackoff: ms(c.max_backoff_ms),
-	})
+	}
+	security.apply(&vc)
+	t, err := valkey.New(vc)
 	if err != nil {
 		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
 	}
@@ -208,6 +220,7 @@ func kvpgo_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store
 		v.hits, v.misses, v.stores, v.corrupt = C.int64_t(s.Hits), C.int64_t(s.Misses), C.int64_t(s.Stores), C.int64_t(s.Corrupt)
 		v.timeouts, v.errors, v.skipped = C.int64_t(s.Timeouts), C.int64_t(s.Errors), C.int64_t(s.Skipped)
 		v.bytes_read, v.bytes_written = C.int64_t(s.BytesRead), C.int64_t(s.BytesWritten)
+		v.auth_failures, v.tls_failures, v.mac_failures = C.int64_t(s.AuthFailures), C.int64_t(s.TLSFailures), C.int64_t(s.MACFailures)
 		if s.Available {
 			v.available = 1
 		}

@@ -114,11 +114,21 @@ const maxAddrLen = 1024
 // sharedTierOf translates and checks the config's shared tier fields;
 // nil, nil when it has none.
 func sharedTierOf(c *C.kvp_manager_config) (*kvmanager.SharedTier, error) {
+	sec := sharedSecurityFields{
+		username: c.shared_tier_username, passwordEnv: c.shared_tier_password_env, passwordFile: c.shared_tier_password_file,
+		caFile: c.shared_tier_tls_ca_file, certFile: c.shared_tier_tls_cert_file, keyFile: c.shared_tier_tls_key_file,
+		serverName: c.shared_tier_tls_server_name, macKeysEnv: c.shared_tier_mac_keys_env, macKeysFile: c.shared_tier_mac_keys_file,
+		tls: c.shared_tier_tls, reserved: c.shared_tier_reserved, prefix: "shared_tier_", structName: "kvp_manager_config", reservedName: "reserved",
+	}
 	if c.shared_tier_addr == nil {
 		if c.shared_tier_namespace != nil || c.shared_tier_timeout_ms != 0 || c.shared_tier_put_queue != 0 {
 			return nil, kverr.Errorf(kverr.InvalidArgument,
 				"kvp_manager_config: shared_tier_namespace, shared_tier_timeout_ms (%d) and shared_tier_put_queue (%d) need a shared tier (shared_tier_addr)",
 				int32(c.shared_tier_timeout_ms), int32(c.shared_tier_put_queue))
+		}
+		if sec.any() {
+			return nil, kverr.Errorf(kverr.InvalidArgument,
+				"kvp_manager_config: the shared tier's security fields (shared_tier_username ... shared_tier_tls, shared_tier_reserved) need a shared tier (shared_tier_addr)")
 		}
 		return nil, nil
 	}
@@ -135,11 +145,19 @@ func sharedTierOf(c *C.kvp_manager_config) (*kvmanager.SharedTier, error) {
 			return nil, err
 		}
 	}
+	security, err := sec.translate()
+	if err != nil {
+		return nil, err
+	}
 	sh := &kvmanager.SharedTier{
 		Addr:      addr,
 		Namespace: ns,
 		OpTimeout: time.Duration(c.shared_tier_timeout_ms) * time.Millisecond,
 		PutQueue:  int(c.shared_tier_put_queue),
+		Username:  security.username,
+		Password:  security.password,
+		TLS:       security.tls,
+		MACKeys:   security.macKeys,
 	}
 	if err := sh.Check(); err != nil {
 		return nil, kverr.Wrap(kverr.CodeOf(err), err, "kvp_manager_config")
@@ -306,6 +324,9 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		v.shared_bytes_read = C.int64_t(sh.BytesRead)
 		v.shared_bytes_written = C.int64_t(sh.BytesWritten)
 		v.shared_queue_len = C.int32_t(sh.QueueLen)
+		v.shared_auth_failures = C.int64_t(sh.AuthFailures)
+		v.shared_tls_failures = C.int64_t(sh.TLSFailures)
+		v.shared_mac_failures = C.int64_t(sh.MACFailures)
 		if sh.Available {
 			v.shared_available = 1
 		}

@@ -22,6 +22,10 @@ type hookTierConfig struct {
 	sharedAddr, sharedNS                              *string
 	sharedTimeoutMs, sharedPutQueue                   int32
 	mem                                               unsafe.Pointer // host_tier_memory (C memory)
+	// The security fields, by name past "shared_tier_" (username,
+	// password_env, ..., mac_keys_file), and tls and reserved.
+	security              map[string]string
+	sharedTLS, sharedResv int32
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -50,6 +54,22 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 		defer C.free(unsafe.Pointer(cfg.shared_tier_namespace))
 	}
 	cfg.shared_tier_timeout_ms, cfg.shared_tier_put_queue = C.int32_t(c.sharedTimeoutMs), C.int32_t(c.sharedPutQueue)
+	for name, p := range map[string]**C.char{
+		"username": &cfg.shared_tier_username, "password_env": &cfg.shared_tier_password_env,
+		"password_file": &cfg.shared_tier_password_file, "tls_ca_file": &cfg.shared_tier_tls_ca_file,
+		"tls_cert_file": &cfg.shared_tier_tls_cert_file, "tls_key_file": &cfg.shared_tier_tls_key_file,
+		"tls_server_name": &cfg.shared_tier_tls_server_name, "mac_keys_env": &cfg.shared_tier_mac_keys_env,
+		"mac_keys_file": &cfg.shared_tier_mac_keys_file,
+	} {
+		if v, ok := c.security[name]; ok {
+			*p = C.CString(v)
+			defer C.free(unsafe.Pointer(*p))
+		}
+	}
+	if n := len(c.security); n > 0 && n != len(securityFieldNames(c.security)) {
+		panic("hookManagerCreateTier: an unknown security field")
+	}
+	cfg.shared_tier_tls, cfg.shared_tier_reserved = C.int32_t(c.sharedTLS), C.int32_t(c.sharedResv)
 	var out *C.kvp_manager
 	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
@@ -152,8 +172,65 @@ func hookSharedStats(h unsafe.Pointer, structSize uintptr) (map[string]int64, ab
 		"timeouts": int64(s.shared_timeouts), "errors": int64(s.shared_errors), "skipped": int64(s.shared_skipped),
 		"bytes_read": int64(s.shared_bytes_read), "bytes_written": int64(s.shared_bytes_written),
 		"queue_len": int64(s.shared_queue_len), "available": int64(s.shared_available),
+		"auth_failures": int64(s.shared_auth_failures), "tls_failures": int64(s.shared_tls_failures),
+		"mac_failures": int64(s.shared_mac_failures),
 	}, abiStatus(st)
 }
+
+// securityFieldNames are the keys of m that name security fields.
+func securityFieldNames(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		switch k {
+		case "username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file",
+			"tls_server_name", "mac_keys_env", "mac_keys_file":
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// hookSharedStoreCreateSecured creates a shared store with the security
+// fields of m (by their names) and tls, reserved2.
+func hookSharedStoreCreateSecured(addr, ns string, m map[string]string, tls, reserved2 int32) (unsafe.Pointer, abiStatus) {
+	cfg := (*C.kvp_shared_store_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_shared_store_config{}))))
+	defer C.free(unsafe.Pointer(cfg))
+	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_shared_store_config{}))
+	cfg.address, cfg.key_space = C.CString(addr), C.CString(ns)
+	defer C.free(unsafe.Pointer(cfg.address))
+	defer C.free(unsafe.Pointer(cfg.key_space))
+	cfg.op_timeout_ms = 2000
+	for name, p := range map[string]**C.char{
+		"username": &cfg.username, "password_env": &cfg.password_env, "password_file": &cfg.password_file,
+		"tls_ca_file": &cfg.tls_ca_file, "tls_cert_file": &cfg.tls_cert_file, "tls_key_file": &cfg.tls_key_file,
+		"tls_server_name": &cfg.tls_server_name, "mac_keys_env": &cfg.mac_keys_env, "mac_keys_file": &cfg.mac_keys_file,
+	} {
+		if v, ok := m[name]; ok {
+			*p = C.CString(v)
+			defer C.free(unsafe.Pointer(*p))
+		}
+	}
+	cfg.tls, cfg.reserved2 = C.int32_t(tls), C.int32_t(reserved2)
+	var out *C.kvp_shared_store
+	st := kvpgo_shared_store_create(cfg, &out)
+	return unsafe.Pointer(out), abiStatus(st)
+}
+
+// hookSharedStoreSecurityStats returns a shared store's auth, TLS and MAC
+// failures, and its errors and corrupt values.
+func hookSharedStoreSecurityStats(h unsafe.Pointer, structSize uintptr) ([5]int64, abiStatus) {
+	s := (*C.kvp_shared_store_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_shared_store_stats{}))))
+	defer C.free(unsafe.Pointer(s))
+	s.struct_size = C.size_t(structSize)
+	st := kvpgo_shared_store_stats_get((*C.kvp_shared_store)(h), s)
+	return [5]int64{int64(s.auth_failures), int64(s.tls_failures), int64(s.mac_failures), int64(s.errors), int64(s.corrupt)}, abiStatus(st)
+}
+
+func firstSizeofSharedStoreStats() uintptr {
+	return unsafe.Offsetof(C.kvp_shared_store_stats{}.reserved) + 4
+}
+
+func sizeofSharedStoreStats() uintptr { return unsafe.Sizeof(C.kvp_shared_store_stats{}) }
 
 // firstSizeofTierStats is kvp_tier_stats' first released size (through
 // reserved), before the shared tier's fields.
@@ -176,4 +253,36 @@ func hookHostTierMemory(h unsafe.Pointer) ([]byte, int64, int32, abiStatus) {
 		return nil, 0, 0, st
 	}
 	return unsafe.Slice((*byte)(base), int64(bytes)*int64(n)), int64(bytes), int32(n), st
+}
+
+// hookSharedStoreGetOnly gets keys (laid out as hookSharedStorePutGet's)
+// into fresh buffers of size bytes: found and what came back.
+func hookSharedStoreGetOnly(h unsafe.Pointer, keys []uint64, size int) (int32, []int32, [][]byte, abiStatus) {
+	n := len(keys)
+	k := newCBuf(16 * n)
+	defer k.free()
+	kb := unsafe.Slice((*byte)(k.p), 16*n)
+	for i, v := range keys {
+		for j := 0; j < 8; j++ {
+			kb[16*i+j] = byte(v >> (8 * j))
+			kb[16*i+8+j] = 0x5a
+		}
+	}
+	lens, outp, found := newCBuf(8*n), newCBuf(8*n), newCBuf(4*n)
+	defer lens.free()
+	defer outp.free()
+	defer found.free()
+	for i := range n {
+		out := newCBuf(size)
+		defer out.free()
+		unsafe.Slice((*unsafe.Pointer)(outp.p), n)[i] = out.p
+		unsafe.Slice((*int64)(lens.p), n)[i] = int64(size)
+	}
+	st := kvpgo_shared_store_get((*C.kvp_shared_store)(h), C.int32_t(n), (*C.uint8_t)(k.p), 1, (*unsafe.Pointer)(outp.p),
+		(*C.int64_t)(lens.p), (*C.int32_t)(found.p))
+	back := make([][]byte, n)
+	for i := range n {
+		back[i] = append([]byte(nil), unsafe.Slice((*byte)(unsafe.Slice((*unsafe.Pointer)(outp.p), n)[i]), size)...)
+	}
+	return 0, slices32(found, n), back, abiStatus(st)
 }

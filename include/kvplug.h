@@ -95,6 +95,8 @@
  *     kvp_vcache_stats       through page_size (16 bytes)
  *     kvp_cascade_plan_args  through headroom (112 bytes)
  *     kvp_tier_stats         through reserved (160 bytes)
+ *     kvp_shared_store_config through reserved (64 bytes)
+ *     kvp_shared_store_stats through reserved (88 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -321,6 +323,51 @@ typedef struct kvp_manager_config {
                                         does not free it; NULL = the
                                         library allocates it; needs a host
                                         tier */
+
+  /* Shared tier security (see "Shared KV tier", Security); all NULL and 0
+   * = none: no AUTH, plaintext, no MAC. No field holds a secret: the
+   * password and the MAC keys are read from the environment variable or
+   * the file named here (one of the two), at kvp_manager_create (which
+   * refuses a variable unset or empty, a file missing or empty) and the
+   * password again on every connect. Strings of at most 1024 bytes, read
+   * during kvp_manager_create only; each needs shared_tier_addr. */
+  const char *shared_tier_username;        /* ACL user sent with AUTH,
+                                              without white space; NULL =
+                                              the default user (AUTH
+                                              password); needs a password */
+  const char *shared_tier_password_env;    /* the name of an environment
+                                              variable holding the AUTH
+                                              password ([A-Za-z_][A-Za-z0-9_]*) */
+  const char *shared_tier_password_file;   /* the path of a file holding
+                                              it (any bytes; one trailing
+                                              newline is dropped) */
+  const char *shared_tier_tls_ca_file;     /* PEM file of the CAs the
+                                              server's certificate must
+                                              chain to; NULL = the system's
+                                              roots; needs shared_tier_tls */
+  const char *shared_tier_tls_cert_file;   /* PEM client certificate, for
+                                              a server that asks for one;
+                                              with shared_tier_tls_key_file;
+                                              needs shared_tier_tls */
+  const char *shared_tier_tls_key_file;    /* its PEM key */
+  const char *shared_tier_tls_server_name; /* the name the server's
+                                              certificate must be for; NULL
+                                              = the host of
+                                              shared_tier_addr; needs
+                                              shared_tier_tls */
+  const char *shared_tier_mac_keys_env;    /* the name of an environment
+                                              variable holding the MAC
+                                              keys: one or two keys of 16
+                                              to 128 bytes in hex digits,
+                                              separated by white space or
+                                              a comma; the first signs, both
+                                              verify; NULL = no MAC */
+  const char *shared_tier_mac_keys_file;   /* the path of a file holding
+                                              them */
+  int32_t shared_tier_tls;                 /* 1: TLS on every connection,
+                                              the server's certificate
+                                              verified; 0 = plaintext */
+  int32_t shared_tier_reserved;            /* must be 0 */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -363,7 +410,13 @@ typedef struct kvp_manager_stats {
  * reserved not 0; a shared tier without a host tier, an address empty
  * or longer than 1024 bytes, a namespace missing or not as stated,
  * shared_tier_timeout_ms or shared_tier_put_queue out of range, or
- * namespace, timeout or queue set without an address), OUT_OF_MEMORY
+ * namespace, timeout or queue set without an address; a security field
+ * set without an address, a username without a password, a password or
+ * MAC keys in both an environment variable and a file, a variable unset
+ * or empty, a file missing, unreadable or empty, MAC keys not as stated,
+ * shared_tier_tls not 0 or 1, a TLS field set without it, a certificate
+ * without its key, a CA or certificate file that does not load,
+ * shared_tier_reserved not 0: no message holds a secret), OUT_OF_MEMORY
  * (the host tier's memory). */
 kvp_status kvp_manager_create(const kvp_manager_config *cfg, kvp_manager **out);
 
@@ -950,6 +1003,14 @@ typedef struct kvp_tier_stats {
   int64_t shared_bytes_written; /* value bytes written, headers included */
   int32_t shared_queue_len;     /* blocks waiting to be stored now */
   int32_t shared_available;     /* 1: the server is not in a backoff window */
+  int64_t shared_auth_failures; /* of shared_errors: AUTH refused (or its
+                                   password file unreadable), commands
+                                   refused with NOAUTH or NOPERM */
+  int64_t shared_tls_failures;  /* of shared_errors: TLS handshakes or
+                                   certificate verifications that failed */
+  int64_t shared_mac_failures;  /* of shared_corrupt: values whose MAC did
+                                   not verify (none, another key's,
+                                   altered) */
 } kvp_tier_stats;
 
 #define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)
@@ -1067,6 +1128,39 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  *
  * Memory: the library never deletes keys; bound the server with its own
  * maxmemory and an eviction policy (allkeys-lru for a dedicated server).
+ *
+ * Security (the config's shared_tier_username ... shared_tier_tls; all off
+ * by default):
+ *   - AUTH: every new connection sends AUTH [username] password before its
+ *     first command. The password comes from an environment variable or a
+ *     file, read at create and again on every connect (a rotated file is
+ *     used from the next connection on). A refused AUTH fails the call as
+ *     a down server does (a miss, a backoff window), counted in
+ *     shared_errors and shared_auth_failures and logged; a command the
+ *     user may not run (NOPERM: the tier needs GET, SET and EXISTS on
+ *     kvplug:<namespace>:*) counts there without a backoff window.
+ *   - TLS: every connection does a TLS handshake (TLS 1.2 or later) and
+ *     verifies the server's certificate against shared_tier_tls_ca_file
+ *     or the system's roots, for shared_tier_tls_server_name or the
+ *     address's host, presenting the client certificate when given. A
+ *     handshake or verification failure (unknown CA, expired, another
+ *     name, no TLS on the server, the client certificate refused) fails
+ *     the call as a down server does, counted in shared_errors and
+ *     shared_tls_failures and logged; nothing is ever sent in plaintext
+ *     instead.
+ *   - MAC: each value stored carries, after its header, the id of the
+ *     first key and a keyed BLAKE3 tag of its payload, header and
+ *     namespace; a read checks it with the key of that id, if it is one of
+ *     the (one or two) keys, else the value is a miss, counted in
+ *     shared_corrupt and shared_mac_failures. A client that can write to
+ *     the server but lacks the key cannot make a value that an instance
+ *     serves; it can still delete values, or put back an older value of
+ *     the same block (the same K/V). Rotation without downtime: every
+ *     instance to "old,new" (writes old, accepts both), then "new,old",
+ *     then "new". Instances that share blocks share the keys: a value
+ *     with a MAC is a miss for an instance without one, and the reverse.
+ *   No log line or error message holds a password or key; the library
+ *   logs the first failure of a run of failures, and a run's end.
  *
  * Threads: as for the host tier. The store thread touches only the host
  * slots it pinned and the server.
@@ -2271,6 +2365,11 @@ kvp_status kvp_host_store_read(kvp_host_store *s, int32_t n, const int32_t *slot
  * is a miss counted in corrupt. create does not connect: a server that is
  * down at start-up only makes the first calls misses.
  *
+ * AUTH, TLS and the MAC work as for the manager's shared tier (see "Shared
+ * KV tier", Security), configured by the fields after reserved, which
+ * mirror kvp_manager_config's shared_tier_username ... shared_tier_tls; their
+ * faults are counted in auth_failures, tls_failures and mac_failures.
+ *
  * Threads: calls on one store may come from any thread; they share one
  * connection, one round trip at a time.
  */
@@ -2291,6 +2390,24 @@ typedef struct kvp_shared_store_config {
   int32_t backoff_ms;       /* first skip window after a failure; 0 = 1000 */
   int32_t max_backoff_ms;   /* longest skip window; 0 = 30000 */
   int32_t reserved;         /* must be 0 */
+  /* Security (as kvp_manager_config's shared_tier_* fields of the same
+   * names; all NULL and 0 = none). No field holds a secret. */
+  const char *username;        /* ACL user; NULL = the default user; needs
+                                  a password */
+  const char *password_env;    /* environment variable holding the AUTH
+                                  password */
+  const char *password_file;   /* file holding it */
+  const char *tls_ca_file;     /* PEM CAs; NULL = the system's roots;
+                                  needs tls */
+  const char *tls_cert_file;   /* PEM client certificate, with
+                                  tls_key_file; needs tls */
+  const char *tls_key_file;    /* its PEM key */
+  const char *tls_server_name; /* NULL = the host of address; needs tls */
+  const char *mac_keys_env;    /* environment variable holding the MAC
+                                  keys (one or two, hex); NULL = no MAC */
+  const char *mac_keys_file;   /* file holding them */
+  int32_t tls;                 /* 1: TLS, the server verified; 0 = plaintext */
+  int32_t reserved2;           /* must be 0 */
 } kvp_shared_store_config;
 
 #define KVP_SHARED_STORE_CONFIG_INIT KVP_STRUCT_INIT(kvp_shared_store_config)
@@ -2311,6 +2428,9 @@ typedef struct kvp_shared_store_stats {
   int64_t bytes_written;
   int32_t available;   /* 1: no skip window now */
   int32_t reserved;    /* 0 */
+  int64_t auth_failures; /* of errors: AUTH or commands refused for it */
+  int64_t tls_failures;  /* of errors: TLS handshakes or verifications */
+  int64_t mac_failures;  /* of corrupt: values whose MAC did not verify */
 } kvp_shared_store_stats;
 
 #define KVP_SHARED_STORE_STATS_INIT KVP_STRUCT_INIT(kvp_shared_store_stats)
@@ -2318,7 +2438,9 @@ typedef struct kvp_shared_store_stats {
 #ifndef KVPLUG_NO_PROTOTYPES
 /* Creates a client (no connection yet). Errors: NULL_POINTER (cfg, out,
  * address, key_space), STRUCT_SIZE, INVALID_ARGUMENT (a string too long or
- * with other characters, a negative size or time, reserved not 0). */
+ * with other characters, a negative size or time, reserved or reserved2
+ * not 0; the security fields' errors, as kvp_manager_create's for the
+ * shared tier's: no message holds a secret). */
 kvp_status kvp_shared_store_create(const kvp_shared_store_config *cfg, kvp_shared_store **out);
 
 /* Destroys a client and closes its connection. NULL is a no-op. */

@@ -64,6 +64,17 @@ class ManagerConfig(ctypes.Structure):
         ("shared_tier_timeout_ms", _i32),
         ("shared_tier_put_queue", _i32),
         ("host_tier_memory", _vp),
+        ("shared_tier_username", ctypes.c_char_p),
+        ("shared_tier_password_env", ctypes.c_char_p),
+        ("shared_tier_password_file", ctypes.c_char_p),
+        ("shared_tier_tls_ca_file", ctypes.c_char_p),
+        ("shared_tier_tls_cert_file", ctypes.c_char_p),
+        ("shared_tier_tls_key_file", ctypes.c_char_p),
+        ("shared_tier_tls_server_name", ctypes.c_char_p),
+        ("shared_tier_mac_keys_env", ctypes.c_char_p),
+        ("shared_tier_mac_keys_file", ctypes.c_char_p),
+        ("shared_tier_tls", _i32),
+        ("shared_tier_reserved", _i32),
     ]
 
 
@@ -168,7 +179,8 @@ class TierStatsStruct(ctypes.Structure):
         "shared_hit_tokens", "shared_match_tokens", "shared_puts_queued", "shared_puts_done", "shared_puts_present",
         "shared_puts_failed", "shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors",
         "shared_skipped", "shared_bytes_read", "shared_bytes_written",
-    ) + _ints(_i32, "shared_queue_len", "shared_available")
+    ) + _ints(_i32, "shared_queue_len", "shared_available") + _ints(
+        _i64, "shared_auth_failures", "shared_tls_failures", "shared_mac_failures")
 
 
 class KVLayersStruct(ctypes.Structure):
@@ -434,7 +446,9 @@ class SharedStoreConfig(ctypes.Structure):
         ("key_space", ctypes.c_char_p),
         ("fingerprint", _u64),
         ("block_bytes", _i64),
-    ] + _ints(_i32, "dial_timeout_ms", "op_timeout_ms", "ttl_ms", "backoff_ms", "max_backoff_ms", "reserved")
+    ] + _ints(_i32, "dial_timeout_ms", "op_timeout_ms", "ttl_ms", "backoff_ms", "max_backoff_ms", "reserved") + _ints(
+        ctypes.c_char_p, "username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file",
+        "tls_server_name", "mac_keys_env", "mac_keys_file") + _ints(_i32, "tls", "reserved2")
 
 
 class SharedStoreStatsStruct(ctypes.Structure):
@@ -442,7 +456,7 @@ class SharedStoreStatsStruct(ctypes.Structure):
 
     _fields_ = [("struct_size", _size)] + _ints(
         _i64, "hits", "misses", "stores", "corrupt", "timeouts", "errors", "skipped", "bytes_read", "bytes_written",
-    ) + _ints(_i32, "available", "reserved")
+    ) + _ints(_i32, "available", "reserved") + _ints(_i64, "auth_failures", "tls_failures", "mac_failures")
 
 
 FUNCTIONS.update({

@@ -29,6 +29,7 @@ from ._arrays import _I32, _I64, bad as _bad, bad_type as _bad_type, in_ptr as _
 from ._capi import BlockCopy, ManagerConfig, ManagerStatsStruct
 from ._lib import C
 from .prefix import PrefixCacheMethods
+from .sharedstore import _SECURITY_FIELDS, _security
 from .tier import HostTierMethods
 
 __all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
@@ -176,7 +177,19 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     to (required; 1-64 characters of [A-Za-z0-9_.-]),
     shared_tier_timeout_ms bounds each round trip (0: 250 ms) and
     shared_tier_put_queue the blocks waiting to be stored (0: 256). close()
-    writes the blocks still queued first (bounded by the timeout)."""
+    writes the blocks still queued first (bounded by the timeout).
+    For a server others can reach (all off by default; kvplug.sharedstore's
+    docstring and kvplug.h's "Shared KV tier", Security):
+    shared_tier_username with shared_tier_password_env or
+    shared_tier_password_file (AUTH: the names of an environment variable or
+    a file holding the password, never the password),
+    shared_tier_tls=True with shared_tier_tls_ca_file (None: the system's
+    roots), shared_tier_tls_cert_file and shared_tier_tls_key_file (a
+    client certificate) and shared_tier_tls_server_name, and
+    shared_tier_mac_keys_env or shared_tier_mac_keys_file (a MAC over every
+    value: one or two hex keys, the first signing). Their faults are counted
+    in tier_stats().shared_auth_failures, shared_tls_failures and
+    shared_mac_failures, never raised."""
 
     _destroy = "kvp_manager_destroy"
 
@@ -197,6 +210,16 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_timeout_ms: int = 0,
         shared_tier_put_queue: int = 0,
         host_tier_memory: Any = None,
+        shared_tier_username: Optional[str] = None,
+        shared_tier_password_env: Optional[str] = None,
+        shared_tier_password_file: Any = None,
+        shared_tier_tls: bool = False,
+        shared_tier_tls_ca_file: Any = None,
+        shared_tier_tls_cert_file: Any = None,
+        shared_tier_tls_key_file: Any = None,
+        shared_tier_tls_server_name: Optional[str] = None,
+        shared_tier_mac_keys_env: Optional[str] = None,
+        shared_tier_mac_keys_file: Any = None,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
@@ -212,12 +235,18 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         host_block_bytes = _int(host_block_bytes, "Manager: host_block_bytes", "int64")
         shared_tier_timeout_ms = _int(shared_tier_timeout_ms, "Manager: shared_tier_timeout_ms", "int32")
         shared_tier_put_queue = _int(shared_tier_put_queue, "Manager: shared_tier_put_queue", "int32")
+        sec = _security("Manager", "shared_tier_", username=shared_tier_username, password_env=shared_tier_password_env,
+                        password_file=shared_tier_password_file, tls=shared_tier_tls,
+                        tls_ca_file=shared_tier_tls_ca_file, tls_cert_file=shared_tier_tls_cert_file,
+                        tls_key_file=shared_tier_tls_key_file, tls_server_name=shared_tier_tls_server_name,
+                        mac_keys_env=shared_tier_mac_keys_env, mac_keys_file=shared_tier_mac_keys_file)
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
             host_tier_slots, demote_ahead, int(bool(demote_evicted)), host_block_bytes,
             _lib.c_string(shared_tier, "Manager: shared_tier"),
             _lib.c_string(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
+            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0,
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))

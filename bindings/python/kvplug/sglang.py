@@ -22,6 +22,26 @@ selects the zero-copy batch_get_v1 / batch_set_v1 path, keep their meaning):
     kvplug_op_timeout_ms  bound on one server call (default 250)
     kvplug_ttl_ms         expiry of stored pages (default: none)
 
+and for a server others can reach (all off by default; kvplug.sharedstore):
+
+    kvplug_valkey_username         ACL user sent with AUTH (default: the
+                                   default user)
+    kvplug_valkey_password_env     the name of an environment variable that
+                                   holds the AUTH password, or
+    kvplug_valkey_password_file    the path of a file that does (never the
+                                   password itself: the config is on the
+                                   command line)
+    kvplug_valkey_tls              true: TLS, the server's certificate verified
+    kvplug_valkey_tls_ca_file      PEM CAs (default: the system's roots)
+    kvplug_valkey_tls_cert_file    client certificate and key, PEM
+    kvplug_valkey_tls_key_file
+    kvplug_valkey_tls_server_name  default: the host of kvplug_valkey
+    kvplug_mac_keys_env            an environment variable, or
+    kvplug_mac_keys_file           a file, holding one or two MAC keys (hex;
+                                   the first signs): every page carries a MAC
+                                   and a page whose MAC does not verify is a
+                                   miss
+
 A page's key is a 128-bit hash of SGLang's page hash (already chained over
 the prefix) with the model and this rank's shard (tensor, pipeline and
 context parallel rank; MLA ranks, which hold the same bytes, share keys, and
@@ -57,7 +77,7 @@ from .sharedstore import SharedStore, key128, keys64
 
 logger = logging.getLogger("kvplug.sglang")
 
-__all__ = ["PageStore", "KvplugHiCacheStorage"]
+__all__ = ["PageStore", "KvplugHiCacheStorage", "shared_security"]
 
 _build_lock = threading.Lock()
 
@@ -207,6 +227,50 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# extra_config keys of the shared store's security -> SharedStore's kwargs.
+_SECURITY_KEYS = {
+    "kvplug_valkey_username": "username",
+    "kvplug_valkey_password_env": "password_env",
+    "kvplug_valkey_password_file": "password_file",
+    "kvplug_valkey_tls": "tls",
+    "kvplug_valkey_tls_ca_file": "tls_ca_file",
+    "kvplug_valkey_tls_cert_file": "tls_cert_file",
+    "kvplug_valkey_tls_key_file": "tls_key_file",
+    "kvplug_valkey_tls_server_name": "tls_server_name",
+    "kvplug_mac_keys_env": "mac_keys_env",
+    "kvplug_mac_keys_file": "mac_keys_file",
+}
+
+# Keys that would put a secret in the config (which is on the command line).
+_SECRET_KEYS = ("kvplug_valkey_password", "kvplug_password", "kvplug_mac_keys", "kvplug_mac_key")
+
+
+def shared_security(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """SharedStore's security kwargs from SGLang's extra_config (the
+    kvplug_valkey_* and kvplug_mac_keys_* keys of the module docstring).
+    A key that would hold a secret itself is refused, without its value
+    in the message."""
+    for k in _SECRET_KEYS:
+        if k in extra:
+            raise _lib.InvalidArgumentError(
+                f"kvplug: {k} in --hicache-storage-backend-extra-config would put a secret on the command line: "
+                f"use {k}_env (an environment variable's name) or {k}_file (a file's path) instead (the value is not shown)",
+                _lib.Status.INVALID_ARGUMENT)
+    out: Dict[str, Any] = {}
+    for key, arg in _SECURITY_KEYS.items():
+        v = extra.get(key)
+        if v is None or v == "":
+            continue
+        if arg == "tls":
+            if isinstance(v, str) and v.lower() in ("true", "1", "yes", "false", "0", "no"):
+                v = v.lower() in ("true", "1", "yes")
+            if not isinstance(v, bool) and v not in (0, 1):
+                raise _lib.InvalidArgumentError(f"kvplug: {key} must be true or false: got {v!r}", _lib.Status.INVALID_ARGUMENT)
+            v = bool(v)
+        out[arg] = v
+    return out
+
+
 def _key_space(model: Optional[str]) -> str:
     s = re.sub(r"[^A-Za-z0-9_.-]", "-", model or "sglang").strip("-") or "sglang"
     return s[-64:]
@@ -239,6 +303,10 @@ def _build() -> Any:
             self.key_space = str(extra.get("kvplug_key_space") or _key_space(storage_config.model_name))
             self.op_timeout_ms = int(extra.get("kvplug_op_timeout_ms") or 0)
             self.ttl_ms = int(extra.get("kvplug_ttl_ms") or 0)
+            self.security = shared_security(extra)
+            if self.security and not self.valkey:
+                raise _lib.InvalidArgumentError("kvplug: the shared store's security keys (kvplug_valkey_username, ..._tls, "
+                                                "kvplug_mac_keys_*) need kvplug_valkey", _lib.Status.INVALID_ARGUMENT)
             c = storage_config
             shard = f"pp{c.pp_rank}/{c.pp_size}|cp{c.attn_cp_rank}/{c.attn_cp_size}"
             if c.dcp_size > 1:
@@ -269,7 +337,7 @@ def _build() -> Any:
                 shared = None
                 if self.valkey:
                     shared = SharedStore(self.valkey, self.key_space, fingerprint=fp, block_bytes=page_bytes,
-                                         op_timeout_ms=self.op_timeout_ms, ttl_ms=self.ttl_ms)
+                                         op_timeout_ms=self.op_timeout_ms, ttl_ms=self.ttl_ms, **self.security)
                 host_bytes = self.host_bytes if name == str(PoolName.KV) else 0
                 if shared is None and host_bytes < page_bytes:
                     host_bytes = self.host_bytes  # a local-only backend keeps every pool locally

@@ -13,6 +13,22 @@ A server that is down, slow or restarting never raises: calls return
 misses or store nothing within op_timeout_ms, counted in stats(); after a
 failure the server is skipped for a backoff window. A value that fails its
 checks (short, corrupt, another fingerprint's) is a miss counted in corrupt.
+
+For a server others can reach (include/kvplug.h, "Shared KV tier",
+Security), all off by default:
+
+    SharedStore("valkey.internal:6380", "llama3-8b", fingerprint=fp,
+                username="kvplug", password_file="/run/secrets/valkey-password",
+                tls=True, tls_ca_file="/etc/valkey/ca.pem",
+                mac_keys_env="KVPLUG_MAC_KEYS")
+
+The password and the MAC keys are never arguments: password_env /
+mac_keys_env name an environment variable, password_file / mac_keys_file a
+file, that holds them (the password is read again on every connect). A
+refused AUTH or TLS handshake is a fault like a down server (misses,
+counted in auth_failures or tls_failures, logged), never a fallback to
+plaintext; a value whose MAC does not verify is a miss counted in corrupt
+and mac_failures. No message holds a secret.
 """
 
 from __future__ import annotations
@@ -20,7 +36,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-from typing import Any, Union
+import os
+import re
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
 
@@ -30,6 +48,49 @@ from ._lib import C
 from .hoststore import _segments
 
 __all__ = ["SharedStore", "SharedStoreStats", "key128", "keys128", "keys64"]
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+_SECURITY_FIELDS = ("username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file",
+                    "tls_server_name", "mac_keys_env", "mac_keys_file")
+
+
+def _security(what: str, prefix: str, *, username: Any = None, password_env: Any = None, password_file: Any = None,
+              tls: Any = False, tls_ca_file: Any = None, tls_cert_file: Any = None, tls_key_file: Any = None,
+              tls_server_name: Any = None, mac_keys_env: Any = None, mac_keys_file: Any = None) -> Dict[str, Any]:
+    """The security fields of a config struct (their C names less prefix:
+    bytes or None, and tls 0 or 1), after the checks the bindings can make
+    without the library: types, and environment variable names (whose
+    value is never shown: a caller who passed the secret itself must not
+    find it in a traceback). The library checks the rest (the files, the
+    variables' values, which fields need which)."""
+    args = dict(username=username, password_env=password_env, password_file=password_file, tls_ca_file=tls_ca_file,
+                tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_server_name=tls_server_name,
+                mac_keys_env=mac_keys_env, mac_keys_file=mac_keys_file)
+    out: Dict[str, Any] = {}
+    for name, v in args.items():
+        arg = prefix + name
+        if v is None:
+            out[name] = None
+            continue
+        if name.endswith("_file") and isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if not isinstance(v, str):
+            raise _lib.ArgumentTypeError(f"{what}: {arg} must be a str{' or a path' if name.endswith('_file') else ''}"
+                                         f" (or None): got {type(v).__name__}", _lib.Status.INVALID_ARGUMENT)
+        if name.endswith("_env") and not _ENV_NAME.fullmatch(v):
+            raise _lib.InvalidArgumentError(
+                f"{what}: {arg} must be the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*) that holds the "
+                f"{'password' if name.startswith('password') else 'MAC keys'}, not the secret itself (the value is not shown)",
+                _lib.Status.INVALID_ARGUMENT)
+        out[name] = _lib.c_string(v, f"{what}: {arg}")
+    if not isinstance(tls, bool) and not (type(tls) is int and tls in (0, 1)):
+        raise _lib.ArgumentTypeError(f"{what}: {prefix}tls must be a bool: got {type(tls).__name__}", _lib.Status.INVALID_ARGUMENT)
+    out["tls"] = int(bool(tls))
+    tls_set = [prefix + n for n in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name") if out[n] is not None]
+    if tls_set and not out["tls"]:
+        raise _lib.InvalidArgumentError(f"{what}: {', '.join(tls_set)} given without {prefix}tls=True (a TLS setting on a "
+                                        "plaintext connection)", _lib.Status.INVALID_ARGUMENT)
+    return out
 
 
 def key128(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
@@ -74,20 +135,37 @@ class SharedStoreStats:
     bytes_read: int
     bytes_written: int
     available: bool
+    auth_failures: int = 0  # of errors: AUTH refused, commands refused (NOAUTH, NOPERM)
+    tls_failures: int = 0  # of errors: TLS handshakes or certificate verifications failed
+    mac_failures: int = 0  # of corrupt: values whose MAC did not verify
 
 
 class SharedStore(_lib.Owner):
     """A kvp_shared_store: a client of one server (see the module docstring).
     key_space names the keys' space (kvplug:<key_space>:<key>); fingerprint
     is the model and KV layout's, so that another layout's values are
-    misses; block_bytes (0: any) the payload size every block must have."""
+    misses; block_bytes (0: any) the payload size every block must have.
+
+    username, password_env or password_file (AUTH), tls with tls_ca_file
+    (None: the system's roots), tls_cert_file and tls_key_file (a client
+    certificate) and tls_server_name (None: the address's host), and
+    mac_keys_env or mac_keys_file (one or two hex keys; the first signs):
+    see the module docstring."""
 
     _destroy = "kvp_shared_store_destroy"
 
     def __init__(self, address: str, key_space: str, *, fingerprint: int = 0, block_bytes: int = 0,
                  dial_timeout_ms: int = 0, op_timeout_ms: int = 0, ttl_ms: int = 0, backoff_ms: int = 0,
-                 max_backoff_ms: int = 0) -> None:
+                 max_backoff_ms: int = 0, username: Optional[str] = None, password_env: Optional[str] = None,
+                 password_file: Optional[Union[str, os.PathLike]] = None, tls: bool = False,
+                 tls_ca_file: Optional[Union[str, os.PathLike]] = None,
+                 tls_cert_file: Optional[Union[str, os.PathLike]] = None,
+                 tls_key_file: Optional[Union[str, os.PathLike]] = None, tls_server_name: Optional[str] = None,
+                 mac_keys_env: Optional[str] = None, mac_keys_file: Optional[Union[str, os.PathLike]] = None) -> None:
         i32 = lambda v, what: _lib.checked_int(v, f"SharedStore: {what}", "int32")  # noqa: E731
+        sec = _security("SharedStore", "", username=username, password_env=password_env, password_file=password_file,
+                        tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                        tls_server_name=tls_server_name, mac_keys_env=mac_keys_env, mac_keys_file=mac_keys_file)
         self._address = address.encode()
         self._key_space = key_space.encode()
         cfg = SharedStoreConfig(
@@ -96,6 +174,7 @@ class SharedStore(_lib.Owner):
             _lib.checked_int(block_bytes, "SharedStore: block_bytes", "int64"),
             i32(dial_timeout_ms, "dial_timeout_ms"), i32(op_timeout_ms, "op_timeout_ms"), i32(ttl_ms, "ttl_ms"),
             i32(backoff_ms, "backoff_ms"), i32(max_backoff_ms, "max_backoff_ms"), 0,
+            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0,
         )
         out = _vp()
         _lib.check(C.kvp_shared_store_create(ctypes.byref(cfg), ctypes.byref(out)))
@@ -149,4 +228,5 @@ class SharedStore(_lib.Owner):
         s.struct_size = ctypes.sizeof(s)
         _lib.check(C.kvp_shared_store_stats_get(self._h, ctypes.byref(s)))
         return SharedStoreStats(s.hits, s.misses, s.stores, s.corrupt, s.timeouts, s.errors, s.skipped,
-                                s.bytes_read, s.bytes_written, bool(s.available))
+                                s.bytes_read, s.bytes_written, bool(s.available), s.auth_failures, s.tls_failures,
+                                s.mac_failures)

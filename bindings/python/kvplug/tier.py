@@ -117,6 +117,9 @@ class TierStats:
     shared_bytes_written: int = 0
     shared_queue_len: int = 0
     shared_available: bool = False
+    shared_auth_failures: int = 0  # of shared_errors: AUTH refused, commands refused (NOAUTH, NOPERM)
+    shared_tls_failures: int = 0  # of shared_errors: TLS handshakes or certificate verifications failed
+    shared_mac_failures: int = 0  # of shared_corrupt: values whose MAC did not verify
 
 
 _STAT_FIELDS = [f.name for f in dataclasses.fields(TierStats)]

@@ -47,6 +47,12 @@ func (s Secret) String() string {
 // GoString is String, so that %#v does not print the value either.
 func (s Secret) GoString() string { return "valkey.Secret(" + s.String() + ")" }
 
+// LookupEnv looks environment variables up for Secret.Env. A program
+// that embeds the library in a C host (the C ABI) sets it to the C
+// library's getenv, so that a variable the host set after the Go runtime
+// started (which keeps its own copy of the environment) is seen.
+var LookupEnv = os.LookupEnv
+
 // validEnvName reports whether name is a portable environment variable
 // name ([A-Za-z_][A-Za-z0-9_]*, at most 255 bytes).
 func validEnvName(name string) bool {
@@ -86,7 +92,7 @@ func (s Secret) read(what string) ([]byte, error) {
 	var v []byte
 	switch {
 	case s.Env != "":
-		e, ok := os.LookupEnv(s.Env)
+		e, ok := LookupEnv(s.Env)
 		if !ok || e == "" {
 			return nil, kverr.Errorf(kverr.InvalidArgument, "valkey tier: the %s's environment variable %s is not set or empty", what, s.Env)
 		}
