@@ -1591,7 +1591,9 @@ static_assert(sizeof(SharedKey) == 16, "SharedKey must be 16 bytes with no paddi
 // (kvp_shared_store, the header's "standalone shared store"). The server's
 // faults never throw: a server that is down or slow makes misses and
 // skipped stores, counted in stats(); only bad arguments throw. Move-only;
-// owns the handle. create does not connect.
+// owns the handle. create does not connect. AUTH, TLS and the MAC are the
+// config's fields after reserved (the header's "Shared KV tier",
+// Security): construct from a kvp_shared_store_config to set them.
 class SharedStore {
  public:
   SharedStore(const std::string &address, const std::string &key_space, uint64_t fingerprint = 0,

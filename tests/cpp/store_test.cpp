@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -280,6 +282,68 @@ TEST(SharedStore, DownServerMisses) {
   EXPECT_EQ(x.available, 0);                         // in the skip window
   EXPECT_EQ(x.bytes_read, 0);
   EXPECT_EQ(x.bytes_written, 0);
+}
+
+// The security fields (AUTH, TLS, the MAC): their form is checked at
+// create, a secret's variable is read with getenv (a variable the host set
+// after loading the library counts), and a config of the first released
+// size still works.
+TEST(SharedStore, SecurityFields) {
+  auto base = [] {
+    kvp_shared_store_config c = KVP_SHARED_STORE_CONFIG_INIT;
+    c.address = "127.0.0.1:1";
+    c.key_space = "cpp_test";
+    c.op_timeout_ms = 200;
+    return c;
+  };
+  kvp_shared_store_config cfg = base();
+  cfg.tls_ca_file = "ca.pem";  // TLS settings on a plaintext connection
+  EXPECT_EQ(thrown([&] { kvplug::SharedStore{cfg}; }), KVP_ERR_INVALID_ARGUMENT);
+  cfg = base();
+  cfg.username = "kv";  // no password
+  EXPECT_EQ(thrown([&] { kvplug::SharedStore{cfg}; }), KVP_ERR_INVALID_ARGUMENT);
+  cfg = base();
+  cfg.tls = 2;
+  EXPECT_EQ(thrown([&] { kvplug::SharedStore{cfg}; }), KVP_ERR_INVALID_ARGUMENT);
+  cfg = base();
+  cfg.reserved2 = 1;
+  EXPECT_EQ(thrown([&] { kvplug::SharedStore{cfg}; }), KVP_ERR_INVALID_ARGUMENT);
+  cfg = base();
+  cfg.password_env = "KVPLUG_CPP_TEST_UNSET";
+  EXPECT_EQ(thrown([&] { kvplug::SharedStore{cfg}; }), KVP_ERR_INVALID_ARGUMENT);
+  cfg.password_env = "not a variable name";  // perhaps the secret itself: not quoted back
+  try {
+    kvplug::SharedStore{cfg};
+    ADD_FAILURE() << "an environment variable name with spaces accepted";
+  } catch (const kvplug::Error &e) {
+    EXPECT_EQ(e.status(), KVP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(e.what()).find("not a variable name"), std::string::npos) << e.what();
+  }
+
+  // Set after the library was loaded: seen through getenv.
+  ASSERT_EQ(setenv("KVPLUG_CPP_TEST_MAC", "00112233445566778899aabbccddeeff", 1), 0);
+  ASSERT_EQ(setenv("KVPLUG_CPP_TEST_PASSWORD", "a password", 1), 0);
+  cfg = base();
+  cfg.username = "kv";
+  cfg.password_env = "KVPLUG_CPP_TEST_PASSWORD";
+  cfg.mac_keys_env = "KVPLUG_CPP_TEST_MAC";
+  cfg.tls = 1;  // the system's roots, the address's host
+  kvplug::SharedStore s(cfg);
+  EXPECT_EQ(s.exists(std::vector<kvplug::SharedKey>{key(1)}), (Slots{0}));
+  const auto x = s.stats();
+  EXPECT_EQ(x.errors + x.timeouts, 1);  // nothing listens: not a TLS or AUTH failure
+  EXPECT_EQ(x.tls_failures, 0);
+  EXPECT_EQ(x.auth_failures, 0);
+  EXPECT_EQ(x.mac_failures, 0);
+
+  cfg = base();
+  cfg.struct_size = offsetof(kvp_shared_store_config, reserved) + sizeof cfg.reserved;  // the first released size
+  kvplug::SharedStore old(cfg);
+  kvp_shared_store_stats st = KVP_SHARED_STORE_STATS_INIT;
+  st.struct_size = offsetof(kvp_shared_store_stats, reserved) + sizeof st.reserved;
+  st.auth_failures = 77;
+  ASSERT_EQ(kvplug::detail::shared_store_api().kvp_shared_store_stats_get(old.get(), &st), KVP_OK);
+  EXPECT_EQ(st.auth_failures, 77);  // past the caller's size: untouched
 }
 
 TEST(SharedStore, BadInputsThrow) {
