@@ -191,6 +191,7 @@ type instance struct {
 	logged    State     // the state last logged
 	staleLog  time.Time // when a long wait for a snapshot was last logged
 	waiting   string    // what the instance waits for (status, logs)
+	unclear   bool      // down, and its set's clearing failed: retried while down
 
 	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
 	disconnects, heartbeats, heartbeatAnswers, probes                                            atomic.Int64
@@ -332,7 +333,11 @@ func (in *instance) run() {
 			w := in.dialWaiting(err)
 			in.mu.Lock()
 			in.waiting = w
+			unclear := in.unclear
 			in.mu.Unlock()
+			if unclear {
+				in.clearDown()
+			}
 			if err.Error() != said || time.Since(saidAt) >= waitingLogEvery {
 				said, saidAt = err.Error(), time.Now()
 				logx.L().Warn("kvindex: instance waiting for its publisher", zap.String("instance", in.cfg.Name),
@@ -350,7 +355,7 @@ func (in *instance) run() {
 		backoff, said = 50*time.Millisecond, ""
 		in.mu.Lock()
 		in.sub = sub
-		in.down = false
+		in.down, in.unclear = false, false // resync clears the set
 		in.lastHeard = time.Now()
 		in.mu.Unlock()
 		if in.x.stopped() {
@@ -482,11 +487,22 @@ func (in *instance) markDown(why string) {
 	in.gen = in.x.be.Generation()
 	in.mu.Unlock()
 	in.disconnects.Add(1)
-	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
+	in.clearDown()
+	in.noteState(why)
+}
+
+// clearDown clears a down instance's set in the backend; when that fails
+// (a Valkey server unreachable), run tries again while the instance stays
+// down, so that readers of a shared backend stop routing to it.
+func (in *instance) clearDown() {
+	err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}})
+	if err != nil {
 		in.backendErrors.Add(1)
 		in.setErr(err)
 	}
-	in.noteState(why)
+	in.mu.Lock()
+	in.unclear = err != nil
+	in.mu.Unlock()
 }
 
 // stateLocked is the instance's state; in.mu is held.

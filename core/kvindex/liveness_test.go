@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand"
@@ -14,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -411,5 +413,44 @@ func (p *proxy) close() {
 	p.ln.Close()
 	for _, c := range p.conns {
 		c.Close()
+	}
+}
+
+// flakyBackend fails every Apply while failing is set.
+type flakyBackend struct {
+	*Memory
+	failing atomic.Bool
+}
+
+func (f *flakyBackend) Apply(inst string, ops []Op) error {
+	if f.failing.Load() {
+		return errors.New("backend unreachable")
+	}
+	return f.Memory.Apply(inst, ops)
+}
+
+// A down instance whose blocks could not be cleared (the backend failing
+// then) has them cleared once the backend answers, though it stays down.
+func TestDownInstanceClearedWhenTheBackendIsBack(t *testing.T) {
+	es := startEngines(t, 1, 64)
+	be := &flakyBackend{Memory: NewMemory()}
+	x, err := New(Config{Instances: instancesOf(es), Backend: be})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	es[0].serve(t, prompt(rand.New(rand.NewSource(24)), 1, 64), nil)
+	waitConverged(t, x, es, 10*time.Second)
+	be.failing.Store(true)
+	es[0].close()
+	waitState(t, x, "e0", StateDown)
+	waitFor(t, "the failed clear", func() bool { return x.Status()[0].BackendErrors > 0 })
+	if be.Len("e0") == 0 {
+		t.Fatal("cleared while the backend failed")
+	}
+	be.failing.Store(false)
+	waitFor(t, "the down instance's blocks to leave the backend", func() bool { return be.Len("e0") == 0 })
+	if st := x.Status()[0]; st.State != StateDown {
+		t.Fatalf("status %+v", st)
 	}
 }
