@@ -96,8 +96,9 @@ func TestStoppedEngineStopsRouting(t *testing.T) {
 
 // An engine that goes silent without closing its connection (its host
 // vanished, or the network between): idle, it answers heartbeats and
-// stays fresh; silent, it is down within IdleTimeout and Timeout and its
-// replay probe; back, it is fresh again.
+// stays fresh (a heartbeat has Timeout, 2 s, to be answered); silent, it
+// is down after IdleTimeout, Timeout and a failed replay probe; back, it
+// is fresh again.
 func TestSilentEngineGoesDown(t *testing.T) {
 	e := newEngine(t, "e0", 64, 16, [2]int{0, 0}, kvevents.Config{})
 	t.Cleanup(e.close)
@@ -105,7 +106,7 @@ func TestSilentEngineGoesDown(t *testing.T) {
 	repProxy := newProxy(t, fmt.Sprintf("127.0.0.1:%d", e.ports[1]))
 	ic := e.instance()
 	ic.Endpoint, ic.ReplayEndpoint = "tcp://"+pubProxy.addr, "tcp://"+repProxy.addr
-	x, err := New(Config{Instances: []InstanceConfig{ic}, IdleTimeout: time.Second, Timeout: time.Second})
+	x, err := New(Config{Instances: []InstanceConfig{ic}, IdleTimeout: time.Second, Timeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
