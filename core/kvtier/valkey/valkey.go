@@ -99,6 +99,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -563,14 +564,23 @@ func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 		return
 	}
 	authCounted := false
+	check := func(i int) {
+		v := r[i].([]byte)
+		t.bytesRead.Add(int64(len(v)))
+		if p, ok := t.decode(hashes[i], v); ok && take(i, p) {
+			t.hits.Add(1)
+		} else {
+			t.corrupt.Add(1)
+		}
+	}
+	var values []int // with a MAC: the values, checked in parallel
 	for i, x := range r {
 		switch v := x.(type) {
 		case []byte:
-			t.bytesRead.Add(int64(len(v)))
-			if p, ok := t.decode(hashes[i], v); ok && take(i, p) {
-				t.hits.Add(1)
+			if t.mac != nil {
+				values = append(values, i)
 			} else {
-				t.corrupt.Add(1)
+				check(i)
 			}
 		case resp.Error:
 			// A wrong-type key, a server refusing reads, a user without GET.
@@ -580,6 +590,30 @@ func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 			t.misses.Add(1) // nil: absent
 		}
 	}
+	parallel(len(values), func(j int) { check(values[j]) })
+}
+
+// parallel calls f(0) ... f(n-1), on up to GOMAXPROCS goroutines (at most
+// 8): the MAC of a batch's values, whose cost (about 0.4 s a GB on one
+// core) would otherwise add to the round trip's.
+func parallel(n int, f func(int)) {
+	w := min(n, runtime.GOMAXPROCS(0), 8)
+	if w <= 1 {
+		for i := range n {
+			f(i)
+		}
+		return
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range w {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				f(i)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // Put stores blocks (hashes[i] with payloads[i]) in one round trip and
@@ -605,6 +639,19 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		}
 		size += 64 + keyLen + t.header + len(payloads[i]) + len(ttl)
 	}
+	// With a MAC, each value's header, key id and tag first, in parallel.
+	var heads [][]byte
+	if t.mac != nil {
+		heads = make([][]byte, n)
+		backing := make([]byte, n*t.header)
+		parallel(n, func(i int) {
+			if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
+				return
+			}
+			h := appendHeader(backing[i*t.header:i*t.header:(i+1)*t.header], hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
+			heads[i] = t.appendMAC(h, payloads[i])
+		})
+	}
 	buf := make([]byte, 0, size)
 	var written int64
 	for i := range n {
@@ -622,9 +669,10 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		buf = append(t.key(buf, hashes[i]), '\r', '\n')
 		vlen := t.header + len(payloads[i])
 		buf = resp.AppendBulk(buf, vlen)
-		buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
-		if t.mac != nil {
-			buf = t.appendMAC(buf, payloads[i])
+		if heads != nil {
+			buf = append(buf, heads[i]...)
+		} else {
+			buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
 		}
 		buf = append(append(buf, payloads[i]...), '\r', '\n')
 		if ttl != nil {
