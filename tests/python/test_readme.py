@@ -43,6 +43,8 @@ def test_every_example_is_covered():
         ("### The prefix cache (Python; the same calls exist in C, C++ and Go)", "python"),
         ("#### The host KV tier (Python; C: `kvp_manager_flush_copies`)", "python"),
         ("#### The shared KV tier (Python; C: `shared_tier_addr` in `kvp_manager_config`)", "python"),
+        # Run by tests/python/test_shared_auth.py, against a TLS server it starts.
+        ("##### A server others can reach: AUTH, TLS and a MAC (Python)", "python"),
         ("### Go", "go"),
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),

@@ -25,6 +25,10 @@ from kvplug.sharedstore import SharedStore, key128
 
 from conftest import free_port, row_segments
 
+import sys
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+from readme_snippets import find  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PASSWORD = "py pass word \x01\x7f"  # spaces and control bytes
 MAC_A = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
@@ -382,3 +386,18 @@ def test_sglang_extra_config(start, certs, secrets):
         assert store.shared.stats().tls_failures == 0
     finally:
         store.close()
+
+
+def test_readme_example(start, certs, secrets, tmp_path):
+    """The README's example of AUTH, TLS and the MAC, run as written against
+    a TLS server with the ACL user it names."""
+    srv = start(tls=True)
+    assert srv.command("ACL", "SETUSER", "kvplug", "on", ">" + PASSWORD, "~kvplug:*", "+get", "+set",
+                       "+exists").startswith(b"+OK")
+    script = tmp_path / "secure.py"
+    script.write_text(find("##### A server others can reach: AUTH, TLS and a MAC (Python)", "python").code)
+    env = dict(os.environ, VALKEY_TLS_ADDR=srv.addr, VALKEY_PASSWORD_FILE=str(secrets["pw"]),
+               VALKEY_CA_FILE=str(certs / "ca.pem"), KVPLUG_MAC_KEYS=f"{MAC_B},{MAC_A}")
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["[TierMatch(gpu_tokens=0, host_tokens=0)]", "0 0 0"], p.stdout
