@@ -408,3 +408,124 @@ def test_argument_errors():
     assert (out == 5.0).all()
     assert attn.cuda_available()
     assert attn.num_splits(torch.bfloat16, 128, 1, 32, 8, 4096) >= 1
+
+
+# ---- decode with a sliding window; decode with no sequences ----------------
+
+def dt_id(v):
+    """Short test ids of dtypes (f16, bf16); None: pytest's own id."""
+    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+    return names.get(v) if isinstance(v, torch.dtype) else None
+
+
+@pytest.mark.parametrize("dtype,D,bs,window", [
+    (torch.float16, 128, 16, 40),
+    (torch.bfloat16, 64, 1, 0),
+    (torch.bfloat16, 256, 16, 5000),  # a window over every token: paged_decode's result
+], ids=dt_id)
+def test_paged_decode_window_via_prefill_plan(dtype, D, bs, window, seed):
+    """kvp_paged_decode takes no window (kvp_paged_decode_args has no window
+    field): a windowed decode step is attn.prefill_plan(..., window_left=w)
+    with one row per sequence, which the plan keeps on the prefill kernel
+    (ROUTE_PREFILL, no decode launch). Over a cache written by kv_write into
+    a combined [blocks, 2, bs, heads, D] tensor through a shuffled table with
+    an out-of-range column, against the decode reference keeping each
+    sequence's last window + 1 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, bs, bs + 1, 41, 700, 300]
+    B, qh, kvh = len(lens), 8, 2
+    p = Paged(gen, dtype, D, qh, kvh, bs, lens, combined=True)
+    qo = torch.arange(B + 1, dtype=torch.int32)
+    ws = torch.empty(attn.prefill_workspace_size(B, B, qh, kvh, D), dtype=torch.uint8, device=DEV)
+    plan = attn.prefill_plan(qo.to(DEV), p.seq_lens, qh, kvh, D, dtype, ws, window_left=window, qo_indptr_host=qo,
+                             kv_lens_host=lens)
+    what = f"windowed decode, window_left {window}, {dtype}, D {D}, block size {bs}, lens {lens} ({plan})"
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
+    out = torch.full_like(p.q, float("nan"))
+    lse = torch.full((B, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_prefill(plan, p.q, p.k_cache, p.v_cache, p.table, out=out, lse=lse)
+    torch.cuda.synchronize()
+    keep = [torch.arange(L, device=DEV) >= L - 1 - window for L in lens]
+    want, want_lse = p.reference(1 / math.sqrt(D), keep=keep)
+    check_rows(out, want, TOL[dtype], what)
+    d = (lse.double() - want_lse).abs().amax(dim=1)
+    assert float(d.max()) < 2e-3, f"{what}: lse of row {int(d.argmax())}: max abs error {float(d.max()):.3g}"
+    if window >= max(lens) - 1:
+        plain = torch.full_like(p.q, float("nan"))
+        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=plain, max_seq_len=max(lens))
+        torch.cuda.synchronize()
+        check_rows(out, plain.double(), TOL[dtype], f"{what}: against paged_decode")
+
+
+def empty_decode(q_len, splits, gen):
+    """Buffers of a decode call with batch 0: q, table, seq_lens, out and lse
+    are zero-row views into real buffers (out and lse poisoned with NaN, so
+    that a stray write shows), and a workspace holding a byte pattern."""
+    p = Paged(gen, torch.bfloat16, 128, 8, 2, 16, [40, 17], combined=True)
+    out_buf = torch.full((4 * q_len, 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse_buf = torch.full((4 * q_len, 8), float("nan"), dtype=torch.float32, device=DEV)
+    ws = torch.full((attn.workspace_size(4 * q_len, 8, 128, 8),), 0xA5, dtype=torch.uint8, device=DEV)
+    return p, out_buf, lse_buf, ws
+
+
+@pytest.mark.parametrize("q_len,splits", [(1, 0), (1, 4), (3, 1)])
+def test_paged_decode_empty_batch(q_len, splits, seed):
+    """batch 0 (a step with no sequences): paged_decode returns OK and
+    writes nothing, whatever the split count (a forced one too) and q_len:
+    out, lse and the workspace keep their poison, the caches their bytes; the
+    outputs it returns have zero rows. Fresh empty tensors (no storage) and
+    out=None work too."""
+    gen = torch.Generator().manual_seed(seed)
+    p, out_buf, lse_buf, ws = empty_decode(q_len, splits, gen)
+    cache0 = p.k_cache.clone().view(torch.int16), p.v_cache.clone().view(torch.int16)
+    what = f"batch 0, q_len {q_len}, num_splits {splits}"
+    out, lse = attn.paged_decode(p.q[:0], p.k_cache, p.v_cache, p.table[:0], p.seq_lens[:0], out=out_buf[:0],
+                                 lse=lse_buf[:0], workspace=ws, num_splits=splits, max_seq_len=40, q_len=q_len,
+                                 return_lse=True)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (0, 8, 128) and tuple(lse.shape) == (0, 8), what
+    assert out_buf.isnan().all(), f"{what}: out's buffer was written"
+    assert lse_buf.isnan().all(), f"{what}: lse's buffer was written"
+    assert (ws == 0xA5).all(), f"{what}: the workspace was written"
+    for name, c, c0 in (("k_cache", p.k_cache, cache0[0]), ("v_cache", p.v_cache, cache0[1])):
+        assert torch.equal(c.view(torch.int16), c0), f"{what}: {name} was written"
+    # No storage behind q, the table, the lengths; out and lse allocated by the binding.
+    q = torch.empty((0, 8, 128), dtype=torch.bfloat16, device=DEV)
+    table = torch.empty((0, 3), dtype=torch.int32, device=DEV)
+    lens = torch.empty((0,), dtype=torch.int32, device=DEV)
+    out, lse = attn.paged_decode(q, p.k_cache, p.v_cache, table, lens, workspace=ws if splits > 1 else None,
+                                 num_splits=splits, q_len=q_len, return_lse=True)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (0, 8, 128) and tuple(lse.shape) == (0, 8), what
+    assert (ws == 0xA5).all(), f"{what}, fresh empty tensors: the workspace was written"
+
+
+def gpu_activities(fn):
+    """Names of the GPU activities (kernels, copies, memsets) the profiler
+    (CUPTI) records while fn runs and the device finishes its work."""
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_paged_decode_empty_batch_launches_nothing(seed):
+    """batch 0 launches nothing, with splits forced or the library's choice:
+    the profiler records no GPU activity for it, where it records the
+    kernels of the same call with two sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    p, out_buf, lse_buf, ws = empty_decode(1, 4, gen)
+    attn.prepare()
+
+    def call(n, splits):
+        attn.paged_decode(p.q[:n], p.k_cache, p.v_cache, p.table[:n], p.seq_lens[:n], out=out_buf[:n],
+                          lse=lse_buf[:n], workspace=ws, num_splits=splits, max_seq_len=40)
+
+    seen = gpu_activities(lambda: call(2, 4))
+    assert seen, "the profiler recorded no GPU activity for a batch-2 paged_decode, so it cannot show that batch 0 " \
+                 "launches nothing on this machine"
+    for splits in (0, 1, 4):
+        got = gpu_activities(lambda: call(0, splits))
+        assert not got, f"batch 0, num_splits {splits}: paged_decode launched {got} (batch 2 launched {seen})"

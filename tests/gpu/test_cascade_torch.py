@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from gputest import check_rows, cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import check_rows, cuda_torch, row_err  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -462,3 +462,100 @@ def test_cascade_prefill_errors():
         cascade.plan(table, lens_h, lens_h.to(DEV), 8, 2, 64, torch.float16, ws, qo_indptr_host=bad,
                      qo_indptr=bad.to(DEV))
     assert "decrease" in str(e.value)
+
+
+# ---- sliding windows ---------------------------------------------------------
+#
+# The shared-prefix planner takes no window: kvp_cascade_plan_args has no
+# window field and cascade.plan no window argument, and the plans it writes
+# record window_left -1 (core/cascadeattn: "shared-prefix plans have no
+# window"). A windowed step over shared blocks is an attn.prefill_plan with
+# the window (kvp_prefill_plan_args.window_size), reading the shared blocks
+# once per sequence, as kvplug.hf's Runner does for a windowed model.
+
+def dt_id(v):
+    """Short test ids of dtypes (f16, bf16); None: pytest's own id."""
+    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+    return names.get(v) if isinstance(v, torch.dtype) else None
+
+
+def window_reference(q, k_cache, v_cache, table, lens, qo, bs, window):
+    """float64 attention of the varlen rows q ([total_q, qh, D], CPU):
+    sequence b's rows [qo[b], qo[b+1]) at positions [L - n, L), the row at
+    position p over its logical tokens [max(0, p - window), p]."""
+    T, qh, D = q.shape
+    kvh = k_cache.shape[2]
+    g = qh // kvh
+    out = torch.zeros((T, qh, D), dtype=torch.float64)
+    lse = torch.full((T, qh), -math.inf, dtype=torch.float64)
+    for b in range(len(lens)):
+        L, q0, q1 = lens[b], qo[b], qo[b + 1]
+        if q1 == q0 or L == 0:
+            continue
+        blocks = table[b, : -(-L // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, D)[:L].double().repeat_interleave(g, dim=1)  # [L, qh, D]
+        v = v_cache[blocks].reshape(-1, kvh, D)[:L].double().repeat_interleave(g, dim=1)
+        n = q1 - q0
+        pos = torch.arange(L - n, L)[:, None]
+        t = torch.arange(L)[None, :]
+        mask = (t <= pos) & (t >= pos - window)  # [n, L]
+        s = torch.einsum("ihd,thd->hit", q[q0:q1].double(), k) / math.sqrt(D)
+        s = s.masked_fill(~mask[None], -math.inf)
+        lse[q0:q1] = torch.logsumexp(s, -1).transpose(0, 1)
+        out[q0:q1] = torch.einsum("hit,thd->ihd", torch.softmax(s, -1), v)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,B,depth,max_run,tail,max_q,bs,qh,kvh,D,window", [
+    (torch.float16, 12, 2, 40, 300, 0, 16, 32, 8, 128, 100),   # decode: one row per sequence
+    (torch.bfloat16, 10, 2, 120, 120, 120, 1, 8, 8, 64, 37),   # prompt chunks and decode rows, token mode
+    (torch.bfloat16, 8, 2, 5, 600, 500, 16, 8, 1, 256, 300),   # group 8, head_dim 256
+], ids=dt_id)
+def test_cascade_takes_no_window_windowed_sharing_on_prefill_plan(dtype, B, depth, max_run, tail, max_q, bs, qh,
+                                                                  kvh, D, window):
+    """The cascade planner has no window to take (a window keyword is a
+    TypeError naming it; its plan records window_left -1); the same batch of
+    sequences sharing blocks (max_q 0: decode), windowed, runs on
+    attn.prefill_plan's prefill kernel and matches the windowed reference
+    row by row."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"window {dtype} {B} {bs} {D} {window}".encode()))
+    table, lens, nb = random_tree(gen, B, depth, max_run, tail, bs)
+    decode = max_q == 0
+    qo = list(range(B + 1)) if decode else random_queries(gen, lens, max_q)
+    T = qo[-1]
+    assert any(L > window + 1 for L in lens), "the window cuts no sequence: the case checks nothing"
+    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    q = (torch.rand((max(T, 1), qh, D), generator=gen) * 4 - 2).to(dtype)[:T]
+    lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
+    lens_d, qo_d = lens_h.to(DEV), qo_h.to(DEV)
+
+    varlen = {} if decode else dict(qo_indptr_host=qo_h, qo_indptr=qo_d)
+    ws = cascade.Workspaces(B, qh, kvh, D, device=DEV, max_tokens=None if decode else max(B, 4 * T + 8 * B))
+    with pytest.raises(TypeError, match="window_left"):
+        cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, block_size=bs, window_left=window, **varlen)
+    cplan = cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, block_size=bs, **varlen)
+    assert cplan._c.window_left == -1, f"the cascade plan records window_left {cplan._c.window_left} ({cplan})"
+
+    pws = torch.empty(attn.prefill_workspace_size(B, max(T, 1), qh, kvh, D), dtype=torch.uint8, device=DEV)
+    plan = attn.prefill_plan(qo_d, lens_d, qh, kvh, D, dtype, pws, window_left=window, qo_indptr_host=qo_h,
+                             kv_lens_host=lens_h)
+    what = f"window_left {window}, {dtype}, D {D}, block size {bs}, heads {qh}/{kvh}, lens {lens}, qo {qo} ({plan})"
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
+    out = torch.full((T, qh, D), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((T, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_prefill(plan, q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), out=out, lse=lse)
+    torch.cuda.synchronize()
+    want, want_lse = window_reference(q, k, v, table, lens, qo, bs, window)
+    err, row = row_err(out, want)
+
+    def where(r):
+        b = next(i for i in range(B) if qo[i] <= r < qo[i + 1])
+        n = qo[b + 1] - qo[b]
+        return f"row {r} (sequence {b}: length {lens[b]}, q_len {n}; position {lens[b] - qo[b + 1] + r})"
+
+    assert err < TOL[dtype], f"{what}: {where(row)}: relative error {err:.3g} above {TOL[dtype]:.1g}"
+    gl = lse.cpu().double()
+    assert not gl.isnan().any(), f"{what}: lse has NaN (unwritten elements)"
+    d = (gl - want_lse).abs().amax(dim=1)
+    assert float(d.max()) < 2e-3, f"{what}: lse of {where(int(d.argmax()))}: max abs error {float(d.max()):.3g}"

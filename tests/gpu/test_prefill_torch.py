@@ -388,3 +388,282 @@ def test_argument_errors():
     with pytest.raises(kvplug.InvalidArgumentError, match="scale"):
         attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out, scale=-0.125)
     assert torch.isnan(out).all()  # nothing was launched
+
+
+# ---- sliding windows: decode rows, head sizes, block sizes, split-KV, graphs ----
+#
+# kvp_paged_decode takes no window (kvp_paged_decode_args has no window
+# field; include/kvplug.h), and the shared-prefix planner takes none either
+# (kvp_cascade_plan_args; test_cascade_torch.py): a window is a field of
+# kvp_prefill_plan_args (window_size = window_left + 1), so every windowed
+# step, decode included, is an attn.prefill_plan, which keeps such a batch on
+# the prefill kernel (the decode route and the decode launch of mixed batches
+# are taken only without a window).
+
+
+def dt_id(v):
+    """Short test ids of dtypes (f16, bf16); None: pytest's own id."""
+    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+    return names.get(v) if isinstance(v, torch.dtype) else None
+
+
+def window_reference(q, ks, vs, kv_lens, qo, window, scale=None):
+    """float64 windowed attention of the varlen rows q ([total_q, qh, D]):
+    sequence b's rows q[qo[b]:qo[b+1]] (q_len n) sit at positions [L - n, L),
+    L = kv_lens[b], and the row at position p sees tokens
+    [max(0, p - window), p] of ks[b][:L] / vs[b][:L] ([>= L, kvh, D]; window
+    -1: [0, p]). Returns (out [total_q, qh, D], lse [total_q, qh]) on q's
+    device."""
+    T, qh, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros((T, qh, D), dtype=torch.float64, device=q.device)
+    lse = torch.full((T, qh), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, L in enumerate(kv_lens):
+        r0, r1 = int(qo[b]), int(qo[b + 1])
+        n = r1 - r0
+        if n == 0:
+            continue
+        g = qh // ks[b].shape[1]
+        k = ks[b][:L].to(q.device).double().repeat_interleave(g, dim=1)  # [L, qh, D]
+        v = vs[b][:L].to(q.device).double().repeat_interleave(g, dim=1)
+        s = torch.einsum("ihd,thd->hit", q[r0:r1].double(), k) * scale   # [qh, n, L]
+        pos = torch.arange(L - n, L, device=q.device)[:, None]
+        t = torch.arange(L, device=q.device)[None, :]
+        mask = t <= pos
+        if window >= 0:
+            mask &= t >= pos - window
+        s = s.masked_fill(~mask[None], float("-inf"))
+        lse[r0:r1] = torch.logsumexp(s, dim=-1).transpose(0, 1)
+        out[r0:r1] = torch.einsum("hit,thd->ihd", torch.softmax(s, dim=-1), v)
+    return out, lse
+
+
+def row_where(row, qo, kv_lens):
+    """Where row `row` of a varlen batch is: its sequence and position."""
+    qo = [int(x) for x in qo]
+    for b, L in enumerate(kv_lens):
+        if qo[b] <= row < qo[b + 1]:
+            n = qo[b + 1] - qo[b]
+            return f"row {row} (sequence {b}: kv_len {L}, q_len {n}; position {L - n + row - qo[b]})"
+    return f"row {row}"
+
+
+def check_window(out, lse, want, want_lse, qo, kv_lens, tol, what):
+    """out and lse against the reference row by row; a failure names the
+    case, the worst row, its sequence and position."""
+    err, row = row_err(out, want)
+    assert err < tol, f"{what}: {row_where(row, qo, kv_lens)}: relative error {err:.3g} above {tol:.1g}"
+    got, w = lse.detach().cpu().double(), want_lse.detach().cpu().double()
+    nan = got.isnan().any(dim=1).nonzero().flatten().tolist()
+    assert not nan, f"{what}: lse rows {nan[:16]} hold NaN (unwritten elements)"
+    if got.shape[0]:
+        d = (got - w).abs().amax(dim=1)
+        r = int(d.argmax())
+        assert d[r] < 1e-3, f"{what}: lse of {row_where(r, qo, kv_lens)}: max abs error {float(d[r]):.3g} above 1e-3"
+
+
+def case(dtype, D, bs, qh, kvh, window, plan):
+    dt = str(dtype).replace("torch.", "")
+    return f"window_left {window}, {dt}, D {D}, block size {bs}, heads {qh}/{kvh} ({plan})"
+
+
+@pytest.mark.parametrize("dtype,D,bs,group,q_len,window", [
+    (torch.float16, 128, 16, 4, 1, 37),
+    (torch.bfloat16, 64, 1, 8, 1, 0),        # each row sees its own token only
+    (torch.bfloat16, 256, 16, 1, 1, 200),
+    (torch.float16, 64, 1, 4, 4, 15),        # 4 draft tokens x group 4: the decode kernel's without a window
+    (torch.bfloat16, 128, 16, 2, 8, 63),
+    (torch.float16, 256, 16, 2, 1, 4096),    # a window over every token: the decode kernel's result
+], ids=dt_id)
+def test_window_decode_rows(dtype, D, bs, group, q_len, window):
+    """Decode with a sliding window: every sequence brings q_len new tokens
+    (one: decode; more: speculative verification). Without a window the plan
+    runs such a batch on the decode kernel (ROUTE_DECODE); with one it must
+    keep it on the prefill kernel, which applies the window. Sequences
+    shorter than the window, exactly one longer, ending on and one past a
+    block boundary, and long ones (the plan may split their K/V)."""
+    gen = torch.Generator().manual_seed(300 + D + bs + 10 * group + 100 * q_len + window)
+    kv = [q_len, max(q_len, window), max(q_len, window + 1), window + q_len, 16 * bs, 16 * bs + 1, 700, 1503]
+    qh = 2 * group
+    b = Batch(gen, dtype, D, qh, 2, bs, kv, [q_len] * len(kv), window=window)
+    plan = b.plan()
+    what = f"{q_len} new tokens per sequence, " + case(dtype, D, bs, qh, 2, window, plan)
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, \
+        f"{what}: a windowed batch left the prefill kernel"
+    out, lse = b.run(plan)
+    qo = b.qo.tolist()
+    want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)
+    check_window(out, lse, want, want_lse, qo, kv, TOL[dtype], what)
+    nowin = attn.prefill_plan(b.qo, b.kvl, qh, 2, D, dtype, b.ws, qo_indptr_host=b.qo.cpu(), kv_lens_host=kv,
+                              hopper=MAINLOOP["hopper"])
+    assert nowin.route == attn.ROUTE_DECODE, f"{what}: without the window the batch plans {nowin}"
+    if window >= max(kv) - 1:  # the window holds every token: the decode kernel's output
+        out1, _ = b.run(nowin)
+        err, row = row_err(out, out1.double())
+        assert err < TOL[dtype], f"{what}: against the decode kernel ({nowin}): {row_where(row, qo, kv)}: " \
+                                 f"relative difference {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype,D,bs,group,window", [
+    (torch.bfloat16, 64, 1, 4, 37),
+    (torch.bfloat16, 128, 16, 8, 0),
+    (torch.bfloat16, 256, 16, 1, 100),
+    (torch.float16, 64, 16, 8, 200),
+    (torch.float16, 256, 1, 4, 15),
+    (torch.float16, 128, 1, 1, 127),
+], ids=dt_id)
+def test_window_shapes(dtype, D, bs, group, window):
+    """Windowed prefill over bf16 and f16, head sizes 64/128/256, block
+    sizes 1 and 16: prompts, tails after a prefix, a decode row, and a whole
+    prompt longer than twice the window."""
+    gen = torch.Generator().manual_seed(500 + D + bs + 10 * group + window)
+    kv, q = ragged(gen, 5, 300, 150, bs)
+    kv.append(2 * window + 70)
+    q.append(2 * window + 70)
+    b = Batch(gen, dtype, D, 2 * group, 2, bs, kv, q, window=window)
+    plan = b.plan()
+    what = case(dtype, D, bs, 2 * group, 2, window, plan)
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
+    out, lse = b.run(plan)
+    qo = b.qo.tolist()
+    want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)
+    check_window(out, lse, want, want_lse, qo, kv, TOL[dtype], what)
+
+
+@pytest.mark.parametrize("dtype,D,bs,window", [
+    (torch.bfloat16, 128, 16, 37),    # the window within one 64-token tile: most splits are empty
+    (torch.float16, 256, 1, 700),     # the window over several splits
+    (torch.bfloat16, 64, 16, 0),
+    (torch.float16, 128, 16, 2500),   # cuts the longest sequence only
+], ids=dt_id)
+def test_window_splits(dtype, D, bs, window):
+    """A short chunk, a decode row and 5 draft tokens over long prefixes,
+    windowed: the plan splits each tile's K/V range (num_splits > 1) and
+    merges the partial states; a captured run of the split plan replays
+    with new queries; the unsplit plan agrees."""
+    gen = torch.Generator().manual_seed(600 + D + bs + window)
+    kv, q = [3000, 1700, 900], [70, 1, 5]
+    b = Batch(gen, dtype, D, 8, 2, bs, kv, q, window=window)
+    qo = b.qo.tolist()
+    plan = b.plan()
+    what = case(dtype, D, bs, 8, 2, window, plan)
+    assert plan.num_splits > 1, f"{what}: the batch was meant to split"
+    out, lse = b.run(plan)
+    want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)
+    check_window(out, lse, want, want_lse, qo, kv, TOL[dtype], what)
+
+    attn.prepare()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    gout = torch.full_like(b.q, float("nan"))
+    glse = torch.full((b.total_q, 8), float("nan"), dtype=torch.float32, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=gout, lse=glse)
+    for replay in range(2):
+        with torch.cuda.stream(s):
+            b.q.copy_((torch.rand(b.q.shape, generator=gen) * 4 - 2).to(dtype))
+            gout.fill_(float("nan"))
+            glse.fill_(float("nan"))
+            g.replay()
+        s.synchronize()
+        want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)
+        check_window(gout, glse, want, want_lse, qo, kv, TOL[dtype], f"graph replay {replay}, {what}")
+
+    whole = b.plan(split_kv=False)
+    assert whole.num_splits == 1, whole
+    out1, lse1 = b.run(whole)
+    check_window(out1, lse1, want, want_lse, qo, kv, TOL[dtype], "unsplit, " + case(dtype, D, bs, 8, 2, window, whole))
+    err, row = row_err(gout, out1.double())
+    assert err < TOL[dtype], f"{what}: split against unsplit: {row_where(row, qo, kv)}: relative difference {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype,D,bs,window", [(torch.bfloat16, 128, 16, 50), (torch.float16, 64, 1, 9)], ids=dt_id)
+def test_window_graph_replay(dtype, D, bs, window):
+    """One captured windowed paged_prefill (decode_route=False,
+    split_kv=False: one launch for any composition) replays for later plans
+    of the same window into the same workspace: new query counts, shorter
+    lengths, and a step of one new token per sequence (windowed decode).
+    qo_indptr and kv_lens are fixed device buffers, rewritten on the
+    replay's stream before each plan; q and out are the capture's buffers,
+    of which each plan uses the first rows (the rest stay unwritten)."""
+    gen = torch.Generator().manual_seed(700 + D + bs + window)
+    qh, kvh = 16, 4
+    cap_kv, cap_q = [600, 300, 77, 1000, 160], [200, 1, 77, 64, 30]
+    b = Batch(gen, dtype, D, qh, kvh, bs, cap_kv, cap_q, window=window)
+    B, Tcap = len(cap_kv), b.total_q
+    qo_d, kvl_d = b.qo.clone(), b.kvl.clone()
+    qbuf = b.q.clone()
+    out = torch.full_like(qbuf, float("nan"))
+    lse = torch.full((Tcap, qh), float("nan"), dtype=torch.float32, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+
+    def plan_for(kv_now, q_now):
+        qo = [0]
+        for n in q_now:
+            qo.append(qo[-1] + n)
+        with torch.cuda.stream(s):
+            qo_d.copy_(torch.tensor(qo, dtype=torch.int32))
+            kvl_d.copy_(torch.tensor(kv_now, dtype=torch.int32))
+            p = attn.prefill_plan(qo_d, kvl_d, qh, kvh, D, dtype, b.ws, window_left=window, qo_indptr_host=qo,
+                                  kv_lens_host=kv_now, decode_route=False, split_kv=False, stream=s,
+                                  hopper=MAINLOOP["hopper"])
+        assert p.route == attn.ROUTE_PREFILL and p.num_splits == 1 and p.decode_rows == 0, p
+        return p, qo
+
+    attn.prepare()
+    plan, _ = plan_for(cap_kv, cap_q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        attn.paged_prefill(plan, qbuf, b.k_cache, b.v_cache, b.table, out=out, lse=lse)  # warm-up
+        s.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            attn.paged_prefill(plan, qbuf, b.k_cache, b.v_cache, b.table, out=out, lse=lse)
+    steps = [
+        (cap_kv, cap_q),                                    # the capture's own composition
+        (cap_kv, [17, 1, 3, 150, 30]),                      # new query counts
+        ([L - int(torch.randint(0, 60, (1,), generator=gen)) for L in cap_kv], [40, 1, 0, 9, 100]),
+        ([L - 7 for L in cap_kv], [1] * B),                 # windowed decode: one new token each
+    ]
+    for step, (kv_now, q_now) in enumerate(steps):
+        q_now = [min(n, L) for n, L in zip(q_now, kv_now)]
+        p, qo = plan_for(kv_now, q_now)
+        T = qo[-1]
+        assert T <= Tcap
+        with torch.cuda.stream(s):
+            qbuf.copy_((torch.rand(qbuf.shape, generator=gen) * 4 - 2).to(dtype))
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            g.replay()
+        s.synchronize()
+        want, want_lse = window_reference(qbuf[:T], b.k, b.v, kv_now, qo, window)
+        what = f"replay {step} (kv_lens {kv_now}, q_lens {q_now}), " + case(dtype, D, bs, qh, kvh, window, p)
+        check_window(out[:T], lse[:T], want, want_lse, qo, kv_now, TOL[dtype], what)
+        assert out[T:].isnan().all() and lse[T:].isnan().all(), f"{what}: rows past the plan's {T} were written"
+
+
+def test_window_empty_batch():
+    """A windowed step with no sequences (batch 0): the plan and the run
+    return OK and write nothing: out and lse, zero-row views into poisoned
+    buffers, keep their NaN, and the workspace its byte pattern."""
+    qh, kvh, D = 8, 2, 128
+    ws = torch.full((attn.prefill_workspace_size(4, 64, qh, kvh, D),), 0x5A, dtype=torch.uint8, device=DEV)
+    qo = torch.zeros(1, dtype=torch.int32, device=DEV)
+    kvl = torch.zeros(0, dtype=torch.int32, device=DEV)
+    plan = attn.prefill_plan(qo, kvl, qh, kvh, D, torch.float16, ws, window_left=37, qo_indptr_host=[0],
+                             kv_lens_host=[], hopper=MAINLOOP["hopper"])
+    assert plan.batch == 0 and plan.total_q == 0 and plan.num_items == 0, plan
+    k_cache = torch.full((4, 16, kvh, D), float("nan"), dtype=torch.float16, device=DEV)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = torch.zeros((4, 3), dtype=torch.int32, device=DEV)
+    qbuf = torch.rand((8, qh, D), device=DEV).to(torch.float16)
+    out_buf = torch.full((8, qh, D), float("nan"), dtype=torch.float16, device=DEV)
+    lse_buf = torch.full((8, qh), float("nan"), dtype=torch.float32, device=DEV)
+    out, lse = attn.paged_prefill(plan, qbuf[:0], k_cache, v_cache, table[:0], out=out_buf[:0], lse=lse_buf[:0],
+                                  return_lse=True)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (0, qh, D) and tuple(lse.shape) == (0, qh)
+    assert out_buf.isnan().all() and lse_buf.isnan().all(), f"batch 0 wrote out or lse ({plan})"
+    assert (ws == 0x5A).all(), f"batch 0 wrote the workspace ({plan})"
