@@ -291,6 +291,7 @@ func authenticate(conn net.Conn, auth func() (string, []byte, error)) error {
 	if err != nil {
 		return &AuthError{msg: err.Error()}
 	}
+	defer clear(pw) // a fresh copy from auth: not kept past the connect
 	if len(pw) == 0 {
 		return nil
 	}
