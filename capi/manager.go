@@ -53,7 +53,7 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 	if ht != nil {
 		// No copier: the engine drives the copies (kvp_manager_flush_copies).
 		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead),
-			DemoteEvicted: c.demote_evicted != 0, Shared: shared}
+			DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through), Shared: shared}
 	}
 	m, err := kvmanager.New(cfgGo)
 	if err != nil {

@@ -99,7 +99,7 @@ func TestSharedTierABISecured(t *testing.T) {
 		t.Fatalf("C's shared stats: %v", s)
 	}
 	// A caller whose struct ends before the new counters.
-	s, _ = hookSharedStats(c, sizeofTierStats()-24)
+	s, _ = hookSharedStats(c, offsetofTierStatsAuth())
 	if s["auth_failures"] != 0 || s["errors"] != 1 {
 		t.Fatalf("written past the caller's struct_size: %v", s)
 	}

@@ -59,6 +59,9 @@ func (cAllocator) Free([]byte) error { return nil }
 // newHostTier validates the config's host tier fields and allocates the
 // pool; nil, nil when the config has none.
 func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
+	if c.host_tier_reserved != 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_reserved must be 0: got %d", int32(c.host_tier_reserved))
+	}
 	if c.demote_evicted != 0 && c.demote_evicted != 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_evicted must be 0 or 1: got %d", int32(c.demote_evicted))
 	}
@@ -67,10 +70,10 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 		if c.host_tier_memory != nil {
 			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory needs a host tier (host_tier_slots > 0)")
 		}
-		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 {
+		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 || c.write_through != 0 {
 			return nil, kverr.Errorf(kverr.InvalidArgument,
-				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d) and demote_evicted (%d) need a host tier (host_tier_slots > 0)",
-				bytes, ahead, int32(c.demote_evicted))
+				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d), demote_evicted (%d) and write_through (%d) need a host tier (host_tier_slots > 0)",
+				bytes, ahead, int32(c.demote_evicted), int32(c.write_through))
 		}
 		return nil, nil
 	}
@@ -84,6 +87,9 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 	if nb := int64(c.num_blocks); ahead < 0 || ahead > nb {
 		// The core refuses it too, but only after the memory is allocated.
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_ahead must be in [0, num_blocks = %d]: got %d", nb, ahead)
+	}
+	if nb, wt := int64(c.num_blocks), int64(c.write_through); wt < 0 || wt > nb {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through must be in [0, num_blocks = %d]: got %d", nb, wt)
 	}
 	if uintptr(c.host_tier_memory)%16 != 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory must be 16-byte aligned: got %p", c.host_tier_memory)
@@ -327,6 +333,9 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		v.shared_auth_failures = C.int64_t(sh.AuthFailures)
 		v.shared_tls_failures = C.int64_t(sh.TLSFailures)
 		v.shared_mac_failures = C.int64_t(sh.MACFailures)
+		v.write_through_stored = C.int64_t(s.WriteThroughStored)
+		v.write_through_lost = C.int64_t(s.WriteThroughLost)
+		v.write_through_queue = C.int32_t(s.WriteThroughQueue)
 		if sh.Available {
 			v.shared_available = 1
 		}

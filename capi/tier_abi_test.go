@@ -197,6 +197,10 @@ func TestTierABIRefusals(t *testing.T) {
 		"bytes, no tier":          {numBlocks: 8, blockSize: 4, blockBytes: 16},
 		"demote_evicted 2":        {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, demoteEvicted: 2},
 		"demote_evicted, no tier": {numBlocks: 8, blockSize: 4, demoteEvicted: 1},
+		"write_through > blocks":  {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: 9},
+		"write_through < 0":       {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: -1},
+		"write_through, no tier":  {numBlocks: 8, blockSize: 4, writeThrough: 1},
+		"host_tier_reserved":      {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, resv: 1},
 	} {
 		h, st := hookManagerCreateTier(c)
 		expect(t, name, st, kverr.InvalidArgument)
@@ -414,4 +418,42 @@ func TestSharedTierABIRefusals(t *testing.T) {
 	h, st := hookManagerCreateTier(with(func(c *hookTierConfig) { c.sharedAddr, c.sharedNS, c.sharedPutQueue = &addr, &ns, 1<<20 }))
 	expect(t, "the largest queue", st, kverr.OK)
 	hookManagerDestroy(h)
+}
+
+// Write-through through the ABI: computed blocks are handed out as copies
+// (the batch's demote list) at most write_through a flush, and stay in the
+// GPU prefix cache: a later admission matches them on the GPU.
+func TestTierABIWriteThrough(t *testing.T) {
+	lockThread(t)
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 16, blockSize: 4, slots: 8, blockBytes: 16, writeThrough: 2})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	conv := make([]int32, 13) // three full blocks
+	for i := range conv {
+		conv[i] = int32(100 + i)
+	}
+	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
+	expect(t, "admit", st, kverr.OK)
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	if s, st := hookWriteThroughStats(h); st != 0 || s != [3]int64{0, 0, 3} {
+		t.Fatalf("after the mark: %v %s, want 3 queued", s, statusName(st))
+	}
+	d, r, nd, nr, ticket, st := hookFlushCopies(h, 4, 4)
+	expect(t, "flush", st, kverr.OK)
+	if nd != 2 || nr != 0 || len(d) != 2 || len(r) != 0 || ticket == 0 {
+		t.Fatalf("flush: %d demote copies %v, %d reloads, ticket %d; want the 2 a flush", nd, d, nr, ticket)
+	}
+	expect(t, "complete", hookCompleteCopies(h, ticket, false), kverr.OK)
+	if s, _ := hookWriteThroughStats(h); s != [3]int64{2, 0, 1} {
+		t.Fatalf("after the first batch: %v", s)
+	}
+	ids := cInt64s([]int64{1})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	matched, _, st := hookAdmit(h, []int64{2}, [][]int32{conv}, nil)
+	expect(t, "admit again", st, kverr.OK)
+	if matched[0] != 12 {
+		t.Fatalf("admit after the stores matched %d tokens, want 12 on the GPU", matched[0])
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
 }

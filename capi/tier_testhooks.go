@@ -26,6 +26,7 @@ type hookTierConfig struct {
 	// password_env, ..., mac_keys_file), and tls and reserved.
 	security              map[string]string
 	sharedTLS, sharedResv int32
+	writeThrough, resv    int32 // write_through, host_tier_reserved
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -70,6 +71,7 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 		panic("hookManagerCreateTier: an unknown security field")
 	}
 	cfg.shared_tier_tls, cfg.shared_tier_reserved = C.int32_t(c.sharedTLS), C.int32_t(c.sharedResv)
+	cfg.write_through, cfg.host_tier_reserved = C.int32_t(c.writeThrough), C.int32_t(c.resv)
 	var out *C.kvp_manager
 	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
@@ -237,6 +239,20 @@ func sizeofSharedStoreStats() uintptr { return unsafe.Sizeof(C.kvp_shared_store_
 func firstSizeofTierStats() uintptr { return unsafe.Offsetof(C.kvp_tier_stats{}.reserved) + 4 }
 
 func sizeofTierStats() uintptr { return unsafe.Sizeof(C.kvp_tier_stats{}) }
+
+// hookWriteThroughStats returns kvp_tier_stats' write-through fields:
+// stored, lost, queue.
+func hookWriteThroughStats(h unsafe.Pointer) ([3]int64, abiStatus) {
+	s := (*C.kvp_tier_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))))
+	defer C.free(unsafe.Pointer(s))
+	s.struct_size = C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))
+	st := kvpgo_manager_tier_stats((*C.kvp_manager)(h), s)
+	return [3]int64{int64(s.write_through_stored), int64(s.write_through_lost), int64(s.write_through_queue)}, abiStatus(st)
+}
+
+// offsetofTierStatsAuth is where kvp_tier_stats' shared security counters
+// begin: a caller's struct_size that ends there is one from before them.
+func offsetofTierStatsAuth() uintptr { return unsafe.Offsetof(C.kvp_tier_stats{}.shared_auth_failures) }
 
 func sizeofTierMatch() uintptr { return unsafe.Sizeof(C.kvp_tier_match{}) }
 

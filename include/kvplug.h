@@ -368,6 +368,14 @@ typedef struct kvp_manager_config {
                                               the server's certificate
                                               verified; 0 = plaintext */
   int32_t shared_tier_reserved;            /* must be 0 */
+
+  int32_t write_through;       /* (since 0.3) at most this many computed
+                                  blocks each kvp_manager_flush_copies
+                                  copies to the host tier while they stay
+                                  in the GPU prefix cache ("Host KV tier",
+                                  Write-through), in [0, num_blocks];
+                                  0 = none; needs a host tier */
+  int32_t host_tier_reserved;  /* must be 0 */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -1011,6 +1019,13 @@ typedef struct kvp_tier_stats {
   int64_t shared_mac_failures;  /* of shared_corrupt: values whose MAC did
                                    not verify (none, another key's,
                                    altered) */
+  /* Write-through (since 0.3; see "Host KV tier", Write-through). */
+  int64_t write_through_stored; /* computed blocks copied to the host tier
+                                   while staying on the GPU (completed) */
+  int64_t write_through_lost;   /* computed blocks the GPU evicted before
+                                   their store's turn */
+  int32_t write_through_queue;  /* computed blocks waiting for their store */
+  int32_t reserved2;            /* 0 */
 } kvp_tier_stats;
 
 #define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)

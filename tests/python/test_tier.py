@@ -4,6 +4,8 @@ host slots as flush_copies' batches ask."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -231,3 +233,64 @@ def test_engine_memory():
                            host_tier_memory=bad)
     with pytest.raises(kvplug.InvalidArgumentError):  # no host tier
         kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_memory=np.zeros(0, np.uint8))
+
+
+def kv_for(tokens: np.ndarray, i: int) -> np.ndarray:
+    """The K/V bytes of block i of a prompt: a digest of the tokens up to its end."""
+    d = hashlib.blake2b(np.ascontiguousarray(tokens[:(i + 1) * BS], np.int32).tobytes(), digest_size=16).digest()
+    return np.resize(np.frombuffer(d, np.uint8), BYTES)
+
+
+def test_write_through_keeps_every_gpu_hit():
+    """write_through copies computed blocks to the host tier and leaves them
+    on the GPU: beside a manager without a tier, driven by the same
+    conversations, the GPU matches the same tokens at every admission, and
+    the tier adds host hits for what the GPU evicted; the copies carry the
+    blocks' bytes."""
+    rng = np.random.default_rng(11)
+    plain = kvplug.Manager(BLOCKS * 2, BS, prefix_cache=True)
+    tiered = kvplug.Manager(BLOCKS * 2, BS, prefix_cache=True, host_tier_slots=8 * BLOCKS, host_block_bytes=BYTES,
+                            write_through=3)
+    gpu = np.zeros((BLOCKS * 2, BYTES), np.uint8)
+    host = tiered.host_tier_memory()
+    convs = [np.zeros(0, np.int32) for _ in range(6)]
+    host_hits = 0
+    for sid in range(1, 200):
+        c = int(rng.integers(len(convs)))
+        p = np.concatenate([convs[c], rng.integers(0, 50, int(rng.integers(1, 3 * BS)), dtype=np.int32)])
+        if len(p) > BLOCKS * BS:
+            p = p[-BS:]
+        a = plain.admit([sid], [p])
+        before = tiered.tier_stats().host_hit_tokens
+        b = tiered.admit([sid], [p])
+        assert len(a) == len(b)
+        if not len(a):
+            continue
+        gained = tiered.tier_stats().host_hit_tokens - before
+        assert b[0] - gained == a[0], (sid, a, b, gained)  # the GPU's match, exactly as without the tier
+        host_hits += gained
+        batch = tiered.flush_copies()  # the step: its copies (demote list: the write-through stores)...
+        host[batch.demote_slots] = gpu[batch.demote_blocks]
+        gpu[batch.reload_blocks] = host[batch.reload_slots]
+        if batch.ticket:
+            tiered.complete_copies(batch.ticket)
+        table = tiered.describe([sid]).block_table[0]
+        for i in range(int(b[0]) // BS):  # ...every matched block holds its prefix's K/V...
+            assert (gpu[table[i]] == kv_for(p, i)).all(), (sid, i)
+        for i in range(int(b[0]) // BS, len(p) // BS):  # ...then the forward pass writes the rest
+            gpu[table[i]] = kv_for(p, i)
+        plain.mark_computed()
+        tiered.mark_computed()
+        plain.remove([sid])
+        tiered.remove([sid])
+        convs[c] = p
+        assert plain.prefix_stats().hit_tokens == tiered.prefix_stats().hit_tokens
+    st = tiered.tier_stats()
+    assert host_hits > 0 and st.write_through_stored > 0 and st.demotions_queued == 0, st
+    tiered.check()
+    plain.close()
+    tiered.close()
+    with pytest.raises(kvplug.InvalidArgumentError, match="write_through"):
+        kvplug.Manager(8, 4, prefix_cache=True, write_through=1)  # no host tier
+    with pytest.raises(kvplug.InvalidArgumentError, match="write_through"):
+        kvplug.Manager(8, 4, prefix_cache=True, host_tier_slots=4, host_block_bytes=16, write_through=9)

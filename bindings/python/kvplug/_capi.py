@@ -75,6 +75,8 @@ class ManagerConfig(ctypes.Structure):
         ("shared_tier_mac_keys_file", ctypes.c_char_p),
         ("shared_tier_tls", _i32),
         ("shared_tier_reserved", _i32),
+        ("write_through", _i32),
+        ("host_tier_reserved", _i32),
     ]
 
 
@@ -180,7 +182,8 @@ class TierStatsStruct(ctypes.Structure):
         "shared_puts_failed", "shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors",
         "shared_skipped", "shared_bytes_read", "shared_bytes_written",
     ) + _ints(_i32, "shared_queue_len", "shared_available") + _ints(
-        _i64, "shared_auth_failures", "shared_tls_failures", "shared_mac_failures")
+        _i64, "shared_auth_failures", "shared_tls_failures", "shared_mac_failures",
+        "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2")
 
 
 class KVLayersStruct(ctypes.Structure):

@@ -170,6 +170,12 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     a step's last allocation and copies the batch's demotions on the
     step's stream before anything that writes K/V in the step (kvplug.h,
     "Host KV tier").
+    write_through=N copies instead of moving: each flush_copies hands out
+    up to N computed blocks (marked so by mark_computed) as copies to the
+    host tier while they stay in the GPU prefix cache, so the GPU cache
+    matches what it would without the tier and a later GPU eviction costs
+    nothing (use it with demote_ahead=0; kvplug.h, "Host KV tier",
+    Write-through).
 
     shared_tier="host:port" (with a host tier) adds the shared tier below
     it, a Valkey or Redis server that instances share (kvplug.tier);
@@ -220,6 +226,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_tls_server_name: Optional[str] = None,
         shared_tier_mac_keys_env: Optional[str] = None,
         shared_tier_mac_keys_file: Any = None,
+        write_through: int = 0,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
@@ -232,6 +239,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         max_pending_events = _int(max_pending_events, "Manager: max_pending_events", "int32")
         host_tier_slots = _int(host_tier_slots, "Manager: host_tier_slots", "int32")
         demote_ahead = _int(demote_ahead, "Manager: demote_ahead", "int32")
+        write_through = _int(write_through, "Manager: write_through", "int32")
         host_block_bytes = _int(host_block_bytes, "Manager: host_block_bytes", "int64")
         shared_tier_timeout_ms = _int(shared_tier_timeout_ms, "Manager: shared_tier_timeout_ms", "int32")
         shared_tier_put_queue = _int(shared_tier_put_queue, "Manager: shared_tier_put_queue", "int32")
@@ -246,7 +254,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             _lib.c_string(shared_tier, "Manager: shared_tier"),
             _lib.c_string(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
-            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0,
+            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0, write_through, 0,
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))

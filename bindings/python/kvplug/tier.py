@@ -120,6 +120,11 @@ class TierStats:
     shared_auth_failures: int = 0  # of shared_errors: AUTH refused, commands refused (NOAUTH, NOPERM)
     shared_tls_failures: int = 0  # of shared_errors: TLS handshakes or certificate verifications failed
     shared_mac_failures: int = 0  # of shared_corrupt: values whose MAC did not verify
+    # Write-through (Manager(write_through=N)): computed blocks copied to the host tier while they
+    # stay on the GPU; those the GPU evicted before their store; those waiting for it.
+    write_through_stored: int = 0
+    write_through_lost: int = 0
+    write_through_queue: int = 0
 
 
 _STAT_FIELDS = [f.name for f in dataclasses.fields(TierStats)]
