@@ -61,6 +61,8 @@
  *     forward pass ("Computed K/V" in the prefix cache section).
  *   - kvp_prefix_stats gains uncomputed_blocks and dropped_uncomputed
  *     (appended, by the struct rule below).
+ *   - The host tier's write-through (kvp_manager_config.write_through,
+ *     appended): copies of computed blocks that stay on the GPU.
  *   - A call in a child forked after the library was loaded fails at once
  *     with KVP_ERR_UNSUPPORTED instead of entering the Go runtime.
  *   - kvp_manager_add and kvp_manager_admit refuse a prompt that needs more
@@ -915,6 +917,23 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
  * flush that an allocation evicts again is dropped (its K/V is not
  * written yet), as is one for which every host slot is pinned (both in
  * evicted_undemoted); one the host tier holds already is skipped_present.
+ *
+ * Write-through (write_through > 0; since 0.3): the host tier copies blocks
+ * instead of moving them. Each block a step fills is queued once
+ * kvp_manager_mark_computed says its K/V exists (a block a removal drops
+ * uncomputed never is), and each kvp_manager_flush_copies hands out up to
+ * write_through queued blocks, oldest first, as copies GPU block -> host
+ * slot after the batch's demotions (the engine copies them as it copies
+ * demotions). The GPU blocks stay in the prefix cache: until the batch
+ * completes, each copy holds its block (neither evictable nor reused, and
+ * the hold is not an access, so the eviction order is unchanged), and
+ * complete_copies commits the host slots and announces them (CPU
+ * BLOCK_STORED). A GPU eviction later costs nothing, and an engine that
+ * completes each batch before its next step's allocations sees the GPU
+ * prefix cache match exactly what it would without the tier; the tier only
+ * adds host hits. Queued blocks the GPU evicts before their turn are
+ * counted in write_through_lost. Use it with demote_ahead 0 (moving ahead
+ * of need is what it replaces).
  * A block sits in host slot s as host_block_bytes bytes at
  * base + s * host_block_bytes, in whatever layout the engine copies it in
  * (the library never reads it). Keys: the first 8 bytes of the block's
