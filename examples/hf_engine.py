@@ -502,6 +502,9 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-demote-evicted", dest="demote_evicted", action="store_false",
                     help="drop the cached blocks a step's allocations evict instead of demoting them in the step's "
                     "copies (demoting them is the default without --demote-overlap)")
+    ap.add_argument("--write-through", type=int, default=0, metavar="N",
+                    help="copy up to N computed blocks a step to the host tier while they stay on the GPU, instead "
+                    "of demoting (moving) blocks ahead of need (0: demote; with N, --demote-ahead defaults to 0)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
 
@@ -517,12 +520,17 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
             sys.exit(f"--host-cache-gb {gb} holds no block of this model ({shape}, block size {args.block_size})")
         ahead = args.demote_ahead
         if ahead is None:
-            ahead = kvhf.PagedKVCache.default_demote_ahead(num_blocks, args.block_size, args.step_tokens, args.max_batch)
+            ahead = 0 if args.write_through else kvhf.PagedKVCache.default_demote_ahead(
+                num_blocks, args.block_size, args.step_tokens, args.max_batch)
         kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
+        if args.write_through:
+            kw["write_through"] = min(args.write_through, num_blocks)
         if args.demote_overlap:
             kw["tier_overlap"] = True
         if not args.demote_evicted:
             kw["demote_evicted"] = False
+    if args.write_through and gb <= 0:
+        sys.exit("--write-through needs --host-cache-gb > 0: it copies blocks to the host tier")
     if args.shared_tier:
         if gb <= 0:
             sys.exit("--shared-tier needs --host-cache-gb > 0: blocks fetched from the shared tier land in the host tier")

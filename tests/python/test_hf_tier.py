@@ -66,14 +66,14 @@ class Conversations:
 def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
                       backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
                       tier_overlap: bool = False, max_batch: int = 2,
-                      step_tokens: int = 48, chunk: int = 24):
+                      step_tokens: int = 48, chunk: int = 24, write_through: int = 0):
     """Runs the conversations (the model's device and dtype); returns (engine, recorder, requests, outputs by
     rid, tier summary or None, the engine's summary lines)."""
     E = H.load_engine()
     kvmodel = H.twin(model)
     conv = Conversations(E, model.config.vocab_size)
     tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
-                tier_overlap=tier_overlap) if host_slots else {}
+                tier_overlap=tier_overlap, write_through=write_through) if host_slots else {}
     cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, **tier)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
@@ -128,6 +128,24 @@ def test_evicted_history_is_served_from_the_host_tier(model, big_pool):
     assert none is None and outs == recompute
     assert any(line.startswith("host tier:") for line in lines)
     assert any(line.startswith("host tier loads:") for line in lines)
+
+
+def test_write_through_serves_the_history_and_keeps_gpu_hits(model, big_pool):
+    """write_through: blocks are copied to the host tier as they are computed and stay on the GPU; the
+    histories the GPU evicted come back from the host, every logit row is transformers', and the GPU
+    prefix cache hits what it hits with no tier at all."""
+    engine, rec, reqs, outs, s, lines = run_conversations(model, num_blocks=24, host_slots=64, write_through=8)
+    assert s["write_through_stored"] > 0 and s["demotions_queued"] == 0 and s["reloads_completed"] > 0, s
+    assert s["host_hit_tokens"] >= 3 * BS, s
+    count, _ = H.compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
+    assert count > 100
+    assert outs == big_pool[3]
+    _, _, _, _, none, plain_lines = run_conversations(model, num_blocks=24)
+    gpu_hits = [line for line in lines if line.startswith("prefix cache:")]
+    assert any(line.startswith("host tier write-through:") for line in lines)
+    # The GPU's hits are never below the run without the tier (the host adds to them).
+    assert s["prompt_tokens"] and s["cached_tokens"] - s["host_hit_tokens"] >= int(
+        [line for line in plain_lines if line.startswith("prefix cache:")][0].split("(")[1].split(" of ")[0]), (gpu_hits, plain_lines)
 
 
 def test_a_lost_reload_is_caught(model):

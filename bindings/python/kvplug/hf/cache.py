@@ -149,8 +149,12 @@ class PagedKVCache:
     (default: on unless tier_overlap) also demotes the cached blocks that
     allocations evict, copied in the step's batch on the step's stream
     ahead of its forward pass (kvplug.Manager's demote_evicted; it needs
-    the demotions on the step's stream, so not with tier_overlap). shared_tier
-    ("host:port") goes to the Manager's shared_tier."""
+    the demotions on the step's stream, so not with tier_overlap).
+    write_through > 0 copies instead of moving: each step's copies store up
+    to that many blocks computed since to the host tier while they stay on
+    the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
+    0 and demote_evicted to off. shared_tier ("host:port") goes to the
+    Manager's shared_tier."""
 
     def __init__(
         self,
@@ -167,6 +171,7 @@ class PagedKVCache:
         tier_copier: Any = None,
         tier_overlap: bool = False,
         demote_evicted: Optional[bool] = None,
+        write_through: int = 0,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -186,16 +191,22 @@ class PagedKVCache:
         if host_tier_slots > 0:
             if not prefix_cache:
                 raise kvplug.InvalidArgumentError("kvplug.hf: a host tier needs the prefix cache (prefix_cache=True)")
+            write_through = int(write_through)
             if demote_ahead is None:
-                demote_ahead = self.default_demote_ahead(self.num_blocks)
+                demote_ahead = 0 if write_through > 0 else self.default_demote_ahead(self.num_blocks)
             kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
+            if write_through:
+                kw["write_through"] = write_through
             if demote_evicted and tier_overlap:
                 raise kvplug.InvalidArgumentError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
             if demote_evicted is None:
-                demote_evicted = not tier_overlap
+                demote_evicted = not tier_overlap and write_through == 0
             if demote_evicted:
                 kw["demote_evicted"] = True
+        elif write_through:
+            raise kvplug.InvalidArgumentError("kvplug.hf: write_through needs a host tier (host_tier_slots > 0)")
         self.demote_evicted = bool(kw.get("demote_evicted", False))
+        self.write_through = int(kw.get("write_through", 0))
         if shared_tier:
             kw["shared_tier"] = shared_tier
         self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache, **kw)

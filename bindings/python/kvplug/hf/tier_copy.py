@@ -350,6 +350,9 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
         f"host tier loads: {s['reload_bytes'] / 2**20:.1f} MiB in {s['reload_seconds'] * 1e3:.1f} ms = "
         f"{s['load_gbps']:.1f} GB/s",
     ]
+    if s.get("write_through_stored") or s.get("write_through_queue") or s.get("write_through_lost"):
+        lines.append(f"host tier write-through: {s['write_through_stored']} blocks stored while kept on the GPU, "
+                     f"{s['write_through_lost']} evicted before their store, {s['write_through_queue']} waiting")
     shared = {k: v for k, v in s.items() if k.startswith("shared_")}
     # The stats carry the shared tier's fields whether or not there is one:
     # a manager without one has them all zero (and no server available).
