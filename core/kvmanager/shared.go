@@ -426,6 +426,9 @@ func (m *Manager) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]v
 	defer m.unlock()
 	t := m.tier
 	s := t.shared
+	if s.closed {
+		return nil, nil // Close came while the lookup was in flight: fetch nothing
+	}
 	var keys []valkey.Hash
 	var slots []host.Slot
 	t.gone = t.gone[:0]

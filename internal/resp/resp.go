@@ -44,6 +44,9 @@ func (e Error) Error() string { return "redis: " + string(e) }
 // the whole operation timeout. It is a timeout (IsTimeout).
 var ErrBusy = errors.New("redis: connection busy past the operation timeout")
 
+// ErrClosed is returned by every call after Close.
+var ErrClosed = errors.New("redis: client closed")
+
 // ErrMalformed is a reply that breaks the protocol or its bounds.
 var ErrMalformed = errors.New("redis: malformed reply")
 
@@ -105,8 +108,9 @@ type Client struct {
 	tls         *tls.Config
 	auth        func() (string, []byte, error)
 
-	sem   chan struct{} // the connection's lock, taken with a deadline
-	conn  net.Conn
+	sem    chan struct{} // the connection's lock, taken with a deadline
+	closed bool          // under sem: Close ran, no call dials again
+	conn   net.Conn
 	r     *bufio.Reader
 	w     []byte
 	dials atomic.Int64 // connections made: a redial may meet a restarted server
@@ -135,8 +139,18 @@ func NewClientOptions(addr string, o Options) *Client {
 	return c
 }
 
-// Close closes the connection; a later call dials again.
+// Close closes the connection, once the call holding it (if any) is done;
+// every later call fails with ErrClosed, dialling nothing.
 func (c *Client) Close() {
+	c.sem <- struct{}{}
+	c.closed = true
+	c.drop()
+	<-c.sem
+}
+
+// Reset drops the connection, once the call holding it (if any) is done;
+// the next call dials again (a new connection reads the credentials anew).
+func (c *Client) Reset() {
 	c.sem <- struct{}{}
 	c.drop()
 	<-c.sem
@@ -193,6 +207,10 @@ func (c *Client) acquire(deadline time.Time) error {
 		t.Stop()
 	case <-t.C:
 		return ErrBusy
+	}
+	if c.closed {
+		<-c.sem
+		return ErrClosed
 	}
 	if c.conn == nil {
 		dt := min(c.dialTimeout, time.Until(deadline))

@@ -78,3 +78,46 @@ func TestDoBounded(t *testing.T) {
 		t.Log("both calls reached the server (no ErrBusy this run)")
 	}
 }
+
+// After Close every call fails with ErrClosed and dials nothing; Reset
+// only drops the connection, and the next call dials again.
+func TestCloseIsFinalResetIsNot(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 256)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					if _, err := c.Write([]byte("+PONG\r\n")); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	c := NewClient(ln.Addr().String(), time.Second)
+	ping := [][][]byte{{[]byte("PING")}}
+	if _, err := c.Do(ping); err != nil {
+		t.Fatal(err)
+	}
+	c.Reset()
+	if _, err := c.Do(ping); err != nil || c.DialCount() != 2 {
+		t.Fatalf("after Reset: %v, %d dials", err, c.DialCount())
+	}
+	c.Close()
+	if _, err := c.Do(ping); !errors.Is(err, ErrClosed) || c.DialCount() != 2 {
+		t.Fatalf("after Close: %v, %d dials", err, c.DialCount())
+	}
+}

@@ -98,6 +98,7 @@ package valkey
 import (
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"runtime"
 	"strconv"
@@ -321,8 +322,9 @@ func (cfg Config) CheckFiles() error {
 	return nil
 }
 
-// Close closes the connection. The tier stays usable (a later call
-// redials); Close is for the end of its life.
+// Close closes the connection, once a call in flight is done with it; every
+// later call is a miss or a dropped store at once, counted in Skipped, with
+// nothing dialled or sent. Close is for the end of the tier's life.
 func (t *Tier) Close() error {
 	t.c.Close()
 	return nil
@@ -494,6 +496,10 @@ func (t *Tier) do(cmds [][][]byte) []any {
 		return nil
 	}
 	r, err := t.c.Do(cmds)
+	if errors.Is(err, resp.ErrClosed) {
+		t.skipped.Add(1) // after Close: not the server's failure
+		return nil
+	}
 	t.result(err)
 	if err != nil {
 		return nil

@@ -1,0 +1,44 @@
+package kvmanager
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/kvplug/kvplug/internal/redistest"
+)
+
+// Close while an admission's lookup (EXISTS) is in flight: the fetch reads
+// nothing after Close (no GET, no new connection once Close has returned),
+// reserves no host slot, and the admission computes the prompt.
+func TestSharedFetchClosedDuringLookup(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	const bs = 4
+	r := rand.New(rand.NewPCG(5, 41))
+	conv := seqTokens(r, 4*bs+1)
+	storeConv(t, srv.Addr(), bs, conv)
+	g := newHoldGate(t, srv.Addr())
+	m, _ := newConcMgr(t, 32, bs, 16, 0, g.addr())
+
+	held, release := g.hold("EXISTS")
+	a := concGoAdmit(m, 1, conv)
+	concWaitChan(t, "the admission's EXISTS", held)
+	closed := make(chan error, 1)
+	go func() { closed <- m.Close() }()
+	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.tier.shared.closed
+	})
+	release()
+	res := concWaitChan(t, "the admission", a)
+	must(t, concWaitChan(t, "Close", closed))
+	concWaitFor(t, "the server connection to close", func() bool { _, open := g.counts(); return open == 0 })
+	ts := m.TierStats()
+	if res.err != nil || res.n != 1 || res.matched != 0 || ts.Shared.Fetched != 0 || ts.Host.Reserved != 0 {
+		t.Fatalf("admission %+v after Close during its lookup; %+v", res, ts)
+	}
+	if dials, open := g.counts(); dials != 1 || open != 0 {
+		t.Fatalf("%d connections made, %d open: the fetch dialled again after Close", dials, open)
+	}
+	mustCheck(t, m)
+}
