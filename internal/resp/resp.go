@@ -111,9 +111,9 @@ type Client struct {
 	sem    chan struct{} // the connection's lock, taken with a deadline
 	closed bool          // under sem: Close ran, no call dials again
 	conn   net.Conn
-	r     *bufio.Reader
-	w     []byte
-	dials atomic.Int64 // connections made: a redial may meet a restarted server
+	r      *bufio.Reader
+	w      []byte
+	dials  atomic.Int64 // connections made: a redial may meet a restarted server
 }
 
 // NewClient returns a client for addr (host:port) whose dial and whole
