@@ -43,11 +43,16 @@ tier's hit rates, demotions, reloads and skips, and its load bandwidth
 against a 1 GiB pinned host->device torch copy timed in the same run.
 kvplug-host on a, b, c measures the tier enabled but unused.
 
+Workload t (issue 34): sessions whose users think between turns (ThinkTime:
+open-loop arrivals, a long first context, lognormal think times), the same
+three systems, TTFT by turn index and a plot of it (--plot).
+
     python bench/hf_bench.py                             # the issue's full scale
     python bench/hf_bench.py --scale 0.125 --out-scale 0.25 --hf-requests 16
     python bench/hf_bench.py --model tiny-llama --device cpu --systems kvplug --scale 0.02   # a smoke run
     python bench/hf_bench.py --workloads m                          # host tier, recompute, upper bound
     python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --host-cache-gb 32   # tier unused
+    python bench/hf_bench.py --workloads t --write-through 512 --plot t.png   # users who think between turns
     python bench/hf_bench.py --model tiny-llama --device cpu --dtype float32 --workloads m --scale 0.03 \
         --m-turns 3 --m-user 20 40 --m-output 8 16 --max-batch 8 --step-tokens 256 --chunk 128   # a smoke run
 
@@ -159,6 +164,51 @@ class MultiTurn:
             return None
         prompt = req.prompt + req.outputs[req.seq_ids[0]] + self.users[conv][turn + 1]
         return self._request(conv, turn + 1, prompt, now)
+
+
+class ThinkTime(MultiTurn):
+    """Workload t: sessions of users who think between turns (issue 34).
+    Sessions arrive open-loop (Poisson, --t-rate a second); a session's
+    first turn brings --t-first tokens of context (a repository, a
+    document), each later turn --t-user new tokens on top of the history
+    and the answers (--t-output tokens); the next turn comes a think time
+    after the previous one finished, drawn from a lognormal with median
+    --t-think-median and p99 --t-think-p99 seconds (public coding-agent
+    traces: 5 s and 81 s), times --t-think-scale. The GPU pool is
+    --t-pool-frac of the working set (every session's full history), so
+    histories leave the GPU while their users think; the host tier
+    (kvplug-host) holds them all."""
+
+    def __init__(self, args, vocab: int) -> None:
+        rng = np.random.default_rng(5)
+        n = max(1, int(round(args.t_sessions * args.scale)))
+        turns = args.t_turns
+        o_lo, o_hi = (max(1, int(x * args.out_scale)) for x in args.t_output)
+        u_lo, u_hi = args.t_user
+        self.users = [[rng.integers(1, vocab, args.t_first if k == 0 else int(rng.integers(u_lo, u_hi + 1))).tolist()
+                       for k in range(turns)] for _ in range(n)]
+        self.outs = [[int(rng.integers(o_lo, o_hi + 1)) for _ in range(turns)] for _ in range(n)]
+        self.order = list(range(n))
+        self.turns = turns
+        self.lens = [sum(map(len, u)) + sum(o) for u, o in zip(self.users, self.outs)]
+        self.max_len = max(self.lens)
+        self.of = {}
+        self.pool_frac = args.t_pool_frac
+        # Arrivals: Poisson; think times: lognormal (median m, p99 p: sigma = ln(p / m) / z_0.99).
+        self.starts = np.cumsum(rng.exponential(1.0 / args.t_rate, n)) - 1.0 / args.t_rate
+        mu, sigma = math.log(args.t_think_median), math.log(args.t_think_p99 / args.t_think_median) / 2.3263
+        self.think = (np.exp(rng.normal(mu, sigma, (n, turns))) * args.t_think_scale).tolist()
+
+    def first(self) -> List[Any]:
+        self.of = {}
+        return [self._request(c, 0, list(self.users[c][0]), float(self.starts[c])) for c in self.order]
+
+    def follow_up(self, req: Any, now: float) -> Optional[Any]:
+        conv, turn = self.of[req.rid]
+        if turn + 1 >= self.turns:
+            return None
+        prompt = req.prompt + req.outputs[req.seq_ids[0]] + self.users[conv][turn + 1]
+        return self._request(conv, turn + 1, prompt, now + self.think[conv][turn])
 
 
 def fresh(reqs: List[Any]) -> List[Any]:
@@ -451,7 +501,7 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     elif args.num_blocks:
         num_blocks = args.num_blocks
     elif conv is not None:
-        num_blocks = int(math.ceil(args.m_pool_frac * ws))
+        num_blocks = int(math.ceil(getattr(conv, "pool_frac", args.m_pool_frac) * ws))
     elif args.kv_gb is not None:
         num_blocks = int(args.kv_gb * 2**30 // block_bytes)
     else:
@@ -494,6 +544,7 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     if conv is not None:
         res["requests"] = len(conv)
         res["ttft_next"] = [r.first_token - r.arrival for r in done if conv.of[r.rid][1] > 0]
+        res["ttft_by_turn"] = [[r.first_token - r.arrival for r in done if conv.of[r.rid][1] == k] for k in range(conv.turns)]
     if cache.tier is not None:
         res["tier"] = cache.tier_summary()
     # Where the time goes: decode-only steps (graph replays) against steps that carry prompt tokens.
@@ -511,6 +562,66 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return res
+
+
+def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str, Any]],
+                       ceiling: Optional[Dict[str, float]], plot: str) -> None:
+    """The multi-turn workloads' (m, t) table: TTFT p50 / p99 over all turns
+    and turns 2+, output tokens/s, the tier's loads and hits; per turn index
+    (turn 1 apart) for t; the ratios to recompute; a PNG of TTFT by turn."""
+    print(f"multi-turn ({wl}): TTFT p50 / p99 ms (turns 2+), output tokens/s, loads vs the pinned copy ceiling:")
+    for system in systems:
+        r = results.get(f"{wl}/{system}")
+        if r is None:
+            continue
+        t = r.get("tier")
+        load = ""
+        if t:
+            load = f"  loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s"
+            load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
+            load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}"
+        tpot = pct(r["tpot"], 50)
+        print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
+              f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
+              f"TPOT p50 {fmt(tpot, '.1f')}  {r['out_tokens'] / max(r['wall'], 1e-9):8.1f} tok/s, prefix hit "
+              f"{r['cached_tokens'] / max(r['prompt_tokens'], 1):.1%}" + load)
+        if wl == "t":
+            print("      TTFT p50 / p99 ms by turn: " + "  ".join(
+                f"{k + 1}: {fmt(pct(v, 50), '.0f')} / {fmt(pct(v, 99), '.0f')}" for k, v in enumerate(r["ttft_by_turn"])))
+    h, base, top = results.get(f"{wl}/kvplug-host"), results.get(f"{wl}/kvplug"), results.get(f"{wl}/kvplug-all")
+    if h and base:
+        print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "
+              f"lower (turns 2+ {fmt(pct(base['ttft_next'], 50) / max(pct(h['ttft_next'], 50), 1e-9), '.2f')}x), "
+              f"output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
+    if h and top:
+        print(f"  kvplug-host vs kvplug-all (the upper bound): turns 2+ TTFT p50 "
+              f"{fmt(pct(h['ttft_next'], 50) / max(pct(top['ttft_next'], 50), 1e-9), '.2f')}x")
+    if ceiling:
+        results[f"{wl}/ceiling"] = ceiling
+    if plot and wl == "t":
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(f"  --plot {plot}: matplotlib is not installed; no plot written")
+            return
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in systems:
+            r = results.get(f"{wl}/{system}")
+            if r is None:
+                continue
+            turns = range(1, len(r["ttft_by_turn"]) + 1)
+            ax.plot(turns, [pct(v, 50) for v in r["ttft_by_turn"]], marker="o", label=f"{system} p50")
+            ax.plot(turns, [pct(v, 99) for v in r["ttft_by_turn"]], linestyle="--", label=f"{system} p99")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_yscale("log")
+        ax.set_title("workload t: TTFT by turn")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+        print(f"  plot: {plot}")
 
 
 def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
@@ -584,6 +695,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="output tokens per turn of m, min max (times --out-scale)")
     ap.add_argument("--m-pool-frac", type=float, default=0.25,
                     help="m's GPU pool (kvplug, kvplug-host) as a fraction of its working set, unless --num-blocks")
+    ap.add_argument("--t-sessions", type=int, default=64, help="sessions of t (times --scale)")
+    ap.add_argument("--t-rate", type=float, default=2.0, help="sessions of t arriving a second (Poisson)")
+    ap.add_argument("--t-turns", type=int, default=6, help="turns per session of t")
+    ap.add_argument("--t-first", type=int, default=8192, help="context tokens of t's first turn")
+    ap.add_argument("--t-user", type=int, nargs=2, default=[1024, 2048], help="new user tokens per later turn of t")
+    ap.add_argument("--t-output", type=int, nargs=2, default=[128, 256],
+                    help="output tokens per turn of t, min max (times --out-scale)")
+    ap.add_argument("--t-think-median", type=float, default=5.0, help="median think time of t between turns (s)")
+    ap.add_argument("--t-think-p99", type=float, default=80.0, help="p99 think time of t (s)")
+    ap.add_argument("--t-think-scale", type=float, default=1.0, help="scales t's think times")
+    ap.add_argument("--t-pool-frac", type=float, default=0.25,
+                    help="t's GPU pool (kvplug, kvplug-host) as a fraction of its working set, unless --num-blocks")
+    ap.add_argument("--plot", default="", help="t: write a PNG of TTFT by turn here (needs matplotlib)")
     E.add_tier_args(ap)  # --host-cache-gb (kvplug-host; default: the working set), --demote-ahead, --shared-tier
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
     ap.add_argument("--json", default="", help="write the results here")
@@ -597,7 +721,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"kvplug {kvplug.version_string()}, torch {torch.__version__}, {args.model} {args.dtype} on {args.device} "
           f"({time.perf_counter() - t0:.1f} s to build), "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}", flush=True)
-    systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl == "m" else "kvplug,flashinfer,hf"))
+    systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl in ("m", "t") else "kvplug,flashinfer,hf"))
                   .split(",") for wl in args.workloads.split(",")}
     if args.shared_tier and any(s not in ("kvplug-host", "hf") for v in systems_of.values() for s in v):
         raise SystemExit("--shared-tier goes with the kvplug-host system")  # before any run, not after the first
@@ -610,12 +734,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     results: Dict[str, Dict[str, Any]] = {}
     for wl in args.workloads.split(","):
         conv = None
-        if wl == "m":
-            conv = MultiTurn(args, vocab)
+        if wl in ("m", "t"):
+            conv = MultiTurn(args, vocab) if wl == "m" else ThinkTime(args, vocab)
             bs = args.block_size
-            print(f"workload m: {len(conv.users)} conversations x {conv.turns} turns, histories up to {conv.max_len} "
-                  f"tokens, working set {sum(conv.lens)} tokens = {conv.working_set_blocks(bs)} blocks of {bs}",
-                  flush=True)
+            print(f"workload {wl}: {len(conv.users)} conversations x {conv.turns} turns, histories up to {conv.max_len} "
+                  f"tokens, working set {sum(conv.lens)} tokens = {conv.working_set_blocks(bs)} blocks of {bs}"
+                  + (f"; sessions arriving {args.t_rate}/s, think times median {args.t_think_median * args.t_think_scale:.1f} s, "
+                     f"p99 {args.t_think_p99 * args.t_think_scale:.1f} s" if wl == "t" else ""), flush=True)
         else:
             reqs = workload(wl, args, vocab)
             toks = sum(len(r.prompt) for r in reqs)
@@ -625,7 +750,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             t1 = time.perf_counter()
             if system == "hf":
                 if conv is not None:
-                    raise SystemExit("the hf system does not serve workload m")
+                    raise SystemExit(f"the hf system does not serve workload {wl}")
                 sub = fresh(reqs[:args.hf_requests])
                 r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
             elif system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "flashinfer"):
@@ -635,27 +760,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  "flashinfer or hf")
             results[f"{wl}/{system}"] = r
             print(line(system, wl, r, ceiling) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
-    if "m" in systems_of:
-        print("multi-turn (m): TTFT p50 / p99 ms (turns 2+), output tokens/s, loads vs the pinned copy ceiling:")
-        for system in systems_of["m"]:
-            r = results.get(f"m/{system}")
-            if r is None:
-                continue
-            t = r.get("tier")
-            load = ""
-            if t:
-                load = f"  loads {t['load_gbps']:.1f} GB/s"
-                load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
-                load += f", host hit {t['host_hit_rate']:.1%}"
-            print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
-                  f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
-                  f"{r['out_tokens'] / max(r['wall'], 1e-9):8.1f} tok/s" + load)
-        h, base = results.get("m/kvplug-host"), results.get("m/kvplug")
-        if h and base:
-            print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "
-                  f"lower, output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
-        if ceiling:
-            results["m/ceiling"] = ceiling
+    for mt in ("m", "t"):
+        if mt not in systems_of:
+            continue
+        multi_turn_summary(mt, systems_of[mt], results, ceiling, args.plot if mt == "t" else "")
     print("summary (output tokens/s; kvplug / flashinfer):")
     for wl in args.workloads.split(","):
         row = {s: results[f"{wl}/{s}"]["out_tokens"] / results[f"{wl}/{s}"]["wall"]

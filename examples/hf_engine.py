@@ -27,6 +27,7 @@ KV tier's hit rates, demotions and reloads and its load bandwidth.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import importlib
@@ -371,9 +372,10 @@ class Engine:
         start); returns the wall time. time_limit > 0 stops the loop after
         that many seconds, unfinished requests left as they are.
         follow_up(req, now), called as each request finishes, may return the
-        next request of its conversation: it arrives then (its arrival set
-        to now) and is appended to `requests`."""
-        pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        next request of its conversation, appended to `requests`: it arrives
+        at its own arrival time when that is later than now (a user's think
+        time), else now (its arrival set to now)."""
+        pending = sorted(requests, key=lambda r: r.arrival)
         start = time.perf_counter()
         now = lambda: time.perf_counter() - start  # noqa: E731
         last_log = 0.0
@@ -383,7 +385,7 @@ class Engine:
                     f"{len(self.waiting) + len(pending)} waiting")
                 break
             while pending and pending[0].arrival <= now():
-                self.submit(pending.popleft())
+                self.submit(pending.pop(0))
             if self.idle:
                 time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
                 continue
@@ -392,9 +394,13 @@ class Engine:
                 for req in self.just_finished:
                     t = now()
                     nxt = follow_up(req, t)
-                    if nxt is not None:
+                    if nxt is None:
+                        continue
+                    requests.append(nxt)
+                    if nxt.arrival > t:  # the user thinks first
+                        pending.insert(bisect.bisect_right([r.arrival for r in pending], nxt.arrival), nxt)
+                    else:
                         nxt.arrival = t
-                        requests.append(nxt)
                         self.submit(nxt)
             if self.cfg.progress_every and now() - last_log >= self.cfg.progress_every:
                 last_log = now()
