@@ -80,6 +80,13 @@ func Start(t testing.TB, bin string, port int, args ...string) *Server {
 // Addr is the server's host:port.
 func (s *Server) Addr() string { return fmt.Sprintf("127.0.0.1:%d", s.Port) }
 
+// Running reports whether the server was started and not stopped.
+func (s *Server) Running() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cmd != nil
+}
+
 // Stop kills the server and waits for it; it may be called more than once.
 func (s *Server) Stop() {
 	s.mu.Lock()

@@ -171,7 +171,11 @@ func (c *Client) DialCount() int64 { return c.dials.Load() }
 // or []any (array). An error reply of one command is returned as an Error
 // in its place; a transport error or timeout fails the whole call.
 func (c *Client) Do(cmds [][][]byte) ([]any, error) {
-	deadline := time.Now().Add(c.opTimeout)
+	return c.DoDeadline(cmds, time.Now().Add(c.opTimeout))
+}
+
+// DoDeadline is Do bounded by deadline instead of the operation timeout.
+func (c *Client) DoDeadline(cmds [][][]byte, deadline time.Time) ([]any, error) {
 	if err := c.acquire(deadline); err != nil {
 		return nil, err
 	}
@@ -197,6 +201,22 @@ func (c *Client) DoEncoded(buf []byte, n int) ([]any, error) {
 	}
 	defer func() { <-c.sem }()
 	return c.roundTrip(buf, n, deadline)
+}
+
+// doBuffers is DoEncoded for n commands held in several buffers, written
+// in order as one pipeline (a vectored write) by deadline.
+func (c *Client) doBuffers(bufs [][]byte, n int, deadline time.Time) ([]any, error) {
+	if err := c.acquire(deadline); err != nil {
+		return nil, err
+	}
+	defer func() { <-c.sem }()
+	_ = c.conn.SetDeadline(deadline)
+	nb := net.Buffers(bufs)
+	if _, err := nb.WriteTo(c.conn); err != nil {
+		c.drop()
+		return nil, c.tlsAlert(err)
+	}
+	return c.readReplies(n)
 }
 
 // acquire takes the connection, dialling it if needed, by deadline.
@@ -358,6 +378,10 @@ func (c *Client) roundTrip(w []byte, n int, deadline time.Time) ([]any, error) {
 		c.drop()
 		return nil, c.tlsAlert(err)
 	}
+	return c.readReplies(n)
+}
+
+func (c *Client) readReplies(n int) ([]any, error) {
 	out := make([]any, n)
 	for i := range out {
 		v, err := ReadReply(c.r)

@@ -121,3 +121,15 @@ func TestCloseIsFinalResetIsNot(t *testing.T) {
 		t.Fatalf("after Close: %v, %d dials", err, c.DialCount())
 	}
 }
+
+func TestSlot(t *testing.T) {
+	for key, want := range map[string]int{
+		"foo": 12182, "bar": 5061, "hello": 866, "123456789": 12739,
+		"{user1000}.following": Slot([]byte("user1000")), "foo{}{bar}": Slot([]byte("foo{}{bar}")),
+		"foo{{bar}}zap": Slot([]byte("{bar")), "foo{bar}{zap}": Slot([]byte("bar")),
+	} {
+		if got := Slot([]byte(key)); got != want {
+			t.Errorf("Slot(%q) = %d, want %d", key, got, want)
+		}
+	}
+}

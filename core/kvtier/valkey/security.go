@@ -300,5 +300,6 @@ func EncodeMAC(namespace string, hash Hash, fingerprint uint64, keys []byte, pay
 }
 
 func (s Stats) securityString() string {
-	return fmt.Sprintf("auth failures %d tls failures %d mac failures %d", s.AuthFailures, s.TLSFailures, s.MACFailures)
+	return fmt.Sprintf("auth failures %d tls failures %d mac failures %d cluster %v primaries %d redirects %d map reads %d",
+		s.AuthFailures, s.TLSFailures, s.MACFailures, s.Cluster, s.Primaries, s.Redirects, s.MapReads)
 }

@@ -168,12 +168,19 @@ type Stats struct {
 	// NOAUTH) and on TLS (handshake or verification); of Corrupt, the
 	// values whose MAC did not verify (with Config.MACKeys).
 	AuthFailures, TLSFailures, MACFailures int64
+
+	// Cluster mode (see "Cluster" in the package comment): whether the
+	// server runs as a cluster, its primaries, the MOVED and ASK replies
+	// followed and the slot maps read (discovery included).
+	Cluster             bool
+	Primaries           int
+	Redirects, MapReads int64
 }
 
 // Tier is a client of the shared tier. See the package comment.
 type Tier struct {
 	cfg    Config
-	c      *resp.Client
+	c      *resp.Cluster
 	prefix string
 
 	mac    []*macKey // nil: no MAC; [0] signs
@@ -233,8 +240,14 @@ func New(cfg Config) (*Tier, error) {
 		}
 	}
 	t := &Tier{
-		cfg:    cfg,
-		c:      resp.NewClientOptions(cfg.Addr, opts),
+		cfg: cfg,
+		c: resp.NewCluster(cfg.Addr, resp.ClusterOptions{
+			Options:         opts,
+			FixedServerName: cfg.TLS != nil && cfg.TLS.ServerName != "",
+			NodeBackoff:     cfg.Backoff,
+			MaxNodeBackoff:  cfg.MaxBackoff,
+			RefreshMin:      min(cfg.Backoff, 100*time.Millisecond),
+		}),
 		prefix: "kvplug:" + cfg.Namespace + ":",
 		header: HeaderBytes,
 	}
@@ -504,7 +517,47 @@ func (t *Tier) do(cmds [][][]byte) []any {
 	if err != nil {
 		return nil
 	}
+	t.nodeFailures(r)
 	return r
+}
+
+// nodeFailures counts, once per call, the commands a cluster could not run
+// for their node's failure: in Timeouts or Errors (and AuthFailures or
+// TLSFailures) for a node that failed now, in Skipped for one skipped
+// after a failure. The breaker stays closed: the other nodes serve.
+func (t *Tier) nodeFailures(r []any) {
+	var failed, skipped error
+	for _, x := range r {
+		if e, ok := x.(*resp.NodeError); ok {
+			if errors.Is(e, resp.ErrNodeDown) {
+				skipped = e
+			} else if failed == nil {
+				failed = e
+			}
+		}
+	}
+	if skipped != nil {
+		t.skipped.Add(1)
+	}
+	if failed == nil {
+		return
+	}
+	switch {
+	case resp.IsTimeout(failed):
+		t.timeouts.Add(1)
+	case resp.IsAuth(failed):
+		t.errs.Add(1)
+		t.authFails.Add(1)
+	case resp.IsTLS(failed):
+		t.errs.Add(1)
+		t.tlsFails.Add(1)
+	default:
+		t.errs.Add(1)
+	}
+	if t.logDue() {
+		logx.L().Warn("shared tier: a cluster node failed: its keys are misses, stores to it dropped, until it answers or the slot map names another",
+			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace), zap.Error(failed))
+	}
 }
 
 // Get fetches blocks: out[i] is hashes[i]'s payload, or nil for a miss
@@ -592,6 +645,8 @@ func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
 			// A wrong-type key, a server refusing reads, a user without GET.
 			authCounted = t.refused(v, authCounted) || authCounted
 			t.misses.Add(1)
+		case *resp.NodeError:
+			t.misses.Add(1) // its node failed: counted once by do
 		default:
 			t.misses.Add(1) // nil: absent
 		}
@@ -659,7 +714,9 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		})
 	}
 	buf := make([]byte, 0, size)
-	var written int64
+	var vlens []int
+	offs := make([]int, 1, n+1)
+	keys := make([][2]int, 0, n)
 	for i := range n {
 		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
 			t.errs.Add(1)
@@ -672,6 +729,7 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		}
 		buf = append(resp.AppendBulk(buf, 3), "SET\r\n"...)
 		buf = resp.AppendBulk(buf, keyLen)
+		keys = append(keys, [2]int{len(buf), len(buf) + keyLen})
 		buf = append(t.key(buf, hashes[i]), '\r', '\n')
 		vlen := t.header + len(payloads[i])
 		buf = resp.AppendBulk(buf, vlen)
@@ -685,20 +743,34 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 			buf = append(resp.AppendBulk(buf, 2), "PX\r\n"...)
 			buf = append(append(resp.AppendBulk(buf, len(ttl)), ttl...), '\r', '\n')
 		}
-		written += int64(vlen)
+		vlens = append(vlens, vlen)
+		offs = append(offs, len(buf))
 		cmds++
 	}
 	if cmds == 0 {
 		return 0
 	}
-	r, err := t.c.DoEncoded(buf, cmds)
+	enc, ks := make([][]byte, cmds), make([][]byte, cmds)
+	for i := range cmds {
+		enc[i] = buf[offs[i]:offs[i+1]:offs[i+1]]
+		ks[i] = buf[keys[i][0]:keys[i][1]:keys[i][1]]
+	}
+	r, err := t.c.DoEncoded(enc, ks)
+	if errors.Is(err, resp.ErrClosed) {
+		t.skipped.Add(1)
+		return 0
+	}
 	t.result(err)
 	if err != nil {
 		return 0
 	}
-	t.bytesWritten.Add(written)
+	t.nodeFailures(r)
 	stored, authCounted := 0, false
-	for _, x := range r {
+	for i, x := range r {
+		if _, ok := x.(*resp.NodeError); ok {
+			continue // its node failed: counted once by nodeFailures
+		}
+		t.bytesWritten.Add(int64(vlens[i]))
 		if s, ok := x.(string); ok && s == "OK" {
 			stored++
 		} else if e, ok := x.(resp.Error); ok {
@@ -740,7 +812,7 @@ func (t *Tier) Exists(hashes []Hash) []bool {
 		if e, ok := x.(resp.Error); ok {
 			authCounted = t.refused(e, authCounted) || authCounted
 		}
-		t.misses.Add(1)
+		t.misses.Add(1) // absent, refused, or its node failed (counted by do)
 	}
 	return out
 }
@@ -768,12 +840,14 @@ func (t *Tier) Available() bool {
 
 // Stats returns the counters.
 func (t *Tier) Stats() Stats {
+	cs := t.c.Stats()
 	return Stats{
 		Hits: t.hits.Load(), Misses: t.misses.Load(), Stores: t.stores.Load(), Corrupt: t.corrupt.Load(),
 		Timeouts: t.timeouts.Load(), Errors: t.errs.Load(), Skipped: t.skipped.Load(),
 		BytesRead: t.bytesRead.Load(), BytesWritten: t.bytesWritten.Load(),
 		Available:    t.Available(),
 		AuthFailures: t.authFails.Load(), TLSFailures: t.tlsFails.Load(), MACFailures: t.macFails.Load(),
+		Cluster: cs.Cluster, Primaries: cs.Nodes, Redirects: cs.Redirects, MapReads: cs.Refreshes,
 	}
 }
 
