@@ -73,7 +73,7 @@ func (c *Cluster) startNode(t testing.TB) *Server {
 	bus := FreePort(t)
 	args := append([]string{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
 		"--cluster-node-timeout", "500", "--cluster-port", fmt.Sprint(bus),
-		"--cluster-require-full-coverage", "no"}, c.args...)
+		"--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0"}, c.args...)
 	s := Start(t, c.Bin, 0, args...)
 	c.bus[s] = bus
 	return s
