@@ -79,8 +79,8 @@ type ClusterOptions struct {
 	NodeBackoff, MaxNodeBackoff time.Duration
 	// RefreshMin is the shortest gap between two refreshes of the slot
 	// map that errors ask for; it doubles while errors keep asking and the
-	// map does not change, up to MaxNodeBackoff.
-	RefreshMin time.Duration
+	// map does not change, up to RefreshMax (default 2 s).
+	RefreshMin, RefreshMax time.Duration
 }
 
 // ClusterStats are a Cluster's counters.
@@ -147,6 +147,10 @@ func NewCluster(seed string, o ClusterOptions) *Cluster {
 	if o.RefreshMin <= 0 {
 		o.RefreshMin = 100 * time.Millisecond
 	}
+	if o.RefreshMax <= 0 {
+		o.RefreshMax = 2 * time.Second
+	}
+	o.RefreshMax = max(o.RefreshMax, o.RefreshMin)
 	c := &Cluster{seed: seed, o: o, nodes: map[string]*node{}, refreshGap: o.RefreshMin}
 	c.nodes[seed] = &node{addr: seed, c: NewClientOptions(seed, o.Options)}
 	return c
@@ -519,7 +523,7 @@ func (c *Cluster) refresh() {
 	if m != nil && !c.closed && c.install(m) {
 		c.refreshGap = c.o.RefreshMin
 	} else {
-		c.refreshGap = min(2*c.refreshGap, max(c.o.MaxNodeBackoff, c.o.RefreshMin))
+		c.refreshGap = min(2*c.refreshGap, c.o.RefreshMax)
 	}
 }
 
