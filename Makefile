@@ -160,3 +160,11 @@ bench: $(LIB) $(VENV)/.ok
 
 clean:
 	rm -rf $(BUILD) $(KERNELS_FATBIN)
+
+# Mutation testing, not part of `make test`: each mutation of tools/mutate/mutations.txt
+# (core/prefix, core/kvmanager, core/kvevents, core/kvtier/host) applied alone to a
+# temporary copy of the tree and that package's tests run on it; fails on a survivor the
+# list does not mark equivalent (tools/mutate/RESULTS.md). MUTATE_FLAGS: e.g. -pkg core/prefix.
+.PHONY: mutate
+mutate:
+	$(GO) run ./tools/mutate $(MUTATE_FLAGS)
