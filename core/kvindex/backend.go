@@ -186,9 +186,19 @@ func (m *Memory) Close() error { return nil }
 // <prefix>:inst-shared:<name> for the others. A query is one pipelined
 // round trip (SMISMEMBER per instance and medium); a batch of events one
 // more.
+//
+// On a server in cluster mode (found at NewValkey: CLUSTER SHARDS or
+// SLOTS, as the shared tier's client does) the instance's name in its
+// sets' keys is a hash tag, <prefix>:inst:{<name>}, so that an instance's
+// sets live in one slot (DEL of all three is one command) while the
+// instances spread over the primaries; each command goes to its slot's
+// primary (MOVED and ASK followed), and the generation changes whenever
+// the primaries or any one's run id do (a failover, a restart, a node
+// added), so that every instance is rebuilt on the new primaries.
 type Valkey struct {
-	c      *resp.Client
-	prefix string
+	c       *resp.Cluster
+	prefix  string
+	cluster bool
 
 	mu    sync.Mutex
 	gen   int64
@@ -198,11 +208,15 @@ type Valkey struct {
 // NewValkey connects to a server at addr (host:port) and checks it.
 // Keys live under prefix (e.g. "kvindex").
 func NewValkey(addr, prefix string, timeout time.Duration) (*Valkey, error) {
-	v := &Valkey{c: resp.NewClient(addr, timeout), prefix: prefix}
+	v := &Valkey{c: resp.NewCluster(addr, resp.ClusterOptions{
+		Options:     resp.Options{DialTimeout: timeout, OpTimeout: timeout},
+		NodeBackoff: 50 * time.Millisecond, MaxNodeBackoff: time.Second,
+	}), prefix: prefix}
 	if err := v.Ping(); err != nil {
 		v.c.Close()
 		return nil, err
 	}
+	v.cluster = v.c.IsCluster()
 	return v, nil
 }
 
@@ -211,24 +225,38 @@ var setNames = [prefix.NumMedia]string{":inst:", ":inst-cpu:", ":inst-shared:"}
 
 // keyIn is the set of an instance's blocks on medium md.
 func (v *Valkey) keyIn(inst string, md prefix.Medium) []byte {
+	if v.cluster {
+		return []byte(v.prefix + setNames[md] + "{" + inst + "}")
+	}
 	return []byte(v.prefix + setNames[md] + inst)
 }
 
 // Ping checks the server and notes its run id: a new id is a restarted
-// server, which may have lost every set (Generation).
+// server, which may have lost every set (Generation). In cluster mode the
+// id is every primary's address and run id: a failover, a restart or a
+// node added changes it.
 func (v *Valkey) Ping() error {
-	r, err := v.c.Do([][][]byte{{[]byte("INFO"), []byte("server")}})
+	info := [][][]byte{{[]byte("INFO"), []byte("server")}}
+	r, err := v.c.Do(info)
 	if err != nil {
 		return err
 	}
-	if e, ok := r[0].(resp.Error); ok {
-		return e
+	id, err := runID(r[0])
+	if err != nil {
+		return err
 	}
-	info, _ := r[0].([]byte)
-	id := ""
-	for _, line := range splitLines(info) {
-		if len(line) > 7 && line[:7] == "run_id:" {
-			id = line[7:]
+	if prim := v.c.Primaries(); len(prim) > 0 {
+		id = ""
+		for _, addr := range prim {
+			r, err := v.c.DoNode(addr, info)
+			if err != nil {
+				return err
+			}
+			one, err := runID(r[0])
+			if err != nil {
+				return err
+			}
+			id += addr + "=" + one + " "
 		}
 	}
 	v.mu.Lock()
@@ -240,6 +268,21 @@ func (v *Valkey) Ping() error {
 		v.runID = id
 	}
 	return nil
+}
+
+// runID reads the run id from INFO's reply.
+func runID(x any) (string, error) {
+	if e, ok := x.(error); ok {
+		return "", e
+	}
+	info, _ := x.([]byte)
+	id := ""
+	for _, line := range splitLines(info) {
+		if len(line) > 7 && line[:7] == "run_id:" {
+			id = line[7:]
+		}
+	}
+	return id, nil
 }
 
 func splitLines(b []byte) []string {
@@ -308,8 +351,8 @@ func (v *Valkey) Apply(inst string, ops []Op) error {
 		return err
 	}
 	for _, x := range r {
-		if e, ok := x.(resp.Error); ok {
-			return e
+		if e, ok := x.(error); ok {
+			return e // an error reply, or a cluster node's failure
 		}
 	}
 	return nil
@@ -359,7 +402,7 @@ func (v *Valkey) Match(insts []string, chains [][]kvevents.Key) ([]Held, error) 
 			x := r[k*prefix.NumMedia+md]
 			arr, ok := x.([]any)
 			if !ok {
-				if e, isErr := x.(resp.Error); isErr {
+				if e, isErr := x.(error); isErr {
 					return nil, e
 				}
 				return nil, fmt.Errorf("redis: SMISMEMBER replied %T", x)

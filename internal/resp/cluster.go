@@ -183,6 +183,49 @@ func (c *Cluster) Reset() {
 	}
 }
 
+// DialCount returns how many connections the nodes' clients have made.
+func (c *Cluster) DialCount() int64 {
+	c.mu.Lock()
+	nodes := mapValues(c.nodes)
+	c.mu.Unlock()
+	var n int64
+	for _, nd := range nodes {
+		n += nd.c.DialCount()
+	}
+	return n
+}
+
+// Primaries returns the addresses of the slot map's primaries, in slot
+// order (none on a standalone server or before discovery).
+func (c *Cluster) Primaries() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []string
+	seen := map[*node]bool{}
+	if c.mode == modeCluster && c.slots != nil {
+		for _, n := range c.slots {
+			if n != nil && !seen[n] {
+				seen[n] = true
+				out = append(out, n.addr)
+			}
+		}
+	}
+	return out
+}
+
+// DoNode sends cmds to the node at addr (a primary of the map, or the
+// seed), as Client.Do.
+func (c *Cluster) DoNode(addr string, cmds [][][]byte) ([]any, error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, ErrClosed
+	}
+	n := c.nodeLocked(addr)
+	c.mu.Unlock()
+	return n.c.Do(cmds)
+}
+
 // Stats returns the counters.
 func (c *Cluster) Stats() ClusterStats {
 	c.mu.Lock()
@@ -341,10 +384,16 @@ func parseShards(x any, seedHost string, useTLS bool) *slotMap {
 		f := pairs(s)
 		slots, _ := f["slots"].([]any)
 		nodes, _ := f["nodes"].([]any)
-		addr := ""
+		// The shard's primary: an online one (a failed former primary
+		// may still be listed as one after its replica took over).
+		addr, online := "", false
 		for _, nd := range nodes {
 			nf := pairs(nd)
 			if str(nf["role"]) != "master" {
+				continue
+			}
+			up := str(nf["health"]) == "online"
+			if online && !up {
 				continue
 			}
 			host := str(nf["endpoint"])
@@ -359,7 +408,7 @@ func parseShards(x any, seedHost string, useTLS bool) *slotMap {
 				port = tp
 			}
 			if port > 0 {
-				addr = joinHostPort(host, port)
+				addr, online = joinHostPort(host, port), up
 			}
 		}
 		if addr == "" {
