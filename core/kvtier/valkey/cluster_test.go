@@ -187,3 +187,65 @@ func TestClusterDiscoveryStandalone(t *testing.T) {
 		t.Fatalf("stats %v", st)
 	}
 }
+
+// Four clients (four tiers, as four instances), each with batches of 16
+// blocks of 64 KiB (1 MiB) of its own, against one server or a cluster of
+// 3 primaries, all on loopback.
+func benchClients(b *testing.B, get, cluster bool) {
+	const clients, n, bs = 4, 16, 64 << 10
+	bin := redistest.Find(b)
+	var addr string
+	if cluster {
+		addr = redistest.StartCluster(b, bin, 3, 0).Seed()
+	} else {
+		addr = redistest.Start(b, bin, 0).Addr()
+	}
+	type client struct {
+		tr      *Tier
+		keys    []Hash
+		ps, dst [][]byte
+	}
+	cs := make([]client, clients)
+	for c := range cs {
+		cs[c].tr = newTier(b, Config{Addr: addr, BlockBytes: bs, OpTimeout: 10 * time.Second})
+		for i := range n {
+			cs[c].keys = append(cs[c].keys, hashOf(uint64(c*n+i+1)))
+			cs[c].ps = append(cs[c].ps, payload(uint64(c*n+i), bs))
+			cs[c].dst = append(cs[c].dst, make([]byte, bs))
+		}
+		if cs[c].tr.Put(cs[c].keys, cs[c].ps) != n {
+			b.Fatal("put")
+		}
+	}
+	if st := cs[0].tr.Stats(); st.Cluster != cluster {
+		b.Fatalf("stats %v", st)
+	}
+	b.SetBytes(n * bs)
+	var next atomic.Int64
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	for c := range cs {
+		wg.Go(func() {
+			cl := cs[c]
+			for next.Add(1) <= int64(b.N) {
+				if get {
+					for _, ok := range cl.tr.GetInto(cl.keys, cl.dst) {
+						if !ok {
+							b.Error("miss")
+							return
+						}
+					}
+				} else if cl.tr.Put(cl.keys, cl.ps) != n {
+					b.Error("put")
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func BenchmarkGet4Clients16x64KiB(b *testing.B)         { benchClients(b, true, false) }
+func BenchmarkPut4Clients16x64KiB(b *testing.B)         { benchClients(b, false, false) }
+func BenchmarkGet4Clients16x64KiBCluster3(b *testing.B) { benchClients(b, true, true) }
+func BenchmarkPut4Clients16x64KiBCluster3(b *testing.B) { benchClients(b, false, true) }
