@@ -57,8 +57,31 @@
 // noeviction server refusing a SET) counts in Errors without opening the
 // breaker.
 //
-// A Tier is safe for concurrent use; its calls share one connection, one
-// round trip at a time.
+// A Tier is safe for concurrent use; its calls share one connection per
+// server, one round trip at a time on each.
+//
+// # Cluster
+//
+// Config.Addr may name any node of a Valkey or Redis Cluster: the first
+// call asks it for the slot map (CLUSTER SHARDS, or CLUSTER SLOTS on
+// servers without it; a server with cluster support disabled, or one that
+// refuses both commands, is one server as above). In cluster mode each
+// block's key goes to the primary serving its slot (CRC16 of the key mod
+// 16384; a block's key has no hash tag, so the blocks spread over every
+// slot); a call's commands are pipelined per node, the nodes in parallel,
+// within the one OpTimeout. A MOVED reply updates the slot, is followed
+// once and asks for the map to be read again; an ASK reply (a slot being
+// migrated) is followed once after ASKING. A node that fails (down, slow,
+// refusing AUTH or TLS) makes its keys misses and its stores dropped,
+// counted once per call (Timeouts or Errors; Skipped while the node is
+// skipped for the Backoff window, doubling to MaxBackoff), without opening
+// the tier's breaker: the other nodes keep serving. Errors ask for the map
+// to be read again in the background, at most every 100 ms (the Backoff
+// if shorter) while they go on, backing off to 2 s, so that a failover's
+// promoted replica is found. AUTH, TLS and the MAC apply to every node's
+// connection; with TLS each node is verified for TLS.ServerName when set,
+// else for its own host as the map names it. Stats counts the redirects
+// followed and the maps read.
 //
 // # Security
 //
