@@ -599,29 +599,35 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
     if ceiling:
         results[f"{wl}/ceiling"] = ceiling
     if plot and wl == "t":
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print(f"  --plot {plot}: matplotlib is not installed; no plot written")
-            return
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for system in systems:
-            r = results.get(f"{wl}/{system}")
-            if r is None:
-                continue
-            turns = range(1, len(r["ttft_by_turn"]) + 1)
-            ax.plot(turns, [pct(v, 50) for v in r["ttft_by_turn"]], marker="o", label=f"{system} p50")
-            ax.plot(turns, [pct(v, 99) for v in r["ttft_by_turn"]], linestyle="--", label=f"{system} p99")
-        ax.set_xlabel("turn")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_yscale("log")
-        ax.set_title("workload t: TTFT by turn")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=120)
-        print(f"  plot: {plot}")
+        plot_ttft_by_turn(plot, {s: results[f"{wl}/{s}"] for s in systems if f"{wl}/{s}" in results})
+
+
+def plot_ttft_by_turn(path: str, runs: Dict[str, Dict[str, Any]]) -> None:
+    """A PNG of TTFT p50 (solid) and p99 (dashed) by turn, a colour per
+    system (`python bench/hf_bench.py --replot out.json fig.png` redraws it
+    from a run's --json)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"  plot {path}: matplotlib is not installed; no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k, (system, r) in enumerate(runs.items()):
+        turns = list(range(1, len(r["ttft_by_turn"]) + 1))
+        c = f"C{k}"
+        ax.plot(turns, [pct(v, 50) for v in r["ttft_by_turn"]], color=c, marker="o", label=f"{system} p50")
+        ax.plot(turns, [pct(v, 99) for v in r["ttft_by_turn"]], color=c, linestyle="--", label=f"{system} p99")
+        ax.set_xticks(turns)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.set_yscale("log")
+    ax.set_title("workload t: TTFT by turn")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"  plot: {path}")
 
 
 def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
@@ -708,11 +714,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--t-pool-frac", type=float, default=0.25,
                     help="t's GPU pool (kvplug, kvplug-host) as a fraction of its working set, unless --num-blocks")
     ap.add_argument("--plot", default="", help="t: write a PNG of TTFT by turn here (needs matplotlib)")
+    ap.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                    help="redraw the plot of workload t from a run's --json, and exit")
     E.add_tier_args(ap)  # --host-cache-gb (kvplug-host; default: the working set), --demote-ahead, --shared-tier
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(pathlib.Path(args.replot[0]).read_text())
+        plot_ttft_by_turn(args.replot[1], {k.split("/", 1)[1]: v for k, v in saved.items()
+                                           if k.startswith("t/") and "ttft_by_turn" in v})
+        return
 
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
