@@ -223,7 +223,12 @@ func (c *Cluster) DoNode(addr string, cmds [][][]byte) ([]any, error) {
 	}
 	n := c.nodeLocked(addr)
 	c.mu.Unlock()
-	return n.c.Do(cmds)
+	r, err := n.c.Do(cmds)
+	if err != nil {
+		n.failed(err, &c.o)
+		c.askRefresh() // a primary of the map failing: a failover may follow
+	}
+	return r, err
 }
 
 // Stats returns the counters.
