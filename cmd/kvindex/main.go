@@ -68,6 +68,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kvevents"
 	"github.com/kvplug/kvplug/core/kvindex"
+	"github.com/kvplug/kvplug/core/kvtier/valkey"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/logx"
 )
@@ -175,6 +176,11 @@ type options struct {
 	cpuWeight, sharedWeight *float64
 	idle, timeout           *time.Duration
 	showVersion             *bool
+	// The Valkey connection's security (the shared tier's: a password from
+	// an environment variable or a file, never a flag's value).
+	vUser, vPassEnv, vPassFile            *string
+	vTLSCA, vTLSCert, vTLSKey, vTLSServer *string
+	vTLS                                  *bool
 }
 
 // newFlags defines the command's flags (README.md's table lists them).
@@ -186,6 +192,14 @@ func newFlags(stderr io.Writer) (*flag.FlagSet, *options) {
 	o.bs = fs.Int("block-size", 16, fmt.Sprintf("tokens per block of the engines, in [1, %d]", prefix.MaxBlockSize))
 	o.valkey = fs.String("valkey", "", "Valkey/Redis address (host:port); empty: in-memory index")
 	o.prefixKey = fs.String("valkey-prefix", "kvindex", "key prefix in Valkey/Redis")
+	o.vUser = fs.String("valkey-user", "", "ACL user for AUTH (needs a password); empty: the default user")
+	o.vPassEnv = fs.String("valkey-password-env", "", "the name of an environment variable holding the AUTH password")
+	o.vPassFile = fs.String("valkey-password-file", "", "the path of a file holding the AUTH password (one trailing newline dropped)")
+	o.vTLS = fs.Bool("valkey-tls", false, "TLS to Valkey/Redis, the server's certificate verified (never plaintext then)")
+	o.vTLSCA = fs.String("valkey-tls-ca", "", "PEM file of the CAs the server's certificate must chain to; empty: the system's roots")
+	o.vTLSCert = fs.String("valkey-tls-cert", "", "PEM client certificate, for a server that asks for one (with -valkey-tls-key)")
+	o.vTLSKey = fs.String("valkey-tls-key", "", "its PEM key")
+	o.vTLSServer = fs.String("valkey-tls-server-name", "", "the name the server's certificate must be for; empty: the host of -valkey")
 	o.cpuWeight = fs.Float64("cpu-weight", kvindex.DefaultCPUWeight, "what a token on an instance's CPU (host) tier counts for in a score, against 1 on its GPU; in [0, 1]")
 	o.sharedWeight = fs.Float64("shared-weight", kvindex.DefaultSharedWeight, "what a token on the shared tier counts for; in [0, 1]")
 	o.idle = fs.Duration("idle-timeout", kvindex.DefaultIdleTimeout, "how long an instance may send nothing before kvindex checks it is there (a heartbeat, then its replay endpoint); 0: never")
@@ -198,6 +212,34 @@ func newFlags(stderr io.Writer) (*flag.FlagSet, *options) {
 
 func main() {
 	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr, nil))
+}
+
+// valkeySecurity checks the -valkey-* security flags and returns them as the
+// backend's; msg says what is wrong (a bad flag: exit 2). withServer: -valkey
+// is given (the flags need it).
+func valkeySecurity(o *options, withServer bool) (sec kvindex.ValkeySecurity, msg string) {
+	set := *o.vUser != "" || *o.vPassEnv != "" || *o.vPassFile != "" || *o.vTLS ||
+		*o.vTLSCA != "" || *o.vTLSCert != "" || *o.vTLSKey != "" || *o.vTLSServer != ""
+	switch {
+	case !set:
+		return sec, ""
+	case !withServer:
+		return sec, "the -valkey-user, -valkey-password-* and -valkey-tls* flags need -valkey"
+	case *o.vPassEnv != "" && *o.vPassFile != "":
+		return sec, "give -valkey-password-env or -valkey-password-file, not both"
+	case *o.vUser != "" && *o.vPassEnv == "" && *o.vPassFile == "":
+		return sec, "-valkey-user needs -valkey-password-env or -valkey-password-file"
+	case !*o.vTLS && (*o.vTLSCA != "" || *o.vTLSCert != "" || *o.vTLSKey != "" || *o.vTLSServer != ""):
+		return sec, "the -valkey-tls-* flags need -valkey-tls (a setting is never ignored)"
+	case (*o.vTLSCert == "") != (*o.vTLSKey == ""):
+		return sec, "-valkey-tls-cert and -valkey-tls-key go together"
+	}
+	sec.Username = *o.vUser
+	sec.Password = valkey.Secret{Env: *o.vPassEnv, File: *o.vPassFile}
+	if *o.vTLS {
+		sec.TLS = &valkey.TLS{CAFile: *o.vTLSCA, CertFile: *o.vTLSCert, KeyFile: *o.vTLSKey, ServerName: *o.vTLSServer}
+	}
+	return sec, ""
 }
 
 // run is the command. It returns the exit status: 0 after a clean
@@ -250,6 +292,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 			return bad("-valkey %q: %v (want host:port)", *valkey, err)
 		}
 	}
+	sec, msg := valkeySecurity(o, *valkey != "")
+	if msg != "" {
+		return bad("%s", msg)
+	}
 	cfgIdle := *idle
 	if cfgIdle == 0 {
 		cfgIdle = -1 // Config's "never"
@@ -267,7 +313,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 
 	var be kvindex.Backend = kvindex.NewMemory()
 	if *valkey != "" {
-		v, err := kvindex.NewValkey(*valkey, *prefixKey, *timeout)
+		v, err := kvindex.NewValkeySecure(*valkey, *prefixKey, *timeout, sec)
 		if err != nil {
 			out.printf("kvindex: valkey %s: %v\n", *valkey, err)
 			return 1

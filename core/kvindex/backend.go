@@ -5,7 +5,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/kvtier/valkey"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/resp"
 )
@@ -208,9 +210,34 @@ type Valkey struct {
 // NewValkey connects to a server at addr (host:port) and checks it.
 // Keys live under prefix (e.g. "kvindex").
 func NewValkey(addr, prefix string, timeout time.Duration) (*Valkey, error) {
+	return NewValkeySecure(addr, prefix, timeout, ValkeySecurity{})
+}
+
+// ValkeySecurity is how the backend authenticates to its server and
+// encrypts the connection, as the shared KV tier does (valkey.ConnOptions):
+// AUTH as Username ("" for the default user) with Password (zero: no
+// AUTH), TLS when not nil. Secrets come from an environment variable or a
+// file, never from the command line.
+type ValkeySecurity struct {
+	Username string
+	Password valkey.Secret
+	TLS      *valkey.TLS
+}
+
+// NewValkeySecure is NewValkey with AUTH and TLS. A refused AUTH or a
+// failed TLS handshake fails it, naming which, never with the password.
+func NewValkeySecure(addr, prefix string, timeout time.Duration, sec ValkeySecurity) (*Valkey, error) {
+	if sec.Username != "" && sec.Password.IsZero() {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvindex: a Valkey username needs a password")
+	}
+	opts, err := valkey.ConnOptions(addr, sec.Username, sec.Password, sec.TLS, timeout, timeout)
+	if err != nil {
+		return nil, err
+	}
 	v := &Valkey{c: resp.NewCluster(addr, resp.ClusterOptions{
-		Options:     resp.Options{DialTimeout: timeout, OpTimeout: timeout},
-		NodeBackoff: 50 * time.Millisecond, MaxNodeBackoff: time.Second,
+		Options:         opts,
+		FixedServerName: sec.TLS != nil && sec.TLS.ServerName != "",
+		NodeBackoff:     50 * time.Millisecond, MaxNodeBackoff: time.Second,
 	}), prefix: prefix}
 	if err := v.Ping(); err != nil {
 		v.c.Close()

@@ -240,27 +240,9 @@ func New(cfg Config) (*Tier, error) {
 		cfg.MaxBackoff = DefaultMaxBackoff
 	}
 	cfg.MaxBackoff = max(cfg.MaxBackoff, cfg.Backoff)
-	opts := resp.Options{DialTimeout: cfg.DialTimeout, OpTimeout: cfg.OpTimeout}
-	if cfg.TLS != nil {
-		tc, err := cfg.TLS.config(cfg.Addr)
-		if err != nil {
-			return nil, err
-		}
-		opts.TLS = tc
-	}
-	if !cfg.Password.IsZero() {
-		// Read now to refuse a missing or empty password at once, and
-		// again on every connect (Options.Auth).
-		pw, err := cfg.Password.read("password")
-		if err != nil {
-			return nil, err
-		}
-		clear(pw)
-		user, secret := cfg.Username, cfg.Password
-		opts.Auth = func() (string, []byte, error) {
-			pw, err := secret.read("password")
-			return user, pw, err
-		}
+	opts, err := ConnOptions(cfg.Addr, cfg.Username, cfg.Password, cfg.TLS, cfg.DialTimeout, cfg.OpTimeout)
+	if err != nil {
+		return nil, err
 	}
 	t := &Tier{
 		cfg: cfg,
@@ -356,6 +338,35 @@ func (cfg Config) CheckFiles() error {
 		return err
 	}
 	return nil
+}
+
+// ConnOptions returns the connection options of a client of the server at
+// addr with this security: TLS (nil: plaintext), AUTH as username (""
+// for the default user) with the password (zero: no AUTH). The password
+// is read now, so that a missing or empty one is refused at once, and
+// again on every connect (a rotated password file is followed). For the
+// tier and for other clients of the same servers (cmd/kvindex).
+func ConnOptions(addr, username string, password Secret, tlsCfg *TLS, dial, op time.Duration) (resp.Options, error) {
+	opts := resp.Options{DialTimeout: dial, OpTimeout: op}
+	if tlsCfg != nil {
+		tc, err := tlsCfg.config(addr)
+		if err != nil {
+			return opts, err
+		}
+		opts.TLS = tc
+	}
+	if !password.IsZero() {
+		pw, err := password.read("password")
+		if err != nil {
+			return opts, err
+		}
+		clear(pw)
+		opts.Auth = func() (string, []byte, error) {
+			pw, err := password.read("password")
+			return username, pw, err
+		}
+	}
+	return opts, nil
 }
 
 // Close closes the connection, once a call in flight is done with it; every
