@@ -221,6 +221,10 @@ func kvpgo_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store
 		v.timeouts, v.errors, v.skipped = C.int64_t(s.Timeouts), C.int64_t(s.Errors), C.int64_t(s.Skipped)
 		v.bytes_read, v.bytes_written = C.int64_t(s.BytesRead), C.int64_t(s.BytesWritten)
 		v.auth_failures, v.tls_failures, v.mac_failures = C.int64_t(s.AuthFailures), C.int64_t(s.TLSFailures), C.int64_t(s.MACFailures)
+		v.redirects, v.map_reads, v.primaries = C.int64_t(s.Redirects), C.int64_t(s.MapReads), C.int32_t(s.Primaries)
+		if s.Cluster {
+			v.cluster = 1
+		}
 		if s.Available {
 			v.available = 1
 		}

@@ -333,6 +333,10 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		v.shared_auth_failures = C.int64_t(sh.AuthFailures)
 		v.shared_tls_failures = C.int64_t(sh.TLSFailures)
 		v.shared_mac_failures = C.int64_t(sh.MACFailures)
+		v.shared_redirects, v.shared_map_reads, v.shared_primaries = C.int64_t(sh.Redirects), C.int64_t(sh.MapReads), C.int32_t(sh.Primaries)
+		if sh.Cluster {
+			v.shared_cluster = 1
+		}
 		v.write_through_stored = C.int64_t(s.WriteThroughStored)
 		v.write_through_lost = C.int64_t(s.WriteThroughLost)
 		v.write_through_queue = C.int32_t(s.WriteThroughQueue)

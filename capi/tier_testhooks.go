@@ -176,7 +176,19 @@ func hookSharedStats(h unsafe.Pointer, structSize uintptr) (map[string]int64, ab
 		"queue_len": int64(s.shared_queue_len), "available": int64(s.shared_available),
 		"auth_failures": int64(s.shared_auth_failures), "tls_failures": int64(s.shared_tls_failures),
 		"mac_failures": int64(s.shared_mac_failures),
+		"redirects":    int64(s.shared_redirects), "map_reads": int64(s.shared_map_reads),
+		"cluster": int64(s.shared_cluster), "primaries": int64(s.shared_primaries),
 	}, abiStatus(st)
+}
+
+// hookSharedStoreClusterStats returns kvp_shared_store_stats' cluster
+// fields: cluster, primaries, map_reads, redirects.
+func hookSharedStoreClusterStats(h unsafe.Pointer) ([4]int64, abiStatus) {
+	s := (*C.kvp_shared_store_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_shared_store_stats{}))))
+	defer C.free(unsafe.Pointer(s))
+	s.struct_size = C.size_t(unsafe.Sizeof(C.kvp_shared_store_stats{}))
+	st := kvpgo_shared_store_stats_get((*C.kvp_shared_store)(h), s)
+	return [4]int64{int64(s.cluster), int64(s.primaries), int64(s.map_reads), int64(s.redirects)}, abiStatus(st)
 }
 
 // securityFieldNames are the keys of m that name security fields.

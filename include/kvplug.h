@@ -63,6 +63,9 @@
  *     (appended, by the struct rule below).
  *   - The host tier's write-through (kvp_manager_config.write_through,
  *     appended): copies of computed blocks that stay on the GPU.
+ *   - The shared tier and store speak AUTH, TLS, a keyed MAC and Valkey
+ *     Cluster (fields appended to kvp_manager_config,
+ *     kvp_shared_store_config and both stats structs).
  *   - A call in a child forked after the library was loaded fails at once
  *     with KVP_ERR_UNSUPPORTED instead of entering the Go runtime.
  *   - kvp_manager_add and kvp_manager_admit refuse a prompt that needs more
@@ -1038,6 +1041,11 @@ typedef struct kvp_tier_stats {
   int64_t shared_mac_failures;  /* of shared_corrupt: values whose MAC did
                                    not verify (none, another key's,
                                    altered) */
+  /* The shared tier in cluster mode (since 0.3; "Shared KV tier", Cluster). */
+  int64_t shared_redirects;     /* MOVED and ASK replies followed */
+  int64_t shared_map_reads;     /* slot maps read */
+  int32_t shared_cluster;       /* 1: the server is a cluster */
+  int32_t shared_primaries;     /* its primaries in the last map */
   /* Write-through (since 0.3; see "Host KV tier", Write-through). */
   int64_t write_through_stored; /* computed blocks copied to the host tier
                                    while staying on the GPU (completed) */
@@ -2465,6 +2473,13 @@ typedef struct kvp_shared_store_stats {
   int64_t auth_failures; /* of errors: AUTH or commands refused for it */
   int64_t tls_failures;  /* of errors: TLS handshakes or verifications */
   int64_t mac_failures;  /* of corrupt: values whose MAC did not verify */
+  /* Cluster mode (since 0.3; "Shared KV tier", Cluster): */
+  int64_t redirects;     /* MOVED and ASK replies followed */
+  int64_t map_reads;     /* slot maps read (at start, after redirects and
+                            failed nodes) */
+  int32_t cluster;       /* 1: the server is a cluster */
+  int32_t primaries;     /* the cluster's primaries in the last map; 0
+                            for one server */
 } kvp_shared_store_stats;
 
 #define KVP_SHARED_STORE_STATS_INIT KVP_STRUCT_INIT(kvp_shared_store_stats)

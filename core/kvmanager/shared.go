@@ -175,6 +175,11 @@ type SharedStats struct {
 	AuthFailures int64 // of Errors: AUTH refused (or its password not readable), commands refused with NOAUTH or NOPERM
 	TLSFailures  int64 // of Errors: TLS handshakes or verifications that failed
 	MACFailures  int64 // of Corrupt: values whose MAC did not verify (no MAC, another key's, altered)
+	// Cluster mode (valkey's Stats): MOVED and ASK replies followed, slot
+	// maps read, whether the server is a cluster, and its primaries.
+	Redirects, MapReads int64
+	Cluster             bool
+	Primaries           int
 }
 
 // putOp is one block to store: its hash and the host slot holding it,
@@ -328,6 +333,7 @@ func (s *sharedTier) stats() SharedStats {
 		BytesRead: v.BytesRead, BytesWritten: v.BytesWritten,
 		QueueLen: len(s.queue), Available: v.Available,
 		AuthFailures: v.AuthFailures, TLSFailures: v.TLSFailures, MACFailures: v.MACFailures,
+		Redirects: v.Redirects, MapReads: v.MapReads, Cluster: v.Cluster, Primaries: v.Primaries,
 	}
 }
 

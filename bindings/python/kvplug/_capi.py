@@ -183,7 +183,8 @@ class TierStatsStruct(ctypes.Structure):
         "shared_skipped", "shared_bytes_read", "shared_bytes_written",
     ) + _ints(_i32, "shared_queue_len", "shared_available") + _ints(
         _i64, "shared_auth_failures", "shared_tls_failures", "shared_mac_failures",
-        "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2")
+        "shared_redirects", "shared_map_reads") + _ints(_i32, "shared_cluster", "shared_primaries") + _ints(
+        _i64, "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2")
 
 
 class KVLayersStruct(ctypes.Structure):
@@ -459,7 +460,8 @@ class SharedStoreStatsStruct(ctypes.Structure):
 
     _fields_ = [("struct_size", _size)] + _ints(
         _i64, "hits", "misses", "stores", "corrupt", "timeouts", "errors", "skipped", "bytes_read", "bytes_written",
-    ) + _ints(_i32, "available", "reserved") + _ints(_i64, "auth_failures", "tls_failures", "mac_failures")
+    ) + _ints(_i32, "available", "reserved") + _ints(_i64, "auth_failures", "tls_failures", "mac_failures",
+                                                    "redirects", "map_reads") + _ints(_i32, "cluster", "primaries")
 
 
 FUNCTIONS.update({

@@ -138,6 +138,10 @@ class SharedStoreStats:
     auth_failures: int = 0  # of errors: AUTH refused, commands refused (NOAUTH, NOPERM)
     tls_failures: int = 0  # of errors: TLS handshakes or certificate verifications failed
     mac_failures: int = 0  # of corrupt: values whose MAC did not verify
+    redirects: int = 0  # cluster mode: MOVED and ASK replies followed
+    map_reads: int = 0  # cluster mode: slot maps read
+    cluster: bool = False  # the server is a Valkey/Redis Cluster
+    primaries: int = 0  # its primaries in the last map
 
 
 class SharedStore(_lib.Owner):
@@ -229,4 +233,4 @@ class SharedStore(_lib.Owner):
         _lib.check(C.kvp_shared_store_stats_get(self._h, ctypes.byref(s)))
         return SharedStoreStats(s.hits, s.misses, s.stores, s.corrupt, s.timeouts, s.errors, s.skipped,
                                 s.bytes_read, s.bytes_written, bool(s.available), s.auth_failures, s.tls_failures,
-                                s.mac_failures)
+                                s.mac_failures, s.redirects, s.map_reads, bool(s.cluster), s.primaries)

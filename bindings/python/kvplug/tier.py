@@ -120,6 +120,11 @@ class TierStats:
     shared_auth_failures: int = 0  # of shared_errors: AUTH refused, commands refused (NOAUTH, NOPERM)
     shared_tls_failures: int = 0  # of shared_errors: TLS handshakes or certificate verifications failed
     shared_mac_failures: int = 0  # of shared_corrupt: values whose MAC did not verify
+    # A Valkey/Redis Cluster: MOVED/ASK replies followed, slot maps read, whether it is one, its primaries.
+    shared_redirects: int = 0
+    shared_map_reads: int = 0
+    shared_cluster: bool = False
+    shared_primaries: int = 0
     # Write-through (Manager(write_through=N)): computed blocks copied to the host tier while they
     # stay on the GPU; those the GPU evicted before their store; those waiting for it.
     write_through_stored: int = 0
@@ -195,6 +200,7 @@ class HostTierMethods:
         _check(C.kvp_manager_tier_stats(self._h, ctypes.byref(s)))
         v = {f: getattr(s, f) for f in _STAT_FIELDS}
         v["shared_available"] = bool(v["shared_available"])
+        v["shared_cluster"] = bool(v["shared_cluster"])
         return TierStats(**v)
 
     def host_tier_memory(self) -> np.ndarray:
