@@ -647,27 +647,37 @@ func (m *Manager) endReload(op ReloadOp, ok bool) {
 	assertOK(err, "complete copies: a reloaded block is not referenced")
 }
 
-// endDemotion ends one demotion: its host slot is committed (ok) or
-// aborted, and its GPU block freed when the op holds it (held).
-func (m *Manager) endDemotion(op DemoteOp, ok, held bool) {
-	t := m.tier
+// endHostCopy ends the host side of a copy GPU block -> host slot (a
+// demotion's or a write-through store's): the slot is committed, and
+// queued for the shared tier when there is one (ok), or aborted (counted
+// failed); with KV events the slot is announced or forgotten. It returns
+// ok.
+func (t *tier) endHostCopy(op DemoteOp, ok bool) bool {
 	if ok {
 		if t.shared != nil {
 			t.shared.queueStore(op)
 		} else {
 			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
 		}
-		t.st.DemotionsCompleted++
 		if t.events {
 			t.meta[op.Slot].resident = true
 			t.nResident++
 		}
-	} else {
-		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
-		t.st.DemotionsFailed++
-		if t.events {
-			t.meta[op.Slot] = hostMeta{}
-		}
+		return true
+	}
+	assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
+	t.st.DemotionsFailed++
+	if t.events {
+		t.meta[op.Slot] = hostMeta{}
+	}
+	return false
+}
+
+// endDemotion ends one demotion: its host slot is committed (ok) or
+// aborted, and its GPU block freed when the op holds it (held).
+func (m *Manager) endDemotion(op DemoteOp, ok, held bool) {
+	if m.tier.endHostCopy(op, ok) {
+		m.tier.st.DemotionsCompleted++
 	}
 	if !held {
 		return

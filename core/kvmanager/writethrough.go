@@ -156,24 +156,8 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 // or aborted as a demotion's, and the copy's reference and lock on the
 // GPU block, which stays cached, are released without an access.
 func (m *Manager) endStore(op DemoteOp, ok bool) {
-	t := m.tier
-	if ok {
-		if t.shared != nil {
-			t.shared.queueStore(op)
-		} else {
-			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
-		}
-		t.st.WriteThroughStored++
-		if t.events {
-			t.meta[op.Slot].resident = true
-			t.nResident++
-		}
-	} else {
-		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
-		t.st.DemotionsFailed++
-		if t.events {
-			t.meta[op.Slot] = hostMeta{}
-		}
+	if m.tier.endHostCopy(op, ok) {
+		m.tier.st.WriteThroughStored++
 	}
 	m.one[0] = op.Block
 	// The copy's lock kept the block in the cache (neither evictable nor

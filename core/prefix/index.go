@@ -831,8 +831,17 @@ func (x *Index) dropLock(i int32) {
 // occurrence) and touches them all. A block that loses its last lock stays
 // cached, evictable once no pin or child holds it. All or none: an id that
 // is not cached, or has fewer locks than it occurs, changes nothing.
-func (x *Index) Unlock(ids []int32) error {
-	if err := x.resolve("unlock", ids); err != nil {
+func (x *Index) Unlock(ids []int32) error { return x.unlock("unlock", ids, true) }
+
+// Release drops one lock from each block of ids, as Unlock does, but is not
+// an access: the blocks keep their last-access time, so the eviction order
+// is what it would have been without the lock. For holds that are not a
+// sequence's use of a block (a copy reading it). All or none, as Unlock.
+func (x *Index) Release(ids []int32) error { return x.unlock("release", ids, false) }
+
+// unlock is Unlock, touching the blocks when touch is set.
+func (x *Index) unlock(op string, ids []int32, touch bool) error {
+	if err := x.resolve(op, ids); err != nil {
 		return err
 	}
 	// Decrement tentatively, so repeats count exactly; undo on the first
@@ -843,7 +852,7 @@ func (x *Index) Unlock(ids []int32) error {
 			for _, j := range x.path[:k] {
 				x.nodes[j].lock++
 			}
-			return kverr.Errorf(kverr.InvalidArgument, "unlock: block %d has no lock left", ids[k])
+			return kverr.Errorf(kverr.InvalidArgument, "%s: block %d has no lock left", op, ids[k])
 		}
 		if x.nodes[i].lock--; x.nodes[i].lock == 0 {
 			x.zeroed = append(x.zeroed, i)
@@ -853,39 +862,13 @@ func (x *Index) Unlock(ids []int32) error {
 		x.nLocked--
 		x.hold(i, -1)
 	}
-	x.clock++
-	for _, i := range x.path {
-		x.nodes[i].last = x.clock
-		x.settle(i)
-	}
-	return nil
-}
-
-// Release drops one lock from each block of ids, as Unlock does, but is not
-// an access: the blocks keep their last-access time, so the eviction order
-// is what it would have been without the lock. For holds that are not a
-// sequence's use of a block (a copy reading it). All or none, as Unlock.
-func (x *Index) Release(ids []int32) error {
-	if err := x.resolve("release", ids); err != nil {
-		return err
-	}
-	x.zeroed = x.zeroed[:0]
-	for k, i := range x.path {
-		if x.nodes[i].lock < 1 {
-			for _, j := range x.path[:k] {
-				x.nodes[j].lock++
-			}
-			return kverr.Errorf(kverr.InvalidArgument, "release: block %d has no lock left", ids[k])
-		}
-		if x.nodes[i].lock--; x.nodes[i].lock == 0 {
-			x.zeroed = append(x.zeroed, i)
-		}
-	}
-	for _, i := range x.zeroed {
-		x.nLocked--
-		x.hold(i, -1)
+	if touch {
+		x.clock++
 	}
 	for _, i := range x.path {
+		if touch {
+			x.nodes[i].last = x.clock
+		}
 		x.settle(i)
 	}
 	return nil
