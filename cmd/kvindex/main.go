@@ -26,9 +26,12 @@
 // "Media"). best is the instance with the highest score among the fresh
 // ones.
 //
-// An instance is NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]. kvindex
+// An instance is NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC[,ENGINE]]]. kvindex
 // connects to both endpoints: the engine's publisher binds them (kvplug's
-// does by default). Each instance is fresh (routed), stale (connected,
+// does by default). ENGINE is kvplug (the default), or vllm or sglang for
+// those engines' own publishers, whose block hashes kvindex translates
+// into its own and which send no snapshots (package core/kvindex,
+// "Engines"), e.g. -instance v0=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558,,vllm. Each instance is fresh (routed), stale (connected,
 // waiting for a snapshot) or down (its publisher exited, refuses the
 // connection, or went silent: no batch for -idle-timeout and no answer to
 // a heartbeat or on its replay endpoint); a stale or down instance is
@@ -125,9 +128,9 @@ func (f *instanceFlags) String() string { return fmt.Sprint(len(*f), " instances
 func (f *instanceFlags) Set(s string) error {
 	name, rest, ok := strings.Cut(s, "=")
 	if !ok || name == "" || rest == "" {
-		return errors.New("want NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]")
+		return errors.New("want NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC[,ENGINE]]]")
 	}
-	parts := strings.SplitN(rest, ",", 3)
+	parts := strings.SplitN(rest, ",", 4)
 	ic := kvindex.InstanceConfig{Name: name, Endpoint: parts[0]}
 	if err := kvevents.CheckEndpoint(ic.Endpoint); err != nil {
 		return err
@@ -140,6 +143,12 @@ func (f *instanceFlags) Set(s string) error {
 	}
 	if len(parts) > 2 {
 		ic.Topic = parts[2]
+	}
+	if len(parts) > 3 {
+		ic.Engine = parts[3]
+		if err := kvindex.CheckEngine(ic.Engine); err != nil {
+			return err
+		}
 	}
 	for _, o := range *f {
 		if o.Name == name {
@@ -206,7 +215,7 @@ func newFlags(stderr io.Writer) (*flag.FlagSet, *options) {
 	o.timeout = fs.Duration("timeout", kvindex.DefaultTimeout, "bound of a connection attempt, a replay, and the wait for a heartbeat's answer")
 	o.logLevel = fs.String("log-level", "info", "debug, info, warn, error or off (logs go to stderr)")
 	o.showVersion = fs.Bool("version", false, "print the version and exit")
-	fs.Var(&o.insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]] (repeat); its publisher binds the endpoints, kvindex connects")
+	fs.Var(&o.insts, "instance", "an engine: NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC[,ENGINE]]] (repeat); its publisher binds the endpoints, kvindex connects")
 	return fs, o
 }
 
@@ -270,7 +279,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, serving f
 	case fs.NArg() > 0:
 		return bad("unexpected argument %q (flags only)", fs.Arg(0))
 	case len(*insts) == 0:
-		return bad("give at least one -instance NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC]]")
+		return bad("give at least one -instance NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT[,TOPIC[,ENGINE]]]")
 	case *bs < 1 || *bs > prefix.MaxBlockSize:
 		return bad("-block-size %d: must be in [1, %d], the engines' tokens per block", *bs, prefix.MaxBlockSize)
 	case *cpuWeight < 0 || *cpuWeight > 1 || *cpuWeight != *cpuWeight:

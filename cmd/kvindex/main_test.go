@@ -78,6 +78,7 @@ func TestFlagsRefused(t *testing.T) {
 		{[]string{"-instance", "e0=bogus://x"}, `endpoint "bogus://x": only tcp://HOST:PORT and ipc:///PATH endpoints are supported`},
 		{[]string{"-instance", "e0=tcp://127.0.0.1:1,bogus://y"}, `replay endpoint "bogus://y"`},
 		{[]string{"-instance", "e0"}, "want NAME=PUB_ENDPOINT"},
+		{[]string{"-instance", "e0=tcp://127.0.0.1:1,,,trtllm"}, `unknown engine "trtllm"`},
 		{[]string{inst, "-instance", "e0=tcp://127.0.0.1:2"}, `instance "e0" given twice`},
 		{nil, "give at least one -instance"},
 		{[]string{inst, "-cpu-weight", "1.5"}, "-cpu-weight 1.5: must be in [0, 1]"},

@@ -55,7 +55,16 @@ const (
 	// HashInt64: the hash's last 8 bytes as a big-endian unsigned integer,
 	// as vLLM converts hashes for consumers that keep 64-bit keys.
 	HashInt64 HashFormat = 1
+	// HashDigest: a decoded hash of another length than 16 bytes (vLLM's
+	// SHA-256 block hashes, 32 bytes), keyed by its XXH3-128. Such a hash
+	// is an engine's own, never kvplug's: a consumer can only use it as a
+	// name for the block (core/kvindex translates it from token_ids).
+	// Decode only; an Encoder never writes it.
+	HashDigest HashFormat = 2
 )
+
+// maxForeignHash bounds a decoded hash that is not 16 bytes long.
+const maxForeignHash = 64
 
 // EndSeq ends a replay: the sequence frame of the last reply.
 const EndSeq = -1
@@ -694,11 +703,16 @@ func (ev *DecodedEvent) readHash(p []byte, k *Key) ([]byte, error) {
 		if err != nil {
 			return nil, err
 		}
-		if len(b) != 16 {
-			return nil, fmt.Errorf("a hash of %d bytes; kvplug hashes have 16", len(b))
+		if len(b) == 16 {
+			copy(k[:], b)
+			ev.HashFormat = HashBytes
+			return rest, nil
 		}
-		copy(k[:], b)
-		ev.HashFormat = HashBytes
+		if len(b) == 0 || len(b) > maxForeignHash {
+			return nil, fmt.Errorf("a hash of %d bytes; at most %d", len(b), maxForeignHash)
+		}
+		*k = Key(prefix.Sum(b))
+		ev.HashFormat = HashDigest
 		return rest, nil
 	case msgp.UintType, msgp.IntType:
 		var u uint64

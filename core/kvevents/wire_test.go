@@ -118,6 +118,51 @@ func TestDecodeHashOnlyStored(t *testing.T) {
 	}
 }
 
+// vLLM's SHA-256 block hashes (32 bytes) decode as digests: names of
+// the engine's blocks, distinct per hash, never taken for kvplug's.
+func TestDecodeForeignHashes(t *testing.T) {
+	str := func(b []byte, s string) []byte { return append(append(b, 0xa0|byte(len(s))), s...) }
+	hash := func(b []byte, fill byte, n int) []byte {
+		b = append(b, 0xc4, byte(n))
+		return append(b, bytes.Repeat([]byte{fill}, n)...)
+	}
+	p := []byte{0x92, 0x01, 0x91, 0x82}
+	p = str(p, "type")
+	p = str(p, "BlockRemoved")
+	p = str(p, "block_hashes")
+	p = append(p, 0x93)
+	p = hash(p, 1, 32)
+	p = hash(p, 2, 32)
+	p = hash(p, 3, 16)
+	b, err := Decode(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := b.Events[0]
+	if len(ev.Hashes) != 3 || ev.Hashes[0] == ev.Hashes[1] || ev.Hashes[0] != Key(prefix.Sum(bytes.Repeat([]byte{1}, 32))) ||
+		ev.Hashes[2] != Key(bytes.Repeat([]byte{3}, 16)) {
+		t.Fatalf("decoded %+v", ev)
+	}
+	// The event's format is its last hash's; a 32-byte one alone is a digest.
+	p = []byte{0x92, 0x01, 0x91, 0x82}
+	p = str(p, "type")
+	p = str(p, "BlockRemoved")
+	p = str(p, "block_hashes")
+	p = hash(append(p, 0x91), 7, 32)
+	if b, err = Decode(p); err != nil || b.Events[0].HashFormat != HashDigest {
+		t.Fatalf("a 32-byte hash: %v %+v", err, b)
+	}
+	q := []byte{0x92, 0x01, 0x91, 0x82}
+	q = str(q, "type")
+	q = str(q, "BlockRemoved")
+	q = str(q, "block_hashes")
+	q = append(q, 0x91, 0xc4, 65)
+	q = append(q, make([]byte, 65)...)
+	if _, err := Decode(q); err == nil {
+		t.Fatal("a 65-byte hash decoded")
+	}
+}
+
 func TestDecodeRejects(t *testing.T) {
 	e := NewEncoder(Encoding{DPRank: -1, Medium: "GPU"})
 	good := bytes.Clone(e.Encode(1, sampleEvents()))

@@ -1,7 +1,7 @@
 // Package kvindex is a cluster prefix index for KV-aware routing: it
 // subscribes to the KV event streams of N engine instances (kvplug's
-// publisher, or anything speaking vLLM's KV-event wire format with
-// kvplug's block hashes), keeps which instance holds which block in a
+// publisher, or vLLM's and SGLang's own, whose block hashes it translates:
+// see "Engines"), keeps which instance holds which block in a
 // Backend (in memory, or a Valkey/Redis server shared by several routers),
 // and answers, for a prompt's tokens and keys, each instance's longest
 // cached prefix in tokens. It hashes prompts with core/prefix, the
@@ -37,6 +37,23 @@
 // snapshot is requested, and until the snapshot's AllBlocksCleared
 // arrives the index reports the instance as stale (scored 0) rather than
 // guess.
+//
+// # Engines
+//
+// An instance whose manager is kvplug's (InstanceConfig.Engine "kvplug",
+// the default) publishes kvplug's block hashes, which queries look up
+// directly, and answers snapshot requests. vLLM's and SGLang's own
+// publishers ("vllm", "sglang") send their engines' hashes, which no
+// query can compute, and no snapshots: the index translates each block
+// into its own hash from the token_ids, keys and parent every BlockStored
+// carries (translator says what maps). Such an instance is fresh once
+// connected, its set empty (an idle engine's is), and the set is built
+// from the first batch the index sees, after replaying the earlier
+// batches its publisher still holds. An instance joined mid-stream (its older batches
+// gone) lacks the blocks stored before it joined, and their descendants,
+// until they are stored again: counted (InstanceStatus.JoinedMidStream,
+// Untranslated), under-reported, never routed to wrongly. A gap that
+// cannot be replayed restarts its set the same way.
 //
 // # Liveness
 //
@@ -82,6 +99,9 @@ type InstanceConfig struct {
 	// HashFormat is how the instance sends hashes until its first
 	// BlockStored says (a ReadOnly index never learns it).
 	HashFormat kvevents.HashFormat
+	// Engine is the engine behind the events (see "Engines"): "" or
+	// EngineKvplug, EngineVLLM, EngineSGLang.
+	Engine string
 }
 
 // Config configures an Index.
@@ -185,16 +205,18 @@ type instance struct {
 	format    kvevents.HashFormat
 	sub       *kvevents.SubConn
 	lastErr   string
-	lastReq   time.Time // when a snapshot was last requested
-	since     time.Time // when the state last changed
-	lastHeard time.Time // the last batch or heartbeat answer
-	logged    State     // the state last logged
-	staleLog  time.Time // when a long wait for a snapshot was last logged
-	waiting   string    // what the instance waits for (status, logs)
-	unclear   bool      // down, and its set's clearing failed: retried while down
+	lastReq   time.Time   // when a snapshot was last requested
+	since     time.Time   // when the state last changed
+	lastHeard time.Time   // the last batch or heartbeat answer
+	logged    State       // the state last logged
+	staleLog  time.Time   // when a long wait for a snapshot was last logged
+	waiting   string      // what the instance waits for (status, logs)
+	unclear   bool        // down, and its set's clearing failed: retried while down
+	xl        *translator // a foreign engine's hashes to the index's; nil for kvplug's
 
 	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
 	disconnects, heartbeats, heartbeatAnswers, probes                                            atomic.Int64
+	midStream, untranslated, foreignHashes                                                       atomic.Int64
 }
 
 // New starts subscribing to every instance.
@@ -247,8 +269,19 @@ func New(cfg Config) (*Index, error) {
 		if ic.BlockSize < 1 || ic.BlockSize > prefix.MaxBlockSize {
 			return nil, fmt.Errorf("kvindex: instance %q: block size %d out of range", ic.Name, ic.BlockSize)
 		}
+		if err := CheckEngine(ic.Engine); err != nil {
+			return nil, fmt.Errorf("kvindex: instance %q: %v", ic.Name, err)
+		}
+		foreign, _ := foreignEngine(ic.Engine)
+		if foreign && cfg.ReadOnly {
+			return nil, fmt.Errorf("kvindex: instance %q: a read-only index cannot translate %s hashes (only the writer sees the events)", ic.Name, ic.Engine)
+		}
 		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, down: !cfg.ReadOnly, format: ic.HashFormat,
 			since: time.Now()}
+		if foreign {
+			in.xl = newTranslator(ic.BlockSize)
+			in.format = kvevents.HashBytes // the index's own hashes
+		}
 		in.logged = in.stateLocked()
 		if in.down {
 			in.waiting = in.dialWaiting(nil)
@@ -487,6 +520,9 @@ func (in *instance) markDown(why string) {
 	in.gen = in.x.be.Generation()
 	in.mu.Unlock()
 	in.disconnects.Add(1)
+	if in.xl != nil {
+		in.xl.reset()
+	}
 	in.clearDown()
 	in.noteState(why)
 }
@@ -575,11 +611,21 @@ func (in *instance) resync(why string) {
 	in.gen = in.x.be.Generation()
 	in.waiting = in.snapshotWaiting()
 	in.mu.Unlock()
+	if in.xl != nil {
+		in.xl.reset()
+	}
 	in.resets.Add(1)
 	logx.L().Info("kvindex: instance resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
 	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
 		in.backendErrors.Add(1)
 		in.setErr(err)
+	} else if in.xl != nil {
+		// An engine that sends no snapshots is routed from an empty set
+		// on: it under-reports until its batches come, and an idle
+		// engine's set is rightly empty.
+		in.mu.Lock()
+		in.stale, in.waiting = false, ""
+		in.mu.Unlock()
 	}
 	in.noteState(why)
 	in.requestSnapshot()
@@ -587,6 +633,9 @@ func (in *instance) resync(why string) {
 
 // snapshotWaiting says what a connected, stale instance waits for.
 func (in *instance) snapshotWaiting() string {
+	if in.xl != nil {
+		return "the next batch on " + in.cfg.Endpoint + " (a " + in.cfg.Engine + " publisher sends no snapshot: the set is rebuilt from there)"
+	}
 	w := "a snapshot (a batch with AllBlocksCleared) on " + in.cfg.Endpoint
 	if in.cfg.ReplayEndpoint == "" {
 		return w + "; no replay endpoint to ask for one: the publisher's next start or resync sends it"
@@ -601,7 +650,7 @@ const snapshotRetry = 1500 * time.Millisecond
 
 // requestSnapshot asks the instance's publisher for a snapshot.
 func (in *instance) requestSnapshot() {
-	if in.cfg.ReplayEndpoint == "" {
+	if in.cfg.ReplayEndpoint == "" || in.xl != nil {
 		return // the publisher's next start (or resync) sends one
 	}
 	in.mu.Lock()
@@ -642,17 +691,14 @@ func (in *instance) handle(m kvevents.Message) {
 	in.mu.Unlock()
 	switch {
 	case stale || next < 0:
-		// Waiting for a snapshot: only a batch with AllBlocksCleared says
-		// what the whole set is.
-		in.applyFromClear(m)
-		in.retrySnapshot()
+		in.start(m)
 	case m.Seq == next:
 		in.apply(m, false)
 	case m.Seq > next:
 		in.gaps.Add(1)
 		if !in.fill(next, m.Seq) {
 			in.resync(fmt.Sprintf("gap %d..%d not replayable", next, m.Seq-1))
-			in.applyFromClear(m)
+			in.start(m)
 			return
 		}
 		in.apply(m, false)
@@ -660,8 +706,37 @@ func (in *instance) handle(m kvevents.Message) {
 		// Sequence numbers went back: the publisher restarted. Its first
 		// batch is a snapshot; anything else needs one.
 		in.resync(fmt.Sprintf("sequence went back from %d to %d", next, m.Seq))
-		in.applyFromClear(m)
+		in.start(m)
 	}
+}
+
+// start (re)builds a stale instance's set from batch m: from its
+// AllBlocksCleared for kvplug's publisher (only a snapshot says what the
+// whole set is), from m itself for an engine that sends no snapshots,
+// after the batches before it that its publisher can replay.
+func (in *instance) start(m kvevents.Message) {
+	if in.xl == nil {
+		in.applyFromClear(m)
+		in.retrySnapshot()
+		return
+	}
+	in.mu.Lock()
+	in.stale, in.nextSeq, in.waiting = false, 0, ""
+	in.mu.Unlock()
+	in.noteState("")
+	if m.Seq > 0 && !in.fill(0, m.Seq) {
+		// Batches before m are gone: start from m, with what it missed
+		// cleared (a partial replay may have applied some).
+		in.midStream.Add(1)
+		in.xl.reset()
+		if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
+			in.backendErrors.Add(1)
+			in.setErr(err)
+			in.resync("backend failed")
+			return
+		}
+	}
+	in.apply(m, false)
 }
 
 // fill replays batches [from, to) and applies them; false when the
@@ -741,20 +816,41 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 				continue
 			}
 		}
-		keys += len(ev.Hashes)
+		if ev.HashFormat == kvevents.HashDigest && in.xl == nil && ev.Kind != kvevents.KindCleared {
+			// An engine's own hashes, which no query computes.
+			in.foreignHashes.Add(1)
+			in.setErr(fmt.Errorf("instance %q publishes its engine's own block hashes, not kvplug's: configure its engine (vllm, sglang)", in.cfg.Name))
+			continue
+		}
+		hashes := ev.Hashes
+		if in.xl != nil {
+			var skipped int
+			switch ev.Kind {
+			case kvevents.KindStored:
+				hashes, skipped = in.xl.stored(&ev, md)
+			case kvevents.KindRemoved:
+				hashes, _ = in.xl.removed(&ev, md) // an unknown block is one the index never added
+			case kvevents.KindCleared:
+				in.xl.reset()
+			}
+			in.untranslated.Add(int64(skipped))
+		}
+		keys += len(hashes)
 		switch ev.Kind {
 		case kvevents.KindStored:
-			ops = append(ops, Op{Kind: OpAdd, Medium: md, Keys: ev.Hashes})
+			ops = append(ops, Op{Kind: OpAdd, Medium: md, Keys: hashes})
 			// (A hash-only event, vLLM's offloaded blocks, says nothing of
 			// the engine's block size.)
 			if len(ev.Tokens) > 0 && ev.BlockSize != in.cfg.BlockSize {
 				in.setErr(fmt.Errorf("instance %q publishes blocks of %d tokens, configured %d", in.cfg.Name, ev.BlockSize, in.cfg.BlockSize))
 			}
-			in.mu.Lock()
-			in.format = ev.HashFormat
-			in.mu.Unlock()
+			if in.xl == nil {
+				in.mu.Lock()
+				in.format = ev.HashFormat
+				in.mu.Unlock()
+			}
 		case kvevents.KindRemoved:
-			ops = append(ops, Op{Kind: OpRemove, Medium: md, Keys: ev.Hashes})
+			ops = append(ops, Op{Kind: OpRemove, Medium: md, Keys: hashes})
 		case kvevents.KindCleared:
 			ops = append(ops, Op{Kind: OpClear})
 		}
@@ -887,6 +983,18 @@ type InstanceStatus struct {
 	BadBatches     int64  `json:"bad_batches"`
 	BackendErrors  int64  `json:"backend_errors"`
 	UnknownMedium  int64  `json:"unknown_medium_events"` // events of a medium the index does not know, ignored
+	// Engine is the instance's engine (see "Engines"). For vLLM's and
+	// SGLang's: JoinedMidStream counts the (re)starts whose earlier
+	// batches could not be replayed, Untranslated the stored blocks the
+	// index could not translate (not indexed), TranslatedBlocks the
+	// engine blocks it knows now. ForeignHashEvents counts events of an
+	// engine's own hashes from an instance configured as kvplug's
+	// (ignored: configure its engine).
+	Engine            string `json:"engine"`
+	JoinedMidStream   int64  `json:"joined_mid_stream,omitempty"`
+	Untranslated      int64  `json:"untranslated_blocks,omitempty"`
+	TranslatedBlocks  int    `json:"translated_blocks,omitempty"`
+	ForeignHashEvents int64  `json:"foreign_hash_events,omitempty"`
 	// Disconnects counts the times the instance went down; Heartbeats the
 	// PINGs sent to it while it was silent, HeartbeatAnswers its PONGs,
 	// ReplayProbes the checks of its replay endpoint after an unanswered
@@ -915,6 +1023,10 @@ func (x *Index) Status() []InstanceStatus {
 		s.Batches, s.Events, s.Gaps = in.batches.Load(), in.events.Load(), in.gaps.Load()
 		s.Replayed, s.Snapshots, s.Resyncs = in.replayed.Load(), in.snapshots.Load(), in.resets.Load()
 		s.BadBatches, s.BackendErrors, s.UnknownMedium = in.badBatches.Load(), in.backendErrors.Load(), in.unknownMedium.Load()
+		s.Engine, s.JoinedMidStream, s.Untranslated, s.ForeignHashEvents = EngineKvplug, in.midStream.Load(), in.untranslated.Load(), in.foreignHashes.Load()
+		if in.xl != nil {
+			s.Engine, s.TranslatedBlocks = in.cfg.Engine, in.xl.size()
+		}
 		out = append(out, s)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })

@@ -261,6 +261,15 @@ func (h *Hasher) sum(parent Hash, tokens []int32, adapter uint64, mm []BlockMM, 
 	return Sum(h.buf)
 }
 
+// Next returns the hash of one block, tokens, chained to parent (zero for
+// a prompt's first block) under adapter and, for a first block, salt: one
+// step of Chain for a block with no multimodal items. For consumers that
+// rebuild chains one block at a time from another engine's events
+// (core/kvindex); Chain's blocks hash the same.
+func (h *Hasher) Next(parent Hash, tokens []int32, adapter uint64, salt []byte) Hash {
+	return h.sum(parent, tokens, adapter, nil, salt)
+}
+
 // Chain appends to dst the chained hashes of every full block of a prompt
 // (len(tokens)/blockSize of them; a partial tail has no hash) and returns
 // the extended slice. keys may be nil (no adapter, no multimodal items, no
