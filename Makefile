@@ -124,7 +124,7 @@ test-race: $(RACE_LIB) $(VENV)/.ok
 ENGINES_VENV := $(BUILD)/engines-venv
 ENGINES_VLLM := 0.32.0
 ENGINES_UV := $(ENGINES_VENV)/tools/bin/uv
-ENGINES_ENV = KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=$(abspath bindings/python) HF_HUB_OFFLINE=1
+ENGINES_ENV = KVPLUG_LIBRARY=$(abspath $(LIB)) PYTHONPATH=$(abspath bindings/python) HF_HUB_OFFLINE=1 KVPLUG_GO=$(GO)
 ENGINES_PYTEST = -q -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::UserWarning
 
 $(ENGINES_VENV)/tools/.ok:

@@ -23,6 +23,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"strings"
 
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/tinylib/msgp/msgp"
@@ -316,6 +317,9 @@ type DecodedEvent struct {
 	BlockSize int
 	LoRAID    *int64
 	LoRAName  *string
+	// CacheSalt is SGLang's cache_salt: the salt of the request that
+	// stored the blocks (vLLM puts it in a first block's extra keys).
+	CacheSalt *string
 	// Medium is the event's "medium": "GPU", "CPU", kvplug's "SHARED"
 	// (MediumOf maps it), or anything a producer sends; nil when absent.
 	Medium    *string
@@ -331,6 +335,9 @@ type DecodedEvent struct {
 func (ev *DecodedEvent) MediumOf() (m prefix.Medium, ok bool) {
 	if ev.Medium == nil {
 		return prefix.MediumGPU, true
+	}
+	if strings.EqualFold(*ev.Medium, "CPU_PINNED") {
+		return prefix.MediumCPU, true // SGLang's name for its host tier
 	}
 	return prefix.ParseMedium(*ev.Medium)
 }
@@ -477,8 +484,8 @@ func decodeEvents(p []byte, out *Batch) ([]byte, error) {
 
 // fieldsOf lists each kind's fields in vLLM's positional order.
 var fieldsOf = map[string][]string{
-	"BlockStored":      {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"},
-	"BlockRemoved":     {"block_hashes", "medium", "group_idx"},
+	"BlockStored":      {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"},
+	"BlockRemoved":     {"block_hashes", "medium", "group_idx", "locality", "ownership"},
 	"AllBlocksCleared": {},
 }
 
@@ -630,6 +637,8 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 		return readOptInt(p, &ev.LoRAID)
 	case "lora_name":
 		return readOptString(p, &ev.LoRAName)
+	case "cache_salt":
+		return readOptString(p, &ev.CacheSalt)
 	case "medium":
 		return readOptString(p, &ev.Medium)
 	case "extra_keys":

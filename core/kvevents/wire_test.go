@@ -112,6 +112,10 @@ func TestDecodeHashOnlyStored(t *testing.T) {
 	if m, ok := (&DecodedEvent{}).MediumOf(); !ok || m != prefix.MediumGPU {
 		t.Fatal("no medium is the GPU")
 	}
+	pinned := "CPU_PINNED" // SGLang's host tier
+	if m, ok := (&DecodedEvent{Medium: &pinned}).MediumOf(); !ok || m != prefix.MediumCPU {
+		t.Fatal("SGLang's CPU_PINNED is the CPU tier")
+	}
 	s := "DISK"
 	if _, ok := (&DecodedEvent{Medium: &s}).MediumOf(); ok {
 		t.Fatal("an unknown medium")

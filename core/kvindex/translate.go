@@ -54,8 +54,8 @@ func foreignEngine(name string) (foreign, ok bool) {
 // BlockStored).
 //
 // What maps: token blocks, lora_id (a prompt's Keys.Adapter), a cache
-// salt (vLLM's cache_salt: the one extra key of a prompt's first block;
-// Keys.Salt is its UTF-8 bytes), and the LoRA name vLLM also puts in
+// salt (vLLM's cache_salt, the one extra key of a prompt's first block,
+// or SGLang's cache_salt field; Keys.Salt is its UTF-8 bytes), and the LoRA name vLLM also puts in
 // extra keys (covered by lora_id). A block with other extra keys
 // (multimodal items, whose offsets the events do not carry), with a
 // parent the index never saw (stored before the index joined), of
@@ -136,7 +136,11 @@ func (t *translator) stored(ev *kvevents.DecodedEvent, md prefix.Medium) (keys [
 		if i < len(ev.ExtraKeys) {
 			extra = ev.ExtraKeys[i]
 		}
-		salt, ok := saltOf(extra, ev.LoRAName, i == 0 && ev.Parent == nil)
+		first := i == 0 && ev.Parent == nil
+		salt, ok := saltOf(extra, ev.LoRAName, first)
+		if ok && first && salt == nil && ev.CacheSalt != nil && *ev.CacheSalt != "" {
+			salt = []byte(*ev.CacheSalt) // SGLang's field
+		}
 		if !ok || !t.tokens(ev.Tokens[i*t.bs:(i+1)*t.bs]) {
 			return keys, len(ev.Hashes) - i
 		}

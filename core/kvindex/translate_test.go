@@ -70,6 +70,14 @@ func TestTranslatorRebuildsQueryHashes(t *testing.T) {
 		t.Fatal("the salt did not enter the first block")
 	}
 
+	// SGLang sends the salt in its own field.
+	salt := "tenant-a"
+	sg, _ := newTranslator(bs).stored(&kvevents.DecodedEvent{Kind: kvevents.KindStored, Hashes: []kvevents.Key{engineKey(0), engineKey(1)},
+		Tokens: i64s(toks[:2*bs]), BlockSize: bs, LoRAID: &loraID, CacheSalt: &salt}, gpu)
+	if !slices.Equal(sg, got[:2]) {
+		t.Fatalf("cache_salt field: %x, want %x", sg, got[:2])
+	}
+
 	// The CPU tier takes blocks 2 and 3 by name only (vLLM's offloading).
 	cpuKeys, sk := xl.stored(&kvevents.DecodedEvent{Kind: kvevents.KindStored, Hashes: []kvevents.Key{engineKey(2), engineKey(3), engineKey(99)}}, cpu)
 	if sk != 1 || !slices.Equal(cpuKeys, got[2:]) {
@@ -174,6 +182,14 @@ func TestIndexRoutesForeignEngines(t *testing.T) {
 		waitState(t, x, ic.Name, StateFresh)
 	}
 	r := rand.New(rand.NewSource(3))
+	for i, e := range es {
+		// Until the subscription is live, a batch may pass unseen.
+		waitFor(t, e.name+"'s first batch", func() bool {
+			e.serve(t, prompt(r, 10+i, 96), nil)
+			e.pub.Flush()
+			return x.Status()[i].Batches > 0
+		})
+	}
 	var prompts [][]int32
 	for i := range 30 {
 		p := prompt(r, i%5, 100+r.Intn(150))
@@ -274,7 +290,7 @@ func TestForeignEngineJoinedMidStream(t *testing.T) {
 	waitState(t, x, ic.Name, StateFresh)
 	var err2 error
 	waitFor(t, "the index to start from a later batch", func() bool {
-		e.serve(t, prompt(r, 4, 40), nil) // more batches, until one is seen
+		e.serve(t, prompt(r, 4, 96), nil) // new blocks, so a batch, until one is seen
 		e.pub.Flush()
 		return x.Status()[0].Batches > 0
 	})
