@@ -105,6 +105,11 @@ def run_fleet(kinds, engine: str, as_int: bool, tmp_path: pathlib.Path) -> None:
     for e in engines:
         args += ["-instance", e.flag()]
     log = open(tmp_path / "kvindex.log", "w")
+    # A batch published before kvindex subscribes: it must come back by
+    # the engine's replay protocol once a later batch shows the gap.
+    early = [random.Random(9).randrange(32000) for _ in range(5 * BS)]
+    engines[0].store(early)
+    time.sleep(0.3)
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -144,6 +149,8 @@ def run_fleet(kinds, engine: str, as_int: bool, tmp_path: pathlib.Path) -> None:
             return True
         wait_for("each prompt routed to the instance holding it, the system prompt seen on all", routed)
         wait_for("the adapter's prompt", lambda: scores(lora_prompt, 7)["best"] == "v2")
+        early_scores = {s["instance"]: s for s in scores(early)["scores"]}
+        assert early_scores["v0"]["gpu_tokens"] == len(early), early_scores
         no_adapter = {s["instance"]: s for s in scores(lora_prompt)["scores"]}
         assert no_adapter["v2"]["tokens"] == 0, "a prompt without the adapter matched the adapter's blocks"
 
@@ -155,7 +162,8 @@ def run_fleet(kinds, engine: str, as_int: bool, tmp_path: pathlib.Path) -> None:
         with urllib.request.urlopen(base + "/v1/instances", timeout=5) as resp:
             st = {s["name"]: s for s in json.loads(resp.read())}
         assert all(s["engine"] == engine and s["state"] == "fresh" for s in st.values()), st
-        assert st["v0"]["translated_blocks"] == len(prompts[0]) // BS - 2, st["v0"]
+        assert st["v0"]["translated_blocks"] == len(prompts[0]) // BS - 2 + len(early) // BS, st["v0"]
+        assert st["v0"]["replayed_batches"] >= 1 and "joined_mid_stream" not in st["v0"], st["v0"]
         assert "untranslated_blocks" not in st["v0"], st["v0"]
     finally:
         proc.terminate()
