@@ -276,6 +276,42 @@ func waitConverged(t *testing.T, x *Index, engines []*engine, within time.Durati
 	}
 }
 
+// serveTrace serves n prompts round-robin over the engines: prompts of
+// 100 tokens and up to extra more, each opening with one of tenants'
+// system prompts.
+func serveTrace(t *testing.T, es []*engine, r *rand.Rand, n, tenants, extra int) [][]int32 {
+	t.Helper()
+	var prompts [][]int32
+	for i := range n {
+		p := prompt(r, i%tenants, 100+r.Intn(extra))
+		prompts = append(prompts, p)
+		es[i%len(es)].serve(t, p, nil)
+	}
+	return prompts
+}
+
+// queryMatchesEngines queries the index for p and checks each instance's
+// tokens against its engine's own match; it returns the scores and each
+// engine's match.
+func queryMatchesEngines(t *testing.T, x *Index, es []*engine, p []int32) ([]Score, []int) {
+	t.Helper()
+	scores, err := x.Query(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wants := make([]int, len(es))
+	for i, e := range es {
+		want := e.match(t, p, nil)
+		wants[i] = want
+		// The engine's match stops before the prompt's last token; the
+		// index counts every cached full block.
+		if got := scores[i].Tokens; got != want && !(got == want+16 && got == len(p)/16*16 && len(p)%16 == 0) {
+			t.Fatalf("%s: index says %d tokens, the engine %d (prompt of %d)", e.name, got, want, len(p))
+		}
+	}
+	return scores, wants
+}
+
 func indexOf(st []InstanceStatus, name string) int {
 	for i, s := range st {
 		if s.Name == name {
@@ -325,26 +361,10 @@ func TestIndexFollowsEngines(t *testing.T) {
 	}
 	defer x.Close()
 	r := rand.New(rand.NewSource(1))
-	var prompts [][]int32
-	for i := range 60 {
-		p := prompt(r, i%4, 100+r.Intn(200))
-		prompts = append(prompts, p)
-		es[i%3].serve(t, p, nil)
-	}
+	prompts := serveTrace(t, es, r, 60, 4, 200)
 	waitConverged(t, x, es, 10*time.Second)
 	for _, p := range prompts {
-		scores, err := x.Query(p, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i, e := range es {
-			want := e.match(t, p, nil)
-			// The engine's match stops before the prompt's last token; the
-			// index counts every cached full block.
-			if got := scores[i].Tokens; got != want && !(got == want+16 && got == len(p)/16*16 && len(p)%16 == 0) {
-				t.Fatalf("%s: index says %d tokens, the engine %d (prompt of %d)", e.name, got, want, len(p))
-			}
-		}
+		queryMatchesEngines(t, x, es, p)
 	}
 	// Keys: the same tokens under a salt are another prefix.
 	salted := &prefix.Keys{Salt: []byte("tenant-b"), Adapter: 9}

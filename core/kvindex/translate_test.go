@@ -190,12 +190,7 @@ func TestIndexRoutesForeignEngines(t *testing.T) {
 			return x.Status()[i].Batches > 0
 		})
 	}
-	var prompts [][]int32
-	for i := range 30 {
-		p := prompt(r, i%5, 100+r.Intn(150))
-		prompts = append(prompts, p)
-		es[i%2].serve(t, p, nil)
-	}
+	prompts := serveTrace(t, es, r, 30, 5, 150)
 	// The index's sets are the engines' true sets under kvplug's hashes.
 	waitConverged(t, x, es, 10*time.Second)
 	for i, e := range es {
@@ -205,18 +200,11 @@ func TestIndexRoutesForeignEngines(t *testing.T) {
 	}
 	routed := 0
 	for _, p := range prompts {
-		scores, err := x.Query(p, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		scores, wants := queryMatchesEngines(t, x, es, p)
 		bestWant, bestTokens := "", 0
-		for i, e := range es {
-			want := e.match(t, p, nil)
-			if got := scores[i].Tokens; got != want && !(got == want+16 && got == len(p)/16*16 && len(p)%16 == 0) {
-				t.Fatalf("%s: index says %d tokens, the engine %d (prompt of %d)", e.name, got, want, len(p))
-			}
+		for i, want := range wants {
 			if want > bestTokens {
-				bestWant, bestTokens = e.name, want
+				bestWant, bestTokens = es[i].name, want
 			}
 		}
 		if bestTokens > 0 && scores[0].Tokens != scores[1].Tokens {
