@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kvplug/kvplug/core/kvtier/host"
 )
 
 // BenchmarkStep is one decode step of the scheduler's loop for a batch of
@@ -218,6 +220,84 @@ func benchAdmit(b *testing.B, bs int, mode string, prompt []int32, cached, round
 				}
 				if mode == "full-pool" {
 					b.ReportMetric(float64(m.PrefixStats().Evictions)/float64(i), "evictions/op")
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkTierIdleStep is the host tier's cost in a decode step when it
+// has nothing to copy: 256 sequences of about 1000 tokens (block size 16)
+// grow by one token, the step's forward pass is marked computed, and, with
+// a tier, the step's copies are flushed: its demote-ahead is met by the
+// free blocks and nothing was evicted, so the flush finds no work. The
+// difference between the sub-benchmarks is what an idle tier costs a step
+// in the core; an engine adds its own calls around it.
+func BenchmarkTierIdleStep(b *testing.B) {
+	for _, tier := range []bool{false, true} {
+		name := "no-tier"
+		if tier {
+			name = "tier-idle"
+		}
+		b.Run(name, func(b *testing.B) {
+			const numSeqs, prompt, bs, reset = 256, 1000, 16, 128
+			maxBlocks := (prompt + reset + bs - 1) / bs
+			cfg := Config{NumBlocks: 2 * numSeqs * (maxBlocks + 1), BlockSize: bs, EnablePrefixCache: true}
+			if tier {
+				pool, err := host.New(host.Config{Slots: 1024, BlockBytes: 16})
+				if err != nil {
+					b.Fatal(err)
+				}
+				cfg.HostTier = &HostTier{Pool: pool, Copier: nopCopier{}, DemoteAhead: 64}
+			}
+			m, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			r := rand.New(rand.NewPCG(1, 2))
+			ids := make([]int64, numSeqs)
+			ones := make([]int32, numSeqs)
+			toks := make([]int32, 0, numSeqs*prompt)
+			offs := []int64{0}
+			for i := range ids {
+				ids[i] = int64(i)
+				ones[i] = 1
+				for range prompt {
+					toks = append(toks, int32(r.IntN(32000)))
+				}
+				offs = append(offs, int64(len(toks)))
+			}
+			next := int64(numSeqs)
+			admit := func() {
+				if n, err := m.Admit(ids, Prompts{Tokens: toks, Offsets: offs}, nil); err != nil || n != numSeqs {
+					b.Fatal(n, err)
+				}
+				m.MarkComputed()
+			}
+			admit()
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if i%reset == reset-1 {
+					b.StopTimer()
+					if err := m.Remove(ids); err != nil {
+						b.Fatal(err)
+					}
+					for j := range ids {
+						ids[j] = next
+						next++
+					}
+					admit()
+					b.StartTimer()
+				}
+				if err := m.Grow(ids, ones); err != nil {
+					b.Fatal(err)
+				}
+				m.MarkComputed()
+				if tier {
+					if tk, _, err := m.FlushCopies(); err != nil || tk != 0 {
+						b.Fatal("the idle tier found work", tk, err)
+					}
 				}
 			}
 		})
