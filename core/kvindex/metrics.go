@@ -76,6 +76,9 @@ func (x *Index) WriteMetrics(w io.Writer) error {
 		{"kvindex_unknown_medium_events_total", "Events of a medium the index does not know, ignored.", func(s *InstanceStatus) int64 { return s.UnknownMedium }},
 		{"kvindex_disconnects_total", "Times an instance went down (connection closed or silent).", func(s *InstanceStatus) int64 { return s.Disconnects }},
 		{"kvindex_heartbeats_total", "Heartbeats (ZMTP PING) sent to a silent instance.", func(s *InstanceStatus) int64 { return s.Heartbeats }},
+		{"kvindex_untranslated_blocks_total", "Stored blocks of a vLLM or SGLang instance the index could not rehash (not indexed).", func(s *InstanceStatus) int64 { return s.Untranslated }},
+		{"kvindex_joined_mid_stream_total", "(Re)starts of a vLLM or SGLang instance whose earlier batches could not be replayed.", func(s *InstanceStatus) int64 { return s.JoinedMidStream }},
+		{"kvindex_foreign_hash_events_total", "Events of an engine's own hashes from an instance configured as kvplug's, ignored.", func(s *InstanceStatus) int64 { return s.ForeignHashEvents }},
 	}
 	for _, m := range perInstance {
 		header(m.name, "counter", m.help)

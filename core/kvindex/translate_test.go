@@ -1,6 +1,7 @@
 package kvindex
 
 import (
+	"bytes"
 	"encoding/binary"
 	"math/rand"
 	"slices"
@@ -299,6 +300,15 @@ func TestForeignEngineJoinedMidStream(t *testing.T) {
 	st := x.Status()[0]
 	if st.JoinedMidStream != 1 || st.Engine != EngineSGLang {
 		t.Fatalf("status %+v", st)
+	}
+	var buf bytes.Buffer
+	if err := x.WriteMetrics(&buf); err != nil {
+		t.Fatal(err)
+	}
+	mt := parseMetrics(t, &buf)
+	if mt[`kvindex_joined_mid_stream_total{instance="v0"}`] != 1 || mt[`kvindex_untranslated_blocks_total{instance="v0"}`] != float64(st.Untranslated) {
+		t.Fatalf("metrics: joined %v, untranslated %v (status %d)", mt[`kvindex_joined_mid_stream_total{instance="v0"}`],
+			mt[`kvindex_untranslated_blocks_total{instance="v0"}`], st.Untranslated)
 	}
 	for _, p := range [][]int32{early, ext} {
 		if s, _ := x.Query(p, nil); s[0].Tokens != 0 {
