@@ -3,6 +3,7 @@ package kvmanager
 import (
 	"bytes"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,7 +17,7 @@ import (
 // that every matched block holds its K/V (a block fetched from the shared
 // tier included), then computes the rest, removes the sequence and runs
 // its demotions.
-func admitChecked(t *testing.T, m *Manager, g *fakeGPU, id int64, conv []int32) int {
+func admitChecked(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) int {
 	t.Helper()
 	bs := m.BlockSize()
 	got := admit(t, m, id, conv, nil)
@@ -46,6 +47,20 @@ func admitChecked(t *testing.T, m *Manager, g *fakeGPU, id int64, conv []int32) 
 	return got
 }
 
+// workerTB is a test's TB for a goroutine of its own: testing allows
+// FailNow only on the test's goroutine, so a fatal failure here is
+// reported with Errorf and ends the worker's goroutine alone (its
+// deferred calls run); the test sees it through t.Failed.
+type workerTB struct{ *testing.T }
+
+func (w workerTB) FailNow()          { w.T.Fail(); runtime.Goexit() }
+func (w workerTB) Fatal(args ...any) { w.T.Helper(); w.T.Error(args...); runtime.Goexit() }
+func (w workerTB) Fatalf(format string, a ...any) {
+	w.T.Helper()
+	w.T.Errorf(format, a...)
+	runtime.Goexit()
+}
+
 // Two managers share a 3-primary cluster (one primary replicated) while a
 // slot is migrated, the replicated primary is killed and its replica
 // promoted, and a node is added: every block either manager reloads holds
@@ -72,8 +87,9 @@ func TestSharedTierCluster(t *testing.T) {
 				m.Close()
 				fetched.Add(m.TierStats().Shared.Fetched)
 			}()
+			wt := workerTB{t}
 			for i := 0; !stop.Load() && !t.Failed(); i++ {
-				matched.Add(int64(admitChecked(t, m, g, int64(i+1), convs[(i*5+w*7)%len(convs)])))
+				matched.Add(int64(admitChecked(wt, m, g, int64(i+1), convs[(i*5+w*7)%len(convs)])))
 				rounds.Add(1)
 			}
 		})
