@@ -196,6 +196,10 @@ func FuzzDecode(f *testing.F) {
 		f.Add(bytes.Clone(NewEncoder(enc).Encode(3, sampleEvents())))
 	}
 	f.Add([]byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90})
+	// A BlockRemoved of one 32-byte hash (vLLM's SHA-256 form).
+	removed := append([]byte{0x92, 0x01, 0x91, 0x82, 0xa4, 't', 'y', 'p', 'e', 0xac}, "BlockRemoved"...)
+	removed = append(append(removed, 0xac), "block_hashes"...)
+	f.Add(append(append(removed, 0x91, 0xc4, 32), bytes.Repeat([]byte{7}, 32)...))
 	f.Fuzz(func(t *testing.T, p []byte) {
 		b, err := Decode(p)
 		if err != nil {
