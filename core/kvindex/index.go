@@ -269,10 +269,10 @@ func New(cfg Config) (*Index, error) {
 		if ic.BlockSize < 1 || ic.BlockSize > prefix.MaxBlockSize {
 			return nil, fmt.Errorf("kvindex: instance %q: block size %d out of range", ic.Name, ic.BlockSize)
 		}
-		if err := CheckEngine(ic.Engine); err != nil {
+		foreign, err := engineOf(ic.Engine)
+		if err != nil {
 			return nil, fmt.Errorf("kvindex: instance %q: %v", ic.Name, err)
 		}
-		foreign, _ := foreignEngine(ic.Engine)
 		if foreign && cfg.ReadOnly {
 			return nil, fmt.Errorf("kvindex: instance %q: a read-only index cannot translate %s hashes (only the writer sees the events)", ic.Name, ic.Engine)
 		}
@@ -520,9 +520,6 @@ func (in *instance) markDown(why string) {
 	in.gen = in.x.be.Generation()
 	in.mu.Unlock()
 	in.disconnects.Add(1)
-	if in.xl != nil {
-		in.xl.reset()
-	}
 	in.clearDown()
 	in.noteState(why)
 }
@@ -531,14 +528,25 @@ func (in *instance) markDown(why string) {
 // (a Valkey server unreachable), run tries again while the instance stays
 // down, so that readers of a shared backend stop routing to it.
 func (in *instance) clearDown() {
-	err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}})
-	if err != nil {
+	ok := in.clearSet()
+	in.mu.Lock()
+	in.unclear = !ok
+	in.mu.Unlock()
+}
+
+// clearSet clears the instance's set in the backend, and the engine's
+// block names a translator keeps; false (counted, the error kept) when the
+// backend failed.
+func (in *instance) clearSet() bool {
+	if in.xl != nil {
+		in.xl.reset()
+	}
+	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
 		in.backendErrors.Add(1)
 		in.setErr(err)
+		return false
 	}
-	in.mu.Lock()
-	in.unclear = err != nil
-	in.mu.Unlock()
+	return true
 }
 
 // stateLocked is the instance's state; in.mu is held.
@@ -611,15 +619,9 @@ func (in *instance) resync(why string) {
 	in.gen = in.x.be.Generation()
 	in.waiting = in.snapshotWaiting()
 	in.mu.Unlock()
-	if in.xl != nil {
-		in.xl.reset()
-	}
 	in.resets.Add(1)
 	logx.L().Info("kvindex: instance resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
-	if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
-		in.backendErrors.Add(1)
-		in.setErr(err)
-	} else if in.xl != nil {
+	if in.clearSet() && in.xl != nil {
 		// An engine that sends no snapshots is routed from an empty set
 		// on: it under-reports until its batches come, and an idle
 		// engine's set is rightly empty.
@@ -721,6 +723,12 @@ func (in *instance) start(m kvevents.Message) {
 		return
 	}
 	in.mu.Lock()
+	stale := in.stale
+	in.mu.Unlock()
+	if stale && !in.clearSet() {
+		return // the last clear failed too: still stale; the next batch tries again
+	}
+	in.mu.Lock()
 	in.stale, in.nextSeq, in.waiting = false, 0, ""
 	in.mu.Unlock()
 	in.noteState("")
@@ -728,10 +736,7 @@ func (in *instance) start(m kvevents.Message) {
 		// Batches before m are gone: start from m, with what it missed
 		// cleared (a partial replay may have applied some).
 		in.midStream.Add(1)
-		in.xl.reset()
-		if err := in.x.be.Apply(in.cfg.Name, []Op{{Kind: OpClear}}); err != nil {
-			in.backendErrors.Add(1)
-			in.setErr(err)
+		if !in.clearSet() {
 			in.resync("backend failed")
 			return
 		}

@@ -27,22 +27,20 @@ const (
 // CheckEngine returns an error unless name is an engine an instance may
 // name (InstanceConfig.Engine).
 func CheckEngine(name string) error {
-	if _, ok := foreignEngine(name); !ok {
-		return fmt.Errorf("unknown engine %q (want %s, %s or %s)", name, EngineKvplug, EngineVLLM, EngineSGLang)
-	}
-	return nil
+	_, err := engineOf(name)
+	return err
 }
 
-// foreignEngine reports whether an engine name is one whose hashes the
-// index translates; ok is false for a name it does not know.
-func foreignEngine(name string) (foreign, ok bool) {
+// engineOf reports whether an engine's hashes are ones the index
+// translates (foreign), or an error for a name it does not know.
+func engineOf(name string) (foreign bool, err error) {
 	switch name {
 	case "", EngineKvplug:
-		return false, true
+		return false, nil
 	case EngineVLLM, EngineSGLang:
-		return true, true
+		return true, nil
 	}
-	return false, false
+	return false, fmt.Errorf("unknown engine %q (want %s, %s or %s)", name, EngineKvplug, EngineVLLM, EngineSGLang)
 }
 
 // translator rebuilds an instance's blocks under the index's own hashes
