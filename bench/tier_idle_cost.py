@@ -14,21 +14,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import kvplug
-
-
-def per_call(fn, calls: int, rounds: int = 5) -> float:
-    """The median over rounds of a loop's time per call, in microseconds."""
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+from host_cost import per_call_us  # this script's folder is on sys.path when run as a script
 
 
 def main() -> None:
@@ -42,8 +30,8 @@ def main() -> None:
         if m.flush_copies().ticket:
             raise SystemExit("the idle tier found work: the measurement is not of an idle tier")
 
-    rows = [("Manager.flush_copies (idle)", per_call(flush, args.calls)),
-            ("Manager.prefix_stats", per_call(m.prefix_stats, args.calls))]
+    rows = [("Manager.flush_copies (idle)", per_call_us(flush, args.calls, 5)),
+            ("Manager.prefix_stats", per_call_us(m.prefix_stats, args.calls, 5))]
     try:
         import torch
         from kvplug.hf.tier_copy import HostTier
@@ -51,7 +39,7 @@ def main() -> None:
         print(f"(kvplug.hf's HostTier not measured: {e})")
     else:
         tier = HostTier(m, torch.empty(1), copier=None, slot_bytes=65536)
-        rows.append(("kvplug.hf HostTier.step (idle, CPU)", per_call(lambda: tier.step(None), args.calls)))
+        rows.append(("kvplug.hf HostTier.step (idle, CPU)", per_call_us(lambda: tier.step(None), args.calls, 5)))
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {args.calls} calls x 5 rounds (median)")
     for name, us in rows:
         print(f"  {name:38s} {us:7.1f} us  ({us / 100:.3f} of the 0.1 ms target)")
