@@ -312,6 +312,17 @@ func queryMatchesEngines(t *testing.T, x *Index, es []*engine, p []int32) ([]Sco
 	return scores, wants
 }
 
+// startIndex starts an index the test closes when it ends.
+func startIndex(t *testing.T, cfg Config) *Index {
+	t.Helper()
+	x, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(x.Close)
+	return x
+}
+
 func indexOf(st []InstanceStatus, name string) int {
 	for i, s := range st {
 		if s.Name == name {
@@ -355,11 +366,7 @@ func instancesOf(es []*engine) []InstanceConfig {
 // instance's longest cached prefix as the engine itself does.
 func TestIndexFollowsEngines(t *testing.T) {
 	es := startEngines(t, 3, 64)
-	x, err := New(Config{Instances: instancesOf(es), BlockSize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es), BlockSize: 16})
 	r := rand.New(rand.NewSource(1))
 	prompts := serveTrace(t, es, r, 60, 4, 200)
 	waitConverged(t, x, es, 10*time.Second)
@@ -383,11 +390,7 @@ func TestIndexFollowsEngines(t *testing.T) {
 // followed: the index ends with the new engine's set.
 func TestIndexInstanceRestart(t *testing.T) {
 	es := startEngines(t, 2, 64)
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	r := rand.New(rand.NewSource(2))
 	for i := range 20 {
 		es[i%2].serve(t, prompt(r, i, 200), nil)
@@ -511,11 +514,7 @@ func TestIndexValkeyRestartUnderLoad(t *testing.T) {
 	}
 	defer be.Close()
 	es := startEngines(t, 3, 128)
-	x, err := New(Config{Instances: instancesOf(es), Backend: be})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es), Backend: be})
 	r := rand.New(rand.NewSource(4))
 	var mu sync.Mutex
 	var served atomic.Int64
@@ -618,11 +617,7 @@ func (e *engine) subscribed(t *testing.T, sub *kvevents.SubConn) kvevents.Messag
 
 func TestHTTP(t *testing.T) {
 	es := startEngines(t, 2, 64)
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	r := rand.New(rand.NewSource(5))
 	p := prompt(r, 1, 100)
 	keys := &prefix.Keys{Salt: []byte{1, 2}, MM: []prefix.MMItem{{Offset: 10, Length: 20, Hash: prefix.Hash{7}}}}

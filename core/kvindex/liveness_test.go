@@ -38,11 +38,7 @@ func waitState(t *testing.T, x *Index, name string, want State) InstanceStatus {
 // fresh again when it comes back.
 func TestStoppedEngineStopsRouting(t *testing.T) {
 	es := startEngines(t, 2, 64)
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	srv := httptest.NewServer(x.Handler())
 	defer srv.Close()
 	r := rand.New(rand.NewSource(21))
@@ -106,11 +102,7 @@ func TestSilentEngineGoesDown(t *testing.T) {
 	repProxy := newProxy(t, fmt.Sprintf("127.0.0.1:%d", e.ports[1]))
 	ic := e.instance()
 	ic.Endpoint, ic.ReplayEndpoint = "tcp://"+pubProxy.addr, "tcp://"+repProxy.addr
-	x, err := New(Config{Instances: []InstanceConfig{ic}, IdleTimeout: time.Second, Timeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: []InstanceConfig{ic}, IdleTimeout: time.Second, Timeout: 2 * time.Second})
 	r := rand.New(rand.NewSource(22))
 	p := prompt(r, 2, 96)
 	e.serve(t, p, nil)
@@ -145,11 +137,7 @@ func TestUnboundEndpointSaysWhatItWaitsFor(t *testing.T) {
 	}
 	ep := "tcp://" + ln.Addr().String()
 	ln.Close()
-	x, err := New(Config{Instances: []InstanceConfig{{Name: "e0", Endpoint: ep}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: []InstanceConfig{{Name: "e0", Endpoint: ep}}})
 	var st InstanceStatus
 	waitFor(t, "a failed connection", func() bool {
 		st = x.Status()[0]
@@ -170,11 +158,7 @@ func TestUnboundEndpointSaysWhatItWaitsFor(t *testing.T) {
 // size and scoring latency of a live index.
 func TestMetrics(t *testing.T) {
 	es := startEngines(t, 2, 64)
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	srv := httptest.NewServer(x.Handler())
 	defer srv.Close()
 	r := rand.New(rand.NewSource(23))
@@ -435,11 +419,7 @@ func (f *flakyBackend) Apply(inst string, ops []Op) error {
 func TestDownInstanceClearedWhenTheBackendIsBack(t *testing.T) {
 	es := startEngines(t, 1, 64)
 	be := &flakyBackend{Memory: NewMemory()}
-	x, err := New(Config{Instances: instancesOf(es), Backend: be})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es), Backend: be})
 	es[0].serve(t, prompt(rand.New(rand.NewSource(24)), 1, 64), nil)
 	waitConverged(t, x, es, 10*time.Second)
 	be.failing.Store(true)

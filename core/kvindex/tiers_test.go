@@ -97,11 +97,7 @@ func TestValkeyBackendMedia(t *testing.T) {
 // (the GPU), vLLM's hash-only CPU blocks, and an unknown medium (ignored,
 // counted).
 func TestApplyBatchMedia(t *testing.T) {
-	x, err := New(Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{})
 	in := &instance{cfg: InstanceConfig{Name: "e", BlockSize: 16}, x: x, nextSeq: 0}
 	x.insts, x.byName["e"] = append(x.insts, in), in
 	str := func(s string) *string { return &s }
@@ -138,11 +134,7 @@ func TestIndexScoresTiers(t *testing.T) {
 	e1 := newEngine(t, "e1", 16, 16, [2]int{0, 0}, kvevents.Config{})
 	t.Cleanup(e1.close)
 	es := []*engine{e0, e1}
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	r := rand.New(rand.NewSource(11))
 	p := prompt(r, 1, 10*16+1) // ten full blocks and a token
 	e0.serve(t, p, nil)
@@ -198,11 +190,7 @@ func TestIndexFollowsTieredEngines(t *testing.T) {
 		t.Cleanup(e.close)
 		es = append(es, e)
 	}
-	x, err := New(Config{Instances: instancesOf(es)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: instancesOf(es)})
 	r := rand.New(rand.NewSource(12))
 	var prompts [][]int32
 	for i := range 80 {

@@ -174,11 +174,7 @@ func TestIndexRoutesForeignEngines(t *testing.T) {
 	for i := range ics {
 		ics[i].Engine = EngineVLLM
 	}
-	x, err := New(Config{Instances: ics, BlockSize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: ics, BlockSize: 16})
 	for _, ic := range ics {
 		waitState(t, x, ic.Name, StateFresh)
 	}
@@ -225,11 +221,7 @@ func TestIndexRoutesForeignEngines(t *testing.T) {
 
 	// The same publisher read as kvplug's: its hashes are no query's.
 	ics[0].Engine = ""
-	y, err := New(Config{Instances: ics[:1], BlockSize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer y.Close()
+	y := startIndex(t, Config{Instances: ics[:1], BlockSize: 16})
 	es[0].pub.Resync() // a snapshot, for the kvplug-mode instance to start from
 	waitState(t, y, ics[0].Name, StateFresh)
 	p := prompt(r, 1, 200)
@@ -270,11 +262,7 @@ func TestForeignEngineJoinedMidStream(t *testing.T) {
 	e.pub.Flush()
 	ic := e.instance()
 	ic.Engine = EngineSGLang
-	x, err := New(Config{Instances: []InstanceConfig{ic}, BlockSize: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer x.Close()
+	x := startIndex(t, Config{Instances: []InstanceConfig{ic}, BlockSize: 16})
 	// Fresh once connected: its set is empty until batches come.
 	waitState(t, x, ic.Name, StateFresh)
 	var err2 error
