@@ -32,10 +32,10 @@
 #define BENCH_NAME "cascade_plan_bench"
 #include "bench_util.h"
 
-/* A cascade plan's plan-state words (kvp_attn_plan.reserved). */
-#define GENERATION(p) ((p).reserved[KVP_PLAN_STATE_GENERATION])
-#define SAVED(p) ((p).reserved[KVP_PLAN_STATE_SAVED_TOKENS])
-#define TOTAL(p) ((p).reserved[KVP_PLAN_STATE_TOTAL_TOKENS])
+/* A cascade plan's plan-state words (kvp_attn_plan.state). */
+#define GENERATION(p) ((p).state[KVP_PLAN_STATE_GENERATION])
+#define SAVED(p) ((p).state[KVP_PLAN_STATE_SAVED_TOKENS])
+#define TOTAL(p) ((p).state[KVP_PLAN_STATE_TOTAL_TOKENS])
 
 enum { B = 256, COLS = 256, BS = 16, QH = 32, KVH = 8, HD = 128, LEN = COLS * BS };
 

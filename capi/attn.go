@@ -71,26 +71,42 @@ func kvpgo_kv_write(a *C.kvp_kv_write_args, stream C.uint64_t) (st C.kvp_status)
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_kv_write: args must not be NULL")
 	}
-	var args C.kvp_kv_write_args
-	if err := kvWriteArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
+	w, err := kvWriteArgsOf(a)
+	if err != nil {
 		return fail(err)
 	}
-	a = &args
-	w := attn.KVWriteArgs{
+	return fail(attn.KVWrite(&w, cuda.Stream(stream)))
+}
+
+// kvWriteArgsOf decodes the caller's kvp_kv_write_args.
+func kvWriteArgsOf(p *C.kvp_kv_write_args) (attn.KVWriteArgs, error) {
+	var a C.kvp_kv_write_args
+	if err := kvWriteArgsStruct.in(unsafe.Pointer(p), unsafe.Pointer(&a)); err != nil {
+		return attn.KVWriteArgs{}, err
+	}
+	kv, shape, err := pagedKVOf("kvp_kv_write", a.kv, attn.PagedKV{
+		NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
+		CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
+		CacheHeadStride: int64(a.cache_head_stride),
+		KCache:          cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
+	}, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
+	if err != nil {
+		return attn.KVWriteArgs{}, err
+	}
+	// The write reads no table: a descriptor's table is its attention
+	// calls', let through unused.
+	kv.MaxBlocksPerSeq, kv.BlockTableStride, kv.BlockTable = 0, 0, 0
+	return attn.KVWriteArgs{
 		KVWriteLayout: attn.KVWriteLayout{
-			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim),
-			NumTokens: int(a.num_tokens), NumKVHeads: int(a.num_kv_heads),
+			DType: attn.DType(shape.dtype), HeadDim: int(a.head_dim),
+			NumTokens: int(a.num_tokens), NumKVHeads: int(shape.kvHeads),
 			KeyTokenStride: int64(a.key_token_stride), KeyHeadStride: int64(a.key_head_stride),
 			ValueTokenStride: int64(a.value_token_stride), ValueHeadStride: int64(a.value_head_stride),
-			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
-			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
-			CacheHeadStride: int64(a.cache_head_stride),
+			PagedKV: kv,
 		},
 		Key: cuda.DevicePtr(a.key), Value: cuda.DevicePtr(a.value),
-		KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
 		SlotMapping: cuda.DevicePtr(a.slot_mapping),
-	}
-	return fail(attn.KVWrite(&w, cuda.Stream(stream)))
+	}, nil
 }
 
 //export kvpgo_paged_decode
@@ -99,34 +115,47 @@ func kvpgo_paged_decode(a *C.kvp_paged_decode_args, stream C.uint64_t) (st C.kvp
 	if a == nil {
 		return failf(kverr.NullPointer, "kvp_paged_decode: args must not be NULL")
 	}
-	var args C.kvp_paged_decode_args
-	if err := pagedDecodeArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&args)); err != nil {
-		return fail(err)
-	}
-	a = &args
-	wsBytes, err := limits.ByteCount("kvp_paged_decode: workspace_bytes", uint64(a.workspace_bytes))
+	d, err := pagedDecodeArgsOf(a)
 	if err != nil {
 		return fail(err)
 	}
-	d := attn.PagedDecodeArgs{
+	return fail(attn.PagedDecode(&d, cuda.Stream(stream)))
+}
+
+// pagedDecodeArgsOf decodes the caller's kvp_paged_decode_args.
+func pagedDecodeArgsOf(p *C.kvp_paged_decode_args) (attn.PagedDecodeArgs, error) {
+	var a C.kvp_paged_decode_args
+	if err := pagedDecodeArgsStruct.in(unsafe.Pointer(p), unsafe.Pointer(&a)); err != nil {
+		return attn.PagedDecodeArgs{}, err
+	}
+	wsBytes, err := limits.ByteCount("kvp_paged_decode: workspace_bytes", uint64(a.workspace_bytes))
+	if err != nil {
+		return attn.PagedDecodeArgs{}, err
+	}
+	kv, shape, err := pagedKVOf("kvp_paged_decode", a.kv, attn.PagedKV{
+		NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
+		CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
+		CacheHeadStride: int64(a.cache_head_stride),
+		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
+		KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache), BlockTable: cuda.DevicePtr(a.block_table),
+	}, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
+	if err != nil {
+		return attn.PagedDecodeArgs{}, err
+	}
+	return attn.PagedDecodeArgs{
 		DecodeLayout: attn.DecodeLayout{
-			DType: attn.DType(a.dtype), HeadDim: int(a.head_dim), Batch: int(a.batch),
-			NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads),
+			DType: attn.DType(shape.dtype), HeadDim: int(a.head_dim), Batch: int(a.batch),
+			NumQHeads: int(a.num_q_heads), NumKVHeads: int(shape.kvHeads),
 			QBatchStride: int64(a.q_batch_stride), QHeadStride: int64(a.q_head_stride),
 			OutBatchStride: int64(a.out_batch_stride), OutHeadStride: int64(a.out_head_stride),
-			NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
-			CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
-			CacheHeadStride: int64(a.cache_head_stride),
-			MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-			Scale: float32(a.scale), QLen: int(a.q_len),
+			PagedKV: kv,
+			Scale:   float32(a.scale), QLen: int(a.q_len),
 		},
-		Q: cuda.DevicePtr(a.q), KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
-		BlockTable: cuda.DevicePtr(a.block_table), SeqLens: cuda.DevicePtr(a.seq_lens),
+		Q: cuda.DevicePtr(a.q), SeqLens: cuda.DevicePtr(a.seq_lens),
 		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
 		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
 		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len),
-	}
-	return fail(attn.PagedDecode(&d, cuda.Stream(stream)))
+	}, nil
 }
 
 //export kvpgo_merge_states

@@ -9,7 +9,11 @@ package main
 */
 import "C"
 
-import "unsafe"
+import (
+	"unsafe"
+
+	"github.com/kvplug/kvplug/core/attn"
+)
 
 // decodeHookArgs mirrors the kvp_paged_decode_args fields the tests set.
 type decodeHookArgs struct {
@@ -131,4 +135,89 @@ func hookPrefillWorkspaceSize(maxBatch, maxTokens, qh, kvh, d int32) (uint64, ab
 	var n C.uint64_t
 	st := kvpgo_prefill_workspace_size(C.int32_t(maxBatch), C.int32_t(maxTokens), C.int32_t(qh), C.int32_t(kvh), C.int32_t(d), &n)
 	return uint64(n), abiStatus(st)
+}
+
+// kvHookCache is a cache as the tests describe it: the descriptor's fields.
+type kvHookCache struct {
+	dtype, kvHeads, numBlocks, blockSize, maxBlocks, headDim int32
+	k, v, table                                              uint64
+	blockStride, tokenStride, headStride, tableStride        int64
+	kScale                                                   uint64
+}
+
+func (h *kvHookCache) desc() *C.kvp_paged_kv {
+	d := (*C.kvp_paged_kv)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_paged_kv{}))))
+	*d = C.kvp_paged_kv{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_kv{})),
+		dtype: C.int32_t(h.dtype), num_kv_heads: C.int32_t(h.kvHeads), num_blocks: C.int32_t(h.numBlocks),
+		block_size: C.int32_t(h.blockSize), k_cache: C.uint64_t(h.k), v_cache: C.uint64_t(h.v),
+		block_stride: C.int64_t(h.blockStride), token_stride: C.int64_t(h.tokenStride), head_stride: C.int64_t(h.headStride),
+		block_table: C.uint64_t(h.table), block_table_stride: C.int64_t(h.tableStride),
+		max_blocks_per_seq: C.int32_t(h.maxBlocks), head_dim: C.int32_t(h.headDim), k_scale: C.uint64_t(h.kScale)}
+	return d
+}
+
+// hookKVCallSides translates one call three ways: with the cache in the
+// args' own fields (legacy), through a descriptor (own fields 0, dtype and
+// kv heads 0 so that the descriptor gives them), and through a descriptor
+// with the own fields also set (refused). It returns whether the first two
+// reach core/attn identically, and the statuses of the second and third.
+// call is "kv_write", "decode" or "prefill".
+func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiStatus) {
+	d := h.desc()
+	defer C.free(unsafe.Pointer(d))
+	switch call {
+	case "kv_write":
+		legacy := C.kvp_kv_write_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_kv_write_args{})),
+			dtype: C.int32_t(h.dtype), head_dim: 128, num_tokens: 3, num_kv_heads: C.int32_t(h.kvHeads),
+			key: 0x11000, value: 0x12000, slot_mapping: 0x13000, key_token_stride: 1024, key_head_stride: 128,
+			value_token_stride: 1024, value_head_stride: 128}
+		withDesc := legacy
+		legacy.num_blocks, legacy.block_size = C.int32_t(h.numBlocks), C.int32_t(h.blockSize)
+		legacy.k_cache, legacy.v_cache = C.uint64_t(h.k), C.uint64_t(h.v)
+		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
+		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
+		a, errA := kvWriteArgsOf(&legacy)
+		b, errB := kvWriteArgsOf(&withDesc)
+		legacy.kv = d
+		_, errC := kvWriteArgsOf(&legacy)
+		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))
+	case "decode":
+		legacy := C.kvp_paged_decode_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_decode_args{})),
+			dtype: C.int32_t(h.dtype), head_dim: 128, batch: 2, num_q_heads: 4 * C.int32_t(h.kvHeads),
+			num_kv_heads: C.int32_t(h.kvHeads), q: 0x21000, seq_lens: 0x22000, out: 0x23000, q_batch_stride: 4096,
+			q_head_stride: 128, out_batch_stride: 4096, out_head_stride: 128, scale: 0.5, q_len: 2}
+		withDesc := legacy
+		legacy.num_blocks, legacy.block_size, legacy.max_blocks_per_seq = C.int32_t(h.numBlocks), C.int32_t(h.blockSize), C.int32_t(h.maxBlocks)
+		legacy.k_cache, legacy.v_cache, legacy.block_table = C.uint64_t(h.k), C.uint64_t(h.v), C.uint64_t(h.table)
+		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
+		legacy.block_table_stride = C.int64_t(h.tableStride)
+		if h.tableStride == 0 {
+			legacy.block_table_stride = C.int64_t(h.maxBlocks) // the descriptor's 0 default
+		}
+		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
+		a, errA := pagedDecodeArgsOf(&legacy)
+		b, errB := pagedDecodeArgsOf(&withDesc)
+		legacy.kv = d
+		_, errC := pagedDecodeArgsOf(&legacy)
+		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))
+	case "prefill":
+		legacy := C.kvp_paged_prefill_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_prefill_args{})),
+			q: 0x31000, out: 0x32000, q_token_stride: 4096, q_head_stride: 128, out_token_stride: 4096, out_head_stride: 128}
+		withDesc := legacy
+		legacy.num_blocks, legacy.block_size, legacy.max_blocks_per_seq = C.int32_t(h.numBlocks), C.int32_t(h.blockSize), C.int32_t(h.maxBlocks)
+		legacy.k_cache, legacy.v_cache, legacy.block_table = C.uint64_t(h.k), C.uint64_t(h.v), C.uint64_t(h.table)
+		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
+		legacy.block_table_stride = C.int64_t(h.tableStride)
+		if h.tableStride == 0 {
+			legacy.block_table_stride = C.int64_t(h.maxBlocks)
+		}
+		withDesc.kv = d
+		plan := attn.PrefillPlan{PrefillShape: attn.PrefillShape{DType: attn.BF16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2}}
+		a, errA := pagedPrefillArgsOf("test", &legacy, &plan)
+		b, errB := pagedPrefillArgsOf("test", &withDesc, &plan)
+		legacy.kv = d
+		_, errC := pagedPrefillArgsOf("test", &legacy, &plan)
+		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))
+	}
+	panic("unknown call " + call)
 }

@@ -110,7 +110,7 @@ func hookPrefillPlanRoundTrip(p *attn.PrefillPlan) ([6]uint64, attn.PrefillPlan,
 		return [6]uint64{}, attn.PrefillPlan{}, err
 	}
 	var words [6]uint64
-	for i, w := range c.reserved {
+	for i, w := range c.state {
 		words[i] = uint64(w)
 	}
 	back, state, err := readAttnPlan("test", &c)
@@ -227,7 +227,7 @@ func (p *cascadeHookPlan) fields() cascadePlanFields {
 		MaxQ: int32(c.max_q_len), MaxKV: int32(c.max_kv_len), Items: int32(c.num_items), Grid: int32(c.grid),
 		Workspace: uint64(c.workspace), WorkspaceBytes: uint64(c.workspace_bytes), KVLens: uint64(c.kv_lens)}
 	for i := range f.Reserved {
-		f.Reserved[i] = uint64(c.reserved[i])
+		f.Reserved[i] = uint64(c.state[i])
 	}
 	return f
 }

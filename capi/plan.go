@@ -30,7 +30,7 @@ func writeAttnPlan(plan *C.kvp_attn_plan, p *attn.PrefillPlan, state [6]uint64) 
 		workspace: C.uint64_t(p.Workspace), workspace_bytes: C.uint64_t(p.WorkspaceBytes), kv_lens: C.uint64_t(p.KVLens),
 	}
 	for i, w := range state {
-		out.reserved[i] = C.uint64_t(w)
+		out.state[i] = C.uint64_t(w)
 	}
 	return attnPlanStruct.out(unsafe.Pointer(plan), unsafe.Pointer(&out))
 }
@@ -47,7 +47,7 @@ func readAttnPlan(what string, plan *C.kvp_attn_plan) (attn.PrefillPlan, [6]uint
 	if err != nil {
 		return attn.PrefillPlan{}, state, err
 	}
-	for i, w := range c.reserved {
+	for i, w := range c.state {
 		state[i] = uint64(w)
 	}
 	return attn.PrefillPlan{
@@ -70,12 +70,13 @@ func planRunOf(what string, plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args) 
 	if err != nil {
 		return p, state, attn.PagedPrefillArgs{}, err
 	}
-	r, err := pagedPrefillArgsOf(what, a)
+	r, err := pagedPrefillArgsOf(what, a, &p)
 	return p, state, r, err
 }
 
-// pagedPrefillArgsOf decodes the caller's kvp_paged_prefill_args.
-func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args) (attn.PagedPrefillArgs, error) {
+// pagedPrefillArgsOf decodes the caller's kvp_paged_prefill_args for a run
+// of plan p, whose dtype, kv heads and head_dim a descriptor must match.
+func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args, p *attn.PrefillPlan) (attn.PagedPrefillArgs, error) {
 	var c C.kvp_paged_prefill_args
 	if err := pagedPrefillArgsStruct.in(unsafe.Pointer(a), unsafe.Pointer(&c)); err != nil {
 		return attn.PagedPrefillArgs{}, err
@@ -83,17 +84,23 @@ func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args) (attn.PagedPre
 	if c.reserved != 0 || c.reserved2 != 0 {
 		return attn.PagedPrefillArgs{}, kverr.Errorf(kverr.InvalidArgument, "%s: reserved fields must be 0", what)
 	}
+	kv, _, err := pagedKVOf(what, c.kv, attn.PagedKV{
+		NumBlocks: int(c.num_blocks), BlockSize: int(c.block_size),
+		CacheBlockStride: int64(c.cache_block_stride), CacheTokenStride: int64(c.cache_token_stride),
+		CacheHeadStride: int64(c.cache_head_stride),
+		MaxBlocksPerSeq: int(c.max_blocks_per_seq), BlockTableStride: int64(c.block_table_stride),
+		KCache: cuda.DevicePtr(c.k_cache), VCache: cuda.DevicePtr(c.v_cache), BlockTable: cuda.DevicePtr(c.block_table),
+	}, kvShape{int32(p.DType), int32(p.NumKVHeads), int32(p.HeadDim)})
+	if err != nil {
+		return attn.PagedPrefillArgs{}, err
+	}
 	return attn.PagedPrefillArgs{
 		PrefillLayout: attn.PrefillLayout{
 			QTokenStride: int64(c.q_token_stride), QHeadStride: int64(c.q_head_stride),
 			OutTokenStride: int64(c.out_token_stride), OutHeadStride: int64(c.out_head_stride),
-			NumBlocks: int(c.num_blocks), BlockSize: int(c.block_size),
-			CacheBlockStride: int64(c.cache_block_stride), CacheTokenStride: int64(c.cache_token_stride),
-			CacheHeadStride: int64(c.cache_head_stride),
-			MaxBlocksPerSeq: int(c.max_blocks_per_seq), BlockTableStride: int64(c.block_table_stride),
-			Scale: float32(c.scale),
+			PagedKV: kv,
+			Scale:   float32(c.scale),
 		},
-		Q: cuda.DevicePtr(c.q), KCache: cuda.DevicePtr(c.k_cache), VCache: cuda.DevicePtr(c.v_cache),
-		BlockTable: cuda.DevicePtr(c.block_table), Out: cuda.DevicePtr(c.out), LSE: cuda.DevicePtr(c.lse),
+		Q: cuda.DevicePtr(c.q), Out: cuda.DevicePtr(c.out), LSE: cuda.DevicePtr(c.lse),
 	}, nil
 }

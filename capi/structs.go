@@ -56,12 +56,13 @@ var (
 	prefixStatsStruct          = structOf[C.kvp_prefix_stats]("kvp_prefix_stats", unsafe.Offsetof(C.kvp_prefix_stats{}.queries)+8)
 	vcacheConfigStruct         = structOf[C.kvp_vcache_config]("kvp_vcache_config", 0)
 	vcacheStatsStruct          = structOf[C.kvp_vcache_stats]("kvp_vcache_stats", unsafe.Offsetof(C.kvp_vcache_stats{}.page_size)+8)
-	kvWriteArgsStruct          = structOf[C.kvp_kv_write_args]("kvp_kv_write_args", 0)
-	pagedDecodeArgsStruct      = structOf[C.kvp_paged_decode_args]("kvp_paged_decode_args", 0)
+	kvWriteArgsStruct          = structOf[C.kvp_kv_write_args]("kvp_kv_write_args", unsafe.Offsetof(C.kvp_kv_write_args{}.slot_mapping)+8)
+	pagedDecodeArgsStruct      = structOf[C.kvp_paged_decode_args]("kvp_paged_decode_args", unsafe.Offsetof(C.kvp_paged_decode_args{}.q_len)+4)
 	mergeStatesArgsStruct      = structOf[C.kvp_merge_states_args]("kvp_merge_states_args", 0)
 	prefillPlanArgsStruct      = structOf[C.kvp_prefill_plan_args]("kvp_prefill_plan_args", 0)
 	attnPlanStruct             = structOf[C.kvp_attn_plan]("kvp_attn_plan", 0)
-	pagedPrefillArgsStruct     = structOf[C.kvp_paged_prefill_args]("kvp_paged_prefill_args", 0)
+	pagedPrefillArgsStruct     = structOf[C.kvp_paged_prefill_args]("kvp_paged_prefill_args", unsafe.Offsetof(C.kvp_paged_prefill_args{}.reserved2)+4)
+	pagedKVStruct              = structOf[C.kvp_paged_kv]("kvp_paged_kv", 0)
 	cascadePlanArgsStruct      = structOf[C.kvp_cascade_plan_args]("kvp_cascade_plan_args", unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host))
 	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
 	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)
@@ -91,7 +92,7 @@ func structOf[T any](name string, first uintptr) abiStruct {
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,
 	vcacheStatsStruct, kvWriteArgsStruct, pagedDecodeArgsStruct, mergeStatesArgsStruct, prefillPlanArgsStruct,
 	attnPlanStruct, pagedPrefillArgsStruct, cascadePlanArgsStruct, eventPublisherConfigStruct, eventPublisherStatsStruct,
-	tierStatsStruct, kvLayersStruct}
+	tierStatsStruct, kvLayersStruct, pagedKVStruct}
 
 func (s abiStruct) checkSize(got C.size_t) error {
 	n := uintptr(got)
@@ -115,6 +116,11 @@ func (s abiStruct) in(p unsafe.Pointer, dst unsafe.Pointer) error {
 	n := uintptr(got)
 	for _, f := range s.ptrs {
 		if f.off+unsafe.Sizeof(uintptr(0)) > n {
+			if f.off < n {
+				// A size that ends inside a pointer would leave half an
+				// address: no header ever had such a size.
+				return kverr.Errorf(kverr.StructSize, "%s.struct_size is %d, which ends inside %s: not the size of any version of the struct (initialise it with %s)", s.name, n, f.name, s.initMacro())
+			}
 			continue // past the caller's version: zero
 		}
 		if v := *(*uintptr)(unsafe.Add(p, f.off)); v != 0 && v < minPointer {

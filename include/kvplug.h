@@ -51,6 +51,22 @@
  *
  * The ABI is stable within a major version.
  *
+ * Changes in 0.4 for a host built against 0.3 (binary compatible; one
+ * source change):
+ *   - One paged-KV descriptor, kvp_paged_kv: a layer's K and V caches, their
+ *     strides, the block table, the block size and count and the cache's
+ *     dtype, with room for the scale arrays of scaled cache formats. The
+ *     launch args (kvp_kv_write_args, kvp_paged_decode_args,
+ *     kvp_paged_prefill_args, the last also kvp_paged_cascade's) gain an
+ *     appended pointer `kv` to one; set it and leave the args' own cache
+ *     fields 0. Args that leave kv NULL describe the cache as before, so a
+ *     0.3 host runs unchanged; new cache formats come through the
+ *     descriptor only.
+ *   - kvp_attn_plan's last six words are named `state` (they were
+ *     `reserved`, which they never were: they hold the plan's state).
+ *     Same offsets and meaning; a host that read plan.reserved[...]
+ *     renames it to plan.state[...].
+ *
  * Changes in 0.3 for a host built against 0.2:
  *   - Prefix cache: blocks a step fills stay uncomputed until the new
  *     kvp_manager_mark_computed; kvp_manager_remove drops a sequence's
@@ -102,6 +118,9 @@
  *     kvp_tier_stats         through reserved (160 bytes)
  *     kvp_shared_store_config through reserved (64 bytes)
  *     kvp_shared_store_stats through reserved (88 bytes)
+ *     kvp_kv_write_args      through slot_mapping (128 bytes)
+ *     kvp_paged_decode_args  through q_len (192 bytes)
+ *     kvp_paged_prefill_args through reserved2 (144 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -129,7 +148,7 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 3
+#define KVP_VERSION_MINOR 4
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \
@@ -1498,6 +1517,43 @@ typedef enum kvp_dtype {
   KVP_DTYPE_F32 = 3   /* float, for tests: slower kernels */
 } kvp_dtype;
 
+/* One layer's paged KV cache, as every call that reads or writes it takes
+ * it: K and V [num_blocks, block_size, num_kv_heads, head_dim] as two
+ * pointers sharing strides, the block table that maps a sequence's token t
+ * to block block_table[row * block_table_stride + t / block_size] at offset
+ * t % block_size (columns >= max_blocks_per_seq and block ids outside
+ * [0, num_blocks) are ignored), and the cache's dtype. An engine fills one
+ * per layer (the table fields are the same for every layer) and passes it
+ * through the `kv` pointer of kvp_kv_write_args (which reads no table: the
+ * table fields may be 0 there), kvp_paged_decode_args and
+ * kvp_paged_prefill_args (kvp_paged_prefill and kvp_paged_cascade). When
+ * `kv` is set, the args' own cache fields (k_cache, v_cache, the
+ * cache_*_stride, num_blocks, block_size, block_table, block_table_stride,
+ * max_blocks_per_seq) must be 0 and the args' dtype and num_kv_heads, where
+ * they have them, 0 or equal to the descriptor's (INVALID_ARGUMENT
+ * otherwise: a cache is described once). The descriptor is read during the
+ * call only. */
+typedef struct kvp_paged_kv {
+  size_t struct_size;         /* sizeof(kvp_paged_kv) */
+  int32_t dtype;              /* kvp_dtype of the caches: the call's q and out dtype */
+  int32_t num_kv_heads;       /* >= 1 */
+  int32_t num_blocks;         /* >= 1 */
+  int32_t block_size;         /* tokens per block, >= 1 (1 is token mode) */
+  uint64_t k_cache;           /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  uint64_t v_cache;           /* same strides as k_cache */
+  int64_t block_stride;       /* elements between blocks */
+  int64_t token_stride;       /* between a block's tokens */
+  int64_t head_stride;        /* between kv heads */
+  uint64_t block_table;       /* int32 [rows, block_table_stride]; 0 for kvp_kv_write */
+  int64_t block_table_stride; /* >= max_blocks_per_seq; 0 = max_blocks_per_seq */
+  int32_t max_blocks_per_seq; /* block table columns read; 0 for kvp_kv_write */
+  int32_t head_dim;           /* 0 or the call's head_dim */
+  uint64_t k_scale;           /* scale arrays of a scaled cache format: 0 (no such format yet) */
+  uint64_t v_scale;           /* 0 */
+} kvp_paged_kv;
+
+#define KVP_PAGED_KV_INIT KVP_STRUCT_INIT(kvp_paged_kv)
+
 /* Scatter of this step's K and V ([num_tokens, num_kv_heads, head_dim]) into
  * the caches: token t goes to slot slot_mapping[t] = block * block_size +
  * offset. Slots < 0 (padding) and slots >= num_blocks * block_size are
@@ -1522,6 +1578,7 @@ typedef struct kvp_kv_write_args {
   int64_t cache_token_stride;
   int64_t cache_head_stride;
   uint64_t slot_mapping; /* int32 [num_tokens] */
+  const kvp_paged_kv *kv; /* appended in 0.4: the caches (see kvp_paged_kv); NULL = the fields above */
 } kvp_kv_write_args;
 
 #define KVP_KV_WRITE_ARGS_INIT KVP_STRUCT_INIT(kvp_kv_write_args)
@@ -1574,6 +1631,8 @@ typedef struct kvp_paged_decode_args {
   int32_t max_seq_len;      /* bound on seq_lens for the choice of splits; 0 = max_blocks_per_seq * block_size */
   int32_t q_len;            /* new tokens per sequence, in [0, 16]; 0 and 1: one (decode).
                                Split-KV workspace: sized for batch * q_len rows */
+  const kvp_paged_kv *kv;   /* appended in 0.4: the cache and block table (see kvp_paged_kv);
+                               NULL = the fields above */
 } kvp_paged_decode_args;
 
 #define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)
@@ -1674,6 +1733,7 @@ typedef struct kvp_merge_states_args {
  * kvp_prefill_plan): their sequences | the decode launch's splits << 32, 0
  * when the prefill kernel takes every row; the device qo_indptr the decode
  * launch reads. */
+#define KVP_ATTN_PLAN_STATE_WORDS 6 /* kvp_attn_plan.state: fixed within a major version */
 #define KVP_PLAN_STATE_MAINLOOP 0
 #define KVP_PLAN_STATE_DECODE_ROWS 1
 #define KVP_PLAN_STATE_DECODE_INDEX 2
@@ -1722,12 +1782,12 @@ typedef struct kvp_attn_plan {
   uint64_t workspace;
   uint64_t workspace_bytes;
   uint64_t kv_lens;   /* device */
-  /* Plan state, NOT a must-be-zero field (the one `reserved` of this header
-   * that is not): the words KVP_PLAN_STATE_*, which the plan's kind gives
-   * (a prefill plan's mainloop below; a cascade plan's, the shared-prefix
-   * section). The calls that take the plan read it back: copy it with the
-   * plan, never edit it. */
-  uint64_t reserved[6];
+  /* The plan's state, opaque to the host: the words KVP_PLAN_STATE_*,
+   * whose meaning the plan's kind gives (a prefill plan's below; a cascade
+   * plan's in the shared-prefix section). The calls that take the plan
+   * read it back: copy it with the plan, never edit it. (Named `reserved`
+   * before 0.4; same words.) */
+  uint64_t state[KVP_ATTN_PLAN_STATE_WORDS];
 } kvp_attn_plan;
 
 #define KVP_ATTN_PLAN_INIT KVP_STRUCT_INIT(kvp_attn_plan)
@@ -1756,6 +1816,8 @@ typedef struct kvp_paged_prefill_args {
   uint64_t lse; /* float32 [total_q, num_q_heads] contiguous; 0 = not wanted */
   float scale;  /* softmax scale, finite, >= 0; 0 = 1/sqrt(head_dim) */
   int32_t reserved2; /* must be 0 */
+  const kvp_paged_kv *kv; /* appended in 0.4: the cache and block table (see kvp_paged_kv);
+                             NULL = the fields above */
 } kvp_paged_prefill_args;
 
 #define KVP_PAGED_PREFILL_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_prefill_args)
@@ -1885,9 +1947,9 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * KVP_ATTN_ROUTE_PREFILL; batch; total_q (batch in decode); max_q_len;
  * max_kv_len the longest planned length (tail capacities included);
  * num_items, grid (and num_splits on the prefill route); kv_lens = the
- * device seq_lens; and the plan state in reserved[KVP_PLAN_STATE_*]: the
+ * device seq_lens; and the plan state in state[KVP_PLAN_STATE_*]: the
  * words below. f16 and bf16. kvp_cascade_update and kvp_paged_cascade read
- * the host workspace that reserved[KVP_PLAN_STATE_HOST_WORKSPACE] names:
+ * the host workspace that state[KVP_PLAN_STATE_HOST_WORKSPACE] names:
  * pass plans as kvp_cascade_plan wrote them (copies are fine; an edited
  * address is undefined behaviour, as any bad pointer).
  */
@@ -2030,7 +2092,7 @@ kvp_status kvp_paged_cascade(const kvp_attn_plan *plan, const kvp_paged_prefill_
  * workspace: kvp_cascade_update and kvp_paged_cascade refuse it
  * (INVALID_ARGUMENT). Use it to measure a batch's sharing on any machine:
  * shared-prefix attention reads total - saved KV tokens per kv head
- * (reserved[KVP_PLAN_STATE_TOTAL_TOKENS] and [KVP_PLAN_STATE_SAVED_TOKENS])
+ * (state[KVP_PLAN_STATE_TOTAL_TOKENS] and [KVP_PLAN_STATE_SAVED_TOKENS])
  * where plain attention reads total (a step on the decode or prefill
  * route, which the planner takes where its cost model predicts sharing
  * not to pay, reads total). With one workspace given, the call is

@@ -1274,7 +1274,7 @@ inline void paged_cascade(const kvp_attn_plan &plan, const kvp_paged_prefill_arg
 // seq_lens_host NULL and sets max_blocks_per_seq to the device table's
 // width. With a.workspace 0 and a.host_workspace NULL the plan is the
 // host-only summary (route, and the saved and total tokens per kv head in
-// reserved[KVP_PLAN_STATE_SAVED_TOKENS] and [KVP_PLAN_STATE_TOTAL_TOKENS]),
+// state[KVP_PLAN_STATE_SAVED_TOKENS] and [KVP_PLAN_STATE_TOTAL_TOKENS]),
 // which needs no device and cannot be run.
 //
 //   kvp_cascade_plan_args pa = KVP_CASCADE_PLAN_ARGS_INIT;  // as for plan(), without the host arrays

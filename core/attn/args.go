@@ -45,9 +45,9 @@ type KVWriteLayout struct {
 	KeyTokenStride, KeyHeadStride     int64
 	ValueTokenStride, ValueHeadStride int64
 
-	NumBlocks, BlockSize int
-	// Shared by the K and V caches.
-	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
+	// The caches written (no block table: MaxBlocksPerSeq,
+	// BlockTableStride and BlockTable are 0).
+	PagedKV
 }
 
 // DecodeLayout is the shape of paged decode attention: one query token per
@@ -65,11 +65,7 @@ type DecodeLayout struct {
 	QBatchStride, QHeadStride     int64
 	OutBatchStride, OutHeadStride int64
 
-	NumBlocks, BlockSize                                int
-	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
-
-	MaxBlocksPerSeq  int
-	BlockTableStride int64
+	PagedKV // the caches read and the block table [batch, block_table_stride]
 
 	Scale float32 // softmax scale; 0 means 1/sqrt(head_dim) (SoftmaxScale)
 
@@ -115,22 +111,22 @@ type dim struct {
 // span returns one past the largest element offset of a view whose innermost
 // inner elements are contiguous, or an error when a stride is negative or
 // the offsets overflow.
-func span(what string, inner int, dims ...dim) (int64, error) {
+func span(what, name string, inner int, dims ...dim) (int64, error) {
 	end := int64(inner)
 	for _, d := range dims {
 		if d.stride < 0 {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: strides must not be negative: got %d", what, d.stride)
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: %s: strides must not be negative: got %d", what, name, d.stride)
 		}
 		if d.n <= 1 {
 			continue
 		}
 		hi, lo := bits.Mul64(uint64(d.stride), uint64(d.n-1))
 		if hi != 0 || lo > maxElemIndex {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: stride %d over %d elements reaches past 2^50 elements", what, d.stride, d.n)
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: %s: stride %d over %d elements reaches past 2^50 elements", what, name, d.stride, d.n)
 		}
 		end += int64(lo)
 		if end > maxElemIndex {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: strides reach past 2^50 elements", what)
+			return 0, kverr.Errorf(kverr.InvalidArgument, "%s: %s: strides reach past 2^50 elements", what, name)
 		}
 	}
 	return end, nil
@@ -139,7 +135,7 @@ func span(what string, inner int, dims ...dim) (int64, error) {
 // disjoint reports an error unless the rows of a written view (inner
 // contiguous elements each) never overlap: sorted by stride, each stride must
 // step over everything the smaller ones span.
-func disjoint(what string, inner int, dims ...dim) error {
+func disjoint(what, name string, inner int, dims ...dim) error {
 	ds := make([]dim, 0, 4)
 	for _, d := range dims {
 		if d.n > 1 {
@@ -158,7 +154,7 @@ func disjoint(what string, inner int, dims ...dim) error {
 	reach := int64(inner)
 	for _, d := range ds {
 		if d.stride < reach {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: written rows overlap: a stride of %d elements is less than the %d elements the inner dimensions span", what, d.stride, reach)
+			return kverr.Errorf(kverr.InvalidArgument, "%s: %s: written rows overlap: a stride of %d elements is less than the %d elements the inner dimensions span", what, name, d.stride, reach)
 		}
 		reach += d.stride * int64(d.n-1)
 	}
@@ -205,31 +201,17 @@ func (l *KVWriteLayout) validate() (kvWriteExtents, error) {
 	if err := inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads); err != nil {
 		return e, err
 	}
-	if err := inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": block_size", l.BlockSize, 1, 1<<20); err != nil {
-		return e, err
-	}
-	if int64(l.NumBlocks)*int64(l.BlockSize) > 1<<31-1 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: num_blocks*block_size must fit an int32 slot: %d*%d", what, l.NumBlocks, l.BlockSize)
-	}
-	if err := vecMultiple(what, l.DType, l.KeyTokenStride, l.KeyHeadStride, l.ValueTokenStride, l.ValueHeadStride,
-		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+	if err := vecMultiple(what, l.DType, l.KeyTokenStride, l.KeyHeadStride, l.ValueTokenStride, l.ValueHeadStride); err != nil {
 		return e, err
 	}
 	var err error
-	if e.key, err = span(what+": key", l.HeadDim, dim{l.NumTokens, l.KeyTokenStride}, dim{l.NumKVHeads, l.KeyHeadStride}); err != nil {
+	if e.cache, _, err = l.PagedKV.validate(what, l.DType, l.HeadDim, l.NumKVHeads, false, 0); err != nil {
 		return e, err
 	}
-	if e.value, err = span(what+": value", l.HeadDim, dim{l.NumTokens, l.ValueTokenStride}, dim{l.NumKVHeads, l.ValueHeadStride}); err != nil {
+	if e.key, err = span(what, "key", l.HeadDim, dim{l.NumTokens, l.KeyTokenStride}, dim{l.NumKVHeads, l.KeyHeadStride}); err != nil {
 		return e, err
 	}
-	cache := []dim{{l.NumBlocks, l.CacheBlockStride}, {l.BlockSize, l.CacheTokenStride}, {l.NumKVHeads, l.CacheHeadStride}}
-	if e.cache, err = span(what+": cache", l.HeadDim, cache...); err != nil {
-		return e, err
-	}
-	if err := disjoint(what+": cache", l.HeadDim, cache...); err != nil {
+	if e.value, err = span(what, "value", l.HeadDim, dim{l.NumTokens, l.ValueTokenStride}, dim{l.NumKVHeads, l.ValueHeadStride}); err != nil {
 		return e, err
 	}
 	if l.NumTokens == 0 {
@@ -261,45 +243,25 @@ func (l *DecodeLayout) validate() (decodeExtents, error) {
 	if err := inRange(what+": q_len", l.QLen, 0, MaxDecodeQLen); err != nil {
 		return e, err
 	}
-	if err := inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": block_size", l.BlockSize, 1, 1<<20); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30); err != nil {
-		return e, err
-	}
-	if int64(l.MaxBlocksPerSeq)*int64(l.BlockSize) > 1<<31-1 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: max_blocks_per_seq*block_size must fit an int32 length: %d*%d", what, l.MaxBlocksPerSeq, l.BlockSize)
-	}
-	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
-	}
 	if err := checkScale(what, l.Scale); err != nil {
 		return e, err
 	}
-	if err := vecMultiple(what, l.DType, l.QBatchStride, l.QHeadStride, l.OutBatchStride, l.OutHeadStride,
-		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+	if err := vecMultiple(what, l.DType, l.QBatchStride, l.QHeadStride, l.OutBatchStride, l.OutHeadStride); err != nil {
 		return e, err
 	}
 	var err error
-	if e.q, err = span(what+": q", l.HeadDim, dim{l.Rows(), l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
+	if e.cache, e.table, err = l.PagedKV.validate(what, l.DType, l.HeadDim, l.NumKVHeads, true, l.Batch); err != nil {
+		return e, err
+	}
+	if e.q, err = span(what, "q", l.HeadDim, dim{l.Rows(), l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
 		return e, err
 	}
 	out := []dim{{l.Rows(), l.OutBatchStride}, {l.NumQHeads, l.OutHeadStride}}
-	if e.out, err = span(what+": out", l.HeadDim, out...); err != nil {
+	if e.out, err = span(what, "out", l.HeadDim, out...); err != nil {
 		return e, err
 	}
-	if err := disjoint(what+": out", l.HeadDim, out...); err != nil {
+	if err := disjoint(what, "out", l.HeadDim, out...); err != nil {
 		return e, err
-	}
-	if e.cache, err = span(what+": cache", l.HeadDim, dim{l.NumBlocks, l.CacheBlockStride}, dim{l.BlockSize, l.CacheTokenStride}, dim{l.NumKVHeads, l.CacheHeadStride}); err != nil {
-		return e, err
-	}
-	e.table = int64(l.MaxBlocksPerSeq)
-	if l.Batch > 1 {
-		e.table += int64(l.Batch-1) * l.BlockTableStride
 	}
 	if l.Batch == 0 {
 		e.q, e.out, e.table = 0, 0, 0
@@ -331,25 +293,25 @@ func (l *MergeLayout) validate(withLSE bool) (mergeExtents, error) {
 		return e, err
 	}
 	var err error
-	if e.v, err = span(what+": v", l.HeadDim, dim{l.NumTokens, l.VTokenStride}, dim{l.NumHeads, l.VHeadStride}); err != nil {
+	if e.v, err = span(what, "v", l.HeadDim, dim{l.NumTokens, l.VTokenStride}, dim{l.NumHeads, l.VHeadStride}); err != nil {
 		return e, err
 	}
-	if e.s, err = span(what+": s", 1, dim{l.NumTokens, l.STokenStride}, dim{l.NumHeads, l.SHeadStride}); err != nil {
+	if e.s, err = span(what, "s", 1, dim{l.NumTokens, l.STokenStride}, dim{l.NumHeads, l.SHeadStride}); err != nil {
 		return e, err
 	}
 	out := []dim{{l.NumTokens, l.OutTokenStride}, {l.NumHeads, l.OutHeadStride}}
-	if e.out, err = span(what+": out", l.HeadDim, out...); err != nil {
+	if e.out, err = span(what, "out", l.HeadDim, out...); err != nil {
 		return e, err
 	}
-	if err := disjoint(what+": out", l.HeadDim, out...); err != nil {
+	if err := disjoint(what, "out", l.HeadDim, out...); err != nil {
 		return e, err
 	}
 	if withLSE {
 		lse := []dim{{l.NumTokens, l.OutLSETokenStride}, {l.NumHeads, l.OutLSEHeadStride}}
-		if e.outLSE, err = span(what+": out_lse", 1, lse...); err != nil {
+		if e.outLSE, err = span(what, "out_lse", 1, lse...); err != nil {
 			return e, err
 		}
-		if err := disjoint(what+": out_lse", 1, lse...); err != nil {
+		if err := disjoint(what, "out_lse", 1, lse...); err != nil {
 			return e, err
 		}
 	}

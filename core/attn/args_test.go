@@ -12,8 +12,9 @@ func TestValidation(t *testing.T) {
 	good := func() DecodeLayout {
 		return DecodeLayout{DType: F16, HeadDim: 128, Batch: 2, NumQHeads: 8, NumKVHeads: 2,
 			QBatchStride: 8 * 128, QHeadStride: 128, OutBatchStride: 8 * 128, OutHeadStride: 128,
-			NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
-			MaxBlocksPerSeq: 2, BlockTableStride: 2, Scale: 0.1}
+
+			Scale: 0.1, PagedKV: PagedKV{NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
+				MaxBlocksPerSeq: 2, BlockTableStride: 2}}
 	}
 	if _, err := (&[]DecodeLayout{good()}[0]).validate(); err != nil {
 		t.Fatalf("good layout refused: %v", err)
@@ -51,8 +52,8 @@ func TestValidation(t *testing.T) {
 	if _, err := ml.validate(false); !kverr.Is(err, kverr.InvalidArgument) {
 		t.Errorf("9 states: got %v", err)
 	}
-	wl := KVWriteLayout{DType: BF16, HeadDim: 64, NumTokens: 1, NumKVHeads: 2, NumBlocks: 1, BlockSize: 1,
-		CacheBlockStride: 64, CacheTokenStride: 64, CacheHeadStride: 8}
+	wl := KVWriteLayout{DType: BF16, HeadDim: 64, NumTokens: 1, NumKVHeads: 2, PagedKV: PagedKV{NumBlocks: 1, BlockSize: 1,
+		CacheBlockStride: 64, CacheTokenStride: 64, CacheHeadStride: 8}}
 	if _, err := wl.validate(); !kverr.Is(err, kverr.InvalidArgument) {
 		t.Errorf("overlapping cache heads: got %v", err)
 	}

@@ -24,40 +24,30 @@ const (
 
 // kvp_cascade_params
 type cascadeParams struct {
-	Q                uint64  `c:"q"`
-	KCache           uint64  `c:"k_cache"`
-	VCache           uint64  `c:"v_cache"`
-	BlockTable       uint64  `c:"block_table"`
-	SeqLens          uint64  `c:"seq_lens"`
-	Out              uint64  `c:"out"`
-	LSE              uint64  `c:"lse"`
-	Work             uint64  `c:"work"`
-	PartOut          uint64  `c:"part_out"`
-	PartLSE          uint64  `c:"part_lse"`
-	QBatchStride     int64   `c:"q_batch_stride"`
-	QHeadStride      int64   `c:"q_head_stride"`
-	OutBatchStride   int64   `c:"out_batch_stride"`
-	OutHeadStride    int64   `c:"out_head_stride"`
-	CacheBlockStride int64   `c:"cache_block_stride"`
-	CacheTokenStride int64   `c:"cache_token_stride"`
-	CacheHeadStride  int64   `c:"cache_head_stride"`
-	BlockTableStride int64   `c:"block_table_stride"`
-	NumQHeads        int32   `c:"num_q_heads"`
-	NumKVHeads       int32   `c:"num_kv_heads"`
-	BlockSize        int32   `c:"block_size"`
-	NumBlocks        int32   `c:"num_blocks"`
-	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
-	ItemsOff         int32   `c:"items_off"`
-	QRowsOff         int32   `c:"qrows_off"`
-	SegStartOff      int32   `c:"seg_start_off"`
-	SegsOff          int32   `c:"segs_off"`
-	MaxBatch         int32   `c:"max_batch"`
-	Scale            float32 `c:"scale"`
-	RowSeqOff        int32   `c:"rowseq_off"`
-	QStartOff        int32   `c:"qstart_off"`
-	MaxRows          int32   `c:"max_rows"`
-	SkipShared       int32   `c:"skip_shared"`
-	Reserved         int32   `c:"reserved"`
+	KV             pagedKVParams `c:"kv"`
+	Q              uint64        `c:"q"`
+	SeqLens        uint64        `c:"seq_lens"`
+	Out            uint64        `c:"out"`
+	LSE            uint64        `c:"lse"`
+	Work           uint64        `c:"work"`
+	PartOut        uint64        `c:"part_out"`
+	PartLSE        uint64        `c:"part_lse"`
+	QBatchStride   int64         `c:"q_batch_stride"`
+	QHeadStride    int64         `c:"q_head_stride"`
+	OutBatchStride int64         `c:"out_batch_stride"`
+	OutHeadStride  int64         `c:"out_head_stride"`
+	NumQHeads      int32         `c:"num_q_heads"`
+	ItemsOff       int32         `c:"items_off"`
+	QRowsOff       int32         `c:"qrows_off"`
+	SegStartOff    int32         `c:"seg_start_off"`
+	SegsOff        int32         `c:"segs_off"`
+	MaxBatch       int32         `c:"max_batch"`
+	Scale          float32       `c:"scale"`
+	RowSeqOff      int32         `c:"rowseq_off"`
+	QStartOff      int32         `c:"qstart_off"`
+	MaxRows        int32         `c:"max_rows"`
+	SkipShared     int32         `c:"skip_shared"`
+	Reserved       int32         `c:"reserved"`
 }
 
 // cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, and the
@@ -147,13 +137,12 @@ func CascadeUpload(dev cuda.DevicePtr, host unsafe.Pointer, ranges [][2]int64, s
 // with QBatchStride / OutBatchStride between rows, the cache, the block
 // table) and where the plan's regions sit in the device workspace.
 type CascadeRunArgs struct {
-	DecodeLayout
-	Rows              int // query rows (total_q); 0: Batch (decode)
-	Q, KCache, VCache cuda.DevicePtr
-	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
-	SeqLens           cuda.DevicePtr // int32 [batch]: tails end here
-	Out               cuda.DevicePtr
-	LSE               cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+	DecodeLayout     // with the caches' and the block table's pointers
+	Rows         int // query rows (total_q); 0: Batch (decode)
+	Q            cuda.DevicePtr
+	SeqLens      cuda.DevicePtr // int32 [batch]: tails end here
+	Out          cuda.DevicePtr
+	LSE          cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
 
 	Workspace      cuda.DevicePtr // the plan at offset 0
 	WorkspaceBytes int64
@@ -205,9 +194,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	if a.Batch > 0 {
 		if err := firstErr(
 			checkTensor(what+": q", a.Q),
-			checkTensor(what+": k_cache", a.KCache),
-			checkTensor(what+": v_cache", a.VCache),
-			checkIndex(what+": block_table", a.BlockTable),
+			a.PagedKV.checkPointers(what, true),
 			checkIndex(what+": seq_lens", a.SeqLens),
 			checkTensor(what+": out", a.Out),
 			aligned(what+": lse", 4, a.LSE),
@@ -223,16 +210,13 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		return err
 	}
 	p := cascadeParams{
-		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache), BlockTable: uint64(a.BlockTable),
-		SeqLens: uint64(a.SeqLens), Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(a.Workspace),
+		KV: a.PagedKV.params(a.DType, a.NumKVHeads),
+		Q:  uint64(a.Q), SeqLens: uint64(a.SeqLens), Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(a.Workspace),
 		PartOut: uint64(a.Workspace) + uint64(a.PartOut), PartLSE: uint64(a.Workspace) + uint64(a.PartLSE),
 		QBatchStride: a.QBatchStride, QHeadStride: a.QHeadStride,
 		OutBatchStride: a.OutBatchStride, OutHeadStride: a.OutHeadStride,
-		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-		BlockTableStride: a.BlockTableStride,
-		NumQHeads:        int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
-		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
-		ItemsOff: int32(a.ItemsOff), QRowsOff: int32(a.QRowsOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
+		NumQHeads: int32(a.NumQHeads),
+		ItemsOff:  int32(a.ItemsOff), QRowsOff: int32(a.QRowsOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
 		MaxBatch: int32(a.MaxBatch), Scale: SoftmaxScale(a.Scale, a.HeadDim),
 		RowSeqOff: int32(a.RowSeqOff), QStartOff: int32(a.QStartOff), MaxRows: int32(maxRows),
 	}

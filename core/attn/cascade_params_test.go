@@ -7,7 +7,7 @@ import (
 
 // The cascade parameter struct joins the layout probe of TestParamsLayout.
 func init() {
-	layoutCases = append(layoutCases, layoutCase{"kvp_cascade_params", reflect.TypeOf(cascadeParams{}), 208})
+	layoutCases = append(layoutCases, layoutCase{"kvp_cascade_params", reflect.TypeOf(cascadeParams{}), 232})
 }
 
 // cascadeSharedBytes follows the header's formula (static_asserted in the

@@ -58,18 +58,17 @@ func kernelsFor(d DType, headDim int) *kernelSet {
 // KVWriteArgs is a KV write on device memory: key and value (dtype) per
 // KVWriteLayout, the caches, and slot_mapping (int32 [num_tokens]).
 type KVWriteArgs struct {
-	KVWriteLayout
-	Key, Value, KCache, VCache, SlotMapping cuda.DevicePtr
+	KVWriteLayout           // with the caches' pointers
+	Key, Value, SlotMapping cuda.DevicePtr
 }
 
 // PagedDecodeArgs is a paged decode launch on device memory.
 type PagedDecodeArgs struct {
-	DecodeLayout
-	Q, KCache, VCache cuda.DevicePtr
-	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
-	SeqLens           cuda.DevicePtr // int32 [batch]
-	Out               cuda.DevicePtr
-	LSE               cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+	DecodeLayout // with the caches' and the block table's pointers
+	Q            cuda.DevicePtr
+	SeqLens      cuda.DevicePtr // int32 [batch]
+	Out          cuda.DevicePtr
+	LSE          cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
 
 	// Workspace for split-KV partial results: float32, 16-byte aligned,
 	// WorkspaceSize(batch, num_q_heads, head_dim, splits) bytes. 0 allowed
@@ -164,8 +163,7 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 		if err := firstErr(
 			checkTensor("kv_write: key", a.Key),
 			checkTensor("kv_write: value", a.Value),
-			checkTensor("kv_write: k_cache", a.KCache),
-			checkTensor("kv_write: v_cache", a.VCache),
+			a.PagedKV.checkPointers("kv_write", false),
 			checkIndex("kv_write: slot_mapping", a.SlotMapping),
 		); err != nil {
 			return err
@@ -183,13 +181,11 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 		return err
 	}
 	p := kvWriteParams{
-		Key: uint64(a.Key), Value: uint64(a.Value), KCache: uint64(a.KCache), VCache: uint64(a.VCache),
-		SlotMapping:    uint64(a.SlotMapping),
+		KV:  a.PagedKV.params(a.DType, a.NumKVHeads),
+		Key: uint64(a.Key), Value: uint64(a.Value), SlotMapping: uint64(a.SlotMapping),
 		KeyTokenStride: a.KeyTokenStride, KeyHeadStride: a.KeyHeadStride,
 		ValueTokenStride: a.ValueTokenStride, ValueHeadStride: a.ValueHeadStride,
-		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-		NumTokens: int32(a.NumTokens), NumKVHeads: int32(a.NumKVHeads),
-		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks),
+		NumTokens: int32(a.NumTokens),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, Block: cuda.Dim3{X: kvWriteThreads, Y: 1, Z: 1}}
 	return cuda.Launch(m, kernelsFor(a.DType, a.HeadDim).write, cfg, stream, &p)
@@ -213,9 +209,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 	if a.Batch > 0 {
 		if err := firstErr(
 			checkTensor("paged_decode: q", a.Q),
-			checkTensor("paged_decode: k_cache", a.KCache),
-			checkTensor("paged_decode: v_cache", a.VCache),
-			checkIndex("paged_decode: block_table", a.BlockTable),
+			a.PagedKV.checkPointers("paged_decode", true),
 			checkIndex("paged_decode: seq_lens", a.SeqLens),
 			checkTensor("paged_decode: out", a.Out),
 			aligned("paged_decode: lse", 4, a.LSE),
@@ -255,15 +249,12 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.DevicePtr, qRows int, stream cuda.Stream) error {
 	group := a.NumQHeads / a.NumKVHeads
 	p := decodeParams{
-		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache),
-		BlockTable: uint64(a.BlockTable), SeqLens: uint64(a.SeqLens),
+		KV: a.PagedKV.params(a.DType, a.NumKVHeads),
+		Q:  uint64(a.Q), SeqLens: uint64(a.SeqLens),
 		Out: uint64(a.Out), LSE: uint64(a.LSE), Workspace: uint64(a.Workspace),
 		QBatchStride: a.QBatchStride, QHeadStride: a.QHeadStride,
 		OutBatchStride: a.OutBatchStride, OutHeadStride: a.OutHeadStride,
-		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-		BlockTableStride: a.BlockTableStride,
-		Batch:            int32(a.Batch), NumQHeads: int32(a.NumQHeads), NumKVHeads: int32(a.NumKVHeads),
-		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
+		Batch: int32(a.Batch), NumQHeads: int32(a.NumQHeads),
 		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim), QLen: int32(a.qLen()),
 		QIndptr: uint64(qIndptr), QRows: int32(qRows),
 	}

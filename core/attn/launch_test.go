@@ -12,9 +12,9 @@ import (
 func TestLaunchArgumentChecks(t *testing.T) {
 	w := KVWriteArgs{
 		KVWriteLayout: KVWriteLayout{DType: F16, HeadDim: 64, NumTokens: 2, NumKVHeads: 1,
-			KeyTokenStride: 64, KeyHeadStride: 64, ValueTokenStride: 64, ValueHeadStride: 64,
-			NumBlocks: 4, BlockSize: 2, CacheBlockStride: 128, CacheTokenStride: 64, CacheHeadStride: 64},
-		Key: 0x1000, Value: 0x2000, KCache: 0x3000, VCache: 0x4000, SlotMapping: 0x5000,
+			KeyTokenStride: 64, KeyHeadStride: 64, ValueTokenStride: 64, ValueHeadStride: 64, PagedKV: PagedKV{NumBlocks: 4, BlockSize: 2, CacheBlockStride: 128, CacheTokenStride: 64, CacheHeadStride: 64,
+				KCache: 0x3000, VCache: 0x4000}},
+		Key: 0x1000, Value: 0x2000, SlotMapping: 0x5000,
 	}
 	bad := w
 	bad.Value = 0
@@ -40,9 +40,11 @@ func TestLaunchArgumentChecks(t *testing.T) {
 	d := PagedDecodeArgs{
 		DecodeLayout: DecodeLayout{DType: BF16, HeadDim: 128, Batch: 2, NumQHeads: 4, NumKVHeads: 1,
 			QBatchStride: 512, QHeadStride: 128, OutBatchStride: 512, OutHeadStride: 128,
-			NumBlocks: 8, BlockSize: 16, CacheBlockStride: 2048, CacheTokenStride: 128, CacheHeadStride: 128,
-			MaxBlocksPerSeq: 4, BlockTableStride: 4, Scale: 0.088},
-		Q: 0x1000, KCache: 0x2000, VCache: 0x3000, BlockTable: 0x4000, SeqLens: 0x5000, Out: 0x6000,
+
+			Scale: 0.088, PagedKV: PagedKV{NumBlocks: 8, BlockSize: 16, CacheBlockStride: 2048, CacheTokenStride: 128, CacheHeadStride: 128,
+				MaxBlocksPerSeq: 4, BlockTableStride: 4,
+				KCache: 0x2000, VCache: 0x3000, BlockTable: 0x4000}},
+		Q: 0x1000, SeqLens: 0x5000, Out: 0x6000,
 	}
 	bd := d
 	bd.BlockTable = 0
@@ -101,8 +103,9 @@ func TestValidateAllocatesNothing(t *testing.T) {
 	d := PagedDecodeArgs{
 		DecodeLayout: DecodeLayout{DType: BF16, HeadDim: 128, Batch: 2, NumQHeads: 4, NumKVHeads: 1,
 			QBatchStride: 512, QHeadStride: 128, OutBatchStride: 512, OutHeadStride: 128,
-			NumBlocks: 8, BlockSize: 16, CacheBlockStride: 2048, CacheTokenStride: 128, CacheHeadStride: 128,
-			MaxBlocksPerSeq: 4, BlockTableStride: 4, Scale: 0.088},
+
+			Scale: 0.088, PagedKV: PagedKV{NumBlocks: 8, BlockSize: 16, CacheBlockStride: 2048, CacheTokenStride: 128, CacheHeadStride: 128,
+				MaxBlocksPerSeq: 4, BlockTableStride: 4}},
 	}
 	if n := testing.AllocsPerRun(100, func() { _, _ = d.validate() }); n != 0 {
 		t.Fatalf("DecodeLayout.validate allocates %v times", n)

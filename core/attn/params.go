@@ -24,53 +24,37 @@ const (
 
 // kvp_kv_write_params
 type kvWriteParams struct {
-	Key              uint64 `c:"key"`
-	Value            uint64 `c:"value"`
-	KCache           uint64 `c:"k_cache"`
-	VCache           uint64 `c:"v_cache"`
-	SlotMapping      uint64 `c:"slot_mapping"`
-	KeyTokenStride   int64  `c:"key_token_stride"`
-	KeyHeadStride    int64  `c:"key_head_stride"`
-	ValueTokenStride int64  `c:"value_token_stride"`
-	ValueHeadStride  int64  `c:"value_head_stride"`
-	CacheBlockStride int64  `c:"cache_block_stride"`
-	CacheTokenStride int64  `c:"cache_token_stride"`
-	CacheHeadStride  int64  `c:"cache_head_stride"`
-	NumTokens        int32  `c:"num_tokens"`
-	NumKVHeads       int32  `c:"num_kv_heads"`
-	BlockSize        int32  `c:"block_size"`
-	NumBlocks        int32  `c:"num_blocks"`
+	KV               pagedKVParams `c:"kv"`
+	Key              uint64        `c:"key"`
+	Value            uint64        `c:"value"`
+	SlotMapping      uint64        `c:"slot_mapping"`
+	KeyTokenStride   int64         `c:"key_token_stride"`
+	KeyHeadStride    int64         `c:"key_head_stride"`
+	ValueTokenStride int64         `c:"value_token_stride"`
+	ValueHeadStride  int64         `c:"value_head_stride"`
+	NumTokens        int32         `c:"num_tokens"`
+	Reserved         int32         `c:"reserved"`
 }
 
 // kvp_decode_params
 type decodeParams struct {
-	Q                uint64  `c:"q"`
-	KCache           uint64  `c:"k_cache"`
-	VCache           uint64  `c:"v_cache"`
-	BlockTable       uint64  `c:"block_table"`
-	SeqLens          uint64  `c:"seq_lens"`
-	Out              uint64  `c:"out"`
-	LSE              uint64  `c:"lse"`
-	Workspace        uint64  `c:"workspace"`
-	QBatchStride     int64   `c:"q_batch_stride"`
-	QHeadStride      int64   `c:"q_head_stride"`
-	OutBatchStride   int64   `c:"out_batch_stride"`
-	OutHeadStride    int64   `c:"out_head_stride"`
-	CacheBlockStride int64   `c:"cache_block_stride"`
-	CacheTokenStride int64   `c:"cache_token_stride"`
-	CacheHeadStride  int64   `c:"cache_head_stride"`
-	BlockTableStride int64   `c:"block_table_stride"`
-	Batch            int32   `c:"batch"`
-	NumQHeads        int32   `c:"num_q_heads"`
-	NumKVHeads       int32   `c:"num_kv_heads"`
-	BlockSize        int32   `c:"block_size"`
-	NumBlocks        int32   `c:"num_blocks"`
-	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
-	NumSplits        int32   `c:"num_splits"`
-	Scale            float32 `c:"scale"`
-	QLen             int32   `c:"q_len"`
-	QRows            int32   `c:"q_rows"`
-	QIndptr          uint64  `c:"q_indptr"`
+	KV             pagedKVParams `c:"kv"`
+	Q              uint64        `c:"q"`
+	SeqLens        uint64        `c:"seq_lens"`
+	Out            uint64        `c:"out"`
+	LSE            uint64        `c:"lse"`
+	Workspace      uint64        `c:"workspace"`
+	QBatchStride   int64         `c:"q_batch_stride"`
+	QHeadStride    int64         `c:"q_head_stride"`
+	OutBatchStride int64         `c:"out_batch_stride"`
+	OutHeadStride  int64         `c:"out_head_stride"`
+	Batch          int32         `c:"batch"`
+	NumQHeads      int32         `c:"num_q_heads"`
+	NumSplits      int32         `c:"num_splits"`
+	Scale          float32       `c:"scale"`
+	QLen           int32         `c:"q_len"`
+	QRows          int32         `c:"q_rows"`
+	QIndptr        uint64        `c:"q_indptr"`
 }
 
 // kvp_merge_params

@@ -17,11 +17,12 @@ type layoutCase struct {
 }
 
 var layoutCases = []layoutCase{
-	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 112},
-	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 176},
+	{"kvp_paged_kv_params", reflect.TypeOf(pagedKVParams{}), 96},
+	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 160},
+	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 200},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 224},
 	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 56},
-	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 176},
+	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 200},
 }
 
 // TestParamsLayout compiles a program against kernels/kvplug_kernels.h that
@@ -43,17 +44,7 @@ func TestParamsLayout(t *testing.T) {
 	for _, c := range layoutCases {
 		fmt.Fprintf(&src, "  printf(\"%s.sizeof %%zu\\n\", sizeof(%s));\n", c.cname, c.cname)
 		want[c.cname+".sizeof"] = c.typ.Size()
-		for i := 0; i < c.typ.NumField(); i++ {
-			f := c.typ.Field(i)
-			cf := f.Tag.Get("c")
-			if cf == "" {
-				t.Fatalf("%s.%s has no c tag", c.typ.Name(), f.Name)
-			}
-			fmt.Fprintf(&src, "  printf(\"%s.%s %%zu\\n\", offsetof(%s, %s));\n", c.cname, cf, c.cname, cf)
-			fmt.Fprintf(&src, "  printf(\"%s.%s.size %%zu\\n\", sizeof(((%s *)0)->%s));\n", c.cname, cf, c.cname, cf)
-			want[c.cname+"."+cf] = f.Offset
-			want[c.cname+"."+cf+".size"] = f.Type.Size()
-		}
+		probeFields(t, &src, want, c.cname, "", c.typ, 0)
 	}
 	for _, d := range headDims {
 		for _, dt := range []DType{F16, F32} {
@@ -96,5 +87,27 @@ func TestParamsLayout(t *testing.T) {
 	}
 	if seen != len(want) {
 		t.Fatalf("probe printed %d values, want %d", seen, len(want))
+	}
+}
+
+// probeFields adds the offset and size of every field of typ (a Go mirror
+// at offset base of C struct cname, reached through the member path
+// prefix) to the probe, descending into nested structs (the paged-KV
+// descriptor every cache-reading struct embeds).
+func probeFields(t *testing.T, src *strings.Builder, want map[string]uintptr, cname, prefix string, typ reflect.Type, base uintptr) {
+	for i := 0; i < typ.NumField(); i++ {
+		f := typ.Field(i)
+		cf := f.Tag.Get("c")
+		if cf == "" {
+			t.Fatalf("%s.%s has no c tag", typ.Name(), f.Name)
+		}
+		member := prefix + cf
+		fmt.Fprintf(src, "  printf(\"%s.%s %%zu\\n\", offsetof(%s, %s));\n", cname, member, cname, member)
+		fmt.Fprintf(src, "  printf(\"%s.%s.size %%zu\\n\", sizeof(((%s *)0)->%s));\n", cname, member, cname, member)
+		want[cname+"."+member] = base + f.Offset
+		want[cname+"."+member+".size"] = f.Type.Size()
+		if f.Type.Kind() == reflect.Struct {
+			probeFields(t, src, want, cname, member+".", f.Type, base+f.Offset)
+		}
 	}
 }

@@ -85,33 +85,23 @@ type prefillPlanParams struct {
 
 // kvp_prefill_params
 type prefillParams struct {
-	Q                uint64  `c:"q"`
-	KCache           uint64  `c:"k_cache"`
-	VCache           uint64  `c:"v_cache"`
-	BlockTable       uint64  `c:"block_table"`
-	Out              uint64  `c:"out"`
-	LSE              uint64  `c:"lse"`
-	Work             uint64  `c:"work"`
-	QTokenStride     int64   `c:"q_token_stride"`
-	QHeadStride      int64   `c:"q_head_stride"`
-	OutTokenStride   int64   `c:"out_token_stride"`
-	OutHeadStride    int64   `c:"out_head_stride"`
-	CacheBlockStride int64   `c:"cache_block_stride"`
-	CacheTokenStride int64   `c:"cache_token_stride"`
-	CacheHeadStride  int64   `c:"cache_head_stride"`
-	BlockTableStride int64   `c:"block_table_stride"`
-	NumQHeads        int32   `c:"num_q_heads"`
-	NumKVHeads       int32   `c:"num_kv_heads"`
-	BlockSize        int32   `c:"block_size"`
-	NumBlocks        int32   `c:"num_blocks"`
-	MaxBlocksPerSeq  int32   `c:"max_blocks_per_seq"`
-	WindowLeft       int32   `c:"window_left"`
-	Scale            float32 `c:"scale"`
-	NumSplits        int32   `c:"num_splits"`
-	PartOut          uint64  `c:"part_out"`
-	PartLSE          uint64  `c:"part_lse"`
-	TotalQ           int32   `c:"total_q"`
-	Reserved         int32   `c:"reserved"`
+	KV             pagedKVParams `c:"kv"`
+	Q              uint64        `c:"q"`
+	Out            uint64        `c:"out"`
+	LSE            uint64        `c:"lse"`
+	Work           uint64        `c:"work"`
+	QTokenStride   int64         `c:"q_token_stride"`
+	QHeadStride    int64         `c:"q_head_stride"`
+	OutTokenStride int64         `c:"out_token_stride"`
+	OutHeadStride  int64         `c:"out_head_stride"`
+	NumQHeads      int32         `c:"num_q_heads"`
+	WindowLeft     int32         `c:"window_left"`
+	Scale          float32       `c:"scale"`
+	NumSplits      int32         `c:"num_splits"`
+	PartOut        uint64        `c:"part_out"`
+	PartLSE        uint64        `c:"part_lse"`
+	TotalQ         int32         `c:"total_q"`
+	Reserved       int32         `c:"reserved"`
 }
 
 // prefillTileQ is kvp_prefill_tile_q: packed rows per work item.
@@ -478,11 +468,7 @@ type PrefillLayout struct {
 	QTokenStride, QHeadStride     int64
 	OutTokenStride, OutHeadStride int64
 
-	NumBlocks, BlockSize                                int
-	CacheBlockStride, CacheTokenStride, CacheHeadStride int64
-
-	MaxBlocksPerSeq  int
-	BlockTableStride int64
+	PagedKV // the caches read and the block table [batch, block_table_stride]
 
 	Scale float32 // softmax scale; 0 means 1/sqrt(head_dim) (SoftmaxScale)
 }
@@ -511,63 +497,47 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 		inRange(what+": plan mainloop", p.Mainloop, MainloopOfDevice, MainloopSM90),
 		inRange(what+": plan decode rows", p.DecodeSeqs, 0, p.Batch),
 		inRange(what+": plan decode splits", p.DecodeSplits, 0, MaxSplits),
-		inRange(what+": num_blocks", l.NumBlocks, 1, 1<<31-1),
-		inRange(what+": block_size", l.BlockSize, 1, 1<<20),
-		inRange(what+": max_blocks_per_seq", l.MaxBlocksPerSeq, 1, 1<<30),
 	); err != nil {
 		return e, err
 	}
 	if int64(p.TotalQ)*int64(p.NumQHeads) > math.MaxInt32 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: plan total_q * num_q_heads must be below 2^31", what)
 	}
+	var err error
+	if e.cache, e.table, err = l.PagedKV.validate(what, p.DType, p.HeadDim, p.NumKVHeads, true, p.Batch); err != nil {
+		return e, err
+	}
 	if int64(l.MaxBlocksPerSeq)*int64(l.BlockSize) < int64(p.MaxKVLen) {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: the plan's longest sequence has %d tokens; the block table holds %d blocks of %d tokens", what, p.MaxKVLen, l.MaxBlocksPerSeq, l.BlockSize)
-	}
-	if l.BlockTableStride < int64(l.MaxBlocksPerSeq) || l.BlockTableStride > 1<<31-1 {
-		return e, kverr.Errorf(kverr.InvalidArgument, "%s: block_table_stride must be in [max_blocks_per_seq = %d, 2^31): got %d", what, l.MaxBlocksPerSeq, l.BlockTableStride)
 	}
 	if err := checkScale(what, l.Scale); err != nil {
 		return e, err
 	}
-	if err := vecMultiple(what, p.DType, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride,
-		l.CacheBlockStride, l.CacheTokenStride, l.CacheHeadStride); err != nil {
+	if err := vecMultiple(what, p.DType, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride); err != nil {
 		return e, err
 	}
-	var err error
-	if e.q, err = span(what+": q", p.HeadDim, dim{p.TotalQ, l.QTokenStride}, dim{p.NumQHeads, l.QHeadStride}); err != nil {
+	if e.q, err = span(what, "q", p.HeadDim, dim{p.TotalQ, l.QTokenStride}, dim{p.NumQHeads, l.QHeadStride}); err != nil {
 		return e, err
 	}
 	out := []dim{{p.TotalQ, l.OutTokenStride}, {p.NumQHeads, l.OutHeadStride}}
-	if e.out, err = span(what+": out", p.HeadDim, out...); err != nil {
+	if e.out, err = span(what, "out", p.HeadDim, out...); err != nil {
 		return e, err
 	}
-	if err := disjoint(what+": out", p.HeadDim, out...); err != nil {
+	if err := disjoint(what, "out", p.HeadDim, out...); err != nil {
 		return e, err
-	}
-	cache := []dim{{l.NumBlocks, l.CacheBlockStride}, {l.BlockSize, l.CacheTokenStride}, {p.NumKVHeads, l.CacheHeadStride}}
-	if e.cache, err = span(what+": cache", p.HeadDim, cache...); err != nil {
-		return e, err
-	}
-	e.table = int64(l.MaxBlocksPerSeq)
-	if p.Batch > 1 {
-		e.table += int64(p.Batch-1) * l.BlockTableStride
 	}
 	if p.TotalQ == 0 {
 		e.q, e.out = 0, 0
-	}
-	if p.Batch == 0 {
-		e.table = 0
 	}
 	return e, nil
 }
 
 // PagedPrefillArgs is one layer's run of a plan on device memory.
 type PagedPrefillArgs struct {
-	PrefillLayout
-	Q, KCache, VCache cuda.DevicePtr
-	BlockTable        cuda.DevicePtr // int32 [batch, block_table_stride]
-	Out               cuda.DevicePtr
-	LSE               cuda.DevicePtr // float32 [total_q, num_q_heads] contiguous; 0: not wanted
+	PrefillLayout // with the caches' and the block table's pointers
+	Q             cuda.DevicePtr
+	Out           cuda.DevicePtr
+	LSE           cuda.DevicePtr // float32 [total_q, num_q_heads] contiguous; 0: not wanted
 }
 
 // PagedPrefill runs attention of plan p over one layer's tensors on stream.
@@ -581,9 +551,7 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	}
 	if p.Batch > 0 {
 		if err := firstErr(
-			checkTensor(what+": k_cache", a.KCache),
-			checkTensor(what+": v_cache", a.VCache),
-			checkIndex(what+": block_table", a.BlockTable),
+			a.PagedKV.checkPointers(what, true),
 			checkIndex(what+": plan kv_lens", p.KVLens),
 			aligned(what+": lse", 4, a.LSE),
 			aligned(what+": plan workspace", 16, p.Workspace),
@@ -633,14 +601,11 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		return p.runDecodeRows(m, a, stream)
 	}
 	pp := prefillParams{
-		Q: uint64(a.Q), KCache: uint64(a.KCache), VCache: uint64(a.VCache), BlockTable: uint64(a.BlockTable),
-		Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(p.Workspace),
+		KV: a.PagedKV.params(p.DType, p.NumKVHeads),
+		Q:  uint64(a.Q), Out: uint64(a.Out), LSE: uint64(a.LSE), Work: uint64(p.Workspace),
 		QTokenStride: a.QTokenStride, QHeadStride: a.QHeadStride,
 		OutTokenStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
-		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-		BlockTableStride: a.BlockTableStride,
-		NumQHeads:        int32(p.NumQHeads), NumKVHeads: int32(p.NumKVHeads),
-		BlockSize: int32(a.BlockSize), NumBlocks: int32(a.NumBlocks), MaxBlocksPerSeq: int32(a.MaxBlocksPerSeq),
+		NumQHeads:  int32(p.NumQHeads),
 		WindowLeft: int32(p.WindowLeft), Scale: SoftmaxScale(a.Scale, p.HeadDim),
 		NumSplits: int32(p.NumSplits), TotalQ: int32(p.TotalQ),
 	}
@@ -732,11 +697,9 @@ func (p *PrefillPlan) decodeArgs(a *PagedPrefillArgs) PagedDecodeArgs {
 			QLen:         p.MaxQLen,
 			QBatchStride: a.QTokenStride, QHeadStride: a.QHeadStride,
 			OutBatchStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
-			NumBlocks: a.NumBlocks, BlockSize: a.BlockSize,
-			CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-			MaxBlocksPerSeq: a.MaxBlocksPerSeq, BlockTableStride: a.BlockTableStride, Scale: a.Scale,
+			PagedKV: a.PagedKV, Scale: a.Scale,
 		},
-		Q: a.Q, KCache: a.KCache, VCache: a.VCache, BlockTable: a.BlockTable, SeqLens: p.KVLens,
+		Q: a.Q, SeqLens: p.KVLens,
 		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen,
 	}

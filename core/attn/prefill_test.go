@@ -87,9 +87,11 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		MaxQLen: 3, MaxKVLen: 10, NumItems: 2, Grid: 264, NumSplits: 1, Workspace: 0x3000, WorkspaceBytes: 1 << 20, KVLens: 0x2000}
 	run := PagedPrefillArgs{
 		PrefillLayout: PrefillLayout{QTokenStride: 1024, QHeadStride: 128, OutTokenStride: 1024, OutHeadStride: 128,
-			NumBlocks: 8, BlockSize: 16, CacheBlockStride: 4096, CacheTokenStride: 256, CacheHeadStride: 128,
-			MaxBlocksPerSeq: 1, BlockTableStride: 1, Scale: 0.08},
-		Q: 0x10000, KCache: 0x20000, VCache: 0x30000, BlockTable: 0x40000, Out: 0x50000,
+
+			Scale: 0.08, PagedKV: PagedKV{NumBlocks: 8, BlockSize: 16, CacheBlockStride: 4096, CacheTokenStride: 256, CacheHeadStride: 128,
+				MaxBlocksPerSeq: 1, BlockTableStride: 1,
+				KCache: 0x20000, VCache: 0x30000, BlockTable: 0x40000}},
+		Q: 0x10000, Out: 0x50000,
 	}
 	runCases := []struct {
 		name string

@@ -141,12 +141,15 @@ func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D in
 	g.lensD = upload(t, i32bytes(b.lens))
 	g.outB = b.rows() * qh * D * d.Size()
 	g.run = attn.CascadeRunArgs{DecodeLayout: g.p.dl, Rows: b.rows(),
-		Q: upload(t, g.p.q), KCache: upload(t, g.p.kc), VCache: upload(t, g.p.vc),
-		BlockTable: upload(t, i32bytes(b.table)), SeqLens: g.lensD,
-		Out: devMem(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
+		Q:       upload(t, g.p.q),
+		SeqLens: g.lensD,
+		Out:     devMem(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
 		PartOut: g.l.PartOut, PartLSE: g.l.PartLSE,
 		ItemsOff: g.l.Items, QRowsOff: g.l.QRows, SegStartOff: g.l.SegStart, SegsOff: g.l.Segs,
-		RowSeqOff: g.l.RowSeq, QStartOff: g.l.QStart, MaxBatch: g.l.MaxBatch, MaxRows: g.l.MaxTokens}
+		RowSeqOff: g.l.RowSeq, QStartOff: g.l.QStart, MaxBatch: g.l.MaxBatch, MaxRows: g.l.MaxTokens,
+	}
+	g.run.KCache, g.run.VCache = upload(t, g.p.kc), upload(t, g.p.vc)
+	g.run.BlockTable = upload(t, i32bytes(b.table))
 	if withLSE {
 		g.run.LSE = devMem(t, 4*b.rows()*qh)
 	}
@@ -378,8 +381,9 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 	lse := devMem(t, 4*R*H)
 	poison(t, out, g.outB, g.p.dl.DType)
 	poison(t, lse, 4*R*H, attn.F32)
-	if err := attn.PagedPrefill(&pp, &attn.PagedPrefillArgs{PrefillLayout: pl, Q: g.run.Q, KCache: g.run.KCache,
-		VCache: g.run.VCache, BlockTable: g.run.BlockTable, Out: out, LSE: lse}, 0); err != nil {
+	pl.KCache, pl.VCache, pl.BlockTable = g.run.KCache, g.run.VCache, g.run.BlockTable
+	if err := attn.PagedPrefill(&pp, &attn.PagedPrefillArgs{PrefillLayout: pl, Q: g.run.Q,
+		Out: out, LSE: lse}, 0); err != nil {
 		t.Fatal(err)
 	}
 	if err := cuda.Synchronize(); err != nil {

@@ -45,9 +45,10 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 		sh := attn.PrefillShape{DType: dl.DType, HeadDim: dl.HeadDim, NumQHeads: dl.NumQHeads, NumKVHeads: dl.NumKVHeads, WindowLeft: -1}
 		pl := attn.PrefillLayout{QTokenStride: dl.QBatchStride, QHeadStride: dl.QHeadStride,
 			OutTokenStride: dl.OutBatchStride, OutHeadStride: dl.OutHeadStride,
-			NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
-			CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
-			MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride, Scale: dl.Scale}
+
+			Scale: dl.Scale, PagedKV: attn.PagedKV{NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
+				CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
+				MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride}}
 		return attnref.PagedPrefill(&sh, &pl, qstart, seqLens[:s.Batch], q, kCache, vCache, table, out, lse)
 	}
 	dt := dl.DType

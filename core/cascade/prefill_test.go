@@ -131,13 +131,16 @@ func prefillOf(dl *attn.DecodeLayout) (attn.PrefillShape, attn.PrefillLayout) {
 	return attn.PrefillShape{DType: dl.DType, HeadDim: dl.HeadDim, NumQHeads: dl.NumQHeads, NumKVHeads: dl.NumKVHeads, WindowLeft: -1},
 		attn.PrefillLayout{QTokenStride: dl.QBatchStride, QHeadStride: dl.QHeadStride,
 			OutTokenStride: dl.OutBatchStride, OutHeadStride: dl.OutHeadStride,
-			NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
-			CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
-			MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride, Scale: dl.Scale}
+
+			Scale: dl.Scale, PagedKV:
+
+			// sharedPrompts is n sequences sharing a prompt of p tokens (block size
+			// 16), each with q new tokens after own cached tokens of `own`.
+			attn.PagedKV{NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
+				CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
+				MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride}}
 }
 
-// sharedPrompts is n sequences sharing a prompt of p tokens (block size
-// 16), each with q new tokens after own cached tokens of `own`.
 func sharedPrompts(n, p, own, q int) *batch {
 	cols := (p + own + q + 15) / 16
 	b := &batch{bs: 16, maxBlocks: cols, stride: cols, table: make([]int32, n*cols), lens: make([]int32, n), qo: make([]int32, n+1)}

@@ -30,9 +30,10 @@ func newProblem(r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int) *problem {
 	p := &problem{b: b}
 	p.dl = attn.DecodeLayout{DType: d, HeadDim: D, Batch: len(b.lens), NumQHeads: qh, NumKVHeads: kvh,
 		QBatchStride: int64(qh * D), QHeadStride: int64(D), OutBatchStride: int64(qh * D), OutHeadStride: int64(D),
-		NumBlocks: nb, BlockSize: b.bs,
-		CacheBlockStride: int64(b.bs * kvh * D), CacheTokenStride: int64(kvh * D), CacheHeadStride: int64(D),
-		MaxBlocksPerSeq: b.maxBlocks, BlockTableStride: int64(b.stride), Scale: float32(1 / math.Sqrt(float64(D)))}
+
+		Scale: float32(1 / math.Sqrt(float64(D))), PagedKV: attn.PagedKV{NumBlocks: nb, BlockSize: b.bs,
+			CacheBlockStride: int64(b.bs * kvh * D), CacheTokenStride: int64(kvh * D), CacheHeadStride: int64(D),
+			MaxBlocksPerSeq: b.maxBlocks, BlockTableStride: int64(b.stride)}}
 	fill := func(n int) []byte {
 		buf := make([]byte, n*d.Size())
 		for i := 0; i < n; i++ {

@@ -84,7 +84,7 @@ type State struct {
 	TotalTokens        int64 // KV tokens per kv head plain attention reads
 }
 
-// The plan-state words (kvp_attn_plan.reserved[KVP_PLAN_STATE_*]).
+// The plan-state words (kvp_attn_plan.state[KVP_PLAN_STATE_*]).
 const (
 	WordHostWorkspace      = 0 // the host workspace's address
 	WordHostWorkspaceBytes = 1

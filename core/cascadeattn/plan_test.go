@@ -113,11 +113,11 @@ func cascadePrefillBatch(t *testing.T, maxBatch, maxTokens int) *testBatch {
 func layer(p *Plan, blockSize, maxBlocks int) *attn.PagedPrefillArgs {
 	D, qh, kvh := int64(p.HeadDim), int64(p.NumQHeads), int64(p.NumKVHeads)
 	return &attn.PagedPrefillArgs{PrefillLayout: attn.PrefillLayout{
-		QTokenStride: qh * D, QHeadStride: D, OutTokenStride: qh * D, OutHeadStride: D,
-		NumBlocks: 1 << 20, BlockSize: blockSize,
-		CacheBlockStride: int64(blockSize) * kvh * D, CacheTokenStride: kvh * D, CacheHeadStride: D,
-		MaxBlocksPerSeq: maxBlocks, BlockTableStride: int64(maxBlocks)},
-		Q: 0x10000, KCache: 0x20000, VCache: 0x30000, BlockTable: 0x40000, Out: 0x50000}
+		QTokenStride: qh * D, QHeadStride: D, OutTokenStride: qh * D, OutHeadStride: D, PagedKV: attn.PagedKV{NumBlocks: 1 << 20, BlockSize: blockSize,
+			CacheBlockStride: int64(blockSize) * kvh * D, CacheTokenStride: kvh * D, CacheHeadStride: D,
+			MaxBlocksPerSeq: maxBlocks, BlockTableStride: int64(maxBlocks),
+			KCache: 0x20000, VCache: 0x30000, BlockTable: 0x40000}},
+		Q: 0x10000, Out: 0x50000}
 }
 
 func expect(t *testing.T, name string, err error, want kverr.Code) {

@@ -111,7 +111,7 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 		return attn.PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
 		d := attn.PagedDecodeArgs{DecodeLayout: decodeLayout(p, a),
-			Q: a.Q, KCache: a.KCache, VCache: a.VCache, BlockTable: a.BlockTable, SeqLens: p.KVLens,
+			Q: a.Q, SeqLens: p.KVLens,
 			Out: a.Out, LSE: a.LSE, Workspace: parts, WorkspaceBytes: partBytes, MaxSeqLen: p.MaxKVLen}
 		return attn.PagedDecode(&d, stream)
 	}
@@ -119,7 +119,7 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 		return nil // no query rows: nothing to compute
 	}
 	return attn.CascadeRun(&attn.CascadeRunArgs{DecodeLayout: decodeLayout(p, a), Rows: r.s.Rows,
-		Q: a.Q, KCache: a.KCache, VCache: a.VCache, BlockTable: a.BlockTable, SeqLens: p.KVLens,
+		Q: a.Q, SeqLens: p.KVLens,
 		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		PartOut: r.l.PartOut, PartLSE: r.l.PartLSE,
 		ItemsOff: r.l.Items, QRowsOff: r.l.QRows, SegStartOff: r.l.SegStart, SegsOff: r.l.Segs,
@@ -133,8 +133,6 @@ func decodeLayout(p *Plan, a *attn.PagedPrefillArgs) attn.DecodeLayout {
 		DType: p.DType, HeadDim: p.HeadDim, Batch: p.Batch, NumQHeads: p.NumQHeads, NumKVHeads: p.NumKVHeads,
 		QBatchStride: a.QTokenStride, QHeadStride: a.QHeadStride,
 		OutBatchStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
-		NumBlocks: a.NumBlocks, BlockSize: a.BlockSize,
-		CacheBlockStride: a.CacheBlockStride, CacheTokenStride: a.CacheTokenStride, CacheHeadStride: a.CacheHeadStride,
-		MaxBlocksPerSeq: a.MaxBlocksPerSeq, BlockTableStride: a.BlockTableStride, Scale: a.Scale,
+		PagedKV: a.PagedKV, Scale: a.Scale,
 	}
 }

@@ -35,10 +35,10 @@ TEST(CascadeManager, ForksShareAllButTheirTails) {
   EXPECT_EQ(p.route, KVP_ATTN_ROUTE_CASCADE);
   EXPECT_EQ(p.batch, 5);
   // saved: the 125 shared blocks read once, not 5 times; total: what plain decode reads
-  EXPECT_EQ(p.reserved[KVP_PLAN_STATE_SAVED_TOKENS], 4u * 2000u);
-  EXPECT_EQ(p.reserved[KVP_PLAN_STATE_TOTAL_TOKENS], 5u * 2001u);
+  EXPECT_EQ(p.state[KVP_PLAN_STATE_SAVED_TOKENS], 4u * 2000u);
+  EXPECT_EQ(p.state[KVP_PLAN_STATE_TOTAL_TOKENS], 5u * 2001u);
   EXPECT_EQ(p.workspace, 0u);
-  EXPECT_EQ(p.reserved[KVP_PLAN_STATE_HOST_WORKSPACE], 0u);
+  EXPECT_EQ(p.state[KVP_PLAN_STATE_HOST_WORKSPACE], 0u);
   // A host-only plan names no workspace: it cannot be updated.
   std::vector<int32_t> lens(5, 2001);
   EXPECT_EQ(thrown([&] { kvplug::cascade::update(p, lens.data(), 5); }), KVP_ERR_INVALID_ARGUMENT);
@@ -50,8 +50,8 @@ TEST(CascadeManager, NoSharingIsTheDecodeRoute) {
   m.add(2, 700);
   kvp_attn_plan p = kvplug::cascade::plan(m, std::vector<int64_t>{1, 2}, host_only_args(64));
   EXPECT_EQ(p.route, KVP_ATTN_ROUTE_DECODE);
-  EXPECT_EQ(p.reserved[KVP_PLAN_STATE_SAVED_TOKENS], 0u);
-  EXPECT_EQ(p.reserved[KVP_PLAN_STATE_TOTAL_TOKENS], 1200u);
+  EXPECT_EQ(p.state[KVP_PLAN_STATE_SAVED_TOKENS], 0u);
+  EXPECT_EQ(p.state[KVP_PLAN_STATE_TOTAL_TOKENS], 1200u);
 }
 
 TEST(CascadeManager, Errors) {

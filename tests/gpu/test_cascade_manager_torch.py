@@ -107,8 +107,8 @@ def test_manager_plan_equals_described_plan(dtype, bs, n_systems, seqs, forks, s
         torch.cuda.synchronize()
         for f in ("route", "batch", "num_items", "saved_tokens", "total_tokens"):
             assert getattr(pa, f) == getattr(pb, f), f
-        assert (pa._c.max_kv_len, pa._c.grid, pa._c.reserved[2], pa._c.reserved[3]) == \
-            (pb._c.max_kv_len, pb._c.grid, pb._c.reserved[2], pb._c.reserved[3])
+        assert (pa._c.max_kv_len, pa._c.grid, pa._c.state[2], pa._c.state[3]) == \
+            (pb._c.max_kv_len, pb._c.grid, pb._c.state[2], pb._c.state[3])
         assert torch.equal(ws_a.host, ws_b.host), "host workspaces differ"
         assert torch.equal(ws_a.device, ws_b.device), "device workspaces differ"
         if not decode_route:

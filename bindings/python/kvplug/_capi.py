@@ -222,12 +222,25 @@ class EventPublisherStatsStruct(ctypes.Structure):
 # --------------------------------------------------------------------------
 
 
+class PagedKV(ctypes.Structure):
+    """struct kvp_paged_kv: one layer's paged cache and block table."""
+
+    _fields_ = [("struct_size", _size)] + _ints(_i32, "dtype", "num_kv_heads", "num_blocks", "block_size") + _ints(
+        _u64, "k_cache", "v_cache",
+    ) + _ints(_i64, "block_stride", "token_stride", "head_stride") + _TABLE + _ints(
+        _i32, "max_blocks_per_seq", "head_dim",
+    ) + _ints(_u64, "k_scale", "v_scale")
+
+
 class KVWriteArgs(ctypes.Structure):
     """struct kvp_kv_write_args."""
 
     _fields_ = [("struct_size", _size)] + _ints(
         _i32, "dtype", "head_dim", "num_tokens", "num_kv_heads", "num_blocks", "block_size",
-    ) + _tensor("key", "token", "head") + _tensor("value", "token", "head") + _CACHES + [("slot_mapping", _u64)]
+    ) + _tensor("key", "token", "head") + _tensor("value", "token", "head") + _CACHES + [
+        ("slot_mapping", _u64),
+        ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
+    ]
 
 
 class PagedDecodeArgs(ctypes.Structure):
@@ -238,7 +251,9 @@ class PagedDecodeArgs(ctypes.Structure):
         "max_blocks_per_seq",
     ) + _tensor("q", "batch", "head") + _CACHES + _TABLE + [("seq_lens", _u64)] + _tensor("out", "batch", "head") + _ints(_u64, "lse", "workspace", "workspace_bytes") + [
         ("scale", _f32),
-    ] + _ints(_i32, "num_splits", "max_seq_len", "q_len")
+    ] + _ints(_i32, "num_splits", "max_seq_len", "q_len") + [
+        ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
+    ]
 
 
 class MergeStatesArgs(ctypes.Structure):
@@ -267,7 +282,7 @@ class AttnPlan(ctypes.Structure):
     _fields_ = [("struct_size", _size)] + _ints(
         _i32, "kind", "route", "dtype", "head_dim", "num_q_heads", "num_kv_heads", "window_left", "batch", "total_q",
         "max_q_len", "max_kv_len", "num_items", "grid", "num_splits",
-    ) + _ints(_u64, "workspace", "workspace_bytes", "kv_lens") + [("reserved", _u64 * 6)]
+    ) + _ints(_u64, "workspace", "workspace_bytes", "kv_lens") + [("state", _u64 * 6)]  # opaque plan state
 
 
 class PagedPrefillArgs(ctypes.Structure):
@@ -279,6 +294,7 @@ class PagedPrefillArgs(ctypes.Structure):
         ("lse", _u64),
         ("scale", _f32),
         ("reserved2", _i32),
+        ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
     ]
 
 

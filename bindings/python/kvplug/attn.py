@@ -58,7 +58,7 @@ ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
 DECODE_MAX_Q_LEN = 16  # KVP_DECODE_MAX_Q_LEN: new tokens per sequence of paged_decode
 PLAN_NO_DECODE_ROUTE, PLAN_NO_SPLIT_KV = 1, 2  # KVP_PREFILL_NO_DECODE_ROUTE, KVP_PREFILL_NO_SPLIT_KV
 PLAN_NO_HOPPER = 4  # KVP_PREFILL_NO_HOPPER: the sm_80 kernel on a Hopper GPU too
-MAINLOOP_SM80, MAINLOOP_SM90 = 0, 1  # kvp_attn_plan.reserved[KVP_PLAN_STATE_MAINLOOP] of a prefill plan
+MAINLOOP_SM80, MAINLOOP_SM90 = 0, 1  # kvp_attn_plan.state[KVP_PLAN_STATE_MAINLOOP] of a prefill plan
 
 _u64 = ctypes.c_uint64
 _ci = _lib.checked_int
@@ -331,18 +331,18 @@ class PrefillPlan(_t.Plan):
     @property
     def mainloop(self) -> int:
         """The prefill route's kernel: MAINLOOP_SM80 or MAINLOOP_SM90 (Hopper)."""
-        return int(self._c.reserved[0])
+        return int(self._c.state[0])
 
     @property
     def decode_rows(self) -> int:
         """Sequences of one new token in a mixed batch that the prefill route
         leaves to a decode launch (0: the prefill kernel takes every row)."""
-        return int(self._c.reserved[1] & 0xFFFFFFFF)
+        return int(self._c.state[1] & 0xFFFFFFFF)
 
     @property
     def decode_splits(self) -> int:
         """Splits of that decode launch."""
-        return int(self._c.reserved[1] >> 32)
+        return int(self._c.state[1] >> 32)
 
     def __repr__(self) -> str:
         c = self._c

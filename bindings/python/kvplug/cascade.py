@@ -102,12 +102,12 @@ class CascadePlan(_t.Plan):
     @property
     def saved_tokens(self) -> int:
         """KV tokens per kv head that reading shared runs once saves."""
-        return int(self._c.reserved[4])
+        return int(self._c.state[4])
 
     @property
     def total_tokens(self) -> int:
         """KV tokens per kv head plain decode reads."""
-        return int(self._c.reserved[5])
+        return int(self._c.state[5])
 
     def update(self, seq_lens_host: Any) -> bool:
         """True when the plan still covers these lengths (a step whose

@@ -190,11 +190,10 @@ func TestRefKVWrite(t *testing.T) {
 		l := attn.KVWriteLayout{
 			DType: d, HeadDim: D, NumTokens: 6, NumKVHeads: kvh,
 			KeyTokenStride: int64(kvh*D) + vec, KeyHeadStride: int64(D),
-			ValueTokenStride: int64(kvh * D), ValueHeadStride: int64(D),
-			NumBlocks: nb, BlockSize: bs,
-			// A combined [num_blocks, 2, block_size, kvh, D] tensor: K and V
-			// share strides, V starts one half-block later.
-			CacheBlockStride: int64(2 * bs * kvh * D), CacheTokenStride: int64(kvh * D), CacheHeadStride: int64(D),
+			ValueTokenStride: int64(kvh * D), ValueHeadStride: int64(D), PagedKV: attn.PagedKV{NumBlocks: nb, BlockSize: bs,
+				// A combined [num_blocks, 2, block_size, kvh, D] tensor: K and V
+				// share strides, V starts one half-block later.
+				CacheBlockStride: int64(2 * bs * kvh * D), CacheTokenStride: int64(kvh * D), CacheHeadStride: int64(D)},
 		}
 		es := d.Size()
 		key := make([]byte, int(l.KeyTokenStride)*l.NumTokens*es)
@@ -389,8 +388,9 @@ func TestRefMergeAllEmptyAndInPlace(t *testing.T) {
 func TestBuffersTooSmall(t *testing.T) {
 	l := attn.DecodeLayout{DType: attn.F16, HeadDim: 128, Batch: 2, NumQHeads: 8, NumKVHeads: 2,
 		QBatchStride: 8 * 128, QHeadStride: 128, OutBatchStride: 8 * 128, OutHeadStride: 128,
-		NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
-		MaxBlocksPerSeq: 2, BlockTableStride: 2, Scale: 0.1}
+
+		Scale: 0.1, PagedKV: attn.PagedKV{NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
+			MaxBlocksPerSeq: 2, BlockTableStride: 2}}
 	err := PagedDecode(&l, make([]byte, 10), make([]byte, 1<<20), make([]byte, 1<<20), make([]int32, 4), make([]int32, 2), make([]byte, 1<<20), nil, 1)
 	if !kverr.Is(err, kverr.BufferTooSmall) {
 		t.Errorf("short q: got %v, want BUFFER_TOO_SMALL", err)

@@ -160,13 +160,13 @@ func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpu
 	g.args = attn.PagedDecodeArgs{
 		DecodeLayout: p.l,
 		Q:            upload(t, p.q),
-		KCache:       upload(t, p.kc),
-		VCache:       upload(t, p.vc),
-		BlockTable:   upload(t, i32bytes(p.table)),
-		SeqLens:      upload(t, i32bytes(p.lens)),
-		Out:          poisoned(t, p.l.DType, g.outBytes),
-		NumSplits:    splits,
+
+		SeqLens:   upload(t, i32bytes(p.lens)),
+		Out:       poisoned(t, p.l.DType, g.outBytes),
+		NumSplits: splits,
 	}
+	g.args.KCache, g.args.VCache = upload(t, p.kc), upload(t, p.vc)
+	g.args.BlockTable = upload(t, i32bytes(p.table))
 	if withLSE {
 		g.args.LSE = poisoned(t, attn.F32, 4*p.l.Batch*p.l.NumQHeads)
 	}
@@ -281,8 +281,8 @@ func TestGPUKVWriteThenDecode(t *testing.T) {
 					t.Fatal(err)
 				}
 				a := attn.KVWriteArgs{KVWriteLayout: p.w,
-					Key: upload(t, p.key), Value: upload(t, p.value), SlotMapping: upload(t, i32bytes(p.slots)),
-					KCache: poisoned(t, d, cacheBytes), VCache: poisoned(t, d, cacheBytes)}
+					Key: upload(t, p.key), Value: upload(t, p.value), SlotMapping: upload(t, i32bytes(p.slots))}
+				a.KCache, a.VCache = poisoned(t, d, cacheBytes), poisoned(t, d, cacheBytes)
 				if err := attn.KVWrite(&a, 0); err != nil {
 					t.Fatal(err)
 				}

@@ -39,9 +39,10 @@ func newPrefillProblem(t testing.TB, r *rand.Rand, ps problemShape, qLens []int,
 	p.l = attn.PrefillLayout{
 		QTokenStride: dl.QBatchStride + pad, QHeadStride: dl.QHeadStride,
 		OutTokenStride: dl.OutBatchStride, OutHeadStride: dl.OutHeadStride,
-		NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
-		CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
-		MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride, Scale: dl.Scale,
+
+		Scale: dl.Scale, PagedKV: attn.PagedKV{NumBlocks: dl.NumBlocks, BlockSize: dl.BlockSize,
+			CacheBlockStride: dl.CacheBlockStride, CacheTokenStride: dl.CacheTokenStride, CacheHeadStride: dl.CacheHeadStride,
+			MaxBlocksPerSeq: dl.MaxBlocksPerSeq, BlockTableStride: dl.BlockTableStride},
 	}
 	es := int64(ps.d.Size())
 	p.q = make([]byte, int64(max(p.totalQ, 1))*p.l.QTokenStride*es)

@@ -74,13 +74,16 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 		DType: d, HeadDim: D, Batch: batch, NumQHeads: s.qHeads, NumKVHeads: s.kvHeads,
 		QBatchStride: int64(s.qHeads) * headStride, QHeadStride: headStride,
 		OutBatchStride: int64(s.qHeads)*headStride + pad, OutHeadStride: headStride,
-		NumBlocks: numBlocks, BlockSize: s.blockSize,
-		CacheBlockStride: blockStride, CacheTokenStride: tokenStride, CacheHeadStride: headStride,
-		MaxBlocksPerSeq: maxBlocks, BlockTableStride: tableStride,
-		Scale: float32(1 / math.Sqrt(float64(D))),
+
+		Scale: float32(1 / math.Sqrt(float64(D))), PagedKV:
+
+		// Blocks in random order; table columns past a sequence's blocks hold
+		// garbage (including ids out of range) that must never be read.
+		attn.PagedKV{NumBlocks: numBlocks, BlockSize: s.blockSize,
+			CacheBlockStride: blockStride, CacheTokenStride: tokenStride, CacheHeadStride: headStride,
+			MaxBlocksPerSeq: maxBlocks, BlockTableStride: tableStride},
 	}
-	// Blocks in random order; table columns past a sequence's blocks hold
-	// garbage (including ids out of range) that must never be read.
+
 	perm := r.Perm(numBlocks)
 	p.table = make([]int32, int64(max(batch, 1))*tableStride)
 	for i := range p.table {
@@ -94,9 +97,8 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 	p.w = attn.KVWriteLayout{
 		DType: d, HeadDim: D, NumTokens: total, NumKVHeads: s.kvHeads,
 		KeyTokenStride: tokenStride + pad, KeyHeadStride: headStride,
-		ValueTokenStride: tokenStride, ValueHeadStride: headStride,
-		NumBlocks: numBlocks, BlockSize: s.blockSize,
-		CacheBlockStride: blockStride, CacheTokenStride: tokenStride, CacheHeadStride: headStride,
+		ValueTokenStride: tokenStride, ValueHeadStride: headStride, PagedKV: attn.PagedKV{NumBlocks: numBlocks, BlockSize: s.blockSize,
+			CacheBlockStride: blockStride, CacheTokenStride: tokenStride, CacheHeadStride: headStride},
 	}
 	es := int64(d.Size())
 	p.key = make([]byte, (int64(max(total, 1))*p.w.KeyTokenStride)*es)
