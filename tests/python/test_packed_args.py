@@ -48,11 +48,35 @@ class Recorder:
         *ptrs, stream = args
         assert stream == STREAM
         ptrs = [p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value for p in ptrs]  # byref(...)
-        self.calls.append([t.from_buffer_copy((ctypes.c_char * ctypes.sizeof(t)).from_address(p))
+        self.calls.append([resolve_kv(t.from_buffer_copy((ctypes.c_char * ctypes.sizeof(t)).from_address(p)))
                            for t, p in zip(self.types, ptrs)] + [ptrs])
         if self.peek:
             self.peeked.append(self.peek(*self.calls[-1][:-1]))
         return 0
+
+
+def resolve_kv(s):
+    """The args as the library reads them: the kvp_paged_kv they point to
+    (read during the call) folded into their own cache fields, and kv NULL,
+    so that they compare with the previous bindings' structs field by field."""
+    names = {f for f, _ in s._fields_}
+    if "kv" not in names or not s.kv:
+        return s
+    d = s.kv.contents
+    assert d.struct_size == ctypes.sizeof(_capi.PagedKV) and d.k_scale == 0 and d.v_scale == 0
+    assert (s.k_cache, s.v_cache, s.num_blocks, s.block_size) == (0, 0, 0, 0), "a cache described twice"
+    s.k_cache, s.v_cache = d.k_cache, d.v_cache
+    s.cache_block_stride, s.cache_token_stride, s.cache_head_stride = d.block_stride, d.token_stride, d.head_stride
+    s.num_blocks, s.block_size = d.num_blocks, d.block_size
+    if "block_table" in names:
+        s.block_table, s.max_blocks_per_seq = d.block_table, d.max_blocks_per_seq
+        s.block_table_stride = d.block_table_stride or d.max_blocks_per_seq
+    for f in ("dtype", "num_kv_heads"):
+        if f in names:
+            assert getattr(s, f) in (0, getattr(d, f))
+            setattr(s, f, getattr(d, f))
+    s.kv = None
+    return s
 
 
 def record(monkeypatch, name, *types, peek=None):
@@ -62,7 +86,13 @@ def record(monkeypatch, name, *types, peek=None):
 
 
 def fields(s):
-    return {f: (list(v) if isinstance(v, ctypes.Array) else v) for f, v in ((f, getattr(s, f)) for f, _ in s._fields_)}
+    def value(v):
+        if isinstance(v, ctypes.Array):
+            return list(v)
+        if isinstance(v, ctypes._Pointer):
+            return ctypes.cast(v, ctypes.c_void_p).value  # the address, not the wrapper object
+        return v
+    return {f: value(getattr(s, f)) for f, _ in s._fields_}
 
 
 def same(a, b):

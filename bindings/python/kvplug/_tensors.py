@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _lib
-from ._capi import AttnPlan, PagedPrefillArgs
+from ._capi import AttnPlan, PagedKV, PagedPrefillArgs
 from ._lib import C
 
 DTYPE_F16, DTYPE_BF16, DTYPE_F32 = 1, 2, 3  # enum kvp_dtype
@@ -159,6 +159,34 @@ def cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
+def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0) -> PagedKV:
+    """The one packer of a layer's cache (kvp_paged_kv) for every call that
+    reads or writes it: the caches' checks, sizes and strides and, with
+    block_table (int32 [rows, max_blocks], rows checked by the caller), the
+    table's. The addresses are set per call (set_kv_addresses)."""
+    cb, ct, ch = cache_strides(k_cache, v_cache)
+    nb, bs, kvh, d = k_cache.shape
+    ci = _lib.checked_int
+    kv = PagedKV()
+    kv.struct_size = ctypes.sizeof(PagedKV)
+    kv.dtype = dtype_code(k_cache, "k_cache")
+    kv.num_kv_heads, kv.head_dim = ci(kvh, "num_kv_heads", "int32"), ci(d, "head_dim", "int32")
+    kv.num_blocks, kv.block_size = ci(nb, "num_blocks", "int32"), ci(bs, "block_size", "int32")
+    kv.block_stride, kv.token_stride, kv.head_stride = cb, ct, ch
+    if block_table is not None:
+        index(block_table, "block_table", 2, k_cache.device, torch().int32)
+        kv.max_blocks_per_seq = ci(block_table.shape[1], "max_blocks_per_seq", "int32")
+        kv.block_table_stride = block_table.stride(0) if rows > 1 else block_table.shape[1]
+    return kv
+
+
+def set_kv_addresses(kv: PagedKV, k_cache: Any, v_cache: Any, block_table: Any = None) -> None:
+    """This call's addresses into a packed kvp_paged_kv."""
+    kv.k_cache, kv.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    if block_table is not None:
+        kv.block_table = block_table.data_ptr()
+
+
 def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
     """The output tensor for q's rows (allocated when None, else checked) and
     the lse tensor (float32 [rows, heads]; allocated when return_lse and None,
@@ -242,11 +270,15 @@ def launch(fn: Any, device_index: int, stream: Any, *args: Any) -> None:
 class Packed:
     """One thread's packed argument struct of a call site, for one layout."""
 
-    __slots__ = ("layout", "args", "addr", "device", "index", "rows", "heads")
+    __slots__ = ("layout", "args", "addr", "device", "index", "rows", "heads", "kv")
 
-    def __init__(self, args: ctypes.Structure, device: Any, rows: int = 0, heads: int = 0) -> None:
+    def __init__(self, args: ctypes.Structure, device: Any, rows: int = 0, heads: int = 0,
+                 kv: Optional[PagedKV] = None) -> None:
         self.layout: Any = None
         self.args = args
+        self.kv = kv  # the args' kvp_paged_kv (args.kv points to it)
+        if kv is not None:
+            args.kv = ctypes.pointer(kv)
         self.addr = ctypes.addressof(args)
         self.device = device
         self.index = device_index(device)
@@ -332,13 +364,12 @@ class Plan:
         struct with their sizes and strides; returns it with out and lse
         (allocated where needed)."""
         c = self._c
-        t = torch()
         n = c.total_q
-        cb, ct, ch = cache_strides(k_cache, v_cache)
+        kv = paged_kv(k_cache, v_cache, block_table, c.batch)
         dev = k_cache.device
         cuda_tensor(q, "q", 3, dev)
         same_dtype(q, k_cache.dtype, "q")
-        nb, bs, kvh, d = k_cache.shape
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
         if q.shape[0] != n or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
             raise bad(f"q has shape {tuple(q.shape)}; the plan has [{n}, {c.num_q_heads}, {c.head_dim}]")
         if kvh != c.num_kv_heads:
@@ -346,19 +377,12 @@ class Plan:
         if dtype_code(q, "q") != c.dtype:
             raise bad(f"q has dtype {q.dtype}; the plan was made for kvp_dtype {c.dtype}")
         rows(q, "q")
-        index(block_table, "block_table", 2, dev, t.int32)
         if block_table.shape[0] != c.batch:
             raise bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
         out, lse = out_and_lse(q, out, lse, return_lse, dev)
-        tstride = block_table.stride(0) if c.batch > 1 else block_table.shape[1]
-        ci = _lib.checked_int
-        a = PagedPrefillArgs(
-            ctypes.sizeof(PagedPrefillArgs), ci(nb, "num_blocks", "int32"), ci(bs, "block_size", "int32"),
-            ci(block_table.shape[1], "max_blocks_per_seq", "int32"), 0,
-            0, q.stride(0), q.stride(1), 0, 0, cb, ct, ch, 0, tstride,
-            0, out.stride(0), out.stride(1), 0, 0.0, 0,
-        )
-        return Packed(a, dev, n, c.num_q_heads), out, lse
+        a = PagedPrefillArgs(struct_size=ctypes.sizeof(PagedPrefillArgs), q_token_stride=q.stride(0),
+                             q_head_stride=q.stride(1), out_token_stride=out.stride(0), out_head_stride=out.stride(1))
+        return Packed(a, dev, n, c.num_q_heads, kv), out, lse
 
     def _run(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
              scale: Optional[float], return_lse: bool, stream: Any) -> Tuple[Any, Any]:
@@ -377,8 +401,8 @@ class Plan:
             out, lse = new_outputs(p, q, out, lse, return_lse)
         a = p.args
         a.scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
-        a.q, a.k_cache, a.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-        a.block_table, a.out = block_table.data_ptr(), out.data_ptr()
+        a.q, a.out = q.data_ptr(), out.data_ptr()
+        set_kv_addresses(p.kv, k_cache, v_cache, block_table)
         a.lse = 0 if lse is None else lse.data_ptr()
         launch(self._fn, p.index, stream, self._addr, p.addr)
         return out, lse

@@ -131,13 +131,13 @@ _decode_tls = threading.local()
 def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> _t.Packed:
     """Every check of kv_write's tensors, and its struct with their sizes and
     strides (the addresses are the caller's to set)."""
-    cb, ct, ch = _t.cache_strides(k_cache, v_cache)
+    kv = _t.paged_kv(k_cache, v_cache)
     dev = k_cache.device
     _t.cuda_tensor(key, "key", 3, dev)
     _t.cuda_tensor(value, "value", 3, dev)
     _t.same_dtype(key, k_cache.dtype, "key")
     _t.same_dtype(value, k_cache.dtype, "value")
-    nb, bs, kvh, d = k_cache.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
     for t, name in ((key, "key"), (value, "value")):
         if tuple(t.shape[1:]) != (kvh, d):
             raise _bad(f"{name} has shape {tuple(t.shape)}; [num_tokens, {kvh}, {d}] expected")
@@ -148,11 +148,10 @@ def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
     if slot_mapping.shape[0] != key.shape[0]:
         raise _bad(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     a = _KVWriteArgs(
-        ctypes.sizeof(_KVWriteArgs), _t.dtype_code(key, "key"), d, key.shape[0], kvh, nb, bs,
+        ctypes.sizeof(_KVWriteArgs), _t.dtype_code(key, "key"), d, key.shape[0], kvh, 0, 0,
         0, key.stride(0), key.stride(1), 0, value.stride(0), value.stride(1),
-        0, 0, cb, ct, ch, 0,
     )
-    return _t.Packed(a, dev)
+    return _t.Packed(a, dev, kv=kv)
 
 
 def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None) -> None:
@@ -168,8 +167,8 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
     if p is None:
         p = _t.keep(_kv_write_tls, _pack_kv_write(key, value, k_cache, v_cache, slot_mapping), layout)
     a = p.args
-    a.key, a.value = key.data_ptr(), value.data_ptr()
-    a.k_cache, a.v_cache, a.slot_mapping = k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()
+    a.key, a.value, a.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
+    _t.set_kv_addresses(p.kv, k_cache, v_cache)
     _t.launch(C.kvp_kv_write, p.index, stream, p.addr)
 
 
@@ -178,11 +177,11 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     """Every check of paged_decode's tensors, and its struct with their sizes
     and strides; returns it with out and lse (allocated where needed)."""
     torch = _t.torch()
-    cb, ct, ch = _t.cache_strides(k_cache, v_cache)
+    _t.cuda_tensor(k_cache, "k_cache", 4)
     dev = k_cache.device
     _t.cuda_tensor(q, "q", 3, dev)
     _t.same_dtype(q, k_cache.dtype, "q")
-    nb, bs, kvh, d = k_cache.shape
+    d = k_cache.shape[3]
     q_len = _t.i32(q_len, "paged_decode: q_len")
     if not 1 <= q_len <= DECODE_MAX_Q_LEN or q.shape[0] % q_len:
         raise _bad(f"q_len must be in [1, {DECODE_MAX_Q_LEN}] and divide q's {q.shape[0]} rows: got {q_len}")
@@ -190,7 +189,7 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     if q.shape[2] != d:
         raise _bad(f"q has head_dim {q.shape[2]}, the caches {d}")
     _t.rows(q, "q")
-    _t.index(block_table, "block_table", 2, dev, torch.int32)
+    kv = _t.paged_kv(k_cache, v_cache, block_table, batch)
     _t.index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
         raise _bad(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries for batch {batch}")
@@ -198,13 +197,12 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     ws_bytes = 0
     if workspace is not None:
         ws_bytes = _t.workspace(workspace, dev)[1]
-    tstride = block_table.stride(0) if batch > 1 else block_table.shape[1]
     a = _PagedDecodeArgs(
-        ctypes.sizeof(_PagedDecodeArgs), _t.dtype_code(q, "q"), d, batch, qh, kvh, nb, bs, block_table.shape[1],
-        0, q.stride(0), q.stride(1), 0, 0, cb, ct, ch, 0, tstride, 0, 0, out.stride(0), out.stride(1),
-        0, 0, ws_bytes, 0.0, 0, 0, q_len,
+        struct_size=ctypes.sizeof(_PagedDecodeArgs), dtype=_t.dtype_code(q, "q"), head_dim=d, batch=batch,
+        num_q_heads=qh, q_batch_stride=q.stride(0), q_head_stride=q.stride(1), out_batch_stride=out.stride(0),
+        out_head_stride=out.stride(1), workspace_bytes=ws_bytes, q_len=q_len,
     )
-    return _t.Packed(a, dev, batch * q_len, qh), out, lse
+    return _t.Packed(a, dev, batch * q_len, qh, kv), out, lse
 
 
 def paged_decode(
@@ -248,8 +246,8 @@ def paged_decode(
     a.scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
     a.num_splits = _t.i32(num_splits, "paged_decode: num_splits")
     a.max_seq_len = _t.i32(max_seq_len, "paged_decode: max_seq_len")
-    a.q, a.k_cache, a.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-    a.block_table, a.seq_lens, a.out = block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
+    a.q, a.seq_lens, a.out = q.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
+    _t.set_kv_addresses(p.kv, k_cache, v_cache, block_table)
     a.lse = 0 if lse is None else lse.data_ptr()
     a.workspace = 0 if workspace is None else workspace.data_ptr()
     _t.launch(C.kvp_paged_decode, p.index, stream, p.addr)
