@@ -986,8 +986,10 @@ inline const AttnApi &attn_api() { return table<AttnApi>(); }
 // args structs are the C header's: initialise with their _INIT macro, set
 // the fields, and launch. Launches neither synchronise nor allocate.
 //
+//   kvp_paged_kv kv = KVP_PAGED_KV_INIT;            // one per layer, built once
+//   kv.dtype = KVP_DTYPE_BF16; kv.k_cache = ...; kv.block_table = ...; ...
 //   kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
-//   a.dtype = KVP_DTYPE_BF16; a.head_dim = 128; a.batch = B; ...
+//   a.head_dim = 128; a.batch = B; a.q = ...; a.kv = &kv;
 //   kvplug::attn::paged_decode(a, reinterpret_cast<uint64_t>(stream));
 namespace attn {
 

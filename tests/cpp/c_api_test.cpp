@@ -812,3 +812,60 @@ TEST(Fork, ChildCallsFailAtOnce) {
 }
 
 }  // namespace
+
+// The paged-KV descriptor (0.4): a cache described once, through kv; a
+// descriptor beside the args' own cache fields, a scale array or another
+// dtype is refused before any device is needed, with a message.
+TEST(PagedKV, DescriptorIsCheckedBeforeTheDevice) {
+  kvp_paged_kv kv = KVP_PAGED_KV_INIT;
+  kv.dtype = KVP_DTYPE_BF16;
+  kv.num_kv_heads = 2;
+  kv.num_blocks = 64;
+  kv.block_size = 16;
+  kv.k_cache = 0x100000;
+  kv.v_cache = 0x200000;
+  kv.block_stride = 16 * 2 * 128;
+  kv.token_stride = 2 * 128;
+  kv.head_stride = 128;
+  kv.block_table = 0x300000;
+  kv.max_blocks_per_seq = 8;
+
+  kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
+  a.dtype = KVP_DTYPE_BF16;
+  a.head_dim = 128;
+  a.batch = 2;
+  a.num_q_heads = 8;
+  a.q = 0x400000;
+  a.q_batch_stride = 8 * 128;
+  a.q_head_stride = 128;
+  a.seq_lens = 0x500000;
+  a.out = 0x600000;
+  a.out_batch_stride = 8 * 128;
+  a.out_head_stride = 128;
+  a.kv = &kv;
+  // Valid: what is left to say comes from the device (no GPU, no kernels
+  // or a bad address), never from the arguments.
+  kvp_status s = kvp_paged_decode(&a, 0);
+  EXPECT_NE(s, KVP_ERR_INVALID_ARGUMENT) << kvp_last_error();
+  EXPECT_NE(s, KVP_ERR_NULL_POINTER) << kvp_last_error();
+
+  kvp_paged_decode_args twice = a;
+  twice.k_cache = kv.k_cache;
+  EXPECT_EQ(kvp_paged_decode(&twice, 0), KVP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvp_last_error()).find("described once"), std::string::npos) << kvp_last_error();
+
+  kvp_paged_kv scaled = kv;
+  scaled.k_scale = 0x700000;
+  a.kv = &scaled;
+  EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_INVALID_ARGUMENT);
+
+  kvp_paged_kv f16 = kv;
+  f16.dtype = KVP_DTYPE_F16;
+  a.kv = &f16;
+  EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_INVALID_ARGUMENT);
+
+  kvp_paged_kv old = kv;
+  old.struct_size = 4;
+  a.kv = &old;
+  EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_STRUCT_SIZE);
+}
