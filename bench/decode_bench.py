@@ -33,7 +33,7 @@ from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernels"))
-from kernel_abi import DECODE, KV_WRITE, cdiv, decode_smem  # noqa: E402  (the header's mirror)
+from kernel_abi import DECODE, DTYPE_BF16, DTYPE_F16, KV_WRITE, cdiv, decode_smem, paged_kv  # noqa: E402  (the header's mirror)
 HQ, HK, D = 32, 8, 128
 TILE = 64
 L2_ROTATE_BYTES = 256 << 20  # rotated input sets together exceed this (H100 L2: 50 MB)
@@ -187,11 +187,11 @@ def main():
         dst = torch.empty(4, HK, D, dtype=torch.bfloat16, device="cuda")
         slot = torch.zeros(1, dtype=torch.int32, device="cuda")
         pw = np.zeros((), dtype=KV_WRITE)
-        for k, v in dict(key=src.data_ptr(), value=src.data_ptr(), k_cache=dst.data_ptr(), v_cache=dst.data_ptr(),
-                         slot_mapping=slot.data_ptr(), key_token_stride=HK * D, key_head_stride=D,
-                         value_token_stride=HK * D, value_head_stride=D, cache_block_stride=HK * D,
-                         cache_token_stride=HK * D, cache_head_stride=D, num_tokens=1, num_kv_heads=HK, block_size=1,
-                         num_blocks=4).items():
+        pw["kv"] = paged_kv(k_cache=dst.data_ptr(), v_cache=dst.data_ptr(), block_stride=HK * D, token_stride=HK * D,
+                            head_stride=D, num_kv_heads=HK, block_size=1, num_blocks=4, dtype=DTYPE_BF16)
+        for k, v in dict(key=src.data_ptr(), value=src.data_ptr(), slot_mapping=slot.data_ptr(),
+                         key_token_stride=HK * D, key_head_stride=D, value_token_stride=HK * D, value_head_stride=D,
+                         num_tokens=1).items():
             pw[k] = v
         floor = time_graph([lambda: kern.launch(f"kvp_kv_write_bf16_h{D}", (1, 1, 1), (256, 1, 1), pw)], 50)
         print(f"launch floor (tiny kernel in a graph): {floor:.2f} us per launch", flush=True)
@@ -237,15 +237,18 @@ def main():
                     tab = tables[bs_key][r]
                     ns = splits if nsplit is None else nsplit
                     p = np.zeros((), dtype=DECODE)
-                    vals = dict(q=qs[r].data_ptr(), k_cache=kc.data_ptr(), v_cache=vc.data_ptr(),
-                                block_table=tab.data_ptr(), seq_lens=lens.data_ptr(), out=outs[r].data_ptr(),
-                                lse=0, workspace=ws.data_ptr(), q_batch_stride=HQ * D, q_head_stride=D,
-                                out_batch_stride=HQ * D, out_head_stride=D, cache_block_stride=bs * HK * D,
-                                cache_token_stride=HK * D, cache_head_stride=D, block_table_stride=tab.shape[1],
-                                batch=B, num_q_heads=HQ, num_kv_heads=HK, block_size=bs, num_blocks=tokens // bs,
-                                max_blocks_per_seq=tab.shape[1], num_splits=ns, scale=scale)
+                    kv = dict(k_cache=kc.data_ptr(), v_cache=vc.data_ptr(), block_table=tab.data_ptr(),
+                              block_stride=bs * HK * D, token_stride=HK * D, head_stride=D,
+                              block_table_stride=tab.shape[1], num_kv_heads=HK, block_size=bs,
+                              num_blocks=tokens // bs, max_blocks_per_seq=tab.shape[1],
+                              dtype=DTYPE_BF16 if dt == torch.bfloat16 else DTYPE_F16)
                     if head_major:  # same buffer read as [HK, tokens, D]: contiguous runs per head
-                        vals.update(cache_block_stride=bs * D, cache_token_stride=D, cache_head_stride=tokens * D)
+                        kv.update(block_stride=bs * D, token_stride=D, head_stride=tokens * D)
+                    p["kv"] = paged_kv(**kv)
+                    vals = dict(q=qs[r].data_ptr(), seq_lens=lens.data_ptr(), out=outs[r].data_ptr(), lse=0,
+                                workspace=ws.data_ptr(), q_batch_stride=HQ * D, q_head_stride=D,
+                                out_batch_stride=HQ * D, out_head_stride=D, batch=B, num_q_heads=HQ, num_splits=ns,
+                                scale=scale)
                     for k, v in vals.items():
                         p[k] = v
                     name = f"kvp_paged_decode_{dname.replace('fp', 'f')}_h{D}"

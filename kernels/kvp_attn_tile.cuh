@@ -48,13 +48,6 @@ __device__ __forceinline__ void cp_async16_keep(uint32_t dst, const void* src, i
                  : "memory");
 }
 
-// Swizzled byte offset of 16-byte chunk c of row r in a [rows][CPR] tile:
-// ldmatrix's 8 row addresses of one chunk column land in 8 different banks.
-template <int CPR>
-__device__ __forceinline__ uint32_t swz(int r, int c) {
-    return (uint32_t)(r * CPR + (c ^ (r & 7))) * 16u;
-}
-
 // What one tile computes: packed rows [r0, r0 + nrows) of the caller's rows
 // (row r -> token r / group, head kvh * group + r % group), token of row r
 // at position delta + r / group, against tokens [kv_begin, kv_end) read in
@@ -142,19 +135,11 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     auto issue = [&](int j) {
-        const int64_t* offs = s_off + (j % RING) * TK;
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        const uint32_t sv = sk + C::KV_TILE_BYTES;
-#pragma unroll
-        for (int i = 0; i < KV_CHUNKS; ++i) {
-            const int c = tid + i * NT;
-            const int r = c / CPR, col = c % CPR;
-            const int64_t o = offs[r];
-            const int bytes = o >= 0 ? 16 : 0;
-            const int64_t src = o >= 0 ? o + col * 8 : 0;
-            cp_async16_keep(sk + swz<CPR>(r, col), kc + src, bytes);
-            cp_async16_keep(sv + swz<CPR>(r, col), vc + src, bytes);
-        }
+        gather_kv_tile<T, CPR, KV_CHUNKS, NT>(sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TK, kc, vc, tid,
+                                              [&](uint32_t dst, const T* src, int bytes) {
+                                                  cp_async16_keep(dst, src, bytes);
+                                              });
     };
     cp_async_commit();  // the query tile
 #pragma unroll

@@ -93,21 +93,13 @@ __device__ __forceinline__ CascadeItem load_cascade_item(const kvp_cascade_param
     return CascadeItem{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 }
 
-// The block-table lookups of sequence rep (an item's table row) for kv head kvh.
-__device__ __forceinline__ PagedRows cascade_rows(const kvp_cascade_params& p, int rep, int kvh) {
-    PagedRows rr;
-    rr.init(p.block_table, p.block_table_stride, rep, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
-    return rr;
-}
-
 // One item for one kv head, with MT m16 row tiles per warp; CAUSAL for tail
 // items: its packed rows [r0, min(r0 + the tile's rows, r_end)).
 template <typename T, int D, int MT, bool CAUSAL>
 __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const CascadeItem& it, int kvh, int r0,
                                              int r_end, uint8_t* smem) {
     using C = TileCfg<D, MT>;
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const int32_t* qrows = reinterpret_cast<const int32_t*>(p.work) + p.qrows_off + it.m_begin;
     const int kb = max(it.kv_begin, 0);
     int ke = it.kv_end;
@@ -129,24 +121,20 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     jb.n_tiles = ke > kb ? (ke - kb + C::TK - 1) / C::TK : 0;
     jb.q_head_stride = p.q_head_stride;
     jb.scale = p.scale;
-    const PagedRows rr = cascade_rows(p, it.rep, kvh);
+    const PagedRows rr = paged_rows(p.kv, it.rep, kvh);
     float* part_out = reinterpret_cast<float*>(p.part_out);
     float* part_lse = reinterpret_cast<float*>(p.part_lse);
     const int64_t q_stride = p.q_batch_stride;
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
     attn_tile<T, D, MT, CAUSAL>(
-        jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
-        reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
+        jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
+        reinterpret_cast<const T*>(p.kv.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
             // Partial state: normalised output and log2 lse.
-            const float inv = st.inv_l();
             const int64_t pi = (int64_t)(it.part_base + tok) * p.num_q_heads + qh;
-            float* dst = part_out + pi * D + qd;
-#pragma unroll
-            for (int c = 0; c < C::CPR; ++c)
-                *reinterpret_cast<float2*>(dst + c * 8) = make_float2(o[c][2 * h] * inv, o[c][2 * h + 1] * inv);
-            if (lse_lane) part_lse[pi] = st.lse2();
+            write_state(st).to<float, true, C::CPR, 2, 8>(part_out + pi * D + qd, lse_lane ? part_lse + pi : nullptr,
+                                                   [&](int c, int e) { return o[c][2 * h + e]; });
         },
         smem);
 }
@@ -158,7 +146,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
 template <typename T, int D>
 __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p, const CascadeItem& it, int kvh,
                                                     uint8_t* smem) {
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const int32_t* qrows = reinterpret_cast<const int32_t*>(p.work) + p.qrows_off + it.m_begin;
     DecodeWork w;
     w.kvh = kvh;
@@ -171,23 +159,19 @@ __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p,
     w.end = w.L = w.n_tiles = 0;
     w.qlen = it.m_count;
     w.rows = it.m_count * group;
-    const PagedRows rr = cascade_rows(p, it.rep, kvh);
+    const PagedRows rr = paged_rows(p.kv, it.rep, kvh);
     float* part_out = reinterpret_cast<float*>(p.part_out);
     float* part_lse = reinterpret_cast<float*>(p.part_lse);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
     decode_tile<T, D, CascadeCfg<D>::DecodeTail::STAGES, false>(
-        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
-        reinterpret_cast<const T*>(p.v_cache), p.scale,
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
+        reinterpret_cast<const T*>(p.kv.v_cache), p.scale,
         [&](int t, int qh) { return (int64_t)__ldg(qrows + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] { return make_int2(__ldg(lens + it.rep), it.kv_end); },
-        [&](int t, int qh, int d0, float(&o)[8], const SoftmaxState& st) {
+        [&](int t, int qh, int d0, const float(&o)[8], const SoftmaxState& st) {
             // Partial state: normalised output and log2 lse.
-            const float inv = st.inv_l();
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] *= inv;
             const int64_t pi = (int64_t)(it.part_base + t) * p.num_q_heads + qh;
-            store_f<float, 8>(part_out + pi * D + d0, o);
-            if (d0 == 0) part_lse[pi] = st.lse2();
+            write_state(st).to<float, true>(part_out + pi * D + d0, d0 == 0 ? part_lse + pi : nullptr, o);
         },
         smem);
 }
@@ -199,17 +183,17 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
     const int2 counts = cascade_item_counts(work);
     const int first = p.skip_shared ? counts.y : 0;  // kvp_cascade_sm90 ran the items before
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const int tail_tile = cascade_tail_tile(work);
     // A long tail cut for the Hopper launch, run here (a device without it):
     // its 128 rows in two units of this kernel's 64.
     const int halves = p.skip_shared ? 1 : tail_tile / KVP_CASCADE_TAIL_TILE_Q;
-    const int64_t total = (int64_t)(counts.x - first) * p.num_kv_heads * halves;
+    const int64_t total = (int64_t)(counts.x - first) * p.kv.num_kv_heads * halves;
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
         const int64_t u = w / halves;
         const int half = (int)(w - u * halves);
-        const int i = first + (int)(u / p.num_kv_heads);
-        const int kvh = (int)(u - (int64_t)(i - first) * p.num_kv_heads);
+        const int i = first + (int)(u / p.kv.num_kv_heads);
+        const int kvh = (int)(u - (int64_t)(i - first) * p.kv.num_kv_heads);
         const CascadeItem it = load_cascade_item(p, i);
         const int rows = it.m_count * group;
         if (it.dynamic && !it.decode_tail(group)) {
@@ -253,17 +237,17 @@ struct Sm90CascadeSrc {
     __device__ __forceinline__ Sm90CascadeSrc(const kvp_cascade_params& p_) : p(p_) {
         work = reinterpret_cast<const int32_t*>(p.work);
         sched = reinterpret_cast<int32_t*>(p.work) + KVP_CASCADE_W_NEXT_UNIT;
-        group = p.num_q_heads / p.num_kv_heads;
+        group = p.num_q_heads / p.kv.num_kv_heads;
         window = -1;
         tile_q = CascadeCfg<D>::TQ;
         tail_tile = cascade_tail_tile(work);
-        total = (int64_t)cascade_item_counts(work).y * p.num_kv_heads;
+        total = (int64_t)cascade_item_counts(work).y * p.kv.num_kv_heads;
     }
     __device__ __forceinline__ Unit unit(int64_t w) const {
         constexpr int TN = Sm90Cfg<T, D>::TN;
         Unit u;
-        const int i = (int)(w / p.num_kv_heads);
-        u.kvh = (int)(w - (int64_t)i * p.num_kv_heads);
+        const int i = (int)(w / p.kv.num_kv_heads);
+        u.kvh = (int)(w - (int64_t)i * p.kv.num_kv_heads);
         u.it = load_cascade_item(p, i);
         const int rows = u.it.dynamic ? tail_tile : tile_q;
         u.sp.r0 = u.it.tile * rows;
@@ -283,20 +267,17 @@ struct Sm90CascadeSrc {
         u.t1 = u.sp.kv_end > u.sp.kv_begin ? (u.sp.kv_end + TN - 1) / TN : u.t0;
         return u;
     }
-    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return cascade_rows(p, u.it.rep, u.kvh); }
+    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return paged_rows(p.kv, u.it.rep, u.kvh); }
     __device__ __forceinline__ int64_t q_row(const Unit& u, int tok) const {
         return (int64_t)__ldg(work + p.qrows_off + u.it.m_begin + tok) * p.q_batch_stride;
     }
     // Partial state: normalised output (float32) and log2 lse.
     __device__ __forceinline__ void store(const Unit& u, int tok, int qh, int col, const float (&o)[D / 2], int h,
                                           const SoftmaxState& st, bool lse_lane) const {
-        const float inv = st.inv_l();
         const int64_t pi = (int64_t)(u.it.part_base + tok) * p.num_q_heads + qh;
-        float* dst = reinterpret_cast<float*>(p.part_out) + pi * D + col;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        if (lse_lane) reinterpret_cast<float*>(p.part_lse)[pi] = st.lse2();
+        write_state(st).to<float, true, D / 8, 2, 8>(reinterpret_cast<float*>(p.part_out) + pi * D + col,
+                                              lse_lane ? reinterpret_cast<float*>(p.part_lse) + pi : nullptr,
+                                              [&](int j, int e) { return o[4 * j + 2 * h + e]; });
     }
 };
 
@@ -343,19 +324,15 @@ __device__ __forceinline__ void cascade_merge(const kvp_cascade_params& p) {
                 if (s == neg_inf()) continue;  // empty state: weight 0
                 float v[E];
                 load_cg<E>(part_out + pi * D + lane * E, v);
-                const float2 aw = st.fold(s);
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] = acc[e] * aw.x + aw.y * v[e];
+                merge_out(acc, st.merge(SoftmaxState{s, 1.f}), v);
             }
         }
-        const float inv = st.inv_l();
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] *= inv;
-        store_f<T, E>(reinterpret_cast<T*>(p.out) + (int64_t)g * p.out_batch_stride + (int64_t)h * p.out_head_stride +
-                          lane * E,
-                      acc);
-        if (p.lse != 0 && lane == 0)
-            reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = st.lse();
+        const StateWriter end = write_state(st);
+        T* out = reinterpret_cast<T*>(p.out) + (int64_t)g * p.out_batch_stride + (int64_t)h * p.out_head_stride + lane * E;
+        end.to<T, false>(out, nullptr, acc);
+        // The lse (st.lse(), what to() writes) after the output: its address
+        // held across the output's stores spilled (h64, sm_90a).
+        if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = st.lse();
     }
     griddep_launch_dependents();
 }

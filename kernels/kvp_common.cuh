@@ -1,6 +1,7 @@
 // Shared device helpers: vector loads/stores with conversion, PTX wrappers
-// (cp.async, ldmatrix, mma.sync), and the small kernels (KV write, split
-// combine, merge of states).
+// (cp.async, ldmatrix, mma.sync), the softmax state with its merge and its
+// epilogue, the paged-cache row reader, and the small kernels (KV write,
+// split combine, merge of states).
 #pragma once
 
 #include <stddef.h>
@@ -169,6 +170,14 @@ __device__ __forceinline__ float warp_sum(float x) {
 // a thread holds the sum over its own columns only; quad_sum reduces l over
 // the row's four threads before the ending. An empty state (no visible token)
 // has m = -inf, l = 0 and ends as output 0, lse -inf.
+//
+// Two operations change a state: rescale/accumulate, the mainloops' online
+// softmax over a tile of raw scores (the tile's exp2 terms are the caller's,
+// computed against the offset rescale returns), and merge, the one combine
+// of partial states (another warp's, split's or item's (m, l), or a
+// normalised partial output with log2 lse s as {s, 1}) that every split
+// combine, merge kernel and cross-warp reduction goes through. A state ends
+// through write_state below.
 struct SoftmaxState {
     float m, l;
 
@@ -189,14 +198,17 @@ struct SoftmaxState {
     }
     // Adds a tile's sum of exp2(score - offset) after rescale returned alpha.
     __device__ __forceinline__ void accumulate(float alpha, float tile_sum) { l = l * alpha + tile_sum; }
-    // Folds in a normalised partial state whose log2 lse is s (-inf: empty):
-    // the running output is scaled by .x and the partial's output weighted by
-    // .y. An empty partial changes nothing (1, 0).
-    __device__ __forceinline__ float2 fold(float s) {
-        if (s == neg_inf()) return make_float2(1.f, 0.f);
-        const float mn = fmaxf(m, s);
-        const float a = exp2f(m - mn), w = exp2f(s - mn);
-        l = l * a + w;
+    // Merges partial state part into this one: the running output is scaled
+    // by .x and the partial's output (unnormalised, relative to part.m; a
+    // normalised one is {lse2, 1}) weighted by .y, as merge_out does. An empty
+    // partial (m = -inf) changes nothing (1, 0). Where the maximum of a group
+    // of partials is known first, a state started at {max, 0} takes each
+    // partial's weight against it (.x is then exactly 1).
+    __device__ __forceinline__ float2 merge(const SoftmaxState& part) {
+        if (part.m == neg_inf()) return make_float2(1.f, 0.f);
+        const float mn = fmaxf(m, part.m);
+        const float a = exp2f(m - mn), w = exp2f(part.m - mn);
+        l = l * a + part.l * w;
         m = mn;
         return make_float2(a, w);
     }
@@ -206,6 +218,58 @@ struct SoftmaxState {
     __device__ __forceinline__ float lse2() const { return empty() ? neg_inf() : m + log2f(l); }
     __device__ __forceinline__ float lse() const { return empty() ? neg_inf() : (m + log2f(l)) * kLn2; }
 };
+
+// The running output after merge returned aw: o * aw.x + aw.y * v.
+template <int N>
+__device__ __forceinline__ void merge_out(float (&o)[N], float2 aw, const float (&v)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = o[i] * aw.x + aw.y * v[i];
+}
+
+// W consecutive values to dst: a 16-bit pair as one packed register, a float
+// pair as one float2, anything else as store_f's vector accesses.
+template <typename OT, int W>
+__device__ __forceinline__ void store_out(OT* dst, const float (&v)[W]) {
+    if constexpr (W == 2 && sizeof(OT) == 2) {
+        *reinterpret_cast<uint32_t*>(dst) = pack2<OT>(v[0], v[1]);
+    } else if constexpr (W == 2 && sizeof(OT) == 4) {
+        *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+    } else {
+        store_f<OT, W>(dst, v);
+    }
+}
+
+// The epilogue of every kernel that finishes a row's state:
+// write_state(st).to<OT, LOG2>(out, lse, ...) stores the output normalised
+// by l (0 for an empty state) as OT, and the lse: natural log (out and lse
+// of the launch contract) or, LOG2, the log2 domain (a partial state a merge
+// reads again); -inf for an empty state. lse: where this thread writes the
+// row's lse, or nullptr. The thread's slice of the row is one run of N dims
+// (o), or J pieces of W consecutive dims, piece j at out + j * STRIDE holding
+// get(j, 0 .. W-1) (an mma fragment's column pairs: W = 2, STRIDE = 8).
+// write_state(st) takes the normalising factor before the caller's
+// addresses are computed (the division is a subroutine call in SASS, and an
+// address held across it may spill).
+struct StateWriter {
+    const SoftmaxState& st;
+    float inv;
+    template <typename OT, bool LOG2, int J, int W, int STRIDE, class Get>
+    __device__ __forceinline__ void to(OT* out, float* lse, Get get) const {
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            float v[W];
+#pragma unroll
+            for (int e = 0; e < W; ++e) v[e] = get(j, e) * inv;
+            store_out<OT, W>(out + j * STRIDE, v);
+        }
+        if (lse != nullptr) *lse = LOG2 ? st.lse2() : st.lse();
+    }
+    template <typename OT, bool LOG2, int N>
+    __device__ __forceinline__ void to(OT* out, float* lse, const float (&o)[N]) const {
+        to<OT, LOG2, 1, N, N>(out, lse, [&](int, int e) { return o[e]; });
+    }
+};
+__device__ __forceinline__ StateWriter write_state(const SoftmaxState& st) { return StateWriter{st, st.inv_l()}; }
 
 // Maximum and sum over the four threads that hold one row of an mma tile.
 __device__ __forceinline__ float quad_max(float x) {
@@ -254,6 +318,78 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// ---- the paged cache ---------------------------------------------------------
+// The one reader of the paged cache (kvp_paged_kv_params), shared by every
+// kernel that touches it: the decode, prefill (sm_80 and sm_90a) and cascade
+// tiles, the f32 kernels and the KV write's scatter. Block-table lookups of
+// one sequence for one kv head: a token's element offset in the caches, or
+// -1 when its table column is past max_blocks_per_seq or its block is out of
+// range (offset alone: a (block, offset) pair's element offset). load_block and offset are split (issue the table load, use it later)
+// so the load latency hides behind other work; load_block reads only columns
+// < max_blocks_per_seq, so it may run before the sequence length is known.
+struct PagedRows {
+    const int32_t* table;
+    int block_size, shift, max_blocks, num_blocks;
+    int64_t block_stride, token_stride, head_off;
+
+    // Table row b (unused where no table is read: the KV write), kv head kvh.
+    __device__ __forceinline__ void init(const kvp_paged_kv_params& kv, int b, int kvh) {
+        table = reinterpret_cast<const int32_t*>(kv.block_table) + (int64_t)b * kv.block_table_stride;
+        block_size = kv.block_size;
+        shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+        max_blocks = kv.max_blocks_per_seq;
+        num_blocks = kv.num_blocks;
+        block_stride = kv.block_stride;
+        token_stride = kv.token_stride;
+        head_off = (int64_t)kvh * kv.head_stride;
+    }
+    __device__ __forceinline__ int load_block(int tok, int& off) const {
+        const int col = shift >= 0 ? tok >> shift : tok / block_size;
+        off = tok - col * block_size;
+        if (col >= max_blocks) return -1;
+        return __ldg(table + col);
+    }
+    __device__ __forceinline__ int64_t offset(int blk, int off) const {
+        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
+        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
+    }
+};
+
+// The lookups of table row b for kv head kvh.
+__device__ __forceinline__ PagedRows paged_rows(const kvp_paged_kv_params& kv, int b, int kvh) {
+    PagedRows rr;
+    rr.init(kv, b, kvh);
+    return rr;
+}
+
+// Swizzled byte offset of 16-byte chunk c of row r in a [rows][CPR] tile:
+// ldmatrix's 8 row addresses of one chunk column land in 8 different banks.
+template <int CPR>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+    return (uint32_t)(r * CPR + (c ^ (r & 7))) * 16u;
+}
+
+// One K/V tile of a sm_80 tile (decode, prefill, cascade) from the paged
+// cache into the K and V tiles at sk and sv ([rows][CPR] 16-byte chunks,
+// swizzled), through its tokens' element offsets offs (-1: unreadable, the
+// chunk zero-filled): CHUNKS chunks of each per thread, copy(dst, src,
+// bytes) a cp.async of 16 bytes with the caller's cache policy.
+template <typename T, int CPR, int CHUNKS, int NT, class Copy>
+__device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t sv, const int64_t* offs, const T* kc, const T* vc,
+                                               int tid, Copy copy) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        const int c = tid + i * NT;
+        const int r = c / CPR, col = c % CPR;
+        const int64_t o = offs[r];
+        const uint32_t dst = swz<CPR>(r, col);
+        const int bytes = o >= 0 ? 16 : 0;
+        const int64_t src = o >= 0 ? o + col * 8 : 0;
+        copy(sk + dst, kc + src, bytes);
+        copy(sv + dst, vc + src, bytes);
+    }
+}
+
 // ---- 1. KV write -----------------------------------------------------------
 template <typename T, int D>
 __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
@@ -262,25 +398,25 @@ __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
     griddep_wait();
     griddep_launch_dependents();
     const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t rows = (int64_t)p.num_tokens * p.num_kv_heads;
+    const int64_t rows = (int64_t)p.num_tokens * p.kv.num_kv_heads;
     if (idx >= rows * CPR) return;
     const int c = (int)(idx % CPR);
     const int64_t row = idx / CPR;
-    const int h = (int)(row % p.num_kv_heads);
-    const int64_t t = row / p.num_kv_heads;
+    const int h = (int)(row % p.kv.num_kv_heads);
+    const int64_t t = row / p.kv.num_kv_heads;
     const int slot = __ldg(reinterpret_cast<const int32_t*>(p.slot_mapping) + t);
     if (slot < 0) return;
-    const int blk = slot / p.block_size;
-    const int off = slot - blk * p.block_size;
-    if (blk >= p.num_blocks) return;
-    const int64_t dst = (int64_t)blk * p.cache_block_stride + (int64_t)off * p.cache_token_stride +
-                        (int64_t)h * p.cache_head_stride + c * VEC;
+    const int blk = slot / p.kv.block_size;
+    const int off = slot - blk * p.kv.block_size;
+    const int64_t base = paged_rows(p.kv, 0, h).offset(blk, off);  // no table: the slot names the block
+    if (base < 0) return;
+    const int64_t dst = base + c * VEC;
     const T* k = reinterpret_cast<const T*>(p.key) + t * p.key_token_stride + h * p.key_head_stride + c * VEC;
     const T* v = reinterpret_cast<const T*>(p.value) + t * p.value_token_stride + h * p.value_head_stride + c * VEC;
     const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k));
     const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v));
-    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.k_cache) + dst) = kv;
-    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.v_cache) + dst) = vv;
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.kv.k_cache) + dst) = kv;
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.kv.v_cache) + dst) = vv;
 }
 
 // ---- split combine (decode workspace -> out, lse) --------------------------
@@ -337,6 +473,10 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
                 const int s = s0 + min(u0 + u, n - 1);  // clamped: stays inside the workspace
                 load_cg<E>(part_o + s * split_stride, v[u]);
             }
+            // A round of up to 32 partial states (one a lane) is merged as a
+            // batch, the online softmax's rescale over their largest lse then
+            // one exp2 a lane: SoftmaxState::merge folds one state at a time,
+            // which here would serialise 32 exp2 pairs per round.
             if (u0 == 0) {
                 const float alpha = st.rescale(warp_max(ls), mu);
 #pragma unroll
@@ -354,12 +494,10 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
             }
         }
     }
-    const float inv = st.inv_l();
-#pragma unroll
-    for (int i = 0; i < E; ++i) acc[i] *= inv;
+    const StateWriter end = write_state(st);
     T* out = reinterpret_cast<T*>(p.out) + orow * p.out_batch_stride + qh * p.out_head_stride + lane * E;
-    store_f<T, E>(out, acc);
-    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[orow * p.num_q_heads + qh] = st.lse();
+    end.to<T, false>(out, p.lse != 0 && lane == 0 ? reinterpret_cast<float*>(p.lse) + orow * p.num_q_heads + qh : nullptr,
+                     acc);
 }
 
 template <typename T, int D>
@@ -409,79 +547,38 @@ __device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
     const int n = p.num_states;
 
     // Constant indices only: a run-time index into the params would copy
-    // them to local memory.
+    // them to local memory. The lse inputs (natural log) in the log2 domain.
     float s[KVP_MERGE_MAX_STATES];
     float m = neg_inf();
 #pragma unroll
     for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
         s[i] = neg_inf();
-        if (i < n) s[i] = reinterpret_cast<const float*>(p.s[i])[t * p.s_token_stride + h * p.s_head_stride];
+        if (i < n) s[i] = reinterpret_cast<const float*>(p.s[i])[t * p.s_token_stride + h * p.s_head_stride] * kLog2e;
         m = fmaxf(m, s[i]);
     }
     float acc[E];
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[i] = 0.f;
-    float l = 0.f;
-    if (m != neg_inf()) {
+    // The largest lse first: every state's weight is taken against it.
+    SoftmaxState st{m, 0.f};
 #pragma unroll
-        for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
-            if (i >= n) break;
-            const float w = exp2f((s[i] - m) * kLog2e);
-            if (w == 0.f) continue;
-            float v[E];
-            load_f<T, E>(reinterpret_cast<const T*>(p.v[i]) + t * p.v_token_stride + h * p.v_head_stride + lane * E,
-                         v);
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[e] += w * v[e];
-            l += w;
-        }
+    for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
+        if (i >= n) break;
+        const float2 aw = st.merge(SoftmaxState{s[i], 1.f});
+        if (aw.y == 0.f) continue;
+        float v[E];
+        load_f<T, E>(reinterpret_cast<const T*>(p.v[i]) + t * p.v_token_stride + h * p.v_head_stride + lane * E, v);
+        merge_out(acc, aw, v);
     }
-    const SoftmaxState st{m * kLog2e, l};  // the merged state, in the log2 domain
-    const float inv = st.inv_l();
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] *= inv;
     // out/out_lse may alias v[0]/s[0]: every lane has finished reading
     // before any lane writes.
     __syncwarp();
-    store_f<T, E>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E, acc);
-    if (p.out_lse != 0 && lane == 0)
-        reinterpret_cast<float*>(p.out_lse)[t * p.out_lse_token_stride + h * p.out_lse_head_stride] = st.lse();
+    write_state(st).to<T, false>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E,
+                          p.out_lse != 0 && lane == 0 ? reinterpret_cast<float*>(p.out_lse) + t * p.out_lse_token_stride +
+                                                            h * p.out_lse_head_stride
+                                                      : nullptr,
+                          acc);
 }
-
-// Block-table lookups of one sequence for one kv head, shared by the decode,
-// prefill and cascade kernels: a token's element offset in the caches, or -1
-// when its table column is past max_blocks_per_seq or its block is out of
-// range. load_block and offset are split (issue the table load, use it later)
-// so the load latency hides behind other work; load_block reads only columns
-// < max_blocks_per_seq, so it may run before the sequence length is known.
-struct PagedRows {
-    const int32_t* table;
-    int block_size, shift, max_blocks, num_blocks;
-    int64_t block_stride, token_stride, head_off;
-
-    __device__ __forceinline__ void init(uint64_t block_table, int64_t table_stride, int b, int bs, int max_blk,
-                                         int n_blocks, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
-                                         int kvh) {
-        table = reinterpret_cast<const int32_t*>(block_table) + (int64_t)b * table_stride;
-        block_size = bs;
-        shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
-        max_blocks = max_blk;
-        num_blocks = n_blocks;
-        block_stride = blk_stride;
-        token_stride = tok_stride;
-        head_off = (int64_t)kvh * head_stride;
-    }
-    __device__ __forceinline__ int load_block(int tok, int& off) const {
-        const int col = shift >= 0 ? tok >> shift : tok / block_size;
-        off = tok - col * block_size;
-        if (col >= max_blocks) return -1;
-        return __ldg(table + col);
-    }
-    __device__ __forceinline__ int64_t offset(int blk, int off) const {
-        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
-        return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
-    }
-};
 
 // One token of the float32 kernels (one warp per query row, E dims a lane):
 // the token's K/V through the block table, scale*q.k in the log2 domain (sl

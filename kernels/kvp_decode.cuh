@@ -67,7 +67,7 @@ __device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params&
     DecodeWork w;
     w.qlen = kvp_decode_q_len(p.q_len);
     const int hpc = kvp_decode_heads_per_cta(p.q_len);
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const int head_tiles = (group + hpc - 1) / hpc;
     w.kvh = blockIdx.x / head_tiles;
     const int ht = blockIdx.x - w.kvh * head_tiles;
@@ -80,14 +80,6 @@ __device__ __forceinline__ DecodeWork decode_work_heads(const kvp_decode_params&
     w.base = 0;
     w.end = w.L = w.n_tiles = 0;
     return w;
-}
-
-// The block-table lookups of sequence b for kv head kvh.
-__device__ __forceinline__ PagedRows decode_rows(const kvp_decode_params& p, int b, int kvh) {
-    PagedRows rr;
-    rr.init(p.block_table, p.block_table_stride, b, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
-    return rr;
 }
 
 // The row of q and out of sequence b's first new token: b * q_len, or
@@ -107,23 +99,20 @@ __device__ __forceinline__ int64_t decode_first_row(const kvp_decode_params& p, 
 // state, l reduced over the whole row.
 template <typename T, int N>
 __device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int64_t q0, int t, int qh,
-                                             int d0, float (&o)[N], const SoftmaxState& st, int D) {
-    const float inv = st.inv_l();
-#pragma unroll
-    for (int i = 0; i < N; ++i) o[i] *= inv;
+                                             int d0, const float (&o)[N], const SoftmaxState& st, int D) {
+    const StateWriter end = write_state(st);
     if (p.num_splits == 1) {
         const int64_t tok = q0 + t;  // the row of q and out
         T* out = reinterpret_cast<T*>(p.out) + tok * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;
-        store_f<T, N>(out, o);
-        if (d0 == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[tok * p.num_q_heads + qh] = st.lse();
+        end.to<T, false>(out, d0 == 0 && p.lse != 0 ? reinterpret_cast<float*>(p.lse) + tok * p.num_q_heads + qh : nullptr,
+                         o);
     } else {
         // Partials are indexed by (sequence, new token), whatever q_indptr says.
         const int64_t row = ((int64_t)w.b * w.qlen + t) * p.num_q_heads + qh;
         const int64_t rows = (int64_t)p.batch * w.qlen * p.num_q_heads;
         const int64_t r = (int64_t)w.split * rows + row;
         float* part_o = reinterpret_cast<float*>(p.workspace);
-        store_f<float, N>(part_o + r * D + d0, o);
-        if (d0 == 0) part_o[(int64_t)p.num_splits * rows * D + r] = st.lse2();
+        end.to<float, true>(part_o + r * D + d0, d0 == 0 ? part_o + (int64_t)p.num_splits * rows * D + r : nullptr, o);
     }
 }
 
@@ -137,10 +126,10 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     if (q0 < 0) return;
     const int L = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
     w.set_len(L, L);
-    const PagedRows rr = decode_rows(p, w.b, w.kvh);
+    const PagedRows rr = paged_rows(p.kv, w.b, w.kvh);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* kc = reinterpret_cast<const float*>(p.k_cache);
-    const float* vc = reinterpret_cast<const float*>(p.v_cache);
+    const float* kc = reinterpret_cast<const float*>(p.kv.k_cache);
+    const float* vc = reinterpret_cast<const float*>(p.kv.v_cache);
     const float sl = p.scale * kLog2e;
     for (int r = warp; r < w.rows; r += KVP_DECODE_THREADS / 32) {
         const int t = r / w.nh, qh = w.qh0 + (r - t * w.nh);
@@ -233,20 +222,10 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     const uint64_t policy = l2_evict_first();
     auto issue = [&](int j) {
-        const int64_t* offs = s_off + (j % RING) * TILE;
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        const uint32_t sv = sk + C::KV_TILE_BYTES;
-#pragma unroll
-        for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
-            const int c = tid + i * NT;
-            const int r = c / CPR, col = c % CPR;
-            const int64_t o = offs[r];
-            const uint32_t dst = (r * CPR + (col ^ (r & 7))) * 16;
-            const int bytes = o >= 0 ? 16 : 0;
-            const int64_t src = o >= 0 ? o + col * 8 : 0;
-            cp_async16(sk + dst, kc + src, bytes, policy);
-            cp_async16(sv + dst, vc + src, bytes, policy);
-        }
+        gather_kv_tile<T, CPR, CHUNKS_PER_THREAD, NT>(
+            sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TILE, kc, vc, tid,
+            [&](uint32_t dst, const T* src, int bytes) { cp_async16(dst, src, bytes, policy); });
     };
 
 #pragma unroll
@@ -405,21 +384,21 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         float M = neg_inf();
 #pragma unroll
         for (int ww = 0; ww < 4; ++ww) M = fmaxf(M, red_m[ww * 16 + r]);
-        float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, L = 0.f;
-        if (M != neg_inf()) {
+        // The warps' largest maximum first: each warp's weight is taken
+        // against it, and the running output is never rescaled.
+        SoftmaxState st{M, 0.f};
+        float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int ww = 0; ww < 4; ++ww) {
-                const float sc = exp2f(red_m[ww * 16 + r] - M);
-                L += red_l[ww * 16 + r] * sc;
-                const float* src = red_o + (ww * 16 + r) * C::RED_STRIDE + d0;
-                const float4 x0 = *reinterpret_cast<const float4*>(src);
-                const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-                o[0] += sc * x0.x; o[1] += sc * x0.y; o[2] += sc * x0.z; o[3] += sc * x0.w;
-                o[4] += sc * x1.x; o[5] += sc * x1.y; o[6] += sc * x1.z; o[7] += sc * x1.w;
-            }
+        for (int ww = 0; ww < 4; ++ww) {
+            const float2 aw = st.merge(SoftmaxState{red_m[ww * 16 + r], red_l[ww * 16 + r]});
+            const float* src = red_o + (ww * 16 + r) * C::RED_STRIDE + d0;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            merge_out(o, aw, x);
         }
         const int t = r / w.nh;
-        store(t, w.qh0 + r - t * w.nh, d0, o, SoftmaxState{M, L});
+        store(t, w.qh0 + r - t * w.nh, d0, o, st);
     }
     __syncthreads();  // the caller may reuse the shared memory
 }
@@ -432,17 +411,17 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     DecodeWork w = decode_work_heads(p);
     const int64_t q0 = decode_first_row(p, w.b, w.qlen);
     if (q0 < 0) return;
-    const PagedRows rr = decode_rows(p, w.b, w.kvh);
+    const PagedRows rr = paged_rows(p.kv, w.b, w.kvh);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
     decode_tile<T, D, DecodeStages<D>::value, true>(
-        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
-        reinterpret_cast<const T*>(p.v_cache), p.scale,
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
+        reinterpret_cast<const T*>(p.kv.v_cache), p.scale,
         [&](int t, int qh) { return (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] {
             const int L = lens[w.b];
             return make_int2(L, L);
         },
-        [&](int t, int qh, int d0, float(&o)[8], const SoftmaxState& st) {
+        [&](int t, int qh, int d0, const float(&o)[8], const SoftmaxState& st) {
             decode_store<T, 8>(p, w, q0, t, qh, d0, o, st, D);
         },
         smem);

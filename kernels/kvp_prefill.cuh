@@ -96,14 +96,6 @@ __device__ __forceinline__ PrefillItem load_item(const int32_t* work, int i) {
     return PrefillItem{a.x, a.y, a.z, a.w, c.x, c.y};
 }
 
-// Block-table lookups of sequence b for kv head kvh.
-__device__ __forceinline__ PagedRows prefill_rows(const kvp_prefill_params& p, int b, int kvh) {
-    PagedRows rr;
-    rr.init(p.block_table, p.block_table_stride, b, p.block_size, p.max_blocks_per_seq, p.num_blocks,
-            p.cache_block_stride, p.cache_token_stride, p.cache_head_stride, kvh);
-    return rr;
-}
-
 // The K/V range an item's rows can see: tokens [kv_begin, kv_end).
 struct PrefillSpan {
     int r0, nrows, delta, kv_begin, kv_end;
@@ -158,11 +150,11 @@ template <int D>
 __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, const PrefillItem& it, int kvh) {
     constexpr int E = D / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const PrefillSpan sp = item_span(it, group, p.window_left, KVP_PREFILL_TILE_Q_F32);
-    const PagedRows rr = prefill_rows(p, it.b, kvh);
-    const float* kc = reinterpret_cast<const float*>(p.k_cache);
-    const float* vc = reinterpret_cast<const float*>(p.v_cache);
+    const PagedRows rr = paged_rows(p.kv, it.b, kvh);
+    const float* kc = reinterpret_cast<const float*>(p.kv.k_cache);
+    const float* vc = reinterpret_cast<const float*>(p.kv.v_cache);
     const float sl = p.scale * kLog2e;
     for (int r = warp; r < sp.nrows; r += KVP_PREFILL_THREADS / 32) {
         const int pr = sp.r0 + r;
@@ -184,12 +176,9 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         const int lo = max(t0 * KVP_PREFILL_TILE_KV, p.window_left >= 0 ? max(0, pos - p.window_left) : 0);
         const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
         for (int t = lo; t < hi; ++t) f32_attend_token<E>(rr, kc, vc, lane, q, sl, t, st, o);
-        const float inv = st.inv_l();
-#pragma unroll
-        for (int i = 0; i < E; ++i) o[i] *= inv;
         const PrefillOut<float> po(p, it.split, p.total_q, D);
-        store_f<float, E>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E, o);
-        if (po.lse != nullptr && lane == 0) po.lse[row * p.num_q_heads + qh] = st.lse();
+        write_state(st).to<float, false>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E,
+                                  po.lse != nullptr && lane == 0 ? po.lse + row * p.num_q_heads + qh : nullptr, o);
     }
 }
 
@@ -205,7 +194,7 @@ template <typename T, int D>
 __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, const PrefillItem& it, int kvh,
                                                 uint8_t* smem) {
     using C = PrefillCfg<D>;
-    const int group = p.num_q_heads / p.num_kv_heads;
+    const int group = p.num_q_heads / p.kv.num_kv_heads;
     const PrefillSpan sp = item_span(it, group, p.window_left, C::TQ);
     int t_begin, t_end;
     split_tiles(sp, it.split, p.num_splits, t_begin, t_end);
@@ -226,17 +215,13 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
     attn_tile<T, D, C::MT, true>(
-        jb, prefill_rows(p, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.k_cache),
-        reinterpret_cast<const T*>(p.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
+        jb, paged_rows(p.kv, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
+        reinterpret_cast<const T*>(p.kv.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
-            const float inv = st.inv_l();
             const int64_t row = q_start + tok;
-            T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd;
-#pragma unroll
-            for (int c = 0; c < C::CPR; ++c)
-                *reinterpret_cast<uint32_t*>(out + c * 8) = pack2<T>(o[c][2 * h] * inv, o[c][2 * h + 1] * inv);
-            if (po.lse != nullptr && lse_lane)
-                po.lse[row * p.num_q_heads + qh] = st.lse();
+            write_state(st).to<T, false, C::CPR, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd,
+                po.lse != nullptr && lse_lane ? po.lse + row * p.num_q_heads + qh : nullptr,
+                [&](int c, int e) { return o[c][2 * h + e]; });
         },
         smem);
 }
@@ -247,10 +232,10 @@ __device__ __forceinline__ void paged_prefill(const kvp_prefill_params& p) {
     griddep_wait();  // the plan kernel (or the previous layer) may still be running under PDL
     const int32_t* work = reinterpret_cast<const int32_t*>(p.work);
     const int n_items = *reinterpret_cast<const volatile int32_t*>(work);
-    const int64_t total = (int64_t)n_items * p.num_kv_heads;
+    const int64_t total = (int64_t)n_items * p.kv.num_kv_heads;
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-        const int item = (int)(w / p.num_kv_heads);
-        const int kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+        const int item = (int)(w / p.kv.num_kv_heads);
+        const int kvh = (int)(w - (int64_t)item * p.kv.num_kv_heads);
         const PrefillItem it = load_item(work, item);
         if constexpr (sizeof(T) == 4) {
             prefill_item_f32<D>(p, it, kvh);

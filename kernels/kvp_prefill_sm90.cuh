@@ -20,7 +20,7 @@
 #pragma once
 
 #include "kvp_prefill.cuh"
-#include "kvp_wgmma.cuh"
+#include "kvp_sm90_ptx.cuh"
 
 namespace kvp {
 
@@ -53,108 +53,14 @@ struct Sm90Cfg {
     static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
 };
 
-// ---- PTX wrappers (sm_90) ----------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// n arrivals at once (sm_90).
-__device__ __forceinline__ void mbar_arrive_n(uint32_t bar, uint32_t n) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(n) : "memory");
-}
-// Arrives on bar when every cp.async this thread issued before has landed
-// (the barrier's expected count includes these arrivals).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Named barriers 2 and 3 of the two consumer warpgroups (256 threads each:
-// one warpgroup syncs, the other arrives); 0 is __syncthreads, 1 the producer's.
-__device__ __forceinline__ void turn_wait(int c) {
-#ifndef KVP_SM90_NO_PINGPONG
-    if (c == 0)
-        asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    else
-        asm volatile("bar.sync 3, 256;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void turn_pass(int c) {  // hands the turn to the other warpgroup
-#ifndef KVP_SM90_NO_PINGPONG
-    if (c == 0)
-        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-    else
-        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-#endif
-}
 template <bool B>
 struct Flag {  // a compile-time flag for a generic lambda's instances
     static constexpr bool value = B;
 };
 
-// The suspend-time hint lets the hardware park a waiting warp until the phase
-// completes (up to 10 ms a try) instead of returning at once: a spinning
-// producer otherwise spends the issue slots the consumers need (in an ncu
-// profile, a quarter of the kernel's instructions were such retries).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-    uint32_t done = 0;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, "
-            "p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity), "r"(10000000)
-            : "memory");
-    } while (!done);
-}
-// cp.async of 16 bytes, all of them read (no zero fill).
-__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void st_shared_s64(uint32_t a, int64_t v) {
-    asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(a), "l"(v) : "memory");
-}
-__device__ __forceinline__ int64_t ld_shared_s64(uint32_t a) {
-    int64_t v;
-    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(a) : "memory");
-    return v;
-}
-// Writes by the generic proxy (cp.async, st.shared) become visible to wgmma's
-// reads (the async proxy) only after this fence in the writing thread.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-#endif
-
-// Keeps the compiler from moving accesses of accumulator registers across the
-// asynchronous wgmma that owns them.
-template <int N>
-__device__ __forceinline__ void pin_regs(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// wgmma shared-memory descriptor, 128-byte swizzle. K-major operands (Q, K):
-// 8-row groups 1024 bytes apart (sbo), lbo unused. MN-major (V): lbo = bytes
-// between 128-byte column blocks, sbo = bytes between 8-token groups.
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-// A descriptor for bytes further on in shared memory: the start-address field
-// is the low 14 bits (address / 16), and no tile reaches past 256 KiB, so an
-// add carries nothing into the next field. The consumers build each operand's
-// descriptor once and step it by constants.
-__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
-
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {  // byte offset in a [rows][128 B] block
+// Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][128 B] block
+// (the 128-byte swizzle of the wgmma descriptors).
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
     return (uint32_t)(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
@@ -207,20 +113,20 @@ struct Sm90PrefillSrc {
     __device__ __forceinline__ Sm90PrefillSrc(const kvp_prefill_params& p_) : p(p_) {
         work = reinterpret_cast<const int32_t*>(p.work);
         sched = reinterpret_cast<int32_t*>(p.work) + KVP_PREFILL_W_NEXT_UNIT;
-        group = p.num_q_heads / p.num_kv_heads;
+        group = p.num_q_heads / p.kv.num_kv_heads;
         window = p.window_left;
-        total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work)) * p.num_kv_heads;
+        total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work)) * p.kv.num_kv_heads;
     }
     __device__ __forceinline__ Unit unit(int64_t w) const {
         Unit u;
-        const int item = (int)(w / p.num_kv_heads);
-        u.kvh = (int)(w - (int64_t)item * p.num_kv_heads);
+        const int item = (int)(w / p.kv.num_kv_heads);
+        u.kvh = (int)(w - (int64_t)item * p.kv.num_kv_heads);
         u.it = load_item(work, item);
         u.sp = item_span(u.it, group, window, KVP_PREFILL_SM90_TILE_Q);
         split_tiles<Sm90Cfg<T, D>::TN>(u.sp, u.it.split, p.num_splits, u.t0, u.t1);
         return u;
     }
-    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return prefill_rows(p, u.it.b, u.kvh); }
+    __device__ __forceinline__ PagedRows rows(const Unit& u) const { return paged_rows(p.kv, u.it.b, u.kvh); }
     // Element offset in q of the unit's token tok (head 0).
     __device__ __forceinline__ int64_t q_row(const Unit& u, int tok) const {
         return ((int64_t)u.it.q_start + tok) * p.q_token_stride;
@@ -230,13 +136,10 @@ struct Sm90PrefillSrc {
     __device__ __forceinline__ void store(const Unit& u, int tok, int qh, int col, const float (&o)[D / 2], int h,
                                           const SoftmaxState& st, bool lse_lane) const {
         const PrefillOut<T> po(p, u.it.split, p.total_q, D);
-        const float inv = st.inv_l();
         const int64_t row = (int64_t)u.it.q_start + tok;
-        T* out = po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-        if (po.lse != nullptr && lse_lane) po.lse[row * p.num_q_heads + qh] = st.lse();
+        write_state(st).to<T, false, D / 8, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col,
+                                           po.lse != nullptr && lse_lane ? po.lse + row * p.num_q_heads + qh : nullptr,
+                                           [&](int j, int e) { return o[4 * j + 2 * h + e]; });
     }
 };
 
@@ -283,7 +186,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         }
         mbar_init(q_full, 129);  // the producer threads' query-row copies and thread 0's slot write (hand_over)
         mbar_init(q_empty, 8);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_mbarrier_init();
     }
     __syncthreads();
     griddep_wait();  // the plan kernel (or the previous layer) may still be running under PDL
@@ -297,9 +200,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         // Never waits for its own copies: each thread's cp.async arrive on the
         // stage's barrier when they land, so it runs ahead as far as the free
         // stages allow.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
-        const T* kc = reinterpret_cast<const T*>(p.k_cache);
-        const T* vc = reinterpret_cast<const T*>(p.v_cache);
+        setmaxnreg_dec<C::PRODUCER_REGS>();
+        const T* kc = reinterpret_cast<const T*>(p.kv.k_cache);
+        const T* vc = reinterpret_cast<const T*>(p.kv.v_cache);
         const T* qg = reinterpret_cast<const T*>(p.q);
         int tile_it = 0, item_it = 0;
         // The tile's 16-byte chunks from the cache at src into the K or V
@@ -368,7 +271,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             }
         };
         for (int n = 0;; ++n) {
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");  // unit n is in its slot
+            producer_sync();  // unit n is in its slot
             const int64_t w = ld_shared_s64(next_slot + 8 * (n & 1));
             if (w >= total) break;
             // Every thread reads slot n % 2 before thread 0 writes it again
@@ -428,7 +331,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 // (tile t - 2's): every producer thread is past it before
                 // any writes tile t's. (The unit loop's barrier does this
                 // for a unit's first tile.)
-                if (t > t0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                if (t > t0) producer_sync();
                 int bad = 0;
                 if (tid < TN) {
                     const int64_t off =
@@ -438,13 +341,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 }
                 // Every producer thread sees the tile's offsets after this
                 // barrier; thread 0 records whether any token is unreadable.
-                int any;
-                asm volatile(
-                    "{\n.reg .pred p, q;\nsetp.ne.b32 q, %1, 0;\nbar.red.or.pred p, 1, 128, q;\nselp.u32 %0, 1, 0, "
-                    "p;\n}\n"
-                    : "=r"(any)
-                    : "r"(bad)
-                    : "memory");
+                const int any = producer_sync_or(bad);
                 if (tid == 0) flags[s] = any;
                 gather(k_s(s), kc, s, any);
                 mbar_arrive_cp_async(full_k(s));
@@ -462,7 +359,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         // together, so the softmax of S_t overlaps the second product; and
         // the two consumer warpgroups take turns issuing (named barriers 2
         // and 3), so one's softmax overlaps the other's products.
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
+        setmaxnreg_inc<C::CONSUMER_REGS>();
         const int c = wg - 1;  // which 64 rows of the item
         const int warp = (tid >> 5) & 3, lane = tid & 31;
         const int row_a = 64 * c + 16 * warp + (lane >> 2);  // this thread's rows: row_a, row_a + 8

@@ -27,9 +27,9 @@
  * Layouts
  *   KV cache (K and V separate pointers, SAME strides):
  *       [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous.
- *       element (blk, off, h, d) = cache[blk*cache_block_stride
- *                                        + off*cache_token_stride
- *                                        + h*cache_head_stride + d]
+ *       element (blk, off, h, d) = cache[blk*kv.block_stride
+ *                                        + off*kv.token_stride
+ *                                        + h*kv.head_stride + d]
  *       A combined tensor (e.g. [num_blocks, 2, block_size, H, D]) is passed
  *       as two pointers with the same strides.
  *   slot = block * block_size + offset; slot < 0 = padding token, skipped.
@@ -43,7 +43,10 @@
 
 #include <stdint.h>
 
-#define KVP_KERNELS_ABI_VERSION 3
+/* 4: the paged cache is one descriptor, kvp_paged_kv_params, the first
+ * member `kv` of kvp_kv_write_params, kvp_decode_params, kvp_prefill_params
+ * and kvp_cascade_params (their own copies of its fields are gone). */
+#define KVP_KERNELS_ABI_VERSION 4
 
 /* Threads per block for every kernel below. */
 #define KVP_KV_WRITE_THREADS 256
@@ -58,37 +61,62 @@
 #define KVP_DECODE_HEADS_PER_CTA 16
 
 /* ------------------------------------------------------------------------
+ * 0. The paged KV cache as every kernel that reads or writes it sees it: K
+ *    and V [num_blocks, block_size, num_kv_heads, head_dim] sharing strides
+ *    (elements), the block table int32 [rows, block_table_stride] of which
+ *    columns < max_blocks_per_seq are read (0 and unused for the KV write),
+ *    and room for per-(token, kv head) scale arrays of scaled formats (0
+ *    today). The first member, `kv`, of every params struct below that
+ *    touches the cache.
+ * offsets: 0 k_cache, 8 v_cache, 16 block_table, 24 k_scale, 32 v_scale,
+ *          40 block_stride, 48 token_stride, 56 head_stride,
+ *          64 block_table_stride, 72 num_kv_heads, 76 block_size,
+ *          80 num_blocks, 84 max_blocks_per_seq, 88 dtype, 92 reserved;
+ *          size 96.
+ * ---------------------------------------------------------------------- */
+typedef struct kvp_paged_kv_params {
+    uint64_t k_cache;
+    uint64_t v_cache;
+    uint64_t block_table;
+    uint64_t k_scale; /* 0 */
+    uint64_t v_scale; /* 0 */
+    int64_t block_stride;
+    int64_t token_stride;
+    int64_t head_stride;
+    int64_t block_table_stride;
+    int32_t num_kv_heads;
+    int32_t block_size;
+    int32_t num_blocks;
+    int32_t max_blocks_per_seq;
+    int32_t dtype;    /* kvp_dtype code of the cache (1 f16, 2 bf16, 3 f32) */
+    int32_t reserved; /* 0 */
+} kvp_paged_kv_params; /* 96 bytes */
+
+/* ------------------------------------------------------------------------
  * 1. KV write: scatter this step's K and V into the paged caches.
- *    key/value: [num_tokens, num_kv_heads, head_dim] with the strides below.
+ *    key/value: [num_tokens, kv.num_kv_heads, head_dim] with the strides below.
+ *    kv.block_table and kv.max_blocks_per_seq are not read (0).
  *    Launch: block (KVP_KV_WRITE_THREADS,1,1),
- *            grid  (ceil_div(num_tokens*num_kv_heads*head_dim/KVP_VEC, 256),1,1)
+ *            grid  (ceil_div(num_tokens*kv.num_kv_heads*head_dim/KVP_VEC, 256),1,1)
  *            dynamic shared memory 0.
  *    num_tokens == 0: launch nothing.
- * offsets: 0 key, 8 value, 16 k_cache, 24 v_cache, 32 slot_mapping,
- *          40 key_token_stride, 48 key_head_stride, 56 value_token_stride,
- *          64 value_head_stride, 72 cache_block_stride, 80 cache_token_stride,
- *          88 cache_head_stride, 96 num_tokens, 100 num_kv_heads,
- *          104 block_size, 108 num_blocks; size 112.
- * Slots >= num_blocks*block_size are skipped like negative ones (memory
+ * offsets: 0 kv (96 bytes), 96 key, 104 value, 112 slot_mapping,
+ *          120 key_token_stride, 128 key_head_stride, 136 value_token_stride,
+ *          144 value_head_stride, 152 num_tokens, 156 reserved; size 160.
+ * Slots >= kv.num_blocks*kv.block_size are skipped like negative ones (memory
  * safety; the launcher should reject them where it can see them).
  * ---------------------------------------------------------------------- */
 typedef struct kvp_kv_write_params {
+    kvp_paged_kv_params kv;
     uint64_t key;
     uint64_t value;
-    uint64_t k_cache;
-    uint64_t v_cache;
     uint64_t slot_mapping; /* int32 [num_tokens] */
     int64_t key_token_stride;
     int64_t key_head_stride;
     int64_t value_token_stride;
     int64_t value_head_stride;
-    int64_t cache_block_stride;
-    int64_t cache_token_stride;
-    int64_t cache_head_stride;
     int32_t num_tokens;
-    int32_t num_kv_heads;
-    int32_t block_size;
-    int32_t num_blocks;
+    int32_t reserved; /* 0 */
 } kvp_kv_write_params;
 
 /* ------------------------------------------------------------------------
@@ -99,11 +127,11 @@ typedef struct kvp_kv_write_params {
  *    q   [batch * q_len, num_q_heads, head_dim]  (q_batch_stride: row stride)
  *    out [batch * q_len, num_q_heads, head_dim]  (out_batch_stride, out_head_stride)
  *    lse float32 [batch * q_len, num_q_heads] contiguous, or 0 = not requested
- *    block_table int32 [batch, block_table_stride]; row b holds the blocks of
- *        sequence b; only columns < max_blocks_per_seq are ever read
+ *    kv.block_table int32 [batch, kv.block_table_stride]; row b holds the
+ *        blocks of sequence b; only columns < kv.max_blocks_per_seq are read
  *    seq_lens int32 [batch]; 0 gives out = 0 and lse = -inf
- *    Tokens whose table column is >= max_blocks_per_seq or whose block id is
- *    outside [0, num_blocks) are ignored (memory safety, not a feature).
+ *    Tokens whose table column is >= kv.max_blocks_per_seq or whose block id
+ *    is outside [0, kv.num_blocks) are ignored (memory safety, not a feature).
  *
  *  num_splits == 1: one launch of kvp_paged_decode_<dt>_h<D>, writes out/lse.
  *  num_splits  > 1: kvp_paged_decode_<dt>_h<D> writes partial results into
@@ -131,7 +159,7 @@ typedef struct kvp_kv_write_params {
  *
  *  Launch of kvp_paged_decode_<dt>_h<D>:
  *      block (KVP_DECODE_THREADS,1,1)
- *      grid  (num_kv_heads * ceil_div(num_q_heads/num_kv_heads,
+ *      grid  (kv.num_kv_heads * ceil_div(num_q_heads/kv.num_kv_heads,
  *             kvp_decode_heads_per_cta(q_len)), batch, num_splits)
  *      dynamic shared memory: kvp_decode_smem_bytes(dt, D) below; values above
  *      48 KiB need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
@@ -143,21 +171,16 @@ typedef struct kvp_kv_write_params {
  *  launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
  *  (cuLaunchKernelEx) to overlap its launch with the previous kernel's tail;
  *  with plain cuLaunchKernel this is a no-op.
- * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
- *          48 lse, 56 workspace, 64 q_batch_stride, 72 q_head_stride,
- *          80 out_batch_stride, 88 out_head_stride, 96 cache_block_stride,
- *          104 cache_token_stride, 112 cache_head_stride,
- *          120 block_table_stride, 128 batch, 132 num_q_heads,
- *          136 num_kv_heads, 140 block_size, 144 num_blocks,
- *          148 max_blocks_per_seq, 152 num_splits, 156 scale, 160 q_len,
- *          164 q_rows, 168 q_indptr; size 176.
+ * offsets: 0 kv (96 bytes), 96 q, 104 seq_lens, 112 out, 120 lse,
+ *          128 workspace, 136 q_batch_stride, 144 q_head_stride,
+ *          152 out_batch_stride, 160 out_head_stride, 168 batch,
+ *          172 num_q_heads, 176 num_splits, 180 scale, 184 q_len,
+ *          188 q_rows, 192 q_indptr; size 200.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_decode_params {
+    kvp_paged_kv_params kv;
     uint64_t q;
-    uint64_t k_cache;
-    uint64_t v_cache;
-    uint64_t block_table; /* int32 */
-    uint64_t seq_lens;    /* int32 */
+    uint64_t seq_lens; /* int32 */
     uint64_t out;
     uint64_t lse;       /* float32 or 0 */
     uint64_t workspace; /* float32; 0 allowed when num_splits == 1 */
@@ -165,16 +188,8 @@ typedef struct kvp_decode_params {
     int64_t q_head_stride;
     int64_t out_batch_stride;
     int64_t out_head_stride;
-    int64_t cache_block_stride;
-    int64_t cache_token_stride;
-    int64_t cache_head_stride;
-    int64_t block_table_stride;
     int32_t batch;
     int32_t num_q_heads;
-    int32_t num_kv_heads;
-    int32_t block_size;
-    int32_t num_blocks;
-    int32_t max_blocks_per_seq;
     int32_t num_splits;
     float scale; /* softmax scale, usually 1/sqrt(head_dim) */
     int32_t q_len; /* new tokens per sequence, 1..16 (0: 1) */
@@ -287,21 +302,18 @@ typedef struct kvp_merge_params {
  *  It clamps rows to [0, total_q) and writes at most max_items items;
  *  tile_q must be the run kernel's kvp_prefill_tile_q.
  *  Run: kvp_paged_prefill_<dt>_h<D>, block (KVP_PREFILL_THREADS,1,1), any
- *  grid (x only; blocks stride over item * num_kv_heads + kv head, so a
+ *  grid (x only; blocks stride over item * kv.num_kv_heads + kv head, so a
  *  launch captured in a graph serves any later plan into the same work
  *  list); dynamic smem kvp_prefill_smem_bytes(dt, D); values above 48 KiB
  *  need cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) once.
  * plan offsets: 0 qo_indptr, 8 kv_lens, 16 work, 24 batch, 28 group,
  *          32 total_q, 36 max_items, 40 tile_q, 44 num_splits,
  *          48 skip_decode, 52 reserved; size 56.
- * run offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 out, 40 lse,
- *          48 work, 56 q_token_stride, 64 q_head_stride, 72 out_token_stride,
- *          80 out_head_stride, 88 cache_block_stride, 96 cache_token_stride,
- *          104 cache_head_stride, 112 block_table_stride, 120 num_q_heads,
- *          124 num_kv_heads, 128 block_size, 132 num_blocks,
- *          136 max_blocks_per_seq, 140 window_left, 144 scale,
- *          148 num_splits, 152 part_out, 160 part_lse, 168 total_q,
- *          172 reserved; size 176.
+ * run offsets: 0 kv (96 bytes), 96 q, 104 out, 112 lse, 120 work,
+ *          128 q_token_stride, 136 q_head_stride, 144 out_token_stride,
+ *          152 out_head_stride, 160 num_q_heads, 164 window_left, 168 scale,
+ *          172 num_splits, 176 part_out, 184 part_lse, 192 total_q,
+ *          196 reserved; size 200.
  * ---------------------------------------------------------------------- */
 #define KVP_PREFILL_THREADS 128
 #define KVP_PREFILL_PLAN_THREADS 1024
@@ -316,7 +328,7 @@ typedef struct kvp_prefill_plan_params {
     uint64_t kv_lens;   /* int32 [batch] */
     uint64_t work;      /* int32 work list (above) */
     int32_t batch;
-    int32_t group; /* num_q_heads / num_kv_heads */
+    int32_t group; /* num_q_heads / kv.num_kv_heads of the run */
     int32_t total_q;
     int32_t max_items;
     int32_t tile_q;     /* kvp_prefill_tile_q of the run kernel */
@@ -326,10 +338,8 @@ typedef struct kvp_prefill_plan_params {
 } kvp_prefill_plan_params;
 
 typedef struct kvp_prefill_params {
+    kvp_paged_kv_params kv; /* kv.block_table: int32 [batch, kv.block_table_stride] */
     uint64_t q;
-    uint64_t k_cache;
-    uint64_t v_cache;
-    uint64_t block_table; /* int32 [batch, block_table_stride] */
     uint64_t out;
     uint64_t lse;  /* float32 or 0 */
     uint64_t work; /* the plan's work list */
@@ -337,15 +347,7 @@ typedef struct kvp_prefill_params {
     int64_t q_head_stride;
     int64_t out_token_stride;
     int64_t out_head_stride;
-    int64_t cache_block_stride;
-    int64_t cache_token_stride;
-    int64_t cache_head_stride;
-    int64_t block_table_stride;
     int32_t num_q_heads;
-    int32_t num_kv_heads;
-    int32_t block_size;
-    int32_t num_blocks;
-    int32_t max_blocks_per_seq;
     int32_t window_left; /* < 0: no window */
     float scale;
     int32_t num_splits; /* 1: write out/lse; > 1: part_out/part_lse */
@@ -438,16 +440,13 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *      tail of at most 16 packed rows runs the decode kernel's 16-row tile;
  *  then kvp_cascade_merge_<dt>_h<D>: block (KVP_CASCADE_MERGE_THREADS,1,1),
  *      any grid (warps stride over rows * num_q_heads), smem 0.
- * offsets: 0 q, 8 k_cache, 16 v_cache, 24 block_table, 32 seq_lens, 40 out,
- *          48 lse, 56 work, 64 part_out, 72 part_lse, 80 q_batch_stride,
- *          88 q_head_stride, 96 out_batch_stride, 104 out_head_stride,
- *          112 cache_block_stride, 120 cache_token_stride,
- *          128 cache_head_stride, 136 block_table_stride, 144 num_q_heads,
- *          148 num_kv_heads, 152 block_size, 156 num_blocks,
- *          160 max_blocks_per_seq, 164 items_off, 168 qrows_off,
- *          172 seg_start_off, 176 segs_off, 180 max_batch, 184 scale,
- *          188 rowseq_off, 192 qstart_off, 196 max_rows, 200 skip_shared,
- *          204 reserved; size 208.
+ * offsets: 0 kv (96 bytes), 96 q, 104 seq_lens, 112 out, 120 lse,
+ *          128 work, 136 part_out, 144 part_lse, 152 q_batch_stride,
+ *          160 q_head_stride, 168 out_batch_stride, 176 out_head_stride,
+ *          184 num_q_heads, 188 items_off, 192 qrows_off, 196 seg_start_off,
+ *          200 segs_off, 204 max_batch, 208 scale, 212 rowseq_off,
+ *          216 qstart_off, 220 max_rows, 224 skip_shared, 228 reserved;
+ *          size 232.
  * ---------------------------------------------------------------------- */
 #define KVP_CASCADE_THREADS 128
 #define KVP_CASCADE_MERGE_THREADS 128
@@ -472,11 +471,9 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
 #define KVP_CASCADE_W_NEXT_UNIT 20
 
 typedef struct kvp_cascade_params {
+    kvp_paged_kv_params kv; /* kv.block_table: int32 [batch, kv.block_table_stride] */
     uint64_t q;
-    uint64_t k_cache;
-    uint64_t v_cache;
-    uint64_t block_table; /* int32 [batch, block_table_stride] */
-    uint64_t seq_lens;    /* int32 [batch] */
+    uint64_t seq_lens; /* int32 [batch] */
     uint64_t out;
     uint64_t lse;      /* float32 [total_q, num_q_heads] or 0 */
     uint64_t work;     /* the plan */
@@ -486,15 +483,7 @@ typedef struct kvp_cascade_params {
     int64_t q_head_stride;
     int64_t out_batch_stride;
     int64_t out_head_stride;
-    int64_t cache_block_stride;
-    int64_t cache_token_stride;
-    int64_t cache_head_stride;
-    int64_t block_table_stride;
     int32_t num_q_heads;
-    int32_t num_kv_heads;
-    int32_t block_size;
-    int32_t num_blocks;
-    int32_t max_blocks_per_seq;
     int32_t items_off;
     int32_t qrows_off;
     int32_t seg_start_off;
