@@ -1,13 +1,13 @@
-package cascadeattn
+package attn
 
 import (
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
 	"unsafe"
 
-	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
@@ -62,6 +62,24 @@ func sharingManager(t *testing.T) (*kvmanager.Manager, []int64) {
 	return m, ids
 }
 
+// planFromManager is kvp_manager_cascade_plan's path below the C ABI: the
+// manager's tables and lengths for ids gathered, then planned.
+func planFromManager(m *kvmanager.Manager, ids []int64, a *CascadePlanArgs) (CascadePlan, error) {
+	var in cascade.Input
+	var sc kvmanager.CascadeScratch
+	if err := m.CascadeInput(ids, a.MaxBlocksPerSeq, &in, &sc); err != nil {
+		return CascadePlan{}, kverr.Wrap(kverr.CodeOf(err), err, "kvp_manager_cascade_plan")
+	}
+	return PlanCascadeInput(a, &in, 0)
+}
+
+// samePlan reports whether two plans are equal but for their host
+// workspaces.
+func samePlan(a, b CascadePlan) bool {
+	a.HostWorkspace, b.HostWorkspace = nil, nil
+	return reflect.DeepEqual(a, b)
+}
+
 // managerArgs are args for planning a manager's batch into fresh
 // workspaces (fake device addresses), with max_blocks_per_seq cols.
 func managerArgs(t *testing.T, cols int) *testBatch {
@@ -69,21 +87,21 @@ func managerArgs(t *testing.T, cols int) *testBatch {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &testBatch{PlanArgs: PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
-		MaxBatch: 16, MaxBlocksPerSeq: cols, SeqLens: 0x9000, HostWorkspaceBytes: uint64(host),
-		Workspace: 0x100000, WorkspaceBytes: uint64(dev)}, host: make([]int32, host/4)}
+	return &testBatch{CascadePlanArgs: CascadePlanArgs{DType: F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
+		MaxBatch: 16, MaxBlocksPerSeq: cols, SeqLensDev: 0x9000,
+		Workspace: 0x100000, WorkspaceBytes: dev}, HostWorkspaceBytes: uint64(host), host: make([]int32, host/4)}
 }
 
 // hostOnly is b without workspaces or device arrays.
 func hostOnly(b *testBatch) *testBatch {
 	h := *b
-	h.host, h.HostWorkspaceBytes, h.Workspace, h.WorkspaceBytes, h.SeqLens, h.QOIndptr = nil, 0, 0, 0, 0, 0
+	h.host, h.HostWorkspaceBytes, h.Workspace, h.WorkspaceBytes, h.SeqLensDev, h.QOIndptrDev = nil, 0, 0, 0, 0, 0
 	return &h
 }
 
 // describePlan is the plan PlanBatch makes from the tables m.Describe
 // writes for the same batch, and its host workspace.
-func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch) (Plan, []int32) {
+func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch) (CascadePlan, []int32) {
 	t.Helper()
 	n, cols := len(ids), b.MaxBlocksPerSeq
 	d := *b
@@ -93,7 +111,7 @@ func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch)
 	}
 	d.Batch, d.BlockSize, d.BlockTableStride = n, 16, int64(cols)
 	d.host = make([]int32, len(b.host))
-	p, err := PlanBatch(d.args(), 0)
+	p, err := PlanCascade(d.args(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,21 +126,20 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 	plans := withoutDevice(t)
 	m, ids := sharingManager(t)
 	for _, cols := range []int{64, 200} {
-		for _, flags := range []int{0, FlagNoDecodeRoute} {
+		for _, flags := range []int{0, CascadeNoDecodeRoute} {
 			b := managerArgs(t, cols)
 			b.Flags = flags
 			want, wantWS := describePlan(t, m, ids, b)
 
 			*plans = 0
-			got, err := PlanFromManager(m, &ids[0], len(ids), b.args(), 0)
+			got, err := planFromManager(m, ids, b.args())
 			if err != nil {
 				t.Fatalf("cols %d: %v", cols, err)
 			}
-			if *plans != 1 || got.HostWorkspace != unsafe.Pointer(&b.host[0]) || got.Workspace != b.Workspace || got.KVLens != b.SeqLens {
+			if *plans != 1 || unsafe.Pointer(unsafe.SliceData(got.HostWorkspace)) != unsafe.Pointer(&b.host[0]) || got.Workspace != b.Workspace || got.KVLens != b.SeqLensDev {
 				t.Fatalf("cols %d: %d plans, into %p %#x with lengths %#x", cols, *plans, got.HostWorkspace, got.Workspace, got.KVLens)
 			}
-			got.HostWorkspace = want.HostWorkspace
-			if got != want {
+			if !samePlan(got, want) {
 				t.Fatalf("cols %d flags %d: plans differ:\nmanager  %+v\ndescribe %+v", cols, flags, got, want)
 			}
 			if !slices.Equal(b.host, wantWS) {
@@ -133,7 +150,7 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 			}
 
 			// Host only: no workspaces, no device; the same summary.
-			hp, err := PlanFromManager(m, &ids[0], len(ids), hostOnly(b).args(), 0)
+			hp, err := planFromManager(m, ids, hostOnly(b).args())
 			if err != nil {
 				t.Fatalf("host only: %v", err)
 			}
@@ -142,17 +159,17 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 				hp.SavedTokens != want.SavedTokens || hp.TotalTokens != want.TotalTokens || hp.Parts != want.Parts {
 				t.Fatalf("host only: %+v, device plan %+v", hp, want)
 			}
-			if hp.Grid != 0 || hp.Workspace != 0 || hp.KVLens != 0 || hp.HostWorkspace != nil || hp.HostWorkspaceBytes != 0 {
+			if hp.Grid != 0 || hp.Workspace != 0 || hp.KVLens != 0 || hp.HostWorkspace != nil {
 				t.Fatalf("host-only plan names device memory: %+v", hp)
 			}
 			lens := make([]int32, len(ids))
-			_, err = Update(&hp, &lens[0], len(ids))
+			_, err = UpdateCascade(&hp, lens)
 			expect(t, "update of a host-only plan", err, kverr.InvalidArgument)
-			expect(t, "run of a host-only plan", Run(&hp, layer(&hp, 16, cols), 0), kverr.InvalidArgument)
+			expect(t, "run of a host-only plan", PagedCascade(&hp, layer(&hp, 16, cols), 0), kverr.InvalidArgument)
 		}
 	}
 	// An empty batch plans on the decode route.
-	p, err := PlanFromManager(m, nil, 0, hostOnly(managerArgs(t, 8)).args(), 0)
+	p, err := planFromManager(m, nil, hostOnly(managerArgs(t, 8)).args())
 	if err != nil || p.Batch != 0 || p.Route != cascade.RouteDecode {
 		t.Fatalf("empty batch: %v %+v", err, p)
 	}
@@ -164,14 +181,10 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 func TestPlanFromManagerErrors(t *testing.T) {
 	m, ids := sharingManager(t)
 	n := len(ids)
-	try := func(name string, ids []int64, n int, b *testBatch, want kverr.Code) {
+	try := func(name string, ids []int64, b *testBatch, want kverr.Code) {
 		t.Helper()
 		ws := slices.Clone(b.host)
-		var idp *int64
-		if len(ids) > 0 {
-			idp = &ids[0]
-		}
-		_, err := PlanFromManager(m, idp, n, b.args(), 0)
+		_, err := planFromManager(m, ids, b.args())
 		expect(t, name, err, want)
 		if err != nil && !strings.HasPrefix(err.Error(), "kvp_manager_cascade_plan: ") {
 			t.Errorf("%s: message %q does not name the call", name, err)
@@ -190,28 +203,26 @@ func TestPlanFromManagerErrors(t *testing.T) {
 		b := good()
 		f(b)
 		if paths&device != 0 {
-			try(name, ids, n, b, want)
+			try(name, ids, b, want)
 		}
 		if paths&host != 0 {
-			try(name+" (host only)", ids, n, hostOnly(b), want)
+			try(name+" (host only)", ids, hostOnly(b), want)
 		}
 	}
-	try("NULL ids", nil, n, good(), kverr.NullPointer)
-	try("n -1", ids, -1, good(), kverr.InvalidArgument)
-	try("n 65536", ids, 65536, good(), kverr.InvalidArgument)
-	try("unknown id", append(slices.Clone(ids), 999), n+1, good(), kverr.UnknownSequence)
+	// (NULL ids, n out of range and a batch other than n are the C ABI's
+	// checks: capi's tests.)
+	try("unknown id", append(slices.Clone(ids), 999), good(), kverr.UnknownSequence)
 	mod("table too narrow", both, func(b *testBatch) { b.MaxBlocksPerSeq = 8 }, kverr.BufferTooSmall)
 	mod("max_blocks 0", both, func(b *testBatch) { b.MaxBlocksPerSeq = 0 }, kverr.InvalidArgument)
 	mod("host table given", both, func(b *testBatch) { b.table = []int32{1} }, kverr.InvalidArgument)
 	mod("host lens given", both, func(b *testBatch) { b.lens = []int32{1} }, kverr.InvalidArgument)
-	mod("batch differs", both, func(b *testBatch) { b.Batch = n - 1 }, kverr.InvalidArgument)
 	mod("block size differs", both, func(b *testBatch) { b.BlockSize = 32 }, kverr.InvalidArgument)
 	mod("max_tokens below the batch capacity", both, func(b *testBatch) { b.MaxTokens = 4 }, kverr.InvalidArgument)
 	mod("qo_indptr decreasing", host, func(b *testBatch) {
 		b.qo = make([]int32, n+1)
 		b.qo[1] = 2
 	}, kverr.InvalidArgument)
-	mod("dtype f32", both, func(b *testBatch) { b.DType = attn.F32 }, kverr.Unsupported)
+	mod("dtype f32", both, func(b *testBatch) { b.DType = F32 }, kverr.Unsupported)
 	mod("head_dim 80", both, func(b *testBatch) { b.HeadDim = 80 }, kverr.Unsupported)
 	mod("heads 8/3", both, func(b *testBatch) { b.NumKVHeads = 3 }, kverr.InvalidArgument)
 	mod("flags", both, func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
@@ -221,13 +232,13 @@ func TestPlanFromManagerErrors(t *testing.T) {
 	// with the message naming this call.
 	mod("device workspace small", device, func(b *testBatch) { b.WorkspaceBytes -= 16 }, kverr.BufferTooSmall)
 	mod("host workspace without device workspace", device, func(b *testBatch) { b.Workspace = 0 }, kverr.NullPointer)
-	mod("device seq_lens 0", device, func(b *testBatch) { b.SeqLens = 0 }, kverr.InvalidArgument)
+	mod("device seq_lens 0", device, func(b *testBatch) { b.SeqLensDev = 0 }, kverr.InvalidArgument)
 	if cuda.Load() != nil {
 		want := kverr.NoDevice
-		if !attn.KernelsBuilt() {
+		if !KernelsBuilt() {
 			want = kverr.Unsupported
 		}
-		try("plan without driver", ids, n, good(), want)
+		try("plan without driver", ids, good(), want)
 	}
 }
 
@@ -256,24 +267,23 @@ func TestPlanFromManagerVarlenEqualsDescribe(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, flags := range []int{0, FlagNoDecodeRoute} {
-		b := &testBatch{PlanArgs: PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
-			MaxBatch: 16, MaxBlocksPerSeq: 64, SeqLens: 0x9000, HostWorkspaceBytes: uint64(host),
-			Workspace: 0x100000, WorkspaceBytes: uint64(dev), Flags: flags, QOIndptr: 0xA000, MaxTokens: maxTokens},
-			host: make([]int32, host/4), qo: qo}
+	for _, flags := range []int{0, CascadeNoDecodeRoute} {
+		b := &testBatch{CascadePlanArgs: CascadePlanArgs{DType: F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
+			MaxBatch: 16, MaxBlocksPerSeq: 64, SeqLensDev: 0x9000,
+			Workspace: 0x100000, WorkspaceBytes: dev, Flags: flags, QOIndptrDev: 0xA000, MaxTokens: maxTokens},
+			HostWorkspaceBytes: uint64(host), host: make([]int32, host/4), qo: qo}
 		want, wantWS := describePlan(t, m, ids, b)
-		got, err := PlanFromManager(m, &ids[0], n, b.args(), 0)
+		got, err := planFromManager(m, ids, b.args())
 		if err != nil {
 			t.Fatalf("flags %d: %v", flags, err)
 		}
-		got.HostWorkspace = want.HostWorkspace
-		if got != want || !slices.Equal(b.host, wantWS) {
+		if !samePlan(got, want) || !slices.Equal(b.host, wantWS) {
 			t.Fatalf("flags %d: plans differ:\nmanager  %+v\ndescribe %+v", flags, got, want)
 		}
 		if want.TotalQ != int(qo[n]) || want.MaxQLen < 2 {
 			t.Fatalf("flags %d: the plan has %d query rows (max %d); %d given", flags, want.TotalQ, want.MaxQLen, qo[n])
 		}
-		hp, err := PlanFromManager(m, &ids[0], n, hostOnly(b).args(), 0)
+		hp, err := planFromManager(m, ids, hostOnly(b).args())
 		if err != nil {
 			t.Fatalf("host only, flags %d: %v", flags, err)
 		}
