@@ -99,7 +99,7 @@ func hostOnly(b *testBatch) *testBatch {
 	return &h
 }
 
-// describePlan is the plan PlanBatch makes from the tables m.Describe
+// describePlan is the plan PlanCascade makes from the tables m.Describe
 // writes for the same batch, and its host workspace.
 func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch) (CascadePlan, []int32) {
 	t.Helper()
@@ -118,7 +118,7 @@ func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch)
 	return p, d.host
 }
 
-// The plan from the manager is PlanBatch's plan of the described tables:
+// The plan from the manager is PlanCascade's plan of the described tables:
 // the same plan (but for the host workspace's address) and the same host
 // workspace word for word, planned once. The host-only plan (no
 // workspaces) has the same summary and cannot be updated or run.
@@ -176,7 +176,7 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 }
 
 // Bad arguments are errors whose messages name kvp_manager_cascade_plan,
-// and a failed call leaves the workspaces as they were; the checks PlanBatch
+// and a failed call leaves the workspaces as they were; the checks PlanCascade
 // makes for the device path are its own.
 func TestPlanFromManagerErrors(t *testing.T) {
 	m, ids := sharingManager(t)
@@ -195,7 +195,7 @@ func TestPlanFromManagerErrors(t *testing.T) {
 	}
 	good := func() *testBatch { return managerArgs(t, 64) }
 	// mod tries a change of the good args on the device path (when device
-	// is set: PlanBatch checks it before touching the device) and on the
+	// is set: PlanCascade checks it before touching the device) and on the
 	// host-only path (when host is set).
 	const device, host, both = 1, 2, 3
 	mod := func(name string, paths int, f func(b *testBatch), want kverr.Code) {
@@ -228,7 +228,7 @@ func TestPlanFromManagerErrors(t *testing.T) {
 	mod("flags", both, func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
 	mod("headroom -1", host, func(b *testBatch) { b.Headroom = -1 }, kverr.InvalidArgument)
 	mod("max_batch below the batch", host, func(b *testBatch) { b.MaxBatch = 4 }, kverr.BufferTooSmall)
-	// The device path's own checks (PlanBatch's, before any device work),
+	// The device path's own checks (PlanCascade's, before any device work),
 	// with the message naming this call.
 	mod("device workspace small", device, func(b *testBatch) { b.WorkspaceBytes -= 16 }, kverr.BufferTooSmall)
 	mod("host workspace without device workspace", device, func(b *testBatch) { b.Workspace = 0 }, kverr.NullPointer)
@@ -243,7 +243,7 @@ func TestPlanFromManagerErrors(t *testing.T) {
 }
 
 // Varlen queries (new prompts or chunks mixed with decode rows) pass
-// through: the plan from the manager with QOIndptrHost is PlanBatch's of
+// through: the plan from the manager with QOIndptr is PlanCascade's of
 // the described tables with the same offsets, on the device path and, for
 // the summary, host only.
 func TestPlanFromManagerVarlenEqualsDescribe(t *testing.T) {
