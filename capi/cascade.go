@@ -6,18 +6,21 @@ package main
 import "C"
 
 import (
+	"math"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascade"
-	"github.com/kvplug/kvplug/core/cascadeattn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
-// Shared-prefix attention: core/cascadeattn plans, checks and runs; these
-// exports translate kvp_cascade_plan_args and kvp_attn_plan (plan.go) to
-// and from its types.
+// Shared-prefix attention: core/attn plans, checks and runs (with
+// core/cascade's host planner); these exports translate
+// kvp_cascade_plan_args and kvp_attn_plan (plan.go) to and from its types:
+// the host arrays and the host workspace become slices here, and the plan's
+// state words are packed and unpacked here.
 
 //export kvpgo_cascade_workspace_size
 func kvpgo_cascade_workspace_size(maxBatch, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
@@ -43,44 +46,107 @@ func cascadeWorkspaceSize(what string, maxBatch, maxTokens, qHeads, kvHeads, hea
 	return C.KVP_OK
 }
 
-// cascadePlanArgsOf decodes the caller's kvp_cascade_plan_args, after
+// cascadePlanArgsIn reads the caller's kvp_cascade_plan_args, after
 // checking that plan's struct_size is one this library can write.
-func cascadePlanArgsOf(what string, ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan) (cascadeattn.PlanArgs, error) {
+func cascadePlanArgsIn(what string, ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan) (C.kvp_cascade_plan_args, error) {
 	var a C.kvp_cascade_plan_args
 	if err := cascadePlanArgsStruct.in(unsafe.Pointer(ca), unsafe.Pointer(&a)); err != nil {
-		return cascadeattn.PlanArgs{}, err
+		return a, err
 	}
 	if err := attnPlanStruct.checkSize(plan.struct_size); err != nil {
-		return cascadeattn.PlanArgs{}, err
+		return a, err
 	}
 	if a.reserved != 0 {
-		return cascadeattn.PlanArgs{}, kverr.Errorf(kverr.InvalidArgument, "%s: reserved must be 0", what)
+		return a, kverr.Errorf(kverr.InvalidArgument, "%s: reserved must be 0", what)
 	}
-	return cascadeattn.PlanArgs{
+	return a, nil
+}
+
+// cascadePlanArgsOf is a's batch of batch sequences (in [0,
+// KVP_MAX_ATTN_BATCH]) as core/attn takes it: the counts checked, the host
+// arrays and the host workspace as slices (nil where NULL; the block table
+// nil too where its extent is not one the core accepts, which it then
+// refuses).
+func cascadePlanArgsOf(what string, a *C.kvp_cascade_plan_args, batch int) (attn.CascadePlanArgs, error) {
+	hostBytes, err := limits.ByteCount(what+": host_workspace_bytes", uint64(a.host_workspace_bytes))
+	if err != nil {
+		return attn.CascadePlanArgs{}, err
+	}
+	wsBytes, err := limits.ByteCount(what+": workspace_bytes", uint64(a.workspace_bytes))
+	if err != nil {
+		return attn.CascadePlanArgs{}, err
+	}
+	r := attn.CascadePlanArgs{
 		DType: attn.DType(a.dtype), HeadDim: int(a.head_dim), NumQHeads: int(a.num_q_heads), NumKVHeads: int(a.num_kv_heads),
-		Batch: int(a.batch), MaxBatch: int(a.max_batch), MaxTokens: int(a.max_tokens), BlockSize: int(a.block_size),
+		MaxBatch: int(a.max_batch), MaxTokens: int(a.max_tokens), BlockSize: int(a.block_size),
 		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-		BlockTableHost: (*int32)(unsafe.Pointer(a.block_table_host)), SeqLensHost: (*int32)(unsafe.Pointer(a.seq_lens_host)),
-		QOIndptrHost: (*int32)(unsafe.Pointer(a.qo_indptr_host)),
-		SeqLens:      cuda.DevicePtr(a.seq_lens), QOIndptr: cuda.DevicePtr(a.qo_indptr),
-		HostWorkspace: a.host_workspace, HostWorkspaceBytes: uint64(a.host_workspace_bytes),
-		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: uint64(a.workspace_bytes),
+		SeqLensDev: cuda.DevicePtr(a.seq_lens), QOIndptrDev: cuda.DevicePtr(a.qo_indptr),
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
 		Flags: int(a.flags), Headroom: int(a.headroom),
-	}, nil
+	}
+	stride, cols := int64(a.block_table_stride), int64(a.max_blocks_per_seq)
+	if stride == 0 {
+		stride = cols
+	}
+	if batch > 0 && cols >= 1 && cols <= stride && stride <= math.MaxInt32 {
+		r.BlockTable = hostInt32s(a.block_table_host, int64(batch-1)*stride+cols)
+	}
+	r.SeqLens = hostInt32s(a.seq_lens_host, int64(batch))
+	r.QOIndptr = hostInt32s(a.qo_indptr_host, int64(batch)+1)
+	if a.host_workspace != nil {
+		r.HostWorkspace = unsafe.Slice((*byte)(a.host_workspace), hostBytes)
+	}
+	return r, nil
+}
+
+// hostInt32s is the caller's int32 array p[n] (nil when p is NULL or n 0).
+func hostInt32s(p *C.int32_t, n int64) []int32 {
+	if p == nil || n <= 0 {
+		return nil
+	}
+	return unsafe.Slice((*int32)(unsafe.Pointer(p)), n)
 }
 
 // writeCascadePlan encodes a cascade plan into the caller's kvp_attn_plan.
-func writeCascadePlan(plan *C.kvp_attn_plan, p *cascadeattn.Plan) error {
-	return writeAttnPlan(plan, &p.PrefillPlan, p.PlanState())
+func writeCascadePlan(plan *C.kvp_attn_plan, p *attn.CascadePlan) error {
+	return writeAttnPlan(plan, &p.PrefillPlan, cascadeStateWords(&p.CascadeState))
+}
+
+// cascadeStateWords packs a cascade plan's state into kvp_attn_plan's
+// plan-state words (KVP_PLAN_STATE_HOST_WORKSPACE and on).
+func cascadeStateWords(s *attn.CascadeState) [6]uint64 {
+	var w [6]uint64
+	w[C.KVP_PLAN_STATE_HOST_WORKSPACE] = uint64(uintptr(unsafe.Pointer(unsafe.SliceData(s.HostWorkspace))))
+	w[C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES] = uint64(len(s.HostWorkspace))
+	w[C.KVP_PLAN_STATE_CAPACITY] = uint64(uint32(s.MaxBatch)) | uint64(uint32(s.BlockSize))<<32
+	w[C.KVP_PLAN_STATE_GENERATION] = uint64(uint32(s.Parts)) | uint64(uint32(s.Gen))<<32
+	w[C.KVP_PLAN_STATE_SAVED_TOKENS], w[C.KVP_PLAN_STATE_TOTAL_TOKENS] = uint64(s.SavedTokens), uint64(s.TotalTokens)
+	return w
+}
+
+// cascadeStateOf unpacks plan-state words that cascadeStateWords packed.
+// The host workspace they name is viewed for a plan of the cascade kind
+// only: another plan's words are not an address (core/attn refuses the
+// kind).
+func cascadeStateOf(kind int, w *[6]uint64) attn.CascadeState {
+	s := attn.CascadeState{
+		MaxBatch: int(uint32(w[C.KVP_PLAN_STATE_CAPACITY])), BlockSize: int(uint32(w[C.KVP_PLAN_STATE_CAPACITY] >> 32)),
+		Parts: int(uint32(w[C.KVP_PLAN_STATE_GENERATION])), Gen: int32(uint32(w[C.KVP_PLAN_STATE_GENERATION] >> 32)),
+		SavedTokens: int64(w[C.KVP_PLAN_STATE_SAVED_TOKENS]), TotalTokens: int64(w[C.KVP_PLAN_STATE_TOTAL_TOKENS]),
+	}
+	// The address word read as a pointer (64-bit targets only).
+	host := *(*unsafe.Pointer)(unsafe.Pointer(&w[C.KVP_PLAN_STATE_HOST_WORKSPACE]))
+	if n := w[C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES]; kind == attn.KindCascade && host != nil && n <= limits.Bytes {
+		s.HostWorkspace = unsafe.Slice((*byte)(host), n)
+	}
+	return s
 }
 
 // readCascadePlan decodes a kvp_attn_plan into a cascade plan (its kind and
-// state are cascadeattn's to check).
-func readCascadePlan(what string, plan *C.kvp_attn_plan) (cascadeattn.Plan, error) {
-	pp, state, err := readAttnPlan(what, plan)
-	p := cascadeattn.Plan{PrefillPlan: pp}
-	p.SetPlanState(&state)
-	return p, err
+// state are core/attn's to check).
+func readCascadePlan(what string, plan *C.kvp_attn_plan) (attn.CascadePlan, error) {
+	pp, w, err := readAttnPlan(what, plan)
+	return attn.CascadePlan{PrefillPlan: pp, CascadeState: cascadeStateOf(pp.Kind, &w)}, err
 }
 
 //export kvpgo_cascade_plan
@@ -90,11 +156,21 @@ func kvpgo_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stre
 	if ca == nil || plan == nil {
 		return failf(kverr.NullPointer, "%s: args and plan must not be NULL", what)
 	}
-	a, err := cascadePlanArgsOf(what, ca, plan)
+	c, err := cascadePlanArgsIn(what, ca, plan)
 	if err != nil {
 		return fail(err)
 	}
-	p, err := cascadeattn.PlanBatch(&a, cuda.Stream(stream))
+	if err := limits.Range(what+": batch", int(c.batch), 0, limits.AttnBatch); err != nil {
+		return fail(err)
+	}
+	if c.batch > 0 && (c.block_table_host == nil || c.seq_lens_host == nil) {
+		return failf(kverr.NullPointer, "%s: block_table_host and seq_lens_host must not be NULL", what)
+	}
+	a, err := cascadePlanArgsOf(what, &c, int(c.batch))
+	if err != nil {
+		return fail(err)
+	}
+	p, err := attn.PlanCascade(&a, cuda.Stream(stream))
 	if err != nil {
 		return fail(err)
 	}
@@ -108,11 +184,18 @@ func kvpgo_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int
 	if plan == nil || fits == nil || (seqLens == nil && batch > 0) {
 		return failf(kverr.NullPointer, "%s: plan, seq_lens_host and fits must not be NULL", what)
 	}
+	if batch < 0 {
+		return failf(kverr.InvalidArgument, "%s: batch must be >= 0: got %d", what, int32(batch))
+	}
 	p, err := readCascadePlan(what, plan)
 	if err != nil {
 		return fail(err)
 	}
-	ok, err := cascadeattn.Update(&p, (*int32)(unsafe.Pointer(seqLens)), int(batch))
+	lens := hostInt32s(seqLens, int64(batch))
+	if lens == nil {
+		lens = []int32{}
+	}
+	ok, err := attn.UpdateCascade(&p, lens)
 	if err != nil {
 		return fail(err)
 	}
@@ -126,11 +209,10 @@ func kvpgo_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int
 //export kvpgo_paged_cascade
 func kvpgo_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, stream C.uint64_t) (st C.kvp_status) {
 	defer guard(&st)
-	pp, state, r, err := planRunOf("kvp_paged_cascade", plan, a)
+	pp, w, r, err := planRunOf("kvp_paged_cascade", plan, a)
 	if err != nil {
 		return fail(err)
 	}
-	p := cascadeattn.Plan{PrefillPlan: pp}
-	p.SetPlanState(&state)
-	return fail(cascadeattn.Run(&p, &r, cuda.Stream(stream)))
+	p := attn.CascadePlan{PrefillPlan: pp, CascadeState: cascadeStateOf(pp.Kind, &w)}
+	return fail(attn.PagedCascade(&p, &r, cuda.Stream(stream)))
 }

@@ -1,13 +1,14 @@
 package main
 
 import (
+	"reflect"
 	"testing"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
-	"github.com/kvplug/kvplug/core/cascadeattn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // cascadeBatch: 6 sequences of block size 16 sharing a 512-token prompt
@@ -41,7 +42,7 @@ func cascadeBatch(t *testing.T, maxBatch int32) *cascadeHookArgs {
 }
 
 // Bad arguments are status codes with messages before any device work: the
-// checks are core/cascadeattn's (tested there); here, each field of the C
+// checks are core/attn's (tested there); here, each field of the C
 // struct reaches its check, and the struct's own rules (NULL, struct_size,
 // reserved) are the export's.
 func TestCascadeABIArgumentChecks(t *testing.T) {
@@ -72,6 +73,10 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 	mod("host arrays NULL", func(a *cascadeHookArgs) { a.lens = nil }, kverr.NullPointer)
 	mod("max_blocks above stride", func(a *cascadeHookArgs) { a.maxBlocks = int32(a.stride) + 1 }, kverr.InvalidArgument)
 	mod("batch -1", func(a *cascadeHookArgs) { a.batch = -1 }, kverr.InvalidArgument)
+	mod("batch above KVP_MAX_ATTN_BATCH", func(a *cascadeHookArgs) { a.batch = limits.AttnBatch + 1 }, kverr.InvalidArgument)
+	mod("stride 2^31", func(a *cascadeHookArgs) { a.stride = 1 << 31 }, kverr.InvalidArgument)
+	mod("host workspace bytes above KVP_MAX_BYTES", func(a *cascadeHookArgs) { a.hostBytes = limits.Bytes + 1 }, kverr.InvalidArgument)
+	mod("device workspace bytes above KVP_MAX_BYTES", func(a *cascadeHookArgs) { a.workspaceBytes = limits.Bytes + 1 }, kverr.InvalidArgument)
 	_, _, st = hookCascadeWorkspaceSize(0, 8, 2, 128)
 	expect(t, "workspace size max_batch 0", st, kverr.InvalidArgument)
 	if cuda.Load() != nil {
@@ -84,20 +89,20 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 	}
 }
 
-// A plan's kvp_attn_plan is core/cascadeattn's plan field for field, the
+// A plan's kvp_attn_plan is core/attn's cascade plan field for field, the
 // plan-state words where the header documents them; kvp_cascade_update and
 // kvp_paged_cascade decode it back to the same plan, and their own struct
 // rules refuse before the core is reached (the plans' logic is tested in
-// core/cascadeattn).
+// core/attn).
 func TestCascadeABIPlanTranslation(t *testing.T) {
 	lockThread(t) // kvp_last_error is per thread
-	host := make([]int32, 8)
-	want := cascadeattn.Plan{
-		PrefillPlan: attn.PrefillPlan{Kind: cascadeattn.KindCascade, Route: 3,
+	host := make([]byte, 32)
+	want := attn.CascadePlan{
+		PrefillPlan: attn.PrefillPlan{Kind: attn.KindCascade, Route: 3,
 			PrefillShape: attn.PrefillShape{DType: attn.BF16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2, WindowLeft: -1},
 			Batch:        6, TotalQ: 300, MaxQLen: 90, MaxKVLen: 900, NumItems: 40, Grid: 264, NumSplits: 0,
 			Workspace: 0x100000, WorkspaceBytes: 1 << 20, KVLens: 0x9000},
-		State: cascadeattn.State{HostWorkspace: unsafe.Pointer(&host[0]), HostWorkspaceBytes: 32, MaxBatch: 8, BlockSize: 16,
+		CascadeState: attn.CascadeState{HostWorkspace: host, MaxBatch: 8, BlockSize: 16,
 			Parts: 30, Gen: 5, SavedTokens: 3072, TotalTokens: 5000},
 	}
 	p, st := hookPlanStruct(&want)
@@ -113,13 +118,22 @@ func TestCascadeABIPlanTranslation(t *testing.T) {
 		t.Fatalf("plan-state words %#x", f.Reserved)
 	}
 	got, err := p.plan()
-	if err != nil || got != want {
+	if err != nil || !reflect.DeepEqual(got, want) || unsafe.SliceData(got.HostWorkspace) != &host[0] {
 		t.Fatalf("decoded %+v (%v), want %+v", got, err, want)
 	}
 	for name, w := range planStateWords {
 		if w[0] != w[1] {
-			t.Errorf("%s is %d in the header, word %d in core/cascadeattn", name, w[0], w[1])
+			t.Errorf("%s is %d in the header, word %d in core/attn", name, w[0], w[1])
 		}
+	}
+	// Every field of the state, at the edges of its word.
+	s := attn.CascadeState{HostWorkspace: host[:16], MaxBatch: 65535, BlockSize: 32, Parts: 9, Gen: -2, SavedTokens: 1 << 40, TotalTokens: 3}
+	w, sback := hookCascadeStateRoundTrip(&s)
+	if w != [6]uint64{uint64(uintptr(unsafe.Pointer(&host[0]))), 16, 65535 | 32<<32, 9 | uint64(uint32(0xfffffffe))<<32, 1 << 40, 3} {
+		t.Fatalf("words %#x", w)
+	}
+	if !reflect.DeepEqual(sback, s) || unsafe.SliceData(sback.HostWorkspace) != &host[0] {
+		t.Fatalf("state %+v, want %+v", sback, s)
 	}
 
 	// A prefill plan's state is its mainloop.

@@ -8,7 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
-	"github.com/kvplug/kvplug/core/cascadeattn"
+	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
 )
@@ -76,8 +76,9 @@ func managerArgs(t *testing.T, n int, cols int32) *cascadeHookArgs {
 		workspace: 0x100000, workspaceBytes: dev}
 }
 
-// kvp_manager_cascade_plan is core/cascadeattn.PlanFromManager (whose
-// plans are tested there) over the decoded args: the host-only plan it
+// kvp_manager_cascade_plan is the manager's gather (CascadeInput) and
+// core/attn.PlanCascadeInput (whose plans are tested there) over the
+// decoded args: the host-only plan it
 // writes is the core's plan of the same manager and args, encoded, with or
 // without varlen queries; it names no workspace, so the update and run
 // exports refuse it.
@@ -98,12 +99,13 @@ func TestManagerCascadePlanTranslation(t *testing.T) {
 			if st != 0 {
 				t.Fatalf("%s %s", statusName(st), lastError())
 			}
-			core := cascadeattn.PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2, MaxBatch: 16,
-				MaxBlocksPerSeq: 64, Flags: int(flags)}
-			if q != nil {
-				core.QOIndptrHost = &q[0]
+			core := attn.CascadePlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2, MaxBatch: 16,
+				MaxBlocksPerSeq: 64, Flags: int(flags), QOIndptr: q}
+			var in cascade.Input
+			if err := m.CascadeInput(ids, 64, &in, new(kvmanager.CascadeScratch)); err != nil {
+				t.Fatal(err)
 			}
-			p, err := cascadeattn.PlanFromManager(m, &ids[0], len(ids), &core, 0)
+			p, err := attn.PlanCascadeInput(&core, &in, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -160,7 +162,11 @@ func TestManagerCascadePlanErrors(t *testing.T) {
 	try("NULL args", h, ids, n, good(), true, false, kverr.NullPointer)
 	try("NULL plan", h, ids, n, good(), false, true, kverr.NullPointer)
 	try("NULL ids", h, nil, n, good(), false, false, kverr.NullPointer)
+	try("n -1", h, ids, -1, good(), false, false, kverr.InvalidArgument)
 	try("n 65536", h, ids, 65536, good(), false, false, kverr.InvalidArgument)
+	batch := good()
+	batch.batch = n - 1
+	try("batch differs", h, ids, n, batch, false, false, kverr.InvalidArgument)
 	try("unknown id", h, append(slices.Clone(ids), 999), n+1, good(), false, false, kverr.UnknownSequence)
 	for _, hostOnly := range []bool{false, true} {
 		mod := func(name string, f func(a *cascadeHookArgs), want kverr.Code) {
@@ -176,6 +182,7 @@ func TestManagerCascadePlanErrors(t *testing.T) {
 		mod("struct_size below the first release", func(a *cascadeHookArgs) { a.structSize = firstCascadePlanArgsSize() - 1 }, kverr.StructSize)
 		mod("reserved set", func(a *cascadeHookArgs) { a.reserved = 1 }, kverr.InvalidArgument)
 		mod("host table given", func(a *cascadeHookArgs) { a.table = []int32{1} }, kverr.InvalidArgument)
+		mod("host lengths given", func(a *cascadeHookArgs) { a.lens = []int32{1} }, kverr.InvalidArgument)
 		mod("dtype f32", func(a *cascadeHookArgs) { a.dtype = int32(attn.F32) }, kverr.Unsupported)
 		mod("table too narrow", func(a *cascadeHookArgs) { a.maxBlocks = 8 }, kverr.BufferTooSmall)
 	}

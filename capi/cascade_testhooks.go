@@ -12,7 +12,6 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
-	"github.com/kvplug/kvplug/core/cascadeattn"
 	"github.com/kvplug/kvplug/core/kvmanager"
 )
 
@@ -62,19 +61,13 @@ func sizeofCascadePlanArgs() uintptr { return unsafe.Sizeof(C.kvp_cascade_plan_a
 // firstCascadePlanArgsSize is kvp_cascade_plan_args's first released size.
 func firstCascadePlanArgsSize() uintptr { return cascadePlanArgsStruct.first }
 
-// planStateWords pairs each of the header's plan-state word indices with
-// the core's (core/cascadeattn's of a cascade plan, core/attn's of a
-// prefill plan).
+// planStateWords pairs each of the header's plan-state word indices of a
+// prefill plan with core/attn's (a cascade plan's words are packed here,
+// by the header's indices).
 var planStateWords = map[string][2]int{
-	"KVP_PLAN_STATE_HOST_WORKSPACE":       {C.KVP_PLAN_STATE_HOST_WORKSPACE, cascadeattn.WordHostWorkspace},
-	"KVP_PLAN_STATE_HOST_WORKSPACE_BYTES": {C.KVP_PLAN_STATE_HOST_WORKSPACE_BYTES, cascadeattn.WordHostWorkspaceBytes},
-	"KVP_PLAN_STATE_CAPACITY":             {C.KVP_PLAN_STATE_CAPACITY, cascadeattn.WordCapacity},
-	"KVP_PLAN_STATE_GENERATION":           {C.KVP_PLAN_STATE_GENERATION, cascadeattn.WordGeneration},
-	"KVP_PLAN_STATE_SAVED_TOKENS":         {C.KVP_PLAN_STATE_SAVED_TOKENS, cascadeattn.WordSavedTokens},
-	"KVP_PLAN_STATE_TOTAL_TOKENS":         {C.KVP_PLAN_STATE_TOTAL_TOKENS, cascadeattn.WordTotalTokens},
-	"KVP_PLAN_STATE_MAINLOOP":             {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
-	"KVP_PLAN_STATE_DECODE_ROWS":          {C.KVP_PLAN_STATE_DECODE_ROWS, attn.WordDecodeRows},
-	"KVP_PLAN_STATE_DECODE_INDEX":         {C.KVP_PLAN_STATE_DECODE_INDEX, attn.WordDecodeIndex},
+	"KVP_PLAN_STATE_MAINLOOP":     {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
+	"KVP_PLAN_STATE_DECODE_ROWS":  {C.KVP_PLAN_STATE_DECODE_ROWS, attn.WordDecodeRows},
+	"KVP_PLAN_STATE_DECODE_INDEX": {C.KVP_PLAN_STATE_DECODE_INDEX, attn.WordDecodeIndex},
 }
 
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.
@@ -94,10 +87,17 @@ func (p *cascadeHookPlan) route() int32    { return int32(p.p.route) }
 func (p *cascadeHookPlan) setKind(k int32) { p.p.kind = C.int32_t(k) }
 
 // hookPlanStruct is core plan p as kvp_attn_plan holds it.
-func hookPlanStruct(p *cascadeattn.Plan) (*cascadeHookPlan, abiStatus) {
+func hookPlanStruct(p *attn.CascadePlan) (*cascadeHookPlan, abiStatus) {
 	h := &cascadeHookPlan{}
 	h.p.struct_size = C.size_t(unsafe.Sizeof(h.p))
 	return h, abiStatus(fail(writeCascadePlan(&h.p, p)))
+}
+
+// hookCascadeStateRoundTrip packs a cascade plan's state into plan-state
+// words and unpacks them, as the plan, update and run exports do.
+func hookCascadeStateRoundTrip(s *attn.CascadeState) ([6]uint64, attn.CascadeState) {
+	w := cascadeStateWords(s)
+	return w, cascadeStateOf(attn.KindCascade, &w)
 }
 
 // hookPrefillPlanRoundTrip writes prefill plan p into a kvp_attn_plan and
@@ -119,7 +119,7 @@ func hookPrefillPlanRoundTrip(p *attn.PrefillPlan) ([6]uint64, attn.PrefillPlan,
 }
 
 // plan is the core plan the struct holds, as the run and update exports read it.
-func (p *cascadeHookPlan) plan() (cascadeattn.Plan, error) {
+func (p *cascadeHookPlan) plan() (attn.CascadePlan, error) {
 	return readCascadePlan("test", &p.p)
 }
 

@@ -14,9 +14,9 @@ import (
 	"github.com/kvplug/kvplug/core/limits"
 )
 
-// kvp_attn_plan and kvp_paged_prefill_args serve both planners, the
-// prefill one (core/attn) and the shared-prefix one (core/cascadeattn):
-// one translation of each, here.
+// kvp_attn_plan and kvp_paged_prefill_args serve both planners of
+// core/attn, the prefill one and the shared-prefix one: one translation of
+// each, here.
 
 // writeAttnPlan encodes plan p, with the plan-state words of a cascade plan
 // (zero for a prefill plan), into the caller's kvp_attn_plan.

@@ -3,9 +3,9 @@ package attn
 // Launches of shared-prefix (cascade) attention over a plan that
 // core/cascade wrote into the engine's workspaces: the upload of the plan,
 // and per layer the attention kernel over the plan's work items followed by
-// the merge of each sequence's partial states. The planner lives in
-// core/cascade and the plan-to-run path in core/cascadeattn; these
-// launchers take the plan's geometry as plain values.
+// the merge of each sequence's partial states. The plans are made and run
+// in cascadeplan.go and cascaderun.go; these launchers take the plan's
+// geometry as plain values.
 
 import (
 	"runtime"
@@ -116,16 +116,17 @@ func CascadeSlots(headDim int) (int, error) {
 	return m.Device().SMs * cascadeBlocksPerSM(headDim), nil
 }
 
-// CascadeUpload enqueues copies of host byte ranges [off, off+n) of the
-// plan at host into the device workspace dev at the same offsets.
-func CascadeUpload(dev cuda.DevicePtr, host unsafe.Pointer, ranges [][2]int64, stream cuda.Stream) error {
+// cascadeUpload enqueues copies of host byte ranges [off, off+n) of the
+// plan in host into the device workspace dev at the same offsets.
+func cascadeUpload(dev cuda.DevicePtr, host []byte, ranges [][2]int64, stream cuda.Stream) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if _, err := module("cascade_plan"); err != nil {
 		return err
 	}
 	for _, r := range ranges {
-		if err := cuda.CopyToDeviceAsync(dev+cuda.DevicePtr(r[0]), unsafe.Add(host, r[0]), int(r[1]), stream); err != nil {
+		src := host[r[0] : r[0]+r[1]]
+		if err := cuda.CopyToDeviceAsync(dev+cuda.DevicePtr(r[0]), unsafe.Pointer(unsafe.SliceData(src)), len(src), stream); err != nil {
 			return err
 		}
 	}

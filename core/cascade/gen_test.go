@@ -1,6 +1,7 @@
-package cascade
+package cascade_test
 
 import (
+	. "github.com/kvplug/kvplug/core/cascade"
 	"math/rand/v2"
 	"testing"
 

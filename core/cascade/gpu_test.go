@@ -1,4 +1,4 @@
-package cascade
+package cascade_test
 
 // GPU tests: the cascade kernels over plans of random sharing trees, against
 // the float64 reference of the same plan, outputs and partial states
@@ -13,6 +13,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	. "github.com/kvplug/kvplug/core/cascade"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -166,7 +167,7 @@ func (g *gpuRun) plan(t *testing.T, keepAll bool) Summary {
 func (g *gpuRun) planFor(t *testing.T, keepAll, wgmma bool) Summary {
 	in := g.p.b.input(g.p.dl.NumQHeads, g.p.dl.NumKVHeads, g.p.dl.HeadDim)
 	in.NoDecodeRoute, in.Slots, in.SharedWgmma = true, g.slots, wgmma
-	g.planer.keepAll = keepAll
+	g.planer.SetKeepAll(keepAll)
 	s, err := g.planer.Plan(in, &g.l, g.ws)
 	if err != nil {
 		t.Fatal(err)

@@ -1,6 +1,7 @@
-package cascade
+package cascade_test
 
 import (
+	. "github.com/kvplug/kvplug/core/cascade"
 	"math"
 
 	"github.com/kvplug/kvplug/core/attn"
@@ -67,23 +68,23 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 	var rows []int64
 	for i := 0; i < s.Items; i++ {
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
-		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
+		rep, kb, ke := it[IRep], it[IKVBegin], it[IKVEnd]
 		tq := l.TileQ
 		delta := int64(1) << 30 // shared run: no mask
-		if it[iDynamic] != 0 {
-			tq = int(ws[hTailTileQ])
+		if it[IDynamic] != 0 {
+			tq = int(ws[HTailTileQ])
 			ke = min(ke, seqLens[rep])
-			delta = int64(seqLens[rep]) - int64(it[iMCount])
+			delta = int64(seqLens[rep]) - int64(it[IMCount])
 		}
 		kb = max(kb, 0)
 		trow := table[int64(rep)*dl.BlockTableStride:]
-		r0 := int(it[iTile]) * tq
-		r1 := min(r0+tq, int(it[iMCount])*g)
+		r0 := int(it[ITile]) * tq
+		r1 := min(r0+tq, int(it[IMCount])*g)
 		for kvh := 0; kvh < dl.NumKVHeads; kvh++ {
 			for r := r0; r < r1; r++ {
 				k, hh := r/g, r%g
 				qh := kvh*g + hh
-				qo := int64(qrows[int(it[iMBegin])+k])*dl.QBatchStride + int64(qh)*dl.QHeadStride
+				qo := int64(qrows[int(it[IMBegin])+k])*dl.QBatchStride + int64(qh)*dl.QHeadStride
 				for d := 0; d < D; d++ {
 					qv[d] = dt.Load(q, qo+int64(d))
 				}
@@ -106,7 +107,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					scores = append(scores, float64(attn.SoftmaxScale(dl.Scale, dl.HeadDim))*dot)
 					rows = append(rows, ko)
 				}
-				pi := (int(it[iPartBase])+k)*H + qh
+				pi := (int(it[IPartBase])+k)*H + qh
 				plse[pi] = attnref.Attend(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
 			}
 		}

@@ -1,7 +1,8 @@
-package cascade
+package cascade_test
 
 import (
 	"fmt"
+	. "github.com/kvplug/kvplug/core/cascade"
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -97,31 +98,31 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 	tb, te := ws[l.TailBegin:l.TailBegin+B], ws[l.TailEnd:l.TailEnd+B]
 	for i := 0; i < s.Items; i++ {
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
-		rep, kb, ke := it[iRep], it[iKVBegin], it[iKVEnd]
-		mb, mc := it[iMBegin], it[iMCount]
+		rep, kb, ke := it[IRep], it[IKVBegin], it[IKVEnd]
+		mb, mc := it[IMBegin], it[IMCount]
 		// On the wgmma mainloop the shared runs have chunks of their own.
-		long := ke-kb > int32(s.Chunk) && (it[iDynamic] != 0 || !in.SharedWgmma)
+		long := ke-kb > int32(s.Chunk) && (it[IDynamic] != 0 || !in.SharedWgmma)
 		if mc < 1 || mb < 0 || mb+mc > rows || kb < 0 || ke <= kb || long {
 			t.Fatalf("item %d malformed: %v (chunk %d)", i, it, s.Chunk)
 		}
 		// The wgmma launch's prefix: the shared items, then (cut for it)
 		// the tails of more than a decode tail's rows; the rest are tails
 		// for the cascade kernel.
-		wgmmaItem := it[iDynamic] == 0 || in.SharedWgmma && mc*int32(l.Group) > decodeTailRows
-		if (int32(i) < ws[hHopperItems]) != wgmmaItem {
-			t.Fatalf("item %d (%v) on the wrong side of the wgmma launch's %d items", i, it, ws[hHopperItems])
+		wgmmaItem := it[IDynamic] == 0 || in.SharedWgmma && mc*int32(l.Group) > DecodeTailRows
+		if (int32(i) < ws[HHopperItems]) != wgmmaItem {
+			t.Fatalf("item %d (%v) on the wrong side of the wgmma launch's %d items", i, it, ws[HHopperItems])
 		}
 		tq := int32(l.TileQ)
-		if it[iDynamic] != 0 {
-			tq = ws[hTailTileQ]
+		if it[IDynamic] != 0 {
+			tq = ws[HTailTileQ]
 			if want := map[bool]int32{false: TailTileQ, true: SM90TileQ}[in.SharedWgmma]; tq != want {
 				t.Fatalf("tail tile %d in the header; want %d (SharedWgmma %v)", tq, want, in.SharedWgmma)
 			}
 		}
-		if it[iTile] < 0 || it[iTile]*tq >= mc*int32(l.Group) {
-			t.Fatalf("item %d: tile %d outside %d rows", i, it[iTile], mc*int32(l.Group))
+		if it[ITile] < 0 || it[ITile]*tq >= mc*int32(l.Group) {
+			t.Fatalf("item %d: tile %d outside %d rows", i, it[ITile], mc*int32(l.Group))
 		}
-		if it[iDynamic] != 0 {
+		if it[IDynamic] != 0 {
 			if mc != ql[rep] || mb != at[rep] || kb < tb[rep] || ke > te[rep]+int32(s.Chunk) {
 				t.Fatalf("tail item %d malformed: %v (tail [%d, %d), q_len %d at %d)", i, it, tb[rep], te[rep], ql[rep], at[rep])
 			}
@@ -130,7 +131,7 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 		}
 		for k := mb; k < mb+mc; k++ {
 			sq := rowSeq[qrows[k]]
-			if it[iDynamic] == 0 {
+			if it[IDynamic] == 0 {
 				if first := b.lens[sq] - ql[sq]; ke > first+1 {
 					t.Fatalf("shared item %d: member %d's first query token is at %d, the range ends at %d", i, sq, first, ke)
 				}
@@ -140,7 +141,7 @@ func checkPlan(t *testing.T, b *batch, in *Input, l *Layout, ws []int32, s Summa
 					}
 				}
 			}
-			pi := it[iPartBase] + k - mb
+			pi := it[IPartBase] + k - mb
 			if pi < 0 || int(pi) >= s.Parts {
 				t.Fatalf("item %d: partial %d outside %d", i, pi, s.Parts)
 			}
@@ -263,14 +264,14 @@ func TestPlanRandomTrees(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		p.keepAll = iter%2 == 0
+		p.SetKeepAll(iter%2 == 0)
 		ws, s := planPoisoned(t, &p, in, &l, fmt.Sprintf("iter %d %+v", iter, spec))
 		checkPlan(t, b, in, &l, ws, s)
 		deepest := int32(0) // emitted nodes on the longest path
 		for sq := range b.lens {
 			deepest = max(deepest, ws[l.SegStart+sq+1]-ws[l.SegStart+sq]-1)
 		}
-		if p.keepAll && deepest < MaxParts-1 {
+		if p.KeepAll() && deepest < MaxParts-1 {
 			if want := bruteSaved(b); s.SavedTokens != want {
 				t.Fatalf("iter %d %+v: saved %d tokens, brute force %d", iter, spec, s.SavedTokens, want)
 			}
@@ -281,7 +282,7 @@ func TestPlanRandomTrees(t *testing.T) {
 				}
 			}
 		}
-		if !p.keepAll && s.SavedTokens > bruteSaved(b) {
+		if !p.KeepAll() && s.SavedTokens > bruteSaved(b) {
 			t.Fatalf("iter %d: saved %d above the brute-force maximum %d", iter, s.SavedTokens, bruteSaved(b))
 		}
 	}
@@ -504,7 +505,7 @@ func TestPlanCostModel(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		dec, cas := p.decodeCost(&l, s.TotalTokens, s.SavedTokens), p.cascadeCost(&l, s.TotalTokens, s.SavedTokens)
+		dec, cas := p.DecodeCost(&l, s.TotalTokens, s.SavedTokens), p.CascadeCost(&l, s.TotalTokens, s.SavedTokens)
 		t.Logf("%s: nodes %d, model: decode %.1f us, cascade %.1f us", c.name, s.Nodes, dec, cas)
 		if s.Route != c.want {
 			t.Errorf("%s: route %d, want %d (model: decode %.1f us, cascade %.1f us)", c.name, s.Route, c.want, dec, cas)
@@ -538,32 +539,32 @@ func TestPlanSharedChunks(t *testing.T) {
 			if err != nil || s.Route != RouteCascade || s.Nodes != 1 {
 				t.Fatalf("%s: %+v %v", c.name, s, err)
 			}
-			nd := p.nodes[0]
-			rowTiles := (int64(nd.tCount)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
-			units := rowTiles * int64(nd.chunks) * 8
+			ndT, ndChunks := p.FirstNode()
+			rowTiles := (int64(ndT)*int64(l.Group) + int64(l.TileQ) - 1) / int64(l.TileQ)
+			units := rowTiles * int64(ndChunks) * 8
 			var shared int64
 			for i := 0; i < s.Items; i++ {
-				if ws[l.Items+i*ItemInts+iDynamic] == 0 {
+				if ws[l.Items+i*ItemInts+IDynamic] == 0 {
 					shared++
-					if ke, kb := ws[l.Items+i*ItemInts+iKVEnd], ws[l.Items+i*ItemInts+iKVBegin]; int64(ke-kb) > p.nodeChunk {
-						t.Errorf("%s: a shared item of %d tokens; chunk %d", c.name, ke-kb, p.nodeChunk)
+					if ke, kb := ws[l.Items+i*ItemInts+IKVEnd], ws[l.Items+i*ItemInts+IKVBegin]; int64(ke-kb) > p.NodeChunk() {
+						t.Errorf("%s: a shared item of %d tokens; chunk %d", c.name, ke-kb, p.NodeChunk())
 					}
 				}
 			}
-			if shared != rowTiles*int64(nd.chunks) {
-				t.Errorf("%s: %d shared items, want %d row tiles x %d chunks", c.name, shared, rowTiles, nd.chunks)
+			if shared != rowTiles*int64(ndChunks) {
+				t.Errorf("%s: %d shared items, want %d row tiles x %d chunks", c.name, shared, rowTiles, ndChunks)
 			}
-			t.Logf("%s wgmma=%v: tail chunk %d, shared chunk %d, %d shared units", c.name, wgmma, s.Chunk, p.nodeChunk, units)
+			t.Logf("%s wgmma=%v: tail chunk %d, shared chunk %d, %d shared units", c.name, wgmma, s.Chunk, p.NodeChunk(), units)
 			if wgmma {
 				// One wave of at least half the SMs, unless the chunk is at its
 				// minimum or halving it would exceed MaxParts.
-				oneWave := units <= DefaultSlots/2 || p.nodeChunk == 128
-				busy := units >= DefaultSlots/4 || 2*nd.chunks+p.tcs[0] > MaxParts
-				if p.nodeChunk%128 != 0 || !oneWave || !busy {
-					t.Errorf("%s: shared chunk %d, %d units on %d blocks", c.name, p.nodeChunk, units, DefaultSlots/2)
+				oneWave := units <= DefaultSlots/2 || p.NodeChunk() == 128
+				busy := units >= DefaultSlots/4 || 2*ndChunks+p.TailChunks(0) > MaxParts
+				if p.NodeChunk()%128 != 0 || !oneWave || !busy {
+					t.Errorf("%s: shared chunk %d, %d units on %d blocks", c.name, p.NodeChunk(), units, DefaultSlots/2)
 				}
-			} else if p.nodeChunk > int64(s.Chunk)/tileWeight(int64(l.TileQ))+chunkAlign {
-				t.Errorf("%s: shared chunk %d, tail chunk %d: not cut by the tile weight", c.name, p.nodeChunk, s.Chunk)
+			} else if p.NodeChunk() > int64(s.Chunk)/TileWeight(int64(l.TileQ))+ChunkAlign {
+				t.Errorf("%s: shared chunk %d, tail chunk %d: not cut by the tile weight", c.name, p.NodeChunk(), s.Chunk)
 			}
 		}
 	}

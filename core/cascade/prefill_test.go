@@ -1,7 +1,8 @@
-package cascade
+package cascade_test
 
 import (
 	"fmt"
+	. "github.com/kvplug/kvplug/core/cascade"
 	"math"
 	"testing"
 
@@ -40,7 +41,7 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 		in.Slots = 1 + r.IntN(600)
 		in.SharedWgmma = iter%4 >= 2 // long tails in 128-row tiles
 		l := prefillLayout(t, b, r.IntN(3), qh, kvh, D)
-		p.keepAll = iter%2 == 0
+		p.SetKeepAll(iter%2 == 0)
 		ws, s := planPoisoned(t, &p, in, &l, fmt.Sprintf("iter %d %+v", iter, spec))
 		checkPlan(t, b, in, &l, ws, s)
 	}
@@ -75,7 +76,7 @@ func TestRefMatchesPrefill(t *testing.T) {
 			// mainloop with the cost model's choice of runs, the others
 			// share every run.
 			for rep := 0; rep < 3 || (nodes == 0 && rep < 8); rep++ {
-				pl.keepAll = rep != 1
+				pl.SetKeepAll(rep != 1)
 				b := withQueries(r, genTree(r, c.spec), c.maxQ)
 				p := newProblem(r, b, c.d, c.qh, c.kvh, c.D)
 				l := prefillLayout(t, b, 0, c.qh, c.kvh, c.D)

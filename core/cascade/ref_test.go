@@ -1,6 +1,7 @@
-package cascade
+package cascade_test
 
 import (
+	. "github.com/kvplug/kvplug/core/cascade"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -68,7 +69,7 @@ func TestRefMatchesDecode(t *testing.T) {
 		{"empty_tails", treeSpec{seqs: 5, depth: 2, maxRun: 4, maxTail: 0, bs: 16}, attn.F32, 4, 2, 256},
 	}
 	var pl Planner
-	pl.keepAll = true // every shared run becomes a node, short ones included
+	pl.SetKeepAll(true) // every shared run becomes a node, short ones included
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			nodes := 0

@@ -1,14 +1,12 @@
-package cascadeattn
+package attn
 
 import (
 	"testing"
 	"unsafe"
 
-	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/limits"
 )
 
 // noDevice plans as the GPU would with cascade.DefaultSlots, but enqueues
@@ -21,42 +19,49 @@ func (d noDevice) slots(int) (int, error) {
 	return cascade.DefaultSlots, nil
 }
 
-func (noDevice) planPrefill(*attn.PrefillPlanArgs, cuda.Stream) (attn.PrefillPlan, error) {
-	return attn.PrefillPlan{}, nil
+func (noDevice) planPrefill(*PrefillPlanArgs, cuda.Stream) (PrefillPlan, error) {
+	return PrefillPlan{}, nil
 }
 
-func (noDevice) upload(cuda.DevicePtr, unsafe.Pointer, [][2]int64, cuda.Stream) error { return nil }
+func (noDevice) upload(cuda.DevicePtr, []byte, [][2]int64, cuda.Stream) error { return nil }
 
-func (noDevice) prefillMainloop(attn.DType, int) int { return attn.MainloopSM80 }
+func (noDevice) prefillMainloop(DType, int) int { return MainloopSM80 }
 
 // withoutDevice makes the test's plans without a GPU and returns the count
 // of plans that reached the device step.
 func withoutDevice(t *testing.T) *int {
-	old := dev
+	old := cascadeDev
 	n := new(int)
-	dev = noDevice{plans: n}
-	t.Cleanup(func() { dev = old })
+	cascadeDev = noDevice{plans: n}
+	t.Cleanup(func() { cascadeDev = old })
 	return n
 }
 
-// testBatch is a batch's host arrays and the PlanArgs over them.
+// testBatch is a batch's host arrays and the CascadePlanArgs over them:
+// Batch sequences, the first HostWorkspaceBytes of host the host workspace.
 type testBatch struct {
-	PlanArgs
+	CascadePlanArgs
+	Batch                 int
+	HostWorkspaceBytes    uint64
 	table, lens, qo, host []int32
 }
 
-func first(s []int32) *int32 {
-	if len(s) == 0 {
+// wordBytes is the memory of s as bytes (nil for nil).
+func wordBytes(s []int32, n uint64) []byte {
+	if s == nil {
 		return nil
 	}
-	return &s[0]
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), n)
 }
 
-// args is b's PlanArgs, pointing at its host arrays.
-func (b *testBatch) args() *PlanArgs {
-	a := b.PlanArgs
-	a.BlockTableHost, a.SeqLensHost, a.QOIndptrHost = first(b.table), first(b.lens), first(b.qo)
-	a.HostWorkspace = unsafe.Pointer(first(b.host))
+// args is b's CascadePlanArgs over its host arrays.
+func (b *testBatch) args() *CascadePlanArgs {
+	a := b.CascadePlanArgs
+	a.BlockTable, a.QOIndptr = b.table, b.qo
+	if b.lens != nil {
+		a.SeqLens = b.lens[:b.Batch]
+	}
+	a.HostWorkspace = wordBytes(b.host, b.HostWorkspaceBytes)
 	return &a
 }
 
@@ -85,10 +90,10 @@ func cascadeBatch(t *testing.T, maxBatch int) *testBatch {
 	if err != nil || dev == 0 || host == 0 {
 		t.Fatalf("workspace size: %d %d %v", dev, host, err)
 	}
-	return &testBatch{PlanArgs: PlanArgs{DType: attn.F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
-		Batch: B, MaxBatch: maxBatch, BlockSize: 16, MaxBlocksPerSeq: cols, BlockTableStride: cols,
-		SeqLens: 0x9000, HostWorkspaceBytes: uint64(host), Workspace: 0x100000, WorkspaceBytes: uint64(dev)},
-		table: table, lens: lens, host: make([]int32, host/4)}
+	return &testBatch{CascadePlanArgs: CascadePlanArgs{DType: F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
+		MaxBatch: maxBatch, BlockSize: 16, MaxBlocksPerSeq: cols, BlockTableStride: cols,
+		SeqLensDev: 0x9000, Workspace: 0x100000, WorkspaceBytes: dev},
+		Batch: B, HostWorkspaceBytes: uint64(host), table: table, lens: lens, host: make([]int32, host/4)}
 }
 
 // cascadePrefillBatch: cascadeBatch's 6 sequences, each with 40-90 new
@@ -103,17 +108,17 @@ func cascadePrefillBatch(t *testing.T, maxBatch, maxTokens int) *testBatch {
 	if err != nil {
 		t.Fatalf("prefill workspace size: %v", err)
 	}
-	b.MaxTokens, b.QOIndptr = maxTokens, 0xa000
-	b.host, b.HostWorkspaceBytes, b.WorkspaceBytes = make([]int32, host/4), uint64(host), uint64(dev)
+	b.MaxTokens, b.QOIndptrDev = maxTokens, 0xa000
+	b.host, b.HostWorkspaceBytes, b.WorkspaceBytes = make([]int32, host/4), uint64(host), dev
 	return b
 }
 
 // layer is one layer's contiguous tensors at fake addresses for plan p,
 // with blockSize and maxBlocks columns of block table.
-func layer(p *Plan, blockSize, maxBlocks int) *attn.PagedPrefillArgs {
+func layer(p *CascadePlan, blockSize, maxBlocks int) *PagedPrefillArgs {
 	D, qh, kvh := int64(p.HeadDim), int64(p.NumQHeads), int64(p.NumKVHeads)
-	return &attn.PagedPrefillArgs{PrefillLayout: attn.PrefillLayout{
-		QTokenStride: qh * D, QHeadStride: D, OutTokenStride: qh * D, OutHeadStride: D, PagedKV: attn.PagedKV{NumBlocks: 1 << 20, BlockSize: blockSize,
+	return &PagedPrefillArgs{PrefillLayout: PrefillLayout{
+		QTokenStride: qh * D, QHeadStride: D, OutTokenStride: qh * D, OutHeadStride: D, PagedKV: PagedKV{NumBlocks: 1 << 20, BlockSize: blockSize,
 			CacheBlockStride: int64(blockSize) * kvh * D, CacheTokenStride: kvh * D, CacheHeadStride: D,
 			MaxBlocksPerSeq: maxBlocks, BlockTableStride: int64(maxBlocks),
 			KCache: 0x20000, VCache: 0x30000, BlockTable: 0x40000}},
@@ -134,38 +139,36 @@ func TestPlanArgumentChecks(t *testing.T) {
 		t.Helper()
 		b := *good
 		f(&b)
-		_, err := PlanBatch(b.args(), 0)
+		_, err := PlanCascade(b.args(), 0)
 		expect(t, name, err, want)
 	}
 	mod("qo_indptr_host without qo_indptr", func(b *testBatch) { b.qo = make([]int32, b.Batch+1) }, kverr.InvalidArgument)
-	mod("qo_indptr unaligned", func(b *testBatch) { b.qo, b.QOIndptr = make([]int32, b.Batch+1), 0x9002 }, kverr.InvalidArgument)
+	mod("qo_indptr unaligned", func(b *testBatch) { b.qo, b.QOIndptrDev = make([]int32, b.Batch+1), 0x9002 }, kverr.InvalidArgument)
 	mod("max_tokens below max_batch", func(b *testBatch) { b.MaxTokens = b.MaxBatch - 1 }, kverr.InvalidArgument)
-	mod("dtype f32", func(b *testBatch) { b.DType = attn.F32 }, kverr.Unsupported)
+	mod("dtype f32", func(b *testBatch) { b.DType = F32 }, kverr.Unsupported)
 	mod("head_dim 80", func(b *testBatch) { b.HeadDim = 80 }, kverr.Unsupported)
 	mod("flags", func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
 	mod("heads 8/3", func(b *testBatch) { b.NumKVHeads = 3 }, kverr.InvalidArgument)
 	mod("host workspace NULL", func(b *testBatch) { b.host = nil }, kverr.NullPointer)
 	mod("host workspace small", func(b *testBatch) { b.HostWorkspaceBytes -= 4 }, kverr.BufferTooSmall)
-	mod("host workspace bytes above KVP_MAX_BYTES", func(b *testBatch) { b.HostWorkspaceBytes = limits.Bytes + 1 }, kverr.InvalidArgument)
 	mod("device workspace 0", func(b *testBatch) { b.Workspace = 0 }, kverr.NullPointer)
 	mod("device workspace unaligned", func(b *testBatch) { b.Workspace += 8 }, kverr.InvalidArgument)
 	mod("device workspace small", func(b *testBatch) { b.WorkspaceBytes -= 16 }, kverr.BufferTooSmall)
-	mod("device workspace bytes above KVP_MAX_BYTES", func(b *testBatch) { b.WorkspaceBytes = limits.Bytes + 1 }, kverr.InvalidArgument)
-	mod("seq_lens 0", func(b *testBatch) { b.SeqLens = 0 }, kverr.InvalidArgument)
-	mod("host arrays NULL", func(b *testBatch) { b.lens = nil }, kverr.NullPointer)
+	mod("seq_lens 0", func(b *testBatch) { b.SeqLensDev = 0 }, kverr.InvalidArgument)
+	mod("host table NULL", func(b *testBatch) { b.table = nil }, kverr.NullPointer)
 	mod("max_blocks above stride", func(b *testBatch) { b.MaxBlocksPerSeq = int(b.BlockTableStride) + 1 }, kverr.InvalidArgument)
 	mod("stride 2^31", func(b *testBatch) { b.BlockTableStride = 1 << 31 }, kverr.InvalidArgument)
-	mod("batch -1", func(b *testBatch) { b.Batch = -1 }, kverr.InvalidArgument)
-	mod("batch above KVP_MAX_ATTN_BATCH", func(b *testBatch) { b.Batch = limits.AttnBatch + 1 }, kverr.InvalidArgument)
+	mod("block table short", func(b *testBatch) { b.table = b.table[:len(b.table)-1] }, kverr.InvalidArgument)
+	mod("qo_indptr_host short", func(b *testBatch) { b.qo, b.QOIndptrDev = make([]int32, b.Batch), 0x9000 }, kverr.InvalidArgument)
 	if _, _, err := cascade.WorkspaceSizes(0, 0, 8, 2, 128); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Errorf("workspace size max_batch 0: %v", err)
 	}
 	if cuda.Load() != nil {
 		want := kverr.NoDevice
-		if !attn.KernelsBuilt() {
+		if !KernelsBuilt() {
 			want = kverr.Unsupported
 		}
-		_, err := PlanBatch(good.args(), 0)
+		_, err := PlanCascade(good.args(), 0)
 		expect(t, "plan without driver", err, want)
 	}
 }
@@ -176,8 +179,8 @@ func TestPlanArgumentChecks(t *testing.T) {
 func TestUpdateAndStalePlans(t *testing.T) {
 	withoutDevice(t)
 	b := cascadeBatch(t, 8)
-	b.Flags = FlagNoDecodeRoute // a batch this small routes to plain decode by the cost model
-	p1, err := PlanBatch(b.args(), 0)
+	b.Flags = CascadeNoDecodeRoute // a batch this small routes to plain decode by the cost model
+	p1, err := PlanCascade(b.args(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,31 +194,31 @@ func TestUpdateAndStalePlans(t *testing.T) {
 	for i := range lens {
 		lens[i] += 10
 	}
-	if fits, err := Update(&p1, &lens[0], 6); err != nil || !fits {
+	if fits, err := UpdateCascade(&p1, lens[:6]); err != nil || !fits {
 		t.Fatalf("growth by 10: fits %v, %v", fits, err)
 	}
 	for i := range lens {
 		lens[i] += 1000
 	}
-	if fits, err := Update(&p1, &lens[0], 6); err != nil || fits {
+	if fits, err := UpdateCascade(&p1, lens[:6]); err != nil || fits {
 		t.Fatalf("growth by 1010: fits %v, %v", fits, err)
 	}
-	_, err = Update(&p1, &lens[0], 5)
+	_, err = UpdateCascade(&p1, lens[:5])
 	expect(t, "batch differs", err, kverr.InvalidArgument)
-	expect(t, "run with another block size", Run(&p1, layer(&p1, 32, 64), 0), kverr.InvalidArgument)
-	expect(t, "run with a short table", Run(&p1, layer(&p1, 16, 40), 0), kverr.InvalidArgument)
+	expect(t, "run with another block size", PagedCascade(&p1, layer(&p1, 32, 64), 0), kverr.InvalidArgument)
+	expect(t, "run with a short table", PagedCascade(&p1, layer(&p1, 16, 40), 0), kverr.InvalidArgument)
 
 	// A second plan into the same workspaces makes the first stale.
-	if _, err := PlanBatch(b.args(), 0); err != nil {
+	if _, err := PlanCascade(b.args(), 0); err != nil {
 		t.Fatal(err)
 	}
-	_, err = Update(&p1, &b.lens[0], 6)
+	_, err = UpdateCascade(&p1, b.lens[:6])
 	expect(t, "stale plan update", err, kverr.InvalidArgument)
-	expect(t, "stale plan run", Run(&p1, layer(&p1, 16, 64), 0), kverr.InvalidArgument)
+	expect(t, "stale plan run", PagedCascade(&p1, layer(&p1, 16, 64), 0), kverr.InvalidArgument)
 
-	p3, _ := PlanBatch(b.args(), 0)
-	p3.Kind = attn.KindPrefill
-	_, err = Update(&p3, &b.lens[0], 6)
+	p3, _ := PlanCascade(b.args(), 0)
+	p3.Kind = KindPrefill
+	_, err = UpdateCascade(&p3, b.lens[:6])
 	expect(t, "prefill kind", err, kverr.InvalidArgument)
 
 	// No sharing: the decode route, which always fits.
@@ -223,11 +226,11 @@ func TestUpdateAndStalePlans(t *testing.T) {
 	for i := range c.table {
 		c.table[i] = int32(i)
 	}
-	p4, err := PlanBatch(c.args(), 0)
+	p4, err := PlanCascade(c.args(), 0)
 	if err != nil || p4.Route != cascade.RouteDecode {
 		t.Fatalf("no sharing: route %d, %v", p4.Route, err)
 	}
-	if fits, err := Update(&p4, &lens[0], 6); err != nil || !fits {
+	if fits, err := UpdateCascade(&p4, lens[:6]); err != nil || !fits {
 		t.Fatalf("decode route: fits %v, %v", fits, err)
 	}
 }
@@ -249,8 +252,8 @@ func TestPrefillPlans(t *testing.T) {
 	expect(t, "max_tokens below max_batch", err, kverr.InvalidArgument)
 
 	b := cascadePrefillBatch(t, 8, 4096)
-	b.Flags = FlagNoDecodeRoute // prompts this short route to the prefill kernel by the cost model
-	p, err := PlanBatch(b.args(), 0)
+	b.Flags = CascadeNoDecodeRoute // prompts this short route to the prefill kernel by the cost model
+	p, err := PlanCascade(b.args(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -262,15 +265,15 @@ func TestPrefillPlans(t *testing.T) {
 	if p.SavedTokens != 5*512 && p.SavedTokens != 5*512+2*208 {
 		t.Fatalf("saved %d tokens", p.SavedTokens)
 	}
-	if fits, err := Update(&p, &b.lens[0], 6); err != nil || fits {
+	if fits, err := UpdateCascade(&p, b.lens[:6]); err != nil || fits {
 		t.Fatalf("update of a prefill plan: fits %v, %v", fits, err)
 	}
-	expect(t, "run with another block size", Run(&p, layer(&p, 32, 64), 0), kverr.InvalidArgument)
-	expect(t, "run with a short table", Run(&p, layer(&p, 16, 40), 0), kverr.InvalidArgument)
+	expect(t, "run with another block size", PagedCascade(&p, layer(&p, 32, 64), 0), kverr.InvalidArgument)
+	expect(t, "run with a short table", PagedCascade(&p, layer(&p, 16, 40), 0), kverr.InvalidArgument)
 
 	// Too few query rows in the workspaces for the batch's: refused.
 	small := cascadePrefillBatch(t, 8, 100)
-	if _, err := PlanBatch(small.args(), 0); kverr.CodeOf(err) != kverr.BufferTooSmall {
+	if _, err := PlanCascade(small.args(), 0); kverr.CodeOf(err) != kverr.BufferTooSmall {
 		t.Fatalf("rows above max_tokens: %v", err)
 	}
 
@@ -279,30 +282,13 @@ func TestPrefillPlans(t *testing.T) {
 	for i := range c.table {
 		c.table[i] = int32(i)
 	}
-	pc, err := PlanBatch(c.args(), 0)
+	pc, err := PlanCascade(c.args(), 0)
 	if err != nil || pc.Route != cascade.RoutePrefill {
 		t.Fatalf("no sharing: route %d, %v", pc.Route, err)
 	}
-	expect(t, "prefill route, another block size", Run(&pc, layer(&pc, 32, 64), 0), kverr.InvalidArgument)
-	if fits, err := Update(&pc, &c.lens[0], 6); err != nil || fits {
+	expect(t, "prefill route, another block size", PagedCascade(&pc, layer(&pc, 32, 64), 0), kverr.InvalidArgument)
+	if fits, err := UpdateCascade(&pc, c.lens[:6]); err != nil || fits {
 		t.Fatalf("update of a prefill-route plan: fits %v, %v", fits, err)
-	}
-}
-
-// The plan-state words hold every field of State, in the header's order.
-func TestStateWords(t *testing.T) {
-	ws := make([]int32, 4)
-	s := State{HostWorkspace: unsafe.Pointer(&ws[0]), HostWorkspaceBytes: 16, MaxBatch: 65535, BlockSize: 32,
-		Parts: 9, Gen: -2, SavedTokens: 1 << 40, TotalTokens: 3}
-	p := Plan{State: s}
-	w := p.PlanState()
-	if w[0] != uint64(uintptr(unsafe.Pointer(&ws[0]))) || w[1] != 16 || w[2] != 65535|32<<32 || w[3] != 9|uint64(uint32(0xfffffffe))<<32 ||
-		w[4] != 1<<40 || w[5] != 3 {
-		t.Fatalf("words %#x", w)
-	}
-	var q Plan
-	if q.SetPlanState(&w); q.State != s {
-		t.Fatalf("state %+v, want %+v", q.State, s)
 	}
 }
 
@@ -311,8 +297,8 @@ func TestStateWords(t *testing.T) {
 func TestUploadRanges(t *testing.T) {
 	withoutDevice(t)
 	b := cascadeBatch(t, 8)
-	b.Flags = FlagNoDecodeRoute
-	p, err := PlanBatch(b.args(), 0)
+	b.Flags = CascadeNoDecodeRoute
+	p, err := PlanCascade(b.args(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,17 +1,18 @@
-package cascadeattn
+package attn
+
+// A cascade plan's check against its host workspace, its update for a step
+// that only grew, and its run: the cascade kernels, or on the other routes
+// PagedPrefill and PagedDecode.
 
 import (
-	"unsafe"
-
-	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
-// planned is a cascade plan checked against the host workspace it names:
+// cascadePlanned is a cascade plan checked against the host workspace it names:
 // that workspace's layout, words and summary.
-type planned struct {
+type cascadePlanned struct {
 	l  cascade.Layout
 	ws []int32
 	s  cascade.Summary
@@ -21,8 +22,8 @@ type planned struct {
 // kvp_cascade_plan wrote (kind, route, sizes), one that names no host
 // workspace (a host-only summary) and a stale one (its workspaces were
 // planned into again since).
-func (c call) check(p *Plan) (planned, error) {
-	var r planned
+func (c cascadeCall) check(p *CascadePlan) (cascadePlanned, error) {
+	var r cascadePlanned
 	if p.Kind != KindCascade {
 		return r, c.errorf(kverr.InvalidArgument, "the plan's kind is %d; plan it with kvp_cascade_plan", p.Kind)
 	}
@@ -36,16 +37,16 @@ func (c call) check(p *Plan) (planned, error) {
 	if r.l, err = cascade.NewLayout(p.MaxBatch, p.NumQHeads, p.NumKVHeads, p.HeadDim); err != nil {
 		return r, c.wrap(err)
 	}
-	if p.HostWorkspace == nil || p.HostWorkspaceBytes < uint64(r.l.HostInts)*4 {
+	if p.HostWorkspace == nil || len(p.HostWorkspace) < r.l.HostInts*4 {
 		return r, c.errorf(kverr.InvalidArgument, "the plan names no host workspace of the plan's size")
 	}
-	r.ws = hostWords(p.HostWorkspace, p.HostWorkspaceBytes)
+	r.ws = hostWords(p.HostWorkspace)
 	// The query-row capacity is the plan's (its header): the layout again
 	// with it, and the workspace checked against that.
 	if r.l, err = cascade.PlanLayout(r.ws, p.MaxBatch, p.NumQHeads, p.NumKVHeads, p.HeadDim); err != nil {
 		return r, c.wrap(err)
 	}
-	if p.HostWorkspaceBytes < uint64(r.l.HostInts)*4 {
+	if len(p.HostWorkspace) < r.l.HostInts*4 {
 		return r, c.errorf(kverr.InvalidArgument, "the plan names no host workspace of the plan's size")
 	}
 	if r.s, err = cascade.Header(r.ws, &r.l); err != nil {
@@ -58,31 +59,29 @@ func (c call) check(p *Plan) (planned, error) {
 	return r, nil
 }
 
-// Update reports whether a step whose sequences only grew to the lengths
-// seqLensHost[batch] still fits plan p: then nothing needs planning or
-// copying. O(batch), host only; a decode-route plan always fits, a plan with
-// varlen queries never does (cascade.Update).
-func Update(p *Plan, seqLensHost *int32, batch int) (bool, error) {
-	c := call{op: "kvp_cascade_update"}
+// UpdateCascade reports whether a step whose sequences only grew to the
+// lengths seqLens (one a sequence of the plan's batch) still fits plan p:
+// then nothing needs planning or copying. O(batch), host only; a
+// decode-route plan always fits, a plan with varlen queries never does
+// (cascade.Update).
+func UpdateCascade(p *CascadePlan, seqLens []int32) (bool, error) {
+	c := cascadeCall{op: "kvp_cascade_update"}
 	r, err := c.check(p)
 	if err != nil {
 		return false, err
 	}
-	if batch != p.Batch {
-		return false, c.errorf(kverr.InvalidArgument, "batch %d differs from the plan's %d", batch, p.Batch)
+	if len(seqLens) != p.Batch {
+		return false, c.errorf(kverr.InvalidArgument, "batch %d differs from the plan's %d", len(seqLens), p.Batch)
 	}
-	lens := []int32{}
-	if batch > 0 {
-		lens = unsafe.Slice(seqLensHost, batch)
-	}
-	return cascade.Update(r.ws, &r.l, p.Route, p.Batch, lens)
+	return cascade.Update(r.ws, &r.l, p.Route, p.Batch, seqLens)
 }
 
-// Run enqueues one layer of plan p over a's tensors on stream: the cascade
-// kernels over the plan's work items, or on the other routes the prefill or
-// decode kernel, whose split-KV workspace is the partial-state region.
-func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
-	c := call{op: "kvp_paged_cascade"}
+// PagedCascade enqueues one layer of plan p over a's tensors on stream:
+// the cascade kernels over the plan's work items, or on the other routes
+// the prefill or decode kernel, whose split-KV workspace is the
+// partial-state region.
+func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error {
+	c := cascadeCall{op: "kvp_paged_cascade"}
 	r, err := c.check(p)
 	if err != nil {
 		return err
@@ -102,23 +101,23 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 	case cascade.RoutePrefill:
 		sh := p.PrefillShape
 		sh.WindowLeft = -1 // shared-prefix plans have no window
-		pp := attn.PrefillPlan{Kind: attn.KindPrefill, Route: attn.RoutePrefill, PrefillShape: sh,
+		pp := PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, PrefillShape: sh,
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits,
 			// The plan records no mainloop: it was planned for this device's.
-			Mainloop:  attn.MainloopOfDevice,
+			Mainloop:  MainloopOfDevice,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
-		return attn.PagedPrefill(&pp, a, stream)
+		return PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
-		d := attn.PagedDecodeArgs{DecodeLayout: decodeLayout(p, a),
+		d := PagedDecodeArgs{DecodeLayout: cascadeDecodeLayout(p, a),
 			Q: a.Q, SeqLens: p.KVLens,
 			Out: a.Out, LSE: a.LSE, Workspace: parts, WorkspaceBytes: partBytes, MaxSeqLen: p.MaxKVLen}
-		return attn.PagedDecode(&d, stream)
+		return PagedDecode(&d, stream)
 	}
 	if r.s.Rows == 0 {
 		return nil // no query rows: nothing to compute
 	}
-	return attn.CascadeRun(&attn.CascadeRunArgs{DecodeLayout: decodeLayout(p, a), Rows: r.s.Rows,
+	return CascadeRun(&CascadeRunArgs{DecodeLayout: cascadeDecodeLayout(p, a), Rows: r.s.Rows,
 		Q: a.Q, SeqLens: p.KVLens,
 		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		PartOut: r.l.PartOut, PartLSE: r.l.PartLSE,
@@ -126,10 +125,10 @@ func Run(p *Plan, a *attn.PagedPrefillArgs, stream cuda.Stream) error {
 		RowSeqOff: r.l.RowSeq, QStartOff: r.l.QStart, MaxBatch: p.MaxBatch, MaxRows: r.l.MaxTokens}, stream)
 }
 
-// decodeLayout is a layer's tensors as the decode and cascade launches take
+// cascadeDecodeLayout is a layer's tensors as the decode and cascade launches take
 // them: one row of q and out per query row (a sequence, in decode).
-func decodeLayout(p *Plan, a *attn.PagedPrefillArgs) attn.DecodeLayout {
-	return attn.DecodeLayout{
+func cascadeDecodeLayout(p *CascadePlan, a *PagedPrefillArgs) DecodeLayout {
+	return DecodeLayout{
 		DType: p.DType, HeadDim: p.HeadDim, Batch: p.Batch, NumQHeads: p.NumQHeads, NumKVHeads: p.NumKVHeads,
 		QBatchStride: a.QTokenStride, QHeadStride: a.QHeadStride,
 		OutBatchStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
