@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The standalone host store at the ABI (include/kvplug.h, "standalone host
@@ -54,10 +55,10 @@ func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_stor
 		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
 	}
 	slots, bytes := int64(c.num_slots), int64(c.slot_bytes)
-	if slots < 1 || slots > 1<<30 {
+	if slots < 1 || slots > limits.TierSlots {
 		return failf(kverr.InvalidArgument, "%s: num_slots must be in [1, 2^30]: got %d", op, slots)
 	}
-	if bytes < 0 || bytes > (1<<46)/slots {
+	if bytes < 0 || bytes > limits.TierBytes/slots {
 		return failf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
 	}
 	hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
@@ -307,7 +308,7 @@ func segmentsOf(op string, n, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int6
 		sum := int64(0)
 		for j := 0; j < int(segs); j++ {
 			l := ls[i*int(segs)+j]
-			if l < 0 || l > 1<<46 {
+			if l < 0 || l > limits.TierBytes {
 				return nil, nil, kverr.Errorf(kverr.InvalidArgument, "%s: lens[%d] is %d", op, i*int(segs)+j, l)
 			}
 			if l > 0 && ps[i*int(segs)+j] == nil {

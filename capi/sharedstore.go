@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/valkey"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The standalone shared store at the ABI (include/kvplug.h, "standalone
@@ -65,7 +66,7 @@ func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_share
 	}
 	// Negative sizes and durations are valkey.Config.Check's to refuse
 	// (InvalidArgument); the one bound it has not is a block's size.
-	if c.block_bytes > 1<<40 {
+	if c.block_bytes > limits.SharedBlockBytes {
 		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
 	}
 	sec := sharedSecurityFields{

@@ -15,6 +15,7 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The host KV tier at the ABI (include/kvplug.h, "Host KV tier"): the
@@ -77,10 +78,10 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 		}
 		return nil, nil
 	}
-	if slots < 0 || slots > 1<<30 {
+	if slots < 0 || slots > limits.TierSlots {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_slots must be in [0, 2^30]: got %d", slots)
 	}
-	if bytes < 1 || bytes > 1<<46/slots {
+	if bytes < 1 || bytes > limits.TierBytes/slots {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
 			"kvp_manager_config.host_block_bytes must be >= 1 with a host tier, and host_tier_slots * host_block_bytes <= 2^46: got %d slots of %d bytes", slots, bytes)
 	}
