@@ -62,19 +62,18 @@ func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_stor
 		return failf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
 	}
 	hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
-	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&hs.mem}}
+	mem := &cMemory{}
+	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: mem}
 	if bytes == 0 {
 		// Bookkeeping only: the pool needs a size; one Go byte per slot.
 		cfgPool = host.Config{Slots: int(slots), BlockBytes: 1}
 	}
 	p, err := host.New(cfgPool)
 	if err != nil {
-		if hs.mem != nil {
-			C.free(hs.mem)
-		}
+		mem.Release()
 		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
 	}
-	hs.pool = p
+	hs.pool, hs.mem = p, mem.p
 	*out = (*C.kvp_host_store)(newHandle(hs))
 	return C.KVP_OK
 }

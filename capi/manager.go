@@ -39,29 +39,23 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 	if err != nil {
 		return fail(err)
 	}
-	ht, err := newHostTier(&c)
+	ht, err := hostTierOf(&c)
 	if err != nil {
 		return fail(err)
 	}
-	cfgGo := kvmanager.Config{
+	if ht != nil {
+		ht.Shared = shared
+	}
+	m, err := kvmanager.New(kvmanager.Config{
 		NumBlocks:         int(c.num_blocks),
 		BlockSize:         int(c.block_size),
 		EnablePrefixCache: c.enable_prefix_cache != 0,
 		EnableKVEvents:    c.enable_kv_events != 0,
 		MaxPendingEvents:  int(c.max_pending_events),
-	}
-	if ht != nil {
-		// No copier: the engine drives the copies (kvp_manager_flush_copies).
-		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead),
-			DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through), Shared: shared}
-	}
-	m, err := kvmanager.New(cfgGo)
+		HostTier:          ht,
+	})
 	if err != nil {
-		ht.free()
 		return fail(err)
-	}
-	if ht != nil {
-		hostTiers.Store(m, ht)
 	}
 	*out = (*C.kvp_manager)(newHandle(m))
 	return C.KVP_OK
@@ -72,8 +66,10 @@ func kvpgo_manager_destroy(h *C.kvp_manager) {
 	defer guardVoid()
 	// Only a live kvp_manager is dropped: another object's handle (a
 	// kvp_vcache, say) stays registered and alive.
+	// Close writes the shared tier's queued stores (bounded) and releases
+	// the host tier's memory.
 	if m, ok := dropHandle[*kvmanager.Manager](unsafe.Pointer(h)); ok {
-		freeHostTier(m)
+		_ = m.Close()
 	}
 }
 
