@@ -248,12 +248,8 @@ func kvpgo_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t,
 
 //export kvpgo_manager_tier_stats
 func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_tier_stats: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), managerName, "kvp_manager_tier_stats", out, tierStatsStruct, func(m *kvmanager.Manager) (v C.kvp_tier_stats) {
 		s := m.TierStats()
-		var v C.kvp_tier_stats
 		v.demotions_queued = C.int64_t(s.DemotionsQueued)
 		v.demotions_completed = C.int64_t(s.DemotionsCompleted)
 		v.demotions_failed = C.int64_t(s.DemotionsFailed)
@@ -308,7 +304,7 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		if sh.Available {
 			v.shared_available = 1
 		}
-		return tierStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }
 
