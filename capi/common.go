@@ -200,3 +200,64 @@ func copyStruct(dst, src unsafe.Pointer, callerSize, ours uintptr) {
 	n := min(callerSize, ours)
 	copy(unsafe.Slice((*byte)(dst), n), unsafe.Slice((*byte)(src), n))
 }
+
+// statsOut is the shape of every stats export: under onHandle's rules
+// (what names the handle's type), fill translates h's object's figures
+// into the C struct, which is written to out by the struct rule (s: as
+// much as the caller's struct holds); out NULL fails with NullPointer,
+// op naming the call.
+func statsOut[T, S any](h unsafe.Pointer, what, op string, out *S, s abiStruct, fill func(T) S) C.kvp_status {
+	return onHandle(h, what, func(obj T) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: out must not be NULL", op)
+		}
+		v := fill(obj)
+		return s.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+	})
+}
+
+// configIn is the start of every create export: cfg and out (outNil: it
+// is NULL) must not be NULL, and the caller's config is read into c by
+// the struct rule (s; fields past its struct_size stay 0, their defaults).
+func configIn[T any](op string, cfg *T, outNil bool, s abiStruct, c *T) error {
+	if cfg == nil || outNil {
+		return kverr.Errorf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
+	}
+	return s.in(unsafe.Pointer(cfg), unsafe.Pointer(c))
+}
+
+// destroy is the shape of every destroy export: under the panic guard, h
+// is dropped (dropHandle's rules: only a live handle of type T) and its
+// object closed.
+func destroy[T any](h unsafe.Pointer, close func(T)) {
+	defer guardVoid()
+	if obj, ok := dropHandle[T](h); ok {
+		close(obj)
+	}
+}
+
+// batchOf checks a batched call's arguments in the order every such call
+// does: its required pointers first (anyNil: one is NULL; names lists
+// them for the message), then its count n (checkCount).
+func batchOf(op string, n C.int32_t, anyNil bool, names string) error {
+	if anyNil {
+		return kverr.Errorf(kverr.NullPointer, "%s: %s must not be NULL", op, names)
+	}
+	return checkCount(n, op+": n")
+}
+
+// storeKeysOf validates a store call's count n and its keys (and, when name is
+// not "", the output array that call requires: outNil, it is NULL) and
+// views the caller's n keys of type K.
+func storeKeysOf[K any](op string, n C.int32_t, keys unsafe.Pointer, name string, outNil bool) ([]K, error) {
+	if err := checkCount(n, op+": n"); err != nil {
+		return nil, err
+	}
+	if keys == nil {
+		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
+	}
+	if name != "" && outNil {
+		return nil, kverr.Errorf(kverr.NullPointer, "%s: %s must not be NULL", op, name)
+	}
+	return slice[K](keys, n), nil
+}

@@ -52,11 +52,8 @@ func onPublisher(h *C.kvp_event_publisher, f func(*eventPublisher) error) C.kvp_
 func kvpgo_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_config, out **C.kvp_event_publisher) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_event_publisher_create"
-	if cfg == nil || out == nil {
-		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
-	}
-	var c C.kvp_event_publisher_config // fields past the caller's struct_size stay 0: their defaults
-	if err := eventPublisherConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+	var c C.kvp_event_publisher_config
+	if err := configIn(op, cfg, out == nil, eventPublisherConfigStruct, &c); err != nil {
 		return fail(err)
 	}
 	m, err := managerOf(mh)
@@ -146,15 +143,12 @@ func kvpgo_event_publisher_create(mh *C.kvp_manager, cfg *C.kvp_event_publisher_
 
 //export kvpgo_event_publisher_destroy
 func kvpgo_event_publisher_destroy(h *C.kvp_event_publisher) {
-	defer guardVoid()
-	ep, ok := dropHandle[*eventPublisher](unsafe.Pointer(h))
-	if !ok {
-		return
-	}
-	ep.p.Close()
-	publishersMu.Lock()
-	delete(publishers, ep.m)
-	publishersMu.Unlock()
+	destroy(unsafe.Pointer(h), func(ep *eventPublisher) {
+		ep.p.Close()
+		publishersMu.Lock()
+		delete(publishers, ep.m)
+		publishersMu.Unlock()
+	})
 }
 
 //export kvpgo_event_publisher_flush
@@ -182,12 +176,9 @@ func tcpPort(a net.Addr) C.int32_t {
 
 //export kvpgo_event_publisher_stats_get
 func kvpgo_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_publisher_stats) C.kvp_status {
-	return onPublisher(h, func(ep *eventPublisher) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_event_publisher_stats_get: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), "kvp_event_publisher", "kvp_event_publisher_stats_get", out, eventPublisherStatsStruct, func(ep *eventPublisher) (v C.kvp_event_publisher_stats) {
 		s := ep.p.Stats()
-		v := C.kvp_event_publisher_stats{
+		v = C.kvp_event_publisher_stats{
 			batches:          C.int64_t(s.Batches),
 			events:           C.int64_t(s.Events),
 			bytes:            C.int64_t(s.Bytes),
@@ -202,6 +193,6 @@ func kvpgo_event_publisher_stats_get(h *C.kvp_event_publisher, out *C.kvp_event_
 			pub_port:         tcpPort(ep.p.PubAddr()),
 			replay_port:      tcpPort(ep.p.ReplayAddr()),
 		}
-		return eventPublisherStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The standalone host store at the ABI (include/kvplug.h, "standalone host
@@ -43,77 +44,56 @@ func onHostStore(h *C.kvp_host_store, f func(*hostStore) error) C.kvp_status {
 func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_host_store_create"
-	if cfg == nil || out == nil {
-		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
-	}
 	var c C.kvp_host_store_config
-	if err := hostStoreConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+	if err := configIn(op, cfg, out == nil, hostStoreConfigStruct, &c); err != nil {
 		return fail(err)
 	}
 	if c.reserved != 0 {
 		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
 	}
 	slots, bytes := int64(c.num_slots), int64(c.slot_bytes)
-	if slots < 1 || slots > 1<<30 {
+	if slots < 1 || slots > limits.TierSlots {
 		return failf(kverr.InvalidArgument, "%s: num_slots must be in [1, 2^30]: got %d", op, slots)
 	}
-	if bytes < 0 || bytes > (1<<46)/slots {
+	if bytes < 0 || bytes > limits.TierBytes/slots {
 		return failf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
 	}
 	hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
-	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: cAllocator{&hs.mem}}
+	mem := &cMemory{}
+	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: mem}
 	if bytes == 0 {
 		// Bookkeeping only: the pool needs a size; one Go byte per slot.
 		cfgPool = host.Config{Slots: int(slots), BlockBytes: 1}
 	}
 	p, err := host.New(cfgPool)
 	if err != nil {
-		if hs.mem != nil {
-			C.free(hs.mem)
-		}
+		mem.Release()
 		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
 	}
-	hs.pool = p
+	hs.pool, hs.mem = p, mem.p
 	*out = (*C.kvp_host_store)(newHandle(hs))
 	return C.KVP_OK
 }
 
 //export kvpgo_host_store_destroy
 func kvpgo_host_store_destroy(h *C.kvp_host_store) {
-	defer guardVoid()
-	hs, ok := dropHandle[*hostStore](unsafe.Pointer(h))
-	if !ok {
-		return
-	}
-	hs.pool.Reset() // the caller guarantees no copy uses the memory any more
-	_ = hs.pool.Close()
-	if hs.mem != nil {
-		C.free(hs.mem)
-		hs.mem = nil
-	}
-}
-
-// storeKeysOf validates n and keys and views the caller's keys.
-func storeKeysOf(op string, n C.int32_t, keys *C.uint64_t) ([]uint64, error) {
-	if err := checkCount(n, op+": n"); err != nil {
-		return nil, err
-	}
-	if keys == nil {
-		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
-	}
-	return slice[uint64](unsafe.Pointer(keys), n), nil
+	destroy(unsafe.Pointer(h), func(hs *hostStore) {
+		hs.pool.Reset() // the caller guarantees no copy uses the memory any more
+		_ = hs.pool.Close()
+		if hs.mem != nil {
+			C.free(hs.mem)
+			hs.mem = nil
+		}
+	})
 }
 
 //export kvpgo_host_store_state
 func kvpgo_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, states *C.int32_t, slots *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_state"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "states", states == nil)
 		if err != nil {
 			return err
-		}
-		if states == nil {
-			return kverr.Errorf(kverr.NullPointer, "%s: states must not be NULL", op)
 		}
 		st := slice[int32](unsafe.Pointer(states), n)
 		sl := slice[int32](unsafe.Pointer(slots), n)
@@ -132,12 +112,9 @@ func kvpgo_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 func kvpgo_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, matched *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_lookup_prefix"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "matched", matched == nil)
 		if err != nil {
 			return err
-		}
-		if matched == nil {
-			return kverr.Errorf(kverr.NullPointer, "%s: matched must not be NULL", op)
 		}
 		*matched = C.int32_t(hs.pool.Lookup(ks))
 		return nil
@@ -149,7 +126,7 @@ func kvpgo_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t
 	evicted *C.uint64_t, numEvicted *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_reserve"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "", false)
 		if err != nil {
 			return err
 		}
@@ -171,7 +148,7 @@ func kvpgo_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t
 //export kvpgo_host_store_complete
 func kvpgo_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, failed C.int32_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf("kvp_host_store_complete", n, keys)
+		ks, err := storeKeysOf[uint64]("kvp_host_store_complete", n, unsafe.Pointer(keys), "", false)
 		if err != nil {
 			return err
 		}
@@ -187,12 +164,9 @@ func kvpgo_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_
 func kvpgo_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
 		const op = "kvp_host_store_pin"
-		ks, err := storeKeysOf(op, n, keys)
+		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "slots", slots == nil)
 		if err != nil {
 			return err
-		}
-		if slots == nil {
-			return kverr.Errorf(kverr.NullPointer, "%s: slots must not be NULL", op)
 		}
 		// As in reserve: PinKeys writes the int32 slots only once its
 		// checks pass.
@@ -210,7 +184,7 @@ func kvpgo_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, sl
 //export kvpgo_host_store_unpin
 func kvpgo_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf("kvp_host_store_unpin", n, keys)
+		ks, err := storeKeysOf[uint64]("kvp_host_store_unpin", n, unsafe.Pointer(keys), "", false)
 		if err != nil {
 			return err
 		}
@@ -225,7 +199,7 @@ func kvpgo_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 //export kvpgo_host_store_touch
 func kvpgo_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf("kvp_host_store_touch", n, keys)
+		ks, err := storeKeysOf[uint64]("kvp_host_store_touch", n, unsafe.Pointer(keys), "", false)
 		if err != nil {
 			return err
 		}
@@ -247,12 +221,8 @@ func kvpgo_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
 
 //export kvpgo_host_store_stats_get
 func kvpgo_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_host_store_stats_get: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), "kvp_host_store", "kvp_host_store_stats_get", out, hostStoreStatsStruct, func(hs *hostStore) (v C.kvp_host_store_stats) {
 		s := hs.pool.Stats()
-		var v C.kvp_host_store_stats
 		v.reserves = C.int64_t(s.Demotions)
 		v.commits = C.int64_t(s.Commits)
 		v.aborts = C.int64_t(s.Aborts)
@@ -267,7 +237,7 @@ func kvpgo_host_store_stats_get(h *C.kvp_host_store, out *C.kvp_host_store_stats
 		v.resident = C.int32_t(s.Resident)
 		v.pending = C.int32_t(s.Reserved)
 		v.pinned = C.int32_t(s.Pinned)
-		return hostStoreStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }
 
@@ -307,7 +277,7 @@ func segmentsOf(op string, n, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int6
 		sum := int64(0)
 		for j := 0; j < int(segs); j++ {
 			l := ls[i*int(segs)+j]
-			if l < 0 || l > 1<<46 {
+			if l < 0 || l > limits.TierBytes {
 				return nil, nil, kverr.Errorf(kverr.InvalidArgument, "%s: lens[%d] is %d", op, i*int(segs)+j, l)
 			}
 			if l > 0 && ps[i*int(segs)+j] == nil {

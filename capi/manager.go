@@ -26,11 +26,8 @@ func onManager(h *C.kvp_manager, f func(*kvmanager.Manager) error) C.kvp_status 
 //export kvpgo_manager_create
 func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
 	defer guard(&st)
-	if cfg == nil || out == nil {
-		return failf(kverr.NullPointer, "kvp_manager_create: cfg and out must not be NULL")
-	}
-	var c C.kvp_manager_config // fields past the caller's struct_size stay 0: their defaults
-	if err := managerConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+	var c C.kvp_manager_config
+	if err := configIn("kvp_manager_create", cfg, out == nil, managerConfigStruct, &c); err != nil {
 		return fail(err)
 	}
 	// The shared tier's fields are checked before the host tier's memory
@@ -39,29 +36,23 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 	if err != nil {
 		return fail(err)
 	}
-	ht, err := newHostTier(&c)
+	ht, err := hostTierOf(&c)
 	if err != nil {
 		return fail(err)
 	}
-	cfgGo := kvmanager.Config{
+	if ht != nil {
+		ht.Shared = shared
+	}
+	m, err := kvmanager.New(kvmanager.Config{
 		NumBlocks:         int(c.num_blocks),
 		BlockSize:         int(c.block_size),
 		EnablePrefixCache: c.enable_prefix_cache != 0,
 		EnableKVEvents:    c.enable_kv_events != 0,
 		MaxPendingEvents:  int(c.max_pending_events),
-	}
-	if ht != nil {
-		// No copier: the engine drives the copies (kvp_manager_flush_copies).
-		cfgGo.HostTier = &kvmanager.HostTier{Pool: ht.pool, DemoteAhead: int(c.demote_ahead),
-			DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through), Shared: shared}
-	}
-	m, err := kvmanager.New(cfgGo)
+		HostTier:          ht,
+	})
 	if err != nil {
-		ht.free()
 		return fail(err)
-	}
-	if ht != nil {
-		hostTiers.Store(m, ht)
 	}
 	*out = (*C.kvp_manager)(newHandle(m))
 	return C.KVP_OK
@@ -69,12 +60,10 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 
 //export kvpgo_manager_destroy
 func kvpgo_manager_destroy(h *C.kvp_manager) {
-	defer guardVoid()
 	// Only a live kvp_manager is dropped: another object's handle (a
-	// kvp_vcache, say) stays registered and alive.
-	if m, ok := dropHandle[*kvmanager.Manager](unsafe.Pointer(h)); ok {
-		freeHostTier(m)
-	}
+	// kvp_vcache, say) stays registered and alive. Close writes the shared
+	// tier's queued stores (bounded) and releases the host tier's memory.
+	destroy(unsafe.Pointer(h), func(m *kvmanager.Manager) { _ = m.Close() })
 }
 
 //export kvpgo_manager_add
@@ -87,10 +76,7 @@ func kvpgo_manager_add(h *C.kvp_manager, id C.int64_t, promptLen C.int32_t) C.kv
 //export kvpgo_manager_grow
 func kvpgo_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if ids == nil || counts == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_grow: seq_ids and num_tokens must not be NULL")
-		}
-		if err := checkCount(n, "kvp_manager_grow: n"); err != nil {
+		if err := batchOf("kvp_manager_grow", n, ids == nil || counts == nil, "seq_ids and num_tokens"); err != nil {
 			return err
 		}
 		return m.Grow(slice[int64](unsafe.Pointer(ids), n), slice[int32](unsafe.Pointer(counts), n))
@@ -101,10 +87,7 @@ func kvpgo_manager_grow(h *C.kvp_manager, ids *C.int64_t, counts *C.int32_t, n C
 func kvpgo_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t, n C.int32_t,
 	copies *C.kvp_block_copy, maxCopies C.int32_t, numCopies *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if children == nil || numCopies == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_fork: children and num_copies must not be NULL")
-		}
-		if err := checkCount(n, "kvp_manager_fork: n"); err != nil {
+		if err := batchOf("kvp_manager_fork", n, children == nil || numCopies == nil, "children and num_copies"); err != nil {
 			return err
 		}
 		if maxCopies < 0 {
@@ -127,10 +110,7 @@ func kvpgo_manager_fork(h *C.kvp_manager, parent C.int64_t, children *C.int64_t,
 //export kvpgo_manager_remove
 func kvpgo_manager_remove(h *C.kvp_manager, ids *C.int64_t, n C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if ids == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_remove: seq_ids must not be NULL")
-		}
-		if err := checkCount(n, "kvp_manager_remove: n"); err != nil {
+		if err := batchOf("kvp_manager_remove", n, ids == nil, "seq_ids"); err != nil {
 			return err
 		}
 		return m.Remove(slice[int64](unsafe.Pointer(ids), n))
@@ -150,10 +130,7 @@ func kvpgo_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 	table *C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,
 	slots *C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if ids == nil || numSlots == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_describe: seq_ids and num_slots must not be NULL")
-		}
-		if err := checkCount(n, "kvp_manager_describe: n"); err != nil {
+		if err := batchOf("kvp_manager_describe", n, ids == nil || numSlots == nil, "seq_ids and num_slots"); err != nil {
 			return err
 		}
 		if table != nil && (maxBlocks < 1 || int64(maxBlocks)*int64(n) > 1<<31-1) {
@@ -183,12 +160,8 @@ func kvpgo_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 
 //export kvpgo_manager_stats_get
 func kvpgo_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_stats_get: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), managerName, "kvp_manager_stats_get", out, managerStatsStruct, func(m *kvmanager.Manager) (v C.kvp_manager_stats) {
 		s := m.Stats()
-		var v C.kvp_manager_stats
 		v.num_blocks = C.int32_t(s.NumBlocks)
 		v.block_size = C.int32_t(s.BlockSize)
 		v.free_blocks = C.int32_t(s.FreeBlocks)
@@ -201,7 +174,7 @@ func kvpgo_manager_stats_get(h *C.kvp_manager, out *C.kvp_manager_stats) C.kvp_s
 		v.allocated_slots = C.int64_t(s.AllocatedSlots)
 		v.internal_waste = C.int64_t(s.InternalWaste)
 		v.fragmentation = C.double(s.Fragmentation)
-		return managerStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }
 

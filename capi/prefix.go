@@ -223,12 +223,9 @@ func kvpgo_manager_set_priority(h *C.kvp_manager, tokens *C.int32_t, numTokens C
 
 //export kvpgo_manager_prefix_stats
 func kvpgo_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_prefix_stats: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), managerName, "kvp_manager_prefix_stats", out, prefixStatsStruct, func(m *kvmanager.Manager) (v C.kvp_prefix_stats) {
 		s := m.PrefixStats()
-		v := C.kvp_prefix_stats{
+		v = C.kvp_prefix_stats{
 			queries:          C.int64_t(s.Queries),
 			query_tokens:     C.int64_t(s.QueryTokens),
 			hit_tokens:       C.int64_t(s.HitTokens),
@@ -246,7 +243,7 @@ func kvpgo_manager_prefix_stats(h *C.kvp_manager, out *C.kvp_prefix_stats) C.kvp
 			uncomputed_blocks:  C.int32_t(s.PendingBlocks),
 			dropped_uncomputed: C.int64_t(s.DroppedPending),
 		}
-		return prefixStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/valkey"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The standalone shared store at the ABI (include/kvplug.h, "standalone
@@ -27,26 +28,12 @@ func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_stat
 	return onHandle(unsafe.Pointer(h), "kvp_shared_store", f)
 }
 
-// sharedKeysOf validates n and keys and views the caller's n 16-byte keys.
-func sharedKeysOf(op string, n C.int32_t, keys *C.uint8_t) ([]valkey.Hash, error) {
-	if err := checkCount(n, op+": n"); err != nil {
-		return nil, err
-	}
-	if keys == nil {
-		return nil, kverr.Errorf(kverr.NullPointer, "%s: keys must not be NULL", op)
-	}
-	return slice[valkey.Hash](unsafe.Pointer(keys), n), nil
-}
-
 //export kvpgo_shared_store_create
 func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
 	defer guard(&st)
 	const op = "kvp_shared_store_create"
-	if cfg == nil || out == nil {
-		return failf(kverr.NullPointer, "%s: cfg and out must not be NULL", op)
-	}
 	var c C.kvp_shared_store_config
-	if err := sharedStoreConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+	if err := configIn(op, cfg, out == nil, sharedStoreConfigStruct, &c); err != nil {
 		return fail(err)
 	}
 	if c.address == nil || c.key_space == nil {
@@ -65,7 +52,7 @@ func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_share
 	}
 	// Negative sizes and durations are valkey.Config.Check's to refuse
 	// (InvalidArgument); the one bound it has not is a block's size.
-	if c.block_bytes > 1<<40 {
+	if c.block_bytes > limits.SharedBlockBytes {
 		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
 	}
 	sec := sharedSecurityFields{
@@ -95,22 +82,16 @@ func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_share
 
 //export kvpgo_shared_store_destroy
 func kvpgo_shared_store_destroy(h *C.kvp_shared_store) {
-	defer guardVoid()
-	if t, ok := dropHandle[*valkey.Tier](unsafe.Pointer(h)); ok {
-		_ = t.Close()
-	}
+	destroy(unsafe.Pointer(h), func(t *valkey.Tier) { _ = t.Close() })
 }
 
 //export kvpgo_shared_store_exists
 func kvpgo_shared_store_exists(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t, found *C.int32_t) C.kvp_status {
 	return onSharedStore(h, func(t *valkey.Tier) error {
 		const op = "kvp_shared_store_exists"
-		ks, err := sharedKeysOf(op, n, keys)
+		ks, err := storeKeysOf[valkey.Hash](op, n, unsafe.Pointer(keys), "found", found == nil)
 		if err != nil {
 			return err
-		}
-		if found == nil {
-			return kverr.Errorf(kverr.NullPointer, "%s: found must not be NULL", op)
 		}
 		putFlags(slice[int32](unsafe.Pointer(found), n), t.Exists(ks))
 		return nil
@@ -131,7 +112,7 @@ func putFlags(out []int32, found []bool) {
 // key, key i's at [i*segs, (i+1)*segs)).
 func sharedBatch(op string, n C.int32_t, keys *C.uint8_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t) ([]valkey.Hash, []unsafe.Pointer, []int64, error) {
-	ks, err := sharedKeysOf(op, n, keys)
+	ks, err := storeKeysOf[valkey.Hash](op, n, unsafe.Pointer(keys), "", false)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -211,12 +192,8 @@ func kvpgo_shared_store_get(h *C.kvp_shared_store, n C.int32_t, keys *C.uint8_t,
 
 //export kvpgo_shared_store_stats_get
 func kvpgo_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store_stats) C.kvp_status {
-	return onSharedStore(h, func(t *valkey.Tier) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_shared_store_stats_get: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), "kvp_shared_store", "kvp_shared_store_stats_get", out, sharedStoreStatsStruct, func(t *valkey.Tier) (v C.kvp_shared_store_stats) {
 		s := t.Stats()
-		var v C.kvp_shared_store_stats
 		v.hits, v.misses, v.stores, v.corrupt = C.int64_t(s.Hits), C.int64_t(s.Misses), C.int64_t(s.Stores), C.int64_t(s.Corrupt)
 		v.timeouts, v.errors, v.skipped = C.int64_t(s.Timeouts), C.int64_t(s.Errors), C.int64_t(s.Skipped)
 		v.bytes_read, v.bytes_written = C.int64_t(s.BytesRead), C.int64_t(s.BytesWritten)
@@ -228,6 +205,6 @@ func kvpgo_shared_store_stats_get(h *C.kvp_shared_store, out *C.kvp_shared_store
 		if s.Available {
 			v.available = 1
 		}
-		return sharedStoreStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }

@@ -8,57 +8,53 @@ package main
 import "C"
 
 import (
-	"sync"
 	"time"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // The host KV tier at the ABI (include/kvplug.h, "Host KV tier"): the
-// manager's host pool lives in C memory that this file allocates at
-// kvp_manager_create and frees at kvp_manager_destroy, and the engine
-// drives the copies through kvmanager.FlushCopiesTo.
+// manager's tier (core/kvtier) makes its host pool in C memory that this
+// file allocates (or in the engine's, kvp_manager_config.host_tier_memory)
+// and releases it at kvp_manager_destroy (Manager.Close); the engine drives
+// the copies through kvmanager.FlushCopiesTo.
 
-// hostTier is a manager's host pool and the C memory behind it.
-type hostTier struct {
-	pool *host.Pool
-	mem  unsafe.Pointer // what this file allocated (freed at destroy); nil for the engine's memory
-	base unsafe.Pointer // the region, the library's or the engine's
+// cMemory is a host pool's memory from calloc, so that the region may be
+// handed to C (a Go pointer may not be kept by C), freed when the tier
+// releases it; or the engine's (engine), never freed here.
+type cMemory struct {
+	p      unsafe.Pointer
+	engine bool
 }
 
-// hostTiers maps a manager to its host tier, for host_tier_memory and destroy.
-var hostTiers sync.Map // *kvmanager.Manager -> *hostTier
-
-// engineMemory is a host pool's memory that the engine handed in
-// (kvp_manager_config.host_tier_memory): the engine's, never freed here.
-type engineMemory struct{ p unsafe.Pointer }
-
-func (a engineMemory) Alloc(size int) ([]byte, error) { return unsafe.Slice((*byte)(a.p), size), nil }
-
-func (engineMemory) Free([]byte) error { return nil }
-
-// cAllocator allocates a host pool's memory with calloc, so that the
-// region may be handed to C (a Go pointer may not be kept by C). Free is
-// the destroy's (freeHostTier), after the pool is gone.
-type cAllocator struct{ p *unsafe.Pointer }
-
-func (a cAllocator) Alloc(size int) ([]byte, error) {
-	p := C.calloc(1, C.size_t(size))
-	if p == nil {
-		return nil, kverr.Errorf(kverr.OutOfMemory, "calloc of %d bytes failed", size)
+func (a *cMemory) Alloc(size int) ([]byte, error) {
+	if !a.engine {
+		if a.p = C.calloc(1, C.size_t(size)); a.p == nil {
+			return nil, kverr.Errorf(kverr.OutOfMemory, "calloc of %d bytes failed", size)
+		}
 	}
-	*a.p = p
-	return unsafe.Slice((*byte)(p), size), nil
+	return unsafe.Slice((*byte)(a.p), size), nil
 }
 
-func (cAllocator) Free([]byte) error { return nil }
+// Free implements host.Allocator (a standalone host store's pool, which
+// hands its memory back at Close): the store releases it after the pool.
+func (*cMemory) Free([]byte) error { return nil }
 
-// newHostTier validates the config's host tier fields and allocates the
-// pool; nil, nil when the config has none.
-func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
+func (a *cMemory) Release() {
+	if !a.engine && a.p != nil {
+		C.free(a.p)
+		a.p = nil
+	}
+}
+
+// hostTierOf validates the config's host tier fields and translates them;
+// nil, nil when the config has none. The tier allocates its memory in
+// kvmanager.New, once every field is checked.
+func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
 	if c.host_tier_reserved != 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_reserved must be 0: got %d", int32(c.host_tier_reserved))
 	}
@@ -77,15 +73,15 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 		}
 		return nil, nil
 	}
-	if slots < 0 || slots > 1<<30 {
+	if slots < 0 || slots > limits.TierSlots {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_slots must be in [0, 2^30]: got %d", slots)
 	}
-	if bytes < 1 || bytes > 1<<46/slots {
+	if bytes < 1 || bytes > limits.TierBytes/slots {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
 			"kvp_manager_config.host_block_bytes must be >= 1 with a host tier, and host_tier_slots * host_block_bytes <= 2^46: got %d slots of %d bytes", slots, bytes)
 	}
 	if nb := int64(c.num_blocks); ahead < 0 || ahead > nb {
-		// The core refuses it too, but only after the memory is allocated.
+		// The core refuses it too (kvtier.New); this names the field.
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_ahead must be in [0, num_blocks = %d]: got %d", nb, ahead)
 	}
 	if nb, wt := int64(c.num_blocks), int64(c.write_through); wt < 0 || wt > nb {
@@ -94,22 +90,10 @@ func newHostTier(c *C.kvp_manager_config) (*hostTier, error) {
 	if uintptr(c.host_tier_memory)%16 != 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory must be 16-byte aligned: got %p", c.host_tier_memory)
 	}
-	ht := &hostTier{}
-	var alloc host.Allocator = cAllocator{&ht.mem}
-	if c.host_tier_memory != nil {
-		alloc = engineMemory{c.host_tier_memory}
-	}
-	p, err := host.New(host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: alloc})
-	if err != nil {
-		ht.free()
-		return nil, err
-	}
-	ht.pool = p
-	ht.base = ht.mem
-	if c.host_tier_memory != nil {
-		ht.base = c.host_tier_memory
-	}
-	return ht, nil
+	// No copier: the engine drives the copies (kvp_manager_flush_copies).
+	return &kvmanager.HostTier{Slots: int(slots), BlockBytes: int(bytes),
+		Memory:      &cMemory{p: c.host_tier_memory, engine: c.host_tier_memory != nil},
+		DemoteAhead: int(ahead), DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through)}, nil
 }
 
 // maxAddrLen bounds a server address: kvp_manager_config.shared_tier_addr
@@ -181,31 +165,12 @@ func boundedString(p *C.char, what string) (string, error) {
 	return C.GoStringN(p, C.int(n)), nil
 }
 
-func (ht *hostTier) free() {
-	if ht != nil && ht.mem != nil {
-		C.free(ht.mem)
-		ht.mem = nil
+// tierOf returns manager m's host pool; an error when it has none.
+func tierOf(m *kvmanager.Manager, op string) (*host.Pool, error) {
+	if p := m.HostTierPool(); p != nil {
+		return p, nil
 	}
-}
-
-// tierOf returns manager m's host tier; an error when it has none.
-func tierOf(m *kvmanager.Manager, op string) (*hostTier, error) {
-	v, ok := hostTiers.Load(m)
-	if !ok {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "%s: the manager has no host tier (host_tier_slots 0)", op)
-	}
-	return v.(*hostTier), nil
-}
-
-// freeHostTier closes a destroyed manager's shared tier (its queued
-// stores are written, bounded) and frees its host tier memory.
-func freeHostTier(m *kvmanager.Manager) {
-	if v, ok := hostTiers.LoadAndDelete(m); ok {
-		_ = m.Close()
-		ht := v.(*hostTier)
-		_ = ht.pool.Close()
-		ht.free()
-	}
+	return nil, kverr.Errorf(kverr.InvalidArgument, "%s: the manager has no host tier (host_tier_slots 0)", op)
 }
 
 //export kvpgo_manager_flush_copies
@@ -283,12 +248,8 @@ func kvpgo_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t,
 
 //export kvpgo_manager_tier_stats
 func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_tier_stats: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), managerName, "kvp_manager_tier_stats", out, tierStatsStruct, func(m *kvmanager.Manager) (v C.kvp_tier_stats) {
 		s := m.TierStats()
-		var v C.kvp_tier_stats
 		v.demotions_queued = C.int64_t(s.DemotionsQueued)
 		v.demotions_completed = C.int64_t(s.DemotionsCompleted)
 		v.demotions_failed = C.int64_t(s.DemotionsFailed)
@@ -343,25 +304,25 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		if sh.Available {
 			v.shared_available = 1
 		}
-		return tierStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&v))
+		return v
 	})
 }
 
 //export kvpgo_manager_host_tier_memory
 func kvpgo_manager_host_tier_memory(h *C.kvp_manager, base *unsafe.Pointer, slotBytes *C.int64_t, numSlots *C.int32_t) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		ht, err := tierOf(m, "kvp_manager_host_tier_memory")
+		p, err := tierOf(m, "kvp_manager_host_tier_memory")
 		if err != nil {
 			return err
 		}
 		if base != nil {
-			*base = ht.base
+			*base = unsafe.Pointer(unsafe.SliceData(p.Memory()))
 		}
 		if slotBytes != nil {
-			*slotBytes = C.int64_t(ht.pool.BlockBytes())
+			*slotBytes = C.int64_t(p.BlockBytes())
 		}
 		if numSlots != nil {
-			*numSlots = C.int32_t(ht.pool.Stats().Slots)
+			*numSlots = C.int32_t(p.Stats().Slots)
 		}
 		return nil
 	})

@@ -93,8 +93,5 @@ func kvpgo_tier_copier_run(h *C.kvp_tier_copier, demote *C.kvp_tier_copy, numDem
 
 //export kvpgo_tier_copier_destroy
 func kvpgo_tier_copier_destroy(h *C.kvp_tier_copier) {
-	defer guardVoid()
-	if cp, ok := dropHandle[*tiercopy.Copier](unsafe.Pointer(h)); ok {
-		_ = cp.Close()
-	}
+	destroy(unsafe.Pointer(h), func(cp *tiercopy.Copier) { _ = cp.Close() })
 }

@@ -32,11 +32,8 @@ func kvpgo_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp
 	if logx.InCallback() {
 		return fail(errFromLogCallback("kvp_vcache_create"))
 	}
-	if cfg == nil || out == nil {
-		return failf(kverr.NullPointer, "kvp_vcache_create: cfg and out must not be NULL")
-	}
-	var c C.kvp_vcache_config // fields past the caller's struct_size stay 0: their defaults
-	if err := vcacheConfigStruct.in(unsafe.Pointer(cfg), unsafe.Pointer(&c)); err != nil {
+	var c C.kvp_vcache_config
+	if err := configIn("kvp_vcache_create", cfg, out == nil, vcacheConfigStruct, &c); err != nil {
 		return fail(err)
 	}
 	vcfg := vmem.Config{
@@ -79,12 +76,11 @@ func kvpgo_vcache_create(cfg *C.kvp_vcache_config, out **C.kvp_vcache) (st C.kvp
 
 //export kvpgo_vcache_destroy
 func kvpgo_vcache_destroy(h *C.kvp_vcache) {
-	defer guardVoid()
 	// Only a live kvp_vcache is dropped: another object's handle stays.
-	if vc, ok := dropHandle[*vcache](unsafe.Pointer(h)); ok {
+	destroy(unsafe.Pointer(h), func(vc *vcache) {
 		_ = vc.c.Close()
 		_ = vc.drv.Close()
-	}
+	})
 }
 
 //export kvpgo_vcache_layer_ptrs
@@ -162,12 +158,9 @@ func kvpgo_vcache_trim(h *C.kvp_vcache) C.kvp_status {
 
 //export kvpgo_vcache_stats_get
 func kvpgo_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) C.kvp_status {
-	return onVcache(h, func(vc *vcache) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_vcache_stats_get: out must not be NULL")
-		}
+	return statsOut(unsafe.Pointer(h), vcacheName, "kvp_vcache_stats_get", out, vcacheStatsStruct, func(vc *vcache) (full C.kvp_vcache_stats) {
 		s := vc.c.Stats()
-		full := C.kvp_vcache_stats{
+		full = C.kvp_vcache_stats{
 			page_size:         C.int64_t(s.PageSize),
 			budget_bytes:      C.int64_t(s.BudgetBytes),
 			tensor_bytes:      C.int64_t(vc.c.Layout().BufferBytes),
@@ -186,6 +179,6 @@ func kvpgo_vcache_stats_get(h *C.kvp_vcache, out *C.kvp_vcache_stats) C.kvp_stat
 			background_map_ns: C.int64_t(s.BackgroundMapNs),
 			background_errors: C.int64_t(s.BackgroundErrors),
 		}
-		return vcacheStatsStruct.out(unsafe.Pointer(out), unsafe.Pointer(&full))
+		return full
 	})
 }

@@ -988,7 +988,7 @@ func TestConcurrentSharedFetchAgainstClose(t *testing.T) {
 	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		return m.tier.shared.closed
+		return m.tier.SharedClosed()
 	})
 	lookups := m.TierStats().Shared.Lookups
 	concWithin(t, "calls while Close waits on a fetch", func() {

@@ -27,6 +27,7 @@ import (
 	"sync"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier"
 	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/blocks"
@@ -131,7 +132,7 @@ type Manager struct {
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
 	// The host tier; nil when there is none.
-	tier *tier
+	tier *kvtier.Tier
 	// KV events drained from the index that the caller's buffers could not
 	// hold yet (DrainEvents).
 	carry []prefix.Event
@@ -175,8 +176,8 @@ func New(cfg Config) (*Manager, error) {
 	m := &Manager{pool: p, bs: cfg.BlockSize}
 	if cfg.EnablePrefixCache {
 		tierBlocks := 0
-		if cfg.HostTier != nil && cfg.HostTier.Pool != nil {
-			tierBlocks = cfg.HostTier.Pool.Stats().Slots
+		if cfg.HostTier != nil {
+			tierBlocks = cfg.HostTier.NumSlots()
 		}
 		m.cache, err = prefix.New(prefix.Config{
 			BlockSize:        cfg.BlockSize,
@@ -190,17 +191,11 @@ func New(cfg Config) (*Manager, error) {
 		}
 	}
 	if cfg.HostTier != nil {
-		if m.tier, err = newTier(cfg); err != nil {
+		// The host tier's blocks are announced as CPU events and listed
+		// by snapshots with KV events on (core/kvtier, "KV events"); with
+		// a shared tier, its store goroutine runs until Close.
+		if m.tier, err = kvtier.New(*cfg.HostTier, kvtier.GPU{Pool: p, Cache: m.cache, Lock: tierLock{m}, Events: cfg.EnableKVEvents}); err != nil {
 			return nil, err
-		}
-		if cfg.EnableKVEvents {
-			// The host tier's blocks are announced as CPU events and
-			// listed by snapshots (tier.go, "KV events").
-			m.tier.events = true
-			m.cache.SetTierSource(m.tier)
-		}
-		if m.tier.shared != nil {
-			go m.tier.shared.run() // until Close
 		}
 	}
 	logx.L().Debug("kv manager created", zap.Int("num_blocks", cfg.NumBlocks), zap.Int("block_size", cfg.BlockSize),
@@ -348,16 +343,12 @@ func (m *Manager) makeFree(need int) {
 	if short <= 0 || m.cache == nil {
 		return
 	}
-	if m.tier != nil && m.tier.cfg.DemoteEvicted {
-		m.evictForAlloc(short)
-		return
+	if m.tier != nil && m.tier.EvictForAlloc(short) {
+		return // demotes what it evicted (HostTier.DemoteEvicted)
 	}
 	m.evicted = m.cache.Evict(m.evicted[:0], short)
-	if m.tier != nil && m.tier.cfg.WriteThrough == 0 {
-		// Needed now: a block waiting for its demotion copy could not
-		// serve the allocation (tier.go). (With write-through the host
-		// tier has its copy, or counts it lost: writethrough.go.)
-		m.tier.st.EvictedUndemoted += int64(len(m.evicted))
+	if m.tier != nil {
+		m.tier.Evicted(len(m.evicted))
 	}
 	// An evictable block has no lock, hence no reference (CheckInvariants:
 	// locks equal references), and is marked, so it is Cached in the pool.

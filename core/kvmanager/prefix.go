@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier"
 	"github.com/kvplug/kvplug/core/prefix"
 	"github.com/kvplug/kvplug/internal/logx"
 	"go.uber.org/zap"
@@ -69,8 +70,8 @@ type Prompts struct {
 // Len returns the number of prompts.
 func (p *Prompts) Len() int { return max(len(p.Offsets)-1, 0) }
 
-// prompt returns prompt i's tokens and keys (nil: none).
-func (p *Prompts) prompt(i int) ([]int32, *prefix.Keys) {
+// Prompt returns prompt i's tokens and keys (nil: none).
+func (p *Prompts) Prompt(i int) ([]int32, *prefix.Keys) {
 	t := p.Tokens[p.Offsets[i]:p.Offsets[i+1]]
 	if p.Keys == nil {
 		return t, nil
@@ -168,7 +169,7 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 			return 0, err
 		}
 	}
-	fetched, err := m.fetchShared(prompts, ids)
+	fetched, err := m.fetchShared(&prompts, ids)
 	if err != nil {
 		return 0, err
 	}
@@ -177,13 +178,9 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 	if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
 		return 0, err
 	}
-	if m.tier != nil {
-		m.tier.fetched = fetched
-		defer func() { m.tier.fetched = nil }()
-	}
 	for i, id := range ids {
-		tokens, keys := prompts.prompt(i)
-		k, ok, err := m.admitOne(id, tokens, keys)
+		tokens, keys := prompts.Prompt(i)
+		k, ok, err := m.admitOne(id, tokens, keys, fetched)
 		if err != nil || !ok {
 			if err == nil && logx.L().Core().Enabled(zap.DebugLevel) {
 				logx.L().Debug("admit: pool full", zap.Int("admitted", i), zap.Int("batch", n))
@@ -199,7 +196,7 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 
 // admitOne admits one validated prompt and returns its matched tokens; ok
 // is false, with nothing changed, when it does not fit.
-func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched int, ok bool, err error) {
+func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched kvtier.Fetched) (matched int, ok bool, err error) {
 	need := m.blocksFor(len(tokens))
 	var res prefix.MatchResult
 	if m.cache != nil {
@@ -214,10 +211,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	k := len(res.Blocks)
 	hostHit := 0 // blocks after the k matched on the GPU, pinned in the host tier
 	if m.tier != nil {
-		hostHit = m.pinHost(tokens, keys, k)
-		if n := m.tier.countShared(m.tier.fetched, hostHit); n > 0 {
-			m.tier.shared.hitTokens.Add(int64(n * m.bs))
-		}
+		hostHit = m.tier.PinHost(tokens, keys, k, fetched)
 	}
 	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens, own: k}
 	// The matched blocks are cached, so their references equal their
@@ -230,7 +224,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 	}
 	m.allocate(s.blocks[k:], hint, "admit: allocating blocks made free")
 	if hostHit > 0 {
-		m.queueReloads(s, k, hostHit)
+		m.tier.QueueReloads(s.blocks[k : k+hostHit])
 	}
 	if m.cache != nil {
 		s.pc = &seqPrefix{keys: keys.Clone(), last: res.Last, tail: make([]int32, 0, m.bs)}
@@ -239,7 +233,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys) (matched
 		m.extendPrefix(s, tokens[res.Tokens:])
 	}
 	if hostHit > 0 {
-		m.lockReloads(s, k, hostHit)
+		m.tier.LockReloads(s.blocks[k : k+hostHit])
 		// Their K/V comes from the reload copy, which the engine orders
 		// before every reader: computed, whatever becomes of s.
 		m.cache.CommitBlocks(s.blocks[k : k+hostHit])
@@ -420,7 +414,7 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 		if m.cache == nil {
 			continue
 		}
-		tokens, keys := prompts.prompt(i)
+		tokens, keys := prompts.Prompt(i)
 		res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
 		m.locks = res.Blocks[:0]
 		assertOK(err, "match: the index refused a validated prompt")

@@ -27,7 +27,7 @@ func TestSharedFetchClosedDuringLookup(t *testing.T) {
 	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		return m.tier.shared.closed
+		return m.tier.SharedClosed()
 	})
 	release()
 	res := concWaitChan(t, "the admission", a)

@@ -393,7 +393,7 @@ func TestSharedTierConfig(t *testing.T) {
 		"negative timeout":  {Addr: "127.0.0.1:1", Namespace: "m", OpTimeout: -1},
 		"timeout too long":  {Addr: "127.0.0.1:1", Namespace: "m", OpTimeout: time.Minute + 1},
 		"negative queue":    {Addr: "127.0.0.1:1", Namespace: "m", PutQueue: -1},
-		"queue too long":    {Addr: "127.0.0.1:1", Namespace: "m", PutQueue: maxPutQueue + 1},
+		"queue too long":    {Addr: "127.0.0.1:1", Namespace: "m", PutQueue: 1<<20 + 1},
 		"TTL under 1 ms":    {Addr: "127.0.0.1:1", Namespace: "m", TTL: time.Microsecond},
 		"negative backoffs": {Addr: "127.0.0.1:1", Namespace: "m", Backoff: -time.Second},
 	} {

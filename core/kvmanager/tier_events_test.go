@@ -248,7 +248,7 @@ func sameTiers(t testing.TB, m *Manager, r *prefix.EventIndex, reserved map[host
 		}
 	}
 	want := map[uint64]bool{}
-	p := m.tier.cfg.Pool
+	p := m.tier.Pool()
 	for s := range host.Slot(p.Stats().Slots) {
 		if k, ok := p.Hash(s); ok && !reserved[s] {
 			want[k] = true

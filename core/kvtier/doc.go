@@ -1,14 +1,41 @@
-// Package kvtier is the root of the KV tiers below the GPU pool (issue
-// 23): host memory (package host) and a Valkey/Redis server that
-// instances share (package valkey). This package holds no code; its
-// subpackages are self-contained, and the manager (core/kvmanager: tier.go
-// for the host tier, shared.go for the shared one) and the C ABI build on
-// them.
+// Package kvtier is the KV tiers below the GPU pool (issue 23) and their
+// one owner, Tier (issue 34): host memory (package host) and a
+// Valkey/Redis server that instances share (package valkey), with the
+// policy that moves blocks between them and the GPU pool (demotion,
+// write-through, reloads, shared-tier fetches and stores). A Tier owns its
+// host pool (and the pool's memory when it makes it: Config.Slots), the
+// shared tier's client and its store goroutine. The manager
+// (core/kvmanager) owns one Tier and calls it; the C ABI translates only.
 //
-// # How the manager uses them
+// # The caller's obligations
+//
+// The caller of a Tier (the manager) must:
+//
+//  1. Call every method under its own lock (the one it passes in
+//     GPU.Lock), but Fetch and Close, which it calls without it: they take
+//     the lock themselves around the parts that change the tier, and make
+//     their round trips to the shared tier without it.
+//  2. Hand the tier every change of the GPU blocks it must know of:
+//     Allocated with every allocation, EvictForAlloc (or Evicted after
+//     its own eviction) when an allocation evicts cached blocks,
+//     NoteFilled for each block the prefix cache inserts, QueueComputed at
+//     MarkComputed before the prefix cache's Commit.
+//  3. Admit a prompt's host hits as PinHost, then QueueReloads with as
+//     many fresh GPU blocks, then (once the prefix cache has inserted
+//     them) LockReloads.
+//  4. Include Check in its invariants: the tier holds references and
+//     locks on GPU blocks (copies in flight), which the manager's counts
+//     must credit.
+//  5. Close the tier when done with it (a shared tier's goroutine lives
+//     until then; a pool the tier made is released then, after which the
+//     tier must not be used).
+//
+// The engine's obligations (the copies' ordering) follow.
+//
+// # How the tier uses the pools
 //
 // Demote on eviction. When the GPU pool evicts a cached block with hash h,
-// the manager calls host.Pool.Reserve(h); on success it queues the
+// the tier calls host.Pool.Reserve(h); on success it queues the
 // GPU-to-host copy into Pool.Bytes(slot) and keeps the GPU block out of the
 // free list until the copy has completed, then calls Commit(slot) (Abort on
 // a failed copy) and only then frees the GPU block. When Reserve fails
@@ -16,13 +43,13 @@
 // the demotion is skipped and the GPU block is freed at once. A committed
 // block may also be written to the shared tier (valkey.Tier.Put, off the
 // step's critical path: the call is bounded, but it is a network round
-// trip; the manager queues it for a goroutine of its own, the host slot
+// trip; the tier queues it for a goroutine of its own, the host slot
 // pinned until the store has read it).
 //
 // Reload on a hit. Admission matches the prompt's chained hashes tier by
 // tier: the GPU prefix cache first, then host.Pool.PinPrefix on the
 // remaining hashes (which pins the matched slots), then, for what is left,
-// valkey.Tier.Prefix or GetInto straight into freshly reserved host slots
+// valkey.Tier.Exists then GetInto straight into freshly reserved host slots
 // (Commit each one found, Abort the rest: a shared-tier block always passes
 // through the host tier). For the host hits the manager allocates GPU
 // blocks, queues the host-to-GPU copies on the engine's stream ahead of the

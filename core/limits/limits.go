@@ -34,6 +34,23 @@ const (
 	TierLayers = 1024
 )
 
+// The host tier's bounds. The header documents them with the fields they
+// bound (kvp_manager_config.host_tier_slots and host_block_bytes,
+// kvp_host_store_config, kvp_tier_copier_create) rather than as KVP_MAX_*
+// macros; every Go check of them uses these.
+const (
+	// TierSlots bounds the slots of one host pool (a manager's host tier or
+	// a standalone host store), and so the host blocks one prefix index
+	// announces.
+	TierSlots = 1 << 30
+	// TierBytes bounds one host pool's memory, slots x slot bytes, and so
+	// any one region of it (a segment of a host store's copy).
+	TierBytes = 1 << 46
+	// SharedBlockBytes bounds one block's bytes in a standalone shared
+	// store (kvp_shared_store_config.block_bytes).
+	SharedBlockBytes = 1 << 40
+)
+
 // Range refuses v outside [lo, hi] with InvalidArgument, naming it what.
 func Range(what string, v, lo, hi int) error {
 	if v < lo || v > hi {

@@ -49,6 +49,7 @@ import (
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 // Limits of Config.
@@ -147,7 +148,7 @@ func New(cfg Config) (*Index, error) {
 	if cfg.NumBlocks < 1 || cfg.NumBlocks > MaxBlocks {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "num_blocks must be in [1, %d]: got %d", MaxBlocks, cfg.NumBlocks)
 	}
-	if cfg.TierBlocks < 0 || cfg.TierBlocks > 1<<30 {
+	if cfg.TierBlocks < 0 || cfg.TierBlocks > limits.TierSlots {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "tier blocks must be in [0, 2^30]: got %d", cfg.TierBlocks)
 	}
 	if cfg.MaxPendingEvents < 0 {

@@ -127,7 +127,7 @@ func (h *Host) validate(l *Layers) error {
 		return kverr.Errorf(kverr.InvalidArgument, "tier copy: num_slots must be >= 1: got %d", h.NumSlots)
 	}
 	need := l.SlotBytesNeeded()
-	if h.SlotBytes < need || h.SlotBytes%16 != 0 || h.SlotBytes > (1<<46)/int64(h.NumSlots) {
+	if h.SlotBytes < need || h.SlotBytes%16 != 0 || h.SlotBytes > limits.TierBytes/int64(h.NumSlots) {
 		return kverr.Errorf(kverr.InvalidArgument,
 			"tier copy: slot_bytes must be a multiple of 16, at least the layout's %d (%d layers x %d tensors x %d bytes), and slots x slot_bytes <= 2^46: got %d",
 			need, len(l.K), l.KV(), l.ChunkBytes, h.SlotBytes)

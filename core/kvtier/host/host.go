@@ -25,6 +25,7 @@ package host
 import (
 	"sync"
 
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/internal/kverr"
 )
 
@@ -111,7 +112,7 @@ func New(cfg Config) (*Pool, error) {
 	if cfg.Slots <= 0 || cfg.BlockBytes <= 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: %d slots of %d bytes", cfg.Slots, cfg.BlockBytes)
 	}
-	if cfg.Slots > 1<<30 || int64(cfg.Slots)*int64(cfg.BlockBytes) > 1<<46 {
+	if cfg.Slots > limits.TierSlots || int64(cfg.Slots)*int64(cfg.BlockBytes) > limits.TierBytes {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: %d slots of %d bytes is too large", cfg.Slots, cfg.BlockBytes)
 	}
 	if cfg.Alloc == nil {

@@ -1,4 +1,4 @@
-package kvmanager
+package kvtier
 
 import (
 	"slices"
@@ -12,13 +12,13 @@ import (
 // Demotion (tier.go) takes a block out of the GPU prefix cache to put it
 // in the host tier: ahead of need (DemoteAhead) it evicts blocks the GPU
 // cache would still have served, so a request that would have hit on the
-// GPU reloads from the host instead, or misses. With HostTier.WriteThrough
+// GPU reloads from the host instead, or misses. With Config.WriteThrough
 // the host tier gets a copy of each block once its K/V exists, and the
 // block stays in the GPU cache:
 //
 //   - a block filled by Admit or GrowTokens is noted; MarkComputed (its
 //     step's forward pass has run) queues it, oldest first. A block taken
-//     out of the cache before that (an uncomputed block, computed.go) is
+//     out of the cache before that (an uncomputed block, core/kvmanager computed.go) is
 //     never queued, and its K/V never reaches a tier.
 //   - each FlushCopies hands out up to WriteThrough queued blocks as
 //     copies GPU block -> host slot, in the batch's Demote list after the
@@ -35,7 +35,7 @@ import (
 //     it (CPU BlockStored); the GPU block stays cached, and a later GPU
 //     eviction of it costs nothing.
 //   - a queued block that the GPU evicts before its turn is counted lost
-//     (TierStats.WriteThroughLost): WriteThrough bounds the copies a step,
+//     (Stats.WriteThroughLost): WriteThrough bounds the copies a step,
 //     and a backlog longer than the pool is cut from its oldest end.
 type writeThrough struct {
 	filled []int32   // blocks inserted since the last MarkComputed (some may since have gone)
@@ -50,30 +50,29 @@ type wtEntry struct {
 	hash  prefix.Hash
 }
 
-// noteFilled records a block the prefix cache just inserted for a
+// NoteFilled records a block the prefix cache just inserted for a
 // sequence, to be queued for its store once computed.
-func (m *Manager) noteFilled(b int32) {
-	t := m.tier
-	if t == nil || t.cfg.WriteThrough == 0 {
+func (t *Tier) NoteFilled(b int32) {
+	if t.cfg.WriteThrough == 0 {
 		return
 	}
 	t.wt.filled = append(t.wt.filled, b)
-	if len(t.wt.filled) > 2*m.pool.NumBlocks() {
+	if len(t.wt.filled) > 2*t.gpu.NumBlocks() {
 		// No MarkComputed for a long time: keep only the blocks still
 		// uncomputed in the cache, so the list stays bounded by the pool.
-		t.wt.filled = slices.DeleteFunc(t.wt.filled, func(b int32) bool { return !m.cache.IsPending(b) })
+		t.wt.filled = slices.DeleteFunc(t.wt.filled, func(b int32) bool { return !t.cache.IsPending(b) })
 	}
 }
 
-// queueComputed queues, at MarkComputed, the noted blocks that are still
-// cached and uncomputed: the ones this mark makes computed.
-func (m *Manager) queueComputed() {
-	t := m.tier
-	if t == nil || t.cfg.WriteThrough == 0 {
+// QueueComputed queues, at MarkComputed (before the prefix cache's
+// Commit), the noted blocks that are still cached and uncomputed: the
+// ones this mark makes computed.
+func (t *Tier) QueueComputed() {
+	if t.cfg.WriteThrough == 0 {
 		return
 	}
 	for _, b := range t.wt.filled {
-		if !m.cache.IsPending(b) {
+		if !t.cache.IsPending(b) {
 			continue // dropped uncomputed, or noted twice
 		}
 		if t.wt.queued[b] {
@@ -81,12 +80,12 @@ func (m *Manager) queueComputed() {
 			// and reused: that entry stores this block in its turn.
 			continue
 		}
-		h, _ := m.cache.BlockHash(b)
+		h, _ := t.cache.BlockHash(b)
 		t.wt.queued[b] = true
 		t.wt.queue = append(t.wt.queue, wtEntry{b, h})
 	}
 	t.wt.filled = t.wt.filled[:0]
-	if over := len(t.wt.queue) - m.pool.NumBlocks(); over > 0 {
+	if over := len(t.wt.queue) - t.gpu.NumBlocks(); over > 0 {
 		for _, e := range t.wt.queue[:over] {
 			t.wt.queued[e.block] = false
 		}
@@ -98,8 +97,7 @@ func (m *Manager) queueComputed() {
 // writeThroughOps appends to ops the stores of up to WriteThrough queued
 // blocks: each still cached and computed gets a host slot under its hash
 // and a reference and a lock for its copy. op names the call for panics.
-func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
-	t := m.tier
+func (t *Tier) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 	if t.cfg.WriteThrough == 0 || len(t.wt.queue) == 0 {
 		return ops
 	}
@@ -108,11 +106,11 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 	for ; k < len(t.wt.queue) && taken < t.cfg.WriteThrough; k++ {
 		b := t.wt.queue[k].block
 		t.wt.queued[b] = false
-		if m.cache.IsPending(b) {
+		if t.cache.IsPending(b) {
 			t.st.WriteThroughLost++ // evicted first, and the id filled again: queued anew once computed
 			continue
 		}
-		ev, toks, ok := m.cache.Describe(b, t.evToks[:0])
+		ev, toks, ok := t.cache.Describe(b, t.evToks[:0])
 		t.evToks = toks
 		if !ok {
 			t.st.WriteThroughLost++ // the GPU evicted it first
@@ -120,7 +118,7 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 		}
 		if ev.Hash != t.wt.queue[k].hash {
 			// Evicted first; the id's block now is another computed one,
-			// which this entry stores instead (queueComputed left it out).
+			// which this entry stores instead (QueueComputed left it out).
 			t.st.WriteThroughLost++
 		}
 		slot, gone, err := t.cfg.Pool.ReserveEvict(HostKey(ev.Hash))
@@ -132,11 +130,11 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 			}
 			continue
 		}
-		m.one[0] = b
+		t.one[0] = b
 		// A cached block: its references equal its locks, bounded below
 		// 2^31-1 by the sequences that hold it.
-		assertOK(m.pool.Incref(m.one[:]), op+": referencing a block to store")
-		assertOK(m.cache.Lock(m.one[:]), op+": locking a block to store")
+		assertOK(t.gpu.Incref(t.one[:]), op+": referencing a block to store")
+		assertOK(t.cache.Lock(t.one[:]), op+": locking a block to store")
 		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: ev.Hash})
 		if t.events {
 			t.hostEvicted(slot, gone, op)
@@ -147,7 +145,7 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 	}
 	t.wt.queue = append(t.wt.queue[:0], t.wt.queue[k:]...)
 	if len(t.gone) > 0 {
-		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
+		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
 	}
 	return ops
 }
@@ -155,15 +153,15 @@ func (m *Manager) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 // endStore ends one write-through store: its host slot is committed (ok)
 // or aborted as a demotion's, and the copy's reference and lock on the
 // GPU block, which stays cached, are released without an access.
-func (m *Manager) endStore(op DemoteOp, ok bool) {
-	if m.tier.endHostCopy(op, ok) {
-		m.tier.st.WriteThroughStored++
+func (t *Tier) endStore(op DemoteOp, ok bool) {
+	if t.endHostCopy(op, ok) {
+		t.st.WriteThroughStored++
 	}
-	m.one[0] = op.Block
+	t.one[0] = op.Block
 	// The copy's lock kept the block in the cache (neither evictable nor
 	// an uncomputed block a removal drops).
-	assertOK(m.cache.Release(m.one[:]), "complete copies: releasing a stored block")
+	assertOK(t.cache.Release(t.one[:]), "complete copies: releasing a stored block")
 	var err error
-	m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+	t.cached, err = t.gpu.Decref(t.one[:], t.cached[:0])
 	assertOK(err, "complete copies: a stored block is not referenced")
 }

@@ -1,4 +1,4 @@
-package kvmanager
+package kvtier
 
 import (
 	"encoding/binary"
@@ -18,7 +18,7 @@ import (
 // or Redis server that instances share, below each one's host tier, so
 // that an instance serves a prompt another instance computed.
 //
-// With HostTier.Shared set, the manager owns a valkey.Tier and uses it in
+// With Config.Shared set, the manager owns a valkey.Tier and uses it in
 // two places.
 //
 // Fetch. Admit and MatchTiers look, for each prompt, past its GPU match
@@ -35,7 +35,7 @@ import (
 // briefly, so that the host tier's KV events follow them), in two round
 // trips per call whatever the batch (EXISTS of every block wanted, then
 // GET of those found); each is bounded by
-// SharedTier.OpTimeout, the transfer included, so the fetch adds at most
+// SharedConfig.OpTimeout, the transfer included, so the fetch adds at most
 // two operation timeouts to the call. A server that is down, slow or
 // restarting costs one failed round trip and is then skipped without
 // touching the network for a backoff window (package valkey); its blocks
@@ -47,7 +47,7 @@ import (
 // one goroutine per manager writes the queue out, up to
 // sharedPutBatch blocks a round trip, leaving out those the server holds
 // already (an EXISTS first: every instance demotes the same system
-// prompt). The queue holds SharedTier.PutQueue blocks: a demotion that
+// prompt). The queue holds SharedConfig.PutQueue blocks: a demotion that
 // finds it full is not stored (counted), so neither CompleteCopies nor a
 // step ever waits on the server. Blocks fetched from the shared tier are
 // not stored again. Close flushes the queue and stops the goroutine.
@@ -74,7 +74,7 @@ import (
 // tier's key, HostKey) never reads as the other's K/V. The chained hash
 // covers the tokens, the adapter, multimodal items and the tenant salt,
 // but not the model: equal prompts give equal hashes under every model.
-// SharedTier.Namespace is what keeps models apart, and the engine must set
+// SharedConfig.Namespace is what keeps models apart, and the engine must set
 // it to the identity of everything the K/V depends on: model and
 // revision, dtype, K/V layout (layers, KV heads, head size, block layout),
 // tensor-parallel rank when each rank keeps its own share of the heads,
@@ -87,19 +87,19 @@ import (
 //
 // The tier never deletes keys: the server's memory is bounded by its own
 // maxmemory policy (allkeys-lru for a server dedicated to the tier;
-// volatile-lru with SharedTier.TTL on a shared one).
+// volatile-lru with SharedConfig.TTL on a shared one).
 //
 // # Security
 //
-// SharedTier's Username and Password (AUTH), TLS and MACKeys (a keyed
+// SharedConfig's Username and Password (AUTH), TLS and MACKeys (a keyed
 // MAC over each value) are valkey.Config's: see package valkey,
 // "Security". The manager adds nothing to them: a server that refuses
 // the credentials or the handshake is a server that is down (misses,
 // stores dropped, a backoff window), and a value whose MAC does not
 // verify is a miss like a corrupt one.
 
-// SharedTier configures the shared tier below a manager's host tier.
-type SharedTier struct {
+// SharedConfig configures the shared tier below a manager's host tier.
+type SharedConfig struct {
 	// Addr is the server's host:port.
 	Addr string
 	// Namespace names the model and K/V layout the blocks belong to: 1 to
@@ -135,14 +135,14 @@ type SharedTier struct {
 	MACKeys  valkey.Secret
 }
 
-// DefaultPutQueue is the store queue's size of a SharedTier that leaves
+// DefaultPutQueue is the store queue's size of a SharedConfig that leaves
 // PutQueue 0.
 const DefaultPutQueue = 256
 
-// maxPutQueue bounds SharedTier.PutQueue.
+// maxPutQueue bounds SharedConfig.PutQueue.
 const maxPutQueue = 1 << 20
 
-// maxOpTimeout bounds SharedTier.OpTimeout: a call waits at most two of
+// maxOpTimeout bounds SharedConfig.OpTimeout: a call waits at most two of
 // them.
 const maxOpTimeout = time.Minute
 
@@ -219,7 +219,7 @@ func fingerprint(ns string, blockSize, blockBytes int) uint64 {
 // Check returns the error New would return for a manager with this
 // shared tier (its own fields' errors), without making anything: a
 // caller that allocates a host pool first may check before.
-func (c *SharedTier) Check() error {
+func (c *SharedConfig) Check() error {
 	if c.OpTimeout < 0 || c.OpTimeout > maxOpTimeout {
 		return kverr.Errorf(kverr.InvalidArgument, "shared tier: operation timeout must be in [0, %v]: got %v", maxOpTimeout, c.OpTimeout)
 	}
@@ -231,7 +231,7 @@ func (c *SharedTier) Check() error {
 	return c.valkeyConfig(0, 0).CheckFiles()
 }
 
-func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
+func (c *SharedConfig) valkeyConfig(blockSize, blockBytes int) valkey.Config {
 	return valkey.Config{
 		Addr:        c.Addr,
 		Namespace:   c.Namespace,
@@ -248,7 +248,7 @@ func (c *SharedTier) valkeyConfig(blockSize, blockBytes int) valkey.Config {
 	}
 }
 
-func newShared(c *SharedTier, pool *host.Pool, blockSize int) (*sharedTier, error) {
+func newShared(c *SharedConfig, pool *host.Pool, blockSize int) (*sharedTier, error) {
 	if err := c.Check(); err != nil {
 		return nil, err
 	}
@@ -374,9 +374,21 @@ type wantSrc struct {
 	Parent        prefix.Hash
 }
 
-// fetchShared is the shared tier's part of Admit (ids not nil) and
-// MatchTiers: it finds the blocks to look up under the manager's lock
-// (failing as the call would when an id is live or repeated), asks the
+// Fetched is what one Fetch fetched: the host keys of the blocks it read
+// from the shared tier into the host tier.
+type Fetched map[uint64]struct{}
+
+// Prompts is a batch of prompts: Len of them, prompt i's tokens and
+// extra keys (nil: none) Prompt(i).
+type Prompts interface {
+	Len() int
+	Prompt(i int) ([]int32, *prefix.Keys)
+}
+
+// Fetch is the shared tier's part of Admit and MatchTiers, called without
+// the manager's lock: it finds the blocks to look up under the lock
+// (failing with check's error, which the manager's call would fail with:
+// an id live or repeated, say; check nil: none), asks the
 // server which it holds, reserves host slots for them under the lock,
 // reads them into the slots without it, and commits them under it again.
 // It returns the host keys of the blocks fetched; nil when there is no
@@ -389,12 +401,12 @@ type wantSrc struct {
 // described from the prompt that wanted it (tokens, parent, adapter,
 // multimodal entries) as its GPU BlockStored would be. While its read is
 // in flight the slot is reserved: pinned, neither resident nor announced.
-func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}, error) {
-	if m.tier == nil || m.tier.shared == nil {
+func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
+	if t.shared == nil {
 		return nil, nil
 	}
-	s := m.tier.shared
-	w, err := m.sharedWanted(prompts, ids)
+	s := t.shared
+	w, err := t.sharedWanted(prompts, check)
 	if err != nil || len(w.want) == 0 {
 		return nil, err
 	}
@@ -411,7 +423,7 @@ func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}
 			need[j] = true
 		}
 	}
-	keys, slots := m.reserveFetch(prompts, &w, need)
+	keys, slots := t.reserveFetch(prompts, &w, need)
 	if len(keys) == 0 {
 		return nil, nil
 	}
@@ -420,17 +432,16 @@ func (m *Manager) fetchShared(prompts Prompts, ids []int64) (map[uint64]struct{}
 		dst[i] = s.pool.Bytes(slot)
 	}
 	found := s.t.GetInto(keys, dst)
-	return m.commitFetch(keys, slots, found), nil
+	return t.commitFetch(keys, slots, found), nil
 }
 
 // reserveFetch reserves, under the lock, a host slot for each block
 // needed (need[j]: w.want[j]) and returns the blocks' hashes and slots;
 // with KV events on it describes each slot's block (not yet announced)
 // and announces the resident blocks the reservations evicted.
-func (m *Manager) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valkey.Hash, []host.Slot) {
-	m.mu.Lock()
-	defer m.unlock()
-	t := m.tier
+func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valkey.Hash, []host.Slot) {
+	t.lock.Lock()
+	defer t.lock.Unlock()
 	s := t.shared
 	if s.closed {
 		return nil, nil // Close came while the lookup was in flight: fetch nothing
@@ -463,19 +474,19 @@ func (m *Manager) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]v
 		if t.events {
 			t.hostEvicted(slot, gone, "shared tier fetch")
 			src := w.src[j]
-			tokens, pk := prompts.prompt(int(src.Prompt))
+			tokens, pk := prompts.Prompt(int(src.Prompt))
 			b := int(src.Block)
-			ev := prefix.EvictedBlock{Hash: h, Parent: src.Parent, MM: pk.AppendBlockMM(nil, b, m.bs)}
+			ev := prefix.EvictedBlock{Hash: h, Parent: src.Parent, MM: pk.AppendBlockMM(nil, b, t.bs)}
 			if pk != nil {
 				ev.Adapter = pk.Adapter
 			}
-			t.setMeta(slot, &ev, tokens[b*m.bs:(b+1)*m.bs])
+			t.setMeta(slot, &ev, tokens[b*t.bs:(b+1)*t.bs])
 		}
 	}
 	s.hits.Add(hits)
 	s.misses.Add(int64(len(w.want)) - hits)
 	if len(t.gone) > 0 {
-		assertOK(m.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "shared tier fetch: recording host evictions")
+		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "shared tier fetch: recording host evictions")
 	}
 	return keys, slots
 }
@@ -484,12 +495,11 @@ func (m *Manager) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]v
 // block (found[i]) and gives the others back; with KV events on it
 // announces the committed blocks, in want order (a prompt's parents
 // first). It returns the committed blocks' host keys.
-func (m *Manager) commitFetch(keys []valkey.Hash, slots []host.Slot, found []bool) map[uint64]struct{} {
-	m.mu.Lock()
-	defer m.unlock()
-	t := m.tier
+func (t *Tier) commitFetch(keys []valkey.Hash, slots []host.Slot, found []bool) Fetched {
+	t.lock.Lock()
+	defer t.lock.Unlock()
 	s := t.shared
-	fetched := make(map[uint64]struct{}, len(keys))
+	fetched := make(Fetched, len(keys))
 	for i, slot := range slots {
 		if !found[i] {
 			assertOK(s.pool.Abort(slot), "shared tier: giving back a missed block's host slot")
@@ -504,7 +514,7 @@ func (m *Manager) commitFetch(keys []valkey.Hash, slots []host.Slot, found []boo
 			t.meta[slot].resident = true
 			t.nResident++
 			blk := t.block(slot)
-			assertOK(m.cache.RecordTierStored(&blk), "shared tier: recording a fetched block")
+			assertOK(t.cache.RecordTierStored(&blk), "shared tier: recording a fetched block")
 		}
 	}
 	s.fetched.Add(int64(len(fetched)))
@@ -520,16 +530,15 @@ func (m *Manager) commitFetch(keys []valkey.Hash, slots []host.Slot, found []boo
 // holding its last token, at most the host tier's slots in all. It
 // changes nothing: it looks (prefix.Index.Lookup, host.Pool.Peek)
 // without touching or counting.
-func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
+func (t *Tier) sharedWanted(prompts Prompts, check func() error) (sharedWant, error) {
+	t.lock.Lock()
+	defer t.lock.Unlock()
 	var w sharedWant
-	t := m.tier
 	if t.shared.closed {
 		return w, nil
 	}
-	if ids != nil {
-		if err := m.checkNewIDs("admit", "sequence", ids); err != nil {
+	if check != nil {
+		if err := check(); err != nil {
 			return w, err
 		}
 	}
@@ -538,18 +547,18 @@ func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error)
 	n := prompts.Len()
 	w.off = make([]int, 1, n+1)
 	for i := range n {
-		tokens, keys := prompts.prompt(i)
+		tokens, keys := prompts.Prompt(i)
 		limit := 0
 		if len(tokens) > 0 {
-			limit = (len(tokens) - 1) / m.bs
+			limit = (len(tokens) - 1) / t.bs
 		}
 		if limit > 0 && len(w.want) < room {
 			var err error
-			t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*m.bs], m.bs, keys)
+			t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
 			assertOK(err, "shared tier: hashing a validated prompt")
 			g := 0
 			for g < limit {
-				if _, ok := m.cache.Lookup(t.hashes[g]); !ok {
+				if _, ok := t.cache.Lookup(t.hashes[g]); !ok {
 					break
 				}
 				g++
@@ -584,7 +593,7 @@ func (m *Manager) sharedWanted(prompts Prompts, ids []int64) (sharedWant, error)
 
 // countShared counts, after a prompt's host match (t.keys[:hit]), the
 // blocks among them that this call fetched from the shared tier.
-func (t *tier) countShared(fetched map[uint64]struct{}, hit int) int {
+func (t *Tier) countShared(fetched Fetched, hit int) int {
 	if len(fetched) == 0 {
 		return 0
 	}
@@ -597,33 +606,38 @@ func (t *tier) countShared(fetched map[uint64]struct{}, hit int) int {
 	return n
 }
 
-// Close ends the manager's background work: the shared tier's queued
-// stores are written (each round trip bounded by SharedTier.OpTimeout; a
-// server that is down skips them at once) and its connection is closed.
-// The manager stays usable, without the shared tier: nothing is fetched
-// or stored after Close. A Go program that creates a manager with a
-// shared tier must Close it, or its store goroutine lives on; the C ABI's
-// kvp_manager_destroy does. Closing twice, or a manager without a shared
-// tier, does nothing.
-func (m *Manager) Close() error {
-	s := m.closeShared()
-	if s == nil {
-		return nil
+// Close ends the tier's background work, called without the manager's
+// lock: the shared tier's queued stores are written (each round trip
+// bounded by SharedConfig.OpTimeout; a server that is down skips them at
+// once) and its connection is closed. The tier stays usable without the
+// shared tier (nothing is fetched or stored after Close), unless it made
+// its pool (Config.Slots): then the pool is closed and its memory
+// released, and the tier must not be used again. Closing twice does
+// nothing more.
+func (t *Tier) Close() error {
+	var err error
+	if s := t.closeShared(); s != nil {
+		<-s.done
+		err = s.t.Close()
 	}
-	<-s.done
-	return s.t.Close()
+	t.release()
+	return err
 }
 
 // closeShared marks the shared tier closed and closes its queue; nil when
 // there is none or it was closed already.
-func (m *Manager) closeShared() *sharedTier {
-	m.mu.Lock()
-	defer m.unlock()
-	if m.tier == nil || m.tier.shared == nil || m.tier.shared.closed {
+func (t *Tier) closeShared() *sharedTier {
+	t.lock.Lock()
+	defer t.lock.Unlock()
+	if t.shared == nil || t.shared.closed {
 		return nil
 	}
-	s := m.tier.shared
+	s := t.shared
 	s.closed = true
 	close(s.queue)
 	return s
 }
+
+// SharedClosed reports whether Close has closed the shared tier (or
+// there is none). Under the manager's lock.
+func (t *Tier) SharedClosed() bool { return t.shared == nil || t.shared.closed }

@@ -1,0 +1,1043 @@
+package kvtier
+
+import (
+	"encoding/binary"
+	"sync"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/blocks"
+)
+
+// The host tier in the manager (issue 23; core/kvtier's package comment
+// has the ordering rules this follows).
+//
+// With kvmanager.Config.HostTier set, cached GPU blocks that the manager evicts
+// ahead of need are demoted to the host pool instead of dropped: the
+// manager Reserves a host slot under the block's hash, queues a copy
+// (GPU block -> host slot) and keeps the GPU block out of the free queue
+// until the copy has completed; then it Commits the slot and frees the
+// block. Match per tier (MatchTiers) reports, beyond the GPU prefix
+// cache's match, how many further blocks the host tier holds, and
+// admission (Admit) uses them: a prompt's blocks that follow its GPU
+// match and that the host tier holds are pinned there, get GPU blocks
+// and count as matched (not computed); their reloads (host slot -> GPU
+// block) go into the next copy batch.
+//
+// # Reloaded blocks
+//
+// A reloaded block is inserted into the GPU prefix cache at admission,
+// as the blocks the step computes are (core/kvmanager, prefix.go: a block is cached when
+// the call that fills it returns, before its K/V exists): its K/V
+// arrives before the step's attention, since the engine orders the
+// batch's reloads before it (core/kvtier, rule 3), so a later prompt, in
+// the same step too, may share it. Until the reload completes, the copy
+// holds one reference (and, once cached, one lock) on the GPU block, so
+// that a sequence removed first leaves the block neither free nor
+// evictable while the copy may still write it; and the host slot stays
+// pinned, so the bytes under the copy cannot change. A failed reload
+// (CompleteCopies with failed, or a refused batch) unpins and releases
+// the same way, but the blocks stay cached without valid K/V: the
+// engine must treat it as fatal for the prefix cache (remove the
+// sequences, ClearPrefixCache).
+//
+// # When blocks are demoted
+//
+// An allocation that finds the free queue short (Add, Admit, Grow, Fork)
+// needs the evicted blocks now, and a block whose copy is still in flight
+// cannot serve it. So those evictions drop the blocks at once, without
+// demotion, as without a tier (counted in Stats.EvictedUndemoted).
+// Demotion happens ahead of need instead, in FlushCopies, which the
+// engine calls once per step: it evicts the least recently used cached
+// blocks (the prefix cache's own order) until the free blocks plus those
+// being demoted reach Config.DemoteAhead, queues their copies and hands
+// the step's copies to the Copier as one batch. Their blocks return
+// to the free queue when the engine reports the batch complete
+// (CompleteCopies), normally before the next step's allocations, which
+// then find free blocks and evict nothing. A block being demoted is
+// neither free nor evictable: until its copy completes, allocations see
+// that many fewer available blocks, and one that cannot be served fails
+// with OutOfBlocks, changing nothing, as when the pool is exhausted.
+// DemoteAhead bounds how many blocks that can be; 0 demotes nothing.
+//
+// FlushCopies never demotes a block allocated since the previous
+// FlushCopies: a block is cached when the call that fills it returns, but
+// its K/V exists only once the step's forward pass (which follows the
+// step's flush) has written it, so a block whose sequence was removed
+// before then holds nothing worth copying. Such a block is evicted (to
+// the free queue) without demotion. The engine's step is one FlushCopies
+// then the forward pass; a block allocated before a flush is written by
+// the time of the next.
+//
+// # Demoting the blocks allocations evict (DemoteEvicted)
+//
+// The copy engine's stream order makes the blocks an allocation evicts
+// demotable too, and Config.DemoteEvicted opts in: such a block goes to
+// its new owner at once, and its demotion (a host slot reserved under its
+// hash, a DemoteOp holding no reference on the GPU block) waits for the
+// next FlushCopies, which hands it out ahead of the batch's other copies.
+// Its K/V is intact until the step writes the new owner's: the forward
+// pass (kv_write, attention), the Fork copy-on-write copies, a reload
+// into the block. So the mode rests on one ordering rule, the engine's:
+//
+//   - FlushCopies follows the step's last allocation (Add, Admit, Grow,
+//     Fork), and the batch's demotions are enqueued on the step's stream
+//     before anything that writes K/V in that step (not on a side stream,
+//     nor overlapped with the step): the demotions of a batch before its
+//     reloads (tiercopy.Copier.Run launches them first), the batch before
+//     the step's block copies and forward pass.
+//
+// An allocation after the step's FlushCopies would leave its evicted
+// blocks' demotions for the next step's batch, after the forward pass had
+// overwritten them: an engine that allocates then must not enable the
+// mode (or calls FlushCopies again before the forward pass). A block
+// allocated since the last FlushCopies holds no K/V yet (the step writes
+// it), even when cached, so evicting it again before the next flush drops
+// it (EvictedUndemoted; FlushCopies' own demotions skip such blocks in
+// both modes, above); so does a host pool with every slot pinned. A
+// block the host tier holds already is SkippedPresent. Completion commits
+// the host slot as any demotion's (Abort on failure) and frees nothing on
+// the GPU. FlushCopies still demotes ahead (DemoteAhead), in the same
+// batch after the allocations' demotions.
+//
+// # Keys
+//
+// A host slot holds a block under a 64-bit key: the first eight bytes of
+// the block's 128-bit chained hash (HostKey). The shared tier, which many
+// instances fill over a long time, keys and checks blocks by the whole
+// 128-bit hash (shared.go).
+//
+// # KV events
+//
+// With KV events on (Config.EnableKVEvents), the host tier's blocks have
+// their own events, of medium CPU (prefix.MediumCPU; "CPU" on the wire,
+// as vLLM's OffloadingConnector sends), in the one stream with the GPU
+// prefix cache's (medium GPU), under the same bound and resync rules
+// (package prefix, Index.DrainEvents):
+//
+//   - a demotion announces its block when CompleteCopies commits it
+//     (BlockStored, CPU), never while its copy is in flight or when it
+//     fails; its GPU BlockRemoved came when FlushCopies evicted it;
+//   - a host slot that Reserve takes from a resident block (the host
+//     LRU's eviction) announces that block's removal (BlockRemoved, CPU),
+//     in FlushCopies, one event for the flush's evictions;
+//   - a block fetched from the shared tier (shared.go) is announced when
+//     its host slot commits (BlockStored, CPU, described from the prompt
+//     that wanted it), and a slot its reservation takes from a resident
+//     block announces that block's removal (BlockRemoved, CPU), in the
+//     fetch, before the call's own work;
+//   - a reload does not change the host tier (the block stays resident
+//     there); its GPU BlockStored comes from the admission, as for any
+//     block the prefix cache caches;
+//   - a snapshot (RequestEventSnapshot, a full queue) lists the host
+//     tier's resident blocks after the GPU's, and so does
+//     ClearPrefixCache after its AllCleared, which a consumer applies to
+//     every medium while the host tier keeps its blocks.
+//
+// A CPU BlockStored carries what the block's GPU BlockStored did: its
+// chained hash (the same one: a consumer ties the tiers together by it),
+// its parent's hash (the previous block of its chain, wherever that is
+// held), its tokens, adapter and multimodal entries. vLLM's own CPU
+// events leave the parent, tokens and adapter out (None, [], None);
+// consumers written for them read these unchanged. To announce them, the
+// manager keeps each host slot's block description (about 40 bytes and
+// the block's tokens per slot) while events are on.
+//
+// # Model reloads
+//
+// ClearPrefixCache does not touch the host tier (its blocks would be the
+// old model's K/V, and demotions in flight still commit): a model or
+// adapter reload needs a new manager and host pool.
+//
+// # Ordering and threads
+//
+// FlushCopies calls Copier.Copy with the manager's lock held: Copy
+// must only enqueue the batch (a copy kernel or cudaMemcpyBatchAsync on
+// the engine's stream, then an event) and return; it must not call the
+// Manager. The engine reports completion with CompleteCopies(ticket),
+// from any goroutine, once the batch's copies have finished (its event
+// has completed), or with failed set when they did not. Until then the
+// batch's GPU blocks stay allocated to the copy and its host slots stay
+// reserved (invisible to host matches), so the bytes under a copy never
+// change and a half-written slot is never matched.
+
+// Config configures a manager's host tier (kvmanager.Config.HostTier).
+type Config struct {
+	// Pool holds the demoted blocks. The tier is its only writer
+	// (Reserve, Commit, Abort); one pool per tier. The caller keeps it
+	// (and closes it after the tier).
+	Pool *host.Pool
+	// With Pool nil, the tier makes its own pool of Slots slots of
+	// BlockBytes bytes each, in memory from Memory (nil: Go memory), and
+	// owns both: Close closes the pool and releases the memory.
+	Slots, BlockBytes int
+	Memory            Memory
+	// Copier performs the copies between GPU blocks and host slots. Nil:
+	// the engine drives the copies itself through FlushCopiesTo (as the C
+	// ABI does), and FlushCopies fails.
+	Copier Copier
+	// DemoteAhead is the number of blocks FlushCopies keeps free or being
+	// demoted, by demoting least recently used cached blocks; in [0,
+	// NumBlocks]. 0 disables demotion ahead of need.
+	DemoteAhead int
+	// DemoteEvicted demotes the cached blocks that allocations evict
+	// (Add, Admit, Grow, Fork finding the free queue short), in the next
+	// FlushCopies' batch, while their GPU blocks go to their new owners
+	// at once. Only for an engine that calls FlushCopies after a step's
+	// last allocation and enqueues the batch's demotions on the step's
+	// stream before anything that writes K/V in the step (see "Demoting
+	// the blocks allocations evict" above); otherwise the host tier would
+	// hold the new owners' K/V under the old blocks' hashes.
+	DemoteEvicted bool
+	// WriteThrough stores computed blocks to the host tier while they stay
+	// in the GPU prefix cache (writethrough.go): each FlushCopies copies
+	// up to this many of the blocks computed since (oldest first), so a
+	// GPU eviction later costs nothing and no GPU hit is traded for a host
+	// one. In [0, NumBlocks]; 0 stores nothing this way.
+	WriteThrough int
+	// Shared, when not nil, adds the shared tier (a Valkey or Redis
+	// server) below the host tier (shared.go). The manager must then be
+	// closed (Close).
+	Shared *SharedConfig
+}
+
+// Memory is the memory of a pool the tier makes (Config.Slots): Alloc is
+// called once, at New, and Release once, when the tier closes (or New
+// fails after Alloc), whatever the pool's state then: the caller of Close
+// guarantees that no copy uses the memory any more.
+type Memory interface {
+	Alloc(size int) ([]byte, error)
+	Release()
+}
+
+// NumSlots is the host slots of the tier this config makes.
+func (c *Config) NumSlots() int {
+	if c.Pool != nil {
+		return c.Pool.Stats().Slots
+	}
+	return c.Slots
+}
+
+// DemoteOp is one block's demotion: copy GPU block Block (all layers, K
+// and V) into host slot Slot (Pool.Bytes(Slot)).
+type DemoteOp struct {
+	Block int32
+	Slot  host.Slot
+	Hash  prefix.Hash // the block's chained hash (its host key is HostKey(Hash))
+}
+
+// ReloadOp is one block's reload: copy host slot Slot into GPU block
+// Block (all layers, K and V), before the step's attention reads it.
+type ReloadOp struct {
+	Slot  host.Slot
+	Block int32
+}
+
+// CopyBatch is one step's copies, handed to Copier.Copy. Its slices
+// are the manager's and valid only during the call.
+type CopyBatch struct {
+	// Ticket names the batch in CompleteCopies; never 0.
+	Ticket uint64
+	// Demote lists the GPU-to-host copies, in eviction order: those of
+	// the blocks allocations evicted since the last flush first
+	// (Config.DemoteEvicted), then FlushCopies' own. The engine must
+	// copy them before the batch's reloads (which may write the same GPU
+	// blocks, allocated anew) and, with DemoteEvicted, before anything
+	// else that writes K/V in the step.
+	Demote []DemoteOp
+	// Reload lists the host-to-GPU copies of the step's host hits, in
+	// admission order and each prompt's block order. The engine must
+	// order them before the step's attention (a copy on the step's
+	// stream, or an event the stream waits on).
+	Reload []ReloadOp
+}
+
+// Copier performs a manager's tier copies (see the comment above
+// Config for when and under which lock it is called).
+type Copier interface {
+	// Copy starts the batch's copies and returns. An error means nothing
+	// of the batch was started: the manager drops the blocks without
+	// demotion (aborting their host slots) and FlushCopies returns it.
+	Copy(b CopyBatch) error
+}
+
+// Stats are the host tier's counters in the manager, and the host
+// pool's own.
+type Stats struct {
+	DemotionsQueued    int64 // demotion copies handed to the copier
+	DemotionsCompleted int64 // committed to the host tier
+	DemotionsFailed    int64 // copies reported failed, or a Copy that failed
+	SkippedFull        int64 // demotions skipped: every host slot pinned
+	SkippedPresent     int64 // demotions skipped: the host tier holds the block already
+	EvictedUndemoted   int64 // blocks an allocation evicted and dropped, not demoted (with DemoteEvicted: those it could not demote, present ones aside)
+	Reloads            int64 // host-to-GPU block copies queued by admissions
+	ReloadsCompleted   int64 // of which reported complete
+	ReloadsFailed      int64 // of which reported failed
+	HostHitTokens      int64 // tokens admissions matched in the host tier
+	InFlight           int   // blocks whose demotion copy has not completed (queued by allocations included)
+	MatchQueries       int64 // prompts asked of MatchTiers
+	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
+	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
+	WriteThroughStored int64 // computed blocks copied to the host tier while staying on the GPU (completed)
+	WriteThroughLost   int64 // computed blocks the GPU evicted before their write-through store
+	WriteThroughQueue  int   // computed blocks waiting for their write-through store
+	Host               host.Stats
+	Shared             SharedStats // the shared tier's; zero without one
+}
+
+// HostKey is the host tier's key of a block: the first eight bytes of its
+// chained hash, big-endian.
+func HostKey(h prefix.Hash) uint64 { return binary.BigEndian.Uint64(h[:8]) }
+
+// Tier is a manager's host tier: the host pool (and its memory, when
+// the tier made it), the shared tier's client and the policy that moves
+// blocks between them and the GPU pool (demotion, write-through,
+// reloads). Its methods are called under the manager's lock (the
+// package comment's obligations), but for Fetch and Close, which take
+// that lock themselves around their round trips to the shared tier.
+type Tier struct {
+	cfg      Config
+	gpu      *blocks.Pool
+	cache    *prefix.Index
+	lock     sync.Locker
+	inflight map[uint64]inflightBatch // by ticket
+	nextTkt  uint64
+	nBlocks  int // demotions in inflight that hold their GPU block
+	nUnheld  int // demotions in inflight that do not (DemoteEvicted)
+
+	// DemoteEvicted: the demotions of the blocks allocations evicted since
+	// the last flush, their host slots reserved, holding no GPU block.
+	// In both modes, each block's allocation epoch (stamp[b] == epoch:
+	// allocated since the last flush, its K/V not written yet).
+	evictOps []DemoteOp
+	epoch    uint32
+	stamp    []uint32
+
+	// Reloads queued by admissions since the last FlushCopies. Each
+	// reload op, queued or in flight, holds one reference on its GPU
+	// block (and one lock, when the block is cached), so that the block
+	// is not evicted, demoted or reused while the copy may write it, even
+	// if its sequence is removed first.
+	reloads []ReloadOp
+
+	// KV events (Config.EnableKVEvents): each host slot's block, by slot,
+	// grown as slots are first used; toks holds slot s's tokens at
+	// [s*bs, (s+1)*bs).
+	events    bool
+	bs        int
+	meta      []hostMeta
+	toks      []int32
+	nResident int           // slots whose block was announced (meta resident)
+	gone      []prefix.Hash // scratch: a flush's host evictions
+
+	// Scratch.
+	pending []DemoteOp
+	evInfo  []prefix.EvictedBlock
+	evToks  []int32
+	hashes  []prefix.Hash
+	keys    []uint64
+	slots   []host.Slot
+	hasher  prefix.Hasher
+
+	// The shared tier; nil when there is none.
+	shared *sharedTier
+
+	// owned: the tier made cfg.Pool (Config.Slots) and releases it, with
+	// cfg.Memory, at Close; released once it has.
+	owned, released bool
+
+	// Scratch for the GPU pool's calls.
+	one    [1]int32
+	cached []int32
+	locks  []int32
+
+	// Write-through (writethrough.go).
+	wt writeThrough
+
+	st Stats
+}
+
+// inflightBatch is a batch handed out and not completed: its first
+// unheld demotions (the allocations', DemoteEvicted) hold no GPU block,
+// the others one reference each.
+type inflightBatch struct {
+	CopyBatch
+	unheld  int
+	through int // the last through demotions are write-through stores (writethrough.go)
+}
+
+// hostMeta is what the events say of a host slot's block.
+type hostMeta struct {
+	hash     prefix.Hash
+	parent   prefix.Hash
+	adapter  uint64
+	mm       []prefix.BlockMM
+	resident bool // committed and announced; false while reserved
+}
+
+// hostEvicted notes, with KV events on, that a reservation took slot s
+// (gone: the resident block it evicted, if any): the evicted block's
+// hash joins t.gone, whose BlockRemoved the caller records, and the slot
+// is no longer announced. Under the manager's lock, as every change of
+// the host pool's slots is.
+func (t *Tier) hostEvicted(s host.Slot, gone host.Eviction, op string) {
+	if !gone.Evicted {
+		return
+	}
+	if int(s) >= len(t.meta) || !t.meta[s].resident || HostKey(t.meta[s].hash) != gone.Hash {
+		panic(kverr.Errorf(kverr.Internal, "kvtier: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, s))
+	}
+	t.gone = append(t.gone, t.meta[s].hash)
+	t.meta[s].resident = false
+	t.nResident--
+}
+
+// setMeta records the block that slot s now holds (reserved).
+func (t *Tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
+	if n := int(s) + 1; n > len(t.meta) {
+		t.meta = append(t.meta, make([]hostMeta, n-len(t.meta))...)
+		t.toks = append(t.toks, make([]int32, n*t.bs-len(t.toks))...)
+	}
+	// b.MM is the caller's (EvictBlocks hands it over).
+	t.meta[s] = hostMeta{hash: b.Hash, parent: b.Parent, adapter: b.Adapter, mm: b.MM}
+	copy(t.toks[int(s)*t.bs:(int(s)+1)*t.bs], toks)
+}
+
+// block returns slot s's block as its BlockStored describes it; its
+// slices are the tier's.
+func (t *Tier) block(s host.Slot) prefix.TierBlock {
+	h := &t.meta[s]
+	return prefix.TierBlock{
+		Medium:  prefix.MediumCPU,
+		Hash:    h.hash,
+		Parent:  h.parent,
+		Adapter: h.adapter,
+		Tokens:  t.toks[int(s)*t.bs : (int(s)+1)*t.bs : (int(s)+1)*t.bs],
+		MM:      h.mm,
+	}
+}
+
+// TierLen implements prefix.TierSource: the resident host blocks.
+func (t *Tier) TierLen() int { return t.nResident }
+
+// AppendTierBlocks implements prefix.TierSource: the resident host
+// blocks, in slot order.
+func (t *Tier) AppendTierBlocks(dst []prefix.TierBlock) []prefix.TierBlock {
+	for s := range t.meta {
+		if t.meta[s].resident {
+			dst = append(dst, t.block(host.Slot(s)))
+		}
+	}
+	return dst
+}
+
+// GPU is what a tier works on: the manager's GPU block pool and prefix
+// cache, and the manager's lock (Lock, and an Unlock that runs the
+// manager's end-of-call checks), which Fetch and Close take themselves.
+type GPU struct {
+	Pool  *blocks.Pool
+	Cache *prefix.Index // nil: the prefix cache is off (refused: the tier needs it)
+	Lock  sync.Locker
+	// Events: the prefix cache records KV events, and the host tier's
+	// blocks are announced in them ("KV events" above).
+	Events bool
+}
+
+// New returns the host tier of cfg over g; with a shared tier its store
+// goroutine runs until Close. A tier that makes its pool (Config.Slots)
+// checks everything else first, so that a refused config allocates
+// nothing.
+func New(cfg Config, g GPU) (*Tier, error) {
+	h := &cfg
+	if h.Pool == nil && h.Slots == 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: a pool is needed")
+	}
+	if g.Cache == nil {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: needs the prefix cache (enable_prefix_cache)")
+	}
+	nb := g.Pool.NumBlocks()
+	if h.DemoteAhead < 0 || h.DemoteAhead > nb {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: demote_ahead must be in [0, %d]: got %d", nb, h.DemoteAhead)
+	}
+	if h.WriteThrough < 0 || h.WriteThrough > nb {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: write_through must be in [0, %d]: got %d", nb, h.WriteThrough)
+	}
+	if h.Shared != nil {
+		if err := h.Shared.Check(); err != nil {
+			return nil, err
+		}
+	}
+	t := &Tier{cfg: cfg, gpu: g.Pool, cache: g.Cache, lock: g.Lock, inflight: make(map[uint64]inflightBatch), bs: g.Pool.BlockSize()}
+	if h.Pool == nil {
+		p, err := newPool(h.Slots, h.BlockBytes, h.Memory)
+		if err != nil {
+			return nil, err
+		}
+		t.cfg.Pool, t.owned = p, true
+	}
+	t.epoch = 1
+	t.stamp = make([]uint32, nb)
+	if h.WriteThrough > 0 {
+		t.wt.queued = make([]bool, nb)
+	}
+	if h.Shared != nil {
+		var err error
+		if t.shared, err = newShared(h.Shared, t.cfg.Pool, t.bs); err != nil {
+			t.release()
+			return nil, err
+		}
+	}
+	if g.Events {
+		// The host tier's blocks are announced as CPU events and listed
+		// by snapshots ("KV events" above).
+		t.events = true
+		t.cache.SetTierSource(t)
+	}
+	if t.shared != nil {
+		go t.shared.run() // until Close
+	}
+	return t, nil
+}
+
+// poolMemory adapts a Memory to the host pool's Allocator: the pool's
+// Free does nothing, the tier releases the memory itself (release), after
+// the pool is closed.
+type poolMemory struct{ m Memory }
+
+func (a poolMemory) Alloc(size int) ([]byte, error) { return a.m.Alloc(size) }
+
+func (poolMemory) Free([]byte) error { return nil }
+
+// newPool makes a tier's own pool in mem (nil: Go memory), releasing
+// mem when the pool cannot be made.
+func newPool(slots, blockBytes int, mem Memory) (*host.Pool, error) {
+	pc := host.Config{Slots: slots, BlockBytes: blockBytes}
+	if mem != nil {
+		pc.Alloc = poolMemory{mem}
+	}
+	p, err := host.New(pc)
+	if err != nil && mem != nil {
+		mem.Release()
+	}
+	return p, err
+}
+
+// release closes the pool the tier made and releases its memory; once.
+func (t *Tier) release() {
+	if !t.owned || t.released {
+		return
+	}
+	t.released = true
+	_ = t.cfg.Pool.Close() // refused while a slot is pinned: the memory goes all the same
+	if t.cfg.Memory != nil {
+		t.cfg.Memory.Release()
+	}
+}
+
+// Pool returns the tier's host pool.
+func (t *Tier) Pool() *host.Pool { return t.cfg.Pool }
+
+// Config returns the tier's configuration (Pool set).
+func (t *Tier) Config() Config { return t.cfg }
+
+// FlushCopies demotes least recently used cached blocks until the free
+// blocks plus those being demoted reach Config.DemoteAhead (fewer when
+// fewer are evictable), and hands their copies, with the reloads queued
+// by admissions since the last flush, to the copier as one batch. The
+// engine calls it once per step, after the step's admissions and before
+// its forward pass. It returns the batch's ticket, for CompleteCopies,
+// and its number of copies; ticket 0 and n 0 when there was nothing to copy (the
+// copier is not called). A block whose host slot cannot be reserved
+// (every slot pinned, or the block is there already) is freed at once
+// and counted. Errors: InvalidArgument (no host tier), and the copier's
+// error, after which the batch's blocks are free and not demoted.
+func (t *Tier) FlushCopies() (ticket uint64, n int, err error) {
+	if t.cfg.Copier == nil {
+		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "flush copies: the host tier has no copier (the engine drives the copies: FlushCopiesTo)")
+	}
+	return t.flush(t.cfg.Copier.Copy)
+}
+
+// FlushCopiesTo is FlushCopies for an engine that performs the copies
+// itself (Config.Copier nil, as through the C ABI): instead of handing
+// the batch to a copier it writes the batch's demotions into demote and
+// its reloads into reload, and returns their numbers with the ticket
+// (ticket 0 when there was nothing to copy). The engine then copies each
+// demotion's GPU block into its host slot and each reload's host slot
+// into its GPU block, ordering the reloads before the step's attention,
+// and reports the batch with CompleteCopies (rules as for
+// Copier.Copy and CompleteCopies).
+//
+// demote must hold the demotions the flush may queue: those allocations
+// queued since the last flush (DemoteEvicted; never more than NumBlocks)
+// and DemoteAhead minus the free blocks minus the blocks being demoted
+// (never more than DemoteAhead); and reload the reloads queued since the last flush
+// (never more than NumBlocks); when either is shorter the call fails with
+// BufferTooSmall, changing nothing, and needDemote and needReload tell
+// the sizes needed. Errors: InvalidArgument (no host tier), BufferTooSmall.
+func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint64, nDemote, nReload, needDemote, needReload int, err error) {
+	needDemote = len(t.evictOps) + max(t.cfg.DemoteAhead-t.gpu.NumFree()-t.nBlocks, 0) + min(len(t.wt.queue), t.cfg.WriteThrough)
+	needReload = len(t.reloads)
+	if len(demote) < needDemote || len(reload) < needReload {
+		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
+			"flush copies: the batch may hold %d demotions and holds %d reloads; the arrays hold %d and %d",
+			needDemote, needReload, len(demote), len(reload))
+	}
+	ticket, _, err = t.flush(func(b CopyBatch) error {
+		nDemote = copy(demote, b.Demote)
+		nReload = copy(reload, b.Reload)
+		return nil
+	})
+	return ticket, nDemote, nReload, needDemote, needReload, err
+}
+
+// flush is FlushCopies handing the batch to copyFn.
+func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err error) {
+	// The allocations' demotions first (DemoteEvicted): they hold no GPU
+	// block, and their blocks' K/V lasts only until the step writes them.
+	t.pending = append(t.pending[:0], t.evictOps...)
+	unheld := len(t.evictOps)
+	t.evictOps = t.evictOps[:0]
+	if want := t.cfg.DemoteAhead - t.gpu.NumFree() - t.nBlocks; want > 0 {
+		t.evInfo, t.evToks = t.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want, t.events)
+		t.pending = t.reserveDemotions(t.pending, true, "flush copies")
+	}
+	moved := len(t.pending)
+	t.pending = t.writeThroughOps(t.pending, "flush copies")
+	through := len(t.pending) - moved
+	t.epoch++ // the blocks allocated so far are the step's to write
+	if len(t.pending) == 0 && len(t.reloads) == 0 {
+		return 0, 0, nil
+	}
+	t.nextTkt++
+	ticket = t.nextTkt
+	if cerr := copyFn(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
+		for i, op := range t.pending {
+			if i >= moved {
+				t.endStore(op, false)
+				continue
+			}
+			t.endDemotion(op, false, i >= unheld)
+		}
+		for _, op := range t.reloads {
+			t.endReload(op, false)
+		}
+		nd, nr := len(t.pending), len(t.reloads)
+		t.reloads = t.reloads[:0]
+		return 0, 0, kverr.Wrap(kverr.CodeOf(cerr), cerr,
+			"flush copies: the copier refused %d demotions, whose blocks were freed, and %d reloads, whose blocks hold no valid K/V", nd, nr)
+	}
+	b := CopyBatch{Ticket: ticket, Demote: append([]DemoteOp(nil), t.pending...), Reload: append([]ReloadOp(nil), t.reloads...)}
+	t.reloads = t.reloads[:0]
+	t.inflight[ticket] = inflightBatch{b, unheld, through}
+	t.nBlocks += len(b.Demote) - unheld - through
+	t.nUnheld += unheld
+	t.st.DemotionsQueued += int64(len(b.Demote) - through)
+	return ticket, len(b.Demote) + len(b.Reload), nil
+}
+
+// reserveDemotions reserves host slots for the blocks the prefix cache
+// just evicted (t.evInfo; t.evToks too with KV events on, for them) and
+// appends their demotions to ops. hold (FlushCopies' demotions): each op
+// holds its GPU block until the copy completes; otherwise (the blocks an
+// allocation evicts, DemoteEvicted) the blocks are freed at once, the ops
+// holding none. A block that cannot be demoted is freed and counted.
+func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp {
+	t.gone = t.gone[:0]
+	for i := range t.evInfo {
+		ev := &t.evInfo[i]
+		b, h := ev.Block, ev.Hash
+		t.one[0] = b
+		if t.stamp[b] == t.epoch {
+			// Allocated since the last flush: its K/V is not written yet
+			// (cached at admission, its sequence removed before the step's
+			// forward pass). Dropped, never demoted: the host tier would
+			// serve whatever the block held. An allocation's eviction
+			// (DemoteEvicted) counts it; FlushCopies' does not (nothing
+			// was lost: the block held nothing).
+			if !hold {
+				t.st.EvictedUndemoted++
+			}
+			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+			ev.MM = nil
+			continue
+		}
+		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
+		if rerr != nil {
+			if kverr.Is(rerr, kverr.OutOfBlocks) {
+				t.st.SkippedFull++
+				if !hold {
+					t.st.EvictedUndemoted++
+				}
+			} else {
+				t.st.SkippedPresent++
+			}
+			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+			ev.MM = nil
+			continue
+		}
+		if hold {
+			// The copy holds the block: Cached -> InUse with its one
+			// reference, no longer retained by the cache (which dropped it).
+			assertOK(t.gpu.Incref(t.one[:]), op+": referencing an evicted block")
+			assertOK(t.gpu.UnmarkCached(b), op+": unmarking an evicted block")
+		} else {
+			// Free for the allocation: the copy reads it before the step
+			// writes it (stream order).
+			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+		}
+		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h})
+		if t.events {
+			t.hostEvicted(slot, gone, op)
+			t.setMeta(slot, ev, t.evToks[i*t.bs:(i+1)*t.bs])
+		}
+		ev.MM = nil // the slot's now, or dropped
+	}
+	if len(t.gone) > 0 {
+		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
+	}
+	return ops
+}
+
+// EvictForAlloc is the manager's eviction for an allocation that finds
+// the free queue n blocks short, with DemoteEvicted: it evicts n cached
+// blocks to the free queue and queues the demotions of those it can
+// demote for the next flush. Without DemoteEvicted it does nothing and
+// returns false: the manager evicts (and calls Evicted).
+func (t *Tier) EvictForAlloc(n int) bool {
+	if !t.cfg.DemoteEvicted {
+		return false
+	}
+	t.evInfo, t.evToks = t.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], n, t.events)
+	t.evictOps = t.reserveDemotions(t.evictOps, false, "allocate")
+	return true
+}
+
+// Evicted counts n blocks an allocation evicted and dropped (without
+// DemoteEvicted): needed now, a block waiting for its demotion copy could
+// not have served the allocation. With write-through they are not
+// counted: the host tier has their copy, or counts it lost
+// (writethrough.go).
+func (t *Tier) Evicted(n int) {
+	if t.cfg.WriteThrough == 0 {
+		t.st.EvictedUndemoted += int64(n)
+	}
+}
+
+// Allocated records blocks the manager just allocated: their K/V is the
+// current step's to write, so no demotion reads them before the next
+// flush. The manager calls it with every allocation, so that none misses
+// the stamp.
+func (t *Tier) Allocated(blocks []int32) {
+	for _, b := range blocks {
+		t.stamp[b] = t.epoch
+	}
+}
+
+// endReload ends one reload: its host slot is unpinned and the op's
+// reference (and lock) on the GPU block dropped.
+func (t *Tier) endReload(op ReloadOp, ok bool) {
+	assertOK(t.cfg.Pool.Unpin(op.Slot), "complete copies: unpinning a reload's host slot")
+	if ok {
+		t.st.ReloadsCompleted++
+	} else {
+		t.st.ReloadsFailed++
+	}
+	t.one[0] = op.Block
+	if t.gpu.IsCached(op.Block) {
+		// Not an access: the sequence that matched the block touched it.
+		assertOK(t.cache.Release(t.one[:]), "complete copies: a reloaded cached block is not locked")
+	}
+	var err error
+	t.cached, err = t.gpu.Decref(t.one[:], t.cached[:0])
+	assertOK(err, "complete copies: a reloaded block is not referenced")
+}
+
+// endHostCopy ends the host side of a copy GPU block -> host slot (a
+// demotion's or a write-through store's): the slot is committed, and
+// queued for the shared tier when there is one (ok), or aborted (counted
+// failed); with KV events the slot is announced or forgotten. It returns
+// ok.
+func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
+	if ok {
+		if t.shared != nil {
+			t.shared.queueStore(op)
+		} else {
+			assertOK(t.cfg.Pool.Commit(op.Slot), "complete copies: committing a reserved host slot")
+		}
+		if t.events {
+			t.meta[op.Slot].resident = true
+			t.nResident++
+		}
+		return true
+	}
+	assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
+	t.st.DemotionsFailed++
+	if t.events {
+		t.meta[op.Slot] = hostMeta{}
+	}
+	return false
+}
+
+// endDemotion ends one demotion: its host slot is committed (ok) or
+// aborted, and its GPU block freed when the op holds it (held).
+func (t *Tier) endDemotion(op DemoteOp, ok, held bool) {
+	if t.endHostCopy(op, ok) {
+		t.st.DemotionsCompleted++
+	}
+	if !held {
+		return
+	}
+	t.one[0] = op.Block
+	var err error
+	t.cached, err = t.gpu.Decref(t.one[:], t.cached[:0])
+	assertOK(err, "complete copies: a demoted block is not referenced")
+}
+
+// CompleteCopies reports that batch ticket's copies have finished (failed
+// false) or failed: each demoted block's host slot is committed (aborted
+// on failure), and queued for the shared tier when there is one (never
+// waiting on it), and its GPU block returns to the free queue; each reload's
+// host slot is unpinned and the copy's hold on its GPU block dropped. Errors:
+// InvalidArgument (no host tier), NotFound (ticket unknown or completed
+// already), with nothing changed.
+func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
+	b, ok := t.inflight[ticket]
+	if !ok {
+		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
+	}
+	delete(t.inflight, ticket)
+	t.nBlocks -= len(b.Demote) - b.unheld - b.through
+	t.nUnheld -= b.unheld
+	moved := len(b.Demote) - b.through
+	for i, op := range b.Demote {
+		if i >= moved {
+			t.endStore(op, !failed)
+			continue
+		}
+		t.endDemotion(op, !failed, i >= b.unheld)
+	}
+	if t.events && !failed {
+		// Announced parents first (the batch is in eviction order,
+		// children first), so that a chain goes as one BlockStored.
+		for k := len(b.Demote) - 1; k >= 0; k-- {
+			blk := t.block(b.Demote[k].Slot)
+			assertOK(t.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
+		}
+	}
+	for _, op := range b.Reload {
+		t.endReload(op, !failed)
+	}
+	return nil
+}
+
+// MatchHost is MatchTiers' host part for one prompt (tokens, keys) whose
+// first gpuTokens the GPU prefix cache holds: the tokens of the blocks
+// the host tier holds under the prompt's next chained hashes
+// (host.Pool.Lookup: touched in the host LRU, not pinned), never the
+// block of its last token. fetched is what the call's Fetch fetched
+// from the shared tier (counted in SharedStats.MatchTokens).
+func (t *Tier) MatchHost(tokens []int32, keys *prefix.Keys, gpuTokens int, fetched Fetched) int {
+	t.st.MatchQueries++
+	t.st.MatchGPUTokens += int64(gpuTokens)
+	limit := 0
+	if len(tokens) > 0 {
+		limit = (len(tokens) - 1) / t.bs // full blocks short of the last token
+	}
+	gpuBlocks := gpuTokens / t.bs
+	if limit <= gpuBlocks {
+		return 0
+	}
+	var err error
+	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
+	assertOK(err, "match tiers: hashing a validated prompt")
+	t.keys = t.keys[:0]
+	for _, h := range t.hashes[gpuBlocks:] {
+		t.keys = append(t.keys, HostKey(h))
+	}
+	hit := t.cfg.Pool.Lookup(t.keys)
+	t.st.MatchHostTokens += int64(hit * t.bs)
+	if k := t.countShared(fetched, hit); k > 0 {
+		t.shared.matchTokens.Add(int64(k * t.bs))
+	}
+	return hit * t.bs
+}
+
+// Stats returns the host tier's counters.
+func (t *Tier) Stats() Stats {
+	st := t.st
+	st.InFlight = t.nBlocks + t.nUnheld + len(t.evictOps)
+	st.WriteThroughQueue = len(t.wt.queue)
+	st.Host = t.cfg.Pool.Stats()
+	if t.shared != nil {
+		st.Shared = t.shared.stats()
+	}
+	return st
+}
+
+// Check verifies the host tier's part of the invariants: every block
+// being demoted is InUse, not cached, with one reference, which refs (the
+// sequences' references so far) is credited with; its host slot is
+// reserved under the block's key.
+func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
+	count := 0
+	for _, op := range t.reloads {
+		refs[op.Block]++
+	}
+	for _, op := range t.evictOps {
+		if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+			return bad("block %d's queued demotion: host slot %d does not hold its key", op.Block, op.Slot)
+		}
+	}
+	unheld := 0
+	for tk, batch := range t.inflight {
+		for _, op := range batch.Reload {
+			refs[op.Block]++
+		}
+		for i, op := range batch.Demote {
+			b := op.Block
+			if i >= len(batch.Demote)-batch.through {
+				// A write-through store: the block stays cached, and the
+				// copy holds a reference and a lock on it.
+				if !t.gpu.IsCached(b) {
+					return bad("block %d being stored (batch %d) is not cached", b, tk)
+				}
+				if h, ok := t.cache.BlockHash(b); !ok || h != op.Hash {
+					return bad("block %d being stored (batch %d) is not cached under its hash %s", b, tk, op.Hash)
+				}
+				refs[b]++
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+					return bad("block %d being stored (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
+				}
+				continue
+			}
+			if i < batch.unheld {
+				// Holds no GPU block (DemoteEvicted), only its host slot.
+				unheld++
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+					return bad("block %d's demotion (batch %d, unheld): host slot %d does not hold its key", b, tk, op.Slot)
+				}
+				continue
+			}
+			if t.gpu.IsCached(b) {
+				return bad("block %d being demoted (batch %d) is marked cached", b, tk)
+			}
+			if _, ok := t.cache.BlockHash(b); ok {
+				return bad("block %d being demoted (batch %d) is in the prefix cache", b, tk)
+			}
+			refs[b]++
+			if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+				return bad("block %d being demoted (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
+			}
+			count++
+		}
+	}
+	if count != t.nBlocks || unheld != t.nUnheld {
+		return bad("%d blocks being demoted and %d unheld demotions, the counts say %d and %d", count, unheld, t.nBlocks, t.nUnheld)
+	}
+	return t.checkEvents(bad)
+}
+
+// checkEvents verifies the slots' descriptions that the KV events rest
+// on: the announced slots are the pool's resident ones, each under its
+// block's key, and every slot being demoted describes its block, not yet
+// announced.
+func (t *Tier) checkEvents(bad func(string, ...any) error) error {
+	if !t.events {
+		return nil
+	}
+	n := 0
+	for s := range t.meta {
+		if !t.meta[s].resident {
+			continue
+		}
+		n++
+		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != HostKey(t.meta[s].hash) {
+			return bad("host slot %d is announced with block %s, the pool holds %016x (%v)", s, t.meta[s].hash, k, ok)
+		}
+	}
+	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || n != res {
+		return bad("%d host slots announced, the count says %d, the pool holds %d resident", n, t.nResident, res)
+	}
+	for tk, batch := range t.inflight {
+		for _, op := range batch.Demote {
+			if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
+				return bad("host slot %d being demoted (batch %d) does not describe block %s", op.Slot, tk, op.Hash)
+			}
+		}
+	}
+	for _, op := range t.evictOps {
+		if int(op.Slot) >= len(t.meta) || t.meta[op.Slot].resident || t.meta[op.Slot].hash != op.Hash {
+			return bad("host slot %d of a queued demotion does not describe block %s", op.Slot, op.Hash)
+		}
+	}
+	return nil
+}
+
+// PinHost matches a prompt's blocks beyond its first gpu matched ones in
+// the host tier, pinning the matched slots (for QueueReloads), and
+// returns how many. Never the block holding the prompt's last token.
+// fetched is what the call's Fetch fetched from the shared tier (counted
+// in SharedStats.HitTokens).
+func (t *Tier) PinHost(tokens []int32, keys *prefix.Keys, gpu int, fetched Fetched) int {
+	n := t.pinHost(tokens, keys, gpu)
+	if k := t.countShared(fetched, n); k > 0 {
+		t.shared.hitTokens.Add(int64(k * t.bs))
+	}
+	return n
+}
+
+func (t *Tier) pinHost(tokens []int32, keys *prefix.Keys, gpu int) int {
+	limit := 0
+	if len(tokens) > 0 {
+		limit = (len(tokens) - 1) / t.bs
+	}
+	if limit <= gpu || t.cfg.Pool.Stats().Resident == 0 {
+		return 0 // nothing to match: spare the hashing
+	}
+	var err error
+	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
+	assertOK(err, "admit: hashing a validated prompt")
+	t.keys = t.keys[:0]
+	for _, h := range t.hashes[gpu:] {
+		t.keys = append(t.keys, HostKey(h))
+	}
+	if cap(t.slots) < len(t.keys) {
+		t.slots = make([]host.Slot, len(t.keys))
+	}
+	t.slots = t.slots[:len(t.keys)]
+	n, err := t.cfg.Pool.PinPrefix(t.keys, t.slots)
+	if err != nil {
+		return 0 // a closed pool: a miss
+	}
+	return n
+}
+
+// QueueReloads records the reloads into blocks (fresh, as many as
+// PinHost pinned) from the slots PinHost pinned, and takes the ops'
+// references on them; LockReloads then takes their locks on those the
+// prefix cache holds (once inserted).
+func (t *Tier) QueueReloads(blocks []int32) {
+	for j, b := range blocks {
+		t.reloads = append(t.reloads, ReloadOp{Slot: t.slots[j], Block: b})
+	}
+	// Fresh blocks with one reference each.
+	assertOK(t.gpu.Incref(blocks), "admit: referencing the reload's blocks")
+	t.st.Reloads += int64(len(blocks))
+	t.st.HostHitTokens += int64(len(blocks) * t.bs)
+}
+
+// LockReloads takes the reload ops' locks on those of blocks (the ones
+// QueueReloads was given) that the prefix cache holds.
+func (t *Tier) LockReloads(blocks []int32) {
+	t.locks = t.locks[:0]
+	for _, b := range blocks {
+		if t.gpu.IsCached(b) {
+			t.locks = append(t.locks, b)
+		}
+	}
+	if len(t.locks) > 0 {
+		assertOK(t.cache.Lock(t.locks), "admit: locking the reload's cached blocks")
+	}
+}
