@@ -12,7 +12,7 @@ seeded random inputs, and the outputs of B are compared with A's (relative
 L2 error and max abs difference): a refactor should leave them equal.
 
 Usage (device machine):
-    python3 bench/ab_attn.py --a LIB_A:BINDINGS_A --b LIB_B:BINDINGS_B [--rounds 3] [--out DIR]
+    python3 bench/ab_attn.py --a LIB_A:BINDINGS_A --b LIB_B:BINDINGS_B [--rounds 3] [--only REGEX] [--out DIR]
 where LIB is a libkvplug.so and BINDINGS the bindings/python folder of the
 same build. Prints a markdown table (B / A time per case, 1.00 = unchanged,
 above 1 = B faster) and writes ab_attn.json to DIR (default $OUT or .).
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -63,8 +64,11 @@ def worker(out_dir):
         return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # us
 
     res, outs = {"version": kvplug.__version__}, {}
+    only = re.compile(os.environ.get("AB_ATTN_ONLY", ""))
 
     def case(name, fn, out):
+        if not only.search(name):
+            return
         res[name] = timed(fn)
         outs[name] = out.detach().clone().cpu()
         print(f"{name}: {res[name]:.1f} us", flush=True)
@@ -142,6 +146,7 @@ def main():
     ap.add_argument("--a", required=True, help="LIB:BINDINGS of build A (before)")
     ap.add_argument("--b", required=True, help="LIB:BINDINGS of build B (after)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="a regular expression: the cases whose names it matches")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -159,7 +164,7 @@ def main():
             d = work / f"{name}{r}"
             d.mkdir(parents=True, exist_ok=True)
             env = dict(os.environ, KVPLUG_LIBRARY=os.path.abspath(lib), PYTHONPATH=os.path.abspath(bindings),
-                       PYTHONUNBUFFERED="1")
+                       PYTHONUNBUFFERED="1", AB_ATTN_ONLY=args.only)
             p = subprocess.run([sys.executable, __file__, "--a", args.a, "--b", args.b, "--worker", str(d)], env=env,
                                capture_output=True, text=True)
             if p.returncode != 0:

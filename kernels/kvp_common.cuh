@@ -212,6 +212,15 @@ struct SoftmaxState {
         m = mn;
         return make_float2(a, w);
     }
+    // merge for a partial whose maximum this state's already covers (a
+    // state started at {the group's maximum, 0}, which must be finite): the
+    // partial's weight alone, one exp2, and the running output is not
+    // rescaled (merge's .x would be exactly 1).
+    __device__ __forceinline__ float merge_below(const SoftmaxState& part) {
+        const float w = exp2f(part.m - m);
+        l += part.l * w;
+        return w;
+    }
     __device__ __forceinline__ bool empty() const { return !(l > 0.f); }
     // The ending: the factor that normalises the output, and the lse.
     __device__ __forceinline__ float inv_l() const { return empty() ? 0.f : 1.f / l; }
@@ -563,12 +572,13 @@ __device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
     SoftmaxState st{m, 0.f};
 #pragma unroll
     for (int i = 0; i < KVP_MERGE_MAX_STATES; ++i) {
-        if (i >= n) break;
-        const float2 aw = st.merge(SoftmaxState{s[i], 1.f});
-        if (aw.y == 0.f) continue;
+        if (i >= n || m == neg_inf()) break;  // all states empty: out 0, lse -inf
+        const float w = st.merge_below(SoftmaxState{s[i], 1.f});
+        if (w == 0.f) continue;
         float v[E];
         load_f<T, E>(reinterpret_cast<const T*>(p.v[i]) + t * p.v_token_stride + h * p.v_head_stride + lane * E, v);
-        merge_out(acc, aw, v);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] += w * v[e];
     }
     // out/out_lse may alias v[0]/s[0]: every lane has finished reading
     // before any lane writes.

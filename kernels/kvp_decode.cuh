@@ -385,17 +385,19 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 #pragma unroll
         for (int ww = 0; ww < 4; ++ww) M = fmaxf(M, red_m[ww * 16 + r]);
         // The warps' largest maximum first: each warp's weight is taken
-        // against it, and the running output is never rescaled.
+        // against it (merge_below), and the running output is never rescaled.
         SoftmaxState st{M, 0.f};
         float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (M != neg_inf()) {
 #pragma unroll
-        for (int ww = 0; ww < 4; ++ww) {
-            const float2 aw = st.merge(SoftmaxState{red_m[ww * 16 + r], red_l[ww * 16 + r]});
-            const float* src = red_o + (ww * 16 + r) * C::RED_STRIDE + d0;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            merge_out(o, aw, x);
+            for (int ww = 0; ww < 4; ++ww) {
+                const float sc = st.merge_below(SoftmaxState{red_m[ww * 16 + r], red_l[ww * 16 + r]});
+                const float* src = red_o + (ww * 16 + r) * C::RED_STRIDE + d0;
+                const float4 x0 = *reinterpret_cast<const float4*>(src);
+                const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+                o[0] += sc * x0.x; o[1] += sc * x0.y; o[2] += sc * x0.z; o[3] += sc * x0.w;
+                o[4] += sc * x1.x; o[5] += sc * x1.y; o[6] += sc * x1.z; o[7] += sc * x1.w;
+            }
         }
         const int t = r / w.nh;
         store(t, w.qh0 + r - t * w.nh, d0, o, st);
