@@ -43,11 +43,17 @@ type mutation struct {
 	File       string // relative to the repository root, slash-separated
 	Desc       string
 	Equivalent string // why no test can tell it apart; "" for an ordinary mutant
+	Tests      string // the package directory whose tests must kill it; "" = the file's
 	Orig, Repl string
 	Line       int // of the entry in the list
 }
 
-func (m *mutation) pkg() string { return filepath.ToSlash(filepath.Dir(m.File)) }
+func (m *mutation) pkg() string {
+	if m.Tests != "" {
+		return m.Tests
+	}
+	return filepath.ToSlash(filepath.Dir(m.File))
+}
 
 // list is a parsed mutation list.
 type list struct {
@@ -120,13 +126,15 @@ func parseList(r io.Reader, name string) (*list, error) {
 				return nil, bad("flags needs a package directory")
 			}
 			l.flags[f[0]] = f[1:]
-		case "file", "desc", "equivalent":
+		case "file", "desc", "equivalent", "tests":
 			if cur == nil {
 				return nil, bad("%s outside a mutant", key)
 			}
 			switch key {
 			case "file":
 				cur.File = val
+			case "tests":
+				cur.Tests = val
 			case "desc":
 				cur.Desc = val
 			case "equivalent":
