@@ -84,12 +84,9 @@ func kvWriteArgsOf(p *C.kvp_kv_write_args) (attn.KVWriteArgs, error) {
 	if err := kvWriteArgsStruct.in(unsafe.Pointer(p), unsafe.Pointer(&a)); err != nil {
 		return attn.KVWriteArgs{}, err
 	}
-	kv, shape, err := pagedKVOf("kvp_kv_write", a.kv, attn.PagedKV{
-		NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
-		CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
-		CacheHeadStride: int64(a.cache_head_stride),
-		KCache:          cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache),
-	}, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
+	own := ownKV(a.num_blocks, a.block_size, 0, a.cache_block_stride, a.cache_token_stride,
+		a.cache_head_stride, 0, a.k_cache, a.v_cache, 0)
+	kv, shape, err := pagedKVOf("kvp_kv_write", a.kv, own, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
 	if err != nil {
 		return attn.KVWriteArgs{}, err
 	}
@@ -132,13 +129,9 @@ func pagedDecodeArgsOf(p *C.kvp_paged_decode_args) (attn.PagedDecodeArgs, error)
 	if err != nil {
 		return attn.PagedDecodeArgs{}, err
 	}
-	kv, shape, err := pagedKVOf("kvp_paged_decode", a.kv, attn.PagedKV{
-		NumBlocks: int(a.num_blocks), BlockSize: int(a.block_size),
-		CacheBlockStride: int64(a.cache_block_stride), CacheTokenStride: int64(a.cache_token_stride),
-		CacheHeadStride: int64(a.cache_head_stride),
-		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
-		KCache: cuda.DevicePtr(a.k_cache), VCache: cuda.DevicePtr(a.v_cache), BlockTable: cuda.DevicePtr(a.block_table),
-	}, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
+	own := ownKV(a.num_blocks, a.block_size, a.max_blocks_per_seq, a.cache_block_stride, a.cache_token_stride,
+		a.cache_head_stride, a.block_table_stride, a.k_cache, a.v_cache, a.block_table)
+	kv, shape, err := pagedKVOf("kvp_paged_decode", a.kv, own, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
 	if err != nil {
 		return attn.PagedDecodeArgs{}, err
 	}

@@ -156,6 +156,19 @@ func (h *kvHookCache) desc() *C.kvp_paged_kv {
 	return d
 }
 
+// setOwn writes the cache into an args struct's own fields (the 0.3 form),
+// the table stride's 0 default resolved as the descriptor resolves it.
+func (h *kvHookCache) setOwn(numBlocks, blockSize, maxBlocks *C.int32_t, k, v, table *C.uint64_t,
+	blockStride, tokenStride, headStride, tableStride *C.int64_t) {
+	*numBlocks, *blockSize, *maxBlocks = C.int32_t(h.numBlocks), C.int32_t(h.blockSize), C.int32_t(h.maxBlocks)
+	*k, *v, *table = C.uint64_t(h.k), C.uint64_t(h.v), C.uint64_t(h.table)
+	*blockStride, *tokenStride, *headStride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
+	*tableStride = C.int64_t(h.tableStride)
+	if h.tableStride == 0 {
+		*tableStride = C.int64_t(h.maxBlocks)
+	}
+}
+
 // hookKVCallSides translates one call three ways: with the cache in the
 // args' own fields (legacy), through a descriptor (own fields 0, dtype and
 // kv heads 0 so that the descriptor gives them), and through a descriptor
@@ -172,9 +185,11 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 			key: 0x11000, value: 0x12000, slot_mapping: 0x13000, key_token_stride: 1024, key_head_stride: 128,
 			value_token_stride: 1024, value_head_stride: 128}
 		withDesc := legacy
-		legacy.num_blocks, legacy.block_size = C.int32_t(h.numBlocks), C.int32_t(h.blockSize)
-		legacy.k_cache, legacy.v_cache = C.uint64_t(h.k), C.uint64_t(h.v)
-		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
+		var maxBlocks C.int32_t
+		var table C.uint64_t
+		var tableStride C.int64_t // the write reads no table
+		h.setOwn(&legacy.num_blocks, &legacy.block_size, &maxBlocks, &legacy.k_cache, &legacy.v_cache, &table,
+			&legacy.cache_block_stride, &legacy.cache_token_stride, &legacy.cache_head_stride, &tableStride)
 		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
 		a, errA := kvWriteArgsOf(&legacy)
 		b, errB := kvWriteArgsOf(&withDesc)
@@ -187,13 +202,9 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 			num_kv_heads: C.int32_t(h.kvHeads), q: 0x21000, seq_lens: 0x22000, out: 0x23000, q_batch_stride: 4096,
 			q_head_stride: 128, out_batch_stride: 4096, out_head_stride: 128, scale: 0.5, q_len: 2}
 		withDesc := legacy
-		legacy.num_blocks, legacy.block_size, legacy.max_blocks_per_seq = C.int32_t(h.numBlocks), C.int32_t(h.blockSize), C.int32_t(h.maxBlocks)
-		legacy.k_cache, legacy.v_cache, legacy.block_table = C.uint64_t(h.k), C.uint64_t(h.v), C.uint64_t(h.table)
-		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
-		legacy.block_table_stride = C.int64_t(h.tableStride)
-		if h.tableStride == 0 {
-			legacy.block_table_stride = C.int64_t(h.maxBlocks) // the descriptor's 0 default
-		}
+		h.setOwn(&legacy.num_blocks, &legacy.block_size, &legacy.max_blocks_per_seq, &legacy.k_cache, &legacy.v_cache,
+			&legacy.block_table, &legacy.cache_block_stride, &legacy.cache_token_stride, &legacy.cache_head_stride,
+			&legacy.block_table_stride)
 		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
 		a, errA := pagedDecodeArgsOf(&legacy)
 		b, errB := pagedDecodeArgsOf(&withDesc)
@@ -204,13 +215,9 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 		legacy := C.kvp_paged_prefill_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_prefill_args{})),
 			q: 0x31000, out: 0x32000, q_token_stride: 4096, q_head_stride: 128, out_token_stride: 4096, out_head_stride: 128}
 		withDesc := legacy
-		legacy.num_blocks, legacy.block_size, legacy.max_blocks_per_seq = C.int32_t(h.numBlocks), C.int32_t(h.blockSize), C.int32_t(h.maxBlocks)
-		legacy.k_cache, legacy.v_cache, legacy.block_table = C.uint64_t(h.k), C.uint64_t(h.v), C.uint64_t(h.table)
-		legacy.cache_block_stride, legacy.cache_token_stride, legacy.cache_head_stride = C.int64_t(h.blockStride), C.int64_t(h.tokenStride), C.int64_t(h.headStride)
-		legacy.block_table_stride = C.int64_t(h.tableStride)
-		if h.tableStride == 0 {
-			legacy.block_table_stride = C.int64_t(h.maxBlocks)
-		}
+		h.setOwn(&legacy.num_blocks, &legacy.block_size, &legacy.max_blocks_per_seq, &legacy.k_cache, &legacy.v_cache,
+			&legacy.block_table, &legacy.cache_block_stride, &legacy.cache_token_stride, &legacy.cache_head_stride,
+			&legacy.block_table_stride)
 		withDesc.kv = d
 		plan := attn.PrefillPlan{PrefillShape: attn.PrefillShape{DType: attn.BF16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2}}
 		a, errA := pagedPrefillArgsOf("test", &legacy, &plan)

@@ -65,6 +65,18 @@ func pagedKVOf(what string, kv *C.kvp_paged_kv, own attn.PagedKV, shape kvShape)
 	}, shape, nil
 }
 
+// ownKV is the cache that an args struct's own fields (the 0.3 form)
+// describe: the args of kv_write pass 0 for the table's three.
+func ownKV(numBlocks, blockSize, maxBlocks C.int32_t, blockStride, tokenStride, headStride, tableStride C.int64_t,
+	k, v, table C.uint64_t) attn.PagedKV {
+	return attn.PagedKV{
+		NumBlocks: int(numBlocks), BlockSize: int(blockSize),
+		CacheBlockStride: int64(blockStride), CacheTokenStride: int64(tokenStride), CacheHeadStride: int64(headStride),
+		MaxBlocksPerSeq: int(maxBlocks), BlockTableStride: int64(tableStride),
+		KCache: cuda.DevicePtr(k), VCache: cuda.DevicePtr(v), BlockTable: cuda.DevicePtr(table),
+	}
+}
+
 // agree is the value a call and its descriptor give for one field: either
 // may leave it 0; set in both, they must be equal.
 func agree(what, field string, call, desc int32) (int32, error) {

@@ -84,13 +84,9 @@ func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args, p *attn.Prefil
 	if c.reserved != 0 || c.reserved2 != 0 {
 		return attn.PagedPrefillArgs{}, kverr.Errorf(kverr.InvalidArgument, "%s: reserved fields must be 0", what)
 	}
-	kv, _, err := pagedKVOf(what, c.kv, attn.PagedKV{
-		NumBlocks: int(c.num_blocks), BlockSize: int(c.block_size),
-		CacheBlockStride: int64(c.cache_block_stride), CacheTokenStride: int64(c.cache_token_stride),
-		CacheHeadStride: int64(c.cache_head_stride),
-		MaxBlocksPerSeq: int(c.max_blocks_per_seq), BlockTableStride: int64(c.block_table_stride),
-		KCache: cuda.DevicePtr(c.k_cache), VCache: cuda.DevicePtr(c.v_cache), BlockTable: cuda.DevicePtr(c.block_table),
-	}, kvShape{int32(p.DType), int32(p.NumKVHeads), int32(p.HeadDim)})
+	own := ownKV(c.num_blocks, c.block_size, c.max_blocks_per_seq, c.cache_block_stride, c.cache_token_stride,
+		c.cache_head_stride, c.block_table_stride, c.k_cache, c.v_cache, c.block_table)
+	kv, _, err := pagedKVOf(what, c.kv, own, kvShape{int32(p.DType), int32(p.NumKVHeads), int32(p.HeadDim)})
 	if err != nil {
 		return attn.PagedPrefillArgs{}, err
 	}
