@@ -10,6 +10,7 @@ package main
 import "C"
 
 import (
+	"time"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
@@ -227,4 +228,37 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))
 	}
 	panic("unknown call " + call)
+}
+
+// hookDecodeHostCost runs n translations and checks of one decode call (what
+// kvp_paged_decode does on the host before the launch), with the cache in the
+// args' own fields or through a descriptor, and returns the time per call.
+func hookDecodeHostCost(n int, withDesc bool) time.Duration {
+	h := kvHookCache{dtype: 2, kvHeads: 8, numBlocks: 4096, blockSize: 16, maxBlocks: 64, headDim: 128,
+		k: 0x100000, v: 0x200000, table: 0x300000, blockStride: 16 * 8 * 128, tokenStride: 8 * 128, headStride: 128}
+	d := h.desc()
+	defer C.free(unsafe.Pointer(d))
+	a := (*C.kvp_paged_decode_args)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_paged_decode_args{}))))
+	defer C.free(unsafe.Pointer(a))
+	*a = C.kvp_paged_decode_args{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_decode_args{})),
+		dtype: 2, head_dim: 128, batch: 64, num_q_heads: 32, q: 0x21000, seq_lens: 0x22000, out: 0x23000,
+		q_batch_stride: 4096, q_head_stride: 128, out_batch_stride: 4096, out_head_stride: 128}
+	if withDesc {
+		a.kv = d
+	} else {
+		a.num_kv_heads = 8
+		h.setOwn(&a.num_blocks, &a.block_size, &a.max_blocks_per_seq, &a.k_cache, &a.v_cache, &a.block_table,
+			&a.cache_block_stride, &a.cache_token_stride, &a.cache_head_stride, &a.block_table_stride)
+	}
+	start := time.Now()
+	for range n {
+		g, err := pagedDecodeArgsOf(a)
+		if err != nil {
+			panic(err)
+		}
+		if _, err := g.DecodeLayout.Extents(); err != nil {
+			panic(err)
+		}
+	}
+	return time.Since(start) / time.Duration(n)
 }
