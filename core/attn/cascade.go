@@ -446,25 +446,15 @@ func (c cascadeCall) check(p *CascadePlan) (cascadePlanned, error) {
 	if p.Batch < 0 || p.Batch > p.MaxBatch {
 		return r, c.errorf(kverr.InvalidArgument, "the plan's batch %d is outside [0, max_batch %d]", p.Batch, p.MaxBatch)
 	}
-	var err error
-	if r.l, err = cascade.NewLayout(p.MaxBatch, p.NumQHeads, p.NumKVHeads, p.HeadDim); err != nil {
-		return r, c.wrap(err)
-	}
-	if p.HostWorkspace == nil || len(p.HostWorkspace) < r.l.HostInts*4 {
-		return r, c.errorf(kverr.InvalidArgument, "the plan names no host workspace of the plan's size")
-	}
 	r.ws = hostWords(p.HostWorkspace)
-	// The query-row capacity is the plan's (its header): the layout again
-	// with it, and the workspace checked against that.
-	if r.l, err = cascade.PlanLayout(r.ws, p.MaxBatch, p.NumQHeads, p.NumKVHeads, p.HeadDim); err != nil {
+	l, s, fits, err := cascade.ReadPlan(r.ws, p.MaxBatch, p.NumQHeads, p.NumKVHeads, p.HeadDim)
+	if err != nil {
 		return r, c.wrap(err)
 	}
-	if len(p.HostWorkspace) < r.l.HostInts*4 {
+	if !fits {
 		return r, c.errorf(kverr.InvalidArgument, "the plan names no host workspace of the plan's size")
 	}
-	if r.s, err = cascade.Header(r.ws, &r.l); err != nil {
-		return r, c.wrap(err)
-	}
+	r.l, r.s = l, s
 	if r.s.Gen != p.Gen || r.s.Batch != p.Batch || r.s.Route != p.Route || r.s.Rows != p.TotalQ {
 		return r, c.errorf(kverr.InvalidArgument, "stale plan: its workspaces were planned again since (generation %d, batch %d; the workspaces hold generation %d, batch %d)",
 			p.Gen, p.Batch, r.s.Gen, r.s.Batch)
