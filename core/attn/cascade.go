@@ -112,32 +112,50 @@ func (c cascadeCall) wrap(err error) error {
 // plan on machines without one (slots then default and nothing is
 // enqueued).
 type cascadeDevice interface {
-	// slots is how many cascade attention blocks the device runs at once.
-	slots(headDim int) (int, error)
+	// open readies the device of the calling thread (locked by the caller)
+	// for a plan: how many cascade attention blocks it runs at once, and
+	// whether the prefill route runs on the Hopper mainloop there.
+	open(d DType, headDim int) (slots int, hopper bool, err error)
 	// planPrefill enqueues the prefill kernel's work list.
 	planPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error)
-	// upload enqueues copies of the host plan's byte ranges into the device
-	// workspace at the same offsets.
+	// upload enqueues copies of host byte ranges [off, off+n) of the plan
+	// into the device workspace at the same offsets (after open, on the
+	// same thread).
 	upload(dst cuda.DevicePtr, src []byte, ranges [][2]int64, stream cuda.Stream) error
-	// prefillMainloop is the kernel the prefill route runs on this device
-	// (MainloopSM80 or MainloopSM90).
-	prefillMainloop(d DType, headDim int) int
+	// hopper is open's answer for a plan that enqueues nothing (a host-only
+	// summary): false where no device is usable.
+	hopper(d DType, headDim int) bool
 }
 
 // gpu is the device of the calling thread's current CUDA context.
 type gpu struct{}
 
-func (gpu) slots(headDim int) (int, error) { return CascadeSlots(headDim) }
+func (gpu) open(d DType, headDim int) (int, bool, error) {
+	m, err := module("cascade_plan")
+	if err != nil {
+		return 0, false, err
+	}
+	dev := m.Device()
+	return dev.SMs * cascadeBlocksPerSM(headDim), prefillMainloop(dev, d, headDim, 0) == MainloopSM90, nil
+}
 
 func (gpu) planPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	return PlanPrefill(a, stream)
 }
 
 func (gpu) upload(dst cuda.DevicePtr, src []byte, ranges [][2]int64, stream cuda.Stream) error {
-	return cascadeUpload(dst, src, ranges, stream)
+	for _, r := range ranges {
+		b := src[r[0] : r[0]+r[1]]
+		if err := cuda.CopyToDeviceAsync(dst+cuda.DevicePtr(r[0]), unsafe.Pointer(unsafe.SliceData(b)), len(b), stream); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
-func (gpu) prefillMainloop(d DType, headDim int) int { return DefaultPrefillMainloop(d, headDim) }
+func (gpu) hopper(d DType, headDim int) bool {
+	return DefaultPrefillMainloop(d, headDim) == MainloopSM90
+}
 
 var cascadeDev cascadeDevice = gpu{}
 
@@ -267,7 +285,11 @@ func planCascade(c cascadeCall, a *CascadePlanArgs, pl *cascade.Planner, stream 
 	} else {
 		stride = max(stride, 1) // an empty batch reads no table
 	}
-	slots, err := cascadeDev.slots(a.HeadDim)
+	// One thread from here to the upload: the device open readies is the
+	// one the plan's copies go to.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	slots, hopper, err := cascadeDev.open(a.DType, a.HeadDim)
 	if err != nil {
 		return CascadePlan{}, c.wrap(err)
 	}
@@ -275,9 +297,8 @@ func planCascade(c cascadeCall, a *CascadePlanArgs, pl *cascade.Planner, stream 
 	if lens == nil {
 		lens = []int32{}
 	}
-	hopper := cascadeDev.prefillMainloop(a.DType, a.HeadDim) == MainloopSM90
 	in := cascade.Input{NumQHeads: a.NumQHeads, NumKVHeads: a.NumKVHeads, HeadDim: a.HeadDim,
-		DTypeBytes: a.DType.Size(), BlockSize: bs, Tables: table, TableStride: int(stride),
+		DTypeBytes: 2 /* f16 or bf16 (CheckCascadeDType) */, BlockSize: bs, Tables: table, TableStride: int(stride),
 		MaxBlocksPerSeq: max(a.MaxBlocksPerSeq, 1), SeqLens: lens, QIndptr: qo, Slots: slots, Headroom: a.Headroom,
 		NoDecodeRoute: a.Flags&CascadeNoDecodeRoute != 0, PlainPrefillFaster: hopper, SharedWgmma: hopper}
 	ws := hostWords(a.HostWorkspace)
@@ -339,7 +360,7 @@ func (c cascadeCall) checkWorkspaces(a *CascadePlanArgs, l *cascade.Layout, maxB
 func (c cascadeCall) planSummary(a *CascadePlanArgs, in *cascade.Input, hp *cascade.HostPlanner) (CascadePlan, error) {
 	n := len(in.SeqLens)
 	in.NumQHeads, in.NumKVHeads, in.HeadDim, in.DTypeBytes = a.NumQHeads, a.NumKVHeads, a.HeadDim, a.DType.Size()
-	hopper := cascadeDev.prefillMainloop(a.DType, a.HeadDim) == MainloopSM90
+	hopper := cascadeDev.hopper(a.DType, a.HeadDim)
 	in.Headroom, in.NoDecodeRoute, in.PlainPrefillFaster, in.SharedWgmma = a.Headroom, a.Flags&CascadeNoDecodeRoute != 0, hopper, hopper
 	maxBatch, maxTokens := a.MaxBatch, a.MaxTokens
 	if maxBatch < 0 || maxTokens < 0 {
@@ -637,23 +658,6 @@ func CascadeSlots(headDim int) (int, error) {
 		return 0, err
 	}
 	return m.Device().SMs * cascadeBlocksPerSM(headDim), nil
-}
-
-// cascadeUpload enqueues copies of host byte ranges [off, off+n) of the
-// plan in host into the device workspace dev at the same offsets.
-func cascadeUpload(dev cuda.DevicePtr, host []byte, ranges [][2]int64, stream cuda.Stream) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	if _, err := module("cascade_plan"); err != nil {
-		return err
-	}
-	for _, r := range ranges {
-		src := host[r[0] : r[0]+r[1]]
-		if err := cuda.CopyToDeviceAsync(dev+cuda.DevicePtr(r[0]), unsafe.Pointer(unsafe.SliceData(src)), len(src), stream); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // CascadeRunArgs is one layer's run of a cascade plan: the layer's tensors

@@ -380,12 +380,13 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		p.Route, p.NumItems = RouteDecode, 0
 	}
 	if batch > 0 {
-		if err := firstErr(checkIndex(what+": kv_lens", a.KVLensDev), aligned(what+": workspace", 16, a.Workspace)); err != nil {
-			return PrefillPlan{}, err
+		// The pointers are named below only on failure.
+		if a.KVLensDev == 0 || a.KVLensDev%4 != 0 || a.Workspace%16 != 0 {
+			return PrefillPlan{}, firstErr(checkIndex(what+": kv_lens", a.KVLensDev), aligned(what+": workspace", 16, a.Workspace))
 		}
 		if !decode {
-			if err := checkIndex(what+": qo_indptr", a.QOIndptrDev); err != nil {
-				return PrefillPlan{}, err
+			if a.QOIndptrDev == 0 || a.QOIndptrDev%4 != 0 {
+				return PrefillPlan{}, checkIndex(what+": qo_indptr", a.QOIndptrDev)
 			}
 			need := workBytes(st.items)
 			if a.Workspace == 0 {
