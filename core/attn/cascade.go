@@ -640,13 +640,6 @@ func CheckCascadeDType(what string, d DType) error {
 	return nil
 }
 
-// CascadeSharedOnHopper reports whether the cascade's shared items run on
-// the Hopper (sm_90a) wgmma mainloop on dev: compute capability 9.0, 16-bit
-// types, the kernels built for it.
-func CascadeSharedOnHopper(dev cuda.Device, d DType, headDim int) bool {
-	return prefillMainloop(dev, d, headDim, 0) == MainloopSM90
-}
-
 // CascadeSlots is how many cascade attention blocks the current context's
 // device runs at once: the planner sizes its KV chunks from it, and the
 // attention launch's grid is this many blocks.
@@ -719,17 +712,19 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		int64(max(a.ItemsOff, a.QRowsOff, a.SegStartOff, a.SegsOff, a.RowSeqOff, a.QStartOff))*4 >= a.PartOut {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's workspace geometry is inconsistent (not written by kvp_cascade_plan?)", what)
 	}
-	if a.Batch > 0 {
-		if err := firstErr(
+	kv := &a.PagedKV
+	if a.Batch > 0 && (a.Q == 0 || a.Q%16 != 0 || kv.KCache == 0 || kv.KCache%16 != 0 || kv.VCache == 0 || kv.VCache%16 != 0 ||
+		kv.BlockTable == 0 || kv.BlockTable%4 != 0 || a.SeqLens == 0 || a.SeqLens%4 != 0 || a.Out == 0 || a.Out%16 != 0 ||
+		a.LSE%4 != 0 || a.Workspace == 0 || a.Workspace%16 != 0) {
+		// The pointers are named only on failure: a launch allocates nothing.
+		return firstErr(
 			checkTensor(what+": q", a.Q),
-			a.PagedKV.checkPointers(what, true),
+			kv.checkPointers(what, true),
 			checkIndex(what+": seq_lens", a.SeqLens),
 			checkTensor(what+": out", a.Out),
 			aligned(what+": lse", 4, a.LSE),
 			checkTensor(what+": workspace", a.Workspace),
-		); err != nil {
-			return err
-		}
+		)
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -760,16 +755,11 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	}
 	ks := cascadeKernels[di][hi]
 	sms := m.Device().SMs
-	if !a.SM80 && CascadeSharedOnHopper(m.Device(), a.DType, a.HeadDim) {
+	if hcfg := prefillSM90Config(m.Device(), a.DType, a.HeadDim); !a.SM80 && hcfg.Grid.X > 0 {
 		// The shared items (and the long tails of a plan cut for it) on the
 		// wgmma mainloop first (one block per SM), then the rest; launched
 		// whatever the plan holds, so that a captured run serves every
 		// later plan.
-		hcfg := cuda.LaunchConfig{
-			Grid:   cuda.Dim3{X: uint32(sms), Y: 1, Z: 1},
-			Block:  cuda.Dim3{X: prefillSM90Threads, Y: 1, Z: 1},
-			Shared: prefillSM90SharedBytes(a.DType, a.HeadDim),
-		}
 		if err := cuda.Launch(m, ks[2], hcfg, stream, &p); err != nil {
 			return err
 		}

@@ -134,6 +134,20 @@ func prefillMainloop(dev cuda.Device, d DType, headDim, flags int) int {
 	return MainloopSM80
 }
 
+// prefillSM90Config is the launch of the Hopper mainloop's kernels on dev
+// (one block per SM) where prefillMainloop picks it without flags, a zero
+// grid where it does not: the cascade's shared items run on it.
+func prefillSM90Config(dev cuda.Device, d DType, headDim int) cuda.LaunchConfig {
+	if prefillMainloop(dev, d, headDim, 0) != MainloopSM90 {
+		return cuda.LaunchConfig{}
+	}
+	return cuda.LaunchConfig{
+		Grid:   cuda.Dim3{X: uint32(dev.SMs), Y: 1, Z: 1},
+		Block:  cuda.Dim3{X: prefillSM90Threads, Y: 1, Z: 1},
+		Shared: prefillSM90SharedBytes(d, headDim),
+	}
+}
+
 // DefaultPrefillMainloop is the mainloop PlanPrefill picks without flags on
 // the calling thread's current device (MainloopSM80 where none is usable):
 // what a plan that records no mainloop of its own (the shared-prefix
