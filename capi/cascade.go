@@ -7,20 +7,23 @@ import "C"
 
 import (
 	"math"
+	"sync"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/limits"
 )
 
 // Shared-prefix attention: core/attn plans, checks and runs (with
 // core/cascade's host planner); these exports translate
-// kvp_cascade_plan_args and kvp_attn_plan (plan.go) to and from its types:
-// the host arrays and the host workspace become slices here, and the plan's
-// state words are packed and unpacked here.
+// kvp_cascade_plan_args and kvp_attn_plan (plan.go) to and from its types,
+// one call into core/attn each: the host arrays and the host workspace
+// become slices here, and the plan's state words are packed and unpacked
+// here. kvp_manager_cascade_plan (below) plans a kvp_manager's own tables.
 
 //export kvpgo_cascade_workspace_size
 func kvpgo_cascade_workspace_size(maxBatch, qHeads, kvHeads, headDim C.int32_t, deviceBytes, hostBytes *C.uint64_t) (st C.kvp_status) {
@@ -68,12 +71,12 @@ func cascadePlanArgsIn(what string, ca *C.kvp_cascade_plan_args, plan *C.kvp_att
 // nil too where its extent is not one the core accepts, which it then
 // refuses).
 func cascadePlanArgsOf(what string, a *C.kvp_cascade_plan_args, batch int) (attn.CascadePlanArgs, error) {
-	hostBytes, err := limits.ByteCount(what+": host_workspace_bytes", uint64(a.host_workspace_bytes))
-	if err != nil {
-		return attn.CascadePlanArgs{}, err
-	}
-	wsBytes, err := limits.ByteCount(what+": workspace_bytes", uint64(a.workspace_bytes))
-	if err != nil {
+	hostBytes, wsBytes := uint64(a.host_workspace_bytes), uint64(a.workspace_bytes)
+	if hostBytes > limits.Bytes || wsBytes > limits.Bytes { // named only on failure
+		_, err := limits.ByteCount(what+": host_workspace_bytes", hostBytes)
+		if err == nil {
+			_, err = limits.ByteCount(what+": workspace_bytes", wsBytes)
+		}
 		return attn.CascadePlanArgs{}, err
 	}
 	r := attn.CascadePlanArgs{
@@ -81,7 +84,7 @@ func cascadePlanArgsOf(what string, a *C.kvp_cascade_plan_args, batch int) (attn
 		MaxBatch: int(a.max_batch), MaxTokens: int(a.max_tokens), BlockSize: int(a.block_size),
 		MaxBlocksPerSeq: int(a.max_blocks_per_seq), BlockTableStride: int64(a.block_table_stride),
 		SeqLensDev: cuda.DevicePtr(a.seq_lens), QOIndptrDev: cuda.DevicePtr(a.qo_indptr),
-		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
+		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: int64(wsBytes),
 		Flags: int(a.flags), Headroom: int(a.headroom),
 	}
 	stride, cols := int64(a.block_table_stride), int64(a.max_blocks_per_seq)
@@ -160,8 +163,8 @@ func kvpgo_cascade_plan(ca *C.kvp_cascade_plan_args, plan *C.kvp_attn_plan, stre
 	if err != nil {
 		return fail(err)
 	}
-	if err := limits.Range(what+": batch", int(c.batch), 0, limits.AttnBatch); err != nil {
-		return fail(err)
+	if c.batch < 0 || c.batch > limits.AttnBatch {
+		return fail(limits.Range(what+": batch", int(c.batch), 0, limits.AttnBatch))
 	}
 	if c.batch > 0 && (c.block_table_host == nil || c.seq_lens_host == nil) {
 		return failf(kverr.NullPointer, "%s: block_table_host and seq_lens_host must not be NULL", what)
@@ -215,4 +218,61 @@ func kvpgo_paged_cascade(plan *C.kvp_attn_plan, a *C.kvp_paged_prefill_args, str
 	}
 	p := attn.CascadePlan{PrefillPlan: pp, CascadeState: cascadeStateOf(pp.Kind, &w)}
 	return fail(attn.PagedCascade(&p, &r, cuda.Stream(stream)))
+}
+
+// Shared-prefix planning from a kvp_manager's own block tables: the
+// manager gathers the batch's tables and lengths (under its lock, which it
+// holds only while it copies them), then core/attn plans them
+// (attn.PlanCascadeInput).
+
+// cascadeGathers are the gather memory of kvp_manager_cascade_plan, pooled
+// so that a step allocates nothing once the pool has grown to it.
+var cascadeGathers = sync.Pool{New: func() any { return new(kvmanager.CascadeScratch) }}
+
+//export kvpgo_manager_cascade_plan
+func kvpgo_manager_cascade_plan(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, ca *C.kvp_cascade_plan_args,
+	plan *C.kvp_attn_plan, stream C.uint64_t) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		const what = "kvp_manager_cascade_plan"
+		if ca == nil || plan == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: args and plan must not be NULL", what)
+		}
+		c, err := cascadePlanArgsIn(what, ca, plan)
+		if err != nil {
+			return err
+		}
+		if n < 0 || n > limits.AttnBatch {
+			return limits.Range(what+": n", int(n), 0, limits.AttnBatch)
+		}
+		if n > 0 && ids == nil {
+			return kverr.Errorf(kverr.NullPointer, "%s: seq_ids must not be NULL", what)
+		}
+		// The tables and lengths are the manager's: host arrays given here
+		// would be ignored, so they are refused instead.
+		if c.block_table_host != nil || c.seq_lens_host != nil {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: block_table_host and seq_lens_host must be NULL (the tables and lengths are the manager's)", what)
+		}
+		if c.batch != 0 && c.batch != n {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: args->batch is %d for %d seq_ids (0 means n)", what, int32(c.batch), int32(n))
+		}
+		a, err := cascadePlanArgsOf(what, &c, int(n))
+		if err != nil {
+			return err
+		}
+		var idv []int64
+		if n > 0 {
+			idv = unsafe.Slice((*int64)(unsafe.Pointer(ids)), int(n))
+		}
+		sc := cascadeGathers.Get().(*kvmanager.CascadeScratch)
+		defer cascadeGathers.Put(sc)
+		var in cascade.Input
+		if err := m.CascadeInput(idv, a.MaxBlocksPerSeq, &in, sc); err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, "%s", what)
+		}
+		p, err := attn.PlanCascadeInput(&a, &in, cuda.Stream(stream))
+		if err != nil {
+			return err
+		}
+		return writeCascadePlan(plan, &p)
+	})
 }

@@ -43,8 +43,9 @@ func readAttnPlan(what string, plan *C.kvp_attn_plan) (attn.PrefillPlan, [6]uint
 	if err := attnPlanStruct.in(unsafe.Pointer(plan), unsafe.Pointer(&c)); err != nil {
 		return attn.PrefillPlan{}, state, err
 	}
-	wsBytes, err := limits.ByteCount(what+": plan workspace_bytes", uint64(c.workspace_bytes))
-	if err != nil {
+	wsBytes := uint64(c.workspace_bytes)
+	if wsBytes > limits.Bytes { // named only on failure
+		_, err := limits.ByteCount(what+": plan workspace_bytes", wsBytes)
 		return attn.PrefillPlan{}, state, err
 	}
 	for i, w := range c.state {
@@ -56,7 +57,7 @@ func readAttnPlan(what string, plan *C.kvp_attn_plan) (attn.PrefillPlan, [6]uint
 			NumQHeads: int(c.num_q_heads), NumKVHeads: int(c.num_kv_heads), WindowLeft: int(c.window_left)},
 		Batch: int(c.batch), TotalQ: int(c.total_q), MaxQLen: int(c.max_q_len), MaxKVLen: int(c.max_kv_len),
 		NumItems: int(c.num_items), Grid: int(c.grid), NumSplits: int(c.num_splits),
-		Workspace: cuda.DevicePtr(c.workspace), WorkspaceBytes: wsBytes, KVLens: cuda.DevicePtr(c.kv_lens),
+		Workspace: cuda.DevicePtr(c.workspace), WorkspaceBytes: int64(wsBytes), KVLens: cuda.DevicePtr(c.kv_lens),
 	}, state, nil
 }
 

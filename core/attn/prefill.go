@@ -134,6 +134,20 @@ func prefillMainloop(dev cuda.Device, d DType, headDim, flags int) int {
 	return MainloopSM80
 }
 
+// prefillSM90Config is the launch of the Hopper mainloop's kernels on dev
+// (one block per SM) where prefillMainloop picks it without flags, a zero
+// grid where it does not: the cascade's shared items run on it.
+func prefillSM90Config(dev cuda.Device, d DType, headDim int) cuda.LaunchConfig {
+	if prefillMainloop(dev, d, headDim, 0) != MainloopSM90 {
+		return cuda.LaunchConfig{}
+	}
+	return cuda.LaunchConfig{
+		Grid:   cuda.Dim3{X: uint32(dev.SMs), Y: 1, Z: 1},
+		Block:  cuda.Dim3{X: prefillSM90Threads, Y: 1, Z: 1},
+		Shared: prefillSM90SharedBytes(d, headDim),
+	}
+}
+
 // DefaultPrefillMainloop is the mainloop PlanPrefill picks without flags on
 // the calling thread's current device (MainloopSM80 where none is usable):
 // what a plan that records no mainloop of its own (the shared-prefix
@@ -380,12 +394,13 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		p.Route, p.NumItems = RouteDecode, 0
 	}
 	if batch > 0 {
-		if err := firstErr(checkIndex(what+": kv_lens", a.KVLensDev), aligned(what+": workspace", 16, a.Workspace)); err != nil {
-			return PrefillPlan{}, err
+		// The pointers are named below only on failure.
+		if a.KVLensDev == 0 || a.KVLensDev%4 != 0 || a.Workspace%16 != 0 {
+			return PrefillPlan{}, firstErr(checkIndex(what+": kv_lens", a.KVLensDev), aligned(what+": workspace", 16, a.Workspace))
 		}
 		if !decode {
-			if err := checkIndex(what+": qo_indptr", a.QOIndptrDev); err != nil {
-				return PrefillPlan{}, err
+			if a.QOIndptrDev == 0 || a.QOIndptrDev%4 != 0 {
+				return PrefillPlan{}, checkIndex(what+": qo_indptr", a.QOIndptrDev)
 			}
 			need := workBytes(st.items)
 			if a.Workspace == 0 {

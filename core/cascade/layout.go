@@ -181,3 +181,57 @@ func WorkspaceSizes(maxBatch, maxTokens, numQHeads, numKVHeads, headDim int) (de
 	}
 	return l.DeviceBytes, int64(l.HostInts) * 4, nil
 }
+
+// ReadPlan reads back the plan in host workspace ws made for a capacity of
+// maxBatch sequences: its layout (the query-row capacity from the plan's
+// header, PlanLayout) and its summary (Header). fits is false, with nothing
+// read, when ws is too small for the layout (nil included): the caller
+// names that error.
+func ReadPlan(ws []int32, maxBatch, numQHeads, numKVHeads, headDim int) (l Layout, s Summary, fits bool, err error) {
+	if l, err = NewLayout(maxBatch, numQHeads, numKVHeads, headDim); err != nil || len(ws) < l.HostInts {
+		return l, s, false, err
+	}
+	if l, err = PlanLayout(ws, maxBatch, numQHeads, numKVHeads, headDim); err != nil || len(ws) < l.HostInts {
+		return l, s, false, err
+	}
+	s, err = Header(ws, &l)
+	return l, s, true, err
+}
+
+// PlanLayout is the layout of the plan in the host workspace ws for a
+// capacity of maxBatch sequences: its query-row capacity is read from the
+// plan's header (max_batch when ws holds no plan, which Header then
+// refuses).
+func PlanLayout(ws []int32, maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
+	maxTok := maxBatch
+	if len(ws) >= HeaderInts && ws[hMagic] == planMagic && int(ws[hMaxTokens]) >= maxBatch {
+		maxTok = int(ws[hMaxTokens])
+	}
+	return NewPrefillLayout(maxBatch, maxTok, numQHeads, numKVHeads, headDim)
+}
+
+// Header reads a plan's summary back from its host workspace (what the run
+// and Update trust), checking that ws holds a plan of layout l.
+func Header(ws []int32, l *Layout) (Summary, error) {
+	var s Summary
+	if len(ws) < l.HostInts {
+		return s, kverr.Errorf(kverr.BufferTooSmall, "cascade: the host workspace holds %d bytes; %d needed", 4*len(ws), 4*l.HostInts)
+	}
+	h := ws[:HeaderInts]
+	if h[hMagic] != planMagic {
+		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace holds no plan (plan with kvp_cascade_plan first)")
+	}
+	if int(h[hMaxBatch]) != l.MaxBatch || int(h[hMaxTokens]) != l.MaxTokens || int(h[hGroup]) != l.Group || int(h[hTileQ]) != l.TileQ {
+		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan was made for another layout (max_batch %d, max_tokens %d, group %d, tile %d; expected %d, %d, %d, %d)",
+			h[hMaxBatch], h[hMaxTokens], h[hGroup], h[hTileQ], l.MaxBatch, l.MaxTokens, l.Group, l.TileQ)
+	}
+	s.Items, s.Batch, s.Nodes, s.Parts, s.Chunk = int(h[hItems]), int(h[hBatch]), int(h[hNodes]), int(h[hParts]), int(h[hChunk])
+	s.MaxKV, s.SavedTokens, s.TotalTokens = int(h[hMaxKV]), int64(h[hSaved]), int64(h[hTotal])
+	s.Route = int(h[hRoute])
+	s.Gen = h[hGen]
+	s.Rows, s.MaxQLen = int(h[hRows]), int(h[hMaxQLen])
+	if s.Batch < 0 || s.Batch > l.MaxBatch || s.Rows < 0 || s.Rows > l.MaxTokens || s.Items < 0 || s.Items > l.ItemCap || s.Parts < 0 || s.Parts > l.PartCap {
+		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan header is corrupt (batch %d, rows %d, items %d, parts %d)", s.Batch, s.Rows, s.Items, s.Parts)
+	}
+	return s, nil
+}

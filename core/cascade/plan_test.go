@@ -389,6 +389,36 @@ func TestUpdate(t *testing.T) {
 	}
 }
 
+// ReadPlan reads back what Plan wrote: the layout of the plan's capacities
+// and its summary; a workspace short of the layout is reported, not read.
+func TestReadPlan(t *testing.T) {
+	r := seed(t)
+	b := widen(genTree(r, treeSpec{seqs: 24, depth: 2, maxRun: 20, maxTail: 200, bs: 16}), 20)
+	in := b.input(8, 2, 64)
+	l, _ := NewPrefillLayout(32, 48, 8, 2, 64)
+	ws := make([]int32, l.HostInts)
+	var p Planner
+	s, err := p.Plan(in, &l, ws)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, gs, fits, err := ReadPlan(ws, 32, 8, 2, 64)
+	if err != nil || !fits || got != l || gs != s {
+		t.Fatalf("read back %+v %+v %v %v; planned %+v %+v", got, gs, fits, err, l, s)
+	}
+	for _, n := range []int{0, 1, l.HostInts - 1} {
+		if _, _, fits, err := ReadPlan(ws[:n], 32, 8, 2, 64); fits || err != nil {
+			t.Fatalf("%d words: fits %v, %v", n, fits, err)
+		}
+	}
+	if _, _, _, err := ReadPlan(ws, 0, 8, 2, 64); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatalf("max_batch 0: %v", err)
+	}
+	if _, _, fits, err := ReadPlan(make([]int32, l.HostInts), 32, 8, 2, 64); !fits || kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatalf("empty workspace: fits %v, %v", fits, err)
+	}
+}
+
 // Bad inputs are status codes with messages, and write nothing.
 func TestPlanErrors(t *testing.T) {
 	r := seed(t)

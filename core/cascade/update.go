@@ -4,32 +4,6 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 )
 
-// Header reads a plan's summary back from its host workspace (what the run
-// and Update trust), checking that ws holds a plan of layout l.
-func Header(ws []int32, l *Layout) (Summary, error) {
-	var s Summary
-	if len(ws) < l.HostInts {
-		return s, kverr.Errorf(kverr.BufferTooSmall, "cascade: the host workspace holds %d bytes; %d needed", 4*len(ws), 4*l.HostInts)
-	}
-	h := ws[:HeaderInts]
-	if h[hMagic] != planMagic {
-		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace holds no plan (plan with kvp_cascade_plan first)")
-	}
-	if int(h[hMaxBatch]) != l.MaxBatch || int(h[hMaxTokens]) != l.MaxTokens || int(h[hGroup]) != l.Group || int(h[hTileQ]) != l.TileQ {
-		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan was made for another layout (max_batch %d, max_tokens %d, group %d, tile %d; expected %d, %d, %d, %d)",
-			h[hMaxBatch], h[hMaxTokens], h[hGroup], h[hTileQ], l.MaxBatch, l.MaxTokens, l.Group, l.TileQ)
-	}
-	s.Items, s.Batch, s.Nodes, s.Parts, s.Chunk = int(h[hItems]), int(h[hBatch]), int(h[hNodes]), int(h[hParts]), int(h[hChunk])
-	s.MaxKV, s.SavedTokens, s.TotalTokens = int(h[hMaxKV]), int64(h[hSaved]), int64(h[hTotal])
-	s.Route = int(h[hRoute])
-	s.Gen = h[hGen]
-	s.Rows, s.MaxQLen = int(h[hRows]), int(h[hMaxQLen])
-	if s.Batch < 0 || s.Batch > l.MaxBatch || s.Rows < 0 || s.Rows > l.MaxTokens || s.Items < 0 || s.Items > l.ItemCap || s.Parts < 0 || s.Parts > l.PartCap {
-		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan header is corrupt (batch %d, rows %d, items %d, parts %d)", s.Batch, s.Rows, s.Items, s.Parts)
-	}
-	return s, nil
-}
-
 // Update checks that a cascade plan still covers a step whose sequences only
 // grew: every sequence's length within [its tail's start, its tail's planned
 // capacity]. It reads the host workspace only (O(batch)) and writes nothing:
@@ -64,16 +38,4 @@ func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, err
 		}
 	}
 	return true, nil
-}
-
-// PlanLayout is the layout of the plan in the host workspace ws for a
-// capacity of maxBatch sequences: its query-row capacity is read from the
-// plan's header (max_batch when ws holds no plan, which Header then
-// refuses).
-func PlanLayout(ws []int32, maxBatch, numQHeads, numKVHeads, headDim int) (Layout, error) {
-	maxTok := maxBatch
-	if len(ws) >= HeaderInts && ws[hMagic] == planMagic && int(ws[hMaxTokens]) >= maxBatch {
-		maxTok = int(ws[hMaxTokens])
-	}
-	return NewPrefillLayout(maxBatch, maxTok, numQHeads, numKVHeads, headDim)
 }

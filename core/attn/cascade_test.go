@@ -14,9 +14,9 @@ import (
 // reached the device step.
 type noDevice struct{ plans *int }
 
-func (d noDevice) slots(int) (int, error) {
+func (d noDevice) open(DType, int) (int, bool, error) {
 	*d.plans++
-	return cascade.DefaultSlots, nil
+	return cascade.DefaultSlots, false, nil
 }
 
 func (noDevice) planPrefill(*PrefillPlanArgs, cuda.Stream) (PrefillPlan, error) {
@@ -25,7 +25,7 @@ func (noDevice) planPrefill(*PrefillPlanArgs, cuda.Stream) (PrefillPlan, error) 
 
 func (noDevice) upload(cuda.DevicePtr, []byte, [][2]int64, cuda.Stream) error { return nil }
 
-func (noDevice) prefillMainloop(DType, int) int { return MainloopSM80 }
+func (noDevice) hopper(DType, int) bool { return false }
 
 // withoutDevice makes the test's plans without a GPU and returns the count
 // of plans that reached the device step.
