@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/internal/testseed"
 )
 
@@ -22,6 +23,25 @@ type batch struct {
 	lens                  []int32
 	qo                    []int32 // query offsets [batch+1]; nil: decode
 	numBlocks             int
+}
+
+// treeCase is a test case over random trees: their spec and the attention
+// shape of the layer.
+type treeCase struct {
+	name       string
+	spec       treeSpec
+	d          attn.DType
+	qh, kvh, D int
+}
+
+// prefillCase is a test case over random trees whose sequences have up to
+// maxQ new query tokens each.
+type prefillCase struct {
+	name       string
+	spec       treeSpec
+	maxQ       int
+	d          attn.DType
+	qh, kvh, D int
 }
 
 // treeSpec describes a random sharing tree: each level splits a group into

@@ -53,14 +53,7 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 // block sizes 1/16/64, lengths ending inside shared runs.
 func TestRefMatchesPrefill(t *testing.T) {
 	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		maxQ       int
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	cases := []prefillCase{
 		{"tree_f32_bs16", treeSpec{seqs: 10, depth: 3, maxRun: 5, maxTail: 80, bs: 16, partialOK: true}, 60, attn.F32, 8, 2, 64},
 		{"tree_f16_bs1", treeSpec{seqs: 7, depth: 2, maxRun: 30, maxTail: 40, bs: 1}, 40, attn.F16, 4, 4, 64},
 		{"tree_bf16_bs64", treeSpec{seqs: 5, depth: 2, maxRun: 2, maxTail: 150, bs: 64, partialOK: true}, 100, attn.BF16, 4, 1, 128},

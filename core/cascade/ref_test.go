@@ -54,13 +54,7 @@ func newProblem(r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int) *problem {
 // with lengths ending inside shared runs and empty sequences.
 func TestRefMatchesDecode(t *testing.T) {
 	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	cases := []treeCase{
 		{"tree_f32_bs16", treeSpec{seqs: 12, depth: 3, maxRun: 6, maxTail: 90, bs: 16, partialOK: true}, attn.F32, 8, 2, 64},
 		{"tree_f16_bs1", treeSpec{seqs: 9, depth: 2, maxRun: 40, maxTail: 30, bs: 1}, attn.F16, 4, 4, 64},
 		{"tree_bf16_bs64", treeSpec{seqs: 7, depth: 4, maxRun: 3, maxTail: 150, bs: 64, partialOK: true}, attn.BF16, 8, 1, 128},
