@@ -21,6 +21,7 @@ import (
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/internal/gputest"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
 // growable gives every sequence `extra` more table columns with fresh
@@ -195,7 +196,7 @@ func compareRows(t *testing.T, what string, p *problem, got, gotLSE, want []byte
 // 64/128/256, GQA groups 1-8: the kernels equal the float64 reference.
 func TestGPUCascade(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	cases := []treeCase{
 		{"tree_d3_bs16", treeSpec{seqs: 40, depth: 3, maxRun: 20, maxTail: 300, bs: 16, partialOK: true}, attn.F16, 32, 8, 128},
 		{"tree_d4_bs1", treeSpec{seqs: 24, depth: 4, maxRun: 90, maxTail: 100, bs: 1}, attn.BF16, 8, 8, 64},
@@ -232,7 +233,7 @@ func TestGPUCascade(t *testing.T) {
 // change), and a new plan into the same workspaces serves the same graph.
 func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	b := growable(genTree(r, treeSpec{seqs: 48, depth: 2, maxRun: 16, maxTail: 200, bs: 16}), 24) // room for 150 steps of up to 2 tokens
 	g := newGPURun(t, r, b, attn.F16, 32, 8, 128, true)
 	g.plan(t, false)
@@ -328,7 +329,7 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 // run again on the sm_80 kernels alone.
 func TestGPUCascadePrefill(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	cases := []prefillCase{
 		// Sizes keep the float64 reference to about a minute on one core.
 		{"prompts_bs16", treeSpec{seqs: 4, depth: 1, maxRun: 64, maxTail: 1000, bs: 16}, 1000, attn.F16, 8, 2, 128},

@@ -18,6 +18,7 @@ import (
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/internal/gputest"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
 // poisoned allocates bytes of device memory filled with the dtype's NaN.
@@ -134,7 +135,7 @@ func checkDecode(t testing.TB, p *decodeProblem, g *gpuDecode, splits int, what 
 
 func TestGPUPagedDecode(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	type tc struct {
 		d                    attn.DType
 		D, qh, kvh, bs       int
@@ -193,7 +194,7 @@ func TestGPUPagedDecode(t *testing.T) {
 // cache it wrote matches too.
 func TestGPUKVWriteThenDecode(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, bs := range []int{1, 16, 256} {
 			name := fmt.Sprintf("%v_bs%d", d, bs)
@@ -263,7 +264,7 @@ func (p *decodeProblem) cleanPrefix() int {
 
 func TestGPUMergeStates(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, D := range []int{64, 128, 256} {
 			for _, n := range []int{1, 2, 5, 8} {
@@ -325,7 +326,7 @@ func TestGPUMergeStates(t *testing.T) {
 // attn.PagedDecode captured into a CUDA graph replays correctly on new inputs.
 func TestGPUPagedDecodeGraph(t *testing.T) {
 	gputest.NeedKernels(t, attn.Prepare)
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	s := gputest.Stream(t)
