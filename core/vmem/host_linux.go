@@ -136,15 +136,26 @@ func (h *Host) resLocked(what string, addr uintptr, size int) (*mapModel, error)
 	return nil, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: %s: %#x+%d is not inside one reservation", what, addr, size)
 }
 
-func (h *Host) Reserve(size int) (uintptr, error) {
+// lockOpen checks that size, which what names, is a positive multiple of
+// the granularity, then locks h and checks that it is open. It returns
+// holding h.mu only when it returns nil.
+func (h *Host) lockOpen(what string, size int) error {
 	if size <= 0 || size%h.gran != 0 {
-		return 0, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: reserve: size %d is not a positive multiple of %d", size, h.gran)
+		return kverr.Errorf(kverr.InvalidArgument, "host vmem driver: %s %d is not a positive multiple of %d", what, size, h.gran)
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if h.closed {
-		return 0, kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
+		h.mu.Unlock()
+		return kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
 	}
+	return nil
+}
+
+func (h *Host) Reserve(size int) (uintptr, error) {
+	if err := h.lockOpen("reserve: size", size); err != nil {
+		return 0, err
+	}
+	defer h.mu.Unlock()
 	if err := hostMapDelta(1, false); err != nil {
 		return 0, err
 	}
@@ -200,14 +211,10 @@ func (h *Host) FreeReservation(base uintptr, size int) error {
 }
 
 func (h *Host) CreatePage(size int) (Page, error) {
-	if size <= 0 || size%h.gran != 0 {
-		return 0, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: page size %d is not a positive multiple of %d", size, h.gran)
+	if err := h.lockOpen("page size", size); err != nil {
+		return 0, err
 	}
-	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.closed {
-		return 0, kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
-	}
 	// The page has no file offset until it is mapped: then it takes the
 	// home of its address.
 	id := h.nextID
