@@ -161,6 +161,20 @@ func disjoint(what, name string, inner int, dims ...dim) error {
 	return nil
 }
 
+// spanQOut is the extents of a layer's q and out, each rows by heads rows of
+// headDim elements at the given strides; rows and heads of out must not
+// overlap (disjoint).
+func spanQOut(what string, headDim, rows, heads int, qRow, qHead, outRow, outHead int64) (q, out int64, err error) {
+	if q, err = span(what, "q", headDim, dim{rows, qRow}, dim{heads, qHead}); err != nil {
+		return q, out, err
+	}
+	o := []dim{{rows, outRow}, {heads, outHead}}
+	if out, err = span(what, "out", headDim, o...); err != nil {
+		return q, out, err
+	}
+	return q, out, disjoint(what, "out", headDim, o...)
+}
+
 // vecMultiple checks the kernels' 16-byte vector rule: every stride of a
 // dtype tensor is a multiple of 16 / sizeof(dtype) elements.
 func vecMultiple(what string, d DType, strides ...int64) error {
@@ -192,13 +206,11 @@ type kvWriteExtents struct{ key, value, cache int64 }
 func (l *KVWriteLayout) validate() (kvWriteExtents, error) {
 	const what = "kv_write"
 	var e kvWriteExtents
-	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_tokens", l.NumTokens, 0, 1<<30); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads); err != nil {
+	if err := firstErr(
+		checkHead(what, l.DType, l.HeadDim),
+		inRange(what+": num_tokens", l.NumTokens, 0, 1<<30),
+		inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads),
+	); err != nil {
 		return e, err
 	}
 	if err := vecMultiple(what, l.DType, l.KeyTokenStride, l.KeyHeadStride, l.ValueTokenStride, l.ValueHeadStride); err != nil {
@@ -225,16 +237,12 @@ type decodeExtents struct{ q, cache, out, table int64 }
 func (l *DecodeLayout) validate() (decodeExtents, error) {
 	const what = "paged_decode"
 	var e decodeExtents
-	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": batch", l.Batch, 0, maxBatch); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_q_heads", l.NumQHeads, 1, MaxHeads); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads); err != nil {
+	if err := firstErr(
+		checkHead(what, l.DType, l.HeadDim),
+		inRange(what+": batch", l.Batch, 0, maxBatch),
+		inRange(what+": num_q_heads", l.NumQHeads, 1, MaxHeads),
+		inRange(what+": num_kv_heads", l.NumKVHeads, 1, MaxHeads),
+	); err != nil {
 		return e, err
 	}
 	if l.NumQHeads%l.NumKVHeads != 0 {
@@ -253,14 +261,7 @@ func (l *DecodeLayout) validate() (decodeExtents, error) {
 	if e.cache, e.table, err = l.PagedKV.validate(what, l.DType, l.HeadDim, l.NumKVHeads, true, l.Batch); err != nil {
 		return e, err
 	}
-	if e.q, err = span(what, "q", l.HeadDim, dim{l.Rows(), l.QBatchStride}, dim{l.NumQHeads, l.QHeadStride}); err != nil {
-		return e, err
-	}
-	out := []dim{{l.Rows(), l.OutBatchStride}, {l.NumQHeads, l.OutHeadStride}}
-	if e.out, err = span(what, "out", l.HeadDim, out...); err != nil {
-		return e, err
-	}
-	if err := disjoint(what, "out", l.HeadDim, out...); err != nil {
+	if e.q, e.out, err = spanQOut(what, l.HeadDim, l.Rows(), l.NumQHeads, l.QBatchStride, l.QHeadStride, l.OutBatchStride, l.OutHeadStride); err != nil {
 		return e, err
 	}
 	if l.Batch == 0 {
@@ -274,16 +275,12 @@ type mergeExtents struct{ v, s, out, outLSE int64 }
 func (l *MergeLayout) validate(withLSE bool) (mergeExtents, error) {
 	const what = "merge_states"
 	var e mergeExtents
-	if err := checkHead(what, l.DType, l.HeadDim); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_states", l.NumStates, 1, maxMergeStates); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_tokens", l.NumTokens, 0, 1<<30); err != nil {
-		return e, err
-	}
-	if err := inRange(what+": num_heads", l.NumHeads, 1, MaxHeads); err != nil {
+	if err := firstErr(
+		checkHead(what, l.DType, l.HeadDim),
+		inRange(what+": num_states", l.NumStates, 1, maxMergeStates),
+		inRange(what+": num_tokens", l.NumTokens, 0, 1<<30),
+		inRange(what+": num_heads", l.NumHeads, 1, MaxHeads),
+	); err != nil {
 		return e, err
 	}
 	if int64(l.NumTokens)*int64(l.NumHeads) > 1<<31-1 {

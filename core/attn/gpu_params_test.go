@@ -17,10 +17,7 @@ import (
 
 func needGPU(t testing.TB) {
 	t.Helper()
-	gputest.Need(t)
-	if err := Prepare(); err != nil {
-		t.Fatalf("loading the kernels: %v", err)
-	}
+	gputest.NeedKernels(t, Prepare)
 }
 
 // Kernel parameter sizes as the driver reports them equal the Go mirrors.

@@ -15,23 +15,9 @@ func TestNoKernelsBuild(t *testing.T) {
 	kernelsBuilt = func() bool { return false }
 	defer func() { kernelsBuilt = saved }()
 
-	w := KVWriteArgs{
-		KVWriteLayout: KVWriteLayout{DType: F16, HeadDim: 64, NumTokens: 2, NumKVHeads: 1,
-			KeyTokenStride: 64, KeyHeadStride: 64, ValueTokenStride: 64, ValueHeadStride: 64, PagedKV: PagedKV{NumBlocks: 4, BlockSize: 2, CacheBlockStride: 128, CacheTokenStride: 64, CacheHeadStride: 64,
-				KCache: 0x3000, VCache: 0x4000}},
-		Key: 0x1000, Value: 0x2000, SlotMapping: 0x5000,
-	}
-	d := PagedDecodeArgs{
-		DecodeLayout: DecodeLayout{DType: BF16, HeadDim: 128, Batch: 2, NumQHeads: 4, NumKVHeads: 1,
-			QBatchStride: 512, QHeadStride: 128, OutBatchStride: 512, OutHeadStride: 128,
-
-			Scale: 0.088, PagedKV: PagedKV{NumBlocks: 8, BlockSize: 16, CacheBlockStride: 2048, CacheTokenStride: 128, CacheHeadStride: 128,
-				MaxBlocksPerSeq: 4, BlockTableStride: 4,
-				KCache: 0x2000, VCache: 0x3000, BlockTable: 0x4000}},
-		Q: 0x1000, SeqLens: 0x5000, Out: 0x6000,
-	}
-	m := MergeArgs{MergeLayout: MergeLayout{DType: F32, HeadDim: 64, NumStates: 2, NumTokens: 1, NumHeads: 1,
-		VTokenStride: 64, VHeadStride: 64, STokenStride: 1, SHeadStride: 1, OutTokenStride: 64, OutHeadStride: 64}}
+	w := testKVWriteArgs()
+	d := testDecodeArgs()
+	m := testMergeArgs()
 	m.V[0], m.S[0], m.V[1], m.S[1], m.Out = 0x1000, 0x2000, 0x3000, 0x4000, 0x5000
 
 	calls := map[string]func() error{

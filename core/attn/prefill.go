@@ -531,14 +531,7 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 	if err := vecMultiple(what, p.DType, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride); err != nil {
 		return e, err
 	}
-	if e.q, err = span(what, "q", p.HeadDim, dim{p.TotalQ, l.QTokenStride}, dim{p.NumQHeads, l.QHeadStride}); err != nil {
-		return e, err
-	}
-	out := []dim{{p.TotalQ, l.OutTokenStride}, {p.NumQHeads, l.OutHeadStride}}
-	if e.out, err = span(what, "out", p.HeadDim, out...); err != nil {
-		return e, err
-	}
-	if err := disjoint(what, "out", p.HeadDim, out...); err != nil {
+	if e.q, e.out, err = spanQOut(what, p.HeadDim, p.TotalQ, p.NumQHeads, l.QTokenStride, l.QHeadStride, l.OutTokenStride, l.OutHeadStride); err != nil {
 		return e, err
 	}
 	if p.TotalQ == 0 {

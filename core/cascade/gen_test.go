@@ -3,17 +3,9 @@ package cascade_test
 import (
 	. "github.com/kvplug/kvplug/core/cascade"
 	"math/rand/v2"
-	"testing"
 
-	"github.com/kvplug/kvplug/internal/testseed"
+	"github.com/kvplug/kvplug/core/attn"
 )
-
-// seed is the random source of one test, logged and replayable
-// (internal/testseed: KVPLUG_TEST_SEED).
-func seed(t testing.TB) *rand.Rand {
-	t.Helper()
-	return rand.New(rand.NewPCG(testseed.Seed(t), 11))
-}
 
 // batch is a decode batch's host arrays.
 type batch struct {
@@ -22,6 +14,25 @@ type batch struct {
 	lens                  []int32
 	qo                    []int32 // query offsets [batch+1]; nil: decode
 	numBlocks             int
+}
+
+// treeCase is a test case over random trees: their spec and the attention
+// shape of the layer.
+type treeCase struct {
+	name       string
+	spec       treeSpec
+	d          attn.DType
+	qh, kvh, D int
+}
+
+// prefillCase is a test case over random trees whose sequences have up to
+// maxQ new query tokens each.
+type prefillCase struct {
+	name       string
+	spec       treeSpec
+	maxQ       int
+	d          attn.DType
+	qh, kvh, D int
 }
 
 // treeSpec describes a random sharing tree: each level splits a group into
@@ -34,6 +45,21 @@ type treeSpec struct {
 	bs        int
 	forkFrac  float64 // chance that a leaf group is a fork set (tails only)
 	partialOK bool    // lengths may end inside a shared run
+}
+
+// randomSpec is a random tree of 1 to maxSeqs sequences with tails of 0 to
+// maxTail-1 tokens: depth 0-4, shared runs of 1-12 blocks, block sizes
+// 1/16/64, lengths ending inside shared runs half the time.
+func randomSpec(r *rand.Rand, maxSeqs, maxTail int) treeSpec {
+	return treeSpec{seqs: 1 + r.IntN(maxSeqs), depth: r.IntN(5), maxRun: 1 + r.IntN(12), maxTail: r.IntN(maxTail),
+		bs: []int{1, 16, 64}[r.IntN(3)], partialOK: r.IntN(2) == 0}
+}
+
+// cycleHeads is the attention shape (q heads, kv heads, head_dim) of
+// iteration iter of a random test: GQA groups 1, 4 and 8 over head_dim 64,
+// 128 and 256 in turn.
+func cycleHeads(iter int) (qh, kvh, D int) {
+	return []int{4, 32, 8}[iter%3], []int{4, 8, 1}[iter%3], []int{64, 128, 256}[iter%3]
 }
 
 // genTree builds a batch whose sequences share runs of blocks as a random

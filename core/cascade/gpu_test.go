@@ -17,76 +17,12 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
-	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/internal/gputest"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
-
-func needGPU(t testing.TB) {
-	t.Helper()
-	gputest.Need(t)
-	if err := attn.Prepare(); err != nil {
-		t.Fatalf("loading the kernels: %v", err)
-	}
-}
-
-func devMem(t testing.TB, bytes int) cuda.DevicePtr {
-	t.Helper()
-	p, err := cuda.MemAlloc(max(bytes, 16))
-	if err != nil {
-		t.Fatalf("alloc %d bytes: %v", bytes, err)
-	}
-	t.Cleanup(func() { cuda.MemFree(p) })
-	return p
-}
-
-func i32bytes(v []int32) []byte {
-	if len(v) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
-}
-
-func upload(t testing.TB, b []byte) cuda.DevicePtr {
-	t.Helper()
-	p := devMem(t, len(b))
-	if err := cuda.CopyToDevice(p, b); err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-func put(t testing.TB, p cuda.DevicePtr, b []byte) {
-	t.Helper()
-	if err := cuda.CopyToDevice(p, b); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func download(t testing.TB, p cuda.DevicePtr, n int) []byte {
-	t.Helper()
-	b := make([]byte, n)
-	if err := cuda.CopyFromDevice(b, p); err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-// poison fills n bytes at p with NaN of 16-bit or 32-bit types.
-func poison(t testing.TB, p cuda.DevicePtr, n int, d attn.DType) {
-	t.Helper()
-	var err error
-	if d.Size() == 2 {
-		err = cuda.Memset16(p, uint16(d.NaNBits()), n/2)
-	} else {
-		err = cuda.Memset32(p, attn.F32.NaNBits(), n/4)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-}
 
 // growable gives every sequence `extra` more table columns with fresh
 // blocks after its last used one, so that lengths can grow.
@@ -137,22 +73,22 @@ func newGPURun(t *testing.T, r *rand.Rand, b *batch, d attn.DType, qh, kvh, D in
 		t.Fatal(err)
 	}
 	g.ws = make([]int32, g.l.HostInts)
-	g.dev = devMem(t, int(g.l.DeviceBytes))
-	poison(t, g.dev, int(g.l.DeviceBytes), attn.F32)
-	g.lensD = upload(t, i32bytes(b.lens))
+	g.dev = gputest.Alloc(t, int(g.l.DeviceBytes))
+	gputest.Poison(t, g.dev, int(g.l.DeviceBytes), attn.F32)
+	g.lensD = gputest.Upload(t, gputest.Int32Bytes(b.lens))
 	g.outB = b.rows() * qh * D * d.Size()
 	g.run = attn.CascadeRunArgs{DecodeLayout: g.p.dl, Rows: b.rows(),
-		Q:       upload(t, g.p.q),
+		Q:       gputest.Upload(t, g.p.q),
 		SeqLens: g.lensD,
-		Out:     devMem(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
+		Out:     gputest.Alloc(t, g.outB), Workspace: g.dev, WorkspaceBytes: g.l.DeviceBytes,
 		PartOut: g.l.PartOut, PartLSE: g.l.PartLSE,
 		ItemsOff: g.l.Items, QRowsOff: g.l.QRows, SegStartOff: g.l.SegStart, SegsOff: g.l.Segs,
 		RowSeqOff: g.l.RowSeq, QStartOff: g.l.QStart, MaxBatch: g.l.MaxBatch, MaxRows: g.l.MaxTokens,
 	}
-	g.run.KCache, g.run.VCache = upload(t, g.p.kc), upload(t, g.p.vc)
-	g.run.BlockTable = upload(t, i32bytes(b.table))
+	g.run.KCache, g.run.VCache = gputest.Upload(t, g.p.kc), gputest.Upload(t, g.p.vc)
+	g.run.BlockTable = gputest.Upload(t, gputest.Int32Bytes(b.table))
 	if withLSE {
-		g.run.LSE = devMem(t, 4*b.rows()*qh)
+		g.run.LSE = gputest.Alloc(t, 4*b.rows()*qh)
 	}
 	return g
 }
@@ -172,19 +108,19 @@ func (g *gpuRun) planFor(t *testing.T, keepAll, wgmma bool) Summary {
 	if err != nil {
 		t.Fatal(err)
 	}
-	put(t, g.dev, i32bytes(g.ws[:g.l.PlanInts]))
+	gputest.Put(t, g.dev, gputest.Int32Bytes(g.ws[:g.l.PlanInts]))
 	return s
 }
 
 // poisonParts fills the workspace's partial states with NaN.
 func (g *gpuRun) poisonParts(t *testing.T) {
-	poison(t, g.dev+cuda.DevicePtr(g.l.PartOut), int(g.l.DeviceBytes-g.l.PartOut), attn.F32)
+	gputest.Poison(t, g.dev+cuda.DevicePtr(g.l.PartOut), int(g.l.DeviceBytes-g.l.PartOut), attn.F32)
 }
 
 func (g *gpuRun) poisonOut(t *testing.T) {
-	poison(t, g.run.Out, g.outB, g.p.dl.DType)
+	gputest.Poison(t, g.run.Out, g.outB, g.p.dl.DType)
 	if g.run.LSE != 0 {
-		poison(t, g.run.LSE, 4*g.p.b.rows()*g.p.dl.NumQHeads, attn.F32)
+		gputest.Poison(t, g.run.LSE, 4*g.p.b.rows()*g.p.dl.NumQHeads, attn.F32)
 	}
 }
 
@@ -202,9 +138,9 @@ func (g *gpuRun) check(t *testing.T, what string) {
 	}
 	var gotLSE []byte
 	if g.run.LSE != 0 {
-		gotLSE = download(t, g.run.LSE, 4*R*H)
+		gotLSE = gputest.Download(t, g.run.LSE, 4*R*H)
 	}
-	compareRows(t, what+" vs float64", g.p, download(t, g.run.Out, g.outB), gotLSE, want, wantLSE, 1)
+	compareRows(t, what+" vs float64", g.p, gputest.Download(t, g.run.Out, g.outB), gotLSE, want, wantLSE, 1)
 }
 
 // compareRows compares outputs [rows, H, D] (and lse when got holds one)
@@ -259,15 +195,9 @@ func compareRows(t *testing.T, what string, p *problem, got, gotLSE, want []byte
 // 1/16/64), forks and batches with no sharing, f16 and bf16, head_dim
 // 64/128/256, GQA groups 1-8: the kernels equal the float64 reference.
 func TestGPUCascade(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 11)
+	cases := []treeCase{
 		{"tree_d3_bs16", treeSpec{seqs: 40, depth: 3, maxRun: 20, maxTail: 300, bs: 16, partialOK: true}, attn.F16, 32, 8, 128},
 		{"tree_d4_bs1", treeSpec{seqs: 24, depth: 4, maxRun: 90, maxTail: 100, bs: 1}, attn.BF16, 8, 8, 64},
 		{"tree_d2_bs64", treeSpec{seqs: 16, depth: 2, maxRun: 6, maxTail: 2048, bs: 64}, attn.F16, 16, 2, 256},
@@ -302,16 +232,12 @@ func TestGPUCascade(t *testing.T) {
 // every sequence: Update absorbs most steps (only the device lengths
 // change), and a new plan into the same workspaces serves the same graph.
 func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 11)
 	b := growable(genTree(r, treeSpec{seqs: 48, depth: 2, maxRun: 16, maxTail: 200, bs: 16}), 24) // room for 150 steps of up to 2 tokens
 	g := newGPURun(t, r, b, attn.F16, 32, 8, 128, true)
 	g.plan(t, false)
-	s, err := cuda.StreamCreate()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cuda.StreamDestroy(s)
+	s := gputest.Stream(t)
 	// One run outside the capture resolves the kernels and raises their
 	// shared-memory limit, which a replay cannot do.
 	if err := attn.CascadeRun(&g.run, s); err != nil {
@@ -341,7 +267,7 @@ func TestGPUCascadeGraphAcrossSteps(t *testing.T) {
 				g.plan(t, false)
 				replans++
 			}
-			put(t, g.lensD, i32bytes(b.lens))
+			gputest.Put(t, g.lensD, gputest.Int32Bytes(b.lens))
 		}
 		if step%30 != 0 && step != 149 {
 			continue
@@ -372,16 +298,16 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	qoD := upload(t, i32bytes(b.qo))
+	qoD := gputest.Upload(t, gputest.Int32Bytes(b.qo))
 	pp, err := attn.PlanPrefill(&attn.PrefillPlanArgs{PrefillShape: sh, QOIndptr: b.qo, KVLens: b.lens,
-		QOIndptrDev: qoD, KVLensDev: g.lensD, Workspace: devMem(t, int(wsBytes)), WorkspaceBytes: wsBytes}, 0)
+		QOIndptrDev: qoD, KVLensDev: g.lensD, Workspace: gputest.Alloc(t, int(wsBytes)), WorkspaceBytes: wsBytes}, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := devMem(t, g.outB)
-	lse := devMem(t, 4*R*H)
-	poison(t, out, g.outB, g.p.dl.DType)
-	poison(t, lse, 4*R*H, attn.F32)
+	out := gputest.Alloc(t, g.outB)
+	lse := gputest.Alloc(t, 4*R*H)
+	gputest.Poison(t, out, g.outB, g.p.dl.DType)
+	gputest.Poison(t, lse, 4*R*H, attn.F32)
 	pl.KCache, pl.VCache, pl.BlockTable = g.run.KCache, g.run.VCache, g.run.BlockTable
 	if err := attn.PagedPrefill(&pp, &attn.PagedPrefillArgs{PrefillLayout: pl, Q: g.run.Q,
 		Out: out, LSE: lse}, 0); err != nil {
@@ -390,7 +316,7 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 	if err := cuda.Synchronize(); err != nil {
 		t.Fatal(err)
 	}
-	return download(t, out, g.outB), download(t, lse, 4*R*H)
+	return gputest.Download(t, out, g.outB), gputest.Download(t, lse, 4*R*H)
 }
 
 // Varlen prefill queries sharing cached prefixes: random trees (depth 1-3,
@@ -402,16 +328,9 @@ func (g *gpuRun) prefillOnDevice(t *testing.T) ([]byte, []byte) {
 // with the wgmma mainloop's 128-row tail tiles (run there on Hopper), and
 // run again on the sm_80 kernels alone.
 func TestGPUCascadePrefill(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		maxQ       int
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 11)
+	cases := []prefillCase{
 		// Sizes keep the float64 reference to about a minute on one core.
 		{"prompts_bs16", treeSpec{seqs: 4, depth: 1, maxRun: 64, maxTail: 1000, bs: 16}, 1000, attn.F16, 8, 2, 128},
 		{"tree_d3_bs16", treeSpec{seqs: 16, depth: 3, maxRun: 15, maxTail: 200, bs: 16, partialOK: true}, 200, attn.BF16, 8, 2, 128},
@@ -436,13 +355,10 @@ func TestGPUCascadePrefill(t *testing.T) {
 				g.check(t, what)
 				// kvplug's paged prefill: both are rounded once from float32
 				// accumulations, so twice the tolerance.
-				got := download(t, g.run.Out, g.outB)
-				gotLSE := download(t, g.run.LSE, 4*b.rows()*c.qh)
+				got := gputest.Download(t, g.run.Out, g.outB)
+				gotLSE := gputest.Download(t, g.run.LSE, 4*b.rows()*c.qh)
 				pout, plse := g.prefillOnDevice(t)
-				lse := make([]float32, b.rows()*c.qh)
-				for i := range lse {
-					lse[i] = math.Float32frombits(binary.LittleEndian.Uint32(plse[4*i:]))
-				}
+				lse := gputest.F32s(plse)
 				compareRows(t, what+" vs paged_prefill", g.p, got, gotLSE, pout, lse, 2)
 				if rep == 1 {
 					// The same plan again: its outputs to the bit (on
@@ -454,7 +370,7 @@ func TestGPUCascadePrefill(t *testing.T) {
 					if err := attn.CascadeRun(&g.run, 0); err != nil {
 						t.Fatal(err)
 					}
-					if again := download(t, g.run.Out, g.outB); !bytes.Equal(again, got) {
+					if again := gputest.Download(t, g.run.Out, g.outB); !bytes.Equal(again, got) {
 						t.Fatalf("%s: a second run of the plan differs from the first", what)
 					}
 					g.run.SM80 = true
@@ -463,8 +379,8 @@ func TestGPUCascadePrefill(t *testing.T) {
 					if err := attn.CascadeRun(&g.run, 0); err != nil {
 						t.Fatal(err)
 					}
-					got = download(t, g.run.Out, g.outB)
-					gotLSE = download(t, g.run.LSE, 4*b.rows()*c.qh)
+					got = gputest.Download(t, g.run.Out, g.outB)
+					gotLSE = gputest.Download(t, g.run.LSE, 4*b.rows()*c.qh)
 					compareRows(t, what+" on the sm_80 kernels vs paged_prefill", g.p, got, gotLSE, pout, lse, 2)
 				}
 			}

@@ -66,6 +66,8 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 	qv := make([]float64, D)
 	var scores []float64
 	var rows []int64
+	keys := attnref.NewKeys(dt, &dl.PagedKV, kCache)
+	scale := float64(attn.SoftmaxScale(dl.Scale, dl.HeadDim))
 	for i := 0; i < s.Items; i++ {
 		it := ws[l.Items+i*ItemInts : l.Items+(i+1)*ItemInts]
 		rep, kb, ke := it[IRep], it[IKVBegin], it[IKVEnd]
@@ -89,24 +91,7 @@ func Ref(ws []int32, l *Layout, dl *attn.DecodeLayout, q, kCache, vCache []byte,
 					qv[d] = dt.Load(q, qo+int64(d))
 				}
 				pos := delta + int64(k)
-				scores, rows = scores[:0], rows[:0]
-				for t := int(kb); t < int(ke) && int64(t) <= pos; t++ {
-					col := t / dl.BlockSize
-					if col >= dl.MaxBlocksPerSeq {
-						break
-					}
-					blk := int64(trow[col])
-					if blk < 0 || blk >= int64(dl.NumBlocks) {
-						continue
-					}
-					ko := blk*dl.CacheBlockStride + int64(t%dl.BlockSize)*dl.CacheTokenStride + int64(kvh)*dl.CacheHeadStride
-					dot := 0.0
-					for d := 0; d < D; d++ {
-						dot += qv[d] * dt.Load(kCache, ko+int64(d))
-					}
-					scores = append(scores, float64(attn.SoftmaxScale(dl.Scale, dl.HeadDim))*dot)
-					rows = append(rows, ko)
-				}
+				scores, rows = keys.Score(trow, int64(kvh), qv, scale, int(kb), int(min(int64(ke), pos+1)), scores[:0], rows[:0])
 				pi := (int(it[IPartBase])+k)*H + qh
 				plse[pi] = attnref.Attend(dt, vCache, rows, scores, parts[pi*D:(pi+1)*D])
 			}

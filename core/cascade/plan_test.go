@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
 // span is one partial state's token range of one query token.
@@ -247,13 +248,12 @@ func bruteTail(b *batch, s int) int32 {
 // the brute-force maximum and each tail starts where its sequence's longest
 // sharing ends.
 func TestPlanRandomTrees(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	var p Planner
 	for iter := 0; iter < 400; iter++ {
-		spec := treeSpec{seqs: 1 + r.IntN(40), depth: r.IntN(5), maxRun: 1 + r.IntN(12), maxTail: r.IntN(300),
-			bs: []int{1, 16, 64}[r.IntN(3)], partialOK: r.IntN(2) == 0}
+		spec := randomSpec(r, 40, 300)
 		b := genTree(r, spec)
-		qh, kvh, D := []int{4, 32, 8}[iter%3], []int{4, 8, 1}[iter%3], []int{64, 128, 256}[iter%3]
+		qh, kvh, D := cycleHeads(iter)
 		in := b.input(qh, kvh, D)
 		in.NoDecodeRoute = true
 		in.Slots = 1 + r.IntN(600)
@@ -291,7 +291,7 @@ func TestPlanRandomTrees(t *testing.T) {
 // Sharing that does not pay goes to plain decode: no sharing at all, two
 // sequences sharing one small block, a tiny shared part of long sequences.
 func TestPlanDecodeRoute(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	l, _ := NewLayout(64, 32, 8, 128)
 	ws := make([]int32, l.HostInts)
 	var p Planner
@@ -333,7 +333,7 @@ func TestPlanDecodeRoute(t *testing.T) {
 // Update absorbs growth within each tail's capacity, and asks for a new
 // plan when a tail outgrows it or a length falls below the shared part.
 func TestUpdate(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	b := widen(genTree(r, treeSpec{seqs: 24, depth: 2, maxRun: 20, maxTail: 200, bs: 16}), 20)
 	in := b.input(8, 2, 64)
 	in.NoDecodeRoute = true
@@ -421,7 +421,7 @@ func TestReadPlan(t *testing.T) {
 
 // Bad inputs are status codes with messages, and write nothing.
 func TestPlanErrors(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	b := genTree(r, treeSpec{seqs: 8, depth: 1, maxRun: 4, maxTail: 40, bs: 16})
 	l, _ := NewLayout(8, 8, 2, 64)
 	small, _ := NewLayout(4, 8, 2, 64)

@@ -9,6 +9,7 @@ import (
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/attn/attnref"
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
 // prefillLayout is a layout with room for the batch's query rows.
@@ -29,13 +30,12 @@ func prefillLayout(t *testing.T, b *batch, extraSeqs, qh, kvh, D int) Layout {
 // emitted the saving is at most the brute-force maximum of runs that end
 // there.
 func TestPlanRandomTreesPrefill(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	var p Planner
 	for iter := 0; iter < 300; iter++ {
-		spec := treeSpec{seqs: 1 + r.IntN(30), depth: r.IntN(5), maxRun: 1 + r.IntN(12), maxTail: r.IntN(400),
-			bs: []int{1, 16, 64}[r.IntN(3)], partialOK: r.IntN(2) == 0}
+		spec := randomSpec(r, 30, 400)
 		b := withQueries(r, genTree(r, spec), 1+r.IntN(300))
-		qh, kvh, D := []int{4, 32, 8}[iter%3], []int{4, 8, 1}[iter%3], []int{64, 128, 256}[iter%3]
+		qh, kvh, D := cycleHeads(iter)
 		in := b.input(qh, kvh, D)
 		in.NoDecodeRoute = true
 		in.Slots = 1 + r.IntN(600)
@@ -52,15 +52,8 @@ func TestPlanRandomTreesPrefill(t *testing.T) {
 // sharing prefixes, with decode rows, empty rows and long queries mixed,
 // block sizes 1/16/64, lengths ending inside shared runs.
 func TestRefMatchesPrefill(t *testing.T) {
-	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		maxQ       int
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	r := testseed.Rand(t, 11)
+	cases := []prefillCase{
 		{"tree_f32_bs16", treeSpec{seqs: 10, depth: 3, maxRun: 5, maxTail: 80, bs: 16, partialOK: true}, 60, attn.F32, 8, 2, 64},
 		{"tree_f16_bs1", treeSpec{seqs: 7, depth: 2, maxRun: 30, maxTail: 40, bs: 1}, 40, attn.F16, 4, 4, 64},
 		{"tree_bf16_bs64", treeSpec{seqs: 5, depth: 2, maxRun: 2, maxTail: 150, bs: 64, partialOK: true}, 100, attn.BF16, 4, 1, 128},
@@ -169,7 +162,7 @@ func sharedPrompts(n, p, own, q int) *batch {
 // kernel too, or is refused with NoDecodeRoute. Ref of every route equals
 // plain prefill.
 func TestPlanPrefillRoutes(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	var p Planner
 	b := sharedPrompts(8, 4096, 0, 900)
 	for s := 0; s < 8; s++ { // 200-900 new tokens each

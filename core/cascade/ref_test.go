@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/attn/attnref"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
 
 // rows is the batch's query rows.
@@ -53,14 +54,8 @@ func newProblem(r *rand.Rand, b *batch, d attn.DType, qh, kvh, D int) *problem {
 // into the output dtype, on random trees, forks and batches without sharing,
 // with lengths ending inside shared runs and empty sequences.
 func TestRefMatchesDecode(t *testing.T) {
-	r := seed(t)
-	type tc struct {
-		name       string
-		spec       treeSpec
-		d          attn.DType
-		qh, kvh, D int
-	}
-	cases := []tc{
+	r := testseed.Rand(t, 11)
+	cases := []treeCase{
 		{"tree_f32_bs16", treeSpec{seqs: 12, depth: 3, maxRun: 6, maxTail: 90, bs: 16, partialOK: true}, attn.F32, 8, 2, 64},
 		{"tree_f16_bs1", treeSpec{seqs: 9, depth: 2, maxRun: 40, maxTail: 30, bs: 1}, attn.F16, 4, 4, 64},
 		{"tree_bf16_bs64", treeSpec{seqs: 7, depth: 4, maxRun: 3, maxTail: 150, bs: 64, partialOK: true}, attn.BF16, 8, 1, 128},

@@ -41,16 +41,8 @@ func TestCUDADriverMapsDeviceMemory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := d.CreatePage(g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d.Map(base+uintptr(g), g, p); err != nil {
-		t.Fatal(err)
-	}
-	if err := d.SetAccess(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
+	p := newPage(t, d, g)
+	mapPage(t, d, base+uintptr(g), g, p)
 	want := make([]byte, g)
 	for i := range want {
 		want[i] = byte(i*13 + 1)
@@ -59,15 +51,8 @@ func TestCUDADriverMapsDeviceMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The page keeps its contents when mapped at another address.
-	if err := d.Unmap(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
-	if err := d.Map(base+uintptr(3*g), g, p); err != nil {
-		t.Fatal(err)
-	}
-	if err := d.SetAccess(base+uintptr(3*g), g); err != nil {
-		t.Fatal(err)
-	}
+	unmap(t, d, base+uintptr(g), g)
+	mapPage(t, d, base+uintptr(3*g), g, p)
 	got := make([]byte, g)
 	if err := d.VMM().CopyFromDevice(got, uint64(base)+uint64(3*g)); err != nil {
 		t.Fatal(err)
@@ -80,9 +65,7 @@ func TestCUDADriverMapsDeviceMemory(t *testing.T) {
 	if err := d.Map(base+4096, g, p); !kverr.Is(err, kverr.CUDA) {
 		t.Fatalf("map at a misaligned address: %v", err)
 	}
-	if err := d.Unmap(base+uintptr(3*g), g); err != nil {
-		t.Fatal(err)
-	}
+	unmap(t, d, base+uintptr(3*g), g)
 	if err := d.ReleasePage(p); err != nil {
 		t.Fatal(err)
 	}

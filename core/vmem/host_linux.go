@@ -125,6 +125,21 @@ func (h *Host) checkRange(what string, addr uintptr, size int) error {
 	return nil
 }
 
+// lockRes checks the range (checkRange), then locks h and returns the
+// reservation holding it. It returns holding h.mu only when it returns no
+// error.
+func (h *Host) lockRes(what string, addr uintptr, size int) (*mapModel, error) {
+	if err := h.checkRange(what, addr, size); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	r, err := h.resLocked(what, addr, size)
+	if err != nil {
+		h.mu.Unlock()
+	}
+	return r, err
+}
+
 // resLocked returns the reservation holding [addr, addr+size).
 func (h *Host) resLocked(what string, addr uintptr, size int) (*mapModel, error) {
 	i := sort.Search(len(h.res), func(k int) bool { return h.res[k].base+uintptr(h.res[k].size) > addr })
@@ -136,15 +151,26 @@ func (h *Host) resLocked(what string, addr uintptr, size int) (*mapModel, error)
 	return nil, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: %s: %#x+%d is not inside one reservation", what, addr, size)
 }
 
-func (h *Host) Reserve(size int) (uintptr, error) {
+// lockOpen checks that size, which what names, is a positive multiple of
+// the granularity, then locks h and checks that it is open. It returns
+// holding h.mu only when it returns nil.
+func (h *Host) lockOpen(what string, size int) error {
 	if size <= 0 || size%h.gran != 0 {
-		return 0, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: reserve: size %d is not a positive multiple of %d", size, h.gran)
+		return kverr.Errorf(kverr.InvalidArgument, "host vmem driver: %s %d is not a positive multiple of %d", what, size, h.gran)
 	}
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if h.closed {
-		return 0, kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
+		h.mu.Unlock()
+		return kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
 	}
+	return nil
+}
+
+func (h *Host) Reserve(size int) (uintptr, error) {
+	if err := h.lockOpen("reserve: size", size); err != nil {
+		return 0, err
+	}
+	defer h.mu.Unlock()
 	if err := hostMapDelta(1, false); err != nil {
 		return 0, err
 	}
@@ -200,14 +226,10 @@ func (h *Host) FreeReservation(base uintptr, size int) error {
 }
 
 func (h *Host) CreatePage(size int) (Page, error) {
-	if size <= 0 || size%h.gran != 0 {
-		return 0, kverr.Errorf(kverr.InvalidArgument, "host vmem driver: page size %d is not a positive multiple of %d", size, h.gran)
+	if err := h.lockOpen("page size", size); err != nil {
+		return 0, err
 	}
-	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.closed {
-		return 0, kverr.Errorf(kverr.InvalidHandle, "host vmem driver is closed")
-	}
 	// The page has no file offset until it is mapped: then it takes the
 	// home of its address.
 	id := h.nextID
@@ -282,15 +304,11 @@ func (h *Host) MapRange(addr uintptr, pageSize int, pages []Page) error {
 		return kverr.Errorf(kverr.InvalidArgument, "host vmem driver: map: %d pages of %d bytes", len(pages), pageSize)
 	}
 	total := len(pages) * pageSize
-	if err := h.checkRange("map", addr, total); err != nil {
-		return err
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	r, err := h.resLocked("map", addr, total)
+	r, err := h.lockRes("map", addr, total)
 	if err != nil {
 		return err
 	}
+	defer h.mu.Unlock()
 	var placed []*hostPage
 	unplace := func() {
 		for _, pg := range placed {
@@ -366,15 +384,11 @@ func (h *Host) SetAccess(addr uintptr, size int) error {
 }
 
 func (h *Host) Unmap(addr uintptr, size int) error {
-	if err := h.checkRange("unmap", addr, size); err != nil {
-		return err
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	r, err := h.resLocked("unmap", addr, size)
+	r, err := h.lockRes("unmap", addr, size)
 	if err != nil {
 		return err
 	}
+	defer h.mu.Unlock()
 	plan := r.planUnmap(addr, size)
 	// Unmapping is never refused for the budget: it is how memory comes
 	// back, and it adds mappings only when it cuts a run in two.

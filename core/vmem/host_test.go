@@ -27,40 +27,23 @@ func TestHostDriverMapsRealMemory(t *testing.T) {
 	if base%uintptr(h.Granularity()) != 0 {
 		t.Fatalf("reservation %#x not aligned to %d", base, h.Granularity())
 	}
-	p, err := h.CreatePage(h.Granularity())
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := newPage(t, h, h.Granularity())
 	g := h.Granularity()
-	if err := h.Map(base+uintptr(g), g, p); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.SetAccess(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
+	mapPage(t, h, base+uintptr(g), g, p)
 	b := Bytes(base+uintptr(g), g)
 	for i := range b {
 		b[i] = byte(i * 7)
 	}
 	// The page keeps its contents when unmapped and mapped elsewhere.
-	if err := h.Unmap(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Map(base+uintptr(3*g), g, p); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.SetAccess(base+uintptr(3*g), g); err != nil {
-		t.Fatal(err)
-	}
+	unmap(t, h, base+uintptr(g), g)
+	mapPage(t, h, base+uintptr(3*g), g, p)
 	b = Bytes(base+uintptr(3*g), g)
 	for i := range b {
 		if b[i] != byte(i*7) {
 			t.Fatalf("byte %d after remap: got %d, want %d", i, b[i], byte(i*7))
 		}
 	}
-	if err := h.Unmap(base+uintptr(3*g), g); err != nil {
-		t.Fatal(err)
-	}
+	unmap(t, h, base+uintptr(3*g), g)
 	if err := h.ReleasePage(p); err != nil {
 		t.Fatal(err)
 	}
@@ -69,24 +52,14 @@ func TestHostDriverMapsRealMemory(t *testing.T) {
 	}
 	// A new page mapped where the released one lived gets its memory back,
 	// zeroed.
-	q, err := h.CreatePage(g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Map(base+uintptr(g), g, q); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.SetAccess(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
+	q := newPage(t, h, g)
+	mapPage(t, h, base+uintptr(g), g, q)
 	for i, v := range Bytes(base+uintptr(g), g) {
 		if v != 0 {
 			t.Fatalf("recycled page byte %d is %d, want 0", i, v)
 		}
 	}
-	if err := h.Unmap(base+uintptr(g), g); err != nil {
-		t.Fatal(err)
-	}
+	unmap(t, h, base+uintptr(g), g)
 	if err := h.ReleasePage(q); err != nil {
 		t.Fatal(err)
 	}

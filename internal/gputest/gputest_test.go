@@ -2,6 +2,8 @@ package gputest
 
 import (
 	"errors"
+	"math"
+	"slices"
 	"testing"
 )
 
@@ -39,5 +41,19 @@ func TestRequired(t *testing.T) {
 		if Required() != want {
 			t.Errorf("%s=%q: Required() = %v", RequireEnv, v, !want)
 		}
+	}
+}
+
+func TestHostBytes(t *testing.T) {
+	f := []float32{1.5, -2, float32(math.Inf(-1))}
+	if got := F32s(Float32Bytes(f)); !slices.Equal(got, f) {
+		t.Fatalf("F32s(Float32Bytes(%v)) = %v", f, got)
+	}
+	i := []int32{1, -1, 1 << 30}
+	if b := Int32Bytes(i); len(b) != 12 || b[0] != 1 || b[4] != 0xff || b[11] != 0x40 {
+		t.Fatalf("Int32Bytes(%v) = %x", i, b)
+	}
+	if Int32Bytes(nil) != nil || Float32Bytes(nil) != nil {
+		t.Fatal("the bytes of an empty slice are not nil")
 	}
 }

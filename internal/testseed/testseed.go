@@ -31,3 +31,11 @@ func Seed(t testing.TB) uint64 {
 	t.Logf("seed %d: replay with %s=%d", s, Env, s)
 	return s
 }
+
+// Rand is a random source seeded with Seed(t); stream is the PCG's second
+// word, which keeps one package's draws apart from another's under the same
+// seed.
+func Rand(t testing.TB, stream uint64) *rand.Rand {
+	t.Helper()
+	return rand.New(rand.NewPCG(Seed(t), stream))
+}

@@ -11,6 +11,7 @@
 package attnref
 
 import (
+	"cmp"
 	"math"
 
 	"github.com/kvplug/kvplug/core/attn"
@@ -40,7 +41,7 @@ func KVWrite(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache, vC
 	if err != nil {
 		return err
 	}
-	if err := firstErr(
+	if err := cmp.Or(
 		needBytes("kv_write: key", key, e.Key, l.DType),
 		needBytes("kv_write: value", value, e.Value, l.DType),
 		needLen("kv_write: slot_mapping", slots, int64(l.NumTokens)),
@@ -91,7 +92,7 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 	if err := limits.Range("paged_decode: num_splits", numSplits, 1, attn.MaxSplits); err != nil {
 		return err
 	}
-	if err := firstErr(
+	if err := cmp.Or(
 		needBytes("paged_decode: q", q, e.Q, l.DType),
 		needBytes("paged_decode: k_cache", kCache, e.Cache, l.DType),
 		needBytes("paged_decode: v_cache", vCache, e.Cache, l.DType),
@@ -113,8 +114,7 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 	parts := make([]float64, numSplits*D)
 	partLSE := make([]float64, numSplits)
 	var scores []float64
-	kv := refKV{dt: l.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
-		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
+	kv := NewKeys(l.DType, &l.PagedKV, kCache)
 	scale := float64(attn.SoftmaxScale(l.Scale, l.HeadDim))
 	for b := 0; b < l.Batch; b++ {
 		L := int(seqLens[b])
@@ -133,21 +133,17 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 			for i := 0; i < l.NumQHeads; i++ {
 				g := int64(i / group)
 				qo := row*l.QBatchStride + int64(i)*l.QHeadStride
-				for d := 0; d < D; d++ {
-					qv[d] = l.DType.Load(q, qo+int64(d))
-				}
+				loadRow(l.DType, q, qo, qv)
 				for s := 0; s < numSplits; s++ {
 					lo, hi := s*chunk, min(end, (s+1)*chunk)
 					var rows []int64
-					scores, rows = kv.score(tableRow, g, qv, scale, lo, max(lo, hi), scores[:0], nil)
+					scores, rows = kv.Score(tableRow, g, qv, scale, lo, max(lo, hi), scores[:0], nil)
 					part := parts[s*D : (s+1)*D]
 					partLSE[s] = Attend(l.DType, vCache, rows, scores, part)
 				}
 				st := Merge(acc, parts, partLSE[:numSplits], D)
 				oo := row*l.OutBatchStride + int64(i)*l.OutHeadStride
-				for d := 0; d < D; d++ {
-					l.DType.Store(out, oo+int64(d), acc[d])
-				}
+				storeRow(l.DType, out, oo, acc)
 				if lse != nil {
 					lse[row*int64(l.NumQHeads)+int64(i)] = float32(st)
 				}
@@ -226,7 +222,7 @@ func MergeStates(l *attn.MergeLayout, v [][]byte, s [][]float32, out []byte, out
 		return kverr.Errorf(kverr.InvalidArgument, "merge_states: %d values and %d lse arrays given for num_states %d", len(v), len(s), l.NumStates)
 	}
 	for i := range v {
-		if err := firstErr(needBytes("merge_states: v", v[i], e.V, l.DType), needLen("merge_states: s", s[i], e.S)); err != nil {
+		if err := cmp.Or(needBytes("merge_states: v", v[i], e.V, l.DType), needLen("merge_states: s", s[i], e.S)); err != nil {
 			return err
 		}
 	}
@@ -247,15 +243,11 @@ func MergeStates(l *attn.MergeLayout, v [][]byte, s [][]float32, out []byte, out
 			vo := t*l.VTokenStride + h*l.VHeadStride
 			for i := 0; i < n; i++ {
 				lses[i] = float64(s[i][t*l.STokenStride+h*l.SHeadStride])
-				for k := 0; k < D; k++ {
-					parts[i*D+k] = l.DType.Load(v[i], vo+int64(k))
-				}
+				loadRow(l.DType, v[i], vo, parts[i*D:(i+1)*D])
 			}
 			st := Merge(acc, parts, lses[:n], D)
 			oo := t*l.OutTokenStride + h*l.OutHeadStride
-			for k := 0; k < D; k++ {
-				l.DType.Store(out, oo+int64(k), acc[k])
-			}
+			storeRow(l.DType, out, oo, acc)
 			if outLSE != nil {
 				outLSE[t*l.OutLSETokenStride+h*l.OutLSEHeadStride] = float32(st)
 			}
@@ -266,29 +258,41 @@ func MergeStates(l *attn.MergeLayout, v [][]byte, s [][]float32, out []byte, out
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
 
-func firstErr(errs ...error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
+// loadRow reads len(dst) elements of d at element offset off of buf.
+func loadRow(d attn.DType, buf []byte, off int64, dst []float64) {
+	for i := range dst {
+		dst[i] = d.Load(buf, off+int64(i))
 	}
-	return nil
 }
 
-// refKV is the K cache as the CPU references read it through a block table.
-type refKV struct {
+// storeRow rounds src into len(src) elements of d at element offset off of
+// buf.
+func storeRow(d attn.DType, buf []byte, off int64, src []float64) {
+	for i, v := range src {
+		d.Store(buf, off+int64(i), v)
+	}
+}
+
+// Keys is a K cache as the CPU references read it through a block table.
+type Keys struct {
 	dt                                   attn.DType
 	k                                    []byte
 	blockSize, maxBlocks, numBlocks      int
 	blockStride, tokenStride, headStride int64
 }
 
-// score appends scale*q.k of tokens [lo, hi) of the sequence whose table row
+// NewKeys reads kCache, of element type d, in the paged layout kv.
+func NewKeys(d attn.DType, kv *attn.PagedKV, kCache []byte) Keys {
+	return Keys{dt: d, k: kCache, blockSize: kv.BlockSize, maxBlocks: kv.MaxBlocksPerSeq, numBlocks: kv.NumBlocks,
+		blockStride: kv.CacheBlockStride, tokenStride: kv.CacheTokenStride, headStride: kv.CacheHeadStride}
+}
+
+// Score appends scale*q.k of tokens [lo, hi) of the sequence whose table row
 // is tableRow, for kv head g, and each token's element offset in the caches
-// (the rows AttendRef reads V at). Tokens past the table's columns end the
+// (the rows Attend reads V at). Tokens past the table's columns end the
 // range, as the kernels' lookups do; tokens whose block is out of range are
 // skipped.
-func (c *refKV) score(tableRow []int32, g int64, qv []float64, scale float64, lo, hi int, scores []float64, rows []int64) ([]float64, []int64) {
+func (c *Keys) Score(tableRow []int32, g int64, qv []float64, scale float64, lo, hi int, scores []float64, rows []int64) ([]float64, []int64) {
 	for t := lo; t < hi; t++ {
 		col := t / c.blockSize
 		if col >= c.maxBlocks {

@@ -12,13 +12,6 @@ import (
 	"github.com/kvplug/kvplug/internal/testseed"
 )
 
-// seed is the random source of one test, logged and replayable
-// (internal/testseed: KVPLUG_TEST_SEED).
-func seed(t testing.TB) *rand.Rand {
-	t.Helper()
-	return rand.New(rand.NewPCG(testseed.Seed(t), 7))
-}
-
 // raggedLens gives batch lengths including 0, 1, block boundaries and a
 // length not a multiple of anything.
 func raggedLens(r *rand.Rand, batch, blockSize, maxLen int) []int {
@@ -39,7 +32,7 @@ func raggedLens(r *rand.Rand, batch, blockSize, maxLen int) []int {
 // K and V, for block sizes 1..256, GQA groups 1..8, ragged lengths, padded
 // strides, every dtype and split count.
 func TestRefPagedDecodeMatchesNaive(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	type tc struct {
 		d              attn.DType
 		D, qh, kvh, bs int
@@ -94,7 +87,7 @@ func TestRefPagedDecodeMatchesNaive(t *testing.T) {
 
 // Split counts change nothing beyond float64 rounding.
 func TestRefPagedDecodeSplitsAgree(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	p := newDecodeProblem(t, r, problemShape{attn.F32, 64, 4, 2, 16, []int{0, 1, 63, 64, 65, 500}, false})
 	base := make([]byte, p.outBytes())
 	baseLSE := make([]float32, 6*4)
@@ -126,7 +119,7 @@ func TestRefPagedDecodeSplitsAgree(t *testing.T) {
 // every split count; rows of a sequence shorter than the token's position
 // are empty (out 0, lse -inf).
 func TestRefPagedDecodeMultiToken(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	for _, qLen := range []int{2, 5, 16} {
 		p := newDecodeProblem(t, r, problemShape{attn.F32, 64, 4, 2, 16, []int{1, qLen, qLen + 1, 64, 300}, false})
 		B, H, D := p.l.Batch, p.l.NumQHeads, p.l.HeadDim
@@ -183,7 +176,7 @@ func TestRefPagedDecodeMultiToken(t *testing.T) {
 // KV write puts each token where the slot says, skips padding and
 // out-of-range slots, and touches nothing else.
 func TestRefKVWrite(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		D, kvh, bs, nb := 64, 3, 4, 5
 		vec := int64(16 / d.Size())
@@ -249,7 +242,7 @@ func TestRefKVWrite(t *testing.T) {
 
 // Merging the states of parts of a sequence gives attention over the whole.
 func TestRefMergeEqualsConcatenation(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F32, attn.BF16} {
 		for _, n := range []int{1, 2, 3, 8} {
 			const D, heads = 64, 4

@@ -9,84 +9,24 @@ package attnref
 // cannot import it (it imports core/attn).
 
 import (
-	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"runtime"
 	"testing"
-	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/internal/gputest"
+	"github.com/kvplug/kvplug/internal/testseed"
 )
-
-func needGPU(t testing.TB) {
-	t.Helper()
-	gputest.Need(t)
-	if err := attn.Prepare(); err != nil {
-		t.Fatalf("loading the kernels: %v", err)
-	}
-}
-
-// devMem is device memory freed at the end of the test.
-func devMem(t testing.TB, bytes int) cuda.DevicePtr {
-	t.Helper()
-	p, err := cuda.MemAlloc(max(bytes, 16))
-	if err != nil {
-		t.Fatalf("alloc %d bytes: %v", bytes, err)
-	}
-	t.Cleanup(func() { cuda.MemFree(p) })
-	return p
-}
-
-func upload(t testing.TB, b []byte) cuda.DevicePtr {
-	t.Helper()
-	p := devMem(t, len(b))
-	if err := cuda.CopyToDevice(p, b); err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-func i32bytes(v []int32) []byte {
-	if len(v) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
-}
-
-func f32bytes(v []float32) []byte {
-	if len(v) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
-}
 
 // poisoned allocates bytes of device memory filled with the dtype's NaN.
 func poisoned(t testing.TB, d attn.DType, bytes int) cuda.DevicePtr {
 	t.Helper()
-	p := devMem(t, bytes)
-	var err error
-	if d.Size() == 2 {
-		err = cuda.Memset16(p, uint16(d.NaNBits()), max(bytes, 16)/2)
-	} else {
-		err = cuda.Memset32(p, d.NaNBits(), max(bytes, 16)/4)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := gputest.Alloc(t, bytes)
+	gputest.Poison(t, p, max(bytes, 16), d)
 	return p
-}
-
-func download(t testing.TB, p cuda.DevicePtr, n int) []byte {
-	t.Helper()
-	b := make([]byte, n)
-	if err := cuda.CopyFromDevice(b, p); err != nil {
-		t.Fatal(err)
-	}
-	return b
 }
 
 // tolerance of ||gpu - ref|| / ||ref|| per dtype: the kernels accumulate in
@@ -159,14 +99,14 @@ func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpu
 	g := &gpuDecode{outBytes: p.outBytes()}
 	g.args = attn.PagedDecodeArgs{
 		DecodeLayout: p.l,
-		Q:            upload(t, p.q),
+		Q:            gputest.Upload(t, p.q),
 
-		SeqLens:   upload(t, i32bytes(p.lens)),
+		SeqLens:   gputest.Upload(t, gputest.Int32Bytes(p.lens)),
 		Out:       poisoned(t, p.l.DType, g.outBytes),
 		NumSplits: splits,
 	}
-	g.args.KCache, g.args.VCache = upload(t, p.kc), upload(t, p.vc)
-	g.args.BlockTable = upload(t, i32bytes(p.table))
+	g.args.KCache, g.args.VCache = gputest.Upload(t, p.kc), gputest.Upload(t, p.vc)
+	g.args.BlockTable = gputest.Upload(t, gputest.Int32Bytes(p.table))
 	if withLSE {
 		g.args.LSE = poisoned(t, attn.F32, 4*p.l.Batch*p.l.NumQHeads)
 	}
@@ -181,7 +121,7 @@ func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpu
 
 func checkDecode(t testing.TB, p *decodeProblem, g *gpuDecode, splits int, what string) {
 	t.Helper()
-	out := download(t, g.args.Out, g.outBytes)
+	out := gputest.Download(t, g.args.Out, g.outBytes)
 	want := make([]byte, g.outBytes)
 	wantLSE := make([]float32, p.l.Batch*p.l.NumQHeads)
 	if err := PagedDecode(&p.l, p.q, p.kc, p.vc, p.table, p.lens, want, wantLSE, max(splits, 1)); err != nil {
@@ -189,18 +129,13 @@ func checkDecode(t testing.TB, p *decodeProblem, g *gpuDecode, splits int, what 
 	}
 	compareOut(t, what, p.l.DType, p.l.HeadDim, p.l.Batch, p.l.NumQHeads, p.l.OutBatchStride, p.l.OutHeadStride, out, want)
 	if g.args.LSE != 0 {
-		raw := download(t, g.args.LSE, 4*len(wantLSE))
-		got := make([]float32, len(wantLSE))
-		for i := range got {
-			got[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
-		}
-		compareLSE(t, what, got, wantLSE)
+		compareLSE(t, what, gputest.DownloadF32(t, g.args.LSE, len(wantLSE)), wantLSE)
 	}
 }
 
 func TestGPUPagedDecode(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 7)
 	type tc struct {
 		d                    attn.DType
 		D, qh, kvh, bs       int
@@ -258,8 +193,8 @@ func TestGPUPagedDecode(t *testing.T) {
 // KV write on the GPU is bit-exact with the reference, and decode over the
 // cache it wrote matches too.
 func TestGPUKVWriteThenDecode(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, bs := range []int{1, 16, 256} {
 			name := fmt.Sprintf("%v_bs%d", d, bs)
@@ -281,13 +216,13 @@ func TestGPUKVWriteThenDecode(t *testing.T) {
 					t.Fatal(err)
 				}
 				a := attn.KVWriteArgs{KVWriteLayout: p.w,
-					Key: upload(t, p.key), Value: upload(t, p.value), SlotMapping: upload(t, i32bytes(p.slots))}
+					Key: gputest.Upload(t, p.key), Value: gputest.Upload(t, p.value), SlotMapping: gputest.Upload(t, gputest.Int32Bytes(p.slots))}
 				a.KCache, a.VCache = poisoned(t, d, cacheBytes), poisoned(t, d, cacheBytes)
 				if err := attn.KVWrite(&a, 0); err != nil {
 					t.Fatal(err)
 				}
-				gotK := download(t, a.KCache, cacheBytes)
-				gotV := download(t, a.VCache, cacheBytes)
+				gotK := gputest.Download(t, a.KCache, cacheBytes)
+				gotV := gputest.Download(t, a.VCache, cacheBytes)
 				for i := range gotK {
 					if gotK[i] != p.kc[i] || gotV[i] != p.vc[i] {
 						t.Fatalf("cache byte %d: gpu K %#x V %#x, reference K %#x V %#x", i, gotK[i], gotV[i], p.kc[i], p.vc[i])
@@ -328,8 +263,8 @@ func (p *decodeProblem) cleanPrefix() int {
 }
 
 func TestGPUMergeStates(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 7)
 	for _, d := range []attn.DType{attn.F16, attn.BF16, attn.F32} {
 		for _, D := range []int{64, 128, 256} {
 			for _, n := range []int{1, 2, 5, 8} {
@@ -359,14 +294,14 @@ func TestGPUMergeStates(t *testing.T) {
 								ss[i][k] = float32(math.Inf(-1))
 							}
 						}
-						a.V[i], a.S[i] = upload(t, vs[i]), upload(t, f32bytes(ss[i]))
+						a.V[i], a.S[i] = gputest.Upload(t, vs[i]), gputest.Upload(t, gputest.Float32Bytes(ss[i]))
 					}
 					// Token 0: every state empty.
 					for i := 0; i < n; i++ {
 						for h := 0; h < heads; h++ {
 							ss[i][h*tokens] = float32(math.Inf(-1))
 						}
-						a.S[i] = upload(t, f32bytes(ss[i]))
+						a.S[i] = gputest.Upload(t, gputest.Float32Bytes(ss[i]))
 					}
 					outBytes := tokens * heads * D * es
 					a.Out = poisoned(t, d, outBytes)
@@ -379,14 +314,9 @@ func TestGPUMergeStates(t *testing.T) {
 					if err := MergeStates(&l, vs, ss, want, wantLSE); err != nil {
 						t.Fatal(err)
 					}
-					got := download(t, a.Out, outBytes)
+					got := gputest.Download(t, a.Out, outBytes)
 					compareOut(t, name, d, D, tokens, heads, l.OutTokenStride, l.OutHeadStride, got, want)
-					raw := download(t, a.OutLSE, 4*tokens*heads)
-					gotLSE := make([]float32, tokens*heads)
-					for i := range gotLSE {
-						gotLSE[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
-					}
-					compareLSE(t, name, gotLSE, wantLSE)
+					compareLSE(t, name, gputest.DownloadF32(t, a.OutLSE, tokens*heads), wantLSE)
 				})
 			}
 		}
@@ -395,15 +325,11 @@ func TestGPUMergeStates(t *testing.T) {
 
 // attn.PagedDecode captured into a CUDA graph replays correctly on new inputs.
 func TestGPUPagedDecodeGraph(t *testing.T) {
-	needGPU(t)
-	r := seed(t)
+	gputest.NeedKernels(t, attn.Prepare)
+	r := testseed.Rand(t, 7)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	s, err := cuda.StreamCreate()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cuda.StreamDestroy(s)
+	s := gputest.Stream(t)
 	for _, split := range []int{1, 0} {
 		p := newDecodeProblem(t, r, problemShape{attn.BF16, 128, 32, 8, 16, []int{3000, 17, 0, 900}, false})
 		g := uploadDecode(t, p, split, true)
@@ -448,17 +374,13 @@ var benchSink error
 // BenchmarkPagedDecodeLaunch measures the host cost of one attn.PagedDecode call
 // (checks, context and module lookup, cuLaunchKernel) on a tiny problem.
 func BenchmarkPagedDecodeLaunch(b *testing.B) {
-	needGPU(b)
+	gputest.NeedKernels(b, attn.Prepare)
 	r := rand.New(rand.NewPCG(1, 2))
 	p := newDecodeProblem(b, r, problemShape{attn.F16, 128, 8, 2, 16, []int{32}, false})
 	g := uploadDecode(b, p, 1, false)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	s, err := cuda.StreamCreate()
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer cuda.StreamDestroy(s)
+	s := gputest.Stream(b)
 	if err := attn.PagedDecode(&g.args, s); err != nil {
 		b.Fatal(err)
 	}

@@ -1,6 +1,8 @@
 package attnref
 
 import (
+	"cmp"
+
 	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/kverr"
 )
@@ -27,7 +29,7 @@ func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens 
 	if err != nil {
 		return err
 	}
-	if err := firstErr(
+	if err := cmp.Or(
 		needBytes(what+": q", q, e.Q, s.DType),
 		needBytes(what+": k_cache", kCache, e.Cache, s.DType),
 		needBytes(what+": v_cache", vCache, e.Cache, s.DType),
@@ -47,8 +49,7 @@ func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens 
 	o := make([]float64, D)
 	var scores []float64
 	var rows []int64
-	kv := refKV{dt: s.DType, k: kCache, blockSize: l.BlockSize, maxBlocks: l.MaxBlocksPerSeq, numBlocks: l.NumBlocks,
-		blockStride: l.CacheBlockStride, tokenStride: l.CacheTokenStride, headStride: l.CacheHeadStride}
+	kv := NewKeys(s.DType, &l.PagedKV, kCache)
 	scale := float64(attn.SoftmaxScale(l.Scale, p.HeadDim))
 	for b := range kvLens {
 		qStart, qLen, kvLen := int(qoIndptr[b]), int(qoIndptr[b+1]-qoIndptr[b]), int(kvLens[b])
@@ -63,15 +64,11 @@ func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens 
 			for h := 0; h < s.NumQHeads; h++ {
 				g := int64(h / group)
 				qo := row*l.QTokenStride + int64(h)*l.QHeadStride
-				for d := 0; d < D; d++ {
-					qv[d] = s.DType.Load(q, qo+int64(d))
-				}
-				scores, rows = kv.score(tableRow, g, qv, scale, lo, pos+1, scores[:0], rows[:0])
+				loadRow(s.DType, q, qo, qv)
+				scores, rows = kv.Score(tableRow, g, qv, scale, lo, pos+1, scores[:0], rows[:0])
 				st := Attend(s.DType, vCache, rows, scores, o)
 				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
-				for d := 0; d < D; d++ {
-					s.DType.Store(out, oo+int64(d), o[d])
-				}
+				storeRow(s.DType, out, oo, o)
 				if lse != nil {
 					lse[row*int64(s.NumQHeads)+int64(h)] = float32(st)
 				}

@@ -25,20 +25,27 @@ typedef int CUresult;
 typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
 typedef unsigned long long CUdeviceptr;
 
-static CUresult (*cuInit)(unsigned);
-static CUresult (*cuDeviceGet)(int *, int);
-static CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, int);
-static CUresult (*cuCtxSetCurrent)(CUcontext);
-static CUresult (*cuModuleLoadData)(CUmodule *, const void *);
-static CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
-static CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
-static CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
-static CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
-static CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
-static CUresult (*cuStreamCreate)(CUstream *, unsigned);
-static CUresult (*cuStreamSynchronize)(CUstream);
-static CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                  unsigned, CUstream, void **, void **);
+/* The driver entry points used here: name, symbol in libcuda, parameters. */
+#define CU_FUNCS(X)                                                                      \
+  X(cuInit, "cuInit", (unsigned))                                                        \
+  X(cuDeviceGet, "cuDeviceGet", (int *, int))                                            \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext *, int))            \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent", (CUcontext))                                     \
+  X(cuModuleLoadData, "cuModuleLoadData", (CUmodule *, const void *))                    \
+  X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction *, CUmodule, const char *))  \
+  X(cuFuncSetAttribute, "cuFuncSetAttribute", (CUfunction, int, int))                    \
+  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                                \
+  X(cuMemsetD8, "cuMemsetD8_v2", (CUdeviceptr, unsigned char, size_t))                   \
+  X(cuMemcpyHtoD, "cuMemcpyHtoD_v2", (CUdeviceptr, const void *, size_t))                \
+  X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                            \
+  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                              \
+  X(cuLaunchKernel, "cuLaunchKernel",                                                    \
+    (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,   \
+     CUstream, void **, void **))
+
+#define DECLARE(name, symbol, params) static CUresult(*name) params;
+CU_FUNCS(DECLARE)
+#undef DECLARE
 
 #define CK(x)                                                          \
   do {                                                                 \
@@ -82,19 +89,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "no driver\n");
     return 1;
   }
-  cuInit = sym(cu, "cuInit");
-  cuDeviceGet = sym(cu, "cuDeviceGet");
-  cuDevicePrimaryCtxRetain = sym(cu, "cuDevicePrimaryCtxRetain");
-  cuCtxSetCurrent = sym(cu, "cuCtxSetCurrent");
-  cuModuleLoadData = sym(cu, "cuModuleLoadData");
-  cuModuleGetFunction = sym(cu, "cuModuleGetFunction");
-  cuFuncSetAttribute = sym(cu, "cuFuncSetAttribute");
-  cuMemAlloc = sym(cu, "cuMemAlloc_v2");
-  cuMemsetD8 = sym(cu, "cuMemsetD8_v2");
-  cuMemcpyHtoD = sym(cu, "cuMemcpyHtoD_v2");
-  cuStreamCreate = sym(cu, "cuStreamCreate");
-  cuStreamSynchronize = sym(cu, "cuStreamSynchronize");
-  cuLaunchKernel = sym(cu, "cuLaunchKernel");
+#define RESOLVE(name, symbol, params) name = sym(cu, symbol);
+  CU_FUNCS(RESOLVE)
+#undef RESOLVE
 
   FILE *f = fopen(argv[1], "rb");
   if (!f) {
@@ -140,11 +137,13 @@ int main(int argc, char **argv) {
 
   kvp_decode_params p;
   memset(&p, 0, sizeof p);
-  p.q = q, p.k_cache = kc, p.v_cache = vc, p.block_table = table, p.seq_lens = lens, p.out = out;
+  p.kv.k_cache = kc, p.kv.v_cache = vc, p.kv.block_table = table;
+  p.kv.block_stride = BS * KVH * D, p.kv.token_stride = KVH * D, p.kv.head_stride = D;
+  p.kv.block_table_stride = NB, p.kv.num_kv_heads = KVH, p.kv.block_size = BS;
+  p.kv.num_blocks = NB, p.kv.max_blocks_per_seq = NB, p.kv.dtype = KVP_DTYPE_F16;
+  p.q = q, p.seq_lens = lens, p.out = out;
   p.q_batch_stride = QH * D, p.q_head_stride = D, p.out_batch_stride = QH * D, p.out_head_stride = D;
-  p.cache_block_stride = BS * KVH * D, p.cache_token_stride = KVH * D, p.cache_head_stride = D;
-  p.block_table_stride = NB, p.batch = 1, p.num_q_heads = QH, p.num_kv_heads = KVH, p.block_size = BS;
-  p.num_blocks = NB, p.max_blocks_per_seq = NB, p.num_splits = 1, p.scale = 0.088f;
+  p.batch = 1, p.num_q_heads = QH, p.num_splits = 1, p.scale = 0.088f;
   void *params[1] = {&p};
 
   void *kv = dlopen(argv[2], RTLD_NOW);
