@@ -392,7 +392,7 @@ func TestUpdate(t *testing.T) {
 // ReadPlan reads back what Plan wrote: the layout of the plan's capacities
 // and its summary; a workspace short of the layout is reported, not read.
 func TestReadPlan(t *testing.T) {
-	r := seed(t)
+	r := testseed.Rand(t, 11)
 	b := widen(genTree(r, treeSpec{seqs: 24, depth: 2, maxRun: 20, maxTail: 200, bs: 16}), 20)
 	in := b.input(8, 2, 64)
 	l, _ := NewPrefillLayout(32, 48, 8, 2, 64)
