@@ -1024,11 +1024,7 @@ func TestConcurrentSharedFetchAgainstClose(t *testing.T) {
 	if d, open := g.counts(); d != dials || open != 0 || m.TierStats().Shared.Lookups != lookups {
 		t.Fatalf("after Close: %d more connections (%d open), %d more lookups", d-dials, open, m.TierStats().Shared.Lookups-lookups)
 	}
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	cp.check(t)
 	m.MarkComputed()
 	must(t, m.Remove([]int64{1, 2, 3}))

@@ -1,7 +1,6 @@
 package kvmanager
 
 import (
-	"math/rand/v2"
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kvtier/host"
@@ -23,10 +22,7 @@ func matchTokens(t testing.TB, m *Manager, toks []int32) int32 {
 // completes.
 func TestReloadCompletionIsNotAnAccess(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(11, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, _, r, conv := newDemotedConv(t, 11)
 	if got := admit(t, m, 2, conv, nil); got != 4*bs {
 		t.Fatalf("admit matched %d tokens, want the 4 host blocks", got)
 	}
