@@ -6,6 +6,9 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/internal/redistest"
 )
 
 // pickKey returns one of m's keys at random (r's draw over the sorted
@@ -81,4 +84,29 @@ func flushDemotions(t testing.TB, m *Manager, n int) uint64 {
 		t.Fatalf("%d demotions, want %d", got, n)
 	}
 	return ticket
+}
+
+// newWriteThroughMgr is a manager of numBlocks blocks of bs tokens with a
+// host tier of slots 16-byte slots in write-through (wt), whose copier
+// accepts every batch; and its host pool.
+func newWriteThroughMgr(t testing.TB, numBlocks, bs, slots, wt int) (*Manager, *host.Pool) {
+	t.Helper()
+	pool, err := host.New(host.Config{Slots: slots, BlockBytes: 16})
+	must(t, err)
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true,
+		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: wt}})
+	must(t, err)
+	return m, pool
+}
+
+// newStoredConv starts a Valkey or Redis server and stores in its shared
+// tier a conversation of four full blocks of 4 tokens and one token,
+// drawn from rand.NewPCG(seed1, seed2) (storeConv); r draws on after it.
+func newStoredConv(t *testing.T, seed1, seed2 uint64) (*redistest.Server, *rand.Rand, []int32) {
+	t.Helper()
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	r := rand.New(rand.NewPCG(seed1, seed2))
+	conv := seqTokens(r, 4*4+1)
+	storeConv(t, srv.Addr(), 4, conv)
+	return srv, r, conv
 }
