@@ -110,3 +110,15 @@ func newStoredConv(t *testing.T, seed1, seed2 uint64) (*redistest.Server, *rand.
 	storeConv(t, srv.Addr(), 4, conv)
 	return srv, r, conv
 }
+
+// newAdmitted is newCached (blocks of 4 tokens) with a prompt of n
+// tokens, drawn from rand.NewPCG(seed1, seed2), admitted as sequence 1;
+// r draws on after the prompt.
+func newAdmitted(t testing.TB, numBlocks int, events bool, seed1, seed2 uint64, n int) (*Manager, *rand.Rand, []int32) {
+	t.Helper()
+	m := newCached(t, numBlocks, 4, events)
+	r := rand.New(rand.NewPCG(seed1, seed2))
+	p := seqTokens(r, n)
+	admit(t, m, 1, p, nil)
+	return m, r, p
+}
