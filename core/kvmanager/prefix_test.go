@@ -98,8 +98,9 @@ func describeSlots(t testing.TB, m *Manager, id int64) (int32, []int32) {
 
 func TestRemoveKeepsBlocksCachedAndEvictionFreesThem(t *testing.T) {
 	const bs = 4
-	m, r, p := newAdmitted(t, 8, false, 3, 4, 6*bs+1) // 7 blocks, 6 full
-	m.MarkComputed()                                  // the step's forward pass: the blocks stay cached after the removal
+	// 7 blocks, 6 full
+	m, r, p := newAdmitted(t, 8, false, 3, 4, 6*bs+1)
+	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal
 	must(t, m.Remove([]int64{1}))
 	check(t, m)
 	st := m.Stats()
