@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // indexSource is a prefix.Index behind a lock, as a manager holds one.
@@ -81,13 +82,7 @@ func (s *indexSource) evict(n int) {
 	s.free = s.x.Evict(s.free, n)
 }
 
-func seqTokens(start, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(start + i)
-	}
-	return out
-}
+func seqTokens(start, n int) []int32 { return testtok.Iota(start, n) }
 
 func startPub(t *testing.T, src Source, cfg Config) *Publisher {
 	t.Helper()

@@ -11,6 +11,7 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // The tests of the computed-K/V contract (computed.go): an engine that
@@ -28,13 +29,7 @@ func promptsOf(ps ...[]int32) Prompts {
 	return p
 }
 
-func iota32(start, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(start + i)
-	}
-	return out
-}
+func iota32(start, n int) []int32 { return testtok.Iota(start, n) }
 
 // The reproducer: a request admitted and removed before its
 // forward pass leaves nothing a later prompt matches; after
@@ -233,13 +228,7 @@ func newSlotSim(t *testing.T, seed uint64, bs, numBlocks int, tier, demoteEvicte
 	return s
 }
 
-func (s *slotSim) tokens(n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(s.rng.IntN(4))
-	}
-	return out
-}
+func (s *slotSim) tokens(n int) []int32 { return testtok.Rand(s.rng, n, 4) }
 
 func (s *slotSim) fatalf(format string, args ...any) {
 	s.t.Helper()

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 func newCached(t testing.TB, numBlocks, bs int, events bool) *Manager {
@@ -39,13 +40,7 @@ func admit(t testing.TB, m *Manager, id int64, tokens []int32, keys *prefix.Keys
 	return int(matched[0])
 }
 
-func seqTokens(r *rand.Rand, n int) []int32 {
-	t := make([]int32, n)
-	for i := range t {
-		t[i] = r.Int32N(50000)
-	}
-	return t
-}
+func seqTokens(r *rand.Rand, n int) []int32 { return testtok.Rand(r, n, 50000) }
 
 func TestAdmitReusesCachedPrefix(t *testing.T) {
 	const bs = 4

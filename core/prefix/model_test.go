@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // The reference model: a map from a prefix's identity, spelled out as a
@@ -237,13 +238,7 @@ func newSim(t *testing.T, seed uint64, bs, numBlocks, maxEvents int) *sim {
 }
 
 // tokens draws from a small alphabet so prompts collide and share.
-func (s *sim) tokens(n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(s.rng.IntN(3))
-	}
-	return out
-}
+func (s *sim) tokens(n int) []int32 { return testtok.Rand(s.rng, n, 3) }
 
 func (s *sim) prompt() ([]int32, *Keys) {
 	p := append(slices.Clone(s.sys[s.rng.IntN(len(s.sys))]), s.tokens(s.rng.IntN(3*s.x.bs))...)
