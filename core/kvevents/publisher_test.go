@@ -109,6 +109,12 @@ func ep(a net.Addr) string { return "tcp://" + a.String() }
 func recvBatch(t *testing.T, p *Publisher, s *SubConn) (Message, *Batch) {
 	t.Helper()
 	p.Flush()
+	return recvDecoded(t, s)
+}
+
+// recvDecoded receives and decodes one batch, failing after a timeout.
+func recvDecoded(t *testing.T, s *SubConn) (Message, *Batch) {
+	t.Helper()
 	_ = s.SetDeadline(time.Now().Add(5 * time.Second))
 	m, err := s.Recv()
 	if err != nil {
@@ -550,15 +556,7 @@ func TestCloseFlushesPending(t *testing.T) {
 	s := subscribe(t, p, "")
 	src.insert(t, seqTokens(0, 2), nil)
 	p.Close()
-	_ = s.SetDeadline(time.Now().Add(5 * time.Second))
-	m, err := s.Recv()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := Decode(m.Payload)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b := recvDecoded(t, s)
 	if b.Events[0].Kind != KindCleared {
 		t.Fatalf("first %+v", b.Events)
 	}
