@@ -35,10 +35,7 @@ func iota32(start, n int) []int32 { return testtok.Iota(start, n) }
 // forward pass leaves nothing a later prompt matches; after
 // MarkComputed, the same sequence of calls keeps its blocks.
 func TestRemoveBeforeForwardMatchesNothing(t *testing.T) {
-	m, err := New(Config{NumBlocks: 64, BlockSize: 16, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := newCached(t, 64, 16, false)
 	p := iota32(100, 80)
 	matched := make([]int32, 1)
 	if n, err := m.Admit([]int64{1}, promptsOf(p), matched); err != nil || n != 1 || matched[0] != 0 {
@@ -80,10 +77,7 @@ func mustCheck(t testing.TB, m *Manager) {
 // with the sharer, or after MarkComputed. A decode token that fills a
 // block (GrowTokens) is uncomputed the same way.
 func TestRemoveOfSharedUncomputedBlocks(t *testing.T) {
-	m, err := New(Config{NumBlocks: 32, BlockSize: 4, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := newCached(t, 32, 4, false)
 	p := iota32(0, 10)
 	matched := make([]int32, 2)
 	if n, err := m.Admit([]int64{1, 2}, promptsOf(p, append(slices.Clone(p[:8]), 77, 78, 79)), matched); err != nil || n != 2 {
@@ -93,7 +87,7 @@ func TestRemoveOfSharedUncomputedBlocks(t *testing.T) {
 		t.Fatalf("same-step sharing: sequence 2 matched %d, want 8", matched[1])
 	}
 	before := m.Stats()
-	err = m.Remove([]int64{1})
+	err := m.Remove([]int64{1})
 	if !kverr.Is(err, kverr.InUse) || !strings.Contains(err.Error(), "sequence 2") {
 		t.Fatalf("removing the filler of blocks sequence 2 shares: %v, want InUse naming sequence 2", err)
 	}
