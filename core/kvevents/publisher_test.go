@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // indexSource is a prefix.Index behind a lock, as a manager holds one.
@@ -81,13 +82,7 @@ func (s *indexSource) evict(n int) {
 	s.free = s.x.Evict(s.free, n)
 }
 
-func seqTokens(start, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(start + i)
-	}
-	return out
-}
+func seqTokens(start, n int) []int32 { return testtok.Iota(start, n) }
 
 func startPub(t *testing.T, src Source, cfg Config) *Publisher {
 	t.Helper()
@@ -114,6 +109,12 @@ func ep(a net.Addr) string { return "tcp://" + a.String() }
 func recvBatch(t *testing.T, p *Publisher, s *SubConn) (Message, *Batch) {
 	t.Helper()
 	p.Flush()
+	return recvDecoded(t, s)
+}
+
+// recvDecoded receives and decodes one batch, failing after a timeout.
+func recvDecoded(t *testing.T, s *SubConn) (Message, *Batch) {
+	t.Helper()
 	_ = s.SetDeadline(time.Now().Add(5 * time.Second))
 	m, err := s.Recv()
 	if err != nil {
@@ -555,15 +556,7 @@ func TestCloseFlushesPending(t *testing.T) {
 	s := subscribe(t, p, "")
 	src.insert(t, seqTokens(0, 2), nil)
 	p.Close()
-	_ = s.SetDeadline(time.Now().Add(5 * time.Second))
-	m, err := s.Recv()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := Decode(m.Payload)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b := recvDecoded(t, s)
 	if b.Events[0].Kind != KindCleared {
 		t.Fatalf("first %+v", b.Events)
 	}

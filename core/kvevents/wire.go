@@ -440,22 +440,20 @@ func readFloat(p []byte) (float64, []byte, error) {
 }
 
 func readOptInt(p []byte, dst **int64) ([]byte, error) {
-	if msgp.NextType(p) == msgp.NilType {
-		return msgp.ReadNilBytes(p)
-	}
-	v, rest, err := msgp.ReadInt64Bytes(p)
-	if err != nil {
-		return nil, err
-	}
-	*dst = &v
-	return rest, nil
+	return readOpt(p, dst, msgp.ReadInt64Bytes)
 }
 
 func readOptString(p []byte, dst **string) ([]byte, error) {
+	return readOpt(p, dst, msgp.ReadStringBytes)
+}
+
+// readOpt reads a nil, leaving *dst as it is, or a value with read,
+// pointing *dst at it.
+func readOpt[T any](p []byte, dst **T, read func([]byte) (T, []byte, error)) ([]byte, error) {
 	if msgp.NextType(p) == msgp.NilType {
 		return msgp.ReadNilBytes(p)
 	}
-	v, rest, err := msgp.ReadStringBytes(p)
+	v, rest, err := read(p)
 	if err != nil {
 		return nil, err
 	}
@@ -572,17 +570,28 @@ func decodeEvent(p []byte, ev *DecodedEvent) ([]byte, error) {
 	return p, nil
 }
 
+// readItems reads the header of an array of at most maxDecodeItems
+// items, no more than the bytes left (each takes one at least); what
+// names them in the error.
+func readItems(p []byte, what string) (uint32, []byte, error) {
+	n, p, err := msgp.ReadArrayHeaderBytes(p)
+	if err != nil {
+		return 0, nil, err
+	}
+	if n > maxDecodeItems || int(n) > len(p) {
+		return 0, nil, fmt.Errorf("%d %s in %d bytes", n, what, len(p))
+	}
+	return n, p, nil
+}
+
 // field decodes one named field into ev; unknown names are skipped.
 func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 	var err error
 	switch name {
 	case "block_hashes":
 		var n uint32
-		if n, p, err = msgp.ReadArrayHeaderBytes(p); err != nil {
+		if n, p, err = readItems(p, "hashes"); err != nil {
 			return nil, err
-		}
-		if n > maxDecodeItems || int(n) > len(p) {
-			return nil, fmt.Errorf("%d hashes in %d bytes", n, len(p))
 		}
 		ev.Hashes = make([]Key, n)
 		for i := range ev.Hashes {
@@ -599,11 +608,8 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 		return ev.readHash(p, ev.Parent)
 	case "token_ids":
 		var n uint32
-		if n, p, err = msgp.ReadArrayHeaderBytes(p); err != nil {
+		if n, p, err = readItems(p, "tokens"); err != nil {
 			return nil, err
-		}
-		if n > maxDecodeItems || int(n) > len(p) {
-			return nil, fmt.Errorf("%d tokens in %d bytes", n, len(p))
 		}
 		ev.Tokens = make([]int64, n)
 		ev.hasTokens = true

@@ -441,17 +441,22 @@ func TestIndexMissedRanges(t *testing.T) {
 		return m
 	}
 	r := rand.New(rand.NewSource(3))
+	// missThen has the engine publish missed batches the instance never
+	// sees, then one more (a prompt under system prompt sys) it handles.
+	missThen := func(missed, sys int) {
+		for range missed {
+			e.serve(t, prompt(r, r.Intn(1000), 64), nil)
+			recv()
+		}
+		e.serve(t, prompt(r, sys, 64), nil)
+		in.handle(recv())
+	}
 	in.handle(e.subscribed(t, sub)) // a snapshot
 	if in.stale {
 		t.Fatal("stale after a snapshot")
 	}
 	// Miss batches 1 and 2; batch 3 reveals the gap, replay fills it.
-	for range 3 {
-		e.serve(t, prompt(r, r.Intn(1000), 64), nil)
-		recv()
-	}
-	e.serve(t, prompt(r, 5000, 64), nil)
-	in.handle(recv())
+	missThen(3, 5000)
 	if in.stale || in.gaps.Load() != 1 || in.replayed.Load() != 3 {
 		t.Fatalf("replayable gap: stale %v gaps %d replayed %d", in.stale, in.gaps.Load(), in.replayed.Load())
 	}
@@ -460,12 +465,7 @@ func TestIndexMissedRanges(t *testing.T) {
 	}
 	// Miss more than the buffer holds: the instance goes stale, asks for a
 	// snapshot and is whole again once it arrives.
-	for range 6 {
-		e.serve(t, prompt(r, r.Intn(1000), 64), nil)
-		recv()
-	}
-	e.serve(t, prompt(r, 6000, 64), nil)
-	in.handle(recv())
+	missThen(6, 6000)
 	if !in.stale || in.snapshots.Load() != 1 {
 		t.Fatalf("an unreplayable gap: stale %v snapshots %d", in.stale, in.snapshots.Load())
 	}

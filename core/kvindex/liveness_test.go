@@ -33,14 +33,22 @@ func waitState(t *testing.T, x *Index, name string, want State) InstanceStatus {
 	return st
 }
 
+// startServed starts two engines of 64 blocks, an index over them and
+// the index's HTTP server, closed at the test's end.
+func startServed(t *testing.T) ([]*engine, *Index, *httptest.Server) {
+	t.Helper()
+	es := startEngines(t, 2, 64)
+	x := startIndex(t, Config{Instances: instancesOf(es)})
+	srv := httptest.NewServer(x.Handler())
+	t.Cleanup(srv.Close)
+	return es, x, srv
+}
+
 // An engine that stops (its publisher closes, as when the process exits)
 // is down at once: scored as absent, never best, its blocks cleared; it is
 // fresh again when it comes back.
 func TestStoppedEngineStopsRouting(t *testing.T) {
-	es := startEngines(t, 2, 64)
-	x := startIndex(t, Config{Instances: instancesOf(es)})
-	srv := httptest.NewServer(x.Handler())
-	defer srv.Close()
+	es, x, srv := startServed(t)
 	r := rand.New(rand.NewSource(21))
 	p := prompt(r, 1, 160)
 	es[0].serve(t, p, nil)      // e0 holds all ten blocks
@@ -157,10 +165,7 @@ func TestUnboundEndpointSaysWhatItWaitsFor(t *testing.T) {
 // /metrics: the Prometheus text format, with the counters, states, index
 // size and scoring latency of a live index.
 func TestMetrics(t *testing.T) {
-	es := startEngines(t, 2, 64)
-	x := startIndex(t, Config{Instances: instancesOf(es)})
-	srv := httptest.NewServer(x.Handler())
-	defer srv.Close()
+	es, x, srv := startServed(t)
 	r := rand.New(rand.NewSource(23))
 	p := prompt(r, 3, 128)
 	es[1].serve(t, p, nil)

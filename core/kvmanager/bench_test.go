@@ -8,6 +8,17 @@ import (
 	"github.com/kvplug/kvplug/core/kvtier/host"
 )
 
+// readmit removes the batch's sequences and has admit add them again (a
+// fresh batch), off the benchmark's timer.
+func readmit(b *testing.B, m *Manager, ids []int64, admit func()) {
+	b.StopTimer()
+	if err := m.Remove(ids); err != nil {
+		b.Fatal(err)
+	}
+	admit()
+	b.StartTimer()
+}
+
 // BenchmarkStep is one decode step of the scheduler's loop for a batch of
 // 256 sequences of about 1000 tokens: Grow each by one token, then Describe
 // the batch's block table (max_blocks sized to fit), lengths and slots. The
@@ -55,12 +66,7 @@ func BenchmarkStep(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				if i%reset == reset-1 {
-					b.StopTimer()
-					if err := m.Remove(ids); err != nil {
-						b.Fatal(err)
-					}
-					admit()
-					b.StartTimer()
+					readmit(b, m, ids, admit)
 				}
 				if c.reorder {
 					// A new batch every step: Grow looks every id up.
@@ -279,16 +285,13 @@ func BenchmarkTierIdleStep(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				if i%reset == reset-1 {
-					b.StopTimer()
-					if err := m.Remove(ids); err != nil {
-						b.Fatal(err)
-					}
-					for j := range ids {
-						ids[j] = next
-						next++
-					}
-					admit()
-					b.StartTimer()
+					readmit(b, m, ids, func() {
+						for j := range ids {
+							ids[j] = next
+							next++
+						}
+						admit()
+					})
 				}
 				if err := m.Grow(ids, ones); err != nil {
 					b.Fatal(err)

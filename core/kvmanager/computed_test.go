@@ -11,6 +11,7 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // The tests of the computed-K/V contract (computed.go): an engine that
@@ -28,22 +29,13 @@ func promptsOf(ps ...[]int32) Prompts {
 	return p
 }
 
-func iota32(start, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(start + i)
-	}
-	return out
-}
+func iota32(start, n int) []int32 { return testtok.Iota(start, n) }
 
 // The reproducer: a request admitted and removed before its
 // forward pass leaves nothing a later prompt matches; after
 // MarkComputed, the same sequence of calls keeps its blocks.
 func TestRemoveBeforeForwardMatchesNothing(t *testing.T) {
-	m, err := New(Config{NumBlocks: 64, BlockSize: 16, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := newCached(t, 64, 16, false)
 	p := iota32(100, 80)
 	matched := make([]int32, 1)
 	if n, err := m.Admit([]int64{1}, promptsOf(p), matched); err != nil || n != 1 || matched[0] != 0 {
@@ -85,10 +77,7 @@ func mustCheck(t testing.TB, m *Manager) {
 // with the sharer, or after MarkComputed. A decode token that fills a
 // block (GrowTokens) is uncomputed the same way.
 func TestRemoveOfSharedUncomputedBlocks(t *testing.T) {
-	m, err := New(Config{NumBlocks: 32, BlockSize: 4, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := newCached(t, 32, 4, false)
 	p := iota32(0, 10)
 	matched := make([]int32, 2)
 	if n, err := m.Admit([]int64{1, 2}, promptsOf(p, append(slices.Clone(p[:8]), 77, 78, 79)), matched); err != nil || n != 2 {
@@ -98,7 +87,7 @@ func TestRemoveOfSharedUncomputedBlocks(t *testing.T) {
 		t.Fatalf("same-step sharing: sequence 2 matched %d, want 8", matched[1])
 	}
 	before := m.Stats()
-	err = m.Remove([]int64{1})
+	err := m.Remove([]int64{1})
 	if !kverr.Is(err, kverr.InUse) || !strings.Contains(err.Error(), "sequence 2") {
 		t.Fatalf("removing the filler of blocks sequence 2 shares: %v, want InUse naming sequence 2", err)
 	}
@@ -233,13 +222,7 @@ func newSlotSim(t *testing.T, seed uint64, bs, numBlocks int, tier, demoteEvicte
 	return s
 }
 
-func (s *slotSim) tokens(n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(s.rng.IntN(4))
-	}
-	return out
-}
+func (s *slotSim) tokens(n int) []int32 { return testtok.Rand(s.rng, n, 4) }
 
 func (s *slotSim) fatalf(format string, args ...any) {
 	s.t.Helper()

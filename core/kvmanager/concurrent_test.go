@@ -839,6 +839,20 @@ type concAdmitResult struct {
 	err        error
 }
 
+// concGoClose closes m on a goroutine of its own and waits until Close
+// has marked the shared tier closed; Close's result comes on the channel.
+func concGoClose(t testing.TB, m *Manager) <-chan error {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() { closed <- m.Close() }()
+	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.tier.SharedClosed()
+	})
+	return closed
+}
+
 // concGoAdmit admits sequence id with prompt p on another goroutine.
 func concGoAdmit(m *Manager, id int64, p []int32) <-chan concAdmitResult {
 	out := make(chan concAdmitResult, 1)
@@ -901,11 +915,8 @@ func concOtherCalls(t testing.TB, m *Manager, id int64, r *rand.Rand, truth *pre
 // connection, not for the lock; once released, both start on the
 // fetched blocks, which hold the bytes the server had.
 func TestConcurrentSharedFetchAgainstAdmit(t *testing.T) {
-	srv := redistest.Start(t, redistest.Find(t), 0)
 	const bs = 4
-	r := rand.New(rand.NewPCG(3, 39))
-	conv := seqTokens(r, 4*bs+1)
-	storeConv(t, srv.Addr(), bs, conv)
+	srv, r, conv := newStoredConv(t, 3, 39)
 	g := newHoldGate(t, srv.Addr())
 	m, cp := newConcMgr(t, 32, bs, 16, 0, g.addr())
 	cp.know(wholeChain(t, conv, bs, nil))
@@ -983,13 +994,7 @@ func TestConcurrentSharedFetchAgainstClose(t *testing.T) {
 	held, release := g.hold("GET")
 	a := concGoAdmit(m, 1, convs[0])
 	concWaitChan(t, "the admission's GET", held)
-	closed := make(chan error, 1)
-	go func() { closed <- m.Close() }()
-	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		return m.tier.SharedClosed()
-	})
+	closed := concGoClose(t, m)
 	lookups := m.TierStats().Shared.Lookups
 	concWithin(t, "calls while Close waits on a fetch", func() {
 		concOtherCalls(t, m, 10, r, truth)
@@ -1024,11 +1029,7 @@ func TestConcurrentSharedFetchAgainstClose(t *testing.T) {
 	if d, open := g.counts(); d != dials || open != 0 || m.TierStats().Shared.Lookups != lookups {
 		t.Fatalf("after Close: %d more connections (%d open), %d more lookups", d-dials, open, m.TierStats().Shared.Lookups-lookups)
 	}
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	cp.check(t)
 	m.MarkComputed()
 	must(t, m.Remove([]int64{1, 2, 3}))

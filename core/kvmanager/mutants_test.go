@@ -1,11 +1,6 @@
 package kvmanager
 
-import (
-	"math/rand/v2"
-	"testing"
-
-	"github.com/kvplug/kvplug/core/kvtier/host"
-)
+import "testing"
 
 // matchTokens returns the GPU prefix cache's match of a prompt.
 func matchTokens(t testing.TB, m *Manager, toks []int32) int32 {
@@ -23,10 +18,7 @@ func matchTokens(t testing.TB, m *Manager, toks []int32) int32 {
 // completes.
 func TestReloadCompletionIsNotAnAccess(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(11, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, _, r, conv := newDemotedConv(t, 11)
 	if got := admit(t, m, 2, conv, nil); got != 4*bs {
 		t.Fatalf("admit matched %d tokens, want the 4 host blocks", got)
 	}
@@ -65,11 +57,7 @@ func TestReloadCompletionIsNotAnAccess(t *testing.T) {
 // block and no store finds its slot taken by another store of the batch.
 func TestWriteThroughQueuesAReusedIDOnce(t *testing.T) {
 	const bs = 4
-	pool, err := host.New(host.Config{Slots: 16, BlockBytes: 16})
-	must(t, err)
-	m, err := New(Config{NumBlocks: 8, BlockSize: bs, EnablePrefixCache: true,
-		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: 8}})
-	must(t, err)
+	m, _ := newWriteThroughMgr(t, 8, bs, 16, 8)
 	// Block a: one full block, computed and queued, no flush yet.
 	admit(t, m, 1, iota32(0, bs+1), nil)
 	a := blocksOf(t, m, 1, 2)[0]
@@ -108,11 +96,7 @@ func TestWriteThroughQueuesAReusedIDOnce(t *testing.T) {
 // stored or counted lost for them.
 func TestWriteThroughSkipsBlocksDroppedUncomputed(t *testing.T) {
 	const bs = 4
-	pool, err := host.New(host.Config{Slots: 16, BlockBytes: 16})
-	must(t, err)
-	m, err := New(Config{NumBlocks: 8, BlockSize: bs, EnablePrefixCache: true,
-		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: 4}})
-	must(t, err)
+	m, _ := newWriteThroughMgr(t, 8, bs, 16, 4)
 	admit(t, m, 1, iota32(0, 2*bs+1), nil) // two full blocks
 	admit(t, m, 2, iota32(100, bs+1), nil) // one, kept
 	must(t, m.Remove([]int64{1}))          // before the forward pass: dropped

@@ -414,13 +414,22 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 		if m.cache == nil {
 			continue
 		}
-		tokens, keys := prompts.Prompt(i)
-		res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
-		m.locks = res.Blocks[:0]
-		assertOK(err, "match: the index refused a validated prompt")
+		_, _, res := m.matchPrompt(&prompts, i, partial, "match: the index refused a validated prompt")
 		out[i] = MatchInfo{Tokens: int32(res.Tokens), PartialBlock: res.PartialBlock, PartialTokens: int32(res.PartialTokens)}
 	}
 	return nil
+}
+
+// matchPrompt matches prompt i of prompts in the GPU prefix cache, under
+// the lock, reusing m.locks for the matched blocks (held by no one: a
+// match locks nothing); what names the caller if the index refuses the
+// validated prompt all the same.
+func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string) ([]int32, *prefix.Keys, prefix.MatchResult) {
+	tokens, keys := prompts.Prompt(i)
+	res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
+	m.locks = res.Blocks[:0]
+	assertOK(err, what)
+	return tokens, keys, res
 }
 
 // Pin keeps the cached full blocks of a prefix (all of them, unlike a

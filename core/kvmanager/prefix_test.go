@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 func newCached(t testing.TB, numBlocks, bs int, events bool) *Manager {
@@ -39,13 +40,7 @@ func admit(t testing.TB, m *Manager, id int64, tokens []int32, keys *prefix.Keys
 	return int(matched[0])
 }
 
-func seqTokens(r *rand.Rand, n int) []int32 {
-	t := make([]int32, n)
-	for i := range t {
-		t[i] = r.Int32N(50000)
-	}
-	return t
-}
+func seqTokens(r *rand.Rand, n int) []int32 { return testtok.Rand(r, n, 50000) }
 
 func TestAdmitReusesCachedPrefix(t *testing.T) {
 	const bs = 4
@@ -98,10 +93,8 @@ func describeSlots(t testing.TB, m *Manager, id int64) (int32, []int32) {
 
 func TestRemoveKeepsBlocksCachedAndEvictionFreesThem(t *testing.T) {
 	const bs = 4
-	m := newCached(t, 8, bs, false)
-	r := rand.New(rand.NewPCG(3, 4))
-	p := seqTokens(r, 6*bs+1) // 7 blocks, 6 full
-	admit(t, m, 1, p, nil)
+	// 7 blocks, 6 full
+	m, r, p := newAdmitted(t, 8, false, 3, 4, 6*bs+1)
 	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal
 	must(t, m.Remove([]int64{1}))
 	check(t, m)
@@ -187,10 +180,7 @@ func TestSaltsNeverShareBlocks(t *testing.T) {
 
 func TestGrowTokensCachesBlocksAsTheyFill(t *testing.T) {
 	const bs = 4
-	m := newCached(t, 32, bs, false)
-	r := rand.New(rand.NewPCG(9, 10))
-	prompt := seqTokens(r, 6)
-	admit(t, m, 1, prompt, nil)
+	m, r, prompt := newAdmitted(t, 32, false, 9, 10, 6)
 	gen := seqTokens(r, 9)
 	all := append(slices.Clone(prompt), gen...)
 	for i, tok := range gen { // decode, one token a step
@@ -216,10 +206,7 @@ func TestGrowTokensCachesBlocksAsTheyFill(t *testing.T) {
 
 func TestForkLocksSharedCachedBlocks(t *testing.T) {
 	const bs = 4
-	m := newCached(t, 32, bs, false)
-	r := rand.New(rand.NewPCG(11, 12))
-	p := seqTokens(r, 2*bs+2)
-	admit(t, m, 1, p, nil)
+	m, _, _ := newAdmitted(t, 32, false, 11, 12, 2*bs+2)
 	m.MarkComputed() // the prefill's forward pass, before the fork
 	copies := make([]CopyPair, 2)
 	n, err := m.Fork(1, []int64{2, 3}, copies)
@@ -243,10 +230,7 @@ func TestForkLocksSharedCachedBlocks(t *testing.T) {
 
 func TestClearPrefixCache(t *testing.T) {
 	const bs = 4
-	m := newCached(t, 16, bs, true)
-	r := rand.New(rand.NewPCG(13, 14))
-	p := seqTokens(r, 3*bs+1)
-	admit(t, m, 1, p, nil)
+	m, _, p := newAdmitted(t, 16, true, 13, 14, 3*bs+1)
 	m.MarkComputed() // the step's forward pass: the blocks stay cached after the removal, and Pin covers them
 	if _, err := m.ClearPrefixCache(); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Fatalf("clear with a live sequence holding cached blocks: %v", err)
@@ -376,10 +360,7 @@ func TestAdmitRejectsBadBatches(t *testing.T) {
 
 func TestDrainEventsRespectsLimits(t *testing.T) {
 	const bs = 4
-	m := newCached(t, 16, bs, true)
-	r := rand.New(rand.NewPCG(19, 20))
-	p := seqTokens(r, 5*bs+1)
-	admit(t, m, 1, p, nil)
+	m, r, _ := newAdmitted(t, 16, true, 19, 20, 5*bs+1)
 	// The step's forward pass: without it the removal would drop the 5
 	// blocks (one BlockRemoved of 5 hashes, split 3 + 2, which happens to
 	// give the same kinds) instead of leaving them for the eviction below.

@@ -1,34 +1,20 @@
 package kvmanager
 
-import (
-	"math/rand/v2"
-	"testing"
-
-	"github.com/kvplug/kvplug/internal/redistest"
-)
+import "testing"
 
 // Close while an admission's lookup (EXISTS) is in flight: the fetch reads
 // nothing after Close (no GET, no new connection once Close has returned),
 // reserves no host slot, and the admission computes the prompt.
 func TestSharedFetchClosedDuringLookup(t *testing.T) {
-	srv := redistest.Start(t, redistest.Find(t), 0)
 	const bs = 4
-	r := rand.New(rand.NewPCG(5, 41))
-	conv := seqTokens(r, 4*bs+1)
-	storeConv(t, srv.Addr(), bs, conv)
+	srv, _, conv := newStoredConv(t, 5, 41)
 	g := newHoldGate(t, srv.Addr())
 	m, _ := newConcMgr(t, 32, bs, 16, 0, g.addr())
 
 	held, release := g.hold("EXISTS")
 	a := concGoAdmit(m, 1, conv)
 	concWaitChan(t, "the admission's EXISTS", held)
-	closed := make(chan error, 1)
-	go func() { closed <- m.Close() }()
-	concWaitFor(t, "Close to mark the shared tier closed", func() bool {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		return m.tier.SharedClosed()
-	})
+	closed := concGoClose(t, m)
 	release()
 	res := concWaitChan(t, "the admission", a)
 	must(t, concWaitChan(t, "Close", closed))

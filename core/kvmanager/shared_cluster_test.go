@@ -21,11 +21,7 @@ func admitChecked(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) 
 	t.Helper()
 	bs := m.BlockSize()
 	got := admit(t, m, id, conv, nil)
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	tbl := blocksOf(t, m, id, len(conv)/bs+1)
 	chain := wholeChain(t, conv, bs, nil)
 	g.mu.Lock()
@@ -39,11 +35,7 @@ func admitChecked(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) 
 	g.compute(t, m, id, conv)
 	m.MarkComputed()
 	must(t, m.Remove([]int64{id}))
-	tk, _, err = m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	return got
 }
 

@@ -182,11 +182,8 @@ func TestSharedTierModelIdentity(t *testing.T) {
 // A short or corrupt value under a block's key is a miss: the block's
 // host slot is given back, and the prefix is computed from there.
 func TestSharedTierCorruptValueIsAMiss(t *testing.T) {
-	srv := redistest.Start(t, redistest.Find(t), 0)
 	const bs = 4
-	r := rand.New(rand.NewPCG(3, 77))
-	conv := seqTokens(r, 4*bs+1)
-	storeConv(t, srv.Addr(), bs, conv)
+	srv, _, conv := newStoredConv(t, 3, 77)
 	chain := wholeChain(t, conv, bs, nil)
 	key := func(h prefix.Hash) []byte { return []byte("kvplug:" + sharedNS + ":" + hex.EncodeToString(h[:])) }
 	c := resp.NewClient(srv.Addr(), time.Second)
@@ -218,6 +215,20 @@ func TestSharedTierCorruptValueIsAMiss(t *testing.T) {
 	}
 }
 
+// admitUncachedWithin admits conv as sequence 1 into m, whose shared
+// tier is down or slow: nothing is matched, and the admission returns
+// within sharedBound.
+func admitUncachedWithin(t testing.TB, m *Manager, conv []int32) {
+	t.Helper()
+	start := time.Now()
+	if got := admit(t, m, 1, conv, nil); got != 0 {
+		t.Fatalf("matched %d tokens", got)
+	}
+	if d := time.Since(start); d > sharedBound {
+		t.Fatalf("admission took %v", d)
+	}
+}
+
 // Valkey down (nothing listens): the admission succeeds at once, computing
 // the prefix; the failed call is counted and the next ones are skipped
 // without a round trip; stores fail, counted, their slots unpinned.
@@ -227,13 +238,7 @@ func TestSharedTierServerDown(t *testing.T) {
 	m, g := newSharedMgr(t, addr, 8, bs, 16, 8, nil)
 	r := rand.New(rand.NewPCG(4, 77))
 	conv := seqTokens(r, 4*bs+1)
-	start := time.Now()
-	if got := admit(t, m, 1, conv, nil); got != 0 {
-		t.Fatalf("matched %d tokens", got)
-	}
-	if d := time.Since(start); d > sharedBound {
-		t.Fatalf("admission took %v", d)
-	}
+	admitUncachedWithin(t, m, conv)
 	sh := m.TierStats().Shared
 	if sh.Errors+sh.Timeouts != 1 || sh.Misses != 4 || sh.Available {
 		t.Fatalf("after the first admission: %+v", sh)
@@ -269,17 +274,11 @@ func TestSharedTierServerSlow(t *testing.T) {
 			m, _ := newSharedMgr(t, redistest.Slow(t, delay), 8, bs, 16, 4, nil)
 			r := rand.New(rand.NewPCG(5, 77))
 			conv := seqTokens(r, 4*bs+1)
-			start := time.Now()
-			if got := admit(t, m, 1, conv, nil); got != 0 {
-				t.Fatalf("matched %d tokens", got)
-			}
-			if d := time.Since(start); d > sharedBound {
-				t.Fatalf("admission took %v", d)
-			}
+			admitUncachedWithin(t, m, conv)
 			if sh := m.TierStats().Shared; sh.Timeouts != 1 || sh.Misses != 4 || sh.Available {
 				t.Fatalf("stats %+v", sh)
 			}
-			start = time.Now()
+			start := time.Now()
 			tierMatch(t, m, seqTokens(r, 3*bs))
 			admit(t, m, 2, seqTokens(r, 3*bs), nil)
 			if d := time.Since(start); d > 50*time.Millisecond {

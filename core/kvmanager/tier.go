@@ -132,10 +132,7 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 		if m.cache == nil {
 			continue
 		}
-		tokens, keys := prompts.Prompt(i)
-		res, err := m.cache.Match(m.locks[:0], tokens, keys, false)
-		m.locks = res.Blocks[:0]
-		assertOK(err, "match tiers: the index refused a validated prompt")
+		tokens, keys, res := m.matchPrompt(&prompts, i, false, "match tiers: the index refused a validated prompt")
 		out[i].GPU = int32(res.Tokens)
 		if m.tier != nil {
 			out[i].Host = int32(m.tier.MatchHost(tokens, keys, res.Tokens, fetched))

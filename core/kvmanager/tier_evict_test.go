@@ -327,14 +327,7 @@ func TestTierDemoteEvictedRandomModel(t *testing.T) {
 				// (computed.go).
 				m.MarkComputed()
 			case op < 5 && len(live) > 0:
-				ids := slices.Sorted(func(yield func(int64) bool) {
-					for k := range live {
-						if !yield(k) {
-							return
-						}
-					}
-				})
-				k := ids[r.IntN(len(ids))]
+				k := pickKey(r, live)
 				must(t, m.Remove([]int64{k}))
 				delete(live, k)
 			case op < 6:
@@ -347,19 +340,9 @@ func TestTierDemoteEvictedRandomModel(t *testing.T) {
 			case op < 8:
 				step()
 			case op < 9 && len(inflight) > 0:
-				tks := slices.Sorted(func(yield func(uint64) bool) {
-					for k := range inflight {
-						if !yield(k) {
-							return
-						}
-					}
-				})
-				complete(tks[r.IntN(len(tks))])
+				complete(pickKey(r, inflight))
 			default:
-				c := r.IntN(len(convs))
-				if len(convs[c]) > 0 {
-					tierMatch(t, m, convs[c])
-				}
+				matchSomeConv(t, m, r, convs)
 			}
 		}
 		step()

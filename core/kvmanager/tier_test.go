@@ -79,11 +79,7 @@ func (g *fakeGPU) compute(t testing.TB, m *Manager, id int64, toks []int32) {
 // in between, as an engine would.
 func (g *fakeGPU) step(t testing.TB, m *Manager, id int64, toks []int32) {
 	t.Helper()
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	g.compute(t, m, id, toks)
 	m.MarkComputed()
 }
@@ -193,17 +189,8 @@ func TestTierDemotesOnFlushAndMatchesPerTier(t *testing.T) {
 // not demoted (counted).
 func TestTierBlockInFlightIsNotReused(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 6)
-	r := rand.New(rand.NewPCG(2, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
-	g.step(t, m, 1, conv)
-	must(t, m.Remove([]int64{1}))
-	ticket, n, err := m.FlushCopies()
-	must(t, err)
-	if n != 2 {
-		t.Fatalf("%d demotions, want 2", n)
-	}
+	m, g, r, _ := newCachedConv(t, 16, 6, 2)
+	ticket := flushDemotions(t, m, 2)
 	inFlight := []int32{g.batches[0].Demote[0].Block, g.batches[0].Demote[1].Block}
 	// 4 free and 2 evictable: 7 blocks do not fit.
 	before, tsBefore, hsBefore := m.Stats(), m.TierStats(), g.pool.Stats()
@@ -238,17 +225,8 @@ func TestTierBlockInFlightIsNotReused(t *testing.T) {
 // again.
 func TestTierHostFullSkipsDemotion(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 1, 6)
-	r := rand.New(rand.NewPCG(3, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
-	g.step(t, m, 1, conv)
-	must(t, m.Remove([]int64{1}))
-	ticket, n, err := m.FlushCopies()
-	must(t, err)
-	if n != 1 {
-		t.Fatalf("%d demotions, want 1", n)
-	}
+	m, g, _, conv := newCachedConv(t, 1, 6, 3)
+	ticket := flushDemotions(t, m, 1)
 	st, ts := m.Stats(), m.TierStats()
 	if st.FreeBlocks != 5 || st.CachedBlocks != 2 || ts.SkippedFull != 1 || ts.Host.SkippedFull != 1 || ts.InFlight != 1 {
 		t.Fatalf("host full: %+v %+v", st, ts)
@@ -259,10 +237,8 @@ func TestTierHostFullSkipsDemotion(t *testing.T) {
 
 	// The same history again: recomputed, cached, demoted: its last block
 	// is in the host tier already.
-	admit(t, m, 2, conv, nil)
-	g.step(t, m, 2, conv)
-	must(t, m.Remove([]int64{2}))
-	_, _, err = m.FlushCopies()
+	computeAndRemove(t, m, g, 2, conv)
+	_, _, err := m.FlushCopies()
 	must(t, err)
 	if ts := m.TierStats(); ts.SkippedPresent < 1 {
 		t.Fatalf("a block already in the host tier was not skipped: %+v", ts)
@@ -273,12 +249,7 @@ func TestTierHostFullSkipsDemotion(t *testing.T) {
 // blocks free and the host slots free, counted as failed.
 func TestTierCopyFailures(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 6)
-	r := rand.New(rand.NewPCG(4, 23))
-	conv := seqTokens(r, 4*bs+1)
-	admit(t, m, 1, conv, nil)
-	g.step(t, m, 1, conv)
-	must(t, m.Remove([]int64{1}))
+	m, g, _, conv := newCachedConv(t, 16, 6, 4)
 	g.fail = kverr.Errorf(kverr.Internal, "stream broken")
 	tk, n, err := m.FlushCopies()
 	wantCode(t, "refused batch", err, kverr.Internal)
@@ -292,14 +263,8 @@ func TestTierCopyFailures(t *testing.T) {
 	g.fail = nil
 	// Evict the rest ahead of need: the two blocks left, reported failed.
 	m2, g2 := newTierMgr(t, 8, bs, 16, 8)
-	admit(t, m2, 1, conv, nil)
-	g2.step(t, m2, 1, conv)
-	must(t, m2.Remove([]int64{1}))
-	tk, n, err = m2.FlushCopies()
-	must(t, err)
-	if n != 4 {
-		t.Fatalf("%d demotions, want 4", n)
-	}
+	computeAndRemove(t, m2, g2, 1, conv)
+	tk = flushDemotions(t, m2, 4)
 	wantCode(t, "unknown ticket", m2.CompleteCopies(tk+1, false), kverr.NotFound)
 	must(t, m2.CompleteCopies(tk, true))
 	st, ts = m2.Stats(), m2.TierStats()
@@ -350,14 +315,8 @@ func TestTierConfigAndNoTier(t *testing.T) {
 // the copies.
 func demoteAll(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) {
 	t.Helper()
-	admit(t, m, id, conv, nil)
-	g.step(t, m, id, conv)
-	must(t, m.Remove([]int64{id}))
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	computeAndRemove(t, m, g, id, conv)
+	flushCompleted(t, m)
 	if st := m.Stats(); st.CachedBlocks != 0 {
 		t.Fatalf("not all demoted: %+v", st)
 	}
@@ -370,10 +329,7 @@ func demoteAll(t testing.TB, m *Manager, g *fakeGPU, id int64, conv []int32) {
 // the host slots are unpinned then.
 func TestTierReloadsAReturningConversation(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(6, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, g, r, conv := newDemotedConv(t, 6)
 	turn2 := append(slices.Clone(conv), seqTokens(r, 2*bs)...) // 6 full blocks, one token
 	if got := tierMatch(t, m, turn2); got != (TierMatch{Host: 4 * bs}) {
 		t.Fatalf("match: %+v", got)
@@ -429,10 +385,7 @@ func TestTierReloadsAReturningConversation(t *testing.T) {
 // evicts them.
 func TestTierReloadHoldsBlocksUntilComplete(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(7, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, _, _, conv := newDemotedConv(t, 7)
 	admit(t, m, 2, conv, nil)
 	reloaded := blocksOf(t, m, 2, 8)[:4]
 	must(t, m.Remove([]int64{2}))
@@ -457,10 +410,7 @@ func TestTierReloadHoldsBlocksUntilComplete(t *testing.T) {
 // LRU touch or hit counted, no reload queued.
 func TestTierAdmitThatDoesNotFitChangesNothing(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(8, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, g, _, conv := newDemotedConv(t, 8)
 	must(t, m.Add(9, 4*bs)) // 4 of 8 blocks left, conv needs 5
 	st, ts, hs := m.Stats(), m.TierStats(), g.pool.Stats()
 	if n, err := m.Admit([]int64{2}, one(conv, nil), nil); n != 0 || err != nil {
@@ -478,10 +428,7 @@ func TestTierAdmitThatDoesNotFitChangesNothing(t *testing.T) {
 // drops the copies' holds on the blocks.
 func TestTierRefusedReloadReleasesPins(t *testing.T) {
 	const bs = 4
-	m, g := newTierMgr(t, 8, bs, 16, 8)
-	r := rand.New(rand.NewPCG(9, 23))
-	conv := seqTokens(r, 4*bs+1)
-	demoteAll(t, m, g, 1, conv)
+	m, g, _, conv := newDemotedConv(t, 9)
 	admit(t, m, 2, conv, nil)
 	g.fail = kverr.Errorf(kverr.Internal, "stream broken")
 	_, _, err := m.FlushCopies()
@@ -563,14 +510,7 @@ func TestTierRandomModel(t *testing.T) {
 				convs[c] = p
 				live[id] = p
 			case op < 6 && len(live) > 0: // a sequence finishes
-				ids := slices.Sorted(func(yield func(int64) bool) {
-					for k := range live {
-						if !yield(k) {
-							return
-						}
-					}
-				})
-				k := ids[r.IntN(len(ids))]
+				k := pickKey(r, live)
 				must(t, m.Remove([]int64{k}))
 				delete(live, k)
 			case op < 7: // pressure
@@ -596,19 +536,9 @@ func TestTierRandomModel(t *testing.T) {
 					}
 				}
 			case op < 9 && len(inflight) > 0: // a batch completes
-				tks := slices.Sorted(func(yield func(uint64) bool) {
-					for k := range inflight {
-						if !yield(k) {
-							return
-						}
-					}
-				})
-				complete(tks[r.IntN(len(tks))])
+				complete(pickKey(r, inflight))
 			default:
-				c := r.IntN(len(convs))
-				if len(convs[c]) > 0 {
-					tierMatch(t, m, convs[c])
-				}
+				matchSomeConv(t, m, r, convs)
 			}
 		}
 		tk, _, err := m.FlushCopies()

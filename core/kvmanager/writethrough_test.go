@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
-	"github.com/kvplug/kvplug/core/kvtier/host"
 )
 
 // nopCopier accepts every batch; the tests complete the batches
@@ -27,11 +26,7 @@ func TestWriteThroughNeverCostsAGPUHit(t *testing.T) {
 			r := rand.New(rand.NewPCG(seed, 31))
 			plain, err := New(Config{NumBlocks: blocks, BlockSize: bs, EnablePrefixCache: true})
 			must(t, err)
-			pool, err := host.New(host.Config{Slots: 4 * blocks, BlockBytes: 16})
-			must(t, err)
-			tiered, err := New(Config{NumBlocks: blocks, BlockSize: bs, EnablePrefixCache: true,
-				HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: 1 + int(seed)*4}})
-			must(t, err)
+			tiered, _ := newWriteThroughMgr(t, blocks, bs, 4*blocks, 1+int(seed)*4)
 			convs := make([][]int32, 12)
 			var id int64
 			var gpuHits, hostHits int64
@@ -90,12 +85,8 @@ func TestWriteThroughNeverCostsAGPUHit(t *testing.T) {
 // through store of a block the GPU evicted first is counted lost; bad
 // settings are refused.
 func TestWriteThroughStoresOnlyComputedBlocks(t *testing.T) {
-	pool, err := host.New(host.Config{Slots: 16, BlockBytes: 16})
-	must(t, err)
-	m, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true,
-		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: 1}})
-	must(t, err)
-	_, err = m.Admit([]int64{1}, one(iota32(0, 9), nil), nil) // two full blocks
+	m, pool := newWriteThroughMgr(t, 8, 4, 16, 1)
+	_, err := m.Admit([]int64{1}, one(iota32(0, 9), nil), nil) // two full blocks
 	must(t, err)
 	must(t, m.Remove([]int64{1})) // before its forward pass: dropped
 	m.MarkComputed()
@@ -122,11 +113,7 @@ func TestWriteThroughStoresOnlyComputedBlocks(t *testing.T) {
 	_, err = m.Admit([]int64{3}, one(iota32(500, 32), nil), nil)
 	must(t, err)
 	m.MarkComputed()
-	tk, _, err = m.FlushCopies()
-	must(t, err)
-	if tk != 0 {
-		must(t, m.CompleteCopies(tk, false))
-	}
+	flushCompleted(t, m)
 	st := m.TierStats()
 	if st.WriteThroughStored < 1 || st.WriteThroughLost < 1 {
 		t.Fatalf("stats %+v: want a store and a lost block", st)

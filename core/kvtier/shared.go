@@ -553,9 +553,7 @@ func (t *Tier) sharedWanted(prompts Prompts, check func() error) (sharedWant, er
 			limit = (len(tokens) - 1) / t.bs
 		}
 		if limit > 0 && len(w.want) < room {
-			var err error
-			t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
-			assertOK(err, "shared tier: hashing a validated prompt")
+			t.chain(tokens, keys, limit, "shared tier: hashing a validated prompt")
 			g := 0
 			for g < limit {
 				if _, ok := t.cache.Lookup(t.hashes[g]); !ok {
@@ -563,10 +561,7 @@ func (t *Tier) sharedWanted(prompts Prompts, check func() error) (sharedWant, er
 				}
 				g++
 			}
-			t.keys = t.keys[:0]
-			for _, h := range t.hashes[g:] {
-				t.keys = append(t.keys, HostKey(h))
-			}
+			t.hostKeysFrom(g)
 			for b := g + t.cfg.Pool.Peek(t.keys); b < len(t.hashes); b++ {
 				h := t.hashes[b]
 				j, ok := seen[h]

@@ -849,13 +849,8 @@ func (t *Tier) MatchHost(tokens []int32, keys *prefix.Keys, gpuTokens int, fetch
 	if limit <= gpuBlocks {
 		return 0
 	}
-	var err error
-	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
-	assertOK(err, "match tiers: hashing a validated prompt")
-	t.keys = t.keys[:0]
-	for _, h := range t.hashes[gpuBlocks:] {
-		t.keys = append(t.keys, HostKey(h))
-	}
+	t.chain(tokens, keys, limit, "match tiers: hashing a validated prompt")
+	t.hostKeysFrom(gpuBlocks)
 	hit := t.cfg.Pool.Lookup(t.keys)
 	t.st.MatchHostTokens += int64(hit * t.bs)
 	if k := t.countShared(fetched, hit); k > 0 {
@@ -988,6 +983,23 @@ func (t *Tier) PinHost(tokens []int32, keys *prefix.Keys, gpu int, fetched Fetch
 	return n
 }
 
+// chain sets t.hashes to the chained hashes of the first limit full
+// blocks of tokens, a validated prompt (what names the caller if the
+// hasher fails all the same).
+func (t *Tier) chain(tokens []int32, keys *prefix.Keys, limit int, what string) {
+	var err error
+	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
+	assertOK(err, what)
+}
+
+// hostKeysFrom sets t.keys to the host keys of t.hashes[from:].
+func (t *Tier) hostKeysFrom(from int) {
+	t.keys = t.keys[:0]
+	for _, h := range t.hashes[from:] {
+		t.keys = append(t.keys, HostKey(h))
+	}
+}
+
 func (t *Tier) pinHost(tokens []int32, keys *prefix.Keys, gpu int) int {
 	limit := 0
 	if len(tokens) > 0 {
@@ -996,13 +1008,8 @@ func (t *Tier) pinHost(tokens []int32, keys *prefix.Keys, gpu int) int {
 	if limit <= gpu || t.cfg.Pool.Stats().Resident == 0 {
 		return 0 // nothing to match: spare the hashing
 	}
-	var err error
-	t.hashes, err = t.hasher.Chain(t.hashes[:0], tokens[:limit*t.bs], t.bs, keys)
-	assertOK(err, "admit: hashing a validated prompt")
-	t.keys = t.keys[:0]
-	for _, h := range t.hashes[gpu:] {
-		t.keys = append(t.keys, HostKey(h))
-	}
+	t.chain(tokens, keys, limit, "admit: hashing a validated prompt")
+	t.hostKeysFrom(gpu)
 	if cap(t.slots) < len(t.keys) {
 		t.slots = make([]host.Slot, len(t.keys))
 	}

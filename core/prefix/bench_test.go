@@ -5,23 +5,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
-func randTokens(r *rand.Rand, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(r.IntN(128000))
-	}
-	return out
-}
+func randTokens(r *rand.Rand, n int) []int32 { return testtok.Rand(r, n, 128000) }
 
-func idRange(from, n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(from + i)
-	}
-	return out
-}
+func idRange(from, n int) []int32 { return testtok.Iota(from, n) }
 
 // BenchmarkMatch4096 matches a 4096-token prompt whose first 2048 tokens
 // are cached: 2048/bs block hashes and lookups that hit, one that misses.

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/internal/testtok"
 )
 
 // The reference model: a map from a prefix's identity, spelled out as a
@@ -237,12 +238,19 @@ func newSim(t *testing.T, seed uint64, bs, numBlocks, maxEvents int) *sim {
 }
 
 // tokens draws from a small alphabet so prompts collide and share.
-func (s *sim) tokens(n int) []int32 {
-	out := make([]int32, n)
-	for i := range out {
-		out[i] = int32(s.rng.IntN(3))
+func (s *sim) tokens(n int) []int32 { return testtok.Rand(s.rng, n, 3) }
+
+// takeOne removes one element of *list, drawn by r, and returns it; false
+// when the list is empty.
+func takeOne[T any](r *rand.Rand, list *[]T) (T, bool) {
+	var v T
+	if len(*list) == 0 {
+		return v, false
 	}
-	return out
+	j := r.IntN(len(*list))
+	v = (*list)[j]
+	*list = slices.Delete(*list, j, j+1)
+	return v, true
 }
 
 func (s *sim) prompt() ([]int32, *Keys) {
@@ -334,12 +342,11 @@ func (s *sim) admit() {
 func (s *sim) retire() {
 	var ids []int32
 	for range 1 + s.rng.IntN(3) {
-		if len(s.seqs) == 0 {
+		sq, ok := takeOne(s.rng, &s.seqs)
+		if !ok {
 			break
 		}
-		j := s.rng.IntN(len(s.seqs))
-		ids = append(ids, s.seqs[j].held...)
-		s.seqs = slices.Delete(s.seqs, j, j+1)
+		ids = append(ids, sq.held...)
 	}
 	if err := s.x.Unlock(ids); err != nil {
 		s.fatalf("unlock %v: %v", ids, err)
@@ -364,12 +371,10 @@ func (s *sim) commit() {
 // reports their locks); the sim then forgets them in those sequences
 // and frees them, as the index no longer knows them.
 func (s *sim) abort() {
-	if len(s.seqs) == 0 {
+	sq, ok := takeOne(s.rng, &s.seqs)
+	if !ok {
 		return
 	}
-	j := s.rng.IntN(len(s.seqs))
-	sq := s.seqs[j]
-	s.seqs = slices.Delete(s.seqs, j, j+1)
 	if err := s.x.Unlock(sq.held); err != nil {
 		s.fatalf("unlock %v: %v", sq.held, err)
 	}
@@ -417,6 +422,24 @@ func (s *sim) abort() {
 	}
 }
 
+// coversPath checks the result of a call over a prompt's cached prefix
+// (what: Pin, SetPriority) whose model path is path: NotFound when
+// nothing of it is cached, else all of it (n blocks). It reports whether
+// the path is not empty.
+func (s *sim) coversPath(what string, path []*refBlock, n int, err error) bool {
+	s.t.Helper()
+	if len(path) == 0 {
+		if kverr.CodeOf(err) != kverr.NotFound {
+			s.fatalf("%s of an uncached prefix: %v", what, err)
+		}
+		return false
+	}
+	if err != nil || n != len(path) {
+		s.fatalf("%s: %d blocks, %v; want %d", what, n, err, len(path))
+	}
+	return true
+}
+
 func (s *sim) pin() {
 	p, k := s.prompt()
 	id, n, err := s.x.Pin(p, k)
@@ -427,14 +450,8 @@ func (s *sim) pin() {
 			break
 		}
 	}
-	if len(path) == 0 {
-		if kverr.CodeOf(err) != kverr.NotFound {
-			s.fatalf("pin of an uncached prefix: %v", err)
-		}
+	if !s.coversPath("pin", path, n, err) {
 		return
-	}
-	if err != nil || n != len(path) {
-		s.fatalf("pin: %d blocks, %v; want %d", n, err, len(path))
 	}
 	var keys []string
 	for _, b := range path {
@@ -446,12 +463,10 @@ func (s *sim) pin() {
 }
 
 func (s *sim) unpin() {
-	if len(s.pinIDs) == 0 {
+	id, ok := takeOne(s.rng, &s.pinIDs)
+	if !ok {
 		return
 	}
-	j := s.rng.IntN(len(s.pinIDs))
-	id := s.pinIDs[j]
-	s.pinIDs = slices.Delete(s.pinIDs, j, j+1)
 	if err := s.x.Unpin(id); err != nil {
 		s.fatalf("unpin %d: %v", id, err)
 	}
@@ -469,14 +484,8 @@ func (s *sim) setPriority() {
 	prio := int32(s.rng.IntN(4) - 1)
 	n, err := s.x.SetPriority(p, k, prio)
 	path := s.ref.chain(p, k, len(p)/s.x.bs)
-	if len(path) == 0 {
-		if kverr.CodeOf(err) != kverr.NotFound {
-			s.fatalf("set priority of an uncached prefix: %v", err)
-		}
+	if !s.coversPath("set priority", path, n, err) {
 		return
-	}
-	if err != nil || n != len(path) {
-		s.fatalf("set priority: %d blocks, %v; want %d", n, err, len(path))
 	}
 	for _, b := range path {
 		b.prio = prio

@@ -245,23 +245,26 @@ func (p *Pool) Commit(s Slot) error { return p.commit(s, false) }
 func (p *Pool) CommitPinned(s Slot) error { return p.commit(s, true) }
 
 func (p *Pool) commit(s Slot, keepPin bool) error {
-	return p.onReserved(s, func() { p.commitReserved(s, keepPin) })
+	return p.onSlot(s, reserved, "is not reserved", func() { p.commitReserved(s, keepPin) })
 }
 
 // Abort gives reserved slot s back: its copy failed or was cancelled.
-func (p *Pool) Abort(s Slot) error { return p.onReserved(s, func() { p.abortReserved(s) }) }
+func (p *Pool) Abort(s Slot) error {
+	return p.onSlot(s, reserved, "is not reserved", func() { p.abortReserved(s) })
+}
 
-// onReserved runs end under the lock if slot s is valid and reserved.
-func (p *Pool) onReserved(s Slot, end func()) error {
+// onSlot runs act under the lock if slot s is valid and in state st;
+// otherwise it fails with NotFound, saying the slot not (what it is not).
+func (p *Pool) onSlot(s Slot, st state, not string, act func()) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.check(s); err != nil {
 		return err
 	}
-	if p.slots[s].st != reserved {
-		return kverr.Errorf(kverr.NotFound, "host tier: slot %d is not reserved", s)
+	if p.slots[s].st != st {
+		return kverr.Errorf(kverr.NotFound, "host tier: slot %d %s", s, not)
 	}
-	end()
+	act()
 	return nil
 }
 
@@ -401,16 +404,7 @@ func (p *Pool) match(hashes []uint64, out []Slot, pin bool) int {
 // Pin pins resident slot s (a copy out of it is in flight): it is not
 // evicted until as many Unpin calls.
 func (p *Pool) Pin(s Slot) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.check(s); err != nil {
-		return err
-	}
-	if p.slots[s].st != resident {
-		return kverr.Errorf(kverr.NotFound, "host tier: slot %d holds no block", s)
-	}
-	p.pin(s)
-	return nil
+	return p.onSlot(s, resident, "holds no block", func() { p.pin(s) })
 }
 
 // Unpin drops one pin of resident slot s. (A reserved slot's pin is

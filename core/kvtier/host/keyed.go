@@ -135,6 +135,25 @@ func (p *Pool) ReserveKeys(hashes []uint64, slots []Slot, evicted []uint64) (nEv
 // (resident already, or gone) are counted in Stale and left alone. It
 // returns how many it completed.
 func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
+	return p.eachKey(hashes, func(s Slot, ok bool) bool {
+		if !ok || p.slots[s].st != reserved {
+			p.st.Stale++
+			return false
+		}
+		if failed {
+			p.abortReserved(s)
+		} else {
+			p.commitReserved(s, false)
+		}
+		return true
+	})
+}
+
+// eachKey calls do, under the pool's lock, with the slot of each key of
+// hashes in turn (ok false for a key the pool does not hold); do reports
+// whether it acted on the slot. It returns how many times do did, 0 once
+// the pool is closed.
+func (p *Pool) eachKey(hashes []uint64, do func(s Slot, ok bool) bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -142,17 +161,9 @@ func (p *Pool) CompleteKeys(hashes []uint64, failed bool) int {
 	}
 	n := 0
 	for _, h := range hashes {
-		s, ok := p.index[h]
-		if !ok || p.slots[s].st != reserved {
-			p.st.Stale++
-			continue
+		if s, ok := p.index[h]; do(s, ok) {
+			n++
 		}
-		if failed {
-			p.abortReserved(s)
-		} else {
-			p.commitReserved(s, false)
-		}
-		n++
 	}
 	return n
 }
@@ -190,22 +201,14 @@ func (p *Pool) PinKeys(hashes []uint64, slots []Slot) (int, error) {
 // keys that are not pinned (gone, or never pinned) are counted in Stale.
 // It returns how many it unpinned.
 func (p *Pool) UnpinKeys(hashes []uint64) int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
-		return 0
-	}
-	n := 0
-	for _, h := range hashes {
-		s, ok := p.index[h]
+	return p.eachKey(hashes, func(s Slot, ok bool) bool {
 		if !ok || p.slots[s].st != resident || p.slots[s].pins == 0 {
 			p.st.Stale++
-			continue
+			return false
 		}
 		p.unpin(s)
-		n++
-	}
-	return n
+		return true
+	})
 }
 
 // TouchKeys marks the keys of hashes (resident or pending) recently used,

@@ -642,18 +642,28 @@ func (t *Tier) GetSegments(hashes []Hash, dst [][][]byte) []bool {
 	return found
 }
 
-func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
-	if len(hashes) == 0 {
-		return
-	}
+// doKeys sends cmd with the key of each block of hashes, one command a
+// block, in one round trip (do) and returns the replies; a skipped or
+// failed call returns nil, its blocks counted as misses.
+func (t *Tier) doKeys(cmd string, hashes []Hash) []any {
 	cmds := make([][][]byte, len(hashes))
-	get := []byte("GET")
+	verb := []byte(cmd)
 	for i, h := range hashes {
-		cmds[i] = [][]byte{get, t.key(nil, h)}
+		cmds[i] = [][]byte{verb, t.key(nil, h)}
 	}
 	r := t.do(cmds)
 	if r == nil {
 		t.misses.Add(int64(len(hashes)))
+	}
+	return r
+}
+
+func (t *Tier) get(hashes []Hash, take func(int, []byte) bool) {
+	if len(hashes) == 0 {
+		return
+	}
+	r := t.doKeys("GET", hashes)
+	if r == nil {
 		return
 	}
 	authCounted := false
@@ -826,14 +836,8 @@ func (t *Tier) Exists(hashes []Hash) []bool {
 	if len(hashes) == 0 {
 		return out
 	}
-	cmds := make([][][]byte, len(hashes))
-	ex := []byte("EXISTS")
-	for i, h := range hashes {
-		cmds[i] = [][]byte{ex, t.key(nil, h)}
-	}
-	r := t.do(cmds)
+	r := t.doKeys("EXISTS", hashes)
 	if r == nil {
-		t.misses.Add(int64(len(hashes)))
 		return out
 	}
 	authCounted := false
