@@ -224,21 +224,13 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
 // launched with skip_shared, runs the rest). Blocks take units from the
 // plan's counter (Sm90Sched).
 template <typename T, int D>
-struct Sm90CascadeSrc {
+struct Sm90CascadeSrc : Sm90Src<kvp_cascade_params, KVP_CASCADE_W_NEXT_UNIT> {
     struct Unit : Sm90Unit {
         CascadeItem it;
     };
-    const kvp_cascade_params& p;
-    const int32_t* work;
-    int32_t* sched;  // Sm90Sched's words
-    int group, window, tile_q, tail_tile;
-    int64_t total;
+    int tile_q, tail_tile;
 
-    __device__ __forceinline__ Sm90CascadeSrc(const kvp_cascade_params& p_) : p(p_) {
-        work = reinterpret_cast<const int32_t*>(p.work);
-        sched = reinterpret_cast<int32_t*>(p.work) + KVP_CASCADE_W_NEXT_UNIT;
-        group = p.num_q_heads / p.kv.num_kv_heads;
-        window = -1;
+    __device__ __forceinline__ Sm90CascadeSrc(const kvp_cascade_params& p_) : Sm90Src(p_, -1) {
         tile_q = CascadeCfg<D>::TQ;
         tail_tile = cascade_tail_tile(work);
         total = (int64_t)cascade_item_counts(work).y * p.kv.num_kv_heads;

@@ -618,4 +618,24 @@ __device__ __forceinline__ void f32_attend_token(const PagedRows& rr, const floa
     for (int i = 0; i < E; ++i) o[i] = o[i] * alpha + pe * vv[i];
 }
 
+// One query row of the float32 kernels, a warp's: its E dims a lane of q
+// (read from qp + lane * E), its state and unnormalised output o, both
+// empty until attend() takes tokens [t0, t1) through f32_attend_token.
+template <int E>
+struct F32Row {
+    float q[E];
+    SoftmaxState st;
+    float o[E];
+    __device__ __forceinline__ F32Row(const float* qp, int lane) {
+        load_f<float, E>(qp + lane * E, q);
+        st.init();
+#pragma unroll
+        for (int i = 0; i < E; ++i) o[i] = 0.f;
+    }
+    __device__ __forceinline__ void attend(const PagedRows& rr, const float* kc, const float* vc, int lane, float sl,
+                                           int t0, int t1) {
+        for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, st, o);
+    }
+};
+
 }  // namespace kvp

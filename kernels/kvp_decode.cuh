@@ -134,21 +134,13 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     for (int r = warp; r < w.rows; r += KVP_DECODE_THREADS / 32) {
         const int t = r / w.nh, qh = w.qh0 + (r - t * w.nh);
         const int last = w.L - w.qlen + t;  // the last position token t sees
-        float q[E];
-        load_f<float, E>(reinterpret_cast<const float*>(p.q) + (q0 + t) * p.q_batch_stride +
-                             (int64_t)qh * p.q_head_stride + lane * E,
-                         q);
-        SoftmaxState st;
-        st.init();
-        float o[E];
-#pragma unroll
-        for (int i = 0; i < E; ++i) o[i] = 0.f;
+        F32Row<E> qr(reinterpret_cast<const float*>(p.q) + (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride,
+                     lane);
         for (int k = 0; k < w.n_tiles; ++k) {
             const int t0 = w.tile_start(k);
-            const int t1 = min(last + 1, t0 + KVP_DECODE_TILE);
-            for (int tok = t0; tok < t1; ++tok) f32_attend_token<E>(rr, kc, vc, lane, q, sl, tok, st, o);
+            qr.attend(rr, kc, vc, lane, sl, t0, min(last + 1, t0 + KVP_DECODE_TILE));
         }
-        decode_store<float, E>(p, w, q0, t, qh, lane * E, o, st, D);
+        decode_store<float, E>(p, w, q0, t, qh, lane * E, qr.o, qr.st, D);
     }
     griddep_launch_dependents();
 }

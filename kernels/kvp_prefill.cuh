@@ -162,23 +162,17 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         const int qh = kvh * group + (pr - tok * group);
         const int pos = sp.delta + tok;
         const int64_t row = (int64_t)it.q_start + tok;
-        float q[E];
-        load_f<float, E>(reinterpret_cast<const float*>(p.q) + row * p.q_token_stride + (int64_t)qh * p.q_head_stride +
-                             lane * E,
-                         q);
-        SoftmaxState st;
-        st.init();
-        float o[E];
-#pragma unroll
-        for (int i = 0; i < E; ++i) o[i] = 0.f;
+        F32Row<E> qr(reinterpret_cast<const float*>(p.q) + row * p.q_token_stride + (int64_t)qh * p.q_head_stride,
+                     lane);
         int t0, t1;
         split_tiles(sp, it.split, p.num_splits, t0, t1);
         const int lo = max(t0 * KVP_PREFILL_TILE_KV, p.window_left >= 0 ? max(0, pos - p.window_left) : 0);
         const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
-        for (int t = lo; t < hi; ++t) f32_attend_token<E>(rr, kc, vc, lane, q, sl, t, st, o);
+        qr.attend(rr, kc, vc, lane, sl, lo, hi);
         const PrefillOut<float> po(p, it.split, p.total_q, D);
-        write_state(st).to<float, false>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E,
-                                  po.lse != nullptr && lane == 0 ? po.lse + row * p.num_q_heads + qh : nullptr, o);
+        write_state(qr.st).template to<float, false>(
+            po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E,
+            po.lse != nullptr && lane == 0 ? po.lse + row * p.num_q_heads + qh : nullptr, qr.o);
     }
 }
 

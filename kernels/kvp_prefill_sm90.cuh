@@ -98,23 +98,34 @@ struct Sm90Unit {
     int kvh, t0, t1;
 };
 
+// What every source holds: its params P (p.work its work list, Sm90Sched's
+// words NEXT_UNIT words into it), group (q heads a kv head), window
+// (window_left; < 0: none) and total (units); a source's constructor sets
+// total.
+template <class P, int NEXT_UNIT>
+struct Sm90Src {
+    const P& p;
+    const int32_t* work;
+    int32_t* sched;  // Sm90Sched's words
+    int group, window;
+    int64_t total;
+
+    __device__ __forceinline__ Sm90Src(const P& p_, int window_) : p(p_) {
+        work = reinterpret_cast<const int32_t*>(p.work);
+        sched = reinterpret_cast<int32_t*>(p.work) + NEXT_UNIT;
+        group = p.num_q_heads / p.kv.num_kv_heads;
+        window = window_;
+    }
+};
+
 // Paged prefill's work list (kvp_prefill.cuh's items, split-KV runs).
 template <typename T, int D>
-struct Sm90PrefillSrc {
+struct Sm90PrefillSrc : Sm90Src<kvp_prefill_params, KVP_PREFILL_W_NEXT_UNIT> {
     struct Unit : Sm90Unit {
         PrefillItem it;
     };
-    const kvp_prefill_params& p;
-    const int32_t* work;
-    int32_t* sched;     // Sm90Sched's words
-    int group, window;  // window: window_left (< 0: none)
-    int64_t total;
 
-    __device__ __forceinline__ Sm90PrefillSrc(const kvp_prefill_params& p_) : p(p_) {
-        work = reinterpret_cast<const int32_t*>(p.work);
-        sched = reinterpret_cast<int32_t*>(p.work) + KVP_PREFILL_W_NEXT_UNIT;
-        group = p.num_q_heads / p.kv.num_kv_heads;
-        window = p.window_left;
+    __device__ __forceinline__ Sm90PrefillSrc(const kvp_prefill_params& p_) : Sm90Src(p_, p_.window_left) {
         total = (int64_t)(*reinterpret_cast<const volatile int32_t*>(work)) * p.kv.num_kv_heads;
     }
     __device__ __forceinline__ Unit unit(int64_t w) const {

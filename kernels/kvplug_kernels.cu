@@ -10,73 +10,39 @@
 #include "kvp_prefill.cuh"
 
 // ---------------------------------------------------------------------------
-// The host side mirrors these layouts field for field: freeze them.
-#define KVP_OFF(T, f, o) static_assert(offsetof(T, f) == (o), #T "." #f " offset")
-static_assert(sizeof(kvp_paged_kv_params) == 96, "kvp_paged_kv_params size");
-KVP_OFF(kvp_paged_kv_params, v_cache, 8);
-KVP_OFF(kvp_paged_kv_params, block_table, 16);
-KVP_OFF(kvp_paged_kv_params, k_scale, 24);
-KVP_OFF(kvp_paged_kv_params, v_scale, 32);
-KVP_OFF(kvp_paged_kv_params, block_stride, 40);
-KVP_OFF(kvp_paged_kv_params, token_stride, 48);
-KVP_OFF(kvp_paged_kv_params, head_stride, 56);
-KVP_OFF(kvp_paged_kv_params, block_table_stride, 64);
-KVP_OFF(kvp_paged_kv_params, num_kv_heads, 72);
-KVP_OFF(kvp_paged_kv_params, block_size, 76);
-KVP_OFF(kvp_paged_kv_params, num_blocks, 80);
-KVP_OFF(kvp_paged_kv_params, max_blocks_per_seq, 84);
-KVP_OFF(kvp_paged_kv_params, dtype, 88);
-KVP_OFF(kvp_paged_kv_params, reserved, 92);
-static_assert(sizeof(kvp_kv_write_params) == 160, "kvp_kv_write_params size");
-KVP_OFF(kvp_kv_write_params, kv, 0);
-KVP_OFF(kvp_kv_write_params, key, 96);
-KVP_OFF(kvp_kv_write_params, slot_mapping, 112);
-KVP_OFF(kvp_kv_write_params, key_token_stride, 120);
-KVP_OFF(kvp_kv_write_params, value_head_stride, 144);
-KVP_OFF(kvp_kv_write_params, num_tokens, 152);
-KVP_OFF(kvp_kv_write_params, reserved, 156);
-static_assert(sizeof(kvp_decode_params) == 200, "kvp_decode_params size");
-KVP_OFF(kvp_decode_params, kv, 0);
-KVP_OFF(kvp_decode_params, q, 96);
-KVP_OFF(kvp_decode_params, seq_lens, 104);
-KVP_OFF(kvp_decode_params, workspace, 128);
-KVP_OFF(kvp_decode_params, q_batch_stride, 136);
-KVP_OFF(kvp_decode_params, out_head_stride, 160);
-KVP_OFF(kvp_decode_params, batch, 168);
-KVP_OFF(kvp_decode_params, num_splits, 176);
-KVP_OFF(kvp_decode_params, scale, 180);
-KVP_OFF(kvp_decode_params, q_len, 184);
-KVP_OFF(kvp_decode_params, q_rows, 188);
-KVP_OFF(kvp_decode_params, q_indptr, 192);
-static_assert(sizeof(kvp_merge_params) == 224, "kvp_merge_params size");
-KVP_OFF(kvp_merge_params, s, 64);
-KVP_OFF(kvp_merge_params, out, 128);
-KVP_OFF(kvp_merge_params, out_lse, 136);
-KVP_OFF(kvp_merge_params, v_token_stride, 144);
-KVP_OFF(kvp_merge_params, out_lse_head_stride, 200);
-KVP_OFF(kvp_merge_params, num_states, 208);
-KVP_OFF(kvp_merge_params, reserved, 220);
+// The host side mirrors these layouts field for field (core/attn/params.go,
+// kernels/kernel_abi.py): freeze them. KVP_LAYOUT(T, size, (f, o)(f, o)...)
+// asserts sizeof(T) == size and, one static_assert each, offsetof(T, f) == o
+// for every (f, o) of the list (KVP_LAYOUT_A and _B take the pairs in turn;
+// KVP_LAYOUT_A_END or _B_END closes the list). The offset asserts sit in a
+// namespace of their own, where S names T.
+#define KVP_CAT(a, b) KVP_CAT_(a, b)
+#define KVP_CAT_(a, b) a##b
+#define KVP_LAYOUT(T, size, FIELDS)            \
+    namespace kvp_layout_##T {                 \
+    using S = T;                               \
+    KVP_CAT(KVP_LAYOUT_A FIELDS, _END)         \
+    }                                          \
+    static_assert(sizeof(T) == (size), #T " size")
+#define KVP_LAYOUT_A(f, o) static_assert(offsetof(S, f) == (o), "offset of " #f); KVP_LAYOUT_B
+#define KVP_LAYOUT_B(f, o) static_assert(offsetof(S, f) == (o), "offset of " #f); KVP_LAYOUT_A
+#define KVP_LAYOUT_A_END
+#define KVP_LAYOUT_B_END
 
-static_assert(sizeof(kvp_prefill_plan_params) == 56, "kvp_prefill_plan_params size");
-KVP_OFF(kvp_prefill_plan_params, skip_decode, 48);
-KVP_OFF(kvp_prefill_plan_params, tile_q, 40);
-KVP_OFF(kvp_prefill_plan_params, work, 16);
-KVP_OFF(kvp_prefill_plan_params, batch, 24);
-KVP_OFF(kvp_prefill_plan_params, max_items, 36);
-static_assert(sizeof(kvp_prefill_params) == 200, "kvp_prefill_params size");
-KVP_OFF(kvp_prefill_params, kv, 0);
-KVP_OFF(kvp_prefill_params, q, 96);
-KVP_OFF(kvp_prefill_params, work, 120);
-KVP_OFF(kvp_prefill_params, q_token_stride, 128);
-KVP_OFF(kvp_prefill_params, out_head_stride, 152);
-KVP_OFF(kvp_prefill_params, num_q_heads, 160);
-KVP_OFF(kvp_prefill_params, window_left, 164);
-KVP_OFF(kvp_prefill_params, scale, 168);
-KVP_OFF(kvp_prefill_params, num_splits, 172);
-KVP_OFF(kvp_prefill_params, part_out, 176);
-KVP_OFF(kvp_prefill_params, part_lse, 184);
-KVP_OFF(kvp_prefill_params, total_q, 192);
-KVP_OFF(kvp_prefill_params, reserved, 196);
+KVP_LAYOUT(kvp_paged_kv_params, 96, (v_cache, 8)(block_table, 16)(k_scale, 24)(v_scale, 32)(block_stride, 40)
+           (token_stride, 48)(head_stride, 56)(block_table_stride, 64)(num_kv_heads, 72)(block_size, 76)(num_blocks, 80)
+           (max_blocks_per_seq, 84)(dtype, 88)(reserved, 92));
+KVP_LAYOUT(kvp_kv_write_params, 160, (kv, 0)(key, 96)(slot_mapping, 112)(key_token_stride, 120)(value_head_stride, 144)
+           (num_tokens, 152)(reserved, 156));
+KVP_LAYOUT(kvp_decode_params, 200, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
+           (out_head_stride, 160)(batch, 168)(num_splits, 176)(scale, 180)(q_len, 184)(q_rows, 188)(q_indptr, 192));
+KVP_LAYOUT(kvp_merge_params, 224, (s, 64)(out, 128)(out_lse, 136)(v_token_stride, 144)(out_lse_head_stride, 200)
+           (num_states, 208)(reserved, 220));
+
+KVP_LAYOUT(kvp_prefill_plan_params, 56, (work, 16)(batch, 24)(max_items, 36)(tile_q, 40)(skip_decode, 48));
+KVP_LAYOUT(kvp_prefill_params, 200, (kv, 0)(q, 96)(work, 120)(q_token_stride, 128)(out_head_stride, 152)
+           (num_q_heads, 160)(window_left, 164)(scale, 168)(num_splits, 172)(part_out, 176)(part_lse, 184)(total_q, 192)
+           (reserved, 196));
 static_assert(kvp::PrefillCfg<64>::SMEM == 59392, "prefill smem h64 (header formula)");
 static_assert(kvp::PrefillCfg<128>::SMEM == 83456, "prefill smem h128 (header formula)");
 static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header formula)");
@@ -139,23 +105,9 @@ extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefi
 // Shared-prefix (cascade) attention: 16-bit types only.
 #include "kvp_cascade.cuh"
 
-static_assert(sizeof(kvp_cascade_params) == 232, "kvp_cascade_params size");
-KVP_OFF(kvp_cascade_params, kv, 0);
-KVP_OFF(kvp_cascade_params, q, 96);
-KVP_OFF(kvp_cascade_params, seq_lens, 104);
-KVP_OFF(kvp_cascade_params, work, 128);
-KVP_OFF(kvp_cascade_params, part_lse, 144);
-KVP_OFF(kvp_cascade_params, q_batch_stride, 152);
-KVP_OFF(kvp_cascade_params, out_head_stride, 176);
-KVP_OFF(kvp_cascade_params, num_q_heads, 184);
-KVP_OFF(kvp_cascade_params, items_off, 188);
-KVP_OFF(kvp_cascade_params, qrows_off, 192);
-KVP_OFF(kvp_cascade_params, max_batch, 204);
-KVP_OFF(kvp_cascade_params, scale, 208);
-KVP_OFF(kvp_cascade_params, rowseq_off, 212);
-KVP_OFF(kvp_cascade_params, max_rows, 220);
-KVP_OFF(kvp_cascade_params, skip_shared, 224);
-KVP_OFF(kvp_cascade_params, reserved, 228);
+KVP_LAYOUT(kvp_cascade_params, 232, (kv, 0)(q, 96)(seq_lens, 104)(work, 128)(part_lse, 144)(q_batch_stride, 152)
+           (out_head_stride, 176)(num_q_heads, 184)(items_off, 188)(qrows_off, 192)(max_batch, 204)(scale, 208)
+           (rowseq_off, 212)(max_rows, 220)(skip_shared, 224)(reserved, 228));
 static_assert(kvp::CascadeCfg<64>::SMEM == 70144, "cascade smem h64 (header formula)");
 static_assert(kvp::CascadeCfg<128>::SMEM == 104448, "cascade smem h128 (header formula)");
 static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header formula)");
@@ -176,12 +128,7 @@ KVP_FOR_16BIT(KVP_CASCADE_SM90_INSTANTIATE)
 // Tier copy (dtype-blind).
 #include "kvp_tier_copy.cuh"
 
-static_assert(sizeof(kvp_tier_copy_params) == 4080, "kvp_tier_copy_params size");
-KVP_OFF(kvp_tier_copy_params, chunk_bytes, 24);
-KVP_OFF(kvp_tier_copy_params, num_layers, 48);
-KVP_OFF(kvp_tier_copy_params, n_demote, 60);
-KVP_OFF(kvp_tier_copy_params, num_slots, 72);
-KVP_OFF(kvp_tier_copy_params, ops, 80);
+KVP_LAYOUT(kvp_tier_copy_params, 4080, (chunk_bytes, 24)(num_layers, 48)(n_demote, 60)(num_slots, 72)(ops, 80));
 
 extern "C" __global__ void __launch_bounds__(KVP_TIER_COPY_THREADS) kvp_tier_copy(const __grid_constant__ kvp_tier_copy_params p) {
     kvp::tier_copy(p);
