@@ -163,7 +163,8 @@ def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0)
     """The one packer of a layer's cache (kvp_paged_kv) for every call that
     reads or writes it: the caches' checks, sizes and strides and, with
     block_table (int32 [rows, max_blocks], rows checked by the caller), the
-    table's. The addresses are set per call (set_kv_addresses)."""
+    table's. The calls set the addresses (k_cache, v_cache, block_table) per
+    call, inline: the per-layer path pays no further function call."""
     cb, ct, ch = cache_strides(k_cache, v_cache)
     nb, bs, kvh, d = k_cache.shape
     ci = _lib.checked_int
@@ -178,13 +179,6 @@ def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0)
         kv.max_blocks_per_seq = ci(block_table.shape[1], "max_blocks_per_seq", "int32")
         kv.block_table_stride = block_table.stride(0) if rows > 1 else block_table.shape[1]
     return kv
-
-
-def set_kv_addresses(kv: PagedKV, k_cache: Any, v_cache: Any, block_table: Any = None) -> None:
-    """This call's addresses into a packed kvp_paged_kv."""
-    kv.k_cache, kv.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-    if block_table is not None:
-        kv.block_table = block_table.data_ptr()
 
 
 def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
@@ -402,7 +396,8 @@ class Plan:
         a = p.args
         a.scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
         a.q, a.out = q.data_ptr(), out.data_ptr()
-        set_kv_addresses(p.kv, k_cache, v_cache, block_table)
+        kv = p.kv
+        kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
         a.lse = 0 if lse is None else lse.data_ptr()
         launch(self._fn, p.index, stream, self._addr, p.addr)
         return out, lse

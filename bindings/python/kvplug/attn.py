@@ -168,7 +168,8 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
         p = _t.keep(_kv_write_tls, _pack_kv_write(key, value, k_cache, v_cache, slot_mapping), layout)
     a = p.args
     a.key, a.value, a.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
-    _t.set_kv_addresses(p.kv, k_cache, v_cache)
+    kv = p.kv
+    kv.k_cache, kv.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     _t.launch(C.kvp_kv_write, p.index, stream, p.addr)
 
 
@@ -247,7 +248,8 @@ def paged_decode(
     a.num_splits = _t.i32(num_splits, "paged_decode: num_splits")
     a.max_seq_len = _t.i32(max_seq_len, "paged_decode: max_seq_len")
     a.q, a.seq_lens, a.out = q.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
-    _t.set_kv_addresses(p.kv, k_cache, v_cache, block_table)
+    kv = p.kv
+    kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
     a.lse = 0 if lse is None else lse.data_ptr()
     a.workspace = 0 if workspace is None else workspace.data_ptr()
     _t.launch(C.kvp_paged_decode, p.index, stream, p.addr)
