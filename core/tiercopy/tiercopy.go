@@ -37,15 +37,24 @@ const (
 
 var kernel = kimage.Image.Kernel("kvp_tier_copy")
 
-// params mirrors kvp_tier_copy_params.
+// params mirrors kvp_tier_copy_params, field for field (the c tags name the
+// C members; TestParamsLayout compares every offset with the header's).
 type params struct {
-	Layers, Host                 uint64
-	SlotBytes, ChunkBytes        int64
-	KBlockStride, VBlockStride   int64
-	NumLayers, KV, NOps, NDemote int32
-	Parts, NumBlocks, NumSlots   int32
-	Reserved                     int32
-	Ops                          [OpsPerLaunch][2]int32
+	Layers       uint64                 `c:"layers"`
+	Host         uint64                 `c:"host"`
+	SlotBytes    int64                  `c:"slot_bytes"`
+	ChunkBytes   int64                  `c:"chunk_bytes"`
+	KBlockStride int64                  `c:"k_block_stride"`
+	VBlockStride int64                  `c:"v_block_stride"`
+	NumLayers    int32                  `c:"num_layers"`
+	KV           int32                  `c:"kv"`
+	NOps         int32                  `c:"n_ops"`
+	NDemote      int32                  `c:"n_demote"`
+	Parts        int32                  `c:"parts"`
+	NumBlocks    int32                  `c:"num_blocks"`
+	NumSlots     int32                  `c:"num_slots"`
+	Reserved     int32                  `c:"reserved"`
+	Ops          [OpsPerLaunch][2]int32 `c:"ops"`
 }
 
 // Layers is an engine's paged KV caches: per layer, the device address of
