@@ -1348,16 +1348,17 @@ func (fz *abiFuzz) launch(op uint8) (string, int) {
 	args := fz.structBuf(sname)
 	l := cLayouts[sname]
 	if size := *(*uintptr)(args); size >= l.size && size <= 1<<16 {
-		for field, f := range l.fields {
-			if field == "struct_size" || fz.r.u8()%3 != 0 {
-				continue
+		fz.randomFields(args, sname)
+		if f, ok := l.fields["kv"]; ok {
+			// The paged-KV descriptor: NULL or a struct of arbitrary size
+			// and fields, never an arbitrary address (the library reads it
+			// as the caller's memory, as every host pointer).
+			var kv ptr
+			if fz.r.u8()%2 == 0 {
+				kv = fz.structBuf("kvp_paged_kv")
+				fz.randomFields(kv, "kvp_paged_kv")
 			}
-			switch f.size {
-			case 4:
-				*(*int32)(unsafe.Add(args, f.off)) = fz.i32()
-			case 8:
-				*(*int64)(unsafe.Add(args, f.off)) = fz.i64()
-			}
+			*(*uintptr)(unsafe.Add(args, f.off)) = uintptr(kv)
 		}
 		if op == 39 {
 			// Host arrays: batch+1 offsets and batch lengths, or NULL.

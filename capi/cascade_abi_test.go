@@ -202,3 +202,50 @@ func TestCascadeABIPrefillWorkspaceSize(t *testing.T) {
 	_, _, st = hookCascadePrefillWorkspaceSize(8, 7, 8, 2, 128)
 	expect(t, "max_tokens below max_batch", st, kverr.InvalidArgument)
 }
+
+// Host arrays and sizes no caller memory can have: an array that would run
+// past the end of the address space, a host workspace size of 2^62 bytes.
+// Each is refused with a status (or planned over the bytes that exist),
+// never a recovered panic.
+func TestCascadePlanImpossibleHostMemory(t *testing.T) {
+	lockThread(t)
+	const name = "kvp_cascade_plan_args"
+	l := cLayouts[name]
+	args, plan := newCBuf(int(l.size)), newCBuf(int(cLayouts["kvp_attn_plan"].size))
+	defer args.free()
+	defer plan.free()
+	lens, ws := cInt32s([]int32{40, 40}), newCBuf(1<<16)
+	defer lens.free()
+	defer ws.free()
+	table := cInt32s([]int32{0, 1, 2, 3, 4, 5})
+	defer table.free()
+	reset := func() {
+		clear(unsafe.Slice((*byte)(args.p), l.size))
+		clear(unsafe.Slice((*byte)(plan.p), cLayouts["kvp_attn_plan"].size))
+		*(*uintptr)(plan.p) = cLayouts["kvp_attn_plan"].size
+		for f, v := range map[string]int64{"struct_size": int64(l.size), "dtype": 1, "head_dim": 128, "num_q_heads": 8,
+			"num_kv_heads": 2, "batch": 2, "block_size": 16, "max_blocks_per_seq": 3,
+			"block_table_host": int64(uintptr(table.p)), "seq_lens_host": int64(uintptr(lens.p)),
+			"host_workspace": int64(uintptr(ws.p)), "host_workspace_bytes": 1 << 16} {
+			setField(args.p, name, f, v)
+		}
+	}
+	const top = -5 // the address 2^64 - 5: one int32 fits before the end, two do not
+	for _, c := range []struct {
+		field string
+		v     int64
+		want  kverr.Code
+	}{
+		{"qo_indptr_host", top, kverr.InvalidArgument},
+		{"seq_lens_host", top, kverr.InvalidArgument},
+		{"block_table_host", top, kverr.InvalidArgument},
+		{"host_workspace_bytes", 1 << 62, 0},
+	} {
+		reset()
+		setField(args.p, name, c.field, c.v)
+		st := rawCascadePlan(args.p, plan.p)
+		if st == int(kverr.Internal) || (c.want != 0 && st != int(c.want)) {
+			t.Errorf("%s = %#x: status %d (%s), want %v", c.field, c.v, st, lastError(), c.want)
+		}
+	}
+}

@@ -44,6 +44,7 @@ func buildCLayouts() map[string]cLayout {
 		"kvp_kv_event":               C.kvp_kv_event{},
 		"kvp_vcache_config":          C.kvp_vcache_config{},
 		"kvp_vcache_stats":           C.kvp_vcache_stats{},
+		"kvp_paged_kv":               C.kvp_paged_kv{},
 		"kvp_kv_write_args":          C.kvp_kv_write_args{},
 		"kvp_paged_decode_args":      C.kvp_paged_decode_args{},
 		"kvp_merge_states_args":      C.kvp_merge_states_args{},
