@@ -175,6 +175,9 @@ func TestManagerDescribeThroughABI(t *testing.T) {
 func FuzzManagerABI(f *testing.F) {
 	f.Add([]byte{0, 1, 5, 0, 0, 0, 2, 1, 1, 0, 0, 0, 4, 1})
 	f.Add([]byte{3, 200, 9, 9, 9, 9, 1, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2})
+	// Stats with a struct_size of 100, a newer header's: the library zeroes
+	// the caller's bytes past its own struct, so the struct must be that large.
+	f.Add([]byte("\x10\x00\t\t\x00\x00\t\x05d0"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
 		r := byteReader(data)
@@ -246,7 +249,7 @@ func FuzzManagerABI(f *testing.F) {
 // and leave the manager's invariants intact.
 func fuzzCheck(t *testing.T, h unsafe.Pointer, op uint8, st abiStatus) {
 	t.Helper()
-	if st == int(kverr.Internal) || st < 0 || st > int(kverr.Internal) {
+	if st == int(kverr.Internal) || st < 0 || !strings.HasPrefix(kverr.Code(st).String(), "KVP_") {
 		t.Fatalf("op %d returned %s: %s", op, statusName(st), lastError())
 	}
 	if st != 0 && lastError() == "" {

@@ -293,6 +293,9 @@ func TestManagerConfigOfTheFirstVersion(t *testing.T) {
 func FuzzPrefixABI(f *testing.F) {
 	f.Add([]byte{0, 3, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 3, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 1})
 	f.Add([]byte{0, 1, 200, 1, 1, 1, 1, 1, 3, 0, 2, 4, 4, 1, 1})
+	// A remove refused with KVP_ERR_IN_USE (a sharer of blocks no forward
+	// pass computed yet), a status the check once did not know.
+	f.Add([]byte("0010000000000010000000000000000000000010000000000000000000000071000000000001200000000001000000000000000020000000000100010000000000190000000000000000010011000000000100&000070A\"1710000000000000101710000020CA"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := byteReader(data)
 		bs := int32(r.u8()%5) + 1

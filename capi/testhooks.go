@@ -129,9 +129,13 @@ func hookManagerDescribe(h unsafe.Pointer, ids cbuf, n int32, table cbuf, maxBlo
 
 // hookManagerStats returns the fields the tests compare, or the status.
 func hookManagerStats(h unsafe.Pointer, structSize uintptr) ([4]int64, abiStatus) {
-	var s C.kvp_manager_stats
+	// The caller's struct is as large as its struct_size says (a newer
+	// header's), and the library zeroes the bytes past its own version.
+	buf := newCBuf(int(max(structSize, unsafe.Sizeof(C.kvp_manager_stats{}))))
+	defer buf.free()
+	s := (*C.kvp_manager_stats)(buf.p)
 	s.struct_size = C.size_t(structSize)
-	st := kvpgo_manager_stats_get((*C.kvp_manager)(h), &s)
+	st := kvpgo_manager_stats_get((*C.kvp_manager)(h), s)
 	return [4]int64{int64(s.free_blocks), int64(s.used_blocks), int64(s.num_seqs), int64(s.num_tokens)}, abiStatus(st)
 }
 
