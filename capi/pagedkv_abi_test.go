@@ -52,3 +52,21 @@ func BenchmarkPagedKVHostCost(b *testing.B) {
 		})
 	}
 }
+
+// The tier copier takes the layers as the attention calls do: per-layer
+// descriptors give the layout the kvp_kv_layers fields give, and a layout
+// the tier cannot copy in one chunk a block, layers of different shapes or
+// a descriptor without head_dim are refused.
+func TestTierLayersFromDescriptors(t *testing.T) {
+	for _, n := range []int{1, 3} {
+		for _, v := range []bool{true, false} {
+			if same, st := hookTierLayersBothWays(n, v, ""); !same || st != 0 {
+				t.Errorf("%d layers, V %v: same layout %v, status %d", n, v, same, st)
+			}
+		}
+	}
+	for _, bad := range []string{"head-major", "shape", "no head_dim"} {
+		_, st := hookTierLayersBothWays(3, true, bad)
+		expect(t, "tier layers from descriptors: "+bad, st, kverr.InvalidArgument)
+	}
+}

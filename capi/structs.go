@@ -67,7 +67,7 @@ var (
 	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
 	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)
 	tierStatsStruct            = structOf[C.kvp_tier_stats]("kvp_tier_stats", unsafe.Offsetof(C.kvp_tier_stats{}.reserved)+4)
-	kvLayersStruct             = structOf[C.kvp_kv_layers]("kvp_kv_layers", 0)
+	kvLayersStruct             = structOf[C.kvp_kv_layers]("kvp_kv_layers", unsafe.Offsetof(C.kvp_kv_layers{}.v_block_stride)+8)
 )
 
 // structOf is the abiStruct of C struct T (name), first released at size

@@ -8,6 +8,7 @@ import "C"
 import (
 	"unsafe"
 
+	"github.com/kvplug/kvplug/core/attn"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/limits"
@@ -42,8 +43,26 @@ func kvpgo_tier_copier_create(layers *C.kvp_kv_layers, host unsafe.Pointer, slot
 	if err := limits.Range("kvp_tier_copier_create: num_layers", n, 1, limits.TierLayers); err != nil {
 		return fail(err)
 	}
+	l, err := tierLayersOf(&c, n)
+	if err != nil {
+		return fail(err)
+	}
+	cp, err := tiercopy.New(l, tiercopy.Host{Base: host, SlotBytes: int64(slotBytes), NumSlots: int32(numSlots)})
+	if err != nil {
+		return fail(err)
+	}
+	*out = (*C.kvp_tier_copier)(newHandle(cp))
+	return C.KVP_OK
+}
+
+// tierLayersOf is the tier copier's layout of a kvp_kv_layers of n layers:
+// its descriptors (kv) or its own fields.
+func tierLayersOf(c *C.kvp_kv_layers, n int) (tiercopy.Layers, error) {
+	if c.kv != nil {
+		return tierLayersOfKV(c, n)
+	}
 	if c.k == nil {
-		return failf(kverr.NullPointer, "kvp_tier_copier_create: layers->k must not be NULL")
+		return tiercopy.Layers{}, kverr.Errorf(kverr.NullPointer, "kvp_tier_copier_create: layers->k must not be NULL")
 	}
 	l := tiercopy.Layers{
 		K:          ptrs(c.k, n),
@@ -53,12 +72,66 @@ func kvpgo_tier_copier_create(layers *C.kvp_kv_layers, host unsafe.Pointer, slot
 	if c.v != nil {
 		l.V = ptrs(c.v, n)
 	}
-	cp, err := tiercopy.New(l, tiercopy.Host{Base: host, SlotBytes: int64(slotBytes), NumSlots: int32(numSlots)})
-	if err != nil {
-		return fail(err)
+	return l, nil
+}
+
+// tierLayersOfKV is the tier copier's layout of the n layers whose
+// descriptors c.kv lists: one block of a layer is its block_size dense
+// token rows (K and V alike), so a layer's block is one chunk of
+// block_size * num_kv_heads * head_dim elements, block_stride elements
+// apart. Every layer must have the first one's shape.
+func tierLayersOfKV(c *C.kvp_kv_layers, n int) (tiercopy.Layers, error) {
+	const what = "kvp_tier_copier_create"
+	if c.num_blocks != 0 || c.k != nil || c.v != nil || c.block_bytes != 0 || c.k_block_stride != 0 || c.v_block_stride != 0 {
+		return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument,
+			"%s: layers->kv is set, so num_blocks, k, v, block_bytes and the block strides must be 0: the descriptors describe the layers", what)
 	}
-	*out = (*C.kvp_tier_copier)(newHandle(cp))
-	return C.KVP_OK
+	descs := unsafe.Slice(c.kv, n)
+	var first C.kvp_paged_kv
+	l := tiercopy.Layers{K: make([]cuda.DevicePtr, n)}
+	for i, p := range descs {
+		if p == nil {
+			return tiercopy.Layers{}, kverr.Errorf(kverr.NullPointer, "%s: layers->kv[%d] must not be NULL", what, i)
+		}
+		if uintptr(unsafe.Pointer(p)) < minPointer {
+			return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument, "%s: layers->kv[%d] is %p: not NULL and not a valid address", what, i, p)
+		}
+		var d C.kvp_paged_kv
+		if err := pagedKVStruct.in(unsafe.Pointer(p), unsafe.Pointer(&d)); err != nil {
+			return tiercopy.Layers{}, kverr.Wrap(kverr.CodeOf(err), err, "%s: layers->kv[%d]", what, i)
+		}
+		if i == 0 {
+			first = d
+			elem := attn.DType(d.dtype).Size()
+			if elem == 0 || d.num_kv_heads < 1 || d.head_dim < 1 || d.block_size < 1 || d.num_blocks < 1 {
+				return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument,
+					"%s: layers->kv[0] needs a dtype, num_kv_heads, head_dim, block_size and num_blocks: got %d, %d, %d, %d, %d",
+					what, int32(d.dtype), int32(d.num_kv_heads), int32(d.head_dim), int32(d.block_size), int32(d.num_blocks))
+			}
+			row := int64(d.num_kv_heads) * int64(d.head_dim)
+			if int64(d.head_stride) != int64(d.head_dim) || int64(d.token_stride) != row {
+				return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument,
+					"%s: a block's tokens must be dense rows for the tier's one copy a block (head_stride = head_dim = %d, token_stride = num_kv_heads * head_dim = %d): got %d and %d",
+					what, int32(d.head_dim), row, int64(d.head_stride), int64(d.token_stride))
+			}
+			l.ChunkBytes = int64(d.block_size) * row * int64(elem)
+			l.KBlockStride = int64(d.block_stride) * int64(elem)
+			l.VBlockStride = l.KBlockStride
+			l.NumBlocks = int32(d.num_blocks)
+			if d.v_cache != 0 {
+				l.V = make([]cuda.DevicePtr, n)
+			}
+		} else if d.dtype != first.dtype || d.num_kv_heads != first.num_kv_heads || d.head_dim != first.head_dim ||
+			d.block_size != first.block_size || d.num_blocks != first.num_blocks || d.block_stride != first.block_stride ||
+			d.token_stride != first.token_stride || d.head_stride != first.head_stride || (d.v_cache == 0) != (first.v_cache == 0) {
+			return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument, "%s: layers->kv[%d] has another shape than layers->kv[0] (one layout for every layer)", what, i)
+		}
+		l.K[i] = cuda.DevicePtr(d.k_cache)
+		if l.V != nil {
+			l.V[i] = cuda.DevicePtr(d.v_cache)
+		}
+	}
+	return l, nil
 }
 
 // ptrs copies n device addresses from a caller's uint64 array.

@@ -9,7 +9,10 @@ package main
 */
 import "C"
 
-import "unsafe"
+import (
+	"reflect"
+	"unsafe"
+)
 
 // hookKVLayers is a kvp_kv_layers; v nil passes NULL.
 type hookKVLayers struct {
@@ -75,3 +78,53 @@ func hookTierCopierRun(h unsafe.Pointer, demote [][2]int32, nd int32, reload [][
 }
 
 func hookTierCopierDestroy(h unsafe.Pointer) { kvpgo_tier_copier_destroy((*C.kvp_tier_copier)(h)) }
+
+// hookTierLayersBothWays translates one layout of n layers (bf16, 8 kv
+// heads of 128, blocks of 16 tokens, dense; V when withV) through the
+// kvp_kv_layers fields and through per-layer kvp_paged_kv descriptors, and
+// returns whether both give the same tier layout, with the descriptors'
+// status; bad picks a broken descriptor case ("" none).
+func hookTierLayersBothWays(n int, withV bool, bad string) (same bool, st abiStatus) {
+	const elem, heads, dim, bs, blocks = 2, 8, 128, 16, 100
+	blockElems := int64(bs * heads * dim)
+	ks, vs := make([]uint64, n), make([]uint64, n)
+	descs := (*[1 << 10]*C.kvp_paged_kv)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(uintptr(0)))))
+	defer C.free(unsafe.Pointer(descs))
+	for i := range n {
+		ks[i], vs[i] = uint64(0x10000000*(i+1)), uint64(0x10000000*(i+1)+0x8000000)
+		d := (*C.kvp_paged_kv)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_paged_kv{}))))
+		defer C.free(unsafe.Pointer(d))
+		*d = C.kvp_paged_kv{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_kv{})), dtype: C.KVP_DTYPE_BF16,
+			num_kv_heads: heads, num_blocks: blocks, block_size: bs, k_cache: C.uint64_t(ks[i]),
+			block_stride: C.int64_t(blockElems), token_stride: heads * dim, head_stride: dim, head_dim: dim}
+		if withV {
+			d.v_cache = C.uint64_t(vs[i])
+		}
+		switch {
+		case bad == "head-major" && i == 0:
+			d.token_stride, d.head_stride = dim, bs*dim // [blocks, heads, bs, dim]: not dense token rows
+		case bad == "shape" && i == n-1:
+			d.num_blocks = blocks + 1
+		case bad == "no head_dim" && i == 0:
+			d.head_dim = 0
+		}
+		descs[i] = d
+	}
+	kb, vb := cUint64s(ks), cUint64s(vs)
+	defer kb.free()
+	defer vb.free()
+	legacy := C.kvp_kv_layers{struct_size: C.size_t(unsafe.Sizeof(C.kvp_kv_layers{})), num_layers: C.int32_t(n),
+		num_blocks: blocks, k: (*C.uint64_t)(kb.p), block_bytes: C.int64_t(blockElems * elem),
+		k_block_stride: C.int64_t(blockElems * elem), v_block_stride: C.int64_t(blockElems * elem)}
+	if withV {
+		legacy.v = (*C.uint64_t)(vb.p)
+	}
+	viaKV := C.kvp_kv_layers{struct_size: C.size_t(unsafe.Sizeof(C.kvp_kv_layers{})), num_layers: C.int32_t(n),
+		kv: (**C.struct_kvp_paged_kv)(unsafe.Pointer(descs))}
+	a, errA := tierLayersOf(&legacy, n)
+	b, errB := tierLayersOf(&viaKV, n)
+	if errA != nil {
+		panic(errA)
+	}
+	return errB == nil && reflect.DeepEqual(a, b), abiStatus(fail(errB))
+}

@@ -61,7 +61,8 @@
  *     appended pointer `kv` to one; set it and leave the args' own cache
  *     fields 0. Args that leave kv NULL describe the cache as before, so a
  *     0.3 host runs unchanged; new cache formats come through the
- *     descriptor only.
+ *     descriptor only. kvp_kv_layers gains `kv`, the layers' descriptors,
+ *     for the tier copier.
  *   - kvp_attn_plan's last six words are named `state` (they were
  *     `reserved`, which they never were: they hold the plan's state).
  *     Same offsets and meaning; a host that read plan.reserved[...]
@@ -121,6 +122,7 @@
  *     kvp_kv_write_args      through slot_mapping (128 bytes)
  *     kvp_paged_decode_args  through q_len (192 bytes)
  *     kvp_paged_prefill_args through reserved2 (144 bytes)
+ *     kvp_kv_layers          through v_block_stride (56 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -1276,6 +1278,15 @@ typedef struct kvp_kv_layers {
   int64_t block_bytes;     /* one block of one layer's K (and V); a multiple of 16, <= 2^30 */
   int64_t k_block_stride;  /* bytes from block b to b+1 in K: >= block_bytes, multiple of 16 */
   int64_t v_block_stride;  /* the same in V (ignored without v) */
+  /* Appended in 0.4: the layers as the attention calls take them, kv[l] the
+   * kvp_paged_kv of layer l (see the attention kernels' section), instead
+   * of the fields above, which must then be 0 (num_layers stays). Every
+   * layer's descriptor must have the same shape (dtype, num_kv_heads,
+   * num_blocks, block_size, a non-zero head_dim, strides) with each block's
+   * tokens dense (token_stride = num_kv_heads * head_dim, head_stride =
+   * head_dim), and V in every layer or in none (K only). NULL: the fields
+   * above. */
+  const struct kvp_paged_kv *const *kv;
 } kvp_kv_layers;
 
 #define KVP_KV_LAYERS_INIT KVP_STRUCT_INIT(kvp_kv_layers)
@@ -1526,7 +1537,8 @@ typedef enum kvp_dtype {
  * per layer (the table fields are the same for every layer) and passes it
  * through the `kv` pointer of kvp_kv_write_args (which reads no table: the
  * table fields may be 0 there), kvp_paged_decode_args and
- * kvp_paged_prefill_args (kvp_paged_prefill and kvp_paged_cascade). When
+ * kvp_paged_prefill_args (kvp_paged_prefill and kvp_paged_cascade), and
+ * the tier copier's kvp_kv_layers.kv (one per layer). When
  * `kv` is set, the args' own cache fields (k_cache, v_cache, the
  * cache_*_stride, num_blocks, block_size, block_table, block_table_stride,
  * max_blocks_per_seq) must be 0 and the args' dtype and num_kv_heads, where

@@ -187,11 +187,23 @@ class TierStatsStruct(ctypes.Structure):
         _i64, "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2")
 
 
+class PagedKV(ctypes.Structure):
+    """struct kvp_paged_kv: one layer's paged cache and block table."""
+
+    _fields_ = [("struct_size", _size)] + _ints(_i32, "dtype", "num_kv_heads", "num_blocks", "block_size") + _ints(
+        _u64, "k_cache", "v_cache",
+    ) + _ints(_i64, "block_stride", "token_stride", "head_stride") + _TABLE + _ints(
+        _i32, "max_blocks_per_seq", "head_dim",
+    ) + _ints(_u64, "k_scale", "v_scale")
+
+
 class KVLayersStruct(ctypes.Structure):
     """struct kvp_kv_layers."""
 
     _fields_ = [("struct_size", _size)] + _ints(_i32, "num_layers", "num_blocks") + _ints(
-        _vp, "k", "v") + _ints(_i64, "block_bytes", "k_block_stride", "v_block_stride")
+        _vp, "k", "v") + _ints(_i64, "block_bytes", "k_block_stride", "v_block_stride") + [
+        ("kv", ctypes.POINTER(ctypes.POINTER(PagedKV))),  # appended in 0.4: per-layer descriptors; NULL: the fields above
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -220,16 +232,6 @@ class EventPublisherStatsStruct(ctypes.Structure):
 # --------------------------------------------------------------------------
 # Attention kernels
 # --------------------------------------------------------------------------
-
-
-class PagedKV(ctypes.Structure):
-    """struct kvp_paged_kv: one layer's paged cache and block table."""
-
-    _fields_ = [("struct_size", _size)] + _ints(_i32, "dtype", "num_kv_heads", "num_blocks", "block_size") + _ints(
-        _u64, "k_cache", "v_cache",
-    ) + _ints(_i64, "block_stride", "token_stride", "head_stride") + _TABLE + _ints(
-        _i32, "max_blocks_per_seq", "head_dim",
-    ) + _ints(_u64, "k_scale", "v_scale")
 
 
 class KVWriteArgs(ctypes.Structure):
