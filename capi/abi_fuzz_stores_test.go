@@ -149,23 +149,10 @@ func (fz *abiFuzz) closeStores() {
 // of its kind, else NULL, junk, a destroyed one, the manager or the other
 // kind of store.
 func (fz *abiFuzz) storeHandle(host bool) ptr {
-	cur, other, stale := fz.hs, fz.ss, fz.staleHS
-	if !host {
-		cur, other, stale = fz.ss, fz.hs, fz.staleSS
+	if host {
+		return fz.pickHandle(16, fz.hs, fz.staleHS, fz.m, fz.ss)
 	}
-	switch fz.r.u8() % 16 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return stale
-	case 3:
-		return fz.m
-	case 4:
-		return other
-	}
-	return cur
+	return fz.pickHandle(16, fz.ss, fz.staleSS, fz.m, fz.hs)
 }
 
 // storeKey is one of a few small keys (repeats, keys dropped by a reset

@@ -282,24 +282,27 @@ func (fz *abiFuzz) outp(n int) ptr {
 	return fz.alloc(n)
 }
 
+// pickHandle picks a handle from one input byte b, taken modulo n: 0 is
+// NULL, 1 junk, 2 and on alts in order, every other value cur.
+func (fz *abiFuzz) pickHandle(n uint8, cur ptr, alts ...ptr) ptr {
+	switch b := int(fz.r.u8() % n); {
+	case b == 0:
+		return nil
+	case b == 1:
+		return fz.junk.p
+	case b-2 < len(alts):
+		return alts[b-2]
+	}
+	return cur
+}
+
 // handle picks the handle a call gets: mostly the current object of its
 // type, else NULL, junk, a destroyed handle or the other type's.
 func (fz *abiFuzz) handle(manager bool) ptr {
-	cur, other, stale := fz.m, fz.c, fz.staleM
-	if !manager {
-		cur, other, stale = fz.c, fz.m, fz.staleC
+	if manager {
+		return fz.pickHandle(16, fz.m, fz.staleM, fz.c)
 	}
-	switch fz.r.u8() % 16 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return stale
-	case 3:
-		return other
-	}
-	return cur
+	return fz.pickHandle(16, fz.c, fz.staleC, fz.m)
 }
 
 // structBuf is an input struct of the named type at an arbitrary
@@ -922,15 +925,7 @@ func (fz *abiFuzz) completeCopies() (string, int) {
 // pubHandle picks a publisher handle: the current one (possibly none),
 // NULL, junk, or another type's.
 func (fz *abiFuzz) pubHandle() ptr {
-	switch fz.r.u8() % 8 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return fz.m
-	}
-	return fz.pub
+	return fz.pickHandle(8, fz.pub, fz.m)
 }
 
 // randomFields sets some of the struct's integer fields to arbitrary
