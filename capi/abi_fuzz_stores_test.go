@@ -149,23 +149,10 @@ func (fz *abiFuzz) closeStores() {
 // of its kind, else NULL, junk, a destroyed one, the manager or the other
 // kind of store.
 func (fz *abiFuzz) storeHandle(host bool) ptr {
-	cur, other, stale := fz.hs, fz.ss, fz.staleHS
-	if !host {
-		cur, other, stale = fz.ss, fz.hs, fz.staleSS
+	if host {
+		return fz.pickHandle(16, fz.hs, fz.staleHS, fz.m, fz.ss)
 	}
-	switch fz.r.u8() % 16 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return stale
-	case 3:
-		return fz.m
-	case 4:
-		return other
-	}
-	return cur
+	return fz.pickHandle(16, fz.ss, fz.staleSS, fz.m, fz.hs)
 }
 
 // storeKey is one of a few small keys (repeats, keys dropped by a reset
@@ -175,6 +162,14 @@ func (fz *abiFuzz) storeKey() int64 {
 		return fz.i64()
 	}
 	return int64(fz.small(12))
+}
+
+// hostKeys is a host store call's handle (storeHandle) and keys
+// (storeKeys), picked in that order.
+func (fz *abiFuzz) hostKeys() (ptr, ptr, int32, int) {
+	h := fz.storeHandle(true)
+	keys, cnt, n := fz.storeKeys()
+	return h, keys, cnt, n
 }
 
 // storeKeys is n keys and their count (see count), the array NULL 1 in 10.
@@ -287,8 +282,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 		rawHostStoreDestroy(h) // a no-op on anything but a host store
 		return "kvp_host_store_destroy", -1
 	case 2:
-		h := fz.storeHandle(true)
-		keys, cnt, n := fz.storeKeys()
+		h, keys, cnt, n := fz.hostKeys()
 		states, slots := fz.filled(n, unset), fz.filled(n, unset)
 		st := rawHostStoreState(h, cnt, keys, states, slots)
 		if st == 0 && h == fz.hs {
@@ -301,8 +295,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 		}
 		return "kvp_host_store_state", st
 	case 3:
-		h := fz.storeHandle(true)
-		keys, cnt, n := fz.storeKeys()
+		h, keys, cnt, n := fz.hostKeys()
 		matched := fz.filled(1, unset)
 		st := rawHostStoreLookupPrefix(h, cnt, keys, matched)
 		if st == 0 && h == fz.hs {
@@ -314,8 +307,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 	case 4, 5:
 		return fz.hostReserve()
 	case 6:
-		h := fz.storeHandle(true)
-		keys, cnt, n := fz.storeKeys()
+		h, keys, cnt, n := fz.hostKeys()
 		failed := int32(0)
 		if fz.r.u8()%4 == 0 {
 			failed = fz.i32()
@@ -329,8 +321,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 		}
 		return "kvp_host_store_complete", st
 	case 7:
-		h := fz.storeHandle(true)
-		keys, cnt, n := fz.storeKeys()
+		h, keys, cnt, n := fz.hostKeys()
 		slots, num := fz.filled(n, unset), fz.filled(1, unset)
 		st := rawHostStorePin(h, cnt, keys, slots, num)
 		if st == 0 && h == fz.hs {
@@ -350,8 +341,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 		}
 		return "kvp_host_store_pin", st
 	case 8:
-		h := fz.storeHandle(true)
-		keys, cnt, n := fz.storeKeys()
+		h, keys, cnt, n := fz.hostKeys()
 		num := fz.filled(1, unset)
 		st := rawHostStoreUnpin(h, cnt, keys, num)
 		if st == 0 && h == fz.hs && num != nil {
@@ -380,8 +370,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 	case 11:
 		return "kvp_host_store_stats_get", rawHostStoreStats(fz.storeHandle(true), fz.outStruct("kvp_host_store_stats"))
 	case 12:
-		h := fz.storeHandle(true)
-		base, bytes, slots := fz.outp(8), fz.outp(8), fz.outp(4)
+		h, base, bytes, slots := fz.storeHandle(true), fz.outp(8), fz.outp(8), fz.outp(4)
 		st := rawHostStoreMemory(h, base, bytes, slots)
 		if st == 0 && h == fz.hs {
 			if (base != nil && (*(*ptr)(base) == nil) != (fz.hsBytes == 0)) || (bytes != nil && *(*int64)(bytes) != fz.hsBytes) ||
@@ -434,8 +423,7 @@ func (fz *abiFuzz) storeCall(op uint8) (string, int) {
 // and in range (-1 for keys held or repeated), on a failure the caller's
 // arrays are as they were.
 func (fz *abiFuzz) hostReserve() (string, int) {
-	h := fz.storeHandle(true)
-	keys, cnt, n := fz.storeKeys()
+	h, keys, cnt, n := fz.hostKeys()
 	slots := fz.filled(n, unset)
 	evicted := fz.outp(8 * n)
 	numEvicted := fz.filled(1, unset)
@@ -589,10 +577,7 @@ func (fz *abiFuzz) createHostStore() (string, int) {
 		setField(cfg, name, "reserved", int64(reserved))
 	}
 	bad := reserved != 0 || slots < 1 || slots > 1<<30 || bytes < 0 || bytes > (1<<46)/max(int64(slots), 1)
-	if fz.r.u8()%10 == 0 {
-		cfg = nil
-	}
-	out := fz.outp(8)
+	cfg, out := fz.createArgs(cfg)
 	live := fz.liveHandles()
 	st := rawHostStoreCreate(cfg, out)
 	if st == 0 {
@@ -605,12 +590,7 @@ func (fz *abiFuzz) createHostStore() (string, int) {
 		fz.hsCounters = make([]int64, len(hostStoreCounterFields))
 		return "kvp_host_store_create", st
 	}
-	if after := fz.liveHandles(); after != live {
-		fz.t.Fatalf("kvp_host_store_create failed (%s) with %d live handles before, %d after", lastError(), live, after)
-	}
-	if out != nil && *(*ptr)(out) != nil {
-		fz.t.Fatalf("kvp_host_store_create failed (%s) and wrote a handle", lastError())
-	}
+	fz.createFailed("kvp_host_store_create", live, out)
 	if cfg != nil && out != nil && size == l.size {
 		if want := map[bool]int{true: int(kverr.InvalidArgument), false: 0}[bad]; st != want {
 			fz.t.Fatalf("kvp_host_store_create of %d slots of %d bytes, reserved %d: %s (%s)", slots, bytes, reserved,
@@ -663,10 +643,7 @@ func (fz *abiFuzz) createSharedStore() (string, int) {
 	for _, v := range times {
 		bad = bad || v < 0
 	}
-	if fz.r.u8()%10 == 0 {
-		cfg = nil
-	}
-	out := fz.outp(8)
+	cfg, out := fz.createArgs(cfg)
 	live := fz.liveHandles()
 	st := rawSharedStoreCreate(cfg, out)
 	if st == 0 {
@@ -680,12 +657,7 @@ func (fz *abiFuzz) createSharedStore() (string, int) {
 		}
 		return "kvp_shared_store_create", st
 	}
-	if after := fz.liveHandles(); after != live {
-		fz.t.Fatalf("kvp_shared_store_create failed (%s) with %d live handles before, %d after", lastError(), live, after)
-	}
-	if out != nil && *(*ptr)(out) != nil {
-		fz.t.Fatalf("kvp_shared_store_create failed (%s) and wrote a handle", lastError())
-	}
+	fz.createFailed("kvp_shared_store_create", live, out)
 	if cfg != nil && out != nil && size == l.size {
 		want := 0
 		switch {

@@ -282,24 +282,47 @@ func (fz *abiFuzz) outp(n int) ptr {
 	return fz.alloc(n)
 }
 
+// createArgs is what a create call gets: cfg, NULL 1 in 10, and an
+// output handle (outp).
+func (fz *abiFuzz) createArgs(cfg ptr) (ptr, ptr) {
+	if fz.r.u8()%10 == 0 {
+		cfg = nil
+	}
+	return cfg, fz.outp(8)
+}
+
+// createFailed checks a create call that failed: it left the live handles
+// as they were (live before the call) and wrote no handle to out.
+func (fz *abiFuzz) createFailed(name string, live int64, out ptr) {
+	if after := fz.liveHandles(); after != live {
+		fz.t.Fatalf("%s failed (%s) with %d live handles before, %d after", name, lastError(), live, after)
+	}
+	if out != nil && *(*ptr)(out) != nil {
+		fz.t.Fatalf("%s failed (%s) and wrote a handle", name, lastError())
+	}
+}
+
+// pickHandle picks a handle from one input byte b, taken modulo n: 0 is
+// NULL, 1 junk, 2 and on alts in order, every other value cur.
+func (fz *abiFuzz) pickHandle(n uint8, cur ptr, alts ...ptr) ptr {
+	switch b := int(fz.r.u8() % n); {
+	case b == 0:
+		return nil
+	case b == 1:
+		return fz.junk.p
+	case b-2 < len(alts):
+		return alts[b-2]
+	}
+	return cur
+}
+
 // handle picks the handle a call gets: mostly the current object of its
 // type, else NULL, junk, a destroyed handle or the other type's.
 func (fz *abiFuzz) handle(manager bool) ptr {
-	cur, other, stale := fz.m, fz.c, fz.staleM
-	if !manager {
-		cur, other, stale = fz.c, fz.m, fz.staleC
+	if manager {
+		return fz.pickHandle(16, fz.m, fz.staleM, fz.c)
 	}
-	switch fz.r.u8() % 16 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return stale
-	case 3:
-		return other
-	}
-	return cur
+	return fz.pickHandle(16, fz.c, fz.staleC, fz.m)
 }
 
 // structBuf is an input struct of the named type at an arbitrary
@@ -922,15 +945,7 @@ func (fz *abiFuzz) completeCopies() (string, int) {
 // pubHandle picks a publisher handle: the current one (possibly none),
 // NULL, junk, or another type's.
 func (fz *abiFuzz) pubHandle() ptr {
-	switch fz.r.u8() % 8 {
-	case 0:
-		return nil
-	case 1:
-		return fz.junk.p
-	case 2:
-		return fz.m
-	}
-	return fz.pub
+	return fz.pickHandle(8, fz.pub, fz.m)
 }
 
 // randomFields sets some of the struct's integer fields to arbitrary
@@ -1035,10 +1050,7 @@ func (fz *abiFuzz) createPublisher() (string, int) {
 			setField(cfg, name, "buffer_bytes", int64(fz.small(1<<16)))
 		}
 	}
-	if fz.r.u8()%10 == 0 {
-		cfg = nil
-	}
-	out := fz.outp(8)
+	cfg, out := fz.createArgs(cfg)
 	st := rawPublisherCreate(fz.handle(true), cfg, out)
 	if st == 0 {
 		rawPublisherDestroy(fz.pub)
@@ -1200,10 +1212,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 			}
 		}
 	}
-	if fz.r.u8()%10 == 0 {
-		cfg = nil
-	}
-	out := fz.outp(8)
+	cfg, out := fz.createArgs(cfg)
 	live := fz.liveHandles()
 	st := rawManagerCreate(cfg, out)
 	if st == 0 {
@@ -1229,9 +1238,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 		fz.tierCounters = make([]int64, len(tierCounterFields)) // a new manager's counters start at 0
 		return "kvp_manager_create", st
 	}
-	if after := fz.liveHandles(); after != live {
-		fz.t.Fatalf("kvp_manager_create failed (%s) with %d live handles before, %d after", lastError(), live, after)
-	}
+	fz.createFailed("kvp_manager_create", live, out)
 	if (badTier || badShared) && cfg != nil && out != nil && *(*uintptr)(cfg) == l.size && st != int(kverr.InvalidArgument) {
 		fz.t.Fatalf("kvp_manager_create of a bad host (%v) or shared (%v) tier: %s (%s)", badTier, badShared, statusName(st), lastError())
 	}
@@ -1317,10 +1324,7 @@ func (fz *abiFuzz) createVcache() (string, int) {
 		setField(cfg, name, "no_background", int64(fz.small(2)))
 		background = *(*int32)(unsafe.Add(cfg, cLayouts[name].fields["no_background"].off)) == 0
 	}
-	if fz.r.u8()%10 == 0 {
-		cfg = nil
-	}
-	out := fz.outp(8)
+	cfg, out := fz.createArgs(cfg)
 	st := rawVcacheCreate(cfg, out)
 	if st == 0 {
 		if *(*int64)(unsafe.Add(cfg, cLayouts[name].fields["budget_bytes"].off)) > 4<<20 {

@@ -17,10 +17,7 @@ func TestSharedClusterStatsABI(t *testing.T) {
 		sharedAddr: &addr, sharedNS: &ns, sharedTimeoutMs: 2000})
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
-	conv := make([]int32, 13)
-	for i := range conv {
-		conv[i] = int32(7 + i)
-	}
+	conv := tokenRun(13, 7)
 	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil) // a lookup: the map is read
 	expect(t, "admit", st, kverr.OK)
 	s, st := hookSharedStats(h, sizeofTierStats())

@@ -54,10 +54,7 @@ func TestSharedTierABISecured(t *testing.T) {
 	sec := map[string]string{"username": "kv", "password_file": pwFile, "tls_ca_file": certs.CA, "mac_keys_file": macFile}
 	cfg := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes,
 		sharedAddr: &addr, sharedNS: &ns, sharedTimeoutMs: 2000, security: sec, sharedTLS: 1}
-	conv := make([]int32, 17)
-	for i := range conv {
-		conv[i] = int32(500 + i)
-	}
+	conv := tokenRun(17, 500)
 	a, st := hookManagerCreateTier(cfg)
 	expect(t, "create A", st, kverr.OK)
 	demoteThroughABI(t, a, 1, conv)

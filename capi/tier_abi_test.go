@@ -48,10 +48,7 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	slotMem := func(s int32) []byte { return mem[int64(s)*slotBytes : int64(s+1)*slotBytes] }
 	gpu := map[int32][]byte{}
 
-	conv := make([]int32, 17) // four full blocks and one token
-	for i := range conv {
-		conv[i] = int32(100 + i)
-	}
+	conv := tokenRun(17, 100) // four full blocks and one token
 	matched, n, st := hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
 	if n != 1 || matched[0] != 0 {
@@ -64,10 +61,7 @@ func TestTierABIDemotesAndReloads(t *testing.T) {
 	}
 	// The forward pass above wrote the blocks: mark_computed, so the
 	// removal keeps them cached for the flush to demote.
-	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
-	ids := cInt64s([]int64{1})
-	defer ids.free()
-	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	markAndRemove(t, h, 1)
 
 	// Arrays too small: BUFFER_TOO_SMALL with the room needed, nothing changed.
 	_, _, nd, nr, _, st := hookFlushCopies(h, 1, 0)
@@ -140,18 +134,12 @@ func TestTierABIEventsCarryMedium(t *testing.T) {
 	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes, events: true})
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
-	conv := make([]int32, 9) // two full blocks and one token
-	for i := range conv {
-		conv[i] = int32(7 + i)
-	}
+	conv := tokenRun(9, 7) // two full blocks and one token
 	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
 	stepFlush(t, h)
 	// The step's forward pass ran: the removal keeps the blocks cached.
-	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
-	ids := cInt64s([]int64{1})
-	defer ids.free()
-	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	markAndRemove(t, h, 1)
 	gpu, st := hookDrain(h, 16, 64, 4, 16)
 	expect(t, "drain", st, kverr.OK)
 	if len(gpu) != 2 || gpu[0].medium != hookMediumGPU || gpu[1].medium != hookMediumGPU {
@@ -268,6 +256,25 @@ func stepFlush(t *testing.T, h unsafe.Pointer) {
 	}
 }
 
+// tokenRun is n tokens counting up from first.
+func tokenRun(n int, first int32) []int32 {
+	toks := make([]int32, n)
+	for i := range toks {
+		toks[i] = first + int32(i)
+	}
+	return toks
+}
+
+// markAndRemove marks the blocks of h's last step computed (its forward
+// pass ran), then removes request id: its blocks stay cached.
+func markAndRemove(t *testing.T, h unsafe.Pointer, id int64) {
+	t.Helper()
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	ids := cInt64s([]int64{id})
+	defer ids.free()
+	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+}
+
 // demoteThroughABI admits conv on h, writes its four blocks' fake K/V
 // into the host slots of their demotions, and completes the batch.
 func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
@@ -284,10 +291,7 @@ func demoteThroughABI(t *testing.T, h unsafe.Pointer, id int64, conv []int32) {
 	}
 	// The forward pass above wrote the blocks: mark_computed, so the
 	// removal keeps them cached for the flush to demote.
-	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
-	ids := cInt64s([]int64{id})
-	defer ids.free()
-	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	markAndRemove(t, h, id)
 	d, _, _, _, tk, st := hookFlushCopies(h, 8, 8)
 	expect(t, "flush", st, kverr.OK)
 	if len(d) != 4 {
@@ -309,10 +313,7 @@ func TestSharedTierABI(t *testing.T) {
 	addr, ns := srv.Addr(), "abi-test.bs4"
 	cfg := hookTierConfig{numBlocks: 8, blockSize: 4, slots: 16, ahead: 8, blockBytes: tierBytes,
 		sharedAddr: &addr, sharedNS: &ns, sharedTimeoutMs: 2000}
-	conv := make([]int32, 17)
-	for i := range conv {
-		conv[i] = int32(300 + i)
-	}
+	conv := tokenRun(17, 300)
 	a, st := hookManagerCreateTier(cfg)
 	expect(t, "create A", st, kverr.OK)
 	demoteThroughABI(t, a, 1, conv)
@@ -428,10 +429,7 @@ func TestTierABIWriteThrough(t *testing.T) {
 	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 16, blockSize: 4, slots: 8, blockBytes: 16, writeThrough: 2})
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
-	conv := make([]int32, 13) // three full blocks
-	for i := range conv {
-		conv[i] = int32(100 + i)
-	}
+	conv := tokenRun(13, 100) // three full blocks
 	_, _, st = hookAdmit(h, []int64{1}, [][]int32{conv}, nil)
 	expect(t, "admit", st, kverr.OK)
 	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)

@@ -27,19 +27,13 @@ func TestTierABIEngineMemory(t *testing.T) {
 		t.Fatalf("host memory %p (%d x %d), want the engine's %p", &mem[0], n, slotBytes, base)
 	}
 	// Demote a conversation's blocks into the engine's memory.
-	conv := make([]int32, 17)
-	for i := range conv {
-		conv[i] = int32(300 + i)
-	}
+	conv := tokenRun(17, 300)
 	if _, n, st := hookAdmit(h, []int64{1}, [][]int32{conv}, nil); st != 0 || n != 1 {
 		t.Fatalf("admit: %d, %s", n, lastError())
 	}
 	stepFlush(t, h)
 	// The step's forward pass ran: the removal keeps the blocks cached.
-	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
-	ids := cInt64s([]int64{1})
-	defer ids.free()
-	expect(t, "remove", hookManagerRemove(h, ids, 1), kverr.OK)
+	markAndRemove(t, h, 1)
 	d, _, nd, _, tk, st := hookFlushCopies(h, 8, 8)
 	expect(t, "flush", st, kverr.OK)
 	for _, op := range d[:nd] {
