@@ -1003,6 +1003,14 @@ func (fz *abiFuzz) cascadePlan() (string, int) {
 		}
 		setField(args, name, "block_table_host", int64(uintptr(table)))
 		setField(args, name, "seq_lens_host", int64(uintptr(lens)))
+		// The varlen queries' offsets: NULL (decode) or an array of batch+1
+		// (arbitrary values the planner must check), never an arbitrary
+		// address, which the library would read as the caller's memory.
+		var qo ptr
+		if batch >= 0 && batch < 64 && fz.r.u8()%2 == 0 {
+			qo = fz.array(batch+1, 4, func() int64 { return int64(fz.small(64)) })
+		}
+		setField(args, name, "qo_indptr_host", int64(uintptr(qo)))
 		hb := 4 * fz.small(4096)
 		host := fz.outp(max(hb, 4))
 		setField(args, name, "host_workspace", int64(uintptr(host)))
