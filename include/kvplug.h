@@ -67,6 +67,8 @@
  *     `reserved`, which they never were: they hold the plan's state).
  *     Same offsets and meaning; a host that read plan.reserved[...]
  *     renames it to plan.state[...].
+ *   - A struct_size that ends inside a pointer field (no header's size)
+ *     is KVP_ERR_STRUCT_SIZE.
  *
  * Changes in 0.3 for a host built against 0.2:
  *   - Prefix cache: blocks a step fills stay uncomputed until the new
