@@ -1537,10 +1537,10 @@ typedef enum kvp_dtype {
  * t % block_size (columns >= max_blocks_per_seq and block ids outside
  * [0, num_blocks) are ignored), and the cache's dtype. An engine fills one
  * per layer (the table fields are the same for every layer) and passes it
- * through the `kv` pointer of kvp_kv_write_args (which reads no table: the
- * table fields may be 0 there), kvp_paged_decode_args and
- * kvp_paged_prefill_args (kvp_paged_prefill and kvp_paged_cascade), and
- * the tier copier's kvp_kv_layers.kv (one per layer). When
+ * through the `kv` pointer of kvp_kv_write_args, kvp_paged_decode_args and
+ * kvp_paged_prefill_args, and kvp_kv_layers.kv (one per layer) of the tier
+ * copier. The KV write reads no table: its table fields may be 0. The
+ * prefill args serve kvp_paged_prefill and kvp_paged_cascade. When
  * `kv` is set, the args' own cache fields (k_cache, v_cache, the
  * cache_*_stride, num_blocks, block_size, block_table, block_table_stride,
  * max_blocks_per_seq) must be 0 and the args' dtype and num_kv_heads, where
