@@ -6,38 +6,21 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/attn"
+	"github.com/kvplug/kvplug/core/cascade/cascadetest"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/limits"
 )
 
-// cascadeBatch: 6 sequences of block size 16 sharing a 512-token prompt
-// (32 blocks), sequences 0-2 sharing 256 more, each with its own tail.
+// cascadeBatch is cascadetest.SharedPrefixBatch with workspaces for maxBatch.
 func cascadeBatch(t *testing.T, maxBatch int32) *cascadeHookArgs {
-	const B, cols = 6, 64
-	table := make([]int32, B*cols)
-	lens := make([]int32, B)
-	next := int32(100)
-	for s := 0; s < B; s++ {
-		for c := 0; c < cols; c++ {
-			switch {
-			case c < 32:
-				table[s*cols+c] = int32(c)
-			case c < 48 && s < 3:
-				table[s*cols+c] = int32(c + 1000)
-			default:
-				table[s*cols+c] = next
-				next++
-			}
-		}
-		lens[s] = int32(768 + 17*s)
-	}
+	table, lens, B, cols := cascadetest.SharedPrefixBatch()
 	dev, host, st := hookCascadeWorkspaceSize(maxBatch, 8, 2, 128)
 	if st != 0 || dev == 0 || host == 0 {
 		t.Fatalf("workspace size: %d %d %s", dev, host, statusName(st))
 	}
 	return &cascadeHookArgs{structSize: sizeofCascadePlanArgs(), dtype: int32(attn.F16), headDim: 128, qHeads: 8, kvHeads: 2,
-		batch: B, maxBatch: maxBatch, blockSize: 16, maxBlocks: cols, stride: cols, table: table, lens: lens,
+		batch: int32(B), maxBatch: maxBatch, blockSize: 16, maxBlocks: int32(cols), stride: int64(cols), table: table, lens: lens,
 		seqLensDev: 0x9000, host: make([]int32, host/4), hostBytes: host, workspace: 0x100000, workspaceBytes: dev}
 }
 

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -11,6 +10,7 @@ import (
 	"github.com/kvplug/kvplug/core/cascade"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/kvmanager/kvmtest"
 )
 
 // sharingHandle is a kvp_manager (block size 16, prefix cache on) holding
@@ -20,46 +20,9 @@ import (
 // handle, its manager and the batch's ids in a scrambled order.
 func sharingHandle(t *testing.T) (unsafe.Pointer, *kvmanager.Manager, []int64) {
 	t.Helper()
-	m, err := kvmanager.New(kvmanager.Config{NumBlocks: 1024, BlockSize: 16, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m, ids := kvmtest.SharingManager(t)
 	h := hookManagerHandle(m)
 	t.Cleanup(func() { hookManagerDestroy(h) })
-	r := rand.New(rand.NewPCG(1, 2))
-	toks := func(n int) []int32 {
-		v := make([]int32, n)
-		for i := range v {
-			v[i] = r.Int32N(32000)
-		}
-		return v
-	}
-	sys := [][]int32{toks(544), toks(280)}
-	shots := toks(160)
-	var ids []int64
-	for id := int64(1); id <= 12; id++ {
-		p := slices.Clone(sys[id%2])
-		if id%2 == 0 && id <= 8 {
-			p = append(p, shots...)
-		}
-		p = append(p, toks(int(id)*7)...)
-		if _, err := m.Admit([]int64{id}, kvmanager.Prompts{Tokens: p, Offsets: []int64{0, int64(len(p))}}, nil); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	if _, err := m.Fork(1, []int64{101, 102, 103}, make([]kvmanager.CopyPair, 3)); err != nil {
-		t.Fatal(err)
-	}
-	ids = append(ids, 101, 102, 103)
-	ones := make([]int32, len(ids))
-	for i := range ones {
-		ones[i] = 1
-	}
-	if err := m.Grow(ids, ones); err != nil {
-		t.Fatal(err)
-	}
-	r.Shuffle(len(ids), func(i, j int) { ids[i], ids[j] = ids[j], ids[i] })
 	return h, m, ids
 }
 

@@ -1,7 +1,6 @@
 package attn
 
 import (
-	"math/rand/v2"
 	"reflect"
 	"slices"
 	"strings"
@@ -12,55 +11,8 @@ import (
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/kvmanager/kvmtest"
 )
-
-// sharingManager is a manager (block size 16, prefix cache on) holding 3
-// system prompts' worth of sharing: 12 sequences admitted with one of two
-// system prompts (544 and 280 tokens), the first group's four with a
-// few-shot block after it, and 3 forks of sequence 1; it returns the
-// manager and the batch's ids in a scrambled order.
-func sharingManager(t *testing.T) (*kvmanager.Manager, []int64) {
-	t.Helper()
-	m, err := kvmanager.New(kvmanager.Config{NumBlocks: 1024, BlockSize: 16, EnablePrefixCache: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := rand.New(rand.NewPCG(1, 2))
-	toks := func(n int) []int32 {
-		v := make([]int32, n)
-		for i := range v {
-			v[i] = r.Int32N(32000)
-		}
-		return v
-	}
-	sys := [][]int32{toks(544), toks(280)}
-	shots := toks(160)
-	var ids []int64
-	for id := int64(1); id <= 12; id++ {
-		p := slices.Clone(sys[id%2])
-		if id%2 == 0 && id <= 8 {
-			p = append(p, shots...)
-		}
-		p = append(p, toks(int(id)*7)...)
-		if _, err := m.Admit([]int64{id}, kvmanager.Prompts{Tokens: p, Offsets: []int64{0, int64(len(p))}}, nil); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	if _, err := m.Fork(1, []int64{101, 102, 103}, make([]kvmanager.CopyPair, 3)); err != nil {
-		t.Fatal(err)
-	}
-	ids = append(ids, 101, 102, 103)
-	ones := make([]int32, len(ids))
-	for i := range ones {
-		ones[i] = 1
-	}
-	if err := m.Grow(ids, ones); err != nil {
-		t.Fatal(err)
-	}
-	r.Shuffle(len(ids), func(i, j int) { ids[i], ids[j] = ids[j], ids[i] })
-	return m, ids
-}
 
 // planFromManager is kvp_manager_cascade_plan's path below the C ABI: the
 // manager's tables and lengths for ids gathered, then planned.
@@ -124,7 +76,7 @@ func describePlan(t *testing.T, m *kvmanager.Manager, ids []int64, b *testBatch)
 // workspaces) has the same summary and cannot be updated or run.
 func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 	plans := withoutDevice(t)
-	m, ids := sharingManager(t)
+	m, ids := kvmtest.SharingManager(t)
 	for _, cols := range []int{64, 200} {
 		for _, flags := range []int{0, CascadeNoDecodeRoute} {
 			b := managerArgs(t, cols)
@@ -179,7 +131,7 @@ func TestPlanFromManagerEqualsDescribe(t *testing.T) {
 // and a failed call leaves the workspaces as they were; the checks PlanCascade
 // makes for the device path are its own.
 func TestPlanFromManagerErrors(t *testing.T) {
-	m, ids := sharingManager(t)
+	m, ids := kvmtest.SharingManager(t)
 	n := len(ids)
 	try := func(name string, ids []int64, b *testBatch, want kverr.Code) {
 		t.Helper()
@@ -248,7 +200,7 @@ func TestPlanFromManagerErrors(t *testing.T) {
 // the summary, host only.
 func TestPlanFromManagerVarlenEqualsDescribe(t *testing.T) {
 	withoutDevice(t)
-	m, ids := sharingManager(t)
+	m, ids := kvmtest.SharingManager(t)
 	n := len(ids)
 	lens := make([]int32, n)
 	if _, err := m.Describe(ids, 0, nil, lens, nil); err != nil {

@@ -5,6 +5,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/cascade"
+	"github.com/kvplug/kvplug/core/cascade/cascadetest"
 	"github.com/kvplug/kvplug/core/cuda"
 	"github.com/kvplug/kvplug/core/kverr"
 )
@@ -65,33 +66,15 @@ func (b *testBatch) args() *CascadePlanArgs {
 	return &a
 }
 
-// cascadeBatch: 6 sequences of block size 16 sharing a 512-token prompt
-// (32 blocks), sequences 0-2 sharing 256 more, each with its own tail.
+// cascadeBatch is cascadetest.SharedPrefixBatch with workspaces for maxBatch.
 func cascadeBatch(t *testing.T, maxBatch int) *testBatch {
-	const B, cols = 6, 64
-	table := make([]int32, B*cols)
-	lens := make([]int32, B)
-	next := int32(100)
-	for s := 0; s < B; s++ {
-		for c := 0; c < cols; c++ {
-			switch {
-			case c < 32:
-				table[s*cols+c] = int32(c)
-			case c < 48 && s < 3:
-				table[s*cols+c] = int32(c + 1000)
-			default:
-				table[s*cols+c] = next
-				next++
-			}
-		}
-		lens[s] = int32(768 + 17*s)
-	}
+	table, lens, B, cols := cascadetest.SharedPrefixBatch()
 	dev, host, err := cascade.WorkspaceSizes(maxBatch, maxBatch, 8, 2, 128)
 	if err != nil || dev == 0 || host == 0 {
 		t.Fatalf("workspace size: %d %d %v", dev, host, err)
 	}
 	return &testBatch{CascadePlanArgs: CascadePlanArgs{DType: F16, HeadDim: 128, NumQHeads: 8, NumKVHeads: 2,
-		MaxBatch: maxBatch, BlockSize: 16, MaxBlocksPerSeq: cols, BlockTableStride: cols,
+		MaxBatch: maxBatch, BlockSize: 16, MaxBlocksPerSeq: cols, BlockTableStride: int64(cols),
 		SeqLensDev: 0x9000, Workspace: 0x100000, WorkspaceBytes: dev},
 		Batch: B, HostWorkspaceBytes: uint64(host), table: table, lens: lens, host: make([]int32, host/4)}
 }
