@@ -31,18 +31,10 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 HQ, HK, D, BS = 32, 8, 128, 16
 
-DECODE = [(1, 512), (1, 4096), (1, 16384), (8, 512), (8, 4096), (32, 2048), (32, 4096), (64, 8192), (128, 2048)]
 MULTI = [(64, 4096, 4), (64, 4096, 2), (32, 2048, 4), (64, 4096, 8)]
 MIXED = [(255, 2560, 512, 2048), (128, 4096, 2048, 0), (32, 8192, 128, 8192), (8, 16384, 512, 0)]
 PREFILL = [(1, 2048, 0), (8, 2048, 0), (1, 8192, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192),
            (32, 512, 2048), (1, 2048, 8192)]
-CASCADE = [("B=32 P=2048 S=512", 32, [(32, 2048)], 512), ("B=64 P=4096 S=512", 64, [(64, 4096)], 512),
-           ("B=96 P=1024 S=512", 96, [(96, 1024)], 512), ("B=128 P=8192 S=256", 128, [(128, 8192)], 256),
-           ("two-level 128x4096 + 8x16x1024, S=256", 128, [(128, 4096), (16, 1024)], 256),
-           ("fork 64 x 4096, S=128", 64, [(64, 4096)], 128)]
-CASCADE_PREFILL = [("8 x 200-900 new over a shared 4096", 4096, [200 + 100 * s for s in range(8)]),
-                   ("16 x 256 new over a shared 8192", 8192, [256] * 16),
-                   ("32 x 64 new (chunks) over a shared 4096", 4096, [64] * 32)]
 
 
 def worker(out_dir):
@@ -75,7 +67,7 @@ def worker(out_dir):
 
     for dt_name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         gen = torch.Generator(device="cuda").manual_seed(1)
-        for B, L in DECODE:
+        for B, L in decode_fi_bench.PLAIN:
             b = decode_fi_bench.Batch(dt, B, L, 1, gen)
             fn, out = b.kvplug()
             case(f"decode {dt_name} B={B} L={L}", fn, out)
@@ -101,7 +93,7 @@ def worker(out_dir):
             torch.cuda.empty_cache()
     dev = torch.device("cuda")
     torch.manual_seed(3)
-    for name, B, levels, tail in CASCADE:
+    for name, B, levels, tail in [c for c in cascade_bench.CASES if c[2]]:  # the cases that share
         table, lens, nblocks, _, _, _ = cascade_bench.make_case(B, levels, tail)
         k = torch.randn(nblocks, BS, HK, D, dtype=torch.float16, device=dev)
         v = torch.randn_like(k)
@@ -112,23 +104,10 @@ def worker(out_dir):
         plan = cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws, block_size=BS)
         out = torch.empty_like(q)
         case(f"cascade decode {name}", lambda: cascade.paged_cascade(plan, q, k, v, table_d, out=out), out)
-    for name, P, qlens in CASCADE_PREFILL:
+    for name, P, qlens in cascade_bench.PREFILL_CASES:
         B = len(qlens)
-        rows, nxt = [], P // BS
-        for n in qlens:
-            own = -(-n // BS)
-            rows.append(list(range(P // BS)) + list(range(nxt, nxt + own)))
-            nxt += own
-        width = max(len(r) for r in rows)
-        table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
-        lens = [P + n for n in qlens]
-        qo = [0]
-        for n in qlens:
-            qo.append(qo[-1] + n)
+        table, lens, qo, k, v, q = cascade_bench.prefill_case(P, qlens, dev)
         T = qo[-1]
-        k = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
-        v = torch.randn_like(k)
-        q = torch.randn(T, HQ, D, dtype=torch.float16, device=dev)
         lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
         ws = cascade.Workspaces(B, HQ, HK, D, device=dev, max_tokens=2 * T)
         plan = cascade.plan(table, lens_h, lens_h.to(dev), HQ, HK, D, torch.float16, ws, block_size=BS,

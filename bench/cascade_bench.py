@@ -176,6 +176,27 @@ PREFILL_CASES = [
 ]
 
 
+def prefill_case(P, qlens, dev):
+    """A PREFILL_CASES batch: each sequence holds the shared P-token prompt's
+    blocks then its own for its qlens[b] new tokens. Returns the host block
+    table, the lengths, the query offsets (lists) and random fp16 K, V and q."""
+    rows, nxt = [], P // BS
+    for n in qlens:
+        own = -(-n // BS)
+        rows.append(list(range(P // BS)) + list(range(nxt, nxt + own)))
+        nxt += own
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+    lens = [P + n for n in qlens]
+    qo = [0]
+    for n in qlens:
+        qo.append(qo[-1] + n)
+    k = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
+    v = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
+    q = torch.randn(qo[-1], HQ, D, dtype=torch.float16, device=dev)
+    return table, lens, qo, k, v, q
+
+
 def prefill_cases(dev, flush, iters):
     """Times the cascade (routed, and its kernels) against kvplug's paged
     prefill on the PREFILL_CASES; returns their rows."""
@@ -185,21 +206,8 @@ def prefill_cases(dev, flush, iters):
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, P, qlens in PREFILL_CASES:
         B = len(qlens)
-        rows, nxt = [], P // BS
-        for n in qlens:
-            own = -(-n // BS)
-            rows.append(list(range(P // BS)) + list(range(nxt, nxt + own)))
-            nxt += own
-        width = max(len(r) for r in rows)
-        table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
-        lens = [P + n for n in qlens]
-        qo = [0]
-        for n in qlens:
-            qo.append(qo[-1] + n)
+        table, lens, qo, k, v, q = prefill_case(P, qlens, dev)
         T = qo[-1]
-        k = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
-        v = torch.randn(nxt, BS, HK, D, dtype=torch.float16, device=dev)
-        q = torch.randn(T, HQ, D, dtype=torch.float16, device=dev)
         table_d = table.to(dev)
         lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
         lens_d, qo_d = lens_h.to(dev), qo_h.to(dev)
