@@ -226,11 +226,15 @@ func kvpgo_prefill_plan(a *C.kvp_prefill_plan_args, plan *C.kvp_attn_plan, strea
 	if a.qo_indptr_host == nil || (a.batch > 0 && a.kv_lens_host == nil) {
 		return failf(kverr.NullPointer, "kvp_prefill_plan: qo_indptr_host and kv_lens_host must not be NULL")
 	}
-	qo := unsafe.Slice((*int32)(unsafe.Pointer(a.qo_indptr_host)), int(a.batch)+1)
-	var kv []int32
-	if a.batch > 0 {
-		kv = unsafe.Slice((*int32)(unsafe.Pointer(a.kv_lens_host)), int(a.batch))
-	} else {
+	qo, err := view[int32]("kvp_prefill_plan", "qo_indptr_host", unsafe.Pointer(a.qo_indptr_host), int64(a.batch)+1)
+	if err != nil {
+		return fail(err)
+	}
+	kv, err := view[int32]("kvp_prefill_plan", "kv_lens_host", unsafe.Pointer(a.kv_lens_host), int64(a.batch))
+	if err != nil {
+		return fail(err)
+	}
+	if kv == nil {
 		kv = []int32{}
 	}
 	p, err := attn.PlanPrefill(&attn.PrefillPlanArgs{

@@ -98,47 +98,18 @@ func cascadePlanArgsOf(what string, a *C.kvp_cascade_plan_args, batch int) (attn
 			return attn.CascadePlanArgs{}, kverr.Errorf(kverr.InvalidArgument,
 				"%s: a block table of %d rows %d entries apart spans %d entries, above 2^38", what, batch, stride, n)
 		}
-		if r.BlockTable, err = hostInt32s(what, "block_table_host", a.block_table_host, n); err != nil {
+		if r.BlockTable, err = view[int32](what, "block_table_host", unsafe.Pointer(a.block_table_host), n); err != nil {
 			return attn.CascadePlanArgs{}, err
 		}
 	}
-	if r.SeqLens, err = hostInt32s(what, "seq_lens_host", a.seq_lens_host, int64(batch)); err != nil {
+	if r.SeqLens, err = view[int32](what, "seq_lens_host", unsafe.Pointer(a.seq_lens_host), int64(batch)); err != nil {
 		return attn.CascadePlanArgs{}, err
 	}
-	if r.QOIndptr, err = hostInt32s(what, "qo_indptr_host", a.qo_indptr_host, int64(batch)+1); err != nil {
+	if r.QOIndptr, err = view[int32](what, "qo_indptr_host", unsafe.Pointer(a.qo_indptr_host), int64(batch)+1); err != nil {
 		return attn.CascadePlanArgs{}, err
 	}
 	r.HostWorkspace = hostView(a.host_workspace, hostBytes)
 	return r, nil
-}
-
-// maxHostView bounds the length of a view of the caller's memory: no
-// array or workspace the library reads is larger, so a larger size a caller
-// states is as good as this one, and unsafe.Slice refuses a length past
-// the address space.
-const maxHostView = 1 << 40
-
-// hostView is the caller's memory [p, p+n) as bytes (nil when p is NULL),
-// at most maxHostView long and never wrapping past the address space.
-func hostView(p unsafe.Pointer, n uint64) []byte {
-	if p == nil {
-		return nil
-	}
-	n = min(n, maxHostView, uint64(^uintptr(0)-uintptr(p)))
-	return unsafe.Slice((*byte)(p), n)
-}
-
-// hostInt32s is the caller's int32 array p[n] (nil when p is NULL or n
-// is 0); n is at most maxHostView/4. An array that would run past the end
-// of the address space is no array: InvalidArgument.
-func hostInt32s(what, name string, p *C.int32_t, n int64) ([]int32, error) {
-	if p == nil || n <= 0 {
-		return nil, nil
-	}
-	if uint64(n)*4 > uint64(^uintptr(0)-uintptr(unsafe.Pointer(p))) {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "%s: %s (%p) is not the address of %d int32 values", what, name, p, n)
-	}
-	return unsafe.Slice((*int32)(unsafe.Pointer(p)), n), nil
 }
 
 // writeCascadePlan encodes a cascade plan into the caller's kvp_attn_plan.
@@ -225,7 +196,7 @@ func kvpgo_cascade_update(plan *C.kvp_attn_plan, seqLens *C.int32_t, batch C.int
 	if err != nil {
 		return fail(err)
 	}
-	lens, err := hostInt32s(what, "seq_lens_host", seqLens, int64(batch))
+	lens, err := view[int32](what, "seq_lens_host", unsafe.Pointer(seqLens), int64(batch))
 	if err != nil {
 		return fail(err)
 	}

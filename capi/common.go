@@ -192,6 +192,37 @@ func slice[T any](p unsafe.Pointer, n C.int32_t) []T {
 	return unsafe.Slice((*T)(p), int(n))
 }
 
+// maxHostView bounds the length of a view of the caller's memory: no
+// array or workspace the library reads is larger, so a larger size a caller
+// states is as good as this one, and unsafe.Slice refuses a length past
+// the address space.
+const maxHostView = 1 << 40
+
+// view is slice for what slice cannot say: counts past int32 (at most
+// maxHostView bytes' worth) and, for an array that would run past the end
+// of the address space (p is then no array's address), an InvalidArgument
+// naming it, where unsafe.Slice would panic. nil for NULL or n <= 0.
+func view[T any](what, name string, p unsafe.Pointer, n int64) ([]T, error) {
+	if p == nil || n <= 0 {
+		return nil, nil
+	}
+	if uint64(n)*uint64(unsafe.Sizeof(*new(T))) > uint64(^uintptr(0)-uintptr(p)) {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "%s: %s (%p) is not the address of %d values", what, name, p, n)
+	}
+	return unsafe.Slice((*T)(p), n), nil
+}
+
+// hostView is the caller's memory [p, p+n) as bytes (nil when p is NULL),
+// at most maxHostView long and never past the end of the address space:
+// for a workspace whose stated size may exceed what the library reads.
+func hostView(p unsafe.Pointer, n uint64) []byte {
+	if p == nil {
+		return nil
+	}
+	n = min(n, maxHostView, uint64(^uintptr(0)-uintptr(p)))
+	return unsafe.Slice((*byte)(p), n)
+}
+
 // copyStruct copies min(callerSize, ours) bytes of a versioned struct, so
 // callers built against an older, shorter struct keep working: an output
 // struct gets the fields it has room for, an input struct read into a
