@@ -143,7 +143,11 @@ type kvHookCache struct {
 	dtype, kvHeads, numBlocks, blockSize, maxBlocks, headDim int32
 	k, v, table                                              uint64
 	blockStride, tokenStride, headStride, tableStride        int64
-	kScale                                                   uint64
+	kScale, vScale                                           uint64
+	scaleKind, reserved                                      int32
+	// callDType is the args' own dtype beside the descriptor (0: the
+	// descriptor gives it), for e4m3 caches under a 16-bit call.
+	callDType int32
 }
 
 func (h *kvHookCache) desc() *C.kvp_paged_kv {
@@ -153,7 +157,8 @@ func (h *kvHookCache) desc() *C.kvp_paged_kv {
 		block_size: C.int32_t(h.blockSize), k_cache: C.uint64_t(h.k), v_cache: C.uint64_t(h.v),
 		block_stride: C.int64_t(h.blockStride), token_stride: C.int64_t(h.tokenStride), head_stride: C.int64_t(h.headStride),
 		block_table: C.uint64_t(h.table), block_table_stride: C.int64_t(h.tableStride),
-		max_blocks_per_seq: C.int32_t(h.maxBlocks), head_dim: C.int32_t(h.headDim), k_scale: C.uint64_t(h.kScale)}
+		max_blocks_per_seq: C.int32_t(h.maxBlocks), head_dim: C.int32_t(h.headDim), k_scale: C.uint64_t(h.kScale),
+		v_scale: C.uint64_t(h.vScale), scale_kind: C.int32_t(h.scaleKind), reserved: C.int32_t(h.reserved)}
 	return d
 }
 
@@ -172,10 +177,11 @@ func (h *kvHookCache) setOwn(numBlocks, blockSize, maxBlocks *C.int32_t, k, v, t
 
 // hookKVCallSides translates one call three ways: with the cache in the
 // args' own fields (legacy), through a descriptor (own fields 0, dtype and
-// kv heads 0 so that the descriptor gives them), and through a descriptor
-// with the own fields also set (refused). It returns whether the first two
-// reach core/attn identically, and the statuses of the second and third.
-// call is "kv_write", "decode" or "prefill".
+// kv heads 0 so that the descriptor gives them, or the dtype callDType),
+// and through a descriptor with the own fields also set (refused). It
+// returns whether the first two reach core/attn identically, and the
+// statuses of the second (its translation, then, for kv_write and decode,
+// core/attn's checks of the layout) and third. call is "kv_write", "decode" or "prefill".
 func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiStatus) {
 	d := h.desc()
 	defer C.free(unsafe.Pointer(d))
@@ -191,9 +197,12 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 		var tableStride C.int64_t // the write reads no table
 		h.setOwn(&legacy.num_blocks, &legacy.block_size, &maxBlocks, &legacy.k_cache, &legacy.v_cache, &table,
 			&legacy.cache_block_stride, &legacy.cache_token_stride, &legacy.cache_head_stride, &tableStride)
-		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
+		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = C.int32_t(h.callDType), 0, d
 		a, errA := kvWriteArgsOf(&legacy)
 		b, errB := kvWriteArgsOf(&withDesc)
+		if errB == nil {
+			_, errB = b.Extents()
+		}
 		legacy.kv = d
 		_, errC := kvWriteArgsOf(&legacy)
 		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))
@@ -206,9 +215,12 @@ func hookKVCallSides(call string, h kvHookCache) (same bool, viaDesc, both abiSt
 		h.setOwn(&legacy.num_blocks, &legacy.block_size, &legacy.max_blocks_per_seq, &legacy.k_cache, &legacy.v_cache,
 			&legacy.block_table, &legacy.cache_block_stride, &legacy.cache_token_stride, &legacy.cache_head_stride,
 			&legacy.block_table_stride)
-		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = 0, 0, d
+		withDesc.dtype, withDesc.num_kv_heads, withDesc.kv = C.int32_t(h.callDType), 0, d
 		a, errA := pagedDecodeArgsOf(&legacy)
 		b, errB := pagedDecodeArgsOf(&withDesc)
+		if errB == nil {
+			_, errB = b.Extents()
+		}
 		legacy.kv = d
 		_, errC := pagedDecodeArgsOf(&legacy)
 		return errA == nil && errB == nil && a == b, abiStatus(fail(errB)), abiStatus(fail(errC))

@@ -39,12 +39,19 @@ func pagedKVOf(what string, kv *C.kvp_paged_kv, own attn.PagedKV, shape kvShape)
 	if err := pagedKVStruct.in(unsafe.Pointer(kv), unsafe.Pointer(&c)); err != nil {
 		return attn.PagedKV{}, shape, err
 	}
-	if c.k_scale != 0 || c.v_scale != 0 {
-		return attn.PagedKV{}, shape, kverr.Errorf(kverr.InvalidArgument,
-			"%s: kv.k_scale and kv.v_scale must be 0: no scaled cache format is supported by this library", what)
+	if c.reserved != 0 {
+		return attn.PagedKV{}, shape, kverr.Errorf(kverr.InvalidArgument, "%s: kv.reserved must be 0: got %d", what, int32(c.reserved))
 	}
 	var err error
-	if shape.dtype, err = agree(what, "dtype", shape.dtype, int32(c.dtype)); err != nil {
+	cacheDType := attn.DType(0)
+	if c.dtype == C.KVP_DTYPE_E4M3 {
+		// The call's dtype is q's and out's; the descriptor's is the cache's.
+		if shape.dtype == 0 {
+			return attn.PagedKV{}, shape, kverr.Errorf(kverr.InvalidArgument,
+				"%s: kv.dtype is KVP_DTYPE_E4M3, so the args' dtype (the dtype of q and out, or of key and value) must be set: f16 or bf16", what)
+		}
+		cacheDType = attn.E4M3
+	} else if shape.dtype, err = agree(what, "dtype", shape.dtype, int32(c.dtype)); err != nil {
 		return attn.PagedKV{}, shape, err
 	}
 	if shape.kvHeads, err = agree(what, "num_kv_heads", shape.kvHeads, int32(c.num_kv_heads)); err != nil {
@@ -62,6 +69,8 @@ func pagedKVOf(what string, kv *C.kvp_paged_kv, own attn.PagedKV, shape kvShape)
 		CacheBlockStride: int64(c.block_stride), CacheTokenStride: int64(c.token_stride), CacheHeadStride: int64(c.head_stride),
 		MaxBlocksPerSeq: int(c.max_blocks_per_seq), BlockTableStride: stride,
 		KCache: cuda.DevicePtr(c.k_cache), VCache: cuda.DevicePtr(c.v_cache), BlockTable: cuda.DevicePtr(c.block_table),
+		DType: cacheDType, Scale: attn.ScaleKind(c.scale_kind),
+		KScale: cuda.DevicePtr(c.k_scale), VScale: cuda.DevicePtr(c.v_scale),
 	}, shape, nil
 }
 

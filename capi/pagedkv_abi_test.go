@@ -27,13 +27,48 @@ func TestPagedKVDescriptor(t *testing.T) {
 			_, viaDesc, _ := hookKVCallSides(call, c)
 			expect(t, call+": "+name, viaDesc, kverr.InvalidArgument)
 		}
-		bad("k_scale", func(c *kvHookCache) { c.kScale = 0x400000 })
+		if call != "prefill" { // core/attn's checks (the hook runs them for these two)
+			bad("k_scale", func(c *kvHookCache) { c.kScale = 0x400000 })
+			bad("scale_kind", func(c *kvHookCache) { c.scaleKind = 1 })
+		}
+		bad("reserved", func(c *kvHookCache) { c.reserved = 1 })
 		bad("head_dim 64", func(c *kvHookCache) { c.headDim = 64 })
 		if call == "prefill" {
 			// The plan gives dtype and kv heads: the descriptor must agree.
 			bad("dtype f16", func(c *kvHookCache) { c.dtype = 1 })
 			bad("kv heads 4", func(c *kvHookCache) { c.kvHeads = 4 })
 		}
+	}
+}
+
+// An e4m3 descriptor under a 16-bit call: its scales and scale kind reach
+// core/attn, which takes it for kv_write and decode; without the call's own
+// dtype, without a scale kind or under an f32 call it is refused (prefill's
+// UNSUPPORTED is core/attn's: TestE4M3Refused there).
+func TestPagedKVDescriptorE4M3(t *testing.T) {
+	e4m3 := kvHookCache{dtype: 4, kvHeads: 2, numBlocks: 64, blockSize: 16, maxBlocks: 8, headDim: 128,
+		k: 0x100000, v: 0x200000, table: 0x300000, blockStride: 4096, tokenStride: 256, headStride: 128,
+		kScale: 0x400000, vScale: 0x500000, scaleKind: 1, callDType: 2}
+	for _, call := range []string{"kv_write", "decode"} {
+		for _, kind := range []int32{1, 2} {
+			c := e4m3
+			c.scaleKind = kind
+			if _, viaDesc, _ := hookKVCallSides(call, c); viaDesc != 0 {
+				t.Errorf("%s: e4m3 with scale kind %d: status %d, want OK", call, kind, viaDesc)
+			}
+		}
+		bad := func(name string, f func(c *kvHookCache)) {
+			t.Helper()
+			c := e4m3
+			f(&c)
+			_, viaDesc, _ := hookKVCallSides(call, c)
+			expect(t, call+": e4m3 "+name, viaDesc, kverr.InvalidArgument)
+		}
+		bad("without the call's dtype", func(c *kvHookCache) { c.callDType = 0 })
+		bad("under an f32 call", func(c *kvHookCache) { c.callDType = 3 })
+		bad("without a scale kind", func(c *kvHookCache) { c.scaleKind = 0 })
+		bad("with scale kind 3", func(c *kvHookCache) { c.scaleKind = 3 })
+		bad("with 16-bit strides", func(c *kvHookCache) { c.headStride = 136 }) // not a multiple of 16 bytes
 	}
 }
 

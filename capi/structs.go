@@ -62,7 +62,7 @@ var (
 	prefillPlanArgsStruct      = structOf[C.kvp_prefill_plan_args]("kvp_prefill_plan_args", 0)
 	attnPlanStruct             = structOf[C.kvp_attn_plan]("kvp_attn_plan", 0)
 	pagedPrefillArgsStruct     = structOf[C.kvp_paged_prefill_args]("kvp_paged_prefill_args", unsafe.Offsetof(C.kvp_paged_prefill_args{}.reserved2)+4)
-	pagedKVStruct              = structOf[C.kvp_paged_kv]("kvp_paged_kv", 0)
+	pagedKVStruct              = structOf[C.kvp_paged_kv]("kvp_paged_kv", unsafe.Offsetof(C.kvp_paged_kv{}.scale_kind))
 	cascadePlanArgsStruct      = structOf[C.kvp_cascade_plan_args]("kvp_cascade_plan_args", unsafe.Offsetof(C.kvp_cascade_plan_args{}.qo_indptr_host))
 	eventPublisherConfigStruct = structOf[C.kvp_event_publisher_config]("kvp_event_publisher_config", 0)
 	eventPublisherStatsStruct  = structOf[C.kvp_event_publisher_stats]("kvp_event_publisher_stats", unsafe.Offsetof(C.kvp_event_publisher_stats{}.batches)+8)

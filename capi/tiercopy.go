@@ -100,6 +100,10 @@ func tierLayersOfKV(c *C.kvp_kv_layers, n int) (tiercopy.Layers, error) {
 		if err := pagedKVStruct.in(unsafe.Pointer(p), unsafe.Pointer(&d)); err != nil {
 			return tiercopy.Layers{}, kverr.Wrap(kverr.CodeOf(err), err, "%s: layers->kv[%d]", what, i)
 		}
+		if d.dtype == C.KVP_DTYPE_E4M3 || d.scale_kind != 0 || d.k_scale != 0 || d.v_scale != 0 {
+			return tiercopy.Layers{}, kverr.Errorf(kverr.Unsupported,
+				"%s: layers->kv[%d] is a scaled (e4m3) cache: the tier copier moves 16-bit and f32 caches in this version", what, i)
+		}
 		if i == 0 {
 			first = d
 			elem := attn.DType(d.dtype).Size()

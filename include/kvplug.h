@@ -51,6 +51,16 @@
  *
  * The ABI is stable within a major version.
  *
+ * Changes in 0.5 for a host built against 0.4 (binary compatible):
+ *   - FP8 KV caches: kvp_paged_kv.dtype may be KVP_DTYPE_E4M3 under an f16
+ *     or bf16 call, with the new appended field scale_kind
+ *     (KVP_KV_SCALE_TOKEN_HEAD: one float32 scale per token and kv head,
+ *     written by kvp_kv_write; KVP_KV_SCALE_TENSOR: one calibrated scale)
+ *     and the scale arrays k_scale and v_scale. kvp_kv_write quantises
+ *     into it and kvp_paged_decode reads it; kvp_paged_prefill,
+ *     kvp_paged_cascade and the tier copier answer KVP_ERR_UNSUPPORTED for
+ *     such a cache in this version.
+ *
  * Changes in 0.4 for a host built against 0.3 (binary compatible; one
  * source change):
  *   - One paged-KV descriptor, kvp_paged_kv: a layer's K and V caches, their
@@ -125,6 +135,7 @@
  *     kvp_paged_decode_args  through q_len (192 bytes)
  *     kvp_paged_prefill_args through reserved2 (144 bytes)
  *     kvp_kv_layers          through v_block_stride (56 bytes)
+ *     kvp_paged_kv           through v_scale (104 bytes)
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
@@ -152,7 +163,7 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 4
+#define KVP_VERSION_MINOR 5
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \
@@ -1527,15 +1538,40 @@ kvp_status kvp_event_publisher_stats_get(kvp_event_publisher *p, kvp_event_publi
 typedef enum kvp_dtype {
   KVP_DTYPE_F16 = 1,  /* IEEE half */
   KVP_DTYPE_BF16 = 2, /* bfloat16 */
-  KVP_DTYPE_F32 = 3   /* float, for tests: slower kernels */
+  KVP_DTYPE_F32 = 3,  /* float, for tests: slower kernels */
+  KVP_DTYPE_E4M3 = 4  /* FP8 e4m3 (OCP; torch.float8_e4m3fn): a cache format
+                         only, kvp_paged_kv.dtype under an f16/bf16 call */
 } kvp_dtype;
+
+/* How an e4m3 cache is scaled (kvp_paged_kv.scale_kind): a stored element x
+ * stands for x * scale.
+ *   KVP_KV_SCALE_TOKEN_HEAD: one float32 scale per (token, kv head) for K
+ *     and for V, k_scale and v_scale float32 [num_blocks, block_size,
+ *     num_kv_heads] contiguous (the scale of block b, offset t, kv head h at
+ *     (b * block_size + t) * num_kv_heads + h). kvp_kv_write computes each
+ *     one from its row, max|x| / 448, so nothing needs calibrating and an
+ *     outlier token costs only its own row's precision. Indexed by block
+ *     like the cache, so a block's scales move with it: an engine that
+ *     copies a block (a fork, a swap) copies its scale rows too. 4 bytes per
+ *     head_dim bytes: 3.1% more than the e4m3 elements at head_dim 128.
+ *   KVP_KV_SCALE_TENSOR: one float32 for all of K (k_scale[0]) and one for
+ *     V (v_scale[0]), a checkpoint's calibrated scales; kvp_kv_write divides
+ *     by them and saturates at +-448.
+ * float32 rather than bf16 scales: exact for any row, the dtype engines
+ * keep scales in, and a 1.5% difference in bytes. */
+typedef enum kvp_kv_scale {
+  KVP_KV_SCALE_NONE = 0, /* a 16-bit or f32 cache */
+  KVP_KV_SCALE_TOKEN_HEAD = 1,
+  KVP_KV_SCALE_TENSOR = 2
+} kvp_kv_scale;
 
 /* One layer's paged KV cache, as every call that reads or writes it takes
  * it: K and V [num_blocks, block_size, num_kv_heads, head_dim] as two
  * pointers sharing strides, the block table that maps a sequence's token t
  * to block block_table[row * block_table_stride + t / block_size] at offset
  * t % block_size (columns >= max_blocks_per_seq and block ids outside
- * [0, num_blocks) are ignored), and the cache's dtype. An engine fills one
+ * [0, num_blocks) are ignored), and the cache's dtype (an e4m3 cache: its
+ * scales too, see kvp_kv_scale). An engine fills one
  * per layer (the table fields are the same for every layer) and passes it
  * through the `kv` pointer of kvp_kv_write_args, kvp_paged_decode_args and
  * kvp_paged_prefill_args, and kvp_kv_layers.kv (one per layer) of the tier
@@ -1545,25 +1581,30 @@ typedef enum kvp_dtype {
  * cache_*_stride, num_blocks, block_size, block_table, block_table_stride,
  * max_blocks_per_seq) must be 0 and the args' dtype and num_kv_heads, where
  * they have them, 0 or equal to the descriptor's (INVALID_ARGUMENT
- * otherwise: a cache is described once). The descriptor is read during the
- * call only. */
+ * otherwise: a cache is described once); under an e4m3 descriptor the
+ * args' dtype is the call's own, f16 or bf16, and must be set. The
+ * descriptor is read during the call only. */
 typedef struct kvp_paged_kv {
   size_t struct_size;         /* sizeof(kvp_paged_kv) */
-  int32_t dtype;              /* kvp_dtype of the caches: the call's q and out dtype */
+  int32_t dtype;              /* kvp_dtype of the caches: the call's (q, out) dtype or 0,
+                                 or KVP_DTYPE_E4M3 under an f16/bf16 call */
   int32_t num_kv_heads;       /* >= 1 */
   int32_t num_blocks;         /* >= 1 */
   int32_t block_size;         /* tokens per block, >= 1 (1 is token mode) */
   uint64_t k_cache;           /* [num_blocks, block_size, num_kv_heads, head_dim] */
   uint64_t v_cache;           /* same strides as k_cache */
-  int64_t block_stride;       /* elements between blocks */
+  int64_t block_stride;       /* elements (of the cache's dtype) between blocks */
   int64_t token_stride;       /* between a block's tokens */
   int64_t head_stride;        /* between kv heads */
   uint64_t block_table;       /* int32 [rows, block_table_stride]; 0 for kvp_kv_write */
   int64_t block_table_stride; /* >= max_blocks_per_seq; 0 = max_blocks_per_seq */
   int32_t max_blocks_per_seq; /* block table columns read; 0 for kvp_kv_write */
   int32_t head_dim;           /* 0 or the call's head_dim */
-  uint64_t k_scale;           /* scale arrays of a scaled cache format: 0 (no such format yet) */
-  uint64_t v_scale;           /* 0 */
+  uint64_t k_scale;           /* e4m3: float32 scales of K (kvp_kv_scale); else 0 */
+  uint64_t v_scale;           /* e4m3: float32 scales of V; else 0 */
+  /* Appended in 0.5 (first released size: through v_scale, 104 bytes). */
+  int32_t scale_kind;         /* e4m3: a kvp_kv_scale other than NONE; else 0 */
+  int32_t reserved;           /* 0 */
 } kvp_paged_kv;
 
 #define KVP_PAGED_KV_INIT KVP_STRUCT_INIT(kvp_paged_kv)

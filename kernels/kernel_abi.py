@@ -10,7 +10,7 @@ the structs that embed it: pack it with paged_kv() and assign it, e.g.
 
 import numpy as np
 
-ABI_VERSION = 4  # KVP_KERNELS_ABI_VERSION
+ABI_VERSION = 5  # KVP_KERNELS_ABI_VERSION
 
 
 def _struct(fields, size):
@@ -42,7 +42,7 @@ def _i32(*names):
 # kvp_paged_kv_params
 PAGED_KV = _struct(_u64("k_cache", "v_cache", "block_table", "k_scale", "v_scale")
                    + _i64("block_stride", "token_stride", "head_stride", "block_table_stride")
-                   + _i32("num_kv_heads", "block_size", "num_blocks", "max_blocks_per_seq", "dtype", "reserved"), 96)
+                   + _i32("num_kv_heads", "block_size", "num_blocks", "max_blocks_per_seq", "dtype", "scale_kind"), 96)
 # kvp_kv_write_params
 KV_WRITE = _struct([("kv", PAGED_KV)] + _u64("key", "value", "slot_mapping")
                    + _i64("key_token_stride", "key_head_stride", "value_token_stride", "value_head_stride")

@@ -137,6 +137,12 @@ template <> __device__ __forceinline__ uint32_t pack2<f16>(float lo, float hi) {
     return r;
 }
 
+}  // namespace kvp
+
+#include "kvp_fp8.cuh"
+
+namespace kvp {
+
 // Programmatic dependent launch (sm_90): with the launch attribute
 // PROGRAMMATIC_STREAM_SERIALIZATION a kernel may start while the previous one
 // in the stream finishes; griddep_wait() blocks until that one's memory is
@@ -333,16 +339,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // tiles, the f32 kernels and the KV write's scatter. Block-table lookups of
 // one sequence for one kv head: a token's element offset in the caches, or
 // -1 when its table column is past max_blocks_per_seq or its block is out of
-// range (offset alone: a (block, offset) pair's element offset). load_block and offset are split (issue the table load, use it later)
-// so the load latency hides behind other work; load_block reads only columns
-// < max_blocks_per_seq, so it may run before the sequence length is known.
+// range (offset alone: a (block, offset) pair's element offset), and for an
+// e4m3 cache the index of its scales (scale_index). load_block and offset are
+// split (issue the table load, use it later) so the load latency hides
+// behind other work; load_block reads only columns < max_blocks_per_seq, so
+// it may run before the sequence length is known.
 struct PagedRows {
     const int32_t* table;
     int block_size, shift, max_blocks, num_blocks;
     int64_t block_stride, token_stride, head_off;
+    int kvh, num_kv_heads;
+    bool tensor_scale;  // e4m3 with one scale for the cache: every scale index is 0
+    const float *k_scale, *v_scale;  // e4m3 only
 
     // Table row b (unused where no table is read: the KV write), kv head kvh.
-    __device__ __forceinline__ void init(const kvp_paged_kv_params& kv, int b, int kvh) {
+    __device__ __forceinline__ void init(const kvp_paged_kv_params& kv, int b, int kvh_) {
         table = reinterpret_cast<const int32_t*>(kv.block_table) + (int64_t)b * kv.block_table_stride;
         block_size = kv.block_size;
         shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
@@ -350,7 +361,12 @@ struct PagedRows {
         num_blocks = kv.num_blocks;
         block_stride = kv.block_stride;
         token_stride = kv.token_stride;
-        head_off = (int64_t)kvh * kv.head_stride;
+        head_off = (int64_t)kvh_ * kv.head_stride;
+        kvh = kvh_;
+        num_kv_heads = kv.num_kv_heads;
+        tensor_scale = kv.scale_kind == KVP_KV_SCALE_TENSOR;
+        k_scale = reinterpret_cast<const float*>(kv.k_scale);
+        v_scale = reinterpret_cast<const float*>(kv.v_scale);
     }
     __device__ __forceinline__ int load_block(int tok, int& off) const {
         const int col = shift >= 0 ? tok >> shift : tok / block_size;
@@ -361,6 +377,12 @@ struct PagedRows {
     __device__ __forceinline__ int64_t offset(int blk, int off) const {
         if ((unsigned)blk >= (unsigned)num_blocks) return -1;
         return (int64_t)blk * block_stride + (int64_t)off * token_stride + head_off;
+    }
+    // The float32 scale index of (blk, off) for this kv head in an e4m3
+    // cache (KVP_KV_SCALE_*), or -1 where offset is -1.
+    __device__ __forceinline__ int64_t scale_index(int blk, int off) const {
+        if ((unsigned)blk >= (unsigned)num_blocks) return -1;
+        return tensor_scale ? 0 : ((int64_t)blk * block_size + off) * num_kv_heads + kvh;
     }
 };
 
@@ -382,20 +404,63 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // cache into the K and V tiles at sk and sv ([rows][CPR] 16-byte chunks,
 // swizzled), through its tokens' element offsets offs (-1: unreadable, the
 // chunk zero-filled): CHUNKS chunks of each per thread, copy(dst, src,
-// bytes) a cp.async of 16 bytes with the caller's cache policy.
+// bytes) a cp.async of 16 bytes with the caller's cache policy. An e4m3
+// cache (T = uint8_t) lands raw and unswizzled, for dequant_kv_tile.
 template <typename T, int CPR, int CHUNKS, int NT, class Copy>
 __device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t sv, const int64_t* offs, const T* kc, const T* vc,
                                                int tid, Copy copy) {
+    constexpr int VEC = 16 / (int)sizeof(T);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const int c = tid + i * NT;
         const int r = c / CPR, col = c % CPR;
         const int64_t o = offs[r];
-        const uint32_t dst = swz<CPR>(r, col);
+        const uint32_t dst = sizeof(T) == 1 ? (uint32_t)c * 16u : swz<CPR>(r, col);
         const int bytes = o >= 0 ? 16 : 0;
-        const int64_t src = o >= 0 ? o + col * 8 : 0;
+        const int64_t src = o >= 0 ? o + col * VEC : 0;
         copy(sk + dst, kc + src, bytes);
         copy(sv + dst, vc + src, bytes);
+    }
+}
+
+// 4-byte async copy global->shared (a scale); src_bytes == 0 writes zeros.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// The scales of a raw e4m3 tile of TILE rows: K's at sks, V's at svs, row r's
+// scale index soffs[r] (-1: zero). Threads [0, TILE) copy K's, [TILE, 2 TILE)
+// V's.
+template <int TILE>
+__device__ __forceinline__ void gather_kv_scales(uint32_t sks, uint32_t svs, const int64_t* soffs, const PagedRows& rr,
+                                                 int tid) {
+    if (tid >= 2 * TILE) return;
+    const bool v = tid >= TILE;
+    const int r = v ? tid - TILE : tid;
+    const int64_t o = soffs[r];
+    const float* base = v ? rr.v_scale : rr.k_scale;
+    cp_async4((v ? svs : sks) + r * 4, base + (o >= 0 ? o : 0), o >= 0 ? 4 : 0);
+}
+
+// A raw e4m3 K/V tile pair (ROWS rows of D bytes, unswizzled, as
+// gather_kv_tile lands it, scales beside) dequantised into the 16-bit
+// swizzled tiles the mainloops read ([rows][D / 8] chunks): CHUNKS raw
+// chunks of each per thread.
+template <typename T, int D, int CHUNKS, int NT>
+__device__ __forceinline__ void dequant_kv_tile(const uint8_t* rk, const uint8_t* rv, const float* ks, const float* vs,
+                                                uint8_t* dk, uint8_t* dv, int tid) {
+    constexpr int RAW_CPR = D / 16, CPR = D / 8;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        const int c = tid + i * NT;
+        const int r = c / RAW_CPR, col = c % RAW_CPR;
+        uint4 a, b;
+        dequant16<T>(*reinterpret_cast<const uint4*>(rk + c * 16), ks[r] * kE4M3RawFactor, a, b);
+        *reinterpret_cast<uint4*>(dk + swz<CPR>(r, 2 * col)) = a;
+        *reinterpret_cast<uint4*>(dk + swz<CPR>(r, 2 * col + 1)) = b;
+        dequant16<T>(*reinterpret_cast<const uint4*>(rv + c * 16), vs[r] * kE4M3RawFactor, a, b);
+        *reinterpret_cast<uint4*>(dv + swz<CPR>(r, 2 * col)) = a;
+        *reinterpret_cast<uint4*>(dv + swz<CPR>(r, 2 * col + 1)) = b;
     }
 }
 
@@ -426,6 +491,62 @@ __device__ __forceinline__ void kv_write(const kvp_kv_write_params& p) {
     const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v));
     *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.kv.k_cache) + dst) = kv;
     *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.kv.v_cache) + dst) = vv;
+}
+
+// KV write into an e4m3 cache: the same scatter, quantising on the way. The
+// CPR threads of one (token, head) row (a power of two <= 32, so a row never
+// straddles a warp) hold 8 elements each; with per-(token, head) scales
+// they reduce the row's largest magnitude and the row's first thread stores
+// its scale, amax / 448; with one scale for the cache they divide by it.
+// Elements saturate to +-448.
+template <typename T, int D>
+__device__ __forceinline__ void kv_write_e4m3(const kvp_kv_write_params& p) {
+    constexpr int CPR = D / 8;  // 16-byte chunks of a 16-bit row
+    static_assert(CPR <= 32 && (CPR & (CPR - 1)) == 0, "a row's threads share a warp");
+    griddep_wait();
+    griddep_launch_dependents();
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t rows = (int64_t)p.num_tokens * p.kv.num_kv_heads;
+    if (idx >= rows * CPR) return;  // whole rows: rows * CPR is a multiple of CPR
+    const int c = (int)(idx % CPR);
+    const int64_t row = idx / CPR;
+    const int h = (int)(row % p.kv.num_kv_heads);
+    const int64_t t = row / p.kv.num_kv_heads;
+    const int slot = __ldg(reinterpret_cast<const int32_t*>(p.slot_mapping) + t);
+    if (slot < 0) return;  // the row's threads agree on everything up to here
+    const int blk = slot / p.kv.block_size;
+    const int off = slot - blk * p.kv.block_size;
+    const PagedRows rr = paged_rows(p.kv, 0, h);
+    const int64_t base = rr.offset(blk, off);
+    if (base < 0) return;
+    float k[8], v[8];
+    load_f<T, 8>(reinterpret_cast<const T*>(p.key) + t * p.key_token_stride + h * p.key_head_stride + c * 8, k);
+    load_f<T, 8>(reinterpret_cast<const T*>(p.value) + t * p.value_token_stride + h * p.value_head_stride + c * 8, v);
+    float ks, vs;
+    const int64_t si = rr.scale_index(blk, off);
+    if (rr.tensor_scale) {
+        ks = __ldg(rr.k_scale);
+        vs = __ldg(rr.v_scale);
+    } else {
+        float ka = 0.f, va = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ka = fmaxf(ka, fabsf(k[i])), va = fmaxf(va, fabsf(v[i]));
+        const unsigned lane = threadIdx.x & 31u;
+        const unsigned mask = CPR == 32 ? 0xffffffffu : ((1u << CPR) - 1u) << (lane & ~(unsigned)(CPR - 1));
+#pragma unroll
+        for (int o = CPR / 2; o > 0; o >>= 1) {
+            ka = fmaxf(ka, __shfl_xor_sync(mask, ka, o));
+            va = fmaxf(va, __shfl_xor_sync(mask, va, o));
+        }
+        ks = e4m3_row_scale(ka);
+        vs = e4m3_row_scale(va);
+        if (c == 0) {
+            const_cast<float*>(rr.k_scale)[si] = ks;
+            const_cast<float*>(rr.v_scale)[si] = vs;
+        }
+    }
+    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(p.kv.k_cache) + base + c * 8) = quant8(k, ks);
+    *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(p.kv.v_cache) + base + c * 8) = quant8(v, vs);
 }
 
 // ---- split combine (decode workspace -> out, lse) --------------------------

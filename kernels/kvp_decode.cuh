@@ -26,17 +26,29 @@ struct DecodeStages {
     static constexpr int value = D <= 64 ? 4 : (D <= 128 ? 3 : 2);
 };
 
-template <int D, int STAGES_ = DecodeStages<D>::value>
+// An e4m3 cache streams half the bytes per tile: one stage deeper.
+template <int D>
+struct DecodeStagesE4M3 {
+    static constexpr int value = DecodeStages<D>::value + 1;
+};
+
+// E4M3: the stages hold raw e4m3 tiles and their scales, dequantised once
+// per tile into one 16-bit K/V tile pair (CONV) that the mainloop reads.
+template <int D, int STAGES_ = DecodeStages<D>::value, bool E4M3 = false>
 struct DecodeCfg {
     static constexpr int TILE = KVP_DECODE_TILE;  // tokens per pipeline stage
     static constexpr int STAGES = STAGES_;
     static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
     static constexpr int CPR = D / 8;        // 16-byte chunks per 16-bit row
-    static constexpr int KV_TILE_BYTES = TILE * D * 2;
-    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;
+    static constexpr int RAW_CPR = E4M3 ? D / 16 : CPR;  // per cache row
+    static constexpr int KV_TILE_BYTES = TILE * D * 2;    // a 16-bit tile
+    static constexpr int RAW_TILE_BYTES = TILE * RAW_CPR * 16;
+    static constexpr int SCALE_BYTES = E4M3 ? TILE * 4 : 0;
+    static constexpr int STAGE_BYTES = 2 * RAW_TILE_BYTES + 2 * SCALE_BYTES;
+    static constexpr int CONV_BYTES = E4M3 ? 2 * KV_TILE_BYTES : 0;
     static constexpr int Q_BYTES = 16 * D * 2;
-    static constexpr int OFF_BYTES = RING * TILE * 8;
-    static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + OFF_BYTES;
+    static constexpr int OFF_BYTES = RING * TILE * 8 * (E4M3 ? 2 : 1);  // row (and scale) offsets
+    static constexpr int SMEM = STAGES * STAGE_BYTES + CONV_BYTES + Q_BYTES + OFF_BYTES;
     static constexpr int RED_STRIDE = D + 8;  // padded fp32 row of the final merge
     static_assert(4 * 16 * RED_STRIDE * 4 + 2 * 64 * 4 <= STAGES * STAGE_BYTES, "merge scratch fits");
 };
@@ -154,19 +166,28 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
 // w.rows rows (o unnormalised, st the row's state). SIGNAL: call
 // griddep_launch_dependents after the K/V loop. The shared memory (at least
 // DecodeCfg<D, STAGES>::SMEM) is free again on return.
-template <typename T, int D, int STAGES, bool SIGNAL, class QRow, class LoadLen, class Store>
-__device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, const T* qp, const T* kc, const T* vc,
+template <typename T, int D, int STAGES, bool SIGNAL, typename KT = T, class QRow, class LoadLen, class Store>
+__device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, const T* qp, const KT* kc, const KT* vc,
                                             float scale, QRow qrow, LoadLen load_len, Store store, uint8_t* smem) {
-    using C = DecodeCfg<D, STAGES>;
+    constexpr bool E4M3 = sizeof(KT) == 1;
+    using C = DecodeCfg<D, STAGES, E4M3>;
     constexpr int TILE = C::TILE, RING = C::RING, CPR = C::CPR;
     constexpr int NT = KVP_DECODE_THREADS;
-    constexpr int CHUNKS_PER_THREAD = TILE * CPR / NT;  // per tensor (K or V) per stage
-    static_assert(TILE * CPR % NT == 0, "tile chunks divide evenly");
-    static_assert(NT / CPR * CHUNKS_PER_THREAD == TILE, "row mapping");
+    constexpr int CHUNKS_PER_THREAD = TILE * C::RAW_CPR / NT;  // per tensor (K or V) per stage
+    static_assert(TILE * C::RAW_CPR % NT == 0, "tile chunks divide evenly");
+    static_assert(NT / C::RAW_CPR * CHUNKS_PER_THREAD == TILE, "row mapping");
+    static_assert(!E4M3 || NT == 2 * TILE, "one scale per thread (gather_kv_scales)");
 
-    uint8_t* s_kv = smem;                                           // [STAGES][K tile, V tile]
-    uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;                  // [16][D] swizzled
+    uint8_t* s_kv = smem;                              // [STAGES][K tile, V tile(, K scales, V scales)]
+    uint8_t* s_conv = smem + STAGES * C::STAGE_BYTES;  // e4m3: the dequantised [K tile, V tile]
+    uint8_t* s_q = s_conv + C::CONV_BYTES;             // [16][D] swizzled
     int64_t* s_off = reinterpret_cast<int64_t*>(s_q + C::Q_BYTES);  // [RING][TILE]
+    int64_t* s_soff = s_off + RING * TILE;                          // e4m3: [RING][TILE] scale indices
+    // Ring entry i of tile jt, token tid: its row offset (-1: not read) and scale index.
+    auto set_off = [&](int i, bool live, int blk, int off) {
+        s_off[i] = live ? rr.offset(blk, off) : -1;
+        if constexpr (E4M3) s_soff[i] = live ? rr.scale_index(blk, off) : -1;
+    };
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     // Everything that depends on no other load is issued at once: the query
@@ -197,8 +218,7 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     if (tid < TILE) {
 #pragma unroll
         for (int j = 0; j < STAGES; ++j)
-            s_off[j * TILE + tid] =
-                (j < w.n_tiles && w.tile_start(j) + tid < w.end) ? rr.offset(pblk[j], poff[j]) : -1;
+            set_off(j * TILE + tid, j < w.n_tiles && w.tile_start(j) + tid < w.end, pblk[j], poff[j]);
     }
     // Table entry of tile STAGES, stored at the end of iteration 0.
     int cblk = pblk[STAGES], coff = poff[STAGES];
@@ -215,9 +235,13 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     const uint64_t policy = l2_evict_first();
     auto issue = [&](int j) {
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        gather_kv_tile<T, CPR, CHUNKS_PER_THREAD, NT>(
-            sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TILE, kc, vc, tid,
-            [&](uint32_t dst, const T* src, int bytes) { cp_async16(dst, src, bytes, policy); });
+        gather_kv_tile<KT, C::RAW_CPR, CHUNKS_PER_THREAD, NT>(
+            sk, sk + C::RAW_TILE_BYTES, s_off + (j % RING) * TILE, kc, vc, tid,
+            [&](uint32_t dst, const KT* src, int bytes) { cp_async16(dst, src, bytes, policy); });
+        if constexpr (E4M3) {
+            const uint32_t ss = sk + 2 * C::RAW_TILE_BYTES;
+            gather_kv_scales<TILE>(ss, ss + C::SCALE_BYTES, s_soff + (j % RING) * TILE, rr, tid);
+        }
     };
 
 #pragma unroll
@@ -261,7 +285,17 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         if (tid < TILE && j + STAGES + 1 < w.n_tiles) nblk = rr.load_block(w.tile_start(j + STAGES + 1) + tid, noff);
 
         const int st = j % STAGES;
-        const uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
+        uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
+        if constexpr (E4M3) {
+            // Tile j's raw stage into the 16-bit pair; the barrier at the top
+            // of iteration j made both the stage and the pair ready for it.
+            const uint8_t* raw = s_kv + st * C::STAGE_BYTES;
+            const float* sc = reinterpret_cast<const float*>(raw + 2 * C::RAW_TILE_BYTES);
+            dequant_kv_tile<T, D, CHUNKS_PER_THREAD, NT>(raw, raw + C::RAW_TILE_BYTES, sc, sc + TILE, s_conv,
+                                                         s_conv + C::KV_TILE_BYTES, tid);
+            __syncthreads();
+            sk = smem_u32(s_conv);
+        }
         const uint32_t sv = sk + C::KV_TILE_BYTES;
 
         // S = Q K^T: 16 rows x 16 tokens (two n-tiles of 8 tokens).
@@ -333,8 +367,7 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         }
 
         const int jt = j + STAGES;
-        if (tid < TILE && jt < w.n_tiles)
-            s_off[(jt % RING) * TILE + tid] = w.tile_start(jt) + tid < w.end ? rr.offset(cblk, coff) : -1;
+        if (tid < TILE && jt < w.n_tiles) set_off((jt % RING) * TILE + tid, w.tile_start(jt) + tid < w.end, cblk, coff);
         cblk = nblk;
         coff = noff;
     }
@@ -398,7 +431,8 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 }
 
 // ---- f16 / bf16: the decode kernel ---------------------------------------------
-template <typename T, int D>
+// KT: the cache's element type, T or uint8_t (e4m3).
+template <typename T, int D, typename KT = T>
 __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     extern __shared__ __align__(128) uint8_t smem[];
     griddep_wait();  // inputs may come from the previous kernel (PDL launch)
@@ -407,9 +441,10 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     if (q0 < 0) return;
     const PagedRows rr = paged_rows(p.kv, w.b, w.kvh);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
-    decode_tile<T, D, DecodeStages<D>::value, true>(
-        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
-        reinterpret_cast<const T*>(p.kv.v_cache), p.scale,
+    constexpr int STAGES = sizeof(KT) == 1 ? DecodeStagesE4M3<D>::value : DecodeStages<D>::value;
+    decode_tile<T, D, STAGES, true, KT>(
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
+        reinterpret_cast<const KT*>(p.kv.v_cache), p.scale,
         [&](int t, int qh) { return (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] {
             const int L = lens[w.b];
@@ -428,6 +463,12 @@ __device__ __forceinline__ void paged_decode(const kvp_decode_params& p) {
     } else {
         paged_decode_tc<T, D>(p);
     }
+}
+
+// Over an e4m3 cache (16-bit T only).
+template <typename T, int D>
+__device__ __forceinline__ void paged_decode_e4m3(const kvp_decode_params& p) {
+    paged_decode_tc<T, D, uint8_t>(p);
 }
 
 }  // namespace kvp

@@ -31,7 +31,7 @@
 
 KVP_LAYOUT(kvp_paged_kv_params, 96, (v_cache, 8)(block_table, 16)(k_scale, 24)(v_scale, 32)(block_stride, 40)
            (token_stride, 48)(head_stride, 56)(block_table_stride, 64)(num_kv_heads, 72)(block_size, 76)(num_blocks, 80)
-           (max_blocks_per_seq, 84)(dtype, 88)(reserved, 92));
+           (max_blocks_per_seq, 84)(dtype, 88)(scale_kind, 92));
 KVP_LAYOUT(kvp_kv_write_params, 160, (kv, 0)(key, 96)(slot_mapping, 112)(key_token_stride, 120)(value_head_stride, 144)
            (num_tokens, 152)(reserved, 156));
 KVP_LAYOUT(kvp_decode_params, 200, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
@@ -49,6 +49,10 @@ static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header f
 static_assert(kvp::DecodeCfg<64>::SMEM == 70144, "smem h64 (header formula)");
 static_assert(kvp::DecodeCfg<128>::SMEM == 104448, "smem h128 (header formula)");
 static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)");
+#define KVP_DECODE_E4M3_SMEM(D) kvp::DecodeCfg<D, kvp::DecodeStagesE4M3<D>::value, true>::SMEM
+static_assert(KVP_DECODE_E4M3_SMEM(64) == 68096, "e4m3 smem h64 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(128) == 109568, "e4m3 smem h128 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(256) == 177664, "e4m3 smem h256 (header formula)");
 
 // ---------------------------------------------------------------------------
 // Instantiations: every kernel for every (dtype, head_dim). KVP_KERNEL
@@ -76,6 +80,19 @@ KVP_INSTANTIATE(f16, kvp::f16, 256)
 KVP_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_INSTANTIATE(bf16, kvp::bf16, 256)
+
+// Over an e4m3 cache: the KV write that quantises and the decode that
+// dequantises (their combine is the 16-bit one).
+#define KVP_E4M3_INSTANTIATE(DT, T, D)                                                                    \
+    KVP_KERNEL(kvp_kv_write, kvp_kv_write_params, kvp::kv_write_e4m3, DT##_e4m3, T, D, KVP_KV_WRITE_THREADS) \
+    KVP_KERNEL(kvp_paged_decode, kvp_decode_params, kvp::paged_decode_e4m3, DT##_e4m3, T, D, KVP_DECODE_THREADS)
+
+KVP_E4M3_INSTANTIATE(f16, kvp::f16, 64)
+KVP_E4M3_INSTANTIATE(f16, kvp::f16, 128)
+KVP_E4M3_INSTANTIATE(f16, kvp::f16, 256)
+KVP_E4M3_INSTANTIATE(bf16, kvp::bf16, 64)
+KVP_E4M3_INSTANTIATE(bf16, kvp::bf16, 128)
+KVP_E4M3_INSTANTIATE(bf16, kvp::bf16, 256)
 
 // Hopper prefill (kvp_prefill_sm90.cuh): real code only in the sm_90a pass.
 #include "kvp_prefill_sm90.cuh"

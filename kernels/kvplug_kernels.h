@@ -10,13 +10,17 @@
  *
  * Kernel names (extern "C", no mangling):
  *     kvp_kv_write_<dt>_h<D>
+ *     kvp_kv_write_<dt>_e4m3_h<D>       (quantises into an e4m3 cache)
  *     kvp_paged_decode_<dt>_h<D>
+ *     kvp_paged_decode_<dt>_e4m3_h<D>   (reads an e4m3 cache)
  *     kvp_paged_decode_combine_<dt>_h<D>
  *     kvp_merge_states_<dt>_h<D>
  *     kvp_paged_prefill_<dt>_h<D>
  *     kvp_prefill_plan (one kernel for every dtype and head_dim)
  *     kvp_tier_copy (dtype-blind)
- * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}.
+ * with <dt> in {f32, f16, bf16} and <D> (head_dim) in {64, 128, 256}; the
+ * e4m3 kernels for <dt> in {f16, bf16} (the q, out, key and value dtype; the
+ * cache is e4m3, kv.dtype KVP_KV_E4M3). Their combine is the 16-bit one.
  *
  * Alignment (all kernels): every tensor pointer of the kernel's dtype and the
  * workspace are 16-byte aligned, and every stride of such a tensor is a
@@ -45,8 +49,20 @@
 
 /* 4: the paged cache is one descriptor, kvp_paged_kv_params, the first
  * member `kv` of kvp_kv_write_params, kvp_decode_params, kvp_prefill_params
- * and kvp_cascade_params (their own copies of its fields are gone). */
-#define KVP_KERNELS_ABI_VERSION 4
+ * and kvp_cascade_params (their own copies of its fields are gone).
+ * 5: kv.dtype may be KVP_KV_E4M3 (the e4m3 kernels below), with kv.k_scale,
+ * kv.v_scale and kv.scale_kind (was reserved). */
+#define KVP_KERNELS_ABI_VERSION 5
+
+/* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
+#define KVP_KV_E4M3 4
+/* kv.scale_kind of an e4m3 cache: one float32 scale per (token, kv head),
+ * k_scale/v_scale [num_blocks, block_size, num_kv_heads] contiguous
+ * (element ((blk * block_size + off) * num_kv_heads + h)), written by the KV
+ * write; or one float32 scale for the whole cache (k_scale[0], v_scale[0]),
+ * read by every kernel. A stored value x holds x * scale. */
+#define KVP_KV_SCALE_TOKEN_HEAD 1
+#define KVP_KV_SCALE_TENSOR 2
 
 /* Threads per block for every kernel below. */
 #define KVP_KV_WRITE_THREADS 256
@@ -65,21 +81,20 @@
  *    and V [num_blocks, block_size, num_kv_heads, head_dim] sharing strides
  *    (elements), the block table int32 [rows, block_table_stride] of which
  *    columns < max_blocks_per_seq are read (0 and unused for the KV write),
- *    and room for per-(token, kv head) scale arrays of scaled formats (0
- *    today). The first member, `kv`, of every params struct below that
- *    touches the cache.
+ *    and, for an e4m3 cache, its scale arrays (KVP_KV_SCALE_*). The first
+ *    member, `kv`, of every params struct below that touches the cache.
  * offsets: 0 k_cache, 8 v_cache, 16 block_table, 24 k_scale, 32 v_scale,
  *          40 block_stride, 48 token_stride, 56 head_stride,
  *          64 block_table_stride, 72 num_kv_heads, 76 block_size,
- *          80 num_blocks, 84 max_blocks_per_seq, 88 dtype, 92 reserved;
+ *          80 num_blocks, 84 max_blocks_per_seq, 88 dtype, 92 scale_kind;
  *          size 96.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_paged_kv_params {
     uint64_t k_cache;
     uint64_t v_cache;
     uint64_t block_table;
-    uint64_t k_scale; /* 0 */
-    uint64_t v_scale; /* 0 */
+    uint64_t k_scale; /* float32, e4m3 only (KVP_KV_SCALE_*); else 0 */
+    uint64_t v_scale; /* float32, e4m3 only; else 0 */
     int64_t block_stride;
     int64_t token_stride;
     int64_t head_stride;
@@ -88,8 +103,8 @@ typedef struct kvp_paged_kv_params {
     int32_t block_size;
     int32_t num_blocks;
     int32_t max_blocks_per_seq;
-    int32_t dtype;    /* kvp_dtype code of the cache (1 f16, 2 bf16, 3 f32) */
-    int32_t reserved; /* 0 */
+    int32_t dtype;      /* the cache's: 1 f16, 2 bf16, 3 f32 (the kernel's dt), 4 e4m3 */
+    int32_t scale_kind; /* e4m3: KVP_KV_SCALE_TOKEN_HEAD or _TENSOR; else 0 */
 } kvp_paged_kv_params; /* 96 bytes */
 
 /* ------------------------------------------------------------------------
@@ -226,6 +241,19 @@ static inline uint32_t kvp_decode_smem_bytes(int dtype_bytes, int head_dim) {
     if (dtype_bytes == 4) return 0;
     uint32_t stages = head_dim <= 64 ? 4u : (head_dim <= 128 ? 3u : 2u);
     return stages * 64u * (uint32_t)head_dim * 4u + 16u * (uint32_t)head_dim * 2u + (stages + 1u) * 64u * 8u;
+}
+
+/* Dynamic shared memory of kvp_paged_decode_<dt>_e4m3_h<D>, in bytes:
+ *     stages8(D) * (2 * 64 * D + 2 * 64 * 4)  (raw e4m3 K and V tiles, their scales)
+ *   + 64 * D * 4                              (the dequantised 16-bit K and V tiles)
+ *   + 16 * D * 2                              (query tile)
+ *   + 2 * (stages8(D) + 1) * 64 * 8           (row and scale offsets)
+ *     with stages8(64) = 5, stages8(128) = 4, stages8(256) = 3:
+ *     h64: 68096, h128: 109568, h256: 177664
+ * Resident blocks per SM on sm_90: h64: 3, h128: 2, h256: 1. */
+static inline uint32_t kvp_decode_smem_bytes_e4m3(int head_dim) {
+    uint32_t d = (uint32_t)head_dim, stages = head_dim <= 64 ? 5u : (head_dim <= 128 ? 4u : 3u);
+    return stages * (128u * d + 512u) + 256u * d + 32u * d + 2u * (stages + 1u) * 512u;
 }
 
 /* ------------------------------------------------------------------------

@@ -704,7 +704,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 			return err
 		}
 	}
-	if err := CheckCascadeDType(what, a.DType); err != nil {
+	if err := firstErr(CheckCascadeDType(what, a.DType), a.PagedKV.refuseE4M3(what)); err != nil {
 		return err
 	}
 	if a.MaxBatch < a.Batch || a.MaxBatch < 1 || a.PartOut <= 0 || a.PartLSE <= a.PartOut || a.PartLSE > a.WorkspaceBytes ||

@@ -17,6 +17,7 @@ var image = kimage.Image
 type kernelSet struct {
 	write, decode, combine, merge, prefill *cuda.Kernel
 	prefillSM90                            *cuda.Kernel // nil for f32
+	writeE4M3, decodeE4M3                  *cuda.Kernel // over an e4m3 cache; nil for f32
 }
 
 // prefillPlanKernel writes a prefill plan's work list (one kernel for every
@@ -39,6 +40,9 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 			}
 			if d.Size() == 2 {
 				t[di][hi].prefillSM90 = image.Kernel("kvp_paged_prefill_sm90" + suffix)
+				e4m3 := "_" + d.String() + "_e4m3_h" + strconv.Itoa(h)
+				t[di][hi].writeE4M3 = image.Kernel("kvp_kv_write" + e4m3)
+				t[di][hi].decodeE4M3 = image.Kernel("kvp_paged_decode" + e4m3)
 			}
 		}
 	}
@@ -188,7 +192,11 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 		NumTokens: int32(a.NumTokens),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, Block: cuda.Dim3{X: kvWriteThreads, Y: 1, Z: 1}}
-	return cuda.Launch(m, kernelsFor(a.DType, a.HeadDim).write, cfg, stream, &p)
+	k := kernelsFor(a.DType, a.HeadDim).write
+	if a.E4M3() {
+		k = kernelsFor(a.DType, a.HeadDim).writeE4M3 // same grid: a thread per 8 elements
+	}
+	return cuda.Launch(m, k, cfg, stream, &p)
 }
 
 // PagedDecode runs decode attention over the paged caches on stream: one
@@ -264,7 +272,11 @@ func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.Device
 		Block:  cuda.Dim3{X: decodeThreads, Y: 1, Z: 1},
 		Shared: decodeSharedBytes(a.DType, a.HeadDim),
 	}
-	if err := cuda.Launch(m, ks.decode, cfg, stream, &p); err != nil || splits == 1 {
+	decode := ks.decode
+	if a.E4M3() {
+		decode, cfg.Shared = ks.decodeE4M3, decodeSharedBytesE4M3(a.HeadDim)
+	}
+	if err := cuda.Launch(m, decode, cfg, stream, &p); err != nil || splits == 1 {
 		return err
 	}
 	cfg = cuda.LaunchConfig{
@@ -347,6 +359,14 @@ func Prepare() error {
 			}
 			if err := m.Prepare(ks.decode, decodeSharedBytes(d, h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
 				return err
+			}
+			if ks.writeE4M3 != nil {
+				if err := m.Prepare(ks.writeE4M3, 0); err != nil {
+					return err
+				}
+				if err := m.Prepare(ks.decodeE4M3, decodeSharedBytesE4M3(h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
+					return err
+				}
 			}
 			if err := m.Prepare(ks.prefill, prefillSharedBytes(d, h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
 				return err

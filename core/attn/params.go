@@ -95,6 +95,21 @@ func decodeSharedBytes(d DType, headDim int) uint32 {
 	return stages*64*D*4 + 16*D*2 + (stages+1)*64*8
 }
 
+// decodeSharedBytesE4M3 is kvp_decode_smem_bytes_e4m3: the e4m3 decode
+// kernel's (raw tiles and scales one stage deeper, the dequantised 16-bit
+// tile pair, the query tile, rings of row and scale offsets).
+func decodeSharedBytesE4M3(headDim int) uint32 {
+	stages := uint32(3)
+	switch {
+	case headDim <= 64:
+		stages = 5
+	case headDim <= 128:
+		stages = 4
+	}
+	D := uint32(headDim)
+	return stages*(128*D+512) + 256*D + 32*D + 2*(stages+1)*512
+}
+
 // decodeBlocksPerSM is the resident decode blocks per SM on sm_90 that the
 // header gives for the split heuristic.
 func decodeBlocksPerSM(d DType, headDim int) int {

@@ -518,6 +518,9 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 	if int64(p.TotalQ)*int64(p.NumQHeads) > math.MaxInt32 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: plan total_q * num_q_heads must be below 2^31", what)
 	}
+	if err := l.PagedKV.refuseE4M3(what); err != nil {
+		return e, err
+	}
 	var err error
 	if e.cache, e.table, err = l.PagedKV.validate(what, p.DType, p.HeadDim, p.NumKVHeads, true, p.Batch); err != nil {
 		return e, err

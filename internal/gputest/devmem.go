@@ -78,7 +78,7 @@ func F32s(raw []byte) []float32 {
 
 // NaN is an element type whose NaN can fill device memory: attn.DType.
 type NaN interface {
-	Size() int       // bytes per element: 2 or 4
+	Size() int       // bytes per element: 1, 2 or 4
 	NaNBits() uint32 // the element's NaN, in its low Size() bytes
 }
 
@@ -86,9 +86,13 @@ type NaN interface {
 func Poison(t testing.TB, p cuda.DevicePtr, n int, d NaN) {
 	t.Helper()
 	var err error
-	if d.Size() == 2 {
+	switch d.Size() {
+	case 1: // e4m3: the byte repeated
+		b := d.NaNBits() & 0xff
+		err = cuda.Memset32(p, b*0x01010101, n/4)
+	case 2:
 		err = cuda.Memset16(p, uint16(d.NaNBits()), n/2)
-	} else {
+	default:
 		err = cuda.Memset32(p, d.NaNBits(), n/4)
 	}
 	if err != nil {

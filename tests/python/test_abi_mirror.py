@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import kvplug
-from kvplug import _capi, _lib, attn, cascade, events, manager, prefix, vmem
+from kvplug import _capi, _lib, _tensors as _t, attn, cascade, events, manager, prefix, vmem
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER = ROOT / "include" / "kvplug.h"
@@ -134,7 +134,10 @@ def test_status_codes_match_the_header():
 
 def test_dtype_codes_match_the_header():
     c = _enum("kvp_dtype")
-    assert {"KVP_DTYPE_F16": attn.DTYPE_F16, "KVP_DTYPE_BF16": attn.DTYPE_BF16, "KVP_DTYPE_F32": attn.DTYPE_F32} == c
+    assert {"KVP_DTYPE_F16": attn.DTYPE_F16, "KVP_DTYPE_BF16": attn.DTYPE_BF16, "KVP_DTYPE_F32": attn.DTYPE_F32,
+            "KVP_DTYPE_E4M3": attn.DTYPE_E4M3} == c
+    s = _enum("kvp_kv_scale")
+    assert s == {"KVP_KV_SCALE_NONE": 0, "KVP_KV_SCALE_TOKEN_HEAD": _t.SCALE_TOKEN_HEAD, "KVP_KV_SCALE_TENSOR": _t.SCALE_TENSOR}
 
 
 def test_version_matches_the_header():

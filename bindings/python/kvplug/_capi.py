@@ -194,7 +194,7 @@ class PagedKV(ctypes.Structure):
         _u64, "k_cache", "v_cache",
     ) + _ints(_i64, "block_stride", "token_stride", "head_stride") + _TABLE + _ints(
         _i32, "max_blocks_per_seq", "head_dim",
-    ) + _ints(_u64, "k_scale", "v_scale")
+    ) + _ints(_u64, "k_scale", "v_scale") + _ints(_i32, "scale_kind", "reserved")
 
 
 class KVLayersStruct(ctypes.Structure):

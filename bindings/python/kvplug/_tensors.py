@@ -24,6 +24,8 @@ from ._capi import AttnPlan, PagedKV, PagedPrefillArgs
 from ._lib import C
 
 DTYPE_F16, DTYPE_BF16, DTYPE_F32 = 1, 2, 3  # enum kvp_dtype
+DTYPE_E4M3 = 4  # a cache format only (torch.float8_e4m3fn)
+SCALE_TOKEN_HEAD, SCALE_TENSOR = 1, 2  # enum kvp_kv_scale
 
 # The device type the kernels read; tests of the packing set it to "cpu".
 DEVICE_TYPE = "cuda"
@@ -146,6 +148,22 @@ def workspace(t: Any, device: Any) -> Tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+def is_e4m3(t: Any) -> bool:
+    """Whether t is an FP8 e4m3 tensor (torch.float8_e4m3fn), the cache
+    format of kvp_paged_kv.dtype KVP_DTYPE_E4M3."""
+    return t.dtype == getattr(torch(), "float8_e4m3fn", None)
+
+
+def call_dtype(t: Any, cache: Any, what: str) -> None:
+    """Checks that t (q, key or value) may go with cache: the cache's dtype,
+    or float16/bfloat16 over an e4m3 cache."""
+    if is_e4m3(cache):
+        if dtype_code(t, what) not in (DTYPE_F16, DTYPE_BF16):
+            raise bad(f"{what} has dtype {t.dtype}; an e4m3 cache is read and written by float16 or bfloat16 tensors")
+    else:
+        same_dtype(t, cache.dtype, what)
+
+
 def cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
     cuda_tensor(k_cache, "k_cache", 4)
     cuda_tensor(v_cache, "v_cache", 4, k_cache.device)
@@ -159,18 +177,29 @@ def cache_strides(k_cache: Any, v_cache: Any) -> Tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
-def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0) -> PagedKV:
+def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0,
+             k_scale: Any = None, v_scale: Any = None) -> PagedKV:
     """The one packer of a layer's cache (kvp_paged_kv) for every call that
     reads or writes it: the caches' checks, sizes and strides and, with
     block_table (int32 [rows, max_blocks], rows checked by the caller), the
-    table's. The calls set the addresses (k_cache, v_cache, block_table) per
-    call, inline: the per-layer path pays no further function call."""
+    table's. An e4m3 cache (torch.float8_e4m3fn) comes with its float32
+    scales: k_scale and v_scale [num_blocks, block_size, num_kv_heads]
+    (one per token and kv head) or of one element each (one per cache).
+    The calls set the addresses (k_cache, v_cache, block_table, k_scale,
+    v_scale) per call, inline: the per-layer path pays no further function
+    call."""
     cb, ct, ch = cache_strides(k_cache, v_cache)
     nb, bs, kvh, d = k_cache.shape
     ci = _lib.checked_int
     kv = PagedKV()
     kv.struct_size = ctypes.sizeof(PagedKV)
-    kv.dtype = dtype_code(k_cache, "k_cache")
+    if is_e4m3(k_cache):
+        kv.dtype = DTYPE_E4M3
+        kv.scale_kind = scale_kind(k_scale, v_scale, tuple(k_cache.shape[:3]), k_cache.device)
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise bad(f"k_scale and v_scale belong to an e4m3 cache; this one is {k_cache.dtype}")
+        kv.dtype = dtype_code(k_cache, "k_cache")
     kv.num_kv_heads, kv.head_dim = ci(kvh, "num_kv_heads", "int32"), ci(d, "head_dim", "int32")
     kv.num_blocks, kv.block_size = ci(nb, "num_blocks", "int32"), ci(bs, "block_size", "int32")
     kv.block_stride, kv.token_stride, kv.head_stride = cb, ct, ch
@@ -179,6 +208,30 @@ def paged_kv(k_cache: Any, v_cache: Any, block_table: Any = None, rows: int = 0)
         kv.max_blocks_per_seq = ci(block_table.shape[1], "max_blocks_per_seq", "int32")
         kv.block_table_stride = block_table.stride(0) if rows > 1 else block_table.shape[1]
     return kv
+
+
+def scale_kind(k_scale: Any, v_scale: Any, shape: Tuple[int, int, int], dev: Any) -> int:
+    """The kvp_kv_scale of an e4m3 cache's scales (float32, contiguous, on
+    dev): SCALE_TOKEN_HEAD for [num_blocks, block_size, num_kv_heads],
+    SCALE_TENSOR for one element each."""
+    if k_scale is None or v_scale is None:
+        raise bad("an e4m3 cache needs k_scale and v_scale: float32 [num_blocks, block_size, num_kv_heads] "
+                  "(one scale per token and kv head) or one element each (one scale per cache)")
+    t = torch()
+    kinds = []
+    for s, what in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        cuda_tensor(s, what, s.dim(), dev)
+        same_dtype(s, t.float32, what)
+        if tuple(s.shape) == shape and s.is_contiguous():
+            kinds.append(SCALE_TOKEN_HEAD)
+        elif s.numel() == 1:
+            kinds.append(SCALE_TENSOR)
+        else:
+            raise bad(f"{what} has shape {tuple(s.shape)}; a contiguous {list(shape)} (one scale per token and kv head) "
+                      "or one element (one per cache) expected")
+    if kinds[0] != kinds[1]:
+        raise bad("k_scale and v_scale must both be per token and kv head or both one element")
+    return kinds[0]
 
 
 def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:

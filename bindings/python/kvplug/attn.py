@@ -32,13 +32,14 @@ from ._capi import PagedDecodeArgs as _PagedDecodeArgs
 from ._capi import PagedPrefillArgs as _PagedPrefillArgs  # noqa: F401 (the header mirrors keep their names here)
 from ._capi import PrefillPlanArgs as _PrefillPlanArgs
 from ._lib import C
-from ._tensors import DTYPE_BF16, DTYPE_F16, DTYPE_F32, bad as _bad, check as _check, host_i32 as _host_i32
+from ._tensors import DTYPE_BF16, DTYPE_E4M3, DTYPE_F16, DTYPE_F32, bad as _bad, check as _check, host_i32 as _host_i32
 from ._tensors import layout as _layout
 
 __all__ = [
     "DTYPE_F16",
     "DTYPE_BF16",
     "DTYPE_F32",
+    "DTYPE_E4M3",
     "MERGE_MAX_STATES",
     "cuda_available",
     "prepare",
@@ -128,15 +129,16 @@ _kv_write_tls = threading.local()
 _decode_tls = threading.local()
 
 
-def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> _t.Packed:
+def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, k_scale: Any,
+                   v_scale: Any) -> _t.Packed:
     """Every check of kv_write's tensors, and its struct with their sizes and
     strides (the addresses are the caller's to set)."""
-    kv = _t.paged_kv(k_cache, v_cache)
+    kv = _t.paged_kv(k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
     dev = k_cache.device
     _t.cuda_tensor(key, "key", 3, dev)
     _t.cuda_tensor(value, "value", 3, dev)
-    _t.same_dtype(key, k_cache.dtype, "key")
-    _t.same_dtype(value, k_cache.dtype, "value")
+    _t.call_dtype(key, k_cache, "key")
+    _t.same_dtype(value, key.dtype, "value")
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     for t, name in ((key, "key"), (value, "value")):
         if tuple(t.shape[1:]) != (kvh, d):
@@ -154,34 +156,52 @@ def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
     return _t.Packed(a, dev, kv=kv)
 
 
-def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None) -> None:
+def _scale_layout(k_scale: Any, v_scale: Any) -> Any:
+    return None if k_scale is None and v_scale is None else (_layout(k_scale), _layout(v_scale))
+
+
+def _set_scales(kv: Any, k_scale: Any, v_scale: Any) -> None:
+    if k_scale is not None:
+        kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+
+
+def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None,
+             k_scale: Any = None, v_scale: Any = None) -> None:
     """Writes key and value ([num_tokens, num_kv_heads, head_dim]) into the
     caches ([num_blocks, block_size, num_kv_heads, head_dim]) at
     slot_mapping (int32 [num_tokens]; slot = block * block_size + offset,
-    negative = padding, skipped)."""
+    negative = padding, skipped).
+
+    An FP8 cache (torch.float8_e4m3fn caches under float16 or bfloat16 key
+    and value) takes its float32 scales: k_scale and v_scale
+    [num_blocks, block_size, num_kv_heads] get each written row's scale
+    (max|x| / 448); one-element scales (calibrated, per cache) are read."""
     try:
-        layout = (_layout(key), _layout(value), _layout(k_cache), _layout(v_cache), _layout(slot_mapping))
+        layout = (_layout(key), _layout(value), _layout(k_cache), _layout(v_cache), _layout(slot_mapping),
+                  _scale_layout(k_scale, v_scale))
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_kv_write_tls, layout)
     if p is None:
-        p = _t.keep(_kv_write_tls, _pack_kv_write(key, value, k_cache, v_cache, slot_mapping), layout)
+        p = _t.keep(_kv_write_tls, _pack_kv_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale), layout)
     a = p.args
     a.key, a.value, a.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
     kv = p.kv
     kv.k_cache, kv.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    _set_scales(kv, k_scale, v_scale)
     _t.launch(C.kvp_kv_write, p.index, stream, p.addr)
 
 
 def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, out: Any, lse: Any,
-                 workspace: Any, return_lse: bool, q_len: int) -> Tuple[_t.Packed, Any, Any]:
+                 workspace: Any, return_lse: bool, q_len: int, k_scale: Any,
+                 v_scale: Any) -> Tuple[_t.Packed, Any, Any]:
     """Every check of paged_decode's tensors, and its struct with their sizes
     and strides; returns it with out and lse (allocated where needed)."""
     torch = _t.torch()
     _t.cuda_tensor(k_cache, "k_cache", 4)
     dev = k_cache.device
     _t.cuda_tensor(q, "q", 3, dev)
-    _t.same_dtype(q, k_cache.dtype, "q")
+    _t.call_dtype(q, k_cache, "q")
     d = k_cache.shape[3]
     q_len = _t.i32(q_len, "paged_decode: q_len")
     if not 1 <= q_len <= DECODE_MAX_Q_LEN or q.shape[0] % q_len:
@@ -190,7 +210,7 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     if q.shape[2] != d:
         raise _bad(f"q has head_dim {q.shape[2]}, the caches {d}")
     _t.rows(q, "q")
-    kv = _t.paged_kv(k_cache, v_cache, block_table, batch)
+    kv = _t.paged_kv(k_cache, v_cache, block_table, batch, k_scale, v_scale)
     _t.index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
         raise _bad(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries for batch {batch}")
@@ -221,6 +241,8 @@ def paged_decode(
     return_lse: bool = False,
     stream: Any = None,
     q_len: int = 1,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Any:
     """Decode attention of q ([batch * q_len, num_q_heads, head_dim]: q_len
     new tokens per sequence, 1 to 16, the last q_len of its seq_lens[b]
@@ -230,16 +252,19 @@ def paged_decode(
     [batch * q_len, num_q_heads], natural log; allocated when None).
     workspace: a CUDA tensor of at least workspace_size(batch * q_len, ...)
     bytes enabling split-KV; num_splits 0 lets the library choose from
-    max_seq_len (0: max_blocks * block_size)."""
+    max_seq_len (0: max_blocks * block_size). An FP8 cache
+    (torch.float8_e4m3fn, under float16 or bfloat16 q) comes with its
+    float32 scales k_scale and v_scale, as kv_write takes them."""
     try:
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
-                  workspace is not None and _layout(workspace), q_len)
+                  workspace is not None and _layout(workspace), q_len, _scale_layout(k_scale, v_scale))
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_decode_tls, layout)
     if p is None:
-        p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse, q_len)
+        p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse, q_len,
+                                   k_scale, v_scale)
         _t.keep(_decode_tls, p, layout)
     else:
         out, lse = _t.new_outputs(p, q, out, lse, return_lse)
@@ -250,6 +275,7 @@ def paged_decode(
     a.q, a.seq_lens, a.out = q.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
     kv = p.kv
     kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
+    _set_scales(kv, k_scale, v_scale)
     a.lse = 0 if lse is None else lse.data_ptr()
     a.workspace = 0 if workspace is None else workspace.data_ptr()
     _t.launch(C.kvp_paged_decode, p.index, stream, p.addr)

@@ -85,6 +85,14 @@ func KVWrite(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache, vC
 // merges them, so tests can compare a split launch with the same partition;
 // the result equals the unsplit attention up to float64 rounding.
 func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
+	if l.PagedKV.E4M3() {
+		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: an e4m3 cache comes with its scales: PagedDecodeE4M3")
+	}
+	return pagedDecode(l, l.DType, q, kCache, vCache, table, seqLens, out, lse, numSplits)
+}
+
+// pagedDecode is PagedDecode over caches of element type cacheDT.
+func pagedDecode(l *attn.DecodeLayout, cacheDT attn.DType, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
 	e, err := l.Extents()
 	if err != nil {
 		return err
@@ -94,8 +102,8 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 	}
 	if err := cmp.Or(
 		needBytes("paged_decode: q", q, e.Q, l.DType),
-		needBytes("paged_decode: k_cache", kCache, e.Cache, l.DType),
-		needBytes("paged_decode: v_cache", vCache, e.Cache, l.DType),
+		needBytes("paged_decode: k_cache", kCache, e.Cache, cacheDT),
+		needBytes("paged_decode: v_cache", vCache, e.Cache, cacheDT),
 		needLen("paged_decode: block_table", table, e.Table),
 		needLen("paged_decode: seq_lens", seqLens, int64(l.Batch)),
 		needBytes("paged_decode: out", out, e.Out, l.DType),
@@ -114,7 +122,7 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 	parts := make([]float64, numSplits*D)
 	partLSE := make([]float64, numSplits)
 	var scores []float64
-	kv := NewKeys(l.DType, &l.PagedKV, kCache)
+	kv := NewKeys(cacheDT, &l.PagedKV, kCache)
 	scale := float64(attn.SoftmaxScale(l.Scale, l.HeadDim))
 	for b := 0; b < l.Batch; b++ {
 		L := int(seqLens[b])
@@ -139,7 +147,7 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 					var rows []int64
 					scores, rows = kv.Score(tableRow, g, qv, scale, lo, max(lo, hi), scores[:0], nil)
 					part := parts[s*D : (s+1)*D]
-					partLSE[s] = Attend(l.DType, vCache, rows, scores, part)
+					partLSE[s] = Attend(cacheDT, vCache, rows, scores, part)
 				}
 				st := Merge(acc, parts, partLSE[:numSplits], D)
 				oo := row*l.OutBatchStride + int64(i)*l.OutHeadStride

@@ -1,0 +1,183 @@
+"""FP8 (e4m3) KV-cache decode beside kvplug's 16-bit decode and FlashInfer's
+FP8 decode, at the nine B x L shapes of the decode table (Llama-3-8B heads:
+32 q, 8 kv, head_dim 128, block size 16, bf16 q).
+
+Timing (triton's do_bench, median, L2 cold): kvplug 16-bit (bf16 cache),
+kvplug e4m3 with one scale per (token, kv head) (the cache written by
+attn.kv_write, which quantises), kvplug e4m3 with one scale per cache, and
+FlashInfer's decode (CUDA-core and tensor-core, the better) over the same
+per-cache-scale e4m3 bytes. The FP8 floor is the bytes a decode must read
+(e4m3 K and V, plus the token-head scales for kvplug's default mode) at the
+copy bandwidth measured in the same run (torch copy of 1 GiB: read + write).
+
+Accuracy (--acc): B=8 x L=4096 with real-model-like outliers (4 of 128 K
+channels 20-50x the rest), relative L2 error of each FP8 decode against a
+float64 attention over the original bf16 K and V.
+
+Usage: python3 bench/fp8_decode_bench.py [--no-fi] [--acc] [--json FILE]
+Prints markdown tables.
+"""
+
+import argparse
+import json
+import math
+
+import torch
+from triton.testing import do_bench
+
+from kvplug import attn
+
+HQ, HK, D, BS = 32, 8, 128, 16
+PLAIN = [(1, 512), (1, 4096), (1, 16384), (8, 512), (8, 4096), (32, 2048), (32, 4096), (64, 8192), (128, 2048)]
+E4M3 = torch.float8_e4m3fn
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth():
+    """Bytes per second of a device copy (read + write)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    x.random_(0, 255)
+    us = timed(lambda: y.copy_(x))
+    return 2 * x.numel() / (us * 1e-6)
+
+
+class Batch:
+    def __init__(self, B, L, gen, outliers=False):
+        self.B, self.L = B, L
+        nb = math.ceil(L / BS)
+        self.num_blocks = B * nb
+        perm = torch.randperm(self.num_blocks, generator=gen, device="cuda").to(torch.int32)
+        self.table = perm.view(B, nb).contiguous()
+        self.seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        shape = (self.num_blocks, BS, HK, D)
+        self.k = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+        self.v = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+        if outliers:
+            ch = torch.randperm(D, generator=gen, device="cuda")[:4]
+            mult = 20 + 30 * torch.rand(4, generator=gen, device="cuda")
+            self.k[..., ch] *= mult.to(torch.bfloat16)
+        self.q = torch.randn((B, HQ, D), dtype=torch.bfloat16, device="cuda", generator=gen)
+        self.kv_indptr = torch.arange(0, B + 1, dtype=torch.int32, device="cuda") * nb
+        self.kv_indices = self.table.flatten()
+        self.last = torch.full((B,), (L - 1) % BS + 1, dtype=torch.int32, device="cuda")
+        self.ws = torch.empty(attn.workspace_size(B, HQ, D), dtype=torch.uint8, device="cuda")
+        # e4m3 caches written by kvplug's KV write from the bf16 ones.
+        slots = torch.arange(self.num_blocks * BS, dtype=torch.int32, device="cuda")
+        key, val = self.k.view(-1, HK, D), self.v.view(-1, HK, D)
+        self.k8, self.v8 = torch.empty(shape, dtype=E4M3, device="cuda"), torch.empty(shape, dtype=E4M3, device="cuda")
+        self.ks = torch.empty(shape[:3], dtype=torch.float32, device="cuda")
+        self.vs = torch.empty_like(self.ks)
+        attn.kv_write(key, val, self.k8, self.v8, slots, k_scale=self.ks, v_scale=self.vs)
+        # One scale per cache: the largest magnitude maps to 448.
+        self.kt = (self.k.abs().max().float() / 448).reshape(1)
+        self.vt = (self.v.abs().max().float() / 448).reshape(1)
+        self.k8t, self.v8t = torch.empty_like(self.k8), torch.empty_like(self.v8)
+        attn.kv_write(key, val, self.k8t, self.v8t, slots, k_scale=self.kt, v_scale=self.vt)
+        torch.cuda.synchronize()
+        tokens = B * L * HK
+        self.bytes16 = 2 * tokens * D * 2
+        self.bytes8 = 2 * tokens * (D + 4)  # e4m3 elements and float32 token-head scales
+        self.bytes8t = 2 * tokens * D
+
+    def kvplug(self, k, v, ks=None, vs=None):
+        out = torch.empty_like(self.q)
+        return lambda: attn.paged_decode(self.q, k, v, self.table, self.seq_lens, out=out, workspace=self.ws,
+                                         max_seq_len=self.L, k_scale=ks, v_scale=vs), out
+
+    def fi_fp8(self, tensor_cores):
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+        w.plan(self.kv_indptr, self.kv_indices, self.last, HQ, HK, D, BS, q_data_type=self.q.dtype, kv_data_type=E4M3)
+        out = torch.empty_like(self.q)
+        ks, vs = self.kt.item(), self.vt.item()
+        return lambda: w.run(self.q, (self.k8t, self.v8t), out=out, k_scale=ks, v_scale=vs), out
+
+    def reference(self):
+        """float64 attention over the bf16 K and V: out [B, HQ, D]."""
+        outs = []
+        g = HQ // HK
+        for b in range(self.B):
+            blocks = self.table[b]
+            k = self.k[blocks].reshape(-1, HK, D)[: self.L].double()
+            v = self.v[blocks].reshape(-1, HK, D)[: self.L].double()
+            q = self.q[b].double().view(HK, g, D)
+            s = torch.einsum("hgd,thd->hgt", q, k) / math.sqrt(D)
+            p = torch.softmax(s, dim=-1)
+            outs.append(torch.einsum("hgt,thd->hgd", p, v).reshape(HQ, D))
+        return torch.stack(outs)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-fi", action="store_true")
+    ap.add_argument("--acc", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s")
+    rows = []
+    print("\n| B x L | 16-bit us | e4m3 token-head us | e4m3 tensor us | FlashInfer e4m3 us | e4m3 vs 16-bit | "
+          "vs FlashInfer | of FP8 floor | err vs 16-bit (kvplug, FI) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for B, L in PLAIN:
+        bt = Batch(B, L, gen)
+        f16, o16 = bt.kvplug(bt.k, bt.v)
+        f8, o8 = bt.kvplug(bt.k8, bt.v8, bt.ks, bt.vs)
+        f8t, o8t = bt.kvplug(bt.k8t, bt.v8t, bt.kt, bt.vt)
+        t16, t8, t8t = timed(f16), timed(f8), timed(f8t)
+        tfi, efi = float("nan"), float("nan")
+        if not args.no_fi:
+            best = None
+            for tc in (False, True):
+                ffi, ofi = bt.fi_fp8(tc)
+                t = timed(ffi)
+                if best is None or t < best[0]:
+                    best = (t, ofi)
+            tfi, efi = best[0], rel(best[1], o16)
+        floor = bt.bytes8 / bw * 1e6
+        r = dict(B=B, L=L, us16=t16, us8=t8, us8t=t8t, usfi=tfi, speedup=t16 / t8, vs_fi=tfi / t8,
+                 of_floor=floor / t8, err8=rel(o8, o16), err8t=rel(o8t, o16), errfi=efi)
+        rows.append(r)
+        print(f"| {B} x {L} | {t16:.1f} | {t8:.1f} | {t8t:.1f} | {tfi:.1f} | {r['speedup']:.2f}x | {r['vs_fi']:.2f}x | "
+              f"{r['of_floor']:.2f} | {r['err8']:.1e}, {efi:.1e} |", flush=True)
+        del bt
+        torch.cuda.empty_cache()
+    acc = {}
+    if args.acc:
+        bt = Batch(8, 4096, gen, outliers=True)
+        ref = bt.reference()
+        f16, o16 = bt.kvplug(bt.k, bt.v)
+        f8, o8 = bt.kvplug(bt.k8, bt.v8, bt.ks, bt.vs)
+        f8t, o8t = bt.kvplug(bt.k8t, bt.v8t, bt.kt, bt.vt)
+        f16(), f8(), f8t()
+        acc = dict(bf16=rel(o16, ref), token_head=rel(o8, ref), tensor=rel(o8t, ref))
+        if not args.no_fi:
+            ffi, ofi = bt.fi_fp8(False)
+            ffi()
+            acc["flashinfer_tensor"] = rel(ofi, ref)
+        torch.cuda.synchronize()
+        print("\nAccuracy, B=8 x L=4096, 4 K channels 20-50x: relative L2 error against float64 over the bf16 K/V")
+        print("| cache | error |\n|---|---|")
+        for k, v in acc.items():
+            print(f"| {k} | {v:.2e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_bw=bw, rows=rows, acc=acc), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

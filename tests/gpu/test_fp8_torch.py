@@ -1,0 +1,135 @@
+"""GPU tests of FP8 (e4m3) KV caches through kvplug.attn on torch tensors:
+kv_write quantises (one scale per token and kv head, or one per cache) and
+paged_decode reads the e4m3 cache, against a float64 reference over the
+dequantised cache (e4m3 * scale), outputs poisoned with NaN first; FP8's own
+error against the 16-bit cache stays small; misuse raises. Run as
+tests/gpu/test_attn_torch.py.
+"""
+
+import math
+
+import pytest
+
+from gputest import check_rows, cuda_torch  # noqa: E402
+
+torch = cuda_torch()
+
+import kvplug  # noqa: E402
+from kvplug import attn  # noqa: E402
+
+from test_attn_torch import DEV, TOL, Paged, ragged  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+class Paged8:
+    """p's K and V written by kv_write into e4m3 caches of p's layout: with
+    per-token-head scales ("token") or one scale per cache ("tensor")."""
+
+    def __init__(self, p, kind):
+        shape = tuple(p.k_cache.shape)
+        self.p = p
+        self.k8 = torch.full(shape, float("nan"), device=DEV).to(E4M3)
+        self.v8 = torch.full(shape, float("nan"), device=DEV).to(E4M3)
+        if kind == "token":
+            self.ks = torch.full(shape[:3], float("nan"), device=DEV)
+            self.vs = torch.full(shape[:3], float("nan"), device=DEV)
+        else:
+            self.ks = (p.k.abs().max().float() / 448).reshape(1)
+            self.vs = (p.v.abs().max().float() / 448).reshape(1)
+        attn.kv_write(p.k, p.v, self.k8, self.v8, p.slots, k_scale=self.ks, v_scale=self.vs)
+
+    def dequantized(self):
+        """The caches as float64, e4m3 * scale."""
+        ks, vs = self.ks, self.vs
+        if ks.dim() == 3:
+            ks, vs = ks[..., None], vs[..., None]
+        return self.k8.double() * ks.double(), self.v8.double() * vs.double()
+
+    def reference(self, scale):
+        """float64 attention over the dequantised caches, through p's table."""
+        p = self.p
+        kd, vd = self.dequantized()
+        B, g = len(p.lens), p.qh // p.kvh
+        out = torch.zeros((B, p.qh, p.D), dtype=torch.float64, device=DEV)
+        for b, L in enumerate(p.lens):
+            if L == 0:
+                continue
+            t = torch.arange(L, device=DEV)
+            blk = p.table[b, t // p.bs].long()
+            k = kd[blk, t % p.bs].repeat_interleave(g, dim=1)
+            v = vd[blk, t % p.bs].repeat_interleave(g, dim=1)
+            s = torch.einsum("hd,lhd->hl", p.q[b].double(), k) * scale
+            out[b] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=1), v)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+def test_fp8_write_and_decode(dtype, D, bs, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = Paged(gen, dtype, D, 8, 2, bs, ragged(gen, 6, bs, 500))
+    c = Paged8(p, kind)
+    # Every written row's e4m3 values are within half a step of x / scale.
+    slots = p.slots.long()
+    blk, off = slots // bs, slots % bs
+    kd, _ = c.dequantized()
+    got = kd[blk, off]
+    x = p.k.double()
+    step = torch.maximum(x.abs() / 16, (c.ks[blk, off, :, None] if kind == "token" else c.ks).double() / 1024)
+    assert ((got - x).abs() <= step * 1.0001).all()
+    if kind == "token":
+        amax = p.k.float().abs().amax(dim=2)
+        assert torch.equal(c.ks[blk, off], torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
+    ws = torch.empty(attn.workspace_size(6, 8, D), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(p.q, float("nan"))
+    attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, out=out, workspace=ws, max_seq_len=max(p.lens),
+                      k_scale=c.ks, v_scale=c.vs)
+    torch.cuda.synchronize()
+    scale = 1 / math.sqrt(D)
+    check_rows(out, c.reference(scale), TOL[dtype])
+    exact, _ = p.reference(scale)
+    err = ((out.double() - exact).norm() / exact.norm()).item()
+    assert err < 0.08, f"FP8's error against the 16-bit cache: {err:.3g}"
+
+
+def test_fp8_graph_capture(seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = Paged(gen, torch.bfloat16, 128, 32, 8, 16, [2000, 5, 700])
+    c = Paged8(p, "token")
+    ws = torch.empty(attn.workspace_size(3, 32, 128), dtype=torch.uint8, device=DEV)
+    out = torch.empty_like(p.q)
+    attn.prepare()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, out=out, workspace=ws, max_seq_len=2000,
+                          k_scale=c.ks, v_scale=c.vs)
+    for _ in range(2):
+        p.q.copy_((torch.rand(p.q.shape, generator=gen) * 4 - 2).to(p.q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_rows(out, c.reference(1 / math.sqrt(128)), TOL[torch.bfloat16])
+
+
+def test_fp8_misuse(seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = Paged(gen, torch.bfloat16, 64, 4, 2, 16, [40, 3])
+    c = Paged8(p, "token")
+    with pytest.raises(kvplug.InvalidArgumentError, match="k_scale and v_scale"):
+        attn.kv_write(p.k, p.v, c.k8, c.v8, p.slots)  # no scales
+    with pytest.raises(kvplug.InvalidArgumentError, match="belong to an e4m3 cache"):
+        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, k_scale=c.ks, v_scale=c.vs)
+    with pytest.raises(kvplug.InvalidArgumentError, match="shape"):
+        attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, k_scale=c.ks[:1], v_scale=c.vs[:1])
+    with pytest.raises(kvplug.InvalidArgumentError, match="float16 or bfloat16"):
+        attn.paged_decode(p.q.float(), c.k8, c.v8, p.table, p.seq_lens, k_scale=c.ks, v_scale=c.vs)
+    ws = torch.empty(attn.prefill_workspace_size(2, 2, 4, 2, 64), dtype=torch.uint8, device=DEV)
+    qo = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    plan = attn.prefill_plan(qo, p.seq_lens, 4, 2, 64, torch.bfloat16, ws)
+    with pytest.raises(kvplug.KvplugError):
+        attn.paged_prefill(plan, p.q, c.k8, c.v8, p.table)
