@@ -400,12 +400,21 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
     return (uint32_t)(r * CPR + (c ^ (r & 7))) * 16u;
 }
 
+// The same for a raw e4m3 tile of D-byte rows (D / 16 chunks a row; at D 64
+// two rows share a 128-byte line, so the chunk is XORed with the line).
+template <int D>
+__device__ __forceinline__ uint32_t swz8(int r, int c) {
+    constexpr int CPR = D / 16;
+    const int f = CPR >= 8 ? (r & 7) : ((r >> 1) & (CPR - 1));
+    return (uint32_t)(r * D + 16 * (c ^ f));
+}
+
 // One K/V tile of a sm_80 tile (decode, prefill, cascade) from the paged
 // cache into the K and V tiles at sk and sv ([rows][CPR] 16-byte chunks,
 // swizzled), through its tokens' element offsets offs (-1: unreadable, the
 // chunk zero-filled): CHUNKS chunks of each per thread, copy(dst, src,
 // bytes) a cp.async of 16 bytes with the caller's cache policy. An e4m3
-// cache (T = uint8_t) lands raw and unswizzled, for dequant_kv_tile.
+// cache (T = uint8_t) lands raw, swizzled by swz8.
 template <typename T, int CPR, int CHUNKS, int NT, class Copy>
 __device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t sv, const int64_t* offs, const T* kc, const T* vc,
                                                int tid, Copy copy) {
@@ -415,7 +424,7 @@ __device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t sv, const i
         const int c = tid + i * NT;
         const int r = c / CPR, col = c % CPR;
         const int64_t o = offs[r];
-        const uint32_t dst = sizeof(T) == 1 ? (uint32_t)c * 16u : swz<CPR>(r, col);
+        const uint32_t dst = sizeof(T) == 1 ? swz8<CPR * 16>(r, col) : swz<CPR>(r, col);
         const int bytes = o >= 0 ? 16 : 0;
         const int64_t src = o >= 0 ? o + col * VEC : 0;
         copy(sk + dst, kc + src, bytes);
@@ -442,27 +451,24 @@ __device__ __forceinline__ void gather_kv_scales(uint32_t sks, uint32_t svs, con
     cp_async4((v ? svs : sks) + r * 4, base + (o >= 0 ? o : 0), o >= 0 ? 4 : 0);
 }
 
-// A raw e4m3 K/V tile pair (ROWS rows of D bytes, unswizzled, as
-// gather_kv_tile lands it, scales beside) dequantised into the 16-bit
-// swizzled tiles the mainloops read ([rows][D / 8] chunks): CHUNKS raw
-// chunks of each per thread.
-template <typename T, int D, int CHUNKS, int NT>
-__device__ __forceinline__ void dequant_kv_tile(const uint8_t* rk, const uint8_t* rv, const float* ks, const float* vs,
-                                                uint8_t* dk, uint8_t* dv, int tid) {
-    constexpr int RAW_CPR = D / 16, CPR = D / 8;
-#pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const int c = tid + i * NT;
-        const int r = c / RAW_CPR, col = c % RAW_CPR;
-        uint4 a, b;
-        dequant16<T>(*reinterpret_cast<const uint4*>(rk + c * 16), ks[r] * kE4M3RawFactor, a, b);
-        *reinterpret_cast<uint4*>(dk + swz<CPR>(r, 2 * col)) = a;
-        *reinterpret_cast<uint4*>(dk + swz<CPR>(r, 2 * col + 1)) = b;
-        dequant16<T>(*reinterpret_cast<const uint4*>(rv + c * 16), vs[r] * kE4M3RawFactor, a, b);
-        *reinterpret_cast<uint4*>(dv + swz<CPR>(r, 2 * col)) = a;
-        *reinterpret_cast<uint4*>(dv + swz<CPR>(r, 2 * col + 1)) = b;
-    }
-}
+template <class X>
+struct IsBF16 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsBF16<bf16> {
+    static constexpr bool value = true;
+};
+
+// Cond<B, X, Y>::type: X if B, else Y.
+template <bool B, class X, class Y>
+struct Cond {
+    using type = X;
+};
+template <class X, class Y>
+struct Cond<false, X, Y> {
+    using type = Y;
+};
 
 // ---- 1. KV write -----------------------------------------------------------
 template <typename T, int D>

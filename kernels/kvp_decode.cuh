@@ -26,14 +26,8 @@ struct DecodeStages {
     static constexpr int value = D <= 64 ? 4 : (D <= 128 ? 3 : 2);
 };
 
-// An e4m3 cache streams half the bytes per tile: one stage deeper.
-template <int D>
-struct DecodeStagesE4M3 {
-    static constexpr int value = DecodeStages<D>::value + 1;
-};
-
-// E4M3: the stages hold raw e4m3 tiles and their scales, dequantised once
-// per tile into one 16-bit K/V tile pair (CONV) that the mainloop reads.
+// E4M3: the stages hold raw e4m3 tiles (swz8) and their scales, which the
+// mainloop reads its fragments from (kvp_fp8.cuh).
 template <int D, int STAGES_ = DecodeStages<D>::value, bool E4M3 = false>
 struct DecodeCfg {
     static constexpr int TILE = KVP_DECODE_TILE;  // tokens per pipeline stage
@@ -45,12 +39,13 @@ struct DecodeCfg {
     static constexpr int RAW_TILE_BYTES = TILE * RAW_CPR * 16;
     static constexpr int SCALE_BYTES = E4M3 ? TILE * 4 : 0;
     static constexpr int STAGE_BYTES = 2 * RAW_TILE_BYTES + 2 * SCALE_BYTES;
-    static constexpr int CONV_BYTES = E4M3 ? 2 * KV_TILE_BYTES : 0;
     static constexpr int Q_BYTES = 16 * D * 2;
     static constexpr int OFF_BYTES = RING * TILE * 8 * (E4M3 ? 2 : 1);  // row (and scale) offsets
-    static constexpr int SMEM = STAGES * STAGE_BYTES + CONV_BYTES + Q_BYTES + OFF_BYTES;
+    static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + OFF_BYTES;
     static constexpr int RED_STRIDE = D + 8;  // padded fp32 row of the final merge
-    static_assert(4 * 16 * RED_STRIDE * 4 + 2 * 64 * 4 <= STAGES * STAGE_BYTES, "merge scratch fits");
+    // The merge scratch, used once the pipeline has drained, may reach into
+    // the query tile and the offsets (free by then).
+    static_assert(4 * 16 * RED_STRIDE * 4 + 2 * 64 * 4 <= SMEM, "merge scratch fits");
 };
 
 // What one 16-row decode tile reads: tokens [base, end) of one sequence in
@@ -170,6 +165,10 @@ template <typename T, int D, int STAGES, bool SIGNAL, typename KT = T, class QRo
 __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, const T* qp, const KT* kc, const KT* vc,
                                             float scale, QRow qrow, LoadLen load_len, Store store, uint8_t* smem) {
     constexpr bool E4M3 = sizeof(KT) == 1;
+    // e4m3: the mainloop runs on f16 tiles (every e4m3 value is exact in
+    // f16), the K scales multiply the scores and the V scales the
+    // probabilities, in fp32.
+    using MT = typename Cond<E4M3, f16, T>::type;
     using C = DecodeCfg<D, STAGES, E4M3>;
     constexpr int TILE = C::TILE, RING = C::RING, CPR = C::CPR;
     constexpr int NT = KVP_DECODE_THREADS;
@@ -178,9 +177,8 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     static_assert(NT / C::RAW_CPR * CHUNKS_PER_THREAD == TILE, "row mapping");
     static_assert(!E4M3 || NT == 2 * TILE, "one scale per thread (gather_kv_scales)");
 
-    uint8_t* s_kv = smem;                              // [STAGES][K tile, V tile(, K scales, V scales)]
-    uint8_t* s_conv = smem + STAGES * C::STAGE_BYTES;  // e4m3: the dequantised [K tile, V tile]
-    uint8_t* s_q = s_conv + C::CONV_BYTES;             // [16][D] swizzled
+    uint8_t* s_kv = smem;                          // [STAGES][K tile, V tile(, K scales, V scales)]
+    uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;  // [16][D] swizzled
     int64_t* s_off = reinterpret_cast<int64_t*>(s_q + C::Q_BYTES);  // [RING][TILE]
     int64_t* s_soff = s_off + RING * TILE;                          // e4m3: [RING][TILE] scale indices
     // Ring entry i of tile jt, token tid: its row offset (-1: not read) and scale index.
@@ -222,6 +220,38 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     }
     // Table entry of tile STAGES, stored at the end of iteration 0.
     int cblk = pblk[STAGES], coff = poff[STAGES];
+    // e4m3 under bf16: the query becomes f16, scaled by the power of two
+    // 2^sh that brings its largest magnitude into [2^14, 2^15) (f16's
+    // range); the scores take 2^-sh back.
+    float q_unscale = 1.f;
+    if constexpr (E4M3 && IsBF16<T>::value) {
+        float m = 0.f;
+#pragma unroll
+        for (int k = 0; k < Q_CHUNKS; ++k) {
+            const uint32_t u[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                m = fmaxf(m, fmaxf(fabsf(__uint_as_float(u[i] << 16)), fabsf(__uint_as_float(u[i] & 0xffff0000u))));
+        }
+        m = warp_max(m);
+        float* red = reinterpret_cast<float*>(s_kv);  // free until the first copies below
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+        int e = 0;
+        if (m > 0.f) frexpf(m, &e);                 // m in [2^(e-1), 2^e)
+        const int sh = max(-120, min(120, 15 - e));  // m * 2^sh in [2^14, 2^15)
+        const float qmul = exp2f((float)sh);
+        q_unscale = exp2f((float)-sh);
+#pragma unroll
+        for (int k = 0; k < Q_CHUNKS; ++k) {
+            uint32_t u[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                u[i] = pack2<f16>(__uint_as_float(u[i] << 16) * qmul, __uint_as_float(u[i] & 0xffff0000u) * qmul);
+            qv[k] = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+    }
     // Query tile: rows >= rows are zero so padded rows stay finite.
 #pragma unroll
     for (int k = 0; k < Q_CHUNKS; ++k) {
@@ -250,7 +280,8 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         cp_async_commit();
     }
 
-    const float sl = scale * kLog2e;
+    const float sl = scale * kLog2e * q_unscale;
+    float vmax = 0.f;  // e4m3: the V scale o_acc is counted in (see below)
     SoftmaxState row_st[2];  // rows g and g+8; l: this thread's partial sums
     row_st[0].init();
     row_st[1].init();
@@ -263,6 +294,8 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     const int qa_row = (lane & 7) + ((lane >> 3) & 1) * 8, qa_chk = lane >> 4;
     const int kb_row = warp * 16 + (lane & 7) + ((lane >> 4) << 3), kb_chk = (lane >> 3) & 1;
     const int vb_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, vb_chk = lane >> 4;
+    // e4m3: the same addressing (tokens 0-7 / 8-15, two chunks) for both raw tiles.
+    const int r8_row = vb_row, r8_chk = vb_chk;
     const int g = lane >> 2, qd = (lane & 3) * 2;
     // The last position rows g and g + 8 see (causal among the new tokens;
     // L - 1 for every row when q_len is 1). Padded rows see everything.
@@ -285,36 +318,55 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         if (tid < TILE && j + STAGES + 1 < w.n_tiles) nblk = rr.load_block(w.tile_start(j + STAGES + 1) + tid, noff);
 
         const int st = j % STAGES;
-        uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
-        if constexpr (E4M3) {
-            // Tile j's raw stage into the 16-bit pair; the barrier at the top
-            // of iteration j made both the stage and the pair ready for it.
-            const uint8_t* raw = s_kv + st * C::STAGE_BYTES;
-            const float* sc = reinterpret_cast<const float*>(raw + 2 * C::RAW_TILE_BYTES);
-            dequant_kv_tile<T, D, CHUNKS_PER_THREAD, NT>(raw, raw + C::RAW_TILE_BYTES, sc, sc + TILE, s_conv,
-                                                         s_conv + C::KV_TILE_BYTES, tid);
-            __syncthreads();
-            sk = smem_u32(s_conv);
-        }
-        const uint32_t sv = sk + C::KV_TILE_BYTES;
+        const uint32_t sk = s_kv_u32 + st * C::STAGE_BYTES;
+        const uint32_t sv = sk + C::RAW_TILE_BYTES;
 
         // S = Q K^T: 16 rows x 16 tokens (two n-tiles of 8 tokens).
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        if constexpr (E4M3) {
+            // One ldmatrix.x4 of the raw K tile (pairs of e4m3 bytes as b16)
+            // gives 16 tokens x 32 dims: token g's dims 4q..4q+3 of a 16-dim
+            // step are one register, the B fragment's k 2q, 2q+1 (dims 4q,
+            // 4q+1) and 2q+8, 2q+9 (dims 4q+2, 4q+3); q's A fragment is read
+            // in the same dim order (8 bytes of row g, 8 of row g + 8).
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4], bk[4];
-            const int qc = kk * 2 + qa_chk;
-            ldmatrix_x4(a, s_q_u32 + (qa_row * CPR + (qc ^ (qa_row & 7))) * 16);
-            const int kc2 = kk * 2 + kb_chk;
-            ldmatrix_x4(bk, sk + (kb_row * CPR + (kc2 ^ (kb_row & 7))) * 16);
-            mma16816<T>(s[0], a, bk[0], bk[1]);
-            mma16816<T>(s[1], a, bk[2], bk[3]);
+            for (int kp = 0; kp < D / 32; ++kp) {
+                uint32_t kr[4];  // tokens 0-7 / 8-15 of dims 32kp.. and 32kp+16..
+                ldmatrix_x4(kr, sk + swz8<D>(r8_row, 2 * kp + r8_chk));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int chunk = 4 * kp + 2 * h + (qd >> 2);  // 8-dim chunk of q holding dims 4q..4q+3
+                    const uint2 q0 = *reinterpret_cast<const uint2*>(s_q + (g * CPR + (chunk ^ (g & 7))) * 16 + (qd & 2) * 4);
+                    const uint2 q1 =
+                        *reinterpret_cast<const uint2*>(s_q + ((g + 8) * CPR + (chunk ^ ((g + 8) & 7))) * 16 + (qd & 2) * 4);
+                    const uint32_t a[4] = {q0.x, q1.x, q0.y, q1.y};
+                    uint32_t b0, b1, c0, c1;
+                    e4m3x4_f16(kr[2 * h], b0, b1);
+                    e4m3x4_f16(kr[2 * h + 1], c0, c1);
+                    mma16816<f16>(s[0], a, b0, b1);
+                    mma16816<f16>(s[1], a, c0, c1);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4], bk[4];
+                const int qc = kk * 2 + qa_chk;
+                ldmatrix_x4(a, s_q_u32 + (qa_row * CPR + (qc ^ (qa_row & 7))) * 16);
+                const int kc2 = kk * 2 + kb_chk;
+                ldmatrix_x4(bk, sk + (kb_row * CPR + (kc2 ^ (kb_row & 7))) * 16);
+                mma16816<T>(s[0], a, bk[0], bk[1]);
+                mma16816<T>(s[1], a, bk[2], bk[3]);
+            }
         }
 
         // Mask tokens past the end, past a new token's own position or with
         // an ignored block; scale into log2 domain.
         const int64_t* offs = s_off + (j % RING) * TILE;
         const int tpos = w.tile_start(j);
+        // e4m3: the stage's K and V scales (still in place: the stage is
+        // refilled only after the next iteration's barrier).
+        const float* ksc = reinterpret_cast<const float*>(s_kv + st * C::STAGE_BYTES + 2 * C::RAW_TILE_BYTES);
         float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -322,8 +374,9 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
             for (int e = 0; e < 2; ++e) {
                 const int tcol = warp * 16 + nt * 8 + qd + e;
                 const bool ok = offs[tcol] >= 0;
-                s[nt][e] = ok && tpos + tcol <= last[0] ? s[nt][e] * sl : neg_inf();
-                s[nt][e + 2] = ok && tpos + tcol <= last[1] ? s[nt][e + 2] * sl : neg_inf();
+                const float f = E4M3 ? sl * ksc[tcol] : sl;
+                s[nt][e] = ok && tpos + tcol <= last[0] ? s[nt][e] * f : neg_inf();
+                s[nt][e + 2] = ok && tpos + tcol <= last[1] ? s[nt][e + 2] * f : neg_inf();
                 mx[0] = fmaxf(mx[0], s[nt][e]);
                 mx[1] = fmaxf(mx[1], s[nt][e + 2]);
             }
@@ -343,6 +396,29 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         }
         row_st[0].accumulate(alpha[0], ps[0]);
         row_st[1].accumulate(alpha[1], ps[1]);
+        // e4m3: P V with V's per-token scales taken into P. o_acc counts in
+        // units of vmax, the largest V scale of the warp's tokens so far in
+        // this tile, so P * scale / vmax stays in [0, 1] (no f16 underflow of
+        // a small scale's probabilities); a new vmax rescales o_acc with alpha.
+        float vr[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+        if constexpr (E4M3) {
+            const float* vsc = ksc + TILE;
+            float m = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 x = reinterpret_cast<const float4*>(vsc + warp * 16)[i];
+                m = fmaxf(m, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
+            }
+            if (m == 0.f) m = vmax > 0.f ? vmax : 1.f;  // no readable token in the warp's slice
+            const float inv = 1.f / m;
+            alpha[0] *= vmax * inv;
+            alpha[1] *= vmax * inv;
+            vmax = m;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) vr[nt][e] = vsc[warp * 16 + nt * 8 + qd + e] * inv;
+        }
 #pragma unroll
         for (int c = 0; c < CPR; ++c) {
             o_acc[c][0] *= alpha[0];
@@ -352,18 +428,39 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         }
         // P as the A operand (FA2 layout: C fragments of S are A fragments of P).
         uint32_t pa[4];
-        pa[0] = pack2<T>(s[0][0], s[0][1]);
-        pa[1] = pack2<T>(s[0][2], s[0][3]);
-        pa[2] = pack2<T>(s[1][0], s[1][1]);
-        pa[3] = pack2<T>(s[1][2], s[1][3]);
+        pa[0] = pack2<MT>(s[0][0] * vr[0][0], s[0][1] * vr[0][1]);
+        pa[1] = pack2<MT>(s[0][2] * vr[0][0], s[0][3] * vr[0][1]);
+        pa[2] = pack2<MT>(s[1][0] * vr[1][0], s[1][1] * vr[1][1]);
+        pa[3] = pack2<MT>(s[1][2] * vr[1][0], s[1][3] * vr[1][1]);
         // O += P V: 16 rows x D.
+        if constexpr (E4M3) {
+            // One ldmatrix.x4.trans of the raw V tile gives tokens 2q, 2q+1
+            // (and 2q+8, 2q+9) of dims 2g and 2g+1 of two 16-dim chunks; a
+            // byte permute splits each register into the even dim's pair and
+            // the odd dim's, the B fragments of two n-tiles: o_acc[c] holds
+            // dims 8c + 2n (c even) or 8(c-1) + 2n + 1 (c odd) of its n.
 #pragma unroll
-        for (int c = 0; c < CPR; c += 2) {
-            uint32_t bv[4];
-            const int vc2 = c + vb_chk;
-            ldmatrix_x4_trans(bv, sv + (vb_row * CPR + (vc2 ^ (vb_row & 7))) * 16);
-            mma16816<T>(o_acc[c], pa, bv[0], bv[1]);
-            mma16816<T>(o_acc[c + 1], pa, bv[2], bv[3]);
+            for (int G = 0; G < D / 32; ++G) {
+                uint32_t vr4[4];  // tokens 0-7 / 8-15 of dims 32G.. and 32G+16..
+                ldmatrix_x4_trans(vr4, sv + swz8<D>(r8_row, 2 * G + r8_chk));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    uint32_t e0, o0, e1, o1;
+                    e4m3x4_f16(__byte_perm(vr4[2 * h], 0, 0x3120), e0, o0);
+                    e4m3x4_f16(__byte_perm(vr4[2 * h + 1], 0, 0x3120), e1, o1);
+                    mma16816<f16>(o_acc[4 * G + 2 * h], pa, e0, e1);
+                    mma16816<f16>(o_acc[4 * G + 2 * h + 1], pa, o0, o1);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < CPR; c += 2) {
+                uint32_t bv[4];
+                const int vc2 = c + vb_chk;
+                ldmatrix_x4_trans(bv, sv + (vb_row * CPR + (vc2 ^ (vb_row & 7))) * 16);
+                mma16816<T>(o_acc[c], pa, bv[0], bv[1]);
+                mma16816<T>(o_acc[c + 1], pa, bv[2], bv[3]);
+            }
         }
 
         const int jt = j + STAGES;
@@ -378,23 +475,42 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 2; ++r) row_st[r].l = quad_sum(row_st[r].l);
+    if constexpr (E4M3) {
+#pragma unroll
+        for (int c = 0; c < CPR; ++c)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o_acc[c][i] *= vmax;
+    }
     float* red_o = reinterpret_cast<float*>(smem);  // [4][16][RED_STRIDE]
     float* red_m = red_o + 4 * 16 * C::RED_STRIDE;  // [4][16]
     float* red_l = red_m + 64;                      // [4][16]
     {
         float* base = red_o + warp * 16 * C::RED_STRIDE;
         // Only real rows (< rows) are merged.
-        if (g < w.rows) {
+        if constexpr (E4M3) {
+            // n-tiles c (even dims) and c + 1 (odd) hold dims 8c + 2qd .. + 3.
 #pragma unroll
-            for (int c = 0; c < CPR; ++c)
-                *reinterpret_cast<float2*>(base + g * C::RED_STRIDE + c * 8 + qd) =
-                    make_float2(o_acc[c][0], o_acc[c][1]);
-        }
-        if (g + 8 < w.rows) {
+            for (int c = 0; c < CPR; c += 2) {
+                if (g < w.rows)
+                    *reinterpret_cast<float4*>(base + g * C::RED_STRIDE + c * 8 + 2 * qd) =
+                        make_float4(o_acc[c][0], o_acc[c + 1][0], o_acc[c][1], o_acc[c + 1][1]);
+                if (g + 8 < w.rows)
+                    *reinterpret_cast<float4*>(base + (g + 8) * C::RED_STRIDE + c * 8 + 2 * qd) =
+                        make_float4(o_acc[c][2], o_acc[c + 1][2], o_acc[c][3], o_acc[c + 1][3]);
+            }
+        } else {
+            if (g < w.rows) {
 #pragma unroll
-            for (int c = 0; c < CPR; ++c)
-                *reinterpret_cast<float2*>(base + (g + 8) * C::RED_STRIDE + c * 8 + qd) =
-                    make_float2(o_acc[c][2], o_acc[c][3]);
+                for (int c = 0; c < CPR; ++c)
+                    *reinterpret_cast<float2*>(base + g * C::RED_STRIDE + c * 8 + qd) =
+                        make_float2(o_acc[c][0], o_acc[c][1]);
+            }
+            if (g + 8 < w.rows) {
+#pragma unroll
+                for (int c = 0; c < CPR; ++c)
+                    *reinterpret_cast<float2*>(base + (g + 8) * C::RED_STRIDE + c * 8 + qd) =
+                        make_float2(o_acc[c][2], o_acc[c][3]);
+            }
         }
         if ((lane & 3) == 0) {
             red_m[warp * 16 + g] = row_st[0].m;
@@ -441,8 +557,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     if (q0 < 0) return;
     const PagedRows rr = paged_rows(p.kv, w.b, w.kvh);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
-    constexpr int STAGES = sizeof(KT) == 1 ? DecodeStagesE4M3<D>::value : DecodeStages<D>::value;
-    decode_tile<T, D, STAGES, true, KT>(
+    decode_tile<T, D, DecodeStages<D>::value, true, KT>(
         w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
         reinterpret_cast<const KT*>(p.kv.v_cache), p.scale,
         [&](int t, int qh) { return (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },

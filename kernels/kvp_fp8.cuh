@@ -1,9 +1,13 @@
 // The FP8 (e4m3) cache format: conversions between e4m3 and float, the
-// dequantisation of one 16-byte chunk of a cache row into 16-bit elements,
-// and the per-row quantisation of the KV write. Every kernel that reads an
-// e4m3 cache goes through dequant16 below, so a kernel's 16-bit mainloop is
-// unchanged: the cache's raw tile is copied (cp.async) into shared memory and
-// dequantised there into the 16-bit tile the tensor cores read.
+// conversion of four e4m3 values into f16, and the per-row quantisation of
+// the KV write. A kernel that reads an e4m3 cache copies its raw tiles
+// (cp.async) into shared memory, reads its mma fragments from them with
+// ldmatrix (pairs of e4m3 bytes as b16 elements) and converts them in
+// registers, exactly (every e4m3 value is exact in f16; one cvt converts two),
+// for an f16 mainloop; the scales are applied in fp32, to the scores (K) and
+// to the probabilities (V). A pass through shared memory that widened the
+// tiles to 16 bits first cost more shared-memory bandwidth than the 16-bit
+// kernel's whole mainloop (ncu: MIO-bound at 31% of DRAM bandwidth).
 //
 // e4m3: 1 sign, 4 exponent (bias 7), 3 mantissa bits, no infinities, largest
 // finite 448 (0x7e), NaN 0x7f. Every e4m3 value is exact in f16 and bf16.
@@ -25,14 +29,10 @@ constexpr float kE4M3Max = 448.f;
 #define KVP_FP8_HW 0
 #endif
 
-// The factor that e4m3x4_raw's f16 values must be multiplied by to give the
-// e4m3 values (the software path moves the exponent bias by multiplying
-// afterwards, which also turns e4m3 subnormals into f16 normals exactly).
-constexpr float kE4M3RawFactor = KVP_FP8_HW ? 1.f : 256.f;
-
 // Four e4m3 values (byte i of w is element i) as two f16x2 words (elements
-// 0,1 in lo, 2,3 in hi; element 2i in the low half), each value times
-// 1 / kE4M3RawFactor.
+// 0,1 in lo, 2,3 in hi; element 2i in the low half): exact with the sm_89
+// cvt; the software path gives each value times 2^-8 (exact too, e4m3
+// subnormals included), which e4m3x4_f16 multiplies back.
 __device__ __forceinline__ void e4m3x4_raw(uint32_t w, uint32_t& lo, uint32_t& hi) {
 #if KVP_FP8_HW
     asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\t"
@@ -56,22 +56,14 @@ __device__ __forceinline__ float2 f16x2_to_float2(uint32_t h) {
     return make_float2(a, b);
 }
 
-// 16 e4m3 values times scale s as 16 values of T (out0: elements 0-7, out1:
-// 8-15). s is the row's scale already multiplied by kE4M3RawFactor.
-template <typename T>
-__device__ __forceinline__ void dequant16(uint4 raw, float s, uint4& out0, uint4& out1) {
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    uint32_t o[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        uint32_t lo, hi;
-        e4m3x4_raw(w[i], lo, hi);
-        const float2 a = f16x2_to_float2(lo), b = f16x2_to_float2(hi);
-        o[2 * i] = pack2<T>(a.x * s, a.y * s);
-        o[2 * i + 1] = pack2<T>(b.x * s, b.y * s);
-    }
-    out0 = make_uint4(o[0], o[1], o[2], o[3]);
-    out1 = make_uint4(o[4], o[5], o[6], o[7]);
+// Four e4m3 values as two f16x2 words (as e4m3x4_raw), exact on every path.
+__device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    e4m3x4_raw(w, lo, hi);
+#if !KVP_FP8_HW
+    // Times 256 (f16 0x5c00), exact: the software path's bias.
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(0x5c005c00u));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(0x5c005c00u));
+#endif
 }
 
 // x as e4m3, rounded to nearest even and saturated to +-448 (NaN stays NaN).

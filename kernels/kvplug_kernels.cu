@@ -49,10 +49,10 @@ static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header f
 static_assert(kvp::DecodeCfg<64>::SMEM == 70144, "smem h64 (header formula)");
 static_assert(kvp::DecodeCfg<128>::SMEM == 104448, "smem h128 (header formula)");
 static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)");
-#define KVP_DECODE_E4M3_SMEM(D) kvp::DecodeCfg<D, kvp::DecodeStagesE4M3<D>::value, true>::SMEM
-static_assert(KVP_DECODE_E4M3_SMEM(64) == 68096, "e4m3 smem h64 (header formula)");
-static_assert(KVP_DECODE_E4M3_SMEM(128) == 109568, "e4m3 smem h128 (header formula)");
-static_assert(KVP_DECODE_E4M3_SMEM(256) == 177664, "e4m3 smem h256 (header formula)");
+#define KVP_DECODE_E4M3_SMEM(D) kvp::DecodeCfg<D, kvp::DecodeStages<D>::value, true>::SMEM
+static_assert(KVP_DECODE_E4M3_SMEM(64) == 41984, "e4m3 smem h64 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(128) == 58880, "e4m3 smem h128 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(256) == 77824, "e4m3 smem h256 (header formula)");
 
 // ---------------------------------------------------------------------------
 // Instantiations: every kernel for every (dtype, head_dim). KVP_KERNEL

@@ -244,16 +244,15 @@ static inline uint32_t kvp_decode_smem_bytes(int dtype_bytes, int head_dim) {
 }
 
 /* Dynamic shared memory of kvp_paged_decode_<dt>_e4m3_h<D>, in bytes:
- *     stages8(D) * (2 * 64 * D + 2 * 64 * 4)  (raw e4m3 K and V tiles, their scales)
- *   + 64 * D * 4                              (the dequantised 16-bit K and V tiles)
- *   + 16 * D * 2                              (query tile)
- *   + 2 * (stages8(D) + 1) * 64 * 8           (row and scale offsets)
- *     with stages8(64) = 5, stages8(128) = 4, stages8(256) = 3:
- *     h64: 68096, h128: 109568, h256: 177664
- * Resident blocks per SM on sm_90: h64: 3, h128: 2, h256: 1. */
+ *     stages(D) * (2 * 64 * D + 2 * 64 * 4)   (raw e4m3 K and V tiles, their scales)
+ *   + 16 * D * 2                              (query tile, f16)
+ *   + 2 * (stages(D) + 1) * 64 * 8            (row and scale offsets)
+ *     with stages as the 16-bit kernel's:
+ *     h64: 41984, h128: 58880, h256: 77824
+ * Resident blocks per SM on sm_90 (shared memory): h64: 5, h128: 3, h256: 2. */
 static inline uint32_t kvp_decode_smem_bytes_e4m3(int head_dim) {
-    uint32_t d = (uint32_t)head_dim, stages = head_dim <= 64 ? 5u : (head_dim <= 128 ? 4u : 3u);
-    return stages * (128u * d + 512u) + 256u * d + 32u * d + 2u * (stages + 1u) * 512u;
+    uint32_t d = (uint32_t)head_dim, stages = head_dim <= 64 ? 4u : (head_dim <= 128 ? 3u : 2u);
+    return stages * (128u * d + 512u) + 32u * d + 2u * (stages + 1u) * 512u;
 }
 
 /* ------------------------------------------------------------------------

@@ -82,6 +82,14 @@ func TestPlanAndWorkspace(t *testing.T) {
 	if s := DecodeSplits(0, F16, 64, 1, 1, 1, 100); s != 1 {
 		t.Errorf("no SMs: %d", s)
 	}
+	// The e4m3 kernel holds 3 blocks per SM at D=128 (396 slots): 512
+	// blocks would fill 1.29 waves (65%), two splits 2.59 (86%); 256 blocks
+	// take three splits (1.94 waves); 1024 blocks fill 2.59 waves unsplit.
+	for _, c := range []struct{ batch, maxLen, want int }{{64, 8192, 2}, {32, 2048, 3}, {128, 2048, 1}, {8, 4096, 6}} {
+		if s := decodeSplits(132, BF16, 128, c.batch, 32, 8, c.maxLen, 1, true); s != c.want {
+			t.Errorf("e4m3: decodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
+		}
+	}
 	n, err := WorkspaceSize(64, 32, 128, 0)
 	if err != nil || n != 4*DefaultMaxSplits*64*32*129 {
 		t.Errorf("WorkspaceSize = %d, %v", n, err)

@@ -243,7 +243,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		if maxLen == 0 {
 			maxLen = a.MaxBlocksPerSeq * a.BlockSize
 		}
-		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen, a.QLen)
+		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen, a.QLen, a.E4M3())
 		// Never more splits than the workspace holds (none without one).
 		splits = fitSplits(splits, a.Workspace, a.WorkspaceBytes, a.Rows(), a.NumQHeads, a.HeadDim)
 	}

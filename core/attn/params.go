@@ -96,27 +96,34 @@ func decodeSharedBytes(d DType, headDim int) uint32 {
 }
 
 // decodeSharedBytesE4M3 is kvp_decode_smem_bytes_e4m3: the e4m3 decode
-// kernel's (raw tiles and scales one stage deeper, the dequantised 16-bit
-// tile pair, the query tile, rings of row and scale offsets).
+// kernel's (raw tiles and their scales in the 16-bit kernel's stages, the
+// f16 query tile, rings of row and scale offsets).
 func decodeSharedBytesE4M3(headDim int) uint32 {
-	stages := uint32(3)
+	stages := uint32(2)
 	switch {
 	case headDim <= 64:
-		stages = 5
-	case headDim <= 128:
 		stages = 4
+	case headDim <= 128:
+		stages = 3
 	}
 	D := uint32(headDim)
-	return stages*(128*D+512) + 256*D + 32*D + 2*(stages+1)*512
+	return stages*(128*D+512) + 32*D + 2*(stages+1)*512
 }
 
 // decodeBlocksPerSM is the resident decode blocks per SM on sm_90 that the
-// header gives for the split heuristic.
-func decodeBlocksPerSM(d DType, headDim int) int {
+// header gives for the split heuristic (the e4m3 kernel's, by its registers
+// and shared memory, when e4m3).
+func decodeBlocksPerSM(d DType, headDim int, e4m3 bool) int {
 	if d.Size() == 4 {
 		return 4
 	}
 	switch {
+	case e4m3 && headDim <= 64:
+		return 4
+	case e4m3 && headDim <= 128:
+		return 3
+	case e4m3:
+		return 2
 	case headDim <= 64:
 		return 3
 	case headDim <= 128:

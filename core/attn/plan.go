@@ -17,35 +17,57 @@ const DefaultMaxSplits = 32
 // blocks are fewer than the device holds at once (sms times the resident
 // blocks per SM), each sequence is cut into up to that many splits of whole
 // 64-token tiles of the longest sequence, and splits that would be empty are
-// dropped. The result is also capped at MaxSplits. sms is the device's
-// multiprocessor count; maxSeqLen bounds the batch's lengths. DecodeSplits depends
-// only on the batch's shape, so an engine computes it once per step and
-// passes it to every layer.
+// dropped; then, where the blocks would leave the last wave less than 80%
+// full on average (waves / ceil(waves) < 0.8), the split count grows to the
+// first one that fills the waves that well. The result is also capped at
+// MaxSplits. sms is the device's multiprocessor count; maxSeqLen bounds the
+// batch's lengths. DecodeSplits depends only on the batch's shape, so an
+// engine computes it once per step and passes it to every layer. It is the
+// 16-bit cache's count; an e4m3 cache's kernel holds more blocks per SM.
 func DecodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) int {
-	return decodeSplits(sms, d, headDim, batch, qHeads, kvHeads, maxSeqLen, 1)
+	return decodeSplits(sms, d, headDim, batch, qHeads, kvHeads, maxSeqLen, 1, false)
 }
 
 // decodeHeadsPer is the q heads of one decode block at qLen new tokens per
 // sequence (kvp_decode_heads_per_cta): its 16 rows hold heads x tokens.
 func decodeHeadsPer(qLen int) int { return decodeHeadsPerBlock / max(qLen, 1) }
 
-// decodeSplits is DecodeSplits for qLen new tokens per sequence.
-func decodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen, qLen int) int {
+// decodeSplits is DecodeSplits for qLen new tokens per sequence, over an
+// e4m3 cache when e4m3.
+func decodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen, qLen int, e4m3 bool) int {
 	if sms <= 0 || batch <= 0 || kvHeads <= 0 || qHeads < kvHeads || maxSeqLen <= 0 {
 		return 1
 	}
 	ctas := batch * kvHeads * ceilDiv(qHeads/kvHeads, decodeHeadsPer(qLen))
-	slots := sms * decodeBlocksPerSM(d, headDim)
+	slots := sms * decodeBlocksPerSM(d, headDim, e4m3)
 	tiles := ceilDiv(maxSeqLen, decodeTile)
-	if ctas >= slots || tiles <= 1 {
+	if tiles <= 1 {
 		return 1
 	}
-	s := min(slots/ctas, tiles, MaxSplits)
-	if s <= 1 {
-		return 1
+	s := 1
+	if ctas < slots {
+		s = min(slots/ctas, tiles, MaxSplits)
 	}
-	per := ceilDiv(tiles, s)
-	return ceilDiv(tiles, per)
+	if s > 1 {
+		per := ceilDiv(tiles, s)
+		s = ceilDiv(tiles, per)
+	}
+	// The waves' fill: a last wave that leaves most slots idle costs a
+	// whole wave's time (an e4m3 kernel at 3 blocks per SM ran 512 blocks
+	// in 1.29 waves: 65% of its slots busy).
+	fill := func(s int) float64 {
+		waves := float64(ctas*s) / float64(slots)
+		return waves / float64(ceilDiv(ctas*s, slots))
+	}
+	if fill(s) >= 0.8 {
+		return s
+	}
+	for t := s + 1; t <= min(tiles, MaxSplits, 2*s+2); t++ {
+		if ceilDiv(tiles, ceilDiv(tiles, t)) == t && fill(t) >= 0.8 {
+			return t
+		}
+	}
+	return s
 }
 
 // workspaceBytes is the decode workspace of kvplug_kernels.h: float32

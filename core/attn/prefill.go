@@ -419,7 +419,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	sms := m.Device().SMs
 	if decode {
-		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen, st.maxQLen)
+		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen, st.maxQLen, false)
 		p.NumSplits = fitSplits(s, a.Workspace, a.WorkspaceBytes, st.totalQ, a.NumQHeads, a.HeadDim)
 		return p, nil
 	}
@@ -454,7 +454,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		pp.SkipDecode = 1
 		p.DecodeSeqs, p.QOIndptr, p.DecodeSplits = st.decodeSeqs, a.QOIndptrDev, 1
 		if a.Flags&PrefillNoSplitKV == 0 {
-			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1)
+			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1, false)
 			off := p.decodePartsOffset()
 			p.DecodeSplits = fitSplits(s, a.Workspace+cuda.DevicePtr(off), a.WorkspaceBytes-off, batch, a.NumQHeads, a.HeadDim)
 		}

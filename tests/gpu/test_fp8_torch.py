@@ -82,7 +82,8 @@ def test_fp8_write_and_decode(dtype, D, bs, kind, seed):
     assert ((got - x).abs() <= step * 1.0001).all()
     if kind == "token":
         amax = p.k.float().abs().amax(dim=2)
-        assert torch.equal(c.ks[blk, off], torch.where(amax > 0, amax / 448, torch.ones_like(amax)))
+        want = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        assert torch.allclose(c.ks[blk, off], want, rtol=2e-7, atol=0)  # torch may divide by a reciprocal
     ws = torch.empty(attn.workspace_size(6, 8, D), dtype=torch.uint8, device=DEV)
     out = torch.full_like(p.q, float("nan"))
     attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, out=out, workspace=ws, max_seq_len=max(p.lens),
