@@ -868,4 +868,70 @@ TEST(PagedKV, DescriptorIsCheckedBeforeTheDevice) {
   old.struct_size = 4;
   a.kv = &old;
   EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_STRUCT_SIZE);
+
+  // A 0.4 descriptor (through v_scale) is still taken.
+  kvp_paged_kv v04 = kv;
+  v04.struct_size = offsetof(kvp_paged_kv, scale_kind);
+  a.kv = &v04;
+  s = kvp_paged_decode(&a, 0);
+  EXPECT_NE(s, KVP_ERR_INVALID_ARGUMENT) << kvp_last_error();
+  EXPECT_NE(s, KVP_ERR_STRUCT_SIZE) << kvp_last_error();
+}
+
+// An e4m3 (FP8) cache under a bf16 decode (0.5): byte strides, a scale kind
+// and both scale arrays; the checks come before the device, and prefill has
+// no e4m3 kernel yet.
+TEST(PagedKV, E4M3DescriptorIsCheckedBeforeTheDevice) {
+  kvp_paged_kv kv = KVP_PAGED_KV_INIT;
+  kv.dtype = KVP_DTYPE_E4M3;
+  kv.num_kv_heads = 2;
+  kv.num_blocks = 64;
+  kv.block_size = 16;
+  kv.k_cache = 0x100000;
+  kv.v_cache = 0x200000;
+  kv.block_stride = 16 * 2 * 128;  // bytes: e4m3 elements
+  kv.token_stride = 2 * 128;
+  kv.head_stride = 128;
+  kv.block_table = 0x300000;
+  kv.max_blocks_per_seq = 8;
+  kv.k_scale = 0x800000;
+  kv.v_scale = 0x900000;
+  kv.scale_kind = KVP_KV_SCALE_TOKEN_HEAD;
+
+  kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
+  a.dtype = KVP_DTYPE_BF16;
+  a.head_dim = 128;
+  a.batch = 2;
+  a.num_q_heads = 8;
+  a.q = 0x400000;
+  a.q_batch_stride = 8 * 128;
+  a.q_head_stride = 128;
+  a.seq_lens = 0x500000;
+  a.out = 0x600000;
+  a.out_batch_stride = 8 * 128;
+  a.out_head_stride = 128;
+  a.kv = &kv;
+  kvp_status s = kvp_paged_decode(&a, 0);
+  EXPECT_NE(s, KVP_ERR_INVALID_ARGUMENT) << kvp_last_error();
+  EXPECT_NE(s, KVP_ERR_NULL_POINTER) << kvp_last_error();
+
+  kvp_paged_decode_args nodtype = a;
+  nodtype.dtype = 0;  // q's dtype cannot come from an e4m3 descriptor
+  EXPECT_EQ(kvp_paged_decode(&nodtype, 0), KVP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvp_last_error()).find("must be set"), std::string::npos) << kvp_last_error();
+
+  kvp_paged_kv nokind = kv;
+  nokind.scale_kind = KVP_KV_SCALE_NONE;
+  a.kv = &nokind;
+  EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_INVALID_ARGUMENT);
+
+  kvp_paged_kv noscale = kv;
+  noscale.v_scale = 0;
+  a.kv = &noscale;
+  EXPECT_EQ(kvp_paged_decode(&a, 0), KVP_ERR_NULL_POINTER);
+
+  kvp_paged_decode_args f32 = a;
+  f32.dtype = KVP_DTYPE_F32;
+  f32.kv = &kv;
+  EXPECT_EQ(kvp_paged_decode(&f32, 0), KVP_ERR_INVALID_ARGUMENT);
 }

@@ -49,6 +49,7 @@ def test_every_example_is_covered():
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
         ("### Prefill and mixed batches on the GPU (Python, torch)", "python"),
+        ("### FP8 KV caches on the GPU (Python, torch)", "python"),
         ("### Hugging Face transformers (Python, torch)", "python"),
     ]), "a README example was added or renamed: run it here too"
 
@@ -142,6 +143,13 @@ def test_gpu_prefill_example(tmp_path):
     (tmp_path / "prefill.py").write_text(find("### Prefill and mixed batches on the GPU (Python, torch)", "python").code)
     out = _run([sys.executable, "prefill.py"], tmp_path)
     assert out.count("max |kvplug - SDPA|") == 2, out
+
+
+@pytest.mark.skipif(not _torch_gpu(), reason="needs torch with a CUDA GPU")
+def test_gpu_fp8_example(tmp_path):
+    (tmp_path / "fp8.py").write_text(find("### FP8 KV caches on the GPU (Python, torch)", "python").code)
+    out = _run([sys.executable, "fp8.py"], tmp_path)
+    assert "FP8 cache: relative error" in out, out
 
 
 def test_hf_example(tmp_path):
