@@ -14,7 +14,12 @@ Accuracy (--acc): B=8 x L=4096 with real-model-like outliers (4 of 128 K
 channels 20-50x the rest), relative L2 error of each FP8 decode against a
 float64 attention over the original bf16 K and V.
 
-Usage: python3 bench/fp8_decode_bench.py [--no-fi] [--acc] [--json FILE]
+Prefill (--prefill): kvplug's paged prefill over the e4m3 cache (the sm_80
+mainloop, which reads it) beside its 16-bit prefill on the sm_80 and the
+Hopper mainloop, at shapes of the prefill table (B sequences of `new` new
+tokens over `prefix` cached, causal), in TFLOP/s of the causal attention.
+
+Usage: python3 bench/fp8_decode_bench.py [--no-fi] [--acc] [--prefill] [--json FILE]
 Prints markdown tables.
 """
 
@@ -114,6 +119,43 @@ class Batch:
         return torch.stack(outs)
 
 
+PREFILL = [(1, 2048, 0), (8, 2048, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192)]
+
+
+def prefill_table(gen):
+    """kvplug's prefill over bf16 and e4m3 caches: rows of the --prefill table."""
+    rows = []
+    print("\n| B x new (prefix) | 16-bit Hopper TFLOP/s | 16-bit sm_80 TFLOP/s | e4m3 sm_80 TFLOP/s | e4m3 / 16-bit Hopper | e4m3 / 16-bit sm_80 | err vs 16-bit |")
+    print("|---|---|---|---|---|---|---|")
+    for B, new, prefix in PREFILL:
+        L = new + prefix
+        bt = Batch(B, L, gen)
+        q = torch.randn((B * new, HQ, D), dtype=torch.bfloat16, device="cuda", generator=gen)
+        qo = torch.arange(0, B + 1, dtype=torch.int32, device="cuda") * new
+        ws = torch.empty(attn.prefill_workspace_size(B, B * new, HQ, HK, D), dtype=torch.uint8, device="cuda")
+        # causal FLOPs: 4 * D * HQ * (pairs), pairs = sum over rows of visible tokens
+        pairs = B * (new * prefix + new * (new + 1) / 2)
+        flops = 4 * D * HQ * pairs
+
+        def run(k, v, ks, vs, hopper):
+            plan = attn.prefill_plan(qo, bt.seq_lens, HQ, HK, D, torch.bfloat16, ws, qo_indptr_host=qo.cpu(),
+                                     kv_lens_host=[L] * B, hopper=hopper)
+            out = torch.empty_like(q)
+            return (lambda: attn.paged_prefill(plan, q, k, v, bt.table, out=out, k_scale=ks, v_scale=vs)), out
+        f90, o90 = run(bt.k, bt.v, None, None, True)
+        f80, o80 = run(bt.k, bt.v, None, None, False)
+        f8, o8 = run(bt.k8, bt.v8, bt.ks, bt.vs, False)
+        t90, t80, t8 = timed(f90), timed(f80), timed(f8)
+        tf = lambda us: flops / (us * 1e-6) / 1e12
+        r = dict(B=B, new=new, prefix=prefix, us_hopper=t90, us_sm80=t80, us_e4m3=t8, err=rel(o8, o90))
+        rows.append(r)
+        print(f"| {B} x {new} ({prefix}) | {tf(t90):.0f} | {tf(t80):.0f} | {tf(t8):.0f} | {t90 / t8:.2f}x | "
+              f"{t80 / t8:.2f}x | {r['err']:.1e} |", flush=True)
+        del bt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -123,6 +165,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-fi", action="store_true")
     ap.add_argument("--acc", action="store_true")
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda")
@@ -133,7 +177,7 @@ def main():
     print("\n| B x L | 16-bit us | e4m3 token-head us | e4m3 tensor us | FlashInfer e4m3 us | e4m3 vs 16-bit | "
           "vs FlashInfer | of FP8 floor | err vs 16-bit (kvplug, FI) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for B, L in PLAIN:
+    for B, L in ([] if args.no_decode else PLAIN):
         bt = Batch(B, L, gen)
         f16, o16 = bt.kvplug(bt.k, bt.v)
         f8, o8 = bt.kvplug(bt.k8, bt.v8, bt.ks, bt.vs)
@@ -156,6 +200,7 @@ def main():
               f"{r['of_floor']:.2f} | {r['err8']:.1e}, {efi:.1e} |", flush=True)
         del bt
         torch.cuda.empty_cache()
+    prefill = prefill_table(gen) if args.prefill else []
     acc = {}
     if args.acc:
         bt = Batch(8, 4096, gen, outliers=True)
@@ -176,7 +221,7 @@ def main():
             print(f"| {k} | {v:.2e} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(copy_bw=bw, rows=rows, acc=acc), f, indent=1)
+            json.dump(dict(copy_bw=bw, rows=rows, prefill=prefill, acc=acc), f, indent=1)
 
 
 if __name__ == "__main__":

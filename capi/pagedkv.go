@@ -69,7 +69,7 @@ func pagedKVOf(what string, kv *C.kvp_paged_kv, own attn.PagedKV, shape kvShape)
 		CacheBlockStride: int64(c.block_stride), CacheTokenStride: int64(c.token_stride), CacheHeadStride: int64(c.head_stride),
 		MaxBlocksPerSeq: int(c.max_blocks_per_seq), BlockTableStride: stride,
 		KCache: cuda.DevicePtr(c.k_cache), VCache: cuda.DevicePtr(c.v_cache), BlockTable: cuda.DevicePtr(c.block_table),
-		DType: cacheDType, Scale: attn.ScaleKind(c.scale_kind),
+		DType: cacheDType, ScaleKind: attn.ScaleKind(c.scale_kind),
 		KScale: cuda.DevicePtr(c.k_scale), VScale: cuda.DevicePtr(c.v_scale),
 	}, shape, nil
 }

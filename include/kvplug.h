@@ -57,9 +57,10 @@
  *     (KVP_KV_SCALE_TOKEN_HEAD: one float32 scale per token and kv head,
  *     written by kvp_kv_write; KVP_KV_SCALE_TENSOR: one calibrated scale)
  *     and the scale arrays k_scale and v_scale. kvp_kv_write quantises
- *     into it and kvp_paged_decode reads it; kvp_paged_prefill,
- *     kvp_paged_cascade and the tier copier answer KVP_ERR_UNSUPPORTED for
- *     such a cache in this version.
+ *     into it; kvp_paged_decode reads it, and so does kvp_paged_prefill on
+ *     the sm_80 mainloop (plan with KVP_PREFILL_NO_HOPPER on a Hopper GPU;
+ *     a Hopper plan is INVALID_ARGUMENT); kvp_paged_cascade and the tier
+ *     copier answer KVP_ERR_UNSUPPORTED for such a cache in this version.
  *
  * Changes in 0.4 for a host built against 0.3 (binary compatible; one
  * source change):

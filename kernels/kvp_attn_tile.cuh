@@ -24,20 +24,25 @@ static_assert(KVP_PREFILL_TILE_KV == KVP_CASCADE_TILE_KV, "one K/V tile size for
 
 // Geometry of a tile of 4 warps x MT m16 row tiles at head_dim D, and the
 // layout of its shared memory: query tile, K/V pipeline stages, token row
-// offsets.
-template <int D, int MT_>
+// offsets. E4M3: the stages hold raw e4m3 tiles (swz8) and their scales,
+// the offsets a second ring of scale indices, and 16 bytes at the end the
+// query's reduction (kvp_fp8.cuh).
+template <int D, int MT_, bool E4M3 = false>
 struct TileCfg {
     static constexpr int MT = MT_;
     static constexpr int TQ = 4 * 16 * MT;  // packed rows per tile
     static constexpr int TK = KVP_PREFILL_TILE_KV;
     static constexpr int STAGES = D <= 64 ? 3 : 2;
     static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
-    static constexpr int CPR = D / 8;        // 16-byte chunks per row
+    static constexpr int CPR = D / 8;        // 16-byte chunks per 16-bit row
+    static constexpr int RAW_CPR = E4M3 ? D / 16 : CPR;
     static constexpr int Q_BYTES = TQ * D * 2;
-    static constexpr int KV_TILE_BYTES = TK * D * 2;
-    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES;
-    static constexpr int OFF_BYTES = RING * TK * 8;
-    static constexpr int SMEM = Q_BYTES + STAGES * STAGE_BYTES + OFF_BYTES;
+    static constexpr int KV_TILE_BYTES = TK * RAW_CPR * 16;
+    static constexpr int SCALE_BYTES = E4M3 ? TK * 4 : 0;
+    static constexpr int STAGE_BYTES = 2 * KV_TILE_BYTES + 2 * SCALE_BYTES;
+    static constexpr int OFF_BYTES = RING * TK * 8 * (E4M3 ? 2 : 1);
+    static constexpr int RED_BYTES = E4M3 ? 16 : 0;
+    static constexpr int SMEM = Q_BYTES + STAGES * STAGE_BYTES + OFF_BYTES + RED_BYTES;
 };
 
 // 16-byte async copy with the default L2 policy: K/V tiles are read again by
@@ -70,21 +75,31 @@ struct TileJob {
 // in o[c][2h], o[c][2h + 1]; st: the row's softmax state over the tile's
 // tokens, l summed over the whole row, empty when it saw none). The shared
 // memory is free again on return.
-template <typename T, int D, int MT, bool CAUSAL, class QRow, class Emit>
-__device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr, const T* q, const T* kc, const T* vc,
+//
+// KT: the cache's element type, T or uint8_t (e4m3: the mainloop runs on
+// f16 fragments read straight from the raw tiles, K scales on the scores,
+// V scales on the probabilities, as the decode tile does; a bf16 query is
+// scaled by a power of two into f16 first).
+template <typename T, int D, int MT, bool CAUSAL, typename KT = T, class QRow, class Emit>
+__device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr, const T* q, const KT* kc, const KT* vc,
                                           QRow qrow, Emit emit, uint8_t* smem) {
-    using C = TileCfg<D, MT>;
+    constexpr bool E4M3 = sizeof(KT) == 1;
+    using MTY = typename Cond<E4M3, f16, T>::type;  // the mma's input type
+    using C = TileCfg<D, MT, E4M3>;
     constexpr int TQ = C::TQ, TK = C::TK, STAGES = C::STAGES, RING = C::RING, CPR = C::CPR;
     constexpr int NT = 128;
-    constexpr int WR = 16 * MT;               // rows per warp
-    constexpr int KV_CHUNKS = TK * CPR / NT;  // per tensor per stage per thread
+    constexpr int WR = 16 * MT;                      // rows per warp
+    constexpr int KV_CHUNKS = TK * C::RAW_CPR / NT;  // per tensor per stage per thread
     constexpr int Q_CHUNKS = TQ * CPR / NT;
     static_assert(KVP_PREFILL_THREADS == NT && KVP_CASCADE_THREADS == NT, "4 warps per tile");
-    static_assert(TK * CPR % NT == 0 && TQ * CPR % NT == 0, "chunks divide evenly");
+    static_assert(TK * C::RAW_CPR % NT == 0 && TQ * CPR % NT == 0, "chunks divide evenly");
+    static_assert(!E4M3 || NT == 2 * TK, "one scale per thread (gather_kv_scales)");
 
     uint8_t* s_q = smem;
     uint8_t* s_kv = smem + C::Q_BYTES;
     int64_t* s_off = reinterpret_cast<int64_t*>(s_kv + STAGES * C::STAGE_BYTES);
+    int64_t* s_soff = s_off + RING * TK;  // e4m3: scale indices
+    float* s_red = reinterpret_cast<float*>(s_kv + STAGES * C::STAGE_BYTES + C::OFF_BYTES);  // e4m3: [4]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int group = jb.group, wl = jb.window_left, kb = jb.kv_begin, ke = jb.kv_end, n_tiles = jb.n_tiles;
 
@@ -122,8 +137,10 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
 #pragma unroll
         for (int j = 0; j < STAGES; ++j) {
             const int tok = kb + j * TK + tid;
-            const int64_t o = (j < n_tiles && tok < ke) ? rr.offset(pblk[j], poff[j]) : -1;
+            const bool live = j < n_tiles && tok < ke;
+            const int64_t o = live ? rr.offset(pblk[j], poff[j]) : -1;
             s_off[j * TK + tid] = o;
+            if constexpr (E4M3) s_soff[j * TK + tid] = live ? rr.scale_index(pblk[j], poff[j]) : -1;
             first_bad |= (o < 0) << j;
         }
     }
@@ -136,10 +153,14 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     auto issue = [&](int j) {
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        gather_kv_tile<T, CPR, KV_CHUNKS, NT>(sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TK, kc, vc, tid,
-                                              [&](uint32_t dst, const T* src, int bytes) {
-                                                  cp_async16_keep(dst, src, bytes);
-                                              });
+        gather_kv_tile<KT, C::RAW_CPR, KV_CHUNKS, NT>(sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TK, kc, vc, tid,
+                                                      [&](uint32_t dst, const KT* src, int bytes) {
+                                                          cp_async16_keep(dst, src, bytes);
+                                                      });
+        if constexpr (E4M3) {
+            const uint32_t ss = sk + 2 * C::KV_TILE_BYTES;
+            gather_kv_scales<TK>(ss, ss + C::SCALE_BYTES, s_soff + (j % RING) * TK, rr, tid);
+        }
     };
     cp_async_commit();  // the query tile
 #pragma unroll
@@ -164,7 +185,45 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     const int wpos_max = CAUSAL ? jb.delta + (jb.r0 + wlast) / group : 0x7fffffff;    // last position of the warp's rows
     const int wpos_min = CAUSAL ? jb.delta + (jb.r0 + warp * WR) / group : 0x7fffffff;  // first
 
-    const float sl = jb.scale * kLog2e;
+    // e4m3 under bf16: the query tile becomes f16 in place, scaled by 2^sh
+    // so that its largest magnitude lies in [2^14, 2^15); the scores take
+    // 2^-sh back. Each thread converts the chunks it copied.
+    float q_unscale = 1.f;
+    if constexpr (E4M3 && IsBF16<T>::value) {
+        cp_async_wait<STAGES - 1>();  // the query tile's group
+        float m = 0.f;
+#pragma unroll
+        for (int k = 0; k < Q_CHUNKS; ++k) {
+            const int i = tid + k * NT;
+            const uint4 v = *reinterpret_cast<const uint4*>(s_q + swz<CPR>(i / CPR, i % CPR));
+            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                m = fmaxf(m, fmaxf(fabsf(__uint_as_float(u[e] << 16)), fabsf(__uint_as_float(u[e] & 0xffff0000u))));
+        }
+        m = warp_max(m);
+        if (lane == 0) s_red[warp] = m;
+        __syncthreads();
+        m = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
+        int ex = 0;
+        if (m > 0.f) frexpf(m, &ex);
+        const int sh = max(-120, min(120, 15 - ex));
+        const float qmul = exp2f((float)sh);
+        q_unscale = exp2f((float)-sh);
+#pragma unroll
+        for (int k = 0; k < Q_CHUNKS; ++k) {
+            const int i = tid + k * NT;
+            uint4* p = reinterpret_cast<uint4*>(s_q + swz<CPR>(i / CPR, i % CPR));
+            const uint4 v = *p;
+            uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                u[e] = pack2<f16>(__uint_as_float(u[e] << 16) * qmul, __uint_as_float(u[e] & 0xffff0000u) * qmul);
+            *p = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+    }
+    const float sl = jb.scale * kLog2e * q_unscale;
+    float vmax = 0.f;        // e4m3: the V scale o_acc is counted in
     SoftmaxState st[MT][2];  // rows g and g + 8 of each m16 tile; l: this thread's columns
     float o_acc[MT][CPR][4];
 #pragma unroll
@@ -196,13 +255,59 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
         if (visible) {
             const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
             const uint32_t sv = sk + C::KV_TILE_BYTES;
+            // e4m3: the stage's K and V scales.
+            const float* ksc = reinterpret_cast<const float*>(s_kv + (j % STAGES) * C::STAGE_BYTES + 2 * C::KV_TILE_BYTES);
             float s[MT][8][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int n = 0; n < 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+            if constexpr (E4M3) {
+                // As the decode tile: token g's dims 4q..4q+3 of a 16-dim step
+                // in one register of an ldmatrix of the raw tile; q read in
+                // the same dim order.
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
+                for (int kp = 0; kp < D / 32; ++kp) {
+                    uint32_t kr[4][4];
+#pragma unroll
+                    for (int np = 0; np < 4; ++np) ldmatrix_x4(kr[np], sk + swz8<D>(np * 16 + vb_row, 2 * kp + vb_chk));
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int chunk = 4 * kp + 2 * h + (qd >> 2);
+                        uint32_t a[MT][4];
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const int ra = warp * WR + mt * 16 + g, rb = ra + 8;
+                            const uint2 q0 = *reinterpret_cast<const uint2*>(s_q + swz<CPR>(ra, chunk) + (qd & 2) * 4);
+                            const uint2 q1 = *reinterpret_cast<const uint2*>(s_q + swz<CPR>(rb, chunk) + (qd & 2) * 4);
+                            a[mt][0] = q0.x, a[mt][1] = q1.x, a[mt][2] = q0.y, a[mt][3] = q1.y;
+                        }
+#pragma unroll
+                        for (int np = 0; np < 4; ++np) {
+                            uint32_t b0, b1, c0, c1;
+                            e4m3x4_f16(kr[np][2 * h], b0, b1);
+                            e4m3x4_f16(kr[np][2 * h + 1], c0, c1);
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt) {
+                                mma16816<f16>(s[mt][2 * np], a[mt], b0, b1);
+                                mma16816<f16>(s[mt][2 * np + 1], a[mt], c0, c1);
+                            }
+                        }
+                    }
+                }
+                // The K scales, per token (column), into the raw scores.
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float f = ksc[n * 8 + qd + e];
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) s[mt][n][e] *= f, s[mt][n][e + 2] *= f;
+                    }
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < (E4M3 ? 0 : D / 16); ++kk) {
                 uint32_t a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -265,6 +370,28 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                     o_acc[mt][c][3] *= alpha[1];
                 }
             }
+            // e4m3: V's per-token scales into P, relative to the tile's
+            // largest (o_acc counts in units of vmax; a new one rescales it).
+            float vr[8][2];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) vr[n][0] = vr[n][1] = 1.f;
+            if constexpr (E4M3) {
+                const float* vsc = ksc + TK;
+                float m = warp_max(fmaxf(vsc[lane], vsc[lane + 32]));
+                if (m == 0.f) m = vmax > 0.f ? vmax : 1.f;  // no readable token in the tile
+                const float inv = 1.f / m, ratio = vmax * inv;
+                vmax = m;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int c = 0; c < CPR; ++c)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) o_acc[mt][c][i] *= ratio;
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) vr[n][e] = vsc[n * 8 + qd + e] * inv;
+            }
             // O += P V, 16 tokens per k-step; the C fragments of S are the A
             // fragments of P; each V fragment feeds every m16 tile.
 #pragma unroll
@@ -272,19 +399,41 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                 uint32_t pa[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = pack2<T>(s[mt][2 * kt][0], s[mt][2 * kt][1]);
-                    pa[mt][1] = pack2<T>(s[mt][2 * kt][2], s[mt][2 * kt][3]);
-                    pa[mt][2] = pack2<T>(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
-                    pa[mt][3] = pack2<T>(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+                    const int n0 = 2 * kt, n1 = 2 * kt + 1;
+                    pa[mt][0] = pack2<MTY>(s[mt][n0][0] * vr[n0][0], s[mt][n0][1] * vr[n0][1]);
+                    pa[mt][1] = pack2<MTY>(s[mt][n0][2] * vr[n0][0], s[mt][n0][3] * vr[n0][1]);
+                    pa[mt][2] = pack2<MTY>(s[mt][n1][0] * vr[n1][0], s[mt][n1][1] * vr[n1][1]);
+                    pa[mt][3] = pack2<MTY>(s[mt][n1][2] * vr[n1][0], s[mt][n1][3] * vr[n1][1]);
                 }
+                if constexpr (E4M3) {
+                    // As the decode tile: the even and the odd dims of two
+                    // 16-dim chunks per ldmatrix (o_acc's n-tiles c, c + 1).
 #pragma unroll
-                for (int c = 0; c < CPR; c += 2) {
-                    uint32_t bv[4];
-                    ldmatrix_x4_trans(bv, sv + swz<CPR>(kt * 16 + vb_row, c + vb_chk));
+                    for (int G = 0; G < D / 32; ++G) {
+                        uint32_t v4[4];
+                        ldmatrix_x4_trans(v4, sv + swz8<D>(kt * 16 + vb_row, 2 * G + vb_chk));
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<T>(o_acc[mt][c], pa[mt], bv[0], bv[1]);
-                        mma16816<T>(o_acc[mt][c + 1], pa[mt], bv[2], bv[3]);
+                        for (int h = 0; h < 2; ++h) {
+                            uint32_t e0, o0, e1, o1;
+                            e4m3x4_f16(__byte_perm(v4[2 * h], 0, 0x3120), e0, o0);
+                            e4m3x4_f16(__byte_perm(v4[2 * h + 1], 0, 0x3120), e1, o1);
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt) {
+                                mma16816<f16>(o_acc[mt][4 * G + 2 * h], pa[mt], e0, e1);
+                                mma16816<f16>(o_acc[mt][4 * G + 2 * h + 1], pa[mt], o0, o1);
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < CPR; c += 2) {
+                        uint32_t bv[4];
+                        ldmatrix_x4_trans(bv, sv + swz<CPR>(kt * 16 + vb_row, c + vb_chk));
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma16816<T>(o_acc[mt][c], pa[mt], bv[0], bv[1]);
+                            mma16816<T>(o_acc[mt][c + 1], pa[mt], bv[2], bv[3]);
+                        }
                     }
                 }
             }
@@ -296,12 +445,39 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
             const int tok = kb + jt * TK + tid;
             const int64_t o = tok < ke ? rr.offset(cblk, coff) : -1;
             s_off[(jt % RING) * TK + tid] = o;
+            if constexpr (E4M3) s_soff[(jt % RING) * TK + tid] = tok < ke ? rr.scale_index(cblk, coff) : -1;
             last_bad = o < 0;
         }
         cblk = nblk;
         coff = noff;
     }
 
+    if constexpr (E4M3) {
+        // Back to the 16-bit layout emit takes: this thread holds dims
+        // 8c + 4q .. 4q + 3 of n-tiles c (even dims) and c + 1 (odd); emit
+        // wants 8c + 2q, 2q + 1 and 8c + 8 + 2q, 2q + 1 (quad shuffles).
+        const int q4 = qd >> 1, src0 = (lane & ~3) | (q4 >> 1), src1 = (lane & ~3) | (2 + (q4 >> 1)), odd = q4 & 1;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int c = 0; c < CPR; c += 2) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float* E = &o_acc[mt][c][2 * h];
+                    float* O = &o_acc[mt][c + 1][2 * h];
+                    const float e0 = vmax * E[0], e1 = vmax * E[1], o0 = vmax * O[0], o1 = vmax * O[1];
+                    const float a0 = __shfl_sync(0xffffffffu, e0, src0), a1 = __shfl_sync(0xffffffffu, e1, src0);
+                    const float b0 = __shfl_sync(0xffffffffu, o0, src0), b1 = __shfl_sync(0xffffffffu, o1, src0);
+                    const float c0 = __shfl_sync(0xffffffffu, e0, src1), c1 = __shfl_sync(0xffffffffu, e1, src1);
+                    const float d0 = __shfl_sync(0xffffffffu, o0, src1), d1 = __shfl_sync(0xffffffffu, o1, src1);
+                    E[0] = odd ? a1 : a0;  // dim 8c + 2q: the source's r = 2 (q % 2)
+                    E[1] = odd ? b1 : b0;  // 8c + 2q + 1
+                    O[0] = odd ? c1 : c0;  // 8c + 8 + 2q
+                    O[1] = odd ? d1 : d0;  // 8c + 8 + 2q + 1
+                }
+            }
+        }
+    }
     // Each warp holds whole rows: hand each live row to the caller.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {

@@ -184,7 +184,8 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
 template <int D>
 using PrefillCfg = TileCfg<D, 1>;  // PrefillCfg<D>::TQ is KVP_PREFILL_TILE_Q(D)
 
-template <typename T, int D>
+// KT: the cache's element type, T or uint8_t (e4m3).
+template <typename T, int D, typename KT = T>
 __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, const PrefillItem& it, int kvh,
                                                 uint8_t* smem) {
     using C = PrefillCfg<D>;
@@ -208,9 +209,9 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
     const int64_t q_start = it.q_start, q_stride = p.q_token_stride;
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
-    attn_tile<T, D, C::MT, true>(
-        jb, paged_rows(p.kv, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
-        reinterpret_cast<const T*>(p.kv.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
+    attn_tile<T, D, C::MT, true, KT>(
+        jb, paged_rows(p.kv, it.b, kvh), reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
+        reinterpret_cast<const KT*>(p.kv.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
             const int64_t row = q_start + tok;
             write_state(st).to<T, false, C::CPR, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd,
@@ -220,7 +221,7 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
         smem);
 }
 
-template <typename T, int D>
+template <typename T, int D, typename KT = T>
 __device__ __forceinline__ void paged_prefill(const kvp_prefill_params& p) {
     extern __shared__ __align__(128) uint8_t smem[];
     griddep_wait();  // the plan kernel (or the previous layer) may still be running under PDL
@@ -234,10 +235,16 @@ __device__ __forceinline__ void paged_prefill(const kvp_prefill_params& p) {
         if constexpr (sizeof(T) == 4) {
             prefill_item_f32<D>(p, it, kvh);
         } else {
-            prefill_item_tc<T, D>(p, it, kvh, smem);
+            prefill_item_tc<T, D, KT>(p, it, kvh, smem);
         }
     }
     griddep_launch_dependents();
+}
+
+// Over an e4m3 cache (16-bit T only; the sm_80 mainloop on every device).
+template <typename T, int D>
+__device__ __forceinline__ void paged_prefill_e4m3(const kvp_prefill_params& p) {
+    paged_prefill<T, D, uint8_t>(p);
 }
 
 }  // namespace kvp

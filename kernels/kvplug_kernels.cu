@@ -53,6 +53,9 @@ static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)")
 static_assert(KVP_DECODE_E4M3_SMEM(64) == 41984, "e4m3 smem h64 (header formula)");
 static_assert(KVP_DECODE_E4M3_SMEM(128) == 58880, "e4m3 smem h128 (header formula)");
 static_assert(KVP_DECODE_E4M3_SMEM(256) == 77824, "e4m3 smem h256 (header formula)");
+static_assert(kvp::TileCfg<64, 1, true>::SMEM == 38416, "e4m3 prefill smem h64 (header formula)");
+static_assert(kvp::TileCfg<128, 1, true>::SMEM == 53264, "e4m3 prefill smem h128 (header formula)");
+static_assert(kvp::TileCfg<256, 1, true>::SMEM == 102416, "e4m3 prefill smem h256 (header formula)");
 
 // ---------------------------------------------------------------------------
 // Instantiations: every kernel for every (dtype, head_dim). KVP_KERNEL
@@ -81,11 +84,12 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 64)
 KVP_INSTANTIATE(bf16, kvp::bf16, 128)
 KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 
-// Over an e4m3 cache: the KV write that quantises and the decode that
-// dequantises (their combine is the 16-bit one).
+// Over an e4m3 cache: the KV write that quantises, the decode and the sm_80
+// prefill that read it (their combine and merge are the 16-bit ones).
 #define KVP_E4M3_INSTANTIATE(DT, T, D)                                                                    \
     KVP_KERNEL(kvp_kv_write, kvp_kv_write_params, kvp::kv_write_e4m3, DT##_e4m3, T, D, KVP_KV_WRITE_THREADS) \
-    KVP_KERNEL(kvp_paged_decode, kvp_decode_params, kvp::paged_decode_e4m3, DT##_e4m3, T, D, KVP_DECODE_THREADS)
+    KVP_KERNEL(kvp_paged_decode, kvp_decode_params, kvp::paged_decode_e4m3, DT##_e4m3, T, D, KVP_DECODE_THREADS) \
+    KVP_KERNEL(kvp_paged_prefill, kvp_prefill_params, kvp::paged_prefill_e4m3, DT##_e4m3, T, D, KVP_PREFILL_THREADS)
 
 KVP_E4M3_INSTANTIATE(f16, kvp::f16, 64)
 KVP_E4M3_INSTANTIATE(f16, kvp::f16, 128)

@@ -13,6 +13,7 @@
  *     kvp_kv_write_<dt>_e4m3_h<D>       (quantises into an e4m3 cache)
  *     kvp_paged_decode_<dt>_h<D>
  *     kvp_paged_decode_<dt>_e4m3_h<D>   (reads an e4m3 cache)
+ *     kvp_paged_prefill_<dt>_e4m3_h<D>  (reads an e4m3 cache; sm_80 mainloop)
  *     kvp_paged_decode_combine_<dt>_h<D>
  *     kvp_merge_states_<dt>_h<D>
  *     kvp_paged_prefill_<dt>_h<D>
@@ -403,6 +404,16 @@ static inline uint32_t kvp_prefill_smem_bytes(int dtype_bytes, int head_dim) {
     uint32_t stages = head_dim <= 64 ? 3u : 2u;
     return (uint32_t)kvp_prefill_tile_q(dtype_bytes, head_dim) * (uint32_t)head_dim * 2u +
            stages * 64u * (uint32_t)head_dim * 4u + (stages + 1u) * 64u * 8u;
+}
+
+/* Dynamic shared memory of kvp_paged_prefill_<dt>_e4m3_h<D> (the sm_80
+ * mainloop over an e4m3 cache; run it with a plan of the sm_80 mainloop,
+ * tile_q 64), in bytes: 64 * D * 2 (query tile) + stages(D) * (2 * 64 * D +
+ * 2 * 64 * 4) (raw K and V tiles, their scales) + 2 * (stages(D) + 1) * 64 * 8
+ * (row and scale offsets) + 16: h64: 38416, h128: 53264, h256: 102416 */
+static inline uint32_t kvp_prefill_smem_bytes_e4m3(int head_dim) {
+    uint32_t d = (uint32_t)head_dim, stages = head_dim <= 64 ? 3u : 2u;
+    return 128u * d + stages * (128u * d + 512u) + 2u * (stages + 1u) * 512u + 16u;
 }
 
 /* 4a. The same run on Hopper (sm_90a only; compute capability 9.0):

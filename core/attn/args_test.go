@@ -144,12 +144,13 @@ func TestPrefillPlanState(t *testing.T) {
 
 // The cache formats a launch takes: a cache of the launch's dtype without
 // scales, or e4m3 under f16/bf16 with a scale kind; every other pairing is
-// refused, and the launches without e4m3 kernels answer UNSUPPORTED.
+// refused, and the launches without e4m3 kernels (the cascade) answer
+// UNSUPPORTED.
 func TestE4M3Refused(t *testing.T) {
 	kv := PagedKV{NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
 		MaxBlocksPerSeq: 4, BlockTableStride: 4}
 	e4 := kv
-	e4.DType, e4.Scale, e4.KScale, e4.VScale = E4M3, ScaleTokenHead, 0x1000, 0x2000
+	e4.DType, e4.ScaleKind, e4.KScale, e4.VScale = E4M3, ScaleTokenHead, 0x1000, 0x2000
 	cases := []struct {
 		name string
 		kv   PagedKV
@@ -160,9 +161,9 @@ func TestE4M3Refused(t *testing.T) {
 		{"e4m3 under bf16", e4, BF16, kverr.OK},
 		{"e4m3 under f16", e4, F16, kverr.OK},
 		{"e4m3 under f32", e4, F32, kverr.InvalidArgument},
-		{"e4m3 without a scale kind", func() PagedKV { k := e4; k.Scale = 0; return k }(), BF16, kverr.InvalidArgument},
+		{"e4m3 without a scale kind", func() PagedKV { k := e4; k.ScaleKind = 0; return k }(), BF16, kverr.InvalidArgument},
 		{"16-bit with scales", func() PagedKV { k := kv; k.KScale = 0x1000; return k }(), BF16, kverr.InvalidArgument},
-		{"16-bit with a scale kind", func() PagedKV { k := kv; k.Scale = ScaleTensor; return k }(), BF16, kverr.InvalidArgument},
+		{"16-bit with a scale kind", func() PagedKV { k := kv; k.ScaleKind = ScaleTensor; return k }(), BF16, kverr.InvalidArgument},
 		{"f16 cache under bf16", func() PagedKV { k := kv; k.DType = F16; return k }(), BF16, kverr.InvalidArgument},
 		{"e4m3 with 8-element strides", func() PagedKV { k := e4; k.CacheHeadStride = 136; k.CacheTokenStride = 272; return k }(), BF16, kverr.InvalidArgument},
 	}
@@ -174,10 +175,10 @@ func TestE4M3Refused(t *testing.T) {
 			t.Errorf("decode, %s: %v, want %v", c.name, err, c.want)
 		}
 	}
-	if err := e4.refuseE4M3("paged_prefill"); kverr.CodeOf(err) != kverr.Unsupported {
-		t.Errorf("prefill over e4m3: %v, want UNSUPPORTED", err)
+	if err := e4.refuseE4M3("paged_cascade"); kverr.CodeOf(err) != kverr.Unsupported {
+		t.Errorf("cascade over e4m3: %v, want UNSUPPORTED", err)
 	}
-	if err := kv.refuseE4M3("paged_prefill"); err != nil {
-		t.Errorf("prefill over a 16-bit cache: %v", err)
+	if err := kv.refuseE4M3("paged_cascade"); err != nil {
+		t.Errorf("cascade over a 16-bit cache: %v", err)
 	}
 }

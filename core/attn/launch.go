@@ -17,7 +17,7 @@ var image = kimage.Image
 type kernelSet struct {
 	write, decode, combine, merge, prefill *cuda.Kernel
 	prefillSM90                            *cuda.Kernel // nil for f32
-	writeE4M3, decodeE4M3                  *cuda.Kernel // over an e4m3 cache; nil for f32
+	writeE4M3, decodeE4M3, prefillE4M3     *cuda.Kernel // over an e4m3 cache; nil for f32
 }
 
 // prefillPlanKernel writes a prefill plan's work list (one kernel for every
@@ -43,6 +43,7 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 				e4m3 := "_" + d.String() + "_e4m3_h" + strconv.Itoa(h)
 				t[di][hi].writeE4M3 = image.Kernel("kvp_kv_write" + e4m3)
 				t[di][hi].decodeE4M3 = image.Kernel("kvp_paged_decode" + e4m3)
+				t[di][hi].prefillE4M3 = image.Kernel("kvp_paged_prefill" + e4m3)
 			}
 		}
 	}
@@ -365,6 +366,9 @@ func Prepare() error {
 					return err
 				}
 				if err := m.Prepare(ks.decodeE4M3, decodeSharedBytesE4M3(h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
+					return err
+				}
+				if err := m.Prepare(ks.prefillE4M3, prefillSharedBytesE4M3(h)); err != nil && !kverr.Is(err, kverr.Unsupported) {
 					return err
 				}
 			}

@@ -32,11 +32,11 @@ type PagedKV struct {
 	// cache of the launch's dtype, E4M3 for an FP8 cache under an F16 or
 	// BF16 launch, which then needs Scale and the scale arrays.
 	DType DType
-	// Scale is how an E4M3 cache is scaled (0 for any other); KScale and
+	// ScaleKind is how an E4M3 cache is scaled (0 for any other); KScale and
 	// VScale are its float32 scales: [NumBlocks, BlockSize, kv heads]
 	// contiguous for ScaleTokenHead (written by the KV write), one value each
 	// for ScaleTensor. A stored element x stands for x * scale.
-	Scale          ScaleKind
+	ScaleKind      ScaleKind
 	KScale, VScale cuda.DevicePtr
 }
 
@@ -65,8 +65,8 @@ func (kv *PagedKV) refuseE4M3(what string) error {
 	if kv.DType != E4M3 {
 		return nil
 	}
-	return kverr.Errorf(kverr.Unsupported, "%s: an e4m3 (FP8) cache is read by kv_write and paged_decode in this version; "+
-		"%s needs a 16-bit cache", what, what)
+	return kverr.Errorf(kverr.Unsupported, "%s: an e4m3 (FP8) cache is read by kv_write, paged_decode and paged_prefill "+
+		"(the sm_80 mainloop) in this version; %s needs a 16-bit cache", what, what)
 }
 
 // pagedKVParams mirrors kvp_paged_kv_params.
@@ -97,7 +97,7 @@ func (kv *PagedKV) params(d DType, kvHeads int) pagedKVParams {
 		BlockStride: kv.CacheBlockStride, TokenStride: kv.CacheTokenStride, HeadStride: kv.CacheHeadStride,
 		BlockTableStride: kv.BlockTableStride,
 		NumKVHeads:       int32(kvHeads), BlockSize: int32(kv.BlockSize), NumBlocks: int32(kv.NumBlocks),
-		MaxBlocksPerSeq: int32(kv.MaxBlocksPerSeq), DType: int32(kv.cacheDType(d)), ScaleKind: int32(kv.Scale),
+		MaxBlocksPerSeq: int32(kv.MaxBlocksPerSeq), DType: int32(kv.cacheDType(d)), ScaleKind: int32(kv.ScaleKind),
 	}
 }
 
@@ -106,7 +106,7 @@ func (kv *PagedKV) params(d DType, kvHeads int) pagedKVParams {
 func (kv *PagedKV) checkFormat(what string, d DType) error {
 	switch {
 	case kv.DType == 0 || kv.DType == d:
-		if kv.Scale != ScaleNone || kv.KScale != 0 || kv.VScale != 0 {
+		if kv.ScaleKind != ScaleNone || kv.KScale != 0 || kv.VScale != 0 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: a %v cache has no scales: scale_kind, k_scale and v_scale must be 0", what, d)
 		}
 		return nil
@@ -114,8 +114,8 @@ func (kv *PagedKV) checkFormat(what string, d DType) error {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: the cache's dtype (%v) must be the call's (%v) or e4m3 (KVP_DTYPE_E4M3)", what, kv.DType, d)
 	case d != F16 && d != BF16:
 		return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 cache is read and written by f16 and bf16 calls: the call's dtype is %v", what, d)
-	case kv.Scale != ScaleTokenHead && kv.Scale != ScaleTensor:
-		return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 cache needs scale_kind KVP_KV_SCALE_TOKEN_HEAD (1) or KVP_KV_SCALE_TENSOR (2): got %d", what, kv.Scale)
+	case kv.ScaleKind != ScaleTokenHead && kv.ScaleKind != ScaleTensor:
+		return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 cache needs scale_kind KVP_KV_SCALE_TOKEN_HEAD (1) or KVP_KV_SCALE_TENSOR (2): got %d", what, kv.ScaleKind)
 	}
 	return nil
 }
@@ -157,7 +157,7 @@ func (kv *PagedKV) validate(what string, d DType, headDim, kvHeads int, withTabl
 	if cache, err = span(what, "cache", headDim, blocks, tokens, heads); err != nil {
 		return 0, 0, err
 	}
-	if kv.Scale == ScaleTokenHead && int64(kv.NumBlocks)*int64(kv.BlockSize) > maxElemIndex/int64(kvHeads) {
+	if kv.ScaleKind == ScaleTokenHead && int64(kv.NumBlocks)*int64(kv.BlockSize) > maxElemIndex/int64(kvHeads) {
 		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "%s: the token-head scales of %d blocks of %d tokens of %d heads exceed 2^50 elements", what, kv.NumBlocks, kv.BlockSize, kvHeads)
 	}
 	if !withTable {
@@ -174,14 +174,14 @@ func (kv *PagedKV) validate(what string, d DType, headDim, kvHeads int, withTabl
 func (kv *PagedKV) checkPointers(what string, withTable bool) error {
 	if kv.KCache != 0 && kv.KCache%16 == 0 && kv.VCache != 0 && kv.VCache%16 == 0 &&
 		(!withTable || kv.BlockTable != 0 && kv.BlockTable%4 == 0) &&
-		(kv.Scale == ScaleNone || kv.KScale != 0 && kv.KScale%4 == 0 && kv.VScale != 0 && kv.VScale%4 == 0) {
+		(kv.ScaleKind == ScaleNone || kv.KScale != 0 && kv.KScale%4 == 0 && kv.VScale != 0 && kv.VScale%4 == 0) {
 		return nil // named below only on failure: a launch allocates nothing
 	}
 	err := firstErr(checkTensor(what+": k_cache", kv.KCache), checkTensor(what+": v_cache", kv.VCache))
 	if err == nil && withTable {
 		err = checkIndex(what+": block_table", kv.BlockTable)
 	}
-	if err == nil && kv.Scale != ScaleNone {
+	if err == nil && kv.ScaleKind != ScaleNone {
 		err = firstErr(checkIndex(what+": k_scale", kv.KScale), checkIndex(what+": v_scale", kv.VScale))
 	}
 	return err

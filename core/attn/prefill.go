@@ -175,6 +175,24 @@ func prefillSharedBytes(d DType, headDim int) uint32 {
 	return uint32(prefillTileQ(d, headDim))*D*2 + stages*64*D*4 + (stages+1)*64*8
 }
 
+// errE4M3Hopper: an e4m3 cache is read by the sm_80 prefill mainloop only.
+func errE4M3Hopper(what string) error {
+	return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 (FP8) cache is read by the sm_80 prefill mainloop; "+
+		"this plan is for the Hopper mainloop: plan with KVP_PREFILL_NO_HOPPER (Python: prefill_plan(..., hopper=False))", what)
+}
+
+// prefillSharedBytesE4M3 is kvp_prefill_smem_bytes_e4m3: the sm_80 prefill
+// kernel over an e4m3 cache (raw tiles and their scales, rings of row and
+// scale offsets, the query's reduction).
+func prefillSharedBytesE4M3(headDim int) uint32 {
+	stages := uint32(2)
+	if headDim <= 64 {
+		stages = 3
+	}
+	D := uint32(headDim)
+	return 128*D + stages*(128*D+512) + 2*(stages+1)*512 + 16
+}
+
 // prefillBlocksPerSM is how many prefill blocks an SM holds at once (shared
 // memory and registers on sm_80/sm_90); the run's grid is that many per SM.
 func prefillBlocksPerSM(d DType, headDim int) int {
@@ -518,8 +536,8 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 	if int64(p.TotalQ)*int64(p.NumQHeads) > math.MaxInt32 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: plan total_q * num_q_heads must be below 2^31", what)
 	}
-	if err := l.PagedKV.refuseE4M3(what); err != nil {
-		return e, err
+	if l.PagedKV.E4M3() && p.Mainloop == MainloopSM90 {
+		return e, errE4M3Hopper(what)
 	}
 	var err error
 	if e.cache, e.table, err = l.PagedKV.validate(what, p.DType, p.HeadDim, p.NumKVHeads, true, p.Batch); err != nil {
@@ -636,7 +654,13 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	if mainloop == MainloopOfDevice {
 		mainloop = prefillMainloop(m.Device(), p.DType, p.HeadDim, 0)
 	}
-	if mainloop == MainloopSM90 {
+	if a.PagedKV.E4M3() {
+		if mainloop == MainloopSM90 {
+			return errE4M3Hopper(what)
+		}
+		cfg.Shared = prefillSharedBytesE4M3(p.HeadDim)
+		kernel = kernelsFor(p.DType, p.HeadDim).prefillE4M3
+	} else if mainloop == MainloopSM90 {
 		if prefillMainloop(m.Device(), p.DType, p.HeadDim, 0) != MainloopSM90 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for the Hopper mainloop, which this device (compute capability %d.%d) does not run: plan on this device", what, m.Device().Major, m.Device().Minor)
 		}

@@ -1,16 +1,17 @@
 """GPU tests of FP8 (e4m3) KV caches through kvplug.attn on torch tensors:
-kv_write quantises (one scale per token and kv head, or one per cache) and
-paged_decode reads the e4m3 cache, against a float64 reference over the
-dequantised cache (e4m3 * scale), outputs poisoned with NaN first; FP8's own
-error against the 16-bit cache stays small; misuse raises. Run as
-tests/gpu/test_attn_torch.py.
+kv_write quantises (one scale per token and kv head, or one per cache),
+paged_decode and paged_prefill (the sm_80 mainloop, with and without the
+decode route, with a window) read the e4m3 cache, against a float64
+reference over the dequantised cache (e4m3 * scale), outputs poisoned with
+NaN first; FP8's own error against the 16-bit cache stays small; misuse
+raises. Run as tests/gpu/test_attn_torch.py.
 """
 
 import math
 
 import pytest
 
-from gputest import check_rows, cuda_torch  # noqa: E402
+from gputest import check_rows, cuda_torch, row_err  # noqa: E402
 
 torch = cuda_torch()
 
@@ -131,6 +132,73 @@ def test_fp8_misuse(seed):
         attn.paged_decode(p.q.float(), c.k8, c.v8, p.table, p.seq_lens, k_scale=c.ks, v_scale=c.vs)
     ws = torch.empty(attn.prefill_workspace_size(2, 2, 4, 2, 64), dtype=torch.uint8, device=DEV)
     qo = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    plan = attn.prefill_plan(qo, p.seq_lens, 4, 2, 64, torch.bfloat16, ws)
-    with pytest.raises(kvplug.KvplugError):
-        attn.paged_prefill(plan, p.q, c.k8, c.v8, p.table)
+    plan = attn.prefill_plan(qo, p.seq_lens, 4, 2, 64, torch.bfloat16, ws, decode_route=False)
+    if plan.mainloop == attn.MAINLOOP_SM90:  # a Hopper GPU: e4m3 needs the sm_80 mainloop
+        with pytest.raises(kvplug.InvalidArgumentError, match="KVP_PREFILL_NO_HOPPER"):
+            attn.paged_prefill(plan, p.q, c.k8, c.v8, p.table, k_scale=c.ks, v_scale=c.vs)
+
+
+def _prefill_batch(dtype, D, kind, seed, window=-1):
+    """test_prefill_torch's varlen batch (chunks over cached prefixes, a
+    decode row, a block-boundary tail) written into e4m3 caches of its
+    layout by kv_write."""
+    from test_prefill_torch import Batch, ragged as prefill_ragged
+
+    gen = torch.Generator().manual_seed(seed)
+    kv, q = prefill_ragged(gen, 5, 300, 150, 16)
+    b = Batch(gen, dtype, D, 8, 2, 16, kv, q, window=window)
+    shape = tuple(b.k_cache.shape)
+    k8 = torch.full(shape, float("nan"), device=DEV).to(E4M3)
+    v8 = torch.full(shape, float("nan"), device=DEV).to(E4M3)
+    key, val = torch.cat(b.k), torch.cat(b.v)
+    if kind == "token":
+        ks = torch.full(shape[:3], float("nan"), device=DEV)
+        vs = torch.full(shape[:3], float("nan"), device=DEV)
+    else:
+        ks, vs = (key.abs().max().float() / 448).reshape(1), (val.abs().max().float() / 448).reshape(1)
+    slots = torch.cat([b.table[i, torch.arange(L, device=DEV) // 16].long() * 16 + torch.arange(L, device=DEV) % 16
+                       for i, L in enumerate(b.kv_lens)]).to(torch.int32)
+    attn.kv_write(key, val, k8, v8, slots, k_scale=ks, v_scale=vs)
+    # The reference reads the dequantised cache.
+    kd = k8.double() * (ks[..., None].double() if kind == "token" else ks.double())
+    vd = v8.double() * (vs[..., None].double() if kind == "token" else vs.double())
+    exact = (list(b.k), list(b.v))
+    for i, L in enumerate(b.kv_lens):
+        t = torch.arange(L, device=DEV)
+        blk = b.table[i, t // 16].long()
+        b.k[i], b.v[i] = kd[blk, t % 16], vd[blk, t % 16]
+    return b, k8, v8, ks, vs, exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+def test_fp8_prefill(dtype, D, kind, seed):
+    b, k8, v8, ks, vs, exact = _prefill_batch(dtype, D, kind, seed + D)
+    for decode_route in (True, False):
+        plan = b.plan(hopper=False, decode_route=decode_route)
+        assert plan.mainloop == attn.MAINLOOP_SM80 or plan.route != attn.ROUTE_PREFILL, plan
+        out = torch.full_like(b.q, float("nan"))
+        lse = torch.full((b.total_q, b.qh), float("nan"), dtype=torch.float32, device=DEV)
+        attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, lse=lse, k_scale=ks, v_scale=vs)
+        torch.cuda.synchronize()
+        want, want_lse = b.reference()
+        err = row_err(out, want)[0]
+        assert err < TOL[dtype], f"out rel err {err:.2e} (plan {plan})"
+        assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements)"
+        lerr = (lse.double() - want_lse).abs().max().item()
+        assert lerr < 1e-3, f"lse max abs err {lerr:.2e}"
+    b.k, b.v = exact
+    exact_out, _ = b.reference()
+    fp8_err = row_err(out, exact_out)[0]
+    assert fp8_err < 0.1, f"FP8's error against the 16-bit cache: {fp8_err:.3g}"
+
+
+def test_fp8_prefill_window(seed):
+    b, k8, v8, ks, vs, _ = _prefill_batch(torch.bfloat16, 128, "token", seed, window=40)
+    plan = b.plan(hopper=False)
+    out = torch.full_like(b.q, float("nan"))
+    attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    want, _ = b.reference()
+    assert row_err(out, want)[0] < TOL[torch.bfloat16]

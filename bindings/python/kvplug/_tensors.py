@@ -406,16 +406,16 @@ class Plan:
         return p
 
     def _pack(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
-              return_lse: bool) -> Tuple[Packed, Any, Any]:
+              return_lse: bool, k_scale: Any = None, v_scale: Any = None) -> Tuple[Packed, Any, Any]:
         """Every check of a layer's tensors against the plan, and the layer's
         struct with their sizes and strides; returns it with out and lse
         (allocated where needed)."""
         c = self._c
         n = c.total_q
-        kv = paged_kv(k_cache, v_cache, block_table, c.batch)
+        kv = paged_kv(k_cache, v_cache, block_table, c.batch, k_scale, v_scale)
         dev = k_cache.device
         cuda_tensor(q, "q", 3, dev)
-        same_dtype(q, k_cache.dtype, "q")
+        call_dtype(q, k_cache, "q")
         kvh, d = k_cache.shape[2], k_cache.shape[3]
         if q.shape[0] != n or q.shape[1] != c.num_q_heads or q.shape[2] != d or d != c.head_dim:
             raise bad(f"q has shape {tuple(q.shape)}; the plan has [{n}, {c.num_q_heads}, {c.head_dim}]")
@@ -432,17 +432,19 @@ class Plan:
         return Packed(a, dev, n, c.num_q_heads, kv), out, lse
 
     def _run(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
-             scale: Optional[float], return_lse: bool, stream: Any) -> Tuple[Any, Any]:
+             scale: Optional[float], return_lse: bool, stream: Any, k_scale: Any = None,
+             v_scale: Any = None) -> Tuple[Any, Any]:
         """One layer of the planned batch; returns (out, lse)."""
         try:
             key = (layout(q), layout(k_cache), layout(v_cache), layout(block_table),
-                   out is not None and layout(out), lse is not None and layout(lse))
+                   out is not None and layout(out), lse is not None and layout(lse),
+                   None if k_scale is None and v_scale is None else (layout(k_scale), layout(v_scale)))
         except Exception:
             key = None  # not all strided tensors: the checks say what is wrong
         tls = self._tls
         p = packed(tls, key)
         if p is None:
-            p, out, lse = self._pack(q, k_cache, v_cache, block_table, out, lse, return_lse)
+            p, out, lse = self._pack(q, k_cache, v_cache, block_table, out, lse, return_lse, k_scale, v_scale)
             keep(tls, p, key)
         else:
             out, lse = new_outputs(p, q, out, lse, return_lse)
@@ -451,6 +453,8 @@ class Plan:
         a.q, a.out = q.data_ptr(), out.data_ptr()
         kv = p.kv
         kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
+        if k_scale is not None:
+            kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
         a.lse = 0 if lse is None else lse.data_ptr()
         launch(self._fn, p.index, stream, self._addr, p.addr)
         return out, lse

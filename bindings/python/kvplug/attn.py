@@ -455,12 +455,17 @@ def paged_prefill(
     scale: Optional[float] = None,
     return_lse: bool = False,
     stream: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Any:
     """Attention of a planned batch over one layer: q ([total_q,
     num_q_heads, head_dim]) over the paged caches through block_table (int32
     [batch, max_blocks]). Returns out (allocated when None), or (out, lse)
-    with return_lse (lse float32 [total_q, num_q_heads], natural log)."""
+    with return_lse (lse float32 [total_q, num_q_heads], natural log).
+    An FP8 cache (torch.float8_e4m3fn) comes with its k_scale and v_scale, as
+    kv_write takes them, and is read by the sm_80 mainloop: plan such batches
+    with prefill_plan(..., hopper=False)."""
     if not isinstance(plan, PrefillPlan):
         raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
-    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream)
+    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale)
     return (out, lse) if return_lse else out

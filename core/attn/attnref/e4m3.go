@@ -16,7 +16,7 @@ import (
 // scaleLen is the float32 scales an e4m3 cache of kv's layout keeps for K
 // (and for V): one per (block, token, kv head), or one.
 func scaleLen(kv *attn.PagedKV, kvHeads int) int64 {
-	if kv.Scale == attn.ScaleTensor {
+	if kv.ScaleKind == attn.ScaleTensor {
 		return 1
 	}
 	return int64(kv.NumBlocks) * int64(kv.BlockSize) * int64(kvHeads)
@@ -24,7 +24,7 @@ func scaleLen(kv *attn.PagedKV, kvHeads int) int64 {
 
 // scaleIndex is the scale index of (blk, off, kv head h).
 func scaleIndex(kv *attn.PagedKV, kvHeads int, blk, off, h int64) int64 {
-	if kv.Scale == attn.ScaleTensor {
+	if kv.ScaleKind == attn.ScaleTensor {
 		return 0
 	}
 	return (blk*int64(kv.BlockSize)+off)*int64(kvHeads) + h
@@ -67,7 +67,7 @@ func KVWriteE4M3(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache
 			amax = max(amax, float32(math.Abs(float64(row[i]))))
 		}
 		s := scales[si]
-		if l.Scale == attn.ScaleTokenHead {
+		if l.ScaleKind == attn.ScaleTokenHead {
 			s = 1
 			if amax > 0 {
 				s = amax / attn.E4M3Max

@@ -35,7 +35,7 @@ func newE4M3Cache(t testing.TB, p *decodeProblem, kind attn.ScaleKind, padded bo
 		pad = 16
 	}
 	c := &e4m3Cache{kv: p.l.PagedKV}
-	c.kv.DType, c.kv.Scale = attn.E4M3, kind
+	c.kv.DType, c.kv.ScaleKind = attn.E4M3, kind
 	c.kv.CacheHeadStride = D + pad
 	c.kv.CacheTokenStride = H * c.kv.CacheHeadStride
 	c.kv.CacheBlockStride = bs*c.kv.CacheTokenStride + pad
