@@ -568,6 +568,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (GPU)")
     ap.add_argument("--cascade", action="store_true", help="shared-prefix decode attention (kvplug.cascade; GPU)")
     ap.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8: K/V in FP8 e4m3 with one scale per token and kv head; the pool gets the blocks that the "
+                         "memory of a 16-bit pool of --num-blocks blocks holds (about twice as many)")
     add_tier_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
@@ -587,14 +590,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     if num_blocks < per_seq:
         sys.exit(f"--num-blocks {num_blocks} cannot hold one request of {max_len} tokens ({per_seq} blocks)")
     shape = kvhf.ModelShape.of(model.config)
+    kv_dtype = None
+    if args.kv_dtype == "fp8":
+        kv_dtype = torch.float8_e4m3fn
+        # A 16-bit block's bytes hold 2 * head_dim / (head_dim + 4) e4m3 blocks with their float32 scales.
+        num_blocks = num_blocks * 2 * shape.head_dim // (shape.head_dim + 4)
     tier = tier_kwargs(args, shape, num_blocks, dtype)
-    cache = kvhf.PagedKVCache(shape, num_blocks, args.block_size, dtype=dtype, device=args.device, **tier)
+    cache = kvhf.PagedKVCache(shape, num_blocks, args.block_size, dtype=dtype, device=args.device, kv_dtype=kv_dtype,
+                              **tier)
     runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,
                          max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
                          cuda_graphs=args.cuda_graphs, cascade=args.cascade)
     cfg = EngineConfig(args.max_batch, args.step_tokens, args.chunk, seed=args.seed,
                        progress_every=0 if args.quiet else 2.0)
-    print(f"kvplug {kvplug.version_string()} + transformers: {args.model} ({dtype}, {args.device}, {runner.backend}), "
+    print(f"kvplug {kvplug.version_string()} + transformers: {args.model} ({dtype}, {args.device}, {runner.backend}"
+          + (", FP8 KV" if kv_dtype is not None else "") + "), "
           f"{len(requests)} requests x {args.n}, system prompt {args.system}, pool {num_blocks} blocks"
           + (f", host tier {tier['host_tier_slots']} slots, demote ahead {tier['demote_ahead']}" if tier else "")
           + (f", shared tier {args.shared_tier}" if args.shared_tier else ""))

@@ -343,3 +343,48 @@ def test_import_kvplug_does_not_import_torch_or_transformers():
     code = "import sys, kvplug; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def fp8_against_16bit(device: str, backend: str = "auto") -> Tuple[float, float, float]:
+    """Teacher-forced logits of a bf16 tiny Llama over an FP8 cache
+    (kv_dtype torch.float8_e4m3fn) against the same model over a bf16 cache:
+    (max relative error, mean relative error, argmax agreement), over a
+    prefill of 40 tokens in two chunks and 12 decode steps."""
+    model = twin(tiny_model("llama", dtype=torch.bfloat16, device=device, head_dim=64, num_attention_heads=4,
+                            hidden_size=256))
+    toks = np.random.default_rng(7).integers(1, 97, 52).tolist()
+    runs = []
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        with kvhf.PagedKVCache.for_model(model, 16, 16, kv_dtype=kv_dtype) as cache:
+            runner = kvhf.Runner(model, cache, max_batch=1, max_step_tokens=64, max_model_len=64, backend=backend)
+            cache.add(0, toks[:40])
+            rows = [runner.step(cache.schedule([(0, 24)]), all_logits=True),
+                    runner.step(cache.schedule([(0, 16)]), all_logits=True)]
+            for t in toks[40:]:
+                cache.append(0, t)
+                rows.append(runner.step(cache.schedule([(0, 1)]), all_logits=True))
+            runs.append(torch.cat([r.float().cpu() for r in rows]))
+    ref, got = runs
+    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return rel.max().item(), rel.mean().item(), agree
+
+
+def test_fp8_cache_logits_stay_close():
+    """FP8 K/V (the torch path's quantisation, as kv_write's) changes the
+    logits by FP8's rounding only: small relative error, the same argmax
+    almost everywhere."""
+    worst, mean, agree = fp8_against_16bit("cpu")
+    assert worst < 0.1 and mean < 0.05, (worst, mean)
+    assert agree >= 0.9, agree
+
+
+def test_fp8_cache_misuse():
+    model = tiny_model("llama")  # float32: no FP8 cache
+    with pytest.raises(kvplug.InvalidArgumentError, match="float16 and bfloat16"):
+        kvhf.PagedKVCache.for_model(model, 16, 8, kv_dtype=torch.float8_e4m3fn)
+    bf = tiny_model("llama", dtype=torch.bfloat16)
+    with pytest.raises(kvplug.InvalidArgumentError, match="tiers do not move FP8"):
+        kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, host_tier_slots=4)
+    with pytest.raises(kvplug.InvalidArgumentError, match="kv_dtype"):
+        kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float16)

@@ -86,7 +86,7 @@ class StepContext:
             p = kvplug.attn.prefill_plan(
                 self.qo_indptr, self.seq_lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, self.cache.dtype,
                 self.prefill_ws, window_left=window_left, qo_indptr_host=self.qo_indptr_host,
-                kv_lens_host=self.seq_lens_host)
+                kv_lens_host=self.seq_lens_host, hopper=not self.cache.fp8)  # FP8: the sm_80 mainloop reads it
             self.plans[window_left] = p
         return p
 
@@ -96,6 +96,10 @@ def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, wind
     sh = ctx.cache.shape
     kc = ctx.cache.k_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
     vc = ctx.cache.v_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
+    ks = vs = None
+    if ctx.cache.fp8:
+        ks = ctx.cache.k_scale(layer).reshape(-1, sh.num_kv_heads)
+        vs = ctx.cache.v_scale(layer).reshape(-1, sh.num_kv_heads)
     group = sh.num_q_heads // sh.num_kv_heads
     out = torch.empty_like(q)
     qo = ctx.qo_indptr_host
@@ -104,8 +108,13 @@ def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, wind
         n, L = b - a, int(ctx.seq_lens_host[i])
         if n == 0:
             continue
-        k = kc[idx].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
-        v = vc[idx].transpose(0, 1).repeat_interleave(group, dim=0)
+        if ks is not None:  # FP8: e4m3 * its row's scale (gathered as bytes: no float8 indexing on the CPU)
+            k = kc.view(torch.uint8)[idx].view(kc.dtype).float() * ks[idx][..., None]
+            v = vc.view(torch.uint8)[idx].view(vc.dtype).float() * vs[idx][..., None]
+        else:
+            k, v = kc[idx], vc[idx]  # [L, kv_heads, D]
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         pos = torch.arange(L - n, L, device=q.device)[:, None]
         t = torch.arange(L, device=q.device)[None, :]
         mask = t <= pos
@@ -118,6 +127,20 @@ def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, wind
         o = torch.matmul(torch.softmax(scores, dim=-1), v.float())
         out[a:b] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def _write_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """The torch path's FP8 write, as kvplug.attn.kv_write quantises: each
+    (token, kv head) row's scale max |x| / 448 (1 for a zero row), x / scale
+    rounded to e4m3 (saturated at +-448)."""
+    h, d = cache.shape[-2], cache.shape[-1]
+    xf = x.float()
+    s = xf.abs().amax(dim=-1)
+    s = torch.where(s > 0, s / 448, torch.ones_like(s))
+    q = (xf / s[..., None]).clamp(-448, 448).to(cache.dtype)
+    # As bytes: torch has no index_copy_ of float8 on the CPU.
+    cache.view(torch.uint8).view(-1, h, d).index_copy_(0, slots, q.view(torch.uint8))
+    scales.view(-1, h).index_copy_(0, slots, s)
 
 
 def kvplug_attention(
@@ -152,22 +175,27 @@ def kvplug_attention(
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     wl = ctx.window_left(sliding_window)
     kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
+    ks, vs = ctx.cache.k_scale(layer), ctx.cache.v_scale(layer)  # FP8 caches' scales; None for 16-bit
     if ctx.backend == "custom":
         out = ctx.custom(ctx, layer, q, k, v, scale, wl)
     elif ctx.backend == "kernels":
-        kvplug.attn.kv_write(k, v, kc, vc, ctx.slots)
+        kvplug.attn.kv_write(k, v, kc, vc, ctx.slots, k_scale=ks, v_scale=vs)
         if wl < 0 and ctx.cascade_plan is not None:
             out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, ctx.block_table, scale=scale)
         elif ctx.decode and wl < 0:
             out = kvplug.attn.paged_decode(q, kc, vc, ctx.block_table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
-                                           num_splits=ctx.num_splits)
+                                           num_splits=ctx.num_splits, k_scale=ks, v_scale=vs)
         else:
-            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, ctx.block_table, scale=scale)
+            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, ctx.block_table, scale=scale, k_scale=ks, v_scale=vs)
     else:
         sh = ctx.cache.shape
         flat = ctx.slots.long()
-        kc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, k.to(kc.dtype))
-        vc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, v.to(vc.dtype))
+        if ks is not None:
+            _write_fp8(k, kc, ks, flat)
+            _write_fp8(v, vc, vs, flat)
+        else:
+            kc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, k.to(kc.dtype))
+            vc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, v.to(vc.dtype))
         out = _reference(ctx, layer, q, scale, wl)
     return out.unsqueeze(0), None
 

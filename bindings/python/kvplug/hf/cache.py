@@ -154,7 +154,13 @@ class PagedKVCache:
     to that many blocks computed since to the host tier while they stay on
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
     0 and demote_evicted to off. shared_tier ("host:port") goes to the
-    Manager's shared_tier."""
+    Manager's shared_tier.
+
+    kv_dtype torch.float8_e4m3fn holds K and V in FP8 (one byte an element,
+    twice the tokens in the memory of a 16-bit cache) with one float32 scale
+    per (token, kv head) beside them (self.scales; k_scale/v_scale give a
+    layer's), for float16 and bfloat16 models; the host tier and the
+    shared-prefix route do not move or read FP8 caches in this version."""
 
     def __init__(
         self,
@@ -172,6 +178,7 @@ class PagedKVCache:
         tier_overlap: bool = False,
         demote_evicted: Optional[bool] = None,
         write_through: int = 0,
+        kv_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -179,6 +186,14 @@ class PagedKVCache:
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self.fp8 = self.kv_dtype == getattr(torch, "float8_e4m3fn", None)
+        if self.kv_dtype != dtype and not self.fp8:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: kv_dtype must be the model's dtype or torch.float8_e4m3fn, not {kv_dtype}")
+        if self.fp8 and dtype not in (torch.float16, torch.bfloat16):
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: an FP8 cache serves float16 and bfloat16 models, not {dtype}")
+        if self.fp8 and (int(host_tier_slots) > 0 or shared_tier):
+            raise kvplug.InvalidArgumentError("kvplug.hf: the host and shared tiers do not move FP8 caches in this version")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device: name it, as tensors made there do ("cuda:0"), so that the
@@ -215,7 +230,12 @@ class PagedKVCache:
         # reads was written first (kernels skip tokens past seq_lens).
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
         self.kv = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
-                        dtype=dtype, device=self.device)
+                        dtype=self.kv_dtype, device=self.device)
+        # FP8: float32 [layers, 2, blocks, block_size, kv_heads], each written row's max |x| / 448.
+        self.scales: Optional[torch.Tensor] = None
+        if self.fp8:
+            self.scales = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads),
+                                dtype=torch.float32, device=self.device)
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
@@ -233,12 +253,13 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
-                  **tier: Any) -> "PagedKVCache":
+                  kv_dtype: Optional[torch.dtype] = None, **tier: Any) -> "PagedKVCache":
         """A cache for `model`'s shape, dtype and device (tier: the host and
-        shared tier arguments of the constructor)."""
+        shared tier arguments of the constructor; kv_dtype: the cache's own,
+        torch.float8_e4m3fn for FP8)."""
         p = next(model.parameters())
         return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
-                   prefix_cache=prefix_cache, **tier)
+                   prefix_cache=prefix_cache, kv_dtype=kv_dtype, **tier)
 
     @staticmethod
     def default_demote_ahead(num_blocks: int, block_size: int = 16, step_tokens: int = 0, max_batch: int = 0) -> int:
@@ -267,9 +288,18 @@ class PagedKVCache:
     def v_cache(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 1]
 
+    def k_scale(self, layer: int) -> Optional[torch.Tensor]:
+        """An FP8 cache's K scales of `layer` ([blocks, block_size,
+        kv_heads] float32); None for a 16-bit cache."""
+        return None if self.scales is None else self.scales[layer, 0]
+
+    def v_scale(self, layer: int) -> Optional[torch.Tensor]:
+        return None if self.scales is None else self.scales[layer, 1]
+
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        n = self.kv.numel() * self.kv.element_size()
+        return n if self.scales is None else n + self.scales.numel() * self.scales.element_size()
 
     @property
     def max_blocks_per_seq(self) -> int:

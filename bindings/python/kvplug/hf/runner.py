@@ -236,6 +236,8 @@ class Runner:
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
             raise kvplug.InvalidArgumentError("kvplug.hf: cascade attention needs the kernels backend (a CUDA fp16/bf16 cache)")
+        if self.cascade and cache.fp8:
+            raise kvplug.InvalidArgumentError("kvplug.hf: cascade attention does not read FP8 caches in this version")
         if self.backend == "kernels":
             sh = cache.shape
             kvplug.attn.prepare(self.device)
