@@ -15,6 +15,9 @@ These systems serve each (--systems):
               each shared prefix block once (shared-prefix attention, routed
               to plain decode where the library's cost model says sharing
               does not pay);
+  kvplug-fp8  kvplug over an FP8 (e4m3) KV cache with per-token-head scales,
+              with the blocks that the kvplug system's pool memory holds
+              (about twice as many; prefill on the sm_80 mainloop);
   flashinfer  the same loop and manager with FlashInfer's attention
               (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
               steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
@@ -506,17 +509,22 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         num_blocks = int(args.kv_gb * 2**30 // block_bytes)
     else:
         num_blocks = default_pool_blocks(args, block_bytes, ws)
+    kv_dtype = None
+    if system == "kvplug-fp8":
+        # FP8 K/V with per-token-head scales: the blocks the same memory holds.
+        kv_dtype = torch.float8_e4m3fn
+        num_blocks = num_blocks * 2 * shape.head_dim // (shape.head_dim + 4)
     num_blocks = max(num_blocks, -(-max_len // bs) + 1)
     tier: Dict[str, Any] = {}
     if system == "kvplug-host":
         gb = args.host_cache_gb or 1.05 * ws * block_bytes / 2**30
         tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
-    cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, **tier)
+    cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, kv_dtype=kv_dtype, **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
-    if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all"):
-        cascade = (system == "kvplug-cascade" or args.cascade) and args.device.startswith("cuda")
+    if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "kvplug-fp8"):
+        cascade = (system == "kvplug-cascade" or args.cascade and system != "kvplug-fp8") and args.device.startswith("cuda")
         runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
         runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)
@@ -766,7 +774,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     raise SystemExit(f"the hf system does not serve workload {wl}")
                 sub = fresh(reqs[:args.hf_requests])
                 r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
-            elif system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "flashinfer"):
+            elif system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "kvplug-fp8", "flashinfer"):
                 r = run_loop(system, model, conv.first() if conv is not None else fresh(reqs), args, dtype, conv)
             else:
                 raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-host, kvplug-all, kvplug-cascade, "
@@ -785,6 +793,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         for k in ("kvplug", "kvplug-cascade") if k in row and "flashinfer" in row)
         ratio += f"  kvplug/hf {row['kvplug'] / row['hf']:.1f}x" if "kvplug" in row and "hf" in row else ""
         ratio += f"  kvplug-host/kvplug {row['kvplug-host'] / row['kvplug']:.3f}x" if "kvplug-host" in row and "kvplug" in row else ""
+        ratio += f"  kvplug-fp8/kvplug {row['kvplug-fp8'] / row['kvplug']:.3f}x" if "kvplug-fp8" in row and "kvplug" in row else ""
         print(f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in row.items()) + ratio)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
