@@ -393,3 +393,79 @@ def test_calls_reach_the_library(cpu_kernels):
         attn.paged_decode(q, k, v, table, lens)  # the packed layouts
     with pytest.raises(kvplug.NoDeviceError):
         attn.kv_write(q[:, :2], q[:, :2], k, v, lens)
+
+
+# -- FP8 (e4m3) caches ------------------------------------------------------------
+
+
+def record_kv(monkeypatch, name, args_type):
+    """Records the kvp_paged_kv that each call's args point to, as fields."""
+    seen = []
+
+    def fn(*args):
+        *ptrs, stream = args
+        a = args_type.from_buffer_copy((ctypes.c_char * ctypes.sizeof(args_type)).from_address(
+            ptrs[-1] if isinstance(ptrs[-1], int) else ctypes.cast(ptrs[-1], ctypes.c_void_p).value))
+        seen.append((fields(a.kv.contents), a.dtype))
+        return 0
+    monkeypatch.setattr(_lib.C, name, fn)
+    return seen
+
+
+def test_fp8_caches_pack_their_scales(cpu_kernels, monkeypatch):
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    if e4m3 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    writes = record_kv(monkeypatch, "kvp_kv_write", _capi.KVWriteArgs)
+    decodes = record_kv(monkeypatch, "kvp_paged_decode", _capi.PagedDecodeArgs)
+    k8, v8 = (torch.zeros(8, 16, 2, 64).to(e4m3) for _ in range(2))
+    ks, vs = torch.zeros(8, 16, 2), torch.zeros(8, 16, 2)
+    key = torch.randn(5, 2, 64).bfloat16()
+    slots = torch.arange(5, dtype=torch.int32)
+    attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=ks, v_scale=vs)
+    kv, dt = writes[-1]
+    assert dt == attn.DTYPE_BF16 and kv["dtype"] == attn.DTYPE_E4M3 and kv["scale_kind"] == _tensors.SCALE_TOKEN_HEAD
+    assert (kv["k_scale"], kv["v_scale"]) == (ks.data_ptr(), vs.data_ptr())
+    assert (kv["block_stride"], kv["token_stride"], kv["head_stride"]) == k8.stride()[:3]  # bytes: e4m3 elements
+    # One scale per cache, and new scale tensors under a kept layout.
+    kt, vt = torch.ones(1), torch.ones(1)
+    attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=kt, v_scale=vt)
+    assert writes[-1][0]["scale_kind"] == _tensors.SCALE_TENSOR and writes[-1][0]["k_scale"] == kt.data_ptr()
+    ks2 = torch.zeros(8, 16, 2)
+    attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=ks2, v_scale=vs)
+    assert writes[-1][0]["k_scale"] == ks2.data_ptr()
+    q = torch.randn(2, 4, 64).bfloat16()
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    attn.paged_decode(q, k8, v8, table, lens, k_scale=ks, v_scale=vs)
+    kv, dt = decodes[-1]
+    assert dt == attn.DTYPE_BF16 and kv["dtype"] == attn.DTYPE_E4M3 and kv["k_scale"] == ks.data_ptr()
+    # A 16-bit cache keeps no scales.
+    k16, v16 = caches(dtype=torch.bfloat16)
+    attn.paged_decode(q, k16, v16, table, lens)
+    assert decodes[-1][0]["dtype"] == attn.DTYPE_BF16 and decodes[-1][0]["k_scale"] == 0 and decodes[-1][0]["scale_kind"] == 0
+
+
+def test_fp8_misuse_is_refused_before_the_library(cpu_kernels, monkeypatch):
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    if e4m3 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    writes = record_kv(monkeypatch, "kvp_kv_write", _capi.KVWriteArgs)
+    k8, v8 = (torch.zeros(8, 16, 2, 64).to(e4m3) for _ in range(2))
+    ks, vs = torch.zeros(8, 16, 2), torch.zeros(8, 16, 2)
+    key = torch.randn(5, 2, 64).bfloat16()
+    slots = torch.arange(5, dtype=torch.int32)
+    with pytest.raises(kvplug.InvalidArgumentError, match="needs k_scale and v_scale"):
+        attn.kv_write(key, key.clone(), k8, v8, slots)
+    with pytest.raises(kvplug.InvalidArgumentError, match="k_scale has shape"):
+        attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=ks[:4], v_scale=vs)
+    with pytest.raises(kvplug.InvalidArgumentError, match="both be per token"):
+        attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=ks, v_scale=torch.ones(1))
+    with pytest.raises(kvplug.InvalidArgumentError, match="k_scale has dtype"):
+        attn.kv_write(key, key.clone(), k8, v8, slots, k_scale=ks.double(), v_scale=vs)
+    with pytest.raises(kvplug.InvalidArgumentError, match="float16 or bfloat16"):
+        attn.kv_write(key.float(), key.float(), k8, v8, slots, k_scale=ks, v_scale=vs)
+    k16, v16 = caches()
+    with pytest.raises(kvplug.InvalidArgumentError, match="belong to an e4m3 cache"):
+        attn.kv_write(key.half(), key.half(), k16, v16, slots, k_scale=ks, v_scale=vs)
+    assert writes == []  # nothing reached the library
