@@ -28,19 +28,13 @@ import json
 import math
 
 import torch
-from triton.testing import do_bench
+from decode_fi_bench import timed  # triton's do_bench, median, us
 
 from kvplug import attn
 
 HQ, HK, D, BS = 32, 8, 128, 16
 PLAIN = [(1, 512), (1, 4096), (1, 16384), (8, 512), (8, 4096), (32, 2048), (32, 4096), (64, 8192), (128, 2048)]
 E4M3 = torch.float8_e4m3fn
-
-
-def timed(fn):
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3  # us
 
 
 def copy_bandwidth():

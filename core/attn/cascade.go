@@ -610,11 +610,7 @@ var cascadeKernels = func() (t [2][len(headDims)][3]*cuda.Kernel) {
 // cascadeSharedBytes is kvp_cascade_smem_bytes: the larger of a shared
 // item's tile and a decode tail's 16-row decode tile.
 func cascadeSharedBytes(headDim int) uint32 {
-	stages := uint32(2)
-	if headDim <= 64 {
-		stages = 3
-	}
-	D := uint32(headDim)
+	stages, D := prefillStages(headDim), uint32(headDim)
 	tq := uint32(128)
 	if headDim > 128 {
 		tq = 64

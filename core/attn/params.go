@@ -84,29 +84,27 @@ func decodeSharedBytes(d DType, headDim int) uint32 {
 	if d.Size() == 4 {
 		return 0
 	}
-	stages := uint32(2)
+	stages, D := decodeStages(headDim), uint32(headDim)
+	return stages*64*D*4 + 16*D*2 + (stages+1)*64*8
+}
+
+// decodeStages is the decode kernels' pipeline depth (DecodeStages): 4 at
+// head_dim 64, 3 at 128, 2 at 256.
+func decodeStages(headDim int) uint32 {
 	switch {
 	case headDim <= 64:
-		stages = 4
+		return 4
 	case headDim <= 128:
-		stages = 3
+		return 3
 	}
-	D := uint32(headDim)
-	return stages*64*D*4 + 16*D*2 + (stages+1)*64*8
+	return 2
 }
 
 // decodeSharedBytesE4M3 is kvp_decode_smem_bytes_e4m3: the e4m3 decode
 // kernel's (raw tiles and their scales in the 16-bit kernel's stages, the
 // f16 query tile, rings of row and scale offsets).
 func decodeSharedBytesE4M3(headDim int) uint32 {
-	stages := uint32(2)
-	switch {
-	case headDim <= 64:
-		stages = 4
-	case headDim <= 128:
-		stages = 3
-	}
-	D := uint32(headDim)
+	stages, D := decodeStages(headDim), uint32(headDim)
 	return stages*(128*D+512) + 32*D + 2*(stages+1)*512
 }
 

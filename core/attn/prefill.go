@@ -167,12 +167,16 @@ func prefillSharedBytes(d DType, headDim int) uint32 {
 	if d.Size() == 4 {
 		return 0
 	}
-	stages := uint32(2)
-	if headDim <= 64 {
-		stages = 3
-	}
-	D := uint32(headDim)
+	stages, D := prefillStages(headDim), uint32(headDim)
 	return uint32(prefillTileQ(d, headDim))*D*2 + stages*64*D*4 + (stages+1)*64*8
+}
+
+// prefillStages is the sm_80 tile's pipeline depth (TileCfg::STAGES).
+func prefillStages(headDim int) uint32 {
+	if headDim <= 64 {
+		return 3
+	}
+	return 2
 }
 
 // errE4M3Hopper: an e4m3 cache is read by the sm_80 prefill mainloop only.
@@ -185,11 +189,7 @@ func errE4M3Hopper(what string) error {
 // kernel over an e4m3 cache (raw tiles and their scales, rings of row and
 // scale offsets, the query's reduction).
 func prefillSharedBytesE4M3(headDim int) uint32 {
-	stages := uint32(2)
-	if headDim <= 64 {
-		stages = 3
-	}
-	D := uint32(headDim)
+	stages, D := prefillStages(headDim), uint32(headDim)
 	return 128*D + stages*(128*D+512) + 2*(stages+1)*512 + 16
 }
 

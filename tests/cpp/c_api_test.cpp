@@ -813,6 +813,29 @@ TEST(Fork, ChildCallsFailAtOnce) {
 
 }  // namespace
 
+namespace {
+
+// A bf16 decode of 2 sequences, 8 q heads, head_dim 128, over the cache kv
+// (addresses that no device reads: the checks come first).
+kvp_paged_decode_args bf16_decode_over(const kvp_paged_kv *kv) {
+  kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
+  a.dtype = KVP_DTYPE_BF16;
+  a.head_dim = 128;
+  a.batch = 2;
+  a.num_q_heads = 8;
+  a.q = 0x400000;
+  a.q_batch_stride = 8 * 128;
+  a.q_head_stride = 128;
+  a.seq_lens = 0x500000;
+  a.out = 0x600000;
+  a.out_batch_stride = 8 * 128;
+  a.out_head_stride = 128;
+  a.kv = kv;
+  return a;
+}
+
+}  // namespace
+
 // The paged-KV descriptor (0.4): a cache described once, through kv; a
 // descriptor beside the args' own cache fields, a scale array or another
 // dtype is refused before any device is needed, with a message.
@@ -830,19 +853,7 @@ TEST(PagedKV, DescriptorIsCheckedBeforeTheDevice) {
   kv.block_table = 0x300000;
   kv.max_blocks_per_seq = 8;
 
-  kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
-  a.dtype = KVP_DTYPE_BF16;
-  a.head_dim = 128;
-  a.batch = 2;
-  a.num_q_heads = 8;
-  a.q = 0x400000;
-  a.q_batch_stride = 8 * 128;
-  a.q_head_stride = 128;
-  a.seq_lens = 0x500000;
-  a.out = 0x600000;
-  a.out_batch_stride = 8 * 128;
-  a.out_head_stride = 128;
-  a.kv = &kv;
+  kvp_paged_decode_args a = bf16_decode_over(&kv);
   // Valid: what is left to say comes from the device (no GPU, no kernels
   // or a bad address), never from the arguments.
   kvp_status s = kvp_paged_decode(&a, 0);
@@ -898,19 +909,7 @@ TEST(PagedKV, E4M3DescriptorIsCheckedBeforeTheDevice) {
   kv.v_scale = 0x900000;
   kv.scale_kind = KVP_KV_SCALE_TOKEN_HEAD;
 
-  kvp_paged_decode_args a = KVP_PAGED_DECODE_ARGS_INIT;
-  a.dtype = KVP_DTYPE_BF16;
-  a.head_dim = 128;
-  a.batch = 2;
-  a.num_q_heads = 8;
-  a.q = 0x400000;
-  a.q_batch_stride = 8 * 128;
-  a.q_head_stride = 128;
-  a.seq_lens = 0x500000;
-  a.out = 0x600000;
-  a.out_batch_stride = 8 * 128;
-  a.out_head_stride = 128;
-  a.kv = &kv;
+  kvp_paged_decode_args a = bf16_decode_over(&kv);
   kvp_status s = kvp_paged_decode(&a, 0);
   EXPECT_NE(s, KVP_ERR_INVALID_ARGUMENT) << kvp_last_error();
   EXPECT_NE(s, KVP_ERR_NULL_POINTER) << kvp_last_error();

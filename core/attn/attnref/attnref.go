@@ -52,22 +52,35 @@ func KVWrite(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache, vC
 	}
 	es := int64(l.DType.Size())
 	row := int64(l.HeadDim) * es
+	writeRows(l, slots, func(r writeRow) {
+		dst, k, v := r.dst*es, r.key*es, r.value*es
+		copy(kCache[dst:dst+row], key[k:k+row])
+		copy(vCache[dst:dst+row], value[v:v+row])
+	})
+	return nil
+}
+
+// writeRow is one (token, kv head) row of a KV write: its slot's block and
+// offset, the element offsets of its row in the caches, key and value.
+type writeRow struct {
+	head, blk, off, dst, key, value int64
+}
+
+// writeRows calls fn for every row the write l stores: tokens whose slot is
+// in [0, num_blocks*block_size), every kv head.
+func writeRows(l *attn.KVWriteLayout, slots []int32, fn func(writeRow)) {
 	capacity := int64(l.NumBlocks) * int64(l.BlockSize)
-	for t := 0; t < l.NumTokens; t++ {
+	for t := int64(0); t < int64(l.NumTokens); t++ {
 		slot := int64(slots[t])
 		if slot < 0 || slot >= capacity {
 			continue
 		}
 		blk, off := slot/int64(l.BlockSize), slot%int64(l.BlockSize)
 		for h := int64(0); h < int64(l.NumKVHeads); h++ {
-			dst := (blk*l.CacheBlockStride + off*l.CacheTokenStride + h*l.CacheHeadStride) * es
-			k := (int64(t)*l.KeyTokenStride + h*l.KeyHeadStride) * es
-			v := (int64(t)*l.ValueTokenStride + h*l.ValueHeadStride) * es
-			copy(kCache[dst:dst+row], key[k:k+row])
-			copy(vCache[dst:dst+row], value[v:v+row])
+			fn(writeRow{h, blk, off, blk*l.CacheBlockStride + off*l.CacheTokenStride + h*l.CacheHeadStride,
+				t*l.KeyTokenStride + h*l.KeyHeadStride, t*l.ValueTokenStride + h*l.ValueHeadStride})
 		}
 	}
-	return nil
 }
 
 // PagedDecode is the CPU reference of attn.PagedDecode. For sequence b and

@@ -58,7 +58,6 @@ func KVWriteE4M3(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache
 	); err != nil {
 		return err
 	}
-	capacity := int64(l.NumBlocks) * int64(l.BlockSize)
 	row := make([]float32, l.HeadDim)
 	quant := func(src []byte, off int64, dst []byte, at int64, scales []float32, si int64) {
 		amax := float32(0)
@@ -78,19 +77,11 @@ func KVWriteE4M3(l *attn.KVWriteLayout, key, value []byte, slots []int32, kCache
 			dst[at+int64(i)] = attn.FloatToE4M3(x / s)
 		}
 	}
-	for t := 0; t < l.NumTokens; t++ {
-		slot := int64(slots[t])
-		if slot < 0 || slot >= capacity {
-			continue
-		}
-		blk, off := slot/int64(l.BlockSize), slot%int64(l.BlockSize)
-		for h := int64(0); h < int64(l.NumKVHeads); h++ {
-			dst := blk*l.CacheBlockStride + off*l.CacheTokenStride + h*l.CacheHeadStride
-			si := scaleIndex(&l.PagedKV, l.NumKVHeads, blk, off, h)
-			quant(key, int64(t)*l.KeyTokenStride+h*l.KeyHeadStride, kCache, dst, kScale, si)
-			quant(value, int64(t)*l.ValueTokenStride+h*l.ValueHeadStride, vCache, dst, vScale, si)
-		}
-	}
+	writeRows(l, slots, func(r writeRow) {
+		si := scaleIndex(&l.PagedKV, l.NumKVHeads, r.blk, r.off, r.head)
+		quant(key, r.key, kCache, r.dst, kScale, si)
+		quant(value, r.value, vCache, r.dst, vScale, si)
+	})
 	return nil
 }
 
