@@ -2,6 +2,7 @@ package kvtier
 
 import (
 	"encoding/binary"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -199,6 +200,13 @@ type sharedTier struct {
 	// closed is set by Close, under the manager's lock: no more fetches
 	// or stores; queue is closed.
 	closed bool
+
+	// fetching: the blocks whose host slots a Fetch has reserved and not
+	// yet committed or given back (by hash, the fetches holding each);
+	// fetchDone, on the manager's lock, wakes the Fetches that wait for
+	// them. Under the manager's lock.
+	fetching  map[valkey.Hash]int
+	fetchDone *sync.Cond
 
 	lookups, hits, misses, fetched, fetchMisses atomic.Int64
 	hitTokens, matchTokens                      atomic.Int64
@@ -423,30 +431,42 @@ func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
 			need[j] = true
 		}
 	}
-	keys, slots := t.reserveFetch(prompts, &w, need)
+	keys, slots, joined := t.reserveFetch(prompts, &w, need)
 	if len(keys) == 0 {
-		return nil, nil
+		return joined, nil
 	}
 	dst := make([][]byte, len(slots))
 	for i, slot := range slots {
 		dst[i] = s.pool.Bytes(slot)
 	}
 	found := s.t.GetInto(keys, dst)
-	return t.commitFetch(keys, slots, found), nil
+	fetched := t.commitFetch(keys, slots, found)
+	for k := range joined {
+		if fetched == nil {
+			fetched = make(Fetched, len(joined))
+		}
+		fetched[k] = struct{}{}
+	}
+	return fetched, nil
 }
 
 // reserveFetch reserves, under the lock, a host slot for each block
 // needed (need[j]: w.want[j]) and returns the blocks' hashes and slots;
 // with KV events on it describes each slot's block (not yet announced)
-// and announces the resident blocks the reservations evicted.
-func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valkey.Hash, []host.Slot) {
+// and announces the resident blocks the reservations evicted. A block
+// that another Fetch is reading already is not read twice: this call
+// waits (releasing the lock) until that fetch commits or gives it back,
+// and returns the ones committed as joined, for the admission to count as
+// fetched (a second admission of a prompt starts on the blocks the first
+// one's fetch brings, not on a recomputation).
+func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valkey.Hash, []host.Slot, Fetched) {
 	t.lock.Lock()
 	defer t.lock.Unlock()
 	s := t.shared
 	if s.closed {
-		return nil, nil // Close came while the lookup was in flight: fetch nothing
+		return nil, nil, nil // Close came while the lookup was in flight: fetch nothing
 	}
-	var keys []valkey.Hash
+	var keys, waiting []valkey.Hash
 	var slots []host.Slot
 	t.gone = t.gone[:0]
 	hits, full := int64(0), false
@@ -460,6 +480,10 @@ func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valk
 			continue
 		}
 		h := prefix.Hash(w.want[j])
+		if s.fetching[w.want[j]] > 0 {
+			waiting = append(waiting, w.want[j]) // another Fetch reads it
+			continue
+		}
 		slot, gone, rerr := s.pool.ReserveEvict(HostKey(h))
 		if kverr.Is(rerr, kverr.OutOfBlocks) {
 			full = true // every host slot pinned
@@ -471,6 +495,10 @@ func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valk
 		}
 		keys = append(keys, w.want[j])
 		slots = append(slots, slot)
+		if s.fetching == nil {
+			s.fetching = make(map[valkey.Hash]int)
+		}
+		s.fetching[w.want[j]]++
 		if t.events {
 			t.hostEvicted(slot, gone, "shared tier fetch")
 			src := w.src[j]
@@ -488,7 +516,44 @@ func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valk
 	if len(t.gone) > 0 {
 		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), "shared tier fetch: recording host evictions")
 	}
-	return keys, slots
+	if len(waiting) == 0 {
+		return keys, slots, nil
+	}
+	// This call's own reservations stay pinned while it waits: the other
+	// fetch never waits for them in turn (its blocks were reserved first,
+	// and a fetch waits only on blocks it did not reserve).
+	for !s.closed && t.anyFetching(waiting) {
+		s.cond(t.lock).Wait()
+	}
+	var joined Fetched
+	for _, k := range waiting {
+		if hk := HostKey(prefix.Hash(k)); s.pool.Peek([]uint64{hk}) == 1 {
+			if joined == nil {
+				joined = make(Fetched, len(waiting))
+			}
+			joined[hk] = struct{}{}
+		}
+	}
+	return keys, slots, joined
+}
+
+// anyFetching reports whether a Fetch still reads one of keys. Under the lock.
+func (t *Tier) anyFetching(keys []valkey.Hash) bool {
+	for _, k := range keys {
+		if t.shared.fetching[k] > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// cond is the condition the Fetches that wait for another's blocks wait
+// on, on the manager's lock (made on first use). Under the lock.
+func (s *sharedTier) cond(l sync.Locker) *sync.Cond {
+	if s.fetchDone == nil {
+		s.fetchDone = sync.NewCond(l)
+	}
+	return s.fetchDone
 }
 
 // commitFetch commits, under the lock, the slots whose reads found their
@@ -499,6 +564,12 @@ func (t *Tier) commitFetch(keys []valkey.Hash, slots []host.Slot, found []bool) 
 	t.lock.Lock()
 	defer t.lock.Unlock()
 	s := t.shared
+	for _, k := range keys {
+		if s.fetching[k]--; s.fetching[k] <= 0 {
+			delete(s.fetching, k)
+		}
+	}
+	s.cond(t.lock).Broadcast() // the Fetches waiting for these blocks
 	fetched := make(Fetched, len(keys))
 	for i, slot := range slots {
 		if !found[i] {
@@ -630,6 +701,7 @@ func (t *Tier) closeShared() *sharedTier {
 	s := t.shared
 	s.closed = true
 	close(s.queue)
+	s.cond(t.lock).Broadcast() // Fetches waiting for another's blocks fetch nothing more
 	return s
 }
 
