@@ -1901,8 +1901,9 @@ kvp_status kvp_attn_workspace_size(int32_t max_batch, int32_t num_q_heads, int32
 /* *out = the split count kvp_paged_decode chooses (num_splits = 0) for this
  * batch shape on the current context's device, before capping it to the
  * workspace: compute it once per step and pass it as num_splits to every
- * layer, or leave num_splits 0. Errors: NULL_POINTER, INVALID_ARGUMENT,
- * NO_DEVICE, CUDA. */
+ * layer, or leave num_splits 0. dtype is the call's, or KVP_DTYPE_E4M3 for
+ * a decode over an e4m3 cache (whose kernel holds more blocks per SM).
+ * Errors: NULL_POINTER, INVALID_ARGUMENT, NO_DEVICE, CUDA. */
 kvp_status kvp_attn_num_splits(int32_t dtype, int32_t head_dim, int32_t batch, int32_t num_q_heads,
                                int32_t num_kv_heads, int32_t max_seq_len, int32_t *out);
 

@@ -118,6 +118,10 @@ func WorkspaceSize(batchLimit, qHeads, headDim, maxSplits int) (int64, error) {
 // workspace.
 func NumSplits(d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) (int, error) {
 	const what = "attn num_splits"
+	e4m3 := d == E4M3 // a decode over an e4m3 cache (its q is f16 or bf16: the same count)
+	if e4m3 {
+		d = F16
+	}
 	if err := checkHead(what, d, headDim); err != nil {
 		return 0, err
 	}
@@ -138,5 +142,5 @@ func NumSplits(d DType, headDim, batch, qHeads, kvHeads, maxSeqLen int) (int, er
 	if err != nil {
 		return 0, err
 	}
-	return DecodeSplits(m.Device().SMs, d, headDim, batch, qHeads, kvHeads, maxSeqLen), nil
+	return decodeSplits(m.Device().SMs, d, headDim, batch, qHeads, kvHeads, maxSeqLen, 1, e4m3), nil
 }

@@ -219,3 +219,16 @@ def test_fp8_hf_engine_logits():
     print(f"FP8 vs bf16 cache, teacher-forced logits: max rel {worst:.2e}, mean rel {mean:.2e}, argmax agreement {agree:.3f}")
     assert worst < 0.1 and mean < 0.05, (worst, mean)
     assert agree >= 0.9, agree
+
+
+def test_fp8_num_splits():
+    """The split count for a decode over an FP8 cache is the e4m3 kernel's
+    (3 blocks per SM at head_dim 128: 512 blocks fill 1.29 waves unsplit,
+    2.59 with two splits), and paged_decode with num_splits 0 uses it."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s16 = attn.num_splits(torch.bfloat16, 128, 64, 32, 8, 8192)
+    s8 = attn.num_splits(torch.float8_e4m3fn, 128, 64, 32, 8, 8192)
+    assert s16 == 1, s16
+    if sms == 132:  # H100 / H200: the heuristic's worked example
+        assert s8 == 2, s8
+    assert attn.num_splits(attn.DTYPE_E4M3, 128, 64, 32, 8, 8192) == s8

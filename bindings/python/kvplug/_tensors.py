@@ -99,7 +99,9 @@ def dtype_arg(dtype: Any) -> Any:
     refuses by name); an int passes through, to be range-checked as one."""
     if isinstance(dtype, int):
         return dtype
-    torch()
+    t = torch()
+    if dtype == getattr(t, "float8_e4m3fn", None):
+        return DTYPE_E4M3  # kvp_attn_num_splits: a decode over an e4m3 cache
     return _dtype_codes.get(dtype, 0)
 
 

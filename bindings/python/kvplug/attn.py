@@ -101,7 +101,9 @@ def workspace_size(max_batch: int, num_q_heads: int, head_dim: int, max_splits: 
 def num_splits(dtype: Any, head_dim: int, batch: int, num_q_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
     """The split count paged_decode chooses for this shape on torch's current
     device (before capping it to the workspace). dtype: a torch dtype or a
-    DTYPE_* code. Raises NoDeviceError without a CUDA device."""
+    DTYPE_* code; torch.float8_e4m3fn (DTYPE_E4M3) for a decode over an FP8
+    cache, whose kernel holds more blocks per SM. Raises NoDeviceError
+    without a CUDA device."""
     torch = _t.need_cuda("attn.num_splits")
     args = _int32s("num_splits: ", ((_t.dtype_arg(dtype), "dtype"), (head_dim, "head_dim"), (batch, "batch"),
                    (num_q_heads, "num_q_heads"), (num_kv_heads, "num_kv_heads"), (max_seq_len, "max_seq_len")))

@@ -89,7 +89,7 @@ class _DecodeGraph:
         self.plan_age = 0
         self.route_decode = not cascade  # the replay this step: paged_decode's graph
         sh = c.shape
-        splits = kvplug.attn.num_splits(c.dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
+        splits = kvplug.attn.num_splits(c.kv_dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
         self.ctx = StepContext(c, "kernels", self.slots, self.table, self.lens, np.arange(size + 1, dtype=np.int32),
                                np.ones(size, np.int32), True, decode_ws=runner.decode_ws, num_splits=splits)
         self.h_slots.fill_(-1)
