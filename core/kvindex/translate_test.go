@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvplug/kvplug/core/kvevents"
+	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/prefix"
 )
 
@@ -258,8 +259,28 @@ func TestForeignEngineJoinedMidStream(t *testing.T) {
 	r := rand.New(rand.NewSource(4))
 	early := prompt(r, 1, 160)
 	e.serve(t, early, nil)
+	// A live sequence on early keeps its blocks cached while the loop below
+	// publishes new blocks until the index has joined (as many rounds as
+	// the subscription takes): ext must continue a chain stored before the
+	// index joined, which an eviction of early's blocks would turn into a
+	// fresh chain.
+	e.next++
+	if _, err := e.m.Admit([]int64{e.next}, kvmanager.Prompts{Tokens: early, Offsets: []int64{0, int64(len(early))}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	e.m.MarkComputed()
 	e.serve(t, prompt(r, 2, 160), nil)
 	e.pub.Flush()
+	// Flush only wakes the publisher: the index must subscribe after these
+	// batches went out, or it would see the stream from its start.
+	published := e.pub.Stats().Events
+	waitFor(t, "the early batches published", func() bool {
+		time.Sleep(10 * time.Millisecond)
+		n := e.pub.Stats().Events
+		done := n > 0 && n == published
+		published = n
+		return done
+	})
 	ic := e.instance()
 	ic.Engine = EngineSGLang
 	x := startIndex(t, Config{Instances: []InstanceConfig{ic}, BlockSize: 16})
