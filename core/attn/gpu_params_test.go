@@ -36,7 +36,12 @@ func TestGPUParamSizes(t *testing.T) {
 				k    *cuda.Kernel
 				size uintptr
 			}{{ks.write, unsafe.Sizeof(kvWriteParams{})}, {ks.decode, unsafe.Sizeof(decodeParams{})},
-				{ks.combine, unsafe.Sizeof(decodeParams{})}, {ks.merge, unsafe.Sizeof(mergeParams{})}} {
+				{ks.combine, unsafe.Sizeof(decodeParams{})}, {ks.merge, unsafe.Sizeof(mergeParams{})},
+				{ks.writeE4M3, unsafe.Sizeof(kvWriteParams{})}, {ks.decodeE4M3, unsafe.Sizeof(decodeParams{})},
+				{ks.prefillE4M3, unsafe.Sizeof(prefillParams{})}} {
+				if k.k == nil {
+					continue // f32: no e4m3 kernels
+				}
 				n, err := m.ParamSize(k.k)
 				if err != nil {
 					t.Fatalf("%s: %v", k.k.Name(), err)
