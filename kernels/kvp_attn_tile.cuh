@@ -195,31 +195,14 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
 #pragma unroll
         for (int k = 0; k < Q_CHUNKS; ++k) {
             const int i = tid + k * NT;
-            const uint4 v = *reinterpret_cast<const uint4*>(s_q + swz<CPR>(i / CPR, i % CPR));
-            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                m = fmaxf(m, fmaxf(fabsf(__uint_as_float(u[e] << 16)), fabsf(__uint_as_float(u[e] & 0xffff0000u))));
+            m = fmaxf(m, bf16x8_amax(*reinterpret_cast<const uint4*>(s_q + swz<CPR>(i / CPR, i % CPR))));
         }
-        m = warp_max(m);
-        if (lane == 0) s_red[warp] = m;
-        __syncthreads();
-        m = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
-        int ex = 0;
-        if (m > 0.f) frexpf(m, &ex);
-        const int sh = max(-120, min(120, 15 - ex));
-        const float qmul = exp2f((float)sh);
-        q_unscale = exp2f((float)-sh);
+        const float qmul = q_f16_scale(m, s_red, warp, lane, q_unscale);
 #pragma unroll
         for (int k = 0; k < Q_CHUNKS; ++k) {
             const int i = tid + k * NT;
             uint4* p = reinterpret_cast<uint4*>(s_q + swz<CPR>(i / CPR, i % CPR));
-            const uint4 v = *p;
-            uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                u[e] = pack2<f16>(__uint_as_float(u[e] << 16) * qmul, __uint_as_float(u[e] & 0xffff0000u) * qmul);
-            *p = make_uint4(u[0], u[1], u[2], u[3]);
+            *p = bf16x8_to_f16(*p, qmul);
         }
     }
     const float sl = jb.scale * kLog2e * q_unscale;
@@ -323,6 +306,24 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                     }
                 }
             }
+            // e4m3: V's per-token scales into P, relative to the tile's
+            // largest (o_acc counts in units of vmax; a new one rescales it,
+            // folded into each row's alpha below).
+            float vr[8][2], ratio = 1.f;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) vr[n][0] = vr[n][1] = 1.f;
+            if constexpr (E4M3) {
+                const float* vsc = ksc + TK;
+                float m = warp_max(fmaxf(vsc[lane], vsc[lane + 32]));
+                if (m == 0.f) m = vmax > 0.f ? vmax : 1.f;  // no readable token in the tile
+                const float inv = 1.f / m;
+                ratio = vmax * inv;
+                vmax = m;
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) vr[n][e] = vsc[n * 8 + qd + e] * inv;
+            }
             // Mask: causal (token <= the row's position), window, tokens past
             // the range or in ignored blocks (row offset -1).
             const int64_t* offs = s_off + (j % RING) * TK;
@@ -362,35 +363,14 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
                 }
                 st[mt][0].accumulate(alpha[0], tree_reduce<8>([&](int n) { return s[mt][n][0] + s[mt][n][1]; }, AddOp{}));
                 st[mt][1].accumulate(alpha[1], tree_reduce<8>([&](int n) { return s[mt][n][2] + s[mt][n][3]; }, AddOp{}));
+                const float oa0 = alpha[0] * ratio, oa1 = alpha[1] * ratio;  // ratio: 1 but for e4m3
 #pragma unroll
                 for (int c = 0; c < CPR; ++c) {
-                    o_acc[mt][c][0] *= alpha[0];
-                    o_acc[mt][c][1] *= alpha[0];
-                    o_acc[mt][c][2] *= alpha[1];
-                    o_acc[mt][c][3] *= alpha[1];
+                    o_acc[mt][c][0] *= oa0;
+                    o_acc[mt][c][1] *= oa0;
+                    o_acc[mt][c][2] *= oa1;
+                    o_acc[mt][c][3] *= oa1;
                 }
-            }
-            // e4m3: V's per-token scales into P, relative to the tile's
-            // largest (o_acc counts in units of vmax; a new one rescales it).
-            float vr[8][2];
-#pragma unroll
-            for (int n = 0; n < 8; ++n) vr[n][0] = vr[n][1] = 1.f;
-            if constexpr (E4M3) {
-                const float* vsc = ksc + TK;
-                float m = warp_max(fmaxf(vsc[lane], vsc[lane + 32]));
-                if (m == 0.f) m = vmax > 0.f ? vmax : 1.f;  // no readable token in the tile
-                const float inv = 1.f / m, ratio = vmax * inv;
-                vmax = m;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int c = 0; c < CPR; ++c)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) o_acc[mt][c][i] *= ratio;
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) vr[n][e] = vsc[n * 8 + qd + e] * inv;
             }
             // O += P V, 16 tokens per k-step; the C fragments of S are the A
             // fragments of P; each V fragment feeds every m16 tile.

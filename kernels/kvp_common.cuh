@@ -451,6 +451,43 @@ __device__ __forceinline__ void gather_kv_scales(uint32_t sks, uint32_t svs, con
     cp_async4((v ? svs : sks) + r * 4, base + (o >= 0 ? o : 0), o >= 0 ? 4 : 0);
 }
 
+// ---- a bf16 query for the e4m3 mainloops (f16) ---------------------------------
+// The largest magnitude of 8 bf16 values (one 16-byte chunk).
+__device__ __forceinline__ float bf16x8_amax(uint4 v) {
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        m = fmaxf(m, fmaxf(fabsf(__uint_as_float(u[i] << 16)), fabsf(__uint_as_float(u[i] & 0xffff0000u))));
+    return m;
+}
+
+// 8 bf16 values times mul as 8 f16 values.
+__device__ __forceinline__ uint4 bf16x8_to_f16(uint4 v, float mul) {
+    uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        u[i] = pack2<f16>(__uint_as_float(u[i] << 16) * mul, __uint_as_float(u[i] & 0xffff0000u) * mul);
+    return make_uint4(u[0], u[1], u[2], u[3]);
+}
+
+// The power of two 2^sh that brings the largest magnitude of a 4-warp
+// block's query (each thread's own largest, m) into [2^14, 2^15), f16's
+// range: returns 2^sh and sets unscale to 2^-sh, which the scores take back.
+// Reduces through red[4] of shared memory with one __syncthreads; every
+// thread of the block calls it.
+__device__ __forceinline__ float q_f16_scale(float m, float* red, int warp, int lane, float& unscale) {
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    int e = 0;
+    if (m > 0.f) frexpf(m, &e);                 // m in [2^(e-1), 2^e)
+    const int sh = max(-120, min(120, 15 - e));  // m * 2^sh in [2^14, 2^15)
+    unscale = exp2f((float)-sh);
+    return exp2f((float)sh);
+}
+
 template <class X>
 struct IsBF16 {
     static constexpr bool value = false;

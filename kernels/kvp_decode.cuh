@@ -227,30 +227,11 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     if constexpr (E4M3 && IsBF16<T>::value) {
         float m = 0.f;
 #pragma unroll
-        for (int k = 0; k < Q_CHUNKS; ++k) {
-            const uint32_t u[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+        for (int k = 0; k < Q_CHUNKS; ++k) m = fmaxf(m, bf16x8_amax(qv[k]));
+        // s_kv is free until the first copies below.
+        const float qmul = q_f16_scale(m, reinterpret_cast<float*>(s_kv), warp, lane, q_unscale);
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                m = fmaxf(m, fmaxf(fabsf(__uint_as_float(u[i] << 16)), fabsf(__uint_as_float(u[i] & 0xffff0000u))));
-        }
-        m = warp_max(m);
-        float* red = reinterpret_cast<float*>(s_kv);  // free until the first copies below
-        if (lane == 0) red[warp] = m;
-        __syncthreads();
-        m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-        int e = 0;
-        if (m > 0.f) frexpf(m, &e);                 // m in [2^(e-1), 2^e)
-        const int sh = max(-120, min(120, 15 - e));  // m * 2^sh in [2^14, 2^15)
-        const float qmul = exp2f((float)sh);
-        q_unscale = exp2f((float)-sh);
-#pragma unroll
-        for (int k = 0; k < Q_CHUNKS; ++k) {
-            uint32_t u[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                u[i] = pack2<f16>(__uint_as_float(u[i] << 16) * qmul, __uint_as_float(u[i] & 0xffff0000u) * qmul);
-            qv[k] = make_uint4(u[0], u[1], u[2], u[3]);
-        }
+        for (int k = 0; k < Q_CHUNKS; ++k) qv[k] = bf16x8_to_f16(qv[k], qmul);
     }
     // Query tile: rows >= rows are zero so padded rows stay finite.
 #pragma unroll

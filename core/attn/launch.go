@@ -193,9 +193,10 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 		NumTokens: int32(a.NumTokens),
 	}
 	cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, Block: cuda.Dim3{X: kvWriteThreads, Y: 1, Z: 1}}
-	k := kernelsFor(a.DType, a.HeadDim).write
+	ks := kernelsFor(a.DType, a.HeadDim)
+	k := ks.write
 	if a.E4M3() {
-		k = kernelsFor(a.DType, a.HeadDim).writeE4M3 // same grid: a thread per 8 elements
+		k = ks.writeE4M3 // same grid: a thread per 8 elements
 	}
 	return cuda.Launch(m, k, cfg, stream, &p)
 }

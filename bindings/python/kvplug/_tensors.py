@@ -236,6 +236,17 @@ def scale_kind(k_scale: Any, v_scale: Any, shape: Tuple[int, int, int], dev: Any
     return kinds[0]
 
 
+def scale_layout(k_scale: Any, v_scale: Any) -> Any:
+    """The scales' part of a call's layout key (None without scales)."""
+    return None if k_scale is None and v_scale is None else (layout(k_scale), layout(v_scale))
+
+
+def set_scales(kv: PagedKV, k_scale: Any, v_scale: Any) -> None:
+    """An FP8 cache's scale addresses, set per call as the caches' are."""
+    if k_scale is not None:
+        kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+
+
 def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
     """The output tensor for q's rows (allocated when None, else checked) and
     the lse tensor (float32 [rows, heads]; allocated when return_lse and None,
@@ -440,7 +451,7 @@ class Plan:
         try:
             key = (layout(q), layout(k_cache), layout(v_cache), layout(block_table),
                    out is not None and layout(out), lse is not None and layout(lse),
-                   None if k_scale is None and v_scale is None else (layout(k_scale), layout(v_scale)))
+                   scale_layout(k_scale, v_scale))
         except Exception:
             key = None  # not all strided tensors: the checks say what is wrong
         tls = self._tls
@@ -455,8 +466,7 @@ class Plan:
         a.q, a.out = q.data_ptr(), out.data_ptr()
         kv = p.kv
         kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
-        if k_scale is not None:
-            kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        set_scales(kv, k_scale, v_scale)
         a.lse = 0 if lse is None else lse.data_ptr()
         launch(self._fn, p.index, stream, self._addr, p.addr)
         return out, lse

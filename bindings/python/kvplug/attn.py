@@ -158,15 +158,6 @@ def _pack_kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
     return _t.Packed(a, dev, kv=kv)
 
 
-def _scale_layout(k_scale: Any, v_scale: Any) -> Any:
-    return None if k_scale is None and v_scale is None else (_layout(k_scale), _layout(v_scale))
-
-
-def _set_scales(kv: Any, k_scale: Any, v_scale: Any) -> None:
-    if k_scale is not None:
-        kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-
-
 def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, stream: Any = None,
              k_scale: Any = None, v_scale: Any = None) -> None:
     """Writes key and value ([num_tokens, num_kv_heads, head_dim]) into the
@@ -180,7 +171,7 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
     (max|x| / 448); one-element scales (calibrated, per cache) are read."""
     try:
         layout = (_layout(key), _layout(value), _layout(k_cache), _layout(v_cache), _layout(slot_mapping),
-                  _scale_layout(k_scale, v_scale))
+                  _t.scale_layout(k_scale, v_scale))
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_kv_write_tls, layout)
@@ -190,7 +181,7 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
     a.key, a.value, a.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
     kv = p.kv
     kv.k_cache, kv.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-    _set_scales(kv, k_scale, v_scale)
+    _t.set_scales(kv, k_scale, v_scale)
     _t.launch(C.kvp_kv_write, p.index, stream, p.addr)
 
 
@@ -260,7 +251,7 @@ def paged_decode(
     try:
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
-                  workspace is not None and _layout(workspace), q_len, _scale_layout(k_scale, v_scale))
+                  workspace is not None and _layout(workspace), q_len, _t.scale_layout(k_scale, v_scale))
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_decode_tls, layout)
@@ -277,7 +268,7 @@ def paged_decode(
     a.q, a.seq_lens, a.out = q.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
     kv = p.kv
     kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
-    _set_scales(kv, k_scale, v_scale)
+    _t.set_scales(kv, k_scale, v_scale)
     a.lse = 0 if lse is None else lse.data_ptr()
     a.workspace = 0 if workspace is None else workspace.data_ptr()
     _t.launch(C.kvp_paged_decode, p.index, stream, p.addr)

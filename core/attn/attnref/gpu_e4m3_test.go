@@ -230,17 +230,10 @@ func TestGPUPagedDecodeE4M3(t *testing.T) {
 			}
 			e := newE4M3Cache(t, p, c.kind, c.bs != 1)
 			l := e.decodeLayout(p)
-			g := &gpuDecode{outBytes: int(int64(l.Rows())*l.OutBatchStride) * c.d.Size()}
-			g.args = attn.PagedDecodeArgs{DecodeLayout: l, Q: gputest.Upload(t, p.q),
-				SeqLens: gputest.Upload(t, gputest.Int32Bytes(p.lens)), Out: poisoned(t, c.d, g.outBytes), NumSplits: c.split,
-				LSE: poisoned(t, attn.F32, 4*l.Rows()*l.NumQHeads)}
+			g := uploadDecode(t, p, c.split, true)
+			g.args.DecodeLayout = l // the e4m3 cache in place of the 16-bit one
 			e.upload(t, &g.args.PagedKV)
 			g.args.BlockTable = gputest.Upload(t, gputest.Int32Bytes(p.table))
-			ws, err := attn.WorkspaceSize(l.Rows(), l.NumQHeads, l.HeadDim, attn.MaxSplits)
-			if err != nil {
-				t.Fatal(err)
-			}
-			g.args.Workspace, g.args.WorkspaceBytes = poisoned(t, attn.F32, int(ws)), ws
 			maxLen := 0
 			for _, L := range p.lens {
 				maxLen = max(maxLen, int(L))

@@ -94,7 +94,8 @@ type gpuDecode struct {
 	outBytes int
 }
 
-// uploadDecode places a problem on the device with poisoned outputs.
+// uploadDecode places a problem on the device with poisoned outputs (rows
+// of q, out and lse: Batch times its new tokens).
 func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpuDecode {
 	g := &gpuDecode{outBytes: p.outBytes()}
 	g.args = attn.PagedDecodeArgs{
@@ -108,9 +109,9 @@ func uploadDecode(t testing.TB, p *decodeProblem, splits int, withLSE bool) *gpu
 	g.args.KCache, g.args.VCache = gputest.Upload(t, p.kc), gputest.Upload(t, p.vc)
 	g.args.BlockTable = gputest.Upload(t, gputest.Int32Bytes(p.table))
 	if withLSE {
-		g.args.LSE = poisoned(t, attn.F32, 4*p.l.Batch*p.l.NumQHeads)
+		g.args.LSE = poisoned(t, attn.F32, 4*p.l.Rows()*p.l.NumQHeads)
 	}
-	ws, err := attn.WorkspaceSize(p.l.Batch, p.l.NumQHeads, p.l.HeadDim, attn.MaxSplits)
+	ws, err := attn.WorkspaceSize(p.l.Rows(), p.l.NumQHeads, p.l.HeadDim, attn.MaxSplits)
 	if err != nil {
 		t.Fatal(err)
 	}

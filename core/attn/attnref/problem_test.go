@@ -151,7 +151,7 @@ func newDecodeProblem(t testing.TB, r *rand.Rand, s problemShape) *decodeProblem
 }
 
 func (p *decodeProblem) outBytes() int {
-	return int(int64(max(p.l.Batch, 1))*p.l.OutBatchStride) * p.l.DType.Size()
+	return int(int64(max(p.l.Rows(), 1))*p.l.OutBatchStride) * p.l.DType.Size()
 }
 
 // naive computes attention for (b, head i) directly from the logical K, V in
