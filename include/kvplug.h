@@ -195,6 +195,7 @@ extern "C" {
 #define KVP_MAX_SALT_LEN 1024           /* bytes of a prompt's cache salt */
 #define KVP_MAX_BYTES 0x7fffffffffffffffULL /* a byte count (workspace_bytes): INT64_MAX */
 #define KVP_MAX_TIER_LAYERS 1024        /* layers of one tier copier's KV layout */
+#define KVP_MAX_LAYER_GROUPS 64         /* layer groups of one manager */
 
 #ifndef KVPLUG_NO_PROTOTYPES
 /* The version of the loaded library, encoded as KVP_VERSION_NUMBER. A host
@@ -1649,6 +1650,20 @@ typedef struct kvp_kv_write_args {
  * gives out = 0 and lse = -inf. lse (optional) is the natural-log
  * log-sum-exp of the scaled scores, the input kvp_merge_states needs.
  *
+ * Attention sinks (gpt-oss; `sinks`, appended in 0.6, here and in
+ * kvp_paged_prefill_args): a float32 [num_q_heads] device array (4-byte
+ * aligned) of one logit s_h per query head, in natural-log units and NOT
+ * multiplied by scale, or 0 for none. The sink adds exp(s_h) to the softmax
+ * denominator and nothing to the numerator: out = sum_j exp(x_j) v_j /
+ * (exp(s_h) + sum_j exp(x_j)), x_j = scale * q.k_j over the tokens the row
+ * attends to (after the causal mask and the window). Split-KV counts it
+ * once per row. With sinks, lse is log(exp(s_h) + sum_j exp(x_j)), the log
+ * of that whole denominator, and a row with no tokens gives out = 0 and
+ * lse = s_h. Such a state already holds its sink: do not merge it again
+ * with kvp_merge_states (a merge would weigh the sink as if it were keys
+ * with a zero value). Every dtype takes sinks (f32 too); the library cannot
+ * see the array's length: it must hold num_q_heads floats.
+ *
  * Split-KV: with num_splits > 1 each sequence is cut into num_splits chunks
  * (multiples of 64 tokens) attended by separate blocks and merged by a
  * second kernel, through the workspace; num_splits = 0 lets the library
@@ -1689,6 +1704,8 @@ typedef struct kvp_paged_decode_args {
                                Split-KV workspace: sized for batch * q_len rows */
   const kvp_paged_kv *kv;   /* appended in 0.4: the cache and block table (see kvp_paged_kv);
                                NULL = the fields above */
+  uint64_t sinks;           /* appended in 0.6: float32 [num_q_heads] device pointer (attention
+                               sinks, above); 0 = none */
 } kvp_paged_decode_args;
 
 #define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)
@@ -1741,6 +1758,10 @@ typedef struct kvp_merge_states_args {
  * a prompt after a prefix-cache hit, a chunk of a long prompt, draft tokens
  * to verify and decode rows (q_len 1) mix freely in one batch.
  * lse (optional) is float32 [total_q, num_q_heads] contiguous, natural log.
+ * Attention sinks (kvp_paged_prefill_args.sinks) as in kvp_paged_decode_args:
+ * on every route (the decode route, the decode rows of a mixed batch,
+ * split-KV, the Hopper and the sm_80 mainloops) and with a window, each
+ * row's sink counted once; lse is then the log of the whole denominator.
  *
  * kvp_prefill_plan (once per step, on the host copies of qo_indptr and
  * kv_lens) checks the batch, picks the route (a batch without a window
@@ -1874,6 +1895,9 @@ typedef struct kvp_paged_prefill_args {
   int32_t reserved2; /* must be 0 */
   const kvp_paged_kv *kv; /* appended in 0.4: the cache and block table (see kvp_paged_kv);
                              NULL = the fields above */
+  uint64_t sinks;         /* appended in 0.6: float32 [num_q_heads] device pointer (attention
+                             sinks, see kvp_paged_decode_args); 0 = none. kvp_paged_cascade
+                             takes them too */
 } kvp_paged_prefill_args;
 
 #define KVP_PAGED_PREFILL_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_prefill_args)
@@ -2107,7 +2131,8 @@ kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens
  * stream: q and out [total_q, num_q_heads, head_dim] (total_q = batch in
  * decode) with q_token_stride and out_token_stride between query rows; the
  * cache and the block table as in decode; lse [total_q, num_q_heads]
- * optional. On the prefill route it runs kvp_paged_prefill's kernel. Errors: NULL_POINTER, STRUCT_SIZE,
+ * optional; args->sinks as in kvp_paged_prefill (the merge of each row's
+ * partial states adds its sink once). On the prefill route it runs kvp_paged_prefill's kernel. Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (a plan not written by kvp_cascade_plan, a stale plan, a
  * block size other than the plan's, a table shorter than the plan's
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */

@@ -68,6 +68,18 @@ type Config struct {
 	// HostTier, when not nil, adds the host tier below the GPU pool
 	// (tier.go; needs EnablePrefixCache).
 	HostTier *HostTier
+
+	// Groups declares a hybrid model's layer groups over the one pool
+	// (groups.go); nil or one FullAttention group: every layer keeps
+	// every token's K/V.
+	Groups []Group
+	// BlockBytes is the bytes of one block in one layer slot, as the
+	// engine lays it out (groups.go), in [0, 2^46]; needed with a
+	// Recurrent group, whose state must fit.
+	BlockBytes int64
+	// MaxModelLen is the model's context limit in tokens, in [0, 2^30]
+	// (0: not given); a SlidingWindow group's window must be below it.
+	MaxModelLen int
 }
 
 // CopyPair is a KV block copy the engine must perform before the next kernel
@@ -102,6 +114,9 @@ type seq struct {
 	// sequence: those before it were matched or forked from another. Only
 	// a sequence's own blocks can be blocks it filled (computed.go).
 	own int
+	// extra is the sequence's tables in layer groups 1.. (groups.go); nil
+	// without groups.
+	extra []groupTable
 }
 
 // Manager manages the block tables of live sequences over one block pool.
@@ -129,6 +144,9 @@ type Manager struct {
 		seqs []*seq
 	}
 
+	// The layer groups past group 0 (groups.go).
+	groups groupSet
+
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
 	// The host tier; nil when there is none.
@@ -147,6 +165,8 @@ type Manager struct {
 	inserted []prefix.InsertResult
 	one      [1]int32
 	dropped  []prefix.DroppedBlock
+	drops    []int32 // the blocks a Grow's windows drop
+	dropSort []int32 // their sorted copy
 	uncomp   map[int32]int32
 
 	// committed is set by the first MarkComputed: a drop of uncomputed
@@ -173,7 +193,11 @@ func New(cfg Config) (*Manager, error) {
 	if cfg.EnableKVEvents && !cfg.EnablePrefixCache {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "KV events need the prefix cache: set enable_prefix_cache too")
 	}
-	m := &Manager{pool: p, bs: cfg.BlockSize}
+	gs, err := newGroupSet(&cfg)
+	if err != nil {
+		return nil, err
+	}
+	m := &Manager{pool: p, bs: cfg.BlockSize, groups: gs}
 	if cfg.EnablePrefixCache {
 		tierBlocks := 0
 		if cfg.HostTier != nil {
@@ -211,7 +235,10 @@ func (m *Manager) blocksFor(tokens int) int { return (tokens + m.bs - 1) / m.bs 
 // wasteOf is the number of empty slots in s's last block. A partially filled
 // last block is never shared (Fork copies it), so summing this over
 // sequences counts each such block once.
-func (m *Manager) wasteOf(s *seq) int64 { return int64(len(s.blocks)*m.bs - s.length) }
+// Every attention group's last block has the same empty slots.
+func (m *Manager) wasteOf(s *seq) int64 {
+	return int64(len(s.blocks)*m.bs-s.length) * int64(m.groups.attn)
+}
 
 // resolve returns the live sequences of ids, in order. A repeated id fails
 // with DuplicateSequence unless allowRepeat; an id that is not live fails
@@ -269,7 +296,7 @@ func checkBatch(op string, n int) error {
 // sequence can make room for it, so "not now" (OutOfBlocks, or Admit's
 // short count) would have a scheduler retry it forever.
 func (m *Manager) neverFits(op string, id int64, n int) error {
-	if need := m.blocksFor(n); need > m.pool.NumBlocks() {
+	if need := m.groups.perSeq(m.blocksFor(n)); need > int64(m.pool.NumBlocks()) {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: sequence %d's prompt of %d tokens needs %d blocks of %d tokens; the whole pool holds %d, so it can never be admitted",
 			op, id, n, need, m.bs, m.pool.NumBlocks())
 	}
@@ -295,13 +322,15 @@ func (m *Manager) Add(id int64, promptLen int) error {
 	if m.seqs.get(id) != nil {
 		return kverr.Errorf(kverr.DuplicateSequence, "add: sequence %d is already live", id)
 	}
-	need := m.blocksFor(promptLen)
-	if avail := m.available(); int64(need) > avail {
+	nb := m.blocksFor(promptLen)
+	need := m.groups.perSeq(nb)
+	if avail := m.available(); need > avail {
 		return kverr.Errorf(kverr.OutOfBlocks, "add: sequence %d needs %d blocks for %d tokens, %s", id, need, promptLen, m.availableText())
 	}
-	m.makeFree(need)
-	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(need, nil)}
+	m.makeFree(int(need))
+	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(nb, nil)}
 	m.allocate(s.blocks, -1, "add: allocating blocks made free")
+	s.extra = m.newExtra(nb, s.blocks[nb-1])
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
@@ -398,8 +427,16 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 	for i, s := range batch {
 		need += int64(m.newBlocks(s, int(counts[i])))
 	}
-	if avail := m.available(); need > avail {
+	need *= int64(m.groups.attn)
+	// Window groups drop what their next queries cannot read before the
+	// batch allocates: the blocks they free count as available.
+	var freed int
+	m.drops, freed = m.windowDrops(batch, m.drops[:0])
+	if avail := m.available() + int64(freed); need > avail {
 		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %s", need, m.availableText())
+	}
+	if len(m.drops) > 0 {
+		m.applyDrops(batch)
 	}
 	m.makeFree(int(need))
 	var added, wasteDelta int64
@@ -410,7 +447,8 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
 			// The batch's total was made free above.
 			m.allocate(s.blocks[old:], s.blocks[old-1], "grow: allocating blocks made free")
-			wasteDelta += int64(add * m.bs)
+			m.growExtra(s, add)
+			wasteDelta += int64(add*m.bs) * int64(m.groups.attn)
 		}
 		if tokens != nil {
 			m.extendPrefix(s, tokens[:c])
@@ -421,7 +459,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 		s.length += c
 		s.fresh = c
 		added += int64(c)
-		wasteDelta -= int64(c)
+		wasteDelta -= int64(c) * int64(m.groups.attn)
 	}
 	m.numTokens += added
 	m.waste += wasteDelta
@@ -468,12 +506,17 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	full := len(p.blocks)
 	if partial {
 		full--
-		if len(copies) < len(children) {
+	}
+	// Each child needs a new block, and a copy, for each partial last
+	// block (one per attention group) and each recurrent state.
+	perChild := m.forkCopies(partial)
+	if perChild > 0 {
+		if need := len(children) * perChild; len(copies) < need {
 			return 0, kverr.Errorf(kverr.BufferTooSmall,
-				"fork: the parent's last block is partial, so %d block copies are needed; copies holds %d", len(children), len(copies))
+				"fork: %d block copies are needed (the parent's partial last block and states, for %d children); copies holds %d", need, len(children), len(copies))
 		}
-		if avail := m.available(); int64(len(children)) > avail {
-			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %s", len(children), len(children), m.availableText())
+		if need := int64(len(children) * perChild); need > m.available() {
+			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %s", len(children), need, m.availableText())
 		}
 	}
 	// Each child adds one reference to each full block; refuse up front a
@@ -484,14 +527,14 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			return 0, kverr.Errorf(kverr.InvalidArgument, "fork: block %d would pass 2^31-1 references", b)
 		}
 	}
-	if partial {
-		m.makeFree(len(children))
+	if perChild > 0 {
+		m.makeFree(len(children) * perChild)
 	}
 	// The parent's cached blocks get one lock per child, as they get one
 	// reference (locks equal references for cached blocks, and a cached
 	// block's lock count is bounded like its reference count above).
 	m.locks = m.cachedOf(p.blocks[:full], m.locks[:0])
-	for i, id := range children {
+	for _, id := range children {
 		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone(), own: full}
 		copy(c.blocks, p.blocks[:full])
 		// Live blocks, their counts bounded above; the locks' likewise.
@@ -507,9 +550,10 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 			}
 			// The free count was checked and made free above.
 			m.allocate(c.blocks[full:], hint, "fork: allocating the copy-on-write blocks")
-			copies[i] = CopyPair{Src: last, Dst: c.blocks[full]}
+			copies[n] = CopyPair{Src: last, Dst: c.blocks[full]}
 			n++
 		}
+		n += m.forkExtra(p, c, partial, copies[n:])
 		m.seqs.put(id, c)
 		m.numTokens += int64(c.length)
 		m.waste += m.wasteOf(c)
@@ -593,6 +637,7 @@ func (m *Manager) release(s *seq) {
 	var err error
 	m.cached, err = m.pool.Decref(s.blocks, m.cached[:0])
 	assertOK(err, "a sequence's blocks are not referenced")
+	m.releaseExtra(s)
 }
 
 // cachedOf appends to dst the blocks of ids that the prefix cache holds.
@@ -674,7 +719,7 @@ func (m *Manager) Describe(ids []int64, maxBlocks int, table, seqLens, slots []i
 				slots[k] = s.blocks[last]*bs + int32(s.length-1-last*m.bs)
 				k++
 			} else {
-				k += m.writeSlots(s, slots[k:])
+				k += m.writeSlots(s.blocks, s.length, s.fresh, slots[k:])
 			}
 		}
 	}
@@ -708,30 +753,31 @@ func fillNoBlock(dst []int32) {
 	}
 }
 
-// writeSlots writes the slots of s's new tokens to dst and returns how many.
-// It walks block by block, so it divides once per sequence, not per token.
-func (m *Manager) writeSlots(s *seq, dst []int32) int {
-	if s.fresh == 0 {
+// writeSlots writes to dst the slots, in table, of the fresh new tokens of
+// a sequence of length tokens, and returns how many. It walks block by
+// block, so it divides once per sequence, not per token.
+func (m *Manager) writeSlots(table []int32, length, fresh int, dst []int32) int {
+	if fresh == 0 {
 		return 0
 	}
 	bs := int32(m.bs)
 	// Start from the last block, which holds inLast tokens: a decode step's
 	// tokens are there, and then no division is needed.
-	bi := len(s.blocks) - 1
-	inLast := s.length - bi*m.bs
-	off := int32(inLast - s.fresh)
-	if s.fresh > inLast {
-		pos := s.length - s.fresh
+	bi := len(table) - 1
+	inLast := length - bi*m.bs
+	off := int32(inLast - fresh)
+	if fresh > inLast {
+		pos := length - fresh
 		bi, off = pos/m.bs, int32(pos%m.bs)
 	}
-	dst = dst[:s.fresh]
-	base := s.blocks[bi] * bs
+	dst = dst[:fresh]
+	base := table[bi] * bs
 	for k := range dst {
 		dst[k] = base + off
 		if off++; off == bs {
 			off = 0
-			if bi++; bi < len(s.blocks) {
-				base = s.blocks[bi] * bs
+			if bi++; bi < len(table) {
+				base = table[bi] * bs
 			}
 		}
 	}
@@ -821,6 +867,9 @@ func (m *Manager) checkInvariants(hashes bool) error {
 					return bad("sequence %d's last full block %d is cached as %s, the sequence's chain says %s", id, s.blocks[full-1], h, pc.last)
 				}
 			}
+		}
+		if err := m.checkGroups(id, s, refs, bad); err != nil {
+			return err
 		}
 		tokens += int64(s.length)
 		waste += m.wasteOf(s)

@@ -32,6 +32,9 @@ const (
 	// TierLayers bounds the layers of a tier copier's KV layout
 	// (KVP_MAX_TIER_LAYERS).
 	TierLayers = 1024
+	// LayerGroups bounds the layer groups of one manager
+	// (KVP_MAX_LAYER_GROUPS).
+	LayerGroups = 64
 )
 
 // The host tier's bounds. The header documents them with the fields they

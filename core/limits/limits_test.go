@@ -37,6 +37,7 @@ func TestBoundsMatchTheHeader(t *testing.T) {
 		"KVP_MAX_SALT_LEN":      SaltLen,
 		"KVP_MAX_BYTES":         Bytes,
 		"KVP_MAX_TIER_LAYERS":   TierLayers,
+		"KVP_MAX_LAYER_GROUPS":  LayerGroups,
 	}
 	for name, v := range ours {
 		if h, ok := header[name]; !ok || h != v {
