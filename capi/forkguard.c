@@ -86,6 +86,16 @@ kvp_status kvp_manager_check(kvp_manager *m) {
   return kvpgo_manager_check(m);
 }
 
+kvp_status kvp_manager_describe_groups(kvp_manager *m, const int64_t *seq_ids, int32_t n, int32_t num_groups, int32_t *const *block_tables, int32_t max_blocks, int32_t *seq_lens, int32_t *const *slot_mappings, int32_t slot_capacity, int32_t *num_slots) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_describe_groups");
+  return kvpgo_manager_describe_groups(m, (void *)seq_ids, n, num_groups, (void *)block_tables, max_blocks, seq_lens, (void *)slot_mappings, slot_capacity, num_slots);
+}
+
+kvp_status kvp_manager_group_blocks(kvp_manager *m, int32_t *out, int32_t capacity, int32_t *num_groups) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_group_blocks");
+  return kvpgo_manager_group_blocks(m, out, capacity, num_groups);
+}
+
 kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n, const int32_t *tokens, const int64_t *token_offsets, const kvp_prefix_keys *keys, int32_t *matched_tokens, int32_t *num_admitted) {
   if (kvp__forked) return kvp__forked_status("kvp_manager_admit");
   return kvpgo_manager_admit(m, (void *)seq_ids, n, (void *)tokens, (void *)token_offsets, (void *)keys, matched_tokens, num_admitted);

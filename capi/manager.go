@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvmanager"
+	"github.com/kvplug/kvplug/core/limits"
 )
 
 const managerName = "kvp_manager"
@@ -43,6 +44,10 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 	if ht != nil {
 		ht.Shared = shared
 	}
+	groups, err := layerGroupsOf(&c)
+	if err != nil {
+		return fail(err)
+	}
 	m, err := kvmanager.New(kvmanager.Config{
 		NumBlocks:         int(c.num_blocks),
 		BlockSize:         int(c.block_size),
@@ -50,6 +55,9 @@ func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.
 		EnableKVEvents:    c.enable_kv_events != 0,
 		MaxPendingEvents:  int(c.max_pending_events),
 		HostTier:          ht,
+		Groups:            groups,
+		BlockBytes:        int64(c.block_bytes),
+		MaxModelLen:       int(c.max_model_len),
 	})
 	if err != nil {
 		return fail(err)
@@ -154,6 +162,92 @@ func kvpgo_manager_describe(h *C.kvp_manager, ids *C.int64_t, n C.int32_t,
 			return err
 		}
 		*numSlots = C.int32_t(k)
+		return nil
+	})
+}
+
+// layerGroupsOf translates the config's layer groups (kvmanager checks
+// them).
+func layerGroupsOf(c *C.kvp_manager_config) ([]kvmanager.Group, error) {
+	n := c.num_layer_groups
+	if n < 0 || n > limits.LayerGroups || (n == 0) != (c.layer_groups == nil) {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config: num_layer_groups must be in [1, %d] with layer_groups and 0 without: got %d (layer_groups %p)",
+			limits.LayerGroups, int32(n), c.layer_groups)
+	}
+	src := slice[C.kvp_layer_group](unsafe.Pointer(c.layer_groups), n)
+	groups := make([]kvmanager.Group, len(src))
+	for i, g := range src {
+		if g.kind < 0 || g.kind > 255 {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config: layer group %d: unknown kind %d", i, int32(g.kind))
+		}
+		groups[i] = kvmanager.Group{Kind: kvmanager.GroupKind(g.kind), Window: int(g.window), StateBytes: int64(g.state_bytes)}
+	}
+	return groups, nil
+}
+
+//export kvpgo_manager_describe_groups
+func kvpgo_manager_describe_groups(h *C.kvp_manager, ids *C.int64_t, n C.int32_t, numGroups C.int32_t,
+	tables **C.int32_t, maxBlocks C.int32_t, seqLens *C.int32_t,
+	slots **C.int32_t, slotCap C.int32_t, numSlots *C.int32_t) C.kvp_status {
+	const op = "kvp_manager_describe_groups"
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if err := batchOf(op, n, ids == nil || numSlots == nil, "seq_ids and num_slots"); err != nil {
+			return err
+		}
+		if int(numGroups) != m.NumGroups() {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: num_groups is %d, the manager has %d layer groups", op, int32(numGroups), m.NumGroups())
+		}
+		if tables != nil && (maxBlocks < 1 || int64(maxBlocks)*int64(n) > 1<<31-1) {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: max_blocks must be in [1, 2^31/n] with block_tables: got %d", op, int32(maxBlocks))
+		}
+		if slotCap < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: slot_capacity must be >= 0: got %d", op, int32(slotCap))
+		}
+		var tbls, sls [][]int32
+		if tables != nil {
+			tbls = make([][]int32, numGroups)
+			for g, p := range slice[*C.int32_t](unsafe.Pointer(tables), numGroups) {
+				tbls[g] = slice[int32](unsafe.Pointer(p), n*maxBlocks)
+			}
+		}
+		if slots != nil {
+			sls = make([][]int32, numGroups)
+			for g, p := range slice[*C.int32_t](unsafe.Pointer(slots), numGroups) {
+				if p != nil {
+					// A zero-length, non-nil view tells the core that slots are wanted.
+					sls[g] = unsafe.Slice((*int32)(unsafe.Pointer(p)), int(slotCap))
+				}
+			}
+		}
+		k, err := m.DescribeGroups(slice[int64](unsafe.Pointer(ids), n), int(maxBlocks), tbls,
+			slice[int32](unsafe.Pointer(seqLens), n), sls)
+		if err != nil {
+			return err
+		}
+		*numSlots = C.int32_t(k)
+		return nil
+	})
+}
+
+//export kvpgo_manager_group_blocks
+func kvpgo_manager_group_blocks(h *C.kvp_manager, out *C.int32_t, capacity C.int32_t, numGroups *C.int32_t) C.kvp_status {
+	const op = "kvp_manager_group_blocks"
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if numGroups == nil || (out == nil && capacity > 0) {
+			return kverr.Errorf(kverr.NullPointer, "%s: num_groups (and out, with a capacity) must not be NULL", op)
+		}
+		if capacity < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: capacity must be >= 0: got %d", op, int32(capacity))
+		}
+		gb := m.GroupBlocks()
+		*numGroups = C.int32_t(len(gb))
+		if int(capacity) < len(gb) {
+			return kverr.Errorf(kverr.BufferTooSmall, "%s: the manager has %d layer groups, out holds %d", op, len(gb), int32(capacity))
+		}
+		dst := slice[int32](unsafe.Pointer(out), capacity)
+		for g, v := range gb {
+			dst[g] = int32(v)
+		}
 		return nil
 	})
 }

@@ -140,7 +140,7 @@
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
- *   kvp_tier_copy, kvp_tier_match) have no
+ *   kvp_tier_copy, kvp_tier_match, kvp_layer_group) have no
  *   struct_size: their layout is fixed for a major version, and a new layout
  *   would come with new functions.
  *
@@ -303,6 +303,59 @@ kvp_status kvp_live_handles(int64_t *out);
  */
 typedef struct kvp_manager kvp_manager;
 
+/* Layer groups (hybrid models; since 0.6). A model that mixes kinds of
+ * layers -- full attention, sliding-window attention (gpt-oss, Gemma 3),
+ * recurrent layers (Qwen3-Next's linear attention, Mamba in Jamba,
+ * Falcon-H1, Granite-4) -- declares them as layer groups in
+ * kvp_manager_config.layer_groups, every group with the same number of
+ * layers (pad a group with unused layers where needed). The groups share
+ * the one pool and its block size: the engine lays its K/V out in layer
+ * slots, slot j a tensor of num_blocks blocks, and block b of slot j
+ * belongs to layer j of the group that holds b. So a block id means the
+ * same bytes in every slot, and a kvp_block_copy (every slot of src into
+ * dst) is right whatever group the block is in.
+ *
+ * Each sequence has a block table per group, which
+ * kvp_manager_describe_groups writes in one call:
+ *   - group 0 must be full attention; its table is the one
+ *     kvp_manager_describe writes;
+ *   - another full-attention group: the same number of blocks, its own;
+ *   - a sliding-window group of W tokens: the same number of entries, but
+ *     the blocks that no query can read any more are dropped (entry -1)
+ *     and go back to the pool. A query at position p reads tokens
+ *     [p - W + 1, p] (kvp_paged_prefill_args.window_size W); the next
+ *     queries of a sequence of length L are at positions >= L, so
+ *     kvp_manager_grow drops, before it allocates, the blocks that end
+ *     before token L - W + 1, L its length before the call, and counts
+ *     them as free. A prompt keeps all its blocks for the step that
+ *     computes it, until its first grow (a chunked prefill keeps a chunk
+ *     plus W tokens);
+ *   - a recurrent group: one block per sequence, its state (state_bytes
+ *     per layer slot, at most block_bytes). kvp_manager_fork gives each
+ *     child a new state block and a kvp_block_copy from its parent's.
+ * kvp_manager_fork's copies: per child, one per attention group when the
+ * parent's last block is partial, and one per recurrent group.
+ * kvp_manager_stats counts the blocks of every group (internal_waste: the
+ * empty slots of every attention group's last block).
+ *
+ * In this version a manager with more than one group refuses the prefix
+ * cache and the host tier (KVP_ERR_UNSUPPORTED at create), and
+ * kvp_manager_cascade_plan plans group 0's tables. */
+typedef enum kvp_layer_group_kind {
+  KVP_GROUP_FULL_ATTENTION = 0, /* every token's K/V */
+  KVP_GROUP_SLIDING_WINDOW = 1, /* the last window tokens' K/V */
+  KVP_GROUP_RECURRENT = 2       /* one state per sequence */
+} kvp_layer_group_kind;
+
+typedef struct kvp_layer_group {
+  int32_t kind;        /* kvp_layer_group_kind */
+  int32_t window;      /* sliding window: the tokens a query reads, itself
+                          included, in [1, max_model_len - 1] (or
+                          [1, 2^30] without max_model_len); 0 otherwise */
+  int64_t state_bytes; /* recurrent: one layer's state in bytes, in
+                          [1, block_bytes]; 0 otherwise */
+} kvp_layer_group;
+
 typedef struct kvp_manager_config {
   size_t struct_size;  /* sizeof(kvp_manager_config) */
   int32_t num_blocks;  /* blocks in the pool, in [1, 2^26]; no default (0) */
@@ -417,6 +470,17 @@ typedef struct kvp_manager_config {
                                   Write-through), in [0, num_blocks];
                                   0 = none; needs a host tier */
   int32_t host_tier_reserved;  /* must be 0 */
+
+  /* Layer groups (since 0.6; see "Layer groups" above); all 0 = one
+   * full-attention group. Read during kvp_manager_create only. */
+  const kvp_layer_group *layer_groups; /* num_layer_groups groups, group 0
+                                          full attention; NULL = none */
+  int32_t num_layer_groups;  /* in [0, KVP_MAX_LAYER_GROUPS]; 0 with NULL */
+  int32_t max_model_len;     /* the model's context limit in tokens, in
+                                [0, 2^30]; 0 = not given; a window must be
+                                below it */
+  int64_t block_bytes;       /* bytes of one block in one layer slot, in
+                                [0, 2^46]; needed with a recurrent group */
 } kvp_manager_config;
 
 #define KVP_MANAGER_CONFIG_INIT KVP_STRUCT_INIT(kvp_manager_config)
@@ -563,6 +627,33 @@ kvp_status kvp_manager_stats_get(kvp_manager *m, kvp_manager_stats *out);
  * block tables); for tests and debugging. O(num_blocks + tokens).
  * Errors: INTERNAL with a description of the first broken invariant. */
 kvp_status kvp_manager_check(kvp_manager *m);
+
+/* kvp_manager_describe for every layer group at once (since 0.6; see
+ * "Layer groups"). num_groups must be the manager's group count (1
+ * without groups). block_tables and slot_mappings are NULL or arrays of
+ * num_groups pointers, each NULL (not wanted) or a buffer with
+ * kvp_manager_describe's layout and size (every table [n, max_blocks],
+ * every slot mapping slot_capacity entries); entry g is group g's, entry 0
+ * what kvp_manager_describe writes. A sliding-window group's rows hold -1
+ * where blocks were dropped; a recurrent group's row is its state block,
+ * padded with -1, and it has no slot mapping (its entry is not written).
+ * *num_slots: the batch's new tokens, the length of every attention
+ * group's slot mapping. Errors: kvp_manager_describe's, and
+ * INVALID_ARGUMENT when num_groups is not the manager's. */
+kvp_status kvp_manager_describe_groups(kvp_manager *m, const int64_t *seq_ids, int32_t n,
+                                       int32_t num_groups, int32_t *const *block_tables,
+                                       int32_t max_blocks, int32_t *seq_lens,
+                                       int32_t *const *slot_mappings, int32_t slot_capacity,
+                                       int32_t *num_slots);
+
+/* Writes the blocks each layer group holds now to out[0 .. groups) (a
+ * block forked sequences share counts once) and the manager's group
+ * count to *num_groups (1 without groups), which capacity must reach.
+ * O(num_blocks + blocks held). Errors: NULL_POINTER (num_groups; out with
+ * capacity > 0), INVALID_ARGUMENT (capacity < 0), BUFFER_TOO_SMALL
+ * (capacity below the group count; *num_groups still written). */
+kvp_status kvp_manager_group_blocks(kvp_manager *m, int32_t *out, int32_t capacity,
+                                    int32_t *num_groups);
 
 #endif /* KVPLUG_NO_PROTOTYPES */
 

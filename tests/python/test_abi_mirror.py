@@ -56,6 +56,7 @@ MIRRORS.update({
     _capi.HostStoreStatsStruct: "kvp_host_store_stats",
     _capi.SharedStoreConfig: "kvp_shared_store_config",
     _capi.SharedStoreStatsStruct: "kvp_shared_store_stats",
+    _capi.LayerGroupStruct: "kvp_layer_group",
 })
 
 # ctypes structs of the package that mirror no header struct (DLPack's ABI).

@@ -47,7 +47,7 @@ from ._lib import (
     version,
     version_string,
 )
-from .manager import Description, Manager, ManagerStats
+from .manager import Description, LayerGroup, Manager, ManagerStats
 from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
 from .tier import CopyBatch, TierMatch, TierStats
 from .tiercopy import TierCopier
@@ -62,6 +62,7 @@ __all__ = [
     "attn",
     "VirtualKVCache",
     "Manager",
+    "LayerGroup",
     "ManagerStats",
     "Description",
     "Keys",

@@ -77,7 +77,17 @@ class ManagerConfig(ctypes.Structure):
         ("shared_tier_reserved", _i32),
         ("write_through", _i32),
         ("host_tier_reserved", _i32),
+        ("layer_groups", _vp),
+        ("num_layer_groups", _i32),
+        ("max_model_len", _i32),
+        ("block_bytes", _i64),
     ]
+
+
+class LayerGroupStruct(ctypes.Structure):
+    """struct kvp_layer_group."""
+
+    _fields_ = [("kind", _i32), ("window", _i32), ("state_bytes", _i64)]
 
 
 class BlockCopy(ctypes.Structure):
@@ -255,6 +265,7 @@ class PagedDecodeArgs(ctypes.Structure):
         ("scale", _f32),
     ] + _ints(_i32, "num_splits", "max_seq_len", "q_len") + [
         ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
+        ("sinks", _u64),  # appended in 0.6: float32 [num_q_heads] device pointer; 0 = none
     ]
 
 
@@ -297,6 +308,7 @@ class PagedPrefillArgs(ctypes.Structure):
         ("scale", _f32),
         ("reserved2", _i32),
         ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
+        ("sinks", _u64),  # appended in 0.6: float32 [num_q_heads] device pointer; 0 = none
     ]
 
 
@@ -382,6 +394,8 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_describe", [_vp, _vp, _i32, _vp, _i32, _vp, _vp, _i32, _vp]),
     ("kvp_manager_stats_get", [_vp, _vp]),
     ("kvp_manager_check", [_vp]),
+    ("kvp_manager_describe_groups", [_vp, _vp, _i32, _i32, _vp, _i32, _vp, _vp, _i32, _vp]),
+    ("kvp_manager_group_blocks", [_vp, _vp, _i32, _vp]),
     # prefix cache
     ("kvp_manager_admit", [_vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp]),
     ("kvp_manager_grow_tokens", [_vp, _vp, _vp, _i32, _vp]),

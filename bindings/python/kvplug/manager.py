@@ -26,13 +26,13 @@ import numpy as np
 
 from . import _lib
 from ._arrays import _I32, _I64, bad as _bad, bad_type as _bad_type, in_ptr as _in_ptr, out_ptr as _out_ptr
-from ._capi import BlockCopy, ManagerConfig, ManagerStatsStruct
+from ._capi import BlockCopy, LayerGroupStruct, ManagerConfig, ManagerStatsStruct
 from ._lib import C
 from .prefix import PrefixCacheMethods
 from .sharedstore import _SECURITY_FIELDS, _security
 from .tier import HostTierMethods
 
-__all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy"]
+__all__ = ["Manager", "ManagerStats", "Description", "ManagerConfig", "ManagerStatsStruct", "BlockCopy", "LayerGroup"]
 
 _vp = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -42,6 +42,32 @@ _ndarray = np.ndarray
 _addressof = ctypes.addressof
 
 IntArray = Union[Sequence[int], np.ndarray, Any]  # Any: buffers and torch tensors
+
+
+class LayerGroup(NamedTuple):
+    """One layer group of a hybrid model (kvp_layer_group; see "Layer
+    groups" in include/kvplug.h). Make them with full_attention(),
+    sliding_window(w) and recurrent(state_bytes)."""
+
+    kind: int  # FULL_ATTENTION, SLIDING_WINDOW or RECURRENT
+    window: int = 0  # sliding window: the tokens a query reads, itself included
+    state_bytes: int = 0  # recurrent: one layer's state in bytes
+
+    FULL_ATTENTION = 0
+    SLIDING_WINDOW = 1
+    RECURRENT = 2
+
+    @classmethod
+    def full_attention(cls) -> "LayerGroup":
+        return cls(cls.FULL_ATTENTION)
+
+    @classmethod
+    def sliding_window(cls, window: int) -> "LayerGroup":
+        return cls(cls.SLIDING_WINDOW, window=window)
+
+    @classmethod
+    def recurrent(cls, state_bytes: int) -> "LayerGroup":
+        return cls(cls.RECURRENT, state_bytes=state_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +253,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_mac_keys_env: Optional[str] = None,
         shared_tier_mac_keys_file: Any = None,
         write_through: int = 0,
+        layer_groups: Sequence[LayerGroup] = (),
+        max_model_len: int = 0,
+        block_bytes: int = 0,
     ) -> None:
         num_blocks = _int(num_blocks, "Manager: num_blocks", "int32")
         block_size = _int(block_size, "Manager: block_size", "int32")
@@ -248,6 +277,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
                         tls_ca_file=shared_tier_tls_ca_file, tls_cert_file=shared_tier_tls_cert_file,
                         tls_key_file=shared_tier_tls_key_file, tls_server_name=shared_tier_tls_server_name,
                         mac_keys_env=shared_tier_mac_keys_env, mac_keys_file=shared_tier_mac_keys_file)
+        groups = _layer_groups(layer_groups)
+        max_model_len = _int(max_model_len, "Manager: max_model_len", "int32")
+        block_bytes = _int(block_bytes, "Manager: block_bytes", "int64")
         cfg = ManagerConfig(
             ctypes.sizeof(ManagerConfig), num_blocks, block_size, int(bool(prefix_cache)), int(bool(kv_events)), max_pending_events,
             host_tier_slots, demote_ahead, int(bool(demote_evicted)), host_block_bytes,
@@ -255,6 +287,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             _lib.c_string(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
             *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0, write_through, 0,
+            ctypes.cast(groups, _vp) if len(groups) else None, len(groups), max_model_len, block_bytes,
         )
         out = _vp()
         st = C.kvp_manager_create(ctypes.byref(cfg), ctypes.byref(out))
@@ -270,6 +303,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         self._max_prompt = s.num_blocks * s.block_size  # the tokens the whole pool holds
         self._demote_ahead = demote_ahead
         self.demote_evicted = bool(demote_evicted)
+        self.layer_groups: Tuple[LayerGroup, ...] = tuple(LayerGroup(g.kind, g.window, g.state_bytes) for g in groups) or (
+            LayerGroup.full_attention(),)
         # (value, array, address) of the counts array a grow by one number
         # for all uses; replaced, never mutated, so concurrent grows are safe.
         self._fill: Tuple[int, Any, int] = (0, None, 0)
@@ -374,9 +409,12 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         ptr, n, keep = _in_ptr(children, _I64, _i64, "children")
         if n > _INT32_MAX:
             raise _bad(f"fork: {n} children")
-        copies = np.empty((max(n, 1), 2), np.int32)
+        # At most one copy per group per child (layer groups: the partial
+        # last block of each attention group, each recurrent state).
+        cap = min(n * len(self.layer_groups), _INT32_MAX)
+        copies = np.empty((max(cap, 1), 2), np.int32)
         num = _i32()
-        st = C.kvp_manager_fork(self._h, parent, ptr, n, copies.ctypes.data, n, ctypes.byref(num))
+        st = C.kvp_manager_fork(self._h, parent, ptr, n, copies.ctypes.data, cap, ctypes.byref(num))
         if st:
             _lib.raise_status(st)
         return [tuple(p) for p in copies[: num.value].tolist()]
@@ -498,6 +536,53 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             return Description(table, lens, slots[:k2])
         raise _lib.BufferTooSmallError("describe: the batch kept growing while it was described", _lib.Status.BUFFER_TOO_SMALL)
 
+    def describe_groups(self, seq_ids: IntArray, max_blocks: Optional[int] = None) -> List[Description]:
+        """Every layer group's (block_table, seq_lens, slot_mapping) of the
+        batch, in one C call (kvp_manager_describe_groups): entry g is group
+        g's, entry 0 what describe() returns. A sliding-window group's table
+        holds -1 where blocks were dropped; a recurrent group's row is its
+        state block, and its slot mapping is empty. max_blocks defaults to
+        the widest row the batch needs."""
+        ids_ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        ng = len(self.layer_groups)
+        if not n:
+            self._empty("describe_groups")
+            mb = 1 if max_blocks is None else _int(max_blocks, "describe_groups: max_blocks", "int32", lo=1)
+            return [Description(np.empty((0, mb), np.int32), np.empty(0, np.int32), np.empty(0, np.int32))] * ng
+        if n > _INT32_MAX:
+            raise _bad(f"describe_groups: batch of {n} sequences")
+        for _ in range(3):  # retried only if another thread grows the batch in between
+            lens = np.empty(n, np.int32)
+            k = self.describe_into(keep, None, lens, None)
+            need = max(1, -(-int(lens.max()) // self.block_size))
+            mb = need if max_blocks is None else _int(max_blocks, "describe_groups: max_blocks", "int32", lo=1)
+            tables = [np.empty((n, mb), np.int32) for _ in range(ng)]
+            slots = [np.empty(max(k, 1), np.int32) for _ in range(ng)]
+            tptrs = (_vp * ng)(*(t.ctypes.data for t in tables))
+            sptrs = (_vp * ng)(*(s.ctypes.data for s in slots))
+            num = _i32()
+            st = C.kvp_manager_describe_groups(self._h, ids_ptr, n, ng, tptrs, mb, lens.ctypes.data, sptrs,
+                                               k, ctypes.byref(num))
+            if st == _lib.Status.BUFFER_TOO_SMALL and max_blocks is None:
+                continue
+            if st:
+                _lib.raise_status(st)
+            return [Description(tables[g], lens, slots[g][: 0 if g and self.layer_groups[g].kind == LayerGroup.RECURRENT
+                                                          else num.value]) for g in range(ng)]
+        raise _lib.BufferTooSmallError("describe_groups: the batch kept growing while it was described",
+                                       _lib.Status.BUFFER_TOO_SMALL)
+
+    def group_blocks(self) -> List[int]:
+        """The blocks each layer group holds now (a block forked sequences
+        share counts once)."""
+        ng = len(self.layer_groups)
+        out = (_i32 * ng)()
+        num = _i32()
+        st = C.kvp_manager_group_blocks(self._h, out, ng, ctypes.byref(num))
+        if st:
+            _lib.raise_status(st)
+        return list(out[: num.value])
+
     # -- inspection ----------------------------------------------------------
 
     def stats(self) -> ManagerStats:
@@ -517,3 +602,18 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
 
 
 _EMPTY_SLOT = ctypes.c_int32()
+
+
+def _layer_groups(groups: Sequence[LayerGroup]) -> Any:
+    """The C array of a Manager's layer_groups, checked for type (the
+    library checks the values)."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise _bad_type(f"Manager: layer_groups must be a sequence of LayerGroup: got {type(groups).__name__}")
+    arr = (LayerGroupStruct * max(len(groups), 1))()
+    for i, g in enumerate(groups):
+        if not isinstance(g, LayerGroup):
+            raise _bad_type(f"Manager: layer_groups[{i}] must be a LayerGroup: got {type(g).__name__}")
+        arr[i].kind = _int(g.kind, f"Manager: layer_groups[{i}].kind", "int32")
+        arr[i].window = _int(g.window, f"Manager: layer_groups[{i}].window", "int32")
+        arr[i].state_bytes = _int(g.state_bytes, f"Manager: layer_groups[{i}].state_bytes", "int64")
+    return arr if groups else (LayerGroupStruct * 0)()

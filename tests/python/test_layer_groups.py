@@ -1,0 +1,99 @@
+"""Layer groups (hybrid models) through the Python bindings: a table per
+group in one call, window groups that give blocks back as sequences grow,
+recurrent states copied on fork, and bad groups refused with nothing
+created."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvplug
+from kvplug import LayerGroup as G, _lib
+
+BS = 4
+
+
+def hybrid(num_blocks: int = 64, window: int = 6) -> kvplug.Manager:
+    return kvplug.Manager(num_blocks, BS, layer_groups=[G.full_attention(), G.sliding_window(window),
+                                                        G.recurrent(96)], block_bytes=128, max_model_len=1024)
+
+
+def test_tables_slots_and_window_drops():
+    w = 6
+    with hybrid(window=w) as m:
+        m.add(1, 10)
+        full, win, state = m.describe_groups([1])
+        assert (full.block_table >= 0).all() and (win.block_table >= 0).all()
+        assert not set(full.block_table.ravel()) & set(win.block_table.ravel())
+        assert state.block_table.shape[1] == 3 and state.block_table[0, 0] >= 0 and (state.block_table[0, 1:] == -1).all()
+        assert len(state.slot_mapping) == 0
+        for d in (full, win):  # every prompt token's slot, through the group's own table
+            pos = np.arange(10)
+            np.testing.assert_array_equal(d.slot_mapping, d.block_table[0, pos // BS] * BS + pos % BS)
+        free0 = m.stats().free_blocks
+        for length in range(10, 41):
+            m.grow([1], 1)
+            full, win, _ = m.describe_groups([1])
+            keep = max(0, length - w + 1) // BS  # the first block the next query reads
+            assert (win.block_table[0, :keep] == -1).all()
+            assert (win.block_table[0, keep:] >= 0).all()
+            assert (full.block_table[0] >= 0).all()
+            assert win.slot_mapping[0] == win.block_table[0, length // BS] * BS + length % BS
+        gb = m.group_blocks()
+        assert gb[0] == 11 and gb[1] <= 3 and gb[2] == 1
+        assert m.stats().free_blocks == free0 - (11 - 3) - (gb[1] - 3)
+        # describe() is group 0's table.
+        np.testing.assert_array_equal(m.describe([1]).block_table, full.block_table)
+        m.remove([1])
+        assert m.stats().free_blocks == 64
+        m.check()
+
+
+def test_fork_copies_partial_blocks_and_states():
+    with hybrid() as m:
+        m.add(1, 9)
+        parent = m.describe_groups([1])
+        copies = m.fork(1, [2, 3])
+        # Per child: the partial last block of each attention group, and the state.
+        assert len(copies) == 6
+        srcs = sorted(s for s, _ in copies)
+        assert srcs == sorted([parent[0].block_table[0, 2], parent[1].block_table[0, 2], parent[2].block_table[0, 0]] * 2)
+        child = m.describe_groups([2])
+        assert child[0].block_table[0, 0] == parent[0].block_table[0, 0]  # full blocks shared
+        assert child[2].block_table[0, 0] != parent[2].block_table[0, 0]  # its own state
+        assert len({d for _, d in copies}) == 6
+        m.remove([1, 2, 3])
+        assert m.group_blocks() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("groups, extra, error", [
+    ([G.sliding_window(4), G.full_attention()], {}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.sliding_window(2048)], {"max_model_len": 2048}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.recurrent(4096)], {"block_bytes": 1024}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.recurrent(64)], {}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G(7)], {}, kvplug.InvalidArgumentError),
+    ([G.full_attention()] * 65, {}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.sliding_window(8)], {"prefix_cache": True}, kvplug.UnsupportedError),
+])
+def test_bad_groups_create_nothing(groups, extra, error):
+    before = _lib.live_handles()
+    with pytest.raises(error):
+        kvplug.Manager(64, BS, layer_groups=groups, **extra)
+    assert _lib.live_handles() == before
+
+
+def test_layer_groups_type_errors():
+    with pytest.raises(kvplug.ArgumentTypeError):
+        kvplug.Manager(8, BS, layer_groups=[(0, 0, 0)])
+    with pytest.raises(kvplug.ArgumentTypeError):
+        kvplug.Manager(8, BS, layer_groups="full")
+
+
+def test_one_group_is_the_plain_manager():
+    with kvplug.Manager(8, BS) as m:
+        assert m.layer_groups == (G.full_attention(),)
+        m.add(1, 5)
+        (d,) = m.describe_groups([1])
+        np.testing.assert_array_equal(d.block_table, m.describe([1]).block_table)
+        assert m.group_blocks() == [2]
