@@ -343,6 +343,8 @@ struct ManagerApi {
   KVPLUG_FN(kvp_manager_describe);
   KVPLUG_FN(kvp_manager_stats_get);
   KVPLUG_FN(kvp_manager_check);
+  KVPLUG_FN(kvp_manager_describe_groups);
+  KVPLUG_FN(kvp_manager_group_blocks);
   void load(const Library &lib) {
     KVPLUG_LOAD(lib, kvp_manager_create);
     KVPLUG_LOAD(lib, kvp_manager_destroy);
@@ -354,6 +356,8 @@ struct ManagerApi {
     KVPLUG_LOAD(lib, kvp_manager_describe);
     KVPLUG_LOAD(lib, kvp_manager_stats_get);
     KVPLUG_LOAD(lib, kvp_manager_check);
+    KVPLUG_LOAD(lib, kvp_manager_describe_groups);
+    KVPLUG_LOAD(lib, kvp_manager_group_blocks);
   }
 };
 inline const ManagerApi &manager_api() { return table<ManagerApi>(); }
@@ -430,9 +434,11 @@ class Manager {
   }
 
   // Forks parent into children; returns the block copies the engine must
-  // perform (one per child when the parent's last block is partial).
+  // perform (per child: one when the parent's last block is partial; with
+  // layer groups, one per attention group then, and one per recurrent
+  // group).
   std::vector<kvp_block_copy> fork(int64_t parent, span<const int64_t> children) {
-    std::vector<kvp_block_copy> copies(children.size());
+    std::vector<kvp_block_copy> copies(children.size() * static_cast<std::size_t>(num_groups()));
     copies.resize(fork(parent, children, span<kvp_block_copy>(copies)));
     return copies;
   }
@@ -511,6 +517,47 @@ class Manager {
                                              d.seq_lens.data(), slots, num, &num));
     d.slot_mapping.resize(static_cast<std::size_t>(num));
     return d;
+  }
+
+  // The manager's layer groups (1 without groups; see "Layer groups" in kvplug.h).
+  int32_t num_groups() const {
+    int32_t n = 0;
+    const kvp_status st = api().kvp_manager_group_blocks(h_, nullptr, 0, &n);
+    if (st != KVP_ERR_BUFFER_TOO_SMALL) detail::check(st);
+    return n;
+  }
+
+  // The blocks each layer group holds now (a block forked sequences share counts once).
+  std::vector<int32_t> group_blocks() const {
+    std::vector<int32_t> out(static_cast<std::size_t>(num_groups()));
+    int32_t n = 0;
+    detail::check(api().kvp_manager_group_blocks(h_, out.data(), detail::count32(out.size(), "group_blocks"), &n));
+    out.resize(static_cast<std::size_t>(n));
+    return out;
+  }
+
+  // Every layer group's description in one call (kvp_manager_describe_groups):
+  // entry g is group g's, entry 0 what describe() returns. A sliding-window
+  // group's rows hold -1 where blocks were dropped; a recurrent group's row is
+  // its state block and it has no slots (its slot_mapping is all -1). max_blocks
+  // 0 sizes the tables to the widest row the batch needs.
+  std::vector<Description> describe_groups(span<const int64_t> seq_ids, int32_t max_blocks = 0) {
+    const Description first = describe(seq_ids, max_blocks);  // sizes the batch
+    const int32_t groups = num_groups();
+    const int32_t n = detail::count32(seq_ids.size(), "describe_groups: seq_ids");
+    std::vector<Description> out(static_cast<std::size_t>(groups), first);
+    std::vector<int32_t *> tables, slots;
+    int32_t dummy = 0;
+    for (Description &d : out) {
+      std::fill(d.slot_mapping.begin(), d.slot_mapping.end(), -1);
+      tables.push_back(d.block_table.data());
+      slots.push_back(d.slot_mapping.empty() ? &dummy : d.slot_mapping.data());
+    }
+    int32_t num = 0;
+    detail::check(api().kvp_manager_describe_groups(h_, detail::in(seq_ids), n, groups, tables.data(), first.max_blocks,
+                                                    nullptr, slots.data(),
+                                                    detail::count32(first.slot_mapping.size(), "describe_groups"), &num));
+    return out;
   }
 
   kvp_manager_stats stats() const {

@@ -121,6 +121,40 @@ TEST(Manager, ForkReturnsCopies) {
   EXPECT_TRUE(m.fork(2, std::vector<int64_t>{8}).empty());
 }
 
+TEST(Manager, LayerGroups) {
+  const kvp_layer_group groups[] = {{KVP_GROUP_FULL_ATTENTION, 0, 0}, {KVP_GROUP_SLIDING_WINDOW, 5, 0},
+                                    {KVP_GROUP_RECURRENT, 0, 96}};
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 32;
+  cfg.block_size = 4;
+  cfg.layer_groups = groups;
+  cfg.num_layer_groups = 3;
+  cfg.block_bytes = 128;
+  kvplug::Manager m(cfg);
+  EXPECT_EQ(m.num_groups(), 3);
+  m.add(1, 9);
+  std::vector<int64_t> one{1};
+  m.grow(one, 1);  // length 10: the window of 5 reads from token 5, so block 0 goes
+  std::vector<kvplug::Description> d = m.describe_groups(one);
+  ASSERT_EQ(d.size(), 3u);
+  EXPECT_EQ(d[0].block_table, m.describe(one).block_table);
+  EXPECT_EQ(d[1].block_table[0], -1);
+  EXPECT_GE(d[1].block_table[1], 0);
+  EXPECT_GE(d[2].block_table[0], 0);
+  EXPECT_EQ(d[2].block_table[1], -1);
+  ASSERT_EQ(d[1].slot_mapping.size(), 1u);
+  EXPECT_EQ(d[1].slot_mapping[0], d[1].block_table[2] * 4 + 1);
+  EXPECT_EQ(d[2].slot_mapping[0], -1);  // a state has no slots
+  EXPECT_EQ(m.group_blocks(), (std::vector<int32_t>{3, 2, 1}));
+  // The partial block of both attention groups and the state, per child.
+  EXPECT_EQ(m.fork(1, std::vector<int64_t>{2, 3}).size(), 6u);
+
+  kvp_layer_group bad[] = {{KVP_GROUP_SLIDING_WINDOW, 5, 0}};
+  cfg.layer_groups = bad;
+  cfg.num_layer_groups = 1;
+  EXPECT_EQ(thrown([&] { kvplug::Manager x(cfg); }).first, KVP_ERR_INVALID_ARGUMENT);
+}
+
 TEST(Manager, ErrorsAreExceptionsWithStatusAndMessage) {
   kvplug::Manager m(4, 4);
   m.add(1, 8);
