@@ -10,7 +10,7 @@ the structs that embed it: pack it with paged_kv() and assign it, e.g.
 
 import numpy as np
 
-ABI_VERSION = 5  # KVP_KERNELS_ABI_VERSION
+ABI_VERSION = 6  # KVP_KERNELS_ABI_VERSION
 
 
 def _struct(fields, size):
@@ -51,13 +51,13 @@ KV_WRITE = _struct([("kv", PAGED_KV)] + _u64("key", "value", "slot_mapping")
 DECODE = _struct([("kv", PAGED_KV)] + _u64("q", "seq_lens", "out", "lse", "workspace")
                  + _i64("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride")
                  + _i32("batch", "num_q_heads", "num_splits") + [("scale", "<f4")] + _i32("q_len", "q_rows")
-                 + _u64("q_indptr"), 200)
+                 + _u64("q_indptr", "sinks"), 208)
 # kvp_merge_params
 MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
 MERGE = _struct([("v", ("<u8", (MERGE_MAX_STATES,))), ("s", ("<u8", (MERGE_MAX_STATES,)))] + _u64("out", "out_lse")
                 + _i64("v_token_stride", "v_head_stride", "s_token_stride", "s_head_stride", "out_token_stride",
                        "out_head_stride", "out_lse_token_stride", "out_lse_head_stride")
-                + _i32("num_states", "num_tokens", "num_heads", "reserved"), 224)
+                + _i32("num_states", "num_tokens", "num_heads", "reserved") + _u64("sinks"), 232)
 # kvp_prefill_plan_params
 PREFILL_PLAN = _struct(_u64("qo_indptr", "kv_lens", "work")
                        + _i32("batch", "group", "total_q", "max_items", "tile_q", "num_splits", "skip_decode",
@@ -66,12 +66,13 @@ PREFILL_PLAN = _struct(_u64("qo_indptr", "kv_lens", "work")
 PREFILL = _struct([("kv", PAGED_KV)] + _u64("q", "out", "lse", "work")
                   + _i64("q_token_stride", "q_head_stride", "out_token_stride", "out_head_stride")
                   + _i32("num_q_heads", "window_left") + [("scale", "<f4")] + _i32("num_splits")
-                  + _u64("part_out", "part_lse") + _i32("total_q", "reserved"), 200)
+                  + _u64("part_out", "part_lse") + _i32("total_q", "reserved") + _u64("sinks"), 208)
 # kvp_cascade_params
 CASCADE = _struct([("kv", PAGED_KV)] + _u64("q", "seq_lens", "out", "lse", "work", "part_out", "part_lse")
                   + _i64("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride")
                   + _i32("num_q_heads", "items_off", "qrows_off", "seg_start_off", "segs_off", "max_batch")
-                  + [("scale", "<f4")] + _i32("rowseq_off", "qstart_off", "max_rows", "skip_shared", "reserved"), 232)
+                  + [("scale", "<f4")] + _i32("rowseq_off", "qstart_off", "max_rows", "skip_shared", "reserved")
+                  + _u64("sinks"), 240)
 # kvp_tier_copy_params
 TIER_COPY_OPS = 500  # KVP_TIER_COPY_OPS
 TIER_COPY = _struct(_u64("layers", "host") + _i64("slot_bytes", "chunk_bytes", "k_block_stride", "v_block_stride")

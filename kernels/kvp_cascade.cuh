@@ -319,12 +319,13 @@ __device__ __forceinline__ void cascade_merge(const kvp_cascade_params& p) {
                 merge_out(acc, st.merge(SoftmaxState{s, 1.f}), v);
             }
         }
-        const StateWriter end = write_state(st);
+        // The items' partials hold no sink: the row's one sink joins here.
+        const StateWriter end = write_state(st, sink_log2(p.sinks, h));
         T* out = reinterpret_cast<T*>(p.out) + (int64_t)g * p.out_batch_stride + (int64_t)h * p.out_head_stride + lane * E;
         end.to<T, false>(out, nullptr, acc);
-        // The lse (st.lse(), what to() writes) after the output: its address
-        // held across the output's stores spilled (h64, sm_90a).
-        if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = st.lse();
+        // The lse (end.st.lse(), what to() writes) after the output: its
+        // address held across the output's stores spilled (h64, sm_90a).
+        if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)g * p.num_q_heads + h] = end.st.lse();
     }
     griddep_launch_dependents();
 }

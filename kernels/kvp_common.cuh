@@ -227,6 +227,21 @@ struct SoftmaxState {
         l += part.l * w;
         return w;
     }
+    // Adds an attention sink (gpt-oss: one learned logit per q head) of
+    // log2-domain value sink to the denominator: one more term exp2(sink -
+    // m) in l and none in the output. Returns the factor that rescales the
+    // output accumulated so far, as rescale does (0 for an empty state,
+    // whose output is 0: it ends as out 0 with lse = the sink). sink = -inf
+    // (no sink) changes nothing. Only a row's complete state takes its sink:
+    // a split's partial never does, so a split row counts it once.
+    __device__ __forceinline__ float add_sink(float sink) {
+        if (sink == neg_inf()) return 1.f;
+        const float mn = fmaxf(m, sink);
+        const float alpha = exp2f(m - mn);
+        l = l * alpha + exp2f(sink - mn);
+        m = mn;
+        return alpha;
+    }
     __device__ __forceinline__ bool empty() const { return !(l > 0.f); }
     // The ending: the factor that normalises the output, and the lse.
     __device__ __forceinline__ float inv_l() const { return empty() ? 0.f : 1.f / l; }
@@ -266,7 +281,7 @@ __device__ __forceinline__ void store_out(OT* dst, const float (&v)[W]) {
 // addresses are computed (the division is a subroutine call in SASS, and an
 // address held across it may spill).
 struct StateWriter {
-    const SoftmaxState& st;
+    SoftmaxState st;  // the ending state (the sink added)
     float inv;
     template <typename OT, bool LOG2, int J, int W, int STRIDE, class Get>
     __device__ __forceinline__ void to(OT* out, float* lse, Get get) const {
@@ -284,7 +299,22 @@ struct StateWriter {
         to<OT, LOG2, 1, N, N>(out, lse, [&](int, int e) { return o[e]; });
     }
 };
-__device__ __forceinline__ StateWriter write_state(const SoftmaxState& st) { return StateWriter{st, st.inv_l()}; }
+//
+// write_state(st, sink) ends a row's complete state with its attention sink
+// (log2 domain, sink_log2; -inf: none): the output is normalised by the
+// denominator with the sink term and the lse is the log of that whole
+// denominator. Partial states (splits, cascade items) end without one.
+__device__ __forceinline__ StateWriter write_state(SoftmaxState st, float sink = neg_inf()) {
+    const float alpha = st.add_sink(sink);
+    return StateWriter{st, alpha * st.inv_l()};
+}
+
+// The attention sink of q head qh in the log2 domain: sinks (float32
+// [num_q_heads], natural log, not multiplied by the softmax scale) or 0 for
+// none, which gives -inf (write_state's "no sink").
+__device__ __forceinline__ float sink_log2(uint64_t sinks, int qh) {
+    return sinks == 0 ? neg_inf() : __ldg(reinterpret_cast<const float*>(sinks) + qh) * kLog2e;
+}
 
 // Maximum and sum over the four threads that hold one row of an mma tile.
 __device__ __forceinline__ float quad_max(float x) {
@@ -667,7 +697,8 @@ __device__ __forceinline__ void combine_row_u(const kvp_decode_params& p, int b,
             }
         }
     }
-    const StateWriter end = write_state(st);
+    // The splits' partials hold no sink: the row's one sink joins here.
+    const StateWriter end = write_state(st, sink_log2(p.sinks, qh));
     T* out = reinterpret_cast<T*>(p.out) + orow * p.out_batch_stride + qh * p.out_head_stride + lane * E;
     end.to<T, false>(out, p.lse != 0 && lane == 0 ? reinterpret_cast<float*>(p.lse) + orow * p.num_q_heads + qh : nullptr,
                      acc);
@@ -747,7 +778,7 @@ __device__ __forceinline__ void merge_states(const kvp_merge_params& p) {
     // out/out_lse may alias v[0]/s[0]: every lane has finished reading
     // before any lane writes.
     __syncwarp();
-    write_state(st).to<T, false>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E,
+    write_state(st, sink_log2(p.sinks, (int)h)).to<T, false>(reinterpret_cast<T*>(p.out) + t * p.out_token_stride + h * p.out_head_stride + lane * E,
                           p.out_lse != 0 && lane == 0 ? reinterpret_cast<float*>(p.out_lse) + t * p.out_lse_token_stride +
                                                             h * p.out_lse_head_stride
                                                       : nullptr,

@@ -107,7 +107,8 @@ __device__ __forceinline__ int64_t decode_first_row(const kvp_decode_params& p, 
 template <typename T, int N>
 __device__ __forceinline__ void decode_store(const kvp_decode_params& p, const DecodeWork& w, int64_t q0, int t, int qh,
                                              int d0, const float (&o)[N], const SoftmaxState& st, int D) {
-    const StateWriter end = write_state(st);
+    // A split's partial ends without the sink; the combine adds it.
+    const StateWriter end = write_state(st, p.num_splits == 1 ? sink_log2(p.sinks, qh) : neg_inf());
     if (p.num_splits == 1) {
         const int64_t tok = q0 + t;  // the row of q and out
         T* out = reinterpret_cast<T*>(p.out) + tok * p.out_batch_stride + (int64_t)qh * p.out_head_stride + d0;

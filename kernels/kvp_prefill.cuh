@@ -142,7 +142,11 @@ struct PrefillOut {
             tok_stride = p.out_token_stride;
             head_stride = p.out_head_stride;
         }
+        sinks = p.num_splits > 1 ? 0 : p.sinks;
     }
+    uint64_t sinks;  // the run's sinks, or 0 for a split's partials (kvp_merge_states adds them)
+    // q head qh's sink for write_state (-inf: none).
+    __device__ __forceinline__ float sink(int qh) const { return sink_log2(sinks, qh); }
 };
 
 // ---- f32: plain kernel (tests) ----------------------------------------------
@@ -170,7 +174,7 @@ __device__ __forceinline__ void prefill_item_f32(const kvp_prefill_params& p, co
         const int hi = min(t1 * KVP_PREFILL_TILE_KV, min(pos + 1, it.kv_len));
         qr.attend(rr, kc, vc, lane, sl, lo, hi);
         const PrefillOut<float> po(p, it.split, p.total_q, D);
-        write_state(qr.st).template to<float, false>(
+        write_state(qr.st, po.sink(qh)).template to<float, false>(
             po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + lane * E,
             po.lse != nullptr && lane == 0 ? po.lse + row * p.num_q_heads + qh : nullptr, qr.o);
     }
@@ -214,7 +218,7 @@ __device__ __forceinline__ void prefill_item_tc(const kvp_prefill_params& p, con
         reinterpret_cast<const KT*>(p.kv.v_cache), [&](int tok) { return (q_start + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
             const int64_t row = q_start + tok;
-            write_state(st).to<T, false, C::CPR, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd,
+            write_state(st, po.sink(qh)).template to<T, false, C::CPR, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + qd,
                 po.lse != nullptr && lse_lane ? po.lse + row * p.num_q_heads + qh : nullptr,
                 [&](int c, int e) { return o[c][2 * h + e]; });
         },

@@ -148,7 +148,7 @@ struct Sm90PrefillSrc : Sm90Src<kvp_prefill_params, KVP_PREFILL_W_NEXT_UNIT> {
                                           const SoftmaxState& st, bool lse_lane) const {
         const PrefillOut<T> po(p, u.it.split, p.total_q, D);
         const int64_t row = (int64_t)u.it.q_start + tok;
-        write_state(st).to<T, false, D / 8, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col,
+        write_state(st, po.sink(qh)).template to<T, false, D / 8, 2, 8>(po.out + row * po.tok_stride + (int64_t)qh * po.head_stride + col,
                                            po.lse != nullptr && lse_lane ? po.lse + row * p.num_q_heads + qh : nullptr,
                                            [&](int j, int e) { return o[4 * j + 2 * h + e]; });
     }

@@ -34,15 +34,16 @@ KVP_LAYOUT(kvp_paged_kv_params, 96, (v_cache, 8)(block_table, 16)(k_scale, 24)(v
            (max_blocks_per_seq, 84)(dtype, 88)(scale_kind, 92));
 KVP_LAYOUT(kvp_kv_write_params, 160, (kv, 0)(key, 96)(slot_mapping, 112)(key_token_stride, 120)(value_head_stride, 144)
            (num_tokens, 152)(reserved, 156));
-KVP_LAYOUT(kvp_decode_params, 200, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
-           (out_head_stride, 160)(batch, 168)(num_splits, 176)(scale, 180)(q_len, 184)(q_rows, 188)(q_indptr, 192));
-KVP_LAYOUT(kvp_merge_params, 224, (s, 64)(out, 128)(out_lse, 136)(v_token_stride, 144)(out_lse_head_stride, 200)
-           (num_states, 208)(reserved, 220));
+KVP_LAYOUT(kvp_decode_params, 208, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
+           (out_head_stride, 160)(batch, 168)(num_splits, 176)(scale, 180)(q_len, 184)(q_rows, 188)(q_indptr, 192)
+           (sinks, 200));
+KVP_LAYOUT(kvp_merge_params, 232, (s, 64)(out, 128)(out_lse, 136)(v_token_stride, 144)(out_lse_head_stride, 200)
+           (num_states, 208)(reserved, 220)(sinks, 224));
 
 KVP_LAYOUT(kvp_prefill_plan_params, 56, (work, 16)(batch, 24)(max_items, 36)(tile_q, 40)(skip_decode, 48));
-KVP_LAYOUT(kvp_prefill_params, 200, (kv, 0)(q, 96)(work, 120)(q_token_stride, 128)(out_head_stride, 152)
+KVP_LAYOUT(kvp_prefill_params, 208, (kv, 0)(q, 96)(work, 120)(q_token_stride, 128)(out_head_stride, 152)
            (num_q_heads, 160)(window_left, 164)(scale, 168)(num_splits, 172)(part_out, 176)(part_lse, 184)(total_q, 192)
-           (reserved, 196));
+           (reserved, 196)(sinks, 200));
 static_assert(kvp::PrefillCfg<64>::SMEM == 59392, "prefill smem h64 (header formula)");
 static_assert(kvp::PrefillCfg<128>::SMEM == 83456, "prefill smem h128 (header formula)");
 static_assert(kvp::PrefillCfg<256>::SMEM == 165376, "prefill smem h256 (header formula)");
@@ -126,9 +127,9 @@ extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefi
 // Shared-prefix (cascade) attention: 16-bit types only.
 #include "kvp_cascade.cuh"
 
-KVP_LAYOUT(kvp_cascade_params, 232, (kv, 0)(q, 96)(seq_lens, 104)(work, 128)(part_lse, 144)(q_batch_stride, 152)
+KVP_LAYOUT(kvp_cascade_params, 240, (kv, 0)(q, 96)(seq_lens, 104)(work, 128)(part_lse, 144)(q_batch_stride, 152)
            (out_head_stride, 176)(num_q_heads, 184)(items_off, 188)(qrows_off, 192)(max_batch, 204)(scale, 208)
-           (rowseq_off, 212)(max_rows, 220)(skip_shared, 224)(reserved, 228));
+           (rowseq_off, 212)(max_rows, 220)(skip_shared, 224)(reserved, 228)(sinks, 232));
 static_assert(kvp::CascadeCfg<64>::SMEM == 70144, "cascade smem h64 (header formula)");
 static_assert(kvp::CascadeCfg<128>::SMEM == 104448, "cascade smem h128 (header formula)");
 static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header formula)");

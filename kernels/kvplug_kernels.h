@@ -42,6 +42,18 @@
  *   GQA: q head i reads kv head i / (num_q_heads / num_kv_heads);
  *   num_q_heads must be a multiple of num_kv_heads.
  *   lse outputs and inputs are float32, NATURAL log of sum(exp(scale*q.k)).
+ *
+ * Attention sinks (gpt-oss): `sinks`, where a params struct has it, is 0 or
+ * a float32 [num_q_heads] device array (4-byte aligned) of one logit s_h per
+ * q head, natural log, NOT multiplied by the softmax scale. It adds a term
+ * exp(s_h) to the softmax denominator and nothing to the numerator:
+ *     out = sum_j exp(x_j) v_j / (exp(s_h) + sum_j exp(x_j)),
+ * x_j = scale * q.k_j over the keys the row attends to, and the lse written
+ * is log(exp(s_h) + sum_j exp(x_j)), the log of that whole denominator (a
+ * row with no keys: out 0, lse s_h). Split partials (decode workspace,
+ * prefill part_out/part_lse, cascade partial states) never include it: the
+ * kernel that ends a row (the one-split kernel, the combine, the merge)
+ * adds it once.
  */
 #ifndef KVPLUG_KERNELS_H
 #define KVPLUG_KERNELS_H
@@ -52,8 +64,11 @@
  * member `kv` of kvp_kv_write_params, kvp_decode_params, kvp_prefill_params
  * and kvp_cascade_params (their own copies of its fields are gone).
  * 5: kv.dtype may be KVP_KV_E4M3 (the e4m3 kernels below), with kv.k_scale,
- * kv.v_scale and kv.scale_kind (was reserved). */
-#define KVP_KERNELS_ABI_VERSION 5
+ * kv.v_scale and kv.scale_kind (was reserved).
+ * 6: attention sinks: `sinks` appended to kvp_decode_params,
+ * kvp_merge_params, kvp_prefill_params and kvp_cascade_params (see
+ * "Attention sinks" below). */
+#define KVP_KERNELS_ABI_VERSION 6
 
 /* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
 #define KVP_KV_E4M3 4
@@ -191,7 +206,7 @@ typedef struct kvp_kv_write_params {
  *          128 workspace, 136 q_batch_stride, 144 q_head_stride,
  *          152 out_batch_stride, 160 out_head_stride, 168 batch,
  *          172 num_q_heads, 176 num_splits, 180 scale, 184 q_len,
- *          188 q_rows, 192 q_indptr; size 200.
+ *          188 q_rows, 192 q_indptr, 200 sinks; size 208.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_decode_params {
     kvp_paged_kv_params kv;
@@ -211,6 +226,7 @@ typedef struct kvp_decode_params {
     int32_t q_len; /* new tokens per sequence, 1..16 (0: 1) */
     int32_t q_rows; /* with q_indptr: rows of q/out (a row at or past it is skipped); else 0 */
     uint64_t q_indptr; /* int32 [batch + 1] or 0; with q_len 1 only (see above) */
+    uint64_t sinks;    /* float32 [num_q_heads] or 0 (attention sinks, above; the one-split kernel or the combine adds them) */
 } kvp_decode_params;
 
 /* Most new tokens per sequence of the decode kernel. */
@@ -270,8 +286,11 @@ static inline uint32_t kvp_decode_smem_bytes_e4m3(int head_dim) {
  *          152 v_head_stride, 160 s_token_stride, 168 s_head_stride,
  *          176 out_token_stride, 184 out_head_stride,
  *          192 out_lse_token_stride, 200 out_lse_head_stride,
- *          208 num_states, 212 num_tokens, 216 num_heads, 220 reserved;
- *          size 224.
+ *          208 num_states, 212 num_tokens, 216 num_heads, 220 reserved,
+ *          224 sinks; size 232.
+ *    sinks: float32 [num_heads] or 0: an attention sink per head joins the
+ *    merged state (the prefill launcher's merge of its split partials; the
+ *    public kvp_merge_states passes 0).
  * ---------------------------------------------------------------------- */
 #define KVP_MERGE_MAX_STATES 8
 
@@ -292,6 +311,7 @@ typedef struct kvp_merge_params {
     int32_t num_tokens;
     int32_t num_heads;
     int32_t reserved; /* must be 0 */
+    uint64_t sinks;   /* float32 [num_heads] or 0 */
 } kvp_merge_params;
 
 /* ------------------------------------------------------------------------
@@ -341,7 +361,7 @@ typedef struct kvp_merge_params {
  *          128 q_token_stride, 136 q_head_stride, 144 out_token_stride,
  *          152 out_head_stride, 160 num_q_heads, 164 window_left, 168 scale,
  *          172 num_splits, 176 part_out, 184 part_lse, 192 total_q,
- *          196 reserved; size 200.
+ *          196 reserved, 200 sinks; size 208.
  * ---------------------------------------------------------------------- */
 #define KVP_PREFILL_THREADS 128
 #define KVP_PREFILL_PLAN_THREADS 1024
@@ -383,6 +403,7 @@ typedef struct kvp_prefill_params {
     uint64_t part_lse;  /* float32 [num_splits][total_q][num_q_heads] */
     int32_t total_q;    /* rows of q/out: the partials' slice size */
     int32_t reserved;   /* 0 */
+    uint64_t sinks;     /* float32 [num_q_heads] or 0; with num_splits > 1 the merge adds them */
 } kvp_prefill_params;
 
 /* Packed rows per work item: 4 warps of 16 rows (16-bit), f32:
@@ -483,8 +504,8 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim
  *          160 q_head_stride, 168 out_batch_stride, 176 out_head_stride,
  *          184 num_q_heads, 188 items_off, 192 qrows_off, 196 seg_start_off,
  *          200 segs_off, 204 max_batch, 208 scale, 212 rowseq_off,
- *          216 qstart_off, 220 max_rows, 224 skip_shared, 228 reserved;
- *          size 232.
+ *          216 qstart_off, 220 max_rows, 224 skip_shared, 228 reserved,
+ *          232 sinks; size 240.
  * ---------------------------------------------------------------------- */
 #define KVP_CASCADE_THREADS 128
 #define KVP_CASCADE_MERGE_THREADS 128
@@ -533,6 +554,7 @@ typedef struct kvp_cascade_params {
     int32_t max_rows; /* the workspace's query-row capacity */
     int32_t skip_shared; /* 1: kvp_cascade_<dt>_h<D> skips the items kvp_cascade_sm90 ran */
     int32_t reserved;    /* 0 */
+    uint64_t sinks;      /* float32 [num_q_heads] or 0: kvp_cascade_merge adds them */
 } kvp_cascade_params;
 
 /* Packed rows per shared item: 128 at head_dim <= 128, 64 at 256 (tail

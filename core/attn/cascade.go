@@ -535,7 +535,7 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	case cascade.RouteDecode:
 		d := PagedDecodeArgs{DecodeLayout: cascadeDecodeLayout(p, a),
 			Q: a.Q, SeqLens: p.KVLens,
-			Out: a.Out, LSE: a.LSE, Workspace: parts, WorkspaceBytes: partBytes, MaxSeqLen: p.MaxKVLen}
+			Out: a.Out, LSE: a.LSE, Sinks: a.Sinks, Workspace: parts, WorkspaceBytes: partBytes, MaxSeqLen: p.MaxKVLen}
 		return PagedDecode(&d, stream)
 	}
 	if r.s.Rows == 0 {
@@ -543,7 +543,7 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	}
 	return CascadeRun(&CascadeRunArgs{DecodeLayout: cascadeDecodeLayout(p, a), Rows: r.s.Rows,
 		Q: a.Q, SeqLens: p.KVLens,
-		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
+		Out: a.Out, LSE: a.LSE, Sinks: a.Sinks, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		PartOut: r.l.PartOut, PartLSE: r.l.PartLSE,
 		ItemsOff: r.l.Items, QRowsOff: r.l.QRows, SegStartOff: r.l.SegStart, SegsOff: r.l.Segs,
 		RowSeqOff: r.l.RowSeq, QStartOff: r.l.QStart, MaxBatch: p.MaxBatch, MaxRows: r.l.MaxTokens}, stream)
@@ -592,6 +592,7 @@ type cascadeParams struct {
 	MaxRows        int32         `c:"max_rows"`
 	SkipShared     int32         `c:"skip_shared"`
 	Reserved       int32         `c:"reserved"`
+	Sinks          uint64        `c:"sinks"`
 }
 
 // cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, and the
@@ -660,6 +661,7 @@ type CascadeRunArgs struct {
 	SeqLens      cuda.DevicePtr // int32 [batch]: tails end here
 	Out          cuda.DevicePtr
 	LSE          cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+	Sinks        cuda.DevicePtr // float32 [num_q_heads] or 0: the merge adds each row's sink
 
 	Workspace      cuda.DevicePtr // the plan at offset 0
 	WorkspaceBytes int64
@@ -711,7 +713,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	kv := &a.PagedKV
 	if a.Batch > 0 && (a.Q == 0 || a.Q%16 != 0 || kv.KCache == 0 || kv.KCache%16 != 0 || kv.VCache == 0 || kv.VCache%16 != 0 ||
 		kv.BlockTable == 0 || kv.BlockTable%4 != 0 || a.SeqLens == 0 || a.SeqLens%4 != 0 || a.Out == 0 || a.Out%16 != 0 ||
-		a.LSE%4 != 0 || a.Workspace == 0 || a.Workspace%16 != 0) {
+		a.LSE%4 != 0 || a.Sinks%4 != 0 || a.Workspace == 0 || a.Workspace%16 != 0) {
 		// The pointers are named only on failure: a launch allocates nothing.
 		return firstErr(
 			checkTensor(what+": q", a.Q),
@@ -719,6 +721,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 			checkIndex(what+": seq_lens", a.SeqLens),
 			checkTensor(what+": out", a.Out),
 			aligned(what+": lse", 4, a.LSE),
+			aligned(what+": sinks", 4, a.Sinks),
 			checkTensor(what+": workspace", a.Workspace),
 		)
 	}
@@ -738,6 +741,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		ItemsOff:  int32(a.ItemsOff), QRowsOff: int32(a.QRowsOff), SegStartOff: int32(a.SegStartOff), SegsOff: int32(a.SegsOff),
 		MaxBatch: int32(a.MaxBatch), Scale: SoftmaxScale(a.Scale, a.HeadDim),
 		RowSeqOff: int32(a.RowSeqOff), QStartOff: int32(a.QStartOff), MaxRows: int32(maxRows),
+		Sinks: uint64(a.Sinks),
 	}
 	di := 0
 	if a.DType == BF16 {

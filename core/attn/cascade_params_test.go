@@ -7,7 +7,7 @@ import (
 
 // The cascade parameter struct joins the layout probe of TestParamsLayout.
 func init() {
-	layoutCases = append(layoutCases, layoutCase{"kvp_cascade_params", reflect.TypeOf(cascadeParams{}), 232})
+	layoutCases = append(layoutCases, layoutCase{"kvp_cascade_params", reflect.TypeOf(cascadeParams{}), 240})
 }
 
 // cascadeSharedBytes follows the header's formula (static_asserted in the

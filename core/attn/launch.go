@@ -74,6 +74,10 @@ type PagedDecodeArgs struct {
 	SeqLens      cuda.DevicePtr // int32 [batch]
 	Out          cuda.DevicePtr
 	LSE          cuda.DevicePtr // float32 [batch, num_q_heads]; 0: not wanted
+	// Sinks is the attention sinks, float32 [num_q_heads] (one natural-log
+	// logit per q head, added to the softmax denominator only), or 0 for
+	// none; lse is then the log of the whole denominator.
+	Sinks cuda.DevicePtr
 
 	// Workspace for split-KV partial results: float32, 16-byte aligned,
 	// WorkspaceSize(batch, num_q_heads, head_dim, splits) bytes. 0 allowed
@@ -223,6 +227,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 			checkIndex("paged_decode: seq_lens", a.SeqLens),
 			checkTensor("paged_decode: out", a.Out),
 			aligned("paged_decode: lse", 4, a.LSE),
+			aligned("paged_decode: sinks", 4, a.Sinks),
 			aligned("paged_decode: workspace", 16, a.Workspace),
 		); err != nil {
 			return err
@@ -266,7 +271,7 @@ func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.Device
 		OutBatchStride: a.OutBatchStride, OutHeadStride: a.OutHeadStride,
 		Batch: int32(a.Batch), NumQHeads: int32(a.NumQHeads),
 		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim), QLen: int32(a.qLen()),
-		QIndptr: uint64(qIndptr), QRows: int32(qRows),
+		QIndptr: uint64(qIndptr), QRows: int32(qRows), Sinks: uint64(a.Sinks),
 	}
 	ks := kernelsFor(a.DType, a.HeadDim)
 	cfg := cuda.LaunchConfig{

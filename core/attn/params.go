@@ -55,6 +55,7 @@ type decodeParams struct {
 	QLen           int32         `c:"q_len"`
 	QRows          int32         `c:"q_rows"`
 	QIndptr        uint64        `c:"q_indptr"`
+	Sinks          uint64        `c:"sinks"`
 }
 
 // kvp_merge_params
@@ -75,6 +76,7 @@ type mergeParams struct {
 	NumTokens         int32                  `c:"num_tokens"`
 	NumHeads          int32                  `c:"num_heads"`
 	Reserved          int32                  `c:"reserved"`
+	Sinks             uint64                 `c:"sinks"`
 }
 
 // decodeSharedBytes is kvp_decode_smem_bytes: the decode kernel's dynamic

@@ -102,6 +102,7 @@ type prefillParams struct {
 	PartLSE        uint64        `c:"part_lse"`
 	TotalQ         int32         `c:"total_q"`
 	Reserved       int32         `c:"reserved"`
+	Sinks          uint64        `c:"sinks"`
 }
 
 // prefillTileQ is kvp_prefill_tile_q: packed rows per work item.
@@ -567,6 +568,9 @@ type PagedPrefillArgs struct {
 	Q             cuda.DevicePtr
 	Out           cuda.DevicePtr
 	LSE           cuda.DevicePtr // float32 [total_q, num_q_heads] contiguous; 0: not wanted
+	// Sinks is the attention sinks, float32 [num_q_heads], or 0 for none
+	// (PagedDecodeArgs.Sinks); every route adds each row's sink once.
+	Sinks cuda.DevicePtr
 }
 
 // PagedPrefill runs attention of plan p over one layer's tensors on stream.
@@ -583,6 +587,7 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 			a.PagedKV.checkPointers(what, true),
 			checkIndex(what+": plan kv_lens", p.KVLens),
 			aligned(what+": lse", 4, a.LSE),
+			aligned(what+": sinks", 4, a.Sinks),
 			aligned(what+": plan workspace", 16, p.Workspace),
 		); err != nil {
 			return err
@@ -637,6 +642,9 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		NumQHeads:  int32(p.NumQHeads),
 		WindowLeft: int32(p.WindowLeft), Scale: SoftmaxScale(a.Scale, p.HeadDim),
 		NumSplits: int32(p.NumSplits), TotalQ: int32(p.TotalQ),
+		// With splits the kernel writes partials without the sinks and the
+		// merge (mergeSplits) adds them.
+		Sinks: uint64(a.Sinks),
 	}
 	S := p.NumSplits
 	rows := int64(p.TotalQ) * int64(p.NumQHeads)
@@ -693,6 +701,7 @@ func (p *PrefillPlan) mergeSplits(m *cuda.Module, a *PagedPrefillArgs, pp *prefi
 		OutTokenStride: a.OutTokenStride, OutHeadStride: a.OutHeadStride,
 		OutLSETokenStride: int64(p.NumQHeads), OutLSEHeadStride: 1,
 		NumStates: int32(S), NumTokens: int32(p.TotalQ), NumHeads: int32(p.NumQHeads),
+		Sinks: pp.Sinks,
 	}
 	for i := 0; i < S; i++ {
 		mp.V[i] = pp.PartOut + uint64(int64(i)*rows*int64(p.HeadDim)*int64(p.DType.Size()))
@@ -735,7 +744,7 @@ func (p *PrefillPlan) decodeArgs(a *PagedPrefillArgs) PagedDecodeArgs {
 			PagedKV: a.PagedKV, Scale: a.Scale,
 		},
 		Q: a.Q, SeqLens: p.KVLens,
-		Out: a.Out, LSE: a.LSE, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
+		Out: a.Out, LSE: a.LSE, Sinks: a.Sinks, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
 		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen,
 	}
 }
