@@ -101,11 +101,22 @@ func PagedDecode(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens 
 	if l.PagedKV.E4M3() {
 		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: an e4m3 cache comes with its scales: PagedDecodeE4M3")
 	}
-	return pagedDecode(l, l.DType, q, kCache, vCache, table, seqLens, out, lse, numSplits)
+	return pagedDecode(l, l.DType, q, kCache, vCache, table, seqLens, out, lse, numSplits, nil)
 }
 
-// pagedDecode is PagedDecode over caches of element type cacheDT.
-func pagedDecode(l *attn.DecodeLayout, cacheDT attn.DType, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int) error {
+// PagedDecodeSinks is PagedDecode with attention sinks (attn.PagedDecodeArgs.Sinks):
+// sinks[h] (natural log) joins q head h's softmax denominator once, after
+// the splits are merged (AddSink); nil is PagedDecode.
+func PagedDecodeSinks(l *attn.DecodeLayout, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int, sinks []float32) error {
+	if l.PagedKV.E4M3() {
+		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: an e4m3 cache comes with its scales: PagedDecodeE4M3")
+	}
+	return pagedDecode(l, l.DType, q, kCache, vCache, table, seqLens, out, lse, numSplits, sinks)
+}
+
+// pagedDecode is PagedDecode over caches of element type cacheDT, with
+// sinks (nil: none).
+func pagedDecode(l *attn.DecodeLayout, cacheDT attn.DType, q, kCache, vCache []byte, table, seqLens []int32, out []byte, lse []float32, numSplits int, sinks []float32) error {
 	e, err := l.Extents()
 	if err != nil {
 		return err
@@ -122,6 +133,11 @@ func pagedDecode(l *attn.DecodeLayout, cacheDT attn.DType, q, kCache, vCache []b
 		needBytes("paged_decode: out", out, e.Out, l.DType),
 	); err != nil {
 		return err
+	}
+	if sinks != nil && l.Batch > 0 {
+		if err := needLen("paged_decode: sinks", sinks, int64(l.NumQHeads)); err != nil {
+			return err
+		}
 	}
 	if lse != nil {
 		if err := needLen("paged_decode: lse", lse, int64(l.Rows())*int64(l.NumQHeads)); err != nil {
@@ -163,6 +179,9 @@ func pagedDecode(l *attn.DecodeLayout, cacheDT attn.DType, q, kCache, vCache []b
 					partLSE[s] = Attend(cacheDT, vCache, rows, scores, part)
 				}
 				st := Merge(acc, parts, partLSE[:numSplits], D)
+				if sinks != nil {
+					st = AddSink(acc, st, float64(sinks[i]))
+				}
 				oo := row*l.OutBatchStride + int64(i)*l.OutHeadStride
 				storeRow(l.DType, out, oo, acc)
 				if lse != nil {
@@ -198,6 +217,26 @@ func Attend(d attn.DType, v []byte, rows []int64, scores []float64, o []float64)
 		o[k] /= sum
 	}
 	return m + math.Log(sum)
+}
+
+// AddSink adds an attention sink (natural log; one more term exp(sink) in
+// the softmax denominator, none in the numerator) to a finished state: the
+// normalised output o, whose log-sum-exp is lse, is scaled in place by
+// exp(lse - new lse), and the new lse, log(exp(lse) + exp(sink)), the log of
+// the whole denominator, is returned. An empty state (lse -inf) keeps o = 0
+// and gets lse = sink.
+func AddSink(o []float64, lse, sink float64) float64 {
+	if math.IsInf(lse, -1) {
+		clear(o)
+		return sink
+	}
+	m := math.Max(lse, sink)
+	total := m + math.Log(math.Exp(lse-m)+math.Exp(sink-m))
+	w := math.Exp(lse - total)
+	for k := range o {
+		o[k] *= w
+	}
+	return total
 }
 
 // Merge merges the states parts[i*D:(i+1)*D] with log-sum-exps lses[i]

@@ -129,5 +129,5 @@ func PagedDecodeE4M3(l *attn.DecodeLayout, q, kCache, vCache []byte, kScale, vSc
 	if err != nil {
 		return err
 	}
-	return pagedDecode(l, attn.F32, q, kf, vf, table, seqLens, out, lse, numSplits)
+	return pagedDecode(l, attn.F32, q, kf, vf, table, seqLens, out, lse, numSplits, nil)
 }

@@ -18,6 +18,14 @@ import (
 // lse (when non-nil, [total_q, num_q_heads] contiguous) = log(sum exp(scale
 // q.k)). A row that sees no token gives out = 0, lse = -inf.
 func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens []int32, q, kCache, vCache []byte, table []int32, out []byte, lse []float32) error {
+	return PagedPrefillSinks(s, l, qoIndptr, kvLens, q, kCache, vCache, table, out, lse, nil)
+}
+
+// PagedPrefillSinks is PagedPrefill with attention sinks
+// (attn.PagedPrefillArgs.Sinks): sinks[h] (natural log) joins each row's
+// softmax denominator for q head h once (AddSink), after the causal mask
+// and the window; nil is PagedPrefill.
+func PagedPrefillSinks(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens []int32, q, kCache, vCache []byte, table []int32, out []byte, lse []float32, sinks []float32) error {
 	const what = "paged_prefill"
 	st, err := s.CheckBatch(what, qoIndptr, kvLens)
 	if err != nil {
@@ -40,6 +48,11 @@ func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens 
 	}
 	if lse != nil {
 		if err := needLen(what+": lse", lse, int64(st.TotalQ)*int64(s.NumQHeads)); err != nil {
+			return err
+		}
+	}
+	if sinks != nil {
+		if err := needLen(what+": sinks", sinks, int64(s.NumQHeads)); err != nil {
 			return err
 		}
 	}
@@ -67,6 +80,9 @@ func PagedPrefill(s *attn.PrefillShape, l *attn.PrefillLayout, qoIndptr, kvLens 
 				loadRow(s.DType, q, qo, qv)
 				scores, rows = kv.Score(tableRow, g, qv, scale, lo, pos+1, scores[:0], rows[:0])
 				st := Attend(s.DType, vCache, rows, scores, o)
+				if sinks != nil {
+					st = AddSink(o, st, float64(sinks[h]))
+				}
 				oo := row*l.OutTokenStride + int64(h)*l.OutHeadStride
 				storeRow(s.DType, out, oo, o)
 				if lse != nil {
