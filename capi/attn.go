@@ -145,7 +145,7 @@ func pagedDecodeArgsOf(p *C.kvp_paged_decode_args) (attn.PagedDecodeArgs, error)
 			Scale:   float32(a.scale), QLen: int(a.q_len),
 		},
 		Q: cuda.DevicePtr(a.q), SeqLens: cuda.DevicePtr(a.seq_lens),
-		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse),
+		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse), Sinks: cuda.DevicePtr(a.sinks),
 		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
 		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len),
 	}, nil

@@ -31,6 +31,7 @@ func TestAttnABIArgumentChecks(t *testing.T) {
 	}, kverr.BufferTooSmall)
 	mod("workspace small", func(a *decodeHookArgs) { a.numSplits, a.workspace, a.workspaceBytes = 4, 0x8000, 100 }, kverr.BufferTooSmall)
 	mod("workspace_bytes huge", func(a *decodeHookArgs) { a.workspaceBytes = 1 << 63 }, kverr.InvalidArgument)
+	mod("sinks misaligned", func(a *decodeHookArgs) { a.sinks = 0x7002 }, kverr.InvalidArgument)
 
 	expect(t, "kv_write struct_size", hookKVWrite(8, 1, 64), kverr.StructSize)
 	expect(t, "kv_write dtype", hookKVWrite(sizeofKVWriteArgs(), 0, 64), kverr.InvalidArgument)
@@ -108,5 +109,25 @@ func TestPrefillABIArgumentChecks(t *testing.T) {
 		_, st = hookPrefillPlan(qo, kv, 1<<20, good, 0)
 		expect(t, "plan without driver", st, want)
 		expect(t, "run without driver", hookPrefillRun(1, false), want)
+	}
+}
+
+// The sinks field appended in 0.6 reaches core/attn from a struct of this
+// header's size, and a 0.5 struct_size (through kv) leaves it 0 even when
+// the bytes after it hold a value.
+func TestAttnArgsSinksField(t *testing.T) {
+	lockThread(t)
+	const sinks = 0x7000
+	d, p, err := hookSinksOf(sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs(), sinks)
+	if err != nil || d != sinks || p != sinks {
+		t.Fatalf("whole structs: sinks decoded as %#x and %#x (%v); want %#x", d, p, err, sinks)
+	}
+	od, op := sizeofThroughKV()
+	if od+8 != sizeofPagedDecodeArgs() || op+8 != sizeofPagedPrefillArgs() {
+		t.Fatalf("sinks is not the last field: sizes %d, %d through kv; %d, %d whole", od, op, sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs())
+	}
+	d, p, err = hookSinksOf(od, op, sinks)
+	if err != nil || d != 0 || p != 0 {
+		t.Fatalf("0.5 struct_size: sinks decoded as %#x and %#x (%v); want 0", d, p, err)
 	}
 }

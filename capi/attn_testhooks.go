@@ -24,6 +24,7 @@ type decodeHookArgs struct {
 	q, k, v, table, lens, out, lse         uint64
 	workspace, workspaceBytes              uint64
 	numSplits, qLen                        int32
+	sinks                                  uint64
 }
 
 func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
@@ -37,7 +38,7 @@ func hookPagedDecode(h *decodeHookArgs, null bool) abiStatus {
 		q: C.uint64_t(h.q), k_cache: C.uint64_t(h.k), v_cache: C.uint64_t(h.v),
 		block_table: C.uint64_t(h.table), seq_lens: C.uint64_t(h.lens), out: C.uint64_t(h.out), lse: C.uint64_t(h.lse),
 		workspace: C.uint64_t(h.workspace), workspace_bytes: C.uint64_t(h.workspaceBytes),
-		num_splits: C.int32_t(h.numSplits), q_len: C.int32_t(h.qLen),
+		num_splits: C.int32_t(h.numSplits), q_len: C.int32_t(h.qLen), sinks: C.uint64_t(h.sinks),
 	}
 	// Contiguous layouts.
 	D, qh, kvh, bs := int64(h.headDim), int64(h.qHeads), int64(h.kvHeads), int64(h.blockSize)
@@ -274,3 +275,27 @@ func hookDecodeHostCost(n int, withDesc bool) time.Duration {
 	}
 	return time.Since(start) / time.Duration(n)
 }
+
+// hookSinksOf decodes a kvp_paged_decode_args and a kvp_paged_prefill_args
+// of struct_size size (from the whole struct in memory, sinks set to
+// sinks) as the launches do, and returns the sinks each decoded: a size
+// that ends before the field must leave it 0 (the struct rule).
+func hookSinksOf(decodeSize, prefillSize uintptr, sinks uint64) (fromDecode, fromPrefill uint64, err error) {
+	d := C.kvp_paged_decode_args{struct_size: C.size_t(decodeSize), dtype: C.KVP_DTYPE_F16, head_dim: 64, sinks: C.uint64_t(sinks)}
+	da, err := pagedDecodeArgsOf(&d)
+	if err != nil {
+		return 0, 0, err
+	}
+	p := C.kvp_paged_prefill_args{struct_size: C.size_t(prefillSize), sinks: C.uint64_t(sinks)}
+	plan := attn.PrefillPlan{PrefillShape: attn.PrefillShape{DType: attn.F16, HeadDim: 64, NumQHeads: 2, NumKVHeads: 1}}
+	pa, err := pagedPrefillArgsOf("kvp_paged_prefill", &p, &plan)
+	return uint64(da.Sinks), uint64(pa.Sinks), err
+}
+
+// sizeofThroughKV is the 0.5 size of both args structs: through kv, before
+// the sinks appended in 0.6.
+func sizeofThroughKV() (decode, prefill uintptr) {
+	return unsafe.Offsetof(C.kvp_paged_decode_args{}.kv) + 8, unsafe.Offsetof(C.kvp_paged_prefill_args{}.kv) + 8
+}
+
+func sizeofPagedPrefillArgs() uintptr { return unsafe.Sizeof(C.kvp_paged_prefill_args{}) }

@@ -99,5 +99,6 @@ func pagedPrefillArgsOf(what string, a *C.kvp_paged_prefill_args, p *attn.Prefil
 			Scale:   float32(c.scale),
 		},
 		Q: cuda.DevicePtr(c.q), Out: cuda.DevicePtr(c.out), LSE: cuda.DevicePtr(c.lse),
+		Sinks: cuda.DevicePtr(c.sinks),
 	}, nil
 }

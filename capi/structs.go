@@ -30,6 +30,9 @@ type abiStruct struct {
 	first uintptr // the size of the struct's first released version
 	size  uintptr // the size of this library's version
 	ptrs  []ptrField
+	// whole is the appended device-address fields (uint64): like a pointer,
+	// a struct_size that ends inside one is no version's size.
+	whole []ptrField
 }
 
 // ptrField is a pointer field of a struct: its offset and name.
@@ -77,16 +80,23 @@ func structOf[T any](name string, first uintptr) abiStruct {
 	if first == 0 {
 		first = size
 	}
-	var ptrs []ptrField
+	var ptrs, whole []ptrField
 	t := reflect.TypeFor[T]()
 	for i := range t.NumField() {
 		f := t.Field(i)
 		if k := f.Type.Kind(); k == reflect.Pointer || k == reflect.UnsafePointer {
 			ptrs = append(ptrs, ptrField{f.Offset, f.Name})
+		} else if deviceAddrFields[f.Name] {
+			whole = append(whole, ptrField{f.Offset, f.Name})
 		}
 	}
-	return abiStruct{name, first, size, ptrs}
+	return abiStruct{name, first, size, ptrs, whole}
 }
+
+// deviceAddrFields names the uint64 device-address fields appended to a
+// released struct (kvp_paged_decode_args.sinks and kvp_paged_prefill_args.sinks,
+// 0.6): a struct_size ending inside one would pass half an address.
+var deviceAddrFields = map[string]bool{"sinks": true}
 
 // abiStructs is every versioned struct of the ABI.
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,
@@ -125,6 +135,11 @@ func (s abiStruct) in(p unsafe.Pointer, dst unsafe.Pointer) error {
 		}
 		if v := *(*uintptr)(unsafe.Add(p, f.off)); v != 0 && v < minPointer {
 			return kverr.Errorf(kverr.InvalidArgument, "%s.%s is %#x: not NULL and not a valid address", s.name, f.name, v)
+		}
+	}
+	for _, f := range s.whole {
+		if f.off < n && n < f.off+8 {
+			return kverr.Errorf(kverr.StructSize, "%s.struct_size is %d, which ends inside %s: not the size of any version of the struct (initialise it with %s)", s.name, n, f.name, s.initMacro())
 		}
 	}
 	if n > s.size {
