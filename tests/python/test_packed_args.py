@@ -469,3 +469,63 @@ def test_fp8_misuse_is_refused_before_the_library(cpu_kernels, monkeypatch):
     with pytest.raises(kvplug.InvalidArgumentError, match="belong to an e4m3 cache"):
         attn.kv_write(key.half(), key.half(), k16, v16, slots, k_scale=ks, v_scale=vs)
     assert writes == []  # nothing reached the library
+
+
+# -- attention sinks: the address packed per call, the tensor checked first --------
+
+
+BAD_SINKS = [
+    (lambda qh: torch.zeros(qh, dtype=torch.float64), "float32"),
+    (lambda qh: torch.zeros(qh, dtype=torch.float16), "float32"),
+    (lambda qh: torch.zeros(qh - 1), "one per q head"),
+    (lambda qh: torch.zeros(qh + 1), "one per q head"),
+    (lambda qh: torch.zeros(qh, 1), "dimensions"),
+    (lambda qh: torch.zeros(2 * qh)[::2], "contiguous"),
+    (lambda qh: [0.0] * qh, "torch tensor"),
+]
+
+
+def test_paged_decode_packs_sinks(cpu_kernels, monkeypatch):
+    rec = record(monkeypatch, "kvp_paged_decode", _capi.PagedDecodeArgs)
+    q, k, v, table, lens = decode_inputs()
+    attn.paged_decode(q, k, v, table, lens)
+    assert rec.calls[-1][0].sinks == 0
+    for layer in range(2):  # a new tensor each layer: this call's address, not the packed one's
+        sinks = torch.randn(4)
+        attn.paged_decode(q, k, v, table, lens, sinks=sinks)
+        assert rec.calls[-1][0].sinks == sinks.data_ptr()
+    attn.paged_decode(q, k, v, table, lens, sinks=None)  # the layouts of the first call again
+    assert rec.calls[-1][0].sinks == 0
+    n = len(rec.calls)
+    for make, msg in BAD_SINKS:
+        with pytest.raises(kvplug.InvalidArgumentError, match=msg):
+            attn.paged_decode(q, k, v, table, lens, sinks=make(4))
+    assert len(rec.calls) == n, "a refused call reached the library"
+
+
+@pytest.mark.parametrize("cls,run,name", [(attn.PrefillPlan, attn.paged_prefill, "kvp_paged_prefill"),
+                                          (cascade.CascadePlan, cascade.paged_cascade, "kvp_paged_cascade")])
+def test_planned_layers_pack_sinks(cpu_kernels, monkeypatch, cls, run, name):
+    rec = record(monkeypatch, name, _capi.AttnPlan, _capi.PagedPrefillArgs)
+    plan = a_plan(cls)
+    k, v = caches()
+    q = torch.randn(5, 4, 64).half()
+    table = torch.randint(0, 8, (2, 6), dtype=torch.int32)
+    run(plan, q, k, v, table)
+    assert rec.calls[-1][1].sinks == 0
+    sinks = torch.randn(4)
+    run(plan, q, k, v, table, sinks=sinks)
+    assert rec.calls[-1][1].sinks == sinks.data_ptr()
+    n = len(rec.calls)
+    for make, msg in BAD_SINKS:
+        with pytest.raises(kvplug.InvalidArgumentError, match=msg):
+            run(plan, q, k, v, table, sinks=make(4))
+    assert len(rec.calls) == n, "a refused call reached the library"
+
+
+def test_sinks_is_the_last_field_of_the_args():
+    """Appended in 0.6: after kv, at the end of both structs, so that an
+    older struct_size (through kv) leaves it at its default 0."""
+    for t in (_capi.PagedDecodeArgs, _capi.PagedPrefillArgs):
+        assert t._fields_[-1][0] == "sinks" and t._fields_[-2][0] == "kv"
+        assert t.sinks.offset == t.kv.offset + 8 and ctypes.sizeof(t) == t.sinks.offset + 8

@@ -247,6 +247,27 @@ def set_scales(kv: PagedKV, k_scale: Any, v_scale: Any) -> None:
         kv.k_scale, kv.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
 
 
+def sinks_arg(sinks: Any, num_q_heads: int, dev: Any) -> None:
+    """Checks attention sinks: None, or a float32 CUDA tensor [num_q_heads]
+    on dev with unit stride (one natural-log logit per q head). The library
+    sees only the address, so the length is checked here: a shorter array
+    would be read past its end."""
+    if sinks is None:
+        return
+    cuda_tensor(sinks, "sinks", 1, dev)
+    if sinks.dtype != torch().float32:
+        raise bad(f"sinks must be torch.float32 (one natural-log logit per q head), got {sinks.dtype}")
+    if sinks.shape[0] != num_q_heads:
+        raise bad(f"sinks has {sinks.shape[0]} entries; one per q head ({num_q_heads}) expected")
+    if num_q_heads > 1 and sinks.stride(0) != 1:
+        raise bad(f"sinks must be contiguous, got stride {sinks.stride(0)}")
+
+
+def sinks_layout(sinks: Any) -> Any:
+    """The sinks' part of a call's layout key (None without sinks)."""
+    return None if sinks is None else layout(sinks)
+
+
 def out_and_lse(q: Any, out: Any, lse: Any, return_lse: bool, dev: Any) -> Tuple[Any, Any]:
     """The output tensor for q's rows (allocated when None, else checked) and
     the lse tensor (float32 [rows, heads]; allocated when return_lse and None,
@@ -419,7 +440,8 @@ class Plan:
         return p
 
     def _pack(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
-              return_lse: bool, k_scale: Any = None, v_scale: Any = None) -> Tuple[Packed, Any, Any]:
+              return_lse: bool, k_scale: Any = None, v_scale: Any = None,
+              sinks: Any = None) -> Tuple[Packed, Any, Any]:
         """Every check of a layer's tensors against the plan, and the layer's
         struct with their sizes and strides; returns it with out and lse
         (allocated where needed)."""
@@ -439,6 +461,7 @@ class Plan:
         rows(q, "q")
         if block_table.shape[0] != c.batch:
             raise bad(f"block_table has {block_table.shape[0]} rows for batch {c.batch}")
+        sinks_arg(sinks, c.num_q_heads, dev)
         out, lse = out_and_lse(q, out, lse, return_lse, dev)
         a = PagedPrefillArgs(struct_size=ctypes.sizeof(PagedPrefillArgs), q_token_stride=q.stride(0),
                              q_head_stride=q.stride(1), out_token_stride=out.stride(0), out_head_stride=out.stride(1))
@@ -446,18 +469,19 @@ class Plan:
 
     def _run(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, out: Any, lse: Any,
              scale: Optional[float], return_lse: bool, stream: Any, k_scale: Any = None,
-             v_scale: Any = None) -> Tuple[Any, Any]:
+             v_scale: Any = None, sinks: Any = None) -> Tuple[Any, Any]:
         """One layer of the planned batch; returns (out, lse)."""
         try:
             key = (layout(q), layout(k_cache), layout(v_cache), layout(block_table),
                    out is not None and layout(out), lse is not None and layout(lse),
-                   scale_layout(k_scale, v_scale))
+                   scale_layout(k_scale, v_scale), sinks_layout(sinks))
         except Exception:
             key = None  # not all strided tensors: the checks say what is wrong
         tls = self._tls
         p = packed(tls, key)
         if p is None:
-            p, out, lse = self._pack(q, k_cache, v_cache, block_table, out, lse, return_lse, k_scale, v_scale)
+            p, out, lse = self._pack(q, k_cache, v_cache, block_table, out, lse, return_lse, k_scale, v_scale,
+                                     sinks)
             keep(tls, p, key)
         else:
             out, lse = new_outputs(p, q, out, lse, return_lse)
@@ -468,5 +492,6 @@ class Plan:
         kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
         set_scales(kv, k_scale, v_scale)
         a.lse = 0 if lse is None else lse.data_ptr()
+        a.sinks = 0 if sinks is None else sinks.data_ptr()
         launch(self._fn, p.index, stream, self._addr, p.addr)
         return out, lse

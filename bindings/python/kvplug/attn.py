@@ -187,7 +187,7 @@ def kv_write(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any
 
 def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, out: Any, lse: Any,
                  workspace: Any, return_lse: bool, q_len: int, k_scale: Any,
-                 v_scale: Any) -> Tuple[_t.Packed, Any, Any]:
+                 v_scale: Any, sinks: Any = None) -> Tuple[_t.Packed, Any, Any]:
     """Every check of paged_decode's tensors, and its struct with their sizes
     and strides; returns it with out and lse (allocated where needed)."""
     torch = _t.torch()
@@ -207,6 +207,7 @@ def _pack_decode(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens:
     _t.index(seq_lens, "seq_lens", 1, dev, torch.int32)
     if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
         raise _bad(f"block_table has {block_table.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries for batch {batch}")
+    _t.sinks_arg(sinks, qh, dev)
     out, lse = _t.out_and_lse(q, out, lse, return_lse, dev)
     ws_bytes = 0
     if workspace is not None:
@@ -236,6 +237,7 @@ def paged_decode(
     q_len: int = 1,
     k_scale: Any = None,
     v_scale: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Decode attention of q ([batch * q_len, num_q_heads, head_dim]: q_len
     new tokens per sequence, 1 to 16, the last q_len of its seq_lens[b]
@@ -247,17 +249,23 @@ def paged_decode(
     bytes enabling split-KV; num_splits 0 lets the library choose from
     max_seq_len (0: max_blocks * block_size). An FP8 cache
     (torch.float8_e4m3fn, under float16 or bfloat16 q) comes with its
-    float32 scales k_scale and v_scale, as kv_write takes them."""
+    float32 scales k_scale and v_scale, as kv_write takes them.
+
+    sinks: attention sinks (gpt-oss), a float32 CUDA tensor [num_q_heads] of
+    one natural-log logit per q head (not multiplied by scale), added to
+    each row's softmax denominator only; lse is then the log of the whole
+    denominator (such states must not be merged again with merge_states)."""
     try:
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
-                  workspace is not None and _layout(workspace), q_len, _t.scale_layout(k_scale, v_scale))
+                  workspace is not None and _layout(workspace), q_len, _t.scale_layout(k_scale, v_scale),
+                  _t.sinks_layout(sinks))
     except Exception:
         layout = None  # not all strided tensors: the checks say what is wrong
     p = _t.packed(_decode_tls, layout)
     if p is None:
         p, out, lse = _pack_decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, workspace, return_lse, q_len,
-                                   k_scale, v_scale)
+                                   k_scale, v_scale, sinks)
         _t.keep(_decode_tls, p, layout)
     else:
         out, lse = _t.new_outputs(p, q, out, lse, return_lse)
@@ -271,6 +279,7 @@ def paged_decode(
     _t.set_scales(kv, k_scale, v_scale)
     a.lse = 0 if lse is None else lse.data_ptr()
     a.workspace = 0 if workspace is None else workspace.data_ptr()
+    a.sinks = 0 if sinks is None else sinks.data_ptr()
     _t.launch(C.kvp_paged_decode, p.index, stream, p.addr)
     return (out, lse) if return_lse else out
 
@@ -450,6 +459,7 @@ def paged_prefill(
     stream: Any = None,
     k_scale: Any = None,
     v_scale: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of a planned batch over one layer: q ([total_q,
     num_q_heads, head_dim]) over the paged caches through block_table (int32
@@ -457,8 +467,10 @@ def paged_prefill(
     with return_lse (lse float32 [total_q, num_q_heads], natural log).
     An FP8 cache (torch.float8_e4m3fn) comes with its k_scale and v_scale, as
     kv_write takes them, and is read by the sm_80 mainloop: plan such batches
-    with prefill_plan(..., hopper=False)."""
+    with prefill_plan(..., hopper=False). sinks: attention sinks, float32
+    [num_q_heads], as paged_decode takes them (every route and window)."""
     if not isinstance(plan, PrefillPlan):
         raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
-    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale)
+    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale,
+                         sinks)
     return (out, lse) if return_lse else out

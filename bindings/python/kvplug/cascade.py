@@ -217,16 +217,18 @@ def paged_cascade(
     scale: Optional[float] = None,
     return_lse: bool = False,
     stream: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of a planned batch over one layer: q ([total_q,
     num_q_heads, head_dim]; total_q = batch in decode) over the paged caches
     ([num_blocks, block_size, num_kv_heads, head_dim]) through block_table
     (int32 [batch, max_blocks] CUDA, the host table's values). Returns out,
     or (out, lse) with return_lse (lse float32 [total_q, num_q_heads],
-    natural log)."""
+    natural log). sinks: attention sinks, float32 [num_q_heads], as
+    kvplug.attn.paged_decode takes them."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
-    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream)
+    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, sinks=sinks)
     return (out, lse) if (return_lse or lse is not None) else out
 
 
