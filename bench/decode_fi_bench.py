@@ -18,7 +18,15 @@ launch, the chunk on the prefill kernel), the same batch with
 decode_route=False (every row on the prefill kernel), and FlashInfer's
 prefill wrapper (fa2, fa3) over the whole batch.
 
+Attention sinks (--sinks): the decode kernel with sinks (a float32 logit
+per q head) against the same kernel without, at the plain shapes and at
+q_len 4 (speculative verification), in the same run; FlashInfer is not
+timed. Each pair is timed twice, alternating (plain, sinks, sinks,
+plain), and the ratio uses the sums; the spread of the plain kernel's two
+timings says how much of a ratio is noise.
+
 Usage: python3 bench/decode_fi_bench.py [--dtype bf16|fp16] [--spec B:L:Q,...] [--mixed N:L:C:P,...] [--no-fa3] [--json FILE]
+       python3 bench/decode_fi_bench.py --sinks [--dtype bf16|fp16]
 Prints markdown tables.
 """
 
@@ -54,11 +62,11 @@ class Batch:
         self.qo = torch.arange(0, B + 1, dtype=torch.int32, device="cuda") * q_len
         self.bytes = 2 * B * L * HK * D * self.k.element_size()
 
-    def kvplug(self):
+    def kvplug(self, sinks=None):
         ws = torch.empty(attn.workspace_size(self.B * self.q_len, HQ, D), dtype=torch.uint8, device="cuda")
         out = torch.empty_like(self.q)
         return lambda: attn.paged_decode(self.q, self.k, self.v, self.table, self.seq_lens, out=out, workspace=ws,
-                                         max_seq_len=self.L, q_len=self.q_len), out
+                                         max_seq_len=self.L, q_len=self.q_len, sinks=sinks), out
 
     def kvplug_prefill_route(self):
         ws = torch.empty(attn.prefill_workspace_size(self.B, self.B * self.q_len, HQ, HK, D), dtype=torch.uint8,
@@ -139,9 +147,37 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def pair(fa, fb):
+    """(time a, time b, spread of a): each timed twice, alternating."""
+    a1, b1 = timed(fa), timed(fb)
+    b2, a2 = timed(fb), timed(fa)
+    return (a1 + a2) / 2, (b1 + b2) / 2, abs(a1 - a2) / min(a1, a2)
+
+
+def sinks_main(dt, gen, res):
+    print("| B | L | q_len | splits | no sinks us | sinks us | no sinks / sinks | spread | rel diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    shapes = [(B, L, 1) for B, L in PLAIN] + [(64, 4096, 4), (32, 2048, 4)]
+    for B, L, q_len in shapes:
+        b = Batch(dt, B, L, q_len, gen)
+        sinks = torch.randn(HQ, device="cuda", generator=gen) * 2
+        f0, o0 = b.kvplug()
+        f1, o1 = b.kvplug(sinks)
+        t0, t1, spread = pair(f0, f1)
+        splits = attn.num_splits(dt, D, B, HQ, HK, L) if q_len == 1 else "-"
+        res["sinks"].append(dict(B=B, L=L, q_len=q_len, plain_us=t0, sinks_us=t1, spread=spread))
+        # The sinks change the output (a sanity check that they were read).
+        diff = rel(o1, o0)
+        print(f"| {B} | {L} | {q_len} | {splits} | {t0:.1f} | {t1:.1f} | {t0 / t1:.3f} | {spread:.3f} | {diff:.1e} |",
+              flush=True)
+        del b
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--sinks", action="store_true", help="decode with attention sinks against without, only")
     ap.add_argument("--spec", default="64:4096:4,64:4096:2,32:2048:4,64:4096:8")
     ap.add_argument("--mixed", default="255:2560:512:2048,128:4096:2048:0,32:8192:128:8192,8:16384:512:0")
     ap.add_argument("--no-plain", action="store_true")
@@ -152,6 +188,13 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "plain": [], "spec": [], "mixed": []}
     print(f"# {res['device']} {args.dtype} {res['date']}")
+    if args.sinks:
+        res["sinks"] = []
+        sinks_main(dt, gen, res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if not args.no_plain:
         print("| B | L | kvplug us | FI CUDA-core us | FI tensor-core us | best FI / kvplug | GB/s kvplug | rel err |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -16,8 +16,18 @@ TFLOP/s counts causal FLOPs once: 4 * D * heads * sum over rows of the
 tokens the row sees. Timing: triton.testing.do_bench, median; inputs are
 random (never zeros); blocks are allocated in a shuffled order.
 
+Attention sinks (--sinks): at each shape, the prefill kernel with sinks (a
+float32 logit per q head) against the same kernel without, and with a
+window of --window tokens with and without sinks, on the Hopper mainloop
+(and with --sm80 the sm_80 one), in the same run; no other system is
+timed. The four variants are timed in five rounds (the order reversed every
+other round) and each keeps the median of its five; the spread ((slowest -
+fastest) / median of the plain kernel's five) says how much of a ratio is
+noise.
+
 Usage: python3 bench/prefill_bench.py [--quick] [--no-fa3] [--out DIR]
        python3 bench/prefill_bench.py --split-check   (split-KV against one split)
+       python3 bench/prefill_bench.py --sinks [--window W] [--sm80] [--shapes B:new:prefix,...]
 """
 
 import argparse
@@ -72,10 +82,10 @@ class Case:
         self.q = torch.randn((qo[-1], HQ, D), dtype=dtype, device="cuda", generator=gen)
         self.flops = flops(q_lens, kv_lens)
 
-    def kvplug(self, hopper=True):
+    def kvplug(self, hopper=True, sinks=None, window_left=-1):
         ws = torch.empty(attn.prefill_workspace_size(len(self.q_lens), self.q.shape[0], HQ, HK, D),
                          dtype=torch.uint8, device="cuda")
-        plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
+        plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws, window_left=window_left,
                                  qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
         out = torch.empty_like(self.q)
         t0 = time.perf_counter()  # host cost of a plan (checks + one small launch)
@@ -83,7 +93,8 @@ class Case:
             attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws,
                               qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
         t_plan = (time.perf_counter() - t0) / 20 * 1e3
-        fn = lambda: attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out)  # noqa: E731
+        fn = lambda: attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out,  # noqa: E731
+                                        sinks=sinks)
         return fn, out, t_plan
 
     def flashinfer(self, backend):
@@ -147,6 +158,49 @@ def split_check():
                   f"| {ts[1] / ts[0]:.2f} | {rd:.1e} |", flush=True)
 
 
+def sinks_main(args):
+    """--sinks: kvplug with sinks against kvplug without, same run."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    shapes = [tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t] or \
+        [(1, 2048, 0), (8, 512, 2048), (1, 8192, 0), (32, 512, 0), (8, 2048, 8192)]
+    loops = [("sm90", True)] + ([("sm80", False)] if args.sm80 else [])
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d')}, window {args.window}")
+    print("| dtype | mainloop | new | prefix | batch | TFLOP/s | sinks/none | spread | window+sinks/window | spread |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for dn in args.dtypes.split(","):
+        dt = dts[dn]
+        for B, new, pre in shapes:
+            c = Case(dt, [new] * B, [pre + new] * B, gen)
+            sinks = torch.randn(HQ, device="cuda", generator=gen) * 2
+            for name, hopper in loops:
+                f0, _, _ = c.kvplug(hopper)
+                f1, _, _ = c.kvplug(hopper, sinks)
+                w0, _, _ = c.kvplug(hopper, None, args.window - 1)
+                w1, _, _ = c.kvplug(hopper, sinks, args.window - 1)
+                fs = (f0, f1, w0, w1)
+                rounds = []
+                for i in range(5):
+                    order = range(4) if i % 2 == 0 else range(3, -1, -1)
+                    t = {j: timed(fs[j]) for j in order}
+                    rounds.append([t[j] for j in range(4)])
+                t0, t1, tw0, tw1 = (sorted(col)[2] for col in zip(*rounds))
+                a, c_ = [x[0] for x in rounds], [x[2] for x in rounds]
+                r = {"dtype": dn, "mainloop": name, "new": new, "prefix": pre, "batch": B, "window": args.window,
+                     "plain_ms": t0, "sinks_ms": t1, "window_ms": tw0, "window_sinks_ms": tw1, "rounds": rounds,
+                     "spread": (max(a) - min(a)) / t0, "window_spread": (max(c_) - min(c_)) / tw0}
+                results.append(r)
+                print(f"| {dn} | {name} | {new} | {pre} | {B} | {c.flops / t0 / 1e9:.0f} | {t0 / t1:.3f} | "
+                      f"{r['spread']:.3f} | {tw0 / tw1:.3f} | {r['window_spread']:.3f} |", flush=True)
+            del c
+            torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "argv": sys.argv}
+    with open(os.path.join(args.out, "prefill_sinks_bench.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
 def main():
     if "--split-check" in sys.argv:
         return split_check()
@@ -160,7 +214,11 @@ def main():
     ap.add_argument("--sm80", action="store_true", help="also time the sm_80 kernel (hopper=False) on a Hopper GPU")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--sinks", action="store_true", help="kvplug with attention sinks against without, only")
+    ap.add_argument("--window", type=int, default=1024, help="--sinks: the window (tokens) of the window pairs")
     args = ap.parse_args()
+    if args.sinks:
+        return sinks_main(args)
     backends = []
     if not args.no_flashinfer:
         try:
