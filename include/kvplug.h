@@ -338,9 +338,23 @@ typedef struct kvp_manager kvp_manager;
  * kvp_manager_stats counts the blocks of every group (internal_waste: the
  * empty slots of every attention group's last block).
  *
- * In this version a manager with more than one group refuses the prefix
- * cache and the host tier (KVP_ERR_UNSUPPORTED at create), and
- * kvp_manager_cascade_plan plans group 0's tables. */
+ * Prefix cache (enable_prefix_cache): a cached block of group 0 keeps, in
+ * every other attention group, the block holding the same tokens. A
+ * prompt hits its longest cached prefix of h blocks for which every
+ * window group still holds the blocks that its query at position
+ * h * block_size reads (kvp_manager_admit and kvp_manager_match report
+ * that hit); the admitted sequence takes them, its window tables starting
+ * with the entries before them at -1. Window blocks are evicted on their
+ * own: those a sequence's window slid past, with no hit point within the
+ * window after them, before any cached block; those at the end of a
+ * finished sequence or read by a hit point (the end of an earlier match,
+ * a shared system prompt's end), after every cached block, so that a
+ * conversation's next turn still hits under pressure. KV events and pins
+ * concern group 0's blocks.
+ *
+ * In this version a manager with more than one group refuses the host
+ * tier, and the prefix cache with a recurrent group (KVP_ERR_UNSUPPORTED
+ * at create); kvp_manager_cascade_plan plans group 0's tables. */
 typedef enum kvp_layer_group_kind {
   KVP_GROUP_FULL_ATTENTION = 0, /* every token's K/V */
   KVP_GROUP_SLIDING_WINDOW = 1, /* the last window tokens' K/V */

@@ -136,6 +136,8 @@ func (m *Manager) dropUncomputed(blocks []int32) {
 	assertOK(err, "remove: dropping uncomputed blocks")
 	for _, d := range m.dropped {
 		assertOK(m.pool.UnmarkCached(d.Block), "remove: a dropped block is free")
+		m.one[0] = d.Block
+		m.nodesGone(m.one[:])
 	}
 	if !m.committed && !m.warned && len(m.dropped) > 0 {
 		m.warned = true

@@ -38,9 +38,11 @@ import (
 //     BlockBytes bytes per layer slot). Fork gives each child its own
 //     block and a CopyPair from the parent's.
 //
-// The prefix cache, the host tier and shared-prefix (cascade) planning key
-// on one table per sequence; a manager with more than one group refuses
-// them (Unsupported) in this version.
+// The prefix cache holds full-attention and sliding-window groups
+// (groupcache.go); a recurrent group's states are not cached, and the
+// host tier keys on one table per sequence: a manager with more than one
+// group refuses those (Unsupported) in this version. Shared-prefix
+// (cascade) planning reads group 0's tables.
 
 // GroupKind is the kind of a layer group's layers.
 type GroupKind uint8
@@ -145,11 +147,13 @@ func newGroupSet(cfg *Config) (groupSet, error) {
 		return gs, kverr.Errorf(kverr.InvalidArgument, "layer group 0 must be full attention (its table is the sequence's token timeline): got kind %d; declare a model without full-attention layers as one full-attention group", cfg.Groups[0].Kind)
 	}
 	if len(cfg.Groups) > 1 {
-		switch {
-		case cfg.EnablePrefixCache:
-			return gs, kverr.Errorf(kverr.Unsupported, "layer groups: the prefix cache does not hold more than one group in this version")
-		case cfg.HostTier != nil:
+		if cfg.HostTier != nil {
 			return gs, kverr.Errorf(kverr.Unsupported, "layer groups: the host tier does not hold more than one group in this version")
+		}
+		for g, grp := range cfg.Groups {
+			if grp.Kind == Recurrent && cfg.EnablePrefixCache {
+				return gs, kverr.Errorf(kverr.Unsupported, "layer group %d: the prefix cache does not hold recurrent states in this version", g)
+			}
 		}
 	}
 	gs.extra = slices.Clone(cfg.Groups[1:])
@@ -188,8 +192,8 @@ func (gs *groupSet) perSeq(blocksForN int) int64 {
 func (m *Manager) NumGroups() int { return 1 + len(m.groups.extra) }
 
 // newExtra returns the tables of a new sequence of n blocks per attention
-// group, allocating every block; the caller made perSeq of them free.
-func (m *Manager) newExtra(n int, hint int32) []groupTable {
+// group, with no block in them yet (allocExtra).
+func (m *Manager) newExtra(n int) []groupTable {
 	if len(m.groups.extra) == 0 {
 		return nil
 	}
@@ -200,10 +204,28 @@ func (m *Manager) newExtra(n int, hint int32) []groupTable {
 		} else {
 			ts[g].blocks = newTable(n, nil)
 		}
-		m.allocate(ts[g].blocks, hint, "layer groups: allocating blocks made free")
-		hint = ts[g].blocks[len(ts[g].blocks)-1]
 	}
 	return ts
+}
+
+// allocExtra allocates s's group blocks from index from on (a recurrent
+// group's state when from is 0); the caller made them free.
+func (m *Manager) allocExtra(s *seq, from int, hint int32) {
+	for g, grp := range m.groups.extra {
+		t := s.extra[g].blocks
+		if grp.Kind == Recurrent {
+			if from > 0 {
+				continue
+			}
+		} else {
+			t = t[from:]
+		}
+		if len(t) == 0 {
+			continue
+		}
+		m.allocate(t, hint, "layer groups: allocating blocks made free")
+		hint = t[len(t)-1]
+	}
 }
 
 // growExtra extends s's attention-group tables by add blocks each; the
@@ -281,6 +303,7 @@ func (m *Manager) applyDrops(batch []*seq) {
 			var err error
 			m.cached, err = m.pool.Decref(t.blocks[t.gone:k], m.cached[:0])
 			assertOK(err, "layer groups: a window group's blocks are not referenced")
+			m.listReleased(s, g, t.gone, k, false)
 			fillNoBlock(t.blocks[t.gone:k])
 			t.gone = k
 		}
@@ -343,6 +366,7 @@ func (m *Manager) releaseExtra(s *seq) {
 		var err error
 		m.cached, err = m.pool.Decref(t.blocks[t.gone:], m.cached[:0])
 		assertOK(err, "layer groups: a sequence's group blocks are not referenced")
+		m.listReleased(s, g, t.gone, len(t.blocks), true)
 	}
 }
 

@@ -59,7 +59,8 @@ func TestGroupConfigErrors(t *testing.T) {
 		{"too many groups", Config{Groups: slices.Repeat([]Group{full}, 65)}, kverr.InvalidArgument},
 		{"negative block bytes", Config{Groups: []Group{full}, BlockBytes: -1}, kverr.InvalidArgument},
 		{"negative context", Config{MaxModelLen: -1}, kverr.InvalidArgument},
-		{"prefix cache", Config{Groups: []Group{full, win}, EnablePrefixCache: true}, kverr.Unsupported},
+		{"prefix cache of states", Config{Groups: []Group{full, state}, BlockBytes: 1024, EnablePrefixCache: true}, kverr.Unsupported},
+		{"host tier", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{}}, kverr.Unsupported},
 	} {
 		c.cfg.NumBlocks, c.cfg.BlockSize = 64, 16
 		m, err := New(c.cfg)

@@ -144,8 +144,10 @@ type Manager struct {
 		seqs []*seq
 	}
 
-	// The layer groups past group 0 (groups.go).
+	// The layer groups past group 0 (groups.go), and their blocks in the
+	// prefix cache (groupcache.go; nil without the cache or groups).
 	groups groupSet
+	gc     *groupCache
 
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
@@ -212,6 +214,9 @@ func New(cfg Config) (*Manager, error) {
 		})
 		if err != nil {
 			return nil, err
+		}
+		if len(gs.extra) > 0 {
+			m.gc = newGroupCache(cfg.NumBlocks, &m.groups)
 		}
 	}
 	if cfg.HostTier != nil {
@@ -330,7 +335,8 @@ func (m *Manager) Add(id int64, promptLen int) error {
 	m.makeFree(int(need))
 	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(nb, nil)}
 	m.allocate(s.blocks, -1, "add: allocating blocks made free")
-	s.extra = m.newExtra(nb, s.blocks[nb-1])
+	s.extra = m.newExtra(nb)
+	m.allocExtra(s, 0, s.blocks[nb-1])
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
 	m.waste += m.wasteOf(s)
@@ -350,6 +356,11 @@ func newTable(n int, first []int32) []int32 {
 // ones and, with the prefix cache, the cached ones it can evict.
 func (m *Manager) available() int64 {
 	a := int64(m.pool.NumFree())
+	if m.gc != nil {
+		// An evictable node frees its full groups' companions with it;
+		// listed window companions go on their own (groupcache.go).
+		return a + int64(m.cache.Evictable())*int64(1+m.gc.fullExtra) + int64(m.gc.listed)
+	}
 	if m.cache != nil {
 		a += int64(m.cache.Evictable())
 	}
@@ -361,6 +372,9 @@ func (m *Manager) availableText() string {
 	if m.cache == nil {
 		return fmt.Sprintf("%d are free", m.pool.NumFree())
 	}
+	if m.gc != nil {
+		return fmt.Sprintf("%d are free, %d cached blocks evictable (with their groups' blocks) and %d window blocks", m.pool.NumFree(), m.cache.Evictable(), m.gc.listed)
+	}
 	return fmt.Sprintf("%d are free and %d cached blocks evictable", m.pool.NumFree(), m.cache.Evictable())
 }
 
@@ -370,6 +384,10 @@ func (m *Manager) availableText() string {
 func (m *Manager) makeFree(need int) {
 	short := need - m.pool.NumFree()
 	if short <= 0 || m.cache == nil {
+		return
+	}
+	if m.gc != nil {
+		m.makeFreeGroups(short)
 		return
 	}
 	if m.tier != nil && m.tier.EvictForAlloc(short) {
@@ -890,11 +908,15 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		if err := check(); err != nil {
 			return err
 		}
+		if err := m.checkGroupCache(bad); err != nil {
+			return err
+		}
 		for b := range refs {
 			id := int32(b)
 			_, indexed := m.cache.BlockHash(id)
-			if indexed != m.pool.IsCached(id) {
-				return bad("block %d: in the prefix cache %v, marked cached in the pool %v", b, indexed, m.pool.IsCached(id))
+			companion := m.gc != nil && m.gc.owner[id] != NoBlock
+			if indexed == companion && indexed || (indexed || companion) != m.pool.IsCached(id) {
+				return bad("block %d: in the prefix cache %v, a cached companion %v, marked cached in the pool %v", b, indexed, companion, m.pool.IsCached(id))
 			}
 			if indexed && m.cache.LockCount(id) != m.pool.Ref(id) {
 				return bad("cached block %d has %d locks and %d references", b, m.cache.LockCount(id), m.pool.Ref(id))

@@ -199,13 +199,19 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched kvtier.Fetched) (matched int, ok bool, err error) {
 	need := m.blocksFor(len(tokens))
 	var res prefix.MatchResult
-	if m.cache != nil {
+	switch {
+	case m.gc != nil:
+		res, ok, err = m.acquireGroups(tokens, keys, need)
+		if err != nil || !ok {
+			return 0, false, err
+		}
+	case m.cache != nil:
 		res, ok, err = m.cache.Acquire(m.locks[:0], tokens, keys, need, m.pool.NumFree())
 		m.locks = res.Blocks[:0]
 		if err != nil || !ok {
 			return 0, false, err
 		}
-	} else if need > m.pool.NumFree() {
+	case need > m.pool.NumFree():
 		return 0, false, nil
 	}
 	k := len(res.Blocks)
@@ -217,12 +223,16 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	// The matched blocks are cached, so their references equal their
 	// locks, which Acquire bounded below 2^31-1.
 	assertOK(m.pool.Incref(s.blocks[:k]), "admit: referencing the matched blocks")
-	m.makeFree(need - k)
+	// The groups' matched blocks are taken before anything is evicted.
+	s.extra = m.newExtra(need)
+	m.takeCompanions(s, k)
+	m.makeFree(int(m.groups.perSeq(need - k)))
 	hint := int32(-1)
 	if k > 0 {
 		hint = s.blocks[k-1]
 	}
 	m.allocate(s.blocks[k:], hint, "admit: allocating blocks made free")
+	m.allocExtra(s, k, s.blocks[need-1])
 	if hostHit > 0 {
 		m.tier.QueueReloads(s.blocks[k : k+hostHit])
 	}
@@ -323,6 +333,7 @@ func (m *Manager) insertBlocks(s *seq, bi int, toks []int32) bool {
 				assertOK(m.cache.Unlock(m.one[:]), "unlocking the block InsertRun just locked")
 			} else {
 				assertOK(m.pool.MarkCached(s.blocks[bi+k]), "a sequence's block is free")
+				m.registerCompanions(s, bi+k)
 				m.noteFilled(s.blocks[bi+k])
 			}
 		}
@@ -426,7 +437,15 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 // validated prompt all the same.
 func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string) ([]int32, *prefix.Keys, prefix.MatchResult) {
 	tokens, keys := prompts.Prompt(i)
-	res, err := m.cache.Match(m.locks[:0], tokens, keys, partial)
+	limit := math.MaxInt
+	if m.gc != nil {
+		// With layer groups a prompt hits only where every window group
+		// holds what its next query reads.
+		peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
+		assertOK(err, what)
+		limit = m.hitBlocks(peek)
+	}
+	res, err := m.cache.MatchUpTo(m.locks[:0], tokens, keys, partial, limit)
 	m.locks = res.Blocks[:0]
 	assertOK(err, what)
 	return tokens, keys, res
@@ -518,7 +537,7 @@ func (m *Manager) ClearPrefixCache() (int, error) {
 	// Clear refuses while any block is locked, so every cleared block has
 	// no reference and is Cached in the pool.
 	assertOK(m.pool.Evict(m.evicted), "cleared blocks are not Cached in the pool")
-	return len(m.evicted), nil
+	return len(m.evicted) + m.nodesGone(m.evicted), nil
 }
 
 // EventLimits bound what one DrainEvents returns, so that the events fit

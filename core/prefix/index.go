@@ -375,6 +375,12 @@ type MatchResult struct {
 // most recently used. It takes no locks: Lock the blocks before anything
 // can evict them.
 func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (MatchResult, error) {
+	return x.MatchUpTo(dst, tokens, keys, partial, x.matchLimit(len(tokens)))
+}
+
+// MatchUpTo is Match of at most maxBlocks full blocks (the partial block
+// is then looked for after them).
+func (x *Index) MatchUpTo(dst []int32, tokens []int32, keys *Keys, partial bool, maxBlocks int) (MatchResult, error) {
 	res := MatchResult{Blocks: dst, PartialBlock: -1}
 	if keys == nil {
 		keys = &noKeys
@@ -383,7 +389,7 @@ func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (Ma
 		return res, err
 	}
 	x.clock++
-	cur, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	cur, last := x.walk(tokens, keys, min(maxBlocks, x.matchLimit(len(tokens))))
 	x.take(&res, len(tokens), last)
 	if partial {
 		res.PartialBlock, res.PartialTokens = x.partial(cur, tokens, keys, res.Tokens)
@@ -429,6 +435,12 @@ func (x *Index) take(res *MatchResult, promptLen int, last Hash) {
 // When it does not fit, Acquire returns ok == false and changes nothing:
 // no lock, no access, no counter. It never looks for a partial block.
 func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int) (res MatchResult, ok bool, err error) {
+	return x.AcquireUpTo(dst, tokens, keys, x.matchLimit(len(tokens)), need, free)
+}
+
+// AcquireUpTo is Acquire of at most maxBlocks blocks: for a caller that
+// can use only part of the longest match (Peek says what it is).
+func (x *Index) AcquireUpTo(dst []int32, tokens []int32, keys *Keys, maxBlocks, need, free int) (res MatchResult, ok bool, err error) {
 	res = MatchResult{Blocks: dst, PartialBlock: -1}
 	if keys == nil {
 		keys = &noKeys
@@ -436,7 +448,7 @@ func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int)
 	if err := keys.validate("acquire"); err != nil {
 		return res, false, err
 	}
-	_, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	_, last := x.walk(tokens, keys, min(maxBlocks, x.matchLimit(len(tokens))))
 	nowHeld := 0 // matched blocks the lock takes out of Evictable
 	for _, i := range x.path {
 		if x.nodes[i].holds == 0 {
@@ -455,6 +467,36 @@ func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int)
 		x.addLock(i)
 	}
 	return res, true, nil
+}
+
+// Peek appends to dst the blocks of the longest cached prefix of a prompt,
+// as Acquire would match it, and returns it: no access, lock or counter
+// changes. keys may be nil.
+func (x *Index) Peek(dst []int32, tokens []int32, keys *Keys) ([]int32, error) {
+	if keys == nil {
+		keys = &noKeys
+	}
+	if err := keys.validate("peek"); err != nil {
+		return dst, err
+	}
+	x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	for _, i := range x.path {
+		dst = append(dst, x.nodes[i].block)
+	}
+	return dst, nil
+}
+
+// Unheld returns how many of blocks no lock or pin holds, directly or
+// through a descendant: the ones a lock would take out of Evictable.
+// Blocks not cached count 0.
+func (x *Index) Unheld(blocks []int32) int {
+	n := 0
+	for _, b := range blocks {
+		if i := x.nodeOf(b); i != nilNode && x.nodes[i].holds == 0 {
+			n++
+		}
+	}
+	return n
 }
 
 // LockCount returns a cached block's number of locks; -1 when the block is

@@ -74,7 +74,7 @@ def test_fork_copies_partial_blocks_and_states():
     ([G.full_attention(), G.recurrent(64)], {}, kvplug.InvalidArgumentError),
     ([G.full_attention(), G(7)], {}, kvplug.InvalidArgumentError),
     ([G.full_attention()] * 65, {}, kvplug.InvalidArgumentError),
-    ([G.full_attention(), G.sliding_window(8)], {"prefix_cache": True}, kvplug.UnsupportedError),
+    ([G.full_attention(), G.recurrent(64)], {"prefix_cache": True, "block_bytes": 64}, kvplug.UnsupportedError),
 ])
 def test_bad_groups_create_nothing(groups, extra, error):
     before = _lib.live_handles()
@@ -97,3 +97,31 @@ def test_one_group_is_the_plain_manager():
         (d,) = m.describe_groups([1])
         np.testing.assert_array_equal(d.block_table, m.describe([1]).block_table)
         assert m.group_blocks() == [2]
+
+
+def test_prefix_cache_groups_admit_and_match():
+    """A window model's next turn hits its history: group 0's blocks, and the
+    window blocks its query reads, the ones before them at -1."""
+    w = 8
+    rng = np.random.default_rng(8)
+    with kvplug.Manager(64, BS, prefix_cache=True,
+                        layer_groups=[G.full_attention(), G.sliding_window(w)]) as m:
+        prompt = rng.integers(0, 30000, 30).tolist()
+        m.admit([1], [prompt])
+        m.grow_tokens([1], [5])  # the window slides past the prompt's first blocks
+        m.mark_computed()
+        full1, win1 = m.describe_groups([1])
+        assert win1.block_table[0, 0] == -1
+        m.remove([1])
+        nxt = prompt + [5] + rng.integers(0, 30000, 7).tolist()
+        assert m.match([nxt])[0].matched_tokens == 28
+        assert list(m.admit([2], [nxt])) == [28]
+        full2, win2 = m.describe_groups([2])
+        h = 28 // BS
+        keep = (28 - w + 1) // BS
+        np.testing.assert_array_equal(full2.block_table[0, :h], full1.block_table[0, :h])
+        assert (win2.block_table[0, :keep] == -1).all()
+        np.testing.assert_array_equal(win2.block_table[0, keep:h], win1.block_table[0, keep:h])
+        # Only the unmatched tokens are new, in both groups.
+        assert len(full2.slot_mapping) == len(nxt) - 28 == len(win2.slot_mapping)
+        m.check()

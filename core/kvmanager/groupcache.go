@@ -1,0 +1,420 @@
+package kvmanager
+
+import (
+	"math"
+
+	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/prefix"
+	"github.com/kvplug/kvplug/internal/blocks"
+)
+
+// The prefix cache over layer groups.
+//
+// The index (package prefix) keeps group 0's blocks: a cached node is a
+// group-0 block. Each node has, in every other attention group, the block
+// holding the same tokens, its companion, which the sequence that filled
+// the node filled at the same index: a full-attention group's companion
+// lives and dies with its node; a sliding-window group's may be gone
+// earlier, since a window group can give its blocks back.
+//
+// A prompt hits up to its longest cached prefix of h blocks for which
+// every window group still has the companions its next query reads: those
+// of the blocks holding tokens [h*bs - W + 1, h*bs) (hitBlocks). The
+// admitted sequence takes group 0's h blocks and those companions; its
+// window tables start with the entries before them dropped, as if it had
+// slid past them itself.
+//
+// A companion whose sequences all dropped it or ended is Cached in the
+// pool (retained, reference 0): free for an allocation that evicts it.
+// Window companions are evicted on their own, by class and then least
+// recently released first:
+//   - behind: a block its sequence's window slid past with no hit point
+//     (the end of an earlier match) within its window after it. Only a
+//     prompt that diverges right there could use it: the interior of a
+//     conversation. These go first, before any node;
+//   - kept: a block released when its sequence ended, or one that the
+//     window of a hit point reads. A conversation's next turn or a shared
+//     system prompt's next user hits there. These go after every node
+//     the index can evict (which takes its companions with it).
+//
+// Evicting the window blocks at the hit points that matter last is what
+// keeps a window model's hits under pressure: a pool that evicts blocks
+// by age alone drops a finished conversation's last window blocks (its
+// most recent) together with its first ones, and its next turn cannot hit
+// even though group 0 still holds every block.
+//
+// A recurrent group has no companions: the prefix cache refuses managers
+// with one in this version.
+
+// The classes of a Cached window companion.
+const (
+	compListed = iota // (unused as a class: the zero value means "not listed")
+	compBehind
+	compKept
+)
+
+// groupCache is the companions of the index's nodes.
+type groupCache struct {
+	// comp[g][b] is cached block b's companion in group g+1, or NoBlock.
+	comp [][]int32
+	// owner[c] is the node companion c belongs to (NoBlock: c is none),
+	// ownerGroup[c] its group, less one.
+	owner      []int32
+	ownerGroup []uint8
+	// Evictable window companions, one least-recently-released list per
+	// class, threaded through prev/next (NoBlock ends a list).
+	class      []uint8
+	prev, next []int32
+	head, tail [3]int32
+	listed     int
+	// hitPoint[b]: a match ended at node b; the window blocks its next
+	// query reads are kept.
+	hitPoint []bool
+	// fullExtra counts the full-attention groups past group 0: every
+	// evictable node frees that many companions with it.
+	fullExtra int
+}
+
+func newGroupCache(numBlocks int, gs *groupSet) *groupCache {
+	gc := &groupCache{
+		comp:       make([][]int32, len(gs.extra)),
+		owner:      make([]int32, numBlocks),
+		ownerGroup: make([]uint8, numBlocks),
+		class:      make([]uint8, numBlocks),
+		prev:       make([]int32, numBlocks),
+		next:       make([]int32, numBlocks),
+		hitPoint:   make([]bool, numBlocks),
+	}
+	for g, grp := range gs.extra {
+		gc.comp[g] = make([]int32, numBlocks)
+		fillNoBlock(gc.comp[g])
+		if grp.Kind == FullAttention {
+			gc.fullExtra++
+		}
+	}
+	fillNoBlock(gc.owner)
+	for c := range gc.head {
+		gc.head[c], gc.tail[c] = NoBlock, NoBlock
+	}
+	return gc
+}
+
+func (gc *groupCache) push(c int32, class uint8) {
+	gc.class[c] = class
+	gc.next[c] = NoBlock
+	gc.prev[c] = gc.tail[class]
+	if t := gc.tail[class]; t != NoBlock {
+		gc.next[t] = c
+	} else {
+		gc.head[class] = c
+	}
+	gc.tail[class] = c
+	gc.listed++
+}
+
+func (gc *groupCache) unlist(c int32) {
+	cl := gc.class[c]
+	if cl == compListed {
+		return
+	}
+	p, n := gc.prev[c], gc.next[c]
+	if p != NoBlock {
+		gc.next[p] = n
+	} else {
+		gc.head[cl] = n
+	}
+	if n != NoBlock {
+		gc.prev[n] = p
+	} else {
+		gc.tail[cl] = p
+	}
+	gc.class[c] = compListed
+	gc.listed--
+}
+
+// forget unregisters companion c.
+func (gc *groupCache) forget(c int32) {
+	gc.unlist(c)
+	gc.comp[gc.ownerGroup[c]][gc.owner[c]] = NoBlock
+	gc.owner[c] = NoBlock
+}
+
+// register records the companions of s's block at index j, just inserted
+// as a node, and marks them cached in the pool.
+func (m *Manager) registerCompanions(s *seq, j int) {
+	gc := m.gc
+	if gc == nil {
+		return
+	}
+	b := s.blocks[j]
+	for g := range s.extra {
+		c := s.extra[g].blocks[j]
+		// A block is inserted as it fills: its index is the sequence's
+		// last, which no window has dropped.
+		if c == NoBlock {
+			panic("kvmanager: a filled block's companion was dropped")
+		}
+		assertOK(m.pool.MarkCached(c), "a sequence's companion block is free")
+		gc.comp[g][b] = c
+		gc.owner[c] = b
+		gc.ownerGroup[c] = uint8(g)
+	}
+}
+
+// nodesGone drops the companions of nodes that left the index: a Cached
+// one returns to the free queue, one a sequence holds becomes its private
+// block. It returns how many were freed.
+func (m *Manager) nodesGone(nodes []int32) int {
+	gc := m.gc
+	if gc == nil {
+		return 0
+	}
+	freed := 0
+	for _, b := range nodes {
+		gc.hitPoint[b] = false
+		for g := range gc.comp {
+			c := gc.comp[g][b]
+			if c == NoBlock {
+				continue
+			}
+			gc.forget(c)
+			if m.pool.State(c) == blocks.Cached {
+				freed++
+			}
+			assertOK(m.pool.UnmarkCached(c), "a companion block is free")
+		}
+	}
+	return freed
+}
+
+// evictCompanions frees up to n listed companions of class, the least
+// recently released first, and returns how many.
+func (m *Manager) evictCompanions(class uint8, n int) int {
+	gc := m.gc
+	k := 0
+	for ; k < n && gc.head[class] != NoBlock; k++ {
+		c := gc.head[class]
+		gc.forget(c)
+		assertOK(m.pool.UnmarkCached(c), "a listed companion is not cached")
+	}
+	return k
+}
+
+// listReleased lists the window companions among s's group g entries
+// [from, to) that a release just left with no reference: as kept when s
+// ended, else by whether a hit point reads them. A full group's
+// companions are not listed: they go with their nodes.
+func (m *Manager) listReleased(s *seq, g, from, to int, ended bool) {
+	gc := m.gc
+	if gc == nil || m.groups.extra[g].Kind != SlidingWindow {
+		return
+	}
+	for j := from; j < to; j++ {
+		c := s.extra[g].blocks[j]
+		if gc.owner[c] == NoBlock || m.pool.State(c) != blocks.Cached {
+			continue
+		}
+		class := uint8(compKept)
+		if !ended && !m.nearHitPoint(s, g, j) {
+			class = compBehind
+		}
+		gc.push(c, class)
+	}
+}
+
+// nearHitPoint reports whether a node of s's at which a match ended reads
+// s's window companion at index j in group g: a hit point after i blocks
+// reads the blocks from keepFrom(i*bs) to i-1.
+func (m *Manager) nearHitPoint(s *seq, g, j int) bool {
+	w := m.groups.extra[g].Window
+	for i := j + 1; i <= len(s.blocks) && m.keepFrom(i*m.bs, w) <= j; i++ {
+		if m.gc.hitPoint[s.blocks[i-1]] {
+			return true
+		}
+	}
+	return false
+}
+
+// hitBlocks returns how many of the matched blocks (group 0's longest
+// cached prefix) a prompt can start on: the most, h, for which every
+// window group holds the companions of the blocks its query at position
+// h*bs reads.
+func (m *Manager) hitBlocks(matched []int32) int {
+	gc := m.gc
+	if gc == nil {
+		return len(matched)
+	}
+	h := len(matched)
+	for g, grp := range m.groups.extra {
+		if grp.Kind != SlidingWindow {
+			continue
+		}
+		// The last missing companion at or below h-1 caps h: every hit
+		// point past it needs it, unless its window starts after it.
+		for h > 0 {
+			miss := -1
+			for j := h - 1; j >= m.keepFrom(h*m.bs, grp.Window); j-- {
+				if gc.comp[g][matched[j]] == NoBlock {
+					miss = j
+					break
+				}
+			}
+			if miss < 0 {
+				break
+			}
+			h = miss
+		}
+	}
+	return h
+}
+
+// listedTaken is what taking h matched blocks takes from the evictable
+// companions: the listed ones it revives.
+func (m *Manager) listedTaken(matched []int32, h int) int {
+	gc := m.gc
+	if gc == nil {
+		return 0
+	}
+	n := 0
+	for g, grp := range m.groups.extra {
+		if grp.Kind != SlidingWindow {
+			continue
+		}
+		for j := m.keepFrom(h*m.bs, grp.Window); j < h; j++ {
+			if gc.class[gc.comp[g][matched[j]]] != compListed {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// takeCompanions fills s's group tables' first h entries from the matched
+// blocks' companions, referencing them, and marks the hit point.
+func (m *Manager) takeCompanions(s *seq, h int) {
+	gc := m.gc
+	if gc == nil {
+		return
+	}
+	if h > 0 {
+		gc.hitPoint[s.blocks[h-1]] = true
+	}
+	for g, grp := range m.groups.extra {
+		t := &s.extra[g]
+		from := 0
+		if grp.Kind == SlidingWindow {
+			from = m.keepFrom(h*m.bs, grp.Window)
+			fillNoBlock(t.blocks[:from])
+			t.gone = from
+		}
+		for j := from; j < h; j++ {
+			c := gc.comp[g][s.blocks[j]]
+			gc.unlist(c)
+			t.blocks[j] = c
+		}
+		if from < h {
+			assertOK(m.pool.Incref(t.blocks[from:h]), "admit: referencing the matched companions")
+		}
+	}
+}
+
+// checkGroupCache verifies the companions against the pool and the index.
+func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
+	gc := m.gc
+	if gc == nil {
+		return nil
+	}
+	listed := 0
+	for c := range gc.owner {
+		b := gc.owner[c]
+		if b == NoBlock {
+			if gc.class[c] != compListed {
+				return bad("block %d is listed as a companion and is none", c)
+			}
+			continue
+		}
+		g := gc.ownerGroup[c]
+		if gc.comp[g][b] != int32(c) {
+			return bad("companion %d names node %d, whose group %d companion is %d", c, b, g+1, gc.comp[g][b])
+		}
+		if _, ok := m.cache.BlockHash(b); !ok {
+			return bad("companion %d belongs to block %d, which is not cached", c, b)
+		}
+		if !m.pool.IsCached(int32(c)) {
+			return bad("companion %d is not marked cached in the pool", c)
+		}
+		st := m.pool.State(int32(c))
+		if gc.class[c] != compListed {
+			listed++
+			if st != blocks.Cached || m.groups.extra[g].Kind != SlidingWindow {
+				return bad("listed companion %d is %s in group %d", c, st, g+1)
+			}
+		} else if st == blocks.Cached && m.groups.extra[g].Kind == SlidingWindow {
+			return bad("window companion %d is cached with no reference and not listed", c)
+		}
+		if m.groups.extra[g].Kind == FullAttention && (st == blocks.Cached) != (m.cache.LockCount(b) == 0) {
+			return bad("full group companion %d is %s while its node %d has %d locks", c, st, b, m.cache.LockCount(b))
+		}
+	}
+	if listed != gc.listed {
+		return bad("%d companions listed, the count says %d", listed, gc.listed)
+	}
+	for g := range gc.comp {
+		for b, c := range gc.comp[g] {
+			if c != NoBlock && gc.owner[c] != int32(b) {
+				return bad("block %d's group %d companion %d names node %d", b, g+1, c, gc.owner[c])
+			}
+		}
+	}
+	return nil
+}
+
+// acquireGroups is the prefix cache's Acquire for a manager of groups: it
+// matches the prompt up to the hit every group can start from and locks
+// those blocks, provided the blocks the prompt needs beyond them in every
+// group fit; ok is false, with nothing changed, when they do not.
+func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (res prefix.MatchResult, ok bool, err error) {
+	peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
+	m.locks = peek[:0]
+	if err != nil {
+		return res, false, err
+	}
+	h := m.hitBlocks(peek)
+	// What is free after the lock: evictable nodes but those the match
+	// holds, listed companions but those it takes.
+	avail := int64(m.pool.NumFree()) +
+		int64(m.cache.Evictable()-m.cache.Unheld(peek[:h]))*int64(1+m.gc.fullExtra) +
+		int64(m.gc.listed-m.listedTaken(peek, h))
+	if m.groups.perSeq(need-h) > avail {
+		return res, false, nil
+	}
+	res, ok, err = m.cache.AcquireUpTo(m.locks[:0], tokens, keys, h, h, math.MaxInt32)
+	m.locks = res.Blocks[:0]
+	if err == nil && (!ok || len(res.Blocks) != h) {
+		panic(kverr.Errorf(kverr.Internal, "kvmanager: acquire of the %d blocks peek found took %d (ok %v)", h, len(res.Blocks), ok))
+	}
+	return res, ok, err
+}
+
+// makeFreeGroups is makeFree with layer groups: window companions behind
+// their sequences first, then the index's nodes with their companions,
+// then the kept companions. The caller checked short <= available().
+func (m *Manager) makeFreeGroups(short int) {
+	short -= m.evictCompanions(compBehind, short)
+	for short > 0 && m.cache.Evictable() > 0 {
+		// A node frees its full groups' companions with it: evict no more
+		// nodes than the shortfall needs.
+		n := max(1, short/(1+m.gc.fullExtra))
+		m.evicted = m.cache.Evict(m.evicted[:0], n)
+		// An evictable block has no lock, hence no reference, and is
+		// marked, so it is Cached in the pool.
+		assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
+		short -= len(m.evicted) + m.nodesGone(m.evicted)
+	}
+	if short > 0 {
+		short -= m.evictCompanions(compKept, short)
+	}
+	if short > 0 {
+		panic(kverr.Errorf(kverr.Internal, "kvmanager: %d blocks short after evicting every evictable block", short))
+	}
+}

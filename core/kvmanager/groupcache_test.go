@@ -1,0 +1,263 @@
+package kvmanager
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// groupMem is what an engine's K/V writes leave in every attention group's
+// slots: the token each slot holds. It checks that the blocks a sequence's
+// tables name hold that sequence's tokens, whoever wrote them (a prefix
+// hit reuses another sequence's blocks).
+type groupMem struct {
+	m    *Manager
+	mem  []map[int32]int32 // per group: slot -> token
+	toks map[int64][]int32 // each live sequence's tokens
+}
+
+func newGroupMem(m *Manager) *groupMem {
+	gm := &groupMem{m: m, toks: map[int64][]int32{}}
+	for range m.NumGroups() {
+		gm.mem = append(gm.mem, map[int32]int32{})
+	}
+	return gm
+}
+
+// write records the K/V writes of sequence id's new tokens, its last ones.
+func (gm *groupMem) write(t testing.TB, id int64) {
+	t.Helper()
+	tabs, slots := describeGroups(t, gm.m, id, 1<<12)
+	_ = tabs
+	toks := gm.toks[id]
+	for g, sl := range slots {
+		if g > 0 && gm.m.groups.extra[g-1].Kind == Recurrent {
+			continue
+		}
+		for k, s := range sl {
+			gm.mem[g][s] = toks[len(toks)-len(sl)+k]
+		}
+	}
+}
+
+// check verifies every live sequence's attention-group blocks against its
+// tokens: every entry a query may still read holds the right token in
+// each of its filled rows.
+func (gm *groupMem) check(t testing.TB) {
+	t.Helper()
+	bs := int32(gm.m.BlockSize())
+	for id, toks := range gm.toks {
+		tabs, _ := describeGroups(t, gm.m, id, 1<<12)
+		for g, row := range tabs {
+			if g > 0 && gm.m.groups.extra[g-1].Kind == Recurrent {
+				continue
+			}
+			for j, b := range row {
+				if b == NoBlock {
+					continue
+				}
+				for r := int32(0); r < bs && int(int32(j)*bs+r) < len(toks); r++ {
+					pos := int32(j)*bs + r
+					if got, ok := gm.mem[g][b*bs+r]; !ok || got != toks[pos] {
+						t.Fatalf("sequence %d group %d: block %d row %d holds %d (written %v), token %d is %d", id, g, b, r, got, ok, pos, toks[pos])
+					}
+				}
+			}
+		}
+	}
+}
+
+func (gm *groupMem) admit(t testing.TB, id int64, toks []int32) int {
+	t.Helper()
+	matched := make([]int32, 1)
+	n, err := gm.m.Admit([]int64{id}, Prompts{Tokens: toks, Offsets: []int64{0, int64(len(toks))}}, matched)
+	must(t, err)
+	if n != 1 {
+		return -1
+	}
+	gm.toks[id] = slices.Clone(toks)
+	gm.write(t, id)
+	return int(matched[0])
+}
+
+func (gm *groupMem) grow(t testing.TB, id int64, toks []int32) error {
+	t.Helper()
+	if err := gm.m.GrowTokens([]int64{id}, []int32{int32(len(toks))}, toks); err != nil {
+		return err
+	}
+	gm.toks[id] = append(gm.toks[id], toks...)
+	gm.write(t, id)
+	return nil
+}
+
+func (gm *groupMem) remove(t testing.TB, id int64) {
+	t.Helper()
+	gm.m.MarkComputed()
+	must(t, gm.m.Remove([]int64{id}))
+	delete(gm.toks, id)
+}
+
+func newCachedGroups(t testing.TB, numBlocks, bs int, groups ...Group) *groupMem {
+	t.Helper()
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, Groups: groups})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newGroupMem(m)
+}
+
+// A conversation's next turn hits its whole history in every group, its
+// window tables starting with the blocks the window has passed dropped.
+func TestGroupCacheHitsTheNextTurn(t *testing.T) {
+	const bs, w = 4, 8
+	gm := newCachedGroups(t, 64, bs, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w}, Group{Kind: FullAttention})
+	r := rand.New(rand.NewPCG(1, 2))
+	turn1 := seqTokens(r, 22)
+	if k := gm.admit(t, 1, turn1); k != 0 {
+		t.Fatalf("first turn matched %d", k)
+	}
+	for range 10 {
+		must(t, gm.grow(t, 1, seqTokens(r, 1)))
+	}
+	gm.check(t)
+	hist := slices.Clone(gm.toks[1])
+	gm.remove(t, 1)
+	turn2 := append(slices.Clone(hist), seqTokens(r, 9)...)
+	k := gm.admit(t, 2, turn2)
+	if want := len(hist) / bs * bs; k != want {
+		t.Fatalf("next turn matched %d tokens, want %d", k, want)
+	}
+	tabs, _ := describeGroups(t, gm.m, 2, 64)
+	h := k / bs
+	keep := gm.m.keepFrom(k, w)
+	for j := range h {
+		if (tabs[1][j] == NoBlock) != (j < keep) || tabs[0][j] == NoBlock || tabs[2][j] == NoBlock {
+			t.Fatalf("entry %d of the hit (keep from %d): %v", j, keep, [][]int32{tabs[0][:h], tabs[1][:h], tabs[2][:h]})
+		}
+	}
+	gm.check(t)
+	must(t, gm.m.CheckInvariants())
+}
+
+// Under pressure, the window blocks a conversation slid past go first and
+// the ones its next turn reads stay: the turn still hits its history
+// while blocks of its interior were given to others.
+func TestGroupCacheEvictsBehindWindowsFirst(t *testing.T) {
+	const bs, w = 4, 8
+	gm := newCachedGroups(t, 40, bs, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})
+	r := rand.New(rand.NewPCG(3, 4))
+	gm.admit(t, 1, seqTokens(r, 40)) // 10 blocks a group
+	must(t, gm.grow(t, 1, seqTokens(r, 1)))
+	hist := slices.Clone(gm.toks[1])
+	gm.remove(t, 1)
+	gc := gm.m.gc
+	// The grow dropped window blocks 0-7 (behind); the remove released 8
+	// and 9 (kept) and the partial 11th (private, freed).
+	if gc.listed != 10 {
+		t.Fatalf("%d window blocks listed, want 10", gc.listed)
+	}
+	st := gm.m.Stats()
+	if st.FreeBlocks != 40-20 {
+		t.Fatalf("free %d", st.FreeBlocks)
+	}
+	// Another prompt needs 12 blocks a group, 24 in all: 20 free and 4
+	// of the 8 behind blocks.
+	gm.admit(t, 2, seqTokens(r, 48))
+	if gc.listed != 6 || gm.m.cache.Len() != 10+12 {
+		t.Fatalf("after the pressure: %d listed, %d cached nodes", gc.listed, gm.m.cache.Len())
+	}
+	gm.remove(t, 2)
+	k := gm.admit(t, 3, append(slices.Clone(hist), seqTokens(r, 3)...))
+	if k != 40 {
+		t.Fatalf("the next turn matched %d tokens, want 40", k)
+	}
+	gm.check(t)
+}
+
+// A hit point keeps the window blocks its queries read: a shared system
+// prompt's last window blocks stay through pressure that takes the blocks
+// behind conversations, so every later user hits it.
+func TestGroupCacheKeepsHitPointWindows(t *testing.T) {
+	const bs, w = 4, 8
+	gm := newCachedGroups(t, 48, bs, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})
+	r := rand.New(rand.NewPCG(5, 6))
+	system := seqTokens(r, 16)
+	user := func() []int32 { return append(slices.Clone(system), seqTokens(r, 17)...) }
+	gm.admit(t, 1, user())
+	must(t, gm.grow(t, 1, seqTokens(r, 1)))
+	gm.remove(t, 1)
+	if k := gm.admit(t, 2, user()); k != 16 {
+		t.Fatalf("the second user matched %d, want the system prompt's 16", k)
+	}
+	must(t, gm.grow(t, 2, seqTokens(r, 1))) // slides past the system prompt: kept, a hit point reads it
+	gm.remove(t, 2)
+	// Pressure: a long unrelated prompt takes every behind block and
+	// every evictable node but the system prompt's chain is reached last.
+	gm.admit(t, 3, seqTokens(r, 4*18))
+	gm.remove(t, 3)
+	if k := gm.admit(t, 4, user()); k != 16 {
+		t.Fatalf("a user after the pressure matched %d, want 16", k)
+	}
+	gm.check(t)
+}
+
+// Random conversations over a small pool with shared prefixes: every
+// block a table names holds its sequence's tokens in every group (a hit
+// never reuses a window block that was overwritten), the invariants hold
+// after every call, and hits happen.
+func TestGroupCacheRandomConversations(t *testing.T) {
+	for seed := range uint64(8) {
+		r := rand.New(rand.NewPCG(seed, 99))
+		bs := 1 + r.IntN(6)
+		pool := 160 + r.IntN(160)
+		gm := newCachedGroups(t, pool, bs, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: 1 + r.IntN(12)},
+			Group{Kind: SlidingWindow, Window: 1 + r.IntN(30)}, Group{Kind: FullAttention})
+		system := seqTokens(r, r.IntN(20))
+		var convs [][]int32
+		next := int64(1)
+		hits := 0
+		for range 300 {
+			switch op := r.IntN(10); {
+			case op < 3 && len(gm.toks) < 6:
+				var p []int32
+				if len(convs) > 0 && r.IntN(2) == 0 {
+					c := r.IntN(len(convs))
+					p = append(slices.Clone(convs[c]), seqTokens(r, 1+r.IntN(10))...)
+				} else {
+					p = append(slices.Clone(system), seqTokens(r, 1+r.IntN(20))...)
+				}
+				if len(p) > pool*bs/8 {
+					break // four groups of it would crowd the pool
+				}
+				if k := gm.admit(t, next, p); k > 0 {
+					hits++
+				}
+				next++
+			case op < 8 && len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				if len(gm.toks[id]) < pool*bs/8 {
+					_ = gm.grow(t, id, seqTokens(r, 1+r.IntN(5)*r.IntN(2)))
+				}
+				gm.m.MarkComputed()
+			case len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				convs = append(convs, gm.toks[id])
+				gm.remove(t, id)
+			}
+			gm.check(t)
+			must(t, gm.m.CheckInvariants())
+		}
+		if hits == 0 {
+			t.Fatalf("seed %d: no prompt hit", seed)
+		}
+		for id := range gm.toks {
+			gm.remove(t, id)
+		}
+		if _, err := gm.m.ClearPrefixCache(); err != nil {
+			t.Fatal(err)
+		}
+		if st := gm.m.Stats(); st.FreeBlocks != st.NumBlocks {
+			t.Fatalf("seed %d: %d of %d free after clearing", seed, st.FreeBlocks, st.NumBlocks)
+		}
+	}
+}
