@@ -298,3 +298,25 @@ func TestHybridMemoryTargets(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkHybridMemory reports the memory figures at 64 sequences
+// of 32k tokens (chunked prefill of 2048, then a decode step): the peak
+// blocks of a gpt-oss-shaped and a Gemma-3-shaped manager over the blocks
+// of the same groups as full attention (ratio_gptoss, ratio_gemma3).
+func BenchmarkHybridMemory(b *testing.B) {
+	full := Group{Kind: FullAttention}
+	shapes := []struct {
+		metric string
+		groups []Group
+	}{
+		{"ratio_gptoss", []Group{full, {Kind: SlidingWindow, Window: 128}}},
+		{"ratio_gemma3", append([]Group{full}, slices.Repeat([]Group{{Kind: SlidingWindow, Window: 1024}}, 5)...)},
+	}
+	for range b.N {
+		for _, s := range shapes {
+			hybrid := hybridPeakBlocks(b, 64, 32768, 2048, 16, s.groups)
+			dense := hybridPeakBlocks(b, 64, 32768, 2048, 16, slices.Repeat([]Group{full}, len(s.groups)))
+			b.ReportMetric(float64(hybrid)/float64(dense), s.metric)
+		}
+	}
+}
