@@ -51,6 +51,20 @@
  *
  * The ABI is stable within a major version.
  *
+ * Changes in 0.6 for a host built against 0.5 (binary compatible):
+ *   - Layer groups for hybrid models ("Layer groups" in the manager's
+ *     section): kvp_manager_config gains layer_groups, num_layer_groups,
+ *     max_model_len and block_bytes (appended); new kvp_layer_group,
+ *     kvp_manager_describe_groups (a block table and slot mapping per
+ *     group in one call) and kvp_manager_group_blocks. Sliding-window
+ *     groups give back the blocks no query reads; the prefix cache holds
+ *     full-attention and window groups; recurrent groups hold one state
+ *     block per sequence. A manager without groups behaves as before.
+ *   - Attention sinks: kvp_paged_decode_args and kvp_paged_prefill_args
+ *     (so kvp_paged_cascade too) gain an appended `sinks`, one float32
+ *     logit per query head added to the softmax denominator (gpt-oss);
+ *     0 = none, as before.
+ *
  * Changes in 0.5 for a host built against 0.4 (binary compatible):
  *   - FP8 KV caches: kvp_paged_kv.dtype may be KVP_DTYPE_E4M3 under an f16
  *     or bf16 call, with the new appended field scale_kind
@@ -164,7 +178,7 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 5
+#define KVP_VERSION_MINOR 6
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \

@@ -47,6 +47,7 @@ def test_every_example_is_covered():
         ("##### A server others can reach: AUTH, TLS and a MAC (Python)", "python"),
         ("### Go", "go"),
         ("### KV events for a router (Python; C: `kvp_event_publisher_*`)", "python"),
+        ("### Hybrid models (Python; C: `kvp_layer_group`)", "python"),
         ("### On the GPU (Python, torch)", "python"),
         ("### Prefill and mixed batches on the GPU (Python, torch)", "python"),
         ("### FP8 KV caches on the GPU (Python, torch)", "python"),
@@ -100,6 +101,12 @@ def test_python_shared_tier(tmp_path, valkey_server):
         find("#### The shared KV tier (Python; C: `shared_tier_addr` in `kvp_manager_config`)", "python").code)
     out = _run([sys.executable, "shared.py"], tmp_path, env={"VALKEY_ADDR": valkey_server})
     assert out.splitlines() == ["[TierMatch(gpu_tokens=0, host_tokens=496)]", "[496]", "True 31"], out
+
+
+def test_python_hybrid_models(tmp_path):
+    (tmp_path / "hybrid.py").write_text(find("### Hybrid models (Python; C: `kvp_layer_group`)", "python").code)
+    out = _run([sys.executable, "hybrid.py"], tmp_path)
+    assert "blocks after 200 tokens: [75, 8]" in out and "matches 1200 of 1203" in out, out
 
 
 def test_python_kv_events(tmp_path):
