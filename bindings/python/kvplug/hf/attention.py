@@ -68,6 +68,11 @@ class StepContext:
     # backend "custom": fn(ctx, layer, q, k, v, scale, window_left) -> out [T, H, D], for engines (and
     # benchmarks) that bring other kernels over the same cache, block tables and slots
     custom: Optional[Callable[..., torch.Tensor]] = None
+    # Layer groups (a hybrid model's cache): each group's block table, slots and (torch) gather; entry 0
+    # is block_table, slots and gather. None without groups.
+    group_tables: Optional[List[torch.Tensor]] = None
+    group_slots: Optional[List[torch.Tensor]] = None
+    group_gather: Optional[List[List[torch.Tensor]]] = None
 
     def window_left(self, sliding_window: Optional[int]) -> int:
         """kvplug's window_left (-1: none) for transformers' sliding_window W,
@@ -91,8 +96,11 @@ class StepContext:
         return p
 
 
-def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, window_left: int) -> torch.Tensor:
-    """Attention of q [T, H, D] over the paged cache, sequence by sequence."""
+def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, window_left: int,
+               gather: List[torch.Tensor], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged cache, sequence by sequence
+    (gather: each sequence's slots in the layer's group; sinks: float [H],
+    one more logit per head in the softmax's denominator)."""
     sh = ctx.cache.shape
     kc = ctx.cache.k_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
     vc = ctx.cache.v_cache(layer).reshape(-1, sh.num_kv_heads, sh.head_dim)
@@ -103,7 +111,7 @@ def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, wind
     group = sh.num_q_heads // sh.num_kv_heads
     out = torch.empty_like(q)
     qo = ctx.qo_indptr_host
-    for i, idx in enumerate(ctx.gather):
+    for i, idx in enumerate(gather):
         a, b = int(qo[i]), int(qo[i + 1])
         n, L = b - a, int(ctx.seq_lens_host[i])
         if n == 0:
@@ -124,7 +132,13 @@ def _reference(ctx: StepContext, layer: int, q: torch.Tensor, scale: float, wind
         # its slow generic path (8x slower at these sizes); scores and softmax in float32 as SDPA does.
         scores = torch.matmul(q[a:b].transpose(0, 1).float(), k.float().transpose(1, 2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+        if sinks is not None:
+            # The sink is one more column of the softmax whose value row is zero.
+            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.float())
         out[a:b] = o.transpose(0, 1).to(out.dtype)
     return out
 
@@ -169,6 +183,12 @@ def kvplug_attention(
     if kwargs.get("softcap") is not None:
         raise kvplug.InvalidArgumentError("kvplug attention does not support logit softcapping")
     layer = module.layer_idx
+    # gpt-oss's learned attention sinks: one logit per query head added to the softmax's denominator.
+    sinks = kwargs.get("s_aux")
+    g = ctx.cache.group_of[layer]
+    table, slots = ctx.block_table, ctx.slots
+    if g:
+        table, slots = ctx.group_tables[g], ctx.group_slots[g]
     q = query[0].transpose(0, 1)  # [T, H, D]: head_dim stays contiguous, as the kernels need
     k = key[0].transpose(0, 1)  # [T, kv_heads, D]
     v = value[0].transpose(0, 1)
@@ -176,27 +196,32 @@ def kvplug_attention(
     wl = ctx.window_left(sliding_window)
     kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
     ks, vs = ctx.cache.k_scale(layer), ctx.cache.v_scale(layer)  # FP8 caches' scales; None for 16-bit
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     if ctx.backend == "custom":
+        if sinks is not None:
+            raise kvplug.InvalidArgumentError("kvplug attention: the custom backend does not take attention sinks")
         out = ctx.custom(ctx, layer, q, k, v, scale, wl)
     elif ctx.backend == "kernels":
-        kvplug.attn.kv_write(k, v, kc, vc, ctx.slots, k_scale=ks, v_scale=vs)
-        if wl < 0 and ctx.cascade_plan is not None:
-            out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, ctx.block_table, scale=scale)
+        kvplug.attn.kv_write(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+        if wl < 0 and ctx.cascade_plan is not None and g == 0:
+            out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, table, scale=scale, sinks=sinks)
         elif ctx.decode and wl < 0:
-            out = kvplug.attn.paged_decode(q, kc, vc, ctx.block_table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
-                                           num_splits=ctx.num_splits, k_scale=ks, v_scale=vs)
+            out = kvplug.attn.paged_decode(q, kc, vc, table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
+                                           num_splits=ctx.num_splits, k_scale=ks, v_scale=vs, sinks=sinks)
         else:
-            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, ctx.block_table, scale=scale, k_scale=ks, v_scale=vs)
+            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, table, scale=scale, k_scale=ks, v_scale=vs,
+                                            sinks=sinks)
     else:
         sh = ctx.cache.shape
-        flat = ctx.slots.long()
+        flat = slots.long()
         if ks is not None:
             _write_fp8(k, kc, ks, flat)
             _write_fp8(v, vc, vs, flat)
         else:
             kc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, k.to(kc.dtype))
             vc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, v.to(vc.dtype))
-        out = _reference(ctx, layer, q, scale, wl)
+        out = _reference(ctx, layer, q, scale, wl, ctx.group_gather[g] if ctx.group_gather else ctx.gather, sinks)
     return out.unsqueeze(0), None
 
 

@@ -47,11 +47,17 @@ class ModelShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    # Hybrid models (gpt-oss, Gemma 3): each layer's type, "full_attention" or "sliding_attention",
+    # and the window of the sliding ones; () and 0 when every layer is alike.
+    layer_types: Tuple[str, ...] = ()
+    sliding_window: int = 0
 
     @staticmethod
     def of(config: Any) -> "ModelShape":
         """From a transformers config of the Llama family (Llama, Mistral,
-        Qwen2 and those with the same attention fields)."""
+        Qwen2 and those with the same attention fields), and of hybrids
+        that mix full and sliding-window attention layers (gpt-oss, Gemma 3:
+        config.layer_types)."""
         missing = [f for f in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(config, f, None) is None]
         if missing:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: config {type(config).__name__} lacks {', '.join(missing)}: not a decoder of the Llama family")
@@ -60,7 +66,14 @@ class ModelShape:
         hd = getattr(config, "head_dim", None) or config.hidden_size // qh
         if qh % kvh:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: {qh} query heads are not a multiple of {kvh} kv heads")
-        return ModelShape(int(config.num_hidden_layers), qh, kvh, int(hd))
+        types = tuple(getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        if not window or "sliding_attention" not in types or "full_attention" not in types:
+            types, window = (), None
+        elif set(types) - {"sliding_attention", "full_attention"}:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: layer types {sorted(set(types))}: kvplug.hf serves full and "
+                                              "sliding-window attention layers")
+        return ModelShape(int(config.num_hidden_layers), qh, kvh, int(hd), types, int(window or 0))
 
 
 @dataclasses.dataclass
@@ -91,6 +104,10 @@ class Batch:
     slot_mapping: np.ndarray  # int32 [total]
     cached_tokens: np.ndarray  # int32 [n]: tokens found in the prefix cache at admission (0 if not admitted now)
     not_admitted: List[int]  # requested sequences left out: the pool could not hold them now
+    # Layer groups: every group's block table and slot mapping (group 0's are block_table and slot_mapping);
+    # None without groups.
+    group_tables: Optional[List[np.ndarray]] = None
+    group_slots: Optional[List[np.ndarray]] = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -156,6 +173,15 @@ class PagedKVCache:
     0 and demote_evicted to off. shared_tier ("host:port") goes to the
     Manager's shared_tier.
 
+    A hybrid model's shape (layer_types: full and sliding-window attention
+    layers, gpt-oss and Gemma 3) gets layer groups (layer_groups None or
+    True; False: one table for every layer): its full-attention layers are
+    group 0 and its window layers groups of as many, over layer slots
+    (self.kv [slots, 2, blocks, ...]; a layer's slot is slot_of[layer], its
+    group group_of[layer]), so that the window layers keep only the blocks
+    their window reads (kvplug.Manager's layer_groups). Not with a host or
+    shared tier.
+
     kv_dtype torch.float8_e4m3fn holds K and V in FP8 (one byte an element,
     twice the tokens in the memory of a 16-bit cache) with one float32 scale
     per (token, kv head) beside them (self.scales; k_scale/v_scale give a
@@ -179,6 +205,7 @@ class PagedKVCache:
         demote_evicted: Optional[bool] = None,
         write_through: int = 0,
         kv_dtype: Optional[torch.dtype] = None,
+        layer_groups: Optional[bool] = None,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -224,17 +251,21 @@ class PagedKVCache:
         self.write_through = int(kw.get("write_through", 0))
         if shared_tier:
             kw["shared_tier"] = shared_tier
+        self._plan_groups(shape, layer_groups, tiered=host_tier_slots > 0)
+        if len(self.groups) > 1:
+            kw["layer_groups"] = [kvplug.LayerGroup.full_attention()] + [
+                kvplug.LayerGroup.sliding_window(shape.sliding_window)] * (len(self.groups) - 1)
         self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache, **kw)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: K and V of a layer share strides, as the kernels
         # require. Zeroed on the CPU so that a reference run is deterministic; on the GPU every slot a kernel
         # reads was written first (kernels skip tokens past seq_lens).
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
-        self.kv = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
+        self.kv = alloc((self.num_slots, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
                         dtype=self.kv_dtype, device=self.device)
-        # FP8: float32 [layers, 2, blocks, block_size, kv_heads], each written row's max |x| / 448.
+        # FP8: float32 [slots, 2, blocks, block_size, kv_heads], each written row's max |x| / 448.
         self.scales: Optional[torch.Tensor] = None
         if self.fp8:
-            self.scales = alloc((shape.num_layers, 2, self.num_blocks, self.block_size, shape.num_kv_heads),
+            self.scales = alloc((self.num_slots, 2, self.num_blocks, self.block_size, shape.num_kv_heads),
                                 dtype=torch.float32, device=self.device)
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
@@ -251,15 +282,43 @@ class PagedKVCache:
             self.tier = HostTier(self.manager, self.kv, copier, self.block_bytes, overlap=tier_overlap)
             self._tier_finalizer = weakref.finalize(self, self.tier.close)
 
+    def _plan_groups(self, shape: ModelShape, layer_groups: Optional[bool], tiered: bool) -> None:
+        """Layer groups of a hybrid shape: group 0 its full-attention
+        layers, then its window layers in groups of as many (the last one
+        padded); self.groups (each group's layers), group_of, slot_of and
+        num_slots. One group of every layer otherwise."""
+        n = shape.num_layers
+        want = bool(shape.layer_types) if layer_groups is None else bool(layer_groups)
+        if want and not shape.layer_types:
+            raise kvplug.InvalidArgumentError("kvplug.hf: layer_groups=True needs a model with full and sliding-window layers")
+        if want and tiered:
+            if layer_groups:
+                raise kvplug.InvalidArgumentError("kvplug.hf: the host tier does not hold layer groups in this version "
+                                                  "(layer_groups=False keeps one table for every layer)")
+            want = False
+        if not want:
+            self.groups: List[List[int]] = [list(range(n))]
+        else:
+            full = [i for i, t in enumerate(shape.layer_types) if t == "full_attention"]
+            win = [i for i, t in enumerate(shape.layer_types) if t == "sliding_attention"]
+            self.groups = [full] + [win[k:k + len(full)] for k in range(0, len(win), len(full))]
+        self.group_of = [0] * n
+        self.slot_of = [0] * n
+        for g, layers in enumerate(self.groups):
+            for j, layer in enumerate(layers):
+                self.group_of[layer], self.slot_of[layer] = g, j
+        self.num_slots = max(map(len, self.groups))
+
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
-                  kv_dtype: Optional[torch.dtype] = None, **tier: Any) -> "PagedKVCache":
+                  kv_dtype: Optional[torch.dtype] = None, layer_groups: Optional[bool] = None,
+                  **tier: Any) -> "PagedKVCache":
         """A cache for `model`'s shape, dtype and device (tier: the host and
         shared tier arguments of the constructor; kv_dtype: the cache's own,
-        torch.float8_e4m3fn for FP8)."""
+        torch.float8_e4m3fn for FP8; layer_groups: see the class)."""
         p = next(model.parameters())
         return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
-                   prefix_cache=prefix_cache, kv_dtype=kv_dtype, **tier)
+                   prefix_cache=prefix_cache, kv_dtype=kv_dtype, layer_groups=layer_groups, **tier)
 
     @staticmethod
     def default_demote_ahead(num_blocks: int, block_size: int = 16, step_tokens: int = 0, max_batch: int = 0) -> int:
@@ -283,18 +342,18 @@ class PagedKVCache:
     # -- tensors --------------------------------------------------------------
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 0]
+        return self.kv[self.slot_of[layer], 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self.kv[self.slot_of[layer], 1]
 
     def k_scale(self, layer: int) -> Optional[torch.Tensor]:
         """An FP8 cache's K scales of `layer` ([blocks, block_size,
         kv_heads] float32); None for a 16-bit cache."""
-        return None if self.scales is None else self.scales[layer, 0]
+        return None if self.scales is None else self.scales[self.slot_of[layer], 0]
 
     def v_scale(self, layer: int) -> Optional[torch.Tensor]:
-        return None if self.scales is None else self.scales[layer, 1]
+        return None if self.scales is None else self.scales[self.slot_of[layer], 1]
 
     @property
     def nbytes(self) -> int:
@@ -508,7 +567,12 @@ class PagedKVCache:
         ids_arr = np.asarray(ids, np.int64)
         starts_arr = np.array(starts, np.int32)
         want = starts_arr + q_lens
-        if len(ids_arr):
+        group_tables = group_slots = None
+        if len(ids_arr) and len(self.groups) > 1:
+            d = self.manager.describe_groups(ids_arr)
+            table, lens, slots = d[0]
+            group_tables, group_slots = [g.block_table for g in d], [g.slot_mapping for g in d]
+        elif len(ids_arr):
             table, lens, slots = self._describe(ids_arr, want, total)
         else:
             table, lens, slots = np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
@@ -517,7 +581,8 @@ class PagedKVCache:
             raise kvplug.InternalError(f"kvplug.hf: manager lengths {lens.tolist()} disagree with the schedule "
                                        f"{want.tolist()}", kvplug.Status.INTERNAL)
         self.stats["scheduled_tokens"] += total
-        return Batch(ids_arr, starts_arr, q_lens, flat, table, lens, slots, np.array(cached, np.int32), not_admitted)
+        return Batch(ids_arr, starts_arr, q_lens, flat, table, lens, slots, np.array(cached, np.int32), not_admitted,
+                     group_tables, group_slots)
 
     def _describe(self, ids: np.ndarray, lens: np.ndarray, total: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The manager's (block_table, seq_lens, slot_mapping) of a scheduled batch in one C call, the

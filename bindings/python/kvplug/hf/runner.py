@@ -267,10 +267,11 @@ class Runner:
     def capture(self, sizes: Optional[Sequence[int]] = None) -> None:
         """Captures decode graphs (kernels backend only). A sliding window
         shorter than max_model_len needs the prefill kernel, which these
-        graphs do not use: such models run decode eagerly."""
+        graphs do not use: such models, and caches of layer groups, run
+        decode eagerly."""
         if self.backend != "kernels":
             raise kvplug.InvalidArgumentError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
-        if self._window and self._window < self.max_model_len:
+        if self._window and self._window < self.max_model_len or len(self.cache.groups) > 1:
             return
         if sizes is None:
             sizes = [s for s in (1, 2, 4, 8) if s <= self.max_batch] + list(range(16, self.max_batch + 1, 16))
@@ -320,13 +321,23 @@ class Runner:
             self._cascade_owner = None
         elif self.backend == "kernels" and not (batch.is_decode and self._window is None):
             ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
+        if batch.group_tables is not None:
+            # Layer groups: each group's table and slots (group 0's are the step's own).
+            ctx.group_tables = [table] + [host(np.ascontiguousarray(t)).to(dev, non_blocking=True) for t in batch.group_tables[1:]]
+            ctx.group_slots = [slots] + [host(np.ascontiguousarray(s).astype(np.int32)).to(dev, non_blocking=True)
+                                         for s in batch.group_slots[1:]]
         if self.backend == "torch":
             bs = self.cache.block_size
-            gather = []
-            for i, L in enumerate(batch.seq_lens.tolist()):
-                t = np.arange(L)
-                gather.append(host(batch.block_table[i, t // bs].astype(np.int64) * bs + t % bs).to(dev))
-            ctx.gather = gather
+            tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
+            ctx.group_gather = []
+            for tb in tables:
+                gather = []
+                for i, L in enumerate(batch.seq_lens.tolist()):
+                    t = np.arange(L)
+                    # A window group's dropped blocks (-1) hold tokens its mask excludes: any slot will do.
+                    gather.append(host(np.maximum(tb[i, t // bs], 0).astype(np.int64) * bs + t % bs).to(dev))
+                ctx.group_gather.append(gather)
+            ctx.gather = ctx.group_gather[0]
         return ctx
 
     def _record_inputs_copied(self) -> None:
