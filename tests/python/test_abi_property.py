@@ -46,6 +46,18 @@ STATUS_MAX = 13  # KVP_ERR_NOT_FOUND; 14 is KVP_ERR_INTERNAL
 i32s = st.one_of(st.integers(-8, 64), st.sampled_from(BOUNDS), st.integers(*I32))
 i64s = st.one_of(st.integers(-8, 64), st.sampled_from(BOUNDS64), st.integers(*I64))
 u64s = st.one_of(st.integers(0, 64), st.integers(0, 2**64 - 1))
+# A host pointer field (the args' `kv` descriptor) gets NULL or a value in
+# the first page, which the library refuses as garbage; any other address
+# would be dereferenced (it cannot tell a stray pointer from a real one).
+ptrs = st.one_of(st.just(0), st.integers(1, 4095))
+
+
+def _field_value(d, sname, fname, fsize):
+    """A random value for field fname (4 or 8 bytes) of struct sname."""
+    t = dict(raw.STRUCTS[sname]._fields_)[fname]
+    if isinstance(t, type) and (issubclass(t, ctypes._Pointer) or t is ctypes.c_void_p):
+        return d.draw(ptrs)
+    return d.draw(i32s) if fsize == 4 else d.draw(i64s)
 
 COUNTS = {"examples": 0, "calls": 0, "failures": 0}
 GPU = False
@@ -505,7 +517,7 @@ def _launch(fn, sname, d):
     if size <= ss <= 1 << 16:
         for name, (off, fsize) in f.items():
             if name != "struct_size" and fsize in (4, 8) and d.chance(3):
-                put(p, off, fsize, d.draw(i32s) if fsize == 4 else d.draw(i64s))
+                put(p, off, fsize, _field_value(d, sname, name, fsize))
         if sname == "kvp_prefill_plan_args":
             batch = d.draw(st.sampled_from([-1, 65536, 2**31 - 1])) if d.chance(8) else d.small(6)
             put(p, f["batch"][0], 4, batch)
@@ -580,7 +592,7 @@ def _random_fields(d, p, ss, name):
         return
     for fname, (off, fsize) in f.items():
         if fname != "struct_size" and fsize in (4, 8) and d.chance(3):
-            put(p, off, fsize, d.draw(i32s) if fsize == 4 else d.draw(i64s))
+            put(p, off, fsize, _field_value(d, name, fname, fsize))
 
 
 def _random_plan(d):
