@@ -15,10 +15,11 @@ from kvplug import _lib, attn
 def test_struct_sizes_match_the_header():
     # Header layout: size_t + 8 int32 + 2 host pointers + 4 uint64 = 88;
     # size_t + 14 int32 + 9 uint64 = 136; size_t + 4 int32 + 14 eight-byte
-    # fields + float + int32 = 144, and the kv pointer of 0.4: 152.
+    # fields + float + int32 = 144, the kv pointer of 0.4: 152, and the
+    # sinks of 0.6: 160.
     assert ctypes.sizeof(attn._PrefillPlanArgs) == 88
     assert ctypes.sizeof(attn._AttnPlan) == 136
-    assert ctypes.sizeof(attn._PagedPrefillArgs) == 152
+    assert ctypes.sizeof(attn._PagedPrefillArgs) == 160
 
 
 def test_workspace_size():
