@@ -531,7 +531,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	if perChild > 0 {
 		if need := len(children) * perChild; len(copies) < need {
 			return 0, kverr.Errorf(kverr.BufferTooSmall,
-				"fork: %d block copies are needed (the parent's partial last block and states, for %d children); copies holds %d", need, len(children), len(copies))
+				"fork: %d block copies are needed; copies holds %d (per child: the parent's partial last block in each attention group, and each recurrent state)", need, len(copies))
 		}
 		if need := int64(len(children) * perChild); need > m.available() {
 			return 0, kverr.Errorf(kverr.OutOfBlocks, "fork: %d children need %d new blocks, %s", len(children), need, m.availableText())

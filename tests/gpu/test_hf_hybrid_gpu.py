@@ -32,12 +32,18 @@ import test_hf_correctness as H  # noqa: E402
 import test_hf_hybrid as HY  # noqa: E402
 
 DEV = "cuda"
-TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2)}
+# tests/gpu/test_hf_torch.py's bounds for its 2-layer models, doubled: these have 4 and 6 layers, and the
+# two runs' rounding differences grow with every layer they go through.
+TOL = {torch.float16: (4e-2, 4e-2), torch.bfloat16: (1.6e-1, 1e-1)}
 
 
 def gpu_hybrid(kind, dtype):
-    """tiny_hybrid at head_dim 64 (a kernel size) and logits of O(1-10)."""
-    model = HY.tiny_hybrid(kind, dtype=torch.float32, window=24)
+    """tiny_hybrid at head_dim 64 (a kernel size) and logits of O(1-10).
+    gpt-oss with one expert: with several, a 16-bit rounding difference
+    between the two runs can flip a token's top-2 experts, which changes
+    its logits by far more than rounding, for reasons unrelated to
+    attention."""
+    model = HY.tiny_hybrid(kind, dtype=torch.float32, window=24, experts=1)
     cfg = model.config
     cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads = 64, 256, 4
     cfg.initializer_range = 0.08

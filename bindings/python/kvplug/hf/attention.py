@@ -59,6 +59,9 @@ class StepContext:
     # kernels: planned once per step and window (kvplug plans carry the window)
     qo_indptr: Optional[torch.Tensor] = None
     prefill_ws: Optional[torch.Tensor] = None
+    # A second prefill workspace for the windowed plan of a model with full and window layers: a plan's
+    # work list lives in its workspace, so two plans of one step must not share one.
+    prefill_ws_window: Optional[torch.Tensor] = None
     decode_ws: Optional[torch.Tensor] = None
     num_splits: int = 0  # decode: fixed for a captured graph (0: the library chooses per call)
     plans: Dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -88,9 +91,15 @@ class StepContext:
         p = self.plans.get(window_left)
         if p is None:
             sh = self.cache.shape
+            ws = self.prefill_ws
+            if window_left >= 0 and self.prefill_ws_window is not None:
+                ws = self.prefill_ws_window
+            elif self.plans and self.prefill_ws_window is None:
+                raise kvplug.InternalError("kvplug.hf: a second prefill plan in one step needs its own workspace",
+                                           kvplug.Status.INTERNAL)
             p = kvplug.attn.prefill_plan(
                 self.qo_indptr, self.seq_lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, self.cache.dtype,
-                self.prefill_ws, window_left=window_left, qo_indptr_host=self.qo_indptr_host,
+                ws, window_left=window_left, qo_indptr_host=self.qo_indptr_host,
                 kv_lens_host=self.seq_lens_host, hopper=not self.cache.fp8)  # FP8: the sm_80 mainloop reads it
             self.plans[window_left] = p
         return p

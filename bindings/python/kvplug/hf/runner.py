@@ -228,7 +228,7 @@ class Runner:
         self.max_model_len = int(max_model_len)
         self.max_blocks = -(-self.max_model_len // cache.block_size)
         self.device = cache.device
-        self.prefill_ws = self.decode_ws = None
+        self.prefill_ws = self.decode_ws = self.prefill_ws_window = None
         self.cascade = bool(cascade)
         self.cascade_update = True  # keep a decode graph's cascade plan while its batch only grows (plan.update)
         self.cascade_auto_route = True  # False: every plan keeps the cascade route (tests; may not fit the workspaces)
@@ -248,6 +248,10 @@ class Runner:
             self.prefill_ws = torch.empty(kvplug.attn.prefill_workspace_size(
                 self.max_batch, self.max_step_tokens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim),
                 dtype=torch.uint8, device=self.device)
+            if sh.layer_types:
+                # Full and window layers plan the same step twice (window and none): each plan's work list
+                # needs a workspace of its own.
+                self.prefill_ws_window = torch.empty_like(self.prefill_ws)
             self.decode_ws = torch.empty(kvplug.attn.workspace_size(self.max_batch, sh.num_q_heads, sh.head_dim),
                                          dtype=torch.uint8, device=self.device)
         cfg = model.config
@@ -307,7 +311,8 @@ class Runner:
         slots, lens, qo_d = meta_d[:T], meta_d[T:T + n], meta_d[T + n:]
         table = host(np.ascontiguousarray(batch.block_table)).to(dev, non_blocking=True)
         ctx = StepContext(self.cache, self.backend, slots, table, lens, qo, batch.seq_lens, batch.is_decode,
-                          qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws)
+                          qo_indptr=qo_d, prefill_ws=self.prefill_ws, decode_ws=self.decode_ws,
+                          prefill_ws_window=self.prefill_ws_window)
         if self.cascade and self._window is None:
             # Shared-prefix attention for decode rows and prompt chunks alike (chunks of prompts that share
             # a cached system prompt read it once); the plan's route is plain decode or prefill where
