@@ -1,6 +1,7 @@
 package kvmanager
 
 import (
+	"fmt"
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -389,32 +390,21 @@ func (m *Manager) DescribeGroups(ids []int64, maxBlocks int, tables [][]int32, s
 	if err := checkBatch("describe groups", n); err != nil {
 		return 0, err
 	}
+	anyTable := false
 	for g, tbl := range tables {
-		if tbl == nil {
-			continue
+		if err := checkDescribe("describe groups", fmt.Sprintf("group %d's block table", g), n, maxBlocks, tbl, nil); err != nil {
+			return 0, err
 		}
-		if maxBlocks < 1 {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "describe groups: max_blocks must be >= 1 with a block table: got %d", maxBlocks)
-		}
-		if int64(len(tbl)) < int64(n)*int64(maxBlocks) {
-			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe groups: group %d's block table holds %d entries, %d x %d needed", g, len(tbl), n, maxBlocks)
-		}
+		anyTable = anyTable || tbl != nil
 	}
-	if seqLens != nil && len(seqLens) < n {
-		return 0, kverr.Errorf(kverr.BufferTooSmall, "describe groups: seq_lens holds %d entries for %d sequences", len(seqLens), n)
+	if err := checkDescribe("describe groups", "", n, maxBlocks, nil, seqLens); err != nil {
+		return 0, err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	batch, err := m.resolve("describe groups", ids, true)
+	batch, total, err := m.describeBatch("describe groups", ids, maxBlocks, anyTable)
 	if err != nil {
 		return 0, err
-	}
-	total := 0
-	for i, s := range batch {
-		if len(tables) > 0 && len(s.blocks) > maxBlocks {
-			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe groups: sequence %d has %d blocks, max_blocks is %d", ids[i], len(s.blocks), maxBlocks)
-		}
-		total += s.fresh
 	}
 	for g, sl := range slots {
 		if sl != nil && total > len(sl) && (g == 0 || m.groups.extra[g-1].Kind != Recurrent) {

@@ -693,29 +693,14 @@ func (m *Manager) Describe(ids []int64, maxBlocks int, table, seqLens, slots []i
 	if err := checkBatch("describe", n); err != nil {
 		return 0, err
 	}
-	if table != nil {
-		if maxBlocks < 1 {
-			return 0, kverr.Errorf(kverr.InvalidArgument, "describe: max_blocks must be >= 1 with a block table: got %d", maxBlocks)
-		}
-		if int64(len(table)) < int64(n)*int64(maxBlocks) {
-			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: block table holds %d entries, %d x %d needed", len(table), n, maxBlocks)
-		}
-	}
-	if seqLens != nil && len(seqLens) < n {
-		return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: seq_lens holds %d entries for %d sequences", len(seqLens), n)
+	if err := checkDescribe("describe", "block table", n, maxBlocks, table, seqLens); err != nil {
+		return 0, err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	batch, err := m.resolve("describe", ids, true)
+	batch, total, err := m.describeBatch("describe", ids, maxBlocks, table != nil)
 	if err != nil {
 		return 0, err
-	}
-	total := 0
-	for i, s := range batch {
-		if table != nil && len(s.blocks) > maxBlocks {
-			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: sequence %d has %d blocks, max_blocks is %d", ids[i], len(s.blocks), maxBlocks)
-		}
-		total += s.fresh
 	}
 	if slots != nil && total > len(slots) {
 		return 0, kverr.Errorf(kverr.BufferTooSmall, "describe: the batch has %d new tokens, slot_mapping holds %d", total, len(slots))
@@ -742,6 +727,42 @@ func (m *Manager) Describe(ids []int64, maxBlocks int, table, seqLens, slots []i
 		}
 	}
 	return total, nil
+}
+
+// checkDescribe checks a describe call's buffers for a batch of n: a block
+// table (nil: not wanted; what names it) of n rows of maxBlocks, and
+// seqLens (nil: not wanted) of n.
+func checkDescribe(op, what string, n, maxBlocks int, table, seqLens []int32) error {
+	if table != nil {
+		if maxBlocks < 1 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: max_blocks must be >= 1 with a block table: got %d", op, maxBlocks)
+		}
+		if int64(len(table)) < int64(n)*int64(maxBlocks) {
+			return kverr.Errorf(kverr.BufferTooSmall, "%s: %s holds %d entries, %d x %d needed", op, what, len(table), n, maxBlocks)
+		}
+	}
+	if seqLens != nil && len(seqLens) < n {
+		return kverr.Errorf(kverr.BufferTooSmall, "%s: seq_lens holds %d entries for %d sequences", op, len(seqLens), n)
+	}
+	return nil
+}
+
+// describeBatch resolves a describe call's batch (under m.mu; an id may
+// repeat) and returns it with its new tokens, refusing a sequence of more
+// than maxBlocks blocks when a table is wanted.
+func (m *Manager) describeBatch(op string, ids []int64, maxBlocks int, table bool) ([]*seq, int, error) {
+	batch, err := m.resolve(op, ids, true)
+	if err != nil {
+		return nil, 0, err
+	}
+	total := 0
+	for i, s := range batch {
+		if table && len(s.blocks) > maxBlocks {
+			return nil, 0, kverr.Errorf(kverr.BufferTooSmall, "%s: sequence %d has %d blocks, max_blocks is %d", op, ids[i], len(s.blocks), maxBlocks)
+		}
+		total += s.fresh
+	}
+	return batch, total, nil
 }
 
 // noBlocks is a run of -1 (no block) that fillNoBlock copies from.

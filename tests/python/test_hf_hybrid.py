@@ -24,13 +24,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import test_hf_correctness as H  # noqa: E402
 
 
-def tiny_hybrid(kind: str, dtype=torch.float32, device="cpu", seed=0, window=12, experts=4):
+def tiny_hybrid(kind: str, dtype=torch.float32, device="cpu", seed=0, window=12, experts=4, **over):
     """A 4-layer gpt-oss (sliding, full, sliding, full; sinks drawn so that
     they matter) or a 6-layer Gemma 3 (five sliding, one full), GQA 4:2,
     head_dim 16, with a window of `window` tokens; gpt-oss with `experts`
-    experts, two a token (one when there is one)."""
+    experts, two a token (one when there is one); over: config fields."""
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, max_position_embeddings=1024, sliding_window=window)
+    common.update(over)
     if kind == "gpt-oss":
         # YaRN's factor 32 over gpt-oss's 4096 original positions: max_position_embeddings to match.
         cfg = transformers.GptOssConfig(num_hidden_layers=4, num_local_experts=experts, num_experts_per_tok=min(2, experts),
