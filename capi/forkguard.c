@@ -96,6 +96,11 @@ kvp_status kvp_manager_group_blocks(kvp_manager *m, int32_t *out, int32_t capaci
   return kvpgo_manager_group_blocks(m, out, capacity, num_groups);
 }
 
+kvp_status kvp_manager_take_copies(kvp_manager *m, kvp_block_copy *out, int32_t capacity, int32_t *num_copies, int32_t *num_left) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_take_copies");
+  return kvpgo_manager_take_copies(m, out, capacity, num_copies, num_left);
+}
+
 kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n, const int32_t *tokens, const int64_t *token_offsets, const kvp_prefix_keys *keys, int32_t *matched_tokens, int32_t *num_admitted) {
   if (kvp__forked) return kvp__forked_status("kvp_manager_admit");
   return kvpgo_manager_admit(m, (void *)seq_ids, n, (void *)tokens, (void *)token_offsets, (void *)keys, matched_tokens, num_admitted);

@@ -27,7 +27,8 @@ func TestLayerGroupsABI(t *testing.T) {
 		{"window past the context", groups, 3, false, 5, 1024, false, kverr.InvalidArgument},
 		{"state past a block", groups, 3, false, 0, 255, false, kverr.InvalidArgument},
 		{"first group windowed", []testGroup{win, full}, 2, false, 0, 0, false, kverr.InvalidArgument},
-		{"prefix cache", groups, 3, false, 0, 1024, true, kverr.Unsupported},
+		{"cached states without checkpoints", groups, 3, false, 0, 1024, true, kverr.InvalidArgument},
+		{"reserved", []testGroup{full, {kind: 2, stateBytes: 8, checkpoint: 1, spare: 1}}, 2, false, 0, 1024, true, kverr.InvalidArgument},
 	} {
 		h, st := hookManagerCreateGroups(64, 4, c.groups, c.n, c.null, c.maxLen, c.blockBytes, c.cache)
 		expect(t, c.name, st, c.want)
@@ -81,5 +82,37 @@ func TestLayerGroupsABI(t *testing.T) {
 	defer hookManagerDestroy(plain)
 	if gb, n, st := hookGroupBlocks(plain, 1); st != 0 || n != 1 || gb[0] != 0 {
 		t.Fatalf("plain manager: %v %d %s", gb, n, statusName(st))
+	}
+}
+
+// A recurrent group in the prefix cache: mark_computed queues a
+// checkpoint's copy, take_copies hands it out (a capacity of 0 takes none),
+// and a hit's state copy follows it.
+func TestTakeCopiesABI(t *testing.T) {
+	lockThread(t)
+	groups := []testGroup{{kind: 0}, {kind: 2, stateBytes: 64, checkpoint: 1}}
+	h, st := hookManagerCreateGroups(32, 4, groups, 2, false, 0, 64, true)
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	if _, _, st := hookTakeCopies(h, 2, true); st != abiStatus(kverr.NullPointer) {
+		t.Fatalf("NULL out with a capacity: %s", statusName(st))
+	}
+	if _, _, st := hookTakeCopies(h, -1, false); st != abiStatus(kverr.InvalidArgument) {
+		t.Fatalf("capacity -1: %s", statusName(st))
+	}
+	if got, left, st := hookTakeCopies(h, 0, true); st != 0 || len(got) != 0 || left != 0 {
+		t.Fatalf("first take: %v %d %s", got, left, statusName(st))
+	}
+	toks := []int32{1, 2, 3, 4, 5, 6, 7, 8}
+	if _, n, st := hookAdmit(h, []int64{1}, [][]int32{toks}, nil); st != 0 || n != 1 {
+		t.Fatalf("admit: %d admitted, %s %s", n, statusName(st), lastError())
+	}
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	if got, left, _ := hookTakeCopies(h, 0, true); len(got) != 0 || left != 1 {
+		t.Fatalf("capacity 0: %v, %d left", got, left)
+	}
+	got, left, st := hookTakeCopies(h, 4, false)
+	if st != 0 || len(got) != 1 || left != 0 || got[0][0] == got[0][1] {
+		t.Fatalf("checkpoint copy: %v, %d left, %s", got, left, statusName(st))
 	}
 }

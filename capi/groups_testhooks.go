@@ -13,8 +13,9 @@ import "unsafe"
 
 // testGroup is a kvp_layer_group in Go's types.
 type testGroup struct {
-	kind, window int32
-	stateBytes   int64
+	kind, window      int32
+	stateBytes        int64
+	checkpoint, spare int32 // checkpoint_every, reserved
 }
 
 // hookManagerCreateGroups creates a manager of groups (n of them given as
@@ -33,6 +34,7 @@ func hookManagerCreateGroups(numBlocks, bs int32, groups []testGroup, n int32, n
 	elems := unsafe.Slice(arr, max(len(groups), 1))
 	for i, g := range groups {
 		elems[i].kind, elems[i].window, elems[i].state_bytes = C.int32_t(g.kind), C.int32_t(g.window), C.int64_t(g.stateBytes)
+		elems[i].checkpoint_every, elems[i].reserved = C.int32_t(g.checkpoint), C.int32_t(g.spare)
 	}
 	if !nullGroups {
 		cfg.layer_groups = arr
@@ -83,4 +85,23 @@ func hookGroupBlocks(h unsafe.Pointer, capacity int32) ([]int32, int32, abiStatu
 	var n C.int32_t
 	st := kvpgo_manager_group_blocks((*C.kvp_manager)(h), (*C.int32_t)(out.p), C.int32_t(capacity), &n)
 	return append([]int32(nil), unsafe.Slice((*int32)(out.p), int(max(capacity, 0)))...), int32(n), abiStatus(st)
+}
+
+// hookTakeCopies calls kvp_manager_take_copies with capacity entries
+// (nullOut: out NULL) and returns the copies, the count left and the status.
+func hookTakeCopies(h unsafe.Pointer, capacity int32, nullOut bool) ([][2]int32, int32, abiStatus) {
+	out := newCBuf(8 * int(max(capacity, 1)))
+	defer out.free()
+	p := (*C.kvp_block_copy)(out.p)
+	if nullOut {
+		p = nil
+	}
+	var n, left C.int32_t
+	st := kvpgo_manager_take_copies((*C.kvp_manager)(h), p, C.int32_t(capacity), &n, &left)
+	pairs := make([][2]int32, int(n))
+	for i := range pairs {
+		e := unsafe.Slice(p, int(n))[i]
+		pairs[i] = [2]int32{int32(e.src), int32(e.dst)}
+	}
+	return pairs, int32(left), abiStatus(st)
 }

@@ -180,7 +180,11 @@ func layerGroupsOf(c *C.kvp_manager_config) ([]kvmanager.Group, error) {
 		if g.kind < 0 || g.kind > 255 {
 			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config: layer group %d: unknown kind %d", i, int32(g.kind))
 		}
-		groups[i] = kvmanager.Group{Kind: kvmanager.GroupKind(g.kind), Window: int(g.window), StateBytes: int64(g.state_bytes)}
+		if g.reserved != 0 {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config: layer group %d: reserved must be 0: got %d", i, int32(g.reserved))
+		}
+		groups[i] = kvmanager.Group{Kind: kvmanager.GroupKind(g.kind), Window: int(g.window), StateBytes: int64(g.state_bytes),
+			CheckpointEvery: int(g.checkpoint_every)}
 	}
 	return groups, nil
 }
@@ -247,6 +251,26 @@ func kvpgo_manager_group_blocks(h *C.kvp_manager, out *C.int32_t, capacity C.int
 		dst := slice[int32](unsafe.Pointer(out), capacity)
 		for g, v := range gb {
 			dst[g] = int32(v)
+		}
+		return nil
+	})
+}
+
+//export kvpgo_manager_take_copies
+func kvpgo_manager_take_copies(h *C.kvp_manager, out *C.kvp_block_copy, capacity C.int32_t, numCopies, numLeft *C.int32_t) C.kvp_status {
+	const op = "kvp_manager_take_copies"
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if numCopies == nil || (out == nil && capacity > 0) {
+			return kverr.Errorf(kverr.NullPointer, "%s: num_copies (and out, with a capacity) must not be NULL", op)
+		}
+		if capacity < 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: capacity must be >= 0: got %d", op, int32(capacity))
+		}
+		// kvp_block_copy is two int32, kvmanager.CopyPair's layout.
+		n, left := m.TakeCopies(slice[kvmanager.CopyPair](unsafe.Pointer(out), capacity))
+		*numCopies = C.int32_t(n)
+		if numLeft != nil {
+			*numLeft = C.int32_t(left)
 		}
 		return nil
 	})

@@ -56,10 +56,11 @@
  *     section): kvp_manager_config gains layer_groups, num_layer_groups,
  *     max_model_len and block_bytes (appended); new kvp_layer_group,
  *     kvp_manager_describe_groups (a block table and slot mapping per
- *     group in one call) and kvp_manager_group_blocks. Sliding-window
- *     groups give back the blocks no query reads; the prefix cache holds
- *     full-attention and window groups; recurrent groups hold one state
- *     block per sequence. A manager without groups behaves as before.
+ *     group in one call), kvp_manager_group_blocks and
+ *     kvp_manager_take_copies. Sliding-window groups give back the blocks
+ *     no query reads; recurrent groups hold one state block per sequence;
+ *     the prefix cache holds every kind, recurrent states at checkpoints.
+ *     A manager without groups behaves as before.
  *   - Attention sinks: kvp_paged_decode_args and kvp_paged_prefill_args
  *     (so kvp_paged_cascade too) gain an appended `sinks`, one float32
  *     logit per query head added to the softmax denominator (gpt-oss);
@@ -366,9 +367,23 @@ typedef struct kvp_manager kvp_manager;
  * conversation's next turn still hits under pressure. KV events and pins
  * concern group 0's blocks.
  *
+ * A recurrent group's state is cached at checkpoints: where a sequence's
+ * step ends at the end of a cached block whose number (counting from 1)
+ * is a multiple of checkpoint_every, kvp_manager_mark_computed gives the
+ * checkpoint a block, if the pool has one to spare, and queues the copy of
+ * the sequence's state into it. A prompt then hits only up to its last
+ * checkpoint, and the admitted sequence's new state block gets a copy of
+ * it, queued too. The engine takes the queue with kvp_manager_take_copies
+ * every step, before the forward pass, and performs the copies in order on
+ * the step's stream (each one as a kvp_block_copy: every layer slot of src
+ * into dst), so that a hit never starts from a state that is not there.
+ * No checkpoint is taken before the engine's first take_copies call. An
+ * engine that chunks its prefill at multiples of checkpoint_every blocks
+ * gets a checkpoint at every chunk's end.
+ *
  * In this version a manager with more than one group refuses the host
- * tier, and the prefix cache with a recurrent group (KVP_ERR_UNSUPPORTED
- * at create); kvp_manager_cascade_plan plans group 0's tables. */
+ * tier (KVP_ERR_UNSUPPORTED at create); kvp_manager_cascade_plan plans
+ * group 0's tables. */
 typedef enum kvp_layer_group_kind {
   KVP_GROUP_FULL_ATTENTION = 0, /* every token's K/V */
   KVP_GROUP_SLIDING_WINDOW = 1, /* the last window tokens' K/V */
@@ -382,6 +397,11 @@ typedef struct kvp_layer_group {
                           [1, 2^30] without max_model_len); 0 otherwise */
   int64_t state_bytes; /* recurrent: one layer's state in bytes, in
                           [1, block_bytes]; 0 otherwise */
+  int32_t checkpoint_every; /* recurrent with the prefix cache: keep the
+                               state at the end of every cached block whose
+                               number is a multiple of this, in [1, 2^20];
+                               0 otherwise (see "Prefix cache" above) */
+  int32_t reserved;         /* must be 0 */
 } kvp_layer_group;
 
 typedef struct kvp_manager_config {
@@ -682,6 +702,18 @@ kvp_status kvp_manager_describe_groups(kvp_manager *m, const int64_t *seq_ids, i
  * (capacity below the group count; *num_groups still written). */
 kvp_status kvp_manager_group_blocks(kvp_manager *m, int32_t *out, int32_t capacity,
                                     int32_t *num_groups);
+
+/* Moves the oldest queued block copies into out[0 .. capacity) (since 0.6;
+ * see "Layer groups", Prefix cache): *num_copies receives how many it moved,
+ * *num_left (if not NULL) how many wait still. The engine performs them in
+ * order, each copying every layer slot of block src into block dst, on the
+ * stream of the next forward pass and before it; call it every step after
+ * the scheduler's calls until nothing is left. Only a manager with a
+ * recurrent group in the prefix cache queues copies; the first call also
+ * tells it that the engine performs them. Errors: NULL_POINTER
+ * (num_copies; out with capacity > 0), INVALID_ARGUMENT (capacity < 0). */
+kvp_status kvp_manager_take_copies(kvp_manager *m, kvp_block_copy *out, int32_t capacity,
+                                   int32_t *num_copies, int32_t *num_left);
 
 #endif /* KVPLUG_NO_PROTOTYPES */
 

@@ -345,6 +345,7 @@ struct ManagerApi {
   KVPLUG_FN(kvp_manager_check);
   KVPLUG_FN(kvp_manager_describe_groups);
   KVPLUG_FN(kvp_manager_group_blocks);
+  KVPLUG_FN(kvp_manager_take_copies);
   void load(const Library &lib) {
     KVPLUG_LOAD(lib, kvp_manager_create);
     KVPLUG_LOAD(lib, kvp_manager_destroy);
@@ -358,6 +359,7 @@ struct ManagerApi {
     KVPLUG_LOAD(lib, kvp_manager_check);
     KVPLUG_LOAD(lib, kvp_manager_describe_groups);
     KVPLUG_LOAD(lib, kvp_manager_group_blocks);
+    KVPLUG_LOAD(lib, kvp_manager_take_copies);
   }
 };
 inline const ManagerApi &manager_api() { return table<ManagerApi>(); }
@@ -525,6 +527,20 @@ class Manager {
     const kvp_status st = api().kvp_manager_group_blocks(h_, nullptr, 0, &n);
     if (st != KVP_ERR_BUFFER_TOO_SMALL) detail::check(st);
     return n;
+  }
+
+  // The queued block copies, oldest first (kvp_manager_take_copies): a recurrent
+  // group's checkpoints and the states of prefix hits. Perform them in order, every
+  // layer slot of src into dst, on the next forward pass's stream before it.
+  std::vector<kvp_block_copy> take_copies() {
+    std::vector<kvp_block_copy> out;
+    kvp_block_copy buf[256];
+    for (;;) {
+      int32_t n = 0, left = 0;
+      detail::check(api().kvp_manager_take_copies(h_, buf, 256, &n, &left));
+      out.insert(out.end(), buf, buf + n);
+      if (left == 0) return out;
+    }
   }
 
   // The blocks each layer group holds now (a block forked sequences share counts once).

@@ -57,6 +57,7 @@ func (m *Manager) MarkComputed() {
 	if m.cache != nil {
 		m.queueComputed() // the host tier's write-through: before the blocks stop reading as uncomputed
 		m.cache.Commit()
+		m.takeCheckpoints()
 	}
 }
 

@@ -43,8 +43,23 @@ import (
 // most recent) together with its first ones, and its next turn cannot hit
 // even though group 0 still holds every block.
 //
-// A recurrent group has no companions: the prefix cache refuses managers
-// with one in this version.
+// Recurrent states. A recurrent group's companion of a node is a
+// checkpoint: the state after the node's last token, kept in a block of
+// its own. The state exists on the GPU only at the end of a step, so a
+// checkpoint is taken where a sequence's step ends at the end of a cached
+// block whose number is a multiple of the group's CheckpointEvery: at
+// MarkComputed (the step's forward pass is launched) the manager allocates
+// the checkpoint block, if the pool has one to spare, and queues the copy
+// of the sequence's state into it. A prompt hits only up to a checkpoint,
+// and its sequence's new state block gets a copy from the checkpoint,
+// queued behind the checkpoint's own copy: the engine performs the queue
+// (TakeCopies) in order on the step's stream before the forward pass, so
+// a hit never starts from a state that is not there. Every block a copy
+// reads or writes is intact until then, whatever happened to it since
+// (freed, evicted, given to another owner): the next forward pass is the
+// first thing that writes to it. Checkpoints are taken only once the
+// engine has called TakeCopies, which tells the manager that it performs
+// them; they are evicted as kept window blocks are.
 
 // The classes of a Cached window companion.
 const (
@@ -73,7 +88,23 @@ type groupCache struct {
 	// fullExtra counts the full-attention groups past group 0: every
 	// evictable node frees that many companions with it.
 	fullExtra int
+	// Checkpoints to take at the next MarkComputed; takes: the engine has
+	// called TakeCopies.
+	cands []checkpoint
+	takes bool
 }
+
+// checkpoint is a sequence whose step ended at the end of block index
+// block, for recurrent group g.
+type checkpoint struct {
+	id     int64
+	length int
+	g      int
+}
+
+// maxQueuedCopies bounds the copies waiting for TakeCopies: an engine that
+// never takes them gets no new checkpoints (and so no recurrent hits).
+const maxQueuedCopies = 1 << 16
 
 func newGroupCache(numBlocks int, gs *groupSet) *groupCache {
 	gc := &groupCache{
@@ -133,21 +164,26 @@ func (gc *groupCache) unlist(c int32) {
 }
 
 // forget unregisters companion c.
-func (gc *groupCache) forget(c int32) {
+func (m *Manager) forget(c int32) {
+	gc := m.gc
 	gc.unlist(c)
 	gc.comp[gc.ownerGroup[c]][gc.owner[c]] = NoBlock
 	gc.owner[c] = NoBlock
 }
 
-// register records the companions of s's block at index j, just inserted
-// as a node, and marks them cached in the pool.
+// registerCompanions records the attention-group companions of s's block
+// at index j, just inserted as a node, and marks them cached in the pool
+// (a recurrent group's come at checkpoints: takeCheckpoints).
 func (m *Manager) registerCompanions(s *seq, j int) {
 	gc := m.gc
 	if gc == nil {
 		return
 	}
 	b := s.blocks[j]
-	for g := range s.extra {
+	for g, grp := range m.groups.extra {
+		if grp.Kind == Recurrent {
+			continue
+		}
 		c := s.extra[g].blocks[j]
 		// A block is inserted as it fills: its index is the sequence's
 		// last, which no window has dropped.
@@ -177,7 +213,7 @@ func (m *Manager) nodesGone(nodes []int32) int {
 			if c == NoBlock {
 				continue
 			}
-			gc.forget(c)
+			m.forget(c)
 			if m.pool.State(c) == blocks.Cached {
 				freed++
 			}
@@ -194,10 +230,95 @@ func (m *Manager) evictCompanions(class uint8, n int) int {
 	k := 0
 	for ; k < n && gc.head[class] != NoBlock; k++ {
 		c := gc.head[class]
-		gc.forget(c)
+		m.forget(c)
 		assertOK(m.pool.UnmarkCached(c), "a listed companion is not cached")
 	}
 	return k
+}
+
+// noteCheckpoint records, for the next MarkComputed, sequence id's
+// checkpoints: the recurrent groups whose interval divides the number of
+// s's blocks, when its step ends at the end of its last block and its
+// blocks are being cached.
+func (m *Manager) noteCheckpoint(id int64, s *seq) {
+	gc := m.gc
+	if gc == nil || m.groups.states == 0 || s.pc == nil || s.length%m.bs != 0 {
+		return
+	}
+	n := s.length / m.bs
+	for g, grp := range m.groups.extra {
+		if grp.Kind == Recurrent && n%grp.CheckpointEvery == 0 {
+			gc.cands = append(gc.cands, checkpoint{id: id, length: s.length, g: g})
+		}
+	}
+}
+
+// takeCheckpoints, at MarkComputed, gives each recorded checkpoint whose
+// sequence is as it was and whose block is cached without one a block of
+// its own, if the pool can spare it, and queues the state's copy there.
+func (m *Manager) takeCheckpoints() {
+	gc := m.gc
+	if gc == nil || !gc.takes {
+		gc.cands = gc.cands[:0]
+		return
+	}
+	for _, cp := range gc.cands {
+		s := m.seqs.get(cp.id)
+		if s == nil || s.length != cp.length || len(m.queued) >= maxQueuedCopies {
+			continue
+		}
+		b := s.blocks[cp.length/m.bs-1]
+		if _, ok := m.cache.BlockHash(b); !ok || gc.comp[cp.g][b] != NoBlock || m.available() < 1 {
+			continue
+		}
+		m.makeFree(1)
+		m.one[0] = NoBlock
+		m.allocate(m.one[:], s.extra[cp.g].blocks[0], "checkpoint: allocating a block made free")
+		c := m.one[0]
+		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
+		gc.comp[cp.g][b], gc.owner[c], gc.ownerGroup[c] = c, b, uint8(cp.g)
+		var err error
+		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+		assertOK(err, "checkpoint: releasing its block")
+		gc.push(c, compKept)
+		m.queued = append(m.queued, CopyPair{Src: s.extra[cp.g].blocks[0], Dst: c})
+	}
+	gc.cands = gc.cands[:0]
+}
+
+// queueStateCopies queues the copies of a hit's checkpoints into the
+// admitted sequence s's state blocks (h matched blocks).
+func (m *Manager) queueStateCopies(s *seq, h int) {
+	gc := m.gc
+	if gc == nil || h == 0 {
+		return
+	}
+	for g, grp := range m.groups.extra {
+		if grp.Kind == Recurrent {
+			m.queued = append(m.queued, CopyPair{Src: gc.comp[g][s.blocks[h-1]], Dst: s.extra[g].blocks[0]})
+		}
+	}
+}
+
+// TakeCopies moves the oldest queued block copies into dst and returns how
+// many it moved and how many are left. The engine performs them in queue
+// order, every layer slot of Src into Dst as for Fork's copies, on the
+// stream of the next forward pass and before it: a prefix hit's recurrent
+// states (its checkpoint into the admitted sequence's state block, queued
+// by Admit) and checkpoints (a sequence's state into a checkpoint block,
+// queued by MarkComputed). Call it every step between the scheduler's
+// calls and the forward pass (until left is 0); checkpoints are taken only
+// once it has been called. A manager without recurrent groups in the
+// prefix cache queues nothing.
+func (m *Manager) TakeCopies(dst []CopyPair) (n, left int) {
+	m.mu.Lock()
+	defer m.unlock()
+	if m.gc != nil {
+		m.gc.takes = true
+	}
+	n = copy(dst, m.queued)
+	m.queued = append(m.queued[:0], m.queued[n:]...)
+	return n, len(m.queued)
 }
 
 // listReleased lists the window companions among s's group g entries
@@ -240,11 +361,39 @@ func (m *Manager) nearHitPoint(s *seq, g, j int) bool {
 // window group holds the companions of the blocks its query at position
 // h*bs reads.
 func (m *Manager) hitBlocks(matched []int32) int {
-	gc := m.gc
-	if gc == nil {
+	if m.gc == nil {
 		return len(matched)
 	}
 	h := len(matched)
+	for {
+		was := h
+		h = m.windowHit(matched, h)
+		h = m.stateHit(matched, h)
+		if h == was {
+			return h
+		}
+	}
+}
+
+// stateHit is the most, at most h, of the matched blocks that every
+// recurrent group has a checkpoint after.
+func (m *Manager) stateHit(matched []int32, h int) int {
+	gc := m.gc
+	for g, grp := range m.groups.extra {
+		if grp.Kind != Recurrent {
+			continue
+		}
+		for h > 0 && gc.comp[g][matched[h-1]] == NoBlock {
+			h--
+		}
+	}
+	return h
+}
+
+// windowHit is the most, at most h, of the matched blocks from which every
+// window group holds what the next query reads.
+func (m *Manager) windowHit(matched []int32, h int) int {
+	gc := m.gc
 	for g, grp := range m.groups.extra {
 		if grp.Kind != SlidingWindow {
 			continue
@@ -300,6 +449,9 @@ func (m *Manager) takeCompanions(s *seq, h int) {
 		gc.hitPoint[s.blocks[h-1]] = true
 	}
 	for g, grp := range m.groups.extra {
+		if grp.Kind == Recurrent {
+			continue // its state comes by copy (queueStateCopies)
+		}
 		t := &s.extra[g]
 		from := 0
 		if grp.Kind == SlidingWindow {
@@ -346,11 +498,14 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 		st := m.pool.State(int32(c))
 		if gc.class[c] != compListed {
 			listed++
-			if st != blocks.Cached || m.groups.extra[g].Kind != SlidingWindow {
+			if st != blocks.Cached || m.groups.extra[g].Kind == FullAttention {
 				return bad("listed companion %d is %s in group %d", c, st, g+1)
 			}
-		} else if st == blocks.Cached && m.groups.extra[g].Kind == SlidingWindow {
-			return bad("window companion %d is cached with no reference and not listed", c)
+		} else if st == blocks.Cached && m.groups.extra[g].Kind != FullAttention {
+			return bad("companion %d of group %d is cached with no reference and not listed", c, g+1)
+		}
+		if m.groups.extra[g].Kind == Recurrent && st != blocks.Cached {
+			return bad("checkpoint %d of group %d is %s", c, g+1, st)
 		}
 		if m.groups.extra[g].Kind == FullAttention && (st == blocks.Cached) != (m.cache.LockCount(b) == 0) {
 			return bad("full group companion %d is %s while its node %d has %d locks", c, st, b, m.cache.LockCount(b))

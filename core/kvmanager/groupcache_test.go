@@ -1,6 +1,7 @@
 package kvmanager
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -14,24 +15,48 @@ type groupMem struct {
 	m    *Manager
 	mem  []map[int32]int32 // per group: slot -> token
 	toks map[int64][]int32 // each live sequence's tokens
+	// A recurrent group's state blocks: the tokens (as a string) whose
+	// state each holds; what the engine's copies and forward passes do.
+	state map[int32]string
 }
 
+// stateOf names the state after toks.
+func stateOf(toks []int32) string { return fmt.Sprint(toks) }
+
 func newGroupMem(m *Manager) *groupMem {
-	gm := &groupMem{m: m, toks: map[int64][]int32{}}
+	gm := &groupMem{m: m, toks: map[int64][]int32{}, state: map[int32]string{}}
 	for range m.NumGroups() {
 		gm.mem = append(gm.mem, map[int32]int32{})
 	}
 	return gm
 }
 
-// write records the K/V writes of sequence id's new tokens, its last ones.
+// write runs sequence id's step as an engine would: the queued copies
+// (TakeCopies, a few at a time), then its new tokens' K/V writes and its
+// recurrent states' update, after checking that each state block holds the
+// state after the tokens before the new ones.
 func (gm *groupMem) write(t testing.TB, id int64) {
 	t.Helper()
+	var buf [3]CopyPair
+	for {
+		n, left := gm.m.TakeCopies(buf[:])
+		for _, p := range buf[:n] {
+			gm.state[p.Dst] = gm.state[p.Src]
+		}
+		if left == 0 {
+			break
+		}
+	}
 	tabs, slots := describeGroups(t, gm.m, id, 1<<12)
-	_ = tabs
 	toks := gm.toks[id]
+	fresh := len(slots[0])
 	for g, sl := range slots {
 		if g > 0 && gm.m.groups.extra[g-1].Kind == Recurrent {
+			b, before := tabs[g][0], toks[:len(toks)-fresh]
+			if got, ok := gm.state[b]; len(before) > 0 && (!ok || got != stateOf(before)) {
+				t.Fatalf("sequence %d's state block %d holds the state after %.60s, want after %d tokens %.60s", id, b, got, len(before), stateOf(before))
+			}
+			gm.state[b] = stateOf(toks)
 			continue
 		}
 		for k, s := range sl {
@@ -210,8 +235,15 @@ func TestGroupCacheRandomConversations(t *testing.T) {
 		r := rand.New(rand.NewPCG(seed, 99))
 		bs := 1 + r.IntN(6)
 		pool := 160 + r.IntN(160)
-		gm := newCachedGroups(t, pool, bs, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: 1 + r.IntN(12)},
-			Group{Kind: SlidingWindow, Window: 1 + r.IntN(30)}, Group{Kind: FullAttention})
+		groups := []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: 1 + r.IntN(12)},
+			{Kind: SlidingWindow, Window: 1 + r.IntN(30)}, {Kind: FullAttention}}
+		if seed%2 == 1 { // a recurrent group too: its states checked at every step (groupMem.write)
+			groups = append(groups, Group{Kind: Recurrent, StateBytes: 8, CheckpointEvery: 1 + r.IntN(3)})
+		}
+		m, err := New(Config{NumBlocks: pool, BlockSize: bs, EnablePrefixCache: true, Groups: groups, BlockBytes: 8})
+		must(t, err)
+		gm := newGroupMem(m)
+		m.TakeCopies(nil)
 		system := seqTokens(r, r.IntN(20))
 		var convs [][]int32
 		next := int64(1)
@@ -235,8 +267,12 @@ func TestGroupCacheRandomConversations(t *testing.T) {
 				next++
 			case op < 8 && len(gm.toks) > 0:
 				id := pickKey(r, gm.toks)
-				if len(gm.toks[id]) < pool*bs/8 {
-					_ = gm.grow(t, id, seqTokens(r, 1+r.IntN(5)*r.IntN(2)))
+				if len(gm.toks[id]) < pool*bs/16 { // room for a continuation to be admitted
+					n := 1 + r.IntN(5)*r.IntN(2)
+					if seed%2 == 1 && r.IntN(2) == 0 {
+						n = bs - len(gm.toks[id])%bs // a step that ends at a block's end: a checkpoint
+					}
+					_ = gm.grow(t, id, seqTokens(r, n))
 				}
 				gm.m.MarkComputed()
 			case len(gm.toks) > 0:
@@ -259,5 +295,63 @@ func TestGroupCacheRandomConversations(t *testing.T) {
 		if st := gm.m.Stats(); st.FreeBlocks != st.NumBlocks {
 			t.Fatalf("seed %d: %d of %d free after clearing", seed, st.FreeBlocks, st.NumBlocks)
 		}
+	}
+}
+
+// A recurrent model's next turn hits up to the last checkpoint of its
+// history, and its new state block gets the checkpoint's state (the engine
+// performs the queued copies): the step after the hit starts from exactly
+// the state a run without the cache would have.
+func TestGroupCacheRecurrentCheckpoints(t *testing.T) {
+	const bs = 4
+	m, err := New(Config{NumBlocks: 64, BlockSize: bs, EnablePrefixCache: true, BlockBytes: 64,
+		Groups: []Group{{Kind: FullAttention}, {Kind: Recurrent, StateBytes: 64, CheckpointEvery: 2}, {Kind: SlidingWindow, Window: 6}}})
+	must(t, err)
+	gm := newGroupMem(m)
+	m.TakeCopies(nil) // the engine's first, with nothing queued: it takes copies
+	r := rand.New(rand.NewPCG(11, 12))
+	gm.admit(t, 1, seqTokens(r, 16)) // ends at block 4: a checkpoint (every 2)
+	gm.m.MarkComputed()
+	for range 5 { // to 21 tokens: ends at 17-21, no checkpoint
+		must(t, gm.grow(t, 1, seqTokens(r, 1)))
+		gm.m.MarkComputed()
+	}
+	hist := slices.Clone(gm.toks[1])
+	gm.remove(t, 1)
+	if k := gm.admit(t, 2, append(slices.Clone(hist), seqTokens(r, 2)...)); k != 16 {
+		t.Fatalf("the next turn matched %d tokens, want the 16 of the checkpoint", k)
+	}
+	gm.check(t)
+	// Its step ran from the checkpoint's state (write checked it); a grow to
+	// 24 tokens ends at block 6: another checkpoint, taken at MarkComputed.
+	gm.m.MarkComputed()
+	must(t, gm.grow(t, 2, seqTokens(r, 24-len(gm.toks[2]))))
+	gm.m.MarkComputed()
+	hist = slices.Clone(gm.toks[2])
+	gm.remove(t, 2)
+	if k := gm.admit(t, 3, append(slices.Clone(hist), seqTokens(r, 1)...)); k != 24 {
+		t.Fatalf("matched %d tokens, want 24", k)
+	}
+	gm.m.MarkComputed()
+	must(t, gm.grow(t, 3, seqTokens(r, 1)))
+	must(t, gm.m.CheckInvariants())
+}
+
+// Without an engine that takes copies, no checkpoint is taken and a
+// recurrent model never hits: never a hit without its state.
+func TestGroupCacheNoCheckpointsWithoutTakes(t *testing.T) {
+	m, err := New(Config{NumBlocks: 64, BlockSize: 4, EnablePrefixCache: true, BlockBytes: 64,
+		Groups: []Group{{Kind: FullAttention}, {Kind: Recurrent, StateBytes: 64, CheckpointEvery: 1}}})
+	must(t, err)
+	toks := seqTokens(rand.New(rand.NewPCG(1, 1)), 17)
+	n, err := m.Admit([]int64{1}, Prompts{Tokens: toks[:16], Offsets: []int64{0, 16}}, nil)
+	if err != nil || n != 1 {
+		t.Fatal(n, err)
+	}
+	m.MarkComputed()
+	must(t, m.Remove([]int64{1}))
+	matched := make([]int32, 1)
+	if _, err := m.Admit([]int64{2}, Prompts{Tokens: toks, Offsets: []int64{0, 17}}, matched); err != nil || matched[0] != 0 {
+		t.Fatalf("matched %d (%v) with no checkpoint", matched[0], err)
 	}
 }

@@ -39,11 +39,11 @@ import (
 //     BlockBytes bytes per layer slot). Fork gives each child its own
 //     block and a CopyPair from the parent's.
 //
-// The prefix cache holds full-attention and sliding-window groups
-// (groupcache.go); a recurrent group's states are not cached, and the
-// host tier keys on one table per sequence: a manager with more than one
-// group refuses those (Unsupported) in this version. Shared-prefix
-// (cascade) planning reads group 0's tables.
+// The prefix cache holds every kind of group (groupcache.go): a recurrent
+// group's states at checkpoints. The host tier keys on one table per
+// sequence: a manager with more than one group refuses it (Unsupported)
+// in this version. Shared-prefix (cascade) planning reads group 0's
+// tables.
 
 // GroupKind is the kind of a layer group's layers.
 type GroupKind uint8
@@ -71,6 +71,12 @@ type Group struct {
 	// StateBytes is a Recurrent group's state size in bytes per layer
 	// slot, in [1, Config.BlockBytes]. 0 for the other kinds.
 	StateBytes int64
+	// CheckpointEvery is a Recurrent group's checkpoint interval in
+	// blocks, in [1, 2^20], required with the prefix cache: the state of
+	// a sequence whose step ends at the end of a cached block that is a
+	// multiple of it is kept (groupcache.go, "Recurrent states"). 0 for
+	// the other kinds, and without the prefix cache.
+	CheckpointEvery int
 }
 
 // groupTable is a sequence's table in one group other than group 0.
@@ -117,12 +123,12 @@ func newGroupSet(cfg *Config) (groupSet, error) {
 	for g, grp := range cfg.Groups {
 		switch grp.Kind {
 		case FullAttention:
-			if grp.Window != 0 || grp.StateBytes != 0 {
+			if grp.Window != 0 || grp.StateBytes != 0 || grp.CheckpointEvery != 0 {
 				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: a full-attention group has no window or state size: got window %d, state bytes %d", g, grp.Window, grp.StateBytes)
 			}
 		case SlidingWindow:
-			if grp.StateBytes != 0 {
-				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: a sliding-window group has no state size: got %d", g, grp.StateBytes)
+			if grp.StateBytes != 0 || grp.CheckpointEvery != 0 {
+				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: a sliding-window group has no state size or checkpoints: got %d, %d", g, grp.StateBytes, grp.CheckpointEvery)
 			}
 			if grp.Window < 1 || grp.Window > maxWindow {
 				if cfg.MaxModelLen > 0 && grp.Window >= cfg.MaxModelLen {
@@ -140,6 +146,12 @@ func newGroupSet(cfg *Config) (groupSet, error) {
 			if grp.StateBytes < 1 || grp.StateBytes > cfg.BlockBytes {
 				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: the recurrent state of %d bytes does not fit a block of %d bytes (block_bytes, per layer slot)", g, grp.StateBytes, cfg.BlockBytes)
 			}
+			if cfg.EnablePrefixCache && (grp.CheckpointEvery < 1 || grp.CheckpointEvery > 1<<20) {
+				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: a recurrent group in the prefix cache needs checkpoint_every in [1, 2^20] blocks (how often its state is kept): got %d", g, grp.CheckpointEvery)
+			}
+			if !cfg.EnablePrefixCache && grp.CheckpointEvery != 0 {
+				return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: checkpoint_every %d needs the prefix cache", g, grp.CheckpointEvery)
+			}
 		default:
 			return gs, kverr.Errorf(kverr.InvalidArgument, "layer group %d: unknown kind %d", g, grp.Kind)
 		}
@@ -147,15 +159,8 @@ func newGroupSet(cfg *Config) (groupSet, error) {
 	if cfg.Groups[0].Kind != FullAttention {
 		return gs, kverr.Errorf(kverr.InvalidArgument, "layer group 0 must be full attention (its table is the sequence's token timeline): got kind %d; declare a model without full-attention layers as one full-attention group", cfg.Groups[0].Kind)
 	}
-	if len(cfg.Groups) > 1 {
-		if cfg.HostTier != nil {
-			return gs, kverr.Errorf(kverr.Unsupported, "layer groups: the host tier does not hold more than one group in this version")
-		}
-		for g, grp := range cfg.Groups {
-			if grp.Kind == Recurrent && cfg.EnablePrefixCache {
-				return gs, kverr.Errorf(kverr.Unsupported, "layer group %d: the prefix cache does not hold recurrent states in this version", g)
-			}
-		}
+	if len(cfg.Groups) > 1 && cfg.HostTier != nil {
+		return gs, kverr.Errorf(kverr.Unsupported, "layer groups: the host tier does not hold more than one group in this version")
 	}
 	gs.extra = slices.Clone(cfg.Groups[1:])
 	for _, grp := range gs.extra {
@@ -201,7 +206,7 @@ func (m *Manager) newExtra(n int) []groupTable {
 	ts := make([]groupTable, len(m.groups.extra))
 	for g, grp := range m.groups.extra {
 		if grp.Kind == Recurrent {
-			ts[g].blocks = []int32{0}
+			ts[g].blocks = []int32{NoBlock}
 		} else {
 			ts[g].blocks = newTable(n, nil)
 		}
@@ -209,16 +214,12 @@ func (m *Manager) newExtra(n int) []groupTable {
 	return ts
 }
 
-// allocExtra allocates s's group blocks from index from on (a recurrent
-// group's state when from is 0); the caller made them free.
+// allocExtra allocates s's attention-group blocks from index from on, and
+// its recurrent states; the caller made them free.
 func (m *Manager) allocExtra(s *seq, from int, hint int32) {
 	for g, grp := range m.groups.extra {
 		t := s.extra[g].blocks
-		if grp.Kind == Recurrent {
-			if from > 0 {
-				continue
-			}
-		} else {
+		if grp.Kind != Recurrent {
 			t = t[from:]
 		}
 		if len(t) == 0 {

@@ -59,7 +59,9 @@ func TestGroupConfigErrors(t *testing.T) {
 		{"too many groups", Config{Groups: slices.Repeat([]Group{full}, 65)}, kverr.InvalidArgument},
 		{"negative block bytes", Config{Groups: []Group{full}, BlockBytes: -1}, kverr.InvalidArgument},
 		{"negative context", Config{MaxModelLen: -1}, kverr.InvalidArgument},
-		{"prefix cache of states", Config{Groups: []Group{full, state}, BlockBytes: 1024, EnablePrefixCache: true}, kverr.Unsupported},
+		{"cached states without checkpoints", Config{Groups: []Group{full, state}, BlockBytes: 1024, EnablePrefixCache: true}, kverr.InvalidArgument},
+		{"checkpoints without the cache", Config{Groups: []Group{full, {Kind: Recurrent, StateBytes: 8, CheckpointEvery: 2}}, BlockBytes: 1024}, kverr.InvalidArgument},
+		{"checkpoints of a window", Config{Groups: []Group{full, {Kind: SlidingWindow, Window: 8, CheckpointEvery: 2}}, EnablePrefixCache: true}, kverr.InvalidArgument},
 		{"host tier", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{}}, kverr.Unsupported},
 	} {
 		c.cfg.NumBlocks, c.cfg.BlockSize = 64, 16

@@ -167,8 +167,9 @@ type Manager struct {
 	inserted []prefix.InsertResult
 	one      [1]int32
 	dropped  []prefix.DroppedBlock
-	drops    []int32 // the blocks a Grow's windows drop
-	dropSort []int32 // their sorted copy
+	queued   []CopyPair // copies for the engine's next TakeCopies (groupcache.go)
+	drops    []int32    // the blocks a Grow's windows drop
+	dropSort []int32    // their sorted copy
 	uncomp   map[int32]int32
 
 	// committed is set by the first MarkComputed: a drop of uncomputed
@@ -478,6 +479,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 		s.fresh = c
 		added += int64(c)
 		wasteDelta -= int64(c) * int64(m.groups.attn)
+		m.noteCheckpoint(ids[i], s)
 	}
 	m.numTokens += added
 	m.waste += wasteDelta

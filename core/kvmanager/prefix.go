@@ -233,6 +233,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	}
 	m.allocate(s.blocks[k:], hint, "admit: allocating blocks made free")
 	m.allocExtra(s, k, s.blocks[need-1])
+	m.queueStateCopies(s, k)
 	if hostHit > 0 {
 		m.tier.QueueReloads(s.blocks[k : k+hostHit])
 	}
@@ -252,6 +253,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	s.length = len(tokens)
 	s.fresh = len(tokens) - matched
 	m.seqs.put(id, s)
+	m.noteCheckpoint(id, s)
 	m.numTokens += int64(s.length)
 	m.waste += m.wasteOf(s)
 	return matched, true, nil

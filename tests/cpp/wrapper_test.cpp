@@ -122,8 +122,8 @@ TEST(Manager, ForkReturnsCopies) {
 }
 
 TEST(Manager, LayerGroups) {
-  const kvp_layer_group groups[] = {{KVP_GROUP_FULL_ATTENTION, 0, 0}, {KVP_GROUP_SLIDING_WINDOW, 5, 0},
-                                    {KVP_GROUP_RECURRENT, 0, 96}};
+  const kvp_layer_group groups[] = {{KVP_GROUP_FULL_ATTENTION, 0, 0, 0, 0}, {KVP_GROUP_SLIDING_WINDOW, 5, 0, 0, 0},
+                                    {KVP_GROUP_RECURRENT, 0, 96, 0, 0}};
   kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
   cfg.num_blocks = 32;
   cfg.block_size = 4;
@@ -149,7 +149,9 @@ TEST(Manager, LayerGroups) {
   // The partial block of both attention groups and the state, per child.
   EXPECT_EQ(m.fork(1, std::vector<int64_t>{2, 3}).size(), 6u);
 
-  kvp_layer_group bad[] = {{KVP_GROUP_SLIDING_WINDOW, 5, 0}};
+  EXPECT_TRUE(m.take_copies().empty());  // no recurrent group in a prefix cache: nothing queued
+
+  kvp_layer_group bad[] = {{KVP_GROUP_SLIDING_WINDOW, 5, 0, 0, 0}};
   cfg.layer_groups = bad;
   cfg.num_layer_groups = 1;
   EXPECT_EQ(thrown([&] { kvplug::Manager x(cfg); }).first, KVP_ERR_INVALID_ARGUMENT);

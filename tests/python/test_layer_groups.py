@@ -74,7 +74,10 @@ def test_fork_copies_partial_blocks_and_states():
     ([G.full_attention(), G.recurrent(64)], {}, kvplug.InvalidArgumentError),
     ([G.full_attention(), G(7)], {}, kvplug.InvalidArgumentError),
     ([G.full_attention()] * 65, {}, kvplug.InvalidArgumentError),
-    ([G.full_attention(), G.recurrent(64)], {"prefix_cache": True, "block_bytes": 64}, kvplug.UnsupportedError),
+    ([G.full_attention(), G.recurrent(64)], {"prefix_cache": True, "block_bytes": 64}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.recurrent(64, 2)], {"block_bytes": 64}, kvplug.InvalidArgumentError),
+    ([G.full_attention(), G.sliding_window(8)], {"prefix_cache": True, "host_tier_slots": 4, "host_block_bytes": 64},
+     kvplug.UnsupportedError),
 ])
 def test_bad_groups_create_nothing(groups, extra, error):
     before = _lib.live_handles()
@@ -124,4 +127,26 @@ def test_prefix_cache_groups_admit_and_match():
         np.testing.assert_array_equal(win2.block_table[0, keep:h], win1.block_table[0, keep:h])
         # Only the unmatched tokens are new, in both groups.
         assert len(full2.slot_mapping) == len(nxt) - 28 == len(win2.slot_mapping)
+        m.check()
+
+
+def test_recurrent_checkpoints_through_take_copies():
+    """A recurrent model: the next turn hits up to the last checkpoint, and
+    take_copies gives the copies that carry the state there (the
+    checkpoint's, then the hit's), in order."""
+    rng = np.random.default_rng(9)
+    with kvplug.Manager(64, BS, prefix_cache=True, block_bytes=128,
+                        layer_groups=[G.full_attention(), G.recurrent(96, checkpoint_every=2)]) as m:
+        assert m.take_copies() == []  # the engine takes copies: checkpoints from now on
+        prompt = rng.integers(0, 30000, 16).tolist()  # ends at block 4: a checkpoint
+        m.admit([1], [prompt])
+        state1 = int(m.describe_groups([1])[1].block_table[0, 0])
+        m.mark_computed()
+        (ckpt,) = m.take_copies()
+        assert ckpt[0] == state1 and ckpt[1] != state1
+        m.remove([1])
+        nxt = prompt + [1, 2, 3]
+        assert list(m.admit([2], [nxt])) == [16]
+        state2 = int(m.describe_groups([2])[1].block_table[0, 0])
+        assert m.take_copies() == [(ckpt[1], state2)]
         m.check()

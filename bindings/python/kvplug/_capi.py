@@ -87,7 +87,7 @@ class ManagerConfig(ctypes.Structure):
 class LayerGroupStruct(ctypes.Structure):
     """struct kvp_layer_group."""
 
-    _fields_ = [("kind", _i32), ("window", _i32), ("state_bytes", _i64)]
+    _fields_ = [("kind", _i32), ("window", _i32), ("state_bytes", _i64), ("checkpoint_every", _i32), ("reserved", _i32)]
 
 
 class BlockCopy(ctypes.Structure):
@@ -396,6 +396,7 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_check", [_vp]),
     ("kvp_manager_describe_groups", [_vp, _vp, _i32, _i32, _vp, _i32, _vp, _vp, _i32, _vp]),
     ("kvp_manager_group_blocks", [_vp, _vp, _i32, _vp]),
+    ("kvp_manager_take_copies", [_vp, _vp, _i32, _vp, _vp]),
     # prefix cache
     ("kvp_manager_admit", [_vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp]),
     ("kvp_manager_grow_tokens", [_vp, _vp, _vp, _i32, _vp]),

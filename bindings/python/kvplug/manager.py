@@ -52,6 +52,7 @@ class LayerGroup(NamedTuple):
     kind: int  # FULL_ATTENTION, SLIDING_WINDOW or RECURRENT
     window: int = 0  # sliding window: the tokens a query reads, itself included
     state_bytes: int = 0  # recurrent: one layer's state in bytes
+    checkpoint_every: int = 0  # recurrent with the prefix cache: keep the state every this many blocks
 
     FULL_ATTENTION = 0
     SLIDING_WINDOW = 1
@@ -66,8 +67,10 @@ class LayerGroup(NamedTuple):
         return cls(cls.SLIDING_WINDOW, window=window)
 
     @classmethod
-    def recurrent(cls, state_bytes: int) -> "LayerGroup":
-        return cls(cls.RECURRENT, state_bytes=state_bytes)
+    def recurrent(cls, state_bytes: int, checkpoint_every: int = 0) -> "LayerGroup":
+        """checkpoint_every (blocks) is required with the prefix cache: see
+        Manager.take_copies."""
+        return cls(cls.RECURRENT, state_bytes=state_bytes, checkpoint_every=checkpoint_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +306,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         self._max_prompt = s.num_blocks * s.block_size  # the tokens the whole pool holds
         self._demote_ahead = demote_ahead
         self.demote_evicted = bool(demote_evicted)
-        self.layer_groups: Tuple[LayerGroup, ...] = tuple(LayerGroup(g.kind, g.window, g.state_bytes) for g in groups) or (
+        self.layer_groups: Tuple[LayerGroup, ...] = tuple(
+            LayerGroup(g.kind, g.window, g.state_bytes, g.checkpoint_every) for g in groups) or (
             LayerGroup.full_attention(),)
         # (value, array, address) of the counts array a grow by one number
         # for all uses; replaced, never mutated, so concurrent grows are safe.
@@ -572,6 +576,24 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         raise _lib.BufferTooSmallError("describe_groups: the batch kept growing while it was described",
                                        _lib.Status.BUFFER_TOO_SMALL)
 
+    def take_copies(self) -> List[Tuple[int, int]]:
+        """The queued block copies (src, dst), oldest first
+        (kvp_manager_take_copies): a recurrent group's checkpoints and the
+        states of prefix hits. Perform them in order, every layer slot of
+        src into dst, on the next forward pass's stream before it; call
+        once every step after scheduling. Empty without a recurrent group
+        in the prefix cache."""
+        out: List[Tuple[int, int]] = []
+        buf = (BlockCopy * 256)()
+        n, left = _i32(), _i32()
+        while True:
+            st = C.kvp_manager_take_copies(self._h, buf, 256, ctypes.byref(n), ctypes.byref(left))
+            if st:
+                _lib.raise_status(st)
+            out.extend((buf[i].src, buf[i].dst) for i in range(n.value))
+            if left.value == 0:
+                return out
+
     def group_blocks(self) -> List[int]:
         """The blocks each layer group holds now (a block forked sequences
         share counts once)."""
@@ -616,4 +638,5 @@ def _layer_groups(groups: Sequence[LayerGroup]) -> Any:
         arr[i].kind = _int(g.kind, f"Manager: layer_groups[{i}].kind", "int32")
         arr[i].window = _int(g.window, f"Manager: layer_groups[{i}].window", "int32")
         arr[i].state_bytes = _int(g.state_bytes, f"Manager: layer_groups[{i}].state_bytes", "int64")
+        arr[i].checkpoint_every = _int(g.checkpoint_every, f"Manager: layer_groups[{i}].checkpoint_every", "int32")
     return arr if groups else (LayerGroupStruct * 0)()
