@@ -258,7 +258,10 @@ func (m *Manager) noteCheckpoint(id int64, s *seq) {
 // its own, if the pool can spare it, and queues the state's copy there.
 func (m *Manager) takeCheckpoints() {
 	gc := m.gc
-	if gc == nil || !gc.takes {
+	if gc == nil {
+		return
+	}
+	if !gc.takes {
 		gc.cands = gc.cands[:0]
 		return
 	}
