@@ -233,15 +233,25 @@ func kvpgo_manager_describe_groups(h *C.kvp_manager, ids *C.int64_t, n C.int32_t
 	})
 }
 
+// outArrayOf checks an output array out of capacity entries (outNil: it
+// is NULL, which only a capacity of 0 allows) and its required count
+// pointer (countNil: NULL; count names it).
+func outArrayOf(op string, outNil bool, capacity C.int32_t, countNil bool, count string) error {
+	if countNil || (outNil && capacity > 0) {
+		return kverr.Errorf(kverr.NullPointer, "%s: %s (and out, with a capacity) must not be NULL", op, count)
+	}
+	if capacity < 0 {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: capacity must be >= 0: got %d", op, int32(capacity))
+	}
+	return nil
+}
+
 //export kvpgo_manager_group_blocks
 func kvpgo_manager_group_blocks(h *C.kvp_manager, out *C.int32_t, capacity C.int32_t, numGroups *C.int32_t) C.kvp_status {
 	const op = "kvp_manager_group_blocks"
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if numGroups == nil || (out == nil && capacity > 0) {
-			return kverr.Errorf(kverr.NullPointer, "%s: num_groups (and out, with a capacity) must not be NULL", op)
-		}
-		if capacity < 0 {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: capacity must be >= 0: got %d", op, int32(capacity))
+		if err := outArrayOf(op, out == nil, capacity, numGroups == nil, "num_groups"); err != nil {
+			return err
 		}
 		gb := m.GroupBlocks()
 		*numGroups = C.int32_t(len(gb))
@@ -260,11 +270,8 @@ func kvpgo_manager_group_blocks(h *C.kvp_manager, out *C.int32_t, capacity C.int
 func kvpgo_manager_take_copies(h *C.kvp_manager, out *C.kvp_block_copy, capacity C.int32_t, numCopies, numLeft *C.int32_t) C.kvp_status {
 	const op = "kvp_manager_take_copies"
 	return onManager(h, func(m *kvmanager.Manager) error {
-		if numCopies == nil || (out == nil && capacity > 0) {
-			return kverr.Errorf(kverr.NullPointer, "%s: num_copies (and out, with a capacity) must not be NULL", op)
-		}
-		if capacity < 0 {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: capacity must be >= 0: got %d", op, int32(capacity))
+		if err := outArrayOf(op, out == nil, capacity, numCopies == nil, "num_copies"); err != nil {
+			return err
 		}
 		// kvp_block_copy is two int32, kvmanager.CopyPair's layout.
 		n, left := m.TakeCopies(slice[kvmanager.CopyPair](unsafe.Pointer(out), capacity))
