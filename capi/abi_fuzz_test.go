@@ -48,6 +48,9 @@ func FuzzABI(f *testing.F) {
 	// The standalone stores (abi_fuzz_stores_test.go).
 	f.Add(hostStoreSeed)
 	f.Add(hostStoreBareSeed)
+	// A manager of layer groups on the prefix cache: a window, a recurrent
+	// state with checkpoints, and the layer groups' calls among the rest.
+	f.Add(groupsSeed)
 	// A remove refused with KVP_ERR_IN_USE (the sequence shares a block it
 	// filled this step with one that stays), a status step's check once
 	// took for an unknown one.
@@ -117,6 +120,7 @@ type abiFuzz struct {
 	ok          map[string]int // successful calls by name, when not nil
 	lastStatus  int            // the status of the last call
 	stores      bool
+	groups      bool // setup flag groupsFlag
 	hs, staleHS ptr
 	hsSlots     int32
 	hsBytes     int64
@@ -158,6 +162,18 @@ func (fz *abiFuzz) setup() {
 	setField(cfg, "kvp_manager_config", "block_size", int64(fz.r.u8()%9))
 	setField(cfg, "kvp_manager_config", "enable_prefix_cache", int64(flags&1))
 	setField(cfg, "kvp_manager_config", "enable_kv_events", int64(flags&1&(flags>>1)))
+	if flags&groupsFlag != 0 && flags&9 != 9 { // layer groups (the host tier refuses them)
+		fz.groups = true
+		groups := fz.alloc(24 * 3)                                                    // three kvp_layer_group, group 0 full attention (zeros)
+		*(*int32)(unsafe.Add(groups, 24)) = 1                                         // a window
+		*(*int32)(unsafe.Add(groups, 28)) = int32(fz.r.u8()%8) + 1                    // of 1-8 tokens
+		*(*int32)(unsafe.Add(groups, 48)) = 2                                         // a recurrent state
+		*(*int64)(unsafe.Add(groups, 56)) = 64                                        // of 64 bytes
+		*(*int32)(unsafe.Add(groups, 64)) = int32(flags&1) * (int32(fz.r.u8()%3) + 1) // checkpoints with the cache
+		*(*ptr)(unsafe.Add(cfg, cLayouts["kvp_manager_config"].fields["layer_groups"].off)) = groups
+		setField(cfg, "kvp_manager_config", "num_layer_groups", 3)
+		setField(cfg, "kvp_manager_config", "block_bytes", 64)
+	}
 	if flags&9 == 9 { // a host tier, on the prefix cache
 		fz.tierSlots = int32(fz.small(8)) + 1
 		fz.demoteAhead = int32(fz.small(int(fz.numBlocks) + 1))
@@ -407,6 +423,9 @@ func (fz *abiFuzz) step() {
 	ops := uint8(numOps)
 	if fz.stores {
 		ops += numStoreOps
+	}
+	if fz.groups {
+		ops += numGroupOps
 	}
 	op := fz.r.u8() % ops
 	name, st := fz.call(op)
@@ -786,14 +805,123 @@ func (fz *abiFuzz) call(op uint8) (string, int) {
 	case 64:
 		return fz.conversation()
 	}
-	if op >= numOps && fz.stores {
-		return fz.storeCall(op - numOps)
+	extra := op - numOps
+	if fz.stores {
+		if extra < numStoreOps {
+			return fz.storeCall(extra)
+		}
+		extra -= numStoreOps
+	}
+	if fz.groups && extra < numGroupOps {
+		return fz.groupCall(extra)
 	}
 	panic(fmt.Sprintf("no call numbered %d", op))
 }
 
-// numOps is the number of calls call knows.
+// numOps is the number of calls call knows, before the stores' and the
+// layer groups' (setup flags storesFlag and groupsFlag).
 const numOps = 65
+
+// groupsSeed is FuzzABI's seed for layer groups: the setup flags (prefix
+// cache, groups), 17 blocks of 4 tokens, a window of 4 tokens, checkpoints
+// every 2 blocks, then calls drawn from fixed pseudo-random bytes.
+var groupsSeed = func() []byte {
+	r := rand.New(rand.NewPCG(33, 33))
+	b := []byte{1 | groupsFlag, 16, 4, 3, 1}
+	for range 600 {
+		b = append(b, byte(r.Uint32()))
+	}
+	return b
+}()
+
+// groupsFlag in the setup's flags byte gives the setup manager layer
+// groups (a window and a recurrent state; with the prefix cache, its
+// checkpoints) and adds the layer groups' calls, numbered after the
+// stores', and layer groups in the configs kvp_manager_create is given.
+const groupsFlag = 0x80
+
+// numGroupOps is the number of layer-group calls (groupCall).
+const numGroupOps = 3
+
+// groupCall makes the layer-group call numbered op.
+func (fz *abiFuzz) groupCall(op uint8) (string, int) {
+	switch op {
+	case 0:
+		return fz.describeGroups()
+	case 1:
+		capacity := int32(fz.small(5)) - 1
+		return "kvp_manager_group_blocks", rawManagerGroupBlocks(fz.handle(true), fz.outp(4*max(int(capacity), 1)), capacity, fz.outp(4))
+	default:
+		capacity := int32(fz.small(6)) - 1
+		return "kvp_manager_take_copies", rawManagerTakeCopies(fz.handle(true), fz.outp(8*max(int(capacity), 1)), capacity, fz.outp(4), fz.outp(4))
+	}
+}
+
+// describeGroups calls kvp_manager_describe_groups with a group count that
+// is mostly small (the manager's or not), arrays of table and slot
+// pointers (NULL, or each entry a buffer or NULL) and the sizes of
+// describe's fuzzing.
+func (fz *abiFuzz) describeGroups() (string, int) {
+	n := fz.small(5)
+	groups := int32(fz.small(5)) - 1
+	maxBlocks := int32(fz.small(40)) - 1
+	slotCap := int32(fz.small(200)) - 1
+	ptrs := func(each int) ptr {
+		if groups < 1 || fz.r.u8()%4 == 0 {
+			return nil
+		}
+		arr := fz.alloc(8 * int(groups))
+		for g := range int(groups) {
+			if fz.r.u8()%3 != 0 {
+				*(*ptr)(unsafe.Add(arr, 8*g)) = fz.alloc(each)
+			}
+		}
+		return arr
+	}
+	tables := ptrs(4 * max(n, 1) * max(int(maxBlocks), 1))
+	slots := ptrs(4 * max(int(slotCap), 1))
+	var lens ptr
+	if fz.r.u8()%2 == 0 {
+		lens = fz.alloc(4 * max(n, 1))
+	}
+	return "kvp_manager_describe_groups", rawManagerDescribeGroups(fz.handle(true), fz.array(n, 8, fz.id), fz.count(n), groups,
+		tables, maxBlocks, lens, slots, slotCap, fz.outp(4))
+}
+
+// layerGroups sets a full-size config's layer groups: one to four of a
+// mostly valid kind, window, state size and checkpoint interval (the
+// library checks them), a count that sometimes disagrees, and the
+// context limit and block size they are checked against.
+func (fz *abiFuzz) layerGroups(cfg ptr) {
+	l := cLayouts["kvp_manager_config"]
+	n := 1 + fz.small(4)
+	arr := fz.alloc(24 * n)
+	for g := range n {
+		e := unsafe.Add(arr, 24*g)
+		kind := int32(fz.small(3))
+		if g == 0 && fz.r.u8()%4 != 0 {
+			kind = 0 // group 0 must be full attention: mostly it is
+		}
+		if fz.r.u8()%10 == 0 {
+			kind = int32(fz.i64())
+		}
+		*(*int32)(e) = kind
+		if kind == 1 || fz.r.u8()%10 == 0 {
+			*(*int32)(unsafe.Add(e, 4)) = []int32{int32(fz.small(20)) + 1, 0, -1, int32(fz.i64())}[fz.small(4)]
+		}
+		if kind == 2 || fz.r.u8()%10 == 0 {
+			*(*int64)(unsafe.Add(e, 8)) = []int64{int64(fz.small(64)) + 1, 0, fz.i64()}[fz.small(3)]
+			*(*int32)(unsafe.Add(e, 16)) = []int32{int32(fz.small(3)) + 1, 0, int32(fz.i64())}[fz.small(3)]
+		}
+		if fz.r.u8()%16 == 0 {
+			*(*int32)(unsafe.Add(e, 20)) = 1 // reserved
+		}
+	}
+	*(*ptr)(unsafe.Add(cfg, l.fields["layer_groups"].off)) = arr
+	setField(cfg, "kvp_manager_config", "num_layer_groups", []int64{int64(n), 0, int64(n) + 1, -1, 65}[fz.small(5)])
+	setField(cfg, "kvp_manager_config", "max_model_len", []int64{0, int64(fz.small(64)), fz.i64()}[fz.small(3)])
+	setField(cfg, "kvp_manager_config", "block_bytes", []int64{64, 0, fz.i64()}[fz.small(3)])
+}
 
 // conversation admits one of a few recurring prompts as a new sequence
 // and removes it at once, with valid arguments: its step's forward pass
@@ -1235,6 +1363,9 @@ func (fz *abiFuzz) createManager() (string, int) {
 				badShared, shared = fz.sharedConfig(cfg, slots)
 			}
 		}
+		if size >= l.size && fz.groups && fz.r.u8()%3 == 0 {
+			fz.layerGroups(cfg)
+		}
 	}
 	cfg, out := fz.createArgs(cfg)
 	live := fz.liveHandles()
@@ -1423,6 +1554,16 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		fz.close()
 		seen[name] = true
 	}
+	for op := range numGroupOps {
+		// Layer groups (flag groupsFlag) on the prefix cache: a window of 3, checkpoints every 2 blocks.
+		data := []byte{1 | groupsFlag, 8, 4, 2, 1, byte(numOps + op)}
+		data = append(data, bytes.Repeat([]byte{1}, 64)...)
+		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
+		fz.setup()
+		name, _ := fz.call(fz.r.u8() % (numOps + numGroupOps))
+		fz.close()
+		seen[name] = true
+	}
 	for op := range numStoreOps {
 		// Stores (flag storesFlag) on a host store of 4 slots of 16 bytes.
 		data := []byte{5 | storesFlag, 8, 4, 3, 1, byte(numOps + op)}
@@ -1434,7 +1575,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		seen[name] = true
 	}
 	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove", "kvp_manager_mark_computed",
-		"kvp_manager_describe", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
+		"kvp_manager_describe", "kvp_manager_describe_groups", "kvp_manager_group_blocks", "kvp_manager_take_copies", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
 		"kvp_manager_pin", "kvp_manager_unpin", "kvp_manager_set_priority", "kvp_manager_prefix_stats_reset",
 		"kvp_manager_clear_prefix_cache", "kvp_manager_drain_events", "kvp_manager_next_event_size", "kvp_manager_add_mm_items",
 		"kvp_manager_create", "kvp_manager_destroy", "kvp_vcache_create", "kvp_vcache_destroy", "kvp_vcache_layer_ptrs",

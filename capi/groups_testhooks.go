@@ -105,3 +105,15 @@ func hookTakeCopies(h unsafe.Pointer, capacity int32, nullOut bool) ([][2]int32,
 	}
 	return pairs, int32(left), abiStatus(st)
 }
+
+// The layer-group exports with raw arguments, for FuzzABI.
+func rawManagerDescribeGroups(m, ids ptr, n, numGroups int32, tables ptr, maxBlocks int32, lens, slots ptr, slotCap int32, numSlots ptr) int {
+	return st(kvpgo_manager_describe_groups((*C.kvp_manager)(m), (*C.int64_t)(ids), C.int32_t(n), C.int32_t(numGroups),
+		(**C.int32_t)(tables), C.int32_t(maxBlocks), (*C.int32_t)(lens), (**C.int32_t)(slots), C.int32_t(slotCap), (*C.int32_t)(numSlots)))
+}
+func rawManagerGroupBlocks(m, out ptr, capacity int32, num ptr) int {
+	return st(kvpgo_manager_group_blocks((*C.kvp_manager)(m), (*C.int32_t)(out), C.int32_t(capacity), (*C.int32_t)(num)))
+}
+func rawManagerTakeCopies(m, out ptr, capacity int32, num, left ptr) int {
+	return st(kvpgo_manager_take_copies((*C.kvp_manager)(m), (*C.kvp_block_copy)(out), C.int32_t(capacity), (*C.int32_t)(num), (*C.int32_t)(left)))
+}

@@ -322,3 +322,23 @@ func BenchmarkHybridMemory(b *testing.B) {
 		}
 	}
 }
+
+// Admit without the prefix cache counts every group's blocks: a prompt
+// that group 0 alone would fit into is not admitted (FuzzABI found an
+// admit that counted group 0 only and failed half way).
+func TestAdmitWithoutCacheCountsEveryGroup(t *testing.T) {
+	m := newGroupMgr(t, 8, 4, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: 4}, Group{Kind: Recurrent, StateBytes: 8})
+	must(t, m.Add(9, 4)) // 1+1+1 blocks: 5 left
+	toks := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}
+	n, err := m.Admit([]int64{1}, Prompts{Tokens: toks, Offsets: []int64{0, 9}}, nil)
+	if err != nil || n != 0 {
+		t.Fatalf("admit of 3+3+1 blocks into 5: admitted %d, %v", n, err)
+	}
+	n, err = m.Admit([]int64{1}, Prompts{Tokens: toks[:5], Offsets: []int64{0, 5}}, nil)
+	if err != nil || n != 1 {
+		t.Fatalf("admit of 2+2+1 blocks into 5: admitted %d, %v", n, err)
+	}
+	if st := m.Stats(); st.FreeBlocks != 0 {
+		t.Fatalf("free %d", st.FreeBlocks)
+	}
+}

@@ -211,8 +211,8 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 		if err != nil || !ok {
 			return 0, false, err
 		}
-	case need > m.pool.NumFree():
-		return 0, false, nil
+	case m.groups.perSeq(need) > int64(m.pool.NumFree()):
+		return 0, false, nil // no cache: what every group needs must be free
 	}
 	k := len(res.Blocks)
 	hostHit := 0 // blocks after the k matched on the GPU, pinned in the host tier
