@@ -184,7 +184,7 @@ func (m *Manager) registerCompanions(s *seq, j int) {
 		if grp.Kind == Recurrent {
 			continue
 		}
-		c := s.extra[g].blocks[j]
+		c := s.extra()[g].blocks[j]
 		// A block is inserted as it fills: its index is the sequence's
 		// last, which no window has dropped.
 		if c == NoBlock {
@@ -276,7 +276,7 @@ func (m *Manager) takeCheckpoints() {
 		}
 		m.makeFree(1)
 		m.one[0] = NoBlock
-		m.allocate(m.one[:], s.extra[cp.g].blocks[0], "checkpoint: allocating a block made free")
+		m.allocate(m.one[:], s.extra()[cp.g].blocks[0], "checkpoint: allocating a block made free")
 		c := m.one[0]
 		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
 		gc.comp[cp.g][b], gc.owner[c], gc.ownerGroup[c] = c, b, uint8(cp.g)
@@ -284,7 +284,7 @@ func (m *Manager) takeCheckpoints() {
 		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
 		assertOK(err, "checkpoint: releasing its block")
 		gc.push(c, compKept)
-		m.queued = append(m.queued, CopyPair{Src: s.extra[cp.g].blocks[0], Dst: c})
+		m.queued = append(m.queued, CopyPair{Src: s.extra()[cp.g].blocks[0], Dst: c})
 	}
 	gc.cands = gc.cands[:0]
 }
@@ -298,7 +298,7 @@ func (m *Manager) queueStateCopies(s *seq, h int) {
 	}
 	for g, grp := range m.groups.extra {
 		if grp.Kind == Recurrent {
-			m.queued = append(m.queued, CopyPair{Src: gc.comp[g][s.blocks[h-1]], Dst: s.extra[g].blocks[0]})
+			m.queued = append(m.queued, CopyPair{Src: gc.comp[g][s.blocks[h-1]], Dst: s.extra()[g].blocks[0]})
 		}
 	}
 }
@@ -334,7 +334,7 @@ func (m *Manager) listReleased(s *seq, g, from, to int, ended bool) {
 		return
 	}
 	for j := from; j < to; j++ {
-		c := s.extra[g].blocks[j]
+		c := s.extra()[g].blocks[j]
 		if gc.owner[c] == NoBlock || m.pool.State(c) != blocks.Cached {
 			continue
 		}
@@ -455,7 +455,7 @@ func (m *Manager) takeCompanions(s *seq, h int) {
 		if grp.Kind == Recurrent {
 			continue // its state comes by copy (queueStateCopies)
 		}
-		t := &s.extra[g]
+		t := &s.extra()[g]
 		from := 0
 		if grp.Kind == SlidingWindow {
 			from = m.keepFrom(h*m.bs, grp.Window)

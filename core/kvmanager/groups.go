@@ -199,7 +199,7 @@ func (m *Manager) NumGroups() int { return 1 + len(m.groups.extra) }
 
 // newExtra returns the tables of a new sequence of n blocks per attention
 // group, with no block in them yet (allocExtra).
-func (m *Manager) newExtra(n int) []groupTable {
+func (m *Manager) newExtra(n int) *seqGroups {
 	if len(m.groups.extra) == 0 {
 		return nil
 	}
@@ -211,14 +211,14 @@ func (m *Manager) newExtra(n int) []groupTable {
 			ts[g].blocks = newTable(n, nil)
 		}
 	}
-	return ts
+	return &seqGroups{t: ts}
 }
 
 // allocExtra allocates s's attention-group blocks from index from on, and
 // its recurrent states; the caller made them free.
 func (m *Manager) allocExtra(s *seq, from int, hint int32) {
 	for g, grp := range m.groups.extra {
-		t := s.extra[g].blocks
+		t := s.extra()[g].blocks
 		if grp.Kind != Recurrent {
 			t = t[from:]
 		}
@@ -233,11 +233,11 @@ func (m *Manager) allocExtra(s *seq, from int, hint int32) {
 // growExtra extends s's attention-group tables by add blocks each; the
 // caller made them free.
 func (m *Manager) growExtra(s *seq, add int) {
-	for g := range s.extra {
+	for g := range s.extra() {
 		if m.groups.extra[g].Kind == Recurrent {
 			continue
 		}
-		t := &s.extra[g]
+		t := &s.extra()[g]
 		old := len(t.blocks)
 		t.blocks = slices.Grow(t.blocks, add)[:old+add]
 		m.allocate(t.blocks[old:], t.blocks[old-1], "layer groups: growing blocks made free")
@@ -262,7 +262,7 @@ func (m *Manager) windowDrops(batch []*seq, dst []int32) ([]int32, int) {
 			if grp.Kind != SlidingWindow {
 				continue
 			}
-			t := &s.extra[g]
+			t := &s.extra()[g]
 			if k := m.keepFrom(s.length, grp.Window); k > t.gone {
 				dst = append(dst, t.blocks[t.gone:k]...)
 			}
@@ -297,7 +297,7 @@ func (m *Manager) applyDrops(batch []*seq) {
 			if grp.Kind != SlidingWindow {
 				continue
 			}
-			t := &s.extra[g]
+			t := &s.extra()[g]
 			k := m.keepFrom(s.length, grp.Window)
 			if k <= t.gone {
 				continue
@@ -317,13 +317,13 @@ func (m *Manager) applyDrops(batch []*seq) {
 // block and for each state, each new block with its CopyPair written to
 // copies. It returns the pairs written.
 func (m *Manager) forkExtra(p, c *seq, partial bool, copies []CopyPair) int {
-	if len(p.extra) == 0 {
+	if p.grp == nil {
 		return 0
 	}
-	c.extra = make([]groupTable, len(p.extra))
+	c.grp = &seqGroups{t: make([]groupTable, len(p.extra()))}
 	n := 0
 	for g, grp := range m.groups.extra {
-		pt, ct := &p.extra[g], &c.extra[g]
+		pt, ct := &p.extra()[g], &c.extra()[g]
 		if grp.Kind == Recurrent {
 			ct.blocks = []int32{0}
 			m.allocate(ct.blocks, pt.blocks[0], "fork: allocating a child's state block")
@@ -363,8 +363,8 @@ func (m *Manager) forkCopies(partial bool) int {
 
 // releaseExtra drops a retired sequence's references in its groups.
 func (m *Manager) releaseExtra(s *seq) {
-	for g := range s.extra {
-		t := &s.extra[g]
+	for g := range s.extra() {
+		t := &s.extra()[g]
 		var err error
 		m.cached, err = m.pool.Decref(t.blocks[t.gone:], m.cached[:0])
 		assertOK(err, "layer groups: a sequence's group blocks are not referenced")
@@ -427,14 +427,14 @@ func (m *Manager) DescribeGroups(ids []int64, maxBlocks int, tables [][]int32, s
 		for i, s := range batch {
 			own := s.blocks
 			if g > 0 {
-				own = s.extra[g-1].blocks
+				own = s.extra()[g-1].blocks
 			}
 			if tbl != nil {
 				row := tbl[i*maxBlocks : (i+1)*maxBlocks]
 				fillNoBlock(row[copy(row, own):])
 			}
 			if sl != nil && (g == 0 || m.groups.extra[g-1].Kind != Recurrent) {
-				k += m.writeSlots(own, s.length, s.fresh, sl[k:])
+				k += m.writeSlots(own, s.length, int(s.fresh), sl[k:])
 			}
 		}
 	}
@@ -463,8 +463,8 @@ func (m *Manager) GroupBlocks() []int {
 	}
 	for _, s := range m.seqs.all() {
 		count(0, s.blocks)
-		for g := range s.extra {
-			count(g+1, s.extra[g].blocks)
+		for g := range s.extra() {
+			count(g+1, s.extra()[g].blocks)
 		}
 	}
 	return out
@@ -474,11 +474,11 @@ func (m *Manager) GroupBlocks() []int {
 // entries (exactly the first gone, never a block the next query reads),
 // every other entry in use; refs counts their references.
 func (m *Manager) checkGroups(id int64, s *seq, refs []int32, bad func(string, ...any) error) error {
-	if len(s.extra) != len(m.groups.extra) {
-		return bad("sequence %d has %d group tables for %d groups", id, len(s.extra), len(m.groups.extra))
+	if len(s.extra()) != len(m.groups.extra) {
+		return bad("sequence %d has %d group tables for %d groups", id, len(s.extra()), len(m.groups.extra))
 	}
 	for g, grp := range m.groups.extra {
-		t := &s.extra[g]
+		t := &s.extra()[g]
 		want := len(s.blocks)
 		if grp.Kind == Recurrent {
 			want = 1
@@ -486,8 +486,8 @@ func (m *Manager) checkGroups(id int64, s *seq, refs []int32, bad func(string, .
 		if len(t.blocks) != want || t.gone < 0 || t.gone > len(t.blocks) {
 			return bad("sequence %d's group %d table has %d entries (%d dropped), %d expected", id, g+1, len(t.blocks), t.gone, want)
 		}
-		if grp.Kind == SlidingWindow && t.gone > m.keepFrom(s.length-s.fresh, grp.Window) {
-			return bad("sequence %d's group %d dropped %d blocks; its queries still read from block %d", id, g+1, t.gone, m.keepFrom(s.length-s.fresh, grp.Window))
+		if grp.Kind == SlidingWindow && t.gone > m.keepFrom(s.length-int(s.fresh), grp.Window) {
+			return bad("sequence %d's group %d dropped %d blocks; its queries still read from block %d", id, g+1, t.gone, m.keepFrom(s.length-int(s.fresh), grp.Window))
 		}
 		for j, b := range t.blocks {
 			if j < t.gone {

@@ -104,19 +104,32 @@ type Stats struct {
 }
 
 // seq is one live sequence.
+//
+// Its fields fill one 64-byte cache line: a step walks hundreds of them.
 type seq struct {
 	blocks []int32 // block table: ceil(length / bs) block ids in order
 	length int     // tokens
-	fresh  int     // new tokens: those of the latest Add or Grow
-	stamp  uint64  // last batch that visited it (repeat detection)
-	pc     *seqPrefix
+	fresh  int32   // new tokens: those of the latest Add or Grow (at most 2^30)
 	// own is the index in blocks of the first block allocated for this
 	// sequence: those before it were matched or forked from another. Only
 	// a sequence's own blocks can be blocks it filled (computed.go).
-	own int
-	// extra is the sequence's tables in layer groups 1.. (groups.go); nil
+	own   int32
+	stamp uint64 // last batch that visited it (repeat detection)
+	pc    *seqPrefix
+	// grp holds the sequence's tables in layer groups 1.. (groups.go); nil
 	// without groups.
-	extra []groupTable
+	grp *seqGroups
+}
+
+// seqGroups is a sequence's tables in layer groups 1..
+type seqGroups struct{ t []groupTable }
+
+// extra returns s's tables in layer groups 1.. (nil without groups).
+func (s *seq) extra() []groupTable {
+	if s.grp == nil {
+		return nil
+	}
+	return s.grp.t
 }
 
 // Manager manages the block tables of live sequences over one block pool.
@@ -144,11 +157,6 @@ type Manager struct {
 		seqs []*seq
 	}
 
-	// The layer groups past group 0 (groups.go), and their blocks in the
-	// prefix cache (groupcache.go; nil without the cache or groups).
-	groups groupSet
-	gc     *groupCache
-
 	// The prefix cache's index; nil when the cache is off.
 	cache *prefix.Index
 	// The host tier; nil when there is none.
@@ -167,15 +175,21 @@ type Manager struct {
 	inserted []prefix.InsertResult
 	one      [1]int32
 	dropped  []prefix.DroppedBlock
-	queued   []CopyPair // copies for the engine's next TakeCopies (groupcache.go)
-	drops    []int32    // the blocks a Grow's windows drop
-	dropSort []int32    // their sorted copy
 	uncomp   map[int32]int32
 
 	// committed is set by the first MarkComputed: a drop of uncomputed
 	// blocks before it is logged as a likely missing call (computed.go).
 	committed bool
 	warned    bool
+
+	// The layer groups past group 0 (groups.go), and their blocks in the
+	// prefix cache (groupcache.go; nil without the cache or groups). Last,
+	// so that the fields every step reads keep their places.
+	groups   groupSet
+	gc       *groupCache
+	queued   []CopyPair // copies for the engine's next TakeCopies (groupcache.go)
+	drops    []int32    // the blocks a Grow's windows drop
+	dropSort []int32    // their sorted copy
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in
@@ -334,9 +348,9 @@ func (m *Manager) Add(id int64, promptLen int) error {
 		return kverr.Errorf(kverr.OutOfBlocks, "add: sequence %d needs %d blocks for %d tokens, %s", id, need, promptLen, m.availableText())
 	}
 	m.makeFree(int(need))
-	s := &seq{length: promptLen, fresh: promptLen, blocks: newTable(nb, nil)}
+	s := &seq{length: promptLen, fresh: int32(promptLen), blocks: newTable(nb, nil)}
 	m.allocate(s.blocks, -1, "add: allocating blocks made free")
-	s.extra = m.newExtra(nb)
+	s.grp = m.newExtra(nb)
 	m.allocExtra(s, 0, s.blocks[nb-1])
 	m.seqs.put(id, s)
 	m.numTokens += int64(promptLen)
@@ -450,15 +464,18 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 	// Window groups drop what their next queries cannot read before the
 	// batch allocates: the blocks they free count as available.
 	var freed int
-	m.drops, freed = m.windowDrops(batch, m.drops[:0])
+	if m.groups.windowed {
+		m.drops, freed = m.windowDrops(batch, m.drops[:0])
+	}
 	if avail := m.available() + int64(freed); need > avail {
 		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %s", need, m.availableText())
 	}
-	if len(m.drops) > 0 {
+	if freed > 0 || len(m.drops) > 0 {
 		m.applyDrops(batch)
+		m.drops = m.drops[:0]
 	}
 	m.makeFree(int(need))
-	var added, wasteDelta int64
+	var added, slots int64 // tokens added, slots allocated (one group's)
 	for i, s := range batch {
 		c := int(counts[i])
 		if add := m.newBlocks(s, c); add > 0 {
@@ -466,8 +483,10 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 			s.blocks = slices.Grow(s.blocks, add)[:old+add]
 			// The batch's total was made free above.
 			m.allocate(s.blocks[old:], s.blocks[old-1], "grow: allocating blocks made free")
-			m.growExtra(s, add)
-			wasteDelta += int64(add*m.bs) * int64(m.groups.attn)
+			if s.grp != nil {
+				m.growExtra(s, add)
+			}
+			slots += int64(add * m.bs)
 		}
 		if tokens != nil {
 			m.extendPrefix(s, tokens[:c])
@@ -476,13 +495,17 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 			s.pc = nil // tokens unknown: the blocks from here on are private
 		}
 		s.length += c
-		s.fresh = c
+		s.fresh = int32(c)
 		added += int64(c)
-		wasteDelta -= int64(c) * int64(m.groups.attn)
-		m.noteCheckpoint(ids[i], s)
+	}
+	if m.gc != nil {
+		for i, s := range batch {
+			m.noteCheckpoint(ids[i], s)
+		}
 	}
 	m.numTokens += added
-	m.waste += wasteDelta
+	// Every attention group's last block has the same empty slots.
+	m.waste += (slots - added) * int64(m.groups.attn)
 	return nil
 }
 
@@ -555,7 +578,7 @@ func (m *Manager) Fork(parent int64, children []int64, copies []CopyPair) (n int
 	// block's lock count is bounded like its reference count above).
 	m.locks = m.cachedOf(p.blocks[:full], m.locks[:0])
 	for _, id := range children {
-		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone(), own: full}
+		c := &seq{blocks: make([]int32, len(p.blocks)), length: p.length, pc: p.pc.clone(), own: int32(full)}
 		copy(c.blocks, p.blocks[:full])
 		// Live blocks, their counts bounded above; the locks' likewise.
 		assertOK(m.pool.Incref(c.blocks[:full]), "fork: referencing the parent's blocks")
@@ -724,7 +747,7 @@ func (m *Manager) Describe(ids []int64, maxBlocks int, table, seqLens, slots []i
 				slots[k] = s.blocks[last]*bs + int32(s.length-1-last*m.bs)
 				k++
 			} else {
-				k += m.writeSlots(s.blocks, s.length, s.fresh, slots[k:])
+				k += m.writeSlots(s.blocks, s.length, int(s.fresh), slots[k:])
 			}
 		}
 	}
@@ -762,7 +785,7 @@ func (m *Manager) describeBatch(op string, ids []int64, maxBlocks int, table boo
 		if table && len(s.blocks) > maxBlocks {
 			return nil, 0, kverr.Errorf(kverr.BufferTooSmall, "%s: sequence %d has %d blocks, max_blocks is %d", op, ids[i], len(s.blocks), maxBlocks)
 		}
-		total += s.fresh
+		total += int(s.fresh)
 	}
 	return batch, total, nil
 }
@@ -878,10 +901,10 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		if s.length < 1 || len(s.blocks) != m.blocksFor(s.length) {
 			return bad("sequence %d has length %d and %d blocks (block size %d)", id, s.length, len(s.blocks), m.bs)
 		}
-		if s.fresh < 0 || s.fresh > s.length {
+		if s.fresh < 0 || int(s.fresh) > s.length {
 			return bad("sequence %d has %d new tokens of %d", id, s.fresh, s.length)
 		}
-		if s.own < 0 || s.own > len(s.blocks) {
+		if s.own < 0 || int(s.own) > len(s.blocks) {
 			return bad("sequence %d's own blocks start at %d of %d", id, s.own, len(s.blocks))
 		}
 		for _, b := range s.blocks {

@@ -219,12 +219,12 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	if m.tier != nil {
 		hostHit = m.tier.PinHost(tokens, keys, k, fetched)
 	}
-	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens, own: k}
+	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens, own: int32(k)}
 	// The matched blocks are cached, so their references equal their
 	// locks, which Acquire bounded below 2^31-1.
 	assertOK(m.pool.Incref(s.blocks[:k]), "admit: referencing the matched blocks")
 	// The groups' matched blocks are taken before anything is evicted.
-	s.extra = m.newExtra(need)
+	s.grp = m.newExtra(need)
 	m.takeCompanions(s, k)
 	m.makeFree(int(m.groups.perSeq(need - k)))
 	hint := int32(-1)
@@ -251,7 +251,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	}
 	matched = res.Tokens + hostHit*m.bs
 	s.length = len(tokens)
-	s.fresh = len(tokens) - matched
+	s.fresh = int32(len(tokens) - matched)
 	m.seqs.put(id, s)
 	m.noteCheckpoint(id, s)
 	m.numTokens += int64(s.length)
