@@ -150,3 +150,32 @@ def test_recurrent_checkpoints_through_take_copies():
         state2 = int(m.describe_groups([2])[1].block_table[0, 0])
         assert m.take_copies() == [(ckpt[1], state2)]
         m.check()
+
+
+def test_describe_groups_into_reuses_the_callers_arrays():
+    with hybrid() as m:
+        m.add(1, 10)
+        m.add(2, 3)
+        ids = np.array([1, 2], np.int64)
+        tables = [np.full((2, 4), 7, np.int32) for _ in range(3)]
+        lens = np.zeros(2, np.int32)
+        slots = [np.full(16, 7, np.int32) for _ in range(3)]
+        n = m.describe_groups_into(ids, tables, lens, slots)
+        want = m.describe_groups(ids, max_blocks=4)
+        assert n == 13 and list(lens) == [10, 3]
+        for g in range(3):
+            np.testing.assert_array_equal(tables[g], want[g].block_table)
+        np.testing.assert_array_equal(slots[0][:n], want[0].slot_mapping)
+        np.testing.assert_array_equal(slots[1][:n], want[1].slot_mapping)
+        assert (slots[2] == 7).all()  # a recurrent group has no slots
+        # Too small: nothing written.
+        small = [np.full((2, 2), 5, np.int32) for _ in range(3)]
+        with pytest.raises(kvplug.BufferTooSmallError):
+            m.describe_groups_into(ids, small)
+        assert all((t == 5).all() for t in small)
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.describe_groups_into(ids, tables[:2])
+        with pytest.raises(kvplug.InvalidArgumentError):
+            m.describe_groups_into(ids, [tables[0], np.zeros((2, 5), np.int32), None])
+        # Only some groups.
+        assert m.describe_groups_into(ids, [None, tables[1], None]) == 13

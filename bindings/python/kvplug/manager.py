@@ -540,6 +540,58 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             return Description(table, lens, slots[:k2])
         raise _lib.BufferTooSmallError("describe: the batch kept growing while it was described", _lib.Status.BUFFER_TOO_SMALL)
 
+    def describe_groups_into(self, seq_ids: IntArray, block_tables: Optional[Sequence[Any]] = None,
+                             seq_lens: Any = None, slot_mappings: Optional[Sequence[Any]] = None) -> int:
+        """describe_into for every layer group, into caller buffers, in one C
+        call (kvp_manager_describe_groups): block_tables and slot_mappings
+        are None or one entry per group, each None or an int32 buffer (the
+        tables 2-D [n, max_blocks], all of one width). Returns the number of
+        slots each attention group's mapping received; a recurrent group's
+        mapping is not written. Nothing is allocated with int64 ids and
+        C-contiguous int32 numpy buffers, so a step can reuse its arrays.
+        Raises BufferTooSmallError (nothing written), UnknownSequenceError."""
+        ids_ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
+        ng = len(self.layer_groups)
+        if n > _INT32_MAX:
+            raise _bad(f"describe_groups_into: batch of {n} sequences")
+        for name, bufs in (("block_tables", block_tables), ("slot_mappings", slot_mappings)):
+            if bufs is not None and len(bufs) != ng:
+                raise _bad(f"describe_groups_into: {name} has {len(bufs)} entries for {ng} layer groups")
+        mb, tptrs = 0, None
+        if block_tables is not None:
+            tptrs = (_vp * ng)()
+            for g, t in enumerate(block_tables):
+                if t is None:
+                    continue
+                shape = getattr(t, "shape", None)
+                if shape is None or len(shape) != 2:
+                    raise _bad(f"describe_groups_into: block_tables[{g}] must be 2-D [n, max_blocks]")
+                if mb and shape[1] != mb:
+                    raise _bad(f"describe_groups_into: block_tables[{g}] has {shape[1]} columns, the others {mb}")
+                mb = shape[1]
+                tptrs[g] = _out_ptr(t, n * mb, f"describe_groups_into: block_tables[{g}]")[0]
+            if not 1 <= mb <= _INT32_MAX:
+                raise _bad(f"describe_groups_into: max_blocks must be in [1, 2^31): got {mb}")
+        lens_ptr = 0 if seq_lens is None else _out_ptr(seq_lens, n, "describe_groups_into: seq_lens")[0]
+        cap, sptrs = _INT32_MAX, None
+        if slot_mappings is not None:
+            sptrs = (_vp * ng)()
+            for g, sl in enumerate(slot_mappings):
+                if sl is None:
+                    continue
+                p, c = _out_ptr(sl, 0, f"describe_groups_into: slot_mappings[{g}]")
+                # One capacity for all: the smallest mapping's.
+                sptrs[g], cap = (p or _addressof(_EMPTY_SLOT)), min(cap, c)
+        if not n:
+            self._empty("describe_groups_into")
+            return 0
+        num = _i32()
+        st = C.kvp_manager_describe_groups(self._h, ids_ptr, n, ng, tptrs, mb, lens_ptr, sptrs,
+                                           0 if sptrs is None else cap, ctypes.byref(num))
+        if st:
+            _lib.raise_status(st)
+        return num.value
+
     def describe_groups(self, seq_ids: IntArray, max_blocks: Optional[int] = None) -> List[Description]:
         """Every layer group's (block_table, seq_lens, slot_mapping) of the
         batch, in one C call (kvp_manager_describe_groups): entry g is group
@@ -547,8 +599,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         holds -1 where blocks were dropped; a recurrent group's row is its
         state block, and its slot mapping is empty. max_blocks defaults to
         the widest row the batch needs."""
-        ids_ptr, n, keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")
-        ng = len(self.layer_groups)
+        keep = _in_ptr(seq_ids, _I64, _i64, "seq_ids")[2]
+        n, ng = len(keep), len(self.layer_groups)
         if not n:
             self._empty("describe_groups")
             mb = 1 if max_blocks is None else _int(max_blocks, "describe_groups: max_blocks", "int32", lo=1)
@@ -561,18 +613,15 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             need = max(1, -(-int(lens.max()) // self.block_size))
             mb = need if max_blocks is None else _int(max_blocks, "describe_groups: max_blocks", "int32", lo=1)
             tables = [np.empty((n, mb), np.int32) for _ in range(ng)]
-            slots = [np.empty(max(k, 1), np.int32) for _ in range(ng)]
-            tptrs = (_vp * ng)(*(t.ctypes.data for t in tables))
-            sptrs = (_vp * ng)(*(s.ctypes.data for s in slots))
-            num = _i32()
-            st = C.kvp_manager_describe_groups(self._h, ids_ptr, n, ng, tptrs, mb, lens.ctypes.data, sptrs,
-                                               k, ctypes.byref(num))
-            if st == _lib.Status.BUFFER_TOO_SMALL and max_blocks is None:
+            slots = [np.empty(k, np.int32) for _ in range(ng)]
+            try:
+                num = self.describe_groups_into(keep, tables, lens, slots)
+            except _lib.BufferTooSmallError:
+                if max_blocks is not None:
+                    raise
                 continue
-            if st:
-                _lib.raise_status(st)
             return [Description(tables[g], lens, slots[g][: 0 if g and self.layer_groups[g].kind == LayerGroup.RECURRENT
-                                                          else num.value]) for g in range(ng)]
+                                                          else num]) for g in range(ng)]
         raise _lib.BufferTooSmallError("describe_groups: the batch kept growing while it was described",
                                        _lib.Status.BUFFER_TOO_SMALL)
 
