@@ -13,6 +13,12 @@
 //     tokens whose K/V the engine writes this step, whose slots Describe
 //     reports.
 //
+// A hybrid model's manager has layer groups (Config.Groups): the block
+// table above is group 0's, full attention; sliding-window and recurrent
+// groups have tables of their own over the same pool (groups.go), which
+// the prefix cache holds too (groupcache.go). An engine with a recurrent
+// group in the prefix cache performs the copies of TakeCopies every step.
+//
 // Every call that fails changes nothing. An internal step documented as
 // unable to fail is asserted, never discarded: its failure is a bug and
 // panics with an Internal error, which the C ABI answers with
