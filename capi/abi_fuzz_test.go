@@ -1545,34 +1545,26 @@ func (fz *abiFuzz) launch(op uint8) (string, int) {
 func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 	lockThread(t)
 	seen := map[string]bool{}
-	for op := range numOps {
-		data := []byte{5, 8, 4, byte(op)}
-		data = append(data, bytes.Repeat([]byte{1}, 64)...)
+	// reach makes the call that setup (its bytes first) and op choose
+	// among ops calls.
+	reach := func(setup []byte, op, ops uint8) {
+		data := append(append(slices.Clone(setup), op), bytes.Repeat([]byte{1}, 64)...)
 		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
 		fz.setup()
-		name, _ := fz.call(fz.r.u8() % numOps)
+		name, _ := fz.call(fz.r.u8() % ops)
 		fz.close()
 		seen[name] = true
 	}
-	for op := range numGroupOps {
+	for op := range uint8(numOps) {
+		reach([]byte{5, 8, 4}, op, numOps)
+	}
+	for op := range uint8(numGroupOps) {
 		// Layer groups (flag groupsFlag) on the prefix cache: a window of 3, checkpoints every 2 blocks.
-		data := []byte{1 | groupsFlag, 8, 4, 2, 1, byte(numOps + op)}
-		data = append(data, bytes.Repeat([]byte{1}, 64)...)
-		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
-		fz.setup()
-		name, _ := fz.call(fz.r.u8() % (numOps + numGroupOps))
-		fz.close()
-		seen[name] = true
+		reach([]byte{1 | groupsFlag, 8, 4, 2, 1}, numOps+op, numOps+numGroupOps)
 	}
-	for op := range numStoreOps {
+	for op := range uint8(numStoreOps) {
 		// Stores (flag storesFlag) on a host store of 4 slots of 16 bytes.
-		data := []byte{5 | storesFlag, 8, 4, 3, 1, byte(numOps + op)}
-		data = append(data, bytes.Repeat([]byte{1}, 64)...)
-		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
-		fz.setup()
-		name, _ := fz.call(fz.r.u8() % (numOps + numStoreOps))
-		fz.close()
-		seen[name] = true
+		reach([]byte{5 | storesFlag, 8, 4, 3, 1}, numOps+op, numOps+numStoreOps)
 	}
 	want := []string{"kvp_manager_add", "kvp_manager_grow", "kvp_manager_grow_tokens", "kvp_manager_fork", "kvp_manager_remove", "kvp_manager_mark_computed",
 		"kvp_manager_describe", "kvp_manager_describe_groups", "kvp_manager_group_blocks", "kvp_manager_take_copies", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",

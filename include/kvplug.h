@@ -55,8 +55,8 @@
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
  *     section): kvp_manager_config gains layer_groups, num_layer_groups,
  *     max_model_len and block_bytes (appended); new kvp_layer_group,
- *     kvp_manager_describe_groups (a block table and slot mapping per
- *     group in one call), kvp_manager_group_blocks and
+ *     kvp_manager_describe_groups (one call: a block table and slot
+ *     mapping per group), kvp_manager_group_blocks and
  *     kvp_manager_take_copies. Sliding-window groups give back the blocks
  *     no query reads; recurrent groups hold one state block per sequence;
  *     the prefix cache holds every kind, recurrent states at checkpoints.
@@ -327,8 +327,8 @@ typedef struct kvp_manager kvp_manager;
  * the one pool and its block size: the engine lays its K/V out in layer
  * slots, slot j a tensor of num_blocks blocks, and block b of slot j
  * belongs to layer j of the group that holds b. So a block id means the
- * same bytes in every slot, and a kvp_block_copy (every slot of src into
- * dst) is right whatever group the block is in.
+ * same bytes in every slot, and a kvp_block_copy, which copies every slot
+ * of src into dst, is right whatever group the block is in.
  *
  * Each sequence has a block table per group, which
  * kvp_manager_describe_groups writes in one call:

@@ -63,7 +63,7 @@ import (
 
 // The classes of a Cached window companion.
 const (
-	compListed = iota // (unused as a class: the zero value means "not listed")
+	compNone = iota // not listed
 	compBehind
 	compKept
 )
@@ -94,8 +94,8 @@ type groupCache struct {
 	takes bool
 }
 
-// checkpoint is a sequence whose step ended at the end of block index
-// block, for recurrent group g.
+// checkpoint is a sequence whose step ended, at length tokens, at the end
+// of a block where recurrent group g keeps a checkpoint.
 type checkpoint struct {
 	id     int64
 	length int
@@ -145,7 +145,7 @@ func (gc *groupCache) push(c int32, class uint8) {
 
 func (gc *groupCache) unlist(c int32) {
 	cl := gc.class[c]
-	if cl == compListed {
+	if cl == compNone {
 		return
 	}
 	p, n := gc.prev[c], gc.next[c]
@@ -159,7 +159,7 @@ func (gc *groupCache) unlist(c int32) {
 	} else {
 		gc.tail[cl] = p
 	}
-	gc.class[c] = compListed
+	gc.class[c] = compNone
 	gc.listed--
 }
 
@@ -433,7 +433,7 @@ func (m *Manager) listedTaken(matched []int32, h int) int {
 			continue
 		}
 		for j := m.keepFrom(h*m.bs, grp.Window); j < h; j++ {
-			if gc.class[gc.comp[g][matched[j]]] != compListed {
+			if gc.class[gc.comp[g][matched[j]]] != compNone {
 				n++
 			}
 		}
@@ -483,7 +483,7 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 	for c := range gc.owner {
 		b := gc.owner[c]
 		if b == NoBlock {
-			if gc.class[c] != compListed {
+			if gc.class[c] != compNone {
 				return bad("block %d is listed as a companion and is none", c)
 			}
 			continue
@@ -499,7 +499,7 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 			return bad("companion %d is not marked cached in the pool", c)
 		}
 		st := m.pool.State(int32(c))
-		if gc.class[c] != compListed {
+		if gc.class[c] != compNone {
 			listed++
 			if st != blocks.Cached || m.groups.extra[g].Kind == FullAttention {
 				return bad("listed companion %d is %s in group %d", c, st, g+1)

@@ -102,19 +102,11 @@ type groupSet struct {
 // before the checks pass, so a bad config creates nothing.
 func newGroupSet(cfg *Config) (groupSet, error) {
 	gs := groupSet{attn: 1}
-	if len(cfg.Groups) == 0 {
-		if cfg.BlockBytes != 0 || cfg.MaxModelLen != 0 {
-			if err := checkSizes(cfg); err != nil {
-				return gs, err
-			}
-		}
-		return gs, nil
+	if err := checkSizes(cfg); err != nil || len(cfg.Groups) == 0 {
+		return gs, err
 	}
 	if len(cfg.Groups) > limits.LayerGroups {
 		return gs, kverr.Errorf(kverr.InvalidArgument, "layer groups: at most %d groups: got %d", limits.LayerGroups, len(cfg.Groups))
-	}
-	if err := checkSizes(cfg); err != nil {
-		return gs, err
 	}
 	maxWindow := limits.PromptTokens
 	if cfg.MaxModelLen > 0 {
@@ -249,14 +241,12 @@ func (m *Manager) growExtra(s *seq, add int) {
 // the first its next query (at position length) reads.
 func (m *Manager) keepFrom(length, w int) int { return max(0, length-w+1) / m.bs }
 
-// windowDrops appends to dst the blocks of the batch's window groups that
-// their next queries can no longer read, and returns how many of them
-// would go back to the pool: a block shared with a forked sibling returns
-// only once every holder drops it.
-func (m *Manager) windowDrops(batch []*seq, dst []int32) ([]int32, int) {
-	if !m.groups.windowed {
-		return dst, 0
-	}
+// windowDrops returns whether the batch's window groups hold blocks that
+// their next queries can no longer read, and how many of those would go
+// back to the pool: a block shared with a forked sibling returns only once
+// every holder drops it. applyDrops drops them.
+func (m *Manager) windowDrops(batch []*seq) (any bool, freed int) {
+	dst := m.drops[:0]
 	for _, s := range batch {
 		for g, grp := range m.groups.extra {
 			if grp.Kind != SlidingWindow {
@@ -268,15 +258,11 @@ func (m *Manager) windowDrops(batch []*seq, dst []int32) ([]int32, int) {
 			}
 		}
 	}
-	if len(dst) == 0 {
-		return dst, 0
-	}
+	m.drops = dst
 	// Each distinct block goes back when this batch drops all of its
-	// references (sorting a copy keeps dst's order for the caller).
-	m.dropSort = append(m.dropSort[:0], dst...)
-	sorted := m.dropSort
+	// references.
+	sorted := dst
 	slices.Sort(sorted)
-	freed := 0
 	for i := 0; i < len(sorted); {
 		j := i + 1
 		for j < len(sorted) && sorted[j] == sorted[i] {
@@ -287,7 +273,7 @@ func (m *Manager) windowDrops(batch []*seq, dst []int32) ([]int32, int) {
 		}
 		i = j
 	}
-	return dst, freed
+	return len(dst) > 0, freed
 }
 
 // applyDrops drops from the batch's window groups what windowDrops found.
@@ -408,7 +394,7 @@ func (m *Manager) DescribeGroups(ids []int64, maxBlocks int, tables [][]int32, s
 		return 0, err
 	}
 	for g, sl := range slots {
-		if sl != nil && total > len(sl) && (g == 0 || m.groups.extra[g-1].Kind != Recurrent) {
+		if sl != nil && total > len(sl) && m.hasSlots(g) {
 			return 0, kverr.Errorf(kverr.BufferTooSmall, "describe groups: the batch has %d new tokens, group %d's slot mapping holds %d", total, g, len(sl))
 		}
 	}
@@ -433,7 +419,7 @@ func (m *Manager) DescribeGroups(ids []int64, maxBlocks int, tables [][]int32, s
 				row := tbl[i*maxBlocks : (i+1)*maxBlocks]
 				fillNoBlock(row[copy(row, own):])
 			}
-			if sl != nil && (g == 0 || m.groups.extra[g-1].Kind != Recurrent) {
+			if sl != nil && m.hasSlots(g) {
 				k += m.writeSlots(own, s.length, int(s.fresh), sl[k:])
 			}
 		}
@@ -445,6 +431,10 @@ func (m *Manager) DescribeGroups(ids []int64, maxBlocks int, tables [][]int32, s
 	}
 	return total, nil
 }
+
+// hasSlots reports whether group g's sequences have slots: its blocks hold
+// tokens (a recurrent group's hold states).
+func (m *Manager) hasSlots(g int) bool { return g == 0 || m.groups.extra[g-1].Kind != Recurrent }
 
 // GroupBlocks returns the blocks each layer group holds now (a block
 // shared by forked sequences counts once). O(num_blocks + blocks held).

@@ -191,11 +191,10 @@ type Manager struct {
 	// The layer groups past group 0 (groups.go), and their blocks in the
 	// prefix cache (groupcache.go; nil without the cache or groups). Last,
 	// so that the fields every step reads keep their places.
-	groups   groupSet
-	gc       *groupCache
-	queued   []CopyPair // copies for the engine's next TakeCopies (groupcache.go)
-	drops    []int32    // the blocks a Grow's windows drop
-	dropSort []int32    // their sorted copy
+	groups groupSet
+	gc     *groupCache
+	queued []CopyPair // copies for the engine's next TakeCopies (groupcache.go)
+	drops  []int32    // scratch: the blocks a Grow's windows drop
 }
 
 // New returns a Manager with an empty pool. NumBlocks must be in
@@ -469,16 +468,16 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 	need *= int64(m.groups.attn)
 	// Window groups drop what their next queries cannot read before the
 	// batch allocates: the blocks they free count as available.
+	var drops bool
 	var freed int
 	if m.groups.windowed {
-		m.drops, freed = m.windowDrops(batch, m.drops[:0])
+		drops, freed = m.windowDrops(batch)
 	}
 	if avail := m.available() + int64(freed); need > avail {
 		return kverr.Errorf(kverr.OutOfBlocks, "grow: the batch needs %d new blocks, %s", need, m.availableText())
 	}
-	if freed > 0 || len(m.drops) > 0 {
+	if drops {
 		m.applyDrops(batch)
-		m.drops = m.drops[:0]
 	}
 	m.makeFree(int(need))
 	var added, slots int64 // tokens added, slots allocated (one group's)

@@ -304,15 +304,22 @@ def test_planned_layers_pack_what_they_packed(cpu_kernels, monkeypatch, cls, run
     same(rec.calls[-1][1], old_planned(one._c, q1, k, v, table[:1], out, None, None))
 
 
-@pytest.mark.parametrize("cls,run,name", [(attn.PrefillPlan, attn.paged_prefill, "kvp_paged_prefill"),
-                                          (cascade.CascadePlan, cascade.paged_cascade, "kvp_paged_cascade")])
-def test_planned_layers_check_against_the_plan(cpu_kernels, monkeypatch, cls, run, name):
+def planned_layer(monkeypatch, cls, run, name):
+    """A plan of cls and one layer run through it (5 rows of 4 q heads over
+    2 kv heads of 64), with the recorder of the C calls named name."""
     rec = record(monkeypatch, name, _capi.AttnPlan, _capi.PagedPrefillArgs)
     plan = a_plan(cls)
     k, v = caches()
     q = torch.randn(5, 4, 64).half()
     table = torch.randint(0, 8, (2, 6), dtype=torch.int32)
     run(plan, q, k, v, table)
+    return rec, plan, q, k, v, table
+
+
+@pytest.mark.parametrize("cls,run,name", [(attn.PrefillPlan, attn.paged_prefill, "kvp_paged_prefill"),
+                                          (cascade.CascadePlan, cascade.paged_cascade, "kvp_paged_cascade")])
+def test_planned_layers_check_against_the_plan(cpu_kernels, monkeypatch, cls, run, name):
+    rec, plan, q, k, v, table = planned_layer(monkeypatch, cls, run, name)
     with pytest.raises(kvplug.InvalidArgumentError, match="the plan has"):
         run(plan, q[:4], k, v, table)
     with pytest.raises(kvplug.InvalidArgumentError, match="kv heads"):
@@ -506,12 +513,7 @@ def test_paged_decode_packs_sinks(cpu_kernels, monkeypatch):
 @pytest.mark.parametrize("cls,run,name", [(attn.PrefillPlan, attn.paged_prefill, "kvp_paged_prefill"),
                                           (cascade.CascadePlan, cascade.paged_cascade, "kvp_paged_cascade")])
 def test_planned_layers_pack_sinks(cpu_kernels, monkeypatch, cls, run, name):
-    rec = record(monkeypatch, name, _capi.AttnPlan, _capi.PagedPrefillArgs)
-    plan = a_plan(cls)
-    k, v = caches()
-    q = torch.randn(5, 4, 64).half()
-    table = torch.randint(0, 8, (2, 6), dtype=torch.int32)
-    run(plan, q, k, v, table)
+    rec, plan, q, k, v, table = planned_layer(monkeypatch, cls, run, name)
     assert rec.calls[-1][1].sinks == 0
     sinks = torch.randn(4)
     run(plan, q, k, v, table, sinks=sinks)

@@ -524,21 +524,30 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             self._empty("describe")
             mb = 1 if max_blocks is None else _int(max_blocks, "describe: max_blocks", "int32", lo=1)
             return Description(np.empty((0, mb), np.int32), np.empty(0, np.int32), np.empty(0, np.int32))
-        for _ in range(3):  # retried only if another thread grows the batch in between
-            lens = np.empty(max(n, 0), np.int32)
+
+        def fill(mb: int, k: int, lens: np.ndarray) -> Description:
+            table, slots = np.empty((n, mb), np.int32), np.empty(k, np.int32)
+            return Description(table, lens, slots[:self.describe_into(ids, table, lens, slots)])
+        return self._sized(ids, max_blocks, "describe", fill)
+
+    def _sized(self, ids: Any, max_blocks: Optional[int], what: str, fill: Any) -> Any:
+        """Sizes a describe of the batch ids (a first call for the lengths
+        and the slot count) and returns fill(max_blocks, slots, seq_lens),
+        which allocates and describes; with max_blocks None, retried when
+        another thread grows the batch in between."""
+        n = len(ids)
+        for _ in range(3):
+            lens = np.empty(n, np.int32)
             k = self.describe_into(ids, None, lens, None)
-            need = int(-(-int(lens.max()) // self.block_size)) if n else 1
-            mb = max(need, 1) if max_blocks is None else _int(max_blocks, "describe: max_blocks", "int32", lo=1)
-            table = np.empty((n, mb), np.int32)
-            slots = np.empty(k, np.int32)
+            need = max(1, -(-int(lens.max()) // self.block_size))
+            mb = need if max_blocks is None else _int(max_blocks, f"{what}: max_blocks", "int32", lo=1)
             try:
-                k2 = self.describe_into(ids, table, lens, slots)
+                return fill(mb, k, lens)
             except _lib.BufferTooSmallError:
                 if max_blocks is not None:
                     raise
-                continue
-            return Description(table, lens, slots[:k2])
-        raise _lib.BufferTooSmallError("describe: the batch kept growing while it was described", _lib.Status.BUFFER_TOO_SMALL)
+        raise _lib.BufferTooSmallError(f"{what}: the batch kept growing while it was described",
+                                       _lib.Status.BUFFER_TOO_SMALL)
 
     def describe_groups_into(self, seq_ids: IntArray, block_tables: Optional[Sequence[Any]] = None,
                              seq_lens: Any = None, slot_mappings: Optional[Sequence[Any]] = None) -> int:
@@ -607,23 +616,13 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             return [Description(np.empty((0, mb), np.int32), np.empty(0, np.int32), np.empty(0, np.int32))] * ng
         if n > _INT32_MAX:
             raise _bad(f"describe_groups: batch of {n} sequences")
-        for _ in range(3):  # retried only if another thread grows the batch in between
-            lens = np.empty(n, np.int32)
-            k = self.describe_into(keep, None, lens, None)
-            need = max(1, -(-int(lens.max()) // self.block_size))
-            mb = need if max_blocks is None else _int(max_blocks, "describe_groups: max_blocks", "int32", lo=1)
+        def fill(mb: int, k: int, lens: np.ndarray) -> List[Description]:
             tables = [np.empty((n, mb), np.int32) for _ in range(ng)]
             slots = [np.empty(k, np.int32) for _ in range(ng)]
-            try:
-                num = self.describe_groups_into(keep, tables, lens, slots)
-            except _lib.BufferTooSmallError:
-                if max_blocks is not None:
-                    raise
-                continue
-            return [Description(tables[g], lens, slots[g][: 0 if g and self.layer_groups[g].kind == LayerGroup.RECURRENT
+            num = self.describe_groups_into(keep, tables, lens, slots)
+            return [Description(tables[g], lens, slots[g][:0 if g and self.layer_groups[g].kind == LayerGroup.RECURRENT
                                                           else num]) for g in range(ng)]
-        raise _lib.BufferTooSmallError("describe_groups: the batch kept growing while it was described",
-                                       _lib.Status.BUFFER_TOO_SMALL)
+        return self._sized(keep, max_blocks, "describe_groups", fill)
 
     def take_copies(self) -> List[Tuple[int, int]]:
         """The queued block copies (src, dst), oldest first

@@ -166,6 +166,18 @@ def _write_fp8(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots
     scales.view(-1, h).index_copy_(0, slots, s)
 
 
+def _float_sinks(module: torch.nn.Module, sinks: torch.Tensor) -> torch.Tensor:
+    """The layer's sinks as the kernels take them (float32, contiguous),
+    converted once and kept on the module until the parameter changes (its
+    version counter moves with every in-place update), not on every step."""
+    kept = getattr(module, "_kvplug_sinks", None)
+    if kept is not None and kept[0] is sinks and kept[1] == sinks._version:
+        return kept[2]
+    f = sinks.detach().float().contiguous()
+    module._kvplug_sinks = (sinks, sinks._version, f)
+    return f
+
+
 def kvplug_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -206,7 +218,7 @@ def kvplug_attention(
     kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
     ks, vs = ctx.cache.k_scale(layer), ctx.cache.v_scale(layer)  # FP8 caches' scales; None for 16-bit
     if sinks is not None:
-        sinks = sinks.detach().float().contiguous()
+        sinks = _float_sinks(module, sinks)
     if ctx.backend == "custom":
         if sinks is not None:
             raise kvplug.InvalidArgumentError("kvplug attention: the custom backend does not take attention sinks")
