@@ -129,6 +129,9 @@ func pagedDecodeArgsOf(p *C.kvp_paged_decode_args) (attn.PagedDecodeArgs, error)
 	if err != nil {
 		return attn.PagedDecodeArgs{}, err
 	}
+	if a.reserved != 0 {
+		return attn.PagedDecodeArgs{}, kverr.Errorf(kverr.InvalidArgument, "kvp_paged_decode: reserved must be 0: got %d", int32(a.reserved))
+	}
 	own := ownKV(a.num_blocks, a.block_size, a.max_blocks_per_seq, a.cache_block_stride, a.cache_token_stride,
 		a.cache_head_stride, a.block_table_stride, a.k_cache, a.v_cache, a.block_table)
 	kv, shape, err := pagedKVOf("kvp_paged_decode", a.kv, own, kvShape{int32(a.dtype), int32(a.num_kv_heads), int32(a.head_dim)})
@@ -147,7 +150,7 @@ func pagedDecodeArgsOf(p *C.kvp_paged_decode_args) (attn.PagedDecodeArgs, error)
 		Q: cuda.DevicePtr(a.q), SeqLens: cuda.DevicePtr(a.seq_lens),
 		Out: cuda.DevicePtr(a.out), LSE: cuda.DevicePtr(a.lse), Sinks: cuda.DevicePtr(a.sinks),
 		Workspace: cuda.DevicePtr(a.workspace), WorkspaceBytes: wsBytes,
-		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len),
+		NumSplits: int(a.num_splits), MaxSeqLen: int(a.max_seq_len), WindowSize: int(a.window_size),
 	}, nil
 }
 

@@ -112,22 +112,32 @@ func TestPrefillABIArgumentChecks(t *testing.T) {
 	}
 }
 
-// The sinks field appended in 0.6 reaches core/attn from a struct of this
-// header's size, and a 0.5 struct_size (through kv) leaves it 0 even when
-// the bytes after it hold a value.
-func TestAttnArgsSinksField(t *testing.T) {
+// The fields appended in 0.6 (sinks in both args structs, window_size in
+// kvp_paged_decode_args) reach core/attn from a struct of this header's
+// size; an older struct_size leaves them 0 even when the bytes after it
+// hold a value; a size that cuts one is no version's size.
+func TestAttnArgsAppendedFields(t *testing.T) {
 	lockThread(t)
-	const sinks = 0x7000
-	d, p, err := hookSinksOf(sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs(), sinks)
-	if err != nil || d != sinks || p != sinks {
-		t.Fatalf("whole structs: sinks decoded as %#x and %#x (%v); want %#x", d, p, err, sinks)
+	const sinks, window = 0x7000, 77
+	d, p, w, err := hookAppendedOf(sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs(), sinks, window)
+	if err != nil || d != sinks || p != sinks || w != window {
+		t.Fatalf("whole structs: sinks decoded as %#x and %#x, window_size %d (%v); want %#x, %d", d, p, w, err, sinks, window)
 	}
 	od, op := sizeofThroughKV()
-	if od+8 != sizeofPagedDecodeArgs() || op+8 != sizeofPagedPrefillArgs() {
-		t.Fatalf("sinks is not the last field: sizes %d, %d through kv; %d, %d whole", od, op, sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs())
+	if od+16 != sizeofPagedDecodeArgs() || op+8 != sizeofPagedPrefillArgs() || sizeofDecodeThroughSinks() != od+8 {
+		t.Fatalf("sinks (and window_size) are not the last fields: sizes %d, %d through kv; %d, %d whole", od, op, sizeofPagedDecodeArgs(), sizeofPagedPrefillArgs())
 	}
-	d, p, err = hookSinksOf(od, op, sinks)
-	if err != nil || d != 0 || p != 0 {
-		t.Fatalf("0.5 struct_size: sinks decoded as %#x and %#x (%v); want 0", d, p, err)
+	d, p, w, err = hookAppendedOf(od, op, sinks, window)
+	if err != nil || d != 0 || p != 0 || w != 0 {
+		t.Fatalf("0.5 struct_size: sinks decoded as %#x and %#x, window_size %d (%v); want 0", d, p, w, err)
+	}
+	d, _, w, err = hookAppendedOf(od+8, op, sinks, window)
+	if err != nil || d != sinks || w != 0 {
+		t.Fatalf("struct_size through sinks: sinks %#x, window_size %d (%v); want %#x, 0", d, w, err, sinks)
+	}
+	for _, cut := range []uintptr{od + 12, od + 15} {
+		if _, _, _, err := hookAppendedOf(cut, op, sinks, window); kverr.CodeOf(err) != kverr.StructSize {
+			t.Errorf("struct_size %d, inside window_size's 8 bytes: %v; want STRUCT_SIZE", cut, err)
+		}
 	}
 }

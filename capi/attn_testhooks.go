@@ -280,16 +280,17 @@ func hookDecodeHostCost(n int, withDesc bool) time.Duration {
 // of struct_size size (from the whole struct in memory, sinks set to
 // sinks) as the launches do, and returns the sinks each decoded: a size
 // that ends before the field must leave it 0 (the struct rule).
-func hookSinksOf(decodeSize, prefillSize uintptr, sinks uint64) (fromDecode, fromPrefill uint64, err error) {
-	d := C.kvp_paged_decode_args{struct_size: C.size_t(decodeSize), dtype: C.KVP_DTYPE_F16, head_dim: 64, sinks: C.uint64_t(sinks)}
+func hookAppendedOf(decodeSize, prefillSize uintptr, sinks uint64, window int32) (fromDecode, fromPrefill uint64, windowSize int, err error) {
+	d := C.kvp_paged_decode_args{struct_size: C.size_t(decodeSize), dtype: C.KVP_DTYPE_F16, head_dim: 64, sinks: C.uint64_t(sinks),
+		window_size: C.int32_t(window)}
 	da, err := pagedDecodeArgsOf(&d)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	p := C.kvp_paged_prefill_args{struct_size: C.size_t(prefillSize), sinks: C.uint64_t(sinks)}
 	plan := attn.PrefillPlan{PrefillShape: attn.PrefillShape{DType: attn.F16, HeadDim: 64, NumQHeads: 2, NumKVHeads: 1}}
 	pa, err := pagedPrefillArgsOf("kvp_paged_prefill", &p, &plan)
-	return uint64(da.Sinks), uint64(pa.Sinks), err
+	return uint64(da.Sinks), uint64(pa.Sinks), da.WindowSize, err
 }
 
 // sizeofThroughKV is the 0.5 size of both args structs: through kv, before
@@ -297,5 +298,9 @@ func hookSinksOf(decodeSize, prefillSize uintptr, sinks uint64) (fromDecode, fro
 func sizeofThroughKV() (decode, prefill uintptr) {
 	return unsafe.Offsetof(C.kvp_paged_decode_args{}.kv) + 8, unsafe.Offsetof(C.kvp_paged_prefill_args{}.kv) + 8
 }
+
+// sizeofDecodeThroughSinks is kvp_paged_decode_args through sinks, before
+// window_size.
+func sizeofDecodeThroughSinks() uintptr { return unsafe.Offsetof(C.kvp_paged_decode_args{}.sinks) + 8 }
 
 func sizeofPagedPrefillArgs() uintptr { return unsafe.Sizeof(C.kvp_paged_prefill_args{}) }

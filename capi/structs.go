@@ -86,17 +86,18 @@ func structOf[T any](name string, first uintptr) abiStruct {
 		f := t.Field(i)
 		if k := f.Type.Kind(); k == reflect.Pointer || k == reflect.UnsafePointer {
 			ptrs = append(ptrs, ptrField{f.Offset, f.Name})
-		} else if deviceAddrFields[f.Name] {
+		} else if wholeFields[f.Name] {
 			whole = append(whole, ptrField{f.Offset, f.Name})
 		}
 	}
 	return abiStruct{name, first, size, ptrs, whole}
 }
 
-// deviceAddrFields names the uint64 device-address fields appended to a
-// released struct (kvp_paged_decode_args.sinks and kvp_paged_prefill_args.sinks,
-// 0.6): a struct_size ending inside one would pass half an address.
-var deviceAddrFields = map[string]bool{"sinks": true}
+// wholeFields names the 8-byte fields appended to a released struct that no
+// struct_size may cut: the device addresses kvp_paged_decode_args.sinks and
+// kvp_paged_prefill_args.sinks, and kvp_paged_decode_args.window_size with
+// its reserved word (0.6). A size ending inside one is no version's size.
+var wholeFields = map[string]bool{"sinks": true, "window_size": true}
 
 // abiStructs is every versioned struct of the ABI.
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,

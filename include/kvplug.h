@@ -65,6 +65,9 @@
  *     (so kvp_paged_cascade too) gain an appended `sinks`, one float32
  *     logit per query head added to the softmax denominator (gpt-oss);
  *     0 = none, as before.
+ *   - Sliding windows in decode: kvp_paged_decode_args gains an appended
+ *     `window_size` (0 = none, as before), and a prefill plan with a window
+ *     now routes uniform short queries to the decode kernel too.
  *
  * Changes in 0.5 for a host built against 0.4 (binary compatible):
  *   - FP8 KV caches: kvp_paged_kv.dtype may be KVP_DTYPE_E4M3 under an f16
@@ -1857,6 +1860,11 @@ typedef struct kvp_paged_decode_args {
                                NULL = the fields above */
   uint64_t sinks;           /* appended in 0.6: float32 [num_q_heads] device pointer (attention
                                sinks, above); 0 = none */
+  int32_t window_size;      /* appended in 0.6: 0 = no window; w > 0: the new token at position
+                               pos sees positions [max(0, pos - w + 1), pos] only (a
+                               sliding-window layer), and the blocks before any new token's
+                               window are not read (their table entries may be -1) */
+  int32_t reserved;         /* 0 */
 } kvp_paged_decode_args;
 
 #define KVP_PAGED_DECODE_ARGS_INIT KVP_STRUCT_INIT(kvp_paged_decode_args)

@@ -10,7 +10,7 @@ the structs that embed it: pack it with paged_kv() and assign it, e.g.
 
 import numpy as np
 
-ABI_VERSION = 6  # KVP_KERNELS_ABI_VERSION
+ABI_VERSION = 7  # KVP_KERNELS_ABI_VERSION
 
 
 def _struct(fields, size):
@@ -51,7 +51,7 @@ KV_WRITE = _struct([("kv", PAGED_KV)] + _u64("key", "value", "slot_mapping")
 DECODE = _struct([("kv", PAGED_KV)] + _u64("q", "seq_lens", "out", "lse", "workspace")
                  + _i64("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride")
                  + _i32("batch", "num_q_heads", "num_splits") + [("scale", "<f4")] + _i32("q_len", "q_rows")
-                 + _u64("q_indptr", "sinks"), 208)
+                 + _u64("q_indptr", "sinks") + _i32("window_left", "reserved"), 216)
 # kvp_merge_params
 MERGE_MAX_STATES = 8  # KVP_MERGE_MAX_STATES
 MERGE = _struct([("v", ("<u8", (MERGE_MAX_STATES,))), ("s", ("<u8", (MERGE_MAX_STATES,)))] + _u64("out", "out_lse")

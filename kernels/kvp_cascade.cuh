@@ -165,7 +165,7 @@ __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p,
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
     decode_tile<T, D, CascadeCfg<D>::DecodeTail::STAGES, false>(
         w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
-        reinterpret_cast<const T*>(p.kv.v_cache), p.scale,
+        reinterpret_cast<const T*>(p.kv.v_cache), p.scale, -1,
         [&](int t, int qh) { return (int64_t)__ldg(qrows + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] { return make_int2(__ldg(lens + it.rep), it.kv_end); },
         [&](int t, int qh, int d0, const float(&o)[8], const SoftmaxState& st) {

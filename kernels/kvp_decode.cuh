@@ -61,6 +61,12 @@ struct DecodeWork {
     int qlen, rows;  // new tokens per sequence; rows = nh * qlen (<= 16)
     // First token of the block's k-th tile.
     __device__ __forceinline__ int tile_start(int k) const { return base + (split + k * S) * KVP_DECODE_TILE; }
+    // With a window (window >= 0), the tiles start at the tile boundary at
+    // or below the first position any row sees (L - qlen - window).
+    __device__ __forceinline__ void set_window_base(int seq_len, int window) {
+        const int first = max(0, seq_len - qlen - window);
+        base = max(base, first - first % KVP_DECODE_TILE);
+    }
     // Sets the positions' end L and the tokens' end (<= L), then the tiles.
     __device__ __forceinline__ void set_len(int seq_len, int kv_end) {
         L = max(0, seq_len);
@@ -133,6 +139,7 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     const int64_t q0 = decode_first_row(p, w.b, w.qlen);
     if (q0 < 0) return;
     const int L = reinterpret_cast<const int32_t*>(p.seq_lens)[w.b];
+    if (p.window_left >= 0) w.set_window_base(L, p.window_left);
     w.set_len(L, L);
     const PagedRows rr = paged_rows(p.kv, w.b, w.kvh);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -142,11 +149,12 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
     for (int r = warp; r < w.rows; r += KVP_DECODE_THREADS / 32) {
         const int t = r / w.nh, qh = w.qh0 + (r - t * w.nh);
         const int last = w.L - w.qlen + t;  // the last position token t sees
+        const int first = p.window_left >= 0 ? last - p.window_left : 0;
         F32Row<E> qr(reinterpret_cast<const float*>(p.q) + (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride,
                      lane);
         for (int k = 0; k < w.n_tiles; ++k) {
             const int t0 = w.tile_start(k);
-            qr.attend(rr, kc, vc, lane, sl, t0, min(last + 1, t0 + KVP_DECODE_TILE));
+            qr.attend(rr, kc, vc, lane, sl, max(t0, first), min(last + 1, t0 + KVP_DECODE_TILE));
         }
         decode_store<float, E>(p, w, q0, t, qh, lane * E, qr.o, qr.st, D);
     }
@@ -159,12 +167,15 @@ __device__ __forceinline__ void paged_decode_f32(const kvp_decode_params& p) {
 // from load_len() (an int2 for w.set_len, read while the query and table
 // loads are in flight), the result
 // through store(t, qh, d0, o[8], st) for dims [d0, d0 + 8) of each of the
-// w.rows rows (o unnormalised, st the row's state). SIGNAL: call
+// w.rows rows (o unnormalised, st the row's state). window >= 0: a row at
+// position pos sees only [pos - window, pos] (DecodeWork::set_window_base
+// moves the tiles' start once the length is known). SIGNAL: call
 // griddep_launch_dependents after the K/V loop. The shared memory (at least
 // DecodeCfg<D, STAGES>::SMEM) is free again on return.
 template <typename T, int D, int STAGES, bool SIGNAL, typename KT = T, class QRow, class LoadLen, class Store>
 __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, const T* qp, const KT* kc, const KT* vc,
-                                            float scale, QRow qrow, LoadLen load_len, Store store, uint8_t* smem) {
+                                            float scale, int window, QRow qrow, LoadLen load_len, Store store,
+                                            uint8_t* smem) {
     constexpr bool E4M3 = sizeof(KT) == 1;
     // e4m3: the mainloop runs on f16 tiles (every e4m3 value is exact in
     // f16), the K scales multiply the scores and the V scales the
@@ -205,13 +216,23 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
             qv[k] = *reinterpret_cast<const uint4*>(qp + qrow(t, w.qh0 + r - t * w.nh) + c * 8);
         }
     }
-    const int2 len = load_len();
     int pblk[STAGES + 1], poff[STAGES + 1];
+    auto load_first_blocks = [&] {
 #pragma unroll
-    for (int j = 0; j <= STAGES; ++j) {
-        pblk[j] = -1;
-        poff[j] = 0;
-        if (tid < TILE) pblk[j] = rr.load_block(w.tile_start(j) + tid, poff[j]);
+        for (int j = 0; j <= STAGES; ++j) {
+            pblk[j] = -1;
+            poff[j] = 0;
+            if (tid < TILE) pblk[j] = rr.load_block(w.tile_start(j) + tid, poff[j]);
+        }
+    };
+    int2 len;
+    if (window < 0) {  // the first tiles' table reads need not wait for the length
+        len = load_len();
+        load_first_blocks();
+    } else {  // they start where the window does, which the length gives
+        len = load_len();
+        w.set_window_base(len.x, window);
+        load_first_blocks();
     }
     w.set_len(len.x, len.y);
     if (tid < TILE) {
@@ -281,11 +302,13 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     const int g = lane >> 2, qd = (lane & 3) * 2;
     // The last position rows g and g + 8 see (causal among the new tokens;
     // L - 1 for every row when q_len is 1). Padded rows see everything.
-    int last[2];
+    // first: the first position they see (the window's start; 0 without one).
+    int last[2], first[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
         last[h] = r < w.rows ? w.L - w.qlen + r / w.nh : w.L - 1;
+        first[h] = window >= 0 ? last[h] - window : 0;
     }
 
     for (int j = 0; j < w.n_tiles; ++j) {
@@ -342,7 +365,8 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
             }
         }
 
-        // Mask tokens past the end, past a new token's own position or with
+        // Mask tokens past the end, outside a new token's window (its own
+        // position and, with a window, window tokens back) or with
         // an ignored block; scale into log2 domain.
         const int64_t* offs = s_off + (j % RING) * TILE;
         const int tpos = w.tile_start(j);
@@ -357,8 +381,9 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
                 const int tcol = warp * 16 + nt * 8 + qd + e;
                 const bool ok = offs[tcol] >= 0;
                 const float f = E4M3 ? sl * ksc[tcol] : sl;
-                s[nt][e] = ok && tpos + tcol <= last[0] ? s[nt][e] * f : neg_inf();
-                s[nt][e + 2] = ok && tpos + tcol <= last[1] ? s[nt][e + 2] * f : neg_inf();
+                const int pos = tpos + tcol;
+                s[nt][e] = ok && pos <= last[0] && pos >= first[0] ? s[nt][e] * f : neg_inf();
+                s[nt][e + 2] = ok && pos <= last[1] && pos >= first[1] ? s[nt][e + 2] * f : neg_inf();
                 mx[0] = fmaxf(mx[0], s[nt][e]);
                 mx[1] = fmaxf(mx[1], s[nt][e + 2]);
             }
@@ -541,7 +566,7 @@ __device__ __forceinline__ void paged_decode_tc(const kvp_decode_params& p) {
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
     decode_tile<T, D, DecodeStages<D>::value, true, KT>(
         w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
-        reinterpret_cast<const KT*>(p.kv.v_cache), p.scale,
+        reinterpret_cast<const KT*>(p.kv.v_cache), p.scale, p.window_left,
         [&](int t, int qh) { return (q0 + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] {
             const int L = lens[w.b];

@@ -34,9 +34,9 @@ KVP_LAYOUT(kvp_paged_kv_params, 96, (v_cache, 8)(block_table, 16)(k_scale, 24)(v
            (max_blocks_per_seq, 84)(dtype, 88)(scale_kind, 92));
 KVP_LAYOUT(kvp_kv_write_params, 160, (kv, 0)(key, 96)(slot_mapping, 112)(key_token_stride, 120)(value_head_stride, 144)
            (num_tokens, 152)(reserved, 156));
-KVP_LAYOUT(kvp_decode_params, 208, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
+KVP_LAYOUT(kvp_decode_params, 216, (kv, 0)(q, 96)(seq_lens, 104)(workspace, 128)(q_batch_stride, 136)
            (out_head_stride, 160)(batch, 168)(num_splits, 176)(scale, 180)(q_len, 184)(q_rows, 188)(q_indptr, 192)
-           (sinks, 200));
+           (sinks, 200)(window_left, 208)(reserved, 212));
 KVP_LAYOUT(kvp_merge_params, 232, (s, 64)(out, 128)(out_lse, 136)(v_token_stride, 144)(out_lse_head_stride, 200)
            (num_states, 208)(reserved, 220)(sinks, 224));
 

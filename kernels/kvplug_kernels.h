@@ -68,7 +68,7 @@
  * 6: attention sinks: `sinks` appended to kvp_decode_params,
  * kvp_merge_params, kvp_prefill_params and kvp_cascade_params (see
  * "Attention sinks" below). */
-#define KVP_KERNELS_ABI_VERSION 6
+#define KVP_KERNELS_ABI_VERSION 7
 
 /* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
 #define KVP_KV_E4M3 4
@@ -174,6 +174,13 @@ typedef struct kvp_kv_write_params {
  *  none is empty and contributes nothing). Results do not depend on the
  *  partition beyond rounding.
  *
+ *  Window (window_left >= 0): new token t, at position pos, sees positions
+ *  [max(0, pos - window_left), pos]. The tiles are then counted from the
+ *  first tile boundary at or below L - q_len - window_left (the first
+ *  position any row sees), so a window of W reads about W tokens whatever
+ *  L is, and the block-table entries before it are never read (a
+ *  sliding-window layer group's dropped blocks may hold -1 there).
+ *
  *  Varlen rows (q_indptr != 0, q_len 1): sequence b's one new token is row
  *  q_indptr[b] of q, out and lse; a sequence whose q_indptr[b + 1] -
  *  q_indptr[b] is not 1, or whose row is outside [0, q_rows), is skipped
@@ -206,7 +213,8 @@ typedef struct kvp_kv_write_params {
  *          128 workspace, 136 q_batch_stride, 144 q_head_stride,
  *          152 out_batch_stride, 160 out_head_stride, 168 batch,
  *          172 num_q_heads, 176 num_splits, 180 scale, 184 q_len,
- *          188 q_rows, 192 q_indptr, 200 sinks; size 208.
+ *          188 q_rows, 192 q_indptr, 200 sinks, 208 window_left,
+ *          212 reserved; size 216.
  * ---------------------------------------------------------------------- */
 typedef struct kvp_decode_params {
     kvp_paged_kv_params kv;
@@ -227,6 +235,8 @@ typedef struct kvp_decode_params {
     int32_t q_rows; /* with q_indptr: rows of q/out (a row at or past it is skipped); else 0 */
     uint64_t q_indptr; /* int32 [batch + 1] or 0; with q_len 1 only (see above) */
     uint64_t sinks;    /* float32 [num_q_heads] or 0 (attention sinks, above; the one-split kernel or the combine adds them) */
+    int32_t window_left; /* < 0: no window; else each row sees [pos - window_left, pos] (above) */
+    int32_t reserved;    /* 0 */
 } kvp_decode_params;
 
 /* Most new tokens per sequence of the decode kernel. */

@@ -90,6 +90,14 @@ func TestPlanAndWorkspace(t *testing.T) {
 			t.Errorf("e4m3: decodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
 		}
 	}
+	// A few tiles per block (gpt-oss's window of 128 over 8 kv heads, head
+	// dim 64, 396 slots): the fill is left alone, no split where 256 blocks
+	// fill 0.65 of a wave; one sequence still takes a split per tile.
+	for _, c := range []struct{ batch, maxLen, want int }{{32, 192, 1}, {64, 192, 1}, {1, 192, 3}, {32, 320, 3}} {
+		if s := decodeSplits(132, BF16, 64, c.batch, 64, 8, c.maxLen, 1, false); s != c.want {
+			t.Errorf("few tiles: decodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
+		}
+	}
 	n, err := WorkspaceSize(64, 32, 128, 0)
 	if err != nil || n != 4*DefaultMaxSplits*64*32*129 {
 		t.Errorf("WorkspaceSize = %d, %v", n, err)

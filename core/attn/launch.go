@@ -92,6 +92,24 @@ type PagedDecodeArgs struct {
 	// the device's seq_lens without a sync); 0 means max_blocks_per_seq *
 	// block_size.
 	MaxSeqLen int
+	// WindowSize: 0, no window; w > 0, the new token at position pos sees
+	// only positions [pos - w + 1, pos] (a sliding-window layer), and each
+	// sequence's blocks before its window are never read.
+	WindowSize int
+}
+
+// windowLeft is the kernels' form of the window: -1 for none.
+func (a *PagedDecodeArgs) windowLeft() int { return a.WindowSize - 1 }
+
+// decodeReadLen is the most tokens the decode kernel reads of one sequence
+// of at most maxLen tokens, for the choice of splits: maxLen, or with a
+// window of windowSize the window of each of qLen new tokens plus the part
+// of the tile that the first of them falls in.
+func decodeReadLen(maxLen, windowSize, qLen int) int {
+	if windowSize <= 0 {
+		return maxLen
+	}
+	return min(maxLen, windowSize+max(qLen, 1)-1+decodeTile)
 }
 
 // MergeArgs merges NumStates states on device memory: V[i] (dtype) and S[i]
@@ -217,6 +235,9 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 	if a.MaxSeqLen < 0 {
 		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: max_seq_len must not be negative: got %d", a.MaxSeqLen)
 	}
+	if err := inRange("paged_decode: window_size", a.WindowSize, 0, maxPrefillTokens); err != nil {
+		return err
+	}
 	if a.WorkspaceBytes < 0 {
 		return kverr.Errorf(kverr.InvalidArgument, "paged_decode: workspace_bytes must not be negative: got %d", a.WorkspaceBytes)
 	}
@@ -250,7 +271,7 @@ func PagedDecode(a *PagedDecodeArgs, stream cuda.Stream) error {
 		if maxLen == 0 {
 			maxLen = a.MaxBlocksPerSeq * a.BlockSize
 		}
-		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, maxLen, a.QLen, a.E4M3())
+		splits = decodeSplits(m.Device().SMs, a.DType, a.HeadDim, a.Batch, a.NumQHeads, a.NumKVHeads, decodeReadLen(maxLen, a.WindowSize, a.QLen), a.QLen, a.E4M3())
 		// Never more splits than the workspace holds (none without one).
 		splits = fitSplits(splits, a.Workspace, a.WorkspaceBytes, a.Rows(), a.NumQHeads, a.HeadDim)
 	}
@@ -272,6 +293,7 @@ func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.Device
 		Batch: int32(a.Batch), NumQHeads: int32(a.NumQHeads),
 		NumSplits: int32(splits), Scale: SoftmaxScale(a.Scale, a.HeadDim), QLen: int32(a.qLen()),
 		QIndptr: uint64(qIndptr), QRows: int32(qRows), Sinks: uint64(a.Sinks),
+		WindowLeft: int32(a.windowLeft()),
 	}
 	ks := kernelsFor(a.DType, a.HeadDim)
 	cfg := cuda.LaunchConfig{

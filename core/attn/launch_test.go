@@ -78,6 +78,7 @@ func TestLaunchArgumentChecks(t *testing.T) {
 		{"too many splits", func(a *PagedDecodeArgs) { a.NumSplits = MaxSplits + 1 }, kverr.InvalidArgument},
 		{"misaligned lse", func(a *PagedDecodeArgs) { a.LSE = 0x7002 }, kverr.InvalidArgument},
 		{"4 q heads over 3 kv heads", func(a *PagedDecodeArgs) { a.NumKVHeads = 3 }, kverr.InvalidArgument},
+		{"negative window_size", func(a *PagedDecodeArgs) { a.WindowSize = -1 }, kverr.InvalidArgument},
 	})
 
 	m := testMergeArgs()
@@ -106,5 +107,22 @@ func TestValidateAllocatesNothing(t *testing.T) {
 	d := testDecodeArgs()
 	if n := testing.AllocsPerRun(100, func() { _, _ = d.validate() }); n != 0 {
 		t.Fatalf("DecodeLayout.validate allocates %v times", n)
+	}
+}
+
+// A window bounds the tokens the decode kernel reads, which the choice of
+// splits counts: the window of every new token, plus the part of a tile
+// before the first one; never more than the sequences hold.
+func TestDecodeReadLen(t *testing.T) {
+	for _, c := range []struct{ maxLen, window, qLen, want int }{
+		{8192, 0, 1, 8192},                 // no window
+		{8192, 128, 1, 128 + decodeTile},   // gpt-oss's window
+		{8192, 1024, 4, 1027 + decodeTile}, // four new tokens: each its own window
+		{100, 1024, 1, 100},                // a window longer than the sequences
+		{8192, 1, 0, 1 + decodeTile},       // q_len 0 is one new token
+	} {
+		if got := decodeReadLen(c.maxLen, c.window, c.qLen); got != c.want {
+			t.Errorf("decodeReadLen(%d, %d, %d) = %d, want %d", c.maxLen, c.window, c.qLen, got, c.want)
+		}
 	}
 }

@@ -56,6 +56,8 @@ type decodeParams struct {
 	QRows          int32         `c:"q_rows"`
 	QIndptr        uint64        `c:"q_indptr"`
 	Sinks          uint64        `c:"sinks"`
+	WindowLeft     int32         `c:"window_left"`
+	Reserved       int32         `c:"reserved"`
 }
 
 // kvp_merge_params

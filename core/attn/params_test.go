@@ -17,7 +17,7 @@ type layoutCase struct {
 var layoutCases = []layoutCase{
 	{"kvp_paged_kv_params", reflect.TypeOf(pagedKVParams{}), 96},
 	{"kvp_kv_write_params", reflect.TypeOf(kvWriteParams{}), 160},
-	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 208},
+	{"kvp_decode_params", reflect.TypeOf(decodeParams{}), 216},
 	{"kvp_merge_params", reflect.TypeOf(mergeParams{}), 232},
 	{"kvp_prefill_plan_params", reflect.TypeOf(prefillPlanParams{}), 56},
 	{"kvp_prefill_params", reflect.TypeOf(prefillParams{}), 208},

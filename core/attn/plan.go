@@ -17,7 +17,8 @@ const DefaultMaxSplits = 32
 // blocks are fewer than the device holds at once (sms times the resident
 // blocks per SM), each sequence is cut into up to that many splits of whole
 // 64-token tiles of the longest sequence, and splits that would be empty are
-// dropped; then, where the blocks would leave the last wave less than 80%
+// dropped; then, unless each block streams at most 4 tiles (a wave then
+// costs less than the combine launch), where the blocks would leave the last wave less than 80%
 // full on average (waves / ceil(waves) < 0.8), the split count grows to the
 // first one that fills the waves that well. The result is also capped at
 // MaxSplits. sms is the device's multiprocessor count; maxSeqLen bounds the
@@ -31,6 +32,13 @@ func DecodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen i
 // decodeHeadsPer is the q heads of one decode block at qLen new tokens per
 // sequence (kvp_decode_heads_per_cta): its 16 rows hold heads x tokens.
 func decodeHeadsPer(qLen int) int { return decodeHeadsPerBlock / max(qLen, 1) }
+
+// fewDecodeTiles: up to this many 64-token tiles per block, a wave lasts
+// less than the combine launch that more splits would add, so the waves'
+// fill is left as it is (gpt-oss's 128-token windows, 3 tiles, at B=32 on
+// an H200: 3 splits for the fill took 17.7 us, where one split is a single
+// 0.65-full wave).
+const fewDecodeTiles = 4
 
 // decodeSplits is DecodeSplits for qLen new tokens per sequence, over an
 // e4m3 cache when e4m3.
@@ -51,6 +59,9 @@ func decodeSplits(sms int, d DType, headDim, batch, qHeads, kvHeads, maxSeqLen, 
 	if s > 1 {
 		per := ceilDiv(tiles, s)
 		s = ceilDiv(tiles, per)
+	}
+	if tiles <= fewDecodeTiles {
+		return s
 	}
 	// The waves' fill: a last wave that leaves most slots idle costs a
 	// whole wave's time (an e4m3 kernel at 3 blocks per SM ran 512 blocks

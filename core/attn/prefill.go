@@ -408,7 +408,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		NumItems: int(st.items), NumSplits: 1,
 		Workspace: a.Workspace, WorkspaceBytes: a.WorkspaceBytes, KVLens: a.KVLensDev}
 	decode := batch > 0 && decodeRoutes(st.maxQLen, a.NumQHeads/a.NumKVHeads) && st.totalQ == batch*st.maxQLen &&
-		a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
+		a.Flags&PrefillNoDecodeRoute == 0
 	if decode {
 		p.Route, p.NumItems = RouteDecode, 0
 	}
@@ -438,7 +438,8 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	}
 	sms := m.Device().SMs
 	if decode {
-		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads, st.maxKVLen, st.maxQLen, false)
+		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads,
+			decodeReadLen(st.maxKVLen, a.WindowLeft+1, st.maxQLen), st.maxQLen, false)
 		p.NumSplits = fitSplits(s, a.Workspace, a.WorkspaceBytes, st.totalQ, a.NumQHeads, a.HeadDim)
 		return p, nil
 	}
@@ -446,7 +447,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	tileQ := prefillTileQ(a.DType, a.HeadDim)
 	// Mixed batches: the decode kernel takes the one-token rows, whose
 	// sequences would otherwise each fill a whole row tile with one group.
-	mixed := st.decodeSeqs > 0 && a.WindowLeft < 0 && a.Flags&PrefillNoDecodeRoute == 0
+	mixed := st.decodeSeqs > 0 && a.Flags&PrefillNoDecodeRoute == 0
 	if p.Mainloop = prefillMainloop(m.Device(), a.DType, a.HeadDim, a.Flags); p.Mainloop == MainloopSM90 {
 		// One block per SM fits; items of 128 rows are fewer than the
 		// workspace (sized for 64-row items) holds.
@@ -473,7 +474,8 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		pp.SkipDecode = 1
 		p.DecodeSeqs, p.QOIndptr, p.DecodeSplits = st.decodeSeqs, a.QOIndptrDev, 1
 		if a.Flags&PrefillNoSplitKV == 0 {
-			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads, st.decodeMaxKV, 1, false)
+			s := decodeSplits(sms, a.DType, a.HeadDim, st.decodeSeqs, a.NumQHeads, a.NumKVHeads,
+				decodeReadLen(st.decodeMaxKV, a.WindowLeft+1, 1), 1, false)
 			off := p.decodePartsOffset()
 			p.DecodeSplits = fitSplits(s, a.Workspace+cuda.DevicePtr(off), a.WorkspaceBytes-off, batch, a.NumQHeads, a.HeadDim)
 		}
@@ -745,7 +747,7 @@ func (p *PrefillPlan) decodeArgs(a *PagedPrefillArgs) PagedDecodeArgs {
 		},
 		Q: a.Q, SeqLens: p.KVLens,
 		Out: a.Out, LSE: a.LSE, Sinks: a.Sinks, Workspace: p.Workspace, WorkspaceBytes: p.WorkspaceBytes,
-		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen,
+		NumSplits: p.NumSplits, MaxSeqLen: p.MaxKVLen, WindowSize: p.WindowLeft + 1,
 	}
 }
 

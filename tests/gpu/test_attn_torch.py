@@ -11,7 +11,9 @@ Skips only on a machine with no NVIDIA device, and fails under
 KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
+import itertools
 import math
+import zlib
 
 import pytest
 
@@ -418,43 +420,127 @@ def dt_id(v):
     return names.get(v) if isinstance(v, torch.dtype) else None
 
 
-@pytest.mark.parametrize("dtype,D,bs,window", [
-    (torch.float16, 128, 16, 40),
-    (torch.bfloat16, 64, 1, 0),
-    (torch.bfloat16, 256, 16, 5000),  # a window over every token: paged_decode's result
+def window_table(p, q_lens, window):
+    """p's block table with every block that ends before the first position
+    any of sequence b's q_lens[b] new tokens sees (L - q_len - window) set to
+    -1, as a sliding-window layer group drops them: a kernel that read one
+    would read nothing there, so the result shows whether the window was
+    applied, not whether the dropped blocks happened to be masked."""
+    t = p.table.clone().cpu()
+    for b, (L, ql) in enumerate(zip(p.lens, q_lens)):
+        first = L - ql - window
+        for c in range(t.shape[1]):
+            if (c + 1) * p.bs <= first:
+                t[b, c] = -1
+    return t.to(DEV)
+
+
+def window_reference(p, q, qo, window, sinks=None):
+    """float64 attention of q's rows ([total, qh, D]; sequence b's rows are
+    qo[b]..qo[b+1], its last new tokens) over p's K/V, new token t of
+    sequence b (at position pos) seeing positions [max(0, pos - window),
+    pos]; sinks: one logit per q head in every row's denominator."""
+    g = p.qh // p.kvh
+    out = torch.zeros(q.shape, dtype=torch.float64, device=DEV)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=DEV)
+    start = 0
+    for b, L in enumerate(p.lens):
+        k = p.k[start:start + L].double().repeat_interleave(g, dim=1)
+        v = p.v[start:start + L].double().repeat_interleave(g, dim=1)
+        n = int(qo[b + 1] - qo[b])
+        for t in range(n):
+            pos, r = L - n + t, int(qo[b]) + t
+            lo = max(0, pos - window)
+            s = torch.einsum("hd,lhd->hl", q[r].double(), k[lo:pos + 1]) / math.sqrt(p.D)
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None]], dim=1)
+                pr = torch.softmax(s, dim=1)[:, :-1]
+            else:
+                pr = torch.softmax(s, dim=1)
+            lse[r] = torch.logsumexp(s, dim=1)
+            out[r] = torch.einsum("hl,lhd->hd", pr, v[lo:pos + 1])
+        start += L
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,D,bs,group,q_len,window,splits,sinks", [
+    (torch.float16, 128, 16, 4, 1, 40, 0, False),
+    (torch.float16, 128, 16, 4, 1, 40, 5, True),
+    (torch.bfloat16, 64, 1, 8, 1, 0, 0, False),     # token mode; each token sees itself only
+    (torch.bfloat16, 128, 16, 4, 4, 100, 3, False),  # four new tokens, each its own window
+    (torch.bfloat16, 128, 64, 1, 16, 63, 1, True),
+    (torch.bfloat16, 256, 16, 2, 1, 5000, 0, False),  # a window over every token: no window
+    (torch.float32, 128, 16, 4, 2, 33, 2, False),
 ], ids=dt_id)
-def test_paged_decode_window_via_prefill_plan(dtype, D, bs, window, seed):
-    """kvp_paged_decode takes no window (kvp_paged_decode_args has no window
-    field): a windowed decode step is attn.prefill_plan(..., window_left=w)
-    with one row per sequence, which the plan keeps on the prefill kernel
-    (ROUTE_PREFILL, no decode launch). Over a cache written by kv_write into
-    a combined [blocks, 2, bs, heads, D] tensor through a shuffled table with
-    an out-of-range column, against the decode reference keeping each
-    sequence's last window + 1 tokens."""
+def test_paged_decode_window(dtype, D, bs, group, q_len, window, splits, sinks, seed):
+    """paged_decode(window_left=w): new token t of a sequence of length L
+    (at position L - q_len + t) sees [pos - w, pos], against the float64
+    reference, with the blocks before every new token's window dropped from
+    the table (-1), forced and chosen splits, several new tokens, sinks,
+    and f32; the window's lse too."""
     gen = torch.Generator().manual_seed(seed)
-    lens = [1, bs, bs + 1, 41, 700, 300]
-    B, qh, kvh = len(lens), 8, 2
+    lens = [q_len, bs + q_len, 41 + q_len, 700, 300, 129, 1000]
+    B, kvh = len(lens), 2
+    qh = group * kvh
     p = Paged(gen, dtype, D, qh, kvh, bs, lens, combined=True)
-    qo = torch.arange(B + 1, dtype=torch.int32)
-    ws = torch.empty(attn.prefill_workspace_size(B, B, qh, kvh, D), dtype=torch.uint8, device=DEV)
-    plan = attn.prefill_plan(qo.to(DEV), p.seq_lens, qh, kvh, D, dtype, ws, window_left=window, qo_indptr_host=qo,
-                             kv_lens_host=lens)
-    what = f"windowed decode, window_left {window}, {dtype}, D {D}, block size {bs}, lens {lens} ({plan})"
-    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
-    out = torch.full_like(p.q, float("nan"))
-    lse = torch.full((B, qh), float("nan"), dtype=torch.float32, device=DEV)
-    attn.paged_prefill(plan, p.q, p.k_cache, p.v_cache, p.table, out=out, lse=lse)
+    q = (torch.rand((B * q_len, qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    qo = torch.arange(B + 1, dtype=torch.int32) * q_len
+    sk = (torch.rand(qh, generator=gen) * 4 - 2).to(DEV) if sinks else None
+    table = window_table(p, [q_len] * B, window)
+    ws = torch.empty(attn.workspace_size(B * q_len, qh, D, 8), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B * q_len, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_decode(q, p.k_cache, p.v_cache, table, p.seq_lens, out=out, lse=lse, workspace=ws,
+                      num_splits=splits, max_seq_len=max(lens), q_len=q_len, sinks=sk, window_left=window)
     torch.cuda.synchronize()
-    keep = [torch.arange(L, device=DEV) >= L - 1 - window for L in lens]
-    want, want_lse = p.reference(1 / math.sqrt(D), keep=keep)
+    what = f"window_left {window}, {dtype}, D {D}, bs {bs}, group {group}, q_len {q_len}, splits {splits}"
+    want, want_lse = window_reference(p, q, qo, window, sk)
     check_rows(out, want, TOL[dtype], what)
     d = (lse.double() - want_lse).abs().amax(dim=1)
     assert float(d.max()) < 2e-3, f"{what}: lse of row {int(d.argmax())}: max abs error {float(d.max()):.3g}"
-    if window >= max(lens) - 1:
-        plain = torch.full_like(p.q, float("nan"))
-        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=plain, max_seq_len=max(lens))
+    if window >= max(lens):  # the whole sequence: the same as no window, through the full table
+        plain = torch.full_like(q, float("nan"))
+        attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=plain, max_seq_len=max(lens),
+                          q_len=q_len, sinks=sk)
         torch.cuda.synchronize()
-        check_rows(out, plain.double(), TOL[dtype], f"{what}: against paged_decode")
+        check_rows(out, plain.double(), TOL[dtype], f"{what}: against no window")
+
+
+@pytest.mark.parametrize("dtype,D,bs,window,q_lens", [
+    (torch.float16, 128, 16, 40, [1] * 6),           # uniform: the decode route
+    (torch.bfloat16, 64, 1, 0, [1] * 6),
+    (torch.bfloat16, 128, 16, 90, [2] * 6),           # two new tokens x group 4: still the decode route
+    (torch.bfloat16, 128, 16, 90, [1, 30, 1, 1, 200, 1]),  # mixed: prefill rows, decode rows
+], ids=dt_id)
+def test_windowed_decode_through_prefill_plan(dtype, D, bs, window, q_lens):
+    """A windowed step planned with attn.prefill_plan(..., window_left=w):
+    uniform short queries take the decode route (ROUTE_DECODE), a mixed
+    batch the prefill kernel with its one-token rows on the decode kernel
+    (decode_rows > 0); both against the windowed float64 reference, over a
+    table with the blocks before every window dropped."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {bs} {window} {q_lens}".encode()))
+    lens = [1 + q_lens[0], bs + q_lens[1], 41 + q_lens[2], 700 + q_lens[3], 300 + q_lens[4], 77 + q_lens[5]]
+    B, qh, kvh = len(lens), 8, 2
+    p = Paged(gen, dtype, D, qh, kvh, bs, lens, combined=True)
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    total = int(qo[-1])
+    q = (torch.rand((total, qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    ws = torch.empty(attn.prefill_workspace_size(B, total, qh, kvh, D), dtype=torch.uint8, device=DEV)
+    plan = attn.prefill_plan(qo.to(DEV), p.seq_lens, qh, kvh, D, dtype, ws, window_left=window, qo_indptr_host=qo,
+                             kv_lens_host=lens)
+    what = f"window_left {window}, {dtype}, D {D}, block size {bs}, q_lens {q_lens} ({plan})"
+    if len(set(q_lens)) == 1:
+        assert plan.route == attn.ROUTE_DECODE, what
+    else:
+        assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == q_lens.count(1), what
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((total, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_prefill(plan, q, p.k_cache, p.v_cache, window_table(p, q_lens, window), out=out, lse=lse)
+    torch.cuda.synchronize()
+    want, want_lse = window_reference(p, q, qo, window)
+    check_rows(out, want, TOL[dtype], what)
+    d = (lse.double() - want_lse).abs().amax(dim=1)
+    assert float(d.max()) < 2e-3, f"{what}: lse of row {int(d.argmax())}: max abs error {float(d.max()):.3g}"
 
 
 def empty_decode(q_len, splits, gen):

@@ -516,8 +516,8 @@ def test_cascade_takes_no_window_windowed_sharing_on_prefill_plan(dtype, B, dept
     """The cascade planner has no window to take (a window keyword is a
     TypeError naming it; its plan records window_left -1); the same batch of
     sequences sharing blocks (max_q 0: decode), windowed, runs on
-    attn.prefill_plan's prefill kernel and matches the windowed reference
-    row by row."""
+    attn.prefill_plan's kernels (the decode kernel for one row per
+    sequence) and matches the windowed reference row by row."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"window {dtype} {B} {bs} {D} {window}".encode()))
     table, lens, nb = random_tree(gen, B, depth, max_run, tail, bs)
     decode = max_q == 0
@@ -541,7 +541,11 @@ def test_cascade_takes_no_window_windowed_sharing_on_prefill_plan(dtype, B, dept
     plan = attn.prefill_plan(qo_d, lens_d, qh, kvh, D, dtype, pws, window_left=window, qo_indptr_host=qo_h,
                              kv_lens_host=lens_h)
     what = f"window_left {window}, {dtype}, D {D}, block size {bs}, heads {qh}/{kvh}, lens {lens}, qo {qo} ({plan})"
-    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
+    if decode:  # one row per sequence: the decode kernel, window and all
+        assert plan.route == attn.ROUTE_DECODE, what
+    else:  # the prefill kernel, its one-token rows on the decode kernel
+        assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == sum(
+            1 for b in range(B) if qo[b + 1] - qo[b] == 1), what
     out = torch.full((T, qh, D), float("nan"), dtype=dtype, device=DEV)
     lse = torch.full((T, qh), float("nan"), dtype=torch.float32, device=DEV)
     attn.paged_prefill(plan, q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), out=out, lse=lse)

@@ -215,11 +215,13 @@ def test_mixed_batch_only_decode_rows_and_empty():
     b.check(plan)
 
 
-def test_mixed_batch_window_keeps_prefill_kernel():
+def test_mixed_batch_window_decode_rows():
+    # The one-token row of a windowed mixed batch runs on the decode kernel,
+    # window and all, as without a window.
     gen = torch.Generator().manual_seed(72)
     b = Batch(gen, torch.float16, 128, 8, 2, 16, [500, 90], [300, 1], window=40)
     plan = b.plan()
-    assert plan.decode_rows == 0, plan
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 1, plan
     b.check(plan)
 
 
@@ -392,13 +394,12 @@ def test_argument_errors():
 
 # ---- sliding windows: decode rows, head sizes, block sizes, split-KV, graphs ----
 #
-# kvp_paged_decode takes no window (kvp_paged_decode_args has no window
-# field; include/kvplug.h), and the shared-prefix planner takes none either
-# (kvp_cascade_plan_args; test_cascade_torch.py): a window is a field of
-# kvp_prefill_plan_args (window_size = window_left + 1), so every windowed
-# step, decode included, is an attn.prefill_plan, which keeps such a batch on
-# the prefill kernel (the decode route and the decode launch of mixed batches
-# are taken only without a window).
+# A window is a field of kvp_prefill_plan_args (window_size = window_left +
+# 1) and of kvp_paged_decode_args (window_size): a windowed batch of uniform
+# short queries takes the decode route, a mixed one the prefill kernel with
+# its one-token rows on the decode kernel, as without a window; the
+# shared-prefix planner takes none (kvp_cascade_plan_args;
+# test_cascade_torch.py).
 
 
 def dt_id(v):
@@ -477,23 +478,28 @@ def case(dtype, D, bs, qh, kvh, window, plan):
 ], ids=dt_id)
 def test_window_decode_rows(dtype, D, bs, group, q_len, window):
     """Decode with a sliding window: every sequence brings q_len new tokens
-    (one: decode; more: speculative verification). Without a window the plan
-    runs such a batch on the decode kernel (ROUTE_DECODE); with one it must
-    keep it on the prefill kernel, which applies the window. Sequences
-    shorter than the window, exactly one longer, ending on and one past a
-    block boundary, and long ones (the plan may split their K/V)."""
+    (one: decode; more: speculative verification). The plan runs such a
+    batch on the decode kernel (ROUTE_DECODE), window and all; planned
+    without the decode route it runs on the prefill kernel; both against the
+    reference. Sequences shorter than the window, exactly one longer, ending
+    on and one past a block boundary, and long ones (the plan may split
+    their K/V)."""
     gen = torch.Generator().manual_seed(300 + D + bs + 10 * group + 100 * q_len + window)
     kv = [q_len, max(q_len, window), max(q_len, window + 1), window + q_len, 16 * bs, 16 * bs + 1, 700, 1503]
     qh = 2 * group
     b = Batch(gen, dtype, D, qh, 2, bs, kv, [q_len] * len(kv), window=window)
     plan = b.plan()
     what = f"{q_len} new tokens per sequence, " + case(dtype, D, bs, qh, 2, window, plan)
-    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, \
-        f"{what}: a windowed batch left the prefill kernel"
+    assert plan.route == attn.ROUTE_DECODE, f"{what}: a windowed batch of short queries left the decode route"
     out, lse = b.run(plan)
     qo = b.qo.tolist()
     want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)
     check_window(out, lse, want, want_lse, qo, kv, TOL[dtype], what)
+    tiles = attn.prefill_plan(b.qo, b.kvl, qh, 2, D, dtype, b.ws, window_left=window, qo_indptr_host=b.qo.cpu(),
+                              kv_lens_host=kv, decode_route=False, hopper=MAINLOOP["hopper"])
+    assert tiles.route == attn.ROUTE_PREFILL and tiles.decode_rows == 0, tiles
+    out2, lse2 = b.run(tiles)
+    check_window(out2, lse2, want, want_lse, qo, kv, TOL[dtype], f"{what}: on the prefill kernel ({tiles})")
     nowin = attn.prefill_plan(b.qo, b.kvl, qh, 2, D, dtype, b.ws, qo_indptr_host=b.qo.cpu(), kv_lens_host=kv,
                               hopper=MAINLOOP["hopper"])
     assert nowin.route == attn.ROUTE_DECODE, f"{what}: without the window the batch plans {nowin}"
@@ -523,7 +529,7 @@ def test_window_shapes(dtype, D, bs, group, window):
     b = Batch(gen, dtype, D, 2 * group, 2, bs, kv, q, window=window)
     plan = b.plan()
     what = case(dtype, D, bs, 2 * group, 2, window, plan)
-    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == 0, what
+    assert plan.route == attn.ROUTE_PREFILL and plan.decode_rows == q.count(1), what
     out, lse = b.run(plan)
     qo = b.qo.tolist()
     want, want_lse = window_reference(b.q, b.k, b.v, kv, qo, window)

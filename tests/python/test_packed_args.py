@@ -525,9 +525,14 @@ def test_planned_layers_pack_sinks(cpu_kernels, monkeypatch, cls, run, name):
     assert len(rec.calls) == n, "a refused call reached the library"
 
 
-def test_sinks_is_the_last_field_of_the_args():
-    """Appended in 0.6: after kv, at the end of both structs, so that an
-    older struct_size (through kv) leaves it at its default 0."""
+def test_fields_appended_in_0_6_are_last():
+    """Appended in 0.6: sinks after kv at the end of both structs, and
+    window_size (with its reserved word) after it in the decode args, so
+    that an older struct_size (through kv) leaves them at their default 0."""
     for t in (_capi.PagedDecodeArgs, _capi.PagedPrefillArgs):
-        assert t._fields_[-1][0] == "sinks" and t._fields_[-2][0] == "kv"
-        assert t.sinks.offset == t.kv.offset + 8 and ctypes.sizeof(t) == t.sinks.offset + 8
+        assert t.sinks.offset == t.kv.offset + 8
+    p = _capi.PagedPrefillArgs
+    assert p._fields_[-1][0] == "sinks" and ctypes.sizeof(p) == p.sinks.offset + 8
+    d = _capi.PagedDecodeArgs
+    assert [f[0] for f in d._fields_[-4:]] == ["kv", "sinks", "window_size", "reserved"]
+    assert d.window_size.offset == d.sinks.offset + 8 and ctypes.sizeof(d) == d.window_size.offset + 8

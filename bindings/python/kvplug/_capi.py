@@ -266,6 +266,8 @@ class PagedDecodeArgs(ctypes.Structure):
     ] + _ints(_i32, "num_splits", "max_seq_len", "q_len") + [
         ("kv", ctypes.POINTER(PagedKV)),  # appended in 0.4; NULL: the fields above
         ("sinks", _u64),  # appended in 0.6: float32 [num_q_heads] device pointer; 0 = none
+        ("window_size", _i32),  # appended in 0.6: 0 = no window; w > 0: positions [pos - w + 1, pos]
+        ("reserved", _i32),
     ]
 
 

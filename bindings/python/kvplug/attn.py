@@ -238,6 +238,7 @@ def paged_decode(
     k_scale: Any = None,
     v_scale: Any = None,
     sinks: Any = None,
+    window_left: int = -1,
 ) -> Any:
     """Decode attention of q ([batch * q_len, num_q_heads, head_dim]: q_len
     new tokens per sequence, 1 to 16, the last q_len of its seq_lens[b]
@@ -254,7 +255,12 @@ def paged_decode(
     sinks: attention sinks (gpt-oss), a float32 CUDA tensor [num_q_heads] of
     one natural-log logit per q head (not multiplied by scale), added to
     each row's softmax denominator only; lse is then the log of the whole
-    denominator (such states must not be merged again with merge_states)."""
+    denominator (such states must not be merged again with merge_states).
+
+    window_left: -1 (no window) or w >= 0, the new token at position pos
+    sees positions [pos - w, pos] only (a sliding-window layer, as
+    prefill_plan takes it); the blocks before every new token's window are
+    not read, so their table entries may be -1."""
     try:
         layout = (_layout(q), _layout(k_cache), _layout(v_cache), _layout(block_table), _layout(seq_lens),
                   out is not None and _layout(out), lse is not None and _layout(lse),
@@ -273,6 +279,7 @@ def paged_decode(
     a.scale = 0.0 if scale is None else float(scale)  # 0: the library's 1/sqrt(head_dim)
     a.num_splits = _t.i32(num_splits, "paged_decode: num_splits")
     a.max_seq_len = _t.i32(max_seq_len, "paged_decode: max_seq_len")
+    a.window_size = _ci(window_left, "paged_decode: window_left", "int32", lo=-1, hi=2**31 - 2) + 1
     a.q, a.seq_lens, a.out = q.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
     kv = p.kv
     kv.k_cache, kv.v_cache, kv.block_table = k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr()
