@@ -1923,13 +1923,13 @@ typedef struct kvp_merge_states_args {
  * row's sink counted once; lse is then the log of the whole denominator.
  *
  * kvp_prefill_plan (once per step, on the host copies of qo_indptr and
- * kv_lens) checks the batch, picks the route (a batch without a window
+ * kv_lens) checks the batch, picks the route (a batch, windowed or not,
  * whose every sequence brings the same q_len new tokens runs the decode
  * kernel when q_len is 1, or q_len * (num_q_heads / num_kv_heads) <= 16 --
  * speculative verification, multi-token prediction -- unless flags say
  * KVP_PREFILL_NO_DECODE_ROUTE) and, for the prefill route, enqueues a small
  * kernel that writes the work list into the workspace. In a mixed batch
- * without a window (some sequences of one new token, others longer), the
+ * (some sequences of one new token, others longer), the
  * prefill route leaves the one-token sequences to a decode launch that
  * kvp_paged_prefill adds (found through the device qo_indptr, split as
  * decode splits), instead of a prefill row tile each that their group
