@@ -49,8 +49,10 @@ func FuzzABI(f *testing.F) {
 	f.Add(hostStoreSeed)
 	f.Add(hostStoreBareSeed)
 	// A manager of layer groups on the prefix cache: a window, a recurrent
-	// state with checkpoints, and the layer groups' calls among the rest.
+	// state with checkpoints, and the layer groups' calls among the rest;
+	// then the same with KV events, drained per group or group 0's only.
 	f.Add(groupsSeed)
+	f.Add(slices.Concat([]byte{groupsSeed[0] | 2}, groupsSeed[1:]))
 	// A remove refused with KVP_ERR_IN_USE (the sequence shares a block it
 	// filled this step with one that stays), a status step's check once
 	// took for an unknown one.
@@ -841,7 +843,7 @@ var groupsSeed = func() []byte {
 const groupsFlag = 0x80
 
 // numGroupOps is the number of layer-group calls (groupCall).
-const numGroupOps = 3
+const numGroupOps = 5
 
 // groupCall makes the layer-group call numbered op.
 func (fz *abiFuzz) groupCall(op uint8) (string, int) {
@@ -851,9 +853,22 @@ func (fz *abiFuzz) groupCall(op uint8) (string, int) {
 	case 1:
 		capacity := int32(fz.small(5)) - 1
 		return "kvp_manager_group_blocks", rawManagerGroupBlocks(fz.handle(true), fz.outp(4*max(int(capacity), 1)), capacity, fz.outp(4))
-	default:
+	case 2:
 		capacity := int32(fz.small(6)) - 1
 		return "kvp_manager_take_copies", rawManagerTakeCopies(fz.handle(true), fz.outp(8*max(int(capacity), 1)), capacity, fz.outp(4), fz.outp(4))
+	case 3:
+		// kvp_manager_drain_events' fuzzing, with the group event array.
+		me, mt, mm, mh := int32(fz.small(5)), int32(fz.small(20)), int32(fz.small(3)), int32(fz.small(4))
+		ev := fz.outp(int(cLayouts["kvp_kv_group_event"].size) * max(int(me), 1))
+		tok := fz.outp(4 * max(int(mt), 1))
+		mmb := fz.outp(int(cLayouts["kvp_block_mm"].size) * max(int(mm), 1))
+		hs := fz.outp(16 * max(int(mh), 1))
+		if fz.r.u8()%6 == 0 {
+			me, mt = min(fz.i32(), me), min(fz.i32(), mt) // never more room than there is
+		}
+		return "kvp_manager_drain_group_events", rawManagerDrainGroupEvents(fz.handle(true), ev, me, tok, mt, mmb, mm, hs, mh, fz.outp(4))
+	default:
+		return "kvp_manager_next_group_event_size", rawManagerNextGroupEventSize(fz.handle(true), fz.outp(4), fz.outp(4), fz.outp(4))
 	}
 }
 
@@ -1570,6 +1585,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_manager_describe", "kvp_manager_describe_groups", "kvp_manager_group_blocks", "kvp_manager_take_copies", "kvp_manager_stats_get", "kvp_manager_prefix_stats", "kvp_manager_admit", "kvp_manager_match",
 		"kvp_manager_pin", "kvp_manager_unpin", "kvp_manager_set_priority", "kvp_manager_prefix_stats_reset",
 		"kvp_manager_clear_prefix_cache", "kvp_manager_drain_events", "kvp_manager_next_event_size", "kvp_manager_add_mm_items",
+		"kvp_manager_drain_group_events", "kvp_manager_next_group_event_size",
 		"kvp_manager_create", "kvp_manager_destroy", "kvp_vcache_create", "kvp_vcache_destroy", "kvp_vcache_layer_ptrs",
 		"kvp_vcache_strides", "kvp_vcache_alloc_slot", "kvp_vcache_free_slot", "kvp_vcache_step", "kvp_vcache_trim",
 		"kvp_vcache_stats_get", "kvp_attn_workspace_size", "kvp_prefill_workspace_size", "kvp_attn_num_splits",

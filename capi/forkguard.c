@@ -161,6 +161,16 @@ kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t 
   return kvpgo_manager_next_event_size(m, tokens, mm, hashes);
 }
 
+kvp_status kvp_manager_drain_group_events(kvp_manager *m, kvp_kv_group_event *events, int32_t max_events, int32_t *tokens, int32_t max_tokens, kvp_block_mm *mm, int32_t max_mm, uint8_t *hashes, int32_t max_hashes, int32_t *num_events) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_drain_group_events");
+  return kvpgo_manager_drain_group_events(m, events, max_events, tokens, max_tokens, mm, max_mm, hashes, max_hashes, num_events);
+}
+
+kvp_status kvp_manager_next_group_event_size(kvp_manager *m, int32_t *tokens, int32_t *mm, int32_t *hashes) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_next_group_event_size");
+  return kvpgo_manager_next_group_event_size(m, tokens, mm, hashes);
+}
+
 kvp_status kvp_manager_flush_copies(kvp_manager *m, kvp_tier_copy *demote, int32_t max_demote, int32_t *num_demote, kvp_tier_copy *reload, int32_t max_reload, int32_t *num_reload, uint64_t *ticket) {
   if (kvp__forked) return kvp__forked_status("kvp_manager_flush_copies");
   return kvpgo_manager_flush_copies(m, demote, max_demote, num_demote, reload, max_reload, num_reload, ticket);

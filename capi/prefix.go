@@ -273,27 +273,53 @@ func kvpgo_manager_clear_prefix_cache(h *C.kvp_manager, numFreed *C.int32_t) C.k
 func kvpgo_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEvents C.int32_t,
 	tokens *C.int32_t, maxTokens C.int32_t, mm *C.kvp_block_mm, maxMM C.int32_t,
 	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t) C.kvp_status {
+	return drainEvents("kvp_manager_drain_events", h, unsafe.Pointer(events), maxEvents, tokens, maxTokens, mm, maxMM, hashes, maxHashes, numEvents,
+		(*kvmanager.Manager).DrainEvents,
+		func(i int, e C.kvp_kv_event, _ *prefix.Event) {
+			slice[C.kvp_kv_event](unsafe.Pointer(events), maxEvents)[i] = e
+		})
+}
+
+//export kvpgo_manager_drain_group_events
+func kvpgo_manager_drain_group_events(h *C.kvp_manager, events *C.kvp_kv_group_event, maxEvents C.int32_t,
+	tokens *C.int32_t, maxTokens C.int32_t, mm *C.kvp_block_mm, maxMM C.int32_t,
+	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t) C.kvp_status {
+	return drainEvents("kvp_manager_drain_group_events", h, unsafe.Pointer(events), maxEvents, tokens, maxTokens, mm, maxMM, hashes, maxHashes, numEvents,
+		(*kvmanager.Manager).DrainGroupEvents,
+		func(i int, e C.kvp_kv_event, ev *prefix.Event) {
+			slice[C.kvp_kv_group_event](unsafe.Pointer(events), maxEvents)[i] = C.kvp_kv_group_event{event: e, group: C.int32_t(ev.Group)}
+		})
+}
+
+// drainEvents is the body of the two drains (op names the one called):
+// it checks the arguments, drains with drain and writes each event's
+// kvp_kv_event, its variable parts in the caller's arrays, with put.
+func drainEvents(op string, h *C.kvp_manager, events unsafe.Pointer, maxEvents C.int32_t,
+	tokens *C.int32_t, maxTokens C.int32_t, mm *C.kvp_block_mm, maxMM C.int32_t,
+	hashes *C.uint8_t, maxHashes C.int32_t, numEvents *C.int32_t,
+	drain func(*kvmanager.Manager, kvmanager.EventLimits) ([]prefix.Event, error),
+	put func(int, C.kvp_kv_event, *prefix.Event)) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if events == nil || numEvents == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_drain_events: events and num_events must not be NULL")
+			return kverr.Errorf(kverr.NullPointer, "%s: events and num_events must not be NULL", op)
 		}
 		if maxEvents < 1 || maxTokens < 0 || maxMM < 0 || maxHashes < 0 {
-			return kverr.Errorf(kverr.InvalidArgument, "kvp_manager_drain_events: max_events must be >= 1 and the other maxima >= 0: got %d, %d, %d, %d",
-				int32(maxEvents), int32(maxTokens), int32(maxMM), int32(maxHashes))
+			return kverr.Errorf(kverr.InvalidArgument, "%s: max_events must be >= 1 and the other maxima >= 0: got %d, %d, %d, %d",
+				op, int32(maxEvents), int32(maxTokens), int32(maxMM), int32(maxHashes))
 		}
 		if (maxTokens > 0 && tokens == nil) || (maxMM > 0 && mm == nil) || (maxHashes > 0 && hashes == nil) {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_drain_events: tokens, mm and hashes must not be NULL with a maximum above 0")
+			return kverr.Errorf(kverr.NullPointer, "%s: tokens, mm and hashes must not be NULL with a maximum above 0", op)
 		}
-		evs, err := m.DrainEvents(kvmanager.EventLimits{Events: int(maxEvents), Tokens: int(maxTokens), MM: int(maxMM), Hashes: int(maxHashes)})
+		evs, err := drain(m, kvmanager.EventLimits{Events: int(maxEvents), Tokens: int(maxTokens), MM: int(maxMM), Hashes: int(maxHashes)})
 		if err != nil {
 			return err
 		}
-		outEv := slice[C.kvp_kv_event](unsafe.Pointer(events), maxEvents)
 		outTok := slice[int32](unsafe.Pointer(tokens), maxTokens)
 		outMM := slice[prefix.BlockMM](unsafe.Pointer(mm), maxMM)
 		outHash := slice[prefix.Hash](unsafe.Pointer(hashes), maxHashes)
 		nTok, nMM, nHash := 0, 0, 0
-		for i, ev := range evs {
+		for i := range evs {
+			ev := &evs[i]
 			// AllCleared has no medium: its Medium is the zero value, so
 			// its medium field stays 0 as the header has it.
 			e := C.kvp_kv_event{kind: C.int32_t(ev.Kind), medium: C.int32_t(ev.Medium)}
@@ -313,7 +339,7 @@ func kvpgo_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEve
 				e.num_hashes = C.int32_t(len(ev.Hashes))
 				nHash += copy(outHash[nHash:], ev.Hashes)
 			}
-			outEv[i] = e
+			put(i, e, ev)
 		}
 		*numEvents = C.int32_t(len(evs))
 		return nil
@@ -322,8 +348,19 @@ func kvpgo_manager_drain_events(h *C.kvp_manager, events *C.kvp_kv_event, maxEve
 
 //export kvpgo_manager_next_event_size
 func kvpgo_manager_next_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) C.kvp_status {
+	return nextEventSize(h, tokens, mm, hashes, (*kvmanager.Manager).NextEventSize)
+}
+
+//export kvpgo_manager_next_group_event_size
+func kvpgo_manager_next_group_event_size(h *C.kvp_manager, tokens, mm, hashes *C.int32_t) C.kvp_status {
+	return nextEventSize(h, tokens, mm, hashes, (*kvmanager.Manager).NextGroupEventSize)
+}
+
+// nextEventSize is the body of the two next-size calls: next is the
+// manager's answer for the drain the call pairs with.
+func nextEventSize(h *C.kvp_manager, tokens, mm, hashes *C.int32_t, next func(*kvmanager.Manager) (kvmanager.EventSize, bool, error)) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
-		size, _, err := m.NextEventSize()
+		size, _, err := next(m)
 		if err != nil {
 			return err
 		}

@@ -42,6 +42,7 @@ func buildCLayouts() map[string]cLayout {
 		"kvp_block_mm":               C.kvp_block_mm{},
 		"kvp_block_copy":             C.kvp_block_copy{},
 		"kvp_kv_event":               C.kvp_kv_event{},
+		"kvp_kv_group_event":         C.kvp_kv_group_event{},
 		"kvp_vcache_config":          C.kvp_vcache_config{},
 		"kvp_vcache_stats":           C.kvp_vcache_stats{},
 		"kvp_paged_kv":               C.kvp_paged_kv{},

@@ -68,6 +68,14 @@
  *   - Sliding windows in decode: kvp_paged_decode_args gains an appended
  *     `window_size` (0 = none, as before), and a prefill plan with a window
  *     now routes uniform short queries to the decode kernel too.
+ *   - KV events per layer group ("KV events of layer groups" in the prefix
+ *     cache's section): a manager with layer groups records every group's
+ *     cached blocks; new kvp_kv_group_event, a kvp_kv_event with its
+ *     group, kvp_manager_drain_group_events and
+ *     kvp_manager_next_group_event_size. kvp_manager_drain_events reports
+ *     group 0's events, as before. The event publisher sends every
+ *     group's events with vLLM's group_idx. A manager without groups
+ *     records and publishes what it did.
  *
  * Changes in 0.5 for a host built against 0.4 (binary compatible):
  *   - FP8 KV caches: kvp_paged_kv.dtype may be KVP_DTYPE_E4M3 under an f16
@@ -158,7 +166,8 @@
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
- *   kvp_tier_copy, kvp_tier_match, kvp_layer_group) have no
+ *   kvp_kv_group_event, kvp_tier_copy, kvp_tier_match, kvp_layer_group)
+ *   have no
  *   struct_size: their layout is fixed for a major version, and a new layout
  *   would come with new functions.
  *
@@ -367,8 +376,9 @@ typedef struct kvp_manager kvp_manager;
  * window after them, before any cached block; those at the end of a
  * finished sequence or read by a hit point (the end of an earlier match,
  * a shared system prompt's end), after every cached block, so that a
- * conversation's next turn still hits under pressure. KV events and pins
- * concern group 0's blocks.
+ * conversation's next turn still hits under pressure. Pins concern group
+ * 0's blocks; KV events report every group's ("KV events of layer
+ * groups" in the prefix cache's section).
  *
  * A recurrent group's state is cached at checkpoints: where a sequence's
  * step ends at the end of a cached block whose number (counting from 1)
@@ -417,7 +427,9 @@ typedef struct kvp_manager_config {
                                   admitted by their tokens (see "Prefix
                                   cache" below); default 0 */
   int32_t enable_kv_events;    /* nonzero: record KV events for
-                                  kvp_manager_drain_events; needs
+                                  kvp_manager_drain_events (and, with
+                                  layer groups, every group's for
+                                  kvp_manager_drain_group_events); needs
                                   enable_prefix_cache; default 0 */
   int32_t max_pending_events;  /* bound on undrained events; 0 = 65536;
                                   raised to num_blocks + host_tier_slots
@@ -900,6 +912,45 @@ typedef struct kvp_kv_event {
                               GPU, which it still is without a host tier) */
 } kvp_kv_event;
 
+/* KV events of layer groups (since 0.6). A manager with layer groups and
+ * enable_kv_events records, besides group 0's events (the prefix cache's
+ * blocks, as above), the events of the blocks every other group keeps
+ * with them: a cached block's companion in another attention group (the
+ * block holding the same tokens) and a recurrent group's checkpoint (the
+ * state after them). Such a block's BLOCK_STORED carries its group-0
+ * block's hash, parent, tokens and keys, with its group's index; its
+ * BLOCKS_REMOVED names that hash, and comes when the block goes, with its
+ * group-0 block or alone: a window group's blocks and checkpoints are
+ * evicted on their own. A full-attention group's blocks come and go with
+ * group 0's. A group's blocks form a set, not a chain: a window group may
+ * keep a block and not its parent's. ALL_CLEARED and snapshots cover
+ * every group (a snapshot lists group 0's blocks, then each group's).
+ *
+ * A router that keeps every group's set from the events knows a prompt's
+ * hit exactly, as kvp_manager_admit and kvp_manager_match give it: h
+ * blocks, the largest h, at most the number of the prompt's full blocks
+ * group 0 holds in a row (never the block of its last token), for which
+ * every window group of W tokens holds the prompt's blocks
+ * max(0, h * block_size - W + 1) / block_size .. h - 1 and every
+ * recurrent group holds block h - 1 (h = 0 needs nothing). Group 0's
+ * events alone overestimate the hits of a hybrid model.
+ *
+ * kvp_manager_drain_group_events returns every group's events in order,
+ * each in a kvp_kv_group_event. kvp_manager_drain_events returns group
+ * 0's and passes over the others, which are then gone: its kvp_kv_event
+ * has no group, and another group's event read as group 0's would store a
+ * block twice or remove one still cached. A consumer uses one of the two
+ * drains, with its own next-size call; without layer groups they give the
+ * same events. pending_events counts every group's. */
+typedef struct kvp_kv_group_event {
+  kvp_kv_event event; /* the event, as kvp_manager_drain_events fills it,
+                         its offsets into the drain's arrays */
+  int32_t group;      /* BLOCK_STORED, BLOCKS_REMOVED: its blocks' layer
+                         group (vLLM's group_idx), 0 without groups; 0 for
+                         ALL_CLEARED, which concerns every group */
+  int32_t reserved;   /* 0 */
+} kvp_kv_group_event;
+
 #ifndef KVPLUG_NO_PROTOTYPES
 
 /* Admits n new sequences by their prompts, in batch order. Prompt i's
@@ -1017,7 +1068,8 @@ kvp_status kvp_manager_prefix_stats_reset(kvp_manager *m);
  * blocks: remove them first. A no-op without the prefix cache. */
 kvp_status kvp_manager_clear_prefix_cache(kvp_manager *m, int32_t *num_freed);
 
-/* Drains the oldest pending KV events, in order: as many whole events as
+/* Drains the oldest pending KV events, in order (with layer groups, group
+ * 0's: see "KV events of layer groups" above): as many whole events as
  * fit events[max_events], tokens[max_tokens] (a stored block's tokens),
  * mm[max_mm] (a stored block's multimodal entries) and hashes[max_hashes]
  * (16 bytes each; removed blocks' hashes); a BLOCKS_REMOVED event with more
@@ -1047,6 +1099,27 @@ kvp_status kvp_manager_drain_events(kvp_manager *m, kvp_kv_event *events,
  * Errors: INVALID_ARGUMENT (KV events off). */
 kvp_status kvp_manager_next_event_size(kvp_manager *m, int32_t *tokens, int32_t *mm,
                                        int32_t *hashes);
+
+/* kvp_manager_drain_events for every layer group's events (since 0.6; see
+ * "KV events of layer groups" above): the same arrays, limits and rules,
+ * events[i].event as kvp_manager_drain_events writes it and
+ * events[i].group its group. Without layer groups it returns what
+ * kvp_manager_drain_events would, every group 0. BUFFER_TOO_SMALL is
+ * answered with kvp_manager_next_group_event_size.
+ * Errors: those of kvp_manager_drain_events. */
+kvp_status kvp_manager_drain_group_events(kvp_manager *m, kvp_kv_group_event *events,
+                                          int32_t max_events, int32_t *tokens,
+                                          int32_t max_tokens, kvp_block_mm *mm,
+                                          int32_t max_mm, uint8_t *hashes,
+                                          int32_t max_hashes, int32_t *num_events);
+
+/* kvp_manager_next_event_size for kvp_manager_drain_group_events (since
+ * 0.6): the room the oldest pending event of any group needs.
+ * kvp_manager_next_event_size answers for group 0's oldest, the one
+ * kvp_manager_drain_events returns next. Errors: INVALID_ARGUMENT (KV
+ * events off). */
+kvp_status kvp_manager_next_group_event_size(kvp_manager *m, int32_t *tokens, int32_t *mm,
+                                             int32_t *hashes);
 
 #endif /* KVPLUG_NO_PROTOTYPES */
 /* ==== section: prefix cache (end) ==== */
@@ -1510,7 +1583,16 @@ void kvp_tier_copier_destroy(kvp_tier_copier *c);
  *                 hash as 32 hex digits, offset relative to the block])},
  *                 BlockRemoved {block_hashes, medium}, AllBlocksCleared {}.
  *                 A chain of stored blocks goes as one BlockStored, as in
- *                 vLLM. KVP_EVENTS_FORMAT_ARRAY selects vLLM's older
+ *                 vLLM. A manager with layer groups publishes every
+ *                 group's events, as vLLM's hybrid models do: each
+ *                 BlockStored and BlockRemoved with group_idx (the layer
+ *                 group) after the fields above, a BlockStored also with
+ *                 kv_cache_spec_kind ("full_attention", "sliding_window",
+ *                 "mamba" for a recurrent group) and, for a window,
+ *                 kv_cache_spec_sliding_window (its window); positional
+ *                 events put them in vLLM's places, extra_keys nil before
+ *                 them. Without groups the events have none of them.
+ *                 KVP_EVENTS_FORMAT_ARRAY selects vLLM's older
  *                 positional events; KVP_EVENTS_HASH_INT64 sends each hash
  *                 as its last 8 bytes, big-endian, as an integer (vLLM's
  *                 conversion) instead of its 16 bytes. The salt is never
@@ -1540,9 +1622,10 @@ void kvp_tier_copier_destroy(kvp_tier_copier *c);
  * AllBlocksCleared followed by the blocks cached already.
  *
  * While a publisher runs, it is the manager's one consumer of events:
- * do not call kvp_manager_drain_events on that manager (the events would
- * be split between the two), and create at most one publisher per manager
- * (a second is refused). Destroy the publisher before its manager.
+ * do not call kvp_manager_drain_events or kvp_manager_drain_group_events
+ * on that manager (the events would be split between the two), and
+ * create at most one publisher per manager (a second is refused). Destroy
+ * the publisher before its manager.
  * Endpoints: tcp://host:port (host "*" for every interface, as in vLLM; port 0
  * picks a free port, see kvp_event_publisher_stats) and ipc:///path.
  * Bind or connect: subscribers such as cmd/kvindex connect, so the PUB socket

@@ -25,6 +25,15 @@ type Source interface {
 	Snapshot() error
 }
 
+// GroupedSource is a Source whose events belong to layer groups
+// (prefix.Event.Group): GroupSpecs describes them, or is nil when the
+// source has one. A Publisher started on one whose Config leaves
+// Encoding.Groups nil takes them from it.
+type GroupedSource interface {
+	Source
+	GroupSpecs() []GroupSpec
+}
+
 // Bind modes of Config.Bind: whether the PUB socket binds its endpoint
 // (subscribers, such as cmd/kvindex, connect to it) or connects to it (the
 // subscriber binds, as llm-d's indexer can). The zero value binds: a
@@ -219,6 +228,9 @@ func Start(src Source, cfg Config) (*Publisher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	if gs, ok := src.(GroupedSource); ok && cfg.Encoding.Groups == nil {
+		cfg.Encoding.Groups = gs.GroupSpecs()
+	}
 	p := &Publisher{
 		cfg:  cfg,
 		src:  src,
@@ -355,7 +367,7 @@ func (p *Publisher) flush() {
 	for len(evs) > 0 {
 		n := min(len(evs), p.cfg.MaxBatchEvents)
 		// Never split a chain of stored blocks that would merge.
-		for n < len(evs) && evs[n].Kind == prefix.BlockStored && evs[n].Parent == evs[n-1].Hash && n < 4*p.cfg.MaxBatchEvents {
+		for n < len(evs) && evs[n].Kind == prefix.BlockStored && evs[n].Parent == evs[n-1].Hash && evs[n].Group == evs[n-1].Group && n < 4*p.cfg.MaxBatchEvents {
 			n++
 		}
 		p.publish(ts, evs[:n])

@@ -11,6 +11,11 @@
 //     BlockRemoved, AllBlocksCleared), the named-field encoding vLLM uses
 //     since it dropped positional events; FormatArray selects the older
 //     positional form ([tag, field, ...]) for consumers that need it;
+//   - a manager with layer groups (a hybrid model) publishes every group's
+//     blocks, each event with vLLM's group_idx (a BlockStored also with its
+//     group's kv_cache_spec_kind and kv_cache_spec_sliding_window), after
+//     the fields of vLLM's BlockStored and BlockRemoved, in their order
+//     (Encoding.Groups); one without groups sends none of these fields;
 //   - a ROUTER socket replays the batches it still holds: a request is the
 //     first wanted sequence number (8 bytes, big-endian), each reply is
 //     [topic, seq, payload] and the last one [empty, -1, empty].
@@ -85,7 +90,32 @@ type Encoding struct {
 	Medium    string // "medium" of the GPU's events (prefix.MediumGPU); vLLM: "GPU"
 	DPRank    int    // data_parallel_rank; < 0: omitted
 	MaxBlocks int    // BlockStored events merge at most this many blocks; 0: 256
+	// Groups are the layer groups of the events' source when it has more
+	// than one (nil: one). With them every BlockStored and BlockRemoved
+	// carries vLLM's group_idx (prefix.Event.Group), and every BlockStored
+	// its group's kv_cache_spec_kind and kv_cache_spec_sliding_window, as
+	// vLLM's events of a hybrid model do; without them the events have none
+	// of these fields.
+	Groups []GroupSpec
 }
+
+// GroupSpec describes a layer group in vLLM's terms (its KVCacheSpecKind):
+// Kind is kv_cache_spec_kind ("full_attention", "sliding_window",
+// "mamba"), SlidingWindow a sliding-window group's window in tokens (0:
+// none), kv_cache_spec_sliding_window.
+type GroupSpec struct {
+	Kind          string
+	SlidingWindow int
+}
+
+// vLLM's KVCacheSpecKind values for kvplug's kinds of layer group: a
+// recurrent group's state is vLLM's MambaSpec, which its linear-attention
+// layers use too.
+const (
+	SpecFullAttention = "full_attention"
+	SpecSlidingWindow = "sliding_window"
+	SpecMamba         = "mamba"
+)
 
 // maxMergedBlocks is the default bound on the blocks one BlockStored
 // carries (vLLM's events carry one request's new blocks).
@@ -121,13 +151,13 @@ func (e *Encoder) mediumName(m prefix.Medium) string {
 
 // storedRun returns how many events from evs[0] (a BlockStored) form one
 // chain that one vLLM BlockStored can carry: each a BlockStored whose
-// parent is the previous one's hash, with the same medium, adapter and
-// block size.
+// parent is the previous one's hash, with the same medium, group, adapter
+// and block size.
 func (e *Encoder) storedRun(evs []prefix.Event) int {
 	n := 1
 	for n < len(evs) && n < e.enc.MaxBlocks {
 		a, b := &evs[n-1], &evs[n]
-		if b.Kind != prefix.BlockStored || b.Parent != a.Hash || b.Medium != a.Medium || b.Adapter != a.Adapter || b.BlockSize != a.BlockSize {
+		if b.Kind != prefix.BlockStored || b.Parent != a.Hash || b.Medium != a.Medium || b.Group != a.Group || b.Adapter != a.Adapter || b.BlockSize != a.BlockSize {
 			break
 		}
 		n++
@@ -162,7 +192,7 @@ func (e *Encoder) Encode(ts float64, evs []prefix.Event) []byte {
 			b = e.appendStored(b, evs[i:i+n])
 			i += n
 		case prefix.BlockRemoved:
-			b = e.appendRemoved(b, evs[i].Hashes, evs[i].Medium)
+			b = e.appendRemoved(b, &evs[i])
 			i++
 		default:
 			b = e.appendTag(b, "AllBlocksCleared", 0)
@@ -202,19 +232,41 @@ func (e *Encoder) appendHash(b []byte, h prefix.Hash) []byte {
 	return msgp.AppendBytes(b, h[:])
 }
 
+// groupSpec returns the spec of layer group g (zero when unknown).
+func (e *Encoder) groupSpec(g int) GroupSpec {
+	if g >= 0 && g < len(e.enc.Groups) {
+		return e.enc.Groups[g]
+	}
+	return GroupSpec{}
+}
+
 // appendStored writes one BlockStored for a chain of stored blocks. Its
 // fields are vLLM's, in vLLM's order; those vLLM omits at their default
-// (extra_keys when no block has any) are omitted here too.
+// (extra_keys when no block has any, the group's fields without groups)
+// are omitted here too, but for the positional form, where a field before
+// one given is written as nil.
 func (e *Encoder) appendStored(b []byte, run []prefix.Event) []byte {
 	hasMM := false
 	for i := range run {
 		hasMM = hasMM || len(run[i].MM) > 0
 	}
-	n := uint32(7)
-	if hasMM {
-		n++
-	}
 	first := &run[0]
+	grouped := len(e.enc.Groups) > 0
+	spec := e.groupSpec(first.Group)
+	array := e.enc.Format == FormatArray
+	n := uint32(7)
+	if hasMM || grouped && array {
+		n++ // extra_keys
+	}
+	if grouped {
+		n++ // group_idx
+		if spec.Kind != "" || array && spec.SlidingWindow > 0 {
+			n++
+		}
+		if spec.SlidingWindow > 0 {
+			n++
+		}
+	}
 	b = e.appendTag(b, "BlockStored", n)
 	b = e.field(b, "block_hashes")
 	b = msgp.AppendArrayHeader(b, uint32(len(run)))
@@ -266,19 +318,48 @@ func (e *Encoder) appendStored(b []byte, run []prefix.Event) []byte {
 				b = msgp.AppendInt64(b, int64(m.Offset))
 			}
 		}
+	} else if grouped && array {
+		b = msgp.AppendNil(b) // extra_keys, before group_idx
+	}
+	if grouped {
+		b = e.field(b, "group_idx")
+		b = msgp.AppendInt(b, first.Group)
+		switch {
+		case spec.Kind != "":
+			b = e.field(b, "kv_cache_spec_kind")
+			b = msgp.AppendString(b, spec.Kind)
+		case array && spec.SlidingWindow > 0:
+			b = msgp.AppendNil(b)
+		}
+		if spec.SlidingWindow > 0 {
+			b = e.field(b, "kv_cache_spec_sliding_window")
+			b = msgp.AppendInt(b, spec.SlidingWindow)
+		}
 	}
 	return b
 }
 
-func (e *Encoder) appendRemoved(b []byte, hashes []prefix.Hash, m prefix.Medium) []byte {
-	b = e.appendTag(b, "BlockRemoved", 2)
+// appendRemoved writes one BlockRemoved: vLLM's fields, group_idx with
+// groups.
+func (e *Encoder) appendRemoved(b []byte, ev *prefix.Event) []byte {
+	grouped := len(e.enc.Groups) > 0
+	n := uint32(2)
+	if grouped {
+		n++
+	}
+	b = e.appendTag(b, "BlockRemoved", n)
 	b = e.field(b, "block_hashes")
-	b = msgp.AppendArrayHeader(b, uint32(len(hashes)))
-	for _, h := range hashes {
+	b = msgp.AppendArrayHeader(b, uint32(len(ev.Hashes)))
+	for _, h := range ev.Hashes {
 		b = e.appendHash(b, h)
 	}
 	b = e.field(b, "medium")
-	return msgp.AppendString(b, e.mediumName(m))
+	b = msgp.AppendString(b, e.mediumName(ev.Medium))
+	if grouped {
+		b = e.field(b, "group_idx")
+		b = msgp.AppendInt(b, ev.Group)
+	}
+	return b
 }
 
 // Key is a block hash as a consumer keys it: a 16-byte hash as is, an
@@ -324,8 +405,27 @@ type DecodedEvent struct {
 	// (MediumOf maps it), or anything a producer sends; nil when absent.
 	Medium    *string
 	ExtraKeys []any // raw per-block extra keys (msgpack decoded), nil when absent
+	// GroupIdx is vLLM's group_idx: the KV cache group (kvplug: layer
+	// group) of a BlockStored's or BlockRemoved's blocks; nil when absent,
+	// as from an engine with one group (Group reads it as 0). SpecKind and
+	// SlidingWindow are a BlockStored's kv_cache_spec_kind and
+	// kv_cache_spec_sliding_window: the group's kind ("full_attention",
+	// "sliding_window", "mamba", ...) and window in tokens.
+	GroupIdx      *int64
+	SpecKind      *string
+	SlidingWindow *int64
 
 	hasTokens bool // token_ids was given (empty or not)
+}
+
+// Group returns the event's layer group: its group_idx, 0 when absent. A
+// consumer that keeps one group's blocks (group 0's, full attention: the
+// prefix) passes over the others' events, which name the same hashes.
+func (ev *DecodedEvent) Group() int64 {
+	if ev.GroupIdx == nil {
+		return 0
+	}
+	return *ev.GroupIdx
 }
 
 // MediumOf returns the medium of a decoded BlockStored or BlockRemoved:
@@ -647,6 +747,12 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 		return readOptString(p, &ev.CacheSalt)
 	case "medium":
 		return readOptString(p, &ev.Medium)
+	case "group_idx":
+		return readOptInt(p, &ev.GroupIdx)
+	case "kv_cache_spec_kind":
+		return readOptString(p, &ev.SpecKind)
+	case "kv_cache_spec_sliding_window":
+		return readOptInt(p, &ev.SlidingWindow)
 	case "extra_keys":
 		if msgp.NextType(p) == msgp.NilType {
 			return msgp.ReadNilBytes(p)

@@ -29,6 +29,12 @@
 // a GPU hit, and a fetch from a shared store over the network costs more
 // again. Weights are in [0, 1]: no lower tier outranks the GPU.
 //
+// A hybrid model's engine publishes every layer group's blocks, each event
+// with vLLM's group_idx. The index keeps group 0's (full attention: the
+// prefix) and passes over the others' events, which name the same hashes;
+// so it reports a hybrid model's prefix without the cuts its window and
+// recurrent groups make (core/kvevents, Encoding.Groups).
+//
 // Each instance's stream is checked as it comes: a batch whose sequence
 // number skips ahead is a gap, filled from the instance's replay socket;
 // a gap older than the replay buffer, an instance that restarted
@@ -813,6 +819,12 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 	ops := make([]Op, 0, len(b.Events))
 	n, keys := 0, 0
 	for _, ev := range b.Events {
+		if ev.Group() != 0 {
+			// Another layer group's blocks (a hybrid model's, vLLM's
+			// group_idx) under group 0's hashes: the index keeps group
+			// 0's, the prefix, which those events would corrupt.
+			continue
+		}
 		var md prefix.Medium
 		if ev.Kind != kvevents.KindCleared {
 			var ok bool

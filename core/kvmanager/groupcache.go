@@ -61,6 +61,17 @@ import (
 // engine has called TakeCopies, which tells the manager that it performs
 // them; they are evicted as kept window blocks are.
 
+// KV events. With events on, every group's cached blocks are announced
+// (prefix.Event.Group): a companion's BlockStored when it is registered
+// (with its node, or a checkpoint when it is taken), carrying its node's
+// hash and fields, and its BlockRemoved when it goes, with its node or on
+// its own (a window companion or a checkpoint evicted). A consumer that
+// mirrors every group's set from the events computes exactly the hit
+// hitBlocks gives a prompt: group 0's longest cached prefix, cut where a
+// window group lacks a block its next query reads or a recurrent group
+// lacks a checkpoint. Snapshots list the companions after the nodes
+// (prefix.GroupSource); ClearPrefixCache's AllCleared covers them.
+
 // The classes of a Cached window companion.
 const (
 	compNone = iota // not listed
@@ -92,6 +103,12 @@ type groupCache struct {
 	// called TakeCopies.
 	cands []checkpoint
 	takes bool
+	// owned counts the registered companions (owner != NoBlock); events:
+	// KV events are on, and gone[g] gathers the hashes of group g+1's
+	// companions a call removes, for one BlockRemoved per group.
+	owned  int
+	events bool
+	gone   [][]prefix.Hash
 }
 
 // checkpoint is a sequence whose step ended, at length tokens, at the end
@@ -116,6 +133,7 @@ func newGroupCache(numBlocks int, gs *groupSet) *groupCache {
 		next:       make([]int32, numBlocks),
 		hitPoint:   make([]bool, numBlocks),
 	}
+	gc.gone = make([][]prefix.Hash, len(gs.extra))
 	for g, grp := range gs.extra {
 		gc.comp[g] = make([]int32, numBlocks)
 		fillNoBlock(gc.comp[g])
@@ -163,12 +181,51 @@ func (gc *groupCache) unlist(c int32) {
 	gc.listed--
 }
 
-// forget unregisters companion c.
-func (m *Manager) forget(c int32) {
+// NumGroups, GroupLen and GroupHolds list the companions for the index's
+// snapshots (prefix.GroupSource), under the manager's lock.
+func (gc *groupCache) NumGroups() int                     { return len(gc.comp) + 1 }
+func (gc *groupCache) GroupLen() int                      { return gc.owned }
+func (gc *groupCache) GroupHolds(g int, block int32) bool { return gc.comp[g-1][block] != NoBlock }
+
+// register records c as node b's companion in group g+1 and announces it.
+func (m *Manager) register(c, b int32, g int) {
+	gc := m.gc
+	gc.comp[g][b] = c
+	gc.owner[c] = b
+	gc.ownerGroup[c] = uint8(g)
+	gc.owned++
+	if gc.events {
+		assertOK(m.cache.RecordGroupStored(g+1, b), "announcing a cached block's companion")
+	}
+}
+
+// forget unregisters companion c; with events on, h is its node's hash,
+// whose BlockRemoved in c's group flushGone records.
+func (m *Manager) forget(c int32, h prefix.Hash) {
 	gc := m.gc
 	gc.unlist(c)
-	gc.comp[gc.ownerGroup[c]][gc.owner[c]] = NoBlock
+	g := gc.ownerGroup[c]
+	gc.comp[g][gc.owner[c]] = NoBlock
 	gc.owner[c] = NoBlock
+	gc.owned--
+	if gc.events {
+		gc.gone[g] = append(gc.gone[g], h)
+	}
+}
+
+// flushGone records the removals forget gathered, one BlockRemoved per
+// group.
+func (m *Manager) flushGone() {
+	gc := m.gc
+	if !gc.events {
+		return
+	}
+	for g, hs := range gc.gone {
+		if len(hs) > 0 {
+			assertOK(m.cache.RecordGroupRemoved(g+1, hs), "announcing removed companions")
+			gc.gone[g] = hs[:0]
+		}
+	}
 }
 
 // registerCompanions records the attention-group companions of s's block
@@ -191,33 +248,44 @@ func (m *Manager) registerCompanions(s *seq, j int) {
 			panic("kvmanager: a filled block's companion was dropped")
 		}
 		assertOK(m.pool.MarkCached(c), "a sequence's companion block is free")
-		gc.comp[g][b] = c
-		gc.owner[c] = b
-		gc.ownerGroup[c] = uint8(g)
+		m.register(c, b, g)
 	}
 }
 
 // nodesGone drops the companions of nodes that left the index: a Cached
 // one returns to the free queue, one a sequence holds becomes its private
-// block. It returns how many were freed.
-func (m *Manager) nodesGone(nodes []int32) int {
+// block. hashes are the nodes' (the index's LastRemoved), whose
+// companions' removal it announces; nil announces nothing (after an
+// AllCleared, which covers them). It returns how many were freed.
+func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 	gc := m.gc
 	if gc == nil {
 		return 0
 	}
 	freed := 0
-	for _, b := range nodes {
+	for k, b := range nodes {
 		gc.hitPoint[b] = false
+		var h prefix.Hash
+		if hashes != nil {
+			h = hashes[k]
+		}
 		for g := range gc.comp {
 			c := gc.comp[g][b]
 			if c == NoBlock {
 				continue
 			}
-			m.forget(c)
+			m.forget(c, h)
 			if m.pool.State(c) == blocks.Cached {
 				freed++
 			}
 			assertOK(m.pool.UnmarkCached(c), "a companion block is free")
+		}
+	}
+	if hashes != nil {
+		m.flushGone()
+	} else {
+		for g := range gc.gone {
+			gc.gone[g] = gc.gone[g][:0]
 		}
 	}
 	return freed
@@ -230,9 +298,15 @@ func (m *Manager) evictCompanions(class uint8, n int) int {
 	k := 0
 	for ; k < n && gc.head[class] != NoBlock; k++ {
 		c := gc.head[class]
-		m.forget(c)
+		var h prefix.Hash
+		if gc.events {
+			// Its node is cached: a companion goes before its node.
+			h, _ = m.cache.BlockHash(gc.owner[c])
+		}
+		m.forget(c, h)
 		assertOK(m.pool.UnmarkCached(c), "a listed companion is not cached")
 	}
+	m.flushGone()
 	return k
 }
 
@@ -279,7 +353,7 @@ func (m *Manager) takeCheckpoints() {
 		m.allocate(m.one[:], s.extra()[cp.g].blocks[0], "checkpoint: allocating a block made free")
 		c := m.one[0]
 		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
-		gc.comp[cp.g][b], gc.owner[c], gc.ownerGroup[c] = c, b, uint8(cp.g)
+		m.register(c, b, cp.g)
 		var err error
 		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
 		assertOK(err, "checkpoint: releasing its block")
@@ -517,6 +591,15 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 	if listed != gc.listed {
 		return bad("%d companions listed, the count says %d", listed, gc.listed)
 	}
+	owned := 0
+	for _, b := range gc.owner {
+		if b != NoBlock {
+			owned++
+		}
+	}
+	if owned != gc.owned {
+		return bad("%d companions registered, the count says %d", owned, gc.owned)
+	}
 	for g := range gc.comp {
 		for b, c := range gc.comp[g] {
 			if c != NoBlock && gc.owner[c] != int32(b) {
@@ -567,7 +650,7 @@ func (m *Manager) makeFreeGroups(short int) {
 		// An evictable block has no lock, hence no reference, and is
 		// marked, so it is Cached in the pool.
 		assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
-		short -= len(m.evicted) + m.nodesGone(m.evicted)
+		short -= len(m.evicted) + m.nodesGone(m.evicted, m.cache.LastRemoved())
 	}
 	if short > 0 {
 		short -= m.evictCompanions(compKept, short)

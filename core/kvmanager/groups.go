@@ -189,6 +189,12 @@ func (gs *groupSet) perSeq(blocksForN int) int64 {
 // NumGroups returns the manager's layer groups (1 without groups).
 func (m *Manager) NumGroups() int { return 1 + len(m.groups.extra) }
 
+// Groups returns the manager's layer groups, group 0 included (one
+// FullAttention group without groups).
+func (m *Manager) Groups() []Group {
+	return append([]Group{{Kind: FullAttention}}, m.groups.extra...)
+}
+
 // newExtra returns the tables of a new sequence of n blocks per attention
 // group, with no block in them yet (allocExtra).
 func (m *Manager) newExtra(n int) *seqGroups {

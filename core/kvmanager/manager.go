@@ -64,7 +64,8 @@ type Config struct {
 	// until the pool needs them (prefix.go).
 	EnablePrefixCache bool
 	// EnableKVEvents records the prefix cache's KV events for DrainEvents
-	// (needs EnablePrefixCache).
+	// and, with layer groups, every group's for DrainGroupEvents
+	// (groupcache.go, "KV events"); needs EnablePrefixCache.
 	EnableKVEvents bool
 	// MaxPendingEvents bounds the undrained KV events (0: the default of
 	// package prefix); it is raised to NumBlocks plus the host tier's
@@ -237,6 +238,12 @@ func New(cfg Config) (*Manager, error) {
 		}
 		if len(gs.extra) > 0 {
 			m.gc = newGroupCache(cfg.NumBlocks, &m.groups)
+			if cfg.EnableKVEvents {
+				// Every group's cached blocks are announced (groupcache.go,
+				// "KV events") and listed by snapshots.
+				m.gc.events = true
+				m.cache.SetGroupSource(m.gc)
+			}
 		}
 	}
 	if cfg.HostTier != nil {

@@ -1,7 +1,6 @@
 package kvmanager
 
 import (
-	"fmt"
 	"math"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -539,7 +538,8 @@ func (m *Manager) ClearPrefixCache() (int, error) {
 	// Clear refuses while any block is locked, so every cleared block has
 	// no reference and is Cached in the pool.
 	assertOK(m.pool.Evict(m.evicted), "cleared blocks are not Cached in the pool")
-	return len(m.evicted) + m.nodesGone(m.evicted), nil
+	// The AllCleared covers the layer groups' blocks too.
+	return len(m.evicted) + m.nodesGone(m.evicted, nil), nil
 }
 
 // EventLimits bound what one DrainEvents returns, so that the events fit
@@ -552,52 +552,102 @@ type EventLimits struct {
 // NoEventLimits drains every pending event.
 var NoEventLimits = EventLimits{math.MaxInt, math.MaxInt, math.MaxInt, math.MaxInt}
 
-// DrainEvents returns the oldest pending KV events, in order, as many
-// whole events as fit lim; a BlockRemoved event with more hashes than fit
-// is split (its first hashes now, the rest next time), which a consumer
-// applying events in order cannot tell apart. The events are the caller's
-// (package prefix, Index.DrainEvents, has their meaning and what happens
-// when too many wait). Errors: InvalidArgument (KV events off), and
-// BufferTooSmall, draining nothing, when lim cannot hold even the oldest
-// event (a BlockStored needs BlockSize tokens and its multimodal entries,
-// a BlockRemoved one hash).
+// DrainEvents returns the oldest pending KV events of layer group 0, in
+// order, as many whole events as fit lim; a BlockRemoved event with more
+// hashes than fit is split (its first hashes now, the rest next time),
+// which a consumer applying events in order cannot tell apart. The events
+// are the caller's (package prefix, Index.DrainEvents, has their meaning
+// and what happens when too many wait). A manager with layer groups also
+// records its other groups' events (groupcache.go, "KV events"), which
+// DrainEvents passes over and drops: its consumer knows one group, and
+// another group's event read as group 0's would store a block twice or
+// remove one still cached. DrainGroupEvents returns them. Errors:
+// InvalidArgument (KV events off), and BufferTooSmall, draining nothing,
+// when lim cannot hold even the oldest event (a BlockStored needs
+// BlockSize tokens and its multimodal entries, a BlockRemoved one hash).
 func (m *Manager) DrainEvents(lim EventLimits) ([]prefix.Event, error) {
+	return m.drainEvents("drain events", lim, false)
+}
+
+// DrainGroupEvents is DrainEvents for every layer group's events, each
+// with its group (prefix.Event.Group); for a manager without groups it is
+// DrainEvents. A consumer uses one of the two: the events either takes
+// are gone for the other.
+func (m *Manager) DrainGroupEvents(lim EventLimits) ([]prefix.Event, error) {
+	return m.drainEvents("drain group events", lim, true)
+}
+
+// wants reports whether a drain of every group (all) or of group 0 takes
+// ev.
+func wants(ev *prefix.Event, all bool) bool { return all || ev.Group == 0 }
+
+// fillCarry moves the index's pending events into m.carry when it holds
+// none the drain (all: of every group) takes, under the lock; an error
+// when events are off. The carry is bounded as the index's queue is: it
+// grows only while it holds nothing a drain takes, and the next drain
+// takes or passes over all of it.
+func (m *Manager) fillCarry(op string, all bool) error {
+	if m.cache == nil || !m.cache.EventsEnabled() {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: KV events are off (enable_kv_events in the manager's config)", op)
+	}
+	for i := range m.carry {
+		if wants(&m.carry[i], all) {
+			return nil
+		}
+	}
+	if evs := m.cache.DrainEvents(0); len(evs) > 0 {
+		m.carry = append(m.carry, evs...)
+	}
+	return nil
+}
+
+func (m *Manager) drainEvents(op string, lim EventLimits, all bool) ([]prefix.Event, error) {
 	m.mu.Lock()
 	defer m.unlock()
-	if m.cache == nil || !m.cache.EventsEnabled() {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "drain events: KV events are off (enable_kv_events in the manager's config)")
-	}
-	if len(m.carry) == 0 {
-		m.carry = m.cache.DrainEvents(0)
+	if err := m.fillCarry(op, all); err != nil {
+		return nil, err
 	}
 	var out []prefix.Event
 	tok, mm, hashes := 0, 0, 0
-	for len(m.carry) > 0 && len(out) < lim.Events {
-		ev := &m.carry[0]
+	i := 0 // m.carry[:i] is taken or passed over
+	for ; i < len(m.carry) && len(out) < lim.Events; i++ {
+		ev := &m.carry[i]
+		if !wants(ev, all) {
+			continue
+		}
 		switch ev.Kind {
 		case prefix.BlockStored:
 			if tok+len(ev.Tokens) > lim.Tokens || mm+len(ev.MM) > lim.MM {
-				return drained(out, fmt.Sprintf("a stored block needs room for %d tokens (the tokens buffer holds %d) and %d multimodal entries (the mm buffer holds %d)",
-					len(ev.Tokens), lim.Tokens, len(ev.MM), lim.MM))
+				if len(out) == 0 {
+					return nil, kverr.Errorf(kverr.BufferTooSmall, "%s: the buffers cannot hold the oldest event: a stored block needs room for %d tokens (the tokens buffer holds %d) and %d multimodal entries (the mm buffer holds %d)",
+						op, len(ev.Tokens), lim.Tokens, len(ev.MM), lim.MM)
+				}
+				m.carry = m.carry[i:]
+				return out, nil
 			}
 			tok += len(ev.Tokens)
 			mm += len(ev.MM)
 		case prefix.BlockRemoved:
 			room := lim.Hashes - hashes
 			if room <= 0 {
-				return drained(out, fmt.Sprintf("a removed-blocks event needs room for at least one hash (the hashes buffer holds %d)", lim.Hashes))
+				if len(out) == 0 {
+					return nil, kverr.Errorf(kverr.BufferTooSmall, "%s: the buffers cannot hold the oldest event: a removed-blocks event needs room for at least one hash (the hashes buffer holds %d)", op, lim.Hashes)
+				}
+				m.carry = m.carry[i:]
+				return out, nil
 			}
 			if len(ev.Hashes) > room {
 				head := *ev
 				head.Hashes = ev.Hashes[:room:room]
 				ev.Hashes = ev.Hashes[room:]
+				m.carry = m.carry[i:]
 				return append(out, head), nil
 			}
 			hashes += len(ev.Hashes)
 		}
 		out = append(out, *ev)
-		m.carry = m.carry[1:]
 	}
+	m.carry = m.carry[i:]
 	if len(m.carry) == 0 {
 		m.carry = nil
 	}
@@ -612,37 +662,39 @@ type EventSize struct {
 	Tokens, MM, Hashes int
 }
 
-// NextEventSize returns the room the oldest pending event needs, so that
-// a caller whose buffers were too small (DrainEvents' BufferTooSmall) can
-// grow them to fit; ok is false when no event is pending. Errors:
-// InvalidArgument (KV events off).
+// NextEventSize returns the room the oldest pending event of group 0
+// needs (the one DrainEvents returns next), so that a caller whose
+// buffers were too small (DrainEvents' BufferTooSmall) can grow them to
+// fit; ok is false when no event is pending. Errors: InvalidArgument (KV
+// events off).
 func (m *Manager) NextEventSize() (size EventSize, ok bool, err error) {
-	m.mu.Lock()
-	defer m.unlock()
-	if m.cache == nil || !m.cache.EventsEnabled() {
-		return size, false, kverr.Errorf(kverr.InvalidArgument, "next event size: KV events are off (enable_kv_events in the manager's config)")
-	}
-	if len(m.carry) == 0 {
-		m.carry = m.cache.DrainEvents(0)
-		if len(m.carry) == 0 {
-			m.carry = nil
-			return size, false, nil
-		}
-	}
-	switch ev := &m.carry[0]; ev.Kind {
-	case prefix.BlockStored:
-		size.Tokens, size.MM = len(ev.Tokens), len(ev.MM)
-	case prefix.BlockRemoved:
-		size.Hashes = 1
-	}
-	return size, true, nil
+	return m.nextEventSize("next event size", false)
 }
 
-// drained ends DrainEvents when the next event does not fit: with the
-// events taken so far, or BufferTooSmall when there are none.
-func drained(out []prefix.Event, need string) ([]prefix.Event, error) {
-	if len(out) > 0 {
-		return out, nil
+// NextGroupEventSize is NextEventSize for DrainGroupEvents: the room the
+// oldest pending event of any group needs.
+func (m *Manager) NextGroupEventSize() (size EventSize, ok bool, err error) {
+	return m.nextEventSize("next group event size", true)
+}
+
+func (m *Manager) nextEventSize(op string, all bool) (size EventSize, ok bool, err error) {
+	m.mu.Lock()
+	defer m.unlock()
+	if err := m.fillCarry(op, all); err != nil {
+		return size, false, err
 	}
-	return nil, kverr.Errorf(kverr.BufferTooSmall, "drain events: the buffers cannot hold the oldest event: %s", need)
+	for i := range m.carry {
+		ev := &m.carry[i]
+		if !wants(ev, all) {
+			continue
+		}
+		switch ev.Kind {
+		case prefix.BlockStored:
+			size.Tokens, size.MM = len(ev.Tokens), len(ev.MM)
+		case prefix.BlockRemoved:
+			size.Hashes = 1
+		}
+		return size, true, nil
+	}
+	return size, false, nil
 }

@@ -2,6 +2,7 @@ package prefix
 
 import (
 	"fmt"
+	"math"
 	"strings"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -92,6 +93,15 @@ type Event struct {
 
 	// BlockRemoved: the removed blocks' hashes, children before parents.
 	Hashes []Hash
+
+	// Group is the layer group of a BlockStored's or BlockRemoved's
+	// blocks (vLLM's group_idx): 0 for the prefix cache's own blocks and
+	// a tier's; g > 0 for the blocks a manager with layer groups keeps in
+	// group g with a cached block (RecordGroupStored), under that block's
+	// hash, whose BlockStored carries that block's fields. A group's
+	// blocks form a set, not a tree: a window group may keep a block and
+	// not its parent's.
+	Group int
 }
 
 // pendingEvent is an undrained event; its slices live in the queue's
@@ -99,6 +109,7 @@ type Event struct {
 type pendingEvent struct {
 	kind    EventKind
 	medium  Medium
+	group   int32
 	hash    Hash
 	parent  Hash
 	adapter uint64
@@ -112,7 +123,8 @@ type pendingEvent struct {
 // previous event's end.
 type eventQueue struct {
 	on       bool
-	tier     TierSource // blocks below the GPU, listed by snapshots; nil: none
+	tier     TierSource  // blocks below the GPU, listed by snapshots; nil: none
+	groups   GroupSource // layer groups' blocks, listed by snapshots; nil: none
 	limit    int
 	q        []pendingEvent
 	head     int
@@ -131,6 +143,9 @@ func (e *eventQueue) pending(cached int) int {
 		n := 1 + cached
 		if e.tier != nil {
 			n += e.tier.TierLen()
+		}
+		if e.groups != nil {
+			n += e.groups.GroupLen()
 		}
 		return n
 	}
@@ -176,9 +191,21 @@ func (e *eventQueue) pushStored(x *Index, i int32) {
 	e.pushBlockStored(MediumGPU, n.hash, x.nodes[n.parent].hash, n.adapter, x.tokensOf(i), n.mm)
 }
 
+// pushGroupStored records a BlockStored of layer group g for the block
+// it keeps with the prefix cache's block i: i's fields, in group g.
+func (e *eventQueue) pushGroupStored(x *Index, i int32, g int) {
+	e.pushStored(x, i)
+	e.q[len(e.q)-1].group = int32(g)
+}
+
 func (e *eventQueue) removed(m Medium, hashes []Hash) {
+	e.removedIn(m, 0, hashes)
+}
+
+// removedIn records a BlockRemoved of medium m in layer group g.
+func (e *eventQueue) removedIn(m Medium, g int, hashes []Hash) {
 	if e.admit() {
-		e.q = append(e.q, pendingEvent{kind: BlockRemoved, medium: m, nHash: len(hashes)})
+		e.q = append(e.q, pendingEvent{kind: BlockRemoved, medium: m, group: int32(g), nHash: len(hashes)})
 		e.hashes = append(e.hashes, hashes...)
 	}
 }
@@ -234,8 +261,10 @@ func (e *eventQueue) cleared(x *Index) {
 }
 
 // snapshot replaces a lost stretch of events: AllCleared, then one
-// BlockStored per cached block, parents before children, then one per
-// block of the tier source (SetTierSource), in its order.
+// BlockStored per cached block, parents before children, then, group by
+// group, one per block a layer group keeps (SetGroupSource) in the same
+// order, then one per block of the tier source (SetTierSource), in its
+// order.
 func (x *Index) snapshot() {
 	e := &x.events
 	e.resync = false
@@ -250,6 +279,15 @@ func (x *Index) snapshot() {
 		e.pushStored(x, i)
 		for c := x.nodes[i].child; c != nilNode; c = x.nodes[c].next {
 			level = append(level, c)
+		}
+	}
+	if src := e.groups; src != nil {
+		for g := 1; g < src.NumGroups(); g++ {
+			for _, i := range level {
+				if src.GroupHolds(g, x.nodes[i].block) {
+					e.pushGroupStored(x, i, g)
+				}
+			}
 		}
 	}
 	e.pushTierBlocks()
@@ -288,6 +326,61 @@ func (x *Index) SetTierSource(src TierSource) {
 	if x.events.on {
 		x.events.tier = src
 	}
+}
+
+// GroupSource lists the blocks that a manager's layer groups past group 0
+// keep with the prefix cache's blocks (a window group's block holding a
+// cached block's tokens, a recurrent group's state after them), for the
+// snapshots that rebuild a consumer's view. Its owner calls the index
+// under the same lock as it changes the groups.
+type GroupSource interface {
+	// NumGroups returns the number of layer groups, group 0 included.
+	NumGroups() int
+	// GroupLen returns the number of blocks GroupHolds reports, over
+	// every group.
+	GroupLen() int
+	// GroupHolds reports whether group g (> 0) keeps a block with the
+	// cached block block.
+	GroupHolds(g int, block int32) bool
+}
+
+// SetGroupSource makes snapshots list src's blocks after the prefix
+// cache's; nil removes it. A no-op when events are off.
+func (x *Index) SetGroupSource(src GroupSource) {
+	if x.events.on {
+		x.events.groups = src
+	}
+}
+
+// RecordGroupStored records a BlockStored event of layer group g (> 0)
+// for the block that group now keeps with cached block block: the
+// fields of block's own BlockStored (hash, parent, tokens, keys), with
+// Group g. Errors: InvalidArgument (g < 1, block not cached), recording
+// nothing. A no-op when events are off.
+func (x *Index) RecordGroupStored(g int, block int32) error {
+	i := x.nodeOf(block)
+	if g < 1 || g > math.MaxInt32 || i == nilNode {
+		return kverr.Errorf(kverr.InvalidArgument, "group event: group %d of block %d (cached %v): a group past 0 of a cached block expected", g, block, i != nilNode)
+	}
+	if x.events.admit() {
+		x.events.pushGroupStored(x, i, g)
+	}
+	return nil
+}
+
+// RecordGroupRemoved records a BlockRemoved event of layer group g (> 0)
+// for the blocks that group no longer keeps, named by the hashes of the
+// cached blocks they were kept with (those may have left the cache
+// already). Errors: InvalidArgument (g < 1), recording nothing. A no-op
+// when events are off or hashes is empty.
+func (x *Index) RecordGroupRemoved(g int, hashes []Hash) error {
+	if g < 1 || g > math.MaxInt32 {
+		return kverr.Errorf(kverr.InvalidArgument, "group event: group %d: a group past 0 expected", g)
+	}
+	if len(hashes) > 0 {
+		x.events.removedIn(MediumGPU, g, hashes)
+	}
+	return nil
 }
 
 // RecordTierStored records a BlockStored event of b.Medium for a block a
@@ -374,7 +467,7 @@ func (x *Index) DrainEvents(max int) []Event {
 	}
 	for k, p := range batch {
 		ev := &out[k]
-		ev.Kind, ev.Medium = p.kind, p.medium
+		ev.Kind, ev.Medium, ev.Group = p.kind, p.medium, int(p.group)
 		switch p.kind {
 		case BlockStored:
 			ev.Hash, ev.Parent, ev.Adapter, ev.BlockSize = p.hash, p.parent, p.adapter, p.nTok
@@ -410,24 +503,69 @@ func (x *Index) DrainEvents(max int) []Event {
 func (x *Index) EventsEnabled() bool { return x.events.on }
 
 // EventIndex is the view of a cache that a consumer builds from its events
-// alone: the set of cached block hashes and their parents on the GPU, and
-// the set of blocks of each tier below it. It checks the stream as it goes
+// alone: the set of cached block hashes and their parents on the GPU, the
+// set of blocks each layer group past 0 keeps there (Event.Group), and the
+// set of blocks of each tier below it. It checks the stream as it goes
 // (a GPU block is stored once, under a present parent, and removed only as
-// a leaf; a tier's block is stored once and removed only while stored),
-// so it doubles as the events' test oracle.
+// a leaf; a group's or a tier's block is stored once and removed only
+// while stored), so it doubles as the events' test oracle.
 type EventIndex struct {
 	parent   map[Hash]Hash
 	children map[Hash]int
 	tiers    [NumMedia]map[Hash]struct{} // [MediumGPU] unused
+	groups   map[int]map[Hash]struct{}   // layer groups past 0
 }
 
 // NewEventIndex returns an empty EventIndex.
 func NewEventIndex() *EventIndex {
-	r := &EventIndex{parent: make(map[Hash]Hash), children: make(map[Hash]int)}
+	r := &EventIndex{parent: make(map[Hash]Hash), children: make(map[Hash]int), groups: make(map[int]map[Hash]struct{})}
 	for m := 1; m < NumMedia; m++ {
 		r.tiers[m] = make(map[Hash]struct{})
 	}
 	return r
+}
+
+// LenGroup returns the number of blocks the events say layer group g
+// keeps on the GPU (Len for group 0).
+func (r *EventIndex) LenGroup(g int) int {
+	if g == 0 {
+		return r.Len()
+	}
+	return len(r.groups[g])
+}
+
+// ContainsGroup reports whether the events say layer group g keeps block
+// h on the GPU (Contains for group 0).
+func (r *EventIndex) ContainsGroup(g int, h Hash) bool {
+	if g == 0 {
+		return r.Contains(h)
+	}
+	_, ok := r.groups[g][h]
+	return ok
+}
+
+// applySet applies a BlockStored or BlockRemoved to set, a set of blocks
+// without parents (a tier's or a layer group's); what names it.
+func applySet(set map[Hash]struct{}, ev Event, what string) error {
+	switch ev.Kind {
+	case BlockStored:
+		if _, ok := set[ev.Hash]; ok {
+			return kverr.Errorf(kverr.InvalidArgument, "replay: %s block %s stored twice", what, ev.Hash)
+		}
+		set[ev.Hash] = struct{}{}
+	case BlockRemoved:
+		seen := make(map[Hash]bool, len(ev.Hashes))
+		for _, h := range ev.Hashes {
+			if _, ok := set[h]; !ok || seen[h] {
+				return kverr.Errorf(kverr.InvalidArgument, "replay: removed %s block %s is not stored", what, h)
+			}
+			seen[h] = true
+		}
+		for _, h := range ev.Hashes {
+			delete(set, h)
+		}
+	}
+	return nil
 }
 
 // Len returns the number of blocks the events say are cached on the GPU.
@@ -478,37 +616,34 @@ func (r *EventIndex) HashesIn(m Medium, dst []Hash) []Hash {
 
 // applyTier applies a tier's BlockStored or BlockRemoved.
 func (r *EventIndex) applyTier(ev Event) error {
-	set := r.tiers[ev.Medium]
-	switch ev.Kind {
-	case BlockStored:
-		if _, ok := set[ev.Hash]; ok {
-			return kverr.Errorf(kverr.InvalidArgument, "replay: %v block %s stored twice", ev.Medium, ev.Hash)
-		}
-		set[ev.Hash] = struct{}{}
-	case BlockRemoved:
-		seen := make(map[Hash]bool, len(ev.Hashes))
-		for _, h := range ev.Hashes {
-			if _, ok := set[h]; !ok || seen[h] {
-				return kverr.Errorf(kverr.InvalidArgument, "replay: removed %v block %s is not stored", ev.Medium, h)
-			}
-			seen[h] = true
-		}
-		for _, h := range ev.Hashes {
-			delete(set, h)
-		}
+	return applySet(r.tiers[ev.Medium], ev, ev.Medium.String())
+}
+
+// applyGroup applies a BlockStored or BlockRemoved of a layer group past 0.
+func (r *EventIndex) applyGroup(ev Event) error {
+	if ev.Group < 0 || ev.Medium != MediumGPU {
+		return kverr.Errorf(kverr.InvalidArgument, "replay: an event of layer group %d on medium %v (groups past 0 are on the GPU)", ev.Group, ev.Medium)
 	}
-	return nil
+	set := r.groups[ev.Group]
+	if set == nil {
+		set = make(map[Hash]struct{})
+		r.groups[ev.Group] = set
+	}
+	return applySet(set, ev, fmt.Sprintf("group %d", ev.Group))
 }
 
 // Apply applies one event. An event inconsistent with the stream so far
 // (a block stored twice or under an unknown parent, an unknown block
 // removed, a block removed before its children; for a tier below the
-// GPU, a block stored twice or an unknown one removed) is an error and
-// changes nothing.
+// GPU or a layer group past 0, a block stored twice or an unknown one
+// removed) is an error and changes nothing.
 func (r *EventIndex) Apply(ev Event) error {
 	if ev.Kind == BlockStored || ev.Kind == BlockRemoved {
 		if int(ev.Medium) >= NumMedia {
 			return kverr.Errorf(kverr.InvalidArgument, "replay: unknown medium %d", ev.Medium)
+		}
+		if ev.Group != 0 {
+			return r.applyGroup(ev)
 		}
 		if ev.Medium != MediumGPU {
 			return r.applyTier(ev)
@@ -555,6 +690,7 @@ func (r *EventIndex) Apply(ev Event) error {
 		for m := 1; m < NumMedia; m++ {
 			clear(r.tiers[m])
 		}
+		clear(r.groups)
 	default:
 		return kverr.Errorf(kverr.InvalidArgument, "replay: unknown event kind %d", ev.Kind)
 	}

@@ -74,6 +74,17 @@ func (x *Index) evict(dst []int32, n int, desc *evictDesc) []int32 {
 	return dst
 }
 
+// LastRemoved returns the hashes of the blocks the last Evict, EvictBlocks
+// or DropPending removed, in the order it gave them, for a caller that
+// announces blocks it kept with them (a manager's layer groups); nil when
+// events are off. Valid until the next call that removes blocks.
+func (x *Index) LastRemoved() []Hash {
+	if !x.events.on {
+		return nil
+	}
+	return x.removedHashes
+}
+
 // unlink removes leaf i from the tree and frees its slot.
 func (x *Index) unlink(i int32) {
 	n := &x.nodes[i]

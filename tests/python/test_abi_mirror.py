@@ -32,6 +32,7 @@ MIRRORS = {
     prefix.PrefixStatsStruct: "kvp_prefix_stats",
     prefix.BlockMMStruct: "kvp_block_mm",
     prefix.KVEventStruct: "kvp_kv_event",
+    prefix.KVGroupEventStruct: "kvp_kv_group_event",
     _capi.PagedKV: "kvp_paged_kv",
     attn._KVWriteArgs: "kvp_kv_write_args",
     attn._PagedDecodeArgs: "kvp_paged_decode_args",

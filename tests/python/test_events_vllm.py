@@ -97,6 +97,34 @@ class ArrayKVEventBatch(EventBatch):
     events: List[Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]]
 
 
+# --- vLLM's current events in the positional form: group_idx and the
+# group's spec after extra_keys, as kv_events.py orders the fields ---
+
+
+class ArrayGroupBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: List[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+
+
+class ArrayGroupBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: List[ExternalBlockHash]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+
+
+class ArrayGroupKVEventBatch(EventBatch):
+    events: List[Union[ArrayGroupBlockStored, ArrayGroupBlockRemoved, ArrayAllBlocksCleared]]
+
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -209,6 +237,53 @@ def test_named_field_events_decode_as_vllm(ctx):
         pub.flush()
         _, seq, batch = recv(sub, dec)
         assert seq == first + 2 and [type(e) for e in batch.events] == [AllBlocksCleared]
+
+
+def test_layer_group_events_decode_as_vllm(ctx):
+    """A hybrid model's events: every group's blocks under group 0's hashes,
+    each event with vLLM's group_idx and a BlockStored with its group's
+    kv_cache_spec_kind and kv_cache_spec_sliding_window, in both layouts;
+    a window's blocks evicted alone go out as group 1's BlockRemoved."""
+    groups = [kvplug.LayerGroup.full_attention(), kvplug.LayerGroup.sliding_window(8)]
+    for fmt, batch_type in ((events.FORMAT_MAP, KVEventBatch), (events.FORMAT_ARRAY, ArrayGroupKVEventBatch)):
+        m = kvplug.Manager(40, 4, prefix_cache=True, kv_events=True, layer_groups=groups)
+        pub = events.EventPublisher(m, "tcp://127.0.0.1:0", bind_mode=events.BIND, event_format=fmt,
+                                    flush_interval_us=60_000_000)
+        with m, pub:
+            sub, _ = subscribe(ctx, pub, "")
+            dec = msgspec.msgpack.Decoder(batch_type)
+            a = list(range(1, 41))  # 10 blocks a group
+            m.admit([1], [a])
+            m.grow_tokens([1], [99])  # the window slides past blocks 0-7
+            m.mark_computed()
+            m.remove([1])
+            b = list(range(1000, 1048))  # 12 blocks a group: evicts 4 of the window's alone
+            m.admit([2], [b])
+            pub.flush()
+            got: List[Any] = []
+            while not any(e.block_hashes == block_hashes(b, 4) and e.group_idx == 1 for e in got if hasattr(e, "token_ids")):
+                got += [e for e in recv(sub, dec)[2].events if not isinstance(e, (AllBlocksCleared, ArrayAllBlocksCleared))]
+            ha = block_hashes(a, 4)
+            stored = {(e.group_idx, h) for e in got if hasattr(e, "token_ids") for h in e.block_hashes}
+            assert stored == {(g, h) for g in (0, 1) for h in ha + block_hashes(b, 4)}
+            for e in got:
+                assert e.group_idx in (0, 1) and e.medium == "GPU"
+                if hasattr(e, "token_ids"):
+                    want = ("full_attention", None) if e.group_idx == 0 else ("sliding_window", 8)
+                    assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == want
+                    assert e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes)
+            removed = [(e.group_idx, h) for e in got if not hasattr(e, "token_ids") for h in e.block_hashes]
+            assert len(removed) == 4 and all(g == 1 and h in ha[:8] for g, h in removed)
+        m2 = kvplug.Manager(16, 4, prefix_cache=True, kv_events=True)  # no groups: no group fields
+        with m2, events.EventPublisher(m2, "tcp://127.0.0.1:0", bind_mode=events.BIND, event_format=fmt,
+                                       flush_interval_us=60_000_000) as pub2:
+            sub2, _ = subscribe(ctx, pub2, "")
+            m2.admit([1], [list(range(9))])
+            pub2.flush()
+            (ev,) = recv(sub2, msgspec.msgpack.Decoder(batch_type))[2].events
+            assert ev.group_idx is None and ev.kv_cache_spec_kind is None and ev.kv_cache_spec_sliding_window is None
+            sub2.close(linger=0)
+        sub.close(linger=0)
 
 
 def test_evictions_and_positional_int_hash_events(ctx):

@@ -179,3 +179,104 @@ def test_describe_groups_into_reuses_the_callers_arrays():
             m.describe_groups_into(ids, [tables[0], np.zeros((2, 5), np.int32), None])
         # Only some groups.
         assert m.describe_groups_into(ids, [None, tables[1], None]) == 13
+
+
+def mirror_hit(sets, groups, prompt, bs=BS):
+    """The hit a router predicts from every group's events (kvplug.h, "KV
+    events of layer groups"): the largest h, at most group 0's prefix, at
+    which every window group holds the blocks its query reads and every
+    recurrent group a checkpoint."""
+    hashes = chain_hashes(prompt[: (len(prompt) - 1) // bs * bs], bs)
+    h = 0
+    while h < len(hashes) and hashes[h] in sets.get(0, ()):
+        h += 1
+
+    # The largest such h at which every group holds what the header's rule asks.
+    def holds(h):
+        for g, grp in enumerate(groups):
+            got = sets.get(g, ())
+            if grp.kind == G.SLIDING_WINDOW and any(hashes[j] not in got for j in range(max(0, h * bs - grp.window + 1) // bs, h)):
+                return False
+            if grp.kind == G.RECURRENT and h > 0 and hashes[h - 1] not in got:
+                return False
+        return True
+
+    while h > 0 and not holds(h):
+        h -= 1
+    return h * bs
+
+
+def chain_hashes(tokens, bs):
+    """core/prefix/HASH.md's chained block hashes of a prompt without keys."""
+    import struct
+
+    xxhash = pytest.importorskip("xxhash")
+    parent, out = bytes(16), []
+    for i in range(len(tokens) // bs):
+        blk = tokens[i * bs : (i + 1) * bs]
+        b = bytes([1]) + parent + struct.pack("<I%di" % len(blk), len(blk), *blk) + struct.pack("<QI", 0, 0)
+        b += struct.pack("<I", 0)
+        parent = xxhash.xxh3_128_digest(b)
+        out.append(parent)
+    return out
+
+
+def apply_events(sets, evs):
+    for e in evs:
+        if e.kind == "stored":
+            assert e.hash not in sets.setdefault(e.group, set()), (e.group, e.hash)
+            sets[e.group].add(e.hash)
+        elif e.kind == "removed":
+            for h in e.hashes:
+                sets.setdefault(e.group, set()).remove(h)
+        else:
+            sets.clear()
+
+
+def test_group_events_predict_hits():
+    """Every group's KV events (drain_group_events, each with its group):
+    window blocks evicted alone and recurrent checkpoints are announced, and
+    a mirror of every group's blocks predicts each prompt's hit exactly,
+    where group 0's events alone overestimate it; drain_events gives group
+    0's alone."""
+    rng = np.random.default_rng(21)
+    groups = [G.full_attention(), G.sliding_window(8), G.recurrent(64, checkpoint_every=2)]
+    with kvplug.Manager(48, BS, prefix_cache=True, kv_events=True, block_bytes=64, layer_groups=groups) as m:
+        assert m.take_copies() == []  # checkpoints from now on
+        sets = {}
+        convs = []
+        cut = 0
+        for i in range(12):
+            head = convs[rng.integers(len(convs))] if convs and rng.integers(2) else []
+            p = (head + rng.integers(0, 30000, 4 * int(rng.integers(2, 7))).tolist())[:60]
+            if len(m.admit([i], [p])) == 0:
+                continue
+            m.mark_computed()
+            m.take_copies()
+            for _ in range(int(rng.integers(0, 9))):  # decode: the window slides
+                m.grow_tokens([i], [int(rng.integers(0, 30000))])
+                m.mark_computed()
+                m.take_copies()
+            convs.append(p)
+            m.remove([i])
+            evs = m.drain_group_events(max_events=int(rng.integers(1, 8)))
+            while evs:
+                assert all(e.group in (0, 1, 2) and (e.kind != "cleared" or e.group == 0) for e in evs)
+                apply_events(sets, evs)
+                evs = m.drain_group_events(max_events=int(rng.integers(1, 8)))
+            assert len(sets.get(0, ())) == m.prefix_stats().cached_blocks
+            for c in convs:
+                for q in (c + [1, 2, 3], c[: len(c) // 2] + [7]):
+                    hit = mirror_hit(sets, groups, q)
+                    assert hit == m.match([q])[0].matched_tokens
+                    cut += hit < mirror_hit({0: sets.get(0, set())}, [groups[0]], q)
+        assert cut > 0, "no hit was cut by a window or a checkpoint: the run tests nothing"
+        assert sets.get(1) and sets.get(2)
+    with kvplug.Manager(32, BS, prefix_cache=True, kv_events=True, layer_groups=groups[:2]) as m:
+        m.admit([1], [list(range(9))])
+        evs = m.drain_events()
+        assert [(e.kind, e.group) for e in evs] == [("stored", 0), ("stored", 0)]
+        assert m.drain_group_events() == []  # group 1's were passed over, and are gone
+    with kvplug.Manager(32, BS, prefix_cache=True, kv_events=True) as m:  # no groups: the same events
+        m.admit([1], [list(range(9))])
+        assert [(e.kind, e.group) for e in m.drain_group_events()] == [("stored", 0), ("stored", 0)]

@@ -162,6 +162,12 @@ class KVEventStruct(ctypes.Structure):
     ] + _ints(_i32, "tokens_offset", "mm_offset", "num_mm", "hashes_offset", "num_hashes", "medium")
 
 
+class KVGroupEventStruct(ctypes.Structure):
+    """struct kvp_kv_group_event: a kvp_kv_event and its layer group."""
+
+    _fields_ = [("event", KVEventStruct)] + _ints(_i32, "group", "reserved")
+
+
 # --------------------------------------------------------------------------
 # Host KV tier
 # --------------------------------------------------------------------------
@@ -412,6 +418,8 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_clear_prefix_cache", [_vp, _vp]),
     ("kvp_manager_drain_events", [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, _vp]),
     ("kvp_manager_next_event_size", [_vp, _vp, _vp, _vp]),
+    ("kvp_manager_drain_group_events", [_vp, _vp, _i32, _vp, _i32, _vp, _i32, _vp, _i32, _vp]),
+    ("kvp_manager_next_group_event_size", [_vp, _vp, _vp, _vp]),
     # host KV tier
     ("kvp_manager_flush_copies", [_vp, _vp, _i32, _vp, _vp, _i32, _vp, _vp]),
     ("kvp_manager_complete_copies", [_vp, _u64, _i32]),

@@ -17,10 +17,15 @@ wildcard or ipc endpoint, connect to any other). Each event's
 the medium argument gives) or "CPU" (a manager's host tier, whose blocks
 carry the fields of their GPU events, the same hash included), as vLLM's
 own events and its CPU offloading's do; MEDIUM_SHARED is reserved for a
-tier that instances share. The publisher
+tier that instances share. A manager with layer_groups publishes every
+group's blocks, as vLLM does for hybrid models: each BlockStored and
+BlockRemoved with vLLM's group_idx, a BlockStored also with its group's
+kv_cache_spec_kind ("full_attention", "sliding_window", "mamba") and
+kv_cache_spec_sliding_window (include/kvplug.h, "KV events of layer
+groups"). The publisher
 runs on the library's own thread; no Manager call waits on the network.
 While it runs it is the manager's one consumer of events: do not call
-Manager.drain_events on that manager.
+Manager.drain_events or Manager.drain_group_events on that manager.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
 
     prefix_cache=True keeps the full blocks of sequences admitted by their
     tokens (admit, grow_tokens) for later prompts with the same prefix;
-    kv_events=True records KV events for drain_events (kvplug.prefix).
+    kv_events=True records KV events for drain_events (kvplug.prefix); with
+    layer_groups, every group's, which drain_group_events returns.
 
     host_tier_slots > 0 (with prefix_cache) adds the host KV tier
     (kvplug.tier): that many host slots of host_block_bytes each (the

@@ -25,7 +25,8 @@ from . import _lib
 from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, bad_type as _bad_type
 from ._arrays import batch_len as _batch_len, flatten as _flatten
 from ._arrays import in_ptr as _in_ptr, one_each as _one_each, token_ptr as _token_ptr
-from ._capi import BlockMMStruct, KVEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct, PrefixStatsStruct
+from ._capi import BlockMMStruct, KVEventStruct, KVGroupEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct
+from ._capi import PrefixStatsStruct
 from ._lib import C
 
 __all__ = ["Keys", "MMItem", "Match", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
@@ -124,10 +125,13 @@ class KVEvent:
     """A change of the set of cached blocks (vLLM's KV event fields).
     kind: "stored" (hash, parent, tokens, adapter, mm as (offset, hash)
     pairs relative to the block), "removed" (hashes; on the GPU children
-    first) or "cleared" (forget every block, of every medium). medium: where
-    a stored or removed block is, "GPU" (the prefix cache) or "CPU" (the
-    host tier: its blocks carry the fields of their GPU events, the same
-    hash included); "" for "cleared"."""
+    first) or "cleared" (forget every block, of every medium and group).
+    medium: where a stored or removed block is, "GPU" (the prefix cache) or
+    "CPU" (the host tier: its blocks carry the fields of their GPU events,
+    the same hash included); "" for "cleared". group: the layer group of a
+    stored or removed block (vLLM's group_idx), 0 for the prefix cache's
+    own; drain_group_events reports the others' (a window's block or a
+    recurrent checkpoint kept with a cached block, under its hash)."""
 
     kind: str
     hash: bytes = b""
@@ -137,6 +141,7 @@ class KVEvent:
     mm: Tuple[Tuple[int, bytes], ...] = ()
     hashes: Tuple[bytes, ...] = ()
     medium: str = ""
+    group: int = 0
 
 
 _int = _lib.checked_int
@@ -427,16 +432,32 @@ class PrefixCacheMethods:
         return n.value
 
     def drain_events(self, max_events: int = 1024) -> List[KVEvent]:
-        """Drains up to max_events pending KV events, oldest first (call
-        until it returns [] to drain all). Needs kv_events=True. Makes
+        """Drains up to max_events pending KV events of layer group 0,
+        oldest first (call until it returns [] to drain all). Needs
+        kv_events=True. With layer groups, the other groups' events are
+        passed over and dropped (drain_group_events returns them). Makes
         progress whatever a block holds: buffers too small for the oldest
         event grow to the size the library reports, and the call is
         retried."""
-        max_events = _int(max_events, "drain_events: max_events", "int32")
+        return self._drain("drain_events", max_events, False)
+
+    def drain_group_events(self, max_events: int = 1024) -> List[KVEvent]:
+        """drain_events for every layer group's events, each with its
+        group (KVEvent.group): a router that mirrors every group's blocks
+        predicts a hybrid model's hits exactly (include/kvplug.h, "KV events
+        of layer groups"). Without layer groups it returns what drain_events
+        would. Use one of the two: the events either takes are gone for the
+        other."""
+        return self._drain("drain_group_events", max_events, True)
+
+    def _drain(self, op: str, max_events: int, groups: bool) -> List[KVEvent]:
+        max_events = _int(max_events, f"{op}: max_events", "int32")
         if not (1 <= max_events <= 1 << 20):
-            raise _bad(f"drain_events: max_events must be in [1, 2^20]: got {max_events}")
+            raise _bad(f"{op}: max_events must be in [1, 2^20]: got {max_events}")
         bs = self.block_size
-        evs = (KVEventStruct * max_events)()
+        evs = ((KVGroupEventStruct if groups else KVEventStruct) * max_events)()
+        drain = C.kvp_manager_drain_group_events if groups else C.kvp_manager_drain_events
+        next_size = C.kvp_manager_next_group_event_size if groups else C.kvp_manager_next_event_size
         # Room for every event of a call with up to 64 tokens a block
         # (larger blocks: one block at least), 1024 multimodal entries and
         # 4 removed hashes an event; the retry below grows what is short.
@@ -451,19 +472,18 @@ class PrefixCacheMethods:
             toks = np.empty(cap_tok, np.int32)
             mm = (BlockMMStruct * max(cap_mm, 1))()
             hashes = np.empty(16 * max(cap_hash, 1), np.uint8)
-            st = C.kvp_manager_drain_events(
-                self._h, evs, max_events, toks.ctypes.data, cap_tok, mm, cap_mm, hashes.ctypes.data, cap_hash, ctypes.byref(num)
-            )
+            st = drain(self._h, evs, max_events, toks.ctypes.data, cap_tok, mm, cap_mm, hashes.ctypes.data, cap_hash, ctypes.byref(num))
             if st != _lib.Status.BUFFER_TOO_SMALL:
                 break
-            _check(C.kvp_manager_next_event_size(self._h, ctypes.byref(need_tok), ctypes.byref(need_mm), ctypes.byref(need_hash)))
+            _check(next_size(self._h, ctypes.byref(need_tok), ctypes.byref(need_mm), ctypes.byref(need_hash)))
             cap_tok = max(cap_tok, need_tok.value)
             cap_mm = max(cap_mm, need_mm.value)
             cap_hash = max(cap_hash, need_hash.value)
         _check(st)
         out = []
         hb = hashes.tobytes()
-        for e in evs[: num.value]:
+        for ge in evs[: num.value]:
+            e, group = (ge.event, ge.group) if groups else (ge, 0)
             if e.kind == BLOCK_STORED:
                 mms = tuple((mm[e.mm_offset + j].offset, bytes(mm[e.mm_offset + j].hash)) for j in range(e.num_mm))
                 out.append(
@@ -475,6 +495,7 @@ class PrefixCacheMethods:
                         adapter=e.adapter,
                         mm=mms,
                         medium=_medium(e.medium),
+                        group=group,
                     )
                 )
             elif e.kind == BLOCKS_REMOVED:
@@ -483,6 +504,7 @@ class PrefixCacheMethods:
                         "removed",
                         hashes=tuple(hb[16 * (e.hashes_offset + j) : 16 * (e.hashes_offset + j + 1)] for j in range(e.num_hashes)),
                         medium=_medium(e.medium),
+                        group=group,
                     )
                 )
             else:

@@ -1,0 +1,118 @@
+package main
+
+// Go-typed entry points over the layer groups' KV event exports, for
+// capi's tests (see testhooks.go). Arrays go through C memory, as from a
+// real host.
+
+/*
+#include <stdlib.h>
+#include "kvplug.h"
+*/
+import "C"
+
+import "unsafe"
+
+// hookManagerCreateGroupEvents creates a manager of groups on the prefix
+// cache with KV events on (maxPending: max_pending_events).
+func hookManagerCreateGroupEvents(numBlocks, bs int32, groups []testGroup, blockBytes int64, maxPending int32) (unsafe.Pointer, abiStatus) {
+	cfg := (*C.kvp_manager_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))))
+	defer C.free(unsafe.Pointer(cfg))
+	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))
+	cfg.num_blocks, cfg.block_size = C.int32_t(numBlocks), C.int32_t(bs)
+	cfg.enable_prefix_cache, cfg.enable_kv_events = 1, 1
+	cfg.max_pending_events = C.int32_t(maxPending)
+	arr := (*C.kvp_layer_group)(C.calloc(C.size_t(max(len(groups), 1)), C.size_t(unsafe.Sizeof(C.kvp_layer_group{}))))
+	defer C.free(unsafe.Pointer(arr))
+	elems := unsafe.Slice(arr, max(len(groups), 1))
+	for i, g := range groups {
+		elems[i].kind, elems[i].window, elems[i].state_bytes = C.int32_t(g.kind), C.int32_t(g.window), C.int64_t(g.stateBytes)
+		elems[i].checkpoint_every, elems[i].reserved = C.int32_t(g.checkpoint), C.int32_t(g.spare)
+	}
+	if len(groups) > 0 {
+		cfg.layer_groups = arr
+		cfg.num_layer_groups = C.int32_t(len(groups))
+	}
+	cfg.block_bytes = C.int64_t(blockBytes)
+	var out *C.kvp_manager
+	st := kvpgo_manager_create(cfg, &out)
+	return unsafe.Pointer(out), abiStatus(st)
+}
+
+// hookGroupEvent is a drained group event: the event with its variable
+// parts resolved, its group and its reserved word.
+type hookGroupEvent struct {
+	hookEvent
+	group, reserved int32
+}
+
+// hookDrainGroups calls kvp_manager_drain_group_events with the given
+// capacities; nullEvents passes events NULL. The events' array is filled
+// with 0x5a first, so that a field left unwritten shows.
+func hookDrainGroups(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes int32, nullEvents bool) ([]hookGroupEvent, abiStatus) {
+	size := C.size_t(unsafe.Sizeof(C.kvp_kv_group_event{}))
+	raw := C.malloc(C.size_t(max(maxEvents, 1)) * size)
+	defer C.free(raw)
+	for i, b := 0, unsafe.Slice((*byte)(raw), int(max(maxEvents, 1))*int(size)); i < len(b); i++ {
+		b[i] = 0x5a
+	}
+	evs := (*C.kvp_kv_group_event)(raw)
+	if nullEvents {
+		evs = nil
+	}
+	toks := newCBuf(4 * int(maxTokens))
+	defer toks.free()
+	mm := newCBuf(int(unsafe.Sizeof(C.kvp_block_mm{})) * int(maxMM))
+	defer mm.free()
+	hashes := newCBuf(16 * int(maxHashes))
+	defer hashes.free()
+	var n C.int32_t = -1
+	st := kvpgo_manager_drain_group_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(toks.p), C.int32_t(maxTokens),
+		(*C.kvp_block_mm)(mm.p), C.int32_t(maxMM), (*C.uint8_t)(hashes.p), C.int32_t(maxHashes), &n)
+	if st != C.KVP_OK {
+		return nil, abiStatus(st)
+	}
+	var out []hookGroupEvent
+	tv := unsafe.Slice((*int32)(toks.p), max(maxTokens, 1))
+	hv := unsafe.Slice((*[16]byte)(hashes.p), max(maxHashes, 1))
+	for _, g := range unsafe.Slice((*C.kvp_kv_group_event)(raw), int(n)) {
+		e := g.event
+		ev := hookGroupEvent{hookEvent: hookEvent{kind: int32(e.kind), medium: int32(e.medium), mm: int(e.num_mm)},
+			group: int32(g.group), reserved: int32(g.reserved)}
+		ev.hash = *(*[16]byte)(unsafe.Pointer(&e.hash))
+		ev.parent = *(*[16]byte)(unsafe.Pointer(&e.parent))
+		if e.kind == C.KVP_KV_EVENT_BLOCK_STORED {
+			ev.tokens = append([]int32(nil), tv[e.tokens_offset:e.tokens_offset+e.block_size]...)
+		}
+		if e.kind == C.KVP_KV_EVENT_BLOCKS_REMOVED {
+			ev.hashes = append([][16]byte(nil), hv[e.hashes_offset:e.hashes_offset+e.num_hashes]...)
+		}
+		out = append(out, ev)
+	}
+	return out, abiStatus(st)
+}
+
+// hookNextGroupEventSize returns the room (tokens, mm, hashes) the oldest
+// pending event of any group needs.
+func hookNextGroupEventSize(h unsafe.Pointer) ([3]int32, abiStatus) {
+	var tok, mm, hs C.int32_t = -1, -1, -1
+	st := kvpgo_manager_next_group_event_size((*C.kvp_manager)(h), &tok, &mm, &hs)
+	return [3]int32{int32(tok), int32(mm), int32(hs)}, abiStatus(st)
+}
+
+// kvGroupEventLayout returns sizeof(kvp_kv_group_event), sizeof(kvp_kv_event)
+// and the offsets of the group event's event, group and reserved fields.
+func kvGroupEventLayout() (size, eventSize, event, group, reserved uintptr) {
+	var g C.kvp_kv_group_event
+	return unsafe.Sizeof(g), unsafe.Sizeof(C.kvp_kv_event{}), unsafe.Offsetof(g.event), unsafe.Offsetof(g.group), unsafe.Offsetof(g.reserved)
+}
+
+// The layer groups' event exports with raw arguments, for FuzzABI.
+func rawManagerDrainGroupEvents(m, events ptr, maxEvents int32, tokens ptr, maxTokens int32, mm ptr, maxMM int32,
+	hashes ptr, maxHashes int32, num ptr) int {
+	return st(kvpgo_manager_drain_group_events((*C.kvp_manager)(m), (*C.kvp_kv_group_event)(events), C.int32_t(maxEvents),
+		(*C.int32_t)(tokens), C.int32_t(maxTokens), (*C.kvp_block_mm)(mm), C.int32_t(maxMM), (*C.uint8_t)(hashes), C.int32_t(maxHashes),
+		(*C.int32_t)(num)))
+}
+func rawManagerNextGroupEventSize(m, tokens, mm, hashes ptr) int {
+	return st(kvpgo_manager_next_group_event_size((*C.kvp_manager)(m), (*C.int32_t)(tokens), (*C.int32_t)(mm), (*C.int32_t)(hashes)))
+}
