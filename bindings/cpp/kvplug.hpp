@@ -640,6 +640,18 @@ struct PrefixApi {
   }
 };
 inline const PrefixApi &prefix_api() { return table<PrefixApi>(); }
+
+// KV events of layer groups (since 0.6), a table of their own so that a
+// library without them still serves the rest of the prefix cache.
+struct GroupEventsApi {
+  KVPLUG_FN(kvp_manager_drain_group_events);
+  KVPLUG_FN(kvp_manager_next_group_event_size);
+  void load(const Library &lib) {
+    KVPLUG_LOAD(lib, kvp_manager_drain_group_events);
+    KVPLUG_LOAD(lib, kvp_manager_next_group_event_size);
+  }
+};
+inline const GroupEventsApi &group_events_api() { return table<GroupEventsApi>(); }
 }  // namespace detail
 
 // A batch of prompts in the C API's flat form. Keys are views: the salt
@@ -675,6 +687,15 @@ struct KVEvent {
   std::vector<int32_t> tokens;    // BLOCK_STORED
   std::vector<kvp_block_mm> mm;   // BLOCK_STORED
   std::vector<BlockHash> hashes;  // BLOCKS_REMOVED
+};
+
+// A drained KV event with its layer group (PrefixCache::drain_group_events;
+// include/kvplug.h, "KV events of layer groups"): another group's block is
+// named by its group-0 block's hash.
+struct KVGroupEvent {
+  KVEvent event;
+  int32_t group = 0;  // BLOCK_STORED, BLOCKS_REMOVED: its blocks' layer group;
+                      // 0 without groups and for ALL_CLEARED (every group's)
 };
 
 // The prefix cache of a Manager created with enable_prefix_cache: a view
@@ -765,35 +786,70 @@ class PrefixCache {
 
   // Drains up to max_events pending KV events, oldest first; empty when
   // none is pending. Buffers too small for the oldest event (a block with
-  // many multimodal entries) grow to the size the library reports.
+  // many multimodal entries) grow to the size the library reports. With
+  // layer groups these are group 0's events: the other groups' are passed
+  // over and gone (drain_group_events returns them).
   std::vector<KVEvent> drain_events(int32_t max_events = 1024) {
+    const auto &a = api();
+    return drain<kvp_kv_event, KVEvent>("drain_events", max_events, a.kvp_manager_drain_events,
+                                        a.kvp_manager_next_event_size);
+  }
+
+  // drain_events for every layer group's events, each with its group: a
+  // router that mirrors every group's blocks predicts a hybrid model's hits
+  // exactly. Without layer groups it returns drain_events' events, every
+  // one of group 0. Use one of the two drains: the events either takes are
+  // gone for the other.
+  std::vector<KVGroupEvent> drain_group_events(int32_t max_events = 1024) {
+    const auto &a = detail::group_events_api();
+    return drain<kvp_kv_group_event, KVGroupEvent>("drain_group_events", max_events,
+                                                   a.kvp_manager_drain_group_events,
+                                                   a.kvp_manager_next_group_event_size);
+  }
+
+ private:
+  static const detail::PrefixApi &api() { return detail::prefix_api(); }
+
+  static const kvp_kv_event &raw(const kvp_kv_event &e) noexcept { return e; }
+  static const kvp_kv_event &raw(const kvp_kv_group_event &e) noexcept { return e.event; }
+  static KVEvent &body(KVEvent &o) noexcept { return o; }
+  static KVEvent &body(KVGroupEvent &o) noexcept { return o.event; }
+
+  // One drain (Raw: kvp_kv_event or kvp_kv_group_event), copied out of the
+  // call's buffers into Out values that own their parts.
+  template <class Raw, class Out, class DrainFn, class SizeFn>
+  std::vector<Out> drain(const char *op, int32_t max_events, DrainFn drain_fn, SizeFn size_fn) {
     const int32_t bs = m_->block_size();
-    std::vector<kvp_kv_event> evs(static_cast<std::size_t>(max_events > 0 ? max_events : 1));
+    const std::size_t cap = static_cast<std::size_t>(std::max(max_events, 1));
+    std::vector<Raw> evs(cap);
     // Room for up to 256 stored blocks a call: the caller loops anyway.
-    std::vector<int32_t> toks(static_cast<std::size_t>(std::min(max_events, 256)) * static_cast<std::size_t>(bs));
+    std::vector<int32_t> toks(std::min<std::size_t>(cap, 256) * static_cast<std::size_t>(bs));
     std::vector<kvp_block_mm> mm(256);
-    std::vector<BlockHash> hashes(static_cast<std::size_t>(max_events > 0 ? max_events : 1) * 4);
+    std::vector<BlockHash> hashes(cap * 4);
+    const std::string what_tok = std::string(op) + ": tokens", what_mm = std::string(op) + ": mm",
+                      what_hash = std::string(op) + ": hashes";
     int32_t n = 0;
     kvp_status st = KVP_OK;
     // A retry is sized by the library's answer for the oldest event, so it
     // succeeds unless another thread changes the queue in between.
     for (int attempt = 0; attempt < 8; ++attempt) {
-      st = api().kvp_manager_drain_events(m_->get(), evs.data(), max_events, toks.data(),
-                                          detail::count32(toks.size(), "drain_events: tokens"), mm.data(),
-                                          detail::count32(mm.size(), "drain_events: mm"), hashes.data()->data(),
-                                          detail::count32(hashes.size(), "drain_events: hashes"), &n);
+      st = drain_fn(m_->get(), evs.data(), max_events, toks.data(),
+                    detail::count32(toks.size(), what_tok.c_str()), mm.data(),
+                    detail::count32(mm.size(), what_mm.c_str()), hashes.data()->data(),
+                    detail::count32(hashes.size(), what_hash.c_str()), &n);
       if (st != KVP_ERR_BUFFER_TOO_SMALL) break;
       int32_t need_tok = 0, need_mm = 0, need_hash = 0;
-      detail::check(api().kvp_manager_next_event_size(m_->get(), &need_tok, &need_mm, &need_hash));
+      detail::check(size_fn(m_->get(), &need_tok, &need_mm, &need_hash));
       toks.resize(std::max(toks.size(), static_cast<std::size_t>(need_tok)));
       mm.resize(std::max(mm.size(), static_cast<std::size_t>(need_mm)));
       hashes.resize(std::max(hashes.size(), static_cast<std::size_t>(need_hash)));
     }
     detail::check(st);
-    std::vector<KVEvent> out(static_cast<std::size_t>(n));
+    std::vector<Out> out(static_cast<std::size_t>(n));
     for (int32_t i = 0; i < n; ++i) {
-      const kvp_kv_event &e = evs[static_cast<std::size_t>(i)];
-      KVEvent &o = out[static_cast<std::size_t>(i)];
+      const Raw &r = evs[static_cast<std::size_t>(i)];
+      const kvp_kv_event &e = raw(r);
+      KVEvent &o = body(out[static_cast<std::size_t>(i)]);
       o.kind = e.kind;
       std::copy(std::begin(e.hash), std::end(e.hash), o.hash.begin());
       std::copy(std::begin(e.parent), std::end(e.parent), o.parent.begin());
@@ -804,12 +860,11 @@ class PrefixCache {
       } else if (e.kind == KVP_KV_EVENT_BLOCKS_REMOVED) {
         o.hashes.assign(hashes.begin() + e.hashes_offset, hashes.begin() + e.hashes_offset + e.num_hashes);
       }
+      if constexpr (std::is_same<Raw, kvp_kv_group_event>::value) out[static_cast<std::size_t>(i)].group = r.group;
     }
     return out;
   }
 
- private:
-  static const detail::PrefixApi &api() { return detail::prefix_api(); }
   static void check_batch(const char *op, std::size_t n, const Prompts &p) {
     if (p.size() != n || (!p.keys.empty() && p.keys.size() != p.size())) {
       throw Error(KVP_ERR_INVALID_ARGUMENT, std::string("kvplug: ") + op + ": " + std::to_string(p.size()) +

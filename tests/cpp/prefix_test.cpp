@@ -1,10 +1,11 @@
 // The prefix cache through the C++ wrapper (kvplug.hpp): admit, grow_tokens,
-// match, pins, priorities, stats, events and clear.
+// match, pins, priorities, stats, events (every layer group's too) and clear.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -248,6 +249,162 @@ TEST(PrefixCache, DrainsABlockWithMoreEntriesThanTheDefaultBuffers) {
   ASSERT_EQ(evs[0].mm.size(), 1100u);
   EXPECT_EQ(evs[0].mm[1099].offset, 1099);
   EXPECT_TRUE(pc.drain_events().empty());
+}
+
+namespace {
+
+// A hybrid manager: 40 blocks of 4 tokens, a full-attention group 0 and a
+// sliding window of 8 tokens, the prefix cache and KV events on.
+kvplug::Manager window_manager() {
+  static const kvp_layer_group groups[] = {{KVP_GROUP_FULL_ATTENTION, 0, 0, 0, 0},
+                                           {KVP_GROUP_SLIDING_WINDOW, 2 * kBlock, 0, 0, 0}};
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 40;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.enable_kv_events = 1;
+  cfg.layer_groups = groups;
+  cfg.num_layer_groups = 2;
+  return kvplug::Manager(cfg);
+}
+
+// A conversation of 10 blocks that decodes a token (the window slides past
+// its first 8 blocks) and ends; then a prompt of 12 blocks, whose 24 blocks
+// (12 a group) need 4 of the 20 cached ones: the window's dropped blocks go
+// first, alone, while group 0 keeps all 22 of its blocks.
+void window_workload(kvplug::Manager &m) {
+  kvplug::PrefixCache pc(m);
+  kvplug::Prompts conv;
+  conv.add(iota(0, 10 * kBlock));
+  ASSERT_EQ(pc.admit(std::vector<int64_t>{1}, conv).size(), 1u);
+  pc.grow_tokens(std::vector<int64_t>{1}, std::vector<int32_t>{1}, std::vector<int32_t>{99});
+  m.mark_computed();
+  m.remove(1);
+  kvplug::Prompts next;
+  next.add(iota(1000, 12 * kBlock));
+  ASSERT_EQ(pc.admit(std::vector<int64_t>{2}, next).size(), 1u);
+  m.mark_computed();
+  m.remove(2);
+  m.check();
+}
+
+}  // namespace
+
+TEST(PrefixCache, GroupEventsReportTheWindowsBlocks) {
+  kvplug::Manager m = window_manager();
+  kvplug::PrefixCache pc(m);
+  window_workload(m);
+  ASSERT_EQ(pc.stats().cached_blocks, 22);
+
+  // Mirror every group's set of blocks from the events, drained 3 at a time.
+  std::map<kvplug::BlockHash, std::vector<int32_t>> group0;  // hash -> its tokens
+  std::set<kvplug::BlockHash> group1;
+  int stored1 = 0, removed_alone = 0, removed0 = 0, calls = 0;
+  for (auto evs = pc.drain_group_events(3); !evs.empty(); evs = pc.drain_group_events(3)) {
+    ++calls;
+    EXPECT_LE(evs.size(), 3u);
+    for (const kvplug::KVGroupEvent &ge : evs) {
+      const kvplug::KVEvent &e = ge.event;
+      ASSERT_TRUE(ge.group == 0 || ge.group == 1) << ge.group;
+      if (e.kind == KVP_KV_EVENT_BLOCK_STORED) {
+        ASSERT_EQ(e.tokens.size(), static_cast<std::size_t>(kBlock));
+        if (ge.group == 0) {
+          EXPECT_TRUE(group0.emplace(e.hash, e.tokens).second) << "group 0 stores a block twice";
+        } else {
+          // A window block is named by its group-0 block, whose tokens it has.
+          auto it = group0.find(e.hash);
+          ASSERT_NE(it, group0.end()) << "group 1 stores a block group 0 does not hold";
+          EXPECT_EQ(e.tokens, it->second);
+          EXPECT_TRUE(group1.insert(e.hash).second) << "group 1 stores a block twice";
+          ++stored1;
+        }
+      } else if (e.kind == KVP_KV_EVENT_BLOCKS_REMOVED) {
+        ASSERT_FALSE(e.hashes.empty());
+        for (const auto &h : e.hashes) {
+          if (ge.group == 0) {
+            EXPECT_EQ(group0.erase(h), 1u);
+            ++removed0;
+          } else {
+            EXPECT_EQ(group1.erase(h), 1u) << "group 1 removes a block it does not hold";
+            if (group0.count(h) != 0) ++removed_alone;
+          }
+        }
+      } else {
+        ADD_FAILURE() << "event kind " << e.kind;
+      }
+    }
+  }
+  EXPECT_GT(calls, 1);
+  EXPECT_EQ(stored1, 22) << "group 1 stores the companion of every group-0 block";
+  EXPECT_EQ(removed_alone, 4) << "the window's evicted blocks are not reported";
+  EXPECT_EQ(removed0, 0);
+  EXPECT_EQ(group0.size(), 22u);
+  EXPECT_EQ(group1.size(), 18u);
+  EXPECT_TRUE(pc.drain_group_events().empty());
+  EXPECT_TRUE(pc.drain_events().empty());
+
+  // The same run drained the old way: group 0's 22 blocks alone, and the
+  // other group's events, passed over, are gone for the group drain too.
+  kvplug::Manager old = window_manager();
+  kvplug::PrefixCache opc(old);
+  window_workload(old);
+  std::set<kvplug::BlockHash> seen;
+  for (auto evs = opc.drain_events(3); !evs.empty(); evs = opc.drain_events(3)) {
+    for (const kvplug::KVEvent &e : evs) {
+      ASSERT_EQ(e.kind, KVP_KV_EVENT_BLOCK_STORED);
+      EXPECT_EQ(group0.count(e.hash), 1u) << "the old drain reports a block group 0 does not hold";
+      EXPECT_TRUE(seen.insert(e.hash).second) << "the old drain stores a block twice";
+    }
+  }
+  EXPECT_EQ(seen.size(), 22u);
+  EXPECT_TRUE(opc.drain_group_events().empty());
+}
+
+TEST(PrefixCache, GroupEventsWithoutGroupsAreTheOldOnes) {
+  auto run = [](bool groups) {
+    kvplug::Manager m = cached_manager(16, true);
+    kvplug::PrefixCache pc(m);
+    kvplug::Prompts a;
+    a.add(iota(0, 5 * kBlock + 1));
+    pc.admit(std::vector<int64_t>{1}, a);
+    m.mark_computed();
+    m.remove(1);
+    kvplug::Prompts b;
+    b.add(iota(500, 15 * kBlock));  // evicts some of the first prompt's blocks
+    pc.admit(std::vector<int64_t>{2}, b);
+    std::vector<kvplug::KVGroupEvent> out;
+    for (;;) {
+      std::vector<kvplug::KVGroupEvent> evs;
+      if (groups) {
+        evs = pc.drain_group_events(2);
+      } else {
+        for (auto &e : pc.drain_events(2)) evs.push_back(kvplug::KVGroupEvent{std::move(e), -1});
+      }
+      if (evs.empty()) return out;
+      out.insert(out.end(), evs.begin(), evs.end());
+    }
+  };
+  const auto plain = run(false), grouped = run(true);
+  ASSERT_EQ(plain.size(), grouped.size());
+  bool removed = false;
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(grouped[i].group, 0);
+    EXPECT_EQ(grouped[i].event.kind, plain[i].event.kind);
+    EXPECT_EQ(grouped[i].event.hash, plain[i].event.hash);
+    EXPECT_EQ(grouped[i].event.tokens, plain[i].event.tokens);
+    EXPECT_EQ(grouped[i].event.hashes, plain[i].event.hashes);
+    removed = removed || plain[i].event.kind == KVP_KV_EVENT_BLOCKS_REMOVED;
+  }
+  EXPECT_TRUE(removed) << "nothing was evicted: the run tests stores only";
+
+  kvplug::Manager off = cached_manager(8, false);
+  kvplug::PrefixCache pc(off);
+  try {
+    pc.drain_group_events();
+    ADD_FAILURE() << "drain_group_events without KV events succeeded";
+  } catch (const kvplug::Error &e) {
+    EXPECT_EQ(e.status(), KVP_ERR_INVALID_ARGUMENT) << e.what();
+  }
 }
 
 // The host KV tier through the wrapper: the test plays the engine, with a
