@@ -18,7 +18,13 @@ calls is reported. Outputs are checked against plain decode (max abs difference)
 With --prefill it also times varlen prefill batches (requests sharing a
 cached prompt, each with new tokens) against kvplug's paged prefill.
 
-Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--prefill] [--probes] [--out DIR]
+With --fp8 it also writes each case's K/V into an e4m3 cache (per-token-head
+scales, kv_write) and times kvplug's cascade over it (planned with
+hopper=False, routed as the 16-bit plan is) and the FP8 paged decode, in a
+second table beside the 16-bit cascade, with the FP8 output's relative error
+against the 16-bit one.
+
+Usage: python3 bench/cascade_bench.py [--iters N] [--no-flashinfer] [--prefill] [--probes] [--fp8] [--out DIR]
 Prints a markdown table; writes JSON to DIR (default $OUT or .).
 """
 
@@ -235,6 +241,30 @@ def prefill_cases(dev, flush, iters):
     return rows_out
 
 
+def fp8_case(row, q, k, v, table, table_d, lens_h, lens_d, ws, out16, flush, iters):
+    """--fp8: the case's K/V in an e4m3 cache; times its cascade (planned for
+    the sm_80 kernels that read e4m3, routed) and its paged decode into row."""
+    nb, dev = k.shape[0], k.device
+    k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
+    v8 = torch.empty_like(k8)
+    ks = torch.empty(k.shape[:3], dtype=torch.float32, device=dev)
+    vs = torch.empty_like(ks)
+    slots = torch.arange(nb * BS, dtype=torch.int32, device=dev)
+    kvplug.attn.kv_write(k.view(-1, HK, D), v.view(-1, HK, D), k8, v8, slots, k_scale=ks, v_scale=vs)
+    plan = cascade.plan(table, lens_h, lens_d, HQ, HK, D, torch.float16, ws, block_size=BS, hopper=False)
+    out = torch.empty_like(q)
+    row["fp8_cascade_us"] = timed(lambda: cascade.paged_cascade(plan, q, k8, v8, table_d, out=out, k_scale=ks,
+                                                                v_scale=vs), flush, iters)
+    B = q.shape[0]
+    dws = torch.empty(kvplug.attn.workspace_size(B, HQ, D), dtype=torch.uint8, device=dev)
+    out_d = torch.empty_like(q)
+    row["fp8_decode_us"] = timed(lambda: kvplug.attn.paged_decode(q, k8, v8, table_d, lens_d, out=out_d, workspace=dws,
+                                                                  k_scale=ks, v_scale=vs), flush, iters)
+    torch.cuda.synchronize()
+    row["fp8_route"] = plan.route
+    row["fp8_rel_err"] = float((out.float() - out16.float()).norm() / out16.float().norm())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -243,6 +273,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--prefill", action="store_true", help="also the varlen prefill cases (kvplug only)")
     ap.add_argument("--probes", action="store_true", help="also the PROBES cases (shared items or tails alone)")
+    ap.add_argument("--fp8", action="store_true", help="also the cascade and decode over an e4m3 cache")
     args = ap.parse_args()
     t0 = time.time()
     fi = None
@@ -288,6 +319,8 @@ def main():
         torch.cuda.synchronize()
         row["max_abs_diff"] = max(float((out_c.float() - out_d.float()).abs().max()),
                                   float((out_k.float() - out_d.float()).abs().max()))
+        if args.fp8:
+            fp8_case(row, q, k, v, table, table_d, lens_h, lens_d, ws, out_c, flush, args.iters)
         if fi is not None and time.time() - t0 < args.fi_budget_s:
             try:
                 for key, f in flashinfer_fns(fi, q, k, v, lens, level_pages, own, B).items():
@@ -303,6 +336,15 @@ def main():
               f"{f('fi_cascade_us')} | {'cascade' if plan.route == cascade.ROUTE_CASCADE else 'decode'} | "
               f"{plan.saved_tokens / max(plan.total_tokens, 1):.2f} | {row['max_abs_diff']:.2g} |", flush=True)
         del k, v, ws, ws_k
+    if args.fp8:
+        print()
+        print("| case | 16-bit cascade, routed (us) | FP8 cascade, routed (us) | FP8 / 16-bit | FP8 paged_decode (us) "
+              "| 16-bit paged_decode (us) | FP8 rel err vs 16-bit |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in results:
+            print(f"| {r['case']} | {r['cascade_us']:.1f} | {r['fp8_cascade_us']:.1f} | "
+                  f"{r['fp8_cascade_us'] / r['cascade_us']:.2f} | {r['fp8_decode_us']:.1f} | {r['decode_us']:.1f} | "
+                  f"{r['fp8_rel_err']:.1e} |")
     if args.prefill:
         results += prefill_cases(dev, flush, args.iters)
     out = pathlib.Path(args.out)

@@ -46,7 +46,7 @@ func TestCascadeABIArgumentChecks(t *testing.T) {
 	mod("max_tokens below max_batch", func(a *cascadeHookArgs) { a.maxTokens = a.maxBatch - 1 }, kverr.InvalidArgument)
 	mod("dtype f32", func(a *cascadeHookArgs) { a.dtype = int32(attn.F32) }, kverr.Unsupported)
 	mod("head_dim 80", func(a *cascadeHookArgs) { a.headDim = 80 }, kverr.Unsupported)
-	mod("flags", func(a *cascadeHookArgs) { a.flags = 4 }, kverr.InvalidArgument)
+	mod("flags", func(a *cascadeHookArgs) { a.flags = 2 }, kverr.InvalidArgument)
 	mod("heads 8/3", func(a *cascadeHookArgs) { a.kvHeads = 3 }, kverr.InvalidArgument)
 	mod("host workspace NULL", func(a *cascadeHookArgs) { a.host = nil }, kverr.NullPointer)
 	mod("host workspace small", func(a *cascadeHookArgs) { a.hostBytes -= 4 }, kverr.BufferTooSmall)

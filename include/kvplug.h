@@ -65,6 +65,9 @@
  *     (so kvp_paged_cascade too) gain an appended `sinks`, one float32
  *     logit per query head added to the softmax denominator (gpt-oss);
  *     0 = none, as before.
+ *   - FP8 shared-prefix attention: kvp_paged_cascade reads an e4m3 cache
+ *     (it answered UNSUPPORTED in 0.5); new flag KVP_CASCADE_NO_HOPPER
+ *     plans for the sm_80 kernels that read it on a Hopper GPU.
  *   - Sliding windows in decode: kvp_paged_decode_args gains an appended
  *     `window_size` (0 = none, as before), and a prefill plan with a window
  *     now routes uniform short queries to the decode kernel too.
@@ -2285,6 +2288,8 @@ kvp_status kvp_paged_prefill(const kvp_attn_plan *plan, const kvp_paged_prefill_
 #define KVP_ATTN_PLAN_CASCADE 2       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_CASCADE 3      /* kvp_attn_plan.route: the cascade kernels */
 #define KVP_CASCADE_NO_DECODE_ROUTE 1 /* kvp_cascade_plan_args.flags */
+#define KVP_CASCADE_NO_HOPPER 4       /* kvp_cascade_plan_args.flags: plan for the sm_80 kernels on Hopper too
+                                         (an e4m3 cache's plans; since 0.6) */
 #define KVP_CASCADE_MAX_PARTS 16      /* partial states per sequence (bounds the workspaces) */
 #define KVP_CASCADE_PREFILL_PARTS 2   /* partial states provided per query row beyond one per sequence */
 
@@ -2306,7 +2311,7 @@ typedef struct kvp_cascade_plan_args {
   uint64_t host_workspace_bytes;
   uint64_t workspace;              /* device, 16-byte aligned */
   uint64_t workspace_bytes;
-  int32_t flags;                   /* 0 or KVP_CASCADE_NO_DECODE_ROUTE */
+  int32_t flags;                   /* 0 or KVP_CASCADE_NO_DECODE_ROUTE | KVP_CASCADE_NO_HOPPER */
   int32_t headroom;                /* tokens each tail may grow before a new plan is needed; 0 = 64 */
   /* Appended after the first release: varlen queries (prefill, chunks and
    * decode rows mixed).
@@ -2374,7 +2379,12 @@ kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens
  * decode) with q_token_stride and out_token_stride between query rows; the
  * cache and the block table as in decode; lse [total_q, num_q_heads]
  * optional; args->sinks as in kvp_paged_prefill (the merge of each row's
- * partial states adds its sink once). On the prefill route it runs kvp_paged_prefill's kernel. Errors: NULL_POINTER, STRUCT_SIZE,
+ * partial states adds its sink once). On the prefill route it runs kvp_paged_prefill's kernel.
+ * An e4m3 (FP8) cache (args->kv, as kvp_paged_prefill takes it) is read by
+ * the sm_80 kernels on every device: the cascade route's items all run
+ * there, whatever the plan was cut for; a prefill-route plan must have
+ * been planned with KVP_CASCADE_NO_HOPPER on a Hopper GPU (else
+ * INVALID_ARGUMENT). Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (a plan not written by kvp_cascade_plan, a stale plan, a
  * block size other than the plan's, a table shorter than the plan's
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */

@@ -49,12 +49,13 @@
 
 namespace kvp {
 
-template <int D>
+// E4M3: over an e4m3 cache (the tiles' raw stages and scales).
+template <int D, bool E4M3 = false>
 struct CascadeCfg {
     static constexpr int MT = D <= 128 ? 2 : 1;  // m16 row tiles per warp of shared items
-    using Shared = TileCfg<D, MT>;
-    using Tail = TileCfg<D, 1>;
-    using DecodeTail = DecodeCfg<D>;
+    using Shared = TileCfg<D, MT, E4M3>;
+    using Tail = TileCfg<D, 1, E4M3>;
+    using DecodeTail = DecodeCfg<D, DecodeStages<D>::value, E4M3>;
     static constexpr int TQ = Shared::TQ;  // kvp_cascade_tile_q
     static constexpr int TILES = Shared::SMEM > Tail::SMEM ? Shared::SMEM : Tail::SMEM;
     static constexpr int SMEM = TILES > DecodeTail::SMEM ? TILES : DecodeTail::SMEM;
@@ -94,11 +95,12 @@ __device__ __forceinline__ CascadeItem load_cascade_item(const kvp_cascade_param
 }
 
 // One item for one kv head, with MT m16 row tiles per warp; CAUSAL for tail
-// items: its packed rows [r0, min(r0 + the tile's rows, r_end)).
-template <typename T, int D, int MT, bool CAUSAL>
+// items: its packed rows [r0, min(r0 + the tile's rows, r_end)). KT: the
+// cache's element type, T or uint8_t (e4m3).
+template <typename T, int D, int MT, bool CAUSAL, typename KT = T>
 __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const CascadeItem& it, int kvh, int r0,
                                              int r_end, uint8_t* smem) {
-    using C = TileCfg<D, MT>;
+    using C = TileCfg<D, MT, sizeof(KT) == 1>;
     const int group = p.num_q_heads / p.kv.num_kv_heads;
     const int32_t* qrows = reinterpret_cast<const int32_t*>(p.work) + p.qrows_off + it.m_begin;
     const int kb = max(it.kv_begin, 0);
@@ -127,9 +129,9 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
     const int64_t q_stride = p.q_batch_stride;
     const int qd = (threadIdx.x & 3) * 2;
     const bool lse_lane = (threadIdx.x & 3) == 0;
-    attn_tile<T, D, MT, CAUSAL>(
-        jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
-        reinterpret_cast<const T*>(p.kv.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
+    attn_tile<T, D, MT, CAUSAL, KT>(
+        jb, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
+        reinterpret_cast<const KT*>(p.kv.v_cache), [&](int tok) { return (int64_t)__ldg(qrows + tok) * q_stride; },
         [&](int tok, int qh, const float(&o)[C::CPR][4], int h, const SoftmaxState& st) {
             // Partial state: normalised output and log2 lse.
             const int64_t pi = (int64_t)(it.part_base + tok) * p.num_q_heads + qh;
@@ -143,7 +145,7 @@ __device__ __forceinline__ void cascade_item(const kvp_cascade_params& p, const 
 // kernel's 16-row tile over [kv_begin, min(kv_end, seq_lens[rep])), rows
 // (new token, q head of kv head kvh), causal among the tail's query tokens
 // (the last m_count positions of the sequence).
-template <typename T, int D>
+template <typename T, int D, typename KT = T>
 __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p, const CascadeItem& it, int kvh,
                                                     uint8_t* smem) {
     const int group = p.num_q_heads / p.kv.num_kv_heads;
@@ -163,9 +165,9 @@ __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p,
     float* part_out = reinterpret_cast<float*>(p.part_out);
     float* part_lse = reinterpret_cast<float*>(p.part_lse);
     const int32_t* lens = reinterpret_cast<const int32_t*>(p.seq_lens);
-    decode_tile<T, D, CascadeCfg<D>::DecodeTail::STAGES, false>(
-        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const T*>(p.kv.k_cache),
-        reinterpret_cast<const T*>(p.kv.v_cache), p.scale, -1,
+    decode_tile<T, D, CascadeCfg<D>::DecodeTail::STAGES, false, KT>(
+        w, rr, reinterpret_cast<const T*>(p.q), reinterpret_cast<const KT*>(p.kv.k_cache),
+        reinterpret_cast<const KT*>(p.kv.v_cache), p.scale, -1,
         [&](int t, int qh) { return (int64_t)__ldg(qrows + t) * p.q_batch_stride + (int64_t)qh * p.q_head_stride; },
         [&] { return make_int2(__ldg(lens + it.rep), it.kv_end); },
         [&](int t, int qh, int d0, const float(&o)[8], const SoftmaxState& st) {
@@ -176,7 +178,7 @@ __device__ __forceinline__ void cascade_decode_tail(const kvp_cascade_params& p,
         smem);
 }
 
-template <typename T, int D>
+template <typename T, int D, typename KT = T>
 __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     extern __shared__ __align__(128) uint8_t smem[];
     griddep_wait();  // the plan's copy or the previous layer may still be running under PDL
@@ -200,17 +202,27 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
             const int r0 = it.tile * tail_tile + half * KVP_CASCADE_TAIL_TILE_Q;
             const int r_end = min(rows, (it.tile + 1) * tail_tile);
             if (r0 >= r_end) continue;  // a last tile's half without rows
-            cascade_item<T, D, 1, true>(p, it, kvh, r0, r_end, smem);
+            cascade_item<T, D, 1, true, KT>(p, it, kvh, r0, r_end, smem);
         } else if (half > 0) {
             continue;
         } else if (it.dynamic) {
-            cascade_decode_tail<T, D>(p, it, kvh, smem);
+            cascade_decode_tail<T, D, KT>(p, it, kvh, smem);
         } else {
             constexpr int TQ = CascadeCfg<D>::TQ;
-            cascade_item<T, D, CascadeCfg<D>::MT, false>(p, it, kvh, it.tile * TQ, min(rows, (it.tile + 1) * TQ), smem);
+            cascade_item<T, D, CascadeCfg<D>::MT, false, KT>(p, it, kvh, it.tile * TQ, min(rows, (it.tile + 1) * TQ),
+                                                             smem);
         }
     }
     griddep_launch_dependents();
+}
+
+// Over an e4m3 cache (16-bit T only): every item on the sm_80 tiles and the
+// decode tile, which read e4m3 with its scales; launched with skip_shared 0
+// whatever the plan was cut for (a plan cut for the Hopper launch runs here
+// too: its shared tiles are this kernel's, its long tails two halves).
+template <typename T, int D>
+__device__ __forceinline__ void cascade_attn_e4m3(const kvp_cascade_params& p) {
+    cascade_attn<T, D, uint8_t>(p);
 }
 
 // The shared items, and the longer tails of a plan cut for it, on Hopper's

@@ -124,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefi
 }
 
 // ---------------------------------------------------------------------------
-// Shared-prefix (cascade) attention: 16-bit types only.
+// Shared-prefix (cascade) attention: 16-bit q; the cache 16-bit or e4m3.
 #include "kvp_cascade.cuh"
 
 KVP_LAYOUT(kvp_cascade_params, 240, (kv, 0)(q, 96)(seq_lens, 104)(work, 128)(part_lse, 144)(q_batch_stride, 152)
@@ -139,6 +139,15 @@ static_assert(kvp::CascadeCfg<256>::SMEM == 165376, "cascade smem h256 (header f
     KVP_KERNEL(kvp_cascade_merge, kvp_cascade_params, kvp::cascade_merge, DT, T, D, KVP_CASCADE_MERGE_THREADS)
 
 KVP_FOR_16BIT(KVP_CASCADE_INSTANTIATE)
+
+// Over an e4m3 cache: the attention kernel (the merge is the 16-bit one).
+static_assert(kvp::CascadeCfg<64, true>::SMEM == 46608, "cascade e4m3 smem h64 (header formula)");
+static_assert(kvp::CascadeCfg<128, true>::SMEM == 69648, "cascade e4m3 smem h128 (header formula)");
+static_assert(kvp::CascadeCfg<256, true>::SMEM == 102416, "cascade e4m3 smem h256 (header formula)");
+#define KVP_CASCADE_E4M3_INSTANTIATE(DT, T, D) \
+    KVP_KERNEL(kvp_cascade, kvp_cascade_params, kvp::cascade_attn_e4m3, DT##_e4m3, T, D, KVP_CASCADE_THREADS)
+
+KVP_FOR_16BIT(KVP_CASCADE_E4M3_INSTANTIATE)
 
 // The shared items on Hopper (real code only in the sm_90a pass).
 #define KVP_CASCADE_SM90_INSTANTIATE(DT, T, D)                                                 \

@@ -585,6 +585,20 @@ static inline uint32_t kvp_cascade_smem_bytes(int head_dim) {
     return tile > tail ? tile : tail;
 }
 
+/* kvp_cascade_<dt>_e4m3_h<D>: the same kernel over an e4m3 cache
+ * (kvp_paged_kv.dtype KVP_DTYPE_E4M3, its scales beside it), every item on
+ * the sm_80 tiles and the decode tile, launched with skip_shared 0 on every
+ * device (no Hopper launch before it; a plan cut for one runs here whole).
+ * Its merge is kvp_cascade_merge_<dt>_h<D>. Dynamic smem: the larger of the
+ * shared items' e4m3 tile (kvp_prefill_smem_bytes_e4m3's with
+ * kvp_cascade_tile_q rows) and the e4m3 decode tile. */
+static inline uint32_t kvp_cascade_smem_bytes_e4m3(int head_dim) {
+    uint32_t tile = kvp_prefill_smem_bytes_e4m3(head_dim) +
+                    ((uint32_t)kvp_cascade_tile_q(head_dim) - 64u) * (uint32_t)head_dim * 2u;
+    uint32_t tail = kvp_decode_smem_bytes_e4m3(head_dim);
+    return tile > tail ? tile : tail;
+}
+
 /* ------------------------------------------------------------------------
  * 6. Tier copy: blocks between the paged KV caches (device memory) and the
  *    slots of a host KV tier (pinned host memory mapped into the device's

@@ -183,10 +183,4 @@ func TestE4M3Refused(t *testing.T) {
 			t.Errorf("decode, %s: %v, want %v", c.name, err, c.want)
 		}
 	}
-	if err := e4.refuseE4M3("paged_cascade"); kverr.CodeOf(err) != kverr.Unsupported {
-		t.Errorf("cascade over e4m3: %v, want UNSUPPORTED", err)
-	}
-	if err := kv.refuseE4M3("paged_cascade"); err != nil {
-		t.Errorf("cascade over a 16-bit cache: %v", err)
-	}
 }

@@ -34,6 +34,13 @@ const KindCascade = 2
 // (KVP_CASCADE_NO_DECODE_ROUTE).
 const CascadeNoDecodeRoute = 1
 
+// CascadeNoHopper plans for the sm_80 kernels on a Hopper GPU too
+// (KVP_CASCADE_NO_HOPPER): an e4m3 cache's prefill route runs there only.
+const CascadeNoHopper = 4
+
+// cascadeFlags are the flags a cascade plan takes.
+const cascadeFlags = CascadeNoDecodeRoute | CascadeNoHopper
+
 // cascadeDefaultBlockSize is the block size of CascadePlanArgs.BlockSize 0.
 const cascadeDefaultBlockSize = 16
 
@@ -57,7 +64,7 @@ type CascadePlanArgs struct {
 	HostWorkspace           []byte // 4-byte aligned; pinned, since the copy is asynchronous
 	Workspace               cuda.DevicePtr
 	WorkspaceBytes          int64 // 16-byte aligned
-	Flags                   int   // 0 or CascadeNoDecodeRoute
+	Flags                   int   // 0 or CascadeNoDecodeRoute | CascadeNoHopper
 	Headroom                int   // tokens each tail may grow before a new plan is needed; 0: 64
 }
 
@@ -209,7 +216,7 @@ func PlanCascadeInput(a *CascadePlanArgs, in *cascade.Input, stream cuda.Stream)
 		if err := CheckCascadeDType(c.op, a.DType); err != nil {
 			return CascadePlan{}, err
 		}
-		if a.Flags&^CascadeNoDecodeRoute != 0 {
+		if a.Flags&^cascadeFlags != 0 {
 			return CascadePlan{}, c.errorf(kverr.InvalidArgument, "unknown flags %#x", a.Flags)
 		}
 		return c.planSummary(a, in, &scr.hp)
@@ -224,7 +231,7 @@ func planCascade(c cascadeCall, a *CascadePlanArgs, pl *cascade.Planner, stream 
 	if err := CheckCascadeDType(c.op, a.DType); err != nil {
 		return CascadePlan{}, err
 	}
-	if a.Flags&^CascadeNoDecodeRoute != 0 {
+	if a.Flags&^cascadeFlags != 0 {
 		return CascadePlan{}, c.errorf(kverr.InvalidArgument, "unknown flags %#x", a.Flags)
 	}
 	batch := len(a.SeqLens)
@@ -293,6 +300,7 @@ func planCascade(c cascadeCall, a *CascadePlanArgs, pl *cascade.Planner, stream 
 	if err != nil {
 		return CascadePlan{}, c.wrap(err)
 	}
+	hopper = hopper && a.Flags&CascadeNoHopper == 0
 	lens := a.SeqLens
 	if lens == nil {
 		lens = []int32{}
@@ -312,16 +320,23 @@ func planCascade(c cascadeCall, a *CascadePlanArgs, pl *cascade.Planner, stream 
 	if s.Route == cascade.RoutePrefill {
 		// The prefill kernel's work list goes where the partial states
 		// would: the plan kernel writes it on stream.
+		flags := PrefillNoDecodeRoute
+		if !hopper {
+			flags |= PrefillNoHopper
+		}
 		pp, err := cascadeDev.planPrefill(&PrefillPlanArgs{
 			PrefillShape: p.PrefillShape,
 			QOIndptr:     qo, KVLens: lens, QOIndptrDev: a.QOIndptrDev, KVLensDev: a.SeqLensDev,
 			Workspace:      a.Workspace + cuda.DevicePtr(l.PartOut),
-			WorkspaceBytes: l.DeviceBytes - l.PartOut, Flags: PrefillNoDecodeRoute,
+			WorkspaceBytes: l.DeviceBytes - l.PartOut, Flags: flags,
 		}, stream)
 		if err != nil {
 			return CascadePlan{}, c.wrap(err)
 		}
 		p.NumItems, p.Grid, p.NumSplits = pp.NumItems, pp.Grid, pp.NumSplits
+		// The run launches the mainloop the work list was cut for: it is
+		// the device's unless the plan says NO_HOPPER.
+		cascade.SetPrefillMainloop(ws, pp.Mainloop)
 	}
 	if err := cascadeDev.upload(a.Workspace, a.HostWorkspace, uploadRanges(&l, ws, s), stream); err != nil {
 		return CascadePlan{}, c.wrap(err)
@@ -360,7 +375,7 @@ func (c cascadeCall) checkWorkspaces(a *CascadePlanArgs, l *cascade.Layout, maxB
 func (c cascadeCall) planSummary(a *CascadePlanArgs, in *cascade.Input, hp *cascade.HostPlanner) (CascadePlan, error) {
 	n := len(in.SeqLens)
 	in.NumQHeads, in.NumKVHeads, in.HeadDim, in.DTypeBytes = a.NumQHeads, a.NumKVHeads, a.HeadDim, a.DType.Size()
-	hopper := cascadeDev.hopper(a.DType, a.HeadDim)
+	hopper := cascadeDev.hopper(a.DType, a.HeadDim) && a.Flags&CascadeNoHopper == 0
 	in.Headroom, in.NoDecodeRoute, in.PlainPrefillFaster, in.SharedWgmma = a.Headroom, a.Flags&CascadeNoDecodeRoute != 0, hopper, hopper
 	maxBatch, maxTokens := a.MaxBatch, a.MaxTokens
 	if maxBatch < 0 || maxTokens < 0 {
@@ -527,10 +542,15 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		sh.WindowLeft = -1 // shared-prefix plans have no window
 		pp := PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, PrefillShape: sh,
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
-			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits,
-			// The plan records no mainloop: it was planned for this device's.
-			Mainloop:  MainloopOfDevice,
+			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits, Mainloop: r.s.PrefillMainloop,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
+		if pp.Mainloop != MainloopSM80 && pp.Mainloop != MainloopSM90 {
+			return c.errorf(kverr.InvalidArgument, "the plan's prefill route records no mainloop (not written by kvp_cascade_plan?)")
+		}
+		if a.PagedKV.E4M3() && pp.Mainloop == MainloopSM90 {
+			return kverr.Errorf(kverr.InvalidArgument, "paged_cascade: an e4m3 (FP8) cache is read by the sm_80 prefill "+
+				"mainloop; this plan's prefill route was cut for the Hopper one: plan with KVP_CASCADE_NO_HOPPER")
+		}
 		return PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
 		d := PagedDecodeArgs{DecodeLayout: cascadeDecodeLayout(p, a),
@@ -595,14 +615,14 @@ type cascadeParams struct {
 	Sinks          uint64        `c:"sinks"`
 }
 
-// cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, and the
-// shared items on Hopper's wgmma mainloop.
-var cascadeKernels = func() (t [2][len(headDims)][3]*cuda.Kernel) {
+// cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, the
+// shared items on Hopper's wgmma mainloop, and attention over an e4m3 cache.
+var cascadeKernels = func() (t [2][len(headDims)][4]*cuda.Kernel) {
 	for di, d := range []DType{F16, BF16} {
 		for hi, h := range headDims {
 			suffix := "_" + d.String() + "_h" + strconv.Itoa(h)
-			t[di][hi] = [3]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix),
-				image.Kernel("kvp_cascade_sm90" + suffix)}
+			t[di][hi] = [4]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix),
+				image.Kernel("kvp_cascade_sm90" + suffix), image.Kernel("kvp_cascade_" + d.String() + "_e4m3_h" + strconv.Itoa(h))}
 		}
 	}
 	return t
@@ -617,6 +637,17 @@ func cascadeSharedBytes(headDim int) uint32 {
 		tq = 64
 	}
 	return max(tq*D*2+stages*64*D*4+(stages+1)*64*8, decodeSharedBytes(F16, headDim))
+}
+
+// cascadeSharedBytesE4M3 is kvp_cascade_smem_bytes_e4m3: the e4m3 tile of
+// a shared item's rows (the sm_80 prefill tile's, with cascadeTileQ rows)
+// or the e4m3 decode tile.
+func cascadeSharedBytesE4M3(headDim int) uint32 {
+	tq := uint32(128)
+	if headDim > 128 {
+		tq = 64
+	}
+	return max(prefillSharedBytesE4M3(headDim)+(tq-64)*uint32(headDim)*2, decodeSharedBytesE4M3(headDim))
 }
 
 // cascadeBlocksPerSM is how many attention blocks an SM holds at once (as
@@ -702,7 +733,7 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 			return err
 		}
 	}
-	if err := firstErr(CheckCascadeDType(what, a.DType), a.PagedKV.refuseE4M3(what)); err != nil {
+	if err := CheckCascadeDType(what, a.DType); err != nil {
 		return err
 	}
 	if a.MaxBatch < a.Batch || a.MaxBatch < 1 || a.PartOut <= 0 || a.PartLSE <= a.PartOut || a.PartLSE > a.WorkspaceBytes ||
@@ -755,7 +786,11 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	}
 	ks := cascadeKernels[di][hi]
 	sms := m.Device().SMs
-	if hcfg := prefillSM90Config(m.Device(), a.DType, a.HeadDim); !a.SM80 && hcfg.Grid.X > 0 {
+	attnKernel, attnShared := ks[0], cascadeSharedBytes(a.HeadDim)
+	if a.PagedKV.E4M3() {
+		// Every item on the sm_80 tiles, which read e4m3: no Hopper launch.
+		attnKernel, attnShared = ks[3], cascadeSharedBytesE4M3(a.HeadDim)
+	} else if hcfg := prefillSM90Config(m.Device(), a.DType, a.HeadDim); !a.SM80 && hcfg.Grid.X > 0 {
 		// The shared items (and the long tails of a plan cut for it) on the
 		// wgmma mainloop first (one block per SM), then the rest; launched
 		// whatever the plan holds, so that a captured run serves every
@@ -768,9 +803,9 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	cfg := cuda.LaunchConfig{
 		Grid:   cuda.Dim3{X: uint32(sms * cascadeBlocksPerSM(a.HeadDim)), Y: 1, Z: 1},
 		Block:  cuda.Dim3{X: cascadeThreads, Y: 1, Z: 1},
-		Shared: cascadeSharedBytes(a.HeadDim),
+		Shared: attnShared,
 	}
-	if err := cuda.Launch(m, ks[0], cfg, stream, &p); err != nil {
+	if err := cuda.Launch(m, attnKernel, cfg, stream, &p); err != nil {
 		return err
 	}
 	// The merge grid depends on the capacity only (graph capture).

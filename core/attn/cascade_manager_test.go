@@ -177,7 +177,7 @@ func TestPlanFromManagerErrors(t *testing.T) {
 	mod("dtype f32", both, func(b *testBatch) { b.DType = F32 }, kverr.Unsupported)
 	mod("head_dim 80", both, func(b *testBatch) { b.HeadDim = 80 }, kverr.Unsupported)
 	mod("heads 8/3", both, func(b *testBatch) { b.NumKVHeads = 3 }, kverr.InvalidArgument)
-	mod("flags", both, func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
+	mod("flags", both, func(b *testBatch) { b.Flags = 2 }, kverr.InvalidArgument)
 	mod("headroom -1", host, func(b *testBatch) { b.Headroom = -1 }, kverr.InvalidArgument)
 	mod("max_batch below the batch", host, func(b *testBatch) { b.MaxBatch = 4 }, kverr.BufferTooSmall)
 	// The device path's own checks (PlanCascade's, before any device work),

@@ -130,7 +130,7 @@ func TestPlanArgumentChecks(t *testing.T) {
 	mod("max_tokens below max_batch", func(b *testBatch) { b.MaxTokens = b.MaxBatch - 1 }, kverr.InvalidArgument)
 	mod("dtype f32", func(b *testBatch) { b.DType = F32 }, kverr.Unsupported)
 	mod("head_dim 80", func(b *testBatch) { b.HeadDim = 80 }, kverr.Unsupported)
-	mod("flags", func(b *testBatch) { b.Flags = 4 }, kverr.InvalidArgument)
+	mod("flags", func(b *testBatch) { b.Flags = 2 }, kverr.InvalidArgument)
 	mod("heads 8/3", func(b *testBatch) { b.NumKVHeads = 3 }, kverr.InvalidArgument)
 	mod("host workspace NULL", func(b *testBatch) { b.host = nil }, kverr.NullPointer)
 	mod("host workspace small", func(b *testBatch) { b.HostWorkspaceBytes -= 4 }, kverr.BufferTooSmall)

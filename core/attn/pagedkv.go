@@ -60,15 +60,6 @@ func (kv *PagedKV) cacheDType(d DType) DType {
 // E4M3 reports whether the cache is FP8 e4m3.
 func (kv *PagedKV) E4M3() bool { return kv.DType == E4M3 }
 
-// refuseE4M3 is the answer of a launch that has no e4m3 kernel yet.
-func (kv *PagedKV) refuseE4M3(what string) error {
-	if kv.DType != E4M3 {
-		return nil
-	}
-	return kverr.Errorf(kverr.Unsupported, "%s: an e4m3 (FP8) cache is read by kv_write, paged_decode and paged_prefill "+
-		"(the sm_80 mainloop) in this version; %s needs a 16-bit cache", what, what)
-}
-
 // pagedKVParams mirrors kvp_paged_kv_params.
 type pagedKVParams struct {
 	KCache           uint64 `c:"k_cache"`

@@ -43,6 +43,8 @@ func TestParamsLayout(t *testing.T) {
 				uint64(prefillSharedBytes(dt, d)))
 		}
 		p.Value(fmt.Sprintf("cascade_smem.%d", d), fmt.Sprintf("kvp_cascade_smem_bytes(%d)", d), uint64(cascadeSharedBytes(d)))
+		p.Value(fmt.Sprintf("cascade_e4m3_smem.%d", d), fmt.Sprintf("kvp_cascade_smem_bytes_e4m3(%d)", d),
+			uint64(cascadeSharedBytesE4M3(d)))
 		p.Value(fmt.Sprintf("e4m3_smem.%d", d), fmt.Sprintf("kvp_decode_smem_bytes_e4m3(%d)", d), uint64(decodeSharedBytesE4M3(d)))
 		p.Value(fmt.Sprintf("e4m3_prefill_smem.%d", d), fmt.Sprintf("kvp_prefill_smem_bytes_e4m3(%d)", d),
 			uint64(prefillSharedBytesE4M3(d)))

@@ -76,6 +76,10 @@ const (
 	hHopperItems = 19
 	// Words 20 and 21 (KVP_CASCADE_W_NEXT_UNIT) are the wgmma launch's unit
 	// counter: zero in every plan, and zero again after each launch.
+	// hPrefillMainloop: on the prefill route, the mainloop its work list was
+	// cut for, plus one (0: none recorded), which only the host reads: the
+	// run must launch that one (SetPrefillMainloop).
+	hPrefillMainloop = 22
 
 	planMagic = 0x6b766331 // "kvc1"
 )
@@ -230,8 +234,18 @@ func Header(ws []int32, l *Layout) (Summary, error) {
 	s.Route = int(h[hRoute])
 	s.Gen = h[hGen]
 	s.Rows, s.MaxQLen = int(h[hRows]), int(h[hMaxQLen])
+	s.PrefillMainloop = int(h[hPrefillMainloop]) - 1
 	if s.Batch < 0 || s.Batch > l.MaxBatch || s.Rows < 0 || s.Rows > l.MaxTokens || s.Items < 0 || s.Items > l.ItemCap || s.Parts < 0 || s.Parts > l.PartCap {
 		return s, kverr.Errorf(kverr.InvalidArgument, "cascade: the host workspace's plan header is corrupt (batch %d, rows %d, items %d, parts %d)", s.Batch, s.Rows, s.Items, s.Parts)
 	}
 	return s, nil
+}
+
+// SetPrefillMainloop records in a plan's host workspace the mainloop
+// (core/attn's MainloopSM80 or MainloopSM90) that its prefill route's work
+// list was cut for; Header reads it back as Summary.PrefillMainloop.
+func SetPrefillMainloop(ws []int32, mainloop int) {
+	if len(ws) >= HeaderInts {
+		ws[hPrefillMainloop] = int32(mainloop) + 1
+	}
 }

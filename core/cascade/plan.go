@@ -71,6 +71,9 @@ type Summary struct {
 	SavedTokens int64 // KV tokens per kv head that shared reads save (one read per sharing sequence)
 	TotalTokens int64 // KV tokens per kv head that plain decode reads
 	Gen         int32 // the plan's generation in its workspace
+	// PrefillMainloop: on the prefill route, the mainloop its work list was
+	// cut for (SetPrefillMainloop); -1 when none was recorded.
+	PrefillMainloop int
 }
 
 // node is a shared run: tokens [begin, end) of every member's sequence,
@@ -431,6 +434,8 @@ func (p *Planner) writeHeader(ws []int32, l *Layout, s *Summary) {
 	h[hMaxQLen] = int32(s.MaxQLen)
 	h[hTailTileQ] = p.tailTile
 	h[hHopperItems] = p.hopperItems
+	h[hPrefillMainloop] = 0 // the attention layer records it once it has planned the prefill route
+	s.PrefillMainloop = -1
 	if s.Route != RouteCascade {
 		h[hItems], h[hParts], h[hHopperItems] = 0, 0, 0
 	}

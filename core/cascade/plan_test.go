@@ -406,6 +406,20 @@ func TestReadPlan(t *testing.T) {
 	if err != nil || !fits || got != l || gs != s {
 		t.Fatalf("read back %+v %+v %v %v; planned %+v %+v", got, gs, fits, err, l, s)
 	}
+	// The prefill route's mainloop, recorded after the plan, reads back; a
+	// new plan clears it.
+	for _, m := range []int{0, 1} {
+		SetPrefillMainloop(ws, m)
+		if _, gs, _, err := ReadPlan(ws, 32, 8, 2, 64); err != nil || gs.PrefillMainloop != m {
+			t.Fatalf("mainloop %d read back as %d (%v)", m, gs.PrefillMainloop, err)
+		}
+	}
+	if s, err := p.Plan(in, &l, ws); err != nil || s.PrefillMainloop != -1 {
+		t.Fatalf("a new plan keeps a mainloop: %+v, %v", s, err)
+	}
+	if _, gs, _, _ := ReadPlan(ws, 32, 8, 2, 64); gs.PrefillMainloop != -1 {
+		t.Fatalf("a new plan's header keeps mainloop %d", gs.PrefillMainloop)
+	}
 	for _, n := range []int{0, 1, l.HostInts - 1} {
 		if _, _, fits, err := ReadPlan(ws[:n], 32, 8, 2, 64); fits || err != nil {
 			t.Fatalf("%d words: fits %v, %v", n, fits, err)

@@ -8,6 +8,7 @@ raises. Run as tests/gpu/test_attn_torch.py.
 """
 
 import math
+import zlib
 
 import pytest
 
@@ -232,3 +233,77 @@ def test_fp8_num_splits():
     if sms == 132:  # H100 / H200: the heuristic's worked example
         assert s8 == 2, s8
     assert attn.num_splits(attn.DTYPE_E4M3, 128, 64, 32, 8, 8192) == s8
+
+
+# ---- shared-prefix (cascade) attention over an e4m3 cache ----------------
+
+@pytest.mark.parametrize("dtype,B,depth,max_run,tail,max_q,bs,qh,kvh,D", [
+    (torch.bfloat16, 24, 2, 64, 300, 0, 16, 32, 8, 128),   # decode: one row per sequence
+    (torch.float16, 8, 1, 256, 600, 600, 16, 8, 2, 128),   # prompts over a shared prompt
+    (torch.bfloat16, 16, 2, 64, 400, 4, 16, 32, 8, 128),   # draft tokens: tails on the decode tile
+    (torch.bfloat16, 10, 2, 200, 120, 120, 1, 8, 8, 64),   # token mode, no GQA
+    (torch.float16, 8, 2, 5, 600, 500, 64, 8, 1, 256),     # large blocks, group 8, head_dim 256
+    (torch.bfloat16, 8, 0, 1, 500, 300, 16, 32, 8, 128),   # nothing shared: the prefill route
+])
+@pytest.mark.parametrize("hopper", [False, True], ids=["sm80-plan", "device-plan"])
+def test_fp8_cascade(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D, hopper):
+    """kvplug.cascade over an e4m3 cache (per-token-head scales written by
+    kv_write) against the float64 reference over the dequantised cache, row
+    by row, outputs poisoned with NaN: sharing trees in decode and varlen
+    batches, decode tails, token mode, head_dim 256. A plan cut for the
+    Hopper launch (hopper=True on an H100/H200) runs its cascade route on
+    the sm_80 kernels as well; its prefill route cannot read e4m3 and is
+    INVALID_ARGUMENT, which hopper=False plans avoid."""
+    from test_cascade_torch import HOPPER, prefill_reference, random_queries, random_tree
+    from kvplug import cascade
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"fp8 cascade {dtype} {B} {depth} {bs} {D} {max_q}".encode()))
+    table, lens, nb = random_tree(gen, B, depth, max_run, tail, bs)
+    decode = max_q == 0
+    qo = list(range(B + 1)) if decode else random_queries(gen, lens, max_q)
+    T = qo[-1]
+    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    q = (torch.rand((max(T, 1), qh, D), generator=gen) * 4 - 2).to(dtype)[:T]
+    k8 = torch.full((nb, bs, kvh, D), float("nan"), device=DEV).to(E4M3)
+    v8 = torch.full_like(k8, float("nan"))
+    ks = torch.full((nb, bs, kvh), float("nan"), device=DEV)
+    vs = torch.full_like(ks, float("nan"))
+    slots = torch.arange(nb * bs, dtype=torch.int32, device=DEV)
+    attn.kv_write(k.reshape(-1, kvh, D).to(DEV), v.reshape(-1, kvh, D).to(DEV), k8, v8, slots, k_scale=ks, v_scale=vs)
+    kd = (k8.double() * ks[..., None].double()).cpu()
+    vd = (v8.double() * vs[..., None].double()).cpu()
+    want, want_lse = prefill_reference(q, kd, vd, table, lens, qo, bs)
+    exact, _ = prefill_reference(q, k, v, table, lens, qo, bs)
+
+    lens_h, qo_h = torch.tensor(lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)
+    lens_d, qo_d = lens_h.to(DEV), qo_h.to(DEV)
+    ws = cascade.Workspaces(B, qh, kvh, D, device=DEV, max_tokens=None if decode else max(B, 4 * T + 8 * B))
+    varlen = {} if decode else dict(qo_indptr_host=qo_h, qo_indptr=qo_d)
+    # Nothing shared: routed (the prefill route); else the cascade kernels.
+    plan = cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, block_size=bs, decode_route=depth == 0,
+                        hopper=hopper, **varlen)
+    what = f"{plan}, lens {lens}, qo {qo}"
+    assert plan.route == (cascade.ROUTE_PREFILL if depth == 0 else cascade.ROUTE_CASCADE), what
+    qd, td = q.to(DEV), table.to(DEV)
+    out = torch.full((T, qh, D), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((T, qh), float("nan"), dtype=torch.float32, device=DEV)
+    if plan.route == cascade.ROUTE_PREFILL and hopper and HOPPER:
+        with pytest.raises(kvplug.InvalidArgumentError, match="NO_HOPPER"):
+            cascade.paged_cascade(plan, qd, k8, v8, td, out=out, lse=lse, k_scale=ks, v_scale=vs)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all(), f"a refused run wrote its output ({what})"
+        return
+    cascade.paged_cascade(plan, qd, k8, v8, td, out=out, lse=lse, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    got, gl = out.cpu().double(), lse.cpu().double()
+    bad = torch.isnan(got).any(-1).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:10]} have NaN (unwritten elements) ({what})"
+    if T:
+        err = (got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-30)
+        assert err.max().item() < TOL[dtype], f"row {int(err.argmax())}: relative error {err.max().item():.3g} ({what})"
+        live = ~torch.isinf(want_lse)
+        assert torch.equal(torch.isinf(gl), ~live), f"empty rows differ ({what})"
+        assert (gl[live] - want_lse[live]).abs().max().item() < 2e-3 * max(1.0, want_lse[live].abs().max().item()), what
+        fp8 = ((got - exact).norm() / exact.norm()).item()
+        assert fp8 < 0.08, f"FP8's error against the 16-bit cache: {fp8:.3g} ({what})"

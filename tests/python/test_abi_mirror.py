@@ -142,6 +142,14 @@ def test_dtype_codes_match_the_header():
     assert s == {"KVP_KV_SCALE_NONE": 0, "KVP_KV_SCALE_TOKEN_HEAD": _t.SCALE_TOKEN_HEAD, "KVP_KV_SCALE_TENSOR": _t.SCALE_TENSOR}
 
 
+def test_plan_flags_match_the_header():
+    from kvplug import cascade
+    d = {k: int(x) for k, x in re.findall(r"#define (KVP_(?:PREFILL|CASCADE)_NO_\w+) (\d+)", header_text())}
+    assert d == {"KVP_PREFILL_NO_DECODE_ROUTE": attn.PLAN_NO_DECODE_ROUTE, "KVP_PREFILL_NO_SPLIT_KV": attn.PLAN_NO_SPLIT_KV,
+                 "KVP_PREFILL_NO_HOPPER": attn.PLAN_NO_HOPPER, "KVP_CASCADE_NO_DECODE_ROUTE": cascade.NO_DECODE_ROUTE,
+                 "KVP_CASCADE_NO_HOPPER": cascade.NO_HOPPER}
+
+
 def test_version_matches_the_header():
     v = {k: int(x) for k, x in re.findall(r"#define KVP_VERSION_(MAJOR|MINOR|PATCH) (\d+)", header_text())}
     assert kvplug.__version__ == f"{v['MAJOR']}.{v['MINOR']}.{v['PATCH']}"

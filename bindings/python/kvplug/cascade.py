@@ -49,6 +49,11 @@ __all__ = ["ROUTE_PREFILL", "ROUTE_DECODE", "ROUTE_CASCADE", "MAX_PARTS", "works
 ROUTE_CASCADE = 3  # KVP_ATTN_ROUTE_CASCADE (ROUTE_PREFILL and ROUTE_DECODE are attn's)
 PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
 NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
+NO_HOPPER = 4  # KVP_CASCADE_NO_HOPPER
+
+
+def _flags(decode_route: bool, hopper: bool) -> int:
+    return (0 if decode_route else NO_DECODE_ROUTE) | (0 if hopper else NO_HOPPER)
 MAX_PARTS = 16  # KVP_CASCADE_MAX_PARTS
 
 _i64 = ctypes.c_int64
@@ -151,6 +156,7 @@ def plan(
     stream: Any = None,
     qo_indptr_host: Any = None,
     qo_indptr: Any = None,
+    hopper: bool = True,
 ) -> CascadePlan:
     """Plans a batch: block_table_host (int32 [batch, max_blocks], CPU) and
     seq_lens_host (batch lengths, this step's tokens included) are read on
@@ -161,7 +167,8 @@ def plan(
     CUDA, the same values) give sequence b the query rows [qo[b], qo[b+1])
     at its last positions, as kvplug.attn.prefill_plan; the workspaces must
     be sized with max_tokens; plain prefill is the route where sharing does
-    not pay."""
+    not pay. hopper=False plans for the sm_80 kernels on a Hopper GPU too:
+    plans of an FP8 cache need it (its prefill route runs there only)."""
     table, batch, cols = _host_table(block_table_host)
     dev, qo, qo_dev = _device_args(workspaces, seq_lens, batch, qo_indptr_host, qo_indptr,
                                    f"a block table of {batch} rows")
@@ -173,7 +180,7 @@ def plan(
         max(cols, 1), ctypes.cast(table.data_ptr(), ctypes.POINTER(_i32)), lens, seq_lens.data_ptr(),
         ctypes.c_void_p(workspaces.host.data_ptr()), workspaces.host.numel(),
         workspaces.device.data_ptr(), workspaces.device.numel(),
-        0 if decode_route else NO_DECODE_ROUTE, _i32arg(headroom, "headroom"),
+        _flags(decode_route, hopper), _i32arg(headroom, "headroom"),
         qo, qo_dev, workspaces.max_tokens, 0,
     )
     p = _AttnPlan()
@@ -218,6 +225,8 @@ def paged_cascade(
     return_lse: bool = False,
     stream: Any = None,
     sinks: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Any:
     """Attention of a planned batch over one layer: q ([total_q,
     num_q_heads, head_dim]; total_q = batch in decode) over the paged caches
@@ -225,10 +234,13 @@ def paged_cascade(
     (int32 [batch, max_blocks] CUDA, the host table's values). Returns out,
     or (out, lse) with return_lse (lse float32 [total_q, num_q_heads],
     natural log). sinks: attention sinks, float32 [num_q_heads], as
-    kvplug.attn.paged_decode takes them."""
+    kvplug.attn.paged_decode takes them. An FP8 cache
+    (torch.float8_e4m3fn) comes with its k_scale and v_scale, as kv_write
+    takes them; its plans come from plan(..., hopper=False)."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
-    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, sinks=sinks)
+    out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale,
+                         sinks)
     return (out, lse) if (return_lse or lse is not None) else out
 
 
@@ -247,6 +259,7 @@ def plan_from_manager(
     stream: Any = None,
     qo_indptr_host: Any = None,
     qo_indptr: Any = None,
+    hopper: bool = True,
 ) -> CascadePlan:
     """Plans the batch seq_ids of a kvplug.Manager from the manager's own
     block tables and lengths (kvp_manager_cascade_plan): the plan that
@@ -254,7 +267,7 @@ def plan_from_manager(
     max_blocks_per_seq) returns, without a host table. max_blocks_per_seq
     is the device block table's width; seq_lens (int32 [n] CUDA) holds the
     batch's lengths for the kernels, and qo_indptr_host / qo_indptr the
-    varlen query offsets, as in plan().
+    varlen query offsets, as in plan(); hopper as in plan().
 
     With workspaces=None (and no seq_lens or qo_indptr) the batch is
     planned on the host for its summary alone, on any machine, torch not
@@ -270,7 +283,7 @@ def plan_from_manager(
     a.num_q_heads, a.num_kv_heads = _i32arg(num_q_heads, "num_q_heads"), _i32arg(num_kv_heads, "num_kv_heads")
     a.batch = _i32arg(n, "batch")
     a.max_blocks_per_seq = _i32arg(max_blocks_per_seq, "max_blocks_per_seq")
-    a.flags = 0 if decode_route else NO_DECODE_ROUTE
+    a.flags = _flags(decode_route, hopper)
     a.headroom = _i32arg(headroom, "headroom")
     p = _AttnPlan()
     p.struct_size = ctypes.sizeof(_AttnPlan)
