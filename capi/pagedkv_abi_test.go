@@ -105,3 +105,29 @@ func TestTierLayersFromDescriptors(t *testing.T) {
 		expect(t, "tier layers from descriptors: "+bad, st, kverr.InvalidArgument)
 	}
 }
+
+// e4m3 layers reach the tier copier with their scales: token-head scales as
+// a chunk a block (block_size x kv heads x 4 bytes) per layer and tensor, a
+// tensor scale not at all (it stays with the engine); a 16-bit layer with
+// scales, an e4m3 one without a kind or a V scale, and layers of two
+// kinds are refused.
+func TestTierLayersE4M3(t *testing.T) {
+	for _, v := range []bool{true, false} {
+		chunk, sc, ks, vs, st := hookTierLayersE4M3(3, v, hookScaleTokenHead, "")
+		if st != 0 || chunk != 16*8*128 || sc != 16*8*4 || len(ks) != 3 || ks[2] != 0x31000000 || (len(vs) == 3) != v {
+			t.Errorf("token-head, V %v: chunk %d, scale chunk %d, K scales %#x, V scales %#x, status %d", v, chunk, sc, ks, vs, st)
+		}
+		if v && vs[0] != 0x13000000 {
+			t.Errorf("V scale of layer 0: %#x", vs[0])
+		}
+		chunk, sc, ks, vs, st = hookTierLayersE4M3(2, v, hookScaleTensor, "")
+		if st != 0 || chunk != 16*8*128 || sc != 0 || ks != nil || vs != nil {
+			t.Errorf("tensor scale, V %v: chunk %d, scale chunk %d, scales %v %v, status %d", v, chunk, sc, ks, vs, st)
+		}
+	}
+	for bad, want := range map[string]kverr.Code{"16-bit with scales": kverr.InvalidArgument, "no scale kind": kverr.InvalidArgument,
+		"no v_scale": kverr.NullPointer, "mixed kinds": kverr.InvalidArgument} {
+		_, _, _, _, st := hookTierLayersE4M3(3, true, hookScaleTokenHead, bad)
+		expect(t, "e4m3 tier layers: "+bad, st, want)
+	}
+}

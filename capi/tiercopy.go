@@ -100,9 +100,8 @@ func tierLayersOfKV(c *C.kvp_kv_layers, n int) (tiercopy.Layers, error) {
 		if err := pagedKVStruct.in(unsafe.Pointer(p), unsafe.Pointer(&d)); err != nil {
 			return tiercopy.Layers{}, kverr.Wrap(kverr.CodeOf(err), err, "%s: layers->kv[%d]", what, i)
 		}
-		if d.dtype == C.KVP_DTYPE_E4M3 || d.scale_kind != 0 || d.k_scale != 0 || d.v_scale != 0 {
-			return tiercopy.Layers{}, kverr.Errorf(kverr.Unsupported,
-				"%s: layers->kv[%d] is a scaled (e4m3) cache: the tier copier moves 16-bit and f32 caches in this version", what, i)
+		if err := tierScalesOf(&d, i); err != nil {
+			return tiercopy.Layers{}, err
 		}
 		if i == 0 {
 			first = d
@@ -125,17 +124,55 @@ func tierLayersOfKV(c *C.kvp_kv_layers, n int) (tiercopy.Layers, error) {
 			if d.v_cache != 0 {
 				l.V = make([]cuda.DevicePtr, n)
 			}
+			if d.scale_kind == C.KVP_KV_SCALE_TOKEN_HEAD {
+				// [num_blocks, block_size, num_kv_heads] float32: a block's
+				// scales are one chunk, stored after the slot's K/V chunks.
+				l.ScaleChunkBytes = int64(d.block_size) * int64(d.num_kv_heads) * 4
+				l.ScaleBlockStride = l.ScaleChunkBytes
+				l.KScale = make([]cuda.DevicePtr, n)
+				if l.V != nil {
+					l.VScale = make([]cuda.DevicePtr, n)
+				}
+			}
 		} else if d.dtype != first.dtype || d.num_kv_heads != first.num_kv_heads || d.head_dim != first.head_dim ||
 			d.block_size != first.block_size || d.num_blocks != first.num_blocks || d.block_stride != first.block_stride ||
-			d.token_stride != first.token_stride || d.head_stride != first.head_stride || (d.v_cache == 0) != (first.v_cache == 0) {
+			d.token_stride != first.token_stride || d.head_stride != first.head_stride || (d.v_cache == 0) != (first.v_cache == 0) ||
+			d.scale_kind != first.scale_kind {
 			return tiercopy.Layers{}, kverr.Errorf(kverr.InvalidArgument, "%s: layers->kv[%d] has another shape than layers->kv[0] (one layout for every layer)", what, i)
 		}
 		l.K[i] = cuda.DevicePtr(d.k_cache)
 		if l.V != nil {
 			l.V[i] = cuda.DevicePtr(d.v_cache)
 		}
+		if l.KScale != nil {
+			l.KScale[i] = cuda.DevicePtr(d.k_scale)
+			if l.VScale != nil {
+				l.VScale[i] = cuda.DevicePtr(d.v_scale)
+			}
+		}
 	}
 	return l, nil
+}
+
+// tierScalesOf checks layer i's scale fields for the tier: an e4m3 cache
+// has a scale kind and its arrays (per block with token-head scales, which
+// the slots carry; one value a cache with a tensor scale, which stays
+// with the engine); a 16-bit or f32 cache has none.
+func tierScalesOf(d *C.kvp_paged_kv, i int) error {
+	const what = "kvp_tier_copier_create"
+	if d.dtype != C.KVP_DTYPE_E4M3 {
+		if d.scale_kind != 0 || d.k_scale != 0 || d.v_scale != 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: layers->kv[%d] is not e4m3 but has a scale kind or scales", what, i)
+		}
+		return nil
+	}
+	if d.scale_kind != C.KVP_KV_SCALE_TOKEN_HEAD && d.scale_kind != C.KVP_KV_SCALE_TENSOR {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: layers->kv[%d] is e4m3 with scale_kind %d: KVP_KV_SCALE_TOKEN_HEAD or KVP_KV_SCALE_TENSOR", what, i, int32(d.scale_kind))
+	}
+	if d.k_scale == 0 || (d.v_cache != 0 && d.v_scale == 0) {
+		return kverr.Errorf(kverr.NullPointer, "%s: layers->kv[%d] is e4m3 without its k_scale or v_scale", what, i)
+	}
+	return nil
 }
 
 // ptrs copies n device addresses from a caller's uint64 array.

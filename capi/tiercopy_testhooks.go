@@ -128,3 +128,53 @@ func hookTierLayersBothWays(n int, withV bool, bad string) (same bool, st abiSta
 	}
 	return errB == nil && reflect.DeepEqual(a, b), abiStatus(fail(errB))
 }
+
+// hookTierLayersE4M3 translates n e4m3 layers (8 kv heads of 128, blocks of
+// 16 tokens, dense, V when withV) of scale kind kind through kvp_paged_kv
+// descriptors with scale arrays, and returns the tier layout's K chunk and
+// scale chunk, its scale addresses and the status; bad picks a broken case
+// ("" none).
+func hookTierLayersE4M3(n int, withV bool, kind int32, bad string) (chunk, scaleChunk int64, kScales, vScales []uint64, st abiStatus) {
+	const heads, dim, bs, blocks = 8, 128, 16, 100
+	descs := (*[1 << 10]*C.kvp_paged_kv)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(uintptr(0)))))
+	defer C.free(unsafe.Pointer(descs))
+	for i := range n {
+		d := (*C.kvp_paged_kv)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_paged_kv{}))))
+		defer C.free(unsafe.Pointer(d))
+		base := uint64(0x10000000 * (i + 1))
+		*d = C.kvp_paged_kv{struct_size: C.size_t(unsafe.Sizeof(C.kvp_paged_kv{})), dtype: C.KVP_DTYPE_E4M3,
+			num_kv_heads: heads, num_blocks: blocks, block_size: bs, k_cache: C.uint64_t(base),
+			block_stride: bs * heads * dim, token_stride: heads * dim, head_stride: dim, head_dim: dim,
+			scale_kind: C.int32_t(kind), k_scale: C.uint64_t(base + 0x1000000)}
+		if withV {
+			d.v_cache, d.v_scale = C.uint64_t(base+0x2000000), C.uint64_t(base+0x3000000)
+		}
+		switch {
+		case bad == "16-bit with scales" && i == 0:
+			d.dtype = C.KVP_DTYPE_BF16
+		case bad == "no scale kind" && i == 0:
+			d.scale_kind = 0
+		case bad == "no v_scale" && i == n-1:
+			d.v_scale = 0
+		case bad == "mixed kinds" && i == n-1:
+			d.scale_kind = C.KVP_KV_SCALE_TENSOR + C.KVP_KV_SCALE_TOKEN_HEAD - C.int32_t(kind)
+		}
+		descs[i] = d
+	}
+	c := C.kvp_kv_layers{struct_size: C.size_t(unsafe.Sizeof(C.kvp_kv_layers{})), num_layers: C.int32_t(n),
+		kv: (**C.struct_kvp_paged_kv)(unsafe.Pointer(descs))}
+	l, err := tierLayersOf(&c, n)
+	for _, p := range l.KScale {
+		kScales = append(kScales, uint64(p))
+	}
+	for _, p := range l.VScale {
+		vScales = append(vScales, uint64(p))
+	}
+	return l.ChunkBytes, l.ScaleChunkBytes, kScales, vScales, abiStatus(fail(err))
+}
+
+// The scale kinds, for tests (which cannot use cgo).
+const (
+	hookScaleTokenHead = int32(C.KVP_KV_SCALE_TOKEN_HEAD)
+	hookScaleTensor    = int32(C.KVP_KV_SCALE_TENSOR)
+)

@@ -65,6 +65,9 @@
  *     (so kvp_paged_cascade too) gain an appended `sinks`, one float32
  *     logit per query head added to the softmax denominator (gpt-oss);
  *     0 = none, as before.
+ *   - FP8 caches in the host tier: kvp_tier_copier_create takes e4m3
+ *     layers (layers->kv) and copies each block's per-token-head scales
+ *     with it (it answered UNSUPPORTED in 0.5); see "tier copy".
  *   - FP8 shared-prefix attention: kvp_paged_cascade reads an e4m3 cache
  *     (it answered UNSUPPORTED in 0.5); new flag KVP_CASCADE_NO_HOPPER
  *     plans for the sm_80 kernels that read it on a Hopper GPU.
@@ -1493,6 +1496,16 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * block_bytes, kv = 2 (1 without V): a slot is one contiguous value, the
  * one the shared tier stores. slot_bytes must hold num_layers * kv *
  * block_bytes (a manager's host_block_bytes is slot_bytes).
+ *
+ * FP8 caches (since 0.6; layers->kv only): an e4m3 cache with
+ * KVP_KV_SCALE_TOKEN_HEAD scales moves with its scales: a block's scales of
+ * (layer l, tensor t), block_size * num_kv_heads * 4 bytes (a multiple of
+ * 16: block_size * num_kv_heads a multiple of 4), sit after all of the
+ * slot's K/V chunks, at host + s * slot_bytes + num_layers * kv *
+ * block_bytes + (l * kv + t) * block_size * num_kv_heads * 4, and
+ * slot_bytes must hold them too. A KVP_KV_SCALE_TENSOR cache's one scale
+ * stays with the engine: its slots hold the e4m3 chunks only. Every layer
+ * has the same scale kind.
  *
  * Ordering: kvp_tier_copier_run only enqueues, the demotions in launches
  * of their own ahead of the reloads' (a reload may write a GPU block that

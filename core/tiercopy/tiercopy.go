@@ -12,7 +12,11 @@
 //
 // The host slot layout is fixed: slot s holds, for each layer l and tensor
 // t (0 K, 1 V), the chunk (l, t) at s*SlotBytes + (l*kv + t)*ChunkBytes,
-// so that a slot is one contiguous value (what the shared tier stores).
+// and, for a cache with per-block scales (e4m3 with one scale per token and
+// kv head), the block's scales of (l, t) after all of them, at s*SlotBytes +
+// layers*kv*ChunkBytes + (l*kv + t)*ScaleChunkBytes, so that a slot is one
+// contiguous value (what the shared tier stores) and a block never moves
+// without its scales.
 package tiercopy
 
 import (
@@ -73,6 +77,14 @@ type Layers struct {
 	KBlockStride, VBlockStride int64
 	// NumBlocks is the blocks per layer; ops naming others are refused.
 	NumBlocks int32
+
+	// KScale and VScale are, for a cache with per-block scales, per layer
+	// the device address of block 0's scales of K and of V (nil: no such
+	// scales; VScale with V only). ScaleChunkBytes is one block's scales of
+	// one layer's K (a multiple of 16), ScaleBlockStride the bytes from
+	// block b's to b+1's (>= ScaleChunkBytes, a multiple of 16).
+	KScale, VScale                    []cuda.DevicePtr
+	ScaleChunkBytes, ScaleBlockStride int64
 }
 
 // KV is 2 with V caches, 1 without.
@@ -83,8 +95,18 @@ func (l *Layers) KV() int {
 	return 2
 }
 
+// kvBytes is the part of a host slot that holds the K/V chunks; the
+// scales (if any) follow it.
+func (l *Layers) kvBytes() int64 { return int64(len(l.K)*l.KV()) * l.ChunkBytes }
+
 // SlotBytesNeeded is the host slot size the layout needs.
-func (l *Layers) SlotBytesNeeded() int64 { return int64(len(l.K)*l.KV()) * l.ChunkBytes }
+func (l *Layers) SlotBytesNeeded() int64 {
+	n := l.kvBytes()
+	if l.KScale != nil {
+		n += int64(len(l.K)*l.KV()) * l.ScaleChunkBytes
+	}
+	return n
+}
 
 func (l *Layers) validate() error {
 	n := len(l.K)
@@ -110,13 +132,38 @@ func (l *Layers) validate() error {
 	if l.NumBlocks < 1 {
 		return kverr.Errorf(kverr.InvalidArgument, "tier copy: num_blocks must be >= 1: got %d", l.NumBlocks)
 	}
-	for t, ptrs := range [][]cuda.DevicePtr{l.K, l.V} {
+	if err := l.validateScales(); err != nil {
+		return err
+	}
+	for t, ptrs := range [][]cuda.DevicePtr{l.K, l.V, l.KScale, l.VScale} {
 		for i, p := range ptrs {
 			if p == 0 || uint64(p)%16 != 0 {
 				return kverr.Errorf(kverr.InvalidArgument, "tier copy: layer %d's %s address must be non-zero and 16-byte aligned: got %#x",
-					i, []string{"K", "V"}[t], uint64(p))
+					i, []string{"K", "V", "K scale", "V scale"}[t], uint64(p))
 			}
 		}
+	}
+	return nil
+}
+
+// validateScales checks the per-block scales: one array per cache tensor,
+// each block's scales one chunk the kernel copies in 16-byte pieces.
+func (l *Layers) validateScales() error {
+	if l.KScale == nil {
+		if l.VScale != nil || l.ScaleChunkBytes != 0 || l.ScaleBlockStride != 0 {
+			return kverr.Errorf(kverr.InvalidArgument, "tier copy: V scales, a scale chunk or a scale stride without K scales")
+		}
+		return nil
+	}
+	if len(l.KScale) != len(l.K) || (l.V != nil) != (l.VScale != nil) || (l.VScale != nil && len(l.VScale) != len(l.V)) {
+		return kverr.Errorf(kverr.InvalidArgument, "tier copy: %d K layers, %d V layers, but %d K scale and %d V scale arrays (one a cache tensor)",
+			len(l.K), len(l.V), len(l.KScale), len(l.VScale))
+	}
+	if l.ScaleChunkBytes < 16 || l.ScaleChunkBytes%16 != 0 || l.ScaleChunkBytes > 1<<30 {
+		return kverr.Errorf(kverr.InvalidArgument, "tier copy: a block's scales are copied as one chunk of a multiple of 16 bytes: got %d (block_size x kv_heads x 4 must be a multiple of 16)", l.ScaleChunkBytes)
+	}
+	if s := l.ScaleBlockStride; s < l.ScaleChunkBytes || s%16 != 0 || s > 1<<40 {
+		return kverr.Errorf(kverr.InvalidArgument, "tier copy: the scales' block stride must be a multiple of 16 in [%d, 2^40]: got %d", l.ScaleChunkBytes, s)
 	}
 	return nil
 }
@@ -138,8 +185,8 @@ func (h *Host) validate(l *Layers) error {
 	need := l.SlotBytesNeeded()
 	if h.SlotBytes < need || h.SlotBytes%16 != 0 || h.SlotBytes > limits.TierBytes/int64(h.NumSlots) {
 		return kverr.Errorf(kverr.InvalidArgument,
-			"tier copy: slot_bytes must be a multiple of 16, at least the layout's %d (%d layers x %d tensors x %d bytes), and slots x slot_bytes <= 2^46: got %d",
-			need, len(l.K), l.KV(), l.ChunkBytes, h.SlotBytes)
+			"tier copy: slot_bytes must be a multiple of 16, at least the layout's %d (%d layers x %d tensors x (%d bytes + %d of scales)), and slots x slot_bytes <= 2^46: got %d",
+			need, len(l.K), l.KV(), l.ChunkBytes, l.ScaleChunkBytes, h.SlotBytes)
 	}
 	return nil
 }
@@ -154,13 +201,20 @@ type Copier struct {
 	layers    Layers
 	host      Host
 	kv        int
-	parts     int64
-	perOp     int64 // thread blocks per op: layers x tensors x parts
+	regions   []region // the K/V chunks, then the scales (if any)
 	perLaunch int
 	ctx       cuda.Context
-	table     cuda.DevicePtr // uint64 [layers][2], device memory
 	reg       cuda.HostRegistration
 	closed    bool
+}
+
+// region is one launch's share of a block: a chunk per (layer, tensor)
+// from the device arrays of table to the host slot's bytes at hostOff.
+type region struct {
+	table            cuda.DevicePtr // uint64 [layers][2], device memory
+	chunk, kStride   int64
+	vStride, hostOff int64
+	parts, perOp     int64 // thread blocks per chunk, and per op (layers x tensors x parts)
 }
 
 // New registers the host region (page-locked and mapped; memory the engine
@@ -181,9 +235,20 @@ func New(l Layers, h Host) (*Copier, error) {
 	if l.V != nil {
 		c.layers.V = append([]cuda.DevicePtr(nil), l.V...)
 	}
-	c.parts = (l.ChunkBytes + ctaByte - 1) / ctaByte
-	c.perOp = int64(len(l.K)*c.kv) * c.parts
-	c.perLaunch = int(min(int64(OpsPerLaunch), (1<<31-1)/c.perOp))
+	c.regions = []region{{chunk: l.ChunkBytes, kStride: l.KBlockStride, vStride: l.VBlockStride}}
+	tables := [][2][]cuda.DevicePtr{{l.K, l.V}}
+	if l.KScale != nil {
+		c.regions = append(c.regions, region{chunk: l.ScaleChunkBytes, kStride: l.ScaleBlockStride, vStride: l.ScaleBlockStride,
+			hostOff: l.kvBytes()})
+		tables = append(tables, [2][]cuda.DevicePtr{l.KScale, l.VScale})
+	}
+	c.perLaunch = OpsPerLaunch
+	for i := range c.regions {
+		r := &c.regions[i]
+		r.parts = (r.chunk + ctaByte - 1) / ctaByte
+		r.perOp = int64(len(l.K)*c.kv) * r.parts
+		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
+	}
 	if c.perLaunch < 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
 	}
@@ -195,25 +260,53 @@ func New(l Layers, h Host) (*Copier, error) {
 		return nil, err
 	}
 	c.ctx = ctx
-	table := make([]uint64, 2*len(l.K))
-	for i := range l.K {
-		table[2*i] = uint64(l.K[i])
-		if l.V != nil {
-			table[2*i+1] = uint64(l.V[i])
+	for i, kv := range tables {
+		if c.regions[i].table, err = uploadTable(kv[0], kv[1]); err != nil {
+			c.freeTables()
+			return nil, err
 		}
 	}
-	tb := unsafe.Slice((*byte)(unsafe.Pointer(&table[0])), 8*len(table))
-	if c.table, err = cuda.MemAlloc(len(tb)); err != nil {
-		return nil, err
-	}
-	if err = cuda.CopyToDevice(c.table, tb); err == nil {
-		c.reg, err = cuda.RegisterHost(h.Base, int(h.SlotBytes*int64(h.NumSlots)))
-	}
-	if err != nil {
-		cuda.MemFree(c.table)
+	if c.reg, err = cuda.RegisterHost(h.Base, int(h.SlotBytes*int64(h.NumSlots))); err != nil {
+		c.freeTables()
 		return nil, err
 	}
 	return c, nil
+}
+
+// uploadTable copies a region's layer table, uint64 [layers][2] (K, V; V 0
+// without V arrays), into device memory.
+func uploadTable(k, v []cuda.DevicePtr) (cuda.DevicePtr, error) {
+	table := make([]uint64, 2*len(k))
+	for i := range k {
+		table[2*i] = uint64(k[i])
+		if v != nil {
+			table[2*i+1] = uint64(v[i])
+		}
+	}
+	tb := unsafe.Slice((*byte)(unsafe.Pointer(&table[0])), 8*len(table))
+	d, err := cuda.MemAlloc(len(tb))
+	if err != nil {
+		return 0, err
+	}
+	if err := cuda.CopyToDevice(d, tb); err != nil {
+		cuda.MemFree(d)
+		return 0, err
+	}
+	return d, nil
+}
+
+// freeTables frees the regions' layer tables; the first error is returned.
+func (c *Copier) freeTables() error {
+	var first error
+	for i := range c.regions {
+		if c.regions[i].table != 0 {
+			if err := cuda.MemFree(c.regions[i].table); first == nil {
+				first = err
+			}
+			c.regions[i].table = 0
+		}
+	}
+	return first
 }
 
 // Run enqueues the copies on stream (a stream of the copier's context):
@@ -252,17 +345,15 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 		return kverr.Errorf(kverr.InvalidArgument, "tier copy: the calling thread's CUDA context is not the one the copier was created in")
 	}
 	p := params{
-		Layers: uint64(c.table), Host: uint64(c.reg.Device),
-		SlotBytes: c.host.SlotBytes, ChunkBytes: c.layers.ChunkBytes,
-		KBlockStride: c.layers.KBlockStride, VBlockStride: c.layers.VBlockStride,
-		NumLayers: int32(len(c.layers.K)), KV: int32(c.kv), Parts: int32(c.parts),
+		SlotBytes: c.host.SlotBytes, NumLayers: int32(len(c.layers.K)), KV: int32(c.kv),
 		NumBlocks: c.layers.NumBlocks, NumSlots: c.host.NumSlots,
 	}
 	// The demotions' launches before the reloads': a launch's ops run
 	// concurrently, and a reload may write a GPU block that a demotion of
 	// the same batch reads (a block evicted and allocated anew in the
 	// step, the manager's DemoteEvicted); stream order puts the reads
-	// first.
+	// first. Each region (the K/V chunks, the scales) is a launch of its
+	// own over the same ops: the kernel copies one chunk size per launch.
 	for k, ops := range [][]Op{demote, reload} {
 		for first := 0; first < len(ops); first += c.perLaunch {
 			cnt := min(c.perLaunch, len(ops)-first)
@@ -273,9 +364,13 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 			for i, o := range ops[first : first+cnt] {
 				p.Ops[i] = [2]int32{o.Block, o.Slot}
 			}
-			cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * c.perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
-			if err := cuda.Launch(m, kernel, cfg, stream, &p); err != nil {
-				return err
+			for _, r := range c.regions {
+				p.Layers, p.Host = uint64(r.table), uint64(c.reg.Device)+uint64(r.hostOff)
+				p.ChunkBytes, p.KBlockStride, p.VBlockStride, p.Parts = r.chunk, r.kStride, r.vStride, int32(r.parts)
+				cfg := cuda.LaunchConfig{Grid: cuda.Dim3{X: uint32(int64(cnt) * r.perOp), Y: 1, Z: 1}, Block: cuda.Dim3{X: threads, Y: 1, Z: 1}}
+				if err := cuda.Launch(m, kernel, cfg, stream, &p); err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -292,7 +387,7 @@ func (c *Copier) Close() error {
 	}
 	c.closed = true
 	err := c.reg.Unregister()
-	if e := cuda.MemFree(c.table); err == nil {
+	if e := c.freeTables(); err == nil {
 		err = e
 	}
 	return err

@@ -67,6 +67,36 @@ func TestValidate(t *testing.T) {
 			t.Errorf("%s: New gave %v, want InvalidArgument", name, err)
 		}
 	}
+	scaled := func() Layers {
+		l := goodLayers()
+		l.KScale, l.VScale = []cuda.DevicePtr{0x5000, 0x6000}, []cuda.DevicePtr{0x7000, 0x8000}
+		l.ScaleChunkBytes, l.ScaleBlockStride = 16, 32
+		return l
+	}
+	if sl := scaled(); sl.validate() != nil || sl.SlotBytesNeeded() != 256+4*16 {
+		t.Fatalf("scaled layout: %v, slot bytes %d, want 256 + 2 layers x 2 x 16", sl.validate(), sl.SlotBytesNeeded())
+	}
+	if err := host.validate(func() *Layers { l := scaled(); return &l }()); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Errorf("a slot without room for the scales: %v", err)
+	}
+	badScales := map[string]func(l *Layers){
+		"scale chunk 8":           func(l *Layers) { l.ScaleChunkBytes = 8 },
+		"scale chunk unaligned":   func(l *Layers) { l.ScaleChunkBytes = 24; l.ScaleBlockStride = 48 },
+		"scale stride < chunk":    func(l *Layers) { l.ScaleBlockStride = 0 },
+		"scale count":             func(l *Layers) { l.KScale = l.KScale[:1] },
+		"V scales without V":      func(l *Layers) { l.V = nil },
+		"K scales without V ones": func(l *Layers) { l.VScale = nil },
+		"V scales without K ones": func(l *Layers) { l.KScale = nil },
+		"unaligned scale":         func(l *Layers) { l.VScale[1] = 0x8004 },
+		"null scale":              func(l *Layers) { l.KScale[0] = 0 },
+	}
+	for name, f := range badScales {
+		l := scaled()
+		f(&l)
+		if err := l.validate(); kverr.CodeOf(err) != kverr.InvalidArgument {
+			t.Errorf("%s: validate gave %v, want InvalidArgument", name, err)
+		}
+	}
 	many := goodLayers()
 	many.K = make([]cuda.DevicePtr, 1025)
 	if _, err := New(many, host); kverr.CodeOf(err) != kverr.InvalidArgument {
@@ -74,24 +104,27 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-// TestGPURoundTrip demotes random blocks of every layer's K and V into host
-// slots, checks the slot bytes against the caches, poisons the caches and
-// reloads the slots into other blocks, then checks those blocks. 1203 ops
-// take three launches. It skips only where there is no NVIDIA device
-// (internal/gputest). Run on a GPU machine with
+// TestGPURoundTrip demotes random blocks of every layer's K and V (and,
+// for an e4m3-like layout, their per-block scales) into host slots, checks
+// the slot bytes against the caches at the documented offsets, poisons the
+// caches and reloads the slots into other blocks, then checks those blocks.
+// 1203 ops take three launches a region. It skips only where there is no
+// NVIDIA device (internal/gputest). Run on a GPU machine with
 //
 //	go test -c -o .device/tiercopy.test ./core/tiercopy && KVPLUG_REQUIRE_GPU=1 .device/tiercopy.test -test.run GPU -test.v
 func TestGPURoundTrip(t *testing.T) {
 	gputest.Need(t)
 	for _, tc := range []struct {
-		name          string
-		layers, chunk int
-		kOnly         bool
-		ops           int
+		name                 string
+		layers, chunk, scale int // scale: a block's scales of one tensor (0: none)
+		kOnly                bool
+		ops                  int
 	}{
-		{"llama-like", 4, 32768, false, 40},
-		{"small-chunks-many-ops", 2, 48, false, 1203},
-		{"k-only", 3, 20000, true, 17},
+		{"llama-like", 4, 32768, 0, false, 40},
+		{"small-chunks-many-ops", 2, 48, 0, false, 1203},
+		{"k-only", 3, 20000, 0, true, 17},
+		{"e4m3-with-scales", 3, 16384, 512, false, 700},
+		{"e4m3-k-only-scales", 2, 2048, 16, true, 33},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			kv := 2
@@ -99,33 +132,55 @@ func TestGPURoundTrip(t *testing.T) {
 				kv = 1
 			}
 			const blocks = 1300
-			stride := int64(tc.chunk + 32) // a gap between blocks, never copied
 			rng := rand.New(rand.NewPCG(uint64(tc.layers), uint64(tc.chunk)))
-			cache := make([][]byte, tc.layers*kv) // per (layer, tensor)
-			ptrs := make([]cuda.DevicePtr, tc.layers*kv)
-			for i := range cache {
-				cache[i] = make([]byte, int64(blocks)*stride)
-				for j := range cache[i] {
-					cache[i][j] = byte(rng.Uint32())
-				}
-				p, err := cuda.MemAlloc(len(cache[i]))
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer cuda.MemFree(p)
-				if err := cuda.CopyToDevice(p, cache[i]); err != nil {
-					t.Fatal(err)
-				}
-				ptrs[i] = p
+			// One device array per (region, layer, tensor): the K/V chunks,
+			// then the scales; a gap of 32 bytes between blocks, never copied.
+			type array struct {
+				host          []byte
+				ptr           cuda.DevicePtr
+				chunk, stride int64
+				slotOff       int64 // its chunk's offset in a host slot
 			}
-			l := Layers{ChunkBytes: int64(tc.chunk), KBlockStride: stride, VBlockStride: stride, NumBlocks: blocks}
-			for layer := 0; layer < tc.layers; layer++ {
-				l.K = append(l.K, ptrs[layer*kv])
-				if !tc.kOnly {
-					l.V = append(l.V, ptrs[layer*kv+1])
+			var arrays []array
+			l := Layers{NumBlocks: blocks}
+			regions := []int64{int64(tc.chunk)}
+			if tc.scale > 0 {
+				regions = append(regions, int64(tc.scale))
+			}
+			var off int64
+			for ri, chunk := range regions {
+				stride := chunk + 32
+				for layer := 0; layer < tc.layers; layer++ {
+					for tt := 0; tt < kv; tt++ {
+						a := array{host: make([]byte, int64(blocks)*stride), chunk: chunk, stride: stride, slotOff: off}
+						off += chunk
+						for j := range a.host {
+							a.host[j] = byte(rng.Uint32())
+						}
+						p, err := cuda.MemAlloc(len(a.host))
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer cuda.MemFree(p)
+						if err := cuda.CopyToDevice(p, a.host); err != nil {
+							t.Fatal(err)
+						}
+						a.ptr = p
+						arrays = append(arrays, a)
+						dst := [][]*[]cuda.DevicePtr{{&l.K, &l.V}, {&l.KScale, &l.VScale}}[ri][tt]
+						*dst = append(*dst, p)
+					}
+				}
+				if ri == 0 {
+					l.ChunkBytes, l.KBlockStride, l.VBlockStride = chunk, stride, stride
+				} else {
+					l.ScaleChunkBytes, l.ScaleBlockStride = chunk, stride
 				}
 			}
 			slotBytes := l.SlotBytesNeeded() + 16
+			if slotBytes-16 != off {
+				t.Fatalf("SlotBytesNeeded %d, want the regions' %d", slotBytes-16, off)
+			}
 			slots := tc.ops + 3
 			mem := alignedHost(int(slotBytes) * slots)
 			for i := range mem {
@@ -153,13 +208,13 @@ func TestGPURoundTrip(t *testing.T) {
 			if err := cuda.StreamSynchronize(0); err != nil {
 				t.Fatal(err)
 			}
-			chunk := func(i, b int) []byte { return cache[i][int64(b)*stride : int64(b)*stride+int64(tc.chunk)] }
+			chunk := func(a *array, b int) []byte { return a.host[int64(b)*a.stride : int64(b)*a.stride+a.chunk] }
 			for i, o := range demote {
 				slot := mem[int64(o.Slot)*slotBytes : int64(o.Slot+1)*slotBytes]
-				for j := range cache {
-					got := slot[int64(j)*int64(tc.chunk) : int64(j+1)*int64(tc.chunk)]
-					if !bytes.Equal(got, chunk(j, int(o.Block))) {
-						t.Fatalf("demote op %d (block %d -> slot %d): tensor %d differs", i, o.Block, o.Slot, j)
+				for j := range arrays {
+					a := &arrays[j]
+					if !bytes.Equal(slot[a.slotOff:a.slotOff+a.chunk], chunk(a, int(o.Block))) {
+						t.Fatalf("demote op %d (block %d -> slot %d): array %d differs", i, o.Block, o.Slot, j)
 					}
 				}
 				if !bytes.Equal(slot[l.SlotBytesNeeded():], bytes.Repeat([]byte{0xEE}, 16)) {
@@ -171,32 +226,31 @@ func TestGPURoundTrip(t *testing.T) {
 			for i := range reload {
 				reload[i] = Op{Block: int32(perm[blocks-1-i]), Slot: demote[i].Slot}
 			}
-			poison := bytes.Repeat([]byte{0xA5}, tc.chunk)
-			for _, o := range reload {
-				for j := range cache {
-					copy(chunk(j, int(o.Block)), poison)
+			for j := range arrays {
+				a := &arrays[j]
+				for _, o := range reload {
+					copy(chunk(a, int(o.Block)), bytes.Repeat([]byte{0xA5}, int(a.chunk)))
 				}
-			}
-			for j := range cache {
-				if err := cuda.CopyToDevice(ptrs[j], cache[j]); err != nil {
+				if err := cuda.CopyToDevice(a.ptr, a.host); err != nil {
 					t.Fatal(err)
 				}
 			}
 			if err := c.Run(nil, reload, 0); err != nil {
 				t.Fatal(err)
 			}
-			for j := range cache {
-				got := make([]byte, len(cache[j]))
-				if err := cuda.CopyFromDevice(got, ptrs[j]); err != nil {
+			for j := range arrays {
+				a := &arrays[j]
+				got := make([]byte, len(a.host))
+				if err := cuda.CopyFromDevice(got, a.ptr); err != nil {
 					t.Fatal(err)
 				}
-				want := append([]byte(nil), cache[j]...)
+				want := append([]byte(nil), a.host...)
 				for _, o := range reload {
 					slot := mem[int64(o.Slot)*slotBytes:]
-					copy(want[int64(o.Block)*stride:int64(o.Block)*stride+int64(tc.chunk)], slot[int64(j)*int64(tc.chunk):int64(j+1)*int64(tc.chunk)])
+					copy(want[int64(o.Block)*a.stride:int64(o.Block)*a.stride+a.chunk], slot[a.slotOff:a.slotOff+a.chunk])
 				}
 				if !bytes.Equal(got, want) {
-					t.Fatalf("tensor %d after the reloads differs from the expected cache (other blocks and the gaps must be untouched)", j)
+					t.Fatalf("array %d after the reloads differs from the expected cache (other blocks and the gaps must be untouched)", j)
 				}
 			}
 			if err := c.Close(); err != nil {

@@ -186,3 +186,99 @@ def test_manager_over_pinned_engine_memory():
                 got = pinned[slot, :chunk].view(torch.float16).reshape(BS, H, D)
                 assert torch.equal(got.to(DEV), k[0][blk]) and blk in table
     assert pinned.is_pinned()
+
+
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+def test_fp8_blocks_move_with_their_scales(kind):
+    """FP8 caches written by kv_write (per-token-head or per-cache scales):
+    demoted blocks land in their slots as the e4m3 bytes of every layer's K
+    and V, then (token-head) each block's K and V scales of every layer at
+    the documented offsets after them; after the GPU blocks and scales are
+    poisoned, reloads into other blocks bring back bytes and scales exactly,
+    and attention over the reloaded blocks equals attention over the
+    originals. A per-cache scale is not in the slots."""
+    L, BLOCKS, BS, KVH, D, N = 3, 64, 16, 2, 64, 20
+    E4M3 = torch.float8_e4m3fn
+    g = torch.Generator(device=DEV).manual_seed(7)
+    k8 = [torch.empty((BLOCKS, BS, KVH, D), dtype=E4M3, device=DEV) for _ in range(L)]
+    v8 = [torch.empty_like(t) for t in k8]
+    if kind == "token":
+        ks = [torch.empty((BLOCKS, BS, KVH), device=DEV) for _ in range(L)]
+        vs = [torch.empty_like(t) for t in ks]
+    else:
+        ks = [torch.full((1,), 0.02, device=DEV) for _ in range(L)]
+        vs = [torch.full((1,), 0.03, device=DEV) for _ in range(L)]
+    slots_all = torch.arange(BLOCKS * BS, dtype=torch.int32, device=DEV)
+    for layer in range(L):
+        x = torch.randn((BLOCKS * BS, KVH, D), generator=g, device=DEV).half() * (layer + 1)
+        y = torch.randn((BLOCKS * BS, KVH, D), generator=g, device=DEV).half()
+        kvplug.attn.kv_write(x, y, k8[layer], v8[layer], slots_all, k_scale=ks[layer], v_scale=vs[layer])
+    chunk, sc = BS * KVH * D, (BS * KVH * 4 if kind == "token" else 0)
+    need = (chunk + sc) * L * 2
+    host = np.full((N + 2, need + 16), 0xEE, np.uint8)
+    with TierCopier(k8, v8, host=host, k_scales=ks, v_scales=vs) as cp:
+        assert cp.slot_bytes_needed == need
+        rng = np.random.default_rng(3)
+        blocks = rng.permutation(BLOCKS)[:N]
+        slots = np.arange(N)
+        cp.run(demote=(blocks, slots))
+        torch.cuda.synchronize()
+        bt = torch.from_numpy(blocks).to(DEV)
+        for i in range(N):
+            row = host[i]
+            for layer in range(L):
+                for t, (c, s) in enumerate(((k8, ks), (v8, vs))):
+                    off = (layer * 2 + t) * chunk
+                    got = torch.from_numpy(row[off:off + chunk].copy())
+                    assert torch.equal(got, c[layer][blocks[i]].view(torch.uint8).flatten().cpu()), (i, layer, t)
+                    if sc:
+                        so = L * 2 * chunk + (layer * 2 + t) * sc
+                        gs = torch.from_numpy(row[so:so + sc].copy()).view(torch.float32)
+                        assert torch.equal(gs, s[layer][blocks[i]].flatten().cpu()), ("scales", i, layer, t)
+            assert (row[need:] == 0xEE).all()
+        # Poison the blocks the slots reload into (bytes and scales), reload, compare.
+        dst = np.setdiff1d(np.arange(BLOCKS), blocks)[:N]
+        dt = torch.from_numpy(dst).to(DEV)
+        want = [(k8[i][bt].clone(), v8[i][bt].clone(), ks[i][bt].clone() if sc else None, vs[i][bt].clone() if sc else None)
+                for i in range(L)]
+        for i in range(L):
+            k8[i].view(torch.uint8)[dt] = 0x7F
+            v8[i].view(torch.uint8)[dt] = 0x7F
+            if sc:
+                ks[i][dt] = float("nan")
+                vs[i][dt] = float("nan")
+        cp.run(reload=(slots, dst))
+        torch.cuda.synchronize()
+        for i in range(L):
+            assert torch.equal(k8[i][dt].view(torch.uint8), want[i][0].view(torch.uint8))
+            assert torch.equal(v8[i][dt].view(torch.uint8), want[i][1].view(torch.uint8))
+            if sc:
+                assert torch.equal(ks[i][dt], want[i][2]) and torch.equal(vs[i][dt], want[i][3])
+        # Attention over a reloaded block equals attention over its original.
+        q = torch.randn((2, 4, D), generator=g, device=DEV).half()
+        lens = torch.full((2,), BS, dtype=torch.int32, device=DEV)
+        table = torch.tensor([[int(blocks[0])], [int(dst[0])]], dtype=torch.int32, device=DEV)
+        out = kvplug.attn.paged_decode(q[:1].expand(2, 4, D).contiguous(), k8[1], v8[1], table, lens,
+                                       k_scale=ks[1], v_scale=vs[1])
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], out[1])
+
+
+def test_fp8_bad_layouts():
+    k8 = [torch.zeros((8, 16, 2, 64), dtype=torch.float8_e4m3fn, device=DEV) for _ in range(2)]
+    v8 = [torch.zeros_like(t) for t in k8]
+    ks = [torch.ones((8, 16, 2), device=DEV) for _ in range(2)]
+    host = np.zeros((4, 1 << 16), np.uint8)
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier(k8, v8, host=host)  # no scales
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier(k8, v8, host=host, k_scales=ks, v_scales=ks[:1])
+    need = (16 * 2 * 64 + 16 * 2 * 4) * 2 * 2
+    with pytest.raises(kvplug.InvalidArgumentError):
+        TierCopier(k8, v8, host=np.zeros((4, need - 16), np.uint8), k_scales=ks, v_scales=ks)  # no room for the scales
+    tiny = [torch.zeros((8, 1, 2, 64), dtype=torch.float8_e4m3fn, device=DEV) for _ in range(2)]
+    with pytest.raises(kvplug.InvalidArgumentError):  # 8 bytes of scales a block: not a 16-byte chunk
+        TierCopier(tiny, [torch.zeros_like(t) for t in tiny], host=host, k_scales=[torch.ones((8, 1, 2), device=DEV)] * 2,
+                   v_scales=[torch.ones((8, 1, 2), device=DEV)] * 2)
+    with TierCopier(k8, v8, host=np.zeros((4, need), np.uint8), k_scales=ks, v_scales=ks) as cp:
+        assert cp.slot_bytes_needed == need

@@ -17,6 +17,12 @@ batch in one kernel launch on the given stream:
 
 Close the copier (or leave its with block) before closing the Manager whose
 memory it registered. Needs a GPU and the library's kernels.
+
+FP8 caches (torch.float8_e4m3fn, [num_blocks, block_size, kv_heads,
+head_dim]) come with their scales, k_scales= and v_scales= (a layer's
+float32 tensors as kv_write takes them): per-token-head scales move with
+their blocks, stored in each slot after its K/V bytes (slot_bytes_needed
+counts them); a per-cache scale stays with the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _lib
-from ._capi import KVLayersStruct, TierCopyStruct
+from . import _tensors as _t
+from ._capi import KVLayersStruct, PagedKV, TierCopyStruct
 from ._lib import C
 from ._tensors import check as _check, torch as _torch
 
@@ -61,7 +68,8 @@ class TierCopier(_lib.Owner):
     _destroy = "kvp_tier_copier_destroy"
 
     def __init__(self, k_caches: Sequence[Any], v_caches: Optional[Sequence[Any]] = None, *,
-                 manager: Any = None, host: Any = None) -> None:
+                 manager: Any = None, host: Any = None, k_scales: Optional[Sequence[Any]] = None,
+                 v_scales: Optional[Sequence[Any]] = None) -> None:
         torch = _torch()
         k = list(k_caches)
         v = None if v_caches is None else list(v_caches)
@@ -82,32 +90,63 @@ class TierCopier(_lib.Owner):
             host = manager.host_tier_memory()
         if not isinstance(host, np.ndarray) or host.dtype != np.uint8 or host.ndim != 2 or not host.flags.c_contiguous:
             raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: host must be a C-contiguous uint8 array [slots, slot_bytes]")
-        kp = (ctypes.c_uint64 * len(k))(*[t.data_ptr() for t in k])
-        vp = None if v is None else (ctypes.c_uint64 * len(v))(*[t.data_ptr() for t in v])
         lay = KVLayersStruct()
         lay.struct_size = ctypes.sizeof(KVLayersStruct)
         lay.num_layers = len(k)
-        lay.num_blocks = ref.shape[0]
-        lay.k = ctypes.cast(kp, ctypes.c_void_p)
-        lay.v = None if vp is None else ctypes.cast(vp, ctypes.c_void_p)
-        lay.block_bytes = ref[0].numel() * esize
-        lay.k_block_stride = ref.stride(0) * esize
-        lay.v_block_stride = (v[0].stride(0) if v else ref.stride(0)) * esize
-        for t in k[1:]:
-            if t.stride(0) != ref.stride(0):
-                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every K layer needs the same block stride")
-        for t in (v or [])[1:]:
-            if t.stride(0) != v[0].stride(0):
-                raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every V layer needs the same block stride")
+        scale_bytes = 0
+        if _t.is_e4m3(ref) or k_scales is not None or v_scales is not None:
+            descs, scale_bytes = self._descriptors(k, v, k_scales, v_scales)
+            lay.kv = descs
+            keep = descs
+        else:
+            kp = (ctypes.c_uint64 * len(k))(*[t.data_ptr() for t in k])
+            vp = None if v is None else (ctypes.c_uint64 * len(v))(*[t.data_ptr() for t in v])
+            lay.num_blocks = ref.shape[0]
+            lay.k = ctypes.cast(kp, ctypes.c_void_p)
+            lay.v = None if vp is None else ctypes.cast(vp, ctypes.c_void_p)
+            lay.block_bytes = ref[0].numel() * esize
+            lay.k_block_stride = ref.stride(0) * esize
+            lay.v_block_stride = (v[0].stride(0) if v else ref.stride(0)) * esize
+            keep = (kp, vp)
+            for t in k[1:]:
+                if t.stride(0) != ref.stride(0):
+                    raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every K layer needs the same block stride")
+            for t in (v or [])[1:]:
+                if t.stride(0) != v[0].stride(0):
+                    raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), "TierCopier: every V layer needs the same block stride")
         out = ctypes.c_void_p()
         with torch.cuda.device(ref.device):
             _check(C.kvp_tier_copier_create(ctypes.byref(lay), host.ctypes.data, host.shape[1], host.shape[0], ctypes.byref(out)))
         self._own(out.value, C.kvp_tier_copier_destroy, out.value)
         # Kept alive: the copier reads and writes them.
-        self._keep = (k, v, host, manager)
+        self._keep = (k, v, k_scales, v_scales, host, manager, keep)
         self.device = ref.device
-        self.block_bytes = int(lay.block_bytes)
-        self.slot_bytes_needed = self.block_bytes * len(k) * (1 if v is None else 2)
+        self.block_bytes = ref[0].numel() * esize
+        kv = 1 if v is None else 2
+        self.slot_bytes_needed = (self.block_bytes + scale_bytes) * len(k) * kv
+
+    @staticmethod
+    def _descriptors(k: list, v: Optional[list], k_scales: Any, v_scales: Any) -> tuple:
+        """Per-layer kvp_paged_kv descriptors of [num_blocks, block_size,
+        kv_heads, head_dim] caches with their scales, and the bytes of one
+        block's scales of one tensor that a slot holds (0: none)."""
+        if v is None or k_scales is None or v_scales is None:
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT),
+                                 "TierCopier: FP8 caches come as K and V layers with k_scales and v_scales (one a layer)")
+        ks, vs = list(k_scales), list(v_scales)
+        if len(ks) != len(k) or len(vs) != len(k):
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier: {len(k)} layers but {len(ks)} k_scales and {len(vs)} v_scales")
+        arr = (ctypes.POINTER(PagedKV) * len(k))()
+        structs = []
+        for i in range(len(k)):
+            d = _t.paged_kv(k[i], v[i], k_scale=ks[i], v_scale=vs[i])
+            d.k_cache, d.v_cache = k[i].data_ptr(), v[i].data_ptr()
+            _t.set_scales(d, ks[i], vs[i])
+            structs.append(d)
+            arr[i] = ctypes.pointer(d)
+        d0 = structs[0]
+        per_block = d0.block_size * d0.num_kv_heads * 4 if d0.scale_kind == _t.SCALE_TOKEN_HEAD else 0
+        return ctypes.cast(arr, ctypes.POINTER(ctypes.POINTER(PagedKV))), per_block
 
     def run(self, batch: Any = None, stream: Any = None, *, demote: Any = None, reload: Any = None) -> None:
         """Enqueues a batch's copies on stream (a torch.cuda.Stream, a raw
