@@ -21,13 +21,8 @@ func hookManagerCreateGroupEvents(numBlocks, bs int32, groups []testGroup, block
 	cfg.num_blocks, cfg.block_size = C.int32_t(numBlocks), C.int32_t(bs)
 	cfg.enable_prefix_cache, cfg.enable_kv_events = 1, 1
 	cfg.max_pending_events = C.int32_t(maxPending)
-	arr := (*C.kvp_layer_group)(C.calloc(C.size_t(max(len(groups), 1)), C.size_t(unsafe.Sizeof(C.kvp_layer_group{}))))
+	arr := cLayerGroups(groups)
 	defer C.free(unsafe.Pointer(arr))
-	elems := unsafe.Slice(arr, max(len(groups), 1))
-	for i, g := range groups {
-		elems[i].kind, elems[i].window, elems[i].state_bytes = C.int32_t(g.kind), C.int32_t(g.window), C.int64_t(g.stateBytes)
-		elems[i].checkpoint_every, elems[i].reserved = C.int32_t(g.checkpoint), C.int32_t(g.spare)
-	}
 	if len(groups) > 0 {
 		cfg.layer_groups = arr
 		cfg.num_layer_groups = C.int32_t(len(groups))
@@ -59,34 +54,17 @@ func hookDrainGroups(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes in
 	if nullEvents {
 		evs = nil
 	}
-	toks := newCBuf(4 * int(maxTokens))
-	defer toks.free()
-	mm := newCBuf(int(unsafe.Sizeof(C.kvp_block_mm{})) * int(maxMM))
-	defer mm.free()
-	hashes := newCBuf(16 * int(maxHashes))
-	defer hashes.free()
+	bufs := newEventBufs(maxTokens, maxMM, maxHashes)
+	defer bufs.free()
 	var n C.int32_t = -1
-	st := kvpgo_manager_drain_group_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(toks.p), C.int32_t(maxTokens),
-		(*C.kvp_block_mm)(mm.p), C.int32_t(maxMM), (*C.uint8_t)(hashes.p), C.int32_t(maxHashes), &n)
+	st := kvpgo_manager_drain_group_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(bufs.toks.p), C.int32_t(maxTokens),
+		(*C.kvp_block_mm)(bufs.mm.p), C.int32_t(maxMM), (*C.uint8_t)(bufs.hashes.p), C.int32_t(maxHashes), &n)
 	if st != C.KVP_OK {
 		return nil, abiStatus(st)
 	}
 	var out []hookGroupEvent
-	tv := unsafe.Slice((*int32)(toks.p), max(maxTokens, 1))
-	hv := unsafe.Slice((*[16]byte)(hashes.p), max(maxHashes, 1))
 	for _, g := range unsafe.Slice((*C.kvp_kv_group_event)(raw), int(n)) {
-		e := g.event
-		ev := hookGroupEvent{hookEvent: hookEvent{kind: int32(e.kind), medium: int32(e.medium), mm: int(e.num_mm)},
-			group: int32(g.group), reserved: int32(g.reserved)}
-		ev.hash = *(*[16]byte)(unsafe.Pointer(&e.hash))
-		ev.parent = *(*[16]byte)(unsafe.Pointer(&e.parent))
-		if e.kind == C.KVP_KV_EVENT_BLOCK_STORED {
-			ev.tokens = append([]int32(nil), tv[e.tokens_offset:e.tokens_offset+e.block_size]...)
-		}
-		if e.kind == C.KVP_KV_EVENT_BLOCKS_REMOVED {
-			ev.hashes = append([][16]byte(nil), hv[e.hashes_offset:e.hashes_offset+e.num_hashes]...)
-		}
-		out = append(out, ev)
+		out = append(out, hookGroupEvent{hookEvent: bufs.decode(g.event), group: int32(g.group), reserved: int32(g.reserved)})
 	}
 	return out, abiStatus(st)
 }

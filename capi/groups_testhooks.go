@@ -18,6 +18,19 @@ type testGroup struct {
 	checkpoint, spare int32 // checkpoint_every, reserved
 }
 
+// cLayerGroups builds groups as a kvp_layer_group array in C memory, at
+// least one element long so that a test can pass an empty list through a
+// non-NULL pointer; free with C.free.
+func cLayerGroups(groups []testGroup) *C.kvp_layer_group {
+	arr := (*C.kvp_layer_group)(C.calloc(C.size_t(max(len(groups), 1)), C.size_t(unsafe.Sizeof(C.kvp_layer_group{}))))
+	elems := unsafe.Slice(arr, max(len(groups), 1))
+	for i, g := range groups {
+		elems[i].kind, elems[i].window, elems[i].state_bytes = C.int32_t(g.kind), C.int32_t(g.window), C.int64_t(g.stateBytes)
+		elems[i].checkpoint_every, elems[i].reserved = C.int32_t(g.checkpoint), C.int32_t(g.spare)
+	}
+	return arr
+}
+
 // hookManagerCreateGroups creates a manager of groups (n of them given as
 // the count, which may disagree with len(groups); nullGroups passes NULL)
 // with the other fields as named.
@@ -29,13 +42,8 @@ func hookManagerCreateGroups(numBlocks, bs int32, groups []testGroup, n int32, n
 	if prefixCache {
 		cfg.enable_prefix_cache = 1
 	}
-	arr := (*C.kvp_layer_group)(C.calloc(C.size_t(max(len(groups), 1)), C.size_t(unsafe.Sizeof(C.kvp_layer_group{}))))
+	arr := cLayerGroups(groups)
 	defer C.free(unsafe.Pointer(arr))
-	elems := unsafe.Slice(arr, max(len(groups), 1))
-	for i, g := range groups {
-		elems[i].kind, elems[i].window, elems[i].state_bytes = C.int32_t(g.kind), C.int32_t(g.window), C.int64_t(g.stateBytes)
-		elems[i].checkpoint_every, elems[i].reserved = C.int32_t(g.checkpoint), C.int32_t(g.spare)
-	}
 	if !nullGroups {
 		cfg.layer_groups = arr
 	}

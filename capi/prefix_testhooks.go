@@ -227,36 +227,61 @@ type hookEvent struct {
 	hashes       [][16]byte
 }
 
+// eventBufs is the C memory a drain writes its events' variable parts to
+// (tokens, multimodal items, removed hashes), with the token and hash
+// capacities it was made for; the plain and the group drains both decode
+// through it.
+type eventBufs struct {
+	toks, mm, hashes     cbuf
+	maxTokens, maxHashes int32
+}
+
+func newEventBufs(maxTokens, maxMM, maxHashes int32) eventBufs {
+	return eventBufs{
+		toks:      newCBuf(4 * int(maxTokens)),
+		mm:        newCBuf(int(unsafe.Sizeof(C.kvp_block_mm{})) * int(maxMM)),
+		hashes:    newCBuf(16 * int(maxHashes)),
+		maxTokens: maxTokens, maxHashes: maxHashes,
+	}
+}
+
+func (b eventBufs) free() {
+	b.toks.free()
+	b.mm.free()
+	b.hashes.free()
+}
+
+// decode resolves e's variable parts from the buffers.
+func (b eventBufs) decode(e C.kvp_kv_event) hookEvent {
+	ev := hookEvent{kind: int32(e.kind), medium: int32(e.medium), mm: int(e.num_mm)}
+	ev.hash = *(*[16]byte)(unsafe.Pointer(&e.hash))
+	ev.parent = *(*[16]byte)(unsafe.Pointer(&e.parent))
+	if e.kind == C.KVP_KV_EVENT_BLOCK_STORED {
+		tv := unsafe.Slice((*int32)(b.toks.p), max(b.maxTokens, 1))
+		ev.tokens = append([]int32(nil), tv[e.tokens_offset:e.tokens_offset+e.block_size]...)
+	}
+	if e.kind == C.KVP_KV_EVENT_BLOCKS_REMOVED {
+		hv := unsafe.Slice((*[16]byte)(b.hashes.p), max(b.maxHashes, 1))
+		ev.hashes = append([][16]byte(nil), hv[e.hashes_offset:e.hashes_offset+e.num_hashes]...)
+	}
+	return ev
+}
+
 // hookDrain drains with the given capacities.
 func hookDrain(h unsafe.Pointer, maxEvents, maxTokens, maxMM, maxHashes int32) ([]hookEvent, abiStatus) {
 	evs := (*C.kvp_kv_event)(C.calloc(C.size_t(max(maxEvents, 1)), C.size_t(unsafe.Sizeof(C.kvp_kv_event{}))))
 	defer C.free(unsafe.Pointer(evs))
-	toks := newCBuf(4 * int(maxTokens))
-	defer toks.free()
-	mm := newCBuf(int(unsafe.Sizeof(C.kvp_block_mm{})) * int(maxMM))
-	defer mm.free()
-	hashes := newCBuf(16 * int(maxHashes))
-	defer hashes.free()
+	bufs := newEventBufs(maxTokens, maxMM, maxHashes)
+	defer bufs.free()
 	var n C.int32_t = -1
-	st := kvpgo_manager_drain_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(toks.p), C.int32_t(maxTokens),
-		(*C.kvp_block_mm)(mm.p), C.int32_t(maxMM), (*C.uint8_t)(hashes.p), C.int32_t(maxHashes), &n)
+	st := kvpgo_manager_drain_events((*C.kvp_manager)(h), evs, C.int32_t(maxEvents), (*C.int32_t)(bufs.toks.p), C.int32_t(maxTokens),
+		(*C.kvp_block_mm)(bufs.mm.p), C.int32_t(maxMM), (*C.uint8_t)(bufs.hashes.p), C.int32_t(maxHashes), &n)
 	if st != C.KVP_OK {
 		return nil, abiStatus(st)
 	}
 	var out []hookEvent
-	tv := unsafe.Slice((*int32)(toks.p), max(maxTokens, 1))
-	hv := unsafe.Slice((*[16]byte)(hashes.p), max(maxHashes, 1))
 	for _, e := range unsafe.Slice(evs, int(n)) {
-		ev := hookEvent{kind: int32(e.kind), medium: int32(e.medium), mm: int(e.num_mm)}
-		ev.hash = *(*[16]byte)(unsafe.Pointer(&e.hash))
-		ev.parent = *(*[16]byte)(unsafe.Pointer(&e.parent))
-		if e.kind == C.KVP_KV_EVENT_BLOCK_STORED {
-			ev.tokens = append([]int32(nil), tv[e.tokens_offset:e.tokens_offset+e.block_size]...)
-		}
-		if e.kind == C.KVP_KV_EVENT_BLOCKS_REMOVED {
-			ev.hashes = append([][16]byte(nil), hv[e.hashes_offset:e.hashes_offset+e.num_hashes]...)
-		}
-		out = append(out, ev)
+		out = append(out, bufs.decode(e))
 	}
 	return out, abiStatus(st)
 }

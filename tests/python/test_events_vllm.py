@@ -97,27 +97,18 @@ class ArrayKVEventBatch(EventBatch):
     events: List[Union[ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared]]
 
 
-# --- vLLM's current events in the positional form: group_idx and the
-# group's spec after extra_keys, as kv_events.py orders the fields ---
+# --- vLLM's current events in the positional form: the older events with
+# group_idx and the group's spec appended after extra_keys, as kv_events.py
+# orders the fields (a subclass's fields follow its base's in the array) ---
 
 
-class ArrayGroupBlockStored(ArrayEvent, tag="BlockStored"):
-    block_hashes: List[ExternalBlockHash]
-    parent_block_hash: Optional[ExternalBlockHash]
-    token_ids: List[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+class ArrayGroupBlockStored(ArrayBlockStored, tag="BlockStored"):
     group_idx: Optional[int] = None
     kv_cache_spec_kind: Optional[str] = None
     kv_cache_spec_sliding_window: Optional[int] = None
 
 
-class ArrayGroupBlockRemoved(ArrayEvent, tag="BlockRemoved"):
-    block_hashes: List[ExternalBlockHash]
-    medium: Optional[str]
+class ArrayGroupBlockRemoved(ArrayBlockRemoved, tag="BlockRemoved"):
     group_idx: Optional[int] = None
 
 
