@@ -1,7 +1,10 @@
 """kvplug for Hugging Face transformers: decoder models of the Llama family
 (Llama, Mistral, Qwen2) with their K/V in kvplug's paged cache and their
 attention on kvplug's kernels (on CPU, a torch reference path over the same
-block tables and slots).
+block tables and slots); hybrids of full and sliding-window attention
+(gpt-oss, Gemma 3) and of full attention and Gated DeltaNet layers
+(Qwen3-Next, whose per-sequence states live in the cache's blocks:
+kvplug.hf.recurrent) on the manager's layer groups.
 
     import kvplug.hf as kvhf
     model = kvhf.prepare_model(model)              # registers attn_implementation="kvplug"
@@ -34,7 +37,7 @@ except ImportError as e:  # said plainly: the core package works without them
     raise ImportError(f"kvplug.hf needs torch and transformers (pip install 'kvplug[hf]'): {e}") from e
 
 from .attention import NAME, StepContext, kvplug_attention, register
-from .cache import Batch, ModelShape, PagedKVCache, SequenceState
+from .cache import Batch, ModelShape, PagedKVCache, RecurrentShape, SequenceState
 from .runner import Runner, generate, prepare_model
 from .tier_copy import HostTier, TorchTierCopier
 
@@ -44,6 +47,7 @@ __all__ = [
     "HostTier",
     "ModelShape",
     "PagedKVCache",
+    "RecurrentShape",
     "Runner",
     "SequenceState",
     "StepContext",

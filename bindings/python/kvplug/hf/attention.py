@@ -76,6 +76,9 @@ class StepContext:
     group_tables: Optional[List[torch.Tensor]] = None
     group_slots: Optional[List[torch.Tensor]] = None
     group_gather: Optional[List[List[torch.Tensor]]] = None
+    # Linear-attention layers (kvplug.hf.recurrent): each recurrent group's state block per sequence (int64
+    # [n] on the device; None for the attention groups). None without such layers.
+    state_blocks: Optional[List[Optional[torch.Tensor]]] = None
 
     def window_left(self, sliding_window: Optional[int]) -> int:
         """kvplug's window_left (-1: none) for transformers' sliding_window W,

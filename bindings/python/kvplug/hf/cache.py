@@ -19,7 +19,9 @@ A sequence's life, as a scheduler drives it:
 Tokens enter the manager (admit / grow_tokens) in the step that computes
 their K/V, so a block the prefix cache holds always has its K/V written by
 the time another sequence reads it: within one step every layer writes all
-of the step's K/V before any attention reads the cache.
+of the step's K/V before any attention reads the cache. A model's
+linear-attention layers (Qwen3-Next) keep a state per sequence in the same
+memory, in state blocks of the manager's recurrent layer groups.
 """
 
 from __future__ import annotations
@@ -36,7 +38,58 @@ import kvplug
 
 from .tier_copy import HostTier, block_bytes, make_copier
 
-__all__ = ["ModelShape", "PagedKVCache", "Batch", "SequenceState"]
+__all__ = ["ModelShape", "RecurrentShape", "PagedKVCache", "Batch", "SequenceState"]
+
+
+# The models whose "linear_attention" layers kvplug.hf serves: Gated DeltaNet token mixers of Qwen3-Next's
+# layout (kvplug.hf.recurrent). Other models name other layers so (MiniMax's lightning attention, Kimi's
+# KDA, Qwen3.5's DeltaNet with split projections): their states and forwards differ.
+GATED_DELTANET_MODELS = ("qwen3_next",)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentShape:
+    """The state a Gated DeltaNet (linear-attention) layer keeps per
+    sequence, as transformers keeps it: the causal convolution's last
+    conv_kernel - 1 inputs of its conv_dim channels in the model's dtype,
+    then the recurrent state, float32 [num_v_heads, head_k_dim,
+    head_v_dim]."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @staticmethod
+    def of(config: Any) -> "RecurrentShape":
+        fields = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads")
+        missing = [f for f in fields if getattr(config, f, None) is None]
+        if missing:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: the linear-attention layers of {type(config).__name__} lack "
+                                              f"{', '.join(missing)}: not Gated DeltaNet layers of Qwen3-Next's shape")
+        kh, vh = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        kd, vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        if vh % kh:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: {vh} linear-attention value heads are not a multiple of "
+                                              f"{kh} key heads")
+        return RecurrentShape(2 * kh * kd + vh * vd, int(config.linear_conv_kernel_dim), vh, kd, vd)
+
+    def conv_bytes(self, dtype: torch.dtype) -> int:
+        return self.conv_dim * (self.conv_kernel - 1) * _element_size(dtype)
+
+    @property
+    def recurrent_bytes(self) -> int:
+        return self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One layer's state of one sequence, for a model of `dtype`."""
+        return self.conv_bytes(dtype) + self.recurrent_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +100,22 @@ class ModelShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    # Hybrid models (gpt-oss, Gemma 3): each layer's type, "full_attention" or "sliding_attention",
-    # and the window of the sliding ones; () and 0 when every layer is alike.
+    # Hybrid models: each layer's type, "full_attention" with "sliding_attention" (gpt-oss, Gemma 3) or with
+    # "linear_attention" (Qwen3-Next), and the window of the sliding ones; () and 0 when every layer is alike.
     layer_types: Tuple[str, ...] = ()
     sliding_window: int = 0
+    # The linear-attention layers' state per sequence (Qwen3-Next); None without such layers.
+    recurrent: Optional[RecurrentShape] = None
 
     @staticmethod
     def of(config: Any) -> "ModelShape":
         """From a transformers config of the Llama family (Llama, Mistral,
-        Qwen2 and those with the same attention fields), and of hybrids
-        that mix full and sliding-window attention layers (gpt-oss, Gemma 3:
-        config.layer_types)."""
+        Qwen2 and those with the same attention fields), of hybrids that
+        mix full and sliding-window attention layers (gpt-oss, Gemma 3:
+        config.layer_types), and of Qwen3-Next (full attention and Gated
+        DeltaNet layers, "linear_attention" in config.layer_types). Other
+        layer types raise InvalidArgumentError: serving them as attention
+        layers would compute wrong logits."""
         missing = [f for f in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(config, f, None) is None]
         if missing:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: config {type(config).__name__} lacks {', '.join(missing)}: not a decoder of the Llama family")
@@ -67,13 +125,32 @@ class ModelShape:
         if qh % kvh:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: {qh} query heads are not a multiple of {kvh} kv heads")
         types = tuple(getattr(config, "layer_types", None) or ())
+        kinds = set(types)
+        unknown = kinds - {"full_attention", "sliding_attention", "linear_attention"}
+        if unknown:
+            raise kvplug.InvalidArgumentError(
+                f"kvplug.hf: {type(config).__name__} has layers of type {', '.join(sorted(unknown))}, which kvplug.hf "
+                "does not serve (it serves full_attention, sliding_attention, and Qwen3-Next's linear_attention)")
+        layers = int(config.num_hidden_layers)
+        if "linear_attention" in kinds:
+            model_type = getattr(config, "model_type", None)
+            if model_type not in GATED_DELTANET_MODELS:
+                raise kvplug.InvalidArgumentError(
+                    f"kvplug.hf: the linear_attention layers of {model_type or type(config).__name__} are not served: "
+                    f"kvplug.hf serves the Gated DeltaNet layers of {', '.join(GATED_DELTANET_MODELS)}")
+            if "sliding_attention" in kinds:
+                raise kvplug.InvalidArgumentError("kvplug.hf: a model with both sliding-window and linear-attention layers "
+                                                  "is not served in this version")
+            if "full_attention" not in kinds:
+                raise kvplug.InvalidArgumentError("kvplug.hf: a model of linear-attention layers only is not served: the "
+                                                  "manager's layer group 0 holds full-attention layers")
+            if len(types) != layers:
+                raise kvplug.InvalidArgumentError(f"kvplug.hf: {len(types)} layer types for {layers} layers")
+            return ModelShape(layers, qh, kvh, int(hd), types, 0, RecurrentShape.of(config))
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         if not window or "sliding_attention" not in types or "full_attention" not in types:
             types, window = (), None
-        elif set(types) - {"sliding_attention", "full_attention"}:
-            raise kvplug.InvalidArgumentError(f"kvplug.hf: layer types {sorted(set(types))}: kvplug.hf serves full and "
-                                              "sliding-window attention layers")
-        return ModelShape(int(config.num_hidden_layers), qh, kvh, int(hd), types, int(window or 0))
+        return ModelShape(layers, qh, kvh, int(hd), types, int(window or 0))
 
 
 @dataclasses.dataclass
@@ -104,8 +181,9 @@ class Batch:
     slot_mapping: np.ndarray  # int32 [total]
     cached_tokens: np.ndarray  # int32 [n]: tokens found in the prefix cache at admission (0 if not admitted now)
     not_admitted: List[int]  # requested sequences left out: the pool could not hold them now
-    # Layer groups: every group's block table and slot mapping (group 0's are block_table and slot_mapping);
-    # None without groups.
+    # Layer groups: every group's block table and slot mapping (group 0's are block_table and slot_mapping;
+    # a recurrent group's table holds each sequence's state block in column 0, and it has no slots); None
+    # without groups.
     group_tables: Optional[List[np.ndarray]] = None
     group_slots: Optional[List[np.ndarray]] = None
 
@@ -182,6 +260,20 @@ class PagedKVCache:
     their window reads (kvplug.Manager's layer_groups). Not with a host or
     shared tier.
 
+    A shape with linear-attention layers (Qwen3-Next) gets them as
+    recurrent groups of as many layers as group 0's full-attention ones
+    (kvplug.LayerGroup.recurrent): each sequence holds one state block per
+    recurrent group, and the layer in slot j keeps its state in slot j's
+    page of that block (state_pages). A state lives in the bytes of a K/V
+    block, as vLLM's hybrid allocator lays Mamba states over attention
+    pages: one pool, one block size, and a block id meaning the same bytes
+    in every slot, so that fork and the prefix cache's checkpoints copy
+    states as they copy K/V blocks. block_size must make a block's page
+    (K and V of one layer) hold a layer's state (min_block_size). With the
+    prefix cache, the state is kept at checkpoints every checkpoint_every
+    blocks where a step ends (Manager.take_copies), and schedule ends
+    prompt chunks there; a prefix hit resumes from the last checkpoint.
+
     kv_dtype torch.float8_e4m3fn holds K and V in FP8 (one byte an element,
     twice the tokens in the memory of a 16-bit cache) with one float32 scale
     per (token, kv head) beside them (self.scales; k_scale/v_scale give a
@@ -206,6 +298,7 @@ class PagedKVCache:
         write_through: int = 0,
         kv_dtype: Optional[torch.dtype] = None,
         layer_groups: Optional[bool] = None,
+        checkpoint_every: int = 1,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -221,6 +314,9 @@ class PagedKVCache:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: an FP8 cache serves float16 and bfloat16 models, not {dtype}")
         if self.fp8 and (int(host_tier_slots) > 0 or shared_tier):
             raise kvplug.InvalidArgumentError("kvplug.hf: the host and shared tiers do not move FP8 caches in this version")
+        if shape.recurrent is not None and self.fp8:
+            raise kvplug.InvalidArgumentError("kvplug.hf: a model with linear-attention layers does not take an FP8 cache "
+                                              "in this version")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device: name it, as tensors made there do ("cuda:0"), so that the
@@ -252,9 +348,26 @@ class PagedKVCache:
         if shared_tier:
             kw["shared_tier"] = shared_tier
         self._plan_groups(shape, layer_groups, tiered=host_tier_slots > 0)
+        # Tokens between checkpoints of the recurrent states, where schedule ends prompt chunks (0: none kept).
+        self.checkpoint_tokens = 0
+        self.state_bytes = 0  # a linear-attention layer's state per sequence
+        if shape.recurrent is not None:
+            self.state_bytes = shape.recurrent.state_bytes(dtype)
+            page = self.page_bytes(shape, self.block_size, self.kv_dtype)
+            if self.state_bytes > page:
+                raise kvplug.InvalidArgumentError(
+                    f"kvplug.hf: a linear-attention layer's state of {self.state_bytes} bytes does not fit a block's "
+                    f"{page} bytes of K and V per layer at block_size {self.block_size}: block_size >= "
+                    f"{self.min_block_size(shape, dtype)} holds it (PagedKVCache.min_block_size)")
+            checkpoint_every = int(checkpoint_every) if prefix_cache else 0
+            if prefix_cache and checkpoint_every < 1:
+                raise kvplug.InvalidArgumentError(f"kvplug.hf: checkpoint_every must be >= 1 block: got {checkpoint_every}")
+            self.checkpoint_tokens = checkpoint_every * self.block_size
+            kw["block_bytes"] = page
         if len(self.groups) > 1:
             kw["layer_groups"] = [kvplug.LayerGroup.full_attention()] + [
-                kvplug.LayerGroup.sliding_window(shape.sliding_window)] * (len(self.groups) - 1)
+                kvplug.LayerGroup.recurrent(self.state_bytes, checkpoint_every) if kind == "linear_attention"
+                else kvplug.LayerGroup.sliding_window(shape.sliding_window) for kind in self.group_kinds[1:]]
         self.manager = kvplug.Manager(self.num_blocks, self.block_size, prefix_cache=prefix_cache, **kw)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: K and V of a layer share strides, as the kernels
         # require. Zeroed on the CPU so that a reference run is deterministic; on the GPU every slot a kernel
@@ -262,6 +375,9 @@ class PagedKVCache:
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
         self.kv = alloc((self.num_slots, 2, self.num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim),
                         dtype=self.kv_dtype, device=self.device)
+        # The same memory as bytes, [slots, 2, blocks, page / 2]: block b's page in slot j, its K half and
+        # its V half, is [j, :, b], where a recurrent layer keeps its state.
+        self._kv_bytes = self.kv.view(torch.uint8).view(self.num_slots, 2, self.num_blocks, -1)
         # FP8: float32 [slots, 2, blocks, block_size, kv_heads], each written row's max |x| / 448.
         self.scales: Optional[torch.Tensor] = None
         if self.fp8:
@@ -270,7 +386,9 @@ class PagedKVCache:
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
-                      "forks": 0}
+                      "forks": 0, "state_copies": 0, "lost_checkpoints": 0}
+        # Block copies taken from the manager (schedule's admissions) that apply_copies performs first.
+        self._held_copies: List[Tuple[int, int]] = []
         # The host tier's copies (Runner.step runs them); closed before the manager, also when collected.
         self.tier: Optional[HostTier] = None
         if host_tier_slots > 0:
@@ -284,41 +402,73 @@ class PagedKVCache:
 
     def _plan_groups(self, shape: ModelShape, layer_groups: Optional[bool], tiered: bool) -> None:
         """Layer groups of a hybrid shape: group 0 its full-attention
-        layers, then its window layers in groups of as many (the last one
-        padded); self.groups (each group's layers), group_of, slot_of and
+        layers, then its window or linear-attention layers in groups of as
+        many (the last one padded); self.groups (each group's layers),
+        group_kinds (each group's layer type), group_of, slot_of and
         num_slots. One group of every layer otherwise."""
         n = shape.num_layers
+        recurrent = shape.recurrent is not None
         want = bool(shape.layer_types) if layer_groups is None else bool(layer_groups)
+        if recurrent and not want:
+            raise kvplug.InvalidArgumentError("kvplug.hf: linear-attention layers keep their states in layer groups "
+                                              "(layer_groups=False cannot serve them)")
         if want and not shape.layer_types:
             raise kvplug.InvalidArgumentError("kvplug.hf: layer_groups=True needs a model with full and sliding-window layers")
         if want and tiered:
-            if layer_groups:
+            if layer_groups or recurrent:
                 raise kvplug.InvalidArgumentError("kvplug.hf: the host tier does not hold layer groups in this version "
-                                                  "(layer_groups=False keeps one table for every layer)")
+                                                  "(layer_groups=False keeps one table for every layer"
+                                                  + ("; linear-attention layers need groups)" if recurrent else ")"))
             want = False
         if not want:
             self.groups: List[List[int]] = [list(range(n))]
+            self.group_kinds = ["full_attention"]
         else:
             full = [i for i, t in enumerate(shape.layer_types) if t == "full_attention"]
-            win = [i for i, t in enumerate(shape.layer_types) if t == "sliding_attention"]
-            self.groups = [full] + [win[k:k + len(full)] for k in range(0, len(win), len(full))]
+            kind = "linear_attention" if recurrent else "sliding_attention"
+            other = [i for i, t in enumerate(shape.layer_types) if t == kind]
+            self.groups = [full] + [other[k:k + len(full)] for k in range(0, len(other), len(full))]
+            self.group_kinds = ["full_attention"] + [kind] * (len(self.groups) - 1)
         self.group_of = [0] * n
         self.slot_of = [0] * n
         for g, layers in enumerate(self.groups):
             for j, layer in enumerate(layers):
                 self.group_of[layer], self.slot_of[layer] = g, j
         self.num_slots = max(map(len, self.groups))
+        # The groups whose layers keep a state per sequence (a state block in Batch.group_tables[g][:, 0]).
+        self.recurrent_groups = [g for g, k in enumerate(self.group_kinds) if k == "linear_attention"]
 
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
                   kv_dtype: Optional[torch.dtype] = None, layer_groups: Optional[bool] = None,
-                  **tier: Any) -> "PagedKVCache":
+                  checkpoint_every: int = 1, **tier: Any) -> "PagedKVCache":
         """A cache for `model`'s shape, dtype and device (tier: the host and
         shared tier arguments of the constructor; kv_dtype: the cache's own,
-        torch.float8_e4m3fn for FP8; layer_groups: see the class)."""
+        torch.float8_e4m3fn for FP8; layer_groups and checkpoint_every: see
+        the class)."""
         p = next(model.parameters())
         return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
-                   prefix_cache=prefix_cache, kv_dtype=kv_dtype, layer_groups=layer_groups, **tier)
+                   prefix_cache=prefix_cache, kv_dtype=kv_dtype, layer_groups=layer_groups,
+                   checkpoint_every=checkpoint_every, **tier)
+
+    @staticmethod
+    def page_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block in one layer slot, its K and V: the manager's
+        block_bytes, which a recurrent layer's state must fit."""
+        return 2 * block_size * shape.num_kv_heads * shape.head_dim * _element_size(dtype)
+
+    @staticmethod
+    def min_block_size(shape: ModelShape, dtype: torch.dtype) -> int:
+        """The smallest block_size whose page holds a linear-attention
+        layer's state (1 for a shape without such layers). Qwen3-Next-80B in
+        bfloat16 needs 1048 tokens (a state of 2 MiB, its recurrent part
+        float32, against 2 KiB of K and V per token), as vLLM sizes its
+        attention blocks up to its Mamba pages; tiny test shapes need a
+        few."""
+        if shape.recurrent is None:
+            return 1
+        per_token = PagedKVCache.page_bytes(shape, 1, dtype)
+        return -(-shape.recurrent.state_bytes(dtype) // per_token)
 
     @staticmethod
     def default_demote_ahead(num_blocks: int, block_size: int = 16, step_tokens: int = 0, max_batch: int = 0) -> int:
@@ -354,6 +504,78 @@ class PagedKVCache:
 
     def v_scale(self, layer: int) -> Optional[torch.Tensor]:
         return None if self.scales is None else self.scales[self.slot_of[layer], 1]
+
+    # -- recurrent states -----------------------------------------------------
+
+    def state_pages(self, layer: int) -> torch.Tensor:
+        """uint8 [2, num_blocks, page / 2]: the pages of `layer`'s slot, a
+        block's state spanning the K half and then the V half of its page."""
+        return self._kv_bytes[self.slot_of[layer]]
+
+    def load_states(self, layer: int, blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The states of linear-attention layer `layer` in the state blocks
+        `blocks` (int64 [n] on the cache's device): the convolution's inputs
+        [n, conv_dim, conv_kernel - 1] in the model's dtype and the recurrent
+        state float32 [n, num_v_heads, head_k_dim, head_v_dim] (copies)."""
+        r = self.shape.recurrent
+        n = blocks.shape[0]
+        flat = self.state_pages(layer)[:, blocks].transpose(0, 1).reshape(n, -1)
+        cb = r.conv_bytes(self.dtype)
+        conv = flat[:, :cb].contiguous().view(self.dtype).view(n, r.conv_dim, r.conv_kernel - 1)
+        rec = flat[:, cb:cb + r.recurrent_bytes].contiguous().view(torch.float32)
+        return conv, rec.view(n, r.num_v_heads, r.head_k_dim, r.head_v_dim)
+
+    def store_states(self, layer: int, blocks: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """Writes load_states' two tensors (one row per block) into the state blocks."""
+        pages = self.state_pages(layer)
+        n, half = blocks.shape[0], pages.shape[-1]
+        flat = torch.zeros((n, 2 * half), dtype=torch.uint8, device=self.device)
+        cb = self.shape.recurrent.conv_bytes(self.dtype)
+        flat[:, :cb] = conv.to(self.dtype).contiguous().view(n, -1).view(torch.uint8)
+        flat[:, cb:cb + self.shape.recurrent.recurrent_bytes] = rec.float().contiguous().view(n, -1).view(torch.uint8)
+        pages[:, blocks] = flat.view(n, 2, half).transpose(0, 1)
+
+    def copy_blocks(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Performs block copies (src, dst) in their order, every layer slot
+        of src into dst: K and V, FP8 scales and the recurrent states that
+        live in the same pages. Copies run in batches of one gather and one
+        scatter; a batch ends before a copy that reads a block the batch
+        writes, or writes one it already writes (a checkpoint's copy
+        followed by a prefix hit's copy out of that checkpoint)."""
+        i = 0
+        while i < len(pairs):
+            written: set = set()
+            j = i
+            while j < len(pairs) and pairs[j][0] not in written and pairs[j][1] not in written:
+                written.add(pairs[j][1])
+                j += 1
+            run = np.array(pairs[i:j], np.int64).reshape(-1, 2)
+            if run.min() < 0 or run.max() >= self.num_blocks:
+                # torch would read a negative index from the end of the pool.
+                raise kvplug.InternalError(f"kvplug.hf: a block copy names a block outside the pool: {pairs[i:j]}",
+                                           kvplug.Status.INTERNAL)
+            src = torch.from_numpy(run[:, 0]).to(self.device)
+            dst = torch.from_numpy(run[:, 1]).to(self.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+            if self.scales is not None:
+                self.scales[:, :, dst] = self.scales[:, :, src]
+            i = j
+
+    def apply_copies(self) -> int:
+        """Performs the copies the manager queued (Manager.take_copies): the
+        recurrent states' checkpoints (taken at the last commit) and the
+        states of this schedule's prefix hits, in order, on the current
+        stream. Runner.step calls it before each forward pass; nothing
+        may write a block between the schedule or commit that queued a
+        copy and this call (fork calls it first). Returns the copies."""
+        if not self.recurrent_groups or not self.prefix_cache:
+            return 0
+        pairs = self._held_copies + self.manager.take_copies()
+        self._held_copies = []
+        if pairs:
+            self.copy_blocks(pairs)
+            self.stats["state_copies"] += len(pairs)
+        return len(pairs)
 
     @property
     def nbytes(self) -> int:
@@ -416,16 +638,18 @@ class PagedKVCache:
         for c in children:
             if c in self.seqs:
                 raise kvplug.DuplicateSequenceError(f"kvplug.hf: sequence {c} exists", kvplug.Status.DUPLICATE_SEQUENCE)
+        # The queued state copies read and write blocks that the fork may allocate and its copies overwrite
+        # (a finished sequence's state, a checkpoint the allocation evicts): they go first.
+        self.apply_copies()
         copies = self.manager.fork(int(parent), np.array(children, np.int64))
         if copies and self.tier is not None and self.demote_evicted:
             # The blocks the fork's allocation evicted are demoted from their K/V, which the copy-on-write
             # copy below overwrites: their demotions go first, on the same stream.
             self.tier.step(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         if copies:
-            # The kernels read dst before the children write their next token into it.
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+            # The kernels read dst before the children write their next token into it; a recurrent group's
+            # copy is the parent's state.
+            self.copy_blocks(copies)
         for c in children:
             self.seqs[c] = SequenceState(list(p.tokens), p.computed, True, p.keys)
         self.stats["forks"] += len(children)
@@ -464,6 +688,9 @@ class PagedKVCache:
         starting on its longest cached prefix; admission stops at the first
         that does not fit (Batch.not_admitted lists it and those after it).
         The batch is ordered live sequences first, then the admitted ones.
+        With linear-attention layers in the prefix cache, a chunk that
+        passes a checkpoint boundary (checkpoint_every blocks) stops at the
+        last one it reaches, so that its state is kept there.
 
         With a host tier, blocks whose demotion has landed are freed first
         (never waiting for copies), and an admission counts the tokens the
@@ -493,7 +720,7 @@ class PagedKVCache:
                 raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} scheduled for {n} tokens", kvplug.Status.INVALID_ARGUMENT)
             if s.live:
                 c, toks = s.computed, s.tokens
-                take = min(n, len(toks) - c)
+                take = self._chunk_end(c, c + min(n, len(toks) - c)) - c
                 if take < 1:
                     raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} has no pending token to compute "
                                                       "(append the sampled token first)", kvplug.Status.INVALID_ARGUMENT)
@@ -515,15 +742,18 @@ class PagedKVCache:
         not_admitted: List[int] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
-            if self.tier is not None:
-                # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
-                # against the chunk.
-                tm = self.manager.match_tiers([s.tokens], s.keys)[0]
-                hit = tm.gpu_tokens + tm.host_tokens
-            else:
-                hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
-            upto = min(len(s.tokens), hit + n)
-            got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+            while True:
+                if self.tier is not None:
+                    # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
+                    # against the chunk.
+                    tm = self.manager.match_tiers([s.tokens], s.keys)[0]
+                    hit = tm.gpu_tokens + tm.host_tokens
+                else:
+                    hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
+                upto = self._chunk_end(hit, min(len(s.tokens), hit + n))
+                got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+                if got.size == 0 or self._states_arrive(sid, int(got[0])):
+                    break
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
                 break
@@ -539,6 +769,47 @@ class PagedKVCache:
         q_lens = np.fromiter(map(len, news), np.int32, len(news))
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
         return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
+
+    def _states_arrive(self, sid: int, matched: int) -> bool:
+        """Whether sequence sid, just admitted on `matched` cached tokens,
+        gets its recurrent states; when not, it is removed again (nothing
+        of it computed) for the caller to admit it on what is cached now.
+
+        A prefix hit's states come by copy from the checkpoints after its
+        last matched block, queued last by the admission, one per recurrent
+        group. The manager counts those checkpoints among the blocks it may
+        evict to make room for the admitted sequence, and when it does evict
+        one, the hit stands with a copy from no block (src -1): the states
+        would be garbage. Evicted, the checkpoint no longer matches, so the
+        next admission hits less (or nothing), and the retries end. The
+        copies taken here wait in _held_copies for apply_copies, in order."""
+        n = len(self.recurrent_groups)
+        if not n or not self.prefix_cache or matched == 0:
+            return True
+        pairs = self.manager.take_copies()
+        if len(pairs) < n:
+            raise kvplug.InternalError(f"kvplug.hf: sequence {sid}'s prefix hit of {matched} tokens queued {len(pairs)} "
+                                       f"state copies for {n} recurrent groups", kvplug.Status.INTERNAL)
+        if all(src >= 0 for src, _ in pairs[len(pairs) - n:]):
+            self._held_copies += pairs
+            return True
+        self._held_copies += pairs[:len(pairs) - n]
+        self.manager.remove([sid])
+        self.stats["lost_checkpoints"] += 1
+        return False
+
+    def _chunk_end(self, start: int, end: int) -> int:
+        """Where a step computing tokens start .. end - 1 of a sequence
+        stops. With recurrent states in the prefix cache: at the last
+        checkpoint boundary past start when end is not one itself, since the
+        manager keeps a state only where a step ends at a checkpoint, so a
+        prompt computed in one piece would leave none for a later prompt
+        with its prefix to resume from. The rest follows in the next step
+        (a prompt's last few tokens cost one more step)."""
+        p = self.checkpoint_tokens
+        if p and end % p and end - end % p > start:
+            return end - end % p
+        return end
 
     def _decode_step(self, requests: Sequence[Tuple[int, int]]) -> Optional[Tuple[Sequence[int], List[int], np.ndarray]]:
         """A decode step in bulk, one comprehension per field rather than a

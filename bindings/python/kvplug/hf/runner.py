@@ -14,6 +14,7 @@ import torch
 
 import kvplug
 
+from . import recurrent
 from .attention import NAME, StepContext, register
 from .cache import Batch, ModelShape, PagedKVCache
 
@@ -22,9 +23,13 @@ __all__ = ["Runner", "prepare_model", "generate"]
 
 def prepare_model(model: Any) -> Any:
     """Registers the "kvplug" attention and switches `model` to it (eval
-    mode). Returns the model."""
+    mode), and its linear-attention layers (Qwen3-Next) to states in the
+    cache's blocks (kvplug.hf.recurrent). Returns the model."""
     register()
     cfg = model.config
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        ModelShape.of(cfg)  # raises for linear-attention layers it does not serve
+        recurrent.prepare_linear_attention(model)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:  # older transformers: the config field is what the attention layers read
@@ -196,7 +201,10 @@ class Runner:
 
     A cache with a host tier (PagedKVCache(host_tier_slots=...)) has its
     copies run by step(): once per step, before the forward pass, on the
-    step's stream (kvplug.hf.tier_copy)."""
+    step's stream (kvplug.hf.tier_copy); so do a model's linear-attention
+    states (Qwen3-Next): the manager's checkpoint and prefix-hit copies
+    (PagedKVCache.apply_copies), and the layers run from and into each
+    sequence's state blocks (kvplug.hf.recurrent)."""
 
     def __init__(
         self,
@@ -216,6 +224,10 @@ class Runner:
         shape = ModelShape.of(model.config)
         if shape != cache.shape:
             raise kvplug.InvalidArgumentError(f"kvplug.hf.Runner: the cache was made for {cache.shape}, the model is {shape}")
+        if shape.recurrent is not None and not recurrent.is_prepared(model):
+            # transformers' own forward would run the packed batch as one sequence, with no state.
+            raise kvplug.InvalidArgumentError("kvplug.hf.Runner: call kvplug.hf.prepare_model(model) first (its linear-attention "
+                                              "layers must keep their states in the cache)")
         p = next(model.parameters())
         if p.dtype != cache.dtype or p.device != cache.device:
             raise kvplug.InvalidArgumentError(f"kvplug.hf.Runner: the model is {p.dtype} on {p.device}, the cache {cache.dtype} on "
@@ -248,7 +260,7 @@ class Runner:
             self.prefill_ws = torch.empty(kvplug.attn.prefill_workspace_size(
                 self.max_batch, self.max_step_tokens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim),
                 dtype=torch.uint8, device=self.device)
-            if sh.layer_types:
+            if sh.sliding_window:
                 # Full and window layers plan the same step twice (window and none): each plan's work list
                 # needs a workspace of its own.
                 self.prefill_ws_window = torch.empty_like(self.prefill_ws)
@@ -331,11 +343,19 @@ class Runner:
             ctx.group_tables = [table] + [host(np.ascontiguousarray(t)).to(dev, non_blocking=True) for t in batch.group_tables[1:]]
             ctx.group_slots = [slots] + [host(np.ascontiguousarray(s).astype(np.int32)).to(dev, non_blocking=True)
                                          for s in batch.group_slots[1:]]
+        if self.cache.recurrent_groups:
+            # A recurrent group's table holds one block per sequence: its state.
+            ctx.state_blocks = [None] * len(self.cache.groups)
+            for g in self.cache.recurrent_groups:
+                ctx.state_blocks[g] = host(batch.group_tables[g][:, 0].astype(np.int64)).to(dev, non_blocking=True)
         if self.backend == "torch":
             bs = self.cache.block_size
             tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
             ctx.group_gather = []
-            for tb in tables:
+            for g, tb in enumerate(tables):
+                if g in self.cache.recurrent_groups:
+                    ctx.group_gather.append([])
+                    continue
                 gather = []
                 for i, L in enumerate(batch.seq_lens.tolist()):
                     t = np.arange(L)
@@ -377,6 +397,9 @@ class Runner:
             # The host tier's copies of this step (its admissions' reloads, demotions ahead of need) go on the
             # step's stream ahead of the forward pass: every reloaded block lands before attention reads it.
             self.cache.tier.step(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        # The recurrent states' queued copies (checkpoints of the last step, this step's prefix hits), ahead of
+        # the forward pass that reads and overwrites them.
+        self.cache.apply_copies()
         g = self._graph_for(len(batch)) if (batch.is_decode and self.graphs) else None
         if g is not None:
             g.load(batch)
@@ -408,7 +431,7 @@ def generate(
     cache: Optional[PagedKVCache] = None,
     runner: Optional[Runner] = None,
     num_blocks: Optional[int] = None,
-    block_size: int = 16,
+    block_size: Optional[int] = None,
     chunk: int = 512,
     temperature: float = 0.0,
     eos_token_id: Optional[int] = None,
@@ -421,11 +444,21 @@ def generate(
     temperature is 0. Returns each prompt's new tokens.
 
     A cache (and a runner) are made for the call unless given: num_blocks
-    defaults to room for every prompt and its outputs."""
+    defaults to room for every prompt and its outputs, block_size to 16,
+    or for a model with linear-attention layers the smallest multiple of
+    16 whose blocks hold their states (PagedKVCache.min_block_size)."""
     prepare_model(model)
     own = cache is None
     if own:
+        shape = ModelShape.of(model.config)
+        if block_size is None:
+            dtype = next(model.parameters()).dtype
+            block_size = max(16, -(-PagedKVCache.min_block_size(shape, dtype) // 16) * 16)
         need = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+        if shape.recurrent is not None:
+            # Each sequence's state blocks, one per recurrent group of as many layers as the full ones.
+            full = shape.layer_types.count("full_attention")
+            need += len(prompts) * -(-shape.layer_types.count("linear_attention") // full)
         cache = PagedKVCache.for_model(model, num_blocks or max(need, 1), block_size)
     if runner is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
