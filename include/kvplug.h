@@ -729,7 +729,10 @@ kvp_status kvp_manager_group_blocks(kvp_manager *m, int32_t *out, int32_t capaci
  * *num_left (if not NULL) how many wait still. The engine performs them in
  * order, each copying every layer slot of block src into block dst, on the
  * stream of the next forward pass and before it; call it every step after
- * the scheduler's calls until nothing is left. Only a manager with a
+ * the scheduler's calls until nothing is left. A queued copy holds its two
+ * blocks (no eviction, removal or clear frees them) until this call hands
+ * it out, so take the copies after the step's last admit, grow or remove
+ * and perform them before the next. Only a manager with a
  * recurrent group in the prefix cache queues copies; the first call also
  * tells it that the engine performs them. Errors: NULL_POINTER
  * (num_copies; out with capacity > 0), INVALID_ARGUMENT (capacity < 0). */

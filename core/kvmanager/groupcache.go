@@ -354,17 +354,54 @@ func (m *Manager) takeCheckpoints() {
 		c := m.one[0]
 		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
 		m.register(c, b, cp.g)
+		m.queueCopy(s.extra()[cp.g].blocks[0], c)
 		var err error
-		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0])
+		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0]) // the allocation's reference; the copy's holds it
 		assertOK(err, "checkpoint: releasing its block")
-		gc.push(c, compKept)
-		m.queued = append(m.queued, CopyPair{Src: s.extra()[cp.g].blocks[0], Dst: c})
 	}
 	gc.cands = gc.cands[:0]
 }
 
+// A queued copy holds its two blocks until TakeCopies hands it to the
+// engine: a reference each, and a listed companion leaves its list, so
+// that no eviction and no release between the queueing and the copy (an
+// admission short of blocks, the sequence's removal) frees or reuses
+// them. The engine performs the copies before the next forward pass, ahead
+// of any later scheduling call. Released at TakeCopies (unpin), a
+// checkpoint with no other reference is listed as kept again.
+
+// pin takes block b's copy reference.
+func (m *Manager) pin(b int32) {
+	m.gc.unlist(b)
+	one := [1]int32{b}
+	assertOK(m.pool.Incref(one[:]), "queued copy: referencing its block")
+}
+
+// queueCopy queues the copy of src into dst, pinning both.
+func (m *Manager) queueCopy(src, dst int32) {
+	m.pin(src)
+	m.pin(dst)
+	m.queued = append(m.queued, CopyPair{Src: src, Dst: dst})
+}
+
+// unpin drops block b's copy reference; a companion left with none (a
+// checkpoint: copies move recurrent states only) is listed as kept.
+func (m *Manager) unpin(b int32) {
+	one := [1]int32{b}
+	var err error
+	m.cached, err = m.pool.Decref(one[:], m.cached[:0])
+	assertOK(err, "queued copy: releasing its block")
+	for _, c := range m.cached {
+		if m.gc.owner[c] != NoBlock && m.gc.class[c] == compNone {
+			m.gc.push(c, compKept)
+		}
+	}
+}
+
 // queueStateCopies queues the copies of a hit's checkpoints into the
-// admitted sequence s's state blocks (h matched blocks).
+// admitted sequence s's state blocks (h matched blocks). takeCompanions
+// pinned the checkpoints before anything was evicted for the admission;
+// their pins become the copies'.
 func (m *Manager) queueStateCopies(s *seq, h int) {
 	gc := m.gc
 	if gc == nil || h == 0 {
@@ -372,7 +409,9 @@ func (m *Manager) queueStateCopies(s *seq, h int) {
 	}
 	for g, grp := range m.groups.extra {
 		if grp.Kind == Recurrent {
-			m.queued = append(m.queued, CopyPair{Src: gc.comp[g][s.blocks[h-1]], Dst: s.extra()[g].blocks[0]})
+			dst := s.extra()[g].blocks[0]
+			m.pin(dst)
+			m.queued = append(m.queued, CopyPair{Src: gc.comp[g][s.blocks[h-1]], Dst: dst})
 		}
 	}
 }
@@ -385,7 +424,10 @@ func (m *Manager) queueStateCopies(s *seq, h int) {
 // by Admit) and checkpoints (a sequence's state into a checkpoint block,
 // queued by MarkComputed). Call it every step between the scheduler's
 // calls and the forward pass (until left is 0); checkpoints are taken only
-// once it has been called. A manager without recurrent groups in the
+// once it has been called. A queued copy holds its two blocks until this
+// call hands it out (no eviction, removal or clear frees them), so the
+// engine takes the copies after the step's last scheduling call and
+// performs them before the next. A manager without recurrent groups in the
 // prefix cache queues nothing.
 func (m *Manager) TakeCopies(dst []CopyPair) (n, left int) {
 	m.mu.Lock()
@@ -394,6 +436,10 @@ func (m *Manager) TakeCopies(dst []CopyPair) (n, left int) {
 		m.gc.takes = true
 	}
 	n = copy(dst, m.queued)
+	for _, p := range dst[:n] {
+		m.unpin(p.Src)
+		m.unpin(p.Dst)
+	}
 	m.queued = append(m.queued[:0], m.queued[n:]...)
 	return n, len(m.queued)
 }
@@ -512,6 +558,14 @@ func (m *Manager) listedTaken(matched []int32, h int) int {
 			}
 		}
 	}
+	if h > 0 {
+		for g, grp := range m.groups.extra {
+			// The hit's checkpoints are pinned for their copies.
+			if grp.Kind == Recurrent && gc.class[gc.comp[g][matched[h-1]]] != compNone {
+				n++
+			}
+		}
+	}
 	return n
 }
 
@@ -527,7 +581,12 @@ func (m *Manager) takeCompanions(s *seq, h int) {
 	}
 	for g, grp := range m.groups.extra {
 		if grp.Kind == Recurrent {
-			continue // its state comes by copy (queueStateCopies)
+			// Its state comes by copy (queueStateCopies); the checkpoint
+			// it copies is pinned now, before the admission evicts.
+			if h > 0 {
+				m.pin(gc.comp[g][s.blocks[h-1]])
+			}
+			continue
 		}
 		t := &s.extra()[g]
 		from := 0
@@ -581,8 +640,9 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 		} else if st == blocks.Cached && m.groups.extra[g].Kind != FullAttention {
 			return bad("companion %d of group %d is cached with no reference and not listed", c, g+1)
 		}
-		if m.groups.extra[g].Kind == Recurrent && st != blocks.Cached {
-			return bad("checkpoint %d of group %d is %s", c, g+1, st)
+		if m.groups.extra[g].Kind == Recurrent && st != blocks.Cached && m.pool.Ref(int32(c)) != m.copyPins(int32(c)) {
+			return bad("checkpoint %d of group %d is %s with %d references, %d of them queued copies'", c, g+1, st,
+				m.pool.Ref(int32(c)), m.copyPins(int32(c)))
 		}
 		if m.groups.extra[g].Kind == FullAttention && (st == blocks.Cached) != (m.cache.LockCount(b) == 0) {
 			return bad("full group companion %d is %s while its node %d has %d locks", c, st, b, m.cache.LockCount(b))
@@ -658,4 +718,18 @@ func (m *Manager) makeFreeGroups(short int) {
 	if short > 0 {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: %d blocks short after evicting every evictable block", short))
 	}
+}
+
+// copyPins is how many queued copies name block b (the references they hold).
+func (m *Manager) copyPins(b int32) int32 {
+	var n int32
+	for _, p := range m.queued {
+		if p.Src == b {
+			n++
+		}
+		if p.Dst == b {
+			n++
+		}
+	}
+	return n
 }

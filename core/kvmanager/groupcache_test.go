@@ -31,12 +31,8 @@ func newGroupMem(m *Manager) *groupMem {
 	return gm
 }
 
-// write runs sequence id's step as an engine would: the queued copies
-// (TakeCopies, a few at a time), then its new tokens' K/V writes and its
-// recurrent states' update, after checking that each state block holds the
-// state after the tokens before the new ones.
-func (gm *groupMem) write(t testing.TB, id int64) {
-	t.Helper()
+// takeCopies performs the queued copies as an engine does, a few at a time.
+func (gm *groupMem) takeCopies() {
 	var buf [3]CopyPair
 	for {
 		n, left := gm.m.TakeCopies(buf[:])
@@ -44,9 +40,18 @@ func (gm *groupMem) write(t testing.TB, id int64) {
 			gm.state[p.Dst] = gm.state[p.Src]
 		}
 		if left == 0 {
-			break
+			return
 		}
 	}
+}
+
+// write runs sequence id's step as an engine would: the queued copies
+// (TakeCopies, a few at a time), then its new tokens' K/V writes and its
+// recurrent states' update, after checking that each state block holds the
+// state after the tokens before the new ones.
+func (gm *groupMem) write(t testing.TB, id int64) {
+	t.Helper()
+	gm.takeCopies()
 	tabs, slots := describeGroups(t, gm.m, id, 1<<12)
 	toks := gm.toks[id]
 	fresh := len(slots[0])
@@ -289,6 +294,7 @@ func TestGroupCacheRandomConversations(t *testing.T) {
 		for id := range gm.toks {
 			gm.remove(t, id)
 		}
+		gm.takeCopies() // the copies still queued hold their blocks until the engine takes them
 		if _, err := gm.m.ClearPrefixCache(); err != nil {
 			t.Fatal(err)
 		}
@@ -354,4 +360,84 @@ func TestGroupCacheNoCheckpointsWithoutTakes(t *testing.T) {
 	if _, err := m.Admit([]int64{2}, Prompts{Tokens: toks, Offsets: []int64{0, 17}}, matched); err != nil || matched[0] != 0 {
 		t.Fatalf("matched %d (%v) with no checkpoint", matched[0], err)
 	}
+}
+
+// A queued copy's blocks stay the copy's until TakeCopies hands it to the
+// engine. A prefix hit's checkpoint is not among the blocks its own
+// admission may evict (its state would come from a block that no longer
+// holds it), and a checkpoint's copy keeps its source (the sequence's state
+// block) and its destination through the sequence's removal and through an
+// admission short of blocks before the engine takes the copy.
+func TestQueuedCopiesHoldTheirBlocks(t *testing.T) {
+	rec := Group{Kind: Recurrent, StateBytes: 64, CheckpointEvery: 1}
+	t.Run("a hit's checkpoint under pressure", func(t *testing.T) {
+		m, err := New(Config{NumBlocks: 16, BlockSize: 8, EnablePrefixCache: true, BlockBytes: 64,
+			Groups: []Group{{Kind: FullAttention}, rec, rec, rec}})
+		must(t, err)
+		gm := newGroupMem(m)
+		gm.m.TakeCopies(nil)
+		r := rand.New(rand.NewPCG(9, 9))
+		a, d := seqTokens(r, 16), seqTokens(r, 16)
+		gm.admit(t, 1, a) // a checkpoint at 16 (a block per recurrent group), queued at MarkComputed
+		gm.remove(t, 1)
+		gm.admit(t, 2, d) // performs A's checkpoint copies; D's follow at its MarkComputed
+		gm.m.MarkComputed()
+		b := append(slices.Clone(a), seqTokens(r, 8)...)
+		// B needs 4 blocks; 3 are free, and what else could go is A's
+		// checkpoint (its hit's) and D's (their copies not taken yet).
+		if k := gm.admit(t, 3, b); k != -1 {
+			t.Fatalf("B admitted on %d tokens with only the copies' and its hit's blocks to evict", k)
+		}
+		must(t, gm.m.CheckInvariants())
+		got := make([]MatchInfo, 1)
+		must(t, gm.m.Match(Prompts{Tokens: b, Offsets: []int64{0, int64(len(b))}}, false, got))
+		if got[0].Tokens != 16 {
+			t.Fatalf("after the refused admission B matches %d tokens, want A's 16", got[0].Tokens)
+		}
+		gm.takeCopies() // the engine's step: D's checkpoints become evictable
+		if k := gm.admit(t, 3, b); k != 16 {
+			t.Fatalf("B matched %d tokens, want A's 16 (its checkpoint kept, D's evicted)", k)
+		}
+		// gm.admit's write checked that B's state blocks hold A's state.
+		gm.check(t)
+		must(t, gm.m.CheckInvariants())
+	})
+	t.Run("a checkpoint's copy through a removal and an eviction", func(t *testing.T) {
+		m, err := New(Config{NumBlocks: 12, BlockSize: 4, EnablePrefixCache: true, BlockBytes: 64,
+			Groups: []Group{{Kind: FullAttention}, rec}})
+		must(t, err)
+		m.TakeCopies(nil)
+		r := rand.New(rand.NewPCG(3, 4))
+		x := seqTokens(r, 8)
+		if n, err := m.Admit([]int64{1}, Prompts{Tokens: x, Offsets: []int64{0, 8}}, nil); err != nil || n != 1 {
+			t.Fatal(n, err)
+		}
+		tabs, _ := describeGroups(t, m, 1, 1<<12)
+		state := tabs[1][0]
+		m.MarkComputed() // queues X's state into a checkpoint at 8
+		must(t, m.Remove([]int64{1}))
+		must(t, m.CheckInvariants())
+		// Y takes every block an admission can get; the copy's two blocks are not among them.
+		y := seqTokens(r, 4*8)
+		n, err := m.Admit([]int64{2}, Prompts{Tokens: y, Offsets: []int64{0, int64(len(y))}}, nil)
+		must(t, err)
+		var held []int32
+		if n == 1 {
+			tabs, _ := describeGroups(t, m, 2, 1<<12)
+			held = append(slices.Clone(tabs[0]), tabs[1]...)
+		}
+		must(t, m.CheckInvariants())
+		var buf [4]CopyPair
+		k, left := m.TakeCopies(buf[:])
+		if k != 1 || left != 0 || buf[0].Src != state {
+			t.Fatalf("copies %v (%d left), want X's state block %d into its checkpoint", buf[:k], left, state)
+		}
+		if slices.Contains(held, buf[0].Src) || slices.Contains(held, buf[0].Dst) {
+			t.Fatalf("Y's tables hold a block of the queued copy %v", buf[0])
+		}
+		must(t, m.CheckInvariants())
+		if got := m.Stats(); n == 0 && got.FreeBlocks == 0 {
+			t.Fatalf("the copy taken, its source is still held: %+v", got)
+		}
+	})
 }

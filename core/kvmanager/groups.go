@@ -502,8 +502,9 @@ func (m *Manager) checkGroups(id int64, s *seq, refs []int32, bad func(string, .
 				return bad("sequence %d's group %d partial last block %d has ref %d", id, g+1, last, m.pool.Ref(last))
 			}
 		}
-		if grp.Kind == Recurrent && m.pool.Ref(t.blocks[0]) != 1 {
-			return bad("sequence %d's state block %d in group %d has ref %d", id, t.blocks[0], g+1, m.pool.Ref(t.blocks[0]))
+		if grp.Kind == Recurrent && m.pool.Ref(t.blocks[0]) != 1+m.copyPins(t.blocks[0]) {
+			return bad("sequence %d's state block %d in group %d has ref %d (%d of them queued copies')", id, t.blocks[0], g+1,
+				m.pool.Ref(t.blocks[0]), m.copyPins(t.blocks[0]))
 		}
 	}
 	return nil

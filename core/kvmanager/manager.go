@@ -953,6 +953,10 @@ func (m *Manager) checkInvariants(hashes bool) error {
 	if err := m.checkTier(refs, bad); err != nil {
 		return err
 	}
+	for _, p := range m.queued { // a queued copy holds its blocks
+		refs[p.Src]++
+		refs[p.Dst]++
+	}
 	for b, r := range refs {
 		if got := m.pool.Ref(int32(b)); got != r {
 			return bad("block %d has ref %d, held by %d sequence references", b, got, r)

@@ -242,14 +242,14 @@ def test_shared_system_prompt_resumes_from_a_checkpoint(model):
     print(f"max logit error after the hit {err:.2e}")
 
 
-def test_a_hit_whose_checkpoint_its_admission_evicts_recomputes(model):
+def test_a_hit_keeps_its_checkpoint_when_the_pool_is_short(model):
     """A pool of 16 blocks of 8: A (16 tokens) leaves a checkpoint at 16
     (three blocks, one per recurrent group) and goes; D (16 other tokens,
     live) leaves one too, which fills the pool. B (A's 16 tokens and 8 more)
-    matches A's checkpoint, but its admission is a block short and the
-    manager evicts the oldest checkpoint block, A's, to make room: the hit's
-    state copy would come from no block. The cache takes the admission back
-    and admits B again on what is cached now (nothing), and its logits are
+    matches A's checkpoint, but its admission with that hit does not fit:
+    the checkpoint it would copy from is not among the blocks the admission
+    may evict, so B waits, with nothing changed (it still matches). Once D
+    goes, B is admitted on A's checkpoint and its logits are
     transformers'."""
     rng = np.random.default_rng(9)
     a = rng.integers(1, 97, 16).tolist()
@@ -262,10 +262,19 @@ def test_a_hit_whose_checkpoint_its_admission_evicts_recomputes(model):
         assert run_prompt(cache, runner, 2, d, 16)[0] == 0
         cache.remove([1])
         assert cache.manager.match([b])[0].matched_tokens == 16, "B matches A's checkpoint"
-        hit, rows = run_prompt(cache, runner, 3, b, 64)
-        assert hit == 0 and cache.stats["lost_checkpoints"] == 1
+        cache.add(3, b)
+        assert len(cache.schedule([(3, 64)])) == 0, "B fits only by evicting the checkpoint it hits"
         cache.manager.check()
-    rows_against(H.reference_logits(model, b, len(b)), rows, 0)
+        assert cache.manager.match([b])[0].matched_tokens == 16, "the refused admission changed nothing"
+        cache.remove([2])
+        rows = []
+        while cache.seqs[3].pending:
+            batch = cache.schedule([(3, 64)])
+            if not rows:
+                assert int(batch.cached_tokens[0]) == 16, "B resumes from A's checkpoint"
+            rows.append(runner.step(batch, all_logits=True))
+        cache.manager.check()
+    rows_against(H.reference_logits(model, b, len(b)), torch.cat(rows), 16)
 
 
 def test_corrupted_state_is_detected(model):

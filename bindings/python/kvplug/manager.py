@@ -630,8 +630,9 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         (kvp_manager_take_copies): a recurrent group's checkpoints and the
         states of prefix hits. Perform them in order, every layer slot of
         src into dst, on the next forward pass's stream before it; call
-        once every step after scheduling. Empty without a recurrent group
-        in the prefix cache."""
+        once every step after scheduling (a queued copy holds its blocks
+        until this call hands it out). Empty without a recurrent group in
+        the prefix cache."""
         out: List[Tuple[int, int]] = []
         buf = (BlockCopy * 256)()
         n, left = _i32(), _i32()

@@ -386,9 +386,7 @@ class PagedKVCache:
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
-                      "forks": 0, "state_copies": 0, "lost_checkpoints": 0}
-        # Block copies taken from the manager (schedule's admissions) that apply_copies performs first.
-        self._held_copies: List[Tuple[int, int]] = []
+                      "forks": 0, "state_copies": 0}
         # The host tier's copies (Runner.step runs them); closed before the manager, also when collected.
         self.tier: Optional[HostTier] = None
         if host_tier_slots > 0:
@@ -570,8 +568,7 @@ class PagedKVCache:
         copy and this call (fork calls it first). Returns the copies."""
         if not self.recurrent_groups or not self.prefix_cache:
             return 0
-        pairs = self._held_copies + self.manager.take_copies()
-        self._held_copies = []
+        pairs = self.manager.take_copies()
         if pairs:
             self.copy_blocks(pairs)
             self.stats["state_copies"] += len(pairs)
@@ -742,18 +739,15 @@ class PagedKVCache:
         not_admitted: List[int] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
-            while True:
-                if self.tier is not None:
-                    # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
-                    # against the chunk.
-                    tm = self.manager.match_tiers([s.tokens], s.keys)[0]
-                    hit = tm.gpu_tokens + tm.host_tokens
-                else:
-                    hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
-                upto = self._chunk_end(hit, min(len(s.tokens), hit + n))
-                got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
-                if got.size == 0 or self._states_arrive(sid, int(got[0])):
-                    break
+            if self.tier is not None:
+                # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
+                # against the chunk.
+                tm = self.manager.match_tiers([s.tokens], s.keys)[0]
+                hit = tm.gpu_tokens + tm.host_tokens
+            else:
+                hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
+            upto = self._chunk_end(hit, min(len(s.tokens), hit + n))
+            got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
                 break
@@ -769,34 +763,6 @@ class PagedKVCache:
         q_lens = np.fromiter(map(len, news), np.int32, len(news))
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
         return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
-
-    def _states_arrive(self, sid: int, matched: int) -> bool:
-        """Whether sequence sid, just admitted on `matched` cached tokens,
-        gets its recurrent states; when not, it is removed again (nothing
-        of it computed) for the caller to admit it on what is cached now.
-
-        A prefix hit's states come by copy from the checkpoints after its
-        last matched block, queued last by the admission, one per recurrent
-        group. The manager counts those checkpoints among the blocks it may
-        evict to make room for the admitted sequence, and when it does evict
-        one, the hit stands with a copy from no block (src -1): the states
-        would be garbage. Evicted, the checkpoint no longer matches, so the
-        next admission hits less (or nothing), and the retries end. The
-        copies taken here wait in _held_copies for apply_copies, in order."""
-        n = len(self.recurrent_groups)
-        if not n or not self.prefix_cache or matched == 0:
-            return True
-        pairs = self.manager.take_copies()
-        if len(pairs) < n:
-            raise kvplug.InternalError(f"kvplug.hf: sequence {sid}'s prefix hit of {matched} tokens queued {len(pairs)} "
-                                       f"state copies for {n} recurrent groups", kvplug.Status.INTERNAL)
-        if all(src >= 0 for src, _ in pairs[len(pairs) - n:]):
-            self._held_copies += pairs
-            return True
-        self._held_copies += pairs[:len(pairs) - n]
-        self.manager.remove([sid])
-        self.stats["lost_checkpoints"] += 1
-        return False
 
     def _chunk_end(self, start: int, end: int) -> int:
         """Where a step computing tokens start .. end - 1 of a sequence
