@@ -205,18 +205,19 @@ def test_fp8_prefill_window(seed):
     assert row_err(out, want)[0] < TOL[torch.bfloat16]
 
 
-def test_fp8_hf_engine_logits():
+@pytest.mark.parametrize("cascade", [False, True], ids=["paged", "cascade"])
+def test_fp8_hf_engine_logits(cascade):
     """kvplug.hf over an FP8 cache on the kernels (kv_write, the sm_80
-    prefill, decode) against the same bf16 model over a bf16 cache:
-    FP8's rounding only (the CPU run of tests/python/test_hf_correctness.py
-    gives the torch path's figures)."""
+    prefill, decode; or every step on kvplug.cascade's kernels) against the
+    same bf16 model over a bf16 cache: FP8's rounding only (the CPU run of
+    tests/python/test_hf_correctness.py gives the torch path's figures)."""
     import pathlib
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
     import test_hf_correctness as hfc
 
-    worst, mean, agree = hfc.fp8_against_16bit("cuda", backend="kernels")
+    worst, mean, agree = hfc.fp8_against_16bit("cuda", backend="kernels", cascade=cascade)
     print(f"FP8 vs bf16 cache, teacher-forced logits: max rel {worst:.2e}, mean rel {mean:.2e}, argmax agreement {agree:.3f}")
     assert worst < 0.1 and mean < 0.05, (worst, mean)
     assert agree >= 0.9, agree

@@ -64,6 +64,24 @@ def test_conversations_on_kernels_with_the_host_tier(dtype, graphs, overlap):
         assert outs == big[3]
 
 
+@pytest.mark.parametrize("copier", ["auto", "torch"])
+def test_fp8_conversations_with_the_host_tier(copier):
+    """An FP8 cache on the kernels with the host tier: histories leave the
+    GPU and come back with their scales (the library's copier or the torch
+    one), and every row's logits equal the same FP8 run's with a pool that
+    holds everything, to the kernels' rounding (the reloaded bytes and
+    scales are the demoted ones; prefixes recomputed in other chunks are
+    quantised from the same K/V)."""
+    fp8 = torch.float8_e4m3fn
+    model = H.tiny_model("llama", dtype=torch.float16, device=DEV, **SHAPE)
+    engine, rec, reqs, outs, s, _ = T.run_conversations(model, num_blocks=24, host_slots=64, demote_ahead=6,
+                                                        backend="kernels", kv_dtype=fp8, tier_copier=copier)
+    assert s["copier"] == ("TierCopier" if copier == "auto" else "TorchTierCopier"), s
+    assert s["reloads_completed"] > 0 and s["host_hit_tokens"] >= 3 * T.BS and s["in_flight"] == 0, s
+    big = T.run_conversations(model, num_blocks=256, backend="kernels", kv_dtype=fp8)
+    assert outs == big[3]
+
+
 def test_copies_complete_on_their_event():
     """A step's batch stays in flight until its event has completed; poll
     completes it without waiting, and the bytes round-trip through the

@@ -345,18 +345,21 @@ def test_import_kvplug_does_not_import_torch_or_transformers():
     assert out == ["False", "False"]
 
 
-def fp8_against_16bit(device: str, backend: str = "auto") -> Tuple[float, float, float]:
+def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False) -> Tuple[float, float, float]:
     """Teacher-forced logits of a bf16 tiny Llama over an FP8 cache
     (kv_dtype torch.float8_e4m3fn) against the same model over a bf16 cache:
     (max relative error, mean relative error, argmax agreement), over a
-    prefill of 40 tokens in two chunks and 12 decode steps."""
+    prefill of 40 tokens in two chunks and 12 decode steps. cascade: both
+    runs on kvplug.cascade's kernels, every step kept on the cascade route."""
     model = twin(tiny_model("llama", dtype=torch.bfloat16, device=device, head_dim=64, num_attention_heads=4,
                             hidden_size=256))
     toks = np.random.default_rng(7).integers(1, 97, 52).tolist()
     runs = []
     for kv_dtype in (None, torch.float8_e4m3fn):
         with kvhf.PagedKVCache.for_model(model, 16, 16, kv_dtype=kv_dtype) as cache:
-            runner = kvhf.Runner(model, cache, max_batch=1, max_step_tokens=64, max_model_len=64, backend=backend)
+            runner = kvhf.Runner(model, cache, max_batch=1, max_step_tokens=64, max_model_len=64, backend=backend,
+                                 cascade=cascade)
+            runner.cascade_auto_route = not cascade
             cache.add(0, toks[:40])
             rows = [runner.step(cache.schedule([(0, 24)]), all_logits=True),
                     runner.step(cache.schedule([(0, 16)]), all_logits=True)]
@@ -384,7 +387,5 @@ def test_fp8_cache_misuse():
     with pytest.raises(kvplug.InvalidArgumentError, match="float16 and bfloat16"):
         kvhf.PagedKVCache.for_model(model, 16, 8, kv_dtype=torch.float8_e4m3fn)
     bf = tiny_model("llama", dtype=torch.bfloat16)
-    with pytest.raises(kvplug.InvalidArgumentError, match="tiers do not move FP8"):
-        kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, host_tier_slots=4)
     with pytest.raises(kvplug.InvalidArgumentError, match="kv_dtype"):
         kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float16)

@@ -66,7 +66,7 @@ class Conversations:
 def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
                       backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
                       tier_overlap: bool = False, max_batch: int = 2,
-                      step_tokens: int = 48, chunk: int = 24, write_through: int = 0):
+                      step_tokens: int = 48, chunk: int = 24, write_through: int = 0, kv_dtype: Any = None):
     """Runs the conversations (the model's device and dtype); returns (engine, recorder, requests, outputs by
     rid, tier summary or None, the engine's summary lines)."""
     E = H.load_engine()
@@ -74,7 +74,7 @@ def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahe
     conv = Conversations(E, model.config.vocab_size)
     tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
                 tier_overlap=tier_overlap, write_through=write_through) if host_slots else {}
-    cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, **tier)
+    cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, kv_dtype=kv_dtype, **tier)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
     rec = H.Recorder()
@@ -166,6 +166,20 @@ def test_a_lost_reload_is_caught(model):
         H.compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
 
 
+def test_fp8_histories_come_back_with_their_scales():
+    """An FP8 cache's blocks go to the host tier and come back with their
+    scales (each slot: the e4m3 K/V, then the float32 scales): the greedy
+    outputs equal those of the same FP8 cache in a pool that holds
+    everything, where nothing left the GPU."""
+    bf = H.tiny_model("llama", dtype=torch.bfloat16)
+    fp8 = torch.float8_e4m3fn
+    _, _, _, want, none, _ = run_conversations(bf, num_blocks=256, kv_dtype=fp8)
+    assert none is None
+    _, _, _, outs, s, _ = run_conversations(bf, num_blocks=24, host_slots=64, demote_ahead=6, kv_dtype=fp8)
+    assert s["reloads_completed"] > 0 and s["host_hit_tokens"] >= 3 * BS, s
+    assert outs == want
+
+
 def test_torch_copier_round_trip():
     """Demotions then reloads through unordered, non-contiguous host slots
     bring every layer's K and V of each block back."""
@@ -192,6 +206,28 @@ def test_torch_copier_round_trip():
         cp.close()
     with pytest.raises(ValueError, match="bytes"):
         tier_copy.TorchTierCopier(torch.zeros(2, 2, 4, 4, 1, 8), np.zeros((3, 10), np.uint8))
+    # FP8: a slot is the e4m3 K/V, then the scales; both come back.
+    with kvhf.PagedKVCache(shape, 16, 4, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, host_tier_slots=12,
+                           demote_ahead=4) as cache:
+        assert cache.block_bytes == 3 * 2 * 4 * 2 * 8 + 3 * 2 * 4 * 2 * 4
+        host = cache.manager.host_tier_memory()
+        with pytest.raises(kvplug.InvalidArgumentError, match="scales"):
+            tier_copy.TorchTierCopier(cache.kv, host)
+        cp = tier_copy.TorchTierCopier(cache.kv, host, scales=cache.scales)
+        cache.kv.view(torch.uint8).copy_(torch.randint(0, 120, cache.kv.shape, dtype=torch.uint8))
+        cache.scales.copy_(torch.rand(cache.scales.shape))
+        want, want_s = cache.kv.view(torch.uint8).clone(), cache.scales.clone()
+        cp.run(kvplug.CopyBatch(1, blocks, slots, none, none))
+        kv_bytes = 3 * 2 * 4 * 2 * 8
+        for b, s in zip(blocks, slots):
+            assert torch.equal(torch.from_numpy(host[s, kv_bytes:].copy()).view(torch.float32), want_s[:, :, b].flatten())
+        cache.kv.view(torch.uint8).zero_()
+        cache.scales.zero_()
+        cp.run(kvplug.CopyBatch(2, none, none, slots, back))
+        for b, nb in zip(blocks, back):
+            assert torch.equal(cache.kv.view(torch.uint8)[:, :, nb], want[:, :, b])
+            assert torch.equal(cache.scales[:, :, nb], want_s[:, :, b])
+        cp.close()
 
 
 def test_cache_tier_arguments():
@@ -234,6 +270,7 @@ def test_library_copier_is_used_on_cuda_caches(monkeypatch):
         device = torch.device("cuda")
         manager = object()
         kv = torch.arange(2 * 2 * 3 * 4).view(2, 2, 3, 4, 1, 1)  # [layers, K/V, blocks, bs, heads, dim]
+        fp8 = False
 
     monkeypatch.setattr(kvplug, "TierCopier", Fake)
     assert isinstance(tier_copy.make_copier(FakeCache()), Fake)

@@ -229,7 +229,8 @@ def kvplug_attention(
     elif ctx.backend == "kernels":
         kvplug.attn.kv_write(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
         if wl < 0 and ctx.cascade_plan is not None and g == 0:
-            out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, table, scale=scale, sinks=sinks)
+            out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, table, scale=scale, sinks=sinks,
+                                               k_scale=ks, v_scale=vs)
         elif ctx.decode and wl < 0:
             out = kvplug.attn.paged_decode(q, kc, vc, table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
                                            num_splits=ctx.num_splits, k_scale=ks, v_scale=vs, sinks=sinks)

@@ -312,8 +312,6 @@ class PagedKVCache:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: kv_dtype must be the model's dtype or torch.float8_e4m3fn, not {kv_dtype}")
         if self.fp8 and dtype not in (torch.float16, torch.bfloat16):
             raise kvplug.InvalidArgumentError(f"kvplug.hf: an FP8 cache serves float16 and bfloat16 models, not {dtype}")
-        if self.fp8 and (int(host_tier_slots) > 0 or shared_tier):
-            raise kvplug.InvalidArgumentError("kvplug.hf: the host and shared tiers do not move FP8 caches in this version")
         if shape.recurrent is not None and self.fp8:
             raise kvplug.InvalidArgumentError("kvplug.hf: a model with linear-attention layers does not take an FP8 cache "
                                               "in this version")
@@ -323,7 +321,7 @@ class PagedKVCache:
             # runner's check that model and cache share a device compares like with like.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefix_cache = prefix_cache
-        self.block_bytes = block_bytes(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, dtype)
+        self.block_bytes = block_bytes(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype)
         kw: Dict[str, Any] = {}
         host_tier_slots = int(host_tier_slots)
         if host_tier_slots > 0:

@@ -131,7 +131,7 @@ class _DecodeGraph:
         r, sh = self.runner, self.runner.cache.shape
         return kvplug.cascade.plan(self.h_table, self.h_lens, self.lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
                                    r.cache.dtype, r.cascade_ws, block_size=r.cache.block_size,
-                                   decode_route=decode_route)
+                                   decode_route=decode_route, hopper=not r.cache.fp8)  # FP8: the sm_80 kernels read it
 
     def load(self, batch: Batch) -> None:
         """Writes the batch into the static inputs: host work and two copies
@@ -248,8 +248,6 @@ class Runner:
         self._cascade_owner: Any = None  # the graph whose plan the cascade workspaces hold (None: an eager step's)
         if self.cascade and self.backend != "kernels":
             raise kvplug.InvalidArgumentError("kvplug.hf: cascade attention needs the kernels backend (a CUDA fp16/bf16 cache)")
-        if self.cascade and cache.fp8:
-            raise kvplug.InvalidArgumentError("kvplug.hf: cascade attention does not read FP8 caches in this version")
         if self.backend == "kernels":
             sh = cache.shape
             kvplug.attn.prepare(self.device)
@@ -334,7 +332,7 @@ class Runner:
             ctx.cascade_plan = kvplug.cascade.plan(
                 torch.from_numpy(np.ascontiguousarray(batch.block_table)), batch.seq_lens, lens, sh.num_q_heads,
                 sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size,
-                decode_route=self.cascade_auto_route, **varlen)
+                decode_route=self.cascade_auto_route, hopper=not self.cache.fp8, **varlen)
             self._cascade_owner = None
         elif self.backend == "kernels" and not (batch.is_decode and self._window is None):
             ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation

@@ -43,9 +43,16 @@ import kvplug
 __all__ = ["TorchTierCopier", "HostTier", "make_copier", "block_bytes", "manager_takes"]
 
 
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == getattr(torch, "float8_e4m3fn", None)
+
+
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block's K and V over all layers: one host slot."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of one block's K and V over all layers: one host slot. An FP8
+    cache's slot also holds the block's per-token-head float32 scales, after
+    its K/V bytes (the tier copier's layout)."""
+    n = num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return n + (num_layers * 2 * block_size * num_kv_heads * 4 if _is_fp8(dtype) else 0)
 
 
 def manager_takes(kwarg: str) -> bool:
@@ -81,16 +88,23 @@ class TorchTierCopier:
     the host region as pinned memory on a CUDA cache (falls back, with a
     warning, to pageable copies if that fails); close() unregisters it."""
 
-    def __init__(self, kv: torch.Tensor, host: np.ndarray, *, pin: bool = True) -> None:
+    def __init__(self, kv: torch.Tensor, host: np.ndarray, *, pin: bool = True, scales: Optional[torch.Tensor] = None) -> None:
         L, two, _, bs, kvh, hd = kv.shape
         self.kv = kv
+        self.scales = scales  # FP8: [layers, 2, num_blocks, block_size, kv_heads] float32, copied with their blocks
+        if _is_fp8(kv.dtype) != (scales is not None):
+            raise kvplug.InvalidArgumentError("kvplug.hf: an FP8 cache's host tier copies its scales (scales=), "
+                                              "and only an FP8 cache has them")
         self.block_shape = (L, two, bs, kvh, hd)
         want = block_bytes(L, bs, kvh, hd, kv.dtype)
         if host.ndim != 2 or host.dtype != np.uint8 or host.shape[1] != want:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: host tier slots of {host.shape[1] if host.ndim == 2 else '?'} bytes; "
                                               f"a block of this cache is {want} bytes")
         self._host_np = host  # the library's memory, kept alive by this array
-        self.host = torch.from_numpy(host).view(kv.dtype).view(host.shape[0], *self.block_shape)
+        raw = torch.from_numpy(host)
+        kv_bytes = L * two * bs * kvh * hd * kv.element_size()
+        self.host = raw[:, :kv_bytes].view(kv.dtype).view(host.shape[0], *self.block_shape)
+        self.host_scales = None if scales is None else raw[:, kv_bytes:].view(torch.float32).view(host.shape[0], L, two, bs, kvh)
         self.device = kv.device
         self.cuda = kv.device.type == "cuda"
         self.pinned = False
@@ -122,19 +136,26 @@ class TorchTierCopier:
         nb = self.cuda
         # Demotions first: a reload may write a GPU block that a demotion of the batch reads (a block an
         # allocation evicted and gave to the reloading prompt, with the manager's demote_evicted).
+        # FP8 as bytes: torch's index ops do not all take float8 (on the CPU).
+        kv, host_kv = (self.kv, self.host) if self.scales is None else (self.kv.view(torch.uint8), self.host.view(torch.uint8))
+        pairs = [(kv, host_kv)] + ([] if self.scales is None else [(self.scales, self.host_scales)])
         if len(batch.demote_slots):
             order = np.argsort(batch.demote_slots, kind="stable")
             slots = batch.demote_slots[order]
-            stage = self.kv.index_select(2, self._index(batch.demote_blocks[order])).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for i0, i1, s0 in _runs(slots):
-                self.host[s0:s0 + i1 - i0].copy_(stage[i0:i1], non_blocking=nb)
+            idx = self._index(batch.demote_blocks[order])
+            for dev, host in pairs:
+                stage = dev.index_select(2, idx).movedim(2, 0).contiguous()
+                for i0, i1, s0 in _runs(slots):
+                    host[s0:s0 + i1 - i0].copy_(stage[i0:i1], non_blocking=nb)
         if len(batch.reload_slots):
             order = np.argsort(batch.reload_slots, kind="stable")
             slots = batch.reload_slots[order]
-            stage = torch.empty((len(slots),) + self.block_shape, dtype=self.kv.dtype, device=self.device)
-            for i0, i1, s0 in _runs(slots):
-                stage[i0:i1].copy_(self.host[s0:s0 + i1 - i0], non_blocking=nb)
-            self.kv.index_copy_(2, self._index(batch.reload_blocks[order]), stage.permute(1, 2, 0, 3, 4, 5))
+            idx = self._index(batch.reload_blocks[order])
+            for dev, host in pairs:
+                stage = torch.empty((len(slots),) + tuple(host.shape[1:]), dtype=dev.dtype, device=self.device)
+                for i0, i1, s0 in _runs(slots):
+                    stage[i0:i1].copy_(host[s0:s0 + i1 - i0], non_blocking=nb)
+                dev.index_copy_(2, idx, stage.movedim(0, 2))
 
     def close(self) -> None:
         if self.pinned:
@@ -154,11 +175,13 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
         return spec(cache)
     if spec not in (None, "auto", "torch"):
         raise kvplug.InvalidArgumentError(f"kvplug.hf: tier_copier must be 'auto', 'torch' or a callable, not {spec!r}")
+    scales = cache.scales if cache.fp8 else None  # [layers, 2, num_blocks, block_size, kv_heads]
     if spec != "torch" and cache.device.type == "cuda":
         kv = cache.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        return kvplug.TierCopier([kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])],
-                                 manager=cache.manager)
-    return TorchTierCopier(cache.kv, cache.manager.host_tier_memory())
+        L = kv.shape[0]
+        fp8 = {} if scales is None else dict(k_scales=[scales[i, 0] for i in range(L)], v_scales=[scales[i, 1] for i in range(L)])
+        return kvplug.TierCopier([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], manager=cache.manager, **fp8)
+    return TorchTierCopier(cache.kv, cache.manager.host_tier_memory(), scales=scales)
 
 
 @dataclasses.dataclass
