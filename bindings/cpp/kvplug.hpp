@@ -684,6 +684,7 @@ struct KVEvent {
   int32_t kind = 0;  // KVP_KV_EVENT_...
   BlockHash hash{}, parent{};
   uint64_t adapter = 0;
+  int32_t medium = KVP_MEDIUM_GPU;  // BLOCK_STORED, BLOCKS_REMOVED: KVP_MEDIUM_... (the host tier's: CPU)
   std::vector<int32_t> tokens;    // BLOCK_STORED
   std::vector<kvp_block_mm> mm;   // BLOCK_STORED
   std::vector<BlockHash> hashes;  // BLOCKS_REMOVED
@@ -854,6 +855,7 @@ class PrefixCache {
       std::copy(std::begin(e.hash), std::end(e.hash), o.hash.begin());
       std::copy(std::begin(e.parent), std::end(e.parent), o.parent.begin());
       o.adapter = e.adapter;
+      o.medium = e.medium;
       if (e.kind == KVP_KV_EVENT_BLOCK_STORED) {
         o.tokens.assign(toks.begin() + e.tokens_offset, toks.begin() + e.tokens_offset + e.block_size);
         o.mm.assign(mm.begin() + e.mm_offset, mm.begin() + e.mm_offset + e.num_mm);

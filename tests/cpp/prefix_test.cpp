@@ -550,3 +550,36 @@ TEST(TierCopier, WrapperChecksAndCreates) {
   EXPECT_EQ(st, here) << "the copier answers " << kvplug::status_string(st) << ", the kernels "
                       << kvplug::status_string(here);
 }
+
+// A block the host tier stores is reported with its medium: the GPU's
+// BLOCK_STORED first, then, once the demotion's copy completes, the same
+// hash again with medium CPU.
+TEST(PrefixCache, EventsCarryTheirMedium) {
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 8;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.enable_kv_events = 1;
+  cfg.host_tier_slots = 16;
+  cfg.host_block_bytes = 64;
+  cfg.demote_ahead = 8;
+  kvplug::Manager m(cfg);
+  kvplug::PrefixCache pc(m);
+  kvplug::HostTier tier(m);
+  kvplug::Prompts p;
+  p.add(iota(100, 2 * kBlock + 1));
+  pc.admit(std::vector<int64_t>{1}, p);
+  EXPECT_EQ(tier.flush_copies().ticket, 0u);  // the step's flush: its blocks are not written yet
+  m.mark_computed();
+  m.remove(std::vector<int64_t>{1});
+  const auto b = tier.flush_copies();
+  ASSERT_EQ(b.demote.size(), 2u);
+  tier.complete_copies(b.ticket);
+  std::map<int32_t, std::vector<kvplug::BlockHash>> stored;  // medium -> hashes
+  for (const auto &e : pc.drain_events()) {
+    if (e.kind == KVP_KV_EVENT_BLOCK_STORED) stored[e.medium].push_back(e.hash);
+  }
+  ASSERT_EQ(stored[KVP_MEDIUM_GPU].size(), 2u);
+  EXPECT_EQ(stored[KVP_MEDIUM_CPU], stored[KVP_MEDIUM_GPU]);
+  m.check();
+}
