@@ -48,16 +48,46 @@ def gpu_hybrid(kind, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kind, num_blocks", [("gpt-oss", 36), ("gemma-3", 84)])
-def test_hybrid_engine_on_kernels_matches_transformers(kind, num_blocks, dtype):
+@pytest.mark.parametrize("kind, num_blocks, graphs", [("gpt-oss", 36, False), ("gemma-3", 84, False),
+                                                       ("gemma-3", 84, True)])
+def test_hybrid_engine_on_kernels_matches_transformers(kind, num_blocks, dtype, graphs):
+    """graphs: decode steps replay CUDA graphs, each layer group's table
+    and the windows in the captured decode kernels (gpt-oss is not
+    captured: transformers' MoE layer copies from the host in its forward
+    pass, which test_a_model_that_cannot_be_captured_is_refused_clearly
+    stands for)."""
     model = gpu_hybrid(kind, dtype)
     eng_mod = H.load_engine()
     reqs = H.make_requests(eng_mod, model.config.vocab_size)
-    engine, rec = H.run_engine(model, dtype, DEV, reqs, num_blocks=num_blocks, backend="kernels")
+    engine, rec = H.run_engine(model, dtype, DEV, reqs, num_blocks=num_blocks, backend="kernels", cuda_graphs=graphs)
     assert engine.runner.backend == "kernels" and len(engine.cache.groups) > 1
+    if graphs:
+        assert engine.runner.graphs and engine.runner.graph_steps > 0, "no decode step replayed a graph"
     assert all(r.finished is not None for r in reqs)
     assert rec.prefix_hits >= 3 and engine.preemptions >= 1
     atol, rtol = TOL[dtype]
     count, worst = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
     assert count > 200
     print(f"{kind} {dtype}: {count} rows, worst error {worst:.2f} of the bound")
+
+
+def test_a_model_that_cannot_be_captured_is_refused_clearly(monkeypatch):
+    """A model whose forward pass cannot be captured (transformers' gpt-oss
+    MoE copies from the host in 5.23) fails with kvplug's
+    InvalidArgumentError naming cuda_graphs=False, torch's error chained."""
+    import kvplug
+    import kvplug.hf.runner as R
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    monkeypatch.setattr(R, "_DecodeGraph", refuse)
+    kvmodel = H.twin(gpu_hybrid("gemma-3", torch.float16))
+    cache = kvhf.PagedKVCache.for_model(kvmodel, 84, 8)
+    try:
+        with pytest.raises(kvplug.InvalidArgumentError, match="cuda_graphs=False") as e:
+            kvhf.Runner(kvmodel, cache, backend="kernels", max_batch=8, max_step_tokens=48, max_model_len=128,
+                        cuda_graphs=True)
+        assert isinstance(e.value.__cause__, RuntimeError)
+    finally:
+        cache.close()

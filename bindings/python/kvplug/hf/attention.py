@@ -231,9 +231,14 @@ def kvplug_attention(
         if wl < 0 and ctx.cascade_plan is not None and g == 0:
             out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, table, scale=scale, sinks=sinks,
                                                k_scale=ks, v_scale=vs)
-        elif ctx.decode and wl < 0:
+        elif ctx.decode:
+            # The decode kernel, with the layer's own window (not wl, which drops a window no sequence
+            # reaches yet: a captured graph replays with longer sequences). With a window the library
+            # picks the splits from the window's reach.
+            wd = int(sliding_window) - 1 if sliding_window else -1
             out = kvplug.attn.paged_decode(q, kc, vc, table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
-                                           num_splits=ctx.num_splits, k_scale=ks, v_scale=vs, sinks=sinks)
+                                           num_splits=ctx.num_splits if wd < 0 else 0, k_scale=ks, v_scale=vs,
+                                           sinks=sinks, window_left=wd)
         else:
             out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, table, scale=scale, k_scale=ks, v_scale=vs,
                                             sinks=sinks)

@@ -79,16 +79,27 @@ class _DecodeGraph:
         self.runner, self.size, self.cascade = runner, size, cascade
         mb = runner.max_blocks
         self.mb = mb
-        # int64 [ids | positions] and int32 [slots | lens | table] staging buffers and their device twins
+        # int64 [ids | positions] and int32 [slots | lens | table | each further layer group's slots and
+        # table] staging buffers and their device twins
+        extra = len(c.groups) - 1
+        n32 = 2 * size + size * mb + extra * (size + size * mb)
         self.h64 = torch.zeros(2 * size, dtype=torch.long).pin_memory()
-        self.h32 = torch.zeros(2 * size + size * mb, dtype=torch.int32).pin_memory()
+        self.h32 = torch.zeros(n32, dtype=torch.int32).pin_memory()
         self.d64 = torch.zeros(2 * size, dtype=torch.long, device=dev)
-        self.d32 = torch.zeros(2 * size + size * mb, dtype=torch.int32, device=dev)
+        self.d32 = torch.zeros(n32, dtype=torch.int32, device=dev)
         self.ids, self.pos = self.d64[:size].view(1, size), self.d64[size:].view(1, size)
         self.slots, self.lens = self.d32[:size], self.d32[size:2 * size]
-        self.table = self.d32[2 * size:].view(size, mb)
+        self.table = self.d32[2 * size:2 * size + size * mb].view(size, mb)
         self.h_slots, self.h_lens = self.h32[:size], self.h32[size:2 * size]
-        self.h_table = self.h32[2 * size:].view(size, mb)
+        self.h_table = self.h32[2 * size:2 * size + size * mb].view(size, mb)
+        # Layer groups: group g's slots and table, after group 0's.
+        self.g_slots, self.g_tables, self.hg_slots, self.hg_tables = [], [], [], []
+        at = 2 * size + size * mb
+        for _ in range(extra):
+            for buf, sl, tb in ((self.d32, self.g_slots, self.g_tables), (self.h32, self.hg_slots, self.hg_tables)):
+                sl.append(buf[at:at + size])
+                tb.append(buf[at + size:at + size + size * mb].view(size, mb))
+            at += size + size * mb
         self.plan: Any = None
         self.plan_ids: Optional[np.ndarray] = None
         self.plan_age = 0
@@ -97,6 +108,11 @@ class _DecodeGraph:
         splits = kvplug.attn.num_splits(c.kv_dtype, sh.head_dim, size, sh.num_q_heads, sh.num_kv_heads, runner.max_model_len)
         self.ctx = StepContext(c, "kernels", self.slots, self.table, self.lens, np.arange(size + 1, dtype=np.int32),
                                np.ones(size, np.int32), True, decode_ws=runner.decode_ws, num_splits=splits)
+        if extra:
+            self.ctx.group_tables = [self.table] + self.g_tables
+            self.ctx.group_slots = [self.slots] + self.g_slots
+            for t in self.hg_slots + self.hg_tables:
+                t.fill_(-1)
         self.h_slots.fill_(-1)
         if cascade:
             # A capture needs a cascade-route plan: every row holds blocks 0 and 1 and one token of block 2.
@@ -147,6 +163,14 @@ class _DecodeGraph:
         h_lens[:n] = batch.seq_lens
         h_table[:n, :mb] = batch.block_table
         h_table[:n, mb:] = -1
+        for g, (hs, ht) in enumerate(zip(self.hg_slots, self.hg_tables), start=1):
+            hs, ht = hs.numpy(), ht.numpy()
+            gt = batch.group_tables[g]
+            hs[:n] = batch.group_slots[g]
+            hs[n:] = -1
+            ht[:n, :gt.shape[1]] = gt
+            ht[:n, gt.shape[1]:] = -1
+            ht[n:] = -1
         if self.cascade:
             h_lens[n:] = 1  # padding rows: one token of block 0, no sharing, nothing written
             h_table[n:] = -1
@@ -279,13 +303,14 @@ class Runner:
     # -- CUDA graphs ----------------------------------------------------------
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> None:
-        """Captures decode graphs (kernels backend only). A sliding window
-        shorter than max_model_len needs the prefill kernel, which these
-        graphs do not use: such models, and caches of layer groups, run
-        decode eagerly."""
+        """Captures decode graphs (kernels backend only), sliding windows and
+        attention layer groups included (the decode kernel takes the window
+        and each group's table). Models with recurrent layers (their state
+        updates run per sequence) and cascade with a window (the
+        shared-prefix kernels take none) run decode eagerly."""
         if self.backend != "kernels":
             raise kvplug.InvalidArgumentError("kvplug.hf: CUDA graphs need the kernels backend (a CUDA fp16/bf16 cache)")
-        if self._window and self._window < self.max_model_len or len(self.cache.groups) > 1:
+        if self.cache.recurrent_groups or (self.cascade and self._window):
             return
         if sizes is None:
             sizes = [s for s in (1, 2, 4, 8) if s <= self.max_batch] + list(range(16, self.max_batch + 1, 16))
@@ -293,7 +318,14 @@ class Runner:
         pool = None
         with torch.no_grad():
             for s in sizes:  # largest first: the smaller graphs reuse its memory pool
-                g = _DecodeGraph(self, s, pool, self.cascade)
+                try:
+                    g = _DecodeGraph(self, s, pool, self.cascade)
+                except RuntimeError as e:
+                    # The model's own code may not be capturable (a host copy in the forward pass, as
+                    # transformers' gpt-oss MoE makes): say so, rather than a failure deep in torch.
+                    self.graphs.clear()
+                    raise kvplug.InvalidArgumentError(f"kvplug.hf: {type(self.model).__name__} cannot be captured in a "
+                                                      f"CUDA graph ({e}); run it with cuda_graphs=False") from e
                 pool = g.graph.pool()
                 self.graphs[s] = g
         torch.cuda.synchronize(self.device)
@@ -334,7 +366,7 @@ class Runner:
                 sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size,
                 decode_route=self.cascade_auto_route, hopper=not self.cache.fp8, **varlen)
             self._cascade_owner = None
-        elif self.backend == "kernels" and not (batch.is_decode and self._window is None):
+        elif self.backend == "kernels" and not batch.is_decode:
             ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
         if batch.group_tables is not None:
             # Layer groups: each group's table and slots (group 0's are the step's own).
