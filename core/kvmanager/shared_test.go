@@ -297,7 +297,7 @@ func TestSharedTierPutQueueFull(t *testing.T) {
 	const bs = 4
 	m, g := newSharedMgr(t, redistest.Slow(t, 0), 8, bs, 16, 8, func(c *SharedTier) {
 		// No skip window: the store goroutine waits on the server.
-		c.PutQueue, c.OpTimeout, c.Backoff, c.MaxBackoff = 1, 300*time.Millisecond, time.Nanosecond, time.Nanosecond
+		c.PutQueue, c.OpTimeout, c.Backoff, c.MaxBackoff = 1, time.Second, time.Nanosecond, time.Nanosecond
 	})
 	conv := seqTokens(rand.New(rand.NewPCG(6, 77)), 4*bs+1)
 	admit(t, m, 1, conv, nil) // a timeout
@@ -310,8 +310,12 @@ func TestSharedTierPutQueueFull(t *testing.T) {
 	if d := time.Since(start); d > 100*time.Millisecond {
 		t.Fatalf("completion took %v", d)
 	}
+	// Four puts into a queue of one whose store waits on a server that never
+	// answers: every put is queued or dropped, and some are dropped (all
+	// four queued would need the store to time out twice while they are
+	// enqueued).
 	sh := m.TierStats().Shared
-	if sh.PutsQueued+sh.PutsDropped != 4 || sh.PutsDropped < 2 || sh.PutsQueued < 1 {
+	if sh.PutsQueued+sh.PutsDropped != 4 || sh.PutsDropped < 1 || sh.PutsQueued < 1 {
 		t.Fatalf("stats %+v", sh)
 	}
 	must(t, m.Close())
