@@ -135,12 +135,16 @@ func (m *Manager) dropUncomputed(blocks []int32) {
 	var err error
 	m.dropped, err = m.cache.DropPending(blocks, m.dropped[:0])
 	assertOK(err, "remove: dropping uncomputed blocks")
-	m.evicted = m.evicted[:0]
 	for _, d := range m.dropped {
 		assertOK(m.pool.UnmarkCached(d.Block), "remove: a dropped block is free")
-		m.evicted = append(m.evicted, d.Block)
 	}
-	m.nodesGone(m.evicted, m.cache.LastRemoved())
+	if m.gc != nil { // the dropped nodes' companions go with them
+		m.evicted = m.evicted[:0]
+		for _, d := range m.dropped {
+			m.evicted = append(m.evicted, d.Block)
+		}
+		m.nodesGone(m.evicted, m.cache.LastRemoved())
+	}
 	if !m.committed && !m.warned && len(m.dropped) > 0 {
 		m.warned = true
 		logx.L().Warn("prefix cache: a removed sequence's blocks were dropped as uncomputed, and mark_computed has never been called: "+

@@ -54,10 +54,10 @@ import (
 // and its sequence's new state block gets a copy from the checkpoint,
 // queued behind the checkpoint's own copy: the engine performs the queue
 // (TakeCopies) in order on the step's stream before the forward pass, so
-// a hit never starts from a state that is not there. Every block a copy
-// reads or writes is intact until then, whatever happened to it since
-// (freed, evicted, given to another owner): the next forward pass is the
-// first thing that writes to it. Checkpoints are taken only once the
+// a hit never starts from a state that is not there. A queued copy holds
+// a reference on both its blocks until TakeCopies hands it out (pin), so
+// no eviction, removal or clear frees or reuses them before the engine
+// performs it. Checkpoints are taken only once the
 // engine has called TakeCopies, which tells the manager that it performs
 // them; they are evicted as kept window blocks are.
 
@@ -354,10 +354,10 @@ func (m *Manager) takeCheckpoints() {
 		c := m.one[0]
 		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
 		m.register(c, b, cp.g)
-		m.queueCopy(s.extra()[cp.g].blocks[0], c)
-		var err error
-		m.cached, err = m.pool.Decref(m.one[:], m.cached[:0]) // the allocation's reference; the copy's holds it
-		assertOK(err, "checkpoint: releasing its block")
+		// The allocation's reference is the copy's pin of c (unpin lists it as kept).
+		src := s.extra()[cp.g].blocks[0]
+		m.pin(src)
+		m.queued = append(m.queued, CopyPair{Src: src, Dst: c})
 	}
 	gc.cands = gc.cands[:0]
 }
@@ -375,13 +375,6 @@ func (m *Manager) pin(b int32) {
 	m.gc.unlist(b)
 	one := [1]int32{b}
 	assertOK(m.pool.Incref(one[:]), "queued copy: referencing its block")
-}
-
-// queueCopy queues the copy of src into dst, pinning both.
-func (m *Manager) queueCopy(src, dst int32) {
-	m.pin(src)
-	m.pin(dst)
-	m.queued = append(m.queued, CopyPair{Src: src, Dst: dst})
 }
 
 // unpin drops block b's copy reference; a companion left with none (a
@@ -607,7 +600,8 @@ func (m *Manager) takeCompanions(s *seq, h int) {
 }
 
 // checkGroupCache verifies the companions against the pool and the index.
-func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
+// pins holds each block's references from queued copies.
+func (m *Manager) checkGroupCache(pins []int32, bad func(string, ...any) error) error {
 	gc := m.gc
 	if gc == nil {
 		return nil
@@ -640,9 +634,9 @@ func (m *Manager) checkGroupCache(bad func(string, ...any) error) error {
 		} else if st == blocks.Cached && m.groups.extra[g].Kind != FullAttention {
 			return bad("companion %d of group %d is cached with no reference and not listed", c, g+1)
 		}
-		if m.groups.extra[g].Kind == Recurrent && st != blocks.Cached && m.pool.Ref(int32(c)) != m.copyPins(int32(c)) {
+		if m.groups.extra[g].Kind == Recurrent && st != blocks.Cached && m.pool.Ref(int32(c)) != pins[c] {
 			return bad("checkpoint %d of group %d is %s with %d references, %d of them queued copies'", c, g+1, st,
-				m.pool.Ref(int32(c)), m.copyPins(int32(c)))
+				m.pool.Ref(int32(c)), pins[c])
 		}
 		if m.groups.extra[g].Kind == FullAttention && (st == blocks.Cached) != (m.cache.LockCount(b) == 0) {
 			return bad("full group companion %d is %s while its node %d has %d locks", c, st, b, m.cache.LockCount(b))
@@ -683,13 +677,11 @@ func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (re
 	h := m.hitBlocks(peek)
 	// What is free after the lock: evictable nodes but those the match
 	// holds, listed companions but those it takes.
-	avail := int64(m.pool.NumFree()) +
-		int64(m.cache.Evictable()-m.cache.Unheld(peek[:h]))*int64(1+m.gc.fullExtra) +
-		int64(m.gc.listed-m.listedTaken(peek, h))
+	avail := m.available() - int64(m.cache.Unheld(peek[:h]))*int64(1+m.gc.fullExtra) - int64(m.listedTaken(peek, h))
 	if m.groups.perSeq(need-h) > avail {
 		return res, false, nil
 	}
-	res, ok, err = m.cache.AcquireUpTo(m.locks[:0], tokens, keys, h, h, math.MaxInt32)
+	res, ok, err = m.cache.AcquirePeeked(m.locks[:0], len(tokens), h, h, math.MaxInt32)
 	m.locks = res.Blocks[:0]
 	if err == nil && (!ok || len(res.Blocks) != h) {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: acquire of the %d blocks peek found took %d (ok %v)", h, len(res.Blocks), ok))
@@ -718,18 +710,4 @@ func (m *Manager) makeFreeGroups(short int) {
 	if short > 0 {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: %d blocks short after evicting every evictable block", short))
 	}
-}
-
-// copyPins is how many queued copies name block b (the references they hold).
-func (m *Manager) copyPins(b int32) int32 {
-	var n int32
-	for _, p := range m.queued {
-		if p.Src == b {
-			n++
-		}
-		if p.Dst == b {
-			n++
-		}
-	}
-	return n
 }

@@ -469,7 +469,7 @@ func (m *Manager) GroupBlocks() []int {
 // checkGroups verifies s's group tables: their lengths, the dropped
 // entries (exactly the first gone, never a block the next query reads),
 // every other entry in use; refs counts their references.
-func (m *Manager) checkGroups(id int64, s *seq, refs []int32, bad func(string, ...any) error) error {
+func (m *Manager) checkGroups(id int64, s *seq, refs, pins []int32, bad func(string, ...any) error) error {
 	if len(s.extra()) != len(m.groups.extra) {
 		return bad("sequence %d has %d group tables for %d groups", id, len(s.extra()), len(m.groups.extra))
 	}
@@ -502,9 +502,9 @@ func (m *Manager) checkGroups(id int64, s *seq, refs []int32, bad func(string, .
 				return bad("sequence %d's group %d partial last block %d has ref %d", id, g+1, last, m.pool.Ref(last))
 			}
 		}
-		if grp.Kind == Recurrent && m.pool.Ref(t.blocks[0]) != 1+m.copyPins(t.blocks[0]) {
+		if grp.Kind == Recurrent && m.pool.Ref(t.blocks[0]) != 1+pins[t.blocks[0]] {
 			return bad("sequence %d's state block %d in group %d has ref %d (%d of them queued copies')", id, t.blocks[0], g+1,
-				m.pool.Ref(t.blocks[0]), m.copyPins(t.blocks[0]))
+				m.pool.Ref(t.blocks[0]), pins[t.blocks[0]])
 		}
 	}
 	return nil

@@ -510,7 +510,7 @@ func (m *Manager) grow(op string, ids []int64, counts []int32, tokens []int32) e
 		s.fresh = int32(c)
 		added += int64(c)
 	}
-	if m.gc != nil {
+	if m.gc != nil && m.groups.states > 0 { // only recurrent groups take checkpoints
 		for i, s := range batch {
 			m.noteCheckpoint(ids[i], s)
 		}
@@ -908,6 +908,11 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		return kverr.Errorf(kverr.Internal, "kv manager: "+format, args...)
 	}
 	refs := make([]int32, m.pool.NumBlocks())
+	pins := make([]int32, m.pool.NumBlocks()) // the references queued copies hold
+	for _, p := range m.queued {
+		pins[p.Src]++
+		pins[p.Dst]++
+	}
 	var tokens, waste int64
 	for id, s := range m.seqs.all() {
 		if s.length < 1 || len(s.blocks) != m.blocksFor(s.length) {
@@ -944,7 +949,7 @@ func (m *Manager) checkInvariants(hashes bool) error {
 				}
 			}
 		}
-		if err := m.checkGroups(id, s, refs, bad); err != nil {
+		if err := m.checkGroups(id, s, refs, pins, bad); err != nil {
 			return err
 		}
 		tokens += int64(s.length)
@@ -953,9 +958,8 @@ func (m *Manager) checkInvariants(hashes bool) error {
 	if err := m.checkTier(refs, bad); err != nil {
 		return err
 	}
-	for _, p := range m.queued { // a queued copy holds its blocks
-		refs[p.Src]++
-		refs[p.Dst]++
+	for b, p := range pins {
+		refs[b] += p
 	}
 	for b, r := range refs {
 		if got := m.pool.Ref(int32(b)); got != r {
@@ -970,7 +974,7 @@ func (m *Manager) checkInvariants(hashes bool) error {
 		if err := check(); err != nil {
 			return err
 		}
-		if err := m.checkGroupCache(bad); err != nil {
+		if err := m.checkGroupCache(pins, bad); err != nil {
 			return err
 		}
 		for b := range refs {

@@ -438,17 +438,19 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 // validated prompt all the same.
 func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string) ([]int32, *prefix.Keys, prefix.MatchResult) {
 	tokens, keys := prompts.Prompt(i)
-	limit := math.MaxInt
+	var res prefix.MatchResult
 	if m.gc != nil {
 		// With layer groups a prompt hits only where every window group
 		// holds what its next query reads.
 		peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
 		assertOK(err, what)
-		limit = m.hitBlocks(peek)
+		res = m.cache.MatchPeeked(m.locks[:0], tokens, keys, partial, m.hitBlocks(peek))
+	} else {
+		var err error
+		res, err = m.cache.Match(m.locks[:0], tokens, keys, partial)
+		assertOK(err, what)
 	}
-	res, err := m.cache.MatchUpTo(m.locks[:0], tokens, keys, partial, limit)
 	m.locks = res.Blocks[:0]
-	assertOK(err, what)
 	return tokens, keys, res
 }
 

@@ -375,12 +375,6 @@ type MatchResult struct {
 // most recently used. It takes no locks: Lock the blocks before anything
 // can evict them.
 func (x *Index) Match(dst []int32, tokens []int32, keys *Keys, partial bool) (MatchResult, error) {
-	return x.MatchUpTo(dst, tokens, keys, partial, x.matchLimit(len(tokens)))
-}
-
-// MatchUpTo is Match of at most maxBlocks full blocks (the partial block
-// is then looked for after them).
-func (x *Index) MatchUpTo(dst []int32, tokens []int32, keys *Keys, partial bool, maxBlocks int) (MatchResult, error) {
 	res := MatchResult{Blocks: dst, PartialBlock: -1}
 	if keys == nil {
 		keys = &noKeys
@@ -388,14 +382,45 @@ func (x *Index) MatchUpTo(dst []int32, tokens []int32, keys *Keys, partial bool,
 	if err := keys.validate("match"); err != nil {
 		return res, err
 	}
+	cur, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	return x.matchPath(res, tokens, keys, partial, cur, last), nil
+}
+
+// MatchPeeked is Match of the first h full blocks Peek just found for the
+// same prompt (nothing may change the index in between; the caller chose
+// h from the peeked blocks), without walking the prompt again. Peek
+// validated the keys.
+func (x *Index) MatchPeeked(dst []int32, tokens []int32, keys *Keys, partial bool, h int) MatchResult {
+	if keys == nil {
+		keys = &noKeys
+	}
+	cur, last := x.peeked(h)
+	return x.matchPath(MatchResult{Blocks: dst, PartialBlock: -1}, tokens, keys, partial, cur, last)
+}
+
+// matchPath makes the last walk (x.path, ending at node cur whose hash is
+// last) a match's result.
+func (x *Index) matchPath(res MatchResult, tokens []int32, keys *Keys, partial bool, cur int32, last Hash) MatchResult {
 	x.clock++
-	cur, last := x.walk(tokens, keys, min(maxBlocks, x.matchLimit(len(tokens))))
 	x.take(&res, len(tokens), last)
 	if partial {
 		res.PartialBlock, res.PartialTokens = x.partial(cur, tokens, keys, res.Tokens)
 		x.counters.PartialTokens += int64(res.PartialTokens)
 	}
-	return res, nil
+	return res
+}
+
+// peeked cuts the last walk (Peek's) to its first h blocks: the node it
+// then ends at and that node's hash (the root's zero hash for none).
+func (x *Index) peeked(h int) (int32, Hash) {
+	x.path = x.path[:h]
+	cur, last := int32(rootNode), Hash{}
+	if h > 0 {
+		cur = x.path[h-1]
+		last = x.nodes[cur].hash
+	}
+	x.recent = cur
+	return cur, last
 }
 
 // matchLimit is the number of a prompt's full blocks a match may cover:
@@ -435,12 +460,6 @@ func (x *Index) take(res *MatchResult, promptLen int, last Hash) {
 // When it does not fit, Acquire returns ok == false and changes nothing:
 // no lock, no access, no counter. It never looks for a partial block.
 func (x *Index) Acquire(dst []int32, tokens []int32, keys *Keys, need, free int) (res MatchResult, ok bool, err error) {
-	return x.AcquireUpTo(dst, tokens, keys, x.matchLimit(len(tokens)), need, free)
-}
-
-// AcquireUpTo is Acquire of at most maxBlocks blocks: for a caller that
-// can use only part of the longest match (Peek says what it is).
-func (x *Index) AcquireUpTo(dst []int32, tokens []int32, keys *Keys, maxBlocks, need, free int) (res MatchResult, ok bool, err error) {
 	res = MatchResult{Blocks: dst, PartialBlock: -1}
 	if keys == nil {
 		keys = &noKeys
@@ -448,7 +467,22 @@ func (x *Index) AcquireUpTo(dst []int32, tokens []int32, keys *Keys, maxBlocks, 
 	if err := keys.validate("acquire"); err != nil {
 		return res, false, err
 	}
-	_, last := x.walk(tokens, keys, min(maxBlocks, x.matchLimit(len(tokens))))
+	_, last := x.walk(tokens, keys, x.matchLimit(len(tokens)))
+	return x.acquirePath(res, len(tokens), last, need, free)
+}
+
+// AcquirePeeked is Acquire of the first h blocks Peek just found for a
+// prompt of promptLen tokens (nothing may change the index in between;
+// the caller chose h from the peeked blocks), without walking the prompt
+// again.
+func (x *Index) AcquirePeeked(dst []int32, promptLen, h, need, free int) (res MatchResult, ok bool, err error) {
+	_, last := x.peeked(h)
+	return x.acquirePath(MatchResult{Blocks: dst, PartialBlock: -1}, promptLen, last, need, free)
+}
+
+// acquirePath locks the last walk's blocks (x.path; last the hash of its
+// last one) when the rest of the prompt fits (Acquire).
+func (x *Index) acquirePath(res MatchResult, promptLen int, last Hash, need, free int) (MatchResult, bool, error) {
 	nowHeld := 0 // matched blocks the lock takes out of Evictable
 	for _, i := range x.path {
 		if x.nodes[i].holds == 0 {
@@ -462,7 +496,7 @@ func (x *Index) AcquireUpTo(dst []int32, tokens []int32, keys *Keys, maxBlocks, 
 		return res, false, nil
 	}
 	x.clock++
-	x.take(&res, len(tokens), last)
+	x.take(&res, promptLen, last)
 	for _, i := range x.path {
 		x.addLock(i)
 	}
