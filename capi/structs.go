@@ -86,18 +86,20 @@ func structOf[T any](name string, first uintptr) abiStruct {
 		f := t.Field(i)
 		if k := f.Type.Kind(); k == reflect.Pointer || k == reflect.UnsafePointer {
 			ptrs = append(ptrs, ptrField{f.Offset, f.Name})
-		} else if wholeFields[f.Name] {
+		} else if wholeFields[name+"."+f.Name] {
 			whole = append(whole, ptrField{f.Offset, f.Name})
 		}
 	}
 	return abiStruct{name, first, size, ptrs, whole}
 }
 
-// wholeFields names the 8-byte fields appended to a released struct that no
-// struct_size may cut: the device addresses kvp_paged_decode_args.sinks and
-// kvp_paged_prefill_args.sinks, and kvp_paged_decode_args.window_size with
-// its reserved word (0.6). A size ending inside one is no version's size.
-var wholeFields = map[string]bool{"sinks": true, "window_size": true}
+// wholeFields names, as struct.field, the 8-byte fields appended to a
+// released struct that no struct_size may cut: the device addresses
+// kvp_paged_decode_args.sinks and kvp_paged_prefill_args.sinks, and
+// kvp_paged_decode_args.window_size with its reserved word (0.6). A size
+// ending inside one is no version's size.
+var wholeFields = map[string]bool{"kvp_paged_decode_args.sinks": true, "kvp_paged_prefill_args.sinks": true,
+	"kvp_paged_decode_args.window_size": true}
 
 // abiStructs is every versioned struct of the ABI.
 var abiStructs = []abiStruct{managerConfigStruct, managerStatsStruct, prefixStatsStruct, vcacheConfigStruct,

@@ -1964,8 +1964,8 @@ typedef struct kvp_paged_decode_args {
                                sinks, above); 0 = none */
   int32_t window_size;      /* appended in 0.6: 0 = no window; w > 0: the new token at position
                                pos sees positions [max(0, pos - w + 1), pos] only (a
-                               sliding-window layer), and the blocks before any new token's
-                               window are not read (their table entries may be -1) */
+                               sliding-window layer); the table entries before every new
+                               token's window may be -1 (they are skipped or masked) */
   int32_t reserved;         /* 0 */
 } kvp_paged_decode_args;
 

@@ -52,7 +52,8 @@ struct DecodeCfg {
 // the 64-token tiles split, split + S, split + 2S, ... counted from base
 // (S = num_splits: interleaved rather than contiguous chunks, so where a
 // block's tiles start does not depend on the sequence length and its first
-// block-table reads can be in flight together with the read of the length),
+// block-table reads can be in flight together with the read of the length;
+// with a window the start is the window's tile, known once the length is),
 // for rows = nh q heads x qlen new tokens, new token t at position
 // L - qlen + t (causal among the new tokens).
 struct DecodeWork {
@@ -201,8 +202,9 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     // Everything that depends on no other load is issued at once: the query
-    // rows, the length and the block-table entries of the first STAGES + 1
-    // tiles (tile positions do not depend on the length; see DecodeWork).
+    // rows, the length and, without a window, the block-table entries of
+    // the first STAGES + 1 tiles (their positions do not depend on the
+    // length; see DecodeWork).
     constexpr int Q_CHUNKS = (16 * CPR + NT - 1) / NT;
     uint4 qv[Q_CHUNKS];
 #pragma unroll

@@ -67,7 +67,9 @@
  * kv.v_scale and kv.scale_kind (was reserved).
  * 6: attention sinks: `sinks` appended to kvp_decode_params,
  * kvp_merge_params, kvp_prefill_params and kvp_cascade_params (see
- * "Attention sinks" below). */
+ * "Attention sinks" below).
+ * 7: `window_left` and `reserved` appended to kvp_decode_params (a window
+ * in the decode kernel); kvp_cascade_<dt>_e4m3_h<D> reads an e4m3 cache. */
 #define KVP_KERNELS_ABI_VERSION 7
 
 /* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
@@ -178,8 +180,9 @@ typedef struct kvp_kv_write_params {
  *  [max(0, pos - window_left), pos]. The tiles are then counted from the
  *  first tile boundary at or below L - q_len - window_left (the first
  *  position any row sees), so a window of W reads about W tokens whatever
- *  L is, and the block-table entries before it are never read (a
- *  sliding-window layer group's dropped blocks may hold -1 there).
+ *  L is. Table entries before that tile boundary are never read, and
+ *  those between it and the window are masked, so every entry before the
+ *  window may be -1 (a sliding-window layer group's dropped blocks).
  *
  *  Varlen rows (q_indptr != 0, q_len 1): sequence b's one new token is row
  *  q_indptr[b] of q, out and lse; a sequence whose q_indptr[b + 1] -

@@ -544,12 +544,8 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits, Mainloop: r.s.PrefillMainloop,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
-		if pp.Mainloop != MainloopSM80 && pp.Mainloop != MainloopSM90 {
-			return c.errorf(kverr.InvalidArgument, "the plan's prefill route records no mainloop (not written by kvp_cascade_plan?)")
-		}
-		if a.PagedKV.E4M3() && pp.Mainloop == MainloopSM90 {
-			return kverr.Errorf(kverr.InvalidArgument, "paged_cascade: an e4m3 (FP8) cache is read by the sm_80 prefill "+
-				"mainloop; this plan's prefill route was cut for the Hopper one: plan with KVP_CASCADE_NO_HOPPER")
+		if a.PagedKV.E4M3() && pp.Mainloop == MainloopSM90 { // PagedPrefill's refusal, with the cascade planner's flag
+			return errE4M3HopperPlan(c.op, cascadeNoHopperAdvice)
 		}
 		return PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
@@ -631,11 +627,7 @@ var cascadeKernels = func() (t [2][len(headDims)][4]*cuda.Kernel) {
 // cascadeSharedBytes is kvp_cascade_smem_bytes: the larger of a shared
 // item's tile and a decode tail's 16-row decode tile.
 func cascadeSharedBytes(headDim int) uint32 {
-	stages, D := prefillStages(headDim), uint32(headDim)
-	tq := uint32(128)
-	if headDim > 128 {
-		tq = 64
-	}
+	stages, D, tq := prefillStages(headDim), uint32(headDim), uint32(cascade.TileQ(headDim))
 	return max(tq*D*2+stages*64*D*4+(stages+1)*64*8, decodeSharedBytes(F16, headDim))
 }
 
@@ -643,10 +635,7 @@ func cascadeSharedBytes(headDim int) uint32 {
 // a shared item's rows (the sm_80 prefill tile's, with cascadeTileQ rows)
 // or the e4m3 decode tile.
 func cascadeSharedBytesE4M3(headDim int) uint32 {
-	tq := uint32(128)
-	if headDim > 128 {
-		tq = 64
-	}
+	tq := uint32(cascade.TileQ(headDim))
 	return max(prefillSharedBytesE4M3(headDim)+(tq-64)*uint32(headDim)*2, decodeSharedBytesE4M3(headDim))
 }
 

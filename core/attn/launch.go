@@ -93,8 +93,8 @@ type PagedDecodeArgs struct {
 	// block_size.
 	MaxSeqLen int
 	// WindowSize: 0, no window; w > 0, the new token at position pos sees
-	// only positions [pos - w + 1, pos] (a sliding-window layer), and each
-	// sequence's blocks before its window are never read.
+	// only positions [pos - w + 1, pos] (a sliding-window layer); table
+	// entries before every new token's window may be -1 (skipped or masked).
 	WindowSize int
 }
 

@@ -181,9 +181,19 @@ func prefillStages(headDim int) uint32 {
 }
 
 // errE4M3Hopper: an e4m3 cache is read by the sm_80 prefill mainloop only.
-func errE4M3Hopper(what string) error {
+func errE4M3Hopper(what string) error { return errE4M3HopperPlan(what, prefillNoHopperAdvice) }
+
+// The planners' ways to a plan an e4m3 cache can run (errE4M3HopperPlan).
+const (
+	prefillNoHopperAdvice = "KVP_PREFILL_NO_HOPPER (Python: prefill_plan(..., hopper=False))"
+	cascadeNoHopperAdvice = "KVP_CASCADE_NO_HOPPER (Python: cascade.plan(..., hopper=False))"
+)
+
+// errE4M3HopperPlan refuses an e4m3 cache under a plan cut for the Hopper
+// mainloop, naming the planner's flag (advice) that avoids it.
+func errE4M3HopperPlan(what, advice string) error {
 	return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 (FP8) cache is read by the sm_80 prefill mainloop; "+
-		"this plan is for the Hopper mainloop: plan with KVP_PREFILL_NO_HOPPER (Python: prefill_plan(..., hopper=False))", what)
+		"this plan is for the Hopper mainloop: plan with %s", what, advice)
 }
 
 // prefillSharedBytesE4M3 is kvp_prefill_smem_bytes_e4m3: the sm_80 prefill

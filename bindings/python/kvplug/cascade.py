@@ -50,15 +50,15 @@ ROUTE_CASCADE = 3  # KVP_ATTN_ROUTE_CASCADE (ROUTE_PREFILL and ROUTE_DECODE are 
 PLAN_CASCADE = 2  # KVP_ATTN_PLAN_CASCADE
 NO_DECODE_ROUTE = 1  # KVP_CASCADE_NO_DECODE_ROUTE
 NO_HOPPER = 4  # KVP_CASCADE_NO_HOPPER
-
-
-def _flags(decode_route: bool, hopper: bool) -> int:
-    return (0 if decode_route else NO_DECODE_ROUTE) | (0 if hopper else NO_HOPPER)
 MAX_PARTS = 16  # KVP_CASCADE_MAX_PARTS
 
 _i64 = ctypes.c_int64
 _u64 = ctypes.c_uint64
 _i32 = ctypes.c_int32
+
+
+def _flags(decode_route: bool, hopper: bool) -> int:
+    return (0 if decode_route else NO_DECODE_ROUTE) | (0 if hopper else NO_HOPPER)
 
 
 def _i32arg(v: Any, what: str) -> int:
