@@ -517,7 +517,8 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
 
 def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: int, dtype: torch.dtype,
                 host_cache_gb: Optional[float] = None) -> dict:
-    """PagedKVCache's tier arguments from the flags ({} without a tier)."""
+    """PagedKVCache's tier arguments from the flags ({} without a tier);
+    dtype is the cache's K/V dtype (an FP8 one's slots hold its scales)."""
     gb = args.host_cache_gb if host_cache_gb is None else host_cache_gb
     kw: dict = {}
     if gb > 0:
@@ -595,7 +596,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         kv_dtype = torch.float8_e4m3fn
         # A 16-bit block's bytes hold 2 * head_dim / (head_dim + 4) e4m3 blocks with their float32 scales.
         num_blocks = num_blocks * 2 * shape.head_dim // (shape.head_dim + 4)
-    tier = tier_kwargs(args, shape, num_blocks, dtype)
+    tier = tier_kwargs(args, shape, num_blocks, kv_dtype or dtype)  # FP8 slots: half the bytes, and the scales
     cache = kvhf.PagedKVCache(shape, num_blocks, args.block_size, dtype=dtype, device=args.device, kv_dtype=kv_dtype,
                               **tier)
     runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,

@@ -15,7 +15,6 @@ Skips only on a machine with no NVIDIA device, and fails under
 KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
-import importlib.util
 import pathlib
 import sys
 

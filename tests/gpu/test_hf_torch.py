@@ -40,8 +40,8 @@ SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attent
              head_dim=64, initializer_range=0.08)
 
 
-# Mistral runs without the cascade only: a sliding window shorter than the sequences keeps its
-# decode on the prefill kernel, so the cascade route would never be taken.
+# Mistral runs without the cascade only: the shared-prefix kernels take no window, so a model with a
+# sliding window is never planned for them.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kind,cascade", [(k, c) for k in ("llama", "mistral", "qwen2") for c in ("off", "auto", "forced")
                                           if k != "mistral" or c == "off"])

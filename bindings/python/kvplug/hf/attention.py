@@ -217,7 +217,6 @@ def kvplug_attention(
     k = key[0].transpose(0, 1)  # [T, kv_heads, D]
     v = value[0].transpose(0, 1)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
-    wl = ctx.window_left(sliding_window)
     kc, vc = ctx.cache.k_cache(layer), ctx.cache.v_cache(layer)
     ks, vs = ctx.cache.k_scale(layer), ctx.cache.v_scale(layer)  # FP8 caches' scales; None for 16-bit
     if sinks is not None:
@@ -225,23 +224,23 @@ def kvplug_attention(
     if ctx.backend == "custom":
         if sinks is not None:
             raise kvplug.InvalidArgumentError("kvplug attention: the custom backend does not take attention sinks")
-        out = ctx.custom(ctx, layer, q, k, v, scale, wl)
+        out = ctx.custom(ctx, layer, q, k, v, scale, ctx.window_left(sliding_window))
     elif ctx.backend == "kernels":
         kvplug.attn.kv_write(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-        if wl < 0 and ctx.cascade_plan is not None and g == 0:
+        if ctx.cascade_plan is not None and g == 0:  # planned for models without a window only
             out = kvplug.cascade.paged_cascade(ctx.cascade_plan, q, kc, vc, table, scale=scale, sinks=sinks,
                                                k_scale=ks, v_scale=vs)
         elif ctx.decode:
-            # The decode kernel, with the layer's own window (not wl, which drops a window no sequence
-            # reaches yet: a captured graph replays with longer sequences). With a window the library
+            # The decode kernel, with the layer's own window (not ctx.window_left's, which drops a window no
+            # sequence reaches yet: a captured graph replays with longer sequences). With a window the library
             # picks the splits from the window's reach.
-            wd = int(sliding_window) - 1 if sliding_window else -1
+            wd = int(sliding_window) - 1 if sliding_window and sliding_window > 0 else -1
             out = kvplug.attn.paged_decode(q, kc, vc, table, ctx.seq_lens, scale=scale, workspace=ctx.decode_ws,
                                            num_splits=ctx.num_splits if wd < 0 else 0, k_scale=ks, v_scale=vs,
                                            sinks=sinks, window_left=wd)
         else:
-            out = kvplug.attn.paged_prefill(ctx.plan(wl), q, kc, vc, table, scale=scale, k_scale=ks, v_scale=vs,
-                                            sinks=sinks)
+            out = kvplug.attn.paged_prefill(ctx.plan(ctx.window_left(sliding_window)), q, kc, vc, table, scale=scale,
+                                            k_scale=ks, v_scale=vs, sinks=sinks)
     else:
         sh = ctx.cache.shape
         flat = slots.long()
@@ -251,7 +250,8 @@ def kvplug_attention(
         else:
             kc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, k.to(kc.dtype))
             vc.view(-1, sh.num_kv_heads, sh.head_dim).index_copy_(0, flat, v.to(vc.dtype))
-        out = _reference(ctx, layer, q, scale, wl, ctx.group_gather[g] if ctx.group_gather else ctx.gather, sinks)
+        out = _reference(ctx, layer, q, scale, ctx.window_left(sliding_window),
+                         ctx.group_gather[g] if ctx.group_gather else ctx.gather, sinks)
     return out.unsqueeze(0), None
 
 

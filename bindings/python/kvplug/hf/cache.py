@@ -482,7 +482,8 @@ class PagedKVCache:
     @staticmethod
     def host_slots_for(gib: float, shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
         """Host tier slots that `gib` GiB hold for this K/V layout (one slot:
-        layers x 2 x block_size x kv_heads x head_dim x dtype bytes)."""
+        layers x 2 x block_size x kv_heads x head_dim x dtype bytes, and for
+        torch.float8_e4m3fn the block's float32 scales)."""
         return int(gib * 2**30) // block_bytes(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, dtype)
 
     # -- tensors --------------------------------------------------------------

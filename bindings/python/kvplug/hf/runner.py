@@ -377,7 +377,7 @@ class Runner:
             # A recurrent group's table holds one block per sequence: its state.
             ctx.state_blocks = [None] * len(self.cache.groups)
             for g in self.cache.recurrent_groups:
-                ctx.state_blocks[g] = host(batch.group_tables[g][:, 0].astype(np.int64)).to(dev, non_blocking=True)
+                ctx.state_blocks[g] = ctx.group_tables[g][:, 0].long()  # the group's table, already on the device
         if self.backend == "torch":
             bs = self.cache.block_size
             tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
