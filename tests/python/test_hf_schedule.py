@@ -1,8 +1,10 @@
 """PagedKVCache's scheduling paths against one another: a decode step (every
 request one token of a live sequence) takes a bulk path, anything else the
 checked per-sequence loop; both must give the same Batch and the same errors,
-and append_tokens must do what append does for each sequence. No model
-needed: only the manager and the token bookkeeping are exercised."""
+and append_tokens must do what append does for each sequence. A hybrid
+model's Batch holds every layer group's arrays as the manager describes
+them. No model needed: only the manager and the token bookkeeping are
+exercised."""
 
 from __future__ import annotations
 
@@ -108,3 +110,61 @@ def test_mixed_step_rows_go_as_one_array():
         assert b.input_ids[1:8].tolist() == list(range(6, 13))
         assert b.input_ids[-4:].tolist() == [100, 101, 102, 103]
         assert len(b.slot_mapping) == 13 and len(set(b.slot_mapping.tolist())) == 13
+
+
+# Hybrid shapes without a model: Gemma 3's (five window layers to a full one: six groups) and Qwen3-Next's
+# (linear-attention layers: recurrent groups, whose mappings are empty).
+GEMMA3 = kvhf.ModelShape(6, 4, 2, 16, layer_types=("sliding_attention",) * 5 + ("full_attention",), sliding_window=8)
+QWEN3_NEXT = kvhf.ModelShape(4, 4, 2, 16, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                             recurrent=kvhf.RecurrentShape(64, 4, 4, 8, 8))
+
+
+def _same_as_manager(cache: kvhf.PagedKVCache, b: kvhf.Batch) -> None:
+    """A grouped Batch holds what Manager.describe_groups reports for its sequences."""
+    want = cache.manager.describe_groups(b.seq_ids)
+    assert len(b.group_tables) == len(b.group_slots) == len(want) == len(cache.groups)
+    assert b.block_table is b.group_tables[0] and b.slot_mapping is b.group_slots[0]
+    for g, d in enumerate(want):
+        for got, ref in ((b.group_tables[g], d.block_table), (b.seq_lens, d.seq_lens), (b.group_slots[g], d.slot_mapping)):
+            assert got.dtype == ref.dtype and got.shape == ref.shape and np.array_equal(got, ref), g
+
+
+@pytest.mark.parametrize("shape", [GEMMA3, QWEN3_NEXT], ids=["gemma-3", "qwen3-next"])
+def test_grouped_batch_matches_describe_groups(shape):
+    rng = np.random.default_rng(4)
+    with kvhf.PagedKVCache(shape, 256, 8, dtype=torch.float32) as cache:
+        assert len(cache.groups) == (6 if shape is GEMMA3 else 4)
+        assert bool(cache.recurrent_groups) == (shape is QWEN3_NEXT)
+        system = rng.integers(1, 500, 32).tolist()  # a recurrent checkpoint at its end: the second chunk's
+        for sid in range(3):
+            cache.add(sid, system + rng.integers(1, 500, 10 + 7 * sid).tolist())
+        for step in range(30):
+            if step == 12:  # an admission on the cached system prompt, among decode rows
+                cache.add(9, system + [7, 8, 9])
+            live = [sid for sid in cache.seqs if cache.seqs[sid].pending]
+            b = cache.schedule([(sid, 16) for sid in live])
+            _same_as_manager(cache, b)
+            if step == 12:
+                assert b.cached_tokens[b.seq_ids.tolist().index(9)] == 32, "the admission hit the system prompt"
+            if shape is QWEN3_NEXT:
+                assert all(len(b.group_slots[g]) == 0 for g in cache.recurrent_groups)
+                assert all(len(b.group_slots[g]) == b.num_tokens for g in range(len(cache.groups))
+                           if g not in cache.recurrent_groups)
+            cache.commit(b)
+            cache.manager.take_copies()  # the checkpoints' copies, which Runner.step performs
+            done = [sid for sid in b.seq_ids.tolist() if not cache.seqs[sid].pending]
+            if done:
+                cache.append_tokens(done, rng.integers(1, 500, len(done)).tolist())
+        assert cache.seqs[9].live
+
+
+def test_grouped_schedule_reports_a_disagreeing_manager():
+    """A manager that holds more than the schedule says (grown behind the cache's back) is described at
+    its own size and reported, not cut to the schedule's buffers."""
+    with kvhf.PagedKVCache(GEMMA3, 64, 4, dtype=torch.float32) as cache:
+        cache.add(1, list(range(1, 8)))
+        cache.commit(cache.schedule([(1, 8)]))
+        cache.append(1, 9)
+        cache.manager.grow_tokens(np.array([1], np.int64), [[5, 6]])  # two tokens the cache does not know of
+        with pytest.raises(kvplug.InternalError, match=r"manager lengths \[10\] disagree with the schedule \[8\]"):
+            cache.schedule([(1, 1)])

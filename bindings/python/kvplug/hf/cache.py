@@ -805,9 +805,8 @@ class PagedKVCache:
         want = starts_arr + q_lens
         group_tables = group_slots = None
         if len(ids_arr) and len(self.groups) > 1:
-            d = self.manager.describe_groups(ids_arr)
-            table, lens, slots = d[0]
-            group_tables, group_slots = [g.block_table for g in d], [g.slot_mapping for g in d]
+            group_tables, lens, group_slots = self._describe_groups(ids_arr, want, total)
+            table, slots = group_tables[0], group_slots[0]
         elif len(ids_arr):
             table, lens, slots = self._describe(ids_arr, want, total)
         else:
@@ -833,6 +832,26 @@ class PagedKVCache:
         except kvplug.BufferTooSmallError:
             return self.manager.describe(ids)
         return table, got, slots[:k]
+
+    def _describe_groups(self, ids: np.ndarray, lens: np.ndarray,
+                         total: int) -> Tuple[List[np.ndarray], np.ndarray, List[np.ndarray]]:
+        """_describe for every layer group, also in one C call: (each group's block table, seq_lens, each
+        group's slot mapping). The groups' tables share a shape, and so do their mappings: each kind is
+        one allocation, its groups' arrays views of it. A recurrent group's mapping, which the manager
+        does not write, is empty, as Manager.describe_groups gives it. A manager that holds more than
+        the schedule says is described at its own size, for the caller's check to report."""
+        n, ng, rec = len(ids), len(self.groups), self.recurrent_groups
+        mb = max(1, -(-int(lens.max()) // self.block_size))
+        tables = list(np.empty((ng, n, mb), np.int32))
+        slots = np.empty((ng, total), np.int32)
+        maps: List[Optional[np.ndarray]] = [None if g in rec else slots[g] for g in range(ng)] if rec else list(slots)
+        got = np.empty(n, np.int32)
+        try:
+            k = self.manager.describe_groups_into(ids, tables, got, maps)
+        except kvplug.BufferTooSmallError:
+            d = self.manager.describe_groups(ids)
+            return [x.block_table for x in d], d[0].seq_lens, [x.slot_mapping for x in d]
+        return tables, got, [slots[g, :0] if m is None else m[:k] for g, m in enumerate(maps)]
 
     def commit(self, batch: Batch) -> None:
         """Marks a batch's tokens computed (the runner calls it after the
