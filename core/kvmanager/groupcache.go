@@ -59,7 +59,40 @@ import (
 // no eviction, removal or clear frees or reuses them before the engine
 // performs it. Checkpoints are taken only once the
 // engine has called TakeCopies, which tells the manager that it performs
-// them; they are evicted as kept window blocks are.
+// them. A node's state is its checkpoints of every recurrent group: only
+// all of them together resume a hit, so a node is given checkpoints only
+// when every group's interval divides its number and the pool spares a
+// block for each. A sequence whose block is a private copy of a cached
+// twin (it computed a prefix that was cached but had no state) gives the
+// twin the state, so a prefix whose states were evicted gets them back
+// from the next prompt that computes it.
+//
+// Eviction with recurrent groups. A prompt resumes from the last state at
+// or before its match, so what a node is worth depends on the states at it
+// and below it:
+//   - a checkpoint of a node without a whole state (partial) is worth
+//     nothing: it goes first;
+//   - a node with no state and no cached block below it (spent: marked in
+//     the index, prefix.Index.SetSpent) is worth nothing either: no match
+//     ending in it or past it can resume there. Spent nodes go next, with
+//     their companions; evicting one may leave its parent spent, which
+//     goes in turn;
+//   - a state at an inner node -- one cached block below it and no match
+//     ended there -- serves only a prompt that diverges between it and the
+//     next state down its chain: the chain's deepest state (at a leaf)
+//     resumes every prompt that follows the chain, and a branch (two or
+//     more blocks below) or a hit point is where prompts did diverge (a
+//     shared system prompt's end, a conversation's turn). Inner states go
+//     next, the least recently released first, each node's checkpoints
+//     together, their nodes left spent;
+//   - then nodes in the index's order, each with its companions, and last
+//     the states at kept points (leaves, branches, hit points) whose nodes
+//     cannot go (locked, or with blocks below).
+// Keeping one state per chain end and branch instead of one per block is
+// what keeps a recurrent model's hits under pressure: with a checkpoint
+// every block and three recurrent groups the states are three blocks for
+// every block of K/V, and a pool that evicts them with their nodes by age
+// loses a shared system prompt's state before the next prompt reads it.
 
 // KV events. With events on, every group's cached blocks are announced
 // (prefix.Event.Group): a companion's BlockStored when it is registered
@@ -72,11 +105,16 @@ import (
 // lacks a checkpoint. Snapshots list the companions after the nodes
 // (prefix.GroupSource); ClearPrefixCache's AllCleared covers them.
 
-// The classes of a Cached window companion.
+// The classes of a Cached companion: a window block behind its sequence or
+// kept; a checkpoint of a partial state, of a state at an inner node, or
+// of a kept state.
 const (
 	compNone = iota // not listed
 	compBehind
 	compKept
+	compPartial
+	compInner
+	numClasses
 )
 
 // groupCache is the companions of the index's nodes.
@@ -87,11 +125,11 @@ type groupCache struct {
 	// ownerGroup[c] its group, less one.
 	owner      []int32
 	ownerGroup []uint8
-	// Evictable window companions, one least-recently-released list per
-	// class, threaded through prev/next (NoBlock ends a list).
+	// Evictable companions, one least-recently-released list per class,
+	// threaded through prev/next (NoBlock ends a list).
 	class      []uint8
 	prev, next []int32
-	head, tail [3]int32
+	head, tail [numClasses]int32
 	listed     int
 	// hitPoint[b]: a match ended at node b; the window blocks its next
 	// query reads are kept.
@@ -99,6 +137,10 @@ type groupCache struct {
 	// fullExtra counts the full-attention groups past group 0: every
 	// evictable node frees that many companions with it.
 	fullExtra int
+	// up[b] is cached block b's parent block (NoBlock: a first block),
+	// kept with recurrent groups, whose states' classes change with their
+	// nodes' children (restate) when a child goes.
+	up []int32
 	// Checkpoints to take at the next MarkComputed; takes: the engine has
 	// called TakeCopies.
 	cands []checkpoint
@@ -112,11 +154,12 @@ type groupCache struct {
 }
 
 // checkpoint is a sequence whose step ended, at length tokens, at the end
-// of a block where recurrent group g keeps a checkpoint.
+// of a block where every recurrent group keeps a checkpoint; hash is the
+// block's (its own, or its cached twin's).
 type checkpoint struct {
 	id     int64
 	length int
-	g      int
+	hash   prefix.Hash
 }
 
 // maxQueuedCopies bounds the copies waiting for TakeCopies: an engine that
@@ -142,6 +185,10 @@ func newGroupCache(numBlocks int, gs *groupSet) *groupCache {
 		}
 	}
 	fillNoBlock(gc.owner)
+	if gs.states > 0 {
+		gc.up = make([]int32, numBlocks)
+		fillNoBlock(gc.up)
+	}
 	for c := range gc.head {
 		gc.head[c], gc.tail[c] = NoBlock, NoBlock
 	}
@@ -237,6 +284,13 @@ func (m *Manager) registerCompanions(s *seq, j int) {
 		return
 	}
 	b := s.blocks[j]
+	if gc.up != nil {
+		// No state yet (takeCheckpoints gives it one), and its parent has
+		// one more block below it.
+		m.cache.SetSpent(b, true)
+		gc.up[b] = m.cache.Parent(b)
+		m.restate(gc.up[b])
+	}
 	for g, grp := range m.groups.extra {
 		if grp.Kind == Recurrent {
 			continue
@@ -280,6 +334,12 @@ func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 			}
 			assertOK(m.pool.UnmarkCached(c), "a companion block is free")
 		}
+		if gc.up != nil {
+			// Its parent has one block less below it.
+			p := gc.up[b]
+			gc.up[b] = NoBlock
+			m.restate(p)
+		}
 	}
 	if hashes != nil {
 		m.flushGone()
@@ -291,45 +351,118 @@ func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 	return freed
 }
 
-// evictCompanions frees up to n listed companions of class, the least
-// recently released first, and returns how many.
+// evictCompanions frees listed companions of class, the least recently
+// released first, until it has freed n or the class is empty, and returns
+// how many it freed. A checkpoint goes with its node's other listed
+// checkpoints: without one of them the state resumes nothing, and the node
+// is left spent.
 func (m *Manager) evictCompanions(class uint8, n int) int {
 	gc := m.gc
 	k := 0
-	for ; k < n && gc.head[class] != NoBlock; k++ {
+	for k < n && gc.head[class] != NoBlock {
 		c := gc.head[class]
+		b := gc.owner[c]
 		var h prefix.Hash
 		if gc.events {
 			// Its node is cached: a companion goes before its node.
-			h, _ = m.cache.BlockHash(gc.owner[c])
+			h, _ = m.cache.BlockHash(b)
 		}
-		m.forget(c, h)
-		assertOK(m.pool.UnmarkCached(c), "a listed companion is not cached")
+		if m.groups.extra[gc.ownerGroup[c]].Kind != Recurrent {
+			m.forget(c, h)
+			assertOK(m.pool.UnmarkCached(c), "a listed companion is not cached")
+			k++
+			continue
+		}
+		for g, grp := range m.groups.extra {
+			// A checkpoint a queued copy holds is not listed: it stays
+			// until the copy is taken, then lists as partial (unpin).
+			if d := gc.comp[g][b]; grp.Kind == Recurrent && d != NoBlock && gc.class[d] != compNone {
+				m.forget(d, h)
+				assertOK(m.pool.UnmarkCached(d), "a listed checkpoint is not cached")
+				k++
+			}
+		}
+		m.cache.SetSpent(b, true)
 	}
 	m.flushGone()
 	return k
 }
 
-// noteCheckpoint records, for the next MarkComputed, sequence id's
-// checkpoints: the recurrent groups whose interval divides the number of
-// s's blocks, when its step ends at the end of its last block and its
-// blocks are being cached.
-func (m *Manager) noteCheckpoint(id int64, s *seq) {
-	gc := m.gc
-	if gc == nil || m.groups.states == 0 || s.pc == nil || s.length%m.bs != 0 {
+// checkpoints counts node b's checkpoints.
+func (m *Manager) checkpoints(b int32) int {
+	n := 0
+	for g, grp := range m.groups.extra {
+		if grp.Kind == Recurrent && m.gc.comp[g][b] != NoBlock {
+			n++
+		}
+	}
+	return n
+}
+
+// whole reports whether node b has a checkpoint in every recurrent group:
+// a state a hit can resume from.
+func (m *Manager) whole(b int32) bool { return m.checkpoints(b) == m.groups.states }
+
+// stateClass is the class of a released checkpoint of node b, which has
+// kids cached blocks below it (groupcache.go, "Eviction with recurrent
+// groups").
+func (m *Manager) stateClass(b int32, kids int) uint8 {
+	switch {
+	case !m.whole(b):
+		return compPartial
+	case kids == 1 && !m.gc.hitPoint[b]:
+		return compInner
+	}
+	return compKept
+}
+
+// restate moves node b's listed checkpoints to the class they have now,
+// after a change to b's children; a block not cached is left alone (its
+// companions go with it).
+func (m *Manager) restate(b int32) {
+	if b == NoBlock {
 		return
 	}
-	n := s.length / m.bs
+	kids := m.cache.Children(b)
+	if kids < 0 {
+		return
+	}
+	gc := m.gc
+	cl := m.stateClass(b, kids)
 	for g, grp := range m.groups.extra {
-		if grp.Kind == Recurrent && n%grp.CheckpointEvery == 0 {
-			gc.cands = append(gc.cands, checkpoint{id: id, length: s.length, g: g})
+		if c := gc.comp[g][b]; grp.Kind == Recurrent && c != NoBlock && gc.class[c] != compNone && gc.class[c] != cl {
+			gc.unlist(c)
+			gc.push(c, cl)
 		}
 	}
 }
 
-// takeCheckpoints, at MarkComputed, gives each recorded checkpoint whose
-// sequence is as it was and whose block is cached without one a block of
-// its own, if the pool can spare it, and queues the state's copy there.
+// noteCheckpoint records, for the next MarkComputed, sequence id's state
+// as a checkpoint, when its step ends at the end of its last block, whose
+// number every recurrent group's interval divides, and its blocks are
+// being cached. (A block where only some groups keep a checkpoint would
+// hold a partial state, which resumes nothing.)
+func (m *Manager) noteCheckpoint(id int64, s *seq) {
+	gc := m.gc
+	if gc == nil || m.groups.states == 0 || s.pc == nil || s.length == 0 || s.length%m.bs != 0 {
+		return
+	}
+	n := s.length / m.bs
+	for _, grp := range m.groups.extra {
+		if grp.Kind == Recurrent && n%grp.CheckpointEvery != 0 {
+			return
+		}
+	}
+	gc.cands = append(gc.cands, checkpoint{id: id, length: s.length, hash: s.pc.last})
+}
+
+// takeCheckpoints, at MarkComputed, gives the cached block of each
+// recorded checkpoint whose sequence is as it was, if the block has no
+// checkpoint yet and the pool can spare a block per recurrent group, its
+// state: a checkpoint block per group, with the copy of the sequence's
+// state there queued. The block is the sequence's, or the cached twin of
+// the sequence's private copy (insertBlocks), which then gets the state it
+// lacked.
 func (m *Manager) takeCheckpoints() {
 	gc := m.gc
 	if gc == nil {
@@ -339,25 +472,43 @@ func (m *Manager) takeCheckpoints() {
 		gc.cands = gc.cands[:0]
 		return
 	}
+	need := m.groups.states
 	for _, cp := range gc.cands {
 		s := m.seqs.get(cp.id)
-		if s == nil || s.length != cp.length || len(m.queued) >= maxQueuedCopies {
+		if s == nil || s.length != cp.length || len(m.queued)+need > maxQueuedCopies {
 			continue
 		}
-		b := s.blocks[cp.length/m.bs-1]
-		if _, ok := m.cache.BlockHash(b); !ok || gc.comp[cp.g][b] != NoBlock || m.available() < 1 {
-			continue
+		b, ok := m.cache.Lookup(cp.hash)
+		if !ok || m.checkpoints(b) > 0 {
+			continue // evicted, or given a state already
 		}
-		m.makeFree(1)
-		m.one[0] = NoBlock
-		m.allocate(m.one[:], s.extra()[cp.g].blocks[0], "checkpoint: allocating a block made free")
-		c := m.one[0]
-		assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
-		m.register(c, b, cp.g)
-		// The allocation's reference is the copy's pin of c (unpin lists it as kept).
-		src := s.extra()[cp.g].blocks[0]
-		m.pin(src)
-		m.queued = append(m.queued, CopyPair{Src: src, Dst: c})
+		twin := [1]int32{b}
+		locked := b != s.blocks[cp.length/m.bs-1]
+		if locked {
+			// No sequence holds a twin: the evictions below must not take it.
+			assertOK(m.cache.Lock(twin[:]), "checkpoint: locking a cached twin")
+		}
+		if m.available() >= int64(need) {
+			m.makeFree(need)
+			for g, grp := range m.groups.extra {
+				if grp.Kind != Recurrent {
+					continue
+				}
+				src := s.extra()[g].blocks[0]
+				m.one[0] = NoBlock
+				m.allocate(m.one[:], src, "checkpoint: allocating a block made free")
+				c := m.one[0]
+				assertOK(m.pool.MarkCached(c), "checkpoint: marking its block")
+				m.register(c, b, g)
+				// The allocation's reference is the copy's pin of c (unpin lists it).
+				m.pin(src)
+				m.queued = append(m.queued, CopyPair{Src: src, Dst: c})
+			}
+			m.cache.SetSpent(b, false)
+		}
+		if locked {
+			assertOK(m.cache.Release(twin[:]), "checkpoint: releasing a cached twin")
+		}
 	}
 	gc.cands = gc.cands[:0]
 }
@@ -378,15 +529,16 @@ func (m *Manager) pin(b int32) {
 }
 
 // unpin drops block b's copy reference; a companion left with none (a
-// checkpoint: copies move recurrent states only) is listed as kept.
+// checkpoint: copies move recurrent states only) is listed by its state's
+// class.
 func (m *Manager) unpin(b int32) {
 	one := [1]int32{b}
 	var err error
 	m.cached, err = m.pool.Decref(one[:], m.cached[:0])
 	assertOK(err, "queued copy: releasing its block")
 	for _, c := range m.cached {
-		if m.gc.owner[c] != NoBlock && m.gc.class[c] == compNone {
-			m.gc.push(c, compKept)
+		if b := m.gc.owner[c]; b != NoBlock && m.gc.class[c] == compNone {
+			m.gc.push(c, m.stateClass(b, m.cache.Children(b)))
 		}
 	}
 }
@@ -631,6 +783,15 @@ func (m *Manager) checkGroupCache(pins []int32, bad func(string, ...any) error) 
 			if st != blocks.Cached || m.groups.extra[g].Kind == FullAttention {
 				return bad("listed companion %d is %s in group %d", c, st, g+1)
 			}
+			want := gc.class[c]
+			if m.groups.extra[g].Kind == Recurrent {
+				want = m.stateClass(b, m.cache.Children(b))
+			} else if want != compBehind && want != compKept {
+				want = compKept
+			}
+			if gc.class[c] != want {
+				return bad("companion %d of node %d in group %d is listed in class %d, its class is %d", c, b, g+1, gc.class[c], want)
+			}
 		} else if st == blocks.Cached && m.groups.extra[g].Kind != FullAttention {
 			return bad("companion %d of group %d is cached with no reference and not listed", c, g+1)
 		}
@@ -661,6 +822,17 @@ func (m *Manager) checkGroupCache(pins []int32, bad func(string, ...any) error) 
 			}
 		}
 	}
+	for b, up := range gc.up {
+		_, cached := m.cache.BlockHash(int32(b))
+		switch {
+		case !cached && up != NoBlock:
+			return bad("block %d is not cached and names parent %d", b, up)
+		case cached && up != m.cache.Parent(int32(b)):
+			return bad("cached block %d names parent %d, the index %d", b, up, m.cache.Parent(int32(b)))
+		case cached && m.cache.Spent(int32(b)) == m.whole(int32(b)):
+			return bad("cached block %d is marked spent %v with %d of %d checkpoints", b, m.cache.Spent(int32(b)), m.checkpoints(int32(b)), m.groups.states)
+		}
+	}
 	return nil
 }
 
@@ -689,20 +861,30 @@ func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (re
 	return res, ok, err
 }
 
-// makeFreeGroups is makeFree with layer groups: window companions behind
-// their sequences first, then the index's nodes with their companions,
-// then the kept companions. The caller checked short <= available().
+// makeFreeGroups is makeFree with layer groups: checkpoints of partial
+// states and window companions behind their sequences first; then, with
+// recurrent groups, spent nodes and the states at inner nodes; then the
+// index's nodes with their companions (spent ones first: the index's
+// order), then the kept companions. The caller checked short <=
+// available().
 func (m *Manager) makeFreeGroups(short int) {
+	short -= m.evictCompanions(compPartial, short)
 	short -= m.evictCompanions(compBehind, short)
-	for short > 0 && m.cache.Evictable() > 0 {
-		// A node frees its full groups' companions with it: evict no more
-		// nodes than the shortfall needs.
-		n := max(1, short/(1+m.gc.fullExtra))
-		m.evicted = m.cache.Evict(m.evicted[:0], n)
-		// An evictable block has no lock, hence no reference, and is
-		// marked, so it is Cached in the pool.
-		assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
-		short -= len(m.evicted) + m.nodesGone(m.evicted, m.cache.LastRemoved())
+	for short > 0 {
+		if m.gc.up != nil {
+			if n := m.evictNodes(short, true); n > 0 {
+				short -= n
+				continue
+			}
+			if m.gc.head[compInner] != NoBlock {
+				short -= m.evictCompanions(compInner, short)
+				continue
+			}
+		}
+		if m.cache.Evictable() == 0 {
+			break
+		}
+		short -= m.evictNodes(short, false)
 	}
 	if short > 0 {
 		short -= m.evictCompanions(compKept, short)
@@ -710,4 +892,21 @@ func (m *Manager) makeFreeGroups(short int) {
 	if short > 0 {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: %d blocks short after evicting every evictable block", short))
 	}
+}
+
+// evictNodes evicts nodes from the index (only spent ones with spentOnly)
+// with their companions, no more than a shortfall of short needs, and
+// returns how many blocks that freed.
+func (m *Manager) evictNodes(short int, spentOnly bool) int {
+	// A node frees its full groups' companions with it.
+	n := max(1, short/(1+m.gc.fullExtra))
+	if spentOnly {
+		m.evicted = m.cache.EvictSpent(m.evicted[:0], n)
+	} else {
+		m.evicted = m.cache.Evict(m.evicted[:0], n)
+	}
+	// An evictable block has no lock, hence no reference, and is marked,
+	// so it is Cached in the pool.
+	assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
+	return len(m.evicted) + m.nodesGone(m.evicted, m.cache.LastRemoved())
 }

@@ -12,7 +12,55 @@ import (
 // when nothing else is evictable. One BlockRemoved event lists the call's
 // blocks.
 func (x *Index) Evict(dst []int32, n int) []int32 {
-	return x.evict(dst, n, nil)
+	return x.evict(dst, n, nil, false)
+}
+
+// EvictSpent is Evict limited to nodes marked spent (SetSpent), including
+// those its own evictions turn into evictable leaves.
+func (x *Index) EvictSpent(dst []int32, n int) []int32 {
+	return x.evict(dst, n, nil, true)
+}
+
+// SetSpent marks cached block id as spent, or not: a spent node is of no
+// use to any match its owner serves (a recurrent model's block with no
+// state kept after it), so the eviction order takes it before every other
+// evictable node, whatever its priority or last access. A block that is
+// not cached is ignored. O(log n).
+func (x *Index) SetSpent(id int32, spent bool) {
+	i := x.nodeOf(id)
+	if i == nilNode || x.nodes[i].spent == spent {
+		return
+	}
+	x.nodes[i].spent = spent
+	if x.nodes[i].heapPos >= 0 {
+		x.heapFix(i)
+	}
+}
+
+// Spent reports whether cached block id is marked spent.
+func (x *Index) Spent(id int32) bool {
+	i := x.nodeOf(id)
+	return i != nilNode && x.nodes[i].spent
+}
+
+// Children returns how many cached blocks follow cached block id (its
+// children in the tree); -1 when id is not cached.
+func (x *Index) Children(id int32) int {
+	i := x.nodeOf(id)
+	if i == nilNode {
+		return -1
+	}
+	return int(x.nodes[i].children)
+}
+
+// Parent returns the cached block that cached block id follows: -1 for a
+// first block, or when id is not cached.
+func (x *Index) Parent(id int32) int32 {
+	i := x.nodeOf(id)
+	if i == nilNode {
+		return -1
+	}
+	return x.nodes[x.nodes[i].parent].block
 }
 
 // EvictedBlock is a block EvictBlocks removed, with the fields of the
@@ -33,7 +81,7 @@ type EvictedBlock struct {
 // comes back as passed otherwise, sparing the copy.
 func (x *Index) EvictBlocks(info []EvictedBlock, toks []int32, n int, tokens bool) ([]EvictedBlock, []int32) {
 	d := evictDesc{info: info, toks: toks, tokens: tokens}
-	x.evict(nil, n, &d)
+	x.evict(nil, n, &d, false)
 	return d.info, d.toks
 }
 
@@ -45,12 +93,16 @@ type evictDesc struct {
 }
 
 // evict evicts up to n blocks, appending their ids to dst, or, when desc
-// is not nil, their descriptions to desc instead.
-func (x *Index) evict(dst []int32, n int, desc *evictDesc) []int32 {
+// is not nil, their descriptions to desc instead; with spentOnly, only
+// blocks marked spent.
+func (x *Index) evict(dst []int32, n int, desc *evictDesc, spentOnly bool) []int32 {
 	count := 0
 	x.removedHashes = x.removedHashes[:0]
 	for count < n && len(x.heap) > 0 {
 		i := x.heap[0]
+		if spentOnly && !x.nodes[i].spent {
+			break // spent nodes sort first: none is left
+		}
 		x.heapRemove(i)
 		nd := &x.nodes[i]
 		if desc != nil {
@@ -157,10 +209,13 @@ func (x *Index) settle(i int32) {
 	}
 }
 
-// evictsBefore is the eviction order: lower priority, then older last
-// access, then deeper, then lower block id.
+// evictsBefore is the eviction order: spent, then lower priority, then
+// older last access, then deeper, then lower block id.
 func (x *Index) evictsBefore(a, b int32) bool {
 	na, nb := &x.nodes[a], &x.nodes[b]
+	if na.spent != nb.spent {
+		return na.spent
+	}
 	if na.prio != nb.prio {
 		return na.prio < nb.prio
 	}

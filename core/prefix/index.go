@@ -29,10 +29,11 @@
 // has no children: only leaves go, and a parent becomes a leaf when its
 // last child goes. Evictable nodes sit in a binary heap ordered by
 //
-//	(priority ascending, last access ascending, depth descending, block id ascending)
+//	(spent first, priority ascending, last access ascending, depth descending, block id ascending)
 //
-// so the lowest priority goes first, then the least recently used, ties to
-// the deepest node (the end of the longest prefix), then the lowest block id
+// so a node the owner marked spent goes first (SetSpent: no match can use
+// it), then the lowest priority, then the least recently used, ties to the
+// deepest node (the end of the longest prefix), then the lowest block id
 // so the order is fully determined. Last access is a logical clock that
 // ticks once per Match, Insert and Unlock call; every block a call touches
 // gets that call's tick (Match: the blocks it returns; Insert: the block;
@@ -102,6 +103,7 @@ type node struct {
 	heapPos  int32  // position in the eviction heap; -1 when not there
 	holds    int32  // (lock > 0) + (pin > 0) + held children; held when > 0
 	epoch    uint32 // the step that inserted it: pending while it is Index.epoch (computed.go)
+	spent    bool   // SetSpent: evicted before every node that is not
 	last     uint64
 	adapter  uint64
 	mm       []BlockMM
