@@ -1,0 +1,130 @@
+package kvmanager
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// qwenNext is a Qwen3-Next-like group set: one full-attention group and
+// three recurrent groups keeping a checkpoint every `every` blocks.
+func qwenNext(t testing.TB, numBlocks, bs, every int) *groupMem {
+	t.Helper()
+	rec := Group{Kind: Recurrent, StateBytes: 64, CheckpointEvery: every}
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, BlockBytes: 64,
+		Groups: []Group{{Kind: FullAttention}, rec, rec, rec}})
+	must(t, err)
+	m.TakeCopies(nil) // the engine takes copies
+	return newGroupMem(m)
+}
+
+// finish removes sequence id and performs the copies its last step
+// queued, as the engine's next step does.
+func (gm *groupMem) finish(t testing.TB, id int64) {
+	t.Helper()
+	gm.remove(t, id)
+	gm.takeCopies()
+}
+
+// growBlocks grows sequence id a block at a time, each step ending at a
+// block's end (a checkpoint with every = 1), as an engine's decode does.
+func (gm *groupMem) growBlocks(t testing.TB, r *rand.Rand, id int64, n int) {
+	t.Helper()
+	for range n {
+		must(t, gm.grow(t, id, seqTokens(r, gm.m.BlockSize())))
+		gm.m.MarkComputed()
+	}
+}
+
+// Two conversations branch off a shared system prompt, with a state at
+// every block of their histories. Pressure that the states inside the
+// chains can pay for takes those: each conversation's next turn still
+// resumes at the end of its history, and a new user still resumes at the
+// end of the system prompt, each from its state (groupMem checks the
+// copies). Evicting by age would have taken the older conversation whole.
+func TestRecurrentPressureKeepsChainEndsAndBranches(t *testing.T) {
+	const bs = 4
+	gm := qwenNext(t, 64, bs, 1)
+	r := rand.New(rand.NewPCG(21, 22))
+	system := seqTokens(r, 16)
+	gm.admit(t, 1, system) // a step that ends at the system prompt's end: its state
+	gm.m.MarkComputed()
+	gm.growBlocks(t, r, 1, 6)
+	histA := slices.Clone(gm.toks[1])
+	gm.finish(t, 1)
+	if k := gm.admit(t, 2, append(slices.Clone(system), seqTokens(r, bs)...)); k != 16 {
+		t.Fatalf("B matched %d tokens, want the system prompt's 16", k)
+	}
+	gm.m.MarkComputed()
+	gm.growBlocks(t, r, 2, 5)
+	histB := slices.Clone(gm.toks[2])
+	gm.finish(t, 2)
+	// 16 nodes, 13 states of 3 blocks: 55 cached, 9 free. The states
+	// inside the two chains (a1-a5, b1-b5) are 30 blocks.
+	if st := gm.m.Stats(); st.FreeBlocks != 9 {
+		t.Fatalf("%d free blocks, want 9", st.FreeBlocks)
+	}
+	gm.admit(t, 3, seqTokens(r, 36*bs-1)) // 36 blocks and 3 states: 30 evicted; no checkpoint at its end
+	gm.finish(t, 3)
+	must(t, gm.m.CheckInvariants())
+	for _, c := range []struct {
+		name string
+		toks []int32
+		want int
+	}{
+		{"A's next turn", append(histA, seqTokens(r, 3)...), len(histA)},
+		{"B's next turn", append(histB, seqTokens(r, 3)...), len(histB)},
+		{"a new user", append(slices.Clone(system), seqTokens(r, 5)...), len(system)},
+	} {
+		if k := gm.admit(t, 4, c.toks); k != c.want {
+			t.Fatalf("%s matched %d tokens after the pressure, want %d", c.name, k, c.want)
+		}
+		gm.check(t)
+		gm.finish(t, 4)
+	}
+	must(t, gm.m.CheckInvariants())
+}
+
+// A node with no state at or below it resumes nothing: a recurrent model's
+// blocks past a conversation's last state go before an older
+// conversation's state, though they were released later.
+func TestRecurrentSpentBlocksGoFirst(t *testing.T) {
+	const bs = 4
+	gm := qwenNext(t, 16, bs, 2)
+	r := rand.New(rand.NewPCG(23, 24))
+	a := seqTokens(r, 16) // 4 blocks: a state at 4 (every 2)
+	gm.admit(t, 1, a)
+	gm.finish(t, 1)
+	gm.admit(t, 2, seqTokens(r, 14)) // 3 full blocks, no state: each spent
+	gm.finish(t, 2)
+	// A: 4 nodes and 3 checkpoints; B: 3 nodes; 6 free. 23 tokens need 6
+	// blocks and 3 states: B's 3 spent blocks go, A's state stays.
+	gm.admit(t, 3, seqTokens(r, 23))
+	gm.finish(t, 3)
+	if k := gm.admit(t, 4, append(slices.Clone(a), seqTokens(r, 2)...)); k != 16 {
+		t.Fatalf("A's next turn matched %d tokens, want 16: its state was evicted", k)
+	}
+	gm.check(t)
+	must(t, gm.m.CheckInvariants())
+}
+
+// A cached prefix without a state gets one from the next sequence that
+// computes it: its blocks are private copies of the cached ones, and the
+// state it reaches at their end is the cached twin's.
+func TestRecurrentStateForACachedTwin(t *testing.T) {
+	const bs = 4
+	gm := qwenNext(t, 64, bs, 1)
+	r := rand.New(rand.NewPCG(25, 26))
+	system := seqTokens(r, 16)
+	gm.admit(t, 1, append(slices.Clone(system), seqTokens(r, 8)...)) // one step: a state at 6 only
+	gm.finish(t, 1)
+	if k := gm.admit(t, 2, system); k != 0 {
+		t.Fatalf("the system prompt alone matched %d tokens with no state in it", k)
+	}
+	gm.finish(t, 2) // its step ended at 16: the cached block 4 (its twin) takes its state
+	if k := gm.admit(t, 3, append(slices.Clone(system), seqTokens(r, 3)...)); k != 16 {
+		t.Fatalf("a new user matched %d tokens, want the system prompt's 16", k)
+	}
+	gm.check(t)
+	must(t, gm.m.CheckInvariants())
+}
