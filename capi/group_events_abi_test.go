@@ -31,13 +31,19 @@ func groupEventsWorkload(t *testing.T, h unsafe.Pointer) {
 	expect(t, "check", hookManagerCheck(h), kverr.OK)
 }
 
+// groupEventsConfig is the manager of these tests: 40 blocks of 4 tokens,
+// the prefix cache and KV events on.
+func groupEventsConfig(groups []testGroup) hookGroupsConfig {
+	return hookGroupsConfig{numBlocks: 40, blockSize: 4, groups: groups, n: int32(len(groups)), prefixCache: true, events: true}
+}
+
 func TestDrainGroupEventsABI(t *testing.T) {
 	lockThread(t)
 	if size, evSize, ev, group, reserved := kvGroupEventLayout(); ev != 0 || group != evSize || reserved != evSize+4 || size != evSize+8 {
 		t.Fatalf("kvp_kv_group_event: size %d, event at %d, group at %d, reserved at %d (kvp_kv_event %d)", size, ev, group, reserved, evSize)
 	}
 	groups := []testGroup{{kind: 0}, {kind: 1, window: 8}}
-	h, st := hookManagerCreateGroupEvents(40, 4, groups, 0, 0)
+	h, st := hookManagerCreateGroups(groupEventsConfig(groups))
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
 	groupEventsWorkload(t, h)
@@ -110,7 +116,7 @@ func TestDrainGroupEventsABI(t *testing.T) {
 
 	// The same run drained with kvp_manager_drain_events: group 0's events
 	// only, the others passed over and gone.
-	h2, st := hookManagerCreateGroupEvents(40, 4, groups, 0, 0)
+	h2, st := hookManagerCreateGroups(groupEventsConfig(groups))
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h2)
 	groupEventsWorkload(t, h2)
@@ -141,7 +147,7 @@ func TestDrainGroupEventsABI(t *testing.T) {
 // others that came after them.
 func TestDrainGroupEventsInterleavedABI(t *testing.T) {
 	lockThread(t)
-	h, st := hookManagerCreateGroupEvents(40, 4, []testGroup{{kind: 0}, {kind: 1, window: 8}}, 0, 0)
+	h, st := hookManagerCreateGroups(groupEventsConfig([]testGroup{{kind: 0}, {kind: 1, window: 8}}))
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
 	if _, n, st := hookAdmit(h, []int64{1}, [][]int32{seq(0, 9)}, nil); st != 0 || n != 1 {
@@ -226,7 +232,7 @@ func TestDrainGroupEventsWithoutGroupsABI(t *testing.T) {
 // window's blocks evicted alone go out as group 1's removals.
 func TestPublisherPublishesGroupEvents(t *testing.T) {
 	lockThread(t)
-	m, st := hookManagerCreateGroupEvents(40, 4, []testGroup{{kind: 0}, {kind: 1, window: 8}}, 0, 0)
+	m, st := hookManagerCreateGroups(groupEventsConfig([]testGroup{{kind: 0}, {kind: 1, window: 8}}))
 	expect(t, "create manager", st, kverr.OK)
 	defer hookManagerDestroy(m)
 	cfg := loopbackPub()

@@ -12,27 +12,6 @@ import "C"
 
 import "unsafe"
 
-// hookManagerCreateGroupEvents creates a manager of groups on the prefix
-// cache with KV events on (maxPending: max_pending_events).
-func hookManagerCreateGroupEvents(numBlocks, bs int32, groups []testGroup, blockBytes int64, maxPending int32) (unsafe.Pointer, abiStatus) {
-	cfg := (*C.kvp_manager_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))))
-	defer C.free(unsafe.Pointer(cfg))
-	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))
-	cfg.num_blocks, cfg.block_size = C.int32_t(numBlocks), C.int32_t(bs)
-	cfg.enable_prefix_cache, cfg.enable_kv_events = 1, 1
-	cfg.max_pending_events = C.int32_t(maxPending)
-	arr := cLayerGroups(groups)
-	defer C.free(unsafe.Pointer(arr))
-	if len(groups) > 0 {
-		cfg.layer_groups = arr
-		cfg.num_layer_groups = C.int32_t(len(groups))
-	}
-	cfg.block_bytes = C.int64_t(blockBytes)
-	var out *C.kvp_manager
-	st := kvpgo_manager_create(cfg, &out)
-	return unsafe.Pointer(out), abiStatus(st)
-}
-
 // hookGroupEvent is a drained group event: the event with its variable
 // parts resolved, its group and its reserved word.
 type hookGroupEvent struct {

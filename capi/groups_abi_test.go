@@ -30,14 +30,15 @@ func TestLayerGroupsABI(t *testing.T) {
 		{"cached states without checkpoints", groups, 3, false, 0, 1024, true, kverr.InvalidArgument},
 		{"reserved", []testGroup{full, {kind: 2, stateBytes: 8, checkpoint: 1, spare: 1}}, 2, false, 0, 1024, true, kverr.InvalidArgument},
 	} {
-		h, st := hookManagerCreateGroups(64, 4, c.groups, c.n, c.null, c.maxLen, c.blockBytes, c.cache)
+		h, st := hookManagerCreateGroups(hookGroupsConfig{numBlocks: 64, blockSize: 4, groups: c.groups, n: c.n, nullGroups: c.null,
+			maxModelLen: c.maxLen, blockBytes: c.blockBytes, prefixCache: c.cache})
 		expect(t, c.name, st, c.want)
 		if h != nil {
 			t.Fatalf("%s: a handle came back from a failed create", c.name)
 		}
 	}
 	live, _ := hookLiveHandles(false)
-	h, st := hookManagerCreateGroups(64, 4, groups, 3, false, 6, 1024, false)
+	h, st := hookManagerCreateGroups(hookGroupsConfig{numBlocks: 64, blockSize: 4, groups: groups, n: 3, maxModelLen: 6, blockBytes: 1024})
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
 	if now, _ := hookLiveHandles(false); now != live+1 {
@@ -91,7 +92,7 @@ func TestLayerGroupsABI(t *testing.T) {
 func TestTakeCopiesABI(t *testing.T) {
 	lockThread(t)
 	groups := []testGroup{{kind: 0}, {kind: 2, stateBytes: 64, checkpoint: 1}}
-	h, st := hookManagerCreateGroups(32, 4, groups, 2, false, 0, 64, true)
+	h, st := hookManagerCreateGroups(hookGroupsConfig{numBlocks: 32, blockSize: 4, groups: groups, n: 2, blockBytes: 64, prefixCache: true})
 	expect(t, "create", st, kverr.OK)
 	defer hookManagerDestroy(h)
 	if _, _, st := hookTakeCopies(h, 2, true); st != abiStatus(kverr.NullPointer) {

@@ -31,25 +31,38 @@ func cLayerGroups(groups []testGroup) *C.kvp_layer_group {
 	return arr
 }
 
-// hookManagerCreateGroups creates a manager of groups (n of them given as
-// the count, which may disagree with len(groups); nullGroups passes NULL)
-// with the other fields as named.
-func hookManagerCreateGroups(numBlocks, bs int32, groups []testGroup, n int32, nullGroups bool, maxModelLen int32, blockBytes int64, prefixCache bool) (unsafe.Pointer, abiStatus) {
+// hookGroupsConfig is a manager config with layer groups: groups as the
+// array (NULL with nullGroups) and n as its count, which may disagree with
+// len(groups); the fields left zero stay zero in the C struct.
+type hookGroupsConfig struct {
+	numBlocks, blockSize int32
+	groups               []testGroup
+	n                    int32
+	nullGroups           bool
+	maxModelLen          int32
+	blockBytes           int64
+	prefixCache, events  bool // enable_prefix_cache, enable_kv_events
+}
+
+func hookManagerCreateGroups(c hookGroupsConfig) (unsafe.Pointer, abiStatus) {
 	cfg := (*C.kvp_manager_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))))
 	defer C.free(unsafe.Pointer(cfg))
 	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))
-	cfg.num_blocks, cfg.block_size = C.int32_t(numBlocks), C.int32_t(bs)
-	if prefixCache {
+	cfg.num_blocks, cfg.block_size = C.int32_t(c.numBlocks), C.int32_t(c.blockSize)
+	if c.prefixCache {
 		cfg.enable_prefix_cache = 1
 	}
-	arr := cLayerGroups(groups)
+	if c.events {
+		cfg.enable_kv_events = 1
+	}
+	arr := cLayerGroups(c.groups)
 	defer C.free(unsafe.Pointer(arr))
-	if !nullGroups {
+	if !c.nullGroups {
 		cfg.layer_groups = arr
 	}
-	cfg.num_layer_groups = C.int32_t(n)
-	cfg.max_model_len = C.int32_t(maxModelLen)
-	cfg.block_bytes = C.int64_t(blockBytes)
+	cfg.num_layer_groups = C.int32_t(c.n)
+	cfg.max_model_len = C.int32_t(c.maxModelLen)
+	cfg.block_bytes = C.int64_t(c.blockBytes)
 	var out *C.kvp_manager
 	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)
