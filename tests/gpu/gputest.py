@@ -1,5 +1,6 @@
 """Helpers of the GPU tests: whether one runs, skips or fails (the Python side
-of internal/gputest), and the row-by-row comparison of outputs.
+of internal/gputest), the row-by-row comparison of outputs, and the float64
+reference of windowed attention.
 
 A test skips only on a machine with no NVIDIA device: no /dev/nvidiaN (nor
 WSL's /dev/dxg) and torch finding no CUDA device. Where a device node exists,
@@ -16,8 +17,9 @@ running them.
 from __future__ import annotations
 
 import glob
+import math
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -130,3 +132,40 @@ def check_rows(got: Any, want: Any, tol: float, what: str = "") -> None:
     """Asserts that every row of got is within tol of want (row_err)."""
     err, row = row_err(got, want)
     assert err < tol, f"{what}{': ' if what else ''}row {row}: relative error {err:.3g} above {tol:.1g}"
+
+
+def window_reference(q: Any, ks: Sequence[Any], vs: Sequence[Any], kv_lens: Sequence[int], qo: Any, window: int = -1,
+                     scale: Optional[float] = None, sinks: Any = None) -> Tuple[Any, Any]:
+    """float64 windowed attention of the varlen rows q ([total_q, qh, D]):
+    sequence b's rows q[qo[b]:qo[b+1]] (q_len n) sit at positions [L - n, L),
+    L = kv_lens[b], and the row at position p sees tokens
+    [max(0, p - window), p] of ks[b][:L] / vs[b][:L] ([>= L, kvh, D]; window
+    -1: [0, p]); sinks: one logit per q head in every row's softmax
+    denominator (gpt-oss). Returns (out [total_q, qh, D], lse [total_q, qh])
+    on q's device."""
+    import torch  # here, not at the top: this module decides whether torch is usable
+
+    T, qh, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros((T, qh, D), dtype=torch.float64, device=q.device)
+    lse = torch.full((T, qh), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, L in enumerate(kv_lens):
+        r0, r1 = int(qo[b]), int(qo[b + 1])
+        n = r1 - r0
+        if n == 0:
+            continue
+        g = qh // ks[b].shape[1]
+        k = ks[b][:L].to(q.device).double().repeat_interleave(g, dim=1)  # [L, qh, D]
+        v = vs[b][:L].to(q.device).double().repeat_interleave(g, dim=1)
+        s = torch.einsum("ihd,thd->hit", q[r0:r1].double(), k) * scale   # [qh, n, L]
+        pos = torch.arange(L - n, L, device=q.device)[:, None]
+        t = torch.arange(L, device=q.device)[None, :]
+        mask = t <= pos
+        if window >= 0:
+            mask &= t >= pos - window
+        s = s.masked_fill(~mask[None], float("-inf"))
+        if sinks is not None:  # a last column of every row, in the denominator only
+            s = torch.cat([s, sinks.to(q.device).double()[:, None, None].expand(qh, n, 1)], dim=-1)
+        lse[r0:r1] = torch.logsumexp(s, dim=-1).transpose(0, 1)
+        out[r0:r1] = torch.einsum("hit,thd->ihd", torch.softmax(s, dim=-1)[..., :L], v)
+    return out, lse

@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 
-from gputest import check_rows, cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import check_rows, cuda_torch, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -435,34 +435,6 @@ def window_table(p, q_lens, window):
     return t.to(DEV)
 
 
-def window_reference(p, q, qo, window, sinks=None):
-    """float64 attention of q's rows ([total, qh, D]; sequence b's rows are
-    qo[b]..qo[b+1], its last new tokens) over p's K/V, new token t of
-    sequence b (at position pos) seeing positions [max(0, pos - window),
-    pos]; sinks: one logit per q head in every row's denominator."""
-    g = p.qh // p.kvh
-    out = torch.zeros(q.shape, dtype=torch.float64, device=DEV)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=DEV)
-    start = 0
-    for b, L in enumerate(p.lens):
-        k = p.k[start:start + L].double().repeat_interleave(g, dim=1)
-        v = p.v[start:start + L].double().repeat_interleave(g, dim=1)
-        n = int(qo[b + 1] - qo[b])
-        for t in range(n):
-            pos, r = L - n + t, int(qo[b]) + t
-            lo = max(0, pos - window)
-            s = torch.einsum("hd,lhd->hl", q[r].double(), k[lo:pos + 1]) / math.sqrt(p.D)
-            if sinks is not None:
-                s = torch.cat([s, sinks.double()[:, None]], dim=1)
-                pr = torch.softmax(s, dim=1)[:, :-1]
-            else:
-                pr = torch.softmax(s, dim=1)
-            lse[r] = torch.logsumexp(s, dim=1)
-            out[r] = torch.einsum("hl,lhd->hd", pr, v[lo:pos + 1])
-        start += L
-    return out, lse
-
-
 @pytest.mark.parametrize("dtype,D,bs,group,q_len,window,splits,sinks", [
     (torch.float16, 128, 16, 4, 1, 40, 0, False),
     (torch.float16, 128, 16, 4, 1, 40, 5, True),
@@ -494,7 +466,7 @@ def test_paged_decode_window(dtype, D, bs, group, q_len, window, splits, sinks, 
                       num_splits=splits, max_seq_len=max(lens), q_len=q_len, sinks=sk, window_left=window)
     torch.cuda.synchronize()
     what = f"window_left {window}, {dtype}, D {D}, bs {bs}, group {group}, q_len {q_len}, splits {splits}"
-    want, want_lse = window_reference(p, q, qo, window, sk)
+    want, want_lse = window_reference(q, p.k.split(p.lens), p.v.split(p.lens), p.lens, qo, window, sinks=sk)
     check_rows(out, want, TOL[dtype], what)
     d = (lse.double() - want_lse).abs().amax(dim=1)
     assert float(d.max()) < 2e-3, f"{what}: lse of row {int(d.argmax())}: max abs error {float(d.max()):.3g}"
@@ -537,7 +509,7 @@ def test_windowed_decode_through_prefill_plan(dtype, D, bs, window, q_lens):
     lse = torch.full((total, qh), float("nan"), dtype=torch.float32, device=DEV)
     attn.paged_prefill(plan, q, p.k_cache, p.v_cache, window_table(p, q_lens, window), out=out, lse=lse)
     torch.cuda.synchronize()
-    want, want_lse = window_reference(p, q, qo, window)
+    want, want_lse = window_reference(q, p.k.split(p.lens), p.v.split(p.lens), p.lens, qo, window)
     check_rows(out, want, TOL[dtype], what)
     d = (lse.double() - want_lse).abs().amax(dim=1)
     assert float(d.max()) < 2e-3, f"{what}: lse of row {int(d.argmax())}: max abs error {float(d.max()):.3g}"

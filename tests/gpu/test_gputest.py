@@ -70,3 +70,34 @@ def test_row_err_finds_one_bad_short_row():
     got[5, 0, 0] = float("nan")
     with pytest.raises(AssertionError, match=r"rows \[5\]"):
         gputest.row_err(got, zero)
+
+
+@pytest.mark.parametrize("window,sinks", [(-1, False), (0, False), (3, False), (5, True), (100, True)])
+def test_window_reference_against_each_row(window, sinks):
+    """The windowed tests' reference (on the CPU) against attention computed
+    row by row over the positions each row sees, with GQA 4:2, a sequence
+    with no new rows, and sinks."""
+    gen = torch.Generator().manual_seed(11 + window)
+    qh, kvh, D, lens, q_lens = 4, 2, 8, [9, 5, 12], [3, 0, 12]
+    ks = [torch.rand((L + 2, kvh, D), generator=gen, dtype=torch.float64) * 4 - 2 for L in lens]  # rows past L unread
+    vs = [torch.rand((L + 2, kvh, D), generator=gen, dtype=torch.float64) * 4 - 2 for L in lens]
+    q = torch.rand((sum(q_lens), qh, D), generator=gen, dtype=torch.float64) * 4 - 2
+    qo = [0, 3, 3, 15]
+    sk = torch.rand(qh, generator=gen, dtype=torch.float64) * 4 - 2 if sinks else None
+    out, lse = gputest.window_reference(q, ks, vs, lens, qo, window, scale=0.3, sinks=sk)
+    assert out.dtype == lse.dtype == torch.float64 and out.shape == q.shape and lse.shape == (15, qh)
+    for b, (L, n) in enumerate(zip(lens, q_lens)):
+        for i in range(n):
+            r, pos = qo[b] + i, L - n + i
+            lo = 0 if window < 0 else max(0, pos - window)
+            k = ks[b][lo:pos + 1].repeat_interleave(2, dim=1)  # [seen, qh, D]
+            v = vs[b][lo:pos + 1].repeat_interleave(2, dim=1)
+            s = torch.einsum("hd,lhd->hl", q[r], k) * 0.3
+            if sinks:
+                s = torch.cat([s, sk[:, None]], dim=1)
+            p = torch.softmax(s, dim=1)[:, :pos + 1 - lo]
+            assert torch.allclose(lse[r], torch.logsumexp(s, dim=1), atol=1e-12), (b, i)
+            assert torch.allclose(out[r], torch.einsum("hl,lhd->hd", p, v), atol=1e-12), (b, i)
+    if 0 <= window < 11:  # the last sequence's last row sees fewer tokens than without the window
+        whole, _ = gputest.window_reference(q, ks, vs, lens, qo, -1, scale=0.3, sinks=sk)
+        assert (out[14] - whole[14]).abs().max() > 1e-3

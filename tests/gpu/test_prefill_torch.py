@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from gputest import cuda_torch, row_err, skip  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import cuda_torch, row_err, skip, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -406,37 +406,6 @@ def dt_id(v):
     """Short test ids of dtypes (f16, bf16); None: pytest's own id."""
     names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
     return names.get(v) if isinstance(v, torch.dtype) else None
-
-
-def window_reference(q, ks, vs, kv_lens, qo, window, scale=None):
-    """float64 windowed attention of the varlen rows q ([total_q, qh, D]):
-    sequence b's rows q[qo[b]:qo[b+1]] (q_len n) sit at positions [L - n, L),
-    L = kv_lens[b], and the row at position p sees tokens
-    [max(0, p - window), p] of ks[b][:L] / vs[b][:L] ([>= L, kvh, D]; window
-    -1: [0, p]). Returns (out [total_q, qh, D], lse [total_q, qh]) on q's
-    device."""
-    T, qh, D = q.shape
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    out = torch.zeros((T, qh, D), dtype=torch.float64, device=q.device)
-    lse = torch.full((T, qh), float("-inf"), dtype=torch.float64, device=q.device)
-    for b, L in enumerate(kv_lens):
-        r0, r1 = int(qo[b]), int(qo[b + 1])
-        n = r1 - r0
-        if n == 0:
-            continue
-        g = qh // ks[b].shape[1]
-        k = ks[b][:L].to(q.device).double().repeat_interleave(g, dim=1)  # [L, qh, D]
-        v = vs[b][:L].to(q.device).double().repeat_interleave(g, dim=1)
-        s = torch.einsum("ihd,thd->hit", q[r0:r1].double(), k) * scale   # [qh, n, L]
-        pos = torch.arange(L - n, L, device=q.device)[:, None]
-        t = torch.arange(L, device=q.device)[None, :]
-        mask = t <= pos
-        if window >= 0:
-            mask &= t >= pos - window
-        s = s.masked_fill(~mask[None], float("-inf"))
-        lse[r0:r1] = torch.logsumexp(s, dim=-1).transpose(0, 1)
-        out[r0:r1] = torch.einsum("hit,thd->ihd", torch.softmax(s, dim=-1), v)
-    return out, lse
 
 
 def row_where(row, qo, kv_lens):
