@@ -49,20 +49,20 @@ import (
 // checkpoint is taken where a sequence's step ends at the end of a cached
 // block whose number is a multiple of the group's CheckpointEvery: at
 // MarkComputed (the step's forward pass is launched) the manager allocates
-// the checkpoint block, if the pool has one to spare, and queues the copy
-// of the sequence's state into it. A prompt hits only up to a checkpoint,
+// the checkpoint blocks, if the pool has them to spare, and queues the
+// copies of the sequence's states into them. A prompt hits only up to a checkpoint,
 // and its sequence's new state block gets a copy from the checkpoint,
 // queued behind the checkpoint's own copy: the engine performs the queue
 // (TakeCopies) in order on the step's stream before the forward pass, so
 // a hit never starts from a state that is not there. A queued copy holds
 // a reference on both its blocks until TakeCopies hands it out (pin), so
 // no eviction, removal or clear frees or reuses them before the engine
-// performs it. Checkpoints are taken only once the
-// engine has called TakeCopies, which tells the manager that it performs
-// them. A node's state is its checkpoints of every recurrent group: only
-// all of them together resume a hit, so a node is given checkpoints only
-// when every group's interval divides its number and the pool spares a
-// block for each. A sequence whose block is a private copy of a cached
+// performs it. Checkpoints are taken only once the engine has called
+// TakeCopies, which tells the manager that it performs them. A node's
+// state is its checkpoints of every recurrent group: only all of them
+// together resume a hit, so a node is given checkpoints only when every
+// group's interval divides its number and the pool spares a block for
+// each. A sequence whose block is a private copy of a cached
 // twin (it computed a prefix that was cached but had no state) gives the
 // twin the state, so a prefix whose states were evicted gets them back
 // from the next prompt that computes it.
@@ -72,11 +72,12 @@ import (
 // and below it:
 //   - a checkpoint of a node without a whole state (partial) is worth
 //     nothing: it goes first;
-//   - a node with no state and no cached block below it (spent: marked in
-//     the index, prefix.Index.SetSpent) is worth nothing either: no match
-//     ending in it or past it can resume there. Spent nodes go next, with
-//     their companions; evicting one may leave its parent spent, which
-//     goes in turn;
+//   - a node without a whole state is marked spent in the index
+//     (prefix.Index.SetSpent); once no cached block is below it, it is
+//     worth nothing either: no match ending in it or past it can resume
+//     there. Spent leaves go next, with their companions, before any other
+//     node; evicting one may leave its parent a spent leaf, which goes in
+//     turn;
 //   - a state at an inner node -- one cached block below it and no match
 //     ended there -- serves only a prompt that diverges between it and the
 //     next state down its chain: the chain's deepest state (at a leaf)
@@ -87,12 +88,14 @@ import (
 //     together, their nodes left spent;
 //   - then nodes in the index's order, each with its companions, and last
 //     the states at kept points (leaves, branches, hit points) whose nodes
-//     cannot go (locked, or with blocks below).
-// Keeping one state per chain end and branch instead of one per block is
-// what keeps a recurrent model's hits under pressure: with a checkpoint
-// every block and three recurrent groups the states are three blocks for
-// every block of K/V, and a pool that evicts them with their nodes by age
-// loses a shared system prompt's state before the next prompt reads it.
+//     cannot go (locked, or with blocks below), each state whole.
+// Keeping the states at chain ends, branches and hit points instead of one
+// per block is what keeps a recurrent model's hits under pressure: with a
+// checkpoint every block and three recurrent groups the states take three
+// blocks for every block of K/V, and a pool that evicts them only with
+// their nodes, by age, loses whole conversations (and a shared system
+// prompt's end) to states no prompt will resume from. bench/RESULTS.md
+// ("Recurrent hybrids under pressure") has the hit rates.
 
 // KV events. With events on, every group's cached blocks are announced
 // (prefix.Event.Group): a companion's BlockStored when it is registered

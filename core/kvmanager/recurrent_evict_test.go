@@ -128,3 +128,105 @@ func TestRecurrentStateForACachedTwin(t *testing.T) {
 	gm.check(t)
 	must(t, gm.m.CheckInvariants())
 }
+
+// Random conversations after a shared system prompt over a small pool,
+// with three recurrent groups (intervals drawn apart: a block where only
+// some keep a checkpoint gets none) and forks: every hit's states hold
+// what a run without the cache would (groupMem.write), the invariants
+// (the states' classes and the spent marks among them) hold after every
+// call, and hits happen.
+func TestRecurrentEvictionRandom(t *testing.T) {
+	for seed := range uint64(6) {
+		r := rand.New(rand.NewPCG(seed, 77))
+		bs := 1 + r.IntN(4)
+		pool := 60 + r.IntN(100)
+		groups := []Group{{Kind: FullAttention}}
+		for range 3 {
+			every := 1
+			if seed%2 == 1 {
+				every = 1 + r.IntN(2)
+			}
+			groups = append(groups, Group{Kind: Recurrent, StateBytes: 8, CheckpointEvery: every})
+		}
+		m, err := New(Config{NumBlocks: pool, BlockSize: bs, EnablePrefixCache: true, Groups: groups, BlockBytes: 8})
+		must(t, err)
+		gm := newGroupMem(m)
+		m.TakeCopies(nil)
+		system := seqTokens(r, 2*bs+r.IntN(3*bs))
+		var convs [][]int32
+		next := int64(1)
+		hits := 0
+		for range 400 {
+			switch op := r.IntN(12); {
+			case op < 3 && len(gm.toks) < 4:
+				p := slices.Clone(system)
+				if len(convs) > 0 && r.IntN(2) == 0 {
+					p = slices.Clone(convs[r.IntN(len(convs))])
+				}
+				if r.IntN(4) == 0 && len(p) >= bs {
+					// A cached prefix ending at a block's end: where it has
+					// no state, its twin gets the one this step computes.
+					p = p[:bs*(1+r.IntN(len(p)/bs))]
+				} else {
+					p = append(p, seqTokens(r, 1+r.IntN(3*bs))...)
+				}
+				if len(p) > pool*bs/6 {
+					break
+				}
+				if k := gm.admit(t, next, p); k > 0 {
+					hits++
+				}
+				next++
+			case op < 9 && len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				if len(gm.toks[id]) < pool*bs/8 {
+					n := bs - len(gm.toks[id])%bs // a step that ends at a block's end
+					if r.IntN(3) == 0 {
+						n = 1 + r.IntN(2*bs)
+					}
+					_ = gm.grow(t, id, seqTokens(r, n))
+				}
+				gm.m.MarkComputed()
+			case op < 10 && len(gm.toks) > 0 && len(gm.toks) < 4:
+				id := pickKey(r, gm.toks)
+				gm.m.MarkComputed()
+				buf := make([]CopyPair, gm.m.forkCopies(true))
+				n, err := gm.m.Fork(id, []int64{next}, buf)
+				if err != nil {
+					break
+				}
+				// The engine's copies: the child's partial last block and
+				// its states are the parent's.
+				for _, p := range buf[:n] {
+					for _, mem := range gm.mem {
+						for r := range int32(bs) {
+							if v, ok := mem[p.Src*int32(bs)+r]; ok {
+								mem[p.Dst*int32(bs)+r] = v
+							}
+						}
+					}
+					gm.state[p.Dst] = gm.state[p.Src]
+				}
+				gm.toks[next] = slices.Clone(gm.toks[id])
+				next++
+			case len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				convs = append(convs, gm.toks[id])
+				gm.remove(t, id)
+			}
+		}
+		if hits == 0 {
+			t.Fatalf("seed %d: no prompt hit", seed)
+		}
+		for id := range gm.toks {
+			gm.remove(t, id)
+		}
+		gm.takeCopies()
+		if _, err := gm.m.ClearPrefixCache(); err != nil {
+			t.Fatal(err)
+		}
+		if st := gm.m.Stats(); st.FreeBlocks != st.NumBlocks {
+			t.Fatalf("seed %d: %d of %d free after clearing", seed, st.FreeBlocks, st.NumBlocks)
+		}
+	}
+}
