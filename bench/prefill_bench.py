@@ -82,7 +82,7 @@ class Case:
         self.q = torch.randn((qo[-1], HQ, D), dtype=dtype, device="cuda", generator=gen)
         self.flops = flops(q_lens, kv_lens)
 
-    def kvplug(self, hopper=True, sinks=None, window_left=-1):
+    def kvplug(self, hopper=True, sinks=None, window_left=-1, k_scale=None, v_scale=None):
         ws = torch.empty(attn.prefill_workspace_size(len(self.q_lens), self.q.shape[0], HQ, HK, D),
                          dtype=torch.uint8, device="cuda")
         plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws, window_left=window_left,
@@ -94,7 +94,7 @@ class Case:
                               qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
         t_plan = (time.perf_counter() - t0) / 20 * 1e3
         fn = lambda: attn.paged_prefill(plan, self.q, self.k_cache, self.v_cache, self.table, out=out,  # noqa: E731
-                                        sinks=sinks)
+                                        sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         return fn, out, t_plan
 
     def flashinfer(self, backend):

@@ -51,6 +51,14 @@
  *
  * The ABI is stable within a major version.
  *
+ * Changes in 0.7 for a host built against 0.6 (binary compatible):
+ *   - FP8 caches on Hopper's prefill mainloop: kvp_paged_prefill and
+ *     kvp_paged_cascade read an e4m3 cache under plans cut for the Hopper
+ *     (sm_90a) mainloop, which widen its tiles to the call's 16-bit type on
+ *     their way into shared memory (they answered INVALID_ARGUMENT in 0.6).
+ *     KVP_PREFILL_NO_HOPPER and KVP_CASCADE_NO_HOPPER still keep the sm_80
+ *     kernels.
+ *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
  *     section): kvp_manager_config gains layer_groups, num_layer_groups,
@@ -197,7 +205,7 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVP_VERSION_MAJOR 0
-#define KVP_VERSION_MINOR 6
+#define KVP_VERSION_MINOR 7
 #define KVP_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, comparable with kvp_version(). */
 #define KVP_VERSION_NUMBER \
@@ -2397,10 +2405,9 @@ kvp_status kvp_cascade_update(const kvp_attn_plan *plan, const int32_t *seq_lens
  * optional; args->sinks as in kvp_paged_prefill (the merge of each row's
  * partial states adds its sink once). On the prefill route it runs kvp_paged_prefill's kernel.
  * An e4m3 (FP8) cache (args->kv, as kvp_paged_prefill takes it) is read by
- * the sm_80 kernels on every device: the cascade route's items all run
- * there, whatever the plan was cut for; a prefill-route plan must have
- * been planned with KVP_CASCADE_NO_HOPPER on a Hopper GPU (else
- * INVALID_ARGUMENT). Errors: NULL_POINTER, STRUCT_SIZE,
+ * the kernels the plan was cut for, as a 16-bit one: on a Hopper GPU the
+ * shared items and the prefill route on the wgmma mainloop, whose producer
+ * widens the e4m3 tiles. Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (a plan not written by kvp_cascade_plan, a stale plan, a
  * block size other than the plan's, a table shorter than the plan's
  * lengths, shapes, strides, alignment), UNSUPPORTED, NO_DEVICE, CUDA. */

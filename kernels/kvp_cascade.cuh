@@ -290,6 +290,13 @@ __device__ __forceinline__ void cascade_shared_sm90(const kvp_cascade_params& p)
     sm90_attention<T, D, Sm90CascadeSrc<T, D>>(p);
 }
 
+// The same over an e4m3 cache: its tiles widened on the way into shared
+// memory (Sm90Cfg's raw ring); cascade_attn_e4m3 runs the rest.
+template <typename T, int D>
+__device__ __forceinline__ void cascade_shared_sm90_e4m3(const kvp_cascade_params& p) {
+    sm90_attention<T, D, Sm90CascadeSrc<T, D>, kvp_cascade_params, true>(p);
+}
+
 // One warp per (query row, q head): online-softmax merge of its partial
 // states, in the log2 domain.
 template <typename T, int D>

@@ -24,7 +24,7 @@
 
 namespace kvp {
 
-template <typename T, int D>
+template <typename T, int D, bool E4M3 = false>
 struct Sm90Cfg {
     static constexpr int TQ = KVP_PREFILL_SM90_TILE_Q;  // packed rows per item: 2 consumers x 64
     static constexpr int TN = D <= 128 ? 128 : 64;      // tokens per K/V tile
@@ -40,8 +40,10 @@ struct Sm90Cfg {
     // Registers per thread after setmaxnreg (128 x producer + 256 x consumer
     // within the 64 Ki register file). At 40 the producer's unrolled gather
     // spills; the consumers fit 224 at every head_dim without spilling.
-    static constexpr int PRODUCER_REGS = 56;
-    static constexpr int CONSUMER_REGS = 224;
+    // The e4m3 producer's widening pass holds a raw chunk, its sixteen
+    // widened values and the ring's counters: at 56 it spills.
+    static constexpr int PRODUCER_REGS = E4M3 ? 72 : 56;
+    static constexpr int CONSUMER_REGS = E4M3 ? 216 : 224;
     // setmaxnreg moves registers within the block's launch allocation:
     // __launch_bounds__(384, 1) gives 168 a thread (65536 / 384 rounded down to
     // a multiple of 8). A split that asks for more waits in setmaxnreg.inc forever.
@@ -49,13 +51,37 @@ struct Sm90Cfg {
     static constexpr int BAR_BYTES = 128;  // mbarriers (4 per stage + 2), per-stage flags, unit slots
     static constexpr int SLOT_OFF = 8 * (4 * STAGES + 2) + 8;  // after the barriers and flags, 8-aligned
     static_assert(4 * STAGES <= 8 && SLOT_OFF + 3 * 8 <= BAR_BYTES, "barrier space");
-    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + OFF_BYTES + BAR_BYTES;
+    static constexpr int BASE_SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + OFF_BYTES + BAR_BYTES;
+    // Over an e4m3 cache (E4M3) the producer lands each K or V tile raw (TN
+    // rows of D bytes, unswizzled) in a ring of RAW slots, each with its
+    // rows' scales, a readable-rows mask and where the tile goes (RAW_META
+    // bytes), and widens it into the stage's 16-bit tile, the scale folded
+    // in, so the consumers run the 16-bit mainloop as they are. The ring is
+    // as deep as the shared memory allows (3 slots keep two tiles' loads in
+    // flight while one widens; 2 at D 256); each stage also keeps its K
+    // tile's mask for the consumers (STAGE_MASK bytes), since the offsets
+    // the 16-bit path masks by are rewritten as soon as the raw ring moves on.
+    static constexpr int SMEM_MAX = 232448;                   // sm_90's opt-in shared memory per block
+    static constexpr int RAW_BYTES = TN * D;                  // one raw e4m3 tile
+    static constexpr int MASK_BYTES = TN / 8;                 // a bit per row: readable
+    static constexpr int RAW_META = TN * 4 + 16 + 16;         // scales, mask (16 B at most), {stage, phase, v, any}
+    static constexpr int STAGE_MASK = 16;
+    static constexpr int RAW = !E4M3 ? 0
+                               : BASE_SMEM + 3 * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK <= SMEM_MAX ? 3
+                                                                                                            : 2;
+    static constexpr int SMEM = BASE_SMEM + (E4M3 ? RAW * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK : 0);
+    static_assert(SMEM <= SMEM_MAX, "shared memory of the Hopper mainloop");
+    static_assert(MASK_BYTES <= 16, "a tile's mask");
     static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
 };
 
 template <bool B>
 struct Flag {  // a compile-time flag for a generic lambda's instances
     static constexpr bool value = B;
+};
+template <int N>
+struct Int {  // a compile-time count for a generic lambda's instances
+    static constexpr int value = N;
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][128 B] block
@@ -156,10 +182,50 @@ struct Sm90PrefillSrc : Sm90Src<kvp_prefill_params, KVP_PREFILL_W_NEXT_UNIT> {
 
 // The mainloop over src's units; P is the params struct (the cache, the
 // table and the shapes).
-template <typename T, int D, class Src, class P>
+// Shared-memory accesses by address, for the e4m3 producer's widening pass.
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t a, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t a) {
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t a, uint32_t v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+
+// Sixteen e4m3 values (byte i of x is element i) times sc as sixteen T
+// values: elements 0-7 in lo, 8-15 in hi (element 2i in the low half of a
+// word). Exact to e4m3 (one rounding, of the product, to T).
+template <typename T>
+__device__ __forceinline__ void widen_e4m3x16(uint4 x, float sc, uint4& lo, uint4& hi) {
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t a, b;
+        e4m3x4_f16(w[i], a, b);
+        const float2 fa = f16x2_to_float2(a), fb = f16x2_to_float2(b);
+        o[2 * i] = pack2<T>(fa.x * sc, fa.y * sc);
+        o[2 * i + 1] = pack2<T>(fb.x * sc, fb.y * sc);
+    }
+    lo = make_uint4(o[0], o[1], o[2], o[3]);
+    hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// E4M3: the cache is e4m3 with its scales (Sm90Cfg's raw ring); T stays
+// the query's and the consumers' type.
+template <typename T, int D, class Src, class P, bool E4M3 = false>
 __device__ __forceinline__ void sm90_attention(const P& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = Sm90Cfg<T, D>;
+    using C = Sm90Cfg<T, D, E4M3>;
     constexpr int TN = C::TN, TQ = C::TQ, S = C::STAGES;
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -182,6 +248,12 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
     // the producer's own next unit, double-buffered for its 128 threads.
     // Shared-window addresses (32-bit) keep the producer within its registers.
     const uint32_t unit_slot = bars + C::SLOT_OFF, next_slot = unit_slot + 8;  // next_slot: [2]
+    // The e4m3 ring (Sm90Cfg): raw tiles, then each slot's scales, readable
+    // mask and {stage, phase, is V, any unreadable}, then the stages' masks.
+    const uint32_t ext = bars + C::BAR_BYTES;
+    auto raw_s = [&](int i) { return ext + (uint32_t)(i * C::RAW_BYTES); };
+    auto raw_meta = [&](int i) { return ext + (uint32_t)(C::RAW * C::RAW_BYTES + i * C::RAW_META); };
+    auto stage_mask = [&](int s) { return ext + (uint32_t)(C::RAW * (C::RAW_BYTES + C::RAW_META) + s * C::STAGE_MASK); };
 
     const int tid = threadIdx.x;
     // The warpgroup index through a shuffle from lane 0: the compiler then
@@ -281,6 +353,147 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 mbar_arrive_n(q_full, rows ? 1u : 129u);
             }
         };
+        // ---- over an e4m3 cache: raw tiles through the ring, widened into the stages ----
+        // A unit's halves go K_t0, then K_t and V_{t-1} for each later t,
+        // then V_{t1-1}: the 16-bit path's order. Each is issued raw (its
+        // rows' bytes and scales, cp.async) as soon as its offsets are
+        // known, which waits for no consumer, and widened into its stage
+        // L = RAW - 1 halves later, once the stage is free; the unit's last
+        // halves are widened at its end (a half of the next unit cannot go
+        // first: the consumers finish a unit only with all of its tiles).
+        // raw_it and fin_it count the halves issued and widened.
+        constexpr int L = E4M3 ? C::RAW - 1 : 1;
+        constexpr int RING = E4M3 ? C::RAW : 1;
+        constexpr int CPR8 = D / 16, RPP8 = 128 / CPR8, NP8 = TN / RPP8;  // raw chunks a row, rows a pass, passes
+        static_assert(!E4M3 || (128 % CPR8 == 0 && NP8 % 4 == 0 && RPP8 % 8 == 0), "raw passes");
+        // A raw tile is PL planes of 64-byte half rows (plane h: bytes
+        // 64 h .. 64 h + 63 of every row). Thread tid takes 16-byte chunk
+        // c8 = tid % 4 + 4 h of rows r8 + RPP8 k, h = (tid / 8) % PL, r8 =
+        // 2 (tid / (8 PL)) + (tid / 4) % 2: a quarter warp reads two rows'
+        // halves of one plane, 128 contiguous bytes, and stores 16-bit chunks
+        // 2 c8 + {0, 1} of one column block of two rows, whose swizzle
+        // phases differ in their low bit: eight different bank groups.
+        constexpr int PL = CPR8 >= 4 ? CPR8 / 4 : 1, PLB = TN * 64;  // planes, bytes a plane
+        int raw_it = 0, fin_it = 0;
+        const int h8 = (tid >> 3) % PL;
+        const int r8 = 2 * (tid / (8 * PL)) + ((tid >> 2) & 1), c8 = (tid & 3) + 4 * h8;
+        const uint32_t raw_off = (uint32_t)(h8 * PLB + r8 * 64 + (tid & 3) * 16);  // chunk (r8, c8) in a slot
+        // The raw half of tile stage s's rows (offsets in offs[s]) from the
+        // cache at src, with scales at sbase[si] (thread tid < TN: its row's
+        // scale index, -1 unreadable); a K half also records its readable
+        // rows. Thread 0 records where the half goes.
+        auto issue_raw = [&](bool v, int s, int ph, int any, int64_t si, bool valid) {
+            const int slot = raw_it % RING;
+            const uint32_t dst = raw_s(slot) + raw_off;  // row r8 + RPP8 k at dst + k RPP8 64
+            const char* from = reinterpret_cast<const char*>(v ? p.kv.v_cache : p.kv.k_cache) + c8 * 16;
+            const int64_t* off = offs + s * TN + r8;
+            if (!any) {
+                constexpr int B = 4;
+#pragma unroll 2
+                for (int k = 0; k < NP8; k += B) {
+                    int64_t o[B];
+#pragma unroll
+                    for (int i = 0; i < B; ++i) o[i] = off[RPP8 * (k + i)];
+#pragma unroll
+                    for (int i = 0; i < B; ++i) cp_async16_full(dst + (uint32_t)((k + i) * RPP8 * 64), from + o[i]);
+                }
+            } else {
+#pragma unroll 4
+                for (int k = 0; k < NP8; ++k) {
+                    const int64_t o = off[RPP8 * k];
+                    cp_async16_keep(dst + (uint32_t)(k * RPP8 * 64), from + (o < 0 ? 0 : o), o < 0 ? 0 : 16);
+                }
+            }
+            const uint32_t meta = raw_meta(slot);
+            if (tid < TN) {
+                const float* sb = reinterpret_cast<const float*>(v ? p.kv.v_scale : p.kv.k_scale);
+                cp_async4(meta + 4u * (uint32_t)tid, sb + (si >= 0 ? si : 0), si >= 0 ? 4 : 0);
+            }
+            if (!v) {
+                const uint32_t m = __ballot_sync(0xffffffffu, valid);
+                if ((tid & 31) == 0 && tid < TN) st_shared_u32(meta + TN * 4 + (uint32_t)(tid >> 5) * 4u, m);
+            }
+            if (tid == 0) {
+                st_shared_u32(meta + TN * 4 + 16, (uint32_t)s);
+                st_shared_u32(meta + TN * 4 + 20, (uint32_t)ph);
+                st_shared_u32(meta + TN * 4 + 24, v ? 1u : 0u);
+                st_shared_u32(meta + TN * 4 + 28, (uint32_t)any);
+            }
+            cp_async_commit();
+            ++raw_it;
+        };
+        // Widens the oldest issued half into its stage (its copies have
+        // landed once at most N later groups are pending) and hands the stage
+        // over. Thread tid converts the raw chunks it copied: chunk c8 of
+        // rows r8 + RPP8 k becomes 16-bit chunks 2 c8 and 2 c8 + 1 of the
+        // swizzled tile.
+        auto widen = [&](auto n_pending) {
+            cp_async_wait<decltype(n_pending)::value>();
+            producer_sync();  // every thread's copies of the half (and its scales, mask, record) have landed
+            const int slot = fin_it % RING;
+            ++fin_it;
+            const uint32_t meta = raw_meta(slot);
+            const int s = (int)ld_shared_u32(meta + TN * 4 + 16), ph = (int)ld_shared_u32(meta + TN * 4 + 20);
+            const bool v = ld_shared_u32(meta + TN * 4 + 24) != 0;
+            mbar_wait(v ? empty_v(s) : empty_k(s), ph);
+            if (!v) {
+                if (tid < TN / 32) st_shared_u32(stage_mask(s) + 4u * (uint32_t)tid, ld_shared_u32(meta + TN * 4 + 4u * (uint32_t)tid));
+                if (tid == 0) flags[s] = (int)ld_shared_u32(meta + TN * 4 + 28);
+            }
+            const int j0 = 2 * c8;
+            const uint32_t dst0 = (v ? v_s(s) : k_s(s)) + (uint32_t)(j0 >> 3) * (TN * 128) + (uint32_t)r8 * 128u +
+                                  ((uint32_t)((j0 & 7) ^ (r8 & 7)) << 4);
+            const uint32_t src0 = raw_s(slot) + raw_off;
+#pragma unroll 4
+            for (int k = 0; k < NP8; ++k) {
+                const uint4 x = ld_shared_v4(src0 + (uint32_t)(k * RPP8 * 64));
+                const float sc = __uint_as_float(ld_shared_u32(meta + 4u * (uint32_t)(r8 + RPP8 * k)));
+                uint4 lo, hi;
+                widen_e4m3x16<T>(x, sc, lo, hi);
+                const uint32_t d = dst0 + (uint32_t)(k * RPP8 * 128);
+                st_shared_v4(d, lo);
+                st_shared_v4(d ^ 16u, hi);
+            }
+            fence_proxy_async();  // the stores, before wgmma reads them
+            mbar_arrive(v ? full_v(s) : full_k(s));
+            producer_sync();  // the slot is read: the next issue may rewrite it
+        };
+        auto produce_e4m3 = [&](const PrefillSpan& sp, const PagedRows& rr, int kb, int t0, int t1, int nxt_blk,
+                                int nxt_off) {
+            int64_t si = -1, si_prev = -1;  // thread tid < TN: its token's scale index in tiles t and t - 1
+            int s_prev = 0, ph_prev = 0, any_prev = 0, pending = 0;
+            for (int t = t0; t < t1; ++t, ++tile_it) {
+                const int s = tile_it % S;
+                const int ph = ((tile_it / S) & 1) ^ 1;
+                const int blk = nxt_blk, boff = nxt_off;
+                const int k0 = t * TN;
+                nxt_blk = -1;
+                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
+                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                // V_{t-2}'s raw copies read this stage's offsets: every
+                // producer thread is past them (the unit loop's barrier, for
+                // its first tile).
+                if (t > t0) producer_sync();
+                int bad = 0;
+                si_prev = si;
+                if (tid < TN) {
+                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
+                    offs[s * TN + tid] = off;  // bytes: one a value
+                    si = off >= 0 ? rr.scale_index(blk, boff) : -1;
+                    bad = off < 0;
+                }
+                const int any = producer_sync_or(bad);
+                issue_raw(false, s, ph, any, si, tid < TN && !bad);
+                if (++pending > L) widen(Int<L>{}), --pending;
+                if (t > t0) {
+                    issue_raw(true, s_prev, ph_prev, any_prev, si_prev, false);
+                    if (++pending > L) widen(Int<L>{}), --pending;
+                }
+                s_prev = s, ph_prev = ph, any_prev = any;
+            }
+            issue_raw(true, s_prev, ph_prev, any_prev, si, false);  // the unit's last V
+            for (++pending; pending > 0; --pending) widen(Int<0>{});
+        };
         for (int n = 0;; ++n) {
             producer_sync();  // unit n is in its slot
             const int64_t w = ld_shared_s64(next_slot + 8 * (n & 1));
@@ -321,6 +534,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             // K and the producer's for a free V slot were the pipeline's
             // largest stalls). A tile's offsets stay in its stage until the
             // K two tiles on writes it, so V_{t-1}'s gather still reads them.
+            if constexpr (E4M3) {
+                produce_e4m3(sp, rr, kb, t0, t1, nxt_blk, nxt_off);
+            } else {
             struct VStage {
                 int s, ph, any;  // stage, its phase, whether it has unreadable tokens
             } prev{0, 0, 0};
@@ -360,6 +576,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 prev = VStage{s, ph, any};
             }
             gather_v(prev);  // the unit's last V
+            }
             take(n + 1);
         }
         hand_over(-1, false);
@@ -476,10 +693,22 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                             }
                         }
                         if (unreadable) {  // tokens outside the sequence or the readable range
-                            const int64_t* off = offs + s * TN + col_q;
+                            [[maybe_unused]] const int64_t* off = offs + s * TN + col_q;
+                            [[maybe_unused]] uint32_t mk[TN / 32];  // e4m3: the stage's readable rows
+                            if constexpr (E4M3) {
+#pragma unroll
+                                for (int i = 0; i < TN / 32; ++i) mk[i] = ld_shared_u32(stage_mask(s) + 4u * i);
+                            }
 #pragma unroll
                             for (int j = 0; j < TN / 8; ++j) {
-                                const bool bad0 = off[8 * j] < 0, bad1 = off[8 * j + 1] < 0;
+                                bool bad0, bad1;
+                                if constexpr (E4M3) {
+                                    const int c0 = col_q + 8 * j;  // even: c0 + 1 is in the same word
+                                    bad0 = !((mk[c0 >> 5] >> (c0 & 31)) & 1u);
+                                    bad1 = !((mk[c0 >> 5] >> ((c0 + 1) & 31)) & 1u);
+                                } else {
+                                    bad0 = off[8 * j] < 0, bad1 = off[8 * j + 1] < 0;
+                                }
                                 sc[4 * j] = bad0 ? neg_inf() : sc[4 * j];
                                 sc[4 * j + 2] = bad0 ? neg_inf() : sc[4 * j + 2];
                                 sc[4 * j + 1] = bad1 ? neg_inf() : sc[4 * j + 1];
@@ -579,6 +808,12 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
 template <typename T, int D>
 __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) {
     sm90_attention<T, D, Sm90PrefillSrc<T, D>>(p);
+}
+
+// The same over an e4m3 cache (T the query's and output's type).
+template <typename T, int D>
+__device__ __forceinline__ void paged_prefill_sm90_e4m3(const kvp_prefill_params& p) {
+    sm90_attention<T, D, Sm90PrefillSrc<T, D>, kvp_prefill_params, true>(p);
 }
 
 }  // namespace kvp

@@ -118,6 +118,14 @@ KVP_E4M3_INSTANTIATE(bf16, kvp::bf16, 256)
 
 KVP_FOR_16BIT(KVP_PREFILL_SM90_INSTANTIATE)
 
+static_assert(kvp::Sm90Cfg<kvp::f16, 64, true>::SMEM == 111360, "kvp_prefill_sm90_smem_bytes_e4m3 h64");
+static_assert(kvp::Sm90Cfg<kvp::f16, 128, true>::SMEM == 217856, "kvp_prefill_sm90_smem_bytes_e4m3 h128");
+static_assert(kvp::Sm90Cfg<kvp::f16, 256, true>::SMEM == 232160, "kvp_prefill_sm90_smem_bytes_e4m3 h256");
+#define KVP_PREFILL_SM90_E4M3_INSTANTIATE(DT, T, D)                                                      \
+    KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90_e4m3, DT##_e4m3, T, D)
+
+KVP_FOR_16BIT(KVP_PREFILL_SM90_E4M3_INSTANTIATE)
+
 // The plan kernel depends on neither dtype nor head_dim.
 extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
     kvp::prefill_plan(p);
@@ -154,6 +162,11 @@ KVP_FOR_16BIT(KVP_CASCADE_E4M3_INSTANTIATE)
     KVP_SM90_KERNEL(kvp_cascade_sm90, kvp_cascade_params, kvp::cascade_shared_sm90, DT, T, D)
 
 KVP_FOR_16BIT(KVP_CASCADE_SM90_INSTANTIATE)
+
+#define KVP_CASCADE_SM90_E4M3_INSTANTIATE(DT, T, D) \
+    KVP_SM90_KERNEL(kvp_cascade_sm90, kvp_cascade_params, kvp::cascade_shared_sm90_e4m3, DT##_e4m3, T, D)
+
+KVP_FOR_16BIT(KVP_CASCADE_SM90_E4M3_INSTANTIATE)
 
 // ---------------------------------------------------------------------------
 // Tier copy (dtype-blind).

@@ -69,8 +69,11 @@
  * kvp_merge_params, kvp_prefill_params and kvp_cascade_params (see
  * "Attention sinks" below).
  * 7: `window_left` and `reserved` appended to kvp_decode_params (a window
- * in the decode kernel); kvp_cascade_<dt>_e4m3_h<D> reads an e4m3 cache. */
-#define KVP_KERNELS_ABI_VERSION 7
+ * in the decode kernel); kvp_cascade_<dt>_e4m3_h<D> reads an e4m3 cache.
+ * 8: the Hopper mainloop reads e4m3 caches: kvp_paged_prefill_sm90_<dt>_e4m3_h<D>
+ * and kvp_cascade_sm90_<dt>_e4m3_h<D> (kvp_prefill_sm90_smem_bytes_e4m3);
+ * the e4m3 cascade kernel honours skip_shared as the 16-bit one does. */
+#define KVP_KERNELS_ABI_VERSION 8
 
 /* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
 #define KVP_KV_E4M3 4
@@ -474,6 +477,20 @@ static inline int32_t kvp_prefill_sm90_tile_kv(int head_dim) { return head_dim <
 static inline uint32_t kvp_prefill_sm90_smem_bytes(int dtype_bytes, int head_dim) {
     uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim, e = (uint32_t)dtype_bytes;
     return 1024u + KVP_PREFILL_SM90_TILE_Q * d * e + 2u * 2u * tn * d * e + 2u * tn * 8u + 128u;
+}
+
+/* kvp_paged_prefill_sm90_<dt>_e4m3_h<D> and kvp_cascade_sm90_<dt>_e4m3_h<D>:
+ * the same launches over an e4m3 cache (kv.dtype KVP_KV_E4M3, its scales):
+ * the producer lands each K or V tile raw in a ring of `raw` slots and widens
+ * it to <dt>, its scale folded in, into the 16-bit stages the consumers
+ * read. Dynamic smem: the 16-bit formula (2-byte <dt>) + raw * (tile_kv * D
+ * (a raw tile) + tile_kv * 4 + 32 (its scales, readable mask, record)) +
+ * 2 * 16 (the stages' masks), raw 3 where that fits in 232448 bytes, else 2:
+ * h64: 111360, h128: 217856, h256: 232160. */
+static inline uint32_t kvp_prefill_sm90_smem_bytes_e4m3(int head_dim) {
+    uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim;
+    uint32_t base = kvp_prefill_sm90_smem_bytes(2, head_dim), slot = tn * d + tn * 4u + 32u;
+    return base + (base + 3u * slot + 32u <= 232448u ? 3u : 2u) * slot + 32u;
 }
 
 /* ------------------------------------------------------------------------

@@ -78,7 +78,7 @@ import (
 
 // libVersion is kvplug's version, the header's KVP_VERSION_* (a test
 // checks that they agree).
-const libVersion = "0.6.0"
+const libVersion = "0.7.0"
 
 // version overrides libVersion in -version's answer when set at link time
 // (-ldflags "-X main.version=...").

@@ -35,7 +35,7 @@ const KindCascade = 2
 const CascadeNoDecodeRoute = 1
 
 // CascadeNoHopper plans for the sm_80 kernels on a Hopper GPU too
-// (KVP_CASCADE_NO_HOPPER): an e4m3 cache's prefill route runs there only.
+// (KVP_CASCADE_NO_HOPPER).
 const CascadeNoHopper = 4
 
 // cascadeFlags are the flags a cascade plan takes.
@@ -544,9 +544,6 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits, Mainloop: r.s.PrefillMainloop,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
-		if a.PagedKV.E4M3() && pp.Mainloop == MainloopSM90 { // PagedPrefill's refusal, with the cascade planner's flag
-			return errE4M3HopperPlan(c.op, cascadeNoHopperAdvice)
-		}
 		return PagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
 		d := PagedDecodeArgs{DecodeLayout: cascadeDecodeLayout(p, a),
@@ -612,13 +609,15 @@ type cascadeParams struct {
 }
 
 // cascadeKernels[dtype f16/bf16][head_dim index]: attention, merge, the
-// shared items on Hopper's wgmma mainloop, and attention over an e4m3 cache.
-var cascadeKernels = func() (t [2][len(headDims)][4]*cuda.Kernel) {
+// shared items on Hopper's wgmma mainloop, and attention and the Hopper
+// launch over an e4m3 cache.
+var cascadeKernels = func() (t [2][len(headDims)][5]*cuda.Kernel) {
 	for di, d := range []DType{F16, BF16} {
 		for hi, h := range headDims {
 			suffix := "_" + d.String() + "_h" + strconv.Itoa(h)
-			t[di][hi] = [4]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix),
-				image.Kernel("kvp_cascade_sm90" + suffix), image.Kernel("kvp_cascade_" + d.String() + "_e4m3_h" + strconv.Itoa(h))}
+			e4m3 := "_" + d.String() + "_e4m3_h" + strconv.Itoa(h)
+			t[di][hi] = [5]*cuda.Kernel{image.Kernel("kvp_cascade" + suffix), image.Kernel("kvp_cascade_merge" + suffix),
+				image.Kernel("kvp_cascade_sm90" + suffix), image.Kernel("kvp_cascade" + e4m3), image.Kernel("kvp_cascade_sm90" + e4m3)}
 		}
 	}
 	return t
@@ -775,16 +774,21 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 	}
 	ks := cascadeKernels[di][hi]
 	sms := m.Device().SMs
-	attnKernel, attnShared := ks[0], cascadeSharedBytes(a.HeadDim)
+	attnKernel, attnShared, hopperKernel := ks[0], cascadeSharedBytes(a.HeadDim), ks[2]
+	hcfg := prefillSM90Config(m.Device(), a.DType, a.HeadDim)
 	if a.PagedKV.E4M3() {
-		// Every item on the sm_80 tiles, which read e4m3: no Hopper launch.
-		attnKernel, attnShared = ks[3], cascadeSharedBytesE4M3(a.HeadDim)
-	} else if hcfg := prefillSM90Config(m.Device(), a.DType, a.HeadDim); !a.SM80 && hcfg.Grid.X > 0 {
+		attnKernel, attnShared, hopperKernel = ks[3], cascadeSharedBytesE4M3(a.HeadDim), ks[4]
+		hcfg.Shared = prefillSM90SharedBytesE4M3(a.HeadDim)
+		if uint32(m.Device().SharedPerBlockOptin) < hcfg.Shared {
+			hcfg.Grid.X = 0 // every item on the sm_80 tiles
+		}
+	}
+	if !a.SM80 && hcfg.Grid.X > 0 {
 		// The shared items (and the long tails of a plan cut for it) on the
 		// wgmma mainloop first (one block per SM), then the rest; launched
 		// whatever the plan holds, so that a captured run serves every
 		// later plan.
-		if err := cuda.Launch(m, ks[2], hcfg, stream, &p); err != nil {
+		if err := cuda.Launch(m, hopperKernel, hcfg, stream, &p); err != nil {
 			return err
 		}
 		p.SkipShared = 1

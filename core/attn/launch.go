@@ -18,6 +18,7 @@ type kernelSet struct {
 	write, decode, combine, merge, prefill *cuda.Kernel
 	prefillSM90                            *cuda.Kernel // nil for f32
 	writeE4M3, decodeE4M3, prefillE4M3     *cuda.Kernel // over an e4m3 cache; nil for f32
+	prefillSM90E4M3                        *cuda.Kernel // the Hopper mainloop over an e4m3 cache; nil for f32
 }
 
 // prefillPlanKernel writes a prefill plan's work list (one kernel for every
@@ -44,6 +45,7 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 				t[di][hi].writeE4M3 = image.Kernel("kvp_kv_write" + e4m3)
 				t[di][hi].decodeE4M3 = image.Kernel("kvp_paged_decode" + e4m3)
 				t[di][hi].prefillE4M3 = image.Kernel("kvp_paged_prefill" + e4m3)
+				t[di][hi].prefillSM90E4M3 = image.Kernel("kvp_paged_prefill_sm90" + e4m3)
 			}
 		}
 	}

@@ -48,6 +48,9 @@ func TestParamsLayout(t *testing.T) {
 		p.Value(fmt.Sprintf("e4m3_smem.%d", d), fmt.Sprintf("kvp_decode_smem_bytes_e4m3(%d)", d), uint64(decodeSharedBytesE4M3(d)))
 		p.Value(fmt.Sprintf("e4m3_prefill_smem.%d", d), fmt.Sprintf("kvp_prefill_smem_bytes_e4m3(%d)", d),
 			uint64(prefillSharedBytesE4M3(d)))
+		p.Value(fmt.Sprintf("sm90_smem.%d", d), fmt.Sprintf("kvp_prefill_sm90_smem_bytes(2, %d)", d), uint64(prefillSM90SharedBytes(BF16, d)))
+		p.Value(fmt.Sprintf("sm90_e4m3_smem.%d", d), fmt.Sprintf("kvp_prefill_sm90_smem_bytes_e4m3(%d)", d),
+			uint64(prefillSM90SharedBytesE4M3(d)))
 	}
 	p.Run(t, "../../kernels")
 }

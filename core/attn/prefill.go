@@ -115,12 +115,31 @@ func prefillTileQ(d DType, headDim int) int {
 
 // prefillSM90SharedBytes is kvp_prefill_sm90_smem_bytes.
 func prefillSM90SharedBytes(d DType, headDim int) uint32 {
-	tn := uint32(128)
-	if headDim > 128 {
-		tn = 64
-	}
-	D, e := uint32(headDim), uint32(d.Size())
+	D, e, tn := uint32(headDim), uint32(d.Size()), prefillSM90TileKV(headDim)
 	return 1024 + prefillSM90TileQ*D*e + 2*2*tn*D*e + 2*tn*8 + 128
+}
+
+// prefillSM90TileKV is kvp_prefill_sm90_tile_kv: tokens per K/V tile.
+func prefillSM90TileKV(headDim int) uint32 {
+	if headDim > 128 {
+		return 64
+	}
+	return 128
+}
+
+// prefillSM90SharedBytesE4M3 is kvp_prefill_sm90_smem_bytes_e4m3: the
+// Hopper mainloop over an e4m3 cache adds a ring of raw tiles (three
+// where they fit, else two), each with its scales, mask and record, and
+// the stages' masks.
+func prefillSM90SharedBytesE4M3(headDim int) uint32 {
+	const maxShared = 232448 // sm_90's opt-in shared memory per block
+	tn := prefillSM90TileKV(headDim)
+	base, slot := prefillSM90SharedBytes(F16, headDim), tn*uint32(headDim)+tn*4+32
+	raw := uint32(3)
+	if base+3*slot+32 > maxShared {
+		raw = 2
+	}
+	return base + raw*slot + 32
 }
 
 // prefillMainloop picks the kernel of a plan's prefill route on dev: the
@@ -178,22 +197,6 @@ func prefillStages(headDim int) uint32 {
 		return 3
 	}
 	return 2
-}
-
-// errE4M3Hopper: an e4m3 cache is read by the sm_80 prefill mainloop only.
-func errE4M3Hopper(what string) error { return errE4M3HopperPlan(what, prefillNoHopperAdvice) }
-
-// The planners' ways to a plan an e4m3 cache can run (errE4M3HopperPlan).
-const (
-	prefillNoHopperAdvice = "KVP_PREFILL_NO_HOPPER (Python: prefill_plan(..., hopper=False))"
-	cascadeNoHopperAdvice = "KVP_CASCADE_NO_HOPPER (Python: cascade.plan(..., hopper=False))"
-)
-
-// errE4M3HopperPlan refuses an e4m3 cache under a plan cut for the Hopper
-// mainloop, naming the planner's flag (advice) that avoids it.
-func errE4M3HopperPlan(what, advice string) error {
-	return kverr.Errorf(kverr.InvalidArgument, "%s: an e4m3 (FP8) cache is read by the sm_80 prefill mainloop; "+
-		"this plan is for the Hopper mainloop: plan with %s", what, advice)
 }
 
 // prefillSharedBytesE4M3 is kvp_prefill_smem_bytes_e4m3: the sm_80 prefill
@@ -549,9 +552,6 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 	if int64(p.TotalQ)*int64(p.NumQHeads) > math.MaxInt32 {
 		return e, kverr.Errorf(kverr.InvalidArgument, "%s: plan total_q * num_q_heads must be below 2^31", what)
 	}
-	if l.PagedKV.E4M3() && p.Mainloop == MainloopSM90 {
-		return e, errE4M3Hopper(what)
-	}
 	var err error
 	if e.cache, e.table, err = l.PagedKV.validate(what, p.DType, p.HeadDim, p.NumKVHeads, true, p.Batch); err != nil {
 		return e, err
@@ -674,18 +674,22 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	if mainloop == MainloopOfDevice {
 		mainloop = prefillMainloop(m.Device(), p.DType, p.HeadDim, 0)
 	}
-	if a.PagedKV.E4M3() {
-		if mainloop == MainloopSM90 {
-			return errE4M3Hopper(what)
-		}
-		cfg.Shared = prefillSharedBytesE4M3(p.HeadDim)
-		kernel = kernelsFor(p.DType, p.HeadDim).prefillE4M3
-	} else if mainloop == MainloopSM90 {
+	e4m3 := a.PagedKV.E4M3()
+	if mainloop == MainloopSM90 {
 		if prefillMainloop(m.Device(), p.DType, p.HeadDim, 0) != MainloopSM90 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for the Hopper mainloop, which this device (compute capability %d.%d) does not run: plan on this device", what, m.Device().Major, m.Device().Minor)
 		}
 		cfg.Block.X, cfg.Shared = prefillSM90Threads, prefillSM90SharedBytes(p.DType, p.HeadDim)
 		kernel = kernelsFor(p.DType, p.HeadDim).prefillSM90
+		if e4m3 {
+			if uint32(m.Device().SharedPerBlockOptin) < prefillSM90SharedBytesE4M3(p.HeadDim) {
+				return kverr.Errorf(kverr.Unsupported, "%s: the Hopper mainloop over an e4m3 cache needs %d bytes of shared memory a block; this device offers %d: plan with KVP_PREFILL_NO_HOPPER", what, prefillSM90SharedBytesE4M3(p.HeadDim), m.Device().SharedPerBlockOptin)
+			}
+			cfg.Shared, kernel = prefillSM90SharedBytesE4M3(p.HeadDim), kernelsFor(p.DType, p.HeadDim).prefillSM90E4M3
+		}
+	} else if e4m3 {
+		cfg.Shared = prefillSharedBytesE4M3(p.HeadDim)
+		kernel = kernelsFor(p.DType, p.HeadDim).prefillE4M3
 	}
 	if err := cuda.Launch(m, kernel, cfg, stream, &pp); err != nil {
 		return err

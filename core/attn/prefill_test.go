@@ -109,11 +109,6 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		{"workspace shrunk", func(p *PrefillPlan, a *PagedPrefillArgs) { p.WorkspaceBytes = 64 }, kverr.BufferTooSmall},
 		{"decode rows above batch", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSeqs = 3 }, kverr.InvalidArgument},
 		{"decode splits above max", func(p *PrefillPlan, a *PagedPrefillArgs) { p.DecodeSplits = MaxSplits + 1 }, kverr.InvalidArgument},
-		{"e4m3 on the Hopper mainloop", func(p *PrefillPlan, a *PagedPrefillArgs) {
-			p.Mainloop = MainloopSM90
-			a.PagedKV.DType, a.ScaleKind, a.KScale, a.VScale = E4M3, ScaleTokenHead, 0x60000, 0x70000
-			a.CacheBlockStride, a.CacheTokenStride, a.CacheHeadStride = 4096, 256, 128
-		}, kverr.InvalidArgument},
 		{"e4m3 without scales", func(p *PrefillPlan, a *PagedPrefillArgs) { a.PagedKV.DType, a.ScaleKind = E4M3, ScaleTokenHead }, kverr.NullPointer},
 	}
 	for _, c := range runCases {

@@ -2,7 +2,7 @@
 # compute-sanitizer's memcheck and racecheck over the GPU tests of the attention tiles: paged
 # prefill on the Hopper (sm_90a) mainloop and on the sm_80 tile (test_prefill_torch.py's
 # "hopper" and "sm80" cases), the cascade route's kernels (test_cascade_torch.py), and the
-# e4m3 (FP8) cache's KV write, decode and prefill (test_fp8_torch.py). Only
+# e4m3 (FP8) cache's KV write, decode, prefill on both mainloops and cascade (test_fp8_torch.py). Only
 # the kernels whose names hold the given part are instrumented, so the float64 references run
 # at full speed; torch's caching allocator is off, so that a read past a tensor's end lands
 # outside every allocation and memcheck sees it. Exits non-zero at the first tool that
@@ -35,5 +35,6 @@ check racecheck sm90 test_cascade_torch.py "prefill_matches"
 check memcheck kvp_paged_prefill test_prefill_torch.py "sm80 and (test_prefill or sliding_window)"
 check racecheck kvp_paged_prefill test_prefill_torch.py "sm80 and (test_prefill and 128-16-1 or sliding_window)"
 check racecheck kvp_cascade test_cascade_torch.py "prefill_matches or matches_reference"
-check memcheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128"
+check memcheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128 or fp8_cascade and device"
 check racecheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128"
+check racecheck e4m3 test_fp8_torch.py "prefill_long and one-split-64 or fp8_cascade and device and 256"

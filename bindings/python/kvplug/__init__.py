@@ -56,7 +56,7 @@ from .vmem import VirtualKVCache
 from . import attn
 from . import cascade  # noqa: F401 (shared-prefix decode attention)
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = [
     "attn",
