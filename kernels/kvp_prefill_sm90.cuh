@@ -444,15 +444,29 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             const uint32_t dst0 = (v ? v_s(s) : k_s(s)) + (uint32_t)(j0 >> 3) * (TN * 128) + (uint32_t)r8 * 128u +
                                   ((uint32_t)((j0 & 7) ^ (r8 & 7)) << 4);
             const uint32_t src0 = raw_s(slot) + raw_off;
-#pragma unroll 4
-            for (int k = 0; k < NP8; ++k) {
-                const uint4 x = ld_shared_v4(src0 + (uint32_t)(k * RPP8 * 64));
-                const float sc = __uint_as_float(ld_shared_u32(meta + 4u * (uint32_t)(r8 + RPP8 * k)));
-                uint4 lo, hi;
-                widen_e4m3x16<T>(x, sc, lo, hi);
-                const uint32_t d = dst0 + (uint32_t)(k * RPP8 * 128);
-                st_shared_v4(d, lo);
-                st_shared_v4(d ^ 16u, hi);
+            // Four chunks' loads before their conversions: the accesses are
+            // volatile asm, kept in this order, and a load's latency would
+            // otherwise stall every chunk (ncu: the conversions' waits on
+            // their loads were most of the producer's stalls).
+            constexpr int G = 4;
+            static_assert(NP8 % G == 0, "chunk groups");
+#pragma unroll 1
+            for (int k0 = 0; k0 < NP8; k0 += G) {
+                uint4 x[G];
+                float sc[G];
+#pragma unroll
+                for (int i = 0; i < G; ++i) {
+                    x[i] = ld_shared_v4(src0 + (uint32_t)((k0 + i) * RPP8 * 64));
+                    sc[i] = __uint_as_float(ld_shared_u32(meta + 4u * (uint32_t)(r8 + RPP8 * (k0 + i))));
+                }
+#pragma unroll
+                for (int i = 0; i < G; ++i) {
+                    uint4 lo, hi;
+                    widen_e4m3x16<T>(x[i], sc[i], lo, hi);
+                    const uint32_t d = dst0 + (uint32_t)((k0 + i) * RPP8 * 128);
+                    st_shared_v4(d, lo);
+                    st_shared_v4(d ^ 16u, hi);
+                }
             }
             fence_proxy_async();  // the stores, before wgmma reads them
             mbar_arrive(v ? full_v(s) : full_k(s));
