@@ -299,10 +299,17 @@ func (m *Manager) registerCompanions(s *seq, j int) {
 			continue
 		}
 		c := s.extra()[g].blocks[j]
-		// A block is inserted as it fills: its index is the sequence's
-		// last, which no window has dropped.
 		if c == NoBlock {
-			panic("kvmanager: a filled block's companion was dropped")
+			// A block is inserted as it fills, at the sequence's last
+			// index, which no window has dropped; but a host hit's
+			// reloaded blocks are inserted at admission, and their window
+			// companions before what the hit point reads were not
+			// reloaded (grouptier.go): such a node has none, as one whose
+			// window companion was evicted.
+			if j >= s.extra()[g].gone {
+				panic("kvmanager: a filled block's companion was dropped")
+			}
+			continue
 		}
 		assertOK(m.pool.MarkCached(c), "a sequence's companion block is free")
 		m.register(c, b, g)
@@ -718,8 +725,10 @@ func (m *Manager) listedTaken(matched []int32, h int) int {
 }
 
 // takeCompanions fills s's group tables' first h entries from the matched
-// blocks' companions, referencing them, and marks the hit point.
-func (m *Manager) takeCompanions(s *seq, h int) {
+// blocks' companions, referencing them, and marks the hit point. hit >= h
+// is the whole hit, the host tier's blocks past h included (grouptier.go):
+// a window group's entries before what a query at hit reads are dropped.
+func (m *Manager) takeCompanions(s *seq, h, hit int) {
 	gc := m.gc
 	if gc == nil {
 		return
@@ -739,7 +748,7 @@ func (m *Manager) takeCompanions(s *seq, h int) {
 		t := &s.extra()[g]
 		from := 0
 		if grp.Kind == SlidingWindow {
-			from = m.keepFrom(h*m.bs, grp.Window)
+			from = m.keepFrom(hit*m.bs, grp.Window)
 			fillNoBlock(t.blocks[:from])
 			t.gone = from
 		}
@@ -842,26 +851,28 @@ func (m *Manager) checkGroupCache(pins []int32, bad func(string, ...any) error) 
 // acquireGroups is the prefix cache's Acquire for a manager of groups: it
 // matches the prompt up to the hit every group can start from and locks
 // those blocks, provided the blocks the prompt needs beyond them in every
-// group fit; ok is false, with nothing changed, when they do not.
-func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (res prefix.MatchResult, ok bool, err error) {
+// group fit; ok is false, with nothing changed, when they do not. whole:
+// the hit is group 0's whole cached prefix (a host tier may extend it).
+func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (res prefix.MatchResult, whole, ok bool, err error) {
 	peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
 	m.locks = peek[:0]
 	if err != nil {
-		return res, false, err
+		return res, false, false, err
 	}
 	h := m.hitBlocks(peek)
+	whole = h == len(peek)
 	// What is free after the lock: evictable nodes but those the match
 	// holds, listed companions but those it takes.
 	avail := m.available() - int64(m.cache.Unheld(peek[:h]))*int64(1+m.gc.fullExtra) - int64(m.listedTaken(peek, h))
 	if m.groups.perSeq(need-h) > avail {
-		return res, false, nil
+		return res, false, false, nil
 	}
 	res, ok, err = m.cache.AcquirePeeked(m.locks[:0], len(tokens), h, h, math.MaxInt32)
 	m.locks = res.Blocks[:0]
 	if err == nil && (!ok || len(res.Blocks) != h) {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: acquire of the %d blocks peek found took %d (ok %v)", h, len(res.Blocks), ok))
 	}
-	return res, ok, err
+	return res, whole, ok, err
 }
 
 // makeFreeGroups is makeFree with layer groups: checkpoints of partial
@@ -911,5 +922,11 @@ func (m *Manager) evictNodes(short int, spentOnly bool) int {
 	// An evictable block has no lock, hence no reference, and is marked,
 	// so it is Cached in the pool.
 	assertOK(m.pool.Evict(m.evicted), "evicted blocks are not Cached in the pool")
-	return len(m.evicted) + m.nodesGone(m.evicted, m.cache.LastRemoved())
+	freed := len(m.evicted) + m.nodesGone(m.evicted, m.cache.LastRemoved())
+	if m.tier != nil {
+		// Needed now: dropped, not demoted (the tier demotes ahead of
+		// need, FlushCopies).
+		m.tier.Evicted(len(m.evicted))
+	}
+	return freed
 }

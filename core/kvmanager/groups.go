@@ -40,10 +40,12 @@ import (
 //     block and a CopyPair from the parent's.
 //
 // The prefix cache holds every kind of group (groupcache.go): a recurrent
-// group's states at checkpoints. The host tier keys on one table per
-// sequence: a manager with more than one group refuses it (Unsupported)
-// in this version. Shared-prefix (cascade) planning reads group 0's
-// tables.
+// group's states at checkpoints. The host tier holds full-attention and
+// sliding-window groups, one host slot per cached node and group
+// (grouptier.go, core/kvtier/groups.go); a manager with a recurrent group,
+// or with the shared tier, write-through or DemoteEvicted, refuses it
+// (Unsupported) in this version. Shared-prefix (cascade) planning reads
+// group 0's tables.
 
 // GroupKind is the kind of a layer group's layers.
 type GroupKind uint8
@@ -152,7 +154,9 @@ func newGroupSet(cfg *Config) (groupSet, error) {
 		return gs, kverr.Errorf(kverr.InvalidArgument, "layer group 0 must be full attention (its table is the sequence's token timeline): got kind %d; declare a model without full-attention layers as one full-attention group", cfg.Groups[0].Kind)
 	}
 	if len(cfg.Groups) > 1 && cfg.HostTier != nil {
-		return gs, kverr.Errorf(kverr.Unsupported, "layer groups: the host tier does not hold more than one group in this version")
+		if err := checkGroupTier(cfg); err != nil {
+			return gs, err
+		}
 	}
 	gs.extra = slices.Clone(cfg.Groups[1:])
 	for _, grp := range gs.extra {
@@ -212,13 +216,15 @@ func (m *Manager) newExtra(n int) *seqGroups {
 	return &seqGroups{t: ts}
 }
 
-// allocExtra allocates s's attention-group blocks from index from on, and
-// its recurrent states; the caller made them free.
+// allocExtra allocates s's attention-group blocks from index from on (a
+// window group's from its first entry not dropped, if later: a host hit
+// drops more than a GPU hit), and its recurrent states; the caller made
+// them free.
 func (m *Manager) allocExtra(s *seq, from int, hint int32) {
 	for g, grp := range m.groups.extra {
 		t := s.extra()[g].blocks
 		if grp.Kind != Recurrent {
-			t = t[from:]
+			t = t[max(from, s.extra()[g].gone):]
 		}
 		if len(t) == 0 {
 			continue

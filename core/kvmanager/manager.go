@@ -174,11 +174,14 @@ type Manager struct {
 
 	// Scratch reused by every call (under mu), so the per-step calls do not
 	// allocate.
-	stamp    uint64
-	ids      []int64
-	cached   []int32
-	evicted  []int32
-	locks    []int32
+	stamp   uint64
+	ids     []int64
+	cached  []int32
+	evicted []int32
+	locks   []int32
+	// lastPeek: group 0's cached prefix, in blocks, of the last prompt
+	// matchPrompt matched with layer groups (MatchTiers' host part).
+	lastPeek int
 	inserted []prefix.InsertResult
 	one      [1]int32
 	dropped  []prefix.DroppedBlock
@@ -250,7 +253,11 @@ func New(cfg Config) (*Manager, error) {
 		// The host tier's blocks are announced as CPU events and listed
 		// by snapshots with KV events on (core/kvtier, "KV events"); with
 		// a shared tier, its store goroutine runs until Close.
-		if m.tier, err = kvtier.New(*cfg.HostTier, kvtier.GPU{Pool: p, Cache: m.cache, Lock: tierLock{m}, Events: cfg.EnableKVEvents}); err != nil {
+		gpu := kvtier.GPU{Pool: p, Cache: m.cache, Lock: tierLock{m}, Events: cfg.EnableKVEvents}
+		if m.gc != nil {
+			gpu.Groups = tierGroups{m} // grouptier.go
+		}
+		if m.tier, err = kvtier.New(*cfg.HostTier, gpu); err != nil {
 			return nil, err
 		}
 	}

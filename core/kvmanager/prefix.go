@@ -198,9 +198,10 @@ func (m *Manager) Admit(ids []int64, prompts Prompts, matched []int32) (int, err
 func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched kvtier.Fetched) (matched int, ok bool, err error) {
 	need := m.blocksFor(len(tokens))
 	var res prefix.MatchResult
+	whole := false // with groups: the GPU hit is group 0's whole cached prefix
 	switch {
 	case m.gc != nil:
-		res, ok, err = m.acquireGroups(tokens, keys, need)
+		res, whole, ok, err = m.acquireGroups(tokens, keys, need)
 		if err != nil || !ok {
 			return 0, false, err
 		}
@@ -215,7 +216,10 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	}
 	k := len(res.Blocks)
 	hostHit := 0 // blocks after the k matched on the GPU, pinned in the host tier
-	if m.tier != nil {
+	switch {
+	case m.tier != nil && m.gc != nil && whole:
+		hostHit = m.tier.PinHostGroups(tokens, keys, k, m.gpuHas(res.Blocks))
+	case m.tier != nil && m.gc == nil:
 		hostHit = m.tier.PinHost(tokens, keys, k, fetched)
 	}
 	s := &seq{blocks: newTable(need, res.Blocks), length: res.Tokens, own: int32(k)}
@@ -224,8 +228,8 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	assertOK(m.pool.Incref(s.blocks[:k]), "admit: referencing the matched blocks")
 	// The groups' matched blocks are taken before anything is evicted.
 	s.grp = m.newExtra(need)
-	m.takeCompanions(s, k)
-	m.makeFree(int(m.groups.perSeq(need - k)))
+	m.takeCompanions(s, k, k+hostHit)
+	m.makeFree(int(m.groups.perSeq(need-k)) - m.droppedAhead(s, k))
 	hint := int32(-1)
 	if k > 0 {
 		hint = s.blocks[k-1]
@@ -234,7 +238,11 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 	m.allocExtra(s, k, s.blocks[need-1])
 	m.queueStateCopies(s, k)
 	if hostHit > 0 {
-		m.tier.QueueReloads(s.blocks[k : k+hostHit])
+		if m.gc != nil {
+			m.tier.QueueGroupReloads(func(j, g int) int32 { return s.groupBlock(j, g) })
+		} else {
+			m.tier.QueueReloads(s.blocks[k : k+hostHit])
+		}
 	}
 	if m.cache != nil {
 		s.pc = &seqPrefix{keys: keys.Clone(), last: res.Last, tail: make([]int32, 0, m.bs)}
@@ -247,6 +255,7 @@ func (m *Manager) admitOne(id int64, tokens []int32, keys *prefix.Keys, fetched 
 		// Their K/V comes from the reload copy, which the engine orders
 		// before every reader: computed, whatever becomes of s.
 		m.cache.CommitBlocks(s.blocks[k : k+hostHit])
+		m.hostHitPoint(s, k+hostHit)
 	}
 	matched = res.Tokens + hostHit*m.bs
 	s.length = len(tokens)
@@ -444,6 +453,7 @@ func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string
 		// holds what its next query reads.
 		peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
 		assertOK(err, what)
+		m.lastPeek = len(peek)
 		res = m.cache.MatchPeeked(m.locks[:0], tokens, keys, partial, m.hitBlocks(peek))
 	} else {
 		var err error

@@ -134,7 +134,12 @@ func (m *Manager) MatchTiers(prompts Prompts, out []TierMatch) error {
 		}
 		tokens, keys, res := m.matchPrompt(&prompts, i, false, "match tiers: the index refused a validated prompt")
 		out[i].GPU = int32(res.Tokens)
-		if m.tier != nil {
+		switch {
+		case m.tier != nil && m.gc != nil:
+			// As admission: the host tier extends only group 0's whole
+			// cached prefix (grouptier.go).
+			out[i].Host = int32(m.tier.MatchHostGroups(tokens, keys, res.Tokens, m.lastPeek == len(res.Blocks), m.gpuHas(res.Blocks)))
+		case m.tier != nil:
 			out[i].Host = int32(m.tier.MatchHost(tokens, keys, res.Tokens, fetched))
 		}
 	}

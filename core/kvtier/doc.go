@@ -71,4 +71,13 @@
 //  4. The shared tier is best effort: every call returns within its
 //     operation timeout and a miss is always a correct answer (the prefix
 //     is recomputed), so no step depends on the server being up.
+//
+// # Layer groups
+//
+// With layer groups (full-attention and sliding-window; groups.go has the
+// rule) a host slot holds one (node, group) block, keyed GroupKey, and
+// every copy op names its group (DemoteOp.Group, ReloadOp.Group): with the
+// layer-slot layout a block id belongs to one group, so copying every
+// layer slot of it moves that group's layers. A host hit obeys the GPU's
+// hit rule: never without the window blocks its hit point reads.
 package kvtier

@@ -508,7 +508,7 @@ func (t *Tier) reserveFetch(prompts Prompts, w *sharedWant, need []bool) ([]valk
 			if pk != nil {
 				ev.Adapter = pk.Adapter
 			}
-			t.setMeta(slot, &ev, tokens[b*t.bs:(b+1)*t.bs])
+			t.setMeta(slot, &ev, tokens[b*t.bs:(b+1)*t.bs], 0)
 		}
 	}
 	s.hits.Add(hits)

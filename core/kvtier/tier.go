@@ -224,7 +224,10 @@ func (c *Config) NumSlots() int {
 type DemoteOp struct {
 	Block int32
 	Slot  host.Slot
-	Hash  prefix.Hash // the block's chained hash (its host key is HostKey(Hash))
+	Hash  prefix.Hash // the block's chained hash, its node's in a group past 0 (host key GroupKey(Hash, Group))
+	// Group is the layer group whose block Block is (groups.go): the copy
+	// moves that group's layers of it. 0 without groups.
+	Group int
 }
 
 // ReloadOp is one block's reload: copy host slot Slot into GPU block
@@ -232,6 +235,7 @@ type DemoteOp struct {
 type ReloadOp struct {
 	Slot  host.Slot
 	Block int32
+	Group int // as DemoteOp.Group
 }
 
 // CopyBatch is one step's copies, handed to Copier.Copy. Its slices
@@ -355,6 +359,14 @@ type Tier struct {
 	// Write-through (writethrough.go).
 	wt writeThrough
 
+	// Layer groups (groups.go): the manager's side, nil without groups;
+	// an admission's pinned slots; a flush's evicted companions;
+	// nCompanions counts the companions' slots committed (with events).
+	groups      Groups
+	greloads    []groupReload
+	comps       []Companion
+	nCompanions int
+
 	st Stats
 }
 
@@ -373,7 +385,11 @@ type hostMeta struct {
 	parent   prefix.Hash
 	adapter  uint64
 	mm       []prefix.BlockMM
-	resident bool // committed and announced; false while reserved
+	resident bool // committed (and announced in group 0); false while reserved
+	// group: the slot holds a companion (groups.go), which CPU events do
+	// not announce: they carry no group, and its node's group-0 block
+	// stands for the node.
+	group int
 }
 
 // hostEvicted notes, with KV events on, that a reservation took slot s
@@ -385,22 +401,26 @@ func (t *Tier) hostEvicted(s host.Slot, gone host.Eviction, op string) {
 	if !gone.Evicted {
 		return
 	}
-	if int(s) >= len(t.meta) || !t.meta[s].resident || HostKey(t.meta[s].hash) != gone.Hash {
+	if int(s) >= len(t.meta) || !t.meta[s].resident || GroupKey(t.meta[s].hash, t.meta[s].group) != gone.Hash {
 		panic(kverr.Errorf(kverr.Internal, "kvtier: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, s))
 	}
-	t.gone = append(t.gone, t.meta[s].hash)
 	t.meta[s].resident = false
+	if t.meta[s].group > 0 {
+		t.nCompanions--
+		return
+	}
+	t.gone = append(t.gone, t.meta[s].hash)
 	t.nResident--
 }
 
-// setMeta records the block that slot s now holds (reserved).
-func (t *Tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32) {
+// setMeta records the block that slot s now holds (reserved), in group g.
+func (t *Tier) setMeta(s host.Slot, b *prefix.EvictedBlock, toks []int32, g int) {
 	if n := int(s) + 1; n > len(t.meta) {
 		t.meta = append(t.meta, make([]hostMeta, n-len(t.meta))...)
 		t.toks = append(t.toks, make([]int32, n*t.bs-len(t.toks))...)
 	}
 	// b.MM is the caller's (EvictBlocks hands it over).
-	t.meta[s] = hostMeta{hash: b.Hash, parent: b.Parent, adapter: b.Adapter, mm: b.MM}
+	t.meta[s] = hostMeta{hash: b.Hash, parent: b.Parent, adapter: b.Adapter, mm: b.MM, group: g}
 	copy(t.toks[int(s)*t.bs:(int(s)+1)*t.bs], toks)
 }
 
@@ -425,7 +445,7 @@ func (t *Tier) TierLen() int { return t.nResident }
 // blocks, in slot order.
 func (t *Tier) AppendTierBlocks(dst []prefix.TierBlock) []prefix.TierBlock {
 	for s := range t.meta {
-		if t.meta[s].resident {
+		if t.meta[s].resident && t.meta[s].group == 0 {
 			dst = append(dst, t.block(host.Slot(s)))
 		}
 	}
@@ -442,6 +462,8 @@ type GPU struct {
 	// Events: the prefix cache records KV events, and the host tier's
 	// blocks are announced in them ("KV events" above).
 	Events bool
+	// Groups: the manager has layer groups (groups.go); nil without.
+	Groups Groups
 }
 
 // New returns the host tier of cfg over g; with a shared tier its store
@@ -468,7 +490,7 @@ func New(cfg Config, g GPU) (*Tier, error) {
 			return nil, err
 		}
 	}
-	t := &Tier{cfg: cfg, gpu: g.Pool, cache: g.Cache, lock: g.Lock, inflight: make(map[uint64]inflightBatch), bs: g.Pool.BlockSize()}
+	t := &Tier{cfg: cfg, gpu: g.Pool, cache: g.Cache, lock: g.Lock, inflight: make(map[uint64]inflightBatch), bs: g.Pool.BlockSize(), groups: g.Groups}
 	if h.Pool == nil {
 		p, err := newPool(h.Slots, h.BlockBytes, h.Memory)
 		if err != nil {
@@ -600,6 +622,11 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 	unheld := len(t.evictOps)
 	t.evictOps = t.evictOps[:0]
 	if want := t.cfg.DemoteAhead - t.gpu.NumFree() - t.nBlocks; want > 0 {
+		if t.groups != nil {
+			// A node frees its companions with it: at least its full
+			// groups' (window ones may be gone already).
+			want = (want + t.perNode() - 1) / t.perNode()
+		}
 		t.evInfo, t.evToks = t.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want, t.events)
 		t.pending = t.reserveDemotions(t.pending, true, "flush copies")
 	}
@@ -642,55 +669,31 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 // appends their demotions to ops. hold (FlushCopies' demotions): each op
 // holds its GPU block until the copy completes; otherwise (the blocks an
 // allocation evicts, DemoteEvicted) the blocks are freed at once, the ops
-// holding none. A block that cannot be demoted is freed and counted.
+// holding none. A block that cannot be demoted is freed and counted. With
+// layer groups each node's companions follow it (groups.go), as ops of
+// their groups, or freed with it when it is not demoted.
 func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp {
 	t.gone = t.gone[:0]
+	t.comps = t.comps[:0]
+	if t.groups != nil && len(t.evInfo) > 0 {
+		t.comps = t.groups.Detach(t.evInfo, t.comps)
+	}
+	c := 0 // t.comps is in node order
 	for i := range t.evInfo {
 		ev := &t.evInfo[i]
-		b, h := ev.Block, ev.Hash
-		t.one[0] = b
-		if t.stamp[b] == t.epoch {
-			// Allocated since the last flush: its K/V is not written yet
-			// (cached at admission, its sequence removed before the step's
-			// forward pass). Dropped, never demoted: the host tier would
-			// serve whatever the block held. An allocation's eviction
-			// (DemoteEvicted) counts it; FlushCopies' does not (nothing
-			// was lost: the block held nothing).
-			if !hold {
-				t.st.EvictedUndemoted++
-			}
-			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
-			ev.MM = nil
-			continue
-		}
-		slot, gone, rerr := t.cfg.Pool.ReserveEvict(HostKey(h))
-		if rerr != nil {
-			if kverr.Is(rerr, kverr.OutOfBlocks) {
-				t.st.SkippedFull++
-				if !hold {
-					t.st.EvictedUndemoted++
-				}
-			} else {
-				t.st.SkippedPresent++
-			}
-			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
-			ev.MM = nil
-			continue
-		}
-		if hold {
-			// The copy holds the block: Cached -> InUse with its one
-			// reference, no longer retained by the cache (which dropped it).
-			assertOK(t.gpu.Incref(t.one[:]), op+": referencing an evicted block")
-			assertOK(t.gpu.UnmarkCached(b), op+": unmarking an evicted block")
-		} else {
-			// Free for the allocation: the copy reads it before the step
-			// writes it (stream order).
-			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
-		}
-		ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h})
+		var toks []int32
 		if t.events {
-			t.hostEvicted(slot, gone, op)
-			t.setMeta(slot, ev, t.evToks[i*t.bs:(i+1)*t.bs])
+			toks = t.evToks[i*t.bs : (i+1)*t.bs]
+		}
+		var ok bool
+		ops, ok = t.reserveOne(ops, ev, ev.Block, 0, toks, hold, op)
+		for ; c < len(t.comps) && t.comps[c].Node == i; c++ {
+			if ok {
+				ops, _ = t.reserveOne(ops, ev, t.comps[c].Block, t.comps[c].Group, nil, hold, op)
+				continue
+			}
+			t.one[0] = t.comps[c].Block
+			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted companion is not Cached in the pool")
 		}
 		ev.MM = nil // the slot's now, or dropped
 	}
@@ -698,6 +701,68 @@ func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp
 		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
 	}
 	return ops
+}
+
+// reserveOne is reserveDemotions for block b of evicted node ev in group
+// g: it appends b's demotion to ops and returns true, or frees b and
+// returns false.
+func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g int, toks []int32, hold bool, op string) ([]DemoteOp, bool) {
+	h := ev.Hash
+	t.one[0] = b
+	if t.stamp[b] == t.epoch {
+		// Allocated since the last flush: its K/V is not written yet
+		// (cached at admission, its sequence removed before the step's
+		// forward pass). Dropped, never demoted: the host tier would
+		// serve whatever the block held. An allocation's eviction
+		// (DemoteEvicted) counts it; FlushCopies' does not (nothing
+		// was lost: the block held nothing).
+		if !hold {
+			t.st.EvictedUndemoted++
+		}
+		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+		return ops, false
+	}
+	slot, gone, rerr := t.cfg.Pool.ReserveEvict(GroupKey(h, g))
+	if rerr != nil {
+		if kverr.Is(rerr, kverr.OutOfBlocks) {
+			t.st.SkippedFull++
+			if !hold {
+				t.st.EvictedUndemoted++
+			}
+		} else {
+			t.st.SkippedPresent++
+		}
+		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+		return ops, false
+	}
+	if hold {
+		// The copy holds the block: Cached -> InUse with its one
+		// reference, no longer retained by the cache (which dropped it).
+		assertOK(t.gpu.Incref(t.one[:]), op+": referencing an evicted block")
+		assertOK(t.gpu.UnmarkCached(b), op+": unmarking an evicted block")
+	} else {
+		// Free for the allocation: the copy reads it before the step
+		// writes it (stream order).
+		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
+	}
+	ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h, Group: g})
+	if t.events {
+		t.hostEvicted(slot, gone, op)
+		t.setMeta(slot, ev, toks, g)
+	}
+	return ops, true
+}
+
+// perNode is the GPU blocks evicting one node frees at least: its own and
+// its full-attention groups' companions.
+func (t *Tier) perNode() int {
+	n := 1
+	for _, g := range t.groups.HostGroups() {
+		if g.Window == 0 {
+			n++
+		}
+	}
+	return n
 }
 
 // EvictForAlloc is the manager's eviction for an allocation that finds
@@ -745,13 +810,18 @@ func (t *Tier) endReload(op ReloadOp, ok bool) {
 		t.st.ReloadsFailed++
 	}
 	t.one[0] = op.Block
-	if t.gpu.IsCached(op.Block) {
+	if op.Group == 0 && t.gpu.IsCached(op.Block) {
 		// Not an access: the sequence that matched the block touched it.
+		// (A companion is marked cached too, but is no node: the reload
+		// holds a reference on it and no lock.)
 		assertOK(t.cache.Release(t.one[:]), "complete copies: a reloaded cached block is not locked")
 	}
 	var err error
 	t.cached, err = t.gpu.Decref(t.one[:], t.cached[:0])
 	assertOK(err, "complete copies: a reloaded block is not referenced")
+	if op.Group > 0 && len(t.cached) > 0 {
+		t.groups.Released(op.Block)
+	}
 }
 
 // endHostCopy ends the host side of a copy GPU block -> host slot (a
@@ -768,7 +838,11 @@ func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
 		}
 		if t.events {
 			t.meta[op.Slot].resident = true
-			t.nResident++
+			if op.Group > 0 {
+				t.nCompanions++
+			} else {
+				t.nResident++
+			}
 		}
 		return true
 	}
@@ -822,6 +896,9 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 		// Announced parents first (the batch is in eviction order,
 		// children first), so that a chain goes as one BlockStored.
 		for k := len(b.Demote) - 1; k >= 0; k-- {
+			if b.Demote[k].Group > 0 {
+				continue // a companion: its node's block stands for it
+			}
 			blk := t.block(b.Demote[k].Slot)
 			assertOK(t.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
 		}
@@ -881,7 +958,7 @@ func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
 		refs[op.Block]++
 	}
 	for _, op := range t.evictOps {
-		if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+		if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != opKey(op) {
 			return bad("block %d's queued demotion: host slot %d does not hold its key", op.Block, op.Slot)
 		}
 	}
@@ -902,7 +979,7 @@ func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
 					return bad("block %d being stored (batch %d) is not cached under its hash %s", b, tk, op.Hash)
 				}
 				refs[b]++
-				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != opKey(op) {
 					return bad("block %d being stored (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
 				}
 				continue
@@ -910,7 +987,7 @@ func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
 			if i < batch.unheld {
 				// Holds no GPU block (DemoteEvicted), only its host slot.
 				unheld++
-				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+				if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != opKey(op) {
 					return bad("block %d's demotion (batch %d, unheld): host slot %d does not hold its key", b, tk, op.Slot)
 				}
 				continue
@@ -922,7 +999,7 @@ func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
 				return bad("block %d being demoted (batch %d) is in the prefix cache", b, tk)
 			}
 			refs[b]++
-			if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != HostKey(op.Hash) {
+			if k, ok := t.cfg.Pool.Hash(op.Slot); !ok || k != opKey(op) {
 				return bad("block %d being demoted (batch %d): host slot %d does not hold its key", b, tk, op.Slot)
 			}
 			count++
@@ -942,18 +1019,22 @@ func (t *Tier) checkEvents(bad func(string, ...any) error) error {
 	if !t.events {
 		return nil
 	}
-	n := 0
+	n, comps := 0, 0
 	for s := range t.meta {
 		if !t.meta[s].resident {
 			continue
 		}
-		n++
-		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != HostKey(t.meta[s].hash) {
+		if t.meta[s].group > 0 {
+			comps++
+		} else {
+			n++
+		}
+		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != GroupKey(t.meta[s].hash, t.meta[s].group) {
 			return bad("host slot %d is announced with block %s, the pool holds %016x (%v)", s, t.meta[s].hash, k, ok)
 		}
 	}
-	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || n != res {
-		return bad("%d host slots announced, the count says %d, the pool holds %d resident", n, t.nResident, res)
+	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || comps != t.nCompanions || n+comps != res {
+		return bad("%d host slots announced and %d companions', the counts say %d and %d, the pool holds %d resident", n, comps, t.nResident, t.nCompanions, res)
 	}
 	for tk, batch := range t.inflight {
 		for _, op := range batch.Demote {

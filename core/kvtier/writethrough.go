@@ -139,7 +139,7 @@ func (t *Tier) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 		if t.events {
 			t.hostEvicted(slot, gone, op)
 			ev.MM = slices.Clone(ev.MM) // the index's; the slot keeps its own
-			t.setMeta(slot, &ev, toks)
+			t.setMeta(slot, &ev, toks, 0)
 		}
 		taken++
 	}

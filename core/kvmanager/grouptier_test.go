@@ -1,0 +1,241 @@
+package kvmanager
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/kvplug/kvplug/core/kvtier"
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// tierMem is groupMem's tier copier: a host slot holds one block of one
+// group, the bs tokens its rows hold (-1: a row never written). Each op
+// copies between the slot and its group's memory only, so an op naming
+// the wrong group moves the wrong bytes and the next check finds them.
+type tierMem struct {
+	gm     *groupMem
+	pool   *host.Pool
+	bs     int32
+	groups map[int]int // ops copied per group
+}
+
+func (c *tierMem) Copy(b CopyBatch) error {
+	for _, op := range b.Demote {
+		buf := c.pool.Bytes(op.Slot)
+		for r := range c.bs {
+			v, ok := c.gm.mem[op.Group][op.Block*c.bs+r]
+			if !ok {
+				v = -1
+			}
+			binary.LittleEndian.PutUint32(buf[4*r:], uint32(v))
+		}
+		c.groups[op.Group]++
+	}
+	for _, op := range b.Reload {
+		buf := c.pool.Bytes(op.Slot)
+		for r := range c.bs {
+			if v := int32(binary.LittleEndian.Uint32(buf[4*r:])); v >= 0 {
+				c.gm.mem[op.Group][op.Block*c.bs+r] = v
+			} else {
+				delete(c.gm.mem[op.Group], op.Block*c.bs+r)
+			}
+		}
+	}
+	return nil
+}
+
+// flush is the engine's copy step: FlushCopies, the copies done at once,
+// CompleteCopies.
+func (c *tierMem) flush(t testing.TB) {
+	t.Helper()
+	tk, _, err := c.gm.m.FlushCopies()
+	must(t, err)
+	if tk != 0 {
+		must(t, c.gm.m.CompleteCopies(tk, false))
+	}
+}
+
+func newGroupTier(t testing.TB, numBlocks, bs, slots, ahead int, events bool, groups ...Group) *tierMem {
+	t.Helper()
+	p, err := host.New(host.Config{Slots: slots, BlockBytes: 4 * bs})
+	must(t, err)
+	c := &tierMem{pool: p, bs: int32(bs), groups: map[int]int{}}
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: events, Groups: groups,
+		HostTier: &HostTier{Pool: p, Copier: c, DemoteAhead: ahead}})
+	must(t, err)
+	c.gm = newGroupMem(m)
+	return c
+}
+
+// A conversation demoted whole (every group's blocks the GPU cached) is
+// reloaded by its next turn: group 0 and the full group whole, the window
+// group only the blocks its next query reads, its earlier entries dropped,
+// and every reloaded block holds the conversation's tokens.
+func TestGroupTierReloadsWithWindows(t *testing.T) {
+	const bs, w, pool = 4, 8, 40
+	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w}, Group{Kind: FullAttention})
+	gm, m := c.gm, c.gm.m
+	r := rand.New(rand.NewPCG(3, 4))
+	conv := seqTokens(r, 18)
+	if k := gm.admit(t, 1, conv); k != 0 {
+		t.Fatalf("first admission matched %d tokens", k)
+	}
+	c.flush(t)
+	for range 6 {
+		c.flush(t) // the step's: a block is demoted only once a step wrote it
+		must(t, gm.grow(t, 1, seqTokens(r, 1)))
+		m.MarkComputed()
+	}
+	c.flush(t)
+	conv = slices.Clone(gm.toks[1])
+	gm.remove(t, 1)
+	c.flush(t) // demotes every cached node, with its companions
+	if st := m.PrefixStats(); st.CachedBlocks != 0 {
+		t.Fatalf("%d blocks still cached on the GPU after demoting ahead of the whole pool", st.CachedBlocks)
+	}
+	chain := wholeChain(t, conv, bs, nil)
+	for j, h := range chain {
+		for g, want := range []bool{true, j >= (len(conv)-w+1)/bs, true} {
+			if _, st := c.pool.State(kvtier.GroupKey(h, g)); (st == host.Resident) != want && (g != 1 || want) {
+				t.Fatalf("block %d of group %d: host state %v, resident wanted %v", j, g, st, want)
+			}
+		}
+	}
+	if c.groups[0] != len(chain) || c.groups[2] != len(chain) || c.groups[1] == 0 {
+		t.Fatalf("demotions per group %v; want %d of groups 0 and 2 and some of group 1", c.groups, len(chain))
+	}
+	next := append(slices.Clone(conv), seqTokens(r, 5)...)
+	if got := tierMatch(t, m, next); got.GPU != 0 || int(got.Host) != len(chain)*bs {
+		t.Fatalf("match tiers: %+v, want %d host tokens", got, len(chain)*bs)
+	}
+	if k := gm.admit(t, 2, next); k != len(chain)*bs {
+		t.Fatalf("next turn matched %d tokens, want %d from the host tier", k, len(chain)*bs)
+	}
+	tabs, _ := describeGroups(t, m, 2, 64)
+	keep := m.keepFrom(len(chain)*bs, w)
+	for j := range keep {
+		if tabs[1][j] != NoBlock {
+			t.Fatalf("window entry %d is block %d; the hit point's query reads from entry %d", j, tabs[1][j], keep)
+		}
+	}
+	c.flush(t) // the reloads
+	gm.check(t)
+	if st := m.TierStats(); st.HostHitTokens != int64(len(chain)*bs) || st.ReloadsCompleted != int64(2*len(chain)+len(chain)-keep) {
+		t.Fatalf("tier stats %+v: want %d hit tokens and %d reloads", st, len(chain)*bs, 3*len(chain)-keep)
+	}
+	for range 10 {
+		must(t, gm.grow(t, 2, seqTokens(r, 1)))
+		m.MarkComputed()
+		gm.check(t)
+	}
+}
+
+// Without the window blocks its hit point reads, a host hit stops where a
+// window group still has them: the GPU's rule.
+func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
+	const bs, w, pool = 4, 6, 40
+	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})
+	gm, m := c.gm, c.gm.m
+	r := rand.New(rand.NewPCG(5, 6))
+	conv := seqTokens(r, 33) // 8 full blocks
+	gm.admit(t, 1, conv)
+	c.flush(t) // the step's
+	gm.remove(t, 1)
+	c.flush(t)
+	chain := wholeChain(t, conv, bs, nil)
+	// The window companion of block 6 leaves the host tier: a hit after
+	// 8 blocks reads blocks 6 and 7 (keepFrom(32, 6) = 6), one after 7
+	// blocks 5 and 6, one after 6 blocks 4 and 5: 6 blocks hit.
+	if _, st := c.pool.State(kvtier.GroupKey(chain[6], 1)); st != host.Resident {
+		t.Fatalf("window companion of block 6 not in the host tier: %v", st)
+	}
+	c.pool.Reset()
+	// Put back every other block as the demotions left them.
+	for j, h := range chain {
+		for g := range 2 {
+			if g == 1 && j == 6 {
+				continue
+			}
+			s, err := c.pool.Reserve(kvtier.GroupKey(h, g))
+			must(t, err)
+			for rr := range bs {
+				binary.LittleEndian.PutUint32(c.pool.Bytes(s)[4*rr:], uint32(conv[j*bs+rr]))
+			}
+			must(t, c.pool.Commit(s))
+		}
+	}
+	next := append(slices.Clone(conv[:32]), seqTokens(r, 3)...)
+	if got := tierMatch(t, m, next); got.Host != 6*bs {
+		t.Fatalf("match tiers: %+v, want %d host tokens", got, 6*bs)
+	}
+	if got := gm.admit(t, 2, next); got != 6*bs {
+		t.Fatalf("matched %d tokens; the window companion of block 6 is missing, so 6 blocks (%d tokens) hit", got, 6*bs)
+	}
+	c.flush(t)
+	gm.check(t)
+}
+
+// The random model: conversations and a shared system prompt on a pool
+// under pressure, demoted ahead of need and reloaded; after every step the
+// live sequences' blocks hold their tokens in every group (reloaded ones
+// included), the invariants hold (every call, -race), and the KV events
+// mirror every group's GPU set and the host tier's blocks.
+func TestGroupTierRandomModel(t *testing.T) {
+	hostHits, windowOps := int64(0), 0
+	for seed := range uint64(8) {
+		r := rand.New(rand.NewPCG(seed, 11))
+		bs := 2 + r.IntN(4)
+		pool := 60 + r.IntN(60)
+		groups := []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: 1 + r.IntN(12)},
+			{Kind: SlidingWindow, Window: 1 + r.IntN(24)}, {Kind: FullAttention}}
+		c := newGroupTier(t, pool, bs, 40+r.IntN(200), r.IntN(pool/3), true, groups...)
+		gm, m := c.gm, c.gm.m
+		mr := newGroupMirror(m, groups, rand.New(rand.NewPCG(seed, 12)))
+		system := seqTokens(r, r.IntN(3*bs))
+		var convs [][]int32
+		next := int64(1)
+		for step := range 300 {
+			switch op := r.IntN(20); {
+			case op < 5 && len(gm.toks) < 4:
+				p := append(slices.Clone(system), seqTokens(r, 1+r.IntN(12))...)
+				if len(convs) > 0 && r.IntN(3) > 0 {
+					p = append(slices.Clone(convs[r.IntN(len(convs))]), seqTokens(r, 1+r.IntN(6))...)
+				}
+				if len(p) < pool*bs/10 {
+					gm.admit(t, next, p)
+					next++
+				}
+			case op < 13 && len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				if len(gm.toks[id]) < pool*bs/10 {
+					_ = gm.grow(t, id, seqTokens(r, 1+r.IntN(3)))
+				}
+				m.MarkComputed()
+			case op < 16 && len(gm.toks) > 0:
+				id := pickKey(r, gm.toks)
+				convs = append(convs, gm.toks[id])
+				gm.remove(t, id)
+			default:
+				c.flush(t)
+			}
+			if step%5 == 0 {
+				c.flush(t) // the reloads land before the next check
+				gm.check(t)
+				mr.check(t, nil)
+				if got, want := mr.x.LenIn(prefix.MediumCPU), m.tier.TierLen(); got != want {
+					t.Fatalf("seed %d: the events say the host tier holds %d blocks, it holds %d", seed, got, want)
+				}
+			}
+		}
+		st := m.TierStats()
+		hostHits += st.HostHitTokens
+		windowOps += c.groups[1] + c.groups[2]
+		t.Logf("seed %d: %d host hit tokens, demotions per group %v, %d events", seed, st.HostHitTokens, c.groups, mr.events)
+	}
+	if hostHits == 0 || windowOps == 0 {
+		t.Fatalf("the runs tested nothing: %d host hit tokens, %d window companions demoted", hostHits, windowOps)
+	}
+}

@@ -1,0 +1,249 @@
+package kvtier
+
+import (
+	"encoding/binary"
+
+	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/prefix"
+)
+
+// The host tier of a manager with layer groups (issue 33).
+//
+// A cached node of a grouped manager owns a GPU block per attention
+// group: its group-0 block (the node itself) and its companions, the
+// blocks holding the same tokens in the other groups (core/kvmanager,
+// groupcache.go). The tier keeps them at the granularity the GPU pool has
+// them: one host slot per (node, group), keyed GroupKey(hash, group). A
+// slot holds one block id across every layer slot of the engine's cache,
+// which with the layer-slot layout (core/kvmanager, groups.go) is exactly
+// one group's layers of that block, so it is as large as a slot without
+// groups, and a window group's companion can be absent from the host tier
+// without costing a slot: the window groups keep only the blocks a hit
+// point reads, and the host LRU ages every (node, group) on its own.
+//
+// Demotion. When FlushCopies evicts a node, the manager detaches its
+// companions from its group cache (Groups.Detach); the tier demotes the
+// node under GroupKey(h, 0) == HostKey(h) and each companion no sequence
+// holds under GroupKey(h, g), in the same batch, each op naming its group.
+// A node whose own demotion is skipped drops its companions too: without
+// group 0 they can never serve a hit.
+//
+// Hits obey the GPU's rule (PinHostGroups): after a GPU match of gpu
+// blocks that is group 0's whole cached prefix, the host tier extends it
+// to the most blocks H for which every full-attention group has every
+// block in [gpu, H) in the host tier, and every window group of W tokens
+// has the blocks covering tokens [H*bs-W+1, H*bs) that the next query
+// reads: those below gpu on the GPU (companions of the matched nodes),
+// those from gpu on in the host tier. Only those window blocks are
+// reloaded; the admitted sequence's window tables start with the entries
+// before them dropped, as after a GPU hit. A hit is never reported without
+// its window blocks.
+//
+// Recurrent groups, the shared tier, write-through and DemoteEvicted are
+// not supported with groups in this version (the manager refuses such a
+// config with Unsupported): a recurrent state exists only at checkpoints,
+// which a first version would have to demote and reload apart from the
+// nodes' K/V.
+
+// GroupKey is the host key of group g's block of the node whose chained
+// hash is h: HostKey(h) for group 0 (a manager without groups keys its
+// blocks so), and for g > 0 the hash's second eight bytes mixed with g, so
+// that a companion's key collides with another key no more often than
+// two blocks' keys do.
+func GroupKey(h prefix.Hash, g int) uint64 {
+	if g == 0 {
+		return HostKey(h)
+	}
+	return binary.BigEndian.Uint64(h[8:16]) ^ uint64(g)*0x9e3779b97f4a7c15
+}
+
+// opKey is the host key of a copy op's block.
+func opKey(op DemoteOp) uint64 { return GroupKey(op.Hash, op.Group) }
+
+// HostGroup describes a layer group past group 0 to the tier: Window 0
+// for full attention, else the sliding window in tokens.
+type HostGroup struct{ Window int }
+
+// Companion is a block of an evicted node in group Group (>= 1), which
+// Groups.Detach took out of the manager's group cache: Cached in the GPU
+// pool (marked, no reference). Node indexes the evicted blocks.
+type Companion struct {
+	Node  int
+	Block int32
+	Group int
+}
+
+// Groups is the manager's side of a grouped tier, called under its lock.
+type Groups interface {
+	// HostGroups returns groups 1.. as the tier sees them.
+	HostGroups() []HostGroup
+	// Detach takes the companions of the nodes the tier just evicted out
+	// of the group cache (announcing their removal with KV events on),
+	// appends to dst those no sequence holds, still Cached for the tier to
+	// demote or free, and returns dst.
+	Detach(evicted []prefix.EvictedBlock, dst []Companion) []Companion
+	// Released is told of a companion whose last reference a completed
+	// reload dropped (Cached now), for the group cache's eviction lists.
+	Released(c int32)
+}
+
+// groupReload is a pinned host slot of a grouped hit: block j of the
+// prompt in group g.
+type groupReload struct {
+	slot host.Slot
+	j, g int
+}
+
+// keepFrom is the first block a window of w tokens reads for a query at
+// position pos.
+func (t *Tier) keepFrom(pos, w int) int { return max(0, pos-w+1) / t.bs }
+
+// resident reports whether the host tier holds key k, committed, without
+// touching its LRU.
+func (t *Tier) resident(k uint64) bool {
+	_, st := t.cfg.Pool.State(k)
+	return st == host.Resident
+}
+
+// hostGroupHit is the host part of a grouped hit for a prompt whose first
+// gpu blocks the GPU matched (group 0's whole cached prefix), over t.hashes
+// (the prompt's chained hashes up to limit): the most blocks H > gpu the
+// hit can reach (the package comment's rule), or gpu when none. gpuHas
+// reports whether the GPU holds group g's companion of matched block j <
+// gpu.
+func (t *Tier) hostGroupHit(gpu, limit int, gpuHas func(j, g int) bool) int {
+	gs := t.groups.HostGroups()
+	h := gpu
+	for h < limit {
+		ok := t.resident(GroupKey(t.hashes[h], 0))
+		for g := 1; ok && g <= len(gs); g++ {
+			ok = gs[g-1].Window > 0 || t.resident(GroupKey(t.hashes[h], g))
+		}
+		if !ok {
+			break
+		}
+		h++
+	}
+	has := func(j, g int) bool {
+		if j < gpu {
+			return gpuHas(j, g)
+		}
+		return t.resident(GroupKey(t.hashes[j], g))
+	}
+	// As the GPU's windowHit: the last missing window block a hit point
+	// reads caps it, until every window group holds what it reads.
+	for changed := true; changed && h > gpu; {
+		changed = false
+		for g := 1; g <= len(gs) && h > gpu; g++ {
+			w := gs[g-1].Window
+			if w == 0 {
+				continue
+			}
+			for h > gpu {
+				miss := -1
+				for j := h - 1; j >= t.keepFrom(h*t.bs, w); j-- {
+					if !has(j, g) {
+						miss = j
+						break
+					}
+				}
+				if miss < 0 {
+					break
+				}
+				h, changed = miss, true
+			}
+		}
+	}
+	return max(h, gpu)
+}
+
+// PinHostGroups is PinHost for a manager with layer groups: it matches
+// the prompt's blocks beyond its first gpu, group 0's whole cached prefix
+// on the GPU, by the package comment's rule, pins the host slots of every
+// group's blocks the hit reloads, and returns how many blocks beyond gpu
+// it hit. gpuHas reports whether the GPU holds group g's companion of
+// matched block j < gpu. QueueGroupReloads then queues the reloads.
+func (t *Tier) PinHostGroups(tokens []int32, keys *prefix.Keys, gpu int, gpuHas func(j, g int) bool) int {
+	t.greloads = t.greloads[:0]
+	limit := 0
+	if len(tokens) > 0 {
+		limit = (len(tokens) - 1) / t.bs
+	}
+	if limit <= gpu || t.cfg.Pool.Stats().Resident == 0 {
+		return 0
+	}
+	t.chain(tokens, keys, limit, "admit: hashing a validated prompt")
+	h := t.hostGroupHit(gpu, limit, gpuHas)
+	if h == gpu {
+		return 0
+	}
+	gs := t.groups.HostGroups()
+	t.keys = t.keys[:0]
+	for g := 0; g <= len(gs); g++ {
+		from := gpu
+		if g > 0 && gs[g-1].Window > 0 {
+			from = max(gpu, t.keepFrom(h*t.bs, gs[g-1].Window))
+		}
+		for j := from; j < h; j++ {
+			t.keys = append(t.keys, GroupKey(t.hashes[j], g))
+			t.greloads = append(t.greloads, groupReload{j: j, g: g})
+		}
+	}
+	if cap(t.slots) < len(t.keys) {
+		t.slots = make([]host.Slot, len(t.keys))
+	}
+	t.slots = t.slots[:len(t.keys)]
+	n, err := t.cfg.Pool.PinPrefix(t.keys, t.slots)
+	if err != nil || n < len(t.keys) {
+		// Under the manager's lock every key checked resident stays so
+		// (the tier is the pool's only writer); a closed pool is a miss.
+		for _, s := range t.slots[:n] {
+			assertOK(t.cfg.Pool.Unpin(s), "admit: unpinning a host hit given up")
+		}
+		t.greloads = t.greloads[:0]
+		return 0
+	}
+	for i := range t.greloads {
+		t.greloads[i].slot = t.slots[i]
+	}
+	return h - gpu
+}
+
+// QueueGroupReloads records the reloads of the slots PinHostGroups pinned
+// into the admitted sequence's blocks (block(j, g): its group g's block j,
+// fresh) and takes the ops' references on them; LockReloads then takes
+// the locks on the group-0 blocks the prefix cache holds.
+func (t *Tier) QueueGroupReloads(block func(j, g int) int32) {
+	for _, r := range t.greloads {
+		b := block(r.j, r.g)
+		t.reloads = append(t.reloads, ReloadOp{Slot: r.slot, Block: b, Group: r.g})
+		t.one[0] = b
+		assertOK(t.gpu.Incref(t.one[:]), "admit: referencing a reload's block")
+		t.st.Reloads++ // every copy; the hit's tokens are group 0's
+		if r.g == 0 {
+			t.st.HostHitTokens += int64(t.bs)
+		}
+	}
+	t.greloads = t.greloads[:0]
+}
+
+// MatchHostGroups is MatchHost for a manager with layer groups: the
+// tokens of the blocks past the GPU's match of gpuTokens that a grouped
+// hit would reload (PinHostGroups' rule), touching nothing; none unless
+// whole (the GPU match is group 0's whole cached prefix).
+func (t *Tier) MatchHostGroups(tokens []int32, keys *prefix.Keys, gpuTokens int, whole bool, gpuHas func(j, g int) bool) int {
+	t.st.MatchQueries++
+	t.st.MatchGPUTokens += int64(gpuTokens)
+	gpu := gpuTokens / t.bs
+	limit := 0
+	if len(tokens) > 0 {
+		limit = (len(tokens) - 1) / t.bs
+	}
+	if !whole || limit <= gpu {
+		return 0
+	}
+	t.chain(tokens, keys, limit, "match tiers: hashing a validated prompt")
+	hit := t.hostGroupHit(gpu, limit, gpuHas) - gpu
+	t.st.MatchHostTokens += int64(hit * t.bs)
+	return hit * t.bs
+}
