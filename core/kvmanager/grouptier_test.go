@@ -6,6 +6,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier"
 	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/prefix"
@@ -20,6 +21,9 @@ type tierMem struct {
 	pool   *host.Pool
 	bs     int32
 	groups map[int]int // ops copied per group
+	// engine: the engine drives the copies (no Copier, FlushCopiesTo, as
+	// through the C ABI), its arrays as large as the flush says it needs.
+	engine bool
 }
 
 func (c *tierMem) Copy(b CopyBatch) error {
@@ -51,6 +55,10 @@ func (c *tierMem) Copy(b CopyBatch) error {
 // CompleteCopies.
 func (c *tierMem) flush(t testing.TB) {
 	t.Helper()
+	if c.engine {
+		c.flushTo(t)
+		return
+	}
 	tk, _, err := c.gm.m.FlushCopies()
 	must(t, err)
 	if tk != 0 {
@@ -58,13 +66,52 @@ func (c *tierMem) flush(t testing.TB) {
 	}
 }
 
+// flushTo is flush for an engine that copies: FlushCopiesTo into arrays
+// of the sizes a first call with none asks for, every op it hands back
+// copied, CompleteCopies. An op the flush queued but did not hand back
+// would leave its host slot unwritten, for a later reload to serve.
+func (c *tierMem) flushTo(t testing.TB) {
+	t.Helper()
+	m := c.gm.m
+	queued := m.TierStats().DemotionsQueued
+	tk, nd, nr, needD, needR, err := m.FlushCopiesTo(nil, nil)
+	if needD > 0 || needR > 0 {
+		if !kverr.Is(err, kverr.BufferTooSmall) {
+			t.Fatalf("flush copies into no arrays: %v, want BufferTooSmall (need %d demotions, %d reloads)", err, needD, needR)
+		}
+		demote, reload := make([]DemoteOp, needD), make([]ReloadOp, needR)
+		tk, nd, nr, _, _, err = m.FlushCopiesTo(demote, reload)
+		must(t, err)
+		must(t, c.Copy(CopyBatch{Ticket: tk, Demote: demote[:nd], Reload: reload[:nr]}))
+	} else {
+		must(t, err)
+	}
+	if got := m.TierStats().DemotionsQueued - queued; got != int64(nd) {
+		t.Fatalf("the flush queued %d demotions and handed the engine %d (arrays of %d)", got, nd, needD)
+	}
+	if tk != 0 {
+		must(t, m.CompleteCopies(tk, false))
+	}
+}
+
 func newGroupTier(t testing.TB, numBlocks, bs, slots, ahead int, events bool, groups ...Group) *tierMem {
+	t.Helper()
+	return newGroupTierOf(t, false, numBlocks, bs, slots, ahead, events, groups...)
+}
+
+// newGroupTierOf is newGroupTier with the engine driving the copies
+// (tierMem.engine) when engine is set.
+func newGroupTierOf(t testing.TB, engine bool, numBlocks, bs, slots, ahead int, events bool, groups ...Group) *tierMem {
 	t.Helper()
 	p, err := host.New(host.Config{Slots: slots, BlockBytes: 4 * bs})
 	must(t, err)
-	c := &tierMem{pool: p, bs: int32(bs), groups: map[int]int{}}
+	c := &tierMem{pool: p, bs: int32(bs), groups: map[int]int{}, engine: engine}
+	var cp TierCopier = c
+	if engine {
+		cp = nil
+	}
 	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, EnableKVEvents: events, Groups: groups,
-		HostTier: &HostTier{Pool: p, Copier: c, DemoteAhead: ahead}})
+		HostTier: &HostTier{Pool: p, Copier: cp, DemoteAhead: ahead}})
 	must(t, err)
 	c.gm = newGroupMem(m)
 	return c
@@ -75,8 +122,14 @@ func newGroupTier(t testing.TB, numBlocks, bs, slots, ahead int, events bool, gr
 // group only the blocks its next query reads, its earlier entries dropped,
 // and every reloaded block holds the conversation's tokens.
 func TestGroupTierReloadsWithWindows(t *testing.T) {
+	for _, engine := range []bool{false, true} {
+		t.Run(map[bool]string{false: "copier", true: "engine"}[engine], func(t *testing.T) { groupTierReloadsWithWindows(t, engine) })
+	}
+}
+
+func groupTierReloadsWithWindows(t *testing.T, engine bool) {
 	const bs, w, pool = 4, 8, 40
-	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w}, Group{Kind: FullAttention})
+	c := newGroupTierOf(t, engine, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w}, Group{Kind: FullAttention})
 	gm, m := c.gm, c.gm.m
 	r := rand.New(rand.NewPCG(3, 4))
 	conv := seqTokens(r, 18)
@@ -133,6 +186,37 @@ func TestGroupTierReloadsWithWindows(t *testing.T) {
 	}
 }
 
+// The engine that copies (FlushCopiesTo, as through the C ABI) gets every
+// demotion a flush queues: a node brings its companions, so a flush that
+// wants a few blocks free queues more ops than blocks, and the arrays the
+// flush asks for must hold them all; the next turn's reloads then bring
+// back the conversation's tokens, not slots no copy wrote.
+func TestGroupTierEngineGetsEveryDemotion(t *testing.T) {
+	const bs, w, pool, ahead = 4, 8, 24, 10
+	c := newGroupTierOf(t, true, pool, bs, 64, ahead, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w}, Group{Kind: FullAttention})
+	gm, m := c.gm, c.gm.m
+	r := rand.New(rand.NewPCG(7, 8))
+	conv := seqTokens(r, 24) // 6 blocks, 18 of the pool's 24 in three groups
+	gm.admit(t, 1, conv)
+	c.flush(t) // the step's: nothing written yet to demote
+	m.MarkComputed()
+	gm.remove(t, 1)
+	c.flush(t) // demotes ahead: 4 blocks wanted, 2 nodes with their companions
+	if c.groups[1] == 0 || c.groups[0]+c.groups[1]+c.groups[2] <= ahead-(pool-18) {
+		t.Fatalf("demotions per group %v: want nodes with window companions, more ops than the %d blocks wanted", c.groups, ahead-(pool-18))
+	}
+	next := append(slices.Clone(conv), seqTokens(r, 3)...)
+	got := tierMatch(t, m, next)
+	if got.Host == 0 {
+		t.Fatalf("match tiers: %+v, want the demoted blocks from the host tier", got)
+	}
+	if k := gm.admit(t, 2, next); k != int(got.GPU+got.Host) {
+		t.Fatalf("next turn matched %d tokens, match tiers said %+v", k, got)
+	}
+	c.flush(t) // the reloads
+	gm.check(t)
+}
+
 // Without the window blocks its hit point reads, a host hit stops where a
 // window group still has them: the GPU's rule.
 func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
@@ -184,6 +268,14 @@ func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
 // included), the invariants hold (every call, -race), and the KV events
 // mirror every group's GPU set and the host tier's blocks.
 func TestGroupTierRandomModel(t *testing.T) {
+	for _, engine := range []bool{false, true} {
+		t.Run(map[bool]string{false: "copier", true: "engine"}[engine], func(t *testing.T) { groupTierRandomModel(t, engine) })
+	}
+}
+
+// groupTierRandomModel is TestGroupTierRandomModel with its copies done by
+// a Copier or, engine set, by the engine through FlushCopiesTo.
+func groupTierRandomModel(t *testing.T, engine bool) {
 	hostHits, windowOps := int64(0), 0
 	for seed := range uint64(8) {
 		r := rand.New(rand.NewPCG(seed, 11))
@@ -191,7 +283,7 @@ func TestGroupTierRandomModel(t *testing.T) {
 		pool := 60 + r.IntN(60)
 		groups := []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: 1 + r.IntN(12)},
 			{Kind: SlidingWindow, Window: 1 + r.IntN(24)}, {Kind: FullAttention}}
-		c := newGroupTier(t, pool, bs, 40+r.IntN(200), r.IntN(pool/3), true, groups...)
+		c := newGroupTierOf(t, engine, pool, bs, 40+r.IntN(200), r.IntN(pool/3), true, groups...)
 		gm, m := c.gm, c.gm.m
 		mr := newGroupMirror(m, groups, rand.New(rand.NewPCG(seed, 12)))
 		system := seqTokens(r, r.IntN(3*bs))

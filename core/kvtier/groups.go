@@ -26,7 +26,10 @@ import (
 // node under GroupKey(h, 0) == HostKey(h) and each companion no sequence
 // holds under GroupKey(h, g), in the same batch, each op naming its group.
 // A node whose own demotion is skipped drops its companions too: without
-// group 0 they can never serve a hit.
+// group 0 they can never serve a hit. A batch thus holds up to one op per
+// group for each node evicted, more than the blocks the flush wanted free:
+// FlushCopiesTo asks room for them all (demoteAhead), since an op left out
+// of the engine's arrays would leave its slot for a later hit unwritten.
 //
 // Hits obey the GPU's rule (PinHostGroups): after a GPU match of gpu
 // blocks that is group 0's whole cached prefix, the host tier extends it

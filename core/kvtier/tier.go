@@ -594,12 +594,15 @@ func (t *Tier) FlushCopies() (ticket uint64, n int, err error) {
 // demote must hold the demotions the flush may queue: those allocations
 // queued since the last flush (DemoteEvicted; never more than NumBlocks)
 // and DemoteAhead minus the free blocks minus the blocks being demoted
-// (never more than DemoteAhead); and reload the reloads queued since the last flush
+// (never more than DemoteAhead; with layer groups, the nodes evicted for
+// them times one op per group, since each brings its companions:
+// demoteAhead); and reload the reloads queued since the last flush
 // (never more than NumBlocks); when either is shorter the call fails with
 // BufferTooSmall, changing nothing, and needDemote and needReload tell
 // the sizes needed. Errors: InvalidArgument (no host tier), BufferTooSmall.
 func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint64, nDemote, nReload, needDemote, needReload int, err error) {
-	needDemote = len(t.evictOps) + max(t.cfg.DemoteAhead-t.gpu.NumFree()-t.nBlocks, 0) + min(len(t.wt.queue), t.cfg.WriteThrough)
+	_, ahead := t.demoteAhead()
+	needDemote = len(t.evictOps) + ahead + min(len(t.wt.queue), t.cfg.WriteThrough)
 	needReload = len(t.reloads)
 	if len(demote) < needDemote || len(reload) < needReload {
 		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
@@ -607,6 +610,13 @@ func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint6
 			needDemote, needReload, len(demote), len(reload))
 	}
 	ticket, _, err = t.flush(func(b CopyBatch) error {
+		if len(b.Demote) > len(demote) || len(b.Reload) > len(reload) {
+			// An op left out would never be copied: its host slot would
+			// serve a later hit whatever it held. Failed as a whole, its
+			// blocks freed, rather than handed back in part.
+			return kverr.Errorf(kverr.Internal, "flush copies: a batch of %d demotions and %d reloads exceeds the %d and %d the flush asked room for",
+				len(b.Demote), len(b.Reload), len(demote), len(reload))
+		}
 		nDemote = copy(demote, b.Demote)
 		nReload = copy(reload, b.Reload)
 		return nil
@@ -621,13 +631,8 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 	t.pending = append(t.pending[:0], t.evictOps...)
 	unheld := len(t.evictOps)
 	t.evictOps = t.evictOps[:0]
-	if want := t.cfg.DemoteAhead - t.gpu.NumFree() - t.nBlocks; want > 0 {
-		if t.groups != nil {
-			// A node frees its companions with it: at least its full
-			// groups' (window ones may be gone already).
-			want = (want + t.perNode() - 1) / t.perNode()
-		}
-		t.evInfo, t.evToks = t.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], want, t.events)
+	if nodes, _ := t.demoteAhead(); nodes > 0 {
+		t.evInfo, t.evToks = t.cache.EvictBlocks(t.evInfo[:0], t.evToks[:0], nodes, t.events)
 		t.pending = t.reserveDemotions(t.pending, true, "flush copies")
 	}
 	moved := len(t.pending)
@@ -753,16 +758,31 @@ func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g in
 	return ops, true
 }
 
-// perNode is the GPU blocks evicting one node frees at least: its own and
-// its full-attention groups' companions.
-func (t *Tier) perNode() int {
-	n := 1
-	for _, g := range t.groups.HostGroups() {
+// demoteAhead returns how many nodes the flush evicts to demote ahead
+// (DemoteAhead minus the free blocks minus those being demoted), and the
+// most demotions they queue. Without groups a node is one block. With
+// groups a node frees its companions with it: at least its full groups'
+// (window ones may be gone already), so ceil(want / that) nodes are
+// evicted; but each may bring a companion in every group, so the batch
+// may hold up to 1 + len(groups) ops a node, more than the blocks wanted
+// (FlushCopiesTo's arrays must hold them all).
+func (t *Tier) demoteAhead() (nodes, ops int) {
+	want := t.cfg.DemoteAhead - t.gpu.NumFree() - t.nBlocks
+	if want <= 0 {
+		return 0, 0
+	}
+	if t.groups == nil {
+		return want, want
+	}
+	gs := t.groups.HostGroups()
+	per := 1
+	for _, g := range gs {
 		if g.Window == 0 {
-			n++
+			per++
 		}
 	}
-	return n
+	nodes = (want + per - 1) / per
+	return nodes, nodes * (1 + len(gs))
 }
 
 // EvictForAlloc is the manager's eviction for an allocation that finds

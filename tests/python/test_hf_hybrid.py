@@ -111,11 +111,3 @@ def test_sinks_matter():
                 layer.self_attn.sinks.fill_(-1e4)
     assert (run(no_sinks) - ref).abs().max() > 1e-3
 
-
-def test_host_tier_refuses_groups():
-    model = kvhf.prepare_model(tiny_hybrid("gpt-oss"))
-    with pytest.raises(kvplug.InvalidArgumentError, match="host tier"):
-        kvhf.PagedKVCache.for_model(model, 64, 4, layer_groups=True, host_tier_slots=8)
-    # Without the explicit request, a tiered cache keeps one table for every layer.
-    with kvhf.PagedKVCache.for_model(model, 64, 4, host_tier_slots=8) as cache:
-        assert len(cache.groups) == 1

@@ -241,10 +241,11 @@ class PagedKVCache:
     (default_demote_ahead when None); the Runner runs its copies each step
     (self.tier, a kvplug.hf.tier_copy.HostTier; tier_copier picks the
     copier, tier_overlap runs demotions on a side stream). demote_evicted
-    (default: on unless tier_overlap) also demotes the cached blocks that
-    allocations evict, copied in the step's batch on the step's stream
-    ahead of its forward pass (kvplug.Manager's demote_evicted; it needs
-    the demotions on the step's stream, so not with tier_overlap).
+    (default: on unless tier_overlap or layer groups) also demotes the
+    cached blocks that allocations evict, copied in the step's batch on the
+    step's stream ahead of its forward pass (kvplug.Manager's
+    demote_evicted; it needs the demotions on the step's stream, so not
+    with tier_overlap).
     write_through > 0 copies instead of moving: each step's copies store up
     to that many blocks computed since to the host tier while they stay on
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
@@ -257,8 +258,12 @@ class PagedKVCache:
     group 0 and its window layers groups of as many, over layer slots
     (self.kv [slots, 2, blocks, ...]; a layer's slot is slot_of[layer], its
     group group_of[layer]), so that the window layers keep only the blocks
-    their window reads (kvplug.Manager's layer_groups). Not with a host or
-    shared tier.
+    their window reads (kvplug.Manager's layer_groups). With a host tier a
+    slot holds one group's layers of a block (num_slots layers, not
+    num_layers: block_bytes), a host hit reloads only the window blocks its
+    next query reads, and the tier demotes ahead of need only (no
+    demote_evicted or write_through with groups in this version); not with
+    the shared tier.
 
     A shape with linear-attention layers (Qwen3-Next) gets them as
     recurrent groups of as many layers as group 0's full-attention ones
@@ -321,9 +326,11 @@ class PagedKVCache:
             # runner's check that model and cache share a device compares like with like.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefix_cache = prefix_cache
-        self.block_bytes = block_bytes(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype)
-        kw: Dict[str, Any] = {}
         host_tier_slots = int(host_tier_slots)
+        self._plan_groups(shape, layer_groups, tiered=host_tier_slots > 0)
+        # A host slot holds one block id over every layer slot: with groups, one group's layers of it.
+        self.block_bytes = block_bytes(self.num_slots, self.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype)
+        kw: Dict[str, Any] = {}
         if host_tier_slots > 0:
             if not prefix_cache:
                 raise kvplug.InvalidArgumentError("kvplug.hf: a host tier needs the prefix cache (prefix_cache=True)")
@@ -335,8 +342,11 @@ class PagedKVCache:
                 kw["write_through"] = write_through
             if demote_evicted and tier_overlap:
                 raise kvplug.InvalidArgumentError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
+            if len(self.groups) > 1 and (demote_evicted or write_through):
+                raise kvplug.InvalidArgumentError("kvplug.hf: with layer groups the host tier demotes ahead of need only "
+                                                  "(no demote_evicted or write_through in this version)")
             if demote_evicted is None:
-                demote_evicted = not tier_overlap and write_through == 0
+                demote_evicted = not tier_overlap and write_through == 0 and len(self.groups) == 1
             if demote_evicted:
                 kw["demote_evicted"] = True
         elif write_through:
@@ -345,7 +355,6 @@ class PagedKVCache:
         self.write_through = int(kw.get("write_through", 0))
         if shared_tier:
             kw["shared_tier"] = shared_tier
-        self._plan_groups(shape, layer_groups, tiered=host_tier_slots > 0)
         # Tokens between checkpoints of the recurrent states, where schedule ends prompt chunks (0: none kept).
         self.checkpoint_tokens = 0
         self.state_bytes = 0  # a linear-attention layer's state per sequence
@@ -410,12 +419,9 @@ class PagedKVCache:
                                               "(layer_groups=False cannot serve them)")
         if want and not shape.layer_types:
             raise kvplug.InvalidArgumentError("kvplug.hf: layer_groups=True needs a model with full and sliding-window layers")
-        if want and tiered:
-            if layer_groups or recurrent:
-                raise kvplug.InvalidArgumentError("kvplug.hf: the host tier does not hold layer groups in this version "
-                                                  "(layer_groups=False keeps one table for every layer"
-                                                  + ("; linear-attention layers need groups)" if recurrent else ")"))
-            want = False
+        if want and tiered and recurrent:
+            raise kvplug.InvalidArgumentError("kvplug.hf: the host tier does not hold linear-attention layers' states "
+                                              "in this version")
         if not want:
             self.groups: List[List[int]] = [list(range(n))]
             self.group_kinds = ["full_attention"]
@@ -480,11 +486,17 @@ class PagedKVCache:
         return max(1, min(num_blocks // 8, 512))
 
     @staticmethod
-    def host_slots_for(gib: float, shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+    def host_slots_for(gib: float, shape: ModelShape, block_size: int, dtype: torch.dtype,
+                       layer_groups: Optional[bool] = None) -> int:
         """Host tier slots that `gib` GiB hold for this K/V layout (one slot:
         layers x 2 x block_size x kv_heads x head_dim x dtype bytes, and for
-        torch.float8_e4m3fn the block's float32 scales)."""
-        return int(gib * 2**30) // block_bytes(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, dtype)
+        torch.float8_e4m3fn the block's float32 scales). layers: every layer,
+        or with layer groups (layer_groups as the constructor takes it) the
+        layer slots, a group's share of a block."""
+        layers = shape.num_layers
+        if shape.layer_types and shape.recurrent is None and layer_groups is not False:
+            layers = shape.layer_types.count("full_attention")
+        return int(gib * 2**30) // block_bytes(layers, block_size, shape.num_kv_heads, shape.head_dim, dtype)
 
     # -- tensors --------------------------------------------------------------
 
