@@ -58,6 +58,11 @@
  *     their way into shared memory (they answered INVALID_ARGUMENT in 0.6).
  *     KVP_PREFILL_NO_HOPPER and KVP_CASCADE_NO_HOPPER still keep the sm_80
  *     kernels.
+ *   - The host tier with layer groups ("Layer groups"): a manager with
+ *     full-attention and sliding-window groups accepts a host tier (it
+ *     answered UNSUPPORTED in 0.6); kvp_manager_flush_copies may then need
+ *     room for more demotions than demote_ahead (its BUFFER_TOO_SMALL
+ *     answer says how many).
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -408,9 +413,15 @@ typedef struct kvp_manager kvp_manager;
  * engine that chunks its prefill at multiples of checkpoint_every blocks
  * gets a checkpoint at every chunk's end.
  *
- * In this version a manager with more than one group refuses the host
- * tier (KVP_ERR_UNSUPPORTED at create); kvp_manager_cascade_plan plans
- * group 0's tables. */
+ * The host tier (since 0.7) holds full-attention and sliding-window groups:
+ * one host slot per (cached block, group), a slot one block id's layer
+ * slots as without groups (a block id belongs to one group). A cached
+ * block's companions in the other groups are demoted with it, and a host
+ * hit obeys the GPU rule (every full-attention group's blocks, every window
+ * group's blocks covering the window before the hit point), reloading only
+ * those. With groups, recurrent groups, the shared tier, write_through and
+ * demote_evicted answer KVP_ERR_UNSUPPORTED at create; CPU-tier events
+ * report group 0's blocks. kvp_manager_cascade_plan plans group 0's tables. */
 typedef enum kvp_layer_group_kind {
   KVP_GROUP_FULL_ATTENTION = 0, /* every token's K/V */
   KVP_GROUP_SLIDING_WINDOW = 1, /* the last window tokens' K/V */
@@ -1350,7 +1361,9 @@ typedef struct kvp_tier_stats {
  * being demoted, plus (demote_evicted) the demotions allocations queued
  * since the last flush, reload for the reloads queued: arrays of
  * demote_ahead (num_blocks + demote_ahead with demote_evicted) and
- * num_blocks entries always do. Demotions come first in demote: those
+ * num_blocks entries always do without layer groups; with them each
+ * evicted block brings its companions' demotions too (up to 1 + groups
+ * copies a block): arrays of num_blocks entries always do. Demotions come first in demote: those
  * allocations queued, then flush_copies' own. Otherwise BUFFER_TOO_SMALL, with nothing
  * changed and *num_demote and *num_reload set to the room needed.
  * demote (reload) may be NULL with max_demote (max_reload) 0.
