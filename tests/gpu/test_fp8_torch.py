@@ -181,6 +181,22 @@ def lse_tol(plan):
     return 1e-2 if plan.route == attn.ROUTE_PREFILL and plan.mainloop == attn.MAINLOOP_SM90 else 1e-3
 
 
+def run_checked(b, plan, k8, v8, ks, vs):
+    """Runs plan over the e4m3 cache into NaN-poisoned out and lse, checks
+    both against b's reference over the dequantised cache, returns out."""
+    out = torch.full_like(b.q, float("nan"))
+    lse = torch.full((b.total_q, b.qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, lse=lse, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    want, want_lse = b.reference()
+    err = row_err(out, want)[0]
+    assert err < TOL[b.dtype], f"out rel err {err:.2e} (plan {plan})"
+    assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements)"
+    lerr = (lse.double() - want_lse).abs().max().item()
+    assert lerr < lse_tol(plan), f"lse max abs err {lerr:.2e} (plan {plan})"
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("kind", ["token", "tensor"])
@@ -189,16 +205,7 @@ def test_fp8_prefill(dtype, D, kind, hopper, seed):
     b, k8, v8, ks, vs, exact = _prefill_batch(dtype, D, kind, seed + D)
     for decode_route in (True, False):
         plan = b.plan(hopper=hopper, decode_route=decode_route)  # Batch.plan checks the mainloop
-        out = torch.full_like(b.q, float("nan"))
-        lse = torch.full((b.total_q, b.qh), float("nan"), dtype=torch.float32, device=DEV)
-        attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, lse=lse, k_scale=ks, v_scale=vs)
-        torch.cuda.synchronize()
-        want, want_lse = b.reference()
-        err = row_err(out, want)[0]
-        assert err < TOL[dtype], f"out rel err {err:.2e} (plan {plan})"
-        assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements)"
-        lerr = (lse.double() - want_lse).abs().max().item()
-        assert lerr < lse_tol(plan), f"lse max abs err {lerr:.2e} (plan {plan})"
+        out = run_checked(b, plan, k8, v8, ks, vs)
     b.k, b.v = exact
     exact_out, _ = b.reference()
     fp8_err = row_err(out, exact_out)[0]
@@ -228,14 +235,7 @@ def test_fp8_prefill_long(dtype, D, splits, seed):
     lens = ([3000, 1900, 700, 2500], [200, 1900, 64, 1])
     b, k8, v8, ks, vs, exact = _prefill_batch(dtype, D, "token", seed + 7 * D, lens=lens, heads=(16, 4))
     plan = b.plan(split_kv=splits, decode_route=False)
-    out = torch.full_like(b.q, float("nan"))
-    lse = torch.full((b.total_q, b.qh), float("nan"), dtype=torch.float32, device=DEV)
-    attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, lse=lse, k_scale=ks, v_scale=vs)
-    torch.cuda.synchronize()
-    want, want_lse = b.reference()
-    err = row_err(out, want)[0]
-    assert err < TOL[dtype], f"out rel err {err:.2e} (plan {plan})"
-    assert (lse.double() - want_lse).abs().max().item() < lse_tol(plan), plan
+    out = run_checked(b, plan, k8, v8, ks, vs)
     b.k, b.v = exact
     exact_out, _ = b.reference()
     assert row_err(out, exact_out)[0] < 0.1
