@@ -121,6 +121,11 @@ kvp_status kvp_manager_match(kvp_manager *m, int32_t n, const int32_t *tokens, c
   return kvpgo_manager_match(m, n, (void *)tokens, (void *)token_offsets, (void *)keys, want_partial, out);
 }
 
+kvp_status kvp_manager_match_blocks(kvp_manager *m, int32_t n, const int32_t *tokens, const int64_t *token_offsets, const kvp_prefix_keys *keys, kvp_block_match *out) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_match_blocks");
+  return kvpgo_manager_match_blocks(m, n, (void *)tokens, (void *)token_offsets, (void *)keys, out);
+}
+
 kvp_status kvp_manager_pin(kvp_manager *m, const int32_t *tokens, int32_t num_tokens, const kvp_prefix_keys *keys, uint64_t *pin_id, int32_t *num_blocks) {
   if (kvp__forked) return kvp__forked_status("kvp_manager_pin");
   return kvpgo_manager_pin(m, (void *)tokens, num_tokens, (void *)keys, pin_id, num_blocks);

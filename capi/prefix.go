@@ -22,6 +22,8 @@ var (
 	_ [unsafe.Sizeof(prefix.BlockMM{}) - unsafe.Sizeof(C.kvp_block_mm{})]struct{}
 	_ [unsafe.Sizeof(C.kvp_prefix_match{}) - unsafe.Sizeof(kvmanager.MatchInfo{})]struct{}
 	_ [unsafe.Sizeof(kvmanager.MatchInfo{}) - unsafe.Sizeof(C.kvp_prefix_match{})]struct{}
+	_ [unsafe.Sizeof(C.kvp_block_match{}) - unsafe.Sizeof(kvmanager.BlockMatch{})]struct{}
+	_ [unsafe.Sizeof(kvmanager.BlockMatch{}) - unsafe.Sizeof(C.kvp_block_match{})]struct{}
 )
 
 // maxMMItems bounds kvp_prefix_keys.num_mm (and num_items of
@@ -169,6 +171,21 @@ func kvpgo_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offse
 			return err
 		}
 		return m.Match(p, wantPartial != 0, slice[kvmanager.MatchInfo](unsafe.Pointer(out), n))
+	})
+}
+
+//export kvpgo_manager_match_blocks
+func kvpgo_manager_match_blocks(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+	keys *C.kvp_prefix_keys, out *C.kvp_block_match) C.kvp_status {
+	return onManager(h, func(m *kvmanager.Manager) error {
+		if out == nil {
+			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match_blocks: out must not be NULL")
+		}
+		p, err := promptsOf("kvp_manager_match_blocks", n, tokens, offsets, keys)
+		if err != nil {
+			return err
+		}
+		return m.MatchBlocks(p, slice[kvmanager.BlockMatch](unsafe.Pointer(out), n))
 	})
 }
 

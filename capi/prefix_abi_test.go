@@ -7,6 +7,7 @@ import (
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvmanager"
 	"github.com/kvplug/kvplug/core/prefix"
 )
 
@@ -348,4 +349,30 @@ func FuzzPrefixABI(f *testing.F) {
 			fuzzCheck(t, h, op, st)
 		}
 	})
+}
+
+// kvp_manager_match_blocks writes kvmanager.BlockMatch's layout: a
+// manager without groups answers its hit twice; NULL out is refused.
+func TestMatchBlocksThroughABI(t *testing.T) {
+	var bm kvmanager.BlockMatch
+	if offsetofBlockMatchBlocks() != unsafe.Offsetof(bm.BlockTokens) {
+		t.Fatalf("kvp_block_match's block_tokens at %d, kvmanager.BlockMatch's at %d", offsetofBlockMatchBlocks(), unsafe.Offsetof(bm.BlockTokens))
+	}
+	const bs = 4
+	h := newCachedManager(t, 32, bs, true)
+	defer hookManagerDestroy(h)
+	sys := seq(100, 8)
+	_, n, st := hookAdmit(h, []int64{1}, [][]int32{append(slices.Clone(sys), 1, 2)}, nil)
+	expect(t, "admit", st, kverr.OK)
+	if n != 1 {
+		t.Fatalf("admitted %d", n)
+	}
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	got, st := hookMatchBlocks(h, [][]int32{append(slices.Clone(sys), 9), {5}}, false)
+	expect(t, "match blocks", st, kverr.OK)
+	if got[0] != [2]int32{8, 8} || got[1] != [2]int32{0, 0} {
+		t.Fatalf("match blocks: %v, want [8 8] and [0 0]", got)
+	}
+	_, st = hookMatchBlocks(h, [][]int32{sys}, true)
+	expect(t, "match blocks NULL out", st, kverr.NullPointer)
 }

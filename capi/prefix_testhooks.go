@@ -162,6 +162,30 @@ func hookMatch(h unsafe.Pointer, prompts [][]int32, keys []hookKeys, partial boo
 	return res, abiStatus(st)
 }
 
+// hookMatchBlocks returns each prompt's (matched, block tokens); nullOut
+// passes a NULL out.
+func hookMatchBlocks(h unsafe.Pointer, prompts [][]int32, nullOut bool) ([][2]int32, abiStatus) {
+	toks, offs := flat(prompts)
+	defer toks.free()
+	defer offs.free()
+	out := (*C.kvp_block_match)(C.calloc(C.size_t(max(len(prompts), 1)), C.size_t(unsafe.Sizeof(C.kvp_block_match{}))))
+	defer C.free(unsafe.Pointer(out))
+	if nullOut {
+		out = nil
+	}
+	st := kvpgo_manager_match_blocks((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), nil, out)
+	res := make([][2]int32, len(prompts))
+	if out != nil {
+		for i, m := range unsafe.Slice(out, len(prompts)) {
+			res[i] = [2]int32{int32(m.matched_tokens), int32(m.block_tokens)}
+		}
+	}
+	return res, abiStatus(st)
+}
+
+// offsetofBlockMatchBlocks is where kvp_block_match's block_tokens lies.
+func offsetofBlockMatchBlocks() uintptr { return unsafe.Offsetof(C.kvp_block_match{}.block_tokens) }
+
 func hookPin(h unsafe.Pointer, tokens []int32, keys []hookKeys) (uint64, int32, abiStatus) {
 	t := cInt32s(tokens)
 	defer t.free()

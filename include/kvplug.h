@@ -63,6 +63,10 @@
  *     answered UNSUPPORTED in 0.6); kvp_manager_flush_copies may then need
  *     room for more demotions than demote_ahead (its BUFFER_TOO_SMALL
  *     answer says how many).
+ *   - kvp_manager_match_blocks and kvp_block_match: a prompt's hit and
+ *     beside it group 0's longest cached prefix, where a recurrent
+ *     group's hit stops short for want of a checkpoint; an engine ends a
+ *     prompt's step there to leave one ("Layer groups").
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -185,7 +189,8 @@
  *     every other struct     its whole size in version 0.2.0
  *   Structs that are elements of caller arrays (kvp_mm_item, kvp_prefix_keys,
  *   kvp_prefix_match, kvp_block_copy, kvp_block_mm, kvp_kv_event,
- *   kvp_kv_group_event, kvp_tier_copy, kvp_tier_match, kvp_layer_group)
+ *   kvp_kv_group_event, kvp_tier_copy, kvp_tier_match, kvp_layer_group,
+ *   kvp_block_match)
  *   have no
  *   struct_size: their layout is fixed for a major version, and a new layout
  *   would come with new functions.
@@ -411,7 +416,13 @@ typedef struct kvp_manager kvp_manager;
  * into dst), so that a hit never starts from a state that is not there.
  * No checkpoint is taken before the engine's first take_copies call. An
  * engine that chunks its prefill at multiples of checkpoint_every blocks
- * gets a checkpoint at every chunk's end.
+ * gets a checkpoint at every chunk's end. A checkpoint exists only where a
+ * step ended, so a prompt's hit may stop well short of the blocks group 0
+ * caches (a shared system prompt computed in chunks has states at the
+ * chunks' ends only): kvp_manager_match_blocks gives both, and an engine
+ * that ends the prompt's step at the longer one (rounded down to a
+ * multiple of checkpoint_every blocks) leaves a checkpoint there, from
+ * which the next prompt with that prefix resumes.
  *
  * The host tier (since 0.7) holds full-attention and sliding-window groups:
  * one host slot per (cached block, group), a slot one block id's layer
@@ -866,6 +877,17 @@ typedef struct kvp_prefix_match {
   int32_t partial_tokens;
 } kvp_prefix_match;
 
+/* What kvp_manager_match_blocks found for one prompt (since 0.7). */
+typedef struct kvp_block_match {
+  int32_t matched_tokens;  /* the hit admit would take: kvp_prefix_match's */
+  int32_t block_tokens;    /* group 0's longest cached prefix in full
+                              blocks (never the whole prompt), at least
+                              matched_tokens; longer where a recurrent
+                              group has no checkpoint at its end (or a
+                              window group lacks a block the next query
+                              reads). Equal without layer groups. */
+} kvp_block_match;
+
 /* Prefix cache counters (since creation or the last reset) and sizes. */
 typedef struct kvp_prefix_stats {
   size_t struct_size;      /* set by the caller: sizeof(kvp_prefix_stats) */
@@ -1056,6 +1078,18 @@ kvp_status kvp_manager_match(kvp_manager *m, int32_t n, const int32_t *tokens,
                              const int64_t *token_offsets,
                              const kvp_prefix_keys *keys, int32_t want_partial,
                              kvp_prefix_match *out);
+
+/* kvp_manager_match without the partial block, with each prompt's block
+ * match beside its hit (kvp_block_match): for an engine serving recurrent
+ * layer groups, which ends a prompt's step at block_tokens (rounded down
+ * to a checkpoint boundary) when that lies past matched_tokens, so that a
+ * checkpoint is taken where the cached prefix ends ("Layer groups"). Counts
+ * its queries and touches the hit's blocks as kvp_manager_match does; the
+ * GPU prefix cache only. Since 0.7.
+ * Errors: NULL_POINTER, INVALID_ARGUMENT (n, offsets, keys). */
+kvp_status kvp_manager_match_blocks(kvp_manager *m, int32_t n, const int32_t *tokens,
+                                    const int64_t *token_offsets,
+                                    const kvp_prefix_keys *keys, kvp_block_match *out);
 
 /* Pins the cached full blocks of a prefix (all of them, the last included)
  * so they are never evicted, until kvp_manager_unpin(*pin_id). Blocks of the

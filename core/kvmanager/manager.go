@@ -180,7 +180,7 @@ type Manager struct {
 	evicted []int32
 	locks   []int32
 	// lastPeek: group 0's cached prefix, in blocks, of the last prompt
-	// matchPrompt matched with layer groups (MatchTiers' host part).
+	// matchPrompt matched with layer groups (MatchTiers' host part, MatchBlocks).
 	lastPeek int
 	inserted []prefix.InsertResult
 	one      [1]int32

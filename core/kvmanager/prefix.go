@@ -118,6 +118,24 @@ type MatchInfo struct {
 	PartialTokens int32
 }
 
+// BlockMatch is what MatchBlocks found for one prompt. Its layout (two
+// int32) is the C ABI's kvp_block_match.
+type BlockMatch struct {
+	// Tokens is Match's: the hit Admit would take.
+	Tokens int32
+	// BlockTokens is the length of group 0's longest cached prefix in full
+	// blocks (never the whole prompt), at least Tokens. With layer groups
+	// a hit stops short of it where a recurrent group has no checkpoint
+	// (or a window group lacks a block the next query reads). A
+	// recurrent group's state is kept only where a step ends, so an
+	// engine that ends a prompt's step at BlockTokens (rounded down to a
+	// checkpoint boundary) leaves a state where the cached prefix ends,
+	// and the next prompt sharing it resumes there: BlockTokens is where
+	// this prompt leaves the cached prefix, the point other prompts with
+	// that prefix reach too (a shared system prompt's end).
+	BlockTokens int32
+}
+
 // Admit adds sequences by their prompts, in batch order: sequence ids[i]
 // gets prompt i, starts on the cached blocks of its longest cached prefix
 // in full blocks (never its last token), and has the rest of the prompt as
@@ -437,6 +455,37 @@ func (m *Manager) Match(prompts Prompts, partial bool, out []MatchInfo) error {
 		}
 		_, _, res := m.matchPrompt(&prompts, i, partial, "match: the index refused a validated prompt")
 		out[i] = MatchInfo{Tokens: int32(res.Tokens), PartialBlock: res.PartialBlock, PartialTokens: int32(res.PartialTokens)}
+	}
+	return nil
+}
+
+// MatchBlocks is Match without the partial block, with each prompt's
+// block match beside its hit (BlockMatch): out[i].BlockTokens is group
+// 0's longest cached prefix, which the hit (out[i].Tokens) reaches unless
+// another layer group cannot start there. Without layer groups the two are
+// equal. It counts its queries, and touches the hit's blocks, as Match
+// does; it looks at the GPU prefix cache only (a host tier's blocks count
+// in MatchTiers). Errors: those of Match.
+func (m *Manager) MatchBlocks(prompts Prompts, out []BlockMatch) error {
+	if err := prompts.validate("match blocks", 0); err != nil {
+		return err
+	}
+	n := prompts.Len()
+	if len(out) < n {
+		return kverr.Errorf(kverr.InvalidArgument, "match blocks: out holds %d entries for %d prompts", len(out), n)
+	}
+	m.mu.Lock()
+	defer m.unlock()
+	for i := range n {
+		out[i] = BlockMatch{}
+		if m.cache == nil {
+			continue
+		}
+		_, _, res := m.matchPrompt(&prompts, i, false, "match blocks: the index refused a validated prompt")
+		out[i] = BlockMatch{Tokens: int32(res.Tokens), BlockTokens: int32(res.Tokens)}
+		if m.gc != nil {
+			out[i].BlockTokens = int32(m.lastPeek * m.bs)
+		}
 	}
 	return nil
 }

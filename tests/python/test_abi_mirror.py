@@ -29,6 +29,7 @@ MIRRORS = {
     prefix.MMItemStruct: "kvp_mm_item",
     prefix.PrefixKeysStruct: "kvp_prefix_keys",
     prefix.PrefixMatchStruct: "kvp_prefix_match",
+    prefix.BlockMatchStruct: "kvp_block_match",
     prefix.PrefixStatsStruct: "kvp_prefix_stats",
     prefix.BlockMMStruct: "kvp_block_mm",
     prefix.KVEventStruct: "kvp_kv_event",

@@ -48,7 +48,7 @@ from ._lib import (
     version_string,
 )
 from .manager import Description, LayerGroup, Manager, ManagerStats
-from .prefix import Keys, KVEvent, Match, MMItem, PrefixStats
+from .prefix import BlockMatch, Keys, KVEvent, Match, MMItem, PrefixStats
 from .tier import CopyBatch, TierMatch, TierStats
 from .tiercopy import TierCopier
 from .events import EventPublisher, EventPublisherStats  # noqa: F401 (KV events on ZMQ)
@@ -68,6 +68,7 @@ __all__ = [
     "Keys",
     "MMItem",
     "Match",
+    "BlockMatch",
     "PrefixStats",
     "KVEvent",
     "CopyBatch",

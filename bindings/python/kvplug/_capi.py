@@ -134,6 +134,12 @@ class PrefixMatchStruct(ctypes.Structure):
     _fields_ = [("matched_tokens", _i32), ("partial_block", _i32), ("partial_tokens", _i32)]
 
 
+class BlockMatchStruct(ctypes.Structure):
+    """struct kvp_block_match."""
+
+    _fields_ = [("matched_tokens", _i32), ("block_tokens", _i32)]
+
+
 class PrefixStatsStruct(ctypes.Structure):
     """struct kvp_prefix_stats."""
 
@@ -410,6 +416,7 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_grow_tokens", [_vp, _vp, _vp, _i32, _vp]),
     ("kvp_manager_add_mm_items", [_vp, _i64, _vp, _i32]),
     ("kvp_manager_match", [_vp, _i32, _vp, _vp, _vp, _i32, _vp]),
+    ("kvp_manager_match_blocks", [_vp, _i32, _vp, _vp, _vp, _vp]),
     ("kvp_manager_pin", [_vp, _vp, _i32, _vp, _vp, _vp]),
     ("kvp_manager_unpin", [_vp, _u64]),
     ("kvp_manager_set_priority", [_vp, _vp, _i32, _vp, _i32, _vp]),

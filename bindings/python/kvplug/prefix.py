@@ -26,10 +26,10 @@ from ._arrays import NO_TOKENS as _NO_TOKENS, _I64, addr as _addr, bad as _bad, 
 from ._arrays import batch_len as _batch_len, flatten as _flatten
 from ._arrays import in_ptr as _in_ptr, one_each as _one_each, token_ptr as _token_ptr
 from ._capi import BlockMMStruct, KVEventStruct, KVGroupEventStruct, MMItemStruct, PrefixKeysStruct, PrefixMatchStruct
-from ._capi import PrefixStatsStruct
+from ._capi import BlockMatchStruct, PrefixStatsStruct
 from ._lib import C
 
-__all__ = ["Keys", "MMItem", "Match", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
+__all__ = ["Keys", "MMItem", "Match", "BlockMatch", "PrefixStats", "KVEvent", "PrefixCacheMethods"]
 
 _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
@@ -94,6 +94,16 @@ class Match(NamedTuple):
     matched_tokens: int  # cached prefix in full blocks; never the whole prompt
     partial_block: int  # with partial=True: a block whose first rows match; -1 if none
     partial_tokens: int  # how many of its rows
+
+
+class BlockMatch(NamedTuple):
+    """Manager.match_blocks' answer for one prompt."""
+
+    matched_tokens: int  # the hit admit would take (Match.matched_tokens)
+    # Group 0's longest cached prefix in full blocks, at least matched_tokens: past it where a recurrent
+    # group has no checkpoint at its end (a state exists only where a step ended), which a step that ends
+    # there (rounded down to a checkpoint boundary) leaves for the next prompt with this prefix.
+    block_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +399,21 @@ class PrefixCacheMethods:
         out = (PrefixMatchStruct * max(n, 1))()
         _check(C.kvp_manager_match(self._h, n, _addr(tokens), _addr(offsets), karr, int(partial), out))
         return [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out[:n]]
+
+    def match_blocks(self, prompts: Sequence[Any], keys: Any = None) -> List[BlockMatch]:
+        """Each prompt's hit (as match) and its block match: group 0's
+        longest cached prefix, which a recurrent group's hit stops short of
+        where no step ended (BlockMatch). No prompts: []."""
+        n = _batch_len(prompts)
+        if not n:
+            self._empty("match_blocks")
+            return []
+        tokens, offsets = _flatten(prompts)
+        keep: list = []
+        karr = _keys_array(keys, n, keep)
+        out = (BlockMatchStruct * n)()
+        _check(C.kvp_manager_match_blocks(self._h, n, _addr(tokens), _addr(offsets), karr, out))
+        return [BlockMatch(o.matched_tokens, o.block_tokens) for o in out]
 
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
         """Pins the cached full blocks of a prefix against eviction. Returns
