@@ -242,6 +242,55 @@ def test_shared_system_prompt_resumes_from_a_checkpoint(model):
     print(f"max logit error after the hit {err:.2e}")
 
 
+def test_a_chunk_ends_where_the_shared_prefix_ends(model):
+    """A 40-token system prompt, longer than a chunk of 24: user A's chunks
+    end at 24 and 48, so the system prompt's last state is at 24. User B
+    (the system prompt and 15 other tokens) hits those 24, and its cached
+    blocks go on to 40 (Manager.match_blocks): its first step ends there,
+    not at 48, leaving a state at the system prompt's end. User C then hits
+    all 40 tokens, past the first chunk's boundary, and its logits after the
+    hit are transformers' and those of a run without the prefix cache."""
+    rng = np.random.default_rng(13)
+    system = rng.integers(1, 97, 40).tolist()
+    a, b, c = (system + rng.integers(1, 97, k).tolist() for k in (9, 15, 5))
+    kvmodel = H.twin(model)
+
+    def serve(prefix_cache):
+        with kvhf.PagedKVCache.for_model(kvmodel, 64, BLOCK, prefix_cache=prefix_cache) as cache:
+            runner = kvhf.Runner(kvmodel, cache, max_batch=1, max_step_tokens=64, max_model_len=64)
+            hits, rows = [], None
+            for sid, p in enumerate((a, b, c)):
+                if prefix_cache and sid == 1:
+                    got = cache.manager.match_blocks([p])[0]
+                    assert got == kvplug.BlockMatch(24, 40), f"B: the hit stops at A's state at 24, the blocks go on: {got}"
+                cache.add(sid, p)
+                ends = []
+                first = None
+                while cache.seqs[sid].pending:
+                    batch = cache.schedule([(sid, 24)])
+                    if first is None:
+                        first = int(batch.cached_tokens[0])
+                    ends.append(int(batch.seq_lens[0]))
+                    out = runner.step(batch, all_logits=True)
+                    rows = out if len(ends) == 1 else torch.cat([rows, out])
+                if prefix_cache and sid == 1:
+                    assert ends == [40, 48, 55], f"B's steps end at {ends}, want at the system prompt's end first"
+                cache.remove([sid])
+                hits.append(first)
+            cache.manager.check()
+            return hits, rows
+
+    hits, rows = serve(True)
+    assert hits == [0, 24, 40], hits
+    ref = H.reference_logits(model, c, len(c))
+    err = rows_against(ref, rows, 40)
+    plain_hits, plain = serve(False)
+    assert plain_hits == [0, 0, 0]
+    rows_against(ref, plain, 0)
+    assert (rows - plain[40:]).abs().max() <= ATOL + RTOL * plain.abs().max()
+    print(f"max logit error after the hit {err:.2e}")
+
+
 def test_a_hit_keeps_its_checkpoint_when_the_pool_is_short(model):
     """A pool of 16 blocks of 8: A (16 tokens) leaves a checkpoint at 16
     (three blocks, one per recurrent group) and goes; D (16 other tokens,

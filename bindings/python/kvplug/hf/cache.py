@@ -38,7 +38,24 @@ import kvplug
 
 from .tier_copy import HostTier, block_bytes, make_copier
 
-__all__ = ["ModelShape", "RecurrentShape", "PagedKVCache", "Batch", "SequenceState"]
+__all__ = ["ModelShape", "RecurrentShape", "PagedKVCache", "Batch", "SequenceState", "chunk_end"]
+
+
+def chunk_end(start: int, end: int, period: int, stop: int = 0) -> int:
+    """Where a step computing tokens start .. end - 1 of a sequence stops,
+    with recurrent states kept every period tokens (0: none kept). The
+    manager keeps a state only where a step ends at a checkpoint boundary,
+    so a prompt computed in one piece would leave none for a later prompt
+    with its prefix to resume from: the step stops at stop (a checkpoint
+    boundary where the cached prefix ends, past the prompt's hit:
+    Manager.match_blocks) when it passes it, else at the last boundary past
+    start when end is not one itself. The rest follows in the next step (a
+    prompt's last few tokens cost one more step)."""
+    if period and start < stop < end:
+        return stop
+    if period and end % period and end - end % period > start:
+        return end - end % period
+    return end
 
 
 # The models whose "linear_attention" layers kvplug.hf serves: Gated DeltaNet token mixers of Qwen3-Next's
@@ -159,6 +176,9 @@ class SequenceState:
     computed: int = 0  # leading tokens whose K/V is in the cache (= the manager's length while live)
     live: bool = False  # holds blocks in the manager
     keys: Optional[kvplug.Keys] = None  # prefix-cache keys (adapter, multimodal, tenant salt)
+    # With recurrent states: the checkpoint boundary where the prompt's cached prefix ended at admission, when
+    # past its hit (no state there yet); a prompt chunk that passes it ends there, leaving a state (0: none).
+    stop: int = 0
 
     @property
     def pending(self) -> int:
@@ -278,6 +298,10 @@ class PagedKVCache:
     prefix cache, the state is kept at checkpoints every checkpoint_every
     blocks where a step ends (Manager.take_copies), and schedule ends
     prompt chunks there; a prefix hit resumes from the last checkpoint.
+    Where a prompt's cached prefix reaches past that checkpoint (a shared
+    system prompt whose first user's chunks ended elsewhere), schedule
+    ends a chunk at the prefix's end too, so that the next prompt with it
+    resumes there (chunk_end).
 
     kv_dtype torch.float8_e4m3fn holds K and V in FP8 (one byte an element,
     twice the tokens in the memory of a 16-bit cache) with one float32 scale
@@ -698,7 +722,9 @@ class PagedKVCache:
         The batch is ordered live sequences first, then the admitted ones.
         With linear-attention layers in the prefix cache, a chunk that
         passes a checkpoint boundary (checkpoint_every blocks) stops at the
-        last one it reaches, so that its state is kept there.
+        last one it reaches, so that its state is kept there; and at the
+        boundary where its cached prefix ended at admission, when that lies
+        past its hit (chunk_end).
 
         With a host tier, blocks whose demotion has landed are freed first
         (never waiting for copies), and an admission counts the tokens the
@@ -728,7 +754,7 @@ class PagedKVCache:
                 raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} scheduled for {n} tokens", kvplug.Status.INVALID_ARGUMENT)
             if s.live:
                 c, toks = s.computed, s.tokens
-                take = self._chunk_end(c, c + min(n, len(toks) - c)) - c
+                take = self._chunk_end(c, c + min(n, len(toks) - c), s.stop) - c
                 if take < 1:
                     raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} has no pending token to compute "
                                                       "(append the sampled token first)", kvplug.Status.INVALID_ARGUMENT)
@@ -755,9 +781,16 @@ class PagedKVCache:
                 # against the chunk.
                 tm = self.manager.match_tiers([s.tokens], s.keys)[0]
                 hit = tm.gpu_tokens + tm.host_tokens
+            elif self.checkpoint_tokens:
+                # The hit stops at the last state; where the cached blocks go on past it, no step ended at their
+                # end yet: this prompt's does, so that the next prompt sharing them resumes there.
+                bm = self.manager.match_blocks([s.tokens], s.keys)[0]
+                hit = bm.matched_tokens
+                stop = bm.block_tokens - bm.block_tokens % self.checkpoint_tokens
+                s.stop = stop if stop > hit else 0
             else:
                 hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
-            upto = self._chunk_end(hit, min(len(s.tokens), hit + n))
+            upto = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
@@ -775,18 +808,11 @@ class PagedKVCache:
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
         return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
 
-    def _chunk_end(self, start: int, end: int) -> int:
+    def _chunk_end(self, start: int, end: int, stop: int = 0) -> int:
         """Where a step computing tokens start .. end - 1 of a sequence
-        stops. With recurrent states in the prefix cache: at the last
-        checkpoint boundary past start when end is not one itself, since the
-        manager keeps a state only where a step ends at a checkpoint, so a
-        prompt computed in one piece would leave none for a later prompt
-        with its prefix to resume from. The rest follows in the next step
-        (a prompt's last few tokens cost one more step)."""
-        p = self.checkpoint_tokens
-        if p and end % p and end - end % p > start:
-            return end - end % p
-        return end
+        stops: chunk_end with this cache's checkpoint period (0 without
+        recurrent states in the prefix cache)."""
+        return chunk_end(start, end, self.checkpoint_tokens, stop)
 
     def _decode_step(self, requests: Sequence[Tuple[int, int]]) -> Optional[Tuple[Sequence[int], List[int], np.ndarray]]:
         """A decode step in bulk, one comprehension per field rather than a
