@@ -161,6 +161,7 @@ type groupCache struct {
 // block's (its own, or its cached twin's).
 type checkpoint struct {
 	id     int64
+	s      *seq // the sequence itself: an id removed and admitted again in the step is another sequence
 	length int
 	hash   prefix.Hash
 }
@@ -463,7 +464,7 @@ func (m *Manager) noteCheckpoint(id int64, s *seq) {
 			return
 		}
 	}
-	gc.cands = append(gc.cands, checkpoint{id: id, length: s.length, hash: s.pc.last})
+	gc.cands = append(gc.cands, checkpoint{id: id, s: s, length: s.length, hash: s.pc.last})
 }
 
 // takeCheckpoints, at MarkComputed, gives the cached block of each
@@ -485,8 +486,9 @@ func (m *Manager) takeCheckpoints() {
 	need := m.groups.states
 	for _, cp := range gc.cands {
 		s := m.seqs.get(cp.id)
-		if s == nil || s.length != cp.length || len(m.queued)+need > maxQueuedCopies {
-			continue
+		if s == nil || s != cp.s || s.length != cp.length || s.pc == nil || s.pc.last != cp.hash ||
+			len(m.queued)+need > maxQueuedCopies {
+			continue // gone, another sequence under the id, or moved on: its state is not the block's
 		}
 		b, ok := m.cache.Lookup(cp.hash)
 		if !ok || m.checkpoints(b) > 0 {

@@ -129,6 +129,28 @@ func TestRecurrentStateForACachedTwin(t *testing.T) {
 	must(t, gm.m.CheckInvariants())
 }
 
+// A checkpoint noted for a sequence goes to its block only while the
+// sequence is the one that noted it: an id removed and admitted again in
+// the same step, by a prompt of the same length, is another sequence, and
+// its state must not become the first one's cached twin's.
+func TestRecurrentCheckpointOfAReusedID(t *testing.T) {
+	const bs = 4
+	gm := qwenNext(t, 64, bs, 1)
+	r := rand.New(rand.NewPCG(27, 28))
+	system := seqTokens(r, 16)
+	gm.admit(t, 1, append(slices.Clone(system), seqTokens(r, 8)...)) // one step: no state inside the system prompt
+	gm.finish(t, 1)
+	gm.admit(t, 2, system) // private twins of the cached blocks, a checkpoint noted at 16
+	must(t, gm.m.Remove([]int64{2}))
+	delete(gm.toks, 2)
+	gm.admit(t, 2, seqTokens(r, 16)) // another prompt of the same length, under the same id
+	gm.finish(t, 2)
+	// groupMem.write checks that the hit's state is the system prompt's.
+	gm.admit(t, 3, append(slices.Clone(system), seqTokens(r, 3)...))
+	gm.check(t)
+	must(t, gm.m.CheckInvariants())
+}
+
 // Random conversations after a shared system prompt over a small pool,
 // with three recurrent groups (intervals drawn apart: a block where only
 // some keep a checkpoint gets none) and forks: every hit's states hold
