@@ -4,9 +4,11 @@
 Chat sessions that share a system prompt take turns round-robin: every turn's prompt is the
 session's whole history plus new user tokens, then an answer is decoded token by token. The
 engine is emulated as kvplug.hf drives the manager: a prompt is computed in chunks of at most
---chunk tokens, each ending at a checkpoint boundary when it can (PagedKVCache._chunk_end),
-since a recurrent layer's state exists only where a step ends; every step takes the manager's
-queued copies (take_copies) before its forward pass and marks the step computed after it.
+--chunk tokens, each ending at a checkpoint boundary when it can, and at the boundary where its
+cached prefix ends when that lies past its hit (Manager.match_blocks; kvplug.hf.cache.chunk_end,
+the rule itself), since a recurrent layer's state exists only where a step ends; every step takes
+the manager's queued copies (take_copies) before its forward pass and marks the step computed
+after it. --no-stop leaves out the stop at the cached prefix's end (kvplug.hf before it).
 
 The same workload runs on a Qwen3-Next-like group set (one full-attention group and three
 recurrent groups, checkpoints every 1 and every 4 blocks) and on a full-attention model of as
@@ -14,8 +16,8 @@ many groups, on pools given as fractions of the workload's full-attention KV (ev
 final context, every group). The prompt-token hit rate is matched tokens over prompt tokens:
 turns 2+ (a conversation's history), and first turns (the shared system prompt).
 
-Only the manager runs (no GPU): hits and evictions are what an engine would see. From the
-repository root, with a library built for the CPU:
+Only the manager runs (no GPU; torch is imported for kvplug.hf's rule): hits and evictions are
+what an engine would see. From the repository root, with a library built for the CPU:
 
     PYTHONPATH=bindings/python KVPLUG_LIBRARY=build/libkvplug.so \\
         build/venv/bin/python bench/recurrent_hits.py
@@ -35,6 +37,7 @@ import numpy as np
 
 import kvplug
 from kvplug import LayerGroup as G
+from kvplug.hf.cache import chunk_end
 
 
 def models(every):
@@ -46,7 +49,7 @@ def models(every):
 
 
 def run(groups, pool_blocks, args, rng_seed):
-    """(hit rate turns 2+, hit rate first turns, hit rate all) of the workload on one manager."""
+    """(hit rate turns 2+, hit rate first turns, hit rate all, prefill steps) of the workload on one manager."""
     rng = np.random.default_rng(rng_seed)
     bs = args.block_size
     recurrent = [g.checkpoint_every for g in groups if g.kind == G.RECURRENT]
@@ -56,12 +59,7 @@ def run(groups, pool_blocks, args, rng_seed):
         hist = [list(system) for _ in range(args.sessions)]
         hits = np.zeros((2, 2), np.int64)  # [first turn, later turns] x [matched, prompt tokens]
         next_id = 1
-
-        def chunk_end(start, end):
-            # kvplug.hf's rule: stop at the last checkpoint boundary past start when end is not one.
-            if period and end % period and end - end % period > start:
-                return end - end % period
-            return end
+        prefill_steps = 0
 
         def step():
             m.take_copies()  # the engine performs them before the forward pass
@@ -76,20 +74,27 @@ def run(groups, pool_blocks, args, rng_seed):
                     prompts.append(hist[s] + user)
                     ids.append(next_id)
                     next_id += 1
+                stops = []
                 for sid, p in zip(ids, prompts):
-                    hit = m.match([p])[0].matched_tokens
-                    upto = chunk_end(hit, min(len(p), hit + args.chunk))
+                    # As PagedKVCache.schedule admits: the hit, and the boundary where the cached blocks end.
+                    bm = m.match_blocks([p])[0]
+                    hit, stop = bm.matched_tokens, 0
+                    if period and not args.no_stop:
+                        stop = bm.block_tokens - bm.block_tokens % period
+                    stops.append(stop if stop > hit else 0)
+                    upto = chunk_end(hit, min(len(p), hit + args.chunk), period, stops[-1])
                     got = m.admit([sid], [p[:upto]])
                     if len(got) == 0:
                         raise SystemExit(f"pool of {pool_blocks} blocks too small for a batch of {len(ids)}")
                     hits[min(turn, 1)] += (int(got[0]), len(p))
                     done.append(upto)
                 step()
+                prefill_steps += 1
                 while True:  # the prompts' later chunks, every unfinished one each step
                     grow_ids, rows = [], []
                     for k, (sid, p) in enumerate(zip(ids, prompts)):
                         if done[k] < len(p):
-                            end = chunk_end(done[k], min(len(p), done[k] + args.chunk))
+                            end = chunk_end(done[k], min(len(p), done[k] + args.chunk), period, stops[k])
                             grow_ids.append(sid)
                             rows.append(p[done[k]:end])
                             done[k] = end
@@ -97,6 +102,7 @@ def run(groups, pool_blocks, args, rng_seed):
                         break
                     m.grow_tokens(grow_ids, rows)
                     step()
+                    prefill_steps += 1
                 answer = rng.integers(1, 50000, (args.answer, len(ids)))
                 for t in range(args.answer):
                     m.grow_tokens(ids, answer[t])
@@ -106,7 +112,7 @@ def run(groups, pool_blocks, args, rng_seed):
                 m.remove(ids)
         m.check()
     rate = lambda h: h[0] / max(h[1], 1)  # noqa: E731
-    return rate(hits[1]), rate(hits[0]), rate(hits.sum(0))
+    return rate(hits[1]), rate(hits[0]), rate(hits.sum(0)), prefill_steps
 
 
 def hf_engine(pools):
@@ -146,6 +152,8 @@ def main() -> int:
                     help="pool sizes, as fractions of the workload's full-attention KV")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hf-engine", default="", help="pool sizes (blocks) for the kvplug.hf engine run instead")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="chunks do not end where a prompt's cached prefix ends past its hit (the rule before)")
     args = ap.parse_args()
     if args.hf_engine:
         hf_engine([int(p) for p in args.hf_engine.split(",")])
@@ -156,18 +164,18 @@ def main() -> int:
           f"~{args.user} user + {args.answer} answer tokens a turn (final context ~{final}), batches of "
           f"{args.batch}, chunks of {args.chunk}, block size {args.block_size}", flush=True)
     print("| model | pool (x full-attention KV) | blocks | hit rate, turns 2+ | first turns (system prompt) "
-          "| all turns |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "| all turns | prefill steps |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for frac in (float(f) for f in args.fractions.split(",")):
         blocks = max(int(per_group * 4 * frac), 1)
         for name, groups in models([int(e) for e in args.every.split(",")]).items():
             t0 = time.perf_counter()
             try:
-                later, first, both = run(groups, blocks, args, args.seed)
+                later, first, both, steps = run(groups, blocks, args, args.seed)
             except (SystemExit, kvplug.OutOfBlocksError):
-                print(f"| {name} | {frac:.2f} | {blocks} | (a batch does not fit) | | |", flush=True)
+                print(f"| {name} | {frac:.2f} | {blocks} | (a batch does not fit) | | | |", flush=True)
                 continue
-            print(f"| {name} | {frac:.2f} | {blocks} | {later:.3f} | {first:.3f} | {both:.3f} |", flush=True)
+            print(f"| {name} | {frac:.2f} | {blocks} | {later:.3f} | {first:.3f} | {both:.3f} | {steps} |", flush=True)
             print(f"  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     return 0
 
