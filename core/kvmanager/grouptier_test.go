@@ -219,6 +219,35 @@ func TestGroupTierEngineGetsEveryDemotion(t *testing.T) {
 
 // Without the window blocks its hit point reads, a host hit stops where a
 // window group still has them: the GPU's rule.
+// A flush never asks for more room than the pool's blocks (the header's
+// promise to engines that size their arrays once): with layer groups its
+// request counts the cached blocks a flush can demote, not the nodes it
+// would evict times the groups, which asked for twice the pool here.
+func TestGroupTierFlushFitsNumBlocks(t *testing.T) {
+	const nb, bs = 16, 4
+	m, err := New(Config{NumBlocks: nb, BlockSize: bs, EnablePrefixCache: true,
+		Groups:   []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: 4}},
+		HostTier: &HostTier{Slots: 64, BlockBytes: 64, DemoteAhead: nb}})
+	must(t, err)
+	toks := make([]int32, 8*bs) // one live sequence holding every block of both groups
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	if _, err := m.Admit([]int64{1}, Prompts{Tokens: toks, Offsets: []int64{0, int64(len(toks))}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	m.MarkComputed()
+	d, r := make([]DemoteOp, nb), make([]ReloadOp, nb)
+	if _, _, _, needD, needR, err := m.FlushCopiesTo(d, r); err != nil || needD > nb || needR > nb {
+		t.Fatalf("flush with arrays of %d: need %d demotions, %d reloads: %v", nb, needD, needR, err)
+	}
+	must(t, m.Remove([]int64{1})) // now cached: a flush may demote them all, still within the pool
+	if _, nd, _, needD, _, err := m.FlushCopiesTo(d, r); err != nil || needD > nb || nd == 0 {
+		t.Fatalf("flush of a cached pool with arrays of %d: %d demoted, need %d: %v", nb, nd, needD, err)
+	}
+	must(t, m.CheckInvariants())
+}
+
 func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
 	const bs, w, pool = 4, 6, 40
 	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})

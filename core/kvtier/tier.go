@@ -782,7 +782,9 @@ func (t *Tier) demoteAhead() (nodes, ops int) {
 		}
 	}
 	nodes = (want + per - 1) / per
-	return nodes, nodes * (1 + len(gs))
+	// Every op demotes a cached block no sequence holds: never more ops
+	// than those (so arrays of NumBlocks always do, as the header says).
+	return nodes, min(nodes*(1+len(gs)), t.gpu.Stats().Cached)
 }
 
 // EvictForAlloc is the manager's eviction for an allocation that finds
