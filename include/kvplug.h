@@ -406,7 +406,9 @@ typedef struct kvp_manager kvp_manager;
  *
  * A recurrent group's state is cached at checkpoints: where a sequence's
  * step ends at the end of a cached block whose number (counting from 1)
- * is a multiple of checkpoint_every, kvp_manager_mark_computed gives the
+ * is a multiple of checkpoint_every (of every recurrent group's: their
+ * common multiple, since a partial state resumes nothing; give the groups
+ * one interval), kvp_manager_mark_computed gives the
  * checkpoint a block, if the pool has one to spare, and queues the copy of
  * the sequence's state into it. A prompt then hits only up to its last
  * checkpoint, and the admitted sequence's new state block gets a copy of

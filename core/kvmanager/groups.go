@@ -76,8 +76,9 @@ type Group struct {
 	// CheckpointEvery is a Recurrent group's checkpoint interval in
 	// blocks, in [1, 2^20], required with the prefix cache: the state of
 	// a sequence whose step ends at the end of a cached block that is a
-	// multiple of it is kept (groupcache.go, "Recurrent states"). 0 for
-	// the other kinds, and without the prefix cache.
+	// multiple of it is kept (groupcache.go, "Recurrent states"); with
+	// several recurrent groups, of every group's (a partial state resumes
+	// nothing). 0 for the other kinds, and without the prefix cache.
 	CheckpointEvery int
 }
 
