@@ -652,6 +652,14 @@ struct GroupEventsApi {
   }
 };
 inline const GroupEventsApi &group_events_api() { return table<GroupEventsApi>(); }
+
+// A prompt's block match beside its hit (since 0.7), a table of its own for
+// the same reason.
+struct MatchBlocksApi {
+  KVPLUG_FN(kvp_manager_match_blocks);
+  void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_manager_match_blocks); }
+};
+inline const MatchBlocksApi &match_blocks_api() { return table<MatchBlocksApi>(); }
 }  // namespace detail
 
 // A batch of prompts in the C API's flat form. Keys are views: the salt
@@ -749,6 +757,19 @@ class PrefixCache {
     detail::check(api().kvp_manager_match(m_->get(), detail::count32(p.size(), "match: prompts"), p.tokens.data(),
                                           p.offsets.data(), p.keys.empty() ? nullptr : p.keys.data(),
                                           want_partial ? 1 : 0, out.data()));
+    return out;
+  }
+
+  // Each prompt's hit and, beside it, the longest prefix of cached full
+  // blocks (kvp_manager_match_blocks): with recurrent layer groups a hit
+  // stops at its last checkpoint, and an engine that ends the prompt's step
+  // at block_tokens (rounded down to a checkpoint boundary) leaves one there.
+  std::vector<kvp_block_match> match_blocks(const Prompts &p) {
+    check_batch("match_blocks", p.size(), p);
+    std::vector<kvp_block_match> out(p.size());
+    detail::check(detail::match_blocks_api().kvp_manager_match_blocks(
+        m_->get(), detail::count32(p.size(), "match_blocks: prompts"), p.tokens.data(), p.offsets.data(),
+        p.keys.empty() ? nullptr : p.keys.data(), out.data()));
     return out;
   }
 

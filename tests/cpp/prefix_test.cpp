@@ -58,6 +58,11 @@ TEST(PrefixCache, AdmitSharesAndDecodeCaches) {
   const auto got = pc.match(q, true);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].matched_tokens, 3 * kBlock);
+  // Without recurrent groups the block match is the hit.
+  const auto blocks = pc.match_blocks(q);
+  ASSERT_EQ(blocks.size(), 1u);
+  EXPECT_EQ(blocks[0].matched_tokens, 3 * kBlock);
+  EXPECT_EQ(blocks[0].block_tokens, 3 * kBlock);
 
   const auto evs = pc.drain_events();
   ASSERT_EQ(evs.size(), 3u);
