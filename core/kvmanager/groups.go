@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier"
 	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/internal/blocks"
 )
@@ -99,6 +100,9 @@ type groupSet struct {
 	// (group 0 included); states counts the recurrent groups.
 	attn, states int
 	windowed     bool // a SlidingWindow group is among them
+	// host is groups 1.. as the host tier sees them (tierGroups.HostGroups),
+	// built once: the groups never change.
+	host []kvtier.HostGroup
 }
 
 // newGroupSet checks cfg's groups and returns them. Nothing is allocated

@@ -42,13 +42,16 @@ type tierGroups struct{ m *Manager }
 
 // HostGroups implements kvtier.Groups.
 func (tg tierGroups) HostGroups() []kvtier.HostGroup {
-	out := make([]kvtier.HostGroup, len(tg.m.groups.extra))
-	for g, grp := range tg.m.groups.extra {
-		if grp.Kind == SlidingWindow {
-			out[g].Window = grp.Window
+	gs := &tg.m.groups
+	if gs.host == nil {
+		gs.host = make([]kvtier.HostGroup, len(gs.extra))
+		for g, grp := range gs.extra {
+			if grp.Kind == SlidingWindow {
+				gs.host[g].Window = grp.Window
+			}
 		}
 	}
-	return out
+	return gs.host
 }
 
 // Detach implements kvtier.Groups: the evicted nodes' companions leave the

@@ -78,7 +78,8 @@ type Companion struct {
 
 // Groups is the manager's side of a grouped tier, called under its lock.
 type Groups interface {
-	// HostGroups returns groups 1.. as the tier sees them.
+	// HostGroups returns groups 1.. as the tier sees them (the same
+	// slice every call: the tier only reads it).
 	HostGroups() []HostGroup
 	// Detach takes the companions of the nodes the tier just evicted out
 	// of the group cache (announcing their removal with KV events on),
