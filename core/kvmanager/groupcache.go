@@ -329,22 +329,11 @@ func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 	}
 	freed := 0
 	for k, b := range nodes {
-		gc.hitPoint[b] = false
 		var h prefix.Hash
 		if hashes != nil {
 			h = hashes[k]
 		}
-		for g := range gc.comp {
-			c := gc.comp[g][b]
-			if c == NoBlock {
-				continue
-			}
-			m.forget(c, h)
-			if m.pool.State(c) == blocks.Cached {
-				freed++
-			}
-			assertOK(m.pool.UnmarkCached(c), "a companion block is free")
-		}
+		m.dropCompanions(b, h, func(int, int32) bool { freed++; return false })
 		if gc.up != nil {
 			// Its parent has one block less below it.
 			p := gc.up[b]
@@ -360,6 +349,26 @@ func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 		}
 	}
 	return freed
+}
+
+// dropCompanions takes node b's companions out of the group cache (h: its
+// hash, for their removal events). keep(g, c) decides for each one no
+// sequence holds whether it stays Cached (the host tier demotes it) or is
+// freed; one a sequence holds becomes that sequence's private block.
+func (m *Manager) dropCompanions(b int32, h prefix.Hash, keep func(g int, c int32) bool) {
+	gc := m.gc
+	gc.hitPoint[b] = false
+	for g := range gc.comp {
+		c := gc.comp[g][b]
+		if c == NoBlock {
+			continue
+		}
+		m.forget(c, h)
+		if m.pool.State(c) == blocks.Cached && keep(g, c) {
+			continue
+		}
+		assertOK(m.pool.UnmarkCached(c), "dropping a node's companion")
+	}
 }
 
 // evictCompanions frees listed companions of class, the least recently

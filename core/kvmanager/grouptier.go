@@ -4,7 +4,6 @@ import (
 	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier"
 	"github.com/kvplug/kvplug/core/prefix"
-	"github.com/kvplug/kvplug/internal/blocks"
 )
 
 // The host tier with layer groups: core/kvtier's groups.go has the rule
@@ -59,23 +58,11 @@ func (tg tierGroups) HostGroups() []kvtier.HostGroup {
 // stay Cached, for the tier to demote.
 func (tg tierGroups) Detach(evicted []prefix.EvictedBlock, dst []kvtier.Companion) []kvtier.Companion {
 	m := tg.m
-	gc := m.gc
 	for i := range evicted {
-		b, h := evicted[i].Block, evicted[i].Hash
-		gc.hitPoint[b] = false
-		for g := range gc.comp {
-			c := gc.comp[g][b]
-			if c == NoBlock {
-				continue
-			}
-			m.forget(c, h)
-			if m.pool.State(c) == blocks.Cached {
-				dst = append(dst, kvtier.Companion{Node: i, Block: c, Group: g + 1})
-				continue
-			}
-			// A sequence holds it: its private block from now on.
-			assertOK(m.pool.UnmarkCached(c), "host tier: unmarking a held companion")
-		}
+		m.dropCompanions(evicted[i].Block, evicted[i].Hash, func(g int, c int32) bool {
+			dst = append(dst, kvtier.Companion{Node: i, Block: c, Group: g + 1})
+			return true
+		})
 	}
 	m.flushGone()
 	return dst
