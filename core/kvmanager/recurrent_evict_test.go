@@ -108,16 +108,24 @@ func TestRecurrentSpentBlocksGoFirst(t *testing.T) {
 	must(t, gm.m.CheckInvariants())
 }
 
+// stateless caches a 16-token system prompt (block size 4, checkpoints at
+// every block) without a state in it: one step computed it and 8 tokens
+// more, so the only state is at 6 blocks.
+func stateless(t *testing.T, seed uint64) (*groupMem, *rand.Rand, []int32) {
+	t.Helper()
+	gm := qwenNext(t, 64, 4, 1)
+	r := rand.New(rand.NewPCG(seed, seed+1))
+	system := seqTokens(r, 16)
+	gm.admit(t, 1, append(slices.Clone(system), seqTokens(r, 8)...))
+	gm.finish(t, 1)
+	return gm, r, system
+}
+
 // A cached prefix without a state gets one from the next sequence that
 // computes it: its blocks are private copies of the cached ones, and the
 // state it reaches at their end is the cached twin's.
 func TestRecurrentStateForACachedTwin(t *testing.T) {
-	const bs = 4
-	gm := qwenNext(t, 64, bs, 1)
-	r := rand.New(rand.NewPCG(25, 26))
-	system := seqTokens(r, 16)
-	gm.admit(t, 1, append(slices.Clone(system), seqTokens(r, 8)...)) // one step: a state at 6 only
-	gm.finish(t, 1)
+	gm, r, system := stateless(t, 25)
 	if k := gm.admit(t, 2, system); k != 0 {
 		t.Fatalf("the system prompt alone matched %d tokens with no state in it", k)
 	}
@@ -134,12 +142,7 @@ func TestRecurrentStateForACachedTwin(t *testing.T) {
 // the same step, by a prompt of the same length, is another sequence, and
 // its state must not become the first one's cached twin's.
 func TestRecurrentCheckpointOfAReusedID(t *testing.T) {
-	const bs = 4
-	gm := qwenNext(t, 64, bs, 1)
-	r := rand.New(rand.NewPCG(27, 28))
-	system := seqTokens(r, 16)
-	gm.admit(t, 1, append(slices.Clone(system), seqTokens(r, 8)...)) // one step: no state inside the system prompt
-	gm.finish(t, 1)
+	gm, r, system := stateless(t, 27)
 	gm.admit(t, 2, system) // private twins of the cached blocks, a checkpoint noted at 16
 	must(t, gm.m.Remove([]int64{2}))
 	delete(gm.toks, 2)
