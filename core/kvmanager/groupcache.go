@@ -78,17 +78,22 @@ import (
 //     there. Spent leaves go next, with their companions, before any other
 //     node; evicting one may leave its parent a spent leaf, which goes in
 //     turn;
-//   - a state at an inner node -- one cached block below it and no match
-//     ended there -- serves only a prompt that diverges between it and the
-//     next state down its chain: the chain's deepest state (at a leaf)
-//     resumes every prompt that follows the chain, and a branch (two or
-//     more blocks below) or a hit point is where prompts did diverge (a
-//     shared system prompt's end, a conversation's turn). Inner states go
-//     next, the least recently released first, each node's checkpoints
-//     together, their nodes left spent;
+//   - a state at an inner node -- one cached block below it, a whole
+//     state somewhere below that, and no match ended there -- serves only
+//     a prompt that diverges between it and the next state down its chain:
+//     the chain's deepest state (no state below it, whether or not
+//     stateless blocks are, such as those a live sequence fills past its
+//     last checkpoint) resumes every prompt that follows the chain, and a
+//     branch (two or more blocks below) or a hit point is where prompts
+//     did diverge (a shared system prompt's end, a conversation's turn).
+//     Inner states go next, the least recently released first, each
+//     node's checkpoints together, their nodes left spent;
 //   - then nodes in the index's order, each with its companions, and last
 //     the states at kept points (leaves, branches, hit points) whose nodes
 //     cannot go (locked, or with blocks below), each state whole.
+// (groupCache.below counts, for each node, its children with a whole state
+// at or below them, kept up as states are taken and evicted and nodes go,
+// so that a state's class needs no walk down the tree.)
 // Keeping the states at chain ends, branches and hit points instead of one
 // per block is what keeps a recurrent model's hits under pressure: with a
 // checkpoint every block and three recurrent groups the states take three
@@ -142,8 +147,11 @@ type groupCache struct {
 	fullExtra int
 	// up[b] is cached block b's parent block (NoBlock: a first block),
 	// kept with recurrent groups, whose states' classes change with their
-	// nodes' children (restate) when a child goes.
-	up []int32
+	// nodes' children (restate) when a child goes. below[b] counts b's
+	// children with a whole state at or below them (0 for a block not
+	// cached): b's state is inner only with a state below it (stateClass).
+	up    []int32
+	below []int32
 	// Checkpoints to take at the next MarkComputed; takes: the engine has
 	// called TakeCopies.
 	cands []checkpoint
@@ -192,6 +200,7 @@ func newGroupCache(numBlocks int, gs *groupSet) *groupCache {
 	if gs.states > 0 {
 		gc.up = make([]int32, numBlocks)
 		fillNoBlock(gc.up)
+		gc.below = make([]int32, numBlocks)
 	}
 	for c := range gc.head {
 		gc.head[c], gc.tail[c] = NoBlock, NoBlock
@@ -333,11 +342,17 @@ func (m *Manager) nodesGone(nodes []int32, hashes []prefix.Hash) int {
 		if hashes != nil {
 			h = hashes[k]
 		}
+		stated := gc.up != nil && m.stated(b)
 		m.dropCompanions(b, h, func(int, int32) bool { freed++; return false })
 		if gc.up != nil {
-			// Its parent has one block less below it.
+			// Its parent has one block less below it, and maybe no state
+			// below it any more.
 			p := gc.up[b]
 			gc.up[b] = NoBlock
+			gc.below[b] = 0
+			if stated {
+				m.belowChanged(p, false)
+			}
 			m.restate(p)
 		}
 	}
@@ -393,6 +408,7 @@ func (m *Manager) evictCompanions(class uint8, n int) int {
 			k++
 			continue
 		}
+		was := m.whole(b)
 		for g, grp := range m.groups.extra {
 			// A checkpoint a queued copy holds is not listed: it stays
 			// until the copy is taken, then lists as partial (unpin).
@@ -403,6 +419,10 @@ func (m *Manager) evictCompanions(class uint8, n int) int {
 			}
 		}
 		m.cache.SetSpent(b, true)
+		if was && gc.below[b] == 0 {
+			// The last state at or below b: b's parent lost one.
+			m.belowChanged(gc.up[b], false)
+		}
 	}
 	m.flushGone()
 	return k
@@ -425,15 +445,51 @@ func (m *Manager) whole(b int32) bool { return m.checkpoints(b) == m.groups.stat
 
 // stateClass is the class of a released checkpoint of node b, which has
 // kids cached blocks below it (groupcache.go, "Eviction with recurrent
-// groups").
+// groups"): inner only when a whole state lies below b's one child's
+// block, which resumes every prompt that follows the chain there.
 func (m *Manager) stateClass(b int32, kids int) uint8 {
 	switch {
 	case !m.whole(b):
 		return compPartial
-	case kids == 1 && !m.gc.hitPoint[b]:
+	case kids == 1 && m.gc.below[b] > 0 && !m.gc.hitPoint[b]:
 		return compInner
 	}
 	return compKept
+}
+
+// stated reports whether a whole state lies at cached block b or below
+// it.
+func (m *Manager) stated(b int32) bool { return m.gc.below[b] > 0 || m.whole(b) }
+
+// belowChanged updates the counts of the blocks from p up after a child of
+// p gained (a state at or below it where there was none) or lost (none
+// left) the states at or below it; p NoBlock or not cached (an eviction
+// took it too) changes nothing. The walk stops at the first block whose
+// own stated() does not change, so a state taken below another costs one
+// step. A block whose count starts or stops being 0 has its state's class
+// changed (restate).
+func (m *Manager) belowChanged(p int32, gained bool) {
+	gc := m.gc
+	if p == NoBlock || m.cache.Children(p) < 0 {
+		return
+	}
+	for ; p != NoBlock; p = gc.up[p] {
+		if gained {
+			gc.below[p]++
+			if gc.below[p] > 1 {
+				return
+			}
+		} else {
+			gc.below[p]--
+			if gc.below[p] > 0 {
+				return
+			}
+		}
+		m.restate(p)
+		if m.whole(p) {
+			return // a state at p: its parent's count is unchanged
+		}
+	}
 }
 
 // restate moves node b's listed checkpoints to the class they have now,
@@ -526,6 +582,10 @@ func (m *Manager) takeCheckpoints() {
 				m.queued = append(m.queued, CopyPair{Src: src, Dst: c})
 			}
 			m.cache.SetSpent(b, false)
+			if gc.below[b] == 0 {
+				// b's first state at or below it: its parent gained one.
+				m.belowChanged(gc.up[b], true)
+			}
 		}
 		if locked {
 			assertOK(m.cache.Release(twin[:]), "checkpoint: releasing a cached twin")
@@ -854,6 +914,37 @@ func (m *Manager) checkGroupCache(pins []int32, bad func(string, ...any) error) 
 			return bad("cached block %d names parent %d, the index %d", b, up, m.cache.Parent(int32(b)))
 		case cached && m.cache.Spent(int32(b)) == m.whole(int32(b)):
 			return bad("cached block %d is marked spent %v with %d of %d checkpoints", b, m.cache.Spent(int32(b)), m.checkpoints(int32(b)), m.groups.states)
+		}
+	}
+	return m.checkBelow(bad)
+}
+
+// checkBelow verifies groupCache.below against the nodes' states: every
+// cached block's count of children with a whole state at or below them,
+// 0 for the others. The parents (gc.up) are checked already.
+func (m *Manager) checkBelow(bad func(string, ...any) error) error {
+	gc := m.gc
+	if gc.up == nil {
+		return nil
+	}
+	stated := make([]bool, len(gc.up)) // a whole state at the block or below it
+	for b := range gc.up {
+		if _, cached := m.cache.BlockHash(int32(b)); !cached || !m.whole(int32(b)) {
+			continue
+		}
+		for v := int32(b); v != NoBlock && !stated[v]; v = gc.up[v] {
+			stated[v] = true
+		}
+	}
+	want := make([]int32, len(gc.up))
+	for b, up := range gc.up {
+		if stated[b] && up != NoBlock {
+			want[up]++
+		}
+	}
+	for b := range gc.up {
+		if gc.below[b] != want[b] {
+			return bad("block %d counts %d children with a state at or below them, %d have one", b, gc.below[b], want[b])
 		}
 	}
 	return nil

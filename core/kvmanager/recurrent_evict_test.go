@@ -108,6 +108,40 @@ func TestRecurrentSpentBlocksGoFirst(t *testing.T) {
 	must(t, gm.m.CheckInvariants())
 }
 
+// The deepest state of a chain stays while a live sequence holds the
+// stateless blocks past it: a state is inner only when another state
+// below it resumes the prompts that follow the chain. A (checkpoints
+// every 2 blocks, 5 blocks long) has states at 2 and 4, and its block 5
+// below them; C, idle, a state at its end. Pressure that two states' blocks
+// would pay for takes A's state at 2 (the one at 4 resumes whatever it
+// resumes) and then C's nodes, not A's state at 4: A, preempted, resumes
+// at 16 tokens.
+func TestRecurrentDeepestStateAboveALiveTailKept(t *testing.T) {
+	const bs = 4
+	gm := qwenNext(t, 24, bs, 2)
+	r := rand.New(rand.NewPCG(29, 30))
+	gm.admit(t, 1, seqTokens(r, 2*bs)) // A: a state at 2 blocks
+	gm.m.MarkComputed()
+	gm.growBlocks(t, r, 1, 3) // at 4; block 5 cached without one, A's
+	histA := slices.Clone(gm.toks[1])
+	gm.admit(t, 2, seqTokens(r, 2*bs)) // C: a state at 2 blocks
+	gm.finish(t, 2)
+	// A: 5 blocks, its 3 state blocks, 2 states of 3; C: 2 nodes and a
+	// state: 19 of 24 blocks.
+	if st := gm.m.Stats(); st.FreeBlocks != 5 {
+		t.Fatalf("%d free blocks, want 5", st.FreeBlocks)
+	}
+	gm.admit(t, 3, seqTokens(r, 8*bs-1)) // 8 blocks and 3 states: 6 more than are free
+	gm.finish(t, 3)
+	must(t, gm.m.CheckInvariants())
+	gm.remove(t, 1) // A preempted
+	if k := gm.admit(t, 4, append(histA, seqTokens(r, 3)...)); k != 4*bs {
+		t.Fatalf("A back after its preemption matched %d tokens, want %d: its state at 4 blocks was evicted", k, 4*bs)
+	}
+	gm.check(t)
+	must(t, gm.m.CheckInvariants())
+}
+
 // stateless caches a 16-token system prompt (block size 4, checkpoints at
 // every block) without a state in it: one step computed it and 8 tokens
 // more, so the only state is at 6 blocks.
