@@ -553,6 +553,9 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         res["requests"] = len(conv)
         res["ttft_next"] = [r.first_token - r.arrival for r in done if conv.of[r.rid][1] > 0]
         res["ttft_by_turn"] = [[r.first_token - r.arrival for r in done if conv.of[r.rid][1] == k] for k in range(conv.turns)]
+        # TTFT = the wait in line (arrival to admission: seats, step tokens or GPU blocks) + the service
+        # (admission to first token: reloads, prefill chunks).
+        res["queue_by_turn"] = [[r.admitted - r.arrival for r in done if conv.of[r.rid][1] == k] for k in range(conv.turns)]
     if cache.tier is not None:
         res["tier"] = cache.tier_summary()
     # Where the time goes: decode-only steps (graph replays) against steps that carry prompt tokens.
@@ -596,6 +599,9 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
         if wl == "t":
             print("      TTFT p50 / p99 ms by turn: " + "  ".join(
                 f"{k + 1}: {fmt(pct(v, 50), '.0f')} / {fmt(pct(v, 99), '.0f')}" for k, v in enumerate(r["ttft_by_turn"])))
+            if "queue_by_turn" in r:
+                print("      of which waiting for admission, p50 / p99 ms by turn: " + "  ".join(
+                    f"{k + 1}: {fmt(pct(v, 50), '.0f')} / {fmt(pct(v, 99), '.0f')}" for k, v in enumerate(r["queue_by_turn"])))
     h, base, top = results.get(f"{wl}/kvplug-host"), results.get(f"{wl}/kvplug"), results.get(f"{wl}/kvplug-all")
     if h and base:
         print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "

@@ -74,6 +74,7 @@ class Request:
     temperature: float = 0.0
     # filled in by the engine
     seq_ids: List[int] = dataclasses.field(default_factory=list)
+    admitted: Optional[float] = None  # when its first sequence was admitted: arrival..admitted is its wait in line
     first_token: Optional[float] = None
     finished: Optional[float] = None
     outputs: Dict[int, List[int]] = dataclasses.field(default_factory=dict)  # seq id -> its tokens
@@ -197,7 +198,7 @@ class Engine:
         req = self.req_of[sid]
         return req.n if req.n > 1 and len(req.seq_ids) == 1 else 1
 
-    def _schedule(self) -> Optional[kvhf.Batch]:
+    def _schedule(self, now: Callable[[], float]) -> Optional[kvhf.Batch]:
         while True:
             plan, admits = self._plan()
             if not plan:
@@ -215,6 +216,9 @@ class Engine:
                     if sid in admitted:
                         self.waiting.remove(sid)
                         self.running.append(sid)
+                        req = self.req_of[sid]
+                        if req.admitted is None:
+                            req.admitted = now()
             if len(batch) == 0 and not self.running:
                 first = self.waiting[0]
                 raise kvplug.OutOfBlocksError(
@@ -289,7 +293,7 @@ class Engine:
         """Runs one step; returns the tokens it computed (0: nothing to run)."""
         t0 = time.perf_counter()
         self.just_finished = []
-        batch = self._schedule()
+        batch = self._schedule(now)
         if batch is None:
             return 0
         t1 = time.perf_counter()
@@ -504,7 +508,8 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
                     help="blocks the host tier keeps free or being demoted (default: one step's allocations, "
                     "2 x step tokens / block size + max batch, at most a quarter of the pool)")
     ap.add_argument("--demote-overlap", action="store_true",
-                    help="demotions on a side CUDA stream, overlapping the step (default: the step's stream)")
+                    help="demotions on a side CUDA stream, overlapping the step (default: the step's stream; "
+                    "write-through stores always go on a side stream)")
     ap.add_argument("--no-demote-evicted", dest="demote_evicted", action="store_false",
                     help="drop the cached blocks a step's allocations evict instead of demoting them in the step's "
                     "copies (demoting them is the default without --demote-overlap)")
