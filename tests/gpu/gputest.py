@@ -17,13 +17,33 @@ running them.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import math
 import os
+import pathlib
+import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 import pytest
 
 REQUIRE_ENV = "KVPLUG_REQUIRE_GPU"
+CPU_TESTS = pathlib.Path(__file__).resolve().parents[1] / "python"
+
+
+def cpu_test_module(name: str) -> Any:
+    """tests/python/<name>.py (a CPU test module whose harness a GPU test
+    reuses) as the module cpu_<name>: tests/gpu has modules of the same
+    names, which a plain import would find first. tests/python goes on
+    sys.path for the harness's own imports."""
+    if str(CPU_TESTS) not in sys.path:
+        sys.path.insert(0, str(CPU_TESTS))
+    key = f"cpu_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, CPU_TESTS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
 
 
 def required() -> bool:

@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 import pytest
-from gputest import cuda_torch  # noqa: E402
+from gputest import cpu_test_module, cuda_torch  # noqa: E402
 
 torch = cuda_torch()
 
@@ -29,6 +29,7 @@ _py = pathlib.Path(__file__).resolve().parents[1] / "python"
 sys.path.insert(0, str(_py))
 import test_hf_correctness as H  # noqa: E402
 import test_hf_hybrid as HY  # noqa: E402
+T = cpu_test_module("test_hf_tier")
 
 DEV = "cuda"
 # tests/gpu/test_hf_torch.py's bounds for its 2-layer models, doubled: these have 4 and 6 layers, and the
@@ -68,6 +69,29 @@ def test_hybrid_engine_on_kernels_matches_transformers(kind, num_blocks, dtype, 
     count, worst = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
     assert count > 200
     print(f"{kind} {dtype}: {count} rows, worst error {worst:.2f} of the bound")
+
+
+@pytest.mark.parametrize("kind, num_blocks, graphs", [("gpt-oss", 28, False), ("gemma-3", 60, False),
+                                                       ("gemma-3", 60, True)])
+def test_hybrid_histories_come_back_from_the_host_tier_on_kernels(kind, num_blocks, graphs):
+    """The host tier over layer groups on the GPU (tests/python/test_hf_hybrid_tier.py's conversations):
+    each group's blocks demoted to pinned host slots by the library's batched copier and reloaded into
+    their group's blocks; every logit row against transformers, the greedy outputs against a pool that
+    holds everything, every queued copy run."""
+    model = gpu_hybrid(kind, torch.float16)
+    *_, big, _, _ = T.run_conversations(model, num_blocks=400, backend="kernels", cuda_graphs=graphs)
+    engine, rec, reqs, outs, s, _ = T.run_conversations(model, num_blocks=num_blocks, host_slots=256,
+                                                        backend="kernels", cuda_graphs=graphs)
+    assert len(engine.cache.groups) > 1 and s["pinned"] and s["copier"] == "TierCopier", s
+    assert s["demotions_completed"] > 0 and s["host_hit_tokens"] >= 3 * T.BS, s
+    assert s["reloads_completed"] == s["reloads"] > 0 and s["demotions_failed"] == 0 and s["in_flight"] == 0, s
+    assert s["demote_bytes"] == s["demotions_queued"] * s["slot_bytes"], s
+    assert s["reload_bytes"] == s["reloads"] * s["slot_bytes"], s
+    atol, rtol = TOL[torch.float16]
+    count, worst = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
+    assert count > 200
+    assert outs == big
+    print(f"{kind} host tier: {count} rows, worst error {worst:.2f} of the bound, {s['reloads']} reloads")
 
 
 def test_a_model_that_cannot_be_captured_is_refused_clearly(monkeypatch):

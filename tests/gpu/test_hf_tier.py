@@ -12,13 +12,12 @@ Skips only on a machine with no NVIDIA device, and fails under
 KVPLUG_REQUIRE_GPU=1 (tests/gpu/gputest.py).
 """
 
-import importlib.util
 import pathlib
 import sys
 
 import numpy as np
 import pytest
-from gputest import cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import cpu_test_module, cuda_torch  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -30,10 +29,7 @@ _here = pathlib.Path(__file__).resolve().parents[1] / "python"
 sys.path.insert(0, str(_here))
 import test_hf_correctness as H  # noqa: E402  (tests/python: the tiny models and the engine)
 
-# tests/python/test_hf_tier.py under another name (this module has its name).
-_spec = importlib.util.spec_from_file_location("hf_tier_cpu", _here / "test_hf_tier.py")
-T = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(T)
+T = cpu_test_module("test_hf_tier")  # tests/python/test_hf_tier.py (this module has its name)
 DEV = "cuda"
 TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2)}
 SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
