@@ -260,7 +260,8 @@ class PagedKVCache:
     block_bytes each (host_slots_for converts GiB), with demote_ahead
     (default_demote_ahead when None); the Runner runs its copies each step
     (self.tier, a kvplug.hf.tier_copy.HostTier; tier_copier picks the
-    copier, tier_overlap runs demotions on a side stream). demote_evicted
+    copier, tier_overlap runs demotions and write-through stores on a side
+    stream; None: on with write_through, else off). demote_evicted
     (default: on unless tier_overlap or layer groups) also demotes the
     cached blocks that allocations evict, copied in the step's batch on the
     step's stream ahead of its forward pass (kvplug.Manager's
@@ -269,7 +270,9 @@ class PagedKVCache:
     write_through > 0 copies instead of moving: each step's copies store up
     to that many blocks computed since to the host tier while they stay on
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
-    0 and demote_evicted to off. shared_tier ("host:port") goes to the
+    0, demote_evicted to off and tier_overlap to on (a store reads blocks
+    that stay cached and held until it lands, so it overlaps the next
+    forward pass instead of delaying it). shared_tier ("host:port") goes to the
     Manager's shared_tier.
 
     A hybrid model's shape (layer_types: full and sliding-window attention
@@ -322,7 +325,7 @@ class PagedKVCache:
         demote_ahead: Optional[int] = None,
         shared_tier: Optional[str] = None,
         tier_copier: Any = None,
-        tier_overlap: bool = False,
+        tier_overlap: Optional[bool] = None,
         demote_evicted: Optional[bool] = None,
         write_through: int = 0,
         kv_dtype: Optional[torch.dtype] = None,
@@ -364,6 +367,8 @@ class PagedKVCache:
             kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
             if write_through:
                 kw["write_through"] = write_through
+            if tier_overlap is None:
+                tier_overlap = write_through > 0 and demote_evicted is not True
             if demote_evicted and tier_overlap:
                 raise kvplug.InvalidArgumentError("kvplug.hf: demote_evicted needs the demotions on the step's stream (not tier_overlap)")
             if len(self.groups) > 1 and (demote_evicted or write_through):
