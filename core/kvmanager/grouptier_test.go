@@ -349,6 +349,15 @@ func groupTierRandomModel(t *testing.T, engine bool) {
 				if got, want := mr.x.LenIn(prefix.MediumCPU), m.tier.TierLen(); got != want {
 					t.Fatalf("seed %d: the events say the host tier holds %d blocks, it holds %d", seed, got, want)
 				}
+				// An announced host block has its full groups' blocks
+				// there too: a host hit needs them.
+				for _, h := range mr.x.HashesIn(prefix.MediumCPU, nil) {
+					for g, grp := range groups {
+						if _, st := c.pool.State(kvtier.GroupKey(h, g)); grp.Kind == FullAttention && st != host.Resident {
+							t.Fatalf("seed %d: host block %s is announced, its group %d block is %v", seed, h, g, st)
+						}
+					}
+				}
 			}
 		}
 		st := m.TierStats()
@@ -359,4 +368,122 @@ func groupTierRandomModel(t *testing.T, engine bool) {
 	if hostHits == 0 || windowOps == 0 {
 		t.Fatalf("the runs tested nothing: %d host hit tokens, %d window companions demoted", hostHits, windowOps)
 	}
+}
+
+// A node is in the host tier with its full-attention companions or not at
+// all: a host hit needs every full group's block. Here the host tier has
+// room for one slot when the flush demotes a node: its group-0 block alone
+// could take it, but would serve no hit, and its CPU BlockStored would
+// tell a router of a hit the tier refuses. The node is dropped whole; once
+// the tier has room, it is demoted whole and its next turn hits.
+func TestGroupTierNodeNeedsItsFullCompanions(t *testing.T) {
+	const bs, w, pool = 4, 6, 16
+	groups := []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: w}, {Kind: FullAttention}}
+	c := newGroupTier(t, pool, bs, 4, pool, true, groups...)
+	gm, m := c.gm, c.gm.m
+	mr := newGroupMirror(m, groups, rand.New(rand.NewPCG(9, 10)))
+	r := rand.New(rand.NewPCG(11, 12))
+	conv := seqTokens(r, bs+1) // one full block
+	h := wholeChain(t, conv, bs, nil)[0]
+	next := append(slices.Clone(conv), seqTokens(r, 2)...)
+	demote := func() {
+		t.Helper()
+		gm.admit(t, 1, conv)
+		c.flush(t) // the step's: nothing written yet to demote
+		m.MarkComputed()
+		gm.remove(t, 1)
+		c.flush(t) // demotes the node
+		mr.drain(t)
+	}
+	// Three of the four host slots pinned: reservations of other copies.
+	var pinned []host.Slot
+	for k := range uint64(3) {
+		s, err := c.pool.Reserve(0xfeed0000 + k)
+		must(t, err)
+		pinned = append(pinned, s)
+	}
+	demote()
+	for g := range groups {
+		if _, st := c.pool.State(kvtier.GroupKey(h, g)); st != host.Absent {
+			t.Fatalf("group %d's block is %v in the host tier, which had no room for the node's full companion", g, st)
+		}
+	}
+	if mr.x.ContainsIn(prefix.MediumCPU, h) {
+		t.Fatal("a CPU BlockStored announced a block the host tier cannot serve a hit from")
+	}
+	if got := tierMatch(t, m, next); got.Host != 0 {
+		t.Fatalf("match tiers: %+v, want no host hit", got)
+	}
+	if st := m.Stats(); st.FreeBlocks != pool {
+		t.Fatalf("%d of %d GPU blocks free after the node was dropped", st.FreeBlocks, pool)
+	}
+	for _, s := range pinned {
+		must(t, c.pool.Abort(s))
+	}
+	demote()
+	for g := range groups {
+		if _, st := c.pool.State(kvtier.GroupKey(h, g)); st != host.Resident {
+			t.Fatalf("group %d's block is %v in the host tier, with room for the node", g, st)
+		}
+	}
+	if !mr.x.ContainsIn(prefix.MediumCPU, h) {
+		t.Fatal("no CPU BlockStored for the node demoted whole")
+	}
+	if k := gm.admit(t, 2, next); k != bs {
+		t.Fatalf("next turn matched %d tokens, want %d from the host tier", k, bs)
+	}
+	c.flush(t)
+	gm.check(t)
+	must(t, m.CheckInvariants())
+}
+
+// A node whose group-0 block the host tier holds already (it was reloaded,
+// or computed again after a hit its missing window block cut) still has
+// its companions demoted, those the host tier lacks: dropping them would
+// leave the tier's hit cut where it was cut, however often the prefix is
+// computed again.
+func TestGroupTierCompanionsOfAPresentNode(t *testing.T) {
+	const bs, w, pool = 4, 6, 40
+	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})
+	gm, m := c.gm, c.gm.m
+	r := rand.New(rand.NewPCG(13, 14))
+	conv := seqTokens(r, 33) // 8 full blocks
+	gm.admit(t, 1, conv)
+	c.flush(t) // the step's
+	gm.remove(t, 1)
+	c.flush(t)
+	chain := wholeChain(t, conv, bs, nil)
+	// The host tier loses block 6's window companion: a hit stops after 6
+	// blocks (TestGroupTierHitNeedsItsWindowBlocks).
+	c.pool.Reset()
+	for j, h := range chain {
+		for g := range 2 {
+			if g == 1 && j == 6 {
+				continue
+			}
+			s, err := c.pool.Reserve(kvtier.GroupKey(h, g))
+			must(t, err)
+			for rr := range bs {
+				binary.LittleEndian.PutUint32(c.pool.Bytes(s)[4*rr:], uint32(conv[j*bs+rr]))
+			}
+			must(t, c.pool.Commit(s))
+		}
+	}
+	next := append(slices.Clone(conv[:32]), seqTokens(r, 3)...)
+	if got := gm.admit(t, 2, next); got != 6*bs {
+		t.Fatalf("matched %d tokens, want %d: block 6's window companion is missing", got, 6*bs)
+	}
+	c.flush(t) // the reloads
+	gm.remove(t, 2)
+	c.flush(t) // blocks 6 and 7 computed again, demoted: block 6's window companion with them
+	if _, st := c.pool.State(kvtier.GroupKey(chain[6], 1)); st != host.Resident {
+		t.Fatalf("block 6's window companion is %v in the host tier after the GPU computed it again", st)
+	}
+	next = append(slices.Clone(conv[:32]), seqTokens(r, 3)...)
+	if got := gm.admit(t, 3, next); got != 8*bs {
+		t.Fatalf("matched %d tokens, want all %d from the host tier", got, 8*bs)
+	}
+	c.flush(t)
+	gm.check(t)
+	must(t, m.CheckInvariants())
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 
 	"github.com/kvplug/kvplug/core/kvtier/host"
+	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/core/prefix"
 )
 
@@ -24,12 +25,33 @@ import (
 // Demotion. When FlushCopies evicts a node, the manager detaches its
 // companions from its group cache (Groups.Detach); the tier demotes the
 // node under GroupKey(h, 0) == HostKey(h) and each companion no sequence
-// holds under GroupKey(h, g), in the same batch, each op naming its group.
-// A node whose own demotion is skipped drops its companions too: without
-// group 0 they can never serve a hit. A batch thus holds up to one op per
-// group for each node evicted, more than the blocks the flush wanted free:
-// FlushCopiesTo asks room for them all (demoteAhead), since an op left out
-// of the engine's arrays would leave its slot for a later hit unwritten.
+// holds under GroupKey(h, g), in the same batch, each op naming its group
+// (reserveNode). A host hit needs a node's block in group 0 and in every
+// full-attention group, so the tier keeps those all or none: it demotes
+// the ones it lacks only when it can demote every one of them (none is a
+// block allocated since the last flush, and host slots are not all
+// pinned); otherwise it drops them all, and the node's window companions
+// with them. A group-0 slot alone would waste a slot, serve no hit, and
+// its CPU BlockStored would tell a router of a hit the tier refuses. A
+// node the host tier holds already (reloaded, or computed again after a
+// host hit that its missing window blocks cut) still has the companions
+// the tier lacks demoted: dropping them would leave every later hit cut
+// where it was. A window companion is demoted on its own terms: one the
+// tier cannot take costs only the hits whose window reads it. A batch thus
+// holds up to one op per group for each node evicted, more than the blocks
+// the flush wanted free: FlushCopiesTo asks room for them all
+// (demoteAhead), since an op left out of the engine's arrays would leave
+// its slot for a later hit unwritten.
+//
+// The host pool ages every slot on its own. A node's group-0 slot is older
+// than its full companions' when they were demoted in one batch or pinned
+// by one hit (group 0 first in both), so the LRU takes group 0 first, with
+// its CPU BlockRemoved, and the companions left behind serve nothing until
+// they age out. A node demoted again while such a companion is still
+// there gets a group-0 slot younger than it: should the LRU take the
+// companion first, the group-0 slot serves no hit (and its BlockStored
+// stands) until it ages out too. Closing that needs the pool to drop a
+// node's group-0 slot when it evicts a full companion's.
 //
 // Hits obey the GPU's rule (PinHostGroups): after a GPU match of gpu
 // blocks that is group 0's whole cached prefix, the host tier extends it
@@ -96,6 +118,125 @@ type Groups interface {
 type groupReload struct {
 	slot host.Slot
 	j, g int
+}
+
+// reserveNode is reserveDemotions for evicted node i (t.evInfo[i]; toks:
+// its tokens, with KV events) and its companions, the first of comps
+// (t.comps from the node's on, those with Node i): it appends the node's
+// demotions to ops by the package comment's rule, frees the blocks it does
+// not demote, and returns ops and how many of comps were the node's. A
+// node dropped for want of host slots counts each of its blocks in
+// SkippedFull.
+func (t *Tier) reserveNode(ops []DemoteOp, i int, comps []Companion, toks []int32, hold bool, op string) ([]DemoteOp, int) {
+	ev := &t.evInfo[i]
+	n := 0
+	for n < len(comps) && comps[n].Node == i {
+		n++
+	}
+	comps = comps[:n]
+	gs := t.groups.HostGroups()
+	// need: the groups a hit needs (group 0 and the full ones) whose
+	// blocks the host tier lacks, with their blocks; held: the host slots
+	// of the others, pinned while the node's reservations evict, which
+	// must not make room for the node's other blocks.
+	var need, held [1 + limits.LayerGroups]int32
+	var needG [1 + limits.LayerGroups]int
+	var lacks [1 + limits.LayerGroups]bool
+	nNeed, nHeld := 0, 0
+	ok := true
+	for g := 0; g <= len(gs); g++ {
+		if g > 0 && gs[g-1].Window > 0 {
+			continue
+		}
+		s, st := t.cfg.Pool.State(GroupKey(ev.Hash, g))
+		if st == host.Resident {
+			assertOK(t.cfg.Pool.Pin(s), op+": pinning a node's host slot")
+			held[nHeld] = int32(s)
+			nHeld++
+		}
+		if st != host.Absent {
+			continue // resident, or its copy in flight
+		}
+		b := int32(-1)
+		if g == 0 {
+			b = ev.Block
+		}
+		for _, c := range comps {
+			if c.Group == g {
+				b = c.Block
+			}
+		}
+		if b < 0 || t.stamp[b] == t.epoch {
+			// Not on the GPU (a full companion goes with its node, so
+			// never), or allocated since the last flush: its K/V is not
+			// written yet (reserveOne).
+			ok = false
+			if !hold {
+				t.st.EvictedUndemoted += int64(1 + len(comps))
+			}
+			break
+		}
+		need[nNeed], needG[nNeed], lacks[g] = b, g, true
+		nNeed++
+	}
+	var slots [1 + limits.LayerGroups]host.Slot
+	k := 0 // slots reserved
+	for ; ok && k < nNeed; k++ {
+		s, gone, err := t.cfg.Pool.ReserveEvict(GroupKey(ev.Hash, needG[k]))
+		if err != nil { // every slot pinned (the keys were absent)
+			ok = false
+			t.st.SkippedFull += int64(1 + len(comps))
+			if !hold {
+				t.st.EvictedUndemoted += int64(1 + len(comps))
+			}
+			break
+		}
+		if t.events {
+			t.hostEvicted(s, gone, op) // gone, whatever becomes of the node
+		}
+		slots[k] = s
+	}
+	switch {
+	case !ok:
+		for _, s := range slots[:k] {
+			assertOK(t.cfg.Pool.Abort(s), op+": giving a node's host slot back")
+		}
+		t.freeBlock(ev.Block, op)
+		for _, c := range comps {
+			t.freeBlock(c.Block, op)
+		}
+	default:
+		for j := range nNeed {
+			var bt []int32 // a companion's slot is not announced
+			if needG[j] == 0 {
+				bt = toks
+			}
+			ops = t.demoteInto(ops, ev, need[j], needG[j], slots[j], bt, hold, op)
+		}
+		if !lacks[0] {
+			t.st.SkippedPresent++
+			t.freeBlock(ev.Block, op)
+		}
+		for _, c := range comps {
+			switch {
+			case gs[c.Group-1].Window > 0:
+				ops = t.reserveOne(ops, ev, c.Block, c.Group, nil, hold, op)
+			case !lacks[c.Group]:
+				t.st.SkippedPresent++
+				t.freeBlock(c.Block, op)
+			}
+		}
+	}
+	for _, s := range held[:nHeld] {
+		assertOK(t.cfg.Pool.Unpin(host.Slot(s)), op+": unpinning a node's host slot")
+	}
+	return ops, n
+}
+
+// freeBlock frees evicted block b, Cached in the GPU pool, undemoted.
+func (t *Tier) freeBlock(b int32, op string) {
+	t.one[0] = b
+	assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
 }
 
 // keepFrom is the first block a window of w tokens reads for a query at

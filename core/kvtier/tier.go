@@ -675,8 +675,8 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 // holds its GPU block until the copy completes; otherwise (the blocks an
 // allocation evicts, DemoteEvicted) the blocks are freed at once, the ops
 // holding none. A block that cannot be demoted is freed and counted. With
-// layer groups each node's companions follow it (groups.go), as ops of
-// their groups, or freed with it when it is not demoted.
+// layer groups each node's companions follow it (groups.go, reserveNode),
+// as ops of their groups.
 func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp {
 	t.gone = t.gone[:0]
 	t.comps = t.comps[:0]
@@ -690,15 +690,12 @@ func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp
 		if t.events {
 			toks = t.evToks[i*t.bs : (i+1)*t.bs]
 		}
-		var ok bool
-		ops, ok = t.reserveOne(ops, ev, ev.Block, 0, toks, hold, op)
-		for ; c < len(t.comps) && t.comps[c].Node == i; c++ {
-			if ok {
-				ops, _ = t.reserveOne(ops, ev, t.comps[c].Block, t.comps[c].Group, nil, hold, op)
-				continue
-			}
-			t.one[0] = t.comps[c].Block
-			assertOK(t.gpu.Evict(t.one[:]), op+": an evicted companion is not Cached in the pool")
+		if t.groups != nil {
+			var n int
+			ops, n = t.reserveNode(ops, i, t.comps[c:], toks, hold, op)
+			c += n
+		} else {
+			ops = t.reserveOne(ops, ev, ev.Block, 0, toks, hold, op)
 		}
 		ev.MM = nil // the slot's now, or dropped
 	}
@@ -709,9 +706,8 @@ func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp
 }
 
 // reserveOne is reserveDemotions for block b of evicted node ev in group
-// g: it appends b's demotion to ops and returns true, or frees b and
-// returns false.
-func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g int, toks []int32, hold bool, op string) ([]DemoteOp, bool) {
+// g: it appends b's demotion to ops, or frees b.
+func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g int, toks []int32, hold bool, op string) []DemoteOp {
 	h := ev.Hash
 	t.one[0] = b
 	if t.stamp[b] == t.epoch {
@@ -725,7 +721,7 @@ func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g in
 			t.st.EvictedUndemoted++
 		}
 		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
-		return ops, false
+		return ops
 	}
 	slot, gone, rerr := t.cfg.Pool.ReserveEvict(GroupKey(h, g))
 	if rerr != nil {
@@ -738,8 +734,18 @@ func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g in
 			t.st.SkippedPresent++
 		}
 		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
-		return ops, false
+		return ops
 	}
+	if t.events {
+		t.hostEvicted(slot, gone, op)
+	}
+	return t.demoteInto(ops, ev, b, g, slot, toks, hold, op)
+}
+
+// demoteInto appends to ops the demotion of block b of evicted node ev in
+// group g into host slot s, which it reserved, and returns ops.
+func (t *Tier) demoteInto(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g int, s host.Slot, toks []int32, hold bool, op string) []DemoteOp {
+	t.one[0] = b
 	if hold {
 		// The copy holds the block: Cached -> InUse with its one
 		// reference, no longer retained by the cache (which dropped it).
@@ -750,12 +756,10 @@ func (t *Tier) reserveOne(ops []DemoteOp, ev *prefix.EvictedBlock, b int32, g in
 		// writes it (stream order).
 		assertOK(t.gpu.Evict(t.one[:]), op+": an evicted block is not Cached in the pool")
 	}
-	ops = append(ops, DemoteOp{Block: b, Slot: slot, Hash: h, Group: g})
 	if t.events {
-		t.hostEvicted(slot, gone, op)
-		t.setMeta(slot, ev, toks, g)
+		t.setMeta(s, ev, toks, g)
 	}
-	return ops, true
+	return append(ops, DemoteOp{Block: b, Slot: s, Hash: ev.Hash, Group: g})
 }
 
 // demoteAhead returns how many nodes the flush evicts to demote ahead
