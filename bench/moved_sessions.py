@@ -48,9 +48,7 @@ Checks (printed after the summary; exit status 1 when one fails):
     --strict-recompute.
 
 The instances are two processes of this script (--worker), driven over a
-local connection. PagedKVCache passes shared_tier to kvplug.Manager without
-shared_tier_namespace (which the Manager requires) in this version:
-make_cache adds the namespace, timeout and put queue.
+local connection.
 
     # two GPUs (one instance on each), redis-server on PATH:
     python bench/moved_sessions.py --json moved.json
@@ -66,7 +64,6 @@ import argparse
 import copy
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -111,32 +108,10 @@ kvhf = H.kvhf
 
 
 def make_cache(model: Any, num_blocks: int, block_size: int, tier: Dict[str, Any], shared: Dict[str, Any]) -> Any:
-    """PagedKVCache.for_model with the tier arguments; with a shared tier,
-    shared (shared_tier_namespace, _timeout_ms, _put_queue) reaches
-    kvplug.Manager too. A PagedKVCache that does not take them (it passes
-    shared_tier alone, and the Manager refuses an address without a
-    namespace) gets them through a Manager subclass for its construction."""
-    if not tier.get("shared_tier"):
-        return kvhf.PagedKVCache.for_model(model, num_blocks, block_size, **tier)
-    params = inspect.signature(kvhf.PagedKVCache.__init__).parameters
-    direct = {k: v for k, v in shared.items() if k in params}
-    rest = {k: v for k, v in shared.items() if k not in params}
-    if not rest:
-        return kvhf.PagedKVCache.for_model(model, num_blocks, block_size, **tier, **direct)
-    base = kvplug.Manager
-
-    class SharedManager(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            if kw.get("shared_tier"):
-                for k, v in rest.items():
-                    kw.setdefault(k, v)
-            super().__init__(*a, **kw)
-
-    kvplug.Manager = SharedManager
-    try:
-        return kvhf.PagedKVCache.for_model(model, num_blocks, block_size, **tier, **direct)
-    finally:
-        kvplug.Manager = base
+    """PagedKVCache.for_model with the tier arguments and, with a shared
+    tier, its namespace, timeout and put queue (shared)."""
+    kw = {**tier, **shared} if tier.get("shared_tier") else tier
+    return kvhf.PagedKVCache.for_model(model, num_blocks, block_size, **kw)
 
 
 class Instance:

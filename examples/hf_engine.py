@@ -518,6 +518,9 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
                     "of demoting (moving) blocks ahead of need (0: demote; with N, --demote-ahead defaults to 0)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
+    ap.add_argument("--shared-tier-namespace", default=None, metavar="NAME",
+                    help="the model's name in the shared tier: instances of one namespace serve each other's blocks "
+                    "(default: the shape, dtype, block size and weight seed of this random-weight model)")
 
 
 def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: int, dtype: torch.dtype,
@@ -549,7 +552,10 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
         if not kvhf.tier_copy.manager_takes("shared_tier"):
             sys.exit(f"--shared-tier {args.shared_tier}: this kvplug binding has no shared tier "
                      "(kvplug.Manager takes no shared_tier argument)")
-        kw["shared_tier"] = args.shared_tier
+        # Random weights: the model is its shape, dtype and seed; the blocks' layout adds the block size.
+        ns = args.shared_tier_namespace or (f"{getattr(args, 'model', 'model')}.{str(dtype).replace('torch.', '')}"
+                                            f".bs{args.block_size}.seed{getattr(args, 'seed', 0)}")
+        kw.update(shared_tier=args.shared_tier, shared_tier_namespace=ns)
     return kw
 
 

@@ -248,9 +248,21 @@ def test_cache_tier_arguments():
         kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, prefix_cache=False)
     with pytest.raises(ValueError, match="tier_copier"):
         kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, tier_copier="fast")
-    if not tier_copy.manager_takes("shared_tier"):
-        with pytest.raises(ValueError, match="shared tier"):
-            kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier="127.0.0.1:6379")
+    # The shared tier: the namespace is the model's identity there, so it is required; a server that is not up
+    # is not an error (its calls are counted misses).
+    with pytest.raises(ValueError, match="shared_tier_namespace"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier="127.0.0.1:6379")
+    with pytest.raises(ValueError, match="host tier"):
+        kvhf.PagedKVCache(shape, 32, 8, shared_tier="127.0.0.1:6379", shared_tier_namespace="m")
+    with pytest.raises(ValueError, match="need shared_tier"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier_namespace="m")
+    with pytest.raises(ValueError, match="shared_tier_\\* arguments, not write_through"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, shared_tier="127.0.0.1:6379", shared_tier_namespace="m",
+                          shared_tier_options={"write_through": 4})
+    with kvhf.PagedKVCache(shape, 32, 8, dtype=torch.float32, host_tier_slots=5, write_through=4,
+                           shared_tier="127.0.0.1:1", shared_tier_namespace="m", shared_tier_timeout_ms=20,
+                           shared_tier_put_queue=8, shared_tier_options={"shared_tier_tls": False}) as c:
+        assert c.manager.tier_stats().host_slots == 5
 
 
 def test_library_copier_is_used_on_cuda_caches(monkeypatch):
@@ -304,9 +316,11 @@ def test_engine_flags():
     assert E.tier_kwargs(args, shape, 1000, torch.float32)["tier_overlap"] is True
     with pytest.raises(SystemExit, match="host-cache-gb"):
         E.tier_kwargs(ap.parse_args(["--shared-tier", "127.0.0.1:6379"]), shape, 1000, torch.float32)
-    if not tier_copy.manager_takes("shared_tier"):
-        with pytest.raises(SystemExit, match="no shared tier"):
-            E.tier_kwargs(ap.parse_args(["--host-cache-gb", "1", "--shared-tier", "h:1"]), shape, 1000, torch.float32)
+    kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "1", "--shared-tier", "h:1"]), shape, 1000, torch.float32)
+    assert kw["shared_tier"] == "h:1" and kw["shared_tier_namespace"] == "model.float32.bs16.seed0", kw
+    kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "1", "--shared-tier", "h:1", "--shared-tier-namespace", "m7"]),
+                       shape, 1000, torch.float32)
+    assert kw["shared_tier_namespace"] == "m7", kw
 
 
 def test_engine_main_with_the_host_tier(capsys):

@@ -272,8 +272,13 @@ class PagedKVCache:
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
     0, demote_evicted to off and tier_overlap to on (a store reads blocks
     that stay cached and held until it lands, so it overlaps the next
-    forward pass instead of delaying it). shared_tier ("host:port") goes to the
-    Manager's shared_tier.
+    forward pass instead of delaying it). shared_tier ("host:port", with a
+    host tier) adds the Manager's shared tier (a Valkey or Redis server
+    that instances share), with shared_tier_namespace (required: the model
+    and layout whose blocks instances of that namespace share),
+    shared_tier_timeout_ms, shared_tier_put_queue, and any other of the
+    Manager's shared_tier_* arguments (AUTH, TLS, MAC keys) in
+    shared_tier_options.
 
     A hybrid model's shape (layer_types: full and sliding-window attention
     layers, gpt-oss and Gemma 3) gets layer groups (layer_groups None or
@@ -324,6 +329,10 @@ class PagedKVCache:
         host_tier_slots: int = 0,
         demote_ahead: Optional[int] = None,
         shared_tier: Optional[str] = None,
+        shared_tier_namespace: Optional[str] = None,
+        shared_tier_timeout_ms: int = 0,
+        shared_tier_put_queue: int = 0,
+        shared_tier_options: Optional[Dict[str, Any]] = None,
         tier_copier: Any = None,
         tier_overlap: Optional[bool] = None,
         demote_evicted: Optional[bool] = None,
@@ -383,7 +392,22 @@ class PagedKVCache:
         self.demote_evicted = bool(kw.get("demote_evicted", False))
         self.write_through = int(kw.get("write_through", 0))
         if shared_tier:
-            kw["shared_tier"] = shared_tier
+            if not shared_tier_namespace:
+                raise kvplug.InvalidArgumentError(
+                    "kvplug.hf: a shared tier needs shared_tier_namespace, naming the model (weights) and K/V layout "
+                    "whose blocks it shares: instances of one namespace serve each other's blocks")
+            if host_tier_slots <= 0:
+                raise kvplug.InvalidArgumentError("kvplug.hf: a shared tier needs a host tier (host_tier_slots > 0): "
+                                                  "the blocks it fetches land in host slots")
+            extra = dict(shared_tier_options or {})
+            bad = [k for k in extra if not k.startswith("shared_tier_")]
+            if bad:
+                raise kvplug.InvalidArgumentError(f"kvplug.hf: shared_tier_options takes kvplug.Manager's shared_tier_* "
+                                                  f"arguments, not {', '.join(sorted(bad))}")
+            kw.update(extra, shared_tier=shared_tier, shared_tier_namespace=shared_tier_namespace,
+                      shared_tier_timeout_ms=int(shared_tier_timeout_ms), shared_tier_put_queue=int(shared_tier_put_queue))
+        elif shared_tier_namespace or shared_tier_options:
+            raise kvplug.InvalidArgumentError("kvplug.hf: shared_tier_namespace and shared_tier_options need shared_tier")
         # Tokens between checkpoints of the recurrent states, where schedule ends prompt chunks (0: none kept).
         self.checkpoint_tokens = 0
         self.state_bytes = 0  # a linear-attention layer's state per sequence
