@@ -1277,7 +1277,9 @@ func (fz *abiFuzz) keys(n int) ptr {
 }
 
 // admitOrMatch calls kvp_manager_admit (kind 0 and 1), kvp_manager_match
-// (2) or kvp_manager_match_tiers (3) with prompts of arbitrary tokens.
+// or kvp_manager_match_blocks (2: one byte picks the call and match's
+// partial flag) or kvp_manager_match_tiers (3) with prompts of arbitrary
+// tokens.
 func (fz *abiFuzz) admitOrMatch(kind int) (string, int) {
 	n := fz.small(4)
 	var toks []int64
@@ -1314,8 +1316,13 @@ func (fz *abiFuzz) admitOrMatch(kind int) (string, int) {
 		return "kvp_manager_match_tiers", rawManagerMatchTiers(fz.handle(true), cnt, tokens, offsets, keys, out)
 	}
 	if kind == 2 {
+		b := fz.r.u8()
+		if b%4 >= 2 {
+			out := fz.outp(int(cLayouts["kvp_block_match"].size) * max(n, 1))
+			return "kvp_manager_match_blocks", rawManagerMatchBlocks(fz.handle(true), cnt, tokens, offsets, keys, out)
+		}
 		out := fz.outp(12 * max(n, 1))
-		return "kvp_manager_match", rawManagerMatch(fz.handle(true), cnt, tokens, offsets, keys, int32(fz.r.u8()%2), out)
+		return "kvp_manager_match", rawManagerMatch(fz.handle(true), cnt, tokens, offsets, keys, int32(b%2), out)
 	}
 	ids := fz.array(n, 8, fz.id)
 	var matched ptr
@@ -1562,17 +1569,19 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 	seen := map[string]bool{}
 	// reach makes the call that setup (its bytes first) and op choose
 	// among ops calls.
-	reach := func(setup []byte, op, ops uint8) {
-		data := append(append(slices.Clone(setup), op), bytes.Repeat([]byte{1}, 64)...)
+	reachWith := func(fill byte, setup []byte, op, ops uint8) {
+		data := append(append(slices.Clone(setup), op), bytes.Repeat([]byte{fill}, 64)...)
 		fz := &abiFuzz{t: t, r: byteReader(data), junk: newCBuf(64), gpu: cuda.Available()}
 		fz.setup()
 		name, _ := fz.call(fz.r.u8() % ops)
 		fz.close()
 		seen[name] = true
 	}
+	reach := func(setup []byte, op, ops uint8) { reachWith(1, setup, op, ops) }
 	for op := range uint8(numOps) {
 		reach([]byte{5, 8, 4}, op, numOps)
 	}
+	reachWith(3, []byte{5, 8, 4}, 11, numOps) // admitOrMatch(2) with its byte picking kvp_manager_match_blocks
 	for op := range uint8(numGroupOps) {
 		// Layer groups (flag groupsFlag) on the prefix cache: a window of 3, checkpoints every 2 blocks.
 		reach([]byte{1 | groupsFlag, 8, 4, 2, 1}, numOps+op, numOps+numGroupOps)
@@ -1594,7 +1603,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_version", "kvp_status_string", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
 		"kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
 		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy", "kvp_manager_flush_copies",
-		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory",
+		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_match_blocks", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory",
 		"kvp_host_store_create", "kvp_host_store_destroy", "kvp_host_store_state", "kvp_host_store_lookup_prefix",
 		"kvp_host_store_reserve", "kvp_host_store_complete", "kvp_host_store_pin", "kvp_host_store_unpin",
 		"kvp_host_store_touch", "kvp_host_store_reset", "kvp_host_store_stats_get", "kvp_host_store_memory",

@@ -57,6 +57,7 @@ func buildCLayouts() map[string]cLayout {
 		"kvp_event_publisher_stats":  C.kvp_event_publisher_stats{},
 		"kvp_tier_copy":              C.kvp_tier_copy{},
 		"kvp_tier_match":             C.kvp_tier_match{},
+		"kvp_block_match":            C.kvp_block_match{},
 		"kvp_tier_stats":             C.kvp_tier_stats{},
 		"kvp_host_store_config":      C.kvp_host_store_config{},
 		"kvp_host_store_stats":       C.kvp_host_store_stats{},
@@ -119,6 +120,10 @@ func rawManagerAdmit(m, ids ptr, n int32, tokens, offsets, keys, matched, numAdm
 func rawManagerMatch(m ptr, n int32, tokens, offsets, keys ptr, partial int32, out ptr) int {
 	return st(kvpgo_manager_match((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
 		(*C.kvp_prefix_keys)(keys), C.int32_t(partial), (*C.kvp_prefix_match)(out)))
+}
+func rawManagerMatchBlocks(m ptr, n int32, tokens, offsets, keys, out ptr) int {
+	return st(kvpgo_manager_match_blocks((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
+		(*C.kvp_prefix_keys)(keys), (*C.kvp_block_match)(out)))
 }
 func rawManagerPin(m, tokens ptr, n int32, keys, pinID, numBlocks ptr) int {
 	return st(kvpgo_manager_pin((*C.kvp_manager)(m), (*C.int32_t)(tokens), C.int32_t(n), (*C.kvp_prefix_keys)(keys),

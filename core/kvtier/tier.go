@@ -610,12 +610,13 @@ func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint6
 			needDemote, needReload, len(demote), len(reload))
 	}
 	ticket, _, err = t.flush(func(b CopyBatch) error {
+		// needDemote and needReload bound the batch: an op left out would
+		// never be copied, and its host slot (or GPU block, for a reload
+		// the prefix cache already serves) would hold whatever it held.
+		// Failing the batch cannot undo that either, so it is a bug.
 		if len(b.Demote) > len(demote) || len(b.Reload) > len(reload) {
-			// An op left out would never be copied: its host slot would
-			// serve a later hit whatever it held. Failed as a whole, its
-			// blocks freed, rather than handed back in part.
-			return kverr.Errorf(kverr.Internal, "flush copies: a batch of %d demotions and %d reloads exceeds the %d and %d the flush asked room for",
-				len(b.Demote), len(b.Reload), len(demote), len(reload))
+			assertOK(kverr.Errorf(kverr.Internal, "a batch of %d demotions and %d reloads exceeds the %d and %d it asked room for",
+				len(b.Demote), len(b.Reload), len(demote), len(reload)), "flush copies: the batch's bound")
 		}
 		nDemote = copy(demote, b.Demote)
 		nReload = copy(reload, b.Reload)
