@@ -20,13 +20,7 @@ func TestPagedKVDescriptor(t *testing.T) {
 			}
 			expect(t, call+": cache in both places", both, kverr.InvalidArgument)
 		}
-		bad := func(name string, f func(c *kvHookCache)) {
-			t.Helper()
-			c := good
-			f(&c)
-			_, viaDesc, _ := hookKVCallSides(call, c)
-			expect(t, call+": "+name, viaDesc, kverr.InvalidArgument)
-		}
+		bad := func(name string, f func(c *kvHookCache)) { t.Helper(); refusedKVCache(t, call, name, good, f) }
 		if call != "prefill" { // core/attn's checks (the hook runs them for these two)
 			bad("k_scale", func(c *kvHookCache) { c.kScale = 0x400000 })
 			bad("scale_kind", func(c *kvHookCache) { c.scaleKind = 1 })
@@ -57,13 +51,7 @@ func TestPagedKVDescriptorE4M3(t *testing.T) {
 				t.Errorf("%s: e4m3 with scale kind %d: status %d, want OK", call, kind, viaDesc)
 			}
 		}
-		bad := func(name string, f func(c *kvHookCache)) {
-			t.Helper()
-			c := e4m3
-			f(&c)
-			_, viaDesc, _ := hookKVCallSides(call, c)
-			expect(t, call+": e4m3 "+name, viaDesc, kverr.InvalidArgument)
-		}
+		bad := func(name string, f func(c *kvHookCache)) { t.Helper(); refusedKVCache(t, call, "e4m3 "+name, e4m3, f) }
 		bad("without the call's dtype", func(c *kvHookCache) { c.callDType = 0 })
 		bad("under an f32 call", func(c *kvHookCache) { c.callDType = 3 })
 		bad("without a scale kind", func(c *kvHookCache) { c.scaleKind = 0 })
@@ -130,4 +118,13 @@ func TestTierLayersE4M3(t *testing.T) {
 		_, _, _, _, st := hookTierLayersE4M3(3, true, hookScaleTokenHead, bad)
 		expect(t, "e4m3 tier layers: "+bad, st, want)
 	}
+}
+
+// refusedKVCache checks that call refuses base, changed by f, given
+// through the descriptor, as INVALID_ARGUMENT.
+func refusedKVCache(t *testing.T, call, name string, base kvHookCache, f func(c *kvHookCache)) {
+	t.Helper()
+	f(&base)
+	_, viaDesc, _ := hookKVCallSides(call, base)
+	expect(t, call+": "+name, viaDesc, kverr.InvalidArgument)
 }

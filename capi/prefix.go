@@ -162,30 +162,33 @@ func kvpgo_manager_add_mm_items(h *C.kvp_manager, seqID C.int64_t, items *C.kvp_
 //export kvpgo_manager_match
 func kvpgo_manager_match(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, wantPartial C.int32_t, out *C.kvp_prefix_match) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match: out must not be NULL")
-		}
-		p, err := promptsOf("kvp_manager_match", n, tokens, offsets, keys)
-		if err != nil {
-			return err
-		}
-		return m.Match(p, wantPartial != 0, slice[kvmanager.MatchInfo](unsafe.Pointer(out), n))
-	})
+	return onPrompts(h, "kvp_manager_match", n, tokens, offsets, keys, unsafe.Pointer(out),
+		func(m *kvmanager.Manager, p kvmanager.Prompts, out []kvmanager.MatchInfo) error {
+			return m.Match(p, wantPartial != 0, out)
+		})
 }
 
 //export kvpgo_manager_match_blocks
 func kvpgo_manager_match_blocks(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, out *C.kvp_block_match) C.kvp_status {
+	return onPrompts(h, "kvp_manager_match_blocks", n, tokens, offsets, keys, unsafe.Pointer(out), (*kvmanager.Manager).MatchBlocks)
+}
+
+// onPrompts runs a per-prompt query on the manager: the n prompts of
+// tokens, offsets and keys, and out viewed as n results of the layout of
+// T (which the ABI tests check against the C struct); out NULL is
+// NULL_POINTER.
+func onPrompts[T any](h *C.kvp_manager, call string, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+	keys *C.kvp_prefix_keys, out unsafe.Pointer, f func(*kvmanager.Manager, kvmanager.Prompts, []T) error) C.kvp_status {
 	return onManager(h, func(m *kvmanager.Manager) error {
 		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match_blocks: out must not be NULL")
+			return kverr.Errorf(kverr.NullPointer, "%s: out must not be NULL", call)
 		}
-		p, err := promptsOf("kvp_manager_match_blocks", n, tokens, offsets, keys)
+		p, err := promptsOf(call, n, tokens, offsets, keys)
 		if err != nil {
 			return err
 		}
-		return m.MatchBlocks(p, slice[kvmanager.BlockMatch](unsafe.Pointer(out), n))
+		return f(m, p, slice[T](out, n))
 	})
 }
 

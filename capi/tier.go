@@ -232,18 +232,9 @@ func kvpgo_manager_complete_copies(h *C.kvp_manager, ticket C.uint64_t, failed C
 //export kvpgo_manager_match_tiers
 func kvpgo_manager_match_tiers(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
 	keys *C.kvp_prefix_keys, out *C.kvp_tier_match) C.kvp_status {
-	return onManager(h, func(m *kvmanager.Manager) error {
-		if out == nil {
-			return kverr.Errorf(kverr.NullPointer, "kvp_manager_match_tiers: out must not be NULL")
-		}
-		p, err := promptsOf("kvp_manager_match_tiers", n, tokens, offsets, keys)
-		if err != nil {
-			return err
-		}
-		// kvp_tier_match and kvmanager.TierMatch are both two int32s
-		// (tier_abi_test.go checks).
-		return m.MatchTiers(p, slice[kvmanager.TierMatch](unsafe.Pointer(out), n))
-	})
+	// kvp_tier_match and kvmanager.TierMatch are both two int32s
+	// (tier_abi_test.go checks).
+	return onPrompts(h, "kvp_manager_match_tiers", n, tokens, offsets, keys, unsafe.Pointer(out), (*kvmanager.Manager).MatchTiers)
 }
 
 //export kvpgo_manager_tier_stats
