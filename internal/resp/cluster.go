@@ -273,29 +273,39 @@ func (c *Cluster) Do(cmds [][][]byte) ([]any, error) {
 			keys[i] = args[1]
 		}
 	}
-	enc := make([][]byte, len(cmds))
+	enc := make([][][]byte, len(cmds))
 	for i := range enc {
-		enc[i] = buf[offs[i]:offs[i+1]:offs[i+1]]
+		enc[i] = [][]byte{buf[offs[i]:offs[i+1]:offs[i+1]]}
 	}
-	return c.route(enc, keys, deadline), nil
+	return c.route(&Call{Cmds: enc, Keys: keys}, deadline), nil
 }
 
 // DoEncoded is Do for commands the caller encoded: enc[i] is command i's
 // bytes, keys[i] its key. On a standalone server the commands are written
-// as one pipeline (DoEncoded on the seed when they lie in order in one
-// buffer).
+// as one pipeline (a vectored write).
 func (c *Cluster) DoEncoded(enc [][]byte, keys [][]byte) ([]any, error) {
+	cmds := make([][][]byte, len(enc))
+	for i := range enc {
+		cmds[i] = enc[i : i+1 : i+1]
+	}
+	return c.Call(&Call{Cmds: cmds, Keys: keys})
+}
+
+// Call runs call's pipeline, within the operation timeout, and returns
+// the replies as Do does: on a standalone server in one pipeline on its
+// connection, in cluster mode each command on its key's node.
+func (c *Cluster) Call(call *Call) ([]any, error) {
 	deadline := time.Now().Add(c.o.OpTimeout)
 	mode, err := c.discover(deadline)
 	if err != nil {
 		return nil, err
 	}
 	if mode == modeStandalone {
-		r, err := c.seedNode().c.doBuffers(enc, len(enc), deadline)
+		r, err := c.seedNode().c.call(call.Cmds, nil, call.Window, call.Bulk, deadline)
 		c.standaloneMoved(r)
 		return r, err
 	}
-	return c.route(enc, keys, deadline), nil
+	return c.route(call, deadline), nil
 }
 
 // standaloneMoved makes the next call ask the server again when a
@@ -622,8 +632,9 @@ type batch struct {
 	ask bool
 }
 
-// route runs the encoded commands on their nodes, then their redirects.
-func (c *Cluster) route(enc [][]byte, keys [][]byte, deadline time.Time) []any {
+// route runs the call's commands on their nodes, then their redirects.
+func (c *Cluster) route(call *Call, deadline time.Time) []any {
+	enc, keys := call.Cmds, call.Keys
 	out := make([]any, len(enc))
 	c.mu.Lock()
 	slots := c.slots
@@ -642,7 +653,7 @@ func (c *Cluster) route(enc [][]byte, keys [][]byte, deadline time.Time) []any {
 		}
 		b.idx = append(b.idx, i)
 	}
-	c.runGroups(groups, enc, out, deadline)
+	c.runGroups(groups, call, out, deadline)
 	// Redirects: each followed once.
 	groups = map[*node]*batch{}
 	askGroups := map[*node]*batch{}
@@ -692,8 +703,8 @@ func (c *Cluster) route(enc [][]byte, keys [][]byte, deadline time.Time) []any {
 	}
 	if len(groups)+len(askGroups) > 0 {
 		var wg sync.WaitGroup
-		wg.Go(func() { c.runGroups(groups, enc, out, deadline) })
-		c.runGroups(askGroups, enc, out, deadline)
+		wg.Go(func() { c.runGroups(groups, call, out, deadline) })
+		c.runGroups(askGroups, call, out, deadline)
 		wg.Wait()
 	}
 	return out
@@ -706,22 +717,22 @@ func (c *Cluster) seedHost() string {
 
 // runGroups runs each node's batch, the nodes concurrently, writing the
 // replies into out.
-func (c *Cluster) runGroups(groups map[*node]*batch, enc [][]byte, out []any, deadline time.Time) {
+func (c *Cluster) runGroups(groups map[*node]*batch, call *Call, out []any, deadline time.Time) {
 	if len(groups) == 0 {
 		return
 	}
 	var wg sync.WaitGroup
 	for n, b := range groups {
 		if len(groups) == 1 {
-			c.runBatch(n, b, enc, out, deadline)
+			c.runBatch(n, b, call, out, deadline)
 			break
 		}
-		wg.Go(func() { c.runBatch(n, b, enc, out, deadline) })
+		wg.Go(func() { c.runBatch(n, b, call, out, deadline) })
 	}
 	wg.Wait()
 }
 
-func (c *Cluster) runBatch(n *node, b *batch, enc [][]byte, out []any, deadline time.Time) {
+func (c *Cluster) runBatch(n *node, b *batch, call *Call, out []any, deadline time.Time) {
 	fail := func(err error) {
 		for _, i := range b.idx {
 			out[i] = &NodeError{Addr: n.addr, Err: err}
@@ -732,14 +743,23 @@ func (c *Cluster) runBatch(n *node, b *batch, enc [][]byte, out []any, deadline 
 		c.askRefresh()
 		return
 	}
-	bufs := make([][]byte, 0, 2*len(b.idx))
+	// The node's pipeline: its commands' pieces, each after ASKING for
+	// an ASK redirect (whose reply is not the caller's).
+	slots := make([][][]byte, 0, 2*len(b.idx))
+	idx := make([]int, 0, 2*len(b.idx))
+	window := call.Window
 	for _, i := range b.idx {
 		if b.ask {
-			bufs = append(bufs, askingCmd)
+			slots = append(slots, [][]byte{askingCmd})
+			idx = append(idx, -1)
 		}
-		bufs = append(bufs, enc[i])
+		slots = append(slots, call.Cmds[i])
+		idx = append(idx, i)
 	}
-	r, err := n.c.doBuffers(bufs, len(bufs), deadline)
+	if b.ask {
+		window *= 2
+	}
+	r, err := n.c.call(slots, idx, window, call.Bulk, deadline)
 	if err != nil {
 		n.failed(err, &c.o)
 		fail(err)

@@ -13,6 +13,11 @@
 // clean (a reply half read would desynchronise the stream). A Client is
 // safe for concurrent use; calls are serialised on its one connection.
 //
+// Large values (Cluster.Call): a command may be written in pieces, its
+// value sent from where it lies; the commands may be kept a window ahead
+// of the replies read; and bulk replies may be read by the caller,
+// straight into its own memory, instead of into fresh buffers.
+//
 // A client made with Options may speak TLS (Options.TLS: the handshake,
 // and the verification of the server's certificate, on every new
 // connection; a failure is a TLSError and the connection is closed, never
@@ -203,20 +208,96 @@ func (c *Client) DoEncoded(buf []byte, n int) ([]any, error) {
 	return c.roundTrip(buf, n, deadline)
 }
 
-// doBuffers is DoEncoded for n commands held in several buffers, written
-// in order as one pipeline (a vectored write) by deadline.
-func (c *Client) doBuffers(bufs [][]byte, n int, deadline time.Time) ([]any, error) {
+// Bulk reads a bulk string reply in the caller's place (Call.Bulk): i is
+// the command's index in the call, n the string's length. It must read
+// exactly n bytes from r (the CRLF after them is the client's) and
+// returns the value put in the command's place; an error fails the call
+// as a transport error does (the connection is dropped). In cluster mode
+// it is called for several nodes' replies at once.
+type Bulk func(i, n int, r *bufio.Reader) (any, error)
+
+// Call is a pipeline for Cluster.Call.
+type Call struct {
+	// Cmds[i] is command i's bytes in one or more pieces written in
+	// order (AppendCommand's, or AppendArray and AppendBulk headers with
+	// each large value a piece of its own, sent from where it lies
+	// without a copy).
+	Cmds [][][]byte
+	// Keys[i] is command i's key, by which cluster mode routes it.
+	Keys [][]byte
+	// Window is the most commands written on a connection whose replies
+	// are not read yet (0: all are written first). Large replies flow
+	// faster in a window of a few megabytes: a server handed a whole
+	// batch of them at once copies them all into its output buffers
+	// before the client reads much of them.
+	Window int
+	// Bulk, when not nil, reads every bulk string reply instead of Do's
+	// fresh []byte (a null bulk is still nil).
+	Bulk Bulk
+}
+
+// call takes the connection by deadline and runs pipeline on it.
+func (c *Client) call(slots [][][]byte, idx []int, window int, bulk Bulk, deadline time.Time) ([]any, error) {
 	if err := c.acquire(deadline); err != nil {
 		return nil, err
 	}
 	defer func() { <-c.sem }()
+	return c.pipeline(slots, idx, window, bulk, deadline)
+}
+
+// pipeline runs one pipeline on the connection (which must be acquired):
+// slots[k] are the pieces of the command whose reply is the k-th, at most
+// window of them (0: all) written ahead of the replies read; bulk, when
+// not nil, reads the bulk replies of slot k as command idx[k]'s (idx nil:
+// k; a negative idx: not through bulk).
+func (c *Client) pipeline(slots [][][]byte, idx []int, window int, bulk Bulk, deadline time.Time) ([]any, error) {
 	_ = c.conn.SetDeadline(deadline)
-	nb := net.Buffers(bufs)
-	if _, err := nb.WriteTo(c.conn); err != nil {
+	n := len(slots)
+	if window <= 0 || window > n {
+		window = n
+	}
+	sent := 0
+	var nb net.Buffers
+	write := func(upto int) error {
+		nb = nb[:0]
+		for ; sent < upto; sent++ {
+			nb = append(nb, slots[sent]...)
+		}
+		w := nb // WriteTo consumes its receiver
+		_, err := w.WriteTo(c.conn)
+		return err
+	}
+	if err := write(window); err != nil {
 		c.drop()
 		return nil, c.tlsAlert(err)
 	}
-	return c.readReplies(n)
+	out := make([]any, n)
+	for k := range out {
+		i := k
+		if idx != nil {
+			i = idx[k]
+		}
+		var v any
+		var err error
+		if bulk != nil && i >= 0 {
+			v, err = readReplyBulk(c.r, i, bulk)
+		} else {
+			v, err = ReadReply(c.r)
+		}
+		if err != nil {
+			c.drop()
+			return nil, c.tlsAlert(err)
+		}
+		out[k] = v
+		// Top the window up once half of it has been read.
+		if sent < n && sent-(k+1) <= window/2 {
+			if err := write(min(n, k+1+window)); err != nil {
+				c.drop()
+				return nil, c.tlsAlert(err)
+			}
+		}
+	}
+	return out, nil
 }
 
 // acquire takes the connection, dialling it if needed, by deadline.
@@ -447,6 +528,40 @@ func readLine(r *bufio.Reader) ([]byte, error) {
 
 // ReadReply reads one reply (see Do for the types).
 func ReadReply(r *bufio.Reader) (any, error) { return readReply(r, 0) }
+
+// readReplyBulk reads one reply of command i, a bulk string through bulk.
+func readReplyBulk(r *bufio.Reader, i int, bulk Bulk) (any, error) {
+	b, err := r.Peek(1)
+	if err != nil {
+		return nil, err
+	}
+	if b[0] != '$' {
+		return ReadReply(r)
+	}
+	line, err := readLine(r)
+	if err != nil {
+		return nil, err
+	}
+	n, err := strconv.ParseInt(string(line[1:]), 10, 64)
+	if err != nil || n < -1 || n > maxBulk {
+		return nil, ErrMalformed
+	}
+	if n == -1 {
+		return nil, nil
+	}
+	v, err := bulk(i, int(n), r)
+	if err != nil {
+		return nil, err
+	}
+	var crlf [2]byte
+	if _, err := io.ReadFull(r, crlf[:]); err != nil {
+		return nil, err
+	}
+	if crlf != [2]byte{'\r', '\n'} {
+		return nil, fmt.Errorf("%w: a bulk string not followed by CRLF", ErrMalformed)
+	}
+	return v, nil
+}
 
 func readReply(r *bufio.Reader, depth int) (any, error) {
 	if depth > 4 {
