@@ -37,7 +37,13 @@ import (
 // trips per call whatever the batch (EXISTS of every block wanted, then
 // GET of those found); each is bounded by
 // SharedConfig.OpTimeout, the transfer included, so the fetch adds at most
-// two operation timeouts to the call. A server that is down, slow or
+// two operation timeouts to the call. The GETs are pipelined a few
+// megabytes ahead of the values read, and each value is read straight
+// into its slot (valkey.Tier.ReadInto: no buffer, no copy), its header,
+// length, checksum and MAC checked as it lands; a value that fails
+// leaves its slot with bytes nothing reads, and the slot is given back.
+// A GET that times out midway keeps the blocks read whole before it.
+// A server that is down, slow or
 // restarting costs one failed round trip and is then skipped without
 // touching the network for a backoff window (package valkey); its blocks
 // are misses and the prefix is computed. A call that then fails (an id
@@ -46,7 +52,8 @@ import (
 // Store. A block whose demotion commits (CompleteCopies) is queued for
 // the shared tier, its host slot pinned until the store has read it, and
 // one goroutine per manager writes the queue out, up to
-// sharedPutBatch blocks a round trip, leaving out those the server holds
+// sharedPutBatch blocks a round trip (each written from its slot, not
+// copied: valkey.Tier.Put), leaving out those the server holds
 // already (an EXISTS first: every instance demotes the same system
 // prompt). The queue holds SharedConfig.PutQueue blocks: a demotion that
 // finds it full is not stored (counted), so neither CompleteCopies nor a
@@ -439,7 +446,9 @@ func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
 	for i, slot := range slots {
 		dst[i] = s.pool.Bytes(slot)
 	}
-	found := s.t.GetInto(keys, dst)
+	// Straight into the slots: a block that misses leaves its slot with
+	// unspecified bytes, and commitFetch gives it back.
+	found := s.t.ReadInto(keys, dst)
 	fetched := t.commitFetch(keys, slots, found)
 	for k := range joined {
 		if fetched == nil {

@@ -271,6 +271,25 @@ func (k *macKey) sum(dst []byte, ns string, head, p []byte) []byte {
 	return dst
 }
 
+// macKeyOf returns the tier's key of id, or nil.
+func (t *Tier) macKeyOf(id []byte) *macKey {
+	for _, k := range t.mac {
+		if string(k.id[:]) == string(id) {
+			return k
+		}
+	}
+	return nil
+}
+
+// finish appends to dst the tag of a value whose payload h (one of k's
+// hashers) has taken, its first HeaderBytes+8 bytes head (sum's order).
+func (k *macKey) finish(h *blake3.Hasher, dst []byte, ns string, head []byte) []byte {
+	_, _ = h.Write(head)
+	_, _ = h.WriteString(ns)
+	_, _ = h.Write([]byte{byte(len(ns))})
+	return h.Sum(dst)
+}
+
 // verifyMAC checks a keyed value v (HeaderBytes+MACBytes+payload, its
 // header checked): its key id must be one of the tier's keys and its tag
 // that key's.

@@ -177,7 +177,8 @@ type Config struct {
 
 // Stats are the tier's counters. Hits, Misses and Corrupt count blocks
 // (every block of a Get or Exists is exactly one of them: a failed or
-// skipped call's blocks are misses); Stores counts blocks stored; Timeouts,
+// skipped call's blocks are misses, but for those GetInto, GetSegments
+// and ReadInto read whole before it failed); Stores counts blocks stored; Timeouts,
 // Errors and Skipped count calls (Errors also counts commands refused by
 // the server); the bytes are values' bytes, header included.
 type Stats struct {
@@ -605,13 +606,29 @@ func (t *Tier) Get(hashes []Hash) [][]byte {
 // GetInto fetches blocks into the caller's buffers (host-tier slots):
 // found[i] reports whether hashes[i]'s payload was copied into dst[i],
 // which must be exactly as long as the payload (a value of another length
-// is a miss, counted corrupt). dst[i] is untouched on a miss.
+// is a miss, counted corrupt). dst[i] is untouched on a miss. Each value
+// is read into a scratch buffer, checked there and copied (ReadInto reads
+// it into dst[i] itself), as it arrives: a call that fails midway (a
+// timeout, say) keeps the values read whole before it failed, found. The
+// GETs are pipelined in a window of a few megabytes (getWindowBytes).
 func (t *Tier) GetInto(hashes []Hash, dst [][]byte) []bool {
+	return t.getSegments(hashes, oneSegment(dst), false)
+}
+
+// ReadInto is GetInto reading each payload straight into dst[i], with no
+// copy: on a miss (a value that fails a check, a call that fails midway)
+// dst[i] holds unspecified bytes, which the caller must not use (the
+// shared tier's host slots, given back on a miss).
+func (t *Tier) ReadInto(hashes []Hash, dst [][]byte) []bool {
+	return t.getSegments(hashes, oneSegment(dst), true)
+}
+
+func oneSegment(dst [][]byte) [][][]byte {
 	segs := make([][][]byte, len(dst)) // each buffer its block's one segment
 	for i := range dst {
 		segs[i] = dst[i : i+1 : i+1]
 	}
-	return t.GetSegments(hashes, segs)
+	return segs
 }
 
 // GetSegments is GetInto for payloads held in pieces (a block whose K and
@@ -620,26 +637,7 @@ func (t *Tier) GetInto(hashes []Hash, dst [][]byte) []bool {
 // segments together is a miss, counted corrupt, as in GetInto; dst[i] is
 // untouched on a miss.
 func (t *Tier) GetSegments(hashes []Hash, dst [][][]byte) []bool {
-	found := make([]bool, len(hashes))
-	if len(dst) < len(hashes) {
-		t.misses.Add(int64(len(hashes)))
-		return found
-	}
-	t.get(hashes, func(i int, p []byte) bool {
-		size := 0
-		for _, d := range dst[i] {
-			size += len(d)
-		}
-		if len(p) != size {
-			return false
-		}
-		for _, d := range dst[i] {
-			p = p[copy(d, p):]
-		}
-		found[i] = true
-		return true
-	})
-	return found
+	return t.getSegments(hashes, dst, false)
 }
 
 // doKeys sends cmd with the key of each block of hashes, one command a
@@ -724,97 +722,82 @@ func parallel(n int, f func(int)) {
 // Put stores blocks (hashes[i] with payloads[i]) in one round trip and
 // returns how many the server accepted. A payload of the wrong length
 // (Config.BlockBytes) is not sent. Nothing is stored when the call is
-// skipped or fails.
+// skipped or fails. The payloads are written from where they lie (a
+// vectored write), not copied; they must not change during the call.
 func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 	n := min(len(hashes), len(payloads))
 	if n == 0 || !t.open() {
 		return 0
 	}
-	// The pipeline is encoded in one buffer of its exact size, each value's
-	// header and payload written in place.
-	var ttl []byte
-	if t.cfg.TTL > 0 {
-		ttl = strconv.AppendInt(nil, t.cfg.TTL.Milliseconds(), 10)
-	}
-	keyLen := len(t.prefix) + 2*len(Hash{})
-	size, cmds := 0, 0
-	for i := range n {
-		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
-			continue
-		}
-		size += 64 + keyLen + t.header + len(payloads[i]) + len(ttl)
-	}
-	// With a MAC, each value's header, key id and tag first, in parallel.
-	var heads [][]byte
-	if t.mac != nil {
-		heads = make([][]byte, n)
-		backing := make([]byte, n*t.header)
-		parallel(n, func(i int) {
-			if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
-				return
-			}
-			h := appendHeader(backing[i*t.header:i*t.header:(i+1)*t.header], hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
-			heads[i] = t.appendMAC(h, payloads[i])
-		})
-	}
-	buf := make([]byte, 0, size)
-	var vlens []int
-	offs := make([]int, 1, n+1)
-	keys := make([][2]int, 0, n)
+	send := make([]int, 0, n)
 	for i := range n {
 		if t.cfg.BlockBytes > 0 && len(payloads[i]) != t.cfg.BlockBytes {
 			t.errs.Add(1)
 			continue
 		}
-		if ttl != nil {
+		send = append(send, i)
+	}
+	if len(send) == 0 {
+		return 0
+	}
+	// Each SET is written in three pieces: its command, key and value
+	// header, encoded in one buffer; the payload where it lies, not
+	// copied; and the tail (CRLF, and the TTL), the same for every SET.
+	tail := []byte("\r\n")
+	if t.cfg.TTL > 0 {
+		ttl := strconv.AppendInt(nil, t.cfg.TTL.Milliseconds(), 10)
+		tail = append(resp.AppendBulk(tail, 2), "PX\r\n"...)
+		tail = append(append(resp.AppendBulk(tail, len(ttl)), ttl...), '\r', '\n')
+	}
+	keyLen := len(t.prefix) + 2*len(Hash{})
+	buf := make([]byte, 0, len(send)*(64+keyLen+t.header))
+	offs := make([]int, len(send)+1) // command j is buf[offs[j]:offs[j+1]]
+	koffs := make([]int, len(send))  // its key starts at buf[koffs[j]]
+	vlens := make([]int, len(send))
+	var zero [HeaderBytes + MACBytes]byte
+	for j, i := range send {
+		if len(tail) > 2 {
 			buf = resp.AppendArray(buf, 5)
 		} else {
 			buf = resp.AppendArray(buf, 3)
 		}
 		buf = append(resp.AppendBulk(buf, 3), "SET\r\n"...)
 		buf = resp.AppendBulk(buf, keyLen)
-		keys = append(keys, [2]int{len(buf), len(buf) + keyLen})
+		koffs[j] = len(buf)
 		buf = append(t.key(buf, hashes[i]), '\r', '\n')
-		vlen := t.header + len(payloads[i])
-		buf = resp.AppendBulk(buf, vlen)
-		if heads != nil {
-			buf = append(buf, heads[i]...)
-		} else {
-			buf = appendHeader(buf, hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
+		vlens[j] = t.header + len(payloads[i])
+		buf = append(resp.AppendBulk(buf, vlens[j]), zero[:t.header]...) // the value's header, filled below
+		offs[j+1] = len(buf)
+	}
+	cmds := make([][][]byte, len(send))
+	pieces := make([][]byte, 3*len(send))
+	keys := make([][]byte, len(send))
+	for j, i := range send {
+		k := koffs[j]
+		keys[j] = buf[k : k+keyLen : k+keyLen]
+		pieces[3*j], pieces[3*j+1], pieces[3*j+2] = buf[offs[j]:offs[j+1]:offs[j+1]], payloads[i], tail
+		cmds[j] = pieces[3*j : 3*j+3 : 3*j+3]
+	}
+	// The headers (a checksum, with a MAC a keyed hash, of each payload),
+	// in parallel.
+	parallel(len(send), func(j int) {
+		i, h := send[j], offs[j+1]-t.header
+		v := appendHeader(buf[h:h:h+t.header], hashes[i], t.cfg.Fingerprint, t.flags, payloads[i])
+		if t.mac != nil {
+			t.appendMAC(v, payloads[i])
 		}
-		buf = append(append(buf, payloads[i]...), '\r', '\n')
-		if ttl != nil {
-			buf = append(resp.AppendBulk(buf, 2), "PX\r\n"...)
-			buf = append(append(resp.AppendBulk(buf, len(ttl)), ttl...), '\r', '\n')
-		}
-		vlens = append(vlens, vlen)
-		offs = append(offs, len(buf))
-		cmds++
-	}
-	if cmds == 0 {
-		return 0
-	}
-	enc, ks := make([][]byte, cmds), make([][]byte, cmds)
-	for i := range cmds {
-		enc[i] = buf[offs[i]:offs[i+1]:offs[i+1]]
-		ks[i] = buf[keys[i][0]:keys[i][1]:keys[i][1]]
-	}
-	r, err := t.c.DoEncoded(enc, ks)
-	if errors.Is(err, resp.ErrClosed) {
-		t.skipped.Add(1)
-		return 0
-	}
-	t.result(err)
-	if err != nil {
+	})
+	r, err := t.c.Call(&resp.Call{Cmds: cmds, Keys: keys})
+	if !t.callDone(err) {
 		return 0
 	}
 	t.nodeFailures(r)
 	stored, authCounted := 0, false
-	for i, x := range r {
+	for j, x := range r {
 		if _, ok := x.(*resp.NodeError); ok {
 			continue // its node failed: counted once by nodeFailures
 		}
-		t.bytesWritten.Add(int64(vlens[i]))
+		t.bytesWritten.Add(int64(vlens[j]))
 		if s, ok := x.(string); ok && s == "OK" {
 			stored++
 		} else if e, ok := x.(resp.Error); ok {
