@@ -294,3 +294,38 @@ def test_write_through_keeps_every_gpu_hit():
         kvplug.Manager(8, 4, prefix_cache=True, write_through=1)  # no host tier
     with pytest.raises(kvplug.InvalidArgumentError, match="write_through"):
         kvplug.Manager(8, 4, prefix_cache=True, host_tier_slots=4, host_block_bytes=16, write_through=9)
+
+
+def test_copy_ops_packing():
+    """TierCopier's op packing (the arrays kvp_tier_copier_run takes) on
+    the CPU: flush_copies' int32 arrays as they are, other integer
+    sequences range-checked, mismatched or out-of-range ops refused."""
+    from kvplug import tiercopy
+
+    blocks, slots = np.arange(16, dtype=np.int32), np.arange(100, 116, dtype=np.int32)
+    arr, n = tiercopy._ops(blocks, slots, "demote")
+    view = np.frombuffer(arr, np.int32).reshape(-1, 2)
+    assert n == 16 and (view[:, 0] == blocks).all() and (view[:, 1] == slots).all()
+    arr, n = tiercopy._ops([1, 2], [3, 4], "reload")
+    assert n == 2 and np.frombuffer(arr, np.int32).reshape(-1, 2).tolist() == [[1, 3], [2, 4]]
+    assert tiercopy._ops((), (), "reload")[1] == 0
+    for b, s in (([2**31], [0]), ([0], [-(2**31) - 1]), ([1, 2], [1]), ([[1]], [[1]])):
+        with pytest.raises(kvplug.InvalidArgumentError):
+            tiercopy._ops(b, s, "demote")
+
+
+def test_write_through_flush_sizes_its_arrays_once():
+    """A write-through batch is larger than demote_ahead: flush_copies
+    grows its arrays to what the library asked for and starts there next
+    time, and returns every store either way."""
+    with kvplug.Manager(64, 4, prefix_cache=True, host_tier_slots=64, host_block_bytes=16, demote_ahead=0,
+                        write_through=32) as m:
+        ids = np.arange(4, dtype=np.int64)
+        m.admit(ids, [list(range(1 + 100 * i, 1 + 100 * i + 17)) for i in range(4)])
+        m.mark_computed()
+        batch = m.flush_copies()
+        assert len(batch.demote_blocks) == 16 and len(batch.demote_slots) == 16  # four full blocks each
+        assert m._flush_caps[0] >= 16
+        m.complete_copies(batch.ticket)
+        assert m.tier_stats().write_through_stored == 16
+        m.remove(ids)

@@ -153,7 +153,10 @@ class HostTierMethods:
         copy batch (demotions and the reloads admissions queued). The
         engine copies, then calls complete_copies(batch.ticket) when the
         ticket is nonzero. Raises InvalidArgumentError without a host tier."""
-        cap_d, cap_r = max(self._demote_ahead, 1), 64
+        # The arrays start at the sizes the last flush asked for (a write-through
+        # manager's batches are larger than demote_ahead), so that a step makes
+        # one call, not a refused one and a retry.
+        cap_d, cap_r = getattr(self, "_flush_caps", (max(self._demote_ahead, 1), 64))
         nd, nr, tk = _i32(), _i32(), _u64()
         while True:
             d = (TierCopyStruct * cap_d)()
@@ -164,9 +167,11 @@ class HostTierMethods:
                 break
             # Nothing changed: grow to the room the library asked for.
             cap_d, cap_r = max(cap_d, nd.value), max(cap_r, nr.value)
+            self._flush_caps = (cap_d, cap_r)
         _check(st)
-        dv = np.ctypeslib.as_array(d).view(np.int32).reshape(-1, 2)[: nd.value] if nd.value else np.empty((0, 2), np.int32)
-        rv = np.ctypeslib.as_array(r).view(np.int32).reshape(-1, 2)[: nr.value] if nr.value else np.empty((0, 2), np.int32)
+        # np.frombuffer views the ctypes arrays at a fraction of np.ctypeslib.as_array's cost.
+        dv = np.frombuffer(d, np.int32, 2 * nd.value).reshape(-1, 2)
+        rv = np.frombuffer(r, np.int32, 2 * nr.value).reshape(-1, 2)
         return CopyBatch(tk.value, dv[:, 0].copy(), dv[:, 1].copy(), rv[:, 1].copy(), rv[:, 0].copy())
 
     def complete_copies(self, ticket: int, failed: bool = False) -> None:

@@ -42,14 +42,15 @@ __all__ = ["TierCopier"]
 
 
 def _ops(blocks: Any, slots: Any, what: str) -> tuple:
-    b = np.ascontiguousarray(np.asarray(blocks, dtype=np.int64))
-    s = np.ascontiguousarray(np.asarray(slots, dtype=np.int64))
+    b, s = np.asarray(blocks), np.asarray(slots)
+    if b.dtype != np.int32 or s.dtype != np.int32:  # int32 arrays (flush_copies') are in range by their type
+        b, s = np.asarray(b, dtype=np.int64), np.asarray(s, dtype=np.int64)
+        if b.size and (b.min() < -(2**31) or b.max() >= 2**31 or s.min() < -(2**31) or s.max() >= 2**31):
+            raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier.run: {what} op out of int32 range")
     if b.shape != s.shape or b.ndim != 1:
         raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier.run: {what} blocks and slots must be 1-D of one length")
-    if b.size and (b.min() < -(2**31) or b.max() >= 2**31 or s.min() < -(2**31) or s.max() >= 2**31):
-        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT), f"TierCopier.run: {what} op out of int32 range")
     arr = (TierCopyStruct * max(b.size, 1))()
-    view = np.ctypeslib.as_array(arr).view(np.int32).reshape(-1, 2)
+    view = np.frombuffer(arr, np.int32).reshape(-1, 2)
     view[: b.size, 0] = b
     view[: b.size, 1] = s
     return arr, int(b.size)
