@@ -1470,9 +1470,12 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * in host_tokens, so a router's match prefetches them). Two round trips
  * per call whatever the batch, each bounded by shared_tier_timeout_ms,
  * transfer included (size it for an admission batch's blocks at the
- * link's bandwidth), made without holding the manager's lock. A block
- * that is absent, corrupt, short or another layout's is a miss, and the
- * prefix is computed. A server that is down, slow or restarting costs one
+ * link's bandwidth: 1.25 GiB of a 10k-token Llama-3-8B history takes
+ * about 0.5 s at the 2.5-2.8 GB/s one connection reads from a local
+ * server), made without holding the manager's lock. A block that is
+ * absent, corrupt, short or another layout's is a miss, and the prefix
+ * is computed; a read that times out keeps the blocks it read whole and
+ * checked before the timeout (a prefix of the match). A server that is down, slow or restarting costs one
  * failed round trip, then is skipped without a round trip for a backoff
  * window (1 s, doubling up to 30 s while it keeps failing); every such
  * call is counted (shared_errors, shared_timeouts, shared_skipped) and
