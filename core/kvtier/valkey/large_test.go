@@ -26,8 +26,12 @@ import (
 //
 // KVPLUG_BENCH_BLOCKS sets the batch's blocks (640: a 10k-token history,
 // 1.25 GiB; the operation timeout is a minute). BenchmarkConns* report
-// GB/s for 1, 2, 4 and 8 connections (Config.Conns) in one run. As a
-// compiled test binary, on another machine:
+// GB/s for 1, 2, 4, 8 and 16 connections (Config.Conns; or the list in
+// KVPLUG_BENCH_CONNS, "1,2,4,8") in one run; a batch gives each
+// connection 32 MiB at least (16 connections need 480 blocks). Redis 6
+// and 7 use their io-threads only while at least twice as many clients
+// wait for replies (io-threads 8: 16 connections). As a compiled test
+// binary, on another machine:
 //
 //	go test -c -o valkey.test ./core/kvtier/valkey
 //	KVPLUG_BENCH_REDIS_SERVER=/usr/bin/redis-server KVPLUG_BENCH_IO_THREADS=8 KVPLUG_BENCH_BLOCKS=640 \
@@ -112,10 +116,21 @@ func benchLarge(b *testing.B, addr string, n int, get bool, mode string, conns i
 	b.ReportMetric(float64(b.N)*float64(n*bs)/b.Elapsed().Seconds()/1e9, "GB/s")
 }
 
-// benchConns runs benchLarge for 1, 2, 4 and 8 connections on one server.
+// benchConns runs benchLarge for each number of connections on one server.
 func benchConns(b *testing.B, get bool, mode string) {
 	addr, n := benchServer(b), benchBlocks(b)
-	for _, k := range []int{1, 2, 4, 8} {
+	ks := []int{1, 2, 4, 8, 16}
+	if v := os.Getenv("KVPLUG_BENCH_CONNS"); v != "" {
+		ks = nil
+		for _, f := range strings.Split(v, ",") {
+			k, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || k < 1 || k > MaxConns {
+				b.Fatalf("KVPLUG_BENCH_CONNS=%q", v)
+			}
+			ks = append(ks, k)
+		}
+	}
+	for _, k := range ks {
 		b.Run(fmt.Sprintf("conns=%d", k), func(b *testing.B) { benchLarge(b, addr, n, get, mode, k) })
 	}
 }
