@@ -43,12 +43,6 @@ import (
 // length, checksum and MAC checked as it lands; a value that fails
 // leaves its slot with bytes nothing reads, and the slot is given back.
 // A GET that times out midway keeps the blocks read whole before it.
-// A large fetch (a moved session's history) is split over a few
-// connections to the server (each node), read concurrently
-// (valkey.Config.Conns: the environment variable KVPLUG_SHARED_CONNS, else
-// valkey.DefaultConns); a connection that fails makes only its blocks
-// misses (and starts the backoff as any failure does). The store queue's
-// batches of large blocks are split likewise (16 MiB a connection).
 // A server that is down, slow or
 // restarting costs one failed round trip and is then skipped without
 // touching the network for a backoff window (package valkey); its blocks

@@ -21,8 +21,6 @@ type windowServer struct {
 	mu      sync.Mutex
 	maxOpen int
 	sets    map[string]string
-	conns   int        // connections accepted
-	gets    [][]string // each connection's GETs' keys, in order
 }
 
 func newWindowServer(t *testing.T) *windowServer {
@@ -46,11 +44,6 @@ func newWindowServer(t *testing.T) *windowServer {
 
 func (s *windowServer) serve(c net.Conn) {
 	defer c.Close()
-	s.mu.Lock()
-	conn := s.conns
-	s.conns++
-	s.gets = append(s.gets, nil)
-	s.mu.Unlock()
 	cmds := make(chan []any, 1024)
 	go func() {
 		defer close(cmds)
@@ -76,14 +69,7 @@ func (s *windowServer) serve(c net.Conn) {
 			s.sets[string(cmd[1].([]byte))] = string(cmd[2].([]byte))
 			reply = "+OK\r\n"
 		case "GET":
-			k := string(cmd[1].([]byte))
-			s.gets[conn] = append(s.gets[conn], k)
-			if strings.HasPrefix(k, "hang") { // a connection that stops answering
-				s.mu.Unlock()
-				time.Sleep(2 * time.Second)
-				return
-			}
-			v := "v:" + k
+			v := "v:" + string(cmd[1].([]byte))
 			reply = fmt.Sprintf("$%d\r\n%s\r\n", len(v), v)
 		default:
 			reply = "-ERR unknown\r\n"

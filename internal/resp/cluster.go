@@ -99,12 +99,7 @@ const (
 
 type node struct {
 	addr string
-	c    *Client // the first connection; lanes[0]
-	opts Options
-
-	lanesMu sync.Mutex
-	lanes   []*Client // the node's connections (lanes.go)
-	closed  bool
+	c    *Client
 
 	mu        sync.Mutex
 	downUntil time.Time
@@ -157,7 +152,7 @@ func NewCluster(seed string, o ClusterOptions) *Cluster {
 	}
 	o.RefreshMax = max(o.RefreshMax, o.RefreshMin)
 	c := &Cluster{seed: seed, o: o, nodes: map[string]*node{}, refreshGap: o.RefreshMin}
-	c.nodes[seed] = newNode(seed, o.Options)
+	c.nodes[seed] = &node{addr: seed, c: NewClientOptions(seed, o.Options)}
 	return c
 }
 
@@ -172,7 +167,7 @@ func (c *Cluster) Close() {
 	}
 	c.mu.Unlock()
 	for _, n := range nodes {
-		n.close()
+		n.c.Close()
 	}
 	c.wg.Wait()
 }
@@ -184,9 +179,7 @@ func (c *Cluster) Reset() {
 	nodes := mapValues(c.nodes)
 	c.mu.Unlock()
 	for _, n := range nodes {
-		for _, cl := range n.clients() {
-			cl.Reset()
-		}
+		n.c.Reset()
 	}
 }
 
@@ -197,9 +190,7 @@ func (c *Cluster) DialCount() int64 {
 	c.mu.Unlock()
 	var n int64
 	for _, nd := range nodes {
-		for _, cl := range nd.clients() {
-			n += cl.DialCount()
-		}
+		n += nd.c.DialCount()
 	}
 	return n
 }
@@ -302,10 +293,7 @@ func (c *Cluster) DoEncoded(enc [][]byte, keys [][]byte) ([]any, error) {
 
 // Call runs call's pipeline, within the operation timeout, and returns
 // the replies as Do does: on a standalone server in one pipeline on its
-// connection (or split over several, Call.Conns), in cluster mode each
-// command on its key's node (each node's share split likewise). On a
-// standalone server a connection that fails fails the call (its error,
-// no replies), the other connections' runs read to their end first.
+// connection, in cluster mode each command on its key's node.
 func (c *Cluster) Call(call *Call) ([]any, error) {
 	deadline := time.Now().Add(c.o.OpTimeout)
 	mode, err := c.discover(deadline)
@@ -313,12 +301,9 @@ func (c *Cluster) Call(call *Call) ([]any, error) {
 		return nil, err
 	}
 	if mode == modeStandalone {
-		r, err := c.seedNode().run(call, nil, false, deadline)
-		if err != nil {
-			return nil, err
-		}
+		r, err := c.seedNode().c.call(call.Cmds, nil, call.Window, call.Bulk, deadline)
 		c.standaloneMoved(r)
-		return r, nil
+		return r, err
 	}
 	return c.route(call, deadline), nil
 }
@@ -523,9 +508,9 @@ func (c *Cluster) nodeLocked(addr string) *node {
 			o.TLS.ServerName = host
 		}
 	}
-	n := newNode(addr, o)
+	n := &node{addr: addr, c: NewClientOptions(addr, o)}
 	if c.closed {
-		n.close()
+		n.c.Close()
 	}
 	c.nodes[addr] = n
 	return n
@@ -758,25 +743,36 @@ func (c *Cluster) runBatch(n *node, b *batch, call *Call, out []any, deadline ti
 		c.askRefresh()
 		return
 	}
-	// The node's pipeline (split over its connections: run), its
-	// commands each after ASKING for an ASK redirect. A connection that
-	// fails fails its commands; the others' replies stand.
-	r, err := n.run(call, b.idx, b.ask, deadline)
+	// The node's pipeline: its commands' pieces, each after ASKING for
+	// an ASK redirect (whose reply is not the caller's).
+	slots := make([][][]byte, 0, 2*len(b.idx))
+	idx := make([]int, 0, 2*len(b.idx))
+	window := call.Window
+	for _, i := range b.idx {
+		if b.ask {
+			slots = append(slots, [][]byte{askingCmd})
+			idx = append(idx, -1)
+		}
+		slots = append(slots, call.Cmds[i])
+		idx = append(idx, i)
+	}
+	if b.ask {
+		window *= 2
+	}
+	r, err := n.c.call(slots, idx, window, call.Bulk, deadline)
 	if err != nil {
 		n.failed(err, &c.o)
-		for k, i := range b.idx {
-			if f, ok := r[k].(runFailed); ok {
-				out[i] = &NodeError{Addr: n.addr, Err: f.err}
-			} else {
-				out[i] = r[k]
-			}
-		}
+		fail(err)
 		c.askRefresh()
 		return
 	}
 	n.ok()
 	for k, i := range b.idx {
-		out[i] = r[k]
+		if b.ask {
+			out[i] = r[2*k+1]
+		} else {
+			out[i] = r[k]
+		}
 		if e, ok := out[i].(Error); ok && (strings.HasPrefix(string(e), "CLUSTERDOWN") || strings.HasPrefix(string(e), "TRYAGAIN")) {
 			c.askRefresh()
 		}

@@ -234,17 +234,6 @@ type Call struct {
 	// Bulk, when not nil, reads every bulk string reply instead of Do's
 	// fresh []byte (a null bulk is still nil).
 	Bulk Bulk
-	// Conns is the most connections of one node (the server, in cluster
-	// mode each node) the call's commands for it are split over (0 or 1:
-	// one), into contiguous runs of SplitMin commands at least (0: 1),
-	// each a pipeline with its own Window, run concurrently (Bulk is then
-	// called for several runs at once). The node's further connections
-	// are made when a call first needs them, with the TLS handshake and
-	// AUTH of every connection, and kept. A connection that fails fails
-	// its run's commands only (in cluster mode NodeErrors; on a
-	// standalone server the call, the other runs having read to their
-	// end); the call's deadline bounds every run.
-	Conns, SplitMin int
 }
 
 // call takes the connection by deadline and runs pipeline on it.

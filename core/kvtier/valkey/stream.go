@@ -34,11 +34,6 @@ import (
 // yet read: its window is this over a value's size, at least one value.
 const getWindowBytes = 8 << 20
 
-// getSplitBytes is the fewest value bytes a connection of a GET batch
-// split over several is given: four windows (see "Connections" in the
-// package comment). A variable for the tests.
-var getSplitBytes = 4 * getWindowBytes
-
 // readChunk is the most payload bytes read from the connection at once,
 // so that each piece is still in the cache when the checksum (and the
 // MAC) read it.
@@ -88,13 +83,10 @@ func (t *Tier) getSegments(hashes []Hash, dst [][][]byte, direct bool) []bool {
 	// midway (a timeout, a connection lost, a cluster node lost) keeps
 	// the values read whole before it failed.
 	state := make([]readState, len(hashes))
-	window := max(1, getWindowBytes/(t.header+largest+1))
 	r, err := t.c.Call(&resp.Call{
-		Cmds:     cmds,
-		Keys:     keys,
-		Window:   window,
-		Conns:    t.cfg.Conns,
-		SplitMin: max(1, getSplitBytes/(t.header+largest+1)),
+		Cmds:   cmds,
+		Keys:   keys,
+		Window: max(1, getWindowBytes/(t.header+largest+1)),
 		Bulk: func(i, n int, r *bufio.Reader) (any, error) {
 			ok, err := t.readValue(hashes[i], n, r, dst[i], direct)
 			if err != nil {

@@ -58,28 +58,7 @@
 // breaker.
 //
 // A Tier is safe for concurrent use; its calls share one connection per
-// server, one round trip at a time on each (and, for large batches, a few
-// more: "Connections").
-//
-// # Connections
-//
-// One connection moves 2 MiB values at about 2.5-2.8 GB/s against a local
-// Redis 7 (the server writes one client's replies on one thread, and the
-// client reads and checks them on one core). A call whose batch for one
-// server (or cluster node) is large is split over up to Config.Conns
-// connections (DefaultConns), in contiguous runs, each a pipeline of its
-// own read concurrently: a GET batch when each connection gets at least
-// getSplitBytes of values (four GET windows, 32 MiB: a fetch of fewer
-// than 30 blocks of 2 MiB stays on one connection, in one round trip), a
-// Put when each gets at least putSplitBytes (16 MiB). The further
-// connections are made the first time a call needs them (with the TLS
-// handshake and AUTH of every connection) and kept. Every value is
-// checked as on one connection; a connection that fails or times out
-// makes its run's values misses (and its stores dropped), while the
-// values the other connections read whole stay found; a standalone
-// server's failure opens the breaker as before, a cluster node's makes
-// its keys misses. The operation timeout bounds the whole call, every
-// connection's run included.
+// server, one round trip at a time on each.
 //
 // # Cluster
 //
@@ -144,7 +123,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"runtime"
 	"strconv"
 	"strings"
@@ -195,21 +173,7 @@ type Config struct {
 	Password Secret // the password sent with AUTH on every connect; zero: no AUTH
 	TLS      *TLS   // TLS on every connection; nil: plaintext
 	MACKeys  Secret // one or two MAC keys (hex, separated by white space or a comma); zero: no MAC
-
-	// Conns is the most connections to one server (to each node in
-	// cluster mode) that one call's large batch is split over, in [0,
-	// MaxConns]: 1, one connection; 0, the environment variable
-	// KVPLUG_SHARED_CONNS when it holds a number in [1, MaxConns], else
-	// DefaultConns. See "Connections" in the package comment.
-	Conns int
 }
-
-// DefaultConns is the Conns of a Config that leaves it 0 (and no
-// KVPLUG_SHARED_CONNS); MaxConns bounds it.
-const (
-	DefaultConns = 4
-	MaxConns     = 64
-)
 
 // Stats are the tier's counters. Hits, Misses and Corrupt count blocks
 // (every block of a Get or Exists is exactly one of them: a failed or
@@ -277,12 +241,6 @@ func New(cfg Config) (*Tier, error) {
 		cfg.MaxBackoff = DefaultMaxBackoff
 	}
 	cfg.MaxBackoff = max(cfg.MaxBackoff, cfg.Backoff)
-	if cfg.Conns == 0 {
-		cfg.Conns = DefaultConns
-		if k, err := strconv.Atoi(os.Getenv("KVPLUG_SHARED_CONNS")); err == nil && k >= 1 && k <= MaxConns {
-			cfg.Conns = k
-		}
-	}
 	opts, err := ConnOptions(cfg.Addr, cfg.Username, cfg.Password, cfg.TLS, cfg.DialTimeout, cfg.OpTimeout)
 	if err != nil {
 		return nil, err
@@ -331,9 +289,6 @@ func (cfg Config) Check() error {
 		return kverr.Errorf(kverr.InvalidArgument,
 			"valkey tier: a negative size or duration: block bytes %d, dial timeout %v, operation timeout %v, TTL %v, backoff %v, max backoff %v",
 			cfg.BlockBytes, cfg.DialTimeout, cfg.OpTimeout, cfg.TTL, cfg.Backoff, cfg.MaxBackoff)
-	}
-	if cfg.Conns < 0 || cfg.Conns > MaxConns {
-		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: %d connections (0-%d)", cfg.Conns, MaxConns)
 	}
 	if cfg.TTL > 0 && cfg.TTL < time.Millisecond {
 		return kverr.Errorf(kverr.InvalidArgument, "valkey tier: TTL %v under a millisecond", cfg.TTL)
@@ -764,11 +719,6 @@ func parallel(n int, f func(int)) {
 	wg.Wait()
 }
 
-// putSplitBytes is the fewest value bytes a connection of a Put split
-// over several is given (see "Connections" in the package comment). A
-// variable for the tests.
-var putSplitBytes = 16 << 20
-
 // Put stores blocks (hashes[i] with payloads[i]) in one round trip and
 // returns how many the server accepted. A payload of the wrong length
 // (Config.BlockBytes) is not sent. Nothing is stored when the call is
@@ -837,11 +787,7 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 			t.appendMAC(v, payloads[i])
 		}
 	})
-	largest := 0
-	for _, l := range vlens {
-		largest = max(largest, l)
-	}
-	r, err := t.c.Call(&resp.Call{Cmds: cmds, Keys: keys, Conns: t.cfg.Conns, SplitMin: max(1, putSplitBytes/largest)})
+	r, err := t.c.Call(&resp.Call{Cmds: cmds, Keys: keys})
 	if !t.callDone(err) {
 		return 0
 	}
