@@ -31,15 +31,22 @@ import kvplug.hf as kvhf
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def load_engine():
-    """examples/hf_engine.py as a module (the example is what is tested)."""
-    if "hf_engine" in sys.modules:
-        return sys.modules["hf_engine"]
-    spec = importlib.util.spec_from_file_location("hf_engine", ROOT / "examples" / "hf_engine.py")
+def load_script(rel: str):
+    """The project's script at ROOT/rel (examples/, bench/) as a module of
+    its file's name, loaded once (the script is what is tested)."""
+    name = pathlib.Path(rel).stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["hf_engine"] = mod  # its dataclasses look their module up there
+    sys.modules[name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_engine():
+    """examples/hf_engine.py as a module."""
+    return load_script("examples/hf_engine.py")
 
 
 def tiny_model(kind: str, dtype=torch.float32, device="cpu", seed=0, **over):

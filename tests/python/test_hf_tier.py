@@ -10,7 +10,6 @@ kernels with pinned copies."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -25,7 +24,6 @@ import kvplug.hf as kvhf
 from kvplug.hf import tier_copy
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import test_hf_correctness as H  # noqa: E402
 
@@ -333,13 +331,7 @@ def test_engine_main_with_the_host_tier(capsys):
 
 
 def _bench():
-    if "hf_bench" in sys.modules:
-        return sys.modules["hf_bench"]
-    spec = importlib.util.spec_from_file_location("hf_bench", ROOT / "bench" / "hf_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hf_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return H.load_script("bench/hf_bench.py")
 
 
 def test_bench_multi_turn_workload():

@@ -7,7 +7,6 @@ valkey-server nor redis-server is installed (CI installs redis-server)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -15,17 +14,12 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_hf_correctness as H  # noqa: E402  (the harness: load_script)
 
 
 def _script():
-    if "moved_sessions" in sys.modules:
-        return sys.modules["moved_sessions"]
-    spec = importlib.util.spec_from_file_location("moved_sessions", ROOT / "bench" / "moved_sessions.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["moved_sessions"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return H.load_script("bench/moved_sessions.py")
 
 
 def test_moved_sessions_read_the_shared_tier(tmp_path, capsys):
