@@ -8,7 +8,8 @@ Two kvplug.hf instances, A and B, each in its own process on its own device
 Llama-3-8B's shape by default). Each has a host KV tier with write-through
 (every computed block is copied to host memory while it stays on the GPU)
 and, below it, a shared tier: one Valkey/Redis server that this script
-starts (--redis-server; --shared-tier HOST:PORT uses a running one).
+starts (--redis-server; --redis-cluster N starts a cluster of N primaries
+instead; --shared-tier HOST:PORT uses a running server).
 
 Sessions are bench/hf_bench.py's workload t without the think times: a
 long first context (--t-first tokens), then --t-user new user tokens a
@@ -427,7 +428,7 @@ class RedisServer:
     no persistence, maxmemory with allkeys-lru (the tier never deletes
     keys)."""
 
-    def __init__(self, binary: str, maxmemory: int, extra: List[str]) -> None:
+    def __init__(self, binary: str, maxmemory: int, extra: List[str], cluster: bool = False) -> None:
         path = shutil.which(binary)
         if path is None:
             raise SystemExit(f"--redis-server {binary}: not found (install redis-server or valkey-server, or pass its path, "
@@ -438,6 +439,13 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="kvplug-redis-")
         cmd = [path, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir,
                "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru", *extra]
+        self.bus_port = 0
+        if cluster:
+            with socket.socket() as s:  # the cluster bus's own port (port + 10000 may not exist)
+                s.bind(("127.0.0.1", 0))
+                self.bus_port = s.getsockname()[1]
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf"),
+                    "--cluster-node-timeout", "5000", "--cluster-port", str(self.bus_port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while True:
@@ -475,6 +483,62 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class RedisCluster:
+    """A throwaway cluster of `primaries` servers in cluster mode (no
+    replicas), each serving an equal range of the slots and a share of
+    maxmemory; the client reaches it through any node (address: the
+    first), and reads the nodes' shares of a fetch concurrently."""
+
+    def __init__(self, binary: str, primaries: int, maxmemory: int, extra: List[str]) -> None:
+        self.servers: List[RedisServer] = []
+        try:
+            for _ in range(primaries):
+                self.servers.append(RedisServer(binary, max(maxmemory // primaries, 64 << 20), extra, cluster=True))
+            for i, sv in enumerate(self.servers):
+                lo, hi = i * 16384 // primaries, (i + 1) * 16384 // primaries - 1
+                sv.command("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
+            for sv in self.servers[1:]:
+                sv.command("CLUSTER", "MEET", "127.0.0.1", str(self.servers[0].port), str(self.servers[0].bus_port))
+            deadline = time.monotonic() + 60
+            while not all("cluster_state:ok" in (sv.command("CLUSTER", "INFO") or "") and
+                          f"cluster_known_nodes:{primaries}" in (sv.command("CLUSTER", "INFO") or "")
+                          for sv in self.servers):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"a cluster of {primaries} primaries did not become ok within 60 s")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        self.version, self.binary = self.servers[0].version, self.servers[0].binary
+
+    @property
+    def address(self) -> str:
+        return self.servers[0].address
+
+    @property
+    def nodes(self) -> List[str]:
+        return [sv.address for sv in self.servers]
+
+    def info(self) -> Dict[str, str]:
+        """The nodes' INFO figures summed (the numeric ones)."""
+        total: Dict[str, str] = {}
+        for sv in self.servers:
+            for k, v in sv.info().items():
+                try:
+                    total[k] = str(int(total.get(k, "0")) + int(v))
+                except ValueError:
+                    total.setdefault(k, v)
+        return total
+
+    def command(self, *words: str) -> Any:
+        replies = [sv.command(*words) for sv in self.servers]
+        return sum(replies) if all(isinstance(r, int) for r in replies) else replies[0]
+
+    def stop(self) -> None:
+        for sv in self.servers:
+            sv.stop()
+
+
 def _reply(f: Any) -> Any:
     head = f.readline().rstrip(b"\r\n")
     kind, rest = head[:1], head[1:].decode()
@@ -498,14 +562,23 @@ def redis_command(address: str, *words: str) -> Any:
         return _reply(c.makefile("rb"))
 
 
-def namespace_keys(address: str, namespace: str) -> List[str]:
-    """The keys the shared tier stored under namespace (kvplug:<namespace>:<hash>)."""
-    return redis_command(address, "KEYS", f"kvplug:{namespace}:*") or []
+def namespace_keys(nodes: List[str], namespace: str) -> Dict[str, List[str]]:
+    """The keys the shared tier stored under namespace (kvplug:<namespace>:<hash>), by the node holding them."""
+    return {n: redis_command(n, "KEYS", f"kvplug:{namespace}:*") or [] for n in nodes}
 
 
-def delete_keys(address: str, keys: List[str]) -> None:
-    for i in range(0, len(keys), 1000):
-        redis_command(address, "UNLINK", *keys[i:i + 1000])
+def delete_keys(keys: Dict[str, List[str]]) -> None:
+    """Deletes keys from the nodes holding them, pipelined, one key a
+    command (a cluster refuses commands whose keys lie in several slots)."""
+    for node, ks in keys.items():
+        if not ks:
+            continue
+        host, port = node.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(b"".join(f"*2\r\n$6\r\nUNLINK\r\n${len(k.encode())}\r\n{k}\r\n".encode() for k in ks))
+            f = c.makefile("rb")
+            for _ in ks:
+                _reply(f)
 
 
 def redis_info(address: str) -> Dict[str, str]:
@@ -551,7 +624,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if devices[0] == devices[1] and devices[0].startswith("cuda"):
         print(f"note: both instances on {devices[0]}: they share one GPU's memory and time", flush=True)
     t_start = time.perf_counter()
-    server: Optional[RedisServer] = None
+    server: Any = None  # RedisServer or RedisCluster
     workers: List[Worker] = []
     listener = None
     res: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "connect")}}
@@ -575,9 +648,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         else:
             # Room for every block with the allocator's rounding, and for the output buffer of a moved history's read.
             maxmem = int(args.redis_maxmemory_gb * 2**30) if args.redis_maxmemory_gb else int(2 * pool_b * bb) + (1 << 30)
-            server = RedisServer(args.redis_server, maxmem, shlex.split(args.redis_args))
+            if args.redis_cluster:
+                server = RedisCluster(args.redis_server, args.redis_cluster, maxmem, shlex.split(args.redis_args))
+            else:
+                server = RedisServer(args.redis_server, maxmem, shlex.split(args.redis_args))
             addr = server.address
-            print(f"{pathlib.Path(server.binary).name} {server.version} on {addr}, maxmemory {size(maxmem)}", flush=True)
+            print(f"{pathlib.Path(server.binary).name} {server.version} on {addr}"
+                  + (f", a cluster of {args.redis_cluster} primaries" if args.redis_cluster else "")
+                  + f", maxmemory {size(maxmem)}", flush=True)
+        nodes = server.nodes if isinstance(server, RedisCluster) else [addr]
         namespace = f"ms.{args.model}.{args.dtype}.bs{bs}.s{args.seed}.{secrets.token_hex(4)}"
         shared = {"shared_tier_namespace": namespace, "shared_tier_timeout_ms": args.shared_timeout_ms,
                   "shared_tier_put_queue": min(2**20, max(256, pool_b))}
@@ -604,13 +683,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         res["history"] = {"wall": hist["wall"], "ttft_by_turn": hist["ttft_by_turn"], "flush": flush}
         # 2. Moved: B reads each history from the shared tier.
         runs: Dict[str, List[Dict[str, Any]]] = {}
-        before = set(namespace_keys(addr, namespace))
+        before = namespace_keys(nodes, namespace)
         runs["moved"] = b.call("serve", prompts, max_new)
         moved_tier = b.call("tier_stats")
         # B stored its moved turns' new blocks (their user tokens and answers): they go, so that the stayed
         # run below finds in the shared tier only what A stored, as before the move.
         b.call("flush_shared", args.store_timeout)
-        delete_keys(addr, sorted(set(namespace_keys(addr, namespace)) - before))
+        delete_keys({n: sorted(set(ks) - set(before[n])) for n, ks in namespace_keys(nodes, namespace).items()})
         # 3. Recompute: a fresh B without the tiers (whose write-through copies would only slow it down).
         b.call("open", "recompute", pool_b, 0.0, max_len, None, {})
         runs["recompute"] = b.call("serve", prompts, max_new)
@@ -628,9 +707,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                                  "total_net_output_bytes")}
             res["server_info"]["keys"] = server.command("DBSIZE")
         else:  # a server of the caller's: this run's blocks go
-            keys = namespace_keys(addr, namespace)
-            delete_keys(addr, keys)
-            print(f"deleted this run's {len(keys)} keys (kvplug:{namespace}:*) from {addr}", flush=True)
+            keys = namespace_keys(nodes, namespace)
+            delete_keys(keys)
+            print(f"deleted this run's {sum(map(len, keys.values()))} keys (kvplug:{namespace}:*) from {addr}", flush=True)
         ok = True
     finally:
         stop_workers(workers, graceful=ok)
@@ -750,6 +829,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--redis-maxmemory-gb", type=float, default=0.0,
                     help="its maxmemory (default: twice the working set's blocks, plus 1 GiB)")
     ap.add_argument("--redis-args", default="", help='more redis-server arguments, e.g. "--io-threads 4"')
+    ap.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="start a cluster of N primaries instead of one server (the client reads their shares "
+                    "of a fetch concurrently; maxmemory split among them)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads of each instance on the CPU (0: half the cores)")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between the engines' progress lines")
     ap.add_argument("--json", default="", help="write the results here")

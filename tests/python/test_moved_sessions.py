@@ -22,7 +22,10 @@ def _script():
     return H.load_script("bench/moved_sessions.py")
 
 
-def test_moved_sessions_read_the_shared_tier(tmp_path, capsys):
+@pytest.mark.parametrize("cluster", [0, 3], ids=["server", "cluster3"])
+def test_moved_sessions_read_the_shared_tier(tmp_path, capsys, cluster):
+    """cluster: a cluster of 3 primaries that the script starts, the
+    histories' blocks spread over its nodes."""
     binary = shutil.which("valkey-server") or shutil.which("redis-server")
     if binary is None:
         pytest.skip("neither valkey-server nor redis-server is installed")
@@ -31,9 +34,11 @@ def test_moved_sessions_read_the_shared_tier(tmp_path, capsys):
     res = MS.main(["--model", "tiny-llama", "--devices", "cpu,cpu", "--dtype", "float32", "--cpu-threads", "1",
                    "--sessions", "3", "--turns-on-a", "2", "--t-first", "40", "--t-user", "8", "20",
                    "--t-output", "4", "8", "--block-size", "8", "--chunk", "32", "--step-tokens", "64", "--max-batch", "4",
-                   "--warmup-tokens", "16", "--warmup-output", "2", "--redis-server", binary, "--json", str(out)])
+                   "--warmup-tokens", "16", "--warmup-output", "2", "--redis-server", binary, "--json", str(out),
+                   "--redis-cluster", str(cluster)])
     text = capsys.readouterr().out
     assert "moved vs recompute" in text and "check shared_read: ok" in text, text
+    assert ("a cluster of 3 primaries" in text) == bool(cluster), text
     assert json.loads(out.read_text())["checks"] == res["checks"]
     assert all(c["ok"] for c in res["checks"].values()), res["checks"]
     moved, rec, stayed = (res["runs"][k] for k in ("moved", "recompute", "stayed"))
