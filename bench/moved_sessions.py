@@ -433,17 +433,17 @@ class RedisServer:
         if path is None:
             raise SystemExit(f"--redis-server {binary}: not found (install redis-server or valkey-server, or pass its path, "
                              "or --shared-tier HOST:PORT for a running server)")
-        with socket.socket() as s:
+        # Free ports, the cluster bus's its own (port + 10000 may not exist): both sockets held
+        # while choosing, so that the two differ.
+        with socket.socket() as s, socket.socket() as t:
             s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+            t.bind(("127.0.0.1", 0))
+            self.port, self.bus_port = s.getsockname()[1], t.getsockname()[1] if cluster else 0
         self.dir = tempfile.mkdtemp(prefix="kvplug-redis-")
+        self.log = os.path.join(self.dir, "server.log")
         cmd = [path, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir,
-               "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru", *extra]
-        self.bus_port = 0
+               "--logfile", self.log, "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru", *extra]
         if cluster:
-            with socket.socket() as s:  # the cluster bus's own port (port + 10000 may not exist)
-                s.bind(("127.0.0.1", 0))
-                self.bus_port = s.getsockname()[1]
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf"),
                     "--cluster-node-timeout", "5000", "--cluster-port", str(self.bus_port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -456,6 +456,11 @@ class RedisServer:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+                try:
+                    with open(self.log, errors="replace") as f:
+                        err += "".join(f.readlines()[-5:])
+                except OSError:
+                    pass
                 self.stop()
                 raise SystemExit(f"{path} did not start on port {self.port}: {err.strip()}")
             time.sleep(0.02)
