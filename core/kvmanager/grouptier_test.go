@@ -487,3 +487,60 @@ func TestGroupTierCompanionsOfAPresentNode(t *testing.T) {
 	gm.check(t)
 	must(t, m.CheckInvariants())
 }
+
+// A node's group-0 host slot goes when the host pool evicts one of its
+// full-attention companions: no host hit can use the node any more, and
+// its CPU BlockStored would stand for a hit the tier refuses. Here node X
+// loses group 0 to the LRU, keeps its full companion, is computed again
+// and demoted with a group-0 slot younger than that companion; the next
+// pressure evicts the companion first, and takes X's group-0 slot with it.
+func TestGroupTierDropsAGroupZeroSlotWithoutItsFullCompanion(t *testing.T) {
+	const bs, w, slots = 4, 6, 5
+	groups := []Group{{Kind: FullAttention}, {Kind: SlidingWindow, Window: w}, {Kind: FullAttention}}
+	c := newGroupTier(t, 32, bs, slots, 32, true, groups...)
+	gm, m := c.gm, c.gm.m
+	mr := newGroupMirror(m, groups, rand.New(rand.NewPCG(15, 16)))
+	r := rand.New(rand.NewPCG(17, 18))
+	id := int64(0)
+	serve := func(conv []int32) {
+		t.Helper()
+		id++
+		gm.admit(t, id, conv)
+		c.flush(t) // the step's: nothing written yet to demote
+		m.MarkComputed()
+		gm.remove(t, id)
+		c.flush(t) // demotes the node
+		mr.drain(t)
+		must(t, m.CheckInvariants())
+		// Every announced host block has its full groups' blocks there.
+		for _, h := range mr.x.HashesIn(prefix.MediumCPU, nil) {
+			for g, grp := range groups {
+				if _, st := c.pool.State(kvtier.GroupKey(h, g)); grp.Kind == FullAttention && st != host.Resident {
+					t.Fatalf("host block %s is announced, its group %d block is %v", h, g, st)
+				}
+			}
+		}
+	}
+	state := func(h prefix.Hash, g int) host.SlotState { _, st := c.pool.State(kvtier.GroupKey(h, g)); return st }
+	x, y, z := seqTokens(r, bs+1), seqTokens(r, bs+1), seqTokens(r, bs+1)
+	hx := wholeChain(t, x, bs, nil)[0]
+	serve(x)
+	serve(y) // the LRU takes X's group-0 slot, the oldest
+	if state(hx, 0) != host.Absent || state(hx, 2) != host.Resident {
+		t.Fatalf("X: group 0 %v, full companion %v; want absent and resident", state(hx, 0), state(hx, 2))
+	}
+	serve(x) // computed again: a group-0 slot younger than its full companion's
+	if state(hx, 0) != host.Resident || state(hx, 2) != host.Resident {
+		t.Fatalf("X demoted again: group 0 %v, full companion %v", state(hx, 0), state(hx, 2))
+	}
+	serve(z) // the LRU takes X's full companion first
+	if state(hx, 2) != host.Absent {
+		t.Fatalf("X's full companion %v after Z's demotion: the scenario did not evict it", state(hx, 2))
+	}
+	if state(hx, 0) != host.Absent {
+		t.Fatalf("X's group-0 slot %v without its full companion", state(hx, 0))
+	}
+	if slices.Contains(mr.x.HashesIn(prefix.MediumCPU, nil), hx) {
+		t.Fatal("X is still announced in the host tier")
+	}
+}

@@ -3,6 +3,7 @@ package kvtier
 import (
 	"encoding/binary"
 
+	"github.com/kvplug/kvplug/core/kverr"
 	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/limits"
 	"github.com/kvplug/kvplug/core/prefix"
@@ -49,9 +50,9 @@ import (
 // its CPU BlockRemoved, and the companions left behind serve nothing until
 // they age out. A node demoted again while such a companion is still
 // there gets a group-0 slot younger than it: should the LRU take the
-// companion first, the group-0 slot serves no hit (and its BlockStored
-// stands) until it ages out too. Closing that needs the pool to drop a
-// node's group-0 slot when it evicts a full companion's.
+// companion first, the group-0 slot could serve no hit, so it is dropped
+// with it (orphaned; with KV events on, where the slots' blocks are
+// known), its BlockRemoved sent.
 //
 // Hits obey the GPU's rule (PinHostGroups): after a GPU match of gpu
 // blocks that is group 0's whole cached prefix, the host tier extends it
@@ -231,6 +232,29 @@ func (t *Tier) reserveNode(ops []DemoteOp, i int, comps []Companion, toks []int3
 		assertOK(t.cfg.Pool.Unpin(host.Slot(s)), op+": unpinning a node's host slot")
 	}
 	return ops, n
+}
+
+// orphaned notes that the host pool evicted node h's block of group g (a
+// companion; with KV events on, under hostEvicted): when g is a
+// full-attention group, no host hit can use the node any more, so its
+// group-0 slot goes too, unless pinned or in flight, and its BlockRemoved
+// joins t.gone, instead of announcing a hit the tier refuses until it
+// ages out. (Its other full companions age out on their own: announced
+// by none.)
+func (t *Tier) orphaned(h prefix.Hash, g int, op string) {
+	if gs := t.groups.HostGroups(); g > len(gs) || gs[g-1].Window > 0 {
+		return
+	}
+	s := t.cfg.Pool.Drop(HostKey(h))
+	if s == host.NoSlot {
+		return
+	}
+	if int(s) >= len(t.meta) || !t.meta[s].resident || t.meta[s].group != 0 || t.meta[s].hash != h {
+		panic(kverr.Errorf(kverr.Internal, "kvtier: %s: dropped host slot %d holds no announced group-0 block of %s", op, s, h))
+	}
+	t.meta[s].resident = false
+	t.gone = append(t.gone, h)
+	t.nResident--
 }
 
 // freeBlock frees evicted block b, Cached in the GPU pool, undemoted.

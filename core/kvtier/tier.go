@@ -405,8 +405,9 @@ func (t *Tier) hostEvicted(s host.Slot, gone host.Eviction, op string) {
 		panic(kverr.Errorf(kverr.Internal, "kvtier: %s: the host pool evicted block %016x from slot %d, which holds no announced block", op, gone.Hash, s))
 	}
 	t.meta[s].resident = false
-	if t.meta[s].group > 0 {
+	if g := t.meta[s].group; g > 0 {
 		t.nCompanions--
+		t.orphaned(t.meta[s].hash, g, op)
 		return
 	}
 	t.gone = append(t.gone, t.meta[s].hash)

@@ -326,6 +326,21 @@ func (p *Pool) abortReserved(s Slot) {
 	p.freeList = append(p.freeList, s)
 }
 
+// Drop evicts key hash's block if it is resident and unpinned, freeing
+// its slot (counted as an eviction), and returns its slot; NoSlot, with
+// nothing changed, when the key is absent, reserved or pinned.
+func (p *Pool) Drop(hash uint64) Slot {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	s, ok := p.index[hash]
+	if !ok || p.closed || p.slots[s].st == reserved || p.slots[s].pins > 0 {
+		return NoSlot
+	}
+	p.evictResident(s)
+	p.freeList = append(p.freeList, s)
+	return s
+}
+
 // evictResident drops unpinned resident slot s's block and returns its
 // hash. The slot is left free but off the free list: the caller either
 // reserves it at once (ReserveEvict) or decides where it goes on the free

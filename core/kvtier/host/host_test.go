@@ -497,3 +497,39 @@ func BenchmarkLookup64(b *testing.B) {
 		}
 	}
 }
+
+// Drop frees a resident, unpinned key's slot at once (an eviction) and
+// leaves reserved, pinned and absent keys as they are.
+func TestDrop(t *testing.T) {
+	p := newPool(t, 3)
+	a, b := demote(t, p, 1), demote(t, p, 2)
+	pending := mustReserve(t, p, 3)
+	if s := p.Drop(3); s != NoSlot {
+		t.Fatalf("Drop of a reserved key freed slot %d", s)
+	}
+	if err := p.Pin(b); err != nil {
+		t.Fatal(err)
+	}
+	if s := p.Drop(2); s != NoSlot {
+		t.Fatalf("Drop of a pinned key freed slot %d", s)
+	}
+	if s := p.Drop(9); s != NoSlot {
+		t.Fatalf("Drop of an absent key freed slot %d", s)
+	}
+	if s := p.Drop(1); s != a {
+		t.Fatalf("Drop(1) = slot %d, want %d", s, a)
+	}
+	if _, st := p.State(1); st != Absent {
+		t.Fatalf("key 1 is %v after Drop", st)
+	}
+	st := p.Stats()
+	if st.Resident != 1 || st.Evictions != 1 {
+		t.Fatalf("stats after Drop: %+v", st)
+	}
+	// The freed slot is reused without evicting anything.
+	s, ev, err := p.ReserveEvict(4)
+	if err != nil || s != a || ev.Evicted {
+		t.Fatalf("ReserveEvict after Drop: slot %d, %+v, %v", s, ev, err)
+	}
+	_ = pending
+}
