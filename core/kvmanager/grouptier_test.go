@@ -248,6 +248,29 @@ func TestGroupTierFlushFitsNumBlocks(t *testing.T) {
 	must(t, m.CheckInvariants())
 }
 
+// hostWithoutWindowBlock refills the host tier (two groups: full and a
+// window) with conversation conv's blocks (chain: their hashes), each
+// slot holding its block's tokens as the demotions left them, all but
+// block skip's window companion.
+func (c *tierMem) hostWithoutWindowBlock(t *testing.T, chain []prefix.Hash, conv []int32, skip int) {
+	t.Helper()
+	bs := int(c.bs)
+	c.pool.Reset()
+	for j, h := range chain {
+		for g := range 2 {
+			if g == 1 && j == skip {
+				continue
+			}
+			s, err := c.pool.Reserve(kvtier.GroupKey(h, g))
+			must(t, err)
+			for rr := range bs {
+				binary.LittleEndian.PutUint32(c.pool.Bytes(s)[4*rr:], uint32(conv[j*bs+rr]))
+			}
+			must(t, c.pool.Commit(s))
+		}
+	}
+}
+
 func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
 	const bs, w, pool = 4, 6, 40
 	c := newGroupTier(t, pool, bs, 64, pool, false, Group{Kind: FullAttention}, Group{Kind: SlidingWindow, Window: w})
@@ -265,21 +288,7 @@ func TestGroupTierHitNeedsItsWindowBlocks(t *testing.T) {
 	if _, st := c.pool.State(kvtier.GroupKey(chain[6], 1)); st != host.Resident {
 		t.Fatalf("window companion of block 6 not in the host tier: %v", st)
 	}
-	c.pool.Reset()
-	// Put back every other block as the demotions left them.
-	for j, h := range chain {
-		for g := range 2 {
-			if g == 1 && j == 6 {
-				continue
-			}
-			s, err := c.pool.Reserve(kvtier.GroupKey(h, g))
-			must(t, err)
-			for rr := range bs {
-				binary.LittleEndian.PutUint32(c.pool.Bytes(s)[4*rr:], uint32(conv[j*bs+rr]))
-			}
-			must(t, c.pool.Commit(s))
-		}
-	}
+	c.hostWithoutWindowBlock(t, chain, conv, 6)
 	next := append(slices.Clone(conv[:32]), seqTokens(r, 3)...)
 	if got := tierMatch(t, m, next); got.Host != 6*bs {
 		t.Fatalf("match tiers: %+v, want %d host tokens", got, 6*bs)
@@ -455,20 +464,7 @@ func TestGroupTierCompanionsOfAPresentNode(t *testing.T) {
 	chain := wholeChain(t, conv, bs, nil)
 	// The host tier loses block 6's window companion: a hit stops after 6
 	// blocks (TestGroupTierHitNeedsItsWindowBlocks).
-	c.pool.Reset()
-	for j, h := range chain {
-		for g := range 2 {
-			if g == 1 && j == 6 {
-				continue
-			}
-			s, err := c.pool.Reserve(kvtier.GroupKey(h, g))
-			must(t, err)
-			for rr := range bs {
-				binary.LittleEndian.PutUint32(c.pool.Bytes(s)[4*rr:], uint32(conv[j*bs+rr]))
-			}
-			must(t, c.pool.Commit(s))
-		}
-	}
+	c.hostWithoutWindowBlock(t, chain, conv, 6)
 	next := append(slices.Clone(conv[:32]), seqTokens(r, 3)...)
 	if got := gm.admit(t, 2, next); got != 6*bs {
 		t.Fatalf("matched %d tokens, want %d: block 6's window companion is missing", got, 6*bs)
