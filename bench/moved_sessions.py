@@ -87,18 +87,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 AUTHKEY_ENV = "KVPLUG_MOVED_SESSIONS_AUTHKEY"
 
 
-def _load_bench():
-    """bench/hf_bench.py (its workload t, figures, and examples/hf_engine.py as .E)."""
-    if "hf_bench" in sys.modules:
-        return sys.modules["hf_bench"]
-    spec = importlib.util.spec_from_file_location("hf_bench", ROOT / "bench" / "hf_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hf_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-H = _load_bench()
+# bench/hf_bench.py (its workload t, figures, and examples/hf_engine.py as .E): this script's folder is on
+# sys.path when it runs as a script, not when a test loads it as a module.
+sys.path.insert(0, str(ROOT / "bench"))
+import hf_bench as H  # noqa: E402
 E = H.E
 torch = H.torch
 kvplug = H.kvplug
@@ -505,9 +497,9 @@ class RedisCluster:
             for sv in self.servers[1:]:
                 sv.command("CLUSTER", "MEET", "127.0.0.1", str(self.servers[0].port), str(self.servers[0].bus_port))
             deadline = time.monotonic() + 60
-            while not all("cluster_state:ok" in (sv.command("CLUSTER", "INFO") or "") and
-                          f"cluster_known_nodes:{primaries}" in (sv.command("CLUSTER", "INFO") or "")
-                          for sv in self.servers):
+            want = ("cluster_state:ok", f"cluster_known_nodes:{primaries}")
+            while not all(all(w in info for w in want)
+                          for info in (sv.command("CLUSTER", "INFO") or "" for sv in self.servers)):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"a cluster of {primaries} primaries did not become ok within 60 s")
                 time.sleep(0.1)

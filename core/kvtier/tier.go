@@ -616,8 +616,8 @@ func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint6
 		// the prefix cache already serves) would hold whatever it held.
 		// Failing the batch cannot undo that either, so it is a bug.
 		if len(b.Demote) > len(demote) || len(b.Reload) > len(reload) {
-			assertOK(kverr.Errorf(kverr.Internal, "a batch of %d demotions and %d reloads exceeds the %d and %d it asked room for",
-				len(b.Demote), len(b.Reload), len(demote), len(reload)), "flush copies: the batch's bound")
+			panic(kverr.Errorf(kverr.Internal, "kvtier: flush copies: a batch of %d demotions and %d reloads exceeds the %d and %d it asked room for",
+				len(b.Demote), len(b.Reload), len(demote), len(reload)))
 		}
 		nDemote = copy(demote, b.Demote)
 		nReload = copy(reload, b.Reload)

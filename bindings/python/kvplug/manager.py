@@ -305,7 +305,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         self.num_blocks = s.num_blocks
         self.block_size = s.block_size
         self._max_prompt = s.num_blocks * s.block_size  # the tokens the whole pool holds
-        self._demote_ahead = demote_ahead
+        # flush_copies' array sizes, grown to what a flush asked for (a write-through batch's stores).
+        self._flush_caps = (max(demote_ahead, 1), 64)
         self.demote_evicted = bool(demote_evicted)
         self.layer_groups: Tuple[LayerGroup, ...] = tuple(
             LayerGroup(g.kind, g.window, g.state_bytes, g.checkpoint_every) for g in groups) or (

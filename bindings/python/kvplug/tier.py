@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Any, List, NamedTuple, Sequence
+from typing import Any, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class HostTierMethods:
     """The host tier's methods of Manager (self._h is the kvp_manager *)."""
 
     _h: Any
-    _demote_ahead: int
+    _flush_caps: Tuple[int, int]  # the demote and reload array sizes the next flush starts at
     _lease: Any  # _lib.Owner's
     _empty: Any  # Manager's
 
@@ -156,7 +156,7 @@ class HostTierMethods:
         # The arrays start at the sizes the last flush asked for (a write-through
         # manager's batches are larger than demote_ahead), so that a step makes
         # one call, not a refused one and a retry.
-        cap_d, cap_r = getattr(self, "_flush_caps", (max(self._demote_ahead, 1), 64))
+        cap_d, cap_r = self._flush_caps
         nd, nr, tk = _i32(), _i32(), _u64()
         while True:
             d = (TierCopyStruct * cap_d)()
