@@ -16,7 +16,11 @@ selects the zero-copy batch_get_v1 / batch_set_v1 path, keep their meaning):
 
     kvplug_valkey         host:port of the shared server ("" or absent: none)
     kvplug_host_bytes     bytes of the local host tier (0 or absent: none);
-                          at least one of the two is required
+                          at least one of the two is required. A hybrid
+                          model's side pools (Mamba states, SWA pages,
+                          registered with register_mem_host_pool_v2) share
+                          it with the KV pages, split in the proportions of
+                          SGLang's own host pools
     kvplug_key_space      the keys' space on the server (default: from the
                           model name); instances that share blocks share it
     kvplug_op_timeout_ms  bound on one server call (default 250)
@@ -314,20 +318,25 @@ def _build() -> Any:
             if not c.is_mla_model:
                 shard += f"|tp{c.tp_rank}/{c.tp_size}"
             self._suffix = f"|{c.model_name or ''}|{shard}"
-            self._stores: Dict[str, PageStore] = {}
+            # name -> (host pool, its page size in tokens, page bytes, shared store or None)
+            self._pools: Dict[str, tuple] = {}
+            self._stores: Dict[str, Optional[PageStore]] = {}
+            self._assembled = False
             self._errors: Counter = Counter()
-            self._lock = threading.Lock()
+            self._bad: Counter = Counter()
+            self._lock = threading.RLock()
 
         # -- setup --
 
-        def _store_for(self, pool: Any, name: str) -> PageStore:
-            store = self._stores.get(name)
-            if store is not None:
-                return store
+        def _register(self, pool: Any, name: str) -> None:
+            """Records a host pool and its page geometry (a pool whose pages
+            cannot be described fails here, at registration, not on the I/O
+            threads). The server connection is made now; the local tier is
+            assembled at the first transfer, once every pool is known (see
+            _assemble)."""
             with self._lock:
-                store = self._stores.get(name)
-                if store is not None:
-                    return store
+                if name in self._pools:
+                    return
                 page = int(getattr(pool, "page_size", 1) or 1)
                 ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
                 page_bytes = int(sum(sizes))
@@ -338,20 +347,59 @@ def _build() -> Any:
                 if self.valkey:
                     shared = SharedStore(self.valkey, self.key_space, fingerprint=fp, block_bytes=page_bytes,
                                          op_timeout_ms=self.op_timeout_ms, ttl_ms=self.ttl_ms, **self.security)
-                host_bytes = self.host_bytes if name == str(PoolName.KV) else 0
-                if shared is None and host_bytes < page_bytes:
-                    host_bytes = self.host_bytes  # a local-only backend keeps every pool locally
-                store = PageStore(page_bytes, host_bytes, shared)
-                self._stores[name] = store
-                return store
+                self._pools[name] = (pool, page, page_bytes, shared)
+                if self._assembled:
+                    # The budget was split already: a pool that comes later
+                    # keeps its pages on the server only.
+                    logger.warning("kvplug HiCache storage: pool %s registered after the first transfer; it has no "
+                                   "local tier", name)
+                    self._stores[name] = self._page_store(name, 0)
+
+        def _page_store(self, name: str, host_bytes: int) -> Optional[PageStore]:
+            _, _, page_bytes, shared = self._pools[name]
+            if shared is None and host_bytes < page_bytes:
+                logger.error("kvplug HiCache storage: pool %s gets %d bytes of kvplug_host_bytes, less than one page "
+                             "of %d bytes, and there is no kvplug_valkey: its pages are not stored", name, host_bytes,
+                             page_bytes)
+                return None
+            return PageStore(page_bytes, host_bytes, shared)
+
+        def _assemble(self) -> None:
+            """Builds every registered pool's PageStore. kvplug_host_bytes is
+            the local tier of all pools together: a hybrid model's side
+            pools (Mamba states, SWA pages) live in it beside the KV pages,
+            so that a local KV hit is not cut short by a state only the
+            server holds (or by the server being down), and the budget is
+            split in the proportions of SGLang's own host pools (its L2),
+            which the engine sized to hold its pools in balance."""
+            with self._lock:
+                if self._assembled:
+                    return
+                pages = {name: int(getattr(pool, "size", 0) or 0) // page
+                         for name, (pool, page, _, _) in self._pools.items()}
+                if not all(pages.values()):
+                    # A pool that does not say its size: as many pages of
+                    # each pool.
+                    pages = {name: 1 for name in self._pools}
+                caps = {name: pages[name] * self._pools[name][2] for name in self._pools}
+                total = sum(caps.values())
+                for name in self._pools:
+                    share = self.host_bytes * caps[name] // total if total else 0
+                    self._stores[name] = self._page_store(name, share)
+                self._assembled = True
+
+        def _store(self, name: str) -> Optional[PageStore]:
+            if not self._assembled:
+                self._assemble()
+            return self._stores.get(name)
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             super().register_mem_pool_host(mem_pool_host)
-            self._store_for(mem_pool_host, str(PoolName.KV))
+            self._register(mem_pool_host, str(PoolName.KV))
 
         def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
-            self._store_for(host_pool, str(host_pool_name))
+            self._register(host_pool, str(host_pool_name))
 
         # -- helpers --
 
@@ -361,7 +409,10 @@ def _build() -> Any:
             return np.frombuffer(raw, dtype=np.uint8).reshape(len(keys), 16)
 
         def _kv(self) -> PageStore:
-            return self._stores[str(PoolName.KV)]
+            store = self._store(str(PoolName.KV))
+            if store is None:
+                raise _lib.InvalidArgumentError("kvplug HiCache storage: no KV pool registered, or no tier holds it")
+            return store
 
         def _fault(self, what: str, exc: BaseException) -> None:
             with self._lock:
@@ -369,18 +420,33 @@ def _build() -> Any:
             logger.exception("kvplug HiCache storage: %s failed: %s", what, exc)
 
         def counters(self) -> Dict[str, int]:
-            """Counts of every pool's tiers (PageStore.counts, summed) and of
-            faults caught (errors)."""
+            """Counts of every pool's tiers (PageStore.counts, summed), of
+            faults caught (errors) and of v2/v1 transfers refused for host
+            indices that are not a page per key (bad_transfers)."""
             out: Counter = Counter()
             for s in list(self._stores.values()):
-                out.update(s.counts)
+                if s is not None:
+                    out.update(s.counts)
             out["errors"] = sum(self._errors.values())
+            out["bad_transfers"] = sum(self._bad.values())
             return dict(out)
 
         def _pool_io(self, pool: Any, store: PageStore, keys: Sequence[str], host_indices: Any, name: str,
                      write: bool) -> List[bool]:
             if not keys:
                 return []
+            page = int(getattr(pool, "page_size", 1) or 1)
+            n = 0 if host_indices is None else int(host_indices.numel())
+            if n != len(keys) * page:
+                # A page per key, page_size host slots each (a Mamba pool's
+                # page is one slot): anything else would pair keys with
+                # other pages' bytes. SGLang ends the transfer at the first
+                # False, as for a miss.
+                with self._lock:
+                    self._bad[name] += 1
+                logger.error("kvplug HiCache storage: %s transfer of %d keys with %d host indices (pages of %d)", name,
+                             len(keys), n, page)
+                return [False] * len(keys)
             ptrs, sizes = pool.get_page_buffer_meta(host_indices)
             p, ln = _segments(ptrs, sizes, len(keys))
             k = self._keys(keys, name)
@@ -500,7 +566,7 @@ def _build() -> Any:
         # -- multi-pool v2 --
 
         def _pool_has(self, name: str, keys: Sequence[str]) -> np.ndarray:
-            store = self._stores.get(name)
+            store = self._store(name)
             if store is None or not keys:
                 return np.zeros(len(keys), bool)
             return store.exists(self._keys(keys, name))
@@ -539,8 +605,10 @@ def _build() -> Any:
             for t in transfers:
                 name, keys = str(t.name), list(t.keys or [])
                 try:
-                    pool = self.registered_pools[t.name] if name != str(PoolName.KV) else self.mem_pool_host
-                    store = self._store_for(pool, name)
+                    store = self._store(name)
+                    if store is None:
+                        raise _lib.InvalidArgumentError(f"no tier holds pool {name} (registered: {sorted(self._pools)})")
+                    pool = self._pools[name][0]
                     out[name] = self._pool_io(pool, store, keys, t.host_indices, name, write)
                 except Exception as exc:
                     self._fault("batch_set_v2" if write else "batch_get_v2", exc)
@@ -560,7 +628,8 @@ def _build() -> Any:
         def clear(self) -> bool:
             try:
                 for s in self._stores.values():
-                    s.clear()
+                    if s is not None:
+                        s.clear()
                 return True
             except Exception as exc:
                 self._fault("clear", exc)
@@ -570,8 +639,14 @@ def _build() -> Any:
             return None
 
         def close(self) -> None:
-            for s in self._stores.values():
-                s.close()
-            self._stores.clear()
+            with self._lock:
+                for name, (_, _, _, shared) in self._pools.items():
+                    store = self._stores.get(name)
+                    if store is not None:
+                        store.close()  # closes its shared store too
+                    elif shared is not None:
+                        shared.close()
+                self._stores.clear()
+                self._pools.clear()
 
     return KvplugHiCacheStorage
