@@ -47,12 +47,34 @@ func kvpgo_tier_copier_create(layers *C.kvp_kv_layers, host unsafe.Pointer, slot
 	if err != nil {
 		return fail(err)
 	}
-	cp, err := tiercopy.New(l, tiercopy.Host{Base: host, SlotBytes: int64(slotBytes), NumSlots: int32(numSlots)})
+	opts, err := tierCopyOptions(&c)
+	if err != nil {
+		return fail(err)
+	}
+	cp, err := tiercopy.New(l, tiercopy.Host{Base: host, SlotBytes: int64(slotBytes), NumSlots: int32(numSlots)}, opts)
 	if err != nil {
 		return fail(err)
 	}
 	*out = (*C.kvp_tier_copier)(newHandle(cp))
 	return C.KVP_OK
+}
+
+// tierCopyOptions is the copier's settings of a kvp_kv_layers' flags:
+// KVP_TIER_COPY_STORE_COPY_ENGINE or none; other bits and a non-zero
+// reserved word are refused, so that a setting of a later version is never
+// taken for another.
+func tierCopyOptions(c *C.kvp_kv_layers) (tiercopy.Options, error) {
+	const known = C.KVP_TIER_COPY_STORE_COPY_ENGINE
+	if c.flags&^known != 0 || c.reserved != 0 {
+		return tiercopy.Options{}, kverr.Errorf(kverr.InvalidArgument,
+			"kvp_tier_copier_create: layers->flags must be 0 or KVP_TIER_COPY_STORE_COPY_ENGINE and layers->reserved 0: got %#x and %d",
+			uint32(c.flags), int32(c.reserved))
+	}
+	var o tiercopy.Options
+	if c.flags&C.KVP_TIER_COPY_STORE_COPY_ENGINE != 0 {
+		o.Stores = tiercopy.StoreCopyEngine
+	}
+	return o, nil
 }
 
 // tierLayersOf is the tier copier's layout of a kvp_kv_layers of n layers:

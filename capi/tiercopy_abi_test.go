@@ -38,6 +38,8 @@ func TestTierCopierCreateRefusals(t *testing.T) {
 		"slot too small":    {func(l *hookKVLayers) {}, true, 240, 4, kverr.InvalidArgument},
 		"no slots":          {func(l *hookKVLayers) {}, true, 256, 0, kverr.InvalidArgument},
 		"no blocks":         {func(l *hookKVLayers) { l.numBlocks = 0 }, true, 256, 4, kverr.InvalidArgument},
+		"unknown flag":      {func(l *hookKVLayers) { l.flags = 2 }, true, 256, 4, kverr.InvalidArgument},
+		"reserved":          {func(l *hookKVLayers) { l.reserved = 1 }, true, 256, 4, kverr.InvalidArgument},
 	} {
 		l := goodKVLayers()
 		tc.edit(&l)
@@ -60,6 +62,30 @@ func TestTierCopierCreateRefusals(t *testing.T) {
 		hookTierCopierDestroy(h)
 	} else if h != nil || (st != abiStatus(kverr.NoDevice) && st != abiStatus(kverr.Unsupported)) {
 		t.Fatalf("create without a GPU: status %d (%s), handle %p", st, lastError(), h)
+	}
+	// Stores by the copy engines: where a GPU is, a copier whose demotions
+	// the legacy default stream (the hook's NULL stream) refuses with
+	// nothing enqueued, and whose reloads it takes; where none is, the
+	// good layout's refusal. A 56-byte (0.3) struct has no flags: the kernel.
+	ce := goodKVLayers()
+	ce.flags = hookTierCopyStoreCopyEngine
+	h2, st := hookTierCopierCreate(ce, true, 256, 4)
+	if cuda.Available() && cuda.BatchCopySupported() == nil {
+		expect(t, "create (copy engine)", st, kverr.OK)
+		expect(t, "copy-engine stores on the legacy stream", hookTierCopierRun(h2, [][2]int32{{1, 1}}, 1, nil, 0), kverr.InvalidArgument)
+		expect(t, "copy-engine copier's reloads", hookTierCopierRun(h2, nil, 0, [][2]int32{{1, 1}}, 1), kverr.OK)
+		hookTierCopierDestroy(h2)
+	} else if h2 != nil || (st != abiStatus(kverr.NoDevice) && st != abiStatus(kverr.Unsupported)) {
+		t.Fatalf("create (copy engine) without a usable GPU: status %d (%s), handle %p", st, lastError(), h2)
+	}
+	old := goodKVLayers()
+	old.structSize, old.flags = 56, 7 // past the caller's struct: never read
+	h3, st := hookTierCopierCreate(old, true, 256, 4)
+	if cuda.Available() {
+		expect(t, "create (56-byte struct)", st, kverr.OK)
+		hookTierCopierDestroy(h3)
+	} else if h3 != nil || (st != abiStatus(kverr.NoDevice) && st != abiStatus(kverr.Unsupported)) {
+		t.Fatalf("create (56-byte struct) without a GPU: status %d (%s), handle %p", st, lastError(), h3)
 	}
 	expect(t, "run on NULL", hookTierCopierRun(nil, nil, 0, nil, 0), kverr.InvalidHandle)
 	expect(t, "run on a destroyed copier", hookTierCopierRun(h, nil, 0, nil, 0), kverr.InvalidHandle)

@@ -14,6 +14,9 @@ import (
 	"unsafe"
 )
 
+// hookTierCopyStoreCopyEngine is KVP_TIER_COPY_STORE_COPY_ENGINE.
+const hookTierCopyStoreCopyEngine = C.KVP_TIER_COPY_STORE_COPY_ENGINE
+
 // hookKVLayers is a kvp_kv_layers; v nil passes NULL.
 type hookKVLayers struct {
 	structSize                             uintptr // 0: the full struct
@@ -21,6 +24,7 @@ type hookKVLayers struct {
 	k, v                                   []uint64
 	nullK                                  bool
 	blockBytes, kBlockStride, vBlockStride int64
+	flags, reserved                        int32
 }
 
 // hookTierCopierCreate creates a copier over host (C memory of slots x
@@ -34,6 +38,7 @@ func hookTierCopierCreate(l hookKVLayers, host bool, slotBytes int64, slots int3
 	}
 	c.num_layers, c.num_blocks = C.int32_t(l.numLayers), C.int32_t(l.numBlocks)
 	c.block_bytes, c.k_block_stride, c.v_block_stride = C.int64_t(l.blockBytes), C.int64_t(l.kBlockStride), C.int64_t(l.vBlockStride)
+	c.flags, c.reserved = C.int32_t(l.flags), C.int32_t(l.reserved)
 	arr := func(v []uint64) *C.uint64_t {
 		p := (*C.uint64_t)(C.calloc(C.size_t(max(len(v), 1)), 8))
 		copy(unsafe.Slice((*uint64)(unsafe.Pointer(p)), len(v)), v)

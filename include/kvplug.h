@@ -67,6 +67,11 @@
  *     beside it group 0's longest cached prefix, where a recurrent
  *     group's hit stops short for want of a checkpoint; an engine ends a
  *     prompt's step there to leave one ("Layer groups").
+ *   - Tier stores by the copy engines: kvp_kv_layers gains flags
+ *     (appended); KVP_TIER_COPY_STORE_COPY_ENGINE makes a tier copier
+ *     hand its demotions to the copy engines (cuMemcpyBatchAsync) instead
+ *     of its kernel, leaving the SMs to the kernels running beside them
+ *     (see "tier copy"). 0 keeps the kernel, as before.
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -1548,7 +1553,8 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * and host slots: every layer's K and V of every block of the batch in one
  * kernel launch per 500 demotions or reloads, on the engine's stream, reading and
  * writing the host slots directly (page-locked, mapped memory). Needs the
- * library's CUDA kernels and a GPU.
+ * library's CUDA kernels and a GPU. With KVP_TIER_COPY_STORE_COPY_ENGINE
+ * (layers->flags) the demotions go to the copy engines instead.
  *
  * Layouts. Block b of layer l is the block_bytes at k[l] + b *
  * k_block_stride (K) and v[l] + b * v_block_stride (V): one contiguous
@@ -1571,10 +1577,10 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * has the same scale kind.
  *
  * Ordering: kvp_tier_copier_run only enqueues, the demotions in launches
- * of their own ahead of the reloads' (a reload may write a GPU block that
- * a demotion of the same batch reads, with demote_evicted), so that on
- * the stream every demotion has read its block before any reload of the
- * batch writes one. The engine records an event
+ * (or batched copies) of their own ahead of the reloads' (a reload may
+ * write a GPU block that a demotion of the same batch reads, with
+ * demote_evicted), so that on the stream every demotion has read its
+ * block before any reload of the batch writes one. The engine records an event
  * on the stream after it and calls kvp_manager_complete_copies once the
  * event has completed; reloads are ordered before the step's attention by
  * running on the step's stream (or an event it waits on).
@@ -1608,7 +1614,21 @@ typedef struct kvp_kv_layers {
    * head_dim), and V in every layer or in none (K only). NULL: the fields
    * above. */
   const struct kvp_paged_kv *const *kv;
+  /* Appended in 0.7. */
+  int32_t flags;    /* 0 or KVP_TIER_COPY_STORE_COPY_ENGINE */
+  int32_t reserved; /* 0 */
 } kvp_kv_layers;
+
+/* kvp_kv_layers.flags: a copier's demotions (GPU block -> host slot) go to
+ * the copy engines, one cuMemcpyBatchAsync a batch with a copy per block,
+ * layer and tensor, instead of the kernel's launches; reloads keep the
+ * kernel. The kernel is faster alone, but its thread blocks take SMs from
+ * the kernels of other streams: write-through stores on a side stream
+ * during a step's forward pass leave them to the step this way. Needs a
+ * CUDA 12.8 or newer driver (create answers UNSUPPORTED otherwise), and a
+ * run with demotions a stream other than the legacy default stream (NULL
+ * or CU_STREAM_LEGACY: INVALID_ARGUMENT), which the batched copy refuses. */
+#define KVP_TIER_COPY_STORE_COPY_ENGINE 1
 
 #define KVP_KV_LAYERS_INIT KVP_STRUCT_INIT(kvp_kv_layers)
 
@@ -1618,9 +1638,10 @@ typedef struct kvp_kv_layers {
  * device unless the engine registered it already (then it is used as it
  * is and left registered at destroy). The layer addresses are copied.
  * Errors: NULL_POINTER (layers, host, out, layers->k), STRUCT_SIZE,
- * INVALID_ARGUMENT (counts, sizes, strides, alignment, a null address),
- * UNSUPPORTED (built without kernels), NO_DEVICE, CUDA (registering the
- * memory), OUT_OF_MEMORY. */
+ * INVALID_ARGUMENT (counts, sizes, strides, alignment, a null address,
+ * unknown flags, reserved not 0), UNSUPPORTED (built without kernels;
+ * KVP_TIER_COPY_STORE_COPY_ENGINE on a driver older than CUDA 12.8),
+ * NO_DEVICE, CUDA (registering the memory), OUT_OF_MEMORY. */
 kvp_status kvp_tier_copier_create(const kvp_kv_layers *layers, void *host, int64_t slot_bytes,
                                   int32_t num_slots, kvp_tier_copier **out);
 
@@ -1632,7 +1653,8 @@ kvp_status kvp_tier_copier_create(const kvp_kv_layers *layers, void *host, int64
  * conflicting direction (a manager's batches never do).
  * Errors: INVALID_HANDLE, NULL_POINTER (an array NULL with its count > 0),
  * INVALID_ARGUMENT (a count < 0, an op out of range, another CUDA context
- * current), CUDA (a launch). */
+ * current, demotions of a KVP_TIER_COPY_STORE_COPY_ENGINE copier on the
+ * legacy default stream), CUDA (a launch, a batched copy). */
 kvp_status kvp_tier_copier_run(kvp_tier_copier *c, const kvp_tier_copy *demote, int32_t num_demote,
                                const kvp_tier_copy *reload, int32_t num_reload, void *stream);
 

@@ -17,9 +17,19 @@
 // layers*kv*ChunkBytes + (l*kv + t)*ScaleChunkBytes, so that a slot is one
 // contiguous value (what the shared tier stores) and a block never moves
 // without its scales.
+//
+// Demotions may instead go through the copy engines (Options.Stores,
+// StoreCopyEngine): one cuMemcpyBatchAsync call a batch, a copy per
+// block, layer and tensor. The kernel copies a batch faster alone, but its
+// thread blocks share the SMs with whatever runs beside it; stores of a
+// write-through tier run on a side stream during the step's forward pass,
+// where the copy engines leave the SMs to the step. Reloads always use the
+// kernel: they sit ahead of the step's attention, where only their speed
+// counts.
 package tiercopy
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -194,6 +204,39 @@ func (h *Host) validate(l *Layers) error {
 // Op is one block's copy: GPU block Block and host slot Slot.
 type Op struct{ Block, Slot int32 }
 
+// StoreEngine is what copies a batch's demotions (GPU block -> host slot).
+type StoreEngine int32
+
+const (
+	// StoreKernel copies demotions with the tier copy kernel, as reloads.
+	StoreKernel StoreEngine = iota
+	// StoreCopyEngine enqueues demotions on the copy engines, one
+	// cuMemcpyBatchAsync a batch (up to maxBatchCopies copies), leaving
+	// the SMs to the kernels of other streams. Needs a CUDA 12.8 or newer
+	// driver, and a stream other than the legacy default stream.
+	StoreCopyEngine
+)
+
+func (e StoreEngine) String() string {
+	switch e {
+	case StoreKernel:
+		return "kernel"
+	case StoreCopyEngine:
+		return "copy-engine"
+	}
+	return fmt.Sprintf("StoreEngine(%d)", int32(e))
+}
+
+// Options are a copier's settings; the zero value is the default.
+type Options struct {
+	Stores StoreEngine
+}
+
+// maxBatchCopies bounds the copies of one cuMemcpyBatchAsync call, and so
+// the copier's batch arrays (24 bytes a copy): a batch of more demotions
+// is split into calls of whole blocks.
+const maxBatchCopies = 1 << 16
+
 // Copier runs tier copies for one KV layout and one host region, in the
 // CUDA context it was created in. Safe for concurrent use.
 type Copier struct {
@@ -206,12 +249,17 @@ type Copier struct {
 	ctx       cuda.Context
 	reg       cuda.HostRegistration
 	closed    bool
+
+	stores   StoreEngine
+	storeOps int            // demotions per batched copy call (StoreCopyEngine)
+	batch    cuda.CopyBatch // the batched copy's arrays, reused from Run to Run
 }
 
 // region is one launch's share of a block: a chunk per (layer, tensor)
 // from the device arrays of table to the host slot's bytes at hostOff.
 type region struct {
-	table            cuda.DevicePtr // uint64 [layers][2], device memory
+	table            cuda.DevicePtr   // uint64 [layers][2], device memory
+	k, v             []cuda.DevicePtr // the same table on the host, for the batched copy (v nil: K only)
 	chunk, kStride   int64
 	vStride, hostOff int64
 	parts, perOp     int64 // thread blocks per chunk, and per op (layers x tensors x parts)
@@ -219,38 +267,20 @@ type region struct {
 
 // New registers the host region (page-locked and mapped; memory the engine
 // registered already is used as it is) and uploads the layer table, in the
-// calling thread's CUDA context.
-func New(l Layers, h Host) (*Copier, error) {
-	if err := l.validate(); err != nil {
-		return nil, err
-	}
-	if err := h.validate(&l); err != nil {
+// calling thread's CUDA context. With o.Stores StoreCopyEngine it refuses,
+// UNSUPPORTED, a driver without the batched copy.
+func New(l Layers, h Host, o Options) (*Copier, error) {
+	c, err := newCopier(l, h, o)
+	if err != nil {
 		return nil, err
 	}
 	if !kernels.Built() {
 		return nil, kverr.Errorf(kverr.Unsupported, "tier copy: this kvplug library was built without its CUDA kernels (no kernels/%s at build time, or KERNELS=off)", kernels.FatbinPath)
 	}
-	c := &Copier{layers: l, host: h, kv: l.KV()}
-	c.layers.K = append([]cuda.DevicePtr(nil), l.K...)
-	if l.V != nil {
-		c.layers.V = append([]cuda.DevicePtr(nil), l.V...)
-	}
-	c.regions = []region{{chunk: l.ChunkBytes, kStride: l.KBlockStride, vStride: l.VBlockStride}}
-	tables := [][2][]cuda.DevicePtr{{l.K, l.V}}
-	if l.KScale != nil {
-		c.regions = append(c.regions, region{chunk: l.ScaleChunkBytes, kStride: l.ScaleBlockStride, vStride: l.ScaleBlockStride,
-			hostOff: l.kvBytes()})
-		tables = append(tables, [2][]cuda.DevicePtr{l.KScale, l.VScale})
-	}
-	c.perLaunch = OpsPerLaunch
-	for i := range c.regions {
-		r := &c.regions[i]
-		r.parts = (r.chunk + ctaByte - 1) / ctaByte
-		r.perOp = int64(len(l.K)*c.kv) * r.parts
-		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
-	}
-	if c.perLaunch < 1 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
+	if c.stores == StoreCopyEngine {
+		if err := cuda.BatchCopySupported(); err != nil {
+			return nil, kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
+		}
 	}
 
 	runtime.LockOSThread()
@@ -260,8 +290,9 @@ func New(l Layers, h Host) (*Copier, error) {
 		return nil, err
 	}
 	c.ctx = ctx
-	for i, kv := range tables {
-		if c.regions[i].table, err = uploadTable(kv[0], kv[1]); err != nil {
+	for i := range c.regions {
+		r := &c.regions[i]
+		if r.table, err = uploadTable(r.k, r.v); err != nil {
 			c.freeTables()
 			return nil, err
 		}
@@ -271,6 +302,71 @@ func New(l Layers, h Host) (*Copier, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// newCopier checks the layout, the host region and the options and plans
+// the copies, touching no device.
+func newCopier(l Layers, h Host, o Options) (*Copier, error) {
+	if err := l.validate(); err != nil {
+		return nil, err
+	}
+	if err := h.validate(&l); err != nil {
+		return nil, err
+	}
+	if o.Stores != StoreKernel && o.Stores != StoreCopyEngine {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: unknown store engine %d", int32(o.Stores))
+	}
+	c := &Copier{layers: l, host: h, kv: l.KV(), stores: o.Stores}
+	clone := func(p []cuda.DevicePtr) []cuda.DevicePtr {
+		if p == nil {
+			return nil
+		}
+		return append([]cuda.DevicePtr(nil), p...)
+	}
+	c.layers.K, c.layers.V = clone(l.K), clone(l.V)
+	c.layers.KScale, c.layers.VScale = clone(l.KScale), clone(l.VScale)
+	c.regions = []region{{k: c.layers.K, v: c.layers.V, chunk: l.ChunkBytes, kStride: l.KBlockStride, vStride: l.VBlockStride}}
+	if l.KScale != nil {
+		c.regions = append(c.regions, region{k: c.layers.KScale, v: c.layers.VScale,
+			chunk: l.ScaleChunkBytes, kStride: l.ScaleBlockStride, vStride: l.ScaleBlockStride, hostOff: l.kvBytes()})
+	}
+	c.perLaunch = OpsPerLaunch
+	copiesPerOp := 0
+	for i := range c.regions {
+		r := &c.regions[i]
+		r.parts = (r.chunk + ctaByte - 1) / ctaByte
+		r.perOp = int64(len(l.K)*c.kv) * r.parts
+		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
+		copiesPerOp += len(l.K) * c.kv
+	}
+	if c.perLaunch < 1 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
+	}
+	c.storeOps = max(1, maxBatchCopies/copiesPerOp)
+	return c, nil
+}
+
+// appendStores appends to b the batched copies of demotions ops: per op,
+// region, layer and tensor, the chunk of the GPU block to its place in the
+// host slot. The host slots are addressed by their host address, which
+// the driver knows as registered host memory (unified addressing).
+func (c *Copier) appendStores(b *cuda.CopyBatch, ops []Op) {
+	host := cuda.DevicePtr(uintptr(c.host.Base))
+	for _, o := range ops {
+		slot := host + cuda.DevicePtr(int64(o.Slot)*c.host.SlotBytes)
+		for ri := range c.regions {
+			r := &c.regions[ri]
+			dst := slot + cuda.DevicePtr(r.hostOff)
+			for l := range r.k {
+				b.Add(dst, r.k[l]+cuda.DevicePtr(int64(o.Block)*r.kStride), r.chunk)
+				dst += cuda.DevicePtr(r.chunk)
+				if r.v != nil {
+					b.Add(dst, r.v[l]+cuda.DevicePtr(int64(o.Block)*r.vStride), r.chunk)
+					dst += cuda.DevicePtr(r.chunk)
+				}
+			}
+		}
+	}
 }
 
 // uploadTable copies a region's layer table, uint64 [layers][2] (K, V; V 0
@@ -311,12 +407,13 @@ func (c *Copier) freeTables() error {
 
 // Run enqueues the copies on stream (a stream of the copier's context):
 // demotions (block -> slot) and reloads (slot -> block), the demotions in
-// launches of their own ahead of the reloads' (a reload may overwrite a
-// block that a demotion of the batch reads). It returns once
-// they are enqueued; the engine records an event after it and reports the
-// batch complete when the event has completed. Every op is checked before
-// anything is launched: a bad one fails the call with nothing enqueued.
-// The slices are only read during the call.
+// launches (or batched copies) of their own ahead of the reloads' (a
+// reload may overwrite a block that a demotion of the batch reads). It
+// returns once they are enqueued; the engine records an event after it
+// and reports the batch complete when the event has completed. Every op,
+// and with StoreCopyEngine the stream (not the legacy default stream), is
+// checked before anything is enqueued: a bad one fails the call with
+// nothing enqueued. The slices are only read during the call.
 func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -334,6 +431,12 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 	n := len(demote) + len(reload)
 	if n == 0 {
 		return nil
+	}
+	byCopyEngine := c.stores == StoreCopyEngine && len(demote) > 0
+	if byCopyEngine {
+		if err := cuda.CheckBatchStream(stream); err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
+		}
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()

@@ -62,7 +62,7 @@ func TestValidate(t *testing.T) {
 	for name, f := range bad {
 		l, h := goodLayers(), host
 		f(&l, &h)
-		_, err := New(l, h)
+		_, err := New(l, h, Options{})
 		if kverr.CodeOf(err) != kverr.InvalidArgument {
 			t.Errorf("%s: New gave %v, want InvalidArgument", name, err)
 		}
@@ -99,7 +99,7 @@ func TestValidate(t *testing.T) {
 	}
 	many := goodLayers()
 	many.K = make([]cuda.DevicePtr, 1025)
-	if _, err := New(many, host); kverr.CodeOf(err) != kverr.InvalidArgument {
+	if _, err := New(many, host, Options{}); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Errorf("1025 layers: %v", err)
 	}
 }
@@ -107,158 +107,310 @@ func TestValidate(t *testing.T) {
 // TestGPURoundTrip demotes random blocks of every layer's K and V (and,
 // for an e4m3-like layout, their per-block scales) into host slots, checks
 // the slot bytes against the caches at the documented offsets, poisons the
-// caches and reloads the slots into other blocks, then checks those blocks.
-// 1203 ops take three launches a region. It skips only where there is no
-// NVIDIA device (internal/gputest). Run on a GPU machine with
+// caches and reloads the slots into other blocks, then checks those blocks,
+// with each store engine (the kernel; the copy engines, which refuse the
+// legacy default stream). 1203 ops take three launches a region, or three
+// batched copies. Last, one call demotes a block and reloads another slot
+// into it: the slot gets the block's bytes from before the reload. It
+// skips only where there is no NVIDIA device (internal/gputest). Run on a
+// GPU machine with
 //
 //	go test -c -o .device/tiercopy.test ./core/tiercopy && KVPLUG_REQUIRE_GPU=1 .device/tiercopy.test -test.run GPU -test.v
 func TestGPURoundTrip(t *testing.T) {
 	gputest.Need(t)
-	for _, tc := range []struct {
-		name                 string
-		layers, chunk, scale int // scale: a block's scales of one tensor (0: none)
-		kOnly                bool
-		ops                  int
-	}{
+	for _, tc := range []roundTripCase{
 		{"llama-like", 4, 32768, 0, false, 40},
 		{"small-chunks-many-ops", 2, 48, 0, false, 1203},
 		{"k-only", 3, 20000, 0, true, 17},
 		{"e4m3-with-scales", 3, 16384, 512, false, 700},
 		{"e4m3-k-only-scales", 2, 2048, 16, true, 33},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			kv := 2
-			if tc.kOnly {
-				kv = 1
-			}
-			const blocks = 1300
-			rng := rand.New(rand.NewPCG(uint64(tc.layers), uint64(tc.chunk)))
-			// One device array per (region, layer, tensor): the K/V chunks,
-			// then the scales; a gap of 32 bytes between blocks, never copied.
-			type array struct {
-				host          []byte
-				ptr           cuda.DevicePtr
-				chunk, stride int64
-				slotOff       int64 // its chunk's offset in a host slot
-			}
-			var arrays []array
-			l := Layers{NumBlocks: blocks}
-			regions := []int64{int64(tc.chunk)}
-			if tc.scale > 0 {
-				regions = append(regions, int64(tc.scale))
-			}
-			var off int64
-			for ri, chunk := range regions {
-				stride := chunk + 32
-				for layer := 0; layer < tc.layers; layer++ {
-					for tt := 0; tt < kv; tt++ {
-						a := array{host: make([]byte, int64(blocks)*stride), chunk: chunk, stride: stride, slotOff: off}
-						off += chunk
-						for j := range a.host {
-							a.host[j] = byte(rng.Uint32())
-						}
-						p, err := cuda.MemAlloc(len(a.host))
-						if err != nil {
-							t.Fatal(err)
-						}
-						defer cuda.MemFree(p)
-						if err := cuda.CopyToDevice(p, a.host); err != nil {
-							t.Fatal(err)
-						}
-						a.ptr = p
-						arrays = append(arrays, a)
-						dst := [][]*[]cuda.DevicePtr{{&l.K, &l.V}, {&l.KScale, &l.VScale}}[ri][tt]
-						*dst = append(*dst, p)
-					}
-				}
-				if ri == 0 {
-					l.ChunkBytes, l.KBlockStride, l.VBlockStride = chunk, stride, stride
-				} else {
-					l.ScaleChunkBytes, l.ScaleBlockStride = chunk, stride
-				}
-			}
-			slotBytes := l.SlotBytesNeeded() + 16
-			if slotBytes-16 != off {
-				t.Fatalf("SlotBytesNeeded %d, want the regions' %d", slotBytes-16, off)
-			}
-			slots := tc.ops + 3
-			mem := alignedHost(int(slotBytes) * slots)
-			for i := range mem {
-				mem[i] = 0xEE // poison
-			}
-			c, err := New(l, Host{Base: unsafe.Pointer(&mem[0]), SlotBytes: slotBytes, NumSlots: int32(slots)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+		for _, stores := range []StoreEngine{StoreKernel, StoreCopyEngine} {
+			t.Run(tc.name+"/"+stores.String(), func(t *testing.T) { roundTrip(t, tc, stores) })
+		}
+	}
+}
 
-			perm := rng.Perm(blocks)
-			demote := make([]Op, tc.ops)
-			for i := range demote {
-				demote[i] = Op{Block: int32(perm[i]), Slot: int32(slots - 1 - i)}
-			}
-			// An op out of range fails the whole call before any launch.
-			bad := append(append([]Op(nil), demote...), Op{Block: blocks, Slot: 0})
-			if err := c.Run(bad, nil, 0); kverr.CodeOf(err) != kverr.InvalidArgument {
-				t.Fatalf("out-of-range op: %v", err)
-			}
-			if err := c.Run(demote, nil, 0); err != nil {
-				t.Fatal(err)
-			}
-			if err := cuda.StreamSynchronize(0); err != nil {
-				t.Fatal(err)
-			}
-			chunk := func(a *array, b int) []byte { return a.host[int64(b)*a.stride : int64(b)*a.stride+a.chunk] }
-			for i, o := range demote {
-				slot := mem[int64(o.Slot)*slotBytes : int64(o.Slot+1)*slotBytes]
-				for j := range arrays {
-					a := &arrays[j]
-					if !bytes.Equal(slot[a.slotOff:a.slotOff+a.chunk], chunk(a, int(o.Block))) {
-						t.Fatalf("demote op %d (block %d -> slot %d): array %d differs", i, o.Block, o.Slot, j)
-					}
+type roundTripCase struct {
+	name                 string
+	layers, chunk, scale int // scale: a block's scales of one tensor (0: none)
+	kOnly                bool
+	ops                  int
+}
+
+func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
+	kv := 2
+	if tc.kOnly {
+		kv = 1
+	}
+	const blocks = 1300
+	rng := rand.New(rand.NewPCG(uint64(tc.layers), uint64(tc.chunk)))
+	// One device array per (region, layer, tensor): the K/V chunks,
+	// then the scales; a gap of 32 bytes between blocks, never copied.
+	type array struct {
+		host          []byte
+		ptr           cuda.DevicePtr
+		chunk, stride int64
+		slotOff       int64 // its chunk's offset in a host slot
+	}
+	var arrays []array
+	l := Layers{NumBlocks: blocks}
+	regions := []int64{int64(tc.chunk)}
+	if tc.scale > 0 {
+		regions = append(regions, int64(tc.scale))
+	}
+	var off int64
+	for ri, chunk := range regions {
+		stride := chunk + 32
+		for layer := 0; layer < tc.layers; layer++ {
+			for tt := 0; tt < kv; tt++ {
+				a := array{host: make([]byte, int64(blocks)*stride), chunk: chunk, stride: stride, slotOff: off}
+				off += chunk
+				for j := range a.host {
+					a.host[j] = byte(rng.Uint32())
 				}
-				if !bytes.Equal(slot[l.SlotBytesNeeded():], bytes.Repeat([]byte{0xEE}, 16)) {
-					t.Fatalf("demote op %d wrote past the layout's bytes", i)
-				}
-			}
-			// Reload every slot into other blocks, poisoned first.
-			reload := make([]Op, tc.ops)
-			for i := range reload {
-				reload[i] = Op{Block: int32(perm[blocks-1-i]), Slot: demote[i].Slot}
-			}
-			for j := range arrays {
-				a := &arrays[j]
-				for _, o := range reload {
-					copy(chunk(a, int(o.Block)), bytes.Repeat([]byte{0xA5}, int(a.chunk)))
-				}
-				if err := cuda.CopyToDevice(a.ptr, a.host); err != nil {
+				p, err := cuda.MemAlloc(len(a.host))
+				if err != nil {
 					t.Fatal(err)
 				}
-			}
-			if err := c.Run(nil, reload, 0); err != nil {
-				t.Fatal(err)
-			}
-			for j := range arrays {
-				a := &arrays[j]
-				got := make([]byte, len(a.host))
-				if err := cuda.CopyFromDevice(got, a.ptr); err != nil {
+				defer cuda.MemFree(p)
+				if err := cuda.CopyToDevice(p, a.host); err != nil {
 					t.Fatal(err)
 				}
-				want := append([]byte(nil), a.host...)
-				for _, o := range reload {
-					slot := mem[int64(o.Slot)*slotBytes:]
-					copy(want[int64(o.Block)*a.stride:int64(o.Block)*a.stride+a.chunk], slot[a.slotOff:a.slotOff+a.chunk])
-				}
-				if !bytes.Equal(got, want) {
-					t.Fatalf("array %d after the reloads differs from the expected cache (other blocks and the gaps must be untouched)", j)
-				}
+				a.ptr = p
+				arrays = append(arrays, a)
+				dst := [][]*[]cuda.DevicePtr{{&l.K, &l.V}, {&l.KScale, &l.VScale}}[ri][tt]
+				*dst = append(*dst, p)
 			}
-			if err := c.Close(); err != nil {
-				t.Fatal(err)
+		}
+		if ri == 0 {
+			l.ChunkBytes, l.KBlockStride, l.VBlockStride = chunk, stride, stride
+		} else {
+			l.ScaleChunkBytes, l.ScaleBlockStride = chunk, stride
+		}
+	}
+	slotBytes := l.SlotBytesNeeded() + 16
+	if slotBytes-16 != off {
+		t.Fatalf("SlotBytesNeeded %d, want the regions' %d", slotBytes-16, off)
+	}
+	slots := tc.ops + 3
+	mem := alignedHost(int(slotBytes) * slots)
+	for i := range mem {
+		mem[i] = 0xEE // poison
+	}
+	c, err := New(l, Host{Base: unsafe.Pointer(&mem[0]), SlotBytes: slotBytes, NumSlots: int32(slots)}, Options{Stores: stores})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.storeOps = min(c.storeOps, OpsPerLaunch)
+	stream, err := cuda.StreamCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cuda.StreamDestroy(stream)
+
+	perm := rng.Perm(blocks)
+	demote := make([]Op, tc.ops)
+	for i := range demote {
+		demote[i] = Op{Block: int32(perm[i]), Slot: int32(slots - 1 - i)}
+	}
+	// An op out of range fails the whole call before any launch.
+	bad := append(append([]Op(nil), demote...), Op{Block: blocks, Slot: 0})
+	if err := c.Run(bad, nil, stream); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Fatalf("out-of-range op: %v", err)
+	}
+	if err := c.Run(demote, nil, 0); (stores == StoreCopyEngine) != (kverr.CodeOf(err) == kverr.InvalidArgument) {
+		t.Fatalf("stores by %s on the legacy default stream: %v", stores, err)
+	}
+	if err := cuda.StreamSynchronize(0); err != nil {
+		t.Fatal(err)
+	}
+	for i := range mem {
+		mem[i] = 0xEE
+	}
+	if err := c.Run(demote, nil, stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := cuda.StreamSynchronize(stream); err != nil {
+		t.Fatal(err)
+	}
+	chunk := func(a *array, b int) []byte { return a.host[int64(b)*a.stride : int64(b)*a.stride+a.chunk] }
+	for i, o := range demote {
+		slot := mem[int64(o.Slot)*slotBytes : int64(o.Slot+1)*slotBytes]
+		for j := range arrays {
+			a := &arrays[j]
+			if !bytes.Equal(slot[a.slotOff:a.slotOff+a.chunk], chunk(a, int(o.Block))) {
+				t.Fatalf("demote op %d (block %d -> slot %d): array %d differs", i, o.Block, o.Slot, j)
 			}
-			if err := c.Run(demote, nil, 0); kverr.CodeOf(err) != kverr.InvalidHandle {
-				t.Fatalf("Run after Close: %v", err)
-			}
-		})
+		}
+		if !bytes.Equal(slot[l.SlotBytesNeeded():], bytes.Repeat([]byte{0xEE}, 16)) {
+			t.Fatalf("demote op %d wrote past the layout's bytes", i)
+		}
+	}
+	// Reload every slot into other blocks, poisoned first.
+	reload := make([]Op, tc.ops)
+	for i := range reload {
+		reload[i] = Op{Block: int32(perm[blocks-1-i]), Slot: demote[i].Slot}
+	}
+	for j := range arrays {
+		a := &arrays[j]
+		for _, o := range reload {
+			copy(chunk(a, int(o.Block)), bytes.Repeat([]byte{0xA5}, int(a.chunk)))
+		}
+		if err := cuda.CopyToDevice(a.ptr, a.host); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.Run(nil, reload, stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := cuda.StreamSynchronize(stream); err != nil {
+		t.Fatal(err)
+	}
+	for j := range arrays {
+		a := &arrays[j]
+		got := make([]byte, len(a.host))
+		if err := cuda.CopyFromDevice(got, a.ptr); err != nil {
+			t.Fatal(err)
+		}
+		want := append([]byte(nil), a.host...)
+		for _, o := range reload {
+			slot := mem[int64(o.Slot)*slotBytes:]
+			copy(want[int64(o.Block)*a.stride:int64(o.Block)*a.stride+a.chunk], slot[a.slotOff:a.slotOff+a.chunk])
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("array %d after the reloads differs from the expected cache (other blocks and the gaps must be untouched)", j)
+		}
+	}
+	for j := range arrays {
+		a := &arrays[j]
+		if err := cuda.CopyFromDevice(a.host, a.ptr); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// One call: block x to the free slot 0, and slot 3 into block x.
+	x := reload[0].Block
+	if err := c.Run([]Op{{Block: x, Slot: 0}}, []Op{{Block: x, Slot: 3}}, stream); err != nil {
+		t.Fatal(err)
+	}
+	if err := cuda.StreamSynchronize(stream); err != nil {
+		t.Fatal(err)
+	}
+	for j := range arrays {
+		a := &arrays[j]
+		got := make([]byte, a.chunk)
+		if err := cuda.CopyFromDevice(got, a.ptr+cuda.DevicePtr(int64(x)*a.stride)); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(mem[a.slotOff:a.slotOff+a.chunk], chunk(a, int(x))) {
+			t.Fatalf("array %d: the slot demoted in the reload's call holds other bytes than the block had before it", j)
+		}
+		if !bytes.Equal(got, mem[3*slotBytes+a.slotOff:3*slotBytes+a.slotOff+a.chunk]) {
+			t.Fatalf("array %d: block %d after the reload differs from slot 3", j, x)
+		}
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(demote, nil, stream); kverr.CodeOf(err) != kverr.InvalidHandle {
+		t.Fatalf("Run after Close: %v", err)
+	}
+}
+
+// The copy engines' batch of a demotion list: per op, per region (the K/V
+// chunks, then the scales), per layer, K then V, one copy of the block's
+// chunk (base + block x stride) to its place in the slot (the package
+// comment's offsets), in that order; a K-only layout copies K alone.
+func TestStoreBatch(t *testing.T) {
+	mem := alignedHost(6 * 320)
+	base := cuda.DevicePtr(uintptr(unsafe.Pointer(&mem[0])))
+	l := goodLayers()
+	l.KScale, l.VScale = []cuda.DevicePtr{0x5000, 0x6000}, []cuda.DevicePtr{0x7000, 0x8000}
+	l.ScaleChunkBytes, l.ScaleBlockStride = 16, 32
+	h := Host{Base: unsafe.Pointer(&mem[0]), SlotBytes: 320, NumSlots: 6}
+	c, err := newCopier(l, h, Options{Stores: StoreCopyEngine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := maxBatchCopies / 8; c.storeOps != want {
+		t.Fatalf("storeOps = %d, want %d (8 copies a block)", c.storeOps, want)
+	}
+	ops := []Op{{Block: 3, Slot: 5}, {Block: 0, Slot: 0}, {Block: 7, Slot: 2}}
+	var b cuda.CopyBatch
+	c.appendStores(&b, ops)
+	type cp struct {
+		dst, src cuda.DevicePtr
+		n        uintptr
+	}
+	var want []cp
+	for _, o := range ops {
+		slot := base + cuda.DevicePtr(int64(o.Slot)*h.SlotBytes)
+		for layer := range 2 {
+			want = append(want,
+				cp{slot + cuda.DevicePtr((layer*2+0)*64), l.K[layer] + cuda.DevicePtr(int64(o.Block)*l.KBlockStride), 64},
+				cp{slot + cuda.DevicePtr((layer*2+1)*64), l.V[layer] + cuda.DevicePtr(int64(o.Block)*l.VBlockStride), 64})
+		}
+		for layer := range 2 {
+			want = append(want,
+				cp{slot + 256 + cuda.DevicePtr((layer*2+0)*16), l.KScale[layer] + cuda.DevicePtr(int64(o.Block)*32), 16},
+				cp{slot + 256 + cuda.DevicePtr((layer*2+1)*16), l.VScale[layer] + cuda.DevicePtr(int64(o.Block)*32), 16})
+		}
+	}
+	if b.Len() != len(want) {
+		t.Fatalf("%d copies, want %d", b.Len(), len(want))
+	}
+	for i, w := range want {
+		if got := (cp{b.Dst[i], b.Src[i], b.Size[i]}); got != w {
+			t.Errorf("copy %d = {dst %#x, src %#x, %d}, want {dst %#x, src %#x, %d}", i, got.dst, got.src, got.n, w.dst, w.src, w.n)
+		}
+	}
+	// The copier's tables are its own: the caller's slices may change.
+	l.K[0], l.KScale[1] = 0x9000, 0xa000
+	b.Reset()
+	c.appendStores(&b, ops[:1])
+	if b.Src[0] != 0x1000+3*64 || b.Src[6] != 0x6000+3*32 {
+		t.Fatalf("the batch follows the caller's slices after New: %#x %#x", b.Src[0], b.Src[6])
+	}
+
+	kOnly := goodLayers()
+	kOnly.V = nil
+	c, err = newCopier(kOnly, Host{Base: h.Base, SlotBytes: 128, NumSlots: 6}, Options{Stores: StoreCopyEngine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Reset()
+	c.appendStores(&b, []Op{{Block: 1, Slot: 4}})
+	if b.Len() != 2 || b.Dst[1] != base+4*128+64 || b.Src[1] != 0x2000+64 {
+		t.Fatalf("K-only: %d copies, second {dst %#x, src %#x}", b.Len(), b.Dst[1], b.Src[1])
+	}
+}
+
+// A store engine is one of the two; the copy engines refuse the legacy
+// default stream before anything is enqueued, and a copier for them is
+// refused where the driver (or the kernels, which reloads use) is missing.
+func TestStoreEngineOptions(t *testing.T) {
+	mem := alignedHost(4 * 256)
+	host := Host{Base: unsafe.Pointer(&mem[0]), SlotBytes: 256, NumSlots: 4}
+	if _, err := New(goodLayers(), host, Options{Stores: 2}); kverr.CodeOf(err) != kverr.InvalidArgument {
+		t.Errorf("store engine 2: %v", err)
+	}
+	if StoreKernel.String() != "kernel" || StoreCopyEngine.String() != "copy-engine" {
+		t.Errorf("names %q %q", StoreKernel, StoreCopyEngine)
+	}
+	c, err := newCopier(goodLayers(), host, Options{Stores: StoreCopyEngine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []cuda.Stream{0, 1} {
+		if err := c.Run([]Op{{Block: 1, Slot: 1}}, nil, s); kverr.CodeOf(err) != kverr.InvalidArgument {
+			t.Errorf("stores by the copy engines on stream %d: %v", s, err)
+		}
+	}
+	if cuda.Load() != nil {
+		_, err := New(goodLayers(), host, Options{Stores: StoreCopyEngine})
+		if code := kverr.CodeOf(err); code != kverr.Unsupported && code != kverr.NoDevice {
+			t.Errorf("a copy-engine copier without a driver: %v", err)
+		}
 	}
 }
