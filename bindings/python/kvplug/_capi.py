@@ -225,7 +225,7 @@ class KVLayersStruct(ctypes.Structure):
     _fields_ = [("struct_size", _size)] + _ints(_i32, "num_layers", "num_blocks") + _ints(
         _vp, "k", "v") + _ints(_i64, "block_bytes", "k_block_stride", "v_block_stride") + [
         ("kv", ctypes.POINTER(ctypes.POINTER(PagedKV))),  # appended in 0.4: per-layer descriptors; NULL: the fields above
-    ]
+    ] + _ints(_i32, "flags", "reserved")  # appended in 0.7: KVP_TIER_COPY_STORE_COPY_ENGINE
 
 
 # --------------------------------------------------------------------------

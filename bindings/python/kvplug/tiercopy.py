@@ -18,6 +18,12 @@ batch in one kernel launch on the given stream:
 Close the copier (or leave its with block) before closing the Manager whose
 memory it registered. Needs a GPU and the library's kernels.
 
+store_engine="copy-engine" hands the demotions (GPU -> host) to the copy
+engines, one batched copy (cuMemcpyBatchAsync, a CUDA 12.8+ driver) a
+batch instead of the kernel's launches, so that stores running on a side
+stream leave the SMs to the kernels beside them; reloads keep the kernel.
+Its demotions need a stream other than the legacy default stream.
+
 FP8 caches (torch.float8_e4m3fn, [num_blocks, block_size, kv_heads,
 head_dim]) come with their scales, k_scales= and v_scales= (a layer's
 float32 tensors as kv_write takes them): per-token-head scales move with
@@ -38,7 +44,20 @@ from ._capi import KVLayersStruct, PagedKV, TierCopyStruct
 from ._lib import C
 from ._tensors import check as _check, torch as _torch
 
-__all__ = ["TierCopier"]
+__all__ = ["TierCopier", "STORE_ENGINES"]
+
+STORE_COPY_ENGINE = 1  # KVP_TIER_COPY_STORE_COPY_ENGINE (kvp_kv_layers.flags)
+
+# TierCopier's store_engine values -> kvp_kv_layers.flags.
+STORE_ENGINES = {"kernel": 0, "copy-engine": STORE_COPY_ENGINE}
+
+
+def _store_flags(store_engine: str) -> int:
+    flags = STORE_ENGINES.get(store_engine) if isinstance(store_engine, str) else None
+    if flags is None:
+        raise _lib.error_for(int(_lib.Status.INVALID_ARGUMENT),
+                             f"TierCopier: store_engine must be one of {sorted(STORE_ENGINES)}, not {store_engine!r}")
+    return flags
 
 
 def _ops(blocks: Any, slots: Any, what: str) -> tuple:
@@ -64,13 +83,15 @@ class TierCopier(_lib.Owner):
     block_size, kv_heads, head_dim] or [num_blocks, kv_heads, block_size,
     head_dim]); v_caches None copies K only. The host memory is the
     manager's (manager=) or `host`, a C-contiguous uint8 array of shape
-    [num_slots, slot_bytes] that outlives the copier."""
+    [num_slots, slot_bytes] that outlives the copier. store_engine:
+    "kernel" (the default) or "copy-engine" (see the module docstring)."""
 
     _destroy = "kvp_tier_copier_destroy"
 
     def __init__(self, k_caches: Sequence[Any], v_caches: Optional[Sequence[Any]] = None, *,
                  manager: Any = None, host: Any = None, k_scales: Optional[Sequence[Any]] = None,
-                 v_scales: Optional[Sequence[Any]] = None) -> None:
+                 v_scales: Optional[Sequence[Any]] = None, store_engine: str = "kernel") -> None:
+        flags = _store_flags(store_engine)
         torch = _torch()
         k = list(k_caches)
         v = None if v_caches is None else list(v_caches)
@@ -94,6 +115,7 @@ class TierCopier(_lib.Owner):
         lay = KVLayersStruct()
         lay.struct_size = ctypes.sizeof(KVLayersStruct)
         lay.num_layers = len(k)
+        lay.flags = flags
         scale_bytes = 0
         if _t.is_e4m3(ref) or k_scales is not None or v_scales is not None:
             descs, scale_bytes = self._descriptors(k, v, k_scales, v_scales)
@@ -122,6 +144,7 @@ class TierCopier(_lib.Owner):
         # Kept alive: the copier reads and writes them.
         self._keep = (k, v, k_scales, v_scales, host, manager, keep)
         self.device = ref.device
+        self.store_engine = store_engine
         self.block_bytes = ref[0].numel() * esize
         kv = 1 if v is None else 2
         self.slot_bytes_needed = (self.block_bytes + scale_bytes) * len(k) * kv
@@ -153,7 +176,9 @@ class TierCopier(_lib.Owner):
         """Enqueues a batch's copies on stream (a torch.cuda.Stream, a raw
         cudaStream_t int, or None: the current stream): batch is a
         Manager.flush_copies() CopyBatch, or give demote=(blocks, slots)
-        and/or reload=(slots, blocks). Returns once enqueued."""
+        and/or reload=(slots, blocks). Returns once enqueued. A
+        "copy-engine" copier's demotions are refused (InvalidArgumentError)
+        on the legacy default stream (0, torch's default stream)."""
         if self._h is None:
             raise _lib.error_for(int(_lib.Status.INVALID_HANDLE), "TierCopier is closed")
         if batch is not None:
@@ -182,4 +207,5 @@ class TierCopier(_lib.Owner):
         return self._h is not None
 
     def __repr__(self) -> str:
-        return "TierCopier(closed)" if self._h is None else f"TierCopier({self.device}, block_bytes={self.block_bytes})"
+        return ("TierCopier(closed)" if self._h is None else
+                f"TierCopier({self.device}, block_bytes={self.block_bytes}, store_engine={self.store_engine!r})")

@@ -17,7 +17,8 @@ the copies are plain tensor copies. A host slot holds its block as
 [layers, 2 (K, V), block_size, kv_heads, head_dim] of the cache's dtype.
 kvplug.TierCopier (the library's batched copy kernel, every layer's K and
 V of a batch in one launch) has the same contract and replaces it on CUDA
-caches.
+caches; with tier_copier="copy-engine" its stores go to the copy engines
+(cuMemcpyBatchAsync), leaving the SMs to the step's kernels.
 
 HostTier drives a step: step(stream) completes the batches whose copies
 have finished (CUDA events, polled, never waited on), calls flush_copies,
@@ -169,18 +170,25 @@ CopierSpec = Union[None, str, Callable[[Any], Any]]
 def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
     """The copier of a PagedKVCache's host tier. spec None or "auto":
     kvplug.TierCopier (the library's batched copy kernel) on a CUDA cache,
-    else TorchTierCopier; "torch": TorchTierCopier; a callable:
-    spec(cache)."""
+    else TorchTierCopier; "copy-engine": kvplug.TierCopier with its stores
+    (demotions, write-through) on the copy engines, CUDA caches only;
+    "torch": TorchTierCopier; a callable: spec(cache)."""
     if callable(spec):
         return spec(cache)
-    if spec not in (None, "auto", "torch"):
-        raise kvplug.InvalidArgumentError(f"kvplug.hf: tier_copier must be 'auto', 'torch' or a callable, not {spec!r}")
+    if spec not in (None, "auto", "torch", "copy-engine"):
+        raise kvplug.InvalidArgumentError(
+            f"kvplug.hf: tier_copier must be 'auto', 'torch', 'copy-engine' or a callable, not {spec!r}")
     scales = cache.scales if cache.fp8 else None  # [layers, 2, num_blocks, block_size, kv_heads]
+    if spec == "copy-engine" and cache.device.type != "cuda":
+        raise kvplug.InvalidArgumentError("kvplug.hf: tier_copier='copy-engine' needs a CUDA cache")
     if spec != "torch" and cache.device.type == "cuda":
         kv = cache.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         L = kv.shape[0]
-        fp8 = {} if scales is None else dict(k_scales=[scales[i, 0] for i in range(L)], v_scales=[scales[i, 1] for i in range(L)])
-        return kvplug.TierCopier([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], manager=cache.manager, **fp8)
+        kw: Dict[str, Any] = {} if scales is None else dict(k_scales=[scales[i, 0] for i in range(L)],
+                                                              v_scales=[scales[i, 1] for i in range(L)])
+        if spec == "copy-engine":
+            kw["store_engine"] = "copy-engine"
+        return kvplug.TierCopier([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], manager=cache.manager, **kw)
     return TorchTierCopier(cache.kv, cache.manager.host_tier_memory(), scales=scales)
 
 
@@ -275,7 +283,11 @@ class HostTier:
                 stream = stream if stream is not None else torch.cuda.current_stream(self.device)
                 r0, r1, d0, d1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
                 dstream = stream
-                if nd and self.overlap:
+                # Stores by the copy engines cannot run on the legacy default stream: they take the side
+                # stream, and the step's stream waits for them (the reloads after the demotions, as on one stream).
+                legacy = bool(nd) and not self.overlap and isinstance(stream, torch.cuda.Stream) \
+                    and stream.cuda_stream == 0 and getattr(self.copier, "store_engine", None) == "copy-engine"
+                if nd and (self.overlap or legacy):
                     if self._side is None:
                         self._side = torch.cuda.Stream(device=self.device)
                     dstream = self._side
@@ -284,6 +296,8 @@ class HostTier:
                 if nd:
                     self.copier.run(demotes, dstream)
                 d1.record(dstream)
+                if legacy:
+                    stream.wait_stream(dstream)
                 r0.record(stream)
                 if nr:
                     self.copier.run(reloads, stream)
