@@ -18,7 +18,10 @@ Prefill (--prefill): kvplug's paged prefill over the e4m3 cache on the
 Hopper (wgmma) mainloop, which widens the e4m3 tiles into shared memory, and
 on the sm_80 one, beside its 16-bit prefill on both, at shapes of the
 prefill table (B sequences of `new` new tokens over `prefix` cached,
-causal), in TFLOP/s of the causal attention.
+causal), in TFLOP/s of the causal attention; and the Hopper mainloop's FP8
+Q/K/V mode (prefill_plan(..., fp8_qkv=True): q quantised to e4m3, both
+products on the 8-bit tensor cores) beside FlashInfer's fa3 with FP8 Q, K and
+V (per-tensor scales; --no-fi leaves it out; its JIT build takes minutes).
 
 Usage: python3 bench/fp8_decode_bench.py [--no-fi] [--acc] [--prefill] [--json FILE]
 Prints markdown tables.
@@ -117,12 +120,28 @@ class Batch:
 PREFILL = [(1, 2048, 0), (8, 2048, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192)]
 
 
-def prefill_table(gen):
+def fi_fa3_fp8(bt, q, qo, B, new, L):
+    """FlashInfer fa3 over bt's per-tensor e4m3 cache with q quantised to
+    e4m3 (one scale for all of q): the launch and its output."""
+    import flashinfer
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+    w.plan(qo, bt.kv_indptr, bt.kv_indices, bt.last, HQ, HK, D, BS, causal=True, q_data_type=E4M3,
+           kv_data_type=E4M3, o_data_type=torch.bfloat16)
+    qs = (q.abs().max().float() / 448).item()
+    q8 = (q.float() / qs).to(E4M3)
+    out = torch.empty_like(q)
+    ks, vs = bt.kt.item(), bt.vt.item()
+    return lambda: w.run(q8, (bt.k8t, bt.v8t), q_scale=qs, k_scale=ks, v_scale=vs, out=out), out
+
+
+def prefill_table(gen, fi=True):
     """kvplug's prefill over bf16 and e4m3 caches: rows of the --prefill table."""
     rows = []
-    print("\n| B x new (prefix) | 16-bit Hopper TFLOP/s | e4m3 Hopper TFLOP/s | 16-bit sm_80 TFLOP/s | e4m3 sm_80 TFLOP/s | "
-          "e4m3 / 16-bit Hopper speed | e4m3 / 16-bit sm_80 speed | err vs 16-bit |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| B x new (prefix) | 16-bit Hopper TFLOP/s | e4m3 Hopper TFLOP/s | FP8 Q/K/V TFLOP/s | FlashInfer fa3 FP8 TFLOP/s | "
+          "16-bit sm_80 TFLOP/s | e4m3 sm_80 TFLOP/s | "
+          "e4m3 / 16-bit Hopper speed | FP8 Q/K/V / FlashInfer | e4m3 / 16-bit sm_80 speed | err vs 16-bit (e4m3, FP8 Q/K/V, FI) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for B, new, prefix in PREFILL:
         L = new + prefix
         bt = Batch(B, L, gen)
@@ -133,22 +152,30 @@ def prefill_table(gen):
         pairs = B * (new * prefix + new * (new + 1) / 2)
         flops = 4 * D * HQ * pairs
 
-        def run(k, v, ks, vs, hopper):
+        def run(k, v, ks, vs, hopper, fp8_qkv=False):
             plan = attn.prefill_plan(qo, bt.seq_lens, HQ, HK, D, torch.bfloat16, ws, qo_indptr_host=qo.cpu(),
-                                     kv_lens_host=[L] * B, hopper=hopper)
+                                     kv_lens_host=[L] * B, hopper=hopper, fp8_qkv=fp8_qkv)
             out = torch.empty_like(q)
             return (lambda: attn.paged_prefill(plan, q, k, v, bt.table, out=out, k_scale=ks, v_scale=vs)), out
         f90, o90 = run(bt.k, bt.v, None, None, True)
         f80, o80 = run(bt.k, bt.v, None, None, False)
         f8, o8 = run(bt.k8, bt.v8, bt.ks, bt.vs, False)
         f8h, o8h = run(bt.k8, bt.v8, bt.ks, bt.vs, True)
-        t90, t80, t8, t8h = timed(f90), timed(f80), timed(f8), timed(f8h)
+        f8q, o8q = run(bt.k8, bt.v8, bt.ks, bt.vs, True, fp8_qkv=True)
+        t90, t80, t8, t8h, t8q = timed(f90), timed(f80), timed(f8), timed(f8h), timed(f8q)
+        tfi, efi = float("nan"), float("nan")
+        if fi:
+            ffi, ofi = fi_fa3_fp8(bt, q, qo, B, new, L)
+            tfi = timed(ffi)
+            efi = rel(ofi, o90)
         tf = lambda us: flops / (us * 1e-6) / 1e12
         r = dict(B=B, new=new, prefix=prefix, us_hopper=t90, us_sm80=t80, us_e4m3=t8, us_e4m3_hopper=t8h,
-                 err=rel(o8h, o90), err_sm80=rel(o8, o90))
+                 us_fp8_qkv=t8q, us_fi_fa3_fp8=tfi, err=rel(o8h, o90), err_sm80=rel(o8, o90), err_fp8_qkv=rel(o8q, o90),
+                 err_fi=efi)
         rows.append(r)
-        print(f"| {B} x {new} ({prefix}) | {tf(t90):.0f} | {tf(t8h):.0f} | {tf(t80):.0f} | {tf(t8):.0f} | "
-              f"{t90 / t8h:.2f}x | {t80 / t8:.2f}x | {r['err']:.1e} |", flush=True)
+        print(f"| {B} x {new} ({prefix}) | {tf(t90):.0f} | {tf(t8h):.0f} | {tf(t8q):.0f} | {tf(tfi):.0f} | {tf(t80):.0f} | "
+              f"{tf(t8):.0f} | {t90 / t8h:.2f}x | {tfi / t8q:.2f}x | {t80 / t8:.2f}x | "
+              f"{r['err']:.1e}, {r['err_fp8_qkv']:.1e}, {efi:.1e} |", flush=True)
         del bt
         torch.cuda.empty_cache()
     return rows
@@ -198,7 +225,7 @@ def main():
               f"{r['of_floor']:.2f} | {r['err8']:.1e}, {efi:.1e} |", flush=True)
         del bt
         torch.cuda.empty_cache()
-    prefill = prefill_table(gen) if args.prefill else []
+    prefill = prefill_table(gen, fi=not args.no_fi) if args.prefill else []
     acc = {}
     if args.acc:
         bt = Batch(8, 4096, gen, outliers=True)

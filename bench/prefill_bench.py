@@ -82,11 +82,12 @@ class Case:
         self.q = torch.randn((qo[-1], HQ, D), dtype=dtype, device="cuda", generator=gen)
         self.flops = flops(q_lens, kv_lens)
 
-    def kvplug(self, hopper=True, sinks=None, window_left=-1, k_scale=None, v_scale=None):
+    def kvplug(self, hopper=True, sinks=None, window_left=-1, k_scale=None, v_scale=None, fp8_qkv=False):
         ws = torch.empty(attn.prefill_workspace_size(len(self.q_lens), self.q.shape[0], HQ, HK, D),
                          dtype=torch.uint8, device="cuda")
         plan = attn.prefill_plan(self.qo, self.kvl, HQ, HK, D, self.dtype, ws, window_left=window_left,
-                                 qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper)
+                                 qo_indptr_host=self.qo_host, kv_lens_host=self.kv_lens, hopper=hopper,
+                                 fp8_qkv=fp8_qkv)
         out = torch.empty_like(self.q)
         t0 = time.perf_counter()  # host cost of a plan (checks + one small launch)
         for _ in range(20):

@@ -58,6 +58,9 @@
  *     their way into shared memory (they answered INVALID_ARGUMENT in 0.6).
  *     KVP_PREFILL_NO_HOPPER and KVP_CASCADE_NO_HOPPER still keep the sm_80
  *     kernels.
+ *   - KVP_PREFILL_FP8_QKV (a kvp_prefill_plan_args.flags bit; 0.6 answered
+ *     INVALID_ARGUMENT for it): FP8 Q/K/V prefill over an e4m3 cache on
+ *     Hopper, head_dim 128 (see kvp_prefill_plan).
  *   - The host tier with layer groups ("Layer groups"): a manager with
  *     full-attention and sliding-window groups accepts a host tier (it
  *     answered UNSUPPORTED in 0.6); kvp_manager_flush_copies may then need
@@ -2148,8 +2151,25 @@ typedef struct kvp_merge_states_args {
 #define KVP_PREFILL_NO_DECODE_ROUTE 1 /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_SPLIT_KV 2     /* kvp_prefill_plan_args.flags */
 #define KVP_PREFILL_NO_HOPPER 4       /* kvp_prefill_plan_args.flags: sm_80 kernel on Hopper too */
+/* KVP_PREFILL_FP8_QKV: the fast FP8 mode of the Hopper mainloop, for runs
+ * over an e4m3 cache (KVP_DTYPE_E4M3 in kvp_paged_kv). The default reads
+ * such a cache by widening its K and V to q's 16-bit type on their way into
+ * shared memory (the accurate mode). With this flag each query row is
+ * quantised to e4m3 (one scale a row, from its largest magnitude) and both
+ * products run on the 8-bit tensor cores: the K scales multiply the scores
+ * in fp32; the V scales are folded into the softmax probabilities before
+ * they are quantised, and the row sums add the quantised values, so a row's
+ * weights still sum to one; each K/V tile's P V product is added to the
+ * output in fp32 (two-level accumulation), so a lone strong token in a long
+ * context is not lost to the 8-bit products' accumulation. Its error is a
+ * few times the accurate mode's (bench/RESULTS.md). The plan answers
+ * KVP_ERR_UNSUPPORTED for head_dim other than 128 or off Hopper (compute
+ * capability 9.0), INVALID_ARGUMENT with KVP_PREFILL_NO_HOPPER; a run of such
+ * a plan over a 16-bit cache answers INVALID_ARGUMENT. A batch that takes
+ * the decode route is unaffected. */
+#define KVP_PREFILL_FP8_QKV 8         /* kvp_prefill_plan_args.flags */
 /* A prefill plan's plan-state words: the prefill kernel it was planned for
- * (0: sm_80, 1: Hopper's sm_90a); the decode rows of a mixed batch (see
+ * (0: sm_80, 1: Hopper's sm_90a, 2: its FP8 Q/K/V mode); the decode rows of a mixed batch (see
  * kvp_prefill_plan): their sequences | the decode launch's splits << 32, 0
  * when the prefill kernel takes every row; the device qo_indptr the decode
  * launch reads. */
@@ -2166,7 +2186,7 @@ typedef struct kvp_prefill_plan_args {
   int32_t num_kv_heads; /* divides num_q_heads */
   int32_t batch;        /* sequences, in [0, 65535] */
   int32_t window_size;  /* 0 (default): no window; w > 0: tokens [pos - w + 1, pos] */
-  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV | KVP_PREFILL_NO_HOPPER */
+  int32_t flags;        /* 0 or KVP_PREFILL_NO_DECODE_ROUTE | KVP_PREFILL_NO_SPLIT_KV | KVP_PREFILL_NO_HOPPER | KVP_PREFILL_FP8_QKV */
   int32_t reserved;     /* must be 0 */
   const int32_t *qo_indptr_host; /* host [batch + 1]: 0, non-decreasing */
   const int32_t *kv_lens_host;   /* host [batch]: kv_lens[b] >= q_len_b */

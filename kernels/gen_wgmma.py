@@ -13,9 +13,14 @@ no Python.
 # (N, A operand from "ss" shared memory or "rs" registers)
 SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs"), (256, "rs")]
 TYPES = [("f16", "f16"), ("bf16", "bf16")]
+# e4m3 x e4m3 (m64nNk32): the FP8 Q/K/V mainloop's S = Q K^T and O = P V^T,
+# where both operands are K-major (the 8-bit wgmma has no transposed B).
+SHAPES_E4M3 = [(128, "ss"), (128, "rs")]
 
 
 def gen(n, kind, tname, ptx_t):
+    e4m3 = ptx_t == "e4m3"
+    k = 32 if e4m3 else 16
     regs = n // 2
     d = ", ".join(f"%{i}" for i in range(regs))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
@@ -24,7 +29,7 @@ def gen(n, kind, tname, ptx_t):
         b_op = f"%{regs + 1}"
         scale_d = f"%{regs + 2}"
         ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
-        tail = ", 1, 1, 0, 0"  # scale-a, scale-b, tnsp-a (K-major), tnsp-b (K-major)
+        tail = ", 1, 1" if e4m3 else ", 1, 1, 0, 0"  # scale-a, scale-b[, tnsp-a, tnsp-b: K-major]
         sig = "uint64_t desc_a, uint64_t desc_b"
         name = "wgmma_ss"
     else:
@@ -32,14 +37,15 @@ def gen(n, kind, tname, ptx_t):
         b_op = f"%{regs + 4}"
         scale_d = f"%{regs + 5}"
         ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
-        tail = ", 1, 1, 1"  # scale-a, scale-b, tnsp-b (B is MN-major: V as [token][dim])
+        # scale-a, scale-b[, tnsp-b: B MN-major, V as [token][dim]; e4m3: B K-major]
+        tail = ", 1, 1" if e4m3 else ", 1, 1, 1"
         sig = "const uint32_t (&a)[4], uint64_t desc_b"
         name = "wgmma_rs"
     return f"""template <>
 __device__ __forceinline__ void {name}<{tname}, {n}>(float (&d)[{regs}], {sig}, int scale_d) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, {scale_d}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "
+        "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_t}.{ptx_t} "
         "{{{d}}}, {a_ops}, {b_op}, p{tail};\\n}}\\n"
         : {outs}
         : {ins});
@@ -56,7 +62,10 @@ def main():
         "// helpers (kvp_sm90_ptx.cuh). wgmma_ss: A and B from shared",
         "// memory, both K-major (S = Q K^T). wgmma_rs: A from registers in the mma.sync",
         "// m16n8k16 A-fragment layout (P), B from shared memory MN-major (V stored",
-        "// [token][dim]). scale_d = 0 overwrites d, 1 accumulates into it.",
+        "// [token][dim]). scale_d = 0 overwrites d, 1 accumulates into it. For e4m3",
+        "// (m64nNk32; T = e4m3, kvp_common.cuh's tag type) both operands are K-major, and",
+        "// wgmma_rs's A registers hold four e4m3 values each in the m16n8k32",
+        "// A-fragment layout.",
         "#pragma once",
         "",
         "#include <stdint.h>",
@@ -73,6 +82,8 @@ def main():
     for tname, ptx_t in TYPES:
         for n, kind in SHAPES:
             out.append(gen(n, kind, tname, ptx_t))
+    for n, kind in SHAPES_E4M3:
+        out.append(gen(n, kind, "e4m3", "e4m3"))
     out += ["#endif  // __CUDA_ARCH_FEAT_SM90_ALL", "", "}  // namespace kvp", ""]
     print("\n".join(out))
 

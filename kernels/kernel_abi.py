@@ -10,7 +10,7 @@ the structs that embed it: pack it with paged_kv() and assign it, e.g.
 
 import numpy as np
 
-ABI_VERSION = 8  # KVP_KERNELS_ABI_VERSION
+ABI_VERSION = 9  # KVP_KERNELS_ABI_VERSION
 
 
 def _struct(fields, size):

@@ -25,6 +25,10 @@ struct f16 {
 struct bf16 {
     uint16_t bits;
 };
+// An e4m3 byte (kvp_fp8.cuh has its conversions): the tag of the 8-bit wgmma.
+struct e4m3 {
+    uint8_t bits;
+};
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(f16 x) {

@@ -24,18 +24,22 @@
 
 namespace kvp {
 
-template <typename T, int D, bool E4M3 = false>
+// F8: FP8 Q/K/V (over an e4m3 cache, q quantised to e4m3 by the producer):
+// the shared Q, K and V tiles hold e4m3 bytes and both products run on the
+// 8-bit wgmma (Sm90Cfg's F8 section below).
+template <typename T, int D, bool E4M3 = false, bool F8 = false>
 struct Sm90Cfg {
     static constexpr int TQ = KVP_PREFILL_SM90_TILE_Q;  // packed rows per item: 2 consumers x 64
     static constexpr int TN = D <= 128 ? 128 : 64;      // tokens per K/V tile
     static constexpr int STAGES = 2;
+    static constexpr int ES = F8 ? 1 : (int)sizeof(T);      // bytes an element of the shared tiles
     static constexpr int ROW = 128;                          // bytes per swizzled row
-    static constexpr int EPR = ROW / (int)sizeof(T);         // elements per 128-byte row
+    static constexpr int EPR = ROW / ES;                     // elements per 128-byte row
     static constexpr int CB = D / EPR;                       // 128-byte column blocks of a head row
-    static constexpr int CPR = D * (int)sizeof(T) / 16;      // 16-byte chunks of a head row
-    static constexpr int KSTEPS = D / 16;                    // k16 steps of Q K^T
-    static constexpr int Q_BYTES = TQ * D * (int)sizeof(T);
-    static constexpr int KV_BYTES = TN * D * (int)sizeof(T);  // one K or one V tile
+    static constexpr int CPR = D * ES / 16;                  // 16-byte chunks of a head row
+    static constexpr int KSTEPS = D * ES / 32;               // 32-byte k steps of Q K^T (k16 of 16 bits, k32 of e4m3)
+    static constexpr int Q_BYTES = TQ * D * ES;
+    static constexpr int KV_BYTES = TN * D * ES;  // one K or one V tile
     static constexpr int OFF_BYTES = STAGES * TN * 8;
     // Registers per thread after setmaxnreg (128 x producer + 256 x consumer
     // within the 64 Ki register file). At 40 the producer's unrolled gather
@@ -69,7 +73,18 @@ struct Sm90Cfg {
     static constexpr int RAW = !E4M3 ? 0
                                : BASE_SMEM + 3 * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK <= SMEM_MAX ? 3
                                                                                                             : 2;
-    static constexpr int SMEM = BASE_SMEM + (E4M3 ? RAW * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK : 0);
+    // F8: after the barriers, each stage's K and V scales (fp32 a token:
+    // the cache's per-token-head scales, or its one scale repeated), the
+    // query rows' scales, then two raw V tiles (TN rows of D bytes as they
+    // are in the cache, a row's 16-byte chunk c at c ^ (row / 16 % 8)),
+    // which the producer transposes into the stage's V tile: the 8-bit
+    // wgmma reads B only K-major, so P V^T needs V as [dim][token].
+    static constexpr int F8_KSC = 0, F8_VSC = 4 * STAGES * TN, F8_QSC = 8 * STAGES * TN;
+    static constexpr int F8_RAW_OFF = F8_QSC + 4 * TQ;
+    static constexpr int SMEM = BASE_SMEM + (E4M3 ? RAW * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK : 0) +
+                                (F8 ? F8_RAW_OFF + 2 * TN * D : 0);
+    static_assert(!F8 || (D == 128 && TN == 128 && F8_RAW_OFF % 128 == 0), "the FP8 Q/K/V mainloop is cut for head_dim 128");
+    static_assert(!(E4M3 && F8), "one cache mode");
     static_assert(SMEM <= SMEM_MAX, "shared memory of the Hopper mainloop");
     static_assert(MASK_BYTES <= 16, "a tile's mask");
     static_assert(D % EPR == 0, "head rows must fill whole 128-byte rows");
@@ -82,6 +97,14 @@ struct Flag {  // a compile-time flag for a generic lambda's instances
 template <int N>
 struct Int {  // a compile-time count for a generic lambda's instances
     static constexpr int value = N;
+};
+template <bool B, class X, class Y>
+struct Pick {  // X if B, else Y
+    using type = X;
+};
+template <class X, class Y>
+struct Pick<false, X, Y> {
+    using type = Y;
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][128 B] block
@@ -220,12 +243,60 @@ __device__ __forceinline__ void widen_e4m3x16(uint4 x, float sc, uint4& lo, uint
     hi = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
+__device__ __forceinline__ void st_shared_v2(uint32_t a, uint2 v) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a), "r"(v.x), "r"(v.y) : "memory");
+}
+// The two T values of a word as floats (element 0 in the low half).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t w);
+template <>
+__device__ __forceinline__ float2 unpack2<f16>(uint32_t w) {
+    return f16x2_to_float2(w);
+}
+template <>
+__device__ __forceinline__ float2 unpack2<bf16>(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+// 1 / x to 1 ulp (one MUFU; ftz): for x >= 2^-14 here.
+__device__ __forceinline__ float rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+// d += a * b on f16 pairs.
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t d) {
+    asm("fma.rn.f16x2 %0, %1, %2, %0;" : "+r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// A 4 x 4 byte transpose: out[e] holds byte e of x0, x1, x2, x3 (in bytes
+// 0..3).
+__device__ __forceinline__ void transpose4x4(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, uint32_t (&out)[4]) {
+    const uint32_t a0 = __byte_perm(x0, x1, 0x5140), a1 = __byte_perm(x0, x1, 0x7362);  // x0/x1 bytes 0,1 | 2,3 interleaved
+    const uint32_t b0 = __byte_perm(x2, x3, 0x5140), b1 = __byte_perm(x2, x3, 0x7362);
+    out[0] = __byte_perm(a0, b0, 0x5410);
+    out[1] = __byte_perm(a0, b0, 0x7632);
+    out[2] = __byte_perm(a1, b1, 0x5410);
+    out[3] = __byte_perm(a1, b1, 0x7632);
+}
+
 // E4M3: the cache is e4m3 with its scales (Sm90Cfg's raw ring); T stays
-// the query's and the consumers' type.
-template <typename T, int D, class Src, class P, bool E4M3 = false>
+// the query's and the consumers' type. F8: the cache is e4m3 and both
+// products run on e4m3 (Sm90Cfg's F8 section): the producer quantises the
+// query rows (one scale a row, from its largest magnitude), copies K tiles
+// as they are, and transposes V tiles; the consumers multiply the scores by
+// the K scales in fp32, and fold the V scales into P before it is
+// quantised (P_ij * sv_j / max_j sv_j * 256, the tile's factor applied when
+// its product is added to O). Each tile's P V^T runs into a fresh
+// accumulator that is added to O in fp32 (two-level accumulation: the 8-bit
+// wgmma's accumulation keeps fewer bits than fp32, which over a long
+// context loses a lone strong token). The row sums l add the quantised P
+// (divided back by its factor), so a row's weights still sum to one.
+template <typename T, int D, class Src, class P, bool E4M3 = false, bool F8 = false>
 __device__ __forceinline__ void sm90_attention(const P& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = Sm90Cfg<T, D, E4M3>;
+    using C = Sm90Cfg<T, D, E4M3, F8>;
+    using TT = typename Pick<F8, e4m3, T>::type;  // the type the products read
     constexpr int TN = C::TN, TQ = C::TQ, S = C::STAGES;
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -254,6 +325,17 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
     auto raw_s = [&](int i) { return ext + (uint32_t)(i * C::RAW_BYTES); };
     auto raw_meta = [&](int i) { return ext + (uint32_t)(C::RAW * C::RAW_BYTES + i * C::RAW_META); };
     auto stage_mask = [&](int s) { return ext + (uint32_t)(C::RAW * (C::RAW_BYTES + C::RAW_META) + s * C::STAGE_MASK); };
+    // F8's scales and raw V tiles (Sm90Cfg).
+    auto k_sc = [&](int s) { return ext + (uint32_t)(C::F8_KSC + 4 * TN * s); };
+    auto v_sc = [&](int s) { return ext + (uint32_t)(C::F8_VSC + 4 * TN * s); };
+    const uint32_t q_sc = ext + (uint32_t)C::F8_QSC;
+    auto raw_v = [&](int i) { return ext + (uint32_t)(C::F8_RAW_OFF + i * TN * D); };
+    // The consumers read the scales as plain shared memory, which the
+    // compiler may batch ahead of their uses (the barriers' asm orders them).
+    const float* const f8_scales =
+        reinterpret_cast<const float*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES + C::BAR_BYTES);
+    auto k_scales = [&](int s) { return reinterpret_cast<const float2*>(f8_scales + C::F8_KSC / 4 + TN * s); };
+    auto v_scales = [&](int s) { return reinterpret_cast<const float2*>(f8_scales + C::F8_VSC / 4 + TN * s); };
 
     const int tid = threadIdx.x;
     // The warpgroup index through a shuffle from lane 0: the compiler then
@@ -306,7 +388,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         auto g_dst = [&](int k) {  // k: a compile-time pass index
             return g_dst0 + (uint32_t)(RPP * k * 128) + (((RPP * k) & 7) ? g_sw4 : g_sw0);
         };
-        auto gather = [&](uint32_t dst, const T* src, int s, bool any_bad) {
+        // at(k): where pass k's chunk goes (a compile-time k).
+        auto gather_to = [&](auto at, const T* src, int s, bool any_bad) {
             const char* from = reinterpret_cast<const char*>(src) + g_col * 16;
             const int64_t* off = offs + s * TN + g_row;
             if (!any_bad) {
@@ -323,15 +406,18 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
 #pragma unroll
                     for (int i = 0; i < B; ++i) o[i] = off[RPP * (k + i)];
 #pragma unroll
-                    for (int i = 0; i < B; ++i) cp_async16_full(dst + g_dst(k + i), from + o[i]);
+                    for (int i = 0; i < B; ++i) cp_async16_full(at(k + i), from + o[i]);
                 }
             } else {
 #pragma unroll 4
                 for (int k = 0; k < TN / RPP; ++k) {
                     const int64_t o = off[RPP * k];
-                    cp_async16_keep(dst + g_dst(k), from + (o < 0 ? 0 : o), o < 0 ? 0 : 16);
+                    cp_async16_keep(at(k), from + (o < 0 ? 0 : o), o < 0 ? 0 : 16);
                 }
             }
+        };
+        auto gather = [&](uint32_t dst, const T* src, int s, bool any_bad) {
+            gather_to([&](int k) { return dst + g_dst(k); }, src, s, any_bad);
         };
         // Thread 0 takes unit n + 1 once unit n's copies are issued (its
         // consumers still have a tile or two to run, which hide the atomic;
@@ -508,6 +594,102 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             issue_raw(true, s_prev, ph_prev, any_prev, si, false);  // the unit's last V
             for (++pending; pending > 0; --pending) widen(Int<0>{});
         };
+        // ---- F8: K tiles as they are, V tiles through the raw ring, transposed ----
+        // Tile t's K (with its K and V scales) goes straight to its stage,
+        // its V raw to ring slot (t - t0) % 2 in the same group; V_{t-1} is
+        // transposed into its stage once its group has landed, after tile
+        // t's copies are issued, so the copies of one tile are in flight
+        // while the previous one is transposed.
+        auto transpose_v = [&](uint32_t slot, int s, int ph) {
+            producer_sync();  // every thread's raw copies of the tile have landed
+            mbar_wait(empty_v(s), ph);
+            // Lane (g, q) = (lane % 8, lane / 8) reads tokens 16 g + 2 q +
+            // {0, 1, 8, 9} (four rows, 16 dims each) and writes word q of
+            // 16-byte chunk g in each of the 16 dims' rows: the order in
+            // which the P fragment of the 8-bit wgmma holds those tokens
+            // (the S accumulator's columns 2q, 2q + 1, 2q + 8, 2q + 9 of a
+            // 16-column group, as bytes 0-3 of one A register). The raw
+            // rows' swizzle (chunk c of row r at c ^ (r / 16)) puts the
+            // eight lanes of a quarter warp's loads on different banks; the
+            // stores of one dim's row fill all 32 banks.
+            const int lane = tid & 31, warp = tid >> 5, g = lane & 7, q = lane >> 3;
+            const uint32_t dst = v_s(s);
+#pragma unroll
+            for (int u = 0; u < D / 64; ++u) {
+                const int c = warp + 4 * u;  // the 16 dims 16 c .. 16 c + 15
+                uint4 xv[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int tok = 16 * g + 2 * q + (i & 1) + 8 * (i >> 1);
+                    xv[i] = ld_shared_v4(slot + (uint32_t)(tok * 128) + ((uint32_t)(c ^ g) << 4));
+                }
+                const uint32_t w0[4] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w}, w1[4] = {xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+                const uint32_t w2[4] = {xv[2].x, xv[2].y, xv[2].z, xv[2].w}, w3[4] = {xv[3].x, xv[3].y, xv[3].z, xv[3].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t o[4];
+                    transpose4x4(w0[j], w1[j], w2[j], w3[j], o);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int d = 16 * c + 4 * j + e;
+                        st_shared_u32(dst + (uint32_t)(d * 128) + ((uint32_t)(g ^ (d & 7)) << 4) + 4u * (uint32_t)q, o[e]);
+                    }
+                }
+            }
+            fence_proxy_async();  // the stores, before wgmma reads them
+            mbar_arrive(full_v(s));
+        };
+        auto produce_f8 = [&](const PrefillSpan& sp, const PagedRows& rr, int kb, int t0, int t1, int nxt_blk,
+                              int nxt_off) {
+            const float* ksb = reinterpret_cast<const float*>(p.kv.k_scale);
+            const float* vsb = reinterpret_cast<const float*>(p.kv.v_scale);
+            int s_prev = 0, ph_prev = 0;
+            for (int t = t0; t < t1; ++t, ++tile_it) {
+                const int s = tile_it % S;
+                const int ph = ((tile_it / S) & 1) ^ 1;
+                const int blk = nxt_blk, boff = nxt_off;
+                const int k0 = t * TN;
+                nxt_blk = -1;
+                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
+                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, scales, offsets, flag
+                // The previous tile's gathers read their own stage's
+                // offsets, and its transpose the other raw slot: every
+                // thread is past them before this tile's are written.
+                if (t > t0) producer_sync();
+                int bad = 0;
+                int64_t si = -1;
+                if (tid < TN) {
+                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
+                    offs[s * TN + tid] = off;  // bytes: one a value
+                    si = off >= 0 ? rr.scale_index(blk, boff) : -1;
+                    bad = off < 0;
+                }
+                const int any = producer_sync_or(bad);
+                if (tid == 0) flags[s] = any;
+                gather(k_s(s), kc, s, any);
+                if (tid < TN) {
+                    const int64_t i = si >= 0 ? si : 0;
+                    cp_async4(k_sc(s) + 4u * (uint32_t)tid, ksb + i, si >= 0 ? 4 : 0);
+                    cp_async4(v_sc(s) + 4u * (uint32_t)tid, vsb + i, si >= 0 ? 4 : 0);
+                }
+                mbar_arrive_cp_async(full_k(s));
+                // Raw row r, chunk c at slot + 128 r + ((c ^ (r / 16)) << 4):
+                // pass k's rows are g_row + 16 k (g_row < 16).
+                static_assert(!F8 || RPP == 16, "raw V passes");
+                const uint32_t slot = raw_v((t - t0) & 1) + (uint32_t)(g_row * 128);
+                gather_to([&](int k) { return slot + (uint32_t)(RPP * k * 128) + ((uint32_t)(g_col ^ (k & 7)) << 4); }, vc,
+                          s, any);
+                cp_async_commit();
+                if (t > t0) {
+                    cp_async_wait<1>();
+                    transpose_v(raw_v((t - 1 - t0) & 1), s_prev, ph_prev);
+                }
+                s_prev = s, ph_prev = ph;
+            }
+            cp_async_wait<0>();
+            transpose_v(raw_v((t1 - 1 - t0) & 1), s_prev, ph_prev);
+        };
         for (int n = 0;; ++n) {
             producer_sync();  // unit n is in its slot
             const int64_t w = ld_shared_s64(next_slot + 8 * (n & 1));
@@ -525,16 +707,62 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             }
             const PagedRows rr = src.rows(x);
             // Query rows: packed row r -> token (r0 + r) / group, head (r0 + r) % group.
-            for (int i = tid; i < TQ * C::CPR; i += 128) {
-                const int r = i / C::CPR, c = i - r * C::CPR;
+            auto q_ptr = [&](int r, int c) {  // chunk c (16 bytes) of packed row r, or null past the item's rows
                 const int pr = sp.r0 + r;
-                const bool ok = r < sp.nrows;
-                const int tok = ok ? pr / group : 0;
-                const int qh = kvh * group + (ok ? pr - tok * group : 0);
-                const T* qp = qg + src.q_row(x, tok) + (int64_t)qh * p.q_head_stride + c * (16 / (int)sizeof(T));
-                cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), qp, ok ? 16 : 0);
+                const int tok = pr / group;
+                return r < sp.nrows ? qg + src.q_row(x, tok) + (int64_t)(kvh * group + pr - tok * group) * p.q_head_stride +
+                                          c * (16 / (int)sizeof(T))
+                                    : nullptr;
+            };
+            if constexpr (F8) {
+                // Quantised to e4m3 on the way in: the 16 threads of a
+                // half warp hold one row's 16 chunks (8 values each), share
+                // its largest magnitude, and store 8 bytes each; the row's
+                // scale goes to q_sc. Four rows' loads are in flight at once.
+                constexpr int QC = D * (int)sizeof(T) / 16;
+                static_assert(QC == 16 && TQ * QC % (4 * 128) == 0, "a half warp a query row");
+#pragma unroll 1
+                for (int i0 = 0; i0 < TQ * QC; i0 += 4 * 128) {
+                    uint4 xv[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int i = i0 + u * 128 + tid;
+                        const T* qp = q_ptr(i / QC, i % QC);
+                        xv[u] = qp != nullptr ? *reinterpret_cast<const uint4*>(qp) : make_uint4(0u, 0u, 0u, 0u);
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int i = i0 + u * 128 + tid, r = i / QC, c = i % QC;
+                        float f[8];
+                        const uint32_t w[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+                        float amax = 0.f;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float2 v = unpack2<T>(w[e]);
+                            f[2 * e] = v.x, f[2 * e + 1] = v.y;
+                            amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+                        }
+#pragma unroll
+                        for (int m = 1; m < QC; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                        const float sc = e4m3_row_scale(amax), inv = 1.f / sc;
+                        uint32_t b[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) b[e] = pack_e4m3x2(f[2 * e] * inv, f[2 * e + 1] * inv);
+                        st_shared_v2(q_s + swz(r, c >> 1) + (uint32_t)(c & 1) * 8u, make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16)));
+                        if (c == 0) st_shared_u32(q_sc + 4u * (uint32_t)r, __float_as_uint(sc));
+                    }
+                }
+                fence_proxy_async();  // the stores, before wgmma reads them
+                mbar_arrive(q_full);
+            } else {
+                for (int i = tid; i < TQ * C::CPR; i += 128) {
+                    const int r = i / C::CPR, c = i - r * C::CPR;
+                    const T* qp = q_ptr(r, c);
+                    cp_async16_keep(q_s + (uint32_t)(c >> 3) * (TQ * 128) + swz(r, c & 7), qp != nullptr ? qp : qg,
+                                    qp != nullptr ? 16 : 0);
+                }
+                mbar_arrive_cp_async(q_full);
             }
-            mbar_arrive_cp_async(q_full);
             // Thread tid < TN looks up token k0 + tid of a tile in the block
             // table one tile ahead: the load's latency hides behind the
             // current tile's copies and the wait for a free stage.
@@ -550,6 +778,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             // K two tiles on writes it, so V_{t-1}'s gather still reads them.
             if constexpr (E4M3) {
                 produce_e4m3(sp, rr, kb, t0, t1, nxt_blk, nxt_off);
+            } else if constexpr (F8) {
+                produce_f8(sp, rr, kb, t0, t1, nxt_blk, nxt_off);
             } else {
             struct VStage {
                 int s, ph, any;  // stage, its phase, whether it has unreadable tokens
@@ -608,7 +838,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
         const int col_q = 2 * (lane & 3);
         const float sl = p.scale * kLog2e;
         const uint64_t dq = gmma_desc(q_s + (uint32_t)(64 * c * 128), 16, 1024);  // this warpgroup's Q rows
-        const uint64_t dk0 = gmma_desc(k_s(0), 16, 1024), dv0 = gmma_desc(v_s(0), TN * 128, 1024);
+        // V: [token][dim] 16-bit tiles are read MN-major; F8's transposed
+        // [dim][token] tiles K-major.
+        const uint64_t dk0 = gmma_desc(k_s(0), 16, 1024), dv0 = F8 ? gmma_desc(v_s(0), 16, 1024) : gmma_desc(v_s(0), TN * 128, 1024);
         if (c == 1) turn_pass(1);  // the first turn is warpgroup 1's
         int tile_it = 0, item_it = 0;
         for (;; ++item_it) {
@@ -636,18 +868,43 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             SoftmaxState st_a, st_b;  // rows row_a and row_a + 8; l: this thread's columns
             st_a.init();
             st_b.init();
-            uint32_t pa[TN / 16][4];  // P of the previous tile, the A operand of its P V
-            // O += P V over the V tile of stage sv (P from registers).
+            constexpr int PK = F8 ? 32 : 16;  // tokens a k step of P V
+            uint32_t pa[TN / PK][4];  // P of the previous tile, the A operand of its P V
+            // F8: the previous tile's P V^T (its own accumulator) and the
+            // factor that scales it into O (max_j sv_j / 256).
+            [[maybe_unused]] float ot[F8 ? D / 2 : 1];
+            [[maybe_unused]] float fv_prev = 0.f;
+            // O += P V over the V tile of stage sv (P from registers); F8:
+            // ot = P V^T.
             auto issue_pv = [&](int sv) {
 #pragma unroll
-                for (int kk = 0; kk < TN / 16; ++kk) {
-                    const uint64_t db = desc_at(dv0, (uint32_t)(2 * sv * C::KV_BYTES + kk * 16 * 128));
-                    wgmma_rs<T, D>(o, pa[kk], db, 1);
+                for (int kk = 0; kk < TN / PK; ++kk) {
+                    if constexpr (F8) {
+                        const uint64_t db = desc_at(dv0, (uint32_t)(2 * sv * C::KV_BYTES + kk * 32));
+                        wgmma_rs<e4m3, D>(ot, pa[kk], db, kk > 0);
+                    } else {
+                        const uint64_t db = desc_at(dv0, (uint32_t)(2 * sv * C::KV_BYTES + kk * 16 * 128));
+                        wgmma_rs<T, D>(o, pa[kk], db, 1);
+                    }
+                }
+            };
+            // F8: O += ot times its factor, in fp32.
+            auto add_pv = [&]() {
+                if constexpr (F8) {
+#pragma unroll
+                    for (int i = 0; i < D / 2; ++i) o[i] = fmaf(ot[i], fv_prev, o[i]);
                 }
             };
             int sv_prev = 0;  // the stage of the previous tile's V
+            // F8: the scores' factor of this thread's two rows (the softmax
+            // scale times the query row's e4m3 scale).
+            float sl_a = sl, sl_b = sl;
             if (t0 < t1) {
                 fence_proxy_async();
+                if constexpr (F8) {
+                    sl_a = sl * __uint_as_float(ld_shared_u32(q_sc + 4u * (uint32_t)row_a));
+                    sl_b = sl * __uint_as_float(ld_shared_u32(q_sc + 4u * (uint32_t)(row_a + 8)));
+                }
             } else {
                 if (lane == 0) mbar_arrive(q_empty);  // the slot is read; there are no query rows
             }
@@ -670,14 +927,15 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 turn_wait(c);  // this warpgroup's turn on the tensor cores
                 pin_regs(sc);
                 pin_regs(o);
+                if constexpr (F8) pin_regs(ot);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < C::KSTEPS; ++kk) {
-                    constexpr uint32_t KB = 16 * sizeof(T);  // bytes of one k16 step
+                    constexpr uint32_t KB = 32;  // bytes of one k step
                     const uint32_t kb = kk * KB / 128, ki = kk * KB % 128;
                     const uint64_t da = desc_at(dq, kb * (TQ * 128) + ki);
                     const uint64_t db = desc_at(dk0, (uint32_t)(2 * s * C::KV_BYTES) + kb * (TN * 128) + ki);
-                    wgmma_ss<T, TN>(sc, da, db, kk > 0);
+                    wgmma_ss<TT, TN>(sc, da, db, kk > 0);
                 }
                 wgmma_commit();
                 if constexpr (PV) {
@@ -688,6 +946,16 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 wgmma_wait<PV ? 1 : 0>();  // S_t is done; P_{t-1} V_{t-1} may still run
                 pin_regs(sc);
                 float al_a = 1.f, al_b = 1.f, mu_a = 0.f, mu_b = 0.f;
+                if constexpr (F8) {
+                    if (active) {  // the K scales of this thread's columns
+#pragma unroll
+                        for (int j = 0; j < TN / 8; ++j) {
+                            const float2 ks = k_scales(s)[(8 * j + col_q) / 2];
+                            sc[4 * j] *= ks.x, sc[4 * j + 1] *= ks.y;
+                            sc[4 * j + 2] *= ks.x, sc[4 * j + 3] *= ks.y;
+                        }
+                    }
+                }
                 const bool unreadable = active && flags[s] != 0;  // the tile has unreadable tokens
                 if (active) {
                     if (unreadable || k0 + TN - 1 > wg_min_pos || (win >= 0 && k0 < wg_max_pos - win)) {
@@ -738,51 +1006,117 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 // producer's rewrite; compute-sanitizer's racecheck follows
                 // only the first, and the offsets of an unreadable tile are
                 // rewritten soonest (a causal tail's first tile).
-                if (unreadable) {
-                    mbar_arrive(empty_k(s));
-                    __syncwarp();
-                } else {
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive_n(empty_k(s), 32);
-                }
+                // (F8 reads the stage's V scales below, and releases it after them.)
+                auto release_k = [&]() {
+                    if (unreadable) {
+                        mbar_arrive(empty_k(s));
+                        __syncwarp();
+                    } else {
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive_n(empty_k(s), 32);
+                    }
+                };
+                if constexpr (!F8) release_k();
                 if (lane == 0 && t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
                 if (active) {
                     // Maxima of the unscaled scores: the scale is positive.
                     const float mx_a = tree_reduce<TN / 8>([&](int j) { return fmaxf(sc[4 * j], sc[4 * j + 1]); }, MaxOp{});
                     const float mx_b = tree_reduce<TN / 8>([&](int j) { return fmaxf(sc[4 * j + 2], sc[4 * j + 3]); }, MaxOp{});
-                    al_a = st_a.rescale(quad_max(mx_a) * sl, mu_a);
-                    al_b = st_b.rescale(quad_max(mx_b) * sl, mu_b);
+                    al_a = st_a.rescale(quad_max(mx_a) * sl_a, mu_a);
+                    al_b = st_b.rescale(quad_max(mx_b) * sl_b, mu_b);
 #pragma unroll
                     for (int j = 0; j < TN / 8; ++j) {
-                        sc[4 * j] = fast_exp2(fmaf(sc[4 * j], sl, -mu_a));
-                        sc[4 * j + 1] = fast_exp2(fmaf(sc[4 * j + 1], sl, -mu_a));
-                        sc[4 * j + 2] = fast_exp2(fmaf(sc[4 * j + 2], sl, -mu_b));
-                        sc[4 * j + 3] = fast_exp2(fmaf(sc[4 * j + 3], sl, -mu_b));
+                        sc[4 * j] = fast_exp2(fmaf(sc[4 * j], sl_a, -mu_a));
+                        sc[4 * j + 1] = fast_exp2(fmaf(sc[4 * j + 1], sl_a, -mu_a));
+                        sc[4 * j + 2] = fast_exp2(fmaf(sc[4 * j + 2], sl_b, -mu_b));
+                        sc[4 * j + 3] = fast_exp2(fmaf(sc[4 * j + 3], sl_b, -mu_b));
                     }
-                    st_a.accumulate(al_a, tree_reduce<TN / 8>([&](int j) { return sc[4 * j] + sc[4 * j + 1]; }, AddOp{}));
-                    st_b.accumulate(al_b, tree_reduce<TN / 8>([&](int j) { return sc[4 * j + 2] + sc[4 * j + 3]; }, AddOp{}));
+                    if constexpr (!F8) {
+                        st_a.accumulate(al_a, tree_reduce<TN / 8>([&](int j) { return sc[4 * j] + sc[4 * j + 1]; }, AddOp{}));
+                        st_b.accumulate(al_b, tree_reduce<TN / 8>([&](int j) { return sc[4 * j + 2] + sc[4 * j + 3]; }, AddOp{}));
+                    }
                 }
                 if constexpr (PV) {
                     wgmma_wait<0>();  // P_{t-1} V_{t-1} is done: O and pa may change, V_{t-1} is free
                     pin_regs(o);
+                    if constexpr (F8) pin_regs(ot);
                     __syncwarp();
                     if (lane == 0) mbar_arrive(empty_v(sv_prev));
+                    add_pv();
                 }
-                if (active) {
+                // F8 skips the rescale where no row of the warp has a new
+                // maximum (most tiles after a row's first few): its
+                // consumers issue more per element than the 16-bit ones.
+                if (active && (!F8 || __any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f))) {
 #pragma unroll
                     for (int j = 0; j < D / 8; ++j) {
                         o[4 * j] *= al_a, o[4 * j + 1] *= al_a;
                         o[4 * j + 2] *= al_b, o[4 * j + 3] *= al_b;
                     }
+                }
+                if (active) {
+                    if constexpr (F8) {
+                        // P_ij sv_j / max_j sv_j * 256 as e4m3, in the A
+                        // fragment's token order (transpose_v); the row sums
+                        // add each quantised value times 1 / (its factor),
+                        // in f16 pairs a k step and fp32 across them.
+                        float mv = 0.f;
 #pragma unroll
-                    for (int j = 0; j < TN / 8; ++j) {
-                        pa[j >> 1][(j & 1) * 2] = pack2<T>(sc[4 * j], sc[4 * j + 1]);
-                        pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(sc[4 * j + 2], sc[4 * j + 3]);
+                        for (int j = 0; j < TN / 8; ++j) {
+                            const float2 v = v_scales(s)[(8 * j + col_q) / 2];
+                            mv = fmaxf(mv, fmaxf(v.x, v.y));
+                        }
+                        mv = quad_max(mv);
+                        const float wm = mv > 0.f ? 256.f / mv : 0.f;
+                        float la = 0.f, lb = 0.f;
+#pragma unroll
+                        for (int kk = 0; kk < TN / 32; ++kk) {
+                            uint32_t ha = 0u, hb = 0u;  // f16 pairs
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int j0 = 4 * kk + 2 * h;
+                                const float2 v0 = v_scales(s)[(8 * j0 + col_q) / 2];
+                                const float2 v1 = v_scales(s)[(8 * j0 + 8 + col_q) / 2];
+                                const float w00 = v0.x * wm, w01 = v0.y * wm, w10 = v1.x * wm, w11 = v1.y * wm;
+                                const uint32_t qa = pack_e4m3x2(sc[4 * j0] * w00, sc[4 * j0 + 1] * w01) |
+                                                    (pack_e4m3x2(sc[4 * j0 + 4] * w10, sc[4 * j0 + 5] * w11) << 16);
+                                const uint32_t qb = pack_e4m3x2(sc[4 * j0 + 2] * w00, sc[4 * j0 + 3] * w01) |
+                                                    (pack_e4m3x2(sc[4 * j0 + 6] * w10, sc[4 * j0 + 7] * w11) << 16);
+                                pa[kk][2 * h] = qa;
+                                pa[kk][2 * h + 1] = qb;
+                                // 1 / w, at most 2^14 (f16 holds it): where w
+                                // is below 2^-14, P w rounds to 0 in e4m3
+                                // (its least value is 2^-9), so r is unused.
+                                constexpr float wmin = 1.f / 16384.f;
+                                const uint32_t r0 = pack2<f16>(rcp_approx(fmaxf(w00, wmin)), rcp_approx(fmaxf(w01, wmin)));
+                                const uint32_t r1 = pack2<f16>(rcp_approx(fmaxf(w10, wmin)), rcp_approx(fmaxf(w11, wmin)));
+                                uint32_t lo, hi;
+                                e4m3x4_f16(qa, lo, hi);
+                                ha = hfma2(lo, r0, ha);
+                                ha = hfma2(hi, r1, ha);
+                                e4m3x4_f16(qb, lo, hi);
+                                hb = hfma2(lo, r0, hb);
+                                hb = hfma2(hi, r1, hb);
+                            }
+                            const float2 fa = f16x2_to_float2(ha), fb = f16x2_to_float2(hb);
+                            la += fa.x + fa.y;
+                            lb += fb.x + fb.y;
+                        }
+                        st_a.accumulate(al_a, la);
+                        st_b.accumulate(al_b, lb);
+                        fv_prev = mv * (1.f / 256.f);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < TN / 8; ++j) {
+                            pa[j >> 1][(j & 1) * 2] = pack2<T>(sc[4 * j], sc[4 * j + 1]);
+                            pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(sc[4 * j + 2], sc[4 * j + 3]);
+                        }
                     }
                 } else {
 #pragma unroll
-                    for (int j = 0; j < TN / 16; ++j) pa[j][0] = pa[j][1] = pa[j][2] = pa[j][3] = 0u;
+                    for (int j = 0; j < TN / PK; ++j) pa[j][0] = pa[j][1] = pa[j][2] = pa[j][3] = 0u;
                 }
+                if constexpr (F8) release_k();
                 sv_prev = s;
                 ++tile_it;
             };
@@ -793,13 +1127,16 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 mbar_wait(full_v(sv_prev), ((tile_it - 1) / S) & 1);
                 fence_proxy_async();
                 pin_regs(o);
+                if constexpr (F8) pin_regs(ot);
                 wgmma_fence();
                 issue_pv(sv_prev);
                 wgmma_commit();
                 wgmma_wait<0>();
                 pin_regs(o);
+                if constexpr (F8) pin_regs(ot);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty_v(sv_prev));
+                add_pv();
             }
             // Epilogue: normalise and write this thread's two rows.
             st_a.l = quad_sum(st_a.l);
@@ -828,6 +1165,12 @@ __device__ __forceinline__ void paged_prefill_sm90(const kvp_prefill_params& p) 
 template <typename T, int D>
 __device__ __forceinline__ void paged_prefill_sm90_e4m3(const kvp_prefill_params& p) {
     sm90_attention<T, D, Sm90PrefillSrc<T, D>, kvp_prefill_params, true>(p);
+}
+
+// FP8 Q/K/V over an e4m3 cache (T the query's and output's type).
+template <typename T, int D>
+__device__ __forceinline__ void paged_prefill_sm90_fp8(const kvp_prefill_params& p) {
+    sm90_attention<T, D, Sm90PrefillSrc<T, D>, kvp_prefill_params, false, true>(p);
 }
 
 }  // namespace kvp

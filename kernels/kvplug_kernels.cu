@@ -126,6 +126,11 @@ static_assert(kvp::Sm90Cfg<kvp::f16, 256, true>::SMEM == 232160, "kvp_prefill_sm
 
 KVP_FOR_16BIT(KVP_PREFILL_SM90_E4M3_INSTANTIATE)
 
+// FP8 Q/K/V on the Hopper mainloop (KVP_PREFILL_FP8_QKV plans), head_dim 128.
+static_assert(kvp::Sm90Cfg<kvp::f16, 128, false, true>::SMEM == 120448, "kvp_prefill_sm90_smem_bytes_fp8 h128");
+KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90_fp8, f16_e4m3_qkv, kvp::f16, 128)
+KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90_fp8, bf16_e4m3_qkv, kvp::bf16, 128)
+
 // The plan kernel depends on neither dtype nor head_dim.
 extern "C" __global__ void __launch_bounds__(KVP_PREFILL_PLAN_THREADS) kvp_prefill_plan(const kvp_prefill_plan_params p) {
     kvp::prefill_plan(p);

@@ -72,8 +72,10 @@
  * in the decode kernel); kvp_cascade_<dt>_e4m3_h<D> reads an e4m3 cache.
  * 8: the Hopper mainloop reads e4m3 caches: kvp_paged_prefill_sm90_<dt>_e4m3_h<D>
  * and kvp_cascade_sm90_<dt>_e4m3_h<D> (kvp_prefill_sm90_smem_bytes_e4m3);
- * the e4m3 cascade kernel honours skip_shared as the 16-bit one does. */
-#define KVP_KERNELS_ABI_VERSION 8
+ * the e4m3 cascade kernel honours skip_shared as the 16-bit one does.
+ * 9: kvp_paged_prefill_sm90_<dt>_e4m3_qkv_h128, FP8 Q/K/V on the Hopper
+ * mainloop (kvp_prefill_sm90_smem_bytes_fp8). */
+#define KVP_KERNELS_ABI_VERSION 9
 
 /* kv.dtype of an e4m3 cache (1, 2, 3 are f16, bf16, f32: the kernel's dt). */
 #define KVP_KV_E4M3 4
@@ -491,6 +493,20 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes_e4m3(int head_dim) {
     uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim;
     uint32_t base = kvp_prefill_sm90_smem_bytes(2, head_dim), slot = tn * d + tn * 4u + 32u;
     return base + (base + 3u * slot + 32u <= 232448u ? 3u : 2u) * slot + 32u;
+}
+
+/* kvp_paged_prefill_sm90_<dt>_e4m3_qkv_h128: the same launch over an e4m3
+ * cache with both products on the 8-bit wgmma (head_dim 128 only): the
+ * producer quantises each query row to e4m3 (one scale a row, from its
+ * largest magnitude), copies K tiles as they are, and transposes each V tile
+ * through a ring of two raw tiles; the consumers apply the K scales to the
+ * scores in fp32 and fold the V scales into P. Dynamic smem: the 16-bit
+ * formula at 1 byte an element + 4 * (4 * tile_kv + TILE_Q) (the stages' K
+ * and V scales, the query rows' scales) + 2 * tile_kv * D (the raw ring):
+ * 120448. */
+static inline uint32_t kvp_prefill_sm90_smem_bytes_fp8(int head_dim) {
+    uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim;
+    return kvp_prefill_sm90_smem_bytes(1, head_dim) + 4u * (4u * tn + KVP_PREFILL_SM90_TILE_Q) + 2u * tn * d;
 }
 
 /* ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ type kernelSet struct {
 	prefillSM90                            *cuda.Kernel // nil for f32
 	writeE4M3, decodeE4M3, prefillE4M3     *cuda.Kernel // over an e4m3 cache; nil for f32
 	prefillSM90E4M3                        *cuda.Kernel // the Hopper mainloop over an e4m3 cache; nil for f32
+	prefillSM90FP8                         *cuda.Kernel // FP8 Q/K/V on the Hopper mainloop; head_dim 128 only
 }
 
 // prefillPlanKernel writes a prefill plan's work list (one kernel for every
@@ -46,6 +47,9 @@ var kernelTable = func() (t [3][len(headDims)]kernelSet) {
 				t[di][hi].decodeE4M3 = image.Kernel("kvp_paged_decode" + e4m3)
 				t[di][hi].prefillE4M3 = image.Kernel("kvp_paged_prefill" + e4m3)
 				t[di][hi].prefillSM90E4M3 = image.Kernel("kvp_paged_prefill_sm90" + e4m3)
+				if h == fp8QKVHeadDim {
+					t[di][hi].prefillSM90FP8 = image.Kernel("kvp_paged_prefill_sm90_" + d.String() + "_e4m3_qkv_h" + strconv.Itoa(h))
+				}
 			}
 		}
 	}

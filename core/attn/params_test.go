@@ -52,5 +52,6 @@ func TestParamsLayout(t *testing.T) {
 		p.Value(fmt.Sprintf("sm90_e4m3_smem.%d", d), fmt.Sprintf("kvp_prefill_sm90_smem_bytes_e4m3(%d)", d),
 			uint64(prefillSM90SharedBytesE4M3(d)))
 	}
+	p.Value("sm90_fp8_smem", fmt.Sprintf("kvp_prefill_sm90_smem_bytes_fp8(%d)", fp8QKVHeadDim), uint64(prefillSM90SharedBytesFP8(fp8QKVHeadDim)))
 	p.Run(t, "../../kernels")
 }

@@ -33,6 +33,14 @@ const (
 	// PrefillNoHopper keeps a plan on the sm_80 mainloop on a Hopper GPU
 	// (for comparisons and as a way around a fault in the Hopper one).
 	PrefillNoHopper = 4
+	// PrefillFP8QKV plans the Hopper mainloop's fast mode over an e4m3
+	// cache: q quantised to e4m3 a row at a time and both products on the
+	// 8-bit tensor cores (MainloopSM90FP8; head_dim 128). Without it an e4m3
+	// cache is widened to q's type on the way into shared memory.
+	PrefillFP8QKV = 8
+	prefillFlags  = PrefillNoDecodeRoute | PrefillNoSplitKV | PrefillNoHopper | PrefillFP8QKV
+	// fp8QKVHeadDim is the one head_dim the FP8 Q/K/V kernels are cut for.
+	fp8QKVHeadDim = 128
 	// prefillMaxSplits bounds split-KV of the prefill route (the merge
 	// kernel's KVP_MERGE_MAX_STATES).
 	prefillMaxSplits = maxMergeStates
@@ -48,6 +56,9 @@ const (
 	// MainloopSM90: the warp-specialized wgmma kernel (tiles of 128 packed
 	// rows), on compute capability 9.0 for 16-bit types.
 	MainloopSM90 = 1
+	// MainloopSM90FP8: the same kernel's FP8 Q/K/V mode (PrefillFP8QKV),
+	// over e4m3 caches only.
+	MainloopSM90FP8 = 2
 	// MainloopOfDevice: PagedPrefill runs the one PlanPrefill picks without
 	// flags on the run's device, for plans that record none (the
 	// shared-prefix planner's prefill route). Plan state from the C ABI
@@ -140,6 +151,14 @@ func prefillSM90SharedBytesE4M3(headDim int) uint32 {
 		raw = 2
 	}
 	return base + raw*slot + 32
+}
+
+// prefillSM90SharedBytesFP8 is kvp_prefill_sm90_smem_bytes_fp8: the FP8
+// Q/K/V mode's tiles are one byte an element, plus the stages' K and V
+// scales, the query rows' scales and a ring of two raw V tiles.
+func prefillSM90SharedBytesFP8(headDim int) uint32 {
+	tn, d := uint32(prefillSM90TileKV(headDim)), uint32(headDim)
+	return prefillSM90SharedBytes(E4M3, headDim) + 4*(4*tn+prefillSM90TileQ) + 2*tn*d
 }
 
 // prefillMainloop picks the kernel of a plan's prefill route on dev: the
@@ -405,8 +424,16 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	if err := a.PrefillShape.validate(what); err != nil {
 		return p, err
 	}
-	if a.Flags&^(PrefillNoDecodeRoute|PrefillNoSplitKV|PrefillNoHopper) != 0 {
+	if a.Flags&^prefillFlags != 0 {
 		return p, kverr.Errorf(kverr.InvalidArgument, "%s: unknown flags %#x", what, a.Flags)
+	}
+	if a.Flags&PrefillFP8QKV != 0 {
+		if a.Flags&PrefillNoHopper != 0 {
+			return p, kverr.Errorf(kverr.InvalidArgument, "%s: KVP_PREFILL_FP8_QKV runs on the Hopper mainloop, which KVP_PREFILL_NO_HOPPER turns off", what)
+		}
+		if a.HeadDim != fp8QKVHeadDim || a.DType.Size() != 2 {
+			return p, kverr.Errorf(kverr.Unsupported, "%s: KVP_PREFILL_FP8_QKV is cut for head_dim %d with f16 or bf16 q: got head_dim %d, %s", what, fp8QKVHeadDim, a.HeadDim, a.DType)
+		}
 	}
 	if a.WorkspaceBytes < 0 {
 		return p, kverr.Errorf(kverr.InvalidArgument, "%s: workspace_bytes must not be negative: got %d", what, a.WorkspaceBytes)
@@ -466,6 +493,11 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		// workspace (sized for 64-row items) holds.
 		p.Grid, tileQ = sms, prefillSM90TileQ
 		st.items = st.itemsSM90
+		if a.Flags&PrefillFP8QKV != 0 {
+			p.Mainloop = MainloopSM90FP8 // the same work list
+		}
+	} else if a.Flags&PrefillFP8QKV != 0 {
+		return PrefillPlan{}, kverr.Errorf(kverr.Unsupported, "%s: KVP_PREFILL_FP8_QKV needs the Hopper mainloop (compute capability 9.0), which this device (%d.%d) does not run", what, m.Device().Major, m.Device().Minor)
 	}
 	if mixed { // each one-token sequence's single row tile is the decode launch's
 		st.items -= int64(st.decodeSeqs) * int64(ceilDiv(a.NumQHeads/a.NumKVHeads, tileQ))
@@ -543,7 +575,7 @@ func (l *PrefillLayout) validate(what string, p *PrefillPlan) (prefillExtents, e
 		inRange(what+": plan num_items", p.NumItems, 0, maxPrefillTokens),
 		inRange(what+": plan grid", p.Grid, 0, 1<<20),
 		inRange(what+": plan num_splits", p.NumSplits, 1, MaxSplits),
-		inRange(what+": plan mainloop", p.Mainloop, MainloopOfDevice, MainloopSM90),
+		inRange(what+": plan mainloop", p.Mainloop, MainloopOfDevice, MainloopSM90FP8),
 		inRange(what+": plan decode rows", p.DecodeSeqs, 0, p.Batch),
 		inRange(what+": plan decode splits", p.DecodeSplits, 0, MaxSplits),
 	); err != nil {
@@ -675,13 +707,23 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		mainloop = prefillMainloop(m.Device(), p.DType, p.HeadDim, 0)
 	}
 	e4m3 := a.PagedKV.E4M3()
-	if mainloop == MainloopSM90 {
+	if mainloop == MainloopSM90FP8 {
+		if !e4m3 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for FP8 Q/K/V (KVP_PREFILL_FP8_QKV), which reads an e4m3 cache; this one is %s: plan without the flag", what, a.PagedKV.cacheDType(p.DType))
+		}
+		if p.HeadDim != fp8QKVHeadDim || p.DType.Size() != 2 {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for FP8 Q/K/V, which is cut for head_dim %d with f16 or bf16 q: the plan has head_dim %d, %s", what, fp8QKVHeadDim, p.HeadDim, p.DType)
+		}
+	}
+	if mainloop == MainloopSM90 || mainloop == MainloopSM90FP8 {
 		if prefillMainloop(m.Device(), p.DType, p.HeadDim, 0) != MainloopSM90 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for the Hopper mainloop, which this device (compute capability %d.%d) does not run: plan on this device", what, m.Device().Major, m.Device().Minor)
 		}
 		cfg.Block.X, cfg.Shared = prefillSM90Threads, prefillSM90SharedBytes(p.DType, p.HeadDim)
 		kernel = kernelsFor(p.DType, p.HeadDim).prefillSM90
-		if e4m3 {
+		if mainloop == MainloopSM90FP8 {
+			cfg.Shared, kernel = prefillSM90SharedBytesFP8(p.HeadDim), kernelsFor(p.DType, p.HeadDim).prefillSM90FP8
+		} else if e4m3 {
 			if uint32(m.Device().SharedPerBlockOptin) < prefillSM90SharedBytesE4M3(p.HeadDim) {
 				return kverr.Errorf(kverr.Unsupported, "%s: the Hopper mainloop over an e4m3 cache needs %d bytes of shared memory a block; this device offers %d: plan with KVP_PREFILL_NO_HOPPER", what, prefillSM90SharedBytesE4M3(p.HeadDim), m.Device().SharedPerBlockOptin)
 			}

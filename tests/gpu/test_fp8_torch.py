@@ -241,6 +241,142 @@ def test_fp8_prefill_long(dtype, D, splits, seed):
     assert row_err(out, exact_out)[0] < 0.1
 
 
+HOPPER = torch.cuda.get_device_capability() == (9, 0)
+# FP8 Q/K/V's bound on a row's relative error against the float64 reference
+# over the dequantised cache: q and P are rounded to e4m3 too (3 mantissa
+# bits: 2^-4 relative at most, about 2^-6 on average over a row).
+QKV_TOL = 6e-2
+# Its bound on lse: a score moves with q's rounding (a few percent of its
+# size), and a row of few tokens (a window's, a sequence's first) sums few
+# rounded weights; H200 runs gave up to 0.12.
+QKV_LSE_TOL = 0.25
+
+
+def qkv_plan(b, **kw):
+    """b's plan in the FP8 Q/K/V mode; off Hopper the plan must refuse it."""
+    if not HOPPER:
+        with pytest.raises(kvplug.UnsupportedError, match="KVP_PREFILL_FP8_QKV"):
+            b.plan(fp8_qkv=True, **kw)
+        pytest.skip("FP8 Q/K/V runs on Hopper only (the refusal above is checked)")
+    return b.plan(fp8_qkv=True, **kw)
+
+
+def run_qkv(b, plan, k8, v8, ks, vs):
+    """plan's run over the e4m3 cache into NaN-poisoned out and lse; returns
+    out's and lse's errors against b's reference over the dequantised cache."""
+    out = torch.full_like(b.q, float("nan"))
+    lse = torch.full((b.total_q, b.qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, lse=lse, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    want, want_lse = b.reference()
+    assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements)"
+    return out, row_err(out, want)[0], (lse.double() - want_lse).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+@pytest.mark.parametrize("window", [-1, 40])
+def test_fp8_qkv_prefill(dtype, kind, window, seed):
+    """FP8 Q/K/V (KVP_PREFILL_FP8_QKV): the varlen batch against the float64
+    reference over the dequantised cache, and beside the accurate mode."""
+    b, k8, v8, ks, vs, _ = _prefill_batch(dtype, 128, kind, seed, window=window)
+    plan = qkv_plan(b, decode_route=False)
+    assert plan.route == attn.ROUTE_PREFILL and plan.mainloop == attn.MAINLOOP_SM90_FP8, plan
+    _, err, lerr = run_qkv(b, plan, k8, v8, ks, vs)
+    _, acc_err, _ = run_qkv(b, b.plan(decode_route=False), k8, v8, ks, vs)
+    print(f"fp8 q/k/v rel err {err:.3e} (accurate mode {acc_err:.3e}), lse abs err {lerr:.3e}")
+    assert err < QKV_TOL, f"FP8 Q/K/V out rel err {err:.3e} (accurate mode {acc_err:.3e})"
+    assert lerr < QKV_LSE_TOL, f"FP8 Q/K/V lse max abs err {lerr:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [False, True], ids=["one-split", "split-kv"])
+def test_fp8_qkv_prefill_long(dtype, splits, seed):
+    """Units of many K/V tiles (the raw V ring wraps many times) with GQA 4
+    and split-KV where the plan allows it."""
+    lens = ([3000, 1900, 700, 2500], [200, 1900, 64, 1])
+    b, k8, v8, ks, vs, _ = _prefill_batch(dtype, 128, "token", seed + 11, lens=lens, heads=(16, 4))
+    plan = qkv_plan(b, split_kv=splits, decode_route=False)
+    _, err, lerr = run_qkv(b, plan, k8, v8, ks, vs)
+    assert err < QKV_TOL and lerr < QKV_LSE_TOL, (err, lerr, plan)
+
+
+@pytest.mark.parametrize("L", [32768, 131072])
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+def test_fp8_qkv_needle(L, kind, seed):
+    """Long-context retrieval: one needle key among L tokens, early in the
+    context so that hundreds of tiles follow it; the last 16 tokens' queries
+    point at it (their scores with it about 22, every other key orthogonal
+    to them). FP8 Q/K/V finds the needle's V (as the cache holds it) within
+    2e-2 in every query row and head, and stays within 1e-2 of the float64
+    reference's rows."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qh, kvh, D, bs, n = 32, 8, 128, 16, 16
+    blocks = (L + bs - 1) // bs
+    u = torch.nn.functional.normalize(torch.randn(kvh, D, generator=gen, device=DEV, dtype=torch.float64), dim=1)
+    k = torch.randn(L, kvh, D, generator=gen, device=DEV, dtype=torch.float64)
+    k -= (k * u).sum(-1, keepdim=True) * u  # orthogonal to each head's query direction
+    pos = int(torch.randint(L // 20, L // 8, (1,), generator=gen, device=DEV))
+    k[pos] = 16 * u
+    v = torch.randn(L, kvh, D, generator=gen, device=DEV, dtype=torch.float64)
+    q = (16 * u).repeat_interleave(qh // kvh, dim=0)[None].expand(n, qh, D).to(torch.float16).contiguous()
+    k8 = torch.empty((blocks, bs, kvh, D), device=DEV).to(E4M3)
+    v8 = torch.empty_like(k8)
+    if kind == "token":
+        ks = torch.empty((blocks, bs, kvh), device=DEV)
+        vs = torch.empty_like(ks)
+    else:
+        ks, vs = (k.abs().max().float() / 448).reshape(1), (v.abs().max().float() / 448).reshape(1)
+    slots = torch.arange(L, device=DEV, dtype=torch.int32)
+    attn.kv_write(k.half(), v.half(), k8, v8, slots, k_scale=ks, v_scale=vs)
+    vd = (v8.double() * (vs[..., None].double() if kind == "token" else vs.double())).reshape(-1, kvh, D)[:L]
+    kd = (k8.double() * (ks[..., None].double() if kind == "token" else ks.double())).reshape(-1, kvh, D)[:L]
+    table = torch.arange(blocks, device=DEV, dtype=torch.int32)[None]
+    qo = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    kvl = torch.tensor([L], dtype=torch.int32, device=DEV)
+    ws = torch.empty(attn.prefill_workspace_size(1, n, qh, kvh, D), dtype=torch.uint8, device=DEV)
+    if not HOPPER:
+        with pytest.raises(kvplug.UnsupportedError, match="KVP_PREFILL_FP8_QKV"):
+            attn.prefill_plan(qo, kvl, qh, kvh, D, torch.float16, ws, qo_indptr_host=[0, n], kv_lens_host=[L],
+                              decode_route=False, fp8_qkv=True)
+        pytest.skip("FP8 Q/K/V runs on Hopper only (the refusal above is checked)")
+    plan = attn.prefill_plan(qo, kvl, qh, kvh, D, torch.float16, ws, qo_indptr_host=[0, n], kv_lens_host=[L],
+                             decode_route=False, fp8_qkv=True)
+    out = torch.full_like(q, float("nan"))
+    attn.paged_prefill(plan, q, k8, v8, table, out=out, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    needle = vd[pos].repeat_interleave(qh // kvh, dim=0)  # [qh, D]
+    err = (out.double() - needle[None]).abs().max().item()
+    # The float64 reference over the dequantised cache (causal: query i at L - n + i).
+    g = qh // kvh
+    s = torch.einsum("nhd,lhd->hnl", q.double(), kd.repeat_interleave(g, dim=1)) / math.sqrt(D)
+    s = s.masked_fill(torch.arange(L, device=DEV)[None, None] > (L - n + torch.arange(n, device=DEV))[None, :, None],
+                      float("-inf"))
+    ref = torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), vd.repeat_interleave(g, dim=1))
+    rerr = (out.double() - ref).abs().max().item()
+    print(f"needle at {pos} of {L} ({kind} scales): max abs err vs its V {err:.3e}, vs the reference {rerr:.3e}")
+    assert err < 2e-2, f"the needle's V missed by {err:.3e}"
+    assert rerr < 1e-2, f"the reference missed by {rerr:.3e}"
+
+
+def test_fp8_qkv_misuse(seed):
+    """KVP_PREFILL_FP8_QKV with the sm_80 mainloop, head_dim 64, or a run
+    over a 16-bit cache: errors, nothing written."""
+    b, k8, v8, ks, vs, _ = _prefill_batch(torch.bfloat16, 128, "token", seed)
+    with pytest.raises(kvplug.InvalidArgumentError, match="KVP_PREFILL_NO_HOPPER"):
+        b.plan(fp8_qkv=True, hopper=False)
+    b64, *_ = _prefill_batch(torch.bfloat16, 64, "token", seed)
+    with pytest.raises(kvplug.UnsupportedError, match="head_dim 128"):
+        attn.prefill_plan(b64.qo, b64.kvl, b64.qh, b64.kvh, 64, b64.dtype, b64.ws, qo_indptr_host=b64.qo.cpu(),
+                          kv_lens_host=b64.kv_lens, fp8_qkv=True)
+    plan = qkv_plan(b, decode_route=False)
+    out = torch.full_like(b.q, float("nan"))
+    with pytest.raises(kvplug.InvalidArgumentError, match="e4m3 cache"):
+        attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "a refused run wrote its output"
+
+
 @pytest.mark.parametrize("cascade", [False, True], ids=["paged", "cascade"])
 def test_fp8_hf_engine_logits(cascade):
     """kvplug.hf over an FP8 cache on the kernels (kv_write, the sm_80

@@ -97,6 +97,8 @@ class Batch:
                               window_left=self.window, qo_indptr_host=self.qo.cpu(), kv_lens_host=self.kv_lens, **kw)
         if p.route == attn.ROUTE_PREFILL:
             want = attn.MAINLOOP_SM90 if kw["hopper"] and HOPPER_DEVICE and self.dtype != torch.float32 else attn.MAINLOOP_SM80
+            if kw.get("fp8_qkv"):
+                want = attn.MAINLOOP_SM90_FP8
             assert p.mainloop == want, p
         return p
 

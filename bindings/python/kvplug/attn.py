@@ -59,7 +59,9 @@ ROUTE_PREFILL, ROUTE_DECODE = 1, 2  # KVP_ATTN_ROUTE_*
 DECODE_MAX_Q_LEN = 16  # KVP_DECODE_MAX_Q_LEN: new tokens per sequence of paged_decode
 PLAN_NO_DECODE_ROUTE, PLAN_NO_SPLIT_KV = 1, 2  # KVP_PREFILL_NO_DECODE_ROUTE, KVP_PREFILL_NO_SPLIT_KV
 PLAN_NO_HOPPER = 4  # KVP_PREFILL_NO_HOPPER: the sm_80 kernel on a Hopper GPU too
-MAINLOOP_SM80, MAINLOOP_SM90 = 0, 1  # kvp_attn_plan.state[KVP_PLAN_STATE_MAINLOOP] of a prefill plan
+PLAN_FP8_QKV = 8  # KVP_PREFILL_FP8_QKV: FP8 Q/K/V over an e4m3 cache on Hopper (head_dim 128)
+# kvp_attn_plan.state[KVP_PLAN_STATE_MAINLOOP] of a prefill plan
+MAINLOOP_SM80, MAINLOOP_SM90, MAINLOOP_SM90_FP8 = 0, 1, 2
 
 _u64 = ctypes.c_uint64
 _ci = _lib.checked_int
@@ -365,7 +367,8 @@ class PrefillPlan(_t.Plan):
 
     @property
     def mainloop(self) -> int:
-        """The prefill route's kernel: MAINLOOP_SM80 or MAINLOOP_SM90 (Hopper)."""
+        """The prefill route's kernel: MAINLOOP_SM80, MAINLOOP_SM90 (Hopper) or
+        MAINLOOP_SM90_FP8 (its FP8 Q/K/V mode)."""
         return int(self._c.state[0])
 
     @property
@@ -384,7 +387,7 @@ class PrefillPlan(_t.Plan):
         route = {ROUTE_PREFILL: "prefill", ROUTE_DECODE: "decode"}.get(c.route, str(c.route))
         return (f"PrefillPlan(route={route}, batch={c.batch}, total_q={c.total_q}, max_q_len={c.max_q_len}, "
                 f"max_kv_len={c.max_kv_len}, items={c.num_items}, grid={c.grid}, splits={c.num_splits}, "
-                f"mainloop={'sm90' if self.mainloop == MAINLOOP_SM90 else 'sm80'}, decode_rows={self.decode_rows})")
+                f"mainloop={({MAINLOOP_SM90: 'sm90', MAINLOOP_SM90_FP8: 'sm90-fp8'}).get(self.mainloop, 'sm80')}, decode_rows={self.decode_rows})")
 
 
 def prefill_plan(
@@ -402,6 +405,7 @@ def prefill_plan(
     split_kv: bool = True,
     stream: Any = None,
     hopper: bool = True,
+    fp8_qkv: bool = False,
 ) -> PrefillPlan:
     """Plans a varlen batch once per step: qo_indptr (int32 [batch+1], from
     0, non-decreasing) and kv_lens (int32 [batch], each >= its q_len, the new
@@ -415,9 +419,14 @@ def prefill_plan(
     kernel;
     split_kv=False keeps every plan at one split (both: one captured graph
     serves any batch composition). hopper=False keeps a Hopper GPU on the
-    sm_80 kernel (plan.mainloop says which one a plan runs)."""
+    sm_80 kernel (plan.mainloop says which one a plan runs). fp8_qkv=True
+    plans the fast FP8 mode for runs over an e4m3 cache: q quantised to
+    e4m3 and both products on the 8-bit tensor cores (Hopper, head_dim 128;
+    KVP_PREFILL_FP8_QKV in kvplug.h); without it such a cache is widened to
+    q's type on the way into shared memory."""
     a, dev, keep = _prefill_plan_args(qo_indptr, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype, workspace,
-                                      window_left, qo_indptr_host, kv_lens_host, decode_route, split_kv, hopper)
+                                      window_left, qo_indptr_host, kv_lens_host, decode_route, split_kv, hopper,
+                                      fp8_qkv)
     plan = _AttnPlan()
     plan.struct_size = ctypes.sizeof(_AttnPlan)
     _t.launch(C.kvp_prefill_plan, _t.device_index(dev), stream, ctypes.byref(a), ctypes.byref(plan))
@@ -426,7 +435,8 @@ def prefill_plan(
 
 def _prefill_plan_args(qo_indptr: Any, kv_lens: Any, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: Any,
                        workspace: Any, window_left: int, qo_indptr_host: Any, kv_lens_host: Any, decode_route: bool,
-                       split_kv: bool, hopper: bool = True) -> Tuple[_PrefillPlanArgs, Any, Tuple[Any, ...]]:
+                       split_kv: bool, hopper: bool = True,
+                       fp8_qkv: bool = False) -> Tuple[_PrefillPlanArgs, Any, Tuple[Any, ...]]:
     """prefill_plan's checks and its kvp_prefill_plan_args; returns them with
     the device and what the plan keeps alive."""
     torch = _t.torch()
@@ -447,7 +457,7 @@ def _prefill_plan_args(qo_indptr: Any, kv_lens: Any, num_q_heads: int, num_kv_he
     a = _PrefillPlanArgs(
         ctypes.sizeof(_PrefillPlanArgs), dtype, head_dim, num_q_heads, num_kv_heads, batch, window_left + 1,
         (0 if decode_route else PLAN_NO_DECODE_ROUTE) | (0 if split_kv else PLAN_NO_SPLIT_KV)
-        | (0 if hopper else PLAN_NO_HOPPER), 0, qo_h, kv_h,
+        | (0 if hopper else PLAN_NO_HOPPER) | (PLAN_FP8_QKV if fp8_qkv else 0), 0, qo_h, kv_h,
         qo_indptr.data_ptr(), kv_lens.data_ptr(), ws_ptr, ws_bytes,
     )
     return a, dev, (qo_indptr, kv_lens, workspace)
@@ -473,8 +483,9 @@ def paged_prefill(
     [batch, max_blocks]). Returns out (allocated when None), or (out, lse)
     with return_lse (lse float32 [total_q, num_q_heads], natural log).
     An FP8 cache (torch.float8_e4m3fn) comes with its k_scale and v_scale, as
-    kv_write takes them, and is read by the sm_80 mainloop: plan such batches
-    with prefill_plan(..., hopper=False). sinks: attention sinks, float32
+    kv_write takes them; it is widened to q's type on the way into shared
+    memory, or read by the 8-bit tensor cores under a plan of
+    prefill_plan(..., fp8_qkv=True). sinks: attention sinks, float32
     [num_q_heads], as paged_decode takes them (every route and window)."""
     if not isinstance(plan, PrefillPlan):
         raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
