@@ -244,8 +244,10 @@ def test_fp8_prefill_long(dtype, D, splits, seed):
 HOPPER = torch.cuda.get_device_capability() == (9, 0)
 # FP8 Q/K/V's bound on a row's relative error against the float64 reference
 # over the dequantised cache: q and P are rounded to e4m3 too (3 mantissa
-# bits: 2^-4 relative at most, about 2^-6 on average over a row).
-QKV_TOL = 6e-2
+# bits: 2^-4 relative at most). H200 runs gave 4.3e-2 to 6.0e-2, where
+# FlashInfer's fa3 with FP8 Q/K/V gives 4.7e-2 to 5.4e-2 on the prefill
+# table's inputs (bench/RESULTS.md).
+QKV_TOL = 8e-2
 # Its bound on lse: a score moves with q's rounding (a few percent of its
 # size), and a row of few tokens (a window's, a sequence's first) sums few
 # rounded weights; H200 runs gave up to 0.12.
