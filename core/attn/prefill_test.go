@@ -68,7 +68,9 @@ func TestPrefillArgumentErrors(t *testing.T) {
 		{"head_dim", func(a *PrefillPlanArgs) { a.HeadDim = 80 }, kverr.Unsupported},
 		{"dtype", func(a *PrefillPlanArgs) { a.DType = 7 }, kverr.InvalidArgument},
 		{"window", func(a *PrefillPlanArgs) { a.WindowLeft = -2 }, kverr.InvalidArgument},
-		{"flags", func(a *PrefillPlanArgs) { a.Flags = 8 }, kverr.InvalidArgument}, // 4 is PrefillNoHopper
+		{"flags", func(a *PrefillPlanArgs) { a.Flags = 16 }, kverr.InvalidArgument}, // 8 is PrefillFP8QKV
+		{"fp8 q/k/v without the Hopper mainloop", func(a *PrefillPlanArgs) { a.Flags = PrefillFP8QKV | PrefillNoHopper }, kverr.InvalidArgument},
+		{"fp8 q/k/v at head_dim 64", func(a *PrefillPlanArgs) { a.Flags, a.HeadDim = PrefillFP8QKV, 64 }, kverr.Unsupported},
 		{"workspace small", func(a *PrefillPlanArgs) { a.WorkspaceBytes = 40 }, kverr.BufferTooSmall},
 		{"workspace 0", func(a *PrefillPlanArgs) { a.Workspace = 0 }, kverr.NullPointer},
 		{"workspace unaligned", func(a *PrefillPlanArgs) { a.Workspace = 0x3004 }, kverr.InvalidArgument},
