@@ -516,6 +516,10 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-through", type=int, default=0, metavar="N",
                     help="copy up to N computed blocks a step to the host tier while they stay on the GPU, instead "
                     "of demoting (moving) blocks ahead of need (0: demote; with N, --demote-ahead defaults to 0)")
+    ap.add_argument("--tier-copier", default="auto", choices=["auto", "copy-engine", "torch"],
+                    help="how blocks move between the GPU pool and the host tier: auto (the library's batched copy "
+                    "kernel on a GPU), copy-engine (stores through the GPU's copy engines, reloads by the kernel: "
+                    "no SMs taken from the step's kernels), torch (torch's copies)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
     ap.add_argument("--shared-tier-namespace", default=None, metavar="NAME",
@@ -544,6 +548,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
             kw["tier_overlap"] = True
         if not args.demote_evicted:
             kw["demote_evicted"] = False
+        if args.tier_copier != "auto":
+            kw["tier_copier"] = args.tier_copier
     if args.write_through and gb <= 0:
         sys.exit("--write-through needs --host-cache-gb > 0: it copies blocks to the host tier")
     if args.shared_tier:

@@ -79,8 +79,13 @@ struct Sm90Cfg {
     // are in the cache, a row's 16-byte chunk c at c ^ (row / 16 % 8)),
     // which the producer transposes into the stage's V tile: the 8-bit
     // wgmma reads B only K-major, so P V^T needs V as [dim][token].
+    // Per stage also P's V factors (w_j = sv_j * 256 / max sv, fp32), their
+    // reciprocals (f16), and the tile's max sv / 256, which the producer
+    // computes as it transposes the tile; then its warps' maxima.
     static constexpr int F8_KSC = 0, F8_VSC = 4 * STAGES * TN, F8_QSC = 8 * STAGES * TN;
-    static constexpr int F8_RAW_OFF = F8_QSC + 4 * TQ;
+    static constexpr int F8_VW = F8_QSC + 4 * TQ, F8_VR = F8_VW + 4 * STAGES * TN, F8_FV = F8_VR + 2 * STAGES * TN;
+    static constexpr int F8_WM = F8_FV + 4 * STAGES;
+    static constexpr int F8_RAW_OFF = (F8_WM + 16 + 127) / 128 * 128;
     static constexpr int SMEM = BASE_SMEM + (E4M3 ? RAW * (RAW_BYTES + RAW_META) + STAGES * STAGE_MASK : 0) +
                                 (F8 ? F8_RAW_OFF + 2 * TN * D : 0);
     static_assert(!F8 || (D == 128 && TN == 128 && F8_RAW_OFF % 128 == 0), "the FP8 Q/K/V mainloop is cut for head_dim 128");
@@ -335,7 +340,9 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
     const float* const f8_scales =
         reinterpret_cast<const float*>(sm + C::Q_BYTES + 2 * S * C::KV_BYTES + C::OFF_BYTES + C::BAR_BYTES);
     auto k_scales = [&](int s) { return reinterpret_cast<const float2*>(f8_scales + C::F8_KSC / 4 + TN * s); };
-    auto v_scales = [&](int s) { return reinterpret_cast<const float2*>(f8_scales + C::F8_VSC / 4 + TN * s); };
+    auto v_factors = [&](int s) { return reinterpret_cast<const float2*>(f8_scales + C::F8_VW / 4 + TN * s); };
+    auto v_recips = [&](int s) { return reinterpret_cast<const uint32_t*>(f8_scales + C::F8_VR / 4) + TN / 2 * s; };
+    auto v_tile_factor = [&](int s) { return f8_scales[C::F8_FV / 4 + s]; };
 
     const int tid = threadIdx.x;
     // The warpgroup index through a shuffle from lane 0: the compiler then
@@ -614,6 +621,13 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             // stores of one dim's row fill all 32 banks.
             const int lane = tid & 31, warp = tid >> 5, g = lane & 7, q = lane >> 3;
             const uint32_t dst = v_s(s);
+            // P's V factors, a thread a token: the tile's largest V scale
+            // (scales are positive or 0, so their bits order as they do),
+            // through the warps' maxima; the transposition's loads and
+            // stores run between the two halves.
+            const float sv = __uint_as_float(ld_shared_u32(v_sc(s) + 4u * (uint32_t)tid));
+            const uint32_t wmax = __reduce_max_sync(0xffffffffu, __float_as_uint(sv));
+            if (lane == 0) st_shared_u32(ext + (uint32_t)(C::F8_WM + 4 * warp), wmax);
 #pragma unroll
             for (int u = 0; u < D / 64; ++u) {
                 const int c = warp + 4 * u;  // the 16 dims 16 c .. 16 c + 15
@@ -636,6 +650,19 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                     }
                 }
             }
+            producer_sync();  // the warps' maxima
+            float mv = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mv = fmaxf(mv, __uint_as_float(ld_shared_u32(ext + (uint32_t)(C::F8_WM + 4 * i))));
+            // w = sv * 256 / mv and 1 / w, at most 2^14 (f16 holds it):
+            // where w is below 2^-14, P w rounds to 0 in e4m3 (its least
+            // value is 2^-9), so the reciprocal multiplies only zeros.
+            const float w = mv > 0.f ? sv * (256.f / mv) : 0.f;
+            st_shared_u32(ext + (uint32_t)(C::F8_VW + 4 * (TN * s + tid)), __float_as_uint(w));
+            const uint32_t r2 = pack2<f16>(rcp_approx(fmaxf(w, 1.f / 16384.f)), 0.f);
+            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(ext + (uint32_t)(C::F8_VR + 2 * (TN * s + tid))), "h"((uint16_t)r2)
+                         : "memory");
+            if (tid == 0) st_shared_u32(ext + (uint32_t)(C::F8_FV + 4 * s), __float_as_uint(mv * (1.f / 256.f)));
             fence_proxy_async();  // the stores, before wgmma reads them
             mbar_arrive(full_v(s));
         };
@@ -1006,17 +1033,13 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 // producer's rewrite; compute-sanitizer's racecheck follows
                 // only the first, and the offsets of an unreadable tile are
                 // rewritten soonest (a causal tail's first tile).
-                // (F8 reads the stage's V scales below, and releases it after them.)
-                auto release_k = [&]() {
-                    if (unreadable) {
-                        mbar_arrive(empty_k(s));
-                        __syncwarp();
-                    } else {
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive_n(empty_k(s), 32);
-                    }
-                };
-                if constexpr (!F8) release_k();
+                if (unreadable) {
+                    mbar_arrive(empty_k(s));
+                    __syncwarp();
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive_n(empty_k(s), 32);
+                }
                 if (lane == 0 && t == t1 - 1) mbar_arrive(q_empty);  // the item's last read of Q
                 if (active) {
                     // Maxima of the unscaled scores: the scale is positive.
@@ -1056,18 +1079,13 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 }
                 if (active) {
                     if constexpr (F8) {
-                        // P_ij sv_j / max_j sv_j * 256 as e4m3, in the A
-                        // fragment's token order (transpose_v); the row sums
-                        // add each quantised value times 1 / (its factor),
+                        // P_ij w_j as e4m3, in the A fragment's token order
+                        // (transpose_v, which also wrote the factors w_j =
+                        // sv_j * 256 / max sv and their reciprocals: V_t's
+                        // stage is waited for here, one step early); the
+                        // row sums add each quantised value times 1 / w_j,
                         // in f16 pairs a k step and fp32 across them.
-                        float mv = 0.f;
-#pragma unroll
-                        for (int j = 0; j < TN / 8; ++j) {
-                            const float2 v = v_scales(s)[(8 * j + col_q) / 2];
-                            mv = fmaxf(mv, fmaxf(v.x, v.y));
-                        }
-                        mv = quad_max(mv);
-                        const float wm = mv > 0.f ? 256.f / mv : 0.f;
+                        mbar_wait(full_v(s), (tile_it / S) & 1);
                         float la = 0.f, lb = 0.f;
 #pragma unroll
                         for (int kk = 0; kk < TN / 32; ++kk) {
@@ -1075,21 +1093,17 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
 #pragma unroll
                             for (int h = 0; h < 2; ++h) {
                                 const int j0 = 4 * kk + 2 * h;
-                                const float2 v0 = v_scales(s)[(8 * j0 + col_q) / 2];
-                                const float2 v1 = v_scales(s)[(8 * j0 + 8 + col_q) / 2];
-                                const float w00 = v0.x * wm, w01 = v0.y * wm, w10 = v1.x * wm, w11 = v1.y * wm;
+                                const float2 v0 = v_factors(s)[(8 * j0 + col_q) / 2];
+                                const float2 v1 = v_factors(s)[(8 * j0 + 8 + col_q) / 2];
+                                const float w00 = v0.x, w01 = v0.y, w10 = v1.x, w11 = v1.y;
                                 const uint32_t qa = pack_e4m3x2(sc[4 * j0] * w00, sc[4 * j0 + 1] * w01) |
                                                     (pack_e4m3x2(sc[4 * j0 + 4] * w10, sc[4 * j0 + 5] * w11) << 16);
                                 const uint32_t qb = pack_e4m3x2(sc[4 * j0 + 2] * w00, sc[4 * j0 + 3] * w01) |
                                                     (pack_e4m3x2(sc[4 * j0 + 6] * w10, sc[4 * j0 + 7] * w11) << 16);
                                 pa[kk][2 * h] = qa;
                                 pa[kk][2 * h + 1] = qb;
-                                // 1 / w, at most 2^14 (f16 holds it): where w
-                                // is below 2^-14, P w rounds to 0 in e4m3
-                                // (its least value is 2^-9), so r is unused.
-                                constexpr float wmin = 1.f / 16384.f;
-                                const uint32_t r0 = pack2<f16>(rcp_approx(fmaxf(w00, wmin)), rcp_approx(fmaxf(w01, wmin)));
-                                const uint32_t r1 = pack2<f16>(rcp_approx(fmaxf(w10, wmin)), rcp_approx(fmaxf(w11, wmin)));
+                                const uint32_t r0 = v_recips(s)[(8 * j0 + col_q) / 2];
+                                const uint32_t r1 = v_recips(s)[(8 * j0 + 8 + col_q) / 2];
                                 uint32_t lo, hi;
                                 e4m3x4_f16(qa, lo, hi);
                                 ha = hfma2(lo, r0, ha);
@@ -1104,7 +1118,7 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                         }
                         st_a.accumulate(al_a, la);
                         st_b.accumulate(al_b, lb);
-                        fv_prev = mv * (1.f / 256.f);
+                        fv_prev = v_tile_factor(s);
                     } else {
 #pragma unroll
                         for (int j = 0; j < TN / 8; ++j) {
@@ -1116,7 +1130,6 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
 #pragma unroll
                     for (int j = 0; j < TN / PK; ++j) pa[j][0] = pa[j][1] = pa[j][2] = pa[j][3] = 0u;
                 }
-                if constexpr (F8) release_k();
                 sv_prev = s;
                 ++tile_it;
             };

@@ -127,7 +127,7 @@ static_assert(kvp::Sm90Cfg<kvp::f16, 256, true>::SMEM == 232160, "kvp_prefill_sm
 KVP_FOR_16BIT(KVP_PREFILL_SM90_E4M3_INSTANTIATE)
 
 // FP8 Q/K/V on the Hopper mainloop (KVP_PREFILL_FP8_QKV plans), head_dim 128.
-static_assert(kvp::Sm90Cfg<kvp::f16, 128, false, true>::SMEM == 120448, "kvp_prefill_sm90_smem_bytes_fp8 h128");
+static_assert(kvp::Sm90Cfg<kvp::f16, 128, false, true>::SMEM == 122112, "kvp_prefill_sm90_smem_bytes_fp8 h128");
 KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90_fp8, f16_e4m3_qkv, kvp::f16, 128)
 KVP_SM90_KERNEL(kvp_paged_prefill_sm90, kvp_prefill_params, kvp::paged_prefill_sm90_fp8, bf16_e4m3_qkv, kvp::bf16, 128)
 

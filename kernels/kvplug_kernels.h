@@ -499,14 +499,15 @@ static inline uint32_t kvp_prefill_sm90_smem_bytes_e4m3(int head_dim) {
  * cache with both products on the 8-bit wgmma (head_dim 128 only): the
  * producer quantises each query row to e4m3 (one scale a row, from its
  * largest magnitude), copies K tiles as they are, and transposes each V tile
- * through a ring of two raw tiles; the consumers apply the K scales to the
- * scores in fp32 and fold the V scales into P. Dynamic smem: the 16-bit
- * formula at 1 byte an element + 4 * (4 * tile_kv + TILE_Q) (the stages' K
- * and V scales, the query rows' scales) + 2 * tile_kv * D (the raw ring):
- * 120448. */
+ * through a ring of two raw tiles, computing P's V factors as it goes; the
+ * consumers apply the K scales to the scores in fp32 and the V factors to P.
+ * Dynamic smem: the 16-bit formula at 1 byte an element + the scales and
+ * factors (4 * (4 * tile_kv + TILE_Q) + 12 * tile_kv + 24 bytes, rounded up
+ * to 128) + 2 * tile_kv * D (the raw ring): 122112. */
 static inline uint32_t kvp_prefill_sm90_smem_bytes_fp8(int head_dim) {
     uint32_t tn = (uint32_t)kvp_prefill_sm90_tile_kv(head_dim), d = (uint32_t)head_dim;
-    return kvp_prefill_sm90_smem_bytes(1, head_dim) + 4u * (4u * tn + KVP_PREFILL_SM90_TILE_Q) + 2u * tn * d;
+    uint32_t scales = (4u * (4u * tn + KVP_PREFILL_SM90_TILE_Q) + 12u * tn + 24u + 127u) / 128u * 128u;
+    return kvp_prefill_sm90_smem_bytes(1, head_dim) + scales + 2u * tn * d;
 }
 
 /* ------------------------------------------------------------------------

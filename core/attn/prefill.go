@@ -155,10 +155,12 @@ func prefillSM90SharedBytesE4M3(headDim int) uint32 {
 
 // prefillSM90SharedBytesFP8 is kvp_prefill_sm90_smem_bytes_fp8: the FP8
 // Q/K/V mode's tiles are one byte an element, plus the stages' K and V
-// scales, the query rows' scales and a ring of two raw V tiles.
+// scales and P's V factors, the query rows' scales and a ring of two raw V
+// tiles.
 func prefillSM90SharedBytesFP8(headDim int) uint32 {
 	tn, d := uint32(prefillSM90TileKV(headDim)), uint32(headDim)
-	return prefillSM90SharedBytes(E4M3, headDim) + 4*(4*tn+prefillSM90TileQ) + 2*tn*d
+	scales := (4*(4*tn+prefillSM90TileQ) + 12*tn + 24 + 127) / 128 * 128
+	return prefillSM90SharedBytes(E4M3, headDim) + scales + 2*tn*d
 }
 
 // prefillMainloop picks the kernel of a plan's prefill route on dev: the
