@@ -2,7 +2,7 @@
 # compute-sanitizer's memcheck and racecheck over the GPU tests of the attention tiles: paged
 # prefill on the Hopper (sm_90a) mainloop and on the sm_80 tile (test_prefill_torch.py's
 # "hopper" and "sm80" cases), the cascade route's kernels (test_cascade_torch.py), and the
-# e4m3 (FP8) cache's KV write, decode, prefill on both mainloops and cascade (test_fp8_torch.py). Only
+# e4m3 (FP8) cache's KV write, decode, prefill on both mainloops and in the FP8 Q/K/V mode, and cascade (test_fp8_torch.py). Only
 # the kernels whose names hold the given part are instrumented, so the float64 references run
 # at full speed; torch's caching allocator is off, so that a read past a tensor's end lands
 # outside every allocation and memcheck sees it. Exits non-zero at the first tool that
@@ -38,3 +38,5 @@ check racecheck kvp_cascade test_cascade_torch.py "prefill_matches or matches_re
 check memcheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128 or fp8_cascade and device"
 check racecheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128"
 check racecheck e4m3 test_fp8_torch.py "prefill_long and one-split-64 or fp8_cascade and device and 256"
+check memcheck e4m3_qkv test_fp8_torch.py "qkv_prefill or qkv_graph"
+check racecheck e4m3_qkv test_fp8_torch.py "qkv_prefill and token-dtype1 or qkv_prefill_long and one-split-dtype0"
