@@ -40,6 +40,21 @@ func onHostStore(h *C.kvp_host_store, f func(*hostStore) error) C.kvp_status {
 	return onHandle(unsafe.Pointer(h), "kvp_host_store", f)
 }
 
+// onHostStoreKeys is the shape of the store's calls on a batch of keys:
+// under onHostStore's rules, the caller's n keys are checked and viewed by
+// storeKeysOf's rules (name, when not "", is the output array the call
+// requires; outNil, it is NULL) and given to f with the store.
+func onHostStoreKeys(h *C.kvp_host_store, op string, n C.int32_t, keys *C.uint64_t, name string, outNil bool,
+	f func(hs *hostStore, ks []uint64) error) C.kvp_status {
+	return onHostStore(h, func(hs *hostStore) error {
+		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), name, outNil)
+		if err != nil {
+			return err
+		}
+		return f(hs, ks)
+	})
+}
+
 //export kvpgo_host_store_create
 func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
 	defer guard(&st)
@@ -89,12 +104,7 @@ func kvpgo_host_store_destroy(h *C.kvp_host_store) {
 
 //export kvpgo_host_store_state
 func kvpgo_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, states *C.int32_t, slots *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		const op = "kvp_host_store_state"
-		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "states", states == nil)
-		if err != nil {
-			return err
-		}
+	return onHostStoreKeys(h, "kvp_host_store_state", n, keys, "states", states == nil, func(hs *hostStore, ks []uint64) error {
 		st := slice[int32](unsafe.Pointer(states), n)
 		sl := slice[int32](unsafe.Pointer(slots), n)
 		for i, k := range ks {
@@ -110,12 +120,7 @@ func kvpgo_host_store_state(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 
 //export kvpgo_host_store_lookup_prefix
 func kvpgo_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, matched *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		const op = "kvp_host_store_lookup_prefix"
-		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "matched", matched == nil)
-		if err != nil {
-			return err
-		}
+	return onHostStoreKeys(h, "kvp_host_store_lookup_prefix", n, keys, "matched", matched == nil, func(hs *hostStore, ks []uint64) error {
 		*matched = C.int32_t(hs.pool.Lookup(ks))
 		return nil
 	})
@@ -124,12 +129,8 @@ func kvpgo_host_store_lookup_prefix(h *C.kvp_host_store, n C.int32_t, keys *C.ui
 //export kvpgo_host_store_reserve
 func kvpgo_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t,
 	evicted *C.uint64_t, numEvicted *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		const op = "kvp_host_store_reserve"
-		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "", false)
-		if err != nil {
-			return err
-		}
+	const op = "kvp_host_store_reserve"
+	return onHostStoreKeys(h, op, n, keys, "", false, func(hs *hostStore, ks []uint64) error {
 		if slots == nil || evicted == nil || numEvicted == nil {
 			return kverr.Errorf(kverr.NullPointer, "%s: slots, evicted and num_evicted must not be NULL", op)
 		}
@@ -147,11 +148,7 @@ func kvpgo_host_store_reserve(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t
 
 //export kvpgo_host_store_complete
 func kvpgo_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, failed C.int32_t, num *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf[uint64]("kvp_host_store_complete", n, unsafe.Pointer(keys), "", false)
-		if err != nil {
-			return err
-		}
+	return onHostStoreKeys(h, "kvp_host_store_complete", n, keys, "", false, func(hs *hostStore, ks []uint64) error {
 		done := hs.pool.CompleteKeys(ks, failed != 0)
 		if num != nil {
 			*num = C.int32_t(done)
@@ -162,12 +159,8 @@ func kvpgo_host_store_complete(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_
 
 //export kvpgo_host_store_pin
 func kvpgo_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, slots *C.int32_t, num *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		const op = "kvp_host_store_pin"
-		ks, err := storeKeysOf[uint64](op, n, unsafe.Pointer(keys), "slots", slots == nil)
-		if err != nil {
-			return err
-		}
+	const op = "kvp_host_store_pin"
+	return onHostStoreKeys(h, op, n, keys, "slots", slots == nil, func(hs *hostStore, ks []uint64) error {
 		// As in reserve: PinKeys writes the int32 slots only once its
 		// checks pass.
 		pinned, err := hs.pool.PinKeys(ks, slice[host.Slot](unsafe.Pointer(slots), n))
@@ -183,11 +176,7 @@ func kvpgo_host_store_pin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, sl
 
 //export kvpgo_host_store_unpin
 func kvpgo_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, num *C.int32_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf[uint64]("kvp_host_store_unpin", n, unsafe.Pointer(keys), "", false)
-		if err != nil {
-			return err
-		}
+	return onHostStoreKeys(h, "kvp_host_store_unpin", n, keys, "", false, func(hs *hostStore, ks []uint64) error {
 		done := hs.pool.UnpinKeys(ks)
 		if num != nil {
 			*num = C.int32_t(done)
@@ -198,11 +187,7 @@ func kvpgo_host_store_unpin(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t, 
 
 //export kvpgo_host_store_touch
 func kvpgo_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) C.kvp_status {
-	return onHostStore(h, func(hs *hostStore) error {
-		ks, err := storeKeysOf[uint64]("kvp_host_store_touch", n, unsafe.Pointer(keys), "", false)
-		if err != nil {
-			return err
-		}
+	return onHostStoreKeys(h, "kvp_host_store_touch", n, keys, "", false, func(hs *hostStore, ks []uint64) error {
 		hs.pool.TouchKeys(ks)
 		return nil
 	})
