@@ -257,6 +257,26 @@ func configIn[T any](op string, cfg *T, outNil bool, s abiStruct, c *T) error {
 	return s.in(unsafe.Pointer(cfg), unsafe.Pointer(c))
 }
 
+// createHandle is the shape of a create export: under the panic guard, the
+// caller's config is read into c (configIn's rules) and given to make,
+// whose object, unless it fails, is registered and its handle written to
+// the caller's out (a kvp_X **: every handle type is one pointer; the C
+// handle types are opaque, so no Go type argument can name them); out is
+// left alone on failure.
+func createHandle[T any](op string, cfg *T, out unsafe.Pointer, s abiStruct, make func(c *T) (any, error)) (st C.kvp_status) {
+	defer guard(&st)
+	var c T
+	if err := configIn(op, cfg, out == nil, s, &c); err != nil {
+		return fail(err)
+	}
+	obj, err := make(&c)
+	if err != nil {
+		return fail(err)
+	}
+	*(*unsafe.Pointer)(out) = newHandle(obj)
+	return C.KVP_OK
+}
+
 // destroy is the shape of every destroy export: under the panic guard, h
 // is dropped (dropHandle's rules: only a live handle of type T) and its
 // object closed.

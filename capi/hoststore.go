@@ -56,38 +56,34 @@ func onHostStoreKeys(h *C.kvp_host_store, op string, n C.int32_t, keys *C.uint64
 }
 
 //export kvpgo_host_store_create
-func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) (st C.kvp_status) {
-	defer guard(&st)
+func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_store) C.kvp_status {
 	const op = "kvp_host_store_create"
-	var c C.kvp_host_store_config
-	if err := configIn(op, cfg, out == nil, hostStoreConfigStruct, &c); err != nil {
-		return fail(err)
-	}
-	if c.reserved != 0 {
-		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
-	}
-	slots, bytes := int64(c.num_slots), int64(c.slot_bytes)
-	if slots < 1 || slots > limits.TierSlots {
-		return failf(kverr.InvalidArgument, "%s: num_slots must be in [1, 2^30]: got %d", op, slots)
-	}
-	if bytes < 0 || bytes > limits.TierBytes/slots {
-		return failf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
-	}
-	hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
-	mem := &cMemory{}
-	cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: mem}
-	if bytes == 0 {
-		// Bookkeeping only: the pool needs a size; one Go byte per slot.
-		cfgPool = host.Config{Slots: int(slots), BlockBytes: 1}
-	}
-	p, err := host.New(cfgPool)
-	if err != nil {
-		mem.Release()
-		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
-	}
-	hs.pool, hs.mem = p, mem.p
-	*out = (*C.kvp_host_store)(newHandle(hs))
-	return C.KVP_OK
+	return createHandle(op, cfg, unsafe.Pointer(out), hostStoreConfigStruct, func(c *C.kvp_host_store_config) (any, error) {
+		if c.reserved != 0 {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
+		}
+		slots, bytes := int64(c.num_slots), int64(c.slot_bytes)
+		if slots < 1 || slots > limits.TierSlots {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: num_slots must be in [1, 2^30]: got %d", op, slots)
+		}
+		if bytes < 0 || bytes > limits.TierBytes/slots {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: slot_bytes must be >= 0 and num_slots * slot_bytes <= 2^46: got %d slots of %d bytes", op, slots, bytes)
+		}
+		hs := &hostStore{slotBytes: bytes, slots: int32(slots)}
+		mem := &cMemory{}
+		cfgPool := host.Config{Slots: int(slots), BlockBytes: int(bytes), Alloc: mem}
+		if bytes == 0 {
+			// Bookkeeping only: the pool needs a size; one Go byte per slot.
+			cfgPool = host.Config{Slots: int(slots), BlockBytes: 1}
+		}
+		p, err := host.New(cfgPool)
+		if err != nil {
+			mem.Release()
+			return nil, kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		hs.pool, hs.mem = p, mem.p
+		return hs, nil
+	})
 }
 
 //export kvpgo_host_store_destroy

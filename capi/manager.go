@@ -25,45 +25,41 @@ func onManager(h *C.kvp_manager, f func(*kvmanager.Manager) error) C.kvp_status 
 }
 
 //export kvpgo_manager_create
-func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) (st C.kvp_status) {
-	defer guard(&st)
-	var c C.kvp_manager_config
-	if err := configIn("kvp_manager_create", cfg, out == nil, managerConfigStruct, &c); err != nil {
-		return fail(err)
-	}
-	// The shared tier's fields are checked before the host tier's memory
-	// is allocated.
-	shared, err := sharedTierOf(&c)
-	if err != nil {
-		return fail(err)
-	}
-	ht, err := hostTierOf(&c)
-	if err != nil {
-		return fail(err)
-	}
-	if ht != nil {
-		ht.Shared = shared
-	}
-	groups, err := layerGroupsOf(&c)
-	if err != nil {
-		return fail(err)
-	}
-	m, err := kvmanager.New(kvmanager.Config{
-		NumBlocks:         int(c.num_blocks),
-		BlockSize:         int(c.block_size),
-		EnablePrefixCache: c.enable_prefix_cache != 0,
-		EnableKVEvents:    c.enable_kv_events != 0,
-		MaxPendingEvents:  int(c.max_pending_events),
-		HostTier:          ht,
-		Groups:            groups,
-		BlockBytes:        int64(c.block_bytes),
-		MaxModelLen:       int(c.max_model_len),
+func kvpgo_manager_create(cfg *C.kvp_manager_config, out **C.kvp_manager) C.kvp_status {
+	return createHandle("kvp_manager_create", cfg, unsafe.Pointer(out), managerConfigStruct, func(c *C.kvp_manager_config) (any, error) {
+		// The shared tier's fields are checked before the host tier's memory
+		// is allocated.
+		shared, err := sharedTierOf(c)
+		if err != nil {
+			return nil, err
+		}
+		ht, err := hostTierOf(c)
+		if err != nil {
+			return nil, err
+		}
+		if ht != nil {
+			ht.Shared = shared
+		}
+		groups, err := layerGroupsOf(c)
+		if err != nil {
+			return nil, err
+		}
+		m, err := kvmanager.New(kvmanager.Config{
+			NumBlocks:         int(c.num_blocks),
+			BlockSize:         int(c.block_size),
+			EnablePrefixCache: c.enable_prefix_cache != 0,
+			EnableKVEvents:    c.enable_kv_events != 0,
+			MaxPendingEvents:  int(c.max_pending_events),
+			HostTier:          ht,
+			Groups:            groups,
+			BlockBytes:        int64(c.block_bytes),
+			MaxModelLen:       int(c.max_model_len),
+		})
+		if err != nil {
+			return nil, err
+		}
+		return m, nil
 	})
-	if err != nil {
-		return fail(err)
-	}
-	*out = (*C.kvp_manager)(newHandle(m))
-	return C.KVP_OK
 }
 
 //export kvpgo_manager_destroy

@@ -29,55 +29,51 @@ func onSharedStore(h *C.kvp_shared_store, f func(*valkey.Tier) error) C.kvp_stat
 }
 
 //export kvpgo_shared_store_create
-func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) (st C.kvp_status) {
-	defer guard(&st)
+func kvpgo_shared_store_create(cfg *C.kvp_shared_store_config, out **C.kvp_shared_store) C.kvp_status {
 	const op = "kvp_shared_store_create"
-	var c C.kvp_shared_store_config
-	if err := configIn(op, cfg, out == nil, sharedStoreConfigStruct, &c); err != nil {
-		return fail(err)
-	}
-	if c.address == nil || c.key_space == nil {
-		return failf(kverr.NullPointer, "%s: cfg.address and cfg.key_space must not be NULL", op)
-	}
-	if c.reserved != 0 {
-		return failf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
-	}
-	addr, ok := cString(c.address, maxAddrLen)
-	if !ok {
-		return failf(kverr.InvalidArgument, "%s: cfg.address is longer than %d bytes (or not NUL-terminated)", op, maxAddrLen)
-	}
-	ns, ok := cString(c.key_space, 64)
-	if !ok {
-		return failf(kverr.InvalidArgument, "%s: cfg.key_space is longer than 64 bytes (or not NUL-terminated)", op)
-	}
-	// Negative sizes and durations are valkey.Config.Check's to refuse
-	// (InvalidArgument); the one bound it has not is a block's size.
-	if c.block_bytes > limits.SharedBlockBytes {
-		return failf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
-	}
-	sec := sharedSecurityFields{
-		username: c.username, passwordEnv: c.password_env, passwordFile: c.password_file,
-		caFile: c.tls_ca_file, certFile: c.tls_cert_file, keyFile: c.tls_key_file, serverName: c.tls_server_name,
-		macKeysEnv: c.mac_keys_env, macKeysFile: c.mac_keys_file, tls: c.tls, reserved: c.reserved2,
-		structName: "kvp_shared_store_config", reservedName: "reserved2",
-	}
-	security, err := sec.translate()
-	if err != nil {
-		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
-	}
-	ms := func(v C.int32_t) time.Duration { return time.Duration(v) * time.Millisecond }
-	vc := valkey.Config{
-		Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint), BlockBytes: int(c.block_bytes),
-		DialTimeout: ms(c.dial_timeout_ms), OpTimeout: ms(c.op_timeout_ms), TTL: ms(c.ttl_ms),
-		Backoff: ms(c.backoff_ms), MaxBackoff: ms(c.max_backoff_ms),
-	}
-	security.apply(&vc)
-	t, err := valkey.New(vc)
-	if err != nil {
-		return fail(kverr.Wrap(kverr.CodeOf(err), err, op))
-	}
-	*out = (*C.kvp_shared_store)(newHandle(t))
-	return C.KVP_OK
+	return createHandle(op, cfg, unsafe.Pointer(out), sharedStoreConfigStruct, func(c *C.kvp_shared_store_config) (any, error) {
+		if c.address == nil || c.key_space == nil {
+			return nil, kverr.Errorf(kverr.NullPointer, "%s: cfg.address and cfg.key_space must not be NULL", op)
+		}
+		if c.reserved != 0 {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.reserved must be 0: got %d", op, int32(c.reserved))
+		}
+		addr, ok := cString(c.address, maxAddrLen)
+		if !ok {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.address is longer than %d bytes (or not NUL-terminated)", op, maxAddrLen)
+		}
+		ns, ok := cString(c.key_space, 64)
+		if !ok {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.key_space is longer than 64 bytes (or not NUL-terminated)", op)
+		}
+		// Negative sizes and durations are valkey.Config.Check's to refuse
+		// (InvalidArgument); the one bound it has not is a block's size.
+		if c.block_bytes > limits.SharedBlockBytes {
+			return nil, kverr.Errorf(kverr.InvalidArgument, "%s: cfg.block_bytes must be in [0, 2^40]: got %d", op, int64(c.block_bytes))
+		}
+		sec := sharedSecurityFields{
+			username: c.username, passwordEnv: c.password_env, passwordFile: c.password_file,
+			caFile: c.tls_ca_file, certFile: c.tls_cert_file, keyFile: c.tls_key_file, serverName: c.tls_server_name,
+			macKeysEnv: c.mac_keys_env, macKeysFile: c.mac_keys_file, tls: c.tls, reserved: c.reserved2,
+			structName: "kvp_shared_store_config", reservedName: "reserved2",
+		}
+		security, err := sec.translate()
+		if err != nil {
+			return nil, kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		ms := func(v C.int32_t) time.Duration { return time.Duration(v) * time.Millisecond }
+		vc := valkey.Config{
+			Addr: addr, Namespace: ns, Fingerprint: uint64(c.fingerprint), BlockBytes: int(c.block_bytes),
+			DialTimeout: ms(c.dial_timeout_ms), OpTimeout: ms(c.op_timeout_ms), TTL: ms(c.ttl_ms),
+			Backoff: ms(c.backoff_ms), MaxBackoff: ms(c.max_backoff_ms),
+		}
+		security.apply(&vc)
+		t, err := valkey.New(vc)
+		if err != nil {
+			return nil, kverr.Wrap(kverr.CodeOf(err), err, op)
+		}
+		return t, nil
+	})
 }
 
 //export kvpgo_shared_store_destroy
