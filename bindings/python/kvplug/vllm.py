@@ -118,14 +118,18 @@ class BlockCopier:
     tensors and the host region the host tensors view, for every tensor of
     every op) a transfer is one launch of kvplug's batched copy kernel, the
     host rows written and read in place; otherwise the batched copy is
-    torch's (index_select, one host-device copy, index_copy_).
+    torch's (kvplug._torchcopy: on CUDA, index_select, one host-device copy
+    through a pinned staging tensor, index_copy_).
     BlockCopier.for_views builds either."""
 
     def __init__(self, device_tensors: Sequence[Any], host_tensors: Sequence[Any],
                  group_tensors: Sequence[Sequence[int]], tier_copier: Any = None) -> None:
         import torch
 
+        from . import _torchcopy
+
         self._torch = torch
+        self._tc = _torchcopy
         self.tier_copier = tier_copier
         if len(device_tensors) != len(host_tensors):
             raise _lib.InvalidArgumentError(f"{len(device_tensors)} device tensors and {len(host_tensors)} host tensors")
@@ -140,8 +144,8 @@ class BlockCopier:
         self.group_tensors = [list(g) for g in group_tensors]
         self._cuda = bool(self.device_tensors) and self.device_tensors[0].device.type == "cuda"
         self._streams: Dict[bool, Any] = {}
-        # job id -> (event or None, bytes, start time, host scatters after the event)
-        self._jobs: Dict[int, Tuple[Any, int, float, List[Tuple[Any, Any, Any]], List[Any]]] = {}
+        # job id -> (event or None, bytes, start time, staged copies to finish after the event)
+        self._jobs: Dict[int, Tuple[Any, int, float, List[Any]]] = {}
         self._order: List[int] = []
         self._done_early: List[Tuple[int, int, float]] = []  # finished by wait(), reported by finished()
 
@@ -194,7 +198,7 @@ class BlockCopier:
         """Starts job job_id: for each group g, rows[g] = (device rows, host
         rows) (plan_rows); store copies device -> host, else host -> device.
         Pairs whose host row is -1 are skipped. Returns the bytes it moves."""
-        torch = self._torch
+        torch, _tc = self._torch, self._tc
         per_tensor: Dict[int, Tuple[List[np.ndarray], List[np.ndarray]]] = {}
         for g, (dev_rows, host_rows) in enumerate(rows):
             if len(dev_rows) == 0:
@@ -207,8 +211,7 @@ class BlockCopier:
                 d.append(dev_rows)
                 h.append(host_rows)
         nbytes = 0
-        scatters: List[Tuple[Any, Any, Any]] = []
-        keep_alive: List[Any] = []
+        staged: List[Any] = []  # kvplug._torchcopy.Staged, finished once the event has passed
         event = None
         start = time.monotonic()
         if self.tier_copier is not None and per_tensor:
@@ -233,41 +236,27 @@ class BlockCopier:
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for t, (d, h) in per_tensor.items():
-                    drows = np.concatenate(d)
-                    hrows = torch.from_numpy(np.concatenate(h))
-                    didx = torch.from_numpy(drows).to(dev, non_blocking=False)
-                    dt, ht = self.device_tensors[t], self.host_tensors[t]
-                    stage = torch.empty((len(drows), dt.shape[1]), dtype=dt.dtype, pin_memory=True)
-                    if store:
-                        gathered = dt.index_select(0, didx)
-                        stage.copy_(gathered, non_blocking=True)
-                        scatters.append((ht, hrows, stage))
-                    else:
-                        torch.index_select(ht, 0, hrows, out=stage)
-                        dt.index_copy_(0, didx, stage.to(dev, non_blocking=True))
-                        keep_alive.append(stage)
-                    nbytes += stage.numel() * stage.element_size()
+                    stage = (_tc.stage_store if store else _tc.stage_load)(
+                        self.device_tensors[t], np.concatenate(d), self.host_tensors[t], np.concatenate(h))
+                    staged.append(stage)
+                    nbytes += stage.nbytes
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
             for t, (d, h) in per_tensor.items():
-                didx = torch.from_numpy(np.concatenate(d))
-                hidx = torch.from_numpy(np.concatenate(h))
                 dt, ht = self.device_tensors[t], self.host_tensors[t]
-                if store:
-                    ht.index_copy_(0, hidx, dt.index_select(0, didx.to(dt.device)).to(ht.device))
-                else:
-                    dt.index_copy_(0, didx.to(dt.device), ht.index_select(0, hidx).to(dt.device))
-                nbytes += len(didx) * dt.shape[1] * dt.element_size()
-        self._jobs[job_id] = (event, nbytes, start, scatters, keep_alive)
+                drows = np.concatenate(d)
+                _tc.copy_rows([(dt, ht)], 0, drows, np.concatenate(h), store=store, non_blocking=False)
+                nbytes += len(drows) * dt.shape[1] * dt.element_size()
+        self._jobs[job_id] = (event, nbytes, start, staged)
         self._order.append(job_id)
         return nbytes
 
     def _finish(self, job_id: int) -> Tuple[int, int, float]:
-        event, nbytes, start, scatters, _ = self._jobs.pop(job_id)
+        event, nbytes, start, staged = self._jobs.pop(job_id)
         self._order.remove(job_id)
-        for ht, hrows, stage in scatters:
-            ht.index_copy_(0, hrows, stage)
+        for stage in staged:
+            stage.finish()  # a store's host rows
         return job_id, nbytes, time.monotonic() - start
 
     def finished(self) -> List[Tuple[int, int, float]]:

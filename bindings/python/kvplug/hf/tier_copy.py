@@ -8,8 +8,9 @@ A copier moves whole blocks, every layer's K and V:
                                 # slot) on `stream` (None on the CPU)
     copier.close()              # before the manager frees the host memory
 
-TorchTierCopier does it with torch: the host region registered as pinned
-memory (cudaHostRegister), demotions gathered with index_select into a
+TorchTierCopier does it with torch (kvplug._torchcopy.copy_rows, kvplug's
+one torch copy path): the host region registered as pinned memory
+(cudaHostRegister), demotions gathered with index_select into a
 device staging tensor and copied to the host slots non_blocking, reloads
 the reverse (host slots -> staging -> index_copy_ into the blocks); one copy
 per run of consecutive host slots, not one per block and layer. On the CPU
@@ -33,19 +34,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-import warnings
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import numpy as np
 import torch
 
 import kvplug
 
+from .._torchcopy import as_bytes, copy_rows, is_fp8, pin as pin_host, unpin
+
 __all__ = ["TorchTierCopier", "HostTier", "make_copier", "block_bytes", "manager_takes"]
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == getattr(torch, "float8_e4m3fn", None)
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -53,7 +51,7 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     cache's slot also holds the block's per-token-head float32 scales, after
     its K/V bytes (the tier copier's layout)."""
     n = num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    return n + (num_layers * 2 * block_size * num_kv_heads * 4 if _is_fp8(dtype) else 0)
+    return n + (num_layers * 2 * block_size * num_kv_heads * 4 if is_fp8(dtype) else 0)
 
 
 def manager_takes(kwarg: str) -> bool:
@@ -64,22 +62,6 @@ def manager_takes(kwarg: str) -> bool:
         return kwarg in inspect.signature(kvplug.Manager.__init__).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
-    """(i0, i1, s0) for each run of consecutive slots in sorted `slots`:
-    positions i0..i1-1 hold slots s0..s0+i1-i0-1."""
-    n = len(slots)
-    if n == 0:
-        return []
-    cut = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate([[0], cut])
-    ends = np.concatenate([cut, [n]])
-    return [(int(a), int(b), int(slots[a])) for a, b in zip(starts, ends)]
-
-
-def _cuda_ok(err: Any) -> bool:
-    return int(getattr(err, "value", err)) == 0
 
 
 class TorchTierCopier:
@@ -93,7 +75,7 @@ class TorchTierCopier:
         L, two, _, bs, kvh, hd = kv.shape
         self.kv = kv
         self.scales = scales  # FP8: [layers, 2, num_blocks, block_size, kv_heads] float32, copied with their blocks
-        if _is_fp8(kv.dtype) != (scales is not None):
+        if is_fp8(kv.dtype) != (scales is not None):
             raise kvplug.InvalidArgumentError("kvplug.hf: an FP8 cache's host tier copies its scales (scales=), "
                                               "and only an FP8 cache has them")
         self.block_shape = (L, two, bs, kvh, hd)
@@ -108,20 +90,7 @@ class TorchTierCopier:
         self.host_scales = None if scales is None else raw[:, kv_bytes:].view(torch.float32).view(host.shape[0], L, two, bs, kvh)
         self.device = kv.device
         self.cuda = kv.device.type == "cuda"
-        self.pinned = False
-        if self.cuda and pin and host.size:
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(host.ctypes.data, host.nbytes, 0)
-            if _cuda_ok(err):
-                self.pinned = True
-            else:
-                warnings.warn(f"kvplug.hf: cudaHostRegister of the host tier ({host.nbytes / 2**30:.1f} GiB) failed "
-                              f"({err}): its copies go through pageable memory (synchronous, slower)", RuntimeWarning)
-
-    def _index(self, blocks: np.ndarray) -> torch.Tensor:
-        idx = torch.from_numpy(blocks.astype(np.int64))
-        # From pinned memory: a pageable source may make the copy wait for the stream.
-        return idx.pin_memory().to(self.device, non_blocking=True) if self.cuda else idx
+        self.pinned = bool(self.cuda and pin and pin_host(host, "kvplug.hf", "the host tier"))
 
     def run(self, batch: kvplug.CopyBatch, stream: Any = None) -> None:
         """Enqueues batch's demotions, then its reloads, on `stream` (the
@@ -134,34 +103,18 @@ class TorchTierCopier:
             self._run(batch)
 
     def _run(self, batch: kvplug.CopyBatch) -> None:
-        nb = self.cuda
         # Demotions first: a reload may write a GPU block that a demotion of the batch reads (a block an
         # allocation evicted and gave to the reloading prompt, with the manager's demote_evicted).
-        # FP8 as bytes: torch's index ops do not all take float8 (on the CPU).
-        kv, host_kv = (self.kv, self.host) if self.scales is None else (self.kv.view(torch.uint8), self.host.view(torch.uint8))
-        pairs = [(kv, host_kv)] + ([] if self.scales is None else [(self.scales, self.host_scales)])
-        if len(batch.demote_slots):
-            order = np.argsort(batch.demote_slots, kind="stable")
-            slots = batch.demote_slots[order]
-            idx = self._index(batch.demote_blocks[order])
-            for dev, host in pairs:
-                stage = dev.index_select(2, idx).movedim(2, 0).contiguous()
-                for i0, i1, s0 in _runs(slots):
-                    host[s0:s0 + i1 - i0].copy_(stage[i0:i1], non_blocking=nb)
-        if len(batch.reload_slots):
-            order = np.argsort(batch.reload_slots, kind="stable")
-            slots = batch.reload_slots[order]
-            idx = self._index(batch.reload_blocks[order])
-            for dev, host in pairs:
-                stage = torch.empty((len(slots),) + tuple(host.shape[1:]), dtype=dev.dtype, device=self.device)
-                for i0, i1, s0 in _runs(slots):
-                    stage[i0:i1].copy_(host[s0:s0 + i1 - i0], non_blocking=nb)
-                dev.index_copy_(2, idx, stage.movedim(0, 2))
+        pairs = [(as_bytes(self.kv), as_bytes(self.host))]
+        if self.scales is not None:
+            pairs.append((self.scales, self.host_scales))
+        copy_rows(pairs, 2, batch.demote_blocks, batch.demote_slots, store=True, non_blocking=self.cuda)
+        copy_rows(pairs, 2, batch.reload_blocks, batch.reload_slots, store=False, non_blocking=self.cuda)
 
     def close(self) -> None:
         if self.pinned:
             self.pinned = False
-            torch.cuda.cudart().cudaHostUnregister(self._host_np.ctypes.data)
+            unpin(self._host_np)
 
 
 CopierSpec = Union[None, str, Callable[[Any], Any]]
