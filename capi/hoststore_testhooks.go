@@ -18,12 +18,8 @@ func cUint64s(v []uint64) cbuf {
 }
 
 func hookHostStoreCreate(slots int32, slotBytes int64, reserved int32, structSize uintptr) (unsafe.Pointer, abiStatus) {
-	cfg := (*C.kvp_host_store_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_host_store_config{}))))
+	cfg := cStructOf[C.kvp_host_store_config](structSize)
 	defer C.free(unsafe.Pointer(cfg))
-	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_host_store_config{}))
-	if structSize != 0 {
-		cfg.struct_size = C.size_t(structSize)
-	}
 	cfg.num_slots, cfg.slot_bytes, cfg.reserved = C.int32_t(slots), C.int64_t(slotBytes), C.int32_t(reserved)
 	out := (**C.kvp_host_store)(C.calloc(1, C.size_t(unsafe.Sizeof(uintptr(0)))))
 	defer C.free(unsafe.Pointer(out))

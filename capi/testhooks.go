@@ -58,6 +58,18 @@ type abiStatus = int
 // retained, and the checker would flag some uses).
 type cbuf struct{ p unsafe.Pointer }
 
+// cStructOf is a versioned C struct T as a C caller makes one: zeroed C
+// memory whose first field, struct_size, holds size (0: T's size, a caller
+// built against this header). The caller frees it.
+func cStructOf[T any](size uintptr) *T {
+	if size == 0 {
+		size = unsafe.Sizeof(*new(T))
+	}
+	p := C.calloc(1, C.size_t(unsafe.Sizeof(*new(T))))
+	*(*C.size_t)(p) = C.size_t(size)
+	return (*T)(p)
+}
+
 func newCBuf(bytes int) cbuf {
 	if bytes <= 0 {
 		bytes = 1

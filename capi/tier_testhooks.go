@@ -30,12 +30,8 @@ type hookTierConfig struct {
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
-	cfg := (*C.kvp_manager_config)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))))
+	cfg := cStructOf[C.kvp_manager_config](c.structSize)
 	defer C.free(unsafe.Pointer(cfg))
-	cfg.struct_size = C.size_t(unsafe.Sizeof(C.kvp_manager_config{}))
-	if c.structSize != 0 {
-		cfg.struct_size = C.size_t(c.structSize)
-	}
 	cfg.num_blocks, cfg.block_size = C.int32_t(c.numBlocks), C.int32_t(c.blockSize)
 	if !c.noPrefixCache {
 		cfg.enable_prefix_cache = 1
@@ -184,9 +180,8 @@ func hookSharedStats(h unsafe.Pointer, structSize uintptr) (map[string]int64, ab
 // hookSharedStoreClusterStats returns kvp_shared_store_stats' cluster
 // fields: cluster, primaries, map_reads, redirects.
 func hookSharedStoreClusterStats(h unsafe.Pointer) ([4]int64, abiStatus) {
-	s := (*C.kvp_shared_store_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_shared_store_stats{}))))
+	s := cStructOf[C.kvp_shared_store_stats](0)
 	defer C.free(unsafe.Pointer(s))
-	s.struct_size = C.size_t(unsafe.Sizeof(C.kvp_shared_store_stats{}))
 	st := kvpgo_shared_store_stats_get((*C.kvp_shared_store)(h), s)
 	return [4]int64{int64(s.cluster), int64(s.primaries), int64(s.map_reads), int64(s.redirects)}, abiStatus(st)
 }
@@ -255,9 +250,8 @@ func sizeofTierStats() uintptr { return unsafe.Sizeof(C.kvp_tier_stats{}) }
 // hookWriteThroughStats returns kvp_tier_stats' write-through fields:
 // stored, lost, queue.
 func hookWriteThroughStats(h unsafe.Pointer) ([3]int64, abiStatus) {
-	s := (*C.kvp_tier_stats)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))))
+	s := cStructOf[C.kvp_tier_stats](0)
 	defer C.free(unsafe.Pointer(s))
-	s.struct_size = C.size_t(unsafe.Sizeof(C.kvp_tier_stats{}))
 	st := kvpgo_manager_tier_stats((*C.kvp_manager)(h), s)
 	return [3]int64{int64(s.write_through_stored), int64(s.write_through_lost), int64(s.write_through_queue)}, abiStatus(st)
 }

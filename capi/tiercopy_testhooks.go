@@ -30,12 +30,8 @@ type hookKVLayers struct {
 // hookTierCopierCreate creates a copier over host (C memory of slots x
 // slotBytes when host is true, NULL otherwise).
 func hookTierCopierCreate(l hookKVLayers, host bool, slotBytes int64, slots int32) (unsafe.Pointer, abiStatus) {
-	c := (*C.kvp_kv_layers)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kvp_kv_layers{}))))
+	c := cStructOf[C.kvp_kv_layers](l.structSize)
 	defer C.free(unsafe.Pointer(c))
-	c.struct_size = C.size_t(unsafe.Sizeof(C.kvp_kv_layers{}))
-	if l.structSize != 0 {
-		c.struct_size = C.size_t(l.structSize)
-	}
 	c.num_layers, c.num_blocks = C.int32_t(l.numLayers), C.int32_t(l.numBlocks)
 	c.block_bytes, c.k_block_stride, c.v_block_stride = C.int64_t(l.blockBytes), C.int64_t(l.kBlockStride), C.int64_t(l.vBlockStride)
 	c.flags, c.reserved = C.int32_t(l.flags), C.int32_t(l.reserved)
