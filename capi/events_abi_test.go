@@ -116,13 +116,8 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 	p, st := hookPublisherCreate(m, cfg)
 	expect(t, "create", st, kverr.OK)
 	defer hookPublisherDestroy(p)
-	s, _ := hookPublisherStats(p, 0, false)
-	sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), "kv@i0", 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sub, _, _ := subscribe(t, p, "kv@i0")
 	defer sub.Close()
-	subscribed(t, p, sub)
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
 	keys := []hookKeys{{adapter: 5, salt: []byte("tenant")}}
 	_, n, st := hookAdmit(m, []int64{1}, [][]int32{prompt}, keys)
@@ -159,6 +154,7 @@ func TestPublisherPublishesAdmissions(t *testing.T) {
 	before, _ := hookPublisherStats(p, 0, false)
 	expect(t, "resync", hookPublisherResync(p), kverr.OK)
 	deadline := time.Now().Add(5 * time.Second)
+	var s [7]int64
 	for {
 		if s, _ = hookPublisherStats(p, 0, false); s[3] == before[3]+1 {
 			break
@@ -187,12 +183,7 @@ func TestPublisherDPRank(t *testing.T) {
 		}
 		p, st := hookPublisherCreate(m, cfg)
 		expect(t, "create", st, kverr.OK)
-		s, _ := hookPublisherStats(p, 0, false)
-		sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), "", 2*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		msg, b := subscribed(t, p, sub)
+		sub, msg, b := subscribe(t, p, "")
 		if omit != (b.DPRank == nil) || (!omit && *b.DPRank != 0) || (omit && msg.Payload[0] != 0x92) {
 			t.Fatalf("omit %v: rank %v, header %#x", omit, b.DPRank, msg.Payload[0])
 		}
@@ -200,6 +191,21 @@ func TestPublisherDPRank(t *testing.T) {
 		hookPublisherDestroy(p)
 		hookManagerDestroy(m)
 	}
+}
+
+// subscribe connects a subscriber, to the topics that start with topic,
+// to publisher p's endpoint (the port it bound, read from its stats) and
+// returns it once p's batches reach it, with subscribed's last batch; the
+// caller closes it.
+func subscribe(t *testing.T, p unsafe.Pointer, topic string) (*kvevents.SubConn, kvevents.Message, *kvevents.Batch) {
+	t.Helper()
+	s, _ := hookPublisherStats(p, 0, false)
+	sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), topic, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, b := subscribed(t, p, sub)
+	return sub, msg, b
 }
 
 // subscribed returns once publisher p's batches reach sub, with the last

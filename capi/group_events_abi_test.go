@@ -1,10 +1,8 @@
 package main
 
 import (
-	"fmt"
 	"slices"
 	"testing"
-	"time"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -241,13 +239,8 @@ func TestPublisherPublishesGroupEvents(t *testing.T) {
 	p, st := hookPublisherCreate(m, cfg)
 	expect(t, "create", st, kverr.OK)
 	defer hookPublisherDestroy(p)
-	s, _ := hookPublisherStats(p, 0, false)
-	sub, err := kvevents.DialSub(fmt.Sprintf("tcp://127.0.0.1:%d", s[5]), "", 2*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sub, _, _ := subscribe(t, p, "")
 	defer sub.Close()
-	subscribed(t, p, sub)
 	groupEventsWorkload(t, m)
 	expect(t, "flush", hookPublisherFlush(p), kverr.OK)
 	sets := [2]map[kvevents.Key]bool{{}, {}}
