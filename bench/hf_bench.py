@@ -519,7 +519,8 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     if system == "kvplug-host":
         gb = args.host_cache_gb or 1.05 * ws * block_bytes / 2**30
         tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
-    cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, kv_dtype=kv_dtype, **tier)
+    cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, kv_dtype=kv_dtype,
+                                        fp8_prefill=args.fp8_prefill if kv_dtype is not None else "sm80", **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
@@ -697,6 +698,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--step-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--fp8-prefill", default="sm80", choices=["sm80", "hopper", "fp8"],
+                    help="kvplug-fp8's prefill over its FP8 cache: sm80, hopper (widened on wgmma) or fp8 (FP8 Q/K/V)")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool size (GiB) unless --num-blocks (default: the workload's working set, at most "
                     f"{KV_GB_MAX:.0f} GiB and at most 90%% of the GPU's free memory, or half the available RAM on the CPU)")

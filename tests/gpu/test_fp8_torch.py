@@ -420,6 +420,25 @@ def test_fp8_hf_engine_logits(cascade):
     assert agree >= 0.9, agree
 
 
+@pytest.mark.parametrize("mode", ["hopper", "fp8"])
+def test_fp8_hf_engine_prefill_modes(mode):
+    """kvplug.hf over an FP8 cache with prefill on Hopper's mainloop, widened
+    or in the FP8 Q/K/V mode (head_dim 128), against the bf16 cache."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
+    import test_hf_correctness as hfc
+
+    if not HOPPER:
+        pytest.skip("Hopper's prefill mainloop runs on compute capability 9.0 only")
+    worst, mean, agree = hfc.fp8_against_16bit("cuda", backend="kernels", fp8_prefill=mode, head_dim=128)
+    print(f"FP8 ({mode} prefill) vs bf16 cache, teacher-forced logits: max rel {worst:.2e}, mean rel {mean:.2e}, "
+          f"argmax agreement {agree:.3f}")
+    assert worst < 0.15 and mean < 0.05, (worst, mean)
+    assert agree >= 0.9, agree
+
+
 def test_fp8_num_splits():
     """The split count for a decode over an FP8 cache is the e4m3 kernel's
     (3 blocks per SM at head_dim 128: 512 blocks fill 1.29 waves unsplit,

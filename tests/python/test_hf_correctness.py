@@ -352,18 +352,21 @@ def test_import_kvplug_does_not_import_torch_or_transformers():
     assert out == ["False", "False"]
 
 
-def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False) -> Tuple[float, float, float]:
+def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False, fp8_prefill: str = "sm80",
+                      head_dim: int = 64) -> Tuple[float, float, float]:
     """Teacher-forced logits of a bf16 tiny Llama over an FP8 cache
     (kv_dtype torch.float8_e4m3fn) against the same model over a bf16 cache:
     (max relative error, mean relative error, argmax agreement), over a
     prefill of 40 tokens in two chunks and 12 decode steps. cascade: both
-    runs on kvplug.cascade's kernels, every step kept on the cascade route."""
-    model = twin(tiny_model("llama", dtype=torch.bfloat16, device=device, head_dim=64, num_attention_heads=4,
-                            hidden_size=256))
+    runs on kvplug.cascade's kernels, every step kept on the cascade route;
+    fp8_prefill: the FP8 cache's prefill mode (PagedKVCache)."""
+    model = twin(tiny_model("llama", dtype=torch.bfloat16, device=device, head_dim=head_dim, num_attention_heads=4,
+                            hidden_size=4 * head_dim))
     toks = np.random.default_rng(7).integers(1, 97, 52).tolist()
     runs = []
     for kv_dtype in (None, torch.float8_e4m3fn):
-        with kvhf.PagedKVCache.for_model(model, 16, 16, kv_dtype=kv_dtype) as cache:
+        with kvhf.PagedKVCache.for_model(model, 16, 16, kv_dtype=kv_dtype,
+                                         fp8_prefill=fp8_prefill if kv_dtype is not None else "sm80") as cache:
             runner = kvhf.Runner(model, cache, max_batch=1, max_step_tokens=64, max_model_len=64, backend=backend,
                                  cascade=cascade)
             runner.cascade_auto_route = not cascade
@@ -396,3 +399,9 @@ def test_fp8_cache_misuse():
     bf = tiny_model("llama", dtype=torch.bfloat16)
     with pytest.raises(kvplug.InvalidArgumentError, match="kv_dtype"):
         kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float16)
+    with pytest.raises(kvplug.InvalidArgumentError, match="fp8_prefill must be"):
+        kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, fp8_prefill="fast")
+    with pytest.raises(kvplug.InvalidArgumentError, match="is for FP8 caches"):
+        kvhf.PagedKVCache.for_model(bf, 16, 8, fp8_prefill="hopper")
+    with pytest.raises(kvplug.UnsupportedError, match="head_dim 128"):  # the tiny model's head_dim is not 128
+        kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, fp8_prefill="fp8")

@@ -314,8 +314,12 @@ class PagedKVCache:
     kv_dtype torch.float8_e4m3fn holds K and V in FP8 (one byte an element,
     twice the tokens in the memory of a 16-bit cache) with one float32 scale
     per (token, kv head) beside them (self.scales; k_scale/v_scale give a
-    layer's), for float16 and bfloat16 models; the host tier and the
-    shared-prefix route do not move or read FP8 caches in this version."""
+    layer's), for float16 and bfloat16 models, with the host tier and the
+    shared-prefix route too. fp8_prefill picks how prefill reads it: "sm80"
+    (the default: the sm_80 mainloop, the fastest from scratch), "hopper"
+    (Hopper's wgmma mainloop, the tiles widened to 16 bits) or "fp8" (the
+    FP8 Q/K/V mode on Hopper, head_dim 128: the fastest over long cached
+    prefixes, with q rounded to e4m3 too; bench/RESULTS.md has both)."""
 
     def __init__(
         self,
@@ -340,6 +344,7 @@ class PagedKVCache:
         kv_dtype: Optional[torch.dtype] = None,
         layer_groups: Optional[bool] = None,
         checkpoint_every: int = 1,
+        fp8_prefill: str = "sm80",
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -356,6 +361,15 @@ class PagedKVCache:
         if shape.recurrent is not None and self.fp8:
             raise kvplug.InvalidArgumentError("kvplug.hf: a model with linear-attention layers does not take an FP8 cache "
                                               "in this version")
+        if fp8_prefill not in ("sm80", "hopper", "fp8"):
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: fp8_prefill must be 'sm80', 'hopper' or 'fp8', not {fp8_prefill!r}")
+        if fp8_prefill != "sm80" and not self.fp8:
+            raise kvplug.InvalidArgumentError(f"kvplug.hf: fp8_prefill={fp8_prefill!r} is for FP8 caches (kv_dtype "
+                                              "torch.float8_e4m3fn)")
+        if fp8_prefill == "fp8" and shape.head_dim != 128:
+            raise kvplug.UnsupportedError(f"kvplug.hf: fp8_prefill='fp8' (FP8 Q/K/V) is cut for head_dim 128, "
+                                          f"not {shape.head_dim}")
+        self.fp8_prefill = fp8_prefill
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device: name it, as tensors made there do ("cuda:0"), so that the
@@ -496,15 +510,15 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
                   kv_dtype: Optional[torch.dtype] = None, layer_groups: Optional[bool] = None,
-                  checkpoint_every: int = 1, **tier: Any) -> "PagedKVCache":
+                  checkpoint_every: int = 1, fp8_prefill: str = "sm80", **tier: Any) -> "PagedKVCache":
         """A cache for `model`'s shape, dtype and device (tier: the host and
         shared tier arguments of the constructor; kv_dtype: the cache's own,
-        torch.float8_e4m3fn for FP8; layer_groups and checkpoint_every: see
-        the class)."""
+        torch.float8_e4m3fn for FP8; layer_groups, checkpoint_every and
+        fp8_prefill: see the class)."""
         p = next(model.parameters())
         return cls(ModelShape.of(model.config), num_blocks, block_size, dtype=p.dtype, device=p.device,
                    prefix_cache=prefix_cache, kv_dtype=kv_dtype, layer_groups=layer_groups,
-                   checkpoint_every=checkpoint_every, **tier)
+                   checkpoint_every=checkpoint_every, fp8_prefill=fp8_prefill, **tier)
 
     @staticmethod
     def page_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
