@@ -88,9 +88,17 @@ import (
 //     did diverge (a shared system prompt's end, a conversation's turn).
 //     Inner states go next, the least recently released first, each
 //     node's checkpoints together, their nodes left spent;
-//   - then nodes in the index's order, each with its companions, and last
-//     the states at kept points (leaves, branches, hit points) whose nodes
-//     cannot go (locked, or with blocks below), each state whole.
+//   - then nodes in the index's order, each with its companions; then the
+//     states at chain ends (leaves, or a last state above stateless blocks)
+//     whose nodes cannot go (locked, or with blocks below), each state
+//     whole; and last the shared states, at branches and hit points. A
+//     chain's end whose node cannot go is mostly a live sequence's latest
+//     state, which serves that sequence alone, should it be preempted; a
+//     shared state serves every prompt through it, such as a system
+//     prompt's end, which many live sequences hold: taken by age with the
+//     chain ends, it went first (it is listed at the hit's copy, and every
+//     live sequence's step lists a newer state), and each prompt after it
+//     missed the whole system prompt under pressure.
 // (groupCache.below counts, for each node, its children with a whole state
 // at or below them, kept up as states are taken and evicted and nodes go,
 // so that a state's class needs no walk down the tree.)
@@ -114,14 +122,16 @@ import (
 // (prefix.GroupSource); ClearPrefixCache's AllCleared covers them.
 
 // The classes of a Cached companion: a window block behind its sequence or
-// kept; a checkpoint of a partial state, of a state at an inner node, or
-// of a kept state.
+// kept; a checkpoint of a partial state, of a state at an inner node, of a
+// kept state at a chain's end, or of a shared state (a hit point or a
+// branch).
 const (
 	compNone = iota // not listed
 	compBehind
 	compKept
 	compPartial
 	compInner
+	compShared // a recurrent state at a hit point or a branch: evicted last
 	numClasses
 )
 
@@ -451,7 +461,9 @@ func (m *Manager) stateClass(b int32, kids int) uint8 {
 	switch {
 	case !m.whole(b):
 		return compPartial
-	case kids == 1 && m.gc.below[b] > 0 && !m.gc.hitPoint[b]:
+	case m.gc.hitPoint[b] || kids > 1:
+		return compShared
+	case kids == 1 && m.gc.below[b] > 0:
 		return compInner
 	}
 	return compKept
@@ -981,8 +993,9 @@ func (m *Manager) acquireGroups(tokens []int32, keys *prefix.Keys, need int) (re
 // states and window companions behind their sequences first; then, with
 // recurrent groups, spent nodes and the states at inner nodes; then the
 // index's nodes with their companions (spent ones first: the index's
-// order), then the kept companions. The caller checked short <=
-// available().
+// order), then the kept companions (window blocks, states at chain ends),
+// and last the states at hit points and branches. The caller checked
+// short <= available().
 func (m *Manager) makeFreeGroups(short int) {
 	short -= m.evictCompanions(compPartial, short)
 	short -= m.evictCompanions(compBehind, short)
@@ -1004,6 +1017,9 @@ func (m *Manager) makeFreeGroups(short int) {
 	}
 	if short > 0 {
 		short -= m.evictCompanions(compKept, short)
+	}
+	if short > 0 {
+		short -= m.evictCompanions(compShared, short)
 	}
 	if short > 0 {
 		panic(kverr.Errorf(kverr.Internal, "kvmanager: %d blocks short after evicting every evictable block", short))
