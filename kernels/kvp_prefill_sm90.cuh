@@ -446,6 +446,21 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 mbar_arrive_n(q_full, rows ? 1u : 129u);
             }
         };
+        // Tile t of a unit, for each producer loop: its stage, the phase of
+        // the stage's empty barriers, its first token, and the block-table
+        // lookahead: thread tid < TN's block and offset of token k0 + tid
+        // (looked up a tile earlier), and tile t + 1's, issued now.
+        struct TileAt {
+            int s, ph, blk, boff, k0;
+        };
+        auto tile_at = [&](int t, int t1, const PrefillSpan& sp, const PagedRows& rr, int kb, int& nxt_blk,
+                           int& nxt_off) {
+            const TileAt x{tile_it % S, ((tile_it / S) & 1) ^ 1, nxt_blk, nxt_off, t * TN};
+            nxt_blk = -1;
+            if (tid < TN && t + 1 < t1 && x.k0 + TN + tid < sp.kv_end && x.k0 + TN + tid >= kb)
+                nxt_blk = rr.load_block(x.k0 + TN + tid, nxt_off);
+            return x;
+        };
         // ---- over an e4m3 cache: raw tiles through the ring, widened into the stages ----
         // A unit's halves go K_t0, then K_t and V_{t-1} for each later t,
         // then V_{t1-1}: the 16-bit path's order. Each is issued raw (its
@@ -570,13 +585,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             int64_t si = -1, si_prev = -1;  // thread tid < TN: its token's scale index in tiles t and t - 1
             int s_prev = 0, ph_prev = 0, any_prev = 0, pending = 0;
             for (int t = t0; t < t1; ++t, ++tile_it) {
-                const int s = tile_it % S;
-                const int ph = ((tile_it / S) & 1) ^ 1;
-                const int blk = nxt_blk, boff = nxt_off;
-                const int k0 = t * TN;
-                nxt_blk = -1;
-                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
-                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
+                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
                 // V_{t-2}'s raw copies read this stage's offsets: every
                 // producer thread is past them (the unit loop's barrier, for
                 // its first tile).
@@ -672,13 +682,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             const float* vsb = reinterpret_cast<const float*>(p.kv.v_scale);
             int s_prev = 0, ph_prev = 0;
             for (int t = t0; t < t1; ++t, ++tile_it) {
-                const int s = tile_it % S;
-                const int ph = ((tile_it / S) & 1) ^ 1;
-                const int blk = nxt_blk, boff = nxt_off;
-                const int k0 = t * TN;
-                nxt_blk = -1;
-                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
-                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
+                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
                 mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, scales, offsets, flag
                 // The previous tile's gathers read their own stage's
                 // offsets, and its transpose the other raw slot: every
@@ -817,13 +822,8 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 mbar_arrive_cp_async(full_v(v.s));
             };
             for (int t = t0; t < t1; ++t, ++tile_it) {
-                const int s = tile_it % S;
-                const int ph = ((tile_it / S) & 1) ^ 1;
-                const int blk = nxt_blk, boff = nxt_off;
-                const int k0 = t * TN;
-                nxt_blk = -1;
-                if (tid < TN && t + 1 < t1 && k0 + TN + tid < sp.kv_end && k0 + TN + tid >= kb)
-                    nxt_blk = rr.load_block(k0 + TN + tid, nxt_off);
+                const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
+                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
                 mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, offsets, flag
                 // The last iteration's V gather read this stage's offsets
                 // (tile t - 2's): every producer thread is past it before
