@@ -2161,9 +2161,9 @@ typedef struct kvp_merge_states_args {
  * they are quantised, and the row sums add the quantised values, so a row's
  * weights still sum to one; each K/V tile's P V product is added to the
  * output in fp32 (two-level accumulation), so a lone strong token in a long
- * context is not lost to the 8-bit products' accumulation. Its error is a
- * few times the accurate mode's (bench/RESULTS.md). The plan answers
- * KVP_ERR_UNSUPPORTED for head_dim other than 128 or off Hopper (compute
+ * context is not lost to the 8-bit products' accumulation. Against a 16-bit
+ * cache its error is about 1.4x the accurate mode's (bench/RESULTS.md). The
+ * plan answers KVP_ERR_UNSUPPORTED for head_dim other than 128 or off Hopper (compute
  * capability 9.0), INVALID_ARGUMENT with KVP_PREFILL_NO_HOPPER; a run of such
  * a plan over a 16-bit cache answers INVALID_ARGUMENT. A batch that takes
  * the decode route is unaffected. */
