@@ -157,6 +157,7 @@ def test_gpu_fp8_example(tmp_path):
     (tmp_path / "fp8.py").write_text(find("### FP8 KV caches on the GPU (Python, torch)", "python").code)
     out = _run([sys.executable, "fp8.py"], tmp_path)
     assert "FP8 cache: relative error" in out, out
+    assert "FP8 prefill: relative error" in out, out
 
 
 def test_hf_example(tmp_path):
