@@ -461,6 +461,20 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
                 nxt_blk = rr.load_block(x.k0 + TN + tid, nxt_off);
             return x;
         };
+        // Tile x's row byte offsets into its stage (-1: an unreadable token)
+        // and, over an e4m3 cache, thread tid < TN's scale index (-1:
+        // unreadable); returns whether thread tid's token is unreadable.
+        auto tile_offsets = [&](const TileAt& x, const PrefillSpan& sp, const PagedRows& rr, int kb, int64_t& si) {
+            constexpr int64_t EB = E4M3 || F8 ? 1 : (int64_t)sizeof(T);  // bytes a cache element
+            int bad = 0;
+            if (tid < TN) {
+                const int64_t off = x.k0 + tid < sp.kv_end && x.k0 + tid >= kb ? rr.offset(x.blk, x.boff) * EB : -1;
+                offs[x.s * TN + tid] = off;
+                if constexpr (E4M3 || F8) si = off >= 0 ? rr.scale_index(x.blk, x.boff) : -1;
+                bad = off < 0;
+            }
+            return bad;
+        };
         // ---- over an e4m3 cache: raw tiles through the ring, widened into the stages ----
         // A unit's halves go K_t0, then K_t and V_{t-1} for each later t,
         // then V_{t1-1}: the 16-bit path's order. Each is issued raw (its
@@ -586,19 +600,13 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             int s_prev = 0, ph_prev = 0, any_prev = 0, pending = 0;
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
-                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
+                const int s = x.s, ph = x.ph;
                 // V_{t-2}'s raw copies read this stage's offsets: every
                 // producer thread is past them (the unit loop's barrier, for
                 // its first tile).
                 if (t > t0) producer_sync();
-                int bad = 0;
                 si_prev = si;
-                if (tid < TN) {
-                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
-                    offs[s * TN + tid] = off;  // bytes: one a value
-                    si = off >= 0 ? rr.scale_index(blk, boff) : -1;
-                    bad = off < 0;
-                }
+                const int bad = tile_offsets(x, sp, rr, kb, si);
                 const int any = producer_sync_or(bad);
                 issue_raw(false, s, ph, any, si, tid < TN && !bad);
                 if (++pending > L) widen(Int<L>{}), --pending;
@@ -683,21 +691,14 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             int s_prev = 0, ph_prev = 0;
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
-                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
+                const int s = x.s, ph = x.ph;
                 mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, scales, offsets, flag
                 // The previous tile's gathers read their own stage's
                 // offsets, and its transpose the other raw slot: every
                 // thread is past them before this tile's are written.
                 if (t > t0) producer_sync();
-                int bad = 0;
                 int64_t si = -1;
-                if (tid < TN) {
-                    const int64_t off = k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) : -1;
-                    offs[s * TN + tid] = off;  // bytes: one a value
-                    si = off >= 0 ? rr.scale_index(blk, boff) : -1;
-                    bad = off < 0;
-                }
-                const int any = producer_sync_or(bad);
+                const int any = producer_sync_or(tile_offsets(x, sp, rr, kb, si));
                 if (tid == 0) flags[s] = any;
                 gather(k_s(s), kc, s, any);
                 if (tid < TN) {
@@ -823,23 +824,17 @@ __device__ __forceinline__ void sm90_attention(const P& p) {
             };
             for (int t = t0; t < t1; ++t, ++tile_it) {
                 const TileAt x = tile_at(t, t1, sp, rr, kb, nxt_blk, nxt_off);
-                const int s = x.s, ph = x.ph, blk = x.blk, boff = x.boff, k0 = x.k0;
+                const int s = x.s, ph = x.ph;
                 mbar_wait(empty_k(s), ph);  // the consumers are done with the stage's K, offsets, flag
                 // The last iteration's V gather read this stage's offsets
                 // (tile t - 2's): every producer thread is past it before
                 // any writes tile t's. (The unit loop's barrier does this
                 // for a unit's first tile.)
                 if (t > t0) producer_sync();
-                int bad = 0;
-                if (tid < TN) {
-                    const int64_t off =
-                        k0 + tid < sp.kv_end && k0 + tid >= kb ? rr.offset(blk, boff) * (int64_t)sizeof(T) : -1;
-                    offs[s * TN + tid] = off;  // bytes
-                    bad = off < 0;
-                }
                 // Every producer thread sees the tile's offsets after this
                 // barrier; thread 0 records whether any token is unreadable.
-                const int any = producer_sync_or(bad);
+                int64_t no_scales;
+                const int any = producer_sync_or(tile_offsets(x, sp, rr, kb, no_scales));
                 if (tid == 0) flags[s] = any;
                 gather(k_s(s), kc, s, any);
                 mbar_arrive_cp_async(full_k(s));
