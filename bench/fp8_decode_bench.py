@@ -120,7 +120,7 @@ class Batch:
 PREFILL = [(1, 2048, 0), (8, 2048, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192)]
 
 
-def fi_fa3_fp8(bt, q, qo, B, new, L):
+def fi_fa3_fp8(bt, q, qo):
     """FlashInfer fa3 over bt's per-tensor e4m3 cache with q quantised to
     e4m3 (one scale for all of q): the launch and its output."""
     import flashinfer
@@ -165,7 +165,7 @@ def prefill_table(gen, fi=True):
         t90, t80, t8, t8h, t8q = timed(f90), timed(f80), timed(f8), timed(f8h), timed(f8q)
         tfi, efi = float("nan"), float("nan")
         if fi:
-            ffi, ofi = fi_fa3_fp8(bt, q, qo, B, new, L)
+            ffi, ofi = fi_fa3_fp8(bt, q, qo)
             tfi = timed(ffi)
             efi = rel(ofi, o90)
         tf = lambda us: flops / (us * 1e-6) / 1e12

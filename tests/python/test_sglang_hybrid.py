@@ -126,7 +126,18 @@ def sg(monkeypatch):
     vars(ks).pop("KvplugHiCacheStorage", None)
 
 
-class KVPool:
+class _Slots:
+    """Host pool slots handed out in order, as SGLang's host pools do."""
+
+    _next = 0
+
+    def alloc(self, n: int) -> torch.Tensor:
+        idx = torch.arange(self._next, self._next + n, dtype=torch.int64)
+        self._next += n
+        return idx
+
+
+class KVPool(_Slots):
     """A page-first host KV pool: size token slots of tok_bytes each for K
     and for V; a page is page_size consecutive slots (SGLang's
     MHATokenToKVPoolHost, page_first: a K and a V segment per page)."""
@@ -137,12 +148,6 @@ class KVPool:
     def __init__(self, size: int, page_size: int, tok_bytes: int) -> None:
         self.size, self.page_size, self.tok_bytes = size, page_size, tok_bytes
         self.buf = torch.zeros((2, size, tok_bytes), dtype=torch.uint8)
-        self._next = 0
-
-    def alloc(self, n: int) -> torch.Tensor:
-        idx = torch.arange(self._next, self._next + n, dtype=torch.int64)
-        self._next += n
-        return idx
 
     def get_page_buffer_meta(self, indices):
         ptrs, sizes = [], []
@@ -156,7 +161,7 @@ class KVPool:
         return self.buf[:, start:start + self.page_size].clone()
 
 
-class MambaPool:
+class MambaPool(_Slots):
     """A Mamba state host pool (SGLang's MambaPoolHost, page_first): slot
     s holds one request's temporal and conv states, a page of one slot."""
 
@@ -168,12 +173,6 @@ class MambaPool:
         self.size = size
         self.temporal = torch.zeros((size, temporal_bytes), dtype=torch.uint8)
         self.conv = torch.zeros((size, conv_bytes), dtype=torch.uint8)
-        self._next = 0
-
-    def alloc(self, n: int) -> torch.Tensor:
-        idx = torch.arange(self._next, self._next + n, dtype=torch.int64)
-        self._next += n
-        return idx
 
     def get_page_buffer_meta(self, indices):
         ptrs, sizes = [], []
