@@ -39,7 +39,8 @@ const (
 	// cache is widened to q's type on the way into shared memory.
 	PrefillFP8QKV = 8
 	prefillFlags  = PrefillNoDecodeRoute | PrefillNoSplitKV | PrefillNoHopper | PrefillFP8QKV
-	// fp8QKVHeadDim is the one head_dim the FP8 Q/K/V kernels are cut for.
+	// fp8QKVHeadDim is the one head_dim the FP8 Q/K/V kernels are cut for
+	// (kernelSet.prefillSM90FP8 exists there only).
 	fp8QKVHeadDim = 128
 	// prefillMaxSplits bounds split-KV of the prefill route (the merge
 	// kernel's KVP_MERGE_MAX_STATES).
@@ -433,7 +434,7 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		if a.Flags&PrefillNoHopper != 0 {
 			return p, kverr.Errorf(kverr.InvalidArgument, "%s: KVP_PREFILL_FP8_QKV runs on the Hopper mainloop, which KVP_PREFILL_NO_HOPPER turns off", what)
 		}
-		if a.HeadDim != fp8QKVHeadDim || a.DType.Size() != 2 {
+		if a.HeadDim != fp8QKVHeadDim || a.DType.Size() != 2 { // f32 never takes the Hopper mainloop
 			return p, kverr.Errorf(kverr.Unsupported, "%s: KVP_PREFILL_FP8_QKV is cut for head_dim %d with f16 or bf16 q: got head_dim %d, %s", what, fp8QKVHeadDim, a.HeadDim, a.DType)
 		}
 	}
@@ -713,8 +714,10 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 		if !e4m3 {
 			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for FP8 Q/K/V (KVP_PREFILL_FP8_QKV), which reads an e4m3 cache; this one is %s: plan without the flag", what, a.PagedKV.cacheDType(p.DType))
 		}
-		if p.HeadDim != fp8QKVHeadDim || p.DType.Size() != 2 {
-			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for FP8 Q/K/V, which is cut for head_dim %d with f16 or bf16 q: the plan has head_dim %d, %s", what, fp8QKVHeadDim, p.HeadDim, p.DType)
+		// Plan state from the C ABI may say so of any plan: a dtype the
+		// Hopper mainloop does not run is refused just below.
+		if p.HeadDim != fp8QKVHeadDim {
+			return kverr.Errorf(kverr.InvalidArgument, "%s: the plan is for FP8 Q/K/V, which is cut for head_dim %d: the plan has head_dim %d", what, fp8QKVHeadDim, p.HeadDim)
 		}
 	}
 	if mainloop == MainloopSM90 || mainloop == MainloopSM90FP8 {
