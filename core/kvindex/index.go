@@ -521,11 +521,13 @@ func (in *instance) markDown(why string) {
 		return
 	}
 	in.mu.Lock()
+	// Counted before the state shows: Status reads the counters after the
+	// state, so a status that says down has counted the disconnect.
+	in.disconnects.Add(1)
 	in.down, in.stale, in.nextSeq = true, true, -1
 	in.waiting = in.dialWaiting(nil)
 	in.gen = in.x.be.Generation()
 	in.mu.Unlock()
-	in.disconnects.Add(1)
 	in.clearDown()
 	in.noteState(why)
 }

@@ -440,3 +440,44 @@ func TestDownInstanceClearedWhenTheBackendIsBack(t *testing.T) {
 		t.Fatalf("status %+v", st)
 	}
 }
+
+// A status that shows an instance down counts its going down: a reader
+// never sees the state before the disconnect (both paths to down, a
+// closed connection and a failed probe, go through markDown).
+func TestDownIsCountedWhenSeen(t *testing.T) {
+	x, err := New(Config{Instances: []InstanceConfig{{Name: "e0", Endpoint: "tcp://127.0.0.1:1"}}, ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := x.insts[0]
+	const rounds = 2000
+	var done atomic.Bool
+	var bad atomic.Value
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for !done.Load() {
+			st := x.Status()[0]
+			if st.State != StateDown {
+				continue
+			}
+			// Round i's markDown made this state: i+1 went down so far.
+			if i, _ := strconv.Atoi(st.LastError); st.Disconnects < int64(i)+1 {
+				bad.Store(st)
+				return
+			}
+		}
+	}()
+	for i := 0; i < rounds && bad.Load() == nil; i++ {
+		in.mu.Lock()
+		in.down, in.stale, in.lastErr = false, false, strconv.Itoa(i)
+		in.mu.Unlock()
+		in.markDown("test")
+	}
+	done.Store(true)
+	wg.Wait()
+	if st := bad.Load(); st != nil {
+		t.Fatalf("down before its disconnect was counted: %+v", st)
+	}
+}
