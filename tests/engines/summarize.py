@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 HERE = pathlib.Path(__file__).resolve().parent
 SUITES = [
-    ("vllm", "kvplug.vllm through vLLM's Scheduler + OffloadingConnector, manager faults"),
+    ("vllm", "kvplug.vllm through vLLM's Scheduler + OffloadingConnector, hybrid full + window groups, manager faults"),
     ("sglang", "kvplug.sglang through SGLang's HiCacheController + storage factory, Mooncake unit test"),
     ("vllm-upstream", "vLLM 0.32.0 tests/v1/kv_offload/cpu/test_manager.py against kvplug's manager"),
 ]

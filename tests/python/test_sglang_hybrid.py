@@ -324,3 +324,45 @@ def test_sglang_side_pool_of_an_unregistered_name_is_false(sg):
     assert be.counters()["errors"] == 1
     r = be.batch_exists_v2(["p0"], [sg.PoolTransfer(name=sg.PoolName.SWA, hit_policy=sg.PoolHitPolicy.ALL_PAGES)])
     assert r.kv_hit_pages == 0 and np.array_equal(r.restorable_prefix_pages, [])
+
+
+def test_sglang_side_pool_of_its_own_page_size(sg):
+    # A side pool whose page is not the KV pool's (window pages of 2 token
+    # slots beside KV pages of 4): as SGLang sizes a side pool's transfer
+    # (its HybridCacheController and HiCacheFile), a key holds one page of
+    # that pool, pool.page_size host slots. The local budget is split by
+    # the pools' bytes, the round trip restores each side page's bytes, and
+    # a transfer sized by the KV pool's page is refused, counted, nothing
+    # stored under its keys.
+    be = sg.make(kvplug_host_bytes=24 << 10)
+    kv, swa = KVPool(64, PAGE, 64), KVPool(64, 2, 32)
+    be.register_mem_pool_host(kv)
+    be.register_mem_host_pool_v2(kv, sg.PoolName.KV)
+    be.register_mem_host_pool_v2(swa, sg.PoolName.SWA)
+    assert be.batch_exists(keys(1)) == 0
+    s = be._stores
+    # KV: 16 pages of 512 bytes (8 KiB); SWA: 32 pages of 128 bytes (4 KiB).
+    assert s["kv"].host.slot_bytes == 512 and s["swa"].host.slot_bytes == 128
+    assert s["kv"].host.num_slots * 512 == 16 << 10 and s["swa"].host.num_slots * 128 == 8 << 10
+    k = keys(4)
+    idx = kv.alloc(4 * PAGE)
+    fill(kv, idx, 5)
+    assert be.batch_set_v1(k, idx) == [True] * 4
+    win = swa.alloc(2 * 2)  # the last two pages' window pages
+    fill(swa, win, 6)
+    assert be.batch_set_v2([sg.PoolTransfer(name=sg.PoolName.SWA, host_indices=win, keys=k[2:4])]) == {
+        "swa": [True, True]}
+    trailing = [sg.PoolTransfer(name=sg.PoolName.SWA, keys=k[2:4], hit_policy=sg.PoolHitPolicy.TRAILING_PAGES)]
+    r = be.batch_exists_v2(k, trailing)
+    assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [4]
+    win2 = swa.alloc(2 * 2)
+    assert be.batch_get_v2([sg.PoolTransfer(name=sg.PoolName.SWA, host_indices=win2, keys=k[2:4])]) == {
+        "swa": [True, True]}
+    for a, b in zip(win.tolist()[::2], win2.tolist()[::2]):
+        assert torch.equal(swa.page(a), swa.page(b))
+    # Sized by the KV pool's page (4 slots a key): refused, not half-stored.
+    bad = be.batch_set_v2([sg.PoolTransfer(name=sg.PoolName.SWA, host_indices=swa.alloc(2 * PAGE), keys=["q0", "q1"])])
+    assert bad == {"swa": [False, False]}
+    assert not be._pool_has("swa", ["q0", "q1"]).any()
+    c = be.counters()
+    assert c["bad_transfers"] == 1 and c["errors"] == 0

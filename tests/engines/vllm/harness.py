@@ -11,7 +11,14 @@ position p holds a value derived from the whole token prefix up to p (as a
 real model's K depends on it), V its negation. Before writing a step's new
 tokens it checks every context token the step would attend to, so a block
 that the prefix cache or a kvplug load placed in the wrong GPU block, or
-filled with the wrong bytes, fails the run."""
+filled with the wrong bytes, fails the run.
+
+With sliding_window, the model is a hybrid (gpt-oss' shape): a
+full-attention group and a sliding-window group of num_layers layers each,
+over one pool of blocks as vLLM's hybrid allocator lays them out (layer i
+of each group views the same bytes; a block id belongs to one group at a
+time). A window layer's context tokens are checked only within the window
+(vLLM frees the blocks that fell out of it)."""
 
 from __future__ import annotations
 
@@ -41,7 +48,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -74,12 +87,21 @@ class Engine:
     def __init__(self, model_dir: str, *, block_size: int = 4, num_gpu_blocks: int = 16, host_blocks: int = 32,
                  num_layers: int = 2, heads: int = 2, head_size: int = 4, blocks_per_chunk: int = 1,
                  async_scheduling: bool = False, enable_events: bool = True,
-                 extra_config: Optional[Dict[str, Any]] = None) -> None:
+                 extra_config: Optional[Dict[str, Any]] = None, sliding_window: Optional[int] = None) -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        self.sliding_window = sliding_window
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size,
                                  dtype=torch.float32)
+        if sliding_window is None:
+            self.groups = [[f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]]
+            specs = [spec]
+        else:
+            # Full attention on the even layers, the window on the odd ones.
+            self.groups = [[f"model.layers.{2 * i + g}.self_attn.attn" for i in range(num_layers)] for g in (0, 1)]
+            specs = [spec, SlidingWindowSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size,
+                                             dtype=torch.float32, sliding_window=sliding_window)]
+        self.layers = [name for g in self.groups for name in g]
         page = spec.page_size_bytes
         self.page_bytes = page
         worker_block_bytes = page * num_layers
@@ -106,11 +128,13 @@ class Engine:
                                                 kv_connector_extra_config=extra),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=enable_events, publisher="null"),
         )
+        # Layer-outermost; the groups overlay one allocation from byte 0.
         kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_gpu_blocks * num_layers, layers=list(self.layers),
-                                            layer_stride=page * num_gpu_blocks, block_stride=page)],
-            kv_cache_groups=[KVCacheGroupSpec(list(self.layers), spec)],
+            kv_cache_tensors=[KVCacheTensor(size=page * num_gpu_blocks * num_layers, layers=list(g),
+                                            layer_stride=page * num_gpu_blocks, block_stride=page)
+                              for g in self.groups],
+            kv_cache_groups=[KVCacheGroupSpec(list(g), sp) for g, sp in zip(self.groups, specs)],
         )
         sbs, hbs = resolve_kv_cache_block_sizes(kv_cache_config, self.vllm_config)
         cls = AsyncScheduler if async_scheduling else Scheduler
@@ -121,9 +145,10 @@ class Engine:
         # The KV cache: one allocation, layer-outermost, viewed per layer.
         self.backing = torch.zeros(page * num_gpu_blocks * num_layers, dtype=torch.int8)
         self.kv: Dict[str, torch.Tensor] = {}
-        for i, name in enumerate(self.layers):
-            chunk = self.backing[i * page * num_gpu_blocks:(i + 1) * page * num_gpu_blocks]
-            self.kv[name] = chunk.view(torch.float32).view(num_gpu_blocks, 2, block_size, heads, head_size)
+        for g in self.groups:
+            for i, name in enumerate(g):
+                chunk = self.backing[i * page * num_gpu_blocks:(i + 1) * page * num_gpu_blocks]
+                self.kv[name] = chunk.view(torch.float32).view(num_gpu_blocks, 2, block_size, heads, head_size)
         self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         with set_current_vllm_config(self.vllm_config):
             self.worker.register_kv_caches(self.kv)
@@ -141,6 +166,7 @@ class Engine:
         self._next_id = 0
         self.finished: Dict[str, List[int]] = {}
         self.checked_tokens = 0
+        self.checked_window_tokens = 0
         self._prev: Optional[tuple] = None
 
     # -- requests --
@@ -157,30 +183,40 @@ class Engine:
 
     # -- the fake forward pass --
 
-    def _block_ids(self, rid: str) -> List[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+    def _block_ids(self, rid: str, group: int = 0) -> List[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[group])
 
     def _check_and_write(self, rid: str, computed_before: int, n_new: int) -> None:
         req = self.scheduler.requests[rid]
         tokens = list(req.all_token_ids)
-        blocks = self._block_ids(rid)
         bs = self.block_size
-        for p in range(computed_before):
-            b, row = blocks[p // bs], p % bs
-            want = kv_value(tokens, p)
-            for li, name in enumerate(self.layers):
-                k = self.kv[name][b, 0, row]
-                v = self.kv[name][b, 1, row]
-                if not (bool((k == want + li).all()) and bool((v == -(want + li)).all())):
-                    raise AssertionError(f"{rid}: the KV of context token {p} (block {b}, row {row}, {name}) is "
-                                         f"{k.flatten()[0].item()}, not {want + li}")
-            self.checked_tokens += 1
-        for p in range(computed_before, computed_before + n_new):
-            b, row = blocks[p // bs], p % bs
-            want = kv_value(tokens, p)
-            for li, name in enumerate(self.layers):
-                self.kv[name][b, 0, row] = want + li
-                self.kv[name][b, 1, row] = -(want + li)
+        layer_of = {name: li for li, name in enumerate(self.layers)}
+        for gi, group in enumerate(self.groups):
+            blocks = self._block_ids(rid, gi)
+            # The context the step's first new token attends to: all of it,
+            # or a window group's last sliding_window - 1 tokens.
+            first = 0 if gi == 0 else max(0, computed_before - (self.sliding_window - 1))
+            for p in range(first, computed_before):
+                b, row = blocks[p // bs], p % bs
+                want = kv_value(tokens, p)
+                for name in group:
+                    li = layer_of[name]
+                    k = self.kv[name][b, 0, row]
+                    v = self.kv[name][b, 1, row]
+                    if not (bool((k == want + li).all()) and bool((v == -(want + li)).all())):
+                        raise AssertionError(f"{rid}: the KV of context token {p} (block {b}, row {row}, {name}) "
+                                             f"is {k.flatten()[0].item()}, not {want + li}")
+                if gi == 0:
+                    self.checked_tokens += 1
+                else:
+                    self.checked_window_tokens += 1
+            for p in range(computed_before, computed_before + n_new):
+                b, row = blocks[p // bs], p % bs
+                want = kv_value(tokens, p)
+                for name in group:
+                    li = layer_of[name]
+                    self.kv[name][b, 0, row] = want + li
+                    self.kv[name][b, 1, row] = -(want + li)
 
     def step(self) -> None:
         so = self.scheduler.schedule()
