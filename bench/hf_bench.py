@@ -38,12 +38,15 @@ working set, so histories are evicted between turns. Its systems:
   kvplug-host  kvplug with the host KV tier (--host-cache-gb, default the
                whole working set; --demote-ahead; --demote-overlap puts
                the demotions on a side stream): evicted histories are
-               demoted to pinned host memory and reloaded on the next turn;
+               demoted to pinned host memory and reloaded on the next turn,
+               beside the step running then (early loads; --no-early-loads:
+               in the copies of the step that computes the turn);
   kvplug       without it: evicted histories are recomputed;
   kvplug-all   a GPU pool that holds the whole working set (the upper bound).
 It reports TTFT p50/p99 (all turns and turns 2+), output tokens/s, the host
 tier's hit rates, demotions, reloads and skips, and its load bandwidth
-against a 1 GiB pinned host->device torch copy timed in the same run.
+against a 1 GiB pinned host->device torch copy timed in the same run, and
+per admission the time of its loads and whether they ran beside a step.
 kvplug-host on a, b, c measures the tier enabled but unused.
 
 Workload t (issue 34): sessions whose users think between turns (ThinkTime:
@@ -559,6 +562,10 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         res["queue_by_turn"] = [[r.admitted - r.arrival for r in done if conv.of[r.rid][1] == k] for k in range(conv.turns)]
     if cache.tier is not None:
         res["tier"] = cache.tier_summary()
+        res["tier"]["early_loads"] = cache.early_loads
+        loads = [x for r in done for x in r.loads]
+        if loads:
+            res["loads"] = load_stats(loads)
     # Where the time goes: decode-only steps (graph replays) against steps that carry prompt tokens.
     decode = np.array(engine.step_tokens) == np.array(engine.batch_sizes)
     full = decode & (np.array(engine.batch_sizes) >= args.max_batch * 0.9)
@@ -576,6 +583,26 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     return res
 
 
+def load_stats(loads: List[Any]) -> Dict[str, Any]:
+    """The host tier loads of the admissions (kvplug.hf.tier_copy.LoadRecord):
+    how many joined the step after their admission, overlapped a step's
+    forward pass and had landed when their step began, and their times."""
+    secs = [x.seconds for x in loads if x.seconds is not None]
+    return {"admissions": len(loads), "deferred": sum(x.deferred for x in loads),
+            "overlapped": sum(x.overlapped for x in loads), "hidden": sum(bool(x.hidden) for x in loads),
+            "ms_p50": pct(secs, 50), "ms_p99": pct(secs, 99), "ms_sum": float(sum(secs)) * 1e3,
+            "mib_mean": float(np.mean([x.bytes for x in loads]) / 2**20)}
+
+
+def load_text(r: Dict[str, Any]) -> str:
+    ld = r.get("loads")
+    if not ld:
+        return ""
+    return (f", loads per admission p50 / p99 {fmt(ld['ms_p50'], '.1f')} / {fmt(ld['ms_p99'], '.1f')} ms "
+            f"({ld['mib_mean']:.0f} MiB), {ld['overlapped']}/{ld['admissions']} beside a step's forward pass "
+            f"({ld['hidden']} landed before it ended)")
+
+
 def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str, Any]],
                        ceiling: Optional[Dict[str, float]], plot: str) -> None:
     """The multi-turn workloads' (m, t) table: TTFT p50 / p99 over all turns
@@ -591,7 +618,7 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
         if t:
             load = f"  loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s"
             load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
-            load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}"
+            load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}" + load_text(r)
         tpot = pct(r["tpot"], 50)
         print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
               f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
@@ -653,7 +680,7 @@ def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
     return (f"  | host tier {t['host_bytes'] / 2**30:.1f} GiB: hit host {t['host_hit_rate']:.1%} GPU "
             f"{t['gpu_hit_rate']:.1%}, demotions {t['demotions_completed']}, reloads {t['reloads_completed']}, skipped "
             f"{t['skipped_full']} full / {t['skipped_present']} present / {t['evicted_undemoted']} undemoted, "
-            f"loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s{of}")
+            f"loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s{of}" + load_text(r))
 
 
 def line(system: str, wl: str, r: Dict[str, Any], ceiling: Optional[Dict[str, float]] = None) -> str:

@@ -78,6 +78,8 @@ class Request:
     first_token: Optional[float] = None
     finished: Optional[float] = None
     outputs: Dict[int, List[int]] = dataclasses.field(default_factory=dict)  # seq id -> its tokens
+    # Its admissions' host tier loads (kvplug.hf.tier_copy.LoadRecord: time, whether they overlapped a step).
+    loads: List[Any] = dataclasses.field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -211,7 +213,8 @@ class Engine:
                 self._preempt(self.running[-1])
                 continue
             if admits:  # only the plan's tail came from the waiting line
-                admitted = set(batch.seq_ids.tolist())
+                # Admitted: in the batch, or live and loading its host tier blocks beside this step (early loads).
+                admitted = set(batch.seq_ids.tolist()).union(batch.deferred)
                 for sid, _ in plan[len(plan) - admits:]:
                     if sid in admitted:
                         self.waiting.remove(sid)
@@ -219,6 +222,8 @@ class Engine:
                         req = self.req_of[sid]
                         if req.admitted is None:
                             req.admitted = now()
+            for rec in batch.loads:
+                self.req_of[rec.seq_id].loads.append(rec)
             if len(batch) == 0 and not self.running:
                 first = self.waiting[0]
                 raise kvplug.OutOfBlocksError(
@@ -446,7 +451,23 @@ def summary(engine: Engine, requests: List[Request], wall: float) -> List[str]:
         f"peak used {engine.peak_blocks} blocks = {engine.peak_blocks * block_bytes / 2**20:.1f} MiB",
         f"host side (schedule + manager + sampling): {host.sum() / max(stepv.sum(), 1e-9):.1%} of step time, "
         f"p50 {np.percentile(host, 50) * 1e3:.2f} ms per step" if len(host) else "host side: no steps",
-    ] + (tier_lines(t) if (t := c.tier_summary()) is not None else [])
+    ] + (tier_lines(t) if (t := c.tier_summary()) is not None else []) + load_lines(requests)
+
+
+def load_lines(requests: List[Request]) -> List[str]:
+    """Per request, the host tier loads of its admissions: how many joined a
+    step after their loads ran beside one (early loads), and their times."""
+    recs = [x for r in requests for x in r.loads]
+    if not recs:
+        return []
+    ms = np.array([x.seconds for x in recs if x.seconds is not None]) * 1e3
+    over = sum(x.overlapped for x in recs)
+    hidden = sum(bool(x.hidden) for x in recs)
+    times = (f"; per admission p50 / p99 {np.percentile(ms, 50):.2f} / {np.percentile(ms, 99):.2f} ms, "
+             f"{np.mean([x.bytes for x in recs]) / 2**20:.1f} MiB") if len(ms) else ""
+    return [f"host tier loads by admission: {len(recs)} ({sum(1 for r in requests if r.loads)} requests); "
+            f"{sum(x.deferred for x in recs)} joined the step after their admission, {over} with their loads beside a "
+            f"step's forward pass ({hidden} landed before the next step began){times}"]
 
 
 # -- models (random weights, shapes of real ones) ----------------------------------------
@@ -516,6 +537,10 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-through", type=int, default=0, metavar="N",
                     help="copy up to N computed blocks a step to the host tier while they stay on the GPU, instead "
                     "of demoting (moving) blocks ahead of need (0: demote; with N, --demote-ahead defaults to 0)")
+    ap.add_argument("--no-early-loads", dest="early_loads", action="store_false",
+                    help="load a prompt's host tier blocks in the copies of the step that computes it, ahead of its "
+                    "forward pass (default: a prompt admitted beside other work joins the next step, its loads "
+                    "running on a side stream beside this step's forward pass)")
     ap.add_argument("--tier-copier", default="auto", choices=["auto", "copy-engine", "torch"],
                     help="how blocks move between the GPU pool and the host tier: auto (the library's batched copy "
                     "kernel on a GPU), copy-engine (stores through the GPU's copy engines, reloads by the kernel: "
@@ -550,6 +575,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
             kw["demote_evicted"] = False
         if args.tier_copier != "auto":
             kw["tier_copier"] = args.tier_copier
+        if not getattr(args, "early_loads", True):
+            kw["early_loads"] = False
     if args.write_through and gb <= 0:
         sys.exit("--write-through needs --host-cache-gb > 0: it copies blocks to the host tier")
     if args.shared_tier:

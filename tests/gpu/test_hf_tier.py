@@ -78,6 +78,80 @@ def test_fp8_conversations_with_the_host_tier(copier):
     assert outs == big[3]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_early_loads_on_a_side_stream(graphs):
+    """Early loads (the default) against --no-early-loads on the kernels in
+    fp16: the same greedy outputs, every logit row transformers'; the loads
+    of prompts deferred to the next step ran on a stream other than the
+    step's (the legacy default stream, 0), beside a forward pass, and the
+    loads with early loads off on the step's own."""
+    model = H.tiny_model("llama", dtype=torch.float16, device=DEV, **SHAPE)
+    main = torch.cuda.current_stream().cuda_stream
+    kw = dict(num_blocks=24, host_slots=64, demote_ahead=6, backend="kernels", cuda_graphs=graphs)
+    engine, rec, reqs, outs, s, _ = T.run_conversations(model, **kw)
+    _, _, off_reqs, off_outs, off_s, _ = T.run_conversations(model, early_loads=False, **kw)
+    loads = [x for r in reqs for x in r.loads]
+    deferred = [x for x in loads if x.deferred]
+    assert deferred and any(x.overlapped for x in deferred), loads
+    assert all(x.stream not in (0, main) for x in deferred if x.overlapped), loads
+    assert all(x.seconds is not None and x.seconds > 0 and x.bytes > 0 for x in loads), loads
+    off = [x for r in off_reqs for x in r.loads]
+    assert off and all(x.stream == main and not x.deferred and not x.overlapped for x in off), off
+    assert s["reloads_completed"] == s["reloads"] > 0 and s["in_flight"] == 0 and s["load_gbps"] > 0, s
+    assert s["reload_bytes"] == off_s["reload_bytes"]
+    atol, rtol = TOL[torch.float16]
+    count, _ = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
+    assert count > 100
+    assert outs == off_outs
+
+
+def test_early_loads_run_beside_the_step():
+    """A deferred prompt's loads run while the step's stream is busy (a
+    50M-cycle sleep standing in for its forward pass): they land before the
+    step's stream is done, and the next step's stream waits for them on the
+    device, not the host."""
+    shape = kvhf.ModelShape(4, 8, 2, 64)
+    bs = 16
+    with kvhf.PagedKVCache(shape, 64, bs, dtype=torch.float16, device=DEV, host_tier_slots=32, demote_ahead=64,
+                           demote_evicted=False) as cache:
+        tier = cache.tier
+        cache.kv.copy_(torch.randn(cache.kv.shape, device=DEV))
+        hist = list(range(1, 4 * bs + 2))  # four full blocks and a token
+        cache.manager.admit([9], [hist])
+        tier.step()  # the admission's step: its blocks are not demoted before their K/V exists
+        tier.drain()
+        blocks = cache.manager.describe([9]).block_table[0, :4].tolist()
+        want = cache.kv[:, :, blocks].clone()
+        cache.manager.mark_computed()
+        cache.manager.remove([9])
+        tier.step()  # demote_ahead covers the pool: the four blocks go to the host tier
+        tier.drain()
+        assert cache.manager.match_tiers([hist])[0] == (0, 4 * bs)
+        cache.add(0, [7, 8, 9])
+        cache.commit(cache.schedule([(0, 3)]))  # a running sequence (its K/V does not matter here)
+        cache.append(0, 10)
+        cache.add(1, hist[:-1] + [3])
+        torch.cuda.synchronize()
+        batch = cache.schedule([(0, 1), (1, 64)])
+        assert batch.deferred == [1] and len(tier.fresh) == 1
+        load = tier.fresh[0]
+        assert load.record.stream not in (0, torch.cuda.current_stream().cuda_stream) and load.record.overlapped
+        torch.cuda._sleep(50_000_000)  # the step's forward pass
+        step_done = torch.cuda.Event()
+        step_done.record()
+        load.event.synchronize()
+        assert not step_done.query(), "the loads waited for the step"
+        torch.cuda.synchronize()
+        table = cache.manager.describe([1]).block_table[0, :4].tolist()
+        assert torch.equal(cache.kv[:, :, table], want)
+        # The next step's stream waits for them on the device: no host wait in join_loads.
+        cache.schedule([(1, 64)])
+        assert len(tier.to_join) == 1
+        tier.step(torch.cuda.current_stream())
+        assert not tier.to_join and load.record.hidden is True
+        cache.remove([0, 1])
+
+
 def test_copies_complete_on_their_event():
     """A step's batch stays in flight until its event has completed; poll
     completes it without waiting, and the bytes round-trip through the

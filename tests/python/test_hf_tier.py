@@ -64,17 +64,27 @@ class Conversations:
 def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahead: Optional[int] = None,
                       backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
                       tier_overlap: bool = False, max_batch: int = 2,
-                      step_tokens: int = 48, chunk: int = 24, write_through: int = 0, kv_dtype: Any = None):
+                      step_tokens: int = 48, chunk: int = 24, write_through: int = 0, kv_dtype: Any = None,
+                      early_loads: Optional[bool] = None, on_step: Any = None):
     """Runs the conversations (the model's device and dtype); returns (engine, recorder, requests, outputs by
-    rid, tier summary or None, the engine's summary lines)."""
+    rid, tier summary or None, the engine's summary lines). on_step(cache, batch), if given, sees each batch
+    before its forward pass."""
     E = H.load_engine()
     kvmodel = H.twin(model)
     conv = Conversations(E, model.config.vocab_size)
     tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
-                tier_overlap=tier_overlap, write_through=write_through) if host_slots else {}
+                tier_overlap=tier_overlap, write_through=write_through, early_loads=early_loads) if host_slots else {}
     cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, kv_dtype=kv_dtype, **tier)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
+    if on_step is not None:
+        step = runner.step
+
+        def watched(batch, all_logits=False):
+            on_step(cache, batch)
+            return step(batch, all_logits)
+
+        runner.step = watched
     rec = H.Recorder()
     cfg = E.EngineConfig(max_batch=max_batch, step_tokens=step_tokens, chunk=chunk, progress_every=0)
     engine = E.Engine(runner, cfg, on_logits=lambda b, lg: rec(b, lg, BS))

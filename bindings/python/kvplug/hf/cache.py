@@ -36,7 +36,7 @@ import torch
 
 import kvplug
 
-from .tier_copy import HostTier, block_bytes, make_copier
+from .tier_copy import HostTier, LoadRecord, block_bytes, make_copier
 
 __all__ = ["ModelShape", "RecurrentShape", "PagedKVCache", "Batch", "SequenceState", "chunk_end"]
 
@@ -173,7 +173,8 @@ class ModelShape:
 @dataclasses.dataclass
 class SequenceState:
     tokens: List[int]  # every known token: prompt, then outputs
-    computed: int = 0  # leading tokens whose K/V is in the cache (= the manager's length while live)
+    computed: int = 0  # leading tokens whose K/V is in the cache (= the manager's length while live, but for
+    # a sequence admitted with early loads until it joins a step: the manager holds one more, the token at computed)
     live: bool = False  # holds blocks in the manager
     keys: Optional[kvplug.Keys] = None  # prefix-cache keys (adapter, multimodal, tenant salt)
     # With recurrent states: the checkpoint boundary where the prompt's cached prefix ended at admission, when
@@ -206,6 +207,11 @@ class Batch:
     # without groups.
     group_tables: Optional[List[np.ndarray]] = None
     group_slots: Optional[List[np.ndarray]] = None
+    # Early loads (PagedKVCache early_loads): sequences admitted now whose host tier blocks are loading
+    # beside this step; they are live and join the next step that schedules them.
+    deferred: List[int] = dataclasses.field(default_factory=list)
+    # The host tier loads of this schedule's admissions (one record per admission that has any).
+    loads: List[LoadRecord] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -267,6 +273,19 @@ class PagedKVCache:
     step's stream ahead of its forward pass (kvplug.Manager's
     demote_evicted; it needs the demotions on the step's stream, so not
     with tier_overlap).
+    early_loads (default: on with a host tier, for block_size > 1): a
+    prompt whose prefix continues in the host tier, admitted by a schedule
+    whose step has other sequences to run, is left out of that step
+    (Batch.deferred) while its blocks load on a side stream beside the
+    step's forward pass (tier_copy.HostTier.load_early), and joins the
+    next step that schedules it, whose stream waits for the loads on the
+    device. It is admitted with its cached prefix and one token (in a block
+    of its own, which nothing shares or stores before it is full), so that
+    nothing it has not computed reads as computed meanwhile; its first
+    chunk follows when it joins. A sequence of the step that reads blocks
+    being loaded makes the step wait for them. Off: the loads run in the
+    step's copies ahead of its forward pass. Batch.loads records each
+    admission's loads (time, overlap).
     write_through > 0 copies instead of moving: each step's copies store up
     to that many blocks computed since to the host tier while they stay on
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
@@ -345,6 +364,7 @@ class PagedKVCache:
         layer_groups: Optional[bool] = None,
         checkpoint_every: int = 1,
         fp8_prefill: str = "sm80",
+        early_loads: Optional[bool] = None,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
             shape = ModelShape.of(shape)
@@ -471,6 +491,10 @@ class PagedKVCache:
                 raise
             self.tier = HostTier(self.manager, self.kv, copier, self.block_bytes, overlap=tier_overlap)
             self._tier_finalizer = weakref.finalize(self, self.tier.close)
+        # A block of one token is full: the token an early load's admission adds would be cached (and stored)
+        # before it is computed.
+        self.early_loads = self.tier is not None and early_loads is not False and self.block_size > 1
+        self._joining: Dict[int, int] = {}  # admitted with early loads, not joined yet: seq id -> its computed
 
     def _plan_groups(self, shape: ModelShape, layer_groups: Optional[bool], tiered: bool) -> None:
         """Layer groups of a hybrid shape: group 0 its full-attention
@@ -737,6 +761,7 @@ class PagedKVCache:
         done = s.computed
         if s.live:
             self.manager.remove([int(seq_id)])
+        self._joining.pop(int(seq_id), None)
         s.live, s.computed = False, 0
         self.stats["preempted"] += 1
         return done
@@ -749,6 +774,7 @@ class PagedKVCache:
             self.manager.remove(np.array(live, np.int64))
         for i in ids:
             del self.seqs[i]
+            self._joining.pop(i, None)
 
     # -- scheduling -----------------------------------------------------------
 
@@ -772,10 +798,16 @@ class PagedKVCache:
         With a host tier, blocks whose demotion has landed are freed first
         (never waiting for copies), and an admission counts the tokens the
         host tier holds as matched: they are reloaded by the step's copies
-        (Runner.step), not computed."""
+        (Runner.step), not computed. With early_loads, an admission whose
+        reloads can overlap the step (other sequences run in it) is left
+        out of the batch (Batch.deferred: admitted, live) and its reloads
+        start at once on a side stream; the sequence joins the next step
+        that schedules it."""
         tier = self.tier
-        if tier is not None and tier.in_flight:
-            tier.poll()
+        if tier is not None:
+            if tier.in_flight:
+                tier.poll()
+            tier.begin_schedule()
         step = self._decode_step(requests)
         if step is not None:
             ids, starts, flat = step
@@ -784,12 +816,16 @@ class PagedKVCache:
             ids_arr = np.array(ids, np.int64)
             self.manager.grow_tokens(ids_arr, flat)  # raises OutOfBlocksError: nothing grew
             return self._batch(ids_arr, starts, np.ones(len(ids), np.int32), flat, [0] * len(ids), [])
-        seqs = self.seqs
-        grow_ids: List[int] = []
+        seqs, joining = self.seqs, self._joining
+        ids: List[int] = []  # the batch's sequences: live ones first
         starts = []  # tokens computed before this step, per scheduled sequence
         news: List[List[int]] = []  # the new tokens of each scheduled sequence
+        grow_ids: List[int] = []
+        grows: List[List[int]] = []  # the tokens each growing sequence adds in the manager
+        joined: List[int] = []  # sequences admitted with early loads that join now
+        patch: List[int] = []  # their rows whose first token the manager holds since admission (no slot in describe)
         admits: List[Tuple[int, int]] = []
-        multi = False  # a growing sequence takes more than one token
+        multi = False  # a growing sequence adds more than one token
         for sid, n in requests:
             sid, n = int(sid), int(n)
             s = self.state(sid)
@@ -801,29 +837,47 @@ class PagedKVCache:
                 if take < 1:
                     raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {sid} has no pending token to compute "
                                                       "(append the sampled token first)", kvplug.Status.INVALID_ARGUMENT)
-                grow_ids.append(sid)
+                ids.append(sid)
                 starts.append(c)
                 news.append(toks[c:c + take])
-                multi = multi or take > 1
+                first = c
+                if joining and sid in joining:
+                    # Admitted with its hit and the token at c: the manager grows by the rest of the chunk.
+                    joined.append(sid)
+                    first = c + 1
+                    if take > 1:
+                        patch.append(len(ids) - 1)
+                if c + take > first:
+                    grow_ids.append(sid)
+                    grows.append(toks[first:c + take])
+                    multi = multi or c + take - first > 1
             else:
                 admits.append((sid, n))
-        if len(set(grow_ids)) + len({a for a, _ in admits}) != len(requests):
+        if len(set(ids)) + len({a for a, _ in admits}) != len(requests):
             raise kvplug.DuplicateSequenceError("kvplug.hf: a sequence is scheduled twice in one step", kvplug.Status.DUPLICATE_SEQUENCE)
         if grow_ids:
             # A list per sequence costs the manager a conversion and a range check per sequence: the rows
             # go as int32 views of one array (or, one token each, as one flat list).
-            grow = _rows_int32(news) if multi else [t[0] for t in news]
+            grow = _rows_int32(grows) if multi else [t[0] for t in grows]
             self.manager.grow_tokens(np.array(grow_ids, np.int64), grow)  # raises OutOfBlocksError: nothing grew
-        ids: List[int] = list(grow_ids)
-        cached: List[int] = [0] * len(grow_ids)
+        for sid in joined:
+            del joining[sid]
+        cached: List[int] = [0] * len(ids)
         not_admitted: List[int] = []
+        deferred: List[int] = []
+        loads: List[LoadRecord] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
-            if self.tier is not None:
+            early = False
+            if tier is not None:
                 # Tokens the host tier holds beyond the GPU hit are reloaded, not computed: they do not count
                 # against the chunk.
                 tm = self.manager.match_tiers([s.tokens], s.keys)[0]
                 hit = tm.gpu_tokens + tm.host_tokens
+                # Early loads, when the step has other sequences to run beside them: the hit and one token
+                # (hit < the prompt's length), so that the manager holds nothing uncomputed in a full block
+                # while the sequence waits for its next step (a commit in between marks what it holds computed).
+                early = tm.host_tokens > 0 and self.early_loads and len(ids) > 0
             elif self.checkpoint_tokens:
                 # The hit stops at the last state; where the cached blocks go on past it, no step ended at their
                 # end yet: this prompt's does, so that the next prompt sharing them resumes there.
@@ -833,23 +887,54 @@ class PagedKVCache:
                 s.stop = stop if stop > hit else 0
             else:
                 hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
-            upto = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
+            upto = hit + 1 if early else self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
                 break
             m = int(got[0])  # may be below `hit` when admitting an earlier sequence evicted blocks
             s.live = True
-            ids.append(sid)
-            starts.append(m)
-            news.append(s.tokens[m:upto])
-            cached.append(m)
+            if tier is not None and tm.host_tokens > 0 and m > tm.gpu_tokens:
+                loads.append(LoadRecord(sid, 0, 0, deferred=early and m == hit))
+            if early and m == hit:
+                s.computed = m
+                joining[sid] = m
+                deferred.append(sid)
+            else:
+                # (Early, with part of the hit lost: it computes what it was admitted with, this step.)
+                ids.append(sid)
+                starts.append(m)
+                news.append(s.tokens[m:upto])
+                cached.append(m)
             self.stats["admitted"] += 1
             self.stats["cached_tokens"] += m
             self.stats["prompt_tokens"] += len(s.tokens)
+        if loads:
+            owners = self._load_owners(loads)
+            if deferred:
+                tier.load_early(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None, owners)
+            else:
+                tier.pending_records.extend(owners)  # the step's copies load them (Runner.step)
         q_lens = np.fromiter(map(len, news), np.int32, len(news))
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
-        return self._batch(ids, starts, q_lens, flat, cached, not_admitted)
+        batch = self._batch(ids, starts, q_lens, flat, cached, not_admitted, patch)
+        batch.deferred, batch.loads = deferred, loads
+        if tier is not None and tier.fresh and len(batch):
+            # A sequence of this step that reads blocks being loaded (a prompt sharing a prefix with a deferred
+            # one, matched on the GPU) has the step's stream wait for those loads.
+            tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
+            tier.join_now([f for f in tier.fresh if any(np.isin(f.blocks, t).any() for t in tables)])
+        return batch
+
+    def _load_owners(self, loads: List[LoadRecord]) -> List[Tuple[LoadRecord, np.ndarray]]:
+        """(record, every GPU block of its sequence) for admissions with host
+        tier loads: which of a flush's reloads are whose."""
+        ids = np.array([r.seq_id for r in loads], np.int64)
+        if len(self.groups) > 1:
+            tables = np.stack([d.block_table for d in self.manager.describe_groups(ids)], axis=1)
+        else:
+            tables = self.manager.describe(ids).block_table[:, None]
+        return [(r, t[t >= 0]) for r, t in zip(loads, tables.reshape(len(loads), -1))]
 
     def _chunk_end(self, start: int, end: int, stop: int = 0) -> int:
         """Where a step computing tokens start .. end - 1 of a sequence
@@ -871,6 +956,8 @@ class PagedKVCache:
             states = list(map(self.seqs.__getitem__, ids))  # ids are int-like: the dict's hash and == are int's
             if not all(s.live for s in states) or len(set(ids)) != len(ids):
                 return None
+            if self._joining and not self._joining.keys().isdisjoint(ids):
+                return None  # a sequence admitted with early loads: the manager holds its token already
             starts = [s.computed for s in states]
             flat = np.array([s.tokens[c] for s, c in zip(states, starts)], np.int64)  # IndexError: nothing pending
         except (KeyError, IndexError, TypeError, ValueError, OverflowError):
@@ -878,8 +965,11 @@ class PagedKVCache:
         return ids, starts, flat
 
     def _batch(self, ids: Any, starts: List[int], q_lens: np.ndarray, flat: np.ndarray, cached: List[int],
-               not_admitted: List[int]) -> Batch:
-        """The Batch of scheduled sequences (their blocks taken), checked against the manager's view."""
+               not_admitted: List[int], patch: Sequence[int] = ()) -> Batch:
+        """The Batch of scheduled sequences (their blocks taken), checked
+        against the manager's view. patch: rows whose first new token the
+        manager was given before their latest grow (early loads), its slot
+        not among describe's."""
         total = flat.shape[0]
         ids_arr = np.asarray(ids, np.int64)
         starts_arr = np.array(starts, np.int32)
@@ -887,9 +977,15 @@ class PagedKVCache:
         group_tables = group_slots = None
         if len(ids_arr) and len(self.groups) > 1:
             group_tables, lens, group_slots = self._describe_groups(ids_arr, want, total)
+            if patch:
+                group_slots = [sl if g in self.recurrent_groups else self._patch_slots(group_tables[g], sl, patch,
+                                                                                       starts_arr, q_lens)
+                               for g, sl in enumerate(group_slots)]
             table, slots = group_tables[0], group_slots[0]
         elif len(ids_arr):
             table, lens, slots = self._describe(ids_arr, want, total)
+            if patch:
+                slots = self._patch_slots(table, slots, patch, starts_arr, q_lens)
         else:
             table, lens, slots = np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32)
         # The manager's view and ours must agree, or the kernels would read the wrong K/V.
@@ -899,6 +995,22 @@ class PagedKVCache:
         self.stats["scheduled_tokens"] += total
         return Batch(ids_arr, starts_arr, q_lens, flat, table, lens, slots, np.array(cached, np.int32), not_admitted,
                      group_tables, group_slots)
+
+    def _patch_slots(self, table: np.ndarray, slots: np.ndarray, patch: Sequence[int], starts: np.ndarray,
+                     q_lens: np.ndarray) -> np.ndarray:
+        """slots with, for each row of patch, the slot of its first new token
+        (at starts[row], in the row's block of table) put before the row's
+        slots that describe gave."""
+        rows = np.asarray(patch, np.int64)
+        counts = q_lens.astype(np.int64)
+        counts[rows] -= 1
+        offs = (np.cumsum(counts) - counts)[rows]
+        pos = starts[rows].astype(np.int64)
+        blocks = table[rows, pos // self.block_size].astype(np.int64)
+        if (blocks < 0).any():
+            raise kvplug.InternalError(f"kvplug.hf: rows {rows.tolist()} have no block at positions {pos.tolist()}",
+                                       kvplug.Status.INTERNAL)
+        return np.insert(slots, offs, (blocks * self.block_size + pos % self.block_size).astype(np.int32))
 
     def _describe(self, ids: np.ndarray, lens: np.ndarray, total: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The manager's (block_table, seq_lens, slot_mapping) of a scheduled batch in one C call, the

@@ -225,7 +225,9 @@ class Runner:
 
     A cache with a host tier (PagedKVCache(host_tier_slots=...)) has its
     copies run by step(): once per step, before the forward pass, on the
-    step's stream (kvplug.hf.tier_copy); so do a model's linear-attention
+    step's stream (kvplug.hf.tier_copy), which first waits, on the device,
+    for the early loads of the sequences that join it (issued by the
+    schedule that admitted them, beside the step before); so do a model's linear-attention
     states (Qwen3-Next): the manager's checkpoint and prefix-hit copies
     (PagedKVCache.apply_copies), and the layers run from and into each
     sequence's state blocks (kvplug.hf.recurrent)."""
@@ -425,7 +427,8 @@ class Runner:
             self._inputs_copied.synchronize()
         if self.cache.tier is not None:
             # The host tier's copies of this step (its admissions' reloads, demotions ahead of need) go on the
-            # step's stream ahead of the forward pass: every reloaded block lands before attention reads it.
+            # step's stream ahead of the forward pass, after it waits for the early loads of the sequences that
+            # join it: every reloaded block lands before attention reads it.
             self.cache.tier.step(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         # The recurrent states' queued copies (checkpoints of the last step, this step's prefix hits), ahead of
         # the forward pass that reads and overwrites them.

@@ -27,6 +27,19 @@ runs the copier (demotions, then reloads, each between timing events) on
 the step's stream (demotions on a side stream with overlap=True) and keeps
 the batch's events; on the CPU the batch completes at once. PagedKVCache.schedule polls too, so that blocks whose demotion has
 landed are free for the step's admissions.
+
+Early loads (PagedKVCache(early_loads=True), the default): a schedule that
+admits a prompt whose prefix continues in the host tier leaves it out of
+its step's batch and calls load_early(stream, owners) at once: the flush's
+reloads go on a load stream (after the step's stream, which holds the
+flush's demotions), one copier run per admitted sequence between its own
+events, while the step's forward pass runs on the step's stream; the
+sequence joins the next step, whose stream waits for those events
+(join_loads, from step: on the device, never on the host). A sequence of
+the current step that reads blocks being loaded (a prompt that shares a
+prefix with one being loaded) has its step wait for them
+(join_now). Each admission's loads are recorded (LoadRecord: time, whether
+they overlapped a forward pass, whether they had landed when joined).
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import kvplug
 
 from .._torchcopy import as_bytes, copy_rows, is_fp8, pin as pin_host, unpin
 
-__all__ = ["TorchTierCopier", "HostTier", "make_copier", "block_bytes", "manager_takes"]
+__all__ = ["TorchTierCopier", "HostTier", "LoadRecord", "make_copier", "block_bytes", "manager_takes"]
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -146,6 +159,33 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
 
 
 @dataclasses.dataclass
+class LoadRecord:
+    """One admission's host tier loads (Batch.loads; the engine keeps them
+    per request)."""
+
+    seq_id: int
+    blocks: int  # GPU blocks reloaded (every layer group's)
+    bytes: int
+    deferred: bool  # admitted one step before it joined a forward pass (early loads)
+    overlapped: bool = False  # ran on the load stream beside a forward pass that did not wait for them (CUDA)
+    stream: int = 0  # the CUDA stream they ran on (cudaStream_t; 0 on the CPU)
+    seconds: Optional[float] = None  # their copies' device time (CUDA events; CPU: wall time); None until landed
+    hidden: Optional[bool] = None  # deferred on CUDA: landed before the step that reads them began (no wait)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Load:
+    """Early loads of one admitted sequence, until a step's stream waits for them."""
+
+    blocks: np.ndarray  # int32: the GPU blocks they write
+    event: Any  # CUDA event after the copies (None on the CPU: landed)
+    record: Optional[LoadRecord]
+
+
+@dataclasses.dataclass
 class _InFlight:
     ticket: int
     r0: Any  # CUDA timing events on the step's stream: before and after the reloads
@@ -154,6 +194,8 @@ class _InFlight:
     d1: Any
     reload_bytes: int
     demote_bytes: int
+    # The admissions' records whose loads the batch holds, with the timing events around them.
+    loads: List[Any] = dataclasses.field(default_factory=list)
 
     def query(self) -> bool:
         return self.r1.query() and self.d1.query()
@@ -186,6 +228,11 @@ class HostTier:
         self.slot_bytes = slot_bytes
         self.overlap = bool(overlap) and self.cuda
         self._side: Any = None
+        self._load_stream: Any = None  # early loads' stream (CUDA)
+        self.fresh: List[_Load] = []  # early loads of the current schedule: its step must not read their blocks
+        self.to_join: List[_Load] = []  # early loads the next step's stream waits for
+        # (record, its sequence's GPU blocks) of admissions whose loads the next step's flush copies.
+        self.pending_records: List[Any] = []
         self.in_flight: Deque[_InFlight] = collections.deque()
         self.batches = 0
         self.reload_bytes = self.demote_bytes = 0
@@ -211,15 +258,76 @@ class HostTier:
                 self.reload_seconds += f.r0.elapsed_time(f.r1) * 1e-3
             if f.demote_bytes:
                 self.demote_seconds += f.d0.elapsed_time(f.d1) * 1e-3
+            for rec, e0, e1 in f.loads:
+                rec.seconds = e0.elapsed_time(e1) * 1e-3
         self.manager.complete_copies(f.ticket, failed=failed)
 
-    def step(self, stream: Any = None) -> Optional[kvplug.CopyBatch]:
+    # -- early loads --------------------------------------------------------------
+
+    def begin_schedule(self) -> None:
+        """At the start of each schedule: the early loads issued before it
+        are the next step's to wait for (its batch may read them)."""
+        if self.fresh:
+            self.to_join.extend(self.fresh)
+            self.fresh = []
+
+    def fresh_blocks(self) -> np.ndarray:
+        """The GPU blocks that early loads of the current schedule write
+        (int32): the current step's forward pass must not read them."""
+        if not self.fresh:
+            return np.empty(0, np.int32)
+        return np.concatenate([f.blocks for f in self.fresh])
+
+    def join_now(self, loads: List[_Load]) -> None:
+        """The current step reads these early loads' blocks: its stream
+        waits for them (they overlap nothing)."""
+        if not loads:
+            return
+        ids = {id(f) for f in loads}
+        self.fresh = [f for f in self.fresh if id(f) not in ids]
+        for f in loads:
+            if f.record is not None:
+                f.record.overlapped = False
+            self.to_join.append(f)
+
+    def join_loads(self, stream: Any = None) -> None:
+        """Makes `stream` (CUDA: the step's stream) wait for the early loads
+        to join, on the device; notes whether each had landed already."""
+        if not self.to_join:
+            return
+        if self.cuda:
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            for f in self.to_join:
+                if f.record is not None and f.record.hidden is None and f.record.deferred:
+                    f.record.hidden = bool(f.event.query())
+                stream.wait_event(f.event)
+        self.to_join = []
+
+    def load_early(self, stream: Any, owners: List[Any]) -> Optional[kvplug.CopyBatch]:
+        """At admission (PagedKVCache.schedule, after its last allocation):
+        flushes the copies and enqueues the batch's demotions as step()
+        does, and its reloads on the load stream, once `stream` (CUDA: the
+        step's stream) has reached this point, one copier run per owner
+        between its events. owners: (LoadRecord or None, int32 GPU blocks
+        of that sequence); each reload goes with the owner holding its
+        block. The loads are fresh (fresh_blocks) until the next schedule
+        or join_now."""
+        return self.step(stream, owners=owners)
+
+    # -- per step -----------------------------------------------------------------
+
+    def step(self, stream: Any = None, owners: Optional[List[Any]] = None) -> Optional[kvplug.CopyBatch]:
         """Once per step, after the step's admissions and before its
-        attention: completes finished batches, then flushes and enqueues
-        this step's copies on `stream` (CUDA: the step's stream). Returns
-        the batch (None when there was nothing to copy)."""
+        attention: makes `stream` (CUDA: the step's stream) wait for the
+        early loads that join this step, completes finished batches, then
+        flushes and enqueues this step's copies on it. Returns the batch
+        (None when there was nothing to copy). owners: see load_early."""
+        if owners is None:
+            self.join_loads(stream)
         self.poll()
         batch = self.manager.flush_copies()
+        records, self.pending_records = self.pending_records, []
+        shared: List[LoadRecord] = []
         if not batch.ticket:
             return None
         self.batches += 1
@@ -231,6 +339,15 @@ class HostTier:
         empty = np.empty(0, np.int32)
         reloads = kvplug.CopyBatch(batch.ticket, empty, empty, batch.reload_slots, batch.reload_blocks)
         demotes = kvplug.CopyBatch(batch.ticket, batch.demote_blocks, batch.demote_slots, empty, empty)
+        # The admissions whose loads this batch holds: early, each run apart on the load stream; else their
+        # share of the step's reloads (their time: the reloads', which the step waits for in full).
+        if owners is not None:
+            owners = records + list(owners)  # admissions of a schedule whose step never flushed, if any
+        groups = self._split(batch, owners, self.slot_bytes) if owners is not None and nr else None
+        if groups is None and nr:
+            for rec, _, part in self._split(batch, records, self.slot_bytes):
+                if rec is not None:
+                    shared.append(rec)
         try:
             if self.cuda:
                 stream = stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -251,20 +368,56 @@ class HostTier:
                 d1.record(dstream)
                 if legacy:
                     stream.wait_stream(dstream)
-                r0.record(stream)
-                if nr:
-                    self.copier.run(reloads, stream)
-                r1.record(stream)
-                self.in_flight.append(_InFlight(batch.ticket, r0, r1, d0, d1, rbytes, dbytes))
+                timed: List[Any] = []
+                if groups is not None:
+                    # Early loads: on the load stream, after everything the step's stream holds so far (the
+                    # demotions above, which may read a block a reload writes; the last writes of the reused
+                    # blocks), beside the forward pass enqueued next.
+                    if self._load_stream is None:
+                        self._load_stream = torch.cuda.Stream(device=self.device)
+                    ls = self._load_stream
+                    ls.wait_stream(stream)
+                    r0.record(ls)
+                    for rec, blocks, part in groups:
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record(ls)
+                        self.copier.run(part, ls)
+                        e1.record(ls)
+                        self.fresh.append(_Load(blocks, e1, rec))
+                        if rec is not None:
+                            rec.stream, rec.overlapped = int(ls.cuda_stream), rec.deferred
+                            timed.append((rec, e0, e1))
+                    r1.record(ls)
+                else:
+                    r0.record(stream)
+                    if nr:
+                        self.copier.run(reloads, stream)
+                    r1.record(stream)
+                    for rec in shared:
+                        rec.stream = int(stream.cuda_stream)
+                        timed.append((rec, r0, r1))
+                self.in_flight.append(_InFlight(batch.ticket, r0, r1, d0, d1, rbytes, dbytes, timed))
             else:
                 if nd:
                     t0 = time.perf_counter()
                     self.copier.run(demotes, None)
                     self.demote_seconds += time.perf_counter() - t0
-                if nr:
+                if groups is not None:
+                    for rec, blocks, part in groups:
+                        t0 = time.perf_counter()
+                        self.copier.run(part, None)
+                        dt = time.perf_counter() - t0
+                        self.reload_seconds += dt
+                        self.fresh.append(_Load(blocks, None, rec))
+                        if rec is not None:
+                            rec.seconds = dt
+                elif nr:
                     t0 = time.perf_counter()
                     self.copier.run(reloads, None)
-                    self.reload_seconds += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.reload_seconds += dt
+                    for rec in shared:
+                        rec.seconds = dt
                 self.manager.complete_copies(batch.ticket)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
@@ -272,9 +425,33 @@ class HostTier:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             self.in_flight = collections.deque(f for f in self.in_flight if f.ticket != batch.ticket)
+            self.fresh = []
             self.manager.complete_copies(batch.ticket, failed=True)
             raise
         return batch
+
+    @staticmethod
+    def _split(batch: kvplug.CopyBatch, owners: List[Any], slot_bytes: int) -> List[Any]:
+        """A flush's reloads by owner (record or None, the GPU blocks of its
+        sequence): [(record, the blocks they write, a CopyBatch of them)],
+        in the owners' order, each record's blocks and bytes set; reloads
+        of no owner come last, as one."""
+        empty = np.empty(0, np.int32)
+        left = np.ones(len(batch.reload_blocks), bool)
+        out = []
+        for rec, blocks in owners:
+            mine = left & np.isin(batch.reload_blocks, blocks)
+            if not mine.any():
+                continue
+            left &= ~mine
+            rb = batch.reload_blocks[mine]
+            if rec is not None:
+                rec.blocks, rec.bytes = len(rb), len(rb) * slot_bytes
+            out.append((rec, rb, kvplug.CopyBatch(batch.ticket, empty, empty, batch.reload_slots[mine], rb)))
+        if left.any():
+            rb = batch.reload_blocks[left]
+            out.append((None, rb, kvplug.CopyBatch(batch.ticket, empty, empty, batch.reload_slots[left], rb)))
+        return out
 
     def drain(self) -> None:
         """Waits for every batch in flight and completes it."""
