@@ -464,7 +464,7 @@ def load_lines(requests: List[Request]) -> List[str]:
     over = sum(x.overlapped for x in recs)
     hidden = sum(bool(x.hidden) for x in recs)
     times = (f"; per admission p50 / p99 {np.percentile(ms, 50):.2f} / {np.percentile(ms, 99):.2f} ms, "
-             f"{np.mean([x.bytes for x in recs]) / 2**20:.1f} MiB") if len(ms) else ""
+             f"{np.mean([x.bytes for x in recs]) / 2**20:.2f} MiB on average") if len(ms) else ""
     return [f"host tier loads by admission: {len(recs)} ({sum(1 for r in requests if r.loads)} requests); "
             f"{sum(x.deferred for x in recs)} joined the step after their admission, {over} with their loads beside a "
             f"step's forward pass ({hidden} landed before the next step began){times}"]
