@@ -791,12 +791,14 @@ func (in *instance) applyFromClear(m kvevents.Message) {
 	for i := len(b.Events) - 1; i >= 0; i-- {
 		if b.Events[i].Kind == kvevents.KindCleared {
 			b.Events = b.Events[i:]
-			in.mu.Lock()
-			in.stale = false
-			in.nextSeq = m.Seq
-			in.waiting = ""
-			in.mu.Unlock()
+			// Fresh once the set is in the backend: a reader that sees
+			// the state scores what the snapshot holds. (A failed apply
+			// resynchronises: still stale.)
 			if in.applyBatch(m.Seq, b, false) {
+				in.mu.Lock()
+				in.stale = false
+				in.waiting = ""
+				in.mu.Unlock()
 				in.noteState("")
 			}
 			return

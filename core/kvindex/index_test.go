@@ -209,6 +209,8 @@ func setIn(t testing.TB, be Backend, inst string, md prefix.Medium) map[kvevents
 	switch b := be.(type) {
 	case *flakyBackend:
 		return setIn(t, b.Memory, inst, md)
+	case *snapshotWatch:
+		return setIn(t, b.Memory, inst, md)
 	case *Memory:
 		b.mu.RLock()
 		for k, v := range b.sets[inst] {

@@ -481,3 +481,56 @@ func TestDownIsCountedWhenSeen(t *testing.T) {
 		t.Fatalf("down before its disconnect was counted: %+v", st)
 	}
 }
+
+// snapshotWatch is a backend that notes, while it applies a snapshot
+// (a clear and the blocks after it), the state the index shows then.
+type snapshotWatch struct {
+	*Memory
+	x      atomic.Pointer[Index]
+	mu     sync.Mutex
+	states []State
+}
+
+func (w *snapshotWatch) Apply(inst string, ops []Op) error {
+	if x := w.x.Load(); x != nil && len(ops) > 1 && ops[0].Kind == OpClear {
+		st := x.Status()[indexOf(x.Status(), inst)].State
+		w.mu.Lock()
+		w.states = append(w.states, st)
+		w.mu.Unlock()
+	}
+	return w.Memory.Apply(inst, ops)
+}
+
+// An instance is fresh once its snapshot's blocks are in the backend, not
+// before: a reader that sees it fresh scores what it holds.
+func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
+	e := newEngine(t, "e0", 64, 16, [2]int{0, 0}, kvevents.Config{})
+	t.Cleanup(e.close)
+	p := prompt(rand.New(rand.NewSource(24)), 1, 96)
+	e.serve(t, p, nil)
+	w := &snapshotWatch{Memory: NewMemory()}
+	x, err := New(Config{Instances: []InstanceConfig{e.instance()}, Backend: w})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.x.Store(x)
+	t.Cleanup(x.Close)
+	waitConverged(t, x, []*engine{e}, 10*time.Second)
+	if sc, _ := x.Query(p, nil); sc[0].Tokens != 96 {
+		t.Fatalf("converged: %+v", sc)
+	}
+	// The snapshot may have come before the backend was watched: resync
+	// to see one applied.
+	x.insts[0].resync("test")
+	waitConverged(t, x, []*engine{e}, 10*time.Second)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.states) == 0 {
+		t.Fatal("no snapshot applied")
+	}
+	for _, st := range w.states {
+		if st == StateFresh {
+			t.Fatalf("fresh while its snapshot was being applied: %v", w.states)
+		}
+	}
+}
