@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Shows the matrix instructions of the Hopper prefill kernels in the sm_90a machine code of
-# the fatbin (HGMMA: wgmma on the tensor cores; HMMA would be the older mma.sync path), and
-# their register and spill counts. Needs cuobjdump (CUDA toolkit) on PATH.
+# the fatbin (HGMMA, and QGMMA for the 8-bit products: wgmma on the tensor cores; HMMA would be the older mma.sync path), and
+# their register and spill counts; and fails where any kernel has an async copy (LDGSTS)
+# whose shared address is a register plus a uniform register: ptxas 13.0 emits that form
+# for some cp.async address shapes (an e4m3 decode gather with its stage base hoisted), and
+# it faults on sm_90a with an illegal instruction. Needs cuobjdump (CUDA toolkit) on PATH.
 #   bench/sass_check.sh [kernels/fatbin/kvplug.fatbin]
 set -euo pipefail
 fatbin=${1:-kernels/fatbin/kvplug.fatbin}
@@ -11,10 +14,16 @@ cuobjdump -sass "$fatbin" >"$tmp/sass"
 status=0
 for k in $(grep -o 'Function : kvp_paged_prefill_sm90_[a-z0-9_]*' "$tmp/sass" | awk '{print $3}' | sort -u); do
     body=$(awk -v k="$k" '/Function : /{on = ($3 == k)} on' "$tmp/sass")
-    hg=$(grep -c 'HGMMA' <<<"$body" || true)
+    hg=$(grep -cE '[HQ]GMMA' <<<"$body" || true)
     hm=$(grep -c ' HMMA' <<<"$body" || true)
     ldl=$(grep -cE ' (LDL|STL)' <<<"$body" || true)
-    printf '%-40s HGMMA %3d  HMMA %3d  local loads/stores %3d\n' "$k" "$hg" "$hm" "$ldl"
+    printf '%-40s GMMA %3d  HMMA %3d  local loads/stores %3d\n' "$k" "$hg" "$hm" "$ldl"
     [ "$hg" -gt 0 ] || status=1
 done
+bad=$(awk '/Function : /{k = $3} /LDGSTS/ && /\[R[0-9]+\+UR[0-9]+/ {print k}' "$tmp/sass" | sort | uniq -c)
+if [ -n "$bad" ]; then
+    echo "LDGSTS with a register + uniform register shared address (faults on sm_90a):"
+    echo "$bad"
+    status=1
+fi
 exit $status

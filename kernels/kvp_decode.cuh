@@ -257,12 +257,28 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 #pragma unroll
         for (int k = 0; k < Q_CHUNKS; ++k) qv[k] = bf16x8_to_f16(qv[k], qmul);
     }
-    // Query tile: rows >= rows are zero so padded rows stay finite.
+    // Query tile: rows >= rows are zero so padded rows stay finite. e4m3:
+    // stored as q's A fragments in the dim order of the raw K fragments (see
+    // the S = Q K^T loop), one 16-byte entry per (32-dim step kp, half h,
+    // lane), so that the loop reads each fragment with one 16-byte load into
+    // the registers the mma takes: word i of chunk c of row r is word
+    // (i & 1) * 2 + r / 8 of the entry (kp, h) = (c / 4, c / 2 % 2) of lane
+    // (r % 8) * 4 + (c % 2) * 2 + i / 2.
 #pragma unroll
     for (int k = 0; k < Q_CHUNKS; ++k) {
         const int i = tid + k * NT;
         const int r = i / CPR, c = i % CPR;
-        if (i < 16 * CPR) *reinterpret_cast<uint4*>(s_q + (r * CPR + (c ^ (r & 7))) * 16) = qv[k];
+        if (i < 16 * CPR) {
+            if constexpr (E4M3) {
+                uint32_t* e = reinterpret_cast<uint32_t*>(s_q) + ((c >> 1) * 32 + (r & 7) * 4 + (c & 1) * 2) * 4 + (r >> 3);
+                e[0] = qv[k].x;
+                e[2] = qv[k].y;
+                e[4] = qv[k].z;
+                e[6] = qv[k].w;
+            } else {
+                *reinterpret_cast<uint4*>(s_q + (r * CPR + (c ^ (r & 7))) * 16) = qv[k];
+            }
+        }
     }
     __syncthreads();
 
@@ -286,7 +302,7 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     }
 
     const float sl = scale * kLog2e * q_unscale;
-    float vmax = 0.f;  // e4m3: the V scale o_acc is counted in (see below)
+    float vmax = 0.f, vinv = 0.f;  // e4m3: the V scale o_acc is counted in (see below), 1 / it
     SoftmaxState row_st[2];  // rows g and g+8; l: this thread's partial sums
     row_st[0].init();
     row_st[1].init();
@@ -335,25 +351,29 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
             // gives 16 tokens x 32 dims: token g's dims 4q..4q+3 of a 16-dim
             // step are one register, the B fragment's k 2q, 2q+1 (dims 4q,
             // 4q+1) and 2q+8, 2q+9 (dims 4q+2, 4q+3); q's A fragment is read
-            // in the same dim order (8 bytes of row g, 8 of row g + 8).
+            // in the same dim order (8 bytes of row g, 8 of row g + 8). The
+            // halves h accumulate apart (sh) and are added at the end: two
+            // chains of D / 32 dependent mmas instead of one of D / 16.
+            float sh[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int kp = 0; kp < D / 32; ++kp) {
                 uint32_t kr[4];  // tokens 0-7 / 8-15 of dims 32kp.. and 32kp+16..
                 ldmatrix_x4(kr, sk + swz8<D>(r8_row, 2 * kp + r8_chk));
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int chunk = 4 * kp + 2 * h + (qd >> 2);  // 8-dim chunk of q holding dims 4q..4q+3
-                    const uint2 q0 = *reinterpret_cast<const uint2*>(s_q + (g * CPR + (chunk ^ (g & 7))) * 16 + (qd & 2) * 4);
-                    const uint2 q1 =
-                        *reinterpret_cast<const uint2*>(s_q + ((g + 8) * CPR + (chunk ^ ((g + 8) & 7))) * 16 + (qd & 2) * 4);
-                    const uint32_t a[4] = {q0.x, q1.x, q0.y, q1.y};
+                    const uint4 q4 = reinterpret_cast<const uint4*>(s_q)[(2 * kp + h) * 32 + lane];
+                    const uint32_t a[4] = {q4.x, q4.y, q4.z, q4.w};
                     uint32_t b0, b1, c0, c1;
                     e4m3x4_f16(kr[2 * h], b0, b1);
                     e4m3x4_f16(kr[2 * h + 1], c0, c1);
-                    mma16816<f16>(s[0], a, b0, b1);
-                    mma16816<f16>(s[1], a, c0, c1);
+                    mma16816<f16>(h ? sh[0] : s[0], a, b0, b1);
+                    mma16816<f16>(h ? sh[1] : s[1], a, c0, c1);
                 }
             }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[nt][i] += sh[nt][i];
         } else {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
@@ -396,19 +416,28 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         float ps[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - m_use[0]);
-            s[nt][1] = exp2f(s[nt][1] - m_use[0]);
-            s[nt][2] = exp2f(s[nt][2] - m_use[1]);
-            s[nt][3] = exp2f(s[nt][3] - m_use[1]);
+            if constexpr (E4M3) {  // weights below 2^-126 flush to zero
+                s[nt][0] = fast_exp2(s[nt][0] - m_use[0]);
+                s[nt][1] = fast_exp2(s[nt][1] - m_use[0]);
+                s[nt][2] = fast_exp2(s[nt][2] - m_use[1]);
+                s[nt][3] = fast_exp2(s[nt][3] - m_use[1]);
+            } else {
+                s[nt][0] = exp2f(s[nt][0] - m_use[0]);
+                s[nt][1] = exp2f(s[nt][1] - m_use[0]);
+                s[nt][2] = exp2f(s[nt][2] - m_use[1]);
+                s[nt][3] = exp2f(s[nt][3] - m_use[1]);
+            }
             ps[0] += s[nt][0] + s[nt][1];
             ps[1] += s[nt][2] + s[nt][3];
         }
         row_st[0].accumulate(alpha[0], ps[0]);
         row_st[1].accumulate(alpha[1], ps[1]);
         // e4m3: P V with V's per-token scales taken into P. o_acc counts in
-        // units of vmax, the largest V scale of the warp's tokens so far in
-        // this tile, so P * scale / vmax stays in [0, 1] (no f16 underflow of
-        // a small scale's probabilities); a new vmax rescales o_acc with alpha.
+        // units of vmax, a V scale at least the largest of the warp's tokens
+        // in this tile and at most 16 times it, so P * scale / vmax stays in
+        // [0, 1] and loses at most 4 bits of f16's range to a small scale;
+        // vmax moves (and rescales o_acc with alpha) only where a tile's
+        // largest leaves that band, so most tiles keep it.
         float vr[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
         if constexpr (E4M3) {
             const float* vsc = ksc + TILE;
@@ -419,21 +448,28 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
                 m = fmaxf(m, fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w)));
             }
             if (m == 0.f) m = vmax > 0.f ? vmax : 1.f;  // no readable token in the warp's slice
-            const float inv = 1.f / m;
-            alpha[0] *= vmax * inv;
-            alpha[1] *= vmax * inv;
-            vmax = m;
+            if (m > vmax || 16.f * m < vmax) {  // warp-uniform: every lane read the same scales
+                const float inv = 1.f / m;
+                alpha[0] *= vmax * inv;
+                alpha[1] *= vmax * inv;
+                vmax = m;
+                vinv = inv;
+            }
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) vr[nt][e] = vsc[warp * 16 + nt * 8 + qd + e] * inv;
+                for (int e = 0; e < 2; ++e) vr[nt][e] = vsc[warp * 16 + nt * 8 + qd + e] * vinv;
         }
+        // Most tiles move no row's maximum (alpha exactly 1): the rescale is
+        // skipped where no row of the warp needs it.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int c = 0; c < CPR; ++c) {
-            o_acc[c][0] *= alpha[0];
-            o_acc[c][1] *= alpha[0];
-            o_acc[c][2] *= alpha[1];
-            o_acc[c][3] *= alpha[1];
+            for (int c = 0; c < CPR; ++c) {
+                o_acc[c][0] *= alpha[0];
+                o_acc[c][1] *= alpha[0];
+                o_acc[c][2] *= alpha[1];
+                o_acc[c][3] *= alpha[1];
+            }
         }
         // P as the A operand (FA2 layout: C fragments of S are A fragments of P).
         uint32_t pa[4];
