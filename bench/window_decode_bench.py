@@ -15,13 +15,14 @@ Timing: triton's do_bench (median; L2 rewritten before every call);
 random inputs; blocks in shuffled order; outputs compared with FlashInfer's
 (without sinks: FlashInfer's decode wrapper takes none).
 
-Usage: python3 bench/window_decode_bench.py [--json FILE]
+Usage: python3 bench/window_decode_bench.py [--rounds N] [--no-fi] [--json FILE]
 Prints a markdown table.
 """
 
 import argparse
 import json
 import math
+import statistics
 
 import torch
 from triton.testing import do_bench
@@ -90,6 +91,10 @@ class Case:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the kernel without and with sinks this many times, alternating, and keep each one's "
+                         "median (a ratio of single timings of a 10 us kernel moves by several percent)")
+    ap.add_argument("--no-fi", action="store_true", help="leave FlashInfer out (its JIT build takes minutes)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(1)
     bw = copy_bandwidth()
@@ -102,15 +107,21 @@ def main():
         for B, L in SHAPES:
             c = Case(model, B, L, gen)
             fk, ok = c.kvplug()
-            tk = timed(fk)
             fp, op = c.kvplug(decode_route=False)
             tp = timed(fp)
             ts = "-"
-            if c.sinks is not None:
-                fs, _ = c.kvplug(c.sinks)
-                ts = f"{timed(fs):.1f}"
+            fs = c.kvplug(c.sinks)[0] if c.sinks is not None else None
+            plain, with_sinks = [], []
+            for r in range(args.rounds):  # alternating, the order reversed every other round
+                order = [(fk, plain), (fs, with_sinks)] if r % 2 == 0 else [(fs, with_sinks), (fk, plain)]
+                for fn, out in order:
+                    if fn is not None:
+                        out.append(timed(fn))
+            tk = statistics.median(plain)
+            if with_sinks:
+                ts = f"{statistics.median(with_sinks):.1f}"
             best, ofi = None, None
-            for tc in (False, True):
+            for tc in (() if args.no_fi else (False, True)):
                 try:
                     ff, of = c.fi(tc)
                     t = timed(ff)
