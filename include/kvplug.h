@@ -75,6 +75,9 @@
  *     hand its demotions to the copy engines (cuMemcpyBatchAsync) instead
  *     of its kernel, leaving the SMs to the kernels running beside them
  *     (see "tier copy"). 0 keeps the kernel, as before.
+ *   - E4M3 caches with token-head scales: num_blocks * block_size *
+ *     num_kv_heads below 2^31 (it was 2^50; INVALID_ARGUMENT past it), and
+ *     the decode reads a row whose K scale is 0 as unreadable (kvp_kv_scale).
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -1897,9 +1900,14 @@ typedef enum kvp_dtype {
  *     like the cache, so a block's scales move with it: an engine that
  *     copies a block (a fork, a swap) copies its scale rows too. 4 bytes per
  *     head_dim bytes: 3.1% more than the e4m3 elements at head_dim 128.
+ *     num_blocks * block_size * num_kv_heads must be below 2^31 (the
+ *     decode keeps scale indices as int32; INVALID_ARGUMENT otherwise).
  *   KVP_KV_SCALE_TENSOR: one float32 for all of K (k_scale[0]) and one for
  *     V (v_scale[0]), a checkpoint's calibrated scales; kvp_kv_write divides
  *     by them and saturates at +-448.
+ * Scales are positive (kvp_kv_write never writes 0): the decode reads a
+ * row whose K scale is 0 as one it cannot read (masked, as a row of an
+ * ignored block).
  * float32 rather than bf16 scales: exact for any row, the dtype engines
  * keep scales in, and a 1.5% difference in bytes. */
 typedef enum kvp_kv_scale {

@@ -474,9 +474,8 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src
 // The scales of a raw e4m3 tile of TILE rows: K's at sks, V's at svs, row r's
 // scale index soffs[r] (-1: zero). Threads [0, TILE) copy K's, [TILE, 2 TILE)
 // V's.
-template <int TILE>
-__device__ __forceinline__ void gather_kv_scales(uint32_t sks, uint32_t svs, const int64_t* soffs, const PagedRows& rr,
-                                                 int tid) {
+template <int TILE, typename I>
+__device__ __forceinline__ void gather_kv_scales(uint32_t sks, uint32_t svs, const I* soffs, const PagedRows& rr, int tid) {
     if (tid >= 2 * TILE) return;
     const bool v = tid >= TILE;
     const int r = v ? tid - TILE : tid;

@@ -32,7 +32,13 @@ template <int D, int STAGES_ = DecodeStages<D>::value, bool E4M3 = false>
 struct DecodeCfg {
     static constexpr int TILE = KVP_DECODE_TILE;  // tokens per pipeline stage
     static constexpr int STAGES = STAGES_;
-    static constexpr int RING = STAGES + 1;  // row-offset tiles kept (see loop)
+    // Row-offset tiles kept (see the loop): one more than the stages where the
+    // scores' mask reads a tile's offsets while a later tile's are written;
+    // e4m3 masks by the K scales instead (an unreadable row's is 0), so its
+    // ring has one tile per stage and its scale indices are int32 (the
+    // header bounds token-head scales below 2^31): 1.5 KB less shared
+    // memory at head_dim 128, which a fourth block per SM needs.
+    static constexpr int RING = E4M3 ? STAGES : STAGES + 1;
     static constexpr int CPR = D / 8;        // 16-byte chunks per 16-bit row
     static constexpr int RAW_CPR = E4M3 ? D / 16 : CPR;  // per cache row
     static constexpr int KV_TILE_BYTES = TILE * D * 2;    // a 16-bit tile
@@ -40,7 +46,7 @@ struct DecodeCfg {
     static constexpr int SCALE_BYTES = E4M3 ? TILE * 4 : 0;
     static constexpr int STAGE_BYTES = 2 * RAW_TILE_BYTES + 2 * SCALE_BYTES;
     static constexpr int Q_BYTES = 16 * D * 2;
-    static constexpr int OFF_BYTES = RING * TILE * 8 * (E4M3 ? 2 : 1);  // row (and scale) offsets
+    static constexpr int OFF_BYTES = RING * TILE * (E4M3 ? 12 : 8);  // row offsets (and scale indices)
     static constexpr int SMEM = STAGES * STAGE_BYTES + Q_BYTES + OFF_BYTES;
     static constexpr int RED_STRIDE = D + 8;  // padded fp32 row of the final merge
     // The merge scratch, used once the pipeline has drained, may reach into
@@ -193,11 +199,11 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
     uint8_t* s_kv = smem;                          // [STAGES][K tile, V tile(, K scales, V scales)]
     uint8_t* s_q = smem + STAGES * C::STAGE_BYTES;  // [16][D] swizzled
     int64_t* s_off = reinterpret_cast<int64_t*>(s_q + C::Q_BYTES);  // [RING][TILE]
-    int64_t* s_soff = s_off + RING * TILE;                          // e4m3: [RING][TILE] scale indices
+    int32_t* s_soff = reinterpret_cast<int32_t*>(s_off + RING * TILE);  // e4m3: [RING][TILE] scale indices
     // Ring entry i of tile jt, token tid: its row offset (-1: not read) and scale index.
     auto set_off = [&](int i, bool live, int blk, int off) {
         s_off[i] = live ? rr.offset(blk, off) : -1;
-        if constexpr (E4M3) s_soff[i] = live ? rr.scale_index(blk, off) : -1;
+        if constexpr (E4M3) s_soff[i] = live ? (int32_t)rr.scale_index(blk, off) : -1;
     };
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -401,8 +407,11 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int tcol = warp * 16 + nt * 8 + qd + e;
-                const bool ok = offs[tcol] >= 0;
+                // e4m3: an unreadable row's K scale was zero-filled (a real
+                // one is never 0), and its offsets' ring entry may already
+                // hold a later tile's.
                 const float f = E4M3 ? sl * ksc[tcol] : sl;
+                const bool ok = E4M3 ? f != 0.f : offs[tcol] >= 0;
                 const int pos = tpos + tcol;
                 s[nt][e] = ok && pos <= last[0] && pos >= first[0] ? s[nt][e] * f : neg_inf();
                 s[nt][e + 2] = ok && pos <= last[1] && pos >= first[1] ? s[nt][e + 2] * f : neg_inf();

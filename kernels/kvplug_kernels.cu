@@ -51,9 +51,13 @@ static_assert(kvp::DecodeCfg<64>::SMEM == 70144, "smem h64 (header formula)");
 static_assert(kvp::DecodeCfg<128>::SMEM == 104448, "smem h128 (header formula)");
 static_assert(kvp::DecodeCfg<256>::SMEM == 140800, "smem h256 (header formula)");
 #define KVP_DECODE_E4M3_SMEM(D) kvp::DecodeCfg<D, kvp::DecodeStages<D>::value, true>::SMEM
-static_assert(KVP_DECODE_E4M3_SMEM(64) == 41984, "e4m3 smem h64 (header formula)");
-static_assert(KVP_DECODE_E4M3_SMEM(128) == 58880, "e4m3 smem h128 (header formula)");
-static_assert(KVP_DECODE_E4M3_SMEM(256) == 77824, "e4m3 smem h256 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(64) == 39936, "e4m3 smem h64 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(128) == 57088, "e4m3 smem h128 (header formula)");
+static_assert(KVP_DECODE_E4M3_SMEM(256) == 76288, "e4m3 smem h256 (header formula)");
+// The e4m3 decode at head_dim 128 holds 4 blocks per SM: 57088 + 1024 bytes
+// of shared memory each of sm_90's 228 KB, and 128 registers a thread.
+#define KVP_DECODE_E4M3_MIN_BLOCKS(D) ((D) == 128 ? 4 : 1)
+static_assert(4 * (KVP_DECODE_E4M3_SMEM(128) + 1024) <= 228 * 1024, "four e4m3 decode blocks per SM");
 static_assert(kvp::TileCfg<64, 1, true>::SMEM == 38416, "e4m3 prefill smem h64 (header formula)");
 static_assert(kvp::TileCfg<128, 1, true>::SMEM == 53264, "e4m3 prefill smem h128 (header formula)");
 static_assert(kvp::TileCfg<256, 1, true>::SMEM == 102416, "e4m3 prefill smem h256 (header formula)");
@@ -89,7 +93,8 @@ KVP_INSTANTIATE(bf16, kvp::bf16, 256)
 // prefill that read it (their combine and merge are the 16-bit ones).
 #define KVP_E4M3_INSTANTIATE(DT, T, D)                                                                    \
     KVP_KERNEL(kvp_kv_write, kvp_kv_write_params, kvp::kv_write_e4m3, DT##_e4m3, T, D, KVP_KV_WRITE_THREADS) \
-    KVP_KERNEL(kvp_paged_decode, kvp_decode_params, kvp::paged_decode_e4m3, DT##_e4m3, T, D, KVP_DECODE_THREADS) \
+    KVP_KERNEL(kvp_paged_decode, kvp_decode_params, kvp::paged_decode_e4m3, DT##_e4m3, T, D, KVP_DECODE_THREADS,  \
+               KVP_DECODE_E4M3_MIN_BLOCKS(D))                                                                  \
     KVP_KERNEL(kvp_paged_prefill, kvp_prefill_params, kvp::paged_prefill_e4m3, DT##_e4m3, T, D, KVP_PREFILL_THREADS)
 
 KVP_E4M3_INSTANTIATE(f16, kvp::f16, 64)

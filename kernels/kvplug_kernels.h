@@ -281,13 +281,14 @@ static inline uint32_t kvp_decode_smem_bytes(int dtype_bytes, int head_dim) {
 /* Dynamic shared memory of kvp_paged_decode_<dt>_e4m3_h<D>, in bytes:
  *     stages(D) * (2 * 64 * D + 2 * 64 * 4)   (raw e4m3 K and V tiles, their scales)
  *   + 16 * D * 2                              (query tile, f16)
- *   + 2 * (stages(D) + 1) * 64 * 8            (row and scale offsets)
+ *   + stages(D) * 64 * (8 + 4)                (row offsets, int32 scale indices)
  *     with stages as the 16-bit kernel's:
- *     h64: 41984, h128: 58880, h256: 77824
- * Resident blocks per SM on sm_90 (shared memory): h64: 5, h128: 3, h256: 2. */
+ *     h64: 39936, h128: 57088, h256: 76288
+ * Resident blocks per SM on sm_90 (registers and shared memory): h64: 5,
+ * h128: 4, h256: 2. */
 static inline uint32_t kvp_decode_smem_bytes_e4m3(int head_dim) {
     uint32_t d = (uint32_t)head_dim, stages = head_dim <= 64 ? 4u : (head_dim <= 128 ? 3u : 2u);
-    return stages * (128u * d + 512u) + 32u * d + 2u * (stages + 1u) * 512u;
+    return stages * (128u * d + 512u) + 32u * d + stages * 64u * 12u;
 }
 
 /* ------------------------------------------------------------------------

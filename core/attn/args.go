@@ -23,10 +23,11 @@ import (
 // Limits of the arguments (beyond these the kernels' grids or the int32
 // fields of their parameters overflow).
 const (
-	MaxHeads     = 1 << 12
-	MaxSplits    = 256
-	maxBatch     = limits.AttnBatch // decode grid.y (at most maxGridYZ: limits_test.go)
-	maxElemIndex = 1 << 50          // largest element offset any stride may reach
+	MaxHeads      = 1 << 12
+	MaxSplits     = 256
+	maxBatch      = limits.AttnBatch // decode grid.y (at most maxGridYZ: limits_test.go)
+	maxElemIndex  = 1 << 50          // largest element offset any stride may reach
+	maxScaleIndex = 1<<31 - 1        // largest token-head scale index (the decode keeps them as int32)
 )
 
 // SupportedHeadDim reports whether the kernels are built for head_dim d.

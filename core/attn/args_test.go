@@ -82,10 +82,10 @@ func TestPlanAndWorkspace(t *testing.T) {
 	if s := DecodeSplits(0, F16, 64, 1, 1, 1, 100); s != 1 {
 		t.Errorf("no SMs: %d", s)
 	}
-	// The e4m3 kernel holds 3 blocks per SM at D=128 (396 slots): 512
-	// blocks would fill 1.29 waves (65%), two splits 2.59 (86%); 256 blocks
-	// take three splits (1.94 waves); 1024 blocks fill 2.59 waves unsplit.
-	for _, c := range []struct{ batch, maxLen, want int }{{64, 8192, 2}, {32, 2048, 3}, {128, 2048, 1}, {8, 4096, 6}} {
+	// The e4m3 kernel holds 4 blocks per SM at D=128 (528 slots): 512
+	// blocks fill 0.97 of a wave unsplit, 256 blocks take two splits (0.97),
+	// 1024 blocks fill 1.94 waves unsplit, 64 blocks take eight splits.
+	for _, c := range []struct{ batch, maxLen, want int }{{64, 8192, 1}, {32, 2048, 2}, {128, 2048, 1}, {8, 4096, 8}} {
 		if s := decodeSplits(132, BF16, 128, c.batch, 32, 8, c.maxLen, 1, true); s != c.want {
 			t.Errorf("e4m3: decodeSplits(B=%d, L=%d) = %d, want %d", c.batch, c.maxLen, s, c.want)
 		}
@@ -174,6 +174,11 @@ func TestE4M3Refused(t *testing.T) {
 		{"16-bit with a scale kind", func() PagedKV { k := kv; k.ScaleKind = ScaleTensor; return k }(), BF16, kverr.InvalidArgument},
 		{"f16 cache under bf16", func() PagedKV { k := kv; k.DType = F16; return k }(), BF16, kverr.InvalidArgument},
 		{"e4m3 with 8-element strides", func() PagedKV { k := e4; k.CacheHeadStride = 136; k.CacheTokenStride = 272; return k }(), BF16, kverr.InvalidArgument},
+		// Token-head scale indices are int32 in the decode: 2^26 blocks of
+		// 16 tokens of 2 heads would index scale 2^31.
+		{"token-head scales at 2^31 - 2", func() PagedKV { k := e4; k.NumBlocks = 1<<26 - 1; return k }(), BF16, kverr.OK},
+		{"token-head scales past 2^31 - 1", func() PagedKV { k := e4; k.NumBlocks = 1 << 26; return k }(), BF16, kverr.InvalidArgument},
+		{"one scale per cache over 2^26 blocks", func() PagedKV { k := e4; k.NumBlocks, k.ScaleKind = 1<<26, ScaleTensor; return k }(), BF16, kverr.OK},
 	}
 	for _, c := range cases {
 		l := DecodeLayout{DType: c.d, HeadDim: 128, Batch: 2, NumQHeads: 4, NumKVHeads: 2, QBatchStride: 512, QHeadStride: 128,

@@ -148,8 +148,8 @@ func (kv *PagedKV) validate(what string, d DType, headDim, kvHeads int, withTabl
 	if cache, err = span(what, "cache", headDim, blocks, tokens, heads); err != nil {
 		return 0, 0, err
 	}
-	if kv.ScaleKind == ScaleTokenHead && int64(kv.NumBlocks)*int64(kv.BlockSize) > maxElemIndex/int64(kvHeads) {
-		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "%s: the token-head scales of %d blocks of %d tokens of %d heads exceed 2^50 elements", what, kv.NumBlocks, kv.BlockSize, kvHeads)
+	if kv.ScaleKind == ScaleTokenHead && int64(kv.NumBlocks)*int64(kv.BlockSize) > maxScaleIndex/int64(kvHeads) {
+		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "%s: the token-head scales of %d blocks of %d tokens of %d heads reach past 2^31 - 1 elements", what, kv.NumBlocks, kv.BlockSize, kvHeads)
 	}
 	if !withTable {
 		// Written: no two (block, token, head) rows may share elements.

@@ -106,10 +106,11 @@ func decodeStages(headDim int) uint32 {
 
 // decodeSharedBytesE4M3 is kvp_decode_smem_bytes_e4m3: the e4m3 decode
 // kernel's (raw tiles and their scales in the 16-bit kernel's stages, the
-// f16 query tile, rings of row and scale offsets).
+// f16 query tile, a ring of one tile a stage of row offsets and int32
+// scale indices).
 func decodeSharedBytesE4M3(headDim int) uint32 {
 	stages, D := decodeStages(headDim), uint32(headDim)
-	return stages*(128*D+512) + 32*D + 2*(stages+1)*512
+	return stages*(128*D+512) + 32*D + stages*64*12
 }
 
 // decodeBlocksPerSM is the resident decode blocks per SM on sm_90 that the
@@ -121,9 +122,9 @@ func decodeBlocksPerSM(d DType, headDim int, e4m3 bool) int {
 	}
 	switch {
 	case e4m3 && headDim <= 64:
-		return 4
+		return 5
 	case e4m3 && headDim <= 128:
-		return 3
+		return 4
 	case e4m3:
 		return 2
 	case headDim <= 64:

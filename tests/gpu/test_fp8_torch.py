@@ -462,15 +462,16 @@ def test_fp8_hf_engine_prefill_modes(mode):
 
 def test_fp8_num_splits():
     """The split count for a decode over an FP8 cache is the e4m3 kernel's
-    (3 blocks per SM at head_dim 128: 512 blocks fill 1.29 waves unsplit,
-    2.59 with two splits), and paged_decode with num_splits 0 uses it."""
+    (4 blocks per SM at head_dim 128 where the 16-bit kernel holds 2: 256
+    blocks fill 0.97 of the 16-bit kernel's wave unsplit and take two splits
+    for the e4m3 one's), and paged_decode with num_splits 0 uses it."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s16 = attn.num_splits(torch.bfloat16, 128, 64, 32, 8, 8192)
-    s8 = attn.num_splits(torch.float8_e4m3fn, 128, 64, 32, 8, 8192)
+    s16 = attn.num_splits(torch.bfloat16, 128, 32, 32, 8, 2048)
+    s8 = attn.num_splits(torch.float8_e4m3fn, 128, 32, 32, 8, 2048)
     assert s16 == 1, s16
     if sms == 132:  # H100 / H200: the heuristic's worked example
         assert s8 == 2, s8
-    assert attn.num_splits(attn.DTYPE_E4M3, 128, 64, 32, 8, 8192) == s8
+    assert attn.num_splits(attn.DTYPE_E4M3, 128, 32, 32, 8, 2048) == s8
 
 
 # ---- shared-prefix (cascade) attention over an e4m3 cache ----------------
