@@ -38,6 +38,19 @@ def _torch_seed() -> None:
         torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """A module's tests run torch with one intra-op thread: tiny models gain
+    nothing from more, and on a busy machine their spinning makes each step
+    many times slower. Modules take it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    torch = require("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def mgr() -> Iterator[kvplug.Manager]:
     """16 blocks of 4 tokens; sequences 1 (10 tokens), 2 (4), 3 (1): 11 blocks free."""

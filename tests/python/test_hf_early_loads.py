@@ -30,13 +30,7 @@ import test_hf_tier as T  # noqa: E402
 TIER = dict(num_blocks=24, host_slots=64, demote_ahead=6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As test_hf_tier.py: intra-op threads only slow tiny models down."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

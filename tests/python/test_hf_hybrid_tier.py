@@ -27,13 +27,7 @@ import test_hf_hybrid as HY  # noqa: E402
 import test_hf_tier as T  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As test_hf_tier.py: intra-op threads only slow tiny models down."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("kind, num_blocks", [("gemma-3", 96), ("gpt-oss", 32)])

@@ -99,14 +99,7 @@ def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahe
     return engine, rec, reqs, outs, summary, lines
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy
-    machine their spinning makes each step many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -277,3 +277,15 @@ class Engine:
 
     def stats_of(self, request_id: str) -> Any:
         return self.scheduler.requests.get(request_id)
+
+
+def prompt(seed: int, n: int) -> List[int]:
+    """n token ids of a prompt, different for each seed."""
+    return [100 + (seed * 7919 + i * 31) % 30000 for i in range(n)]
+
+
+def evict_gpu(e: "Engine", seeds, n: int) -> None:
+    """Runs unrelated prompts until the GPU prefix cache has turned over."""
+    for s in seeds:
+        e.add(prompt(s, n), max_tokens=1)
+    e.run()

@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Engine, write_model_dir
+from harness import Engine, evict_gpu, prompt, write_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama-hybrid"))
-
-
-def prompt(seed: int, n: int):
-    return [100 + (seed * 7919 + i * 31) % 30000 for i in range(n)]
-
-
-def evict_gpu(e: Engine, seeds, n: int) -> None:
-    for s in seeds:
-        e.add(prompt(s, n), max_tokens=1)
-    e.run()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -10,23 +10,12 @@ from __future__ import annotations
 import pytest
 
 import kvplug.vllm as kv
-from harness import Engine, write_model_dir
+from harness import Engine, evict_gpu, prompt, write_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def prompt(seed: int, n: int):
-    return [100 + (seed * 7919 + i * 31) % 30000 for i in range(n)]
-
-
-def evict_gpu(e: Engine, seeds, n: int) -> None:
-    """Runs unrelated prompts until the GPU prefix cache has turned over."""
-    for s in seeds:
-        e.add(prompt(s, n), max_tokens=1)
-    e.run()
 
 
 def test_spec_loads_through_vllms_factory(model_dir):
