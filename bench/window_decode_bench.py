@@ -15,7 +15,7 @@ Timing: triton's do_bench (median; L2 rewritten before every call);
 random inputs; blocks in shuffled order; outputs compared with FlashInfer's
 (without sinks: FlashInfer's decode wrapper takes none).
 
-Usage: python3 bench/window_decode_bench.py [--rounds N] [--no-fi] [--json FILE]
+Usage: python3 bench/window_decode_bench.py [--rounds N] [--no-fi] [--fi-sinks] [--json FILE]
 Prints a markdown table.
 """
 
@@ -78,6 +78,20 @@ class Case:
         out = torch.empty_like(self.q)
         return lambda: attn.paged_prefill(plan, self.q, self.k, self.v, self.table, out=out, sinks=sinks), out
 
+    def fi_sinks(self, backend="fa2"):
+        """FlashInfer's attention-sink wrapper (its prefill kernels, JIT-built,
+        one new token a sequence) with the window and the sinks."""
+        import flashinfer
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            ws, "NHD", backend=backend, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=self.d,
+            head_dim_vo=self.d, window_left=self.w - 1)
+        w.plan(self.qo, self.kv_indptr, self.table.flatten(), self.last, self.hq, self.hk, self.d, BS, causal=True,
+               window_left=self.w - 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        out = torch.empty_like(self.q)
+        sink, scale = self.sinks.float().contiguous(), 1 / math.sqrt(self.d)
+        return lambda: w.run(self.q, (self.k, self.v), sink, scale, out=out), out
+
     def fi(self, tensor_cores):
         import flashinfer
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -95,6 +109,9 @@ def main():
                     help="time the kernel without and with sinks this many times, alternating, and keep each one's "
                          "median (a ratio of single timings of a 10 us kernel moves by several percent)")
     ap.add_argument("--no-fi", action="store_true", help="leave FlashInfer out (its JIT build takes minutes)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--fi-sinks", action="store_true",
+                    help="also time FlashInfer's attention-sink wrapper (fa2, JIT-built) where the model has sinks")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(1)
     bw = copy_bandwidth()
@@ -103,7 +120,7 @@ def main():
           "| FlashInfer / kvplug | kvplug at the floor | rel diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    for model in MODELS:
+    for model in args.models.split(","):
         for B, L in SHAPES:
             c = Case(model, B, L, gen)
             fk, ok = c.kvplug()
@@ -130,6 +147,18 @@ def main():
                     continue
                 if best is None or t < best:
                     best, ofi = t, of
+            fis_sinks = ""
+            if args.fi_sinks and c.sinks is not None:
+                fsk, osk = c.kvplug(c.sinks)
+                try:
+                    ffs, ofs = c.fi_sinks()
+                    tfs = timed(ffs)
+                    fsk()
+                    torch.cuda.synchronize()
+                    d = ((osk.float() - ofs.float()).norm() / ofs.float().norm()).item()
+                    fis_sinks = f" FlashInfer + sinks {tfs:.1f} us ({tfs / float(ts):.2f}x kvplug + sinks, rel diff {d:.1e})"
+                except Exception as e:  # its JIT build or plan refused this shape
+                    fis_sinks = f" FlashInfer + sinks: {type(e).__name__}: {e}"
             fk()
             fp()
             torch.cuda.synchronize()
@@ -144,6 +173,8 @@ def main():
             floor = c.bytes / bw * 1e6
             print(f"| {model} | {B} | {L} | {c.w} | {tk:.1f} | {ts} | {tp:.1f} | {fis} | {ratio} | {floor / tk:.2f} "
                   f"| {diff} |", flush=True)
+            if fis_sinks:
+                print(f"  {model} {B}x{L}:{fis_sinks}", flush=True)
             rows.append(dict(model=model, B=B, L=L, window=c.w, kvplug_us=tk, sinks_us=ts, prefill_kernel_us=tp,
                              fi_us=best, floor_us=floor))
     if args.json:
