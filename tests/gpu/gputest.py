@@ -1,6 +1,7 @@
 """Helpers of the GPU tests: whether one runs, skips or fails (the Python side
-of internal/gputest), the row-by-row comparison of outputs, and the float64
-reference of windowed attention.
+of internal/gputest), the capture of one launch in a CUDA graph, the
+row-by-row comparison of outputs, and the float64 reference of windowed
+attention.
 
 A test skips only on a machine with no NVIDIA device: no /dev/nvidiaN (nor
 WSL's /dev/dxg) and torch finding no CUDA device. Where a device node exists,
@@ -12,6 +13,7 @@ running them.
 
     from gputest import cuda_torch
     torch = cuda_torch()  # at module level: skips or fails the module
+    g = capture(torch, lambda: attn.paged_decode(...))  # a CUDA graph of one launch
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 import os
 import pathlib
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -125,6 +127,19 @@ def cuda_torch() -> Any:
     if absent:
         skip(reason, module=True)
     pytest.fail(reason, pytrace=False)
+
+
+def capture(torch: Any, fn: Callable[[], Any], stream: Any = None) -> Any:
+    """A CUDA graph of what fn() launches, captured on stream; stream None: on
+    a new side stream that first waits on the current stream. Warm-up runs and
+    attn.prepare() stay with the caller. Returns the graph, for g.replay()."""
+    if stream is None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return g
 
 
 def row_err(got: Any, want: Any) -> Tuple[float, int]:

@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 
-from gputest import check_rows, cuda_torch, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import capture, check_rows, cuda_torch, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -336,12 +336,8 @@ def test_graph_capture(seed):
     ws = torch.empty(attn.workspace_size(3, 32, 128), dtype=torch.uint8, device=DEV)
     out = torch.empty_like(p.q)
     attn.prepare()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
-                          max_seq_len=2000)
+    g = capture(torch, lambda: attn.paged_decode(p.q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
+                                                 max_seq_len=2000))
     for _ in range(2):
         p.q.copy_((torch.rand(p.q.shape, generator=gen) * 4 - 2).to(p.q.dtype))
         out.fill_(float("nan"))
@@ -363,12 +359,8 @@ def test_graph_capture_multi_token(seed):
     ws = torch.empty(attn.workspace_size(3 * Q, 32, 128), dtype=torch.uint8, device=DEV)
     out = torch.empty_like(q)
     attn.prepare()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
-                          max_seq_len=2000, q_len=Q)
+    g = capture(torch, lambda: attn.paged_decode(q, p.k_cache, p.v_cache, p.table, p.seq_lens, out=out, workspace=ws,
+                                                 max_seq_len=2000, q_len=Q))
     for step in range(3):
         # Each step the sequences are shorter views of the same cache (the
         # accepted tokens of a verification differ): new lengths, new q.

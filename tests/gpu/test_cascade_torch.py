@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from gputest import check_rows, cuda_torch, row_err  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import capture, check_rows, cuda_torch, row_err  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -160,12 +160,10 @@ def test_update_and_graph_replay_across_growth():
     stream = torch.cuda.Stream()
     plan = cascade.plan(table, lens_h, lens_d, qh, kvh, D, dtype, ws, decode_route=False, stream=stream)
     out = torch.empty((B, qh, D), dtype=dtype, device=DEV)
-    g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         cascade.paged_cascade(plan, qd, kd, vd, td, out=out, stream=stream)  # warm-up
         stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            cascade.paged_cascade(plan, qd, kd, vd, td, out=out, stream=stream)
+        g = capture(torch, lambda: cascade.paged_cascade(plan, qd, kd, vd, td, out=out, stream=stream), stream)
     replans = 0
     for step in range(100):
         lens_h += 16
@@ -414,12 +412,10 @@ def test_cascade_prefill_plans_replay_in_a_captured_graph():
         return p
 
     plan = plan_for(lens, cap_qo)
-    g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         cascade.paged_cascade(plan, qbuf, kd, vd, td, out=out, stream=stream)  # warm-up
         stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            cascade.paged_cascade(plan, qbuf, kd, vd, td, out=out, stream=stream)
+        g = capture(torch, lambda: cascade.paged_cascade(plan, qbuf, kd, vd, td, out=out, stream=stream), stream)
     for step in range(4):
         # Shorter tails (within the rows' blocks) and fresh query counts, within the capture's rows.
         lens_now = [int(torch.randint(max(1, L - 200), L + 1, (1,), generator=gen)) if L else 0 for L in lens]

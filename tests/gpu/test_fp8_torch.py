@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from gputest import check_rows, cuda_torch, row_err  # noqa: E402
+from gputest import capture, check_rows, cuda_torch, row_err  # noqa: E402
 
 torch = cuda_torch()
 
@@ -135,12 +135,8 @@ def test_fp8_graph_capture(seed):
     ws = torch.empty(attn.workspace_size(3, 32, 128), dtype=torch.uint8, device=DEV)
     out = torch.empty_like(p.q)
     attn.prepare()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, out=out, workspace=ws, max_seq_len=2000,
-                          k_scale=c.ks, v_scale=c.vs)
+    g = capture(torch, lambda: attn.paged_decode(p.q, c.k8, c.v8, p.table, p.seq_lens, out=out, workspace=ws,
+                                                 max_seq_len=2000, k_scale=c.ks, v_scale=c.vs))
     for _ in range(2):
         p.q.copy_((torch.rand(p.q.shape, generator=gen) * 4 - 2).to(p.q.dtype))
         out.fill_(float("nan"))
@@ -389,11 +385,7 @@ def test_fp8_qkv_graph(seed):
     plan = qkv_plan(b, decode_route=False, split_kv=False)
     out = torch.empty_like(b.q)
     attn.prepare()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, k_scale=ks, v_scale=vs)
+    g = capture(torch, lambda: attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, k_scale=ks, v_scale=vs))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(2):
         b.q.copy_((torch.rand(b.q.shape, generator=gen) * 4 - 2).to(b.q.dtype))

@@ -101,3 +101,48 @@ def test_window_reference_against_each_row(window, sinks):
     if 0 <= window < 11:  # the last sequence's last row sees fewer tokens than without the window
         whole, _ = gputest.window_reference(q, ks, vs, lens, qo, -1, scale=0.3, sinks=sk)
         assert (out[14] - whole[14]).abs().max() > 1e-3
+
+
+class FakeCuda:
+    """The stream and graph calls of torch.cuda that capture makes, as a log."""
+
+    def __init__(self):
+        self.log = []
+        log = self.log
+
+        class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                log.append(("wait", self.name, other.name))
+
+        class Graph:
+            def __init__(self, g, stream):
+                self.g, self.stream = g, stream
+
+            def __enter__(self):
+                log.append(("begin", self.g, self.stream.name))
+
+            def __exit__(self, *exc):
+                log.append(("end", self.g))
+
+        self.Stream = Stream
+        self.graph = Graph
+        self.current_stream = lambda: Stream("current")
+        self.CUDAGraph = lambda: "g"
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_capture(given):
+    """capture: fn runs once, between the graph's begin and end, on a new side
+    stream that first waits on the current one, or on the stream given (no
+    wait: the caller orders it)."""
+    cuda = FakeCuda()
+    t = types.SimpleNamespace(cuda=cuda)
+    stream = cuda.Stream("given") if given else None
+    g = gputest.capture(t, lambda: cuda.log.append(("launch",)), stream)
+    assert g == "g"
+    name = "given" if given else "side"
+    want = [] if given else [("wait", "side", "current")]
+    assert cuda.log == want + [("begin", "g", name), ("launch",), ("end", "g")]

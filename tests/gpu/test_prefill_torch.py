@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from gputest import cuda_torch, row_err, skip, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import capture, cuda_torch, row_err, skip, window_reference  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -320,9 +320,7 @@ def test_graph_capture_replays_later_plans():
         plan = a.plan(decode_route=False, split_kv=False)
         attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out)
         s.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out)
+        g = capture(torch, lambda: attn.paged_prefill(plan, a.q, a.k_cache, a.v_cache, a.table, out=out), s)
     qbuf = a.q  # the captured launch reads this buffer
     for trial in range(3):
         # New composition over the same cache and q buffer.
@@ -361,10 +359,7 @@ def test_one_plan_serves_many_launches():
         b.check(plan)
     s = torch.cuda.Stream()
     out = torch.full_like(b.q, float("nan"))
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out)
+    g = capture(torch, lambda: attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=out), s)
     want, _ = b.reference()
     for replay in range(2):
         with torch.cuda.stream(s):
@@ -534,10 +529,7 @@ def test_window_splits(dtype, D, bs, window):
     s.wait_stream(torch.cuda.current_stream())
     gout = torch.full_like(b.q, float("nan"))
     glse = torch.full((b.total_q, 8), float("nan"), dtype=torch.float32, device=DEV)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=gout, lse=glse)
+    g = capture(torch, lambda: attn.paged_prefill(plan, b.q, b.k_cache, b.v_cache, b.table, out=gout, lse=glse), s)
     for replay in range(2):
         with torch.cuda.stream(s):
             b.q.copy_((torch.rand(b.q.shape, generator=gen) * 4 - 2).to(dtype))
@@ -592,12 +584,10 @@ def test_window_graph_replay(dtype, D, bs, window):
 
     attn.prepare()
     plan, _ = plan_for(cap_kv, cap_q)
-    g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         attn.paged_prefill(plan, qbuf, b.k_cache, b.v_cache, b.table, out=out, lse=lse)  # warm-up
         s.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            attn.paged_prefill(plan, qbuf, b.k_cache, b.v_cache, b.table, out=out, lse=lse)
+        g = capture(torch, lambda: attn.paged_prefill(plan, qbuf, b.k_cache, b.v_cache, b.table, out=out, lse=lse), s)
     steps = [
         (cap_kv, cap_q),                                    # the capture's own composition
         (cap_kv, [17, 1, 3, 150, 30]),                      # new query counts

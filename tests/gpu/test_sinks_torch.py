@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from gputest import cuda_torch, row_err, skip  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
+from gputest import capture, cuda_torch, row_err, skip  # noqa: E402  (tests/gpu: skips only where there is no NVIDIA device)
 
 torch = cuda_torch()
 
@@ -241,10 +241,8 @@ def test_decode_graph_replay_reads_new_sinks():
         attn.paged_decode(b.q, b.k_cache, b.v_cache, b.table, b.kvl, out=out, lse=lse, workspace=ws, num_splits=4,
                           sinks=sinks)
         s.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            attn.paged_decode(b.q, b.k_cache, b.v_cache, b.table, b.kvl, out=out, lse=lse, workspace=ws, num_splits=4,
-                              sinks=sinks)
+        g = capture(torch, lambda: attn.paged_decode(b.q, b.k_cache, b.v_cache, b.table, b.kvl, out=out, lse=lse,
+                                                     workspace=ws, num_splits=4, sinks=sinks), s)
     for trial in range(2):
         sinks.copy_(draw_sinks(gen, b.qh, 1500))
         out.fill_(float("nan"))
