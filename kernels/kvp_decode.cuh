@@ -423,19 +423,14 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 #pragma unroll
         for (int r = 0; r < 2; ++r) alpha[r] = row_st[r].rescale(quad_max(mx[r]), m_use[r]);
         float ps[2] = {0.f, 0.f};
+        // e4m3: ex2.approx.ftz (weights below 2^-126 flush to zero).
+        auto ex2 = [](float x) { return E4M3 ? fast_exp2(x) : exp2f(x); };
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            if constexpr (E4M3) {  // weights below 2^-126 flush to zero
-                s[nt][0] = fast_exp2(s[nt][0] - m_use[0]);
-                s[nt][1] = fast_exp2(s[nt][1] - m_use[0]);
-                s[nt][2] = fast_exp2(s[nt][2] - m_use[1]);
-                s[nt][3] = fast_exp2(s[nt][3] - m_use[1]);
-            } else {
-                s[nt][0] = exp2f(s[nt][0] - m_use[0]);
-                s[nt][1] = exp2f(s[nt][1] - m_use[0]);
-                s[nt][2] = exp2f(s[nt][2] - m_use[1]);
-                s[nt][3] = exp2f(s[nt][3] - m_use[1]);
-            }
+            s[nt][0] = ex2(s[nt][0] - m_use[0]);
+            s[nt][1] = ex2(s[nt][1] - m_use[0]);
+            s[nt][2] = ex2(s[nt][2] - m_use[1]);
+            s[nt][3] = ex2(s[nt][3] - m_use[1]);
             ps[0] += s[nt][0] + s[nt][1];
             ps[1] += s[nt][2] + s[nt][3];
         }
