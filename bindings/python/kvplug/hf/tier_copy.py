@@ -271,13 +271,6 @@ class HostTier:
             self.to_join.extend(self.fresh)
             self.fresh = []
 
-    def fresh_blocks(self) -> np.ndarray:
-        """The GPU blocks that early loads of the current schedule write
-        (int32): the current step's forward pass must not read them."""
-        if not self.fresh:
-            return np.empty(0, np.int32)
-        return np.concatenate([f.blocks for f in self.fresh])
-
     def join_now(self, loads: List[_Load]) -> None:
         """The current step reads these early loads' blocks: its stream
         waits for them (they overlap nothing)."""
@@ -310,8 +303,8 @@ class HostTier:
         step's stream) has reached this point, one copier run per owner
         between its events. owners: (LoadRecord or None, int32 GPU blocks
         of that sequence); each reload goes with the owner holding its
-        block. The loads are fresh (fresh_blocks) until the next schedule
-        or join_now."""
+        block. The loads are fresh (HostTier.fresh: the current step must
+        not read their blocks) until the next schedule or join_now."""
         return self.step(stream, owners=owners)
 
     # -- per step -----------------------------------------------------------------
