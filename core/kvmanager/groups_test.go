@@ -64,6 +64,8 @@ func TestGroupConfigErrors(t *testing.T) {
 		{"checkpoints of a window", Config{Groups: []Group{full, {Kind: SlidingWindow, Window: 8, CheckpointEvery: 2}}, EnablePrefixCache: true}, kverr.InvalidArgument},
 		{"host tier with a recurrent group", Config{Groups: []Group{full, {Kind: Recurrent, StateBytes: 8, CheckpointEvery: 1}}, BlockBytes: 1024, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64}}, kverr.Unsupported},
 		{"grouped host tier with write-through", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64, WriteThrough: 1}}, kverr.Unsupported},
+		{"grouped host tier with a write-through slack", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64, WriteThrough: 1, WriteThroughSlack: 4}}, kverr.Unsupported},
+		{"grouped host tier with a slack alone", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64, WriteThroughSlack: 4}}, kverr.InvalidArgument},
 		{"grouped host tier with demote_evicted", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64, DemoteEvicted: true}}, kverr.Unsupported},
 		{"grouped host tier with a shared tier", Config{Groups: []Group{full, win}, EnablePrefixCache: true, HostTier: &HostTier{Slots: 8, BlockBytes: 64, Shared: &SharedTier{Addr: "127.0.0.1:1"}}}, kverr.Unsupported},
 	} {

@@ -91,10 +91,17 @@ func flushDemotions(t testing.TB, m *Manager, n int) uint64 {
 // accepts every batch; and its host pool.
 func newWriteThroughMgr(t testing.TB, numBlocks, bs, slots, wt int) (*Manager, *host.Pool) {
 	t.Helper()
+	return newWriteThroughMgrCfg(t, numBlocks, bs, slots, HostTier{Copier: nopCopier{}, WriteThrough: wt})
+}
+
+// newWriteThroughMgrCfg is newWriteThroughMgr with the host tier's config
+// h (its Pool set here).
+func newWriteThroughMgrCfg(t testing.TB, numBlocks, bs, slots int, h HostTier) (*Manager, *host.Pool) {
+	t.Helper()
 	pool, err := host.New(host.Config{Slots: slots, BlockBytes: 16})
 	must(t, err)
-	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true,
-		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: wt}})
+	h.Pool = pool
+	m, err := New(Config{NumBlocks: numBlocks, BlockSize: bs, EnablePrefixCache: true, HostTier: &h})
 	must(t, err)
 	return m, pool
 }

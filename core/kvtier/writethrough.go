@@ -37,6 +37,28 @@ import (
 //   - a queued block that the GPU evicts before its turn is counted lost
 //     (Stats.WriteThroughLost): WriteThrough bounds the copies a step,
 //     and a backlog longer than the pool is cut from its oldest end.
+//
+// # Waiting while the pool has room
+//
+// On a workload whose working set fits in the GPU pool no cached block is
+// ever evicted, and every store is wasted copy bandwidth. With
+// Config.WriteThroughSlack, FlushCopies hands out no store while the GPU
+// pool's free queue (blocks.Pool.NumFree: the blocks no cached block
+// occupies) holds more than the slack blocks; the computed blocks stay
+// queued, oldest first, and once the free blocks fall to the slack or
+// below each flush stores up to WriteThrough of them, as without it.
+// Why no queued block is lost while the stores wait: a cached block
+// leaves the GPU cache only when an allocation (Add, Admit, Grow, Fork)
+// finds the free queue short (demotion ahead of need, DemoteAhead, aside:
+// it copies the blocks it evicts), so while the free queue holds more
+// blocks than the steps before the next flushes allocate, every queued
+// block is still cached when its turn comes. That is the caller's
+// obligation: a slack of at least the allocations of the few steps the
+// queue needs to drain (its length over WriteThrough); with less, the
+// first evictions may take queued blocks before their store, counted in
+// Stats.WriteThroughLost (and those blocks miss later, as with no tier).
+// The GPU prefix cache's hits do not depend on the slack: stores never
+// evict.
 type writeThrough struct {
 	filled []int32   // blocks inserted since the last MarkComputed (some may since have gone)
 	queue  []wtEntry // computed blocks waiting for their store, oldest first
@@ -97,8 +119,13 @@ func (t *Tier) QueueComputed() {
 // writeThroughOps appends to ops the stores of up to WriteThrough queued
 // blocks: each still cached and computed gets a host slot under its hash
 // and a reference and a lock for its copy. op names the call for panics.
+// While the GPU pool's free queue holds more than WriteThroughSlack
+// blocks it stores nothing ("Waiting while the pool has room").
 func (t *Tier) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 	if t.cfg.WriteThrough == 0 || len(t.wt.queue) == 0 {
+		return ops
+	}
+	if s := t.cfg.WriteThroughSlack; s > 0 && t.gpu.NumFree() > s {
 		return ops
 	}
 	t.gone = t.gone[:0]
