@@ -103,6 +103,7 @@ type abiFuzz struct {
 	// its batches not yet completed and some completed ones, and its tier
 	// counters after the last call (they never decrease).
 	numBlocks, tierSlots, demoteAhead int32
+	writeThrough                      int32 // the current manager's write_through (its slack aside, it bounds a flush's stores)
 	tierBytes                         int64
 	tickets, doneTickets              []uint64
 	tierCounters                      []int64
@@ -974,13 +975,14 @@ func (fz *abiFuzz) conversation() (string, int) {
 // room (now and then too little, NULL or a hostile max), and checks the
 // batch: copies within the pool and the host slots, BUFFER_TOO_SMALL
 // only with a need past the room given, and success whenever the room is
-// demote_ahead and num_blocks entries.
+// demote_ahead + write_through and num_blocks entries.
 func (fz *abiFuzz) flushCopies() (string, int) {
 	const name = "kvp_manager_flush_copies"
 	h := fz.handle(true)
-	maxD, maxR := int32(fz.small(int(fz.demoteAhead)+2)), int32(fz.small(int(fz.numBlocks)+2))
+	room := fz.demoteAhead + fz.writeThrough // the header's promise (without demote_evicted, which write-through's cases leave 0)
+	maxD, maxR := int32(fz.small(int(room)+2)), int32(fz.small(int(fz.numBlocks)+2))
 	if fz.r.u8()%3 == 0 { // the room the header promises is enough
-		maxD, maxR = fz.demoteAhead, fz.numBlocks
+		maxD, maxR = room, fz.numBlocks
 	}
 	sz := int(cLayouts["kvp_tier_copy"].size)
 	demote, reload := fz.outp(sz*max(int(maxD), 1)), fz.outp(sz*max(int(maxR), 1))
@@ -1003,7 +1005,7 @@ func (fz *abiFuzz) flushCopies() (string, int) {
 	switch {
 	case !valid && st == 0:
 		fz.t.Fatalf("%s accepted bad arguments (max %d and %d)", name, maxD, maxR)
-	case valid && maxD >= fz.demoteAhead && maxR >= fz.numBlocks && st != 0:
+	case valid && maxD >= room && maxR >= fz.numBlocks && st != 0:
 		fz.t.Fatalf("%s with room for %d demotions and %d reloads: %s (%s)", name, maxD, maxR, statusName(st), lastError())
 	case st == int(kverr.BufferTooSmall):
 		needD, needR := *(*int32)(nd), *(*int32)(nr)
@@ -1338,7 +1340,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 	cfg := fz.structBuf("kvp_manager_config")
 	l := cLayouts["kvp_manager_config"]
 	badTier := false // a host tier field the header refuses
-	var slots, ahead, evicted int32
+	var slots, ahead, evicted, wt, slack int32
 	var bytes int64
 	badShared, shared := false, false // a shared tier field the header refuses; a shared tier
 	if size := *(*uintptr)(cfg); size >= 16 && size <= 1<<16 {
@@ -1374,13 +1376,27 @@ func (fz *abiFuzz) createManager() (string, int) {
 				if fz.r.u8()%2 == 0 {
 					bytes, ahead = 0, 0
 				}
+			case 5: // write-through, with a slack (0: store every flush) in [0, num_blocks]
+				wb := int(min(max(nb, 0), 64))
+				wt = int32(fz.small(wb+1)) + 1 // past num_blocks only when it is 0 (refused)
+				slack = []int32{0, int32(fz.small(wb + 1)), int32(min(max(nb, 0), math.MaxInt32))}[fz.small(3)]
+			case 6: // a bad write-through or slack
+				wt = []int32{-1, int32(nb) + 1, math.MinInt32, 0, 1, 1}[fz.small(6)]
+				slack = []int32{1, -1, int32(nb) + 1, math.MaxInt32, math.MinInt32, 0}[fz.small(6)]
+				if fz.r.u8()%4 == 0 {
+					slots = 0 // no tier: write_through and the slack must be 0 too
+				}
 			}
-			badTier = slots < 0 || slots > 1<<30 || (evicted != 0 && evicted != 1) || (slots == 0 && (bytes != 0 || ahead != 0 || evicted != 0)) ||
-				(slots > 0 && (bytes < 1 || bytes > (1<<46)/int64(slots) || ahead < 0 || int64(ahead) > nb))
+			badTier = slots < 0 || slots > 1<<30 || (evicted != 0 && evicted != 1) ||
+				(slots == 0 && (bytes != 0 || ahead != 0 || evicted != 0 || wt != 0 || slack != 0)) ||
+				(slots > 0 && (bytes < 1 || bytes > (1<<46)/int64(slots) || ahead < 0 || int64(ahead) > nb ||
+					wt < 0 || int64(wt) > nb || slack < 0 || int64(slack) > nb || (slack != 0 && wt == 0)))
 			setField(cfg, "kvp_manager_config", "host_tier_slots", int64(slots))
 			setField(cfg, "kvp_manager_config", "demote_ahead", int64(ahead))
 			setField(cfg, "kvp_manager_config", "demote_evicted", int64(evicted))
 			setField(cfg, "kvp_manager_config", "host_block_bytes", bytes)
+			setField(cfg, "kvp_manager_config", "write_through", int64(wt))
+			setField(cfg, "kvp_manager_config", "write_through_slack", int64(slack))
 			if fz.r.u8()%3 == 0 {
 				badShared, shared = fz.sharedConfig(cfg, slots)
 			}
@@ -1394,8 +1410,8 @@ func (fz *abiFuzz) createManager() (string, int) {
 	st := rawManagerCreate(cfg, out)
 	if st == 0 {
 		if badTier {
-			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, demote_evicted %d, bytes %d",
-				slots, ahead, evicted, bytes)
+			fz.t.Fatalf("kvp_manager_create accepted host tier slots %d, demote_ahead %d, demote_evicted %d, bytes %d, write_through %d, write_through_slack %d",
+				slots, ahead, evicted, bytes, wt, slack)
 		}
 		if badShared {
 			fz.t.Fatalf("kvp_manager_create accepted a bad shared tier config")
@@ -1406,9 +1422,9 @@ func (fz *abiFuzz) createManager() (string, int) {
 		fz.m = *(*ptr)(out)
 		fz.pins = nil
 		fz.numBlocks = *(*int32)(unsafe.Add(cfg, l.fields["num_blocks"].off))
-		fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared, fz.demoteEvicted = 0, 0, 0, false, false
+		fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared, fz.demoteEvicted, fz.writeThrough = 0, 0, 0, false, false, 0
 		if *(*uintptr)(cfg) >= l.size {
-			fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared = slots, ahead, bytes, shared
+			fz.tierSlots, fz.demoteAhead, fz.tierBytes, fz.shared, fz.writeThrough = slots, ahead, bytes, shared, wt
 			fz.demoteEvicted = slots > 0 && evicted == 1
 		}
 		fz.tickets, fz.doneTickets = nil, nil

@@ -55,9 +55,6 @@ func (a *cMemory) Release() {
 // nil, nil when the config has none. The tier allocates its memory in
 // kvmanager.New, once every field is checked.
 func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
-	if c.host_tier_reserved != 0 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_reserved must be 0: got %d", int32(c.host_tier_reserved))
-	}
 	if c.demote_evicted != 0 && c.demote_evicted != 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.demote_evicted must be 0 or 1: got %d", int32(c.demote_evicted))
 	}
@@ -66,10 +63,10 @@ func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
 		if c.host_tier_memory != nil {
 			return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory needs a host tier (host_tier_slots > 0)")
 		}
-		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 || c.write_through != 0 {
+		if bytes != 0 || ahead != 0 || c.demote_evicted != 0 || c.write_through != 0 || c.write_through_slack != 0 {
 			return nil, kverr.Errorf(kverr.InvalidArgument,
-				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d), demote_evicted (%d) and write_through (%d) need a host tier (host_tier_slots > 0)",
-				bytes, ahead, int32(c.demote_evicted), int32(c.write_through))
+				"kvp_manager_config: host_block_bytes (%d), demote_ahead (%d), demote_evicted (%d), write_through (%d) and write_through_slack (%d) need a host tier (host_tier_slots > 0)",
+				bytes, ahead, int32(c.demote_evicted), int32(c.write_through), int32(c.write_through_slack))
 		}
 		return nil, nil
 	}
@@ -87,13 +84,20 @@ func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
 	if nb, wt := int64(c.num_blocks), int64(c.write_through); wt < 0 || wt > nb {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through must be in [0, num_blocks = %d]: got %d", nb, wt)
 	}
+	if nb, slack := int64(c.num_blocks), int64(c.write_through_slack); slack < 0 || slack > nb {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through_slack must be in [0, num_blocks = %d]: got %d", nb, slack)
+	}
+	if c.write_through_slack != 0 && c.write_through == 0 {
+		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through_slack (%d) needs write_through > 0", int32(c.write_through_slack))
+	}
 	if uintptr(c.host_tier_memory)%16 != 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory must be 16-byte aligned: got %p", c.host_tier_memory)
 	}
 	// No copier: the engine drives the copies (kvp_manager_flush_copies).
 	return &kvmanager.HostTier{Slots: int(slots), BlockBytes: int(bytes),
 		Memory:      &cMemory{p: c.host_tier_memory, engine: c.host_tier_memory != nil},
-		DemoteAhead: int(ahead), DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through)}, nil
+		DemoteAhead: int(ahead), DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through),
+		WriteThroughSlack: int(c.write_through_slack)}, nil
 }
 
 // maxAddrLen bounds a server address: kvp_manager_config.shared_tier_addr

@@ -188,7 +188,10 @@ func TestTierABIRefusals(t *testing.T) {
 		"write_through > blocks":  {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: 9},
 		"write_through < 0":       {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: -1},
 		"write_through, no tier":  {numBlocks: 8, blockSize: 4, writeThrough: 1},
-		"host_tier_reserved":      {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, resv: 1},
+		"slack > blocks":          {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: 1, slack: 9},
+		"slack < 0":               {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, writeThrough: 1, slack: -1},
+		"slack, no write_through": {numBlocks: 8, blockSize: 4, slots: 4, blockBytes: 16, slack: 1},
+		"slack, no tier":          {numBlocks: 8, blockSize: 4, slack: 1},
 	} {
 		h, st := hookManagerCreateTier(c)
 		expect(t, name, st, kverr.InvalidArgument)
@@ -452,6 +455,40 @@ func TestTierABIWriteThrough(t *testing.T) {
 	expect(t, "admit again", st, kverr.OK)
 	if matched[0] != 12 {
 		t.Fatalf("admit after the stores matched %d tokens, want 12 on the GPU", matched[0])
+	}
+	expect(t, "check", hookManagerCheck(h), kverr.OK)
+}
+
+// A write-through slack through the ABI: while the pool's free blocks
+// exceed it, flush_copies hands out no store and the computed blocks stay
+// queued; once allocations bring the free blocks to the slack, the oldest
+// are stored, write_through a flush.
+func TestTierABIWriteThroughSlack(t *testing.T) {
+	lockThread(t)
+	h, st := hookManagerCreateTier(hookTierConfig{numBlocks: 16, blockSize: 4, slots: 8, blockBytes: 16, writeThrough: 2, slack: 10})
+	expect(t, "create", st, kverr.OK)
+	defer hookManagerDestroy(h)
+	_, _, st = hookAdmit(h, []int64{1}, [][]int32{tokenRun(13, 100)}, nil) // 4 blocks: 12 free
+	expect(t, "admit", st, kverr.OK)
+	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	_, _, nd, _, ticket, st := hookFlushCopies(h, 4, 4)
+	expect(t, "flush", st, kverr.OK)
+	if nd != 0 || ticket != 0 {
+		t.Fatalf("flush with 12 free blocks, slack 10: %d stores, ticket %d; want none", nd, ticket)
+	}
+	if s, _ := hookWriteThroughStats(h); s != [3]int64{0, 0, 3} {
+		t.Fatalf("after the held flush: %v, want 3 queued", s)
+	}
+	_, _, st = hookAdmit(h, []int64{2}, [][]int32{tokenRun(5, 500)}, nil) // 2 blocks: 10 free
+	expect(t, "admit", st, kverr.OK)
+	d, _, nd, _, ticket, st := hookFlushCopies(h, 4, 4)
+	expect(t, "flush", st, kverr.OK)
+	if nd != 2 || ticket == 0 {
+		t.Fatalf("flush with 10 free blocks, slack 10: %d stores %v, ticket %d; want 2", nd, d, ticket)
+	}
+	expect(t, "complete", hookCompleteCopies(h, ticket, false), kverr.OK)
+	if s, _ := hookWriteThroughStats(h); s != [3]int64{2, 0, 1} {
+		t.Fatalf("after the first stores: %v", s)
 	}
 	expect(t, "check", hookManagerCheck(h), kverr.OK)
 }

@@ -26,7 +26,7 @@ type hookTierConfig struct {
 	// password_env, ..., mac_keys_file), and tls and reserved.
 	security              map[string]string
 	sharedTLS, sharedResv int32
-	writeThrough, resv    int32 // write_through, host_tier_reserved
+	writeThrough, slack   int32 // write_through, write_through_slack
 }
 
 func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
@@ -67,7 +67,7 @@ func hookManagerCreateTier(c hookTierConfig) (unsafe.Pointer, abiStatus) {
 		panic("hookManagerCreateTier: an unknown security field")
 	}
 	cfg.shared_tier_tls, cfg.shared_tier_reserved = C.int32_t(c.sharedTLS), C.int32_t(c.sharedResv)
-	cfg.write_through, cfg.host_tier_reserved = C.int32_t(c.writeThrough), C.int32_t(c.resv)
+	cfg.write_through, cfg.write_through_slack = C.int32_t(c.writeThrough), C.int32_t(c.slack)
 	var out *C.kvp_manager
 	st := kvpgo_manager_create(cfg, &out)
 	return unsafe.Pointer(out), abiStatus(st)

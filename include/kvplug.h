@@ -78,6 +78,10 @@
  *   - E4M3 caches with token-head scales: num_blocks * block_size *
  *     num_kv_heads below 2^31 (it was 2^50; INVALID_ARGUMENT past it), and
  *     the decode reads a row whose K scale is 0 as unreadable (kvp_kv_scale).
+ *   - kvp_manager_config.write_through_slack, in the place of
+ *     host_tier_reserved (same size and offset; 0, which 0.6 required
+ *     there, keeps 0.6's behaviour): write-through stores wait while the
+ *     GPU pool's free blocks exceed it ("Host KV tier", Write-through).
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -581,7 +585,17 @@ typedef struct kvp_manager_config {
                                   in the GPU prefix cache ("Host KV tier",
                                   Write-through), in [0, num_blocks];
                                   0 = none; needs a host tier */
-  int32_t host_tier_reserved;  /* must be 0 */
+  int32_t write_through_slack; /* (since 0.7; was host_tier_reserved,
+                                  which had to be 0) while the GPU pool
+                                  has more than this many free blocks,
+                                  flush_copies hands out no write-through
+                                  store: the computed blocks wait in the
+                                  queue until the free blocks fall to it
+                                  ("Host KV tier", Write-through). In
+                                  [0, num_blocks]; nonzero needs
+                                  write_through > 0; at least a few
+                                  steps' allocations; 0 = store every
+                                  flush */
 
   /* Layer groups (since 0.6; see "Layer groups" above); all 0 = one
    * full-attention group. Read during kvp_manager_create only. */
@@ -1275,6 +1289,23 @@ kvp_status kvp_manager_next_group_event_size(kvp_manager *m, int32_t *tokens, in
  * adds host hits. Queued blocks the GPU evicts before their turn are
  * counted in write_through_lost. Use it with demote_ahead 0 (moving ahead
  * of need is what it replaces).
+ * write_through_slack (since 0.7): a pool that holds the whole working set
+ * never evicts a cached block, and every store is then wasted copy
+ * bandwidth. With write_through_slack > 0, flush_copies hands out no
+ * store while the GPU pool's free blocks (those no cached block occupies:
+ * kvp_manager_stats.free_blocks) exceed the slack; the computed blocks
+ * stay queued, oldest first (write_through_queue), and once the free
+ * blocks fall to the slack or below each flush stores up to write_through
+ * of them, as without it. No queued block is lost meanwhile, because a
+ * cached block is evicted only by an allocation that finds the free
+ * blocks short: while they outlast the allocations of the steps before
+ * the flushes that store the queue, every queued block is still cached
+ * at its turn. The caller's obligation: a slack of at least the
+ * allocations of the few steps the queue needs to drain (its length over
+ * write_through); with less, the first evictions may take queued blocks
+ * before their store (counted in write_through_lost). The GPU prefix
+ * cache's hits are the same with any slack (stores never evict). 0
+ * stores every flush.
  * A block sits in host slot s as host_block_bytes bytes at
  * base + s * host_block_bytes, in whatever layout the engine copies it in
  * (the library never reads it). Keys: the first 8 bytes of the block's
@@ -1406,9 +1437,12 @@ typedef struct kvp_tier_stats {
  * pinned, or it is there already) is freed without a copy and counted.
  * demote must have room for demote_ahead minus the free blocks minus those
  * being demoted, plus (demote_evicted) the demotions allocations queued
- * since the last flush, reload for the reloads queued: arrays of
- * demote_ahead (num_blocks + demote_ahead with demote_evicted) and
- * num_blocks entries always do without layer groups; with them each
+ * since the last flush, plus (write_through) up to write_through
+ * write-through stores (none while the free blocks exceed
+ * write_through_slack), reload for the reloads queued: arrays of
+ * demote_ahead + write_through (num_blocks + demote_ahead + write_through
+ * with demote_evicted) and num_blocks entries always do without layer
+ * groups; with them each
  * evicted block brings its companions' demotions too (up to 1 + groups
  * copies a block): arrays of num_blocks entries always do. Demotions come first in demote: those
  * allocations queued, then flush_copies' own. Otherwise BUFFER_TOO_SMALL, with nothing

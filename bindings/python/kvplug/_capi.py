@@ -76,7 +76,7 @@ class ManagerConfig(ctypes.Structure):
         ("shared_tier_tls", _i32),
         ("shared_tier_reserved", _i32),
         ("write_through", _i32),
-        ("host_tier_reserved", _i32),
+        ("write_through_slack", _i32),
         ("layer_groups", _vp),
         ("num_layer_groups", _i32),
         ("max_model_len", _i32),
