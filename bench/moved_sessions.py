@@ -818,7 +818,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="the warm-up prompt's tokens (default: --chunk, at most 2048)")
     ap.add_argument("--warmup-output", type=int, default=8)
     E.add_tier_args(ap)  # --host-cache-gb (default: the working set), --write-through, --shared-tier (a running server)
-    ap.set_defaults(write_through=512)
+    ap.set_defaults(write_through=512, write_through_slack=0)  # every computed block stored: settle waits for them
     ap.add_argument("--shared-timeout-ms", type=int, default=30000,
                     help="bound on each round trip to the server, transfer included (a moved history's blocks in one)")
     ap.add_argument("--store-timeout", type=float, default=600.0, help="seconds to wait for A's stores to settle")

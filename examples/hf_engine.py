@@ -537,6 +537,11 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-through", type=int, default=0, metavar="N",
                     help="copy up to N computed blocks a step to the host tier while they stay on the GPU, instead "
                     "of demoting (moving) blocks ahead of need (0: demote; with N, --demote-ahead defaults to 0)")
+    ap.add_argument("--write-through-slack", type=int, default=None, metavar="S",
+                    help="with --write-through: store nothing while the GPU pool has more than S free blocks (no "
+                    "cached block can be evicted then; the computed blocks wait and are stored, oldest first, once "
+                    "the free blocks fall to S); 0 stores every step (default: max(2 x N, a quarter of the pool), "
+                    "kvplug.hf's PagedKVCache.default_write_through_slack)")
     ap.add_argument("--no-early-loads", dest="early_loads", action="store_false",
                     help="load a prompt's host tier blocks in the copies of the step that computes it, ahead of its "
                     "forward pass (default: a prompt admitted beside other work joins the next step, its loads "
@@ -569,6 +574,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
         kw.update(host_tier_slots=slots, demote_ahead=min(ahead, num_blocks))
         if args.write_through:
             kw["write_through"] = min(args.write_through, num_blocks)
+            if getattr(args, "write_through_slack", None) is not None:
+                kw["write_through_slack"] = min(args.write_through_slack, num_blocks)
         if args.demote_overlap:
             kw["tier_overlap"] = True
         if not args.demote_evicted:
@@ -579,6 +586,8 @@ def tier_kwargs(args: argparse.Namespace, shape: kvhf.ModelShape, num_blocks: in
             kw["early_loads"] = False
     if args.write_through and gb <= 0:
         sys.exit("--write-through needs --host-cache-gb > 0: it copies blocks to the host tier")
+    if getattr(args, "write_through_slack", None) and not args.write_through:
+        sys.exit("--write-through-slack needs --write-through N: it holds back write-through stores")
     if args.shared_tier:
         if gb <= 0:
             sys.exit("--shared-tier needs --host-cache-gb > 0: blocks fetched from the shared tier land in the host tier")

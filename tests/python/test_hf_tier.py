@@ -65,7 +65,7 @@ def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahe
                       backend: str = "auto", cuda_graphs: bool = False, tier_copier: Any = None,
                       tier_overlap: bool = False, max_batch: int = 2,
                       step_tokens: int = 48, chunk: int = 24, write_through: int = 0, kv_dtype: Any = None,
-                      early_loads: Optional[bool] = None, on_step: Any = None):
+                      early_loads: Optional[bool] = None, on_step: Any = None, write_through_slack: Optional[int] = None):
     """Runs the conversations (the model's device and dtype); returns (engine, recorder, requests, outputs by
     rid, tier summary or None, the engine's summary lines). on_step(cache, batch), if given, sees each batch
     before its forward pass."""
@@ -73,7 +73,8 @@ def run_conversations(model, *, num_blocks: int, host_slots: int = 0, demote_ahe
     kvmodel = H.twin(model)
     conv = Conversations(E, model.config.vocab_size)
     tier = dict(host_tier_slots=host_slots, demote_ahead=demote_ahead, tier_copier=tier_copier,
-                tier_overlap=tier_overlap, write_through=write_through, early_loads=early_loads) if host_slots else {}
+                tier_overlap=tier_overlap, write_through=write_through, write_through_slack=write_through_slack,
+                early_loads=early_loads) if host_slots else {}
     cache = kvhf.PagedKVCache.for_model(kvmodel, num_blocks, BS, kv_dtype=kv_dtype, **tier)
     runner = kvhf.Runner(kvmodel, cache, backend=backend, max_batch=max_batch, max_step_tokens=step_tokens + max_batch,
                          max_model_len=conv.max_len(), cuda_graphs=cuda_graphs)
@@ -147,6 +148,21 @@ def test_write_through_serves_the_history_and_keeps_gpu_hits(model, big_pool):
     # The GPU's hits are never below the run without the tier (the host adds to them).
     assert s["prompt_tokens"] and s["cached_tokens"] - s["host_hit_tokens"] >= int(
         [line for line in plain_lines if line.startswith("prefix cache:")][0].split("(")[1].split(" of ")[0]), (gpu_hits, plain_lines)
+
+
+def test_write_through_stores_nothing_while_the_pool_holds_everything(model, big_pool):
+    """With the default write_through_slack (a quarter of the pool here), a pool that holds every
+    conversation never gets near the slack: no store is handed out, nothing is lost, the computed blocks
+    wait in the queue, and the outputs are those without a tier. A slack of 0 stores as before."""
+    _, _, _, outs, s, lines = run_conversations(model, num_blocks=256, host_slots=64, write_through=8)
+    assert s["write_through_slack"] == 64 and s["write_through"] == 8, s
+    assert s["write_through_stored"] == 0 and s["write_through_lost"] == 0 and s["demotions_queued"] == 0, s
+    assert s["write_through_queue"] > 0 and s["host_hit_tokens"] == 0, s
+    assert outs == big_pool[3]
+    assert any(line.startswith("host tier write-through:") and "slack 64" in line for line in lines), lines
+    _, _, _, outs0, s0, _ = run_conversations(model, num_blocks=256, host_slots=64, write_through=8, write_through_slack=0)
+    assert s0["write_through_slack"] == 0 and s0["write_through_stored"] > 0, s0
+    assert outs0 == big_pool[3]
 
 
 def test_a_lost_reload_is_caught(model):
@@ -264,6 +280,27 @@ def test_cache_tier_arguments():
                            shared_tier="127.0.0.1:1", shared_tier_namespace="m", shared_tier_timeout_ms=20,
                            shared_tier_put_queue=8, shared_tier_options={"shared_tier_tls": False}) as c:
         assert c.manager.tier_stats().host_slots == 5
+        assert c.write_through_slack == 0  # the stores feed the shared tier: none waits
+    # write_through_slack: by default max(2 x write_through, a quarter of the pool), at most the pool.
+    assert kvhf.PagedKVCache.default_write_through_slack(32, 4) == 8
+    assert kvhf.PagedKVCache.default_write_through_slack(1000, 8) == 250
+    assert kvhf.PagedKVCache.default_write_through_slack(32, 12) == 24
+    assert kvhf.PagedKVCache.default_write_through_slack(10, 8) == 10
+    assert kvhf.PagedKVCache.default_write_through_slack(1000, 0) == 0
+    for n, wt, slack, want in ((32, 4, None, 8), (100, 4, None, 25), (32, 20, None, 32), (32, 4, 0, 0), (32, 4, 3, 3),
+                               (32, 0, None, 0)):
+        with kvhf.PagedKVCache(shape, n, 8, dtype=torch.float32, host_tier_slots=5, write_through=wt,
+                               write_through_slack=slack) as c:
+            assert c.write_through_slack == want, (n, wt, slack, c.write_through_slack)
+            assert c.tier_summary()["write_through_slack"] == want
+    with kvhf.PagedKVCache(shape, 32, 8, dtype=torch.float32) as c:
+        assert c.write_through_slack == 0
+    with pytest.raises(ValueError, match="write_through_slack needs write_through"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, write_through_slack=4)
+    with pytest.raises(ValueError, match="host tier"):
+        kvhf.PagedKVCache(shape, 32, 8, write_through_slack=4)
+    with pytest.raises(ValueError, match="write_through_slack"):
+        kvhf.PagedKVCache(shape, 32, 8, host_tier_slots=5, write_through=4, write_through_slack=33)
 
 
 def test_library_copier_is_used_on_cuda_caches(monkeypatch):
@@ -322,6 +359,16 @@ def test_engine_flags():
     kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "1", "--shared-tier", "h:1", "--shared-tier-namespace", "m7"]),
                        shape, 1000, torch.float32)
     assert kw["shared_tier_namespace"] == "m7", kw
+    kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "0.5", "--write-through", "8"]), shape, 1000, torch.float32)
+    assert kw["write_through"] == 8 and "write_through_slack" not in kw, kw  # PagedKVCache's default
+    kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "0.5", "--write-through", "8", "--write-through-slack", "0"]),
+                       shape, 1000, torch.float32)
+    assert kw["write_through_slack"] == 0, kw
+    kw = E.tier_kwargs(ap.parse_args(["--host-cache-gb", "0.5", "--write-through", "8", "--write-through-slack", "2000"]),
+                       shape, 1000, torch.float32)
+    assert kw["write_through_slack"] == 1000, kw  # at most the pool
+    with pytest.raises(SystemExit, match="write-through-slack"):
+        E.tier_kwargs(ap.parse_args(["--host-cache-gb", "0.5", "--write-through-slack", "4"]), shape, 1000, torch.float32)
 
 
 def test_engine_main_with_the_host_tier(capsys):

@@ -296,6 +296,44 @@ def test_write_through_keeps_every_gpu_hit():
         kvplug.Manager(8, 4, prefix_cache=True, host_tier_slots=4, host_block_bytes=16, write_through=9)
 
 
+def test_write_through_slack_waits_while_the_pool_has_room():
+    """write_through_slack: no store while the pool has more free blocks
+    than the slack (the computed blocks queue up), then write_through a
+    flush, oldest first, once allocations bring the free blocks to it;
+    nothing is lost when the slack covers a step's allocations."""
+    wt, slack = 2, 6
+    with kvplug.Manager(24, BS, prefix_cache=True, host_tier_slots=96, host_block_bytes=16,
+                        write_through=wt, write_through_slack=slack) as m:
+        computed, stored, started = [], [], False
+        for sid in range(1, 21):
+            m.admit([sid], [np.arange(100 * sid, 100 * sid + 2 * BS + 1, dtype=np.int32)])  # 2 full blocks + 1 token
+            free, queued = m.stats().free_blocks, m.tier_stats().write_through_queue
+            batch = m.flush_copies()
+            if batch.ticket:
+                m.complete_copies(batch.ticket)
+            stored += batch.demote_blocks.tolist()
+            st = m.tier_stats()
+            if free > slack:
+                assert len(batch.demote_blocks) == 0 and st.write_through_stored == 0, (sid, free, st)
+                assert st.write_through_queue == queued == 2 * (sid - 1), (sid, st)
+            else:
+                assert len(batch.demote_blocks) == min(wt, queued), (sid, free, queued)
+                started = True
+            computed += m.describe([sid]).block_table[0][:2].tolist()
+            m.mark_computed()
+            m.remove([sid])
+        st = m.tier_stats()
+        assert started and st.write_through_lost == 0 and st.write_through_stored == len(stored) > 0, st
+        assert stored == computed[:len(stored)]  # oldest first
+        m.check()
+    for kw in (dict(write_through_slack=1), dict(write_through=1, write_through_slack=25),
+               dict(write_through=1, write_through_slack=-1)):
+        with pytest.raises(kvplug.InvalidArgumentError, match="write_through_slack"):
+            kvplug.Manager(24, BS, prefix_cache=True, host_tier_slots=4, host_block_bytes=16, **kw)
+    with pytest.raises(kvplug.InvalidArgumentError, match="write_through_slack"):
+        kvplug.Manager(24, BS, prefix_cache=True, write_through_slack=1)  # no host tier
+
+
 def test_copy_ops_packing():
     """TierCopier's op packing (the arrays kvp_tier_copier_run takes) on
     the CPU: flush_copies' int32 arrays as they are, other integer

@@ -205,7 +205,14 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     host tier while they stay in the GPU prefix cache, so the GPU cache
     matches what it would without the tier and a later GPU eviction costs
     nothing (use it with demote_ahead=0; kvplug.h, "Host KV tier",
-    Write-through).
+    Write-through). write_through_slack=S (needs write_through; in
+    [0, num_blocks]) holds those stores back while the pool has more than
+    S free blocks (stats().free_blocks): no cached block can be evicted
+    then, so a store would be wasted; the computed blocks stay queued
+    (tier_stats().write_through_queue) and are stored, oldest first, once
+    the free blocks fall to S. S must cover the allocations of the few
+    steps the queue needs to drain, else evictions may take queued blocks
+    first (tier_stats().write_through_lost). 0 stores every flush.
 
     shared_tier="host:port" (with a host tier) adds the shared tier below
     it, a Valkey or Redis server that instances share (kvplug.tier);
@@ -257,6 +264,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         shared_tier_mac_keys_env: Optional[str] = None,
         shared_tier_mac_keys_file: Any = None,
         write_through: int = 0,
+        write_through_slack: int = 0,
         layer_groups: Sequence[LayerGroup] = (),
         max_model_len: int = 0,
         block_bytes: int = 0,
@@ -273,6 +281,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
         host_tier_slots = _int(host_tier_slots, "Manager: host_tier_slots", "int32")
         demote_ahead = _int(demote_ahead, "Manager: demote_ahead", "int32")
         write_through = _int(write_through, "Manager: write_through", "int32")
+        write_through_slack = _int(write_through_slack, "Manager: write_through_slack", "int32")
         host_block_bytes = _int(host_block_bytes, "Manager: host_block_bytes", "int64")
         shared_tier_timeout_ms = _int(shared_tier_timeout_ms, "Manager: shared_tier_timeout_ms", "int32")
         shared_tier_put_queue = _int(shared_tier_put_queue, "Manager: shared_tier_put_queue", "int32")
@@ -290,7 +299,7 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
             _lib.c_string(shared_tier, "Manager: shared_tier"),
             _lib.c_string(shared_tier_namespace, "Manager: shared_tier_namespace"),
             shared_tier_timeout_ms, shared_tier_put_queue, _host_memory(host_tier_memory, host_tier_slots, host_block_bytes),
-            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0, write_through, 0,
+            *(sec[n] for n in _SECURITY_FIELDS), sec["tls"], 0, write_through, write_through_slack,
             ctypes.cast(groups, _vp) if len(groups) else None, len(groups), max_model_len, block_bytes,
         )
         out = _vp()

@@ -126,7 +126,8 @@ class TierStats:
     shared_cluster: bool = False
     shared_primaries: int = 0
     # Write-through (Manager(write_through=N)): computed blocks copied to the host tier while they
-    # stay on the GPU; those the GPU evicted before their store; those waiting for it.
+    # stay on the GPU; those the GPU evicted before their store; those waiting for it (with
+    # write_through_slack=S, all of them while the pool has more than S free blocks).
     write_through_stored: int = 0
     write_through_lost: int = 0
     write_through_queue: int = 0

@@ -291,7 +291,16 @@ class PagedKVCache:
     the GPU (kvplug.Manager's write_through); demote_ahead then defaults to
     0, demote_evicted to off and tier_overlap to on (a store reads blocks
     that stay cached and held until it lands, so it overlaps the next
-    forward pass instead of delaying it). shared_tier ("host:port", with a
+    forward pass instead of delaying it). write_through_slack (with
+    write_through; kvplug.Manager's) holds the stores back while the pool
+    has more than that many free blocks: a pool that holds the whole
+    working set never evicts, and every store would be wasted copying; the
+    computed blocks wait in the queue and are stored, oldest first, once
+    the free blocks fall to the slack. None: default_write_through_slack,
+    max(2 * write_through, num_blocks // 4) capped at num_blocks, room for
+    the allocations of the steps the queue takes to drain (0 with a shared
+    tier, which the stores feed); 0 stores every step
+    (self.write_through_slack has the value used). shared_tier ("host:port", with a
     host tier) adds the Manager's shared tier (a Valkey or Redis server
     that instances share), with shared_tier_namespace (required: the model
     and layout whose blocks instances of that namespace share),
@@ -360,6 +369,7 @@ class PagedKVCache:
         tier_overlap: Optional[bool] = None,
         demote_evicted: Optional[bool] = None,
         write_through: int = 0,
+        write_through_slack: Optional[int] = None,
         kv_dtype: Optional[torch.dtype] = None,
         layer_groups: Optional[bool] = None,
         checkpoint_every: int = 1,
@@ -410,6 +420,14 @@ class PagedKVCache:
             kw.update(host_tier_slots=host_tier_slots, host_block_bytes=self.block_bytes, demote_ahead=int(demote_ahead))
             if write_through:
                 kw["write_through"] = write_through
+                if write_through_slack is None:
+                    # With a shared tier the stores are how blocks reach it (other instances read them
+                    # there), so none is wasted: store every step.
+                    write_through_slack = 0 if shared_tier else self.default_write_through_slack(self.num_blocks, write_through)
+                if int(write_through_slack):
+                    kw["write_through_slack"] = int(write_through_slack)
+            elif write_through_slack:
+                raise kvplug.InvalidArgumentError("kvplug.hf: write_through_slack needs write_through > 0")
             if tier_overlap is None:
                 tier_overlap = write_through > 0 and demote_evicted is not True
             if demote_evicted and tier_overlap:
@@ -421,10 +439,12 @@ class PagedKVCache:
                 demote_evicted = not tier_overlap and write_through == 0 and len(self.groups) == 1
             if demote_evicted:
                 kw["demote_evicted"] = True
-        elif write_through:
-            raise kvplug.InvalidArgumentError("kvplug.hf: write_through needs a host tier (host_tier_slots > 0)")
+        elif write_through or write_through_slack:
+            raise kvplug.InvalidArgumentError("kvplug.hf: write_through and write_through_slack need a host tier "
+                                              "(host_tier_slots > 0)")
         self.demote_evicted = bool(kw.get("demote_evicted", False))
         self.write_through = int(kw.get("write_through", 0))
+        self.write_through_slack = int(kw.get("write_through_slack", 0))
         if shared_tier:
             if not shared_tier_namespace:
                 raise kvplug.InvalidArgumentError(
@@ -575,6 +595,19 @@ class PagedKVCache:
             want = 2 * -(-step_tokens // block_size) + max_batch
             return max(1, min(want, num_blocks // 4))
         return max(1, min(num_blocks // 8, 512))
+
+    @staticmethod
+    def default_write_through_slack(num_blocks: int, write_through: int) -> int:
+        """The write_through_slack PagedKVCache takes when none is given:
+        max(2 * write_through, num_blocks // 4), at most num_blocks (0
+        without write-through). While the pool has more free blocks than
+        this, no cached block can be evicted before the next steps' stores,
+        so storing would only cost copy bandwidth; once the free blocks fall
+        to it, they must last the few steps the queue (write_through a step)
+        takes to drain."""
+        if write_through <= 0:
+            return 0
+        return min(int(num_blocks), max(2 * int(write_through), int(num_blocks) // 4))
 
     @staticmethod
     def host_slots_for(gib: float, shape: ModelShape, block_size: int, dtype: torch.dtype,
@@ -1057,10 +1090,13 @@ class PagedKVCache:
                 st.computed = end
 
     def tier_summary(self) -> Optional[Dict[str, Any]]:
-        """The host tier's figures (HostTier.summary), None without one."""
+        """The host tier's figures (HostTier.summary) and its write-through
+        settings (write_through, write_through_slack), None without one."""
         if self.tier is None:
             return None
-        return self.tier.summary(self.stats["prompt_tokens"], self.stats["cached_tokens"])
+        d = self.tier.summary(self.stats["prompt_tokens"], self.stats["cached_tokens"])
+        d.update(write_through=self.write_through, write_through_slack=self.write_through_slack)
+        return d
 
     def close(self) -> None:
         """Waits for the host tier's copies in flight, unpins its memory and

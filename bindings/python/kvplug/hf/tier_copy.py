@@ -510,9 +510,10 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
         f"host tier loads: {s['reload_bytes'] / 2**20:.1f} MiB in {s['reload_seconds'] * 1e3:.1f} ms = "
         f"{s['load_gbps']:.1f} GB/s",
     ]
-    if s.get("write_through_stored") or s.get("write_through_queue") or s.get("write_through_lost"):
+    if s.get("write_through") or s.get("write_through_stored") or s.get("write_through_queue") or s.get("write_through_lost"):
+        how = f" (up to {s['write_through']} a step, slack {s.get('write_through_slack', 0)})" if s.get("write_through") else ""
         lines.append(f"host tier write-through: {s['write_through_stored']} blocks stored while kept on the GPU, "
-                     f"{s['write_through_lost']} evicted before their store, {s['write_through_queue']} waiting")
+                     f"{s['write_through_lost']} evicted before their store, {s['write_through_queue']} waiting{how}")
     shared = {k: v for k, v in s.items() if k.startswith("shared_")}
     # The stats carry the shared tier's fields whether or not there is one:
     # a manager without one has them all zero (and no server available).
