@@ -3,8 +3,10 @@
 # the fatbin (HGMMA, and QGMMA for the 8-bit products: wgmma on the tensor cores; HMMA would be the older mma.sync path), and
 # their register and spill counts; and fails where any kernel has an async copy (LDGSTS)
 # whose shared address is a register plus a uniform register: ptxas 13.0 emits that form
-# for some cp.async address shapes (an e4m3 decode gather with its stage base hoisted), and
-# it faults on sm_90a with an illegal instruction. Needs cuobjdump (CUDA toolkit) on PATH.
+# where it can split a cp.async's shared address into a uniform base and a per-thread part,
+# and with an L2 cache hint it pairs it with a cache-policy register that nothing sets
+# (desc[UR1] in the SASS, never written): an illegal instruction on sm_90a. Needs cuobjdump
+# (CUDA toolkit) on PATH.
 #   bench/sass_check.sh [kernels/fatbin/kvplug.fatbin]
 set -euo pipefail
 fatbin=${1:-kernels/fatbin/kvplug.fatbin}

@@ -151,12 +151,15 @@ __device__ __forceinline__ void attn_tile(const TileJob& jb, const PagedRows& rr
     int last_bad = 0;  // this thread's token of the tile written last is unreadable
 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
-    auto issue = [&](int j) {
+    GatherCursor<KT, C::RAW_CPR, NT, STAGES, C::STAGE_BYTES> kt(s_kv_u32, tid);
+    auto issue = [&](int j) {  // j: the tiles in order, each once
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        gather_kv_tile<KT, C::RAW_CPR, KV_CHUNKS, NT>(sk, sk + C::KV_TILE_BYTES, s_off + (j % RING) * TK, kc, vc, tid,
-                                                      [&](uint32_t dst, const KT* src, int bytes) {
-                                                          cp_async16_keep(dst, src, bytes);
-                                                      });
+        gather_kv_tile<KT, C::RAW_CPR, KV_CHUNKS, NT, C::KV_TILE_BYTES>(
+            sk, kt.cur, s_off + (j % RING) * TK, kc, vc, tid,
+            [&](uint32_t dst, const KT* src, int n) {
+                cp_async16_keep(dst, src, E4M3 ? (n < 0 ? 0 : 16) : n);  // n: a sign (e4m3) or the bytes
+            });
+        kt.next();
         if constexpr (E4M3) {
             const uint32_t ss = sk + 2 * C::KV_TILE_BYTES;
             gather_kv_scales<TK>(ss, ss + C::SCALE_BYTES, s_soff + (j % RING) * TK, rr, tid);

@@ -86,6 +86,16 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
                  "l"(src), "r"(src_bytes), "l"(policy)
                  : "memory");
 }
+// The same where the zero-fill is a predicate (PTX ignore-src): where sign
+// is negative it writes 16 zero bytes and reads nothing. Cheaper to set up
+// than a src-size, which the copy turns into a predicate itself.
+__device__ __forceinline__ void cp_async16_or_zero(uint32_t dst, const void* src, int sign, uint64_t policy) {
+    asm volatile(
+        "{\n .reg .pred z;\n setp.lt.s32 z, %2, 0;\n"
+        " cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, z, %3;\n}\n" ::"r"(dst),
+        "l"(src), "r"(sign), "l"(policy)
+        : "memory");
+}
 __device__ __forceinline__ uint64_t l2_evict_first() {
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -444,25 +454,85 @@ __device__ __forceinline__ uint32_t swz8(int r, int c) {
 }
 
 // One K/V tile of a sm_80 tile (decode, prefill, cascade) from the paged
-// cache into the K and V tiles at sk and sv ([rows][CPR] 16-byte chunks,
-// swizzled), through its tokens' element offsets offs (-1: unreadable, the
-// chunk zero-filled): CHUNKS chunks of each per thread, copy(dst, src,
-// bytes) a cp.async of 16 bytes with the caller's cache policy. An e4m3
-// cache (T = uint8_t) lands raw, swizzled by swz8.
-template <typename T, int CPR, int CHUNKS, int NT, class Copy>
-__device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t sv, const int64_t* offs, const T* kc, const T* vc,
-                                               int tid, Copy copy) {
+// cache into the K and V tiles of stage sk ([rows][CPR] 16-byte chunks,
+// swizzled; V's VDELTA bytes after K's), through its tokens' element
+// offsets offs (-1: unreadable, the chunk zero-filled): CHUNKS chunks of
+// each per thread, copy(dst, src, n) a cp.async of 16 bytes with the
+// caller's cache policy, where n says whether to read src: 16-bit caches
+// pass the bytes to read (16 or 0), e4m3 a sign (negative: none); a chunk
+// that reads nothing gets zeros, and its src is the cache's base.
+//
+// 16-bit caches: chunk c = tid + i * NT of the tile, each address in full.
+// An e4m3 cache (T = uint8_t) lands raw, swizzled by swz8, and is where
+// the gather's instructions weigh (a tile of half the bytes, the same
+// work a chunk): thread tid copies chunk col of rows r0, r0 + NT / CPR,
+// ... (gather_kv_first; a warp still reads whole rows), so that the
+// chunks' shared addresses differ by constants, from kt, its first chunk
+// in stage sk, which a GatherCursor keeps in a register of its own stage
+// to stage. Computed from the stage's base instead, ptxas 13.0 splits it
+// into a uniform register plus a per-thread one, and pairs that LDGSTS
+// address form with an unset cache-policy register when the copy carries
+// an L2 hint: an illegal instruction on sm_90a (bench/sass_check.sh fails
+// on that form).
+template <typename T, int CPR>
+__device__ __forceinline__ uint32_t gather_kv_chunk(int r, int col) {
+    return sizeof(T) == 1 ? swz8<CPR * 16>(r, col) : swz<CPR>(r, col);
+}
+template <typename T, int CPR, int NT>
+__device__ __forceinline__ uint32_t gather_kv_first(int tid) {
+    static_assert(NT % CPR == 0, "whole rows per round");
+    return gather_kv_chunk<T, CPR>((int)((unsigned)tid / CPR), (int)((unsigned)tid % CPR));
+}
+
+// gather_kv_tile's kt, stage after stage (e4m3; unused for 16-bit caches):
+// the first is a shuffle's result, which ptxas cannot take apart, and each
+// next one a select of it. All 32 lanes of the warp must make it; next()
+// once per gather, the stages in turn.
+template <typename T, int CPR, int NT, int STAGES, int STAGE_BYTES>
+struct GatherCursor {
+    uint32_t first = 0, cur = 0;
+    __device__ __forceinline__ GatherCursor(uint32_t s_kv, int tid) {
+        if constexpr (sizeof(T) == 1) {
+            first = __shfl_sync(0xffffffffu, s_kv + gather_kv_first<T, CPR, NT>(tid), tid & 31);
+            cur = first;
+        }
+    }
+    __device__ __forceinline__ void next() {
+        if constexpr (sizeof(T) == 1) cur = cur == first + (STAGES - 1) * STAGE_BYTES ? first : cur + STAGE_BYTES;
+    }
+};
+
+template <typename T, int CPR, int CHUNKS, int NT, int VDELTA, class Copy>
+__device__ __forceinline__ void gather_kv_tile(uint32_t sk, uint32_t kt, const int64_t* offs, const T* kc,
+                                               const T* vc, int tid, Copy copy) {
     constexpr int VEC = 16 / (int)sizeof(T);
+    if constexpr (sizeof(T) == 1) {
+        constexpr int STEP = NT / CPR;  // rows between a thread's chunks
+        const int col = (int)((unsigned)tid % CPR), r0 = (int)((unsigned)tid / CPR);
+        const uint32_t first = gather_kv_chunk<T, CPR>(r0, col);
 #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const int c = tid + i * NT;
-        const int r = c / CPR, col = c % CPR;
-        const int64_t o = offs[r];
-        const uint32_t dst = sizeof(T) == 1 ? swz8<CPR * 16>(r, col) : swz<CPR>(r, col);
-        const int bytes = o >= 0 ? 16 : 0;
-        const int64_t src = o >= 0 ? o + col * VEC : 0;
-        copy(sk + dst, kc + src, bytes);
-        copy(sv + dst, vc + src, bytes);
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int r = r0 + i * STEP;
+            const int64_t o = offs[r];
+            // A constant where STEP is a multiple of the swizzle's period.
+            const uint32_t dst = kt + (gather_kv_chunk<T, CPR>(r, col) - first);
+            const int sign = (int)(o >> 32);  // negative: unreadable
+            const int64_t src = sign < 0 ? 0 : o + col * VEC;
+            copy(dst, kc + src, sign);
+            copy(dst + VDELTA, vc + src, sign);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int c = tid + i * NT;
+            const int r = c / CPR, col = c % CPR;
+            const int64_t o = offs[r];
+            const uint32_t dst = gather_kv_chunk<T, CPR>(r, col);
+            const int bytes = o >= 0 ? 16 : 0;
+            const int64_t src = o >= 0 ? o + col * VEC : 0;
+            copy(sk + dst, kc + src, bytes);
+            copy(sk + VDELTA + dst, vc + src, bytes);
+        }
     }
 }
 
@@ -531,6 +601,12 @@ struct IsBF16<bf16> {
 };
 
 // Cond<B, X, Y>::type: X if B, else Y.
+// A compile-time bool as a value (a lambda's two instantiations).
+template <bool B>
+struct BoolC {
+    static constexpr bool value = B;
+};
+
 template <bool B, class X, class Y>
 struct Cond {
     using type = X;

@@ -290,11 +290,17 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
 
     const uint32_t s_kv_u32 = smem_u32(s_kv);
     const uint64_t policy = l2_evict_first();
-    auto issue = [&](int j) {
+    GatherCursor<KT, C::RAW_CPR, NT, STAGES, C::STAGE_BYTES> kt(s_kv_u32, tid);
+    auto issue = [&](int j) {  // j: the tiles in order, each once
         const uint32_t sk = s_kv_u32 + (j % STAGES) * C::STAGE_BYTES;
-        gather_kv_tile<KT, C::RAW_CPR, CHUNKS_PER_THREAD, NT>(
-            sk, sk + C::RAW_TILE_BYTES, s_off + (j % RING) * TILE, kc, vc, tid,
-            [&](uint32_t dst, const KT* src, int bytes) { cp_async16(dst, src, bytes, policy); });
+        gather_kv_tile<KT, C::RAW_CPR, CHUNKS_PER_THREAD, NT, C::RAW_TILE_BYTES>(
+            sk, kt.cur, s_off + (j % RING) * TILE, kc, vc, tid, [&](uint32_t dst, const KT* src, int n) {
+                if constexpr (E4M3)
+                    cp_async16_or_zero(dst, src, n, policy);  // n: a sign
+                else
+                    cp_async16(dst, src, n, policy);  // n: the bytes
+            });
+        kt.next();
         if constexpr (E4M3) {
             const uint32_t ss = sk + 2 * C::RAW_TILE_BYTES;
             gather_kv_scales<TILE>(ss, ss + C::SCALE_BYTES, s_soff + (j % RING) * TILE, rr, tid);
@@ -402,23 +408,40 @@ __device__ __forceinline__ void decode_tile(DecodeWork& w, const PagedRows& rr, 
         // refilled only after the next iteration's barrier).
         const float* ksc = reinterpret_cast<const float*>(s_kv + st * C::STAGE_BYTES + 2 * C::RAW_TILE_BYTES);
         float mx[2] = {neg_inf(), neg_inf()};
+        // positional: test each score's position against its row's range;
+        // a warp slice that every row of the thread sees whole (every
+        // tile but a sequence's last and, with a window, its first) needs
+        // only the unreadable-row test.
+        auto mask = [&](auto positional) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+            for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int tcol = warp * 16 + nt * 8 + qd + e;
-                // e4m3: an unreadable row's K scale was zero-filled (a real
-                // one is never 0), and its offsets' ring entry may already
-                // hold a later tile's.
-                const float f = E4M3 ? sl * ksc[tcol] : sl;
-                const bool ok = E4M3 ? f != 0.f : offs[tcol] >= 0;
-                const int pos = tpos + tcol;
-                s[nt][e] = ok && pos <= last[0] && pos >= first[0] ? s[nt][e] * f : neg_inf();
-                s[nt][e + 2] = ok && pos <= last[1] && pos >= first[1] ? s[nt][e + 2] * f : neg_inf();
-                mx[0] = fmaxf(mx[0], s[nt][e]);
-                mx[1] = fmaxf(mx[1], s[nt][e + 2]);
+                for (int e = 0; e < 2; ++e) {
+                    const int tcol = warp * 16 + nt * 8 + qd + e;
+                    // e4m3: an unreadable row's K scale was zero-filled (a
+                    // real one is never 0), and its offsets' ring entry may
+                    // already hold a later tile's.
+                    const float f = E4M3 ? sl * ksc[tcol] : sl;
+                    const bool ok = E4M3 ? f != 0.f : offs[tcol] >= 0;
+                    if constexpr (decltype(positional)::value) {
+                        const int pos = tpos + tcol;
+                        s[nt][e] = ok && pos <= last[0] && pos >= first[0] ? s[nt][e] * f : neg_inf();
+                        s[nt][e + 2] = ok && pos <= last[1] && pos >= first[1] ? s[nt][e + 2] * f : neg_inf();
+                    } else {
+                        s[nt][e] = ok ? s[nt][e] * f : neg_inf();
+                        s[nt][e + 2] = ok ? s[nt][e + 2] * f : neg_inf();
+                    }
+                    mx[0] = fmaxf(mx[0], s[nt][e]);
+                    mx[1] = fmaxf(mx[1], s[nt][e + 2]);
+                }
             }
-        }
+        };
+        // (16-bit: with the second copy of the loop ptxas spills.)
+        const int slice = tpos + warp * 16;  // the warp's first position
+        if (E4M3 && slice + 15 <= min(last[0], last[1]) && slice >= max(first[0], first[1]))
+            mask(BoolC<false>{});
+        else
+            mask(BoolC<true>{});
         float alpha[2], m_use[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) alpha[r] = row_st[r].rescale(quad_max(mx[r]), m_use[r]);
