@@ -680,6 +680,9 @@ def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
     return (f"  | host tier {t['host_bytes'] / 2**30:.1f} GiB: hit host {t['host_hit_rate']:.1%} GPU "
             f"{t['gpu_hit_rate']:.1%}, demotions {t['demotions_completed']}, reloads {t['reloads_completed']}, skipped "
             f"{t['skipped_full']} full / {t['skipped_present']} present / {t['evicted_undemoted']} undemoted, "
+            + (f"stores {t.get('write_through_stored', 0)} (lost {t.get('write_through_lost', 0)}), "
+               if t.get("write_through") else "")
+            + f"schedules that waited for copies {t.get('tier_waits', 0)}, "
             f"loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s{of}" + load_text(r))
 
 

@@ -428,3 +428,68 @@ def test_bench_smoke(tmp_path, capsys):
     assert "tier" not in res["m/kvplug"]
     assert res["m/kvplug-all"]["num_blocks"] >= res["m/kvplug-all"]["working_set_blocks"]
     assert res["m/kvplug"]["num_blocks"] < res["m/kvplug"]["working_set_blocks"]
+
+
+class _Held:
+    """A batch in flight whose copies land only when someone waits for it
+    (HostTier.drain): poll never completes it."""
+
+    def __init__(self, ticket: int) -> None:
+        self.ticket, self.reload_bytes, self.demote_bytes, self.loads = ticket, 0, 0, []
+        self.waited = False
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def run_held_stores(model, waits: bool = True, **kw):
+    """The conversations in write-through, each batch's copies held in flight
+    until a schedule waits for them, as a side stream's stores can still be
+    running when the next step allocates (a store holds its GPU block until
+    its batch completes). waits=False: the schedule never waits."""
+    held: List[_Held] = []
+
+    def on_step(cache, batch):
+        tier = cache.tier
+        if not getattr(tier, "_held", False):
+            tier._held = True
+
+            def landed(ticket):
+                h = _Held(ticket)
+                held.append(h)
+                tier.in_flight.append(h)
+
+            tier._landed = landed
+            if not waits:
+                cache._wait_for_copies = lambda: False
+
+    res = run_conversations(model, on_step=on_step, **kw)
+    return res, held
+
+
+def test_stores_in_flight_cost_no_preemption(model, big_pool):
+    kw = dict(num_blocks=16, host_slots=64, write_through=8, write_through_slack=0)
+    engine0, _, _, outs0, s0, _ = run_conversations(model, **kw)
+    (engine, rec, reqs, outs, s, _), held = run_held_stores(model, **kw)
+    # Stores held their blocks past the steps that followed them: the schedules that found the pool short waited
+    # for them (completing them gave the blocks back) rather than preempting.
+    assert s["tier_waits"] > 0 and any(h.waited for h in held), s
+    assert engine.preemptions == engine0.preemptions, (engine.preemptions, engine0.preemptions)
+    assert s["write_through_stored"] > 0 and s["in_flight"] == 0, s
+    assert outs == outs0 == big_pool[3]
+    count, _ = H.compare(model, engine, rec, reqs, atol=2e-5, rtol=2e-5)
+    assert count > 100
+
+
+def test_the_held_stores_check_can_fail(model):
+    # Without the wait, the same held stores cost preemptions (or the pool cannot run a sequence at all).
+    kw = dict(num_blocks=16, host_slots=64, write_through=8, write_through_slack=0)
+    engine0 = run_conversations(model, **kw)[0]
+    try:
+        (engine, *_), _ = run_held_stores(model, waits=False, **kw)
+    except kvplug.OutOfBlocksError:
+        return
+    assert engine.preemptions > engine0.preemptions, (engine.preemptions, engine0.preemptions)

@@ -499,8 +499,10 @@ class PagedKVCache:
                                 dtype=torch.float32, device=self.device)
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
+        # tier_waits: allocations that found the pool short while host tier copies held blocks, and waited for
+        # those copies instead of failing (_wait_for_copies)
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
-                      "forks": 0, "state_copies": 0}
+                      "forks": 0, "state_copies": 0, "tier_waits": 0}
         # The host tier's copies (Runner.step runs them); closed before the manager, also when collected.
         self.tier: Optional[HostTier] = None
         if host_tier_slots > 0:
@@ -835,7 +837,14 @@ class PagedKVCache:
         reloads can overlap the step (other sequences run in it) is left
         out of the batch (Batch.deferred: admitted, live) and its reloads
         start at once on a side stream; the sequence joins the next step
-        that schedules it."""
+        that schedules it.
+
+        A host tier copy holds its GPU block until the copy completes (a
+        write-through store, a demotion ahead of need), and with overlap it
+        completes a step or more later: where the pool is short while copies
+        are in flight, the schedule waits for them (stats["tier_waits"])
+        before it raises OutOfBlocksError or leaves a prompt out, so that a
+        store never costs a preemption."""
         tier = self.tier
         if tier is not None:
             if tier.in_flight:
@@ -847,7 +856,7 @@ class PagedKVCache:
             # The step's tokens go to the manager as one array (the batch's input_ids), converted and
             # range-checked by one numpy call.
             ids_arr = np.array(ids, np.int64)
-            self.manager.grow_tokens(ids_arr, flat)  # raises OutOfBlocksError: nothing grew
+            self._grow(ids_arr, flat)  # raises OutOfBlocksError: nothing grew
             return self._batch(ids_arr, starts, np.ones(len(ids), np.int32), flat, [0] * len(ids), [])
         seqs, joining = self.seqs, self._joining
         ids: List[int] = []  # the batch's sequences: live ones first
@@ -892,7 +901,7 @@ class PagedKVCache:
             # A list per sequence costs the manager a conversion and a range check per sequence: the rows
             # go as int32 views of one array (or, one token each, as one flat list).
             grow = _rows_int32(grows) if multi else [t[0] for t in grows]
-            self.manager.grow_tokens(np.array(grow_ids, np.int64), grow)  # raises OutOfBlocksError: nothing grew
+            self._grow(np.array(grow_ids, np.int64), grow)  # raises OutOfBlocksError: nothing grew
         for sid in joined:
             del joining[sid]
         cached: List[int] = [0] * len(ids)
@@ -922,6 +931,8 @@ class PagedKVCache:
                 hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
             upto = hit + 1 if early else self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+            if got.size == 0 and self._wait_for_copies():
+                got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
                 break
@@ -958,6 +969,27 @@ class PagedKVCache:
             tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
             tier.join_now([f for f in tier.fresh if any(np.isin(f.blocks, t).any() for t in tables)])
         return batch
+
+    def _grow(self, ids: np.ndarray, tokens: Any) -> None:
+        """manager.grow_tokens, waiting once for the host tier's copies in
+        flight where the pool is short (see schedule)."""
+        try:
+            self.manager.grow_tokens(ids, tokens)
+        except kvplug.OutOfBlocksError:
+            if not self._wait_for_copies():
+                raise
+            self.manager.grow_tokens(ids, tokens)  # raises OutOfBlocksError: nothing grew
+
+    def _wait_for_copies(self) -> bool:
+        """Waits for the host tier's batches in flight and completes them,
+        which gives the blocks their copies held back to the prefix cache;
+        False when there were none (nothing to retry)."""
+        tier = self.tier
+        if tier is None or not tier.in_flight:
+            return False
+        tier.drain()
+        self.stats["tier_waits"] += 1
+        return True
 
     def _load_owners(self, loads: List[LoadRecord]) -> List[Tuple[LoadRecord, np.ndarray]]:
         """(record, every GPU block of its sequence) for admissions with host
@@ -1090,12 +1122,14 @@ class PagedKVCache:
                 st.computed = end
 
     def tier_summary(self) -> Optional[Dict[str, Any]]:
-        """The host tier's figures (HostTier.summary) and its write-through
-        settings (write_through, write_through_slack), None without one."""
+        """The host tier's figures (HostTier.summary), its write-through
+        settings (write_through, write_through_slack) and the schedules that
+        waited for its copies (tier_waits), None without one."""
         if self.tier is None:
             return None
         d = self.tier.summary(self.stats["prompt_tokens"], self.stats["cached_tokens"])
-        d.update(write_through=self.write_through, write_through_slack=self.write_through_slack)
+        d.update(write_through=self.write_through, write_through_slack=self.write_through_slack,
+                 tier_waits=self.stats["tier_waits"])
         return d
 
     def close(self) -> None:

@@ -252,6 +252,11 @@ class HostTier:
             n += 1
         return n
 
+    def _landed(self, ticket: int) -> None:
+        """Off CUDA: the copies of batch `ticket` are done (they ran on the
+        host, in turn), so it completes at once."""
+        self.manager.complete_copies(ticket)
+
     def _complete(self, f: _InFlight, failed: bool = False) -> None:
         if not failed:
             if f.reload_bytes:
@@ -411,7 +416,7 @@ class HostTier:
                     self.reload_seconds += dt
                     for rec in shared:
                         rec.seconds = dt
-                self.manager.complete_copies(batch.ticket)
+                self._landed(batch.ticket)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
             # blocks cached without valid K/V; the caller should clear the prefix cache).
