@@ -837,7 +837,9 @@ class PagedKVCache:
         reloads can overlap the step (other sequences run in it) is left
         out of the batch (Batch.deferred: admitted, live) and its reloads
         start at once on a side stream; the sequence joins the next step
-        that schedules it.
+        that schedules it. It is deferred only where its first chunk's
+        blocks could be found now (_chunk_fits): admitted with one token it
+        holds too few to say, and its next step's growth would preempt.
 
         A host tier copy holds its GPU block until the copy completes (a
         write-through store, a demotion ahead of need), and with overlap it
@@ -920,6 +922,11 @@ class PagedKVCache:
                 # (hit < the prompt's length), so that the manager holds nothing uncomputed in a full block
                 # while the sequence waits for its next step (a commit in between marks what it holds computed).
                 early = tm.host_tokens > 0 and self.early_loads and len(ids) > 0
+                if early and len(self.groups) == 1 and not self._chunk_fits(s, hit, n, tm.gpu_tokens):
+                    # Admitted with one token, it would hold too few blocks to say whether its chunk fits: the
+                    # next step's growth would then find the pool short and preempt a running sequence. It is
+                    # admitted as without early loads (with its chunk, or not at all).
+                    early = False
             elif self.checkpoint_tokens:
                 # The hit stops at the last state; where the cached blocks go on past it, no step ended at their
                 # end yet: this prompt's does, so that the next prompt sharing them resumes there.
@@ -969,6 +976,17 @@ class PagedKVCache:
             tables = batch.group_tables if batch.group_tables is not None else [batch.block_table]
             tier.join_now([f for f in tier.fresh if any(np.isin(f.blocks, t).any() for t in tables)])
         return batch
+
+    def _chunk_fits(self, s: SequenceState, hit: int, n: int, gpu_tokens: int) -> bool:
+        """Whether an admission of s with its first chunk (hit, up to n
+        tokens) could find its blocks now: those past its GPU hit, against
+        the free blocks and the cached ones it could evict (its own GPU
+        hit's blocks not among them, counted out whether cached or held)."""
+        bs = self.block_size
+        end = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
+        need = -(-end // bs) - gpu_tokens // bs
+        st = self.manager.stats()
+        return need <= st.free_blocks + st.cached_blocks - gpu_tokens // bs
 
     def _grow(self, ids: np.ndarray, tokens: Any) -> None:
         """manager.grow_tokens, waiting once for the host tier's copies in
