@@ -890,8 +890,7 @@ TEST(PagedKV, DescriptorIsCheckedBeforeTheDevice) {
 }
 
 // An e4m3 (FP8) cache under a bf16 decode (0.5): byte strides, a scale kind
-// and both scale arrays; the checks come before the device, and prefill has
-// no e4m3 kernel yet.
+// and both scale arrays; the checks come before the device.
 TEST(PagedKV, E4M3DescriptorIsCheckedBeforeTheDevice) {
   kvp_paged_kv kv = KVP_PAGED_KV_INIT;
   kv.dtype = KVP_DTYPE_E4M3;
