@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvplug
 import kvplug.hf as kvhf
 from kvplug.hf import tier_copy
 
@@ -303,6 +304,65 @@ def test_early_loads_cost_no_preemption(model, num_blocks, monkeypatch):
     assert outs == base[3]
     if num_blocks == 20:
         # The check can fail: without the chunk's fit test the same run preempts more.
-        monkeypatch.setattr(kvhf.PagedKVCache, "_chunk_fits", lambda *a: True)
+        monkeypatch.setattr(kvhf.PagedKVCache, "_room", lambda *a: 1 << 30)
         unchecked = T.run_conversations(model, early_loads=True, **kw)[0]
         assert unchecked.preemptions > base[0].preemptions, (unchecked.preemptions, base[0].preemptions)
+
+
+def _two_admissions(unchecked: bool, monkeypatch) -> tuple:
+    """One schedule admitting A (a host tier hit, deferred) and then B, on a
+    pool where A's chunk and B do not both fit: (the batch, the next step's
+    batch or the OutOfBlocksError it raised)."""
+    if unchecked:
+        monkeypatch.setattr(kvhf.PagedKVCache, "_room", lambda *a: 1 << 30)
+    shape = kvhf.ModelShape(1, 2, 1, 8)
+    with kvhf.PagedKVCache(shape, 12, 4, dtype=torch.float32, host_tier_slots=32, demote_ahead=0) as c:
+
+        def step(reqs):
+            b = c.schedule(reqs)
+            c.tier.step(None)
+            c.commit(b)
+            return b
+
+        hist = list(range(100, 108))
+        for sid, toks in ((1, hist), (2, list(range(200, 240))), (3, list(range(300, 348)))):
+            c.add(sid, toks)
+            step([(sid, len(toks))])
+            c.remove([sid])  # the last one evicts the pool: hist's blocks live on in the host tier only
+        assert c.manager.match_tiers([hist + [1]], None)[0].host_tokens == 8
+        c.add(4, [1, 2, 3, 4])
+        step([(4, 4)])
+        c.append(4, 5)
+        c.add(5, hist + list(range(500, 528)))  # A: 36 tokens, its first 8 in the host tier
+        c.add(6, list(range(600, 624)))  # B: 24 tokens
+        first = step([(4, 1), (5, 36), (6, 24)])
+        c.append(4, 6)
+        reqs = [(4, 1)]
+        for sid, n in ((5, 36), (6, 24)):
+            st = c.state(sid)
+            if st.live:
+                if st.computed >= len(st.tokens):  # its prompt ran whole: a decode token
+                    c.append(sid, 7)
+                    n = 1
+                reqs.append((sid, n))
+        try:
+            nxt = c.schedule(reqs)
+        except kvplug.OutOfBlocksError as e:
+            nxt = e
+        c.remove([i for i in (4, 5, 6) if c.state(i).live])
+        return first, nxt
+
+
+def test_a_deferred_chunk_keeps_its_blocks_from_later_admissions(monkeypatch):
+    # A deferred admission holds its hit and one token; the blocks its chunk still needs are kept from the
+    # admissions after it in the same schedule, so B waits and the next step grows A without a preemption.
+    first, nxt = _two_admissions(False, monkeypatch)
+    assert first.deferred == [5] and first.not_admitted == [6], (first.deferred, first.not_admitted)
+    assert not isinstance(nxt, Exception) and 5 in nxt.seq_ids.tolist(), nxt
+
+
+def test_the_reserved_chunk_check_can_fail(monkeypatch):
+    # Without the check, B takes A's blocks and the next step cannot grow A: a running sequence would be preempted.
+    first, nxt = _two_admissions(True, monkeypatch)
+    assert first.deferred == [5] and 6 not in first.not_admitted, (first.deferred, first.not_admitted)
+    assert isinstance(nxt, kvplug.OutOfBlocksError), nxt

@@ -838,8 +838,10 @@ class PagedKVCache:
         out of the batch (Batch.deferred: admitted, live) and its reloads
         start at once on a side stream; the sequence joins the next step
         that schedules it. It is deferred only where its first chunk's
-        blocks could be found now (_chunk_fits): admitted with one token it
-        holds too few to say, and its next step's growth would preempt.
+        blocks could be found now (_room, a lower bound), and the blocks its
+        chunk still needs are kept from the admissions after it in the same
+        schedule: admitted with one token it holds too few to say, and its
+        next step's growth would preempt. (With layer groups, not checked.)
 
         A host tier copy holds its GPU block until the copy completes (a
         write-through store, a demotion ahead of need), and with overlap it
@@ -909,6 +911,7 @@ class PagedKVCache:
         cached: List[int] = [0] * len(ids)
         not_admitted: List[int] = []
         deferred: List[int] = []
+        reserved = 0  # blocks the deferred admissions' chunks still need (see below)
         loads: List[LoadRecord] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
@@ -922,11 +925,17 @@ class PagedKVCache:
                 # (hit < the prompt's length), so that the manager holds nothing uncomputed in a full block
                 # while the sequence waits for its next step (a commit in between marks what it holds computed).
                 early = tm.host_tokens > 0 and self.early_loads and len(ids) > 0
-                if early and len(self.groups) == 1 and not self._chunk_fits(s, hit, n, tm.gpu_tokens):
-                    # Admitted with one token, it would hold too few blocks to say whether its chunk fits: the
-                    # next step's growth would then find the pool short and preempt a running sequence. It is
-                    # admitted as without early loads (with its chunk, or not at all).
-                    early = False
+                full = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
+                if (early or reserved) and len(self.groups) == 1:
+                    # A deferred admission holds its hit and one token, too few blocks to say whether its chunk
+                    # fits: it is deferred only where the chunk's blocks could be found now, and the blocks its
+                    # chunk still needs are kept from the admissions after it (reserved), so that the next
+                    # step's growth never finds the pool short and preempts a running sequence.
+                    if self._blocks_past(full, tm.gpu_tokens) > self._room(tm.gpu_tokens) - reserved:
+                        if reserved:  # taking its blocks now would starve a deferred chunk: it waits
+                            not_admitted = [a for a, _ in admits[k:]]
+                            break
+                        early = False  # admitted as without early loads (with its chunk, or not at all)
             elif self.checkpoint_tokens:
                 # The hit stops at the last state; where the cached blocks go on past it, no step ended at their
                 # end yet: this prompt's does, so that the next prompt sharing them resumes there.
@@ -951,6 +960,8 @@ class PagedKVCache:
                 s.computed = m
                 joining[sid] = m
                 deferred.append(sid)
+                if len(self.groups) == 1:
+                    reserved += self._blocks_past(full, upto)
             else:
                 # (Early, with part of the hit lost: it computes what it was admitted with, this step.)
                 ids.append(sid)
@@ -977,16 +988,20 @@ class PagedKVCache:
             tier.join_now([f for f in tier.fresh if any(np.isin(f.blocks, t).any() for t in tables)])
         return batch
 
-    def _chunk_fits(self, s: SequenceState, hit: int, n: int, gpu_tokens: int) -> bool:
-        """Whether an admission of s with its first chunk (hit, up to n
-        tokens) could find its blocks now: those past its GPU hit, against
-        the free blocks and the cached ones it could evict (its own GPU
-        hit's blocks not among them, counted out whether cached or held)."""
+    def _blocks_past(self, end: int, start: int) -> int:
+        """Blocks tokens [0, end) take beyond the full blocks of [0, start)."""
         bs = self.block_size
-        end = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
-        need = -(-end // bs) - gpu_tokens // bs
+        return -(-end // bs) - start // bs
+
+    def _room(self, gpu_tokens: int) -> int:
+        """Blocks an admission whose GPU hit is gpu_tokens could allocate now:
+        the free ones and the cached ones it could evict, less its hit's
+        blocks. Those are among the cached ones only where no sequence holds
+        them, so where running sequences share the hit (a system prompt)
+        this undercounts, and the admission is not deferred (never the
+        other way: an overcount could cost a preemption)."""
         st = self.manager.stats()
-        return need <= st.free_blocks + st.cached_blocks - gpu_tokens // bs
+        return st.free_blocks + st.cached_blocks - gpu_tokens // self.block_size
 
     def _grow(self, ids: np.ndarray, tokens: Any) -> None:
         """manager.grow_tokens, waiting once for the host tier's copies in

@@ -452,10 +452,16 @@ class HostTier:
         return out
 
     def drain(self) -> None:
-        """Waits for every batch in flight and completes it."""
+        """Waits for every batch in flight and completes it (a batch whose
+        wait fails is completed as failed, so that its blocks and slots are
+        not left held, and the error is raised)."""
         while self.in_flight:
             f = self.in_flight.popleft()
-            f.synchronize()
+            try:
+                f.synchronize()
+            except BaseException:
+                self._complete(f, failed=True)
+                raise
             self._complete(f)
 
     def close(self) -> None:
