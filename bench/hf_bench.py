@@ -58,6 +58,7 @@ three systems, TTFT by turn index and a plot of it (--plot).
     python bench/hf_bench.py --model tiny-llama --device cpu --systems kvplug --scale 0.02   # a smoke run
     python bench/hf_bench.py --workloads m                          # host tier, recompute, upper bound
     python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --host-cache-gb 32   # tier unused
+    python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --both-orders   # ratios in both orders
     python bench/hf_bench.py --workloads t --write-through 512 --plot t.png   # users who think between turns
     python bench/hf_bench.py --model tiny-llama --device cpu --dtype float32 --workloads m --scale 0.03 \
         --m-turns 3 --m-user 20 40 --m-output 8 16 --max-batch 8 --step-tokens 256 --chunk 128   # a smoke run
@@ -672,6 +673,32 @@ def plot_ttft_by_turn(path: str, runs: Dict[str, Dict[str, Any]]) -> None:
     print(f"  plot: {path}")
 
 
+RATIOS = (("kvplug", "flashinfer", ".2f"), ("kvplug-cascade", "flashinfer", ".2f"), ("kvplug", "hf", ".1f"),
+          ("kvplug-host", "kvplug", ".3f"), ("kvplug-fp8", "kvplug", ".3f"))
+
+
+def summary_lines(wl: str, systems: List[str], results: Dict[str, Any], both_orders: bool = False) -> List[str]:
+    """The summary of one workload: output tokens/s of each system and the
+    ratios of RATIOS it has; with both orders, each ratio in the first
+    order, the second (the systems reversed) and their geometric mean."""
+    def row(suffix: str) -> Dict[str, float]:
+        return {s: results[f"{wl}/{s}{suffix}"]["out_tokens"] / results[f"{wl}/{s}{suffix}"]["wall"]
+                for s in systems if f"{wl}/{s}{suffix}" in results}
+
+    first, second = row(""), row("@2") if both_orders else {}
+    text = f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in first.items())
+    if second:
+        text += "  | reversed: " + "  ".join(f"{s} {v:.0f}" for s, v in second.items())
+    for a, b, f in RATIOS:
+        if a in first and b in first:
+            r1 = first[a] / first[b]
+            text += f"  {a}/{b} {r1:{f}}x"
+            if a in second and b in second:
+                r2 = second[a] / second[b]
+                text += f" (reversed {r2:{f}}x, geometric mean {math.sqrt(r1 * r2):{f}}x)"
+    return [text]
+
+
 def tier_text(r: Dict[str, Any], ceiling: Optional[Dict[str, float]]) -> str:
     t = r.get("tier")
     if not t:
@@ -767,6 +794,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--both-orders", action="store_true",
+                    help="run each workload's systems in the given order, then again in the reverse order (the "
+                         "second runs' results keyed SYSTEM@2), and give each ratio in both orders and their "
+                         "geometric mean: whichever system runs a workload first pays its warm-up")
     args = ap.parse_args(argv)
     if args.replot:
         saved = json.loads(pathlib.Path(args.replot[0]).read_text())
@@ -806,7 +837,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             toks = sum(len(r.prompt) for r in reqs)
             print(f"workload {wl}: {len(reqs)} requests x {reqs[0].n}, {toks} prompt tokens, "
                   f"{sum(r.max_new_tokens * r.n for r in reqs)} output tokens", flush=True)
-        for system in systems_of[wl]:
+        order = list(systems_of[wl]) + (list(reversed(systems_of[wl])) if args.both_orders else [])
+        for k, system in enumerate(order):
+            key = f"{wl}/{system}" + ("@2" if k >= len(systems_of[wl]) else "")
             t1 = time.perf_counter()
             if system == "hf":
                 if conv is not None:
@@ -818,7 +851,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             else:
                 raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-host, kvplug-all, kvplug-cascade, "
                                  "flashinfer or hf")
-            results[f"{wl}/{system}"] = r
+            results[key] = r
             print(line(system, wl, r, ceiling) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
     for mt in ("m", "t"):
         if mt not in systems_of:
@@ -826,14 +859,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         multi_turn_summary(mt, systems_of[mt], results, ceiling, args.plot if mt == "t" else "")
     print("summary (output tokens/s; kvplug / flashinfer):")
     for wl in args.workloads.split(","):
-        row = {s: results[f"{wl}/{s}"]["out_tokens"] / results[f"{wl}/{s}"]["wall"]
-               for s in systems_of[wl] if f"{wl}/{s}" in results}
-        ratio = "".join(f"  {k}/flashinfer {row[k] / row['flashinfer']:.2f}x"
-                        for k in ("kvplug", "kvplug-cascade") if k in row and "flashinfer" in row)
-        ratio += f"  kvplug/hf {row['kvplug'] / row['hf']:.1f}x" if "kvplug" in row and "hf" in row else ""
-        ratio += f"  kvplug-host/kvplug {row['kvplug-host'] / row['kvplug']:.3f}x" if "kvplug-host" in row and "kvplug" in row else ""
-        ratio += f"  kvplug-fp8/kvplug {row['kvplug-fp8'] / row['kvplug']:.3f}x" if "kvplug-fp8" in row and "kvplug" in row else ""
-        print(f"  {wl}: " + "  ".join(f"{s} {v:.0f}" for s, v in row.items()) + ratio)
+        for line_ in summary_lines(wl, systems_of[wl], results, args.both_orders):
+            print(line_)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -292,6 +292,20 @@ def test_bench_takes_the_flag_and_reports_loads(tmp_path):
     assert "1/2 beside a step's forward pass (1 landed" in B.load_text({"loads": st})
 
 
+def test_bench_summary_in_both_orders(tmp_path):
+    B = H.load_script("bench/hf_bench.py")
+    saved = tmp_path / "none.json"
+    saved.write_text("{}")
+    B.main(["--both-orders", "--replot", str(saved), str(tmp_path / "none.png")])  # parses, then only replots
+    res = {"c/kvplug": {"out_tokens": 100, "wall": 1.0}, "c/kvplug-host": {"out_tokens": 120, "wall": 1.0},
+           "c/kvplug-host@2": {"out_tokens": 90, "wall": 1.0}, "c/kvplug@2": {"out_tokens": 120, "wall": 1.0}}
+    one = B.summary_lines("c", ["kvplug", "kvplug-host"], res)[0]
+    assert "kvplug-host/kvplug 1.200x" in one and "reversed" not in one, one
+    both = B.summary_lines("c", ["kvplug", "kvplug-host"], res, both_orders=True)[0]
+    # 1.2 in the first order, 0.75 in the second: their geometric mean is sqrt(0.9).
+    assert "1.200x (reversed 0.750x, geometric mean 0.949x)" in both, both
+
+
 @pytest.mark.parametrize("num_blocks", [16, 20])
 def test_early_loads_cost_no_preemption(model, num_blocks, monkeypatch):
     # A deferred admission holds its hit and one token until its next step: admitted only where its first chunk's
