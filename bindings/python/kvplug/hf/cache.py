@@ -995,13 +995,15 @@ class PagedKVCache:
 
     def _room(self, gpu_tokens: int) -> int:
         """Blocks an admission whose GPU hit is gpu_tokens could allocate now:
-        the free ones and the cached ones it could evict, less its hit's
-        blocks. Those are among the cached ones only where no sequence holds
-        them, so where running sequences share the hit (a system prompt)
-        this undercounts, and the admission is not deferred (never the
-        other way: an overcount could cost a preemption)."""
-        st = self.manager.stats()
-        return st.free_blocks + st.cached_blocks - gpu_tokens // self.block_size
+        the free ones and the cached ones an allocation could evict (not
+        pinned, locked or under a held block: a cached block whose child a
+        copy locks is not), less its hit's blocks. Those are among the
+        evictable ones only where nothing holds them, so where running
+        sequences share the hit (a system prompt) this undercounts, and the
+        admission is not deferred (never the other way: an overcount could
+        cost a preemption)."""
+        return (self.manager.stats().free_blocks + self.manager.prefix_stats().evictable_blocks
+                - gpu_tokens // self.block_size)
 
     def _grow(self, ids: np.ndarray, tokens: Any) -> None:
         """manager.grow_tokens, waiting once for the host tier's copies in
