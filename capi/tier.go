@@ -84,12 +84,6 @@ func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
 	if nb, wt := int64(c.num_blocks), int64(c.write_through); wt < 0 || wt > nb {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through must be in [0, num_blocks = %d]: got %d", nb, wt)
 	}
-	if nb, slack := int64(c.num_blocks), int64(c.write_through_slack); slack < 0 || slack > nb {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through_slack must be in [0, num_blocks = %d]: got %d", nb, slack)
-	}
-	if c.write_through_slack != 0 && c.write_through == 0 {
-		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.write_through_slack (%d) needs write_through > 0", int32(c.write_through_slack))
-	}
 	if uintptr(c.host_tier_memory)%16 != 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "kvp_manager_config.host_tier_memory must be 16-byte aligned: got %p", c.host_tier_memory)
 	}
@@ -97,7 +91,7 @@ func hostTierOf(c *C.kvp_manager_config) (*kvmanager.HostTier, error) {
 	return &kvmanager.HostTier{Slots: int(slots), BlockBytes: int(bytes),
 		Memory:      &cMemory{p: c.host_tier_memory, engine: c.host_tier_memory != nil},
 		DemoteAhead: int(ahead), DemoteEvicted: c.demote_evicted != 0, WriteThrough: int(c.write_through),
-		WriteThroughSlack: int(c.write_through_slack)}, nil
+		WriteThroughSlack: int(c.write_through_slack)}, nil // its range: kvtier.New
 }
 
 // maxAddrLen bounds a server address: kvp_manager_config.shared_tier_addr

@@ -600,13 +600,13 @@ struct IsBF16<bf16> {
     static constexpr bool value = true;
 };
 
-// Cond<B, X, Y>::type: X if B, else Y.
 // A compile-time bool as a value (a lambda's two instantiations).
 template <bool B>
 struct BoolC {
     static constexpr bool value = B;
 };
 
+// Cond<B, X, Y>::type: X if B, else Y.
 template <bool B, class X, class Y>
 struct Cond {
     using type = X;

@@ -197,20 +197,11 @@ type Config struct {
 	// one. In [0, NumBlocks]; 0 stores nothing this way.
 	WriteThrough int
 	// WriteThroughSlack holds the write-through stores back while the GPU
-	// pool has room (writethrough.go, "Waiting while the pool has room"):
-	// while the GPU pool's free queue holds more than this many blocks
-	// (blocks no cached block occupies), FlushCopies hands out no store;
-	// the computed blocks stay queued, oldest first, and are stored once
-	// the free blocks fall to the slack or below, WriteThrough a flush. A
-	// cached block is evicted only by an allocation that finds the free
-	// queue short, so no queued block can be lost while the free queue
-	// outlasts the allocations before the flushes that store it: the
-	// caller sets the slack to at least the allocations of the few steps
-	// the queue needs to drain, else the first evictions may take queued
-	// blocks before their store (counted in Stats.WriteThroughLost). The
-	// GPU prefix cache's hits are unchanged either way (stores never
-	// evict). In [0, NumBlocks]; nonzero only with WriteThrough > 0. 0
-	// stores every flush.
+	// pool's free queue holds more than this many blocks; the caller's
+	// obligation and why no queued block is lost meanwhile are in
+	// writethrough.go, "Waiting while the pool has room". In [0,
+	// NumBlocks]; nonzero only with WriteThrough > 0. 0 stores every
+	// flush.
 	WriteThroughSlack int
 	// Shared, when not nil, adds the shared tier (a Valkey or Redis
 	// server) below the host tier (shared.go). The manager must then be

@@ -912,6 +912,7 @@ class PagedKVCache:
         not_admitted: List[int] = []
         deferred: List[int] = []
         reserved = 0  # blocks the deferred admissions' chunks still need (see below)
+        check_room = tier is not None and len(self.groups) == 1
         loads: List[LoadRecord] = []
         for k, (sid, n) in enumerate(admits):
             s = seqs[sid]
@@ -925,17 +926,6 @@ class PagedKVCache:
                 # (hit < the prompt's length), so that the manager holds nothing uncomputed in a full block
                 # while the sequence waits for its next step (a commit in between marks what it holds computed).
                 early = tm.host_tokens > 0 and self.early_loads and len(ids) > 0
-                full = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
-                if (early or reserved) and len(self.groups) == 1:
-                    # A deferred admission holds its hit and one token, too few blocks to say whether its chunk
-                    # fits: it is deferred only where the chunk's blocks could be found now, and the blocks its
-                    # chunk still needs are kept from the admissions after it (reserved), so that the next
-                    # step's growth never finds the pool short and preempts a running sequence.
-                    if self._blocks_past(full, tm.gpu_tokens) > self._room(tm.gpu_tokens) - reserved:
-                        if reserved:  # taking its blocks now would starve a deferred chunk: it waits
-                            not_admitted = [a for a, _ in admits[k:]]
-                            break
-                        early = False  # admitted as without early loads (with its chunk, or not at all)
             elif self.checkpoint_tokens:
                 # The hit stops at the last state; where the cached blocks go on past it, no step ended at their
                 # end yet: this prompt's does, so that the next prompt sharing them resumes there.
@@ -945,7 +935,18 @@ class PagedKVCache:
                 s.stop = stop if stop > hit else 0
             else:
                 hit = self.manager.match([s.tokens], s.keys)[0].matched_tokens if self.prefix_cache else 0
-            upto = hit + 1 if early else self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)
+            full = self._chunk_end(hit, min(len(s.tokens), hit + n), s.stop)  # the first chunk's end
+            if check_room and (early or reserved):
+                # A deferred admission holds its hit and one token, too few blocks to say whether its chunk
+                # fits: it is deferred only where the chunk's blocks could be found now, and the blocks its
+                # chunk still needs are kept from the admissions after it (reserved), so that the next
+                # step's growth never finds the pool short and preempts a running sequence.
+                if self._blocks_past(full, tm.gpu_tokens) > self._room(tm.gpu_tokens) - reserved:
+                    if reserved:  # taking its blocks now would starve a deferred chunk: it waits
+                        not_admitted = [a for a, _ in admits[k:]]
+                        break
+                    early = False  # admitted as without early loads (with its chunk, or not at all)
+            upto = hit + 1 if early else full
             got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
             if got.size == 0 and self._wait_for_copies():
                 got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
@@ -960,7 +961,7 @@ class PagedKVCache:
                 s.computed = m
                 joining[sid] = m
                 deferred.append(sid)
-                if len(self.groups) == 1:
+                if check_room:
                     reserved += self._blocks_past(full, upto)
             else:
                 # (Early, with part of the hit lost: it computes what it was admitted with, this step.)
