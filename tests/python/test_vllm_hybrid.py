@@ -286,3 +286,44 @@ def test_vllm_worker_moves_each_groups_own_tensors(vl):
     assert torch.equal(tensors[2][[2, 3]], want[2][win_src])
     assert not tensors[2][[0, 4, 7]].any()
     w.shutdown()
+
+
+def test_vllm_worker_moves_fp8_blocks_as_their_bytes(vl):
+    # vLLM's FP8 KV cache (kv_cache_dtype="fp8"): e4m3 K and V tensors whose
+    # per-tensor scales stay with the attention layers, so a block is its
+    # e4m3 bytes alone: a page of block_size x kv_heads x head_dim bytes,
+    # half a 16-bit block's. A store then a load gives the blocks back bit
+    # for bit, NaN encodings and all, and moves half the bytes.
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    if e4m3 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    page = 16 * 2 * 8  # block_size 16, 2 kv heads, head_dim 8: elements of one block
+    raw = torch.randint(0, 256, (2, 8, page), dtype=torch.uint8)
+    raw[0, 1, :4] = 0x7F  # e4m3fn's NaN, which a copy through float would not keep
+    fp8 = [raw[i].view(e4m3) for i in range(2)]
+    half = [torch.randn(8, page).to(torch.bfloat16) for _ in range(2)]
+
+    def round_trip(tensors):
+        cts = [vl.CanonicalKVCacheTensor(tensor=t, page_size_bytes=t.shape[1] * t.element_size()) for t in tensors]
+        refs = [[vl.CanonicalKVCacheRef(0, cts[0].page_size_bytes), vl.CanonicalKVCacheRef(1, cts[1].page_size_bytes)]]
+        w = vl.kv.KvplugOffloadingWorker(vl.CanonicalKVCaches(tensors=cts, group_data_refs=refs), blocks_per_chunk=1,
+                                         num_slots=4, pin_memory=False)
+        want = [t.clone() for t in tensors]
+        host = types.SimpleNamespace(block_ids=np.array([3, 0, 2], np.int32))
+        assert w.submit_store(1, vl.GPULoadStoreSpec([1, 2, 5], group_sizes=(3,), block_indices=(0,)), host)
+        stored = w.get_finished()
+        assert [r.job_id for r in stored] == [1]
+        for t in tensors:
+            t.view(torch.uint8).zero_() if t.element_size() == 1 else t.zero_()
+        assert w.submit_load(2, host, vl.GPULoadStoreSpec([0, 6, 7], group_sizes=(3,), block_indices=(0,)))
+        w.wait({2})
+        assert [r.job_id for r in w.get_finished()] == [2]
+        for t, o in zip(tensors, want):
+            assert torch.equal(t[[0, 6, 7]].view(torch.uint8), o[[1, 2, 5]].view(torch.uint8))
+            assert not t[[1, 2, 3, 4, 5]].view(torch.uint8).any()
+        w.shutdown()
+        return stored[0].transfer_size
+
+    fp8_bytes, half_bytes = round_trip(fp8), round_trip(half)
+    assert fp8_bytes == 3 * 2 * page
+    assert half_bytes == 2 * fp8_bytes

@@ -167,8 +167,9 @@ def plan(
     CUDA, the same values) give sequence b the query rows [qo[b], qo[b+1])
     at its last positions, as kvplug.attn.prefill_plan; the workspaces must
     be sized with max_tokens; plain prefill is the route where sharing does
-    not pay. hopper=False plans for the sm_80 kernels on a Hopper GPU too:
-    plans of an FP8 cache need it (its prefill route runs there only)."""
+    not pay. hopper=False plans for the sm_80 kernels on a Hopper GPU too;
+    an FP8 cache runs on either (the Hopper mainloop widens its tiles to
+    the 16-bit type on their way into shared memory)."""
     table, batch, cols = _host_table(block_table_host)
     dev, qo, qo_dev = _device_args(workspaces, seq_lens, batch, qo_indptr_host, qo_indptr,
                                    f"a block table of {batch} rows")
@@ -236,7 +237,7 @@ def paged_cascade(
     natural log). sinks: attention sinks, float32 [num_q_heads], as
     kvplug.attn.paged_decode takes them. An FP8 cache
     (torch.float8_e4m3fn) comes with its k_scale and v_scale, as kv_write
-    takes them; its plans come from plan(..., hopper=False)."""
+    takes them, under plans for either mainloop (see plan)."""
     if not isinstance(plan, CascadePlan):
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
     out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale,
