@@ -366,3 +366,34 @@ def test_sglang_side_pool_of_its_own_page_size(sg):
     assert not be._pool_has("swa", ["q0", "q1"]).any()
     c = be.counters()
     assert c["bad_transfers"] == 1 and c["errors"] == 0
+
+
+def test_sglang_fp8_kv_pool_round_trip_at_half_the_page(sg):
+    # SGLang's FP8 KV cache (--kv-cache-dtype fp8_e4m3): the host pool holds
+    # e4m3 bytes, one per element, with the per-tensor scales left in the
+    # layers; a page is half a bf16 page. Its pages come back bit for bit,
+    # and its slots are sized to its pages: the same budget holds twice the
+    # pages of a bf16 pool of the same model.
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    if e4m3 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    budget = 16 << 10
+    slots = {}
+    for dtype, tok_bytes in ((torch.bfloat16, 64), (e4m3, 32)):
+        be = sg.make(kvplug_host_bytes=budget)
+        kv = KVPool(64, PAGE, tok_bytes)
+        kv.dtype = dtype
+        be.register_mem_pool_host(kv)
+        k = keys(3, tag=str(dtype))
+        idx = kv.alloc(3 * PAGE)
+        fill(kv, idx, 7)
+        kv.buf[0, idx[0], :4] = 0x7F  # e4m3fn's NaN encoding: bytes, never values
+        assert be.batch_set_v1(k, idx) == [True] * 3
+        idx2 = kv.alloc(3 * PAGE)
+        assert be.batch_get_v1(k, idx2) == [True] * 3
+        for a, b in zip(idx.tolist()[::PAGE], idx2.tolist()[::PAGE]):
+            assert torch.equal(kv.page(a), kv.page(b))
+        store = be._stores["kv"]
+        assert store.host.slot_bytes == 2 * PAGE * tok_bytes
+        slots[dtype] = store.host.num_slots
+    assert slots[e4m3] == 2 * slots[torch.bfloat16]
