@@ -242,7 +242,7 @@ def paged_cascade(
         raise _bad(f"plan must come from kvplug.cascade.plan, got {type(plan).__name__}")
     out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale,
                          sinks)
-    return (out, lse) if (return_lse or lse is not None) else out
+    return (out, lse) if return_lse else out
 
 
 def plan_from_manager(
