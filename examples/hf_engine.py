@@ -148,9 +148,10 @@ class Engine:
         self.just_finished: List[Request] = []  # requests the last step finished
 
     def submit(self, req: Request) -> None:
-        sid = self._new_sid(req)
-        self.cache.add(sid, req.prompt)
-        self.waiting.append(sid)
+        """Queues a request; a prompt the pool can never hold raises
+        PromptTooLongError, and nothing of the request is kept."""
+        self.cache.add(self.next_sid, req.prompt)
+        self.waiting.append(self._new_sid(req))
 
     def _new_sid(self, req: Request) -> int:
         sid = self.next_sid

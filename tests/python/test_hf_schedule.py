@@ -168,3 +168,27 @@ def test_grouped_schedule_reports_a_disagreeing_manager():
         cache.manager.grow_tokens(np.array([1], np.int64), [[5, 6]])  # two tokens the cache does not know of
         with pytest.raises(kvplug.InternalError, match=r"manager lengths \[10\] disagree with the schedule \[8\]"):
             cache.schedule([(1, 1)])
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_prompt_longer_than_the_pool_is_refused_at_add(tier):
+    # A 60-token prompt in a pool of 12 blocks of 4 tokens can never be held.
+    # It is refused when added, so a schedule never meets it after growing
+    # the live sequences and admitting others (which would leave the cache
+    # and the manager out of step), and the other requests go on.
+    extra = dict(host_tier_slots=32, demote_ahead=0) if tier else {}
+    with kvhf.PagedKVCache(SHAPE, 12, 4, dtype=torch.float32, **extra) as c:
+        c.add(1, [1, 2, 3, 4])
+        b = c.schedule([(1, 4)])
+        if tier:
+            c.tier.step(None)
+        c.commit(b)
+        c.append(1, 5)
+        c.add(2, list(range(10, 18)))
+        with pytest.raises(kvplug.PromptTooLongError, match="longer than the whole pool"):
+            c.add(3, list(range(100, 160)))
+        assert 3 not in c.seqs
+        c.add(3, list(range(100, 148)))  # 48 tokens: the whole pool, which it may hold alone
+        b = c.schedule([(1, 1), (2, 8)])
+        assert list(b.seq_ids) == [1, 2] and list(b.seq_lens) == [5, 8]
+        assert list(c.manager.describe([1, 2]).seq_lens) == [5, 8]

@@ -724,13 +724,21 @@ class PagedKVCache:
 
     def add(self, seq_id: int, prompt: Iterable[int], keys: Optional[kvplug.Keys] = None) -> None:
         """Registers a sequence with its prompt. No blocks are taken until a
-        schedule admits it."""
+        schedule admits it. A prompt longer than the whole pool holds is a
+        PromptTooLongError here: no schedule could ever admit it."""
         seq_id = int(seq_id)
         if seq_id in self.seqs:
             raise kvplug.DuplicateSequenceError(f"kvplug.hf: sequence {seq_id} exists", kvplug.Status.DUPLICATE_SEQUENCE)
         toks = [int(t) for t in prompt]
         if not toks:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: sequence {seq_id} has an empty prompt", kvplug.Status.INVALID_ARGUMENT)
+        if len(toks) > self.manager.num_blocks * self.block_size:
+            # Group 0's layers attend to the whole context, which the pool can never hold: refused here, not
+            # by an admission in the middle of a schedule that has grown other sequences already.
+            raise kvplug.PromptTooLongError(
+                f"kvplug.hf: sequence {seq_id}'s prompt of {len(toks)} tokens is longer than the whole pool "
+                f"({self.manager.num_blocks} blocks of {self.block_size} tokens): it can never be admitted",
+                kvplug.Status.INVALID_ARGUMENT)
         self.seqs[seq_id] = SequenceState(toks, keys=keys)
 
     def state(self, seq_id: int) -> SequenceState:
