@@ -1279,8 +1279,8 @@ func (fz *abiFuzz) keys(n int) ptr {
 }
 
 // admitOrMatch calls kvp_manager_admit (kind 0 and 1), kvp_manager_match
-// or kvp_manager_match_blocks (2: one byte picks the call and match's
-// partial flag) or kvp_manager_match_tiers (3) with prompts of arbitrary
+// or kvp_manager_match_blocks or kvp_manager_match_room (2: one byte
+// picks the call and match's partial flag) or kvp_manager_match_tiers (3) with prompts of arbitrary
 // tokens.
 func (fz *abiFuzz) admitOrMatch(kind int) (string, int) {
 	n := fz.small(4)
@@ -1319,6 +1319,10 @@ func (fz *abiFuzz) admitOrMatch(kind int) (string, int) {
 	}
 	if kind == 2 {
 		b := fz.r.u8()
+		if b%8 >= 6 {
+			out := fz.outp(4 * max(n, 1))
+			return "kvp_manager_match_room", rawManagerMatchRoom(fz.handle(true), cnt, tokens, offsets, keys, out)
+		}
 		if b%4 >= 2 {
 			out := fz.outp(int(cLayouts["kvp_block_match"].size) * max(n, 1))
 			return "kvp_manager_match_blocks", rawManagerMatchBlocks(fz.handle(true), cnt, tokens, offsets, keys, out)
@@ -1598,6 +1602,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		reach([]byte{5, 8, 4}, op, numOps)
 	}
 	reachWith(3, []byte{5, 8, 4}, 11, numOps) // admitOrMatch(2) with its byte picking kvp_manager_match_blocks
+	reachWith(7, []byte{5, 8, 4}, 11, numOps) // and with its byte picking kvp_manager_match_room
 	for op := range uint8(numGroupOps) {
 		// Layer groups (flag groupsFlag) on the prefix cache: a window of 3, checkpoints every 2 blocks.
 		reach([]byte{1 | groupsFlag, 8, 4, 2, 1}, numOps+op, numOps+numGroupOps)
@@ -1619,7 +1624,7 @@ func TestFuzzABIReachesEveryEntryPoint(t *testing.T) {
 		"kvp_version", "kvp_status_string", "kvp_cascade_workspace_size", "kvp_cascade_plan", "kvp_cascade_update",
 		"kvp_paged_cascade", "kvp_event_publisher_create", "kvp_event_publisher_flush", "kvp_event_publisher_resync",
 		"kvp_event_publisher_stats_get", "kvp_event_publisher_destroy", "kvp_manager_flush_copies",
-		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_match_blocks", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory",
+		"kvp_manager_complete_copies", "kvp_manager_match_tiers", "kvp_manager_match_blocks", "kvp_manager_match_room", "kvp_manager_tier_stats", "kvp_manager_host_tier_memory",
 		"kvp_host_store_create", "kvp_host_store_destroy", "kvp_host_store_state", "kvp_host_store_lookup_prefix",
 		"kvp_host_store_reserve", "kvp_host_store_complete", "kvp_host_store_pin", "kvp_host_store_unpin",
 		"kvp_host_store_touch", "kvp_host_store_reset", "kvp_host_store_stats_get", "kvp_host_store_memory",

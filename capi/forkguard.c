@@ -191,6 +191,11 @@ kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tok
   return kvpgo_manager_match_tiers(m, n, (void *)tokens, (void *)token_offsets, (void *)keys, out);
 }
 
+kvp_status kvp_manager_match_room(kvp_manager *m, int32_t n, const int32_t *tokens, const int64_t *token_offsets, const kvp_prefix_keys *keys, int32_t *room) {
+  if (kvp__forked) return kvp__forked_status("kvp_manager_match_room");
+  return kvpgo_manager_match_room(m, n, (void *)tokens, (void *)token_offsets, (void *)keys, room);
+}
+
 kvp_status kvp_manager_tier_stats(kvp_manager *m, kvp_tier_stats *out) {
   if (kvp__forked) return kvp__forked_status("kvp_manager_tier_stats");
   return kvpgo_manager_tier_stats(m, out);

@@ -174,6 +174,12 @@ func kvpgo_manager_match_blocks(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t
 	return onPrompts(h, "kvp_manager_match_blocks", n, tokens, offsets, keys, unsafe.Pointer(out), (*kvmanager.Manager).MatchBlocks)
 }
 
+//export kvpgo_manager_match_room
+func kvpgo_manager_match_room(h *C.kvp_manager, n C.int32_t, tokens *C.int32_t, offsets *C.int64_t,
+	keys *C.kvp_prefix_keys, room *C.int32_t) C.kvp_status {
+	return onPrompts(h, "kvp_manager_match_room", n, tokens, offsets, keys, unsafe.Pointer(room), (*kvmanager.Manager).MatchRoom)
+}
+
 // onPrompts runs a per-prompt query on the manager: the n prompts of
 // tokens, offsets and keys, and out viewed as n results of the layout of
 // T (which the ABI tests check against the C struct); out NULL is

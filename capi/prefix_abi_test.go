@@ -351,16 +351,11 @@ func FuzzPrefixABI(f *testing.F) {
 	})
 }
 
-// kvp_manager_match_blocks writes kvmanager.BlockMatch's layout: a
-// manager without groups answers its hit twice; NULL out is refused.
-func TestMatchBlocksThroughABI(t *testing.T) {
-	var bm kvmanager.BlockMatch
-	if offsetofBlockMatchBlocks() != unsafe.Offsetof(bm.BlockTokens) {
-		t.Fatalf("kvp_block_match's block_tokens at %d, kvmanager.BlockMatch's at %d", offsetofBlockMatchBlocks(), unsafe.Offsetof(bm.BlockTokens))
-	}
-	const bs = 4
-	h := newCachedManager(t, 32, bs, true)
-	defer hookManagerDestroy(h)
+// systemPromptRunning is a manager of 32 blocks of 4 tokens with the
+// prefix cache, and sequence 1 running on a system prompt of 2 blocks and 2
+// tokens more, computed (3 blocks).
+func systemPromptRunning(t *testing.T) (unsafe.Pointer, []int32) {
+	h := newCachedManager(t, 32, 4, true)
 	sys := seq(100, 8)
 	_, n, st := hookAdmit(h, []int64{1}, [][]int32{append(slices.Clone(sys), 1, 2)}, nil)
 	expect(t, "admit", st, kverr.OK)
@@ -368,6 +363,18 @@ func TestMatchBlocksThroughABI(t *testing.T) {
 		t.Fatalf("admitted %d", n)
 	}
 	expect(t, "mark computed", hookManagerMarkComputed(h), kverr.OK)
+	return h, sys
+}
+
+// kvp_manager_match_blocks writes kvmanager.BlockMatch's layout: a
+// manager without groups answers its hit twice; NULL out is refused.
+func TestMatchBlocksThroughABI(t *testing.T) {
+	var bm kvmanager.BlockMatch
+	if offsetofBlockMatchBlocks() != unsafe.Offsetof(bm.BlockTokens) {
+		t.Fatalf("kvp_block_match's block_tokens at %d, kvmanager.BlockMatch's at %d", offsetofBlockMatchBlocks(), unsafe.Offsetof(bm.BlockTokens))
+	}
+	h, sys := systemPromptRunning(t)
+	defer hookManagerDestroy(h)
 	got, st := hookMatchBlocks(h, [][]int32{append(slices.Clone(sys), 9), {5}}, false)
 	expect(t, "match blocks", st, kverr.OK)
 	if got[0] != [2]int32{8, 8} || got[1] != [2]int32{0, 0} {
@@ -375,4 +382,24 @@ func TestMatchBlocksThroughABI(t *testing.T) {
 	}
 	_, st = hookMatchBlocks(h, [][]int32{sys}, true)
 	expect(t, "match blocks NULL out", st, kverr.NullPointer)
+}
+
+// kvp_manager_match_room: a hit that a running sequence holds costs
+// nothing, one that nothing holds its blocks; NULL room is refused.
+func TestMatchRoomThroughABI(t *testing.T) {
+	h, sys := systemPromptRunning(t)
+	defer hookManagerDestroy(h)
+	got, st := hookMatchRoom(h, [][]int32{append(slices.Clone(sys), 9), {5}}, false)
+	expect(t, "match room", st, kverr.OK)
+	if got[0] != 29 || got[1] != 29 {
+		t.Fatalf("match room while seq 1 runs: %v, want [29 29]", got)
+	}
+	expect(t, "remove", hookManagerRemove(h, cInt64sTmp(t, 1), 1), kverr.OK)
+	got, st = hookMatchRoom(h, [][]int32{append(slices.Clone(sys), 9), {5}}, false)
+	expect(t, "match room", st, kverr.OK)
+	if got[0] != 30 || got[1] != 32 {
+		t.Fatalf("match room after seq 1: %v, want [30 32]", got)
+	}
+	_, st = hookMatchRoom(h, [][]int32{sys}, true)
+	expect(t, "match room NULL room", st, kverr.NullPointer)
 }

@@ -183,6 +183,26 @@ func hookMatchBlocks(h unsafe.Pointer, prompts [][]int32, nullOut bool) ([][2]in
 	return res, abiStatus(st)
 }
 
+// hookMatchRoom returns each prompt's room; nullOut passes a NULL room.
+func hookMatchRoom(h unsafe.Pointer, prompts [][]int32, nullOut bool) ([]int32, abiStatus) {
+	toks, offs := flat(prompts)
+	defer toks.free()
+	defer offs.free()
+	out := (*C.int32_t)(C.calloc(C.size_t(max(len(prompts), 1)), 4))
+	defer C.free(unsafe.Pointer(out))
+	if nullOut {
+		out = nil
+	}
+	st := kvpgo_manager_match_room((*C.kvp_manager)(h), C.int32_t(len(prompts)), (*C.int32_t)(toks.p), (*C.int64_t)(offs.p), nil, out)
+	res := make([]int32, len(prompts))
+	if out != nil {
+		for i, r := range unsafe.Slice(out, len(prompts)) {
+			res[i] = int32(r)
+		}
+	}
+	return res, abiStatus(st)
+}
+
 // offsetofBlockMatchBlocks is where kvp_block_match's block_tokens lies.
 func offsetofBlockMatchBlocks() uintptr { return unsafe.Offsetof(C.kvp_block_match{}.block_tokens) }
 

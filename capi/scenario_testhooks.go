@@ -125,6 +125,10 @@ func rawManagerMatchBlocks(m ptr, n int32, tokens, offsets, keys, out ptr) int {
 	return st(kvpgo_manager_match_blocks((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
 		(*C.kvp_prefix_keys)(keys), (*C.kvp_block_match)(out)))
 }
+func rawManagerMatchRoom(m ptr, n int32, tokens, offsets, keys, room ptr) int {
+	return st(kvpgo_manager_match_room((*C.kvp_manager)(m), C.int32_t(n), (*C.int32_t)(tokens), (*C.int64_t)(offsets),
+		(*C.kvp_prefix_keys)(keys), (*C.int32_t)(room)))
+}
 func rawManagerPin(m, tokens ptr, n int32, keys, pinID, numBlocks ptr) int {
 	return st(kvpgo_manager_pin((*C.kvp_manager)(m), (*C.int32_t)(tokens), C.int32_t(n), (*C.kvp_prefix_keys)(keys),
 		(*C.uint64_t)(pinID), (*C.int32_t)(numBlocks)))

@@ -82,6 +82,9 @@
  *     host_tier_reserved (same size and offset; 0, which 0.6 required
  *     there, keeps 0.6's behaviour): write-through stores wait while the
  *     GPU pool's free blocks exceed it ("Host KV tier", Write-through).
+ *   - kvp_manager_match_room: the blocks an admission of a prompt could
+ *     allocate now beyond its GPU hit, for a scheduler that decides how
+ *     much of a prompt to admit before admitting it.
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -1480,6 +1483,25 @@ kvp_status kvp_manager_complete_copies(kvp_manager *m, uint64_t ticket,
 kvp_status kvp_manager_match_tiers(kvp_manager *m, int32_t n, const int32_t *tokens,
                                    const int64_t *token_offsets,
                                    const kvp_prefix_keys *keys, kvp_tier_match *out);
+
+/* For each of n prompts (given as in kvp_manager_admit; an empty prompt
+ * has no hit), room[i]: the blocks an admission of it could allocate now
+ * beyond its longest prefix in the GPU prefix cache, that is the free
+ * blocks and the evictable cached ones, less the hit's blocks that the
+ * admission would take out of the evictable ones (those no sequence, copy
+ * or pin holds). kvp_manager_admit admits a prompt whose blocks past its
+ * hit are at most room[i], if nothing changes in between. A hit that
+ * running sequences share (a system prompt) costs nothing here, where
+ * the free and evictable counts of kvp_manager_stats and
+ * kvp_manager_prefix_stats less all the hit's blocks would undercount. A
+ * query: no LRU touch, lock or counter. Without the prefix cache, the
+ * free blocks. Since 0.7.
+ * Errors: NULL_POINTER (room, tokens, token_offsets), INVALID_ARGUMENT
+ * (n < 1 or > 2^20, offsets, keys), UNSUPPORTED (a manager with layer
+ * groups, whose window groups take blocks of the same pool). */
+kvp_status kvp_manager_match_room(kvp_manager *m, int32_t n, const int32_t *tokens,
+                                  const int64_t *token_offsets,
+                                  const kvp_prefix_keys *keys, int32_t *room);
 
 /* Fills *out with the host tier's statistics (all zero without one).
  * Errors: NULL_POINTER, STRUCT_SIZE. */

@@ -660,6 +660,14 @@ struct MatchBlocksApi {
   void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_manager_match_blocks); }
 };
 inline const MatchBlocksApi &match_blocks_api() { return table<MatchBlocksApi>(); }
+
+// The room an admission of a prompt has (since 0.7), a table of its own for
+// the same reason.
+struct MatchRoomApi {
+  KVPLUG_FN(kvp_manager_match_room);
+  void load(const Library &lib) { KVPLUG_LOAD(lib, kvp_manager_match_room); }
+};
+inline const MatchRoomApi &match_room_api() { return table<MatchRoomApi>(); }
 }  // namespace detail
 
 // A batch of prompts in the C API's flat form. Keys are views: the salt
@@ -769,6 +777,18 @@ class PrefixCache {
     std::vector<kvp_block_match> out(p.size());
     detail::check(detail::match_blocks_api().kvp_manager_match_blocks(
         m_->get(), detail::count32(p.size(), "match_blocks: prompts"), p.tokens.data(), p.offsets.data(),
+        p.keys.empty() ? nullptr : p.keys.data(), out.data()));
+    return out;
+  }
+
+  // Per prompt, the blocks an admission of it could allocate now beyond its
+  // GPU hit (kvp_manager_match_room): free and evictable blocks, less the
+  // hit's blocks nothing holds. Nothing is touched.
+  std::vector<int32_t> match_room(const Prompts &p) {
+    check_batch("match_room", p.size(), p);
+    std::vector<int32_t> out(p.size());
+    detail::check(detail::match_room_api().kvp_manager_match_room(
+        m_->get(), detail::count32(p.size(), "match_room: prompts"), p.tokens.data(), p.offsets.data(),
         p.keys.empty() ? nullptr : p.keys.data(), out.data()));
     return out;
   }

@@ -490,6 +490,44 @@ func (m *Manager) MatchBlocks(prompts Prompts, out []BlockMatch) error {
 	return nil
 }
 
+// MatchRoom writes, for each prompt, the blocks an admission of it could
+// allocate now beyond its GPU prefix-cache hit: the free blocks and the
+// evictable cached ones, less the hit's blocks that the admission's lock
+// would take out of the evictable ones (those nothing holds: no sequence,
+// copy or pin). A hit that running sequences share (a system prompt) costs
+// nothing, so this is exact where a count of all the hit's blocks would
+// undercount. Admit takes a prompt whose blocks past its hit are at most
+// that many. A query: nothing is touched, locked or counted. Errors:
+// InvalidArgument (prompts, out too short), Unsupported (layer groups,
+// whose window groups take blocks of the same pool beside group 0's).
+func (m *Manager) MatchRoom(prompts Prompts, out []int32) error {
+	if err := prompts.validate("match room", 0); err != nil {
+		return err
+	}
+	n := prompts.Len()
+	if len(out) < n {
+		return kverr.Errorf(kverr.InvalidArgument, "match room: out holds %d entries for %d prompts", len(out), n)
+	}
+	m.mu.Lock()
+	defer m.unlock()
+	if m.gc != nil {
+		return kverr.Errorf(kverr.Unsupported, "match room: a manager with layer groups (its window groups take blocks beside group 0's)")
+	}
+	avail := m.available()
+	for i := range n {
+		room := avail
+		if m.cache != nil {
+			tokens, keys := prompts.Prompt(i)
+			peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
+			assertOK(err, "match room: the index refused a validated prompt")
+			room -= int64(m.cache.Unheld(peek))
+			m.locks = peek[:0]
+		}
+		out[i] = int32(min(room, math.MaxInt32))
+	}
+	return nil
+}
+
 // matchPrompt matches prompt i of prompts in the GPU prefix cache, under
 // the lock, reusing m.locks for the matched blocks (held by no one: a
 // match locks nothing); what names the caller if the index refuses the

@@ -63,6 +63,12 @@ TEST(PrefixCache, AdmitSharesAndDecodeCaches) {
   ASSERT_EQ(blocks.size(), 1u);
   EXPECT_EQ(blocks[0].matched_tokens, 3 * kBlock);
   EXPECT_EQ(blocks[0].block_tokens, 3 * kBlock);
+  // Its hit is held by the two running sequences: an admission of it can
+  // have every free block, and only those (nothing is evictable).
+  const auto room = pc.match_room(q);
+  ASSERT_EQ(room.size(), 1u);
+  EXPECT_EQ(room[0], m.stats().free_blocks);
+  EXPECT_EQ(room[0], 32 - 4);
 
   const auto evs = pc.drain_events();
   ASSERT_EQ(evs.size(), 3u);

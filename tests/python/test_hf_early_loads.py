@@ -380,3 +380,57 @@ def test_the_reserved_chunk_check_can_fail(monkeypatch):
     first, nxt = _two_admissions(True, monkeypatch)
     assert first.deferred == [5] and 6 not in first.not_admitted, (first.deferred, first.not_admitted)
     assert isinstance(nxt, kvplug.OutOfBlocksError), nxt
+
+
+def _sharers(room) -> tuple:
+    """A (deferred: its 16-token history reloads from the host tier) and B,
+    which shares that history, in one schedule beside a decoding sequence,
+    on a pool of 15 blocks of 4 where both chunks fit: (the schedule's batch,
+    the next one's or the OutOfBlocksError it raised). room, if given,
+    replaces PagedKVCache._room."""
+    shape = kvhf.ModelShape(1, 2, 1, 8)
+    with kvhf.PagedKVCache(shape, 15, 4, dtype=torch.float32, host_tier_slots=32, demote_ahead=15,
+                           demote_evicted=False) as c:
+        if room is not None:
+            c._room = room.__get__(c)
+
+        def step(reqs):
+            b = c.schedule(reqs)
+            c.tier.step(None)
+            c.commit(b)
+            return b
+
+        hist = list(range(100, 116))
+        c.add(1, hist + [9])
+        step([(1, 17)])
+        c.remove([1])
+        c.tier.step(None)
+        assert c.manager.match_tiers([hist + [1]])[0].host_tokens == 16
+        c.add(2, list(range(200, 228)))
+        step([(2, 28)])
+        c.append(2, 5)
+        c.add(3, hist + [31, 32, 33, 34])  # A
+        c.add(4, hist + [41, 42, 43, 44])  # B
+        first = step([(2, 1), (3, 20), (4, 20)])
+        c.append(2, 6)
+        reqs = [(2, 1), (3, 20)] + ([(4, 1)] if c.state(4).live else [(4, 20)])
+        if c.state(4).live:
+            c.append(4, 7)
+        try:
+            nxt = c.schedule(reqs)
+        except kvplug.OutOfBlocksError as e:
+            nxt = e
+        return first, nxt
+
+
+def test_a_prompt_sharing_a_deferred_prefix_is_admitted_beside_it():
+    # B's GPU hit is the history A's admission reloads, which A holds: the
+    # room of B's chunk does not charge those blocks again (match_room), so B
+    # runs in the same step as A's deferral, and the next step fits.
+    first, nxt = _sharers(None)
+    assert first.deferred == [3] and 4 in first.seq_ids.tolist() and first.not_admitted == []
+    assert not isinstance(nxt, Exception) and sorted(nxt.seq_ids.tolist()) == [2, 3, 4]
+    # The check can fail: charging the whole hit (free + evictable less its blocks) leaves B out.
+    first, _ = _sharers(lambda self, s: (self.manager.stats().free_blocks + self.manager.prefix_stats().evictable_blocks
+                                         - self.manager.match_tiers([s.tokens], s.keys)[0].gpu_tokens // self.block_size))
+    assert first.deferred == [3] and first.not_admitted == [4]

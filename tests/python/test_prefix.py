@@ -370,3 +370,34 @@ def test_keys_are_built_once_and_frozen():
             m.match([p], Keys(mm=[MMItem(0, 1, b"short")]))
         with pytest.raises(kvplug.InvalidArgumentError):
             m.match([p], Keys(mm=[(0, 1)]))
+
+
+def test_match_room_charges_only_the_hit_nothing_holds(cm):
+    # A 2-block system prompt cached by sequence 1 (3 blocks): while 1 runs,
+    # a prompt sharing the system prompt may have every free block; once 1
+    # is gone, the free and evictable blocks less the 2 its hit would take
+    # out of the evictable ones. admit agrees at the edge. A query: the
+    # prefix stats do not move.
+    rng = np.random.default_rng(7)
+    system = rand_tokens(rng, 2 * BS)
+    cm.admit([1], [np.concatenate([system, rand_tokens(rng, BS)])])
+    cm.mark_computed()
+    prompt = np.concatenate([system, rand_tokens(rng, 1)])
+    before = cm.prefix_stats()
+    assert cm.match_room([prompt]) == [cm.stats().free_blocks] == [29]
+    assert cm.prefix_stats() == before
+    cm.remove([1])
+    ps = cm.prefix_stats()
+    assert ps.evictable_blocks == 3
+    assert cm.match_room([prompt, rand_tokens(rng, 3)]) == [32 - 2, 32]
+    fits = np.concatenate([system, rand_tokens(rng, 30 * BS)])  # 32 blocks: the hit and the room
+    assert cm.admit([2], [fits]).tolist() == [2 * BS]
+    assert cm.match_room([prompt]) == [0]
+    assert cm.match_room([]) == []
+
+
+def test_match_room_is_unsupported_with_layer_groups():
+    from kvplug import LayerGroup as G
+    with kvplug.Manager(16, BS, prefix_cache=True, layer_groups=[G.full_attention(), G.sliding_window(8)]) as m:
+        with pytest.raises(kvplug.UnsupportedError, match="layer groups"):
+            m.match_room([[1, 2, 3]])

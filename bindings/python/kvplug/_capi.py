@@ -417,6 +417,7 @@ FUNCTIONS.update(_sigs(
     ("kvp_manager_add_mm_items", [_vp, _i64, _vp, _i32]),
     ("kvp_manager_match", [_vp, _i32, _vp, _vp, _vp, _i32, _vp]),
     ("kvp_manager_match_blocks", [_vp, _i32, _vp, _vp, _vp, _vp]),
+    ("kvp_manager_match_room", [_vp, _i32, _vp, _vp, _vp, _vp]),
     ("kvp_manager_pin", [_vp, _vp, _i32, _vp, _vp, _vp]),
     ("kvp_manager_unpin", [_vp, _u64]),
     ("kvp_manager_set_priority", [_vp, _vp, _i32, _vp, _i32, _vp]),

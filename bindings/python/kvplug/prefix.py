@@ -415,6 +415,25 @@ class PrefixCacheMethods:
         _check(C.kvp_manager_match_blocks(self._h, n, _addr(tokens), _addr(offsets), karr, out))
         return [BlockMatch(o.matched_tokens, o.block_tokens) for o in out]
 
+    def match_room(self, prompts: Sequence[Any], keys: Any = None) -> List[int]:
+        """Per prompt, the blocks an admission of it could allocate now
+        beyond its GPU hit: the free blocks and the evictable cached ones,
+        less the hit's blocks that nothing holds (a hit that running
+        sequences share costs nothing). admit takes a prompt whose blocks
+        past its hit are at most that many, if nothing changes in between.
+        A query: nothing is touched. Raises UnsupportedError with layer
+        groups. No prompts: []."""
+        n = _batch_len(prompts)
+        if not n:
+            self._empty("match_room")
+            return []
+        tokens, offsets = _flatten(prompts)
+        keep: list = []
+        karr = _keys_array(keys, n, keep)
+        out = (_i32 * n)()
+        _check(C.kvp_manager_match_room(self._h, n, _addr(tokens), _addr(offsets), karr, out))
+        return list(out)
+
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
         """Pins the cached full blocks of a prefix against eviction. Returns
         (pin_id, blocks pinned). Raises NotFoundError if none is cached."""

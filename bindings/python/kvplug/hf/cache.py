@@ -846,7 +846,7 @@ class PagedKVCache:
         out of the batch (Batch.deferred: admitted, live) and its reloads
         start at once on a side stream; the sequence joins the next step
         that schedules it. It is deferred only where its first chunk's
-        blocks could be found now (_room, a lower bound), and the blocks its
+        blocks could be found now (_room), and the blocks its
         chunk still needs are kept from the admissions after it in the same
         schedule: admitted with one token it holds too few to say, and its
         next step's growth would preempt. (With layer groups, not checked.)
@@ -949,7 +949,7 @@ class PagedKVCache:
                 # fits: it is deferred only where the chunk's blocks could be found now, and the blocks its
                 # chunk still needs are kept from the admissions after it (reserved), so that the next
                 # step's growth never finds the pool short and preempts a running sequence.
-                if self._blocks_past(full, tm.gpu_tokens) > self._room(tm.gpu_tokens) - reserved:
+                if self._blocks_past(full, tm.gpu_tokens) > self._room(s) - reserved:
                     if reserved:  # taking its blocks now would starve a deferred chunk: it waits
                         not_admitted = [a for a, _ in admits[k:]]
                         break
@@ -1002,17 +1002,12 @@ class PagedKVCache:
         bs = self.block_size
         return -(-end // bs) - start // bs
 
-    def _room(self, gpu_tokens: int) -> int:
-        """Blocks an admission whose GPU hit is gpu_tokens could allocate now:
-        the free ones and the cached ones an allocation could evict (not
-        pinned, locked or under a held block: a cached block whose child a
-        copy locks is not), less its hit's blocks. Those are among the
-        evictable ones only where nothing holds them, so where running
-        sequences share the hit (a system prompt) this undercounts, and the
-        admission is not deferred (never the other way: an overcount could
-        cost a preemption)."""
-        return (self.manager.stats().free_blocks + self.manager.prefix_stats().evictable_blocks
-                - gpu_tokens // self.block_size)
+    def _room(self, s: SequenceState) -> int:
+        """Blocks an admission of s could allocate now beyond its GPU hit
+        (Manager.match_room: the free blocks and the evictable cached ones,
+        less the hit's blocks that nothing holds; a hit that running or
+        deferred sequences share costs nothing)."""
+        return self.manager.match_room([s.tokens], s.keys)[0]
 
     def _grow(self, ids: np.ndarray, tokens: Any) -> None:
         """manager.grow_tokens, waiting once for the host tier's copies in
