@@ -434,9 +434,13 @@ class _Held:
     """A batch in flight whose copies land only when someone waits for it
     (HostTier.drain): poll never completes it."""
 
-    def __init__(self, ticket: int) -> None:
-        self.ticket, self.reload_bytes, self.demote_bytes, self.loads = ticket, 0, 0, []
+    def __init__(self, ticket: int, demote_bytes: int) -> None:
+        self.ticket, self.reload_bytes, self.demote_bytes, self.loads = ticket, 0, demote_bytes, []
+        self.d0 = self.d1 = self  # the stores' timing "events": they took no time
         self.waited = False
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
 
     def query(self) -> bool:
         return False
@@ -457,8 +461,8 @@ def run_held_stores(model, waits: bool = True, **kw):
         if not getattr(tier, "_held", False):
             tier._held = True
 
-            def landed(ticket):
-                h = _Held(ticket)
+            def landed(ticket, demote_bytes=0):
+                h = _Held(ticket, demote_bytes)
                 held.append(h)
                 tier.in_flight.append(h)
 
@@ -493,3 +497,31 @@ def test_the_held_stores_check_can_fail(model):
     except kvplug.OutOfBlocksError:
         return
     assert engine.preemptions > engine0.preemptions, (engine.preemptions, engine0.preemptions)
+
+
+def test_a_schedule_waits_only_for_copies_that_hold_blocks():
+    # Reloads hold blocks of the live sequences loading them: a pool found short waits (on the GPU, a host-device
+    # synchronisation) only for batches with stores or demotions, whose blocks completing gives back.
+    shape = kvhf.ModelShape(1, 2, 1, 8)
+    with kvhf.PagedKVCache(shape, 8, 4, dtype=torch.float32, host_tier_slots=16, demote_ahead=0, write_through=8,
+                           write_through_slack=0) as c:
+        reloads = _Held(0, 0)
+        c.tier.in_flight.append(reloads)
+        assert not c._wait_for_copies() and not reloads.waited and c.stats["tier_waits"] == 0
+        c.tier.in_flight.clear()
+        # A real batch of stores (write-through of a computed prompt), held in flight: waited for and completed.
+        held: List[_Held] = []
+
+        def landed(ticket, demote_bytes=0):
+            held.append(_Held(ticket, demote_bytes))
+            c.tier.in_flight.append(held[-1])
+
+        c.tier._landed = landed
+        c.add(1, list(range(1, 9)))
+        b = c.schedule([(1, 8)])
+        c.tier.step(None)
+        c.commit(b)
+        c.tier.step(None)  # the step after the forward pass stores its blocks
+        assert held and held[-1].demote_bytes > 0, held
+        assert c._wait_for_copies() and held[-1].waited and c.stats["tier_waits"] == 1
+        assert not c.tier.in_flight

@@ -1022,9 +1022,12 @@ class PagedKVCache:
     def _wait_for_copies(self) -> bool:
         """Waits for the host tier's batches in flight and completes them,
         which gives the blocks their copies held back to the prefix cache;
-        False when there were none (nothing to retry)."""
+        False when none holds a block an allocation could take (nothing to
+        retry). Only stores and demotions do: a reload's blocks belong to
+        the live sequence that loads them, so a batch of reloads alone is
+        not waited for (the host would wait on the GPU for nothing)."""
         tier = self.tier
-        if tier is None or not tier.in_flight:
+        if tier is None or not any(f.demote_bytes for f in tier.in_flight):
             return False
         tier.drain()
         self.stats["tier_waits"] += 1

@@ -252,9 +252,10 @@ class HostTier:
             n += 1
         return n
 
-    def _landed(self, ticket: int) -> None:
-        """Off CUDA: the copies of batch `ticket` are done (they ran on the
-        host, in turn), so it completes at once."""
+    def _landed(self, ticket: int, demote_bytes: int = 0) -> None:
+        """Off CUDA: the copies of batch `ticket` (demote_bytes of them
+        stores and demotions) are done (they ran on the host, in turn), so
+        it completes at once."""
         self.manager.complete_copies(ticket)
 
     def _complete(self, f: _InFlight, failed: bool = False) -> None:
@@ -416,7 +417,7 @@ class HostTier:
                     self.reload_seconds += dt
                     for rec in shared:
                         rec.seconds = dt
-                self._landed(batch.ticket)
+                self._landed(batch.ticket, dbytes)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
             # blocks cached without valid K/V; the caller should clear the prefix cache).
@@ -460,6 +461,10 @@ class HostTier:
             try:
                 f.synchronize()
             except BaseException:
+                # (An interrupt, or a CUDA error.) Its copies may still run: their blocks and slots are given
+                # back only once the device has stopped, as step() does for a batch that failed to enqueue.
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
                 self._complete(f, failed=True)
                 raise
             self._complete(f)
