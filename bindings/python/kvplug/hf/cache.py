@@ -854,9 +854,12 @@ class PagedKVCache:
         A host tier copy holds its GPU block until the copy completes (a
         write-through store, a demotion ahead of need), and with overlap it
         completes a step or more later: where the pool is short while copies
-        are in flight, the schedule waits for them (stats["tier_waits"])
-        before it raises OutOfBlocksError or leaves a prompt out, so that a
-        store never costs a preemption."""
+        that hold blocks (stores, demotions) are in flight, the schedule
+        waits for them (stats["tier_waits"]) before it raises
+        OutOfBlocksError or leaves out a prompt that the manager refused, so
+        that a store never costs a preemption. A prompt left out for the
+        blocks a deferred chunk keeps (see above) does not wait: the next
+        schedule finds the copies landed."""
         tier = self.tier
         if tier is not None:
             if tier.in_flight:
