@@ -309,7 +309,9 @@ def test_bench_summary_in_both_orders(tmp_path):
 @pytest.mark.parametrize("num_blocks", [16, 20])
 def test_early_loads_cost_no_preemption(model, num_blocks, monkeypatch):
     # A deferred admission holds its hit and one token until its next step: admitted only where its first chunk's
-    # blocks could be found too, it never makes that step's growth preempt a running sequence.
+    # blocks could be found too, and those blocks kept from the admissions after it, it does not make these
+    # conversations preempt more than without early loads. (Not an invariant: the reservation lasts one schedule,
+    # and other pools and batches differ by a preemption either way.)
     kw = dict(num_blocks=num_blocks, host_slots=64, demote_ahead=6)
     base = T.run_conversations(model, early_loads=False, **kw)
     engine, _, reqs, outs, s, _ = T.run_conversations(model, early_loads=True, **kw)

@@ -950,8 +950,9 @@ class PagedKVCache:
             if check_room and (early or reserved):
                 # A deferred admission holds its hit and one token, too few blocks to say whether its chunk
                 # fits: it is deferred only where the chunk's blocks could be found now, and the blocks its
-                # chunk still needs are kept from the admissions after it (reserved), so that the next
-                # step's growth never finds the pool short and preempts a running sequence.
+                # chunk still needs are kept from the admissions after it (reserved), so that they do not
+                # take them. (For this schedule only: the next step's growth of the other sequences may
+                # still find the pool short, as it may without early loads.)
                 if self._blocks_past(full, tm.gpu_tokens) > self._room(s) - reserved:
                     if reserved:  # taking its blocks now would starve a deferred chunk: it waits
                         not_admitted = [a for a, _ in admits[k:]]
