@@ -525,3 +525,55 @@ def test_a_schedule_waits_only_for_copies_that_hold_blocks():
         assert held and held[-1].demote_bytes > 0, held
         assert c._wait_for_copies() and held[-1].waited and c.stats["tier_waits"] == 1
         assert not c.tier.in_flight
+
+
+def test_a_failed_reload_stops_the_schedules_until_recovered():
+    # A batch of reloads that fails leaves its GPU blocks cached without their K/V: the cache refuses to schedule
+    # (never serving them to a prompt) until recover_from_failed_reloads preempts the live sequences and clears the
+    # GPU prefix cache. The host tier's copy is intact: the re-admission hits it and reloads again.
+    shape = kvhf.ModelShape(1, 2, 1, 8)
+    fail = {"next": False}
+
+    def copier(cache):
+        inner = tier_copy.make_copier(cache)
+
+        class Failing:
+            def run(self, batch, stream=None):
+                if fail["next"] and len(batch.reload_blocks):
+                    fail["next"] = False
+                    raise RuntimeError("copy failed")
+                inner.run(batch, stream)
+
+            def close(self):
+                inner.close()
+
+        return Failing()
+
+    with kvhf.PagedKVCache(shape, 12, 4, dtype=torch.float32, host_tier_slots=32, demote_ahead=12,
+                           tier_copier=copier, early_loads=False) as c:
+        hist = list(range(100, 116))
+        c.add(1, hist + [9])
+        b = c.schedule([(1, 17)])
+        c.tier.step(None)
+        c.commit(b)
+        c.remove([1])
+        c.tier.step(None)  # demotes the history
+        assert c.manager.match_tiers([hist + [1]])[0].host_tokens == 16
+        c.add(2, hist + [7, 8])
+        b = c.schedule([(2, 18)])
+        assert b.cached_tokens.tolist() == [16]
+        fail["next"] = True
+        with pytest.raises(RuntimeError, match="copy failed"):
+            c.tier.step(None)  # the step's reloads
+        assert c.tier.reloads_failed
+        with pytest.raises(kvplug.InternalError, match="recover_from_failed_reloads"):
+            c.schedule([(2, 2)])
+        assert c.recover_from_failed_reloads() == [2]
+        assert not c.state(2).live and c.stats["reload_recoveries"] == 1
+        tm = c.manager.match_tiers([hist + [1]])[0]
+        assert tm.gpu_tokens == 0 and tm.host_tokens == 16  # the blocks it failed to load are no GPU hit
+        b = c.schedule([(2, 18)])
+        assert b.cached_tokens.tolist() == [16]
+        c.tier.step(None)  # reloads again, and lands
+        c.commit(b)
+        assert not c.tier.reloads_failed and c.manager.tier_stats().reloads_failed > 0

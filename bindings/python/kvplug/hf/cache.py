@@ -500,9 +500,9 @@ class PagedKVCache:
         self.seqs: Dict[int, SequenceState] = {}
         # prompt_tokens: tokens known at each admission, summed; cached_tokens: of them, matched (GPU and host)
         # tier_waits: allocations that found the pool short while host tier copies held blocks, and waited for
-        # those copies instead of failing (_wait_for_copies)
+        # those copies instead of failing (_wait_for_copies); reload_recoveries: recover_from_failed_reloads calls
         self.stats = {"scheduled_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0, "admitted": 0, "preempted": 0,
-                      "forks": 0, "state_copies": 0, "tier_waits": 0}
+                      "forks": 0, "state_copies": 0, "tier_waits": 0, "reload_recoveries": 0}
         # The host tier's copies (Runner.step runs them); closed before the manager, also when collected.
         self.tier: Optional[HostTier] = None
         if host_tier_slots > 0:
@@ -809,6 +809,31 @@ class PagedKVCache:
         self.stats["preempted"] += 1
         return done
 
+    def recover_from_failed_reloads(self) -> List[int]:
+        """After a host tier batch with reloads failed (its exception raised
+        by Runner.step or a schedule), the blocks it was loading are cached
+        on the GPU without valid K/V, and schedule refuses to run. This
+        waits for the copies still in flight, preempts every live sequence
+        (their tokens are kept: the next schedules re-admit them, reloading
+        from the host tier or recomputing), and clears the GPU prefix cache;
+        the host tier's blocks are intact. Returns the preempted sequences."""
+        tier = self.tier
+        if tier is None:
+            return []
+        try:
+            tier.drain()
+        except Exception:  # a second failed batch: its blocks are released too, and cleared below
+            pass
+        live = [sid for sid, s in self.seqs.items() if s.live]
+        for sid in live:
+            self.preempt(sid)
+        self._joining.clear()
+        tier.fresh, tier.to_join, tier.pending_records = [], [], []
+        self.manager.clear_prefix_cache()
+        tier.reloads_failed = False
+        self.stats["reload_recoveries"] += 1
+        return live
+
     def remove(self, seq_ids: Iterable[int]) -> None:
         """Retires sequences (their full blocks stay in the prefix cache)."""
         ids = [int(i) for i in seq_ids]
@@ -864,6 +889,11 @@ class PagedKVCache:
         if tier is not None:
             if tier.in_flight:
                 tier.poll()
+            if tier.reloads_failed:
+                raise kvplug.InternalError(
+                    "kvplug.hf: a host tier reload failed, so GPU blocks are cached without their K/V: nothing is "
+                    "scheduled until PagedKVCache.recover_from_failed_reloads() has preempted the live sequences and "
+                    "cleared the GPU prefix cache", kvplug.Status.INTERNAL)
             tier.begin_schedule()
         step = self._decode_step(requests)
         if step is not None:

@@ -234,6 +234,9 @@ class HostTier:
         # (record, its sequence's GPU blocks) of admissions whose loads the next step's flush copies.
         self.pending_records: List[Any] = []
         self.in_flight: Deque[_InFlight] = collections.deque()
+        # A batch with reloads that failed: its GPU blocks are cached without valid K/V (PagedKVCache refuses
+        # to schedule until recover_from_failed_reloads).
+        self.reloads_failed = False
         self.batches = 0
         self.reload_bytes = self.demote_bytes = 0
         self.reload_seconds = self.demote_seconds = 0.0
@@ -259,6 +262,8 @@ class HostTier:
         self.manager.complete_copies(ticket)
 
     def _complete(self, f: _InFlight, failed: bool = False) -> None:
+        if failed and f.reload_bytes:
+            self.reloads_failed = True
         if not failed:
             if f.reload_bytes:
                 self.reload_seconds += f.r0.elapsed_time(f.r1) * 1e-3
@@ -420,11 +425,12 @@ class HostTier:
                 self._landed(batch.ticket, dbytes)
         except BaseException:
             # Nothing of this batch is known to have landed: report it failed (a failed reload leaves its
-            # blocks cached without valid K/V; the caller should clear the prefix cache).
+            # blocks cached without valid K/V: see reloads_failed).
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             self.in_flight = collections.deque(f for f in self.in_flight if f.ticket != batch.ticket)
             self.fresh = []
+            self.reloads_failed = self.reloads_failed or bool(nr)
             self.manager.complete_copies(batch.ticket, failed=True)
             raise
         return batch
