@@ -216,10 +216,13 @@ __device__ __forceinline__ void cascade_attn(const kvp_cascade_params& p) {
     griddep_launch_dependents();
 }
 
-// Over an e4m3 cache (16-bit T only): every item on the sm_80 tiles and the
-// decode tile, which read e4m3 with its scales; launched with skip_shared 0
-// whatever the plan was cut for (a plan cut for the Hopper launch runs here
-// too: its shared tiles are this kernel's, its long tails two halves).
+// Over an e4m3 cache (16-bit T only): the items on the sm_80 tiles and the
+// decode tile, which read e4m3 with its scales. On Hopper the e4m3 Hopper
+// launch takes the shared items first and this one runs with skip_shared 1
+// (as for 16-bit caches); with skip_shared 0 (KVP_CASCADE_NO_HOPPER, another
+// device, or too little shared memory for the Hopper launch) it runs every
+// item, also of a plan cut for the Hopper launch: its shared tiles are this
+// kernel's, its long tails two halves.
 template <typename T, int D>
 __device__ __forceinline__ void cascade_attn_e4m3(const kvp_cascade_params& p) {
     cascade_attn<T, D, uint8_t>(p);

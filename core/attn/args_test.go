@@ -152,8 +152,7 @@ func TestPrefillPlanState(t *testing.T) {
 
 // The cache formats a launch takes: a cache of the launch's dtype without
 // scales, or e4m3 under f16/bf16 with a scale kind; every other pairing is
-// refused, and the launches without e4m3 kernels (the cascade) answer
-// UNSUPPORTED.
+// refused.
 func TestE4M3Refused(t *testing.T) {
 	kv := PagedKV{NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
 		MaxBlocksPerSeq: 4, BlockTableStride: 4}
@@ -187,5 +186,45 @@ func TestE4M3Refused(t *testing.T) {
 		if kverr.CodeOf(err) != c.want {
 			t.Errorf("decode, %s: %v, want %v", c.name, err, c.want)
 		}
+	}
+}
+
+// A cascade launch over an e4m3 cache checks the scale pointers as the
+// other launches do: a missing or misaligned k_scale or v_scale is a
+// status before any kernel is loaded, never a read through it.
+func TestCascadeRunChecksScalePointers(t *testing.T) {
+	kv := PagedKV{NumBlocks: 4, BlockSize: 16, CacheBlockStride: 16 * 2 * 128, CacheTokenStride: 2 * 128, CacheHeadStride: 128,
+		MaxBlocksPerSeq: 4, BlockTableStride: 4, KCache: 0x10000, VCache: 0x20000, BlockTable: 0x30000,
+		DType: E4M3, ScaleKind: ScaleTokenHead, KScale: 0x40000, VScale: 0x50000}
+	run := func(kv PagedKV) error {
+		a := CascadeRunArgs{
+			DecodeLayout: DecodeLayout{DType: BF16, HeadDim: 128, Batch: 2, NumQHeads: 4, NumKVHeads: 2, QBatchStride: 512,
+				QHeadStride: 128, OutBatchStride: 512, OutHeadStride: 128, PagedKV: kv},
+			Q: 0x60000, SeqLens: 0x70000, Out: 0x80000, Workspace: 0x90000, WorkspaceBytes: 1 << 20,
+			PartOut: 4096, PartLSE: 8192, ItemsOff: 0, QRowsOff: 64, SegStartOff: 128, SegsOff: 192, RowSeqOff: 256, QStartOff: 320,
+			MaxBatch: 2,
+		}
+		return CascadeRun(&a, 0)
+	}
+	cases := []struct {
+		name string
+		edit func(*PagedKV)
+		want kverr.Code
+	}{
+		{"k_scale 0", func(k *PagedKV) { k.KScale = 0 }, kverr.NullPointer},
+		{"v_scale 0", func(k *PagedKV) { k.VScale = 0 }, kverr.NullPointer},
+		{"k_scale misaligned", func(k *PagedKV) { k.KScale += 2 }, kverr.InvalidArgument},
+		{"one scale per cache, v_scale 0", func(k *PagedKV) { k.ScaleKind, k.VScale = ScaleTensor, 0 }, kverr.NullPointer},
+	}
+	for _, c := range cases {
+		k := kv
+		c.edit(&k)
+		if err := run(k); kverr.CodeOf(err) != c.want {
+			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+	// The same arguments with valid scales pass the checks (and stop at the kernels: none here, or no device).
+	if err := run(kv); kverr.CodeOf(err) == kverr.NullPointer || kverr.CodeOf(err) == kverr.InvalidArgument {
+		t.Fatalf("valid scales: %v", err)
 	}
 }

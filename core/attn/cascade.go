@@ -730,8 +730,8 @@ func CascadeRun(a *CascadeRunArgs, stream cuda.Stream) error {
 		return kverr.Errorf(kverr.InvalidArgument, "%s: the plan's workspace geometry is inconsistent (not written by kvp_cascade_plan?)", what)
 	}
 	kv := &a.PagedKV
-	if a.Batch > 0 && (a.Q == 0 || a.Q%16 != 0 || kv.KCache == 0 || kv.KCache%16 != 0 || kv.VCache == 0 || kv.VCache%16 != 0 ||
-		kv.BlockTable == 0 || kv.BlockTable%4 != 0 || a.SeqLens == 0 || a.SeqLens%4 != 0 || a.Out == 0 || a.Out%16 != 0 ||
+	if a.Batch > 0 && (a.Q == 0 || a.Q%16 != 0 || kv.checkPointers(what, true) != nil ||
+		a.SeqLens == 0 || a.SeqLens%4 != 0 || a.Out == 0 || a.Out%16 != 0 ||
 		a.LSE%4 != 0 || a.Sinks%4 != 0 || a.Workspace == 0 || a.Workspace%16 != 0) {
 		// The pointers are named only on failure: a launch allocates nothing.
 		return firstErr(

@@ -198,6 +198,7 @@ func KVWrite(a *KVWriteArgs, stream cuda.Stream) error {
 			checkTensor("kv_write: value", a.Value),
 			a.PagedKV.checkPointers("kv_write", false),
 			checkIndex("kv_write: slot_mapping", a.SlotMapping),
+			a.PagedKV.checkWrittenApart("kv_write"),
 		); err != nil {
 			return err
 		}

@@ -1,6 +1,7 @@
 package attn
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/kvplug/kvplug/core/cuda"
@@ -123,6 +124,35 @@ func TestDecodeReadLen(t *testing.T) {
 	} {
 		if got := decodeReadLen(c.maxLen, c.window, c.qLen); got != c.want {
 			t.Errorf("decodeReadLen(%d, %d, %d) = %d, want %d", c.maxLen, c.window, c.qLen, got, c.want)
+		}
+	}
+}
+
+// A KV write into the same memory twice (the same tensor passed as K and V,
+// or as both token-head scale arrays) is refused before any device work;
+// one calibrated scale may serve both K and V.
+func TestKVWriteRefusesTheSameMemoryTwice(t *testing.T) {
+	w := testKVWriteArgs()
+	w.VCache = w.KCache
+	if err := KVWrite(&w, 0); !kverr.Is(err, kverr.InvalidArgument) || !strings.Contains(err.Error(), "k_cache and v_cache") {
+		t.Errorf("k_cache == v_cache: %v", err)
+	}
+	e4 := testKVWriteArgs()
+	e4.DType = BF16
+	e4.PagedKV.DType, e4.ScaleKind = E4M3, ScaleTokenHead
+	e4.CacheBlockStride, e4.CacheTokenStride, e4.CacheHeadStride = 128, 64, 64
+	e4.KScale, e4.VScale = 0x6000, 0x6000
+	if err := KVWrite(&e4, 0); !kverr.Is(err, kverr.InvalidArgument) || !strings.Contains(err.Error(), "k_scale and v_scale") {
+		t.Errorf("token-head k_scale == v_scale: %v", err)
+	}
+	for _, ok := range []func(*KVWriteArgs){
+		func(a *KVWriteArgs) { a.VScale = 0x7000 },
+		func(a *KVWriteArgs) { a.ScaleKind = ScaleTensor }, // one scale for K and V: read, not written
+	} {
+		a := e4
+		ok(&a)
+		if err := KVWrite(&a, 0); kverr.Is(err, kverr.InvalidArgument) || kverr.Is(err, kverr.NullPointer) {
+			t.Errorf("valid scales refused: %v", err)
 		}
 	}
 }

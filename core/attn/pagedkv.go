@@ -178,6 +178,22 @@ func (kv *PagedKV) checkPointers(what string, withTable bool) error {
 	return err
 }
 
+// checkWrittenApart refuses a write whose K and V caches, or whose
+// token-head scale arrays, are the same memory (the same tensor passed
+// twice): V would overwrite K, and every later read take one for the
+// other. Laid out alike from one address, they share every element. (Other
+// overlaps are the caller's to avoid: K and V may interleave in one
+// allocation, as an engine's [blocks, 2, ...] cache does.)
+func (kv *PagedKV) checkWrittenApart(what string) error {
+	if kv.KCache == kv.VCache {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: k_cache and v_cache are the same memory (%#x)", what, uint64(kv.KCache))
+	}
+	if kv.ScaleKind == ScaleTokenHead && kv.KScale == kv.VScale {
+		return kverr.Errorf(kverr.InvalidArgument, "%s: k_scale and v_scale are the same memory (%#x): each token's K and V scales would overwrite each other", what, uint64(kv.KScale))
+	}
+	return nil
+}
+
 // inRangeOf is inRange for field of call what, naming it only on failure
 // (the checks of every launch allocate nothing when they pass).
 func inRangeOf(what, field string, v, lo, hi int) error {
