@@ -2019,7 +2019,10 @@ typedef struct kvp_paged_kv {
 /* Scatter of this step's K and V ([num_tokens, num_kv_heads, head_dim]) into
  * the caches: token t goes to slot slot_mapping[t] = block * block_size +
  * offset. Slots < 0 (padding) and slots >= num_blocks * block_size are
- * skipped. num_tokens == 0 launches nothing. */
+ * skipped. num_tokens == 0 launches nothing. K and V caches that are the
+ * same memory (k_cache == v_cache), or token-head scale arrays that are
+ * (k_scale == v_scale), are INVALID_ARGUMENT: one would overwrite the
+ * other. */
 typedef struct kvp_kv_write_args {
   size_t struct_size; /* sizeof(kvp_kv_write_args) */
   int32_t dtype;      /* kvp_dtype */
