@@ -253,6 +253,9 @@ type Copier struct {
 	stores   StoreEngine
 	storeOps int            // demotions per batched copy call (StoreCopyEngine)
 	batch    cuda.CopyBatch // the batched copy's arrays, reused from Run to Run
+	// batchedStores counts the demotions enqueued by batched copies (tests:
+	// the copy engines, not the kernel, took them).
+	batchedStores int64
 }
 
 // region is one launch's share of a block: a chunk per (layer, tensor)
@@ -434,7 +437,11 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 	}
 	byCopyEngine := c.stores == StoreCopyEngine && len(demote) > 0
 	if byCopyEngine {
-		if err := cuda.CheckBatchStream(stream); err != nil {
+		err := cuda.CheckBatchStream(stream)
+		if err == nil {
+			err = cuda.BatchCopySupported() // an old driver: refused before anything is enqueued
+		}
+		if err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
 		}
 	}
@@ -451,13 +458,28 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 		SlotBytes: c.host.SlotBytes, NumLayers: int32(len(c.layers.K)), KV: int32(c.kv),
 		NumBlocks: c.layers.NumBlocks, NumSlots: c.host.NumSlots,
 	}
-	// The demotions' launches before the reloads': a launch's ops run
-	// concurrently, and a reload may write a GPU block that a demotion of
-	// the same batch reads (a block evicted and allocated anew in the
-	// step, the manager's DemoteEvicted); stream order puts the reads
-	// first. Each region (the K/V chunks, the scales) is a launch of its
-	// own over the same ops: the kernel copies one chunk size per launch.
-	for k, ops := range [][]Op{demote, reload} {
+	// The demotions before the reloads: a launch's ops run concurrently,
+	// and a reload may write a GPU block that a demotion of the same batch
+	// reads (a block evicted and allocated anew in the step, the manager's
+	// DemoteEvicted); stream order puts the reads first. With
+	// StoreCopyEngine the demotions are batched copies on the stream,
+	// ordered before the reloads' launches as a launch would be.
+	launched := [][]Op{demote, reload}
+	if byCopyEngine {
+		for first := 0; first < len(demote); first += c.storeOps {
+			ops := demote[first:min(first+c.storeOps, len(demote))]
+			c.batch.Reset()
+			c.appendStores(&c.batch, ops)
+			if err := cuda.MemcpyBatchAsync(&c.batch, stream); err != nil {
+				return kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
+			}
+			c.batchedStores += int64(len(ops))
+		}
+		launched[0] = nil
+	}
+	// Each region (the K/V chunks, the scales) is a launch of its own over
+	// the same ops: the kernel copies one chunk size per launch.
+	for k, ops := range launched {
 		for first := 0; first < len(ops); first += c.perLaunch {
 			cnt := min(c.perLaunch, len(ops)-first)
 			p.NOps, p.NDemote = int32(cnt), 0

@@ -235,6 +235,11 @@ func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
 	if err := cuda.StreamSynchronize(stream); err != nil {
 		t.Fatal(err)
 	}
+	// The stores went by the engine asked for: every demotion in batched
+	// copies with StoreCopyEngine, none with the kernel.
+	if want := map[StoreEngine]int64{StoreKernel: 0, StoreCopyEngine: int64(len(demote))}[stores]; c.batchedStores != want {
+		t.Fatalf("%d demotions by batched copies with stores by %s, want %d", c.batchedStores, stores, want)
+	}
 	chunk := func(a *array, b int) []byte { return a.host[int64(b)*a.stride : int64(b)*a.stride+a.chunk] }
 	for i, o := range demote {
 		slot := mem[int64(o.Slot)*slotBytes : int64(o.Slot+1)*slotBytes]
