@@ -29,7 +29,13 @@ import (
 //     Release), so the GPU cache's eviction order is what it would be
 //     without the tier. An engine that completes each batch before its
 //     next step's allocations (as it must for reloads) therefore sees the
-//     GPU cache behave exactly as with no tier: no GPU hit is lost.
+//     GPU cache behave as with no tier: no GPU hit is lost. One exception:
+//     a prompt admitted on a host hit and removed before its forward pass
+//     (a preemption) leaves its reloaded blocks cached, their K/V valid,
+//     where without the tier its blocks were uncomputed and dropped; they
+//     are recent, so a later allocation may evict an older block that
+//     the plain cache would still hold (and that the host tier then
+//     serves).
 //   - completion commits the host slot (and queues the block for the
 //     shared tier, when there is one), as a demotion's does, and announces
 //     it (CPU BlockStored); the GPU block stays cached, and a later GPU
