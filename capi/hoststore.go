@@ -8,6 +8,7 @@ package main
 import "C"
 
 import (
+	"sync"
 	"unsafe"
 
 	"github.com/kvplug/kvplug/core/kverr"
@@ -26,6 +27,12 @@ type hostStore struct {
 	mem       unsafe.Pointer // C memory; nil without memory
 	slotBytes int64          // 0 without memory
 	slots     int32
+	// copying is held shared by each write and read from its slots' check
+	// to the end of its copies, and exclusively by reset and destroy: a
+	// reset waits for the copies that checked a slot before it, and a
+	// destroy (on another thread) never frees the memory under one.
+	copying   sync.RWMutex
+	destroyed bool // under copying: a call that took the handle before its destroy finds it gone
 }
 
 var (
@@ -89,7 +96,10 @@ func kvpgo_host_store_create(cfg *C.kvp_host_store_config, out **C.kvp_host_stor
 //export kvpgo_host_store_destroy
 func kvpgo_host_store_destroy(h *C.kvp_host_store) {
 	destroy(unsafe.Pointer(h), func(hs *hostStore) {
-		hs.pool.Reset() // the caller guarantees no copy uses the memory any more
+		hs.copying.Lock() // a write or read that took the handle before it went finishes first
+		defer hs.copying.Unlock()
+		hs.destroyed = true
+		hs.pool.Reset() // the caller guarantees no device copy uses the memory any more
 		_ = hs.pool.Close()
 		if hs.mem != nil {
 			C.free(hs.mem)
@@ -192,6 +202,11 @@ func kvpgo_host_store_touch(h *C.kvp_host_store, n C.int32_t, keys *C.uint64_t) 
 //export kvpgo_host_store_reset
 func kvpgo_host_store_reset(h *C.kvp_host_store, num *C.int32_t) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
+		hs.copying.Lock()
+		defer hs.copying.Unlock()
+		if hs.destroyed {
+			return kverr.Errorf(kverr.InvalidHandle, "kvp_host_store_reset: the store was destroyed during the call")
+		}
 		dropped := hs.pool.Reset()
 		if num != nil {
 			*num = C.int32_t(dropped)
@@ -277,6 +292,11 @@ func segmentsOf(op string, n, segs C.int32_t, ptrs *unsafe.Pointer, lens *C.int6
 func hostCopy(h *C.kvp_host_store, op string, n C.int32_t, slots *C.int32_t, segs C.int32_t, ptrs *unsafe.Pointer,
 	lens *C.int64_t, in bool) C.kvp_status {
 	return onHostStore(h, func(hs *hostStore) error {
+		hs.copying.RLock()
+		defer hs.copying.RUnlock()
+		if hs.destroyed {
+			return kverr.Errorf(kverr.InvalidHandle, "%s: the store was destroyed during the call", op)
+		}
 		if hs.mem == nil {
 			return kverr.Errorf(kverr.Unsupported, "%s: the store has no memory (slot_bytes 0)", op)
 		}

@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"runtime"
 	"slices"
+	"sync"
 	"testing"
 	"unsafe"
 
@@ -159,5 +161,66 @@ func TestSharedStoreABI(t *testing.T) {
 	expect(t, "put/get", st, kverr.OK)
 	if stored != 2 || !slices.Equal(found, []int32{1, 1}) || !bytes.Equal(back[1], data[1]) {
 		t.Fatalf("stored %d found %v back %q", stored, found, back)
+	}
+}
+
+// A destroy or a reset on another thread never frees or reuses memory under
+// a read in progress: each read either finishes with the block's bytes or is
+// told the store is gone (INVALID_HANDLE); none crashes or reads freed
+// memory (the race detector and the C allocator would see it).
+func TestHostStoreDestroyWaitsForReads(t *testing.T) {
+	lockThread(t)
+	for round := range 20 {
+		const slotBytes = 1 << 20 // a large copy, so that the destroy meets one in progress
+		h, st := hookHostStoreCreate(2, slotBytes, 0, 0)
+		expect(t, "create", st, kverr.OK)
+		slots, _, st := hookHostStoreReserve(h, []uint64{7})
+		expect(t, "reserve", st, kverr.OK)
+		want := bytes.Repeat([]byte{byte(round + 1)}, slotBytes)
+		expect(t, "write", hookHostStoreCopy(h, slots, [][]byte{want}, 1, true), kverr.OK)
+		if _, st := hookHostStoreKeys(h, "complete", []uint64{7}, 0); st != 0 {
+			t.Fatalf("complete: %s", statusName(st))
+		}
+		if round%2 == 1 {
+			// The reset side: it waits for the reads that checked the slot before it.
+			defer hookHostStoreDestroy(h)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan string, 8)
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				runtime.LockOSThread()
+				defer runtime.UnlockOSThread()
+				for range 8 {
+					got := [][]byte{make([]byte, slotBytes)}
+					switch st := hookHostStoreCopy(h, slots, got, 4, false); kverr.Code(int32(st)) {
+					case kverr.OK:
+						if !bytes.Equal(got[0], want) {
+							errs <- "a read finished with bytes that are not the block's"
+							return
+						}
+					case kverr.InvalidHandle, kverr.NotFound: // destroyed, or reset (the key gone)
+					default:
+						errs <- "read: " + statusName(st)
+						return
+					}
+				}
+			}()
+		}
+		if round%2 == 0 {
+			hookHostStoreDestroy(h)
+		} else {
+			_, st := hookHostStoreKeys(h, "reset", nil, 0)
+			if st != 0 {
+				t.Fatalf("reset: %s", statusName(st))
+			}
+		}
+		wg.Wait()
+		close(errs)
+		for e := range errs {
+			t.Fatal(e)
+		}
 	}
 }

@@ -2879,8 +2879,10 @@ typedef struct kvp_host_store_stats {
  * (num_slots or slot_bytes out of range, reserved not 0), OUT_OF_MEMORY. */
 kvp_status kvp_host_store_create(const kvp_host_store_config *cfg, kvp_host_store **out);
 
-/* Destroys a store and frees its memory (no copy may use it any more). NULL
- * is a no-op. */
+/* Destroys a store and frees its memory (no device copy may use it any
+ * more). A kvp_host_store_write or _read running on another thread
+ * finishes first; one that starts after it answers INVALID_HANDLE. NULL is
+ * a no-op. */
 void kvp_host_store_destroy(kvp_host_store *s);
 
 /* For each of n keys: states[i] receives its state (KVP_HOST_KEY_*) and,
@@ -2934,9 +2936,10 @@ kvp_status kvp_host_store_unpin(kvp_host_store *s, int32_t n, const uint64_t *ke
 kvp_status kvp_host_store_touch(kvp_host_store *s, int32_t n, const uint64_t *keys);
 
 /* Drops every block, pending and pinned ones included (the caller
- * guarantees no copy still uses them): later completes, pins and unpins
- * of the dropped keys are stale or misses. *num_dropped (may be NULL)
- * receives how many slots it freed. */
+ * guarantees no device copy still uses them; a kvp_host_store_write or
+ * _read running on another thread finishes first): later completes, pins
+ * and unpins of the dropped keys are stale or misses. *num_dropped (may be
+ * NULL) receives how many slots it freed. */
 kvp_status kvp_host_store_reset(kvp_host_store *s, int32_t *num_dropped);
 
 /* Fills *out with the store's statistics. Errors: NULL_POINTER,
