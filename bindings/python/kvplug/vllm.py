@@ -28,6 +28,31 @@ refused whole (None, as vLLM's CPU manager does); completions and unpins the
 store finds nothing for (after a reset) are counted as stale. Every such
 case is counted: KvplugOffloadingManager.counters() and the kvplug:* metrics.
 
+reset_cache with transfers in flight (vLLM's pause_generation(clear_cache=
+True) resets between steps, copies still running): the host store's own
+reset frees every slot, pinned and pending ones included, so it must not run
+while a copy may still use one. The manager forgets every block at once
+(lookups miss, loads get no slot) and remembers, per key, the stores and
+loads that were in flight (counted in reset_inflight); it defers the store's
+reset until they have all ended, and refuses every store meanwhile (None,
+counted in stores_refused), so no slot is handed out while an old copy may
+still write or read it. A transfer ends for the manager either with its
+completion, which then counts as stale and changes nothing (in particular it
+never commits or unpins anything of a later transfer: none can have been
+prepared meanwhile), or with the next on_schedule_end: vLLM's
+OffloadingConnector, which calls that hook every step, drops the
+completions of the transfers in flight at a reset and has its workers wait
+for them (jobs_to_flush) before it starts any transfer it prepares later.
+The assumption: every transfer prepared before a reset is completed once
+after it, or the caller calls on_schedule_end with the connector's flush
+semantics; a caller that does neither keeps stores refused.
+
+A load the manager could not serve in full (slot -1: a miss, a key
+collision, a reset between lookup and load, a fault) is copied without
+those blocks and reported failed by the worker (TransferResult.success
+False), so that vLLM recomputes them instead of attending over GPU blocks
+never filled.
+
 This module imports without vLLM installed: the vLLM classes
 (KvplugOffloadingSpec, KvplugOffloadingManager, KvplugOffloadingWorker,
 KvplugLoadStoreSpec) are built on first access, which imports vLLM. The
@@ -305,7 +330,7 @@ def __getattr__(name: str) -> Any:
 # Counters of the scheduler side, and the metrics they are published as.
 _COUNTERS = ("lookups", "lookup_hits", "lookup_pending", "lookup_misses", "key_collisions", "loads_prepared",
              "load_misses", "stores_prepared", "stores_skipped_present", "stores_refused", "stores_completed",
-             "stores_failed", "stale_completions", "evictions", "resets", "errors")
+             "stores_failed", "stale_completions", "evictions", "resets", "reset_inflight", "errors")
 
 
 def _build() -> Dict[str, Any]:
@@ -358,6 +383,13 @@ def _build() -> Dict[str, Any]:
             self._keys: Dict[int, OffloadKey] = {}  # store key -> vLLM key, pending and resident blocks
             self._pending: set = set()  # store keys with a store in flight
             self._pins: Counter = Counter()  # store key -> loads in flight
+            # Transfers in flight at a reset and not ended since (see reset_cache):
+            # store key -> stores, and store key -> loads.
+            self._stale_stores: Counter = Counter()
+            self._stale_loads: Counter = Counter()
+            # True while the host store still holds the blocks of before the
+            # last reset: its own reset waits for the transfers above.
+            self._draining = False
             self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
             self._counts: Counter = Counter()
             self._published: Counter = Counter()
@@ -394,6 +426,31 @@ def _build() -> Dict[str, Any]:
         def _fault(self, what: str, exc: BaseException) -> None:
             self._counts["errors"] += 1
             logger.exception("kvplug offloading manager: %s failed: %s", what, exc)
+
+        def _end_drain(self) -> None:
+            """Resets the host store once no transfer of before the last
+            reset_cache can still use a slot; until then (or while the reset
+            fails) lookups miss, loads get no slot and stores are refused."""
+            if not self._draining or self._stale_stores or self._stale_loads:
+                return
+            try:
+                if self._store is not None:
+                    self._store.reset()
+                self._draining = False
+            except Exception as exc:
+                self._fault("reset_cache", exc)
+
+        @staticmethod
+        def _take(c: Counter, h: int) -> bool:
+            """Consumes one count of h in c; False when there is none."""
+            n = c.get(h, 0)
+            if n <= 0:
+                return False
+            if n == 1:
+                del c[h]
+            else:
+                c[h] = n - 1
+            return True
 
         def counters(self) -> Dict[str, int]:
             """The scheduler side's counters since creation (_COUNTERS)."""
@@ -434,7 +491,8 @@ def _build() -> Dict[str, Any]:
         def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
             self._counts["lookups"] += 1
             try:
-                h = self._hash(key) if self._store is not None else None
+                # While draining, the store still holds the blocks of before the reset.
+                h = self._hash(key) if self._store is not None and not self._draining else None
                 if h is not None:
                     state, _ = self._store.state([h])
                     if state[0] == RESIDENT:
@@ -457,7 +515,7 @@ def _build() -> Dict[str, Any]:
             try:
                 hs = [self._hash(k) for k in keys]
                 idx = [i for i, h in enumerate(hs) if h is not None]
-                if idx and self._store is not None:
+                if idx and self._store is not None and not self._draining:
                     sl, _ = self._store.pin([hs[i] for i in idx])
                     for i, s in zip(idx, sl):
                         slots[i] = s
@@ -471,7 +529,8 @@ def _build() -> Dict[str, Any]:
             if misses:
                 # vLLM loads only what lookup found in this same step, so this
                 # is a caller's bug or a reset in between: the worker skips
-                # those blocks, and the count says so.
+                # those blocks and reports the transfer failed (vLLM then
+                # recomputes them), and the count says so.
                 self._counts["load_misses"] += misses
                 logger.error("kvplug offloading manager: %d of %d blocks to load are not in the host store", misses,
                              len(keys))
@@ -488,10 +547,16 @@ def _build() -> Dict[str, Any]:
 
         def complete_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
             try:
-                unpin = []
+                unpin, stale = [], 0
                 for k in keys:
                     h = offload_key64(k)
-                    if self._pins.get(h, 0) > 0:
+                    if self._take(self._stale_loads, h):
+                        # A load of before the last reset: no load of h can have
+                        # been prepared since (see reset_cache), so this is its
+                        # completion, not that of a later load holding a pin.
+                        self._counts["stale_completions"] += 1
+                        stale += 1
+                    elif self._pins.get(h, 0) > 0:
                         self._pins[h] -= 1
                         if not self._pins[h]:
                             del self._pins[h]
@@ -500,6 +565,8 @@ def _build() -> Dict[str, Any]:
                         self._counts["stale_completions"] += 1
                 if unpin and self._store is not None:
                     self._store.unpin(unpin)
+                if stale:
+                    self._end_drain()
             except Exception as exc:
                 self._fault("complete_load", exc)
 
@@ -508,7 +575,11 @@ def _build() -> Dict[str, Any]:
             empty = PrepareStoreOutput(keys_to_store=[], store_spec=KvplugLoadStoreSpec([]), evicted_keys=[])
             if not keys:
                 return empty
-            if self._store is None:
+            if self._draining:
+                self._end_drain()
+            if self._store is None or self._draining:
+                # While draining, any slot may still be under a copy of before
+                # the reset (see reset_cache).
                 self._counts["stores_refused"] += len(keys)
                 return None
             try:
@@ -558,27 +629,35 @@ def _build() -> Dict[str, Any]:
 
         def complete_store(self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
             try:
-                done_keys, hs = [], []
+                done_keys, hs, stale = [], [], 0
                 for k in keys:
                     h = offload_key64(k)
-                    if h in self._pending and self._keys.get(h) == k:
+                    if self._take(self._stale_stores, h):
+                        # A store of before the last reset: its slot was not
+                        # handed out again (see reset_cache) and no store of h
+                        # can have been prepared since, so this completion
+                        # commits nothing.
+                        self._counts["stale_completions"] += 1
+                        stale += 1
+                    elif h in self._pending and self._keys.get(h) == k:
                         self._pending.discard(h)
                         done_keys.append(k)
                         hs.append(h)
                     # else: stored before (resident: the connector completes
                     # a job's every key), or dropped by a reset: nothing to do.
-                if not hs:
-                    return
-                n = self._store.complete(hs, failed=not success) if self._store is not None else 0
-                self._counts["stale_completions"] += len(hs) - n
-                if success:
-                    self._counts["stores_completed"] += n
-                    if self.events is not None:
-                        self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium, removed=False))
-                else:
-                    self._counts["stores_failed"] += n
-                    for h in hs:
-                        self._keys.pop(h, None)
+                if hs:
+                    n = self._store.complete(hs, failed=not success) if self._store is not None else 0
+                    self._counts["stale_completions"] += len(hs) - n
+                    if success:
+                        self._counts["stores_completed"] += n
+                        if self.events is not None:
+                            self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium, removed=False))
+                    else:
+                        self._counts["stores_failed"] += n
+                        for h in hs:
+                            self._keys.pop(h, None)
+                if stale:
+                    self._end_drain()
             except Exception as exc:
                 self._fault("complete_store", exc)
 
@@ -588,16 +667,34 @@ def _build() -> Dict[str, Any]:
                 yield from events
 
         def reset_cache(self) -> None:
-            try:
-                if self._store is not None:
-                    self._store.reset()
-            except Exception as exc:
-                self._fault("reset_cache", exc)
+            """Forgets every block now; the host store's own reset (which
+            frees pinned and pending slots too) waits until the transfers in
+            flight have ended (see the module docstring)."""
+            inflight = len(self._pending) + sum(self._pins.values())
+            self._stale_stores.update(self._pending)
+            self._stale_loads.update(self._pins)
+            self._counts["reset_inflight"] += inflight
             self._keys.clear()
             self._pending.clear()
             self._pins.clear()
             self._generation += 1
             self._counts["resets"] += 1
+            self._draining = True
+            self._end_drain()
+
+        def on_schedule_end(self, context: Any) -> None:
+            """The end of a scheduler step. vLLM's OffloadingConnector calls
+            it every step, and on reset_cache it drops the completions of the
+            transfers then in flight and has its workers wait for them
+            (jobs_to_flush) before any transfer of this step or a later one:
+            those transfers will not end here, and no slot handed out from now
+            on is used before they have finished. So the first step after a
+            reset ends the drain."""
+            if not self._draining:
+                return
+            self._stale_stores.clear()
+            self._stale_loads.clear()
+            self._end_drain()
 
         def get_stats(self) -> Any:
             try:
@@ -634,7 +731,9 @@ def _build() -> Dict[str, Any]:
     class KvplugOffloadingWorker(OffloadingWorker):
         """Moves blocks between vLLM's canonical KV tensors (one byte view
         [num_blocks, page] per tensor) and this worker's host rows
-        (num_slots * blocks_per_chunk rows per tensor) with BlockCopier."""
+        (num_slots * blocks_per_chunk rows per tensor) with BlockCopier. A
+        transfer with blocks on host slot -1 (the manager could not serve
+        them) moves the others and is reported failed."""
 
         def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_slots: int,
                      pin_memory: Optional[bool] = None) -> None:
@@ -652,11 +751,22 @@ def _build() -> Dict[str, Any]:
             # Host row r = slot r // blocks_per_chunk, block r % blocks_per_chunk of its chunk.
             self.copier = BlockCopier.for_views(device, num_slots * self.blocks_per_chunk, groups,
                                                 pin_memory=pin_memory)
+            self._incomplete: set = set()  # job ids with blocks the copy skipped (host slot -1)
 
         def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: Any, store: bool) -> bool:
             rows = plan_rows(gpu.block_ids, gpu.group_sizes, gpu.block_indices, host.block_ids,
                              self.blocks_per_chunk)
+            # The copy skips blocks on slot -1 (a miss, a key collision, a reset
+            # between lookup and load, a fault in prepare_load). A load that
+            # reported success would leave vLLM attending over GPU blocks never
+            # filled, so the job fails and vLLM recomputes them; a store fails
+            # so that its slots are given back.
+            skipped = sum(int((host_rows < 0).sum()) for _, host_rows in rows)
             self.copier.transfer(job_id, rows, store)
+            if skipped:
+                logger.warning("kvplug offloading worker: %s job %d: %d blocks have no host slot; the transfer is "
+                               "reported failed", "store" if store else "load", job_id, skipped)
+                self._incomplete.add(job_id)
             return True
 
         def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -666,8 +776,12 @@ def _build() -> Dict[str, Any]:
             return self._submit(job_id, dst_spec, src_spec, store=False)
 
         def get_finished(self) -> List[TransferResult]:
-            return [TransferResult(job_id=j, success=True, transfer_size=n, transfer_time=s)
-                    for j, n, s in self.copier.finished()]
+            out = []
+            for j, n, s in self.copier.finished():
+                ok = j not in self._incomplete
+                self._incomplete.discard(j)
+                out.append(TransferResult(job_id=j, success=ok, transfer_size=n, transfer_time=s))
+            return out
 
         def wait(self, job_ids: set) -> None:
             self.copier.wait(job_ids)
