@@ -47,18 +47,27 @@ and for a server others can reach (all off by default; kvplug.sharedstore):
                                    miss
 
 A page's key is a 128-bit hash of SGLang's page hash (already chained over
-the prefix) with the model and this rank's shard (tensor, pipeline and
-context parallel rank; MLA ranks, which hold the same bytes, share keys, and
-each stores what the tiers lack); values carry a fingerprint of the model
-and page layout, so another layout's value is a miss.
+the prefix) with the model, this rank's shard (tensor, pipeline and context
+parallel rank; MLA ranks, which hold the same bytes, share keys, and each
+stores what the tiers lack) and the fingerprint of the pool's layout (its
+kind, dtype, layout and page geometry): instances whose pools differ (a
+bf16 and an fp8 KV cache of one model) never share a key, so neither counts
+the other's pages as there nor overwrites them. Values carry the
+fingerprint too, so a value that fails its checks is a miss.
 
 Faults in SGLang's terms, never an exception into its threads: a page never
-stored, or stored under another fingerprint, is a miss (batch_exists stops
-counting there, batch_get_v1 returns False for it); a store of a page that is
-there already succeeds without a copy; a full local tier skips the local copy;
-a server that is down, slow or restarting makes gets and exists misses and
-stores skipped within the op timeout (False when no tier took the page).
-Every case is counted: KvplugHiCacheStorage.counters().
+stored, or stored by another layout, is a miss (batch_exists stops
+counting there, batch_get_v1 returns False for it); a store of a page the
+local tier holds already makes no local copy, and writes the page to the
+server only when the server is not known to hold it (so a server write that
+failed is made again at the page's next store); a full local tier skips the
+local copy; a server that is down, slow or restarting makes gets and exists
+misses and stores skipped within the op timeout (False when no tier took the
+page). Every case is counted: KvplugHiCacheStorage.counters().
+
+SGLang's I/O threads transfer concurrently; clear (its
+/clear_hicache_storage_backend) and close wait for the transfers running and
+hold back new ones, and a transfer after close is a miss, or False.
 
 This module imports without SGLang installed: KvplugHiCacheStorage is built
 on first access, which imports SGLang. PageStore, the logic under it, needs
@@ -67,16 +76,18 @@ numpy only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
+import time
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from . import _lib
-from .hoststore import HostStore, key64
+from .hoststore import RESIDENT, HostStore, key64
 from .sharedstore import SharedStore, key128, keys64
 
 logger = logging.getLogger("kvplug.sglang")
@@ -84,6 +95,55 @@ logger = logging.getLogger("kvplug.sglang")
 __all__ = ["PageStore", "KvplugHiCacheStorage", "shared_security"]
 
 _build_lock = threading.Lock()
+_now = time.monotonic  # PageStore's clock (a test may stand in for it)
+
+
+class _Gate:
+    """A readers-writer gate: transfers hold it shared, concurrently with
+    each other; clear and close hold it alone. The host store's reset and
+    destroy require that no copy uses a slot any more (a reset slot is
+    handed to the next reserve while a read or write of the old key still
+    targets it; a destroyed store's memory is freed under a running copy),
+    which only the callers can guarantee. A waiting clear or close holds
+    back new transfers, so that a steady stream of them cannot starve it.
+    Not re-entrant: a thread holding it must not take it again."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self.waiting = 0  # exclusive holders waiting (tests read it)
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self.waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self.waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self.waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
 
 
 class PageStore:
@@ -93,9 +153,15 @@ class PageStore:
     (none when None). Pages move as scatter lists: key i's bytes are the concatenation
     of ptrs[i, :] (addresses) of lens[i, :] bytes, as SGLang's host pool
     describes a page (one segment for MLA, K and V for MHA page_first, every
-    layer's K and V for layer_first)."""
+    layer's K and V for layer_first). shared_ttl_ms: the expiry the shared
+    store gives the pages it stores (0: none).
 
-    def __init__(self, page_bytes: int, host_bytes: int = 0, shared: Optional[SharedStore] = None) -> None:
+    Threads: put, get, exists and exists_prefix may run on several threads
+    at once; clear and close wait for the running ones and hold back new
+    ones (_Gate). After close every call is a miss, or stores nothing."""
+
+    def __init__(self, page_bytes: int, host_bytes: int = 0, shared: Optional[SharedStore] = None,
+                 shared_ttl_ms: int = 0) -> None:
         self.page_bytes = int(page_bytes)
         slots = int(host_bytes) // self.page_bytes if self.page_bytes > 0 else 0
         self.host: Optional[HostStore] = HostStore(num_slots=slots, slot_bytes=self.page_bytes) if slots > 0 else None
@@ -104,28 +170,85 @@ class PageStore:
             raise _lib.InvalidArgumentError(f"kvplug PageStore: no tier (host_bytes {host_bytes} holds no page of {page_bytes} "
                                             "bytes, and no shared store)")
         self.counts: Counter = Counter()
-        self._lock = threading.Lock()  # counts only: the stores are thread-safe
+        self._lock = threading.Lock()  # counts and _on_server: the stores are thread-safe
+        self._gate = _Gate()
+        self._closed = False
+        # Host keys (64-bit) of pages the local tier holds that the server
+        # accepted, or served, each until when the server is taken to hold
+        # it: a store of one of them skips the server. Any other page the
+        # local tier holds is written to the server at its next store, so
+        # that a server write that failed (down, slow, restarting) is made
+        # again instead of never. With an expiry, a page is taken to be
+        # there for half of it after its write (a store after that writes
+        # it again, which renews it), and a page served is not taken to be
+        # there at all (when it was written is unknown). Bounded by the
+        # local tier: its evictions and clear() drop keys.
+        self._on_server: Dict[int, float] = {}
+        self._known_s = float("inf") if shared_ttl_ms <= 0 else shared_ttl_ms / 2000.0
 
     def _count(self, **kw: int) -> None:
         with self._lock:
             self.counts.update(kw)
 
+    def counters(self) -> Dict[str, int]:
+        """A copy of counts (taken under the lock the I/O threads update it
+        under: iterating the live Counter while one adds a key raises)."""
+        with self._lock:
+            return dict(self.counts)
+
+    def _known(self, k64: np.ndarray) -> np.ndarray:
+        now = _now()
+        with self._lock:
+            on = self._on_server
+            return np.fromiter((on.get(int(k), 0.0) > now for k in k64), bool, len(k64))
+
+    def _mark_on_server(self, k64: np.ndarray, served: bool = False) -> None:
+        if not len(k64) or self.host is None or (served and self._known_s != float("inf")):
+            return
+        until = _now() + self._known_s
+        with self._lock:
+            self._on_server.update((int(k), until) for k in k64)
+            big = len(self._on_server) > 2 * self.host.num_slots + 64
+        if big:
+            # Keys marked after a racing eviction dropped them, or expired:
+            # keep the live ones the local tier still holds.
+            now = _now()
+            with self._lock:
+                keys = np.fromiter((k for k, t in self._on_server.items() if t > now), np.uint64)
+            st, _ = self.host.state(keys)
+            keep = {int(k) for k in keys[st == RESIDENT]}
+            with self._lock:
+                for k in [k for k in self._on_server if k not in keep]:
+                    del self._on_server[k]
+
+    def _forget_on_server(self, k64: np.ndarray) -> None:
+        if len(k64):
+            with self._lock:
+                for k in k64:
+                    self._on_server.pop(int(k), None)
+
     def exists_prefix(self, keys: np.ndarray) -> int:
         """How many keys, from the first, a tier holds (local hits touched)."""
-        n = self.host.lookup_prefix(keys64(keys)) if self.host is not None else 0
-        if n < len(keys) and self.shared is not None:
-            n += self.shared.prefix(keys[n:])
+        with self._gate.shared():
+            if self._closed:
+                return 0
+            n = self.host.lookup_prefix(keys64(keys)) if self.host is not None else 0
+            if n < len(keys) and self.shared is not None:
+                n += self.shared.prefix(keys[n:])
         self._count(exists_keys=len(keys), exists_hits=n)
         return n
 
     def exists(self, keys: np.ndarray) -> np.ndarray:
         found = np.zeros(len(keys), bool)
-        if self.host is not None:
-            st, _ = self.host.state(keys64(keys))
-            found = st == 2
-        rest = np.flatnonzero(~found)
-        if len(rest) and self.shared is not None:
-            found[rest] = self.shared.exists(keys[rest])
+        with self._gate.shared():
+            if self._closed:
+                return found
+            if self.host is not None:
+                st, _ = self.host.state(keys64(keys))
+                found = st == RESIDENT
+            rest = np.flatnonzero(~found)
+            if len(rest) and self.shared is not None:
+                found[rest] = self.shared.exists(keys[rest])
         return found
 
     def _host_fill(self, k64: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> Optional[np.ndarray]:
@@ -133,11 +256,13 @@ class PageStore:
         positions of the keys stored now (the others it held already), or
         None when the batch does not fit. A write that raises gives the
         reserved slots back (completed as failed) before the error goes on:
-        left pending they would stay pinned, and their keys unreadable."""
+        left pending they would stay pinned, and their keys unreadable.
+        The caller holds the gate shared."""
         r = self.host.try_reserve(k64)
         if r is None:
             return None
-        slots, _ = r
+        slots, evicted = r
+        self._forget_on_server(evicted)
         new = np.flatnonzero(slots >= 0)
         try:
             if len(new):
@@ -149,24 +274,43 @@ class PageStore:
         return new
 
     def put(self, keys: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Stores the pages; ok[i]: key i is in a tier now (stored, or there
-        already)."""
+        """Stores the pages; ok[i]: key i is in a tier now (resident in the
+        local tier, or accepted by the server now or before). A page the
+        local tier holds already is not copied again, and goes to the
+        server unless the server is known to hold it."""
         n = len(keys)
         ok = np.zeros(n, bool)
-        to_shared = np.arange(n)
-        if self.host is not None:
-            new = self._host_fill(keys64(keys), ptrs, lens)
-            if new is None:
-                self._count(host_full=n)
-            else:
-                ok[:] = True
-                self._count(host_present=n - len(new), host_stored=len(new))
-                to_shared = new
-        if self.shared is not None and len(to_shared):
-            stored = self.shared.put(keys[to_shared], ptrs[to_shared], lens[to_shared])
-            self._count(shared_stored=stored, shared_skipped=len(to_shared) - stored)
-            if stored == len(to_shared):
-                ok[to_shared] = True
+        with self._gate.shared():
+            if self._closed:
+                return ok
+            k64 = keys64(keys)
+            to_shared = np.arange(n)
+            resident = ok
+            if self.host is not None:
+                new = self._host_fill(k64, ptrs, lens)
+                if new is None:
+                    self._count(host_full=n)
+                else:
+                    self._count(host_present=n - len(new), host_stored=len(new))
+                # Resident, not merely held: a key another thread holds
+                # pending may yet fail its write.
+                st, _ = self.host.state(k64)
+                resident = st == RESIDENT
+                ok = resident.copy()
+                if self.shared is not None:
+                    known = self._known(k64)
+                    ok |= known
+                    to_shared = np.flatnonzero(~known)
+                    if n - len(to_shared):
+                        self._count(shared_present=n - len(to_shared))
+            if self.shared is not None and len(to_shared):
+                stored = self.shared.put(keys[to_shared], ptrs[to_shared], lens[to_shared])
+                self._count(shared_stored=stored, shared_skipped=len(to_shared) - stored)
+                # The server says how many it took, not which: a part
+                # stored counts as none (written again next time).
+                if stored == len(to_shared):
+                    ok[to_shared] = True
+                    self._mark_on_server(k64[to_shared[resident[to_shared]]])
         return ok
 
     def get(self, keys: np.ndarray, ptrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -174,42 +318,58 @@ class PageStore:
         page the shared store had is kept in the local tier too."""
         n = len(keys)
         found = np.zeros(n, bool)
-        k64 = keys64(keys)
-        if self.host is not None:
-            slots, _ = self.host.pin(k64)
-            hit = np.flatnonzero(slots >= 0)
-            if len(hit):
-                try:
-                    self.host.read(slots[hit], ptrs[hit], lens[hit])
-                    found[hit] = True
-                finally:
-                    self.host.unpin(k64[hit])
-            self._count(host_hits=len(hit))
-        rest = np.flatnonzero(~found)
-        if len(rest) and self.shared is not None:
-            got = self.shared.get(keys[rest], ptrs[rest], lens[rest])
-            found[rest] = got
-            fetched = rest[got]
-            self._count(shared_hits=len(fetched), misses=len(rest) - len(fetched))
-            if len(fetched) and self.host is not None:
-                new = self._host_fill(k64[fetched], ptrs[fetched], lens[fetched])
-                if new is not None:
-                    self._count(host_filled=len(new))
-        else:
-            self._count(misses=len(rest))
+        with self._gate.shared():
+            if self._closed:
+                return found
+            k64 = keys64(keys)
+            if self.host is not None:
+                slots, _ = self.host.pin(k64)
+                hit = np.flatnonzero(slots >= 0)
+                if len(hit):
+                    try:
+                        self.host.read(slots[hit], ptrs[hit], lens[hit])
+                        found[hit] = True
+                    finally:
+                        self.host.unpin(k64[hit])
+                self._count(host_hits=len(hit))
+            rest = np.flatnonzero(~found)
+            if len(rest) and self.shared is not None:
+                got = self.shared.get(keys[rest], ptrs[rest], lens[rest])
+                found[rest] = got
+                fetched = rest[got]
+                self._count(shared_hits=len(fetched), misses=len(rest) - len(fetched))
+                if len(fetched) and self.host is not None:
+                    new = self._host_fill(k64[fetched], ptrs[fetched], lens[fetched])
+                    if new is not None:
+                        self._count(host_filled=len(new))
+                        self._mark_on_server(k64[fetched], served=True)
+            else:
+                self._count(misses=len(rest))
         return found
 
     def clear(self) -> None:
         """Drops the local tier (the shared server's pages stay: its memory
-        is bounded by its own maxmemory policy)."""
-        if self.host is not None:
-            self.host.reset()
+        is bounded by its own maxmemory policy), once the running transfers
+        are done."""
+        with self._gate.exclusive():
+            if self._closed:
+                return
+            if self.host is not None:
+                self.host.reset()
+            with self._lock:
+                self._on_server.clear()
 
     def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
-        if self.shared is not None:
-            self.shared.close()
+        """Closes the tiers once the running transfers are done (the host
+        store's memory is freed at once); later calls are misses."""
+        with self._gate.exclusive():
+            if self._closed:
+                return
+            self._closed = True
+            if self.host is not None:
+                self.host.close()
+            if self.shared is not None:
+                self.shared.close()
 
 
 def _segments(ptrs: Sequence[int], sizes: Sequence[int], pages: int) -> tuple:
@@ -321,7 +481,11 @@ def _build() -> Any:
             # name -> (host pool, its page size in tokens, page bytes, shared store or None)
             self._pools: Dict[str, tuple] = {}
             self._stores: Dict[str, Optional[PageStore]] = {}
+            # name -> what a page key of the pool hashes after SGLang's page
+            # hash (see _keys)
+            self._key_tails: Dict[str, str] = {}
             self._assembled = False
+            self._closed = False
             self._errors: Counter = Counter()
             self._bad: Counter = Counter()
             self._lock = threading.RLock()
@@ -335,7 +499,7 @@ def _build() -> Any:
             assembled at the first transfer, once every pool is known (see
             _assemble)."""
             with self._lock:
-                if name in self._pools:
+                if self._closed or name in self._pools:
                     return
                 page = int(getattr(pool, "page_size", 1) or 1)
                 ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
@@ -347,6 +511,12 @@ def _build() -> Any:
                 if self.valkey:
                     shared = SharedStore(self.valkey, self.key_space, fingerprint=fp, block_bytes=page_bytes,
                                          op_timeout_ms=self.op_timeout_ms, ttl_ms=self.ttl_ms, **self.security)
+                # The layout fingerprint is in the key, not only in the value:
+                # the server's EXISTS sees keys alone, so two layouts of one
+                # model (a bf16 and an fp8 KV cache) sharing keys would count
+                # each other's pages as there, and overwrite each other's.
+                scope = "" if name == str(PoolName.KV) else f"|{name}"
+                self._key_tails[name] = f"{scope}|{fp:016x}{self._suffix}"
                 self._pools[name] = (pool, page, page_bytes, shared)
                 if self._assembled:
                     # The budget was split already: a pool that comes later
@@ -362,7 +532,7 @@ def _build() -> Any:
                              "of %d bytes, and there is no kvplug_valkey: its pages are not stored", name, host_bytes,
                              page_bytes)
                 return None
-            return PageStore(page_bytes, host_bytes, shared)
+            return PageStore(page_bytes, host_bytes, shared, shared_ttl_ms=self.ttl_ms)
 
         def _assemble(self) -> None:
             """Builds every registered pool's PageStore. kvplug_host_bytes is
@@ -373,7 +543,7 @@ def _build() -> Any:
             split in the proportions of SGLang's own host pools (its L2),
             which the engine sized to hold its pools in balance."""
             with self._lock:
-                if self._assembled:
+                if self._assembled or self._closed:
                     return
                 pages = {name: int(getattr(pool, "size", 0) or 0) // page
                          for name, (pool, page, _, _) in self._pools.items()}
@@ -391,7 +561,7 @@ def _build() -> Any:
         def _store(self, name: str) -> Optional[PageStore]:
             if not self._assembled:
                 self._assemble()
-            return self._stores.get(name)
+            return None if self._closed else self._stores.get(name)
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             super().register_mem_pool_host(mem_pool_host)
@@ -404,8 +574,10 @@ def _build() -> Any:
         # -- helpers --
 
         def _keys(self, keys: Sequence[str], pool: str = "kv") -> np.ndarray:
-            scope = "" if pool == str(PoolName.KV) else f"|{pool}"
-            raw = b"".join(key128(f"{k}{scope}{self._suffix}") for k in keys)
+            tail = self._key_tails.get(pool)
+            if tail is None:
+                raise _lib.InvalidArgumentError(f"kvplug HiCache storage: pool {pool} is not registered")
+            raw = b"".join(key128(f"{k}{tail}") for k in keys)
             return np.frombuffer(raw, dtype=np.uint8).reshape(len(keys), 16)
 
         def _kv(self) -> PageStore:
@@ -424,9 +596,10 @@ def _build() -> Any:
             faults caught (errors) and of v2/v1 transfers refused for host
             indices that are not a page per key (bad_transfers)."""
             out: Counter = Counter()
-            for s in list(self._stores.values()):
-                if s is not None:
-                    out.update(s.counts)
+            with self._lock:
+                stores = [s for s in self._stores.values() if s is not None]
+            for s in stores:
+                out.update(s.counters())
             out["errors"] = sum(self._errors.values())
             out["bad_transfers"] = sum(self._bad.values())
             return dict(out)
@@ -627,9 +800,13 @@ def _build() -> Any:
 
         def clear(self) -> bool:
             try:
-                for s in self._stores.values():
-                    if s is not None:
-                        s.clear()
+                # The stores are taken under the lock (a registration or a
+                # close may change the dict), cleared outside it: each
+                # clear waits for its pool's running transfers.
+                with self._lock:
+                    stores = [s for s in self._stores.values() if s is not None]
+                for s in stores:
+                    s.clear()
                 return True
             except Exception as exc:
                 self._fault("clear", exc)
@@ -639,14 +816,18 @@ def _build() -> Any:
             return None
 
         def close(self) -> None:
+            """Closes every pool's tiers once their running transfers are
+            done; a transfer after close is refused as a fault (a miss, or
+            False), never a crash."""
             with self._lock:
-                for name, (_, _, _, shared) in self._pools.items():
-                    store = self._stores.get(name)
-                    if store is not None:
-                        store.close()  # closes its shared store too
-                    elif shared is not None:
-                        shared.close()
+                self._closed = True
+                closing = [(self._stores.get(name), shared) for name, (_, _, _, shared) in self._pools.items()]
                 self._stores.clear()
                 self._pools.clear()
+            for store, shared in closing:
+                if store is not None:
+                    store.close()  # waits for its transfers; closes its shared store too
+                elif shared is not None:
+                    shared.close()
 
     return KvplugHiCacheStorage
