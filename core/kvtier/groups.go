@@ -52,7 +52,18 @@ import (
 // there gets a group-0 slot younger than it: should the LRU take the
 // companion first, the group-0 slot could serve no hit, so it is dropped
 // with it (orphaned; with KV events on, where the slots' blocks are
-// known), its BlockRemoved sent.
+// known), its BlockRemoved sent. The companion may go while the group-0
+// slot cannot: reserved for a demotion in flight (reserveNode pins a
+// node's resident companions only while the node's own reservations
+// evict, so a later node's reservation, in the same flush or a later one,
+// may take them), or pinned. The node is then marked (t.orphans), and the
+// slot goes when that ends: its completed demotion is aborted instead of
+// committed, neither counted failed nor announced; a resident slot is
+// dropped at its last unpin, with its BlockRemoved. Unless the node is
+// whole again by then (every full companion resident or in flight: the
+// node computed again and demoted, its companions only), and is kept. A
+// full companion's demotion that fails orphans its node the same way: the
+// node's group-0 slot is left without it.
 //
 // Hits obey the GPU's rule (PinHostGroups): after a GPU match of gpu
 // blocks that is group 0's whole cached prefix, the host tier extends it
@@ -230,31 +241,94 @@ func (t *Tier) reserveNode(ops []DemoteOp, i int, comps []Companion, toks []int3
 	}
 	for _, s := range held[:nHeld] {
 		assertOK(t.cfg.Pool.Unpin(host.Slot(s)), op+": unpinning a node's host slot")
+		t.unpinned(host.Slot(s), op)
 	}
 	return ops, n
 }
 
-// orphaned notes that the host pool evicted node h's block of group g (a
-// companion; with KV events on, under hostEvicted): when g is a
-// full-attention group, no host hit can use the node any more, so its
-// group-0 slot goes too, unless pinned or in flight, and its BlockRemoved
-// joins t.gone, instead of announcing a hit the tier refuses until it
-// ages out. (Its other full companions age out on their own: announced
-// by none.)
+// orphaned notes that the host tier lost node h's block of group g (a
+// companion; with KV events on: evicted by the host pool, under
+// hostEvicted, or its demotion failed): when g is a full-attention group,
+// no host hit can use the node any more, so its group-0 slot goes too and
+// its BlockRemoved joins t.gone, instead of announcing a hit the tier
+// refuses until it ages out. A group-0 slot reserved or pinned cannot go
+// now: the node is marked, and the slot goes once its copy completes
+// (abandoned) or its last pin goes (unpinned). (Its other full companions
+// age out on their own: announced by none.)
 func (t *Tier) orphaned(h prefix.Hash, g int, op string) {
 	if gs := t.groups.HostGroups(); g > len(gs) || gs[g-1].Window > 0 {
 		return
 	}
 	s := t.cfg.Pool.Drop(HostKey(h))
 	if s == host.NoSlot {
+		if s, st := t.cfg.Pool.State(HostKey(h)); st != host.Absent && int(s) < len(t.meta) && t.meta[s].group == 0 && t.meta[s].hash == h {
+			if t.orphans == nil {
+				t.orphans = make(map[prefix.Hash]struct{})
+			}
+			t.orphans[h] = struct{}{}
+		}
 		return
 	}
+	t.dropGroupZero(s, h, op)
+}
+
+// dropGroupZero notes that the host pool dropped slot s, node h's
+// announced group-0 block: its BlockRemoved joins t.gone.
+func (t *Tier) dropGroupZero(s host.Slot, h prefix.Hash, op string) {
 	if int(s) >= len(t.meta) || !t.meta[s].resident || t.meta[s].group != 0 || t.meta[s].hash != h {
 		panic(kverr.Errorf(kverr.Internal, "kvtier: %s: dropped host slot %d holds no announced group-0 block of %s", op, s, h))
 	}
 	t.meta[s].resident = false
 	t.gone = append(t.gone, h)
 	t.nResident--
+}
+
+// whole reports whether the host tier holds, or is demoting, node h's
+// block in every full-attention group past 0.
+func (t *Tier) whole(h prefix.Hash) bool {
+	for g, hg := range t.groups.HostGroups() {
+		if _, st := t.cfg.Pool.State(GroupKey(h, g+1)); hg.Window == 0 && st == host.Absent {
+			return false
+		}
+	}
+	return true
+}
+
+// abandoned reports whether demotion op, whose copy has completed, must
+// be aborted instead of committed: its node's group-0 slot, orphaned
+// while in flight and not whole again. It clears op's node's mark.
+func (t *Tier) abandoned(op DemoteOp) bool {
+	if op.Group != 0 || len(t.orphans) == 0 {
+		return false
+	}
+	if _, ok := t.orphans[op.Hash]; !ok {
+		return false
+	}
+	delete(t.orphans, op.Hash)
+	return !t.whole(op.Hash)
+}
+
+// unpinned settles slot s, a resident slot the caller just unpinned (a
+// reload's, or a node's that reserveNode held): a group-0 slot whose node
+// was orphaned while it was pinned is dropped now, its BlockRemoved
+// joining t.gone (which the caller records), unless the node is whole
+// again, or another pin still holds the slot (whose unpin settles it).
+func (t *Tier) unpinned(s host.Slot, op string) {
+	if len(t.orphans) == 0 || int(s) >= len(t.meta) || !t.meta[s].resident || t.meta[s].group != 0 {
+		return
+	}
+	h := t.meta[s].hash
+	if _, ok := t.orphans[h]; !ok {
+		return
+	}
+	if t.whole(h) {
+		delete(t.orphans, h)
+		return
+	}
+	if d := t.cfg.Pool.Drop(HostKey(h)); d != host.NoSlot {
+		delete(t.orphans, h)
+		t.dropGroupZero(d, h, op)
+	}
 }
 
 // freeBlock frees evicted block b, Cached in the GPU pool, undemoted.

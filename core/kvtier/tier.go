@@ -277,7 +277,7 @@ type Copier interface {
 // pool's own.
 type Stats struct {
 	DemotionsQueued    int64 // demotion copies handed to the copier
-	DemotionsCompleted int64 // committed to the host tier
+	DemotionsCompleted int64 // committed to the host tier (with groups, a node's group-0 slot aborted as its full companion went is neither this nor failed)
 	DemotionsFailed    int64 // copies reported failed, or a Copy that failed
 	SkippedFull        int64 // demotions skipped: every host slot pinned
 	SkippedPresent     int64 // demotions skipped: the host tier holds the block already
@@ -341,6 +341,11 @@ type Tier struct {
 	toks      []int32
 	nResident int           // slots whose block was announced (meta resident)
 	gone      []prefix.Hash // scratch: a flush's host evictions
+	// orphans: the nodes (layer groups, groups.go) whose group-0 slot,
+	// reserved for a demotion in flight or pinned, lost a full companion
+	// (orphaned): dropped once no longer in flight or pinned, unless whole
+	// again. At most one per such slot.
+	orphans map[prefix.Hash]struct{}
 
 	// Scratch.
 	pending []DemoteOp
@@ -660,6 +665,7 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 	t.nextTkt++
 	ticket = t.nextTkt
 	if cerr := copyFn(CopyBatch{Ticket: ticket, Demote: t.pending, Reload: t.reloads}); cerr != nil {
+		t.gone = t.gone[:0]
 		for i, op := range t.pending {
 			if i >= moved {
 				t.endStore(op, false)
@@ -670,6 +676,7 @@ func (t *Tier) flush(copyFn func(CopyBatch) error) (ticket uint64, n int, err er
 		for _, op := range t.reloads {
 			t.endReload(op, false)
 		}
+		t.recordGone("flush copies")
 		nd, nr := len(t.pending), len(t.reloads)
 		t.reloads = t.reloads[:0]
 		return 0, 0, kverr.Wrap(kverr.CodeOf(cerr), cerr,
@@ -714,9 +721,7 @@ func (t *Tier) reserveDemotions(ops []DemoteOp, hold bool, op string) []DemoteOp
 		}
 		ev.MM = nil // the slot's now, or dropped
 	}
-	if len(t.gone) > 0 {
-		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
-	}
+	t.recordGone(op)
 	return ops
 }
 
@@ -841,10 +846,12 @@ func (t *Tier) Allocated(blocks []int32) {
 	}
 }
 
-// endReload ends one reload: its host slot is unpinned and the op's
-// reference (and lock) on the GPU block dropped.
+// endReload ends one reload: its host slot is unpinned (and dropped, when
+// its node lost a full companion meanwhile: groups.go, unpinned) and the
+// op's reference (and lock) on the GPU block dropped.
 func (t *Tier) endReload(op ReloadOp, ok bool) {
 	assertOK(t.cfg.Pool.Unpin(op.Slot), "complete copies: unpinning a reload's host slot")
+	t.unpinned(op.Slot, "complete copies")
 	if ok {
 		t.st.ReloadsCompleted++
 	} else {
@@ -869,8 +876,17 @@ func (t *Tier) endReload(op ReloadOp, ok bool) {
 // demotion's or a write-through store's): the slot is committed, and
 // queued for the shared tier when there is one (ok), or aborted (counted
 // failed); with KV events the slot is announced or forgotten. It returns
-// ok.
+// whether the slot was committed. With layer groups (groups.go), a
+// group-0 slot whose node lost a full companion while the copy was in
+// flight is aborted instead, neither failed nor announced (the copy was
+// fine, the node useless); a full companion whose copy failed orphans its
+// node.
 func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
+	if ok && t.abandoned(op) {
+		assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a host slot whose node lost a full companion")
+		t.meta[op.Slot] = hostMeta{}
+		return false
+	}
 	if ok {
 		if t.shared != nil {
 			t.shared.queueStore(op)
@@ -891,6 +907,11 @@ func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
 	t.st.DemotionsFailed++
 	if t.events {
 		t.meta[op.Slot] = hostMeta{}
+		if op.Group == 0 {
+			delete(t.orphans, op.Hash) // the slot it marked is gone
+		} else {
+			t.orphaned(op.Hash, op.Group, "complete copies")
+		}
 	}
 	return false
 }
@@ -923,6 +944,7 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 		return kverr.Errorf(kverr.NotFound, "complete copies: no batch %d in flight", ticket)
 	}
 	delete(t.inflight, ticket)
+	t.gone = t.gone[:0]
 	t.nBlocks -= len(b.Demote) - b.unheld - b.through
 	t.nUnheld -= b.unheld
 	moved := len(b.Demote) - b.through
@@ -937,8 +959,8 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 		// Announced parents first (the batch is in eviction order,
 		// children first), so that a chain goes as one BlockStored.
 		for k := len(b.Demote) - 1; k >= 0; k-- {
-			if b.Demote[k].Group > 0 {
-				continue // a companion: its node's block stands for it
+			if b.Demote[k].Group > 0 || !t.meta[b.Demote[k].Slot].resident {
+				continue // a companion (its node's block stands for it), or aborted
 			}
 			blk := t.block(b.Demote[k].Slot)
 			assertOK(t.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
@@ -947,7 +969,17 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 	for _, op := range b.Reload {
 		t.endReload(op, !failed)
 	}
+	t.recordGone("complete copies")
 	return nil
+}
+
+// recordGone records the BlockRemoved of the host blocks in t.gone (the
+// group-0 slots that completions dropped with their nodes' full
+// companions: groups.go), if any.
+func (t *Tier) recordGone(op string) {
+	if len(t.gone) > 0 {
+		assertOK(t.cache.RecordTierRemoved(prefix.MediumCPU, t.gone), op+": recording host evictions")
+	}
 }
 
 // MatchHost is MatchTiers' host part for one prompt (tokens, keys) whose
@@ -1072,6 +1104,14 @@ func (t *Tier) checkEvents(bad func(string, ...any) error) error {
 		}
 		if k, ok := t.cfg.Pool.Hash(host.Slot(s)); !ok || k != GroupKey(t.meta[s].hash, t.meta[s].group) {
 			return bad("host slot %d is announced with block %s, the pool holds %016x (%v)", s, t.meta[s].hash, k, ok)
+		}
+		if _, marked := t.orphans[t.meta[s].hash]; t.groups != nil && t.meta[s].group == 0 && !marked && !t.whole(t.meta[s].hash) {
+			return bad("host block %s is announced (slot %d) without a full companion in the host tier", t.meta[s].hash, s)
+		}
+	}
+	for h := range t.orphans {
+		if s, st := t.cfg.Pool.State(HostKey(h)); st == host.Absent || int(s) >= len(t.meta) || t.meta[s].group != 0 || t.meta[s].hash != h {
+			return bad("node %s is marked orphaned, its group-0 host slot %d (%v) does not hold it", h, s, st)
 		}
 	}
 	if res := t.cfg.Pool.Stats().Resident; n != t.nResident || comps != t.nCompanions || n+comps != res {
