@@ -386,34 +386,34 @@ class PrefixCacheMethods:
         arr = _mm_items(items) if items else None
         _check(C.kvp_manager_add_mm_items(self._h, seq_id, arr, len(items)))
 
-    def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
-        """The longest cached prefix of each prompt, without admitting it
-        (a router's or scheduler's query). No prompts: []."""
+    def _per_prompt(self, call: str, prompts: Sequence[Any], keys: Any, out_type: Any, fn: Any) -> Any:
+        """Runs a per-prompt query (kvp_manager_<call>, fn(handle, n,
+        tokens, offsets, keys, out)) over prompts and returns its n results
+        of out_type; None for no prompts."""
         n = _batch_len(prompts)
         if not n:
-            self._empty("match")
-            return []
+            self._empty(call)
+            return None
         tokens, offsets = _flatten(prompts)
         keep: list = []
         karr = _keys_array(keys, n, keep)
-        out = (PrefixMatchStruct * max(n, 1))()
-        _check(C.kvp_manager_match(self._h, n, _addr(tokens), _addr(offsets), karr, int(partial), out))
-        return [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out[:n]]
+        out = (out_type * n)()
+        _check(fn(self._h, n, _addr(tokens), _addr(offsets), karr, out))
+        return out
+
+    def match(self, prompts: Sequence[Any], keys: Any = None, *, partial: bool = False) -> List[Match]:
+        """The longest cached prefix of each prompt, without admitting it
+        (a router's or scheduler's query). No prompts: []."""
+        out = self._per_prompt("match", prompts, keys, PrefixMatchStruct,
+                               lambda h, n, t, o, k, out: C.kvp_manager_match(h, n, t, o, k, int(partial), out))
+        return [] if out is None else [Match(o.matched_tokens, o.partial_block, o.partial_tokens) for o in out]
 
     def match_blocks(self, prompts: Sequence[Any], keys: Any = None) -> List[BlockMatch]:
         """Each prompt's hit (as match) and its block match: group 0's
         longest cached prefix, which a recurrent group's hit stops short of
         where no step ended (BlockMatch). No prompts: []."""
-        n = _batch_len(prompts)
-        if not n:
-            self._empty("match_blocks")
-            return []
-        tokens, offsets = _flatten(prompts)
-        keep: list = []
-        karr = _keys_array(keys, n, keep)
-        out = (BlockMatchStruct * n)()
-        _check(C.kvp_manager_match_blocks(self._h, n, _addr(tokens), _addr(offsets), karr, out))
-        return [BlockMatch(o.matched_tokens, o.block_tokens) for o in out]
+        out = self._per_prompt("match_blocks", prompts, keys, BlockMatchStruct, C.kvp_manager_match_blocks)
+        return [] if out is None else [BlockMatch(o.matched_tokens, o.block_tokens) for o in out]
 
     def match_room(self, prompts: Sequence[Any], keys: Any = None) -> List[int]:
         """Per prompt, the blocks an admission of it could allocate now
@@ -423,16 +423,8 @@ class PrefixCacheMethods:
         past its hit are at most that many, if nothing changes in between.
         A query: nothing is touched. Raises UnsupportedError with layer
         groups. No prompts: []."""
-        n = _batch_len(prompts)
-        if not n:
-            self._empty("match_room")
-            return []
-        tokens, offsets = _flatten(prompts)
-        keep: list = []
-        karr = _keys_array(keys, n, keep)
-        out = (_i32 * n)()
-        _check(C.kvp_manager_match_room(self._h, n, _addr(tokens), _addr(offsets), karr, out))
-        return list(out)
+        out = self._per_prompt("match_room", prompts, keys, _i32, C.kvp_manager_match_room)
+        return [] if out is None else list(out)
 
     def pin(self, tokens: Any, keys: Optional[Keys] = None) -> Tuple[int, int]:
         """Pins the cached full blocks of a prefix against eviction. Returns

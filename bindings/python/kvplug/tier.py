@@ -38,7 +38,6 @@ from typing import Any, List, NamedTuple, Sequence, Tuple
 import numpy as np
 
 from . import _lib
-from ._arrays import addr as _addr, batch_len as _batch_len, flatten as _flatten
 from ._capi import TierCopyStruct, TierMatchStruct, TierStatsStruct
 from ._lib import C
 from .tiercopy import TierCopier  # noqa: F401 (the copies on a GPU)
@@ -148,6 +147,7 @@ class HostTierMethods:
     _flush_caps: Tuple[int, int]  # the demote and reload array sizes the next flush starts at
     _lease: Any  # _lib.Owner's
     _empty: Any  # Manager's
+    _per_prompt: Any  # PrefixCacheMethods'
 
     def flush_copies(self) -> CopyBatch:
         """Demotes least recently used cached blocks and returns this step's
@@ -187,18 +187,8 @@ class HostTierMethods:
         cache and, beyond them, those the host tier holds (nothing is
         admitted). With a shared tier, the blocks it holds past those are
         fetched into the host tier first and counted in host_tokens."""
-        from .prefix import _keys_array
-
-        n = _batch_len(prompts)
-        if not n:
-            self._empty("match_tiers")
-            return []
-        tokens, offsets = _flatten(prompts)
-        keep: list = []
-        karr = _keys_array(keys, n, keep)
-        out = (TierMatchStruct * max(n, 1))()
-        _check(C.kvp_manager_match_tiers(self._h, n, _addr(tokens), _addr(offsets), karr, out))
-        return [TierMatch(o.gpu_tokens, o.host_tokens) for o in out[:n]]
+        out = self._per_prompt("match_tiers", prompts, keys, TierMatchStruct, C.kvp_manager_match_tiers)
+        return [] if out is None else [TierMatch(o.gpu_tokens, o.host_tokens) for o in out]
 
     def tier_stats(self) -> TierStats:
         s = TierStatsStruct()
