@@ -50,8 +50,12 @@ semantics; a caller that does neither keeps stores refused.
 A load the manager could not serve in full (slot -1: a miss, a key
 collision, a reset between lookup and load, a fault) is copied without
 those blocks and reported failed by the worker (TransferResult.success
-False), so that vLLM recomputes them instead of attending over GPU blocks
-never filled.
+False), never as a success that would leave vLLM attending over GPU
+blocks never filled. vLLM 0.32's worker connector does not handle failed
+jobs (it asserts success), so such a load stops the engine with that
+assertion rather than serving wrong output; vLLM schedules a load only
+for what lookup found in the same step, so it takes a fault or a key
+collision (both logged and counted).
 
 This module imports without vLLM installed: the vLLM classes
 (KvplugOffloadingSpec, KvplugOffloadingManager, KvplugOffloadingWorker,
@@ -529,8 +533,8 @@ def _build() -> Dict[str, Any]:
             if misses:
                 # vLLM loads only what lookup found in this same step, so this
                 # is a caller's bug or a reset in between: the worker skips
-                # those blocks and reports the transfer failed (vLLM then
-                # recomputes them), and the count says so.
+                # those blocks and reports the transfer failed (see the
+                # module docstring), and the count says so.
                 self._counts["load_misses"] += misses
                 logger.error("kvplug offloading manager: %d of %d blocks to load are not in the host store", misses,
                              len(keys))
@@ -759,8 +763,8 @@ def _build() -> Dict[str, Any]:
             # The copy skips blocks on slot -1 (a miss, a key collision, a reset
             # between lookup and load, a fault in prepare_load). A load that
             # reported success would leave vLLM attending over GPU blocks never
-            # filled, so the job fails and vLLM recomputes them; a store fails
-            # so that its slots are given back.
+            # filled, so the job fails (see the module docstring); a store
+            # fails so that its slots are given back.
             skipped = sum(int((host_rows < 0).sum()) for _, host_rows in rows)
             self.copier.transfer(job_id, rows, store)
             if skipped:
