@@ -21,8 +21,9 @@ type Server struct {
 	Bin  string
 	Port int
 
-	mu  sync.Mutex
-	cmd *exec.Cmd
+	mu     sync.Mutex
+	cmd    *exec.Cmd
+	exited chan struct{} // closed once the process has exited (its Wait returned)
 }
 
 // Find returns the path of valkey-server or redis-server, or skips the test.
@@ -51,29 +52,64 @@ func FreePort(t testing.TB) int {
 // is still running.
 func Start(t testing.TB, bin string, port int, args ...string) *Server {
 	t.Helper()
-	if port == 0 {
-		port = FreePort(t)
-	}
-	s := &Server{Bin: bin, Port: port}
-	argv := append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir()}, args...)
-	s.cmd = exec.Command(bin, argv...)
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		c := resp.NewClient(s.Addr(), time.Second)
-		_, err := c.Do([][][]byte{{[]byte("PING")}})
-		c.Close()
-		if err == nil {
-			return s
+	return launch(t, bin, port, func(port int) []string {
+		return append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+			"--dir", t.TempDir()}, args...)
+	}, ping, "")
+}
+
+// ping is nil once s answers PING over plain TCP.
+func ping(s *Server) error {
+	c := resp.NewClient(s.Addr(), time.Second)
+	defer c.Close()
+	_, err := c.Do([][][]byte{{[]byte("PING")}})
+	return err
+}
+
+// launch starts bin with argv(port) and waits until ready(server) succeeds.
+// A free port (port 0) is only free when FreePort looked: another process
+// (a test's server started beside this one) may take it before the server
+// binds it, and the server then exits. Such a server is started again on
+// another port (argv is called anew: a port of its own it names too is
+// drawn again), up to three times. hint is added to the failure's message.
+func launch(t testing.TB, bin string, port int, argv func(port int) []string, ready func(*Server) error, hint string) *Server {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		p := port
+		if p == 0 {
+			p = FreePort(t)
 		}
-		if time.Now().After(deadline) {
-			s.Stop()
-			t.Fatalf("%s did not start: %v", bin, err)
+		s := &Server{Bin: bin, Port: p, exited: make(chan struct{})}
+		s.cmd = exec.Command(bin, argv(p)...)
+		if err := s.cmd.Start(); err != nil {
+			t.Fatal(err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		go func(cmd *exec.Cmd, exited chan struct{}) {
+			_ = cmd.Wait()
+			close(exited)
+		}(s.cmd, s.exited)
+		t.Cleanup(s.Stop)
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := ready(s)
+			if err == nil {
+				return s
+			}
+			gone := false
+			select {
+			case <-s.exited:
+				gone = true
+			default:
+			}
+			if gone && port == 0 && attempt < 3 {
+				break // its port was taken: again, on another
+			}
+			if gone || time.Now().After(deadline) {
+				s.Stop()
+				t.Fatalf("%s did not start%s: %v", bin, hint, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
 }
 
@@ -95,7 +131,7 @@ func (s *Server) Stop() {
 		return
 	}
 	_ = s.cmd.Process.Kill()
-	_ = s.cmd.Wait()
+	<-s.exited
 	s.cmd = nil
 }
 

@@ -12,7 +12,6 @@ import (
 	"math/big"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -165,16 +164,6 @@ func StartTLS(t testing.TB, bin string, cfg TLSServer, args ...string) *Server {
 	if cfg.ClientCerts {
 		auth = "yes"
 	}
-	port := FreePort(t)
-	s := &Server{Bin: bin, Port: port}
-	argv := append([]string{"--port", "0", "--tls-port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
-		"--appendonly", "no", "--dir", t.TempDir(), "--tls-cert-file", cert, "--tls-key-file", key,
-		"--tls-ca-cert-file", c.CA, "--tls-auth-clients", auth}, args...)
-	s.cmd = exec.Command(bin, argv...)
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
 	// Readiness only: the test's own clients verify the server.
 	tc := &tls.Config{InsecureSkipVerify: true}
 	if cfg.ClientCerts {
@@ -184,20 +173,16 @@ func StartTLS(t testing.TB, bin string, cfg TLSServer, args ...string) *Server {
 		}
 		tc.Certificates = []tls.Certificate{kp}
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	return launch(t, bin, 0, func(port int) []string {
+		return append([]string{"--port", "0", "--tls-port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
+			"--appendonly", "no", "--dir", t.TempDir(), "--tls-cert-file", cert, "--tls-key-file", key,
+			"--tls-ca-cert-file", c.CA, "--tls-auth-clients", auth}, args...)
+	}, func(s *Server) error {
 		cl := resp.NewClientOptions(s.Addr(), resp.Options{DialTimeout: time.Second, OpTimeout: time.Second, TLS: tc})
+		defer cl.Close()
 		_, err := cl.Do([][][]byte{{[]byte("PING")}})
-		cl.Close()
-		if err == nil {
-			return s
-		}
-		if time.Now().After(deadline) {
-			s.Stop()
-			t.Fatalf("%s did not start with TLS (does it support --tls-port?): %v", bin, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	}, " with TLS (does it support --tls-port?)")
 }
 
 // ClientTLS is a client configuration that verifies a server of c.CA for
