@@ -42,7 +42,9 @@
 // failed or restarted mark the instance stale: its set is cleared, a
 // snapshot is requested, and until the snapshot's AllBlocksCleared
 // arrives the index reports the instance as stale (scored 0) rather than
-// guess.
+// guess. A batch numbered 2^63-1 or beyond (no publisher counts that
+// far; the next number would wrap) is a faulty publisher's: counted as a
+// bad batch, its set cleared, stale until its sequence restarts.
 //
 // # Engines
 //
@@ -55,9 +57,11 @@
 // carries (translator says what maps). Such an instance is fresh once
 // connected, its set empty (an idle engine's is), and the set is built
 // from the first batch the index sees, after replaying the earlier
-// batches its publisher still holds. An instance joined mid-stream (its older batches
-// gone) lacks the blocks stored before it joined, and their descendants,
-// until they are stored again: counted (InstanceStatus.JoinedMidStream,
+// batches its publisher still holds; it is stale during that replay,
+// whose batches store blocks the engine may have evicted since. An
+// instance joined mid-stream (its older batches gone) lacks the blocks
+// stored before it joined, and their descendants, until they are stored
+// again: counted (InstanceStatus.JoinedMidStream,
 // Untranslated), under-reported, never routed to wrongly. A gap that
 // cannot be replayed restarts its set the same way.
 //
@@ -68,7 +72,9 @@
 // or down (not connected: its publisher is gone, refuses the connection or
 // went silent). A stale or down instance is scored as absent (0, never
 // Best), and a down one's blocks are cleared from the backend, so routers
-// reading a shared Valkey stop using them too. An engine that exits
+// reading a shared Valkey stop using them too; so is a set that a writer
+// index finds on starting (an earlier writer's, its instance unreachable
+// now) or that a restarted backend brings back while the instance is down. An engine that exits
 // closes its connection, and the instance is down at once. One whose
 // host vanishes or hangs is caught by silence: after IdleTimeout without a
 // batch the index sends a ZMTP heartbeat (PING) on the subscription, and
@@ -81,6 +87,7 @@ package kvindex
 import (
 	"errors"
 	"fmt"
+	"math"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -217,7 +224,7 @@ type instance struct {
 	logged    State       // the state last logged
 	staleLog  time.Time   // when a long wait for a snapshot was last logged
 	waiting   string      // what the instance waits for (status, logs)
-	unclear   bool        // down, and its set's clearing failed: retried while down
+	unclear   bool        // down, and the backend may hold its set (a failed clear, a writer's start, a backend restart): cleared while down
 	xl        *translator // a foreign engine's hashes to the index's; nil for kvplug's
 
 	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
@@ -282,8 +289,13 @@ func New(cfg Config) (*Index, error) {
 		if foreign && cfg.ReadOnly {
 			return nil, fmt.Errorf("kvindex: instance %q: a read-only index cannot translate %s hashes (only the writer sees the events)", ic.Name, ic.Engine)
 		}
-		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, down: !cfg.ReadOnly, format: ic.HashFormat,
-			since: time.Now()}
+		// A writer starts each instance unclear: a shared backend may still
+		// hold the set an earlier writer built (it restarted while the
+		// engine went away), which readers route by until this one clears
+		// it, so it clears it until it reaches the instance (whose
+		// connection then resynchronises).
+		in := &instance{cfg: ic, x: x, nextSeq: -1, stale: !cfg.ReadOnly, down: !cfg.ReadOnly, unclear: !cfg.ReadOnly,
+			format: ic.HashFormat, since: time.Now()}
 		if foreign {
 			in.xl = newTranslator(ic.BlockSize)
 			in.format = kvevents.HashBytes // the index's own hashes
@@ -370,8 +382,15 @@ func (in *instance) run() {
 		if err != nil {
 			in.setErr(err)
 			w := in.dialWaiting(err)
+			g := in.x.be.Generation()
 			in.mu.Lock()
 			in.waiting = w
+			if g != in.gen {
+				// The backend restarted while the instance was down (a
+				// Valkey loading an RDB or AOF taken while it was up):
+				// the set it brings back is cleared again.
+				in.gen, in.unclear = g, true
+			}
 			unclear := in.unclear
 			in.mu.Unlock()
 			if unclear {
@@ -590,8 +609,8 @@ func (in *instance) noteState(why string) {
 			zap.String("was", string(was)), zap.Duration("after", after.Round(time.Millisecond)))
 	case StateStale:
 		lvl := l.Warn
-		if was == StateDown {
-			lvl = l.Info // connecting: a snapshot is the normal way in
+		if was == StateDown || why == catchingUp {
+			lvl = l.Info // connecting: a snapshot (a replay) is the normal way in
 		}
 		lvl("kvindex: instance stale: not routed until in sync", name, zap.String("why", why), zap.String("waiting_for", waiting))
 	case StateDown:
@@ -696,6 +715,10 @@ func (in *instance) retrySnapshot() {
 
 // handle applies one received batch, filling a gap by replay first.
 func (in *instance) handle(m kvevents.Message) {
+	if m.Seq < 0 || m.Seq == math.MaxInt64 {
+		in.badSeq(m.Seq)
+		return
+	}
 	in.mu.Lock()
 	next, stale := in.nextSeq, in.stale
 	in.mu.Unlock()
@@ -720,6 +743,34 @@ func (in *instance) handle(m kvevents.Message) {
 	}
 }
 
+// badSeq drops a batch whose sequence number the index cannot follow: one
+// past 2^63-1 on the wire (read as negative), or 2^63-1 itself, after
+// which the next batch's number would wrap. Publishers count from 0 and
+// never get there, so this is a faulty one: the set built from its
+// batches is cleared and the instance stays stale, whatever its engine,
+// until its sequence restarts (the next batch numbered below 2^63-1
+// starts the set again, as after a publisher's restart).
+func (in *instance) badSeq(seq int64) {
+	in.badBatches.Add(1)
+	why := fmt.Sprintf("batch sequence number %d is beyond 2^63-2, which the index cannot follow", uint64(seq))
+	in.setErr(fmt.Errorf("instance %q: %s: a faulty publisher, stale until its sequence restarts", in.cfg.Name, why))
+	in.mu.Lock()
+	was := in.stale
+	in.stale, in.nextSeq = true, -1
+	in.gen = in.x.be.Generation()
+	in.waiting = "a batch numbered below 2^63-1 on " + in.cfg.Endpoint + " (its publisher restarting its sequence)"
+	in.mu.Unlock()
+	if !was {
+		// A stale set was cleared when it went stale; one that failed to
+		// clear is cleared before it is built again (a snapshot's
+		// AllBlocksCleared, or start).
+		in.resets.Add(1)
+		logx.L().Info("kvindex: instance resynchronising", zap.String("instance", in.cfg.Name), zap.String("why", why))
+		in.clearSet()
+	}
+	in.noteState(why)
+}
+
 // start (re)builds a stale instance's set from batch m: from its
 // AllBlocksCleared for kvplug's publisher (only a snapshot says what the
 // whole set is), from m itself for an engine that sends no snapshots,
@@ -736,10 +787,20 @@ func (in *instance) start(m kvevents.Message) {
 	if stale && !in.clearSet() {
 		return // the last clear failed too: still stale; the next batch tries again
 	}
+	// The batches before m are the engine's past: they store blocks it
+	// may have evicted since, and remove them only later in the stream.
+	// Replayed over the set, they show such blocks until the replay
+	// reaches m, so the instance is stale until then (fresh again with
+	// m applied, or with the set rebuilt from m when they are gone).
+	replay := m.Seq > 0 && in.cfg.ReplayEndpoint != ""
 	in.mu.Lock()
-	in.stale, in.nextSeq, in.waiting = false, 0, ""
+	in.stale, in.nextSeq = replay, 0
+	in.waiting = ""
+	if replay {
+		in.waiting = fmt.Sprintf("the replay of batches 0..%d from %s", m.Seq-1, in.cfg.ReplayEndpoint)
+	}
 	in.mu.Unlock()
-	in.noteState("")
+	in.noteState(catchingUp)
 	if m.Seq > 0 && !in.fill(0, m.Seq) {
 		// Batches before m are gone: start from m, with what it missed
 		// cleared (a partial replay may have applied some).
@@ -749,8 +810,18 @@ func (in *instance) start(m kvevents.Message) {
 			return
 		}
 	}
-	in.apply(m, false)
+	if in.apply(m, false) {
+		in.mu.Lock()
+		in.stale, in.waiting = false, ""
+		in.mu.Unlock()
+		in.noteState("")
+	}
+	// (A failed apply resynchronised the instance.)
 }
+
+// catchingUp is why a foreign instance is stale while its publisher's
+// earlier batches are replayed: the normal way in, logged as such.
+const catchingUp = "replaying the batches its publisher holds before the first one seen"
 
 // fill replays batches [from, to) and applies them; false when the
 // publisher no longer holds them all.
@@ -849,6 +920,9 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 			switch ev.Kind {
 			case kvevents.KindStored:
 				hashes, skipped = in.xl.stored(&ev, md)
+				if skipped > 0 && loraWithoutID(&ev) {
+					in.setErr(fmt.Errorf("instance %q stores blocks of LoRA adapter %q without its lora_id: not indexed (the index knows adapters by id)", in.cfg.Name, *ev.LoRAName))
+				}
 			case kvevents.KindRemoved:
 				hashes, _ = in.xl.removed(&ev, md) // an unknown block is one the index never added
 			case kvevents.KindCleared:

@@ -71,7 +71,7 @@ func (x *Index) WriteMetrics(w io.Writer) error {
 		{"kvindex_replayed_batches_total", "Batches filled in from an instance's replay endpoint.", func(s *InstanceStatus) int64 { return s.Replayed }},
 		{"kvindex_resyncs_total", "Times an instance's set was cleared and rebuilt from a snapshot.", func(s *InstanceStatus) int64 { return s.Resyncs }},
 		{"kvindex_snapshot_requests_total", "Snapshots asked of an instance's replay endpoint.", func(s *InstanceStatus) int64 { return s.Snapshots }},
-		{"kvindex_bad_batches_total", "Batches that did not decode.", func(s *InstanceStatus) int64 { return s.BadBatches }},
+		{"kvindex_bad_batches_total", "Batches that did not decode, or whose sequence number cannot be followed.", func(s *InstanceStatus) int64 { return s.BadBatches }},
 		{"kvindex_backend_errors_total", "Failed writes of an instance's events to the backend.", func(s *InstanceStatus) int64 { return s.BackendErrors }},
 		{"kvindex_unknown_medium_events_total", "Events of a medium the index does not know, ignored.", func(s *InstanceStatus) int64 { return s.UnknownMedium }},
 		{"kvindex_disconnects_total", "Times an instance went down (connection closed or silent).", func(s *InstanceStatus) int64 { return s.Disconnects }},

@@ -51,7 +51,8 @@ func engineOf(name string) (foreign bool, err error) {
 // events that name it later (BlockRemoved, and a lower tier's hash-only
 // BlockStored).
 //
-// What maps: token blocks, lora_id (a prompt's Keys.Adapter), a cache
+// What maps: token blocks, lora_id (a prompt's Keys.Adapter; a block with
+// a lora_name but no lora_id is not translated, see loraWithoutID), a cache
 // salt (vLLM's cache_salt, the one extra key of a prompt's first block,
 // or SGLang's cache_salt field; Keys.Salt is its UTF-8 bytes), and the LoRA name vLLM also puts in
 // extra keys (covered by lora_id). A block with other extra keys
@@ -125,9 +126,15 @@ func (t *translator) stored(ev *kvevents.DecodedEvent, md prefix.Medium) (keys [
 	if ev.BlockSize != t.bs || len(ev.Tokens) != len(ev.Hashes)*t.bs {
 		return nil, len(ev.Hashes)
 	}
+	if loraWithoutID(ev) {
+		// An adapter's blocks (and so their descendants): without its id
+		// no query's key would find them, and without the adapter they
+		// would pass for the base model's.
+		return nil, len(ev.Hashes)
+	}
 	var adapter uint64
-	if ev.LoRAID != nil && *ev.LoRAID > 0 {
-		adapter = uint64(*ev.LoRAID)
+	if ev.LoRAID != nil {
+		adapter = uint64(*ev.LoRAID) // an id above 2^63 decodes negative
 	}
 	for i, h := range ev.Hashes {
 		var extra any
@@ -150,6 +157,14 @@ func (t *translator) stored(ev *kvevents.DecodedEvent, md prefix.Medium) (keys [
 		keys = append(keys, k)
 	}
 	return keys, 0
+}
+
+// loraWithoutID reports a BlockStored of a LoRA adapter's blocks that
+// names the adapter by lora_name alone (lora_id None or 0: vLLM marks
+// lora_id deprecated in favour of the name). The index keys an adapter's
+// blocks by its id (Keys.Adapter), so it cannot translate these.
+func loraWithoutID(ev *kvevents.DecodedEvent) bool {
+	return ev.LoRAName != nil && *ev.LoRAName != "" && (ev.LoRAID == nil || *ev.LoRAID == 0)
 }
 
 // tokens converts a block's tokens into t.tok; false when one is outside
