@@ -80,6 +80,7 @@ class Request:
     outputs: Dict[int, List[int]] = dataclasses.field(default_factory=dict)  # seq id -> its tokens
     # Its admissions' host tier loads (kvplug.hf.tier_copy.LoadRecord: time, whether they overlapped a step).
     loads: List[Any] = dataclasses.field(default_factory=list)
+    error: Optional[str] = None  # why the engine refused it (the pool can never hold it), if it did
 
     @property
     def output_tokens(self) -> int:
@@ -213,6 +214,8 @@ class Engine:
                     raise
                 self._preempt(self.running[-1])
                 continue
+            for sid, err in batch.refused:  # a request the pool can never hold: it ends, without output
+                self._refuse(sid, err, now)
             if admits:  # only the plan's tail came from the waiting line
                 # Admitted: in the batch, or live and loading its host tier blocks beside this step (early loads).
                 admitted = set(batch.seq_ids.tolist()).union(batch.deferred)
@@ -231,6 +234,20 @@ class Engine:
                     f"hf_engine: the pool ({self.cache.num_blocks} blocks) cannot hold sequence {first} "
                     f"({len(self.cache.seqs[first].tokens)} tokens)", kvplug.Status.OUT_OF_BLOCKS)
             return batch if len(batch) else None
+
+    def _refuse(self, sid: int, err: Exception, now: Callable[[], float]) -> None:
+        """Ends the request of sid, which the cache refused for good (its
+        error is logged and kept in Request.error), and retires its sequences."""
+        req = self.req_of[sid]
+        print(f"hf_engine: request {req.rid} refused: {err}", file=sys.stderr)
+        req.error = str(err)
+        gone = [s for s in req.seq_ids if s in self.cache.seqs]
+        self.cache.remove(gone)
+        self.waiting = collections.deque(s for s in self.waiting if s not in gone)
+        self.running = [s for s in self.running if s not in gone]
+        if req.finished is None:
+            req.finished = now()
+            self.just_finished.append(req)
 
     def _preempt(self, sid: int) -> None:
         self.cache.preempt(sid)

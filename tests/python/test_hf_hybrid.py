@@ -111,3 +111,32 @@ def test_sinks_matter():
                 layer.self_attn.sinks.fill_(-1e4)
     assert (run(no_sinks) - ref).abs().max() > 1e-3
 
+
+
+def test_a_prompt_the_groups_can_never_hold_is_refused_not_raised():
+    # Gemma 3 (one full and five window groups), 64 blocks of 4, window 8: a sequence decoded to 60 tokens holds 30
+    # blocks while live, but its re-admission asks every group for the whole prompt (16 blocks x 6), which the
+    # manager refuses for good. The schedule has grown the live sequence by then: it leaves the refused one out
+    # (Batch.refused, with the error) instead of raising, so the cache and the manager stay in step.
+    km = H.twin(tiny_hybrid("gemma-3", window=8))
+    rng = np.random.default_rng(0)
+    with kvhf.PagedKVCache.for_model(km, 64, 4) as c:
+        r = kvhf.Runner(km, c, max_batch=4, max_step_tokens=256, max_model_len=256)
+        c.add(0, rng.integers(1, 97, 20).tolist())
+        c.add(1, rng.integers(1, 97, 8).tolist())
+        r.step(c.schedule([(0, 20), (1, 8)]))
+        for _ in range(40):
+            c.append(0, 3)
+            c.append(1, 4)
+            r.step(c.schedule([(0, 1), (1, 1)]))
+        c.append(0, 3)
+        c.append(1, 4)
+        c.preempt(0)
+        b = c.schedule([(1, 1), (0, 1)])
+        assert b.seq_ids.tolist() == [1] and [s for s, _ in b.refused] == [0] and b.not_admitted == []
+        assert isinstance(b.refused[0][1], kvplug.InvalidArgumentError) and not c.state(0).live
+        r.step(b)
+        c.append(1, 5)
+        c.remove([0])
+        b = c.schedule([(1, 1)])  # the manager and the cache agree: the live sequence goes on
+        assert b.seq_ids.tolist() == [1] and b.seq_lens.tolist() == [50]

@@ -212,6 +212,10 @@ class Batch:
     deferred: List[int] = dataclasses.field(default_factory=list)
     # The host tier loads of this schedule's admissions (one record per admission that has any).
     loads: List[LoadRecord] = dataclasses.field(default_factory=list)
+    # Requested sequences the manager refused for good (an InvalidArgumentError, such as a hybrid model's
+    # history that the pool's layer groups can never hold: PromptTooLongError), with the error: left out and
+    # not live; the caller retires them (remove) or the next schedules refuse them again.
+    refused: List[Tuple[int, Exception]] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -855,8 +859,10 @@ class PagedKVCache:
         them this raises kvplug.OutOfBlocksError and nothing changed (preempt
         one and retry). Sequences not live are then admitted in order, each
         starting on its longest cached prefix; admission stops at the first
-        that does not fit (Batch.not_admitted lists it and those after it).
-        The batch is ordered live sequences first, then the admitted ones.
+        that does not fit (Batch.not_admitted lists it and those after it);
+        one the manager refuses for good is skipped (Batch.refused, with its
+        error; the caller retires it). The batch is ordered live sequences
+        first, then the admitted ones.
         With linear-attention layers in the prefix cache, a chunk that
         passes a checkpoint boundary (checkpoint_every blocks) stops at the
         last one it reaches, so that its state is kept there; and at the
@@ -951,6 +957,7 @@ class PagedKVCache:
             del joining[sid]
         cached: List[int] = [0] * len(ids)
         not_admitted: List[int] = []
+        refused: List[Tuple[int, Exception]] = []
         deferred: List[int] = []
         reserved = 0  # blocks the deferred admissions' chunks still need (see below)
         check_room = tier is not None and len(self.groups) == 1
@@ -989,9 +996,16 @@ class PagedKVCache:
                         break
                     early = False  # admitted as without early loads (with its chunk, or not at all)
             upto = hit + 1 if early else full
-            got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
-            if got.size == 0 and self._wait_for_copies():
+            try:
                 got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+                if got.size == 0 and self._wait_for_copies():
+                    got = self.manager.admit([sid], [s.tokens[:upto]], s.keys)
+            except kvplug.InvalidArgumentError as e:
+                # Never admissible (with layer groups the manager counts the prompt's blocks in every group):
+                # the live sequences have grown already, so the schedule goes on without it rather than raise
+                # and leave them out of step with the manager.
+                refused.append((sid, e))
+                continue
             if got.size == 0:
                 not_admitted = [a for a, _ in admits[k:]]
                 break
@@ -1023,7 +1037,7 @@ class PagedKVCache:
         q_lens = np.fromiter(map(len, news), np.int32, len(news))
         flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(q_lens.sum()))
         batch = self._batch(ids, starts, q_lens, flat, cached, not_admitted, patch)
-        batch.deferred, batch.loads = deferred, loads
+        batch.deferred, batch.loads, batch.refused = deferred, loads, refused
         if tier is not None and tier.fresh and len(batch):
             # A sequence of this step that reads blocks being loaded (a prompt sharing a prefix with a deferred
             # one, matched on the GPU) has the step's stream wait for those loads.

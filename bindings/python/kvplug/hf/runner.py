@@ -527,6 +527,8 @@ def generate(
                     raise
                 cache.preempt(live[-1])
                 continue
+            if batch.refused:  # a prompt the pool can never hold (this call's sequences are removed below)
+                raise batch.refused[0][1]
             if len(batch) == 0:
                 raise kvplug.OutOfBlocksError("kvplug.hf.generate: the pool cannot hold one sequence; give more num_blocks",
                                               kvplug.Status.OUT_OF_BLOCKS)
