@@ -364,19 +364,31 @@ func (p *Publisher) flush() {
 		return
 	}
 	ts := float64(time.Now().UnixNano()) / 1e9
-	for len(evs) > 0 {
-		n := min(len(evs), p.cfg.MaxBatchEvents)
+	// The batches are cut first so that a batch with AllBlocksCleared can
+	// say how many of this drain's batches follow it: a snapshot spans
+	// them all, and a subscriber that scores the instance only once it is
+	// whole must know where it ends (SnapshotRestField).
+	var cuts []int // each batch's end in evs
+	for end := 0; end < len(evs); {
+		n := min(len(evs)-end, p.cfg.MaxBatchEvents)
 		// Never split a chain of stored blocks that would merge.
-		for n < len(evs) && evs[n].Kind == prefix.BlockStored && evs[n].Parent == evs[n-1].Hash && evs[n].Group == evs[n-1].Group && n < 4*p.cfg.MaxBatchEvents {
+		for i := end + n; i < len(evs) && evs[i].Kind == prefix.BlockStored && evs[i].Parent == evs[i-1].Hash && evs[i].Group == evs[i-1].Group && n < 4*p.cfg.MaxBatchEvents; i++ {
 			n++
 		}
-		p.publish(ts, evs[:n])
-		evs = evs[n:]
+		end += n
+		cuts = append(cuts, end)
+	}
+	start := 0
+	for i, end := range cuts {
+		p.publish(ts, evs[start:end], len(cuts)-1-i)
+		start = end
 	}
 }
 
-func (p *Publisher) publish(ts float64, evs []prefix.Event) {
-	payload := p.enc.Encode(ts, evs)
+// publish sends evs as the next batch; rest is the number of batches of
+// the same drain after it, which an AllBlocksCleared in it carries.
+func (p *Publisher) publish(ts float64, evs []prefix.Event, rest int) {
+	payload := p.enc.EncodeSnapshot(ts, evs, rest)
 	seq := p.nextSeq.Add(1) - 1
 	var seqb [8]byte
 	binary.BigEndian.PutUint64(seqb[:], uint64(seq))

@@ -16,6 +16,11 @@
 //     group's kv_cache_spec_kind and kv_cache_spec_sliding_window), after
 //     the fields of vLLM's BlockStored and BlockRemoved, in their order
 //     (Encoding.Groups); one without groups sends none of these fields;
+//   - a snapshot (AllBlocksCleared and every cached block) cut into more
+//     than one batch says so: its AllBlocksCleared, in the map form, has
+//     kvplug's field kvplug_snapshot_rest, the number of batches after its
+//     own that complete the set (SnapshotRestField), which vLLM's decoders
+//     skip;
 //   - a ROUTER socket replays the batches it still holds: a request is the
 //     first wanted sequence number (8 bytes, big-endian), each reply is
 //     [topic, seq, payload] and the last one [empty, -1, empty].
@@ -165,9 +170,33 @@ func (e *Encoder) storedRun(evs []prefix.Event) int {
 	return n
 }
 
+// SnapshotRestField is kvplug's field of an AllBlocksCleared in the map
+// form: how many batches after the event's own complete the set it
+// begins. A Publisher cuts a drain (a snapshot: AllBlocksCleared and every
+// cached block) into batches of at most MaxBatchEvents events, so a set of
+// more blocks spans several; a subscriber that applies them as they come
+// holds part of the set until the batch numbered the event's batch plus
+// this count is applied. The field is written only when that count is
+// not 0, and only in the map form: decoders of vLLM's named-field events
+// (msgspec's structs, this package's Decode) skip a field they do not
+// know, whereas the positional form's trailing places are vLLM's to add
+// fields at. Without it, the set is whole once the batch is applied, as
+// vLLM's and SGLang's publishers (which cut no snapshot) mean it.
+const SnapshotRestField = "kvplug_snapshot_rest"
+
+// MaxSnapshotRest bounds SnapshotRestField on decoding.
+const MaxSnapshotRest = 1 << 32
+
 // Encode returns the payload of one batch of evs taken at time ts (seconds
 // since the epoch). The result is valid until the next call.
 func (e *Encoder) Encode(ts float64, evs []prefix.Event) []byte {
+	return e.EncodeSnapshot(ts, evs, 0)
+}
+
+// EncodeSnapshot is Encode for a batch followed by rest more batches that
+// complete what its AllBlocksCleared begins: each AllBlocksCleared carries
+// rest as SnapshotRestField (map form, rest > 0 only).
+func (e *Encoder) EncodeSnapshot(ts float64, evs []prefix.Event, rest int) []byte {
 	nOut := 0
 	for i := 0; i < len(evs); {
 		if evs[i].Kind == prefix.BlockStored {
@@ -195,7 +224,13 @@ func (e *Encoder) Encode(ts float64, evs []prefix.Event) []byte {
 			b = e.appendRemoved(b, &evs[i])
 			i++
 		default:
-			b = e.appendTag(b, "AllBlocksCleared", 0)
+			if rest > 0 && e.enc.Format == FormatMap {
+				b = e.appendTag(b, "AllBlocksCleared", 1)
+				b = msgp.AppendString(b, SnapshotRestField)
+				b = msgp.AppendInt(b, rest)
+			} else {
+				b = e.appendTag(b, "AllBlocksCleared", 0)
+			}
 			i++
 		}
 	}
@@ -414,6 +449,10 @@ type DecodedEvent struct {
 	GroupIdx      *int64
 	SpecKind      *string
 	SlidingWindow *int64
+	// SnapshotRest is an AllBlocksCleared's SnapshotRestField: the
+	// batches after this one that complete the set it begins; 0 when
+	// absent (the set is whole with this batch).
+	SnapshotRest int64
 
 	hasTokens bool // token_ids was given (empty or not)
 }
@@ -753,6 +792,16 @@ func (ev *DecodedEvent) field(name string, p []byte) ([]byte, error) {
 		return readOptString(p, &ev.SpecKind)
 	case "kv_cache_spec_sliding_window":
 		return readOptInt(p, &ev.SlidingWindow)
+	case SnapshotRestField:
+		var v int64
+		if v, p, err = msgp.ReadInt64Bytes(p); err != nil {
+			return nil, err
+		}
+		if v < 0 || v > MaxSnapshotRest {
+			return nil, fmt.Errorf("%s %d out of [0, %d]", SnapshotRestField, v, int64(MaxSnapshotRest))
+		}
+		ev.SnapshotRest = v
+		return p, nil
 	case "extra_keys":
 		if msgp.NextType(p) == msgp.NilType {
 			return msgp.ReadNilBytes(p)

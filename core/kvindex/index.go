@@ -42,9 +42,17 @@
 // failed or restarted mark the instance stale: its set is cleared, a
 // snapshot is requested, and until the snapshot's AllBlocksCleared
 // arrives the index reports the instance as stale (scored 0) rather than
-// guess. A batch numbered 2^63-1 or beyond (no publisher counts that
-// far; the next number would wrap) is a faulty publisher's: counted as a
-// bad batch, its set cleared, stale until its sequence restarts.
+// guess. A snapshot cut into several batches (more blocks than the
+// publisher's MaxBatchEvents) names how many follow its AllBlocksCleared
+// (kvevents.SnapshotRestField): the instance is stale until the last is
+// applied, also when it arrives in sequence while the instance is fresh
+// (another subscriber asked for it), since the set shows only in part
+// until then; a gap that cannot be replayed meanwhile restarts the wait.
+// A snapshot without the field (one batch, or an older publisher's) is
+// whole once its batch is applied. A batch numbered 2^63-1 or beyond (no
+// publisher counts that far; the next number would wrap) is a faulty
+// publisher's: counted as a bad batch, its set cleared, stale until its
+// sequence restarts.
 //
 // # Engines
 //
@@ -226,6 +234,13 @@ type instance struct {
 	waiting   string      // what the instance waits for (status, logs)
 	unclear   bool        // down, and the backend may hold its set (a failed clear, a writer's start, a backend restart): cleared while down
 	xl        *translator // a foreign engine's hashes to the index's; nil for kvplug's
+
+	// snapEnd is, while a snapshot cut into several batches is applied,
+	// the number of its last batch (its AllBlocksCleared's batch plus its
+	// kvevents.SnapshotRestField): the instance is stale, in sequence,
+	// until that batch is applied. 0: none pending.
+	snapEnd int64
+	snapAt  time.Time // when the pending snapshot's last batch so far was applied
 
 	batches, events, gaps, replayed, snapshots, resets, badBatches, backendErrors, unknownMedium atomic.Int64
 	disconnects, heartbeats, heartbeatAnswers, probes                                            atomic.Int64
@@ -543,7 +558,7 @@ func (in *instance) markDown(why string) {
 	// Counted before the state shows: Status reads the counters after the
 	// state, so a status that says down has counted the disconnect.
 	in.disconnects.Add(1)
-	in.down, in.stale, in.nextSeq = true, true, -1
+	in.down, in.stale, in.nextSeq, in.snapEnd = true, true, -1, 0
 	in.waiting = in.dialWaiting(nil)
 	in.gen = in.x.be.Generation()
 	in.mu.Unlock()
@@ -609,7 +624,7 @@ func (in *instance) noteState(why string) {
 			zap.String("was", string(was)), zap.Duration("after", after.Round(time.Millisecond)))
 	case StateStale:
 		lvl := l.Warn
-		if was == StateDown || why == catchingUp {
+		if was == StateDown || why == catchingUp || why == snapshotArriving {
 			lvl = l.Info // connecting: a snapshot (a replay) is the normal way in
 		}
 		lvl("kvindex: instance stale: not routed until in sync", name, zap.String("why", why), zap.String("waiting_for", waiting))
@@ -642,7 +657,7 @@ func (in *instance) setErr(err error) {
 func (in *instance) resync(why string) {
 	in.mu.Lock()
 	in.stale = true
-	in.nextSeq = -1
+	in.nextSeq, in.snapEnd = -1, 0
 	in.gen = in.x.be.Generation()
 	in.waiting = in.snapshotWaiting()
 	in.mu.Unlock()
@@ -696,7 +711,9 @@ func (in *instance) requestSnapshot() {
 // and says so now and then.
 func (in *instance) retrySnapshot() {
 	in.mu.Lock()
-	due := in.stale && time.Since(in.lastReq) > snapshotRetry
+	// A snapshot whose batches are still arriving is not asked for again
+	// (a new one would start over), unless they stopped coming.
+	due := in.stale && time.Since(in.lastReq) > snapshotRetry && (in.snapEnd == 0 || time.Since(in.snapAt) > snapshotRetry)
 	say := in.stale && !in.down && time.Since(in.staleLog) >= waitingLogEvery
 	if say {
 		in.staleLog = time.Now()
@@ -720,10 +737,10 @@ func (in *instance) handle(m kvevents.Message) {
 		return
 	}
 	in.mu.Lock()
-	next, stale := in.nextSeq, in.stale
+	next, stale, inSnap := in.nextSeq, in.stale, in.snapEnd > 0
 	in.mu.Unlock()
 	switch {
-	case stale || next < 0:
+	case stale && !inSnap || next < 0:
 		in.start(m)
 	case m.Seq == next:
 		in.apply(m, false)
@@ -756,7 +773,7 @@ func (in *instance) badSeq(seq int64) {
 	in.setErr(fmt.Errorf("instance %q: %s: a faulty publisher, stale until its sequence restarts", in.cfg.Name, why))
 	in.mu.Lock()
 	was := in.stale
-	in.stale, in.nextSeq = true, -1
+	in.stale, in.nextSeq, in.snapEnd = true, -1, 0
 	in.gen = in.x.be.Generation()
 	in.waiting = "a batch numbered below 2^63-1 on " + in.cfg.Endpoint + " (its publisher restarting its sequence)"
 	in.mu.Unlock()
@@ -794,7 +811,7 @@ func (in *instance) start(m kvevents.Message) {
 	// m applied, or with the set rebuilt from m when they are gone).
 	replay := m.Seq > 0 && in.cfg.ReplayEndpoint != ""
 	in.mu.Lock()
-	in.stale, in.nextSeq = replay, 0
+	in.stale, in.nextSeq, in.snapEnd = replay, 0, 0
 	in.waiting = ""
 	if replay {
 		in.waiting = fmt.Sprintf("the replay of batches 0..%d from %s", m.Seq-1, in.cfg.ReplayEndpoint)
@@ -812,7 +829,9 @@ func (in *instance) start(m kvevents.Message) {
 	}
 	if in.apply(m, false) {
 		in.mu.Lock()
-		in.stale, in.waiting = false, ""
+		if in.snapEnd == 0 {
+			in.stale, in.waiting = false, ""
+		}
 		in.mu.Unlock()
 		in.noteState("")
 	}
@@ -822,6 +841,11 @@ func (in *instance) start(m kvevents.Message) {
 // catchingUp is why a foreign instance is stale while its publisher's
 // earlier batches are replayed: the normal way in, logged as such.
 const catchingUp = "replaying the batches its publisher holds before the first one seen"
+
+// snapshotArriving is why an instance is stale while the batches of a
+// snapshot cut into several arrive: the normal way in, and what any
+// subscriber's request for a snapshot brings every other one.
+const snapshotArriving = "a snapshot spans several batches: not routed until its last is applied"
 
 // fill replays batches [from, to) and applies them; false when the
 // publisher no longer holds them all.
@@ -864,11 +888,15 @@ func (in *instance) applyFromClear(m kvevents.Message) {
 			b.Events = b.Events[i:]
 			// Fresh once the set is in the backend: a reader that sees
 			// the state scores what the snapshot holds. (A failed apply
-			// resynchronises: still stale.)
+			// resynchronises: still stale; one cut into more batches
+			// stays stale until its last, applyBatch.)
 			if in.applyBatch(m.Seq, b, false) {
 				in.mu.Lock()
-				in.stale = false
-				in.waiting = ""
+				whole := in.snapEnd == 0
+				if whole {
+					in.stale = false
+					in.waiting = ""
+				}
 				in.mu.Unlock()
 				in.noteState("")
 			}
@@ -891,6 +919,25 @@ func (in *instance) apply(m kvevents.Message, replayed bool) bool {
 }
 
 func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool {
+	// rest is the SnapshotRestField of the batch's last AllBlocksCleared,
+	// -1 without one. A set cut into more batches shows in part until its
+	// last one is applied: the instance is stale from before its clear
+	// reaches the backend, also when a snapshot another subscriber asked
+	// for arrives in sequence while it is fresh.
+	rest := int64(-1)
+	for i := range b.Events {
+		if ev := &b.Events[i]; ev.Kind == kvevents.KindCleared && ev.Group() == 0 {
+			rest = ev.SnapshotRest
+		}
+	}
+	if rest > 0 {
+		end := seq + min(rest, math.MaxInt64-1-seq) // (past the end: never reached, a faulty publisher's)
+		in.mu.Lock()
+		in.stale, in.snapEnd, in.snapAt = true, end, time.Now()
+		in.waiting = fmt.Sprintf("the rest of a snapshot, batches %d..%d, on %s", seq+1, end, in.cfg.Endpoint)
+		in.mu.Unlock()
+		in.noteState(snapshotArriving)
+	}
 	ops := make([]Op, 0, len(b.Events))
 	n, keys := 0, 0
 	for _, ev := range b.Events {
@@ -959,7 +1006,18 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 	}
 	in.mu.Lock()
 	in.nextSeq = seq + 1
+	// Whole with the snapshot's last batch, or with a later clear that
+	// says it is whole with its own (rest 0).
+	whole := in.snapEnd > 0 && (seq >= in.snapEnd || rest == 0)
+	if whole {
+		in.stale, in.snapEnd, in.waiting = false, 0, ""
+	} else if in.snapEnd > 0 {
+		in.snapAt = time.Now()
+	}
 	in.mu.Unlock()
+	if whole {
+		in.noteState("")
+	}
 	in.batches.Add(1)
 	in.events.Add(int64(n))
 	in.x.updates.Add(int64(keys))

@@ -211,6 +211,8 @@ func setIn(t testing.TB, be Backend, inst string, md prefix.Medium) map[kvevents
 		return setIn(t, b.Memory, inst, md)
 	case *snapshotWatch:
 		return setIn(t, b.Memory, inst, md)
+	case *applyWatch:
+		return setIn(t, b.Memory, inst, md)
 	case *Memory:
 		b.mu.RLock()
 		for k, v := range b.sets[inst] {

@@ -532,10 +532,11 @@ func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
 	if len(w.states) == 0 {
 		t.Fatal("no snapshot applied")
 	}
-	// A snapshot that arrives in sequence while the instance is fresh
-	// replaces a whole set in one apply, so a reader sees the old set or
-	// the new; what must never show fresh is the empty set a resync
-	// leaves before its snapshot lands.
+	// A snapshot of one batch that arrives in sequence while the instance
+	// is fresh replaces a whole set in one apply, so a reader sees the old
+	// set or the new (one of more batches keeps it stale until its last:
+	// TestNeverFreshOverAPartialSnapshot); what must never show fresh is
+	// the empty set a resync leaves before its snapshot lands.
 	stale := false
 	for i, st := range w.states {
 		if st == StateFresh && w.held[i] == 0 {
