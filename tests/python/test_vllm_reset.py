@@ -26,11 +26,30 @@ torch = pytest.importorskip("torch")
 from test_vllm_hybrid import _kv_caches, h, vl  # noqa: E402,F401  (vl: the stand-in fixture)
 
 
-def _store(vl, m, keys, ctx):
+def _store(m, keys, ctx):
     out = m.prepare_store(keys, ctx)
     assert out is not None and out.keys_to_store == keys
     m.complete_store(keys, ctx)
     return out.store_spec.block_ids.tolist()
+
+
+def _reset_with_a_load_and_a_store_in_flight(vl):
+    """A two-slot manager reset while load L1 reads k1's slot and store J
+    writes k2's (the two slots); returns (m, ctx, [k1, k2, k3, k4])."""
+    m = vl.kv.KvplugOffloadingManager(2)
+    ctx = vl.ReqContext(req_id="a")
+    ks = [vl.make_offload_key(h(i), 0) for i in (1, 2, 3, 4)]
+    _store(m, ks[:1], ctx)
+    l1 = m.prepare_load(ks[:1], ctx)
+    j = m.prepare_store(ks[1:2], ctx)
+    assert set(l1.block_ids.tolist()) | set(j.store_spec.block_ids.tolist()) == {0, 1}
+    m.reset_cache()
+    return m, ctx, ks
+
+
+def _assert_store_empty(m):
+    s = m.store_stats()
+    assert (s.resident, s.pending, s.pinned) == (0, 0, 0)
 
 
 def test_store_completing_after_reset_never_commits_a_later_store(vl):
@@ -73,7 +92,7 @@ def test_load_completing_after_reset_never_drops_a_later_loads_pin(vl):
     m = vl.kv.KvplugOffloadingManager(2)
     ctx = vl.ReqContext(req_id="a")
     k1, k2, k3 = (vl.make_offload_key(h(i), 0) for i in (1, 2, 3))
-    _store(vl, m, [k1], ctx)
+    _store(m, [k1], ctx)
     m.prepare_load([k1], ctx)  # L1
     m.reset_cache()
     again = m.prepare_store([k1], ctx)
@@ -83,7 +102,7 @@ def test_load_completing_after_reset_never_drops_a_later_loads_pin(vl):
         l2 = m.prepare_load([k1], ctx)
     m.complete_load([k1], ctx)  # L1 finishes
     if l2 is None:  # refused while L1 ran: stored and loaded now
-        _store(vl, m, [k1], ctx)
+        _store(m, [k1], ctx)
         l2 = m.prepare_load([k1], ctx)
     assert l2.block_ids.tolist() != [-1]
     # L2 holds k1's slot until its own completion: two more blocks do not fit.
@@ -102,24 +121,15 @@ def test_reset_hands_out_no_slot_an_old_transfer_still_uses(vl):
     # only two, so stores are refused. Every lookup misses meanwhile, though
     # the host store still holds k1. Their completions (J's a failure) count
     # as stale and, the last one in, the host store is reset.
-    m = vl.kv.KvplugOffloadingManager(2)
-    ctx = vl.ReqContext(req_id="a")
-    k1, k2, k3, k4 = (vl.make_offload_key(h(i), 0) for i in (1, 2, 3, 4))
-    _store(vl, m, [k1], ctx)
-    l1 = m.prepare_load([k1], ctx)
-    j = m.prepare_store([k2], ctx)
-    busy = set(l1.block_ids.tolist()) | set(j.store_spec.block_ids.tolist())
-    assert busy == {0, 1}
-    m.reset_cache()
+    m, ctx, (k1, k2, k3, k4) = _reset_with_a_load_and_a_store_in_flight(vl)
     out = m.prepare_store([k3], ctx)
-    assert out is None or not set(out.store_spec.block_ids.tolist()) & busy
+    assert out is None or not set(out.store_spec.block_ids.tolist()) & {0, 1}
     assert m.lookup(k1, ctx) == vl.LookupResult.MISS
     assert m.prepare_load([k1], ctx).block_ids.tolist() == [-1]
     m.complete_load([k1], ctx)  # L1 finishes: J still writes its slot
     assert m.prepare_store([k3], ctx) is None
     m.complete_store([k2], ctx, success=False)  # J finishes
-    s = m.store_stats()
-    assert (s.resident, s.pending, s.pinned) == (0, 0, 0)
+    _assert_store_empty(m)
     out = m.prepare_store([k3, k4], ctx)
     assert sorted(out.store_spec.block_ids.tolist()) == [0, 1] and out.evicted_keys == []
     c = m.counters()
@@ -147,11 +157,11 @@ def test_reset_with_nothing_in_flight_empties_the_store_at_once(vl):
     m = vl.kv.KvplugOffloadingManager(2)
     ctx = vl.ReqContext(req_id="a")
     k1, k2 = vl.make_offload_key(h(1), 0), vl.make_offload_key(h(2), 0)
-    _store(vl, m, [k1, k2], ctx)
+    _store(m, [k1, k2], ctx)
     m.reset_cache()
     assert m.store_stats().resident == 0
     assert m.lookup(k1, ctx) == vl.LookupResult.MISS
-    assert _store(vl, m, [k2], ctx) == [0]
+    assert _store(m, [k2], ctx) == [0]
     assert m.counters()["reset_inflight"] == 0
     m.shutdown()
 
@@ -161,18 +171,11 @@ def test_schedule_end_after_reset_ends_the_drain(vl):
     # flight at a reset and has its workers wait for them before any later
     # transfer; it calls on_schedule_end every step. The first step after
     # the reset ends the drain: stores go on, without those completions.
-    m = vl.kv.KvplugOffloadingManager(2)
-    ctx = vl.ReqContext(req_id="a")
-    k1, k2, k3, k4 = (vl.make_offload_key(h(i), 0) for i in (1, 2, 3, 4))
-    _store(vl, m, [k1], ctx)
-    m.prepare_load([k1], ctx)
-    m.prepare_store([k2], ctx)
-    m.reset_cache()
+    m, ctx, (_, _, k3, k4) = _reset_with_a_load_and_a_store_in_flight(vl)
     assert m.prepare_store([k3], ctx) is None
     m.on_schedule_end(None)
-    s = m.store_stats()
-    assert (s.resident, s.pending, s.pinned) == (0, 0, 0)
-    assert _store(vl, m, [k3, k4], ctx) == [0, 1]
+    _assert_store_empty(m)
+    assert _store(m, [k3, k4], ctx) == [0, 1]
     m.on_schedule_end(None)  # nothing to end: changes nothing
     assert m.lookup(k3, ctx) == vl.LookupResult.HIT
     c = m.counters()
@@ -220,7 +223,7 @@ def test_reset_between_lookup_and_load_fails_the_load(vl):
     m = vl.kv.KvplugOffloadingManager(4)
     ctx = vl.ReqContext(req_id="a")
     k1 = vl.make_offload_key(h(1), 0)
-    _store(vl, m, [k1], ctx)
+    _store(m, [k1], ctx)
     assert m.lookup(k1, ctx) == vl.LookupResult.HIT
     m.reset_cache()
     spec = m.prepare_load([k1], ctx)

@@ -561,7 +561,7 @@ def _build() -> Any:
         def _store(self, name: str) -> Optional[PageStore]:
             if not self._assembled:
                 self._assemble()
-            return None if self._closed else self._stores.get(name)
+            return self._stores.get(name)  # none after close: close empties it
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             super().register_mem_pool_host(mem_pool_host)

@@ -560,10 +560,7 @@ def _build() -> Dict[str, Any]:
                         # completion, not that of a later load holding a pin.
                         self._counts["stale_completions"] += 1
                         stale += 1
-                    elif self._pins.get(h, 0) > 0:
-                        self._pins[h] -= 1
-                        if not self._pins[h]:
-                            del self._pins[h]
+                    elif self._take(self._pins, h):
                         unpin.append(h)
                     else:
                         self._counts["stale_completions"] += 1
@@ -579,8 +576,7 @@ def _build() -> Dict[str, Any]:
             empty = PrepareStoreOutput(keys_to_store=[], store_spec=KvplugLoadStoreSpec([]), evicted_keys=[])
             if not keys:
                 return empty
-            if self._draining:
-                self._end_drain()
+            self._end_drain()
             if self._store is None or self._draining:
                 # While draining, any slot may still be under a copy of before
                 # the reset (see reset_cache).
