@@ -364,25 +364,30 @@ func (p *Publisher) flush() {
 		return
 	}
 	ts := float64(time.Now().UnixNano()) / 1e9
-	// The batches are cut first so that a batch with AllBlocksCleared can
-	// say how many of this drain's batches follow it: a snapshot spans
+	// The batches are counted first so that a batch with AllBlocksCleared
+	// can say how many of this drain's batches follow it: a snapshot spans
 	// them all, and a subscriber that scores the instance only once it is
 	// whole must know where it ends (SnapshotRestField).
-	var cuts []int // each batch's end in evs
-	for end := 0; end < len(evs); {
-		n := min(len(evs)-end, p.cfg.MaxBatchEvents)
-		// Never split a chain of stored blocks that would merge.
-		for i := end + n; i < len(evs) && evs[i].Kind == prefix.BlockStored && evs[i].Parent == evs[i-1].Hash && evs[i].Group == evs[i-1].Group && n < 4*p.cfg.MaxBatchEvents; i++ {
-			n++
-		}
-		end += n
-		cuts = append(cuts, end)
+	rest := -1
+	for e := evs; len(e) > 0; e = e[p.batchLen(e):] {
+		rest++
 	}
-	start := 0
-	for i, end := range cuts {
-		p.publish(ts, evs[start:end], len(cuts)-1-i)
-		start = end
+	for ; len(evs) > 0; rest-- {
+		n := p.batchLen(evs)
+		p.publish(ts, evs[:n], rest)
+		evs = evs[n:]
 	}
+}
+
+// batchLen is the length of the batch cut from the front of evs (not
+// empty): MaxBatchEvents events, or more, up to 4 times that, so as never
+// to split a chain of stored blocks that would merge.
+func (p *Publisher) batchLen(evs []prefix.Event) int {
+	n := min(len(evs), p.cfg.MaxBatchEvents)
+	for n < len(evs) && evs[n].Kind == prefix.BlockStored && evs[n].Parent == evs[n-1].Hash && evs[n].Group == evs[n-1].Group && n < 4*p.cfg.MaxBatchEvents {
+		n++
+	}
+	return n
 }
 
 // publish sends evs as the next batch; rest is the number of batches of

@@ -919,27 +919,9 @@ func (in *instance) apply(m kvevents.Message, replayed bool) bool {
 }
 
 func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool {
-	// rest is the SnapshotRestField of the batch's last AllBlocksCleared,
-	// -1 without one. A set cut into more batches shows in part until its
-	// last one is applied: the instance is stale from before its clear
-	// reaches the backend, also when a snapshot another subscriber asked
-	// for arrives in sequence while it is fresh.
-	rest := int64(-1)
-	for i := range b.Events {
-		if ev := &b.Events[i]; ev.Kind == kvevents.KindCleared && ev.Group() == 0 {
-			rest = ev.SnapshotRest
-		}
-	}
-	if rest > 0 {
-		end := seq + min(rest, math.MaxInt64-1-seq) // (past the end: never reached, a faulty publisher's)
-		in.mu.Lock()
-		in.stale, in.snapEnd, in.snapAt = true, end, time.Now()
-		in.waiting = fmt.Sprintf("the rest of a snapshot, batches %d..%d, on %s", seq+1, end, in.cfg.Endpoint)
-		in.mu.Unlock()
-		in.noteState(snapshotArriving)
-	}
 	ops := make([]Op, 0, len(b.Events))
 	n, keys := 0, 0
+	rest := int64(-1) // the SnapshotRestField of the batch's last AllBlocksCleared; -1: none
 	for _, ev := range b.Events {
 		if ev.Group() != 0 {
 			// Another layer group's blocks (a hybrid model's, vLLM's
@@ -995,8 +977,21 @@ func (in *instance) applyBatch(seq int64, b *kvevents.Batch, replayed bool) bool
 			ops = append(ops, Op{Kind: OpRemove, Medium: md, Keys: hashes})
 		case kvevents.KindCleared:
 			ops = append(ops, Op{Kind: OpClear})
+			rest = ev.SnapshotRest
 		}
 		n++
+	}
+	// A set cut into more batches shows in part until its last one is
+	// applied: the instance is stale from before its clear reaches the
+	// backend, also when a snapshot another subscriber asked for arrives
+	// in sequence while it is fresh.
+	if rest > 0 {
+		end := seq + min(rest, math.MaxInt64-1-seq) // (past the end: never reached, a faulty publisher's)
+		in.mu.Lock()
+		in.stale, in.snapEnd, in.snapAt = true, end, time.Now()
+		in.waiting = fmt.Sprintf("the rest of a snapshot, batches %d..%d, on %s", seq+1, end, in.cfg.Endpoint)
+		in.mu.Unlock()
+		in.noteState(snapshotArriving)
 	}
 	if err := in.x.be.Apply(in.cfg.Name, ops); err != nil {
 		in.backendErrors.Add(1)

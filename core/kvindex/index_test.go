@@ -209,8 +209,6 @@ func setIn(t testing.TB, be Backend, inst string, md prefix.Medium) map[kvevents
 	switch b := be.(type) {
 	case *flakyBackend:
 		return setIn(t, b.Memory, inst, md)
-	case *snapshotWatch:
-		return setIn(t, b.Memory, inst, md)
 	case *applyWatch:
 		return setIn(t, b.Memory, inst, md)
 	case *Memory:

@@ -482,29 +482,6 @@ func TestDownIsCountedWhenSeen(t *testing.T) {
 	}
 }
 
-// snapshotWatch is a backend that notes, as it begins to apply a snapshot
-// (a clear and the blocks after it), the state the index shows and how
-// many blocks the backend holds for the instance then.
-type snapshotWatch struct {
-	*Memory
-	x      atomic.Pointer[Index]
-	mu     sync.Mutex
-	states []State
-	held   []int
-}
-
-func (w *snapshotWatch) Apply(inst string, ops []Op) error {
-	if x := w.x.Load(); x != nil && len(ops) > 1 && ops[0].Kind == OpClear {
-		st := x.Status()[indexOf(x.Status(), inst)].State
-		n := w.Memory.Len(inst)
-		w.mu.Lock()
-		w.states = append(w.states, st)
-		w.held = append(w.held, n)
-		w.mu.Unlock()
-	}
-	return w.Memory.Apply(inst, ops)
-}
-
 // An instance is fresh once its snapshot's blocks are in the backend, not
 // before: a reader that sees it fresh scores what it holds.
 func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
@@ -512,7 +489,7 @@ func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
 	t.Cleanup(e.close)
 	p := prompt(rand.New(rand.NewSource(24)), 1, 96)
 	e.serve(t, p, nil)
-	w := &snapshotWatch{Memory: NewMemory()}
+	w := &applyWatch{Memory: NewMemory(), when: startsSnapshot}
 	x, err := New(Config{Instances: []InstanceConfig{e.instance()}, Backend: w})
 	if err != nil {
 		t.Fatal(err)
@@ -527,9 +504,8 @@ func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
 	// to see one applied.
 	x.insts[0].resync("test")
 	waitConverged(t, x, []*engine{e}, 10*time.Second)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if len(w.states) == 0 {
+	states, held := w.take()
+	if len(states) == 0 {
 		t.Fatal("no snapshot applied")
 	}
 	// A snapshot of one batch that arrives in sequence while the instance
@@ -538,13 +514,13 @@ func TestFreshAfterItsSnapshotIsApplied(t *testing.T) {
 	// TestNeverFreshOverAPartialSnapshot); what must never show fresh is
 	// the empty set a resync leaves before its snapshot lands.
 	stale := false
-	for i, st := range w.states {
-		if st == StateFresh && w.held[i] == 0 {
-			t.Fatalf("fresh over an empty set while its snapshot was being applied: states %v, blocks held %v", w.states, w.held)
+	for i, st := range states {
+		if st == StateFresh && held[i] == 0 {
+			t.Fatalf("fresh over an empty set while its snapshot was being applied: states %v, blocks held %v", states, held)
 		}
 		stale = stale || st == StateStale
 	}
 	if !stale {
-		t.Fatalf("no snapshot applied while stale after the resync: states %v", w.states)
+		t.Fatalf("no snapshot applied while stale after the resync: states %v", states)
 	}
 }

@@ -11,11 +11,13 @@ import (
 	"github.com/kvplug/kvplug/core/prefix"
 )
 
-// applyWatch is a backend that notes, at every Apply for the instance,
-// the state the index shows and how many blocks the backend holds for it
-// then: what a reader scoring the instance at that moment would use.
+// applyWatch is a backend that notes, at every Apply for the instance
+// (every one that when accepts, when set), the state the index shows and
+// how many blocks the backend holds for it then: what a reader scoring
+// the instance at that moment would use.
 type applyWatch struct {
 	*Memory
+	when  func([]Op) bool
 	x     atomic.Pointer[Index]
 	mu    sync.Mutex
 	state []State
@@ -23,7 +25,7 @@ type applyWatch struct {
 }
 
 func (w *applyWatch) Apply(inst string, ops []Op) error {
-	if x := w.x.Load(); x != nil {
+	if x := w.x.Load(); x != nil && (w.when == nil || w.when(ops)) {
 		st := x.Status()[indexOf(x.Status(), inst)].State
 		n := w.Memory.Len(inst)
 		w.mu.Lock()
@@ -33,6 +35,10 @@ func (w *applyWatch) Apply(inst string, ops []Op) error {
 	}
 	return w.Memory.Apply(inst, ops)
 }
+
+// startsSnapshot is an applyWatch's when for the applies that begin a
+// snapshot: a clear and the blocks after it.
+func startsSnapshot(ops []Op) bool { return len(ops) > 1 && ops[0].Kind == OpClear }
 
 // take returns what was noted since the last call.
 func (w *applyWatch) take() ([]State, []int) {

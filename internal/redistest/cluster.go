@@ -73,10 +73,10 @@ func (c *Cluster) startNode(t testing.TB) *Server {
 	var bus int
 	s := launch(t, c.Bin, 0, func(port int) []string {
 		bus = FreePort(t) // drawn again with the node's port when a start is retried
-		return append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-			"--dir", t.TempDir(), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+		argv := append(plainArgs(t, port), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
 			"--cluster-node-timeout", "500", "--cluster-port", fmt.Sprint(bus),
-			"--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0"}, c.args...)
+			"--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0")
+		return append(argv, c.args...)
 	}, ping, "")
 	c.bus[s] = bus
 	return s

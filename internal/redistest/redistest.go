@@ -53,9 +53,14 @@ func FreePort(t testing.TB) int {
 func Start(t testing.TB, bin string, port int, args ...string) *Server {
 	t.Helper()
 	return launch(t, bin, port, func(port int) []string {
-		return append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-			"--dir", t.TempDir()}, args...)
+		return append(plainArgs(t, port), args...)
 	}, ping, "")
+}
+
+// plainArgs are the arguments of a server on port of 127.0.0.1, without
+// persistence, in a directory of its own.
+func plainArgs(t testing.TB, port int) []string {
+	return []string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir()}
 }
 
 // ping is nil once s answers PING over plain TCP.
