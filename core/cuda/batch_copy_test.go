@@ -127,3 +127,55 @@ func TestBatchSignaturesBind(t *testing.T) {
 		t.Fatal("RegisterFunc left a signature unbound")
 	}
 }
+
+// memcpy2D is cuda.h's CUDA_MEMCPY2D: 128 bytes, the members at their C
+// offsets (size_t and pointers 8 bytes, CUmemorytype 4 and padded to 8).
+func TestMemcpy2DLayout(t *testing.T) {
+	var p memcpy2D
+	if s := unsafe.Sizeof(p); s != 128 {
+		t.Fatalf("CUDA_MEMCPY2D is %d bytes, want 128", s)
+	}
+	for _, f := range []struct {
+		name      string
+		off, want uintptr
+	}{
+		{"srcMemoryType", unsafe.Offsetof(p.SrcMemoryType), 16},
+		{"srcHost", unsafe.Offsetof(p.SrcHost), 24},
+		{"srcDevice", unsafe.Offsetof(p.SrcDevice), 32},
+		{"srcPitch", unsafe.Offsetof(p.SrcPitch), 48},
+		{"dstMemoryType", unsafe.Offsetof(p.DstMemoryType), 72},
+		{"dstHost", unsafe.Offsetof(p.DstHost), 80},
+		{"dstDevice", unsafe.Offsetof(p.DstDevice), 88},
+		{"dstPitch", unsafe.Offsetof(p.DstPitch), 104},
+		{"WidthInBytes", unsafe.Offsetof(p.WidthInBytes), 112},
+		{"Height", unsafe.Offsetof(p.Height), 120},
+	} {
+		if f.off != f.want {
+			t.Errorf("CUDA_MEMCPY2D.%s at offset %d, want %d", f.name, f.off, f.want)
+		}
+	}
+}
+
+// A strided copy with a pitch below its width, above the driver's maximum,
+// or nothing to copy is refused before the driver is reached.
+func TestRowCopyRefusesBadShapes(t *testing.T) {
+	var c RowCopy
+	host := make([]byte, 64)
+	dst := unsafe.Pointer(&host[0])
+	for _, tc := range []struct {
+		name                            string
+		dstPitch, srcPitch, width, rows int64
+		src                             DevicePtr
+	}{
+		{"source pitch below the width", 32, 16, 32, 2, 1 << 20},
+		{"host pitch below the width", 16, 32, 32, 2, 1 << 20},
+		{"pitch above the maximum", 32, MaxCopyPitch + 1, 32, 2, 1 << 20},
+		{"no rows", 32, 32, 32, 0, 1 << 20},
+		{"no width", 32, 32, 0, 2, 1 << 20},
+		{"null source", 32, 32, 32, 2, 0},
+	} {
+		if err := c.DeviceToHostAsync(dst, tc.dstPitch, tc.src, tc.srcPitch, tc.width, tc.rows, 0); kverr.CodeOf(err) != kverr.InvalidArgument {
+			t.Errorf("%s: %v, want INVALID_ARGUMENT", tc.name, err)
+		}
+	}
+}

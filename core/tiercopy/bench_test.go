@@ -33,12 +33,23 @@ func BenchmarkStore(b *testing.B) {
 		numBlocks = 1024
 		maxOps    = 256
 	)
-	l := Layers{ChunkBytes: chunk, KBlockStride: chunk, VBlockStride: chunk, NumBlocks: numBlocks}
+	// Two layouts of the same cache: an allocation a layer and tensor
+	// ("arrays", the copy engines' stores then one batched copy a chunk),
+	// and one tensor [layers][K, V][blocks] ("tensor", as kvplug.hf
+	// allocates; a strided copy a block).
+	arrays := Layers{ChunkBytes: chunk, KBlockStride: chunk, VBlockStride: chunk, NumBlocks: numBlocks}
 	for range layers {
-		l.K = append(l.K, gputest.Alloc(b, numBlocks*chunk))
-		l.V = append(l.V, gputest.Alloc(b, numBlocks*chunk))
+		arrays.K = append(arrays.K, gputest.Alloc(b, numBlocks*chunk))
+		arrays.V = append(arrays.V, gputest.Alloc(b, numBlocks*chunk))
 	}
-	slotBytes := l.SlotBytesNeeded()
+	tensor := arrays
+	tensor.K, tensor.V = nil, nil
+	whole := gputest.Alloc(b, layers*2*numBlocks*chunk)
+	for i := range layers {
+		tensor.K = append(tensor.K, whole+cuda.DevicePtr((2*i)*numBlocks*chunk))
+		tensor.V = append(tensor.V, whole+cuda.DevicePtr((2*i+1)*numBlocks*chunk))
+	}
+	slotBytes := arrays.SlotBytesNeeded()
 	mem := alignedHost(int(slotBytes) * maxOps)
 	host := Host{Base: unsafe.Pointer(&mem[0]), SlotBytes: slotBytes, NumSlots: maxOps}
 	stream, err := cuda.StreamCreate()
@@ -58,54 +69,59 @@ func BenchmarkStore(b *testing.B) {
 	defer end.Destroy()
 
 	rng := rand.New(rand.NewPCG(1, 2))
-	for _, stores := range []StoreEngine{StoreKernel, StoreCopyEngine} {
-		c, err := New(l, host, Options{Stores: stores})
-		if err != nil {
-			b.Fatal(err)
-		}
-		for _, n := range []int{32, 256} {
-			perm := rng.Perm(numBlocks)
-			ops := make([]Op, n)
-			for i := range ops {
-				ops[i] = Op{Block: int32(perm[i]), Slot: int32(i)}
+	for _, layout := range []struct {
+		name string
+		l    Layers
+	}{{"arrays", arrays}, {"tensor", tensor}} {
+		for _, stores := range []StoreEngine{StoreKernel, StoreCopyEngine} {
+			c, err := New(layout.l, host, Options{Stores: stores})
+			if err != nil {
+				b.Fatal(err)
 			}
-			b.Run(fmt.Sprintf("%s/blocks=%d", stores, n), func(b *testing.B) {
-				run := func() (gpuMs float32, enqueue time.Duration) {
-					if err := start.Record(stream); err != nil {
-						b.Fatal(err)
-					}
-					t0 := time.Now()
-					if err := c.Run(ops, nil, stream); err != nil {
-						b.Fatal(err)
-					}
-					enqueue = time.Since(t0)
-					if err := end.Record(stream); err != nil {
-						b.Fatal(err)
-					}
-					ms, err := start.Elapsed(end)
-					if err != nil {
-						b.Fatal(err)
-					}
-					return ms, enqueue
+			for _, n := range []int{32, 256} {
+				perm := rng.Perm(numBlocks)
+				ops := make([]Op, n)
+				for i := range ops {
+					ops[i] = Op{Block: int32(perm[i]), Slot: int32(i)}
 				}
-				run() // first use: the module load, the driver's first batch
-				var gpu float64
-				var enq time.Duration
-				b.ResetTimer()
-				for range b.N {
-					ms, e := run()
-					gpu += float64(ms)
-					enq += e
-				}
-				b.StopTimer()
-				us := gpu * 1e3 / float64(b.N)
-				b.ReportMetric(us, "gpu-us/op")
-				b.ReportMetric(float64(int64(n)*slotBytes)/(us*1e-6)/1e9, "GB/s")
-				b.ReportMetric(float64(enq.Nanoseconds())/1e3/float64(b.N), "enqueue-us/op")
-			})
-		}
-		if err := c.Close(); err != nil {
-			b.Fatal(err)
+				b.Run(fmt.Sprintf("%s/%s/blocks=%d", layout.name, stores, n), func(b *testing.B) {
+					run := func() (gpuMs float32, enqueue time.Duration) {
+						if err := start.Record(stream); err != nil {
+							b.Fatal(err)
+						}
+						t0 := time.Now()
+						if err := c.Run(ops, nil, stream); err != nil {
+							b.Fatal(err)
+						}
+						enqueue = time.Since(t0)
+						if err := end.Record(stream); err != nil {
+							b.Fatal(err)
+						}
+						ms, err := start.Elapsed(end)
+						if err != nil {
+							b.Fatal(err)
+						}
+						return ms, enqueue
+					}
+					run() // first use: the module load, the driver's first batch
+					var gpu float64
+					var enq time.Duration
+					b.ResetTimer()
+					for range b.N {
+						ms, e := run()
+						gpu += float64(ms)
+						enq += e
+					}
+					b.StopTimer()
+					us := gpu * 1e3 / float64(b.N)
+					b.ReportMetric(us, "gpu-us/op")
+					b.ReportMetric(float64(int64(n)*slotBytes)/(us*1e-6)/1e9, "GB/s")
+					b.ReportMetric(float64(enq.Nanoseconds())/1e3/float64(b.N), "enqueue-us/op")
+				})
+			}
+			if err := c.Close(); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
 }

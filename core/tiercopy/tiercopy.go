@@ -19,8 +19,12 @@
 // without its scales.
 //
 // Demotions may instead go through the copy engines (Options.Stores,
-// StoreCopyEngine): one cuMemcpyBatchAsync call a batch, a copy per
-// block, layer and tensor. The kernel copies a batch faster alone, but its
+// StoreCopyEngine). Where a block's chunks of every layer and tensor sit at
+// one pitch in GPU memory (a cache allocated as one tensor [layers][K, V]
+// [blocks][...], as kvplug.hf's), a block is one strided copy
+// (cuMemcpy2DAsync: its chunks are the rows, the slot holds them back to
+// back); otherwise one cuMemcpyBatchAsync call a batch, a copy per block,
+// layer and tensor, which costs the driver about a microsecond a copy. The kernel copies a batch faster alone, but its
 // thread blocks share the SMs with whatever runs beside it; stores of a
 // write-through tier run on a side stream during the step's forward pass,
 // where the copy engines leave the SMs to the step. Reloads always use the
@@ -256,6 +260,10 @@ type Copier struct {
 	// batchedStores counts the demotions enqueued by batched copies (tests:
 	// the copy engines, not the kernel, took them).
 	batchedStores int64
+	// rowStores counts the (demotion, region) pairs enqueued as strided
+	// copies (tests, likewise).
+	rowStores int64
+	rows      cuda.RowCopy // the strided copy's arguments, reused from Run to Run
 }
 
 // region is one launch's share of a block: a chunk per (layer, tensor)
@@ -266,6 +274,45 @@ type region struct {
 	chunk, kStride   int64
 	vStride, hostOff int64
 	parts, perOp     int64 // thread blocks per chunk, and per op (layers x tensors x parts)
+	// pitch is the bytes from one (layer, tensor) chunk of a block to the
+	// next, layer-major, K before V, when it is one for the whole region
+	// (then a block's demotion by the copy engines is one strided copy);
+	// 0 when it is not.
+	pitch int64
+}
+
+// rowPitch returns the pitch at which a block's chunks of every layer and
+// tensor (layer-major, K then V) sit in GPU memory, or 0 when they sit at no
+// single pitch: K and V with different block strides, chunks that are not
+// evenly spaced in increasing order, a pitch below the chunk (rows that
+// overlap) or above what a strided copy takes.
+func rowPitch(k, v []cuda.DevicePtr, chunk, kStride, vStride int64) int64 {
+	rows := make([]cuda.DevicePtr, 0, 2*len(k))
+	for l := range k {
+		rows = append(rows, k[l])
+		if v != nil {
+			rows = append(rows, v[l])
+		}
+	}
+	if v != nil && kStride != vStride {
+		return 0
+	}
+	if len(rows) == 1 {
+		return chunk
+	}
+	if rows[1] <= rows[0] {
+		return 0
+	}
+	p := int64(rows[1] - rows[0])
+	if p < chunk || p > cuda.MaxCopyPitch {
+		return 0
+	}
+	for i, r := range rows {
+		if r < rows[0] || int64(r-rows[0]) != int64(i)*p {
+			return 0
+		}
+	}
+	return p
 }
 
 // New registers the host region (page-locked and mapped; memory the engine
@@ -340,25 +387,32 @@ func newCopier(l Layers, h Host, o Options) (*Copier, error) {
 		r.parts = (r.chunk + ctaByte - 1) / ctaByte
 		r.perOp = int64(len(l.K)*c.kv) * r.parts
 		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
-		copiesPerOp += len(l.K) * c.kv
+		if r.pitch = rowPitch(r.k, r.v, r.chunk, r.kStride, r.vStride); r.pitch == 0 {
+			copiesPerOp += len(l.K) * c.kv
+		}
 	}
 	if c.perLaunch < 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
 	}
-	c.storeOps = max(1, maxBatchCopies/copiesPerOp)
+	c.storeOps = max(1, maxBatchCopies/max(1, copiesPerOp))
 	return c, nil
 }
 
 // appendStores appends to b the batched copies of demotions ops: per op,
 // region, layer and tensor, the chunk of the GPU block to its place in the
-// host slot. The host slots are addressed by their host address, which
-// the driver knows as registered host memory (unified addressing).
+// host slot, for the regions whose chunks sit at no single pitch (the
+// others go as strided copies). The host slots are addressed by their host
+// address, which the driver knows as registered host memory (unified
+// addressing).
 func (c *Copier) appendStores(b *cuda.CopyBatch, ops []Op) {
 	host := cuda.DevicePtr(uintptr(c.host.Base))
 	for _, o := range ops {
 		slot := host + cuda.DevicePtr(int64(o.Slot)*c.host.SlotBytes)
 		for ri := range c.regions {
 			r := &c.regions[ri]
+			if r.pitch != 0 {
+				continue
+			}
 			dst := slot + cuda.DevicePtr(r.hostOff)
 			for l := range r.k {
 				b.Add(dst, r.k[l]+cuda.DevicePtr(int64(o.Block)*r.kStride), r.chunk)
@@ -466,14 +520,8 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 	// ordered before the reloads' launches as a launch would be.
 	launched := [][]Op{demote, reload}
 	if byCopyEngine {
-		for first := 0; first < len(demote); first += c.storeOps {
-			ops := demote[first:min(first+c.storeOps, len(demote))]
-			c.batch.Reset()
-			c.appendStores(&c.batch, ops)
-			if err := cuda.MemcpyBatchAsync(&c.batch, stream); err != nil {
-				return kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
-			}
-			c.batchedStores += int64(len(ops))
+		if err := c.storeByCopyEngines(demote, stream); err != nil {
+			return err
 		}
 		launched[0] = nil
 	}
@@ -498,6 +546,43 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 				}
 			}
 		}
+	}
+	return nil
+}
+
+// storeByCopyEngines enqueues demotions on the copy engines: a strided
+// copy per op and region whose chunks sit at one pitch, batched copies of
+// whole blocks for the other regions.
+func (c *Copier) storeByCopyEngines(demote []Op, stream cuda.Stream) error {
+	const what = "tier copy: stores by the copy engines"
+	batched := false
+	for ri := range c.regions {
+		r := &c.regions[ri]
+		if r.pitch == 0 {
+			batched = true
+			continue
+		}
+		rows := int64(len(r.k) * c.kv)
+		for _, o := range demote {
+			dst := unsafe.Add(c.host.Base, int64(o.Slot)*c.host.SlotBytes+r.hostOff)
+			src := r.k[0] + cuda.DevicePtr(int64(o.Block)*r.kStride)
+			if err := c.rows.DeviceToHostAsync(dst, r.chunk, src, r.pitch, r.chunk, rows, stream); err != nil {
+				return kverr.Wrap(kverr.CodeOf(err), err, what)
+			}
+		}
+		c.rowStores += int64(len(demote))
+	}
+	if !batched {
+		return nil
+	}
+	for first := 0; first < len(demote); first += c.storeOps {
+		ops := demote[first:min(first+c.storeOps, len(demote))]
+		c.batch.Reset()
+		c.appendStores(&c.batch, ops)
+		if err := cuda.MemcpyBatchAsync(&c.batch, stream); err != nil {
+			return kverr.Wrap(kverr.CodeOf(err), err, what)
+		}
+		c.batchedStores += int64(len(ops))
 	}
 	return nil
 }

@@ -119,11 +119,14 @@ func TestValidate(t *testing.T) {
 func TestGPURoundTrip(t *testing.T) {
 	gputest.Need(t)
 	for _, tc := range []roundTripCase{
-		{"llama-like", 4, 32768, 0, false, 40},
-		{"small-chunks-many-ops", 2, 48, 0, false, 1203},
-		{"k-only", 3, 20000, 0, true, 17},
-		{"e4m3-with-scales", 3, 16384, 512, false, 700},
-		{"e4m3-k-only-scales", 2, 2048, 16, true, 33},
+		{"llama-like", 4, 32768, 0, false, 40, false},
+		{"small-chunks-many-ops", 2, 48, 0, false, 1203, false},
+		{"k-only", 3, 20000, 0, true, 17, false},
+		{"e4m3-with-scales", 3, 16384, 512, false, 700, false},
+		{"e4m3-k-only-scales", 2, 2048, 16, true, 33, false},
+		{"one-tensor", 4, 32768, 0, false, 40, true},
+		{"one-tensor-e4m3", 3, 16384, 512, false, 700, true},
+		{"one-tensor-k-only", 3, 2048, 0, true, 33, true},
 	} {
 		for _, stores := range []StoreEngine{StoreKernel, StoreCopyEngine} {
 			t.Run(tc.name+"/"+stores.String(), func(t *testing.T) { roundTrip(t, tc, stores) })
@@ -136,6 +139,10 @@ type roundTripCase struct {
 	layers, chunk, scale int // scale: a block's scales of one tensor (0: none)
 	kOnly                bool
 	ops                  int
+	// oneTensor: each region's arrays are parts of one allocation,
+	// [layers][K, V][blocks] (one pitch between them); else one allocation
+	// an array.
+	oneTensor bool
 }
 
 func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
@@ -162,6 +169,14 @@ func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
 	var off int64
 	for ri, chunk := range regions {
 		stride := chunk + 32
+		var whole cuda.DevicePtr // the region's one allocation (oneTensor)
+		if tc.oneTensor {
+			var err error
+			if whole, err = cuda.MemAlloc(tc.layers * kv * blocks * int(stride)); err != nil {
+				t.Fatal(err)
+			}
+			defer cuda.MemFree(whole)
+		}
 		for layer := 0; layer < tc.layers; layer++ {
 			for tt := 0; tt < kv; tt++ {
 				a := array{host: make([]byte, int64(blocks)*stride), chunk: chunk, stride: stride, slotOff: off}
@@ -169,11 +184,14 @@ func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
 				for j := range a.host {
 					a.host[j] = byte(rng.Uint32())
 				}
-				p, err := cuda.MemAlloc(len(a.host))
-				if err != nil {
-					t.Fatal(err)
+				p := whole + cuda.DevicePtr(int64(layer*kv+tt)*int64(blocks)*stride)
+				if !tc.oneTensor {
+					var err error
+					if p, err = cuda.MemAlloc(len(a.host)); err != nil {
+						t.Fatal(err)
+					}
+					defer cuda.MemFree(p)
 				}
-				defer cuda.MemFree(p)
 				if err := cuda.CopyToDevice(p, a.host); err != nil {
 					t.Fatal(err)
 				}
@@ -235,10 +253,26 @@ func roundTrip(t *testing.T, tc roundTripCase, stores StoreEngine) {
 	if err := cuda.StreamSynchronize(stream); err != nil {
 		t.Fatal(err)
 	}
-	// The stores went by the engine asked for: every demotion in batched
-	// copies with StoreCopyEngine, none with the kernel.
-	if want := map[StoreEngine]int64{StoreKernel: 0, StoreCopyEngine: int64(len(demote))}[stores]; c.batchedStores != want {
-		t.Fatalf("%d demotions by batched copies with stores by %s, want %d", c.batchedStores, stores, want)
+	// The stores went by the engine asked for: with StoreCopyEngine, every
+	// demotion as a strided copy a region whose chunks sit at one pitch (a
+	// one-tensor layout's every region) and in batched copies for the
+	// others; none with the kernel.
+	var wantRows, wantBatched int64
+	if stores == StoreCopyEngine {
+		for _, r := range c.regions {
+			if r.pitch != 0 {
+				wantRows += int64(len(demote))
+			} else {
+				wantBatched = int64(len(demote))
+			}
+			if tc.oneTensor && r.pitch != int64(blocks)*(r.chunk+32) {
+				t.Fatalf("a one-tensor region's pitch is %d, want %d", r.pitch, int64(blocks)*(r.chunk+32))
+			}
+		}
+	}
+	if c.rowStores != wantRows || c.batchedStores != wantBatched {
+		t.Fatalf("stores by %s: %d strided copies and %d demotions by batched copies, want %d and %d",
+			stores, c.rowStores, c.batchedStores, wantRows, wantBatched)
 	}
 	chunk := func(a *array, b int) []byte { return a.host[int64(b)*a.stride : int64(b)*a.stride+a.chunk] }
 	for i, o := range demote {
@@ -379,15 +413,72 @@ func TestStoreBatch(t *testing.T) {
 	}
 
 	kOnly := goodLayers()
-	kOnly.V = nil
+	kOnly.K, kOnly.V = []cuda.DevicePtr{0x2000, 0x1000}, nil // at no single pitch: batched
 	c, err = newCopier(kOnly, Host{Base: h.Base, SlotBytes: 128, NumSlots: 6}, Options{Stores: StoreCopyEngine})
 	if err != nil {
 		t.Fatal(err)
 	}
 	b.Reset()
 	c.appendStores(&b, []Op{{Block: 1, Slot: 4}})
-	if b.Len() != 2 || b.Dst[1] != base+4*128+64 || b.Src[1] != 0x2000+64 {
+	if b.Len() != 2 || b.Dst[1] != base+4*128+64 || b.Src[1] != 0x1000+64 {
 		t.Fatalf("K-only: %d copies, second {dst %#x, src %#x}", b.Len(), b.Dst[1], b.Src[1])
+	}
+
+	// K/V chunks at one pitch (one tensor [layers][K, V][blocks]) go as
+	// strided copies: the batch holds only the scales, which sit apart.
+	one := goodLayers()
+	one.K, one.V = []cuda.DevicePtr{0x10000, 0x10400}, []cuda.DevicePtr{0x10200, 0x10600}
+	one.VBlockStride = one.KBlockStride
+	one.KScale, one.VScale = l.KScale, l.VScale
+	one.ScaleChunkBytes, one.ScaleBlockStride = 16, 32
+	c, err = newCopier(one, h, Options{Stores: StoreCopyEngine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.regions[0].pitch != 0x200 || c.regions[1].pitch != 0 {
+		t.Fatalf("pitches %d and %d, want 512 (K/V) and 0 (scales)", c.regions[0].pitch, c.regions[1].pitch)
+	}
+	if want := maxBatchCopies / 4; c.storeOps != want {
+		t.Fatalf("storeOps = %d, want %d (4 batched copies a block)", c.storeOps, want)
+	}
+	b.Reset()
+	c.appendStores(&b, []Op{{Block: 3, Slot: 5}})
+	if b.Len() != 4 || b.Dst[0] != base+5*320+256 || b.Src[0] != l.KScale[0]+3*32 {
+		t.Fatalf("with strided K/V: %d batched copies, the first {dst %#x, src %#x}", b.Len(), b.Dst[0], b.Src[0])
+	}
+}
+
+// A region's chunks go as one strided copy only where every (layer,
+// tensor) chunk of a block sits at one pitch, in increasing order, no
+// closer than a chunk and no farther than a strided copy takes, with one
+// block stride for K and V.
+func TestRowPitch(t *testing.T) {
+	p := func(v ...uint64) []cuda.DevicePtr {
+		out := make([]cuda.DevicePtr, len(v))
+		for i, x := range v {
+			out[i] = cuda.DevicePtr(x)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name          string
+		k, v          []cuda.DevicePtr
+		chunk, ks, vs int64
+		want          int64
+	}{
+		{"one tensor [layers][K, V]", p(0x1000, 0x3000, 0x5000), p(0x2000, 0x4000, 0x6000), 64, 64, 64, 0x1000},
+		{"K only", p(0x1000, 0x1100, 0x1200), nil, 256, 256, 0, 0x100},
+		{"one row", p(0x1000), nil, 64, 64, 0, 64},
+		{"K and V strides differ", p(0x1000, 0x3000), p(0x2000, 0x4000), 64, 64, 128, 0},
+		{"uneven spacing", p(0x1000, 0x3000, 0x5100), p(0x2000, 0x4000, 0x6100), 64, 64, 64, 0},
+		{"V before K", p(0x2000, 0x4000), p(0x1000, 0x3000), 64, 64, 64, 0},
+		{"decreasing", p(0x3000, 0x2000, 0x1000), nil, 64, 64, 0, 0},
+		{"rows overlap", p(0x1000, 0x1020, 0x1040), nil, 64, 64, 0, 0},
+		{"pitch past the maximum", p(0x1000, 0x1000+1<<31), nil, 64, 64, 0, 0},
+	} {
+		if got := rowPitch(tc.k, tc.v, tc.chunk, tc.ks, tc.vs); got != tc.want {
+			t.Errorf("%s: pitch %d, want %d", tc.name, got, tc.want)
+		}
 	}
 }
 
