@@ -6,7 +6,10 @@ memory; with and without the decode route, with a window, split-KV) read
 the e4m3 cache, against a float64
 reference over the dequantised cache (e4m3 * scale), outputs poisoned with
 NaN first; FP8's own error against the 16-bit cache stays small; misuse
-raises. Run as tests/gpu/test_attn_torch.py.
+raises. A sweep of paged_decode over the e4m3 cache covers q_len new tokens
+per sequence, sliding windows, sinks and forced splits pairwise with
+head_dim, block size, batch, GQA group and K outlier channels. Run as
+tests/gpu/test_attn_torch.py.
 """
 
 import math
@@ -14,14 +17,14 @@ import zlib
 
 import pytest
 
-from gputest import capture, check_rows, cuda_torch, row_err  # noqa: E402
+from gputest import capture, check_rows, cuda_torch, row_err, window_reference  # noqa: E402
 
 torch = cuda_torch()
 
 import kvplug  # noqa: E402
 from kvplug import attn  # noqa: E402
 
-from test_attn_torch import DEV, TOL, Paged, ragged  # noqa: E402
+from test_attn_torch import DEV, TOL, Paged, ragged, window_table  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -126,6 +129,167 @@ def test_fp8_decode_v_scales_spread(dtype, D, spread, seed):
                       k_scale=c.ks, v_scale=c.vs)
     torch.cuda.synchronize()
     check_rows(out, c.reference(1 / math.sqrt(D)), TOL[dtype])
+
+
+# ---- paged_decode over an e4m3 cache: positions and options ---------------
+
+def covering(axes, seeds=()):
+    """Cases (tuples of values, one per axis of axes, a dict of name ->
+    values) in which every pair of values of two axes occurs at least once:
+    the partial cases of seeds (dicts of axis index -> value index) first,
+    then one per pair still missing, each completed axis by axis with the
+    value that covers the most missing pairs, then the most triples not yet
+    seen (so that the axes do not move together), then the least used.
+    Deterministic."""
+    vals = list(axes.values())
+    n = len(vals)
+    missing = {(i, a, j, b) for i in range(n) for j in range(i + 1, n)
+               for a in range(len(vals[i])) for b in range(len(vals[j]))}
+    seen = set()  # triples ((axis, value), ...) in axis order
+    used = [[0] * len(v) for v in vals]
+    rows = []
+
+    def complete(row):
+        for i in range(n):
+            if i in row:
+                continue
+
+            def score(v):
+                pairs = sum(((k, row[k], i, v) if k < i else (i, v, k, row[k])) in missing for k in row)
+                triples = sum(tuple(sorted(((k, row[k]), (m, row[m]), (i, v)))) not in seen
+                              for k in row for m in row if k < m)
+                return pairs, triples, -used[i][v], -v
+
+            row[i] = max(range(len(vals[i])), key=score)
+        for i in range(n):
+            used[i][row[i]] += 1
+            for j in range(i + 1, n):
+                missing.discard((i, row[i], j, row[j]))
+                seen.update(((i, row[i]), (j, row[j]), (k, row[k])) for k in range(j + 1, n))
+        rows.append(tuple(vals[i][row[i]] for i in range(n)))
+
+    for s in seeds:
+        complete(dict(s))
+    while missing:
+        i, a, j, b = min(missing)
+        complete({i: a, j: b})
+    return rows
+
+
+SWEEP_AXES = {
+    "dtype": [torch.float16, torch.bfloat16],
+    "D": [64, 128, 256],
+    "bs": [1, 16],
+    "batch": [1, 16],
+    "q_len": [1, 2, 5, 16],
+    "window": [-1, 0, 3, 70, 200],  # window_left: -1 none; w >= 0 sees [pos - w, pos] (0: itself only)
+    "sinks": [False, True],
+    "splits": [1, 3],
+    "group": [1, 3, 4, 8],
+    "outliers": [False, True],
+}
+_names = list(SWEEP_AXES)
+# Every (q_len, window, splits) triple, the rest pairwise.
+SWEEP = covering(SWEEP_AXES, [{_names.index("q_len"): a, _names.index("window"): b, _names.index("splits"): c}
+                              for a in range(4) for b in range(5) for c in range(2)])
+
+
+def sweep_id(case):
+    dtype, D, bs, batch, q_len, window, sinks, splits, group, outliers = case
+    return (f"{'f16' if dtype == torch.float16 else 'bf16'}-D{D}-bs{bs}-B{batch}-q{q_len}-w{window}"
+            f"{'-sinks' if sinks else ''}-s{splits}-g{group}{'-outliers' if outliers else ''}")
+
+
+def sweep_lens(gen, batch, bs, q_len, window):
+    """Sequence lengths (the new tokens included) for a decode of q_len new
+    tokens: the shortest legal one (q_len: the first new token at position
+    0), one more, lengths about the window (shorter than it, where the first
+    new token's window starts at 0 or 1), an empty sequence, and random
+    ones up to 1400; those drawn are not multiples of the block size. One
+    of them, at random, for a batch of 1."""
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    def off_block(L):
+        return L + draw(1, bs - 1) if bs > 1 and L % bs == 0 else L
+
+    edge = [q_len, q_len + 1, off_block(draw(q_len + 2, 60))]
+    if window >= 0:
+        if window > q_len:
+            edge.append(draw(q_len, window - 1))
+        edge += [window + q_len, window + q_len + 1, off_block(window + q_len + draw(bs, 4 * bs))]
+    long = [off_block(draw(300, 1400)) for _ in range(2)]
+    if batch == 1:
+        pool = edge + long + long
+        return [pool[draw(0, len(pool) - 1)]]
+    lens = [0] + edge + long
+    lens += [off_block(draw(q_len, 1400)) for _ in range(batch - len(lens))]
+    return [lens[i] for i in torch.randperm(batch, generator=gen).tolist()]
+
+
+def dequantized_sequences(c):
+    """Each sequence's K and V as c's e4m3 cache holds them (float64,
+    e4m3 * scale; [L, kvh, D]), read through the table of c.p."""
+    p = c.p
+    kd, vd = c.dequantized()
+    ks, vs = [], []
+    for b, L in enumerate(p.lens):
+        t = torch.arange(L, device=DEV)
+        blk = p.table[b, t // p.bs].long()
+        ks.append(kd[blk, t % p.bs])
+        vs.append(vd[blk, t % p.bs])
+    return ks, vs
+
+
+@pytest.mark.parametrize("dtype,D,bs,batch,q_len,window,sinks,splits,group,outliers", SWEEP,
+                         ids=[sweep_id(c) for c in SWEEP])
+def test_fp8_decode_sweep(dtype, D, bs, batch, q_len, window, sinks, splits, group, outliers, seed):
+    """paged_decode over an e4m3 cache (per-token-head scales written by
+    kv_write) across head_dim, block size, batch, q_len new tokens per
+    sequence (causal among them), sliding windows (the table's blocks
+    before every new token's window dropped to -1), sinks, forced splits,
+    GQA groups and K outlier channels, over mixed lengths (the shortest
+    legal, about the window, empty, long): out and lse, poisoned with NaN,
+    against the float64 reference over the dequantised cache, row by row."""
+    gen = torch.Generator().manual_seed(seed ^ zlib.crc32(sweep_id(
+        (dtype, D, bs, batch, q_len, window, sinks, splits, group, outliers)).encode()))
+    lens = sweep_lens(gen, batch, bs, q_len, window)
+    kvh = 2
+    qh = group * kvh
+    p = Paged(gen, dtype, D, qh, kvh, bs, lens)
+    if outliers:  # a few K channels of each kv head 4 to 16 times the others, as in real models' keys
+        for h in range(kvh):
+            ch = torch.randperm(D, generator=gen)[:4].to(DEV)
+            f = (torch.rand(4, generator=gen) * 12 + 4).to(DEV)
+            p.k[:, h, ch] = (p.k[:, h, ch].float() * f).to(dtype)
+    c = Paged8(p, "token")
+    q = (torch.rand((batch * q_len, qh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    sk = None
+    if sinks:  # about the log of a row's denominator: they move the outputs
+        seen = [min(L, window + 1) if window >= 0 else L for L in lens if L]
+        keys = max(1.0, sum(seen) / max(1, len(seen)))
+        sk = (torch.randn((qh,), generator=gen, dtype=torch.float64) * 2 + math.log(keys)).float().to(DEV)
+    table = window_table(p, [q_len] * batch, window) if window >= 0 else p.table
+    ws = torch.empty(attn.workspace_size(batch * q_len, qh, D, 8), dtype=torch.uint8, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch * q_len, qh), float("nan"), dtype=torch.float32, device=DEV)
+    attn.paged_decode(q, c.k8, c.v8, table, p.seq_lens, out=out, lse=lse, workspace=ws, num_splits=splits,
+                      max_seq_len=max(max(lens), 1), q_len=q_len, k_scale=c.ks, v_scale=c.vs, sinks=sk,
+                      window_left=window)
+    torch.cuda.synchronize()
+    ks, vs = dequantized_sequences(c)
+    qo = [b * q_len for b in range(batch + 1)]
+    want, want_lse = window_reference(q, ks, vs, lens, qo, window, sinks=sk)
+    what = f"lens {lens}"
+    check_rows(out, want, TOL[dtype], what)
+    got_lse = lse.double()
+    assert not got_lse.isnan().any(), f"{what}: lse has NaN (unwritten elements)"
+    empty = want_lse.isinf()
+    assert torch.equal(got_lse.isinf(), empty), f"{what}: rows with no keys differ"
+    if (~empty).any():
+        d = (got_lse[~empty] - want_lse[~empty]).abs().max().item()
+        bound = 2e-3 * max(1.0, want_lse[~empty].abs().max().item())
+        assert d < bound, f"{what}: lse max abs error {d:.3g} above {bound:.3g}"
 
 
 def test_fp8_graph_capture(seed):
