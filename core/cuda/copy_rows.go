@@ -76,3 +76,24 @@ func (c *RowCopy) DeviceToHostAsync(dst unsafe.Pointer, dstPitch int64, src Devi
 	}
 	return cudaErr(what, "cuMemcpy2DAsync", cuMemcpy2DAsync(&c.p, stream))
 }
+
+var cuMemGetAddressRange func(base *DevicePtr, size *uintptr, p DevicePtr) Result
+
+func init() { symbol(&cuMemGetAddressRange, "cuMemGetAddressRange_v2") }
+
+// AllocationRange returns the start and the size in bytes of the device
+// allocation that holds p, in the calling thread's current context. A
+// strided copy's rows must lie in one allocation: the driver refuses
+// (CUDA_ERROR_INVALID_VALUE) rows spread over several.
+func AllocationRange(p DevicePtr) (DevicePtr, int64, error) {
+	const what = "cuda allocation range"
+	if err := ready(what); err != nil {
+		return 0, 0, err
+	}
+	var base DevicePtr
+	var size uintptr
+	if err := cudaErr(what, "cuMemGetAddressRange", cuMemGetAddressRange(&base, &size, p)); err != nil {
+		return 0, 0, err
+	}
+	return base, int64(size), nil
+}

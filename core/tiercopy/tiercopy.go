@@ -20,8 +20,8 @@
 //
 // Demotions may instead go through the copy engines (Options.Stores,
 // StoreCopyEngine). Where a block's chunks of every layer and tensor sit at
-// one pitch in GPU memory (a cache allocated as one tensor [layers][K, V]
-// [blocks][...], as kvplug.hf's), a block is one strided copy
+// one pitch in one GPU allocation (a cache allocated as one tensor [layers]
+// [K, V][blocks][...], as kvplug.hf's), a block is one strided copy
 // (cuMemcpy2DAsync: its chunks are the rows, the slot holds them back to
 // back); otherwise one cuMemcpyBatchAsync call a batch, a copy per block,
 // layer and tensor, which costs the driver about a microsecond a copy. The kernel copies a batch faster alone, but its
@@ -340,6 +340,9 @@ func New(l Layers, h Host, o Options) (*Copier, error) {
 		return nil, err
 	}
 	c.ctx = ctx
+	if c.stores == StoreCopyEngine {
+		c.oneAllocationRows()
+	}
 	for i := range c.regions {
 		r := &c.regions[i]
 		if r.table, err = uploadTable(r.k, r.v); err != nil {
@@ -381,21 +384,54 @@ func newCopier(l Layers, h Host, o Options) (*Copier, error) {
 			chunk: l.ScaleChunkBytes, kStride: l.ScaleBlockStride, vStride: l.ScaleBlockStride, hostOff: l.kvBytes()})
 	}
 	c.perLaunch = OpsPerLaunch
-	copiesPerOp := 0
 	for i := range c.regions {
 		r := &c.regions[i]
 		r.parts = (r.chunk + ctaByte - 1) / ctaByte
 		r.perOp = int64(len(l.K)*c.kv) * r.parts
 		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
-		if r.pitch = rowPitch(r.k, r.v, r.chunk, r.kStride, r.vStride); r.pitch == 0 {
-			copiesPerOp += len(l.K) * c.kv
+		if c.stores == StoreCopyEngine {
+			r.pitch = rowPitch(r.k, r.v, r.chunk, r.kStride, r.vStride)
 		}
 	}
 	if c.perLaunch < 1 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "tier copy: one block of %d layers x %d bytes needs more than 2^31 thread blocks", len(l.K), l.ChunkBytes)
 	}
-	c.storeOps = max(1, maxBatchCopies/max(1, copiesPerOp))
+	c.planBatches()
 	return c, nil
+}
+
+// planBatches sets how many demotions one batched copy call takes: its
+// copies are a block's chunks of the regions that strided copies do not
+// take.
+func (c *Copier) planBatches() {
+	copiesPerOp := 0
+	for _, r := range c.regions {
+		if r.pitch == 0 {
+			copiesPerOp += len(r.k) * c.kv
+		}
+	}
+	c.storeOps = max(1, maxBatchCopies/max(1, copiesPerOp))
+}
+
+// oneAllocationRows keeps the strided copy for the regions whose rows, over
+// every block, lie in one device allocation (the driver refuses a strided
+// copy across allocations, which can sit at one pitch by chance); the
+// others' stores go as batched copies. Runs in the copier's context.
+func (c *Copier) oneAllocationRows() {
+	for i := range c.regions {
+		r := &c.regions[i]
+		if r.pitch == 0 {
+			continue
+		}
+		first := r.k[0]
+		rows := int64(len(r.k) * c.kv)
+		end := int64(first) + (rows-1)*r.pitch + int64(c.layers.NumBlocks-1)*r.kStride + r.chunk
+		base, size, err := cuda.AllocationRange(first)
+		if err != nil || end > int64(base)+size {
+			r.pitch = 0
+		}
+	}
+	c.planBatches()
 }
 
 // appendStores appends to b the batched copies of demotions ops: per op,

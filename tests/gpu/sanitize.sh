@@ -38,5 +38,7 @@ check racecheck kvp_cascade test_cascade_torch.py "prefill_matches or matches_re
 check memcheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128 or fp8_cascade and device"
 check racecheck e4m3 test_fp8_torch.py "write_and_decode and 128 or fp8_prefill and 128"
 check racecheck e4m3 test_fp8_torch.py "prefill_long and one-split-64 or fp8_cascade and device and 256"
+check memcheck e4m3 test_fp8_torch.py "fp8_decode_sweep"
+check racecheck e4m3 test_fp8_torch.py "fp8_decode_sweep"
 check memcheck e4m3_qkv test_fp8_torch.py "qkv_prefill or qkv_graph"
 check racecheck e4m3_qkv test_fp8_torch.py "qkv_prefill and token-dtype1 or qkv_prefill_long and one-split-dtype0"
