@@ -1682,11 +1682,15 @@ typedef struct kvp_kv_layers {
 } kvp_kv_layers;
 
 /* kvp_kv_layers.flags: a copier's demotions (GPU block -> host slot) go to
- * the copy engines, one cuMemcpyBatchAsync a batch with a copy per block,
- * layer and tensor, instead of the kernel's launches; reloads keep the
- * kernel. The kernel is faster alone, but its thread blocks take SMs from
- * the kernels of other streams: write-through stores on a side stream
- * during a step's forward pass leave them to the step this way. Needs a
+ * the copy engines instead of the kernel's launches; reloads keep the
+ * kernel. Where a block's chunks of every layer (K, V, and the scales
+ * apart) sit at one pitch in one allocation (one tensor [layers][K, V]
+ * [blocks][...]), a block is one strided copy (cuMemcpy2DAsync); otherwise
+ * one cuMemcpyBatchAsync a batch with a copy per block, layer and tensor,
+ * which costs the driver about half a microsecond a copy. The kernel's
+ * thread blocks take SMs from the kernels of other streams, the copy
+ * engines do not; in a serving loop neither has been found faster
+ * (bench/RESULTS.md, "Tier stores by the copy engines"). Needs a
  * CUDA 12.8 or newer driver (create answers UNSUPPORTED otherwise), and a
  * run with demotions a stream other than the legacy default stream (NULL
  * or CU_STREAM_LEGACY: INVALID_ARGUMENT), which the batched copy refuses. */

@@ -19,9 +19,11 @@ Close the copier (or leave its with block) before closing the Manager whose
 memory it registered. Needs a GPU and the library's kernels.
 
 store_engine="copy-engine" hands the demotions (GPU -> host) to the copy
-engines, one batched copy (cuMemcpyBatchAsync, a CUDA 12.8+ driver) a
-batch instead of the kernel's launches, so that stores running on a side
-stream leave the SMs to the kernels beside them; reloads keep the kernel.
+engines (a CUDA 12.8+ driver) instead of the kernel's launches, so that
+stores running on a side stream leave the SMs to the kernels beside them;
+reloads keep the kernel. Layers that are views of one tensor [layers, 2,
+num_blocks, ...] (kvplug.hf's cache) take a strided copy a block; other
+layouts one batched copy (cuMemcpyBatchAsync) a batch, a copy a chunk.
 Its demotions need a stream other than the legacy default stream.
 
 FP8 caches (torch.float8_e4m3fn, [num_blocks, block_size, kv_heads,
