@@ -205,9 +205,11 @@ func TestWriteThroughSlackWaitsWhileThePoolHasRoom(t *testing.T) {
 	}
 }
 
-// A write-through slack outside [0, NumBlocks], or without write-through,
-// is refused. (A manager with layer groups refuses write-through, and so
-// any slack: groups_test.go.)
+// A write-through slack outside [0, NumBlocks], without write-through, or
+// below demote_ahead (whose demotions would keep the free queue above it,
+// so no store would ever go) is refused; demote_ahead up to the slack is
+// taken. (A manager with layer groups refuses write-through, and so any
+// slack: groups_test.go.)
 func TestWriteThroughSlackRefused(t *testing.T) {
 	pool, err := host.New(host.Config{Slots: 16, BlockBytes: 16})
 	must(t, err)
@@ -216,6 +218,7 @@ func TestWriteThroughSlackRefused(t *testing.T) {
 		{Pool: pool, WriteThrough: 1, WriteThroughSlack: 9},
 		{Pool: pool, WriteThroughSlack: 1},
 		{Pool: pool, DemoteAhead: 2, WriteThroughSlack: 1},
+		{Pool: pool, WriteThrough: 1, DemoteAhead: 3, WriteThroughSlack: 2},
 	} {
 		if _, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &h}); !kverr.Is(err, kverr.InvalidArgument) {
 			t.Fatalf("write_through %d, slack %d: %v, want InvalidArgument", h.WriteThrough, h.WriteThroughSlack, err)
@@ -225,6 +228,16 @@ func TestWriteThroughSlackRefused(t *testing.T) {
 		m, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &HostTier{Pool: pool, WriteThrough: 1, WriteThroughSlack: slack}})
 		if err != nil {
 			t.Fatalf("slack %d: %v", slack, err)
+		}
+		must(t, m.Close())
+	}
+	for _, h := range []HostTier{
+		{Pool: pool, WriteThrough: 1, DemoteAhead: 2, WriteThroughSlack: 2},
+		{Pool: pool, WriteThrough: 1, DemoteAhead: 5, WriteThroughSlack: 0},
+	} {
+		m, err := New(Config{NumBlocks: 8, BlockSize: 4, EnablePrefixCache: true, HostTier: &h})
+		if err != nil {
+			t.Fatalf("demote_ahead %d, slack %d: %v", h.DemoteAhead, h.WriteThroughSlack, err)
 		}
 		must(t, m.Close())
 	}

@@ -504,6 +504,14 @@ func New(cfg Config, g GPU) (*Tier, error) {
 	if h.WriteThroughSlack > 0 && h.WriteThrough == 0 {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: write_through_slack (%d) needs write-through (write_through > 0)", h.WriteThroughSlack)
 	}
+	// Demotion ahead keeps more blocks free than the slack lets the free
+	// queue fall to, so the stores would wait for ever and every block
+	// would reach the host by demotion (a move) instead.
+	if h.WriteThroughSlack > 0 && h.DemoteAhead > h.WriteThroughSlack {
+		return nil, kverr.Errorf(kverr.InvalidArgument,
+			"host tier: demote_ahead (%d) above write_through_slack (%d) would hold every write-through store back (demotion keeps more blocks free than the slack); use demote_ahead <= write_through_slack, or 0",
+			h.DemoteAhead, h.WriteThroughSlack)
+	}
 	if h.Shared != nil {
 		if err := h.Shared.Check(); err != nil {
 			return nil, err

@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -37,8 +38,19 @@ def tier_manager(slots: int = 8, block_bytes: int = 4096) -> kvplug.Manager:
 
 
 def live() -> int:
+    """The library's live handles once the count has settled: an earlier
+    test's handles may still be released by threads it left finishing
+    (the shared tier's workers), which would move the count under a test."""
     gc.collect()
-    return _lib.live_handles()
+    n = _lib.live_handles()
+    for _ in range(100):
+        time.sleep(0.01)
+        gc.collect()
+        m = _lib.live_handles()
+        if m == n:
+            return n
+        n = m
+    return n
 
 
 # ---- views of the library's memory keep it alive ------------------------------------------
