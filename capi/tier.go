@@ -24,8 +24,9 @@ import (
 // the copies through kvmanager.FlushCopiesTo.
 
 // cMemory is a host pool's memory from calloc, so that the region may be
-// handed to C (a Go pointer may not be kept by C), freed when the tier
-// releases it; or the engine's (engine), never freed here.
+// handed to C (a Go pointer may not be kept by C), freed when its owner (a
+// manager's tier, or a standalone host store) releases it; or the
+// engine's (engine), never freed here.
 type cMemory struct {
 	p      unsafe.Pointer
 	engine bool
@@ -39,10 +40,6 @@ func (a *cMemory) Alloc(size int) ([]byte, error) {
 	}
 	return unsafe.Slice((*byte)(a.p), size), nil
 }
-
-// Free implements host.Allocator (a standalone host store's pool, which
-// hands its memory back at Close): the store releases it after the pool.
-func (*cMemory) Free([]byte) error { return nil }
 
 func (a *cMemory) Release() {
 	if !a.engine && a.p != nil {
