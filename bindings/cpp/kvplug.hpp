@@ -1055,6 +1055,16 @@ struct TierCopyApi {
 inline const TierCopyApi &tier_copy_api() { return table<TierCopyApi>(); }
 }  // namespace detail
 
+// What copies a tier copier's demotions (GPU block -> host slot), the
+// values of kvp_kv_layers.flags: the tier copy kernel, as reloads, or the
+// copy engines (KVP_TIER_COPY_STORE_COPY_ENGINE: a CUDA 12.8 or newer
+// driver, and runs with demotions on a stream other than the legacy default
+// stream). Python's store_engine="kernel" and "copy-engine".
+enum class StoreEngine : int32_t {
+  kernel = 0,
+  copy_engine = KVP_TIER_COPY_STORE_COPY_ENGINE,
+};
+
 // Copies host tier batches between the engine's paged GPU caches and host
 // slots, every layer's K and V of a batch in one launch (the header's
 // "tier copy"). Owns its kvp_tier_copier; destroy it before the manager
@@ -1063,7 +1073,8 @@ class TierCopier {
  public:
   // k and v: per layer, the device address of block 0 (v empty: K only).
   TierCopier(const std::vector<uint64_t> &k, const std::vector<uint64_t> &v, int32_t num_blocks, int64_t block_bytes,
-             int64_t k_block_stride, int64_t v_block_stride, void *host, int64_t slot_bytes, int32_t num_slots) {
+             int64_t k_block_stride, int64_t v_block_stride, void *host, int64_t slot_bytes, int32_t num_slots,
+             StoreEngine store_engine = StoreEngine::kernel) {
     kvp_kv_layers l = KVP_KV_LAYERS_INIT;
     l.num_layers = detail::count32(k.size(), "TierCopier: layers");
     l.num_blocks = num_blocks;
@@ -1076,13 +1087,41 @@ class TierCopier {
     l.block_bytes = block_bytes;
     l.k_block_stride = k_block_stride;
     l.v_block_stride = v_block_stride;
-    detail::check(api().kvp_tier_copier_create(&l, host, slot_bytes, num_slots, &h_));
+    create(l, store_engine, host, slot_bytes, num_slots);
   }
   // Over a manager's host tier memory.
   TierCopier(const std::vector<uint64_t> &k, const std::vector<uint64_t> &v, int32_t num_blocks, int64_t block_bytes,
-             int64_t k_block_stride, int64_t v_block_stride, const HostTier &tier)
+             int64_t k_block_stride, int64_t v_block_stride, const HostTier &tier,
+             StoreEngine store_engine = StoreEngine::kernel)
       : TierCopier(k, v, num_blocks, block_bytes, k_block_stride, v_block_stride, tier.slot(0), tier.slot_bytes(),
-                   tier.num_slots()) {}
+                   tier.num_slots(), store_engine) {}
+
+  // kv: per layer, its kvp_paged_kv (kvp_kv_layers.kv), as the attention
+  // calls take it (the table fields are not read): every layer of one
+  // shape, a block's tokens dense (token_stride = num_kv_heads * head_dim,
+  // head_stride = head_dim), V in every layer or in none. An e4m3 cache's
+  // scales come in the same descriptors, scale_kind, k_scale and v_scale
+  // (Python's k_scales= and v_scales=). With KVP_KV_SCALE_TOKEN_HEAD each
+  // block's scales move with the block, and slot_bytes must hold, per layer
+  // and tensor (K, V), the block's e4m3 bytes and its block_size *
+  // num_kv_heads * 4 bytes of scales; a KVP_KV_SCALE_TENSOR scale stays
+  // with the engine.
+  TierCopier(span<const kvp_paged_kv *const> kv, void *host, int64_t slot_bytes, int32_t num_slots,
+             StoreEngine store_engine = StoreEngine::kernel) {
+    kvp_kv_layers l = KVP_KV_LAYERS_INIT;
+    l.num_layers = detail::count32(kv.size(), "TierCopier: layers");
+    l.kv = kv.data();
+    create(l, store_engine, host, slot_bytes, num_slots);
+  }
+  TierCopier(span<const kvp_paged_kv *const> kv, const HostTier &tier, StoreEngine store_engine = StoreEngine::kernel)
+      : TierCopier(kv, tier.slot(0), tier.slot_bytes(), tier.num_slots(), store_engine) {}
+  // The same with the descriptors in one array (one a layer).
+  TierCopier(span<const kvp_paged_kv> kv, void *host, int64_t slot_bytes, int32_t num_slots,
+             StoreEngine store_engine = StoreEngine::kernel)
+      : TierCopier(span<const kvp_paged_kv *const>(addresses(kv)), host, slot_bytes, num_slots, store_engine) {}
+  TierCopier(span<const kvp_paged_kv> kv, const HostTier &tier, StoreEngine store_engine = StoreEngine::kernel)
+      : TierCopier(span<const kvp_paged_kv *const>(addresses(kv)), tier, store_engine) {}
+
   TierCopier(const TierCopier &) = delete;
   TierCopier &operator=(const TierCopier &) = delete;
   TierCopier(TierCopier &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
@@ -1107,6 +1146,16 @@ class TierCopier {
 
  private:
   static const detail::TierCopyApi &api() { return detail::tier_copy_api(); }
+  void create(kvp_kv_layers &l, StoreEngine store_engine, void *host, int64_t slot_bytes, int32_t num_slots) {
+    l.flags = static_cast<int32_t>(store_engine);
+    detail::check(api().kvp_tier_copier_create(&l, host, slot_bytes, num_slots, &h_));
+  }
+  static std::vector<const kvp_paged_kv *> addresses(span<const kvp_paged_kv> kv) {
+    std::vector<const kvp_paged_kv *> p;
+    p.reserve(kv.size());
+    for (const kvp_paged_kv &d : kv) p.push_back(&d);
+    return p;
+  }
   kvp_tier_copier *h_ = nullptr;
 };
 

@@ -8,9 +8,11 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "kvplug.hpp"
+#include "thrown.hpp"
 
 namespace {
 
@@ -560,6 +562,180 @@ TEST(TierCopier, WrapperChecksAndCreates) {
   });
   EXPECT_EQ(st, here) << "the copier answers " << kvplug::status_string(st) << ", the kernels "
                       << kvplug::status_string(here);
+}
+
+namespace {
+
+// An e4m3 layer [8 blocks, kBlock tokens, 2 kv heads, 64] with per-token-head
+// scales [8, kBlock, 2] float32, at made-up device addresses (a copier
+// keeps the addresses, and its creation reads none).
+constexpr int32_t kE4m3Heads = 2, kE4m3HeadDim = 64;
+constexpr int64_t kE4m3Block = int64_t{kBlock} * kE4m3Heads * kE4m3HeadDim;  // bytes of a block (one byte an element)
+constexpr int64_t kScaleBlock = int64_t{kBlock} * kE4m3Heads * 4;            // bytes of a block's scales
+
+kvp_paged_kv e4m3_layer(uint64_t base) {
+  kvp_paged_kv d = KVP_PAGED_KV_INIT;
+  d.dtype = KVP_DTYPE_E4M3;
+  d.num_kv_heads = kE4m3Heads;
+  d.num_blocks = 8;
+  d.block_size = kBlock;
+  d.head_dim = kE4m3HeadDim;
+  d.k_cache = base;
+  d.v_cache = base + 0x10000;
+  d.block_stride = kE4m3Block;  // elements
+  d.token_stride = int64_t{kE4m3Heads} * kE4m3HeadDim;
+  d.head_stride = kE4m3HeadDim;
+  d.k_scale = base + 0x20000;
+  d.v_scale = base + 0x30000;
+  d.scale_kind = KVP_KV_SCALE_TOKEN_HEAD;
+  return d;
+}
+
+// Whether status st of a copier that should have been created matches this
+// machine's kernels (here, what kvplug::attn::prepare answers): NO_DEVICE or
+// UNSUPPORTED where they do, and a copier where they run, except that stores
+// by the copy engines answer UNSUPPORTED on a driver older than CUDA 12.8.
+::testing::AssertionResult created_as_here(kvp_status st, kvp_status here, kvplug::StoreEngine e) {
+  if (st == here || (here == KVP_OK && e == kvplug::StoreEngine::copy_engine && st == KVP_ERR_UNSUPPORTED)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "the copier answers " << kvplug::status_string(st) << ", the kernels "
+                                       << kvplug::status_string(here);
+}
+
+// Whether f throws a kvplug::Error of status want whose message has
+// fragment (the library's words for what it refused).
+template <class F>
+::testing::AssertionResult refuses(F &&f, kvp_status want, const std::string &fragment) {
+  try {
+    f();
+  } catch (const kvplug::Error &e) {
+    const std::string what = e.what();
+    if (e.status() == want && what.find(fragment) != std::string::npos) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << kvplug::status_string(e.status()) << " \"" << what << "\", not "
+                                         << kvplug::status_string(want) << " naming \"" << fragment << "\"";
+  }
+  return ::testing::AssertionFailure() << "nothing thrown, not " << kvplug::status_string(want);
+}
+
+}  // namespace
+
+// The tier copier over per-layer kvp_paged_kv descriptors, the form that
+// takes an e4m3 cache with its scales: the library checks the layers, the
+// scales, the host slots and the store engine before it touches a device,
+// so each bad input is refused with its own status on any machine, and a
+// good layout is created as this machine's kernels allow.
+TEST(TierCopier, E4m3LayersWithScales) {
+  constexpr int64_t kv_bytes = 2 * 2 * kE4m3Block;          // 2 layers x K, V of e4m3 bytes
+  constexpr int64_t slot = kv_bytes + 2 * 2 * kScaleBlock;  // and their scales
+  static_assert(slot % 16 == 0 && kScaleBlock % 16 == 0, "the layout must be valid");
+  kvp_manager_config cfg = KVP_MANAGER_CONFIG_INIT;
+  cfg.num_blocks = 8;
+  cfg.block_size = kBlock;
+  cfg.enable_prefix_cache = 1;
+  cfg.host_tier_slots = 4;
+  cfg.host_block_bytes = slot;
+  kvplug::Manager m(cfg);
+  kvplug::HostTier tier(m);
+  ASSERT_EQ(tier.slot_bytes(), slot);
+  const std::vector<kvp_paged_kv> good{e4m3_layer(0x1000000), e4m3_layer(0x2000000)};
+  const kvp_status here = thrown([] { kvplug::attn::prepare(); });
+  ASSERT_TRUE(here == KVP_OK || here == KVP_ERR_NO_DEVICE || here == KVP_ERR_UNSUPPORTED) << here;
+
+  // Good layouts, by either engine, over the manager's slots and over raw
+  // memory, the descriptors in one array or by address.
+  for (const auto e : {kvplug::StoreEngine::kernel, kvplug::StoreEngine::copy_engine}) {
+    EXPECT_TRUE(created_as_here(thrown([&] {
+                                  kvplug::TierCopier c(good, tier, e);
+                                  EXPECT_NE(c.get(), nullptr);
+                                  c.run(kvplug::CopyBatch{});  // nothing to copy
+                                }),
+                                here, e));
+    const std::vector<const kvp_paged_kv *> ptrs{&good[0], &good[1]};
+    EXPECT_TRUE(created_as_here(thrown([&] { kvplug::TierCopier c(ptrs, tier.slot(0), slot, 4, e); }), here, e));
+  }
+  // K only: a scale array a layer, and slots of K and its scales.
+  {
+    auto k_only = good;
+    for (auto &d : k_only) d.v_cache = d.v_scale = 0;
+    EXPECT_TRUE(created_as_here(
+        thrown([&] { kvplug::TierCopier c(k_only, tier.slot(0), 2 * (kE4m3Block + kScaleBlock), 4); }), here,
+        kvplug::StoreEngine::kernel));
+  }
+  // A per-cache (tensor) scale stays with the engine: slots of the e4m3
+  // bytes alone take such a cache, and not one with token-head scales.
+  {
+    auto tensor = good;
+    for (auto &d : tensor) d.scale_kind = KVP_KV_SCALE_TENSOR;
+    EXPECT_TRUE(created_as_here(thrown([&] { kvplug::TierCopier c(tensor, tier.slot(0), kv_bytes, 4); }), here,
+                                kvplug::StoreEngine::kernel));
+    const std::string need = "at least the layout's " + std::to_string(slot);
+    EXPECT_TRUE(refuses([&] { kvplug::TierCopier c(good, tier.slot(0), kv_bytes, 4); }, KVP_ERR_INVALID_ARGUMENT,
+                        need));
+    EXPECT_TRUE(refuses([&] { kvplug::TierCopier c(good, tier.slot(0), slot - 16, 4); }, KVP_ERR_INVALID_ARGUMENT,
+                        need));
+  }
+
+  // Bad layers, refused before any device is touched.
+  auto refused = [&](auto &&change, kvp_status want, const std::string &fragment) {
+    auto layers = good;
+    change(layers);
+    return refuses([&] { kvplug::TierCopier c(layers, tier); }, want, fragment);
+  };
+  // Scales missing: V scales (K scales without them), K scales, both.
+  EXPECT_TRUE(refused([](auto &l) { l[1].v_scale = 0; }, KVP_ERR_NULL_POINTER, "kv[1] is e4m3 without"));
+  EXPECT_TRUE(refused([](auto &l) { l[0].k_scale = 0; }, KVP_ERR_NULL_POINTER, "kv[0] is e4m3 without"));
+  EXPECT_TRUE(refused([](auto &l) { l[0].k_scale = l[0].v_scale = 0; }, KVP_ERR_NULL_POINTER, "kv[0] is e4m3 without"));
+  // No scale kind, an unknown one, or another one in a later layer.
+  EXPECT_TRUE(refused([](auto &l) { l[0].scale_kind = KVP_KV_SCALE_NONE; }, KVP_ERR_INVALID_ARGUMENT, "scale_kind 0"));
+  EXPECT_TRUE(refused([](auto &l) { l[0].scale_kind = 3; }, KVP_ERR_INVALID_ARGUMENT, "scale_kind 3"));
+  EXPECT_TRUE(refused([](auto &l) { l[1].scale_kind = KVP_KV_SCALE_TENSOR; }, KVP_ERR_INVALID_ARGUMENT,
+                      "kv[1] has another shape"));
+  // Scales on a 16-bit cache.
+  EXPECT_TRUE(refused(
+      [](auto &l) {
+        for (auto &d : l) d.dtype = KVP_DTYPE_F16;
+      },
+      KVP_ERR_INVALID_ARGUMENT, "not e4m3 but has"));
+  // A block's scales not a multiple of 16 bytes (1 token x 2 heads x 4 bytes).
+  EXPECT_TRUE(refused(
+      [](auto &l) {
+        for (auto &d : l) {
+          d.block_size = 1;
+          d.block_stride = d.token_stride;
+        }
+      },
+      KVP_ERR_INVALID_ARGUMENT, "block's scales"));
+  // A scale array not 16-byte aligned.
+  EXPECT_TRUE(refused([](auto &l) { l[1].v_scale += 8; }, KVP_ERR_INVALID_ARGUMENT, "layer 1's V scale address"));
+  // Layers of different shapes; tokens that are not dense rows.
+  EXPECT_TRUE(refused([](auto &l) { l[1].num_kv_heads = 1; }, KVP_ERR_INVALID_ARGUMENT, "kv[1] has another shape"));
+  EXPECT_TRUE(refused(
+      [](auto &l) {
+        for (auto &d : l) d.head_stride *= 2;
+      },
+      KVP_ERR_INVALID_ARGUMENT, "dense rows"));
+  // No layers; a NULL descriptor; a store engine the library does not know
+  // (kvp_kv_layers.flags), through both forms.
+  EXPECT_TRUE(refuses([&] { kvplug::TierCopier c(std::vector<kvp_paged_kv>{}, tier); }, KVP_ERR_INVALID_ARGUMENT,
+                      "num_layers"));
+  EXPECT_TRUE(refuses(
+      [&] {
+        const std::vector<const kvp_paged_kv *> ptrs{&good[0], nullptr};
+        kvplug::TierCopier c(ptrs, tier);
+      },
+      KVP_ERR_NULL_POINTER, "kv[1] must not be NULL"));
+  const auto unknown = static_cast<kvplug::StoreEngine>(2);
+  EXPECT_TRUE(refuses([&] { kvplug::TierCopier c(good, tier, unknown); }, KVP_ERR_INVALID_ARGUMENT, "flags"));
+  EXPECT_TRUE(refuses(
+      [&] { kvplug::TierCopier c({0x10000, 0x20000}, {0x30000, 0x40000}, 8, 64, 64, 64, tier, unknown); },
+      KVP_ERR_INVALID_ARGUMENT, "flags"));
+  // The address form takes the store engine too.
+  EXPECT_TRUE(created_as_here(thrown([&] {
+                                kvplug::TierCopier c({0x10000, 0x20000}, {0x30000, 0x40000}, 8, 64, 64, 64, tier,
+                                                     kvplug::StoreEngine::copy_engine);
+                              }),
+                              here, kvplug::StoreEngine::copy_engine));
 }
 
 // A block the host tier stores is reported with its medium: the GPU's
