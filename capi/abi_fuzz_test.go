@@ -1394,7 +1394,7 @@ func (fz *abiFuzz) createManager() (string, int) {
 			badTier = slots < 0 || slots > 1<<30 || (evicted != 0 && evicted != 1) ||
 				(slots == 0 && (bytes != 0 || ahead != 0 || evicted != 0 || wt != 0 || slack != 0)) ||
 				(slots > 0 && (bytes < 1 || bytes > (1<<46)/int64(slots) || ahead < 0 || int64(ahead) > nb ||
-					wt < 0 || int64(wt) > nb || slack < 0 || int64(slack) > nb || (slack != 0 && wt == 0)))
+					wt < 0 || int64(wt) > nb || slack < 0 || int64(slack) > nb || (slack != 0 && wt == 0) || (slack > 0 && ahead > slack)))
 			setField(cfg, "kvp_manager_config", "host_tier_slots", int64(slots))
 			setField(cfg, "kvp_manager_config", "demote_ahead", int64(ahead))
 			setField(cfg, "kvp_manager_config", "demote_evicted", int64(evicted))

@@ -596,9 +596,12 @@ typedef struct kvp_manager_config {
                                   queue until the free blocks fall to it
                                   ("Host KV tier", Write-through). In
                                   [0, num_blocks]; nonzero needs
-                                  write_through > 0; at least a few
-                                  steps' allocations; 0 = store every
-                                  flush */
+                                  write_through > 0 and at least
+                                  demote_ahead (demotion ahead keeps the
+                                  free blocks above a smaller slack, so
+                                  few stores would go out); at least a
+                                  few steps' allocations; 0 = store
+                                  every flush */
 
   /* Layer groups (since 0.6; see "Layer groups" above); all 0 = one
    * full-attention group. Read during kvp_manager_create only. */
@@ -1684,8 +1687,9 @@ typedef struct kvp_kv_layers {
 /* kvp_kv_layers.flags: a copier's demotions (GPU block -> host slot) go to
  * the copy engines instead of the kernel's launches; reloads keep the
  * kernel. Where a block's chunks of every layer (K, V, and the scales
- * apart) sit at one pitch in one allocation (one tensor [layers][K, V]
- * [blocks][...]), a block is one strided copy (cuMemcpy2DAsync); otherwise
+ * apart) sit at one pitch, below 2^31 bytes, in one allocation (one tensor
+ * [layers][K, V][blocks][...]; not a cache over several mappings), a block
+ * is one strided copy (cuMemcpy2DAsync); otherwise
  * one cuMemcpyBatchAsync a batch with a copy per block, layer and tensor,
  * which costs the driver about half a microsecond a copy. The kernel's
  * thread blocks take SMs from the kernels of other streams, the copy
@@ -1720,7 +1724,9 @@ kvp_status kvp_tier_copier_create(const kvp_kv_layers *layers, void *host, int64
  * Errors: INVALID_HANDLE, NULL_POINTER (an array NULL with its count > 0),
  * INVALID_ARGUMENT (a count < 0, an op out of range, another CUDA context
  * current, demotions of a KVP_TIER_COPY_STORE_COPY_ENGINE copier on the
- * legacy default stream), CUDA (a launch, a batched copy). */
+ * legacy default stream), CUDA (a launch, a batched or strided copy; the
+ * copies enqueued before the failing one stay enqueued: let the stream
+ * finish before giving the batch's blocks and slots back). */
 kvp_status kvp_tier_copier_run(kvp_tier_copier *c, const kvp_tier_copy *demote, int32_t num_demote,
                                const kvp_tier_copy *reload, int32_t num_reload, void *stream);
 

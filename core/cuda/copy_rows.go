@@ -6,7 +6,7 @@ package cuda
 // chunks of every layer and tensor at one pitch (blocks x block stride), and
 // a host tier slot holds them back to back: one call moves the whole block,
 // where a list of pointer-to-pointer copies (MemcpyBatchAsync) needs one
-// entry a chunk and costs the driver about a microsecond each.
+// entry a chunk and costs the driver about half a microsecond each.
 
 import (
 	"unsafe"

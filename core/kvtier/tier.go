@@ -200,8 +200,8 @@ type Config struct {
 	// pool's free queue holds more than this many blocks; the caller's
 	// obligation and why no queued block is lost meanwhile are in
 	// writethrough.go, "Waiting while the pool has room". In [0,
-	// NumBlocks]; nonzero only with WriteThrough > 0. 0 stores every
-	// flush.
+	// NumBlocks]; nonzero only with WriteThrough > 0 and at least
+	// DemoteAhead. 0 stores every flush.
 	WriteThroughSlack int
 	// Shared, when not nil, adds the shared tier (a Valkey or Redis
 	// server) below the host tier (shared.go). The manager must then be
@@ -505,11 +505,13 @@ func New(cfg Config, g GPU) (*Tier, error) {
 		return nil, kverr.Errorf(kverr.InvalidArgument, "host tier: write_through_slack (%d) needs write-through (write_through > 0)", h.WriteThroughSlack)
 	}
 	// Demotion ahead keeps more blocks free than the slack lets the free
-	// queue fall to, so the stores would wait for ever and every block
-	// would reach the host by demotion (a move) instead.
+	// queue fall to: the stores would wait while a step allocates fewer
+	// than demote_ahead - slack blocks, and race the demotions (which move
+	// the same blocks to the host) when it allocates more, most of them
+	// lost.
 	if h.WriteThroughSlack > 0 && h.DemoteAhead > h.WriteThroughSlack {
 		return nil, kverr.Errorf(kverr.InvalidArgument,
-			"host tier: demote_ahead (%d) above write_through_slack (%d) would hold every write-through store back (demotion keeps more blocks free than the slack); use demote_ahead <= write_through_slack, or 0",
+			"host tier: demote_ahead (%d) above write_through_slack (%d) would hold the write-through stores back (demotion keeps more blocks free than the slack); use demote_ahead <= write_through_slack, or 0",
 			h.DemoteAhead, h.WriteThroughSlack)
 	}
 	if h.Shared != nil {

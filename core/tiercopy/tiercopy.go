@@ -24,8 +24,11 @@
 // [K, V][blocks][...], as kvplug.hf's), a block is one strided copy
 // (cuMemcpy2DAsync: its chunks are the rows, the slot holds them back to
 // back); otherwise one cuMemcpyBatchAsync call a batch, a copy per block,
-// layer and tensor, which costs the driver about a microsecond a copy. The kernel copies a batch faster alone, but its
-// thread blocks share the SMs with whatever runs beside it; stores of a
+// layer and tensor, which costs the driver about half a microsecond a copy.
+// One allocation: a cache whose memory is several mappings (core/vmem, or
+// torch's expandable segments) takes the batched copy, as does a pitch above
+// cuda.MaxCopyPitch. The kernel copies a batch faster alone, but its thread
+// blocks share the SMs with whatever runs beside it; stores of a
 // write-through tier run on a side stream during the step's forward pass,
 // where the copy engines leave the SMs to the step. Reloads always use the
 // kernel: they sit ahead of the step's attention, where only their speed
@@ -214,10 +217,11 @@ type StoreEngine int32
 const (
 	// StoreKernel copies demotions with the tier copy kernel, as reloads.
 	StoreKernel StoreEngine = iota
-	// StoreCopyEngine enqueues demotions on the copy engines, one
-	// cuMemcpyBatchAsync a batch (up to maxBatchCopies copies), leaving
-	// the SMs to the kernels of other streams. Needs a CUDA 12.8 or newer
-	// driver, and a stream other than the legacy default stream.
+	// StoreCopyEngine enqueues demotions on the copy engines (a strided
+	// copy a block and region where the rows allow, else batched copies of
+	// up to maxBatchCopies copies a call; the package comment says when),
+	// leaving the SMs to the kernels of other streams. Needs a CUDA 12.8
+	// or newer driver, and a stream other than the legacy default stream.
 	StoreCopyEngine
 )
 
@@ -423,11 +427,15 @@ func (c *Copier) oneAllocationRows() {
 		if r.pitch == 0 {
 			continue
 		}
-		first := r.k[0]
+		// The span from block 0's first row to the last block's last row;
+		// a span past 2^62 is no single allocation (and would overflow).
 		rows := int64(len(r.k) * c.kv)
-		end := int64(first) + (rows-1)*r.pitch + int64(c.layers.NumBlocks-1)*r.kStride + r.chunk
-		base, size, err := cuda.AllocationRange(first)
-		if err != nil || end > int64(base)+size {
+		span, ok := int64(0), r.kStride <= (1<<62)/int64(c.layers.NumBlocks)
+		if ok {
+			span = (rows-1)*r.pitch + int64(c.layers.NumBlocks-1)*r.kStride + r.chunk
+		}
+		base, size, err := cuda.AllocationRange(r.k[0])
+		if !ok || err != nil || uint64(r.k[0])-uint64(base)+uint64(span) > uint64(size) {
 			r.pitch = 0
 		}
 	}
@@ -586,6 +594,25 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 	return nil
 }
 
+// rowCopy is one demotion's strided copy of one region: rows rows of the
+// region's chunk, from src at the region's pitch to the host slot's bytes
+// at hostOff from the host base, back to back.
+type rowCopy struct {
+	src     cuda.DevicePtr
+	hostOff int64
+	rows    int64
+}
+
+// rowCopyOf plans op o's strided copy of region r (r.pitch != 0): the
+// block's first row (layer 0's K) and its place in the slot.
+func (c *Copier) rowCopyOf(o Op, r *region) rowCopy {
+	return rowCopy{
+		src:     r.k[0] + cuda.DevicePtr(int64(o.Block)*r.kStride),
+		hostOff: int64(o.Slot)*c.host.SlotBytes + r.hostOff,
+		rows:    int64(len(r.k) * c.kv),
+	}
+}
+
 // storeByCopyEngines enqueues demotions on the copy engines: a strided
 // copy per op and region whose chunks sit at one pitch, batched copies of
 // whole blocks for the other regions.
@@ -598,11 +625,9 @@ func (c *Copier) storeByCopyEngines(demote []Op, stream cuda.Stream) error {
 			batched = true
 			continue
 		}
-		rows := int64(len(r.k) * c.kv)
 		for _, o := range demote {
-			dst := unsafe.Add(c.host.Base, int64(o.Slot)*c.host.SlotBytes+r.hostOff)
-			src := r.k[0] + cuda.DevicePtr(int64(o.Block)*r.kStride)
-			if err := c.rows.DeviceToHostAsync(dst, r.chunk, src, r.pitch, r.chunk, rows, stream); err != nil {
+			rc := c.rowCopyOf(o, r)
+			if err := c.rows.DeviceToHostAsync(unsafe.Add(c.host.Base, rc.hostOff), r.chunk, rc.src, r.pitch, r.chunk, rc.rows, stream); err != nil {
 				return kverr.Wrap(kverr.CodeOf(err), err, what)
 			}
 		}

@@ -446,6 +446,30 @@ func TestStoreBatch(t *testing.T) {
 	if b.Len() != 4 || b.Dst[0] != base+5*320+256 || b.Src[0] != l.KScale[0]+3*32 {
 		t.Fatalf("with strided K/V: %d batched copies, the first {dst %#x, src %#x}", b.Len(), b.Dst[0], b.Src[0])
 	}
+	// The strided copies themselves: per region, the block's layer-0 K
+	// chunk as the first row, 2 layers x K, V rows at the pitch, into the
+	// slot at the region's offset (the scales after the 256 K/V bytes).
+	one.KScale, one.VScale = []cuda.DevicePtr{0x20000, 0x20100}, []cuda.DevicePtr{0x20080, 0x20180}
+	c, err = newCopier(one, h, Options{Stores: StoreCopyEngine})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.regions[1].pitch != 0x80 || c.storeOps != maxBatchCopies {
+		t.Fatalf("scales at one pitch: pitch %d, storeOps %d", c.regions[1].pitch, c.storeOps)
+	}
+	for ri, want := range []rowCopy{
+		{src: 0x10000 + 3*64, hostOff: 5*320 + 0, rows: 4},
+		{src: 0x20000 + 3*32, hostOff: 5*320 + 256, rows: 4},
+	} {
+		if got := c.rowCopyOf(Op{Block: 3, Slot: 5}, &c.regions[ri]); got != want {
+			t.Errorf("region %d: strided copy %+v, want %+v", ri, got, want)
+		}
+	}
+	b.Reset()
+	c.appendStores(&b, []Op{{Block: 3, Slot: 5}})
+	if b.Len() != 0 {
+		t.Fatalf("every region strided, yet %d batched copies", b.Len())
+	}
 }
 
 // A region's chunks go as one strided copy only where every (layer,

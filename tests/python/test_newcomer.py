@@ -42,13 +42,14 @@ def live() -> int:
     test's handles may still be released by threads it left finishing
     (the shared tier's workers), which would move the count under a test."""
     gc.collect()
-    n = _lib.live_handles()
-    for _ in range(100):
-        time.sleep(0.01)
+    n, same = _lib.live_handles(), 0
+    for _ in range(200):  # unchanged over three samples 20 ms apart, within 4 s
+        time.sleep(0.02)
         gc.collect()
         m = _lib.live_handles()
-        if m == n:
-            return n
+        same = same + 1 if m == n else 0
+        if same == 3:
+            break
         n = m
     return n
 
