@@ -40,18 +40,46 @@ working set, so histories are evicted between turns. Its systems:
                the demotions on a side stream): evicted histories are
                demoted to pinned host memory and reloaded on the next turn,
                beside the step running then (early loads; --no-early-loads:
-               in the copies of the step that computes the turn);
-  kvplug       without it: evicted histories are recomputed;
+               in the copies of the step that computes the turn); it
+               never has a shared tier;
+  kvplug-shared  kvplug-host's configuration with a shared (Valkey/Redis)
+               tier below the host tier: the blocks the host tier commits
+               are stored there too, and an admission whose prefix goes on
+               past the GPU and host tiers fetches the blocks the server
+               holds into the host tier (kvplug.hf's match_tiers) instead
+               of computing them. Its server is --shared-tier HOST:PORT,
+               or else a throwaway one that each kvplug-shared run starts
+               (--redis-server, default redis-server; valkey-server works
+               too) with a maxmemory of twice the working set's blocks
+               plus 1 GiB (--redis-maxmemory-gb) and stops after it. Each
+               run stores under a fresh namespace (--shared-tier-namespace,
+               default the model, dtype and block size, plus a random
+               suffix), so it starts from an empty shared tier; on a server
+               of the caller's, the run's keys are deleted after it. Round
+               trips are bounded by --shared-timeout-ms; the store queue
+               holds the working set's blocks (at least 256). With
+               --write-through its write-through slack is kvplug-host's
+               (kvplug.hf's default with a shared tier is 0, storing
+               every step; --write-through-slack sets both);
+  kvplug       without a tier: evicted histories are recomputed;
   kvplug-all   a GPU pool that holds the whole working set (the upper bound).
 It reports TTFT p50/p99 (all turns and turns 2+), output tokens/s, the host
 tier's hit rates, demotions, reloads and skips, and its load bandwidth
 against a 1 GiB pinned host->device torch copy timed in the same run, and
-per admission the time of its loads and whether they ran beside a step.
+per admission the time of its loads and whether they ran beside a step;
+for kvplug-shared also the shared tier's: blocks found there and read,
+tokens matched there, bytes read and written, blocks stored and stores
+not made, timeouts, errors and corrupt values, and its server's keys,
+peak memory and evicted keys.
 kvplug-host on a, b, c measures the tier enabled but unused.
+Each run of the serving loop (every system but hf) records a digest of
+every finished request's output tokens (JSON "output_digests", by request
+id), so that runs can be compared answer for answer.
 
 Workload t (issue 34): sessions whose users think between turns (ThinkTime:
 open-loop arrivals, a long first context, lognormal think times), the same
-three systems, TTFT by turn index and a plot of it (--plot).
+systems (kvplug-host, kvplug and kvplug-all by default; kvplug-shared when
+named), TTFT by turn index and a plot of it (--plot).
 
     python bench/hf_bench.py                             # the issue's full scale
     python bench/hf_bench.py --scale 0.125 --out-scale 0.25 --hf-requests 16
@@ -60,6 +88,8 @@ three systems, TTFT by turn index and a plot of it (--plot).
     python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --host-cache-gb 32   # tier unused
     python bench/hf_bench.py --workloads a,b,c --systems kvplug,kvplug-host --both-orders   # ratios in both orders
     python bench/hf_bench.py --workloads t --write-through 512 --plot t.png   # users who think between turns
+    python bench/hf_bench.py --workloads t --write-through 512 --systems kvplug,kvplug-host,kvplug-shared,kvplug-all \
+        --plot t.png   # the same with the shared tier below the host tier (a redis-server the runs start)
     python bench/hf_bench.py --model tiny-llama --device cpu --dtype float32 --workloads m --scale 0.03 \
         --m-turns 3 --m-user 20 40 --m-output 8 16 --max-batch 8 --step-tokens 256 --chunk 128   # a smoke run
 
@@ -71,13 +101,17 @@ first use (about 30 s for fa2 prefill and decode).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
+import hashlib
 import importlib.util
 import json
 import math
 import os
 import pathlib
 import re
+import secrets
+import shutil
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -100,6 +134,23 @@ def _load_engine():
 
 
 E = _load_engine()
+
+
+def _load_bench_module(name: str):
+    """bench/<name>.py as the module `name`, or the one already loaded from
+    that file (bench/moved_sessions.py imports it too, from this folder)."""
+    path = ROOT / "bench" / f"{name}.py"
+    mod = sys.modules.get(name)
+    if mod is not None and pathlib.Path(getattr(mod, "__file__", "") or "").resolve() == path:
+        return mod
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+RS = _load_bench_module("redis_server")  # the throwaway server of kvplug-shared
 
 
 # -- workloads ---------------------------------------------------------------------
@@ -491,18 +542,38 @@ def working_set_blocks(reqs: List[Any], block_size: int) -> int:
     return sum(r.n * -(-(len(r.prompt) + r.max_new_tokens) // block_size) for r in reqs)
 
 
-def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Dict[str, Any]:
-    """One system on one workload. kvplug-host: kvplug with the host KV tier
-    (--host-cache-gb, default: the workload's whole working set);
-    kvplug-all: kvplug with a GPU pool that holds the working set (the upper
-    bound). Workload m (conv): the pool defaults to --m-pool-frac of the
-    working set."""
-    kvhf.prepare_model(model)
+def run_sizes(model, reqs, args, dtype, conv: Optional[MultiTurn] = None):
+    """A run's model shape, longest sequence, bytes of a block of K/V (all
+    layers, K and V) and working set in blocks."""
     shape = kvhf.ModelShape.of(model.config)
     bs = args.block_size
     max_len = conv.max_len if conv is not None else max(len(r.prompt) + r.max_new_tokens for r in reqs)
     block_bytes = kvhf.tier_copy.block_bytes(shape.num_layers, bs, shape.num_kv_heads, shape.head_dim, dtype)
     ws = conv.working_set_blocks(bs) if conv is not None else working_set_blocks(reqs, bs)
+    return shape, max_len, block_bytes, ws
+
+
+def output_digest(req: Any) -> str:
+    """A digest of a request's output tokens, its sequences in order."""
+    h = hashlib.sha256()
+    for sid in req.seq_ids:
+        h.update(np.asarray(req.outputs.get(sid, []), dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = None,
+             shared: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One system on one workload. kvplug-host: kvplug with the host KV tier
+    (--host-cache-gb, default: the workload's whole working set), without a
+    shared tier; kvplug-shared: the same with the shared tier of `shared`
+    (run_shared's address, namespace, timeout and store queue) below it;
+    kvplug-all: kvplug with a GPU pool that holds the working set (the upper
+    bound). Workload m (conv): the pool defaults to --m-pool-frac of the
+    working set."""
+    kvhf.prepare_model(model)
+    shape, max_len, block_bytes, ws = run_sizes(model, reqs, args, dtype, conv)
+    bs = args.block_size
     if system == "kvplug-all":
         num_blocks = ws + (len(conv.users) if conv is not None else 0) + args.max_batch
     elif args.num_blocks:
@@ -520,15 +591,26 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         num_blocks = num_blocks * 2 * shape.head_dim // (shape.head_dim + 4)
     num_blocks = max(num_blocks, -(-max_len // bs) + 1)
     tier: Dict[str, Any] = {}
-    if system == "kvplug-host":
+    if system in ("kvplug-host", "kvplug-shared"):
+        if (system == "kvplug-shared") != (shared is not None):
+            raise ValueError("run_loop: kvplug-shared runs with a shared tier (run_shared), no other system does")
         gb = args.host_cache_gb or 1.05 * ws * block_bytes / 2**30
-        tier = E.tier_kwargs(args, shape, num_blocks, dtype, host_cache_gb=gb)
+        targs = copy.copy(args)  # --shared-tier is kvplug-shared's server: kvplug-host has none
+        targs.shared_tier = shared["address"] if shared else None
+        targs.shared_tier_namespace = shared["namespace"] if shared else None
+        tier = E.tier_kwargs(targs, shape, num_blocks, dtype, host_cache_gb=gb)
+        if shared:
+            tier.update(shared_tier_timeout_ms=shared["timeout_ms"], shared_tier_put_queue=shared["put_queue"])
+            if tier.get("write_through") and "write_through_slack" not in tier:
+                # kvplug.hf stores every step by default with a shared tier (other instances read the blocks
+                # there); here the slack stays kvplug-host's, so that the two differ by the shared tier alone.
+                tier["write_through_slack"] = kvhf.PagedKVCache.default_write_through_slack(num_blocks, tier["write_through"])
     cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, kv_dtype=kv_dtype,
                                         fp8_prefill=args.fp8_prefill if kv_dtype is not None else "sm80", **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
-    if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "kvplug-fp8"):
+    if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-shared", "kvplug-all", "kvplug-fp8"):
         cascade = (system == "kvplug-cascade" or args.cascade and system != "kvplug-fp8") and args.device.startswith("cuda")
         runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
@@ -553,6 +635,7 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
         "peak_blocks": engine.peak_blocks, "num_blocks": num_blocks, "working_set_blocks": ws,
         "prompt_tokens": cache.stats["prompt_tokens"], "cached_tokens": cache.stats["cached_tokens"],
         "prefill_tokens": engine.prefill_tokens,
+        "output_digests": {str(r.rid): output_digest(r) for r in done},
     }
     if conv is not None:
         res["requests"] = len(conv)
@@ -582,6 +665,92 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return res
+
+
+def shared_maxmemory(args, block_bytes: int, ws: int) -> int:
+    """The throwaway server's maxmemory: --redis-maxmemory-gb, or twice the
+    working set's blocks (room for every one with the allocator's rounding
+    and the values' headers) plus 1 GiB (the buffers of a history's read)."""
+    if args.redis_maxmemory_gb:
+        return int(args.redis_maxmemory_gb * 2**30)
+    return 2 * ws * block_bytes + (1 << 30)
+
+
+def run_shared(model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Dict[str, Any]:
+    """kvplug-shared: run_loop's kvplug-host with a shared tier below the
+    host tier, on --shared-tier HOST:PORT or on a throwaway server started
+    for this run (--redis-server) and stopped after it, failed or not. The
+    run stores under a fresh namespace, so it starts from an empty shared
+    tier; on the caller's server its keys are deleted afterwards. Adds
+    "shared_server" to run_loop's results: the address and namespace, and
+    for a server of its own its binary, version, pid, maxmemory and, after
+    the run (the cache closed, its queued stores written), its keys, used
+    and peak memory and evicted keys."""
+    _, _, block_bytes, ws = run_sizes(model, reqs, args, dtype, conv)
+    base = args.shared_tier_namespace or f"hf_bench.{args.model}.{str(dtype).replace('torch.', '')}.bs{args.block_size}"
+    info: Dict[str, Any] = {"namespace": f"{base[:55]}.{secrets.token_hex(4)}", "timeout_ms": args.shared_timeout_ms,
+                            "put_queue": min(2**20, max(256, ws))}
+    server = None
+    try:
+        if args.shared_tier:
+            info["address"] = args.shared_tier
+        else:
+            maxmem = shared_maxmemory(args, block_bytes, ws)
+            server = RS.RedisServer(args.redis_server, maxmem, [])
+            info.update(address=server.address, binary=server.binary, version=server.version, pid=server.proc.pid,
+                        maxmemory=maxmem)
+        if not args.quiet:
+            print(f"    kvplug-shared: shared tier on {info['address']}"
+                  + (f" ({pathlib.Path(server.binary).name} {server.version} started for this run, maxmemory "
+                     f"{size(info['maxmemory'])})" if server is not None else "")
+                  + f", namespace {info['namespace']}", flush=True)
+        res = run_loop("kvplug-shared", model, reqs, args, dtype, conv, shared=info)
+        if server is not None:
+            figures = server.info()
+            info.update({k: int(figures.get(k) or 0) for k in ("used_memory", "used_memory_peak", "evicted_keys")})
+            info["keys"] = server.command("DBSIZE")
+        else:
+            keys = RS.namespace_keys([info["address"]], info["namespace"])
+            RS.delete_keys(keys)
+            info["deleted_keys"] = sum(map(len, keys.values()))
+        res["shared_server"] = info
+        return res
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def size(n: float) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 2**k:
+            return f"{n / 2**k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def shared_text(r: Dict[str, Any]) -> str:
+    """kvplug-shared's shared tier figures (kvplug.hf's tier_summary: the
+    manager's shared_* counters, which kvplug.hf.tier_copy.summary_lines
+    lists) and its server's, or "" for a run without a shared tier.
+    kvplug.hf reads the shared tier in match_tiers, before an admission:
+    the tokens a match found in blocks its own fetch read are
+    shared_match_tokens, an admission's shared_hit_tokens. Fetched blocks
+    are not held for the admission: those that leave the host tier before
+    it are fetched, and counted, again."""
+    sv, t = r.get("shared_server"), r.get("tier")
+    if not sv or not t:
+        return ""
+    text = (f"  | shared tier {sv['address']}: {t['shared_hits']} blocks found in {t['shared_lookups']} lookups, "
+            f"{t['shared_fetched']} read into the host tier ({t['shared_fetch_misses']} missed on read), "
+            f"{size(t['shared_bytes_read'])} read, tokens matched there {t['shared_match_tokens']} (match_tiers) + "
+            f"{t['shared_hit_tokens']} (admissions); "
+            f"stored {t['shared_puts_done']} of {t['shared_puts_queued']} blocks queued ({t['shared_puts_present']} there "
+            f"already, {t['shared_puts_failed']} failed, {t['shared_queue_len']} waiting; {t['shared_puts_dropped']} not "
+            f"queued: queue full), {size(t['shared_bytes_written'])} written; failures: {t['shared_timeouts']} timeouts, "
+            f"{t['shared_errors']} errors, {t['shared_corrupt']} corrupt, {t['shared_skipped']} calls skipped")
+    if "keys" in sv:
+        text += (f"; server {sv['keys']} keys, {size(sv['used_memory_peak'])} peak of {size(sv['maxmemory'])}, "
+                 f"{sv['evicted_keys']} evicted")
+    return text
 
 
 def load_stats(loads: List[Any]) -> Dict[str, Any]:
@@ -619,7 +788,7 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
         if t:
             load = f"  loads {t['reload_bytes'] / 2**30:.2f} GiB at {t['load_gbps']:.1f} GB/s"
             load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
-            load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}" + load_text(r)
+            load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}" + load_text(r) + shared_text(r)
         tpot = pct(r["tpot"], 50)
         print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
               f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
@@ -631,14 +800,23 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
             if "queue_by_turn" in r:
                 print("      of which waiting for admission, p50 / p99 ms by turn: " + "  ".join(
                     f"{k + 1}: {fmt(pct(v, 50), '.0f')} / {fmt(pct(v, 99), '.0f')}" for k, v in enumerate(r["queue_by_turn"])))
-    h, base, top = results.get(f"{wl}/kvplug-host"), results.get(f"{wl}/kvplug"), results.get(f"{wl}/kvplug-all")
-    if h and base:
-        print(f"  kvplug-host vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "
-              f"lower (turns 2+ {fmt(pct(base['ttft_next'], 50) / max(pct(h['ttft_next'], 50), 1e-9), '.2f')}x), "
-              f"output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
-    if h and top:
-        print(f"  kvplug-host vs kvplug-all (the upper bound): turns 2+ TTFT p50 "
-              f"{fmt(pct(h['ttft_next'], 50) / max(pct(top['ttft_next'], 50), 1e-9), '.2f')}x")
+    base, top = results.get(f"{wl}/kvplug"), results.get(f"{wl}/kvplug-all")
+    for name in ("kvplug-host", "kvplug-shared"):
+        h = results.get(f"{wl}/{name}")
+        if h and base:
+            print(f"  {name} vs kvplug (recompute): TTFT p50 {fmt(pct(base['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x "
+                  f"lower (turns 2+ {fmt(pct(base['ttft_next'], 50) / max(pct(h['ttft_next'], 50), 1e-9), '.2f')}x), "
+                  f"output tokens/s {h['out_tokens'] / h['wall'] / max(base['out_tokens'] / base['wall'], 1e-9):.2f}x")
+        if h and top:
+            print(f"  {name} vs kvplug-all (the upper bound): turns 2+ TTFT p50 "
+                  f"{fmt(pct(h['ttft_next'], 50) / max(pct(top['ttft_next'], 50), 1e-9), '.2f')}x")
+    h, sh = results.get(f"{wl}/kvplug-host"), results.get(f"{wl}/kvplug-shared")
+    if h and sh:
+        print(f"  kvplug-shared vs kvplug-host (the shared tier below the host tier): TTFT p50 "
+              f"{fmt(pct(sh['ttft'], 50) / max(pct(h['ttft'], 50), 1e-9), '.2f')}x (turns 2+ "
+              f"{fmt(pct(sh['ttft_next'], 50) / max(pct(h['ttft_next'], 50), 1e-9), '.2f')}x), output tokens/s "
+              f"{sh['out_tokens'] / sh['wall'] / max(h['out_tokens'] / h['wall'], 1e-9):.2f}x, prefill tokens "
+              f"{sh['prefill_tokens']} against {h['prefill_tokens']}")
     if ceiling:
         results[f"{wl}/ceiling"] = ceiling
     if plot and wl == "t":
@@ -674,7 +852,8 @@ def plot_ttft_by_turn(path: str, runs: Dict[str, Dict[str, Any]]) -> None:
 
 
 RATIOS = (("kvplug", "flashinfer", ".2f"), ("kvplug-cascade", "flashinfer", ".2f"), ("kvplug", "hf", ".1f"),
-          ("kvplug-host", "kvplug", ".3f"), ("kvplug-fp8", "kvplug", ".3f"))
+          ("kvplug-host", "kvplug", ".3f"), ("kvplug-shared", "kvplug", ".3f"), ("kvplug-shared", "kvplug-host", ".3f"),
+          ("kvplug-fp8", "kvplug", ".3f"))
 
 
 def summary_lines(wl: str, systems: List[str], results: Dict[str, Any], both_orders: bool = False) -> List[str]:
@@ -728,7 +907,7 @@ def line(system: str, wl: str, r: Dict[str, Any], ceiling: Optional[Dict[str, fl
                   + (f" full-batch decode step p50 {r['decode_step_ms_full_batch']:.1f} ms"
                      f" (host {r['host_ms_full_batch']:.2f} ms)" if not math.isnan(r["decode_step_ms_full_batch"])
                      else " no full-batch decode step"))
-    extra += tier_text(r, ceiling)
+    extra += tier_text(r, ceiling) + shared_text(r)
     return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
             f"TTFT p50 {fmt(pct(r['ttft'], 50), '8.1f')} p99 {fmt(pct(r['ttft'], 99), '8.1f')} ms  "
             f"TPOT p50 {fmt(pct(r['tpot'], 50), '6.1f')} p99 {fmt(pct(r['tpot'], 99), '6.1f')} ms" + extra)
@@ -741,8 +920,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workloads", default="a,b,c", help="a, b, c and m (multi-turn), comma separated")
     ap.add_argument("--systems", default=None,
-                    help="kvplug, kvplug-host, kvplug-all, kvplug-cascade, flashinfer, hf (default: "
-                    "kvplug,flashinfer,hf for a, b, c; kvplug-host,kvplug,kvplug-all for m)")
+                    help="kvplug, kvplug-host, kvplug-shared, kvplug-all, kvplug-cascade, kvplug-fp8, flashinfer, hf "
+                    "(default: kvplug,flashinfer,hf for a, b, c; kvplug-host,kvplug,kvplug-all for m and t)")
     ap.add_argument("--requests", type=int, default=512, help="requests of a and b (times --scale)")
     ap.add_argument("--prompts-c", type=int, default=16, help="prompts of c (times --scale when < 1)")
     ap.add_argument("--samples-c", type=int, default=32, help="samples per prompt of c")
@@ -790,7 +969,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--plot", default="", help="t: write a PNG of TTFT by turn here (needs matplotlib)")
     ap.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"), default=None,
                     help="redraw the plot of workload t from a run's --json, and exit")
-    E.add_tier_args(ap)  # --host-cache-gb (kvplug-host; default: the working set), --demote-ahead, --shared-tier
+    E.add_tier_args(ap)  # --host-cache-gb (kvplug-host, kvplug-shared; default: the working set), --demote-ahead, ...
+    ap._option_string_actions["--shared-tier"].help = (
+        "the kvplug-shared system's Valkey/Redis server (default: a throwaway one each kvplug-shared run starts, "
+        "--redis-server); kvplug-host never has a shared tier")
+    ap._option_string_actions["--shared-tier-namespace"].help = (
+        "kvplug-shared's namespace in the shared tier, before the random suffix each run adds (default: the model, "
+        "dtype and block size)")
+    ap.add_argument("--redis-server", default="redis-server", metavar="BIN",
+                    help="kvplug-shared without --shared-tier: the server binary each run starts and stops "
+                    "(redis-server or valkey-server)")
+    ap.add_argument("--redis-maxmemory-gb", type=float, default=0.0,
+                    help="that server's maxmemory (default: twice the working set's blocks, plus 1 GiB)")
+    ap.add_argument("--shared-timeout-ms", type=int, default=30000,
+                    help="kvplug-shared: bound on each round trip to the server, transfer included (a history's "
+                    "blocks are read in one)")
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds per run (0: none); unfinished requests are left out")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--quiet", action="store_true")
@@ -805,6 +998,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                                            if k.startswith("t/") and "ttft_by_turn" in v})
         return
 
+    systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl in ("m", "t") else "kvplug,flashinfer,hf"))
+                  .split(",") for wl in args.workloads.split(",")}
+    named = {s for v in systems_of.values() for s in v}
+    # Before the model is built and any run.
+    if args.shared_tier and "kvplug-shared" not in named:
+        raise SystemExit("--shared-tier is the kvplug-shared system's server (kvplug-host never has a shared tier): "
+                         "name kvplug-shared in --systems")
+    if "kvplug-shared" in named:
+        if not kvhf.tier_copy.manager_takes("shared_tier"):
+            raise SystemExit("kvplug-shared: this kvplug binding has no shared tier (kvplug.Manager takes no shared_tier)")
+        if not args.shared_tier and shutil.which(args.redis_server) is None:
+            raise SystemExit(f"kvplug-shared: --redis-server {args.redis_server} not found (install redis-server or "
+                             "valkey-server, or pass its path, or --shared-tier HOST:PORT for a running server)")
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     model = E.make_model(args.model, dtype, args.device)
@@ -812,12 +1018,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"kvplug {kvplug.version_string()}, torch {torch.__version__}, {args.model} {args.dtype} on {args.device} "
           f"({time.perf_counter() - t0:.1f} s to build), "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}", flush=True)
-    systems_of = {wl: (args.systems or ("kvplug-host,kvplug,kvplug-all" if wl in ("m", "t") else "kvplug,flashinfer,hf"))
-                  .split(",") for wl in args.workloads.split(",")}
-    if args.shared_tier and any(s not in ("kvplug-host", "hf") for v in systems_of.values() for s in v):
-        raise SystemExit("--shared-tier goes with the kvplug-host system")  # before any run, not after the first
     ceiling = None
-    if any(s == "kvplug-host" for v in systems_of.values() for s in v):
+    if named & {"kvplug-host", "kvplug-shared"}:
         ceiling = copy_ceiling(args.device)
         if ceiling:
             print(f"pinned copy ceiling (1 GiB, torch): host->device {ceiling['h2d_gbps']:.1f} GB/s, "
@@ -846,11 +1048,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                     raise SystemExit(f"the hf system does not serve workload {wl}")
                 sub = fresh(reqs[:args.hf_requests])
                 r = run_hf(model, sub, args.hf_batch, args.device, args.time_limit)
+            elif system == "kvplug-shared":
+                r = run_shared(model, conv.first() if conv is not None else fresh(reqs), args, dtype, conv)
             elif system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-all", "kvplug-fp8", "flashinfer"):
                 r = run_loop(system, model, conv.first() if conv is not None else fresh(reqs), args, dtype, conv)
             else:
-                raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-host, kvplug-all, kvplug-cascade, "
-                                 "flashinfer or hf")
+                raise SystemExit(f"unknown system {system!r}: kvplug, kvplug-host, kvplug-shared, kvplug-all, "
+                                 "kvplug-cascade, kvplug-fp8, flashinfer or hf")
             results[key] = r
             print(line(system, wl, r, ceiling) + f"  [{time.perf_counter() - t1:.0f} s]", flush=True)
     for mt in ("m", "t"):
