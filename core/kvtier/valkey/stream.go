@@ -232,7 +232,11 @@ func (t *Tier) checkHeader(hash Hash, head []byte, n int) bool {
 		}
 		return false
 	}
-	if Hash(head[8:24]) != hash || binary.LittleEndian.Uint64(head[24:]) != t.cfg.Fingerprint {
+	if Hash(head[8:24]) != hash {
+		return false
+	}
+	if fp := binary.LittleEndian.Uint64(head[24:]); fp != t.cfg.Fingerprint {
+		t.foreignLayout(fp)
 		return false
 	}
 	p := binary.LittleEndian.Uint64(head[32:])

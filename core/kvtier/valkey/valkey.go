@@ -415,7 +415,11 @@ func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
 		}
 		return nil, false
 	}
-	if Hash(v[8:24]) != hash || binary.LittleEndian.Uint64(v[24:]) != t.cfg.Fingerprint {
+	if Hash(v[8:24]) != hash {
+		return nil, false
+	}
+	if fp := binary.LittleEndian.Uint64(v[24:]); fp != t.cfg.Fingerprint {
+		t.foreignLayout(fp)
 		return nil, false
 	}
 	n := binary.LittleEndian.Uint64(v[32:])
@@ -440,6 +444,21 @@ func (t *Tier) macFailed(what string) {
 	if t.logDue() {
 		logx.L().Warn("shared tier: "+what+" read from the server (a writer without this tier's MAC keys, or an altered value): a miss",
 			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace), zap.Int64("mac_failures", t.macFails.Load()))
+	}
+}
+
+// foreignLayout logs (at most once a minute) a value of this block under
+// this namespace written with another layout's fingerprint: instances of
+// different layouts (block size or bytes) share the namespace. They never
+// read each other's blocks, and since a store skips a key that exists, a
+// block the other layout stored first is never stored for this one: this
+// instance recomputes it every time, silently but for this line.
+func (t *Tier) foreignLayout(fp uint64) {
+	if t.logDue() {
+		logx.L().Warn("shared tier: a block's value carries another layout's fingerprint: instances of different layouts share this namespace, "+
+			"never read each other's blocks and cannot store over them; give each layout its own namespace",
+			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace),
+			zap.String("fingerprint", fmt.Sprintf("%#x", fp)), zap.String("ours", fmt.Sprintf("%#x", t.cfg.Fingerprint)))
 	}
 }
 

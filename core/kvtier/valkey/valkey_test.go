@@ -242,8 +242,10 @@ func TestCorruptValuesAreMisses(t *testing.T) {
 }
 
 // Instances of different layouts sharing a server never read each other's
-// blocks.
+// blocks, and the reader says so in the log (once a minute): without the
+// line, a namespace shared by two layouts only shows as corrupt reads.
 func TestWrongFingerprintMisses(t *testing.T) {
+	logs := captureLogs(t)
 	srv := redistest.Start(t, redistest.Find(t), 0)
 	a := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 1, OpTimeout: time.Second})
 	b := newTier(t, Config{Addr: srv.Addr(), Fingerprint: 2, OpTimeout: time.Second})
@@ -255,6 +257,19 @@ func TestWrongFingerprintMisses(t *testing.T) {
 	}
 	if got := a.Get(hs(5)); string(got[0]) != "layout one" {
 		t.Fatal("the writer misses its own block")
+	}
+	if text := logs.text(); strings.Count(text, "another layout's fingerprint") != 1 || !strings.Contains(text, "0x1") {
+		t.Fatalf("log after one foreign read: %q", text)
+	}
+	// The streamed read checks the header too; the log stays at one line a minute.
+	if found := b.GetInto(hs(5), [][]byte{make([]byte, len("layout one"))}); found[0] {
+		t.Fatal("GetInto read another layout's block")
+	}
+	if got := b.Stats().Corrupt; got != 2 {
+		t.Fatalf("corrupt %d after two foreign reads", got)
+	}
+	if n := strings.Count(logs.text(), "another layout's fingerprint"); n != 1 {
+		t.Fatalf("%d log lines within a minute", n)
 	}
 }
 
