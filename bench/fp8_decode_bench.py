@@ -117,7 +117,9 @@ class Batch:
         return torch.stack(outs)
 
 
-PREFILL = [(1, 2048, 0), (8, 2048, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192)]
+# The prefill table's eight shapes (B, new tokens, cached tokens), causal.
+PREFILL = [(1, 2048, 0), (8, 2048, 0), (1, 8192, 0), (8, 512, 2048), (8, 2048, 8192), (32, 128, 8192),
+           (32, 512, 2048), (1, 2048, 8192)]
 
 
 def fi_fa3_fp8(bt, q, qo):
