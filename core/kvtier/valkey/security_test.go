@@ -519,3 +519,34 @@ func BenchmarkHMACSHA256_64KiB(b *testing.B) {
 		h.Sum(tag[:0])
 	}
 }
+
+// With a MAC, another layout's fingerprint is logged only from a value
+// whose MAC verifies: a header anyone who can write to the server could
+// forge says nothing about who shares the namespace.
+func TestForeignLayoutWithAMACNeedsAnAuthenticValue(t *testing.T) {
+	logs := captureLogs(t)
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	b := macTier(t, srv.Addr(), keyA) // fingerprint 7
+	forged, err := EncodeMAC("test", hashOf(3), 8, []byte(keyB), payload(3, 256))
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw(t, srv.Addr(), []byte("SET"), []byte(b.Key(hashOf(3))), forged)
+	if got := b.Get(hs(3)); got[0] != nil {
+		t.Fatal("a value of another key and layout read")
+	}
+	if strings.Contains(logs.text(), "another layout's fingerprint") {
+		t.Fatalf("a forged header logged as another layout: %q", logs.text())
+	}
+	authentic, err := EncodeMAC("test", hashOf(4), 8, []byte(keyA), payload(4, 256))
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw(t, srv.Addr(), []byte("SET"), []byte(b.Key(hashOf(4))), authentic)
+	if got := b.Get(hs(4)); got[0] != nil {
+		t.Fatal("a value of another layout read")
+	}
+	if n := strings.Count(logs.text(), "another layout's fingerprint"); n != 1 {
+		t.Fatalf("%d lines for an authentic value of another layout, want 1: %q", n, logs.text())
+	}
+}

@@ -236,7 +236,9 @@ func (t *Tier) checkHeader(hash Hash, head []byte, n int) bool {
 		return false
 	}
 	if fp := binary.LittleEndian.Uint64(head[24:]); fp != t.cfg.Fingerprint {
-		t.foreignLayout(fp)
+		if t.mac == nil { // with a MAC the header is not verified yet: see decode
+			t.foreignLayout(fp)
+		}
 		return false
 	}
 	p := binary.LittleEndian.Uint64(head[32:])

@@ -214,7 +214,7 @@ type Tier struct {
 	mu        sync.Mutex
 	skipUntil time.Time
 	backoff   time.Duration
-	lastLog   time.Time // of the last refusal logged (NOPERM, NOAUTH, MAC)
+	lastLog   [numLogKinds]time.Time // of the last line logged, by kind
 
 	hits, misses, stores, corrupt atomic.Int64
 	timeouts, errs, skipped       atomic.Int64
@@ -419,7 +419,12 @@ func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
 		return nil, false
 	}
 	if fp := binary.LittleEndian.Uint64(v[24:]); fp != t.cfg.Fingerprint {
-		t.foreignLayout(fp)
+		// With a MAC, only an authentic header says a writer of another
+		// layout shares the namespace: anyone who can write to the server
+		// could forge the claim.
+		if t.mac == nil || (len(v) >= t.header && t.verifyMAC(v)) {
+			t.foreignLayout(fp)
+		}
 		return nil, false
 	}
 	n := binary.LittleEndian.Uint64(v[32:])
@@ -441,7 +446,7 @@ func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
 // its MAC.
 func (t *Tier) macFailed(what string) {
 	t.macFails.Add(1)
-	if t.logDue() {
+	if t.logDue(logMAC) {
 		logx.L().Warn("shared tier: "+what+" read from the server (a writer without this tier's MAC keys, or an altered value): a miss",
 			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace), zap.Int64("mac_failures", t.macFails.Load()))
 	}
@@ -454,7 +459,7 @@ func (t *Tier) macFailed(what string) {
 // block the other layout stored first is never stored for this one: this
 // instance recomputes it every time, silently but for this line.
 func (t *Tier) foreignLayout(fp uint64) {
-	if t.logDue() {
+	if t.logDue(logForeignLayout) {
 		logx.L().Warn("shared tier: a block's value carries another layout's fingerprint: instances of different layouts share this namespace, "+
 			"never read each other's blocks and cannot store over them; give each layout its own namespace",
 			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace),
@@ -462,16 +467,30 @@ func (t *Tier) foreignLayout(fp uint64) {
 	}
 }
 
-// logDue reports whether a refusal may be logged now: at most one line a
-// minute, so a misconfigured fleet does not flood the host's log.
-func (t *Tier) logDue() bool {
+// The kinds of line a tier logs, each at most once a minute on its own
+// clock, so that a frequent one (a foreign layout's value on every lookup)
+// does not hide a rare one (a refused command).
+type logKind int
+
+const (
+	logRefused       logKind = iota // NOPERM, NOAUTH, WRONGPASS
+	logMAC                          // a value refused for its MAC
+	logNodeFailed                   // a cluster node failed
+	logForeignLayout                // a value with another layout's fingerprint
+	numLogKinds
+)
+
+// logDue reports whether a line of kind k may be logged now: at most one
+// a minute of each kind, so a misconfigured fleet does not flood the
+// host's log.
+func (t *Tier) logDue(k logKind) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	now := time.Now()
-	if !t.lastLog.IsZero() && now.Sub(t.lastLog) < time.Minute {
+	if last := t.lastLog[k]; !last.IsZero() && now.Sub(last) < time.Minute {
 		return false
 	}
-	t.lastLog = now
+	t.lastLog[k] = now
 	return true
 }
 
@@ -489,7 +508,7 @@ func (t *Tier) refused(e resp.Error, counted bool) bool {
 	}
 	if !counted {
 		t.authFails.Add(1)
-		if t.logDue() {
+		if t.logDue(logRefused) {
 			logx.L().Error("shared tier: the server refused a command: check the tier's user and its ACL (it needs GET, SET, EXISTS)",
 				zap.String("addr", t.cfg.Addr), zap.String("user", t.cfg.Username), zap.String("reply", string(e)))
 		}
@@ -608,7 +627,7 @@ func (t *Tier) nodeFailures(r []any) {
 	default:
 		t.errs.Add(1)
 	}
-	if t.logDue() {
+	if t.logDue(logNodeFailed) {
 		logx.L().Warn("shared tier: a cluster node failed: its keys are misses, stores to it dropped, until it answers or the slot map names another",
 			zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace), zap.Error(failed))
 	}

@@ -258,18 +258,32 @@ func TestWrongFingerprintMisses(t *testing.T) {
 	if got := a.Get(hs(5)); string(got[0]) != "layout one" {
 		t.Fatal("the writer misses its own block")
 	}
-	if text := logs.text(); strings.Count(text, "another layout's fingerprint") != 1 || !strings.Contains(text, "0x1") {
+	text := logs.text()
+	if strings.Count(text, "another layout's fingerprint") != 1 || !strings.Contains(text, `"fingerprint": "0x1"`) ||
+		!strings.Contains(text, `"ours": "0x2"`) {
 		t.Fatalf("log after one foreign read: %q", text)
 	}
-	// The streamed read checks the header too; the log stays at one line a minute.
+	// Within the minute: no second line, also from the streamed read.
 	if found := b.GetInto(hs(5), [][]byte{make([]byte, len("layout one"))}); found[0] {
 		t.Fatal("GetInto read another layout's block")
 	}
-	if got := b.Stats().Corrupt; got != 2 {
-		t.Fatalf("corrupt %d after two foreign reads", got)
+	if n := strings.Count(logs.text(), "another layout's fingerprint"); n != 1 || b.Stats().Corrupt != 2 {
+		t.Fatalf("%d log lines within a minute, corrupt %d", n, b.Stats().Corrupt)
 	}
-	if n := strings.Count(logs.text(), "another layout's fingerprint"); n != 1 {
-		t.Fatalf("%d log lines within a minute", n)
+	// The streamed read logs by itself once the minute is over.
+	b.mu.Lock()
+	b.lastLog[logForeignLayout] = time.Time{}
+	b.mu.Unlock()
+	if found := b.GetInto(hs(5), [][]byte{make([]byte, len("layout one"))}); found[0] {
+		t.Fatal("GetInto read another layout's block")
+	}
+	if n := strings.Count(logs.text(), "another layout's fingerprint"); n != 2 {
+		t.Fatalf("%d log lines after the streamed read's own, want 2", n)
+	}
+	// Each kind keeps its own clock: a refused command is logged in the
+	// same minute as the foreign layout.
+	if !b.logDue(logRefused) || b.logDue(logForeignLayout) {
+		t.Fatal("log kinds share one clock")
 	}
 }
 
