@@ -705,15 +705,20 @@ def run_shared(model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Di
                      f"{size(info['maxmemory'])})" if server is not None else "")
                   + f", namespace {info['namespace']}", flush=True)
         res = run_loop("kvplug-shared", model, reqs, args, dtype, conv, shared=info)
-        if server is not None:
-            figures = server.info()
-            info.update({k: int(figures.get(k) or 0) for k in ("used_memory", "used_memory_peak", "evicted_keys")})
-            info["keys"] = server.command("DBSIZE")
-        else:
-            keys = RS.namespace_keys([info["address"]], info["namespace"])
-            RS.delete_keys(keys)
-            info["deleted_keys"] = sum(map(len, keys.values()))
         res["shared_server"] = info
+        try:  # the server's figures and the clean-up: a failure here loses no result
+            if server is not None:
+                figures = server.info()
+                info.update({k: int(figures.get(k) or 0) for k in ("used_memory", "used_memory_peak", "evicted_keys")})
+                info["keys"] = server.command("DBSIZE")
+            else:
+                keys = RS.namespace_keys([info["address"]], info["namespace"])
+                RS.delete_keys(keys)
+                info["deleted_keys"] = sum(map(len, keys.values()))
+        except Exception as e:  # noqa: BLE001
+            info["server_error"] = f"{type(e).__name__}: {e}"
+            print(f"    kvplug-shared: reading or cleaning the server after the run failed: {info['server_error']}",
+                  flush=True)
         return res
     finally:
         if server is not None:
@@ -790,7 +795,7 @@ def multi_turn_summary(wl: str, systems: List[str], results: Dict[str, Dict[str,
             load += f" = {t['load_gbps'] / ceiling['h2d_gbps']:.0%} of {ceiling['h2d_gbps']:.1f}" if ceiling else ""
             load += f", hit host {t['host_hit_rate']:.1%} GPU {t['gpu_hit_rate']:.1%}" + load_text(r) + shared_text(r)
         tpot = pct(r["tpot"], 50)
-        print(f"  {system:12s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
+        print(f"  {system:13s} {fmt(pct(r['ttft'], 50), '8.1f')} / {fmt(pct(r['ttft'], 99), '8.1f')} "
               f"({fmt(pct(r['ttft_next'], 50), '.1f')} / {fmt(pct(r['ttft_next'], 99), '.1f')})  "
               f"TPOT p50 {fmt(tpot, '.1f')}  {r['out_tokens'] / max(r['wall'], 1e-9):8.1f} tok/s, prefix hit "
               f"{r['cached_tokens'] / max(r['prompt_tokens'], 1):.1%}" + load)
@@ -908,7 +913,7 @@ def line(system: str, wl: str, r: Dict[str, Any], ceiling: Optional[Dict[str, fl
                      f" (host {r['host_ms_full_batch']:.2f} ms)" if not math.isnan(r["decode_step_ms_full_batch"])
                      else " no full-batch decode step"))
     extra += tier_text(r, ceiling) + shared_text(r)
-    return (f"  {wl}  {system:10s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
+    return (f"  {wl}  {system:13s} {r['finished']:4d}/{r['requests']:<4d} {r['wall']:7.1f} s  {tps:9.1f} tok/s  "
             f"TTFT p50 {fmt(pct(r['ttft'], 50), '8.1f')} p99 {fmt(pct(r['ttft'], 99), '8.1f')} ms  "
             f"TPOT p50 {fmt(pct(r['tpot'], 50), '6.1f')} p99 {fmt(pct(r['tpot'], 99), '6.1f')} ms" + extra)
 

@@ -37,6 +37,14 @@ class RedisServer:
             t.bind(("127.0.0.1", 0))
             self.port, self.bus_port = s.getsockname()[1], t.getsockname()[1] if cluster else 0
         self.dir = tempfile.mkdtemp(prefix="kvplug-redis-")
+        self.proc: Any = None
+        try:
+            self._start(path, maxmemory, extra, cluster)
+        except BaseException:  # a failed start, or an interrupt while it waits: nothing left behind
+            self.stop()
+            raise
+
+    def _start(self, path: str, maxmemory: int, extra: List[str], cluster: bool) -> None:
         self.log = os.path.join(self.dir, "server.log")
         cmd = [path, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir,
                "--logfile", self.log, "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru", *extra]
@@ -58,7 +66,6 @@ class RedisServer:
                         err += "".join(f.readlines()[-5:])
                 except OSError:
                     pass
-                self.stop()
                 raise SystemExit(f"{path} did not start on port {self.port}: {err.strip()}")
             time.sleep(0.02)
         self.version = self.info().get("redis_version", "?")
@@ -75,13 +82,16 @@ class RedisServer:
         return redis_info(self.address)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -206,8 +206,8 @@ class Manager(PrefixCacheMethods, HostTierMethods, _lib.Owner):
     matches what it would without the tier and a later GPU eviction costs
     nothing (use it with demote_ahead=0; kvplug.h, "Host KV tier",
     Write-through). write_through_slack=S (needs write_through; in
-    [0, num_blocks], and at least demote_ahead, else InvalidArgumentError:
-    demotion would keep the free blocks above S) holds those stores back while the pool has more than
+    [0, num_blocks]; when nonzero, at least demote_ahead, else
+    InvalidArgumentError: demotion would keep the free blocks above S) holds those stores back while the pool has more than
     S free blocks (stats().free_blocks): no cached block can be evicted
     then, so a store would be wasted; the computed blocks stay queued
     (tier_stats().write_through_queue) and are stored, oldest first, once

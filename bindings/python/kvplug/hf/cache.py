@@ -296,7 +296,7 @@ class PagedKVCache:
     0, demote_evicted to off and tier_overlap to on (a store reads blocks
     that stay cached and held until it lands, so it overlaps the next
     forward pass instead of delaying it). write_through_slack (with
-    write_through, at least demote_ahead; kvplug.Manager's) holds the stores back while the pool
+    write_through; when nonzero, at least demote_ahead; kvplug.Manager's) holds the stores back while the pool
     has more than that many free blocks: a pool that holds the whole
     working set never evicts, and every store would be wasted copying; the
     computed blocks wait in the queue and are stored, oldest first, once
