@@ -1096,8 +1096,9 @@ class TierCopier {
       : TierCopier(k, v, num_blocks, block_bytes, k_block_stride, v_block_stride, tier.slot(0), tier.slot_bytes(),
                    tier.num_slots(), store_engine) {}
 
-  // kv: per layer, its kvp_paged_kv (kvp_kv_layers.kv), as the attention
-  // calls take it (the table fields are not read): every layer of one
+  // kv: per layer, its kvp_paged_kv (kvp_kv_layers.kv), the descriptor the
+  // attention calls take (the table fields are not read; dtype and head_dim
+  // must be set), read during the constructor only: every layer of one
   // shape, a block's tokens dense (token_stride = num_kv_heads * head_dim,
   // head_stride = head_dim), V in every layer or in none. An e4m3 cache's
   // scales come in the same descriptors, scale_kind, k_scale and v_scale
