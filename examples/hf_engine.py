@@ -216,6 +216,8 @@ class Engine:
                 continue
             for sid, err in batch.refused:  # a request the pool can never hold: it ends, without output
                 self._refuse(sid, err, now)
+            if batch.refused and len(batch) == 0 and not self.running:
+                continue  # the refused were all there was to admit: plan again without them
             if admits:  # only the plan's tail came from the waiting line
                 # Admitted: in the batch, or live and loading its host tier blocks beside this step (early loads).
                 admitted = set(batch.seq_ids.tolist()).union(batch.deferred)

@@ -140,3 +140,18 @@ def test_a_prompt_the_groups_can_never_hold_is_refused_not_raised():
         c.remove([0])
         b = c.schedule([(1, 1)])  # the manager and the cache agree: the live sequence goes on
         assert b.seq_ids.tolist() == [1] and b.seq_lens.tolist() == [50]
+
+
+def test_the_engine_ends_a_request_the_groups_can_never_hold():
+    # The only request of the run is one the manager refuses for good (30 blocks x 6 groups of a 64-block pool):
+    # the engine ends it with Request.error and returns, instead of failing on an empty waiting line.
+    E = H.load_engine()
+    km = H.twin(tiny_hybrid("gemma-3", window=8))
+    prompt = np.random.default_rng(0).integers(1, 97, 120).tolist()
+    with kvhf.PagedKVCache.for_model(km, 64, 4) as c:
+        r = kvhf.Runner(km, c, max_batch=4, max_step_tokens=256, max_model_len=256)
+        engine = E.Engine(r, E.EngineConfig(max_batch=4, step_tokens=256, chunk=128, progress_every=0))
+        req = E.Request(0, 0.0, prompt, 4)
+        engine.run([req], log=lambda s: None)
+        assert req.error and "never" in req.error and not any(req.outputs.values()) and req.finished is not None
+        assert not c.seqs and c.manager.stats().num_seqs == 0
