@@ -112,19 +112,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_binary() -> str:
+    """valkey-server or redis-server, whichever is on PATH; the calling
+    test is skipped when neither is installed (CI installs redis-server)."""
+    import shutil
+
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("neither valkey-server nor redis-server is installed")
+    return binary
+
+
 @pytest.fixture
 def valkey_server(tmp_path) -> Iterator[str]:
     """A throwaway valkey-server or redis-server on a free loopback port,
     without persistence; yields its host:port (as internal/redistest does
     for the Go tests). Skipped when neither is installed (CI installs
     redis-server)."""
-    import shutil
     import subprocess
     import time
 
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("neither valkey-server nor redis-server is installed")
+    binary = server_binary()
     port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -10,11 +10,11 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import socket
 import sys
 
 import pytest
+from conftest import server_binary
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import test_hf_correctness as H  # noqa: E402  (the harness: load_script)
@@ -24,13 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _bench():
     return H.load_script("bench/hf_bench.py")
-
-
-def _server_binary() -> str:
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("neither valkey-server nor redis-server is installed")
-    return binary
 
 
 def _gone(pid: int, address: str) -> bool:
@@ -56,7 +49,7 @@ def test_workload_t_host_tier_and_shared_tier(tmp_path, capsys, write_through):
     Greedy float32 answers are the same in both systems. write_through:
     the host tier's stores are write-through, with kvplug-host's slack in
     both systems."""
-    binary = _server_binary()
+    binary = server_binary()
     B = _bench()
     out = tmp_path / "t.json"
     B.main(["--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--workloads", "t", "--scale", "0.05",
@@ -100,7 +93,7 @@ def test_workload_t_host_tier_and_shared_tier(tmp_path, capsys, write_through):
 
 def test_throwaway_server_stops_when_the_run_fails(monkeypatch):
     """run_shared stops the server it started when the run raises."""
-    binary = _server_binary()
+    binary = server_binary()
     B = _bench()
     seen = {}
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
-import shutil
 import sys
 
 import pytest
+from conftest import server_binary
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import test_hf_correctness as H  # noqa: E402  (the harness: load_script)
@@ -26,9 +26,7 @@ def _script():
 def test_moved_sessions_read_the_shared_tier(tmp_path, capsys, cluster):
     """cluster: a cluster of 3 primaries that the script starts, the
     histories' blocks spread over its nodes."""
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("neither valkey-server nor redis-server is installed")
+    binary = server_binary()
     MS = _script()
     out = tmp_path / "moved.json"
     res = MS.main(["--model", "tiny-llama", "--devices", "cpu,cpu", "--dtype", "float32", "--cpu-threads", "1",

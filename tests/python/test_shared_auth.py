@@ -23,7 +23,7 @@ import kvplug
 from kvplug.sglang import PageStore, shared_security
 from kvplug.sharedstore import SharedStore, key128
 
-from conftest import free_port, row_segments
+from conftest import free_port, row_segments, server_binary
 
 import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
@@ -46,13 +46,6 @@ def certs(tmp_path_factory) -> pathlib.Path:
                        timeout=600)
     assert p.returncode == 0, p.stderr
     return d
-
-
-def _binary() -> str:
-    b = shutil.which("valkey-server") or shutil.which("redis-server")
-    if b is None:
-        pytest.skip("neither valkey-server nor redis-server is installed")
-    return b
 
 
 def _connect(port: int, tls: Optional[ssl.SSLContext]) -> socket.socket:
@@ -98,7 +91,7 @@ def start(tmp_path, certs) -> Iterator:
 
     def _start(tls: bool = False, cert: str = "server", client_certs: bool = False) -> Server:
         port = free_port()
-        argv = [_binary(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
+        argv = [server_binary(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
         ctx = None
         if tls:
             argv += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs / f"{cert}.pem"),
