@@ -172,7 +172,7 @@ func (t *Tier) readChecked(hash Hash, n int, r *bufio.Reader, segs [][]byte, dir
 		return false, err
 	}
 	size := segmentsLen(segs)
-	if !t.checkHeader(hash, head, n) || n-t.header != size {
+	if !t.checkHeader(hash, head, n, nil) || n-t.header != size {
 		_, err := r.Discard(n - len(head))
 		return false, err
 	}
@@ -219,10 +219,14 @@ func (t *Tier) readChecked(hash Hash, n int, r *bufio.Reader, segs [][]byte, dir
 	return true, nil
 }
 
-// checkHeader makes decode's checks of a value of n bytes whose first
-// bytes (t.header of them, or all of a shorter value) are head: all but
-// the payload's checksum and MAC.
-func (t *Tier) checkHeader(hash Hash, head []byte, n int) bool {
+// checkHeader checks a value of n bytes whose first bytes (t.header of
+// them, or all of a shorter value) are head: all but the payload's
+// checksum and MAC. whole is the whole value when the caller has it (nil
+// for a streamed read): with a MAC, only a value whose MAC verifies says
+// that a writer of another layout shares the namespace (anyone who can
+// write to the server could forge the header), and only a whole value can
+// be verified.
+func (t *Tier) checkHeader(hash Hash, head []byte, n int, whole []byte) bool {
 	if len(head) < HeaderBytes || string(head[:4]) != Magic || binary.LittleEndian.Uint16(head[4:]) != Version {
 		return false
 	}
@@ -236,7 +240,7 @@ func (t *Tier) checkHeader(hash Hash, head []byte, n int) bool {
 		return false
 	}
 	if fp := binary.LittleEndian.Uint64(head[24:]); fp != t.cfg.Fingerprint {
-		if t.mac == nil { // with a MAC the header is not verified yet: see decode
+		if t.mac == nil || (len(whole) >= t.header && t.logPending(logForeignLayout) && t.verifyMAC(whole)) {
 			t.foreignLayout(fp)
 		}
 		return false

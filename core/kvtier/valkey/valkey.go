@@ -406,29 +406,7 @@ func appendHeader(v []byte, hash Hash, fingerprint uint64, flags uint16, payload
 // (no tag, another key's, a tag that does not verify); the caller counts
 // every failure in Corrupt.
 func (t *Tier) decode(hash Hash, v []byte) ([]byte, bool) {
-	if len(v) < HeaderBytes || string(v[:4]) != Magic || binary.LittleEndian.Uint16(v[4:]) != Version {
-		return nil, false
-	}
-	if flags := binary.LittleEndian.Uint16(v[6:]); flags != t.flags {
-		if t.mac != nil && flags == 0 {
-			t.macFailed("a value without a MAC")
-		}
-		return nil, false
-	}
-	if Hash(v[8:24]) != hash {
-		return nil, false
-	}
-	if fp := binary.LittleEndian.Uint64(v[24:]); fp != t.cfg.Fingerprint {
-		// With a MAC, only an authentic header says a writer of another
-		// layout shares the namespace: anyone who can write to the server
-		// could forge the claim.
-		if t.mac == nil || (len(v) >= t.header && t.verifyMAC(v)) {
-			t.foreignLayout(fp)
-		}
-		return nil, false
-	}
-	n := binary.LittleEndian.Uint64(v[32:])
-	if len(v) < t.header || n != uint64(len(v)-t.header) || (t.cfg.BlockBytes > 0 && n != uint64(t.cfg.BlockBytes)) {
+	if !t.checkHeader(hash, v, len(v), v) {
 		return nil, false
 	}
 	p := v[t.header:]
@@ -479,6 +457,16 @@ const (
 	logForeignLayout                // a value with another layout's fingerprint
 	numLogKinds
 )
+
+// logPending reports whether a line of kind k would be logged now,
+// without taking its turn: a check that costs more than the line (a MAC
+// over a whole value) runs only then.
+func (t *Tier) logPending(k logKind) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	last := t.lastLog[k]
+	return last.IsZero() || time.Since(last) >= time.Minute
+}
 
 // logDue reports whether a line of kind k may be logged now: at most one
 // a minute of each kind, so a misconfigured fleet does not flood the
