@@ -277,7 +277,8 @@ type region struct {
 	k, v             []cuda.DevicePtr // the same table on the host, for the batched copy (v nil: K only)
 	chunk, kStride   int64
 	vStride, hostOff int64
-	parts, perOp     int64 // thread blocks per chunk, and per op (layers x tensors x parts)
+	rows             int64 // a block's chunks: layers x tensors
+	parts, perOp     int64 // thread blocks per chunk, and per op (rows x parts)
 	// pitch is the bytes from one (layer, tensor) chunk of a block to the
 	// next, layer-major, K before V, when it is one for the whole region
 	// (then a block's demotion by the copy engines is one strided copy);
@@ -391,7 +392,8 @@ func newCopier(l Layers, h Host, o Options) (*Copier, error) {
 	for i := range c.regions {
 		r := &c.regions[i]
 		r.parts = (r.chunk + ctaByte - 1) / ctaByte
-		r.perOp = int64(len(l.K)*c.kv) * r.parts
+		r.rows = int64(len(l.K) * c.kv)
+		r.perOp = r.rows * r.parts
 		c.perLaunch = int(min(int64(c.perLaunch), (1<<31-1)/r.perOp))
 		if c.stores == StoreCopyEngine {
 			r.pitch = rowPitch(r.k, r.v, r.chunk, r.kStride, r.vStride)
@@ -411,7 +413,7 @@ func (c *Copier) planBatches() {
 	copiesPerOp := 0
 	for _, r := range c.regions {
 		if r.pitch == 0 {
-			copiesPerOp += len(r.k) * c.kv
+			copiesPerOp += int(r.rows)
 		}
 	}
 	c.storeOps = max(1, maxBatchCopies/max(1, copiesPerOp))
@@ -429,10 +431,9 @@ func (c *Copier) oneAllocationRows() {
 		}
 		// The span from block 0's first row to the last block's last row;
 		// a span past 2^62 is no single allocation (and would overflow).
-		rows := int64(len(r.k) * c.kv)
 		span, ok := int64(0), r.kStride <= (1<<62)/int64(c.layers.NumBlocks)
 		if ok {
-			span = (rows-1)*r.pitch + int64(c.layers.NumBlocks-1)*r.kStride + r.chunk
+			span = (r.rows-1)*r.pitch + int64(c.layers.NumBlocks-1)*r.kStride + r.chunk
 		}
 		base, size, err := cuda.AllocationRange(r.k[0])
 		if !ok || err != nil || uint64(r.k[0])-uint64(base)+uint64(span) > uint64(size) {
@@ -534,12 +535,8 @@ func (c *Copier) Run(demote, reload []Op, stream cuda.Stream) error {
 		return nil
 	}
 	byCopyEngine := c.stores == StoreCopyEngine && len(demote) > 0
-	if byCopyEngine {
-		err := cuda.CheckBatchStream(stream)
-		if err == nil {
-			err = cuda.BatchCopySupported() // an old driver: refused before anything is enqueued
-		}
-		if err != nil {
+	if byCopyEngine { // (an old driver was refused by New)
+		if err := cuda.CheckBatchStream(stream); err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, "tier copy: stores by the copy engines")
 		}
 	}
@@ -609,7 +606,7 @@ func (c *Copier) rowCopyOf(o Op, r *region) rowCopy {
 	return rowCopy{
 		src:     r.k[0] + cuda.DevicePtr(int64(o.Block)*r.kStride),
 		hostOff: int64(o.Slot)*c.host.SlotBytes + r.hostOff,
-		rows:    int64(len(r.k) * c.kv),
+		rows:    r.rows,
 	}
 }
 
