@@ -285,7 +285,7 @@ class PageStore:
                 return ok
             k64 = keys64(keys)
             to_shared = np.arange(n)
-            resident = ok
+            resident = np.zeros(n, bool)  # without a local tier: nothing resident
             if self.host is not None:
                 new = self._host_fill(k64, ptrs, lens)
                 if new is None:
