@@ -824,17 +824,12 @@ class PagedKVCache:
         tier = self.tier
         if tier is None:
             return []
-        try:
-            tier.drain()
-        except Exception:  # a second failed batch: its blocks are released too, and cleared below
-            pass
+        tier.recover()
         live = [sid for sid, s in self.seqs.items() if s.live]
         for sid in live:
             self.preempt(sid)
         self._joining.clear()
-        tier.fresh, tier.to_join, tier.pending_records = [], [], []
         self.manager.clear_prefix_cache()
-        tier.reloads_failed = False
         self.stats["reload_recoveries"] += 1
         return live
 

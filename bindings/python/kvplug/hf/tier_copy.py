@@ -475,6 +475,19 @@ class HostTier:
                 raise
             self._complete(f)
 
+    def recover(self) -> None:
+        """The tier's part of PagedKVCache.recover_from_failed_reloads:
+        completes every batch in flight (those that fail too, as failed),
+        forgets the early loads and their records (their sequences are
+        preempted next), and lets schedules run again."""
+        while self.in_flight:
+            try:
+                self.drain()
+            except Exception:  # a further failed batch: completed as failed, its blocks cleared with the rest
+                pass
+        self.fresh, self.to_join, self.pending_records = [], [], []
+        self.reloads_failed = False
+
     def close(self) -> None:
         """Drains, then releases the copier (unpins the host memory): before
         the manager closes."""
