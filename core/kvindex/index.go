@@ -602,6 +602,18 @@ func (in *instance) stateLocked() State {
 	return StateFresh
 }
 
+// freshUnlessSnapshotPending marks the instance fresh after an apply that
+// completed its set, unless a snapshot cut into several batches still
+// has batches to come (it stays stale until their last, applyBatch).
+func (in *instance) freshUnlessSnapshotPending() {
+	in.mu.Lock()
+	if in.snapEnd == 0 {
+		in.stale, in.waiting = false, ""
+	}
+	in.mu.Unlock()
+	in.noteState("")
+}
+
 // noteState logs the instance's state when it changed since last logged.
 func (in *instance) noteState(why string) {
 	in.mu.Lock()
@@ -828,12 +840,7 @@ func (in *instance) start(m kvevents.Message) {
 		}
 	}
 	if in.apply(m, false) {
-		in.mu.Lock()
-		if in.snapEnd == 0 {
-			in.stale, in.waiting = false, ""
-		}
-		in.mu.Unlock()
-		in.noteState("")
+		in.freshUnlessSnapshotPending()
 	}
 	// (A failed apply resynchronised the instance.)
 }
@@ -891,14 +898,7 @@ func (in *instance) applyFromClear(m kvevents.Message) {
 			// resynchronises: still stale; one cut into more batches
 			// stays stale until its last, applyBatch.)
 			if in.applyBatch(m.Seq, b, false) {
-				in.mu.Lock()
-				whole := in.snapEnd == 0
-				if whole {
-					in.stale = false
-					in.waiting = ""
-				}
-				in.mu.Unlock()
-				in.noteState("")
+				in.freshUnlessSnapshotPending()
 			}
 			return
 		}
