@@ -541,21 +541,13 @@ TEST(TierCopier, WrapperChecksAndCreates) {
   kvplug::HostTier tier(m);
   ASSERT_EQ(tier.num_slots(), 4);
   const std::vector<uint64_t> k{0x10000, 0x20000}, v{0x30000, 0x40000};
-  auto status_of = [](auto &&make) {
-    try {
-      make();
-      return KVP_OK;
-    } catch (const kvplug::Error &e) {
-      return e.status();
-    }
-  };
-  EXPECT_EQ(status_of([&] { kvplug::TierCopier c(k, {0x30000}, 8, 64, 64, 64, tier); }), KVP_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(status_of([&] { kvplug::TierCopier c(k, v, 8, 64, 64, 64, tier.slot(0), 240, 4); }),
+  EXPECT_EQ(thrown([&] { kvplug::TierCopier c(k, {0x30000}, 8, 64, 64, 64, tier); }), KVP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(thrown([&] { kvplug::TierCopier c(k, v, 8, 64, 64, 64, tier.slot(0), 240, 4); }),
             KVP_ERR_INVALID_ARGUMENT);  // slots smaller than 2 layers x K and V x 64 bytes
-  EXPECT_EQ(status_of([&] { kvplug::TierCopier c(k, v, 8, 40, 64, 64, tier); }), KVP_ERR_INVALID_ARGUMENT);
-  const kvp_status here = status_of([] { kvplug::attn::prepare(); });
+  EXPECT_EQ(thrown([&] { kvplug::TierCopier c(k, v, 8, 40, 64, 64, tier); }), KVP_ERR_INVALID_ARGUMENT);
+  const kvp_status here = thrown([] { kvplug::attn::prepare(); });
   ASSERT_TRUE(here == KVP_OK || here == KVP_ERR_NO_DEVICE || here == KVP_ERR_UNSUPPORTED) << here;
-  const kvp_status st = status_of([&] {
+  const kvp_status st = thrown([&] {
     kvplug::TierCopier c(k, v, 8, 64, 64, 64, tier);
     EXPECT_NE(c.get(), nullptr);
     c.run(kvplug::CopyBatch{});  // nothing to copy
