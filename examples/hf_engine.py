@@ -243,13 +243,25 @@ class Engine:
         req = self.req_of[sid]
         print(f"hf_engine: request {req.rid} refused: {err}", file=sys.stderr)
         req.error = str(err)
-        gone = [s for s in req.seq_ids if s in self.cache.seqs]
-        self.cache.remove(gone)
-        self.waiting = collections.deque(s for s in self.waiting if s not in gone)
+        self._retire([s for s in req.seq_ids if s in self.cache.seqs], now)
+
+    def _retire(self, seq_ids: List[int], now: Callable[[], float]) -> None:
+        """Removes sequences from the cache and the lines; a request whose
+        sequences are all gone is finished."""
+        self.cache.remove(seq_ids)
+        # Usually running; waiting if a fork preempted it after its token was sampled (or refused).
+        # One pass over each list, not a search and a removal per sequence.
+        gone = set(seq_ids)
+        before = len(self.running)
         self.running = [s for s in self.running if s not in gone]
-        if req.finished is None:
-            req.finished = now()
-            self.just_finished.append(req)
+        if before - len(self.running) < len(gone):
+            self.waiting = collections.deque(s for s in self.waiting if s not in gone)
+        seqs = self.cache.seqs
+        for s in seq_ids:
+            req = self.req_of[s]
+            if req.finished is None and all(x not in seqs for x in req.seq_ids):
+                req.finished = now()
+                self.just_finished.append(req)
 
     def _preempt(self, sid: int) -> None:
         self.cache.preempt(sid)
@@ -369,20 +381,7 @@ class Engine:
         else:
             self.cache.append_tokens(sids, toks)
         if finished:
-            self.cache.remove(finished)
-            # Usually running; waiting if a fork preempted it after its token was sampled.
-            # One pass over each list, not a search and a removal per finished sequence.
-            gone = set(finished)
-            before = len(self.running)
-            self.running = [s for s in self.running if s not in gone]
-            if before - len(self.running) < len(gone):
-                self.waiting = collections.deque(s for s in self.waiting if s not in gone)
-            seqs = self.cache.seqs
-            for s in finished:
-                req = req_of[s]
-                if req.finished is None and all(x not in seqs for x in req.seq_ids):
-                    req.finished = now()
-                    self.just_finished.append(req)
+            self._retire(finished, now)
         t3 = time.perf_counter()
         self.steps += 1
         self.prefill_tokens += int(batch.q_lens[batch.q_lens > 1].sum())
