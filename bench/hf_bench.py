@@ -667,6 +667,13 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     return res
 
 
+def shared_put_queue(blocks: int) -> int:
+    """The shared tier's store queue for a run of `blocks` blocks: all of
+    them (the library's default of 256 would drop most of a burst of
+    stores), within the queue's bounds."""
+    return min(2**20, max(256, blocks))
+
+
 def shared_maxmemory(args, block_bytes: int, ws: int) -> int:
     """The throwaway server's maxmemory: --redis-maxmemory-gb, or twice the
     working set's blocks (room for every one with the allocator's rounding
@@ -689,7 +696,7 @@ def run_shared(model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Di
     _, _, block_bytes, ws = run_sizes(model, reqs, args, dtype, conv)
     base = args.shared_tier_namespace or f"hf_bench.{args.model}.{str(dtype).replace('torch.', '')}.bs{args.block_size}"
     info: Dict[str, Any] = {"namespace": f"{base[:55]}.{secrets.token_hex(4)}", "timeout_ms": args.shared_timeout_ms,
-                            "put_queue": min(2**20, max(256, ws))}
+                            "put_queue": shared_put_queue(ws)}
     server = None
     try:
         if args.shared_tier:
@@ -712,9 +719,7 @@ def run_shared(model, reqs, args, dtype, conv: Optional[MultiTurn] = None) -> Di
                 info.update({k: int(figures.get(k) or 0) for k in ("used_memory", "used_memory_peak", "evicted_keys")})
                 info["keys"] = server.command("DBSIZE")
             else:
-                keys = RS.namespace_keys([info["address"]], info["namespace"])
-                RS.delete_keys(keys)
-                info["deleted_keys"] = sum(map(len, keys.values()))
+                info["deleted_keys"] = RS.drop_namespace([info["address"]], info["namespace"])
         except Exception as e:  # noqa: BLE001
             info["server_error"] = f"{type(e).__name__}: {e}"
             print(f"    kvplug-shared: reading or cleaning the server after the run failed: {info['server_error']}",

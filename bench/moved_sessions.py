@@ -88,7 +88,7 @@ AUTHKEY_ENV = "KVPLUG_MOVED_SESSIONS_AUTHKEY"
 # sys.path when it runs as a script, not when a test loads it as a module.
 sys.path.insert(0, str(ROOT / "bench"))
 import hf_bench as H  # noqa: E402
-from redis_server import RedisCluster, RedisServer, delete_keys, namespace_keys  # noqa: E402  (the throwaway servers)
+from redis_server import RedisCluster, RedisServer, delete_keys, drop_namespace, namespace_keys  # noqa: E402  (the throwaway servers)
 E = H.E
 torch = H.torch
 kvplug = H.kvplug
@@ -467,8 +467,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.shared_tier:
             addr = args.shared_tier
         else:
-            # Room for every block with the allocator's rounding, and for the output buffer of a moved history's read.
-            maxmem = int(args.redis_maxmemory_gb * 2**30) if args.redis_maxmemory_gb else int(2 * pool_b * bb) + (1 << 30)
+            maxmem = H.shared_maxmemory(args, bb, pool_b)
             if args.redis_cluster:
                 server = RedisCluster(args.redis_server, args.redis_cluster, maxmem, shlex.split(args.redis_args))
             else:
@@ -480,7 +479,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         nodes = server.nodes if isinstance(server, RedisCluster) else [addr]
         namespace = f"ms.{args.model}.{args.dtype}.bs{bs}.s{args.seed}.{secrets.token_hex(4)}"
         shared = {"shared_tier_namespace": namespace, "shared_tier_timeout_ms": args.shared_timeout_ms,
-                  "shared_tier_put_queue": min(2**20, max(256, pool_b))}
+                  "shared_tier_put_queue": H.shared_put_queue(pool_b)}
         hist_lens = [len(u[0]) + sum(map(len, u[1:k])) + sum(o[:k]) for u, o in zip(conv.users, conv.outs)]
         print(f"kvplug {kvplug.version_string()}, torch {torch.__version__}: {args.model} {args.dtype}, "
               f"A on {info['A']['device']} ({info['A']['device_name']}), B on {info['B']['device']} "
@@ -528,9 +527,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                                  "total_net_output_bytes")}
             res["server_info"]["keys"] = server.command("DBSIZE")
         else:  # a server of the caller's: this run's blocks go
-            keys = namespace_keys(nodes, namespace)
-            delete_keys(keys)
-            print(f"deleted this run's {sum(map(len, keys.values()))} keys (kvplug:{namespace}:*) from {addr}", flush=True)
+            print(f"deleted this run's {drop_namespace(nodes, namespace)} keys (kvplug:{namespace}:*) from {addr}", flush=True)
         ok = True
     finally:
         stop_workers(workers, graceful=ok)

@@ -1,7 +1,7 @@
 """Throwaway Valkey/Redis servers for the benchmarks' shared KV tier
 (bench/moved_sessions.py, bench/hf_bench.py's kvplug-shared system), and
 the few RESP commands the benchmarks send them (redis_command,
-redis_info, namespace_keys, delete_keys).
+redis_info, namespace_keys, delete_keys, drop_namespace).
 
 RedisServer starts redis-server (or valkey-server) on a free loopback
 port without persistence, with a maxmemory and allkeys-lru; RedisCluster
@@ -191,6 +191,14 @@ def delete_keys(keys: Dict[str, List[str]]) -> None:
             f = c.makefile("rb")
             for _ in ks:
                 _reply(f)
+
+
+def drop_namespace(nodes: List[str], namespace: str) -> int:
+    """Deletes every key the shared tier stored under namespace on nodes
+    (a run's blocks on a server of the caller's) and returns how many."""
+    keys = namespace_keys(nodes, namespace)
+    delete_keys(keys)
+    return sum(map(len, keys.values()))
 
 
 def redis_info(address: str) -> Dict[str, str]:
