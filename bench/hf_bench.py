@@ -17,7 +17,8 @@ These systems serve each (--systems):
               does not pay);
   kvplug-fp8  kvplug over an FP8 (e4m3) KV cache with per-token-head scales,
               with the blocks that the kvplug system's pool memory holds
-              (about twice as many; prefill on the sm_80 mainloop);
+              (about twice as many; prefill on the mainloop --fp8-prefill
+              picks, the sm_80 one by default);
   flashinfer  the same loop and manager with FlashInfer's attention
               (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
               steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
@@ -611,7 +612,10 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
     if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-shared", "kvplug-all", "kvplug-fp8"):
-        cascade = (system == "kvplug-cascade" or args.cascade and system != "kvplug-fp8") and args.device.startswith("cuda")
+        # FP8 decodes with shared-prefix attention only where its shared items run on Hopper's mainloop
+        # (--fp8-prefill hopper or fp8): on the sm_80 tiles they are slower than plain decode.
+        cascade = (system == "kvplug-cascade" or args.cascade and (system != "kvplug-fp8" or args.fp8_prefill != "sm80")
+                   ) and args.device.startswith("cuda")
         runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
         runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)

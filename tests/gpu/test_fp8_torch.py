@@ -346,18 +346,27 @@ def _prefill_batch(dtype, D, kind, seed, window=-1, lens=None, heads=(8, 2)):
         vs = torch.full(shape[:3], float("nan"), device=DEV)
     else:
         ks, vs = (key.abs().max().float() / 448).reshape(1), (val.abs().max().float() / 448).reshape(1)
-    slots = torch.cat([b.table[i, torch.arange(L, device=DEV) // 16].long() * 16 + torch.arange(L, device=DEV) % 16
-                       for i, L in enumerate(b.kv_lens)]).to(torch.int32)
-    attn.kv_write(key, val, k8, v8, slots, k_scale=ks, v_scale=vs)
-    # The reference reads the dequantised cache.
-    kd = k8.double() * (ks[..., None].double() if kind == "token" else ks.double())
-    vd = v8.double() * (vs[..., None].double() if kind == "token" else vs.double())
+    attn.kv_write(key, val, k8, v8, batch_slots(b), k_scale=ks, v_scale=vs)
     exact = (list(b.k), list(b.v))
+    read_dequantized(b, k8, v8, ks, vs)
+    return b, k8, v8, ks, vs, exact
+
+
+def batch_slots(b):
+    """The cache slots of b's sequences' tokens, in their order."""
+    return torch.cat([b.table[i, torch.arange(L, device=DEV) // 16].long() * 16 + torch.arange(L, device=DEV) % 16
+                      for i, L in enumerate(b.kv_lens)]).to(torch.int32)
+
+
+def read_dequantized(b, k8, v8, ks, vs):
+    """Points b's reference at the dequantised cache (e4m3 * scale)."""
+    token = ks.dim() == 3
+    kd = k8.double() * (ks[..., None].double() if token else ks.double())
+    vd = v8.double() * (vs[..., None].double() if token else vs.double())
     for i, L in enumerate(b.kv_lens):
         t = torch.arange(L, device=DEV)
         blk = b.table[i, t // 16].long()
         b.k[i], b.v[i] = kd[blk, t % 16], vd[blk, t % 16]
-    return b, k8, v8, ks, vs, exact
 
 
 def lse_tol(plan):
@@ -561,6 +570,39 @@ def test_fp8_qkv_graph(seed):
         assert err < QKV_TOL, f"replayed FP8 Q/K/V out rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("hopper", [False, True], ids=["sm80", "device"])
+def test_fp8_write_and_prefill_graph(hopper, seed):
+    """One CUDA graph of kv_write (quantising into the e4m3 cache and its
+    per-token-head scales) and the prefill over that cache, on either
+    mainloop: each replay takes new K, V and queries; the cache, the scales
+    and the output are poisoned before it, and the output is checked
+    against the float64 reference over what the replay wrote."""
+    b, k8, v8, ks, vs, exact = _prefill_batch(torch.bfloat16, 128, "token", seed)
+    key, val, slots = torch.cat(exact[0]).to(b.dtype), torch.cat(exact[1]).to(b.dtype), batch_slots(b)
+    plan = b.plan(hopper=hopper, decode_route=False, split_kv=False)
+    out = torch.empty_like(b.q)
+
+    def step():
+        attn.kv_write(key, val, k8, v8, slots, k_scale=ks, v_scale=vs)
+        attn.paged_prefill(plan, b.q, k8, v8, b.table, out=out, k_scale=ks, v_scale=vs)
+
+    attn.prepare()
+    g = capture(torch, step)
+    gen = torch.Generator().manual_seed(seed + 3)
+    for _ in range(2):
+        for x in (b.q, key, val):
+            x.copy_((torch.rand(x.shape, generator=gen) * 4 - 2).to(x.dtype))
+        for x in (k8, v8, ks, vs, out):
+            x.copy_(torch.full(x.shape, float("nan"), device=DEV).to(x.dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        assert not ks[slots.long() // 16, slots.long() % 16].isnan().any(), "a replay left a written row's scale unset"
+        read_dequantized(b, k8, v8, ks, vs)
+        want, _ = b.reference()
+        err = row_err(out, want)[0]
+        assert err < TOL[b.dtype], f"replayed prefill ({plan.mainloop}) out rel err {err:.3e}"
+
+
 def test_fp8_qkv_misuse(seed):
     """KVP_PREFILL_FP8_QKV with the sm_80 mainloop, head_dim 64, or a run
     over a 16-bit cache: errors, nothing written."""
@@ -597,10 +639,13 @@ def test_fp8_hf_engine_logits(cascade):
     assert agree >= 0.9, agree
 
 
+@pytest.mark.parametrize("cascade", [False, True], ids=["paged", "cascade"])
 @pytest.mark.parametrize("mode", ["hopper", "fp8"])
-def test_fp8_hf_engine_prefill_modes(mode):
+def test_fp8_hf_engine_prefill_modes(mode, cascade):
     """kvplug.hf over an FP8 cache with prefill on Hopper's mainloop, widened
-    or in the FP8 Q/K/V mode (head_dim 128), against the bf16 cache."""
+    or in the FP8 Q/K/V mode (head_dim 128), against the bf16 cache; with
+    cascade, every step on kvplug.cascade's kernels, whose plans then cut the
+    shared items for the Hopper mainloop (the cache's hopper_prefill)."""
     import pathlib
     import sys
 
@@ -609,8 +654,9 @@ def test_fp8_hf_engine_prefill_modes(mode):
 
     if not HOPPER:
         pytest.skip("Hopper's prefill mainloop runs on compute capability 9.0 only")
-    worst, mean, agree = hfc.fp8_against_16bit("cuda", backend="kernels", fp8_prefill=mode, head_dim=128)
-    print(f"FP8 ({mode} prefill) vs bf16 cache, teacher-forced logits: max rel {worst:.2e}, mean rel {mean:.2e}, "
+    worst, mean, agree = hfc.fp8_against_16bit("cuda", backend="kernels", fp8_prefill=mode, head_dim=128,
+                                               cascade=cascade)
+    print(f"FP8 ({mode} prefill{', cascade' if cascade else ''}) vs bf16 cache, teacher-forced logits: max rel {worst:.2e}, mean rel {mean:.2e}, "
           f"argmax agreement {agree:.3f}")
     assert worst < 0.15 and mean < 0.05, (worst, mean)
     assert agree >= 0.9, agree
@@ -695,3 +741,46 @@ def test_fp8_cascade(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D, hopp
         assert (gl[live] - want_lse[live]).abs().max().item() < 2e-3 * max(1.0, want_lse[live].abs().max().item()), what
         fp8 = ((got - exact).norm() / exact.norm()).item()
         assert fp8 < 0.08, f"FP8's error against the 16-bit cache: {fp8:.3g} ({what})"
+
+
+@pytest.mark.parametrize("hopper", [False, True], ids=["sm80-plan", "device-plan"])
+def test_fp8_cascade_graph(hopper):
+    """A CUDA graph of kvplug.cascade over an e4m3 cache (a decode batch
+    over a two-level sharing tree): replays with new queries, outputs
+    poisoned before each, against the float64 reference over the
+    dequantised cache."""
+    from test_cascade_torch import prefill_reference, random_tree
+    from kvplug import cascade
+
+    dtype, B, qh, kvh, D, bs = torch.bfloat16, 24, 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(zlib.crc32(f"fp8 cascade graph {hopper}".encode()))
+    table, lens, nb = random_tree(gen, B, 2, 64, 300, bs)
+    k = (torch.rand((nb * bs, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    v = (torch.rand((nb * bs, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
+    k8 = torch.empty((nb, bs, kvh, D), device=DEV).to(E4M3)
+    v8 = torch.empty_like(k8)
+    ks = torch.empty((nb, bs, kvh), device=DEV)
+    vs = torch.empty_like(ks)
+    attn.kv_write(k, v, k8, v8, torch.arange(nb * bs, dtype=torch.int32, device=DEV), k_scale=ks, v_scale=vs)
+    kd = (k8.double() * ks[..., None].double()).cpu()
+    vd = (v8.double() * vs[..., None].double()).cpu()
+    lens_h = torch.tensor(lens, dtype=torch.int32)
+    ws = cascade.Workspaces(B, qh, kvh, D, device=DEV)
+    plan = cascade.plan(table, lens_h, lens_h.to(DEV), qh, kvh, D, dtype, ws, block_size=bs, hopper=hopper)
+    assert plan.route == cascade.ROUTE_CASCADE, plan
+    q = torch.empty((B, qh, D), dtype=dtype, device=DEV)
+    out = torch.empty_like(q)
+    td = table.to(DEV)
+    attn.prepare()
+    g = capture(torch, lambda: cascade.paged_cascade(plan, q, k8, v8, td, out=out, k_scale=ks, v_scale=vs))
+    for _ in range(2):
+        qh_ = (torch.rand((B, qh, D), generator=gen) * 4 - 2).to(dtype)
+        q.copy_(qh_)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        want, _ = prefill_reference(qh_, kd, vd, table, lens, list(range(B + 1)), bs)
+        got = out.cpu().double()
+        assert not got.isnan().any(), f"unwritten rows ({plan})"
+        err = (got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-30)
+        assert err.max().item() < TOL[dtype], f"row {int(err.argmax())}: relative error {err.max().item():.3g} ({plan})"

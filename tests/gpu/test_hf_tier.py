@@ -78,6 +78,34 @@ def test_fp8_conversations_with_the_host_tier(copier):
     assert outs == big[3]
 
 
+@pytest.mark.parametrize("copier", ["auto", "copy-engine", "torch"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_write_through_on_kernels_keeps_gpu_hits(graphs, copier):
+    """Write-through on the kernels in fp16, its stores on a side stream by
+    each copier (the library's copy kernel, the copy engines, torch): the
+    host tier serves the histories the GPU evicted, every logit row is
+    transformers', the greedy outputs equal a pool that holds everything,
+    and the GPU prefix cache hits at least what it hits with no tier (the
+    blocks are copied out, never moved)."""
+    model = H.tiny_model("llama", dtype=torch.float16, device=DEV, **SHAPE)
+    engine, rec, reqs, outs, s, lines = T.run_conversations(model, num_blocks=24, host_slots=64, write_through=8,
+                                                            backend="kernels", cuda_graphs=graphs,
+                                                            tier_copier=copier)
+    assert s["copier"] == ("TorchTierCopier" if copier == "torch" else "TierCopier"), s
+    assert s["write_through_stored"] > 0 and s["demotions_queued"] == 0, s
+    assert s["reloads_completed"] == s["reloads"] > 0 and s["in_flight"] == 0, s
+    assert s["host_hit_tokens"] >= 3 * T.BS, s
+    atol, rtol = TOL[torch.float16]
+    count, _ = H.compare(model, engine, rec, reqs, atol=atol, rtol=rtol)
+    assert count > 100
+    big = T.run_conversations(model, num_blocks=256, backend="kernels", cuda_graphs=graphs)
+    assert outs == big[3]
+    _, _, _, _, none, plain_lines = T.run_conversations(model, num_blocks=24, backend="kernels", cuda_graphs=graphs)
+    assert none is None
+    plain_hits = int([ln for ln in plain_lines if ln.startswith("prefix cache:")][0].split("(")[1].split(" of ")[0])
+    assert s["cached_tokens"] - s["host_hit_tokens"] >= plain_hits, (s, plain_lines)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_early_loads_on_a_side_stream(graphs):
     """Early loads (the default) against --no-early-loads on the kernels in

@@ -103,7 +103,7 @@ class StepContext:
             p = kvplug.attn.prefill_plan(
                 self.qo_indptr, self.seq_lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim, self.cache.dtype,
                 ws, window_left=window_left, qo_indptr_host=self.qo_indptr_host,
-                kv_lens_host=self.seq_lens_host, hopper=not self.cache.fp8 or self.cache.fp8_prefill != "sm80",
+                kv_lens_host=self.seq_lens_host, hopper=self.cache.hopper_prefill,
                 fp8_qkv=self.cache.fp8 and self.cache.fp8_prefill == "fp8")  # FP8: the cache's fp8_prefill
             self.plans[window_left] = p
         return p

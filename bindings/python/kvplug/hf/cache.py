@@ -404,6 +404,9 @@ class PagedKVCache:
             raise kvplug.UnsupportedError(f"kvplug.hf: fp8_prefill='fp8' (FP8 Q/K/V) is cut for head_dim 128, "
                                           f"not {shape.head_dim}")
         self.fp8_prefill = fp8_prefill
+        # Whether prefill plans and shared-prefix plans may use Hopper's wgmma mainloop: always for a
+        # 16-bit cache; over FP8 unless fp8_prefill asks for the sm_80 mainloop.
+        self.hopper_prefill = not self.fp8 or fp8_prefill != "sm80"
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" is the current device: name it, as tensors made there do ("cuda:0"), so that the

@@ -147,7 +147,7 @@ class _DecodeGraph:
         r, sh = self.runner, self.runner.cache.shape
         return kvplug.cascade.plan(self.h_table, self.h_lens, self.lens, sh.num_q_heads, sh.num_kv_heads, sh.head_dim,
                                    r.cache.dtype, r.cascade_ws, block_size=r.cache.block_size,
-                                   decode_route=decode_route, hopper=not r.cache.fp8)  # FP8: the sm_80 kernels read it
+                                   decode_route=decode_route, hopper=r.cache.hopper_prefill)
 
     def load(self, batch: Batch) -> None:
         """Writes the batch into the static inputs: host work and two copies
@@ -366,7 +366,7 @@ class Runner:
             ctx.cascade_plan = kvplug.cascade.plan(
                 torch.from_numpy(np.ascontiguousarray(batch.block_table)), batch.seq_lens, lens, sh.num_q_heads,
                 sh.num_kv_heads, sh.head_dim, self.cache.dtype, self.cascade_ws, block_size=self.cache.block_size,
-                decode_route=self.cascade_auto_route, hopper=not self.cache.fp8, **varlen)
+                decode_route=self.cascade_auto_route, hopper=self.cache.hopper_prefill, **varlen)
             self._cascade_owner = None
         elif self.backend == "kernels" and not batch.is_decode:
             ctx.plan(ctx.window_left(self._window))  # now, so that its host time counts as the step's preparation
