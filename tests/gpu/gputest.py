@@ -1,7 +1,7 @@
 """Helpers of the GPU tests: whether one runs, skips or fails (the Python side
 of internal/gputest), the capture of one launch in a CUDA graph, the
 row-by-row comparison of outputs, and the float64 reference of windowed
-attention.
+attention, and the build of the C++ test programs with nvcc.
 
 A test skips only on a machine with no NVIDIA device: no /dev/nvidiaN (nor
 WSL's /dev/dxg) and torch finding no CUDA device. Where a device node exists,
@@ -14,6 +14,7 @@ running them.
     from gputest import cuda_torch
     torch = cuda_torch()  # at module level: skips or fails the module
     g = capture(torch, lambda: attn.paged_decode(...))  # a CUDA graph of one launch
+    exe = build_cpp("examples/gpu_step.cpp", tmp / "gpu_step")  # nvcc, against kvplug.hpp
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import importlib.util
 import math
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -30,6 +33,7 @@ import pytest
 
 REQUIRE_ENV = "KVPLUG_REQUIRE_GPU"
 CPU_TESTS = pathlib.Path(__file__).resolve().parents[1] / "python"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def cpu_test_module(name: str) -> Any:
@@ -140,6 +144,38 @@ def capture(torch: Any, fn: Callable[[], Any], stream: Any = None) -> Any:
     with torch.cuda.graph(g, stream=stream):
         fn()
     return g
+
+
+def nvcc(what: str) -> str:
+    """The nvcc that builds a C++ test program: $NVCC, else nvcc on PATH,
+    /usr/local/cuda/bin/nvcc or the copy kernels/build.sh installs into
+    .tools/cuda. A GPU machine without one fails the caller, whose program
+    (what) would otherwise go unchecked."""
+    found = [os.environ.get("NVCC", ""), shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc",
+             *sorted(glob.glob(str(ROOT / ".tools/cuda/lib/python*/site-packages/nvidia/cu*/bin/nvcc")))]
+    for p in found:
+        if p and os.access(p, os.X_OK):
+            return p
+    pytest.fail(f"no nvcc found ($NVCC, PATH, /usr/local/cuda/bin, .tools/cuda): {what} cannot be built")
+
+
+def build_cpp(source: str, exe: str | os.PathLike) -> str:
+    """Builds source (a C++17 program, its path relative to the repository
+    root) with nvcc against include/kvplug.h and bindings/cpp/kvplug.hpp
+    into exe, linking the CUDA runtime and libdl (kvplug.hpp loads the
+    library at run time: KVPLUG_LIBRARY). Fails the caller with nvcc's
+    output when it does not build; returns exe's path."""
+    compiler = nvcc(source)
+    exe = str(exe)
+    cmd = [compiler, "-std=c++17", f"-I{ROOT / 'include'}", f"-I{ROOT / 'bindings/cpp'}", str(ROOT / source),
+           "-o", exe, "-ldl"]
+    # The PyPI nvcc keeps the CUDA runtime beside its bin folder, where its own link line does not look.
+    lib = pathlib.Path(compiler).resolve().parent.parent / "lib"
+    if lib.is_dir():
+        cmd.append(f"-L{lib}")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
+    return exe
 
 
 def row_err(got: Any, want: Any) -> Tuple[float, int]:

@@ -11,49 +11,25 @@ prints "ok" only when every route passed.
         python -m pytest -q tests/gpu/test_gpu_step_cpp.py
 
 nvcc: $NVCC, else nvcc on PATH, /usr/local/cuda/bin/nvcc or the copy
-kernels/build.sh installs into .tools/cuda. A GPU machine without one fails
-the test (the C++ routes would go unchecked)."""
+kernels/build.sh installs into .tools/cuda (gputest.nvcc). A GPU machine
+without one fails the test (the C++ routes would go unchecked)."""
 
 from __future__ import annotations
 
-import glob
 import os
-import pathlib
-import shutil
 import subprocess
 
 import pytest
-from gputest import cuda_torch
+from gputest import build_cpp, cuda_torch
 
 from kvplug import _lib
 
 torch = cuda_torch()
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _nvcc() -> str:
-    found = [os.environ.get("NVCC", ""), shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc",
-             *sorted(glob.glob(str(ROOT / ".tools/cuda/lib/python*/site-packages/nvidia/cu*/bin/nvcc")))]
-    for p in found:
-        if p and os.access(p, os.X_OK):
-            return p
-    pytest.fail("no nvcc found ($NVCC, PATH, /usr/local/cuda/bin, .tools/cuda): examples/gpu_step.cpp cannot be built")
-
 
 @pytest.fixture(scope="module")
 def gpu_step(tmp_path_factory) -> str:
-    nvcc = _nvcc()
-    exe = str(tmp_path_factory.mktemp("gpu_step") / "gpu_step")
-    cmd = [nvcc, "-std=c++17", f"-I{ROOT / 'include'}", f"-I{ROOT / 'bindings/cpp'}", str(ROOT / "examples/gpu_step.cpp"),
-           "-o", exe, "-ldl"]
-    # The PyPI nvcc keeps the CUDA runtime beside its bin folder, where its own link line does not look.
-    lib = pathlib.Path(nvcc).resolve().parent.parent / "lib"
-    if lib.is_dir():
-        cmd.append(f"-L{lib}")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
-    return exe
+    return build_cpp("examples/gpu_step.cpp", tmp_path_factory.mktemp("gpu_step") / "gpu_step")
 
 
 @pytest.mark.parametrize("mode", [[], ["--kv-dtype", "e4m3"], ["--kv-dtype", "e4m3", "--kv-scale", "tensor"]],
