@@ -1554,9 +1554,11 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * Store: a block whose demotion kvp_manager_complete_copies commits is
  * queued for the server (its host slot pinned until read), and a thread of
  * the library writes the queue out, leaving out blocks the server holds
- * already. complete_copies never waits on the server: a demotion that
- * finds the queue (shared_tier_put_queue) full is not stored, counted in
- * shared_puts_dropped. kvp_manager_destroy writes the queue out first.
+ * already, on connections of its own: admit's and match_tiers' lookups and
+ * reads never wait behind a store. complete_copies never waits on the
+ * server: a demotion that finds the queue (shared_tier_put_queue) full is
+ * not stored, counted in shared_puts_dropped. kvp_manager_destroy writes
+ * the queue out first.
  *
  * Keys and model identity: a block is stored under
  * kvplug:<namespace>:<its 128-bit chained hash in hex>, with a header
@@ -3005,8 +3007,9 @@ kvp_status kvp_host_store_read(kvp_host_store *s, int32_t n, const int32_t *slot
  * mirror kvp_manager_config's shared_tier_username ... shared_tier_tls; their
  * faults are counted in auth_failures, tls_failures and mac_failures.
  *
- * Threads: calls on one store may come from any thread; they share one
- * connection, one round trip at a time.
+ * Threads: calls on one store may come from any thread. Gets and exists
+ * share one connection per server, one round trip at a time; puts have
+ * their own, so that a read never waits behind a put's pipeline.
  */
 typedef struct kvp_shared_store kvp_shared_store;
 

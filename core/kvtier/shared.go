@@ -308,7 +308,7 @@ func (s *sharedTier) store(batch []putOp) {
 	for i, op := range batch {
 		hashes[i] = valkey.Hash(op.hash)
 	}
-	held := s.t.Exists(hashes)
+	held := s.t.StoreExists(hashes) // on the stores' connection: admissions' lookups never queue behind it
 	var send []valkey.Hash
 	var payloads [][]byte
 	for i, op := range batch {

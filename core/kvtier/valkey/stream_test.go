@@ -331,3 +331,69 @@ func FuzzReadValue(f *testing.F) {
 		}
 	})
 }
+
+// A lookup never waits behind a store: with a server that answers EXISTS
+// at once and holds every SET without a reply, an Exists issued while a
+// Put is in flight returns the server's answer, not the miss of a call
+// that found the connection busy until its timeout.
+func TestLookupDoesNotWaitBehindStore(t *testing.T) {
+	const bs = 1000
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	setSeen := make(chan struct{}, 1)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					cmd, err := resp.ReadReply(r)
+					if err != nil {
+						return
+					}
+					args, _ := cmd.([]any)
+					switch verb := strings.ToUpper(string(args[0].([]byte))); verb {
+					case "CLUSTER":
+						io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
+					case "EXISTS":
+						io.WriteString(c, ":1\r\n")
+					case "SET":
+						select {
+						case setSeen <- struct{}{}:
+						default:
+						}
+						// No reply: the store's call holds its connection until its timeout.
+					}
+				}
+			}()
+		}
+	}()
+	tr := newTier(t, Config{Addr: ln.Addr().String(), BlockBytes: bs, OpTimeout: 3 * time.Second})
+	putDone := make(chan int)
+	go func() { putDone <- tr.Put(hs(1), [][]byte{payload(1, bs)}) }()
+	select {
+	case <-setSeen:
+	case <-time.After(bound):
+		t.Fatal("the server never saw the SET")
+	}
+	start := time.Now()
+	held := tr.Exists(hs(2, 3))
+	if took := time.Since(start); !held[0] || !held[1] || took > time.Second {
+		t.Fatalf("Exists behind a pending Put: held %v after %v", held, took)
+	}
+	select {
+	case n := <-putDone:
+		t.Fatalf("the Put returned %d while its SET had no reply", n)
+	default:
+	}
+	if n := <-putDone; n != 0 {
+		t.Fatalf("a Put that timed out stored %d", n)
+	}
+}
