@@ -753,7 +753,8 @@ def shared_text(r: Dict[str, Any]) -> str:
     sv, t = r.get("shared_server"), r.get("tier")
     if not sv or not t:
         return ""
-    text = (f"  | shared tier {sv['address']}: {t['shared_hits']} blocks found in {t['shared_lookups']} lookups, "
+    text = (f"  | shared tier {sv['address']}: {t['shared_hits']} blocks found in {t['shared_lookups']} lookups "
+            f"({t.get('shared_remembered', 0)} prompts not looked up: lacked within the last second), "
             f"{t['shared_fetched']} read into the host tier ({t['shared_fetch_misses']} missed on read), "
             f"{size(t['shared_bytes_read'])} read, tokens matched there {t['shared_match_tokens']} (match_tiers) + "
             f"{t['shared_hit_tokens']} (admissions); "

@@ -464,7 +464,7 @@ var tierCounterFields = []string{"demotions_queued", "demotions_completed", "dem
 	"shared_lookups", "shared_hits", "shared_misses", "shared_fetched", "shared_fetch_misses", "shared_hit_tokens",
 	"shared_match_tokens", "shared_puts_queued", "shared_puts_done", "shared_puts_present", "shared_puts_failed",
 	"shared_puts_dropped", "shared_corrupt", "shared_timeouts", "shared_errors", "shared_skipped",
-	"shared_bytes_read", "shared_bytes_written"}
+	"shared_bytes_read", "shared_bytes_written", "shared_remembered"}
 
 // fetchStats fills a stats struct of the header's type layout from
 // object h through get, with struct_size set to the header's size as a

@@ -287,6 +287,7 @@ func kvpgo_manager_tier_stats(h *C.kvp_manager, out *C.kvp_tier_stats) C.kvp_sta
 		v.write_through_stored = C.int64_t(s.WriteThroughStored)
 		v.write_through_lost = C.int64_t(s.WriteThroughLost)
 		v.write_through_queue = C.int32_t(s.WriteThroughQueue)
+		v.shared_remembered = C.int64_t(sh.Remembered)
 		if sh.Available {
 			v.shared_available = 1
 		}

@@ -85,6 +85,10 @@
  *   - kvp_manager_match_room: the blocks an admission of a prompt could
  *     allocate now beyond its GPU hit, for a scheduler that decides how
  *     much of a prompt to admit before admitting it.
+ *   - The shared tier: a prompt whose first block past its GPU and host
+ *     matches the server said it lacks is not looked up again for a
+ *     second (kvp_tier_stats gains shared_remembered, appended), and the
+ *     stores have connections of their own ("Shared KV tier").
  *
  * Changes in 0.6 for a host built against 0.5 (binary compatible):
  *   - Layer groups for hybrid models ("Layer groups" in the manager's
@@ -1428,6 +1432,10 @@ typedef struct kvp_tier_stats {
                                    their store's turn */
   int32_t write_through_queue;  /* computed blocks waiting for their store */
   int32_t reserved2;            /* 0 */
+  /* Since 0.7. */
+  int64_t shared_remembered;    /* prompts not looked up: the server said
+                                   it lacks their first block past the GPU
+                                   and host matches within the last second */
 } kvp_tier_stats;
 
 #define KVP_TIER_STATS_INIT KVP_STRUCT_INIT(kvp_tier_stats)
@@ -1542,11 +1550,18 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * transfer included (size it for an admission batch's blocks at the
  * link's bandwidth: 1.25 GiB of a 10k-token Llama-3-8B history takes
  * about 0.5 s at the 2.5-2.8 GB/s one connection reads from a local
- * server), made without holding the manager's lock. A block that is
- * absent, corrupt, short or another layout's is a miss, and the prefix
- * is computed; a read that times out keeps the blocks it read whole and
- * checked before the timeout (a prefix of the match). A server that is down, slow or restarting costs one
- * failed round trip, then is skipped without a round trip for a backoff
+ * server), made without holding the manager's lock. A prompt whose first
+ * block past its GPU and host matches the server said it lacks is not
+ * looked up again for a second (counted in shared_remembered): a prompt
+ * that waits for admission is matched and admitted every step, and each
+ * lookup is a round trip on the serving path. A block this manager
+ * stores is looked up again as soon as its store returns; one another
+ * instance stores meanwhile is found at the first lookup after that
+ * second. A server that did not answer is not taken as lacking anything. A block
+ * that is absent, corrupt, short or another layout's is a miss, and the
+ * prefix is computed; a read that times out keeps the blocks it read whole
+ * and checked before the timeout (a prefix of the match). A server that is
+ * down, slow or restarting costs one failed round trip, then is skipped without a round trip for a backoff
  * window (1 s, doubling up to 30 s while it keeps failing); every such
  * call is counted (shared_errors, shared_timeouts, shared_skipped) and
  * none is an error.

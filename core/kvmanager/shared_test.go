@@ -415,3 +415,48 @@ func TestSharedTierConfig(t *testing.T) {
 		t.Fatal("a manager without a shared tier")
 	}
 }
+
+// A prompt whose first block past its GPU and host matches the server
+// said it lacks is not asked about again for a second (a prompt waiting
+// for admission is matched every step): the repeat costs no round trip,
+// even after another manager stored the blocks; after the second the
+// next match asks and finds them. A server that did not answer (down) is
+// not remembered as lacking anything.
+func TestSharedTierRemembersALackingBlock(t *testing.T) {
+	srv := redistest.Start(t, redistest.Find(t), 0)
+	const bs = 4
+	r := rand.New(rand.NewPCG(9, 77))
+	conv := seqTokens(r, 4*bs+1)
+	m, _ := newSharedMgr(t, srv.Addr(), 8, bs, 16, 8, func(c *SharedTier) { c.OpTimeout = 2 * time.Second })
+	start := time.Now()
+	if got := tierMatch(t, m, conv); got != (TierMatch{}) {
+		t.Fatalf("first match in an empty tier: %+v", got)
+	}
+	if sh := m.TierStats().Shared; sh.Lookups != 1 || sh.Misses != 4 || sh.Remembered != 0 {
+		t.Fatalf("after the first match: %+v", sh)
+	}
+	storeConv(t, srv.Addr(), bs, conv)
+	if got := tierMatch(t, m, conv); time.Since(start) < time.Second && got != (TierMatch{}) {
+		t.Fatalf("a match within a second of the miss: %+v", got)
+	}
+	if sh := m.TierStats().Shared; time.Since(start) < time.Second && (sh.Lookups != 1 || sh.Remembered != 1) {
+		t.Fatalf("a match within a second of the miss asked the server: %+v", sh)
+	}
+	time.Sleep(time.Until(start.Add(time.Second + 10*time.Millisecond)))
+	if got := tierMatch(t, m, conv); got != (TierMatch{Host: 4 * bs}) {
+		t.Fatalf("the match after a second: %+v", got)
+	}
+	if sh := m.TierStats().Shared; sh.Lookups != 2 || sh.Fetched != 4 {
+		t.Fatalf("after the second: %+v", sh)
+	}
+
+	down, _ := newSharedMgr(t, fmt.Sprintf("127.0.0.1:%d", redistest.FreePort(t)), 8, bs, 16, 8,
+		func(c *SharedTier) { c.Backoff = time.Millisecond })
+	for range 2 {
+		tierMatch(t, down, conv)
+		time.Sleep(5 * time.Millisecond) // past the backoff: the second match dials again
+	}
+	if sh := down.TierStats().Shared; sh.Lookups != 2 || sh.Remembered != 0 || sh.Errors+sh.Timeouts != 2 {
+		t.Fatalf("a down server's misses were remembered: %+v", sh)
+	}
+}

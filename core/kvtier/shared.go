@@ -157,12 +157,26 @@ const maxOpTimeout = time.Minute
 // sharedPutBatch is the most blocks one store round trip carries.
 const sharedPutBatch = 16
 
+// missMemory is how long a prompt's first block past its GPU and host
+// matches, once the server said it lacks it, is taken as lacking without
+// asking again. A prompt that waits for admission is matched and admitted
+// again every step, and each would otherwise be a round trip on the
+// serving path, longer while the server takes stores; with the memory it
+// asks once a second. A block this instance stores is forgotten as soon as
+// its store returns; one another instance stores in the meantime is found
+// at the first ask after the second is over.
+const missMemory = time.Second
+
+// maxRemembered bounds the blocks remembered as lacking (rememberLacking).
+const maxRemembered = 1 << 14
+
 // SharedStats are the shared tier's counters (since creation) and gauges,
 // in TierStats.Shared; all zero without a shared tier.
 type SharedStats struct {
 	Lookups      int64 // fetch calls that looked blocks up (an admission's or match's batch)
 	Hits         int64 // blocks looked up and found, consecutively after a prompt's GPU and host matches
 	Misses       int64 // blocks looked up and not found, or not looked up: the call failed or was skipped
+	Remembered   int64 // prompts not looked up: the server lacked their first wanted block within missMemory
 	Fetched      int64 // blocks read into host slots and committed there
 	FetchMisses  int64 // blocks found whose read then missed (gone since, corrupt, short), or no host slot took
 	HitTokens    int64 // tokens admissions matched in blocks fetched by the same call
@@ -215,7 +229,14 @@ type sharedTier struct {
 	fetching  map[valkey.Hash]int
 	fetchDone *sync.Cond
 
+	// lacking: prompts' first wanted blocks that the server said it
+	// lacks, with when (missMemory). Under lackMu: Fetch records them
+	// without the manager's lock.
+	lackMu  sync.Mutex
+	lacking map[valkey.Hash]time.Time
+
 	lookups, hits, misses, fetched, fetchMisses atomic.Int64
+	remembered                                  atomic.Int64
 	hitTokens, matchTokens                      atomic.Int64
 	putsQueued, putsDone, putsPresent           atomic.Int64
 	putsFailed, putsDropped                     atomic.Int64
@@ -275,7 +296,8 @@ func newShared(c *SharedConfig, pool *host.Pool, blockSize int) (*sharedTier, er
 	if q == 0 {
 		q = DefaultPutQueue
 	}
-	return &sharedTier{t: t, pool: pool, queue: make(chan putOp, q), done: make(chan struct{})}, nil
+	return &sharedTier{t: t, pool: pool, queue: make(chan putOp, q), done: make(chan struct{}),
+		lacking: make(map[valkey.Hash]time.Time)}, nil
 }
 
 // run is the store goroutine: it writes the queue out until Close closes
@@ -325,6 +347,7 @@ func (s *sharedTier) store(batch []putOp) {
 	if len(send) > 0 && s.t.Available() {
 		stored = int64(s.t.Put(send, payloads))
 	}
+	s.forget(hashes) // held there now (or the store failed: a lookup may ask)
 	s.putsPresent.Add(present)
 	s.putsDone.Add(stored)
 	s.putsFailed.Add(int64(len(send)) - stored)
@@ -339,7 +362,7 @@ func (s *sharedTier) store(batch []putOp) {
 func (s *sharedTier) stats() SharedStats {
 	v := s.t.Stats()
 	return SharedStats{
-		Lookups: s.lookups.Load(), Hits: s.hits.Load(), Misses: s.misses.Load(),
+		Lookups: s.lookups.Load(), Hits: s.hits.Load(), Misses: s.misses.Load(), Remembered: s.remembered.Load(),
 		Fetched: s.fetched.Load(), FetchMisses: s.fetchMisses.Load(),
 		HitTokens: s.hitTokens.Load(), MatchTokens: s.matchTokens.Load(),
 		PutsQueued: s.putsQueued.Load(), PutsDone: s.putsDone.Load(), PutsPresent: s.putsPresent.Load(),
@@ -426,18 +449,23 @@ func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
 		return nil, err
 	}
 	s.lookups.Add(1)
-	held := s.t.Exists(w.want)
+	held, absent := s.t.Lookup(w.want)
 	// Each prompt's run of held blocks from its first wanted one; a block
 	// after a hole is of no use to it (its prefix is computed).
 	need := make([]bool, len(w.want))
+	var lacked []valkey.Hash
 	for p := range len(w.off) - 1 {
-		for _, j := range w.idx[w.off[p]:w.off[p+1]] {
+		for k, j := range w.idx[w.off[p]:w.off[p+1]] {
 			if !held[j] {
+				if k == 0 && absent[j] {
+					lacked = append(lacked, w.want[j])
+				}
 				break
 			}
 			need[j] = true
 		}
 	}
+	s.rememberLacking(lacked, time.Now())
 	keys, slots, joined := t.reserveFetch(prompts, &w, need)
 	if len(keys) == 0 {
 		return joined, nil
@@ -624,6 +652,7 @@ func (t *Tier) sharedWanted(prompts Prompts, check func() error) (sharedWant, er
 	}
 	room := t.cfg.Pool.Stats().Slots
 	seen := make(map[prefix.Hash]int32)
+	now := time.Now()
 	n := prompts.Len()
 	w.off = make([]int, 1, n+1)
 	for i := range n {
@@ -642,7 +671,12 @@ func (t *Tier) sharedWanted(prompts Prompts, check func() error) (sharedWant, er
 				g++
 			}
 			t.hostKeysFrom(g)
-			for b := g + t.cfg.Pool.Peek(t.keys); b < len(t.hashes); b++ {
+			first := g + t.cfg.Pool.Peek(t.keys)
+			if first < len(t.hashes) && t.shared.lacks(valkey.Hash(t.hashes[first]), now) {
+				first = len(t.hashes) // asked within missMemory: not again
+				t.shared.remembered.Add(1)
+			}
+			for b := first; b < len(t.hashes); b++ {
 				h := t.hashes[b]
 				j, ok := seen[h]
 				if !ok {
@@ -717,3 +751,54 @@ func (t *Tier) closeShared() *sharedTier {
 // SharedClosed reports whether Close has closed the shared tier (or
 // there is none). Under the manager's lock.
 func (t *Tier) SharedClosed() bool { return t.shared == nil || t.shared.closed }
+
+// lacks reports whether the server said it lacks h within missMemory of
+// now.
+func (s *sharedTier) lacks(h valkey.Hash, now time.Time) bool {
+	s.lackMu.Lock()
+	defer s.lackMu.Unlock()
+	at, ok := s.lacking[h]
+	if ok && now.Sub(at) >= missMemory {
+		delete(s.lacking, h)
+		return false
+	}
+	return ok
+}
+
+// forget drops hs from the blocks remembered as lacking: this instance
+// has just stored them.
+func (s *sharedTier) forget(hs []valkey.Hash) {
+	s.lackMu.Lock()
+	defer s.lackMu.Unlock()
+	if len(s.lacking) == 0 {
+		return
+	}
+	for _, h := range hs {
+		delete(s.lacking, h)
+	}
+}
+
+// rememberLacking notes that the server lacked hs at now. Past
+// maxRemembered entries, those older than half of missMemory are
+// forgotten first, and all of them when that is not enough.
+func (s *sharedTier) rememberLacking(hs []valkey.Hash, now time.Time) {
+	if len(hs) == 0 {
+		return
+	}
+	s.lackMu.Lock()
+	defer s.lackMu.Unlock()
+	if len(s.lacking)+len(hs) > maxRemembered {
+		cut := now.Add(-missMemory / 2)
+		for h, at := range s.lacking {
+			if at.Before(cut) {
+				delete(s.lacking, h)
+			}
+		}
+		if len(s.lacking)+len(hs) > maxRemembered {
+			clear(s.lacking)
+		}
+	}
+	for _, h := range hs {
+		s.lacking[h] = now
+	}
+}

@@ -104,6 +104,20 @@ def test_two_processes_share_blocks(valkey_server):
     assert d["matched"] == [0] and d["stats"]["shared_fetched"] == 0
 
 
+def test_a_lacking_prompt_is_not_asked_again_at_once(valkey_server):
+    """A prompt the server lacks, matched again at once (as a waiting
+    prompt is every step): the second match makes no round trip, counted in
+    shared_remembered."""
+    with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
+                        demote_ahead=BLOCKS, shared_tier=valkey_server, shared_tier_namespace=NS,
+                        shared_tier_timeout_ms=5000) as m:
+        conv = np.arange(300, 317, dtype=np.int32)
+        for _ in range(2):
+            assert m.match_tiers([conv]) == [kvplug.TierMatch(0, 0)]
+        s = m.tier_stats()
+        assert (s.shared_lookups, s.shared_remembered, s.shared_misses) == (1, 1, 4), s
+
+
 def test_server_down_is_skipped_and_counted():
     with kvplug.Manager(BLOCKS, BS, prefix_cache=True, host_tier_slots=SLOTS, host_block_bytes=BYTES,
                         demote_ahead=BLOCKS, shared_tier="127.0.0.1:1", shared_tier_namespace=NS,

@@ -206,7 +206,8 @@ class TierStatsStruct(ctypes.Structure):
     ) + _ints(_i32, "shared_queue_len", "shared_available") + _ints(
         _i64, "shared_auth_failures", "shared_tls_failures", "shared_mac_failures",
         "shared_redirects", "shared_map_reads") + _ints(_i32, "shared_cluster", "shared_primaries") + _ints(
-        _i64, "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2")
+        _i64, "write_through_stored", "write_through_lost") + _ints(_i32, "write_through_queue", "reserved2") + _ints(
+        _i64, "shared_remembered")
 
 
 class PagedKV(ctypes.Structure):

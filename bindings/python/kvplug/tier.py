@@ -130,6 +130,9 @@ class TierStats:
     write_through_stored: int = 0
     write_through_lost: int = 0
     write_through_queue: int = 0
+    # Prompts not looked up in the shared tier: it lacked their first block past the GPU and host
+    # matches within the last second.
+    shared_remembered: int = 0
 
 
 _STAT_FIELDS = [f.name for f in dataclasses.fields(TierStats)]

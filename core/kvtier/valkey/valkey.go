@@ -851,6 +851,15 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 // value there is found by Get), in one round trip; a skipped or failed
 // call reports none. Hits and misses are counted as for Get.
 func (t *Tier) Exists(hashes []Hash) []bool {
+	held, _ := t.exists(t.c, hashes)
+	return held
+}
+
+// Lookup is Exists that also reports, per block, whether the server said
+// it lacks it (absent[i]: an EXISTS reply of 0), as against a block not
+// known either way: its call failed or was skipped, its node failed, or
+// the command was refused.
+func (t *Tier) Lookup(hashes []Hash) (held, absent []bool) {
 	return t.exists(t.c, hashes)
 }
 
@@ -858,31 +867,34 @@ func (t *Tier) Exists(hashes []Hash) []bool {
 // before it sends which blocks the server holds already: its question
 // waits behind its own stores, not a reader's behind them.
 func (t *Tier) StoreExists(hashes []Hash) []bool {
-	return t.exists(t.st, hashes)
+	held, _ := t.exists(t.st, hashes)
+	return held
 }
 
-func (t *Tier) exists(c *resp.Cluster, hashes []Hash) []bool {
-	out := make([]bool, len(hashes))
+func (t *Tier) exists(c *resp.Cluster, hashes []Hash) (held, absent []bool) {
+	held, absent = make([]bool, len(hashes)), make([]bool, len(hashes))
 	if len(hashes) == 0 {
-		return out
+		return held, absent
 	}
 	r := t.doKeys(c, "EXISTS", hashes)
 	if r == nil {
-		return out
+		return held, absent
 	}
 	authCounted := false
 	for i, x := range r {
-		if n, ok := x.(int64); ok && n == 1 {
-			out[i] = true
+		n, ok := x.(int64)
+		if ok && n == 1 {
+			held[i] = true
 			t.hits.Add(1)
 			continue
 		}
+		absent[i] = ok && n == 0
 		if e, ok := x.(resp.Error); ok {
 			authCounted = t.refused(e, authCounted) || authCounted
 		}
 		t.misses.Add(1) // absent, refused, or its node failed (counted by do)
 	}
-	return out
+	return held, absent
 }
 
 // Prefix returns the length of the longest run of hashes, from the first,
