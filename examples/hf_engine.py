@@ -320,9 +320,11 @@ class Engine:
             probs = torch.softmax(picked / temp.clamp_min(1e-6)[:, None], -1)
             drawn = torch.multinomial(probs, kmax, replacement=True, generator=self.gen)
             out = torch.where((temp > 0)[:, None], drawn, out)
+        # The step's one transfer to the host (Runner.to_host: no copy engine, so that it does not wait
+        # behind the host tier's stores).
         if kmax == 1:
-            return sids, out.reshape(-1).tolist(), {}  # the step's one device-to-host copy
-        toks = out.tolist()  # the step's one device-to-host copy
+            return sids, self.runner.to_host(out.reshape(-1)), {}
+        toks = self.runner.to_host(out)
         forks = {sid: t[:k] for sid, t, k in zip(sids, toks, ks) if k > 1}
         return sids, [t[0] for t in toks], forks
 
@@ -566,9 +568,10 @@ def add_tier_args(ap: argparse.ArgumentParser) -> None:
                     "forward pass (default: a prompt admitted beside other work joins the next step, its loads "
                     "running on a side stream beside this step's forward pass)")
     ap.add_argument("--tier-copier", default="auto", choices=["auto", "copy-engine", "torch"],
-                    help="how blocks move between the GPU pool and the host tier: auto (the library's batched copy "
-                    "kernel on a GPU), copy-engine (stores through the GPU's copy engines, reloads by the kernel: "
-                    "no SMs taken from the step's kernels), torch (torch's copies)")
+                    help="how blocks move between the GPU pool and the host tier: auto (on a GPU the library's "
+                    "TierCopier: reloads by its batched copy kernel, stores too, except write-through's, which go by "
+                    "the copy engines where the driver has them), copy-engine (stores through the GPU's copy "
+                    "engines, reloads by the kernel: no SMs taken from the step's kernels), torch (torch's copies)")
     ap.add_argument("--shared-tier", default=None, metavar="HOST:PORT",
                     help="a shared (Valkey/Redis) KV tier, passed to kvplug.Manager (needs a binding that has it)")
     ap.add_argument("--shared-tier-namespace", default=None, metavar="NAME",

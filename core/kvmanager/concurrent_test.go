@@ -945,9 +945,15 @@ func TestConcurrentSharedFetchAgainstAdmit(t *testing.T) {
 			t.Fatalf("admission %d: %+v, want the 4 stored blocks matched", i+1, res)
 		}
 	}
+	// Whichever admission takes the lock first after the release admits
+	// with the host blocks: the first, counting them as its own fetch's
+	// (HitTokens), or the second, whose lookup came after the fetch
+	// committed, as host hits; the other then matches them on the GPU.
 	ts := m.TierStats()
-	if sh := ts.Shared; sh.Fetched != 4 || sh.FetchMisses != 0 || sh.Corrupt+sh.Timeouts+sh.Errors != 0 || sh.HitTokens != 4*bs {
-		t.Fatalf("shared tier: %+v, want the 4 blocks fetched once", sh)
+	if sh := ts.Shared; sh.Fetched != 4 || sh.FetchMisses != 0 || sh.Corrupt+sh.Timeouts+sh.Errors != 0 ||
+		(sh.HitTokens != 4*bs && sh.HitTokens != 0) || ts.HostHitTokens != 4*bs {
+		t.Fatalf("shared tier: %+v, host hit tokens %d: want the 4 blocks fetched once and admitted from the host once",
+			sh, ts.HostHitTokens)
 	}
 	if ts.Host.Resident != 4 || ts.Host.Reserved != 0 {
 		t.Fatalf("host tier: %+v", ts.Host)

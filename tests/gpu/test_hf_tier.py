@@ -251,3 +251,28 @@ def test_load_bandwidth_against_a_pinned_copy():
         ceiling = 5 * h.numel() / (e0.elapsed_time(e1) * 1e-3) / 1e9
         print(f"reloads {gbps:.1f} GB/s, pinned copy {ceiling:.1f} GB/s ({gbps / ceiling:.0%})")
         assert gbps > 0.5 * ceiling
+
+
+def test_host_readback_matches_tolist():
+    """kvplug.hf.HostReadback (the runner's to_host: a kernel writes the ids
+    into pinned memory, no device-to-host copy) returns what tolist does:
+    int64 and int32, 1-D and 2-D, past its capacity (it grows), with a
+    store-sized copy in flight on a side stream; a float tensor falls back
+    to tolist."""
+    rb = kvhf.HostReadback(DEV, capacity=4)
+    assert rb.aliased and rb.device.index is not None, (rb.aliased, rb.device)
+    side = torch.cuda.Stream()
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    pinned = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for shape, dtype in [((3,), torch.int64), ((4,), torch.int32), ((9,), torch.int64), ((5, 3), torch.int64),
+                         ((1,), torch.int64)]:
+        t = torch.randint(0, 1 << 30, shape, generator=gen, device=DEV, dtype=dtype)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pinned.copy_(big, non_blocking=True)
+        assert rb.tolist(t) == t.tolist(), (shape, dtype)
+    assert rb.host.numel() >= 15
+    f = torch.rand(3, device=DEV)
+    assert rb.tolist(f) == f.tolist()
+    torch.cuda.synchronize()

@@ -577,3 +577,14 @@ def test_a_failed_reload_stops_the_schedules_until_recovered():
         c.tier.step(None)  # reloads again, and lands
         c.commit(b)
         assert not c.tier.reloads_failed and c.manager.tier_stats().reloads_failed > 0
+
+
+def test_readback_on_the_cpu(model):
+    """HostReadback is for CUDA devices; a CPU runner's to_host is tolist."""
+    with pytest.raises(ValueError, match="a CUDA device"):
+        kvhf.HostReadback("cpu")
+    kvmodel = H.twin(model)
+    with kvhf.PagedKVCache.for_model(kvmodel, 8, BS) as cache:
+        runner = kvhf.Runner(kvmodel, cache, max_batch=2, max_step_tokens=16, max_model_len=64)
+        t = torch.tensor([[3, 1], [4, 1]])
+        assert runner.to_host(t) == [[3, 1], [4, 1]]

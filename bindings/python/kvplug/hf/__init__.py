@@ -38,12 +38,14 @@ except ImportError as e:  # said plainly: the core package works without them
 
 from .attention import NAME, StepContext, kvplug_attention, register
 from .cache import Batch, ModelShape, PagedKVCache, RecurrentShape, SequenceState
+from .readback import HostReadback
 from .runner import Runner, generate, prepare_model
 from .tier_copy import HostTier, TorchTierCopier
 
 __all__ = [
     "NAME",
     "Batch",
+    "HostReadback",
     "HostTier",
     "ModelShape",
     "PagedKVCache",

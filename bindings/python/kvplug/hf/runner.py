@@ -17,6 +17,7 @@ import kvplug
 from . import recurrent
 from .attention import NAME, StepContext, register
 from .cache import Batch, ModelShape, PagedKVCache
+from .readback import HostReadback
 
 __all__ = ["Runner", "prepare_model", "generate"]
 
@@ -266,6 +267,7 @@ class Runner:
         self.max_model_len = int(max_model_len)
         self.max_blocks = -(-self.max_model_len // cache.block_size)
         self.device = cache.device
+        self._readback = HostReadback(self.device, self.max_batch) if self.device.type == "cuda" else None
         self.prefill_ws = self.decode_ws = self.prefill_ws_window = None
         self.cascade = bool(cascade)
         self.cascade_update = True  # keep a decode graph's cascade plan while its batch only grows (plan.update)
@@ -412,6 +414,12 @@ class Runner:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: a sequence of {int(batch.seq_lens.max())} tokens; max_model_len is {self.max_model_len}")
 
     @torch.no_grad()
+    def to_host(self, t: torch.Tensor) -> List[Any]:
+        """t.tolist() for a step's sampled token ids: on a CUDA device without
+        a device-to-host copy, which would wait behind the host tier's
+        stores in flight (kvplug.hf.readback)."""
+        return t.tolist() if self._readback is None else self._readback.tolist(t)
+
     def step(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Computes a scheduled batch and marks its tokens computed. Returns
         float32 logits: one row per sequence (its last new token's), or with

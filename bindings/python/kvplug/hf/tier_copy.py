@@ -135,10 +135,14 @@ CopierSpec = Union[None, str, Callable[[Any], Any]]
 
 def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
     """The copier of a PagedKVCache's host tier. spec None or "auto":
-    kvplug.TierCopier (the library's batched copy kernel) on a CUDA cache,
-    else TorchTierCopier; "copy-engine": kvplug.TierCopier with its stores
-    (demotions, write-through) on the copy engines, CUDA caches only;
-    "torch": TorchTierCopier; a callable: spec(cache)."""
+    kvplug.TierCopier on a CUDA cache, else TorchTierCopier; with
+    write-through its stores go by the copy engines (where the driver has
+    them; else, as without write-through, by the library's batched copy
+    kernel), which leave the SMs to the step's kernels: the kernel's stores
+    lengthen the steps they run beside by about their own time
+    (bench/store_interference.py); "copy-engine": kvplug.TierCopier with
+    its stores (demotions, write-through) on the copy engines, CUDA caches
+    only; "torch": TorchTierCopier; a callable: spec(cache)."""
     if callable(spec):
         return spec(cache)
     if spec not in (None, "auto", "torch", "copy-engine"):
@@ -152,9 +156,14 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
         L = kv.shape[0]
         kw: Dict[str, Any] = {} if scales is None else dict(k_scales=[scales[i, 0] for i in range(L)],
                                                               v_scales=[scales[i, 1] for i in range(L)])
-        if spec == "copy-engine":
-            kw["store_engine"] = "copy-engine"
-        return kvplug.TierCopier([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], manager=cache.manager, **kw)
+        layers = ([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)])
+        if spec == "copy-engine" or getattr(cache, "write_through", 0) > 0:
+            try:
+                return kvplug.TierCopier(*layers, manager=cache.manager, store_engine="copy-engine", **kw)
+            except kvplug.UnsupportedError:
+                if spec == "copy-engine":
+                    raise
+        return kvplug.TierCopier(*layers, manager=cache.manager, **kw)
     return TorchTierCopier(cache.kv, cache.manager.host_tier_memory(), scales=scales)
 
 
