@@ -149,12 +149,15 @@ def prefill_table(gen, fi=True):
         bt = Batch(B, L, gen)
         q = torch.randn((B * new, HQ, D), dtype=torch.bfloat16, device="cuda", generator=gen)
         qo = torch.arange(0, B + 1, dtype=torch.int32, device="cuda") * new
-        ws = torch.empty(attn.prefill_workspace_size(B, B * new, HQ, HK, D), dtype=torch.uint8, device="cuda")
+        ws_bytes = attn.prefill_workspace_size(B, B * new, HQ, HK, D)
         # causal FLOPs: 4 * D * HQ * (pairs), pairs = sum over rows of visible tokens
         pairs = B * (new * prefix + new * (new + 1) / 2)
         flops = 4 * D * HQ * pairs
 
         def run(k, v, ks, vs, hopper, fp8_qkv=False):
+            # A workspace for each plan: a workspace holds one plan's work list at a time, and the runs below
+            # come after all five plans (the sm_80 and Hopper mainloops' lists differ).
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
             plan = attn.prefill_plan(qo, bt.seq_lens, HQ, HK, D, torch.bfloat16, ws, qo_indptr_host=qo.cpu(),
                                      kv_lens_host=[L] * B, hopper=hopper, fp8_qkv=fp8_qkv)
             out = torch.empty_like(q)
