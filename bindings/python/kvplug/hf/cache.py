@@ -348,7 +348,7 @@ class PagedKVCache:
     per (token, kv head) beside them (self.scales; k_scale/v_scale give a
     layer's), for float16 and bfloat16 models, with the host tier and the
     shared-prefix route too. fp8_prefill picks how prefill reads it: "sm80"
-    (the default: the sm_80 mainloop, the fastest from scratch), "hopper"
+    (the default: the sm_80 mainloop), "hopper"
     (Hopper's wgmma mainloop, the tiles widened to 16 bits) or "fp8" (the
     FP8 Q/K/V mode on Hopper, head_dim 128: the fastest over long cached
     prefixes, with q rounded to e4m3 too; bench/RESULTS.md has both)."""
