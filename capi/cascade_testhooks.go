@@ -68,6 +68,7 @@ var planStateWords = map[string][2]int{
 	"KVP_PLAN_STATE_MAINLOOP":     {C.KVP_PLAN_STATE_MAINLOOP, attn.WordMainloop},
 	"KVP_PLAN_STATE_DECODE_ROWS":  {C.KVP_PLAN_STATE_DECODE_ROWS, attn.WordDecodeRows},
 	"KVP_PLAN_STATE_DECODE_INDEX": {C.KVP_PLAN_STATE_DECODE_INDEX, attn.WordDecodeIndex},
+	"KVP_PLAN_STATE_WORK_LIST":    {C.KVP_PLAN_STATE_WORK_LIST, attn.WordWorkList},
 }
 
 // cascadeHookPlan is a kvp_attn_plan kept in Go memory for the tests.

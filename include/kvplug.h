@@ -85,6 +85,10 @@
  *   - kvp_manager_match_room: the blocks an admission of a prompt could
  *     allocate now beyond its GPU hit, for a scheduler that decides how
  *     much of a prompt to admit before admitting it.
+ *   - kvp_paged_prefill refuses a stale plan (INVALID_ARGUMENT): one whose
+ *     workspace a later plan has written another work list into (0.6 ran
+ *     it over that list). Its fingerprint is plan-state word
+ *     KVP_PLAN_STATE_WORK_LIST (a plan copied whole keeps it).
  *   - The shared tier: a prompt whose first block past its GPU and host
  *     matches the server said it lacks is not looked up again for a
  *     second (kvp_tier_stats gains shared_remembered, appended), and the
@@ -2235,10 +2239,15 @@ typedef struct kvp_merge_states_args {
  * the step's runs have executed; the block table's contents are the caller's obligation as in
  * decode. The workspace belongs to one plan at a time: plan again only after
  * the previous plan's runs are enqueued on the same stream (or have
- * finished). A plan's runs must not overlap each other in time (enqueue
- * them on one stream, as the layers of a step are): besides split partials,
- * the Hopper kernel's blocks take work from a counter in the workspace,
- * which each run leaves at zero for the next. */
+ * finished). A run of a prefill-route plan whose workspace a later plan has
+ * since written another work list into (another batch, mainloop, split
+ * count or decode routing) answers INVALID_ARGUMENT ("stale plan"; 0.6 ran
+ * it over the other plan's list); a later plan of the same batch and flags
+ * writes the same list, and the earlier plan still runs. A plan's runs
+ * must not overlap each other in time (enqueue them on one stream, as the
+ * layers of a step are): besides split partials, the Hopper kernel's
+ * blocks take work from a counter in the workspace, which each run leaves
+ * at zero for the next. */
 #define KVP_ATTN_PLAN_PREFILL 1       /* kvp_attn_plan.kind */
 #define KVP_ATTN_ROUTE_PREFILL 1      /* kvp_attn_plan.route: prefill kernel */
 #define KVP_ATTN_ROUTE_DECODE 2       /* one short q_len for all (see above): decode kernel */
@@ -2271,6 +2280,7 @@ typedef struct kvp_merge_states_args {
 #define KVP_PLAN_STATE_MAINLOOP 0
 #define KVP_PLAN_STATE_DECODE_ROWS 1
 #define KVP_PLAN_STATE_DECODE_INDEX 2
+#define KVP_PLAN_STATE_WORK_LIST 3 /* a fingerprint of the work list the plan wrote into its workspace */
 
 typedef struct kvp_prefill_plan_args {
   size_t struct_size; /* sizeof(kvp_prefill_plan_args) */

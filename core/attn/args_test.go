@@ -148,6 +148,15 @@ func TestPrefillPlanState(t *testing.T) {
 	if q.SetPlanState(&w); q.DecodeSeqs != 0 || q.DecodeSplits != 1<<31-1 {
 		t.Fatalf("clamped decode state %d %d", q.DecodeSeqs, q.DecodeSplits)
 	}
+	// The work list's fingerprint travels with the plan.
+	p = PrefillPlan{WorkList: 0xfeedface12345678}
+	w = p.PlanState()
+	if q = (PrefillPlan{}); w[WordWorkList] != p.WorkList {
+		t.Fatalf("work list word %#x", w[WordWorkList])
+	}
+	if q.SetPlanState(&w); q.WorkList != p.WorkList {
+		t.Fatalf("work list %#x", q.WorkList)
+	}
 }
 
 // The cache formats a launch takes: a cache of the launch's dtype without

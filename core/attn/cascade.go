@@ -544,7 +544,7 @@ func PagedCascade(p *CascadePlan, a *PagedPrefillArgs, stream cuda.Stream) error
 			Batch: p.Batch, TotalQ: r.s.Rows, MaxQLen: r.s.MaxQLen, MaxKVLen: p.MaxKVLen,
 			NumItems: p.NumItems, Grid: p.Grid, NumSplits: p.NumSplits, Mainloop: r.s.PrefillMainloop,
 			Workspace: parts, WorkspaceBytes: partBytes, KVLens: p.KVLens}
-		return PagedPrefill(&pp, a, stream)
+		return pagedPrefill(&pp, a, stream)
 	case cascade.RouteDecode:
 		d := PagedDecodeArgs{DecodeLayout: cascadeDecodeLayout(p, a),
 			Q: a.Q, SeqLens: p.KVLens,

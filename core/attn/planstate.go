@@ -8,6 +8,7 @@ const (
 	WordMainloop    = 0 // KVP_PLAN_STATE_MAINLOOP: the mainloop it was planned for
 	WordDecodeRows  = 1 // KVP_PLAN_STATE_DECODE_ROWS: decode sequences | decode splits << 32
 	WordDecodeIndex = 2 // KVP_PLAN_STATE_DECODE_INDEX: the device qo_indptr the decode rows are found by
+	WordWorkList    = 3 // KVP_PLAN_STATE_WORK_LIST: the fingerprint of the work list it wrote
 )
 
 // PlanState packs p's state beyond kvp_attn_plan's named fields into its
@@ -17,6 +18,7 @@ func (p *PrefillPlan) PlanState() [6]uint64 {
 	w[WordMainloop] = uint64(p.Mainloop)
 	w[WordDecodeRows] = uint64(uint32(p.DecodeSeqs)) | uint64(uint32(p.DecodeSplits))<<32
 	w[WordDecodeIndex] = uint64(p.QOIndptr)
+	w[WordWorkList] = p.WorkList
 	return w
 }
 
@@ -27,4 +29,5 @@ func (p *PrefillPlan) SetPlanState(w *[6]uint64) {
 	p.DecodeSeqs = int(min(w[WordDecodeRows]&0xffffffff, 1<<31-1))
 	p.DecodeSplits = int(min(w[WordDecodeRows]>>32, 1<<31-1))
 	p.QOIndptr = cuda.DevicePtr(w[WordDecodeIndex])
+	p.WorkList = w[WordWorkList]
 }

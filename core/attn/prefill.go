@@ -415,6 +415,9 @@ type PrefillPlan struct {
 	// DecodeSplits splits serves, its rows found through QOIndptr (device).
 	DecodeSeqs, DecodeSplits int
 	QOIndptr                 cuda.DevicePtr
+	// WorkList is the fingerprint of the work list the plan wrote into its
+	// workspace (prefill route; 0: none), checked by each run (worklist.go).
+	WorkList uint64
 }
 
 // PlanPrefill plans a batch on stream: checks, route, and for the prefill
@@ -484,6 +487,9 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 		s := decodeSplits(sms, a.DType, a.HeadDim, batch, a.NumQHeads, a.NumKVHeads,
 			decodeReadLen(st.maxKVLen, a.WindowLeft+1, st.maxQLen), st.maxQLen, false)
 		p.NumSplits = fitSplits(s, a.Workspace, a.WorkspaceBytes, st.totalQ, a.NumQHeads, a.HeadDim)
+		if p.NumSplits > 1 {
+			recordWorkList(a.Workspace, splitPartials) // its runs' partials overwrite any work list there
+		}
 		return p, nil
 	}
 	p.Grid = sms * prefillBlocksPerSM(a.DType, a.HeadDim)
@@ -532,6 +538,8 @@ func PlanPrefill(a *PrefillPlanArgs, stream cuda.Stream) (PrefillPlan, error) {
 	if err := cuda.Launch(m, prefillPlanKernel, cfg, stream, &pp); err != nil {
 		return PrefillPlan{}, err
 	}
+	p.WorkList = workListOf(&pp, a.QOIndptr, a.KVLens)
+	recordWorkList(a.Workspace, p.WorkList)
 	return p, nil
 }
 
@@ -626,6 +634,17 @@ func PagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error
 	if p == nil {
 		return kverr.Errorf(kverr.NullPointer, "%s: plan must not be NULL", what)
 	}
+	if err := checkWorkList(what, p); err != nil {
+		return err
+	}
+	return pagedPrefill(p, a, stream)
+}
+
+// pagedPrefill is PagedPrefill without the work list's check, for the
+// shared-prefix route's prefill plans (their own check is the cascade
+// plan's generation).
+func pagedPrefill(p *PrefillPlan, a *PagedPrefillArgs, stream cuda.Stream) error {
+	const what = "paged_prefill"
 	if _, err := a.validate(what, p); err != nil {
 		return err
 	}

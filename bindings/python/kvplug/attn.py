@@ -486,7 +486,11 @@ def paged_prefill(
     kv_write takes them; it is widened to q's type on the way into shared
     memory, or read by the 8-bit tensor cores under a plan of
     prefill_plan(..., fp8_qkv=True). sinks: attention sinks, float32
-    [num_q_heads], as paged_decode takes them (every route and window)."""
+    [num_q_heads], as paged_decode takes them (every route and window).
+    A workspace holds one plan's work list: a plan whose workspace a later
+    plan of another batch or flags was written into raises
+    InvalidArgumentError ("stale plan"); give each plan its own workspace
+    to keep several."""
     if not isinstance(plan, PrefillPlan):
         raise _bad(f"plan must come from prefill_plan, got {type(plan).__name__}")
     out, lse = plan._run(q, k_cache, v_cache, block_table, out, lse, scale, return_lse, stream, k_scale, v_scale,
