@@ -634,3 +634,26 @@ def test_window_empty_batch():
     assert tuple(out.shape) == (0, qh, D) and tuple(lse.shape) == (0, qh)
     assert out_buf.isnan().all() and lse_buf.isnan().all(), f"batch 0 wrote out or lse ({plan})"
     assert (ws == 0x5A).all(), f"batch 0 wrote the workspace ({plan})"
+
+
+def test_stale_plan_refused():
+    """A workspace holds one plan's work list: a plan whose workspace a later
+    plan of another batch was written into raises (stale plan) and writes
+    nothing; the later plan runs; the first batch planned again (the same
+    list) runs, and so does the earlier identical plan beside it."""
+    gen = torch.Generator().manual_seed(91)
+    b = Batch(gen, torch.bfloat16, 128, 8, 2, 16, [700, 300, 90], [200, 100, 90])
+    first = b.plan(decode_route=False)
+    assert first.route == attn.ROUTE_PREFILL, first
+    qo = torch.tensor([0, 64, 100, 190], dtype=torch.int32, device=DEV)  # another batch, the same workspace
+    other = attn.prefill_plan(qo, b.kvl, b.qh, b.kvh, b.D, b.dtype, b.ws, qo_indptr_host=qo.cpu(),
+                              kv_lens_host=b.kv_lens, decode_route=False)
+    out = torch.full_like(b.q, float("nan"))
+    with pytest.raises(kvplug.InvalidArgumentError, match="stale plan"):
+        attn.paged_prefill(first, b.q, b.k_cache, b.v_cache, b.table, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "a refused run wrote its output"
+    attn.paged_prefill(other, b.q[:190], b.k_cache, b.v_cache, b.table, out=out[:190])
+    again = b.plan(decode_route=False)
+    b.check(again)
+    b.check(first)  # the same batch and flags: the same work list, so not stale
