@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -208,45 +209,25 @@ func TestLargeBatchesInAWindow(t *testing.T) {
 // the rest are misses, and GetInto leaves their buffers untouched.
 func TestFailedMidwayKeepsWholeValues(t *testing.T) {
 	const bs = 1000
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	tr := newTier(t, Config{Addr: ln.Addr().String(), Fingerprint: 5, BlockBytes: bs, OpTimeout: 300 * time.Millisecond})
 	values := [][]byte{Encode(hashOf(1), 5, payload(1, bs)), Encode(hashOf(2), 6, payload(2, bs)), Encode(hashOf(3), 5, payload(3, bs))}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for sent := 0; ; {
-					cmd, err := resp.ReadReply(r)
-					if err != nil {
-						return
-					}
-					args, _ := cmd.([]any)
-					if len(args) > 0 && strings.EqualFold(string(args[0].([]byte)), "CLUSTER") {
-						io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
-						continue
-					}
-					v := values[sent]
-					fmt.Fprintf(c, "$%d\r\n", len(v))
-					if sent == 2 {
-						c.Write(v[:len(v)/2])
-						time.Sleep(time.Second)
-						return
-					}
-					c.Write(append(bytes.Clone(v), '\r', '\n'))
-					sent++
-				}
-			}()
+	var mu sync.Mutex
+	sent := map[net.Conn]int{} // replies, by connection: each starts from the first value
+	addr := fakeServer(t, func(c net.Conn, _ string) bool {
+		mu.Lock()
+		i := sent[c]
+		sent[c]++
+		mu.Unlock()
+		v := values[i]
+		fmt.Fprintf(c, "$%d\r\n", len(v))
+		if i == 2 {
+			c.Write(v[:len(v)/2])
+			time.Sleep(time.Second)
+			return false
 		}
-	}()
+		c.Write(append(bytes.Clone(v), '\r', '\n'))
+		return true
+	})
+	tr := newTier(t, Config{Addr: addr, Fingerprint: 5, BlockBytes: bs, OpTimeout: 300 * time.Millisecond})
 	for _, way := range []string{"GetInto", "ReadInto"} {
 		dst := [][]byte{make([]byte, bs), make([]byte, bs), make([]byte, bs)}
 		before := tr.Stats()
@@ -338,44 +319,21 @@ func FuzzReadValue(f *testing.F) {
 // that found the connection busy until its timeout.
 func TestLookupDoesNotWaitBehindStore(t *testing.T) {
 	const bs = 1000
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	setSeen := make(chan struct{}, 1)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
+	addr := fakeServer(t, func(c net.Conn, verb string) bool {
+		switch verb {
+		case "EXISTS":
+			io.WriteString(c, ":1\r\n")
+		case "SET":
+			select {
+			case setSeen <- struct{}{}:
+			default:
 			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for {
-					cmd, err := resp.ReadReply(r)
-					if err != nil {
-						return
-					}
-					args, _ := cmd.([]any)
-					switch verb := strings.ToUpper(string(args[0].([]byte))); verb {
-					case "CLUSTER":
-						io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
-					case "EXISTS":
-						io.WriteString(c, ":1\r\n")
-					case "SET":
-						select {
-						case setSeen <- struct{}{}:
-						default:
-						}
-						// No reply: the store's call holds its connection until its timeout.
-					}
-				}
-			}()
+			// No reply: the store's call holds its connection until its timeout.
 		}
-	}()
-	tr := newTier(t, Config{Addr: ln.Addr().String(), BlockBytes: bs, OpTimeout: 3 * time.Second})
+		return true
+	})
+	tr := newTier(t, Config{Addr: addr, BlockBytes: bs, OpTimeout: 3 * time.Second})
 	putDone := make(chan int)
 	go func() { putDone <- tr.Put(hs(1), [][]byte{payload(1, bs)}) }()
 	select {
@@ -396,4 +354,49 @@ func TestLookupDoesNotWaitBehindStore(t *testing.T) {
 	if n := <-putDone; n != 0 {
 		t.Fatalf("a Put that timed out stored %d", n)
 	}
+}
+
+// fakeServer serves scripted replies on a loopback port until the test's
+// end and returns its address: each connection's commands are read in
+// turn; CLUSTER is answered as a server without cluster support, and every
+// other command (its verb in upper case) goes to serve, which writes the
+// reply (or none) and returns false to close the connection.
+func fakeServer(t *testing.T, serve func(c net.Conn, verb string) bool) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					cmd, err := resp.ReadReply(r)
+					if err != nil {
+						return
+					}
+					args, _ := cmd.([]any)
+					if len(args) == 0 {
+						return
+					}
+					verb := strings.ToUpper(string(args[0].([]byte)))
+					if verb == "CLUSTER" {
+						io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
+						continue
+					}
+					if !serve(c, verb) {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
 }
