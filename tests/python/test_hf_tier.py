@@ -580,7 +580,9 @@ def test_a_failed_reload_stops_the_schedules_until_recovered():
 
 
 def test_readback_on_the_cpu(model):
-    """HostReadback is for CUDA devices; a CPU runner's to_host is tolist."""
+    """HostReadback is for CUDA devices; a CPU runner's to_host is tolist.
+    A step records no autograd graph (the runner's steps run without grad,
+    whatever the caller's mode): its logits and the cache need no grad."""
     with pytest.raises(ValueError, match="a CUDA device"):
         kvhf.HostReadback("cpu")
     kvmodel = H.twin(model)
@@ -588,3 +590,7 @@ def test_readback_on_the_cpu(model):
         runner = kvhf.Runner(kvmodel, cache, max_batch=2, max_step_tokens=16, max_model_len=64)
         t = torch.tensor([[3, 1], [4, 1]])
         assert runner.to_host(t) == [[3, 1], [4, 1]]
+        assert torch.is_grad_enabled()
+        cache.add(0, list(range(1, 11)))
+        logits = runner.step(cache.schedule([(0, 10)]))
+        assert logits.shape[0] == 1 and not logits.requires_grad and not cache.kv.requires_grad

@@ -413,13 +413,13 @@ class Runner:
         if len(batch) and int(batch.seq_lens.max()) > self.max_model_len:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: a sequence of {int(batch.seq_lens.max())} tokens; max_model_len is {self.max_model_len}")
 
-    @torch.no_grad()
     def to_host(self, t: torch.Tensor) -> List[Any]:
         """t.tolist() for a step's sampled token ids: on a CUDA device without
         a device-to-host copy, which would wait behind the host tier's
         stores in flight (kvplug.hf.readback)."""
         return t.tolist() if self._readback is None else self._readback.tolist(t)
 
+    @torch.no_grad()
     def step(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Computes a scheduled batch and marks its tokens computed. Returns
         float32 logits: one row per sequence (its last new token's), or with
