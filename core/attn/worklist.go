@@ -41,9 +41,14 @@ var workLists struct {
 // for the batch (qoIndptr, kvLens: the host copies of the device arrays pp
 // names); never 0.
 func workListOf(pp *prefillPlanParams, qoIndptr, kvLens []int32) uint64 {
+	// The list depends on the device arrays' values, which are the host
+	// copies' (the caller's obligation), not on where they lie: a later
+	// plan of the same batch from fresh arrays writes the same list.
+	q := *pp
+	q.QOIndptr, q.KVLens = 0, 0
 	var h maphash.Hash
 	h.SetSeed(workListSeed)
-	h.Write(unsafe.Slice((*byte)(unsafe.Pointer(pp)), unsafe.Sizeof(*pp)))
+	h.Write(unsafe.Slice((*byte)(unsafe.Pointer(&q)), unsafe.Sizeof(q)))
 	h.Write(int32Bytes(qoIndptr))
 	h.Write(int32Bytes(kvLens))
 	if f := h.Sum64(); f != 0 {

@@ -20,6 +20,11 @@ func TestWorkListFingerprint(t *testing.T) {
 	if f == 0 || f != workListOf(&pp, []int32{0, 3, 7}, []int32{10, 9}) {
 		t.Fatalf("fingerprint %#x, not repeatable", f)
 	}
+	moved := pp // the same values in other device arrays: the same list
+	moved.QOIndptr, moved.KVLens = 0x5000, 0x6000
+	if workListOf(&moved, qo, kv) != f {
+		t.Fatal("the device arrays' addresses changed the fingerprint")
+	}
 	other := pp
 	other.TileQ = 128
 	split := pp

@@ -275,4 +275,6 @@ def test_host_readback_matches_tolist():
     assert rb.host.numel() >= 15
     f = torch.rand(3, device=DEV)
     assert rb.tolist(f) == f.tolist()
+    flags = torch.tensor([True, False], device=DEV)  # bools stay bools (tolist)
+    assert rb.tolist(flags) == [True, False] and isinstance(rb.tolist(flags)[0], bool)
     torch.cuda.synchronize()

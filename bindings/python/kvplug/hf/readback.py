@@ -18,6 +18,10 @@ from typing import Any, List
 import torch
 
 
+# The dtypes whose values int64 holds as they are (bool would come back as 0/1, uint64 wrapped).
+_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 class _DeviceView:
     """The __cuda_array_interface__ of n int64 at a device address."""
 
@@ -40,29 +44,36 @@ class HostReadback:
         self._grow(max(1, int(capacity)))
 
     def _grow(self, n: int) -> None:
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
-        # The view must write the host buffer itself (not a copy of it on the device): checked once, with a
-        # value the buffer does not hold; where it does not (or torch takes no such view), tolist keeps the
-        # device-to-host copy.
-        try:
-            self.view = torch.as_tensor(_DeviceView(self.host.data_ptr(), n), device=self.device)
-            with torch.cuda.device(self.device):
-                self.view[:1].fill_(-7)
+        self.view, self.aliased = None, False
+        # Not an inference tensor even when made under torch.inference_mode (tolist may run outside it).
+        with torch.inference_mode(False), torch.cuda.device(self.device):
+            self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+            # The view must be the host buffer itself at its own address (not a copy on the device): checked
+            # by its address, then by a value the buffer does not hold written through it; where it is not
+            # (or torch takes no such view), tolist keeps the device-to-host copy.
+            try:
+                view = torch.as_tensor(_DeviceView(self.host.data_ptr(), n), device=self.device)
+                if view.data_ptr() != self.host.data_ptr() or view.device != self.device:
+                    return
+                view[:1].fill_(-7)
                 torch.cuda.current_stream(self.device).synchronize()
-            self.aliased = int(self.host[0]) == -7
-        except (RuntimeError, TypeError, ValueError):
-            self.aliased = False
+                if int(self.host[0]) == -7:
+                    self.view, self.aliased = view, True
+            except (RuntimeError, TypeError, ValueError):
+                pass
 
     def tolist(self, t: torch.Tensor) -> List[Any]:
         """t.tolist() for an integer tensor on this device (any shape), its
         values written into pinned memory by a kernel on the current stream,
         which the call then waits for."""
-        if t.device != self.device or t.dtype.is_floating_point or t.dtype.is_complex or not self.aliased:
+        if t.device != self.device or t.dtype not in _INTS or not self.aliased:
             return t.tolist()
         n = t.numel()
         if n > self.host.numel():
             torch.cuda.current_stream(self.device).synchronize()  # the old buffer's last write has landed
             self._grow(2 * n)
+            if not self.aliased:
+                return t.tolist()
         flat = self.view[:n]
         torch.add(t.reshape(-1).to(torch.int64), 0, out=flat)
         torch.cuda.current_stream(self.device).synchronize()

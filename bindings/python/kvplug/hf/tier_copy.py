@@ -369,7 +369,7 @@ class HostTier:
                 # Stores by the copy engines cannot run on the legacy default stream: they take the side
                 # stream, and the step's stream waits for them (the reloads after the demotions, as on one stream).
                 legacy = bool(nd) and not self.overlap and isinstance(stream, torch.cuda.Stream) \
-                    and stream.cuda_stream == 0 and getattr(self.copier, "store_engine", None) == "copy-engine"
+                    and stream.cuda_stream in (0, 1) and getattr(self.copier, "store_engine", None) == "copy-engine"
                 if nd and (self.overlap or legacy):
                     if self._side is None:
                         self._side = torch.cuda.Stream(device=self.device)
