@@ -121,7 +121,11 @@ def test_both_torch_copiers_run_here(monkeypatch):
     bc = BlockCopier.for_views(views, 4, [[0, 1]])
     assert bc.tier_copier is None
     assert bc.transfer(1, plan_rows([5, 1], [2], [0], [3, 0], 1), store=True) == 2 * 2 * 32
+    assert bc.last_skipped == 0
     assert [j for j, _, _ in bc.finished()] == [1]
     assert calls == [0, 0]  # one copy_rows a tensor
     assert torch.equal(bc.host_tensors[0][3], views[0][5]) and torch.equal(bc.host_tensors[1][0], views[1][1])
+    assert bc.transfer(2, plan_rows([2, 4], [2], [0], [1, -1], 1), store=True) == 2 * 32  # slot -1: skipped
+    assert bc.last_skipped == 1 and [j for j, _, _ in bc.finished()] == [2]
+    assert torch.equal(bc.host_tensors[0][1], views[0][2])
     bc.shutdown()

@@ -173,6 +173,7 @@ class BlockCopier:
         self.group_tensors = [list(g) for g in group_tensors]
         self._cuda = bool(self.device_tensors) and self.device_tensors[0].device.type == "cuda"
         self._streams: Dict[bool, Any] = {}
+        self.last_skipped = 0  # pairs the last transfer skipped (host row -1)
         # job id -> (event or None, bytes, start time, staged copies to finish after the event)
         self._jobs: Dict[int, Tuple[Any, int, float, List[Any]]] = {}
         self._order: List[int] = []
@@ -226,14 +227,17 @@ class BlockCopier:
     def transfer(self, job_id: int, rows: Sequence[Tuple[np.ndarray, np.ndarray]], store: bool) -> int:
         """Starts job job_id: for each group g, rows[g] = (device rows, host
         rows) (plan_rows); store copies device -> host, else host -> device.
-        Pairs whose host row is -1 are skipped. Returns the bytes it moves."""
+        Pairs whose host row is -1 are skipped (counted in last_skipped).
+        Returns the bytes it moves."""
         torch, _tc = self._torch, self._tc
         per_tensor: Dict[int, Tuple[List[np.ndarray], List[np.ndarray]]] = {}
+        self.last_skipped = 0
         for g, (dev_rows, host_rows) in enumerate(rows):
             if len(dev_rows) == 0:
                 continue
             keep = host_rows >= 0
             if not keep.all():
+                self.last_skipped += len(keep) - int(np.count_nonzero(keep))
                 dev_rows, host_rows = dev_rows[keep], host_rows[keep]
             for t in self.group_tensors[g]:
                 d, h = per_tensor.setdefault(t, ([], []))
@@ -761,8 +765,8 @@ def _build() -> Dict[str, Any]:
             # reported success would leave vLLM attending over GPU blocks never
             # filled, so the job fails (see the module docstring); a store
             # fails so that its slots are given back.
-            skipped = sum(int((host_rows < 0).sum()) for _, host_rows in rows)
             self.copier.transfer(job_id, rows, store)
+            skipped = self.copier.last_skipped
             if skipped:
                 logger.warning("kvplug offloading worker: %s job %d: %d blocks have no host slot; the transfer is "
                                "reported failed", "store" if store else "load", job_id, skipped)
