@@ -234,6 +234,7 @@ type sharedTier struct {
 	// without the manager's lock.
 	lackMu  sync.Mutex
 	lacking map[valkey.Hash]time.Time
+	stores  uint64 // store batches done (forget): a lookup older than one remembers nothing
 
 	lookups, hits, misses, fetched, fetchMisses atomic.Int64
 	remembered                                  atomic.Int64
@@ -449,6 +450,7 @@ func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
 		return nil, err
 	}
 	s.lookups.Add(1)
+	asked := s.storesDone()
 	held, absent := s.t.Lookup(w.want)
 	// Each prompt's run of held blocks from its first wanted one; a block
 	// after a hole is of no use to it (its prefix is computed).
@@ -465,7 +467,7 @@ func (t *Tier) Fetch(prompts Prompts, check func() error) (Fetched, error) {
 			need[j] = true
 		}
 	}
-	s.rememberLacking(lacked, time.Now())
+	s.rememberLacking(lacked, time.Now(), asked)
 	keys, slots, joined := t.reserveFetch(prompts, &w, need)
 	if len(keys) == 0 {
 		return joined, nil
@@ -770,6 +772,7 @@ func (s *sharedTier) lacks(h valkey.Hash, now time.Time) bool {
 func (s *sharedTier) forget(hs []valkey.Hash) {
 	s.lackMu.Lock()
 	defer s.lackMu.Unlock()
+	s.stores++
 	if len(s.lacking) == 0 {
 		return
 	}
@@ -778,15 +781,27 @@ func (s *sharedTier) forget(hs []valkey.Hash) {
 	}
 }
 
-// rememberLacking notes that the server lacked hs at now. Past
-// maxRemembered entries, those older than half of missMemory are
+// storesDone is the count of store batches done so far (forget).
+func (s *sharedTier) storesDone() uint64 {
+	s.lackMu.Lock()
+	defer s.lackMu.Unlock()
+	return s.stores
+}
+
+// rememberLacking notes that the server lacked hs at now, as a lookup
+// asked when storesDone was asked; a store batch done since may hold some
+// of them (its forget ran before this), so then nothing is remembered.
+// Past maxRemembered entries, those older than half of missMemory are
 // forgotten first, and all of them when that is not enough.
-func (s *sharedTier) rememberLacking(hs []valkey.Hash, now time.Time) {
+func (s *sharedTier) rememberLacking(hs []valkey.Hash, now time.Time, asked uint64) {
 	if len(hs) == 0 {
 		return
 	}
 	s.lackMu.Lock()
 	defer s.lackMu.Unlock()
+	if s.stores != asked {
+		return
+	}
 	if len(s.lacking)+len(hs) > maxRemembered {
 		cut := now.Add(-missMemory / 2)
 		for h, at := range s.lacking {
