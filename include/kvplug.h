@@ -1561,11 +1561,12 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * lookup is a round trip on the serving path. A block this manager
  * stores is looked up again as soon as its store returns; one another
  * instance stores meanwhile is found at the first lookup after that
- * second. A server that did not answer is not taken as lacking anything. A block
- * that is absent, corrupt, short or another layout's is a miss, and the
- * prefix is computed; a read that times out keeps the blocks it read whole
- * and checked before the timeout (a prefix of the match). A server that is
- * down, slow or restarting costs one failed round trip, then is skipped without a round trip for a backoff
+ * second. A server that did not answer is not taken as lacking anything.
+ * A block that is absent, corrupt, short or another layout's is a miss,
+ * and the prefix is computed; a read that times out keeps the blocks it
+ * read whole and checked before the timeout (a prefix of the match). A
+ * server that is down, slow or restarting costs one failed round trip,
+ * then is skipped without a round trip for a backoff
  * window (1 s, doubling up to 30 s while it keeps failing); every such
  * call is counted (shared_errors, shared_timeouts, shared_skipped) and
  * none is an error.
