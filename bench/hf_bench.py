@@ -612,10 +612,10 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
     if system in ("kvplug", "kvplug-cascade", "kvplug-host", "kvplug-shared", "kvplug-all", "kvplug-fp8"):
-        # FP8 decodes with shared-prefix attention only where its shared items run on Hopper's mainloop
-        # (--fp8-prefill hopper or fp8): on the sm_80 tiles they are slower than plain decode.
-        cascade = (system == "kvplug-cascade" or args.cascade and (system != "kvplug-fp8" or args.fp8_prefill != "sm80")
-                   ) and args.device.startswith("cuda")
+        # An FP8 cache decodes with shared-prefix attention only where its shared items run on Hopper's
+        # mainloop (the cache's hopper_prefill: --fp8-prefill hopper or fp8); on the sm_80 tiles they are
+        # slower than plain decode.
+        cascade = (system == "kvplug-cascade" or args.cascade and cache.hopper_prefill) and args.device.startswith("cuda")
         runner = kvhf.Runner(model, cache, backend="auto", cascade=cascade, **kw)
     else:
         runner = FlashInferRunner(model, cache, prefill_backend=args.fi_prefill_backend, **kw)
@@ -754,7 +754,7 @@ def shared_text(r: Dict[str, Any]) -> str:
     if not sv or not t:
         return ""
     text = (f"  | shared tier {sv['address']}: {t['shared_hits']} blocks found in {t['shared_lookups']} lookups "
-            f"({t.get('shared_remembered', 0)} prompts not looked up: lacked within the last second), "
+            f"({t['shared_remembered']} prompts not looked up: lacked within the last second), "
             f"{t['shared_fetched']} read into the host tier ({t['shared_fetch_misses']} missed on read), "
             f"{size(t['shared_bytes_read'])} read, tokens matched there {t['shared_match_tokens']} (match_tiers) + "
             f"{t['shared_hit_tokens']} (admissions); "

@@ -157,7 +157,7 @@ def make_copier(cache: Any, spec: CopierSpec = None) -> Any:
         kw: Dict[str, Any] = {} if scales is None else dict(k_scales=[scales[i, 0] for i in range(L)],
                                                               v_scales=[scales[i, 1] for i in range(L)])
         layers = ([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)])
-        if spec == "copy-engine" or getattr(cache, "write_through", 0) > 0:
+        if spec == "copy-engine" or cache.write_through > 0:
             try:
                 return kvplug.TierCopier(*layers, manager=cache.manager, store_engine="copy-engine", **kw)
             except kvplug.UnsupportedError:
