@@ -6,9 +6,12 @@
 package redistest
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"os/exec"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -140,20 +143,18 @@ func (s *Server) Stop() {
 	s.cmd = nil
 }
 
-// Slow starts a listener on a free loopback port that accepts connections
-// and answers each read of a command with a null bulk after delay, or
-// never when delay is 0: a server that is up but too slow. It stops at
-// t's cleanup. It returns its host:port.
-func Slow(t testing.TB, delay time.Duration) string {
+// Serve accepts connections on a free loopback port until t's cleanup,
+// which closes the listener and every connection; each connection is
+// handle's, on a goroutine of its own, and is closed when handle returns.
+// It returns its host:port.
+func Serve(t testing.TB, handle func(net.Conn)) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var mu sync.Mutex
 	var conns []net.Conn
-	done := make(chan struct{})
 	t.Cleanup(func() {
-		close(done)
 		ln.Close()
 		mu.Lock()
 		for _, c := range conns {
@@ -171,23 +172,63 @@ func Slow(t testing.TB, delay time.Duration) string {
 			conns = append(conns, c)
 			mu.Unlock()
 			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					if _, err := c.Read(buf); err != nil {
-						return
-					}
-					if delay == 0 {
-						continue
-					}
-					select {
-					case <-time.After(delay):
-						c.Write([]byte("$-1\r\n"))
-					case <-done:
-						return
-					}
-				}
+				defer c.Close()
+				handle(c)
 			}()
 		}
 	}()
 	return ln.Addr().String()
+}
+
+// Scripted serves scripted replies (Serve): each connection's commands are
+// read in turn; CLUSTER is answered as by a server without cluster
+// support, and every other command, its verb in upper case, goes to reply,
+// which writes the reply (or none) and returns false to close the
+// connection.
+func Scripted(t testing.TB, reply func(c net.Conn, verb string) bool) string {
+	return Serve(t, func(c net.Conn) {
+		r := bufio.NewReader(c)
+		for {
+			cmd, err := resp.ReadReply(r)
+			if err != nil {
+				return
+			}
+			args, _ := cmd.([]any)
+			if len(args) == 0 {
+				return
+			}
+			verb, _ := args[0].([]byte)
+			if v := strings.ToUpper(string(verb)); v == "CLUSTER" {
+				io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
+			} else if !reply(c, v) {
+				return
+			}
+		}
+	})
+}
+
+// Slow starts a server (Serve) that answers each read of a command with a
+// null bulk after delay, or never when delay is 0: a server that is up but
+// too slow. It stops at t's cleanup. It returns its host:port.
+func Slow(t testing.TB, delay time.Duration) string {
+	done := make(chan struct{})
+	addr := Serve(t, func(c net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Read(buf); err != nil {
+				return
+			}
+			if delay == 0 {
+				continue
+			}
+			select {
+			case <-time.After(delay):
+				c.Write([]byte("$-1\r\n"))
+			case <-done:
+				return
+			}
+		}
+	})
+	t.Cleanup(func() { close(done) }) // before Serve's (cleanups run last first)
+	return addr
 }

@@ -7,13 +7,11 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvplug/kvplug/internal/redistest"
-	"github.com/kvplug/kvplug/internal/resp"
 	"github.com/zeebo/xxh3"
 )
 
@@ -212,7 +210,7 @@ func TestFailedMidwayKeepsWholeValues(t *testing.T) {
 	values := [][]byte{Encode(hashOf(1), 5, payload(1, bs)), Encode(hashOf(2), 6, payload(2, bs)), Encode(hashOf(3), 5, payload(3, bs))}
 	var mu sync.Mutex
 	sent := map[net.Conn]int{} // replies, by connection: each starts from the first value
-	addr := fakeServer(t, func(c net.Conn, _ string) bool {
+	addr := redistest.Scripted(t, func(c net.Conn, _ string) bool {
 		mu.Lock()
 		i := sent[c]
 		sent[c]++
@@ -320,7 +318,7 @@ func FuzzReadValue(f *testing.F) {
 func TestLookupDoesNotWaitBehindStore(t *testing.T) {
 	const bs = 1000
 	setSeen := make(chan struct{}, 1)
-	addr := fakeServer(t, func(c net.Conn, verb string) bool {
+	addr := redistest.Scripted(t, func(c net.Conn, verb string) bool {
 		switch verb {
 		case "EXISTS":
 			io.WriteString(c, ":1\r\n")
@@ -354,49 +352,4 @@ func TestLookupDoesNotWaitBehindStore(t *testing.T) {
 	if n := <-putDone; n != 0 {
 		t.Fatalf("a Put that timed out stored %d", n)
 	}
-}
-
-// fakeServer serves scripted replies on a loopback port until the test's
-// end and returns its address: each connection's commands are read in
-// turn; CLUSTER is answered as a server without cluster support, and every
-// other command (its verb in upper case) goes to serve, which writes the
-// reply (or none) and returns false to close the connection.
-func fakeServer(t *testing.T, serve func(c net.Conn, verb string) bool) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for {
-					cmd, err := resp.ReadReply(r)
-					if err != nil {
-						return
-					}
-					args, _ := cmd.([]any)
-					if len(args) == 0 {
-						return
-					}
-					verb := strings.ToUpper(string(args[0].([]byte)))
-					if verb == "CLUSTER" {
-						io.WriteString(c, "-ERR This instance has cluster support disabled\r\n")
-						continue
-					}
-					if !serve(c, verb) {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
 }
