@@ -92,6 +92,7 @@ def test_make_copier_copy_engine(monkeypatch):
         manager = object()
         kv = torch.zeros(2, 2, 3, 4, 1, 1)
         fp8 = False
+        write_through = 0  # demotions ahead of need: "auto" keeps the kernel's stores
 
     monkeypatch.setattr(kvplug, "TierCopier", Fake)
     tier_copy.make_copier(FakeCache(), "copy-engine")
