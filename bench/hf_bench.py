@@ -18,7 +18,7 @@ These systems serve each (--systems):
   kvplug-fp8  kvplug over an FP8 (e4m3) KV cache with per-token-head scales,
               with the blocks that the kvplug system's pool memory holds
               (about twice as many; prefill on the mainloop --fp8-prefill
-              picks, the sm_80 one by default);
+              picks: Hopper's, widened, by default);
   flashinfer  the same loop and manager with FlashInfer's attention
               (BatchPrefillWithPagedKVCacheWrapper for prefill and mixed
               steps, BatchDecodeWithPagedKVCacheWrapper for decode, in CUDA
@@ -607,7 +607,7 @@ def run_loop(system: str, model, reqs, args, dtype, conv: Optional[MultiTurn] = 
                 # there); here the slack stays kvplug-host's, so that the two differ by the shared tier alone.
                 tier["write_through_slack"] = kvhf.PagedKVCache.default_write_through_slack(num_blocks, tier["write_through"])
     cache = kvhf.PagedKVCache.for_model(model, num_blocks, bs, kv_dtype=kv_dtype,
-                                        fp8_prefill=args.fp8_prefill if kv_dtype is not None else "sm80", **tier)
+                                        fp8_prefill=args.fp8_prefill if kv_dtype is not None else None, **tier)
     t0 = time.perf_counter()
     kw = dict(max_batch=args.max_batch, max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
               cuda_graphs=args.cuda_graphs and args.device.startswith("cuda"))
@@ -949,7 +949,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--step-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--fp8-prefill", default="sm80", choices=["sm80", "hopper", "fp8"],
+    ap.add_argument("--fp8-prefill", default="hopper", choices=["sm80", "hopper", "fp8"],
                     help="kvplug-fp8's prefill over its FP8 cache: sm80, hopper (widened on wgmma) or fp8 (FP8 Q/K/V)")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool size (GiB) unless --num-blocks (default: the workload's working set, at most "

@@ -647,9 +647,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                     help="fp8: K/V in FP8 e4m3 with one scale per token and kv head; the pool gets the blocks that the "
                          "memory of a 16-bit pool of --num-blocks blocks holds (about twice as many)")
-    ap.add_argument("--fp8-prefill", default="sm80", choices=["sm80", "hopper", "fp8"],
-                    help="with --kv-dtype fp8, how prefill reads the cache: sm80 (the sm_80 mainloop), hopper (the wgmma "
-                         "mainloop, widened to 16 bits), fp8 (FP8 Q/K/V on Hopper, head_dim 128)")
+    ap.add_argument("--fp8-prefill", default="hopper", choices=["sm80", "hopper", "fp8"],
+                    help="with --kv-dtype fp8, how prefill reads the cache: hopper (the default: the wgmma mainloop, widened to "
+                         "16 bits, where the GPU has it), sm80 (the sm_80 mainloop), fp8 (FP8 Q/K/V on Hopper, head_dim 128)")
     add_tier_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
@@ -676,7 +676,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         num_blocks = num_blocks * 2 * shape.head_dim // (shape.head_dim + 4)
     tier = tier_kwargs(args, shape, num_blocks, kv_dtype or dtype)  # FP8 slots: half the bytes, and the scales
     cache = kvhf.PagedKVCache(shape, num_blocks, args.block_size, dtype=dtype, device=args.device, kv_dtype=kv_dtype,
-                              fp8_prefill=args.fp8_prefill if kv_dtype is not None else "sm80", **tier)
+                              fp8_prefill=args.fp8_prefill if kv_dtype is not None else None, **tier)
     runner = kvhf.Runner(model, cache, backend=args.backend, max_batch=args.max_batch,
                          max_step_tokens=args.step_tokens + args.max_batch, max_model_len=max_len,
                          cuda_graphs=args.cuda_graphs, cascade=args.cascade)

@@ -17,7 +17,7 @@ import copy
 import importlib.util
 import pathlib
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -352,7 +352,7 @@ def test_import_kvplug_does_not_import_torch_or_transformers():
     assert out == ["False", "False"]
 
 
-def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False, fp8_prefill: str = "sm80",
+def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False, fp8_prefill: Optional[str] = None,
                       head_dim: int = 64) -> Tuple[float, float, float]:
     """Teacher-forced logits of a bf16 tiny Llama over an FP8 cache
     (kv_dtype torch.float8_e4m3fn) against the same model over a bf16 cache:
@@ -366,7 +366,7 @@ def fp8_against_16bit(device: str, backend: str = "auto", cascade: bool = False,
     runs = []
     for kv_dtype in (None, torch.float8_e4m3fn):
         with kvhf.PagedKVCache.for_model(model, 16, 16, kv_dtype=kv_dtype,
-                                         fp8_prefill=fp8_prefill if kv_dtype is not None else "sm80") as cache:
+                                         fp8_prefill=fp8_prefill if kv_dtype is not None else None) as cache:
             runner = kvhf.Runner(model, cache, max_batch=1, max_step_tokens=64, max_model_len=64, backend=backend,
                                  cascade=cascade)
             runner.cascade_auto_route = not cascade
@@ -405,3 +405,18 @@ def test_fp8_cache_misuse():
         kvhf.PagedKVCache.for_model(bf, 16, 8, fp8_prefill="hopper")
     with pytest.raises(kvplug.UnsupportedError, match="head_dim 128"):  # the tiny model's head_dim is not 128
         kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, fp8_prefill="fp8")
+    with pytest.raises(kvplug.InvalidArgumentError, match="is for FP8 caches"):
+        kvhf.PagedKVCache.for_model(bf, 16, 8, fp8_prefill="sm80")
+
+
+def test_fp8_prefill_mainloop_choice():
+    """An FP8 cache plans prefill and shared-prefix work for the device's
+    mainloop (Hopper's where there is one) unless fp8_prefill="sm80" says
+    otherwise; a 16-bit cache always does and carries no fp8_prefill."""
+    bf = tiny_model("llama", dtype=torch.bfloat16)
+    with kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn) as c:
+        assert (c.fp8_prefill, c.hopper_prefill) == ("hopper", True)
+    with kvhf.PagedKVCache.for_model(bf, 16, 8, kv_dtype=torch.float8_e4m3fn, fp8_prefill="sm80") as c:
+        assert (c.fp8_prefill, c.hopper_prefill) == ("sm80", False)
+    with kvhf.PagedKVCache.for_model(bf, 16, 8) as c:
+        assert (c.fp8_prefill, c.hopper_prefill) == (None, True)

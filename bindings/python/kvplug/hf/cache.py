@@ -347,11 +347,14 @@ class PagedKVCache:
     twice the tokens in the memory of a 16-bit cache) with one float32 scale
     per (token, kv head) beside them (self.scales; k_scale/v_scale give a
     layer's), for float16 and bfloat16 models, with the host tier and the
-    shared-prefix route too. fp8_prefill picks how prefill reads it: "sm80"
-    (the default: the sm_80 mainloop), "hopper"
-    (Hopper's wgmma mainloop, the tiles widened to 16 bits) or "fp8" (the
-    FP8 Q/K/V mode on Hopper, head_dim 128: the fastest over long cached
-    prefixes, with q rounded to e4m3 too; bench/RESULTS.md has both)."""
+    shared-prefix route too. fp8_prefill picks how prefill reads it:
+    "hopper" (the default: Hopper's wgmma mainloop with the tiles widened
+    to 16 bits on compute capability 9.0, the sm_80 mainloop elsewhere;
+    2.2-2.4x the sm_80 mainloop's speed on an H200), "sm80" (the sm_80
+    mainloop everywhere) or "fp8" (the FP8 Q/K/V mode on Hopper, head_dim
+    128: faster again over long cached prefixes, with q rounded to e4m3
+    too). bench/RESULTS.md ("FP8 prefill at the eight shapes") has the
+    three side by side. A 16-bit cache takes no fp8_prefill."""
 
     def __init__(
         self,
@@ -377,7 +380,7 @@ class PagedKVCache:
         kv_dtype: Optional[torch.dtype] = None,
         layer_groups: Optional[bool] = None,
         checkpoint_every: int = 1,
-        fp8_prefill: str = "sm80",
+        fp8_prefill: Optional[str] = None,
         early_loads: Optional[bool] = None,
     ) -> None:
         if isinstance(shape, ModelShape) is False:
@@ -395,15 +398,15 @@ class PagedKVCache:
         if shape.recurrent is not None and self.fp8:
             raise kvplug.InvalidArgumentError("kvplug.hf: a model with linear-attention layers does not take an FP8 cache "
                                               "in this version")
-        if fp8_prefill not in ("sm80", "hopper", "fp8"):
+        if fp8_prefill not in (None, "sm80", "hopper", "fp8"):
             raise kvplug.InvalidArgumentError(f"kvplug.hf: fp8_prefill must be 'sm80', 'hopper' or 'fp8', not {fp8_prefill!r}")
-        if fp8_prefill != "sm80" and not self.fp8:
+        if fp8_prefill is not None and not self.fp8:
             raise kvplug.InvalidArgumentError(f"kvplug.hf: fp8_prefill={fp8_prefill!r} is for FP8 caches (kv_dtype "
                                               "torch.float8_e4m3fn)")
         if fp8_prefill == "fp8" and shape.head_dim != 128:
             raise kvplug.UnsupportedError(f"kvplug.hf: fp8_prefill='fp8' (FP8 Q/K/V) is cut for head_dim 128, "
                                           f"not {shape.head_dim}")
-        self.fp8_prefill = fp8_prefill
+        self.fp8_prefill = ("hopper" if fp8_prefill is None else fp8_prefill) if self.fp8 else None
         # Whether prefill plans and shared-prefix plans may use Hopper's wgmma mainloop: always for a
         # 16-bit cache; over FP8 unless fp8_prefill asks for the sm_80 mainloop.
         self.hopper_prefill = not self.fp8 or fp8_prefill != "sm80"
@@ -563,7 +566,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, prefix_cache: bool = True,
                   kv_dtype: Optional[torch.dtype] = None, layer_groups: Optional[bool] = None,
-                  checkpoint_every: int = 1, fp8_prefill: str = "sm80", **tier: Any) -> "PagedKVCache":
+                  checkpoint_every: int = 1, fp8_prefill: Optional[str] = None, **tier: Any) -> "PagedKVCache":
         """A cache for `model`'s shape, dtype and device (tier: the host and
         shared tier arguments of the constructor; kv_dtype: the cache's own,
         torch.float8_e4m3fn for FP8; layer_groups, checkpoint_every and
