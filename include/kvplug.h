@@ -2242,9 +2242,10 @@ typedef struct kvp_merge_states_args {
  * the previous plan's runs are enqueued on the same stream (or have
  * finished). A run of a prefill-route plan whose workspace a later plan has
  * since written another work list into (another batch, mainloop, split
- * count or decode routing) answers INVALID_ARGUMENT ("stale plan"; 0.6 ran
- * it over the other plan's list); a later plan of the same batch and flags
- * writes the same list, and the earlier plan still runs. A plan's runs
+ * count or decode routing), or a split decode launch its partials
+ * (kvp_paged_decode, a decode-route plan's run), answers INVALID_ARGUMENT
+ * ("stale plan"; 0.6 ran it over what was there); a later plan of the same
+ * batch and flags writes the same list, and the earlier plan still runs. A plan's runs
  * must not overlap each other in time (enqueue them on one stream, as the
  * layers of a step are): besides split partials, the Hopper kernel's
  * blocks take work from a counter in the workspace, which each run leaves

@@ -315,6 +315,7 @@ func (a *PagedDecodeArgs) launch(m *cuda.Module, splits int, qIndptr cuda.Device
 	if err := cuda.Launch(m, decode, cfg, stream, &p); err != nil || splits == 1 {
 		return err
 	}
+	notePartials(a.Workspace) // its partials now lie where a prefill plan's work list may have
 	cfg = cuda.LaunchConfig{
 		Grid:  cuda.Dim3{X: uint32(ceilDiv(a.Rows()*a.NumQHeads, combineThreads/32)), Y: 1, Z: 1},
 		Block: cuda.Dim3{X: combineThreads, Y: 1, Z: 1},

@@ -18,7 +18,10 @@ import (
 // the batch), the library remembers the fingerprint of the last list
 // written into each workspace, and a run whose plan's list is no longer its
 // workspace's is refused. A later plan of the same batch and flags writes
-// the same list, so an earlier plan of it still runs.
+// the same list, so an earlier plan of it still runs. A decode launch with
+// split partials at a workspace's start (paged_decode, or a decode-route
+// plan's run) overwrites a list there too: it marks the workspace as
+// holding partials (notePartials), so the list's plan is refused after it.
 
 // splitPartials stands for a workspace that a decode-route plan's split
 // partials take from its start: no prefill plan's list is there.
@@ -73,6 +76,17 @@ func recordWorkList(ws cuda.DevicePtr, f uint64) {
 		workLists.of = make(map[cuda.DevicePtr]uint64)
 	}
 	workLists.of[ws] = f
+}
+
+// notePartials notes that a launch wrote split partials from ws's start:
+// a work list recorded there is gone. A workspace without a record stays
+// without one (no plan's list is there to protect).
+func notePartials(ws cuda.DevicePtr) {
+	workLists.Lock()
+	defer workLists.Unlock()
+	if f, ok := workLists.of[ws]; ok && f != splitPartials {
+		workLists.of[ws] = splitPartials
+	}
 }
 
 // checkWorkList refuses a run of plan p whose work list its workspace no

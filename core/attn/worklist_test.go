@@ -75,3 +75,29 @@ func TestStalePrefillPlanRefused(t *testing.T) {
 		t.Fatal("a plan of a workspace without a record was refused")
 	}
 }
+
+// A decode launch's split partials overwrite a work list at the start of
+// the workspace: the list's plan is refused after it, and a workspace that
+// no plan recorded gains no record.
+func TestPartialsMakePlanStale(t *testing.T) {
+	const ws = cuda.DevicePtr(0x7f0000300000)
+	p := PrefillPlan{Kind: KindPrefill, Route: RoutePrefill, NumItems: 4, Workspace: ws, WorkList: 0xcccc}
+	recordWorkList(ws, p.WorkList)
+	if err := checkWorkList("paged_prefill", &p); err != nil {
+		t.Fatalf("the plan whose list its workspace holds: %v", err)
+	}
+	notePartials(ws)
+	err := checkWorkList("paged_prefill", &p)
+	var e *kverr.Error
+	if !errors.As(err, &e) || e.Code != kverr.InvalidArgument || !strings.Contains(err.Error(), "stale plan") {
+		t.Fatalf("a plan whose list split partials overwrote: %v, want a stale plan", err)
+	}
+	const fresh = cuda.DevicePtr(0x7f0000500000)
+	notePartials(fresh)
+	workLists.Lock()
+	_, ok := workLists.of[fresh]
+	workLists.Unlock()
+	if ok {
+		t.Fatal("partials in a workspace without a record added one")
+	}
+}

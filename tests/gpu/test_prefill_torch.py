@@ -640,7 +640,8 @@ def test_stale_plan_refused():
     """A workspace holds one plan's work list: a plan whose workspace a later
     plan of another batch was written into raises (stale plan) and writes
     nothing; the later plan runs; the first batch planned again (the same
-    list) runs, and so does the earlier identical plan beside it."""
+    list) runs, and so does the earlier identical plan beside it; a split
+    decode launch into the workspace makes its plans stale too."""
     gen = torch.Generator().manual_seed(91)
     b = Batch(gen, torch.bfloat16, 128, 8, 2, 16, [700, 300, 90], [200, 100, 90])
     first = b.plan(decode_route=False)
@@ -657,3 +658,12 @@ def test_stale_plan_refused():
     again = b.plan(decode_route=False)
     b.check(again)
     b.check(first)  # the same batch and flags: the same work list, so not stale
+    # A split decode launch's partials land at the workspace's start, over the list: its plans are stale after it.
+    dq = torch.rand((3, b.qh, b.D), device=DEV).to(b.dtype)
+    attn.paged_decode(dq, b.k_cache, b.v_cache, b.table, b.kvl, workspace=b.ws, num_splits=2)
+    out.fill_(float("nan"))
+    with pytest.raises(kvplug.InvalidArgumentError, match="stale plan"):
+        attn.paged_prefill(again, b.q, b.k_cache, b.v_cache, b.table, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "a refused run wrote its output"
+    b.check(b.plan(decode_route=False))  # planned again: the list is back
