@@ -277,3 +277,16 @@ def test_host_readback_matches_tolist():
     flags = torch.tensor([True, False], device=DEV)  # bools stay bools (tolist)
     assert rb.tolist(flags) == [True, False] and isinstance(rb.tolist(flags)[0], bool)
     torch.cuda.synchronize()
+
+
+def test_host_readback_asks_the_driver():
+    """HostReadback writes only through addresses the driver says the device
+    maps: pinned memory at its own address, pageable memory not at all."""
+    from kvplug.hf import readback
+
+    torch.cuda.init()
+    pinned = torch.empty(16, dtype=torch.int64, pin_memory=True)
+    pageable = torch.empty(16, dtype=torch.int64)
+    with torch.cuda.device(DEV):
+        assert readback._device_address(pinned.data_ptr()) == pinned.data_ptr()
+        assert readback._device_address(pageable.data_ptr()) == 0

@@ -592,6 +592,9 @@ def test_readback_on_the_cpu(model):
     whatever the caller's mode): its logits and the cache need no grad."""
     with pytest.raises(ValueError, match="a CUDA device"):
         kvhf.HostReadback("cpu")
+    # Pageable memory: no device address (nor where the driver is absent), so no write through one.
+    from kvplug.hf import readback
+    assert readback._device_address(torch.empty(4, dtype=torch.int64).data_ptr()) == 0
     kvmodel = H.twin(model)
     with kvhf.PagedKVCache.for_model(kvmodel, 8, BS) as cache:
         runner = kvhf.Runner(kvmodel, cache, max_batch=2, max_step_tokens=16, max_model_len=64)

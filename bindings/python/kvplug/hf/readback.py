@@ -8,18 +8,41 @@ each step waited for all of them (bench/store_interference.py measures it:
 a 6 ms step took 8 ms with 90 MiB of stores beside it, 6.4 ms without the
 copy). HostReadback instead has a kernel write the ids into pinned host
 memory through its device address (pinned memory is mapped into the
-device's address space under unified addressing, at the same address),
-then waits for the stream: no copy engine is involved."""
+device's address space under unified addressing, at the same address,
+which the driver is asked before the first write), then waits for the
+stream: no copy engine is involved."""
 
 from __future__ import annotations
 
-from typing import Any, List
+import ctypes
+from typing import Any, List, Optional
 
 import torch
 
 
 # The dtypes whose values int64 holds as they are (bool would come back as 0/1, uint64 wrapped).
 _INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+_cuda_driver: Optional[Any] = None
+
+
+def _device_address(ptr: int) -> int:
+    """The device address of host memory at ptr in the current context
+    (cuPointerGetAttribute), or 0 where the device cannot reach it (memory
+    that is not pinned, or pinned without a mapping), or where the driver
+    cannot be asked."""
+    global _cuda_driver
+    try:
+        if _cuda_driver is None:
+            _cuda_driver = ctypes.CDLL("libcuda.so.1")
+        out = ctypes.c_uint64(0)
+        rc = _cuda_driver.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+                                                ctypes.c_uint64(ptr))
+    except (OSError, AttributeError):
+        return 0
+    return out.value if rc == 0 else 0
 
 
 class _DeviceView:
@@ -48,9 +71,13 @@ class HostReadback:
         # Not an inference tensor even when made under torch.inference_mode (tolist may run outside it).
         with torch.inference_mode(False), torch.cuda.device(self.device):
             self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
-            # The view must be the host buffer itself at its own address (not a copy on the device): checked
-            # by its address, then by a value the buffer does not hold written through it; where it is not
-            # (or torch takes no such view), tolist keeps the device-to-host copy.
+            # The view must be the host buffer itself at its own address (not a copy on the device). The
+            # driver says first whether the device reaches the buffer there (a write through an address
+            # it does not map would fault and end the context); then the view's address is checked, and
+            # a value the buffer does not hold is written through it. Where any of these fails (or torch
+            # takes no such view), tolist keeps the device-to-host copy.
+            if _device_address(self.host.data_ptr()) != self.host.data_ptr():
+                return
             try:
                 view = torch.as_tensor(_DeviceView(self.host.data_ptr(), n), device=self.device)
                 if view.data_ptr() != self.host.data_ptr() or view.device != self.device:
