@@ -24,7 +24,7 @@ import torch
 _INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute (cuda.h)
 _cuda_driver: Optional[Any] = None
 
 
