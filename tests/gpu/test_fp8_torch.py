@@ -25,6 +25,7 @@ import kvplug  # noqa: E402
 from kvplug import attn  # noqa: E402
 
 from test_attn_torch import DEV, TOL, Paged, ragged, window_table  # noqa: E402
+from test_sinks_torch import draw_sinks  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -268,7 +269,7 @@ def test_fp8_decode_sweep(dtype, D, bs, batch, q_len, window, sinks, splits, gro
     if sinks:  # about the log of a row's denominator: they move the outputs
         seen = [min(L, window + 1) if window >= 0 else L for L in lens if L]
         keys = max(1.0, sum(seen) / max(1, len(seen)))
-        sk = (torch.randn((qh,), generator=gen, dtype=torch.float64) * 2 + math.log(keys)).float().to(DEV)
+        sk = draw_sinks(gen, qh, keys)
     table = window_table(p, [q_len] * batch, window) if window >= 0 else p.table
     ws = torch.empty(attn.workspace_size(batch * q_len, qh, D, 8), dtype=torch.uint8, device=DEV)
     out = torch.full_like(q, float("nan"))
@@ -678,6 +679,25 @@ def test_fp8_num_splits():
 
 # ---- shared-prefix (cascade) attention over an e4m3 cache ----------------
 
+def e4m3_blocks(gen, nb, bs, kvh, D, dtype):
+    """Random K and V of nb blocks (CPU, [nb, bs, kvh, D], uniform in [-2, 2)
+    in dtype), written by kv_write into an e4m3 cache with per-token-head
+    scales that holds NaN before: (k, v, k8, v8, k_scale, v_scale, kd, vd),
+    kd and vd the dequantised cache in float64 on the CPU (the references'
+    K/V)."""
+    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    k8 = torch.full((nb, bs, kvh, D), float("nan"), device=DEV).to(E4M3)
+    v8 = torch.full_like(k8, float("nan"))
+    ks = torch.full((nb, bs, kvh), float("nan"), device=DEV)
+    vs = torch.full_like(ks, float("nan"))
+    slots = torch.arange(nb * bs, dtype=torch.int32, device=DEV)
+    attn.kv_write(k.reshape(-1, kvh, D).to(DEV), v.reshape(-1, kvh, D).to(DEV), k8, v8, slots, k_scale=ks, v_scale=vs)
+    kd = (k8.double() * ks[..., None].double()).cpu()
+    vd = (v8.double() * vs[..., None].double()).cpu()
+    return k, v, k8, v8, ks, vs, kd, vd
+
+
 @pytest.mark.parametrize("dtype,B,depth,max_run,tail,max_q,bs,qh,kvh,D", [
     (torch.bfloat16, 24, 2, 64, 300, 0, 16, 32, 8, 128),   # decode: one row per sequence
     (torch.float16, 8, 1, 256, 600, 600, 16, 8, 2, 128),   # prompts over a shared prompt
@@ -702,17 +722,8 @@ def test_fp8_cascade(dtype, B, depth, max_run, tail, max_q, bs, qh, kvh, D, hopp
     decode = max_q == 0
     qo = list(range(B + 1)) if decode else random_queries(gen, lens, max_q)
     T = qo[-1]
-    k = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
-    v = (torch.rand((nb, bs, kvh, D), generator=gen) * 4 - 2).to(dtype)
+    k, v, k8, v8, ks, vs, kd, vd = e4m3_blocks(gen, nb, bs, kvh, D, dtype)
     q = (torch.rand((max(T, 1), qh, D), generator=gen) * 4 - 2).to(dtype)[:T]
-    k8 = torch.full((nb, bs, kvh, D), float("nan"), device=DEV).to(E4M3)
-    v8 = torch.full_like(k8, float("nan"))
-    ks = torch.full((nb, bs, kvh), float("nan"), device=DEV)
-    vs = torch.full_like(ks, float("nan"))
-    slots = torch.arange(nb * bs, dtype=torch.int32, device=DEV)
-    attn.kv_write(k.reshape(-1, kvh, D).to(DEV), v.reshape(-1, kvh, D).to(DEV), k8, v8, slots, k_scale=ks, v_scale=vs)
-    kd = (k8.double() * ks[..., None].double()).cpu()
-    vd = (v8.double() * vs[..., None].double()).cpu()
     want, want_lse = prefill_reference(q, kd, vd, table, lens, qo, bs)
     exact, _ = prefill_reference(q, k, v, table, lens, qo, bs)
 
@@ -755,15 +766,7 @@ def test_fp8_cascade_graph(hopper):
     dtype, B, qh, kvh, D, bs = torch.bfloat16, 24, 32, 8, 128, 16
     gen = torch.Generator().manual_seed(zlib.crc32(f"fp8 cascade graph {hopper}".encode()))
     table, lens, nb = random_tree(gen, B, 2, 64, 300, bs)
-    k = (torch.rand((nb * bs, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
-    v = (torch.rand((nb * bs, kvh, D), generator=gen) * 4 - 2).to(dtype).to(DEV)
-    k8 = torch.empty((nb, bs, kvh, D), device=DEV).to(E4M3)
-    v8 = torch.empty_like(k8)
-    ks = torch.empty((nb, bs, kvh), device=DEV)
-    vs = torch.empty_like(ks)
-    attn.kv_write(k, v, k8, v8, torch.arange(nb * bs, dtype=torch.int32, device=DEV), k_scale=ks, v_scale=vs)
-    kd = (k8.double() * ks[..., None].double()).cpu()
-    vd = (v8.double() * vs[..., None].double()).cpu()
+    _, _, k8, v8, ks, vs, kd, vd = e4m3_blocks(gen, nb, bs, kvh, D, dtype)
     lens_h = torch.tensor(lens, dtype=torch.int32)
     ws = cascade.Workspaces(B, qh, kvh, D, device=DEV)
     # decode_route=False: the cascade kernels even where the cost model would route this batch to plain decode.
