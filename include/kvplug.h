@@ -1569,7 +1569,10 @@ kvp_status kvp_manager_host_tier_memory(kvp_manager *m, void **base,
  * then is skipped without a round trip for a backoff
  * window (1 s, doubling up to 30 s while it keeps failing); every such
  * call is counted (shared_errors, shared_timeouts, shared_skipped) and
- * none is an error.
+ * none is an error. Lookups and reads, and stores, each have a window of
+ * their own: a store that fails or times out (a slow server's large
+ * pipeline) does not skip the lookups, and a lookup that succeeds does
+ * not end the stores' window.
  *
  * Store: a block whose demotion kvp_manager_complete_copies commits is
  * queued for the server (its host slot pinned until read), and a thread of

@@ -56,7 +56,7 @@ func (t *Tier) getSegments(hashes []Hash, dst [][][]byte, direct bool) []bool {
 		t.misses.Add(int64(len(hashes)))
 		return found
 	}
-	if !t.open() {
+	if !t.open(&t.lookupsBr) {
 		t.misses.Add(int64(len(hashes)))
 		return found
 	}
@@ -99,7 +99,7 @@ func (t *Tier) getSegments(hashes []Hash, dst [][][]byte, direct bool) []bool {
 			return nil, nil
 		},
 	})
-	if t.callDone(err) {
+	if t.callDone(t.c, err) {
 		t.nodeFailures(r)
 	} else {
 		r = nil
@@ -135,14 +135,14 @@ const (
 	readBad                   // read whole, and failed a check
 )
 
-// callDone records a call's transport outcome (as do) and reports whether
-// it has replies.
-func (t *Tier) callDone(err error) bool {
+// callDone records the transport outcome of a call on c in c's breaker
+// and the counters, and reports whether it has replies.
+func (t *Tier) callDone(c *resp.Cluster, err error) bool {
 	if errors.Is(err, resp.ErrClosed) {
 		t.skipped.Add(1) // after Close: not the server's failure
 		return false
 	}
-	t.result(err)
+	t.result(t.breakerOf(c), err)
 	return err == nil
 }
 

@@ -48,14 +48,24 @@
 // No call returns an error or blocks past Config.OpTimeout (plus the time
 // to encode or check the batch): a server that is down, slow or restarting
 // turns the call into misses (Get, Exists) or skipped stores (Put), counted
-// in Timeouts or Errors. After such a failure the tier is skipped, without
-// touching the network, for a backoff window (Config.Backoff, doubling on
-// each consecutive failure up to Config.MaxBackoff; each call skipped so is
-// counted in Skipped), so a serving step never waits on a dead server again
-// and again; the first call after the window tries the server again and a
-// success closes the breaker. An error reply to one command (a full
-// noeviction server refusing a SET) counts in Errors without opening the
-// breaker.
+// in Timeouts or Errors. After such a failure the call's path is skipped,
+// without touching the network, for a backoff window (Config.Backoff,
+// doubling on each consecutive failure up to Config.MaxBackoff; each call
+// skipped so is counted in Skipped), so a serving step never waits on a
+// dead server again and again; the first call after the window tries the
+// server again and a success closes the path's breaker. An error reply to
+// one command (a full noeviction server refusing a SET) counts in Errors
+// without opening a breaker.
+//
+// The two paths, lookups and reads (Exists, Lookup, Get, GetInto,
+// GetSegments, ReadInto) and stores (Put, StoreExists), have a breaker
+// each, as they have a connection each (below): a store that times out (a
+// pipeline of large values to a server that is slow but alive) does not
+// turn the serving path's lookups into misses, and a lookup that succeeds
+// does not close the breaker of stores that keep failing (nor reset their
+// backoff). A server that is down costs at most one failed call per path
+// per window (besides calls already in flight when it failed). Available
+// is true when neither path is in a skip window.
 //
 // A Tier is safe for concurrent use. Its lookups and reads share one
 // connection per server, one round trip at a time on each; its stores
@@ -77,7 +87,7 @@
 // refusing AUTH or TLS) makes its keys misses and its stores dropped,
 // counted once per call (Timeouts or Errors; Skipped while the node is
 // skipped for the Backoff window, doubling to MaxBackoff), without opening
-// the tier's breaker: the other nodes keep serving. Errors ask for the map
+// the tier's breakers: the other nodes keep serving. Errors ask for the map
 // to be read again in the background, at most every 100 ms (the Backoff
 // if shorter) while they go on, backing off to 2 s, so that a failover's
 // promoted replica is found. AUTH, TLS and the MAC apply to every node's
@@ -96,16 +106,16 @@
 //     environment variable or a file (Secret), at New to check it and
 //     again on every connect, so a rotated file is picked up by the next
 //     connection. A refusal fails the call like a down server (counted in
-//     Errors and AuthFailures, logged, the breaker opened); a command the
-//     user may not run (NOPERM) or a server that wants AUTH the tier did
-//     not send (NOAUTH) counts in Errors and AuthFailures without opening
-//     it. No error message or log line holds the password.
+//     Errors and AuthFailures, logged, the path's breaker opened); a
+//     command the user may not run (NOPERM) or a server that wants AUTH
+//     the tier did not send (NOAUTH) counts in Errors and AuthFailures
+//     without opening it. No error message or log line holds the password.
 //   - TLS (Config.TLS): every connection does a TLS handshake verifying
 //     the server's certificate against a CA file or the system's roots,
 //     for Config.TLS.ServerName or the address's host, with an optional
 //     client certificate. A handshake or verification failure fails the
 //     call like a down server (counted in Errors and TLSFailures, logged,
-//     the breaker opened); the tier never falls back to plaintext.
+//     the path's breaker opened); the tier never falls back to plaintext.
 //   - A MAC (Config.MACKeys): each value carries a keyed BLAKE3 tag of the
 //     namespace, its header and its payload, under a key that instances
 //     share and the server never sees, so a client that can write to the
@@ -187,7 +197,7 @@ type Stats struct {
 	Hits, Misses, Stores, Corrupt int64
 	Timeouts, Errors, Skipped     int64
 	BytesRead, BytesWritten       int64
-	Available                     bool // the breaker is closed (false during a skip window)
+	Available                     bool // neither path's breaker is open (false while lookups or stores are in a skip window)
 
 	// Of Errors, the calls that failed on authentication (AUTH refused,
 	// the password not readable, a command refused with NOPERM or
@@ -218,10 +228,12 @@ type Tier struct {
 	flags  uint16    // the flags of this tier's values
 	header int       // bytes before the payload: HeaderBytes, plus MACBytes with a MAC
 
-	mu        sync.Mutex
-	skipUntil time.Time
-	backoff   time.Duration
-	lastLog   [numLogKinds]time.Time // of the last line logged, by kind
+	// The breakers of c's calls (lookups and reads) and st's (stores):
+	// one path's failures never skip, close or reset the other's.
+	lookupsBr, storesBr breaker
+
+	mu      sync.Mutex
+	lastLog [numLogKinds]time.Time // of the last line logged, by kind
 
 	hits, misses, stores, corrupt atomic.Int64
 	timeouts, errs, skipped       atomic.Int64
@@ -266,6 +278,8 @@ func New(cfg Config) (*Tier, error) {
 		prefix: "kvplug:" + cfg.Namespace + ":",
 		header: HeaderBytes,
 	}
+	t.lookupsBr = breaker{path: "lookups", effect: "misses", first: cfg.Backoff, longest: cfg.MaxBackoff}
+	t.storesBr = breaker{path: "stores", effect: "stores dropped", first: cfg.Backoff, longest: cfg.MaxBackoff}
 	if !cfg.MACKeys.IsZero() {
 		text, err := cfg.MACKeys.read("MAC keys")
 		if err != nil {
@@ -514,29 +528,83 @@ func (t *Tier) refused(e resp.Error, counted bool) bool {
 	return true
 }
 
-// open reports whether the breaker lets a call through; a call it stops is
-// counted in Skipped.
-func (t *Tier) open() bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if !t.skipUntil.IsZero() && time.Now().Before(t.skipUntil) {
-		t.skipped.Add(1)
-		return false
-	}
-	return true
+// breaker is one path's circuit breaker (see "Faults" in the package
+// comment): after a failure the path is skipped, without touching the
+// network, for a window of first, doubling on each consecutive failure
+// up to longest; the first call after the window goes through, and a
+// success closes the breaker.
+type breaker struct {
+	path    string        // "lookups" or "stores", as the log says
+	effect  string        // what a skipped call comes to, as the log says
+	first   time.Duration // Config.Backoff
+	longest time.Duration // Config.MaxBackoff
+
+	mu        sync.Mutex
+	skipUntil time.Time     // the end of the skip window; zero: closed
+	backoff   time.Duration // the window's length; 0: no failure since the last success
 }
 
-// result records a call's transport outcome in the breaker and counters.
-// The first failure after a success is logged (an authentication or TLS
-// failure as an error, others as a warning), and so is the recovery.
-func (t *Tier) result(err error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+// allows reports whether a call may go through now: no skip window.
+func (b *breaker) allows() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.skipUntil.IsZero() || !time.Now().Before(b.skipUntil)
+}
+
+// succeeded closes the breaker and reports whether it had failed since
+// the last success (a recovery).
+func (b *breaker) succeeded() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	recovered := b.backoff != 0
+	b.skipUntil, b.backoff = time.Time{}, 0
+	return recovered
+}
+
+// failed opens the breaker for the next window and reports whether this is
+// the first failure since the last success, and the window's length.
+func (b *breaker) failed() (first bool, window time.Duration) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	first = b.backoff == 0
+	if first {
+		b.backoff = b.first
+	} else {
+		b.backoff = min(2*b.backoff, b.longest)
+	}
+	b.skipUntil = time.Now().Add(b.backoff)
+	return first, b.backoff
+}
+
+// breakerOf returns the breaker of c's calls: t.st's stores, or t.c's
+// lookups and reads.
+func (t *Tier) breakerOf(c *resp.Cluster) *breaker {
+	if c == t.st {
+		return &t.storesBr
+	}
+	return &t.lookupsBr
+}
+
+// open reports whether b lets a call through; a call it stops is counted
+// in Skipped.
+func (t *Tier) open(b *breaker) bool {
+	if b.allows() {
+		return true
+	}
+	t.skipped.Add(1)
+	return false
+}
+
+// result records a call's transport outcome in b and the counters. The
+// first failure after a success is logged (an authentication or TLS
+// failure as an error, others as a warning), and so is the recovery, each
+// once per path.
+func (t *Tier) result(b *breaker, err error) {
 	if err == nil {
-		if t.backoff != 0 {
-			logx.L().Info("shared tier: the server answers again", zap.String("addr", t.cfg.Addr))
+		if b.succeeded() {
+			logx.L().Info("shared tier: the server answers the tier's "+b.path+" again",
+				zap.String("addr", t.cfg.Addr), zap.String("path", b.path))
 		}
-		t.skipUntil, t.backoff = time.Time{}, 0
 		return
 	}
 	kind := "unreachable"
@@ -554,38 +622,29 @@ func (t *Tier) result(err error) {
 			kind = "TLS failed"
 		}
 	}
-	if t.backoff == 0 {
-		// err's text holds no secret: resp's AuthError leaves the
-		// password out, and the rest are the network's and crypto/tls's.
-		fields := []zap.Field{zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace),
-			zap.Duration("skipped_for", t.cfg.Backoff), zap.Error(err)}
-		if kind == "authentication failed" || kind == "TLS failed" {
-			logx.L().Error("shared tier: "+kind+": the server is skipped (misses, stores dropped) until it succeeds", fields...)
-		} else {
-			logx.L().Warn("shared tier: server "+kind+": skipped (misses, stores dropped) until it answers", fields...)
-		}
+	first, window := b.failed()
+	if !first {
+		return
 	}
-	if t.backoff == 0 {
-		t.backoff = t.cfg.Backoff
+	// err's text holds no secret: resp's AuthError leaves the password
+	// out, and the rest are the network's and crypto/tls's.
+	fields := []zap.Field{zap.String("addr", t.cfg.Addr), zap.String("namespace", t.cfg.Namespace),
+		zap.String("path", b.path), zap.Duration("skipped_for", window), zap.Error(err)}
+	if kind == "authentication failed" || kind == "TLS failed" {
+		logx.L().Error("shared tier: "+kind+" on the tier's "+b.path+": they are skipped ("+b.effect+") until they succeed", fields...)
 	} else {
-		t.backoff = min(2*t.backoff, t.cfg.MaxBackoff)
+		logx.L().Warn("shared tier: server "+kind+" on the tier's "+b.path+": they are skipped ("+b.effect+") until it answers", fields...)
 	}
-	t.skipUntil = time.Now().Add(t.backoff)
 }
 
-// do runs one pipeline through the breaker; nil replies mean the call was
-// skipped or failed (already counted).
+// do runs one pipeline on c through c's breaker; nil replies mean the
+// call was skipped or failed (already counted).
 func (t *Tier) do(c *resp.Cluster, cmds [][][]byte) []any {
-	if len(cmds) == 0 || !t.open() {
+	if len(cmds) == 0 || !t.open(t.breakerOf(c)) {
 		return nil
 	}
 	r, err := c.Do(cmds)
-	if errors.Is(err, resp.ErrClosed) {
-		t.skipped.Add(1) // after Close: not the server's failure
-		return nil
-	}
-	t.result(err)
-	if err != nil {
+	if !t.callDone(c, err) {
 		return nil
 	}
 	t.nodeFailures(r)
@@ -762,7 +821,7 @@ func parallel(n int, f func(int)) {
 // vectored write), not copied; they must not change during the call.
 func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 	n := min(len(hashes), len(payloads))
-	if n == 0 || !t.open() {
+	if n == 0 || !t.open(&t.storesBr) {
 		return 0
 	}
 	send := make([]int, 0, n)
@@ -824,7 +883,7 @@ func (t *Tier) Put(hashes []Hash, payloads [][]byte) int {
 		}
 	})
 	r, err := t.st.Call(&resp.Call{Cmds: cmds, Keys: keys})
-	if !t.callDone(err) {
+	if !t.callDone(t.st, err) {
 		return 0
 	}
 	t.nodeFailures(r)
@@ -911,11 +970,10 @@ func (t *Tier) Prefix(hashes []Hash) int {
 	return n
 }
 
-// Available reports whether the breaker is closed (no skip window now).
+// Available reports whether neither path's breaker is open: no skip window
+// now, of lookups or of stores.
 func (t *Tier) Available() bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.skipUntil.IsZero() || !time.Now().Before(t.skipUntil)
+	return t.lookupsBr.allows() && t.storesBr.allows()
 }
 
 // Stats returns the counters.
