@@ -381,7 +381,9 @@ func TestSharedTierABIServerDown(t *testing.T) {
 		t.Fatalf("matched %d tokens: want the host tier's 16", matched[0])
 	}
 	s, _ := hookSharedStats(h, sizeofTierStats())
-	if s["errors"]+s["timeouts"] != 1 || s["skipped"] < 1 || s["available"] != 0 || s["fetched"] != 0 {
+	// The admission's lookup fails once; the stores' own EXISTS, on their
+	// own thread, may have failed before it (a breaker a path).
+	if f := s["errors"] + s["timeouts"]; f < 1 || f > 2 || s["skipped"] < 1 || s["available"] != 0 || s["fetched"] != 0 {
 		t.Fatalf("shared stats: %v", s)
 	}
 }

@@ -1410,12 +1410,14 @@ typedef struct kvp_tier_stats {
   int64_t shared_errors;        /* round trips failed otherwise (refused
                                    connections), commands refused */
   int64_t shared_skipped;       /* calls skipped without a round trip, the
-                                   server having failed within its backoff
+                                   server having failed on the call's path
+                                   (lookups, stores) within its backoff
                                    window */
   int64_t shared_bytes_read;    /* value bytes read, headers included */
   int64_t shared_bytes_written; /* value bytes written, headers included */
   int32_t shared_queue_len;     /* blocks waiting to be stored now */
-  int32_t shared_available;     /* 1: the server is not in a backoff window */
+  int32_t shared_available;     /* 1: neither path (lookups, stores) is in
+                                   a backoff window */
   int64_t shared_auth_failures; /* of shared_errors: AUTH refused (or its
                                    password file unreadable), commands
                                    refused with NOAUTH or NOPERM */
@@ -3028,6 +3030,8 @@ kvp_status kvp_host_store_read(kvp_host_store *s, int32_t n, const int32_t *slot
  * in timeouts or errors, within op_timeout_ms; after a failure the server
  * is skipped, without touching the network, for a backoff window that
  * doubles up to max_backoff_ms (each call so skipped counted in skipped).
+ * Lookups (get, exists) and stores (put) each have a window of their own,
+ * so a server that is down costs one failed round trip on each.
  * A value that fails its checks (short, foreign, corrupt, another layout's)
  * is a miss counted in corrupt. create does not connect: a server that is
  * down at start-up only makes the first calls misses.
@@ -3094,7 +3098,7 @@ typedef struct kvp_shared_store_stats {
   int64_t skipped;
   int64_t bytes_read;
   int64_t bytes_written;
-  int32_t available;   /* 1: no skip window now */
+  int32_t available;   /* 1: no skip window now, on either path */
   int32_t reserved;    /* 0 */
   int64_t auth_failures; /* of errors: AUTH or commands refused for it */
   int64_t tls_failures;  /* of errors: TLS handshakes or verifications */

@@ -44,8 +44,9 @@ import (
 // leaves its slot with bytes nothing reads, and the slot is given back.
 // A GET that times out midway keeps the blocks read whole before it.
 // A server that is down, slow or
-// restarting costs one failed round trip and is then skipped without
-// touching the network for a backoff window (package valkey); its blocks
+// restarting costs one failed round trip (on each path) and is then skipped without
+// touching the network for a backoff window (package valkey: lookups and
+// stores each have their own); its blocks
 // are misses and the prefix is computed. A call that then fails (an id
 // live already, say) keeps the fetched blocks in the host tier.
 //
@@ -189,11 +190,11 @@ type SharedStats struct {
 	Corrupt      int64 // values that failed a check (header, hash, fingerprint, length, checksum): misses
 	Timeouts     int64 // round trips that ran past OpTimeout
 	Errors       int64 // round trips that failed otherwise (refused connections), and commands the server refused
-	Skipped      int64 // calls skipped without a round trip: the server failed within the backoff window
+	Skipped      int64 // calls skipped without a round trip: the server failed on the call's path (lookups, stores) within its backoff window
 	BytesRead    int64 // value bytes read, headers included
 	BytesWritten int64 // value bytes written, headers included
 	QueueLen     int   // blocks waiting to be stored now
-	Available    bool  // the server is not in a backoff window
+	Available    bool  // neither path (lookups, stores) is in a backoff window
 	AuthFailures int64 // of Errors: AUTH refused (or its password not readable), commands refused with NOAUTH or NOPERM
 	TLSFailures  int64 // of Errors: TLS handshakes or verifications that failed
 	MACFailures  int64 // of Corrupt: values whose MAC did not verify (no MAC, another key's, altered)
@@ -343,9 +344,10 @@ func (s *sharedTier) store(batch []putOp) {
 	}
 	present := int64(len(batch) - len(send))
 	stored := int64(0)
-	// A failed or skipped EXISTS leaves the breaker open: the stores
-	// would be skipped too.
-	if len(send) > 0 && s.t.Available() {
+	// After a failed or skipped EXISTS the stores' breaker is open: Put
+	// skips the server (counted in Skipped) without a round trip. The
+	// lookups' breaker has no say here.
+	if len(send) > 0 {
 		stored = int64(s.t.Put(send, payloads))
 	}
 	s.forget(hashes) // held there now (or the store failed: a lookup may ask)

@@ -247,10 +247,12 @@ def test_shared_store_tls_faults(start, certs, secrets, logs):
     for name, (addr, kw) in cases.items():
         with SharedStore(addr, "py", **_store_args(certs, secrets, **kw)) as ss:
             out = np.zeros_like(data)
-            assert not ss.get(keys, *row_segments(out)).any(), name
-            assert ss.put([key128("new")], *row_segments(data[:1])) == 0, name
+            # One failure a path (lookups, stores: a breaker each), then each path skipped.
+            for _ in range(2):
+                assert not ss.get(keys, *row_segments(out)).any(), name
+                assert ss.put([key128("new")], *row_segments(data[:1])) == 0, name
             st = ss.stats()
-            assert (st.tls_failures, st.errors, st.skipped, st.available) == (1, 1, 1, False), (name, st)
+            assert (st.tls_failures, st.errors, st.skipped, st.available) == (2, 2, 2, False), (name, st)
             assert not out.any()
     # Nothing stored by the refused clients.
     assert srv.command("DBSIZE", auth=None).startswith(b":3"), "a refused TLS client stored something"
@@ -278,9 +280,10 @@ def test_shared_store_auth_faults(start, secrets, logs, tmp_path):
     with SharedStore(srv.addr, "py", username="kv", password_env="KVPLUG_TEST_PASSWORD") as ss:
         assert ss.put(keys, *row_segments(data)) == 1
     with SharedStore(srv.addr, "py", username="kv", password_file=secrets["wrong"], backoff_ms=3_600_000) as ss:
-        assert ss.put(keys, *row_segments(data)) == 0 and not ss.exists(keys).any()
+        for _ in range(2):  # one failure a path (stores, lookups), then each path skipped
+            assert ss.put(keys, *row_segments(data)) == 0 and not ss.exists(keys).any()
         st = ss.stats()
-        assert (st.auth_failures, st.errors, st.skipped) == (1, 1, 1), st
+        assert (st.auth_failures, st.errors, st.skipped) == (2, 2, 2), st
     # A user the server does not know; a user allowed GET but not SET.
     srv.command("ACL", "SETUSER", "reader", "on", ">" + PASSWORD, "~*", "+get", "+exists")
     with SharedStore(srv.addr, "py", username="reader", password_env="KVPLUG_TEST_PASSWORD") as ss:

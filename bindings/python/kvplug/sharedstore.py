@@ -11,7 +11,8 @@ kvplug.sglang.
 
 A server that is down, slow or restarting never raises: calls return
 misses or store nothing within op_timeout_ms, counted in stats(); after a
-failure the server is skipped for a backoff window. A value that fails its
+failure the server is skipped for a backoff window (lookups and stores
+each their own). A value that fails its
 checks (short, corrupt, another fingerprint's) is a miss counted in corrupt.
 
 For a server others can reach (include/kvplug.h, "Shared KV tier",
