@@ -1364,7 +1364,8 @@ typedef struct kvp_tier_stats {
   size_t struct_size;          /* set by the caller: sizeof(kvp_tier_stats) */
   int64_t demotions_queued;    /* demotion copies handed out by flush_copies */
   int64_t demotions_completed; /* committed to the host tier */
-  int64_t demotions_failed;    /* reported failed */
+  int64_t demotions_failed;    /* reported failed (write-through stores
+                                  aside: write_through_lost) */
   int64_t skipped_full;        /* demotions skipped: every host slot pinned */
   int64_t skipped_present;     /* demotions skipped: the host tier holds the block */
   int64_t evicted_undemoted;   /* blocks an allocation evicted at once */
@@ -1435,7 +1436,8 @@ typedef struct kvp_tier_stats {
   int64_t write_through_stored; /* computed blocks copied to the host tier
                                    while staying on the GPU (completed) */
   int64_t write_through_lost;   /* computed blocks the GPU evicted before
-                                   their store's turn */
+                                   their store's turn (and the host tier
+                                   does not hold), or whose store failed */
   int32_t write_through_queue;  /* computed blocks waiting for their store */
   int32_t reserved2;            /* 0 */
   /* Since 0.7. */

@@ -291,7 +291,7 @@ type Stats struct {
 	MatchGPUTokens     int64 // tokens MatchTiers found in the GPU prefix cache
 	MatchHostTokens    int64 // tokens MatchTiers found in the host tier beyond them
 	WriteThroughStored int64 // computed blocks copied to the host tier while staying on the GPU (completed)
-	WriteThroughLost   int64 // computed blocks the GPU evicted before their write-through store
+	WriteThroughLost   int64 // computed blocks the GPU evicted before their write-through store (and the host tier does not hold), or whose store failed
 	WriteThroughQueue  int   // computed blocks waiting for their write-through store
 	Host               host.Stats
 	Shared             SharedStats // the shared tier's; zero without one
@@ -914,7 +914,6 @@ func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
 		return true
 	}
 	assertOK(t.cfg.Pool.Abort(op.Slot), "complete copies: aborting a reserved host slot")
-	t.st.DemotionsFailed++
 	if t.events {
 		t.meta[op.Slot] = hostMeta{}
 		if op.Group == 0 {
@@ -931,6 +930,8 @@ func (t *Tier) endHostCopy(op DemoteOp, ok bool) bool {
 func (t *Tier) endDemotion(op DemoteOp, ok, held bool) {
 	if t.endHostCopy(op, ok) {
 		t.st.DemotionsCompleted++
+	} else if !ok {
+		t.st.DemotionsFailed++
 	}
 	if !held {
 		return
@@ -966,14 +967,15 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 		t.endDemotion(op, !failed, i >= b.unheld)
 	}
 	if t.events && !failed {
-		// Announced parents first (the batch is in eviction order,
-		// children first), so that a chain goes as one BlockStored.
-		for k := len(b.Demote) - 1; k >= 0; k-- {
-			if b.Demote[k].Group > 0 || !t.meta[b.Demote[k].Slot].resident {
-				continue // a companion (its node's block stands for it), or aborted
-			}
-			blk := t.block(b.Demote[k].Slot)
-			assertOK(t.cache.RecordTierStored(&blk), "complete copies: recording a committed demotion")
+		// Announced parents first, so that a chain goes as one
+		// BlockStored: the demotions are in eviction order (children
+		// first), the stores after them in the order their blocks were
+		// computed (parents first).
+		for k := moved - 1; k >= 0; k-- {
+			t.announceStored(b.Demote[k])
+		}
+		for _, op := range b.Demote[moved:] {
+			t.announceStored(op)
 		}
 	}
 	for _, op := range b.Reload {
@@ -981,6 +983,17 @@ func (t *Tier) CompleteCopies(ticket uint64, failed bool) error {
 	}
 	t.recordGone("complete copies")
 	return nil
+}
+
+// announceStored records the CPU BlockStored of a committed host copy;
+// a companion (its node's block stands for it) or an aborted copy has
+// none.
+func (t *Tier) announceStored(op DemoteOp) {
+	if op.Group > 0 || !t.meta[op.Slot].resident {
+		return
+	}
+	blk := t.block(op.Slot)
+	assertOK(t.cache.RecordTierStored(&blk), "complete copies: recording a committed host copy")
 }
 
 // recordGone records the BlockRemoved of the host blocks in t.gone (the
@@ -1054,11 +1067,11 @@ func (t *Tier) Check(refs []int32, bad func(string, ...any) error) error {
 			b := op.Block
 			if i >= len(batch.Demote)-batch.through {
 				// A write-through store: the block stays cached, and the
-				// copy holds a reference and a lock on it.
-				if !t.gpu.IsCached(b) {
-					return bad("block %d being stored (batch %d) is not cached", b, tk)
-				}
-				if h, ok := t.cache.BlockHash(b); !ok || h != op.Hash {
+				// copy holds a reference and a lock on it; or a removal
+				// dropped it with an uncomputed block above it (its lock
+				// went with its node), and the copy's reference alone
+				// holds it, private, until the copy completes.
+				if h, ok := t.cache.BlockHash(b); t.gpu.IsCached(b) && (!ok || h != op.Hash) {
 					return bad("block %d being stored (batch %d) is not cached under its hash %s", b, tk, op.Hash)
 				}
 				refs[b]++

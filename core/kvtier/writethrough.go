@@ -4,6 +4,7 @@ import (
 	"slices"
 
 	"github.com/kvplug/kvplug/core/kverr"
+	"github.com/kvplug/kvplug/core/kvtier/host"
 	"github.com/kvplug/kvplug/core/prefix"
 )
 
@@ -146,13 +147,13 @@ func (t *Tier) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 		ev, toks, ok := t.cache.Describe(b, t.evToks[:0])
 		t.evToks = toks
 		if !ok {
-			t.st.WriteThroughLost++ // the GPU evicted it first
+			t.evictedQueued(t.wt.queue[k].hash) // the GPU evicted it first
 			continue
 		}
 		if ev.Hash != t.wt.queue[k].hash {
 			// Evicted first; the id's block now is another computed one,
 			// which this entry stores instead (QueueComputed left it out).
-			t.st.WriteThroughLost++
+			t.evictedQueued(t.wt.queue[k].hash)
 		}
 		slot, gone, err := t.cfg.Pool.ReserveEvict(HostKey(ev.Hash))
 		if err != nil {
@@ -183,17 +184,34 @@ func (t *Tier) writeThroughOps(ops []DemoteOp, op string) []DemoteOp {
 	return ops
 }
 
+// evictedQueued counts a queued block the GPU evicted before its store:
+// lost, unless the host tier holds it (or its demotion is in flight: an
+// eviction that demoted it, DemoteEvicted or DemoteAhead).
+func (t *Tier) evictedQueued(hash prefix.Hash) {
+	if _, st := t.cfg.Pool.State(HostKey(hash)); st == host.Absent {
+		t.st.WriteThroughLost++
+	}
+}
+
 // endStore ends one write-through store: its host slot is committed (ok)
-// or aborted as a demotion's, and the copy's reference and lock on the
-// GPU block, which stays cached, are released without an access.
+// or aborted as a demotion's (a failed store counts lost), and the copy's
+// reference and lock on the GPU block, which stays cached, are released
+// without an access.
 func (t *Tier) endStore(op DemoteOp, ok bool) {
 	if t.endHostCopy(op, ok) {
 		t.st.WriteThroughStored++
+	} else if !ok {
+		t.st.WriteThroughLost++
 	}
 	t.one[0] = op.Block
-	// The copy's lock kept the block in the cache (neither evictable nor
-	// an uncomputed block a removal drops).
-	assertOK(t.cache.Release(t.one[:]), "complete copies: releasing a stored block")
+	// The copy's lock kept the block in the cache: not evictable. But a
+	// removal drops an uncomputed block with every block cached below it,
+	// locks and all (a reloaded block, computed, below a block its step
+	// was to compute): the block is then private, held by this copy's
+	// reference alone, and its K/V, copied whole, is still its hash's.
+	if t.gpu.IsCached(op.Block) {
+		assertOK(t.cache.Release(t.one[:]), "complete copies: releasing a stored block")
+	}
 	var err error
 	t.cached, err = t.gpu.Decref(t.one[:], t.cached[:0])
 	assertOK(err, "complete copies: a stored block is not referenced")
