@@ -397,3 +397,20 @@ def test_sglang_fp8_kv_pool_round_trip_at_half_the_page(sg):
         assert store.host.slot_bytes == 2 * PAGE * tok_bytes
         slots[dtype] = store.host.num_slots
     assert slots[e4m3] == 2 * slots[torch.bfloat16]
+
+
+def test_sglang_batch_set_of_a_strided_page_stores_its_bytes(sg):
+    """A page given as a strided view is stored from its contiguous copy,
+    kept alive until the store has read it: the page read back is the view's
+    bytes (a freed copy would give heap bytes, and still answer True)."""
+    be = sg.make(kvplug_host_bytes=1 << 20)
+    be.register_mem_pool_host(KVPool(64, PAGE, 64))  # 512-byte pages
+    base = torch.randint(0, 256, (512, 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    value = base[:, 0]
+    assert not value.is_contiguous()
+    assert be.batch_set(["k0"], [value]) is True
+    assert be.set("k1", base[:, 1]) is True
+    for key, want in (("k0", value), ("k1", base[:, 1])):
+        out = torch.zeros(512, dtype=torch.uint8)
+        assert be.batch_get([key], [out])[0] is not None, key
+        assert torch.equal(out, want), (key, out[:24].tolist(), want[:24].tolist())

@@ -721,11 +721,15 @@ def _build() -> Any:
             try:
                 if not keys:
                     return True
+                pages = None  # contiguous copies of strided pages: alive until put has read them
                 if values is None and target_locations is not None and target_sizes is not None:
                     p, ln = self._pointer_segments(target_locations, target_sizes)
                 else:
-                    p, ln = self._tensor_segments([v.contiguous() for v in values])
-                return bool(self._kv().put(self._keys(keys), p, ln).all())
+                    pages = [v.contiguous() for v in values]
+                    p, ln = self._tensor_segments(pages)
+                ok = bool(self._kv().put(self._keys(keys), p, ln).all())
+                del pages
+                return ok
             except Exception as exc:
                 self._fault("batch_set", exc)
                 return False
