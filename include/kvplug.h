@@ -1110,7 +1110,8 @@ kvp_status kvp_manager_add_mm_items(kvp_manager *m, int64_t seq_id,
 
 /* Finds each of n prompts' longest cached prefix (as admit would) without
  * admitting anything, and fills out[i]; with want_partial nonzero also the
- * partial block. A router's or scheduler's query. The matched blocks count
+ * partial block (none with layer groups: a block holds group 0's rows, not
+ * the other groups' K/V or states). A router's or scheduler's query. The matched blocks count
  * as used now for eviction; the queries are counted in the stats. Without
  * the prefix cache every prompt matches 0. Prompts are given as in admit;
  * an empty prompt is allowed here and matches 0.
@@ -1138,7 +1139,9 @@ kvp_status kvp_manager_match_blocks(kvp_manager *m, int32_t n, const int32_t *to
  * receives the number pinned. keys may be NULL.
  * Errors: NULL_POINTER (tokens with num_tokens > 0, pin_id),
  * INVALID_ARGUMENT (prefix cache off, num_tokens < 0 or > 2^30, keys),
- * NOT_FOUND (no block of the prefix is cached). */
+ * NOT_FOUND (no block of the prefix is cached), UNSUPPORTED (a manager with
+ * layer groups: their window blocks and states would not be kept, and the
+ * pinned prefix would stop hitting). */
 kvp_status kvp_manager_pin(kvp_manager *m, const int32_t *tokens, int32_t num_tokens,
                            const kvp_prefix_keys *keys, uint64_t *pin_id,
                            int32_t *num_blocks);

@@ -113,7 +113,8 @@ type MatchInfo struct {
 	Tokens int32
 	// PartialBlock is a cached block whose first PartialTokens rows hold
 	// the KV of the prompt's next PartialTokens tokens (package prefix's
-	// partial match); -1 and 0 when none or not asked for.
+	// partial match); -1 and 0 when none or not asked for, and always
+	// with layer groups (a block holds group 0's rows only).
 	PartialBlock  int32
 	PartialTokens int32
 }
@@ -541,7 +542,9 @@ func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string
 		peek, err := m.cache.Peek(m.locks[:0], tokens, keys)
 		assertOK(err, what)
 		m.lastPeek = len(peek)
-		res = m.cache.MatchPeeked(m.locks[:0], tokens, keys, partial, m.hitBlocks(peek))
+		// No partial block: a cached block holds group 0's rows, not the
+		// other groups' K/V or a recurrent state for its tokens.
+		res = m.cache.MatchPeeked(m.locks[:0], tokens, keys, false, m.hitBlocks(peek))
 	} else {
 		var err error
 		res, err = m.cache.Match(m.locks[:0], tokens, keys, partial)
@@ -555,7 +558,10 @@ func (m *Manager) matchPrompt(prompts *Prompts, i int, partial bool, what string
 // match) from eviction until Unpin with the returned id, and returns how
 // many blocks it pinned. Blocks of the prefix cached later are not
 // covered. Errors: InvalidArgument (prefix cache off, keys, a prompt
-// longer than MaxPromptLen), NotFound (no block of the prefix is cached).
+// longer than MaxPromptLen), NotFound (no block of the prefix is cached),
+// Unsupported (layer groups: a pin keeps group 0's blocks, but the other
+// groups' window blocks and states would still be evicted, and the
+// pinned prefix would stop hitting).
 func (m *Manager) Pin(tokens []int32, keys *prefix.Keys) (uint64, int, error) {
 	if len(tokens) > MaxPromptLen {
 		return 0, 0, kverr.Errorf(kverr.InvalidArgument, "pin: %d tokens, at most 2^30", len(tokens))
@@ -564,6 +570,9 @@ func (m *Manager) Pin(tokens []int32, keys *prefix.Keys) (uint64, int, error) {
 	defer m.unlock()
 	if m.cache == nil {
 		return 0, 0, errNoCache("pin")
+	}
+	if m.gc != nil {
+		return 0, 0, kverr.Errorf(kverr.Unsupported, "pin: a manager with layer groups does not pin prefixes in this version (the other groups' blocks and states of a pinned prefix could still be evicted, and it would stop hitting)")
 	}
 	id, n, err := m.cache.Pin(tokens, keys)
 	return uint64(id), n, err
