@@ -1074,7 +1074,12 @@ typedef struct kvp_kv_group_event {
  * with a non-empty batch, token_offsets, num_admitted), INVALID_ARGUMENT
  * (n < 1 or > 2^20, a prompt of 0 or more than 2^30 tokens or more blocks
  * than the pool, offsets, keys), DUPLICATE_SEQUENCE (an id live or
- * repeated). */
+ * repeated). One exception to "before anything changes": with a shared
+ * tier, the ids are checked before its read and again after it (the read
+ * runs without the manager's lock), and an id that another thread made
+ * live meanwhile fails the call with DUPLICATE_SEQUENCE after the blocks
+ * read are in the host tier: they stay there, cached K/V that the next
+ * match finds, and no sequence, block table or GPU block changed. */
 kvp_status kvp_manager_admit(kvp_manager *m, const int64_t *seq_ids, int32_t n,
                              const int32_t *tokens, const int64_t *token_offsets,
                              const kvp_prefix_keys *keys, int32_t *matched_tokens,
