@@ -2596,17 +2596,19 @@ kvp_status kvp_cascade_prefill_workspace_size(int32_t max_batch, int32_t max_tok
  * already holds the new plan and the device workspace part of it; plan
  * again before any launch that reads them.
  * Errors: NULL_POINTER, STRUCT_SIZE, INVALID_ARGUMENT (shapes, a length
- * outside [0, max_blocks_per_seq * block_size], flags, alignment),
- * UNSUPPORTED (dtype, head_dim), BUFFER_TOO_SMALL (a workspace, batch above
- * max_batch), NO_DEVICE, CUDA. */
+ * outside [0, max_blocks_per_seq * block_size], flags, alignment, query
+ * tokens times num_q_heads / num_kv_heads past 2^31-1), UNSUPPORTED (dtype,
+ * head_dim), BUFFER_TOO_SMALL (a workspace, batch above max_batch),
+ * NO_DEVICE, CUDA. */
 kvp_status kvp_cascade_plan(const kvp_cascade_plan_args *args, kvp_attn_plan *plan, uint64_t stream);
 
 /* For a step whose sequences only grew: *fits = 1 when the cascade plan
  * still covers the lengths seq_lens_host[batch] (nothing to plan or copy;
  * update the device seq_lens as usual), 0 when it needs kvp_cascade_plan
  * again. O(batch), host only; a decode-route plan always fits, a plan with
- * varlen queries (qo_indptr_host) never does (the next step's queries
- * differ). plan->
+ * varlen queries (qo_indptr_host) of other than one token each never does
+ * (the next step's queries differ; 0.7 answered 1 for one of 0 tokens
+ * beside one of 2). plan->
  * max_kv_len is unchanged. Errors: NULL_POINTER, STRUCT_SIZE,
  * INVALID_ARGUMENT (not a cascade plan, batch differs from the plan's, a
  * stale plan). */

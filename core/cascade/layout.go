@@ -43,8 +43,8 @@ const (
 	// decodeTailRows: a tail of at most this many packed rows runs the
 	// decode kernel's 16-row tile (kvp_cascade.cuh).
 	decodeTailRows = 16
-	chunkAlign     = 64 // KV tile of the kernel: chunks are whole tiles
-	maxTokens      = 1<<31 - 1
+	chunkAlign     = 64      // KV tile of the kernel: chunks are whole tiles
+	maxChunk       = 1 << 29 // longest KV chunk (tokens): a longer one is one chunk a tail all the same
 	maxBatchCap    = 1 << 16
 	maxRowsCap     = 1 << 24
 )

@@ -2,6 +2,7 @@ package cascade
 
 import (
 	"bytes"
+	"math"
 	"slices"
 	"unsafe"
 
@@ -181,6 +182,11 @@ func (p *Planner) checkInput(in *Input, l *Layout) (int, error) {
 	p.qstart[b] = qi[b]
 	if int(qi[b]) > l.MaxTokens {
 		return 0, kverr.Errorf(kverr.BufferTooSmall, "cascade_plan: %d query tokens exceed the workspaces' max_tokens %d", qi[b], l.MaxTokens)
+	}
+	// The kernels count a node's or a tail's packed rows (query tokens
+	// times q heads per kv head) in int32.
+	if g := int64(in.NumQHeads / max(in.NumKVHeads, 1)); int64(qi[b])*g > math.MaxInt32 {
+		return 0, kverr.Errorf(kverr.InvalidArgument, "cascade_plan: %d query tokens x %d q heads per kv head = %d packed rows; at most 2^31-1", qi[b], g, int64(qi[b])*g)
 	}
 	return int(qi[b]), nil
 }
@@ -634,7 +640,9 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 		tiled += t
 	}
 	ch := work * int64(in.NumKVHeads) / (2 * slots)
-	ch = max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign)
+	// A chunk past every tail's length is one chunk a tail: no longer one
+	// changes the plan, and items' bounds stay in int32.
+	ch = min(max(256, (ch+chunkAlign-1)/chunkAlign*chunkAlign), maxChunk)
 	// On the wgmma mainloop the shared items and the long tails run in a
 	// launch of their own, one block per SM (half the cascade kernel's
 	// slots): the shared chunks are cut so that its work fills those blocks.
@@ -670,7 +678,7 @@ func (p *Planner) chunking(l *Layout, sum *Summary) int64 {
 				ok = false
 			}
 		}
-		if ok && parts <= int64(l.PartCap) || ch >= maxTokens/2 {
+		if ok && parts <= int64(l.PartCap) || ch >= maxChunk {
 			break
 		}
 	}
@@ -702,7 +710,7 @@ func (p *Planner) tailChunks(s int, ch int64) (int32, int32) {
 	end := min(int64(in.SeqLens[s])+h, int64(in.MaxBlocksPerSeq)*int64(in.BlockSize))
 	end = max(end, int64(in.SeqLens[s]))
 	n := max(1, (end-tb+ch-1)/ch)
-	return int32(n), int32(min(tb+n*ch, int64(in.MaxBlocksPerSeq)*int64(in.BlockSize)))
+	return int32(n), int32(min(tb+n*ch, int64(in.MaxBlocksPerSeq)*int64(in.BlockSize), math.MaxInt32))
 }
 
 // emit writes items, merge segments and tail capacities.
@@ -725,7 +733,7 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 	for i := range p.nodes {
 		nd := &p.nodes[i]
 		nd.partBase = parts
-		tiles := (nd.tCount*g + tq - 1) / tq
+		tiles := int32((int64(nd.tCount)*int64(g) + int64(tq) - 1) / int64(tq)) // the rows fit int32 (checked at planning)
 		for c := int32(0); c < nd.chunks; c++ {
 			kb := nd.begin + c*nch
 			ke := min(nd.end, kb+nch)
@@ -753,8 +761,12 @@ func (p *Planner) emit(ws []int32, l *Layout, sum *Summary) {
 			maxKV = max(maxKV, int(tailEnd[s]))
 			tailTiles := int32(p.rowTiles(s))
 			for c := int32(0); c < tc; c++ {
+				// In int64 first: tb + (c+1)*ch may pass int32 where the
+				// tail's capacity does not (no key lies past 2^31-1).
+				kb := tb + c*ch
+				ke := int32(min(int64(tb)+int64(c+1)*int64(ch), math.MaxInt32))
 				for t := int32(0); t < tailTiles; t++ {
-					put(int32(s), tb+c*ch, tb+(c+1)*ch, 1, p.pos[s], q, t, parts+c*q)
+					put(int32(s), kb, ke, 1, p.pos[s], q, t, parts+c*q)
 				}
 			}
 			p.nseg[s] = parts // the tail's first partial state

@@ -10,8 +10,8 @@ import (
 // the kernels read the tails' ends from the device's sequence lengths. false
 // means the batch needs a new plan (a tail outgrew its chunks, or a length
 // fell below the shared part it was planned with). A decode-route plan
-// always fits; a plan with prefill rows (more query rows than sequences, or
-// the prefill route) never does: the next step's queries differ. The block tables' shared columns must not have changed: the
+// always fits; a plan with prefill rows (more query rows than sequences, a
+// query of more than one token, or the prefill route) never does: the next step's queries differ. The block tables' shared columns must not have changed: the
 // host cannot see that here (the caller's obligation).
 func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, error) {
 	if len(seqLens) != batch {
@@ -24,7 +24,10 @@ func Update(ws []int32, l *Layout, route, batch int, seqLens []int32) (bool, err
 	if err != nil {
 		return false, err
 	}
-	if route == RoutePrefill || s.Rows != s.Batch {
+	if route == RoutePrefill || s.Rows != s.Batch || s.MaxQLen > 1 {
+		// Prefill rows: rows == batch can still be varlen (a sequence of
+		// 0 query tokens beside one of 2), whose rows map to sequences
+		// by this step's qo_indptr.
 		return false, nil
 	}
 	if s.Batch != batch {
