@@ -33,17 +33,20 @@ func planLong(t *testing.T, seqs, prefix, newTok int, noDecode bool) (cascade.Su
 	}
 	in := &cascade.Input{NumQHeads: 64, NumKVHeads: 8, HeadDim: 128, DTypeBytes: 2, BlockSize: bs,
 		Tables: table, TableStride: mb, MaxBlocksPerSeq: mb, SeqLens: lens, QIndptr: qo, NoDecodeRoute: noDecode}
-	l, err := cascade.NewPrefillLayout(seqs, int(qo[seqs]), 64, 8, 128)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ws := make([]int32, l.HostInts)
+	l := layoutFor(t, seqs, int(qo[seqs]), 64, 8, 128)
 	var p cascade.Planner
-	s, err := p.Plan(in, &l, ws)
+	ws, s := planPoisoned(t, &p, in, &l, "long prompts")
+	return s, l, ws, lens
+}
+
+// layoutFor is cascade.NewPrefillLayout's, failing the test on an error.
+func layoutFor(t *testing.T, maxBatch, maxTokens, qh, kvh, D int) cascade.Layout {
+	t.Helper()
+	l, err := cascade.NewPrefillLayout(maxBatch, maxTokens, qh, kvh, D)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return s, l, ws, lens
+	return l
 }
 
 // Long prompts, within max_tokens: the KV chunk the planner picks from the
@@ -106,10 +109,7 @@ func TestPackedRowsPastInt32Refused(t *testing.T) {
 	in := &cascade.Input{NumQHeads: qh, NumKVHeads: kvh, HeadDim: D, DTypeBytes: 2, BlockSize: bs,
 		Tables: table, TableStride: mb, MaxBlocksPerSeq: mb, SeqLens: []int32{int32(n), int32(n)},
 		QIndptr: []int32{0, q, 2 * q}, NoDecodeRoute: true}
-	l, err := cascade.NewPrefillLayout(2, 2*q, qh, kvh, D)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := layoutFor(t, 2, 2*q, qh, kvh, D)
 	var p cascade.Planner
 	if _, err := p.Plan(in, &l, make([]int32, l.HostInts)); kverr.CodeOf(err) != kverr.InvalidArgument {
 		t.Fatalf("a plan of 2^31 packed rows: %v, want INVALID_ARGUMENT", err)
@@ -128,16 +128,9 @@ func TestUpdateVarlenRowsEqualBatch(t *testing.T) {
 	in := &cascade.Input{NumQHeads: 8, NumKVHeads: 2, HeadDim: 64, DTypeBytes: 2, BlockSize: 16,
 		Tables: table, TableStride: 10, MaxBlocksPerSeq: 10, SeqLens: []int32{100, 100}, QIndptr: []int32{0, 0, 2},
 		NoDecodeRoute: true}
-	l, err := cascade.NewPrefillLayout(2, 2, 8, 2, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ws := make([]int32, l.HostInts)
+	l := layoutFor(t, 2, 2, 8, 2, 64)
 	var p cascade.Planner
-	s, err := p.Plan(in, &l, ws)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ws, s := planPoisoned(t, &p, in, &l, "a varlen plan")
 	if s.Rows != s.Batch {
 		t.Fatalf("set-up: %d rows for %d sequences", s.Rows, s.Batch)
 	}

@@ -108,20 +108,14 @@ func TestFailedStoreCountsLost(t *testing.T) {
 // counted lost.
 func TestDemotedQueuedBlockNotLost(t *testing.T) {
 	const bs = 4
-	pool, err := host.New(host.Config{Slots: 16, BlockBytes: 16})
-	must(t, err)
-	m, err := New(Config{NumBlocks: 8, BlockSize: bs, EnablePrefixCache: true,
-		HostTier: &HostTier{Pool: pool, Copier: nopCopier{}, WriteThrough: 8, DemoteEvicted: true}})
-	must(t, err)
+	m, pool := newWriteThroughMgrCfg(t, 8, bs, 16, HostTier{Copier: nopCopier{}, WriteThrough: 8, DemoteEvicted: true})
 	p := iota32(0, 2*bs+1)
 	admit(t, m, 1, p, nil)
 	flushCompleted(t, m)
 	m.MarkComputed() // both full blocks queued
 	must(t, m.Remove([]int64{1}))
 	must(t, m.Add(9, 8*bs)) // evicts both, which DemoteEvicted demotes
-	tk, _, err := m.FlushCopies()
-	must(t, err)
-	must(t, m.CompleteCopies(tk, false))
+	flushCompleted(t, m)
 	hc := wholeChain(t, p, bs, nil)
 	if held := pool.Peek([]uint64{HostKey(hc[0]), HostKey(hc[1])}); held != 2 {
 		t.Fatalf("the host tier holds %d of the 2 demoted blocks", held)
