@@ -168,11 +168,6 @@ func tierOf(m *kvmanager.Manager, op string) (*host.Pool, error) {
 	return nil, kverr.Errorf(kverr.InvalidArgument, "%s: the manager has no host tier (host_tier_slots 0)", op)
 }
 
-// flushScratch is the scratch a flush of copies starts with, per list:
-// a step's batch rarely needs more, and one that does is flushed again
-// with what it needs (kvpgo_manager_flush_copies).
-const flushScratch = 256
-
 //export kvpgo_manager_flush_copies
 func kvpgo_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDemote C.int32_t, numDemote *C.int32_t,
 	reload *C.kvp_tier_copy, maxReload C.int32_t, numReload *C.int32_t, ticket *C.uint64_t) C.kvp_status {
@@ -190,31 +185,10 @@ func kvpgo_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDe
 		if _, err := tierOf(m, op); err != nil {
 			return err
 		}
-		// The core's ops carry the block's hash: taken into Go scratch,
-		// then written to the caller's arrays. The scratch is sized by
-		// what the batch needs, not by the caller's capacities (which
-		// may be any int32): a flush too large for it changes nothing
-		// and says what it needs, and is made again with that much, up
-		// to the caller's room.
-		nD, nR := min(int(maxDemote), flushScratch), min(int(maxReload), flushScratch)
-		var (
-			d      []kvmanager.DemoteOp
-			r      []kvmanager.ReloadOp
-			tk     uint64
-			nd, nr int
-			needD  int
-			needR  int
-			err    error
-		)
-		for {
-			d, r = make([]kvmanager.DemoteOp, nD), make([]kvmanager.ReloadOp, nR)
-			tk, nd, nr, needD, needR, err = m.FlushCopiesTo(d, r)
-			if !kverr.Is(err, kverr.BufferTooSmall) || needD > int(maxDemote) || needR > int(maxReload) ||
-				(needD <= nD && needR <= nR) {
-				break
-			}
-			nD, nR = max(nD, needD), max(nR, needR)
-		}
+		// The core's ops carry the block's hash: taken into slices of the
+		// batch's length (not of the caller's room, which may be any
+		// int32), then written to the caller's arrays.
+		tk, d, r, needD, needR, err := m.FlushCopiesWithin(int(maxDemote), int(maxReload))
 		if kverr.Is(err, kverr.BufferTooSmall) {
 			*numDemote, *numReload = C.int32_t(needD), C.int32_t(needR)
 			return kverr.Wrap(kverr.BufferTooSmall, err, op)
@@ -222,15 +196,16 @@ func kvpgo_manager_flush_copies(h *C.kvp_manager, demote *C.kvp_tier_copy, maxDe
 		if err != nil {
 			return kverr.Wrap(kverr.CodeOf(err), err, op)
 		}
+		nd, nr := len(d), len(r)
 		if nd > 0 {
 			out := unsafe.Slice(demote, nd)
-			for i, o := range d[:nd] {
+			for i, o := range d {
 				out[i] = C.kvp_tier_copy{block: C.int32_t(o.Block), slot: C.int32_t(o.Slot)}
 			}
 		}
 		if nr > 0 {
 			out := unsafe.Slice(reload, nr)
-			for i, o := range r[:nr] {
+			for i, o := range r {
 				out[i] = C.kvp_tier_copy{block: C.int32_t(o.Block), slot: C.int32_t(o.Slot)}
 			}
 		}

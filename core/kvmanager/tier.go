@@ -87,6 +87,18 @@ func (m *Manager) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket ui
 	return m.tier.FlushCopiesTo(demote, reload)
 }
 
+// FlushCopiesWithin is FlushCopiesTo with the room counted rather than
+// given (kvtier.Tier.FlushCopiesWithin): the batch comes back in slices of
+// its own. Errors: as FlushCopiesTo.
+func (m *Manager) FlushCopiesWithin(maxDemote, maxReload int) (ticket uint64, demote []DemoteOp, reload []ReloadOp, needDemote, needReload int, err error) {
+	m.mu.Lock()
+	defer m.unlock()
+	if m.tier == nil {
+		return 0, nil, nil, 0, 0, noTier("flush copies")
+	}
+	return m.tier.FlushCopiesWithin(maxDemote, maxReload)
+}
+
 // CompleteCopies reports that batch ticket's copies have finished (failed
 // false) or failed (kvtier.Tier.CompleteCopies). Errors: InvalidArgument
 // (no host tier), NotFound (ticket unknown or completed already), with

@@ -630,9 +630,7 @@ func (t *Tier) FlushCopies() (ticket uint64, n int, err error) {
 // BufferTooSmall, changing nothing, and needDemote and needReload tell
 // the sizes needed. Errors: InvalidArgument (no host tier), BufferTooSmall.
 func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint64, nDemote, nReload, needDemote, needReload int, err error) {
-	_, ahead := t.demoteAhead()
-	needDemote = len(t.evictOps) + ahead + min(len(t.wt.queue), t.cfg.WriteThrough)
-	needReload = len(t.reloads)
+	needDemote, needReload = t.flushNeeds()
 	if len(demote) < needDemote || len(reload) < needReload {
 		return 0, 0, 0, needDemote, needReload, kverr.Errorf(kverr.BufferTooSmall,
 			"flush copies: the batch may hold %d demotions and holds %d reloads; the arrays hold %d and %d",
@@ -652,6 +650,24 @@ func (t *Tier) FlushCopiesTo(demote []DemoteOp, reload []ReloadOp) (ticket uint6
 		return nil
 	})
 	return ticket, nDemote, nReload, needDemote, needReload, err
+}
+
+// FlushCopiesWithin is FlushCopiesTo for a caller whose room is counted
+// (maxDemote, maxReload: the C ABI's arrays) rather than given as
+// slices: the batch's ops come back in slices of their own, as long as
+// the batch may need, however large the room. Errors: FlushCopiesTo's.
+func (t *Tier) FlushCopiesWithin(maxDemote, maxReload int) (ticket uint64, demote []DemoteOp, reload []ReloadOp, needDemote, needReload int, err error) {
+	needDemote, needReload = t.flushNeeds()
+	d, r := make([]DemoteOp, min(needDemote, maxDemote)), make([]ReloadOp, min(needReload, maxReload))
+	ticket, nd, nr, needDemote, needReload, err := t.FlushCopiesTo(d, r)
+	return ticket, d[:nd], r[:nr], needDemote, needReload, err
+}
+
+// flushNeeds bounds the next batch's demotions and reloads
+// (FlushCopiesTo).
+func (t *Tier) flushNeeds() (demote, reload int) {
+	_, ahead := t.demoteAhead()
+	return len(t.evictOps) + ahead + min(len(t.wt.queue), t.cfg.WriteThrough), len(t.reloads)
 }
 
 // flush is FlushCopies handing the batch to copyFn.
