@@ -727,9 +727,7 @@ def _build() -> Any:
                 else:
                     pages = [v.contiguous() for v in values]
                     p, ln = self._tensor_segments(pages)
-                ok = bool(self._kv().put(self._keys(keys), p, ln).all())
-                del pages
-                return ok
+                return bool(self._kv().put(self._keys(keys), p, ln).all())
             except Exception as exc:
                 self._fault("batch_set", exc)
                 return False
